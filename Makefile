@@ -1,0 +1,40 @@
+# Two commands do all set-up on a fresh machine: `make test` and `make demo`.
+# The environment (.venv) is created on first use from requirements.lock with uv.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: test test-unit test-functional demo venv lock clean
+
+test: $(STAMP)
+	$(PY) -m pytest tests -q
+
+test-unit: $(STAMP)
+	$(PY) -m pytest tests/unit -q
+
+test-functional: $(STAMP)
+	$(PY) -m pytest tests/functional -q
+
+demo: $(STAMP)
+	$(PY) scripts/demo_optimizer.py
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml requirements.lock tools/find_python312.sh
+	@py312=$$(tools/find_python312.sh) || exit 1; \
+	echo "Creating $(VENV) with $$py312"; \
+	rm -rf $(VENV) && "$$py312" -m venv $(VENV) && \
+	$(PY) -m pip install --quiet --disable-pip-version-check uv && \
+	$(VENV)/bin/uv pip install --quiet --python $(PY) -r requirements.lock && \
+	$(VENV)/bin/uv pip install --quiet --python $(PY) --no-deps -e . && \
+	touch $(STAMP)
+
+# Re-resolve the pinned versions (needs the registry); commit the result.
+lock:
+	@py312=$$(tools/find_python312.sh) || exit 1; \
+	uvx=$$(command -v uv || echo "$(VENV)/bin/uv"); \
+	$$uvx pip compile pyproject.toml --extra dev --python "$$py312" --python-version 3.12 -c tools/lock-constraints.txt -o requirements.lock
+
+clean:
+	rm -rf $(VENV) .pytest_cache
