@@ -1,0 +1,1 @@
+"""Megatron-compatible command-line flags (see the trainer issue)."""

@@ -1,0 +1,343 @@
+"""OptimizerConfig: one dataclass with megatron-core's field names and defaults.
+
+Downstream trainers copy fields by name (`dataclasses.fields`, `hasattr`, argparse dests), so
+every megatron-core field is kept, spelled the same, with the same default, except
+`muon_tp_mode`, which defaults to 'duplicated' so that tensor parallelism never changes the
+update. Consumers construct the config and mutate it later, so validation lives in
+`finalize()`, which `__post_init__` calls and which can be called again at any time.
+"""
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Optional
+
+import torch
+
+ScaleMode = Literal["spectral", "unit_rms_norm", "shape_scaling"]
+TpMode = Literal["blockwise", "duplicated", "distributed", "sharded"]
+MatmulPrecision = Literal["low", "medium", "high"]
+ScalarOptimizer = Literal["adam", "lion"]
+AdaptiveMoment2Method = Literal["adamuon", "normuon"]
+
+
+@dataclass
+class OptimizerConfig:
+    """Configuration of the optimizer returned by `get_megatron_optimizer`.
+
+    Field names and defaults follow megatron-core's `OptimizerConfig`; megatron_eopt adds
+    `muon_use_syrk` (from newer Megatron-LM) and defaults `muon_tp_mode` to 'duplicated'.
+    """
+
+    # General.
+    optimizer: str = "adam"
+    lr: Optional[float] = None
+    min_lr: Optional[float] = None
+    decoupled_lr: Optional[float] = None
+    decoupled_min_lr: Optional[float] = None
+    weight_decay: float = 0.01
+    apply_wd_to_qk_layernorm: bool = False
+
+    # Precision.
+    fp8_recipe: Optional[str] = None
+    fp16: bool = False
+    bf16: bool = False
+    reuse_grad_buf_for_mxfp8_param_ag: bool = False
+    params_dtype: torch.dtype = torch.float32
+    use_precision_aware_optimizer: bool = False
+    store_param_remainders: bool = True
+    main_grads_dtype: torch.dtype = torch.float32
+    main_params_dtype: torch.dtype = torch.float32
+    exp_avg_dtype: torch.dtype = torch.float32
+    exp_avg_sq_dtype: torch.dtype = torch.float32
+
+    # Loss scaling (fp16 only).
+    loss_scale: Optional[float] = None
+    initial_loss_scale: float = 2**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: float = 1000
+    hysteresis: int = 2
+
+    # Adam and SGD.
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-08
+    decoupled_weight_decay: bool = True
+    sgd_momentum: float = 0.9
+
+    # Muon.
+    muon_momentum: float = 0.95
+    muon_split_qkv: bool = True
+    muon_nesterov: bool = False
+    muon_scale_mode: str = "spectral"
+    muon_fp32_matmul_prec: str = "medium"
+    muon_coefficient_type: str = "quintic"
+    muon_num_ns_steps: int = 5
+    muon_tp_mode: str = "duplicated"
+    muon_extra_scale_factor: float = 1.0
+    muon_scalar_optimizer: str = "adam"
+    muon_use_syrk: bool = False
+
+    # Other emerging optimizers.
+    lion_beta1: float = 0.95
+    lion_beta2: float = 0.98
+    soap_shampoo_beta: float = 0.95
+    soap_precondition_frequency: int = 1
+    soap_use_kl_shampoo: bool = True
+    adaptive_muon_moment2_method: str = "adamuon"
+    adaptive_muon_beta2: float = 0.95
+    adaptive_muon_eps: float = 1e-8
+
+    # Distribution.
+    use_distributed_optimizer: bool = False
+    use_layer_wise_distributed_optimizer: bool = False
+    overlap_param_gather: bool = False
+    overlap_param_gather_with_optimizer_step: bool = False
+
+    # CPU offloading (megatron-core features that megatron_eopt does not implement).
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 0.0
+    use_torch_optimizer_for_cpu_offload: bool = False
+    overlap_cpu_optimizer_d2h_h2d: bool = False
+    pin_cpu_grads: bool = True
+    pin_cpu_params: bool = True
+
+    # Gradients.
+    clip_grad: float = 1.0
+    grad_norm_skip_threshold: float = float("inf")
+    log_num_zeros_in_grad: bool = False
+
+    # Miscellaneous.
+    timers: Optional[Callable] = None
+    config_logger_dir: str = ""
+    optimizer_cuda_graph: bool = False
+
+    def __post_init__(self) -> None:
+        self.finalize()
+
+    def finalize(self) -> "OptimizerConfig":
+        """Validate every field; call again after mutating fields. Returns self."""
+        _check_field_types(self)
+        _check_values(self)
+        return self
+
+
+def as_optimizer_config(config: Any) -> OptimizerConfig:
+    """Return `config` as a validated `OptimizerConfig`.
+
+    Accepts ours (re-validated, since it may have been mutated) or any object with the same
+    field names, such as megatron-core's own `OptimizerConfig`, whose fields are read by name.
+    """
+    if isinstance(config, OptimizerConfig):
+        return config.finalize()
+    if config is None:
+        raise TypeError("config must be an OptimizerConfig (or megatron-core's); got None.")
+    known = {f.name for f in dataclasses.fields(OptimizerConfig)}
+    values = {name: getattr(config, name) for name in known if hasattr(config, name)}
+    if "optimizer" not in values:
+        raise TypeError(
+            f"config must be an OptimizerConfig or an object with its fields (at least "
+            f"'optimizer'); got {type(config).__name__}."
+        )
+    return OptimizerConfig(**values)
+
+
+_TYPE_NAMES = {bool: "a bool", int: "an int", float: "a number", str: "a string"}
+
+
+def _check_field_types(config: OptimizerConfig) -> None:
+    hints = typing.get_type_hints(OptimizerConfig)
+    for field in dataclasses.fields(config):
+        expected = hints[field.name]
+        value = getattr(config, field.name)
+        optional = typing.get_origin(expected) is typing.Union
+        if optional:
+            if value is None:
+                continue
+            expected = next(t for t in typing.get_args(expected) if t is not type(None))
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            continue  # ints are fine where floats are expected (lr=1 means 1.0)
+        if expected in _TYPE_NAMES and not (
+            isinstance(value, expected) and (expected is bool or not isinstance(value, bool))
+        ):
+            allowed = _TYPE_NAMES[expected] + (" or None" if optional else "")
+            raise TypeError(
+                f"OptimizerConfig.{field.name} must be {allowed}; got "
+                f"{type(value).__name__} {value!r}."
+            )
+        if expected is torch.dtype and not isinstance(value, torch.dtype):
+            raise TypeError(
+                f"OptimizerConfig.{field.name} must be a torch.dtype; got {value!r}."
+            )
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _check_choice(config: OptimizerConfig, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(config, name)
+    _require(
+        value in choices,
+        f"OptimizerConfig.{name} must be one of {', '.join(repr(c) for c in choices)}; "
+        f"got {value!r}.",
+    )
+
+
+def _check_unit_interval(config: OptimizerConfig, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        _require(0.0 <= value < 1.0, f"OptimizerConfig.{name} must be in [0, 1); got {value}.")
+
+
+def _check_values(config: OptimizerConfig) -> None:
+    _check_optimizer_name(config)
+    _check_learning_rates(config)
+    _check_precision(config)
+    _check_loss_scaling(config)
+    _check_unit_interval(
+        config, "adam_beta1", "adam_beta2", "muon_momentum", "lion_beta1", "lion_beta2",
+        "soap_shampoo_beta", "adaptive_muon_beta2",
+    )
+    _require(config.adam_eps >= 0.0, f"OptimizerConfig.adam_eps must be >= 0; got {config.adam_eps}.")
+    _require(
+        config.adaptive_muon_eps >= 0.0,
+        f"OptimizerConfig.adaptive_muon_eps must be >= 0; got {config.adaptive_muon_eps}.",
+    )
+    _require(
+        config.sgd_momentum >= 0.0,
+        f"OptimizerConfig.sgd_momentum must be >= 0; got {config.sgd_momentum}.",
+    )
+    _check_muon(config)
+    _check_gradients(config)
+    _check_distribution(config)
+    _check_unsupported(config)
+
+
+def _check_optimizer_name(config: OptimizerConfig) -> None:
+    # Which names exist is the registry's business (it lists them); here only the spelling.
+    _require(
+        config.optimizer.strip() != "",
+        "OptimizerConfig.optimizer must name an optimizer (for example 'adam' or 'muon'); got ''.",
+    )
+
+
+def _check_learning_rates(config: OptimizerConfig) -> None:
+    for name in ("lr", "min_lr", "decoupled_lr", "decoupled_min_lr"):
+        value = getattr(config, name)
+        if value is not None:
+            _require(
+                math.isfinite(value) and value >= 0.0,
+                f"OptimizerConfig.{name} must be a finite number >= 0 or None; got {value}.",
+            )
+    for low, high in (("min_lr", "lr"), ("decoupled_min_lr", "decoupled_lr")):
+        low_value, high_value = getattr(config, low), getattr(config, high)
+        if low_value is not None and high_value is not None:
+            _require(
+                low_value <= high_value,
+                f"OptimizerConfig.{low} ({low_value}) must not exceed {high} ({high_value}).",
+            )
+    _require(
+        math.isfinite(config.weight_decay) and config.weight_decay >= 0.0,
+        f"OptimizerConfig.weight_decay must be a finite number >= 0; got {config.weight_decay}.",
+    )
+
+
+def _check_precision(config: OptimizerConfig) -> None:
+    _require(
+        not (config.fp16 and config.bf16),
+        "OptimizerConfig.fp16 and OptimizerConfig.bf16 are both True; choose at most one.",
+    )
+    for name in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+        value = getattr(config, name)
+        _require(
+            value == torch.float32,
+            f"OptimizerConfig.{name} must be torch.float32 (reduced-precision optimizer state "
+            f"needs megatron-core's precision-aware optimizer, which megatron_eopt does not "
+            f"provide); got {value}.",
+        )
+
+
+def _check_loss_scaling(config: OptimizerConfig) -> None:
+    if config.loss_scale is not None:
+        _require(
+            config.loss_scale > 0.0,
+            f"OptimizerConfig.loss_scale must be > 0 or None; got {config.loss_scale}.",
+        )
+    _require(
+        0.0 < config.min_loss_scale <= config.initial_loss_scale,
+        f"OptimizerConfig needs 0 < min_loss_scale <= initial_loss_scale; got "
+        f"min_loss_scale={config.min_loss_scale}, initial_loss_scale={config.initial_loss_scale}.",
+    )
+    _require(
+        config.loss_scale_window >= 1,
+        f"OptimizerConfig.loss_scale_window must be >= 1; got {config.loss_scale_window}.",
+    )
+    _require(config.hysteresis >= 1, f"OptimizerConfig.hysteresis must be >= 1; got {config.hysteresis}.")
+
+
+def _check_muon(config: OptimizerConfig) -> None:
+    _check_choice(config, "muon_scale_mode", typing.get_args(ScaleMode))
+    _check_choice(config, "muon_tp_mode", typing.get_args(TpMode))
+    _check_choice(config, "muon_fp32_matmul_prec", typing.get_args(MatmulPrecision))
+    _check_choice(config, "muon_scalar_optimizer", typing.get_args(ScalarOptimizer))
+    _check_choice(config, "adaptive_muon_moment2_method", typing.get_args(AdaptiveMoment2Method))
+    _require(
+        config.muon_num_ns_steps >= 1,
+        f"OptimizerConfig.muon_num_ns_steps must be >= 1; got {config.muon_num_ns_steps}.",
+    )
+    _require(
+        math.isfinite(config.muon_extra_scale_factor) and config.muon_extra_scale_factor > 0.0,
+        f"OptimizerConfig.muon_extra_scale_factor must be a finite number > 0; got "
+        f"{config.muon_extra_scale_factor}.",
+    )
+    _require(
+        config.soap_precondition_frequency >= 1,
+        f"OptimizerConfig.soap_precondition_frequency must be >= 1; got "
+        f"{config.soap_precondition_frequency}.",
+    )
+
+
+def _check_gradients(config: OptimizerConfig) -> None:
+    _require(
+        math.isfinite(config.clip_grad) and config.clip_grad >= 0.0,
+        f"OptimizerConfig.clip_grad must be a finite number >= 0 (0 disables clipping); got "
+        f"{config.clip_grad}.",
+    )
+    _require(
+        config.grad_norm_skip_threshold > 0.0,
+        f"OptimizerConfig.grad_norm_skip_threshold must be > 0 (inf disables it); got "
+        f"{config.grad_norm_skip_threshold}.",
+    )
+
+
+def _check_distribution(config: OptimizerConfig) -> None:
+    _require(
+        not (config.use_distributed_optimizer and config.use_layer_wise_distributed_optimizer),
+        "OptimizerConfig.use_distributed_optimizer and use_layer_wise_distributed_optimizer are "
+        "both True; they are alternatives. For emerging optimizers set only "
+        "use_layer_wise_distributed_optimizer.",
+    )
+
+
+def _check_unsupported(config: OptimizerConfig) -> None:
+    """megatron-core features kept for field compatibility but not implemented here."""
+    unsupported = {
+        "use_precision_aware_optimizer": config.use_precision_aware_optimizer,
+        "optimizer_cpu_offload": config.optimizer_cpu_offload,
+        "optimizer_cuda_graph": config.optimizer_cuda_graph,
+        "reuse_grad_buf_for_mxfp8_param_ag": config.reuse_grad_buf_for_mxfp8_param_ag,
+    }
+    enabled = [name for name, value in unsupported.items() if value]
+    _require(
+        not enabled,
+        f"OptimizerConfig.{enabled[0] if enabled else ''} is a megatron-core feature that "
+        f"megatron_eopt does not implement; leave it False.",
+    )
+
+
+# Aliases still imported by old code.
+AdamOptimizerConfig = OptimizerConfig
+SGDOptimizerConfig = OptimizerConfig

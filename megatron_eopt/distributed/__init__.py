@@ -1,0 +1,1 @@
+"""Process groups and, later, data-parallel distribution of the optimizer."""

@@ -1,0 +1,1 @@
+"""Wrappers that give torch optimizers megatron-core's optimizer contract."""

@@ -1,0 +1,109 @@
+"""The optimizer contract megatron-core trainers call, and the one step recipe behind it.
+
+`step()` returns `(update_successful, grad_norm, num_zeros_in_grad)`:
+1. every child copies its gradients to fp32 main gradients, unscales them and counts
+   inf/NaN, then sums [non-finite, norm^2, zeros] over the ranks that hold disjoint parts;
+2. inf/NaN anywhere: update the loss scale, return (False, None, None), change nothing else;
+3. clip every child's gradients by the global norm (`clip_grad`, 0 = off);
+4. a norm above `grad_norm_skip_threshold` returns (False, norm, zeros) without stepping;
+5. every child steps and copies its main parameters back to the model.
+"""
+
+import math
+from abc import ABC, abstractmethod
+from typing import Any, Optional
+
+import torch
+
+from megatron_eopt.wrappers.grad_stats import NONFINITE, SUM_OF_SQUARES, ZEROS, scale_grads
+
+StepResult = tuple[bool, Optional[float], Optional[int]]
+
+
+class MegatronOptimizer(ABC):
+    """What every optimizer returned by `get_megatron_optimizer` provides."""
+
+    config: Any
+
+    @property
+    @abstractmethod
+    def param_groups(self) -> list[dict]: ...
+
+    @param_groups.setter
+    @abstractmethod
+    def param_groups(self, value: list[dict]) -> None: ...
+
+    @property
+    @abstractmethod
+    def state(self) -> Any: ...
+
+    @abstractmethod
+    def step(self) -> StepResult: ...
+
+    @abstractmethod
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+    @abstractmethod
+    def get_loss_scale(self) -> torch.Tensor:
+        """A 1-element tensor: the factor the trainer multiplies the loss by."""
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.get_loss_scale().to(loss.device)
+
+    @abstractmethod
+    def reload_model_params(self, state_dict: Optional[dict] = None) -> None:
+        """Refresh main (fp32) parameters from the model after the model was changed."""
+
+    @abstractmethod
+    def state_dict(self) -> dict: ...
+
+    @abstractmethod
+    def load_state_dict(self, state_dict: dict) -> None: ...
+
+
+class SteppableChild(ABC):
+    """The per-child phases the step recipe drives (see the module docstring)."""
+
+    grad_scaler: Any
+
+    @abstractmethod
+    def grad_stats(self, count_zeros: bool) -> torch.Tensor:
+        """Prepare main gradients; return [non-finite, norm^2, zeros] summed over its group."""
+
+    @abstractmethod
+    def main_grads(self) -> list[torch.Tensor]: ...
+
+    @abstractmethod
+    def step_with_ready_grads(self) -> None: ...
+
+    @abstractmethod
+    def check_state_dict(self, state_dict: dict) -> None:
+        """Raise ValueError if `state_dict` does not fit; changes nothing."""
+
+
+def take_step(children: list[SteppableChild], config: Any) -> StepResult:
+    """One optimizer step over `children`, which share one gradient norm."""
+    totals = sum(child.grad_stats(config.log_num_zeros_in_grad).cpu() for child in children)
+    found_inf = bool(totals[NONFINITE].item() > 0)
+    for scaler in _unique_scalers(children):
+        scaler.update(found_inf)
+    if found_inf:
+        return False, None, None
+
+    grad_norm = math.sqrt(totals[SUM_OF_SQUARES].item())
+    num_zeros = int(totals[ZEROS].item()) if config.log_num_zeros_in_grad else None
+    if config.clip_grad > 0.0:
+        clip_coeff = config.clip_grad / (grad_norm + 1.0e-6)
+        if clip_coeff < 1.0:
+            for child in children:
+                scale_grads(child.main_grads(), clip_coeff)
+    if grad_norm > config.grad_norm_skip_threshold:
+        return False, grad_norm, num_zeros
+    for child in children:
+        child.step_with_ready_grads()
+    return True, grad_norm, num_zeros
+
+
+def _unique_scalers(children: list[SteppableChild]) -> list[Any]:
+    scalers = {id(c.grad_scaler): c.grad_scaler for c in children if c.grad_scaler is not None}
+    return list(scalers.values())

@@ -1,0 +1,92 @@
+"""ChainedOptimizer: several optimizers that step together under one gradient norm.
+
+The chain clips every child by the norm over all children's gradients and skips all of them
+when any gradient is inf/NaN. Its `param_groups` is the concatenation of the children's, in
+order, and may be replaced as a whole (the lr scheduler only mutates groups in place).
+"""
+
+from collections import ChainMap
+from typing import Any, Optional
+
+import torch
+
+from megatron_eopt.wrappers.base import MegatronOptimizer, SteppableChild, StepResult, take_step
+
+
+class ChainedOptimizer(MegatronOptimizer):
+    """Steps `chained_optimizers` (each an FP32Optimizer or MixedPrecisionOptimizer) as one."""
+
+    def __init__(self, chained_optimizers: list[MegatronOptimizer]) -> None:
+        children = list(chained_optimizers)
+        if not children:
+            raise ValueError("ChainedOptimizer needs at least one optimizer.")
+        for child in children:
+            if not isinstance(child, SteppableChild):
+                raise TypeError(
+                    f"ChainedOptimizer children must be FP32Optimizer/MixedPrecisionOptimizer "
+                    f"(or another SteppableChild); got {type(child).__name__}."
+                )
+        names = [child.name for child in children]
+        if len(set(names)) != len(names):
+            raise ValueError(f"ChainedOptimizer children need distinct names; got {names}.")
+        self.chained_optimizers = children
+
+    @property
+    def config(self) -> Any:
+        return self.chained_optimizers[0].config
+
+    def step(self) -> StepResult:
+        return take_step(self.chained_optimizers, self.config)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [group for child in self.chained_optimizers for group in child.param_groups]
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict]) -> None:
+        sizes = [len(child.param_groups) for child in self.chained_optimizers]
+        if len(value) != sum(sizes):
+            raise ValueError(
+                f"ChainedOptimizer.param_groups must keep its {sum(sizes)} groups (children hold "
+                f"{sizes}); got {len(value)}."
+            )
+        start = 0
+        for child, size in zip(self.chained_optimizers, sizes):
+            child.param_groups = list(value[start : start + size])
+            start += size
+
+    @property
+    def state(self) -> ChainMap:
+        return ChainMap(*(child.state for child in self.chained_optimizers))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for child in self.chained_optimizers:
+            child.zero_grad(set_to_none)
+
+    def get_loss_scale(self) -> torch.Tensor:
+        return self.chained_optimizers[0].get_loss_scale()
+
+    def reload_model_params(self, state_dict: Optional[dict] = None) -> None:
+        for child in self.chained_optimizers:
+            child.reload_model_params(state_dict)
+
+    def state_dict(self) -> dict:
+        return {"optimizers": {child.name: child.state_dict() for child in self.chained_optimizers}}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        saved = state_dict.get("optimizers") if isinstance(state_dict, dict) else None
+        if saved is None:
+            raise ValueError(
+                "not a ChainedOptimizer state dict (no 'optimizers' entry); it was not written "
+                "by megatron_eopt's ChainedOptimizer.state_dict()."
+            )
+        names = [child.name for child in self.chained_optimizers]
+        if sorted(saved) != sorted(names):
+            raise ValueError(
+                f"the checkpoint holds optimizers {sorted(saved)} but this chain has {names}; "
+                f"the optimizer or the parameter routing changed since it was saved."
+            )
+        for child in self.chained_optimizers:  # check all before loading any: never half-load
+            child.check_state_dict(saved[child.name])
+        for child in self.chained_optimizers:
+            child.load_state_dict(saved[child.name])

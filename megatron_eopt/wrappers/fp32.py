@@ -1,0 +1,165 @@
+"""FP32Optimizer: a torch optimizer stepping fp32 model parameters in place.
+
+Gradients are read from `param.main_grad` when megatron-core's DDP created it (its fp32
+gradient buffer), else from `param.grad`. The gradient norm counts a parameter that every
+tensor-parallel rank holds in full (not `tensor_model_parallel`) on one rank only, skips the
+second copy of tied parameters (`shared`), and is summed over the model-parallel group.
+"""
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from megatron_eopt.distributed.process_groups import ProcessGroup, group_rank
+from megatron_eopt.param_groups import ParamRecord
+from megatron_eopt.wrappers.base import MegatronOptimizer, SteppableChild, StepResult, take_step
+from megatron_eopt.wrappers.flat_state import (
+    flat_state_dict,
+    load_flat_state_dict,
+    torch_state_dict_from_flat,
+)
+from megatron_eopt.wrappers.grad_stats import local_grad_stats, reduced_grad_stats
+
+MakeOptimizer = Callable[[list[dict]], torch.optim.Optimizer]
+
+
+def model_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    """The gradient megatron-core's DDP accumulated (`main_grad`), else the autograd one."""
+    if hasattr(param, "main_grad"):
+        return param.main_grad
+    return param.grad
+
+
+class FP32Optimizer(MegatronOptimizer, SteppableChild):
+    """Wraps a torch optimizer over fp32 parameters with megatron-core's optimizer contract.
+
+    Args:
+        param_groups: groups of model parameters (from `build_param_groups`).
+        make_optimizer: builds the torch optimizer from groups of the parameters it steps.
+        config: the OptimizerConfig (clipping, skipping, zero counting).
+        records: the ParamRecord of every parameter in `param_groups`.
+        tp_group: tensor-parallel group of these parameters (expert TP for experts).
+        norm_group: group over which the squared gradient norm is summed.
+        name: this optimizer's name inside a chain (and in checkpoints).
+        grad_scaler: loss scaler (fp16 only), or None.
+    """
+
+    def __init__(
+        self,
+        param_groups: list[dict],
+        make_optimizer: MakeOptimizer,
+        config: Any,
+        records: list[ParamRecord],
+        tp_group: Optional[ProcessGroup],
+        norm_group: Optional[ProcessGroup],
+        name: str = "dense",
+        grad_scaler: Any = None,
+    ) -> None:
+        self.config = config
+        self.name = name
+        self.grad_scaler = grad_scaler
+        self._norm_group = norm_group
+        self.model_params = [p for group in param_groups for p in group["params"]]
+        self.main_params = [self._make_main_param(p) for p in self.model_params]
+        main_of = {id(model): main for model, main in zip(self.model_params, self.main_params)}
+        self.optimizer = make_optimizer(
+            [{**group, "params": [main_of[id(p)] for p in group["params"]]} for group in param_groups]
+        )
+        record_of = {id(r.param): r for r in records}
+        missing = [p for p in self.model_params if id(p) not in record_of]
+        if missing:
+            raise ValueError(f"{len(missing)} parameters in param_groups have no ParamRecord.")
+        ordered = [record_of[id(p)] for p in self.model_params]
+        self._fqn_of_main = {id(main): r.fqn for main, r in zip(self.main_params, ordered)}
+        tp_rank = group_rank(tp_group)
+        self._counts_for_norm = [
+            not r.is_shared and (r.tensor_model_parallel or tp_rank == 0) for r in ordered
+        ]
+        self._device = self.model_params[0].device if self.model_params else _default_device()
+        self._one = torch.ones(1, dtype=torch.float32, device=self._device)
+
+    # Main parameters: the model's own here; fp32 copies in MixedPrecisionOptimizer.
+    def _make_main_param(self, param: torch.nn.Parameter) -> torch.nn.Parameter:
+        if param.dtype != torch.float32:
+            raise TypeError(
+                f"FP32Optimizer steps float32 parameters; got {param.dtype}. Set "
+                f"OptimizerConfig.bf16/fp16 for 16-bit models (mixed precision)."
+            )
+        return param
+
+    def _prepare_main_grads(self) -> None:
+        for param in self.model_params:
+            if hasattr(param, "main_grad"):
+                param.grad = param.main_grad
+
+    def _copy_main_params_to_model(self) -> None:
+        pass
+
+    # The step recipe's phases.
+    def grad_stats(self, count_zeros: bool) -> torch.Tensor:
+        self._prepare_main_grads()
+        grads = [m.grad for m in self.main_params]
+        all_grads = [g for g in grads if g is not None]
+        norm_grads = [g for g, counts in zip(grads, self._counts_for_norm) if counts and g is not None]
+        inv_scale = self.grad_scaler.inv_scale if self.grad_scaler is not None else self._one
+        stats = local_grad_stats(all_grads, norm_grads, inv_scale, count_zeros, self._device)
+        return reduced_grad_stats(stats, self._norm_group)
+
+    def main_grads(self) -> list[torch.Tensor]:
+        return [m.grad for m in self.main_params if m.grad is not None]
+
+    def step_with_ready_grads(self) -> None:
+        self.optimizer.step()
+        self._copy_main_params_to_model()
+
+    # The contract.
+    def step(self) -> StepResult:
+        return take_step([self], self.config)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for param in {id(p): p for p in self.model_params + self.main_params}.values():
+            if param.grad is None:
+                continue
+            if set_to_none:
+                param.grad = None
+            else:
+                param.grad.detach_().zero_()
+
+    def get_loss_scale(self) -> torch.Tensor:
+        return self.grad_scaler.scale if self.grad_scaler is not None else self._one
+
+    def reload_model_params(self, state_dict: Optional[dict] = None) -> None:
+        pass  # the model's parameters are the main parameters
+
+    def state_dict(self) -> dict:
+        state = flat_state_dict(self.optimizer, self._fqn_of_main)
+        state["grad_scaler"] = self.grad_scaler.state_dict() if self.grad_scaler else None
+        return state
+
+    def check_state_dict(self, state_dict: dict) -> None:
+        """Raise ValueError if `state_dict` does not fit this optimizer; changes nothing."""
+        torch_state_dict_from_flat(self.optimizer, state_dict, self._fqn_of_main)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        load_flat_state_dict(self.optimizer, state_dict, self._fqn_of_main)
+        if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+
+
+def _default_device() -> torch.device:
+    # A rank without parameters still joins the collectives, on the device the others use.
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

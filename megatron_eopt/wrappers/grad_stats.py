@@ -1,0 +1,69 @@
+"""Gradient statistics that decide a step: non-finite count, squared L2 norm, zero count.
+
+All three are sums, so one all-reduce (SUM) per process group carries them together.
+"""
+
+from collections import defaultdict
+from typing import Optional
+
+import torch
+
+from megatron_eopt.distributed.process_groups import ProcessGroup, all_reduce_sum
+
+# Index of each statistic in the tensor that travels.
+NONFINITE, SUM_OF_SQUARES, ZEROS = 0, 1, 2
+
+
+def unscale_and_count_nonfinite(grads: list[torch.Tensor], inv_scale: torch.Tensor) -> float:
+    """Multiply every gradient by `inv_scale` in place; return how many tensors had inf/NaN.
+
+    One fused pass per device (the same kernel torch's AMP GradScaler uses).
+    """
+    count = 0.0
+    for device, device_grads in _by_device(grads).items():
+        found = torch.zeros(1, dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            device_grads, found, inv_scale.to(device=device, dtype=torch.float32)
+        )
+        count += found.item()
+    return count
+
+
+def local_grad_stats(
+    all_grads: list[torch.Tensor],
+    norm_grads: list[torch.Tensor],
+    inv_scale: torch.Tensor,
+    count_zeros: bool,
+    device: torch.device,
+) -> torch.Tensor:
+    """[non-finite count, sum of squares, zeros] of this rank, before any reduction.
+
+    `all_grads` are unscaled and checked (every copy of a duplicated parameter may overflow);
+    `norm_grads`, a subset in which each tensor-parallel-duplicated parameter appears on one
+    rank only, give the norm and the zero count.
+    """
+    stats = torch.zeros(3, dtype=torch.float32, device=device)
+    stats[NONFINITE] = unscale_and_count_nonfinite(all_grads, inv_scale)
+    if norm_grads:
+        norms = torch._foreach_norm([g.float() for g in norm_grads], 2.0)
+        stats[SUM_OF_SQUARES] = torch.stack([n.to(device) for n in norms]).square().sum()
+        if count_zeros:
+            stats[ZEROS] = sum(float((g == 0).sum().item()) for g in norm_grads)
+    return stats
+
+
+def reduced_grad_stats(stats: torch.Tensor, group: Optional[ProcessGroup]) -> torch.Tensor:
+    """Sum the statistics over the ranks that hold disjoint parts of the model."""
+    return all_reduce_sum(stats, group)
+
+
+def scale_grads(grads: list[torch.Tensor], factor: float) -> None:
+    for device_grads in _by_device(grads).values():
+        torch._foreach_mul_(device_grads, factor)
+
+
+def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
+    grouped: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+    for tensor in tensors:
+        grouped[tensor.device].append(tensor)
+    return grouped
