@@ -1,0 +1,366 @@
+"""A small megatron-core ``GPTModel`` that trains on CPU as well as on CUDA.
+
+It is the model behind the optimizer library's tests, the demo script and
+``scripts/pretrain_gpt.py``: megatron-core's real ``GPTModel`` (its parallel
+linears, vocab-parallel embedding and cross entropy, parameter attributes), so
+optimizers are exercised on exactly what Megatron training hands them.
+
+On CUDA the layers come from megatron-core's own specs (Transformer Engine when
+installed, else the local spec). On CPU the local spec is used with one
+substitution: megatron's ``DotProductAttention`` allocates a CUDA buffer in
+forward, so ``core_attention`` is replaced by :class:`SDPACoreAttention`, built
+on ``torch.nn.functional.scaled_dot_product_attention``.
+
+Typical use (torch.distributed must already be initialised, gloo is fine)::
+
+    initialize_model_parallel(tensor_model_parallel_size=1, seed=1234)
+    model = build_gpt_model(GPTModelSettings())
+    loss = gpt_loss(model, tokens)  # tokens: [batch, seq_length + 1]
+    loss.backward()
+    destroy_model_parallel()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+__all__ = [
+    "GPTModelSettings",
+    "SDPACoreAttention",
+    "build_gpt_model",
+    "destroy_model_parallel",
+    "gpt_layer_spec",
+    "gpt_loss",
+    "initialize_model_parallel",
+]
+
+
+class SDPACoreAttention(MegatronModule):
+    """Drop-in for megatron's ``DotProductAttention`` that runs on any device.
+
+    Takes the keywords megatron's ``Attention`` passes to ``core_attention``.
+    Layouts follow megatron: query ``[sq, b, heads, head_dim]``, key/value
+    ``[sk, b, query_groups, head_dim]`` (per tensor-parallel partition), output
+    ``[sq, b, heads * head_dim]``. Options it does not implement raise
+    ``ValueError`` instead of silently computing different attention.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+    ) -> None:
+        super().__init__(config=config)
+        unsupported = {
+            "context parallelism": config.context_parallel_size != 1,
+            f"softmax_type={config.softmax_type!r}": config.softmax_type != "vanilla",
+            "sliding-window attention": config.window_size is not None,
+        }
+        for option, used in unsupported.items():
+            if used:
+                raise ValueError(f"SDPACoreAttention does not support {option}")
+        self._check_mask_type(attn_mask_type)
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        head_dim = config.kv_channels
+        # apply_query_key_layer_scaling divides the scale by layer_number and multiplies the
+        # scores back inside megatron's softmax: a numerical-range trick for fp16 with no effect
+        # on the result, so it is ignored here.
+        self.softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
+        if attention_dropout is None:
+            attention_dropout = config.attention_dropout
+        self.dropout_p = attention_dropout
+        # cp_comm_type and pg_collection are accepted for megatron's builder signature; context
+        # parallelism is rejected above and the per-partition head counts come from the tensors.
+
+    @staticmethod
+    def _check_mask_type(mask_type: AttnMaskType) -> None:
+        if mask_type not in (AttnMaskType.causal, AttnMaskType.padding, AttnMaskType.no_mask):
+            raise ValueError(
+                f"SDPACoreAttention supports causal, padding and no_mask masks, not {mask_type}"
+            )
+
+    def _sdpa(self, q, k, v, mask, causal: bool, dropout_p: float) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=self.softmax_scale
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
+    ) -> torch.Tensor:
+        """Attention over ``[s, b, n, d]`` inputs; returns ``[sq, b, n * d]``.
+
+        ``attention_mask`` follows megatron: boolean, ``True`` marks positions that are
+        masked out, broadcastable to ``[b, heads, sq, sk]``. With a causal mask type an
+        explicit mask is applied on top of causality (e.g. per-document masks).
+        """
+        if packed_seq_params is not None:
+            raise ValueError("SDPACoreAttention does not support packed sequences (THD format)")
+        if attention_bias is not None:
+            raise ValueError("SDPACoreAttention does not support attention_bias")
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        self._check_mask_type(mask_type)
+
+        sq, b, heads, head_dim = query.shape
+        sk, groups = key.size(0), key.size(2)
+        if heads % groups != 0:
+            raise ValueError(f"{heads} query heads do not divide into {groups} key/value groups")
+        if heads != groups:  # grouped-query attention: each group serves heads // groups heads
+            key = key.repeat_interleave(heads // groups, dim=2)
+            value = value.repeat_interleave(heads // groups, dim=2)
+
+        causal = mask_type == AttnMaskType.causal
+        if causal and sq != sk:
+            raise ValueError(f"causal attention needs sq == sk, got sq={sq}, sk={sk}")
+        if mask_type == AttnMaskType.padding and attention_mask is None:
+            raise ValueError("padding mask type needs an attention_mask")
+        allowed = None  # SDPA boolean masks mark positions to *keep*, the inverse of megatron's
+        if attention_mask is not None and mask_type != AttnMaskType.no_mask:
+            allowed = ~attention_mask.to(torch.bool)
+            if causal:  # SDPA takes is_causal or a mask, not both
+                allowed = allowed & torch.ones(sq, sk, dtype=torch.bool, device=query.device).tril()
+                causal = False
+
+        # [s, b, n, d] -> [b, n, s, d], the layout SDPA expects.
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        dropout_p = self.dropout_p if self.training else 0.0
+        if dropout_p > 0.0 and q.is_cuda and not self.config.sequence_parallel:
+            # Heads differ across tensor-parallel ranks, so their dropout must use the
+            # model-parallel RNG stream, as megatron's DotProductAttention does.
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                out = self._sdpa(q, k, v, allowed, causal, dropout_p)
+        else:
+            out = self._sdpa(q, k, v, allowed, causal, dropout_p)
+        # [b, n, sq, d] -> [sq, b, n * d]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, heads * head_dim)
+
+
+def gpt_layer_spec(use_cuda: bool) -> ModuleSpec:
+    """Transformer-layer spec: megatron's own on CUDA, local + SDPA attention on CPU."""
+    if use_cuda:
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError:
+            return get_gpt_layer_local_spec()
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+
+        return get_gpt_layer_with_transformer_engine_spec()
+    # Copy each level we change so no spec object shared with other callers is mutated.
+    spec = get_gpt_layer_local_spec()
+    attention = spec.submodules.self_attention
+    attention = dataclasses.replace(
+        attention,
+        submodules=dataclasses.replace(attention.submodules, core_attention=SDPACoreAttention),
+    )
+    return dataclasses.replace(
+        spec, submodules=dataclasses.replace(spec.submodules, self_attention=attention)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTModelSettings:
+    """Shape and options of the GPT model; defaults give a tiny model for tests.
+
+    ``seq_length`` is the number of model inputs per sample: :func:`gpt_loss` takes
+    ``seq_length + 1`` tokens (inputs plus the shifted labels).
+    """
+
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 8
+    num_query_groups: int | None = 2  # None: multi-head attention (one group per head)
+    ffn_hidden_size: int = 128
+    swiglu: bool = True
+    seq_length: int = 32
+    max_position_embeddings: int | None = None  # None: seq_length
+    vocab_size: int = 128
+    bf16: bool = False  # bf16 parameters (megatron's --bf16); fp32 otherwise
+    add_bias_linear: bool = False
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute"
+    share_embeddings_and_output_weights: bool = False
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    init_method_std: float = 0.02
+    # Initialise full weights on CPU and slice each rank's shard, so a model is identical
+    # across tensor-parallel degrees for the same seed (megatron's --use-cpu-initialization).
+    cpu_initialization: bool = True
+
+    def __post_init__(self) -> None:
+        positive = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                    "seq_length", "vocab_size")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by "
+                f"num_attention_heads ({self.num_attention_heads})"
+            )
+        groups = self.query_groups
+        if groups <= 0 or self.num_attention_heads % groups:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                f"num_query_groups ({groups})"
+            )
+        if self.max_positions < self.seq_length:
+            raise ValueError(
+                f"max_position_embeddings ({self.max_positions}) must be >= "
+                f"seq_length ({self.seq_length})"
+            )
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"normalization must be LayerNorm or RMSNorm: {self.normalization!r}")
+        if self.position_embedding_type not in ("learned_absolute", "rope", "none"):
+            raise ValueError(f"unknown position_embedding_type {self.position_embedding_type!r}")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_attention_heads if self.num_query_groups is None else self.num_query_groups
+
+    @property
+    def max_positions(self) -> int:
+        if self.max_position_embeddings is None:
+            return self.seq_length
+        return self.max_position_embeddings
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.bf16 else torch.float32
+
+    def check_tensor_parallel(self, tp: int) -> None:
+        """Raise ValueError if the model cannot be split over ``tp`` ranks."""
+        for name, value in (
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_query_groups", self.query_groups),
+            ("ffn_hidden_size", self.ffn_hidden_size),
+            ("vocab_size", self.vocab_size),
+        ):
+            if value % tp:
+                raise ValueError(f"{name} ({value}) must be divisible by tensor parallel size {tp}")
+
+
+def initialize_model_parallel(tensor_model_parallel_size: int, seed: int) -> None:
+    """Set up megatron's model-parallel groups (no pipeline parallelism) and seed the RNGs.
+
+    torch.distributed must already be initialised; its world size must be a multiple
+    of ``tensor_model_parallel_size`` (the rest becomes data parallelism).
+    """
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialised: call torch.distributed.init_process_group "
+            "(gloo works on CPU) before initialize_model_parallel"
+        )
+    world_size = torch.distributed.get_world_size()
+    if tensor_model_parallel_size <= 0 or world_size % tensor_model_parallel_size:
+        raise ValueError(
+            f"tensor_model_parallel_size ({tensor_model_parallel_size}) must be positive and "
+            f"divide the world size ({world_size})"
+        )
+    if parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("model parallel state is already initialised; destroy it first")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size, 1)
+    # CPU initialisation draws from torch's default generator, on every device.
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        # Megatron's seeding also sets up the per-TP-rank CUDA RNG streams used by dropout;
+        # it calls CUDA, hence only when CUDA is there.
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_model_parallel() -> None:
+    """Tear down megatron's model-parallel groups (torch.distributed stays initialised)."""
+    parallel_state.destroy_model_parallel()
+
+
+def build_gpt_model(
+    settings: GPTModelSettings, device: torch.device | str = "cpu"
+) -> GPTModel:
+    """Build megatron-core's GPTModel for the current model-parallel state on ``device``."""
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("call initialize_model_parallel before build_gpt_model")
+    device = torch.device(device)
+    if settings.position_embedding_type == "rope" and device.type != "cuda":
+        # megatron's RotaryEmbedding moves its frequencies with torch.cuda.current_device().
+        raise ValueError("position_embedding_type='rope' needs CUDA; use 'learned_absolute' on CPU")
+    settings.check_tensor_parallel(parallel_state.get_tensor_model_parallel_world_size())
+    config = TransformerConfig(
+        num_layers=settings.num_layers,
+        hidden_size=settings.hidden_size,
+        num_attention_heads=settings.num_attention_heads,
+        num_query_groups=settings.query_groups,
+        ffn_hidden_size=settings.ffn_hidden_size,
+        gated_linear_unit=settings.swiglu,
+        # SwiGLU is a gated linear unit with SiLU; megatron's default would give GeGLU.
+        activation_func=F.silu if settings.swiglu else F.gelu,
+        normalization=settings.normalization,
+        add_bias_linear=settings.add_bias_linear,
+        hidden_dropout=settings.hidden_dropout,
+        attention_dropout=settings.attention_dropout,
+        init_method_std=settings.init_method_std,
+        bf16=settings.bf16,
+        params_dtype=settings.params_dtype,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        # On CPU there is no other way: megatron's GPU initialisation calls CUDA.
+        use_cpu_initialization=settings.cpu_initialization or device.type != "cuda",
+    )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=gpt_layer_spec(use_cuda=device.type == "cuda"),
+        vocab_size=settings.vocab_size,
+        max_sequence_length=settings.max_positions,
+        share_embeddings_and_output_weights=settings.share_embeddings_and_output_weights,
+        position_embedding_type=settings.position_embedding_type,
+    )
+    # Some local-spec modules (torch norms) ignore params_dtype; megatron's Float16Module casts
+    # the whole model the same way for bf16 training. Parameters keep megatron's attributes.
+    return model.to(device=device, dtype=settings.params_dtype)
+
+
+def gpt_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy of ``model`` on ``tokens`` (``[batch, seq + 1]``, int64).
+
+    The model sees ``tokens[:, :-1]`` and predicts ``tokens[:, 1:]``; megatron computes the
+    vocab-parallel cross entropy when given labels and returns per-token losses ``[b, s]``.
+    ``model`` may be a wrapper (e.g. megatron's DDP) that forwards its arguments.
+    """
+    if tokens.dim() != 2 or tokens.size(1) < 2:
+        raise ValueError(f"tokens must be [batch, seq + 1] with seq >= 1: {tuple(tokens.shape)}")
+    tokens = tokens.to(next(model.parameters()).device, torch.long)
+    inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    position_ids = torch.arange(inputs.size(1), device=inputs.device).expand_as(inputs)
+    # attention_mask=None: causality comes from the attention module's causal mask type.
+    losses = model(input_ids=inputs, position_ids=position_ids, attention_mask=None, labels=labels)
+    return losses.float().mean()

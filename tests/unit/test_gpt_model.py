@@ -1,0 +1,256 @@
+"""Tests for scripts/gpt_model.py: megatron-core's GPTModel on CPU, TP=1 and TP=2."""
+
+from __future__ import annotations
+
+import math
+import socket
+
+import pytest
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from scripts.gpt_model import (
+    GPTModelSettings,
+    SDPACoreAttention,
+    build_gpt_model,
+    destroy_model_parallel,
+    gpt_layer_spec,
+    gpt_loss,
+    initialize_model_parallel,
+)
+
+SEED = 1234
+QKV = "decoder.layers.0.self_attention.linear_qkv.weight"
+
+
+def fixed_tokens(settings: GPTModelSettings, batch: int = 4) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    shape = (batch, settings.seq_length + 1)
+    return torch.randint(0, settings.vocab_size, shape, generator=generator)
+
+
+@pytest.fixture(scope="module")
+def tp1():
+    """torch.distributed (gloo, world size 1) and megatron model parallel at TP=1."""
+    owns_group = not torch.distributed.is_initialized()  # another module may have set one up
+    if owns_group:
+        with socket.socket() as sock:  # a free port; init_method leaves MASTER_* env vars alone
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        torch.distributed.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
+        )
+    assert torch.distributed.get_world_size() == 1
+    initialize_model_parallel(tensor_model_parallel_size=1, seed=SEED)
+    yield
+    destroy_model_parallel()
+    if owns_group:
+        torch.distributed.destroy_process_group()
+
+
+# --- SDPACoreAttention -------------------------------------------------------------------------
+
+
+def attention_config(heads: int, groups: int, **kwargs) -> TransformerConfig:
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=heads * 8,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        use_cpu_initialization=True,
+        attention_dropout=0.0,  # megatron's default is 0.1
+        **kwargs,
+    )
+
+
+def reference_attention(q, k, v, scale: float) -> torch.Tensor:
+    """softmax(Q K^T * scale + causal mask) V with explicit matmuls, megatron layouts."""
+    sq, b, heads, dim = q.shape
+    repeat = heads // k.size(2)
+    out = torch.empty(sq, b, heads, dim, dtype=q.dtype)
+    causal = torch.ones(sq, k.size(0), dtype=torch.bool).triu(1)  # True above the diagonal
+    for batch in range(b):
+        for head in range(heads):
+            qh = q[:, batch, head]  # [sq, d]
+            kh, vh = k[:, batch, head // repeat], v[:, batch, head // repeat]  # [sk, d]
+            scores = (qh @ kh.T) * scale
+            scores = scores.masked_fill(causal, float("-inf"))
+            out[:, batch, head] = scores.softmax(dim=-1) @ vh
+    return out.reshape(sq, b, heads * dim)
+
+
+@pytest.mark.parametrize("softmax_scale", [None, 0.3])
+@pytest.mark.parametrize("heads,groups", [(8, 2), (8, 8)], ids=["gqa", "mha"])
+def test_sdpa_core_attention_matches_reference(heads, groups, softmax_scale):
+    attention = SDPACoreAttention(
+        config=attention_config(heads, groups),
+        layer_number=1,
+        attn_mask_type=AttnMaskType.causal,
+        attention_type="self",
+        cp_comm_type=None,
+        softmax_scale=softmax_scale,
+        pg_collection=None,
+    )
+    generator = torch.Generator().manual_seed(0)
+    sq, b, dim = 7, 3, 8
+    q = torch.randn(sq, b, heads, dim, generator=generator, requires_grad=True)
+    k = torch.randn(sq, b, groups, dim, generator=generator, requires_grad=True)
+    v = torch.randn(sq, b, groups, dim, generator=generator, requires_grad=True)
+    scale = 1 / math.sqrt(dim) if softmax_scale is None else softmax_scale
+
+    out = attention(q, k, v, None, attn_mask_type=None, attention_bias=None, packed_seq_params=None)
+    expected = reference_attention(q, k, v, scale)
+    assert out.shape == (sq, b, heads * dim)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+
+    grad_out = torch.randn(out.shape, generator=generator)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    expected_grads = torch.autograd.grad(expected, (q, k, v), grad_out)
+    for grad, expected_grad in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, expected_grad, atol=1e-5, rtol=0)
+
+
+def test_sdpa_core_attention_rejects_unsupported_options():
+    config = attention_config(8, 2)
+    with pytest.raises(ValueError, match="arbitrary"):
+        SDPACoreAttention(config, 1, AttnMaskType.arbitrary, "self")
+    attention = SDPACoreAttention(config, 1, AttnMaskType.causal, "self")
+    q, kv = torch.randn(4, 1, 8, 8), torch.randn(4, 1, 2, 8)
+    with pytest.raises(ValueError, match="packed"):
+        attention(q, kv, kv, None, packed_seq_params=PackedSeqParams(qkv_format="thd"))
+    with pytest.raises(ValueError, match="sq == sk"):
+        attention(q[:1], kv, kv, None)
+    with pytest.raises(ValueError, match="softmax_type"):
+        learnable = attention_config(8, 2, softmax_type="learnable")
+        SDPACoreAttention(learnable, 1, AttnMaskType.causal, "self")
+
+
+def test_cpu_layer_spec_swaps_core_attention_without_leaking():
+    spec = gpt_layer_spec(use_cuda=False)
+    assert spec.submodules.self_attention.submodules.core_attention is SDPACoreAttention
+    fresh = get_gpt_layer_local_spec()
+    assert fresh.submodules.self_attention.submodules.core_attention is DotProductAttention
+
+
+# --- the model at TP=1 ------------------------------------------------------------------------
+
+
+def test_forward_backward_on_cpu(tp1):
+    settings = GPTModelSettings()
+    model = build_gpt_model(settings)
+    tokens = fixed_tokens(settings)
+
+    loss = gpt_loss(model, tokens)
+    assert loss.dim() == 0 and torch.isfinite(loss)
+    assert abs(loss.item() - math.log(settings.vocab_size)) < 0.5
+
+    # gpt_loss is the mean next-token cross entropy of the model's logits.
+    logits = model(
+        input_ids=tokens[:, :-1],
+        position_ids=torch.arange(settings.seq_length).expand(tokens.size(0), -1),
+        attention_mask=None,
+    )
+    expected = F.cross_entropy(logits.reshape(-1, settings.vocab_size), tokens[:, 1:].reshape(-1))
+    torch.testing.assert_close(loss, expected, atol=1e-5, rtol=0)
+
+    loss.backward()
+    for name, param in model.named_parameters():
+        assert param.grad is not None, f"{name} got no gradient"
+        assert torch.isfinite(param.grad).all(), name
+        assert param.grad.abs().sum() > 0, f"{name} got an all-zero gradient"
+    qkv = dict(model.named_parameters())[QKV]
+    assert qkv.tensor_model_parallel and qkv.partition_dim == 0
+
+
+def test_adamw_reduces_loss(tp1):
+    settings = GPTModelSettings()
+    model = build_gpt_model(settings)
+    tokens = fixed_tokens(settings)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(8):
+        optimizer.zero_grad()
+        loss = gpt_loss(model, tokens)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_bf16_model_has_bf16_parameters(tp1):
+    model = build_gpt_model(GPTModelSettings(bf16=True))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert torch.isfinite(gpt_loss(model, fixed_tokens(GPTModelSettings())))
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"num_attention_heads": 8, "num_query_groups": 3}, "divisible by num_query_groups"),
+        ({"hidden_size": 60, "num_attention_heads": 8}, "divisible by num_attention_heads"),
+        ({"seq_length": 64, "max_position_embeddings": 32}, "max_position_embeddings"),
+        ({"num_layers": 0}, "num_layers"),
+        ({"attention_dropout": 1.0}, "attention_dropout"),
+        ({"normalization": "BatchNorm"}, "normalization"),
+    ],
+)
+def test_settings_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        GPTModelSettings(**kwargs)
+
+
+def test_build_rejects_what_cpu_or_tp_cannot_run(tp1):
+    with pytest.raises(ValueError, match="rope"):
+        build_gpt_model(GPTModelSettings(position_embedding_type="rope"), "cpu")
+    with pytest.raises(ValueError, match="tensor parallel size 3"):
+        GPTModelSettings().check_tensor_parallel(3)
+
+
+def test_initialize_model_parallel_needs_torch_distributed(monkeypatch):
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        initialize_model_parallel(tensor_model_parallel_size=1, seed=SEED)
+
+
+# --- tensor parallelism -----------------------------------------------------------------------
+
+
+def tp_losses_and_qkv(rank: int, world_size: int, seed: int) -> dict:
+    """On every rank: loss and linear_qkv weight/grad at TP=1, then at TP=world_size."""
+    settings = GPTModelSettings()
+    tokens = fixed_tokens(settings)
+    results = {}
+    for tp in (1, world_size):  # TP=1 here is data parallel: every rank holds the full model
+        initialize_model_parallel(tensor_model_parallel_size=tp, seed=seed)
+        try:
+            model = build_gpt_model(settings)
+            loss = gpt_loss(model, tokens)
+            loss.backward()
+            qkv = dict(model.named_parameters())[QKV]
+            results[tp] = {
+                "loss": loss.item(),
+                "qkv": qkv.detach().clone(),
+                "qkv_grad": qkv.grad.clone(),
+                "partition_dim": qkv.partition_dim,
+            }
+        finally:
+            destroy_model_parallel()
+    return results
+
+
+def test_tensor_parallel_2_matches_tp1(run_distributed):
+    per_rank = run_distributed(tp_losses_and_qkv, 2, args=(SEED,))
+    reference = per_rank[0][1]
+    for rank, results in enumerate(per_rank):
+        assert results[2]["loss"] == pytest.approx(reference["loss"], abs=1e-5), rank
+    dim = per_rank[0][2]["partition_dim"]
+    shards = [results[2]["qkv"] for results in per_rank]
+    assert shards[0].shape[dim] * 2 == reference["qkv"].shape[dim]
+    torch.testing.assert_close(torch.cat(shards, dim=dim), reference["qkv"], atol=0, rtol=0)
+    grads = torch.cat([results[2]["qkv_grad"] for results in per_rank], dim=dim)
+    torch.testing.assert_close(grads, reference["qkv_grad"], atol=1e-6, rtol=1e-5)
