@@ -76,7 +76,18 @@ def build_param_groups(
     `align_group`: the ranks whose group keys must agree (all ranks that checkpoint together);
     None for a single process.
     """
-    key_by_description = {describe_key(key): key for key in config_overrides}
+    key_by_description: dict[str, Any] = {}
+    for key in config_overrides:
+        description = describe_key(key)
+        if description in key_by_description:
+            # Groups are identified by these descriptions; two keys sharing one would share a
+            # group and silently lose one key's override.
+            raise ValueError(
+                f"config_overrides has two different keys described as {description}: "
+                f"{key_by_description[description]!r} and {key!r}. Give their predicates "
+                f"distinct names, or merge them into one key."
+            )
+        key_by_description[description] = key
     records: list[ParamRecord] = []
     matched_descriptions: dict[str, tuple[str, ...]] = {}
     for fqn, name, param in named_trainable_parameters(model_chunks):
