@@ -1,0 +1,33 @@
+"""Shared pytest fixtures.
+
+``run_distributed`` runs a function on N CPU ranks (gloo). Importing torch + megatron-core costs
+~15-20 s of CPU per process, so the worker processes are started once per session and reused
+across tests rather than per test; see tests/distributed_harness.py.
+"""
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from tests import distributed_harness
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # Overlap the workers' one-off import with the tests that run before the first distributed
+    # one, instead of making that test wait for it.
+    if session.config.option.collectonly:
+        return
+    if any("run_distributed" in getattr(item, "fixturenames", ()) for item in session.items):
+        distributed_harness.prestart_distributed()
+
+
+@pytest.fixture(scope="session")
+def run_distributed() -> Iterator[Callable[..., list[Any]]]:
+    """``run_distributed(fn, world_size, args=(), kwargs=None, timeout=300) -> list``.
+
+    ``fn`` is a module-level function, called as ``fn(rank, world_size, *args, **kwargs)`` on
+    every rank with torch.distributed initialised; the results come back in rank order.
+    """
+    yield distributed_harness.run_distributed
+    distributed_harness.shutdown_distributed()

@@ -1,0 +1,135 @@
+"""Tests of the multi-process gloo harness behind the ``run_distributed`` fixture."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+# Bodies run in the worker processes; they must be module-level so workers can import them.
+
+
+def _all_reduce_sum(rank: int, world_size: int, scale: float) -> float:
+    tensor = torch.tensor([float(rank) * scale])
+    dist.all_reduce(tensor)
+    return tensor.item()
+
+
+def _rank_report(rank: int, world_size: int) -> tuple[int, int, int, int]:
+    return rank, world_size, dist.get_rank(), dist.get_world_size()
+
+
+def _raise_on_rank_one(rank: int, world_size: int) -> int:
+    if rank == 1:
+        raise ValueError("deliberate failure from the test body")
+    return rank
+
+
+def _rank_zero_waits_alone(rank: int, world_size: int) -> int:
+    if rank == 0:
+        dist.all_reduce(torch.ones(1))  # rank 1 never joins: a deadlock
+    return rank
+
+
+def _init_tensor_parallel(rank: int, world_size: int) -> tuple[int, int]:
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    return (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_tensor_model_parallel_rank(),
+    )
+
+
+def _model_parallel_state(rank: int, world_size: int) -> tuple[bool, int]:
+    from megatron.core import parallel_state
+    from torch.distributed import distributed_c10d
+
+    live_groups = len(getattr(distributed_c10d, "_world").pg_map)
+    return parallel_state.model_parallel_is_initialized(), live_groups
+
+
+def _perturb_rng_and_dtype(rank: int, world_size: int) -> None:
+    torch.rand(100)
+    torch.set_default_dtype(torch.float64)
+
+
+def _rng_and_dtype(rank: int, world_size: int) -> tuple[float, torch.dtype]:
+    return torch.rand(1).item(), torch.get_default_dtype()
+
+
+def _pid(rank: int, world_size: int) -> int:
+    return os.getpid()
+
+
+def _add(rank: int, world_size: int, offset: int, *, factor: int = 1) -> int:
+    return (rank + offset) * factor
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_all_reduce_sum_reaches_every_rank(run_distributed, world_size):
+    results = run_distributed(_all_reduce_sum, world_size=world_size, args=(3.0,))
+    assert results == [3.0 * sum(range(world_size))] * world_size
+
+
+def test_results_come_back_in_rank_order(run_distributed):
+    assert run_distributed(_rank_report, world_size=4) == [(r, 4, r, 4) for r in range(4)]
+
+
+def test_args_and_kwargs_reach_the_function(run_distributed):
+    assert run_distributed(_add, world_size=2, args=(10,), kwargs={"factor": 2}) == [20, 22]
+
+
+def test_exception_on_one_rank_names_the_rank_and_world_recovers(run_distributed):
+    with pytest.raises(RuntimeError, match=r"failed on rank 1\b") as excinfo:
+        run_distributed(_raise_on_rank_one, world_size=2)
+    message = str(excinfo.value)
+    assert "ValueError: deliberate failure from the test body" in message
+    assert "_raise_on_rank_one" in message  # the rank's traceback, not just the message
+    assert "rank 0 traceback" not in message
+    assert run_distributed(_all_reduce_sum, world_size=2, args=(1.0,)) == [1.0, 1.0]
+
+
+@pytest.mark.timeout(180)  # if the harness itself hangs, fail well before the global 900 s
+def test_deadlock_times_out_instead_of_hanging_and_world_recovers(run_distributed):
+    run_distributed(_pid, world_size=2)  # keep the one-off worker start-up out of the timing
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="timed out after 3 s: rank 0 did not finish") as exc:
+        run_distributed(_rank_zero_waits_alone, world_size=2, timeout=3)
+    assert time.monotonic() - started < 30
+    assert "_rank_zero_waits_alone" in str(exc.value)  # the stuck rank's stack
+    assert run_distributed(_all_reduce_sum, world_size=2, args=(1.0,)) == [1.0, 1.0]
+
+
+def test_megatron_parallel_state_does_not_leak_into_the_next_call(run_distributed):
+    assert run_distributed(_init_tensor_parallel, world_size=2) == [(2, 0), (2, 1)]
+    # Only the default WORLD group survives between calls.
+    assert run_distributed(_model_parallel_state, world_size=2) == [(False, 1)] * 2
+
+
+def test_rng_and_default_dtype_are_reset_between_calls(run_distributed):
+    expected = torch.rand(1, generator=torch.Generator().manual_seed(1234)).item()
+    run_distributed(_perturb_rng_and_dtype, world_size=2)
+    assert run_distributed(_rng_and_dtype, world_size=2) == [(expected, torch.float32)] * 2
+
+
+def test_workers_are_reused_between_calls(run_distributed):
+    first = run_distributed(_pid, world_size=2)
+    assert run_distributed(_pid, world_size=2) == first
+    assert len(set(first)) == 2 and os.getpid() not in first
+
+
+def test_lambda_and_nested_functions_are_rejected(run_distributed):
+    def nested(rank, world_size):
+        return rank
+
+    with pytest.raises(TypeError, match="module-level function"):
+        run_distributed(lambda rank, world_size: rank, world_size=2)
+    with pytest.raises(TypeError, match="module-level function"):
+        run_distributed(nested, world_size=2)
+
+
+def test_world_size_below_one_is_rejected(run_distributed):
+    with pytest.raises(ValueError, match="world_size must be at least 1"):
+        run_distributed(_pid, world_size=0)
