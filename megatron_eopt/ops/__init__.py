@@ -1,0 +1,1 @@
+"""Pure tensor operations: Newton-Schulz over TP shards, fused-weight splits, ownership."""

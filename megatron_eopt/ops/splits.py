@@ -1,0 +1,95 @@
+"""Where a tensor-parallel shard sits in its global matrix, and how fused weights split.
+
+A 2-D weight's local shard is `num_row_groups` repetitions of row blocks of sizes
+`row_blocks`; block j, taken from every row group, is one matrix to orthogonalize.
+- plain weight:                  1 group,  blocks (rows,)
+- linear_qkv (grouped-query):    query groups on this rank, blocks (q, k, v[, gate]) per group,
+  q = heads_per_group * kv_channels; each TP rank holds whole query groups
+- linear_fc1 with a gated linear unit: 1 group, blocks (gate_r, up_r): megatron-core builds it
+  with partition_stride=2, so rank r holds [gate_r; up_r] and the global matrix is
+  [gate_all; up_all]
+Pure functions; no communication, no megatron-core import.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class MatrixLayout:
+    """How one 2-D parameter's local shard maps to the matrices Muon orthogonalizes."""
+
+    name: str  # the parameter's fqn, for error messages
+    local_shape: tuple[int, int]
+    partition_dim: int = -1  # 0: rows sharded (column-parallel), 1: columns (row-parallel), -1: none
+    tp_size: int = 1
+    num_row_groups: int = 1
+    row_blocks: tuple[int, ...] = ()  # empty: one block of all rows
+
+    def __post_init__(self) -> None:
+        rows, _ = self.local_shape
+        blocks = self.row_blocks or (rows,)
+        if self.partition_dim not in (-1, 0, 1):
+            raise ValueError(f"parameter {self.name!r}: partition_dim must be -1, 0 or 1; got {self.partition_dim}.")
+        if self.num_row_groups * sum(blocks) != rows:
+            raise ValueError(
+                f"parameter {self.name!r}: {rows} rows on this TP rank is not "
+                f"{self.num_row_groups} group(s) of the split total {sum(blocks)} "
+                f"({'+'.join(map(str, blocks))})."
+            )
+        if self.row_blocks and self.partition_dim == 1:
+            raise ValueError(
+                f"parameter {self.name!r}: fused row blocks on a row-parallel (partition_dim=1) "
+                f"shard are not a megatron-core layout."
+            )
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        return self.row_blocks or (self.local_shape[0],)
+
+    def global_block_shapes(self) -> list[tuple[int, int]]:
+        """(rows, cols) of each block matrix in the unsharded model."""
+        rows_factor = self.tp_size if self.partition_dim == 0 else 1
+        cols = self.local_shape[1] * (self.tp_size if self.partition_dim == 1 else 1)
+        return [(self.num_row_groups * block * rows_factor, cols) for block in self.blocks]
+
+
+def split_blocks(x: torch.Tensor, layout: MatrixLayout) -> list[torch.Tensor]:
+    """The local part of every block matrix (rows of one block from all row groups)."""
+    if len(layout.blocks) == 1:
+        return [x]
+    grouped = x.reshape(layout.num_row_groups, sum(layout.blocks), x.shape[1])
+    return [part.reshape(-1, x.shape[1]) for part in grouped.split(list(layout.blocks), dim=1)]
+
+
+def merge_blocks(parts: list[torch.Tensor], layout: MatrixLayout) -> torch.Tensor:
+    """Inverse of `split_blocks`."""
+    if len(parts) == 1:
+        return parts[0]
+    cols = parts[0].shape[1]
+    grouped = [p.reshape(layout.num_row_groups, -1, cols) for p in parts]
+    return torch.cat(grouped, dim=1).reshape(-1, cols)
+
+
+def qkv_row_blocks(model_config: Any, tp_size: int, name: str) -> tuple[int, tuple[int, ...]]:
+    """(query groups on this rank, (q, k, v[, gate]) rows per group) from a TransformerConfig."""
+    heads = model_config.num_attention_heads
+    groups = model_config.num_query_groups or heads
+    kv_channels = model_config.kv_channels or model_config.hidden_size // heads
+    if heads % groups or groups % tp_size:
+        raise ValueError(
+            f"parameter {name!r}: {heads} heads in {groups} query groups over TP={tp_size} is not "
+            f"a layout this library splits (heads must divide into groups, groups over TP ranks)."
+        )
+    q_rows = heads // groups * kv_channels
+    blocks = (q_rows, kv_channels, kv_channels)
+    if getattr(model_config, "attention_output_gate", False):
+        blocks = blocks + (q_rows,)
+    return groups // tp_size, blocks
+
+
+def newton_schulz_cost(rows: int, cols: int) -> int:
+    """Relative cost of orthogonalizing a rows x cols matrix: max(m, n) * min(m, n)^2."""
+    return max(rows, cols) * min(rows, cols) ** 2

@@ -1,0 +1,1 @@
+"""Optimizer classes: emerging_optimizers subclasses that know tensor parallelism."""

@@ -1,0 +1,129 @@
+"""TensorParallelMuon: emerging_optimizers' Muon for tensor-parallel shards and fused weights.
+
+Update of each 2-D parameter p with gradient g, momentum beta, lr, weight decay wd:
+    p <- p * (1 - lr * wd)                                  (decoupled weight decay)
+    m <- beta * m + (1 - beta) * g                          (EMA momentum)
+    u <- lerp(g, m, beta) if nesterov else m
+    O <- for each block B of u (q/k/v of linear_qkv, gate/up of a gated linear_fc1, else u):
+         NewtonSchulz(B) * scale(global shape of B) * extra_scale_factor
+    p <- p - lr * O
+scale: spectral sqrt(max(m, n)), shape_scaling sqrt(max(1, m/n)), unit_rms_norm sqrt(m/n),
+always from the global (unsharded) block shape except in tp_mode='blockwise'. How the shards
+of a block meet is `tp_mode` (see ops/newton_schulz.py). On CPU, run with
+fp32_matmul_prec='highest': bf16 matrix products are about 4x slower than fp32 there.
+"""
+
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+from emerging_optimizers import utils as eo_utils
+from emerging_optimizers.orthogonalized_optimizers.muon import Muon
+
+from megatron_eopt.ops.newton_schulz import TP_MODES, NewtonSchulzSettings, orthogonalize_updates
+from megatron_eopt.ops.splits import MatrixLayout
+
+# The Muon scale that matches AdamW's update RMS (Moonlight): 0.2 * sqrt(max(m, n)).
+ADAMW_RMS_MATCHING_EXTRA_SCALE = 0.2
+
+
+class TensorParallelMuon(Muon):
+    """Muon whose parameters may be TP shards (see the module docstring for the update).
+
+    Args beyond emerging_optimizers' Muon:
+        tp_mode: 'blockwise', 'duplicated', 'distributed' or 'sharded'.
+        tp_group: the tensor-parallel group of these parameters (None: size 1).
+        layouts: fqn -> MatrixLayout for parameters that are shards or fused; param groups
+            name their parameters in 'param_fqns'. A parameter without a layout is a whole,
+            unfused matrix.
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 3e-4,
+        momentum: float = 0.95,
+        weight_decay: float = 0.01,
+        *,
+        nesterov: bool = False,
+        weight_decay_method: str = "decoupled",
+        fp32_matmul_prec: str = "medium",
+        coefficient_type: str = "quintic",
+        num_ns_steps: int = 5,
+        scale_mode: str = "spectral",
+        extra_scale_factor: float = 1.0,
+        use_syrk: bool = False,
+        tp_mode: str = "duplicated",
+        tp_group: Optional[dist.ProcessGroup] = None,
+        layouts: Optional[Mapping[str, MatrixLayout]] = None,
+    ) -> None:
+        if tp_mode not in TP_MODES:
+            raise ValueError(f"tp_mode must be one of {', '.join(map(repr, TP_MODES))}; got {tp_mode!r}.")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1); got {momentum}.")
+        if lr < 0.0 or weight_decay < 0.0:
+            raise ValueError(f"lr and weight_decay must be >= 0; got lr={lr}, weight_decay={weight_decay}.")
+        self.settings = NewtonSchulzSettings(num_ns_steps, coefficient_type, scale_mode, extra_scale_factor, use_syrk)
+        super().__init__(
+            params, lr, momentum, weight_decay, nesterov=nesterov, weight_decay_method=weight_decay_method,
+            fp32_matmul_prec=fp32_matmul_prec, coefficient_type=coefficient_type, num_ns_steps=num_ns_steps,
+            scale_mode=scale_mode, extra_scale_factor=extra_scale_factor, use_syrk=use_syrk,
+        )
+        self.tp_mode = tp_mode
+        self.tp_group = tp_group
+        self._layout_of = self._layouts_by_param(dict(layouts or {}))
+
+    def _layouts_by_param(self, layouts: dict[str, MatrixLayout]) -> dict[int, MatrixLayout]:
+        """One layout per parameter, checked now rather than in the first step."""
+        by_param = {}
+        for group in self.param_groups:
+            names = group.get("param_fqns") or [f"<param {i}>" for i in range(len(group["params"]))]
+            for param, name in zip(group["params"], names):
+                if param.dim() != 2:
+                    raise ValueError(
+                        f"parameter {name!r} has shape {tuple(param.shape)}; Muon updates 2-D matrices "
+                        f"only. Route it to the scalar optimizer (muon_scalar_optimizer) instead."
+                    )
+                layout = layouts.get(name) or MatrixLayout(name=name, local_shape=tuple(param.shape))
+                if layout.local_shape != tuple(param.shape):
+                    raise ValueError(
+                        f"parameter {name!r}: layout shape {layout.local_shape} differs from the "
+                        f"parameter's {tuple(param.shape)}."
+                    )
+                by_param[id(param)] = layout
+        return by_param
+
+    def orthogonalize(self, p: torch.Tensor, grad: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """The scaled orthogonalized update of one parameter (emerging_optimizers' hook)."""
+        return orthogonalize_updates([grad], [self._layout_of[id(p)]], self.tp_mode, self.tp_group, self.settings)[0]
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None) -> None:
+        """Muon's step with every parameter's orthogonalization done together.
+
+        Together, so that tp_mode='sharded' moves all shards with one exchange; the weight decay,
+        momentum and weight update are Muon's own (emerging_optimizers).
+        """
+        if closure is not None:
+            raise ValueError("closure is not supported")
+        pending = []
+        for group in self.param_groups:
+            self._init_group(group)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                momentum = self.state[p]["momentum_buffer"]
+                self._apply_weight_decay_inplace(p, p.grad, group["lr"], group["weight_decay"])
+                momentum.lerp_(p.grad, 1 - group["momentum"])
+                update = p.grad.lerp(momentum, group["momentum"]) if self.nesterov else momentum
+                pending.append((group, p, update))
+        with eo_utils.fp32_matmul_precision(self.fp32_matmul_prec):
+            orthogonal = orthogonalize_updates(
+                [u for _, _, u in pending], [self._layout_of[id(p)] for _, p, _ in pending],
+                self.tp_mode, self.tp_group, self.settings,
+            )
+        for (group, p, _), update in zip(pending, orthogonal):
+            self.pre_weight_update_fn_inplace(p, update)
+            p.add_(update, alpha=-group["lr"])
+            self.post_weight_update_fn_inplace(p)
+        return None
