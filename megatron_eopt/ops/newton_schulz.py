@@ -41,6 +41,7 @@ class NewtonSchulzSettings:
     scale_mode: str = "spectral"
     extra_scale_factor: float = 1.0
     use_syrk: bool = False
+    scaled: bool = True  # False: raw orthogonalization (AdaptiveMuon scales after its moment2)
 
     def __post_init__(self) -> None:
         if self.num_steps < 1:
@@ -64,6 +65,8 @@ class NewtonSchulzSettings:
         )
 
     def scale(self, rows: int, cols: int) -> float:
+        if not self.scaled:
+            return 1.0
         return get_muon_scale_factor(rows, cols, mode=self.scale_mode) * self.extra_scale_factor
 
 
