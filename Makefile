@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-unit test-functional demo venv lock clean
+.PHONY: test test-unit test-functional demo bench venv lock clean
 
 test: $(STAMP)
 	$(PY) -m pytest tests -q
@@ -18,6 +18,9 @@ test-functional: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) scripts/demo_optimizer.py
+
+bench: $(STAMP)
+	for script in benchmarks/*.py; do echo "== $$script"; $(PY) $$script || exit 1; done
 
 venv: $(STAMP)
 

@@ -78,6 +78,9 @@ class OptimizerConfig:
     muon_extra_scale_factor: float = 1.0
     muon_scalar_optimizer: str = "adam"
     muon_use_syrk: bool = False
+    # megatron_eopt: scale Muon's update to AdamW's RMS, 0.2 * sqrt(max(m, n)) (Moonlight), on top
+    # of muon_extra_scale_factor, so nobody has to hand-set 0.2. Needs muon_scale_mode='spectral'.
+    muon_match_adamw_rms: bool = False
 
     # Other emerging optimizers.
     lion_beta1: float = 0.95
@@ -287,6 +290,11 @@ def _check_muon(config: OptimizerConfig) -> None:
     _check_choice(config, "muon_fp32_matmul_prec", typing.get_args(MatmulPrecision))
     _check_choice(config, "muon_scalar_optimizer", typing.get_args(ScalarOptimizer))
     _check_choice(config, "adaptive_muon_moment2_method", typing.get_args(AdaptiveMoment2Method))
+    _require(
+        not config.muon_match_adamw_rms or config.muon_scale_mode == "spectral",
+        f"OptimizerConfig.muon_match_adamw_rms needs muon_scale_mode='spectral' (the rule is "
+        f"0.2 * sqrt(max(m, n))); got muon_scale_mode={config.muon_scale_mode!r}.",
+    )
     _require(
         config.muon_num_ns_steps >= 1,
         f"OptimizerConfig.muon_num_ns_steps must be >= 1; got {config.muon_num_ns_steps}.",
