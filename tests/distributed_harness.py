@@ -36,7 +36,7 @@ import threading
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -104,8 +104,9 @@ def _connect(address: tuple[str, int], token: bytes) -> Connection:
     return conn
 
 
-def _stack_path(stack_dir: str, world_id: int, rank: int) -> str:
-    return os.path.join(stack_dir, f"world{world_id}-rank{rank}.txt")
+def _scratch_path(scratch_dir: str, world_id: int, rank: int, kind: str) -> str:
+    """Per-rank file the worker writes and the test process reads: "stack" or "output"."""
+    return os.path.join(scratch_dir, f"world{world_id}-rank{rank}.{kind}")
 
 
 class _Rendezvous:
@@ -241,18 +242,25 @@ class _Zygote:
 
     def __init__(self, rendezvous: _Rendezvous) -> None:
         self.rendezvous = rendezvous
-        # Where workers write stack dumps; removed by whichever of the two processes ends first.
-        self.stack_dir = tempfile.mkdtemp(prefix="distributed-harness-")
+        # Stack dumps, per-call output and the zygote's log; removed by whichever of the two
+        # processes ends first.
+        self.scratch_dir = tempfile.mkdtemp(prefix="distributed-harness-")
+        self._log_path = os.path.join(self.scratch_dir, "zygote.log")
         host, port = rendezvous.address
-        self._process = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--zygote", host, str(port),
-             self.stack_dir],
-            cwd=os.getcwd(),
-            env=_worker_environment(rendezvous.token),
+        with open(self._log_path, "wb") as log:
+            self._process = subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve()), "--zygote", host, str(port),
+                 self.scratch_dir],
+                cwd=os.getcwd(),
+                env=_worker_environment(rendezvous.token),
+                # Not the terminal: the zygote may start before pytest captures output, and
+                # workers' per-call output is replayed in the calling test instead.
+                stdout=log,
+                stderr=subprocess.STDOUT,
             # Its own session: Ctrl+C in the test terminal is handled by the test process,
             # which then cleans up; the zygote also exits when that process's socket closes.
-            start_new_session=True,
-        )
+                start_new_session=True,
+            )
         self._conn: Connection | None = None  # set once the zygote has finished its imports
 
     def wait_ready(self) -> None:
@@ -275,9 +283,16 @@ class _Zygote:
     def check_alive(self) -> None:
         if not self.alive():
             raise HarnessStartupError(
-                f"the worker zygote exited with code {self._process.returncode} "
-                "(its stderr is above; often an import error in torch or megatron-core)"
+                f"the worker zygote exited with code {self._process.returncode} (often an "
+                f"import error in torch or megatron-core). Its output ends:\n{self.log_tail()}"
             )
+
+    def log_tail(self, chars: int = 6000) -> str:
+        """The end of what the zygote and its workers printed outside calls."""
+        try:
+            return Path(self._log_path).read_text(errors="replace")[-chars:]
+        except OSError:
+            return "(no log)"
 
     def spawn(self, world_id: int, world_size: int) -> list[int]:
         self.wait_ready()
@@ -298,7 +313,7 @@ class _Zygote:
         exited = self._request(("exited", pids))
         if exited:
             raise HarnessStartupError(
-                f"worker process(es) {exited} exited while starting (their stderr is above)"
+                f"worker process(es) {exited} exited while starting. Output:\n{self.log_tail()}"
             )
 
     def close(self) -> None:
@@ -313,7 +328,7 @@ class _Zygote:
         finally:
             if self._conn is not None:
                 self._conn.close()
-            shutil.rmtree(self.stack_dir, ignore_errors=True)
+            shutil.rmtree(self.scratch_dir, ignore_errors=True)
 
     def _request(self, message: tuple[Any, ...]) -> Any:
         if self._conn is None:
@@ -372,12 +387,14 @@ class DistributedHarness:
             world = self._get_world(world_size)
             try:
                 replies, hung = self._dispatch(world, task, timeout)
+                error = self._failure(world, task, timeout, replies, hung)
             except BaseException:  # e.g. pytest-timeout or Ctrl+C mid-call: state unknown
                 self._retire(world)
                 raise
-            if hung or any(reply["status"] != "ok" for reply in replies.values()):
-                fn_name = f"{task['module']}.{task['qualname']}"
-                raise self._fail(world, fn_name, timeout, replies, hung)
+            finally:
+                self._replay_output(world)
+            if error is not None:
+                raise error
             if not all(reply["reusable"] for reply in replies.values()):
                 self._retire(world)
             return [replies[rank]["result"] for rank in range(world.size)]
@@ -495,18 +512,37 @@ class DistributedHarness:
             _send(conn, ("run", task))
         return _collect_replies(world, time.monotonic() + timeout)
 
-    def _fail(
+    def _failure(
         self,
         world: _World,
-        fn_name: str,
+        task: dict[str, Any],
         timeout: float,
         replies: dict[int, dict[str, Any]],
         hung: list[int],
-    ) -> DistributedRunError:
-        """Kill a world after a failed call and describe what went wrong on which rank."""
+    ) -> DistributedRunError | None:
+        """None if every rank succeeded; otherwise kill the world (its state is suspect: e.g.
+        ranks that disagree on how many collectives ran) and describe what failed where."""
+        if not hung and all(reply["status"] == "ok" for reply in replies.values()):
+            return None
         stacks = self._dump_stacks(world, hung)
         self._retire(world)
+        fn_name = f"{task['module']}.{task['qualname']}"
         return _call_error(fn_name, world.size, timeout, replies, hung, stacks)
+
+    def _replay_output(self, world: _World) -> None:
+        """Print what each rank printed during the call here, where pytest captures it for the
+        calling test."""
+        if self._zygote is None:
+            return
+        for rank in range(world.size):
+            path = _scratch_path(self._zygote.scratch_dir, world.world_id, rank, "output")
+            try:
+                text = Path(path).read_text(errors="replace")
+            except OSError:
+                continue
+            if text:
+                body = text.rstrip("\n")
+                sys.stdout.write(f"---- rank {rank} output ----\n{body}\n")
 
     def _dump_stacks(self, world: _World, ranks: list[int]) -> dict[int, str]:
         """Python stacks of ranks that are stuck, written by faulthandler in the worker."""
@@ -517,7 +553,7 @@ class DistributedHarness:
         stacks = {}
         for rank in ranks:
             try:
-                path = _stack_path(self._zygote.stack_dir, world.world_id, rank)
+                path = _scratch_path(self._zygote.scratch_dir, world.world_id, rank, "stack")
                 stacks[rank] = Path(path).read_text(errors="replace")
             except OSError:
                 stacks[rank] = "(no stack dump)"
@@ -664,7 +700,7 @@ atexit.register(shutdown_distributed)  # a no-op unless workers are still runnin
 # ---------------------------------------------------------------------------------------------
 
 
-def _zygote_main(host: str, port: int, stack_dir: str) -> None:
+def _zygote_main(host: str, port: int, scratch_dir: str) -> None:
     token = bytes.fromhex(os.environ.pop(_TOKEN_ENV))
     _preload()
     conn = _connect((host, port), token)
@@ -682,7 +718,7 @@ def _zygote_main(host: str, port: int, stack_dir: str) -> None:
             if request[0] == "spawn":
                 _, world_id, world_size = request
                 pids = [
-                    _fork_worker(conn, (host, port), token, stack_dir, world_id, rank, world_size)
+                    _fork_worker(conn, (host, port), token, scratch_dir, world_id, rank, world_size)
                     for rank in range(world_size)
                 ]
                 children.update(pids)
@@ -694,7 +730,7 @@ def _zygote_main(host: str, port: int, stack_dir: str) -> None:
                 _send(conn, [pid for pid in request[1] if pid not in children])
     finally:
         _stop_children(children)
-        shutil.rmtree(stack_dir, ignore_errors=True)
+        shutil.rmtree(scratch_dir, ignore_errors=True)
 
 
 def _preload() -> None:
@@ -742,7 +778,7 @@ def _fork_worker(
     zygote_conn: Connection,
     address: tuple[str, int],
     token: bytes,
-    stack_dir: str,
+    scratch_dir: str,
     world_id: int,
     rank: int,
     world_size: int,
@@ -755,7 +791,7 @@ def _fork_worker(
     try:
         zygote_conn.close()  # only the zygote itself may talk on that channel
         _die_with_parent(zygote_pid)
-        _worker_main(address, token, stack_dir, world_id, rank, world_size)
+        _worker_main(address, token, scratch_dir, world_id, rank, world_size)
         exit_code = 0
     except BaseException:
         traceback.print_exc()
@@ -785,7 +821,7 @@ def _die_with_parent(parent_pid: int) -> None:
 def _worker_main(
     address: tuple[str, int],
     token: bytes,
-    stack_dir: str,
+    scratch_dir: str,
     world_id: int,
     rank: int,
     world_size: int,
@@ -793,7 +829,7 @@ def _worker_main(
     import torch.distributed as dist
 
     # Lets the test process show where a stuck rank is before it kills it.
-    stack_file = open(_stack_path(stack_dir, world_id, rank), "w")  # noqa: SIM115 (kept open)
+    stack_file = open(_scratch_path(scratch_dir, world_id, rank, "stack"), "w")  # noqa: SIM115
     faulthandler.register(_STACK_SIGNAL, file=stack_file, all_threads=True)
     conn = _connect(address, token)
     # Rank 0 hosts the store on a port the OS picks, so there is no race for a "free" port;
@@ -812,7 +848,7 @@ def _worker_main(
         _send(conn, ("init_failed", traceback.format_exc()))
         return
     _send(conn, ("ready",))
-    _serve(conn, rank, world_size)
+    _serve(conn, rank, world_size, _scratch_path(scratch_dir, world_id, rank, "output"))
 
 
 def _set_rank_environment(rank: int, world_size: int, port: int) -> None:
@@ -827,7 +863,7 @@ def _set_rank_environment(rank: int, world_size: int, port: int) -> None:
     )
 
 
-def _serve(conn: Connection, rank: int, world_size: int) -> None:
+def _serve(conn: Connection, rank: int, world_size: int, output_path: str) -> None:
     baseline_env = dict(os.environ)
     while True:
         try:
@@ -837,11 +873,32 @@ def _serve(conn: Connection, rank: int, world_size: int) -> None:
         if message[0] == "shutdown":
             _shutdown_torch_distributed()
             return
-        reply = _run_task(message[1], rank, world_size, baseline_env)
+        with _redirect_output(output_path):
+            reply = _run_task(message[1], rank, world_size, baseline_env)
         try:
             conn.send_bytes(_pickle_reply(reply))
         except OSError:
             return  # the test process is gone
+
+
+@contextlib.contextmanager
+def _redirect_output(path: str) -> Iterator[None]:
+    """Send everything this process prints during a call (Python and C level) to ``path``, which
+    the test process replays inside the calling test so pytest captures it there."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(path, "wb") as sink:  # truncated: holds this call's output only
+        os.dup2(sink.fileno(), 1)
+        os.dup2(sink.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, saved_fd in zip((1, 2), saved):
+            os.dup2(saved_fd, fd)
+            os.close(saved_fd)
 
 
 def _pickle_reply(reply: dict[str, Any]) -> bytes:

@@ -67,6 +67,10 @@ def _add(rank: int, world_size: int, offset: int, *, factor: int = 1) -> int:
     return (rank + offset) * factor
 
 
+def _print_rank(rank: int, world_size: int) -> None:
+    print(f"hello from rank {rank}")
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_all_reduce_sum_reaches_every_rank(run_distributed, world_size):
     results = run_distributed(_all_reduce_sum, world_size=world_size, args=(3.0,))
@@ -118,6 +122,13 @@ def test_workers_are_reused_between_calls(run_distributed):
     first = run_distributed(_pid, world_size=2)
     assert run_distributed(_pid, world_size=2) == first
     assert len(set(first)) == 2 and os.getpid() not in first
+
+
+def test_worker_output_is_replayed_in_the_calling_test(run_distributed, capsys):
+    run_distributed(_print_rank, world_size=2)
+    out = capsys.readouterr().out
+    assert "---- rank 1 output ----\nhello from rank 1\n" in out
+    assert out.index("hello from rank 0") < out.index("hello from rank 1")
 
 
 def test_lambda_and_nested_functions_are_rejected(run_distributed):
