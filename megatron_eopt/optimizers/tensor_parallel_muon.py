@@ -13,15 +13,58 @@ of a block meet is `tp_mode` (see ops/newton_schulz.py). On CPU, run with
 fp32_matmul_prec='highest': bf16 matrix products are about 4x slower than fp32 there.
 """
 
+import typing
 from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
+from emerging_optimizers import mixin as eo_mixin
 from emerging_optimizers import utils as eo_utils
 from emerging_optimizers.orthogonalized_optimizers.muon import Muon
 
 from megatron_eopt.ops.newton_schulz import TP_MODES, NewtonSchulzSettings, orthogonalize_updates
 from megatron_eopt.ops.splits import MatrixLayout
+
+def check_muon_arguments(tp_mode: str, lr: float, momentum: float, weight_decay: float,
+                         weight_decay_method: str, fp32_matmul_prec: str) -> None:
+    """Argument checks shared by the tensor-parallel Muon optimizers."""
+    if tp_mode not in TP_MODES:
+        raise ValueError(f"tp_mode must be one of {', '.join(map(repr, TP_MODES))}; got {tp_mode!r}.")
+    if not 0.0 <= momentum < 1.0:
+        raise ValueError(f"momentum must be in [0, 1); got {momentum}.")
+    if lr < 0.0 or weight_decay < 0.0:
+        raise ValueError(f"lr and weight_decay must be >= 0; got lr={lr}, weight_decay={weight_decay}.")
+    # emerging_optimizers only looks at these in the first step; check them now.
+    for name, value, valid in (("weight_decay_method", weight_decay_method, typing.get_args(eo_mixin.WeightDecayT)),
+                               ("fp32_matmul_prec", fp32_matmul_prec, typing.get_args(eo_utils.FP32MatmulPrecT))):
+        if value not in valid:
+            raise ValueError(f"{name} must be one of {', '.join(map(repr, valid))}; got {value!r}.")
+
+
+def layouts_by_param(param_groups: list[dict], layouts: Mapping[str, MatrixLayout]) -> dict[int, MatrixLayout]:
+    """One layout per parameter (by id), checked at construction rather than in the first step.
+
+    Param groups name their parameters in 'param_fqns'; a parameter without a layout is a
+    whole, unfused matrix.
+    """
+    by_param = {}
+    for group in param_groups:
+        names = group.get("param_fqns") or [f"<param {i}>" for i in range(len(group["params"]))]
+        for param, name in zip(group["params"], names):
+            if param.dim() != 2:
+                raise ValueError(
+                    f"parameter {name!r} has shape {tuple(param.shape)}; Muon updates 2-D matrices "
+                    f"only. Route it to the scalar optimizer (muon_scalar_optimizer) instead."
+                )
+            layout = layouts.get(name) or MatrixLayout(name=name, local_shape=tuple(param.shape))
+            if layout.local_shape != tuple(param.shape):
+                raise ValueError(
+                    f"parameter {name!r}: layout shape {layout.local_shape} differs from the "
+                    f"parameter's {tuple(param.shape)}."
+                )
+            by_param[id(param)] = layout
+    return by_param
+
 
 # The Muon scale that matches AdamW's update RMS (Moonlight): 0.2 * sqrt(max(m, n)).
 ADAMW_RMS_MATCHING_EXTRA_SCALE = 0.2
@@ -57,12 +100,7 @@ class TensorParallelMuon(Muon):
         tp_group: Optional[dist.ProcessGroup] = None,
         layouts: Optional[Mapping[str, MatrixLayout]] = None,
     ) -> None:
-        if tp_mode not in TP_MODES:
-            raise ValueError(f"tp_mode must be one of {', '.join(map(repr, TP_MODES))}; got {tp_mode!r}.")
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum must be in [0, 1); got {momentum}.")
-        if lr < 0.0 or weight_decay < 0.0:
-            raise ValueError(f"lr and weight_decay must be >= 0; got lr={lr}, weight_decay={weight_decay}.")
+        check_muon_arguments(tp_mode, lr, momentum, weight_decay, weight_decay_method, fp32_matmul_prec)
         self.settings = NewtonSchulzSettings(num_ns_steps, coefficient_type, scale_mode, extra_scale_factor, use_syrk)
         super().__init__(
             params, lr, momentum, weight_decay, nesterov=nesterov, weight_decay_method=weight_decay_method,
@@ -71,27 +109,7 @@ class TensorParallelMuon(Muon):
         )
         self.tp_mode = tp_mode
         self.tp_group = tp_group
-        self._layout_of = self._layouts_by_param(dict(layouts or {}))
-
-    def _layouts_by_param(self, layouts: dict[str, MatrixLayout]) -> dict[int, MatrixLayout]:
-        """One layout per parameter, checked now rather than in the first step."""
-        by_param = {}
-        for group in self.param_groups:
-            names = group.get("param_fqns") or [f"<param {i}>" for i in range(len(group["params"]))]
-            for param, name in zip(group["params"], names):
-                if param.dim() != 2:
-                    raise ValueError(
-                        f"parameter {name!r} has shape {tuple(param.shape)}; Muon updates 2-D matrices "
-                        f"only. Route it to the scalar optimizer (muon_scalar_optimizer) instead."
-                    )
-                layout = layouts.get(name) or MatrixLayout(name=name, local_shape=tuple(param.shape))
-                if layout.local_shape != tuple(param.shape):
-                    raise ValueError(
-                        f"parameter {name!r}: layout shape {layout.local_shape} differs from the "
-                        f"parameter's {tuple(param.shape)}."
-                    )
-                by_param[id(param)] = layout
-        return by_param
+        self._layout_of = layouts_by_param(self.param_groups, dict(layouts or {}))
 
     def orthogonalize(self, p: torch.Tensor, grad: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """The scaled orthogonalized update of one parameter (emerging_optimizers' hook)."""

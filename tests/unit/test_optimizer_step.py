@@ -7,7 +7,6 @@ so the fp32 main parameters must equal an fp32 torch run exactly and the model p
 must equal them rounded to bf16.
 """
 
-import copy
 import io
 import math
 

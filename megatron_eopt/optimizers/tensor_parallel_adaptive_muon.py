@@ -1,0 +1,250 @@
+"""TensorParallelAdaptiveMuon: emerging_optimizers' AdaptiveMuon for TP shards and fused weights.
+
+Update of each 2-D parameter p with gradient g, momentum beta, lr, weight decay wd, beta2, eps:
+    p <- p * (1 - lr * wd)                                  (decoupled weight decay)
+    m <- beta * m + (1 - beta) * g                          (EMA momentum)
+    u <- lerp(g, m, beta) if nesterov else m
+    O <- for each block B of u (q/k/v of linear_qkv, gate/up of a gated linear_fc1, else u):
+         NewtonSchulz(B)                                    (raw: no scale yet)
+    N <- second-moment normalization of O, by moment2_method:
+         adamuon: v <- beta2 * v + (1 - beta2) * O^2;  N = O / (sqrt(v) + eps)       (elementwise)
+         normuon: s = mean of O^2 over columns if rows >= cols, else over rows
+                  v <- beta2 * v + (1 - beta2) * s;    N = O / sqrt(max(v, eps))
+                  N <- N * ||O||_F / max(||N||_F, eps)
+         namo:    v <- beta2 * v + (1 - beta2) * ||g||_F^2;  N = O * ||u||_F / (sqrt(v) + eps)
+    p <- p - lr * N * scale(rows, cols) * extra_scale_factor
+scale: spectral sqrt(max(m, n)), shape_scaling sqrt(max(1, m/n)), unit_rms_norm sqrt(m/n).
+
+Everything above is of the whole (unsharded) parameter, so that tp_mode 'duplicated',
+'distributed' and 'sharded' give the TP=1 update to fp32 round-off: `rows`/`cols` and the
+normuon mean are those of the global shape, and means and norms over a sharded dimension are
+summed over the TP group (at most two all-reduces per step, each of one flat buffer for all
+parameters). tp_mode='blockwise' treats every shard as a whole parameter: no communication,
+and the update depends on the TP degree.
+"""
+
+import typing
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+from emerging_optimizers import utils as eo_utils
+from emerging_optimizers.orthogonalized_optimizers.adaptive_muon import AdaptiveMuon, Moment2MethodT
+
+from megatron_eopt.ops.newton_schulz import NewtonSchulzSettings, orthogonalize_updates
+from megatron_eopt.ops.splits import MatrixLayout
+from megatron_eopt.optimizers.tensor_parallel_muon import check_muon_arguments, layouts_by_param
+
+MOMENT2_METHODS: tuple[str, ...] = typing.get_args(Moment2MethodT)
+
+
+@dataclass(frozen=True)
+class _GlobalView:
+    """The matrix whose statistics AdaptiveMuon takes, seen from one rank's shard."""
+
+    shape: tuple[int, int]  # global shape; the local one in blockwise mode or without TP
+    sharded_dim: int  # the dimension split over the TP group (sums over it all-reduce); -1: none
+
+    @property
+    def mean_dim(self) -> int:
+        """normuon's averaged dimension: AdaptiveMuon's rule, applied to the global shape."""
+        return 1 if self.shape[0] >= self.shape[1] else 0
+
+
+@dataclass
+class _Pending:
+    """One parameter's step between momentum and weight update."""
+
+    group: dict
+    param: torch.Tensor
+    grad: torch.Tensor  # after weight decay (namo's ||g||)
+    update: torch.Tensor  # momentum or Nesterov update, before orthogonalization
+    view: _GlobalView
+
+
+class TensorParallelAdaptiveMuon(AdaptiveMuon):
+    """AdaptiveMuon whose parameters may be TP shards (see the module docstring for the update).
+
+    Args beyond emerging_optimizers' AdaptiveMuon (whose lr, momentum and weight_decay get
+    TensorParallelMuon's defaults here):
+        tp_mode: 'blockwise', 'duplicated', 'distributed' or 'sharded'.
+        tp_group: the tensor-parallel group of these parameters (None: size 1).
+        layouts: fqn -> MatrixLayout for parameters that are shards or fused; param groups
+            name their parameters in 'param_fqns'. A parameter without a layout is a whole,
+            unfused matrix.
+
+    Checked here: tp_mode, lr, momentum, weight_decay, weight_decay_method, fp32_matmul_prec,
+    coefficient_type, num_ns_steps, scale_mode, moment2_method, beta2, eps, that every
+    parameter is 2-D and matches its layout's shape, and (outside blockwise mode) that every
+    sharded layout's tp_size is the size of tp_group.
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 3e-4,
+        momentum: float = 0.95,
+        weight_decay: float = 0.01,
+        *,
+        nesterov: bool = False,
+        weight_decay_method: str = "decoupled",
+        fp32_matmul_prec: str = "medium",
+        coefficient_type: str = "quintic",
+        num_ns_steps: int = 5,
+        scale_mode: str = "spectral",
+        extra_scale_factor: float = 1.0,
+        moment2_method: str = "adamuon",
+        beta2: float = 0.95,
+        eps: float = 1e-8,
+        tp_mode: str = "duplicated",
+        tp_group: Optional[dist.ProcessGroup] = None,
+        layouts: Optional[Mapping[str, MatrixLayout]] = None,
+    ) -> None:
+        check_muon_arguments(tp_mode, lr, momentum, weight_decay, weight_decay_method, fp32_matmul_prec)
+        if moment2_method not in MOMENT2_METHODS:
+            raise ValueError(
+                f"moment2_method must be one of {', '.join(map(repr, MOMENT2_METHODS))}; got {moment2_method!r}."
+            )
+        if not 0.0 <= beta2 < 1.0:
+            raise ValueError(f"beta2 must be in [0, 1); got {beta2}.")
+        if not eps > 0.0:
+            raise ValueError(f"eps must be > 0 (it keeps all-zero rows and updates finite); got {eps}.")
+        # Raw Newton-Schulz: the Muon scale comes after the second-moment normalization.
+        self.settings = NewtonSchulzSettings(
+            num_ns_steps, coefficient_type, scale_mode, extra_scale_factor, use_syrk=False, scaled=False
+        )
+        super().__init__(
+            params, lr, momentum, weight_decay, nesterov=nesterov, weight_decay_method=weight_decay_method,
+            fp32_matmul_prec=fp32_matmul_prec, coefficient_type=coefficient_type, num_ns_steps=num_ns_steps,
+            scale_mode=scale_mode, extra_scale_factor=extra_scale_factor, moment2_method=moment2_method,
+            beta2=beta2, eps=eps,
+        )
+        self.tp_mode = tp_mode
+        self.tp_group = tp_group
+        self._layout_of = layouts_by_param(self.param_groups, dict(layouts or {}))
+        self._view_of = {key: self._global_view(layout) for key, layout in self._layout_of.items()}
+
+    def _global_view(self, layout: MatrixLayout) -> _GlobalView:
+        tp_size = 1 if self.tp_group is None else dist.get_world_size(self.tp_group)
+        if self.tp_mode == "blockwise" or layout.partition_dim < 0:
+            return _GlobalView(layout.local_shape, -1)
+        if layout.tp_size != tp_size:
+            # Otherwise the global shape, and so the scale and the normuon mean, would be wrong.
+            raise ValueError(
+                f"parameter {layout.name!r}: its layout is sharded over tp_size={layout.tp_size} but "
+                f"tp_group has {tp_size} rank(s); pass the parameters' TP group (or tp_mode='blockwise')."
+            )
+        shape = list(layout.local_shape)
+        shape[layout.partition_dim] *= tp_size
+        return _GlobalView((shape[0], shape[1]), layout.partition_dim if tp_size > 1 else -1)
+
+    @torch.no_grad()
+    def _init_group(self, group: dict, skip_non_grad_params: bool = True) -> None:
+        """AdaptiveMuon's lazy state, with normuon's buffer shaped by the global shape.
+
+        The normuon buffer holds this rank's part of the global one: size 1 along the averaged
+        dimension, which is chosen from the global shape (a shard may be wide where the whole
+        matrix is tall).
+        """
+        for p in group["params"]:
+            if (skip_non_grad_params and p.grad is None) or self.state[p]:
+                continue
+            if self.moment2_method == "adamuon":
+                shape = list(p.shape)
+            elif self.moment2_method == "normuon":
+                shape = list(p.shape)
+                shape[self._view_of[id(p)].mean_dim] = 1
+            else:  # namo: one number, the same on every TP rank
+                shape = [1]
+            self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+            self.state[p]["moment2_buffer"] = torch.zeros(shape, dtype=p.dtype, device=p.device)
+
+    def orthogonalize(self, p: torch.Tensor, grad: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """The raw (unscaled) orthogonalized update of one parameter (emerging_optimizers' hook)."""
+        return orthogonalize_updates([grad], [self._layout_of[id(p)]], self.tp_mode, self.tp_group, self.settings)[0]
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None) -> None:
+        """AdaptiveMuon's step with every parameter's orthogonalization and statistics done together.
+
+        Together, so that tp_mode='sharded' moves all shards with one exchange and the global
+        means and norms take at most two all-reduces; weight decay, momentum, the Muon scale and
+        the weight update are AdaptiveMuon's own (emerging_optimizers).
+        """
+        if closure is not None:
+            raise ValueError("closure is not supported")
+        pending = []
+        for group in self.param_groups:
+            self._init_group(group)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                momentum = self.state[p]["momentum_buffer"]
+                self._apply_weight_decay_inplace(p, p.grad, group["lr"], group["weight_decay"])
+                momentum.lerp_(p.grad, 1 - group["momentum"])
+                update = p.grad.lerp(momentum, group["momentum"]) if self.nesterov else momentum
+                pending.append(_Pending(group, p, p.grad, update, self._view_of[id(p)]))
+        if not pending:
+            return None
+        with eo_utils.fp32_matmul_precision(self.fp32_matmul_prec):
+            orthogonal = orthogonalize_updates(
+                [item.update for item in pending], [self._layout_of[id(item.param)] for item in pending],
+                self.tp_mode, self.tp_group, self.settings,
+            )
+        normalize = {"adamuon": self._adamuon, "normuon": self._normuon, "namo": self._namo}[self.moment2_method]
+        for item, update in zip(pending, normalize(pending, orthogonal)):
+            update = self._apply_muon_scale(update, *item.view.shape)
+            self.pre_weight_update_fn_inplace(item.param, update)
+            item.param.add_(update, alpha=-item.group["lr"])
+            self.post_weight_update_fn_inplace(item.param)
+        return None
+
+    def _adamuon(self, pending: list[_Pending], orthogonal: list[torch.Tensor]) -> list[torch.Tensor]:
+        # Elementwise: each shard's part of the global result needs nothing from other ranks.
+        return [
+            self._apply_moment2_normalization(o, self.state[item.param]["moment2_buffer"],
+                                              item.group["beta2"], item.group["eps"])
+            for item, o in zip(pending, orthogonal)
+        ]
+
+    def _normuon(self, pending: list[_Pending], orthogonal: list[torch.Tensor]) -> list[torch.Tensor]:
+        # 1. Mean of O^2 along the global averaged dimension: partial sums meet when it is sharded.
+        sums = [o.float().square().sum(dim=item.view.mean_dim, keepdim=True) for item, o in zip(pending, orthogonal)]
+        self._all_reduce_sum([s for item, s in zip(pending, sums) if item.view.sharded_dim == item.view.mean_dim])
+        normalized = []
+        for item, o, total in zip(pending, orthogonal, sums):
+            moment2 = self.state[item.param]["moment2_buffer"]
+            moment2.lerp_((total / item.view.shape[item.view.mean_dim]).to(moment2.dtype), 1 - item.group["beta2"])
+            normalized.append(o * moment2.clamp_min(item.group["eps"]).rsqrt())
+        # 2. Keep the Frobenius norm of O: squared norms of the whole matrices.
+        squares = [torch.stack([o.float().square().sum(), n.float().square().sum()])
+                   for o, n in zip(orthogonal, normalized)]
+        self._all_reduce_sum([sq for item, sq in zip(pending, squares) if item.view.sharded_dim >= 0])
+        return [n * (sq[0].sqrt() / sq[1].sqrt().clamp_min(item.group["eps"])).to(n.dtype)
+                for item, n, sq in zip(pending, normalized, squares)]
+
+    def _namo(self, pending: list[_Pending], orthogonal: list[torch.Tensor]) -> list[torch.Tensor]:
+        # ||g||^2 and ||u||^2 of the whole matrices; the scalar moment2 stays equal on all TP ranks.
+        squares = [torch.stack([item.grad.float().square().sum(), item.update.float().square().sum()])
+                   for item in pending]
+        self._all_reduce_sum([sq for item, sq in zip(pending, squares) if item.view.sharded_dim >= 0])
+        scaled = []
+        for item, o, sq in zip(pending, orthogonal, squares):
+            moment2 = self.state[item.param]["moment2_buffer"]
+            moment2.lerp_(sq[0].to(moment2.dtype), 1 - item.group["beta2"])
+            scaled.append(o * (sq[1].sqrt() / (moment2.sqrt() + item.group["eps"])).to(o.dtype))
+        return scaled
+
+    def _all_reduce_sum(self, tensors: list[torch.Tensor]) -> None:
+        """Sum fp32 `tensors` over tp_group in place, with one collective for all of them.
+
+        Every rank has the same parameters in the same order, so the lists agree; empty on
+        every rank in blockwise mode or without TP, and then nothing is communicated.
+        """
+        if not tensors:
+            return
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        dist.all_reduce(flat, group=self.tp_group)
+        for tensor, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+            tensor.copy_(part.view_as(tensor))
