@@ -1,20 +1,28 @@
 """get_megatron_optimizer: model chunks + one config -> a ready optimizer.
 
-The recipe: validate the config, find the optimizer, resolve process groups, build param
-groups from the overrides, then one wrapped optimizer for dense and one for expert parameters
-(they sum their gradient norms over different groups), chained under one norm.
+The recipe: validate the config, look the optimizer up in the registry, resolve process
+groups, route every parameter to the configured optimizer or (for matrix optimizers such as
+Muon) to the scalar optimizer, build param groups from the overrides, then one wrapped
+optimizer per (optimizer, dense|expert) (dense and expert parameters sum their gradient norms
+over different groups and use different tensor-parallel groups), chained under one norm.
 """
 
-import functools
+import sys
 from typing import Any, Iterable, Mapping, Optional, Union
 
 import torch
 
 from megatron_eopt.config import OptimizerConfig, as_optimizer_config
-from megatron_eopt.distributed.process_groups import ParallelGroups, resolve_parallel_groups
-from megatron_eopt.param_groups import ParamRecord, build_param_groups, dump_param_group_map
+from megatron_eopt.distributed.process_groups import ParallelGroups, group_size, resolve_parallel_groups
+from megatron_eopt.param_groups import (
+    ParamRecord,
+    ParamRouting,
+    build_param_groups,
+    dump_param_group_map,
+    matrix_layouts,
+)
 from megatron_eopt.param_key import check_config_overrides, get_standard_config_overrides
-from megatron_eopt.registry import get_optimizer_entry
+from megatron_eopt.registry import BuildContext, OptimizerSpec, lookup_optimizer
 from megatron_eopt.wrappers.chained import ChainedOptimizer
 from megatron_eopt.wrappers.fp32 import FP32Optimizer
 from megatron_eopt.wrappers.grad_scaler import make_grad_scaler
@@ -35,47 +43,97 @@ def get_megatron_optimizer(
         config: OptimizerConfig, or megatron-core's OptimizerConfig (fields read by name).
         model_chunks: a module or a list of modules (virtual pipeline chunks).
         config_overrides: ParamKey -> ParamGroupOverride; None means the standard overrides
-            (`get_standard_config_overrides`), {} means none at all.
+            (`get_standard_config_overrides`, plus the optimizer entry's default overrides),
+            {} means none at all. Give the scalar part of a Muon run its own lr/wd here (e.g. a
+            key matching 1-D parameters).
         use_gloo_process_groups: accepted for compatibility; no gloo side groups are needed.
         pg_collection: megatron-core ProcessGroupCollection or ParallelGroups; None uses
             megatron-core's parallel_state when torch.distributed runs several ranks.
         dump_param_to_param_group_map: a directory; each rank writes which optimizer and
             param group each of its parameters got (`rank_00000.json`, ...).
     Returns:
-        A ChainedOptimizer (children: 'dense', and 'expert' when the model has experts).
+        A ChainedOptimizer. Children: 'dense' (and 'expert' when the model has experts) for an
+        optimizer that takes every parameter; '<optimizer>/dense', '<scalar>/dense' (and
+        '.../expert') for one that routes some parameters to the scalar optimizer.
     """
     config = as_optimizer_config(config)
-    entry = get_optimizer_entry(config.optimizer)
-    _check_implemented(config)
+    spec = lookup_optimizer(config.optimizer)
+    routing = _routing(spec, config)
+    _check_supported(config, {name: lookup_optimizer(name) for name in routing.optimizers})
     chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
     if not chunks:
         raise ValueError("model_chunks is empty; pass the model (or its list of chunks).")
     groups = resolve_parallel_groups(pg_collection)
-    overrides = get_standard_config_overrides(config) if config_overrides is None else config_overrides
+    overrides = _overrides(config, config_overrides, spec)
     check_config_overrides(overrides)
 
-    param_groups, records = build_param_groups(chunks, config, overrides, align_group=groups.world)
+    param_groups, records = build_param_groups(chunks, config, overrides, groups.world, routing)
     if not param_groups:
         raise ValueError("model_chunks have no trainable parameters (requires_grad=True).")
     if dump_param_to_param_group_map is not None:
-        optimizer_of = {group["group_key"]: entry.name for group in param_groups}
-        dump_param_group_map(dump_param_to_param_group_map, param_groups, records, optimizer_of)
+        dump_param_group_map(dump_param_to_param_group_map, param_groups, records)
 
-    make_optimizer = functools.partial(entry.build, config=config)
+    return ChainedOptimizer(_children(config, chunks, groups, routing, param_groups, records))
+
+
+def _children(
+    config: OptimizerConfig,
+    chunks: list[torch.nn.Module],
+    groups: ParallelGroups,
+    routing: ParamRouting,
+    param_groups: list[dict],
+    records: list[ParamRecord],
+) -> list[Any]:
+    """One wrapped optimizer per (optimizer, dense|expert) that has param groups."""
     grad_scaler = make_grad_scaler(config, _device_of(records))
+    wrapper = MixedPrecisionOptimizer if (config.bf16 or config.fp16) else FP32Optimizer
     children = []
-    for is_expert, name in ((False, "dense"), (True, "expert")):
-        child_groups = [g for g in param_groups if g["is_expert_parallel"] == is_expert]
-        if child_groups:
+    for is_expert, kind in ((False, "dense"), (True, "expert")):
+        for name in routing.optimizers:
+            child_groups = [g for g in param_groups if (g["is_expert_parallel"], g["optimizer"]) == (is_expert, name)]
+            if not child_groups:
+                continue
             tp_group, norm_group = _gradient_groups(groups, is_expert)
-            wrapper = MixedPrecisionOptimizer if (config.bf16 or config.fp16) else FP32Optimizer
+            child_records = [r for r in records if (r.is_expert_parallel, r.optimizer_name) == (is_expert, name)]
+            make_optimizer = _optimizer_maker(lookup_optimizer(name), config, chunks, child_records, tp_group)
+            child_name = kind if len(routing.optimizers) == 1 else f"{name}/{kind}"
             children.append(
-                wrapper(child_groups, make_optimizer, config, records, tp_group, norm_group, name, grad_scaler)
+                wrapper(child_groups, make_optimizer, config, records, tp_group, norm_group, child_name, grad_scaler)
             )
-    return ChainedOptimizer(children)
+    return children
 
 
-def _check_implemented(config: OptimizerConfig) -> None:
+def _routing(spec: OptimizerSpec, config: OptimizerConfig) -> ParamRouting:
+    scalar = None if spec.routing == "all" else config.muon_scalar_optimizer
+    return ParamRouting(spec.name, spec.routing, scalar, _lookup_table_types())
+
+
+def _lookup_table_types() -> tuple[type, ...]:
+    """Embedding modules: torch's, and megatron-core's vocab-parallel one if it is loaded."""
+    if "megatron.core.tensor_parallel" not in sys.modules:
+        return (torch.nn.Embedding,)  # no megatron-core model exists; don't pay its import
+    from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
+
+    return (torch.nn.Embedding, VocabParallelEmbedding)
+
+
+def _overrides(
+    config: OptimizerConfig, config_overrides: Optional[Mapping[Any, Mapping[str, Any]]], spec: OptimizerSpec
+) -> Mapping[Any, Mapping[str, Any]]:
+    if config_overrides is not None:
+        return config_overrides
+    overrides = dict(get_standard_config_overrides(config))
+    for key, override in spec.default_param_overrides.items():
+        if key in overrides and any(overrides[key].get(f, v) != v for f, v in override.items()):
+            raise ValueError(
+                f"optimizer {spec.name!r}: its default override for {key!r} conflicts with the "
+                f"standard override {overrides[key]}."
+            )
+        overrides[key] = {**overrides.get(key, {}), **override}
+    return overrides
+
+
+def _check_supported(config: OptimizerConfig, specs: Mapping[str, OptimizerSpec]) -> None:
     if config.use_distributed_optimizer:
         raise ValueError(
             f"use_distributed_optimizer=True (megatron-core's ZeRO-1 DistributedOptimizer) is "
@@ -86,6 +144,45 @@ def _check_implemented(config: OptimizerConfig) -> None:
         raise ValueError(
             "use_layer_wise_distributed_optimizer=True is not implemented yet in this version "
             "of megatron_eopt; set it to False."
+        )
+    emerging = [name for name, spec in specs.items() if spec.emerging]
+    if config.fp16 and emerging:
+        raise ValueError(
+            f"fp16=True is not supported with emerging optimizers ({', '.join(emerging)}): their "
+            f"state and updates have no loss-scaling support. Use bf16=True, or optimizer 'adam'/'sgd'."
+        )
+
+
+def _optimizer_maker(
+    spec: OptimizerSpec,
+    config: OptimizerConfig,
+    chunks: list[torch.nn.Module],
+    records: list[ParamRecord],
+    tp_group: Any,
+):
+    """`make_optimizer(torch param groups)` for one child, with its TP group and layouts."""
+    tp_size = group_size(tp_group)
+    _check_tensor_parallel_support(spec, records, tp_size)
+    layouts = matrix_layouts(records, chunks, tp_size, config.muon_split_qkv) if spec.accepts("layouts") else None
+    if records:
+        on_cpu = all(r.param.device.type == "cpu" for r in records)
+    else:
+        on_cpu = not torch.cuda.is_available()
+    context = BuildContext(tp_group=tp_group, layouts=layouts, on_cpu=on_cpu)
+    return lambda param_groups: spec.build(param_groups, config, context)
+
+
+def _check_tensor_parallel_support(spec: OptimizerSpec, records: list[ParamRecord], tp_size: int) -> None:
+    """A matrix optimizer that cannot see other TP shards would make the update depend on TP."""
+    if tp_size == 1 or spec.routing == "all" or spec.accepts("tp_group"):
+        return
+    sharded = [r.fqn for r in records if r.tensor_model_parallel]
+    if sharded:
+        raise ValueError(
+            f"optimizer {spec.name!r} ({spec.entry.optimizer_cls.__name__}) works on whole matrices "
+            f"but has no tensor-parallel support: parameter {sharded[0]!r} is split over "
+            f"{tp_size} TP ranks, so its update would depend on the TP degree. Use "
+            f"tensor_model_parallel_size=1 or an optimizer with TP support (e.g. 'muon')."
         )
 
 
