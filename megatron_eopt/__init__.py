@@ -14,7 +14,16 @@ from megatron_eopt.param_key import (
     ParamWithNamePredicate,
     get_standard_config_overrides,
 )
-from megatron_eopt.registry import OptimizerEntry, list_optimizers, register_optimizer
+from megatron_eopt.optimizers.tensor_parallel_adaptive_muon import TensorParallelAdaptiveMuon
+from megatron_eopt.optimizers.tensor_parallel_muon import TensorParallelMuon
+from megatron_eopt.registry import (
+    EmergingOptimizerEntry,
+    OptimizerEntry,
+    list_optimizers,
+    lookup_optimizer,
+    register_emerging_optimizer,
+    register_optimizer,
+)
 from megatron_eopt.wrappers.base import MegatronOptimizer
 from megatron_eopt.wrappers.chained import ChainedOptimizer
 from megatron_eopt.wrappers.fp32 import FP32Optimizer
@@ -26,6 +35,7 @@ __all__ = [
     "ChainedOptimizer",
     "ConstantGradScaler",
     "DynamicGradScaler",
+    "EmergingOptimizerEntry",
     "FP32Optimizer",
     "MegatronOptimizer",
     "MixedPrecisionOptimizer",
@@ -37,8 +47,12 @@ __all__ = [
     "ParamPredicate",
     "ParamWithNamePredicate",
     "SGDOptimizerConfig",
+    "TensorParallelAdaptiveMuon",
+    "TensorParallelMuon",
     "get_megatron_optimizer",
     "get_standard_config_overrides",
     "list_optimizers",
+    "lookup_optimizer",
+    "register_emerging_optimizer",
     "register_optimizer",
 ]

@@ -6,10 +6,9 @@ Importing this module has no side effects; the table fills at its first use from
 2. every optimizer in `emerging_optimizers.registry`: its optimizer subpackages are imported
    explicitly (their `@register_optimizer` decorators fill that registry). If one fails to
    import, asking for any optimizer but adam/sgd raises an ImportError naming the failure, so a
-   renamed module can never silently disable them. 'muon' is megatron_eopt's
-   TensorParallelMuon (same update at every TP degree); 'adaptive_muon' is megatron_eopt's
-   TensorParallelAdaptiveMuon when that class exists, else emerging_optimizers' AdaptiveMuon,
-   which cannot take tensor-parallel shards (the factory refuses them);
+   renamed module can never silently disable them. 'muon' and
+   'adaptive_muon' are megatron_eopt's TensorParallelMuon and TensorParallelAdaptiveMuon (same
+   update at every TP degree);
 3. Python entry points of group `megatron_eopt.optimizers` (third-party packages): each loads to
    an `EmergingOptimizerEntry` (registered under the entry point's name), a torch optimizer
    class (registered with default settings) or a callable that registers by itself.
@@ -47,7 +46,6 @@ AdamW/SGD (adam, sgd) and third-party classes without `_init_group` keep lazy st
 
 import importlib
 import importlib.metadata
-import importlib.util
 import inspect
 import re
 import types
@@ -437,27 +435,31 @@ def _emerging_version() -> str:
         return "unknown version"
 
 
+def _muon_scale_kwargs(config: Any) -> dict[str, Any]:
+    """`muon_match_adamw_rms` multiplies the extra scale by 0.2 (Moonlight's AdamW-RMS rule)."""
+    from megatron_eopt.optimizers.tensor_parallel_muon import ADAMW_RMS_MATCHING_EXTRA_SCALE
+
+    factor = ADAMW_RMS_MATCHING_EXTRA_SCALE if getattr(config, "muon_match_adamw_rms", False) else 1.0
+    return {"extra_scale_factor": config.muon_extra_scale_factor * factor}
+
+
 def _muon_entry(optimizer_cls: type) -> EmergingOptimizerEntry:
     from megatron_eopt.optimizers.tensor_parallel_muon import TensorParallelMuon
 
     return EmergingOptimizerEntry(
         TensorParallelMuon, routing="hidden_matrices", config_prefixes=("muon",),
+        config_to_kwargs=_muon_scale_kwargs,
         description=f"megatron_eopt TensorParallelMuon ({optimizer_cls.__name__} over TP shards)",
     )
 
 
 def _adaptive_muon_entry(optimizer_cls: type) -> EmergingOptimizerEntry:
-    """megatron_eopt's TensorParallelAdaptiveMuon once it exists, else emerging_optimizers' class.
+    from megatron_eopt.optimizers.tensor_parallel_adaptive_muon import TensorParallelAdaptiveMuon
 
-    emerging_optimizers' AdaptiveMuon orthogonalizes whatever tensor it holds, so the factory
-    refuses it for tensor-parallel shards (TP > 1).
-    """
-    ours = None
-    if importlib.util.find_spec("megatron_eopt.optimizers.tensor_parallel_adaptive_muon") is not None:
-        from megatron_eopt.optimizers.tensor_parallel_adaptive_muon import TensorParallelAdaptiveMuon as ours
     return EmergingOptimizerEntry(
-        ours or optimizer_cls, routing="hidden_matrices", config_prefixes=("muon",),
-        description="Muon with a second moment after orthogonalization (AdaMuon, NorMuon)",
+        TensorParallelAdaptiveMuon, routing="hidden_matrices", config_prefixes=("muon",),
+        config_to_kwargs=_muon_scale_kwargs,
+        description=f"megatron_eopt TensorParallelAdaptiveMuon ({optimizer_cls.__name__} over TP shards)",
     )
 
 

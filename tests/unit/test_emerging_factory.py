@@ -422,3 +422,25 @@ def registry_free_1d():
     from megatron_eopt import ParamWithNamePredicate
 
     return ParamWithNamePredicate(name="1d", fn=lambda p, name: p.dim() == 1)
+
+
+def test_match_adamw_rms_is_extra_scale_point_two() -> None:
+    """muon_match_adamw_rms=True takes the same step as hand-setting muon_extra_scale_factor=0.2."""
+
+    def step(**fields) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 8, bias=False))
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="muon", lr=0.1, weight_decay=0.0, clip_grad=0.0, **fields), model
+        )
+        before = model[0].weight.detach().clone()
+        model[0].weight.grad = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+        assert optimizer.step()[0]
+        return before - model[0].weight.detach()
+
+    switched, by_hand, default = step(muon_match_adamw_rms=True), step(muon_extra_scale_factor=0.2), step()
+    torch.testing.assert_close(switched, by_hand, rtol=0, atol=0)
+    # p - (p - lr*u) rounds at the magnitude of p, hence an absolute tolerance
+    torch.testing.assert_close(switched, 0.2 * default, rtol=0, atol=1e-7)
+    with pytest.raises(ValueError, match="muon_match_adamw_rms needs muon_scale_mode='spectral'"):
+        OptimizerConfig(optimizer="muon", lr=0.1, muon_match_adamw_rms=True, muon_scale_mode="shape_scaling")
