@@ -99,10 +99,10 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
     def grad_stats(self, count_zeros: bool) -> torch.Tensor:
         self._prepare_main_grads()
         grads = [m.grad for m in self.main_params]
-        all_grads = [g for g in grads if g is not None]
         norm_grads = [g for g, counts in zip(grads, self._counts_for_norm) if counts and g is not None]
-        inv_scale = self.grad_scaler.inv_scale if self.grad_scaler is not None else self._one
-        stats = local_grad_stats(all_grads, norm_grads, inv_scale, count_zeros, self._device)
+        other_grads = [g for g, counts in zip(grads, self._counts_for_norm) if not counts and g is not None]
+        inv_scale = self.grad_scaler.inv_scale if self.grad_scaler is not None else None
+        stats = local_grad_stats(norm_grads, other_grads, inv_scale, count_zeros, self._device)
         return reduced_grad_stats(stats, self._norm_group)
 
     def main_grads(self) -> list[torch.Tensor]:

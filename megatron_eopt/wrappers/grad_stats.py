@@ -15,7 +15,7 @@ NONFINITE, SUM_OF_SQUARES, ZEROS = 0, 1, 2
 
 
 def unscale_and_count_nonfinite(grads: list[torch.Tensor], inv_scale: torch.Tensor) -> float:
-    """Multiply every gradient by `inv_scale` in place; return how many tensors had inf/NaN.
+    """Multiply every gradient by `inv_scale` in place; > 0 if any had inf/NaN (per device).
 
     One fused pass per device (the same kernel torch's AMP GradScaler uses).
     """
@@ -30,25 +30,34 @@ def unscale_and_count_nonfinite(grads: list[torch.Tensor], inv_scale: torch.Tens
 
 
 def local_grad_stats(
-    all_grads: list[torch.Tensor],
     norm_grads: list[torch.Tensor],
-    inv_scale: torch.Tensor,
+    other_grads: list[torch.Tensor],
+    inv_scale: Optional[torch.Tensor],
     count_zeros: bool,
     device: torch.device,
 ) -> torch.Tensor:
-    """[non-finite count, sum of squares, zeros] of this rank, before any reduction.
+    """[non-finite, sum of squares, zeros] of this rank, before any reduction.
 
-    `all_grads` are unscaled and checked (every copy of a duplicated parameter may overflow);
-    `norm_grads`, a subset in which each tensor-parallel-duplicated parameter appears on one
-    rank only, give the norm and the zero count.
+    `norm_grads` count in the norm (each tensor-parallel-duplicated parameter on one rank
+    only); `other_grads` are the remaining copies, which are still checked for inf/NaN.
+    With a loss scale (`inv_scale`), every gradient is unscaled and checked in one fused pass.
+    Without one, the norm's sum of squares is non-finite exactly when a gradient in it is inf or
+    NaN (or so large that its square overflows, also treated as overflow), so only
+    `other_grads` need a pass of their own: one read of the gradients fewer.
     """
     stats = torch.zeros(3, dtype=torch.float32, device=device)
-    stats[NONFINITE] = unscale_and_count_nonfinite(all_grads, inv_scale)
+    if inv_scale is not None:
+        stats[NONFINITE] = unscale_and_count_nonfinite(norm_grads + other_grads, inv_scale)
+    elif other_grads:
+        stats[NONFINITE] = unscale_and_count_nonfinite(other_grads, torch.ones(1, device=device))
     if norm_grads:
         norms = torch._foreach_norm([g.float() for g in norm_grads], 2.0)
         stats[SUM_OF_SQUARES] = torch.stack([n.to(device) for n in norms]).square().sum()
         if count_zeros:
             stats[ZEROS] = sum(float((g == 0).sum().item()) for g in norm_grads)
+    if not torch.isfinite(stats[SUM_OF_SQUARES]):
+        stats[NONFINITE] += 1
+        stats[SUM_OF_SQUARES] = 0.0  # keep the reduced sum meaningful for the other ranks' view
     return stats
 
 

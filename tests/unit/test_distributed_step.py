@@ -96,7 +96,7 @@ def test_tensor_parallel_step_equals_full_matrix_reference(run_distributed, worl
             assert error < 1e-6, (name, error)
 
 
-def _nan_on_one_rank_body(rank: int, world_size: int) -> dict:
+def _nan_on_one_rank_body(rank: int, world_size: int, poisoned: str) -> dict:
     world = dist.group.WORLD
     model = tp_model(rank, world_size)
     optimizer = get_megatron_optimizer(
@@ -109,8 +109,8 @@ def _nan_on_one_rank_body(rank: int, world_size: int) -> dict:
     state_before = [t.clone() for s in optimizer.state.values() for t in s.values()]
     for name, param in model.named_parameters():
         param.grad = torch.ones_like(param)
-    if rank == world_size - 1:
-        model.column.weight.grad[0, 0] = float("nan")
+    if rank == world_size - 1:  # for 'norm.weight' a TP duplicate, left out of this rank's norm
+        dict(model.named_parameters())[poisoned].grad.view(-1)[0] = float("nan")
     result = optimizer.step()
     unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and all(
         torch.equal(a, b) for a, b in zip(state_before, (t for s in optimizer.state.values() for t in s.values()))
@@ -118,8 +118,9 @@ def _nan_on_one_rank_body(rank: int, world_size: int) -> dict:
     return {"result": result, "unchanged": unchanged, "state_tensors": len(state_before)}
 
 
-def test_nan_on_one_rank_skips_every_rank(run_distributed) -> None:
-    for result in run_distributed(_nan_on_one_rank_body, world_size=2):
+@pytest.mark.parametrize("poisoned", ["column.weight", "norm.weight"])
+def test_nan_on_one_rank_skips_every_rank(run_distributed, poisoned: str) -> None:
+    for result in run_distributed(_nan_on_one_rank_body, world_size=2, args=(poisoned,)):
         assert result["result"] == (False, None, None)
         assert result["unchanged"] and result["state_tensors"] > 0
 
