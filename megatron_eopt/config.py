@@ -95,6 +95,10 @@ class OptimizerConfig:
     # Distribution.
     use_distributed_optimizer: bool = False
     use_layer_wise_distributed_optimizer: bool = False
+    # megatron_eopt: with the layer-wise optimizer, True means gradients are each rank's own and
+    # the optimizer averages them onto their owners by reduce (no DDP needed); False means they
+    # were already all-reduced (torch DDP, megatron-core DDP).
+    layer_wise_reduce_grads: bool = False
     overlap_param_gather: bool = False
     overlap_param_gather_with_optimizer_step: bool = False
 

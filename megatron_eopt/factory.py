@@ -13,7 +13,8 @@ from typing import Any, Iterable, Mapping, Optional, Union
 import torch
 
 from megatron_eopt.config import OptimizerConfig, as_optimizer_config
-from megatron_eopt.distributed.process_groups import ParallelGroups, group_size, resolve_parallel_groups
+from megatron_eopt.distributed.layer_wise import DataParallelShards, LayerWiseDistributedOptimizer, assign_owners
+from megatron_eopt.distributed.process_groups import ParallelGroups, group_rank, group_size, resolve_parallel_groups
 from megatron_eopt.param_groups import (
     ParamRecord,
     ParamRouting,
@@ -73,7 +74,44 @@ def get_megatron_optimizer(
     if dump_param_to_param_group_map is not None:
         dump_param_group_map(dump_param_to_param_group_map, param_groups, records)
 
-    return ChainedOptimizer(_children(config, chunks, groups, routing, param_groups, records))
+    if not config.use_layer_wise_distributed_optimizer:
+        return ChainedOptimizer(_children(config, chunks, groups, routing, param_groups, records))
+    return _layer_wise(config, chunks, groups, routing, param_groups, records)
+
+
+def _layer_wise(
+    config: OptimizerConfig,
+    chunks: list[torch.nn.Module],
+    groups: ParallelGroups,
+    routing: ParamRouting,
+    param_groups: list[dict],
+    records: list[ParamRecord],
+) -> LayerWiseDistributedOptimizer:
+    """Children over the parameters this rank owns, wrapped to reduce and broadcast."""
+    # Parameters stepped by a matrix optimizer (Muon & co.) are balanced by Newton-Schulz cost.
+    matrix_fqns = {r.fqn for r in records if routing.routing != "all" and r.optimizer_name == routing.optimizer}
+    shards, owned_fqns = [], set()
+    for is_expert in (False, True):
+        members = [r for r in records if r.is_expert_parallel == is_expert]
+        if not members and not any(g["is_expert_parallel"] == is_expert for g in param_groups):
+            continue
+        dp_group = _data_parallel_group(groups, is_expert)
+        tp_group, _ = _gradient_groups(groups, is_expert)
+        owners = assign_owners(members, matrix_fqns, group_size(dp_group), group_size(tp_group))
+        by_owner = [[r.param for r in members if owners[r.fqn] == rank] for rank in range(group_size(dp_group))]
+        shards.append(DataParallelShards(dp_group, by_owner))
+        owned_fqns |= {r.fqn for r in members if owners[r.fqn] == group_rank(dp_group)}
+    children = _children(config, chunks, groups, routing, param_groups, records, owned_fqns)
+    check_groups = (groups.require("dp_cp", "the layer-wise optimizer"), groups.require("mp", "the gradient norm"))
+    return LayerWiseDistributedOptimizer(
+        children, shards, [r.param for r in records], check_groups, reduce_grads=config.layer_wise_reduce_grads
+    )
+
+
+def _data_parallel_group(groups: ParallelGroups, is_expert: bool) -> Any:
+    if is_expert:
+        return groups.require("expt_dp", "the layer-wise optimizer for expert parameters")
+    return groups.require("dp_cp", "the layer-wise optimizer")
 
 
 def _children(
@@ -83,8 +121,13 @@ def _children(
     routing: ParamRouting,
     param_groups: list[dict],
     records: list[ParamRecord],
+    owned_fqns: Optional[set[str]] = None,
 ) -> list[Any]:
-    """One wrapped optimizer per (optimizer, dense|expert) that has param groups."""
+    """One wrapped optimizer per (optimizer, dense|expert) that has param groups.
+
+    With `owned_fqns` (layer-wise), each child steps only those parameters (its groups keep
+    their keys, possibly empty) and sums its gradient norm over the data-parallel group too.
+    """
     grad_scaler = make_grad_scaler(config, _device_of(records))
     wrapper = MixedPrecisionOptimizer if (config.bf16 or config.fp16) else FP32Optimizer
     children = []
@@ -94,13 +137,22 @@ def _children(
             if not child_groups:
                 continue
             tp_group, norm_group = _gradient_groups(groups, is_expert)
+            norm_groups = (norm_group,)
+            if owned_fqns is not None:
+                child_groups = [_owned_only(g, owned_fqns) for g in child_groups]
+                norm_groups = (_data_parallel_group(groups, is_expert), norm_group)
             child_records = [r for r in records if (r.is_expert_parallel, r.optimizer_name) == (is_expert, name)]
             make_optimizer = _optimizer_maker(lookup_optimizer(name), config, chunks, child_records, tp_group)
             child_name = kind if len(routing.optimizers) == 1 else f"{name}/{kind}"
             children.append(
-                wrapper(child_groups, make_optimizer, config, records, tp_group, norm_group, child_name, grad_scaler)
+                wrapper(child_groups, make_optimizer, config, records, tp_group, norm_groups, child_name, grad_scaler)
             )
     return children
+
+
+def _owned_only(group: dict, owned_fqns: set[str]) -> dict:
+    kept = [(p, f) for p, f in zip(group["params"], group["param_fqns"]) if f in owned_fqns]
+    return {**group, "params": [p for p, _ in kept], "param_fqns": [f for _, f in kept]}
 
 
 def _routing(spec: OptimizerSpec, config: OptimizerConfig) -> ParamRouting:
@@ -139,11 +191,6 @@ def _check_supported(config: OptimizerConfig, specs: Mapping[str, OptimizerSpec]
             f"use_distributed_optimizer=True (megatron-core's ZeRO-1 DistributedOptimizer) is "
             f"not implemented by megatron_eopt for optimizer {config.optimizer!r}; set it to "
             f"False."
-        )
-    if config.use_layer_wise_distributed_optimizer:
-        raise ValueError(
-            "use_layer_wise_distributed_optimizer=True is not implemented yet in this version "
-            "of megatron_eopt; set it to False."
         )
     emerging = [name for name, spec in specs.items() if spec.emerging]
     if config.fp16 and emerging:

@@ -6,7 +6,7 @@ tensor-parallel rank holds in full (not `tensor_model_parallel`) on one rank onl
 second copy of tied parameters (`shared`), and is summed over the model-parallel group.
 """
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -39,7 +39,8 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
         config: the OptimizerConfig (clipping, skipping, zero counting).
         records: the ParamRecord of every parameter in `param_groups`.
         tp_group: tensor-parallel group of these parameters (expert TP for experts).
-        norm_group: group over which the squared gradient norm is summed.
+        norm_groups: groups over which the squared gradient norm is summed, one after the
+            other (model-parallel; data-parallel owners first for the layer-wise optimizer).
         name: this optimizer's name inside a chain (and in checkpoints).
         grad_scaler: loss scaler (fp16 only), or None.
     """
@@ -51,14 +52,14 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
         config: Any,
         records: list[ParamRecord],
         tp_group: Optional[ProcessGroup],
-        norm_group: Optional[ProcessGroup],
+        norm_groups: Sequence[Optional[ProcessGroup]],
         name: str = "dense",
         grad_scaler: Any = None,
     ) -> None:
         self.config = config
         self.name = name
         self.grad_scaler = grad_scaler
-        self._norm_group = norm_group
+        self._norm_groups = tuple(norm_groups)
         self.model_params = [p for group in param_groups for p in group["params"]]
         self.main_params = [self._make_main_param(p) for p in self.model_params]
         main_of = {id(model): main for model, main in zip(self.model_params, self.main_params)}
@@ -103,7 +104,7 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
         other_grads = [g for g, counts in zip(grads, self._counts_for_norm) if not counts and g is not None]
         inv_scale = self.grad_scaler.inv_scale if self.grad_scaler is not None else None
         stats = local_grad_stats(norm_grads, other_grads, inv_scale, count_zeros, self._device)
-        return reduced_grad_stats(stats, self._norm_group)
+        return reduced_grad_stats(stats, self._norm_groups)
 
     def main_grads(self) -> list[torch.Tensor]:
         return [m.grad for m in self.main_params if m.grad is not None]

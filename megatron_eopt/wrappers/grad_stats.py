@@ -4,7 +4,7 @@ All three are sums, so one all-reduce (SUM) per process group carries them toget
 """
 
 from collections import defaultdict
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -61,9 +61,15 @@ def local_grad_stats(
     return stats
 
 
-def reduced_grad_stats(stats: torch.Tensor, group: Optional[ProcessGroup]) -> torch.Tensor:
-    """Sum the statistics over the ranks that hold disjoint parts of the model."""
-    return all_reduce_sum(stats, group)
+def reduced_grad_stats(stats: torch.Tensor, groups: Sequence[Optional[ProcessGroup]]) -> torch.Tensor:
+    """Sum the statistics over the ranks that hold disjoint parts of the model.
+
+    Several groups are summed one after the other (e.g. data-parallel owners, then the
+    model-parallel group), which sums over their product.
+    """
+    for group in groups:
+        all_reduce_sum(stats, group)
+    return stats
 
 
 def scale_grads(grads: list[torch.Tensor], factor: float) -> None:
