@@ -188,9 +188,10 @@ def _overrides(
 def _check_supported(config: OptimizerConfig, specs: Mapping[str, OptimizerSpec]) -> None:
     if config.use_distributed_optimizer:
         raise ValueError(
-            f"use_distributed_optimizer=True (megatron-core's ZeRO-1 DistributedOptimizer) is "
-            f"not implemented by megatron_eopt for optimizer {config.optimizer!r}; set it to "
-            f"False."
+            f"use_distributed_optimizer=True (megatron-core's byte-sharded ZeRO-1 optimizer, whose "
+            f"DDP reduce-scatters gradients) is not implemented by megatron_eopt; for optimizer "
+            f"{config.optimizer!r} set use_layer_wise_distributed_optimizer=True instead (each "
+            f"data-parallel rank owns whole parameters) and use_distributed_optimizer=False."
         )
     emerging = [name for name, spec in specs.items() if spec.emerging]
     if config.fp16 and emerging:

@@ -336,3 +336,8 @@ def test_load_refuses_other_optimizer_and_other_groups() -> None:
         adam.load_state_dict({"state": {}})
     before = snapshot(no_overrides, make_model())
     assert before  # the refused loads above left the optimizer usable
+
+
+def test_byte_sharded_distributed_optimizer_points_to_layer_wise() -> None:
+    with pytest.raises(ValueError, match="set use_layer_wise_distributed_optimizer=True instead"):
+        get_megatron_optimizer(OptimizerConfig(lr=0.1, use_distributed_optimizer=True), make_model())
