@@ -20,7 +20,9 @@ demo: $(STAMP)
 	$(PY) scripts/demo_optimizer.py
 
 bench: $(STAMP)
-	for script in benchmarks/*.py; do echo "== $$script"; $(PY) $$script || exit 1; done
+	$(PY) benchmarks/step_overhead.py
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 benchmarks/layer_wise_vs_replicated.py
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 benchmarks/tp_modes.py
 
 venv: $(STAMP)
 

@@ -1,0 +1,118 @@
+"""TensorParallelMuon step time at TP=2 in tp_mode 'duplicated', 'distributed' and 'sharded'.
+
+Every rank holds its megatron-core shard of GPT-shaped fp32 weights (hidden 512, 4 layers, GQA,
+SwiGLU by default): linear_qkv and linear_fc1 column-parallel (partition_dim 0; qkv split into
+q/k/v per query group, fc1 into gate/up), linear_proj and linear_fc2 row-parallel
+(partition_dim 1); layer norms are left out (the scalar optimizer steps them).
+'duplicated' all-gathers each matrix and orthogonalizes it on every rank; 'distributed'
+all-reduces the Gram matrix in each Newton-Schulz iteration; 'sharded' orthogonalizes each
+matrix on one rank (two all-to-alls). Design goal: sharded / duplicated <= 0.6 at TP=2.
+
+    torchrun --nproc-per-node 2 benchmarks/tp_modes.py
+
+gloo on CPU; NCCL with one GPU per rank when CUDA is available. fp32_matmul_prec='highest'.
+Median of several steps after warm-up, the modes interleaved, each step timed on the slowest
+rank. Prints numbers (rank 0); asserts nothing.
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _distributed import init_distributed, time_interleaved  # noqa: E402
+from step_overhead import gpt_weight_shapes  # noqa: E402  (also puts the repo on sys.path)
+
+from megatron_eopt.ops.splits import MatrixLayout  # noqa: E402
+from megatron_eopt.optimizers.tensor_parallel_muon import TensorParallelMuon  # noqa: E402
+
+MODES = ("duplicated", "distributed", "sharded")
+
+
+def local_shard(name: str, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    """This rank's part of a global weight, as megatron-core's parallel linear layers hold it."""
+    if name.endswith("linear_fc1.weight"):  # partition_stride=2: rank r holds [gate_r; up_r]
+        return torch.cat([half.chunk(tp, dim=0)[rank] for half in full.chunk(2, dim=0)])
+    dim = 0 if name.endswith("linear_qkv.weight") else 1  # qkv: whole query groups per rank
+    return full.chunk(tp, dim=dim)[rank].contiguous()
+
+
+def layout_of(name: str, local: torch.Tensor, tp: int, heads: int, groups: int, kv: int) -> MatrixLayout:
+    shape = tuple(local.shape)
+    if name.endswith("linear_qkv.weight"):
+        return MatrixLayout(name, shape, 0, tp, groups // tp, (heads // groups * kv, kv, kv))
+    if name.endswith("linear_fc1.weight"):
+        return MatrixLayout(name, shape, 0, tp, 1, (shape[0] // 2, shape[0] // 2))
+    return MatrixLayout(name, shape, 1, tp)
+
+
+def check_divisible(args: argparse.Namespace, ffn: int, tp: int) -> None:
+    for what, value in (("--heads", args.heads), ("--groups", args.groups), ("ffn", ffn), ("--hidden", args.hidden)):
+        if value % tp:
+            raise ValueError(f"{what}={value} must be a multiple of TP={tp} (the number of ranks).")
+    if args.heads % args.groups or args.hidden % args.heads:
+        raise ValueError(
+            f"--heads={args.heads} must divide --hidden={args.hidden} and be a multiple of --groups={args.groups}."
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--groups", type=int, default=4, help="query groups (GQA)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    device = init_distributed()
+    rank, tp = dist.get_rank(), dist.get_world_size()
+    ffn = int(args.hidden * 2.75)
+    check_divisible(args, ffn, tp)
+
+    shapes = gpt_weight_shapes(args.hidden, args.layers, args.heads, args.groups, ffn)
+    torch.manual_seed(0)  # the same global weights and gradients on every rank
+    names = [name for name, shape in shapes.items() if len(shape) == 2]
+    weights = {n: local_shard(n, torch.randn(shapes[n]) * 0.02, rank, tp).to(device) for n in names}
+    grads = {n: local_shard(n, torch.randn(shapes[n]), rank, tp).to(device) for n in names}
+    kv = args.hidden // args.heads
+    layouts = {n: layout_of(n, w, tp, args.heads, args.groups, kv) for n, w in weights.items()}
+    params = {mode: [torch.nn.Parameter(weights[n].clone()) for n in names] for mode in MODES}
+    optimizers = {
+        mode: TensorParallelMuon([{"params": params[mode], "param_fqns": names}], lr=1e-3, weight_decay=0.1,
+                                 fp32_matmul_prec="highest", tp_mode=mode, tp_group=dist.group.WORLD, layouts=layouts)
+        for mode in MODES
+    }
+
+    def set_grads(mode: str) -> None:
+        for p, n in zip(params[mode], names):
+            p.grad = grads[n].clone()
+
+    seconds = time_interleaved(
+        {mode: optimizers[mode].step for mode in MODES},
+        {mode: (lambda m=mode: set_grads(m)) for mode in MODES},
+        args.warmup, args.repeats, device,
+    )
+    # Sanity: all three modes compute the TP=1 update, so the weights should agree to round-off.
+    differences = torch.tensor([max((a - b).abs().max().item() for a, b in zip(params[mode], params["duplicated"]))
+                                for mode in MODES], device=device)
+    dist.all_reduce(differences, op=dist.ReduceOp.MAX)
+
+    if rank == 0:
+        matrices = sum(torch.Size(shapes[n]).numel() for n in names)
+        print(f"{matrices / 1e6:.1f}M fp32 matrix parameters (hidden {args.hidden}, {args.layers} layers), "
+              f"TP={tp} on {device.type}, {torch.get_num_threads()} threads/rank, torch {torch.__version__}, "
+              f"median of {args.repeats} steps")
+        for mode, difference in zip(MODES, differences.tolist()):
+            print(f"{mode:12} {seconds[mode] * 1e3:9.1f} ms   max |weight - duplicated's| {difference:.1e}")
+        print(f"ratio sharded / duplicated      {seconds['sharded'] / seconds['duplicated']:.3f} (goal <= 0.6)")
+        print(f"ratio distributed / duplicated  {seconds['distributed'] / seconds['duplicated']:.3f}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
