@@ -90,19 +90,21 @@ def _layer_wise(
     """Children over the parameters this rank owns, wrapped to reduce and broadcast."""
     # Parameters stepped by a matrix optimizer (Muon & co.) are balanced by Newton-Schulz cost.
     matrix_fqns = {r.fqn for r in records if routing.routing != "all" and r.optimizer_name == routing.optimizer}
-    shards, owned_fqns = [], set()
+    # Every rank must learn of an inf/NaN anywhere, so the check of non-owned gradients is summed
+    # over the dense and the expert groups (only "> 0" matters, so the overlap is harmless).
+    shards, owned_fqns, check_groups = [], set(), []
     for is_expert in (False, True):
         members = [r for r in records if r.is_expert_parallel == is_expert]
         if not members and not any(g["is_expert_parallel"] == is_expert for g in param_groups):
             continue
         dp_group = _data_parallel_group(groups, is_expert)
-        tp_group, _ = _gradient_groups(groups, is_expert)
+        tp_group, norm_group = _gradient_groups(groups, is_expert)
+        check_groups += [dp_group, norm_group]
         owners = assign_owners(members, matrix_fqns, group_size(dp_group), group_size(tp_group))
         by_owner = [[r.param for r in members if owners[r.fqn] == rank] for rank in range(group_size(dp_group))]
         shards.append(DataParallelShards(dp_group, by_owner))
         owned_fqns |= {r.fqn for r in members if owners[r.fqn] == group_rank(dp_group)}
     children = _children(config, chunks, groups, routing, param_groups, records, owned_fqns)
-    check_groups = (groups.require("dp_cp", "the layer-wise optimizer"), groups.require("mp", "the gradient norm"))
     return LayerWiseDistributedOptimizer(
         children, shards, [r.param for r in records], check_groups, reduce_grads=config.layer_wise_reduce_grads
     )
