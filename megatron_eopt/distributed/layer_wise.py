@@ -65,14 +65,29 @@ def assign_owners(records: Sequence[ParamRecord], matrix_fqns: set[str], dp_size
     """Owner (rank in the data-parallel group) of every parameter, the same on every rank.
 
     Matrices stepped by a matrix optimizer are balanced by Newton-Schulz cost, the other
-    parameters separately by element count (their cost is proportional to their size).
+    parameters separately by element count (their cost is proportional to their size). The
+    others' largest share then goes to the rank holding the fewest matrix elements, the next
+    largest to the next rank, and so on; taken as they come, both shares 0 (each with its pass's
+    largest item, e.g. a matrix and the embedding) would land on rank 0, which would then hold
+    far more optimizer state (it grows with elements) than total / dp_size.
     """
     matrices = [r for r in records if r.fqn in matrix_fqns]
     others = [r for r in records if r.fqn not in matrix_fqns]
     owners = {}
-    for subset, cost in ((matrices, lambda r: newton_schulz_cost_of(r, tp_size)), (others, lambda r: r.param.numel())):
-        for record, owner in zip(subset, assign_owner_ranks([cost(r) for r in subset], dp_size)):
-            owners[record.fqn] = owner
+    matrix_costs = [newton_schulz_cost_of(r, tp_size) for r in matrices]
+    for record, owner in zip(matrices, assign_owner_ranks(matrix_costs, dp_size)):
+        owners[record.fqn] = owner
+    matrix_elements, other_elements = [0] * dp_size, [0] * dp_size
+    for record in matrices:
+        matrix_elements[owners[record.fqn]] += record.param.numel()
+    other_shares = assign_owner_ranks([r.param.numel() for r in others], dp_size)
+    for record, share in zip(others, other_shares):
+        other_elements[share] += record.param.numel()
+    shares = sorted(range(dp_size), key=lambda s: (-other_elements[s], s))
+    ranks = sorted(range(dp_size), key=lambda r: (matrix_elements[r], r))
+    rank_of_share = dict(zip(shares, ranks))
+    for record, share in zip(others, other_shares):
+        owners[record.fqn] = rank_of_share[share]
     return owners
 
 

@@ -5,7 +5,7 @@ when any gradient is inf/NaN. Its `param_groups` is the concatenation of the chi
 order, and may be replaced as a whole (the lr scheduler only mutates groups in place).
 """
 
-from collections import ChainMap
+from collections.abc import Iterator, Mapping
 from typing import Any, Optional
 
 import torch
@@ -56,8 +56,8 @@ class ChainedOptimizer(MegatronOptimizer):
             start += size
 
     @property
-    def state(self) -> ChainMap:
-        return ChainMap(*(child.state for child in self.chained_optimizers))
+    def state(self) -> "ChainedState":
+        return ChainedState([child.state for child in self.chained_optimizers])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for child in self.chained_optimizers:
@@ -90,3 +90,28 @@ class ChainedOptimizer(MegatronOptimizer):
             child.check_state_dict(saved[child.name])
         for child in self.chained_optimizers:
             child.load_state_dict(saved[child.name])
+
+
+class ChainedState(Mapping):
+    """Read-only view of the children's `state` by parameter.
+
+    torch keeps state in a defaultdict: a plain lookup would create empty entries in the first
+    child (hiding a later child's state and breaking its state_dict), so look before reading.
+    """
+
+    def __init__(self, states: list[Mapping]) -> None:
+        self._states = states
+
+    def __getitem__(self, param: Any) -> Any:
+        for state in self._states:
+            if param in state:
+                return state[param]
+        raise KeyError(param)
+
+    def __iter__(self) -> Iterator[Any]:
+        for state in self._states:
+            yield from state
+
+    def __len__(self) -> int:
+        return sum(len(state) for state in self._states)
+

@@ -341,3 +341,18 @@ def test_load_refuses_other_optimizer_and_other_groups() -> None:
 def test_byte_sharded_distributed_optimizer_points_to_layer_wise() -> None:
     with pytest.raises(ValueError, match="set use_layer_wise_distributed_optimizer=True instead"):
         get_megatron_optimizer(OptimizerConfig(lr=0.1, use_distributed_optimizer=True), make_model())
+
+
+def test_chained_state_finds_every_childs_state_without_creating_entries() -> None:
+    model = torch.nn.ModuleDict({"proj": torch.nn.Linear(8, 8)})
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="muon", lr=0.01), model)
+    for param in model.parameters():
+        param.grad = torch.ones_like(param)
+    optimizer.step()
+    bias_state = optimizer.state[model["proj"].bias]  # an Adam (scalar) child's parameter
+    assert set(bias_state) >= {"exp_avg", "exp_avg_sq"}
+    assert set(optimizer.state[model["proj"].weight]) == {"momentum_buffer"}
+    with pytest.raises(KeyError):
+        optimizer.state[torch.nn.Parameter(torch.zeros(1))]
+    assert len(optimizer.state) == 2
+    optimizer.state_dict()  # still consistent after the lookups
