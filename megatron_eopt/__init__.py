@@ -5,6 +5,7 @@ contract. This module only re-exports; importing it does not import megatron-cor
 """
 
 from megatron_eopt.config import AdamOptimizerConfig, OptimizerConfig, SGDOptimizerConfig
+from megatron_eopt.distributed.layer_wise import LayerWiseDistributedOptimizer
 from megatron_eopt.distributed.process_groups import ParallelGroups
 from megatron_eopt.factory import get_megatron_optimizer
 from megatron_eopt.param_key import (
@@ -37,6 +38,7 @@ __all__ = [
     "DynamicGradScaler",
     "EmergingOptimizerEntry",
     "FP32Optimizer",
+    "LayerWiseDistributedOptimizer",
     "MegatronOptimizer",
     "MixedPrecisionOptimizer",
     "OptimizerConfig",

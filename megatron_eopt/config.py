@@ -130,6 +130,28 @@ class OptimizerConfig:
         _check_values(self)
         return self
 
+    def provide(
+        self,
+        model_chunks: Any,
+        config_overrides: Optional[Any] = None,
+        use_gloo_process_groups: bool = True,
+        pg_collection: Any = None,
+    ) -> Any:
+        """`get_megatron_optimizer(self, model_chunks, ...)`: the custom-optimizer hook that
+        Megatron-Bridge's `setup_optimizer` calls on a config object that has it."""
+        # The one upward import of this module, and deliberate: the hook's whole point is to
+        # build the optimizer. Lazy, so importing the config stays cheap; tests/unit/test_imports.py
+        # lists it as the single allowed exception to the layering.
+        from megatron_eopt.bridge import provide_optimizer
+
+        return provide_optimizer(
+            self,
+            model_chunks,
+            config_overrides=config_overrides,
+            use_gloo_process_groups=use_gloo_process_groups,
+            pg_collection=pg_collection,
+        )
+
 
 def as_optimizer_config(config: Any) -> OptimizerConfig:
     """Return `config` as a validated `OptimizerConfig`.

@@ -7,7 +7,9 @@ optimizer per (optimizer, dense|expert) (dense and expert parameters sum their g
 over different groups and use different tensor-parallel groups), chained under one norm.
 """
 
+import dataclasses
 import sys
+import warnings
 from typing import Any, Iterable, Mapping, Optional, Union
 
 import torch
@@ -28,6 +30,9 @@ from megatron_eopt.wrappers.chained import ChainedOptimizer
 from megatron_eopt.wrappers.fp32 import FP32Optimizer
 from megatron_eopt.wrappers.grad_scaler import make_grad_scaler
 from megatron_eopt.wrappers.mixed_precision import MixedPrecisionOptimizer
+
+
+LEGACY_DISTRIBUTED_PREFIX = "dist_"
 
 
 def get_megatron_optimizer(
@@ -57,7 +62,7 @@ def get_megatron_optimizer(
         optimizer that takes every parameter; '<optimizer>/dense', '<scalar>/dense' (and
         '.../expert') for one that routes some parameters to the scalar optimizer.
     """
-    config = as_optimizer_config(config)
+    config = _without_legacy_name(as_optimizer_config(config))
     spec = lookup_optimizer(config.optimizer)
     routing = _routing(spec, config)
     _check_supported(config, {name: lookup_optimizer(name) for name in routing.optimizers})
@@ -77,6 +82,24 @@ def get_megatron_optimizer(
     if not config.use_layer_wise_distributed_optimizer:
         return ChainedOptimizer(_children(config, chunks, groups, routing, param_groups, records))
     return _layer_wise(config, chunks, groups, routing, param_groups, records)
+
+
+def _without_legacy_name(config: OptimizerConfig) -> OptimizerConfig:
+    """'dist_<name>' (e.g. 'dist_muon') is the deprecated spelling of <name> + layer-wise."""
+    if not config.optimizer.startswith(LEGACY_DISTRIBUTED_PREFIX):
+        return config
+    name = config.optimizer[len(LEGACY_DISTRIBUTED_PREFIX):]
+    warnings.warn(
+        f"optimizer={config.optimizer!r} is deprecated; write optimizer={name!r} with "
+        f"use_layer_wise_distributed_optimizer=True (command line: --optimizer {name} "
+        f"--use-distributed-optimizer).",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    # A copy: the caller's config stays as it was.
+    return dataclasses.replace(
+        config, optimizer=name, use_layer_wise_distributed_optimizer=True, use_distributed_optimizer=False
+    )
 
 
 def _layer_wise(

@@ -444,3 +444,13 @@ def test_match_adamw_rms_is_extra_scale_point_two() -> None:
     torch.testing.assert_close(switched, 0.2 * default, rtol=0, atol=1e-7)
     with pytest.raises(ValueError, match="muon_match_adamw_rms needs muon_scale_mode='spectral'"):
         OptimizerConfig(optimizer="muon", lr=0.1, muon_match_adamw_rms=True, muon_scale_mode="shape_scaling")
+
+
+def test_dist_muon_is_the_deprecated_spelling_of_layer_wise_muon() -> None:
+    from megatron_eopt.distributed.layer_wise import LayerWiseDistributedOptimizer
+
+    config = OptimizerConfig(optimizer="dist_muon", lr=0.1)
+    with pytest.warns(DeprecationWarning, match="write optimizer='muon' with use_layer_wise_distributed_optimizer=True"):
+        optimizer = get_megatron_optimizer(config, torch.nn.Linear(4, 4))
+    assert isinstance(optimizer, LayerWiseDistributedOptimizer)
+    assert config.optimizer == "dist_muon" and not config.use_layer_wise_distributed_optimizer  # not mutated

@@ -17,6 +17,9 @@ LAYER_OF = {  # first component below megatron_eopt -> layer; a module imports l
     "wrappers": 5, "distributed": 5, "checkpoint": 6, "factory": 7, "muon": 8, "bridge": 8,
 }
 MEGATRON_CORE_ALLOWED = {"distributed/process_groups.py", "factory.py", "bridge.py"}
+# Upward imports that are deliberate, each inside a function: OptimizerConfig.provide() is
+# Megatron-Bridge's custom-optimizer hook, so the config must be able to build the optimizer.
+UPWARD_ALLOWED = {("config.py", "megatron_eopt.bridge")}
 
 
 def package_imports(path: pathlib.Path) -> list[str]:
@@ -54,7 +57,7 @@ def test_layers_import_only_downwards() -> None:
         for name in package_imports(path):
             if name.startswith("megatron_eopt."):
                 target = pathlib.Path(*name.split(".")[1:])
-                if layer(target) > layer(relative):
+                if layer(target) > layer(relative) and (relative.as_posix(), name) not in UPWARD_ALLOWED:
                     violations.append(f"{relative} imports {name}")
             elif name.startswith("megatron.") and relative.as_posix() not in MEGATRON_CORE_ALLOWED:
                 violations.append(f"{relative} imports megatron-core ({name})")

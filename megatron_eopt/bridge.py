@@ -1,0 +1,477 @@
+"""Megatron-Bridge style set-up: `setup_optimizer(optimizer_config, scheduler_config, model)`.
+
+Megatron-Bridge (`megatron.bridge.training.optim.setup_optimizer`) builds the optimizer and
+megatron-core's `OptimizerParamScheduler` from two configs; downstream code wraps that call.
+This module offers the same call over megatron_eopt:
+
+- `SchedulerConfig`: Bridge's scheduler fields, plus the three training-loop values the step
+  counts need (`global_batch_size`, `train_iters` or `train_samples`), which Bridge reads from
+  its `TrainingConfig`. Validated in `__post_init__` (re-run with `finalize()`).
+- `setup_optimizer(...) -> (optimizer, scheduler)`: the optimizer through
+  `optimizer_config.provide(...)` when the config has that hook (ours does), else
+  `get_megatron_optimizer`; the scheduler counts steps in samples
+  (iterations * global_batch_size), so the trainer calls `scheduler.step(global_batch_size)`.
+- `OptimizerConfigOverrideProvider` / `OptimizerConfigOverrideProviderContext`: Bridge's hook
+  for per-parameter overrides.
+- `to_dict/from_dict/to_yaml/from_yaml` for both configs (YAML needs the optional PyYAML).
+"""
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Literal, Mapping, Optional, TypeVar, Union
+
+import torch
+
+from megatron_eopt import factory
+
+LrDecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"]
+WsdDecayStyle = Literal["exponential", "linear", "cosine", "minus_sqrt"]
+WdIncrStyle = Literal["constant", "linear", "cosine"]
+ConfigOverrides = Optional[Mapping[Any, Mapping[str, Any]]]
+ModelChunks = Union[torch.nn.Module, Iterable[torch.nn.Module]]
+
+
+# ------------------------------------------------------------------------------------------------
+# SchedulerConfig
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class SchedulerConfig:
+    """Learning-rate and weight-decay schedule (Megatron-Bridge's field names and defaults).
+
+    Training length is given in iterations (`train_iters`, with the `*_iters` fields) or in
+    samples (`train_samples`, with the `*_samples` fields), never both. Iterations are turned
+    into samples with `global_batch_size`, because megatron-core's scheduler counts samples.
+    `start_weight_decay`/`end_weight_decay` default (None) to the optimizer's `weight_decay`.
+    """
+
+    lr_decay_style: str = "linear"
+    lr_wsd_decay_style: str = "exponential"
+    lr_decay_iters: Optional[int] = None  # None: train_iters
+    lr_decay_samples: Optional[int] = None  # None: train_samples
+    lr_wsd_decay_iters: Optional[int] = None
+    lr_wsd_decay_samples: Optional[int] = None
+    lr_warmup_fraction: Optional[float] = None  # of the decay steps; excludes lr_warmup_iters/samples
+    lr_warmup_iters: int = 0
+    lr_warmup_samples: int = 0
+    lr_warmup_init: float = 0.0
+    override_opt_param_scheduler: bool = False
+    use_checkpoint_opt_param_scheduler: bool = False
+    start_weight_decay: Optional[float] = None
+    end_weight_decay: Optional[float] = None
+    weight_decay_incr_style: str = "constant"
+    # From Bridge's TrainingConfig: what turns iterations into samples.
+    global_batch_size: int = 1
+    train_iters: Optional[int] = None
+    train_samples: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        self.finalize()
+
+    def finalize(self) -> "SchedulerConfig":
+        """Validate every field; call again after mutating fields. Returns self."""
+        _check_scheduler_types(self)
+        _check_scheduler_values(self)
+        return self
+
+    @property
+    def is_sample_based(self) -> bool:
+        return self.train_samples is not None
+
+    @property
+    def lr_decay_steps(self) -> int:
+        if self.is_sample_based:
+            return self.lr_decay_samples if self.lr_decay_samples is not None else self.train_samples
+        iters = self.lr_decay_iters if self.lr_decay_iters is not None else self.train_iters
+        return iters * self.global_batch_size
+
+    @property
+    def lr_warmup_steps(self) -> Union[int, float]:
+        if self.lr_warmup_fraction is not None:
+            return self.lr_warmup_fraction * self.lr_decay_steps  # a float, as in Bridge
+        if self.is_sample_based:
+            return self.lr_warmup_samples
+        return self.lr_warmup_iters * self.global_batch_size
+
+    @property
+    def wd_incr_steps(self) -> int:
+        return self.train_samples if self.is_sample_based else self.train_iters * self.global_batch_size
+
+    @property
+    def wsd_decay_steps(self) -> Optional[int]:
+        if self.is_sample_based:
+            return self.lr_wsd_decay_samples
+        if self.lr_wsd_decay_iters is None:
+            return None
+        return self.lr_wsd_decay_iters * self.global_batch_size
+
+
+def _scheduler_error(name: str, message: str) -> ValueError:
+    return ValueError(f"SchedulerConfig.{name} {message}")
+
+
+def _check_scheduler_types(config: SchedulerConfig) -> None:
+    hints = typing.get_type_hints(SchedulerConfig)
+    for field in dataclasses.fields(SchedulerConfig):
+        expected = hints[field.name]
+        value = getattr(config, field.name)
+        if typing.get_origin(expected) is typing.Union:
+            if value is None:
+                continue
+            expected = next(t for t in typing.get_args(expected) if t is not type(None))
+        if expected not in (bool, int, float, str):
+            continue
+        ok = isinstance(value, (int, float) if expected is float else expected)
+        if not ok or (expected is not bool and isinstance(value, bool)):
+            raise TypeError(
+                f"SchedulerConfig.{field.name} must be {expected.__name__}; got "
+                f"{type(value).__name__} {value!r}."
+            )
+
+
+def _check_choice(config: SchedulerConfig, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(config, name)
+    if value not in choices:
+        raise _scheduler_error(name, f"must be one of {', '.join(map(repr, choices))}; got {value!r}.")
+
+
+def _check_scheduler_values(config: SchedulerConfig) -> None:
+    _check_choice(config, "lr_decay_style", typing.get_args(LrDecayStyle))
+    _check_choice(config, "lr_wsd_decay_style", typing.get_args(WsdDecayStyle))
+    _check_choice(config, "weight_decay_incr_style", typing.get_args(WdIncrStyle))
+    _check_counts(config)
+    _check_training_length(config)
+    _check_warmup(config)
+    _check_wsd(config)
+    _check_weight_decay(config)
+    if config.override_opt_param_scheduler and config.use_checkpoint_opt_param_scheduler:
+        raise _scheduler_error(
+            "override_opt_param_scheduler",
+            "and use_checkpoint_opt_param_scheduler are both True; choose at most one.",
+        )
+
+
+def _check_counts(config: SchedulerConfig) -> None:
+    if config.global_batch_size < 1:
+        raise _scheduler_error("global_batch_size", f"must be >= 1; got {config.global_batch_size}.")
+    for name in ("lr_warmup_iters", "lr_warmup_samples"):
+        if getattr(config, name) < 0:
+            raise _scheduler_error(name, f"must be >= 0; got {getattr(config, name)}.")
+    for name in ("train_iters", "train_samples", "lr_decay_iters", "lr_decay_samples",
+                 "lr_wsd_decay_iters", "lr_wsd_decay_samples"):
+        value = getattr(config, name)
+        if value is not None and value < 1:
+            raise _scheduler_error(name, f"must be >= 1 or None; got {value}.")
+    if not (math.isfinite(config.lr_warmup_init) and config.lr_warmup_init >= 0.0):
+        raise _scheduler_error("lr_warmup_init", f"must be a finite number >= 0; got {config.lr_warmup_init}.")
+
+
+def _check_training_length(config: SchedulerConfig) -> None:
+    if (config.train_iters is None) == (config.train_samples is None):
+        raise _scheduler_error(
+            "train_iters",
+            f"or train_samples must be set, not both (the scheduler's step counts derive from "
+            f"it); got train_iters={config.train_iters}, train_samples={config.train_samples}.",
+        )
+    # Fields of the other unit than the run's are mistakes (Bridge rejects them too).
+    wrong_unit = ("lr_decay_iters", "lr_warmup_iters", "lr_wsd_decay_iters") if config.is_sample_based else (
+        "lr_decay_samples", "lr_warmup_samples", "lr_wsd_decay_samples")
+    unit = "train_samples" if config.is_sample_based else "train_iters"
+    for name in wrong_unit:
+        if getattr(config, name) not in (None, 0):
+            raise _scheduler_error(
+                name,
+                f"is set ({getattr(config, name)}) but the run is measured by {unit}; use the "
+                f"*_{'samples' if config.is_sample_based else 'iters'} fields only.",
+            )
+
+
+def _check_warmup(config: SchedulerConfig) -> None:
+    if config.lr_warmup_fraction is not None:
+        if not 0.0 <= config.lr_warmup_fraction < 1.0:
+            raise _scheduler_error("lr_warmup_fraction", f"must be in [0, 1); got {config.lr_warmup_fraction}.")
+        if config.lr_warmup_iters or config.lr_warmup_samples:
+            raise _scheduler_error(
+                "lr_warmup_fraction",
+                f"excludes lr_warmup_iters/lr_warmup_samples; got lr_warmup_iters="
+                f"{config.lr_warmup_iters}, lr_warmup_samples={config.lr_warmup_samples}.",
+            )
+    if config.lr_warmup_steps >= config.lr_decay_steps:
+        name = "lr_warmup_fraction" if config.lr_warmup_fraction is not None else (
+            "lr_warmup_samples" if config.is_sample_based else "lr_warmup_iters")
+        raise _scheduler_error(
+            name,
+            f"gives {config.lr_warmup_steps} warmup samples, not fewer than the "
+            f"{config.lr_decay_steps} decay samples; shorten the warmup or lengthen the decay.",
+        )
+
+
+def _check_wsd(config: SchedulerConfig) -> None:
+    name = "lr_wsd_decay_samples" if config.is_sample_based else "lr_wsd_decay_iters"
+    wsd_steps = config.wsd_decay_steps
+    if config.lr_decay_style == "WSD" and wsd_steps is None:
+        raise _scheduler_error(name, "must be set when lr_decay_style='WSD' (the length of its decay phase).")
+    if wsd_steps is not None and wsd_steps > config.lr_decay_steps:
+        raise _scheduler_error(
+            name, f"gives {wsd_steps} samples, more than the {config.lr_decay_steps} decay samples."
+        )
+
+
+def _check_weight_decay(config: SchedulerConfig) -> None:
+    for name in ("start_weight_decay", "end_weight_decay"):
+        value = getattr(config, name)
+        if value is not None and not (math.isfinite(value) and value >= 0.0):
+            raise _scheduler_error(name, f"must be a finite number >= 0 or None; got {value}.")
+    start, end = config.start_weight_decay, config.end_weight_decay
+    if start is not None and end is not None:
+        _check_weight_decay_pair(start, end, config.weight_decay_incr_style)
+
+
+def _check_weight_decay_pair(start: float, end: float, style: str) -> None:
+    if end < start:
+        raise _scheduler_error("end_weight_decay", f"({end}) must not be below start_weight_decay ({start}).")
+    if style == "constant" and start != end:
+        raise _scheduler_error(
+            "weight_decay_incr_style",
+            f"is 'constant' but start_weight_decay ({start}) != end_weight_decay ({end}); use "
+            f"'linear' or 'cosine', or make them equal.",
+        )
+
+
+# ------------------------------------------------------------------------------------------------
+# Config overrides (Megatron-Bridge's hook)
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OptimizerConfigOverrideProviderContext:
+    """What an override provider sees (Megatron-Bridge's field names)."""
+
+    scheduler_config: SchedulerConfig
+    optimizer_config: Any
+    model: Any
+
+
+class OptimizerConfigOverrideProvider:
+    """Bridge's hook: `build_config_overrides(context) -> {ParamKey: ParamGroupOverride} | None`.
+
+    The default returns None, which makes `get_megatron_optimizer` use its standard overrides
+    (no weight decay on biases and 1-D parameters, decoupled lr on embedding/output). Subclass
+    and override `build_config_overrides` to change them; `{}` means no overrides at all.
+    """
+
+    def build_config_overrides(self, context: OptimizerConfigOverrideProviderContext) -> ConfigOverrides:
+        return None
+
+
+def _config_overrides(provider: Any, context: OptimizerConfigOverrideProviderContext) -> ConfigOverrides:
+    """Accepts Bridge's provider object, or a callable taking the same context."""
+    if provider is None:
+        return None
+    if hasattr(provider, "build_config_overrides"):
+        return provider.build_config_overrides(context)
+    if callable(provider):
+        return provider(context)
+    raise TypeError(
+        f"optimizer_config_override_provider must have a build_config_overrides(context) method "
+        f"or be a callable taking OptimizerConfigOverrideProviderContext; got {type(provider).__name__}."
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# setup_optimizer
+# ------------------------------------------------------------------------------------------------
+
+
+def provide_optimizer(
+    config: Any,
+    model_chunks: ModelChunks,
+    config_overrides: ConfigOverrides = None,
+    use_gloo_process_groups: bool = True,
+    pg_collection: Any = None,
+) -> Any:
+    """The body of `OptimizerConfig.provide` (kept here, above the factory in the layering)."""
+    return factory.get_megatron_optimizer(
+        config,
+        model_chunks,
+        config_overrides=config_overrides,
+        use_gloo_process_groups=use_gloo_process_groups,
+        pg_collection=pg_collection,
+    )
+
+
+def setup_optimizer(
+    optimizer_config: Any,
+    scheduler_config: SchedulerConfig,
+    model: ModelChunks,
+    use_gloo_process_groups: bool = False,
+    pg_collection: Any = None,
+    optimizer_config_override_provider: Any = None,
+) -> tuple[Any, Any]:
+    """Build `(optimizer, scheduler)` as Megatron-Bridge does.
+
+    Args:
+        optimizer_config: our OptimizerConfig (or any config with a `provide(model_chunks=,
+            config_overrides=, use_gloo_process_groups=, pg_collection=)` hook), or
+            megatron-core's OptimizerConfig (built through get_megatron_optimizer).
+        scheduler_config: SchedulerConfig; its step counts are in samples.
+        model: a module or a list of model chunks.
+        optimizer_config_override_provider: None (standard overrides), an object with
+            `build_config_overrides(OptimizerConfigOverrideProviderContext)` (Bridge's API), or a
+            callable taking that context; either returns config_overrides (None: standard).
+    Returns:
+        The optimizer and megatron-core's OptimizerParamScheduler; call
+        `scheduler.step(global_batch_size)` after each successful optimizer step.
+    """
+    scheduler_config.finalize()  # it may have been mutated since construction
+    context = OptimizerConfigOverrideProviderContext(scheduler_config, optimizer_config, model)
+    config_overrides = _config_overrides(optimizer_config_override_provider, context)
+    build = getattr(optimizer_config, "provide", None)
+    if build is None:
+        optimizer = factory.get_megatron_optimizer(
+            optimizer_config, model, config_overrides=config_overrides,
+            use_gloo_process_groups=use_gloo_process_groups, pg_collection=pg_collection,
+        )
+    else:
+        optimizer = build(
+            model_chunks=model, config_overrides=config_overrides,
+            use_gloo_process_groups=use_gloo_process_groups, pg_collection=pg_collection,
+        )
+    return optimizer, get_scheduler(optimizer_config, scheduler_config, optimizer)
+
+
+def get_scheduler(optimizer_config: Any, scheduler_config: SchedulerConfig, optimizer: Any) -> Any:
+    """megatron-core's OptimizerParamScheduler over `optimizer`, steps counted in samples."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    max_lr, min_lr = optimizer_config.lr, optimizer_config.min_lr
+    _check_learning_rates(max_lr, min_lr, scheduler_config.lr_warmup_init, optimizer.param_groups)
+    start_wd, end_wd = _weight_decay_range(optimizer_config, scheduler_config)
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=scheduler_config.lr_warmup_init,
+        max_lr=max_lr,
+        min_lr=min_lr,
+        lr_warmup_steps=scheduler_config.lr_warmup_steps,
+        lr_decay_steps=scheduler_config.lr_decay_steps,
+        lr_decay_style=scheduler_config.lr_decay_style,
+        start_wd=start_wd,
+        end_wd=end_wd,
+        wd_incr_steps=scheduler_config.wd_incr_steps,
+        wd_incr_style=scheduler_config.weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=scheduler_config.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=scheduler_config.override_opt_param_scheduler,
+        wsd_decay_steps=scheduler_config.wsd_decay_steps,
+        lr_wsd_decay_style=scheduler_config.lr_wsd_decay_style,
+    )
+
+
+def _check_learning_rates(max_lr: Any, min_lr: Any, init_lr: float, param_groups: list[dict]) -> None:
+    """What megatron-core's scheduler asserts, as errors that say what to set."""
+    if max_lr is None or min_lr is None:
+        raise ValueError(
+            f"the scheduler needs OptimizerConfig.lr and OptimizerConfig.min_lr (e.g. min_lr=0.0); "
+            f"got lr={max_lr}, min_lr={min_lr}."
+        )
+    if init_lr > max_lr:
+        raise ValueError(
+            f"SchedulerConfig.lr_warmup_init ({init_lr}) must not exceed OptimizerConfig.lr ({max_lr})."
+        )
+    for group in param_groups:
+        if group.get("max_lr", max_lr) is None or group.get("min_lr", min_lr) is None:
+            raise ValueError(
+                f"param group {group.get('group_key', '?')!r} has max_lr={group.get('max_lr')}, "
+                f"min_lr={group.get('min_lr')}; set both (e.g. decoupled_min_lr with decoupled_lr)."
+            )
+
+
+def _weight_decay_range(optimizer_config: Any, scheduler_config: SchedulerConfig) -> tuple[float, float]:
+    start = scheduler_config.start_weight_decay
+    end = scheduler_config.end_weight_decay
+    start = optimizer_config.weight_decay if start is None else start
+    end = optimizer_config.weight_decay if end is None else end
+    _check_weight_decay_pair(start, end, scheduler_config.weight_decay_incr_style)
+    return start, end
+
+
+# ------------------------------------------------------------------------------------------------
+# Serialisation
+# ------------------------------------------------------------------------------------------------
+
+ConfigT = TypeVar("ConfigT")
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """The config's fields as plain values: torch dtypes as names ('float32'); callables
+    (such as `timers`) left out, so they come back as their defaults."""
+    if not dataclasses.is_dataclass(config) or isinstance(config, type):
+        raise TypeError(f"to_dict takes a dataclass instance (OptimizerConfig, SchedulerConfig); got {config!r}.")
+    values = {}
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if callable(value) or _is_callable_field(type(config), field.name):
+            continue
+        values[field.name] = str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
+    return values
+
+
+def from_dict(cls: type[ConfigT], values: Mapping[str, Any]) -> ConfigT:
+    """`cls(**values)` after undoing `to_dict`: dtype names to torch dtypes, numbers written as
+    strings ('1e-3', which YAML 1.1 reads as a string) to floats. Unknown keys raise."""
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no field(s) {', '.join(map(repr, unknown))}.")
+    hints = typing.get_type_hints(cls)
+    return cls(**{name: _from_plain(cls, name, hints[name], value) for name, value in values.items()})
+
+
+def _from_plain(cls: type, name: str, hint: Any, value: Any) -> Any:
+    optional_of = [t for t in typing.get_args(hint) if t is not type(None)]
+    target = optional_of[0] if typing.get_origin(hint) is typing.Union and len(optional_of) == 1 else hint
+    if target is torch.dtype and isinstance(value, str):
+        dtype = getattr(torch, value.removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"{cls.__name__}.{name}: {value!r} is not a torch dtype name (e.g. 'float32').")
+        return dtype
+    if target is float and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            raise ValueError(f"{cls.__name__}.{name} must be a number; got {value!r}.") from None
+    return value
+
+
+def _is_callable_field(cls: type, name: str) -> bool:
+    hint = typing.get_type_hints(cls).get(name)
+    candidates = typing.get_args(hint) if typing.get_origin(hint) is typing.Union else (hint,)
+    return any(t is Callable or typing.get_origin(t) is typing.get_origin(Callable) for t in candidates)
+
+
+def _yaml() -> Any:
+    try:
+        import yaml
+    except ImportError:
+        raise ImportError(
+            "to_yaml/from_yaml need the optional package PyYAML (pip install pyyaml); without "
+            "it use to_dict/from_dict with your own serialiser (e.g. json)."
+        ) from None
+    return yaml
+
+
+def to_yaml(config: Any) -> str:
+    """`to_dict(config)` as YAML text (needs PyYAML)."""
+    return _yaml().safe_dump(to_dict(config), sort_keys=False)
+
+
+def from_yaml(cls: type[ConfigT], text: str) -> ConfigT:
+    """`from_dict(cls, ...)` of YAML text written by `to_yaml` or by hand (needs PyYAML)."""
+    values = _yaml().safe_load(text)
+    if values is None:
+        values = {}
+    if not isinstance(values, Mapping):
+        raise ValueError(f"from_yaml: the YAML must be a mapping of field names; got {type(values).__name__}.")
+    return from_dict(cls, values)
