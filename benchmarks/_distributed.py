@@ -3,6 +3,7 @@
 Not a benchmark itself; running it does nothing.
 """
 
+import argparse
 import os
 import statistics
 import sys
@@ -11,6 +12,18 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+
+def gpt_benchmark_parser(description: str) -> argparse.ArgumentParser:
+    """The model-size and timing flags both distributed benchmarks take."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--groups", type=int, default=4, help="query groups (GQA)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    return parser
 
 
 def init_distributed() -> torch.device:

@@ -14,7 +14,6 @@ warm-up, the two optimizers interleaved, each step timed on the slowest rank. Pr
 (rank 0); asserts nothing.
 """
 
-import argparse
 import json
 import os
 import sys
@@ -24,7 +23,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _distributed import gather_ints, init_distributed, time_interleaved  # noqa: E402
+from _distributed import gather_ints, gpt_benchmark_parser, init_distributed, time_interleaved  # noqa: E402
 from step_overhead import Weights, gpt_weight_shapes  # noqa: E402  (also puts the repo on sys.path)
 
 from megatron_eopt import OptimizerConfig, ParallelGroups, get_megatron_optimizer  # noqa: E402
@@ -42,13 +41,7 @@ def state_tensor_bytes(optimizer) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--groups", type=int, default=4, help="query groups (GQA)")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser = gpt_benchmark_parser(__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="PATH", help="also write the numbers here (rank 0)")
     args = parser.parse_args()
     device = init_distributed()

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _distributed import init_distributed, time_interleaved  # noqa: E402
+from _distributed import gpt_benchmark_parser, init_distributed, time_interleaved  # noqa: E402
 from step_overhead import gpt_weight_shapes  # noqa: E402  (also puts the repo on sys.path)
 
 from megatron_eopt.ops.splits import MatrixLayout  # noqa: E402
@@ -61,13 +61,7 @@ def check_divisible(args: argparse.Namespace, ffn: int, tp: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--groups", type=int, default=4, help="query groups (GQA)")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser = gpt_benchmark_parser(__doc__.splitlines()[0])
     args = parser.parse_args()
     device = init_distributed()
     rank, tp = dist.get_rank(), dist.get_world_size()

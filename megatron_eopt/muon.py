@@ -17,7 +17,6 @@ from megatron_eopt import factory
 from megatron_eopt.config import OptimizerConfig, as_optimizer_config
 from megatron_eopt.registry import lookup_optimizer
 
-LEGACY_PREFIX = "dist_"
 # Arguments of megatron-core's older optimizer getters; accepted only at their no-op defaults.
 _LEGACY_DEFAULTS = {"no_weight_decay_cond": None, "scale_lr_cond": None, "lr_mult": 1.0}
 
@@ -62,8 +61,8 @@ def _forwarded_config(config: Any, layer_wise: bool) -> tuple[OptimizerConfig, s
     """A copy of `config` for get_megatron_optimizer, and the call to suggest in the warning."""
     base = as_optimizer_config(config)
     name = base.optimizer
-    if name.startswith(LEGACY_PREFIX):
-        name, layer_wise = name[len(LEGACY_PREFIX):], True
+    if name.startswith(factory.LEGACY_DISTRIBUTED_PREFIX):
+        name, layer_wise = name[len(factory.LEGACY_DISTRIBUTED_PREFIX):], True
     _check_matrix_optimizer(base.optimizer, name)
     if layer_wise and base.use_distributed_optimizer:
         raise ValueError(
