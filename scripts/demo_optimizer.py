@@ -20,6 +20,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_eopt import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from scripts.data import rule_batch  # noqa: E402
 from scripts.gpt_model import (  # noqa: E402
     GPTModelSettings,
     build_gpt_model,
@@ -27,18 +28,6 @@ from scripts.gpt_model import (  # noqa: E402
     gpt_loss,
     initialize_model_parallel,
 )
-
-RULES = [(3, 1), (5, 7), (7, 2), (11, 5)]
-
-
-def rule_batch(batch_size: int, length: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
-    """Sequences x[t+1] = (a x[t] + b) mod vocab, each with a random rule and start token."""
-    rules = torch.tensor(RULES)[torch.randint(len(RULES), (batch_size,), generator=generator)]
-    tokens = torch.empty(batch_size, length, dtype=torch.long)
-    tokens[:, 0] = torch.randint(vocab, (batch_size,), generator=generator)
-    for t in range(1, length):
-        tokens[:, t] = (rules[:, 0] * tokens[:, t - 1] + rules[:, 1]) % vocab
-    return tokens
 
 
 def free_port() -> int:

@@ -1,0 +1,373 @@
+"""Pretrain a megatron-core GPTModel with megatron_eopt's optimizer: Megatron-LM's flags.
+
+    torchrun --nproc-per-node 4 scripts/pretrain_gpt.py --tensor-model-parallel-size 2 \\
+        --optimizer muon --use-distributed-optimizer --lr 3e-3 --min-lr 3e-4 --train-iters 100
+
+`python scripts/pretrain_gpt.py ...` runs one process. Tensor parallelism comes from
+`--tensor-model-parallel-size`; the rest of the world is data parallelism. gloo on CPU, NCCL on
+CUDA. Each iteration's global batch is drawn from `--seed` and the iteration number and each
+data-parallel rank trains on its slice of it, so every TP/DP layout sees the same global batch.
+Gradients are averaged over data-parallel ranks by the layer-wise optimizer when it is on
+(`layer_wise_reduce_grads`), else by an all-reduce here; the step scales each micro-batch's loss
+by 1 / (gradient-accumulation steps), so the update follows the global-batch mean loss.
+
+Data: the generated rule language (scripts/data.py) by default, or `--data-path FILE` read as
+bytes (vocabulary 256). Rank 0 prints a Megatron-style line every `--log-interval` iterations
+and, with `--metrics-jsonl`, writes one JSON object per logged iteration; `--plot` writes the
+loss curve as a PNG (no plotting library needed). Invalid flags exit with one line on stderr.
+"""
+
+import argparse
+import json
+import math
+import os
+import socket
+import struct
+import sys
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from arguments import add_optimizer_args, optimizer_config_from_args, validate_args  # noqa: E402
+from megatron_eopt import get_megatron_optimizer  # noqa: E402
+from megatron_eopt.bridge import SchedulerConfig, get_scheduler  # noqa: E402
+from scripts.data import BYTE_VOCAB_SIZE, byte_batch, load_bytes, rule_batch  # noqa: E402
+from scripts.gpt_model import (  # noqa: E402
+    GPTModelSettings,
+    build_gpt_model,
+    destroy_model_parallel,
+    gpt_loss,
+    initialize_model_parallel,
+)
+
+DEFAULT_RULE_VOCAB_SIZE = 64
+
+
+# ------------------------------------------------------------------------------------------------
+# Flags
+# ------------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pretrain_gpt.py", description=__doc__.splitlines()[0])
+    model = parser.add_argument_group(title="model")
+    model.add_argument("--num-layers", type=int, default=2)
+    model.add_argument("--hidden-size", type=int, default=64)
+    model.add_argument("--num-attention-heads", type=int, default=4)
+    model.add_argument("--num-query-groups", type=int, default=None, help="default: one per head")
+    model.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 * hidden size")
+    model.add_argument("--swiglu", action="store_true")
+    model.add_argument("--seq-length", type=int, default=32)
+    model.add_argument("--max-position-embeddings", type=int, default=None, help="default: seq length")
+    model.add_argument("--vocab-size", type=int, default=None,
+                       help=f"default: {DEFAULT_RULE_VOCAB_SIZE} (rule task), {BYTE_VOCAB_SIZE} with --data-path")
+    training = parser.add_argument_group(title="training")
+    training.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    training.add_argument("--micro-batch-size", type=int, default=4)
+    training.add_argument("--global-batch-size", type=int, default=None, help="default: micro batch * DP")
+    training.add_argument("--train-iters", type=int, default=100)
+    training.add_argument("--exit-interval", type=int, default=None, help="stop after an iteration divisible by this")
+    training.add_argument("--lr-decay-style", default="linear",
+                          choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"))
+    training.add_argument("--lr-decay-iters", type=int, default=None, help="default: train iters")
+    training.add_argument("--lr-warmup-iters", type=int, default=0)
+    training.add_argument("--seed", type=int, default=1234)
+    training.add_argument("--data-path", default=None, help="a text file, tokenized by bytes")
+    logging = parser.add_argument_group(title="logging")
+    logging.add_argument("--log-interval", type=int, default=100)
+    logging.add_argument("--metrics-jsonl", default=None, help="write one JSON object per logged iteration")
+    logging.add_argument("--plot", default=None, help="write the loss curve as a PNG")
+    return add_optimizer_args(parser)
+
+
+@dataclass(frozen=True)
+class Layout:
+    world_size: int
+    rank: int
+    tp: int
+    dp: int
+    grad_accumulation_steps: int
+
+
+def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, GPTModelSettings, Layout]:
+    """Parse and check every flag before any process group exists; errors exit with one line."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        validate_args(args, args.tensor_model_parallel_size)
+        args.layer_wise_reduce_grads = args.use_layer_wise_distributed_optimizer  # no DDP here
+        optimizer_config_from_args(args)
+        layout = _layout(args)
+        settings = _model_settings(args)
+        settings.check_tensor_parallel(layout.tp)
+        _check_training_flags(args)
+    except ValueError as error:
+        parser.exit(2, f"{parser.prog}: error: {' '.join(str(error).split())}\n")
+    return args, settings, layout
+
+
+def _layout(args: argparse.Namespace) -> Layout:
+    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    tp = args.tensor_model_parallel_size
+    if tp < 1 or world_size % tp:
+        raise ValueError(f"--tensor-model-parallel-size {tp} must divide the world size ({world_size}).")
+    dp = world_size // tp
+    if args.micro_batch_size < 1:
+        raise ValueError(f"--micro-batch-size must be >= 1; got {args.micro_batch_size}.")
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * dp
+    per_step = args.micro_batch_size * dp
+    if args.global_batch_size < 1 or args.global_batch_size % per_step:
+        raise ValueError(
+            f"--global-batch-size {args.global_batch_size} must be a positive multiple of "
+            f"--micro-batch-size * data-parallel size = {args.micro_batch_size} * {dp} = {per_step}."
+        )
+    return Layout(world_size, rank, tp, dp, args.global_batch_size // per_step)
+
+
+def _model_settings(args: argparse.Namespace) -> GPTModelSettings:
+    if args.vocab_size is None:
+        args.vocab_size = BYTE_VOCAB_SIZE if args.data_path else DEFAULT_RULE_VOCAB_SIZE
+    if args.data_path and args.vocab_size < BYTE_VOCAB_SIZE:
+        raise ValueError(f"--data-path is tokenized by bytes: --vocab-size must be >= 256; got {args.vocab_size}.")
+    return GPTModelSettings(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
+        swiglu=args.swiglu,
+        seq_length=args.seq_length,
+        max_position_embeddings=args.max_position_embeddings,
+        vocab_size=args.vocab_size,
+        bf16=args.bf16,
+    )
+
+
+def _check_training_flags(args: argparse.Namespace) -> None:
+    for name in ("train_iters", "log_interval"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}.")
+    if args.exit_interval is not None and args.exit_interval < 1:
+        raise ValueError(f"--exit-interval must be >= 1; got {args.exit_interval}.")
+    if args.lr is None:
+        raise ValueError("--lr is required (the peak learning rate).")
+    if args.min_lr is None:
+        args.min_lr = 0.0
+    if args.data_path and not os.path.isfile(args.data_path):
+        raise ValueError(f"--data-path {args.data_path}: no such file.")
+    if args.plot and not args.plot.endswith(".png"):
+        raise ValueError(f"--plot writes a PNG; give a path ending in .png, got {args.plot!r}.")
+    scheduler_config(args)  # raises ValueError on bad schedule flags
+
+
+def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
+    return SchedulerConfig(
+        lr_decay_style=args.lr_decay_style,
+        lr_decay_iters=args.lr_decay_iters,
+        lr_warmup_iters=args.lr_warmup_iters,
+        global_batch_size=args.global_batch_size,
+        train_iters=args.train_iters,
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# Set-up
+# ------------------------------------------------------------------------------------------------
+
+
+def init_distributed(layout: Layout) -> torch.device:
+    """One process group over every rank: NCCL on CUDA (cuda:LOCAL_RANK), gloo on CPU."""
+    if "MASTER_ADDR" not in os.environ:  # plain `python`: a one-process group on a free port
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", rank=layout.rank, world_size=layout.world_size, device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", rank=layout.rank, world_size=layout.world_size)
+    return device
+
+
+class BatchSource:
+    """Each iteration's global batch (from the seed and the iteration), sliced for one DP rank."""
+
+    def __init__(self, args: argparse.Namespace, layout: Layout, dp_rank: int) -> None:
+        self.args, self.layout, self.dp_rank = args, layout, dp_rank
+        self.data = load_bytes(args.data_path) if args.data_path else None
+
+    def micro_batches(self, iteration: int) -> list[torch.Tensor]:
+        args, length = self.args, self.args.seq_length + 1
+        generator = torch.Generator().manual_seed(args.seed * 1_000_003 + iteration)
+        if self.data is None:
+            batch = rule_batch(args.global_batch_size, length, args.vocab_size, generator)
+        else:
+            batch = byte_batch(self.data, args.global_batch_size, length, generator)
+        per_rank = args.global_batch_size // self.layout.dp
+        mine = batch[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
+        return list(mine.split(args.micro_batch_size))
+
+
+# ------------------------------------------------------------------------------------------------
+# Training
+# ------------------------------------------------------------------------------------------------
+
+
+def train_step(model, optimizer, micro_batches, dp_group, average_grads: bool) -> tuple[float, bool, Optional[float]]:
+    """Forward/backward over the micro-batches, DP gradient average, optimizer step.
+
+    Returns (global-batch mean loss, update successful, grad norm).
+    """
+    optimizer.zero_grad()
+    total = torch.zeros((), dtype=torch.float32)
+    for tokens in micro_batches:
+        loss = gpt_loss(model, tokens) / len(micro_batches)
+        loss.backward()
+        total += loss.detach().float().cpu()
+    dp_size = dist.get_world_size(dp_group)
+    if average_grads and dp_size > 1:
+        for param in model.parameters():
+            if param.grad is not None:
+                dist.all_reduce(param.grad, group=dp_group)
+                param.grad.div_(dp_size)
+    loss_sum = total.to(next(model.parameters()).device)
+    dist.all_reduce(loss_sum, group=dp_group)
+    ok, grad_norm, _ = optimizer.step()
+    return loss_sum.item() / dp_size, ok, grad_norm
+
+
+def train(args, settings, layout, device) -> list[dict]:
+    from megatron.core import parallel_state
+
+    model = build_gpt_model(settings, device)
+    config = optimizer_config_from_args(args)
+    optimizer = get_megatron_optimizer(config, [model])
+    scheduler = get_scheduler(config, scheduler_config(args), optimizer)
+    dp_group = parallel_state.get_data_parallel_group()
+    batches = BatchSource(args, layout, parallel_state.get_data_parallel_rank())
+    average_grads = not config.use_layer_wise_distributed_optimizer  # that one reduces itself
+    log = Logger(args, layout)
+    for iteration in range(1, args.train_iters + 1):
+        lr = optimizer.param_groups[0]["lr"]
+        loss, ok, grad_norm = train_step(model, optimizer, batches.micro_batches(iteration), dp_group, average_grads)
+        if ok:
+            scheduler.step(args.global_batch_size)
+        log.iteration(iteration, loss, lr, grad_norm, ok)
+        if args.exit_interval and iteration % args.exit_interval == 0:
+            log.say(f"exiting after iteration {iteration} (--exit-interval {args.exit_interval})")
+            break
+    log.close()
+    return log.records
+
+
+class Logger:
+    """Rank 0's log lines and metrics file; every rank keeps the records (for tests and --plot)."""
+
+    def __init__(self, args: argparse.Namespace, layout: Layout) -> None:
+        self.args, self.is_first = args, layout.rank == 0
+        self.records: list[dict] = []
+        self.skipped = 0
+        self.last_time, self.last_iteration = time.perf_counter(), 0
+        self.metrics = open(args.metrics_jsonl, "w") if args.metrics_jsonl and self.is_first else None
+
+    def say(self, message: str) -> None:
+        if self.is_first:
+            print(f"> {message}", flush=True)
+
+    def iteration(self, iteration: int, loss: float, lr: float, grad_norm: Optional[float], ok: bool) -> None:
+        self.skipped += 0 if ok else 1
+        if iteration % self.args.log_interval and iteration != 1:
+            return
+        now = time.perf_counter()
+        elapsed_ms = (now - self.last_time) * 1000 / (iteration - self.last_iteration)
+        self.last_time, self.last_iteration = now, iteration
+        record = {"iteration": iteration, "loss": loss, "lr": lr,
+                  "grad_norm": None if grad_norm is None else float(grad_norm),
+                  "skipped": self.skipped, "elapsed_ms": elapsed_ms}
+        self.skipped = 0
+        self.records.append(record)
+        if not self.is_first:
+            return
+        norm = "nan" if grad_norm is None else f"{grad_norm:.6f}"
+        print(f" iteration {iteration:8d}/{self.args.train_iters:8d} | lr {lr:.6e} | loss {loss:.6f} | "
+              f"grad norm {norm} | skipped {record['skipped']} | elapsed ms per iteration {elapsed_ms:.1f}",
+              flush=True)
+        if self.metrics:
+            self.metrics.write(json.dumps(record) + "\n")
+            self.metrics.flush()
+
+    def close(self) -> None:
+        if self.metrics:
+            self.metrics.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# Loss-curve PNG (no plotting library)
+# ------------------------------------------------------------------------------------------------
+
+
+def write_loss_png(path: str, losses: list[float], width: int = 480, height: int = 320) -> None:
+    """A grayscale PNG: axes on the left and bottom, the loss as a black polyline."""
+    margin = 20
+    pixels = [[255] * width for _ in range(height)]
+    for y in range(margin, height - margin + 1):
+        pixels[y][margin] = 128
+    for x in range(margin, width - margin + 1):
+        pixels[height - margin][x] = 128
+    finite = [v for v in losses if math.isfinite(v)] or [0.0]
+    low, high = min(finite), max(finite)
+    span = (high - low) or 1.0
+    points = [
+        (margin + round(i * (width - 2 * margin) / max(1, len(losses) - 1)),
+         height - margin - round((min(max(v, low), high) - low) * (height - 2 * margin) / span))
+        for i, v in enumerate(v if math.isfinite(v) else high for v in losses)
+    ]
+    for (x0, y0), (x1, y1) in zip(points, points[1:] or points):
+        steps = max(abs(x1 - x0), abs(y1 - y0), 1)
+        for s in range(steps + 1):
+            pixels[round(y0 + (y1 - y0) * s / steps)][round(x0 + (x1 - x0) * s / steps)] = 0
+    raw = b"".join(b"\x00" + bytes(row) for row in pixels)
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)  # 8-bit grayscale
+    with open(path, "wb") as handle:
+        handle.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw))
+                     + chunk(b"IEND", b""))
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args, settings, layout = parse_args(argv)
+    device = init_distributed(layout)
+    initialize_model_parallel(layout.tp, args.seed)
+    try:
+        if layout.rank == 0:
+            print(f"> world {layout.world_size} = TP {layout.tp} x DP {layout.dp}; global batch "
+                  f"{args.global_batch_size} = micro batch {args.micro_batch_size} x DP {layout.dp} x "
+                  f"{layout.grad_accumulation_steps} accumulation steps; optimizer {args.optimizer}"
+                  f"{' (layer-wise distributed)' if args.use_layer_wise_distributed_optimizer else ''}",
+                  flush=True)
+        records = train(args, settings, layout, device)
+        if args.plot and layout.rank == 0:
+            write_loss_png(args.plot, [r["loss"] for r in records])
+    except ValueError as error:  # e.g. optimizer/config combinations the factory rejects
+        if layout.rank == 0:
+            print(f"pretrain_gpt.py: error: {' '.join(str(error).split())}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    finally:
+        destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
