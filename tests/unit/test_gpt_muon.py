@@ -10,15 +10,9 @@ TP=1 (DP=4), TP=2 (DP=2) and TP=4 run one after the other on the same batch.
 import pytest
 import torch
 
-from megatron_eopt import OptimizerConfig, get_megatron_optimizer
-from scripts.gpt_model import (
-    GPTModelSettings,
-    build_gpt_model,
-    destroy_model_parallel,
-    gpt_loss,
-    initialize_model_parallel,
-)
-from tests.unit.test_gpt_optimizer import local_shard
+from megatron_eopt import OptimizerConfig
+from scripts.gpt_model import GPTModelSettings
+from tests.unit.test_gpt_optimizer import local_shard, train_gpt
 
 SETTINGS = GPTModelSettings(num_layers=2, hidden_size=32, num_attention_heads=8, num_query_groups=4,
                             ffn_hidden_size=48, swiglu=True, vocab_size=64, seq_length=16)
@@ -29,30 +23,9 @@ def batch() -> torch.Tensor:
 
 
 def train_muon(tp: int, tp_mode: str, steps: int) -> dict:
-    initialize_model_parallel(tp, seed=11)
-    try:
-        model = build_gpt_model(SETTINGS)
-        config = OptimizerConfig(optimizer="muon", lr=0.02, min_lr=0.0, weight_decay=0.05, clip_grad=1.0,
-                                 muon_tp_mode=tp_mode, muon_momentum=0.9)
-        optimizer = get_megatron_optimizer(config, [model])
-        losses = []
-        for _ in range(steps):
-            optimizer.zero_grad()
-            loss = gpt_loss(model, batch())
-            loss.backward()
-            assert optimizer.step()[0]
-            losses.append(loss.item())
-        params = {
-            name: (p.detach().clone(),
-                   getattr(p, "partition_dim", -1) if getattr(p, "tensor_model_parallel", False) else -1,
-                   getattr(p, "partition_stride", 1))
-            for name, p in model.named_parameters()
-        }
-        from megatron.core import parallel_state
-
-        return {"losses": losses, "params": params, "tp_rank": parallel_state.get_tensor_model_parallel_rank()}
-    finally:
-        destroy_model_parallel()
+    config = OptimizerConfig(optimizer="muon", lr=0.02, min_lr=0.0, weight_decay=0.05, clip_grad=1.0,
+                             muon_tp_mode=tp_mode, muon_momentum=0.9)
+    return train_gpt(SETTINGS, config, tp, steps, seed=11, tokens=batch())
 
 
 def _modes_body(rank: int, world_size: int, tp_mode: str) -> dict:

@@ -29,29 +29,47 @@ def fixed_batch() -> torch.Tensor:
     return torch.randint(0, SETTINGS.vocab_size, (4, SETTINGS.seq_length + 1), generator=generator)
 
 
-def train(tp: int, steps: int) -> dict:
-    initialize_model_parallel(tp, seed=7)
+def snapshot(model: torch.nn.Module) -> dict:
+    """name -> (value, partition_dim or -1, partition_stride): what `local_shard` needs."""
+    return {
+        name: (p.detach().clone(),
+               getattr(p, "partition_dim", -1) if getattr(p, "tensor_model_parallel", False) else -1,
+               getattr(p, "partition_stride", 1))
+        for name, p in model.named_parameters()
+    }
+
+
+def train_gpt(settings: GPTModelSettings, config: OptimizerConfig, tp: int, steps: int, seed: int,
+              tokens: torch.Tensor) -> dict:
+    """`steps` optimizer steps on one batch at tensor parallelism `tp` (megatron parallel_state)."""
+    from megatron.core import parallel_state
+
+    initialize_model_parallel(tp, seed=seed)
     try:
-        model = build_gpt_model(SETTINGS)
-        optimizer = get_megatron_optimizer(OptimizerConfig(**CONFIG), [model])
+        model = build_gpt_model(settings)
+        optimizer = get_megatron_optimizer(config, [model])
         losses, norms = [], []
-        for step in range(steps):
+        for _ in range(steps):
             optimizer.zero_grad()
-            loss = gpt_loss(model, fixed_batch())
+            loss = gpt_loss(model, tokens)
             loss.backward()
             ok, grad_norm, _ = optimizer.step()
             assert ok
             losses.append(loss.item())
             norms.append(grad_norm)
-        params = {
-            name: (p.detach().clone(), getattr(p, "partition_dim", -1) if getattr(p, "tensor_model_parallel", False) else -1,
-                   getattr(p, "partition_stride", 1))
-            for name, p in model.named_parameters()
+        return {
+            "losses": losses,
+            "norms": norms,
+            "params": snapshot(model),
+            "groups": [(g["group_key"], len(g["params"])) for g in optimizer.param_groups],
+            "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
         }
-        groups = [(g["group_key"], len(g["params"])) for g in optimizer.param_groups]
-        return {"losses": losses, "norms": norms, "params": params, "groups": groups}
     finally:
         destroy_model_parallel()
+
+
+def train(tp: int, steps: int) -> dict:
+    return train_gpt(SETTINGS, OptimizerConfig(**CONFIG), tp, steps, seed=7, tokens=fixed_batch())
 
 
 def local_shard(full: torch.Tensor, partition_dim: int, stride: int, rank: int, size: int) -> torch.Tensor:

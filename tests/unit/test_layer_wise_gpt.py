@@ -33,7 +33,7 @@ from scripts.gpt_model import (
     gpt_loss,
     initialize_model_parallel,
 )
-from tests.unit.test_gpt_optimizer import local_shard
+from tests.unit.test_gpt_optimizer import local_shard, snapshot
 
 SETTINGS = GPTModelSettings(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                             ffn_hidden_size=48, swiglu=True, vocab_size=64, seq_length=8)
@@ -61,16 +61,6 @@ def checksum(model: torch.nn.Module) -> str:
         digest.update(name.encode())
         digest.update(param.detach().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
-
-
-def snapshot(model: torch.nn.Module) -> dict:
-    """name -> (value, partition_dim or -1, partition_stride)."""
-    return {
-        name: (p.detach().clone(),
-               getattr(p, "partition_dim", -1) if getattr(p, "tensor_model_parallel", False) else -1,
-               getattr(p, "partition_stride", 1))
-        for name, p in model.named_parameters()
-    }
 
 
 def train_reference(slices: int) -> dict:

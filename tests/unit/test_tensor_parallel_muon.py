@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz
 
-from megatron_eopt.ops.splits import MatrixLayout
+from megatron_eopt.ops.splits import MatrixLayout, merge_blocks, split_blocks
 from megatron_eopt.optimizers.tensor_parallel_muon import TensorParallelMuon
 
 HEADS, GROUPS, KV = 8, 4, 2  # GQA: 2 heads per group; q rows per group = 4
@@ -96,8 +96,6 @@ def blockwise_reference(rank: int, size: int) -> dict[str, torch.Tensor]:
         for name in MATRICES:
             momenta[name] = MOMENTUM * momenta[name] + (1 - MOMENTUM) * local_shard(name, gradient(name, step), rank, size)
             layout = layout_for(name, params[name], size)
-            from megatron_eopt.ops.splits import merge_blocks, split_blocks
-
             blocks = [newton_schulz(b, steps=5) * math.sqrt(max(b.shape)) for b in split_blocks(momenta[name], layout)]
             params[name] = params[name] * (1 - LR * WD) - LR * merge_blocks(blocks, layout)
     return params
