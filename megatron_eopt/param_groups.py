@@ -86,12 +86,13 @@ class ParamRouting:
 
 
 def named_trainable_parameters(
-    model_chunks: Iterable[torch.nn.Module],
+    model_chunks: Iterable[torch.nn.Module], trainable_only: bool = True
 ) -> list[tuple[str, str, torch.nn.Parameter]]:
     """(fqn, name, param) for every trainable parameter, each parameter once, in chunk order.
 
     With several chunks (virtual pipeline stages) names repeat across chunks, so the fqn
-    gets a `model_chunk{i}.` prefix.
+    gets a `model_chunk{i}.` prefix. `trainable_only=False` includes frozen parameters too
+    (checkpoints save the whole model).
     """
     chunks = list(model_chunks)
     seen: set[int] = set()
@@ -103,7 +104,7 @@ def named_trainable_parameters(
                 f"{type(chunk).__name__}."
             )
         for name, param in chunk.named_parameters():
-            if not param.requires_grad or id(param) in seen:
+            if (trainable_only and not param.requires_grad) or id(param) in seen:
                 continue
             seen.add(id(param))
             fqn = name if len(chunks) == 1 else f"model_chunk{index}.{name}"

@@ -71,6 +71,8 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
         if missing:
             raise ValueError(f"{len(missing)} parameters in param_groups have no ParamRecord.")
         ordered = [record_of[id(p)] for p in self.model_params]
+        self.records = ordered  # parallel to model_params and main_params
+        self.tp_group = tp_group
         self._fqn_of_main = {id(main): r.fqn for main, r in zip(self.main_params, ordered)}
         tp_rank = group_rank(tp_group)
         self._counts_for_norm = [

@@ -1,0 +1,184 @@
+"""save_checkpoint / load_checkpoint: model, optimizer and scheduler in one sharded checkpoint.
+
+Built on torch.distributed.checkpoint: each rank writes the pieces it holds (its TP shard,
+the state of the parameters it owns), nothing is gathered to one rank. Tensors are stored in
+their global shape under parameter names, so a checkpoint loads at another TP or DP size,
+with or without the layer-wise optimizer, in bf16 or fp32. Every rank loads the whole model
+(so no data-parallel rank keeps stale parameters), and the state of the parameters it steps.
+Directories are committed atomically (storage.py). Call both functions on every rank.
+"""
+
+import json
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+
+from megatron_eopt.checkpointing import storage
+from megatron_eopt.checkpointing.layout import MeshCache
+from megatron_eopt.checkpointing.state import (
+    CheckpointIndex,
+    LoadPlan,
+    check_structure,
+    group_structure,
+    loaded_optimizer_state,
+    merge_structures,
+    model_params,
+    optimizer_children,
+    plan_model,
+    plan_optimizer_state,
+    save_entries,
+)
+from megatron_eopt.checkpointing.storage import CheckpointError
+from megatron_eopt.distributed.process_groups import resolve_parallel_groups
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    path: str
+    iteration: int
+    extra: dict  # what the trainer passed to save_checkpoint (consumed samples, ...)
+
+
+def save_checkpoint(
+    checkpoint_dir: str,
+    iteration: int,
+    model_chunks: list[torch.nn.Module],
+    optimizer: Any = None,
+    scheduler: Any = None,
+    extra: Optional[dict] = None,
+    pg_collection: Any = None,
+    before_commit: Optional[Callable[[str], None]] = None,
+) -> str:
+    """Write `checkpoint_dir/iter_<iteration>` and point `latest` at it; returns its path.
+
+    `extra`: JSON-serialisable trainer state. `before_commit(path)` runs on every rank when all
+    files are written, just before the directory is renamed into place (tests pause there).
+    """
+    _check_iteration(iteration)
+    extra = _check_extra(extra)
+    chunks = _as_chunks(model_chunks)
+    params = model_params(chunks, resolve_parallel_groups(pg_collection))
+    children = optimizer_children(optimizer)
+    entries = save_entries(params, children, MeshCache())
+    if scheduler is not None:
+        entries["scheduler"] = json.dumps(scheduler.state_dict())
+    entries[f"rng/cpu/{storage.rank()}of{storage.world_size()}"] = torch.get_rng_state()
+    structure = merge_structures(storage.all_gather_objects(group_structure(children))) if children else None
+
+    path = storage.begin_save(checkpoint_dir, iteration)
+    dcp.save(entries, storage_writer=FileSystemWriter(path))
+    storage.write_manifest(path, {
+        "format": storage.FORMAT_VERSION,
+        "iteration": iteration,
+        "extra": extra,
+        "world_size": storage.world_size(),
+        "optimizers": structure,
+        "has_scheduler": scheduler is not None,
+    })
+    if before_commit is not None:
+        before_commit(path)
+    return storage.commit(checkpoint_dir, iteration)
+
+
+def load_checkpoint(
+    checkpoint_dir: str,
+    model_chunks: list[torch.nn.Module],
+    optimizer: Any = None,
+    scheduler: Any = None,
+    iteration: Optional[int] = None,
+    load_optimizer: bool = True,
+    load_rng: bool = True,
+    pg_collection: Any = None,
+) -> LoadedCheckpoint:
+    """Load the latest (or the given iteration's) checkpoint into the model and optimizer.
+
+    With `load_optimizer=False` only the model parameters are loaded (fp32 main copies
+    included), e.g. to change optimizers; the scheduler is then left as it is too. Every check
+    runs before anything is changed: on any error nothing was loaded.
+    """
+    path = storage.resolve_checkpoint(checkpoint_dir, iteration)
+    manifest = storage.read_manifest(path)
+    storage.verify_files(path, manifest)
+    chunks = _as_chunks(model_chunks)
+    params = model_params(chunks, resolve_parallel_groups(pg_collection))
+    children = optimizer_children(optimizer) if load_optimizer else []
+    if children:
+        live = merge_structures(storage.all_gather_objects(group_structure(children)))
+        check_structure(manifest.get("optimizers"), live, path)
+
+    plan = LoadPlan(CheckpointIndex(FileSystemReader(path).read_metadata(), path), MeshCache())
+    masters = plan_model(plan, params)
+    states = [plan_optimizer_state(plan, child, params) for child in children]
+    for child in children:
+        plan.plain(f"groups/{child.name}", torch.device("cpu"))
+        plan.plain(f"grad_scaler/{child.name}", torch.device("cpu"))
+    read_scheduler = load_optimizer and scheduler is not None
+    if read_scheduler and "scheduler" not in plan.index.objects:
+        raise CheckpointError(f"{path} holds no lr scheduler state; pass scheduler=None to load without it.")
+    if read_scheduler:
+        plan.plain("scheduler", torch.device("cpu"))
+    rng_key = f"rng/cpu/{storage.rank()}of{storage.world_size()}"
+    read_rng = load_rng and rng_key in plan.index.tensors
+    if read_rng:
+        plan.plain(rng_key, torch.device("cpu"))
+    _read(plan, path)
+
+    child_states = [
+        loaded_optimizer_state(child, get_state(), plan.targets[f"groups/{child.name}"],
+                               plan.targets[f"grad_scaler/{child.name}"], masters)
+        for child, get_state in zip(children, states)
+    ]
+    for child, state in zip(children, child_states):  # every check before any change
+        child.check_state_dict(state)
+    _apply(params, masters, children, child_states, optimizer_children(optimizer))
+    if read_scheduler:
+        scheduler.load_state_dict(json.loads(plan.targets["scheduler"]))
+    if read_rng:
+        torch.set_rng_state(plan.targets[rng_key])
+    return LoadedCheckpoint(path, int(manifest["iteration"]), manifest.get("extra") or {})
+
+
+def _read(plan: LoadPlan, path: str) -> None:
+    try:
+        dcp.load(plan.targets, storage_reader=FileSystemReader(path))
+    except CheckpointException as error:
+        raise CheckpointError(f"reading {path} failed: {error}") from None
+
+
+def _apply(params, masters, children, child_states, all_children) -> None:
+    with torch.no_grad():
+        for p in params:
+            p.param.copy_(masters[id(p.param)])
+    for child, state in zip(children, child_states):
+        child.load_state_dict(state)
+    if not children:  # model only: fp32 main copies follow the loaded values at full precision
+        for child in all_children:
+            with torch.no_grad():
+                for model, main in zip(child.model_params, child.main_params):
+                    if main is not model:
+                        main.copy_(masters[id(model)])
+
+
+def _as_chunks(model_chunks: Any) -> list[torch.nn.Module]:
+    chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
+    if not chunks or not all(isinstance(c, torch.nn.Module) for c in chunks):
+        raise TypeError("model_chunks must be a torch.nn.Module or a non-empty list of them.")
+    return chunks
+
+
+def _check_iteration(iteration: Any) -> None:
+    if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+        raise ValueError(f"iteration must be an int >= 0; got {iteration!r}.")
+
+
+def _check_extra(extra: Optional[dict]) -> dict:
+    extra = {} if extra is None else extra
+    try:
+        json.dumps(extra)
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"extra must be JSON-serialisable (numbers, strings, lists, dicts): {error}") from None
+    return extra

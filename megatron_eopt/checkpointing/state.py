@@ -1,0 +1,320 @@
+"""The entries of a checkpoint: model parameters and optimizer state by parameter name.
+
+Keys (see layout.py for `#part<i>` and `@tp<r>of<n>` suffixes):
+    model/<fqn>                  the model parameter, global shape, model dtype
+    main/<fqn>                   its fp32 main copy (mixed precision only)
+    state/<child>/<fqn>/<name>   optimizer state `name` of the parameter (global shape when it
+                                 has the parameter's shape; scalars and objects as they are)
+    groups/<child>               hyperparameters of every param group, by group key (JSON)
+    grad_scaler/<child>          the loss scaler's state (JSON)
+`<child>` is the name of a chained optimizer (e.g. `muon/dense`, `adam/dense`). Only the rank that holds
+a state writes it (the owner, with the layer-wise optimizer); replicas are written once.
+"""
+
+import json
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+from megatron_eopt.checkpointing.layout import PART_MARK, TP_MARK, MeshCache, Placement, global_pieces, placement_of
+from megatron_eopt.checkpointing.storage import CheckpointError
+from megatron_eopt.distributed.process_groups import ParallelGroups, group_size
+from megatron_eopt.param_groups import named_trainable_parameters
+from megatron_eopt.wrappers.fp32 import FP32Optimizer
+
+
+@dataclass(frozen=True)
+class ModelParam:
+    """One model parameter as the checkpoint sees it."""
+
+    fqn: str
+    param: torch.nn.Parameter
+    placement: Placement
+
+
+def model_params(model_chunks: list[torch.nn.Module], groups: ParallelGroups) -> list[ModelParam]:
+    """Every parameter of the model (frozen ones too) with its tensor-parallel placement."""
+    named = named_trainable_parameters(model_chunks, trainable_only=False)
+    has_experts = any(not getattr(p, "allreduce", True) for _, _, p in named)
+    _refuse_unsupported_parallelism(groups, has_experts)
+    result = []
+    for fqn, _, param in named:
+        is_expert = not getattr(param, "allreduce", True)
+        tp_group = groups.expt_tp if is_expert else groups.tp
+        result.append(ModelParam(fqn, param, placement_of(param, tp_group)))
+    return result
+
+
+def _refuse_unsupported_parallelism(groups: ParallelGroups, has_experts: bool) -> None:
+    # Parameter names repeat across pipeline stages and expert-parallel ranks (local layer and
+    # expert numbers), so their state would collide under one name.
+    pipeline = group_size(groups.mp) // group_size(groups.tp)
+    expert = group_size(groups.expt_mp) // (group_size(groups.expt_tp) * pipeline) if has_experts else 1
+    if pipeline > 1 or expert > 1:
+        raise CheckpointError(
+            f"megatron_eopt checkpoints support tensor and data parallelism only; this run has "
+            f"pipeline-parallel size {pipeline} and expert-parallel size {expert}. Use "
+            f"sharded_state_dict() with megatron-core's dist_checkpointing instead."
+        )
+
+
+def optimizer_children(optimizer: Any) -> list[FP32Optimizer]:
+    """The wrapped optimizers whose state a checkpoint holds."""
+    if optimizer is None:
+        return []
+    if isinstance(optimizer, FP32Optimizer):
+        return [optimizer]
+    children = getattr(optimizer, "chained_optimizers", None)
+    if children is None or not all(isinstance(c, FP32Optimizer) for c in children):
+        raise TypeError(
+            f"checkpoints hold optimizers returned by get_megatron_optimizer (ChainedOptimizer, "
+            f"LayerWiseDistributedOptimizer, FP32Optimizer, MixedPrecisionOptimizer); got "
+            f"{type(optimizer).__name__}."
+        )
+    return list(children)
+
+
+def group_structure(children: list[FP32Optimizer]) -> dict[str, dict[str, Any]]:
+    """This rank's {child: {'torch_class', 'groups': {group_key: [fqn, ...]}}}."""
+    return {
+        child.name: {
+            "torch_class": type(child.optimizer).__name__,
+            "groups": {g["group_key"]: _group_fqns(child, g) for g in child.optimizer.param_groups},
+        }
+        for child in children
+    }
+
+
+def _group_fqns(child: FP32Optimizer, group: dict) -> list[str]:
+    fqn_of = {id(main): record.fqn for record, main in zip(child.records, child.main_params)}
+    return [fqn_of[id(p)] for p in group["params"]]
+
+
+def merge_structures(structures: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """The union over ranks (each layer-wise rank lists only the parameters it owns)."""
+    merged: dict[str, dict[str, Any]] = {}
+    for structure in structures:
+        for name, child in structure.items():
+            entry = merged.setdefault(name, {"torch_class": child["torch_class"], "groups": {}})
+            for key, fqns in child["groups"].items():
+                entry["groups"][key] = sorted(set(entry["groups"].get(key, [])) | set(fqns))
+    return merged
+
+
+# ------------------------------------------------------------------------------------------------
+# Saving
+# ------------------------------------------------------------------------------------------------
+
+
+def save_entries(params: list[ModelParam], children: list[FP32Optimizer], meshes: MeshCache) -> dict[str, Any]:
+    """Everything of the model and optimizer this rank writes."""
+    entries: dict[str, Any] = {}
+    placement_of_param = {id(p.param): p.placement for p in params}
+    for p in params:
+        entries.update(global_pieces(f"model/{p.fqn}", p.param.detach(), p.placement, meshes))
+    for child in children:
+        for record, model_param, main_param in zip(child.records, child.model_params, child.main_params):
+            placement = placement_of_param[id(model_param)]
+            if main_param is not model_param:
+                entries.update(global_pieces(f"main/{record.fqn}", main_param.detach(), placement, meshes))
+            for name, value in child.optimizer.state.get(main_param, {}).items():
+                key = f"state/{child.name}/{record.fqn}/{name}"
+                entries.update(_state_entry(key, value, model_param, placement, meshes))
+        entries[f"groups/{child.name}"] = json.dumps(_hyperparameters(child))
+        entries[f"grad_scaler/{child.name}"] = json.dumps(
+            child.grad_scaler.state_dict() if child.grad_scaler is not None else None
+        )
+    return entries
+
+
+def _state_entry(key: str, value: Any, param: torch.Tensor, placement: Placement, meshes: MeshCache) -> dict[str, Any]:
+    if not torch.is_tensor(value) or value.dim() == 0:
+        return {key: value}
+    if value.shape == param.shape:
+        return global_pieces(key, value.detach(), placement, meshes)
+    if placement.partition_dim >= 0:  # e.g. a preconditioner of a TP shard: valid at this TP only
+        return {placement.tp_specific_key(key): value.detach()}
+    return {key: value.detach()}
+
+
+def _hyperparameters(child: FP32Optimizer) -> dict[str, dict[str, Any]]:
+    """Each group's optimizer hyperparameters (lr, betas, ...) that JSON can hold."""
+    return {
+        group["group_key"]: {k: group[k] for k in child.optimizer.defaults if k in group and _is_plain(group[k])}
+        for group in child.optimizer.param_groups
+    }
+
+
+def _is_plain(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(_is_plain(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+# ------------------------------------------------------------------------------------------------
+# Loading: targets to read into, then the loaded values
+# ------------------------------------------------------------------------------------------------
+
+
+class CheckpointIndex:
+    """The keys a checkpoint holds, from torch.distributed.checkpoint's metadata."""
+
+    def __init__(self, metadata: Metadata, path: str) -> None:
+        self.path = path
+        self.tensors = {k: m for k, m in metadata.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
+        self.objects = {k for k, m in metadata.state_dict_metadata.items() if isinstance(m, BytesStorageMetadata)}
+        self.state_keys: dict[tuple[str, str], dict[str, list[str]]] = {}
+        for key in list(self.tensors) + sorted(self.objects):
+            parts = key.split("/")
+            if parts[0] == "state":  # state/<child, may hold '/'>/<fqn>/<name>
+                child, fqn, entry = "/".join(parts[1:-2]), parts[-2], parts[-1].split(PART_MARK)[0].split(TP_MARK)[0]
+                self.state_keys.setdefault((child, fqn), {}).setdefault(entry, []).append(key)
+
+    def has_tensor(self, key: str, placement: Placement) -> bool:
+        return all(k in self.tensors for k in placement.keys(key))
+
+    def model_fqns(self) -> set[str]:
+        return {k.split("/", 1)[1].split(PART_MARK)[0] for k in self.tensors if k.startswith("model/")}
+
+
+class LoadPlan:
+    """Buffers for torch.distributed.checkpoint to read into, and how to collect them."""
+
+    def __init__(self, index: CheckpointIndex, meshes: MeshCache) -> None:
+        self.index, self.meshes = index, meshes
+        self.targets: dict[str, Any] = {}
+        self._resolvers: list[Callable[[], None]] = []
+
+    def tensor(self, key: str, local_shape: torch.Size, placement: Placement, device: torch.device) -> torch.Tensor:
+        """A buffer of `local_shape` that receives this rank's piece of stored tensor `key`."""
+        stored = self.index.tensors[placement.keys(key)[0]]
+        expected = placement.global_part_shape(local_shape)
+        if tuple(stored.size) != expected:
+            raise CheckpointError(
+                f"{key} has global shape {tuple(stored.size)} in {self.index.path} but "
+                f"{expected} here: the model changed (or its vocabulary padding did) since the save."
+            )
+        buffer = torch.empty(local_shape, dtype=stored.properties.dtype, device=device)
+        self.targets.update(global_pieces(key, buffer, placement, self.meshes))
+        return buffer
+
+    def plain(self, key: str, device: torch.device) -> Callable[[], Any]:
+        """A getter of the value stored under `key` as it is (an object or a whole tensor)."""
+        if key in self.index.objects:
+            self.targets[key] = None
+            return lambda: self.targets[key]
+        stored = self.index.tensors[key]
+        buffer = torch.empty(stored.size, dtype=stored.properties.dtype, device=device)
+        self.targets[key] = buffer
+        return lambda: buffer
+
+
+def plan_model(plan: LoadPlan, params: list[ModelParam]) -> dict[int, torch.Tensor]:
+    """id(param) -> buffer with its value: the fp32 main copy when the checkpoint has one."""
+    live = {p.fqn for p in params}
+    stored = plan.index.model_fqns()
+    if live != stored:
+        missing, extra = sorted(live - stored), sorted(stored - live)
+        raise CheckpointError(
+            f"the model differs from the one in {plan.index.path}: parameters missing in the "
+            f"checkpoint {_few(missing)}, only in the checkpoint {_few(extra)}."
+        )
+    values = {}
+    for p in params:
+        source = f"main/{p.fqn}" if plan.index.has_tensor(f"main/{p.fqn}", p.placement) else f"model/{p.fqn}"
+        values[id(p.param)] = plan.tensor(source, p.param.shape, p.placement, p.param.device)
+    return values
+
+
+def plan_optimizer_state(plan: LoadPlan, child: FP32Optimizer, params: list[ModelParam]) -> Callable[[], dict]:
+    """Targets for `child`'s state; returns a getter of {fqn: {name: value}} once loaded."""
+    placement_of_param = {id(p.param): p.placement for p in params}
+    getters: dict[str, dict[str, Callable[[], Any]]] = {}
+    for record, model_param in zip(child.records, child.model_params):
+        placement = placement_of_param[id(model_param)]
+        for name, keys in plan.index.state_keys.get((child.name, record.fqn), {}).items():
+            key = f"state/{child.name}/{record.fqn}/{name}"
+            getters.setdefault(record.fqn, {})[name] = _plan_state_value(plan, key, keys, model_param, placement)
+    return lambda: {fqn: {name: get() for name, get in entry.items()} for fqn, entry in getters.items()}
+
+
+def _plan_state_value(plan: LoadPlan, key: str, keys: list[str], param: torch.Tensor, placement: Placement) -> Callable[[], Any]:
+    if any(TP_MARK in k for k in keys):
+        wanted = placement.tp_specific_key(key)
+        if wanted not in keys:
+            raise CheckpointError(
+                f"optimizer state {key} is not parameter-shaped and was saved at another "
+                f"tensor-parallel layout ({', '.join(k.rsplit(TP_MARK, 1)[1] for k in keys)}); it cannot be "
+                f"resharded to TP rank {wanted.rsplit(TP_MARK, 1)[1]}. Resume at the saved TP size, or "
+                f"load the model only (load_optimizer=False, --no-load-optim)."
+            )
+        return plan.plain(wanted, param.device)
+    if plan.index.has_tensor(key, placement) and _parameter_shaped(plan, key, param, placement):
+        buffer = plan.tensor(key, param.shape, placement, param.device)
+        return lambda: buffer
+    return plan.plain(key, param.device)
+
+
+def _parameter_shaped(plan: LoadPlan, key: str, param: torch.Tensor, placement: Placement) -> bool:
+    stored = plan.index.tensors[placement.keys(key)[0]]
+    return tuple(stored.size) == placement.global_part_shape(param.shape)
+
+
+def loaded_optimizer_state(child: FP32Optimizer, state: dict, groups_json: str, scaler_json: str,
+                           masters: dict[int, torch.Tensor]) -> dict[str, Any]:
+    """The child's state dict (wrappers/flat_state.py format) from what was loaded."""
+    saved_groups = json.loads(groups_json)
+    param_groups = {}
+    for group in child.optimizer.param_groups:
+        hyperparameters = {k: _like(v, group.get(k)) for k, v in saved_groups.get(group["group_key"], {}).items()}
+        param_groups[group["group_key"]] = {**hyperparameters, "params": _group_fqns(child, group)}
+    main_params = {
+        record.fqn: masters[id(model)]
+        for record, model, main in zip(child.records, child.model_params, child.main_params) if main is not model
+    }
+    return {
+        "optimizer_class": type(child.optimizer).__name__,
+        "param_groups": param_groups,
+        "state": state,
+        "grad_scaler": json.loads(scaler_json),
+        "main_params": main_params,
+    }
+
+
+def _like(saved: Any, live: Any) -> Any:
+    """JSON turned tuples (betas) into lists; give them the live type back."""
+    return tuple(saved) if isinstance(live, tuple) and isinstance(saved, list) else saved
+
+
+def _few(names: list[str]) -> str:
+    return f"{names[:5]}{' ...' if len(names) > 5 else ''}"
+
+
+def check_structure(saved: Optional[dict], live: dict, path: str) -> None:
+    """Refuse a checkpoint of another optimizer or another param-group structure, saying how."""
+    remedy = "To change optimizers, load the model only (load_optimizer=False, --no-load-optim)."
+    if saved is None:
+        raise CheckpointError(f"{path} holds no optimizer state. {remedy}")
+    describe = lambda s: {name: child["torch_class"] for name, child in s.items()}  # noqa: E731
+    if describe(saved) != describe(live):
+        raise CheckpointError(
+            f"{path} was written by optimizer(s) {describe(saved)}, this run uses {describe(live)}. {remedy}"
+        )
+    for name, child in live.items():
+        saved_groups, live_groups = saved[name]["groups"], child["groups"]
+        if set(saved_groups) != set(live_groups):
+            raise CheckpointError(
+                f"{path}: the param groups of {name!r} differ: only in the checkpoint "
+                f"{sorted(set(saved_groups) - set(live_groups))}, only here "
+                f"{sorted(set(live_groups) - set(saved_groups))}. The overrides or the routing "
+                f"changed since the save. {remedy}"
+            )
+        for key, fqns in live_groups.items():
+            if sorted(fqns) != sorted(saved_groups[key]):
+                raise CheckpointError(
+                    f"{path}: param group {key!r} of {name!r} holds other parameters than in the "
+                    f"checkpoint (only there: {_few(sorted(set(saved_groups[key]) - set(fqns)))}, only here: "
+                    f"{_few(sorted(set(fqns) - set(saved_groups[key])))}). {remedy}"
+                )
