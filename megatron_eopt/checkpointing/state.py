@@ -294,7 +294,7 @@ def _few(names: list[str]) -> str:
 
 def check_structure(saved: Optional[dict], live: dict, path: str) -> None:
     """Refuse a checkpoint of another optimizer or another param-group structure, saying how."""
-    remedy = "To change optimizers, load the model only (load_optimizer=False, --no-load-optim)."
+    remedy = "To go on with another optimizer or param-group layout, load the model only (load_optimizer=False, --no-load-optim)."
     if saved is None:
         raise CheckpointError(f"{path} holds no optimizer state. {remedy}")
     describe = lambda s: {name: child["torch_class"] for name, child in s.items()}  # noqa: E731

@@ -81,7 +81,7 @@ class GPTRun:
             if dim >= 0:
                 full_shape[dim] *= self.layout.tp
             generator = torch.Generator().manual_seed(zlib.crc32(f"{name}/{step}".encode()))
-            full = torch.randn(full_shape, generator=generator).to(torch.bfloat16).float() * 0.01
+            full = (torch.randn(full_shape, generator=generator) * 0.01).to(torch.bfloat16).float()
             param.grad = local_shard(full, dim, stride, self.tp_rank, self.layout.tp).to(param.dtype)
         self._step(0.0)
 
