@@ -17,7 +17,7 @@ test-functional: $(STAMP)
 	$(PY) -m pytest tests/functional -q
 
 demo: $(STAMP)
-	$(PY) scripts/demo_optimizer.py
+	$(PY) scripts/demo.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/step_overhead.py

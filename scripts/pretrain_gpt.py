@@ -14,20 +14,18 @@ by 1 / (gradient-accumulation steps), so the update follows the global-batch mea
 Data: the generated rule language (scripts/data.py) by default, or `--data-path FILE` read as
 bytes (vocabulary 256). Rank 0 prints a Megatron-style line every `--log-interval` iterations
 and, with `--metrics-jsonl`, writes one JSON object per logged iteration; `--plot` writes the
-loss curve as a PNG (no plotting library needed). Invalid flags exit with one line on stderr.
+loss curve as a PNG (scripts/plot_png.py, no plotting library needed). When stdout is a terminal,
+rank 0 also redraws a progress bar below the log lines. Invalid flags exit with one line on stderr.
 """
 
 import argparse
 import json
-import math
 import os
 import socket
-import struct
 import sys
 import time
-import zlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, TextIO
 
 import torch
 import torch.distributed as dist
@@ -45,6 +43,7 @@ from scripts.gpt_model import (  # noqa: E402
     gpt_loss,
     initialize_model_parallel,
 )
+from scripts.plot_png import PALETTE, Curve, plot_curves  # noqa: E402
 
 DEFAULT_RULE_VOCAB_SIZE = 64
 
@@ -256,6 +255,7 @@ def train(args, settings, layout, device) -> list[dict]:
     batches = BatchSource(args, layout, parallel_state.get_data_parallel_rank())
     average_grads = not config.use_layer_wise_distributed_optimizer  # that one reduces itself
     log = Logger(args, layout)
+    log.say(describe_model(model))
     for iteration in range(1, args.train_iters + 1):
         lr = optimizer.param_groups[0]["lr"]
         loss, ok, grad_norm = train_step(model, optimizer, batches.micro_batches(iteration), dp_group, average_grads)
@@ -269,8 +269,47 @@ def train(args, settings, layout, device) -> list[dict]:
     return log.records
 
 
+def describe_model(model: torch.nn.Module) -> str:
+    """Read from the built model (not the flags), so the line shows what --bf16 really made."""
+    params = list(model.parameters())
+    return f"model: {sum(p.numel() for p in params):,} parameters on rank 0, {params[0].dtype}"
+
+
+class ProgressBar:
+    """One line redrawn in place (carriage return) on a terminal; cleared before each log line."""
+
+    WIDTH = 30
+
+    def __init__(self, total: int, stream: TextIO) -> None:
+        self.total, self.stream = total, stream
+        self.start, self.shown = time.perf_counter(), 0
+
+    def draw(self, iteration: int, loss: float) -> None:
+        done = self.WIDTH * iteration // self.total
+        seconds_per_iteration = (time.perf_counter() - self.start) / iteration
+        eta = seconds_per_iteration * (self.total - iteration)
+        line = (f"[{'#' * done}{'.' * (self.WIDTH - done)}] {iteration}/{self.total} | loss {loss:.4f} | "
+                f"{1000 * seconds_per_iteration:.0f} ms/it | eta {eta:.0f} s")
+        self.stream.write("\r" + line.ljust(self.shown))
+        self.stream.flush()
+        self.shown = len(line)
+
+    def clear(self) -> None:
+        if self.shown:
+            self.stream.write("\r" + " " * self.shown + "\r")
+            self.shown = 0
+
+    def finish(self) -> None:
+        """Keep the last state on screen, ending its line."""
+        if self.shown:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.shown = 0
+
+
 class Logger:
-    """Rank 0's log lines and metrics file; every rank keeps the records (for tests and --plot)."""
+    """Rank 0's log lines, progress bar (on a terminal only) and metrics file; every rank keeps the
+    records (for tests and --plot)."""
 
     def __init__(self, args: argparse.Namespace, layout: Layout) -> None:
         self.args, self.is_first = args, layout.rank == 0
@@ -278,15 +317,26 @@ class Logger:
         self.skipped = 0
         self.last_time, self.last_iteration = time.perf_counter(), 0
         self.metrics = open(args.metrics_jsonl, "w") if args.metrics_jsonl and self.is_first else None
+        # Redirected output (files, pipes, tests) gets no bar, so logs hold only the log lines.
+        self.bar = ProgressBar(args.train_iters, sys.stdout) if self.is_first and sys.stdout.isatty() else None
+
+    def _print(self, line: str) -> None:
+        if self.bar:
+            self.bar.clear()
+        print(line, flush=True)
 
     def say(self, message: str) -> None:
         if self.is_first:
-            print(f"> {message}", flush=True)
+            self._print(f"> {message}")
 
     def iteration(self, iteration: int, loss: float, lr: float, grad_norm: Optional[float], ok: bool) -> None:
         self.skipped += 0 if ok else 1
-        if iteration % self.args.log_interval and iteration != 1:
-            return
+        if iteration % self.args.log_interval == 0 or iteration == 1:
+            self._record(iteration, loss, lr, grad_norm)
+        if self.bar:
+            self.bar.draw(iteration, loss)
+
+    def _record(self, iteration: int, loss: float, lr: float, grad_norm: Optional[float]) -> None:
         now = time.perf_counter()
         elapsed_ms = (now - self.last_time) * 1000 / (iteration - self.last_iteration)
         self.last_time, self.last_iteration = now, iteration
@@ -298,52 +348,17 @@ class Logger:
         if not self.is_first:
             return
         norm = "nan" if grad_norm is None else f"{grad_norm:.6f}"
-        print(f" iteration {iteration:8d}/{self.args.train_iters:8d} | lr {lr:.6e} | loss {loss:.6f} | "
-              f"grad norm {norm} | skipped {record['skipped']} | elapsed ms per iteration {elapsed_ms:.1f}",
-              flush=True)
+        self._print(f" iteration {iteration:8d}/{self.args.train_iters:8d} | lr {lr:.6e} | loss {loss:.6f} | "
+                    f"grad norm {norm} | skipped {record['skipped']} | elapsed ms per iteration {elapsed_ms:.1f}")
         if self.metrics:
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()
 
     def close(self) -> None:
+        if self.bar:
+            self.bar.finish()
         if self.metrics:
             self.metrics.close()
-
-
-# ------------------------------------------------------------------------------------------------
-# Loss-curve PNG (no plotting library)
-# ------------------------------------------------------------------------------------------------
-
-
-def write_loss_png(path: str, losses: list[float], width: int = 480, height: int = 320) -> None:
-    """A grayscale PNG: axes on the left and bottom, the loss as a black polyline."""
-    margin = 20
-    pixels = [[255] * width for _ in range(height)]
-    for y in range(margin, height - margin + 1):
-        pixels[y][margin] = 128
-    for x in range(margin, width - margin + 1):
-        pixels[height - margin][x] = 128
-    finite = [v for v in losses if math.isfinite(v)] or [0.0]
-    low, high = min(finite), max(finite)
-    span = (high - low) or 1.0
-    points = [
-        (margin + round(i * (width - 2 * margin) / max(1, len(losses) - 1)),
-         height - margin - round((min(max(v, low), high) - low) * (height - 2 * margin) / span))
-        for i, v in enumerate(v if math.isfinite(v) else high for v in losses)
-    ]
-    for (x0, y0), (x1, y1) in zip(points, points[1:] or points):
-        steps = max(abs(x1 - x0), abs(y1 - y0), 1)
-        for s in range(steps + 1):
-            pixels[round(y0 + (y1 - y0) * s / steps)][round(x0 + (x1 - x0) * s / steps)] = 0
-    raw = b"".join(b"\x00" + bytes(row) for row in pixels)
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)  # 8-bit grayscale
-    with open(path, "wb") as handle:
-        handle.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw))
-                     + chunk(b"IEND", b""))
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -359,7 +374,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                   flush=True)
         records = train(args, settings, layout, device)
         if args.plot and layout.rank == 0:
-            write_loss_png(args.plot, [r["loss"] for r in records])
+            plot_curves(args.plot, [Curve(args.optimizer, [r["iteration"] for r in records],
+                                          [r["loss"] for r in records], PALETTE[0])])
     except ValueError as error:  # e.g. optimizer/config combinations the factory rejects
         if layout.rank == 0:
             print(f"pretrain_gpt.py: error: {' '.join(str(error).split())}", file=sys.stderr, flush=True)

@@ -13,15 +13,24 @@ local sums, CPU kernels); over 20 iterations that was measured at ~5e-7 here, wh
 error in slicing, gradient averaging or the optimizer moves the loss by >1e-3 within a few steps.
 
 Every layout runs with both optimizers: TP=2/DP=2 (4 processes), TP=1/DP=2 and TP=2/DP=1.
-Run time is dominated by importing megatron-core (~15-20 s of CPU per process on 2 cores).
+--data-path, --bf16, --exit-interval and --plot are checked on one more launch; the progress
+bar in-process. Run time is dominated by importing megatron-core (~15-20 s of CPU per process
+on 2 cores).
 """
 
+import argparse
+import io
 import json
+import math
 import pathlib
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
+
+from scripts.plot_png import BLACK, PALETTE
+from tests.functional.png_reader import read_png
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 GOLDEN = pathlib.Path(__file__).resolve().parent / "golden"
@@ -45,13 +54,18 @@ def _command(nproc: int, optimizer: str, extra: list[str]) -> list[str]:
     return launcher + MODEL_FLAGS + OPTIMIZER_FLAGS[optimizer] + extra
 
 
-def _train(nproc: int, optimizer: str, metrics: pathlib.Path, extra: list[str] = ()) -> list[dict]:
+def _launch(nproc: int, optimizer: str, metrics: pathlib.Path, extra: list[str] = ()) -> tuple[list[dict], str]:
+    """Train 20 logged iterations; returns the metrics records and rank 0's stdout."""
     command = _command(nproc, optimizer, [*extra, "--metrics-jsonl", str(metrics)])
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     log_lines = [line for line in result.stdout.splitlines() if line.startswith(" iteration ")]
     assert len(log_lines) == 20, result.stdout
-    return [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [json.loads(line) for line in metrics.read_text().splitlines()], result.stdout
+
+
+def _train(nproc: int, optimizer: str, metrics: pathlib.Path, extra: list[str] = ()) -> list[dict]:
+    return _launch(nproc, optimizer, metrics, extra)[0]
 
 
 def _golden(optimizer: str) -> list[float]:
@@ -91,6 +105,80 @@ LAYOUTS = [  # (processes, TP, optimizer)
 def test_layouts_match_tp1_dp1(nproc: int, tp: int, optimizer: str, tmp_path: pathlib.Path) -> None:
     records = _train(nproc, optimizer, tmp_path / "metrics.jsonl", ["--tensor-model-parallel-size", str(tp)])
     _assert_close([r["loss"] for r in records], _golden(optimizer))
+
+
+# --data-path, --bf16, --exit-interval and --plot share one launch (each launch costs ~16 s of
+# imports): 40 iterations asked for, an exit after 20, in bf16, on a text file of a few dozen
+# distinct bytes, which a byte-level model learns far faster than the 256-token rule task.
+FLAGS_TEXT = "the quick brown fox jumps over the lazy dog. " * 60
+CURVE_PIXELS = 300  # a curve across the plot covers thousands; the legend swatch alone ~70
+
+
+@dataclass(frozen=True)
+class FlagsRun:
+    records: list[dict]
+    stdout: str
+    plot: pathlib.Path
+
+
+@pytest.fixture(scope="module")
+def flags_run(tmp_path_factory: pytest.TempPathFactory) -> FlagsRun:
+    folder = tmp_path_factory.mktemp("flags")
+    (folder / "text.txt").write_text(FLAGS_TEXT)
+    extra = ["--data-path", str(folder / "text.txt"), "--bf16", "--train-iters", "40", "--exit-interval", "20",
+             "--plot", str(folder / "loss.png")]
+    records, stdout = _launch(1, "adam", folder / "metrics.jsonl", extra)
+    return FlagsRun(records, stdout, folder / "loss.png")
+
+
+def test_data_path_trains_on_the_text(flags_run: FlagsRun) -> None:
+    losses = [r["loss"] for r in flags_run.records]
+    assert abs(losses[0] - math.log(256)) < 0.2, losses  # untrained, over 256 byte tokens
+    assert sum(losses[-5:]) / 5 < 2.5, losses  # seen: ~1.7
+
+
+def test_bf16_runs_with_finite_losses(flags_run: FlagsRun) -> None:
+    assert "parameters on rank 0, torch.bfloat16" in flags_run.stdout
+    assert all(math.isfinite(r["loss"]) and r["skipped"] == 0 for r in flags_run.records)
+
+
+def test_exit_interval_stops_at_that_iteration(flags_run: FlagsRun) -> None:
+    assert [r["iteration"] for r in flags_run.records] == list(range(1, 21))
+    assert "> exiting after iteration 20 (--exit-interval 20)" in flags_run.stdout
+
+
+def test_plot_is_a_png_with_the_curve(flags_run: FlagsRun) -> None:
+    image = read_png(flags_run.plot)
+    assert (image.width, image.height) == (640, 400)
+    assert image.colors[PALETTE[0]] > CURVE_PIXELS, image.colors.most_common(6)
+    assert image.colors[BLACK] > CURVE_PIXELS  # axes and labels
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("stream_type,rank,bar", [(_Terminal, 0, True), (io.StringIO, 0, False), (_Terminal, 1, False)],
+                         ids=["terminal-rank0", "pipe-rank0", "terminal-rank1"])
+def test_progress_bar_only_on_rank0_terminal(stream_type, rank: int, bar: bool, monkeypatch) -> None:
+    """In-process: the Logger alone, iterations 1-4 logged every 2."""
+    from scripts import pretrain_gpt
+
+    stream = stream_type()
+    monkeypatch.setattr(sys, "stdout", stream)
+    args = argparse.Namespace(train_iters=4, log_interval=2, metrics_jsonl=None)
+    layout = pretrain_gpt.Layout(world_size=2, rank=rank, tp=1, dp=2, grad_accumulation_steps=1)
+    log = pretrain_gpt.Logger(args, layout)
+    for iteration in range(1, 5):
+        log.iteration(iteration, 3.0, 1e-3, 1.0, True)
+    log.close()
+    out = stream.getvalue()
+    assert ("\r" in out) == bar, repr(out)
+    assert out.count("elapsed ms per iteration") == (0 if rank else 3), repr(out)  # iterations 1, 2, 4
+    if bar:
+        assert f"[{'#' * pretrain_gpt.ProgressBar.WIDTH}] 4/4 | loss 3.0000" in out and out.endswith("\n")
+        assert out.count("\r iteration ") == 2, repr(out)  # the bar is wiped before each later log line
 
 
 def test_bad_optimizer_name_exits_with_argparse_error() -> None:
