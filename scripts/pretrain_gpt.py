@@ -16,6 +16,12 @@ bytes (vocabulary 256). Rank 0 prints a Megatron-style line every `--log-interva
 and, with `--metrics-jsonl`, writes one JSON object per logged iteration; `--plot` writes the
 loss curve as a PNG (scripts/plot_png.py, no plotting library needed). When stdout is a terminal,
 rank 0 also redraws a progress bar below the log lines. Invalid flags exit with one line on stderr.
+
+Checkpoints (megatron_eopt.checkpointing): `--save DIR` every `--save-interval` iterations and
+after the last one; `--load DIR` resumes from its latest checkpoint (or `--ckpt-step N`), also
+at another TP/DP layout, with or without the distributed optimizer, in bf16 or fp32;
+`--no-load-optim` loads the model only (to change optimizers). Data follows the iteration, so
+a resumed run continues exactly where the saved one was.
 """
 
 import argparse
@@ -35,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from arguments import add_optimizer_args, optimizer_config_from_args, validate_args  # noqa: E402
 from megatron_eopt import get_megatron_optimizer  # noqa: E402
 from megatron_eopt.bridge import SchedulerConfig, get_scheduler  # noqa: E402
+from megatron_eopt.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 from scripts.data import BYTE_VOCAB_SIZE, byte_batch, load_bytes, rule_batch  # noqa: E402
 from scripts.gpt_model import (  # noqa: E402
     GPTModelSettings,
@@ -78,6 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
     training.add_argument("--lr-warmup-iters", type=int, default=0)
     training.add_argument("--seed", type=int, default=1234)
     training.add_argument("--data-path", default=None, help="a text file, tokenized by bytes")
+    checkpointing = parser.add_argument_group(title="checkpointing")
+    checkpointing.add_argument("--save", default=None, help="directory to save checkpoints in")
+    checkpointing.add_argument("--save-interval", type=int, default=None,
+                               help="save every this many iterations (and after the last one)")
+    checkpointing.add_argument("--load", default=None, help="directory to resume from (its latest checkpoint)")
+    checkpointing.add_argument("--ckpt-step", type=int, default=None, help="load this iteration instead of the latest")
+    checkpointing.add_argument("--no-load-optim", action="store_true",
+                               help="load the model only (fresh optimizer and lr schedule)")
+    checkpointing.add_argument("--no-load-rng", action="store_true", help="do not restore the RNG states")
     logging = parser.add_argument_group(title="logging")
     logging.add_argument("--log-interval", type=int, default=100)
     logging.add_argument("--metrics-jsonl", default=None, help="write one JSON object per logged iteration")
@@ -161,6 +177,10 @@ def _check_training_flags(args: argparse.Namespace) -> None:
         args.min_lr = 0.0
     if args.data_path and not os.path.isfile(args.data_path):
         raise ValueError(f"--data-path {args.data_path}: no such file.")
+    if args.save_interval is not None and (args.save_interval < 1 or not args.save):
+        raise ValueError(f"--save-interval needs --save and must be >= 1; got {args.save_interval}.")
+    if args.ckpt_step is not None and not args.load:
+        raise ValueError("--ckpt-step needs --load.")
     if args.plot and not args.plot.endswith(".png"):
         raise ValueError(f"--plot writes a PNG; give a path ending in .png, got {args.plot!r}.")
     scheduler_config(args)  # raises ValueError on bad schedule flags
@@ -256,17 +276,37 @@ def train(args, settings, layout, device) -> list[dict]:
     average_grads = not config.use_layer_wise_distributed_optimizer  # that one reduces itself
     log = Logger(args, layout)
     log.say(describe_model(model))
-    for iteration in range(1, args.train_iters + 1):
+    start = resume(args, model, optimizer, scheduler, log)
+    for iteration in range(start + 1, args.train_iters + 1):
         lr = optimizer.param_groups[0]["lr"]
         loss, ok, grad_norm = train_step(model, optimizer, batches.micro_batches(iteration), dp_group, average_grads)
         if ok:
             scheduler.step(args.global_batch_size)
         log.iteration(iteration, loss, lr, grad_norm, ok)
-        if args.exit_interval and iteration % args.exit_interval == 0:
+        stop = args.exit_interval and iteration % args.exit_interval == 0
+        if args.save and (iteration == args.train_iters or stop or iteration % (args.save_interval or args.train_iters) == 0):
+            path = save_checkpoint(args.save, iteration, [model], optimizer, scheduler)
+            log.say(f"saved checkpoint {path}")
+        if stop:
             log.say(f"exiting after iteration {iteration} (--exit-interval {args.exit_interval})")
             break
     log.close()
     return log.records
+
+
+def resume(args: argparse.Namespace, model, optimizer, scheduler, log: "Logger") -> int:
+    """Load --load's checkpoint (if there is one); returns the iteration it was saved at."""
+    if not args.load:
+        return 0
+    if args.ckpt_step is None and latest_checkpoint(args.load) is None:
+        log.say(f"no checkpoint in {args.load}: training from scratch")
+        return 0
+    loaded = load_checkpoint(args.load, [model], optimizer, scheduler, iteration=args.ckpt_step,
+                             load_optimizer=not args.no_load_optim, load_rng=not args.no_load_rng)
+    log.say(f"loaded checkpoint {loaded.path} (iteration {loaded.iteration}"
+            f"{', model only' if args.no_load_optim else ''})")
+    log.start_at(loaded.iteration)
+    return loaded.iteration
 
 
 def describe_model(model: torch.nn.Module) -> str:
@@ -282,17 +322,20 @@ class ProgressBar:
 
     def __init__(self, total: int, stream: TextIO) -> None:
         self.total, self.stream = total, stream
-        self.start, self.shown = time.perf_counter(), 0
+        self.start, self.shown, self.first = time.perf_counter(), 0, 0
 
     def draw(self, iteration: int, loss: float) -> None:
         done = self.WIDTH * iteration // self.total
-        seconds_per_iteration = (time.perf_counter() - self.start) / iteration
+        seconds_per_iteration = (time.perf_counter() - self.start) / max(iteration - self.first, 1)
         eta = seconds_per_iteration * (self.total - iteration)
         line = (f"[{'#' * done}{'.' * (self.WIDTH - done)}] {iteration}/{self.total} | loss {loss:.4f} | "
                 f"{1000 * seconds_per_iteration:.0f} ms/it | eta {eta:.0f} s")
         self.stream.write("\r" + line.ljust(self.shown))
         self.stream.flush()
         self.shown = len(line)
+
+    def start_at(self, iteration: int) -> None:
+        self.start, self.first = time.perf_counter(), iteration
 
     def clear(self) -> None:
         if self.shown:
@@ -319,6 +362,12 @@ class Logger:
         self.metrics = open(args.metrics_jsonl, "w") if args.metrics_jsonl and self.is_first else None
         # Redirected output (files, pipes, tests) gets no bar, so logs hold only the log lines.
         self.bar = ProgressBar(args.train_iters, sys.stdout) if self.is_first and sys.stdout.isatty() else None
+
+    def start_at(self, iteration: int) -> None:
+        """Resuming: timings and the progress bar count from `iteration`."""
+        self.last_time, self.last_iteration = time.perf_counter(), iteration
+        if self.bar:
+            self.bar.start_at(iteration)
 
     def _print(self, line: str) -> None:
         if self.bar:
