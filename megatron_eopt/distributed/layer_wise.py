@@ -133,6 +133,8 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
         bucket_bytes: upper size of one broadcast/reduce buffer.
     """
 
+    owner_is_main_replica = True  # only the owner holds a parameter's state
+
     def __init__(
         self,
         chained_optimizers: list[MegatronOptimizer],

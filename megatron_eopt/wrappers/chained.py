@@ -11,10 +11,15 @@ from typing import Any, Optional
 import torch
 
 from megatron_eopt.wrappers.base import MegatronOptimizer, SteppableChild, StepResult, take_step
+from megatron_eopt.wrappers.megatron_sharded import child_sharded_state_dict
 
 
 class ChainedOptimizer(MegatronOptimizer):
     """Steps `chained_optimizers` (each an FP32Optimizer or MixedPrecisionOptimizer) as one."""
+
+    # In megatron-core's sharded format a state's main replica is data-parallel rank 0, which
+    # holds every state; the layer-wise optimizer sets this: there the owner writes it.
+    owner_is_main_replica = False
 
     def __init__(self, chained_optimizers: list[MegatronOptimizer]) -> None:
         children = list(chained_optimizers)
@@ -72,6 +77,14 @@ class ChainedOptimizer(MegatronOptimizer):
 
     def state_dict(self) -> dict:
         return {"optimizers": {child.name: child.state_dict() for child in self.chained_optimizers}}
+
+    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
+                           metadata: Optional[dict] = None) -> dict:
+        """megatron-core's format for dist_checkpointing (see wrappers/megatron_sharded.py)."""
+        return {"optimizers": {
+            child.name: child_sharded_state_dict(child, model_sharded_state_dict, is_loading, self.owner_is_main_replica)
+            for child in self.chained_optimizers
+        }}
 
     def load_state_dict(self, state_dict: dict) -> None:
         saved = state_dict.get("optimizers") if isinstance(state_dict, dict) else None

@@ -19,6 +19,7 @@ from megatron_eopt.wrappers.flat_state import (
     torch_state_dict_from_flat,
 )
 from megatron_eopt.wrappers.grad_stats import local_grad_stats, reduced_grad_stats
+from megatron_eopt.wrappers.megatron_sharded import child_sharded_state_dict, expand_sharded_state_dict
 
 MakeOptimizer = Callable[[list[dict]], torch.optim.Optimizer]
 
@@ -151,11 +152,18 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
         state["grad_scaler"] = self.grad_scaler.state_dict() if self.grad_scaler else None
         return state
 
+    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
+                           metadata: Optional[dict] = None) -> dict:
+        """megatron-core's format for dist_checkpointing (see wrappers/megatron_sharded.py)."""
+        return child_sharded_state_dict(self, model_sharded_state_dict, is_loading, owner_is_main_replica=False)
+
     def check_state_dict(self, state_dict: dict) -> None:
         """Raise ValueError if `state_dict` does not fit this optimizer; changes nothing."""
+        state_dict = expand_sharded_state_dict(state_dict)
         torch_state_dict_from_flat(self.optimizer, state_dict, self._fqn_of_main)
 
     def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = expand_sharded_state_dict(state_dict)
         load_flat_state_dict(self.optimizer, state_dict, self._fqn_of_main)
         if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
