@@ -79,16 +79,21 @@ print("NCCL-OK", losses[0], losses[-1])
 """
 
 
-def test_single_gpu_nccl_gpt_run() -> None:
+def _run_single_gpu_script(script: str, success_marker: str) -> None:
+    """Run `script` (formatted with a free `port`) in a fresh process; it must print the marker."""
     import socket
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    result = subprocess.run([sys.executable, "-c", NCCL_SCRIPT.format(port=port)], cwd=ROOT,
+    result = subprocess.run([sys.executable, "-c", script.format(port=port)], cwd=ROOT,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "NCCL-OK" in result.stdout
+    assert success_marker in result.stdout
+
+
+def test_single_gpu_nccl_gpt_run() -> None:
+    _run_single_gpu_script(NCCL_SCRIPT, "NCCL-OK")
 
 
 DIST_CHECKPOINTING_SCRIPT = """
@@ -133,12 +138,4 @@ print("DIST-CHECKPOINTING-OK")
 
 def test_megatron_dist_checkpointing_round_trip() -> None:
     """megatron-core's dist_checkpointing (needs CUDA) saves and loads our sharded_state_dict."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    result = subprocess.run([sys.executable, "-c", DIST_CHECKPOINTING_SCRIPT.format(port=port)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "DIST-CHECKPOINTING-OK" in result.stdout
+    _run_single_gpu_script(DIST_CHECKPOINTING_SCRIPT, "DIST-CHECKPOINTING-OK")
