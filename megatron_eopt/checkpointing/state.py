@@ -130,13 +130,15 @@ def save_entries(params: list[ModelParam], children: list[FP32Optimizer], meshes
 
 
 def _state_entry(key: str, value: Any, param: torch.Tensor, placement: Placement, meshes: MeshCache) -> dict[str, Any]:
-    if not torch.is_tensor(value) or value.dim() == 0:
-        return {key: value}
-    if value.shape == param.shape:
-        return global_pieces(key, value.detach(), placement, meshes)
+    if torch.is_tensor(value):
+        value = value.detach()
+        if value.dim() == 0:  # a step count: the same on every shard
+            return {key: value}
+        if value.shape == param.shape:
+            return global_pieces(key, value, placement, meshes)
     if placement.partition_dim >= 0:  # e.g. a preconditioner of a TP shard: valid at this TP only
-        return {placement.tp_specific_key(key): value.detach()}
-    return {key: value.detach()}
+        return {placement.tp_specific_key(key): value}
+    return {key: value}
 
 
 def _hyperparameters(child: FP32Optimizer) -> dict[str, dict[str, Any]]:

@@ -31,6 +31,8 @@ SEED = 5
 OPTIMIZERS = {
     "adam": dict(optimizer="adam", lr=3e-3, min_lr=3e-4, weight_decay=0.1, clip_grad=1.0),
     "muon": dict(optimizer="muon", lr=3e-3, min_lr=3e-4, weight_decay=0.05, clip_grad=1.0, muon_momentum=0.9),
+    "normuon": dict(optimizer="adaptive_muon", adaptive_muon_moment2_method="normuon", lr=3e-3, min_lr=3e-4,
+                    weight_decay=0.05, clip_grad=1.0),
 }
 
 

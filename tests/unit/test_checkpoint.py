@@ -144,6 +144,35 @@ def test_checkpoints_reshard_across_tp_dp_layer_wise_and_precision(run_distribut
         assert worst < 1e-6, (source, layout.describe(world_size), sorted(errors.items(), key=lambda e: -e[1])[:3])
 
 
+def _normuon_body(rank: int, world_size: int, directory: str, save: bool) -> dict:
+    """NorMuon's second moment ((rows, 1) or (1, cols)) is not parameter-shaped: kept per TP rank."""
+    if save:
+        run = _train(Layout("normuon", tp=2), 0, 2)
+        save_checkpoint(directory, 2, [run.model], run.optimizer, run.scheduler)
+        expected = run.optimizer.state_dict()
+        run.close()
+        resumed = GPTRun(Layout("normuon", tp=2))
+        load_checkpoint(directory, [resumed.model], resumed.optimizer, resumed.scheduler)
+        differences = _differences(expected, resumed.optimizer.state_dict())
+        resumed.close()
+        return {"differences": differences}
+    run = GPTRun(Layout("normuon", tp=1))
+    try:
+        load_checkpoint(directory, [run.model], run.optimizer, run.scheduler)
+        return {"error": None}
+    except CheckpointError as error:
+        return {"error": str(error)}
+    finally:
+        run.close()
+
+
+def test_state_of_tp_shards_that_is_not_parameter_shaped_reloads_only_at_its_tp(run_distributed, tmp_path) -> None:
+    for result in run_distributed(_normuon_body, world_size=2, args=(str(tmp_path), True)):
+        assert not result["differences"], result["differences"][:5]
+    [result] = run_distributed(_normuon_body, world_size=1, args=(str(tmp_path), False))
+    assert result["error"] and "cannot be resharded" in result["error"] and "--no-load-optim" in result["error"]
+
+
 # ------------------------------------------------------------------------------------------------
 # A save killed midway
 # ------------------------------------------------------------------------------------------------
