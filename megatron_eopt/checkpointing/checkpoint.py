@@ -110,36 +110,50 @@ def load_checkpoint(
         live = merge_structures(storage.all_gather_objects(group_structure(children)))
         check_structure(manifest.get("optimizers"), live, path)
 
-    plan = LoadPlan(CheckpointIndex(FileSystemReader(path).read_metadata(), path), MeshCache())
-    masters = plan_model(plan, params)
-    states = [plan_optimizer_state(plan, child, params) for child in children]
-    for child in children:
-        plan.plain(f"groups/{child.name}", torch.device("cpu"))
-        plan.plain(f"grad_scaler/{child.name}", torch.device("cpu"))
+    # Every rank plans and checks, then all learn of any rank's error before anything collective
+    # or irreversible happens, so a problem on one rank neither hangs nor half-loads the others.
+    plan, masters, states = storage.agree(lambda: _plan_load(path, params, children))
     read_scheduler = load_optimizer and scheduler is not None
-    if read_scheduler and "scheduler" not in plan.index.objects:
-        raise CheckpointError(f"{path} holds no lr scheduler state; pass scheduler=None to load without it.")
-    if read_scheduler:
-        plan.plain("scheduler", torch.device("cpu"))
     rng_key = f"rng/cpu/{storage.rank()}of{storage.world_size()}"
     read_rng = load_rng and rng_key in plan.index.tensors
-    if read_rng:
-        plan.plain(rng_key, torch.device("cpu"))
+    storage.agree(lambda: _plan_extras(plan, path, read_scheduler, rng_key if read_rng else None))
     _read(plan, path)
 
-    child_states = [
-        loaded_optimizer_state(child, get_state(), plan.targets[f"groups/{child.name}"],
-                               plan.targets[f"grad_scaler/{child.name}"], masters)
-        for child, get_state in zip(children, states)
-    ]
-    for child, state in zip(children, child_states):  # every check before any change
-        child.check_state_dict(state)
+    def checked_states() -> list[dict]:
+        loaded = [loaded_optimizer_state(child, get_state(), plan.targets[f"groups/{child.name}"],
+                                         plan.targets[f"grad_scaler/{child.name}"], masters)
+                  for child, get_state in zip(children, states)]
+        for child, state in zip(children, loaded):
+            child.check_state_dict(state)
+        return loaded
+
+    child_states = storage.agree(checked_states)
     _apply(params, masters, children, child_states, optimizer_children(optimizer))
     if read_scheduler:
         scheduler.load_state_dict(json.loads(plan.targets["scheduler"]))
     if read_rng:
         torch.set_rng_state(plan.targets[rng_key])
     return LoadedCheckpoint(path, int(manifest["iteration"]), manifest.get("extra") or {})
+
+
+def _plan_load(path: str, params: list, children: list) -> tuple:
+    """Buffers for the model's (master) values and each child's state; shapes checked."""
+    plan = LoadPlan(CheckpointIndex(FileSystemReader(path).read_metadata(), path), MeshCache())
+    masters = plan_model(plan, params)
+    states = [plan_optimizer_state(plan, child, params) for child in children]
+    for child in children:
+        plan.plain(f"groups/{child.name}", torch.device("cpu"))
+        plan.plain(f"grad_scaler/{child.name}", torch.device("cpu"))
+    return plan, masters, states
+
+
+def _plan_extras(plan: LoadPlan, path: str, read_scheduler: bool, rng_key: Optional[str]) -> None:
+    if read_scheduler and "scheduler" not in plan.index.objects:
+        raise CheckpointError(f"{path} holds no lr scheduler state; pass scheduler=None to load without it.")
+    if read_scheduler:
+        plan.plain("scheduler", torch.device("cpu"))
+    if rng_key is not None:
+        plan.plain(rng_key, torch.device("cpu"))
 
 
 def _read(plan: LoadPlan, path: str) -> None:

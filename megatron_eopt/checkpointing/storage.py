@@ -18,13 +18,14 @@ import json
 import os
 import shutil
 import zlib
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import torch.distributed as dist
 
 MANIFEST = "megatron_eopt.json"
 LATEST = "latest"
 FORMAT_VERSION = 1
+T = TypeVar("T")
 
 
 class CheckpointError(ValueError):
@@ -144,6 +145,20 @@ def verify_files(path: str, manifest: dict[str, Any]) -> None:
     problems = sorted(p for part in all_gather_objects(problems) for p in part)
     if problems:
         raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(problems) + ". Load an earlier checkpoint.")
+
+
+def agree(step: Callable[[], T]) -> T:
+    """Run `step` on every rank; if it fails on any, raise on all (the failing rank's own error)."""
+    try:
+        result, message = step(), None
+    except (ValueError, TypeError) as error:
+        result, message, own = None, f"rank {rank()}: {error}", error
+    messages = [m for m in all_gather_objects(message) if m is not None]
+    if message is not None:
+        raise own
+    if messages:
+        raise CheckpointError(f"loading stopped on every rank: {messages[0]}")
+    return result
 
 
 def _file_record(path: str) -> dict[str, int]:

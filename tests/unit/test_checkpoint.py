@@ -294,3 +294,25 @@ def test_refusals_name_the_problem_and_load_nothing(run_distributed, tmp_path) -
             assert fragment in messages[case], (case, messages[case])
         assert not messages[case + " changed"], (case, messages[case + " changed"][:3])
     assert not messages["model only"], messages["model only"][:3]
+
+
+def _agree_body(rank: int, world_size: int) -> str:
+    from megatron_eopt.checkpointing import storage
+
+    def plan() -> int:
+        if rank == 1:
+            raise ValueError("shape mismatch on this rank only")
+        return 7
+
+    try:
+        storage.agree(plan)
+        return "no error"
+    except ValueError as error:
+        return f"{type(error).__name__}: {error}"
+
+
+def test_an_error_on_one_rank_stops_every_rank(run_distributed) -> None:
+    """Otherwise the other ranks would enter the collective read alone and hang."""
+    rank0, rank1 = run_distributed(_agree_body, world_size=2)
+    assert rank0 == "CheckpointError: loading stopped on every rank: rank 1: shape mismatch on this rank only"
+    assert rank1 == "ValueError: shape mismatch on this rank only"
