@@ -19,10 +19,9 @@ test-functional: $(STAMP)
 demo: $(STAMP)
 	$(PY) scripts/demo.py
 
+# Prints each benchmark's table and a summary; JSON under benchmarks/results/ (git-ignored).
 bench: $(STAMP)
-	$(PY) benchmarks/step_overhead.py
-	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 benchmarks/layer_wise_vs_replicated.py
-	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 benchmarks/tp_modes.py
+	$(PY) benchmarks/run_all.py
 
 venv: $(STAMP)
 

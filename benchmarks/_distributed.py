@@ -5,24 +5,26 @@ Not a benchmark itself; running it does nothing.
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+
+from _gpt import GptShape, add_shape_arguments  # noqa: E402
+from _timing import interleaved_times, medians  # noqa: E402
+
 
 def gpt_benchmark_parser(description: str) -> argparse.ArgumentParser:
     """The model-size and timing flags both distributed benchmarks take."""
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--groups", type=int, default=4, help="query groups (GQA)")
+    add_shape_arguments(parser, GptShape(hidden=512, layers=4))
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", metavar="PATH", help="also write the numbers here (rank 0)")
     return parser
 
 
@@ -54,26 +56,18 @@ def time_interleaved(
 ) -> dict[str, float]:
     """Median seconds of each step after `warmup` rounds, on the slowest rank.
 
-    Every round runs each alternative once (order rotated from round to round, so none always
-    goes first); `prepare[name]` (setting gradients) runs untimed before its step, and all ranks
-    start each step together after a barrier. A step's time is the slowest rank's.
+    Rounds as in `_timing.interleaved_times`; all ranks start each step together after a
+    barrier, and a round's time is the slowest rank's.
     """
-    names = list(steps)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for round_index in range(warmup + repeats):
-        shift = round_index % len(names)
-        for name in names[shift:] + names[:shift]:
-            prepare[name]()
-            synchronize(device)
-            dist.barrier()
-            start = time.perf_counter()
-            steps[name]()
-            synchronize(device)
-            if round_index >= warmup:
-                times[name].append(time.perf_counter() - start)
+    def before() -> None:
+        synchronize(device)
+        dist.barrier()
+
+    times = interleaved_times(steps, prepare, warmup, repeats, before, lambda: synchronize(device))
+    names = list(times)
     slowest = torch.tensor([times[name] for name in names], dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return {name: statistics.median(row) for name, row in zip(names, slowest.tolist())}
+    return medians(dict(zip(names, slowest.tolist())))
 
 
 def gather_ints(value: int, device: torch.device) -> list[int]:

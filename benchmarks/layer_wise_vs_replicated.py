@@ -1,7 +1,8 @@
 """Muon step time and optimizer state per rank: layer-wise distributed against replicated.
 
-Both step the same GPT-shaped fp32 weights (hidden 512, 4 layers, GQA, SwiGLU by default)
-with the same gradients on every rank (already all-reduced, as after DDP), built by
+Both step the same GPT-shaped fp32 weights (hidden 512, 4 layers, GQA, SwiGLU by default;
+megatron-core's names, so QKV and fc1 are split as in a real model) with the same gradients
+on every rank (already all-reduced, as after DDP), built by
 get_megatron_optimizer(optimizer='muon') over the data-parallel group WORLD. Replicated: every
 rank orthogonalizes every matrix. Layer-wise (use_layer_wise_distributed_optimizer=True): each
 rank owns whole parameters, keeps state for and steps only those, then broadcasts them; the
@@ -14,7 +15,6 @@ warm-up, the two optimizers interleaved, each step timed on the slowest rank. Pr
 (rank 0); asserts nothing.
 """
 
-import json
 import os
 import sys
 
@@ -24,7 +24,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _distributed import gather_ints, gpt_benchmark_parser, init_distributed, time_interleaved  # noqa: E402
-from step_overhead import Weights, gpt_weight_shapes  # noqa: E402  (also puts the repo on sys.path)
+from _gpt import GptWeights, shape_from  # noqa: E402
+from _timing import write_json  # noqa: E402
 
 from megatron_eopt import OptimizerConfig, ParallelGroups, get_megatron_optimizer  # noqa: E402
 
@@ -41,15 +42,13 @@ def state_tensor_bytes(optimizer) -> int:
 
 
 def main() -> None:
-    parser = gpt_benchmark_parser(__doc__.splitlines()[0])
-    parser.add_argument("--json", metavar="PATH", help="also write the numbers here (rank 0)")
-    args = parser.parse_args()
+    args = gpt_benchmark_parser(__doc__.splitlines()[0]).parse_args()
     device = init_distributed()
     rank, world_size = dist.get_rank(), dist.get_world_size()
 
-    shapes = gpt_weight_shapes(args.hidden, args.layers, args.heads, args.groups, ffn=int(args.hidden * 2.75))
+    shape = shape_from(args)
     torch.manual_seed(0)  # the same weights and gradients on every rank
-    models = {"layer_wise": Weights(shapes).to(device), "replicated": Weights(shapes).to(device)}
+    models = {"layer_wise": GptWeights(shape).to(device), "replicated": GptWeights(shape).to(device)}
     models["replicated"].load_state_dict(models["layer_wise"].state_dict())
     grads = [torch.randn_like(p) for p in models["layer_wise"].parameters()]
     groups = ParallelGroups.from_groups(tp=None, mp=None, dp_cp=dist.group.WORLD)
@@ -81,12 +80,12 @@ def main() -> None:
     dist.all_reduce(difference, op=dist.ReduceOp.MAX)
 
     if rank == 0:
-        report(args, device, world_size, shapes, seconds, state_bytes, difference.item())
+        params = sum(p.numel() for p in models["replicated"].parameters())
+        report(args, device, world_size, params, seconds, state_bytes, difference.item())
     dist.destroy_process_group()
 
 
-def report(args, device, world_size, shapes, seconds, state_bytes, difference) -> None:
-    params = sum(torch.Size(s).numel() for s in shapes.values())
+def report(args, device, world_size, params, seconds, state_bytes, difference) -> None:
     step_ratio = seconds["layer_wise"] / seconds["replicated"]
     state_ratio = max(state_bytes["layer_wise"]) / max(state_bytes["replicated"])
     print(f"{params / 1e6:.1f}M fp32 parameters (hidden {args.hidden}, {args.layers} layers), "
@@ -99,15 +98,12 @@ def report(args, device, world_size, shapes, seconds, state_bytes, difference) -
     print(f"ratio layer-wise / replicated: step {step_ratio:.3f} (goal ~0.55), "
           f"state {state_ratio:.3f} (largest rank)")
     print(f"max |weight difference| after {args.warmup + args.repeats} steps: {difference:.2e}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({
-                "hidden": args.hidden, "layers": args.layers, "world_size": world_size,
-                "device": device.type, "threads_per_rank": torch.get_num_threads(), "parameters": params,
-                "step_ms": {name: s * 1e3 for name, s in seconds.items()}, "step_ratio": step_ratio,
-                "state_bytes_per_rank": state_bytes, "state_ratio": state_ratio,
-                "max_weight_difference": difference,
-            }, f, indent=2)
+    write_json(args.json, {
+        "model": shape_from(args).describe(), "world_size": world_size, "device": device.type,
+        "threads_per_rank": torch.get_num_threads(), "parameters": params, "repeats": args.repeats,
+        "step_ms": {name: s * 1e3 for name, s in seconds.items()}, "step_ratio": step_ratio,
+        "state_bytes_per_rank": state_bytes, "state_ratio": state_ratio, "max_weight_difference": difference,
+    })
 
 
 if __name__ == "__main__":

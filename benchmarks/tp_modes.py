@@ -8,7 +8,7 @@ q/k/v per query group, fc1 into gate/up), linear_proj and linear_fc2 row-paralle
 all-reduces the Gram matrix in each Newton-Schulz iteration; 'sharded' orthogonalizes each
 matrix on one rank (two all-to-alls). Design goal: sharded / duplicated <= 0.6 at TP=2.
 
-    torchrun --nproc-per-node 2 benchmarks/tp_modes.py
+    torchrun --nproc-per-node 2 benchmarks/tp_modes.py [--json PATH]
 
 gloo on CPU; NCCL with one GPU per rank when CUDA is available. fp32_matmul_prec='highest'.
 Median of several steps after warm-up, the modes interleaved, each step timed on the slowest
@@ -25,9 +25,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _distributed import gpt_benchmark_parser, init_distributed, time_interleaved  # noqa: E402
-from step_overhead import gpt_weight_shapes  # noqa: E402  (also puts the repo on sys.path)
+from _gpt import gpt_weight_shapes, matrix_layout, shape_from  # noqa: E402
+from _timing import write_json  # noqa: E402
 
-from megatron_eopt.ops.splits import MatrixLayout  # noqa: E402
 from megatron_eopt.optimizers.tensor_parallel_muon import TensorParallelMuon  # noqa: E402
 
 MODES = ("duplicated", "distributed", "sharded")
@@ -39,15 +39,6 @@ def local_shard(name: str, full: torch.Tensor, rank: int, tp: int) -> torch.Tens
         return torch.cat([half.chunk(tp, dim=0)[rank] for half in full.chunk(2, dim=0)])
     dim = 0 if name.endswith("linear_qkv.weight") else 1  # qkv: whole query groups per rank
     return full.chunk(tp, dim=dim)[rank].contiguous()
-
-
-def layout_of(name: str, local: torch.Tensor, tp: int, heads: int, groups: int, kv: int) -> MatrixLayout:
-    shape = tuple(local.shape)
-    if name.endswith("linear_qkv.weight"):
-        return MatrixLayout(name, shape, 0, tp, groups // tp, (heads // groups * kv, kv, kv))
-    if name.endswith("linear_fc1.weight"):
-        return MatrixLayout(name, shape, 0, tp, 1, (shape[0] // 2, shape[0] // 2))
-    return MatrixLayout(name, shape, 1, tp)
 
 
 def check_divisible(args: argparse.Namespace, ffn: int, tp: int) -> None:
@@ -68,13 +59,13 @@ def main() -> None:
     ffn = int(args.hidden * 2.75)
     check_divisible(args, ffn, tp)
 
-    shapes = gpt_weight_shapes(args.hidden, args.layers, args.heads, args.groups, ffn)
+    shape = shape_from(args)
+    shapes = gpt_weight_shapes(shape, norms=False)
     torch.manual_seed(0)  # the same global weights and gradients on every rank
-    names = [name for name, shape in shapes.items() if len(shape) == 2]
+    names = list(shapes)
     weights = {n: local_shard(n, torch.randn(shapes[n]) * 0.02, rank, tp).to(device) for n in names}
     grads = {n: local_shard(n, torch.randn(shapes[n]), rank, tp).to(device) for n in names}
-    kv = args.hidden // args.heads
-    layouts = {n: layout_of(n, w, tp, args.heads, args.groups, kv) for n, w in weights.items()}
+    layouts = {n: matrix_layout(n, tuple(w.shape), tp, shape) for n, w in weights.items()}
     params = {mode: [torch.nn.Parameter(weights[n].clone()) for n in names] for mode in MODES}
     optimizers = {
         mode: TensorParallelMuon([{"params": params[mode], "param_fqns": names}], lr=1e-3, weight_decay=0.1,
@@ -97,15 +88,26 @@ def main() -> None:
     dist.all_reduce(differences, op=dist.ReduceOp.MAX)
 
     if rank == 0:
-        matrices = sum(torch.Size(shapes[n]).numel() for n in names)
-        print(f"{matrices / 1e6:.1f}M fp32 matrix parameters (hidden {args.hidden}, {args.layers} layers), "
-              f"TP={tp} on {device.type}, {torch.get_num_threads()} threads/rank, torch {torch.__version__}, "
-              f"median of {args.repeats} steps")
-        for mode, difference in zip(MODES, differences.tolist()):
-            print(f"{mode:12} {seconds[mode] * 1e3:9.1f} ms   max |weight - duplicated's| {difference:.1e}")
-        print(f"ratio sharded / duplicated      {seconds['sharded'] / seconds['duplicated']:.3f} (goal <= 0.6)")
-        print(f"ratio distributed / duplicated  {seconds['distributed'] / seconds['duplicated']:.3f}")
+        report(args, shapes, tp, device, seconds, dict(zip(MODES, differences.tolist())))
     dist.destroy_process_group()
+
+
+def report(args, shapes: dict, tp: int, device: torch.device, seconds: dict, differences: dict) -> None:
+    matrices = sum(torch.Size(s).numel() for s in shapes.values())
+    print(f"{matrices / 1e6:.1f}M fp32 matrix parameters (hidden {args.hidden}, {args.layers} layers), "
+          f"TP={tp} on {device.type}, {torch.get_num_threads()} threads/rank, torch {torch.__version__}, "
+          f"median of {args.repeats} steps")
+    for mode in MODES:
+        print(f"{mode:12} {seconds[mode] * 1e3:9.1f} ms   max |weight - duplicated's| {differences[mode]:.1e}")
+    ratios = {mode: seconds[mode] / seconds["duplicated"] for mode in MODES}
+    print(f"ratio sharded / duplicated      {ratios['sharded']:.3f} (goal <= 0.6)")
+    print(f"ratio distributed / duplicated  {ratios['distributed']:.3f}")
+    write_json(args.json, {
+        "model": shape_from(args).describe(), "tp": tp, "device": device.type,
+        "threads_per_rank": torch.get_num_threads(), "matrix_parameters": matrices, "repeats": args.repeats,
+        "step_ms": {mode: s * 1e3 for mode, s in seconds.items()}, "ratio_to_duplicated": ratios,
+        "max_weight_difference_to_duplicated": differences,
+    })
 
 
 if __name__ == "__main__":

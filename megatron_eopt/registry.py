@@ -30,7 +30,7 @@ first, then `config_prefixes`), else `config.<arg>`, else the class default; con
 are None count as unset. Then, where the class takes them: `weight_decay_method` is 'decoupled'
 or 'l2' from `decoupled_weight_decay`; the entry's `config_to_kwargs(config)` may add or
 replace values (adam's betas/eps, lion's betas); every `*fp32_matmul_prec` is 'highest' when
-the parameters are on CPU (bf16 matrix products are several times slower than fp32 there),
+the parameters are on CPU (bf16 matrix products are far slower than fp32 there),
 else the config's value; `tp_group`/`layouts` come from the factory. Names and values are
 checked against the signature (`Literal` annotations, Newton-Schulz coefficient sets and matmul
 precisions of the installed emerging_optimizers) before the optimizer is built.

@@ -9,6 +9,11 @@ matrix each rank orthogonalizes and moves shards accordingly:
 - sharded:     each matrix is orthogonalized by exactly one TP rank (cost-balanced); shards go
                to it with one all-to-all and the results come back with another.
 All but blockwise equal the TP=1 update to fp32 round-off. Scales use the global block shape.
+
+Matrices orthogonalized on one rank go through `orthogonalize_batched`: every group of equal
+shape is one batched (3-D) `newton_schulz` call. Each matrix, even one alone in its
+group, takes that same path, so a matrix's result does not depend on which others share the
+step (layer-wise owners and the non-distributed optimizer agree bitwise).
 """
 
 import typing
@@ -86,13 +91,14 @@ def orthogonalize_updates(
     pieces = [(i, block, layout) for i, (u, layout) in enumerate(zip(updates, layouts))
               for block in split_blocks(u.float(), layout)]
     block_shapes = [s for layout in layouts for s in layout.global_block_shapes()]
-    if tp_mode == "sharded" and _size(tp_group) > 1:
+    if _size(tp_group) == 1:
+        results = orthogonalize_batched([b for _, b, _ in pieces], [settings.scale(*s) for s in block_shapes], settings)
+    elif tp_mode == "sharded":
         results = _sharded(pieces, block_shapes, tp_group, settings)
+    elif tp_mode == "distributed":
+        results = _distributed(pieces, block_shapes, tp_group, settings)
     else:
-        results = [
-            _one_block(block, layout, shape, tp_mode, tp_group, settings)
-            for (_, block, layout), shape in zip(pieces, block_shapes)
-        ]
+        results = _local(pieces, block_shapes, tp_mode, tp_group, settings)
     merged, start = [], 0
     for update, layout in zip(updates, layouts):
         count = len(layout.blocks)
@@ -105,27 +111,83 @@ def _size(group: Optional[dist.ProcessGroup]) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def _one_block(
-    block: torch.Tensor,
-    layout: MatrixLayout,
-    global_shape: tuple[int, int],
+def orthogonalize_batched(matrices: list[torch.Tensor], scales: list[float],
+                          settings: NewtonSchulzSettings) -> list[torch.Tensor]:
+    """`scales[i]` times the orthogonalized `matrices[i]`; equal shapes go through one batched call.
+
+    The results are views of new batch tensors, never of the inputs.
+    """
+    groups: dict[tuple, list[int]] = {}
+    for i, matrix in enumerate(matrices):
+        groups.setdefault((tuple(matrix.shape), matrix.dtype, matrix.device), []).append(i)
+    results: list[torch.Tensor] = [torch.empty(0)] * len(matrices)
+    for indices in groups.values():
+        orthogonal = _orthogonalize_stacked([matrices[i] for i in indices], settings)
+        orthogonal.mul_(torch.tensor([scales[i] for i in indices], dtype=orthogonal.dtype,
+                                     device=orthogonal.device).view(-1, 1, 1))
+        for k, i in enumerate(indices):
+            results[i] = orthogonal[k]
+    return results
+
+
+def _orthogonalize_stacked(matrices: list[torch.Tensor], settings: NewtonSchulzSettings) -> torch.Tensor:
+    """Unscaled orthogonalization of equal-shape matrices, as one (B, m, n) tensor.
+
+    Tall matrices are stacked tall, not pre-transposed: newton_schulz then transposes the
+    batch as a view, exactly as it does a single matrix, so the round-off is the 2-D path's.
+    """
+    if settings.use_syrk:  # emerging_optimizers' syrk kernel takes 2-D input only
+        return torch.stack([settings.orthogonalize(m) for m in matrices])
+    return settings.orthogonalize(torch.stack(matrices))
+
+
+def _local(
+    pieces: list[tuple[int, torch.Tensor, MatrixLayout]],
+    block_shapes: list[tuple[int, int]],
     tp_mode: str,
-    tp_group: Optional[dist.ProcessGroup],
+    tp_group: dist.ProcessGroup,
     settings: NewtonSchulzSettings,
-) -> torch.Tensor:
-    dim = layout.partition_dim
-    if dim < 0 or _size(tp_group) == 1:
-        return settings.orthogonalize(block) * settings.scale(*global_shape)
-    if tp_mode == "blockwise":
-        return settings.orthogonalize(block) * settings.scale(*block.shape)
-    if tp_mode == "distributed":
-        # Rows sharded: iterate on X^T so the all-reduced Gram matrix is over the full dimension.
-        orthogonal = settings.orthogonalize(block, transpose=(dim == 0), tp_group=tp_group)
-        return orthogonal * settings.scale(*global_shape)
-    shards = [torch.empty_like(block) for _ in range(_size(tp_group))]
-    dist.all_gather(shards, block.contiguous(), group=tp_group)
-    full = settings.orthogonalize(torch.cat(shards, dim=dim)) * settings.scale(*global_shape)
-    return full.chunk(len(shards), dim=dim)[dist.get_rank(tp_group)].contiguous()
+) -> list[torch.Tensor]:
+    """'blockwise' (each shard alone) and 'duplicated' (each rank the all-gathered matrix)."""
+    size, rank = _size(tp_group), dist.get_rank(tp_group)
+    matrices, scales = [], []
+    for (_, block, layout), shape in zip(pieces, block_shapes):
+        dim = layout.partition_dim
+        if tp_mode == "blockwise" and dim >= 0:
+            matrices.append(block)
+            scales.append(settings.scale(*block.shape))
+            continue
+        if dim >= 0:
+            shards = [torch.empty_like(block) for _ in range(size)]
+            dist.all_gather(shards, block.contiguous(), group=tp_group)
+            block = torch.cat(shards, dim=dim)
+        matrices.append(block)
+        scales.append(settings.scale(*shape))
+    results = orthogonalize_batched(matrices, scales, settings)
+    return [result.chunk(size, dim=layout.partition_dim)[rank]
+            if tp_mode == "duplicated" and layout.partition_dim >= 0 else result
+            for result, (_, _, layout) in zip(results, pieces)]
+
+
+def _distributed(
+    pieces: list[tuple[int, torch.Tensor, MatrixLayout]],
+    block_shapes: list[tuple[int, int]],
+    tp_group: dist.ProcessGroup,
+    settings: NewtonSchulzSettings,
+) -> list[torch.Tensor]:
+    """Sharded blocks one by one (the all-reduced norm and Gram matrix are per matrix); replicated ones batched."""
+    replicated = [k for k, (_, _, layout) in enumerate(pieces) if layout.partition_dim < 0]
+    results: list[torch.Tensor] = [torch.empty(0)] * len(pieces)
+    batched = orthogonalize_batched([pieces[k][1] for k in replicated],
+                                    [settings.scale(*block_shapes[k]) for k in replicated], settings)
+    for k, result in zip(replicated, batched):
+        results[k] = result
+    for k, ((_, block, layout), shape) in enumerate(zip(pieces, block_shapes)):
+        if layout.partition_dim >= 0:
+            # Rows sharded: iterate on X^T so the all-reduced Gram matrix is over the full dimension.
+            orthogonal = settings.orthogonalize(block, transpose=(layout.partition_dim == 0), tp_group=tp_group)
+            results[k] = orthogonal.mul_(settings.scale(*shape))
+    return results
 
 
 def _sharded(
@@ -148,14 +210,11 @@ def _sharded(
     )
     # 2. Owners orthogonalize whole blocks (replicated blocks are whole already).
     mine = [i for i, o in enumerate(owners) if o == rank]
-    results: dict[int, torch.Tensor] = {}
     sharded_mine = [i for i in mine if dims[i] >= 0]
-    for k, i in enumerate(sharded_mine):
-        full = torch.cat([gathered[src][k] for src in range(size)], dim=dims[i])
-        results[i] = settings.orthogonalize(full) * settings.scale(*block_shapes[i])
-    for i in mine:
-        if dims[i] < 0:
-            results[i] = settings.orthogonalize(blocks[i]) * settings.scale(*block_shapes[i])
+    fulls = {i: torch.cat([gathered[src][k] for src in range(size)], dim=dims[i]) for k, i in enumerate(sharded_mine)}
+    orthogonal = orthogonalize_batched([fulls.get(i, blocks[i]) for i in mine],
+                                       [settings.scale(*block_shapes[i]) for i in mine], settings)
+    results = dict(zip(mine, orthogonal))
 
     # 3. Owners send each rank its slice (or all of a replicated block) back.
     def piece_for(i: int, dest: int) -> torch.Tensor:

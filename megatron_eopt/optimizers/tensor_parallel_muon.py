@@ -9,8 +9,10 @@ Update of each 2-D parameter p with gradient g, momentum beta, lr, weight decay 
     p <- p - lr * O
 scale: spectral sqrt(max(m, n)), shape_scaling sqrt(max(1, m/n)), unit_rms_norm sqrt(m/n),
 always from the global (unsharded) block shape except in tp_mode='blockwise'. How the shards
-of a block meet is `tp_mode` (see ops/newton_schulz.py). On CPU, run with
-fp32_matmul_prec='highest': bf16 matrix products are about 4x slower than fp32 there.
+of a block meet is `tp_mode` (see ops/newton_schulz.py), which also batches equal-shape
+blocks into one Newton-Schulz call. On CPU, run with fp32_matmul_prec='highest': bf16 matrix
+products are emulated on CPUs without bf16 instructions (about 50x slower than fp32 on the
+AVX2 machine of README's Performance section).
 """
 
 import typing

@@ -1,0 +1,145 @@
+"""Single-process optimizer step time on GPT-shaped weights: our Muon against megatron-core's,
+torch.optim.Muon and torch.optim.AdamW.
+
+Rows (all step only the 2-D weights, with the same gradients, lr 1e-3, weight decay 0.1):
+- eopt_muon:        get_megatron_optimizer(OptimizerConfig(optimizer='muon')), library defaults
+                    (clipping at 1.0 included; on CPU Newton-Schulz in fp32 whatever the config says)
+- eopt_muon_class:  our TensorParallelMuon at TP=1, fp32_matmul_prec='highest', with megatron-core's
+                    blocks (QKV split per query group, the gated fc1 whole; our factory also
+                    splits fc1 into gate and up), so it computes exactly what mcore_muon_fp32 does
+- mcore_muon:       megatron-core's TensorParallelMuon built with the kwargs its factory derives
+                    from megatron-core's default OptimizerConfig (QKV split, fp32_matmul_prec
+                    'medium': Newton-Schulz in bf16, which is emulated and slow on CPUs)
+- mcore_muon_fp32:  the same with fp32_matmul_prec='highest'
+- torch_muon:       torch.optim.Muon defaults (its Newton-Schulz is always bf16)
+- torch_adamw:      torch.optim.AdamW
+Rows interleaved in rounds after warm-up; times are medians, a ratio is the median over rounds
+of the two rows' ratio in that round. Prints numbers; asserts nothing.
+
+    python benchmarks/optimizer_step.py [--rows eopt_muon,mcore_muon_fp32,...] [--device cuda] [--json PATH]
+"""
+
+import argparse
+import os
+import sys
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+
+from _gpt import GptShape, GptWeights, add_shape_arguments, matrix_layout, shape_from  # noqa: E402
+from _timing import interleaved_times, medians, paired_ratio, write_json  # noqa: E402
+
+from megatron_eopt import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron_eopt.optimizers.tensor_parallel_muon import TensorParallelMuon  # noqa: E402
+
+LR, WEIGHT_DECAY = 1e-3, 0.1
+Step = Callable[[], object]
+
+
+def eopt_muon(model: GptWeights) -> Step:
+    config = OptimizerConfig(optimizer="muon", lr=LR, weight_decay=WEIGHT_DECAY)
+    return get_megatron_optimizer(config, model, config_overrides={}).step
+
+
+def eopt_muon_class(model: GptWeights, shape: GptShape) -> Step:
+    names, params = zip(*model.named_parameters())
+    layouts = {n: matrix_layout(n, tuple(p.shape), 1, shape) for n, p in zip(names, params) if "linear_qkv" in n}
+    return TensorParallelMuon([{"params": list(params), "param_fqns": list(names)}], lr=LR, momentum=0.95,
+                              weight_decay=WEIGHT_DECAY, fp32_matmul_prec="highest", layouts=layouts).step
+
+
+def mcore_muon(model: GptWeights, **overrides) -> Step:
+    from megatron.core.optimizer import OptimizerConfig as McoreConfig
+    from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon as McoreMuon
+    from megatron.core.optimizer.emerging_optimizers import _muon_config_to_kwargs
+
+    for name, p in model.named_parameters():
+        p.is_qkv = name.endswith("linear_qkv.weight")  # what its factory's is_qkv_fn reads
+    kwargs = _muon_config_to_kwargs(McoreConfig(optimizer="muon", lr=LR, weight_decay=WEIGHT_DECAY), [model], None)
+    return McoreMuon(list(model.parameters()), **{**kwargs, **overrides}).step
+
+
+def torch_muon(model: GptWeights) -> Step:
+    return torch.optim.Muon(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY).step
+
+
+def torch_adamw(model: GptWeights) -> Step:
+    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY).step
+
+
+BUILDERS: dict[str, Callable[[GptWeights, GptShape], Step]] = {
+    "eopt_muon": lambda model, shape: eopt_muon(model),
+    "eopt_muon_class": eopt_muon_class,
+    "mcore_muon": lambda model, shape: mcore_muon(model),
+    "mcore_muon_fp32": lambda model, shape: mcore_muon(model, fp32_matmul_prec="highest"),
+    "torch_muon": lambda model, shape: torch_muon(model),
+    "torch_adamw": lambda model, shape: torch_adamw(model),
+}
+# (numerator, denominator) of the ratios reported when both rows ran.
+RATIOS = {
+    "defaults: eopt_muon / mcore_muon": ("eopt_muon", "mcore_muon"),
+    "fp32: eopt_muon_class / mcore_muon_fp32": ("eopt_muon_class", "mcore_muon_fp32"),
+    "fp32: eopt_muon / mcore_muon_fp32": ("eopt_muon", "mcore_muon_fp32"),
+    "eopt_muon / torch_muon": ("eopt_muon", "torch_muon"),
+    "eopt_muon / torch_adamw": ("eopt_muon", "torch_adamw"),
+}
+
+
+def max_difference(a: GptWeights, b: GptWeights) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a.parameters(), b.parameters()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_shape_arguments(parser, GptShape(hidden=1024, layers=2))
+    parser.add_argument("--rows", default=",".join(BUILDERS), help="comma-separated, from: " + ", ".join(BUILDERS))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", metavar="PATH", help="also write the numbers here")
+    args = parser.parse_args()
+    shape, rows, device = shape_from(args), args.rows.split(","), torch.device(args.device)
+    torch.manual_seed(0)
+    models = {row: GptWeights(shape, norms=False).to(device) for row in rows}
+    for model in models.values():
+        model.load_state_dict(models[rows[0]].state_dict())
+    grads = [torch.randn_like(p) for p in models[rows[0]].parameters()]
+    steps = {row: BUILDERS[row](models[row], shape) for row in rows}
+
+    def set_grads(model: GptWeights) -> None:
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g.clone()
+
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    times = interleaved_times(steps, {row: (lambda m=models[row]: set_grads(m)) for row in rows},
+                              args.warmup, args.repeats, before=sync, after=sync)
+    report(args, shape, models, times)
+
+
+def report(args, shape: GptShape, models: dict, times: dict) -> None:
+    params = sum(p.numel() for p in next(iter(models.values())).parameters())
+    seconds = medians(times)
+    ratios = {name: paired_ratio(times, a, b) for name, (a, b) in RATIOS.items() if a in times and b in times}
+    print(f"{params / 1e6:.1f}M fp32 matrix parameters ({shape.describe()}), 1 process on {args.device}, "
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}, median of {args.repeats} steps")
+    for row, s in seconds.items():
+        print(f"  {row:18} {s * 1e3:10.1f} ms")
+    for name, ratio in ratios.items():
+        print(f"  ratio {name:42} {ratio:.3f}")
+    # Sanity: the same hyperparameters and blocks, so the two fp32 classes take the same steps.
+    difference = None
+    if "eopt_muon_class" in models and "mcore_muon_fp32" in models:
+        difference = max_difference(models["eopt_muon_class"], models["mcore_muon_fp32"])
+        print(f"  max |weight difference| eopt_muon_class vs mcore_muon_fp32: {difference:.1e}")
+    write_json(args.json, {"model": shape.describe(), "device": args.device, "matrix_parameters": params,
+                           "threads": torch.get_num_threads(),
+                           "warmup": args.warmup, "repeats": args.repeats,
+                           "step_ms": {row: s * 1e3 for row, s in seconds.items()}, "ratios": ratios,
+                           "max_weight_difference_class_vs_mcore_fp32": difference})
+
+
+if __name__ == "__main__":
+    main()

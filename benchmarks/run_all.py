@@ -1,0 +1,131 @@
+"""`make bench`: every benchmark in turn, then one table of the headline ratios against their targets.
+
+Each benchmark prints its own table and writes benchmarks/results/<name>.json (git-ignored:
+the numbers belong to the machine; README's Performance section records one run); this adds
+benchmarks/results/summary.json. Sizes are chosen so the whole run takes a few minutes on
+2 CPU cores; every script takes --hidden/--layers for larger runs.
+"""
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from typing import Optional
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+TORCHRUN = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone"]
+PYTHON = [sys.executable]
+MAIN = ["--hidden", "1024", "--layers", "2"]  # the fp32 comparisons: a hidden-1024 GPT's matrix shapes
+SMALL = ["--hidden", "256", "--layers", "2"]  # rows that compute in bf16: emulated on CPUs, ~1-3 GFLOP/s
+
+BENCHMARKS = {
+    "step_defaults": PYTHON + ["optimizer_step.py", *SMALL, "--repeats", "3"],
+    "step_fp32": PYTHON + ["optimizer_step.py", *MAIN, "--repeats", "7",
+                           "--rows", "eopt_muon_class,mcore_muon_fp32,eopt_muon,torch_adamw"],
+    "newton_schulz": PYTHON + ["newton_schulz_efficiency.py", *MAIN, "--repeats", "3"],
+    "adam_overhead": PYTHON + ["step_overhead.py", *MAIN],
+    "layer_wise": TORCHRUN + ["--nproc-per-node", "2", "layer_wise_vs_replicated.py"],
+    "tp_modes": TORCHRUN + ["--nproc-per-node", "2", "tp_modes.py"],
+    "memory": TORCHRUN + ["--nproc-per-node", "4", "memory.py"],
+}
+GPU_BENCHMARKS = {  # bf16 (fp32_matmul_prec 'medium', the library defaults on GPUs)
+    "gpu_step": PYTHON + ["optimizer_step.py", "--device", "cuda", "--hidden", "4096", "--layers", "4",
+                          "--repeats", "10", "--warmup", "3", "--rows", "eopt_muon,mcore_muon,torch_muon,torch_adamw"],
+    "gpu_newton_schulz": PYTHON + ["newton_schulz_efficiency.py", "--device", "cuda", "--precision", "medium",
+                                   "--hidden", "4096", "--layers", "4", "--reference-size", "8192",
+                                   "--repeats", "10", "--warmup", "3"],
+}
+
+
+def run(name: str, command: list[str]) -> Optional[dict]:
+    path = os.path.join(RESULTS, f"{name}.json")
+    if os.path.exists(path):
+        os.remove(path)  # never report a previous run's numbers
+    print(f"\n== {name}: {' '.join(os.path.basename(c) if c.startswith('/') else c for c in command)}", flush=True)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    start = time.perf_counter()
+    subprocess.run(command + ["--json", path], cwd=HERE, env=env, check=True)
+    print(f"   ({time.perf_counter() - start:.0f} s)", flush=True)
+    with open(path) as f:
+        return json.load(f)
+
+
+def gpu_skip_reason() -> Optional[str]:
+    if torch.cuda.is_available():
+        return None
+    return (f"torch.cuda.is_available() is False (torch {torch.__version__}, "
+            f"CUDA build {torch.version.cuda or 'none'}, {torch.cuda.device_count()} devices)")
+
+
+# (label, result, path into its JSON, target, 'max' or 'min')
+TARGETS = [
+    ("Muon step, library defaults: ours / megatron-core", "step_defaults",
+     ("ratios", "defaults: eopt_muon / mcore_muon"), 0.35, "max"),
+    ("Muon step, fp32 both: ours / megatron-core", "step_fp32",
+     ("ratios", "fp32: eopt_muon_class / mcore_muon_fp32"), 1.0, "max"),
+    ("Newton-Schulz GFLOP/s / large fp32 matmul GFLOP/s", "newton_schulz", ("rows", "total", "ratio"), 0.85, "min"),
+    ("Layer-wise DP=2 / replicated DP=2 step", "layer_wise", ("step_ratio",), 0.6, "max"),
+    ("Sharded TP=2 / duplicated TP=2 step", "tp_modes", ("ratio_to_duplicated", "sharded"), 0.6, "max"),
+    ("Layer-wise DP=4 / replicated state per rank", "memory",
+     ("rows", "layer-wise muon DP=4", "ratio_to_replicated_muon"), 0.3, "max"),
+]
+INFO = [
+    ("Muon step, fp32: ours (factory, fc1 split, clipping) / megatron-core", "step_fp32",
+     ("ratios", "fp32: eopt_muon / mcore_muon_fp32")),
+    ("Muon step, defaults: ours / torch.optim.Muon", "step_defaults", ("ratios", "eopt_muon / torch_muon")),
+    ("Muon step, fp32: ours / torch.optim.AdamW", "step_fp32", ("ratios", "eopt_muon / torch_adamw")),
+    ("Adam step: ours / torch AdamW + clip", "adam_overhead", ("ratio",)),
+    ("Distributed TP=2 / duplicated TP=2 step", "tp_modes", ("ratio_to_duplicated", "distributed")),
+    ("Layer-wise DP=2 / replicated state per rank", "memory",
+     ("rows", "layer-wise muon DP=2", "ratio_to_replicated_muon")),
+]
+
+
+def lookup(results: dict, name: str, path: tuple) -> float:
+    value = results[name]
+    for key in path:
+        value = value[key]
+    return value
+
+
+def summarize(results: dict, seconds: float, skip: Optional[str]) -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
+    print(f"\n== summary: {cpu}, {os.cpu_count()} CPUs, torch {torch.__version__}, {seconds:.0f} s")
+    print(f"  {'measurement':66} {'value':>7} {'target':>8}  met")
+    rows = []
+    for label, name, path, target, kind in TARGETS:
+        value = lookup(results, name, path)
+        met = value <= target if kind == "max" else value >= target
+        rows.append({"measurement": label, "value": value, "target": f"{'<=' if kind == 'max' else '>='} {target}",
+                     "met": met})
+        print(f"  {label:66} {value:7.3f} {rows[-1]['target']:>8}  {'yes' if met else 'NO'}")
+    for label, name, path in INFO:
+        rows.append({"measurement": label, "value": lookup(results, name, path)})
+        print(f"  {label:66} {rows[-1]['value']:7.3f}")
+    print(f"  GPU section: {'skipped, ' + skip if skip else 'ran (gpu_step.json, gpu_newton_schulz.json)'}")
+    return {"cpu": cpu, "cpus": os.cpu_count(), "torch": torch.__version__, "seconds": seconds, "rows": rows,
+            "gpu_skipped": skip, "results": results}
+
+
+def main() -> None:
+    os.makedirs(RESULTS, exist_ok=True)
+    start = time.perf_counter()
+    results = {name: run(name, command) for name, command in BENCHMARKS.items()}
+    skip = gpu_skip_reason()
+    if skip:
+        print(f"\n== GPU section skipped: {skip}")
+    else:
+        results.update({name: run(name, command) for name, command in GPU_BENCHMARKS.items()})
+    summary = summarize(results, time.perf_counter() - start, skip)
+    with open(os.path.join(RESULTS, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
