@@ -39,10 +39,12 @@ def model_params(model_chunks: list[torch.nn.Module], groups: ParallelGroups) ->
     named = named_trainable_parameters(model_chunks, trainable_only=False)
     has_experts = any(not getattr(p, "allreduce", True) for _, _, p in named)
     _refuse_unsupported_parallelism(groups, has_experts)
+    why = "a checkpoint (which stores tensor-parallel shards in their global shape)"
+    dense_tp = groups.require("tp", why)
+    expert_tp = groups.require("expt_tp", why) if has_experts else None
     result = []
     for fqn, _, param in named:
-        is_expert = not getattr(param, "allreduce", True)
-        tp_group = groups.expt_tp if is_expert else groups.tp
+        tp_group = expert_tp if not getattr(param, "allreduce", True) else dense_tp
         result.append(ModelParam(fqn, param, placement_of(param, tp_group)))
     return result
 
@@ -50,8 +52,11 @@ def model_params(model_chunks: list[torch.nn.Module], groups: ParallelGroups) ->
 def _refuse_unsupported_parallelism(groups: ParallelGroups, has_experts: bool) -> None:
     # Parameter names repeat across pipeline stages and expert-parallel ranks (local layer and
     # expert numbers), so their state would collide under one name.
-    pipeline = group_size(groups.mp) // group_size(groups.tp)
-    expert = group_size(groups.expt_mp) // (group_size(groups.expt_tp) * pipeline) if has_experts else 1
+    why = "a checkpoint (to rule out pipeline parallelism)"
+    pipeline = group_size(groups.require("mp", why)) // group_size(groups.require("tp", why))
+    expert = 1
+    if has_experts:
+        expert = group_size(groups.require("expt_mp", why)) // (group_size(groups.require("expt_tp", why)) * pipeline)
     if pipeline > 1 or expert > 1:
         raise CheckpointError(
             f"megatron_eopt checkpoints support tensor and data parallelism only; this run has "
