@@ -11,6 +11,7 @@ Keys (see layout.py for `#part<i>` and `@tp<r>of<n>` suffixes):
 a state writes it (the owner, with the layer-wise optimizer); replicas are written once.
 """
 
+import io
 import json
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -141,9 +142,22 @@ def _state_entry(key: str, value: Any, param: torch.Tensor, placement: Placement
             return {key: value}
         if value.shape == param.shape:
             return global_pieces(key, value, placement, meshes)
+    else:
+        value = pack_object(value)
     if placement.partition_dim >= 0:  # e.g. a preconditioner of a TP shard: valid at this TP only
         return {placement.tp_specific_key(key): value}
     return {key: value}
+
+
+def pack_object(value: Any) -> bytes:
+    """A non-tensor state value as one opaque entry (DCP would split lists of tensors into keys)."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def unpack_object(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def _hyperparameters(child: FP32Optimizer) -> dict[str, dict[str, Any]]:
@@ -257,11 +271,16 @@ def _plan_state_value(plan: LoadPlan, key: str, keys: list[str], param: torch.Te
                 f"resharded to TP rank {wanted.rsplit(TP_MARK, 1)[1]}. Resume at the saved TP size, or "
                 f"load the model only (load_optimizer=False, --no-load-optim)."
             )
-        return plan.plain(wanted, param.device)
+        return _plain_state(plan, wanted, param.device)
     if plan.index.has_tensor(key, placement) and _parameter_shaped(plan, key, param, placement):
         buffer = plan.tensor(key, param.shape, placement, param.device)
         return lambda: buffer
-    return plan.plain(key, param.device)
+    return _plain_state(plan, key, param.device)
+
+
+def _plain_state(plan: LoadPlan, key: str, device: torch.device) -> Callable[[], Any]:
+    get = plan.plain(key, device)
+    return (lambda: unpack_object(get())) if key in plan.index.objects else get
 
 
 def _parameter_shaped(plan: LoadPlan, key: str, param: torch.Tensor, placement: Placement) -> bool:
