@@ -43,17 +43,17 @@ def child_sharded_state_dict(
     for fqn, entries in state_dict["state"].items():
         for name, value in entries.items():
             param = param_of[fqn]
-            if torch.is_tensor(value) and value.dim() > 0:
-                if value.shape != param.shape:
-                    raise ValueError(
-                        f"optimizer {child.name!r} keeps state {name!r} of shape {tuple(value.shape)} for "
-                        f"parameter {fqn!r} of shape {tuple(param.shape)}; megatron-core's sharded "
-                        f"format holds parameter-shaped state only. Use megatron_eopt.checkpointing."
-                        f"save_checkpoint for this optimizer."
-                    )
+            if torch.is_tensor(value) and value.dim() > 0 and value.shape == param.shape:
                 tensors[f"{fqn}/{name}"] = make_sharded_optimizer_tensor(_sharded(sharded_of, fqn), value, f"{prefix}.state.{name}")
-            else:
+            elif (torch.is_tensor(value) and value.dim() == 0) or isinstance(value, (bool, int, float, str)):
                 _add_common(common, name, value, fqn)
+            else:
+                shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
+                raise ValueError(
+                    f"optimizer {child.name!r} keeps state {name!r} ({shape}) for parameter {fqn!r} of "
+                    f"shape {tuple(param.shape)}; megatron-core's sharded format holds parameter-shaped "
+                    f"and scalar state only. Use megatron_eopt.checkpointing.save_checkpoint for this optimizer."
+                )
     state_dict["state"] = tensors
     state_dict[COMMON_STATE] = common
     state_dict["main_params"] = {

@@ -86,3 +86,20 @@ def test_sharded_state_dict_passes_megatron_validation_and_round_trips(run_distr
             assert not result["differences"], (layout, rank, result["differences"][:5])
             assert result["common_same_on_all_ranks"], (layout, rank)
             assert result["sharded_leaves"] > 0, (layout, rank)
+
+
+def _unsupported_state_body(rank: int, world_size: int) -> str:
+    run = GPTRun(Layout("normuon"))  # its second moment is (rows, 1) or (1, cols)
+    try:
+        run.train_step(0)
+        run.optimizer.sharded_state_dict(run.model.sharded_state_dict())
+        return "no error"
+    except ValueError as error:
+        return str(error)
+    finally:
+        run.close()
+
+
+def test_state_megatron_format_cannot_hold_is_refused_by_name(run_distributed) -> None:
+    [message] = run_distributed(_unsupported_state_body, world_size=1)
+    assert "moment2_buffer" in message and "parameter-shaped" in message and "save_checkpoint" in message
