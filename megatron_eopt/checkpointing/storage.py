@@ -10,8 +10,10 @@ Layout of `checkpoint_dir`:
 A save writes into the `.incomplete` directory; when every rank has written its files and
 rank 0 the manifest, rank 0 renames it into place and only then rewrites `latest` (itself
 through a rename), so a process killed at any moment leaves the previous checkpoint and its
-marker intact. A load verifies every file against the manifest first (the ranks share the
-work), so a truncated or corrupted checkpoint is named, never half-loaded.
+marker intact. (Saving an iteration again moves the old copy to `iter_N.replaced` for the
+moment of the swap; a load finds it there if the swap was cut short.) A load verifies every
+file against the manifest first (the ranks share the work), so a truncated or corrupted
+checkpoint is named, never half-loaded.
 """
 
 import json
@@ -24,6 +26,7 @@ import torch.distributed as dist
 
 MANIFEST = "megatron_eopt.json"
 LATEST = "latest"
+REPLACED = ".replaced"  # a checkpoint being replaced by a new save of the same iteration
 FORMAT_VERSION = 1
 T = TypeVar("T")
 
@@ -47,7 +50,7 @@ def latest_checkpoint(checkpoint_dir: str) -> Optional[str]:
         return None
     with open(marker) as f:
         name = f.read().strip()
-    path = os.path.join(checkpoint_dir, name)
+    path = _complete_copy(os.path.join(checkpoint_dir, name))
     if not name or not os.path.isdir(path):
         raise CheckpointError(
             f"{marker} names {name!r}, which is not a checkpoint directory in {checkpoint_dir}; "
@@ -59,13 +62,20 @@ def latest_checkpoint(checkpoint_dir: str) -> Optional[str]:
 def resolve_checkpoint(checkpoint_dir: str, iteration: Optional[int]) -> str:
     """The directory to load: the given iteration's, else the latest one."""
     if iteration is not None:
-        path = os.path.join(checkpoint_dir, checkpoint_name(iteration))
+        path = _complete_copy(os.path.join(checkpoint_dir, checkpoint_name(iteration)))
         if not os.path.isdir(path):
             raise CheckpointError(f"no checkpoint for iteration {iteration}: {path} does not exist.")
         return path
     path = latest_checkpoint(checkpoint_dir)
     if path is None:
         raise CheckpointError(f"no checkpoint in {checkpoint_dir}: it has no '{LATEST}' marker.")
+    return path
+
+
+def _complete_copy(path: str) -> str:
+    """`path`, or the copy `commit` moved aside if it was killed while saving that iteration again."""
+    if not os.path.isdir(path) and os.path.isdir(path + REPLACED):
+        return path + REPLACED
     return path
 
 
@@ -97,7 +107,7 @@ def commit(checkpoint_dir: str, iteration: int) -> str:
     final = os.path.join(checkpoint_dir, checkpoint_name(iteration))
     if rank() == 0:
         staged = incomplete_path(checkpoint_dir, iteration)
-        replaced = final + ".replaced"
+        replaced = final + REPLACED
         if os.path.isdir(final):  # saving the same iteration again
             shutil.rmtree(replaced, ignore_errors=True)
             os.replace(final, replaced)

@@ -99,3 +99,18 @@ def test_every_registered_optimizer_round_trips(name: str, tmp_path) -> None:
     _step(fresh_model, fresh, 2)
     for value, other in zip(model.parameters(), fresh_model.parameters()):
         assert torch.equal(value, other)
+
+
+def test_killed_while_replacing_the_same_iteration_still_loads(tmp_path) -> None:
+    model, optimizer = _model_and_optimizer(0)
+    _step(model, optimizer, 0)
+    save_checkpoint(str(tmp_path), 1, model, optimizer)
+    expected = [p.detach().clone() for p in model.parameters()]
+    # What a save of iteration 1 again leaves when killed between its two renames.
+    os.rename(tmp_path / "iter_0000001", tmp_path / "iter_0000001.replaced")
+    model, optimizer = _model_and_optimizer(1)
+    assert load_checkpoint(str(tmp_path), model, optimizer).iteration == 1
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), expected))
+    _step(model, optimizer, 1)
+    save_checkpoint(str(tmp_path), 1, model, optimizer)  # a later save cleans up
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000001", "latest"]
