@@ -402,6 +402,26 @@ def _init_oblique_adam_state(optimizer: torch.optim.Optimizer) -> None:
         state["exp_avg_sq"] = torch.zeros_like(param)
 
 
+def init_torch_state(optimizer: torch.optim.Optimizer) -> None:
+    """Zero state for torch's Adam/AdamW/SGD, which create it only at their first step.
+
+    Loading a sharded checkpoint needs the state's tensors to exist as targets; other classes
+    (the emerging optimizers) create theirs at construction (`init_state_fn`).
+    """
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if optimizer.state.get(param):
+                continue
+            if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+                state = {"step": torch.zeros((), dtype=torch.float32),
+                         "exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
+                if group.get("amsgrad"):
+                    state["max_exp_avg_sq"] = torch.zeros_like(param)
+                optimizer.state[param] = state
+            elif isinstance(optimizer, torch.optim.SGD) and group.get("momentum", 0) != 0:
+                optimizer.state[param] = {"momentum_buffer": torch.zeros_like(param)}
+
+
 def _params_without_state(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, dict]]:
     params = [p for group in optimizer.param_groups for p in group["params"]]
     return [(p, optimizer.state[p]) for p in params if not optimizer.state[p]]

@@ -283,8 +283,9 @@ def train(args, settings, layout, device) -> list[dict]:
         if ok:
             scheduler.step(args.global_batch_size)
         log.iteration(iteration, loss, lr, grad_norm, ok)
-        stop = args.exit_interval and iteration % args.exit_interval == 0
-        if args.save and (iteration == args.train_iters or stop or iteration % (args.save_interval or args.train_iters) == 0):
+        stop = bool(args.exit_interval) and iteration % args.exit_interval == 0
+        at_interval = bool(args.save_interval) and iteration % args.save_interval == 0
+        if args.save and (at_interval or stop or iteration == args.train_iters):
             path = save_checkpoint(args.save, iteration, [model], optimizer, scheduler)
             log.say(f"saved checkpoint {path}")
         if stop:

@@ -23,9 +23,8 @@ from megatron_eopt.checkpointing.state import (
     CheckpointIndex,
     LoadPlan,
     check_structure,
-    group_structure,
+    global_group_structure,
     loaded_optimizer_state,
-    merge_structures,
     model_params,
     optimizer_children,
     plan_model,
@@ -66,8 +65,8 @@ def save_checkpoint(
     entries = save_entries(params, children, MeshCache())
     if scheduler is not None:
         entries["scheduler"] = json.dumps(scheduler.state_dict())
-    entries[f"rng/cpu/{storage.rank()}of{storage.world_size()}"] = torch.get_rng_state()
-    structure = merge_structures(storage.all_gather_objects(group_structure(children))) if children else None
+    entries[_rng_key()] = torch.get_rng_state()
+    structure = global_group_structure(children) if children else None
 
     path = storage.begin_save(checkpoint_dir, iteration)
     dcp.save(entries, storage_writer=FileSystemWriter(path))
@@ -107,14 +106,13 @@ def load_checkpoint(
     params = model_params(chunks, resolve_parallel_groups(pg_collection))
     children = optimizer_children(optimizer) if load_optimizer else []
     if children:
-        live = merge_structures(storage.all_gather_objects(group_structure(children)))
-        check_structure(manifest.get("optimizers"), live, path)
+        check_structure(manifest.get("optimizers"), global_group_structure(children), path)
 
     # Every rank plans and checks, then all learn of any rank's error before anything collective
     # or irreversible happens, so a problem on one rank neither hangs nor half-loads the others.
     plan, masters, states = storage.agree(lambda: _plan_load(path, params, children))
     read_scheduler = load_optimizer and scheduler is not None
-    rng_key = f"rng/cpu/{storage.rank()}of{storage.world_size()}"
+    rng_key = _rng_key()
     read_rng = load_rng and rng_key in plan.index.tensors
     storage.agree(lambda: _plan_extras(plan, path, read_scheduler, rng_key if read_rng else None))
     _read(plan, path)
@@ -175,6 +173,11 @@ def _apply(params, masters, children, child_states, all_children) -> None:
                 for model, main in zip(child.model_params, child.main_params):
                     if main is not model:
                         main.copy_(masters[id(model)])
+
+
+def _rng_key() -> str:
+    """This rank's CPU RNG state; restored only at the same world size (same rank numbering)."""
+    return f"rng/cpu/{storage.rank()}of{storage.world_size()}"
 
 
 def _as_chunks(model_chunks: Any) -> list[torch.nn.Module]:

@@ -20,7 +20,7 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from megatron_eopt.checkpointing.layout import PART_MARK, TP_MARK, MeshCache, Placement, global_pieces, placement_of
-from megatron_eopt.checkpointing.storage import CheckpointError
+from megatron_eopt.checkpointing.storage import CheckpointError, all_gather_objects
 from megatron_eopt.distributed.process_groups import ParallelGroups, group_size
 from megatron_eopt.param_groups import named_trainable_parameters
 from megatron_eopt.wrappers.fp32 import FP32Optimizer
@@ -82,31 +82,33 @@ def optimizer_children(optimizer: Any) -> list[FP32Optimizer]:
     return list(children)
 
 
-def group_structure(children: list[FP32Optimizer]) -> dict[str, dict[str, Any]]:
-    """This rank's {child: {'torch_class', 'groups': {group_key: [fqn, ...]}}}."""
-    return {
-        child.name: {
-            "torch_class": type(child.optimizer).__name__,
-            "groups": {g["group_key"]: _group_fqns(child, g) for g in child.optimizer.param_groups},
-        }
-        for child in children
-    }
+def global_group_structure(children: list[FP32Optimizer]) -> dict[str, dict[str, Any]]:
+    """{child: {'torch_class', 'groups': {group_key: [fqn, ...]}}} over all ranks (collective).
 
-
-def _group_fqns(child: FP32Optimizer, group: dict) -> list[str]:
-    fqn_of = {id(main): record.fqn for record, main in zip(child.records, child.main_params)}
-    return [fqn_of[id(p)] for p in group["params"]]
-
-
-def merge_structures(structures: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
-    """The union over ranks (each layer-wise rank lists only the parameters it owns)."""
+    Each layer-wise rank's children list only the parameters it owns: the union is the model's.
+    """
     merged: dict[str, dict[str, Any]] = {}
-    for structure in structures:
+    for structure in all_gather_objects(_local_group_structure(children)):
         for name, child in structure.items():
             entry = merged.setdefault(name, {"torch_class": child["torch_class"], "groups": {}})
             for key, fqns in child["groups"].items():
                 entry["groups"][key] = sorted(set(entry["groups"].get(key, [])) | set(fqns))
     return merged
+
+
+def _local_group_structure(children: list[FP32Optimizer]) -> dict[str, dict[str, Any]]:
+    structure = {}
+    for child in children:
+        fqn_of = _fqn_of_main(child)
+        structure[child.name] = {
+            "torch_class": type(child.optimizer).__name__,
+            "groups": {g["group_key"]: [fqn_of[id(p)] for p in g["params"]] for g in child.optimizer.param_groups},
+        }
+    return structure
+
+
+def _fqn_of_main(child: FP32Optimizer) -> dict[int, str]:
+    return {id(main): record.fqn for record, main in zip(child.records, child.main_params)}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -292,10 +294,11 @@ def loaded_optimizer_state(child: FP32Optimizer, state: dict, groups_json: str, 
                            masters: dict[int, torch.Tensor]) -> dict[str, Any]:
     """The child's state dict (wrappers/flat_state.py format) from what was loaded."""
     saved_groups = json.loads(groups_json)
+    fqn_of = _fqn_of_main(child)
     param_groups = {}
     for group in child.optimizer.param_groups:
         hyperparameters = {k: _like(v, group.get(k)) for k, v in saved_groups.get(group["group_key"], {}).items()}
-        param_groups[group["group_key"]] = {**hyperparameters, "params": _group_fqns(child, group)}
+        param_groups[group["group_key"]] = {**hyperparameters, "params": [fqn_of[id(p)] for p in group["params"]]}
     main_params = {
         record.fqn: masters[id(model)]
         for record, model, main in zip(child.records, child.model_params, child.main_params) if main is not model

@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-if TYPE_CHECKING:  # fp32.py imports this module lazily; a runtime import would be circular
+from megatron_eopt.registry import init_torch_state
+
+if TYPE_CHECKING:  # fp32.py imports this module, so importing fp32 here would be circular
     from megatron_eopt.wrappers.fp32 import FP32Optimizer
 
 COMMON_STATE = "common_state"
@@ -33,7 +35,7 @@ def child_sharded_state_dict(
     )
 
     if is_loading:
-        init_missing_state(child)
+        init_torch_state(child.optimizer)
     state_dict = child.state_dict()
     by_index = get_param_id_to_sharded_param_map(model_sharded_state_dict, child.model_params)
     sharded_of = {child.records[i].fqn: _as_main_replica(s, owner_is_main_replica) for i, s in by_index.items()}
@@ -80,23 +82,6 @@ def expand_sharded_state_dict(state_dict: dict) -> dict:
             entries[name] = value.clone() if torch.is_tensor(value) else value
     rest = {k: v for k, v in state_dict.items() if k not in ("state", COMMON_STATE)}
     return {**rest, "state": state}
-
-
-def init_missing_state(child: "FP32Optimizer") -> None:
-    """Create zero state (torch optimizers create it lazily) so that loading has targets."""
-    optimizer = child.optimizer
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if optimizer.state.get(param):
-                continue
-            if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-                state = {"step": torch.zeros((), dtype=torch.float32),
-                         "exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
-                if group.get("amsgrad"):
-                    state["max_exp_avg_sq"] = torch.zeros_like(param)
-                optimizer.state[param] = state
-            elif isinstance(optimizer, torch.optim.SGD) and group.get("momentum", 0) != 0:
-                optimizer.state[param] = {"momentum_buffer": torch.zeros_like(param)}
 
 
 def _sharded(sharded_of: dict, fqn: str) -> Any:

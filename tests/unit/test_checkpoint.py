@@ -11,6 +11,7 @@ commits, refusals.
 """
 
 import os
+import shutil
 import signal
 
 import pytest
@@ -236,8 +237,6 @@ def _damage(path: str, how: str) -> None:
 
 
 def _refusals_body(rank: int, world_size: int, directory: str) -> dict:
-    import shutil
-
     adam = _train(Layout("adam"), 0, 2)
     adam_dir = os.path.join(directory, "adam")
     saved = _params(adam)

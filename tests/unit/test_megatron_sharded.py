@@ -13,7 +13,6 @@ on a GPTModel with a gated fc1 (a ShardedTensorFactory):
   state key by key.
 """
 
-import torch
 import torch.distributed as dist
 
 from tests.unit.checkpoint_runs import GPTRun, Layout
