@@ -73,7 +73,7 @@ def get_megatron_optimizer(
     overrides = _overrides(config, config_overrides, spec)
     check_config_overrides(overrides)
 
-    param_groups, records = build_param_groups(chunks, config, overrides, groups.world, routing)
+    param_groups, records = build_param_groups(chunks, config, overrides, groups.spanning_groups(), routing)
     if not param_groups:
         raise ValueError("model_chunks have no trainable parameters (requires_grad=True).")
     if dump_param_to_param_group_map is not None:

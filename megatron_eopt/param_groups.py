@@ -143,20 +143,21 @@ def build_param_groups(
     model_chunks: Iterable[torch.nn.Module],
     config: Any,
     config_overrides: Mapping[Any, Mapping[str, Any]],
-    align_group: Optional[dist.ProcessGroup] = None,
+    align_groups: Sequence[dist.ProcessGroup] = (),
     routing: Optional[ParamRouting] = None,
 ) -> tuple[list[dict], list[ParamRecord]]:
     """Param groups (torch format plus megatron-core's keys) and the per-parameter records.
 
-    `align_group`: the ranks whose group keys must agree (all ranks that checkpoint together);
-    None for a single process. `routing`: None sends every parameter to `config.optimizer`.
+    `align_groups`: groups over which, one after the other, the group keys are gathered so that
+    they agree on all ranks that checkpoint together (`ParallelGroups.spanning_groups()`); none
+    for a single process. `routing`: None sends every parameter to `config.optimizer`.
     Groups come dense before expert, the configured optimizer's before the scalar one's.
     """
     routing = routing or ParamRouting(config.optimizer)
     key_by_description = _keys_by_description(config_overrides)
     records, local_ids = _records_and_group_ids(list(model_chunks), config_overrides, routing)
     groups = []
-    for group_id in _aligned_group_ids(local_ids, align_group, routing.optimizers):
+    for group_id in _aligned_group_ids(local_ids, align_groups, routing.optimizers):
         unknown = [d for d in group_id.descriptions if d not in key_by_description]
         if unknown:
             raise ValueError(
@@ -226,15 +227,14 @@ def _make_record(
 
 
 def _aligned_group_ids(
-    local: dict[str, _GroupId], group: Optional[dist.ProcessGroup], optimizers: Sequence[str]
+    local: dict[str, _GroupId], groups: Sequence[dist.ProcessGroup], optimizers: Sequence[str]
 ) -> list[_GroupId]:
     """The group ids of all ranks, in one order on every rank."""
-    if group is None or dist.get_world_size(group) == 1:
-        gathered = [local]
-    else:
-        gathered = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, local, group=group)
-    union = {key: group_id for per_rank in gathered for key, group_id in per_rank.items()}
+    union = dict(local)
+    for group in groups:  # each gather passes on what the previous ones collected
+        gathered: list[Optional[dict[str, _GroupId]]] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, union, group=group)
+        union = {key: group_id for per_rank in gathered for key, group_id in per_rank.items()}
 
     def order(key: str) -> tuple:
         group_id = union[key]

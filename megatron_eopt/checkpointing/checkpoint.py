@@ -5,7 +5,9 @@ the state of the parameters it owns), nothing is gathered to one rank. Tensors a
 their global shape under parameter names, so a checkpoint loads at another TP or DP size,
 with or without the layer-wise optimizer, in bf16 or fp32. Every rank loads the whole model
 (so no data-parallel rank keeps stale parameters), and the state of the parameters it steps.
-Directories are committed atomically (storage.py). Call both functions on every rank.
+Directories are committed atomically (storage.py). Call both functions on every rank of the
+job; all collectives run over the job's own ranks (`tp_dp_cp` of `pg_collection`), never
+torch's WORLD, so jobs sharing one WORLD checkpoint independently.
 """
 
 import json
@@ -23,6 +25,7 @@ from megatron_eopt.checkpointing.state import (
     CheckpointIndex,
     LoadPlan,
     check_structure,
+    checkpoint_group,
     global_group_structure,
     loaded_optimizer_state,
     model_params,
@@ -32,7 +35,7 @@ from megatron_eopt.checkpointing.state import (
     save_entries,
 )
 from megatron_eopt.checkpointing.storage import CheckpointError
-from megatron_eopt.distributed.process_groups import resolve_parallel_groups
+from megatron_eopt.distributed.process_groups import ProcessGroup, resolve_parallel_groups
 
 
 @dataclass(frozen=True)
@@ -60,27 +63,29 @@ def save_checkpoint(
     _check_iteration(iteration)
     extra = _check_extra(extra)
     chunks = _as_chunks(model_chunks)
-    params = model_params(chunks, resolve_parallel_groups(pg_collection))
+    groups = resolve_parallel_groups(pg_collection)
+    params = model_params(chunks, groups)
+    group = checkpoint_group(groups)
     children = optimizer_children(optimizer)
     entries = save_entries(params, children, MeshCache())
     if scheduler is not None:
         entries["scheduler"] = json.dumps(scheduler.state_dict())
-    entries[_rng_key()] = torch.get_rng_state()
-    structure = global_group_structure(children) if children else None
+    entries[_rng_key(group)] = torch.get_rng_state()
+    structure = global_group_structure(children, group) if children else None
 
-    path = storage.begin_save(checkpoint_dir, iteration)
-    dcp.save(entries, storage_writer=FileSystemWriter(path))
+    path = storage.begin_save(checkpoint_dir, iteration, group)
+    dcp.save(entries, storage_writer=FileSystemWriter(path), process_group=group, no_dist=group is None)
     storage.write_manifest(path, {
         "format": storage.FORMAT_VERSION,
         "iteration": iteration,
         "extra": extra,
-        "world_size": storage.world_size(),
+        "world_size": storage.world_size(group),
         "optimizers": structure,
         "has_scheduler": scheduler is not None,
-    })
+    }, group)
     if before_commit is not None:
         before_commit(path)
-    return storage.commit(checkpoint_dir, iteration)
+    return storage.commit(checkpoint_dir, iteration, group)
 
 
 def load_checkpoint(
@@ -99,23 +104,25 @@ def load_checkpoint(
     included), e.g. to change optimizers; the scheduler is then left as it is too. Every check
     runs before anything is changed: on any error nothing was loaded.
     """
+    chunks = _as_chunks(model_chunks)
+    groups = resolve_parallel_groups(pg_collection)
+    params = model_params(chunks, groups)
+    group = checkpoint_group(groups)
     path = storage.resolve_checkpoint(checkpoint_dir, iteration)
     manifest = storage.read_manifest(path)
-    storage.verify_files(path, manifest)
-    chunks = _as_chunks(model_chunks)
-    params = model_params(chunks, resolve_parallel_groups(pg_collection))
+    storage.verify_files(path, manifest, group)
     children = optimizer_children(optimizer) if load_optimizer else []
     if children:
-        check_structure(manifest.get("optimizers"), global_group_structure(children), path)
+        check_structure(manifest.get("optimizers"), global_group_structure(children, group), path)
 
     # Every rank plans and checks, then all learn of any rank's error before anything collective
     # or irreversible happens, so a problem on one rank neither hangs nor half-loads the others.
-    plan, masters, states = storage.agree(lambda: _plan_load(path, params, children))
+    plan, masters, states = storage.agree(lambda: _plan_load(path, params, children), group)
     read_scheduler = load_optimizer and scheduler is not None
-    rng_key = _rng_key()
+    rng_key = _rng_key(group)
     read_rng = load_rng and rng_key in plan.index.tensors
-    storage.agree(lambda: _plan_extras(plan, path, read_scheduler, rng_key if read_rng else None))
-    _read(plan, path)
+    storage.agree(lambda: _plan_extras(plan, path, read_scheduler, rng_key if read_rng else None), group)
+    _read(plan, path, group)
 
     def checked_states() -> list[dict]:
         loaded = [loaded_optimizer_state(child, get_state(), plan.targets[f"groups/{child.name}"],
@@ -125,7 +132,7 @@ def load_checkpoint(
             child.check_state_dict(state)
         return loaded
 
-    child_states = storage.agree(checked_states)
+    child_states = storage.agree(checked_states, group)
     _apply(params, masters, children, child_states, optimizer_children(optimizer))
     if read_scheduler:
         scheduler.load_state_dict(json.loads(plan.targets["scheduler"]))
@@ -154,9 +161,9 @@ def _plan_extras(plan: LoadPlan, path: str, read_scheduler: bool, rng_key: Optio
         plan.plain(rng_key, torch.device("cpu"))
 
 
-def _read(plan: LoadPlan, path: str) -> None:
+def _read(plan: LoadPlan, path: str, group: Optional[ProcessGroup]) -> None:
     try:
-        dcp.load(plan.targets, storage_reader=FileSystemReader(path))
+        dcp.load(plan.targets, storage_reader=FileSystemReader(path), process_group=group, no_dist=group is None)
     except CheckpointException as error:
         raise CheckpointError(f"reading {path} failed: {error}") from None
 
@@ -175,9 +182,9 @@ def _apply(params, masters, children, child_states, all_children) -> None:
                         main.copy_(masters[id(model)])
 
 
-def _rng_key() -> str:
-    """This rank's CPU RNG state; restored only at the same world size (same rank numbering)."""
-    return f"rng/cpu/{storage.rank()}of{storage.world_size()}"
+def _rng_key(group: Optional[ProcessGroup]) -> str:
+    """This rank's CPU RNG state; restored only at the same job size (same rank numbering)."""
+    return f"rng/cpu/{storage.rank(group)}of{storage.world_size(group)}"
 
 
 def _as_chunks(model_chunks: Any) -> list[torch.nn.Module]:

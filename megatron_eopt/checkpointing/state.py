@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from megatron_eopt.checkpointing.layout import PART_MARK, TP_MARK, MeshCache, Placement, global_pieces, placement_of
 from megatron_eopt.checkpointing.storage import CheckpointError, all_gather_objects
-from megatron_eopt.distributed.process_groups import ParallelGroups, group_size
+from megatron_eopt.distributed.process_groups import ParallelGroups, ProcessGroup, group_size
 from megatron_eopt.param_groups import named_trainable_parameters
 from megatron_eopt.wrappers.fp32 import FP32Optimizer
 
@@ -66,6 +66,25 @@ def _refuse_unsupported_parallelism(groups: ParallelGroups, has_experts: bool) -
         )
 
 
+def checkpoint_group(groups: ParallelGroups) -> Optional[ProcessGroup]:
+    """The ranks that write and read a checkpoint together: all of this job's (tp x dp x cp).
+
+    torch.distributed.checkpoint coordinates over one group; it is the caller's (never torch's
+    WORLD, which may hold other jobs). Call after `model_params`, which rules out pipeline and
+    expert parallelism, so that tensor x data x context parallel is the whole job.
+    """
+    why = "a checkpoint (written and read by all the ranks of this job together)"
+    group = groups.require("tp_dp_cp", why)
+    expected = group_size(groups.require("tp", why)) * group_size(groups.require("dp_cp", why))
+    if group_size(group) != expected:
+        raise ValueError(
+            f"the 'tp_dp_cp' process group has {group_size(group)} ranks, but tensor parallel x "
+            f"data parallel ('tp' x 'dp_cp') is {expected}; it must hold every rank of this job "
+            f"(tensor x data x context parallel) and no other."
+        )
+    return group
+
+
 def optimizer_children(optimizer: Any) -> list[FP32Optimizer]:
     """The wrapped optimizers whose state a checkpoint holds."""
     if optimizer is None:
@@ -82,13 +101,13 @@ def optimizer_children(optimizer: Any) -> list[FP32Optimizer]:
     return list(children)
 
 
-def global_group_structure(children: list[FP32Optimizer]) -> dict[str, dict[str, Any]]:
-    """{child: {'torch_class', 'groups': {group_key: [fqn, ...]}}} over all ranks (collective).
+def global_group_structure(children: list[FP32Optimizer], group: Optional[ProcessGroup]) -> dict[str, dict[str, Any]]:
+    """{child: {'torch_class', 'groups': {group_key: [fqn, ...]}}} over the ranks of `group` (collective).
 
     Each layer-wise rank's children list only the parameters it owns: the union is the model's.
     """
     merged: dict[str, dict[str, Any]] = {}
-    for structure in all_gather_objects(_local_group_structure(children)):
+    for structure in all_gather_objects(_local_group_structure(children), group):
         for name, child in structure.items():
             entry = merged.setdefault(name, {"torch_class": child["torch_class"], "groups": {}})
             for key, fqns in child["groups"].items():

@@ -14,6 +14,9 @@ marker intact. (Saving an iteration again moves the old copy to `iter_N.replaced
 moment of the swap; a load finds it there if the swap was cut short.) A load verifies every
 file against the manifest first (the ranks share the work), so a truncated or corrupted
 checkpoint is named, never half-loaded.
+
+Every collective runs over `group`, the ranks that save or load this checkpoint together (None:
+one rank alone); ranks are numbered within it. Other jobs may share torch's WORLD.
 """
 
 import json
@@ -23,6 +26,8 @@ import zlib
 from typing import Any, Callable, Optional, TypeVar
 
 import torch.distributed as dist
+
+from megatron_eopt.distributed.process_groups import ProcessGroup
 
 MANIFEST = "megatron_eopt.json"
 LATEST = "latest"
@@ -79,33 +84,33 @@ def _complete_copy(path: str) -> str:
     return path
 
 
-def begin_save(checkpoint_dir: str, iteration: int) -> str:
+def begin_save(checkpoint_dir: str, iteration: int, group: Optional[ProcessGroup]) -> str:
     """Create the empty `.incomplete` directory on rank 0 (removing a killed save's leftovers)."""
     path = incomplete_path(checkpoint_dir, iteration)
-    if rank() == 0:
+    if rank(group) == 0:
         os.makedirs(checkpoint_dir, exist_ok=True)
         shutil.rmtree(path, ignore_errors=True)
         os.makedirs(path)
-    _barrier()
+    _barrier(group)
     return path
 
 
-def write_manifest(path: str, manifest: dict[str, Any]) -> None:
+def write_manifest(path: str, manifest: dict[str, Any], group: Optional[ProcessGroup]) -> None:
     """Every rank checksums the files it wrote; rank 0 writes the manifest with all of them."""
-    own_prefix = f"__{rank()}_"
+    own_prefix = f"__{rank(group)}_"
     own = {name: _file_record(os.path.join(path, name)) for name in os.listdir(path) if name.startswith(own_prefix)}
-    gathered = all_gather_objects(own)
-    if rank() == 0:
+    gathered = all_gather_objects(own, group)
+    if rank(group) == 0:
         files = {name: record for part in gathered for name, record in part.items()}
         files[".metadata"] = _file_record(os.path.join(path, ".metadata"))
         _write_atomically(os.path.join(path, MANIFEST), json.dumps({**manifest, "files": files}, indent=1))
 
 
-def commit(checkpoint_dir: str, iteration: int) -> str:
+def commit(checkpoint_dir: str, iteration: int, group: Optional[ProcessGroup]) -> str:
     """Rename the finished `.incomplete` directory into place and point `latest` at it."""
-    _barrier()  # every rank has finished writing
+    _barrier(group)  # every rank has finished writing
     final = os.path.join(checkpoint_dir, checkpoint_name(iteration))
-    if rank() == 0:
+    if rank(group) == 0:
         staged = incomplete_path(checkpoint_dir, iteration)
         replaced = final + REPLACED
         if os.path.isdir(final):  # saving the same iteration again
@@ -114,7 +119,7 @@ def commit(checkpoint_dir: str, iteration: int) -> str:
         os.replace(staged, final)
         _write_atomically(os.path.join(checkpoint_dir, LATEST), checkpoint_name(iteration))
         shutil.rmtree(replaced, ignore_errors=True)
-    _barrier()
+    _barrier(group)
     return final
 
 
@@ -137,11 +142,11 @@ def read_manifest(path: str) -> dict[str, Any]:
     return manifest
 
 
-def verify_files(path: str, manifest: dict[str, Any]) -> None:
+def verify_files(path: str, manifest: dict[str, Any], group: Optional[ProcessGroup]) -> None:
     """Check every file's size and CRC-32 against the manifest; the ranks split the files."""
     names = sorted(manifest["files"])
     problems = []
-    for name in names[rank()::world_size()]:
+    for name in names[rank(group)::world_size(group)]:
         expected = manifest["files"][name]
         file_path = os.path.join(path, name)
         if not os.path.isfile(file_path):
@@ -152,18 +157,18 @@ def verify_files(path: str, manifest: dict[str, Any]) -> None:
             problems.append(f"{name} has {actual['size']} bytes, the manifest says {expected['size']} (truncated?)")
         elif actual["crc32"] != expected["crc32"]:
             problems.append(f"{name} fails its checksum (corrupted)")
-    problems = sorted(p for part in all_gather_objects(problems) for p in part)
+    problems = sorted(p for part in all_gather_objects(problems, group) for p in part)
     if problems:
         raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(problems) + ". Load an earlier checkpoint.")
 
 
-def agree(step: Callable[[], T]) -> T:
+def agree(step: Callable[[], T], group: Optional[ProcessGroup]) -> T:
     """Run `step` on every rank; if it fails on any, raise on all (the failing rank's own error)."""
     try:
         result, message = step(), None
     except (ValueError, TypeError) as error:
-        result, message, own = None, f"rank {rank()}: {error}", error
-    messages = [m for m in all_gather_objects(message) if m is not None]
+        result, message, own = None, f"rank {rank(group)}: {error}", error
+    messages = [m for m in all_gather_objects(message, group) if m is not None]
     if message is not None:
         raise own
     if messages:
@@ -197,26 +202,23 @@ def _fsync_directory(path: str) -> None:
         os.close(fd)
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
+def rank(group: Optional[ProcessGroup]) -> int:
+    """This rank's number in `group` (None: a rank alone)."""
+    return 0 if group is None else dist.get_rank(group)
 
 
-def rank() -> int:
-    return dist.get_rank() if _distributed() else 0
+def world_size(group: Optional[ProcessGroup]) -> int:
+    return 1 if group is None else dist.get_world_size(group)
 
 
-def world_size() -> int:
-    return dist.get_world_size() if _distributed() else 1
+def _barrier(group: Optional[ProcessGroup]) -> None:
+    if group is not None:
+        dist.barrier(group=group)
 
 
-def _barrier() -> None:
-    if _distributed():
-        dist.barrier()
-
-
-def all_gather_objects(obj: Any) -> list[Any]:
-    if not _distributed():
+def all_gather_objects(obj: Any, group: Optional[ProcessGroup]) -> list[Any]:
+    if group is None:
         return [obj]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
     return gathered

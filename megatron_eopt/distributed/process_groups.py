@@ -23,7 +23,9 @@ class ParallelGroups:
     mp: model-parallel group (tp x pp), over which the gradient norm of dense parameters is
         summed.                                          expt_mp: the same for experts (tp x ep x pp).
     dp_cp: data-parallel group including context-parallel ranks.  expt_dp: of experts.
-    world: all ranks; only used to give every rank the same param-group keys.
+    tp_dp_cp: tensor x data x context parallel: all the ranks of one pipeline stage, so, without
+        pipeline parallelism, all the ranks of this job (which need not be torch's WORLD: several
+        jobs may share one). Checkpoints are written and read together over it.
     """
 
     tp: Optional[ProcessGroup] = None
@@ -32,7 +34,7 @@ class ParallelGroups:
     expt_tp: Optional[ProcessGroup] = None
     expt_mp: Optional[ProcessGroup] = None
     expt_dp: Optional[ProcessGroup] = None
-    world: Optional[ProcessGroup] = None
+    tp_dp_cp: Optional[ProcessGroup] = None
     # Which fields were given explicitly; a missing expert group is only an error if there are
     # expert parameters, which the factory knows and this record does not.
     provided: frozenset = frozenset()
@@ -53,12 +55,12 @@ class ParallelGroups:
 
     @classmethod
     def from_groups(cls, **groups: Optional[ProcessGroup]) -> "ParallelGroups":
-        """Explicit groups by role name (tp, mp, dp_cp, expt_tp, expt_mp, expt_dp)."""
+        """Explicit groups by role name (tp, mp, dp_cp, expt_tp, expt_mp, expt_dp, tp_dp_cp)."""
         unknown = sorted(set(groups) - set(_ROLES))
         if unknown:
             raise ValueError(f"unknown process-group roles {unknown}; allowed: {list(_ROLES)}.")
         normalized = {role: _trivial_to_none(group) for role, group in groups.items()}
-        return cls(**normalized, world=_world_or_none(), provided=frozenset(groups))
+        return cls(**normalized, provided=frozenset(groups))
 
     @classmethod
     def from_pg_collection(cls, pg_collection: Any) -> "ParallelGroups":
@@ -95,6 +97,7 @@ class ParallelGroups:
             expt_tp=ps.get_expert_tensor_parallel_group(),
             expt_mp=ps.get_expert_tensor_model_pipeline_parallel_group(),
             expt_dp=ps.get_expert_data_parallel_group(),
+            tp_dp_cp=ps.get_tensor_and_data_parallel_group(with_context_parallel=True),
         )
 
     @classmethod
@@ -104,7 +107,9 @@ class ParallelGroups:
         """From a torch `DeviceMesh` with a tensor-parallel and a data-parallel dimension.
 
         Pipeline parallelism is not expressed by such a mesh, so the model-parallel group is the
-        tensor-parallel group. A named dimension that the mesh lacks is an error.
+        tensor-parallel group. A named dimension that the mesh lacks is an error. The group of all
+        the mesh's ranks (`tp_dp_cp`, for checkpoints) is known only for a 1-D mesh; for a 2-D
+        one pass it with `from_groups`.
         """
         names = tuple(mesh.mesh_dim_names or ())
         for dim in (tp_dim, dp_dim):
@@ -115,7 +120,18 @@ class ParallelGroups:
                 )
         tp = mesh.get_group(tp_dim) if tp_dim is not None else None
         dp = mesh.get_group(dp_dim) if dp_dim is not None else None
-        return cls.from_groups(tp=tp, mp=tp, dp_cp=dp)
+        whole = {"tp_dp_cp": mesh.get_group()} if mesh.ndim == 1 else {}
+        return cls.from_groups(tp=tp, mp=tp, dp_cp=dp, **whole)
+
+    def spanning_groups(self) -> tuple[ProcessGroup, ...]:
+        """Groups whose successive gathers reach every rank of the job, without a job-wide group.
+
+        Model parallel (the ranks whose parameters differ: pipeline stages) then data parallel
+        (replicas), dense then expert: those given, of size > 1, in one order on every rank.
+        Gathering over mp, then over dp_cp what mp gave, covers the grid mp x dp_cp.
+        """
+        roles = ("mp", "dp_cp", "expt_mp", "expt_dp")
+        return tuple(getattr(self, role) for role in roles if getattr(self, role) is not None)
 
     def require(self, role: str, why: str) -> Optional[ProcessGroup]:
         """The group for `role`, or an error if it was never given (None given means size 1)."""
@@ -134,6 +150,7 @@ _PG_COLLECTION_NAMES = {
     "expt_tp": "expt_tp",
     "expt_mp": "tp_ep_pp",
     "expt_dp": "expt_dp",
+    "tp_dp_cp": "tp_dp_cp",
 }
 _ROLES = tuple(_PG_COLLECTION_NAMES)
 
@@ -152,12 +169,6 @@ def _trivial_to_none(group: Optional[ProcessGroup]) -> Optional[ProcessGroup]:
     if not isinstance(group, ProcessGroup):
         raise TypeError(f"expected a torch.distributed.ProcessGroup; got {type(group).__name__}.")
     return group if dist.get_world_size(group) > 1 else None
-
-
-def _world_or_none() -> Optional[ProcessGroup]:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return dist.group.WORLD
-    return None
 
 
 def resolve_parallel_groups(pg_collection: Any = None) -> ParallelGroups:
