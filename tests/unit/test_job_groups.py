@@ -132,6 +132,9 @@ def job_groups(job_index: int, job: dist.ProcessGroup, single: dist.ProcessGroup
 def _two_jobs_body(rank: int, world_size: int, directory: str, active_jobs: tuple[int, ...]) -> Optional[dict]:
     jobs = new_groups(JOB_RANKS)
     singles = new_groups(SINGLE_RANKS)
+    # Test set-up, not the code under test: no rank may return (and so destroy its groups) while
+    # another is still connecting the groups they share.
+    dist.barrier()
     job_index = rank // 2
     if job_index not in active_jobs:
         return None  # these ranks take no part: nothing of the other job may wait for them
@@ -191,6 +194,23 @@ def test_tp2_dp2_with_explicit_groups_equals_tp1(run_distributed, tmp_path) -> N
             assert set(errors) == set(SHAPES)
             for name, error in errors.items():
                 assert error < TOLERANCE, (rank, layer_wise, name, error)
+
+
+def _grid_alignment_body(rank: int, world_size: int) -> list[str]:
+    tp_groups, dp_groups = new_groups(TP_RANKS), new_groups(DP_RANKS)
+    tp = member_group(tp_groups, TP_RANKS, rank)
+    groups = ParallelGroups.from_groups(tp=tp, mp=tp, dp_cp=member_group(dp_groups, DP_RANKS, rank))
+    model = torch.nn.Module()
+    model.linear = torch.nn.Linear(4, 4, bias=(rank == 3))  # only rank 3 has a (no-weight-decay) bias
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=0.1), model, pg_collection=groups)
+    return [group["group_key"] for group in optimizer.param_groups]
+
+
+def test_param_group_keys_agree_over_the_grid_without_a_job_wide_group(run_distributed) -> None:
+    """Rank 0 shares no group with rank 3: gathering over mp, then over dp_cp, still reaches it."""
+    keys = run_distributed(_grid_alignment_body, world_size=4)
+    assert all(k == keys[0] for k in keys), keys
+    assert len(keys[0]) == 2  # the default group and rank 3's bias group (empty elsewhere)
 
 
 # ------------------------------------------------------------------------------------------------

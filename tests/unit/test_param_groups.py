@@ -365,7 +365,7 @@ def _aligned_groups_on_rank(rank, world_size):
         model.experts.weight.allreduce = False
     config = OptimizerConfig(lr=0.1, weight_decay=0.1)
     groups, _ = build_param_groups(
-        [model], config, get_standard_config_overrides(config), align_group=dist.group.WORLD
+        [model], config, get_standard_config_overrides(config), align_groups=(dist.group.WORLD,)
     )
     summary = []
     for group in groups:

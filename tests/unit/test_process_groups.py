@@ -48,6 +48,8 @@ def _sources_body(rank: int, world_size: int) -> dict:
     from_collection = ParallelGroups.from_pg_collection(ProcessGroupCollection.use_mpu_process_groups())
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
     from_mesh = ParallelGroups.from_device_mesh(mesh)
+    flat_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    from_flat_mesh = ParallelGroups.from_device_mesh(flat_mesh, dp_dim=None)
     try:
         ParallelGroups.from_device_mesh(mesh, tp_dim="model")
         mesh_error = None
@@ -67,6 +69,10 @@ def _sources_body(rank: int, world_size: int) -> dict:
         "tp": [ranks_of(g.tp) for g in (from_state, from_collection, from_mesh)],
         "mp": [ranks_of(g.mp) for g in (from_state, from_collection, from_mesh)],
         "dp": [ranks_of(g.dp_cp) for g in (from_state, from_collection, from_mesh)],
+        # All ranks of the job (for checkpoints): known to parallel_state and a 1-D mesh; a 2-D
+        # mesh does not hand out a group over all its ranks, so it is left to the caller.
+        "tp_dp_cp": [ranks_of(g.tp_dp_cp) for g in (from_state, from_collection, from_flat_mesh)],
+        "tp_dp_cp_from_2d_mesh": "tp_dp_cp" in from_mesh.provided,
         "mesh_error": mesh_error,
         "norm": norm,
     }
@@ -78,5 +84,7 @@ def test_every_source_gives_the_same_groups(run_distributed) -> None:
         assert result["tp"] == [[0, 1]] * 3
         assert result["mp"] == [[0, 1]] * 3
         assert result["dp"] == [[0]] * 3  # size 1 -> None, reported as this rank alone
+        assert result["tp_dp_cp"] == [[0, 1]] * 3
+        assert result["tp_dp_cp_from_2d_mesh"] is False
         assert "DeviceMesh has no dimension 'model'" in result["mesh_error"]
         assert result["norm"] == pytest.approx(expected_norm, rel=1e-6)
