@@ -167,6 +167,19 @@ def test_a_job_on_two_of_four_ranks_needs_nothing_from_the_other_two(run_distrib
     _check_errors(results, [0, 1])
 
 
+def _one_rank_job_body(rank: int, world_size: int, directory: str) -> Optional[dict]:
+    if rank != 0:
+        return None
+    alone = ParallelGroups.from_groups(tp=None, mp=None, dp_cp=None, tp_dp_cp=None)  # every size 1
+    return run_job(JobRun(tp=1, layer_wise=False, steps_before_save=2, steps_after_load=1), alone, 0, directory)
+
+
+def test_a_one_rank_job_in_a_two_rank_world_runs_alone(run_distributed, tmp_path) -> None:
+    """No collective at all (torch.distributed.checkpoint included) when the job is one rank."""
+    results = run_distributed(_one_rank_job_body, world_size=2, args=(str(tmp_path),), timeout=HANG_TIMEOUT_S)
+    _check_errors(results, [0])
+
+
 # ------------------------------------------------------------------------------------------------
 # TP2 x DP2 with explicit groups
 # ------------------------------------------------------------------------------------------------
