@@ -92,6 +92,11 @@ def find_attention_layers(chunks: Sequence[torch.nn.Module], fqn_of: dict[int, s
         for name, module in chunk.named_modules():
             if isinstance(getattr(module, "core_attention", None), torch.nn.Module):
                 layers.append(_attention_layer(name, module, fqn_of, tp_size))
+    for layer in layers:  # check every layer before switching any on
+        _check_records_logits(layer)
+    for layer in layers:
+        if hasattr(layer.core_attention, "record_max_attn_logits"):
+            layer.core_attention.record_max_attn_logits = True
     return layers
 
 
@@ -124,18 +129,17 @@ def _attention_layer(name: str, module: torch.nn.Module, fqn_of: dict[int, str],
     rows = QKVRows(fqn, groups, blocks[0] // blocks[1], blocks[1])
     if weight.shape[0] != rows.rows:
         raise ValueError(f"QK-clip: {fqn!r} has {weight.shape[0]} rows on this rank; its TransformerConfig says {rows.rows}.")
-    _start_recording(name, module.core_attention)
     return AttentionLayer(name, module.core_attention, rows, tuple(fqn_of[id(t)] for t in tensors))
 
 
-def _start_recording(name: str, core_attention: torch.nn.Module) -> None:
-    """Switch on `current_max_attn_logits` where the module can be told to (our SDPA attention);
-    Transformer Engine's attention records only when built with qk_clip/log_max_attention_logit."""
-    if hasattr(core_attention, "record_max_attn_logits"):
-        core_attention.record_max_attn_logits = True
-    elif not hasattr(core_attention, "current_max_attn_logits"):
+def _check_records_logits(layer: AttentionLayer) -> None:
+    """The optimizer switches recording on where the module has `record_max_attn_logits` (our SDPA
+    attention); Transformer Engine's records only when built with qk_clip/log_max_attention_logit
+    (then it has `current_max_attn_logits`)."""
+    core_attention = layer.core_attention
+    if not hasattr(core_attention, "record_max_attn_logits") and not hasattr(core_attention, "current_max_attn_logits"):
         raise ValueError(
-            f"QK-clip: the core attention of {name!r} ({type(core_attention).__name__}) does not record "
+            f"QK-clip: the core attention of {layer.name!r} ({type(core_attention).__name__}) does not record "
             f"the maximum attention logits (current_max_attn_logits). Build the model with "
             f"TransformerConfig(qk_clip=True or log_max_attention_logit=True) and Transformer Engine "
             f">= 2.9, or with an attention that records them (scripts/gpt_model.py's SDPACoreAttention)."

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from megatron_eopt import OptimizerConfig, ParallelGroups, get_megatron_optimizer
 from megatron_eopt.ops.qk_clip import QKVRows, clip_scales, group_max_logits, scale_qk_rows
-from megatron_eopt.wrappers.qk_clip import QKClipSettings, resolve_qk_clip_settings
+from megatron_eopt.wrappers.qk_clip import QKClipSettings, find_attention_layers, resolve_qk_clip_settings
 from scripts.gpt_model import (
     GPTModelSettings,
     build_gpt_model,
@@ -144,6 +144,33 @@ def test_settings_from_either_config_and_disagreement_refused() -> None:
         resolve_qk_clip_settings(OptimizerConfig(), [ModelConfig()])
 
 
+class _FakeAttention(torch.nn.Module):
+    """megatron-core's attribute names: core_attention, linear_qkv, config."""
+
+    def __init__(self, core: torch.nn.Module, fused: bool = True, **config) -> None:
+        super().__init__()
+        self.config = type("Config", (), {"num_attention_heads": 2, "num_query_groups": 2, "kv_channels": 4,
+                                          "hidden_size": 8, **config})()
+        self.core_attention = core
+        if fused:
+            self.linear_qkv = torch.nn.Linear(8, 24, bias=False)
+        else:
+            self.linear_q_proj = torch.nn.Linear(8, 8, bias=False)
+
+
+@pytest.mark.parametrize("attention, message", [
+    (_FakeAttention(torch.nn.Identity()), "does not record the maximum attention logits"),
+    (_FakeAttention(torch.nn.Identity(), fused=False), "no fused linear_qkv"),
+    (_FakeAttention(torch.nn.Identity(), qk_layernorm=True), "qk_layernorm=True"),
+], ids=["te-without-flags", "mla", "qk-layernorm"])
+def test_unsupported_attention_is_refused_by_name(attention, message: str) -> None:
+    model = torch.nn.ModuleDict({"attn": attention})
+    fqn_of = {id(p): name for name, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=message) as error:
+        find_attention_layers([model], fqn_of, tp_size=1)
+    assert "'attn'" in str(error.value)
+
+
 @pytest.mark.parametrize("field, bad", [("qk_clip_threshold", 0.0), ("qk_clip_threshold", math.inf),
                                         ("qk_clip_alpha", 0.0), ("qk_clip_alpha", 1.0)])
 def test_config_rejects_bad_values(field: str, bad: float) -> None:
@@ -165,15 +192,17 @@ def _exactness_body(rank: int, world_size: int, settings: GPTModelSettings, opti
         batch = tokens(settings)
         inputs, handles = capture_qkv_inputs(model)
         with torch.no_grad():
-            model.eval()
-            gpt_loss(model, batch)  # evaluation forward: captures inputs, must not be recorded
-            model.train()
+            gpt_loss(model, batch)  # captures the inputs, to choose tau
         before_max = model_head_max(model, inputs, rows)
         flat = torch.cat(before_max).sort().values
         tau = float((flat[len(flat) // 2 - 1] + flat[len(flat) // 2]) / 2)  # about half the heads clip
         config = OptimizerConfig(optimizer=optimizer, lr=0.0, weight_decay=0.1, qk_clip=True,
                                  qk_clip_threshold=tau, qk_clip_alpha=alpha)
         opt = get_megatron_optimizer(config, [model], pg_collection=ParallelGroups.single_process())
+        model.eval()
+        with torch.no_grad():  # an evaluation forward on another batch: must not be recorded
+            gpt_loss(model, tokens(settings, batch=2, seed=99))
+        model.train()
         for x in inputs:
             x.clear()
         before = snapshot(model)
