@@ -113,6 +113,15 @@ FLAGS: tuple[Flag, ...] = (
          "adaptive Muon.", str, _literal(AdaptiveMoment2Method)),
     Flag("--adaptive-muon-beta2", "adaptive_muon_beta2", "Adaptive Muon beta2.", float),
     Flag("--adaptive-muon-eps", "adaptive_muon_eps", "Adaptive Muon epsilon.", float),
+    # QK-clip (MuonClip).
+    Flag("--qk-clip", "qk_clip", "After each step, scale W_q/W_k of attention heads whose largest "
+         "logit exceeded --qk-clip-threshold (MuonClip)."),
+    Flag("--qk-clip-threshold", "qk_clip_threshold", "QK-clip threshold tau on the largest "
+         "attention logit.", float),
+    Flag("--qk-clip-alpha", "qk_clip_alpha", "QK-clip balance: W_q scaled by eta^alpha, W_k by "
+         "eta^(1-alpha).", float),
+    Flag("--log-max-attention-logit", "log_max_attention_logit", "Record and log the largest "
+         "attention logit (implied by --qk-clip)."),
     # Distribution.
     Flag("--use-distributed-optimizer", "use_distributed_optimizer", "Shard optimizer state over "
          "data-parallel ranks (layer-wise for emerging optimizers)."),

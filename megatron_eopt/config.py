@@ -115,6 +115,13 @@ class OptimizerConfig:
     grad_norm_skip_threshold: float = float("inf")
     log_num_zeros_in_grad: bool = False
 
+    # QK-clip (MuonClip): megatron-core's TransformerConfig names and defaults. The model's
+    # TransformerConfig may set them instead; disagreeing values are refused (wrappers/qk_clip.py).
+    qk_clip: bool = False
+    qk_clip_threshold: float = 100.0
+    qk_clip_alpha: float = 0.5
+    log_max_attention_logit: bool = False
+
     # Miscellaneous.
     barrier_with_L1_time: bool = False
     timers: Optional[Callable] = None
@@ -244,6 +251,7 @@ def _check_values(config: OptimizerConfig) -> None:
     )
     _check_muon(config)
     _check_gradients(config)
+    _check_qk_clip(config)
     _check_distribution(config)
     _check_unsupported(config)
 
@@ -347,6 +355,17 @@ def _check_gradients(config: OptimizerConfig) -> None:
         config.grad_norm_skip_threshold > 0.0,
         f"OptimizerConfig.grad_norm_skip_threshold must be > 0 (inf disables it); got "
         f"{config.grad_norm_skip_threshold}.",
+    )
+
+
+def _check_qk_clip(config: OptimizerConfig) -> None:
+    _require(
+        math.isfinite(config.qk_clip_threshold) and config.qk_clip_threshold > 0.0,
+        f"OptimizerConfig.qk_clip_threshold must be a finite number > 0; got {config.qk_clip_threshold}.",
+    )
+    _require(
+        0.0 < config.qk_clip_alpha < 1.0,
+        f"OptimizerConfig.qk_clip_alpha must be in (0, 1) (as Megatron-LM requires); got {config.qk_clip_alpha}.",
     )
 
 

@@ -30,6 +30,7 @@ from megatron_eopt.wrappers.chained import ChainedOptimizer
 from megatron_eopt.wrappers.fp32 import FP32Optimizer
 from megatron_eopt.wrappers.grad_scaler import make_grad_scaler
 from megatron_eopt.wrappers.mixed_precision import MixedPrecisionOptimizer
+from megatron_eopt.wrappers.qk_clip import QKClip, build_qk_clip, qk_clip_settings
 
 
 LEGACY_DISTRIBUTED_PREFIX = "dist_"
@@ -79,9 +80,31 @@ def get_megatron_optimizer(
     if dump_param_to_param_group_map is not None:
         dump_param_group_map(dump_param_to_param_group_map, param_groups, records)
 
+    qk_clip = _qk_clip(config, chunks, groups, records)
     if not config.use_layer_wise_distributed_optimizer:
-        return ChainedOptimizer(_children(config, chunks, groups, routing, param_groups, records))
-    return _layer_wise(config, chunks, groups, routing, param_groups, records)
+        optimizer = ChainedOptimizer(_children(config, chunks, groups, routing, param_groups, records))
+    else:
+        optimizer = _layer_wise(config, chunks, groups, routing, param_groups, records)
+    return _attach_qk_clip(optimizer, qk_clip)
+
+
+def _qk_clip(config: OptimizerConfig, chunks: list[torch.nn.Module], groups: ParallelGroups,
+             records: list[ParamRecord]) -> Optional[QKClip]:
+    """QK-clip / max-logit logging (wrappers/qk_clip.py), or None when neither is on."""
+    settings = qk_clip_settings(config, chunks)
+    if not settings.records_logits:
+        return None
+    why = "QK-clip (maximum attention logits)"
+    return build_qk_clip(settings, chunks, {id(r.param): r.fqn for r in records}, groups.require("tp", why),
+                         groups.require("dp_cp", why), groups.require("mp", why), _device_of(records))
+
+
+def _attach_qk_clip(optimizer: ChainedOptimizer, qk_clip: Optional[QKClip]) -> ChainedOptimizer:
+    """The chain measures the maxima in step(); each child clips the main copies it steps."""
+    optimizer.qk_clip = qk_clip
+    for child in optimizer.chained_optimizers:
+        child.qk_clip = qk_clip
+    return optimizer
 
 
 def _without_legacy_name(config: OptimizerConfig) -> OptimizerConfig:

@@ -57,6 +57,13 @@ class SDPACoreAttention(MegatronModule):
     ``[sk, b, query_groups, head_dim]`` (per tensor-parallel partition), output
     ``[sq, b, heads * head_dim]``. Options it does not implement raise
     ``ValueError`` instead of silently computing different attention.
+
+    QK-clip: while ``record_max_attn_logits`` is True (from the config's ``qk_clip`` /
+    ``log_max_attention_logit``, or set by the optimizer), each training-mode forward folds
+    the per-head maximum of the masked pre-softmax logits q.k * softmax_scale over the
+    batch into ``current_max_attn_logits`` ([heads on this rank], megatron-core's
+    attribute); the optimizer reads and resets it every step. Evaluation forwards do not
+    count. The logits are materialised once more for this ([b, heads, sq, sk] fp32).
     """
 
     def __init__(
@@ -91,6 +98,10 @@ class SDPACoreAttention(MegatronModule):
         if attention_dropout is None:
             attention_dropout = config.attention_dropout
         self.dropout_p = attention_dropout
+        self.record_max_attn_logits = bool(
+            getattr(config, "qk_clip", False) or getattr(config, "log_max_attention_logit", False)
+        )
+        self.current_max_attn_logits: torch.Tensor | None = None
         # cp_comm_type and pg_collection are accepted for megatron's builder signature; context
         # parallelism is rejected above and the per-partition head counts come from the tensors.
 
@@ -105,6 +116,20 @@ class SDPACoreAttention(MegatronModule):
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=self.softmax_scale
         )
+
+    @torch.no_grad()
+    def _record_max_logits(self, q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor | None,
+                           causal: bool) -> None:
+        """Fold this batch's per-head max logit into ``current_max_attn_logits``."""
+        scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * self.softmax_scale
+        sq, sk = scores.shape[-2:]
+        if causal:
+            allowed = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).tril()
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        batch_max = scores.amax(dim=(0, 2, 3))
+        previous = self.current_max_attn_logits
+        self.current_max_attn_logits = batch_max if previous is None else torch.maximum(previous, batch_max)
 
     def forward(
         self,
@@ -151,6 +176,8 @@ class SDPACoreAttention(MegatronModule):
 
         # [s, b, n, d] -> [b, n, s, d], the layout SDPA expects.
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if self.record_max_attn_logits and self.training:
+            self._record_max_logits(q, k, allowed, causal)
         dropout_p = self.dropout_p if self.training else 0.0
         if dropout_p > 0.0 and q.is_cuda and not self.config.sequence_parallel:
             # Heads differ across tensor-parallel ranks, so their dropout must use the
@@ -163,18 +190,21 @@ class SDPACoreAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(sq, b, heads * head_dim)
 
 
-def gpt_layer_spec(use_cuda: bool) -> ModuleSpec:
-    """Transformer-layer spec: megatron's own on CUDA, local + SDPA attention on CPU."""
-    if use_cuda:
-        try:
-            import transformer_engine  # noqa: F401
-        except ImportError:
-            return get_gpt_layer_local_spec()
-        from megatron.core.models.gpt.gpt_layer_specs import (
-            get_gpt_layer_with_transformer_engine_spec,
-        )
+def gpt_layer_spec(use_cuda: bool, max_attn_logits: bool = False) -> ModuleSpec:
+    """Transformer-layer spec: megatron's own on CUDA, local + SDPA attention on CPU.
 
-        return get_gpt_layer_with_transformer_engine_spec()
+    ``max_attn_logits`` (QK-clip or max-logit logging): on CUDA, Transformer Engine's
+    attention records them from TE 2.9; without such a TE the SDPA attention is used.
+    """
+    if use_cuda:
+        if _transformer_engine_at_least("2.9.0" if max_attn_logits else None):
+            from megatron.core.models.gpt.gpt_layer_specs import (
+                get_gpt_layer_with_transformer_engine_spec,
+            )
+
+            return get_gpt_layer_with_transformer_engine_spec()
+        if not max_attn_logits:
+            return get_gpt_layer_local_spec()
     # Copy each level we change so no spec object shared with other callers is mutated.
     spec = get_gpt_layer_local_spec()
     attention = spec.submodules.self_attention
@@ -185,6 +215,19 @@ def gpt_layer_spec(use_cuda: bool) -> ModuleSpec:
     return dataclasses.replace(
         spec, submodules=dataclasses.replace(spec.submodules, self_attention=attention)
     )
+
+
+def _transformer_engine_at_least(version: str | None) -> bool:
+    """Whether Transformer Engine is installed (and at least ``version``, when given)."""
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    if version is None:
+        return True
+    from megatron.core.utils import is_te_min_version
+
+    return is_te_min_version(version)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,6 +258,12 @@ class GPTModelSettings:
     # Initialise full weights on CPU and slice each rank's shard, so a model is identical
     # across tensor-parallel degrees for the same seed (megatron's --use-cpu-initialization).
     cpu_initialization: bool = True
+    # QK-clip (megatron-core's TransformerConfig fields): the attention records its maximum
+    # logits when either flag is set; the optimizer reads the same fields.
+    qk_clip: bool = False
+    qk_clip_threshold: float = 100.0
+    qk_clip_alpha: float = 0.5
+    log_max_attention_logit: bool = False
 
     def __post_init__(self) -> None:
         positive = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
@@ -335,10 +384,17 @@ def build_gpt_model(
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         # On CPU there is no other way: megatron's GPU initialisation calls CUDA.
         use_cpu_initialization=settings.cpu_initialization or device.type != "cuda",
+        qk_clip=settings.qk_clip,
+        qk_clip_threshold=settings.qk_clip_threshold,
+        qk_clip_alpha=settings.qk_clip_alpha,
+        log_max_attention_logit=settings.log_max_attention_logit,
     )
     model = GPTModel(
         config=config,
-        transformer_layer_spec=gpt_layer_spec(use_cuda=device.type == "cuda"),
+        transformer_layer_spec=gpt_layer_spec(
+            use_cuda=device.type == "cuda",
+            max_attn_logits=settings.qk_clip or settings.log_max_attention_logit,
+        ),
         vocab_size=settings.vocab_size,
         max_sequence_length=settings.max_positions,
         share_embeddings_and_output_weights=settings.share_embeddings_and_output_weights,

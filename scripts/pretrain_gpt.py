@@ -162,6 +162,12 @@ def _model_settings(args: argparse.Namespace) -> GPTModelSettings:
         max_position_embeddings=args.max_position_embeddings,
         vocab_size=args.vocab_size,
         bf16=args.bf16,
+        # QK-clip: the model's TransformerConfig carries the flags too (Transformer Engine's
+        # attention records its maximum logits only when built with them).
+        qk_clip=args.qk_clip,
+        qk_clip_threshold=args.qk_clip_threshold,
+        qk_clip_alpha=args.qk_clip_alpha,
+        log_max_attention_logit=args.log_max_attention_logit,
     )
 
 
@@ -282,7 +288,7 @@ def train(args, settings, layout, device) -> list[dict]:
         loss, ok, grad_norm = train_step(model, optimizer, batches.micro_batches(iteration), dp_group, average_grads)
         if ok:
             scheduler.step(args.global_batch_size)
-        log.iteration(iteration, loss, lr, grad_norm, ok)
+        log.iteration(iteration, loss, lr, grad_norm, ok, optimizer.max_attention_logit)
         stop = bool(args.exit_interval) and iteration % args.exit_interval == 0
         at_interval = bool(args.save_interval) and iteration % args.save_interval == 0
         if args.save and (at_interval or stop or iteration == args.train_iters):
@@ -379,14 +385,16 @@ class Logger:
         if self.is_first:
             self._print(f"> {message}")
 
-    def iteration(self, iteration: int, loss: float, lr: float, grad_norm: Optional[float], ok: bool) -> None:
+    def iteration(self, iteration: int, loss: float, lr: float, grad_norm: Optional[float], ok: bool,
+                  max_logit: Optional[float] = None) -> None:
         self.skipped += 0 if ok else 1
         if iteration % self.args.log_interval == 0 or iteration == 1:
-            self._record(iteration, loss, lr, grad_norm)
+            self._record(iteration, loss, lr, grad_norm, max_logit)
         if self.bar:
             self.bar.draw(iteration, loss)
 
-    def _record(self, iteration: int, loss: float, lr: float, grad_norm: Optional[float]) -> None:
+    def _record(self, iteration: int, loss: float, lr: float, grad_norm: Optional[float],
+                max_logit: Optional[float]) -> None:
         now = time.perf_counter()
         elapsed_ms = (now - self.last_time) * 1000 / (iteration - self.last_iteration)
         self.last_time, self.last_iteration = now, iteration
@@ -394,12 +402,15 @@ class Logger:
                   "grad_norm": None if grad_norm is None else float(grad_norm),
                   "skipped": self.skipped, "elapsed_ms": elapsed_ms}
         self.skipped = 0
+        if max_logit is not None:  # --qk-clip / --log-max-attention-logit
+            record["max_attention_logit"] = max_logit
         self.records.append(record)
         if not self.is_first:
             return
         norm = "nan" if grad_norm is None else f"{grad_norm:.6f}"
         self._print(f" iteration {iteration:8d}/{self.args.train_iters:8d} | lr {lr:.6e} | loss {loss:.6f} | "
-                    f"grad norm {norm} | skipped {record['skipped']} | elapsed ms per iteration {elapsed_ms:.1f}")
+                    f"grad norm {norm} | skipped {record['skipped']} | elapsed ms per iteration {elapsed_ms:.1f}"
+                    + (f" | max attention logit {max_logit:.4f}" if max_logit is not None else ""))
         if self.metrics:
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()

@@ -32,6 +32,7 @@ from megatron_eopt.wrappers.base import MegatronOptimizer, SteppableChild, StepR
 from megatron_eopt.wrappers.chained import ChainedOptimizer
 from megatron_eopt.wrappers.fp32 import model_grad
 from megatron_eopt.wrappers.grad_stats import NONFINITE, reduced_grad_stats, unscale_and_count_nonfinite
+from megatron_eopt.wrappers.qk_clip import qk_clip_step
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20
 
@@ -158,7 +159,8 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
     def step(self) -> StepResult:
         if self.reduce_grads:
             self._reduce_grads_to_owners()
-        result = take_step(self.chained_optimizers + [self._non_owned_check], self.config)
+        with qk_clip_step(self.qk_clip):  # owners clip their main copies; the broadcast spreads them
+            result = take_step(self.chained_optimizers + [self._non_owned_check], self.config)
         if result[0]:
             self._broadcast_from_owners()
         return result

@@ -12,6 +12,7 @@ import torch
 
 from megatron_eopt.wrappers.base import MegatronOptimizer, SteppableChild, StepResult, take_step
 from megatron_eopt.wrappers.megatron_sharded import child_sharded_state_dict
+from megatron_eopt.wrappers.qk_clip import QKClip, qk_clip_step
 
 
 class ChainedOptimizer(MegatronOptimizer):
@@ -20,6 +21,7 @@ class ChainedOptimizer(MegatronOptimizer):
     # In megatron-core's sharded format a state's main replica is data-parallel rank 0, which
     # holds every state; the layer-wise optimizer sets this: there the owner writes it.
     owner_is_main_replica = False
+    qk_clip: Optional[QKClip] = None  # set by the factory when QK-clip or max-logit logging is on
 
     def __init__(self, chained_optimizers: list[MegatronOptimizer]) -> None:
         children = list(chained_optimizers)
@@ -41,7 +43,13 @@ class ChainedOptimizer(MegatronOptimizer):
         return self.chained_optimizers[0].config
 
     def step(self) -> StepResult:
-        return take_step(self.chained_optimizers, self.config)
+        with qk_clip_step(self.qk_clip):
+            return take_step(self.chained_optimizers, self.config)
+
+    @property
+    def max_attention_logit(self) -> Optional[float]:
+        """The largest attention logit of the last step (qk_clip/log_max_attention_logit), else None."""
+        return self.qk_clip.max_attention_logit if self.qk_clip is not None else None
 
     @property
     def param_groups(self) -> list[dict]:

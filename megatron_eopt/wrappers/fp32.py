@@ -20,6 +20,7 @@ from megatron_eopt.wrappers.flat_state import (
 )
 from megatron_eopt.wrappers.grad_stats import local_grad_stats, reduced_grad_stats
 from megatron_eopt.wrappers.megatron_sharded import child_sharded_state_dict, expand_sharded_state_dict
+from megatron_eopt.wrappers.qk_clip import QKClip
 
 MakeOptimizer = Callable[[list[dict]], torch.optim.Optimizer]
 
@@ -80,6 +81,7 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
             not r.is_shared and (r.tensor_model_parallel or tp_rank == 0) for r in ordered
         ]
         self._device = self.model_params[0].device if self.model_params else _default_device()
+        self.qk_clip: Optional[QKClip] = None  # set by the factory when QK-clip is on
         self._one = torch.ones(1, dtype=torch.float32, device=self._device)
 
     # Main parameters: the model's own here; fp32 copies in MixedPrecisionOptimizer.
@@ -114,6 +116,8 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
 
     def step_with_ready_grads(self) -> None:
         self.optimizer.step()
+        if self.qk_clip is not None:  # QK-clip scales the updated main copies (wrappers/qk_clip.py)
+            self.qk_clip.clip_main_params((r.fqn, main) for r, main in zip(self.records, self.main_params))
         self._copy_main_params_to_model()
 
     # The contract.

@@ -29,6 +29,7 @@ FROZEN_OPTIONS = sorted([
     "--use-layer-wise-distributed-optimizer", "--layer-wise-reduce-grads", "--overlap-param-gather",
     "--overlap-param-gather-with-optimizer-step", "--fp16", "--bf16", "--loss-scale",
     "--initial-loss-scale", "--min-loss-scale", "--loss-scale-window", "--hysteresis",
+    "--qk-clip", "--qk-clip-threshold", "--qk-clip-alpha", "--log-max-attention-logit",
 ])
 NEGATIVE_FLAGS = {"--muon-no-split-qkv": "muon_split_qkv", "--soap-no-kl-shampoo": "soap_use_kl_shampoo"}
 FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(OptimizerConfig)}

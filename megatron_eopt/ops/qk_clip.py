@@ -1,0 +1,79 @@
+"""QK-clip (MuonClip, Kimi K2): scale factors from the largest attention logits, and their
+application to a fused `linear_qkv` weight. Pure tensor math; no communication.
+
+Rule: for each attention head h whose largest pre-softmax logit S_h = max q.k / sqrt(d) exceeds
+the threshold tau, eta_h = tau / S_h; W_q of the head is multiplied by eta_h^alpha and W_k by
+eta_h^(1 - alpha), so every logit of that head is multiplied by eta_h and the largest becomes tau.
+
+Grouped-query attention: the k rows of a query group are shared by its heads, so there is one
+eta per query group, from the largest logit over the group's heads; it scales all of the group's
+q heads by eta^alpha and its k by eta^(1 - alpha) (megatron-core's rule). The group's largest
+logit becomes tau; its other heads are scaled by the same eta, possibly more than they needed.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class QKVRows:
+    """Row layout of one rank's `linear_qkv` weight (or bias): `groups` query groups, each the rows
+    of its q heads (`heads_per_group * head_dim`), then k (`head_dim`), then v (`head_dim`)."""
+
+    name: str  # the weight's fqn, for messages
+    groups: int  # query groups on this tensor-parallel rank
+    heads_per_group: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        for field in ("groups", "heads_per_group", "head_dim"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{self.name!r}: {field} must be >= 1; got {getattr(self, field)}.")
+
+    @property
+    def heads(self) -> int:
+        return self.groups * self.heads_per_group
+
+    @property
+    def rows(self) -> int:
+        return self.groups * (self.heads_per_group + 2) * self.head_dim
+
+
+def group_max_logits(max_logits: torch.Tensor, rows: QKVRows) -> torch.Tensor:
+    """The largest logit of each query group from the per-head maxima ([heads] -> [groups])."""
+    if tuple(max_logits.shape) != (rows.heads,):
+        raise ValueError(
+            f"{rows.name!r}: the per-head maximum logits have shape {tuple(max_logits.shape)}; "
+            f"expected ({rows.heads},), the heads on this tensor-parallel rank."
+        )
+    return max_logits.view(rows.groups, rows.heads_per_group).amax(dim=1)
+
+
+def clip_scales(group_max: torch.Tensor, threshold: float, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q scale, k scale) per query group: eta^alpha and eta^(1 - alpha), eta = min(1, tau / max).
+
+    A group at or below the threshold (or without a finite maximum: no forward pass, or NaN)
+    gets exactly 1, so its rows are left bitwise unchanged.
+    """
+    group_max = group_max.double()
+    clipped = group_max > threshold  # False for NaN and -inf
+    eta = torch.where(clipped, threshold / torch.where(clipped, group_max, 1.0), 1.0)
+    return eta.pow(alpha), eta.pow(1.0 - alpha)
+
+
+def scale_qk_rows(tensor: torch.Tensor, rows: QKVRows, q_scale: torch.Tensor, k_scale: torch.Tensor) -> None:
+    """Multiply, in place, each query group's q rows by `q_scale[g]` and its k rows by
+    `k_scale[g]` in a `linear_qkv` weight ([rows, in]) or bias ([rows]); v rows stay as they are."""
+    if tensor.shape[0] != rows.rows:
+        raise ValueError(
+            f"{rows.name!r}: {tensor.shape[0]} rows on this tensor-parallel rank; expected "
+            f"{rows.groups} query group(s) of ({rows.heads_per_group} q heads + k + v) x "
+            f"{rows.head_dim} = {rows.rows}."
+        )
+    q_rows = rows.heads_per_group * rows.head_dim
+    grouped = tensor.view(rows.groups, (rows.heads_per_group + 2) * rows.head_dim, -1)
+    shape = (rows.groups, 1, 1)
+    with torch.no_grad():
+        grouped[:, :q_rows].mul_(q_scale.to(tensor.dtype).view(shape))
+        grouped[:, q_rows:q_rows + rows.head_dim].mul_(k_scale.to(tensor.dtype).view(shape))

@@ -1,0 +1,75 @@
+"""QK-clip through `scripts/pretrain_gpt.py`: Muon at a deliberately high lr (0.05, constant).
+
+Two launches of the same run: `--log-max-attention-logit` only, and `--qk-clip` with tau = 50.
+Without the clip the largest attention logit grows far past tau (measured: 526 after 30
+iterations); with it, it stays near tau: every logged maximum is below 2 tau (measured: at most
+1.85 tau). The logged value is measured in the forward pass before the step, and the previous
+step's clip brought the logits of the previous batch to tau with eta computed before that
+step's update; so one update (at this lr the unclipped run grows by up to 1.6x per step near
+tau) and a new batch come on top of tau. Losses stay finite.
+
+Regenerate the README's plot (docs/qk_clip_max_logit.png) with
+
+    .venv/bin/python tests/functional/test_qk_clip.py --plot docs/qk_clip_max_logit.png
+"""
+
+import json
+import math
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from scripts.plot_png import GREY, PALETTE, Curve, plot_curves  # noqa: E402
+
+TAU = 50.0
+ITERATIONS = 30
+FLAGS = ["--optimizer", "muon", "--lr", "0.05", "--lr-decay-style", "constant", "--micro-batch-size", "8",
+         "--train-iters", str(ITERATIONS), "--log-interval", "1"]
+RUNS = {"without QK-clip": ["--log-max-attention-logit"],
+        "with QK-clip": ["--qk-clip", "--qk-clip-threshold", str(TAU)]}
+
+
+def _launch(folder: pathlib.Path, name: str, extra: list[str]) -> list[dict]:
+    metrics = folder / f"{name.replace(' ', '_')}.jsonl"
+    command = [sys.executable, "scripts/pretrain_gpt.py", *FLAGS, *extra, "--metrics-jsonl", str(metrics)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "| max attention logit " in result.stdout
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def run_both(folder: pathlib.Path) -> dict[str, list[dict]]:
+    return {name: _launch(folder, name, extra) for name, extra in RUNS.items()}
+
+
+def test_qk_clip_keeps_the_max_logit_at_tau(tmp_path: pathlib.Path) -> None:
+    runs = run_both(tmp_path)
+    for records in runs.values():
+        assert [r["iteration"] for r in records] == list(range(1, ITERATIONS + 1))
+        assert all(math.isfinite(r["loss"]) for r in records)
+    free = [r["max_attention_logit"] for r in runs["without QK-clip"]]
+    clipped = [r["max_attention_logit"] for r in runs["with QK-clip"]]
+    assert free[-1] > 4 * TAU, free  # the logits do run away at this lr
+    assert max(clipped) > TAU, clipped  # the clip was needed...
+    assert max(clipped) < 2 * TAU, clipped  # ...and held it: tau plus one step's growth
+
+
+def plot(path: str) -> None:
+    with tempfile.TemporaryDirectory() as folder:
+        runs = run_both(pathlib.Path(folder))
+    curves = [Curve(name, [r["iteration"] for r in records], [r["max_attention_logit"] for r in records], color)
+              for (name, records), color in zip(runs.items(), PALETTE)]
+    curves.append(Curve(f"threshold {TAU:g}", [1, ITERATIONS], [TAU, TAU], GREY))
+    plot_curves(path, curves, y_label="max attention logit")
+    for name, records in runs.items():
+        print(name, [round(r["max_attention_logit"], 2) for r in records])
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] != "--plot":
+        sys.exit("usage: .venv/bin/python tests/functional/test_qk_clip.py --plot docs/qk_clip_max_logit.png")
+    plot(sys.argv[2])
