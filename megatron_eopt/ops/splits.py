@@ -3,7 +3,7 @@
 A 2-D weight's local shard is `num_row_groups` repetitions of row blocks of sizes
 `row_blocks`; block j, taken from every row group, is one matrix to orthogonalize.
 - plain weight:                  1 group,  blocks (rows,)
-- linear_qkv (grouped-query):    query groups on this rank, blocks (q, k, v[, gate]) per group,
+- linear_qkv (grouped-query):    query groups on this rank, blocks (q[, gate], k, v) per group,
   q = heads_per_group * kv_channels; each TP rank holds whole query groups
 - linear_fc1 with a gated linear unit: 1 group, blocks (gate_r, up_r): megatron-core builds it
   with partition_stride=2, so rank r holds [gate_r; up_r] and the global matrix is
@@ -74,7 +74,11 @@ def merge_blocks(parts: list[torch.Tensor], layout: MatrixLayout) -> torch.Tenso
 
 
 def qkv_row_blocks(model_config: Any, tp_size: int, name: str) -> tuple[int, tuple[int, ...]]:
-    """(query groups on this rank, (q, k, v[, gate]) rows per group) from a TransformerConfig."""
+    """(query groups on this rank, (q[, gate], k, v) rows per group) from a TransformerConfig.
+
+    The order is megatron-core's `get_query_key_value_tensors`: with an output gate each group
+    holds its query rows, then the gate rows (as many as the query's), then key and value.
+    """
     heads = model_config.num_attention_heads
     groups = model_config.num_query_groups or heads
     kv_channels = model_config.kv_channels or model_config.hidden_size // heads
@@ -84,9 +88,8 @@ def qkv_row_blocks(model_config: Any, tp_size: int, name: str) -> tuple[int, tup
             f"a layout this library splits (heads must divide into groups, groups over TP ranks)."
         )
     q_rows = heads // groups * kv_channels
-    blocks = (q_rows, kv_channels, kv_channels)
-    if getattr(model_config, "attention_output_gate", False):
-        blocks = blocks + (q_rows,)
+    gate = (q_rows,) if getattr(model_config, "attention_output_gate", False) else ()
+    blocks = (q_rows, *gate, kv_channels, kv_channels)
     return groups // tp_size, blocks
 
 

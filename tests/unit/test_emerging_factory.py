@@ -332,7 +332,7 @@ def test_factory_passes_layouts_and_tp_group(spy_muon):
     layouts = spy_muon["layouts"]
     assert sorted(layouts) == ["mlp.linear_fc1.weight", "mlp.linear_fc2.weight", "self_attention.linear_qkv.weight"]
     qkv = layouts["self_attention.linear_qkv.weight"]
-    assert (qkv.num_row_groups, qkv.row_blocks, qkv.tp_size, qkv.partition_dim) == (2, (8, 4, 4, 8), 1, -1)
+    assert (qkv.num_row_groups, qkv.row_blocks, qkv.tp_size, qkv.partition_dim) == (2, (8, 8, 4, 4), 1, -1)  # q, gate, k, v (see test_gpt_model)
     assert layouts["mlp.linear_fc1.weight"].row_blocks == (10, 10)
     assert layouts["mlp.linear_fc2.weight"].row_blocks == ()
     assert spy_muon["tp_group"] is None

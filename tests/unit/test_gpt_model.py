@@ -254,3 +254,38 @@ def test_tensor_parallel_2_matches_tp1(run_distributed):
     torch.testing.assert_close(torch.cat(shards, dim=dim), reference["qkv"], atol=0, rtol=0)
     grads = torch.cat([results[2]["qkv_grad"] for results in per_rank], dim=dim)
     torch.testing.assert_close(grads, reference["qkv_grad"], atol=1e-6, rtol=1e-5)
+
+
+# --- The QKV split Muon uses, against megatron-core's own ---------------------------------------
+
+
+def test_qkv_row_blocks_are_the_rows_megatron_core_takes_each_projection_from(tp1):
+    """Each of our blocks (q[, gate], k, v over all query groups) is exactly the set of
+    linear_qkv rows that megatron-core's `get_query_key_value_tensors` reads one projection from.
+
+    Independent of our code: the weight maps row r to the value r, so each projection megatron
+    returns lists its rows. Checked with and without the output gate, with k/v smaller than q
+    so that a misplaced gate block is caught.
+    """
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_eopt.ops.splits import MatrixLayout, qkv_row_blocks, split_blocks
+
+    for gate in (False, True):
+        config = attention_config(heads=4, groups=2, attention_output_gate=gate)
+        spec = get_gpt_layer_local_spec().submodules.self_attention
+        attention = build_module(spec, config=config, layer_number=1)
+        weight = attention.linear_qkv.weight
+        rows = weight.shape[0]
+        with torch.no_grad():
+            weight.zero_()
+            weight[:, 0] = torch.arange(rows, dtype=weight.dtype)
+        hidden = torch.zeros(1, 1, config.hidden_size)
+        hidden[..., 0] = 1.0
+        projections = attention.get_query_key_value_tensors(hidden, None, output_gate=gate)
+        megatron_rows = {frozenset(p.flatten().round().long().tolist()) for p in projections}
+
+        groups, blocks = qkv_row_blocks(config, tp_size=1, name="linear_qkv.weight")
+        layout = MatrixLayout("linear_qkv.weight", tuple(weight.shape), num_row_groups=groups, row_blocks=blocks)
+        ours = split_blocks(torch.arange(rows).unsqueeze(1), layout)
+        assert {frozenset(b.flatten().tolist()) for b in ours} == megatron_rows, f"attention_output_gate={gate}"
