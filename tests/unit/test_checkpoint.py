@@ -213,7 +213,7 @@ def test_rank_killed_during_save_leaves_previous_checkpoint(run_distributed, tmp
         assert found["latest"] == "iter_0000003"
         assert found["leftover"] == [".iter_0000006.incomplete"]
         assert not found["differences"], found["differences"][:5]
-        assert found["after_resave"] == ("iter_0000006", ["iter_0000003", "iter_0000006", "latest"])
+        assert found["after_resave"] == ("iter_0000006", [".save_lock", "iter_0000003", "iter_0000006", "latest"])
 
 
 # ------------------------------------------------------------------------------------------------

@@ -113,4 +113,4 @@ def test_killed_while_replacing_the_same_iteration_still_loads(tmp_path) -> None
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), expected))
     _step(model, optimizer, 1)
     save_checkpoint(str(tmp_path), 1, model, optimizer)  # a later save cleans up
-    assert sorted(os.listdir(tmp_path)) == ["iter_0000001", "latest"]
+    assert sorted(os.listdir(tmp_path)) == [".save_lock", "iter_0000001", "latest"]
