@@ -154,3 +154,20 @@ def _draws(tracker) -> dict:
     generator = torch.Generator()
     generator.set_state(tracker.get_states()["model-parallel-rng"])
     return {"tracker": torch.rand(4, generator=generator), "cpu": torch.rand(4)}
+
+
+def test_pretrain_gpt_scheduler_flags_reach_the_scheduler_config(capsys) -> None:
+    from scripts.pretrain_gpt import parse_args, scheduler_config
+
+    base = ["--lr", "1e-2", "--load", "ckpt"]
+    for flag, field in (("--override-opt_param-scheduler", "override_opt_param_scheduler"),
+                        ("--use-checkpoint-opt_param-scheduler", "use_checkpoint_opt_param_scheduler")):
+        args, _, _ = parse_args(base + [flag])
+        config = scheduler_config(args)
+        assert getattr(config, field) and not any(
+            getattr(config, other) for other in ("override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler")
+            if other != field)
+    with pytest.raises(SystemExit) as exited:
+        parse_args(base + ["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"])
+    assert exited.value.code == 2
+    assert "exclude each other" in capsys.readouterr().err
