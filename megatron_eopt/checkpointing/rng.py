@@ -8,9 +8,9 @@ restored only when the world size and the tensor-parallel size equal the saved o
 likewise ignores RNG state when TP/PP change); otherwise the run keeps its own seeding and the
 load says so. A resharding load is never refused for RNG.
 
-The tracker is megatron-core's process-global one. It is read only when megatron-core's
-tensor_parallel module is already imported (else nobody can have added states to it), so
-checkpoints never import megatron-core's model stack themselves just to save.
+The tracker is megatron-core's process-global one. A save reads it only when it already exists
+(megatron-core imported and the tracker created), so saving neither imports megatron-core's
+model stack nor creates the tracker; a load that finds tracker states sets them into it.
 """
 
 import sys
@@ -68,8 +68,12 @@ def restore_rng(states: dict[str, torch.Tensor]) -> list[str]:
 
 
 def _tracker(import_it: bool) -> Optional[Any]:
-    if not import_it and TRACKER_MODULE not in sys.modules:
-        return None
+    """megatron-core's tracker. Saving reads it only if it already exists: creating it here would
+    fix its kind (a later request for Transformer Engine's tracker would be ignored)."""
+    if not import_it:
+        module = sys.modules.get(TRACKER_MODULE)
+        if module is None or not getattr(module, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", False):
+            return None
     from megatron.core import tensor_parallel
 
     return tensor_parallel.get_cuda_rng_tracker()
