@@ -20,11 +20,18 @@ rank 0 also redraws a progress bar below the log lines. Invalid flags exit with 
 Checkpoints (megatron_eopt.checkpointing): `--save DIR` every `--save-interval` iterations and
 after the last one; `--load DIR` resumes from its latest checkpoint (or `--ckpt-step N`), also
 at another TP/DP layout, with or without the distributed optimizer, in bf16 or fp32;
-`--no-load-optim` loads the model only (to change optimizers). Data follows the iteration, so
-a resumed run continues exactly where the saved one was.
+`--no-load-optim` loads the model only (to change optimizers; as in Megatron-LM the lr schedule
+then starts again from step 0 while the iteration count continues, and the run says where that
+schedule ends). A changed lr schedule (--lr, --min-lr, --train-iters, warmup/decay flags) is
+refused before anything is loaded unless `--override-opt_param-scheduler` (this run's schedule)
+or `--use-checkpoint-opt_param-scheduler` (the checkpoint's) says which to keep. A `--load`
+directory that does not exist or holds no checkpoint starts from scratch (so `--save X --load X`
+works from the first run); one without `latest` resumes from its newest complete checkpoint.
+Data follows the iteration, so a resumed run continues exactly where the saved one was.
 """
 
 import argparse
+import copy
 import json
 import os
 import socket
@@ -41,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from arguments import add_optimizer_args, optimizer_config_from_args, validate_args  # noqa: E402
 from megatron_eopt import get_megatron_optimizer  # noqa: E402
 from megatron_eopt.bridge import SchedulerConfig, get_scheduler  # noqa: E402
-from megatron_eopt.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
+from megatron_eopt.checkpointing import has_checkpoints, load_checkpoint, save_checkpoint  # noqa: E402
 from scripts.data import BYTE_VOCAB_SIZE, byte_batch, load_bytes, rule_batch  # noqa: E402
 from scripts.gpt_model import (  # noqa: E402
     GPTModelSettings,
@@ -92,7 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
     checkpointing.add_argument("--load", default=None, help="directory to resume from (its latest checkpoint)")
     checkpointing.add_argument("--ckpt-step", type=int, default=None, help="load this iteration instead of the latest")
     checkpointing.add_argument("--no-load-optim", action="store_true",
-                               help="load the model only (fresh optimizer and lr schedule)")
+                               help="load the model only (fresh optimizer; the lr schedule starts again at step 0)")
+    checkpointing.add_argument("--override-opt_param-scheduler", action="store_true",
+                               help="resuming: keep this run's lr schedule (lr, min lr, warmup and decay "
+                                    "iters, decay style, weight decay), not the checkpoint's; the step "
+                                    "count still comes from the checkpoint")
+    checkpointing.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                               help="resuming: take the lr schedule from the checkpoint, ignoring this "
+                                    "run's schedule flags")
     checkpointing.add_argument("--no-load-rng", action="store_true", help="do not restore the RNG states")
     logging = parser.add_argument_group(title="logging")
     logging.add_argument("--log-interval", type=int, default=100)
@@ -187,6 +201,9 @@ def _check_training_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--save-interval needs --save and must be >= 1; got {args.save_interval}.")
     if args.ckpt_step is not None and not args.load:
         raise ValueError("--ckpt-step needs --load.")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise ValueError("--override-opt_param-scheduler (this run's lr schedule) and "
+                         "--use-checkpoint-opt_param-scheduler (the checkpoint's) exclude each other; give one.")
     if args.plot and not args.plot.endswith(".png"):
         raise ValueError(f"--plot writes a PNG; give a path ending in .png, got {args.plot!r}.")
     scheduler_config(args)  # raises ValueError on bad schedule flags
@@ -199,6 +216,8 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
         lr_warmup_iters=args.lr_warmup_iters,
         global_batch_size=args.global_batch_size,
         train_iters=args.train_iters,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
     )
 
 
@@ -305,15 +324,37 @@ def resume(args: argparse.Namespace, model, optimizer, scheduler, log: "Logger")
     """Load --load's checkpoint (if there is one); returns the iteration it was saved at."""
     if not args.load:
         return 0
-    if args.ckpt_step is None and latest_checkpoint(args.load) is None:
-        log.say(f"no checkpoint in {args.load}: training from scratch")
+    if args.ckpt_step is None and not has_checkpoints(args.load):
+        why = "it holds no checkpoint" if os.path.isdir(args.load) else "it does not exist"
+        log.say(f"no checkpoint in {args.load} ({why}): training from scratch")
         return 0
     loaded = load_checkpoint(args.load, [model], optimizer, scheduler, iteration=args.ckpt_step,
                              load_optimizer=not args.no_load_optim, load_rng=not args.no_load_rng)
+    for message in loaded.messages:
+        log.say(message)
     log.say(f"loaded checkpoint {loaded.path} (iteration {loaded.iteration}"
             f"{', model only' if args.no_load_optim else ''})")
+    if args.no_load_optim:
+        log.say(fresh_schedule_note(args, scheduler, loaded.iteration))
     log.start_at(loaded.iteration)
     return loaded.iteration
+
+
+def fresh_schedule_note(args: argparse.Namespace, scheduler, start: int) -> str:
+    """--no-load-optim keeps Megatron-LM's semantics: the iteration count continues from the
+    checkpoint, the lr schedule starts again at step 0. Say where that leaves this run."""
+    def lr_after(iterations: int) -> float:
+        probe = copy.copy(scheduler)  # get_lr reads only num_steps and the schedule values
+        probe.num_steps = iterations * args.global_batch_size
+        return probe.get_lr({})
+
+    last, span = args.train_iters, args.lr_decay_iters or args.train_iters
+    note = (f"--no-load-optim: fresh optimizer, lr schedule from step 0 at iteration {start + 1} (lr "
+            f"{lr_after(0):.6e}) over --lr-decay-iters {span} iterations; the last iteration, {last}, "
+            f"runs at lr {lr_after(last - start - 1):.6e}")
+    if span != last - start:
+        note += f" (--lr-decay-iters {last - start} fits the schedule to this run)"
+    return note
 
 
 def describe_model(model: torch.nn.Module) -> str:

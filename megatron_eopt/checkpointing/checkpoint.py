@@ -5,13 +5,15 @@ the state of the parameters it owns), nothing is gathered to one rank. Tensors a
 their global shape under parameter names, so a checkpoint loads at another TP or DP size,
 with or without the layer-wise optimizer, in bf16 or fp32. Every rank loads the whole model
 (so no data-parallel rank keeps stale parameters), and the state of the parameters it steps.
-Directories are committed atomically (storage.py). Call both functions on every rank of the
-job; all collectives run over the job's own ranks (`tp_dp_cp` of `pg_collection`), never
-torch's WORLD, so jobs sharing one WORLD checkpoint independently.
+Directories are committed atomically, by one run at a time (storage.py); the lr schedule is
+checked before anything changes (schedule.py); RNG states are kept per rank (rng.py). Call
+both functions on every rank of the job; all collectives run over the job's own ranks
+(`tp_dp_cp` of `pg_collection`), never torch's WORLD, so jobs sharing one WORLD checkpoint
+independently.
 """
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -21,6 +23,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_eopt.checkpointing import storage
 from megatron_eopt.checkpointing.layout import MeshCache
+from megatron_eopt.checkpointing.rng import restore_rng, rng_entries, rng_keys_to_load
+from megatron_eopt.checkpointing.schedule import LR_BOUNDS_KEY, SCHEDULER_KEY, plan_scheduler_load, scheduler_entries
 from megatron_eopt.checkpointing.state import (
     CheckpointIndex,
     LoadPlan,
@@ -35,7 +39,7 @@ from megatron_eopt.checkpointing.state import (
     save_entries,
 )
 from megatron_eopt.checkpointing.storage import CheckpointError
-from megatron_eopt.distributed.process_groups import ProcessGroup, resolve_parallel_groups
+from megatron_eopt.distributed.process_groups import ProcessGroup, group_size, resolve_parallel_groups
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,8 @@ class LoadedCheckpoint:
     path: str
     iteration: int
     extra: dict  # what the trainer passed to save_checkpoint (consumed samples, ...)
+    # What the caller should tell the user: a fallback for a missing `latest`, RNG not restored.
+    messages: tuple[str, ...] = field(default=())
 
 
 def save_checkpoint(
@@ -69,23 +75,27 @@ def save_checkpoint(
     children = optimizer_children(optimizer)
     entries = save_entries(params, children, MeshCache())
     if scheduler is not None:
-        entries["scheduler"] = json.dumps(scheduler.state_dict())
-    entries[_rng_key(group)] = torch.get_rng_state()
+        entries.update(scheduler_entries(scheduler, children))
+    entries.update(rng_entries(storage.rank(group), storage.world_size(group)))
     structure = global_group_structure(children, group) if children else None
 
-    path = storage.begin_save(checkpoint_dir, iteration, group)
-    dcp.save(entries, storage_writer=FileSystemWriter(path), process_group=group, no_dist=group is None)
-    storage.write_manifest(path, {
-        "format": storage.FORMAT_VERSION,
-        "iteration": iteration,
-        "extra": extra,
-        "world_size": storage.world_size(group),
-        "optimizers": structure,
-        "has_scheduler": scheduler is not None,
-    }, group)
-    if before_commit is not None:
-        before_commit(path)
-    return storage.commit(checkpoint_dir, iteration, group)
+    path, lock = storage.begin_save(checkpoint_dir, iteration, group)
+    try:
+        dcp.save(entries, storage_writer=FileSystemWriter(path), process_group=group, no_dist=group is None)
+        storage.write_manifest(path, {
+            "format": storage.FORMAT_VERSION,
+            "iteration": iteration,
+            "extra": extra,
+            "world_size": storage.world_size(group),
+            "tensor_parallel_size": _tp_size(groups),
+            "optimizers": structure,
+            "has_scheduler": scheduler is not None,
+        }, group)
+        if before_commit is not None:
+            before_commit(path)
+        return storage.commit(checkpoint_dir, iteration, group)
+    finally:
+        storage.end_save(lock)
 
 
 def load_checkpoint(
@@ -101,16 +111,20 @@ def load_checkpoint(
     """Load the latest (or the given iteration's) checkpoint into the model and optimizer.
 
     With `load_optimizer=False` only the model parameters are loaded (fp32 main copies
-    included), e.g. to change optimizers; the scheduler is then left as it is too. Every check
-    runs before anything is changed: on any error nothing was loaded.
+    included), e.g. to change optimizers; the scheduler is then left as it is too (Megatron-LM's
+    --no-load-optim: its schedule starts again from step 0). The scheduler's lr schedule must
+    match the checkpoint's unless the scheduler was built with `override_opt_param_scheduler` or
+    `use_checkpoint_opt_param_scheduler` (schedule.py). Without a `latest` marker the newest
+    checkpoint that verifies is loaded. RNG states are restored at the saved world and TP size
+    only (rng.py). Every check runs before anything is changed: on any error nothing was loaded.
+    `messages` of the result say what the caller should tell the user.
     """
     chunks = _as_chunks(model_chunks)
     groups = resolve_parallel_groups(pg_collection)
     params = model_params(chunks, groups)
     group = checkpoint_group(groups)
-    path = storage.resolve_checkpoint(checkpoint_dir, iteration)
-    manifest = storage.read_manifest(path)
-    storage.verify_files(path, manifest, group)
+    path, manifest, note = storage.open_checkpoint(checkpoint_dir, iteration, group)
+    messages = [note] if note else []
     children = optimizer_children(optimizer) if load_optimizer else []
     if children:
         check_structure(manifest.get("optimizers"), global_group_structure(children, group), path)
@@ -119,26 +133,29 @@ def load_checkpoint(
     # or irreversible happens, so a problem on one rank neither hangs nor half-loads the others.
     plan, masters, states = storage.agree(lambda: _plan_load(path, params, children), group)
     read_scheduler = load_optimizer and scheduler is not None
-    rng_key = _rng_key(group)
-    read_rng = load_rng and rng_key in plan.index.tensors
-    storage.agree(lambda: _plan_extras(plan, path, read_scheduler, rng_key if read_rng else None), group)
+    rng_keys, rng_note = _rng_to_load(plan, manifest, _tp_size(groups), group) if load_rng else ([], None)
+    messages += [rng_note] if rng_note else []
+    storage.agree(lambda: _plan_extras(plan, path, read_scheduler, rng_keys), group)
     _read(plan, path, group)
 
-    def checked_states() -> list[dict]:
+    def checked_states() -> tuple[list[dict], Optional[Callable[[], None]]]:
         loaded = [loaded_optimizer_state(child, get_state(), plan.targets[f"groups/{child.name}"],
                                          plan.targets[f"grad_scaler/{child.name}"], masters)
                   for child, get_state in zip(children, states)]
         for child, state in zip(children, loaded):
             child.check_state_dict(state)
-        return loaded
+        load_scheduler = plan_scheduler_load(
+            scheduler, plan.targets[SCHEDULER_KEY], plan.targets.get(LR_BOUNDS_KEY), children, path
+        ) if read_scheduler else None
+        return loaded, load_scheduler
 
-    child_states = storage.agree(checked_states, group)
+    child_states, load_scheduler = storage.agree(checked_states, group)
     _apply(params, masters, children, child_states, optimizer_children(optimizer))
-    if read_scheduler:
-        scheduler.load_state_dict(json.loads(plan.targets["scheduler"]))
-    if read_rng:
-        torch.set_rng_state(plan.targets[rng_key])
-    return LoadedCheckpoint(path, int(manifest["iteration"]), manifest.get("extra") or {})
+    if load_scheduler is not None:
+        load_scheduler()
+    if rng_keys:
+        restore_rng({key: plan.targets[key] for key in rng_keys})
+    return LoadedCheckpoint(path, int(manifest["iteration"]), manifest.get("extra") or {}, tuple(messages))
 
 
 def _plan_load(path: str, params: list, children: list) -> tuple:
@@ -152,13 +169,27 @@ def _plan_load(path: str, params: list, children: list) -> tuple:
     return plan, masters, states
 
 
-def _plan_extras(plan: LoadPlan, path: str, read_scheduler: bool, rng_key: Optional[str]) -> None:
-    if read_scheduler and "scheduler" not in plan.index.objects:
+def _plan_extras(plan: LoadPlan, path: str, read_scheduler: bool, rng_keys: list[str]) -> None:
+    if read_scheduler and SCHEDULER_KEY not in plan.index.objects:
         raise CheckpointError(f"{path} holds no lr scheduler state; pass scheduler=None to load without it.")
     if read_scheduler:
-        plan.plain("scheduler", torch.device("cpu"))
-    if rng_key is not None:
-        plan.plain(rng_key, torch.device("cpu"))
+        plan.plain(SCHEDULER_KEY, torch.device("cpu"))
+        if LR_BOUNDS_KEY in plan.index.objects:  # absent in checkpoints written before it existed
+            plan.plain(LR_BOUNDS_KEY, torch.device("cpu"))
+    for key in rng_keys:
+        plan.plain(key, torch.device("cpu"))
+
+
+def _rng_to_load(
+    plan: LoadPlan, manifest: dict, tp_size: int, group: Optional[ProcessGroup]
+) -> tuple[list[str], Optional[str]]:
+    """This rank's RNG keys, when the checkpoint was saved at this job and TP size (rng.py)."""
+    saved = (manifest.get("world_size"), manifest.get("tensor_parallel_size", tp_size))
+    here = (storage.world_size(group), tp_size)
+    if saved != here:
+        return [], (f"RNG states not restored: saved at world size {saved[0]} with TP {saved[1]}, this run "
+                    f"has world size {here[0]} with TP {here[1]}; the RNGs keep this run's seeding")
+    return rng_keys_to_load(plan.index.tensors, storage.rank(group), storage.world_size(group)), None
 
 
 def _read(plan: LoadPlan, path: str, group: Optional[ProcessGroup]) -> None:
@@ -182,9 +213,8 @@ def _apply(params, masters, children, child_states, all_children) -> None:
                         main.copy_(masters[id(model)])
 
 
-def _rng_key(group: Optional[ProcessGroup]) -> str:
-    """This rank's CPU RNG state; restored only at the same job size (same rank numbering)."""
-    return f"rng/cpu/{storage.rank(group)}of{storage.world_size(group)}"
+def _tp_size(groups: Any) -> int:
+    return group_size(groups.require("tp", "a checkpoint (which records its tensor-parallel size)"))
 
 
 def _as_chunks(model_chunks: Any) -> list[torch.nn.Module]:

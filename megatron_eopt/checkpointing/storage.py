@@ -6,6 +6,7 @@ Layout of `checkpoint_dir`:
         megatron_eopt.json         manifest: what is inside, and every file's size and CRC-32
     latest                         the name of the last complete checkpoint
     .iter_0000020.incomplete/      a save in progress (or one killed midway)
+    .save_lock                     rank 0 holds an advisory lock on it while saving (who: inside)
 
 A save writes into the `.incomplete` directory; when every rank has written its files and
 rank 0 the manifest, rank 0 renames it into place and only then rewrites `latest` (itself
@@ -17,11 +18,24 @@ checkpoint is named, never half-loaded.
 
 Every collective runs over `group`, the ranks that save or load this checkpoint together (None:
 one rank alone); ranks are numbered within it. Other jobs may share torch's WORLD.
+
+Two runs must not save into one directory at once: rank 0 takes an exclusive `fcntl.flock` on
+`.save_lock` for the whole save and a second saver is refused with the holder's pid, host and
+start time. A save is reported done only after the renamed directory verifies against its
+manifest, and only then does `latest` move (with a warning if it moves to an older iteration).
+A load without `latest` (a crash between the rename and the marker update) falls back to the
+newest `iter_N` that verifies, and says so.
 """
 
+import fcntl
 import json
 import os
+import re
 import shutil
+import socket
+import sys
+import time
+import warnings
 import zlib
 from typing import Any, Callable, Optional, TypeVar
 
@@ -32,6 +46,8 @@ from megatron_eopt.distributed.process_groups import ProcessGroup
 MANIFEST = "megatron_eopt.json"
 LATEST = "latest"
 REPLACED = ".replaced"  # a checkpoint being replaced by a new save of the same iteration
+SAVE_LOCK = ".save_lock"
+CHECKPOINT_NAME = re.compile(r"iter_(\d{7,})")
 FORMAT_VERSION = 1
 T = TypeVar("T")
 
@@ -77,6 +93,55 @@ def resolve_checkpoint(checkpoint_dir: str, iteration: Optional[int]) -> str:
     return path
 
 
+def open_checkpoint(
+    checkpoint_dir: str, iteration: Optional[int], group: Optional[ProcessGroup]
+) -> tuple[str, dict[str, Any], Optional[str]]:
+    """(path, manifest, note) of the checkpoint to load, its files verified (collective).
+
+    Without `latest` (a save cut short between its rename and the marker update) it is the newest
+    `iter_N` that verifies, and `note` says so; an explicit iteration is never replaced by another.
+    """
+    if iteration is not None or os.path.isfile(os.path.join(checkpoint_dir, LATEST)):
+        path = resolve_checkpoint(checkpoint_dir, iteration)
+        manifest = read_manifest(path)
+        verify_files(path, manifest, group)
+        return path, manifest, None
+    skipped = []
+    for found in reversed(checkpoint_iterations(checkpoint_dir)):
+        path = _complete_copy(os.path.join(checkpoint_dir, checkpoint_name(found)))
+        try:
+            manifest = read_manifest(path)
+            verify_files(path, manifest, group)  # every rank tries the same candidates: collectives match
+        except CheckpointError as error:
+            skipped.append(f"{os.path.basename(path)} ({error})")
+            continue
+        note = (f"{checkpoint_dir} has no '{LATEST}' marker (a save cut short before updating it?): "
+                f"loading the newest complete checkpoint, {os.path.basename(path)}")
+        return path, manifest, note + (f"; skipped {'; '.join(skipped)}" if skipped else "")
+    reason = f"none of its iter_* directories verifies: {'; '.join(skipped)}" if skipped else "and no iter_* directory"
+    raise CheckpointError(f"no checkpoint in {checkpoint_dir}: it has no '{LATEST}' marker {reason}.")
+
+
+def checkpoint_iterations(checkpoint_dir: str) -> list[int]:
+    """Iterations with an `iter_N` directory (or the copy a cut-short re-save left), ascending."""
+    if not os.path.isdir(checkpoint_dir):
+        return []
+    found = set()
+    for name in os.listdir(checkpoint_dir):
+        match = CHECKPOINT_NAME.fullmatch(name.removesuffix(REPLACED))
+        if match and os.path.isdir(os.path.join(checkpoint_dir, name)):
+            found.add(int(match.group(1)))
+    return sorted(found)
+
+
+def has_checkpoints(checkpoint_dir: str) -> bool:
+    """Whether `checkpoint_dir` holds any checkpoint (a `latest` marker or an `iter_N` directory).
+
+    A directory that does not exist or holds none is how `--save X --load X` scripts start.
+    """
+    return os.path.isfile(os.path.join(checkpoint_dir, LATEST)) or bool(checkpoint_iterations(checkpoint_dir))
+
+
 def _complete_copy(path: str) -> str:
     """`path`, or the copy `commit` moved aside if it was killed while saving that iteration again."""
     if not os.path.isdir(path) and os.path.isdir(path + REPLACED):
@@ -84,15 +149,73 @@ def _complete_copy(path: str) -> str:
     return path
 
 
-def begin_save(checkpoint_dir: str, iteration: int, group: Optional[ProcessGroup]) -> str:
-    """Create the empty `.incomplete` directory on rank 0 (removing a killed save's leftovers)."""
+class SaveLock:
+    """Rank 0's exclusive advisory lock (`fcntl.flock`) on a checkpoint directory during a save.
+
+    The lock file names its holder (pid, host, start time, command), so a second run saving into
+    the same directory is refused with who the first one is. The kernel drops the lock when the
+    holder exits, even when killed, so a stale file never blocks anyone.
+    """
+
+    def __init__(self, checkpoint_dir: str) -> None:
+        self.checkpoint_dir = checkpoint_dir
+        self.path = os.path.join(checkpoint_dir, SAVE_LOCK)
+        self._file = None
+
+    def acquire(self) -> None:
+        file = open(self.path, "a+")
+        try:
+            fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.seek(0)
+            holder = file.read().strip() or "holder not yet written"
+            file.close()
+            raise CheckpointError(
+                f"another run is saving into {self.checkpoint_dir} ({holder}); two runs must not "
+                f"share a checkpoint directory: give this one its own --save / checkpoint_dir."
+            ) from None
+        file.truncate(0)
+        started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+        file.write(f"pid {os.getpid()} on host {socket.gethostname()}, saving since {started}, "
+                   f"command: {' '.join(sys.argv)[:300]}")
+        file.flush()
+        self._file = file
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.truncate(0)
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
+            self._file.close()
+            self._file = None
+
+
+def begin_save(
+    checkpoint_dir: str, iteration: int, group: Optional[ProcessGroup]
+) -> tuple[str, Optional[SaveLock]]:
+    """Lock the directory and create the empty `.incomplete` one on rank 0 (removing a killed save's
+    leftovers); returns its path and the lock, which `end_save` releases."""
     path = incomplete_path(checkpoint_dir, iteration)
-    if rank(group) == 0:
+    lock = SaveLock(checkpoint_dir) if rank(group) == 0 else None
+
+    def prepare() -> None:
+        if lock is None:
+            return
         os.makedirs(checkpoint_dir, exist_ok=True)
-        shutil.rmtree(path, ignore_errors=True)
-        os.makedirs(path)
-    _barrier(group)
-    return path
+        lock.acquire()  # before touching the staging folder: it may be another run's
+        try:
+            shutil.rmtree(path, ignore_errors=True)
+            os.makedirs(path)
+        except BaseException:
+            lock.release()
+            raise
+
+    agree(prepare, group, "saving")
+    return path, lock
+
+
+def end_save(lock: Optional[SaveLock]) -> None:
+    if lock is not None:
+        lock.release()
 
 
 def write_manifest(path: str, manifest: dict[str, Any], group: Optional[ProcessGroup]) -> None:
@@ -107,20 +230,47 @@ def write_manifest(path: str, manifest: dict[str, Any], group: Optional[ProcessG
 
 
 def commit(checkpoint_dir: str, iteration: int, group: Optional[ProcessGroup]) -> str:
-    """Rename the finished `.incomplete` directory into place and point `latest` at it."""
+    """Rename the finished `.incomplete` directory into place, verify it against its manifest, and
+    only then point `latest` at it."""
     _barrier(group)  # every rank has finished writing
     final = os.path.join(checkpoint_dir, checkpoint_name(iteration))
     if rank(group) == 0:
         staged = incomplete_path(checkpoint_dir, iteration)
-        replaced = final + REPLACED
         if os.path.isdir(final):  # saving the same iteration again
-            shutil.rmtree(replaced, ignore_errors=True)
-            os.replace(final, replaced)
+            shutil.rmtree(final + REPLACED, ignore_errors=True)
+            os.replace(final, final + REPLACED)
         os.replace(staged, final)
-        _write_atomically(os.path.join(checkpoint_dir, LATEST), checkpoint_name(iteration))
-        shutil.rmtree(replaced, ignore_errors=True)
+    _barrier(group)
+    try:
+        verify_files(final, read_manifest(final), group)
+    except CheckpointError as error:
+        raise CheckpointError(
+            f"saving {final} failed: it does not match its manifest after writing ({error}); "
+            f"'{LATEST}' was not moved to it. Did another process write into {checkpoint_dir}?"
+        ) from None
+    if rank(group) == 0:
+        _point_latest(checkpoint_dir, iteration)
+        shutil.rmtree(final + REPLACED, ignore_errors=True)
     _barrier(group)
     return final
+
+
+def _point_latest(checkpoint_dir: str, iteration: int) -> None:
+    marker = os.path.join(checkpoint_dir, LATEST)
+    previous = None
+    if os.path.isfile(marker):
+        with open(marker) as f:
+            match = CHECKPOINT_NAME.fullmatch(f.read().strip())
+        previous = int(match.group(1)) if match else None
+    if previous is not None and previous > iteration:
+        warnings.warn(
+            f"'{LATEST}' in {checkpoint_dir} moves back from {checkpoint_name(previous)} to "
+            f"{checkpoint_name(iteration)}: a load without an explicit iteration now resumes from "
+            f"{iteration}. Expected when resuming from an earlier checkpoint; otherwise another run "
+            f"saves into this directory.",
+            stacklevel=4,
+        )
+    _write_atomically(marker, checkpoint_name(iteration))
 
 
 def read_manifest(path: str) -> dict[str, Any]:
@@ -162,7 +312,7 @@ def verify_files(path: str, manifest: dict[str, Any], group: Optional[ProcessGro
         raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(problems) + ". Load an earlier checkpoint.")
 
 
-def agree(step: Callable[[], T], group: Optional[ProcessGroup]) -> T:
+def agree(step: Callable[[], T], group: Optional[ProcessGroup], activity: str = "loading") -> T:
     """Run `step` on every rank; if it fails on any, raise on all (the failing rank's own error)."""
     try:
         result, message = step(), None
@@ -172,7 +322,7 @@ def agree(step: Callable[[], T], group: Optional[ProcessGroup]) -> T:
     if message is not None:
         raise own
     if messages:
-        raise CheckpointError(f"loading stopped on every rank: {messages[0]}")
+        raise CheckpointError(f"{activity} stopped on every rank: {messages[0]}")
     return result
 
 

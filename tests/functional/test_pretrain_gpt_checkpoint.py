@@ -5,11 +5,19 @@ in new processes must reproduce iterations 11-20 exactly: the same losses, and a
 20 equal to the straight run's key by key (parameters, optimizer state, scheduler, RNG; every
 tensor bitwise). Loading the same checkpoint in one process without the distributed optimizer
 (DP 2 -> 1, layer-wise -> replicated) continues with the same losses to 1e-4 (the gradient is
-averaged in another order), and `--no-load-optim` lets AdamW start from Muon's model.
+averaged in another order), and `--no-load-optim` lets AdamW start from Muon's model with a
+fresh lr schedule from step 0 (Megatron-LM's semantics), which the run spells out.
+
+A resume with a changed `--lr` is refused (exit 2, nothing trained) naming the value and the two
+scheduler flags; with `--override-opt_param-scheduler` it follows the new schedule from the
+checkpoint's step, and a directory without `latest` resumes from its newest checkpoint, saying
+so. Expected learning rates come from the cosine formula written out here.
 """
 
 import json
+import math
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -22,14 +30,27 @@ from tests.functional.test_pretrain_gpt import MODEL_FLAGS, ROOT, TOLERANCE
 MUON = ["--optimizer", "muon", "--use-distributed-optimizer"]
 
 
-def _run(nproc: int, flags: list[str], metrics: pathlib.Path) -> list[dict]:
+def _launch(nproc: int, flags: list[str], metrics: pathlib.Path) -> subprocess.CompletedProcess:
     launcher = [sys.executable, "scripts/pretrain_gpt.py"] if nproc == 1 else [
         str(pathlib.Path(sys.executable).with_name("torchrun")), "--standalone", f"--nproc-per-node={nproc}",
         "scripts/pretrain_gpt.py"]
     command = launcher + MODEL_FLAGS + flags + ["--metrics-jsonl", str(metrics)]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def _run(nproc: int, flags: list[str], metrics: pathlib.Path, output: dict | None = None) -> list[dict]:
+    result = _launch(nproc, flags, metrics)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    if output is not None:
+        output["stdout"] = result.stdout
     return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def _cosine_lr(steps_done: int, max_lr: float, min_lr: float = 1e-3, warmup: int = 2, decay: int = 20) -> float:
+    """MODEL_FLAGS' schedule (--lr-warmup-iters 2, cosine over --train-iters 20) after `steps_done` iterations."""
+    if steps_done <= warmup:
+        return max_lr * steps_done / warmup
+    return min_lr + (max_lr - min_lr) * 0.5 * (math.cos(math.pi * (steps_done - warmup) / (decay - warmup)) + 1)
 
 
 def _checkpoint(path: pathlib.Path, tmp_path: pathlib.Path) -> dict:
@@ -72,7 +93,37 @@ def test_resume_at_another_layout_and_model_only(straight_run, tmp_path: pathlib
     worst = max(abs(a - b) for a, b in zip(_losses(replicated, 11), _losses(straight, 11)))
     assert len(replicated) == 10 and worst <= TOLERANCE, (worst, replicated)
     # AdamW from Muon's model: the first loss is the model's, the same as Muon's at iteration 11.
+    output = {}
     adam = _run(1, ["--optimizer", "adam", "--load", str(saved), "--ckpt-step", "10", "--no-load-optim"],
-                tmp_path / "m2.jsonl")
+                tmp_path / "m2.jsonl", output)
     assert adam[0]["iteration"] == 11
     assert abs(adam[0]["loss"] - _losses(straight, 11)[0]) <= TOLERANCE
+    # Megatron-LM's --no-load-optim: iterations continue (11-20), the schedule restarts at step 0.
+    lrs = {r["iteration"]: r["lr"] for r in adam}
+    for iteration in (11, 12, 15, 20):
+        assert math.isclose(lrs[iteration], _cosine_lr(iteration - 11, 1e-2), rel_tol=1e-12), (iteration, lrs)
+    assert (f"--no-load-optim: fresh optimizer, lr schedule from step 0 at iteration 11 (lr 0.000000e+00) over "
+            f"--lr-decay-iters 20 iterations; the last iteration, 20, runs at lr {_cosine_lr(9, 1e-2):.6e} "
+            f"(--lr-decay-iters 10 fits the schedule to this run)") in output["stdout"]
+
+
+def test_changed_schedule_is_refused_then_overridden_without_latest(straight_run, tmp_path: pathlib.Path) -> None:
+    saved, straight = straight_run
+    directory = tmp_path / "ckpt"  # iteration 10 only, no `latest`: a crash before the marker update
+    shutil.copytree(saved / "iter_0000010", directory / "iter_0000010")
+    refused = _launch(1, ["--optimizer", "muon", "--load", str(directory), "--lr", "2e-2"], tmp_path / "refused.jsonl")
+    assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
+    for fragment in ("learning rate (max_lr): checkpoint 0.01, now 0.02", "Nothing was loaded",
+                     "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"):
+        assert fragment in refused.stderr, refused.stderr[-2000:]
+    assert "training from scratch" not in refused.stdout and " iteration " not in refused.stdout
+
+    output = {}
+    resumed = _run(1, ["--optimizer", "muon", "--load", str(directory), "--lr", "2e-2",
+                       "--override-opt_param-scheduler"], tmp_path / "override.jsonl", output)
+    assert [r["iteration"] for r in resumed] == list(range(11, 21))
+    for record in resumed:  # the new peak lr, at the checkpoint's step count
+        assert math.isclose(record["lr"], _cosine_lr(record["iteration"] - 1, 2e-2), rel_tol=1e-12), record
+    assert f"{directory} has no 'latest' marker" in output["stdout"]
+    assert "loading the newest complete checkpoint, iter_0000010" in output["stdout"]
+    assert "RNG states not restored: saved at world size 2 with TP 1" in output["stdout"]

@@ -211,9 +211,9 @@ def test_rank_killed_during_save_leaves_previous_checkpoint(run_distributed, tmp
         run_distributed(_die_before_commit, world_size=2, args=(str(tmp_path),), timeout=120)
     for found in run_distributed(_resume_after_kill, world_size=2, args=(str(tmp_path),)):
         assert found["latest"] == "iter_0000003"
-        assert found["leftover"] == [".iter_0000006.incomplete"]
+        assert found["leftover"] == [".iter_0000006.incomplete", ".save_lock"]  # the lock file stays, unlocked
         assert not found["differences"], found["differences"][:5]
-        assert found["after_resave"] == ("iter_0000006", ["iter_0000003", "iter_0000006", "latest"])
+        assert found["after_resave"] == ("iter_0000006", [".save_lock", "iter_0000003", "iter_0000006", "latest"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -315,3 +315,45 @@ def test_an_error_on_one_rank_stops_every_rank(run_distributed) -> None:
     rank0, rank1 = run_distributed(_agree_body, world_size=2)
     assert rank0 == "CheckpointError: loading stopped on every rank: rank 1: shape mismatch on this rank only"
     assert rank1 == "ValueError: shape mismatch on this rank only"
+
+
+# ------------------------------------------------------------------------------------------------
+# RNG states per rank: restored at the saved layout, left alone (and said) at another
+# ------------------------------------------------------------------------------------------------
+
+
+def _rng_body(rank: int, world_size: int, directory: str, save: bool) -> dict:
+    from megatron.core import tensor_parallel
+
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    kept = tracker.get_states()
+    run = GPTRun(Layout("adam"))
+    try:
+        seed = 100 + rank if save else 999  # each rank its own stream, as megatron-core seeds them
+        tracker.set_states({"model-parallel-rng": torch.Generator().manual_seed(seed).get_state()})
+        torch.manual_seed(seed)
+        messages = ()
+        if save:
+            save_checkpoint(directory, 1, [run.model], run.optimizer, run.scheduler)
+        else:
+            messages = load_checkpoint(directory, [run.model], run.optimizer, run.scheduler).messages
+        tracker_generator = torch.Generator()
+        tracker_generator.set_state(tracker.get_states()["model-parallel-rng"])
+        return {"tracker": torch.rand(3, generator=tracker_generator), "cpu": torch.rand(3), "messages": messages}
+    finally:
+        run.close()
+        tracker.set_states(kept)
+
+
+def test_rng_states_are_per_rank_and_restored_only_at_the_saved_layout(run_distributed, tmp_path) -> None:
+    directory = str(tmp_path)
+    saved = run_distributed(_rng_body, world_size=2, args=(directory, True))
+    assert not torch.equal(saved[0]["tracker"], saved[1]["tracker"])
+    for rank, loaded in enumerate(run_distributed(_rng_body, world_size=2, args=(directory, False))):
+        assert torch.equal(loaded["tracker"], saved[rank]["tracker"]) and torch.equal(loaded["cpu"], saved[rank]["cpu"])
+        assert loaded["messages"] == ()
+    [resharded] = run_distributed(_rng_body, world_size=1, args=(directory, False))
+    untouched = torch.Generator().manual_seed(999)
+    assert torch.equal(resharded["tracker"], torch.rand(3, generator=untouched))  # this run's own seeding
+    assert resharded["messages"] == ("RNG states not restored: saved at world size 2 with TP 1, this run has "
+                                     "world size 1 with TP 1; the RNGs keep this run's seeding",)

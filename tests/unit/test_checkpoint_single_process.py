@@ -1,13 +1,25 @@
-"""Checkpoints without torch.distributed (one plain process): the same API, the same guarantees."""
+"""Checkpoints without torch.distributed (one plain process): the same API, the same guarantees.
+
+Also the directory rules: one saving run at a time (a second is refused naming the first), no
+`latest` for a checkpoint that does not verify, a warning when `latest` moves back, and a load
+without `latest` takes the newest checkpoint that verifies and says so.
+"""
 
 import copy
 import os
+import threading
 
 import pytest
 import torch
 
 from megatron_eopt import OptimizerConfig, get_megatron_optimizer, list_optimizers
-from megatron_eopt.checkpointing import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from megatron_eopt.checkpointing import (
+    CheckpointError,
+    has_checkpoints,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 
 
 def _model_and_optimizer(seed: int):
@@ -113,4 +125,91 @@ def test_killed_while_replacing_the_same_iteration_still_loads(tmp_path) -> None
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), expected))
     _step(model, optimizer, 1)
     save_checkpoint(str(tmp_path), 1, model, optimizer)  # a later save cleans up
-    assert sorted(os.listdir(tmp_path)) == ["iter_0000001", "latest"]
+    assert sorted(os.listdir(tmp_path)) == [".save_lock", "iter_0000001", "latest"]
+
+
+# ------------------------------------------------------------------------------------------------
+# One run per directory; `latest` only after verification; a missing `latest`
+# ------------------------------------------------------------------------------------------------
+
+
+def test_a_second_run_saving_into_the_same_directory_is_refused(tmp_path) -> None:
+    """Two savers at once (threads: flock conflicts between open files, as between processes)."""
+    first_model, first_optimizer = _model_and_optimizer(0)
+    second_model, second_optimizer = _model_and_optimizer(1)
+    in_commit, may_commit = threading.Event(), threading.Event()
+    outcome = {}
+
+    def pause(path: str) -> None:
+        in_commit.set()
+        may_commit.wait(timeout=60)
+
+    def first_run() -> None:
+        outcome["first"] = save_checkpoint(str(tmp_path), 2, first_model, first_optimizer, before_commit=pause)
+
+    thread = threading.Thread(target=first_run)
+    thread.start()
+    assert in_commit.wait(timeout=120)
+    try:
+        with pytest.raises(CheckpointError) as refused:
+            save_checkpoint(str(tmp_path), 2, second_model, second_optimizer)
+    finally:
+        may_commit.set()
+        thread.join(timeout=120)
+    message = str(refused.value)
+    assert f"another run is saving into {tmp_path}" in message and f"pid {os.getpid()} on host" in message, message
+    assert "give this one its own --save" in message
+    assert os.path.basename(outcome["first"]) == "iter_0000002"
+    expected = [p.detach().clone() for p in first_model.parameters()]
+    model, optimizer = _model_and_optimizer(2)
+    assert load_checkpoint(str(tmp_path), model, optimizer).iteration == 2  # verifies every file
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), expected))
+    save_checkpoint(str(tmp_path), 4, second_model, second_optimizer)  # the lock was released
+
+
+def test_a_save_that_does_not_verify_is_not_reported_and_latest_stays(tmp_path) -> None:
+    model, optimizer = _model_and_optimizer(0)
+    save_checkpoint(str(tmp_path), 1, model, optimizer)
+
+    def overwritten_by_someone_else(path: str) -> None:
+        data_file = os.path.join(path, sorted(n for n in os.listdir(path) if n.endswith(".distcp"))[0])
+        with open(data_file, "ab") as f:
+            f.write(b"another run's bytes")
+
+    with pytest.raises(CheckpointError, match="does not match its manifest after writing .*has .* bytes"):
+        save_checkpoint(str(tmp_path), 2, model, optimizer, before_commit=overwritten_by_someone_else)
+    assert os.path.basename(latest_checkpoint(str(tmp_path))) == "iter_0000001"
+
+
+def test_latest_moving_back_warns(tmp_path) -> None:
+    model, optimizer = _model_and_optimizer(0)
+    save_checkpoint(str(tmp_path), 10, model, optimizer)
+    with pytest.warns(UserWarning, match="moves back from iter_0000010 to iter_0000006"):
+        save_checkpoint(str(tmp_path), 6, model, optimizer)
+    assert os.path.basename(latest_checkpoint(str(tmp_path))) == "iter_0000006"
+
+
+def test_without_latest_the_newest_verified_checkpoint_loads_and_says_so(tmp_path) -> None:
+    model, optimizer = _model_and_optimizer(0)
+    assert not has_checkpoints(str(tmp_path / "missing")) and not has_checkpoints(str(tmp_path))
+    saved = {}
+    for iteration in (3, 6, 9):
+        _step(model, optimizer, iteration)
+        save_checkpoint(str(tmp_path), iteration, model, optimizer)
+        saved[iteration] = [p.detach().clone() for p in model.parameters()]
+    os.remove(tmp_path / "latest")  # a crash between the rename of iter_9 and the marker update
+    (tmp_path / "iter_0000009" / "megatron_eopt.json").write_text("{")  # and iter_9 is damaged
+    assert has_checkpoints(str(tmp_path))
+    fresh, fresh_optimizer = _model_and_optimizer(1)
+    loaded = load_checkpoint(str(tmp_path), fresh, fresh_optimizer)
+    assert loaded.iteration == 6
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), saved[6]))
+    [note] = loaded.messages
+    assert "has no 'latest' marker" in note and "loading the newest complete checkpoint, iter_0000006" in note
+    assert "skipped iter_0000009" in note and "is corrupt" in note
+    with pytest.raises(CheckpointError, match="no checkpoint for iteration 7"):
+        load_checkpoint(str(tmp_path), fresh, fresh_optimizer, iteration=7)
+    for iteration in (3, 6):
+        os.remove(tmp_path / f"iter_{iteration:07d}" / "megatron_eopt.json")
+    with pytest.raises(CheckpointError, match="none of its iter_\\* directories verifies"):
+        load_checkpoint(str(tmp_path), fresh, fresh_optimizer)

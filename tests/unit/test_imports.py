@@ -16,7 +16,9 @@ LAYER_OF = {  # first component below megatron_eopt -> layer; a module imports l
     "config": 0, "param_key": 0, "ops": 1, "optimizers": 2, "registry": 3, "param_groups": 4,
     "wrappers": 5, "distributed": 5, "checkpointing": 6, "factory": 7, "muon": 8, "bridge": 8,
 }
-MEGATRON_CORE_ALLOWED = {"distributed/process_groups.py", "factory.py", "bridge.py", "wrappers/megatron_sharded.py"}
+# checkpointing/rng.py: megatron-core's process-global RNG tracker, only once megatron-core is imported.
+MEGATRON_CORE_ALLOWED = {"distributed/process_groups.py", "factory.py", "bridge.py", "wrappers/megatron_sharded.py",
+                         "checkpointing/rng.py"}
 # Upward imports that are deliberate, each inside a function: OptimizerConfig.provide() is
 # Megatron-Bridge's custom-optimizer hook, so the config must be able to build the optimizer.
 UPWARD_ALLOWED = {("config.py", "megatron_eopt.bridge")}

@@ -1,0 +1,109 @@
+"""The lr scheduler's part of a checkpoint, checked before anything is loaded.
+
+megatron-core's `OptimizerParamScheduler.load_state_dict` compares each schedule value of the
+checkpoint (lr, min lr, warmup and decay steps, decay style, weight-decay range) with its own
+and asserts they match unless one of Megatron-LM's two flags, set on the scheduler, says which
+to keep:
+- `override_opt_param_scheduler` (`--override-opt_param-scheduler`): this run's values; only
+  the step count comes from the checkpoint;
+- `use_checkpoint_opt_param_scheduler` (`--use-checkpoint-opt_param-scheduler`): the
+  checkpoint's values, this run's are ignored.
+Its assertion fires halfway through loading, after the model was overwritten. Here the same
+comparison runs first, on every rank, and a mismatch is a CheckpointError naming each value
+(checkpoint vs now) and the two flags. The per-group lr bounds (`max_lr`/`min_lr` that the
+scheduler reads from each param group, e.g. a decoupled embedding lr) are compared too, and
+the checkpoint's are restored with `use_checkpoint_opt_param_scheduler`, so that flag restores
+the whole schedule (megatron-core restores group bounds with every optimizer load, which makes
+its override flag ineffective for them; here they follow the flags).
+"""
+
+import json
+from typing import Any, Callable, Optional
+
+from megatron_eopt.checkpointing.storage import CheckpointError
+from megatron_eopt.wrappers.fp32 import FP32Optimizer
+
+SCHEDULER_KEY = "scheduler"  # the scheduler's state_dict (JSON)
+LR_BOUNDS_KEY = "scheduler_lr_bounds"  # {child: {group_key: [max_lr, min_lr]}} (JSON)
+# state_dict key -> what megatron-core's load_state_dict calls it.
+SCHEDULE_VALUES = {
+    "max_lr": "learning rate",
+    "min_lr": "minimum learning rate",
+    "lr_warmup_steps": "warmup steps",
+    "lr_decay_steps": "decay steps",
+    "lr_decay_style": "learning rate decay style",
+    "start_wd": "start weight decay",
+    "end_wd": "end weight decay",
+    "wd_incr_steps": "weight decay increment steps",
+    "wd_incr_style": "weight decay increment style",
+}
+FLAGS = ("pass --override-opt_param-scheduler to keep this run's schedule (the step count still comes "
+         "from the checkpoint) or --use-checkpoint-opt_param-scheduler to keep the checkpoint's "
+         "(Python: SchedulerConfig.override_opt_param_scheduler / use_checkpoint_opt_param_scheduler)")
+
+
+def scheduler_entries(scheduler: Any, children: list[FP32Optimizer]) -> dict[str, str]:
+    return {SCHEDULER_KEY: json.dumps(scheduler.state_dict()), LR_BOUNDS_KEY: json.dumps(_lr_bounds(children))}
+
+
+def _lr_bounds(children: list[FP32Optimizer]) -> dict[str, dict[str, list]]:
+    return {
+        child.name: {g["group_key"]: [g.get("max_lr"), g.get("min_lr")] for g in child.optimizer.param_groups}
+        for child in children
+    }
+
+
+def plan_scheduler_load(scheduler: Any, saved_json: str, bounds_json: Optional[str],
+                        children: list[FP32Optimizer], path: str) -> Callable[[], None]:
+    """Check the saved schedule against `scheduler` (raises, changing nothing); returns the load."""
+    saved = json.loads(saved_json)
+    saved_bounds = json.loads(bounds_json) if bounds_json is not None else {}
+    override = bool(getattr(scheduler, "override_opt_param_scheduler", False))
+    use_checkpoint = bool(getattr(scheduler, "use_checkpoint_opt_param_scheduler", False)) and not override
+    if not override and not use_checkpoint:
+        differences = _schedule_differences(scheduler, saved) + _bound_differences(scheduler, children, saved_bounds, saved)
+        if differences:
+            raise CheckpointError(
+                f"the lr schedule of {path} differs from this run's: {'; '.join(differences)}. Nothing "
+                f"was loaded; {FLAGS}."
+            )
+
+    def load() -> None:
+        if use_checkpoint:
+            _restore_bounds(children, saved_bounds)
+        scheduler.num_steps = 0  # load_state_dict adds the saved step count to the current one
+        scheduler.load_state_dict(saved)
+
+    return load
+
+
+def _schedule_differences(scheduler: Any, saved: dict) -> list[str]:
+    differences = []
+    for key, description in SCHEDULE_VALUES.items():
+        if key in saved and getattr(scheduler, key) != saved[key]:
+            differences.append(f"{description} ({key}): checkpoint {saved[key]!r}, now {getattr(scheduler, key)!r}")
+    return differences
+
+
+def _bound_differences(scheduler: Any, children: list[FP32Optimizer], saved_bounds: dict, saved: dict) -> list[str]:
+    """Group bounds that differ other than as the scheduler's own lr / min lr do (said once above)."""
+    explained = {(saved.get("max_lr"), scheduler.max_lr), (saved.get("min_lr"), scheduler.min_lr)}
+    differences = []
+    for child_name, groups in _lr_bounds(children).items():
+        for key, live in groups.items():
+            stored = saved_bounds.get(child_name, {}).get(key)
+            if stored is None:
+                continue
+            for name, old, new in zip(("max_lr", "min_lr"), stored, live):
+                if old != new and (old, new) not in explained:
+                    differences.append(f"{name} of param group {key!r} of {child_name!r}: checkpoint {old!r}, now {new!r}")
+    return differences
+
+
+def _restore_bounds(children: list[FP32Optimizer], saved_bounds: dict) -> None:
+    for child in children:
+        stored_groups = saved_bounds.get(child.name, {})
+        for group in child.optimizer.param_groups:
+            stored = stored_groups.get(group["group_key"])
+            if stored is not None:
+                group["max_lr"], group["min_lr"] = stored
