@@ -11,7 +11,7 @@ writer (factories, `save_preprocess` with its sharding-integrity validation, the
 a ShardedObject, the translation to torch ShardedTensors) and writes with torch's synchronous
 `FileSystemWriter` under megatron-core's `MCoreSavePlanner`: the same torch_dist files
 (`FileSystemWriterAsync` subclasses `FileSystemWriter`), and megatron-core's `metadata.json`.
-With CUDA it calls `dist_checkpointing.save` itself.
+`dist_checkpointing.save` itself is run by the GPU tier (tests/unit/test_gpu.py).
 
 Load: megatron-core's `dist_checkpointing.load` as it is (CPU and gloo work), into a fresh model
 and optimizer (`is_loading=True`, no optimizer state yet); `load_state_dict` must then restore
@@ -20,7 +20,6 @@ the model's parameters and the optimizer's state key by key, bitwise.
 
 import os
 
-import torch
 import torch.distributed as dist
 
 from tests.unit.checkpoint_runs import GPTRun, Layout
@@ -28,13 +27,8 @@ from tests.unit.test_checkpoint import _differences
 
 
 def _megatron_save(sharded_state_dict: dict, directory: str) -> None:
-    """megatron-core's `dist_checkpointing.save` (torch_dist format); on CPU with a synchronous
-    writer in place of its CUDA-only one (see the module docstring)."""
-    from megatron.core import dist_checkpointing
-
-    if torch.cuda.is_available():
-        dist_checkpointing.save(sharded_state_dict, directory)
-        return
+    """megatron-core's `dist_checkpointing.save` (torch_dist format) with a synchronous writer in
+    place of its CUDA-only one (see the module docstring)."""
     from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
