@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 __all__ = [
     "GPTModelSettings",
     "SDPACoreAttention",
+    "SettingsError",
     "build_gpt_model",
     "destroy_model_parallel",
     "gpt_layer_spec",
@@ -230,6 +232,27 @@ def _transformer_engine_at_least(version: str | None) -> bool:
     return is_te_min_version(version)
 
 
+class SettingsError(ValueError):
+    """A setting the model cannot be built with.
+
+    The message names the settings (``max_position_embeddings (32) must be >= seq_length (64)``);
+    a front end that took them from its own options re-words it in their names with
+    :meth:`message_for`, e.g. ``--max-position-embeddings 32 must be >= --seq-length 64``.
+    """
+
+    def __init__(self, template: str, **values: Any) -> None:
+        # `template` has one {placeholder} per setting involved; `values` gives their values.
+        self.template, self.values = template, values
+        super().__init__(self.message_for({}))
+
+    def message_for(self, names: Mapping[str, str]) -> str:
+        """The message with each setting written as ``names[setting] value`` where named."""
+        return self.template.format(**{
+            setting: f"{names[setting]} {value}" if setting in names else f"{setting} ({value})"
+            for setting, value in self.values.items()
+        })
+
+
 @dataclasses.dataclass(frozen=True)
 class GPTModelSettings:
     """Shape and options of the GPT model; defaults give a tiny model for tests.
@@ -270,30 +293,25 @@ class GPTModelSettings:
                     "seq_length", "vocab_size")
         for name in positive:
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+                raise SettingsError(f"{{{name}}} must be positive", **{name: getattr(self, name)})
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"hidden_size ({self.hidden_size}) must be divisible by "
-                f"num_attention_heads ({self.num_attention_heads})"
-            )
+            raise SettingsError("{hidden_size} must be divisible by {num_attention_heads}",
+                                hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads)
         groups = self.query_groups
         if groups <= 0 or self.num_attention_heads % groups:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
-                f"num_query_groups ({groups})"
-            )
+            raise SettingsError("{num_attention_heads} must be divisible by {num_query_groups}",
+                                num_attention_heads=self.num_attention_heads, num_query_groups=groups)
         if self.max_positions < self.seq_length:
-            raise ValueError(
-                f"max_position_embeddings ({self.max_positions}) must be >= "
-                f"seq_length ({self.seq_length})"
-            )
+            raise SettingsError("{max_position_embeddings} must be >= {seq_length}",
+                                max_position_embeddings=self.max_positions, seq_length=self.seq_length)
         if self.normalization not in ("LayerNorm", "RMSNorm"):
-            raise ValueError(f"normalization must be LayerNorm or RMSNorm: {self.normalization!r}")
+            raise SettingsError("{normalization} must be LayerNorm or RMSNorm", normalization=self.normalization)
         if self.position_embedding_type not in ("learned_absolute", "rope", "none"):
-            raise ValueError(f"unknown position_embedding_type {self.position_embedding_type!r}")
+            raise SettingsError("{position_embedding_type} must be learned_absolute, rope or none",
+                                position_embedding_type=self.position_embedding_type)
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+                raise SettingsError(f"{{{name}}} must be in [0, 1)", **{name: getattr(self, name)})
 
     @property
     def query_groups(self) -> int:
@@ -310,7 +328,7 @@ class GPTModelSettings:
         return torch.bfloat16 if self.bf16 else torch.float32
 
     def check_tensor_parallel(self, tp: int) -> None:
-        """Raise ValueError if the model cannot be split over ``tp`` ranks."""
+        """Raise SettingsError (a ValueError) if the model cannot be split over ``tp`` ranks."""
         for name, value in (
             ("num_attention_heads", self.num_attention_heads),
             ("num_query_groups", self.query_groups),
@@ -318,7 +336,8 @@ class GPTModelSettings:
             ("vocab_size", self.vocab_size),
         ):
             if value % tp:
-                raise ValueError(f"{name} ({value}) must be divisible by tensor parallel size {tp}")
+                raise SettingsError(f"{{{name}}} must be divisible by {{tensor_model_parallel_size}}",
+                                    **{name: value, "tensor_model_parallel_size": tp})
 
 
 def initialize_model_parallel(tensor_model_parallel_size: int, seed: int) -> None:

@@ -15,7 +15,9 @@ Data: the generated rule language (scripts/data.py) by default, or `--data-path 
 bytes (vocabulary 256). Rank 0 prints a Megatron-style line every `--log-interval` iterations
 and, with `--metrics-jsonl`, writes one JSON object per logged iteration; `--plot` writes the
 loss curve as a PNG (scripts/plot_png.py, no plotting library needed). When stdout is a terminal,
-rank 0 also redraws a progress bar below the log lines. Invalid flags exit with one line on stderr.
+rank 0 also redraws a progress bar below the log lines. An invalid flag, or a combination the
+optimizer factory refuses, exits every rank with status 2 after one line on rank 0's stderr naming
+the flags (torchrun then adds its own failure summary).
 
 Checkpoints (megatron_eopt.checkpointing): `--save DIR` every `--save-interval` iterations and
 after the last one; `--load DIR` resumes from its latest checkpoint (or `--ckpt-step N`), also
@@ -38,7 +40,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
-from typing import Optional, TextIO
+from typing import NoReturn, Optional, TextIO
 
 import torch
 import torch.distributed as dist
@@ -52,6 +54,7 @@ from megatron_eopt.checkpointing import has_checkpoints, load_checkpoint, save_c
 from scripts.data import BYTE_VOCAB_SIZE, byte_batch, load_bytes, rule_batch  # noqa: E402
 from scripts.gpt_model import (  # noqa: E402
     GPTModelSettings,
+    SettingsError,
     build_gpt_model,
     destroy_model_parallel,
     gpt_loss,
@@ -67,8 +70,52 @@ DEFAULT_RULE_VOCAB_SIZE = 64
 # ------------------------------------------------------------------------------------------------
 
 
+PROG = "pretrain_gpt.py"
+# How long another rank that fails waits before exiting, so that rank 0 (which fails alike) has
+# printed the error first: torchrun stops every worker as soon as one exits non-zero, and a rank 1
+# that exited first could get rank 0 killed before it says why. Under torchrun the wait ends when
+# rank 0 exits; it covers the ranks' difference in start-up time (seconds) with a wide margin.
+OTHER_RANKS_WAIT_S = 60.0
+
+
+def is_rank_zero() -> bool:
+    """From torchrun's environment, so it holds before any process group exists."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def exit_with_error(message: str) -> NoReturn:
+    """One line on rank 0's stderr, status 2 on every rank (argparse's convention), no traceback:
+    every rank parses the same flags and builds the same optimizer, so each rank gets here."""
+    _exit_from_any_rank(2, f"{PROG}: error: {' '.join(message.split())}\n")
+
+
+def _exit_from_any_rank(status: int, message: Optional[str]) -> NoReturn:
+    if is_rank_zero():
+        if message:
+            sys.stderr.write(message)
+            sys.stderr.flush()
+    elif status:
+        time.sleep(OTHER_RANKS_WAIT_S)
+    raise SystemExit(status)
+
+
+class RankZeroArgumentParser(argparse.ArgumentParser):
+    """argparse's usage, help and errors printed by rank 0 only; every rank exits alike."""
+
+    def print_usage(self, file: Optional[TextIO] = None) -> None:
+        if is_rank_zero():
+            super().print_usage(file)
+
+    def print_help(self, file: Optional[TextIO] = None) -> None:
+        if is_rank_zero():
+            super().print_help(file)
+
+    def exit(self, status: int = 0, message: Optional[str] = None) -> NoReturn:
+        _exit_from_any_rank(status, message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pretrain_gpt.py", description=__doc__.splitlines()[0])
+    parser = RankZeroArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     model = parser.add_argument_group(title="model")
     model.add_argument("--num-layers", type=int, default=2)
     model.add_argument("--hidden-size", type=int, default=64)
@@ -126,18 +173,16 @@ class Layout:
 
 def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, GPTModelSettings, Layout]:
     """Parse and check every flag before any process group exists; errors exit with one line."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         validate_args(args, args.tensor_model_parallel_size)
         args.layer_wise_reduce_grads = args.use_layer_wise_distributed_optimizer  # no DDP here
         optimizer_config_from_args(args)
         layout = _layout(args)
-        settings = _model_settings(args)
-        settings.check_tensor_parallel(layout.tp)
+        settings = _model_settings(args, layout.tp)
         _check_training_flags(args)
     except ValueError as error:
-        parser.exit(2, f"{parser.prog}: error: {' '.join(str(error).split())}\n")
+        exit_with_error(str(error))
     return args, settings, layout
 
 
@@ -160,11 +205,23 @@ def _layout(args: argparse.Namespace) -> Layout:
     return Layout(world_size, rank, tp, dp, args.global_batch_size // per_step)
 
 
-def _model_settings(args: argparse.Namespace) -> GPTModelSettings:
+def _model_settings(args: argparse.Namespace, tp: int) -> GPTModelSettings:
+    """The model the flags describe; its errors name the flags (`--seq-length`, not `seq_length`)."""
     if args.vocab_size is None:
         args.vocab_size = BYTE_VOCAB_SIZE if args.data_path else DEFAULT_RULE_VOCAB_SIZE
     if args.data_path and args.vocab_size < BYTE_VOCAB_SIZE:
         raise ValueError(f"--data-path is tokenized by bytes: --vocab-size must be >= 256; got {args.vocab_size}.")
+    try:
+        settings = _settings_from_flags(args)
+        settings.check_tensor_parallel(tp)
+    except SettingsError as error:
+        # Every setting and tensor_model_parallel_size is the destination of the flag of that name.
+        flags = {name: f"--{name.replace('_', '-')}" for name in vars(args)}
+        raise ValueError(f"{error.message_for(flags)}.") from None
+    return settings
+
+
+def _settings_from_flags(args: argparse.Namespace) -> GPTModelSettings:
     return GPTModelSettings(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -479,9 +536,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             plot_curves(args.plot, [Curve(args.optimizer, [r["iteration"] for r in records],
                                           [r["loss"] for r in records], PALETTE[0])])
     except ValueError as error:  # e.g. optimizer/config combinations the factory rejects
-        if layout.rank == 0:
-            print(f"pretrain_gpt.py: error: {' '.join(str(error).split())}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        exit_with_error(str(error))
     finally:
         destroy_model_parallel()
         dist.destroy_process_group()

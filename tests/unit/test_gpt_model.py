@@ -207,7 +207,7 @@ def test_settings_validation(kwargs, message):
 def test_build_rejects_what_cpu_or_tp_cannot_run(tp1):
     with pytest.raises(ValueError, match="rope"):
         build_gpt_model(GPTModelSettings(position_embedding_type="rope"), "cpu")
-    with pytest.raises(ValueError, match="tensor parallel size 3"):
+    with pytest.raises(ValueError, match=r"tensor_model_parallel_size \(3\)"):
         GPTModelSettings().check_tensor_parallel(3)
 
 

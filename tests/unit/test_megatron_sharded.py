@@ -1,17 +1,24 @@
-"""`optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading)` in megatron-core's format.
+"""`optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading)` through megatron-core's
+dist_checkpointing, to disk and back, at TP=2 x DP=2 on a GPTModel with a gated fc1 (a
+ShardedTensorFactory), layer-wise Muon and bf16 Adam.
 
-On CPU megatron-core's `dist_checkpointing.save` cannot run (its torch_dist strategy calls
-torch.cuda.synchronize), so this checks everything before and after the write, at TP=2 x DP=2
-on a GPTModel with a gated fc1 (a ShardedTensorFactory):
-- megatron-core's own `save_preprocess` accepts the model's and the optimizer's sharded state
-  together, including its sharding-integrity validation (every shard of every key written by
-  exactly one main replica, the layer-wise owners' included), and the common part is the same
-  on every rank;
-- the sharded dict made for loading (`is_loading=True`, on a fresh optimizer with no state yet)
-  has the same keys, shapes and offsets as the saved one, and filling it with the saved values
-  (what `load` returns at the same layout) and calling `load_state_dict` restores the optimizer
-  state key by key.
+Save: megatron-core's own pipeline. `dist_checkpointing.save` itself cannot run without CUDA in
+megatron-core 0.19: its only strategy (torch_dist, `TorchDistSaveShardedStrategy.save`) stages
+the tensors with `FileSystemWriterAsync.preload_tensors`, which calls `torch.cuda.synchronize()`
+(non_blocking=True is hard-wired), and its finalize step broadcasts a flag allocated on
+`torch.cuda.current_device()`. So on CPU `_megatron_save` runs every step of `save` up to that
+writer (factories, `save_preprocess` with its sharding-integrity validation, the common state as
+a ShardedObject, the translation to torch ShardedTensors) and writes with torch's synchronous
+`FileSystemWriter` under megatron-core's `MCoreSavePlanner`: the same torch_dist files
+(`FileSystemWriterAsync` subclasses `FileSystemWriter`), and megatron-core's `metadata.json`.
+`dist_checkpointing.save` itself is run by the GPU tier (tests/unit/test_gpu.py).
+
+Load: megatron-core's `dist_checkpointing.load` as it is (CPU and gloo work), into a fresh model
+and optimizer (`is_loading=True`, no optimizer state yet); `load_state_dict` must then restore
+the model's parameters and the optimizer's state key by key, bitwise.
 """
+
+import os
 
 import torch.distributed as dist
 
@@ -19,72 +26,76 @@ from tests.unit.checkpoint_runs import GPTRun, Layout
 from tests.unit.test_checkpoint import _differences
 
 
-def _walk(node, path=()):
-    if isinstance(node, dict):
-        for key, value in node.items():
-            yield from _walk(value, (*path, key))
-    else:
-        yield path, node
-
-
-def _signature(sharded) -> dict:
-    """key path -> (type, megatron key, global shape, offset, replica id) of sharded leaves."""
-    from megatron.core.dist_checkpointing.mapping import ShardedBase
-
-    return {path: (type(leaf).__name__, leaf.key, getattr(leaf, "global_shape", None),
-                   getattr(leaf, "global_offset", None), leaf.replica_id)
-            for path, leaf in _walk(sharded) if isinstance(leaf, ShardedBase)}
-
-
-def _as_loaded(load_side, save_side):
-    """What megatron-core's load returns at the same layout: the saved local values."""
-    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
-
-    if isinstance(load_side, dict):
-        return {key: _as_loaded(value, save_side[key]) for key, value in load_side.items()}
-    if isinstance(load_side, LocalNonpersistentObject):
-        return load_side.unwrap()
-    if isinstance(save_side, ShardedBase):
-        return save_side.data.clone()
-    return save_side
-
-
-def _sharded_body(rank: int, world_size: int, layout: Layout) -> dict:
+def _megatron_save(sharded_state_dict: dict, directory: str) -> None:
+    """megatron-core's `dist_checkpointing.save` (torch_dist format) with a synchronous writer in
+    place of its CUDA-only one (see the module docstring)."""
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner,
+        TorchDistSaveShardedStrategy,
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+    from torch.distributed.checkpoint import FileSystemWriter, save
+
+    sharded, common = save_preprocess(sharded_state_dict, validate_access_integrity=True)
+    sharded["common_state"] = ShardedObject("common_state", common, global_shape=(1,), global_offset=(0,),
+                                            replica_id=dist.get_rank())
+    sharded, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded, keep_only_main_replica=True)
+    save(mcore_to_pyt_state_dict(sharded, is_loading=False), storage_writer=FileSystemWriter(directory),
+         planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False,
+                                  flatten_sharded_tensors=False))
+    if dist.get_rank() == 0:
+        strategy = TorchDistSaveShardedStrategy()
+        save_config(CheckpointingConfig(strategy.backend, strategy.version), directory)
+    dist.barrier()
+
+
+def _sharded(run: GPTRun, is_loading: bool = False) -> dict:
+    model = run.model.sharded_state_dict()
+    return {"model": model, "optimizer": run.optimizer.sharded_state_dict(model, is_loading=is_loading)}
+
+
+def _parameters(run: GPTRun) -> dict:
+    return {name: param.detach().clone() for name, param in run.model.named_parameters()}
+
+
+def _round_trip_body(rank: int, world_size: int, layout: Layout, directory: str) -> dict:
+    from megatron.core import dist_checkpointing
 
     saved = GPTRun(layout)
     for step in range(2):
         saved.train_step(step)
-    save_side = saved.optimizer.sharded_state_dict(saved.model.sharded_state_dict())
-    expected = saved.optimizer.state_dict()
-    saved.close()
+    expected_state, expected_params = saved.optimizer.state_dict(), _parameters(saved)
+    try:
+        _megatron_save(_sharded(saved), directory)
+    finally:
+        saved.close()
+
     fresh = GPTRun(layout)
-    load_side = fresh.optimizer.sharded_state_dict(fresh.model.sharded_state_dict(), is_loading=True)
-    same_signature = _signature(load_side) == _signature(save_side)
-    fresh.optimizer.load_state_dict(_as_loaded(load_side, save_side))
-    differences = _differences(expected, fresh.optimizer.state_dict())
-    fresh.close()
-
-    validation_error = None
-    try:  # megatron-core's checks before writing (its checkpoint format, its integrity rules)
-        _, common = save_preprocess({"optimizer": save_side}, validate_access_integrity=True)
-    except Exception as error:  # report any failure to the test, with its message
-        validation_error, common = f"{type(error).__name__}: {error}", None
-    commons = [None] * world_size
-    dist.all_gather_object(commons, repr(common))
-    return {"same_signature": same_signature, "differences": differences, "validation_error": validation_error,
-            "common_same_on_all_ranks": len(set(commons)) == 1,
-            "sharded_leaves": len(_signature(save_side))}
+    try:
+        untouched = _differences(expected_params, _parameters(fresh))  # the load has something to do
+        loaded = dist_checkpointing.load(_sharded(fresh, is_loading=True), directory)
+        fresh.model.load_state_dict(loaded["model"])
+        fresh.optimizer.load_state_dict(loaded["optimizer"])
+        return {"files": sorted(os.listdir(directory)), "fresh_differed": bool(untouched),
+                "parameters": _differences(expected_params, _parameters(fresh)),
+                "optimizer": _differences(expected_state, fresh.optimizer.state_dict())}
+    finally:
+        fresh.close()
 
 
-def test_sharded_state_dict_passes_megatron_validation_and_round_trips(run_distributed) -> None:
+def test_megatron_dist_checkpointing_round_trip_through_disk(run_distributed, tmp_path) -> None:
     for layout in (Layout("muon", tp=2, layer_wise=True), Layout("adam", tp=2, bf16=True)):
-        for rank, result in enumerate(run_distributed(_sharded_body, world_size=4, args=(layout,))):
-            assert result["validation_error"] is None, (layout, rank, result["validation_error"])
-            assert result["same_signature"], (layout, rank)
-            assert not result["differences"], (layout, rank, result["differences"][:5])
-            assert result["common_same_on_all_ranks"], (layout, rank)
-            assert result["sharded_leaves"] > 0, (layout, rank)
+        directory = tmp_path / layout.describe(4).replace(" ", "_")
+        directory.mkdir()
+        for rank, result in enumerate(run_distributed(_round_trip_body, world_size=4, args=(layout, str(directory)))):
+            assert "metadata.json" in result["files"] and ".metadata" in result["files"], (layout, result["files"])
+            assert result["fresh_differed"], (layout, rank)
+            assert not result["parameters"], (layout, rank, result["parameters"][:5])
+            assert not result["optimizer"], (layout, rank, result["optimizer"][:5])
 
 
 def _unsupported_state_body(rank: int, world_size: int) -> str:
