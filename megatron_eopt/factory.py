@@ -278,7 +278,9 @@ def _optimizer_maker(
     """`make_optimizer(torch param groups)` for one child, with its TP group and layouts."""
     tp_size = group_size(tp_group)
     _check_tensor_parallel_support(spec, records, tp_size)
-    layouts = matrix_layouts(records, chunks, tp_size, config.muon_split_qkv) if spec.accepts("layouts") else None
+    layouts = None
+    if spec.accepts("layouts"):
+        layouts = matrix_layouts(records, chunks, tp_size, config.muon_split_qkv and spec.entry.qkv_split)
     if records:
         on_cpu = all(r.param.device.type == "cpu" for r in records)
     else:

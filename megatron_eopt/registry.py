@@ -123,6 +123,8 @@ class EmergingOptimizerEntry:
     config_prefixes: more prefixes for config fields after the entry's name (e.g. ('muon',)).
     param_check: `fn(param, kwargs) -> None or a reason`, run on every parameter routed to it
         (kwargs: the constructor's, defaults filled in) before the optimizer is built.
+    qkv_split: for a class that takes `layouts`: whether they split a fused linear_qkv into
+        q/k/v blocks (Muon, as `muon_split_qkv` says); False: the fused matrix stays whole.
     """
 
     optimizer_cls: type
@@ -133,6 +135,7 @@ class EmergingOptimizerEntry:
     config_prefixes: tuple[str, ...] = ()
     description: str = ""
     param_check: Optional[ParamCheck] = None
+    qkv_split: bool = True
 
     def __post_init__(self) -> None:
         if not (isinstance(self.optimizer_cls, type) and issubclass(self.optimizer_cls, torch.optim.Optimizer)):
@@ -603,16 +606,31 @@ def _sinkhorn_param_problem(param: torch.Tensor, kwargs: Mapping[str, Any]) -> O
     return None
 
 
+def _whole_matrix_entry(optimizer_cls: type) -> EmergingOptimizerEntry:
+    """An orthogonalized optimizer whose only whole-matrix step is `orthogonalize`, made TP-aware."""
+    from megatron_eopt.optimizers.tensor_parallel_whole_matrix import with_tensor_parallelism
+
+    return EmergingOptimizerEntry(
+        with_tensor_parallelism(optimizer_cls), qkv_split=False,
+        description=f"emerging_optimizers {optimizer_cls.__name__} over TP shards (whole matrix gathered)",
+    )
+
+
 def _entry_maker(**settings: Any) -> Callable[[type], EmergingOptimizerEntry]:
     return lambda optimizer_cls: EmergingOptimizerEntry(optimizer_cls, **settings)
 
 
 # Muon subclasses read the muon_* fields too; the other orthogonalized optimizers (mop,
 # polargrad, scion, spel) keep their own defaults (mop's nuclear-norm scale, for one) apart from
-# lr and weight decay, through the default entry. REKLS is a SOAP variant: soap_* fields apply.
+# lr and weight decay. mop, polargrad and scion gain tensor parallelism (their update is a
+# function of the whole momentum matrix only); spel projects the weights after each update, so
+# it has none. REKLS is a SOAP variant: soap_* fields apply.
 _CURATED: dict[str, Callable[[type], EmergingOptimizerEntry]] = {
     "muon": _muon_entry,
     "adaptive_muon": _adaptive_muon_entry,
+    "mop": _whole_matrix_entry,
+    "polargrad": _whole_matrix_entry,
+    "scion": _whole_matrix_entry,
     "muon_hyperball": _entry_maker(
         routing="hidden_matrices", config_prefixes=("muon",), init_state_fn=_init_muon_hyperball_state
     ),
