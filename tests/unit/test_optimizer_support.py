@@ -263,7 +263,7 @@ def test_pretrain_gpt_adam_with_distributed_optimizer_parses_to_layer_wise(monke
 def test_config_with_distributed_optimizer_builds_the_layer_wise_one_and_says_so_once(monkeypatch, caplog):
     from megatron_eopt.bridge import SchedulerConfig, setup_optimizer
 
-    monkeypatch.setattr(factory, "_told_distributed_is_layer_wise", False)
+    monkeypatch.setattr(factory, "_told_distributed_is_layer_wise", False, raising=False)
     config = OptimizerConfig(optimizer="adam", lr=0.01, min_lr=0.0, use_distributed_optimizer=True)
     with caplog.at_level(logging.INFO, logger="megatron_eopt.factory"):
         optimizer, scheduler = setup_optimizer(config, SchedulerConfig(train_iters=10), torch.nn.Linear(4, 4))
