@@ -2,11 +2,14 @@
 
 - `--optimizer dist_muon` (deprecated) becomes `--optimizer muon` with the layer-wise
   distributed optimizer, with a DeprecationWarning saying what to write instead.
-- An emerging optimizer (anything but adam/sgd, as Megatron-LM decides it) with
-  `--use-distributed-optimizer` means the layer-wise distributed optimizer.
-- `--fp16` with an emerging optimizer, and any value OptimizerConfig rejects, raise ValueError
-  with a one-line message naming the flag; `parse_and_validate` turns that into
-  `parser.error`-style output (exit code 2, one line on stderr).
+- `--use-distributed-optimizer` means the layer-wise distributed optimizer, for every optimizer
+  (Megatron-LM does this for emerging optimizers; megatron_eopt has no byte-sharded one, and
+  the layer-wise one shards Adam's and SGD's state as well).
+- A combination the optimizer does not support (the registry's support facts, the README's
+  table: `--tensor-model-parallel-size` > 1, `--fp16`, `--bf16`, `--use-torch-fsdp2`), and any
+  value OptimizerConfig rejects, raise ValueError with a one-line message naming the flags;
+  `parse_and_validate` turns that into `parser.error`-style output (exit code 2, one line on
+  stderr). All before any process group or model exists.
 - `--muon-tp-mode` given without tensor parallelism warns that it has no effect.
 """
 
@@ -17,8 +20,6 @@ from typing import Optional, Sequence
 
 from arguments.optimizer_args import GIVEN_FLAGS_ATTR, OPTION_OF, add_optimizer_args
 from arguments.to_config import optimizer_config_from_args
-
-NON_EMERGING_OPTIMIZERS = ("adam", "sgd")  # Megatron-LM: `args.optimizer not in ('sgd', 'adam')`
 
 
 def validate_args(
@@ -32,9 +33,8 @@ def validate_args(
     if tensor_model_parallel_size is None:
         tensor_model_parallel_size = getattr(args, "tensor_model_parallel_size", None) or 1
     _rewrite_dist_muon(args)
-    if args.optimizer not in NON_EMERGING_OPTIMIZERS:
-        _check_emerging_precision(args)
-        _use_layer_wise_distributed_optimizer(args)
+    _check_support(args, tensor_model_parallel_size)
+    _use_layer_wise_distributed_optimizer(args)
     _warn_tp_mode_without_tp(args, tensor_model_parallel_size)
     try:
         optimizer_config_from_args(args)
@@ -92,12 +92,33 @@ def _rewrite_dist_muon(args: argparse.Namespace) -> None:
     args.use_distributed_optimizer = False
 
 
-def _check_emerging_precision(args: argparse.Namespace) -> None:
-    if getattr(args, "fp16", False):
-        raise ValueError(
-            f"--fp16 is not supported with --optimizer {args.optimizer}: emerging optimizers have "
-            f"no loss scaling; use --bf16, or --optimizer adam/sgd for fp16."
-        )
+def _check_support(args: argparse.Namespace, tensor_model_parallel_size: int) -> None:
+    """Refuse what the optimizer does not support (the registry's facts), naming the flags."""
+    # Lazy, as in optimizer_args: which optimizers exist and what they support is installed state.
+    from megatron_eopt.registry import lookup_optimizer, optimizers_supporting
+
+    optimizer = args.optimizer
+    wanted = {
+        "tensor_parallel": (tensor_model_parallel_size > 1, f"--tensor-model-parallel-size {tensor_model_parallel_size}"),
+        "fp16": (getattr(args, "fp16", False), "--fp16"),
+        "bf16": (getattr(args, "bf16", False), "--bf16"),
+        "fsdp2": (getattr(args, "use_torch_fsdp2", False), "--use-torch-fsdp2"),
+        "layer_wise": (_wants_layer_wise(args), "--use-distributed-optimizer"),
+    }
+    support = lookup_optimizer(optimizer).support
+    for feature, (requested, flag) in wanted.items():
+        if requested and not getattr(support, feature):
+            others = optimizers_supporting(feature)
+            alternatives = f"optimizers that do: {', '.join(others)}" if others else "no optimizer does yet"
+            raise ValueError(
+                f"{flag} is not supported with --optimizer {optimizer} ({support.why_not(feature)}; "
+                f"{alternatives})."
+            )
+
+
+def _wants_layer_wise(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "use_distributed_optimizer", False)
+                or getattr(args, "use_layer_wise_distributed_optimizer", False))
 
 
 def _use_layer_wise_distributed_optimizer(args: argparse.Namespace) -> None:

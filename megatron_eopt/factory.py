@@ -8,6 +8,7 @@ over different groups and use different tensor-parallel groups), chained under o
 """
 
 import dataclasses
+import logging
 import sys
 import warnings
 from typing import Any, Iterable, Mapping, Optional, Union
@@ -25,7 +26,7 @@ from megatron_eopt.param_groups import (
     matrix_layouts,
 )
 from megatron_eopt.param_key import check_config_overrides, get_standard_config_overrides
-from megatron_eopt.registry import BuildContext, OptimizerSpec, lookup_optimizer
+from megatron_eopt.registry import BuildContext, OptimizerSpec, lookup_optimizer, optimizers_supporting
 from megatron_eopt.wrappers.chained import ChainedOptimizer
 from megatron_eopt.wrappers.fp32 import FP32Optimizer
 from megatron_eopt.wrappers.grad_scaler import make_grad_scaler
@@ -34,6 +35,8 @@ from megatron_eopt.wrappers.qk_clip import QKClip, build_qk_clip, qk_clip_settin
 
 
 LEGACY_DISTRIBUTED_PREFIX = "dist_"
+logger = logging.getLogger(__name__)
+_told_distributed_is_layer_wise = False  # the info line is logged once per process
 
 
 def get_megatron_optimizer(
@@ -63,13 +66,15 @@ def get_megatron_optimizer(
         optimizer that takes every parameter; '<optimizer>/dense', '<scalar>/dense' (and
         '.../expert') for one that routes some parameters to the scalar optimizer.
     """
-    config = _without_legacy_name(as_optimizer_config(config))
+    config = _distributed_as_layer_wise(_without_legacy_name(as_optimizer_config(config)))
     spec = lookup_optimizer(config.optimizer)
     routing = _routing(spec, config)
     _check_supported(config, {name: lookup_optimizer(name) for name in routing.optimizers})
     chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
     if not chunks:
         raise ValueError("model_chunks is empty; pass the model (or its list of chunks).")
+    if config.use_layer_wise_distributed_optimizer:
+        _check_whole_gradients(chunks)
     groups = resolve_parallel_groups(pg_collection)
     overrides = _overrides(config, config_overrides, spec)
     check_config_overrides(overrides)
@@ -79,6 +84,8 @@ def get_megatron_optimizer(
         raise ValueError("model_chunks have no trainable parameters (requires_grad=True).")
     if dump_param_to_param_group_map is not None:
         dump_param_group_map(dump_param_to_param_group_map, param_groups, records)
+    for name in routing.optimizers:  # on every rank, before any rank builds (and owns) anything
+        lookup_optimizer(name).check_params([g for g in param_groups if g["optimizer"] == name], config)
 
     qk_clip = _qk_clip(config, chunks, groups, records)
     if not config.use_layer_wise_distributed_optimizer:
@@ -123,6 +130,41 @@ def _without_legacy_name(config: OptimizerConfig) -> OptimizerConfig:
     return dataclasses.replace(
         config, optimizer=name, use_layer_wise_distributed_optimizer=True, use_distributed_optimizer=False
     )
+
+
+def _distributed_as_layer_wise(config: OptimizerConfig) -> OptimizerConfig:
+    """use_distributed_optimizer=True means the layer-wise distributed optimizer, for every optimizer.
+
+    megatron-core's byte-sharded optimizer is not implemented; the layer-wise one also shards the
+    optimizer state (and fp32 main copies) over data-parallel ranks, by whole parameters, and
+    takes the same steps as the non-distributed optimizer. A copy: the caller's config is kept.
+    """
+    global _told_distributed_is_layer_wise
+    if not config.use_distributed_optimizer:
+        return config
+    if not _told_distributed_is_layer_wise:
+        _told_distributed_is_layer_wise = True
+        logger.info(
+            "use_distributed_optimizer=True: optimizer %r uses megatron_eopt's layer-wise distributed "
+            "optimizer (each data-parallel rank keeps the state of whole parameters it owns).",
+            config.optimizer,
+        )
+    return dataclasses.replace(config, use_distributed_optimizer=False, use_layer_wise_distributed_optimizer=True)
+
+
+def _check_whole_gradients(chunks: list[torch.nn.Module]) -> None:
+    """The layer-wise optimizer needs each parameter's whole gradient; megatron-core's DDP built
+    for the byte-sharded optimizer reduce-scatters them into pieces instead."""
+    for index, chunk in enumerate(chunks):
+        ddp_config = getattr(chunk, "ddp_config", None)
+        if ddp_config is not None and getattr(ddp_config, "use_distributed_optimizer", False):
+            raise ValueError(
+                f"model chunk {index} is wrapped in megatron-core's DistributedDataParallel with "
+                f"ddp_config.use_distributed_optimizer=True, which reduce-scatters gradients into "
+                f"byte shards; megatron_eopt's distributed optimizer (layer-wise: whole parameters per "
+                f"rank) needs whole gradients. Build DDP with use_distributed_optimizer=False (it then "
+                f"all-reduces), keeping OptimizerConfig.use_distributed_optimizer=True."
+            )
 
 
 def _layer_wise(
@@ -234,19 +276,19 @@ def _overrides(
 
 
 def _check_supported(config: OptimizerConfig, specs: Mapping[str, OptimizerSpec]) -> None:
-    if config.use_distributed_optimizer:
-        raise ValueError(
-            f"use_distributed_optimizer=True (megatron-core's byte-sharded ZeRO-1 optimizer, whose "
-            f"DDP reduce-scatters gradients) is not implemented by megatron_eopt; for optimizer "
-            f"{config.optimizer!r} set use_layer_wise_distributed_optimizer=True instead (each "
-            f"data-parallel rank owns whole parameters) and use_distributed_optimizer=False."
-        )
-    emerging = [name for name, spec in specs.items() if spec.emerging]
-    if config.fp16 and emerging:
-        raise ValueError(
-            f"fp16=True is not supported with emerging optimizers ({', '.join(emerging)}): their "
-            f"state and updates have no loss-scaling support. Use bf16=True, or optimizer 'adam'/'sgd'."
-        )
+    """Refuse what the registry's support facts (the README's table) say cannot work."""
+    checks = (("fp16", config.fp16), ("bf16", config.bf16),
+              ("layer_wise", config.use_layer_wise_distributed_optimizer))
+    for feature, wanted in checks:
+        refused = [name for name, spec in specs.items() if wanted and not getattr(spec.support, feature)]
+        if refused:
+            spec = specs[refused[0]]
+            setting = "use_layer_wise_distributed_optimizer" if feature == "layer_wise" else feature
+            raise ValueError(
+                f"{setting}=True is not supported with optimizer {refused[0]!r}: "
+                f"{spec.support.why_not(feature)}. Optimizers that support it: "
+                f"{', '.join(optimizers_supporting(feature))}."
+            )
 
 
 def _optimizer_maker(
@@ -259,7 +301,9 @@ def _optimizer_maker(
     """`make_optimizer(torch param groups)` for one child, with its TP group and layouts."""
     tp_size = group_size(tp_group)
     _check_tensor_parallel_support(spec, records, tp_size)
-    layouts = matrix_layouts(records, chunks, tp_size, config.muon_split_qkv) if spec.accepts("layouts") else None
+    layouts = None
+    if spec.accepts("layouts"):
+        layouts = matrix_layouts(records, chunks, tp_size, config.muon_split_qkv and spec.entry.qkv_split)
     if records:
         on_cpu = all(r.param.device.type == "cpu" for r in records)
     else:
@@ -270,15 +314,15 @@ def _optimizer_maker(
 
 def _check_tensor_parallel_support(spec: OptimizerSpec, records: list[ParamRecord], tp_size: int) -> None:
     """A matrix optimizer that cannot see other TP shards would make the update depend on TP."""
-    if tp_size == 1 or spec.routing == "all" or spec.accepts("tp_group"):
+    if tp_size == 1 or spec.support.tensor_parallel:
         return
     sharded = [r.fqn for r in records if r.tensor_model_parallel]
     if sharded:
         raise ValueError(
-            f"optimizer {spec.name!r} ({spec.entry.optimizer_cls.__name__}) works on whole matrices "
-            f"but has no tensor-parallel support: parameter {sharded[0]!r} is split over "
-            f"{tp_size} TP ranks, so its update would depend on the TP degree. Use "
-            f"tensor_model_parallel_size=1 or an optimizer with TP support (e.g. 'muon')."
+            f"optimizer {spec.name!r} ({spec.entry.optimizer_cls.__name__}) does not support tensor "
+            f"parallelism: {spec.support.why_not('tensor_parallel')} (parameter {sharded[0]!r} is split "
+            f"over {tp_size} TP ranks). Use tensor_model_parallel_size=1 or an optimizer that supports "
+            f"it: {', '.join(optimizers_supporting('tensor_parallel'))}."
         )
 
 

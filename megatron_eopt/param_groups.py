@@ -51,7 +51,8 @@ class ParamRouting:
     'all' every parameter; 'matrices' every 2-D parameter not marked `use_muon=False`;
     'hidden_matrices' those that are moreover neither `is_embedding_or_output_parameter` nor a
     lookup table (a parameter of a `lookup_table_types` module: megatron-core tags only the word
-    embedding and the output layer, not the learned position embedding).
+    embedding and the output layer, not the learned position embedding), unless the user
+    opted them in with `use_muon=True`.
     scalar_optimizer: steps the rest.
     """
 
@@ -77,9 +78,10 @@ class ParamRouting:
     def _takes(self, param: torch.nn.Parameter, owner: Optional[torch.nn.Module]) -> bool:
         if self.routing == "all":
             return True
-        if param.dim() != 2 or getattr(param, "use_muon", True) is False:
+        use_muon = getattr(param, "use_muon", None)  # None: not set; True opts in, False out
+        if param.dim() != 2 or use_muon is False:
             return False
-        if self.routing == "matrices":
+        if self.routing == "matrices" or use_muon is True:
             return True
         is_lookup_table = isinstance(owner, self.lookup_table_types)
         return not (getattr(param, "is_embedding_or_output_parameter", False) or is_lookup_table)

@@ -19,10 +19,26 @@ Routing: which parameters an optimizer steps (`EmergingOptimizerEntry.routing`);
   tables (owned by an embedding module) and not `use_muon=False`. Muon and its variants
   (orthogonalize whole matrices), SOAP/REKLS (Kronecker factors of both sides: 2-D only, and a
   vocab x vocab factor for an embedding would not fit), PSGD (one factor per dimension, the
-  same memory argument). Also the default for optimizers we know nothing about.
+  same memory argument), and the oblique optimizers: their first step rescales every column
+  to unit norm, which ruins an embedding or output layer initialised with std 0.02 (a GPT's
+  loss rose from 4.16 to 4.37 after one step), so they get those layers only when asked.
+  Also the default for optimizers we know nothing about (as megatron-core routes them).
 - 'matrices': every 2-D parameter not marked `use_muon=False`, embeddings and output layer
-  included: the oblique (row/column-normalized) optimizers, made for those layers too.
+  included (no built-in entry uses it; for third-party optimizers made for those layers).
 - 'all': every parameter; elementwise optimizers (lion, laprop, adam, sgd). No scalar optimizer.
+Opting in: a 2-D embedding, output or lookup-table parameter tagged `use_muon=True` (the
+attribute that opts a matrix out when False) goes to the configured optimizer too, e.g.
+`model.embedding.word_embeddings.weight.use_muon = True` for oblique_adam on the embedding.
+
+Support (`OptimizerSpec.support`, rendered by `support_table_markdown()` into the README):
+tensor parallelism needs an elementwise optimizer ('all') or one that takes a `tp_group`
+(whole-matrix math over TP shards); fp16 needs loss scaling, which only adam/sgd have; the
+layer-wise distributed optimizer and bf16 (fp32 main copies) work for every optimizer; FSDP2
+is not implemented. The factory and `arguments.validate_args` refuse from these same facts.
+
+Parameter requirements: an entry's `param_check(param, kwargs)` says why a parameter cannot be
+stepped (SinkhornMuon: non-negative, Sinkhorn-normalized matrices only); the factory checks
+every parameter before building the optimizer and names the first that fails.
 
 Constructor arguments come from the config by name: for each `__init__` argument `arg` (through
 `**kwargs` to the parent class's), `config.<prefix>_<arg>` for the entry's prefixes (its name
@@ -61,6 +77,8 @@ from megatron_eopt.ops.splits import MatrixLayout
 from megatron_eopt.param_key import check_config_overrides
 
 BuildOptimizer = Callable[[list[dict], Any], torch.optim.Optimizer]
+# `fn(param, constructor kwargs) -> None, or why the optimizer cannot step this parameter`.
+ParamCheck = Callable[[torch.Tensor, Mapping[str, Any]], Optional[str]]
 InitState = Callable[[torch.optim.Optimizer], None]
 ConfigToKwargs = Callable[[Any], Mapping[str, Any]]
 Routing = Literal["hidden_matrices", "matrices", "all"]
@@ -103,6 +121,10 @@ class EmergingOptimizerEntry:
         (`config_overrides=None`) for runs of this optimizer; may not set 'optimizer'.
     routing: 'hidden_matrices', 'matrices' or 'all'.
     config_prefixes: more prefixes for config fields after the entry's name (e.g. ('muon',)).
+    param_check: `fn(param, kwargs) -> None or a reason`, run on every parameter routed to it
+        (kwargs: the constructor's, defaults filled in) before the optimizer is built.
+    qkv_split: for a class that takes `layouts`: whether they split a fused linear_qkv into
+        q/k/v blocks (Muon, as `muon_split_qkv` says); False: the fused matrix stays whole.
     """
 
     optimizer_cls: type
@@ -112,6 +134,8 @@ class EmergingOptimizerEntry:
     routing: str = "hidden_matrices"
     config_prefixes: tuple[str, ...] = ()
     description: str = ""
+    param_check: Optional[ParamCheck] = None
+    qkv_split: bool = True
 
     def __post_init__(self) -> None:
         if not (isinstance(self.optimizer_cls, type) and issubclass(self.optimizer_cls, torch.optim.Optimizer)):
@@ -119,7 +143,7 @@ class EmergingOptimizerEntry:
                 f"EmergingOptimizerEntry.optimizer_cls must be a torch.optim.Optimizer subclass; got "
                 f"{self.optimizer_cls!r}."
             )
-        for name in ("init_state_fn", "config_to_kwargs"):
+        for name in ("init_state_fn", "config_to_kwargs", "param_check"):
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise TypeError(f"EmergingOptimizerEntry.{name} must be callable or None; got {value!r}.")
@@ -170,6 +194,22 @@ class OptimizerSpec:
     def default_param_overrides(self) -> Mapping[Any, Mapping[str, Any]]:
         return (self.emerging and self.entry.default_param_overrides) or {}
 
+    @property
+    def support(self) -> "Support":
+        """Where this optimizer works (module docstring: Support)."""
+        return Support(
+            tensor_parallel=self.routing == "all" or self.accepts("tp_group"),
+            layer_wise=True,
+            fsdp2=False,
+            bf16=True,
+            fp16=not self.emerging,
+        )
+
+    def check_params(self, param_groups: list[dict], config: Any) -> None:
+        """Raise, naming the parameter, if the optimizer cannot step one of `param_groups`."""
+        if self.emerging:
+            check_params(self.name, self.entry, param_groups, config)
+
     def accepts(self, argument: str) -> bool:
         """Whether the optimizer's constructor takes `argument` (e.g. 'tp_group', 'layouts')."""
         return self.emerging and argument in constructor_parameters(self.entry.optimizer_cls)
@@ -181,6 +221,55 @@ class OptimizerSpec:
         if not self.emerging:
             return self.entry.build(param_groups, config)
         return _build_emerging(self.name, self.entry, param_groups, config, context)
+
+
+@dataclass(frozen=True)
+class Support:
+    """Which parallel layouts and precisions an optimizer works with (one row of the README table)."""
+
+    tensor_parallel: bool  # tensor_model_parallel_size > 1
+    layer_wise: bool  # use_layer_wise_distributed_optimizer (and use_distributed_optimizer)
+    fsdp2: bool  # torch FSDP2: not implemented yet
+    bf16: bool  # bf16 parameters, fp32 main copies
+    fp16: bool  # fp16 parameters with loss scaling
+
+    def why_not(self, feature: str) -> str:
+        """Why `feature` (a field name) is unsupported, for error messages."""
+        return _WHY_UNSUPPORTED[feature]
+
+
+# (field, README column heading)
+SUPPORT_COLUMNS = (
+    ("tensor_parallel", "TP > 1"),
+    ("layer_wise", "layer-wise distributed"),
+    ("fsdp2", "FSDP2"),
+    ("bf16", "bf16"),
+    ("fp16", "fp16"),
+)
+_WHY_UNSUPPORTED = {
+    "tensor_parallel": "it works on whole matrices and cannot see the other tensor-parallel shards, so its "
+                       "update would depend on the TP degree",
+    "layer_wise": "it cannot run on whole-parameter owners",
+    "fsdp2": "FSDP2 is not implemented yet",
+    "bf16": "it has no bf16 support",
+    "fp16": "it has no loss scaling, which fp16 needs (bf16 works)",
+}
+
+
+def support_table_markdown() -> str:
+    """The README's support table: one row per registered optimizer, 'yes'/'no' per column."""
+    header = "| optimizer | " + " | ".join(title for _, title in SUPPORT_COLUMNS) + " |"
+    rows = [header, "|---" * (len(SUPPORT_COLUMNS) + 1) + "|"]
+    for name in list_optimizers():
+        support = lookup_optimizer(name).support
+        cells = ["yes" if getattr(support, field) else "no" for field, _ in SUPPORT_COLUMNS]
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def optimizers_supporting(feature: str) -> list[str]:
+    """Registered optimizers whose `Support.<feature>` is True (for error messages)."""
+    return [name for name in list_optimizers() if getattr(lookup_optimizer(name).support, feature)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -483,26 +572,77 @@ def _adaptive_muon_entry(optimizer_cls: type) -> EmergingOptimizerEntry:
     )
 
 
+_SINKHORN_REQUIREMENT = (
+    "sinkhorn_muon steps only non-negative, Sinkhorn-normalized matrices (rows summing to "
+    "max(1, n/m), columns to max(1, m/n)): initialise such parameters with emerging_optimizers' "
+    "SinkhornMapper, and tag every other 2-D parameter use_muon=False so that the scalar optimizer "
+    "steps it. A normally initialised model (e.g. a GPT) does not fit; use 'muon' there."
+)
+
+
+def _sinkhorn_param_problem(param: torch.Tensor, kwargs: Mapping[str, Any]) -> Optional[str]:
+    """SinkhornMuon's precondition (its constructor checks it, without naming the parameter).
+
+    It keeps each matrix Sinkhorn-normalized (non-negative; rows sum to max(1, n/m), columns
+    to max(1, m/n)), so it suits matrices made that way at initialisation (e.g. mixing
+    matrices initialised with emerging_optimizers.utils.sinkhorn_mapper.SinkhornMapper), not
+    normally initialised weights.
+    """
+    if param.dim() != 2:
+        return None  # the 2-D check names it separately
+    with torch.no_grad():
+        rows, cols = param.shape
+        minimum = param.min().item()
+        if minimum < 0:
+            return f"it has negative entries (min {minimum:.4g}). {_SINKHORN_REQUIREMENT}"
+        tolerance = kwargs.get("doubly_stochastic_tolerance", 0.1)
+        row_error = (param.sum(dim=1) - max(1.0, cols / rows)).abs().max().item()
+        col_error = (param.sum(dim=0) - max(1.0, rows / cols)).abs().max().item()
+    if max(row_error, col_error) > tolerance:
+        return (
+            f"its row/column sums deviate from the Sinkhorn targets by {max(row_error, col_error):.4g} "
+            f"(tolerance {tolerance}). {_SINKHORN_REQUIREMENT}"
+        )
+    return None
+
+
+def _whole_matrix_entry(optimizer_cls: type) -> EmergingOptimizerEntry:
+    """An orthogonalized optimizer whose only whole-matrix step is `orthogonalize`, made TP-aware."""
+    from megatron_eopt.optimizers.tensor_parallel_whole_matrix import with_tensor_parallelism
+
+    return EmergingOptimizerEntry(
+        with_tensor_parallelism(optimizer_cls), qkv_split=False,
+        description=f"emerging_optimizers {optimizer_cls.__name__} over TP shards (whole matrix gathered)",
+    )
+
+
 def _entry_maker(**settings: Any) -> Callable[[type], EmergingOptimizerEntry]:
     return lambda optimizer_cls: EmergingOptimizerEntry(optimizer_cls, **settings)
 
 
 # Muon subclasses read the muon_* fields too; the other orthogonalized optimizers (mop,
 # polargrad, scion, spel) keep their own defaults (mop's nuclear-norm scale, for one) apart from
-# lr and weight decay, through the default entry. REKLS is a SOAP variant: soap_* fields apply.
+# lr and weight decay. mop, polargrad and scion gain tensor parallelism (their update is a
+# function of the whole momentum matrix only); spel projects the weights after each update, so
+# it has none. REKLS is a SOAP variant: soap_* fields apply.
 _CURATED: dict[str, Callable[[type], EmergingOptimizerEntry]] = {
     "muon": _muon_entry,
     "adaptive_muon": _adaptive_muon_entry,
+    "mop": _whole_matrix_entry,
+    "polargrad": _whole_matrix_entry,
+    "scion": _whole_matrix_entry,
     "muon_hyperball": _entry_maker(
         routing="hidden_matrices", config_prefixes=("muon",), init_state_fn=_init_muon_hyperball_state
     ),
-    "sinkhorn_muon": _entry_maker(routing="hidden_matrices", config_prefixes=("muon",)),
+    "sinkhorn_muon": _entry_maker(
+        routing="hidden_matrices", config_prefixes=("muon",), param_check=_sinkhorn_param_problem
+    ),
     "soap": _entry_maker(routing="hidden_matrices", config_to_kwargs=_adam_style_kwargs),
     "rekls": _entry_maker(routing="hidden_matrices", config_to_kwargs=_adam_style_kwargs, config_prefixes=("soap",)),
     "psgd_pro": _entry_maker(routing="hidden_matrices", init_state_fn=_init_psgd_state),
-    "oblique_sgd": _entry_maker(routing="matrices", init_state_fn=_init_oblique_sgd_state),
+    "oblique_sgd": _entry_maker(routing="hidden_matrices", init_state_fn=_init_oblique_sgd_state),
     "oblique_adam": _entry_maker(
-        routing="matrices", init_state_fn=_init_oblique_adam_state, config_to_kwargs=_adam_style_kwargs
+        routing="hidden_matrices", init_state_fn=_init_oblique_adam_state, config_to_kwargs=_adam_style_kwargs
     ),
     "lion": _entry_maker(routing="all", config_to_kwargs=_lion_kwargs),
     "laprop": _entry_maker(routing="all", config_to_kwargs=_adam_style_kwargs),
@@ -554,6 +694,8 @@ def _build_emerging(
         kwargs["lr"], sources["lr"] = param_groups[0]["lr"], "the first param group's lr"
     _check_kwargs(name, entry.optimizer_cls, arguments, kwargs, sources)
     _check_param_shapes(name, entry.routing, param_groups)
+    if entry.param_check is not None:
+        check_params(name, entry, param_groups, config, context)
     optimizer = entry.optimizer_cls(param_groups, **kwargs)
     (entry.init_state_fn or init_state_step_free)(optimizer)
     return optimizer
@@ -645,6 +787,29 @@ def _check_kwargs(
             f"give; set OptimizerConfig fields named '{name}_<argument>' or '<argument>' (or give the "
             f"entry a config_to_kwargs)."
         )
+
+
+def check_params(
+    name: str, entry: EmergingOptimizerEntry, param_groups: list[dict], config: Any,
+    context: BuildContext = BuildContext(),
+) -> None:
+    """Run `entry.param_check` on every parameter; the first failure raises, naming it by fqn."""
+    if entry.param_check is None:
+        return
+    defaults = {
+        argument: spec.parameter.default
+        for argument, spec in constructor_parameters(entry.optimizer_cls).items()
+        if spec.parameter.default is not inspect.Parameter.empty
+    }
+    kwargs = {**defaults, **optimizer_kwargs(name, entry, config, context)[0]}
+    for group in param_groups:
+        fqns = group.get("param_fqns") or [f"<parameter {i}>" for i in range(len(group["params"]))]
+        for param, fqn in zip(group["params"], fqns):
+            problem = entry.param_check(param, kwargs)
+            if problem:
+                raise ValueError(
+                    f"optimizer {name!r} cannot step parameter {fqn!r} (shape {tuple(param.shape)}): {problem}"
+                )
 
 
 def _check_param_shapes(name: str, routing: str, param_groups: list[dict]) -> None:

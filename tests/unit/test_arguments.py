@@ -116,11 +116,11 @@ def test_emerging_with_distributed_optimizer_becomes_layer_wise(parser, optimize
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])
-def test_adam_sgd_keep_the_distributed_optimizer_flag(parser, optimizer) -> None:
-    # megatron_eopt's factory refuses use_distributed_optimizer later, naming the alternative.
+def test_adam_sgd_with_distributed_optimizer_become_layer_wise_too(parser, optimizer) -> None:
+    # megatron_eopt has no byte-sharded optimizer; the layer-wise one shards Adam's state too.
     args = parse(parser, "--optimizer", optimizer, "--use-distributed-optimizer")
-    assert args.use_distributed_optimizer is True
-    assert args.use_layer_wise_distributed_optimizer is False
+    assert args.use_distributed_optimizer is False
+    assert args.use_layer_wise_distributed_optimizer is True
 
 
 def test_fp16_with_emerging_optimizer_names_the_flag(parser) -> None:

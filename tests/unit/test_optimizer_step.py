@@ -338,9 +338,11 @@ def test_load_refuses_other_optimizer_and_other_groups() -> None:
     assert before  # the refused loads above left the optimizer usable
 
 
-def test_byte_sharded_distributed_optimizer_points_to_layer_wise() -> None:
-    with pytest.raises(ValueError, match="set use_layer_wise_distributed_optimizer=True instead"):
-        get_megatron_optimizer(OptimizerConfig(lr=0.1, use_distributed_optimizer=True), make_model())
+def test_distributed_optimizer_is_the_layer_wise_one() -> None:
+    from megatron_eopt import LayerWiseDistributedOptimizer
+
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=0.1, use_distributed_optimizer=True), make_model())
+    assert isinstance(optimizer, LayerWiseDistributedOptimizer)
 
 
 def test_chained_state_finds_every_childs_state_without_creating_entries() -> None:

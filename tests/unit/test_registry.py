@@ -60,7 +60,9 @@ def test_every_emerging_optimizer_is_registered():
     for name in eo_registry.get_optimizer_name_list():
         spec = registry.lookup_optimizer(name)
         assert spec.emerging and spec.routing in registry.ROUTINGS
-        if name not in ("muon", "adaptive_muon"):  # ours: tensor-parallel subclasses of theirs
+        if name in ("mop", "polargrad", "scion"):  # theirs, over TP shards
+            assert spec.entry.optimizer_cls.__mro__[2] is eo_registry.get_optimizer_cls(name)
+        elif name not in ("muon", "adaptive_muon"):  # ours: tensor-parallel subclasses of theirs
             assert spec.entry.optimizer_cls is eo_registry.get_optimizer_cls(name)
     assert registry.lookup_optimizer("muon").entry.optimizer_cls.__name__ == "TensorParallelMuon"
     from emerging_optimizers.orthogonalized_optimizers import AdaptiveMuon, Muon
@@ -72,9 +74,10 @@ def test_every_emerging_optimizer_is_registered():
 # What each optimizer of emerging_optimizers 0.3 takes (the decision the registry documents).
 EXPECTED_ROUTING = {
     "adam": "all", "sgd": "all", "lion": "all", "laprop": "all",
-    "oblique_sgd": "matrices", "oblique_adam": "matrices",
+    # The oblique optimizers too: their first step would renormalize an embedding's columns (issue #18).
     **{name: "hidden_matrices" for name in ("muon", "adaptive_muon", "mop", "polargrad", "scion", "spel",
-                                            "muon_hyperball", "sinkhorn_muon", "soap", "rekls", "psgd_pro")},
+                                            "muon_hyperball", "sinkhorn_muon", "soap", "rekls", "psgd_pro",
+                                            "oblique_sgd", "oblique_adam")},
 }
 
 
