@@ -336,9 +336,10 @@ def test_every_optimizer_with_distributed_optimizer_equals_it_at_dp2(run_distrib
 # PSGD-Pro adds torch.randn noise to its preconditioner update, drawn from the process's global
 # generator in parameter order: an owner draws only for its own parameters, so its noise differs
 # from the single-process run's. Measured 6e-6 after 2 steps; one step moves a parameter by ~1e-2.
-# REKLS differed in the last bit (1.2e-7 measured) on a few matrices: its eigenbasis
-# computation is not bitwise reproducible between the two optimizers' parameter sets.
-RANDOM_TOLERANCE = {"psgd_pro": 5e-5, "rekls": 1e-6}
+# REKLS and SOAP differed in the last bit (1.2e-7 measured) on a few matrices: their eigenbasis
+# computations (eigh / QR) are not bitwise reproducible between the two optimizers' parameter
+# sets (seen for SOAP only on some runs, with other processes loading the machine).
+RANDOM_TOLERANCE = {"psgd_pro": 5e-5, "rekls": 1e-6, "soap": 1e-6}
 
 
 def _assert_distributed_equals_reference(results: list[dict], names: list[str]) -> None:
