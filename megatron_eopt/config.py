@@ -139,12 +139,12 @@ class OptimizerConfig:
     ) -> Any:
         """`get_megatron_optimizer(self, model_chunks, ...)`: the custom-optimizer hook that
         Megatron-Bridge's `setup_optimizer` calls on a config object that has it."""
-        # The one upward import of this module, and deliberate: the hook's whole point is to
-        # build the optimizer. Lazy, so importing the config stays cheap; tests/unit/test_imports.py
-        # lists it as the single allowed exception to the layering.
-        from megatron_eopt.bridge import provide_optimizer
+        # The one upward import of this module, inside the hook that needs it: the factory
+        # (never the Bridge layer). Not at module level, so importing the config never imports
+        # the layers above it; tests/unit/test_imports.py lists it as the single exception.
+        from megatron_eopt.factory import get_megatron_optimizer
 
-        return provide_optimizer(
+        return get_megatron_optimizer(
             self,
             model_chunks,
             config_overrides=config_overrides,
