@@ -17,7 +17,10 @@ import torch
 
 ScaleMode = Literal["spectral", "unit_rms_norm", "shape_scaling"]
 TpMode = Literal["blockwise", "duplicated", "distributed", "sharded"]
-MatmulPrecision = Literal["low", "medium", "high"]
+# What emerging_optimizers' `FP32MatmulPrecT` and `torch.set_float32_matmul_precision` accept
+# (Megatron-LM's 'low' is neither); the one list of them: config checks and command-line choices
+# read it, and tests/unit/test_config.py checks it against the installed emerging_optimizers.
+MatmulPrecision = Literal["highest", "high", "medium"]
 ScalarOptimizer = Literal["adam", "lion"]
 AdaptiveMoment2Method = Literal["adamuon", "normuon"]
 
@@ -71,7 +74,7 @@ class OptimizerConfig:
     muon_split_qkv: bool = True
     muon_nesterov: bool = False
     muon_scale_mode: str = "spectral"
-    muon_fp32_matmul_prec: str = "medium"
+    muon_fp32_matmul_prec: str = "medium"  # 'highest', 'high' or 'medium'; honoured on every device
     muon_coefficient_type: str = "quintic"
     muon_num_ns_steps: int = 5
     muon_tp_mode: str = "duplicated"

@@ -89,7 +89,7 @@ def test_choices_come_from_what_is_installed(parser) -> None:
     assert tuple(choices["muon_coefficient_type"]) == coefficient_types()
     assert tuple(choices["muon_tp_mode"]) == TP_MODES
     assert tuple(choices["adaptive_muon_moment2_method"]) == ("adamuon", "normuon")
-    assert tuple(choices["muon_fp32_matmul_prec"]) == ("low", "medium", "high")
+    assert tuple(choices["muon_fp32_matmul_prec"]) == ("highest", "high", "medium")
 
 
 def test_dist_muon_is_deprecated_and_means_layer_wise_muon(parser) -> None:
@@ -212,3 +212,15 @@ def test_config_copies_only_fields_and_keeps_defaults_for_missing_ones() -> None
     args = argparse.Namespace(optimizer="sgd", lr=0.1, seq_length=4096)  # a Megatron-LM-like subset
     config = optimizer_config_from_args(args)
     assert config == OptimizerConfig(optimizer="sgd", lr=0.1)
+
+
+def test_fp32_matmul_prec_takes_the_backend_values_and_refuses_low(parser, capsys) -> None:
+    for value in ("highest", "high", "medium"):
+        assert optimizer_config_from_args(parse(parser, "--muon-fp32-matmul-prec", value)).muon_fp32_matmul_prec == value
+    with pytest.raises(SystemExit) as raised:
+        parser.parse_args(["--muon-fp32-matmul-prec", "low"])
+    assert raised.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1, errors
+    assert "--muon-fp32-matmul-prec" in errors[0] and "'low'" in errors[0]
+    assert all(value in errors[0] for value in ("highest", "high", "medium")), errors[0]
