@@ -34,7 +34,12 @@ from emerging_optimizers.orthogonalized_optimizers.adaptive_muon import Adaptive
 
 from megatron_eopt.ops.newton_schulz import NewtonSchulzSettings, orthogonalize_updates
 from megatron_eopt.ops.splits import MatrixLayout
-from megatron_eopt.optimizers.tensor_parallel_muon import check_muon_arguments, layouts_by_param, muon_use_syrk
+from megatron_eopt.optimizers.tensor_parallel_muon import (
+    check_muon_arguments,
+    layouts_by_param,
+    muon_use_syrk,
+    warn_if_blockwise_splits,
+)
 
 MOMENT2_METHODS: tuple[str, ...] = typing.get_args(Moment2MethodT)
 
@@ -128,6 +133,7 @@ class TensorParallelAdaptiveMuon(AdaptiveMuon):
         self.tp_mode = tp_mode
         self.tp_group = tp_group
         self._layout_of = layouts_by_param(self.param_groups, dict(layouts or {}))
+        warn_if_blockwise_splits(tp_mode, tp_group, list(self._layout_of.values()))
         self._view_of = {key: self._global_view(layout) for key, layout in self._layout_of.items()}
 
     def _global_view(self, layout: MatrixLayout) -> _GlobalView:

@@ -17,6 +17,7 @@ AVX2 machine of README's Performance section).
 
 import inspect
 import typing
+import warnings
 from typing import Any, Callable, Mapping, Optional
 
 import torch
@@ -67,6 +68,32 @@ def layouts_by_param(param_groups: list[dict], layouts: Mapping[str, MatrixLayou
                 )
             by_param[id(param)] = layout
     return by_param
+
+
+_WARNED_ONCE: set[str] = set()  # warnings this process has given
+
+
+def warn_if_blockwise_splits(tp_mode: str, tp_group: Optional[dist.ProcessGroup],
+                             layouts: list[MatrixLayout]) -> None:
+    """Warn once per process when tp_mode='blockwise' orthogonalizes tensor-parallel shards.
+
+    Then the update depends on the TP degree. It is megatron-core's default, so a megatron-core
+    OptimizerConfig passed as it is brings it along; the value is kept, and this says so.
+    """
+    tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
+    sharded = [layout.name for layout in layouts if layout.partition_dim >= 0]
+    if tp_mode != "blockwise" or tp_size == 1 or not sharded or "blockwise" in _WARNED_ONCE:
+        return
+    _WARNED_ONCE.add("blockwise")
+    warnings.warn(
+        f"muon_tp_mode='blockwise' orthogonalizes each tensor-parallel shard on its own: "
+        f"parameter {sharded[0]!r} is split over {tp_size} TP ranks, so Muon's update depends on "
+        f"the TP degree. 'blockwise' is megatron-core's OptimizerConfig default (megatron_eopt's "
+        f"is 'duplicated'); set muon_tp_mode='duplicated', 'distributed' or 'sharded' for the "
+        f"TP=1 update.",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def backend_use_syrk(optimizer: Muon) -> bool:
@@ -144,6 +171,7 @@ class TensorParallelMuon(Muon):
         self.tp_mode = tp_mode
         self.tp_group = tp_group
         self._layout_of = layouts_by_param(self.param_groups, dict(layouts or {}))
+        warn_if_blockwise_splits(tp_mode, tp_group, list(self._layout_of.values()))
 
     def orthogonalize(self, p: torch.Tensor, grad: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """The scaled orthogonalized update of one parameter (emerging_optimizers' hook)."""
