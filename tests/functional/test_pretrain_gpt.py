@@ -42,7 +42,9 @@ MODEL_FLAGS = [
     "--global-batch-size", "16", "--train-iters", "20", "--lr", "1e-2", "--min-lr", "1e-3",
     "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--log-interval", "1", "--seed", "1234",
 ]
-OPTIMIZER_FLAGS = {"adam": ["--optimizer", "adam"], "muon": ["--optimizer", "muon", "--use-distributed-optimizer"]}
+# The golden losses are fp32 runs: pinned, since the default precision is chosen from the hardware.
+OPTIMIZER_FLAGS = {"adam": ["--optimizer", "adam"],
+                   "muon": ["--optimizer", "muon", "--use-distributed-optimizer", "--muon-fp32-matmul-prec", "highest"]}
 
 
 def _command(nproc: int, optimizer: str, extra: list[str]) -> list[str]:

@@ -9,6 +9,7 @@ import sys
 import warnings
 
 import pytest
+import torch
 
 from arguments import add_optimizer_args, optimizer_config_from_args, parse_and_validate, validate_args
 from megatron_eopt.config import OptimizerConfig
@@ -32,6 +33,7 @@ FROZEN_OPTIONS = sorted([
 ])
 NEGATIVE_FLAGS = {"--muon-no-split-qkv": "muon_split_qkv", "--soap-no-kl-shampoo": "soap_use_kl_shampoo"}
 FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(OptimizerConfig)}
+HARDWARE_DEFAULTS = {"muon_fp32_matmul_prec"}  # flags whose default is chosen from the hardware
 
 
 @pytest.fixture(scope="module")
@@ -52,12 +54,19 @@ def test_every_dest_is_a_field_with_the_dataclass_default(parser) -> None:
     assert len(actions) == len(FROZEN_OPTIONS)
     for action in actions:
         assert action.dest in FIELD_DEFAULTS, f"{action.option_strings}: dest {action.dest!r} is no field"
+        if action.dest in HARDWARE_DEFAULTS:  # None: chosen for the device by optimizer_config_from_args
+            assert action.default is None, action.option_strings
+            continue
         assert action.default == FIELD_DEFAULTS[action.dest], action.option_strings
         assert type(action.default) is type(FIELD_DEFAULTS[action.dest]), action.option_strings
 
 
 def test_defaults_give_the_default_config(parser) -> None:
-    assert optimizer_config_from_args(parse(parser)) == OptimizerConfig()
+    from megatron_eopt.config import fp32_matmul_prec_for
+
+    cpu = torch.device("cpu")
+    chosen = fp32_matmul_prec_for(cpu)[0]
+    assert optimizer_config_from_args(parse(parser), cpu) == OptimizerConfig(muon_fp32_matmul_prec=chosen)
 
 
 def test_frozen_option_list(parser) -> None:

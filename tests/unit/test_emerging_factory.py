@@ -337,7 +337,7 @@ def test_factory_passes_layouts_and_tp_group(spy_muon):
     assert layouts["mlp.linear_fc2.weight"].row_blocks == ()
     assert spy_muon["tp_group"] is None
     assert spy_muon["kwargs"]["momentum"] == 0.8
-    assert spy_muon["kwargs"]["fp32_matmul_prec"] == "highest"  # parameters on CPU, whatever the config says
+    assert spy_muon["kwargs"]["fp32_matmul_prec"] == "high"  # the config's, on CPU too
 
     get_megatron_optimizer(OptimizerConfig(optimizer="spy_muon", lr=0.1, muon_split_qkv=False), model)
     assert spy_muon["layouts"]["self_attention.linear_qkv.weight"].row_blocks == ()

@@ -207,13 +207,14 @@ def test_muon_kwargs_follow_the_muon_fields():
                           tp_group=None)
 
 
-def test_matmul_precision_is_fp32_on_cpu_and_the_config_elsewhere():
-    assert _kwargs("muon", muon_fp32_matmul_prec="medium")["fp32_matmul_prec"] == "highest"
+def test_matmul_precision_is_the_configs_on_every_device():
+    assert _kwargs("muon", muon_fp32_matmul_prec="medium")["fp32_matmul_prec"] == "medium"
+    assert _kwargs("muon", muon_fp32_matmul_prec="highest")["fp32_matmul_prec"] == "highest"
     accelerator = BuildContext(on_cpu=False)
     assert _kwargs("muon", accelerator, muon_fp32_matmul_prec="high")["fp32_matmul_prec"] == "high"
-    soap = _kwargs("soap", accelerator)
-    assert "fp32_matmul_prec" not in soap and "qr_fp32_matmul_prec" not in soap  # SOAP's own defaults
-    assert _kwargs("soap")["qr_fp32_matmul_prec"] == "highest"
+    for context in (accelerator, BuildContext()):  # SOAP's own defaults, on CPU too
+        soap = _kwargs("soap", context)
+        assert "fp32_matmul_prec" not in soap and "qr_fp32_matmul_prec" not in soap
 
 
 def test_other_optimizers_kwargs():
