@@ -225,7 +225,8 @@ def test_muon_step_equals_reference():
     model = torch.nn.Linear(24, 16, bias=False)
     start = model.weight.detach().clone()
     grads = [torch.randn(16, 24) for _ in range(3)]
-    config = OptimizerConfig(optimizer="muon", lr=0.02, weight_decay=0.1, muon_momentum=0.9, clip_grad=0.0)
+    config = OptimizerConfig(optimizer="muon", lr=0.02, weight_decay=0.1, muon_momentum=0.9, clip_grad=0.0,
+                             muon_fp32_matmul_prec="highest")  # the fp32 reference below
     optimizer = get_megatron_optimizer(config, model)
     assert [c.name for c in optimizer.chained_optimizers] == ["muon/dense"]
     for grad in grads:
