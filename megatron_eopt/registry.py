@@ -31,8 +31,8 @@ are None count as unset. Then, where the class takes them: `weight_decay_method`
 or 'l2' from `decoupled_weight_decay`; the entry's `config_to_kwargs(config)` may add or
 replace values (adam's betas/eps, lion's betas); `tp_group`/`layouts` come from the factory.
 Matmul precisions (`muon_fp32_matmul_prec`) are honoured on every device; 'medium' (bf16
-Newton-Schulz) on a CPU without bf16 instructions warns once that it is emulated there. Names and values are
-checked against the signature (`Literal` annotations, Newton-Schulz coefficient sets and matmul
+Newton-Schulz) on a CPU without bf16 instructions warns once that it is emulated there.
+Names and values are checked against the signature (`Literal` annotations, Newton-Schulz coefficient sets and matmul
 precisions of the installed emerging_optimizers) before the optimizer is built.
 
 State is created eagerly, so a checkpoint loads into a fresh optimizer and every rank has the
