@@ -15,6 +15,7 @@ products are emulated on CPUs without bf16 instructions (about 50x slower than f
 AVX2 machine of README's Performance section).
 """
 
+import dataclasses
 import inspect
 import typing
 import warnings
@@ -158,6 +159,8 @@ class TensorParallelMuon(Muon):
         layouts: Optional[Mapping[str, MatrixLayout]] = None,
     ) -> None:
         check_muon_arguments(tp_mode, lr, momentum, weight_decay, weight_decay_method, fp32_matmul_prec)
+        # Checked here, before the backend checks them with its own messages.
+        settings = NewtonSchulzSettings(num_ns_steps, coefficient_type, scale_mode, extra_scale_factor)
         super().__init__(
             params, lr, momentum, weight_decay, nesterov=nesterov, weight_decay_method=weight_decay_method,
             fp32_matmul_prec=fp32_matmul_prec, coefficient_type=coefficient_type, num_ns_steps=num_ns_steps,
@@ -165,9 +168,7 @@ class TensorParallelMuon(Muon):
         )
         # The backend may have turned use_syrk off (unsupported here): follow its decision.
         self.use_syrk = backend_use_syrk(self) if use_syrk else False
-        self.settings = NewtonSchulzSettings(
-            num_ns_steps, coefficient_type, scale_mode, extra_scale_factor, self.use_syrk
-        )
+        self.settings = dataclasses.replace(settings, use_syrk=self.use_syrk)
         self.tp_mode = tp_mode
         self.tp_group = tp_group
         self._layout_of = layouts_by_param(self.param_groups, dict(layouts or {}))
