@@ -1,7 +1,10 @@
 """Megatron-LM-compatible optimizer flags: `add_optimizer_args(parser)`.
 
 Every flag's `dest` is the `OptimizerConfig` field of the same name, and every default is read
-from `dataclasses.fields(OptimizerConfig)` (never retyped here), so trainers that copy argparse
+from `dataclasses.fields(OptimizerConfig)` (never retyped here), except
+`--muon-fp32-matmul-prec`, whose default None means "chosen from the hardware" by
+`optimizer_config_from_args` ('medium' where bf16 matrix products are native, else 'highest';
+the dataclass keeps megatron-core's 'medium', which the library honours on every device), so trainers that copy argparse
 attributes onto the config by name (Megatron-LM, Megatron-Bridge) get the same config as code
 that builds `OptimizerConfig()` directly. Flags are spelled as Megatron-LM spells them:
 `store_true` booleans, except Megatron-LM's negative spellings `--muon-no-split-qkv` and
@@ -42,6 +45,7 @@ class Flag:
     type: Optional[Callable[[str], Any]] = None  # None: a boolean switch
     choices: Optional[Callable[[], tuple[str, ...]]] = None  # read when the parser is built
     negative: bool = False  # a `--no-...` switch: store_false
+    hardware_default: bool = False  # default None: optimizer_config_from_args chooses for the device
 
 
 def _optimizer_choices() -> tuple[str, ...]:
@@ -88,7 +92,9 @@ FLAGS: tuple[Flag, ...] = (
          "of q, k, v separately.", negative=True),
     Flag("--muon-scale-mode", "muon_scale_mode", "Scale of Muon's update.", str, _literal(ScaleMode)),
     Flag("--muon-fp32-matmul-prec", "muon_fp32_matmul_prec", "FP32 matmul precision of the "
-         "Newton-Schulz iteration.", str, _literal(MatmulPrecision)),
+         "Newton-Schulz iteration ('medium': bf16). Default: chosen from the hardware, 'medium' "
+         "where bf16 matrix products are native (GPUs, CPUs with AVX512-BF16/AMX/Arm BF16), "
+         "else 'highest'.", str, _literal(MatmulPrecision), hardware_default=True),
     Flag("--muon-coefficient-type", "muon_coefficient_type", "Newton-Schulz coefficient set (those "
          "of the installed emerging_optimizers).", str, _coefficient_choices),
     Flag("--muon-num-ns-steps", "muon_num_ns_steps", "Newton-Schulz steps.", int),
@@ -160,7 +166,8 @@ def add_optimizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     defaults = {field.name: field.default for field in dataclasses.fields(OptimizerConfig)}
     group = parser.add_argument_group(title="optimizer")
     for flag in FLAGS:
-        kwargs: dict[str, Any] = {"dest": flag.dest, "default": defaults[flag.dest], "help": flag.help}
+        default = None if flag.hardware_default else defaults[flag.dest]
+        kwargs: dict[str, Any] = {"dest": flag.dest, "default": default, "help": flag.help}
         if flag.type is None:
             kwargs["action"] = "store_false" if flag.negative else "store_true"
         else:

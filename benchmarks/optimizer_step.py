@@ -3,7 +3,7 @@ torch.optim.Muon and torch.optim.AdamW.
 
 Rows (all step only the 2-D weights, with the same gradients, lr 1e-3, weight decay 0.1):
 - eopt_muon:        get_megatron_optimizer(OptimizerConfig(optimizer='muon')), library defaults
-                    (clipping at 1.0 included; on CPU Newton-Schulz in fp32 whatever the config says)
+                    (clipping at 1.0 included; muon_fp32_matmul_prec='medium': bf16 Newton-Schulz, on CPU too)
 - eopt_muon_class:  our TensorParallelMuon at TP=1, fp32_matmul_prec='highest', with megatron-core's
                     blocks (QKV split per query group, the gated fc1 whole; our factory also
                     splits fc1 into gate and up), so it computes exactly what mcore_muon_fp32 does

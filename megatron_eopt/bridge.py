@@ -286,23 +286,6 @@ def _config_overrides(provider: Any, context: OptimizerConfigOverrideProviderCon
 # ------------------------------------------------------------------------------------------------
 
 
-def provide_optimizer(
-    config: Any,
-    model_chunks: ModelChunks,
-    config_overrides: ConfigOverrides = None,
-    use_gloo_process_groups: bool = True,
-    pg_collection: Any = None,
-) -> Any:
-    """The body of `OptimizerConfig.provide` (kept here, above the factory in the layering)."""
-    return factory.get_megatron_optimizer(
-        config,
-        model_chunks,
-        config_overrides=config_overrides,
-        use_gloo_process_groups=use_gloo_process_groups,
-        pg_collection=pg_collection,
-    )
-
-
 def setup_optimizer(
     optimizer_config: Any,
     scheduler_config: SchedulerConfig,

@@ -8,8 +8,12 @@ update. Consumers construct the config and mutate it later, so validation lives 
 """
 
 import dataclasses
+import functools
 import math
+import pathlib
+import re
 import typing
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Optional
 
@@ -17,7 +21,10 @@ import torch
 
 ScaleMode = Literal["spectral", "unit_rms_norm", "shape_scaling"]
 TpMode = Literal["blockwise", "duplicated", "distributed", "sharded"]
-MatmulPrecision = Literal["low", "medium", "high"]
+# What emerging_optimizers' `FP32MatmulPrecT` and `torch.set_float32_matmul_precision` accept
+# (Megatron-LM's 'low' is neither); the one list of them: config checks and command-line choices
+# read it, and tests/unit/test_config.py checks it against the installed emerging_optimizers.
+MatmulPrecision = Literal["highest", "high", "medium"]
 ScalarOptimizer = Literal["adam", "lion"]
 AdaptiveMoment2Method = Literal["adamuon", "normuon"]
 
@@ -71,7 +78,7 @@ class OptimizerConfig:
     muon_split_qkv: bool = True
     muon_nesterov: bool = False
     muon_scale_mode: str = "spectral"
-    muon_fp32_matmul_prec: str = "medium"
+    muon_fp32_matmul_prec: str = "medium"  # 'highest', 'high' or 'medium'; honoured on every device
     muon_coefficient_type: str = "quintic"
     muon_num_ns_steps: int = 5
     muon_tp_mode: str = "duplicated"
@@ -146,18 +153,111 @@ class OptimizerConfig:
     ) -> Any:
         """`get_megatron_optimizer(self, model_chunks, ...)`: the custom-optimizer hook that
         Megatron-Bridge's `setup_optimizer` calls on a config object that has it."""
-        # The one upward import of this module, and deliberate: the hook's whole point is to
-        # build the optimizer. Lazy, so importing the config stays cheap; tests/unit/test_imports.py
-        # lists it as the single allowed exception to the layering.
-        from megatron_eopt.bridge import provide_optimizer
+        # The one upward import of this module, inside the hook that needs it: the factory
+        # (never the Bridge layer). Not at module level, so importing the config never imports
+        # the layers above it; tests/unit/test_imports.py lists it as the single exception.
+        from megatron_eopt.factory import get_megatron_optimizer
 
-        return provide_optimizer(
+        return get_megatron_optimizer(
             self,
             model_chunks,
             config_overrides=config_overrides,
             use_gloo_process_groups=use_gloo_process_groups,
             pg_collection=pg_collection,
         )
+
+
+# ------------------------------------------------------------------------------------------------
+# What each megatron-core field does here
+# ------------------------------------------------------------------------------------------------
+
+FieldKind = Literal["used", "inert", "warns", "refused"]
+
+
+@dataclass(frozen=True)
+class FieldUse:
+    """How megatron_eopt treats one of megatron-core's OptimizerConfig fields.
+
+    used:    does what it does in megatron-core.
+    inert:   no effect here, and none is lost (`why` says why); no message.
+    warns:   no effect here; a non-default value warns once per process (`why` is the warning).
+    refused: not implemented; a non-default value is a ValueError (`why` is the message).
+    """
+
+    kind: FieldKind
+    why: str = ""
+
+
+_USED = FieldUse("used")
+_CPU_OFFLOAD_ONLY = FieldUse("inert", "megatron-core reads it only with optimizer_cpu_offload, which is refused")
+_FP32_STATE = FieldUse(
+    "refused", "must be torch.float32 (reduced-precision optimizer state needs megatron-core's "
+    "precision-aware optimizer, which megatron_eopt does not provide)")
+_NOT_IMPLEMENTED = FieldUse("refused", "is a megatron-core feature that megatron_eopt does not implement; leave it False")
+
+# Every field of megatron-core's OptimizerConfig (tests/unit/test_config.py checks the list
+# against the installed megatron-core; the README lists the inert ones).
+MEGATRON_CORE_FIELDS: dict[str, FieldUse] = {
+    **dict.fromkeys(
+        ["optimizer", "lr", "min_lr", "decoupled_lr", "decoupled_min_lr", "weight_decay",
+         "apply_wd_to_qk_layernorm", "fp16", "bf16", "loss_scale", "initial_loss_scale",
+         "min_loss_scale", "loss_scale_window", "hysteresis", "adam_beta1", "adam_beta2",
+         "adam_eps", "decoupled_weight_decay", "sgd_momentum", "muon_momentum", "muon_split_qkv",
+         "muon_nesterov", "muon_scale_mode", "muon_fp32_matmul_prec", "muon_coefficient_type",
+         "muon_num_ns_steps", "muon_tp_mode", "muon_extra_scale_factor", "muon_scalar_optimizer",
+         "lion_beta1", "lion_beta2", "soap_shampoo_beta", "soap_precondition_frequency",
+         "soap_use_kl_shampoo", "adaptive_muon_moment2_method", "adaptive_muon_beta2",
+         "adaptive_muon_eps", "use_distributed_optimizer", "use_layer_wise_distributed_optimizer",
+         "clip_grad", "grad_norm_skip_threshold", "log_num_zeros_in_grad", "timers",
+         "barrier_with_L1_time"],
+        _USED,
+    ),
+    "fp8_recipe": FieldUse(
+        "inert", "megatron-core's optimizer reads it only for fp8 parameters in its byte-sharded "
+        "distributed optimizer; fp8 is the model's concern, and megatron_eopt's wrappers refuse "
+        "fp8 parameters by dtype"),
+    "params_dtype": FieldUse("inert", "megatron-core's optimizer does not read it either (the model's dtype)"),
+    "store_param_remainders": FieldUse(
+        "inert", "megatron-core reads it only with use_precision_aware_optimizer, which is refused"),
+    "use_precision_aware_optimizer": _NOT_IMPLEMENTED,
+    "reuse_grad_buf_for_mxfp8_param_ag": _NOT_IMPLEMENTED,
+    "optimizer_cpu_offload": _NOT_IMPLEMENTED,
+    "optimizer_cuda_graph": _NOT_IMPLEMENTED,
+    "main_grads_dtype": _FP32_STATE,
+    "main_params_dtype": _FP32_STATE,
+    "exp_avg_dtype": _FP32_STATE,
+    "exp_avg_sq_dtype": _FP32_STATE,
+    "optimizer_offload_fraction": _CPU_OFFLOAD_ONLY,
+    "use_torch_optimizer_for_cpu_offload": _CPU_OFFLOAD_ONLY,
+    "overlap_cpu_optimizer_d2h_h2d": _CPU_OFFLOAD_ONLY,
+    "pin_cpu_grads": _CPU_OFFLOAD_ONLY,
+    "pin_cpu_params": _CPU_OFFLOAD_ONLY,
+    "overlap_param_gather": FieldUse(
+        "warns", "the layer-wise optimizer's parameter sync (the owners' broadcast) is not yet "
+        "overlapped with the forward pass: it runs at the end of step(). Results are the same"),
+    "overlap_param_gather_with_optimizer_step": FieldUse(
+        "warns", "the layer-wise optimizer's parameter sync (the owners' broadcast) is not yet "
+        "overlapped with the optimizer step: it runs after it. Results are the same"),
+    "config_logger_dir": FieldUse(
+        "warns", "megatron-core dumps its optimizer constructors' arguments there for debugging; "
+        "megatron_eopt writes nothing there (dump_param_to_param_group_map shows where each "
+        "parameter went)"),
+}
+# megatron_eopt's own fields: muon_use_syrk (newer Megatron-LM), muon_match_adamw_rms,
+# layer_wise_reduce_grads; all used.
+
+_WARNED_ONCE: set[str] = set()  # fields this process has warned about
+
+
+def warn_about_inert_fields(config: "OptimizerConfig") -> None:
+    """One warning per process for each 'warns' field set away from its default."""
+    defaults = {f.name: f.default for f in dataclasses.fields(OptimizerConfig)}
+    for name, use in MEGATRON_CORE_FIELDS.items():
+        value = getattr(config, name)
+        if use.kind == "warns" and value != defaults[name] and name not in _WARNED_ONCE:
+            _WARNED_ONCE.add(name)
+            warnings.warn(f"OptimizerConfig.{name}={value!r} has no effect in megatron_eopt: {use.why}.",
+                          UserWarning, stacklevel=3)
 
 
 def as_optimizer_config(config: Any) -> OptimizerConfig:
@@ -290,14 +390,6 @@ def _check_precision(config: OptimizerConfig) -> None:
         not (config.fp16 and config.bf16),
         "OptimizerConfig.fp16 and OptimizerConfig.bf16 are both True; choose at most one.",
     )
-    for name in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
-        value = getattr(config, name)
-        _require(
-            value == torch.float32,
-            f"OptimizerConfig.{name} must be torch.float32 (reduced-precision optimizer state "
-            f"needs megatron-core's precision-aware optimizer, which megatron_eopt does not "
-            f"provide); got {value}.",
-        )
 
 
 def _check_loss_scaling(config: OptimizerConfig) -> None:
@@ -379,19 +471,66 @@ def _check_distribution(config: OptimizerConfig) -> None:
 
 
 def _check_unsupported(config: OptimizerConfig) -> None:
-    """megatron-core features kept for field compatibility but not implemented here."""
-    unsupported = {
-        "use_precision_aware_optimizer": config.use_precision_aware_optimizer,
-        "optimizer_cpu_offload": config.optimizer_cpu_offload,
-        "optimizer_cuda_graph": config.optimizer_cuda_graph,
-        "reuse_grad_buf_for_mxfp8_param_ag": config.reuse_grad_buf_for_mxfp8_param_ag,
-    }
-    enabled = [name for name, value in unsupported.items() if value]
-    _require(
-        not enabled,
-        f"OptimizerConfig.{enabled[0] if enabled else ''} is a megatron-core feature that "
-        f"megatron_eopt does not implement; leave it False.",
-    )
+    """megatron-core features kept for field compatibility but not implemented here (the
+    'refused' fields of MEGATRON_CORE_FIELDS): only their default values are accepted."""
+    defaults = {f.name: f.default for f in dataclasses.fields(OptimizerConfig)}
+    for name, use in MEGATRON_CORE_FIELDS.items():
+        value = getattr(config, name)
+        _require(
+            use.kind != "refused" or value == defaults[name],
+            f"OptimizerConfig.{name} {use.why}; got {value}.",
+        )
+
+
+# ------------------------------------------------------------------------------------------------
+# Choosing muon_fp32_matmul_prec from the hardware (for trainers whose user did not choose)
+# ------------------------------------------------------------------------------------------------
+
+# CPU feature flags (/proc/cpuinfo) of bf16 matrix instructions: x86 AVX512-BF16 and AMX, Arm BF16.
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+
+
+def native_bf16_matmul(device: torch.device) -> bool:
+    """Whether `device` multiplies bf16 matrices in hardware; else bf16 is emulated there,
+    far slower than fp32 (about 50x on an AVX2 CPU), while native bf16 is faster than fp32."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    if device.type == "cpu":
+        return _cpu_has_bf16_instructions()
+    return False  # an unknown accelerator: assume nothing
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_has_bf16_instructions() -> bool:
+    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):  # torch's x86 checks
+        check = getattr(torch.cpu, probe, None)
+        if check is not None and check():
+            return True
+    try:
+        return cpuinfo_has_bf16(pathlib.Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return False
+
+
+def cpuinfo_has_bf16(cpuinfo: str) -> bool:
+    """Whether the flags (x86) or Features (Arm) lines of /proc/cpuinfo name bf16 instructions."""
+    flags = {flag for line in re.findall(r"^(?:flags|Features)\s*:(.*)$", cpuinfo, re.M) for flag in line.split()}
+    return any(flag in flags for flag in CPU_BF16_FLAGS)
+
+
+def fp32_matmul_prec_for(device: torch.device) -> tuple[str, str]:
+    """(muon_fp32_matmul_prec, why) for `device`: megatron-core's 'medium' (bf16 Newton-Schulz)
+    where bf16 matrix products are native, else 'highest' (fp32)."""
+    device = torch.device(device)
+    if native_bf16_matmul(device):
+        return "medium", f"{device.type} has native bf16 matrix products"
+    if device.type == "cpu":
+        return "highest", (
+            f"this CPU has no bf16 matrix instructions ({'/'.join(CPU_BF16_FLAGS)}), so bf16 would be "
+            f"emulated, far slower than fp32"
+        )
+    return "highest", f"{device.type} has no native bf16 matrix products"
 
 
 # Aliases still imported by old code.

@@ -15,7 +15,7 @@ from typing import Any, Iterable, Mapping, Optional, Union
 
 import torch
 
-from megatron_eopt.config import OptimizerConfig, as_optimizer_config
+from megatron_eopt.config import OptimizerConfig, as_optimizer_config, warn_about_inert_fields
 from megatron_eopt.distributed.layer_wise import DataParallelShards, LayerWiseDistributedOptimizer, assign_owners
 from megatron_eopt.distributed.process_groups import ParallelGroups, group_rank, group_size, resolve_parallel_groups
 from megatron_eopt.param_groups import (
@@ -56,7 +56,10 @@ def get_megatron_optimizer(
             (`get_standard_config_overrides`, plus the optimizer entry's default overrides),
             {} means none at all. Give the scalar part of a Muon run its own lr/wd here (e.g. a
             key matching 1-D parameters).
-        use_gloo_process_groups: accepted for compatibility; no gloo side groups are needed.
+        use_gloo_process_groups: accepted for compatibility and inert: megatron-core uses gloo
+            groups only for its byte-sharded distributed optimizer's CPU-side state gathering
+            on save/load; megatron_eopt's optimizers and checkpoints communicate over the
+            given groups alone, so no gloo side groups are needed.
         pg_collection: megatron-core ProcessGroupCollection or ParallelGroups; None uses
             megatron-core's parallel_state when torch.distributed runs several ranks.
         dump_param_to_param_group_map: a directory; each rank writes which optimizer and
@@ -67,6 +70,7 @@ def get_megatron_optimizer(
         '.../expert') for one that routes some parameters to the scalar optimizer.
     """
     config = _distributed_as_layer_wise(_without_legacy_name(as_optimizer_config(config)))
+    warn_about_inert_fields(config)
     spec = lookup_optimizer(config.optimizer)
     routing = _routing(spec, config)
     _check_supported(config, {name: lookup_optimizer(name) for name in routing.optimizers})

@@ -45,10 +45,10 @@ Constructor arguments come from the config by name: for each `__init__` argument
 first, then `config_prefixes`), else `config.<arg>`, else the class default; config values that
 are None count as unset. Then, where the class takes them: `weight_decay_method` is 'decoupled'
 or 'l2' from `decoupled_weight_decay`; the entry's `config_to_kwargs(config)` may add or
-replace values (adam's betas/eps, lion's betas); every `*fp32_matmul_prec` is 'highest' when
-the parameters are on CPU (bf16 matrix products are far slower than fp32 there),
-else the config's value; `tp_group`/`layouts` come from the factory. Names and values are
-checked against the signature (`Literal` annotations, Newton-Schulz coefficient sets and matmul
+replace values (adam's betas/eps, lion's betas); `tp_group`/`layouts` come from the factory.
+Matmul precisions (`muon_fp32_matmul_prec`) are honoured on every device; 'medium' (bf16
+Newton-Schulz) on a CPU without bf16 instructions warns once that it is emulated there.
+Names and values are checked against the signature (`Literal` annotations, Newton-Schulz coefficient sets and matmul
 precisions of the installed emerging_optimizers) before the optimizer is built.
 
 State is created eagerly, so a checkpoint loads into a fresh optimizer and every rank has the
@@ -73,6 +73,7 @@ from typing import Any, Callable, Literal, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 
+from megatron_eopt.config import CPU_BF16_FLAGS, native_bf16_matmul
 from megatron_eopt.ops.splits import MatrixLayout
 from megatron_eopt.param_key import check_config_overrides
 
@@ -723,14 +724,31 @@ def optimizer_kwargs(
         extra = dict(entry.config_to_kwargs(config))
         kwargs.update(extra)
         sources.update({key: f"config_to_kwargs of optimizer {name!r}" for key in extra})
-    for argument in arguments:
-        if argument.endswith("fp32_matmul_prec") and context.on_cpu:
-            kwargs[argument], sources[argument] = "highest", "the parameters being on CPU"
+    if context.on_cpu:
+        _warn_if_bf16_is_emulated({a: kwargs[a] for a in kwargs if a.endswith("fp32_matmul_prec")}, sources)
     if "tp_group" in arguments:
         kwargs["tp_group"], sources["tp_group"] = context.tp_group, "the factory"
     if "layouts" in arguments:
         kwargs["layouts"], sources["layouts"] = dict(context.layouts or {}), "the factory"
     return kwargs, sources
+
+
+_WARNED_ONCE: set[str] = set()  # warnings this process has given
+
+
+def _warn_if_bf16_is_emulated(precisions: Mapping[str, Any], sources: Mapping[str, str]) -> None:
+    """'medium' means bf16 matrix products: honoured, but slow on a CPU that emulates them."""
+    medium = [argument for argument, value in precisions.items() if value == "medium"]
+    if not medium or "emulated_bf16" in _WARNED_ONCE or native_bf16_matmul(torch.device("cpu")):
+        return
+    _WARNED_ONCE.add("emulated_bf16")
+    warnings.warn(
+        f"{sources[medium[0]]}='medium' runs matrix products in bf16, which this CPU emulates "
+        f"(no {'/'.join(CPU_BF16_FLAGS)} instructions): expect it far slower than fp32. Set it to "
+        f"'highest' for fp32 on this machine.",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def _allowed_values(argument: str, annotation: Any) -> Optional[tuple]:

@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from arguments import add_optimizer_args, optimizer_config_from_args, validate_args  # noqa: E402
+from arguments import add_optimizer_args, matmul_precision_line, optimizer_config_from_args, validate_args  # noqa: E402
 from megatron_eopt import get_megatron_optimizer  # noqa: E402
 from megatron_eopt.bridge import SchedulerConfig, get_scheduler  # noqa: E402
 from megatron_eopt.checkpointing import has_checkpoints, load_checkpoint, save_checkpoint  # noqa: E402
@@ -350,7 +350,7 @@ def train(args, settings, layout, device) -> list[dict]:
     from megatron.core import parallel_state
 
     model = build_gpt_model(settings, device)
-    config = optimizer_config_from_args(args)
+    config = optimizer_config_from_args(args, device)
     optimizer = get_megatron_optimizer(config, [model])
     scheduler = get_scheduler(config, scheduler_config(args), optimizer)
     dp_group = parallel_state.get_data_parallel_group()
@@ -358,6 +358,9 @@ def train(args, settings, layout, device) -> list[dict]:
     average_grads = not config.use_layer_wise_distributed_optimizer  # that one reduces itself
     log = Logger(args, layout)
     log.say(describe_model(model))
+    precision_line = matmul_precision_line(args, device)
+    if precision_line:
+        log.say(precision_line)
     start = resume(args, model, optimizer, scheduler, log)
     for iteration in range(start + 1, args.train_iters + 1):
         lr = optimizer.param_groups[0]["lr"]

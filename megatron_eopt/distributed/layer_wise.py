@@ -28,7 +28,7 @@ from megatron_eopt.distributed.process_groups import ProcessGroup, group_rank, g
 from megatron_eopt.ops.ownership import assign_owner_ranks
 from megatron_eopt.ops.splits import newton_schulz_cost
 from megatron_eopt.param_groups import ParamRecord
-from megatron_eopt.wrappers.base import MegatronOptimizer, SteppableChild, StepResult, take_step
+from megatron_eopt.wrappers.base import MegatronOptimizer, SteppableChild, StepResult, take_step, timed
 from megatron_eopt.wrappers.chained import ChainedOptimizer
 from megatron_eopt.wrappers.fp32 import model_grad
 from megatron_eopt.wrappers.grad_stats import NONFINITE, reduced_grad_stats, unscale_and_count_nonfinite
@@ -162,7 +162,8 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
         with qk_clip_step(self.qk_clip):  # owners clip their main copies; the broadcast spreads them
             result = take_step(self.chained_optimizers + [self._non_owned_check], self.config)
         if result[0]:
-            self._broadcast_from_owners()
+            with timed(self.config, "params-all-gather"):  # megatron-core's name for the parameter sync
+                self._broadcast_from_owners()
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -34,7 +34,12 @@ from emerging_optimizers.orthogonalized_optimizers.adaptive_muon import Adaptive
 
 from megatron_eopt.ops.newton_schulz import NewtonSchulzSettings, orthogonalize_updates
 from megatron_eopt.ops.splits import MatrixLayout
-from megatron_eopt.optimizers.tensor_parallel_muon import check_muon_arguments, layouts_by_param
+from megatron_eopt.optimizers.tensor_parallel_muon import (
+    check_muon_arguments,
+    layouts_by_param,
+    muon_use_syrk,
+    warn_if_blockwise_splits,
+)
 
 MOMENT2_METHODS: tuple[str, ...] = typing.get_args(Moment2MethodT)
 
@@ -73,6 +78,9 @@ class TensorParallelAdaptiveMuon(AdaptiveMuon):
         layouts: fqn -> MatrixLayout for parameters that are shards or fused; param groups
             name their parameters in 'param_fqns'. A parameter without a layout is a whole,
             unfused matrix.
+        use_syrk: request emerging_optimizers' SYRK Newton-Schulz kernel (AdaptiveMuon itself
+            never uses it); `self.use_syrk` is what emerging_optimizers' Muon decides for this
+            machine (off without Triton >= 3.4 or on an unvalidated GPU), and what the step uses.
 
     Checked here: tp_mode, lr, momentum, weight_decay, weight_decay_method, fp32_matmul_prec,
     coefficient_type, num_ns_steps, scale_mode, moment2_method, beta2, eps, that every
@@ -97,6 +105,7 @@ class TensorParallelAdaptiveMuon(AdaptiveMuon):
         moment2_method: str = "adamuon",
         beta2: float = 0.95,
         eps: float = 1e-8,
+        use_syrk: bool = False,
         tp_mode: str = "duplicated",
         tp_group: Optional[dist.ProcessGroup] = None,
         layouts: Optional[Mapping[str, MatrixLayout]] = None,
@@ -111,8 +120,9 @@ class TensorParallelAdaptiveMuon(AdaptiveMuon):
         if not eps > 0.0:
             raise ValueError(f"eps must be > 0 (it keeps all-zero rows and updates finite); got {eps}.")
         # Raw Newton-Schulz: the Muon scale comes after the second-moment normalization.
+        self.use_syrk = muon_use_syrk(use_syrk)
         self.settings = NewtonSchulzSettings(
-            num_ns_steps, coefficient_type, scale_mode, extra_scale_factor, use_syrk=False, scaled=False
+            num_ns_steps, coefficient_type, scale_mode, extra_scale_factor, use_syrk=self.use_syrk, scaled=False
         )
         super().__init__(
             params, lr, momentum, weight_decay, nesterov=nesterov, weight_decay_method=weight_decay_method,
@@ -123,6 +133,7 @@ class TensorParallelAdaptiveMuon(AdaptiveMuon):
         self.tp_mode = tp_mode
         self.tp_group = tp_group
         self._layout_of = layouts_by_param(self.param_groups, dict(layouts or {}))
+        warn_if_blockwise_splits(tp_mode, tp_group, list(self._layout_of.values()))
         self._view_of = {key: self._global_view(layout) for key, layout in self._layout_of.items()}
 
     def _global_view(self, layout: MatrixLayout) -> _GlobalView:

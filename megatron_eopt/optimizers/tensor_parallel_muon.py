@@ -15,7 +15,10 @@ products are emulated on CPUs without bf16 instructions (about 50x slower than f
 AVX2 machine of README's Performance section).
 """
 
+import dataclasses
+import inspect
 import typing
+import warnings
 from typing import Any, Callable, Mapping, Optional
 
 import torch
@@ -68,6 +71,57 @@ def layouts_by_param(param_groups: list[dict], layouts: Mapping[str, MatrixLayou
     return by_param
 
 
+_WARNED_ONCE: set[str] = set()  # warnings this process has given
+
+
+def warn_if_blockwise_splits(tp_mode: str, tp_group: Optional[dist.ProcessGroup],
+                             layouts: list[MatrixLayout]) -> None:
+    """Warn once per process when tp_mode='blockwise' orthogonalizes tensor-parallel shards.
+
+    Then the update depends on the TP degree. It is megatron-core's default, so a megatron-core
+    OptimizerConfig passed as it is brings it along; the value is kept, and this says so.
+    """
+    tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
+    sharded = [layout.name for layout in layouts if layout.partition_dim >= 0]
+    if tp_mode != "blockwise" or tp_size == 1 or not sharded or "blockwise" in _WARNED_ONCE:
+        return
+    _WARNED_ONCE.add("blockwise")
+    warnings.warn(
+        f"muon_tp_mode='blockwise' orthogonalizes each tensor-parallel shard on its own: "
+        f"parameter {sharded[0]!r} is split over {tp_size} TP ranks, so Muon's update depends on "
+        f"the TP degree. 'blockwise' is megatron-core's OptimizerConfig default (megatron_eopt's "
+        f"is 'duplicated'); set muon_tp_mode='duplicated', 'distributed' or 'sharded' for the "
+        f"TP=1 update.",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+def backend_use_syrk(optimizer: Muon) -> bool:
+    """Whether emerging_optimizers' `Muon.__init__` kept `use_syrk` on for `optimizer`.
+
+    It turns a requested SYRK kernel off where it is not supported (no Triton >= 3.4, or a GPU
+    it has not validated; it logs why) and keeps that decision only in the closure of its
+    orthogonalize function, so it is read from there. Fails loudly if that ever moves.
+    """
+    decided = inspect.getclosurevars(optimizer.scaled_orthogonalize_fn).nonlocals
+    if not isinstance(decided.get("use_syrk"), bool):
+        raise RuntimeError(
+            "cannot read emerging_optimizers' Muon use_syrk decision (its orthogonalize function "
+            "no longer holds 'use_syrk'); this megatron_eopt needs updating for the installed "
+            "emerging_optimizers. Set muon_use_syrk=False meanwhile."
+        )
+    return decided["use_syrk"]
+
+
+def muon_use_syrk(requested: bool) -> bool:
+    """emerging_optimizers' Muon decision on `use_syrk=requested` on this machine."""
+    if not requested:
+        return False
+    probe = Muon([torch.nn.Parameter(torch.zeros(2, 2))], use_syrk=True)
+    return backend_use_syrk(probe)
+
+
 # The Muon scale that matches AdamW's update RMS (Moonlight): 0.2 * sqrt(max(m, n)).
 ADAMW_RMS_MATCHING_EXTRA_SCALE = 0.2
 
@@ -81,6 +135,8 @@ class TensorParallelMuon(Muon):
         layouts: fqn -> MatrixLayout for parameters that are shards or fused; param groups
             name their parameters in 'param_fqns'. A parameter without a layout is a whole,
             unfused matrix.
+    `use_syrk` is a request: `self.use_syrk` is what emerging_optimizers' Muon decided for this
+    machine (off without Triton >= 3.4 or on an unvalidated GPU), and what the step uses.
     """
 
     def __init__(
@@ -103,15 +159,20 @@ class TensorParallelMuon(Muon):
         layouts: Optional[Mapping[str, MatrixLayout]] = None,
     ) -> None:
         check_muon_arguments(tp_mode, lr, momentum, weight_decay, weight_decay_method, fp32_matmul_prec)
-        self.settings = NewtonSchulzSettings(num_ns_steps, coefficient_type, scale_mode, extra_scale_factor, use_syrk)
+        # Checked here, before the backend checks them with its own messages.
+        settings = NewtonSchulzSettings(num_ns_steps, coefficient_type, scale_mode, extra_scale_factor)
         super().__init__(
             params, lr, momentum, weight_decay, nesterov=nesterov, weight_decay_method=weight_decay_method,
             fp32_matmul_prec=fp32_matmul_prec, coefficient_type=coefficient_type, num_ns_steps=num_ns_steps,
             scale_mode=scale_mode, extra_scale_factor=extra_scale_factor, use_syrk=use_syrk,
         )
+        # The backend may have turned use_syrk off (unsupported here): follow its decision.
+        self.use_syrk = backend_use_syrk(self) if use_syrk else False
+        self.settings = dataclasses.replace(settings, use_syrk=self.use_syrk)
         self.tp_mode = tp_mode
         self.tp_group = tp_group
         self._layout_of = layouts_by_param(self.param_groups, dict(layouts or {}))
+        warn_if_blockwise_splits(tp_mode, tp_group, list(self._layout_of.values()))
 
     def orthogonalize(self, p: torch.Tensor, grad: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """The scaled orthogonalized update of one parameter (emerging_optimizers' hook)."""

@@ -7,11 +7,19 @@
 3. clip every child's gradients by the global norm (`clip_grad`, 0 = off);
 4. a norm above `grad_norm_skip_threshold` returns (False, norm, zeros) without stepping;
 5. every child steps and copies its main parameters back to the model.
+
+With `config.timers` (megatron-core's `Timers`), the phases are timed under megatron-core's
+names, each started with `barrier=config.barrier_with_L1_time` as megatron-core does:
+'optimizer-copy-to-main-grad' (1: here the copy, unscaling, inf/NaN check, norm and zero
+count are one pass), 'optimizer-clip-main-grad' (3), 'optimizer-inner-step' and
+'optimizer-copy-main-to-model-params' (5, per child), and 'params-all-gather' (the layer-wise
+optimizer's broadcast from owners).
 """
 
+import contextlib
 import math
 from abc import ABC, abstractmethod
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -81,9 +89,25 @@ class SteppableChild(ABC):
         """Raise ValueError if `state_dict` does not fit; changes nothing."""
 
 
+@contextlib.contextmanager
+def timed(config: Any, name: str) -> Iterator[None]:
+    """Time the block as megatron-core's optimizers do: `config.timers(name, log_level=1)`,
+    started with `barrier=config.barrier_with_L1_time`; nothing when `config.timers` is None."""
+    timers = getattr(config, "timers", None)
+    if timers is None:
+        yield
+        return
+    timers(name, log_level=1).start(barrier=config.barrier_with_L1_time)
+    try:
+        yield
+    finally:
+        timers(name).stop()
+
+
 def take_step(children: list[SteppableChild], config: Any) -> StepResult:
     """One optimizer step over `children`, which share one gradient norm."""
-    totals = sum(child.grad_stats(config.log_num_zeros_in_grad).cpu() for child in children)
+    with timed(config, "optimizer-copy-to-main-grad"):
+        totals = sum(child.grad_stats(config.log_num_zeros_in_grad).cpu() for child in children)
     found_inf = bool(totals[NONFINITE].item() > 0)
     for scaler in _unique_scalers(children):
         scaler.update(found_inf)
@@ -92,11 +116,12 @@ def take_step(children: list[SteppableChild], config: Any) -> StepResult:
 
     grad_norm = math.sqrt(totals[SUM_OF_SQUARES].item())
     num_zeros = int(totals[ZEROS].item()) if config.log_num_zeros_in_grad else None
-    if config.clip_grad > 0.0:
-        clip_coeff = config.clip_grad / (grad_norm + 1.0e-6)
-        if clip_coeff < 1.0:
-            for child in children:
-                scale_grads(child.main_grads(), clip_coeff)
+    with timed(config, "optimizer-clip-main-grad"):
+        if config.clip_grad > 0.0:
+            clip_coeff = config.clip_grad / (grad_norm + 1.0e-6)
+            if clip_coeff < 1.0:
+                for child in children:
+                    scale_grads(child.main_grads(), clip_coeff)
     if grad_norm > config.grad_norm_skip_threshold:
         return False, grad_norm, num_zeros
     for child in children:

@@ -12,7 +12,7 @@ import torch
 
 from megatron_eopt.distributed.process_groups import ProcessGroup, group_rank
 from megatron_eopt.param_groups import ParamRecord
-from megatron_eopt.wrappers.base import MegatronOptimizer, SteppableChild, StepResult, take_step
+from megatron_eopt.wrappers.base import MegatronOptimizer, SteppableChild, StepResult, take_step, timed
 from megatron_eopt.wrappers.flat_state import (
     flat_state_dict,
     load_flat_state_dict,
@@ -115,10 +115,12 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
         return [m.grad for m in self.main_params if m.grad is not None]
 
     def step_with_ready_grads(self) -> None:
-        self.optimizer.step()
+        with timed(self.config, "optimizer-inner-step"):
+            self.optimizer.step()
         if self.qk_clip is not None:  # QK-clip scales the updated main copies (wrappers/qk_clip.py)
             self.qk_clip.clip_main_params((r.fqn, main) for r, main in zip(self.records, self.main_params))
-        self._copy_main_params_to_model()
+        with timed(self.config, "optimizer-copy-main-to-model-params"):
+            self._copy_main_params_to_model()
 
     # The contract.
     def step(self) -> StepResult:

@@ -12,20 +12,32 @@ the groups stay local (not saved), everything else is common to all ranks (megat
 rank 0's copy).
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
+from megatron_eopt.param_groups import ParamRecord
 from megatron_eopt.registry import init_torch_state
-
-if TYPE_CHECKING:  # fp32.py imports this module, so importing fp32 here would be circular
-    from megatron_eopt.wrappers.fp32 import FP32Optimizer
 
 COMMON_STATE = "common_state"
 
 
+class ShardableChild(Protocol):
+    """What this module reads of a wrapped optimizer (FP32Optimizer and its subclasses).
+
+    A protocol, so that fp32.py imports this module and not the other way round.
+    """
+
+    name: str
+    optimizer: torch.optim.Optimizer
+    model_params: list[torch.nn.Parameter]
+    records: list[ParamRecord]  # parallel to model_params
+
+    def state_dict(self) -> dict: ...
+
+
 def child_sharded_state_dict(
-    child: "FP32Optimizer", model_sharded_state_dict: dict, is_loading: bool, owner_is_main_replica: bool
+    child: ShardableChild, model_sharded_state_dict: dict, is_loading: bool, owner_is_main_replica: bool
 ) -> dict:
     """The child's `state_dict()` with its tensors replaced by megatron-core sharded tensors."""
     from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject

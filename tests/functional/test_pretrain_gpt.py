@@ -43,10 +43,13 @@ MODEL_FLAGS = [
     "--global-batch-size", "16", "--train-iters", "20", "--lr", "1e-2", "--min-lr", "1e-3",
     "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--log-interval", "1", "--seed", "1234",
 ]
+# Muon pinned to fp32 Newton-Schulz: the layouts are compared at fp32 round-off, and the default
+# precision is chosen from the hardware.
+FP32_NS = ["--muon-fp32-matmul-prec", "highest"]
 OPTIMIZER_FLAGS = {
     "adam": ["--optimizer", "adam"],
-    "muon": ["--optimizer", "muon", "--use-distributed-optimizer"],  # layer-wise at DP > 1
-    "muon-replicated": ["--optimizer", "muon"],  # every DP rank steps every parameter
+    "muon": ["--optimizer", "muon", "--use-distributed-optimizer", *FP32_NS],  # layer-wise at DP > 1
+    "muon-replicated": ["--optimizer", "muon", *FP32_NS],  # every DP rank steps every parameter
 }
 TORCHRUN = str(pathlib.Path(sys.executable).with_name("torchrun"))
 

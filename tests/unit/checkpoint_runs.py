@@ -28,11 +28,13 @@ SETTINGS = GPTModelSettings(num_layers=2, hidden_size=32, num_attention_heads=4,
                             ffn_hidden_size=48, swiglu=True, vocab_size=64, seq_length=8)
 GLOBAL_BATCH = 8
 SEED = 5
+# Muon runs in fp32 (muon_fp32_matmul_prec='highest'): layouts are compared at fp32 round-off.
 OPTIMIZERS = {
     "adam": dict(optimizer="adam", lr=3e-3, min_lr=3e-4, weight_decay=0.1, clip_grad=1.0),
-    "muon": dict(optimizer="muon", lr=3e-3, min_lr=3e-4, weight_decay=0.05, clip_grad=1.0, muon_momentum=0.9),
+    "muon": dict(optimizer="muon", lr=3e-3, min_lr=3e-4, weight_decay=0.05, clip_grad=1.0, muon_momentum=0.9,
+                 muon_fp32_matmul_prec="highest"),
     "normuon": dict(optimizer="adaptive_muon", adaptive_muon_moment2_method="normuon", lr=3e-3, min_lr=3e-4,
-                    weight_decay=0.05, clip_grad=1.0),
+                    weight_decay=0.05, clip_grad=1.0, muon_fp32_matmul_prec="highest"),
 }
 
 

@@ -9,6 +9,7 @@ import sys
 import warnings
 
 import pytest
+import torch
 
 from arguments import add_optimizer_args, optimizer_config_from_args, parse_and_validate, validate_args
 from megatron_eopt.config import OptimizerConfig
@@ -33,6 +34,7 @@ FROZEN_OPTIONS = sorted([
 ])
 NEGATIVE_FLAGS = {"--muon-no-split-qkv": "muon_split_qkv", "--soap-no-kl-shampoo": "soap_use_kl_shampoo"}
 FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(OptimizerConfig)}
+HARDWARE_DEFAULTS = {"muon_fp32_matmul_prec"}  # flags whose default is chosen from the hardware
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +55,19 @@ def test_every_dest_is_a_field_with_the_dataclass_default(parser) -> None:
     assert len(actions) == len(FROZEN_OPTIONS)
     for action in actions:
         assert action.dest in FIELD_DEFAULTS, f"{action.option_strings}: dest {action.dest!r} is no field"
+        if action.dest in HARDWARE_DEFAULTS:  # None: chosen for the device by optimizer_config_from_args
+            assert action.default is None, action.option_strings
+            continue
         assert action.default == FIELD_DEFAULTS[action.dest], action.option_strings
         assert type(action.default) is type(FIELD_DEFAULTS[action.dest]), action.option_strings
 
 
 def test_defaults_give_the_default_config(parser) -> None:
-    assert optimizer_config_from_args(parse(parser)) == OptimizerConfig()
+    from megatron_eopt.config import fp32_matmul_prec_for
+
+    cpu = torch.device("cpu")
+    chosen = fp32_matmul_prec_for(cpu)[0]
+    assert optimizer_config_from_args(parse(parser), cpu) == OptimizerConfig(muon_fp32_matmul_prec=chosen)
 
 
 def test_frozen_option_list(parser) -> None:
@@ -90,7 +99,7 @@ def test_choices_come_from_what_is_installed(parser) -> None:
     assert tuple(choices["muon_coefficient_type"]) == coefficient_types()
     assert tuple(choices["muon_tp_mode"]) == TP_MODES
     assert tuple(choices["adaptive_muon_moment2_method"]) == ("adamuon", "normuon")
-    assert tuple(choices["muon_fp32_matmul_prec"]) == ("low", "medium", "high")
+    assert tuple(choices["muon_fp32_matmul_prec"]) == ("highest", "high", "medium")
 
 
 def test_dist_muon_is_deprecated_and_means_layer_wise_muon(parser) -> None:
@@ -213,3 +222,15 @@ def test_config_copies_only_fields_and_keeps_defaults_for_missing_ones() -> None
     args = argparse.Namespace(optimizer="sgd", lr=0.1, seq_length=4096)  # a Megatron-LM-like subset
     config = optimizer_config_from_args(args)
     assert config == OptimizerConfig(optimizer="sgd", lr=0.1)
+
+
+def test_fp32_matmul_prec_takes_the_backend_values_and_refuses_low(parser, capsys) -> None:
+    for value in ("highest", "high", "medium"):
+        assert optimizer_config_from_args(parse(parser, "--muon-fp32-matmul-prec", value)).muon_fp32_matmul_prec == value
+    with pytest.raises(SystemExit) as raised:
+        parser.parse_args(["--muon-fp32-matmul-prec", "low"])
+    assert raised.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1, errors
+    assert "--muon-fp32-matmul-prec" in errors[0] and "'low'" in errors[0]
+    assert all(value in errors[0] for value in ("highest", "high", "medium")), errors[0]

@@ -336,3 +336,14 @@ def test_yaml_is_optional(monkeypatch: pytest.MonkeyPatch) -> None:
         to_yaml(OptimizerConfig())
     with pytest.raises(ImportError, match="PyYAML"):
         from_yaml(SchedulerConfig, "train_iters: 3\n")
+
+
+def test_dicts_and_yaml_take_the_backend_matmul_precisions_and_refuse_low() -> None:
+    for value in ("highest", "high", "medium"):
+        assert from_dict(OptimizerConfig, {"muon_fp32_matmul_prec": value}).muon_fp32_matmul_prec == value
+    with pytest.raises(ValueError, match=r"muon_fp32_matmul_prec must be one of 'highest', 'high', 'medium'; got 'low'"):
+        from_dict(OptimizerConfig, {"muon_fp32_matmul_prec": "low"})
+    pytest.importorskip("yaml")
+    assert from_yaml(OptimizerConfig, "muon_fp32_matmul_prec: highest\n").muon_fp32_matmul_prec == "highest"
+    with pytest.raises(ValueError, match=r"'highest', 'high', 'medium'; got 'low'"):
+        from_yaml(OptimizerConfig, "muon_fp32_matmul_prec: low\n")

@@ -180,9 +180,9 @@ BAD_INPUTS = {
         [r"muon_scale_mode", r"spectral", r"unit_rms_norm", r"shape_scaling"],
     ),
     "muon_fp32_matmul_prec_bad": (
-        {"muon_fp32_matmul_prec": "highest"},
+        {"muon_fp32_matmul_prec": "low"},
         ValueError,
-        [r"muon_fp32_matmul_prec", r"low", r"medium", r"high"],
+        [r"muon_fp32_matmul_prec", r"got 'low'", r"'highest', 'high', 'medium'"],
     ),
     "muon_scalar_optimizer_bad": (
         {"muon_scalar_optimizer": "sgd"},
@@ -348,3 +348,42 @@ def test_as_optimizer_config_revalidates_ours():
 def test_as_optimizer_config_rejects_unrelated_objects(bad):
     with pytest.raises(TypeError, match=r"OptimizerConfig"):
         as_optimizer_config(bad)
+
+
+# ------------------------------------------------------------------------------------------------
+# muon_fp32_matmul_prec: the backend's vocabulary
+# ------------------------------------------------------------------------------------------------
+
+
+def test_matmul_precisions_are_what_emerging_optimizers_and_torch_accept():
+    import typing
+
+    from emerging_optimizers.utils import FP32MatmulPrecT
+
+    from megatron_eopt.config import MatmulPrecision
+
+    assert set(typing.get_args(MatmulPrecision)) == set(typing.get_args(FP32MatmulPrecT))
+    previous = torch.get_float32_matmul_precision()
+    try:
+        for value in typing.get_args(MatmulPrecision):
+            torch.set_float32_matmul_precision(value)
+            assert torch.get_float32_matmul_precision() == value
+        # torch does not take 'low': it warns and keeps the previous value.
+        with pytest.warns(UserWarning):
+            torch.set_float32_matmul_precision("low")
+        assert torch.get_float32_matmul_precision() == value
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+@pytest.mark.parametrize("value", ["highest", "high", "medium"])
+def test_every_backend_matmul_precision_is_accepted(value):
+    assert OptimizerConfig(muon_fp32_matmul_prec=value).muon_fp32_matmul_prec == value
+
+
+def test_low_matmul_precision_is_refused_with_the_valid_values():
+    with pytest.raises(ValueError) as raised:
+        OptimizerConfig(muon_fp32_matmul_prec="low")
+    assert str(raised.value) == (
+        "OptimizerConfig.muon_fp32_matmul_prec must be one of 'highest', 'high', 'medium'; got 'low'."
+    )

@@ -225,7 +225,8 @@ def test_muon_step_equals_reference():
     model = torch.nn.Linear(24, 16, bias=False)
     start = model.weight.detach().clone()
     grads = [torch.randn(16, 24) for _ in range(3)]
-    config = OptimizerConfig(optimizer="muon", lr=0.02, weight_decay=0.1, muon_momentum=0.9, clip_grad=0.0)
+    config = OptimizerConfig(optimizer="muon", lr=0.02, weight_decay=0.1, muon_momentum=0.9, clip_grad=0.0,
+                             muon_fp32_matmul_prec="highest")  # the fp32 reference below
     optimizer = get_megatron_optimizer(config, model)
     assert [c.name for c in optimizer.chained_optimizers] == ["muon/dense"]
     for grad in grads:
@@ -337,7 +338,7 @@ def test_factory_passes_layouts_and_tp_group(spy_muon):
     assert layouts["mlp.linear_fc2.weight"].row_blocks == ()
     assert spy_muon["tp_group"] is None
     assert spy_muon["kwargs"]["momentum"] == 0.8
-    assert spy_muon["kwargs"]["fp32_matmul_prec"] == "highest"  # parameters on CPU, whatever the config says
+    assert spy_muon["kwargs"]["fp32_matmul_prec"] == "high"  # the config's, on CPU too
 
     get_megatron_optimizer(OptimizerConfig(optimizer="spy_muon", lr=0.1, muon_split_qkv=False), model)
     assert spy_muon["layouts"]["self_attention.linear_qkv.weight"].row_blocks == ()

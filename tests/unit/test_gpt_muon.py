@@ -24,7 +24,8 @@ def batch() -> torch.Tensor:
 
 def train_muon(tp: int, tp_mode: str, steps: int) -> dict:
     config = OptimizerConfig(optimizer="muon", lr=0.02, min_lr=0.0, weight_decay=0.05, clip_grad=1.0,
-                             muon_tp_mode=tp_mode, muon_momentum=0.9)
+                             muon_tp_mode=tp_mode, muon_momentum=0.9,
+                             muon_fp32_matmul_prec="highest")  # fp32: TP=n equals TP=1 to 1e-5
     return train_gpt(SETTINGS, config, tp, steps, seed=11, tokens=batch())
 
 

@@ -1,15 +1,18 @@
 """Guardrails on imports.
 
 `import megatron_eopt` must not import megatron-core (its model stack costs ~16 s; checked in
-a fresh interpreter). The package's layers import only downwards (read from the source with
-`ast`): config/param_key -> ops -> optimizers -> registry -> param_groups ->
-wrappers/distributed -> checkpointing -> factory; megatron-core appears only where allowed.
+a fresh interpreter). The package's modules import each other without cycles, and only
+downwards through the layers (read from the source with `ast`, so imports inside functions and
+`if TYPE_CHECKING:` blocks count too):
+config/param_key -> ops -> optimizers -> registry -> param_groups -> wrappers/distributed ->
+checkpointing -> factory -> muon/bridge; megatron-core appears only where allowed.
 """
 
 import ast
 import pathlib
 import subprocess
 import sys
+from typing import Optional
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "megatron_eopt"
 LAYER_OF = {  # first component below megatron_eopt -> layer; a module imports layers <= its own
@@ -19,20 +22,41 @@ LAYER_OF = {  # first component below megatron_eopt -> layer; a module imports l
 # checkpointing/rng.py: megatron-core's process-global RNG tracker, only once megatron-core is imported.
 MEGATRON_CORE_ALLOWED = {"distributed/process_groups.py", "factory.py", "bridge.py", "wrappers/megatron_sharded.py",
                          "checkpointing/rng.py"}
-# Upward imports that are deliberate, each inside a function: OptimizerConfig.provide() is
-# Megatron-Bridge's custom-optimizer hook, so the config must be able to build the optimizer.
-UPWARD_ALLOWED = {("config.py", "megatron_eopt.bridge")}
+# The one upward import, inside the method that needs it: OptimizerConfig.provide() is
+# Megatron-Bridge's custom-optimizer hook, so the config must be able to call the factory.
+# It is a function-level import of the factory alone (never of the Bridge layer), so importing
+# the config never imports what lies above it.
+UPWARD_ALLOWED = {("config.py", "megatron_eopt.factory", "provide")}
 
 
-def package_imports(path: pathlib.Path) -> list[str]:
-    """Every absolute module name imported anywhere in the file (function bodies included)."""
-    names = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names.extend(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.append(node.module)
-    return names
+def package_imports(path: pathlib.Path) -> list[tuple[str, Optional[str]]]:
+    """(absolute module name, enclosing function or None) of every import in the file."""
+    found: list[tuple[str, Optional[str]]] = []
+
+    def visit(node: ast.AST, function: Optional[str]) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(child, child.name)
+                continue
+            if isinstance(child, ast.Import):
+                found.extend((alias.name, function) for alias in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
+                found.append((child.module, function))
+                # `from megatron_eopt.wrappers import fp32` imports the module wrappers.fp32.
+                found.extend((f"{child.module}.{alias.name}", function) for alias in child.names
+                             if _module_path(f"{child.module}.{alias.name}") is not None)
+            visit(child, function)
+
+    visit(ast.parse(path.read_text()), None)
+    return found
+
+
+def _module_path(name: str) -> Optional[pathlib.Path]:
+    """The file of megatron_eopt module `name`, or None when it is not one (or is a package)."""
+    if not name.startswith("megatron_eopt."):
+        return None
+    path = PACKAGE.joinpath(*name.split(".")[1:]).with_suffix(".py")
+    return path if path.is_file() else None
 
 
 def layer(relative: pathlib.Path) -> int:
@@ -40,6 +64,52 @@ def layer(relative: pathlib.Path) -> int:
     if top not in LAYER_OF:
         raise AssertionError(f"megatron_eopt/{relative} is in no layer; add it to LAYER_OF")
     return LAYER_OF[top]
+
+
+def package_files() -> list[pathlib.Path]:
+    files = [p for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"]
+    assert len(files) > 5
+    return files
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module (path relative to the package) -> modules it imports, allowed exceptions left out."""
+    graph: dict[str, set[str]] = {}
+    for path in package_files():
+        relative = path.relative_to(PACKAGE).as_posix()
+        targets = graph.setdefault(relative, set())
+        for name, function in package_imports(path):
+            target = _module_path(name)
+            if target is not None and (relative, name, function) not in UPWARD_ALLOWED:
+                targets.add(target.relative_to(PACKAGE).as_posix())
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> Optional[list[str]]:
+    """One import cycle as a list of modules (first == last), or None."""
+    state: dict[str, str] = {}  # module -> "open" (on the current path) or "done"
+    path: list[str] = []
+
+    def visit(module: str) -> Optional[list[str]]:
+        state[module] = "open"
+        path.append(module)
+        for target in sorted(graph.get(module, ())):
+            if state.get(target) == "open":
+                return path[path.index(target):] + [target]
+            if target not in state:
+                cycle = visit(target)
+                if cycle:
+                    return cycle
+        path.pop()
+        state[module] = "done"
+        return None
+
+    for module in sorted(graph):
+        if module not in state:
+            cycle = visit(module)
+            if cycle:
+                return cycle
+    return None
 
 
 def test_import_does_not_load_megatron_core() -> None:
@@ -50,17 +120,35 @@ def test_import_does_not_load_megatron_core() -> None:
     assert not [m for m in modules if m.startswith("megatron.")], "megatron-core imported eagerly"
 
 
+def test_importing_the_config_does_not_import_the_bridge_layer() -> None:
+    # The config's provide() reaches the factory only when called.
+    code = "import sys, megatron_eopt.config; print('\\n'.join(sys.modules))"
+    output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "megatron_eopt.bridge" not in output.stdout.split()
+
+
 def test_layers_import_only_downwards() -> None:
     violations = []
-    files = [p for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"]
-    assert len(files) > 5
-    for path in files:
+    for path in package_files():
         relative = path.relative_to(PACKAGE)
-        for name in package_imports(path):
+        for name, function in package_imports(path):
             if name.startswith("megatron_eopt."):
                 target = pathlib.Path(*name.split(".")[1:])
-                if layer(target) > layer(relative) and (relative.as_posix(), name) not in UPWARD_ALLOWED:
-                    violations.append(f"{relative} imports {name}")
+                if layer(target) > layer(relative) and (relative.as_posix(), name, function) not in UPWARD_ALLOWED:
+                    where = f" (in {function}())" if function else ""
+                    violations.append(f"{relative} imports {name}{where}")
             elif name.startswith("megatron.") and relative.as_posix() not in MEGATRON_CORE_ALLOWED:
                 violations.append(f"{relative} imports megatron-core ({name})")
     assert not violations, violations
+
+
+def test_no_import_cycles() -> None:
+    # Module by module, counting imports inside functions and TYPE_CHECKING blocks: a cycle that
+    # only works because one side imports late is still two modules that need each other.
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_cycle_finder_finds_a_cycle() -> None:
+    assert find_cycle({"a.py": {"b.py"}, "b.py": {"c.py"}, "c.py": {"a.py"}}) == ["a.py", "b.py", "c.py", "a.py"]
+    assert find_cycle({"a.py": {"b.py"}, "b.py": set(), "c.py": {"a.py", "b.py"}}) is None

@@ -39,7 +39,8 @@ SETTINGS = GPTModelSettings(num_layers=2, hidden_size=32, num_attention_heads=4,
                             ffn_hidden_size=48, swiglu=True, vocab_size=64, seq_length=8)
 # lr 0.003 is a realistic Muon lr with the spectral scale (update RMS ~ lr); clip_grad 0.5 is
 # below every gradient norm of the run, so clipping is active in every step.
-MUON = dict(optimizer="muon", lr=0.003, min_lr=0.0, weight_decay=0.05, clip_grad=0.5, muon_momentum=0.9)
+MUON = dict(optimizer="muon", lr=0.003, min_lr=0.0, weight_decay=0.05, clip_grad=0.5, muon_momentum=0.9,
+            muon_fp32_matmul_prec="highest")  # fp32: layouts compared at fp32 round-off
 GLOBAL_BATCH = 8
 STEPS = 10
 SEED = 11

@@ -205,18 +205,19 @@ def test_muon_kwargs_follow_the_muon_fields():
     layouts = kwargs.pop("layouts")
     assert layouts == {}
     assert kwargs == dict(lr=0.5, momentum=0.8, weight_decay=0.3, nesterov=True, weight_decay_method="l2",
-                          fp32_matmul_prec="highest", coefficient_type="polar_express", num_ns_steps=7,
+                          fp32_matmul_prec="medium", coefficient_type="polar_express", num_ns_steps=7,
                           scale_mode="unit_rms_norm", extra_scale_factor=0.2, use_syrk=False, tp_mode="sharded",
                           tp_group=None)
 
 
-def test_matmul_precision_is_fp32_on_cpu_and_the_config_elsewhere():
-    assert _kwargs("muon", muon_fp32_matmul_prec="medium")["fp32_matmul_prec"] == "highest"
+def test_matmul_precision_is_the_configs_on_every_device():
+    assert _kwargs("muon", muon_fp32_matmul_prec="medium")["fp32_matmul_prec"] == "medium"
+    assert _kwargs("muon", muon_fp32_matmul_prec="highest")["fp32_matmul_prec"] == "highest"
     accelerator = BuildContext(on_cpu=False)
     assert _kwargs("muon", accelerator, muon_fp32_matmul_prec="high")["fp32_matmul_prec"] == "high"
-    soap = _kwargs("soap", accelerator)
-    assert "fp32_matmul_prec" not in soap and "qr_fp32_matmul_prec" not in soap  # SOAP's own defaults
-    assert _kwargs("soap")["qr_fp32_matmul_prec"] == "highest"
+    for context in (accelerator, BuildContext()):  # SOAP's own defaults, on CPU too
+        soap = _kwargs("soap", context)
+        assert "fp32_matmul_prec" not in soap and "qr_fp32_matmul_prec" not in soap
 
 
 def test_other_optimizers_kwargs():
