@@ -20,6 +20,9 @@ class ChainedOptimizer(MegatronOptimizer):
     # In megatron-core's sharded format a state's main replica is data-parallel rank 0, which
     # holds every state; the layer-wise optimizer sets this: there the owner writes it.
     owner_is_main_replica = False
+    # Megatron-LM skips optimizer calls on a rank whose optimizer is a stub (megatron-core builds
+    # one for a rank without parameters); the factory never builds a chain without parameters.
+    is_stub_optimizer = False
 
     def __init__(self, chained_optimizers: list[MegatronOptimizer]) -> None:
         children = list(chained_optimizers)
@@ -74,6 +77,11 @@ class ChainedOptimizer(MegatronOptimizer):
     def reload_model_params(self, state_dict: Optional[dict] = None) -> None:
         for child in self.chained_optimizers:
             child.reload_model_params(state_dict)
+
+    def prepare_model_params_for_param_sync(self) -> None:
+        """Megatron-LM calls this before it forces a parameter all-gather. Nothing to stage:
+        step() leaves every model parameter up to date (children copy their main params back,
+        the layer-wise optimizer broadcasts from the owners)."""
 
     def state_dict(self) -> dict:
         return {"optimizers": {child.name: child.state_dict() for child in self.chained_optimizers}}
