@@ -172,14 +172,6 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
                 else:
                     param.grad.detach_().zero_()
 
-    def save_state_dict_to_file(self, filename: str) -> None:
-        """Megatron-LM's --ckpt-format torch: each data-parallel rank writes its own state."""
-        torch.save(self.state_dict(), filename)
-
-    def load_state_dict_from_file(self, filename: str) -> None:
-        """Load what save_state_dict_to_file wrote on this data-parallel rank."""
-        self.load_state_dict(torch.load(filename, weights_only=True))
-
     def optimizer_state_bytes(self) -> int:
         """Bytes of optimizer state (and fp32 main copies) held on this rank."""
         total = 0

@@ -83,8 +83,19 @@ class ChainedOptimizer(MegatronOptimizer):
         step() leaves every model parameter up to date (children copy their main params back,
         the layer-wise optimizer broadcasts from the owners)."""
 
-    def state_dict(self) -> dict:
+    def state_dict(self, is_loading: bool = False) -> dict:
+        """`is_loading`: Megatron-LM's torch_dcp load asks for a dict to load into; the state
+        is created eagerly here, so the same dict serves both ways and the flag changes nothing."""
         return {"optimizers": {child.name: child.state_dict() for child in self.chained_optimizers}}
+
+    def save_state_dict_to_file(self, filename: str) -> None:
+        """This rank's state_dict() to `filename` (Megatron-LM's --ckpt-format torch with the
+        layer-wise optimizer: one file per data-parallel rank, each holding its owned state)."""
+        torch.save(self.state_dict(), filename)
+
+    def load_state_dict_from_file(self, filename: str) -> None:
+        """Load what save_state_dict_to_file wrote on this rank."""
+        self.load_state_dict(torch.load(filename, weights_only=True))
 
     def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
                            metadata: Optional[dict] = None) -> dict:
