@@ -15,8 +15,12 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "megatron_eopt"
 LAYER_OF = {  # first component below megatron_eopt -> layer; a module imports layers <= its own
     "config": 0, "param_key": 0, "ops": 1, "optimizers": 2, "registry": 3, "param_groups": 4,
     "wrappers": 5, "distributed": 5, "checkpointing": 6, "factory": 7, "muon": 8, "bridge": 8,
+    "integrations": 9,
 }
-MEGATRON_CORE_ALLOWED = {"distributed/process_groups.py", "factory.py", "bridge.py", "wrappers/megatron_sharded.py"}
+MEGATRON_CORE_ALLOWED = {"distributed/process_groups.py", "factory.py", "bridge.py", "wrappers/megatron_sharded.py",
+                         "integrations/megatron_lm.py"}
+# Megatron-LM's training package (megatron.training, in the megatron-core wheel): only its adapter.
+MEGATRON_TRAINING_ALLOWED = {"integrations/megatron_lm.py"}
 # Upward imports that are deliberate, each inside a function: OptimizerConfig.provide() is
 # Megatron-Bridge's custom-optimizer hook, so the config must be able to build the optimizer.
 UPWARD_ALLOWED = {("config.py", "megatron_eopt.bridge")}
@@ -41,7 +45,7 @@ def layer(relative: pathlib.Path) -> int:
 
 
 def test_import_does_not_load_megatron_core() -> None:
-    code = "import sys, megatron_eopt; print('\\n'.join(sys.modules))"
+    code = "import sys, megatron_eopt, megatron_eopt.integrations; print('\\n'.join(sys.modules))"
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     modules = output.stdout.split()
     assert "megatron_eopt.factory" in modules
@@ -61,4 +65,6 @@ def test_layers_import_only_downwards() -> None:
                     violations.append(f"{relative} imports {name}")
             elif name.startswith("megatron.") and relative.as_posix() not in MEGATRON_CORE_ALLOWED:
                 violations.append(f"{relative} imports megatron-core ({name})")
+            if name.startswith("megatron.training") and relative.as_posix() not in MEGATRON_TRAINING_ALLOWED:
+                violations.append(f"{relative} imports Megatron-LM's training package ({name})")
     assert not violations, violations
