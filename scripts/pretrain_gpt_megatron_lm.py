@@ -34,7 +34,7 @@ NO_CUDA_MESSAGE = (
 
 def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
     """One micro-batch through the model; the loss function Megatron-LM's schedule calls."""
-    batch = _next_batch(data_iterator)
+    batch = _next_batch(data_iterator, next(model.parameters()).device)
     output = model(
         batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"]
     )
@@ -51,12 +51,11 @@ def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor) -> tuple:
     return loss, num_tokens, {"lm loss": report}
 
 
-def _next_batch(data_iterator: Any) -> dict:
+def _next_batch(data_iterator: Any, device: torch.device) -> dict:
     """Every rank reads its own batch: each builds the same deterministic dataset (see
     `datasets_provider.is_distributed`), so no broadcast over the TP group is needed."""
     if data_iterator is None:
         raise RuntimeError("this rank has no data iterator; was the dataset built on every rank?")
-    device = torch.cuda.current_device()
     return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in next(data_iterator).items()}
 
 
@@ -99,7 +98,6 @@ def _dataset_config(args: Any) -> Any:
         blend_per_split=blend_per_split,
         split=args.split,
         path_to_cache=args.data_cache_path,
-        mock=args.mock_data,
         tokenizer=get_tokenizer(),
         reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask,
