@@ -325,6 +325,69 @@ def _script_steps_body(rank: int, world_size: int) -> dict:
         global_vars._GLOBAL_TOKENIZER = None
 
 
+def _flat_tensors(tree, prefix=""):
+    """path -> tensor for every tensor in a nested state dict (lists and dicts)."""
+    import torch
+
+    if torch.is_tensor(tree):
+        return {prefix: tree.detach().clone()}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else ()
+    flat = {}
+    for key, value in items:
+        flat.update(_flat_tensors(value, f"{prefix}/{key}"))
+    return flat
+
+
+def _state_file_body(rank: int, world_size: int, directory: str) -> dict:
+    """--ckpt-format torch with the layer-wise optimizer: Megatron-LM saves one file per DP rank
+    (save_state_dict_to_file) and loads it back (load_state_dict_from_file)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_eopt.integrations import megatron_lm
+    from scripts.gpt_model import destroy_model_parallel, gpt_loss, initialize_model_parallel
+
+    args = parse_megatron_lm(f"{MODEL_FLAGS} {MUON} --use-distributed-optimizer --ckpt-format torch", rank, world_size)
+    initialize_model_parallel(1, seed=SEED)
+    try:
+        with megatron_lm.installed():
+            model = model_from_args(args)
+            optimizer = build_through_megatron_lm(args, model)
+        dp_group = parallel_state.get_data_parallel_group()
+        tokens = fixed_batch(args).chunk(2)[dist.get_rank(dp_group)]
+
+        def train_step():
+            optimizer.zero_grad()
+            gpt_loss(model, tokens).backward()
+            for param in model.parameters():
+                dist.all_reduce(param.grad, group=dp_group)
+                param.grad /= 2
+            assert optimizer.step()[0]
+
+        for _ in range(2):
+            train_step()
+        path = os.path.join(directory, f"layer_wise_optimizer_{dist.get_rank(dp_group)}.pt")
+        optimizer.save_state_dict_to_file(path)
+        saved = _flat_tensors(optimizer.state_dict())
+        train_step()  # the live state moves on
+        moved = _flat_tensors(optimizer.state_dict())
+        optimizer.load_state_dict_from_file(path)
+        loaded = _flat_tensors(optimizer.state_dict())
+        return {
+            "class": type(optimizer).__name__,
+            "n_tensors": len(saved),
+            "keys_equal": sorted(saved) == sorted(loaded),
+            "changed_by_step": sum(not torch.equal(saved[k], moved[k]) for k in saved),
+            "unequal_after_load": [k for k in saved if not torch.equal(saved[k], loaded[k])],
+        }
+    finally:
+        destroy_model_parallel()
+        from megatron.training import global_vars
+
+        global_vars.set_args(None)
+
+
 # ---------------------------------------------------------------- tests
 
 
@@ -429,3 +492,13 @@ def test_script_data_and_loss_on_cpu(run_distributed) -> None:
     assert result["num_tokens"] == result["mask_sum"] > 0
     assert result["report_keys"] == ["lm loss"]  # the key Megatron-LM logs as "lm loss"
     assert result["report"] == pytest.approx([result["loss"], result["num_tokens"]], rel=1e-6)
+
+
+def test_layer_wise_state_files_round_trip(run_distributed, tmp_path) -> None:
+    """What Megatron-LM's --ckpt-format torch does with the layer-wise optimizer: each DP rank's
+    file brings back exactly the state it held (bitwise), after a step had changed it."""
+    for result in run_distributed(_state_file_body, world_size=2, args=(str(tmp_path),)):
+        assert result["class"] == "LayerWiseDistributedOptimizer"
+        assert result["n_tensors"] > 0 and result["keys_equal"]
+        assert result["changed_by_step"] > 0  # else the round trip would prove nothing
+        assert result["unequal_after_load"] == []
