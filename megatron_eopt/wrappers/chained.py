@@ -22,6 +22,9 @@ class ChainedOptimizer(MegatronOptimizer):
     # holds every state; the layer-wise optimizer sets this: there the owner writes it.
     owner_is_main_replica = False
     qk_clip: Optional[QKClip] = None  # set by the factory when QK-clip or max-logit logging is on
+    # Megatron-LM skips optimizer calls on a rank whose optimizer is a stub (megatron-core builds
+    # one for a rank without parameters); the factory never builds a chain without parameters.
+    is_stub_optimizer = False
 
     def __init__(self, chained_optimizers: list[MegatronOptimizer]) -> None:
         children = list(chained_optimizers)
@@ -83,8 +86,24 @@ class ChainedOptimizer(MegatronOptimizer):
         for child in self.chained_optimizers:
             child.reload_model_params(state_dict)
 
-    def state_dict(self) -> dict:
+    def prepare_model_params_for_param_sync(self) -> None:
+        """Megatron-LM calls this before it forces a parameter all-gather. Nothing to stage:
+        step() leaves every model parameter up to date (children copy their main params back,
+        the layer-wise optimizer broadcasts from the owners)."""
+
+    def state_dict(self, is_loading: bool = False) -> dict:
+        """`is_loading`: Megatron-LM's torch_dcp load asks for a dict to load into; the state
+        is created eagerly here, so the same dict serves both ways and the flag changes nothing."""
         return {"optimizers": {child.name: child.state_dict() for child in self.chained_optimizers}}
+
+    def save_state_dict_to_file(self, filename: str) -> None:
+        """This rank's state_dict() to `filename` (Megatron-LM's --ckpt-format torch with the
+        layer-wise optimizer: one file per data-parallel rank, each holding its owned state)."""
+        torch.save(self.state_dict(), filename)
+
+    def load_state_dict_from_file(self, filename: str) -> None:
+        """Load what save_state_dict_to_file wrote on this rank."""
+        self.load_state_dict(torch.load(filename, weights_only=True))
 
     def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
                            metadata: Optional[dict] = None) -> dict:

@@ -18,15 +18,18 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "megatron_eopt"
 LAYER_OF = {  # first component below megatron_eopt -> layer; a module imports layers <= its own
     "config": 0, "param_key": 0, "ops": 1, "optimizers": 2, "registry": 3, "param_groups": 4,
     "wrappers": 5, "distributed": 5, "checkpointing": 6, "factory": 7, "muon": 8, "bridge": 8,
+    "integrations": 9,
 }
 # checkpointing/rng.py: megatron-core's process-global RNG tracker, only once megatron-core is imported.
 MEGATRON_CORE_ALLOWED = {"distributed/process_groups.py", "factory.py", "bridge.py", "wrappers/megatron_sharded.py",
-                         "checkpointing/rng.py"}
+                         "checkpointing/rng.py", "integrations/megatron_lm.py"}
 # The one upward import, inside the method that needs it: OptimizerConfig.provide() is
 # Megatron-Bridge's custom-optimizer hook, so the config must be able to call the factory.
 # It is a function-level import of the factory alone (never of the Bridge layer), so importing
 # the config never imports what lies above it.
 UPWARD_ALLOWED = {("config.py", "megatron_eopt.factory", "provide")}
+# Megatron-LM's training package (megatron.training, in the megatron-core wheel): only its adapter.
+MEGATRON_TRAINING_ALLOWED = {"integrations/megatron_lm.py"}
 
 
 def package_imports(path: pathlib.Path) -> list[tuple[str, Optional[str]]]:
@@ -113,7 +116,7 @@ def find_cycle(graph: dict[str, set[str]]) -> Optional[list[str]]:
 
 
 def test_import_does_not_load_megatron_core() -> None:
-    code = "import sys, megatron_eopt; print('\\n'.join(sys.modules))"
+    code = "import sys, megatron_eopt, megatron_eopt.integrations; print('\\n'.join(sys.modules))"
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     modules = output.stdout.split()
     assert "megatron_eopt.factory" in modules
@@ -139,6 +142,8 @@ def test_layers_import_only_downwards() -> None:
                     violations.append(f"{relative} imports {name}{where}")
             elif name.startswith("megatron.") and relative.as_posix() not in MEGATRON_CORE_ALLOWED:
                 violations.append(f"{relative} imports megatron-core ({name})")
+            if name.startswith("megatron.training") and relative.as_posix() not in MEGATRON_TRAINING_ALLOWED:
+                violations.append(f"{relative} imports Megatron-LM's training package ({name})")
     assert not violations, violations
 
 

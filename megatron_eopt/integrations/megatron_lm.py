@@ -1,0 +1,195 @@
+"""Megatron-LM's own training loop with megatron_eopt's optimizer.
+
+Megatron-LM (`megatron.training`, shipped inside the megatron-core wheel) builds its optimizer in
+`setup_model_and_optimizer` by calling the name `get_megatron_optimizer` of the module
+`megatron.training.training` with megatron-core's `OptimizerConfig`. `install()` rebinds that
+name to `get_megatron_optimizer_for_megatron_lm`, which turns Megatron-LM's arguments plus that
+config into our `OptimizerConfig` and calls `megatron_eopt.get_megatron_optimizer`; Megatron-LM's
+loop, logging and checkpointing then drive our optimizer object. `uninstall()` puts the
+original back. `add_megatron_eopt_args` is the `extra_args_provider` that teaches Megatron-LM's
+parser our choices and flags without changing any of its own:
+
+- `--optimizer`: every optimizer in our registry;
+- `--muon-tp-mode`: adds 'sharded', and defaults to our 'duplicated' (Megatron-LM 0.19 defaults
+  to 'blockwise', whose update depends on the TP degree; newer Megatron-LM also moved to
+  'duplicated');
+- `--muon-fp32-matmul-prec`: exactly our config's values ('low' is refused with the reason);
+- flags of our `OptimizerConfig` fields that Megatron-LM's parser lacks (`--muon-match-adamw-rms`,
+  `--muon-use-syrk`, `--grad-norm-skip-threshold`, the SOAP and adaptive-Muon flags). Two of ours
+  are deliberately left out (`NOT_OFFERED` says why).
+
+This is the only module of megatron_eopt that imports `megatron.training`.
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import typing
+from typing import Any, Iterator, Optional
+
+import megatron.training.training as megatron_lm_training
+from megatron.training import global_vars
+
+from arguments.optimizer_args import FLAGS, Flag
+from megatron_eopt.config import MatmulPrecision, OptimizerConfig, TpMode
+from megatron_eopt.factory import get_megatron_optimizer
+from megatron_eopt.registry import list_optimizers
+
+# Our flags that Megatron-LM's parser must not get, and why.
+NOT_OFFERED = {
+    "use_layer_wise_distributed_optimizer": "Megatron-LM's validate_args sets it itself (True for "
+    "an emerging optimizer with --use-distributed-optimizer) and overwrites any given value",
+    "layer_wise_reduce_grads": "Megatron-LM always wraps the model in its DDP, which has already "
+    "all-reduced the gradients the optimizer sees",
+}
+_PATCHED_NAME = "get_megatron_optimizer"
+_original: Optional[Any] = None  # Megatron-LM's function while ours is installed
+
+
+# ---------------------------------------------------------------- command line
+
+
+def add_megatron_eopt_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """`extra_args_provider` for Megatron-LM's `parse_args`/`pretrain`: our choices and flags.
+
+    Megatron-LM's existing actions are extended in place (their option strings, dests and
+    other defaults stay as they are); flags it lacks are added with dest == config field.
+    """
+    actions = parser._option_string_actions  # argparse has no public lookup by option string
+    _extend_choices(actions["--optimizer"], list_optimizers())
+    tp_mode = actions["--muon-tp-mode"]
+    _extend_choices(tp_mode, typing.get_args(TpMode))
+    tp_mode.default = _field_default("muon_tp_mode")
+    _restrict_matmul_precision(actions["--muon-fp32-matmul-prec"])
+    group = parser.add_argument_group(title="megatron_eopt")
+    for flag in FLAGS:
+        if flag.option not in actions and flag.dest not in NOT_OFFERED:
+            _add_flag(group, flag)
+    return parser
+
+
+def _extend_choices(action: argparse.Action, extra: typing.Iterable[str]) -> None:
+    action.choices = list(action.choices) + [c for c in extra if c not in action.choices]
+
+
+def _restrict_matmul_precision(action: argparse.Action) -> None:
+    """Exactly our config's precisions, in place of Megatron-LM's list (which has 'low')."""
+    allowed = typing.get_args(MatmulPrecision)
+
+    def precision(value: str) -> str:
+        if value not in allowed:
+            raise argparse.ArgumentTypeError(
+                f"{value!r} is not a float32 matmul precision megatron_eopt accepts (torch's "
+                f"set_float32_matmul_precision takes {', '.join(allowed)}; 'medium' already uses "
+                f"bf16 matmuls); choose one of {', '.join(allowed)}."
+            )
+        return value
+
+    action.type = precision
+    action.choices = list(allowed)
+
+
+def _add_flag(group: Any, flag: Flag) -> None:
+    kwargs: dict[str, Any] = {"dest": flag.dest, "default": _field_default(flag.dest), "help": flag.help}
+    if flag.type is None:
+        kwargs["action"] = "store_false" if flag.negative else "store_true"
+    else:
+        kwargs["type"] = flag.type
+        if flag.choices is not None:
+            kwargs["choices"] = flag.choices()
+    group.add_argument(flag.option, **kwargs)
+
+
+def _field_default(name: str) -> Any:
+    return next(f.default for f in dataclasses.fields(OptimizerConfig) if f.name == name)
+
+
+# ---------------------------------------------------------------- config
+
+
+def optimizer_config_from_megatron_lm(args: Optional[argparse.Namespace], config: Any) -> OptimizerConfig:
+    """Our OptimizerConfig from megatron-core's `config` plus Megatron-LM's `args`.
+
+    Every field megatron-core's config has is taken from it (Megatron-LM may have changed it
+    after parsing, e.g. `config.timers`); our fields it lacks (`muon_match_adamw_rms`,
+    `muon_use_syrk`, ...) are read from `args` by name, as Megatron-LM reads its own.
+    """
+    ours = [f.name for f in dataclasses.fields(OptimizerConfig)]
+    values = {name: getattr(config, name) for name in ours if hasattr(config, name)}
+    if args is not None:
+        values.update({n: getattr(args, n) for n in ours if n not in values and hasattr(args, n)})
+        _check_checkpoint_format(args)
+    return OptimizerConfig(**values)
+
+
+def _check_checkpoint_format(args: argparse.Namespace) -> None:
+    if getattr(args, "use_distributed_optimizer", False) and getattr(args, "ckpt_format", None) == "torch":
+        raise ValueError(
+            "--use-distributed-optimizer with --ckpt-format torch makes Megatron-LM save "
+            "megatron-core's DistributedOptimizer parameter-state files "
+            "(optimizer.save_parameter_state), which megatron_eopt's layer-wise optimizer does "
+            "not write; use --ckpt-format torch_dist (the default)."
+        )
+
+
+def get_megatron_optimizer_for_megatron_lm(
+    config: Any,
+    model_chunks: Any,
+    config_overrides: Optional[Any] = None,
+    use_gloo_process_groups: bool = True,
+    pg_collection: Any = None,
+    dump_param_to_param_group_map: Optional[str] = None,
+) -> Any:
+    """What `install()` puts in Megatron-LM's place: megatron-core's signature, our optimizer.
+
+    Reads Megatron-LM's global args (when they are set) for our fields megatron-core's config
+    lacks, then calls `megatron_eopt.get_megatron_optimizer`.
+    """
+    args = global_vars._GLOBAL_ARGS  # get_args() asserts when unset; None: no Megatron-LM run
+    return get_megatron_optimizer(
+        optimizer_config_from_megatron_lm(args, config),
+        model_chunks,
+        config_overrides=config_overrides,
+        use_gloo_process_groups=use_gloo_process_groups,
+        pg_collection=pg_collection,
+        dump_param_to_param_group_map=dump_param_to_param_group_map,
+    )
+
+
+# ---------------------------------------------------------------- install
+
+
+def install() -> None:
+    """Make Megatron-LM's `setup_model_and_optimizer` build megatron_eopt's optimizer.
+
+    Rebinds `megatron.training.training.get_megatron_optimizer` (the name that function calls).
+    Calling it again while installed changes nothing.
+    """
+    global _original
+    if _original is None:
+        _original = getattr(megatron_lm_training, _PATCHED_NAME)
+        setattr(megatron_lm_training, _PATCHED_NAME, get_megatron_optimizer_for_megatron_lm)
+
+
+def uninstall() -> None:
+    """Put Megatron-LM's own `get_megatron_optimizer` back (no-op when not installed)."""
+    global _original
+    if _original is not None:
+        setattr(megatron_lm_training, _PATCHED_NAME, _original)
+        _original = None
+
+
+def is_installed() -> bool:
+    return getattr(megatron_lm_training, _PATCHED_NAME) is get_megatron_optimizer_for_megatron_lm
+
+
+@contextlib.contextmanager
+def installed() -> Iterator[None]:
+    """`with installed(): pretrain(...)`: installed inside, the previous state restored after."""
+    was_installed = is_installed()
+    install()
+    try:
+        yield
+    finally:
+        if not was_installed:
+            uninstall()
