@@ -352,7 +352,6 @@ def _check_values(config: OptimizerConfig) -> None:
     _check_muon(config)
     _check_gradients(config)
     _check_qk_clip(config)
-    _check_distribution(config)
     _check_unsupported(config)
 
 
@@ -458,15 +457,6 @@ def _check_qk_clip(config: OptimizerConfig) -> None:
     _require(
         0.0 < config.qk_clip_alpha < 1.0,
         f"OptimizerConfig.qk_clip_alpha must be in (0, 1) (as Megatron-LM requires); got {config.qk_clip_alpha}.",
-    )
-
-
-def _check_distribution(config: OptimizerConfig) -> None:
-    _require(
-        not (config.use_distributed_optimizer and config.use_layer_wise_distributed_optimizer),
-        "OptimizerConfig.use_distributed_optimizer and use_layer_wise_distributed_optimizer are "
-        "both True; they are alternatives. For emerging optimizers set only "
-        "use_layer_wise_distributed_optimizer.",
     )
 
 

@@ -64,13 +64,6 @@ def _forwarded_config(config: Any, layer_wise: bool) -> tuple[OptimizerConfig, s
     if name.startswith(factory.LEGACY_DISTRIBUTED_PREFIX):
         name, layer_wise = name[len(factory.LEGACY_DISTRIBUTED_PREFIX):], True
     _check_matrix_optimizer(base.optimizer, name)
-    if layer_wise and base.use_distributed_optimizer:
-        raise ValueError(
-            f"get_megatron_muon_optimizer: the layer-wise distributed optimizer was requested "
-            f"(layer_wise_distributed_optimizer=True or optimizer={base.optimizer!r}) but "
-            f"config.use_distributed_optimizer=True; they are alternatives. Set "
-            f"use_distributed_optimizer=False."
-        )
     changes: dict[str, Any] = {"optimizer": name}
     if layer_wise:
         changes["use_layer_wise_distributed_optimizer"] = True

@@ -227,11 +227,6 @@ BAD_INPUTS = {
     ),
     "loss_scale_window_zero": ({"loss_scale_window": 0}, ValueError, [r"loss_scale_window", r">= 1"]),
     "hysteresis_zero": ({"hysteresis": 0}, ValueError, [r"hysteresis", r">= 1"]),
-    "both_distributed_optimizers": (
-        {"use_distributed_optimizer": True, "use_layer_wise_distributed_optimizer": True},
-        ValueError,
-        [r"use_distributed_optimizer", r"use_layer_wise_distributed_optimizer"],
-    ),
     "optimizer_empty": ({"optimizer": "  "}, ValueError, [r"optimizer"]),
     "lr_string": ({"lr": "abc"}, TypeError, [r"\blr\b", r"number", r"'abc'"]),
     "lr_bool": ({"lr": True}, TypeError, [r"\blr\b", r"number"]),

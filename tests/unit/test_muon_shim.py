@@ -122,11 +122,15 @@ def test_unknown_optimizer_lists_valid_names() -> None:
         get_megatron_muon_optimizer(OptimizerConfig(optimizer="muonn", lr=0.01), [Model()])
 
 
-def test_layer_wise_with_distributed_optimizer_is_an_error_not_a_silent_switch() -> None:
+def test_layer_wise_with_distributed_optimizer_is_the_layer_wise_optimizer() -> None:
+    # use_distributed_optimizer=True means the layer-wise optimizer too, so the two agree.
     config = muon_config(use_distributed_optimizer=True)
-    with pytest.raises(ValueError, match="use_distributed_optimizer=False"):
-        get_megatron_muon_optimizer(config, [Model()], layer_wise_distributed_optimizer=True)
-    assert config.use_distributed_optimizer and not config.use_layer_wise_distributed_optimizer
+    optimizer, _ = call_shim(config, [Model()], layer_wise_distributed_optimizer=True)
+    assert isinstance(optimizer, LayerWiseDistributedOptimizer)
+    assert config.use_distributed_optimizer and not config.use_layer_wise_distributed_optimizer  # caller's copy kept
+    both = OptimizerConfig(optimizer="adam", lr=0.01, use_distributed_optimizer=True,
+                           use_layer_wise_distributed_optimizer=True)
+    assert isinstance(get_megatron_optimizer(both, [Model()]), LayerWiseDistributedOptimizer)
 
 
 def test_legacy_arguments_accepted_only_at_their_defaults() -> None:

@@ -10,7 +10,7 @@ tau) and a new batch come on top of tau. Losses stay finite.
 
 Regenerate the README's plot (docs/qk_clip_max_logit.png) with
 
-    .venv/bin/python tests/functional/test_qk_clip.py --plot docs/qk_clip_max_logit.png
+    .venv/bin/python tests/functional/test_qk_clip_training.py --plot docs/qk_clip_max_logit.png
 """
 
 import json
@@ -71,5 +71,5 @@ def plot(path: str) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[1] != "--plot":
-        sys.exit("usage: .venv/bin/python tests/functional/test_qk_clip.py --plot docs/qk_clip_max_logit.png")
+        sys.exit("usage: .venv/bin/python tests/functional/test_qk_clip_training.py --plot docs/qk_clip_max_logit.png")
     plot(sys.argv[2])
