@@ -166,15 +166,20 @@ def add_optimizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     defaults = {field.name: field.default for field in dataclasses.fields(OptimizerConfig)}
     group = parser.add_argument_group(title="optimizer")
     for flag in FLAGS:
-        default = None if flag.hardware_default else defaults[flag.dest]
-        kwargs: dict[str, Any] = {"dest": flag.dest, "default": default, "help": flag.help}
-        if flag.type is None:
-            kwargs["action"] = "store_false" if flag.negative else "store_true"
-        else:
-            kwargs["type"] = flag.type
-            if flag.choices is not None:
-                kwargs["choices"] = flag.choices()
-            if flag.dest == "muon_tp_mode":  # validate_args warns when it is given with TP=1
-                kwargs["action"] = _StoreAndRecord
+        kwargs = flag_kwargs(flag, None if flag.hardware_default else defaults[flag.dest])
+        if flag.dest == "muon_tp_mode":  # validate_args warns when it is given with TP=1
+            kwargs["action"] = _StoreAndRecord
         group.add_argument(flag.option, **kwargs)
     return parser
+
+
+def flag_kwargs(flag: Flag, default: Any) -> dict[str, Any]:
+    """`add_argument` keyword arguments for `flag` (also used to extend Megatron-LM's parser)."""
+    kwargs: dict[str, Any] = {"dest": flag.dest, "default": default, "help": flag.help}
+    if flag.type is None:
+        kwargs["action"] = "store_false" if flag.negative else "store_true"
+    else:
+        kwargs["type"] = flag.type
+        if flag.choices is not None:
+            kwargs["choices"] = flag.choices()
+    return kwargs

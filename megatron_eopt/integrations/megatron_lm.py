@@ -30,7 +30,7 @@ from typing import Any, Iterator, Optional
 import megatron.training.training as megatron_lm_training
 from megatron.training import global_vars
 
-from arguments.optimizer_args import FLAGS, Flag
+from arguments.optimizer_args import FLAGS, Flag, flag_kwargs
 from megatron_eopt.config import MatmulPrecision, OptimizerConfig, TpMode
 from megatron_eopt.factory import get_megatron_optimizer
 from megatron_eopt.registry import list_optimizers
@@ -90,14 +90,7 @@ def _restrict_matmul_precision(action: argparse.Action) -> None:
 
 
 def _add_flag(group: Any, flag: Flag) -> None:
-    kwargs: dict[str, Any] = {"dest": flag.dest, "default": _field_default(flag.dest), "help": flag.help}
-    if flag.type is None:
-        kwargs["action"] = "store_false" if flag.negative else "store_true"
-    else:
-        kwargs["type"] = flag.type
-        if flag.choices is not None:
-            kwargs["choices"] = flag.choices()
-    group.add_argument(flag.option, **kwargs)
+    group.add_argument(flag.option, **flag_kwargs(flag, _field_default(flag.dest)))
 
 
 def _field_default(name: str) -> Any:
