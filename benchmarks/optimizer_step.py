@@ -15,7 +15,7 @@ Rows (all step only the 2-D weights, with the same gradients, lr 1e-3, weight de
                     'medium': Newton-Schulz in bf16, which is emulated and slow on CPUs)
 - mcore_muon_fp32:  the same with fp32_matmul_prec='highest'
 - torch_muon:       torch.optim.Muon defaults (its Newton-Schulz is always bf16)
-- torch_adamw:      torch.optim.AdamW
+- torch_adamw:      torch.optim.AdamW (torch_adamw_fused: with fused=True)
 Rows interleaved in rounds after warm-up; times are medians, a ratio is the median over rounds
 of the two rows' ratio in that round. Prints numbers; asserts nothing.
 
@@ -70,8 +70,8 @@ def torch_muon(model: GptWeights) -> Step:
     return torch.optim.Muon(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY).step
 
 
-def torch_adamw(model: GptWeights) -> Step:
-    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY).step
+def torch_adamw(model: GptWeights, **options) -> Step:
+    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, **options).step
 
 
 BUILDERS: dict[str, Callable[[GptWeights, GptShape], Step]] = {
@@ -83,6 +83,7 @@ BUILDERS: dict[str, Callable[[GptWeights, GptShape], Step]] = {
     "mcore_muon_fp32": lambda model, shape: mcore_muon(model, fp32_matmul_prec="highest"),
     "torch_muon": lambda model, shape: torch_muon(model),
     "torch_adamw": lambda model, shape: torch_adamw(model),
+    "torch_adamw_fused": lambda model, shape: torch_adamw(model, fused=True),
 }
 # (numerator, denominator) of the ratios reported when both rows ran.
 RATIOS = {
@@ -110,6 +111,17 @@ def main() -> None:
     parser.add_argument("--json", metavar="PATH", help="also write the numbers here")
     args = parser.parse_args()
     shape, rows, device = shape_from(args), args.rows.split(","), torch.device(args.device)
+    models, steps, prepare = build_rows(shape, rows, device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    times = interleaved_times(steps, prepare, args.warmup, args.repeats, before=sync, after=sync)
+    report(args, shape, models, times)
+
+
+def build_rows(shape: GptShape, rows: list[str], device: torch.device) -> tuple[dict, dict, dict]:
+    """(models, steps, prepare) per row: equal initial weights; `prepare` sets the same gradients."""
+    unknown = [row for row in rows if row not in BUILDERS]
+    if unknown:
+        raise ValueError(f"unknown rows {unknown}; choose from {', '.join(BUILDERS)}.")
     torch.manual_seed(0)
     models = {row: GptWeights(shape, norms=False).to(device) for row in rows}
     for model in models.values():
@@ -121,10 +133,7 @@ def main() -> None:
         for p, g in zip(model.parameters(), grads):
             p.grad = g.clone()
 
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    times = interleaved_times(steps, {row: (lambda m=models[row]: set_grads(m)) for row in rows},
-                              args.warmup, args.repeats, before=sync, after=sync)
-    report(args, shape, models, times)
+    return models, steps, {row: (lambda m=models[row]: set_grads(m)) for row in rows}
 
 
 def report(args, shape: GptShape, models: dict, times: dict) -> None:
