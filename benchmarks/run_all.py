@@ -83,7 +83,7 @@ TARGETS = [
      ("rows", "layer-wise muon DP=4", "ratio_to_replicated_muon"), 0.3, "max"),
 ]
 INFO = [
-    ("Note: Muon step, each library's defaults: ours / megatron-core (hidden 256)", "step_defaults",
+    ("Note (not a target): each library's defaults, ours / megatron-core", "step_defaults",
      ("ratios", "defaults: eopt_muon / mcore_muon")),
     ("Muon step, defaults: ours / torch.optim.Muon", "step_defaults", ("ratios", "eopt_muon / torch_muon")),
     ("Muon step, fp32: our factory step / torch.optim.AdamW", "step_fp32",
