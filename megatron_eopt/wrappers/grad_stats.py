@@ -37,7 +37,8 @@ def unscale_and_count_nonfinite(grads: list[torch.Tensor], inv_scale: torch.Tens
 def count_zeros(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Number of zero entries over `grads`, as a 0-dim fp32 tensor on `device` (no host sync).
 
-    fp32 as megatron-core counts them (exact up to 2^24 zeros per gradient).
+    Counted in int64, then carried in fp32 with the other statistics, as megatron-core counts
+    them (exact up to 2^24 zeros).
     """
     total = torch.zeros((), dtype=torch.float32, device=device)
     for grad_device, device_grads in _by_device(grads).items():
