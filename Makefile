@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-unit test-functional demo bench venv lock clean
+.PHONY: test test-unit test-functional demo bench gpu-check venv lock clean
 
 test: $(STAMP)
 	$(PY) -m pytest tests -q
@@ -22,6 +22,12 @@ demo: $(STAMP)
 # Prints each benchmark's table and a summary; JSON under benchmarks/results/ (git-ignored).
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
+
+# On a machine with one CUDA GPU: the GPU-tier tests, Newton-Schulz vs matmul TFLOP/s (bf16, fp32),
+# Muon / fused AdamW step, pretrain_gpt iteration; benchmarks/results/gpu_check.{json,md}.
+# Without CUDA it builds everything and reports each check skipped with the reason (dry run).
+gpu-check: $(STAMP)
+	$(PY) benchmarks/gpu_check.py
 
 venv: $(STAMP)
 

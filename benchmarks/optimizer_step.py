@@ -4,6 +4,9 @@ torch.optim.Muon and torch.optim.AdamW.
 Rows (all step only the 2-D weights, with the same gradients, lr 1e-3, weight decay 0.1):
 - eopt_muon:        get_megatron_optimizer(OptimizerConfig(optimizer='muon')), library defaults
                     (clipping at 1.0 included; muon_fp32_matmul_prec='medium': bf16 Newton-Schulz, on CPU too)
+- eopt_muon_highest, eopt_muon_medium: the same full factory step with muon_fp32_matmul_prec
+                    set explicitly ('highest': fp32, 'medium': bf16 Newton-Schulz); against
+                    mcore_muon_fp32 and mcore_muon they compare at equal precision
 - eopt_muon_class:  our TensorParallelMuon at TP=1, fp32_matmul_prec='highest', with megatron-core's
                     blocks (QKV split per query group, the gated fc1 whole; our factory also
                     splits fc1 into gate and up), so it computes exactly what mcore_muon_fp32 does
@@ -12,7 +15,7 @@ Rows (all step only the 2-D weights, with the same gradients, lr 1e-3, weight de
                     'medium': Newton-Schulz in bf16, which is emulated and slow on CPUs)
 - mcore_muon_fp32:  the same with fp32_matmul_prec='highest'
 - torch_muon:       torch.optim.Muon defaults (its Newton-Schulz is always bf16)
-- torch_adamw:      torch.optim.AdamW
+- torch_adamw:      torch.optim.AdamW (torch_adamw_fused: with fused=True)
 Rows interleaved in rounds after warm-up; times are medians, a ratio is the median over rounds
 of the two rows' ratio in that round. Prints numbers; asserts nothing.
 
@@ -33,14 +36,15 @@ from _gpt import GptShape, GptWeights, add_shape_arguments, matrix_layout, shape
 from _timing import interleaved_times, medians, paired_ratio, write_json  # noqa: E402
 
 from megatron_eopt import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron_eopt.config import native_bf16_matmul  # noqa: E402
 from megatron_eopt.optimizers.tensor_parallel_muon import TensorParallelMuon  # noqa: E402
 
 LR, WEIGHT_DECAY = 1e-3, 0.1
 Step = Callable[[], object]
 
 
-def eopt_muon(model: GptWeights) -> Step:
-    config = OptimizerConfig(optimizer="muon", lr=LR, weight_decay=WEIGHT_DECAY)
+def eopt_muon(model: GptWeights, **overrides) -> Step:
+    config = OptimizerConfig(optimizer="muon", lr=LR, weight_decay=WEIGHT_DECAY, **overrides)
     return get_megatron_optimizer(config, model, config_overrides={}).step
 
 
@@ -66,25 +70,30 @@ def torch_muon(model: GptWeights) -> Step:
     return torch.optim.Muon(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY).step
 
 
-def torch_adamw(model: GptWeights) -> Step:
-    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY).step
+def torch_adamw(model: GptWeights, **options) -> Step:
+    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, **options).step
 
 
 BUILDERS: dict[str, Callable[[GptWeights, GptShape], Step]] = {
     "eopt_muon": lambda model, shape: eopt_muon(model),
+    "eopt_muon_highest": lambda model, shape: eopt_muon(model, muon_fp32_matmul_prec="highest"),
+    "eopt_muon_medium": lambda model, shape: eopt_muon(model, muon_fp32_matmul_prec="medium"),
     "eopt_muon_class": eopt_muon_class,
     "mcore_muon": lambda model, shape: mcore_muon(model),
     "mcore_muon_fp32": lambda model, shape: mcore_muon(model, fp32_matmul_prec="highest"),
     "torch_muon": lambda model, shape: torch_muon(model),
     "torch_adamw": lambda model, shape: torch_adamw(model),
+    "torch_adamw_fused": lambda model, shape: torch_adamw(model, fused=True),
 }
 # (numerator, denominator) of the ratios reported when both rows ran.
 RATIOS = {
     "defaults: eopt_muon / mcore_muon": ("eopt_muon", "mcore_muon"),
     "fp32: eopt_muon_class / mcore_muon_fp32": ("eopt_muon_class", "mcore_muon_fp32"),
-    "fp32: eopt_muon / mcore_muon_fp32": ("eopt_muon", "mcore_muon_fp32"),
+    "highest: eopt_muon_highest / mcore_muon_fp32": ("eopt_muon_highest", "mcore_muon_fp32"),
+    "medium: eopt_muon_medium / mcore_muon": ("eopt_muon_medium", "mcore_muon"),
     "eopt_muon / torch_muon": ("eopt_muon", "torch_muon"),
     "eopt_muon / torch_adamw": ("eopt_muon", "torch_adamw"),
+    "highest: eopt_muon_highest / torch_adamw": ("eopt_muon_highest", "torch_adamw"),
 }
 
 
@@ -102,6 +111,17 @@ def main() -> None:
     parser.add_argument("--json", metavar="PATH", help="also write the numbers here")
     args = parser.parse_args()
     shape, rows, device = shape_from(args), args.rows.split(","), torch.device(args.device)
+    models, steps, prepare = build_rows(shape, rows, device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    times = interleaved_times(steps, prepare, args.warmup, args.repeats, before=sync, after=sync)
+    report(args, shape, models, times)
+
+
+def build_rows(shape: GptShape, rows: list[str], device: torch.device) -> tuple[dict, dict, dict]:
+    """(models, steps, prepare) per row: equal initial weights; `prepare` sets the same gradients."""
+    unknown = [row for row in rows if row not in BUILDERS]
+    if unknown:
+        raise ValueError(f"unknown rows {unknown}; choose from {', '.join(BUILDERS)}.")
     torch.manual_seed(0)
     models = {row: GptWeights(shape, norms=False).to(device) for row in rows}
     for model in models.values():
@@ -113,18 +133,17 @@ def main() -> None:
         for p, g in zip(model.parameters(), grads):
             p.grad = g.clone()
 
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    times = interleaved_times(steps, {row: (lambda m=models[row]: set_grads(m)) for row in rows},
-                              args.warmup, args.repeats, before=sync, after=sync)
-    report(args, shape, models, times)
+    return models, steps, {row: (lambda m=models[row]: set_grads(m)) for row in rows}
 
 
 def report(args, shape: GptShape, models: dict, times: dict) -> None:
     params = sum(p.numel() for p in next(iter(models.values())).parameters())
     seconds = medians(times)
     ratios = {name: paired_ratio(times, a, b) for name, (a, b) in RATIOS.items() if a in times and b in times}
+    native = native_bf16_matmul(torch.device(args.device))
     print(f"{params / 1e6:.1f}M fp32 matrix parameters ({shape.describe()}), 1 process on {args.device}, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}, median of {args.repeats} steps")
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}, median of {args.repeats} steps, "
+          f"bf16 matrix products {'native' if native else 'emulated'}")
     for row, s in seconds.items():
         print(f"  {row:18} {s * 1e3:10.1f} ms")
     for name, ratio in ratios.items():
@@ -134,7 +153,8 @@ def report(args, shape: GptShape, models: dict, times: dict) -> None:
     if "eopt_muon_class" in models and "mcore_muon_fp32" in models:
         difference = max_difference(models["eopt_muon_class"], models["mcore_muon_fp32"])
         print(f"  max |weight difference| eopt_muon_class vs mcore_muon_fp32: {difference:.1e}")
-    write_json(args.json, {"model": shape.describe(), "device": args.device, "matrix_parameters": params,
+    write_json(args.json, {"model": shape.describe(), "device": args.device, "native_bf16_matmul": native,
+                           "matrix_parameters": params,
                            "threads": torch.get_num_threads(),
                            "warmup": args.warmup, "repeats": args.repeats,
                            "step_ms": {row: s * 1e3 for row, s in seconds.items()}, "ratios": ratios,

@@ -4,7 +4,8 @@ The iteration itself is emerging_optimizers' `newton_schulz`; this module decide
 matrix each rank orthogonalizes and moves shards accordingly:
 - blockwise:   each rank orthogonalizes its local shard; no communication; the result (and
                the scale, from the local shape) depends on the TP degree.
-- duplicated:  all-gather the shards, every TP rank orthogonalizes the full matrix, keeps its slice.
+- duplicated:  all-gather the shards (one collective for all blocks of a step), every TP rank
+               orthogonalizes the full matrix, keeps its slice.
 - distributed: the shards stay put; each iteration all-reduces the small Gram matrix.
 - sharded:     each matrix is orthogonalized by exactly one TP rank (cost-balanced); shards go
                to it with one all-to-all and the results come back with another.
@@ -123,8 +124,12 @@ def orthogonalize_batched(matrices: list[torch.Tensor], scales: list[float],
     results: list[torch.Tensor] = [torch.empty(0)] * len(matrices)
     for indices in groups.values():
         orthogonal = _orthogonalize_stacked([matrices[i] for i in indices], settings)
-        orthogonal.mul_(torch.tensor([scales[i] for i in indices], dtype=orthogonal.dtype,
-                                     device=orthogonal.device).view(-1, 1, 1))
+        group_scales = [scales[i] for i in indices]
+        if len(set(group_scales)) == 1:  # the usual case: a Python scalar, no host-to-device copy
+            orthogonal.mul_(group_scales[0])
+        else:
+            orthogonal.mul_(torch.tensor(group_scales, dtype=orthogonal.dtype,
+                                         device=orthogonal.device).view(-1, 1, 1))
         for k, i in enumerate(indices):
             results[i] = orthogonal[k]
     return results
@@ -150,23 +155,40 @@ def _local(
 ) -> list[torch.Tensor]:
     """'blockwise' (each shard alone) and 'duplicated' (each rank the all-gathered matrix)."""
     size, rank = _size(tp_group), dist.get_rank(tp_group)
+    gather = [k for k, (_, _, layout) in enumerate(pieces) if tp_mode == "duplicated" and layout.partition_dim >= 0]
+    full = dict(zip(gather, _all_gather_blocks([pieces[k][1] for k in gather],
+                                               [pieces[k][2].partition_dim for k in gather], tp_group)))
     matrices, scales = [], []
-    for (_, block, layout), shape in zip(pieces, block_shapes):
-        dim = layout.partition_dim
-        if tp_mode == "blockwise" and dim >= 0:
+    for k, ((_, block, layout), shape) in enumerate(zip(pieces, block_shapes)):
+        if tp_mode == "blockwise" and layout.partition_dim >= 0:
             matrices.append(block)
             scales.append(settings.scale(*block.shape))
-            continue
-        if dim >= 0:
-            shards = [torch.empty_like(block) for _ in range(size)]
-            dist.all_gather(shards, block.contiguous(), group=tp_group)
-            block = torch.cat(shards, dim=dim)
-        matrices.append(block)
-        scales.append(settings.scale(*shape))
+        else:
+            matrices.append(full.get(k, block))
+            scales.append(settings.scale(*shape))
     results = orthogonalize_batched(matrices, scales, settings)
-    return [result.chunk(size, dim=layout.partition_dim)[rank]
-            if tp_mode == "duplicated" and layout.partition_dim >= 0 else result
-            for result, (_, _, layout) in zip(results, pieces)]
+    return [result.chunk(size, dim=layout.partition_dim)[rank] if k in full else result
+            for k, (result, (_, _, layout)) in enumerate(zip(results, pieces))]
+
+
+def _all_gather_blocks(shards: list[torch.Tensor], dims: list[int], group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """The full blocks of `shards` (each concatenated over the TP ranks along `dims[i]`).
+
+    One all_gather of one flat buffer for all of them, instead of one collective per block:
+    every rank holds shards of the same shapes (equal TP splits), so rank r's buffer has the
+    same layout as ours. Pure data movement: the blocks are bitwise those of per-block gathers.
+    """
+    if not shards:
+        return []
+    flat = torch.cat([s.reshape(-1) for s in shards])
+    buffers = [torch.empty_like(flat) for _ in range(_size(group))]
+    dist.all_gather(buffers, flat, group=group)
+    fulls, offset = [], 0
+    for shard, dim in zip(shards, dims):
+        pieces = [buffer[offset:offset + shard.numel()].view(shard.shape) for buffer in buffers]
+        fulls.append(torch.cat(pieces, dim=dim))
+        offset += shard.numel()
+    return fulls
 
 
 def _distributed(

@@ -23,7 +23,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from megatron_eopt.wrappers.grad_stats import NONFINITE, SUM_OF_SQUARES, ZEROS, scale_grads
+from megatron_eopt.wrappers.grad_stats import scale_grads
 
 StepResult = tuple[bool, Optional[float], Optional[int]]
 
@@ -105,17 +105,23 @@ def timed(config: Any, name: str) -> Iterator[None]:
 
 
 def take_step(children: list[SteppableChild], config: Any) -> StepResult:
-    """One optimizer step over `children`, which share one gradient norm."""
+    """One optimizer step over `children`, which share one gradient norm.
+
+    The statistics stay on the device until they are read back once, in one transfer, right
+    before the step is decided: the only point where the host must wait for the device (the
+    skip decision is the host's, and the contract returns Python numbers).
+    """
     with timed(config, "optimizer-copy-to-main-grad"):
-        totals = sum(child.grad_stats(config.log_num_zeros_in_grad).cpu() for child in children)
-    found_inf = bool(totals[NONFINITE].item() > 0)
+        totals = _summed_stats(children, config.log_num_zeros_in_grad)
+    nonfinite, sum_of_squares, zeros = totals.tolist()  # the step's one device-to-host sync
+    found_inf = nonfinite > 0
     for scaler in _unique_scalers(children):
         scaler.update(found_inf)
     if found_inf:
         return False, None, None
 
-    grad_norm = math.sqrt(totals[SUM_OF_SQUARES].item())
-    num_zeros = int(totals[ZEROS].item()) if config.log_num_zeros_in_grad else None
+    grad_norm = math.sqrt(sum_of_squares)
+    num_zeros = int(zeros) if config.log_num_zeros_in_grad else None
     with timed(config, "optimizer-clip-main-grad"):
         if config.clip_grad > 0.0:
             clip_coeff = config.clip_grad / (grad_norm + 1.0e-6)
@@ -127,6 +133,15 @@ def take_step(children: list[SteppableChild], config: Any) -> StepResult:
     for child in children:
         child.step_with_ready_grads()
     return True, grad_norm, num_zeros
+
+
+def _summed_stats(children: list[SteppableChild], count_zeros: bool) -> torch.Tensor:
+    """[non-finite, norm^2, zeros] summed over the children, on the first child's device."""
+    stats = [child.grad_stats(count_zeros) for child in children]
+    totals = stats[0]
+    for more in stats[1:]:
+        totals = totals + more.to(totals.device)
+    return totals
 
 
 def _unique_scalers(children: list[SteppableChild]) -> list[Any]:

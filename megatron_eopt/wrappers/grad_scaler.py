@@ -76,7 +76,9 @@ class DynamicGradScaler(ConstantGradScaler):
             self._growth_tracker = 0
             self._hysteresis_tracker -= 1
             if self._hysteresis_tracker <= 0:
-                self._scale.fill_(max(self._scale.item() * self.backoff_factor, self.min_scale))
+                # On the device (no read-back); in float64 as the Python arithmetic it replaces.
+                backed_off = (self._scale.double() * self.backoff_factor).clamp_(min=self.min_scale)
+                self._scale.copy_(backed_off)
             return
         self._growth_tracker += 1
         if self._growth_tracker == self.growth_interval:

@@ -139,3 +139,31 @@ print("DIST-CHECKPOINTING-OK")
 def test_megatron_dist_checkpointing_round_trip() -> None:
     """megatron-core's dist_checkpointing (needs CUDA) saves and loads our sharded_state_dict."""
     _run_single_gpu_script(DIST_CHECKPOINTING_SCRIPT, "DIST-CHECKPOINTING-OK")
+
+
+@pytest.mark.parametrize("optimizer_name", ["adam", "muon"])
+def test_step_synchronizes_with_the_host_at_most_twice(optimizer_name: str) -> None:
+    """torch's sync debug mode flags every synchronizing CUDA call (read-backs, blocking copies);
+    the step's statistics are read back once (tests/unit/test_host_syncs.py counts on CPU)."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 256)).cuda().to(torch.bfloat16)
+    config = OptimizerConfig(optimizer=optimizer_name, lr=1e-3, bf16=True, clip_grad=1.0, log_num_zeros_in_grad=True)
+    optimizer = get_megatron_optimizer(config, model, config_overrides={})
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()  # creates the state
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            ok = optimizer.step()[0]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert ok
+    assert len(syncs) <= 2, syncs
