@@ -155,7 +155,19 @@ def _slow_broadcast_body(rank: int, world_size: int) -> dict:
         waited_in_forward = [bucket_of_work[id(w)] for w in waited]
         loss.backward()
         optimizer.finish_param_sync()
+        in_flight_after = {}  # what each entry point leaves in flight after an overlapped step
+        saved = optimizer.state_dict()
+        for name, call in (("state_dict", optimizer.state_dict),
+                           ("load_state_dict", lambda: optimizer.load_state_dict(saved)),
+                           ("reload_model_params", optimizer.reload_model_params),
+                           ("finish_param_sync", optimizer.finish_param_sync),
+                           ("zero_grad", optimizer.zero_grad)):
+            _train_step(model, optimizer, 3)
+            call()
+            in_flight_after[name] = optimizer.param_sync_in_flight
+        optimizer.finish_param_sync()
         return {"buckets": len(optimizer._sync_buckets), "in_flight_after_step": in_flight_after_step,
+                "in_flight_after": in_flight_after,
                 "own": own, "at_first_layer": at_first_layer, "waited_in_forward": waited_in_forward,
                 "first_position": optimizer._sync_buckets[0].params[0] is next(model.parameters()),
                 "forward_s": forward_s}
@@ -173,6 +185,11 @@ def test_first_layer_waits_only_for_its_own_bucket(run_distributed) -> None:
         # The forward waited for every bucket (each holds a parameter it uses), later ones later.
         assert sorted(result["waited_in_forward"]) == list(range(result["buckets"])), (rank, result)
         assert result["waited_in_forward"][0] == result["own"][0], (rank, result)
+        # Everything that reads or replaces parameters or state waits; zero_grad (gradients only,
+        # called just before the forward) does not.
+        assert result["in_flight_after"] == {"state_dict": False, "load_state_dict": False,
+                                             "reload_model_params": False, "finish_param_sync": False,
+                                             "zero_grad": True}, (rank, result)
 
 
 def _host_reads_body(rank: int, world_size: int) -> int:
