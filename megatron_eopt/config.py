@@ -106,6 +106,9 @@ class OptimizerConfig:
     # the optimizer averages them onto their owners by reduce (no DDP needed); False means they
     # were already all-reduced (torch DDP, megatron-core DDP).
     layer_wise_reduce_grads: bool = False
+    # The layer-wise optimizer's parameter broadcast: step() launches it and each module's
+    # forward pre-hook waits for its own buckets; with_optimizer_step launches each chained
+    # optimizer's buckets as soon as it has stepped (distributed/layer_wise.py).
     overlap_param_gather: bool = False
     overlap_param_gather_with_optimizer_step: bool = False
 
@@ -208,6 +211,7 @@ MEGATRON_CORE_FIELDS: dict[str, FieldUse] = {
          "lion_beta1", "lion_beta2", "soap_shampoo_beta", "soap_precondition_frequency",
          "soap_use_kl_shampoo", "adaptive_muon_moment2_method", "adaptive_muon_beta2",
          "adaptive_muon_eps", "use_distributed_optimizer", "use_layer_wise_distributed_optimizer",
+         "overlap_param_gather", "overlap_param_gather_with_optimizer_step",
          "clip_grad", "grad_norm_skip_threshold", "log_num_zeros_in_grad", "timers",
          "barrier_with_L1_time"],
         _USED,
@@ -232,12 +236,6 @@ MEGATRON_CORE_FIELDS: dict[str, FieldUse] = {
     "overlap_cpu_optimizer_d2h_h2d": _CPU_OFFLOAD_ONLY,
     "pin_cpu_grads": _CPU_OFFLOAD_ONLY,
     "pin_cpu_params": _CPU_OFFLOAD_ONLY,
-    "overlap_param_gather": FieldUse(
-        "warns", "the layer-wise optimizer's parameter sync (the owners' broadcast) is not yet "
-        "overlapped with the forward pass: it runs at the end of step(). Results are the same"),
-    "overlap_param_gather_with_optimizer_step": FieldUse(
-        "warns", "the layer-wise optimizer's parameter sync (the owners' broadcast) is not yet "
-        "overlapped with the optimizer step: it runs after it. Results are the same"),
     "config_logger_dir": FieldUse(
         "warns", "megatron-core dumps its optimizer constructors' arguments there for debugging; "
         "megatron_eopt writes nothing there (dump_param_to_param_group_map shows where each "
@@ -352,6 +350,7 @@ def _check_values(config: OptimizerConfig) -> None:
     _check_muon(config)
     _check_gradients(config)
     _check_qk_clip(config)
+    _check_distribution(config)
     _check_unsupported(config)
 
 
@@ -457,6 +456,24 @@ def _check_qk_clip(config: OptimizerConfig) -> None:
     _require(
         0.0 < config.qk_clip_alpha < 1.0,
         f"OptimizerConfig.qk_clip_alpha must be in (0, 1) (as Megatron-LM requires); got {config.qk_clip_alpha}.",
+    )
+
+
+def _check_distribution(config: OptimizerConfig) -> None:
+    # As Megatron-LM's argument checks: only a distributed optimizer has a parameter sync to
+    # overlap, and the optimizer-step overlap extends the forward overlap.
+    distributed = config.use_distributed_optimizer or config.use_layer_wise_distributed_optimizer
+    _require(
+        distributed or not config.overlap_param_gather,
+        "OptimizerConfig.overlap_param_gather=True needs the distributed optimizer "
+        "(use_distributed_optimizer or use_layer_wise_distributed_optimizer; command line: "
+        "--use-distributed-optimizer): without it every rank updates every parameter and there is "
+        "no parameter sync to overlap.",
+    )
+    _require(
+        config.overlap_param_gather or not config.overlap_param_gather_with_optimizer_step,
+        "OptimizerConfig.overlap_param_gather_with_optimizer_step=True needs overlap_param_gather=True "
+        "(command line: --overlap-param-gather), as in Megatron-LM.",
     )
 
 

@@ -197,8 +197,16 @@ def _layer_wise(
         shards.append(DataParallelShards(dp_group, by_owner))
         owned_fqns |= {r.fqn for r in members if owners[r.fqn] == group_rank(dp_group)}
     children = _children(config, chunks, groups, routing, param_groups, records, owned_fqns)
+    # With overlap_param_gather_with_optimizer_step a bucket is launched once the child that
+    # steps its parameters (on their owner) has stepped; every rank knows which child that is.
+    index_of_child = {child.name: index for index, child in enumerate(children)}
+    phase_of = {id(r.param): index_of_child[_child_name(routing, r.optimizer_name, r.is_expert_parallel)]
+                for r in records}
     return LayerWiseDistributedOptimizer(
-        children, shards, [r.param for r in records], check_groups, reduce_grads=config.layer_wise_reduce_grads
+        children, shards, [r.param for r in records], check_groups, reduce_grads=config.layer_wise_reduce_grads,
+        overlap_param_gather=config.overlap_param_gather,
+        overlap_param_gather_with_optimizer_step=config.overlap_param_gather_with_optimizer_step,
+        model_chunks=chunks, phase_of=phase_of,
     )
 
 
@@ -225,7 +233,7 @@ def _children(
     grad_scaler = make_grad_scaler(config, _device_of(records))
     wrapper = MixedPrecisionOptimizer if (config.bf16 or config.fp16) else FP32Optimizer
     children = []
-    for is_expert, kind in ((False, "dense"), (True, "expert")):
+    for is_expert in (False, True):
         for name in routing.optimizers:
             child_groups = [g for g in param_groups if (g["is_expert_parallel"], g["optimizer"]) == (is_expert, name)]
             if not child_groups:
@@ -237,11 +245,15 @@ def _children(
                 norm_groups = (_data_parallel_group(groups, is_expert), norm_group)
             child_records = [r for r in records if (r.is_expert_parallel, r.optimizer_name) == (is_expert, name)]
             make_optimizer = _optimizer_maker(lookup_optimizer(name), config, chunks, child_records, tp_group)
-            child_name = kind if len(routing.optimizers) == 1 else f"{name}/{kind}"
-            children.append(
-                wrapper(child_groups, make_optimizer, config, records, tp_group, norm_groups, child_name, grad_scaler)
-            )
+            children.append(wrapper(child_groups, make_optimizer, config, records, tp_group, norm_groups,
+                                    _child_name(routing, name, is_expert), grad_scaler))
     return children
+
+
+def _child_name(routing: ParamRouting, optimizer_name: str, is_expert: bool) -> str:
+    """'dense'/'expert', or '<optimizer>/dense' ... when the parameters are routed to several."""
+    kind = "expert" if is_expert else "dense"
+    return kind if len(routing.optimizers) == 1 else f"{optimizer_name}/{kind}"
 
 
 def _owned_only(group: dict, owned_fqns: set[str]) -> dict:

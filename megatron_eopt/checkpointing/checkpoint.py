@@ -68,6 +68,7 @@ def save_checkpoint(
     """
     _check_iteration(iteration)
     extra = _check_extra(extra)
+    _finish_param_sync(optimizer)
     chunks = _as_chunks(model_chunks)
     groups = resolve_parallel_groups(pg_collection)
     params = model_params(chunks, groups)
@@ -119,6 +120,7 @@ def load_checkpoint(
     only (rng.py). Every check runs before anything is changed: on any error nothing was loaded.
     `messages` of the result say what the caller should tell the user.
     """
+    _finish_param_sync(optimizer)  # a broadcast still in flight would overwrite what is loaded
     chunks = _as_chunks(model_chunks)
     groups = resolve_parallel_groups(pg_collection)
     params = model_params(chunks, groups)
@@ -211,6 +213,13 @@ def _apply(params, masters, children, child_states, all_children) -> None:
                 for model, main in zip(child.model_params, child.main_params):
                     if main is not model:
                         main.copy_(masters[id(model)])
+
+
+def _finish_param_sync(optimizer: Any) -> None:
+    """The layer-wise optimizer with overlap_param_gather may still be broadcasting parameters."""
+    finish = getattr(optimizer, "finish_param_sync", None)
+    if finish is not None:
+        finish()
 
 
 def _tp_size(groups: Any) -> int:

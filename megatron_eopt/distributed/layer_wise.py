@@ -16,10 +16,33 @@ A step:
    inf/NaN in any gradient of any rank, owned or not, skips the step everywhere;
 3. after a successful step, owners broadcast their parameters in buckets; every async
    handle and its buffer stay referenced until waited on.
+
+The parameter sync (step 3), megatron-core's `--overlap-param-gather` and
+`--overlap-param-gather-with-optimizer-step`:
+- without overlap, step() waits for every broadcast before it returns;
+- with `overlap_param_gather`, step() launches the broadcasts and returns. A forward pre-hook
+  on every module that holds parameters waits for the buckets of that module's own parameters
+  just before its forward runs (and copies them in on non-owners), so the sync of later layers
+  hides behind the forward of earlier ones. Buckets are launched in forward order: each
+  holds consecutive parameters of one owner in registration order (chunk by chunk, as
+  `named_parameters()` lists them), the usual forward order, and buckets are launched by
+  their first parameter's position. A bucket is waited on at the first module that uses any
+  of its parameters, so no parameter changes after a forward has used it;
+- with `overlap_param_gather_with_optimizer_step` too, each bucket is launched as soon as the
+  chained optimizer that updates its parameters has stepped (buckets never mix chained
+  optimizers), so the broadcast of e.g. Muon's matrices overlaps the scalar optimizer's step.
+  Finer (per-parameter) launches would need the inner optimizers to step parameter by
+  parameter, which they do not.
+Everything that reads or replaces parameters or optimizer state through this optimizer
+(step, state_dict, sharded_state_dict, load_state_dict, reload_model_params, checkpointing's
+save/load) first calls `finish_param_sync()` (megatron-core DDP's name), which code outside
+must call too before it reads or writes parameters without running a forward. zero_grad does
+not wait: it touches gradients only, and trainers call it just before the forward, where
+waiting would undo the overlap.
 """
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -118,6 +141,47 @@ class _NonOwnedGradCheck(SteppableChild):
         pass
 
 
+@dataclass(frozen=True)
+class _SyncBucket:
+    """Parameters one owner broadcasts in one message (one dtype, device and chained optimizer)."""
+
+    params: list[torch.nn.Parameter]
+    group: ProcessGroup
+    source: int  # the owner's global rank
+    is_owner: bool  # this rank owns (and so already holds) the values
+    phase: int  # index of the chained optimizer that updates these parameters
+
+
+@dataclass
+class _InFlight:
+    """A launched broadcast: the handle and the buffer it writes, both kept until waited on."""
+
+    work: Any
+    flat: torch.Tensor
+
+
+class _LaunchAfterStep(SteppableChild):
+    """A chained optimizer that, once it has stepped, launches the broadcast of what it updated."""
+
+    def __init__(self, child: SteppableChild, launch: Any) -> None:
+        self.child, self.launch = child, launch
+        self.grad_scaler = child.grad_scaler
+        self.name = getattr(child, "name", "")
+
+    def grad_stats(self, count_zeros: bool) -> torch.Tensor:
+        return self.child.grad_stats(count_zeros)
+
+    def main_grads(self) -> list[torch.Tensor]:
+        return self.child.main_grads()
+
+    def step_with_ready_grads(self) -> None:
+        self.child.step_with_ready_grads()
+        self.launch()
+
+    def check_state_dict(self, state_dict: dict) -> None:
+        self.child.check_state_dict(state_dict)
+
+
 class LayerWiseDistributedOptimizer(ChainedOptimizer):
     """Steps owned parameters with `chained_optimizers`, then broadcasts them (module docstring).
 
@@ -126,12 +190,20 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
             this rank owns (every rank has the same children, some possibly empty); their
             norm groups must include the data-parallel group.
         shards: one DataParallelShards per data-parallel group (dense, expert).
-        all_params: every trainable parameter of the model on this rank.
+        all_params: every trainable parameter of the model on this rank, in forward
+            (registration) order.
         check_groups: groups over which the inf/NaN check of non-owned gradients is summed
             (together they must span every rank).
         reduce_grads: average this rank's own gradients onto the owners (True) or take them
             as already all-reduced (False).
         bucket_bytes: upper size of one broadcast/reduce buffer.
+        overlap_param_gather: step() only launches the broadcasts; forward pre-hooks on
+            `model_chunks` wait for each module's buckets.
+        overlap_param_gather_with_optimizer_step: launch each chained optimizer's buckets as
+            soon as it has stepped (needs overlap_param_gather).
+        model_chunks: the modules whose forward pre-hooks wait (needed with overlap).
+        phase_of: id(parameter) -> index in `chained_optimizers` of the optimizer that steps
+            it (on its owner); parameters not in it count as stepped by the last one.
     """
 
     owner_is_main_replica = True  # only the owner holds a parameter's state
@@ -144,30 +216,92 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
         check_groups: Sequence[Optional[ProcessGroup]],
         reduce_grads: bool = False,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        overlap_param_gather: bool = False,
+        overlap_param_gather_with_optimizer_step: bool = False,
+        model_chunks: Sequence[torch.nn.Module] = (),
+        phase_of: Optional[Mapping[int, int]] = None,
     ) -> None:
         super().__init__(chained_optimizers)
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1; got {bucket_bytes}.")
+        if overlap_param_gather_with_optimizer_step and not overlap_param_gather:
+            raise ValueError("overlap_param_gather_with_optimizer_step=True needs overlap_param_gather=True "
+                             "(as in Megatron-LM: the forward pre-hooks are what wait for the broadcasts).")
+        if overlap_param_gather and not model_chunks:
+            raise ValueError("overlap_param_gather=True needs the model_chunks whose forward pre-hooks "
+                             "wait for the parameter broadcasts; got none.")
         self.shards = shards
         self.all_params = all_params
         self.reduce_grads = reduce_grads
         self.bucket_bytes = bucket_bytes
+        self.overlap_param_gather = overlap_param_gather
+        self.overlap_param_gather_with_optimizer_step = overlap_param_gather_with_optimizer_step
         owned = {id(p) for shard in shards for p in shard.owned}
         device = all_params[0].device if all_params else torch.device("cpu")
         self._non_owned_check = _NonOwnedGradCheck([p for p in all_params if id(p) not in owned], check_groups, device)
+        last_phase = len(self.chained_optimizers) - 1
+        phases = {id(p): (phase_of or {}).get(id(p), last_phase) for p in all_params}
+        self._sync_buckets = _plan_sync_buckets(shards, all_params, phases, bucket_bytes)
+        self._bucket_of = {id(p): index for index, bucket in enumerate(self._sync_buckets) for p in bucket.params}
+        self._in_flight: dict[int, _InFlight] = {}  # bucket index -> its launched broadcast
+        self._hook_handles = []
+        if overlap_param_gather:
+            self._register_forward_pre_hooks(model_chunks)
 
+    # The step.
     def step(self) -> StepResult:
+        self.finish_param_sync()  # the last step's broadcasts, where no forward waited for them
         if self.reduce_grads:
             self._reduce_grads_to_owners()
+        children = list(self.chained_optimizers)
+        if self.overlap_param_gather_with_optimizer_step:
+            children = [_LaunchAfterStep(child, lambda phase=phase: self._start_param_sync(phase))
+                        for phase, child in enumerate(children)]
         with qk_clip_step(self.qk_clip):  # owners clip their main copies; the broadcast spreads them
-            result = take_step(self.chained_optimizers + [self._non_owned_check], self.config)
+            result = take_step(children + [self._non_owned_check], self.config)
         if result[0]:
             with timed(self.config, "params-all-gather"):  # megatron-core's name for the parameter sync
-                self._broadcast_from_owners()
+                self._start_param_sync()
+                if not self.overlap_param_gather:
+                    self.finish_param_sync()
         return result
 
+    def finish_param_sync(self) -> None:
+        """Wait for every launched parameter broadcast and copy the values in (megatron-core
+        DDP's name). With overlap_param_gather, call it before reading or changing parameters
+        outside a forward pass; this optimizer's own methods and checkpointing call it."""
+        for index in list(self._in_flight):
+            self._finish_bucket(index)
+
+    @property
+    def param_sync_in_flight(self) -> bool:
+        """Whether some parameter broadcast has been launched and not yet waited for."""
+        return bool(self._in_flight)
+
+    # Everything that reads or replaces parameters or state waits first.
+    def state_dict(self, is_loading: bool = False) -> dict:
+        self.finish_param_sync()
+        return super().state_dict(is_loading)
+
+    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
+                           metadata: Optional[dict] = None) -> dict:
+        self.finish_param_sync()
+        return super().sharded_state_dict(model_sharded_state_dict, is_loading, metadata)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.finish_param_sync()  # a later bucket copy must not overwrite what is loaded
+        super().load_state_dict(state_dict)
+
+    def reload_model_params(self, state_dict: Optional[dict] = None) -> None:
+        self.finish_param_sync()
+        super().reload_model_params(state_dict)
+
+    def prepare_model_params_for_param_sync(self) -> None:
+        """Megatron-LM calls this before it forces a parameter sync: finish ours."""
+        self.finish_param_sync()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)
+        super().zero_grad(set_to_none)  # gradients only: no need to wait for the broadcasts
         for param in self.all_params:  # the children only know the owned parameters
             if param.grad is not None:
                 if set_to_none:
@@ -200,26 +334,74 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
                                      + [torch.tensor([float(model_grad(p) is not None) for p in bucket], device=bucket[0].device)])
                     work = dist.reduce(flat, dst=shard.global_rank(owner), op=dist.ReduceOp.SUM, group=shard.group, async_op=True)
                     pending.append((work, flat, bucket, owner == group_rank(shard.group), size))
+        received = []
         for work, flat, bucket, is_owner, size in pending:
             work.wait()
             if is_owner:
-                _write_averaged_grads(flat, bucket, size)
+                received.append((flat, bucket, size))
+        if not received:
+            return
+        # Which parameters had a gradient anywhere decides grad None or not, a host decision:
+        # one device-to-host copy for all of them, not one synchronizing read per parameter.
+        had_grad = torch.cat([flat[-len(bucket):] for flat, bucket, _ in received]).tolist()
+        start = 0
+        for flat, bucket, size in received:
+            _write_averaged_grads(flat, bucket, size, had_grad[start:start + len(bucket)])
+            start += len(bucket)
 
-    def _broadcast_from_owners(self) -> None:
-        """Owners send their updated parameters to the rest of their data-parallel group."""
-        pending = []
-        for shard in self.shards:
-            if group_size(shard.group) == 1:
-                continue
-            for owner, params in enumerate(shard.params_by_owner):
-                for bucket in _buckets(params, self.bucket_bytes):
-                    flat = torch.cat([p.detach().reshape(-1) for p in bucket])
-                    work = dist.broadcast(flat, src=shard.global_rank(owner), group=shard.group, async_op=True)
-                    pending.append((work, flat, bucket, owner == group_rank(shard.group)))
-        for work, flat, bucket, is_owner in pending:  # keeps every handle and buffer alive
-            work.wait()
-            if not is_owner:
-                _unflatten_into(flat, bucket)
+    def _start_param_sync(self, phase: Optional[int] = None) -> None:
+        """Launch the owners' broadcasts of `phase`'s buckets (all when None) not yet launched."""
+        for index, bucket in enumerate(self._sync_buckets):
+            if (phase is None or bucket.phase == phase) and index not in self._in_flight:
+                flat = torch.cat([p.detach().reshape(-1) for p in bucket.params])
+                work = dist.broadcast(flat, src=bucket.source, group=bucket.group, async_op=True)
+                self._in_flight[index] = _InFlight(work, flat)
+
+    def _finish_bucket(self, index: int) -> None:
+        in_flight = self._in_flight[index]  # stays referenced until the wait returned
+        in_flight.work.wait()
+        del self._in_flight[index]
+        bucket = self._sync_buckets[index]
+        if not bucket.is_owner:
+            _unflatten_into(in_flight.flat, bucket.params)
+
+    def _register_forward_pre_hooks(self, model_chunks: Sequence[torch.nn.Module]) -> None:
+        for chunk in model_chunks:
+            for module in chunk.modules():
+                buckets = sorted({self._bucket_of[id(p)] for p in module.parameters(recurse=False)
+                                  if id(p) in self._bucket_of})
+                if buckets:
+                    self._hook_handles.append(module.register_forward_pre_hook(self._waiter(buckets)))
+
+    def _waiter(self, buckets: list[int]) -> Any:
+        """A forward pre-hook that waits for `buckets`, the ones holding the module's parameters."""
+
+        def wait_for_own_buckets(module: torch.nn.Module, args: Any) -> None:
+            for index in buckets:
+                if index in self._in_flight:
+                    self._finish_bucket(index)
+
+        return wait_for_own_buckets
+
+
+def _plan_sync_buckets(shards: list[DataParallelShards], all_params: list[torch.nn.Parameter],
+                       phase_of: Mapping[int, int], bucket_bytes: int) -> list[_SyncBucket]:
+    """The broadcast buckets, in the order they are launched: by first parameter's forward position.
+
+    Each holds consecutive parameters (in forward order) of one owner and one phase.
+    """
+    position = {id(p): i for i, p in enumerate(all_params)}
+    planned = []
+    for shard in shards:
+        if group_size(shard.group) == 1:
+            continue
+        for owner, params in enumerate(shard.params_by_owner):
+            ordered = sorted(params, key=lambda p: position[id(p)])
+            for phase in sorted({phase_of[id(p)] for p in ordered}):
+                for members in _buckets([p for p in ordered if phase_of[id(p)] == phase], bucket_bytes):
+                    planned.append(_SyncBucket(members, shard.group, shard.global_rank(owner),
+                                               owner == group_rank(shard.group), phase))
+    return sorted(planned, key=lambda b: position[id(b.params[0])])
 
 
 def _buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> list[list[torch.nn.Parameter]]:
@@ -243,13 +425,13 @@ def _grad_or_zeros(param: torch.nn.Parameter) -> torch.Tensor:
     return torch.zeros_like(param, dtype=torch.float32) if grad is None else grad
 
 
-def _write_averaged_grads(flat: torch.Tensor, bucket: list[torch.nn.Parameter], size: int) -> None:
-    flags = flat[-len(bucket):]
+def _write_averaged_grads(flat: torch.Tensor, bucket: list[torch.nn.Parameter], size: int,
+                          had_grad: list[float]) -> None:
     offset = 0
-    for index, param in enumerate(bucket):
+    for param, flag in zip(bucket, had_grad):
         averaged = flat[offset:offset + param.numel()].view(param.shape) / size
         offset += param.numel()
-        if flags[index] == 0:
+        if flag == 0:
             continue  # no rank had a gradient: the parameter is not stepped
         if hasattr(param, "main_grad"):
             param.main_grad.copy_(averaged)

@@ -77,7 +77,6 @@ NON_DEFAULT = {
     "main_params_dtype": torch.float16, "exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.bfloat16,
     "optimizer_offload_fraction": 0.5, "use_torch_optimizer_for_cpu_offload": True,
     "overlap_cpu_optimizer_d2h_h2d": True, "pin_cpu_grads": False, "pin_cpu_params": False,
-    "overlap_param_gather": True, "overlap_param_gather_with_optimizer_step": True,
     "config_logger_dir": "config-logs",
 }
 
@@ -119,11 +118,6 @@ def test_warning_fields_warn_once_when_set(name: str) -> None:
     assert len(messages) == 1, messages
     assert messages[0].startswith(f"OptimizerConfig.{name}=") and MEGATRON_CORE_FIELDS[name].why in messages[0]
     assert _build_warnings() == []  # at their defaults: silent
-
-
-def test_overlap_param_gather_says_the_sync_is_not_yet_overlapped() -> None:
-    (message,) = _build_warnings(overlap_param_gather=True)
-    assert "parameter sync" in message and "not yet overlapped" in message
 
 
 @pytest.mark.parametrize("name", sorted(n for n, use in MEGATRON_CORE_FIELDS.items() if use.kind == "inert"))

@@ -1,0 +1,84 @@
+"""Whole training iteration (forward + backward + step) with the layer-wise optimizer at DP=2:
+parameter sync waited at the end of step() against overlap_param_gather (and with the
+optimizer step too).
+
+Three copies of the same megatron-core GPT (scripts/gpt_model.py), each with layer-wise Muon
+(`layer_wise_reduce_grads=True`: each rank's own gradients are reduced onto the owners),
+differing only in the overlap flags. Each timed iteration is zero_grad, forward, backward,
+step on one rank's batch; the overlapped broadcasts of one iteration are waited for in the
+next iteration's forward, so their cost lands where a trainer would see it.
+
+    torchrun --nproc-per-node 2 benchmarks/layer_wise_overlap.py [--hidden 512 --layers 4]
+
+gloo on CPU; NCCL with one GPU per rank when CUDA is available. Median of several iterations
+after warm-up, interleaved, each timed on the slowest rank. Prints numbers (rank 0); asserts
+nothing.
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _distributed import gpt_benchmark_parser, init_distributed, time_interleaved  # noqa: E402
+from _timing import write_json  # noqa: E402
+
+from megatron_eopt import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from scripts.gpt_model import (  # noqa: E402
+    GPTModelSettings,
+    build_gpt_model,
+    destroy_model_parallel,
+    gpt_loss,
+    initialize_model_parallel,
+)
+
+MODES = {"wait in step": {}, "overlap": {"overlap_param_gather": True},
+         "overlap + optimizer step": {"overlap_param_gather": True, "overlap_param_gather_with_optimizer_step": True}}
+
+
+def main() -> None:
+    parser = gpt_benchmark_parser(__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    parser.add_argument("--seq-length", type=int, default=128)
+    args = parser.parse_args()
+    device = init_distributed()
+    initialize_model_parallel(1, seed=1234)
+    heads = max(1, args.hidden // 64)
+    settings = GPTModelSettings(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=heads,
+                                num_query_groups=heads, ffn_hidden_size=4 * args.hidden, vocab_size=1024,
+                                seq_length=args.seq_length)
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    tokens = torch.randint(0, settings.vocab_size, (args.batch, args.seq_length + 1), generator=generator).to(device)
+    iterations = {}
+    for name, flags in MODES.items():
+        model = build_gpt_model(settings)
+        config = OptimizerConfig(optimizer="muon", lr=1e-3, use_layer_wise_distributed_optimizer=True,
+                                 layer_wise_reduce_grads=True, **flags)
+        optimizer = get_megatron_optimizer(config, [model])
+
+        def iteration(model=model, optimizer=optimizer) -> None:
+            optimizer.zero_grad()
+            gpt_loss(model, tokens).backward()
+            optimizer.step()
+
+        iterations[name] = iteration
+    seconds = time_interleaved(iterations, {name: (lambda: None) for name in iterations},
+                               args.warmup, args.repeats, device)
+    if dist.get_rank() == 0:
+        base = seconds["wait in step"]
+        print(f"layer-wise Muon, GPT hidden {args.hidden}, {args.layers} layers, batch {args.batch}x"
+              f"{args.seq_length} per rank, {dist.get_world_size()} ranks on {device.type}, "
+              f"median of {args.repeats} iterations")
+        for name, value in seconds.items():
+            print(f"{name:26} {value * 1e3:9.1f} ms per iteration  ({value / base:.3f} of waiting in step)")
+        write_json(args.json, {"iteration_ms": {n: s * 1e3 for n, s in seconds.items()},
+                               "world_size": dist.get_world_size(), "device": device.type})
+    destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
