@@ -23,7 +23,7 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from scripts.plot_png import GREY, PALETTE, Curve, plot_curves  # noqa: E402
+from scripts.training_log import GREY, PALETTE, Curve, plot_curves  # noqa: E402
 
 TAU = 50.0
 ITERATIONS = 30
@@ -38,7 +38,7 @@ def _launch(folder: pathlib.Path, name: str, extra: list[str]) -> list[dict]:
     command = [sys.executable, "scripts/pretrain_gpt.py", *FLAGS, *extra, "--metrics-jsonl", str(metrics)]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    assert "| max attention logit " in result.stdout
+    assert "| max attention logit: " in result.stdout
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
@@ -63,7 +63,7 @@ def plot(path: str) -> None:
         runs = run_both(pathlib.Path(folder))
     curves = [Curve(name, [r["iteration"] for r in records], [r["max_attention_logit"] for r in records], color)
               for (name, records), color in zip(runs.items(), PALETTE)]
-    curves.append(Curve(f"threshold {TAU:g}", [1, ITERATIONS], [TAU, TAU], GREY))
+    curves.append(Curve(f"threshold {TAU:g}", [1, ITERATIONS], [TAU, TAU], GREY, dashed=True))
     plot_curves(path, curves, y_label="max attention logit")
     for name, records in runs.items():
         print(name, [round(r["max_attention_logit"], 2) for r in records])
