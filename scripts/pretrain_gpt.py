@@ -272,17 +272,7 @@ def _ffn_hidden_size(args: argparse.Namespace) -> int:
     return 4 * args.hidden_size
 
 
-def _check_dropout_and_std(args: argparse.Namespace) -> None:
-    for name in ("hidden_dropout", "attention_dropout"):
-        value = getattr(args, name)
-        if not 0.0 <= value < 1.0:
-            raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1); got {value}.")
-    if not (args.init_method_std > 0.0 and args.init_method_std < float("inf")):
-        raise ValueError(f"--init-method-std must be a finite number > 0; got {args.init_method_std}.")
-
-
 def _settings_from_flags(args: argparse.Namespace) -> GPTModelSettings:
-    _check_dropout_and_std(args)
     return GPTModelSettings(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,

@@ -101,9 +101,10 @@ def _our_lines(stderr: str) -> list[str]:
     "argv,message",
     [
         (["--num-query-groups", "2"], "--num-query-groups 2 needs --group-query-attention"),
-        (["--hidden-dropout", "1.5"], "--hidden-dropout must be in [0, 1); got 1.5."),
-        (["--attention-dropout", "-0.1"], "--attention-dropout must be in [0, 1); got -0.1."),
-        (["--init-method-std", "0"], "--init-method-std must be a finite number > 0; got 0.0."),
+        (["--hidden-dropout", "1.5"], "--hidden-dropout 1.5 must be in [0, 1)."),
+        (["--attention-dropout", "-0.1"], "--attention-dropout -0.1 must be in [0, 1)."),
+        (["--init-method-std", "0"], "--init-method-std 0.0 must be a finite number > 0."),
+        (["--init-method-std", "nan"], "--init-method-std nan must be a finite number > 0."),
         (["--swiglu", "--hidden-size", "16"], "--swiglu's default FFN size"),
         (["--normalization", "BatchNorm"], "argument --normalization: invalid choice: 'BatchNorm'"),
         (["--lr-decay-style", "WSD"], "--lr-wsd-decay-iters must be set when lr_decay_style='WSD'"),
@@ -116,7 +117,7 @@ def _our_lines(stderr: str) -> list[str]:
         (["--tensorboard-log-interval", "0"], "--tensorboard-log-interval must be >= 1; got 0."),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     ],
-    ids=["gqa-groups-alone", "hidden-dropout", "attention-dropout", "init-std", "swiglu-tiny", "normalization",
+    ids=["gqa-groups-alone", "hidden-dropout", "attention-dropout", "init-std", "init-std-nan", "swiglu-tiny", "normalization",
          "wsd-without-iters", "wsd-too-long", "wsd-iters-without-wsd", "wsd-style", "warmup-fraction", "warmup-fraction-and-iters",
          "warmup-init", "tb-interval", "unknown"],
 )
