@@ -353,10 +353,10 @@ def plot_curves(path: str, curves: Sequence[Curve], x_label: str = "iteration", 
                       linewidth=2, linestyle="--" if curve.dashed else "-")
         if log_y:
             axes.set_yscale("log")
-            # Plain numbers (3, 2.5) rather than powers of ten: loss curves span less than a decade.
-            plain = ticker.FuncFormatter(lambda value, _: f"{value:g}")
-            axes.yaxis.set_major_formatter(plain)
-            axes.yaxis.set_minor_formatter(plain)
+            # Plain numbers (0.1, 2) rather than powers of ten; of the minor ticks only the 2s
+            # and 5s of each decade are labelled, so the labels do not overlap.
+            axes.yaxis.set_major_formatter(ticker.FuncFormatter(lambda value, _: f"{value:g}"))
+            axes.yaxis.set_minor_formatter(ticker.FuncFormatter(_two_or_five))
         axes.set_xlabel(x_label)
         axes.set_ylabel(y_label)
         axes.grid(True, which="both", alpha=0.3)
@@ -365,3 +365,8 @@ def plot_curves(path: str, curves: Sequence[Curve], x_label: str = "iteration", 
         figure.savefig(path, dpi=dpi)
     finally:
         pyplot.close(figure)
+
+
+def _two_or_five(value: float, _position) -> str:
+    mantissa = value / 10 ** math.floor(math.log10(value)) if value > 0 else 0.0
+    return f"{value:g}" if round(mantissa, 6) in (2.0, 5.0) else ""
