@@ -44,7 +44,7 @@ $(STAMP): pyproject.toml requirements.lock tools/find_python312.sh
 lock:
 	@py312=$$(tools/find_python312.sh) || exit 1; \
 	uvx=$$(command -v uv || echo "$(VENV)/bin/uv"); \
-	$$uvx pip compile pyproject.toml --extra dev --python "$$py312" --python-version 3.12 -c tools/lock-constraints.txt -o requirements.lock
+	$$uvx pip compile pyproject.toml --extra dev --extra scripts --python "$$py312" --python-version 3.12 -c tools/lock-constraints.txt -o requirements.lock
 
 clean:
 	rm -rf $(VENV) .pytest_cache

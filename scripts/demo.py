@@ -24,7 +24,7 @@ from typing import Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from scripts.plot_png import PALETTE, Curve, plot_curves  # noqa: E402
+from scripts.training_log import ITERATION_IN_LINE, PALETTE, Curve, plot_curves  # noqa: E402
 
 WINDOW = 10
 NPROC = 2
@@ -89,8 +89,8 @@ def train(run: Run, args: argparse.Namespace) -> list[dict]:
 def _is_milestone(line: str, every: int) -> bool:
     if line.startswith("> "):
         return True
-    fields = line.split()
-    return line.startswith(" iteration ") and int(fields[1].split("/")[0]) % every == 0
+    match = ITERATION_IN_LINE.search(line)
+    return bool(match) and int(match.group(1)) % every == 0
 
 
 def smoothed(losses: list[float]) -> list[float]:

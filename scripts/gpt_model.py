@@ -312,6 +312,8 @@ class GPTModelSettings:
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise SettingsError(f"{{{name}}} must be in [0, 1)", **{name: getattr(self, name)})
+        if not (math.isfinite(self.init_method_std) and self.init_method_std > 0.0):
+            raise SettingsError("{init_method_std} must be a finite number > 0", init_method_std=self.init_method_std)
 
     @property
     def query_groups(self) -> int:

@@ -12,10 +12,13 @@ Gradients are averaged over data-parallel ranks by the layer-wise optimizer when
 by 1 / (gradient-accumulation steps), so the update follows the global-batch mean loss.
 
 Data: the generated rule language (scripts/data.py) by default, or `--data-path FILE` read as
-bytes (vocabulary 256). Rank 0 prints a Megatron-style line every `--log-interval` iterations
-and, with `--metrics-jsonl`, writes one JSON object per logged iteration; `--plot` writes the
-loss curve as a PNG (scripts/plot_png.py, no plotting library needed). When stdout is a terminal,
-rank 0 also redraws a progress bar below the log lines. An invalid flag, or a combination the
+bytes (vocabulary 256). Logging (scripts/training_log.py): rank 0 prints Megatron-LM's iteration
+line every `--log-interval` iterations; `--tensorboard-dir` writes Megatron-LM's TensorBoard
+scalars, `--metrics-jsonl` one JSON object per logged line, `--plot` the loss curve as a PNG;
+on a terminal rank 0 also redraws a progress bar. Model and schedule flags keep Megatron-LM's
+meaning and defaults where this trainer has them (tied embeddings, linear biases, LayerNorm,
+`--swiglu`'s FFN size, GQA only with `--group-query-attention`); dropout defaults to 0 here (so
+layouts can be compared exactly). An invalid flag, or a combination the
 optimizer factory refuses, exits every rank with status 2 after one line on rank 0's stderr naming
 the flags (torchrun then adds its own failure summary).
 
@@ -34,8 +37,8 @@ Data follows the iteration, so a resumed run continues exactly where the saved o
 
 import argparse
 import copy
-import json
 import os
+import re
 import socket
 import sys
 import time
@@ -60,7 +63,7 @@ from scripts.gpt_model import (  # noqa: E402
     gpt_loss,
     initialize_model_parallel,
 )
-from scripts.plot_png import PALETTE, Curve, plot_curves  # noqa: E402
+from scripts.training_log import PALETTE, Curve, Logger, Step, params_norm, plot_curves  # noqa: E402
 
 DEFAULT_RULE_VOCAB_SIZE = 64
 
@@ -120,9 +123,22 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--num-layers", type=int, default=2)
     model.add_argument("--hidden-size", type=int, default=64)
     model.add_argument("--num-attention-heads", type=int, default=4)
-    model.add_argument("--num-query-groups", type=int, default=None, help="default: one per head")
-    model.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 * hidden size")
+    model.add_argument("--group-query-attention", action="store_true",
+                       help="grouped-query attention with --num-query-groups key/value groups")
+    model.add_argument("--num-query-groups", type=int, default=None,
+                       help="with --group-query-attention (default then: 1)")
+    model.add_argument("--ffn-hidden-size", type=int, default=None,
+                       help="default: 4 * hidden size; with --swiglu int(8 * hidden size / 3 / 64) * 64")
     model.add_argument("--swiglu", action="store_true")
+    model.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                       help="a separate output layer (default: it shares the input embedding's weight)")
+    model.add_argument("--disable-bias-linear", action="store_true", help="no biases in the linear layers")
+    model.add_argument("--normalization", default="LayerNorm", choices=("LayerNorm", "RMSNorm"))
+    model.add_argument("--hidden-dropout", type=float, default=0.0,
+                       help="default 0 (Megatron-LM's is 0.1): layouts then train identically")
+    model.add_argument("--attention-dropout", type=float, default=0.0,
+                       help="default 0 (Megatron-LM's is 0.1): layouts then train identically")
+    model.add_argument("--init-method-std", type=float, default=0.02)
     model.add_argument("--seq-length", type=int, default=32)
     model.add_argument("--max-position-embeddings", type=int, default=None, help="default: seq length")
     model.add_argument("--vocab-size", type=int, default=None,
@@ -137,6 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
                           choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"))
     training.add_argument("--lr-decay-iters", type=int, default=None, help="default: train iters")
     training.add_argument("--lr-warmup-iters", type=int, default=0)
+    training.add_argument("--lr-warmup-fraction", type=float, default=None,
+                          help="warmup over this fraction of --lr-decay-iters (instead of --lr-warmup-iters)")
+    training.add_argument("--lr-warmup-init", type=float, default=0.0, help="the lr warmup starts from")
+    training.add_argument("--lr-wsd-decay-style", default=None,
+                          choices=("exponential", "linear", "cosine", "minus_sqrt"),
+                          help="the decay phase of --lr-decay-style WSD (default: exponential)")
+    training.add_argument("--lr-wsd-decay-iters", type=int, default=None,
+                          help="length of WSD's decay phase (needed with --lr-decay-style WSD)")
     training.add_argument("--seed", type=int, default=1234)
     training.add_argument("--data-path", default=None, help="a text file, tokenized by bytes")
     checkpointing = parser.add_argument_group(title="checkpointing")
@@ -157,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     checkpointing.add_argument("--no-load-rng", action="store_true", help="do not restore the RNG states")
     logging = parser.add_argument_group(title="logging")
     logging.add_argument("--log-interval", type=int, default=100)
+    logging.add_argument("--tensorboard-dir", default=None, help="write TensorBoard event files here (rank 0)")
+    logging.add_argument("--tensorboard-log-interval", type=int, default=1)
+    logging.add_argument("--log-params-norm", action="store_true", help="log the parameters' L2 norm")
     logging.add_argument("--metrics-jsonl", default=None, help="write one JSON object per logged iteration")
     logging.add_argument("--plot", default=None, help="write the loss curve as a PNG")
     return add_optimizer_args(parser)
@@ -221,18 +248,48 @@ def _model_settings(args: argparse.Namespace, tp: int) -> GPTModelSettings:
     return settings
 
 
+def _query_groups(args: argparse.Namespace) -> Optional[int]:
+    """Megatron-LM: key/value groups only with --group-query-attention (then default 1)."""
+    if not args.group_query_attention:
+        if args.num_query_groups is not None:
+            raise ValueError(f"--num-query-groups {args.num_query_groups} needs --group-query-attention "
+                             f"(without it every head has its own key/value group).")
+        return None
+    return 1 if args.num_query_groups is None else args.num_query_groups
+
+
+def _ffn_hidden_size(args: argparse.Namespace) -> int:
+    """Megatron-LM's default: 4h, or with SwiGLU 2/3 of that rounded down to a multiple of 64
+    (the same parameter count as a 4h GELU MLP)."""
+    if args.ffn_hidden_size is not None:
+        return args.ffn_hidden_size
+    if args.swiglu:
+        size = int((4 * args.hidden_size * 2 / 3) / 64) * 64
+        if size < 1:
+            raise ValueError(f"--swiglu's default FFN size int(8 * --hidden-size {args.hidden_size} / 3 / 64) * 64 "
+                             f"is 0 (hidden size below 24); give --ffn-hidden-size.")
+        return size
+    return 4 * args.hidden_size
+
+
 def _settings_from_flags(args: argparse.Namespace) -> GPTModelSettings:
     return GPTModelSettings(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
+        num_query_groups=_query_groups(args),
+        ffn_hidden_size=_ffn_hidden_size(args),
         swiglu=args.swiglu,
         seq_length=args.seq_length,
         max_position_embeddings=args.max_position_embeddings,
         vocab_size=args.vocab_size,
         bf16=args.bf16,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        add_bias_linear=not args.disable_bias_linear,
+        normalization=args.normalization,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
         # QK-clip: the model's TransformerConfig carries the flags too (Transformer Engine's
         # attention records its maximum logits only when built with them).
         qk_clip=args.qk_clip,
@@ -243,7 +300,7 @@ def _settings_from_flags(args: argparse.Namespace) -> GPTModelSettings:
 
 
 def _check_training_flags(args: argparse.Namespace) -> None:
-    for name in ("train_iters", "log_interval"):
+    for name in ("train_iters", "log_interval", "tensorboard_log_interval"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}.")
     if args.exit_interval is not None and args.exit_interval < 1:
@@ -263,14 +320,42 @@ def _check_training_flags(args: argparse.Namespace) -> None:
                          "--use-checkpoint-opt_param-scheduler (the checkpoint's) exclude each other; give one.")
     if args.plot and not args.plot.endswith(".png"):
         raise ValueError(f"--plot writes a PNG; give a path ending in .png, got {args.plot!r}.")
-    scheduler_config(args)  # raises ValueError on bad schedule flags
+    _check_wsd_flags(args)
+    if args.lr_warmup_init > args.lr:
+        raise ValueError(f"--lr-warmup-init {args.lr_warmup_init} must not exceed --lr {args.lr}.")
+    try:
+        scheduler_config(args)
+    except (TypeError, ValueError) as error:  # SchedulerConfig's field names -> this script's flags
+        raise ValueError(re.sub(r"SchedulerConfig\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"),
+                                str(error))) from None
+
+
+def _check_wsd_flags(args: argparse.Namespace) -> None:
+    if args.lr_decay_style != "WSD":
+        given = [f"--{name.replace('_', '-')}" for name in ("lr_wsd_decay_iters", "lr_wsd_decay_style")
+                 if getattr(args, name) is not None]
+        if given:
+            raise ValueError(f"{' and '.join(given)} only apply with --lr-decay-style WSD "
+                             f"(got --lr-decay-style {args.lr_decay_style}).")
+        return
+    if args.lr_wsd_decay_style is None:
+        args.lr_wsd_decay_style = "exponential"  # Megatron-LM's default
+    decay_iters = args.lr_decay_iters or args.train_iters
+    if args.lr_wsd_decay_iters is not None and args.lr_wsd_decay_iters > decay_iters:
+        raise ValueError(f"--lr-wsd-decay-iters {args.lr_wsd_decay_iters} must not exceed the decay's "
+                         f"{decay_iters} iterations (--lr-decay-iters, default --train-iters).")
 
 
 def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
+    """Megatron-LM's schedule flags; megatron_eopt.bridge turns iterations into samples."""
     return SchedulerConfig(
         lr_decay_style=args.lr_decay_style,
         lr_decay_iters=args.lr_decay_iters,
         lr_warmup_iters=args.lr_warmup_iters,
+        lr_warmup_fraction=args.lr_warmup_fraction,
+        lr_warmup_init=args.lr_warmup_init,
+        lr_wsd_decay_style=args.lr_wsd_decay_style or "exponential",
+        lr_wsd_decay_iters=args.lr_wsd_decay_iters,
         global_batch_size=args.global_batch_size,
         train_iters=args.train_iters,
         override_opt_param_scheduler=args.override_opt_param_scheduler,
@@ -323,10 +408,12 @@ class BatchSource:
 # ------------------------------------------------------------------------------------------------
 
 
-def train_step(model, optimizer, micro_batches, dp_group, average_grads: bool) -> tuple[float, bool, Optional[float]]:
+def train_step(model, optimizer, micro_batches, dp_group, average_grads: bool
+               ) -> tuple[float, bool, Optional[float], Optional[float]]:
     """Forward/backward over the micro-batches, DP gradient average, optimizer step.
 
-    Returns (global-batch mean loss, update successful, grad norm).
+    Returns (global-batch mean loss, update successful, grad norm, zeros in the gradients (with
+    --log-num-zeros-in-grad, else None)).
     """
     optimizer.zero_grad()
     total = torch.zeros((), dtype=torch.float32)
@@ -342,8 +429,8 @@ def train_step(model, optimizer, micro_batches, dp_group, average_grads: bool) -
                 param.grad.div_(dp_size)
     loss_sum = total.to(next(model.parameters()).device)
     dist.all_reduce(loss_sum, group=dp_group)
-    ok, grad_norm, _ = optimizer.step()
-    return loss_sum.item() / dp_size, ok, grad_norm
+    ok, grad_norm, num_zeros = optimizer.step()
+    return loss_sum.item() / dp_size, ok, grad_norm, num_zeros
 
 
 def train(args, settings, layout, device) -> list[dict]:
@@ -356,7 +443,8 @@ def train(args, settings, layout, device) -> list[dict]:
     dp_group = parallel_state.get_data_parallel_group()
     batches = BatchSource(args, layout, parallel_state.get_data_parallel_rank())
     average_grads = not config.use_layer_wise_distributed_optimizer  # that one reduces itself
-    log = Logger(args, layout)
+    log = Logger(args, layout.rank)
+    tp_group = parallel_state.get_tensor_model_parallel_group()
     log.say(describe_model(model))
     precision_line = matmul_precision_line(args, device)
     if precision_line:
@@ -364,10 +452,15 @@ def train(args, settings, layout, device) -> list[dict]:
     start = resume(args, model, optimizer, scheduler, log)
     for iteration in range(start + 1, args.train_iters + 1):
         lr = optimizer.param_groups[0]["lr"]
-        loss, ok, grad_norm = train_step(model, optimizer, batches.micro_batches(iteration), dp_group, average_grads)
+        loss, ok, grad_norm, num_zeros = train_step(
+            model, optimizer, batches.micro_batches(iteration), dp_group, average_grads)
         if ok:
             scheduler.step(args.global_batch_size)
-        log.iteration(iteration, loss, lr, grad_norm, ok, optimizer.max_attention_logit)
+        log.iteration(Step(
+            iteration, loss, lr, ok, grad_norm=None if grad_norm is None else float(grad_norm),
+            loss_scale=float(optimizer.get_loss_scale()), num_zeros=None if num_zeros is None else float(num_zeros),
+            params_norm=params_norm(model, tp_group) if args.log_params_norm else None,
+            max_attention_logit=optimizer.max_attention_logit))
         stop = bool(args.exit_interval) and iteration % args.exit_interval == 0
         at_interval = bool(args.save_interval) and iteration % args.save_interval == 0
         if args.save and (at_interval or stop or iteration == args.train_iters):
@@ -380,7 +473,7 @@ def train(args, settings, layout, device) -> list[dict]:
     return log.records
 
 
-def resume(args: argparse.Namespace, model, optimizer, scheduler, log: "Logger") -> int:
+def resume(args: argparse.Namespace, model, optimizer, scheduler, log: Logger) -> int:
     """Load --load's checkpoint (if there is one); returns the iteration it was saved at."""
     if not args.load:
         return 0
@@ -423,106 +516,6 @@ def describe_model(model: torch.nn.Module) -> str:
     return f"model: {sum(p.numel() for p in params):,} parameters on rank 0, {params[0].dtype}"
 
 
-class ProgressBar:
-    """One line redrawn in place (carriage return) on a terminal; cleared before each log line."""
-
-    WIDTH = 30
-
-    def __init__(self, total: int, stream: TextIO) -> None:
-        self.total, self.stream = total, stream
-        self.start, self.shown, self.first = time.perf_counter(), 0, 0
-
-    def draw(self, iteration: int, loss: float) -> None:
-        done = self.WIDTH * iteration // self.total
-        seconds_per_iteration = (time.perf_counter() - self.start) / max(iteration - self.first, 1)
-        eta = seconds_per_iteration * (self.total - iteration)
-        line = (f"[{'#' * done}{'.' * (self.WIDTH - done)}] {iteration}/{self.total} | loss {loss:.4f} | "
-                f"{1000 * seconds_per_iteration:.0f} ms/it | eta {eta:.0f} s")
-        self.stream.write("\r" + line.ljust(self.shown))
-        self.stream.flush()
-        self.shown = len(line)
-
-    def start_at(self, iteration: int) -> None:
-        self.start, self.first = time.perf_counter(), iteration
-
-    def clear(self) -> None:
-        if self.shown:
-            self.stream.write("\r" + " " * self.shown + "\r")
-            self.shown = 0
-
-    def finish(self) -> None:
-        """Keep the last state on screen, ending its line."""
-        if self.shown:
-            self.stream.write("\n")
-            self.stream.flush()
-            self.shown = 0
-
-
-class Logger:
-    """Rank 0's log lines, progress bar (on a terminal only) and metrics file; every rank keeps the
-    records (for tests and --plot)."""
-
-    def __init__(self, args: argparse.Namespace, layout: Layout) -> None:
-        self.args, self.is_first = args, layout.rank == 0
-        self.records: list[dict] = []
-        self.skipped = 0
-        self.last_time, self.last_iteration = time.perf_counter(), 0
-        self.metrics = open(args.metrics_jsonl, "w") if args.metrics_jsonl and self.is_first else None
-        # Redirected output (files, pipes, tests) gets no bar, so logs hold only the log lines.
-        self.bar = ProgressBar(args.train_iters, sys.stdout) if self.is_first and sys.stdout.isatty() else None
-
-    def start_at(self, iteration: int) -> None:
-        """Resuming: timings and the progress bar count from `iteration`."""
-        self.last_time, self.last_iteration = time.perf_counter(), iteration
-        if self.bar:
-            self.bar.start_at(iteration)
-
-    def _print(self, line: str) -> None:
-        if self.bar:
-            self.bar.clear()
-        print(line, flush=True)
-
-    def say(self, message: str) -> None:
-        if self.is_first:
-            self._print(f"> {message}")
-
-    def iteration(self, iteration: int, loss: float, lr: float, grad_norm: Optional[float], ok: bool,
-                  max_logit: Optional[float] = None) -> None:
-        self.skipped += 0 if ok else 1
-        if iteration % self.args.log_interval == 0 or iteration == 1:
-            self._record(iteration, loss, lr, grad_norm, max_logit)
-        if self.bar:
-            self.bar.draw(iteration, loss)
-
-    def _record(self, iteration: int, loss: float, lr: float, grad_norm: Optional[float],
-                max_logit: Optional[float]) -> None:
-        now = time.perf_counter()
-        elapsed_ms = (now - self.last_time) * 1000 / (iteration - self.last_iteration)
-        self.last_time, self.last_iteration = now, iteration
-        record = {"iteration": iteration, "loss": loss, "lr": lr,
-                  "grad_norm": None if grad_norm is None else float(grad_norm),
-                  "skipped": self.skipped, "elapsed_ms": elapsed_ms}
-        self.skipped = 0
-        if max_logit is not None:  # --qk-clip / --log-max-attention-logit
-            record["max_attention_logit"] = max_logit
-        self.records.append(record)
-        if not self.is_first:
-            return
-        norm = "nan" if grad_norm is None else f"{grad_norm:.6f}"
-        self._print(f" iteration {iteration:8d}/{self.args.train_iters:8d} | lr {lr:.6e} | loss {loss:.6f} | "
-                    f"grad norm {norm} | skipped {record['skipped']} | elapsed ms per iteration {elapsed_ms:.1f}"
-                    + (f" | max attention logit {max_logit:.4f}" if max_logit is not None else ""))
-        if self.metrics:
-            self.metrics.write(json.dumps(record) + "\n")
-            self.metrics.flush()
-
-    def close(self) -> None:
-        if self.bar:
-            self.bar.finish()
-        if self.metrics:
-            self.metrics.close()
-
-
 def main(argv: Optional[list[str]] = None) -> None:
     args, settings, layout = parse_args(argv)
     device = init_distributed(layout)
@@ -536,8 +529,9 @@ def main(argv: Optional[list[str]] = None) -> None:
                   flush=True)
         records = train(args, settings, layout, device)
         if args.plot and layout.rank == 0:
-            plot_curves(args.plot, [Curve(args.optimizer, [r["iteration"] for r in records],
-                                          [r["loss"] for r in records], PALETTE[0])])
+            logged = [r for r in records if r["loss"] is not None]  # None: every step of an interval skipped
+            plot_curves(args.plot, [Curve(args.optimizer, [r["iteration"] for r in logged],
+                                          [r["loss"] for r in logged], PALETTE[0])])
     except ValueError as error:  # e.g. optimizer/config combinations the factory rejects
         exit_with_error(str(error))
     finally:

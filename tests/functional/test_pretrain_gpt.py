@@ -17,11 +17,10 @@ Layouts (each launch ~20 s of imports per process on 2 cores, so four launches c
 TP2 x DP2 with Adam and with layer-wise Muon, TP2 x DP1 Muon, and TP1 x DP2 Muon without the
 distributed optimizer (the script all-reduces the gradients instead), each against the
 one-process run of its optimizer. --data-path, --bf16, --exit-interval and --plot are checked on
-one more launch; the progress bar in-process; flag errors in-process and once under torchrun.
+one more launch, with --tensorboard-dir; the log line and progress bar in-process
+(tests/unit/test_training_log.py); flag errors in-process and once under torchrun.
 """
 
-import argparse
-import io
 import json
 import math
 import pathlib
@@ -32,13 +31,14 @@ from dataclasses import dataclass
 
 import pytest
 
-from scripts.plot_png import BLACK, PALETTE
-from tests.functional.png_reader import read_png
+from scripts.training_log import PALETTE, PLOT_SIZE
+from tests.unit.test_training_log import MEGATRON_LINE
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOLERANCE = 1e-4
 MODEL_FLAGS = [
-    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--num-query-groups", "2",
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
+    "--num-query-groups", "2",
     "--ffn-hidden-size", "64", "--swiglu", "--seq-length", "16", "--micro-batch-size", "2",
     "--global-batch-size", "16", "--train-iters", "20", "--lr", "1e-2", "--min-lr", "1e-3",
     "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--log-interval", "1", "--seed", "1234",
@@ -67,7 +67,7 @@ def _launch(nproc: int, optimizer: str, metrics: pathlib.Path, extra: list[str] 
     command = _command(nproc, optimizer, [*extra, "--metrics-jsonl", str(metrics)])
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    log_lines = [line for line in result.stdout.splitlines() if line.startswith(" iteration ")]
+    log_lines = [line for line in result.stdout.splitlines() if MEGATRON_LINE.match(line)]
     assert len(log_lines) == 20, result.stdout
     return [json.loads(line) for line in metrics.read_text().splitlines()], result.stdout
 
@@ -101,7 +101,9 @@ def _assert_same_losses(layout: list[dict], reference: list[dict], what: str) ->
 @pytest.mark.parametrize("optimizer", ["adam", "muon"])
 def test_one_process_run_learns(optimizer: str, one_process) -> None:
     records = one_process(optimizer)
-    assert set(records[0]) == {"iteration", "loss", "lr", "grad_norm", "skipped", "elapsed_ms"}
+    assert set(records[0]) == {"iteration", "consumed_samples", "loss", "lr", "grad_norm", "loss_scale", "skipped",
+                               "nan", "elapsed_ms"}
+    assert [r["consumed_samples"] for r in records] == [16 * i for i in range(1, 21)]
     assert [r["iteration"] for r in records] == list(range(1, 21))
     assert all(r["skipped"] == 0 and math.isfinite(r["loss"]) for r in records)
     assert abs(records[0]["loss"] - math.log(64)) < 0.3, records[0]  # untrained, over 64 tokens
@@ -126,9 +128,10 @@ def test_layout_matches_one_process(nproc: int, tp: int, optimizer: str, one_pro
     _assert_same_losses(records, reference, f"TP{tp} x DP{nproc // tp} {optimizer}")
 
 
-# --data-path, --bf16, --exit-interval and --plot share one launch (each launch costs ~16 s of
-# imports): 40 iterations asked for, an exit after 20, in bf16, on a text file of a few dozen
-# distinct bytes, which a byte-level model learns far faster than the 256-token rule task.
+# --data-path, --bf16, --exit-interval, --plot and --tensorboard-dir (with --log-params-norm and
+# --log-num-zeros-in-grad) share one launch (each launch costs ~16 s of imports): 40 iterations
+# asked for, an exit after 20, in bf16, on a text file of a few dozen distinct bytes, which a
+# byte-level model learns far faster than the 256-token rule task.
 FLAGS_TEXT = "the quick brown fox jumps over the lazy dog. " * 60
 CURVE_PIXELS = 300  # a curve across the plot covers thousands; the legend swatch alone ~70
 
@@ -138,6 +141,7 @@ class FlagsRun:
     records: list[dict]
     stdout: str
     plot: pathlib.Path
+    tensorboard: pathlib.Path
 
 
 @pytest.fixture(scope="module")
@@ -145,9 +149,10 @@ def flags_run(tmp_path_factory: pytest.TempPathFactory) -> FlagsRun:
     folder = tmp_path_factory.mktemp("flags")
     (folder / "text.txt").write_text(FLAGS_TEXT)
     extra = ["--data-path", str(folder / "text.txt"), "--bf16", "--train-iters", "40", "--exit-interval", "20",
-             "--plot", str(folder / "loss.png")]
+             "--plot", str(folder / "loss.png"), "--tensorboard-dir", str(folder / "tb"), "--log-params-norm",
+             "--log-num-zeros-in-grad"]
     records, stdout = _launch(1, "adam", folder / "metrics.jsonl", extra)
-    return FlagsRun(records, stdout, folder / "loss.png")
+    return FlagsRun(records, stdout, folder / "loss.png", folder / "tb")
 
 
 def test_data_path_trains_on_the_text(flags_run: FlagsRun) -> None:
@@ -167,37 +172,37 @@ def test_exit_interval_stops_at_that_iteration(flags_run: FlagsRun) -> None:
 
 
 def test_plot_is_a_png_with_the_curve(flags_run: FlagsRun) -> None:
-    image = read_png(flags_run.plot)
-    assert (image.width, image.height) == (640, 400)
-    assert image.colors[PALETTE[0]] > CURVE_PIXELS, image.colors.most_common(6)
-    assert image.colors[BLACK] > CURVE_PIXELS  # axes and labels
+    from PIL import Image
+
+    with Image.open(flags_run.plot) as image:
+        assert image.format == "PNG" and image.size == PLOT_SIZE
+        colors = {color[:3]: count for count, color in image.convert("RGBA").getcolors(1 << 20)}
+    assert colors.get(PALETTE[0], 0) > CURVE_PIXELS, sorted(colors.items(), key=lambda kv: -kv[1])[:6]
 
 
-class _Terminal(io.StringIO):
-    def isatty(self) -> bool:
-        return True
+TENSORBOARD_TAGS = ("lm loss", "learning-rate", "grad-norm", "loss-scale", "batch-size", "iteration-time",
+                    "num-zeros", "params-norm")
 
 
-@pytest.mark.parametrize("stream_type,rank,bar", [(_Terminal, 0, True), (io.StringIO, 0, False), (_Terminal, 1, False)],
-                         ids=["terminal-rank0", "pipe-rank0", "terminal-rank1"])
-def test_progress_bar_only_on_rank0_terminal(stream_type, rank: int, bar: bool, monkeypatch) -> None:
-    """In-process: the Logger alone, iterations 1-4 logged every 2."""
-    from scripts import pretrain_gpt
+def test_tensorboard_holds_megatron_lm_scalars(flags_run: FlagsRun) -> None:
+    """Read back with TensorBoard's own reader: every tag, finite, at the iterations run, and the
+    loss / lr equal to the metrics file's (log interval 1, so the interval means are single values)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    stream = stream_type()
-    monkeypatch.setattr(sys, "stdout", stream)
-    args = argparse.Namespace(train_iters=4, log_interval=2, metrics_jsonl=None)
-    layout = pretrain_gpt.Layout(world_size=2, rank=rank, tp=1, dp=2, grad_accumulation_steps=1)
-    log = pretrain_gpt.Logger(args, layout)
-    for iteration in range(1, 5):
-        log.iteration(iteration, 3.0, 1e-3, 1.0, True)
-    log.close()
-    out = stream.getvalue()
-    assert ("\r" in out) == bar, repr(out)
-    assert out.count("elapsed ms per iteration") == (0 if rank else 3), repr(out)  # iterations 1, 2, 4
-    if bar:
-        assert f"[{'#' * pretrain_gpt.ProgressBar.WIDTH}] 4/4 | loss 3.0000" in out and out.endswith("\n")
-        assert out.count("\r iteration ") == 2, repr(out)  # the bar is wiped before each later log line
+    events = EventAccumulator(str(flags_run.tensorboard))
+    events.Reload()
+    scalars = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    assert set(TENSORBOARD_TAGS) <= set(scalars), sorted(scalars)
+    for tag in TENSORBOARD_TAGS:
+        steps = [step for step, _ in scalars[tag]]
+        assert steps == list(range(2 if tag == "iteration-time" else 1, 21)), (tag, steps)  # not the set-up one
+        assert all(math.isfinite(value) for _, value in scalars[tag]), (tag, scalars[tag])
+    records = flags_run.records
+    assert [v for _, v in scalars["lm loss"]] == pytest.approx([r["loss"] for r in records], rel=1e-6)  # float32
+    assert [v for _, v in scalars["learning-rate"]] == pytest.approx([r["lr"] for r in records], rel=1e-6)
+    assert {v for _, v in scalars["batch-size"]} == {16.0} and {v for _, v in scalars["loss-scale"]} == {1.0}
+    assert all(v > 0 for _, v in scalars["params-norm"])
+    assert [r["params_norm"] for r in records] == pytest.approx([v for _, v in scalars["params-norm"]], rel=1e-6)
 
 
 def test_bad_optimizer_name_exits_with_argparse_error() -> None:
@@ -223,7 +228,8 @@ def _our_lines(stderr: str) -> list[str]:
         (["--fp16", "--optimizer", "muon", "--lr", "1e-3"], "1", "--fp16 is not supported with --optimizer muon"),
         (["--tensor-model-parallel-size", "3", "--lr", "1e-3"], "2", "--tensor-model-parallel-size 3 must divide"),
         (["--micro-batch-size", "3", "--global-batch-size", "8", "--lr", "1e-3"], "2", "--global-batch-size 8"),
-        (["--hidden-size", "48", "--num-attention-heads", "3", "--num-query-groups", "1", "--tensor-model-parallel-size", "2",
+        (["--hidden-size", "48", "--num-attention-heads", "3", "--group-query-attention", "--num-query-groups", "1",
+          "--tensor-model-parallel-size", "2",
           "--lr", "1e-3"], "2", "--num-attention-heads 3 must be divisible by --tensor-model-parallel-size 2."),
         (MAX_POSITIONS_TOO_SMALL, "1", MAX_POSITIONS_ERROR),
         (["--hidden-size", "30", "--lr", "1e-3"], "1", "--hidden-size 30 must be divisible by --num-attention-heads 4."),

@@ -1,0 +1,372 @@
+"""What the trainer reports: Megatron-LM's iteration line, TensorBoard scalars, JSONL, plots.
+
+Rank 0 prints Megatron-LM's per-iteration line (megatron/training/training.py `training_log`)
+every `--log-interval` iterations and after the first one, with its fields, spelling and number
+formats:
+
+     [2026-11-22 13:05:02.123456] iteration       20/     100 | consumed samples:          320 |
+     elapsed time per iteration (ms): 41.2 | learning rate: 9.755283E-03 | global batch size:    16 |
+     lm loss: 3.123456E+00 | loss scale: 1.0 | grad norm: 0.812 | number of skipped iterations:   0 |
+     number of nan iterations:   0 |
+
+(one line). As in Megatron-LM, `lm loss` is the mean over the interval's successful iterations,
+the elapsed time is the interval's wall time over its iterations, and the skipped / nan counters
+count the interval (they restart after each line); `num zeros` (--log-num-zeros-in-grad),
+`params norm` (--log-params-norm) and `max attention logit` (--qk-clip /
+--log-max-attention-logit) are added when asked for. `--tensorboard-dir` writes Megatron-LM's
+scalar tags with torch's SummaryWriter; `--metrics-jsonl` one JSON object per printed line;
+`--plot` the loss curve with matplotlib. When stdout is a terminal, rank 0 also redraws a
+progress bar below the log lines.
+"""
+
+import json
+import math
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import NamedTuple, Optional, Sequence, TextIO
+
+import torch
+import torch.distributed as dist
+
+# Matplotlib's default colour cycle ("tab:blue", "tab:orange", ...), as RGB.
+Color = tuple[int, int, int]
+PALETTE: tuple[Color, ...] = ((31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40))
+GREY: Color = (150, 150, 150)
+PLOT_SIZE = (640, 400)  # pixels
+# The iteration number in a printed line, for readers of the log (e.g. scripts/demo.py).
+ITERATION_IN_LINE = re.compile(r"\] iteration +(\d+)/ *\d+ \|")
+
+
+# ------------------------------------------------------------------------------------------------
+# The iteration line
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class IntervalStats:
+    """One printed line's values: the interval that ends at `iteration`."""
+
+    iteration: int
+    train_iters: int
+    consumed_samples: int
+    elapsed_ms: float  # per iteration, over the interval
+    learning_rate: float
+    global_batch_size: int
+    lm_loss: Optional[float]  # mean over the interval's successful iterations; None if there were none
+    loss_scale: float
+    grad_norm: Optional[float]
+    skipped: int
+    nan: int
+    num_zeros: Optional[float] = None
+    params_norm: Optional[float] = None
+    max_attention_logit: Optional[float] = None
+
+
+def format_iteration_line(stats: IntervalStats, now: Optional[datetime] = None) -> str:
+    """Megatron-LM's line for `stats` (the fields this trainer has, in Megatron-LM's order)."""
+    now = datetime.now() if now is None else now
+    line = f" [{now.strftime('%Y-%m-%d %H:%M:%S.%f')}]"
+    line += " iteration {:8d}/{:8d} |".format(stats.iteration, stats.train_iters)
+    line += " consumed samples: {:12d} |".format(stats.consumed_samples)
+    line += " elapsed time per iteration (ms): {:.1f} |".format(stats.elapsed_ms)
+    line += f" learning rate: {stats.learning_rate:.6E} |"
+    line += f" global batch size: {stats.global_batch_size:5d} |"
+    if stats.lm_loss is not None and stats.lm_loss >= 0.0:  # Megatron-LM prints non-negative means only
+        line += " lm loss: {:.6E} |".format(stats.lm_loss)
+    line += f" loss scale: {stats.loss_scale:.1f} |"
+    if stats.grad_norm is not None:
+        line += f" grad norm: {stats.grad_norm:.3f} |"
+    if stats.num_zeros is not None:
+        line += f" num zeros: {stats.num_zeros} |"
+    if stats.params_norm is not None:
+        line += f" params norm: {stats.params_norm:.3f} |"
+    if stats.max_attention_logit is not None:
+        line += f" max attention logit: {stats.max_attention_logit:.3f} |"
+    line += " number of skipped iterations: {:3d} |".format(stats.skipped)
+    line += " number of nan iterations: {:3d} |".format(stats.nan)
+    return line
+
+
+@dataclass
+class IntervalTotals:
+    """Megatron-LM's total_loss_dict: sums since the last printed line."""
+
+    loss_sum: float = 0.0
+    advanced: int = 0
+    skipped: int = 0
+    nan: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+    def add(self, loss: float, ok: bool) -> None:
+        if ok:
+            self.advanced += 1
+            self.loss_sum += loss
+        else:  # a skipped step's loss is not averaged; a non-finite one counts as a nan iteration
+            self.skipped += 1
+            self.nan += int(not math.isfinite(loss))
+
+    @property
+    def iterations(self) -> int:
+        return self.advanced + self.skipped
+
+    @property
+    def mean_loss(self) -> Optional[float]:
+        return self.loss_sum / self.advanced if self.advanced else None
+
+
+# ------------------------------------------------------------------------------------------------
+# Progress bar
+# ------------------------------------------------------------------------------------------------
+
+
+class ProgressBar:
+    """One line redrawn in place (carriage return) on a terminal; cleared before each log line."""
+
+    WIDTH = 30
+
+    def __init__(self, total: int, stream: TextIO) -> None:
+        self.total, self.stream = total, stream
+        self.start, self.shown, self.first = time.perf_counter(), 0, 0
+
+    def draw(self, iteration: int, loss: float) -> None:
+        done = self.WIDTH * iteration // self.total
+        seconds_per_iteration = (time.perf_counter() - self.start) / max(iteration - self.first, 1)
+        eta = seconds_per_iteration * (self.total - iteration)
+        line = (f"[{'#' * done}{'.' * (self.WIDTH - done)}] {iteration}/{self.total} | loss {loss:.4f} | "
+                f"{1000 * seconds_per_iteration:.0f} ms/it | eta {eta:.0f} s")
+        self.stream.write("\r" + line.ljust(self.shown))
+        self.stream.flush()
+        self.shown = len(line)
+
+    def start_at(self, iteration: int) -> None:
+        self.start, self.first = time.perf_counter(), iteration
+
+    def clear(self) -> None:
+        if self.shown:
+            self.stream.write("\r" + " " * self.shown + "\r")
+            self.shown = 0
+
+    def finish(self) -> None:
+        """Keep the last state on screen, ending its line."""
+        if self.shown:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.shown = 0
+
+
+# ------------------------------------------------------------------------------------------------
+# TensorBoard
+# ------------------------------------------------------------------------------------------------
+
+
+class TensorBoardWriter:
+    """Megatron-LM's scalar tags (each also `<tag> vs samples`, against consumed samples)."""
+
+    def __init__(self, log_dir: str) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+
+        self.writer = SummaryWriter(log_dir=log_dir)
+
+    def scalar(self, tag: str, value: float, iteration: int, consumed_samples: Optional[int] = None) -> None:
+        self.writer.add_scalar(tag, value, iteration)
+        if consumed_samples is not None:
+            self.writer.add_scalar(f"{tag} vs samples", value, consumed_samples)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# The logger
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one training iteration reports."""
+
+    iteration: int
+    loss: float  # the global batch's mean loss
+    learning_rate: float  # the lr the step used
+    ok: bool  # the update was applied (not skipped)
+    grad_norm: Optional[float] = None
+    loss_scale: float = 1.0
+    num_zeros: Optional[float] = None
+    params_norm: Optional[float] = None
+    max_attention_logit: Optional[float] = None
+
+
+class Logger:
+    """Rank 0's log lines, progress bar (terminal only), metrics file and TensorBoard events.
+
+    `args` gives train_iters, global_batch_size, log_interval, metrics_jsonl and (optional)
+    tensorboard_dir / tensorboard_log_interval. Every rank keeps the records (for tests and
+    --plot); only rank 0 prints and writes files.
+    """
+
+    def __init__(self, args, rank: int) -> None:
+        self.args, self.is_first = args, rank == 0
+        self.records: list[dict] = []
+        self.totals = IntervalTotals()
+        self.consumed_samples = 0
+        self.metrics = open(args.metrics_jsonl, "w") if args.metrics_jsonl and self.is_first else None
+        tensorboard_dir = getattr(args, "tensorboard_dir", None)
+        self.tensorboard = TensorBoardWriter(tensorboard_dir) if tensorboard_dir and self.is_first else None
+        # Redirected output (files, pipes, tests) gets no bar, so logs hold only the log lines.
+        self.bar = ProgressBar(args.train_iters, sys.stdout) if self.is_first and sys.stdout.isatty() else None
+
+    def start_at(self, iteration: int) -> None:
+        """Resuming: samples, timings and the progress bar count from `iteration`."""
+        self.consumed_samples = iteration * self.args.global_batch_size
+        self.totals = IntervalTotals()
+        if self.bar:
+            self.bar.start_at(iteration)
+
+    def _print(self, line: str) -> None:
+        if self.bar:
+            self.bar.clear()
+        print(line, flush=True)
+
+    def say(self, message: str) -> None:
+        if self.is_first:
+            self._print(f"> {message}")
+
+    def iteration(self, step: Step) -> None:
+        self.consumed_samples += self.args.global_batch_size
+        self.totals.add(step.loss, step.ok)
+        if self.tensorboard and step.iteration % getattr(self.args, "tensorboard_log_interval", 1) == 0:
+            self._tensorboard_step(step)
+        if step.iteration % self.args.log_interval == 0 or step.iteration == 1:
+            self._end_interval(step)
+        if self.bar:
+            self.bar.draw(step.iteration, step.loss)
+
+    def _tensorboard_step(self, step: Step) -> None:
+        """Megatron-LM writes these every --tensorboard-log-interval iterations, the loss unaveraged."""
+        at, samples = step.iteration, self.consumed_samples
+        self.tensorboard.scalar("learning-rate", step.learning_rate, at, samples)
+        self.tensorboard.scalar("batch-size", self.args.global_batch_size, at, samples)
+        if step.ok:
+            self.tensorboard.scalar("lm loss", step.loss, at, samples)
+        self.tensorboard.scalar("loss-scale", step.loss_scale, at, samples)
+        if step.grad_norm is not None:
+            self.tensorboard.scalar("grad-norm", step.grad_norm, at, samples)
+        if step.num_zeros is not None:
+            self.tensorboard.scalar("num-zeros", step.num_zeros, at, samples)
+        if step.params_norm is not None:
+            self.tensorboard.scalar("params-norm", step.params_norm, at, samples)
+        if step.max_attention_logit is not None:
+            self.tensorboard.scalar("max_attention_logit", step.max_attention_logit, at)
+
+    def _end_interval(self, step: Step) -> None:
+        totals, self.totals = self.totals, IntervalTotals()
+        elapsed_ms = (time.perf_counter() - totals.started) * 1000 / totals.iterations
+        stats = IntervalStats(
+            iteration=step.iteration, train_iters=self.args.train_iters, consumed_samples=self.consumed_samples,
+            elapsed_ms=elapsed_ms, learning_rate=step.learning_rate, global_batch_size=self.args.global_batch_size,
+            lm_loss=totals.mean_loss, loss_scale=step.loss_scale, grad_norm=step.grad_norm, skipped=totals.skipped,
+            nan=totals.nan, num_zeros=step.num_zeros, params_norm=step.params_norm,
+            max_attention_logit=step.max_attention_logit)
+        record = _record(stats)
+        self.records.append(record)
+        if not self.is_first:
+            return
+        if self.tensorboard and step.iteration > 1:  # Megatron-LM: not the first, set-up-laden one
+            self.tensorboard.scalar("iteration-time", elapsed_ms / 1000, step.iteration)
+        self._print(format_iteration_line(stats))
+        if self.metrics:
+            self.metrics.write(json.dumps(record) + "\n")
+            self.metrics.flush()
+
+    def validation(self, iteration: int, loss: float) -> None:
+        """Megatron-LM's validation scalars, `lm loss validation` and `lm loss validation ppl`
+        (exp of the loss capped at 20, as Megatron-LM does); the caller prints its own line."""
+        if self.tensorboard:
+            ppl = math.exp(min(20.0, loss))
+            self.tensorboard.scalar("lm loss validation", loss, iteration, self.consumed_samples)
+            self.tensorboard.scalar("lm loss validation ppl", ppl, iteration, self.consumed_samples)
+
+    def close(self) -> None:
+        if self.bar:
+            self.bar.finish()
+        if self.metrics:
+            self.metrics.close()
+        if self.tensorboard:
+            self.tensorboard.close()
+
+
+def _record(stats: IntervalStats) -> dict:
+    """The JSONL object of a printed line (the line's values, snake_case)."""
+    record = {"iteration": stats.iteration, "consumed_samples": stats.consumed_samples,
+              "loss": stats.lm_loss, "lr": stats.learning_rate, "grad_norm": stats.grad_norm,
+              "loss_scale": stats.loss_scale, "skipped": stats.skipped, "nan": stats.nan,
+              "elapsed_ms": stats.elapsed_ms}
+    optional = {"num_zeros": stats.num_zeros, "params_norm": stats.params_norm,
+                "max_attention_logit": stats.max_attention_logit}
+    record.update({key: value for key, value in optional.items() if value is not None})
+    return record
+
+
+def params_norm(model: torch.nn.Module, tensor_parallel_group) -> float:
+    """L2 norm of all parameters, each counted once (Megatron-LM's calc_params_l2_norm without
+    pipeline stages): tensor-parallel shards are summed over the TP group, parameters replicated
+    over it are counted on TP rank 0 only."""
+    tp_rank = dist.get_rank(tensor_parallel_group)
+    params = [p for p in model.parameters() if getattr(p, "tensor_model_parallel", False) or tp_rank == 0]
+    device = next(model.parameters()).device
+    square = torch.zeros((), dtype=torch.float32, device=device)
+    for param in params:
+        square += param.detach().float().square().sum()
+    dist.all_reduce(square, group=tensor_parallel_group)
+    return square.sqrt().item()
+
+
+# ------------------------------------------------------------------------------------------------
+# Plots
+# ------------------------------------------------------------------------------------------------
+
+
+class Curve(NamedTuple):
+    label: str
+    xs: Sequence[float]
+    ys: Sequence[float]
+    color: Color
+    dashed: bool = False
+
+
+def plot_curves(path: str, curves: Sequence[Curve], x_label: str = "iteration", y_label: str = "loss",
+                log_y: bool = True) -> None:
+    """Write `curves` as a PLOT_SIZE PNG at `path` (matplotlib, Agg backend: no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot, ticker
+
+    dpi = 100
+    figure, axes = pyplot.subplots(figsize=(PLOT_SIZE[0] / dpi, PLOT_SIZE[1] / dpi), dpi=dpi)
+    try:
+        for curve in curves:
+            axes.plot(curve.xs, curve.ys, label=curve.label, color=[c / 255 for c in curve.color],
+                      linewidth=2, linestyle="--" if curve.dashed else "-")
+        if log_y:
+            axes.set_yscale("log")
+            # Plain numbers (0.1, 2) rather than powers of ten; of the minor ticks only the 2s
+            # and 5s of each decade are labelled, so the labels do not overlap.
+            axes.yaxis.set_major_formatter(ticker.FuncFormatter(lambda value, _: f"{value:g}"))
+            axes.yaxis.set_minor_formatter(ticker.FuncFormatter(_two_or_five))
+        axes.set_xlabel(x_label)
+        axes.set_ylabel(y_label)
+        axes.grid(True, which="both", alpha=0.3)
+        axes.legend()
+        figure.tight_layout()
+        figure.savefig(path, dpi=dpi)
+    finally:
+        pyplot.close(figure)
+
+
+def _two_or_five(value: float, _position) -> str:
+    mantissa = value / 10 ** math.floor(math.log10(value)) if value > 0 else 0.0
+    return f"{value:g}" if round(mantissa, 6) in (2.0, 5.0) else ""

@@ -1,0 +1,166 @@
+"""scripts/pretrain_gpt.py's model and schedule flags with Megatron-LM's meaning (issue #14 item 7),
+checked in-process (parse_args runs before any process group exists).
+
+Expected values are written out here from Megatron-LM's definitions: the SwiGLU FFN default
+int((4 * h * 2 / 3) / 64) * 64, GQA only with --group-query-attention, tied embeddings and linear
+biases by default, and the lr of megatron-core's scheduler for warmup-fraction / warmup-init /
+WSD, computed by hand from the formulas (not by the scheduler under test).
+"""
+
+import os
+
+import pytest
+
+ADAM = ["--optimizer", "adam", "--lr", "1.0", "--min-lr", "0.1"]
+
+
+def _parse(argv: list[str], monkeypatch):
+    from scripts import pretrain_gpt
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    return pretrain_gpt.parse_args(ADAM + argv)
+
+
+def test_defaults_follow_megatron_lm(monkeypatch) -> None:
+    _, settings, _ = _parse([], monkeypatch)
+    assert settings.share_embeddings_and_output_weights  # tied unless --untie-embeddings-and-output-weights
+    assert settings.add_bias_linear  # biases unless --disable-bias-linear
+    assert settings.normalization == "LayerNorm"
+    assert settings.num_query_groups is None  # one key/value group per head
+    assert settings.ffn_hidden_size == 4 * settings.hidden_size
+    assert settings.init_method_std == 0.02
+
+
+@pytest.mark.parametrize("hidden,expected", [(64, 128), (256, 640), (100, 256)])
+def test_swiglu_default_ffn_size(hidden: int, expected: int, monkeypatch) -> None:
+    # int((4 * h * 2 / 3) / 64) * 64: 64 -> 170.7 -> 128; 256 -> 682.7 -> 640; 100 -> 266.7 -> 256
+    _, settings, _ = _parse(["--swiglu", "--hidden-size", str(hidden), "--num-attention-heads", "4"], monkeypatch)
+    assert settings.ffn_hidden_size == expected
+    _, explicit, _ = _parse(["--swiglu", "--hidden-size", str(hidden), "--num-attention-heads", "4",
+                             "--ffn-hidden-size", "96"], monkeypatch)
+    assert explicit.ffn_hidden_size == 96
+
+
+def test_model_flags_reach_the_settings(monkeypatch) -> None:
+    _, settings, _ = _parse(["--untie-embeddings-and-output-weights", "--disable-bias-linear", "--normalization",
+                             "RMSNorm", "--hidden-dropout", "0.1", "--attention-dropout", "0.2", "--init-method-std",
+                             "0.01", "--group-query-attention", "--num-query-groups", "2"], monkeypatch)
+    assert not settings.share_embeddings_and_output_weights and not settings.add_bias_linear
+    assert (settings.normalization, settings.hidden_dropout, settings.attention_dropout) == ("RMSNorm", 0.1, 0.2)
+    assert (settings.init_method_std, settings.num_query_groups) == (0.01, 2)
+
+
+def test_group_query_attention_alone_means_one_group(monkeypatch) -> None:
+    _, settings, _ = _parse(["--group-query-attention"], monkeypatch)
+    assert settings.num_query_groups == 1  # Megatron-LM's default for --num-query-groups
+
+
+def _lrs(argv: list[str], iterations: int, monkeypatch) -> list[float]:
+    """The lr megatron-core's scheduler gives after 0..iterations steps, as the trainer builds it."""
+    import torch
+
+    from arguments import optimizer_config_from_args
+    from megatron_eopt.bridge import get_scheduler
+    from scripts import pretrain_gpt
+
+    args, _, _ = _parse(argv, monkeypatch)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=args.lr)
+    scheduler = get_scheduler(optimizer_config_from_args(args, torch.device("cpu")),
+                              pretrain_gpt.scheduler_config(args), optimizer)
+    lrs = [optimizer.param_groups[0]["lr"]]
+    for _ in range(iterations):
+        scheduler.step(args.global_batch_size)
+        lrs.append(optimizer.param_groups[0]["lr"])
+    return lrs
+
+
+def test_warmup_fraction_init_and_wsd_schedule(monkeypatch) -> None:
+    """10 iterations: warmup over 0.2 of them from 0.05, constant, then WSD's linear decay over
+    the last 4 to --min-lr."""
+    lrs = _lrs(["--train-iters", "10", "--lr-warmup-fraction", "0.2", "--lr-warmup-init", "0.05",
+                "--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "4", "--lr-wsd-decay-style", "linear"], 10,
+               monkeypatch)
+    warmup = [0.05, 0.05 + 0.95 / 2, 1.0]  # init + (max - init) * step / 2
+    stable = [1.0] * 4  # iterations 3-6: up to the decay's start at 10 - 4
+    decay = [0.1 + 0.9 * (1 - k / 4) for k in (1, 2, 3, 4)]  # min + (max - min) * (1 - ratio)
+    assert lrs == pytest.approx(warmup + stable + decay, abs=1e-12)
+
+
+def test_wsd_exponential_is_the_default_decay(monkeypatch) -> None:
+    lrs = _lrs(["--train-iters", "4", "--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "2"], 4, monkeypatch)
+    coefficients = [1.0, 1.0, 1.0, 2 * 0.5 ** 0.5 - 1, 0.0]  # megatron-core: 2 * 0.5 ** ratio - 1
+    assert lrs == pytest.approx([0.1 + 0.9 * c for c in coefficients], abs=1e-12)
+
+
+def _our_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.strip().splitlines() if "No CUDA runtime" not in line]
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--num-query-groups", "2"], "--num-query-groups 2 needs --group-query-attention"),
+        (["--hidden-dropout", "1.5"], "--hidden-dropout 1.5 must be in [0, 1)."),
+        (["--attention-dropout", "-0.1"], "--attention-dropout -0.1 must be in [0, 1)."),
+        (["--init-method-std", "0"], "--init-method-std 0.0 must be a finite number > 0."),
+        (["--init-method-std", "nan"], "--init-method-std nan must be a finite number > 0."),
+        (["--swiglu", "--hidden-size", "16"], "--swiglu's default FFN size"),
+        (["--normalization", "BatchNorm"], "argument --normalization: invalid choice: 'BatchNorm'"),
+        (["--lr-decay-style", "WSD"], "--lr-wsd-decay-iters must be set when lr_decay_style='WSD'"),
+        (["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "500"], "--lr-wsd-decay-iters 500 must not exceed the decay's 100 iterations"),
+        (["--lr-wsd-decay-iters", "5"], "--lr-wsd-decay-iters only apply with --lr-decay-style WSD"),
+        (["--lr-wsd-decay-style", "step"], "argument --lr-wsd-decay-style: invalid choice: 'step'"),
+        (["--lr-warmup-fraction", "1.5"], "--lr-warmup-fraction must be in [0, 1); got 1.5."),
+        (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"], "--lr-warmup-fraction excludes"),
+        (["--lr-warmup-init", "2.0"], "--lr-warmup-init 2.0 must not exceed --lr 1.0."),
+        (["--tensorboard-log-interval", "0"], "--tensorboard-log-interval must be >= 1; got 0."),
+        (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    ],
+    ids=["gqa-groups-alone", "hidden-dropout", "attention-dropout", "init-std", "init-std-nan", "swiglu-tiny", "normalization",
+         "wsd-without-iters", "wsd-too-long", "wsd-iters-without-wsd", "wsd-style", "warmup-fraction", "warmup-fraction-and-iters",
+         "warmup-init", "tb-interval", "unknown"],
+)
+def test_bad_new_flags_exit_with_one_line(argv: list[str], message: str, monkeypatch, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        _parse(argv, monkeypatch)
+    assert exit_info.value.code == 2
+    lines = _our_lines(capsys.readouterr().err)
+    assert lines[-1].startswith("pretrain_gpt.py: error: ") and message in lines[-1], lines
+    if "argument" not in message and "unrecognized" not in message:  # argparse adds its usage line
+        assert len(lines) == 1, lines
+
+
+def _built_model(rank: int, world_size: int, argv: list[str]) -> dict:
+    import torch
+
+    from scripts import pretrain_gpt
+    from scripts.gpt_model import build_gpt_model, destroy_model_parallel, initialize_model_parallel
+
+    os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank))
+    args, settings, layout = pretrain_gpt.parse_args(ADAM + argv)
+    initialize_model_parallel(layout.tp, args.seed)
+    try:
+        model = build_gpt_model(settings, torch.device("cpu"))
+        names = {name: tuple(p.shape) for name, p in model.named_parameters()}
+        return {"names": names, "tied": model.output_layer.weight is None,
+                "attention_dropout": model.decoder.layers[0].self_attention.core_attention.dropout_p}
+    finally:
+        destroy_model_parallel()
+
+
+def test_flags_build_that_model(run_distributed) -> None:
+    """The model itself: tied output layer, biases, SwiGLU's FFN size, GQA's key/value width."""
+    (default,) = run_distributed(_built_model, 1, args=(["--swiglu", "--hidden-size", "96", "--num-attention-heads",
+                                                         "4", "--group-query-attention", "--num-query-groups", "2",
+                                                         "--attention-dropout", "0.1"],))
+    names = default["names"]
+    assert default["tied"] and not any(name.startswith("output_layer") for name in names), names
+    assert names["decoder.layers.0.mlp.linear_fc1.weight"] == (2 * 256, 96)  # int(4 * 96 * 2 / 3 / 64) * 64 = 256, gated: two halves
+    assert names["decoder.layers.0.self_attention.linear_qkv.weight"] == (96 + 2 * 2 * 24, 96)  # q + 2 groups of k, v
+    assert "decoder.layers.0.self_attention.linear_proj.bias" in names
+    assert default["attention_dropout"] == 0.1
+    (untied,) = run_distributed(_built_model, 1, args=(["--untie-embeddings-and-output-weights",
+                                                        "--disable-bias-linear"],))
+    assert not untied["tied"] and untied["names"]["output_layer.weight"] == (64, 64)
+    assert not any(name.endswith(".bias") and "linear" in name for name in untied["names"]), untied["names"]
