@@ -134,7 +134,7 @@ def optimizer_steps(args, shape: GptShape, skip: Optional[str]) -> dict:
 
 def pretrain_flags(args, optimizer_flags: list[str], metrics: str) -> list[str]:
     return ["--num-layers", str(args.layers), "--hidden-size", str(args.hidden),
-            "--num-attention-heads", str(args.heads), "--num-query-groups", str(args.groups), "--swiglu",
+            "--num-attention-heads", str(args.heads), "--group-query-attention", "--num-query-groups", str(args.groups), "--swiglu",
             "--seq-length", str(args.seq_length), "--micro-batch-size", str(args.micro_batch_size),
             "--train-iters", str(args.pretrain_warmup + args.repeats), "--log-interval", "1",
             "--bf16", "--lr", "3e-4", "--metrics-jsonl", metrics, *optimizer_flags]
