@@ -16,8 +16,10 @@ optimizer loses moves them by >1e-3 within a few steps. The one-process run itse
 Layouts (each launch ~20 s of imports per process on 2 cores, so four launches cover them):
 TP2 x DP2 with Adam and with layer-wise Muon, TP2 x DP1 Muon, and TP1 x DP2 Muon without the
 distributed optimizer (the script all-reduces the gradients instead), each against the
-one-process run of its optimizer. --data-path, --bf16, --exit-interval and --plot are checked on
-one more launch; the progress bar in-process; flag errors in-process and once under torchrun.
+one-process run of its optimizer. --bf16, --exit-interval and --plot are checked on one more
+launch; --data-path/--split/--tokenizer-type with evaluation on another (a corpus written by the
+test and converted by tools/preprocess_data.py); the progress bar in-process; flag errors
+in-process and once under torchrun.
 """
 
 import argparse
@@ -126,10 +128,8 @@ def test_layout_matches_one_process(nproc: int, tp: int, optimizer: str, one_pro
     _assert_same_losses(records, reference, f"TP{tp} x DP{nproc // tp} {optimizer}")
 
 
-# --data-path, --bf16, --exit-interval and --plot share one launch (each launch costs ~16 s of
-# imports): 40 iterations asked for, an exit after 20, in bf16, on a text file of a few dozen
-# distinct bytes, which a byte-level model learns far faster than the 256-token rule task.
-FLAGS_TEXT = "the quick brown fox jumps over the lazy dog. " * 60
+# --bf16, --exit-interval and --plot share one launch (each launch costs ~16 s of imports): 40
+# iterations asked for, an exit after 20, in bf16, on the generated task.
 CURVE_PIXELS = 300  # a curve across the plot covers thousands; the legend swatch alone ~70
 
 
@@ -143,17 +143,9 @@ class FlagsRun:
 @pytest.fixture(scope="module")
 def flags_run(tmp_path_factory: pytest.TempPathFactory) -> FlagsRun:
     folder = tmp_path_factory.mktemp("flags")
-    (folder / "text.txt").write_text(FLAGS_TEXT)
-    extra = ["--data-path", str(folder / "text.txt"), "--bf16", "--train-iters", "40", "--exit-interval", "20",
-             "--plot", str(folder / "loss.png")]
+    extra = ["--bf16", "--train-iters", "40", "--exit-interval", "20", "--plot", str(folder / "loss.png")]
     records, stdout = _launch(1, "adam", folder / "metrics.jsonl", extra)
     return FlagsRun(records, stdout, folder / "loss.png")
-
-
-def test_data_path_trains_on_the_text(flags_run: FlagsRun) -> None:
-    losses = [r["loss"] for r in flags_run.records]
-    assert abs(losses[0] - math.log(256)) < 0.2, losses  # untrained, over 256 byte tokens
-    assert sum(losses[-5:]) / 5 < 2.5, losses  # seen: ~1.7
 
 
 def test_bf16_runs_with_finite_losses(flags_run: FlagsRun) -> None:
@@ -164,6 +156,80 @@ def test_bf16_runs_with_finite_losses(flags_run: FlagsRun) -> None:
 def test_exit_interval_stops_at_that_iteration(flags_run: FlagsRun) -> None:
     assert [r["iteration"] for r in flags_run.records] == list(range(1, 21))
     assert "> exiting after iteration 20 (--exit-interval 20)" in flags_run.stdout
+    assert " validation loss at " not in flags_run.stdout  # as Megatron-LM: no final evaluation then
+
+
+# --data-path, --split, --tokenizer-type and evaluation share one launch: a corpus of sentences
+# drawn from a small vocabulary of words (a distribution a byte-level model learns within a few
+# dozen iterations), converted by tools/preprocess_data.py, split 90/8/2, trained 40 iterations
+# with 2 validation batches every 10, then the final validation and test.
+WORDS = "the a quick brown lazy fox dog cat jumps runs over under and sleeps".split()
+# Megatron-LM's evaluate_and_print_results line: ' validation loss at {prefix} | ' + for each key
+# '{key} value: {:.6E} | {key} PPL: {:.6E} | ', between rows of len(line) + 1 dashes.
+VALIDATION_LINE = re.compile(
+    r"^ validation loss at (?P<at>[^|]+) \| lm loss value: (?P<loss>\d\.\d{6}E[+-]\d\d) \| "
+    r"lm loss PPL: (?P<ppl>\d\.\d{6}E[+-]\d\d) \| $")
+
+
+@dataclass(frozen=True)
+class DataRun:
+    records: list[dict]
+    validations: list[tuple[str, float, float]]  # (at, loss, ppl)
+    stdout: str
+
+
+@pytest.fixture(scope="module")
+def data_run(tmp_path_factory: pytest.TempPathFactory) -> DataRun:
+    import random
+
+    folder = tmp_path_factory.mktemp("data")
+    rng = random.Random(0)
+    documents = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 30))) + "." for _ in range(400)]
+    (folder / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
+    preprocess = subprocess.run(
+        [sys.executable, "tools/preprocess_data.py", "--input", str(folder / "docs.jsonl"), "--output-prefix",
+         str(folder / "corpus"), "--tokenizer-type", "ByteLevelTokenizer", "--append-eod", "--workers", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert preprocess.returncode == 0, preprocess.stderr[-3000:]
+    prefix = str(folder / "corpus_text_document")
+    assert f"wrote {prefix}.bin/.idx: 400 documents" in preprocess.stdout, preprocess.stdout
+    extra = ["--data-path", prefix, "--split", "90,8,2", "--tokenizer-type", "ByteLevelTokenizer",
+             "--data-cache-path", str(folder / "cache"), "--train-iters", "40", "--eval-interval", "10",
+             "--eval-iters", "2"]
+    command = _command(1, "adam", [*extra, "--metrics-jsonl", str(folder / "metrics.jsonl")])
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    lines = result.stdout.splitlines()
+    validations = []
+    for number, line in enumerate(lines):
+        if line.startswith(" validation loss at "):
+            match = VALIDATION_LINE.match(line)
+            assert match, line
+            assert lines[number - 1] == lines[number + 1] == "-" * (len(line) + 1), lines[number - 1:number + 2]
+            validations.append((match["at"], float(match["loss"]), float(match["ppl"])))
+    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return DataRun(records, validations, result.stdout)
+
+
+def test_data_path_trains_on_the_corpus(data_run: DataRun) -> None:
+    losses = [r["loss"] for r in data_run.records]
+    assert len(losses) == 40
+    # Untrained: uniform over the model's vocabulary, ByteLevelTokenizer's 257 padded to 384.
+    assert abs(losses[0] - math.log(384)) < 0.3, losses
+    assert sum(losses[-5:]) / 5 < losses[0] - 2.0, losses
+
+
+def test_validation_every_interval_then_final_validation_and_test(data_run: DataRun) -> None:
+    ats = [at for at, _, _ in data_run.validations]
+    assert ats == ["iteration 10", "iteration 20", "iteration 30", "iteration 40",
+                   "iteration 40 on validation set", "iteration 40 on test set"], data_run.stdout
+    for _, loss, ppl in data_run.validations:
+        assert ppl == pytest.approx(math.exp(loss), rel=1e-5)  # both printed to 7 significant digits
+    periodic = [loss for _, loss, _ in data_run.validations[:4]]
+    assert periodic[-1] < periodic[0] - 0.5, periodic  # the held-out loss falls as training goes on
+    # Held-out text from the training distribution: its loss is close to the training loss.
+    final_train = sum(r["loss"] for r in data_run.records[-5:]) / 5
+    assert abs(data_run.validations[4][1] - final_train) < 0.5, (data_run.validations, final_train)
 
 
 def test_plot_is_a_png_with_the_curve(flags_run: FlagsRun) -> None:
