@@ -2,7 +2,7 @@
 
 Generated task (the default; no files): each rule sequence follows x[t+1] = (a * x[t] + b) mod
 vocab for a rule (a, b) drawn from `RULES`, so a model can learn everything but the first token.
-Its validation batches come from a seed stream that no training iteration uses (held out).
+Its validation batches come from seeds that no training iteration uses.
 
 Megatron datasets (Megatron-LM's flags): `--data-path [W1] PREFIX1 [W2 PREFIX2 ...]` names
 indexed datasets (PREFIX.bin / PREFIX.idx, written by tools/preprocess_data.py), split by

@@ -13,6 +13,7 @@ import sys
 import types
 
 import numpy
+import torch
 import pytest
 
 from scripts import data, evaluation
@@ -247,3 +248,33 @@ def test_good_data_flags_set_the_model_vocabulary(prefix, monkeypatch) -> None:
     for argv, vocab in cases:
         _, settings, _ = pretrain_gpt.parse_args([*argv, "--tensor-model-parallel-size", "2", "--lr", "1e-3"])
         assert settings.vocab_size == vocab, argv
+
+
+def test_mock_data_samples_are_the_sequences_megatron_core_generates(tmp_path) -> None:
+    """--mock-data: MockGPTDataset documents are 1, 2, 3, ... (mod vocab) then the eod id; the
+    trainer's [rows, seq + 1] tokens are GPTDataset's tokens plus the last label."""
+    tokenizer = build_tokenizer("NullTokenizer", vocab_size=64)
+    datasets = data.build_gpt_datasets(tokenizer, None, "99,1,0", SEQ_LENGTH, 1234, data.SampleCounts(40, 8, 0))
+    source = data.MegatronDatasets(datasets, tokenizer)
+    assert source.splits == ("train", "valid", "test")  # MockGPTDataset builds every split
+    rows = source.samples("train", 1, 16, slice(4, 8))  # samples 20..23 of the train split
+    assert rows.shape == (4, SEQ_LENGTH + 1)
+    for row, index in zip(rows, range(20, 24)):
+        sample = datasets["train"][index]
+        assert list(row[:-1]) == list(sample["tokens"]) and list(row[1:]) == list(sample["labels"])
+        # Within a mock document each token is the previous + 1 (mod 63 ids), else an eod boundary.
+        for previous, token in zip(row[:-1].tolist(), row[1:].tolist()):
+            assert token == (previous + 1) % 64 or 63 in (previous, token) or token == 1, row.tolist()
+
+
+def test_generated_task_validation_uses_its_own_seed_stream() -> None:
+    """The task has only 4 rules x 64 start tokens = 256 distinct sequences, so validation
+    measures the same distribution from batches drawn apart from training's, not unseen text."""
+    task = data.GeneratedTask(seed=1234, seq_length=16, vocab_size=64)
+    train = [task.samples("train", k, 8, slice(0, 8)) for k in range(50)]
+    valid = [task.samples("valid", k, 8, slice(0, 8)) for k in range(3)]
+    # Training batch k is the stream the trainer has always used for iteration k + 1.
+    generator = torch.Generator().manual_seed(data.SEED_STRIDE * 1234 + 1)
+    assert torch.equal(train[0], data.rule_batch(8, 17, 64, generator))
+    assert not any(torch.equal(v, t) for v in valid for t in train)
+    assert torch.equal(task.samples("valid", 1, 8, slice(2, 5)), valid[1][2:5])  # rows of the same batch
