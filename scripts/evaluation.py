@@ -23,7 +23,8 @@ PPL_EXPONENT_CAP = 20.0
 
 def add_eval_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(title="validation")
-    group.add_argument("--eval-interval", type=int, default=1000, help="evaluate on the validation split every this many iterations")
+    group.add_argument("--eval-interval", type=int, default=1000,
+                       help="evaluate on the validation split every this many iterations")
     group.add_argument("--eval-iters", type=int, default=100,
                        help="global batches per evaluation (0: none, also no final validation/test)")
 

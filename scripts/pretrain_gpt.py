@@ -14,9 +14,10 @@ by 1 / (gradient-accumulation steps), so the update follows the global-batch mea
 Data (scripts/data.py): the generated rule language by default, or Megatron-LM's
 `--data-path [W1] PREFIX1 ...` (indexed datasets from tools/preprocess_data.py) with `--split`,
 `--tokenizer-type` (scripts/tokenizer.py), or `--mock-data`. Validation every `--eval-interval`
-iterations and at the end, then test if the split has one (scripts/evaluation.py). Rank 0 prints a Megatron-style line every `--log-interval` iterations
-and, with `--metrics-jsonl`, writes one JSON object per logged iteration; `--plot` writes the
-loss curve as a PNG (scripts/plot_png.py, no plotting library needed). When stdout is a terminal,
+iterations and at the end, then test if the split has one (scripts/evaluation.py). Rank 0
+prints a Megatron-style line every `--log-interval` iterations and, with `--metrics-jsonl`,
+writes one JSON object per logged iteration; `--plot` writes the loss curve as a PNG
+(scripts/plot_png.py, no plotting library needed). When stdout is a terminal,
 rank 0 also redraws a progress bar below the log lines. An invalid flag, or a combination the
 optimizer factory refuses, exits every rank with status 2 after one line on rank 0's stderr naming
 the flags (torchrun then adds its own failure summary).

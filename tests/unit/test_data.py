@@ -196,23 +196,27 @@ def _bad_flags(tmp_path: pathlib.Path, prefix: str) -> list[tuple[list[str], str
     return [
         (["--data-path", str(text), *byte], f"--data-path {text} is a plain file, not an indexed dataset prefix: "
                                             "convert it first, e.g. `python tools/preprocess_data.py"),
-        (["--data-path", prefix + ".bin", *byte], f"--data-path takes dataset prefixes without .bin/.idx: give {prefix}"),
+        (["--data-path", prefix + ".bin", *byte],
+         f"--data-path takes dataset prefixes without .bin/.idx: give {prefix}"),
         (["--data-path", str(tmp_path / "none"), *byte], f"--data-path {tmp_path / 'none'}: no indexed dataset there"),
-        (["--data-path", "0.3", prefix, "-1", prefix, *byte], "--data-path weights must be positive numbers; got '-1'."),
+        (["--data-path", "0.3", prefix, "-1", prefix, *byte],
+         "--data-path weights must be positive numbers; got '-1'."),
         (["--data-path", "0.3", prefix, "0.7", *byte], "stands where a dataset prefix belongs"),
         (["--data-path", prefix, *byte, "--mock-data"], "--data-path and --mock-data exclude each other"),
         (["--data-path", prefix], "--data-path needs --tokenizer-type"),
         (["--data-path", prefix, *byte, "--split", "90,x"], "--split takes up to three non-negative"),
         (["--data-path", prefix, *byte, "--split", "0,1,1"], "its first proportion must be > 0"),
         (["--data-path", prefix, *byte, "--vocab-size", "300"], "--vocab-size sets NullTokenizer's vocabulary"),
-        (["--data-path", prefix, "--tokenizer-type", "NullTokenizer"], "--tokenizer-type NullTokenizer needs --vocab-size"),
+        (["--data-path", prefix, "--tokenizer-type", "NullTokenizer"],
+         "--tokenizer-type NullTokenizer needs --vocab-size"),
         (["--data-path", prefix, "--tokenizer-type", "HuggingFaceTokenizer"],
          "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model PATH"),
         (["--data-path", prefix, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tmp_path / "x")],
          f"--tokenizer-model {tmp_path / 'x'}: no such file"),
         (["--data-path", prefix, *byte, "--tokenizer-model", str(tokenizer_json)],
          "--tokenizer-model is read by --tokenizer-type HuggingFaceTokenizer only"),
-        (["--data-path", prefix, *byte, "--make-vocab-size-divisible-by", "0"], "--make-vocab-size-divisible-by must be >= 1"),
+        (["--data-path", prefix, *byte, "--make-vocab-size-divisible-by", "0"],
+         "--make-vocab-size-divisible-by must be >= 1"),
         (["--tokenizer-type", "ByteLevelTokenizer"], "--tokenizer-type needs --data-path or --mock-data"),
         (["--data-cache-path", str(tmp_path)], "--data-cache-path needs --data-path or --mock-data"),
         (["--eval-interval", "0"], "--eval-interval must be >= 1; got 0."),
@@ -229,7 +233,8 @@ def test_bad_data_tokenizer_and_eval_flags_exit_with_one_line(tmp_path, prefix, 
             pretrain_gpt.parse_args([*argv, "--lr", "1e-3"])
         assert exit_info.value.code == 2, argv
         lines = [line for line in capsys.readouterr().err.strip().splitlines() if "No CUDA runtime" not in line]
-        assert len(lines) == 1 and lines[0].startswith("pretrain_gpt.py: error: ") and message in lines[0], (argv, lines)
+        assert len(lines) == 1 and lines[0].startswith("pretrain_gpt.py: error: "), (argv, lines)
+        assert message in lines[0], (argv, lines)
 
 
 def test_good_data_flags_set_the_model_vocabulary(prefix, monkeypatch) -> None:
