@@ -176,6 +176,8 @@ class DataRun:
     records: list[dict]
     validations: list[tuple[str, float, float]]  # (at, loss, ppl)
     stdout: str
+    folder: pathlib.Path
+    prefix: str
 
 
 @pytest.fixture(scope="module")
@@ -193,10 +195,15 @@ def data_run(tmp_path_factory: pytest.TempPathFactory) -> DataRun:
     assert preprocess.returncode == 0, preprocess.stderr[-3000:]
     prefix = str(folder / "corpus_text_document")
     assert f"wrote {prefix}.bin/.idx: 400 documents" in preprocess.stdout, preprocess.stdout
+    return _data_launch(1, folder, prefix)
+
+
+def _data_launch(nproc: int, folder: pathlib.Path, prefix: str) -> DataRun:
     extra = ["--data-path", prefix, "--split", "90,8,2", "--tokenizer-type", "ByteLevelTokenizer",
              "--data-cache-path", str(folder / "cache"), "--train-iters", "40", "--eval-interval", "10",
              "--eval-iters", "2"]
-    command = _command(1, "adam", [*extra, "--metrics-jsonl", str(folder / "metrics.jsonl")])
+    metrics = folder / f"metrics_{nproc}.jsonl"
+    command = _command(nproc, "adam", [*extra, "--metrics-jsonl", str(metrics)])
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     lines = result.stdout.splitlines()
@@ -207,8 +214,8 @@ def data_run(tmp_path_factory: pytest.TempPathFactory) -> DataRun:
             assert match, line
             assert lines[number - 1] == lines[number + 1] == "-" * (len(line) + 1), lines[number - 1:number + 2]
             validations.append((match["at"], float(match["loss"]), float(match["ppl"])))
-    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    return DataRun(records, validations, result.stdout)
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return DataRun(records, validations, result.stdout, folder, prefix)
 
 
 def test_data_path_trains_on_the_corpus(data_run: DataRun) -> None:
@@ -343,3 +350,16 @@ def test_bad_flag_under_torchrun_is_one_line_without_a_worker_traceback() -> Non
     assert all("torch/distributed/" in f or f.endswith("torchrun") for f in frames), frames
     # Rank 0 exits first, with our status; torchrun then stops the others (they were waiting).
     assert re.search(r"Root Cause.*?rank\s*:\s*0 .*?exitcode\s*:\s*2\b", stderr, re.S), stderr
+
+
+def test_data_parallel_ranks_read_their_rows_and_evaluate_together(data_run: DataRun) -> None:
+    """DP=2 (torchrun, each rank reading its half of every global batch and evaluating its half
+    of every validation batch) against the one-process run: the same losses to 1e-4 (reduction
+    order; seen: 1e-6) and the same validation values (printed to 7 digits: 1e-5 relative)."""
+    dp2 = _data_launch(2, data_run.folder, data_run.prefix)
+    losses, expected = _losses(dp2.records), _losses(data_run.records)
+    assert len(losses) == len(expected) == 40
+    assert max(abs(a - b) for a, b in zip(losses, expected)) <= TOLERANCE, (losses, expected)
+    assert [at for at, _, _ in dp2.validations] == [at for at, _, _ in data_run.validations]
+    for (_, loss, _), (_, expected, _) in zip(dp2.validations, data_run.validations):
+        assert loss == pytest.approx(expected, rel=1e-5, abs=1e-4), (dp2.validations, data_run.validations)
