@@ -11,14 +11,17 @@ Gradients are averaged over data-parallel ranks by the layer-wise optimizer when
 (`layer_wise_reduce_grads`), else by an all-reduce here; the step scales each micro-batch's loss
 by 1 / (gradient-accumulation steps), so the update follows the global-batch mean loss.
 
-Data: the generated rule language (scripts/data.py) by default, or `--data-path FILE` read as
-bytes (vocabulary 256). Logging (scripts/training_log.py): rank 0 prints Megatron-LM's iteration
-line every `--log-interval` iterations; `--tensorboard-dir` writes Megatron-LM's TensorBoard
-scalars, `--metrics-jsonl` one JSON object per logged line, `--plot` the loss curve as a PNG;
-on a terminal rank 0 also redraws a progress bar. Model and schedule flags keep Megatron-LM's
-meaning and defaults where this trainer has them (tied embeddings, linear biases, LayerNorm,
-`--swiglu`'s FFN size, GQA only with `--group-query-attention`); dropout defaults to 0 here (so
-layouts can be compared exactly). An invalid flag, or a combination the
+Data (scripts/data.py): the generated rule language by default, or Megatron-LM's
+`--data-path [W1] PREFIX1 ...` (indexed datasets from tools/preprocess_data.py) with `--split`,
+`--tokenizer-type` (scripts/tokenizer.py), or `--mock-data`. Validation every `--eval-interval`
+iterations and at the end, then test if the split has one (scripts/evaluation.py). Logging
+(scripts/training_log.py): rank 0 prints Megatron-LM's iteration line every `--log-interval`
+iterations; `--tensorboard-dir` writes Megatron-LM's TensorBoard scalars, `--metrics-jsonl` one
+JSON object per logged line, `--plot` the loss curve as a PNG; on a terminal rank 0 also redraws
+a progress bar. Model and schedule flags keep Megatron-LM's meaning and defaults where this
+trainer has them (tied embeddings, linear biases, LayerNorm, `--swiglu`'s FFN size, GQA only
+with `--group-query-attention`); dropout defaults to 0 here (so layouts can be compared exactly).
+An invalid flag, or a combination the
 optimizer factory refuses, exits every rank with status 2 after one line on rank 0's stderr naming
 the flags (torchrun then adds its own failure summary).
 
@@ -54,7 +57,15 @@ from arguments import add_optimizer_args, matmul_precision_line, optimizer_confi
 from megatron_eopt import get_megatron_optimizer  # noqa: E402
 from megatron_eopt.bridge import SchedulerConfig, get_scheduler  # noqa: E402
 from megatron_eopt.checkpointing import has_checkpoints, load_checkpoint, save_checkpoint  # noqa: E402
-from scripts.data import BYTE_VOCAB_SIZE, byte_batch, load_bytes, rule_batch  # noqa: E402
+from scripts.data import (  # noqa: E402
+    DEFAULT_RULE_VOCAB_SIZE,
+    SampleCounts,
+    add_data_args,
+    build_data_source,
+    check_data_flags,
+    model_vocab_size,
+)
+from scripts.evaluation import Evaluator, add_eval_args, check_eval_flags  # noqa: E402
 from scripts.gpt_model import (  # noqa: E402
     GPTModelSettings,
     SettingsError,
@@ -63,9 +74,8 @@ from scripts.gpt_model import (  # noqa: E402
     gpt_loss,
     initialize_model_parallel,
 )
+from scripts.tokenizer import add_tokenizer_args  # noqa: E402
 from scripts.training_log import PALETTE, Curve, Logger, Step, params_norm, plot_curves  # noqa: E402
-
-DEFAULT_RULE_VOCAB_SIZE = 64
 
 
 # ------------------------------------------------------------------------------------------------
@@ -142,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--seq-length", type=int, default=32)
     model.add_argument("--max-position-embeddings", type=int, default=None, help="default: seq length")
     model.add_argument("--vocab-size", type=int, default=None,
-                       help=f"default: {DEFAULT_RULE_VOCAB_SIZE} (rule task), {BYTE_VOCAB_SIZE} with --data-path")
+                       help=f"the generated task's vocabulary (default {DEFAULT_RULE_VOCAB_SIZE}) or "
+                            "NullTokenizer's; with a tokenizer the model's is its vocabulary, padded")
     training = parser.add_argument_group(title="training")
     training.add_argument("--tensor-model-parallel-size", type=int, default=1)
     training.add_argument("--micro-batch-size", type=int, default=4)
@@ -162,7 +173,6 @@ def build_parser() -> argparse.ArgumentParser:
     training.add_argument("--lr-wsd-decay-iters", type=int, default=None,
                           help="length of WSD's decay phase (needed with --lr-decay-style WSD)")
     training.add_argument("--seed", type=int, default=1234)
-    training.add_argument("--data-path", default=None, help="a text file, tokenized by bytes")
     checkpointing = parser.add_argument_group(title="checkpointing")
     checkpointing.add_argument("--save", default=None, help="directory to save checkpoints in")
     checkpointing.add_argument("--save-interval", type=int, default=None,
@@ -186,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     logging.add_argument("--log-params-norm", action="store_true", help="log the parameters' L2 norm")
     logging.add_argument("--metrics-jsonl", default=None, help="write one JSON object per logged iteration")
     logging.add_argument("--plot", default=None, help="write the loss curve as a PNG")
+    add_data_args(parser)
+    add_tokenizer_args(parser)
+    add_eval_args(parser)
     return add_optimizer_args(parser)
 
 
@@ -234,10 +247,8 @@ def _layout(args: argparse.Namespace) -> Layout:
 
 def _model_settings(args: argparse.Namespace, tp: int) -> GPTModelSettings:
     """The model the flags describe; its errors name the flags (`--seq-length`, not `seq_length`)."""
-    if args.vocab_size is None:
-        args.vocab_size = BYTE_VOCAB_SIZE if args.data_path else DEFAULT_RULE_VOCAB_SIZE
-    if args.data_path and args.vocab_size < BYTE_VOCAB_SIZE:
-        raise ValueError(f"--data-path is tokenized by bytes: --vocab-size must be >= 256; got {args.vocab_size}.")
+    check_data_flags(args)
+    args.padded_vocab_size = model_vocab_size(args, tp)
     try:
         settings = _settings_from_flags(args)
         settings.check_tensor_parallel(tp)
@@ -282,7 +293,7 @@ def _settings_from_flags(args: argparse.Namespace) -> GPTModelSettings:
         swiglu=args.swiglu,
         seq_length=args.seq_length,
         max_position_embeddings=args.max_position_embeddings,
-        vocab_size=args.vocab_size,
+        vocab_size=args.padded_vocab_size,
         bf16=args.bf16,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         add_bias_linear=not args.disable_bias_linear,
@@ -309,8 +320,7 @@ def _check_training_flags(args: argparse.Namespace) -> None:
         raise ValueError("--lr is required (the peak learning rate).")
     if args.min_lr is None:
         args.min_lr = 0.0
-    if args.data_path and not os.path.isfile(args.data_path):
-        raise ValueError(f"--data-path {args.data_path}: no such file.")
+    check_eval_flags(args)
     if args.save_interval is not None and (args.save_interval < 1 or not args.save):
         raise ValueError(f"--save-interval needs --save and must be >= 1; got {args.save_interval}.")
     if args.ckpt_step is not None and not args.load:
@@ -385,22 +395,22 @@ def init_distributed(layout: Layout) -> torch.device:
 
 
 class BatchSource:
-    """Each iteration's global batch (from the seed and the iteration), sliced for one DP rank."""
+    """Global batches of a data source (scripts/data.py), this DP rank's rows in micro-batches.
+    Training iteration i reads train batch i - 1 (the generated task: seed stream i)."""
 
     def __init__(self, args: argparse.Namespace, layout: Layout, dp_rank: int) -> None:
-        self.args, self.layout, self.dp_rank = args, layout, dp_rank
-        self.data = load_bytes(args.data_path) if args.data_path else None
+        self.args = args
+        self.data = build_data_source(args, SampleCounts.for_run(
+            args.train_iters, args.global_batch_size, args.eval_interval, args.eval_iters))
+        per_rank = args.global_batch_size // layout.dp
+        self.rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
 
     def micro_batches(self, iteration: int) -> list[torch.Tensor]:
-        args, length = self.args, self.args.seq_length + 1
-        generator = torch.Generator().manual_seed(args.seed * 1_000_003 + iteration)
-        if self.data is None:
-            batch = rule_batch(args.global_batch_size, length, args.vocab_size, generator)
-        else:
-            batch = byte_batch(self.data, args.global_batch_size, length, generator)
-        per_rank = args.global_batch_size // self.layout.dp
-        mine = batch[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
-        return list(mine.split(args.micro_batch_size))
+        return self.split_batches("train", iteration - 1)
+
+    def split_batches(self, split: str, batch_index: int) -> list[torch.Tensor]:
+        mine = self.data.samples(split, batch_index, self.args.global_batch_size, self.rows)
+        return list(mine.split(self.args.micro_batch_size))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -445,6 +455,9 @@ def train(args, settings, layout, device) -> list[dict]:
     average_grads = not config.use_layer_wise_distributed_optimizer  # that one reduces itself
     log = Logger(args, layout.rank)
     tp_group = parallel_state.get_tensor_model_parallel_group()
+    evaluator = Evaluator(args, batches.data.splits, batches.split_batches, gpt_loss, dp_group,
+                          is_first_rank=layout.rank == 0, print_line=log.print_line,
+                          on_result=lambda r: log.validation(r.iteration, r.loss) if r.split == "valid" else None)
     log.say(describe_model(model))
     precision_line = matmul_precision_line(args, device)
     if precision_line:
@@ -461,6 +474,7 @@ def train(args, settings, layout, device) -> list[dict]:
             loss_scale=float(optimizer.get_loss_scale()), num_zeros=None if num_zeros is None else float(num_zeros),
             params_norm=params_norm(model, tp_group) if args.log_params_norm else None,
             max_attention_logit=optimizer.max_attention_logit))
+        evaluator.periodic(model, iteration)
         stop = bool(args.exit_interval) and iteration % args.exit_interval == 0
         at_interval = bool(args.save_interval) and iteration % args.save_interval == 0
         if args.save and (at_interval or stop or iteration == args.train_iters):
@@ -469,6 +483,8 @@ def train(args, settings, layout, device) -> list[dict]:
         if stop:
             log.say(f"exiting after iteration {iteration} (--exit-interval {args.exit_interval})")
             break
+    else:  # as in Megatron-LM, a run stopped by --exit-interval skips the final evaluation
+        evaluator.final(model, args.train_iters)
     log.close()
     return log.records
 

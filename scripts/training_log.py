@@ -234,6 +234,11 @@ class Logger:
         if self.is_first:
             self._print(f"> {message}")
 
+    def print_line(self, text: str) -> None:
+        """Rank 0 prints `text` (e.g. the validation lines) below the progress bar."""
+        if self.is_first:
+            self._print(text)
+
     def iteration(self, step: Step) -> None:
         self.consumed_samples += self.args.global_batch_size
         self.totals.add(step.loss, step.ok)

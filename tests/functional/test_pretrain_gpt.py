@@ -16,9 +16,10 @@ optimizer loses moves them by >1e-3 within a few steps. The one-process run itse
 Layouts (each launch ~20 s of imports per process on 2 cores, so four launches cover them):
 TP2 x DP2 with Adam and with layer-wise Muon, TP2 x DP1 Muon, and TP1 x DP2 Muon without the
 distributed optimizer (the script all-reduces the gradients instead), each against the
-one-process run of its optimizer. --data-path, --bf16, --exit-interval and --plot are checked on
-one more launch, with --tensorboard-dir; the log line and progress bar in-process
-(tests/unit/test_training_log.py); flag errors in-process and once under torchrun.
+one-process run of its optimizer. --bf16, --exit-interval, --plot and --tensorboard-dir are
+checked on one more launch; --data-path/--split/--tokenizer-type with evaluation on another (a
+corpus written by the test and converted by tools/preprocess_data.py); the log line and progress
+bar in-process (tests/unit/test_training_log.py); flag errors in-process and once under torchrun.
 """
 
 import json
@@ -128,11 +129,9 @@ def test_layout_matches_one_process(nproc: int, tp: int, optimizer: str, one_pro
     _assert_same_losses(records, reference, f"TP{tp} x DP{nproc // tp} {optimizer}")
 
 
-# --data-path, --bf16, --exit-interval, --plot and --tensorboard-dir (with --log-params-norm and
+# --bf16, --exit-interval, --plot and --tensorboard-dir (with --log-params-norm and
 # --log-num-zeros-in-grad) share one launch (each launch costs ~16 s of imports): 40 iterations
-# asked for, an exit after 20, in bf16, on a text file of a few dozen distinct bytes, which a
-# byte-level model learns far faster than the 256-token rule task.
-FLAGS_TEXT = "the quick brown fox jumps over the lazy dog. " * 60
+# asked for, an exit after 20, in bf16, on the generated task.
 CURVE_PIXELS = 300  # a curve across the plot covers thousands; the legend swatch alone ~70
 
 
@@ -147,18 +146,10 @@ class FlagsRun:
 @pytest.fixture(scope="module")
 def flags_run(tmp_path_factory: pytest.TempPathFactory) -> FlagsRun:
     folder = tmp_path_factory.mktemp("flags")
-    (folder / "text.txt").write_text(FLAGS_TEXT)
-    extra = ["--data-path", str(folder / "text.txt"), "--bf16", "--train-iters", "40", "--exit-interval", "20",
-             "--plot", str(folder / "loss.png"), "--tensorboard-dir", str(folder / "tb"), "--log-params-norm",
-             "--log-num-zeros-in-grad"]
+    extra = ["--bf16", "--train-iters", "40", "--exit-interval", "20", "--plot", str(folder / "loss.png"),
+             "--tensorboard-dir", str(folder / "tb"), "--log-params-norm", "--log-num-zeros-in-grad"]
     records, stdout = _launch(1, "adam", folder / "metrics.jsonl", extra)
     return FlagsRun(records, stdout, folder / "loss.png", folder / "tb")
-
-
-def test_data_path_trains_on_the_text(flags_run: FlagsRun) -> None:
-    losses = [r["loss"] for r in flags_run.records]
-    assert abs(losses[0] - math.log(256)) < 0.2, losses  # untrained, over 256 byte tokens
-    assert sum(losses[-5:]) / 5 < 2.5, losses  # seen: ~1.7
 
 
 def test_bf16_runs_with_finite_losses(flags_run: FlagsRun) -> None:
@@ -169,6 +160,102 @@ def test_bf16_runs_with_finite_losses(flags_run: FlagsRun) -> None:
 def test_exit_interval_stops_at_that_iteration(flags_run: FlagsRun) -> None:
     assert [r["iteration"] for r in flags_run.records] == list(range(1, 21))
     assert "> exiting after iteration 20 (--exit-interval 20)" in flags_run.stdout
+    assert " validation loss at " not in flags_run.stdout  # as Megatron-LM: no final evaluation then
+
+
+# --data-path, --split, --tokenizer-type and evaluation share one launch: a corpus of sentences
+# drawn from a small vocabulary of words (a distribution a byte-level model learns within a few
+# dozen iterations), converted by tools/preprocess_data.py, split 90/8/2, trained 40 iterations
+# with 2 validation batches every 10, then the final validation and test.
+WORDS = "the a quick brown lazy fox dog cat jumps runs over under and sleeps".split()
+# Megatron-LM's evaluate_and_print_results line: ' validation loss at {prefix} | ' + for each key
+# '{key} value: {:.6E} | {key} PPL: {:.6E} | ', between rows of len(line) + 1 dashes.
+VALIDATION_LINE = re.compile(
+    r"^ validation loss at (?P<at>[^|]+) \| lm loss value: (?P<loss>\d\.\d{6}E[+-]\d\d) \| "
+    r"lm loss PPL: (?P<ppl>\d\.\d{6}E[+-]\d\d) \| $")
+
+
+@dataclass(frozen=True)
+class DataRun:
+    records: list[dict]
+    validations: list[tuple[str, float, float]]  # (at, loss, ppl)
+    stdout: str
+    folder: pathlib.Path
+    prefix: str
+
+
+@pytest.fixture(scope="module")
+def data_run(tmp_path_factory: pytest.TempPathFactory) -> DataRun:
+    import random
+
+    folder = tmp_path_factory.mktemp("data")
+    rng = random.Random(0)
+    documents = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 30))) + "." for _ in range(400)]
+    (folder / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
+    preprocess = subprocess.run(
+        [sys.executable, "tools/preprocess_data.py", "--input", str(folder / "docs.jsonl"), "--output-prefix",
+         str(folder / "corpus"), "--tokenizer-type", "ByteLevelTokenizer", "--append-eod", "--workers", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert preprocess.returncode == 0, preprocess.stderr[-3000:]
+    prefix = str(folder / "corpus_text_document")
+    assert f"wrote {prefix}.bin/.idx: 400 documents" in preprocess.stdout, preprocess.stdout
+    return _data_launch(1, folder, prefix)
+
+
+def _data_launch(nproc: int, folder: pathlib.Path, prefix: str) -> DataRun:
+    extra = ["--data-path", prefix, "--split", "90,8,2", "--tokenizer-type", "ByteLevelTokenizer",
+             "--data-cache-path", str(folder / "cache"), "--train-iters", "40", "--eval-interval", "10",
+             "--eval-iters", "2"]
+    metrics = folder / f"metrics_{nproc}.jsonl"
+    extra += ["--tensorboard-dir", str(folder / f"tb_{nproc}")]
+    command = _command(nproc, "adam", [*extra, "--metrics-jsonl", str(metrics)])
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    lines = result.stdout.splitlines()
+    validations = []
+    for number, line in enumerate(lines):
+        if line.startswith(" validation loss at "):
+            match = VALIDATION_LINE.match(line)
+            assert match, line
+            assert lines[number - 1] == lines[number + 1] == "-" * (len(line) + 1), lines[number - 1:number + 2]
+            validations.append((match["at"], float(match["loss"]), float(match["ppl"])))
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return DataRun(records, validations, result.stdout, folder, prefix)
+
+
+def test_data_path_trains_on_the_corpus(data_run: DataRun) -> None:
+    losses = [r["loss"] for r in data_run.records]
+    assert len(losses) == 40
+    # Untrained: uniform over the model's vocabulary, ByteLevelTokenizer's 257 padded to 384.
+    assert abs(losses[0] - math.log(384)) < 0.3, losses
+    assert sum(losses[-5:]) / 5 < losses[0] - 2.0, losses
+
+
+def test_validation_every_interval_then_final_validation_and_test(data_run: DataRun) -> None:
+    ats = [at for at, _, _ in data_run.validations]
+    assert ats == ["iteration 10", "iteration 20", "iteration 30", "iteration 40",
+                   "iteration 40 on validation set", "iteration 40 on test set"], data_run.stdout
+    for _, loss, ppl in data_run.validations:
+        assert ppl == pytest.approx(math.exp(loss), rel=1e-5)  # both printed to 7 significant digits
+    periodic = [loss for _, loss, _ in data_run.validations[:4]]
+    assert periodic[-1] < periodic[0] - 0.5, periodic  # the held-out loss falls as training goes on
+    # Held-out text from the training distribution: its loss is close to the training loss.
+    final_train = sum(r["loss"] for r in data_run.records[-5:]) / 5
+    assert abs(data_run.validations[4][1] - final_train) < 0.5, (data_run.validations, final_train)
+
+
+def test_validation_losses_reach_tensorboard(data_run: DataRun) -> None:
+    """`lm loss validation` (and its ppl) hold the printed validation losses, test excluded."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(data_run.folder / "tb_1"))
+    events.Reload()
+    logged = [(e.step, e.value) for e in events.Scalars("lm loss validation")]
+    printed = [loss for at, loss, _ in data_run.validations if not at.endswith("test set")]
+    assert [step for step, _ in logged] == [10, 20, 30, 40, 40], logged
+    assert [value for _, value in logged] == pytest.approx(printed, rel=1e-6)  # printed to 7 digits
+    ppl = [e.value for e in events.Scalars("lm loss validation ppl")]
+    assert ppl == pytest.approx([math.exp(loss) for loss in printed], rel=1e-5)
 
 
 def test_plot_is_a_png_with_the_curve(flags_run: FlagsRun) -> None:
@@ -283,3 +370,16 @@ def test_bad_flag_under_torchrun_is_one_line_without_a_worker_traceback() -> Non
     assert all("torch/distributed/" in f or f.endswith("torchrun") for f in frames), frames
     # Rank 0 exits first, with our status; torchrun then stops the others (they were waiting).
     assert re.search(r"Root Cause.*?rank\s*:\s*0 .*?exitcode\s*:\s*2\b", stderr, re.S), stderr
+
+
+def test_data_parallel_ranks_read_their_rows_and_evaluate_together(data_run: DataRun) -> None:
+    """DP=2 (torchrun, each rank reading its half of every global batch and evaluating its half
+    of every validation batch) against the one-process run: the same losses to 1e-4 (reduction
+    order; seen: 1e-6) and the same validation values (printed to 7 digits: 1e-5 relative)."""
+    dp2 = _data_launch(2, data_run.folder, data_run.prefix)
+    losses, expected = _losses(dp2.records), _losses(data_run.records)
+    assert len(losses) == len(expected) == 40
+    assert max(abs(a - b) for a, b in zip(losses, expected)) <= TOLERANCE, (losses, expected)
+    assert [at for at, _, _ in dp2.validations] == [at for at, _, _ in data_run.validations]
+    for (_, loss, _), (_, expected, _) in zip(dp2.validations, data_run.validations):
+        assert loss == pytest.approx(expected, rel=1e-5, abs=1e-4), (dp2.validations, data_run.validations)

@@ -1,0 +1,128 @@
+"""Evaluation: `--eval-interval`, `--eval-iters`, the final validation and test, Megatron-LM's line.
+
+An evaluation runs `--eval-iters` global batches of a split forward (no gradients, the model in
+eval mode, no RNG drawn) and averages the per-token loss over all of them and all data-parallel
+ranks. Validation batches move on through the validation split from one evaluation to the next
+(the periodic evaluations, then the final one), as Megatron-LM's validation iterator does; the
+test split is read once, at the end. Rank 0 prints Megatron-LM's line between dashes:
+
+     validation loss at iteration 100 | lm loss value: 3.895367E+00 | lm loss PPL: 4.916442E+01 |
+"""
+
+import argparse
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+# Megatron-LM caps the exponent so a diverged loss prints a number, not inf.
+PPL_EXPONENT_CAP = 20.0
+
+
+def add_eval_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="validation")
+    group.add_argument("--eval-interval", type=int, default=1000,
+                       help="evaluate on the validation split every this many iterations")
+    group.add_argument("--eval-iters", type=int, default=100,
+                       help="global batches per evaluation (0: none, also no final validation/test)")
+
+
+def check_eval_flags(args: argparse.Namespace) -> None:
+    if args.eval_interval is not None and args.eval_interval < 1:
+        raise ValueError(f"--eval-interval must be >= 1; got {args.eval_interval}.")
+    if args.eval_iters < 0:
+        raise ValueError(f"--eval-iters must be >= 0 (0: no evaluation); got {args.eval_iters}.")
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    split: str  # 'valid' or 'test'
+    iteration: int
+    loss: float
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(min(PPL_EXPONENT_CAP, self.loss))
+
+
+def validation_line(label: str, loss: float) -> str:
+    """Megatron-LM's evaluate_and_print_results string for the 'lm loss' key."""
+    ppl = math.exp(min(PPL_EXPONENT_CAP, loss))
+    return f" validation loss at {label} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
+
+
+def validation_block(label: str, loss: float) -> str:
+    """The line between two rows of dashes as long as it (+1), as Megatron-LM prints it."""
+    line = validation_line(label, loss)
+    rule = "-" * (len(line) + 1)
+    return f"{rule}\n{line}\n{rule}"
+
+
+class Evaluator:
+    """Runs evaluations of `model` on a data source's 'valid' and 'test' splits.
+
+    `rank_samples(split, batch_index)` gives this data-parallel rank's micro-batches of that
+    split's global batch; `loss_fn(model, tokens)` the mean per-token loss of a micro-batch.
+    `results` keeps every evaluation (split, iteration, loss) for other loggers (TensorBoard's
+    'lm loss validation').
+    """
+
+    def __init__(self, args: argparse.Namespace, splits: tuple, rank_samples: Callable, loss_fn: Callable,
+                 dp_group, is_first_rank: bool, print_line: Callable[[str], None] = print,
+                 on_result: Optional[Callable[["EvalResult"], None]] = None) -> None:
+        self.args, self.splits, self.rank_samples, self.loss_fn = args, splits, rank_samples, loss_fn
+        self.dp_group, self.is_first_rank, self.print_line = dp_group, is_first_rank, print_line
+        self.on_result = on_result  # e.g. the TensorBoard validation scalars
+        self.results: list[EvalResult] = []
+
+    def periodic(self, model, iteration: int) -> Optional[EvalResult]:
+        """Validation at every --eval-interval-th iteration."""
+        args = self.args
+        if not args.eval_iters or "valid" not in self.splits or iteration % args.eval_interval:
+            return None
+        slot = iteration // args.eval_interval - 1
+        return self._run(model, "valid", slot, iteration, f"iteration {iteration}")
+
+    def final(self, model, iteration: int) -> list[EvalResult]:
+        """After training: validation (the last validation slot), then test if the split has one."""
+        args, results = self.args, []
+        if not args.eval_iters:
+            return results
+        if "valid" in self.splits:
+            slot = args.train_iters // args.eval_interval
+            results.append(self._run(model, "valid", slot, iteration, f"iteration {iteration} on validation set"))
+        if "test" in self.splits:
+            results.append(self._run(model, "test", 0, iteration, f"iteration {iteration} on test set"))
+        return results
+
+    def _run(self, model, split: str, slot: int, iteration: int, label: str) -> EvalResult:
+        loss = evaluate(model, self.loss_fn, self.rank_samples, split, slot, self.args.eval_iters, self.dp_group)
+        result = EvalResult(split, iteration, loss)
+        self.results.append(result)
+        if self.is_first_rank:
+            self.print_line(validation_block(label, loss))
+        if self.on_result is not None:
+            self.on_result(result)
+        return result
+
+
+@torch.no_grad()
+def evaluate(model, loss_fn: Callable, rank_samples: Callable, split: str, slot: int, eval_iters: int,
+             dp_group) -> float:
+    """Mean per-token loss over eval_iters global batches (slot * eval_iters onwards), all DP ranks."""
+    was_training = model.training
+    model.eval()
+    try:
+        total, count = torch.zeros((), dtype=torch.float64), 0
+        for batch_index in range(slot * eval_iters, (slot + 1) * eval_iters):
+            for tokens in rank_samples(split, batch_index):
+                tokens_in_batch = tokens.size(0) * (tokens.size(1) - 1)
+                total += loss_fn(model, tokens).double().cpu() * tokens_in_batch
+                count += tokens_in_batch
+    finally:
+        model.train(was_training)
+    sums = torch.tensor([total.item(), float(count)], dtype=torch.float64, device=next(model.parameters()).device)
+    dist.all_reduce(sums, group=dp_group)
+    return (sums[0] / sums[1]).item()

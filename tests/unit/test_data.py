@@ -1,0 +1,285 @@
+"""scripts/data.py, scripts/tokenizer.py, tools/preprocess_data.py and the data/eval flags, in-process.
+
+References are independent of the code under test: the documents' own UTF-8 bytes (read back
+from the .bin/.idx with megatron-core's IndexedDataset), the document each training sample's
+tokens come from (each document is a distinct repeated word), and the blend weights given.
+"""
+
+import json
+import math
+import pathlib
+import re
+import sys
+import types
+
+import numpy
+import torch
+import pytest
+
+from scripts import data, evaluation
+from scripts.tokenizer import build_tokenizer, padded_vocab_size
+from tools import preprocess_data
+
+SEQ_LENGTH = 32
+
+
+def _write_jsonl(path: pathlib.Path, texts: list[str]) -> pathlib.Path:
+    path.write_text("".join(json.dumps({"text": text, "id": i}) + "\n" for i, text in enumerate(texts)))
+    return path
+
+
+def _preprocess(tmp_path: pathlib.Path, name: str, texts: list[str], *extra: str) -> str:
+    source = _write_jsonl(tmp_path / f"{name}.jsonl", texts)
+    prefixes = preprocess_data.main(["--input", str(source), "--output-prefix", str(tmp_path / name),
+                                     "--append-eod", *extra])
+    return prefixes["text"]
+
+
+def _byte_docs(tmp_path: pathlib.Path, name: str, texts: list[str], workers: int = 1) -> str:
+    return _preprocess(tmp_path, name, texts, "--tokenizer-type", "ByteLevelTokenizer", "--workers", str(workers))
+
+
+def _doc_text(i: int) -> str:
+    return f"w{i:03d} " * 20  # 100 bytes, a word no other document has
+
+
+def _datasets(prefixes: list[str], split: str, counts: data.SampleCounts, tmp_path) -> dict:
+    return data.build_gpt_datasets(build_tokenizer("ByteLevelTokenizer"), prefixes, split, SEQ_LENGTH, 1234,
+                                   counts, str(tmp_path / "cache"))
+
+
+def _tokens(dataset, i: int) -> numpy.ndarray:
+    return numpy.asarray(dataset[i]["tokens"])
+
+
+def test_preprocess_writes_each_document_as_its_bytes_then_eod(tmp_path) -> None:
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    texts = ["héllo wörld", "second document", "", "third"]  # the empty one is skipped
+    prefix = _byte_docs(tmp_path, "docs", texts, workers=2)
+    assert prefix == str(tmp_path / "docs_text_document")  # Megatron-LM's naming
+    indexed = IndexedDataset(prefix)
+    written = [list(indexed[i]) for i in range(len(indexed))]
+    assert written == [list(t.encode("utf-8")) + [256] for t in texts if t]
+
+
+def test_split_gives_disjoint_documents_and_the_sample_counts(tmp_path) -> None:
+    """200 documents of 101 tokens, split 50/50/0: train samples come from documents 0-99 only,
+    valid samples from 100-199; each split gives at least the samples asked for."""
+    prefix = _byte_docs(tmp_path, "split", [_doc_text(i) for i in range(200)])
+    datasets = _datasets([prefix], "50,50,0", data.SampleCounts(300, 14, 0), tmp_path)
+    assert datasets["test"] is None and len(datasets["train"]) >= 300 and len(datasets["valid"]) >= 14
+
+    def documents(dataset) -> set[int]:
+        words = set()
+        for i in range(len(dataset)):
+            text = bytes(int(t) for t in _tokens(dataset, i) if t < 256).decode()
+            words |= {int(m) for m in re.findall(r"w(\d{3})", text)}
+        return words
+
+    assert documents(datasets["train"]) <= set(range(100)) and documents(datasets["valid"]) <= set(range(100, 200))
+    sample = datasets["train"][0]
+    assert len(sample["tokens"]) == len(sample["labels"]) == SEQ_LENGTH
+    assert list(sample["tokens"][1:]) == list(sample["labels"][:-1])  # labels are the tokens shifted by one
+
+
+def test_blend_draws_samples_in_proportion_to_the_weights(tmp_path) -> None:
+    """--data-path 0.3 A 0.7 B: of 1000 training samples, those made of A's text are 30%."""
+    a = _byte_docs(tmp_path, "a", ["a" * 200] * 50)
+    b = _byte_docs(tmp_path, "b", ["b" * 200] * 50)
+    blend = data.blend_from_data_path(["0.3", a, "0.7", b])
+    assert blend == ([a, b], [0.3, 0.7])
+    train = _datasets(["0.3", a, "0.7", b], "100,0,0", data.SampleCounts(1000, 0, 0), tmp_path)["train"]
+    from_a = sum(ord("a") in _tokens(train, i) for i in range(1000))
+    from_b = sum(ord("b") in _tokens(train, i) for i in range(1000))
+    assert from_a + from_b == 1000
+    # BlendedDataset assigns samples greedily to the dataset furthest below its share: exact to 1 sample.
+    assert abs(from_a - 300) <= 1, from_a
+
+
+def test_null_tokenizer_ids_are_below_vocab_size_and_eod_is_the_last(tmp_path) -> None:
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    tokenizer = build_tokenizer("NullTokenizer", vocab_size=10)
+    assert (tokenizer.vocab_size, tokenizer.eod) == (10, 9)
+    assert tokenizer.tokenize("3 1 4 1 5") == [3, 1, 4, 1, 5]
+    prefix = _preprocess(tmp_path, "null", ["3 1 4", "8 0"], "--tokenizer-type", "NullTokenizer", "--vocab-size", "10")
+    indexed = IndexedDataset(prefix)
+    assert [list(indexed[i]) for i in range(len(indexed))] == [[3, 1, 4, 9], [8, 0, 9]]
+    assert padded_vocab_size(10, 128, 2) == 256  # Megatron-LM pads to 128 * TP
+
+
+@pytest.mark.parametrize("text,message", [
+    ("3 10", "--input line 1: token id 10 is outside the vocabulary 0..9 (--vocab-size)."),
+    ("3 x", "--input line 1: NullTokenizer text must be integers separated by single spaces"),
+])
+def test_preprocess_rejects_bad_null_tokenizer_text(tmp_path, capsys, text: str, message: str) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        _preprocess(tmp_path, "bad", [text], "--tokenizer-type", "NullTokenizer", "--vocab-size", "10")
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("preprocess_data.py: error: ") and message in lines[0], lines
+
+
+def test_hugging_face_tokenizer_without_the_package_says_so(tmp_path, monkeypatch) -> None:
+    (tmp_path / "tokenizer.json").write_text("{}")
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # as when it is not installed
+    with pytest.raises(ValueError, match="needs the 'tokenizers' package, which is not installed"):
+        build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "tokenizer.json"))
+
+
+def test_hugging_face_tokenizer_reads_the_file_through_the_tokenizers_package(tmp_path, monkeypatch) -> None:
+    """A stand-in `tokenizers` module records what the adapter asks of it."""
+    opened = []
+
+    class Encoding:
+        def __init__(self, text: str) -> None:
+            self.ids = [len(word) for word in text.split()]
+
+    class Tokenizer:
+        @staticmethod
+        def from_file(path: str) -> "Tokenizer":
+            opened.append(path)
+            return Tokenizer()
+
+        def get_vocab(self, with_added_tokens: bool) -> dict:
+            return {"a": 0, "</s>": 7, "<|endoftext|>": 5}
+
+        def get_vocab_size(self, with_added_tokens: bool) -> int:
+            return 8
+
+        def encode(self, text: str, add_special_tokens: bool) -> Encoding:
+            assert add_special_tokens is False
+            return Encoding(text)
+
+    monkeypatch.setitem(sys.modules, "tokenizers", types.SimpleNamespace(Tokenizer=Tokenizer))
+    path = tmp_path / "tokenizer.json"
+    path.write_text("{}")
+    tokenizer = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(path))
+    assert opened == [str(path)]
+    assert (tokenizer.vocab_size, tokenizer.eod, tokenizer.pad) == (8, 5, -1)  # <|endoftext|> comes first
+    assert tokenizer.tokenize("ab c") == [2, 1]
+
+
+def test_validation_line_has_megatron_lms_format() -> None:
+    # Megatron-LM's evaluate_and_print_results, written out: ' validation loss at {prefix} | ' then
+    # '{key} value: {:.6E} | ' and '{key} PPL: {:.6E} | ' with PPL = exp(min(20, loss)).
+    line = evaluation.validation_line("iteration 100", 2.5)
+    assert line == f" validation loss at iteration 100 | lm loss value: {2.5:.6E} | lm loss PPL: {math.exp(2.5):.6E} | "
+    assert evaluation.validation_line("iteration 1", 50.0).endswith(f"PPL: {math.exp(20):.6E} | ")
+    rule, middle, rule_again = evaluation.validation_block("iteration 100", 2.5).split("\n")
+    assert middle == line and rule == rule_again == "-" * (len(line) + 1)
+
+
+def test_sample_counts_follow_megatron_lm() -> None:
+    # train_iters * gbs; (train_iters // eval_interval + 1) * eval_iters * gbs; eval_iters * gbs
+    assert data.SampleCounts.for_run(100, 8, 30, 5) == data.SampleCounts(800, 4 * 5 * 8, 5 * 8)
+
+
+# ------------------------------------------------------------------------------------------------
+# Flags: each wrong one exits with one line naming it (before any process group exists).
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def prefix(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("prefix")
+    return _byte_docs(folder, "docs", ["some text"] * 4)
+
+
+def _bad_flags(tmp_path: pathlib.Path, prefix: str) -> list[tuple[list[str], str]]:
+    text = tmp_path / "plain.txt"
+    text.write_text("just text\n")
+    tokenizer_json = tmp_path / "tokenizer.json"
+    tokenizer_json.write_text("{}")
+    byte = ["--tokenizer-type", "ByteLevelTokenizer"]
+    return [
+        (["--data-path", str(text), *byte], f"--data-path {text} is a plain file, not an indexed dataset prefix: "
+                                            "convert it first, e.g. `python tools/preprocess_data.py"),
+        (["--data-path", prefix + ".bin", *byte],
+         f"--data-path takes dataset prefixes without .bin/.idx: give {prefix}"),
+        (["--data-path", str(tmp_path / "none"), *byte], f"--data-path {tmp_path / 'none'}: no indexed dataset there"),
+        (["--data-path", "0.3", prefix, "-1", prefix, *byte],
+         "--data-path weights must be positive numbers; got '-1'."),
+        (["--data-path", "0.3", prefix, "0.7", *byte], "stands where a dataset prefix belongs"),
+        (["--data-path", prefix, *byte, "--mock-data"], "--data-path and --mock-data exclude each other"),
+        (["--data-path", prefix], "--data-path needs --tokenizer-type"),
+        (["--data-path", prefix, *byte, "--split", "90,x"], "--split takes up to three non-negative"),
+        (["--data-path", prefix, *byte, "--split", "0,1,1"], "its first proportion must be > 0"),
+        (["--data-path", prefix, *byte, "--vocab-size", "300"], "--vocab-size sets NullTokenizer's vocabulary"),
+        (["--data-path", prefix, "--tokenizer-type", "NullTokenizer"],
+         "--tokenizer-type NullTokenizer needs --vocab-size"),
+        (["--data-path", prefix, "--tokenizer-type", "HuggingFaceTokenizer"],
+         "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model PATH"),
+        (["--data-path", prefix, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tmp_path / "x")],
+         f"--tokenizer-model {tmp_path / 'x'}: no such file"),
+        (["--data-path", prefix, *byte, "--tokenizer-model", str(tokenizer_json)],
+         "--tokenizer-model is read by --tokenizer-type HuggingFaceTokenizer only"),
+        (["--data-path", prefix, *byte, "--make-vocab-size-divisible-by", "0"],
+         "--make-vocab-size-divisible-by must be >= 1"),
+        (["--tokenizer-type", "ByteLevelTokenizer"], "--tokenizer-type needs --data-path or --mock-data"),
+        (["--data-cache-path", str(tmp_path)], "--data-cache-path needs --data-path or --mock-data"),
+        (["--eval-interval", "0"], "--eval-interval must be >= 1; got 0."),
+        (["--eval-iters", "-1"], "--eval-iters must be >= 0 (0: no evaluation); got -1."),
+    ]
+
+
+def test_bad_data_tokenizer_and_eval_flags_exit_with_one_line(tmp_path, prefix, monkeypatch, capsys) -> None:
+    from scripts import pretrain_gpt
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    for argv, message in _bad_flags(tmp_path, prefix):
+        with pytest.raises(SystemExit) as exit_info:
+            pretrain_gpt.parse_args([*argv, "--lr", "1e-3"])
+        assert exit_info.value.code == 2, argv
+        lines = [line for line in capsys.readouterr().err.strip().splitlines() if "No CUDA runtime" not in line]
+        assert len(lines) == 1 and lines[0].startswith("pretrain_gpt.py: error: "), (argv, lines)
+        assert message in lines[0], (argv, lines)
+
+
+def test_good_data_flags_set_the_model_vocabulary(prefix, monkeypatch) -> None:
+    from scripts import pretrain_gpt
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cases = [
+        ([], 64),  # the generated task, --vocab-size default
+        (["--vocab-size", "100"], 100),  # the generated task is not padded
+        (["--data-path", prefix, "--tokenizer-type", "ByteLevelTokenizer"], 512),  # 257 -> 2 * 128 * 2
+        (["--data-path", "1", prefix, "2", prefix, "--tokenizer-type", "ByteLevelTokenizer",
+          "--make-vocab-size-divisible-by", "1"], 258),
+        (["--mock-data"], 256),  # NullTokenizer, vocabulary 64 -> padded
+        (["--mock-data", "--vocab-size", "1000"], 1024),
+    ]
+    for argv, vocab in cases:
+        _, settings, _ = pretrain_gpt.parse_args([*argv, "--tensor-model-parallel-size", "2", "--lr", "1e-3"])
+        assert settings.vocab_size == vocab, argv
+
+
+def test_mock_data_samples_are_the_sequences_megatron_core_generates(tmp_path) -> None:
+    """--mock-data: MockGPTDataset documents are 1, 2, 3, ... (mod vocab) then the eod id; the
+    trainer's [rows, seq + 1] tokens are GPTDataset's tokens plus the last label."""
+    tokenizer = build_tokenizer("NullTokenizer", vocab_size=64)
+    datasets = data.build_gpt_datasets(tokenizer, None, "99,1,0", SEQ_LENGTH, 1234, data.SampleCounts(40, 8, 0))
+    source = data.MegatronDatasets(datasets, tokenizer)
+    assert source.splits == ("train", "valid", "test")  # MockGPTDataset builds every split
+    rows = source.samples("train", 1, 16, slice(4, 8))  # samples 20..23 of the train split
+    assert rows.shape == (4, SEQ_LENGTH + 1)
+    for row, index in zip(rows, range(20, 24)):
+        sample = datasets["train"][index]
+        assert list(row[:-1]) == list(sample["tokens"]) and list(row[1:]) == list(sample["labels"])
+        # Within a mock document each token is the previous + 1 (mod 63 ids), else an eod boundary.
+        for previous, token in zip(row[:-1].tolist(), row[1:].tolist()):
+            assert token == (previous + 1) % 64 or 63 in (previous, token) or token == 1, row.tolist()
+
+
+def test_generated_task_validation_uses_its_own_seed_stream() -> None:
+    """The task has only 4 rules x 64 start tokens = 256 distinct sequences, so validation
+    measures the same distribution from batches drawn apart from training's, not unseen text."""
+    task = data.GeneratedTask(seed=1234, seq_length=16, vocab_size=64)
+    train = [task.samples("train", k, 8, slice(0, 8)) for k in range(50)]
+    valid = [task.samples("valid", k, 8, slice(0, 8)) for k in range(3)]
+    # Training batch k is the stream the trainer has always used for iteration k + 1.
+    generator = torch.Generator().manual_seed(data.SEED_STRIDE * 1234 + 1)
+    assert torch.equal(train[0], data.rule_batch(8, 17, 64, generator))
+    assert not any(torch.equal(v, t) for v in valid for t in train)
+    assert torch.equal(task.samples("valid", 1, 8, slice(2, 5)), valid[1][2:5])  # rows of the same batch
