@@ -65,8 +65,8 @@ class Evaluator:
 
     `rank_samples(split, batch_index)` gives this data-parallel rank's micro-batches of that
     split's global batch; `loss_fn(model, tokens)` the mean per-token loss of a micro-batch.
-    `results` keeps every evaluation (split, iteration, loss) for other loggers (TensorBoard's
-    'lm loss validation').
+    `on_result(result)` sees every evaluation (split, iteration, loss), e.g. for TensorBoard's
+    'lm loss validation'.
     """
 
     def __init__(self, args: argparse.Namespace, splits: tuple, rank_samples: Callable, loss_fn: Callable,
@@ -74,8 +74,7 @@ class Evaluator:
                  on_result: Optional[Callable[["EvalResult"], None]] = None) -> None:
         self.args, self.splits, self.rank_samples, self.loss_fn = args, splits, rank_samples, loss_fn
         self.dp_group, self.is_first_rank, self.print_line = dp_group, is_first_rank, print_line
-        self.on_result = on_result  # e.g. the TensorBoard validation scalars
-        self.results: list[EvalResult] = []
+        self.on_result = on_result
 
     def periodic(self, model, iteration: int) -> Optional[EvalResult]:
         """Validation at every --eval-interval-th iteration."""
@@ -100,7 +99,6 @@ class Evaluator:
     def _run(self, model, split: str, slot: int, iteration: int, label: str) -> EvalResult:
         loss = evaluate(model, self.loss_fn, self.rank_samples, split, slot, self.args.eval_iters, self.dp_group)
         result = EvalResult(split, iteration, loss)
-        self.results.append(result)
         if self.is_first_rank:
             self.print_line(validation_block(label, loss))
         if self.on_result is not None:
