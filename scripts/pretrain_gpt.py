@@ -92,7 +92,10 @@ OTHER_RANKS_WAIT_S = 60.0
 
 
 def is_rank_zero() -> bool:
-    """From torchrun's environment, so it holds before any process group exists."""
+    """From torchrun's environment, so it holds before any process group exists (or from the
+    process group a caller already made, see `main`)."""
+    if dist.is_initialized():
+        return dist.get_rank() == 0
     return int(os.environ.get("RANK", "0")) == 0
 
 
@@ -227,7 +230,10 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, GP
 
 
 def _layout(args: argparse.Namespace) -> Layout:
-    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    if dist.is_initialized():  # a caller's process group (see `main`)
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+    else:
+        world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     tp = args.tensor_model_parallel_size
     if tp < 1 or world_size % tp:
         raise ValueError(f"--tensor-model-parallel-size {tp} must divide the world size ({world_size}).")
@@ -379,7 +385,10 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
 
 
 def init_distributed(layout: Layout) -> torch.device:
-    """One process group over every rank: NCCL on CUDA (cuda:LOCAL_RANK), gloo on CPU."""
+    """One process group over every rank: NCCL on CUDA (cuda:LOCAL_RANK), gloo on CPU. A process
+    group that already exists (a caller's, see `main`) is used as it is."""
+    if dist.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     if "MASTER_ADDR" not in os.environ:  # plain `python`: a one-process group on a free port
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
@@ -532,7 +541,14 @@ def describe_model(model: torch.nn.Module) -> str:
     return f"model: {sum(p.numel() for p in params):,} parameters on rank 0, {params[0].dtype}"
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: Optional[list[str]] = None) -> list[dict]:
+    """Train as the flags say; returns the logged records (every rank keeps them).
+
+    Called with torch.distributed already initialised (tests run many configurations in one set
+    of worker processes this way), the job is that whole process group, which is left
+    initialised at the end; otherwise the process group is made here and destroyed at the end.
+    """
+    owns_process_group = not dist.is_initialized()
     args, settings, layout = parse_args(argv)
     device = init_distributed(layout)
     initialize_model_parallel(layout.tp, args.seed)
@@ -552,7 +568,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         exit_with_error(str(error))
     finally:
         destroy_model_parallel()
-        dist.destroy_process_group()
+        if owns_process_group:
+            dist.destroy_process_group()
+    return records
 
 
 if __name__ == "__main__":

@@ -1,0 +1,22 @@
+"""scripts/pretrain_gpt.py's `main` run in the harness's workers (tests/pretrain_gpt_in_process.py):
+it uses the process group it finds and leaves it usable, so one world runs several command lines.
+Compared with itself across layouts: TP=2 (one world) equals TP=1 (another), to 1e-5 relative."""
+
+import pytest
+
+from tests.pretrain_gpt_in_process import run_pretrain_gpt
+
+ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "5", "--lr", "1e-2",
+        "--log-interval", "1", "--eval-iters", "0", "--optimizer", "muon", "--use-distributed-optimizer",
+        "--muon-fp32-matmul-prec", "highest"]
+
+
+def test_main_reuses_the_callers_process_group(run_distributed):
+    single = run_distributed(run_pretrain_gpt, 1, args=(ARGV,))[0]
+    tensor_parallel = run_distributed(run_pretrain_gpt, 2, args=(ARGV + ["--tensor-model-parallel-size", "2"],))
+    data_parallel = run_distributed(run_pretrain_gpt, 2, args=(ARGV,))  # the same world, reused
+    losses = [r["loss"] for r in single]
+    assert len(losses) == 5 and losses[-1] < losses[0]
+    for records in (*tensor_parallel, *data_parallel):
+        assert [r["loss"] for r in records] == pytest.approx(losses, rel=1e-5)
