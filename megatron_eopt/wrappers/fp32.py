@@ -94,8 +94,10 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
         return param
 
     def _prepare_main_grads(self) -> None:
-        for param in self.model_params:
-            if hasattr(param, "main_grad"):
+        """DDP's fp32 `main_grad` becomes the gradient of the parameters stepped in place (a
+        16-bit parameter cannot take an fp32 `.grad`; its fp32 main copy gets it instead)."""
+        for param, main in zip(self.model_params, self.main_params):
+            if param is main and hasattr(param, "main_grad"):
                 param.grad = param.main_grad
 
     def _copy_main_params_to_model(self) -> None:

@@ -143,6 +143,22 @@ def test_reads_megatron_main_grad() -> None:
     assert_all_equal(params_of(ours), params_of(reference))
 
 
+def test_bf16_model_reads_megatron_main_grad() -> None:
+    """A bf16 model under megatron-core's DDP: fp32 main_grad on bf16 parameters (torch refuses
+    an fp32 .grad on them); the fp32 main copies step as torch's AdamW on fp32 parameters."""
+    ours = make_model(torch.bfloat16)
+    reference = make_model()
+    reference.load_state_dict({k: v.float() for k, v in ours.state_dict().items()})
+    optimizer = get_megatron_optimizer(OptimizerConfig(**ADAM, bf16=True), ours, config_overrides={})
+    torch_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)
+    for grads in gradient_sequence(ours, steps=2):
+        set_grads(ours, grads, attribute="main_grad")
+        set_grads(reference, grads)
+        assert optimizer.step()[0]
+        torch_optimizer.step()
+    assert_all_equal([m.detach() for m in optimizer.chained_optimizers[0].main_params], params_of(reference))
+
+
 def snapshot(optimizer: ChainedOptimizer, model: torch.nn.Module) -> list[torch.Tensor]:
     state = [t.clone() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
     return params_of(model) + state
