@@ -106,6 +106,32 @@ def _dataset_config(args: Any) -> Any:
     )
 
 
+def use_prebuilt_dataset_helpers() -> None:
+    """Megatron-LM's initialisation runs `make` in megatron/core/datasets to build the C++ dataset
+    helpers, as in a source checkout; the megatron-core wheel ships them built and without the
+    Makefile, so that `make` fails and Megatron-LM exits. Skip the build when the built module
+    is there (a source checkout without it still builds)."""
+    import importlib.util
+
+    import megatron.core.datasets.utils as dataset_utils
+
+    if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is not None:
+        dataset_utils.compile_helpers = lambda: None
+
+
+def add_script_args(parser: Any) -> Any:
+    """Our optimizer flags, plus this script's switch for comparing with megatron-core's own."""
+    from megatron_eopt.integrations import megatron_lm
+
+    megatron_lm.add_megatron_eopt_args(parser)
+    parser.add_argument(
+        "--megatron-core-optimizer", action="store_true",
+        help="build megatron-core's own optimizer instead of megatron_eopt's (for comparisons: "
+        "same model, data and loop; flags only megatron_eopt knows are then refused by megatron-core)",
+    )
+    return parser
+
+
 def main() -> None:
     if not torch.cuda.is_available():  # before the ~20 s import of Megatron-LM
         print(NO_CUDA_MESSAGE, file=sys.stderr)
@@ -117,8 +143,10 @@ def main() -> None:
 
     from megatron_eopt.integrations import megatron_lm
 
-    megatron_lm.install()
-    args = parse_and_validate_args(extra_args_provider=megatron_lm.add_megatron_eopt_args)
+    args = parse_and_validate_args(extra_args_provider=add_script_args)
+    use_prebuilt_dataset_helpers()
+    if not args.megatron_core_optimizer:
+        megatron_lm.install()
     config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
     pretrain(config, datasets_provider, ModelType.encoder_or_decoder, forward_step)
 
