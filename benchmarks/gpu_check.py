@@ -8,7 +8,12 @@
    2-D weights of a GPT of --hidden and --layers (optimizer_step.py);
 4. a whole scripts/pretrain_gpt.py iteration (bf16, world size 1; Transformer Engine layers when
    installed), Muon with the layer-wise distributed optimizer / Adam: the median of the
-   per-iteration times it logs, after --pretrain-warmup iterations.
+   per-iteration times it logs, after --pretrain-warmup iterations;
+5. Megatron-LM's own `pretrain()` (scripts/pretrain_gpt_megatron_lm.py, mock data, bf16, one GPU)
+   for --megatron-lm-iters iterations with megatron-core's optimizer and with ours, same seed:
+   Adam's losses equal within 1e-3 relative, Muon's within 1e-2; the iteration-time ratio; and
+   ours saved halfway through Megatron-LM's checkpointing (torch_dist, our sharded_state_dict),
+   loaded by a new run that must log the losses of the uninterrupted one.
 Writes gpu_check.json and gpu_check.md to --out (default benchmarks/results/).
 
 Without CUDA (or with --dry-run) nothing is timed: it builds what each check would run (the
@@ -16,7 +21,7 @@ models and optimizers of 3, the block shapes of 2, the pretrain_gpt flags of 4 t
 parser) and records every check as skipped with the reason, so the command and its outputs can
 be checked anywhere.
 
-    python benchmarks/gpu_check.py [--out DIR] [--dry-run] [--hidden 4096] [--layers 2]
+    python benchmarks/gpu_check.py [--out DIR] [--dry-run] [--hidden 4096] [--layers 2] [--checks ...]
 """
 
 import argparse
@@ -24,6 +29,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -132,20 +138,24 @@ def optimizer_steps(args, shape: GptShape, skip: Optional[str]) -> dict:
 # ------------------------------------------------------------------------------------------------
 
 
-def pretrain_flags(args, optimizer_flags: list[str], metrics: str) -> list[str]:
+def pretrain_flags(args, optimizer_flags: list[str], global_batch: int, metrics: str) -> list[str]:
     return ["--num-layers", str(args.layers), "--hidden-size", str(args.hidden),
             "--num-attention-heads", str(args.heads), "--group-query-attention", "--num-query-groups", str(args.groups), "--swiglu",
             "--seq-length", str(args.seq_length), "--micro-batch-size", str(args.micro_batch_size),
+            "--global-batch-size", str(global_batch),
             "--train-iters", str(args.pretrain_warmup + args.repeats), "--log-interval", "1",
             "--bf16", "--lr", "3e-4", "--metrics-jsonl", metrics, *optimizer_flags]
 
 
 def pretrain_iterations(args, skip: Optional[str], directory: str) -> dict:
+    """Muon's extra work per iteration is fixed (Newton-Schulz on every matrix) while the model's
+    grows with the tokens, so the ratio is measured at each --pretrain-global-batch-sizes."""
     check = f"pretrain_gpt iteration, Muon layer-wise / AdamW (world size 1, hidden {args.hidden}, {args.layers} layers)"
-    flags = {name: pretrain_flags(args, opt, os.path.join(directory, f"{name}.jsonl"))
-             for name, opt in PRETRAIN_RUNS.items()}
+    flags = {f"{name}@{batch}": pretrain_flags(args, opt, batch, os.path.join(directory, f"{name}_{batch}.jsonl"))
+             for batch in args.pretrain_global_batch_sizes for name, opt in PRETRAIN_RUNS.items()}
     te = importlib.util.find_spec("transformer_engine") is not None
-    built = {"flags": {name: " ".join(f) for name, f in flags.items()}, "transformer_engine": te}
+    built = {"flags": {name: " ".join(f) for name, f in flags.items()}, "transformer_engine": te,
+             "tokens_per_iteration": {b: b * args.seq_length for b in args.pretrain_global_batch_sizes}}
     if skip:
         from scripts.pretrain_gpt import parse_args  # checks every flag as a run would, builds nothing
 
@@ -160,8 +170,8 @@ def pretrain_iterations(args, skip: Optional[str], directory: str) -> dict:
             return {"check": check, "status": "failed", **built, "failed_run": name,
                     "output_tail": (result.stdout + result.stderr)[-4000:]}
         iteration_ms[name] = median_iteration_ms(argv[argv.index("--metrics-jsonl") + 1], args.pretrain_warmup)
-    return {"check": check, "status": "ran", **built, "iteration_ms": iteration_ms,
-            "ratio": iteration_ms["muon_layer_wise"] / iteration_ms["adamw"]}
+    ratio = {b: iteration_ms[f"muon_layer_wise@{b}"] / iteration_ms[f"adamw@{b}"] for b in args.pretrain_global_batch_sizes}
+    return {"check": check, "status": "ran", **built, "iteration_ms": iteration_ms, "ratio": ratio}
 
 
 def median_iteration_ms(metrics: str, warmup: int) -> float:
@@ -174,6 +184,139 @@ def median_iteration_ms(metrics: str, warmup: int) -> float:
 
 
 # ------------------------------------------------------------------------------------------------
+# 5. Megatron-LM's pretrain() with megatron-core's optimizer and with ours
+# ------------------------------------------------------------------------------------------------
+
+MEGATRON_LM_SCRIPT = os.path.join(ROOT, "scripts", "pretrain_gpt_megatron_lm.py")
+MEGATRON_LM_OPTIMIZERS = {"adam": ["--optimizer", "adam", "--lr", "3e-4"],
+                          "muon": ["--optimizer", "muon", "--lr", "3e-3"]}
+# Relative loss tolerance, ours against megatron-core's, per optimizer (issue 17): the same Adam
+# up to kernel order; Muon's bf16 Newton-Schulz differs in how blocks are batched.
+MEGATRON_LM_TOLERANCE = {"adam": 1e-3, "muon": 1e-2}
+MEGATRON_LM_LINE = re.compile(r"iteration +(\d+)/ *\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+) \|"
+                              r".*?lm loss: ([-+\d.Ee]+) \|")
+
+
+def megatron_lm_flags(args) -> list[str]:
+    """A GPT Megatron-LM builds without Transformer Engine or apex (local layers, unfused kernels).
+
+    RoPE, not a learned position table: megatron-core gives Muon every 2-D parameter not tagged
+    `is_embedding_or_output_parameter`, and megatron-core's GPT tags the word embeddings but not
+    the learned position table, whereas we give that table to the scalar optimizer (a lookup
+    table, like the word embeddings). With a learned table the two optimizers differ by design.
+    """
+    return ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16",
+            "--position-embedding-type", "rope",
+            "--seq-length", "1024", "--max-position-embeddings", "1024", "--micro-batch-size", "4",
+            "--global-batch-size", "16", "--train-iters", str(args.megatron_lm_iters), "--lr-warmup-iters", "5",
+            "--bf16", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "8192",
+            "--seed", "1234", "--log-interval", "1", "--eval-interval", str(10 * args.megatron_lm_iters),
+            "--eval-iters", "1", "--transformer-impl", "local", "--no-gradient-accumulation-fusion",
+            "--no-masked-softmax-fusion", "--no-rope-fusion", "--no-persist-layer-norm"]
+
+
+def megatron_lm_log(text: str) -> dict[int, tuple[float, float]]:
+    """{iteration: (elapsed ms, lm loss)} from Megatron-LM's iteration lines."""
+    return {int(m[1]): (float(m[2]), float(m[3])) for m in MEGATRON_LM_LINE.finditer(text)}
+
+
+def run_megatron_lm(argv: list[str]) -> tuple[Optional[dict], str]:
+    command = ["torchrun", "--nproc-per-node", "1", "--master-port", str(free_port()), MEGATRON_LM_SCRIPT, *argv]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    output = result.stdout + result.stderr
+    return (megatron_lm_log(output) if result.returncode == 0 else None), output
+
+
+def parse_megatron_lm_flags(runs) -> None:
+    """Each run's flags through Megatron-LM's own parser plus the script's (no CUDA needed)."""
+    from megatron.training.arguments import add_megatron_arguments
+
+    from scripts.pretrain_gpt_megatron_lm import add_script_args
+
+    parser = add_script_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+    for argv in runs:
+        parser.parse_args(argv)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def max_relative_difference(a: dict, b: dict) -> float:
+    """Largest |a - b| / |b| of the losses over a's iterations (b has them all)."""
+    return max(abs(a[i][1] - b[i][1]) / abs(b[i][1]) for i in a)
+
+
+def megatron_lm_runs(args, skip: Optional[str], directory: str) -> dict:
+    check = f"Megatron-LM pretrain(), ours / megatron-core's optimizer ({args.megatron_lm_iters} iterations, bf16)"
+    base = megatron_lm_flags(args)
+    runs = {f"{name}_{side}": base + flags + ([] if side == "ours" else ["--megatron-core-optimizer"])
+            for name, flags in MEGATRON_LM_OPTIMIZERS.items() for side in ("ours", "core")}
+    half = args.megatron_lm_iters // 2
+    for name, flags in MEGATRON_LM_OPTIMIZERS.items():  # ours saves half-way; a new run resumes there
+        checkpoint = os.path.join(directory, f"megatron_lm_{name}")
+        runs[f"{name}_ours"] += ["--save", checkpoint, "--save-interval", str(half)]
+        runs[f"{name}_resumed"] = base + flags + ["--load", checkpoint, "--ckpt-step", str(half)]
+    built = {"flags": {name: " ".join(argv) for name, argv in runs.items()}, "tolerance": MEGATRON_LM_TOLERANCE}
+    if skip:
+        parse_megatron_lm_flags(runs.values())
+        return skipped(check, skip, **built)
+    logs = {}
+    for name, argv in runs.items():
+        logs[name], output = run_megatron_lm(argv)
+        with open(os.path.join(args.out, f"megatron_lm_{name}.log"), "w") as f:
+            f.write(output)
+        if not logs[name] or (not name.endswith("_resumed") and len(logs[name]) < args.megatron_lm_iters):
+            return {"check": check, "status": "failed", **built, "failed_run": name, "output_tail": output[-6000:]}
+    return {"check": check, **built, **compare_megatron_lm(logs, half)}
+
+
+# Megatron-LM logs losses with 7 significant digits ('{:.6E}'): equal runs agree to this.
+LOG_PRECISION = 2e-6
+
+
+def compare_megatron_lm(logs: dict, half: int) -> dict:
+    """Loss differences per optimizer, iteration-time ratios (median after 5 iterations), resume."""
+    result = {"losses": {name: [loss for _, (_, loss) in sorted(log.items())] for name, log in logs.items()},
+              "loss_relative_difference": {}, "iteration_ms": {}, "ratio": {}, "resume_relative_difference": {}}
+    failures = []
+    for name, tolerance in MEGATRON_LM_TOLERANCE.items():
+        ours, core = logs[f"{name}_ours"], logs[f"{name}_core"]
+        difference = max_relative_difference(ours, core)
+        result["loss_relative_difference"][name] = difference
+        if not difference <= tolerance:
+            failures.append(f"{name}: losses differ by {difference:.2e} relative (> {tolerance:g})")
+        ms = {side: statistics.median(t for i, (t, _) in logs[f"{name}_{side}"].items() if i > 5)
+              for side in ("ours", "core")}
+        result["iteration_ms"][name] = ms
+        result["ratio"][name] = ms["ours"] / ms["core"]
+        resumed = logs[f"{name}_resumed"]
+        if sorted(resumed) != [i for i in sorted(ours) if i > half]:
+            failures.append(f"{name}: the resumed run logged iterations {sorted(resumed)}, not {half + 1}..{max(ours)}")
+            continue
+        difference = max_relative_difference(resumed, as_logged_after_restart(ours, half))
+        result["resume_relative_difference"][name] = difference
+        if not difference <= LOG_PRECISION:
+            failures.append(f"{name}: resumed losses differ by {difference:.2e} relative (> {LOG_PRECISION:g})")
+    return {"status": "failed" if failures else "ran", "failures": failures, **result}
+
+
+def as_logged_after_restart(log: dict, start: int) -> dict:
+    """What a run started after iteration `start` logs for the same iterations: Megatron-LM logs
+    a run's first iteration without resetting its averages, so the second one's `lm loss` is the
+    mean of the first two (training_log's `should_reset`)."""
+    logged = dict(log)
+    first, second = start + 1, start + 2
+    if second in log:
+        logged[second] = (log[second][0], (log[first][1] + log[second][1]) / 2)
+    return logged
+
+
+# ------------------------------------------------------------------------------------------------
 # Report
 # ------------------------------------------------------------------------------------------------
 
@@ -182,7 +325,7 @@ def value_of(row: dict) -> str:
     if row["status"] == "skipped":
         return f"skipped: {row['reason']}"
     if row["status"] == "failed":
-        return "FAILED"
+        return "FAILED: " + "; ".join(row.get("failures") or [row.get("failed_run", "see the JSON")])
     if "summary" in row:
         return row["summary"]
     if "newton_schulz_tflops" in row:
@@ -190,8 +333,15 @@ def value_of(row: dict) -> str:
     if "step_ms" in row:
         a, b = (row["step_ms"][r] for r in STEP_ROWS)
         return f"{a:.2f} ms / {b:.2f} ms, paired median ratio {row['ratio']:.2f}"
-    a, b = row["iteration_ms"]["muon_layer_wise"], row["iteration_ms"]["adamw"]
-    return f"{a:.1f} ms / {b:.1f} ms = {row['ratio']:.2f}"
+    if "loss_relative_difference" in row:
+        return "; ".join(f"{name}: loss rel. diff {row['loss_relative_difference'][name]:.1e}, "
+                         f"{ms['ours']:.1f} / {ms['core']:.1f} ms = {row['ratio'][name]:.2f}"
+                         for name, ms in row["iteration_ms"].items()) + \
+            "; resumed at half-way, loss rel. diff: " + ", ".join(
+                f"{name} {d:.1e}" for name, d in row["resume_relative_difference"].items())
+    return "; ".join(f"global batch {b} ({row['tokens_per_iteration'][b]} tokens): "
+                     f"{row['iteration_ms'][f'muon_layer_wise@{b}']:.1f} ms / {row['iteration_ms'][f'adamw@{b}']:.1f} ms = {r:.2f}"
+                     for b, r in row["ratio"].items())
 
 
 def cpu_name() -> str:
@@ -215,6 +365,16 @@ def markdown(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+CHECKS = {  # name -> the rows it adds
+    "tests": lambda args, shape, skip, directory: [gpu_tests(skip)],
+    "newton_schulz": lambda args, shape, skip, directory: [newton_schulz(args, shape, "medium", skip),
+                                                           newton_schulz(args, shape, "highest", skip)],
+    "step": lambda args, shape, skip, directory: [optimizer_steps(args, shape, skip)],
+    "pretrain": lambda args, shape, skip, directory: [pretrain_iterations(args, skip, directory)],
+    "megatron_lm": lambda args, shape, skip, directory: [megatron_lm_runs(args, skip, directory)],
+}
+
+
 def main(argv: Optional[list[str]] = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.path.join(HERE, "results"), help="folder for gpu_check.json and .md")
@@ -227,10 +387,17 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--seq-length", type=int, default=1024, help="pretrain_gpt")
     parser.add_argument("--micro-batch-size", type=int, default=4, help="pretrain_gpt")
     parser.add_argument("--pretrain-warmup", type=int, default=3, help="pretrain_gpt iterations left out")
+    parser.add_argument("--pretrain-global-batch-sizes", type=int, nargs="+", default=[4, 64],
+                        help="pretrain_gpt global batch sizes (gradient accumulation over --micro-batch-size)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--megatron-lm-iters", type=int, default=50, help="Megatron-LM pretrain() iterations")
+    parser.add_argument("--checks", nargs="+", choices=list(CHECKS), default=list(CHECKS),
+                        help="run only these checks (default: all)")
     args = parser.parse_args(argv)
-    for name in ("hidden", "layers", "heads", "groups", "reference_size", "repeats"):
+    if args.megatron_lm_iters < 10:
+        parser.error(f"--megatron-lm-iters must be >= 10 (timed after 5, saved half-way); got {args.megatron_lm_iters}.")
+    for name in ("hidden", "layers", "heads", "groups", "reference_size", "repeats", "megatron_lm_iters"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}.")
     shape = GptShape(args.hidden, args.layers, args.heads, args.groups)
@@ -238,9 +405,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     device = torch.cuda.get_device_name() if skip is None else f"cpu ({cpu_name()})"
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as directory:
-        checks = [gpu_tests(skip), newton_schulz(args, shape, "medium", skip),
-                  newton_schulz(args, shape, "highest", skip), optimizer_steps(args, shape, skip),
-                  pretrain_iterations(args, skip, directory)]
+        checks = [row for name in args.checks for row in CHECKS[name](args, shape, skip, directory)]
     record = {"dry_run": skip is not None, "skip_reason": skip, "device": device, "torch": torch.__version__,
               "native_bf16_matmul": native_bf16_matmul(torch.device("cpu" if skip else "cuda")),
               "transformer_engine": importlib.util.find_spec("transformer_engine") is not None,
