@@ -12,6 +12,10 @@ successful update each child scales the q/k rows of the `linear_qkv` weights (an
 steps in its fp32 main copies (ops/qk_clip.py), before they are copied to the model; with the
 layer-wise optimizer only the owner does, and its broadcast brings the result to the other
 ranks. So the next step starts from the clipped main copy, never a stale one.
+
+Nothing here reads the device from the host during the step: every layer's scales stay on the
+device (exactly 1 for groups under the threshold, which leaves their rows bitwise unchanged),
+and `max_attention_logit` is read back only when someone asks for it (the trainer's log line).
 """
 
 import contextlib
@@ -153,8 +157,16 @@ class QKClip:
                  mp_group: Optional[ProcessGroup], device: torch.device) -> None:
         self.settings, self.layers = settings, layers
         self.dp_cp_group, self.mp_group, self.device = dp_cp_group, mp_group, device
-        self.max_attention_logit: Optional[float] = None
+        self._largest: Optional[torch.Tensor] = None  # this step's largest logit, on the device
         self._pending: dict[str, tuple[QKVRows, torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def max_attention_logit(self) -> Optional[float]:
+        """The largest attention logit of the model at the last step (None before any forward)."""
+        if self._largest is None:
+            return None
+        value = self._largest.item()
+        return value if math.isfinite(value) else None
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
@@ -178,8 +190,7 @@ class QKClip:
         _all_reduce_max(maxima, self.dp_cp_group)
         largest = maxima.max().reshape(1)
         _all_reduce_max(largest, self.mp_group)
-        value = largest.item()
-        self.max_attention_logit = value if math.isfinite(value) else None
+        self._largest = largest
         if self.settings.qk_clip:
             self._pending = self._scales(maxima.split([layer.rows.heads for layer in self.layers]))
 
@@ -195,8 +206,6 @@ class QKClip:
         pending = {}
         for layer, layer_max in zip(self.layers, maxima):
             group_max = group_max_logits(layer_max, layer.rows)
-            if not bool((group_max > self.settings.qk_clip_threshold).any()):
-                continue
             q_scale, k_scale = clip_scales(group_max, self.settings.qk_clip_threshold, self.settings.qk_clip_alpha)
             for fqn in layer.fqns:
                 pending[fqn] = (dataclasses.replace(layer.rows, name=fqn), q_scale, k_scale)

@@ -11,6 +11,7 @@ captured linear_qkv input and the weights after the step, never through the mode
 - bf16 with fp32 main copies: the clipped main copy survives the next step.
 """
 
+import contextlib
 import math
 
 import pytest
@@ -394,3 +395,36 @@ def test_off_by_default_settings_from_the_model_and_clear_errors(run_distributed
     assert "qk_clip_threshold is 20.0 in the OptimizerConfig but 30.0 in the model's TransformerConfig" in result["errors"]["disagree"]
     settings, logged = result["from_model"]
     assert settings == QKClipSettings(log_max_attention_logit=True) and logged > 0.0
+
+
+def _host_syncs_body(rank: int, world_size: int) -> dict:
+    from tests.unit.test_host_syncs import counted_read_backs, host_step_counters
+
+    initialize_model_parallel(1, seed=SEED)
+    try:
+        model = build_gpt_model(GQA)
+        boost_qk(model, GQA)
+        config = OptimizerConfig(optimizer="muon", lr=1e-3, qk_clip=True, qk_clip_threshold=4.0)
+        opt = get_megatron_optimizer(config, [model], pg_collection=ParallelGroups.single_process())
+        counts = None
+        for step in range(2):  # the first creates the optimizer state
+            opt.zero_grad()
+            gpt_loss(model, tokens(GQA)).backward()
+            with counted_read_backs(host_step_counters(opt)) if step else contextlib.nullcontext() as counted:
+                ok = opt.step()[0]
+            counts = dict(counted) if step else counts
+            assert ok
+        return {"counts": counts, "logged": opt.max_attention_logit}
+    finally:
+        destroy_model_parallel()
+
+
+def test_clipping_step_reads_back_at_most_twice(run_distributed) -> None:
+    """With clipping active every step, the step still waits for the device at most twice
+    (tests/unit/test_host_syncs.py): the scales stay on the device, the logged maximum is read
+    only when asked for."""
+    from tests.unit.test_host_syncs import MAX_SYNCS_PER_STEP
+
+    result = run_distributed(_host_syncs_body, world_size=1)[0]
+    assert result["logged"] > 4.0  # the step clipped
+    assert sum(result["counts"].values()) <= MAX_SYNCS_PER_STEP, result["counts"]
