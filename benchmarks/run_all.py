@@ -36,6 +36,7 @@ BENCHMARKS = {
     "layer_wise": TORCHRUN + ["--nproc-per-node", "2", "layer_wise_vs_replicated.py"],
     "tp_modes": TORCHRUN + ["--nproc-per-node", "2", "tp_modes.py"],
     "memory": TORCHRUN + ["--nproc-per-node", "4", "memory.py"],
+    "moe_experts": PYTHON + ["moe_experts.py", "--repeats", "3"],
 }
 GPU_BENCHMARKS = {  # bf16 (fp32_matmul_prec 'medium', the library defaults on GPUs)
     "gpu_step": PYTHON + ["optimizer_step.py", "--device", "cuda", "--hidden", "4096", "--layers", "4",
@@ -81,6 +82,8 @@ TARGETS = [
     ("Sharded TP=2 / duplicated TP=2 step", "tp_modes", ("ratio_to_duplicated", "sharded"), 0.6, "max"),
     ("Layer-wise DP=4 / replicated state per rank", "memory",
      ("rows", "layer-wise muon DP=4", "ratio_to_replicated_muon"), 0.3, "max"),
+    ("MoE, 64 experts 256x704 SwiGLU: batched / one Newton-Schulz call per matrix", "moe_experts",
+     ("ratios", "batched / per_matrix"), 0.5, "max"),
 ]
 INFO = [
     ("Note (not a target): each library's defaults, ours / megatron-core", "step_defaults",
@@ -92,6 +95,8 @@ INFO = [
     ("Distributed TP=2 / duplicated TP=2 step", "tp_modes", ("ratio_to_duplicated", "distributed")),
     ("Layer-wise DP=2 / replicated state per rank", "memory",
      ("rows", "layer-wise muon DP=2", "ratio_to_replicated_muon")),
+    ("MoE experts: batched / megatron-core TensorParallelMuon step (fc1 whole there)", "moe_experts",
+     ("ratios", "batched / mcore_muon")),
 ]
 
 
