@@ -22,9 +22,10 @@ def losses(records):
     return [r["loss"] for r in records]
 
 
-def test_fp16_learns_and_backs_off_after_an_overflow(run_distributed):
+@pytest.mark.parametrize("accumulation", [[], ["--accumulate-allreduce-grads-in-fp32"]], ids=["fp16-grads", "fp32-main-grad"])
+def test_fp16_learns_and_backs_off_after_an_overflow(accumulation, run_distributed):
     overflow_at = 4
-    records = run_distributed(run_pretrain_gpt_with_overflow, 1, args=(ARGV + FP16, overflow_at))[0]
+    records = run_distributed(run_pretrain_gpt_with_overflow, 1, args=(ARGV + FP16 + accumulation, overflow_at))[0]
     fp32 = run_distributed(run_pretrain_gpt, 1, args=(ARGV,))[0]
     # Before the overflow the fp16 run follows the fp32 one; the grad norm is the unscaled one
     # (a loss not multiplied by the scale would report it 4096 times too small).
