@@ -271,6 +271,7 @@ class GPTModelSettings:
     max_position_embeddings: int | None = None  # None: seq_length
     vocab_size: int = 128
     bf16: bool = False  # bf16 parameters (megatron's --bf16); fp32 otherwise
+    fp16: bool = False  # fp16 parameters (megatron's --fp16)
     add_bias_linear: bool = False
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
     position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute"
@@ -312,6 +313,8 @@ class GPTModelSettings:
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise SettingsError(f"{{{name}}} must be in [0, 1)", **{name: getattr(self, name)})
+        if self.bf16 and self.fp16:
+            raise SettingsError("{bf16} and {fp16} exclude each other", bf16=True, fp16=True)
         if not (math.isfinite(self.init_method_std) and self.init_method_std > 0.0):
             raise SettingsError("{init_method_std} must be a finite number > 0", init_method_std=self.init_method_std)
 
@@ -327,7 +330,9 @@ class GPTModelSettings:
 
     @property
     def params_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.bf16 else torch.float32
+        if self.bf16:
+            return torch.bfloat16
+        return torch.float16 if self.fp16 else torch.float32
 
     def check_tensor_parallel(self, tp: int) -> None:
         """Raise SettingsError (a ValueError) if the model cannot be split over ``tp`` ranks."""
@@ -401,6 +406,7 @@ def build_gpt_model(
         attention_dropout=settings.attention_dropout,
         init_method_std=settings.init_method_std,
         bf16=settings.bf16,
+        fp16=settings.fp16,
         params_dtype=settings.params_dtype,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         # On CPU there is no other way: megatron's GPU initialisation calls CUDA.

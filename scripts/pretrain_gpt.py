@@ -8,8 +8,12 @@
 CUDA. Each iteration's global batch is drawn from `--seed` and the iteration number and each
 data-parallel rank trains on its slice of it, so every TP/DP layout sees the same global batch.
 Gradients are averaged over data-parallel ranks by the layer-wise optimizer when it is on
-(`layer_wise_reduce_grads`), else by an all-reduce here; the step scales each micro-batch's loss
-by 1 / (gradient-accumulation steps), so the update follows the global-batch mean loss.
+(`layer_wise_reduce_grads`), else here in buckets (scripts/grad_reduction.py); the step scales
+each micro-batch's loss by 1 / (gradient-accumulation steps), so the update follows the
+global-batch mean loss. `--fp16` trains an fp16 model whose loss is multiplied by the optimizer's
+loss scale (dynamic unless `--loss-scale`): an overflow skips the step and backs the scale off.
+`--bf16` trains a bf16 model whose gradients are summed over micro-batches and all-reduced in fp32
+(`param.main_grad`, Megatron-LM's `--accumulate-allreduce-grads-in-fp32`, implied by `--bf16`).
 
 Data (scripts/data.py): the generated rule language by default, or Megatron-LM's
 `--data-path [W1] PREFIX1 ...` (indexed datasets from tools/preprocess_data.py) with `--split`,
@@ -74,6 +78,7 @@ from scripts.gpt_model import (  # noqa: E402
     gpt_loss,
     initialize_model_parallel,
 )
+from scripts.grad_reduction import GradReducer  # noqa: E402
 from scripts.tokenizer import add_tokenizer_args  # noqa: E402
 from scripts.training_log import PALETTE, Curve, Logger, Step, params_norm, plot_curves  # noqa: E402
 
@@ -176,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     training.add_argument("--lr-wsd-decay-iters", type=int, default=None,
                           help="length of WSD's decay phase (needed with --lr-decay-style WSD)")
     training.add_argument("--seed", type=int, default=1234)
+    training.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                          help="sum micro-batch gradients and all-reduce them over data-parallel ranks in "
+                               "fp32 (param.main_grad); always on with --bf16, as in Megatron-LM")
     checkpointing = parser.add_argument_group(title="checkpointing")
     checkpointing.add_argument("--save", default=None, help="directory to save checkpoints in")
     checkpointing.add_argument("--save-interval", type=int, default=None,
@@ -301,6 +309,7 @@ def _settings_from_flags(args: argparse.Namespace) -> GPTModelSettings:
         max_position_embeddings=args.max_position_embeddings,
         vocab_size=args.padded_vocab_size,
         bf16=args.bf16,
+        fp16=args.fp16,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         add_bias_linear=not args.disable_bias_linear,
         normalization=args.normalization,
@@ -324,6 +333,8 @@ def _check_training_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--exit-interval must be >= 1; got {args.exit_interval}.")
     if args.lr is None:
         raise ValueError("--lr is required (the peak learning rate).")
+    if args.bf16:  # Megatron-LM's default with bf16
+        args.accumulate_allreduce_grads_in_fp32 = True
     if args.min_lr is None:
         args.min_lr = 0.0
     check_eval_flags(args)
@@ -427,25 +438,24 @@ class BatchSource:
 # ------------------------------------------------------------------------------------------------
 
 
-def train_step(model, optimizer, micro_batches, dp_group, average_grads: bool
+def train_step(model, optimizer, micro_batches, grads: GradReducer, dp_group
                ) -> tuple[float, bool, Optional[float], Optional[float]]:
     """Forward/backward over the micro-batches, DP gradient average, optimizer step.
 
-    Returns (global-batch mean loss, update successful, grad norm, zeros in the gradients (with
-    --log-num-zeros-in-grad, else None)).
+    Each micro-batch's loss is scaled by the optimizer's loss scale (fp16; 1 otherwise), which
+    the optimizer divides out of the gradients again; an overflow makes it skip the step and
+    back the scale off. Returns (global-batch mean loss, update successful, grad norm, zeros in
+    the gradients (with --log-num-zeros-in-grad, else None)).
     """
     optimizer.zero_grad()
+    grads.zero_grads()
     total = torch.zeros((), dtype=torch.float32)
     for tokens in micro_batches:
         loss = gpt_loss(model, tokens) / len(micro_batches)
-        loss.backward()
+        optimizer.scale_loss(loss).backward()
         total += loss.detach().float().cpu()
+    grads.average_over_data_parallel()
     dp_size = dist.get_world_size(dp_group)
-    if average_grads and dp_size > 1:
-        for param in model.parameters():
-            if param.grad is not None:
-                dist.all_reduce(param.grad, group=dp_group)
-                param.grad.div_(dp_size)
     loss_sum = total.to(next(model.parameters()).device)
     dist.all_reduce(loss_sum, group=dp_group)
     ok, grad_norm, num_zeros = optimizer.step()
@@ -461,7 +471,8 @@ def train(args, settings, layout, device) -> list[dict]:
     scheduler = get_scheduler(config, scheduler_config(args), optimizer)
     dp_group = parallel_state.get_data_parallel_group()
     batches = BatchSource(args, layout, parallel_state.get_data_parallel_rank())
-    average_grads = not config.use_layer_wise_distributed_optimizer  # that one reduces itself
+    grads = GradReducer(model, dp_group, args.accumulate_allreduce_grads_in_fp32,
+                        reduce_over_dp=not config.use_layer_wise_distributed_optimizer)  # that one reduces itself
     log = Logger(args, layout.rank)
     tp_group = parallel_state.get_tensor_model_parallel_group()
     evaluator = Evaluator(args, batches.data.splits, batches.split_batches, gpt_loss, dp_group,
@@ -475,7 +486,7 @@ def train(args, settings, layout, device) -> list[dict]:
     for iteration in range(start + 1, args.train_iters + 1):
         lr = optimizer.param_groups[0]["lr"]
         loss, ok, grad_norm, num_zeros = train_step(
-            model, optimizer, batches.micro_batches(iteration), dp_group, average_grads)
+            model, optimizer, batches.micro_batches(iteration), grads, dp_group)
         if ok:
             scheduler.step(args.global_batch_size)
         log.iteration(Step(

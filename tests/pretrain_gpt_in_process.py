@@ -7,12 +7,45 @@ command lines (layouts, optimizers, resumes) in one world:
     records = run_distributed(run_pretrain_gpt, 4, args=(argv,))
 
 Each rank returns its logged records (one dict per logged iteration, the same on every rank).
+`run_pretrain_gpt_with_overflow` also puts an inf into one gradient at one iteration (fp16 tests).
 """
 
+import itertools
 from typing import Any
+
+import torch
 
 from scripts import pretrain_gpt
 
 
 def run_pretrain_gpt(rank: int, world_size: int, argv: list[str]) -> list[dict[str, Any]]:
     return pretrain_gpt.main(list(argv))
+
+
+def run_pretrain_gpt_with_overflow(rank: int, world_size: int, argv: list[str], iteration: int
+                                   ) -> list[dict[str, Any]]:
+    """`run_pretrain_gpt` with an inf put into one gradient element on rank 0 at `iteration` (a
+    test aid: the trainer has no such option). Patches `train_step` for this call only."""
+    original = pretrain_gpt.train_step
+    calls = itertools.count(1)  # a run from scratch: call i is iteration i
+
+    def train_step(model, *args, **kwargs):
+        param = next(p for p in model.parameters() if p.requires_grad)
+        handle = param.register_hook(_one_inf) if next(calls) == iteration and rank == 0 else None
+        try:
+            return original(model, *args, **kwargs)
+        finally:
+            if handle is not None:
+                handle.remove()
+
+    pretrain_gpt.train_step = train_step
+    try:
+        return pretrain_gpt.main(list(argv))
+    finally:
+        pretrain_gpt.train_step = original
+
+
+def _one_inf(grad: torch.Tensor) -> torch.Tensor:
+    grad = grad.clone()
+    grad.view(-1)[0] = float("inf")
+    return grad
