@@ -44,6 +44,8 @@ GPU_BENCHMARKS = {  # bf16 (fp32_matmul_prec 'medium', the library defaults on G
     "gpu_newton_schulz": PYTHON + ["newton_schulz_efficiency.py", "--device", "cuda", "--precision", "medium",
                                    "--hidden", "4096", "--layers", "4", "--reference-size", "8192",
                                    "--repeats", "10", "--warmup", "3"],
+    "gpu_moe_experts": PYTHON + ["moe_experts.py", "--device", "cuda", "--precision", "medium",
+                                 "--repeats", "10", "--warmup", "3"],
 }
 
 
@@ -124,7 +126,7 @@ def summarize(results: dict, seconds: float, skip: Optional[str]) -> dict:
     for label, name, path in INFO:
         rows.append({"measurement": label, "value": lookup(results, name, path)})
         print(f"  {label:72} {rows[-1]['value']:7.3f}")
-    print(f"  GPU section: {'skipped, ' + skip if skip else 'ran (gpu_step.json, gpu_newton_schulz.json)'}")
+    print(f"  GPU section: {'skipped, ' + skip if skip else 'ran (gpu_step.json, gpu_newton_schulz.json, gpu_moe_experts.json)'}")
     return {"cpu": cpu, "cpus": os.cpu_count(), "native_bf16_matmul": native, "torch": torch.__version__,
             "seconds": seconds, "rows": rows,
             "gpu_skipped": skip, "results": results}
