@@ -18,7 +18,9 @@ from typing import Optional
 
 import torch
 
-from megatron_eopt.param_groups import named_trainable_parameters
+from megatron_eopt.param_groups import named_trainable_parameters, stored_child_name, stored_group_key
+
+__all__ = ["global_parameter_names", "stored_child_name", "stored_group_key"]
 
 _LAYER = re.compile(r"(^|\.)layers\.(\d+)$")
 _LOCAL_EXPERT = re.compile(r"(^|\.)experts\.local_experts\.(\d+)$")
@@ -94,21 +96,3 @@ def _check_unique(names: dict[str, str]) -> None:
                 f"needs one name per parameter (are two model chunks holding the same layer?)."
             )
 
-
-# Expert parameters are in optimizer children (and param groups) of their own only when
-# megatron-core marks them `allreduce=False`, which it does at expert-parallel size > 1: at EP=1
-# they are dense parameters. A checkpoint files them under the dense names, so state saved at
-# one EP size is found at another.
-DENSE, EXPERT = "dense", "expert"
-
-
-def stored_child_name(child_name: str) -> str:
-    """'expert' -> 'dense', 'muon/expert' -> 'muon/dense' (factory._child_name's forms)."""
-    head, _, kind = child_name.rpartition("/")
-    return f"{head}/{DENSE}" if head and kind == EXPERT else (DENSE if kind == EXPERT else child_name)
-
-
-def stored_group_key(group_key: str) -> str:
-    """'adam/expert/<overrides>' -> 'adam/dense/<overrides>' (param_groups.group_key_for's form)."""
-    optimizer, kind, rest = (group_key.split("/", 2) + ["", ""])[:3]
-    return f"{optimizer}/{DENSE}/{rest}" if kind == EXPERT else group_key
