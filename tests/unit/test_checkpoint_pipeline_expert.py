@@ -16,6 +16,7 @@ PP=1 / EP=1, and a pipeline checkpoint without a `job` group is refused, naming 
 
 import os
 
+import pytest
 import torch
 
 from megatron_eopt.checkpointing import load_checkpoint, save_checkpoint
@@ -25,13 +26,20 @@ from tests.unit.test_checkpoint import _differences
 SAVED_STEPS = 2
 TOLERANCE = 1e-6
 OPTIMIZER_VARIANTS = (("adam", False), ("muon", False), ("muon", True))
-RESHARD_PAIRS = (
-    (dict(pp=2), dict()),
-    (dict(), dict(pp=2)),
-    (dict(ep=2, settings=MOE), dict(settings=MOE)),
-    (dict(settings=MOE), dict(ep=2, settings=MOE)),
-    (dict(pp=2, vpp=2), dict()),
-)
+RESHARD_PAIRS = {
+    2: (
+        (dict(pp=2), dict()),
+        (dict(), dict(pp=2)),
+        (dict(ep=2, settings=MOE), dict(settings=MOE)),
+        (dict(settings=MOE), dict(ep=2, settings=MOE)),
+        (dict(pp=2, vpp=2), dict()),
+    ),
+    4: (
+        (dict(tp=2, pp=2), dict()),
+        (dict(), dict(pp=2)),
+        (dict(ep=2, settings=MOE), dict(settings=MOE)),
+    ),
+}
 RESUME_LAYOUTS = (dict(pp=2), dict(ep=2, settings=MOE))
 
 
@@ -51,7 +59,7 @@ def _continue_after_load(layout: Layout, directory: str, stop: int) -> Run:
 def _reshard_body(rank: int, world_size: int, directory: str) -> dict:
     results = {}
     for optimizer, layer_wise in OPTIMIZER_VARIANTS:
-        for saved_changes, loaded_changes in RESHARD_PAIRS:
+        for saved_changes, loaded_changes in RESHARD_PAIRS[world_size]:
             saved, loaded = Layout(optimizer, layer_wise, **saved_changes), Layout(optimizer, layer_wise, **loaded_changes)
             name = f"{saved.describe(world_size)} -> {loaded.describe(world_size)}"
             case_dir = os.path.join(directory, name.replace(" ", "_").replace(">", ""))
@@ -65,15 +73,16 @@ def _reshard_body(rank: int, world_size: int, directory: str) -> dict:
     return results
 
 
-def test_reshard_pipeline_and_experts(run_distributed, tmp_path):
-    per_rank = run_distributed(_reshard_body, 2, args=(str(tmp_path),), timeout=900)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_reshard_pipeline_and_experts(run_distributed, tmp_path, world_size):
+    per_rank = run_distributed(_reshard_body, world_size, args=(str(tmp_path),), timeout=900)
     errors = {}
     for name in per_rank[0]:
         expected = assemble_global([results[name][0] for results in per_rank])
         actual = assemble_global([results[name][1] for results in per_rank])
         assert set(expected) == set(actual), f"{name}: {sorted(set(expected) ^ set(actual))}"
         errors[name] = max((expected[k] - actual[k]).abs().max().item() for k in expected)
-    assert len(errors) == len(RESHARD_PAIRS) * len(OPTIMIZER_VARIANTS)
+    assert len(errors) == len(RESHARD_PAIRS[world_size]) * len(OPTIMIZER_VARIANTS)
     worst = {name: error for name, error in errors.items() if not error <= TOLERANCE}
     assert not worst, f"max |loaded - continued| above {TOLERANCE}: {worst}; all: {errors}"
 
