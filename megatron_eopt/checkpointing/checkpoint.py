@@ -136,7 +136,8 @@ def load_checkpoint(
     messages = [note] if note else []
     children = optimizer_children(optimizer) if load_optimizer else []
     if children:
-        check_structure(manifest.get("optimizers"), global_group_structure(children, group, stored_names_by_fqn(params)), path)
+        live_structure = global_group_structure(children, group, stored_names_by_fqn(params))
+        check_structure(manifest.get("optimizers"), live_structure, path)
     model_names = stored_model_names(params, group)
 
     # Every rank plans and checks, then all learn of any rank's error before anything collective

@@ -24,7 +24,6 @@ __all__ = ["global_parameter_names", "stored_child_name", "stored_group_key"]
 
 _LAYER = re.compile(r"(^|\.)layers\.(\d+)$")
 _LOCAL_EXPERT = re.compile(r"(^|\.)experts\.local_experts\.(\d+)$")
-_CHUNK_PREFIX = re.compile(r"^model_chunk\d+\.")
 TIED_OUTPUT = "output_layer.weight"
 TIED_EMBEDDING = "embedding.word_embeddings.weight"
 

@@ -82,7 +82,8 @@ def checkpoint_group(groups: ParallelGroups) -> Optional[ProcessGroup]:
     stages = pipeline_size(groups)
     if stages == 1:
         return stage
-    job = groups.require("job", f"a checkpoint with pipeline parallelism (size {stages}), written by every stage together,")
+    job = groups.require("job", f"a checkpoint with pipeline parallelism (size {stages}), written by every "
+                                f"stage together,")
     if group_size(job) != expected * stages:
         raise ValueError(
             f"the 'job' process group has {group_size(job)} ranks, but the {stages} pipeline stages "

@@ -9,8 +9,8 @@ megatron-core reshards it over TP/DP; the model's keys carry global layer and ex
 the optimizer's do too at any PP/EP size (expert state keyed under the dense child's name). With
 the layer-wise optimizer the owner writes a parameter's state as the main replica (only the
 owner has it). Scalar state (Adam's `step`) is one value per state name (every parameter has
-taken the same steps); the parameter lists of the groups stay local (not saved), everything else is common to all ranks (megatron-core saves
-rank 0's copy).
+taken the same steps); the parameter lists of the groups stay local (not saved), everything
+else is common to all ranks (megatron-core saves rank 0's copy).
 """
 
 from typing import Any, Protocol
