@@ -353,3 +353,22 @@ def _model_config(chunk: torch.nn.Module) -> Any:
             return config
         module = getattr(module, "module", None)
     return None
+
+
+# Expert parameters are in optimizer children (and param groups) of their own only when
+# megatron-core marks them `allreduce=False`, which it does at expert-parallel size > 1: at EP=1
+# they are dense parameters. Checkpoints (ours and megatron-core's format) file them under the
+# dense names, so state saved at one EP size is found at another.
+DENSE, EXPERT = "dense", "expert"
+
+
+def stored_child_name(child_name: str) -> str:
+    """'expert' -> 'dense', 'muon/expert' -> 'muon/dense' (factory._child_name's forms)."""
+    head, _, kind = child_name.rpartition("/")
+    return f"{head}/{DENSE}" if head and kind == EXPERT else (DENSE if kind == EXPERT else child_name)
+
+
+def stored_group_key(group_key: str) -> str:
+    """'adam/expert/<overrides>' -> 'adam/dense/<overrides>' (param_groups.group_key_for's form)."""
+    optimizer, kind, rest = (group_key.split("/", 2) + ["", ""])[:3]
+    return f"{optimizer}/{DENSE}/{rest}" if kind == EXPERT else group_key

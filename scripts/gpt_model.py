@@ -11,6 +11,13 @@ substitution: megatron's ``DotProductAttention`` allocates a CUDA buffer in
 forward, so ``core_attention`` is replaced by :class:`SDPACoreAttention`, built
 on ``torch.nn.functional.scaled_dot_product_attention``.
 
+Pipeline stages (also several model chunks per rank) and MoE layers with expert parallelism
+are built on CPU too (``initialize_model_parallel(..., pipeline_model_parallel_size=,
+virtual_pipeline_model_parallel_size=, expert_model_parallel_size=)`` then
+:func:`build_gpt_model_chunks`), with one more substitution: tied embeddings across stages are
+synchronised without megatron's ``.cuda()`` (:class:`_CPUTiedEmbeddingGPTModel`). Their forward
+is another matter: megatron's pipeline schedules and MoE router call CUDA.
+
 Typical use (torch.distributed must already be initialised, gloo is fine)::
 
     initialize_model_parallel(tensor_model_parallel_size=1, seed=1234)
@@ -44,6 +51,7 @@ __all__ = [
     "SDPACoreAttention",
     "SettingsError",
     "build_gpt_model",
+    "build_gpt_model_chunks",
     "destroy_model_parallel",
     "gpt_layer_spec",
     "gpt_loss",
@@ -192,7 +200,7 @@ class SDPACoreAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(sq, b, heads * head_dim)
 
 
-def gpt_layer_spec(use_cuda: bool, max_attn_logits: bool = False) -> ModuleSpec:
+def gpt_layer_spec(use_cuda: bool, max_attn_logits: bool = False, num_experts: int | None = None) -> ModuleSpec:
     """Transformer-layer spec: megatron's own on CUDA, local + SDPA attention on CPU.
 
     ``max_attn_logits`` (QK-clip or max-logit logging): on CUDA, Transformer Engine's
@@ -204,11 +212,11 @@ def gpt_layer_spec(use_cuda: bool, max_attn_logits: bool = False) -> ModuleSpec:
                 get_gpt_layer_with_transformer_engine_spec,
             )
 
-            return get_gpt_layer_with_transformer_engine_spec()
+            return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts)
         if not max_attn_logits:
-            return get_gpt_layer_local_spec()
+            return get_gpt_layer_local_spec(num_experts=num_experts)
     # Copy each level we change so no spec object shared with other callers is mutated.
-    spec = get_gpt_layer_local_spec()
+    spec = get_gpt_layer_local_spec(num_experts=num_experts)
     attention = spec.submodules.self_attention
     attention = dataclasses.replace(
         attention,
@@ -288,6 +296,13 @@ class GPTModelSettings:
     qk_clip_threshold: float = 100.0
     qk_clip_alpha: float = 0.5
     log_max_attention_logit: bool = False
+    # Mixture of experts (megatron-core's MoELayer, SequentialMLP experts, allgather dispatcher):
+    # None: a dense MLP. Expert matrices have ffn_hidden_size columns, as megatron's default.
+    num_moe_experts: int | None = None
+    moe_router_topk: int = 2
+    # megatron's --pipeline-model-parallel-layout, e.g. "Et*2|L": embedding and two layers on
+    # the first stage, only the final norm and output layer (L) on the last. None: an even split.
+    pipeline_model_parallel_layout: str | None = None
 
     def __post_init__(self) -> None:
         positive = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
@@ -347,11 +362,20 @@ class GPTModelSettings:
                                     **{name: value, "tensor_model_parallel_size": tp})
 
 
-def initialize_model_parallel(tensor_model_parallel_size: int, seed: int) -> None:
-    """Set up megatron's model-parallel groups (no pipeline parallelism) and seed the RNGs.
+def initialize_model_parallel(
+    tensor_model_parallel_size: int,
+    seed: int,
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: int | None = None,
+    expert_model_parallel_size: int = 1,
+) -> None:
+    """Set up megatron's model-parallel groups and seed the RNGs.
 
-    torch.distributed must already be initialised; its world size must be a multiple
-    of ``tensor_model_parallel_size`` (the rest becomes data parallelism).
+    torch.distributed must already be initialised; its world size must be a multiple of
+    ``tensor_model_parallel_size * pipeline_model_parallel_size`` (the rest becomes data
+    parallelism). ``virtual_pipeline_model_parallel_size``: model chunks per rank (interleaved
+    pipeline; build them with :func:`build_gpt_model_chunks`). Experts are split over
+    ``expert_model_parallel_size`` ranks of the data-parallel ranks (megatron's layout).
     """
     if not torch.distributed.is_available() or not torch.distributed.is_initialized():
         raise RuntimeError(
@@ -359,14 +383,16 @@ def initialize_model_parallel(tensor_model_parallel_size: int, seed: int) -> Non
             "(gloo works on CPU) before initialize_model_parallel"
         )
     world_size = torch.distributed.get_world_size()
-    if tensor_model_parallel_size <= 0 or world_size % tensor_model_parallel_size:
-        raise ValueError(
-            f"tensor_model_parallel_size ({tensor_model_parallel_size}) must be positive and "
-            f"divide the world size ({world_size})"
-        )
+    _check_parallel_sizes(world_size, tensor_model_parallel_size, pipeline_model_parallel_size,
+                          virtual_pipeline_model_parallel_size, expert_model_parallel_size)
     if parallel_state.model_parallel_is_initialized():
         raise RuntimeError("model parallel state is already initialised; destroy it first")
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size, 1)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size,
+        pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
+    )
     # CPU initialisation draws from torch's default generator, on every device.
     torch.manual_seed(seed)
     if torch.cuda.is_available():
@@ -375,15 +401,46 @@ def initialize_model_parallel(tensor_model_parallel_size: int, seed: int) -> Non
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+def _check_parallel_sizes(world_size: int, tp: int, pp: int, vpp: int | None, ep: int) -> None:
+    if tp <= 0 or pp <= 0 or world_size % (tp * pp):
+        raise ValueError(
+            f"tensor_model_parallel_size ({tp}) x pipeline_model_parallel_size ({pp}) must be "
+            f"positive and divide the world size ({world_size})"
+        )
+    if ep <= 0 or (world_size // (tp * pp)) % ep:
+        raise ValueError(
+            f"expert_model_parallel_size ({ep}) must be positive and divide the data-parallel "
+            f"size ({world_size // (tp * pp)})"
+        )
+    if vpp is not None and (vpp < 1 or pp == 1):
+        raise ValueError(
+            f"virtual_pipeline_model_parallel_size ({vpp}) needs pipeline_model_parallel_size > 1 "
+            f"(got {pp}) and must be >= 1; pass None for one model chunk per rank"
+        )
+
+
 def destroy_model_parallel() -> None:
     """Tear down megatron's model-parallel groups (torch.distributed stays initialised)."""
     parallel_state.destroy_model_parallel()
 
 
+def build_gpt_model_chunks(settings: GPTModelSettings, device: torch.device | str = "cpu") -> list[GPTModel]:
+    """This rank's model chunks: one per virtual pipeline stage (one without a virtual pipeline)."""
+    virtual_stages = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if virtual_stages is None:
+        return [build_gpt_model(settings, device)]
+    return [build_gpt_model(settings, device, vp_stage=stage) for stage in range(virtual_stages)]
+
+
 def build_gpt_model(
-    settings: GPTModelSettings, device: torch.device | str = "cpu"
+    settings: GPTModelSettings, device: torch.device | str = "cpu", vp_stage: int | None = None
 ) -> GPTModel:
-    """Build megatron-core's GPTModel for the current model-parallel state on ``device``."""
+    """Build megatron-core's GPTModel for the current model-parallel state on ``device``.
+
+    With pipeline parallelism this is the part of the model on this rank's stage (virtual
+    stage ``vp_stage`` with an interleaved pipeline): the embeddings on the first stage, the
+    final norm and output layer on the last, its share of the layers with global numbers.
+    """
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("call initialize_model_parallel before build_gpt_model")
     device = torch.device(device)
@@ -415,21 +472,78 @@ def build_gpt_model(
         qk_clip_threshold=settings.qk_clip_threshold,
         qk_clip_alpha=settings.qk_clip_alpha,
         log_max_attention_logit=settings.log_max_attention_logit,
+        **_pipeline_config(settings),
+        **_expert_config(settings),
     )
-    model = GPTModel(
+    model_class = GPTModel if device.type == "cuda" else _CPUTiedEmbeddingGPTModel
+    model = model_class(
         config=config,
         transformer_layer_spec=gpt_layer_spec(
             use_cuda=device.type == "cuda",
             max_attn_logits=settings.qk_clip or settings.log_max_attention_logit,
+            num_experts=settings.num_moe_experts,
         ),
         vocab_size=settings.vocab_size,
         max_sequence_length=settings.max_positions,
         share_embeddings_and_output_weights=settings.share_embeddings_and_output_weights,
         position_embedding_type=settings.position_embedding_type,
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+        vp_stage=vp_stage,
     )
     # Some local-spec modules (torch norms) ignore params_dtype; megatron's Float16Module casts
     # the whole model the same way for bf16 training. Parameters keep megatron's attributes.
     return model.to(device=device, dtype=settings.params_dtype)
+
+
+def _pipeline_config(settings: GPTModelSettings) -> dict[str, Any]:
+    """TransformerConfig fields of the pipeline layout parallel_state was set up with."""
+    stages = parallel_state.get_pipeline_model_parallel_world_size()
+    if stages == 1:
+        return {}
+    return dict(
+        pipeline_model_parallel_size=stages,
+        virtual_pipeline_model_parallel_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+        pipeline_model_parallel_layout=settings.pipeline_model_parallel_layout,
+        pipeline_dtype=settings.params_dtype,
+    )
+
+
+def _expert_config(settings: GPTModelSettings) -> dict[str, Any]:
+    if settings.num_moe_experts is None:
+        return {}
+    return dict(
+        num_moe_experts=settings.num_moe_experts,
+        moe_router_topk=settings.moe_router_topk,
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        moe_token_dispatcher_type="allgather",
+        moe_grouped_gemm=False,
+    )
+
+
+class _CPUTiedEmbeddingGPTModel(GPTModel):
+    """GPTModel whose tied-embedding set-up also runs on CPU.
+
+    With tied embeddings and a pipeline, megatron-core zeroes the last stage's output-layer
+    copy and all-reduces it with the first stage's embedding over the embedding group, but
+    first moves the weight with ``.cuda()`` (language_module.py). This substitution does the
+    same all-reduce where the weight is; on one stage it changes nothing.
+    """
+
+    _syncing_embeddings_here = False
+
+    def setup_embeddings_and_output_layer(self) -> None:
+        self._syncing_embeddings_here = True  # hides the embedding group from megatron's CUDA copy
+        try:
+            super().setup_embeddings_and_output_layer()
+        finally:
+            self._syncing_embeddings_here = False
+        if torch.distributed.is_initialized() and self._is_in_embd_group():
+            weight = self.shared_embedding_or_output_weight()
+            torch.distributed.all_reduce(weight.data, group=self.embd_group)
+
+    def _is_in_embd_group(self) -> bool:
+        return not self._syncing_embeddings_here and super()._is_in_embd_group()
 
 
 def gpt_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:

@@ -2,14 +2,15 @@
 
 Built on torch.distributed.checkpoint: each rank writes the pieces it holds (its TP shard,
 the state of the parameters it owns), nothing is gathered to one rank. Tensors are stored in
-their global shape under parameter names, so a checkpoint loads at another TP or DP size,
+their global shape under their names in the PP=1/EP=1 model (global layer and expert numbers,
+global_names.py), so a checkpoint loads at another TP, DP, pipeline or expert-parallel size,
 with or without the layer-wise optimizer, in bf16 or fp32. Every rank loads the whole model
 (so no data-parallel rank keeps stale parameters), and the state of the parameters it steps.
 Directories are committed atomically, by one run at a time (storage.py); the lr schedule is
 checked before anything changes (schedule.py); RNG states are kept per rank (rng.py). Call
 both functions on every rank of the job; all collectives run over the job's own ranks
-(`tp_dp_cp` of `pg_collection`), never torch's WORLD, so jobs sharing one WORLD checkpoint
-independently.
+(`tp_dp_cp` of `pg_collection`, or its `job` group with pipeline parallelism), never a group the
+caller did not give, so jobs sharing one WORLD checkpoint independently.
 """
 
 import json
@@ -22,6 +23,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_eopt.checkpointing import storage
+from megatron_eopt.checkpointing.global_names import stored_child_name
 from megatron_eopt.checkpointing.layout import MeshCache
 from megatron_eopt.checkpointing.rng import restore_rng, rng_entries, rng_keys_to_load
 from megatron_eopt.checkpointing.schedule import LR_BOUNDS_KEY, SCHEDULER_KEY, plan_scheduler_load, scheduler_entries
@@ -32,11 +34,14 @@ from megatron_eopt.checkpointing.state import (
     checkpoint_group,
     global_group_structure,
     loaded_optimizer_state,
+    pipeline_size,
     model_params,
     optimizer_children,
     plan_model,
     plan_optimizer_state,
     save_entries,
+    stored_model_names,
+    stored_names_by_fqn,
 )
 from megatron_eopt.checkpointing.storage import CheckpointError
 from megatron_eopt.distributed.process_groups import ProcessGroup, group_size, resolve_parallel_groups
@@ -78,7 +83,7 @@ def save_checkpoint(
     if scheduler is not None:
         entries.update(scheduler_entries(scheduler, children))
     entries.update(rng_entries(storage.rank(group), storage.world_size(group)))
-    structure = global_group_structure(children, group) if children else None
+    structure = global_group_structure(children, group, stored_names_by_fqn(params)) if children else None
 
     path, lock = storage.begin_save(checkpoint_dir, iteration, group)
     try:
@@ -89,6 +94,8 @@ def save_checkpoint(
             "extra": extra,
             "world_size": storage.world_size(group),
             "tensor_parallel_size": _tp_size(groups),
+            "pipeline_parallel_size": pipeline_size(groups),
+            "expert_parallel_size": _ep_size(groups, params),
             "optimizers": structure,
             "has_scheduler": scheduler is not None,
         }, group)
@@ -129,20 +136,22 @@ def load_checkpoint(
     messages = [note] if note else []
     children = optimizer_children(optimizer) if load_optimizer else []
     if children:
-        check_structure(manifest.get("optimizers"), global_group_structure(children, group), path)
+        live_structure = global_group_structure(children, group, stored_names_by_fqn(params))
+        check_structure(manifest.get("optimizers"), live_structure, path)
+    model_names = stored_model_names(params, group)
 
     # Every rank plans and checks, then all learn of any rank's error before anything collective
     # or irreversible happens, so a problem on one rank neither hangs nor half-loads the others.
-    plan, masters, states = storage.agree(lambda: _plan_load(path, params, children), group)
+    plan, masters, states = storage.agree(lambda: _plan_load(path, params, model_names, children), group)
     read_scheduler = load_optimizer and scheduler is not None
-    rng_keys, rng_note = _rng_to_load(plan, manifest, _tp_size(groups), group) if load_rng else ([], None)
+    rng_keys, rng_note = _rng_to_load(plan, manifest, _layout(groups, params), group) if load_rng else ([], None)
     messages += [rng_note] if rng_note else []
     storage.agree(lambda: _plan_extras(plan, path, read_scheduler, rng_keys), group)
     _read(plan, path, group)
 
     def checked_states() -> tuple[list[dict], Optional[Callable[[], None]]]:
-        loaded = [loaded_optimizer_state(child, get_state(), plan.targets[f"groups/{child.name}"],
-                                         plan.targets[f"grad_scaler/{child.name}"], masters)
+        loaded = [loaded_optimizer_state(child, get_state(), plan.targets[f"groups/{stored_child_name(child.name)}"],
+                                         plan.targets[f"grad_scaler/{stored_child_name(child.name)}"], masters)
                   for child, get_state in zip(children, states)]
         for child, state in zip(children, loaded):
             child.check_state_dict(state)
@@ -160,14 +169,14 @@ def load_checkpoint(
     return LoadedCheckpoint(path, int(manifest["iteration"]), manifest.get("extra") or {}, tuple(messages))
 
 
-def _plan_load(path: str, params: list, children: list) -> tuple:
+def _plan_load(path: str, params: list, model_names: set[str], children: list) -> tuple:
     """Buffers for the model's (master) values and each child's state; shapes checked."""
     plan = LoadPlan(CheckpointIndex(FileSystemReader(path).read_metadata(), path), MeshCache())
-    masters = plan_model(plan, params)
+    masters = plan_model(plan, params, model_names)
     states = [plan_optimizer_state(plan, child, params) for child in children]
-    for child in children:
-        plan.plain(f"groups/{child.name}", torch.device("cpu"))
-        plan.plain(f"grad_scaler/{child.name}", torch.device("cpu"))
+    for name in {stored_child_name(child.name) for child in children}:
+        plan.plain(f"groups/{name}", torch.device("cpu"))
+        plan.plain(f"grad_scaler/{name}", torch.device("cpu"))
     return plan, masters, states
 
 
@@ -183,15 +192,24 @@ def _plan_extras(plan: LoadPlan, path: str, read_scheduler: bool, rng_keys: list
 
 
 def _rng_to_load(
-    plan: LoadPlan, manifest: dict, tp_size: int, group: Optional[ProcessGroup]
+    plan: LoadPlan, manifest: dict, layout: tuple[int, int, int], group: Optional[ProcessGroup]
 ) -> tuple[list[str], Optional[str]]:
-    """This rank's RNG keys, when the checkpoint was saved at this job and TP size (rng.py)."""
-    saved = (manifest.get("world_size"), manifest.get("tensor_parallel_size", tp_size))
-    here = (storage.world_size(group), tp_size)
+    """This rank's RNG keys, when the checkpoint was saved at this job size and TP/PP/EP layout (rng.py)."""
+    tp, pp, ep = layout
+    # Checkpoints written before PP/EP were recorded had neither (size 1).
+    saved = (manifest.get("world_size"), manifest.get("tensor_parallel_size", tp),
+             manifest.get("pipeline_parallel_size", 1), manifest.get("expert_parallel_size", 1))
+    here = (storage.world_size(group), tp, pp, ep)
     if saved != here:
-        return [], (f"RNG states not restored: saved at world size {saved[0]} with TP {saved[1]}, this run "
-                    f"has world size {here[0]} with TP {here[1]}; the RNGs keep this run's seeding")
+        with_pp_ep = (saved[2:], here[2:]) != ((1, 1), (1, 1))
+        return [], (f"RNG states not restored: saved at {_describe_layout(saved, with_pp_ep)}, this run has "
+                    f"{_describe_layout(here, with_pp_ep)}; the RNGs keep this run's seeding")
     return rng_keys_to_load(plan.index.tensors, storage.rank(group), storage.world_size(group)), None
+
+
+def _describe_layout(layout: tuple, with_pp_ep: bool) -> str:
+    world, tp, pp, ep = layout
+    return f"world size {world} with TP {tp}" + (f", PP {pp}, EP {ep}" if with_pp_ep else "")
 
 
 def _read(plan: LoadPlan, path: str, group: Optional[ProcessGroup]) -> None:
@@ -224,6 +242,19 @@ def _finish_param_sync(optimizer: Any) -> None:
 
 def _tp_size(groups: Any) -> int:
     return group_size(groups.require("tp", "a checkpoint (which records its tensor-parallel size)"))
+
+
+def _ep_size(groups: Any, params: list) -> int:
+    """Expert-parallel size: expert tp x ep x pp over expert tp x pp (1 without expert parameters)."""
+    if all(getattr(p.param, "allreduce", True) for p in params):
+        return 1
+    why = "a checkpoint (which records its expert-parallel size)"
+    return group_size(groups.require("expt_mp", why)) // (
+        group_size(groups.require("expt_tp", why)) * pipeline_size(groups))
+
+
+def _layout(groups: Any, params: list) -> tuple[int, int, int]:
+    return _tp_size(groups), pipeline_size(groups), _ep_size(groups, params)
 
 
 def _as_chunks(model_chunks: Any) -> list[torch.nn.Module]:

@@ -20,6 +20,7 @@ its override flag ineffective for them; here they follow the flags).
 import json
 from typing import Any, Callable, Optional
 
+from megatron_eopt.checkpointing.global_names import stored_child_name, stored_group_key
 from megatron_eopt.checkpointing.storage import CheckpointError
 from megatron_eopt.wrappers.fp32 import FP32Optimizer
 
@@ -47,10 +48,13 @@ def scheduler_entries(scheduler: Any, children: list[FP32Optimizer]) -> dict[str
 
 
 def _lr_bounds(children: list[FP32Optimizer]) -> dict[str, dict[str, list]]:
-    return {
-        child.name: {g["group_key"]: [g.get("max_lr"), g.get("min_lr")] for g in child.optimizer.param_groups}
-        for child in children
-    }
+    # By stored names: an expert child's groups merge into its dense child's (global_names.py).
+    bounds: dict[str, dict[str, list]] = {}
+    for child in children:
+        groups = bounds.setdefault(stored_child_name(child.name), {})
+        for g in child.optimizer.param_groups:
+            groups[stored_group_key(g["group_key"])] = [g.get("max_lr"), g.get("min_lr")]
+    return bounds
 
 
 def plan_scheduler_load(scheduler: Any, saved_json: str, bounds_json: Optional[str],
@@ -102,8 +106,8 @@ def _bound_differences(scheduler: Any, children: list[FP32Optimizer], saved_boun
 
 def _restore_bounds(children: list[FP32Optimizer], saved_bounds: dict) -> None:
     for child in children:
-        stored_groups = saved_bounds.get(child.name, {})
+        stored_groups = saved_bounds.get(stored_child_name(child.name), {})
         for group in child.optimizer.param_groups:
-            stored = stored_groups.get(group["group_key"])
+            stored = stored_groups.get(stored_group_key(group["group_key"]))
             if stored is not None:
                 group["max_lr"], group["min_lr"] = stored

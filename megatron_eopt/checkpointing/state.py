@@ -1,13 +1,18 @@
 """The entries of a checkpoint: model parameters and optimizer state by parameter name.
 
 Keys (see layout.py for `#part<i>` and `@tp<r>of<n>` suffixes):
+`<fqn>` is the parameter's name in the PP=1/EP=1 model (global_names.py: global layer and
+expert numbers, no `model_chunk<i>.` prefix), so a checkpoint loads at another pipeline or
+expert-parallel size. The last stage's tied output-layer copy is the embedding it copies
+(both stages write the same values; torch.distributed.checkpoint keeps one).
     model/<fqn>                  the model parameter, global shape, model dtype
     main/<fqn>                   its fp32 main copy (mixed precision only)
     state/<child>/<fqn>/<name>   optimizer state `name` of the parameter (global shape when it
                                  has the parameter's shape; scalars and objects as they are)
     groups/<child>               hyperparameters of every param group, by group key (JSON)
     grad_scaler/<child>          the loss scaler's state (JSON)
-`<child>` is the name of a chained optimizer (e.g. `muon/dense`, `adam/dense`). Only the rank that holds
+`<child>` is the name of a chained optimizer (e.g. `muon/dense`, `adam/dense`); expert children
+and param groups are stored under the dense names (global_names.py says why). Only the rank that holds
 a state writes it (the owner, with the layer-wise optimizer); replicas are written once.
 """
 
@@ -19,6 +24,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
+from megatron_eopt.checkpointing.global_names import global_parameter_names, stored_child_name, stored_group_key
 from megatron_eopt.checkpointing.layout import PART_MARK, TP_MARK, MeshCache, Placement, global_pieces, placement_of
 from megatron_eopt.checkpointing.storage import CheckpointError, all_gather_objects
 from megatron_eopt.distributed.process_groups import ParallelGroups, ProcessGroup, group_size
@@ -30,59 +36,69 @@ from megatron_eopt.wrappers.fp32 import FP32Optimizer
 class ModelParam:
     """One model parameter as the checkpoint sees it."""
 
-    fqn: str
+    fqn: str  # its name here (named_trainable_parameters), which the optimizer's records use
     param: torch.nn.Parameter
     placement: Placement
+    stored_name: str  # its name in the checkpoint: the PP=1/EP=1 name
 
 
 def model_params(model_chunks: list[torch.nn.Module], groups: ParallelGroups) -> list[ModelParam]:
     """Every parameter of the model (frozen ones too) with its tensor-parallel placement."""
     named = named_trainable_parameters(model_chunks, trainable_only=False)
     has_experts = any(not getattr(p, "allreduce", True) for _, _, p in named)
-    _refuse_unsupported_parallelism(groups, has_experts)
+    stored_names = global_parameter_names(model_chunks)
     why = "a checkpoint (which stores tensor-parallel shards in their global shape)"
     dense_tp = groups.require("tp", why)
     expert_tp = groups.require("expt_tp", why) if has_experts else None
     result = []
     for fqn, _, param in named:
         tp_group = expert_tp if not getattr(param, "allreduce", True) else dense_tp
-        result.append(ModelParam(fqn, param, placement_of(param, tp_group)))
+        result.append(ModelParam(fqn, param, placement_of(param, tp_group), stored_names[fqn]))
     return result
 
 
-def _refuse_unsupported_parallelism(groups: ParallelGroups, has_experts: bool) -> None:
-    # Parameter names repeat across pipeline stages and expert-parallel ranks (local layer and
-    # expert numbers), so their state would collide under one name.
-    why = "a checkpoint (to rule out pipeline parallelism)"
-    pipeline = group_size(groups.require("mp", why)) // group_size(groups.require("tp", why))
-    expert = 1
-    if has_experts:
-        expert = group_size(groups.require("expt_mp", why)) // (group_size(groups.require("expt_tp", why)) * pipeline)
-    if pipeline > 1 or expert > 1:
-        raise CheckpointError(
-            f"megatron_eopt checkpoints support tensor and data parallelism only; this run has "
-            f"pipeline-parallel size {pipeline} and expert-parallel size {expert}. Use "
-            f"sharded_state_dict() with megatron-core's dist_checkpointing instead."
-        )
+def pipeline_size(groups: ParallelGroups) -> int:
+    why = "a checkpoint (which records its pipeline-parallel size)"
+    return group_size(groups.require("mp", why)) // group_size(groups.require("tp", why))
 
 
 def checkpoint_group(groups: ParallelGroups) -> Optional[ProcessGroup]:
-    """The ranks that write and read a checkpoint together: all of this job's (tp x dp x cp).
+    """The ranks that write and read a checkpoint together: all of this job's.
 
     torch.distributed.checkpoint coordinates over one group; it is the caller's (never torch's
-    WORLD, which may hold other jobs). Call after `model_params`, which rules out pipeline and
-    expert parallelism, so that tensor x data x context parallel is the whole job.
+    WORLD, which may hold other jobs). Without pipeline parallelism that is tensor x data x
+    context parallel (`tp_dp_cp`; expert parallelism re-divides the same ranks); with it, every
+    stage too: the `job` group.
     """
     why = "a checkpoint (written and read by all the ranks of this job together)"
-    group = groups.require("tp_dp_cp", why)
+    stage = groups.require("tp_dp_cp", why)
     expected = group_size(groups.require("tp", why)) * group_size(groups.require("dp_cp", why))
-    if group_size(group) != expected:
+    if group_size(stage) != expected:
         raise ValueError(
-            f"the 'tp_dp_cp' process group has {group_size(group)} ranks, but tensor parallel x "
-            f"data parallel ('tp' x 'dp_cp') is {expected}; it must hold every rank of this job "
-            f"(tensor x data x context parallel) and no other."
+            f"the 'tp_dp_cp' process group has {group_size(stage)} ranks, but tensor parallel x "
+            f"data parallel ('tp' x 'dp_cp') is {expected}; it must hold every rank of one "
+            f"pipeline stage (tensor x data x context parallel) and no other."
         )
-    return group
+    stages = pipeline_size(groups)
+    if stages == 1:
+        return stage
+    job = groups.require("job", f"a checkpoint with pipeline parallelism (size {stages}), written by every "
+                                f"stage together,")
+    if group_size(job) != expected * stages:
+        raise ValueError(
+            f"the 'job' process group has {group_size(job)} ranks, but the {stages} pipeline stages "
+            f"of {expected} ranks each are {expected * stages}; it must hold every rank of this job and no other."
+        )
+    return job
+
+
+def stored_model_names(params: list[ModelParam], group: Optional[ProcessGroup]) -> set[str]:
+    """The stored names of the whole model: every stage's and expert rank's (collective over `group`)."""
+    return set().union(*all_gather_objects(sorted({p.stored_name for p in params}), group))
+
+
+def stored_names_by_fqn(params: list[ModelParam]) -> dict[str, str]:
+    return {p.fqn: p.stored_name for p in params}
 
 
 def optimizer_children(optimizer: Any) -> list[FP32Optimizer]:
@@ -101,28 +117,31 @@ def optimizer_children(optimizer: Any) -> list[FP32Optimizer]:
     return list(children)
 
 
-def global_group_structure(children: list[FP32Optimizer], group: Optional[ProcessGroup]) -> dict[str, dict[str, Any]]:
-    """{child: {'torch_class', 'groups': {group_key: [fqn, ...]}}} over the ranks of `group` (collective).
+def global_group_structure(children: list[FP32Optimizer], group: Optional[ProcessGroup],
+                           stored: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """{child: {'torch_class', 'groups': {group_key: [stored name, ...]}}} over the ranks of `group` (collective).
 
-    Each layer-wise rank's children list only the parameters it owns: the union is the model's.
+    Each layer-wise rank's children list only the parameters it owns, each stage its own: the
+    union is the model's. `stored`: {fqn: stored name} (stored_names_by_fqn).
     """
     merged: dict[str, dict[str, Any]] = {}
-    for structure in all_gather_objects(_local_group_structure(children), group):
-        for name, child in structure.items():
-            entry = merged.setdefault(name, {"torch_class": child["torch_class"], "groups": {}})
+    for structure in all_gather_objects(_local_group_structure(children, stored), group):
+        for name, child in structure:
+            entry = merged.setdefault(stored_child_name(name), {"torch_class": child["torch_class"], "groups": {}})
             for key, fqns in child["groups"].items():
+                key = stored_group_key(key)
                 entry["groups"][key] = sorted(set(entry["groups"].get(key, [])) | set(fqns))
     return merged
 
 
-def _local_group_structure(children: list[FP32Optimizer]) -> dict[str, dict[str, Any]]:
-    structure = {}
+def _local_group_structure(children: list[FP32Optimizer], stored: dict[str, str]) -> list[tuple[str, dict[str, Any]]]:
+    structure = []
     for child in children:
         fqn_of = _fqn_of_main(child)
-        structure[child.name] = {
+        structure.append((child.name, {
             "torch_class": type(child.optimizer).__name__,
-            "groups": {g["group_key"]: [fqn_of[id(p)] for p in g["params"]] for g in child.optimizer.param_groups},
-        }
+            "groups": {g["group_key"]: [stored[fqn_of[id(p)]] for p in g["params"]] for g in child.optimizer.param_groups},
+        }))
     return structure
 
 
@@ -139,20 +158,32 @@ def save_entries(params: list[ModelParam], children: list[FP32Optimizer], meshes
     """Everything of the model and optimizer this rank writes."""
     entries: dict[str, Any] = {}
     placement_of_param = {id(p.param): p.placement for p in params}
+    stored = stored_names_by_fqn(params)
     for p in params:
-        entries.update(global_pieces(f"model/{p.fqn}", p.param.detach(), p.placement, meshes))
+        entries.update(global_pieces(f"model/{p.stored_name}", p.param.detach(), p.placement, meshes))
     for child in children:
         for record, model_param, main_param in zip(child.records, child.model_params, child.main_params):
             placement = placement_of_param[id(model_param)]
             if main_param is not model_param:
-                entries.update(global_pieces(f"main/{record.fqn}", main_param.detach(), placement, meshes))
+                entries.update(global_pieces(f"main/{stored[record.fqn]}", main_param.detach(), placement, meshes))
             for name, value in child.optimizer.state.get(main_param, {}).items():
-                key = f"state/{child.name}/{record.fqn}/{name}"
+                key = f"state/{stored_child_name(child.name)}/{stored[record.fqn]}/{name}"
                 entries.update(_state_entry(key, value, model_param, placement, meshes))
-        entries[f"groups/{child.name}"] = json.dumps(_hyperparameters(child))
-        entries[f"grad_scaler/{child.name}"] = json.dumps(
-            child.grad_scaler.state_dict() if child.grad_scaler is not None else None
-        )
+    entries.update(_hyperparameter_entries(children))
+    return entries
+
+
+def _hyperparameter_entries(children: list[FP32Optimizer]) -> dict[str, str]:
+    """groups/<child> and grad_scaler/<child>, an expert child's merged into its dense child's."""
+    groups: dict[str, dict] = {}
+    scalers: dict[str, Any] = {}
+    # Dense children last: where a dense and an expert group share a stored key, the dense wins.
+    for child in sorted(children, key=lambda c: stored_child_name(c.name) == c.name):
+        name = stored_child_name(child.name)
+        groups.setdefault(name, {}).update(_hyperparameters(child))
+        scalers[name] = child.grad_scaler.state_dict() if child.grad_scaler is not None else None
+    entries = {f"groups/{name}": json.dumps(value) for name, value in groups.items()}
+    entries.update({f"grad_scaler/{name}": json.dumps(value) for name, value in scalers.items()})
     return entries
 
 
@@ -184,7 +215,7 @@ def unpack_object(data: bytes) -> Any:
 def _hyperparameters(child: FP32Optimizer) -> dict[str, dict[str, Any]]:
     """Each group's optimizer hyperparameters (lr, betas, ...) that JSON can hold."""
     return {
-        group["group_key"]: {k: group[k] for k in child.optimizer.defaults if k in group and _is_plain(group[k])}
+        stored_group_key(group["group_key"]): {k: group[k] for k in child.optimizer.defaults if k in group and _is_plain(group[k])}
         for group in child.optimizer.param_groups
     }
 
@@ -253,9 +284,12 @@ class LoadPlan:
         return lambda: buffer
 
 
-def plan_model(plan: LoadPlan, params: list[ModelParam]) -> dict[int, torch.Tensor]:
-    """id(param) -> buffer with its value: the fp32 main copy when the checkpoint has one."""
-    live = {p.fqn for p in params}
+def plan_model(plan: LoadPlan, params: list[ModelParam], model_names: set[str]) -> dict[int, torch.Tensor]:
+    """id(param) -> buffer with its value: the fp32 main copy when the checkpoint has one.
+
+    `model_names`: the stored names of the whole model (stored_model_names), every stage's.
+    """
+    live = model_names
     stored = plan.index.model_fqns()
     if live != stored:
         missing, extra = sorted(live - stored), sorted(stored - live)
@@ -265,7 +299,8 @@ def plan_model(plan: LoadPlan, params: list[ModelParam]) -> dict[int, torch.Tens
         )
     values = {}
     for p in params:
-        source = f"main/{p.fqn}" if plan.index.has_tensor(f"main/{p.fqn}", p.placement) else f"model/{p.fqn}"
+        main = f"main/{p.stored_name}"
+        source = main if plan.index.has_tensor(main, p.placement) else f"model/{p.stored_name}"
         values[id(p.param)] = plan.tensor(source, p.param.shape, p.placement, p.param.device)
     return values
 
@@ -273,11 +308,13 @@ def plan_model(plan: LoadPlan, params: list[ModelParam]) -> dict[int, torch.Tens
 def plan_optimizer_state(plan: LoadPlan, child: FP32Optimizer, params: list[ModelParam]) -> Callable[[], dict]:
     """Targets for `child`'s state; returns a getter of {fqn: {name: value}} once loaded."""
     placement_of_param = {id(p.param): p.placement for p in params}
+    stored = stored_names_by_fqn(params)
     getters: dict[str, dict[str, Callable[[], Any]]] = {}
     for record, model_param in zip(child.records, child.model_params):
         placement = placement_of_param[id(model_param)]
-        for name, keys in plan.index.state_keys.get((child.name, record.fqn), {}).items():
-            key = f"state/{child.name}/{record.fqn}/{name}"
+        child_name = stored_child_name(child.name)
+        for name, keys in plan.index.state_keys.get((child_name, stored[record.fqn]), {}).items():
+            key = f"state/{child_name}/{stored[record.fqn]}/{name}"
             getters.setdefault(record.fqn, {})[name] = _plan_state_value(plan, key, keys, model_param, placement)
     return lambda: {fqn: {name: get() for name, get in entry.items()} for fqn, entry in getters.items()}
 
@@ -316,7 +353,8 @@ def loaded_optimizer_state(child: FP32Optimizer, state: dict, groups_json: str, 
     fqn_of = _fqn_of_main(child)
     param_groups = {}
     for group in child.optimizer.param_groups:
-        hyperparameters = {k: _like(v, group.get(k)) for k, v in saved_groups.get(group["group_key"], {}).items()}
+        saved = saved_groups.get(stored_group_key(group["group_key"]), {})
+        hyperparameters = {k: _like(v, group.get(k)) for k, v in saved.items()}
         param_groups[group["group_key"]] = {**hyperparameters, "params": [fqn_of[id(p)] for p in group["params"]]}
     main_params = {
         record.fqn: masters[id(model)]

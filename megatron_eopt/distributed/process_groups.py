@@ -26,6 +26,8 @@ class ParallelGroups:
     tp_dp_cp: tensor x data x context parallel: all the ranks of one pipeline stage, so, without
         pipeline parallelism, all the ranks of this job (which need not be torch's WORLD: several
         jobs may share one). Checkpoints are written and read together over it.
+    job: all the ranks of this job, every pipeline stage; checkpoints with pipeline parallelism
+        are written and read together over it.
     """
 
     tp: Optional[ProcessGroup] = None
@@ -35,6 +37,7 @@ class ParallelGroups:
     expt_mp: Optional[ProcessGroup] = None
     expt_dp: Optional[ProcessGroup] = None
     tp_dp_cp: Optional[ProcessGroup] = None
+    job: Optional[ProcessGroup] = None
     # Which fields were given explicitly; a missing expert group is only an error if there are
     # expert parameters, which the factory knows and this record does not.
     provided: frozenset = frozenset()
@@ -55,7 +58,7 @@ class ParallelGroups:
 
     @classmethod
     def from_groups(cls, **groups: Optional[ProcessGroup]) -> "ParallelGroups":
-        """Explicit groups by role name (tp, mp, dp_cp, expt_tp, expt_mp, expt_dp, tp_dp_cp)."""
+        """Explicit groups by role name (tp, mp, dp_cp, expt_tp, expt_mp, expt_dp, tp_dp_cp, job)."""
         unknown = sorted(set(groups) - set(_ROLES))
         if unknown:
             raise ValueError(f"unknown process-group roles {unknown}; allowed: {list(_ROLES)}.")
@@ -98,6 +101,9 @@ class ParallelGroups:
             expt_mp=ps.get_expert_tensor_model_pipeline_parallel_group(),
             expt_dp=ps.get_expert_data_parallel_group(),
             tp_dp_cp=ps.get_tensor_and_data_parallel_group(with_context_parallel=True),
+            # megatron-core's initialize_model_parallel divides torch's WORLD among its groups,
+            # so a job described by parallel_state is WORLD.
+            job=dist.group.WORLD,
         )
 
     @classmethod
@@ -151,6 +157,9 @@ _PG_COLLECTION_NAMES = {
     "expt_mp": "tp_ep_pp",
     "expt_dp": "expt_dp",
     "tp_dp_cp": "tp_dp_cp",
+    # Not a megatron-core ProcessGroupCollection field: set `pg_collection.job` for checkpoints
+    # with pipeline parallelism.
+    "job": "job",
 }
 _ROLES = tuple(_PG_COLLECTION_NAMES)
 

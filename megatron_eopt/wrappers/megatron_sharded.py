@@ -5,18 +5,19 @@ the result to megatron-core's `dist_checkpointing.save/load`, then `optimizer.lo
 with what `load` returned. Each parameter-shaped state tensor (and fp32 main copy) becomes the
 model parameter's ShardedTensor (or factory, e.g. the gated fc1's) re-keyed
 `optimizer.<child>.state.<name>.<model key>`, as megatron-core's own optimizers do, so
-megatron-core reshards it over TP/DP. With the layer-wise optimizer the owner writes a
-parameter's state as the main replica (only the owner has it). Scalar state (Adam's `step`)
-is one value per state name (every parameter has taken the same steps); the parameter lists of
-the groups stay local (not saved), everything else is common to all ranks (megatron-core saves
-rank 0's copy).
+megatron-core reshards it over TP/DP; the model's keys carry global layer and expert offsets, so
+the optimizer's do too at any PP/EP size (expert state keyed under the dense child's name). With
+the layer-wise optimizer the owner writes a parameter's state as the main replica (only the
+owner has it). Scalar state (Adam's `step`) is one value per state name (every parameter has
+taken the same steps); the parameter lists of the groups stay local (not saved), everything
+else is common to all ranks (megatron-core saves rank 0's copy).
 """
 
 from typing import Any, Protocol
 
 import torch
 
-from megatron_eopt.param_groups import ParamRecord
+from megatron_eopt.param_groups import ParamRecord, stored_child_name
 from megatron_eopt.registry import init_torch_state
 
 COMMON_STATE = "common_state"
@@ -51,7 +52,9 @@ def child_sharded_state_dict(
     state_dict = child.state_dict()
     by_index = get_param_id_to_sharded_param_map(model_sharded_state_dict, child.model_params)
     sharded_of = {child.records[i].fqn: _as_main_replica(s, owner_is_main_replica) for i, s in by_index.items()}
-    prefix = f"optimizer.{child.name.replace('/', '.')}"
+    # Expert state is keyed under the dense child's name: at EP=1 megatron-core makes experts
+    # dense parameters (param_groups.stored_child_name), and the keys must not depend on EP.
+    prefix = f"optimizer.{stored_child_name(child.name).replace('/', '.')}"
     param_of = {record.fqn: param for record, param in zip(child.records, child.model_params)}
     tensors, common = {}, {}
     for fqn, entries in state_dict["state"].items():

@@ -1,0 +1,97 @@
+"""Each parameter's name in the whole model (PP=1, EP=1), from the part of it a rank holds.
+
+With pipeline parallelism megatron-core numbers each stage's layers from 0 (`decoder.layers.0`
+on every stage) and with expert parallelism each rank its experts (`local_experts.0`), so local
+names repeat across ranks. A checkpoint stores everything under the global name instead, so it
+loads at any other pipeline or expert-parallel size. The global numbers come from what
+megatron-core records on the modules themselves:
+- a transformer layer's `layer_number` (1-based, global: the stage offset included);
+- an MoE layer's `local_expert_indices` (the global index of each of its local experts);
+- the last stage's copy of a tied output layer is marked `shared` (language_module.py): it is
+  stored as the embedding it copies, as megatron-core's own sharded_state_dict does.
+With several model chunks (virtual pipeline) the `model_chunk<i>.` prefix is dropped: the layer
+numbers are already global.
+"""
+
+import re
+from typing import Optional
+
+import torch
+
+from megatron_eopt.param_groups import named_trainable_parameters, stored_child_name, stored_group_key
+
+__all__ = ["global_parameter_names", "stored_child_name", "stored_group_key"]
+
+_LAYER = re.compile(r"(^|\.)layers\.(\d+)$")
+_LOCAL_EXPERT = re.compile(r"(^|\.)experts\.local_experts\.(\d+)$")
+TIED_OUTPUT = "output_layer.weight"
+TIED_EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def global_parameter_names(model_chunks: list[torch.nn.Module]) -> dict[str, str]:
+    """{fqn (named_trainable_parameters, frozen included): its name in the PP=1/EP=1 model}.
+
+    Raises ValueError when two parameters of this rank map to one global name.
+    """
+    result: dict[str, str] = {}
+    for chunk_index, chunk in enumerate(model_chunks):
+        renames = _module_renames(chunk)
+        for name, param in chunk.named_parameters():
+            result[(f"model_chunk{chunk_index}." if len(model_chunks) > 1 else "") + name] = (
+                _global_name(name, param, renames)
+            )
+    wanted = {fqn for fqn, _, _ in named_trainable_parameters(model_chunks, trainable_only=False)}
+    result = {fqn: name for fqn, name in result.items() if fqn in wanted}
+    _check_unique(result)
+    return result
+
+
+def _module_renames(chunk: torch.nn.Module) -> dict[str, str]:
+    """{local module name: global module name} for the layers and experts of `chunk`."""
+    modules = dict(chunk.named_modules())
+    renames = {}
+    for name, module in modules.items():
+        layer = _LAYER.search(name)
+        if layer is not None and isinstance(getattr(module, "layer_number", None), int):
+            renames[name] = f"{name[:layer.start(2)]}{module.layer_number - 1}"
+        expert = _LOCAL_EXPERT.search(name)
+        if expert is not None:
+            renames[name] = f"{name[:expert.start(2)]}{_global_expert(modules, name, expert)}"
+    return renames
+
+
+def _global_expert(modules: dict[str, torch.nn.Module], name: str, match: re.Match) -> int:
+    # The MoE layer holding `experts` knows the global index of each of its local experts.
+    moe_layer = modules.get(name[:match.start()] if match.start() else "")
+    indices = getattr(moe_layer, "local_expert_indices", None)
+    local = int(match.group(2))
+    if indices is None or local >= len(indices):
+        raise ValueError(
+            f"module {name!r} is a local expert, but its MoE layer has no local_expert_indices "
+            f"entry {local} (got {indices!r}); global expert numbers come from megatron-core's MoELayer."
+        )
+    return int(indices[local])
+
+
+def _global_name(name: str, param: torch.nn.Parameter, renames: dict[str, str]) -> str:
+    if getattr(param, "shared", False) and name.endswith(TIED_OUTPUT):
+        return name[: -len(TIED_OUTPUT)] + TIED_EMBEDDING
+    # Each renamed module changes only its own last component (a layer or expert number), so
+    # an expert inside a layer gets both numbers replaced.
+    local_prefix, global_parts = "", []
+    for part in name.split("."):
+        local_prefix = f"{local_prefix}.{part}" if local_prefix else part
+        global_parts.append(renames[local_prefix].rsplit(".", 1)[-1] if local_prefix in renames else part)
+    return ".".join(global_parts)
+
+
+def _check_unique(names: dict[str, str]) -> None:
+    seen: dict[str, str] = {}
+    for fqn, name in names.items():
+        other: Optional[str] = seen.setdefault(name, fqn)
+        if other != fqn:
+            raise ValueError(
+                f"parameters {other!r} and {fqn!r} have the same global name {name!r}; a checkpoint "
+                f"needs one name per parameter (are two model chunks holding the same layer?)."
+            )
+
