@@ -114,6 +114,14 @@ def _check_support(args: argparse.Namespace, tensor_model_parallel_size: int) ->
                 f"{flag} is not supported with --optimizer {optimizer} ({support.why_not(feature)}; "
                 f"{alternatives})."
             )
+    if wanted["fsdp2"][0]:
+        # The library takes fully_shard models (get_megatron_optimizer); the trainer does not
+        # wrap its model with fully_shard yet, so the flag would silently do nothing.
+        raise ValueError(
+            f"--use-torch-fsdp2 is not supported by this trainer yet (it does not wrap the model with "
+            f"fully_shard); with --optimizer {optimizer}, get_megatron_optimizer accepts a model sharded "
+            f"with torch.distributed.fsdp.fully_shard directly."
+        )
 
 
 def _wants_layer_wise(args: argparse.Namespace) -> bool:
