@@ -163,6 +163,13 @@ class FullyShardedFP32Optimizer(FP32Optimizer):
         with torch.no_grad():
             return torch.nn.Parameter(param.to_local(), requires_grad=False)
 
+    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
+                           metadata: Optional[dict] = None) -> dict:
+        raise ValueError(
+            "sharded_state_dict() (megatron-core dist_checkpointing) is not supported for torch FSDP2 "
+            "models yet; state_dict() holds this rank's rows of every state tensor, keyed by parameter name."
+        )
+
     def _prepare_main_grads(self) -> None:
         with torch.no_grad():
             for param, main, record in zip(self.model_params, self.main_params, self.records):
