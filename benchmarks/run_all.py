@@ -36,6 +36,8 @@ BENCHMARKS = {
     "layer_wise": TORCHRUN + ["--nproc-per-node", "2", "layer_wise_vs_replicated.py"],
     "tp_modes": TORCHRUN + ["--nproc-per-node", "2", "tp_modes.py"],
     "memory": TORCHRUN + ["--nproc-per-node", "4", "memory.py"],
+    "fsdp2_2": TORCHRUN + ["--nproc-per-node", "2", "fsdp2_step.py", "--hidden", "256", "--layers", "4"],
+    "fsdp2_4": TORCHRUN + ["--nproc-per-node", "4", "fsdp2_step.py", "--hidden", "256", "--layers", "4"],
 }
 GPU_BENCHMARKS = {  # bf16 (fp32_matmul_prec 'medium', the library defaults on GPUs)
     "gpu_step": PYTHON + ["optimizer_step.py", "--device", "cuda", "--hidden", "4096", "--layers", "4",
@@ -81,6 +83,9 @@ TARGETS = [
     ("Sharded TP=2 / duplicated TP=2 step", "tp_modes", ("ratio_to_duplicated", "sharded"), 0.6, "max"),
     ("Layer-wise DP=4 / replicated state per rank", "memory",
      ("rows", "layer-wise muon DP=4", "ratio_to_replicated_muon"), 0.3, "max"),
+    ("FSDP2 Muon step / redundant (full_tensor + NS on every rank), FSDP=2", "fsdp2_2", ("step_ratio",), 0.6, "max"),
+    ("FSDP2 Muon step / redundant (full_tensor + NS on every rank), FSDP=4", "fsdp2_4", ("step_ratio",), 0.6, "max"),
+    ("FSDP2 state per rank at FSDP=4 / unsharded", "fsdp2_4", ("state_ratio",), 0.3, "max"),
 ]
 INFO = [
     ("Note (not a target): each library's defaults, ours / megatron-core", "step_defaults",
@@ -92,6 +97,7 @@ INFO = [
     ("Distributed TP=2 / duplicated TP=2 step", "tp_modes", ("ratio_to_duplicated", "distributed")),
     ("Layer-wise DP=2 / replicated state per rank", "memory",
      ("rows", "layer-wise muon DP=2", "ratio_to_replicated_muon")),
+    ("FSDP2 FSDP=4 bytes exchanged / two shard volumes per matrix", "fsdp2_4", ("exchanged_over_bound",)),
 ]
 
 
