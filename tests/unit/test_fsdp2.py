@@ -250,3 +250,24 @@ def test_bad_input_names_parameter_and_placement(run_distributed) -> None:
     assert kind == "ValueError" and "FSDP2" in text and "'soap'" in text, messages["soap"]
     kind, text = messages["checkpoint"]  # not implemented yet: refused, never written half-right
     assert kind == "CheckpointError" and "FSDP2" in text and "'a.weight'" in text, messages["checkpoint"]
+
+
+PRETRAIN_ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+                 "--group-query-attention", "--num-query-groups", "2", "--swiglu",
+                 "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "20", "--lr", "1e-2",
+                 "--log-interval", "1", "--eval-iters", "0", "--optimizer", "muon",
+                 "--muon-fp32-matmul-prec", "highest"]
+
+
+def test_pretrain_gpt_fsdp2_equals_layer_wise(run_distributed):
+    """scripts/pretrain_gpt.py --use-torch-fsdp2 against the layer-wise distributed optimizer (an
+    independent layout of the same math): same seed, data and global batch, fp32, 20 iterations."""
+    from tests.pretrain_gpt_in_process import run_pretrain_gpt
+
+    fsdp2 = run_distributed(run_pretrain_gpt, 2, args=(PRETRAIN_ARGV + ["--use-torch-fsdp2"],), timeout=600)
+    layer_wise = run_distributed(run_pretrain_gpt, 2, args=(PRETRAIN_ARGV + ["--use-distributed-optimizer"],),
+                                 timeout=600)
+    expected = [r["loss"] for r in layer_wise[0]]
+    assert len(expected) == 20 and expected[-1] < expected[0]
+    for records in fsdp2:
+        assert [r["loss"] for r in records] == pytest.approx(expected, rel=1e-5)
