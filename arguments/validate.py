@@ -23,17 +23,20 @@ from arguments.to_config import optimizer_config_from_args
 
 
 def validate_args(
-    args: argparse.Namespace, tensor_model_parallel_size: Optional[int] = None
+    args: argparse.Namespace, tensor_model_parallel_size: Optional[int] = None, *, wraps_fully_shard: bool = False
 ) -> argparse.Namespace:
     """Rewrite and check the optimizer flags of `args` in place; return `args`.
 
     `tensor_model_parallel_size`: None reads `args.tensor_model_parallel_size` (Megatron-LM's
-    namespace has it), else 1. Raises ValueError naming the offending flag.
+    namespace has it), else 1. `wraps_fully_shard`: the calling trainer wraps its model with
+    torch FSDP2's `fully_shard` under `--use-torch-fsdp2` (scripts/pretrain_gpt.py does);
+    otherwise that flag is refused, since it would do nothing. Raises ValueError naming the
+    offending flag.
     """
     if tensor_model_parallel_size is None:
         tensor_model_parallel_size = getattr(args, "tensor_model_parallel_size", None) or 1
     _rewrite_dist_muon(args)
-    _check_support(args, tensor_model_parallel_size)
+    _check_support(args, tensor_model_parallel_size, wraps_fully_shard)
     _use_layer_wise_distributed_optimizer(args)
     _warn_tp_mode_without_tp(args, tensor_model_parallel_size)
     try:
@@ -92,7 +95,7 @@ def _rewrite_dist_muon(args: argparse.Namespace) -> None:
     args.use_distributed_optimizer = False
 
 
-def _check_support(args: argparse.Namespace, tensor_model_parallel_size: int) -> None:
+def _check_support(args: argparse.Namespace, tensor_model_parallel_size: int, wraps_fully_shard: bool) -> None:
     """Refuse what the optimizer does not support (the registry's facts), naming the flags."""
     # Lazy, as in optimizer_args: which optimizers exist and what they support is installed state.
     from megatron_eopt.registry import lookup_optimizer, optimizers_supporting
@@ -114,6 +117,14 @@ def _check_support(args: argparse.Namespace, tensor_model_parallel_size: int) ->
                 f"{flag} is not supported with --optimizer {optimizer} ({support.why_not(feature)}; "
                 f"{alternatives})."
             )
+    if wanted["fsdp2"][0] and not wraps_fully_shard:
+        # The library takes fully_shard models (get_megatron_optimizer); the trainer does not
+        # wrap its model with fully_shard yet, so the flag would silently do nothing.
+        raise ValueError(
+            f"--use-torch-fsdp2 is not supported by this trainer yet (it does not wrap the model with "
+            f"fully_shard); with --optimizer {optimizer}, get_megatron_optimizer accepts a model sharded "
+            f"with torch.distributed.fsdp.fully_shard directly."
+        )
 
 
 def _wants_layer_wise(args: argparse.Namespace) -> bool:

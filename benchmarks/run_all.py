@@ -37,6 +37,8 @@ BENCHMARKS = {
     "tp_modes": TORCHRUN + ["--nproc-per-node", "2", "tp_modes.py"],
     "memory": TORCHRUN + ["--nproc-per-node", "4", "memory.py"],
     "moe_experts": PYTHON + ["moe_experts.py", "--repeats", "3"],
+    "fsdp2_2": TORCHRUN + ["--nproc-per-node", "2", "fsdp2_step.py", "--hidden", "256", "--layers", "4"],
+    "fsdp2_4": TORCHRUN + ["--nproc-per-node", "4", "fsdp2_step.py", "--hidden", "256", "--layers", "4"],
 }
 GPU_BENCHMARKS = {  # bf16 (fp32_matmul_prec 'medium', the library defaults on GPUs)
     "gpu_step": PYTHON + ["optimizer_step.py", "--device", "cuda", "--hidden", "4096", "--layers", "4",
@@ -86,6 +88,9 @@ TARGETS = [
      ("rows", "layer-wise muon DP=4", "ratio_to_replicated_muon"), 0.3, "max"),
     ("MoE, 64 experts 256x704 SwiGLU: batched / one Newton-Schulz call per matrix", "moe_experts",
      ("ratios", "batched / per_matrix"), 0.5, "max"),
+    ("FSDP2 Muon step / redundant (full_tensor + NS on every rank), FSDP=2", "fsdp2_2", ("step_ratio",), 0.6, "max"),
+    ("FSDP2 Muon step / redundant (full_tensor + NS on every rank), FSDP=4", "fsdp2_4", ("step_ratio",), 0.6, "max"),
+    ("FSDP2 state per rank at FSDP=4 / unsharded", "fsdp2_4", ("state_ratio",), 0.3, "max"),
 ]
 INFO = [
     ("Note (not a target): each library's defaults, ours / megatron-core", "step_defaults",
@@ -99,6 +104,7 @@ INFO = [
      ("rows", "layer-wise muon DP=2", "ratio_to_replicated_muon")),
     ("MoE experts: batched / megatron-core TensorParallelMuon step (fc1 whole there)", "moe_experts",
      ("ratios", "batched / mcore_muon")),
+    ("FSDP2 FSDP=4 bytes exchanged / two shard volumes per matrix", "fsdp2_4", ("exchanged_over_bound",)),
 ]
 
 

@@ -16,6 +16,13 @@ from typing import Any, Iterable, Mapping, Optional, Union
 import torch
 
 from megatron_eopt.config import OptimizerConfig, as_optimizer_config, warn_about_inert_fields
+from megatron_eopt.distributed.fsdp2 import (
+    OUTPUT_LAYER_NAMES,
+    FullyShardedFP32Optimizer,
+    FullyShardedLayout,
+    check_fully_sharded_config,
+    fully_sharded_layout,
+)
 from megatron_eopt.distributed.layer_wise import DataParallelShards, LayerWiseDistributedOptimizer, assign_owners
 from megatron_eopt.distributed.process_groups import ParallelGroups, group_rank, group_size, resolve_parallel_groups
 from megatron_eopt.param_groups import (
@@ -79,7 +86,12 @@ def get_megatron_optimizer(
         raise ValueError("model_chunks is empty; pass the model (or its list of chunks).")
     if config.use_layer_wise_distributed_optimizer:
         _check_whole_gradients(chunks)
-    groups = resolve_parallel_groups(pg_collection)
+    fsdp = fully_sharded_layout(chunks)  # torch FSDP2 (DTensor parameters), or None
+    if fsdp is not None:
+        check_fully_sharded_config(config, pg_collection)
+        _check_supported(config, {name: lookup_optimizer(name) for name in routing.optimizers}, fsdp2=True)
+        routing = dataclasses.replace(routing, embedding_or_output_names=OUTPUT_LAYER_NAMES)
+    groups = resolve_parallel_groups(pg_collection) if fsdp is None else fsdp.parallel_groups()
     overrides = _overrides(config, config_overrides, spec)
     check_config_overrides(overrides)
 
@@ -91,20 +103,23 @@ def get_megatron_optimizer(
     for name in routing.optimizers:  # on every rank, before any rank builds (and owns) anything
         lookup_optimizer(name).check_params([g for g in param_groups if g["optimizer"] == name], config)
 
-    qk_clip = _qk_clip(config, chunks, groups, records)
+    qk_clip = _qk_clip(config, chunks, groups, records, fsdp)
     if not config.use_layer_wise_distributed_optimizer:
-        optimizer = ChainedOptimizer(_children(config, chunks, groups, routing, param_groups, records))
+        optimizer = ChainedOptimizer(_children(config, chunks, groups, routing, param_groups, records, fsdp=fsdp))
     else:
         optimizer = _layer_wise(config, chunks, groups, routing, param_groups, records)
     return _attach_qk_clip(optimizer, qk_clip)
 
 
 def _qk_clip(config: OptimizerConfig, chunks: list[torch.nn.Module], groups: ParallelGroups,
-             records: list[ParamRecord]) -> Optional[QKClip]:
+             records: list[ParamRecord], fsdp: Optional[FullyShardedLayout] = None) -> Optional[QKClip]:
     """QK-clip / max-logit logging (wrappers/qk_clip.py), or None when neither is on."""
     settings = qk_clip_settings(config, chunks)
     if not settings.records_logits:
         return None
+    if fsdp is not None:
+        raise ValueError("QK-clip and max-logit logging are not supported for torch FSDP2 (DTensor) models yet; "
+                         "turn qk_clip and log_max_attention_logit off.")
     why = "QK-clip (maximum attention logits)"
     return build_qk_clip(settings, chunks, {id(r.param): r.fqn for r in records}, groups.require("tp", why),
                          groups.require("dp_cp", why), groups.require("mp", why), _device_of(records))
@@ -224,14 +239,19 @@ def _children(
     param_groups: list[dict],
     records: list[ParamRecord],
     owned_fqns: Optional[set[str]] = None,
+    fsdp: Optional[FullyShardedLayout] = None,
 ) -> list[Any]:
     """One wrapped optimizer per (optimizer, dense|expert) that has param groups.
 
     With `owned_fqns` (layer-wise), each child steps only those parameters (its groups keep
     their keys, possibly empty) and sums its gradient norm over the data-parallel group too.
+    With `fsdp` (torch FSDP2), each child steps the local shards and sums its gradient norm over
+    the mesh's group.
     """
     grad_scaler = make_grad_scaler(config, _device_of(records))
     wrapper = MixedPrecisionOptimizer if (config.bf16 or config.fp16) else FP32Optimizer
+    if fsdp is not None:
+        wrapper = FullyShardedFP32Optimizer
     children = []
     for is_expert in (False, True):
         for name in routing.optimizers:
@@ -243,8 +263,10 @@ def _children(
             if owned_fqns is not None:
                 child_groups = [_owned_only(g, owned_fqns) for g in child_groups]
                 norm_groups = (_data_parallel_group(groups, is_expert), norm_group)
+            if fsdp is not None:
+                norm_groups = (fsdp.group,)  # disjoint shards: their squares sum over the mesh
             child_records = [r for r in records if (r.is_expert_parallel, r.optimizer_name) == (is_expert, name)]
-            make_optimizer = _optimizer_maker(lookup_optimizer(name), config, chunks, child_records, tp_group)
+            make_optimizer = _optimizer_maker(lookup_optimizer(name), config, chunks, child_records, tp_group, fsdp)
             children.append(wrapper(child_groups, make_optimizer, config, records, tp_group, norm_groups,
                                     _child_name(routing, name, is_expert), grad_scaler))
     return children
@@ -291,17 +313,19 @@ def _overrides(
     return overrides
 
 
-def _check_supported(config: OptimizerConfig, specs: Mapping[str, OptimizerSpec]) -> None:
+def _check_supported(config: OptimizerConfig, specs: Mapping[str, OptimizerSpec], fsdp2: bool = False) -> None:
     """Refuse what the registry's support facts (the README's table) say cannot work."""
     checks = (("fp16", config.fp16), ("bf16", config.bf16),
-              ("layer_wise", config.use_layer_wise_distributed_optimizer))
+              ("layer_wise", config.use_layer_wise_distributed_optimizer), ("fsdp2", fsdp2))
+    settings = {"layer_wise": "use_layer_wise_distributed_optimizer=True",
+                "fsdp2": "a torch FSDP2 (fully_shard, DTensor) model"}
     for feature, wanted in checks:
         refused = [name for name, spec in specs.items() if wanted and not getattr(spec.support, feature)]
         if refused:
             spec = specs[refused[0]]
-            setting = "use_layer_wise_distributed_optimizer" if feature == "layer_wise" else feature
+            setting = settings.get(feature, f"{feature}=True")
             raise ValueError(
-                f"{setting}=True is not supported with optimizer {refused[0]!r}: "
+                f"{setting} is not supported with optimizer {refused[0]!r}: "
                 f"{spec.support.why_not(feature)}. Optimizers that support it: "
                 f"{', '.join(optimizers_supporting(feature))}."
             )
@@ -313,8 +337,13 @@ def _optimizer_maker(
     chunks: list[torch.nn.Module],
     records: list[ParamRecord],
     tp_group: Any,
+    fsdp: Optional[FullyShardedLayout] = None,
 ):
-    """`make_optimizer(torch param groups)` for one child, with its TP group and layouts."""
+    """`make_optimizer(torch param groups)` for one child, with its TP group and layouts.
+
+    For torch FSDP2 (`fsdp`), a whole-matrix optimizer gets the whole matrices' layouts (a
+    DTensor's shape is global) as row shards with an owner rank each, instead of `layouts`.
+    """
     tp_size = group_size(tp_group)
     _check_tensor_parallel_support(spec, records, tp_size)
     layouts = None
@@ -325,6 +354,8 @@ def _optimizer_maker(
     else:
         on_cpu = not torch.cuda.is_available()
     context = BuildContext(tp_group=tp_group, layouts=layouts, on_cpu=on_cpu)
+    if fsdp is not None and spec.accepts("fsdp_shards"):
+        context = BuildContext(on_cpu=on_cpu, fsdp_group=fsdp.group, fsdp_shards=fsdp.row_shards(records, layouts))
     return lambda param_groups: spec.build(param_groups, config, context)
 
 

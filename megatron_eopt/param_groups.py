@@ -13,6 +13,7 @@ which optimizer takes what. `matrix_layouts` describes the matrices such an opti
 orthogonalizes (tensor-parallel shards, fused QKV and gate/up weights).
 """
 
+import fnmatch
 import json
 import os
 from dataclasses import dataclass
@@ -54,12 +55,17 @@ class ParamRouting:
     embedding and the output layer, not the learned position embedding), unless the user
     opted them in with `use_muon=True`.
     scalar_optimizer: steps the rest.
+    embedding_or_output_names: name globs (fnmatch, as override keys match names) of parameters
+    that count as `is_embedding_or_output_parameter` without the attribute: torch FSDP2's
+    `fully_shard` replaces every parameter by a DTensor and drops megatron-core's attributes,
+    so for such models the factory names the output layer here (distributed/fsdp2.py).
     """
 
     optimizer: str
     routing: str = "all"
     scalar_optimizer: Optional[str] = None
     lookup_table_types: tuple[type, ...] = (torch.nn.Embedding,)
+    embedding_or_output_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.routing != "all" and not self.scalar_optimizer:
@@ -72,10 +78,10 @@ class ParamRouting:
             return (self.optimizer,)
         return (self.optimizer, self.scalar_optimizer)
 
-    def optimizer_for(self, param: torch.nn.Parameter, owner: Optional[torch.nn.Module]) -> str:
-        return self.optimizer if self._takes(param, owner) else self.scalar_optimizer
+    def optimizer_for(self, param: torch.nn.Parameter, owner: Optional[torch.nn.Module], name: str = "") -> str:
+        return self.optimizer if self._takes(param, owner, name) else self.scalar_optimizer
 
-    def _takes(self, param: torch.nn.Parameter, owner: Optional[torch.nn.Module]) -> bool:
+    def _takes(self, param: torch.nn.Parameter, owner: Optional[torch.nn.Module], name: str) -> bool:
         if self.routing == "all":
             return True
         use_muon = getattr(param, "use_muon", None)  # None: not set; True opts in, False out
@@ -84,7 +90,8 @@ class ParamRouting:
         if self.routing == "matrices" or use_muon is True:
             return True
         is_lookup_table = isinstance(owner, self.lookup_table_types)
-        return not (getattr(param, "is_embedding_or_output_parameter", False) or is_lookup_table)
+        named = any(fnmatch.fnmatchcase(name, pattern) for pattern in self.embedding_or_output_names)
+        return not (getattr(param, "is_embedding_or_output_parameter", False) or is_lookup_table or named)
 
 
 def named_trainable_parameters(
@@ -187,7 +194,7 @@ def _records_and_group_ids(
         merge_overrides(keys, config_overrides, name)  # a conflict raises here, naming `name`
         is_expert = not getattr(param, "allreduce", True)
         owner, chunk_index = owners[id(param)]
-        optimizer = routing.optimizer_for(param, owner)
+        optimizer = routing.optimizer_for(param, owner, name)
         group_id = _GroupId(optimizer, is_expert, tuple(sorted(describe_key(key) for key in keys)))
         group_ids[group_id.key] = group_id
         records.append(_make_record(fqn, name, param, group_id.key, is_expert, optimizer, chunk_index))

@@ -34,7 +34,7 @@ Support (`OptimizerSpec.support`, rendered by `support_table_markdown()` into th
 tensor parallelism needs an elementwise optimizer ('all') or one that takes a `tp_group`
 (whole-matrix math over TP shards); fp16 needs loss scaling, which only adam/sgd have; the
 layer-wise distributed optimizer and bf16 (fp32 main copies) work for every optimizer; FSDP2
-is not implemented. The factory and `arguments.validate_args` refuse from these same facts.
+needs an elementwise optimizer or one that takes `fsdp_shards` (Muon). The factory and `arguments.validate_args` refuse from these same facts.
 
 Parameter requirements: an entry's `param_check(param, kwargs)` says why a parameter cannot be
 stepped (SinkhornMuon: non-negative, Sinkhorn-normalized matrices only); the factory checks
@@ -45,7 +45,8 @@ Constructor arguments come from the config by name: for each `__init__` argument
 first, then `config_prefixes`), else `config.<arg>`, else the class default; config values that
 are None count as unset. Then, where the class takes them: `weight_decay_method` is 'decoupled'
 or 'l2' from `decoupled_weight_decay`; the entry's `config_to_kwargs(config)` may add or
-replace values (adam's betas/eps, lion's betas); `tp_group`/`layouts` come from the factory.
+replace values (adam's betas/eps, lion's betas); `tp_group`/`layouts` (and, for FSDP2,
+`fsdp_group`/`fsdp_shards`) come from the factory.
 Matmul precisions (`muon_fp32_matmul_prec`) are honoured on every device; 'medium' (bf16
 Newton-Schulz) on a CPU without bf16 instructions warns once that it is emulated there.
 Names and values are checked against the signature (`Literal` annotations, Newton-Schulz coefficient sets and matmul
@@ -74,6 +75,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_eopt.config import CPU_BF16_FLAGS, native_bf16_matmul
+from megatron_eopt.ops.row_shards import RowShards
 from megatron_eopt.ops.splits import MatrixLayout
 from megatron_eopt.param_key import check_config_overrides
 
@@ -98,7 +100,7 @@ EMERGING_MODULES = (
     "emerging_optimizers.riemannian_optimizers",
 )
 # Arguments the factory supplies (never read from the config).
-CONTEXT_ARGS = ("tp_group", "layouts")
+CONTEXT_ARGS = ("tp_group", "layouts", "fsdp_group", "fsdp_shards")
 _NAME_PATTERN = re.compile(r"[a-z][a-z0-9_]*")
 
 
@@ -174,6 +176,8 @@ class BuildContext:
     tp_group: Optional[dist.ProcessGroup] = None  # None: tensor-parallel size 1
     layouts: Optional[Mapping[str, MatrixLayout]] = None  # fqn -> layout, when the class takes them
     on_cpu: bool = True  # all parameters on CPU
+    fsdp_group: Optional[dist.ProcessGroup] = None  # torch FSDP2: the group the rows are split over
+    fsdp_shards: Optional[Mapping[str, RowShards]] = None  # FSDP2: fqn -> row shards and owner
 
 
 @dataclass(frozen=True)
@@ -201,7 +205,7 @@ class OptimizerSpec:
         return Support(
             tensor_parallel=self.routing == "all" or self.accepts("tp_group"),
             layer_wise=True,
-            fsdp2=False,
+            fsdp2=self.routing == "all" or self.accepts("fsdp_shards"),
             bf16=True,
             fp16=not self.emerging,
         )
@@ -230,7 +234,7 @@ class Support:
 
     tensor_parallel: bool  # tensor_model_parallel_size > 1
     layer_wise: bool  # use_layer_wise_distributed_optimizer (and use_distributed_optimizer)
-    fsdp2: bool  # torch FSDP2: not implemented yet
+    fsdp2: bool  # torch FSDP2 (1-D mesh, Shard(0)): elementwise, or takes `fsdp_shards`
     bf16: bool  # bf16 parameters, fp32 main copies
     fp16: bool  # fp16 parameters with loss scaling
 
@@ -251,7 +255,7 @@ _WHY_UNSUPPORTED = {
     "tensor_parallel": "it works on whole matrices and cannot see the other tensor-parallel shards, so its "
                        "update would depend on the TP degree",
     "layer_wise": "it cannot run on whole-parameter owners",
-    "fsdp2": "FSDP2 is not implemented yet",
+    "fsdp2": "it works on whole matrices and does not take FSDP2 row shards (`fsdp_shards`) yet",
     "bf16": "it has no bf16 support",
     "fp16": "it has no loss scaling, which fp16 needs (bf16 works)",
 }
@@ -730,6 +734,9 @@ def optimizer_kwargs(
         kwargs["tp_group"], sources["tp_group"] = context.tp_group, "the factory"
     if "layouts" in arguments:
         kwargs["layouts"], sources["layouts"] = dict(context.layouts or {}), "the factory"
+    if context.fsdp_shards is not None:  # only classes that take them support FSDP2 (`Support`)
+        kwargs["fsdp_group"], sources["fsdp_group"] = context.fsdp_group, "the factory"
+        kwargs["fsdp_shards"], sources["fsdp_shards"] = dict(context.fsdp_shards), "the factory"
     return kwargs, sources
 
 

@@ -164,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "NullTokenizer's; with a tokenizer the model's is its vocabulary, padded")
     training = parser.add_argument_group(title="training")
     training.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    training.add_argument("--use-torch-fsdp2", action="store_true",
+                          help="shard the model with torch FSDP2 (fully_shard each transformer layer, then "
+                               "the root) over the data-parallel ranks (TP=1, no checkpoints yet)")
     training.add_argument("--micro-batch-size", type=int, default=4)
     training.add_argument("--global-batch-size", type=int, default=None, help="default: micro batch * DP")
     training.add_argument("--train-iters", type=int, default=100)
@@ -226,7 +229,7 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, GP
     """Parse and check every flag before any process group exists; errors exit with one line."""
     args = build_parser().parse_args(argv)
     try:
-        validate_args(args, args.tensor_model_parallel_size)
+        validate_args(args, args.tensor_model_parallel_size, wraps_fully_shard=True)
         args.layer_wise_reduce_grads = args.use_layer_wise_distributed_optimizer  # no DDP here
         optimizer_config_from_args(args)
         layout = _layout(args)
@@ -345,6 +348,7 @@ def _check_training_flags(args: argparse.Namespace) -> None:
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise ValueError("--override-opt_param-scheduler (this run's lr schedule) and "
                          "--use-checkpoint-opt_param-scheduler (the checkpoint's) exclude each other; give one.")
+    _check_fsdp2_flags(args)
     if args.plot and not args.plot.endswith(".png"):
         raise ValueError(f"--plot writes a PNG; give a path ending in .png, got {args.plot!r}.")
     _check_wsd_flags(args)
@@ -355,6 +359,21 @@ def _check_training_flags(args: argparse.Namespace) -> None:
     except (TypeError, ValueError) as error:  # SchedulerConfig's field names -> this script's flags
         raise ValueError(re.sub(r"SchedulerConfig\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"),
                                 str(error))) from None
+
+
+def _check_fsdp2_flags(args: argparse.Namespace) -> None:
+    """What --use-torch-fsdp2 does not do yet, refused before anything is built."""
+    if not args.use_torch_fsdp2:
+        return
+    refused = [("--tensor-model-parallel-size > 1", args.tensor_model_parallel_size > 1),
+               ("--save/--load (FSDP2 checkpoints are not implemented yet)", bool(args.save or args.load)),
+               ("--use-distributed-optimizer (FSDP2 shards the optimizer state already)",
+                args.use_layer_wise_distributed_optimizer),
+               ("--log-params-norm", args.log_params_norm),
+               ("--bf16/--fp16 (fp32 main copies of DTensor shards are not implemented yet)", args.bf16 or args.fp16)]
+    for what, given in refused:
+        if given:
+            raise ValueError(f"--use-torch-fsdp2 does not support {what} yet.")
 
 
 def _check_wsd_flags(args: argparse.Namespace) -> None:
@@ -466,13 +485,16 @@ def train(args, settings, layout, device) -> list[dict]:
     from megatron.core import parallel_state
 
     model = build_gpt_model(settings, device)
+    dp_group = parallel_state.get_data_parallel_group()
+    if args.use_torch_fsdp2:
+        fully_shard_gpt(model, dp_group, device)
     config = optimizer_config_from_args(args, device)
     optimizer = get_megatron_optimizer(config, [model])
     scheduler = get_scheduler(config, scheduler_config(args), optimizer)
-    dp_group = parallel_state.get_data_parallel_group()
     batches = BatchSource(args, layout, parallel_state.get_data_parallel_rank())
+    # The layer-wise optimizer reduces onto owners itself; FSDP2 reduce-scatters (averages) in backward.
     grads = GradReducer(model, dp_group, args.accumulate_allreduce_grads_in_fp32,
-                        reduce_over_dp=not config.use_layer_wise_distributed_optimizer)  # that one reduces itself
+                        reduce_over_dp=not (config.use_layer_wise_distributed_optimizer or args.use_torch_fsdp2))
     log = Logger(args, layout.rank)
     tp_group = parallel_state.get_tensor_model_parallel_group()
     evaluator = Evaluator(args, batches.data.splits, batches.split_batches, gpt_loss, dp_group,
@@ -507,6 +529,18 @@ def train(args, settings, layout, device) -> list[dict]:
         evaluator.final(model, args.train_iters)
     log.close()
     return log.records
+
+
+def fully_shard_gpt(model: torch.nn.Module, dp_group, device: torch.device) -> None:
+    """Megatron-LM's --use-torch-fsdp2 layout: each transformer layer, then the root, sharded with
+    fully_shard over the data-parallel ranks (a 1-D mesh, FSDP2's default Shard(0) placement)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(dp_group, device.type)
+    for layer in model.decoder.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
 
 
 def resume(args: argparse.Namespace, model, optimizer, scheduler, log: Logger) -> int:

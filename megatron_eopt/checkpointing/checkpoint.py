@@ -75,6 +75,7 @@ def save_checkpoint(
     extra = _check_extra(extra)
     _finish_param_sync(optimizer)
     chunks = _as_chunks(model_chunks)
+    _refuse_fully_sharded(chunks)
     groups = resolve_parallel_groups(pg_collection)
     params = model_params(chunks, groups)
     group = checkpoint_group(groups)
@@ -129,6 +130,7 @@ def load_checkpoint(
     """
     _finish_param_sync(optimizer)  # a broadcast still in flight would overwrite what is loaded
     chunks = _as_chunks(model_chunks)
+    _refuse_fully_sharded(chunks)
     groups = resolve_parallel_groups(pg_collection)
     params = model_params(chunks, groups)
     group = checkpoint_group(groups)
@@ -255,6 +257,20 @@ def _ep_size(groups: Any, params: list) -> int:
 
 def _layout(groups: Any, params: list) -> tuple[int, int, int]:
     return _tp_size(groups), pipeline_size(groups), _ep_size(groups, params)
+
+
+def _refuse_fully_sharded(chunks: list[torch.nn.Module]) -> None:
+    """FSDP2 checkpoints are not implemented: each rank would store its rows as whole tensors."""
+    from torch.distributed.tensor import DTensor
+
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            if isinstance(param, DTensor):
+                raise CheckpointError(
+                    f"parameter {name!r} is a DTensor (torch FSDP2): megatron_eopt checkpoints do not "
+                    f"support fully_shard models yet. Use torch.distributed.checkpoint with the model's "
+                    f"state_dict() (DTensors) for now."
+                )
 
 
 def _as_chunks(model_chunks: Any) -> list[torch.nn.Module]:

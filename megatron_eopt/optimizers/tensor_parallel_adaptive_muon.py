@@ -21,6 +21,11 @@ normuon mean are those of the global shape, and means and norms over a sharded d
 summed over the TP group (at most two all-reduces per step, each of one flat buffer for all
 parameters). tp_mode='blockwise' treats every shard as a whole parameter: no communication,
 and the update depends on the TP degree.
+
+torch FSDP2 (`fsdp_shards`): the parameters are row shards (Shard(0)) of whole matrices over
+`fsdp_group`, orthogonalized once each, on an owner rank (ops/row_shards.py); the statistics
+are those of the whole matrices, summed over `fsdp_group` exactly as over a TP group that
+splits rows.
 """
 
 import typing
@@ -33,11 +38,13 @@ from emerging_optimizers import utils as eo_utils
 from emerging_optimizers.orthogonalized_optimizers.adaptive_muon import AdaptiveMuon, Moment2MethodT
 
 from megatron_eopt.ops.newton_schulz import NewtonSchulzSettings, orthogonalize_updates
+from megatron_eopt.ops.row_shards import RowShards, orthogonalize_row_shards
 from megatron_eopt.ops.splits import MatrixLayout
 from megatron_eopt.optimizers.tensor_parallel_muon import (
     check_muon_arguments,
     layouts_by_param,
     muon_use_syrk,
+    row_shards_by_param,
     warn_if_blockwise_splits,
 )
 
@@ -81,6 +88,9 @@ class TensorParallelAdaptiveMuon(AdaptiveMuon):
         use_syrk: request emerging_optimizers' SYRK Newton-Schulz kernel (AdaptiveMuon itself
             never uses it); `self.use_syrk` is what emerging_optimizers' Muon decides for this
             machine (off without Triton >= 3.4 or on an unvalidated GPU), and what the step uses.
+        fsdp_group: the data-parallel group over which FSDP2 splits the matrices by rows.
+        fsdp_shards: fqn -> RowShards (whole-matrix layout, rows per rank, owner) of every
+            parameter, each a row shard; given, `layouts` and `tp_group` must be empty.
 
     Checked here: tp_mode, lr, momentum, weight_decay, weight_decay_method, fp32_matmul_prec,
     coefficient_type, num_ns_steps, scale_mode, moment2_method, beta2, eps, that every
@@ -109,6 +119,8 @@ class TensorParallelAdaptiveMuon(AdaptiveMuon):
         tp_mode: str = "duplicated",
         tp_group: Optional[dist.ProcessGroup] = None,
         layouts: Optional[Mapping[str, MatrixLayout]] = None,
+        fsdp_group: Optional[dist.ProcessGroup] = None,
+        fsdp_shards: Optional[Mapping[str, RowShards]] = None,
     ) -> None:
         check_muon_arguments(tp_mode, lr, momentum, weight_decay, weight_decay_method, fp32_matmul_prec)
         if moment2_method not in MOMENT2_METHODS:
@@ -135,6 +147,14 @@ class TensorParallelAdaptiveMuon(AdaptiveMuon):
         self._layout_of = layouts_by_param(self.param_groups, dict(layouts or {}))
         warn_if_blockwise_splits(tp_mode, tp_group, list(self._layout_of.values()))
         self._view_of = {key: self._global_view(layout) for key, layout in self._layout_of.items()}
+        self.fsdp_group = fsdp_group
+        self._row_shards_of = row_shards_by_param(self.param_groups, fsdp_shards, fsdp_group, tp_group, layouts)
+        if self._row_shards_of is not None:
+            split = 0 if fsdp_group is not None and dist.get_world_size(fsdp_group) > 1 else -1
+            self._view_of = {key: _GlobalView(shards.layout.local_shape, split)
+                             for key, shards in self._row_shards_of.items()}
+        # Sums over a sharded dimension meet over the group that splits it.
+        self._reduce_group = tp_group if self._row_shards_of is None else fsdp_group
 
     def _global_view(self, layout: MatrixLayout) -> _GlobalView:
         tp_size = 1 if self.tp_group is None else dist.get_world_size(self.tp_group)
@@ -173,7 +193,15 @@ class TensorParallelAdaptiveMuon(AdaptiveMuon):
 
     def orthogonalize(self, p: torch.Tensor, grad: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """The raw (unscaled) orthogonalized update of one parameter (emerging_optimizers' hook)."""
-        return orthogonalize_updates([grad], [self._layout_of[id(p)]], self.tp_mode, self.tp_group, self.settings)[0]
+        return self._orthogonalize_all([p], [grad])[0]
+
+    def _orthogonalize_all(self, params: list[torch.Tensor], updates: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Raw orthogonalized updates of `params` (FSDP2 row shards or TP shards)."""
+        if self._row_shards_of is not None:
+            shards = [self._row_shards_of[id(p)] for p in params]
+            return orthogonalize_row_shards(updates, shards, self.fsdp_group, self.settings)
+        layouts = [self._layout_of[id(p)] for p in params]
+        return orthogonalize_updates(updates, layouts, self.tp_mode, self.tp_group, self.settings)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> None:
@@ -199,10 +227,7 @@ class TensorParallelAdaptiveMuon(AdaptiveMuon):
         if not pending:
             return None
         with eo_utils.fp32_matmul_precision(self.fp32_matmul_prec):
-            orthogonal = orthogonalize_updates(
-                [item.update for item in pending], [self._layout_of[id(item.param)] for item in pending],
-                self.tp_mode, self.tp_group, self.settings,
-            )
+            orthogonal = self._orthogonalize_all([item.param for item in pending], [item.update for item in pending])
         normalize = {"adamuon": self._adamuon, "normuon": self._normuon, "namo": self._namo}[self.moment2_method]
         for item, update in zip(pending, normalize(pending, orthogonal)):
             update = self._apply_muon_scale(update, *item.view.shape)
@@ -248,14 +273,14 @@ class TensorParallelAdaptiveMuon(AdaptiveMuon):
         return scaled
 
     def _all_reduce_sum(self, tensors: list[torch.Tensor]) -> None:
-        """Sum fp32 `tensors` over tp_group in place, with one collective for all of them.
+        """Sum fp32 `tensors` over the sharding group (TP, or FSDP2's) in place, one collective for all.
 
         Every rank has the same parameters in the same order, so the lists agree; empty on
-        every rank in blockwise mode or without TP, and then nothing is communicated.
+        every rank in blockwise mode or without sharding, and then nothing is communicated.
         """
         if not tensors:
             return
         flat = torch.cat([t.reshape(-1) for t in tensors])
-        dist.all_reduce(flat, group=self.tp_group)
+        dist.all_reduce(flat, group=self._reduce_group)
         for tensor, part in zip(tensors, flat.split([t.numel() for t in tensors])):
             tensor.copy_(part.view_as(tensor))

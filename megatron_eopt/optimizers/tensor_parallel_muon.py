@@ -13,6 +13,10 @@ of a block meet is `tp_mode` (see ops/newton_schulz.py), which also batches equa
 blocks into one Newton-Schulz call. On CPU, run with fp32_matmul_prec='highest': bf16 matrix
 products are emulated on CPUs without bf16 instructions (about 50x slower than fp32 on the
 AVX2 machine of README's Performance section).
+
+torch FSDP2 (`fsdp_shards`): the parameters are this rank's row shards (Shard(0)) of whole
+matrices over `fsdp_group`; momentum stays a shard, and each matrix's Newton-Schulz runs once,
+on its owner rank (ops/row_shards.py).
 """
 
 import dataclasses
@@ -28,6 +32,7 @@ from emerging_optimizers import utils as eo_utils
 from emerging_optimizers.orthogonalized_optimizers.muon import Muon
 
 from megatron_eopt.ops.newton_schulz import TP_MODES, NewtonSchulzSettings, orthogonalize_updates
+from megatron_eopt.ops.row_shards import RowShards, orthogonalize_row_shards
 from megatron_eopt.ops.splits import MatrixLayout
 
 def check_muon_arguments(tp_mode: str, lr: float, momentum: float, weight_decay: float,
@@ -68,6 +73,37 @@ def layouts_by_param(param_groups: list[dict], layouts: Mapping[str, MatrixLayou
                     f"parameter's {tuple(param.shape)}."
                 )
             by_param[id(param)] = layout
+    return by_param
+
+
+def row_shards_by_param(param_groups: list[dict], fsdp_shards: Optional[Mapping[str, RowShards]],
+                        fsdp_group: Optional[dist.ProcessGroup], tp_group: Optional[dist.ProcessGroup],
+                        layouts: Optional[Mapping[str, MatrixLayout]]) -> Optional[dict[int, RowShards]]:
+    """id(param) -> RowShards for an FSDP2 run (None otherwise), checked at construction."""
+    if fsdp_shards is None:
+        return None
+    if layouts or (tp_group is not None and dist.get_world_size(tp_group) > 1):
+        raise ValueError(
+            "fsdp_shards (torch FSDP2) cannot be combined with tensor-parallel layouts or a tp_group "
+            "of size > 1 yet; give the whole-matrix layouts inside fsdp_shards and no tp_group."
+        )
+    rank = 0 if fsdp_group is None else dist.get_rank(fsdp_group)
+    by_param = {}
+    for group in param_groups:
+        for param, name in zip(group["params"], group.get("param_fqns") or ()):
+            shards = fsdp_shards.get(name)
+            if shards is None:
+                raise ValueError(f"parameter {name!r} has no entry in fsdp_shards; every parameter needs one.")
+            expected = (shards.rows_by_rank[rank], shards.layout.local_shape[1])
+            if tuple(param.shape) != expected:
+                raise ValueError(
+                    f"parameter {name!r}: this rank ({rank}) holds a {tuple(param.shape)} shard, but its "
+                    f"row split {shards.rows_by_rank} of {shards.layout.local_shape} gives {expected}."
+                )
+            by_param[id(param)] = shards
+    missing = sum(len(g["params"]) for g in param_groups) - len(by_param)
+    if missing:
+        raise ValueError(f"{missing} parameters have no 'param_fqns' name; fsdp_shards needs them named.")
     return by_param
 
 
@@ -135,6 +171,9 @@ class TensorParallelMuon(Muon):
         layouts: fqn -> MatrixLayout for parameters that are shards or fused; param groups
             name their parameters in 'param_fqns'. A parameter without a layout is a whole,
             unfused matrix.
+        fsdp_group: the data-parallel group over which FSDP2 splits the matrices by rows.
+        fsdp_shards: fqn -> RowShards (whole-matrix layout, rows per rank, owner) of every
+            parameter, each a row shard; given, `layouts` and `tp_group` must be empty.
     `use_syrk` is a request: `self.use_syrk` is what emerging_optimizers' Muon decided for this
     machine (off without Triton >= 3.4 or on an unvalidated GPU), and what the step uses.
     """
@@ -157,6 +196,8 @@ class TensorParallelMuon(Muon):
         tp_mode: str = "duplicated",
         tp_group: Optional[dist.ProcessGroup] = None,
         layouts: Optional[Mapping[str, MatrixLayout]] = None,
+        fsdp_group: Optional[dist.ProcessGroup] = None,
+        fsdp_shards: Optional[Mapping[str, RowShards]] = None,
     ) -> None:
         check_muon_arguments(tp_mode, lr, momentum, weight_decay, weight_decay_method, fp32_matmul_prec)
         # Checked here, before the backend checks them with its own messages.
@@ -173,10 +214,20 @@ class TensorParallelMuon(Muon):
         self.tp_group = tp_group
         self._layout_of = layouts_by_param(self.param_groups, dict(layouts or {}))
         warn_if_blockwise_splits(tp_mode, tp_group, list(self._layout_of.values()))
+        self.fsdp_group = fsdp_group
+        self._row_shards_of = row_shards_by_param(self.param_groups, fsdp_shards, fsdp_group, tp_group, layouts)
 
     def orthogonalize(self, p: torch.Tensor, grad: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """The scaled orthogonalized update of one parameter (emerging_optimizers' hook)."""
-        return orthogonalize_updates([grad], [self._layout_of[id(p)]], self.tp_mode, self.tp_group, self.settings)[0]
+        return self._orthogonalize_all([p], [grad])[0]
+
+    def _orthogonalize_all(self, params: list[torch.Tensor], updates: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Scaled orthogonalized updates of `params` (FSDP2 row shards or TP shards)."""
+        if self._row_shards_of is not None:
+            shards = [self._row_shards_of[id(p)] for p in params]
+            return orthogonalize_row_shards(updates, shards, self.fsdp_group, self.settings)
+        layouts = [self._layout_of[id(p)] for p in params]
+        return orthogonalize_updates(updates, layouts, self.tp_mode, self.tp_group, self.settings)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> None:
@@ -199,10 +250,7 @@ class TensorParallelMuon(Muon):
                 update = p.grad.lerp(momentum, group["momentum"]) if self.nesterov else momentum
                 pending.append((group, p, update))
         with eo_utils.fp32_matmul_precision(self.fp32_matmul_prec):
-            orthogonal = orthogonalize_updates(
-                [u for _, _, u in pending], [self._layout_of[id(p)] for _, p, _ in pending],
-                self.tp_mode, self.tp_group, self.settings,
-            )
+            orthogonal = self._orthogonalize_all([p for _, p, _ in pending], [u for _, _, u in pending])
         for (group, p, _), update in zip(pending, orthogonal):
             self.pre_weight_update_fn_inplace(p, update)
             p.add_(update, alpha=-group["lr"])

@@ -174,7 +174,9 @@ def test_support_facts_are_the_documented_ones():
     supports = {name: registry.lookup_optimizer(name).support for name in names}
     assert {n for n, s in supports.items() if not s.tensor_parallel} == TP_REFUSED
     assert {n for n, s in supports.items() if s.fp16} == LOSS_SCALING
-    assert all(s.layer_wise and s.bf16 and not s.fsdp2 for s in supports.values())
+    assert all(s.layer_wise and s.bf16 for s in supports.values())
+    # FSDP2: elementwise optimizers step local shards; Muon and AdaptiveMuon take row shards (fsdp_shards).
+    assert {n for n, s in supports.items() if s.fsdp2} == {"adam", "sgd", "lion", "laprop", "muon", "adaptive_muon"}
 
 
 def test_readme_support_table_is_the_generated_one():
@@ -185,7 +187,8 @@ def test_readme_support_table_is_the_generated_one():
     assert in_readme == registry.support_table_markdown(), "run: .venv/bin/python tools/render_support_table.py"
     rows = {line.split(" | ")[0].strip("| "): line for line in in_readme.splitlines()[2:]}
     assert rows["soap"] == "| soap | no | yes | no | yes | no |"
-    assert rows["adam"] == "| adam | yes | yes | no | yes | yes |"
+    assert rows["adam"] == "| adam | yes | yes | yes | yes | yes |"
+    assert rows["muon"] == "| muon | yes | yes | yes | yes | no |"
 
 
 @pytest.fixture(scope="module")
@@ -218,8 +221,13 @@ def test_unsupported_combinations_exit_2_with_one_line(parser, capsys):
     assert err.count("\n") == 1 and "--tensor-model-parallel-size 2 is not supported with --optimizer soap" in err
     namespace = validate_args(parser.parse_args(["--optimizer", "adam"]))
     namespace.use_torch_fsdp2 = True  # as Megatron-LM's own parser sets it
-    with pytest.raises(ValueError, match=r"^--use-torch-fsdp2 is not supported with --optimizer adam \(FSDP2 is not "
-                                         r"implemented yet; no optimizer does yet\)\.$"):
+    with pytest.raises(ValueError, match=r"^--use-torch-fsdp2 is not supported by this trainer yet .*"
+                                         r"with --optimizer adam, get_megatron_optimizer accepts"):
+        validate_args(namespace)
+    namespace = validate_args(parser.parse_args(["--optimizer", "soap"]))
+    namespace.use_torch_fsdp2 = True
+    with pytest.raises(ValueError, match=r"^--use-torch-fsdp2 is not supported with --optimizer soap \(it works on "
+                                         r"whole matrices and does not take FSDP2 row shards"):
         validate_args(namespace)
 
 

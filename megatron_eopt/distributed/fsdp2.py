@@ -1,0 +1,188 @@
+"""Models sharded with torch FSDP2 (`torch.distributed.fsdp.fully_shard`): DTensor parameters.
+
+`fully_shard` turns every parameter into a DTensor on a 1-D DeviceMesh with placement Shard(0):
+rank r of the mesh holds rows `torch.chunk(rows, N)[r]` (uneven, possibly none). This module
+- checks that layout, naming the parameter and placement it cannot handle;
+- takes the data-parallel group from the parameters' mesh (no megatron-core parallel_state);
+- restores the routing facts `fully_shard` drops from parameters (megatron-core's attributes
+  `is_embedding_or_output_parameter`, `tensor_model_parallel`, `partition_dim`, `allreduce`),
+  from module types and names alone: lookup tables are found by module type (as for any model),
+  the output layer by its megatron-core name `output_layer.weight`; tensor parallelism and
+  expert parallelism are refused (not implemented with FSDP2);
+- assigns each Muon-routed matrix an owner rank by Newton-Schulz cost (the layer-wise
+  optimizer's `assign_owners`), who runs its whole-matrix Newton-Schulz (ops/row_shards.py);
+- wraps the inner optimizers so that they step plain tensors aliasing each DTensor's local
+  shard (`FullyShardedFP32Optimizer`): optimizer state is created per shard, 1/N of the memory,
+  elementwise optimizers (Adam, Lion) step shards directly, and the gradient norm and inf/NaN
+  check are summed over the mesh's group, so clipping and skipping agree on every rank.
+"""
+
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+from megatron_eopt.distributed.layer_wise import assign_owners
+from megatron_eopt.distributed.process_groups import ParallelGroups, ProcessGroup, group_size
+from megatron_eopt.ops.row_shards import RowShards, chunk_rows
+from megatron_eopt.ops.splits import MatrixLayout
+from megatron_eopt.param_groups import ParamRecord, named_trainable_parameters
+from megatron_eopt.wrappers.fp32 import FP32Optimizer
+
+# megatron-core's language models name their LM head `output_layer` (GPTModel, MambaModel); its
+# weight is what megatron-core tags is_embedding_or_output_parameter besides the embedding.
+OUTPUT_LAYER_NAMES = ("output_layer.weight", "*.output_layer.weight")
+# megatron-core's routed experts (not `shared_experts`): expert parallelism is not supported here.
+EXPERT_NAMES = ("*.experts.*",)
+
+
+@dataclass(frozen=True)
+class FullyShardedLayout:
+    """A FSDP2 model's data-parallel group and the row split of every trainable parameter."""
+
+    group: ProcessGroup
+    rows_by_rank: dict[str, tuple[int, ...]]  # fqn -> rows each rank holds (dim 0)
+
+    def parallel_groups(self) -> ParallelGroups:
+        """Data parallel = the mesh's group; no tensor/pipeline parallelism (size 1)."""
+        return ParallelGroups.from_groups(tp=None, mp=None, dp_cp=self.group, tp_dp_cp=self.group)
+
+    def row_shards(self, records: list[ParamRecord], layouts: dict[str, MatrixLayout]) -> dict[str, RowShards]:
+        """fqn -> RowShards of the matrices in `records`, owners balanced by Newton-Schulz cost.
+
+        `layouts` are of the whole matrices (a DTensor's shape is the global shape).
+        """
+        owners = assign_owners(records, {r.fqn for r in records}, group_size(self.group), 1)
+        return {r.fqn: RowShards(layouts[r.fqn], self.rows_by_rank[r.fqn], owners[r.fqn]) for r in records}
+
+
+def fully_sharded_layout(chunks: list[torch.nn.Module]) -> Optional[FullyShardedLayout]:
+    """The layout of a model sharded with `fully_shard`; None when no parameter is a DTensor.
+
+    Raises (naming the parameter) for a mix of DTensor and plain trainable parameters, a
+    placement other than Shard(0) on a 1-D mesh, parameters on different meshes, or expert
+    parameters.
+    """
+    named = named_trainable_parameters(chunks)
+    sharded = [(fqn, p) for fqn, _, p in named if isinstance(p, DTensor)]
+    if not sharded:
+        return None
+    plain = [fqn for fqn, _, p in named if not isinstance(p, DTensor)]
+    if plain:
+        raise TypeError(
+            f"parameter {plain[0]!r} is a plain tensor, but parameter {sharded[0][0]!r} is a DTensor "
+            f"(torch FSDP2): a model's trainable parameters must be all DTensors or all plain tensors. "
+            f"fully_shard the module holding {plain[0]!r} too (e.g. fully_shard the root module), or "
+            f"freeze it (requires_grad=False)."
+        )
+    for fqn, param in sharded:
+        _check_placement(fqn, param)
+        _check_not_expert(fqn)
+    group = _common_group(sharded)
+    size = group_size(group)
+    return FullyShardedLayout(group, {fqn: chunk_rows(p.shape[0], size) for fqn, p in sharded})
+
+
+def _check_placement(fqn: str, param: DTensor) -> None:
+    placements = tuple(param.placements)
+    if param.device_mesh.ndim != 1 or placements != (Shard(0),) or param.dim() < 1:
+        raise ValueError(
+            f"parameter {fqn!r}: DTensor placement {placements} on a {param.device_mesh.ndim}-D mesh "
+            f"(shape {tuple(param.shape)}) is not supported; megatron_eopt handles torch FSDP2's default, "
+            f"Shard(0) on a 1-D mesh (fully_shard without a custom shard_placement_fn)."
+        )
+
+
+def _check_not_expert(fqn: str) -> None:
+    if any(fnmatchcase(fqn, pattern) for pattern in EXPERT_NAMES) and ".shared_experts." not in fqn:
+        raise ValueError(
+            f"parameter {fqn!r} is an expert weight; expert parallelism with torch FSDP2 is not "
+            f"supported yet (it needs the expert data-parallel group). Use megatron-core DDP with the "
+            f"layer-wise distributed optimizer for MoE models."
+        )
+
+
+def _common_group(sharded: list[tuple[str, DTensor]]) -> ProcessGroup:
+    first_fqn, first = sharded[0]
+    for fqn, param in sharded[1:]:
+        if param.device_mesh != first.device_mesh:
+            raise ValueError(
+                f"parameters {first_fqn!r} and {fqn!r} are on different DeviceMeshes ({first.device_mesh} "
+                f"and {param.device_mesh}); fully_shard every module over one mesh."
+            )
+    return first.device_mesh.get_group()
+
+
+def check_fully_sharded_config(config: Any, pg_collection: Any) -> None:
+    """Refuse settings the FSDP2 path does not implement, before anything is built."""
+    refused = [
+        ("use_layer_wise_distributed_optimizer", config.use_layer_wise_distributed_optimizer,
+         "FSDP2 already shards the state; set use_distributed_optimizer=False"),
+        ("bf16", config.bf16, "keep FSDP2's sharded parameters in fp32 and compute in bf16 with "
+         "fully_shard(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))"),
+        ("fp16", config.fp16, "fp16 loss scaling is not implemented for FSDP2"),
+    ]
+    for field, value, how in refused:
+        if value:
+            raise ValueError(f"{field}=True is not supported for a torch FSDP2 (DTensor) model: {how}.")
+    if pg_collection is not None:
+        tp = getattr(pg_collection, "tp", None)
+        if tp is not None and dist.get_world_size(tp) > 1:
+            raise ValueError(
+                f"pg_collection has a tensor-parallel group of size {dist.get_world_size(tp)}; tensor "
+                f"parallelism combined with torch FSDP2 is not supported yet. Omit pg_collection for a "
+                f"pure FSDP2 model: the data-parallel group comes from the parameters' DeviceMesh."
+            )
+    if config.decoupled_lr is not None:
+        raise ValueError(
+            "decoupled_lr is set, but torch FSDP2 drops megatron-core's is_embedding_or_output_parameter "
+            "attribute that the standard override matches on; pass config_overrides with a name key "
+            "(e.g. ParamKey(name=('embedding.word_embeddings.weight', 'output_layer.weight'))) and leave "
+            "decoupled_lr unset."
+        )
+
+
+class FullyShardedFP32Optimizer(FP32Optimizer):
+    """FP32Optimizer over the local shards of fp32 DTensor parameters.
+
+    Its main parameters are plain tensors aliasing each DTensor's local shard (no copy), so the
+    inner optimizer steps and keeps state per shard; their gradients are the local shards of the
+    DTensor gradients. The aliases are refreshed every step, since FSDP2 may re-create a shard's
+    storage (its lazy init re-pads shards after `load_state_dict(assign=True)`).
+    """
+
+    def _make_main_param(self, param: torch.nn.Parameter) -> torch.nn.Parameter:
+        if not isinstance(param, DTensor) or param.dtype != torch.float32:
+            raise TypeError(
+                f"FullyShardedFP32Optimizer steps float32 DTensor parameters (torch FSDP2); got "
+                f"{type(param).__name__} of {param.dtype}."
+            )
+        with torch.no_grad():
+            return torch.nn.Parameter(param.to_local(), requires_grad=False)
+
+    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
+                           metadata: Optional[dict] = None) -> dict:
+        raise ValueError(
+            "sharded_state_dict() (megatron-core dist_checkpointing) is not supported for torch FSDP2 "
+            "models yet; state_dict() holds this rank's rows of every state tensor, keyed by parameter name."
+        )
+
+    def _prepare_main_grads(self) -> None:
+        with torch.no_grad():
+            for param, main, record in zip(self.model_params, self.main_params, self.records):
+                main.data = param.to_local()
+                main.grad = None if param.grad is None else _local_grad(record.fqn, param.grad)
+
+
+def _local_grad(fqn: str, grad: torch.Tensor) -> torch.Tensor:
+    if not isinstance(grad, DTensor) or tuple(grad.placements) != (Shard(0),):
+        placement = tuple(grad.placements) if isinstance(grad, DTensor) else "a plain tensor"
+        raise ValueError(
+            f"parameter {fqn!r}: its gradient is {placement}; a torch FSDP2 parameter's gradient must "
+            f"be a DTensor with placement Shard(0), like the parameter (FSDP2's reduce-scatter gives one)."
+        )
+    return grad.to_local()
+

@@ -1,0 +1,128 @@
+"""Newton-Schulz of matrices split by rows over a data-parallel group (torch FSDP2's Shard(0)).
+
+FSDP2 gives rank r rows `torch.chunk(rows, N)[r]` of every matrix: uneven when N does not divide
+the rows, and empty on the last ranks when there are fewer rows than ranks. Each matrix has one
+owner rank (chosen by the caller, balancing Newton-Schulz cost). A step:
+1. one all_to_all_single sends every rank's row shard of each matrix to its owner (explicit
+   split sizes, so uneven and empty shards need no padding);
+2. each owner stacks the rows into the whole matrix, splits it into its blocks (q/k/v of a fused
+   linear_qkv, gate/up of a gated linear_fc1) and orthogonalizes its blocks, equal shapes
+   batched (`orthogonalize_batched`, the path every other mode takes, so the result is bitwise
+   that of the unsharded optimizer);
+3. a second all_to_all_single sends each rank its rows of the result.
+Each rank sends (and receives) its shard of every matrix once in each direction: two shard
+volumes per matrix, the lower bound for one owner per matrix. No collective runs over a group
+other than the one given.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_eopt.ops.newton_schulz import NewtonSchulzSettings, orthogonalize_batched
+from megatron_eopt.ops.splits import MatrixLayout, merge_blocks, split_blocks
+
+
+@dataclass(frozen=True)
+class RowShards:
+    """How one matrix is split by rows over the group, and which rank orthogonalizes it."""
+
+    layout: MatrixLayout  # of the whole matrix (its global shape and fused blocks)
+    rows_by_rank: tuple[int, ...]  # rows each rank of the group holds
+    owner: int  # rank in the group that runs its Newton-Schulz
+
+    def __post_init__(self) -> None:
+        rows, _ = self.layout.local_shape
+        if sum(self.rows_by_rank) != rows or not 0 <= self.owner < len(self.rows_by_rank):
+            raise ValueError(
+                f"parameter {self.layout.name!r}: row shards {self.rows_by_rank} (owner {self.owner}) "
+                f"do not cover its {rows} rows over {len(self.rows_by_rank)} ranks."
+            )
+
+
+def chunk_rows(rows: int, num_ranks: int) -> tuple[int, ...]:
+    """Rows per rank as `torch.chunk` (and so FSDP2 and DTensor's Shard(0)) splits them."""
+    if num_ranks < 1:
+        raise ValueError(f"num_ranks must be >= 1; got {num_ranks}.")
+    per_rank = -(-rows // num_ranks)  # ceil: chunk's piece size; later ranks get less or nothing
+    return tuple(max(0, min(per_rank, rows - rank * per_rank)) for rank in range(num_ranks))
+
+
+def orthogonalize_row_shards(
+    updates: list[torch.Tensor],
+    shards: list[RowShards],
+    group: Optional[dist.ProcessGroup],
+    settings: NewtonSchulzSettings,
+) -> list[torch.Tensor]:
+    """This rank's rows of the scaled orthogonalized update of every matrix (module docstring).
+
+    `updates[i]` is this rank's row shard of matrix i. Every rank of `group` must call this with
+    the same matrices in the same order.
+    """
+    size = 1 if group is None else dist.get_world_size(group)
+    rank = 0 if group is None else dist.get_rank(group)
+    device = updates[0].device if updates else torch.device("cpu")
+    mine = [i for i, s in enumerate(shards) if s.owner == rank]
+    cols = [s.layout.local_shape[1] for s in shards]
+
+    # 1. Row shards to their owners.
+    gathered = _exchange(
+        [[updates[i] for i, s in enumerate(shards) if s.owner == dest] for dest in range(size)],
+        [[(shards[i].rows_by_rank[src], cols[i]) for i in mine] for src in range(size)],
+        group, device,
+    )
+    # 2. Owners orthogonalize the whole matrices, block by block.
+    wholes = [torch.cat([gathered[src][k] for src in range(size)]) for k in range(len(mine))]
+    orthogonal = _orthogonalize_wholes(wholes, [shards[i].layout for i in mine], settings)
+    # 3. Every rank gets its rows back.
+    back = _exchange(
+        [[o.split(shards[i].rows_by_rank)[dest] for i, o in zip(mine, orthogonal)] for dest in range(size)],
+        [[tuple(updates[i].shape) for i, s in enumerate(shards) if s.owner == src] for src in range(size)],
+        group, device,
+    )
+    results: list[torch.Tensor] = [torch.empty(0)] * len(updates)
+    for src in range(size):
+        for i, rows in zip([i for i, s in enumerate(shards) if s.owner == src], back[src]):
+            results[i] = rows.to(updates[i].dtype)
+    return results
+
+
+def _orthogonalize_wholes(wholes: list[torch.Tensor], layouts: list[MatrixLayout],
+                          settings: NewtonSchulzSettings) -> list[torch.Tensor]:
+    """Scaled orthogonalization of each whole matrix's blocks, all blocks batched together."""
+    blocks = [split_blocks(whole, layout) for whole, layout in zip(wholes, layouts)]
+    scales = [settings.scale(*shape) for layout in layouts for shape in layout.global_block_shapes()]
+    results = orthogonalize_batched([b for per_matrix in blocks for b in per_matrix], scales, settings)
+    merged, start = [], 0
+    for per_matrix, layout in zip(blocks, layouts):
+        merged.append(merge_blocks(results[start:start + len(per_matrix)], layout))
+        start += len(per_matrix)
+    return merged
+
+
+def _exchange(send: list[list[torch.Tensor]], receive_shapes: list[list[tuple[int, int]]],
+              group: Optional[dist.ProcessGroup], device: torch.device) -> list[list[torch.Tensor]]:
+    """Send the tensors `send[r]` to rank r; receive fp32 tensors of `receive_shapes[r]` from it.
+
+    One all_to_all_single over flat fp32 buffers with explicit split sizes (shards may be uneven
+    or empty). The returned views keep the received buffer alive until the caller drops them.
+    """
+    send_splits = [sum(t.numel() for t in row) for row in send]
+    receive_splits = [sum(r * c for r, c in row) for row in receive_shapes]
+    flat = [t.reshape(-1).float() for row in send for t in row]
+    send_buffer = torch.cat(flat) if flat else torch.empty(0, device=device)
+    receive_buffer = torch.empty(sum(receive_splits), dtype=torch.float32, device=device)
+    if group is None:
+        receive_buffer.copy_(send_buffer)
+    else:
+        dist.all_to_all_single(receive_buffer, send_buffer, receive_splits, send_splits, group=group)
+    received, offset = [], 0
+    for row in receive_shapes:
+        tensors = []
+        for rows, cols in row:
+            tensors.append(receive_buffer[offset:offset + rows * cols].view(rows, cols))
+            offset += rows * cols
+        received.append(tensors)
+    return received

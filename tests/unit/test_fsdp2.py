@@ -1,0 +1,273 @@
+"""get_megatron_optimizer on models sharded with torch FSDP2 (`fully_shard`, DTensor Shard(0)).
+
+Reference: our own unsharded get_megatron_optimizer (tested elsewhere against torch and
+megatron-core) on an unsharded copy of the same model, stepped with the same global gradients.
+The FSDP2 model gets those gradients as DTensors (each rank its Shard(0) rows), so both runs
+see exactly the same numbers; after 3 steps every parameter's full tensor must match within
+1e-5 (fp32, muon_fp32_matmul_prec='highest': the Newton-Schulz is the same batched call on the
+owner; what differs is the order in which the gradient norm's squares are summed, so the match
+is at round-off level, about 1e-7). Optimizers: muon, adam, and adaptive_muon with normuon
+(whole-matrix means and norms summed over the FSDP group). The routing (which
+optimizer and param group each parameter gets) must equal the unsharded model's, although
+fully_shard dropped megatron-core's parameter attributes. World sizes 3 and 4 give uneven
+shards and, for the 5x7 matrix at 4 ranks, a rank with no rows.
+"""
+
+import copy
+import time
+
+import pytest
+import torch
+
+from megatron_eopt import OptimizerConfig, get_megatron_optimizer
+from scripts.gpt_model import GPTModelSettings, build_gpt_model, destroy_model_parallel, initialize_model_parallel
+
+SETTINGS = GPTModelSettings(num_layers=2, hidden_size=32, num_attention_heads=8, num_query_groups=4,
+                            ffn_hidden_size=48, swiglu=True, vocab_size=64, seq_length=16)
+TOLERANCE = 1e-5
+STEPS = 3
+
+
+OPTIMIZERS = ("muon", "adam", "adaptive_muon")
+
+
+def config_for(optimizer: str) -> OptimizerConfig:
+    # adaptive_muon with normuon: its row/column means and Frobenius norms are whole-matrix
+    # statistics, summed over the FSDP group.
+    return OptimizerConfig(optimizer=optimizer, lr=1e-3 if optimizer == "adam" else 0.02, min_lr=0.0,
+                           weight_decay=0.05, clip_grad=1.0, muon_momentum=0.9,
+                           muon_fp32_matmul_prec="highest", adaptive_muon_moment2_method="normuon")
+
+
+def global_grads(model: torch.nn.Module, step: int) -> dict[str, torch.Tensor]:
+    """Deterministic full gradients, the same on every rank (std 1: clipping at 1.0 is active)."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    return {name: torch.randn(p.shape, generator=generator) for name, p in model.named_parameters()}
+
+
+def set_grads(reference: torch.nn.Module, sharded: torch.nn.Module, grads: dict) -> None:
+    for name, p in reference.named_parameters():
+        p.grad = grads[name].clone()
+    set_sharded_grads(sharded, grads)
+
+
+def set_sharded_grads(sharded: torch.nn.Module, grads: dict) -> None:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    for name, p in sharded.named_parameters():
+        # src_data_rank=None: each rank keeps its own chunk of its own (identical) copy.
+        p.grad = distribute_tensor(grads[name], p.device_mesh, [Shard(0)], src_data_rank=None)
+
+
+def routing_of(optimizer) -> list[tuple[str, list[str]]]:
+    return [(g["group_key"], list(g["param_fqns"])) for g in optimizer.param_groups]
+
+
+def state_numel(optimizer) -> int:
+    return sum(t.numel() for child in optimizer.chained_optimizers for s in child.state.values()
+               for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+
+
+def step_both(reference: torch.nn.Module, sharded: torch.nn.Module, config: OptimizerConfig) -> dict:
+    """Build both optimizers, take STEPS steps with the same gradients, compare everything."""
+    reference_opt = get_megatron_optimizer(config, [reference], pg_collection=_single_process())
+    start = time.perf_counter()
+    sharded_opt = get_megatron_optimizer(config, [sharded])  # no pg_collection, no parallel_state
+    build_s = time.perf_counter() - start
+    results, step_s = [], 0.0
+    for step in range(STEPS):
+        set_grads(reference, sharded, global_grads(reference, step))
+        expected = reference_opt.step()
+        start = time.perf_counter()
+        got = sharded_opt.step()
+        step_s += time.perf_counter() - start
+        results.append((expected, got))
+    full = dict(reference.named_parameters())
+    errors = {name: (p.full_tensor() - full[name]).abs().max().item() for name, p in sharded.named_parameters()}
+    return {
+        "errors": errors, "results": results, "build_s": build_s, "step_s": step_s / STEPS,
+        "routing": (routing_of(reference_opt), routing_of(sharded_opt)),
+        "state": (state_numel(reference_opt), state_numel(sharded_opt)),
+    }
+
+
+def _single_process():
+    from megatron_eopt.distributed.process_groups import ParallelGroups
+
+    return ParallelGroups.single_process()  # the reference is one unsharded replica
+
+
+def _mesh(world_size: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world_size,))
+
+
+def build_gpt() -> torch.nn.Module:
+    """megatron-core's GPTModel, the same on every call and rank (seeded); parallel_state is
+    set up only to build it and torn down again: the FSDP2 optimizer must not need it."""
+    initialize_model_parallel(1, seed=11)
+    try:
+        return build_gpt_model(SETTINGS)
+    finally:
+        destroy_model_parallel()
+
+
+def _gpt_body(rank: int, world_size: int) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = _mesh(world_size)
+    runs = {}
+    for optimizer in OPTIMIZERS:
+        model, sharded = build_gpt(), build_gpt()  # megatron's modules hold process groups: no deepcopy
+        for layer in sharded.decoder.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(sharded, mesh=mesh)
+        runs[optimizer] = step_both(model, sharded, config_for(optimizer))
+    return runs
+
+
+class Plain(torch.nn.Module):
+    """Matrices of 30x16, 72x20 and 5x7 (fewer rows than 4 ranks get one each), a bias, a norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(16, 30, bias=False)
+        self.b = torch.nn.Linear(20, 72)
+        self.c = torch.nn.Linear(7, 5, bias=False)
+        self.norm = torch.nn.LayerNorm(16)
+
+
+def _plain_body(rank: int, world_size: int) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(3)
+    reference = Plain()
+    mesh = _mesh(world_size)
+    runs = {}
+    for optimizer in OPTIMIZERS:
+        model, sharded = copy.deepcopy(reference), copy.deepcopy(reference)
+        fully_shard(sharded, mesh=mesh)
+        runs[optimizer] = step_both(model, sharded, config_for(optimizer))
+        runs[optimizer]["local_rows"] = {n: p.to_local().shape[0] for n, p in sharded.named_parameters()}
+        runs[optimizer]["skip"] = _nan_on_one_rank(sharded, config_for(optimizer))
+    return runs
+
+
+def _nan_on_one_rank(sharded: torch.nn.Module, config: OptimizerConfig) -> dict:
+    """A NaN in rank 0's shard only: every rank skips, and no parameter changes."""
+    optimizer = get_megatron_optimizer(config, [sharded])
+    set_sharded_grads(sharded, global_grads(sharded, 99))
+    if torch.distributed.get_rank() == 0:
+        sharded.c.weight.grad.to_local()[0, 0] = float("nan")
+    before = {n: p.to_local().clone() for n, p in sharded.named_parameters()}
+    result = optimizer.step()
+    changed = [n for n, p in sharded.named_parameters() if not torch.equal(p.to_local(), before[n])]
+    return {"result": result, "changed": changed}
+
+
+def _bad_input_body(rank: int, world_size: int) -> dict:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = _mesh(world_size)
+    config = config_for("muon")
+    messages = {}
+
+    mixed = Plain()
+    fully_shard(mixed.a, mesh=mesh)  # b, c and norm stay plain tensors
+    messages["mixed"] = _error_of(lambda: get_megatron_optimizer(config, [mixed]))
+    for name, placement in (("shard1", Shard(1)), ("replicate", Replicate())):
+        model = Plain()
+        for module in (model.a, model.b, model.c, model.norm):
+            for pname, p in list(module.named_parameters()):
+                value = distribute_tensor(p.detach(), mesh, [placement if p.dim() == 2 else Shard(0)])
+                setattr(module, pname, torch.nn.Parameter(value))
+        messages[name] = _error_of(lambda: get_megatron_optimizer(config, [model]))
+    sharded = Plain()
+    fully_shard(sharded, mesh=mesh)
+    messages["soap"] = _error_of(lambda: get_megatron_optimizer(OptimizerConfig(optimizer="soap", lr=0.01), [sharded]))
+    from megatron_eopt.checkpointing.checkpoint import save_checkpoint
+
+    messages["checkpoint"] = _error_of(lambda: save_checkpoint("/nonexistent/fsdp2", 1, [sharded]))
+    return messages
+
+
+def _error_of(build) -> tuple[str, str]:
+    try:
+        build()
+    except (TypeError, ValueError) as error:
+        return type(error).__name__, str(error)
+    return "none", ""
+
+
+def check_run(run: dict, label: str) -> None:
+    bad = {name: e for name, e in run["errors"].items() if not e <= TOLERANCE}
+    assert not bad, (label, bad)
+    assert run["routing"][0] == run["routing"][1], (label, run["routing"])
+    for expected, got in run["results"]:
+        assert expected[0] and got[0], (label, expected, got)
+        assert abs(expected[1] - got[1]) <= 1e-5 * expected[1], (label, expected, got)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_gpt_fsdp2_steps_equal_unsharded(run_distributed, world_size: int) -> None:
+    for rank, runs in enumerate(run_distributed(_gpt_body, world_size=world_size, timeout=600)):
+        for optimizer, run in runs.items():
+            check_run(run, (world_size, rank, optimizer))
+        muon_groups = [g for g, _ in runs["muon"]["routing"][1] if g.startswith("muon/")]
+        routed = {f for g, fqns in runs["muon"]["routing"][1] for f in fqns if g.startswith("muon/")}
+        assert muon_groups and "output_layer.weight" not in routed  # the LM head went to Adam
+        assert "decoder.layers.0.self_attention.linear_qkv.weight" in routed
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_plain_model_uneven_shards(run_distributed, world_size: int) -> None:
+    per_rank = run_distributed(_plain_body, world_size=world_size, timeout=600)
+    for rank, runs in enumerate(per_rank):
+        for optimizer, run in runs.items():
+            check_run(run, (world_size, rank, optimizer))
+            full_state, local_state = run["state"]
+            assert local_state < full_state, (optimizer, rank, run["state"])
+            skip = run["skip"]
+            assert skip["result"] == (False, None, None) and not skip["changed"], (optimizer, rank, skip)
+    # The shards' state adds up to the full state (adaptive_muon's normuon keeps a small
+    # replicated column-mean buffer for wide matrices, so only "smaller" holds for it).
+    for optimizer in ("muon", "adam"):
+        assert sum(r[optimizer]["state"][1] for r in per_rank) == per_rank[0][optimizer]["state"][0]
+    if world_size == 4:
+        assert per_rank[3]["muon"]["local_rows"]["c.weight"] == 0  # 5 rows: 2, 2, 1, 0
+
+
+def test_bad_input_names_parameter_and_placement(run_distributed) -> None:
+    messages = run_distributed(_bad_input_body, world_size=2, timeout=300)[0]
+    kind, text = messages["mixed"]
+    assert kind == "TypeError" and "'b.weight'" in text and "DTensor" in text, messages["mixed"]
+    for name, placement in (("shard1", "Shard(dim=1)"), ("replicate", "Replicate()")):
+        kind, text = messages[name]
+        assert kind == "ValueError" and "'a.weight'" in text and placement in text, messages[name]
+    kind, text = messages["soap"]
+    assert kind == "ValueError" and "FSDP2" in text and "'soap'" in text, messages["soap"]
+    kind, text = messages["checkpoint"]  # not implemented yet: refused, never written half-right
+    assert kind == "CheckpointError" and "FSDP2" in text and "'a.weight'" in text, messages["checkpoint"]
+
+
+PRETRAIN_ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+                 "--group-query-attention", "--num-query-groups", "2", "--swiglu",
+                 "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "20", "--lr", "1e-2",
+                 "--log-interval", "1", "--eval-iters", "0", "--optimizer", "muon",
+                 "--muon-fp32-matmul-prec", "highest"]
+
+
+def test_pretrain_gpt_fsdp2_equals_layer_wise(run_distributed):
+    """scripts/pretrain_gpt.py --use-torch-fsdp2 against the layer-wise distributed optimizer (an
+    independent layout of the same math): same seed, data and global batch, fp32, 20 iterations."""
+    from tests.pretrain_gpt_in_process import run_pretrain_gpt
+
+    fsdp2 = run_distributed(run_pretrain_gpt, 2, args=(PRETRAIN_ARGV + ["--use-torch-fsdp2"],), timeout=600)
+    layer_wise = run_distributed(run_pretrain_gpt, 2, args=(PRETRAIN_ARGV + ["--use-distributed-optimizer"],),
+                                 timeout=600)
+    expected = [r["loss"] for r in layer_wise[0]]
+    assert len(expected) == 20 and expected[-1] < expected[0]
+    for records in fsdp2:
+        assert [r["loss"] for r in records] == pytest.approx(expected, rel=1e-5)
