@@ -37,13 +37,14 @@ import torch.distributed as dist
 from emerging_optimizers import utils as eo_utils
 from emerging_optimizers.orthogonalized_optimizers.adaptive_muon import AdaptiveMuon, Moment2MethodT
 
-from megatron_eopt.ops.newton_schulz import NewtonSchulzSettings, orthogonalize_updates
-from megatron_eopt.ops.row_shards import RowShards, orthogonalize_row_shards
+from megatron_eopt.ops.newton_schulz import NewtonSchulzSettings
+from megatron_eopt.ops.row_shards import RowShards
 from megatron_eopt.ops.splits import MatrixLayout
 from megatron_eopt.optimizers.tensor_parallel_muon import (
     check_muon_arguments,
     layouts_by_param,
     muon_use_syrk,
+    orthogonalize_sharded,
     row_shards_by_param,
     warn_if_blockwise_splits,
 )
@@ -195,13 +196,7 @@ class TensorParallelAdaptiveMuon(AdaptiveMuon):
         """The raw (unscaled) orthogonalized update of one parameter (emerging_optimizers' hook)."""
         return self._orthogonalize_all([p], [grad])[0]
 
-    def _orthogonalize_all(self, params: list[torch.Tensor], updates: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Raw orthogonalized updates of `params` (FSDP2 row shards or TP shards)."""
-        if self._row_shards_of is not None:
-            shards = [self._row_shards_of[id(p)] for p in params]
-            return orthogonalize_row_shards(updates, shards, self.fsdp_group, self.settings)
-        layouts = [self._layout_of[id(p)] for p in params]
-        return orthogonalize_updates(updates, layouts, self.tp_mode, self.tp_group, self.settings)
+    _orthogonalize_all = orthogonalize_sharded  # raw (settings scaled=False): the scale comes after the second moment
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> None:

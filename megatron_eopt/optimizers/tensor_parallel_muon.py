@@ -110,6 +110,17 @@ def row_shards_by_param(param_groups: list[dict], fsdp_shards: Optional[Mapping[
 _WARNED_ONCE: set[str] = set()  # warnings this process has given
 
 
+def orthogonalize_sharded(optimizer: Any, params: list[torch.Tensor], updates: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The orthogonalized `updates` of `params` over the optimizer's shards: FSDP2 row shards
+    (each matrix to its owner and back) or TP shards (its tp_mode). TensorParallelMuon's and
+    TensorParallelAdaptiveMuon's `_orthogonalize_all`."""
+    if optimizer._row_shards_of is not None:
+        shards = [optimizer._row_shards_of[id(p)] for p in params]
+        return orthogonalize_row_shards(updates, shards, optimizer.fsdp_group, optimizer.settings)
+    layouts = [optimizer._layout_of[id(p)] for p in params]
+    return orthogonalize_updates(updates, layouts, optimizer.tp_mode, optimizer.tp_group, optimizer.settings)
+
+
 def warn_if_blockwise_splits(tp_mode: str, tp_group: Optional[dist.ProcessGroup],
                              layouts: list[MatrixLayout]) -> None:
     """Warn once per process when tp_mode='blockwise' orthogonalizes tensor-parallel shards.
@@ -221,13 +232,7 @@ class TensorParallelMuon(Muon):
         """The scaled orthogonalized update of one parameter (emerging_optimizers' hook)."""
         return self._orthogonalize_all([p], [grad])[0]
 
-    def _orthogonalize_all(self, params: list[torch.Tensor], updates: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Scaled orthogonalized updates of `params` (FSDP2 row shards or TP shards)."""
-        if self._row_shards_of is not None:
-            shards = [self._row_shards_of[id(p)] for p in params]
-            return orthogonalize_row_shards(updates, shards, self.fsdp_group, self.settings)
-        layouts = [self._layout_of[id(p)] for p in params]
-        return orthogonalize_updates(updates, layouts, self.tp_mode, self.tp_group, self.settings)
+    _orthogonalize_all = orthogonalize_sharded  # scaled: its NewtonSchulzSettings carry the Muon scale
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> None:
