@@ -366,7 +366,6 @@ def _check_fsdp2_flags(args: argparse.Namespace) -> None:
     if not args.use_torch_fsdp2:
         return
     refused = [("--tensor-model-parallel-size > 1", args.tensor_model_parallel_size > 1),
-               ("--save/--load (FSDP2 checkpoints are not implemented yet)", bool(args.save or args.load)),
                ("--use-distributed-optimizer (FSDP2 shards the optimizer state already)",
                 args.use_layer_wise_distributed_optimizer),
                ("--log-params-norm", args.log_params_norm),

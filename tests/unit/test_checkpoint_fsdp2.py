@@ -110,3 +110,24 @@ def test_fsdp2_state_that_is_not_parameter_shaped_is_refused_before_writing(run_
         assert result["error"] and "not supported for torch FSDP2" in result["error"], result
         assert "decoder.layers" in result["error"] and not result["files"], result
 
+
+def _pretrain_resume_body(rank: int, world_size: int, directory: str) -> dict:
+    """Three command lines in one call (each builds its FSDP2 mesh from the live process groups)."""
+    from tests.pretrain_gpt_in_process import run_pretrain_gpt
+    from tests.unit.test_fsdp2 import PRETRAIN_ARGV
+
+    argv = [a if a != "20" else "6" for a in PRETRAIN_ARGV] + ["--use-torch-fsdp2"]  # --train-iters 6
+    straight = run_pretrain_gpt(rank, world_size, argv)
+    first = run_pretrain_gpt(rank, world_size, argv + ["--save", directory, "--exit-interval", "3"])
+    resumed = run_pretrain_gpt(rank, world_size, argv + ["--load", directory])
+    return {"straight": straight, "first": first, "resumed": resumed}
+
+
+def test_pretrain_gpt_fsdp2_save_and_load_resume_exactly(run_distributed, tmp_path) -> None:
+    """scripts/pretrain_gpt.py --use-torch-fsdp2 --save/--load: 3 + save + load + 3 == 6 straight."""
+    for result in run_distributed(_pretrain_resume_body, world_size=2, args=(str(tmp_path),), timeout=600):
+        losses = {name: {r["iteration"]: r["loss"] for r in records} for name, records in result.items()}
+        assert sorted(losses["straight"]) == [1, 2, 3, 4, 5, 6], losses
+        assert sorted(losses["first"]) == [1, 2, 3] and sorted(losses["resumed"]) == [4, 5, 6], losses
+        for iteration in range(1, 7):  # bitwise: the same sums in the same order
+            assert (losses["first"] | losses["resumed"])[iteration] == losses["straight"][iteration], iteration
