@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     training.add_argument("--tensor-model-parallel-size", type=int, default=1)
     training.add_argument("--use-torch-fsdp2", action="store_true",
                           help="shard the model with torch FSDP2 (fully_shard each transformer layer, then "
-                               "the root) over the data-parallel ranks (TP=1, no checkpoints yet)")
+                               "the root) over the data-parallel ranks (TP=1)")
     training.add_argument("--micro-batch-size", type=int, default=4)
     training.add_argument("--global-batch-size", type=int, default=None, help="default: micro batch * DP")
     training.add_argument("--train-iters", type=int, default=100)
