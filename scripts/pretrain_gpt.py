@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     training.add_argument("--tensor-model-parallel-size", type=int, default=1)
     training.add_argument("--use-torch-fsdp2", action="store_true",
                           help="shard the model with torch FSDP2 (fully_shard each transformer layer, then "
-                               "the root) over the data-parallel ranks (TP=1, no checkpoints yet)")
+                               "the root) over the data-parallel ranks (TP=1)")
     training.add_argument("--micro-batch-size", type=int, default=4)
     training.add_argument("--global-batch-size", type=int, default=None, help="default: micro batch * DP")
     training.add_argument("--train-iters", type=int, default=100)
@@ -366,7 +366,6 @@ def _check_fsdp2_flags(args: argparse.Namespace) -> None:
     if not args.use_torch_fsdp2:
         return
     refused = [("--tensor-model-parallel-size > 1", args.tensor_model_parallel_size > 1),
-               ("--save/--load (FSDP2 checkpoints are not implemented yet)", bool(args.save or args.load)),
                ("--use-distributed-optimizer (FSDP2 shards the optimizer state already)",
                 args.use_layer_wise_distributed_optimizer),
                ("--log-params-norm", args.log_params_norm),

@@ -10,7 +10,9 @@ Directories are committed atomically, by one run at a time (storage.py); the lr 
 checked before anything changes (schedule.py); RNG states are kept per rank (rng.py). Call
 both functions on every rank of the job; all collectives run over the job's own ranks
 (`tp_dp_cp` of `pg_collection`, or its `job` group with pipeline parallelism), never a group the
-caller did not give, so jobs sharing one WORLD checkpoint independently.
+caller did not give, so jobs sharing one WORLD checkpoint independently. A torch FSDP2 model
+(DTensor parameters, see distributed/fsdp2.py) is checkpointed over its mesh's group, as its
+optimizer steps: each rank writes and reads its rows of the global tensors (layout.py).
 """
 
 import json
@@ -24,7 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_eopt.checkpointing import storage
 from megatron_eopt.checkpointing.global_names import stored_child_name
-from megatron_eopt.checkpointing.layout import MeshCache
+from megatron_eopt.checkpointing.layout import MeshCache, local_tensor
 from megatron_eopt.checkpointing.rng import restore_rng, rng_entries, rng_keys_to_load
 from megatron_eopt.checkpointing.schedule import LR_BOUNDS_KEY, SCHEDULER_KEY, plan_scheduler_load, scheduler_entries
 from megatron_eopt.checkpointing.state import (
@@ -33,6 +35,7 @@ from megatron_eopt.checkpointing.state import (
     check_structure,
     checkpoint_group,
     global_group_structure,
+    has_main_copy,
     loaded_optimizer_state,
     pipeline_size,
     model_params,
@@ -44,6 +47,7 @@ from megatron_eopt.checkpointing.state import (
     stored_names_by_fqn,
 )
 from megatron_eopt.checkpointing.storage import CheckpointError
+from megatron_eopt.distributed.fsdp2 import fully_sharded_layout
 from megatron_eopt.distributed.process_groups import ProcessGroup, group_size, resolve_parallel_groups
 
 
@@ -75,8 +79,7 @@ def save_checkpoint(
     extra = _check_extra(extra)
     _finish_param_sync(optimizer)
     chunks = _as_chunks(model_chunks)
-    _refuse_fully_sharded(chunks)
-    groups = resolve_parallel_groups(pg_collection)
+    groups = _parallel_groups(chunks, pg_collection)
     params = model_params(chunks, groups)
     group = checkpoint_group(groups)
     children = optimizer_children(optimizer)
@@ -130,8 +133,7 @@ def load_checkpoint(
     """
     _finish_param_sync(optimizer)  # a broadcast still in flight would overwrite what is loaded
     chunks = _as_chunks(model_chunks)
-    _refuse_fully_sharded(chunks)
-    groups = resolve_parallel_groups(pg_collection)
+    groups = _parallel_groups(chunks, pg_collection)
     params = model_params(chunks, groups)
     group = checkpoint_group(groups)
     path, manifest, note = storage.open_checkpoint(checkpoint_dir, iteration, group)
@@ -224,14 +226,14 @@ def _read(plan: LoadPlan, path: str, group: Optional[ProcessGroup]) -> None:
 def _apply(params, masters, children, child_states, all_children) -> None:
     with torch.no_grad():
         for p in params:
-            p.param.copy_(masters[id(p.param)])
+            local_tensor(p.param).copy_(masters[id(p.param)])  # in place: FSDP2 keeps its shard storage
     for child, state in zip(children, child_states):
         child.load_state_dict(state)
     if not children:  # model only: fp32 main copies follow the loaded values at full precision
         for child in all_children:
             with torch.no_grad():
                 for model, main in zip(child.model_params, child.main_params):
-                    if main is not model:
+                    if has_main_copy(model, main):
                         main.copy_(masters[id(model)])
 
 
@@ -259,18 +261,10 @@ def _layout(groups: Any, params: list) -> tuple[int, int, int]:
     return _tp_size(groups), pipeline_size(groups), _ep_size(groups, params)
 
 
-def _refuse_fully_sharded(chunks: list[torch.nn.Module]) -> None:
-    """FSDP2 checkpoints are not implemented: each rank would store its rows as whole tensors."""
-    from torch.distributed.tensor import DTensor
-
-    for chunk in chunks:
-        for name, param in chunk.named_parameters():
-            if isinstance(param, DTensor):
-                raise CheckpointError(
-                    f"parameter {name!r} is a DTensor (torch FSDP2): megatron_eopt checkpoints do not "
-                    f"support fully_shard models yet. Use torch.distributed.checkpoint with the model's "
-                    f"state_dict() (DTensors) for now."
-                )
+def _parallel_groups(chunks: list[torch.nn.Module], pg_collection: Any) -> Any:
+    """A torch FSDP2 model's groups come from its parameters' mesh, as for its optimizer (factory.py)."""
+    fsdp = fully_sharded_layout(chunks)
+    return resolve_parallel_groups(pg_collection) if fsdp is None else fsdp.parallel_groups()
 
 
 def _as_chunks(model_chunks: Any) -> list[torch.nn.Module]:

@@ -6,16 +6,27 @@ A tensor-parallel shard is saved as a DTensor shard of that global tensor: each 
 its own piece and torch.distributed.checkpoint records the offsets. A weight built with
 `partition_stride=k` (megatron-core's gated `linear_fc1`: rank r holds [gate_r; up_r]) is
 stored as k global tensors `<key>#part<i>` (all gates, all ups), which is what TP=1 holds too.
+A torch FSDP2 (`fully_shard`) parameter is a DTensor split by rows, Shard(0), over its mesh:
+rank r holds rows `torch.chunk(rows, N)[r]` (uneven, possibly none). Its rows and those of its
+parameter-shaped optimizer state are written as pieces of the same global tensors, cut where the
+`#part<i>` tensors meet (a gated linear_fc1's gate/up boundary need not fall between two ranks'
+rows), with explicit offsets: a ShardedTensor, which torch.distributed.checkpoint reads and
+writes like a DTensor. Nothing is gathered.
 """
 
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.distributed as dist
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard as LocalShard
+from torch.distributed._shard.sharded_tensor import ShardedTensor, ShardedTensorMetadata, TensorProperties
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from megatron_eopt.distributed.process_groups import ProcessGroup, group_rank, group_size
+from megatron_eopt.ops.row_shards import chunk_rows
 
 PART_MARK = "#part"
 TP_MARK = "@tp"
@@ -28,6 +39,11 @@ class Placement:
     group: Optional[ProcessGroup] = None  # the tensor-parallel group when sharded over > 1 rank
     partition_dim: int = -1  # megatron-core's partition_dim; -1: the same on every TP rank
     parts: int = 1  # partition_stride: interleaved blocks along partition_dim
+    rows_by_rank: Optional[tuple[int, ...]] = None  # FSDP2's Shard(0): rows each rank of `group` holds
+
+    @property
+    def is_row_sharded(self) -> bool:
+        return self.rows_by_rank is not None
 
     @property
     def is_sharded(self) -> bool:
@@ -44,7 +60,9 @@ class Placement:
     def global_part_shape(self, local_shape: torch.Size) -> tuple[int, ...]:
         """Shape of each stored global tensor of a local tensor of `local_shape`."""
         shape = list(local_shape)
-        if self.partition_dim >= 0:
+        if self.is_row_sharded:  # uneven FSDP2 shards: the global rows, not local x size
+            shape[0] = sum(self.rows_by_rank) // self.parts
+        elif self.partition_dim >= 0:
             shape[self.partition_dim] = shape[self.partition_dim] // self.parts * self.tp_size
         return tuple(shape)
 
@@ -61,6 +79,27 @@ def placement_of(param: torch.nn.Parameter, tp_group: Optional[ProcessGroup]) ->
     parts = int(getattr(param, "partition_stride", 1)) if partition_dim >= 0 else 1
     group = tp_group if group_size(tp_group) > 1 and partition_dim >= 0 else None
     return Placement(group, partition_dim, max(parts, 1))
+
+
+def row_placement(fqn: str, param: DTensor, parts: int) -> Placement:
+    """The Placement of a torch FSDP2 parameter: Shard(0) on a 1-D mesh, the only layout handled.
+
+    `parts`: the partition_stride megatron-core gives the unsharded parameter (fully_shard drops it).
+    """
+    if param.device_mesh.ndim != 1 or tuple(param.placements) != (Shard(0),) or param.dim() < 1:
+        raise ValueError(
+            f"parameter {fqn!r}: DTensor placement {tuple(param.placements)} on a {param.device_mesh.ndim}-D "
+            f"mesh is not supported by checkpoints; they handle torch FSDP2's default, Shard(0) on a 1-D mesh."
+        )
+    group = param.device_mesh.get_group()
+    if group_size(group) == 1:
+        return Placement(None, 0, parts, rows_by_rank=(param.shape[0],))
+    return Placement(group, 0, parts, rows_by_rank=chunk_rows(param.shape[0], group_size(group)))
+
+
+def local_tensor(param: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of a parameter: a DTensor's local shard, else the tensor itself."""
+    return param.to_local() if isinstance(param, DTensor) else param
 
 
 class MeshCache:
@@ -82,6 +121,8 @@ def global_pieces(key: str, local: torch.Tensor, placement: Placement, meshes: M
     Used for saving and, over freshly allocated buffers, for loading: torch.distributed.checkpoint
     then reads exactly this rank's piece of each global tensor into the buffer.
     """
+    if placement.is_row_sharded and placement.is_sharded:
+        return _row_pieces(key, local, placement)
     chunks = local.chunk(placement.parts, dim=placement.partition_dim) if placement.parts > 1 else [local]
     entries = {}
     for part_key, chunk in zip(placement.keys(key), chunks):
@@ -94,6 +135,31 @@ def global_pieces(key: str, local: torch.Tensor, placement: Placement, meshes: M
             chunk, mesh, [Shard(placement.partition_dim)], run_check=False,
             shape=torch.Size(shape), stride=_contiguous_stride(shape),
         )
+    return entries
+
+
+def _row_pieces(key: str, local: torch.Tensor, placement: Placement) -> dict[str, ShardedTensor]:
+    """This rank's rows of each `#part<i>` global tensor, with every rank's offsets (no collective)."""
+    starts = [sum(placement.rows_by_rank[:r]) for r in range(len(placement.rows_by_rank))]
+    part_rows = sum(placement.rows_by_rank) // placement.parts
+    rest = list(local.shape[1:])
+    rank = group_rank(placement.group)
+    entries = {}
+    for index, part_key in enumerate(placement.keys(key)):
+        low, high = index * part_rows, (index + 1) * part_rows
+        shards, local_shards = [], []
+        for r, (start, rows) in enumerate(zip(starts, placement.rows_by_rank)):
+            first, stop = max(start, low), min(start + rows, high)
+            if stop <= first:  # rank r holds none of this part's rows
+                continue
+            metadata = ShardMetadata([first - low] + [0] * len(rest), [stop - first, *rest],
+                                     f"rank:{dist.get_global_rank(placement.group, r)}/{local.device}")
+            shards.append(metadata)
+            if r == rank:
+                local_shards.append(LocalShard(local[first - start:stop - start], metadata))
+        global_metadata = ShardedTensorMetadata(shards, torch.Size([part_rows, *rest]), TensorProperties(dtype=local.dtype))
+        entries[part_key] = ShardedTensor._init_from_local_shards_and_global_metadata(
+            local_shards, global_metadata, process_group=placement.group)
     return entries
 
 

@@ -14,6 +14,9 @@ expert-parallel size. The last stage's tied output-layer copy is the embedding i
 `<child>` is the name of a chained optimizer (e.g. `muon/dense`, `adam/dense`); expert children
 and param groups are stored under the dense names (global_names.py says why). Only the rank that holds
 a state writes it (the owner, with the layer-wise optimizer); replicas are written once.
+A torch FSDP2 model (DTensor parameters) is stored the same way: each rank writes its rows of
+every parameter and of its parameter-shaped state, as pieces of the global tensor (layout.py);
+its optimizer steps the DTensors' local shards in place, so there is no separate main copy.
 """
 
 import io
@@ -23,9 +26,19 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.tensor import DTensor
 
 from megatron_eopt.checkpointing.global_names import global_parameter_names, stored_child_name, stored_group_key
-from megatron_eopt.checkpointing.layout import PART_MARK, TP_MARK, MeshCache, Placement, global_pieces, placement_of
+from megatron_eopt.checkpointing.layout import (
+    PART_MARK,
+    TP_MARK,
+    MeshCache,
+    Placement,
+    global_pieces,
+    local_tensor,
+    placement_of,
+    row_placement,
+)
 from megatron_eopt.checkpointing.storage import CheckpointError, all_gather_objects
 from megatron_eopt.distributed.process_groups import ParallelGroups, ProcessGroup, group_size
 from megatron_eopt.param_groups import named_trainable_parameters
@@ -43,7 +56,7 @@ class ModelParam:
 
 
 def model_params(model_chunks: list[torch.nn.Module], groups: ParallelGroups) -> list[ModelParam]:
-    """Every parameter of the model (frozen ones too) with its tensor-parallel placement."""
+    """Every parameter of the model (frozen ones too) with its tensor-parallel or FSDP2 placement."""
     named = named_trainable_parameters(model_chunks, trainable_only=False)
     has_experts = any(not getattr(p, "allreduce", True) for _, _, p in named)
     stored_names = global_parameter_names(model_chunks)
@@ -51,10 +64,24 @@ def model_params(model_chunks: list[torch.nn.Module], groups: ParallelGroups) ->
     dense_tp = groups.require("tp", why)
     expert_tp = groups.require("expt_tp", why) if has_experts else None
     result = []
-    for fqn, _, param in named:
-        tp_group = expert_tp if not getattr(param, "allreduce", True) else dense_tp
-        result.append(ModelParam(fqn, param, placement_of(param, tp_group), stored_names[fqn]))
+    for fqn, name, param in named:
+        if isinstance(param, DTensor):  # torch FSDP2: its rows of the global tensor
+            placement = row_placement(fqn, param, _gated_parts(model_chunks, fqn, name))
+        else:
+            tp_group = expert_tp if not getattr(param, "allreduce", True) else dense_tp
+            placement = placement_of(param, tp_group)
+        result.append(ModelParam(fqn, param, placement, stored_names[fqn]))
     return result
+
+
+def _gated_parts(model_chunks: list[torch.nn.Module], fqn: str, name: str) -> int:
+    """megatron-core's partition_stride of a parameter whose attributes torch FSDP2 dropped: 2 for a
+    gated linear unit's linear_fc1 ([gate; up], stored as two tensors), else 1. As param_groups reads
+    the SwiGLU split: from the name and the owning chunk's TransformerConfig."""
+    if not name.endswith(("linear_fc1.weight", "linear_fc1.bias")):
+        return 1
+    chunk = model_chunks[0] if len(model_chunks) == 1 else model_chunks[int(fqn.split(".", 1)[0][len("model_chunk"):])]
+    return 2 if getattr(getattr(chunk, "config", None), "gated_linear_unit", False) else 1
 
 
 def pipeline_size(groups: ParallelGroups) -> int:
@@ -160,17 +187,22 @@ def save_entries(params: list[ModelParam], children: list[FP32Optimizer], meshes
     placement_of_param = {id(p.param): p.placement for p in params}
     stored = stored_names_by_fqn(params)
     for p in params:
-        entries.update(global_pieces(f"model/{p.stored_name}", p.param.detach(), p.placement, meshes))
+        entries.update(global_pieces(f"model/{p.stored_name}", local_tensor(p.param).detach(), p.placement, meshes))
     for child in children:
         for record, model_param, main_param in zip(child.records, child.model_params, child.main_params):
             placement = placement_of_param[id(model_param)]
-            if main_param is not model_param:
+            if has_main_copy(model_param, main_param):
                 entries.update(global_pieces(f"main/{stored[record.fqn]}", main_param.detach(), placement, meshes))
             for name, value in child.optimizer.state.get(main_param, {}).items():
                 key = f"state/{stored_child_name(child.name)}/{stored[record.fqn]}/{name}"
-                entries.update(_state_entry(key, value, model_param, placement, meshes))
+                entries.update(_state_entry(key, value, local_tensor(model_param), placement, meshes))
     entries.update(_hyperparameter_entries(children))
     return entries
+
+
+def has_main_copy(model_param: torch.Tensor, main_param: torch.Tensor) -> bool:
+    """A separate fp32 main copy (mixed precision); FSDP2's main parameters alias the local shards."""
+    return main_param is not model_param and not isinstance(model_param, DTensor)
 
 
 def _hyperparameter_entries(children: list[FP32Optimizer]) -> dict[str, str]:
@@ -196,6 +228,13 @@ def _state_entry(key: str, value: Any, param: torch.Tensor, placement: Placement
             return global_pieces(key, value, placement, meshes)
     else:
         value = pack_object(value)
+    if placement.is_row_sharded and torch.is_tensor(value):
+        raise CheckpointError(
+            f"optimizer state {key} of shape {tuple(value.shape)} is neither a scalar nor shaped like its "
+            f"parameter's FSDP2 shard {tuple(param.shape)}; checkpoints of such state (e.g. adaptive_muon's "
+            f"normuon second moment) are not supported for torch FSDP2 models yet. Use muon or an elementwise "
+            f"optimizer, or the layer-wise distributed optimizer."
+        )
     if placement.partition_dim >= 0:  # e.g. a preconditioner of a TP shard: valid at this TP only
         return {placement.tp_specific_key(key): value}
     return {key: value}
@@ -301,7 +340,8 @@ def plan_model(plan: LoadPlan, params: list[ModelParam], model_names: set[str]) 
     for p in params:
         main = f"main/{p.stored_name}"
         source = main if plan.index.has_tensor(main, p.placement) else f"model/{p.stored_name}"
-        values[id(p.param)] = plan.tensor(source, p.param.shape, p.placement, p.param.device)
+        local = local_tensor(p.param)
+        values[id(p.param)] = plan.tensor(source, local.shape, p.placement, local.device)
     return values
 
 
@@ -315,7 +355,8 @@ def plan_optimizer_state(plan: LoadPlan, child: FP32Optimizer, params: list[Mode
         child_name = stored_child_name(child.name)
         for name, keys in plan.index.state_keys.get((child_name, stored[record.fqn]), {}).items():
             key = f"state/{child_name}/{stored[record.fqn]}/{name}"
-            getters.setdefault(record.fqn, {})[name] = _plan_state_value(plan, key, keys, model_param, placement)
+            getters.setdefault(record.fqn, {})[name] = _plan_state_value(plan, key, keys, local_tensor(model_param),
+                                                                         placement)
     return lambda: {fqn: {name: get() for name, get in entry.items()} for fqn, entry in getters.items()}
 
 
@@ -333,6 +374,12 @@ def _plan_state_value(plan: LoadPlan, key: str, keys: list[str], param: torch.Te
     if plan.index.has_tensor(key, placement) and _parameter_shaped(plan, key, param, placement):
         buffer = plan.tensor(key, param.shape, placement, param.device)
         return lambda: buffer
+    if placement.is_row_sharded and key in plan.index.tensors and plan.index.tensors[key].size:
+        raise CheckpointError(
+            f"optimizer state {key} has shape {tuple(plan.index.tensors[key].size)} in {plan.index.path}, neither "
+            f"a scalar nor its parameter's shape; it cannot be split into this torch FSDP2 rank's rows. Load the "
+            f"model only (load_optimizer=False, --no-load-optim)."
+        )
     return _plain_state(plan, key, param.device)
 
 
@@ -358,7 +405,8 @@ def loaded_optimizer_state(child: FP32Optimizer, state: dict, groups_json: str, 
         param_groups[group["group_key"]] = {**hyperparameters, "params": [fqn_of[id(p)] for p in group["params"]]}
     main_params = {
         record.fqn: masters[id(model)]
-        for record, model, main in zip(child.records, child.model_params, child.main_params) if main is not model
+        for record, model, main in zip(child.records, child.model_params, child.main_params)
+        if has_main_copy(model, main)
     }
     return {
         "optimizer_class": type(child.optimizer).__name__,

@@ -4,14 +4,18 @@ A `Layout` says how a run is parallelised; `GPTRun` builds megatron-core's GPTMo
 optimizer and megatron-core's lr scheduler in it. `train_step` uses real gradients (each DP rank
 its slice of the global batch); `synthetic_step` sets the same global gradient in every layout
 (each rank its TP shard of it, bf16-representable), so that the steps of two layouts, or of a
-bf16 and an fp32 model, can be compared to fp32 round-off.
+bf16 and an fp32 model, can be compared to fp32 round-off. A `fsdp2` layout shards the model
+with torch FSDP2 as scripts/pretrain_gpt.py --use-torch-fsdp2 does (FSDP2 averages gradients in
+backward; a synthetic gradient is set as the DTensor of the global one).
 """
 
+import itertools
 import zlib
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from megatron_eopt import OptimizerConfig, get_megatron_optimizer
 from megatron_eopt.bridge import SchedulerConfig, get_scheduler
@@ -44,9 +48,11 @@ class Layout:
     tp: int = 1
     layer_wise: bool = False
     bf16: bool = False
+    fsdp2: bool = False
 
     def describe(self, world_size: int) -> str:
-        return f"{self.optimizer} TP{self.tp} DP{world_size // self.tp}{' layer-wise' if self.layer_wise else ''}{' bf16' if self.bf16 else ''}"
+        return (f"{self.optimizer} TP{self.tp} DP{world_size // self.tp}{' layer-wise' if self.layer_wise else ''}"
+                f"{' bf16' if self.bf16 else ''}{' FSDP2' if self.fsdp2 else ''}")
 
 
 class GPTRun:
@@ -59,6 +65,8 @@ class GPTRun:
         initialize_model_parallel(layout.tp, seed=SEED)
         settings = GPTModelSettings(**{**asdict(SETTINGS), "bf16": layout.bf16}) if layout.bf16 else SETTINGS
         self.model = build_gpt_model(settings)
+        if layout.fsdp2:
+            _fully_shard(self.model, parallel_state.get_data_parallel_group())
         config = OptimizerConfig(**{**OPTIMIZERS[layout.optimizer], **config_changes}, bf16=layout.bf16,
                                  use_layer_wise_distributed_optimizer=layout.layer_wise)
         self.optimizer = get_megatron_optimizer(config, [self.model])
@@ -86,13 +94,16 @@ class GPTRun:
                 full_shape[dim] *= self.layout.tp
             generator = torch.Generator().manual_seed(zlib.crc32(f"{name}/{step}".encode()))
             full = (torch.randn(full_shape, generator=generator) * 0.01).to(torch.bfloat16).float()
+            if self.layout.fsdp2:  # src_data_rank=None: each rank its rows of its own (identical) copy
+                param.grad = distribute_tensor(full, param.device_mesh, [Shard(0)], src_data_rank=None)
+                continue
             param.grad = local_shard(full, dim, stride, self.tp_rank, self.layout.tp).to(param.dtype)
         self._step(0.0)
 
     def _average_grads(self) -> None:
         # What DDP does (layer_wise_reduce_grads is off by default, for every layout).
         size = dist.get_world_size(self.dp_group)
-        if size > 1:
+        if size > 1 and not self.layout.fsdp2:  # FSDP2 reduce-scattered (averaged) them in backward
             for param in self.model.parameters():
                 dist.all_reduce(param.grad, group=self.dp_group)
                 param.grad /= size
@@ -108,8 +119,26 @@ class GPTRun:
         """name -> (fp32 value: the main copy when there is one, partition_dim, stride)."""
         main_of = {id(m): main for child in self.optimizer.chained_optimizers
                    for m, main in zip(child.model_params, child.main_params)}
+        if self.layout.fsdp2:  # the main parameters alias the shards: gather the global tensors
+            return {name: (p.detach().full_tensor(), -1, 1) for name, p in self.model.named_parameters()}
         return {name: (main_of.get(id(p), p).detach().float().clone(), *partition(p))
                 for name, p in self.model.named_parameters()}
+
+
+def _fully_shard(model: torch.nn.Module, dp_group) -> None:
+    """scripts/pretrain_gpt.py's fully_shard_gpt, over a mesh with a name of its own: torch caches
+    meshes that compare equal (same ranks, same names), and one of an earlier harness call, whose
+    process groups the harness destroyed, would come back in this call's parameters."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(dp_group, "cpu", mesh_dim_names=(f"fsdp{next(_MESH_NUMBERS)}",))
+    for layer in model.decoder.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+_MESH_NUMBERS = itertools.count()
 
 
 def partition(param: torch.Tensor) -> tuple[int, int]:

@@ -1,0 +1,133 @@
+"""Checkpoints of torch FSDP2 models (`fully_shard`, DTensor Shard(0) rows), CPU gloo.
+
+- Exact resume at FSDP=2 (GQA + SwiGLU GPT, muon and adam, fp32, real gradients through FSDP2's
+  forward/backward): N iterations, save, a fresh FSDP2 model/optimizer/scheduler (RNG
+  reseeded), load, N more equal 2N straight: every parameter shard and every optimizer state
+  tensor BITWISE.
+- Resharding both ways: FSDP=2 -> layer-wise DP=2 and layer-wise DP=2 -> FSDP=3 (uneven rows:
+  32 = 11 + 11 + 10), and adam FSDP=2 -> one process. After loading, one step with the same
+  synthetic global gradient must give the parameters that continuing in the saved layout gives,
+  to 1e-6 (fp32; the gradient norm is summed in another order over other ranks). Both sides are
+  our layouts stepping independently: neither is a value the code under test printed.
+- Optimizer state that is neither scalar nor parameter-shaped (NorMuon's second moment) is
+  refused at save, before anything is written.
+"""
+
+import os
+
+import torch
+
+from megatron_eopt.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
+from tests.unit.checkpoint_runs import GPTRun, Layout
+from tests.unit.test_checkpoint import _differences, _global_params, _load_then_step, _save_then_continue
+
+RESUME_STEPS = 4
+
+
+def _shards(run: GPTRun) -> dict:
+    return {name: p.detach().to_local().clone() for name, p in run.model.named_parameters()}
+
+
+def _train(layout: Layout, start: int, stop: int, directory: str = "", load: bool = False) -> GPTRun:
+    run = GPTRun(layout)
+    if load:
+        start = load_checkpoint(directory, [run.model], run.optimizer, run.scheduler).iteration
+    for step in range(start, stop):
+        run.train_step(step)
+    return run
+
+
+def _resume_body(rank: int, world_size: int, directory: str) -> dict:
+    differences = {}
+    for layout in (Layout("muon", fsdp2=True), Layout("adam", fsdp2=True)):
+        case_dir = os.path.join(directory, layout.optimizer)
+        straight = _train(layout, 0, 2 * RESUME_STEPS)
+        expected = {"params": _shards(straight), "optimizer": straight.optimizer.state_dict()}
+        straight.close()
+        first = _train(layout, 0, RESUME_STEPS)
+        save_checkpoint(case_dir, RESUME_STEPS, [first.model], first.optimizer, first.scheduler)
+        first.close()
+        torch.manual_seed(12345)  # the resumed run must not depend on the RNG state it starts with
+        resumed = _train(layout, 0, 2 * RESUME_STEPS, case_dir, load=True)
+        actual = {"params": _shards(resumed), "optimizer": resumed.optimizer.state_dict()}
+        resumed.close()
+        state_tensors = sum(torch.is_tensor(v) and v.dim() > 0 for child in expected["optimizer"]["optimizers"].values()
+                            for entry in child["state"].values() for v in entry.values())
+        differences[layout.describe(world_size)] = (_differences(expected, actual), state_tensors)
+    return differences
+
+
+def test_fsdp2_resume_is_exact_for_muon_and_adam(run_distributed, tmp_path) -> None:
+    for rank, result in enumerate(run_distributed(_resume_body, world_size=2, args=(str(tmp_path),), timeout=600)):
+        assert len(result) == 2
+        for case, (differences, state_tensors) in result.items():
+            assert not differences, (rank, case, differences[:10])
+            assert state_tensors > 0, (rank, case)  # there was sharded state to compare
+
+
+SOURCES = {  # name: (layout, world size)
+    "FSDP2": (Layout(fsdp2=True), 2),
+    "DP2 layer-wise": (Layout(layer_wise=True), 2),
+    "adam FSDP2": (Layout("adam", fsdp2=True), 2),
+}
+RESHARDINGS = [  # (source, target layout, target world size)
+    ("FSDP2", Layout(layer_wise=True), 2),
+    ("DP2 layer-wise", Layout(fsdp2=True), 3),
+    ("adam FSDP2", Layout("adam"), 1),
+]
+
+
+def test_fsdp2_checkpoints_reshard_to_and_from_layer_wise(run_distributed, tmp_path) -> None:
+    continued = {}
+    for name, (layout, world_size) in SOURCES.items():
+        directory = str(tmp_path / name.replace(" ", "_"))
+        results = run_distributed(_save_then_continue, world_size=world_size, args=(layout, directory), timeout=600)
+        continued[name] = (_global_params(results, layout.tp), directory)
+    for source, layout, world_size in RESHARDINGS:
+        expected, directory = continued[source]
+        results = run_distributed(_load_then_step, world_size=world_size, args=(layout, directory), timeout=600)
+        actual = _global_params(results, layout.tp)
+        assert set(actual) == set(expected)
+        errors = {name: (actual[name] - value).abs().max().item() for name, value in expected.items()}
+        worst = max(errors.values())
+        assert worst < 1e-6, (source, layout.describe(world_size), sorted(errors.items(), key=lambda e: -e[1])[:3])
+
+
+def _normuon_body(rank: int, world_size: int, directory: str) -> dict:
+    run = _train(Layout("normuon", fsdp2=True), 0, 1)
+    try:
+        save_checkpoint(directory, 1, [run.model], run.optimizer, run.scheduler)
+        return {"error": None, "files": sorted(os.listdir(directory))}
+    except CheckpointError as error:
+        return {"error": str(error), "files": sorted(os.listdir(directory)) if os.path.isdir(directory) else []}
+    finally:
+        run.close()
+
+
+def test_fsdp2_state_that_is_not_parameter_shaped_is_refused_before_writing(run_distributed, tmp_path) -> None:
+    """NorMuon's second moment of a row shard ((rows, 1) or (1, cols)) has no global layout yet."""
+    for result in run_distributed(_normuon_body, world_size=2, args=(str(tmp_path / "normuon"),), timeout=600):
+        assert result["error"] and "not supported for torch FSDP2" in result["error"], result
+        assert "decoder.layers" in result["error"] and not result["files"], result
+
+
+def _pretrain_resume_body(rank: int, world_size: int, directory: str) -> dict:
+    """Three command lines in one call (each builds its FSDP2 mesh from the live process groups)."""
+    from tests.pretrain_gpt_in_process import run_pretrain_gpt
+    from tests.unit.test_fsdp2 import PRETRAIN_ARGV
+
+    argv = [a if a != "20" else "6" for a in PRETRAIN_ARGV] + ["--use-torch-fsdp2"]  # --train-iters 6
+    straight = run_pretrain_gpt(rank, world_size, argv)
+    first = run_pretrain_gpt(rank, world_size, argv + ["--save", directory, "--exit-interval", "3"])
+    resumed = run_pretrain_gpt(rank, world_size, argv + ["--load", directory])
+    return {"straight": straight, "first": first, "resumed": resumed}
+
+
+def test_pretrain_gpt_fsdp2_save_and_load_resume_exactly(run_distributed, tmp_path) -> None:
+    """scripts/pretrain_gpt.py --use-torch-fsdp2 --save/--load: 3 + save + load + 3 == 6 straight."""
+    for result in run_distributed(_pretrain_resume_body, world_size=2, args=(str(tmp_path),), timeout=600):
+        losses = {name: {r["iteration"]: r["loss"] for r in records} for name, records in result.items()}
+        assert sorted(losses["straight"]) == [1, 2, 3, 4, 5, 6], losses
+        assert sorted(losses["first"]) == [1, 2, 3] and sorted(losses["resumed"]) == [4, 5, 6], losses
+        for iteration in range(1, 7):  # bitwise: the same sums in the same order
+            assert (losses["first"] | losses["resumed"])[iteration] == losses["straight"][iteration], iteration
