@@ -353,9 +353,10 @@ def _optimizer_maker(
         on_cpu = all(r.param.device.type == "cpu" for r in records)
     else:
         on_cpu = not torch.cuda.is_available()
-    context = BuildContext(tp_group=tp_group, layouts=layouts, on_cpu=on_cpu)
     if fsdp is not None and spec.accepts("fsdp_shards"):
         context = BuildContext(on_cpu=on_cpu, fsdp_group=fsdp.group, fsdp_shards=fsdp.row_shards(records, layouts))
+    else:
+        context = BuildContext(tp_group=tp_group, layouts=layouts, on_cpu=on_cpu)
     return lambda param_groups: spec.build(param_groups, config, context)
 
 

@@ -316,7 +316,7 @@ def matrix_layouts(
     chunk's TransformerConfig (`.config`). A layout that does not fit raises, naming the fqn.
     """
     return {
-        r.fqn: matrix_layout(r, _model_config(model_chunks[r.chunk_index]), tp_size, split_qkv) for r in records
+        r.fqn: matrix_layout(r, chunk_model_config(model_chunks[r.chunk_index]), tp_size, split_qkv) for r in records
     }
 
 
@@ -351,7 +351,7 @@ def matrix_layout(record: ParamRecord, model_config: Any, tp_size: int, split_qk
     )
 
 
-def _model_config(chunk: torch.nn.Module) -> Any:
+def chunk_model_config(chunk: torch.nn.Module) -> Any:
     """The TransformerConfig of a chunk, looking through wrappers (DDP, Float16Module: `.module`)."""
     module = chunk
     while module is not None:
@@ -371,8 +371,8 @@ DENSE, EXPERT = "dense", "expert"
 
 def stored_child_name(child_name: str) -> str:
     """'expert' -> 'dense', 'muon/expert' -> 'muon/dense' (factory._child_name's forms)."""
-    head, _, kind = child_name.rpartition("/")
-    return f"{head}/{DENSE}" if head and kind == EXPERT else (DENSE if kind == EXPERT else child_name)
+    head, slash, kind = child_name.rpartition("/")
+    return head + slash + DENSE if kind == EXPERT else child_name
 
 
 def stored_group_key(group_key: str) -> str:

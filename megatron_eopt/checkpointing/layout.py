@@ -25,6 +25,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor, ShardedTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from megatron_eopt.distributed.fsdp2 import check_row_placement
 from megatron_eopt.distributed.process_groups import ProcessGroup, group_rank, group_size
 from megatron_eopt.ops.row_shards import chunk_rows
 
@@ -86,11 +87,7 @@ def row_placement(fqn: str, param: DTensor, parts: int) -> Placement:
 
     `parts`: the partition_stride megatron-core gives the unsharded parameter (fully_shard drops it).
     """
-    if param.device_mesh.ndim != 1 or tuple(param.placements) != (Shard(0),) or param.dim() < 1:
-        raise ValueError(
-            f"parameter {fqn!r}: DTensor placement {tuple(param.placements)} on a {param.device_mesh.ndim}-D "
-            f"mesh is not supported by checkpoints; they handle torch FSDP2's default, Shard(0) on a 1-D mesh."
-        )
+    check_row_placement(fqn, param)
     group = param.device_mesh.get_group()
     if group_size(group) == 1:
         return Placement(None, 0, parts, rows_by_rank=(param.shape[0],))

@@ -41,7 +41,7 @@ from megatron_eopt.checkpointing.layout import (
 )
 from megatron_eopt.checkpointing.storage import CheckpointError, all_gather_objects
 from megatron_eopt.distributed.process_groups import ParallelGroups, ProcessGroup, group_size
-from megatron_eopt.param_groups import named_trainable_parameters
+from megatron_eopt.param_groups import chunk_model_config, named_trainable_parameters
 from megatron_eopt.wrappers.fp32 import FP32Optimizer
 
 
@@ -81,7 +81,7 @@ def _gated_parts(model_chunks: list[torch.nn.Module], fqn: str, name: str) -> in
     if not name.endswith(("linear_fc1.weight", "linear_fc1.bias")):
         return 1
     chunk = model_chunks[0] if len(model_chunks) == 1 else model_chunks[int(fqn.split(".", 1)[0][len("model_chunk"):])]
-    return 2 if getattr(getattr(chunk, "config", None), "gated_linear_unit", False) else 1
+    return 2 if getattr(chunk_model_config(chunk), "gated_linear_unit", False) else 1
 
 
 def pipeline_size(groups: ParallelGroups) -> int:
@@ -328,10 +328,9 @@ def plan_model(plan: LoadPlan, params: list[ModelParam], model_names: set[str]) 
 
     `model_names`: the stored names of the whole model (stored_model_names), every stage's.
     """
-    live = model_names
     stored = plan.index.model_fqns()
-    if live != stored:
-        missing, extra = sorted(live - stored), sorted(stored - live)
+    if model_names != stored:
+        missing, extra = sorted(model_names - stored), sorted(stored - model_names)
         raise CheckpointError(
             f"the model differs from the one in {plan.index.path}: parameters missing in the "
             f"checkpoint {_few(missing)}, only in the checkpoint {_few(extra)}."

@@ -79,14 +79,15 @@ def fully_sharded_layout(chunks: list[torch.nn.Module]) -> Optional[FullySharded
             f"freeze it (requires_grad=False)."
         )
     for fqn, param in sharded:
-        _check_placement(fqn, param)
+        check_row_placement(fqn, param)
         _check_not_expert(fqn)
     group = _common_group(sharded)
     size = group_size(group)
     return FullyShardedLayout(group, {fqn: chunk_rows(p.shape[0], size) for fqn, p in sharded})
 
 
-def _check_placement(fqn: str, param: DTensor) -> None:
+def check_row_placement(fqn: str, param: DTensor) -> None:
+    """FSDP2's default layout, the only one handled: Shard(0) on a 1-D mesh."""
     placements = tuple(param.placements)
     if param.device_mesh.ndim != 1 or placements != (Shard(0),) or param.dim() < 1:
         raise ValueError(
