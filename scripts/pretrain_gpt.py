@@ -44,13 +44,14 @@ Data follows the iteration, so a resumed run continues exactly where the saved o
 
 import argparse
 import copy
+import itertools
 import os
 import re
 import socket
 import sys
 import time
 from dataclasses import dataclass
-from typing import NoReturn, Optional, TextIO
+from typing import Any, NoReturn, Optional, TextIO
 
 import torch
 import torch.distributed as dist
@@ -186,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     training.add_argument("--seed", type=int, default=1234)
     training.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
                           help="sum micro-batch gradients and all-reduce them over data-parallel ranks in "
-                               "fp32 (param.main_grad); always on with --bf16, as in Megatron-LM")
+                               "fp32 (param.main_grad); always on with --bf16, as in Megatron-LM; "
+                               "no effect on an fp32 model, whose gradients are fp32 already")
     checkpointing = parser.add_argument_group(title="checkpointing")
     checkpointing.add_argument("--save", default=None, help="directory to save checkpoints in")
     checkpointing.add_argument("--save-interval", type=int, default=None,
@@ -533,13 +535,25 @@ def train(args, settings, layout, device) -> list[dict]:
 def fully_shard_gpt(model: torch.nn.Module, dp_group, device: torch.device) -> None:
     """Megatron-LM's --use-torch-fsdp2 layout: each transformer layer, then the root, sharded with
     fully_shard over the data-parallel ranks (a 1-D mesh, FSDP2's default Shard(0) placement)."""
-    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = DeviceMesh.from_group(dp_group, device.type)
+    mesh = data_parallel_mesh(dp_group, device)
     for layer in model.decoder.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+
+
+_MESH_NUMBERS = itertools.count()
+
+
+def data_parallel_mesh(dp_group, device: torch.device) -> Any:
+    """A 1-D DeviceMesh over `dp_group`, named anew on every call. torch caches meshes that compare
+    equal (same ranks, device and names), and `main` may run several times in one process, each
+    time with new process groups: an unnamed mesh of an earlier run, whose groups are destroyed,
+    would come back."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(dp_group, device.type, mesh_dim_names=(f"dp{next(_MESH_NUMBERS)}",))
 
 
 def resume(args: argparse.Namespace, model, optimizer, scheduler, log: Logger) -> int:

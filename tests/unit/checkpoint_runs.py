@@ -9,7 +9,6 @@ with torch FSDP2 as scripts/pretrain_gpt.py --use-torch-fsdp2 does (FSDP2 averag
 backward; a synthetic gradient is set as the DTensor of the global one).
 """
 
-import itertools
 import zlib
 from dataclasses import asdict, dataclass
 
@@ -26,6 +25,7 @@ from scripts.gpt_model import (
     gpt_loss,
     initialize_model_parallel,
 )
+from scripts.pretrain_gpt import fully_shard_gpt
 from tests.unit.test_gpt_optimizer import local_shard
 
 SETTINGS = GPTModelSettings(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
@@ -66,7 +66,7 @@ class GPTRun:
         settings = GPTModelSettings(**{**asdict(SETTINGS), "bf16": layout.bf16}) if layout.bf16 else SETTINGS
         self.model = build_gpt_model(settings)
         if layout.fsdp2:
-            _fully_shard(self.model, parallel_state.get_data_parallel_group())
+            fully_shard_gpt(self.model, parallel_state.get_data_parallel_group(), torch.device("cpu"))
         config = OptimizerConfig(**{**OPTIMIZERS[layout.optimizer], **config_changes}, bf16=layout.bf16,
                                  use_layer_wise_distributed_optimizer=layout.layer_wise)
         self.optimizer = get_megatron_optimizer(config, [self.model])
@@ -123,22 +123,6 @@ class GPTRun:
             return {name: (p.detach().full_tensor(), -1, 1) for name, p in self.model.named_parameters()}
         return {name: (main_of.get(id(p), p).detach().float().clone(), *partition(p))
                 for name, p in self.model.named_parameters()}
-
-
-def _fully_shard(model: torch.nn.Module, dp_group) -> None:
-    """scripts/pretrain_gpt.py's fully_shard_gpt, over a mesh with a name of its own: torch caches
-    meshes that compare equal (same ranks, same names), and one of an earlier harness call, whose
-    process groups the harness destroyed, would come back in this call's parameters."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = DeviceMesh.from_group(dp_group, "cpu", mesh_dim_names=(f"fsdp{next(_MESH_NUMBERS)}",))
-    for layer in model.decoder.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-
-
-_MESH_NUMBERS = itertools.count()
 
 
 def partition(param: torch.Tensor) -> tuple[int, int]:

@@ -21,6 +21,7 @@ import torch
 
 from megatron_eopt import OptimizerConfig, get_megatron_optimizer
 from scripts.gpt_model import GPTModelSettings, build_gpt_model, destroy_model_parallel, initialize_model_parallel
+from scripts.pretrain_gpt import data_parallel_mesh
 
 SETTINGS = GPTModelSettings(num_layers=2, hidden_size=32, num_attention_heads=8, num_query_groups=4,
                             ffn_hidden_size=48, swiglu=True, vocab_size=64, seq_length=16)
@@ -98,9 +99,11 @@ def _single_process():
 
 
 def _mesh(world_size: int):
-    from torch.distributed.device_mesh import init_device_mesh
+    """Over all the world's ranks, a mesh of its own (pretrain_gpt.data_parallel_mesh says why)."""
+    import torch.distributed as dist
 
-    return init_device_mesh("cpu", (world_size,))
+    assert dist.get_world_size() == world_size
+    return data_parallel_mesh(dist.group.WORLD, torch.device("cpu"))
 
 
 def build_gpt() -> torch.nn.Module:
