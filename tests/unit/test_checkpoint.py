@@ -50,24 +50,31 @@ def _train(layout: Layout, start: int, stop: int, directory: str = "", load: boo
     return run
 
 
-def _resume_body(rank: int, world_size: int, directory: str) -> dict:
+def resume_differences(layouts, snapshot, directory: str, world_size: int, steps: int = RESUME_STEPS) -> dict:
+    """Per layout: (where 2N straight steps differ from N + save + load + N, N = `steps`; the
+    number of non-scalar optimizer state tensors compared); `snapshot(run)` gives the parameters."""
     differences = {}
-    for layout in (Layout("adam"), Layout("muon"), Layout("muon", layer_wise=True), Layout("muon", tp=2)):
+    for layout in layouts:
         case_dir = os.path.join(directory, layout.describe(world_size).replace(" ", "_"))
-        straight = _train(layout, 0, 2 * RESUME_STEPS)
-        expected = {"params": _params(straight), "optimizer": straight.optimizer.state_dict()}
+        straight = _train(layout, 0, 2 * steps)
+        expected = {"params": snapshot(straight), "optimizer": straight.optimizer.state_dict()}
         straight.close()
-        first = _train(layout, 0, RESUME_STEPS)
-        save_checkpoint(case_dir, RESUME_STEPS, [first.model], first.optimizer, first.scheduler)
+        first = _train(layout, 0, steps)
+        save_checkpoint(case_dir, steps, [first.model], first.optimizer, first.scheduler)
         first.close()
         torch.manual_seed(12345)  # the resumed run must not depend on the RNG state it starts with
-        resumed = _train(layout, 0, 2 * RESUME_STEPS, case_dir, load=True)
-        actual = {"params": _params(resumed), "optimizer": resumed.optimizer.state_dict()}
+        resumed = _train(layout, 0, 2 * steps, case_dir, load=True)
+        actual = {"params": snapshot(resumed), "optimizer": resumed.optimizer.state_dict()}
         resumed.close()
-        state_tensors = sum(torch.is_tensor(v) for child in expected["optimizer"]["optimizers"].values()
+        state_tensors = sum(torch.is_tensor(v) and v.dim() > 0 for child in expected["optimizer"]["optimizers"].values()
                             for entry in child["state"].values() for v in entry.values())
         differences[layout.describe(world_size)] = (_differences(expected, actual), state_tensors)
     return differences
+
+
+def _resume_body(rank: int, world_size: int, directory: str) -> dict:
+    layouts = (Layout("adam"), Layout("muon"), Layout("muon", layer_wise=True), Layout("muon", tp=2))
+    return resume_differences(layouts, _params, directory, world_size)
 
 
 def test_resume_is_exact_for_adam_muon_layer_wise_and_tp2(run_distributed, tmp_path) -> None:

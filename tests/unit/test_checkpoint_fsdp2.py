@@ -17,9 +17,9 @@ import os
 
 import torch
 
-from megatron_eopt.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
+from megatron_eopt.checkpointing import CheckpointError, save_checkpoint
 from tests.unit.checkpoint_runs import GPTRun, Layout
-from tests.unit.test_checkpoint import _differences, _global_params, _load_then_step, _save_then_continue
+from tests.unit.test_checkpoint import _global_params, _load_then_step, _save_then_continue, _train, resume_differences
 
 RESUME_STEPS = 4
 
@@ -28,33 +28,9 @@ def _shards(run: GPTRun) -> dict:
     return {name: p.detach().to_local().clone() for name, p in run.model.named_parameters()}
 
 
-def _train(layout: Layout, start: int, stop: int, directory: str = "", load: bool = False) -> GPTRun:
-    run = GPTRun(layout)
-    if load:
-        start = load_checkpoint(directory, [run.model], run.optimizer, run.scheduler).iteration
-    for step in range(start, stop):
-        run.train_step(step)
-    return run
-
-
 def _resume_body(rank: int, world_size: int, directory: str) -> dict:
-    differences = {}
-    for layout in (Layout("muon", fsdp2=True), Layout("adam", fsdp2=True)):
-        case_dir = os.path.join(directory, layout.optimizer)
-        straight = _train(layout, 0, 2 * RESUME_STEPS)
-        expected = {"params": _shards(straight), "optimizer": straight.optimizer.state_dict()}
-        straight.close()
-        first = _train(layout, 0, RESUME_STEPS)
-        save_checkpoint(case_dir, RESUME_STEPS, [first.model], first.optimizer, first.scheduler)
-        first.close()
-        torch.manual_seed(12345)  # the resumed run must not depend on the RNG state it starts with
-        resumed = _train(layout, 0, 2 * RESUME_STEPS, case_dir, load=True)
-        actual = {"params": _shards(resumed), "optimizer": resumed.optimizer.state_dict()}
-        resumed.close()
-        state_tensors = sum(torch.is_tensor(v) and v.dim() > 0 for child in expected["optimizer"]["optimizers"].values()
-                            for entry in child["state"].values() for v in entry.values())
-        differences[layout.describe(world_size)] = (_differences(expected, actual), state_tensors)
-    return differences
+    return resume_differences((Layout("muon", fsdp2=True), Layout("adam", fsdp2=True)), _shards, directory, world_size,
+                              RESUME_STEPS)
 
 
 def test_fsdp2_resume_is_exact_for_muon_and_adam(run_distributed, tmp_path) -> None:
