@@ -116,10 +116,11 @@ def _our_lines(stderr: str) -> list[str]:
         (["--lr-warmup-init", "2.0"], "--lr-warmup-init 2.0 must not exceed --lr 1.0."),
         (["--tensorboard-log-interval", "0"], "--tensorboard-log-interval must be >= 1; got 0."),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (["--use-torch-fsdp2", "--bf16"], "--use-torch-fsdp2 does not support --bf16/--fp16"),
     ],
     ids=["gqa-groups-alone", "hidden-dropout", "attention-dropout", "init-std", "init-std-nan", "swiglu-tiny", "normalization",
          "wsd-without-iters", "wsd-too-long", "wsd-iters-without-wsd", "wsd-style", "warmup-fraction", "warmup-fraction-and-iters",
-         "warmup-init", "tb-interval", "unknown"],
+         "warmup-init", "tb-interval", "unknown", "fsdp2-bf16"],
 )
 def test_bad_new_flags_exit_with_one_line(argv: list[str], message: str, monkeypatch, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
