@@ -209,7 +209,10 @@ def _layer_wise(
         check_groups += [dp_group, norm_group]
         owners = assign_owners(members, matrix_fqns, group_size(dp_group), group_size(tp_group))
         by_owner = [[r.param for r in members if owners[r.fqn] == rank] for rank in range(group_size(dp_group))]
-        shards.append(DataParallelShards(dp_group, by_owner))
+        # Reduced expert gradients are divided by the dense data-parallel size (megatron-core DDP's
+        # expert scaling; layer_wise.py's docstring).
+        divisor = group_size(_data_parallel_group(groups, False)) if is_expert else None
+        shards.append(DataParallelShards(dp_group, by_owner, grad_divisor=divisor))
         owned_fqns |= {r.fqn for r in members if owners[r.fqn] == group_rank(dp_group)}
     children = _children(config, chunks, groups, routing, param_groups, records, owned_fqns)
     # With overlap_param_gather_with_optimizer_step a bucket is launched once the child that

@@ -10,7 +10,10 @@ shape, largest first onto the least-loaded rank, then the other parameters by si
 A step:
 1. with `reduce_grads`, the gradients are this rank's own and are averaged onto each
    parameter's owner by `reduce` (no all-reduce); otherwise they were already all-reduced
-   (torch or megatron-core DDP) and each owner reads its own copy;
+   (torch or megatron-core DDP) and each owner reads its own copy. Expert gradients are
+   summed over the expert data-parallel group and divided by the dense data-parallel size,
+   as megatron-core's DDP does (the token dispatcher already brought each expert the
+   gradients of every rank of its expert-parallel group);
 2. megatron-core's step recipe (wrappers/base.py) over the owned parameters: the gradient norm
    sums the owners' squares over the data-parallel group, then the model-parallel group;
    inf/NaN in any gradient of any rank, owned or not, skips the step everywhere;
@@ -66,6 +69,13 @@ class DataParallelShards:
 
     group: Optional[ProcessGroup]  # None: size 1, this rank owns everything
     params_by_owner: list[list[torch.nn.Parameter]] = field(default_factory=list)
+    # With reduce_grads: the summed gradients are divided by this. None: the group's size (a
+    # mean); experts: the dense data-parallel size.
+    grad_divisor: Optional[int] = None
+
+    @property
+    def divisor(self) -> int:
+        return group_size(self.group) if self.grad_divisor is None else self.grad_divisor
 
     @property
     def owned(self) -> list[torch.nn.Parameter]:
@@ -321,11 +331,13 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
 
     # Communication.
     def _reduce_grads_to_owners(self) -> None:
-        """Average gradients over each data-parallel group onto the owners (async reduces)."""
+        """Sum gradients over each data-parallel group onto the owners (async reduces), divided
+        by the shard's divisor."""
         pending = []
         for shard in self.shards:
             size = group_size(shard.group)
             if size == 1:
+                _divide_own_grads(shard.owned, shard.divisor)
                 continue
             for owner, params in enumerate(shard.params_by_owner):
                 for bucket in _buckets(params, self.bucket_bytes):
@@ -333,20 +345,20 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
                     flat = torch.cat([_grad_or_zeros(p).reshape(-1).float() for p in bucket]
                                      + [torch.tensor([float(model_grad(p) is not None) for p in bucket], device=bucket[0].device)])
                     work = dist.reduce(flat, dst=shard.global_rank(owner), op=dist.ReduceOp.SUM, group=shard.group, async_op=True)
-                    pending.append((work, flat, bucket, owner == group_rank(shard.group), size))
+                    pending.append((work, flat, bucket, owner == group_rank(shard.group), shard.divisor))
         received = []
-        for work, flat, bucket, is_owner, size in pending:
+        for work, flat, bucket, is_owner, divisor in pending:
             work.wait()
             if is_owner:
-                received.append((flat, bucket, size))
+                received.append((flat, bucket, divisor))
         if not received:
             return
         # Which parameters had a gradient anywhere decides grad None or not, a host decision:
         # one device-to-host copy for all of them, not one synchronizing read per parameter.
         had_grad = torch.cat([flat[-len(bucket):] for flat, bucket, _ in received]).tolist()
         start = 0
-        for flat, bucket, size in received:
-            _write_averaged_grads(flat, bucket, size, had_grad[start:start + len(bucket)])
+        for flat, bucket, divisor in received:
+            _write_averaged_grads(flat, bucket, divisor, had_grad[start:start + len(bucket)])
             start += len(bucket)
 
     def _start_param_sync(self, phase: Optional[int] = None) -> None:
@@ -425,11 +437,21 @@ def _grad_or_zeros(param: torch.nn.Parameter) -> torch.Tensor:
     return torch.zeros_like(param, dtype=torch.float32) if grad is None else grad
 
 
-def _write_averaged_grads(flat: torch.Tensor, bucket: list[torch.nn.Parameter], size: int,
+def _divide_own_grads(params: list[torch.nn.Parameter], divisor: int) -> None:
+    """A group of one: nothing to sum, only the division (experts at expert DP 1, dense DP > 1)."""
+    if divisor == 1:
+        return
+    for param in params:
+        grad = model_grad(param)
+        if grad is not None:
+            grad.div_(divisor)
+
+
+def _write_averaged_grads(flat: torch.Tensor, bucket: list[torch.nn.Parameter], divisor: int,
                           had_grad: list[float]) -> None:
     offset = 0
     for param, flag in zip(bucket, had_grad):
-        averaged = flat[offset:offset + param.numel()].view(param.shape) / size
+        averaged = flat[offset:offset + param.numel()].view(param.shape) / divisor
         offset += param.numel()
         if flag == 0:
             continue  # no rank had a gradient: the parameter is not stepped

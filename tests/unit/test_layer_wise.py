@@ -286,7 +286,9 @@ def _expert_body(rank: int, world_size: int, steps: int) -> dict:
     for step in range(steps):
         optimizer.zero_grad()
         set_grads(model, expert_grads(step, rank, world_size))
-        full = {n: sum(expert_grads(step, r, 1)[n] for r in range(world_size)) / world_size for n in EXPERT_SHAPES}
+        # Experts: summed over the expert DP group and divided by the dense DP size, 1 here
+        # (megatron-core DDP's expert scaling: each rank's expert saw only its own tokens' share).
+        full = {n: sum(expert_grads(step, r, 1)[n] for r in range(world_size)) for n in EXPERT_SHAPES}
         for name in ("dense.column.weight", "dense.norm.weight"):
             full[name] = expert_grads(step, 0, 1)[name]
         set_grads(reference_model, full)
