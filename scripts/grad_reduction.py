@@ -12,6 +12,12 @@ of their own dtype for the all-reduce and copied back. Either way there is one c
 bucket (about BUCKET_NUMEL elements, Megatron-LM's default bucket size), never one per parameter.
 Gradients are divided by the data-parallel size before the sum (megatron-core's DDP default),
 which keeps scaled fp16 gradients in range.
+
+Expert parameters (megatron-core tags them `allreduce=False` at expert-parallel size > 1) are
+summed over the expert data-parallel group instead, but still divided by the whole
+data-parallel size, as megatron-core's DDP does: the token dispatcher has already brought each
+expert the gradients of the tokens of every rank in its expert-parallel group, so the sum over
+the expert data-parallel group covers every data-parallel rank once.
 """
 
 from typing import Optional
@@ -45,16 +51,24 @@ class GradReducer:
 
     Use per step: `zero_grads()` before the micro-batches, `average_over_data_parallel()` after
     the last backward. `reduce_over_dp=False` when the optimizer reduces gradients itself (the
-    layer-wise distributed optimizer).
+    layer-wise distributed optimizer). `expert_dp_group`: where expert parameters
+    (`allreduce=False`) are summed (module docstring); needed when the model has any.
     """
 
     def __init__(self, model: torch.nn.Module, dp_group, accumulate_in_fp32: bool,
-                 reduce_over_dp: bool = True, bucket_numel: int = BUCKET_NUMEL) -> None:
+                 reduce_over_dp: bool = True, bucket_numel: int = BUCKET_NUMEL, expert_dp_group=None) -> None:
         self.dp_group = dp_group
         self.reduce_over_dp = reduce_over_dp
         params = [p for p in model.parameters() if p.requires_grad]
+        dense = [p for p in params if getattr(p, "allreduce", True)]
+        experts = [p for p in params if not getattr(p, "allreduce", True)]
+        if experts and reduce_over_dp and expert_dp_group is None:
+            raise ValueError(f"GradReducer: the model has {len(experts)} expert parameters (allreduce=False); "
+                             f"pass expert_dp_group, the group their gradients are summed over.")
         self.fp32_accumulation = accumulate_in_fp32 and any(p.dtype in HALF_DTYPES for p in params)
-        self.buckets = split_into_buckets(params, bucket_numel)
+        dense_buckets, expert_buckets = split_into_buckets(dense, bucket_numel), split_into_buckets(experts, bucket_numel)
+        self.buckets = dense_buckets + expert_buckets
+        self.groups = [dp_group] * len(dense_buckets) + [expert_dp_group] * len(expert_buckets)  # summed over
         self.main_grad_buffers: list[Optional[torch.Tensor]] = [None] * len(self.buckets)
         if self.fp32_accumulation:
             self.main_grad_buffers = [self._attach_main_grads(bucket) for bucket in self.buckets]
@@ -76,15 +90,17 @@ class GradReducer:
                 buffer.zero_()
 
     def average_over_data_parallel(self) -> None:
+        """Each bucket divided by the data-parallel size and summed over its group."""
         dp_size = dist.get_world_size(self.dp_group)
         if not self.reduce_over_dp or dp_size == 1:
             return
-        for bucket, buffer in zip(self.buckets, self.main_grad_buffers):
+        for bucket, buffer, group in zip(self.buckets, self.main_grad_buffers, self.groups):
             if buffer is not None:
                 buffer.div_(dp_size)
-                dist.all_reduce(buffer, group=self.dp_group)
+                if dist.get_world_size(group) > 1:
+                    dist.all_reduce(buffer, group=group)
             else:
-                _average_grads(bucket, dp_size, self.dp_group)
+                _average_grads(bucket, dp_size, group)
 
 
 def _add_grad_to_main_grad(param: torch.nn.Parameter) -> None:
@@ -93,13 +109,15 @@ def _add_grad_to_main_grad(param: torch.nn.Parameter) -> None:
     param.grad = None
 
 
-def _average_grads(bucket: list[torch.nn.Parameter], dp_size: int, dp_group) -> None:
-    """`param.grad` of a bucket, flattened for one all-reduce. Every rank runs the same model on
-    the same number of micro-batches, so the same parameters have gradients on every rank."""
+def _average_grads(bucket: list[torch.nn.Parameter], dp_size: int, group) -> None:
+    """`param.grad` of a bucket divided by `dp_size`, flattened for one all-reduce over `group`.
+    Every rank runs the same model on the same number of micro-batches, so the same parameters
+    have gradients on every rank."""
     grads = [p.grad for p in bucket if p.grad is not None]
     if not grads:
         return
     flat = _flatten_dense_tensors(grads).div_(dp_size)
-    dist.all_reduce(flat, group=dp_group)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(flat, group=group)
     for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads)):
         grad.copy_(averaged)
