@@ -46,6 +46,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from scripts.moe import moe_layer_builder
+
 __all__ = [
     "GPTModelSettings",
     "SDPACoreAttention",
@@ -205,7 +207,17 @@ def gpt_layer_spec(use_cuda: bool, max_attn_logits: bool = False, num_experts: i
 
     ``max_attn_logits`` (QK-clip or max-logit logging): on CUDA, Transformer Engine's
     attention records them from TE 2.9; without such a TE the SDPA attention is used.
+    ``num_experts``: megatron's MoE layer, with the substitutions of scripts/moe.py (experts
+    seeded by global index; on CPU also the router, layer and allgather dispatcher).
     """
+    spec = _attention_spec(use_cuda, max_attn_logits, num_experts)
+    if num_experts is None:
+        return spec
+    mlp = moe_layer_builder(spec.submodules.mlp, use_cuda)
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))
+
+
+def _attention_spec(use_cuda: bool, max_attn_logits: bool, num_experts: int | None) -> ModuleSpec:
     if use_cuda:
         if _transformer_engine_at_least("2.9.0" if max_attn_logits else None):
             from megatron.core.models.gpt.gpt_layer_specs import (
@@ -296,10 +308,12 @@ class GPTModelSettings:
     qk_clip_threshold: float = 100.0
     qk_clip_alpha: float = 0.5
     log_max_attention_logit: bool = False
-    # Mixture of experts (megatron-core's MoELayer, SequentialMLP experts, allgather dispatcher):
+    # Mixture of experts (megatron-core's MoELayer, SequentialMLP experts; scripts/moe.py):
     # None: a dense MLP. Expert matrices have ffn_hidden_size columns, as megatron's default.
     num_moe_experts: int | None = None
     moe_router_topk: int = 2
+    moe_aux_loss_coeff: float = 0.0  # the load-balancing loss (megatron's "aux_loss" type)
+    moe_token_dispatcher_type: Literal["allgather", "alltoall"] = "allgather"  # alltoall: CUDA only
     # megatron's --pipeline-model-parallel-layout, e.g. "Et*2|L": embedding and two layers on
     # the first stage, only the final norm and output layer (L) on the last. None: an even split.
     pipeline_model_parallel_layout: str | None = None
@@ -516,7 +530,8 @@ def _expert_config(settings: GPTModelSettings) -> dict[str, Any]:
         num_moe_experts=settings.num_moe_experts,
         moe_router_topk=settings.moe_router_topk,
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
-        moe_token_dispatcher_type="allgather",
+        moe_aux_loss_coeff=settings.moe_aux_loss_coeff,
+        moe_token_dispatcher_type=settings.moe_token_dispatcher_type,
         moe_grouped_gemm=False,
     )
 
