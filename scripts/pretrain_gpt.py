@@ -44,6 +44,7 @@ Data follows the iteration, so a resumed run continues exactly where the saved o
 
 import argparse
 import copy
+import dataclasses
 import itertools
 import os
 import re
@@ -80,6 +81,7 @@ from scripts.gpt_model import (  # noqa: E402
     initialize_model_parallel,
 )
 from scripts.grad_reduction import GradReducer  # noqa: E402
+from scripts.moe import add_moe_args, check_moe_flags, describe_moe, moe_settings, start_step  # noqa: E402
 from scripts.tokenizer import add_tokenizer_args  # noqa: E402
 from scripts.training_log import PALETTE, Curve, Logger, Step, params_norm, plot_curves  # noqa: E402
 
@@ -215,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_data_args(parser)
     add_tokenizer_args(parser)
     add_eval_args(parser)
+    add_moe_args(parser)
     return add_optimizer_args(parser)
 
 
@@ -225,6 +228,7 @@ class Layout:
     tp: int
     dp: int
     grad_accumulation_steps: int
+    ep: int = 1  # expert-parallel size, out of the data-parallel ranks (scripts/moe.py)
 
 
 def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, GPTModelSettings, Layout]:
@@ -236,6 +240,7 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, GP
         optimizer_config_from_args(args)
         layout = _layout(args)
         settings = _model_settings(args, layout.tp)
+        layout, settings = _with_experts(args, layout, settings)
         _check_training_flags(args)
     except ValueError as error:
         exit_with_error(str(error))
@@ -262,6 +267,14 @@ def _layout(args: argparse.Namespace) -> Layout:
             f"--micro-batch-size * data-parallel size = {args.micro_batch_size} * {dp} = {per_step}."
         )
     return Layout(world_size, rank, tp, dp, args.global_batch_size // per_step)
+
+
+def _with_experts(args: argparse.Namespace, layout: Layout, settings: GPTModelSettings
+                  ) -> tuple[Layout, GPTModelSettings]:
+    """The MoE flags (scripts/moe.py) in the layout and the model settings."""
+    on_cuda = dist.get_backend() == "nccl" if dist.is_initialized() else torch.cuda.is_available()
+    ep = check_moe_flags(args, layout.tp, layout.dp, use_cuda=on_cuda)
+    return dataclasses.replace(layout, ep=ep), dataclasses.replace(settings, **moe_settings(args))
 
 
 def _model_settings(args: argparse.Namespace, tp: int) -> GPTModelSettings:
@@ -469,6 +482,7 @@ def train_step(model, optimizer, micro_batches, grads: GradReducer, dp_group
     """
     optimizer.zero_grad()
     grads.zero_grads()
+    start_step(optimizer.get_loss_scale(), len(micro_batches))  # the MoE aux loss's gradient scale
     total = torch.zeros((), dtype=torch.float32)
     for tokens in micro_batches:
         loss = gpt_loss(model, tokens) / len(micro_batches)
@@ -495,13 +509,16 @@ def train(args, settings, layout, device) -> list[dict]:
     batches = BatchSource(args, layout, parallel_state.get_data_parallel_rank())
     # The layer-wise optimizer reduces onto owners itself; FSDP2 reduce-scatters (averages) in backward.
     grads = GradReducer(model, dp_group, args.accumulate_allreduce_grads_in_fp32,
-                        reduce_over_dp=not (config.use_layer_wise_distributed_optimizer or args.use_torch_fsdp2))
+                        reduce_over_dp=not (config.use_layer_wise_distributed_optimizer or args.use_torch_fsdp2),
+                        expert_dp_group=parallel_state.get_expert_data_parallel_group())
     log = Logger(args, layout.rank)
     tp_group = parallel_state.get_tensor_model_parallel_group()
     evaluator = Evaluator(args, batches.data.splits, batches.split_batches, gpt_loss, dp_group,
                           is_first_rank=layout.rank == 0, print_line=log.print_line,
                           on_result=lambda r: log.validation(r.iteration, r.loss) if r.split == "valid" else None)
     log.say(describe_model(model))
+    if args.num_experts is not None:
+        log.say(describe_moe(args))
     precision_line = matmul_precision_line(args, device)
     if precision_line:
         log.say(precision_line)
@@ -609,7 +626,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     owns_process_group = not dist.is_initialized()
     args, settings, layout = parse_args(argv)
     device = init_distributed(layout)
-    initialize_model_parallel(layout.tp, args.seed)
+    initialize_model_parallel(layout.tp, args.seed, expert_model_parallel_size=layout.ep)
     try:
         if layout.rank == 0:
             print(f"> world {layout.world_size} = TP {layout.tp} x DP {layout.dp}; global batch "
