@@ -270,7 +270,8 @@ def _refuse_without_experts(args: argparse.Namespace) -> None:
     if args.expert_model_parallel_size != 1:
         given.append(f"--expert-model-parallel-size {args.expert_model_parallel_size}")
     if given:
-        raise ValueError(f"{', '.join(given)} only apply with --num-experts (a mixture-of-experts model).")
+        verb = "only apply" if len(given) > 1 else "only applies"
+        raise ValueError(f"{' and '.join(given)} {verb} with --num-experts (a mixture-of-experts model).")
 
 
 def _check_expert_flags(args: argparse.Namespace, tp: int, dp: int, use_cuda: bool) -> None:

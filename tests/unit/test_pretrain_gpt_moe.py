@@ -8,10 +8,11 @@ gradients in another order. Gradient accumulation differs too (4, 2 and 1 micro-
 rank), which the aux loss runs (--moe-aux-loss-coeff) depend on through megatron's aux-loss
 scale. The runs also record the Newton-Schulz calls (expert matrices go to Muon, equal shapes in
 one batched call per step), and the EP=2 layer-wise run saves a checkpoint that a one-process
-run resumes.
+run resumes. Then each MoE flag's bad values: one line on stderr naming the flag.
 """
 
 import pytest
+import torch
 
 from tests.pretrain_gpt_in_process import run_pretrain_gpt
 
@@ -113,3 +114,79 @@ def test_expert_parallel_layouts_equal_one_process(run_distributed, tmp_path):
     reference = _losses(results["layer-wise muon, aux loss", 1][0][0])
     assert [r["iteration"] for r in resumed] == list(range(6, ITERATIONS + 1))
     assert _losses(resumed) == pytest.approx(reference[5:], rel=1e-5)
+
+
+# Flags -------------------------------------------------------------------------------------------
+
+MOE = ["--num-experts", "4", "--disable-bias-linear"]
+
+
+def _parse_error(argv: list[str], world_size: int, monkeypatch, capsys) -> list[str]:
+    """parse_args's stderr lines for `argv` (it must exit with status 2)."""
+    from scripts import pretrain_gpt
+
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as exit_info:
+        pretrain_gpt.parse_args(["--optimizer", "adam", "--lr", "1.0"] + argv)
+    assert exit_info.value.code == 2
+    return [line for line in capsys.readouterr().err.strip().splitlines() if "No CUDA runtime" not in line]
+
+
+@pytest.mark.parametrize(
+    "argv,world_size,message",
+    [
+        (["--num-experts", "-1"], 1, "--num-experts must be >= 1 (or 0 for dense MLPs); got -1."),
+        (MOE + ["--moe-router-topk", "1"], 1, "--moe-router-topk must be in [2, --num-experts 4]; got 1"),
+        (MOE + ["--moe-router-topk", "5"], 1, "--moe-router-topk must be in [2, --num-experts 4]; got 5"),
+        (["--moe-router-topk", "2"], 1, "--moe-router-topk only applies with --num-experts"),
+        (MOE + ["--expert-model-parallel-size", "3"], 4,
+         "--expert-model-parallel-size 3 must be >= 1 and divide --num-experts 4 and the data-parallel size 4."),
+        (MOE + ["--expert-model-parallel-size", "4"], 2,
+         "--expert-model-parallel-size 4 must be >= 1 and divide --num-experts 4 and the data-parallel size 2."),
+        (MOE + ["--expert-model-parallel-size", "0"], 1, "--expert-model-parallel-size 0 must be >= 1"),
+        (["--expert-model-parallel-size", "2"], 2, "--expert-model-parallel-size 2 only applies with --num-experts"),
+        (MOE + ["--moe-aux-loss-coeff", "-0.1"], 1, "--moe-aux-loss-coeff must be a finite number >= 0; got -0.1."),
+        (MOE + ["--moe-aux-loss-coeff", "nan"], 1, "--moe-aux-loss-coeff must be a finite number >= 0; got nan."),
+        (["--moe-aux-loss-coeff", "0.01"], 1, "--moe-aux-loss-coeff only applies with --num-experts"),
+        (["--moe-token-dispatcher-type", "allgather", "--moe-router-topk", "2"], 1,
+         "--moe-router-topk and --moe-token-dispatcher-type only apply with --num-experts"),
+        (MOE + ["--tensor-model-parallel-size", "2"], 2, "--num-experts with --tensor-model-parallel-size 2 needs sequence parallelism"),
+        (MOE + ["--use-torch-fsdp2"], 2, "--use-torch-fsdp2 does not support --num-experts yet."),
+    ],
+    ids=["experts", "topk-1", "topk-above-experts", "topk-alone", "ep-experts", "ep-dp", "ep-0", "ep-alone",
+         "aux-negative", "aux-nan", "aux-alone", "two-alone", "tp", "fsdp2"],
+)
+def test_bad_moe_flags_exit_with_one_line(argv, world_size, message, monkeypatch, capsys) -> None:
+    lines = _parse_error(argv, world_size, monkeypatch, capsys)
+    assert len(lines) == 1 and lines[0].startswith("pretrain_gpt.py: error: ") and message in lines[0], lines
+
+
+def test_bad_dispatcher_choice_names_the_flag(monkeypatch, capsys) -> None:
+    lines = _parse_error(MOE + ["--moe-token-dispatcher-type", "flex"], 1, monkeypatch, capsys)
+    assert "argument --moe-token-dispatcher-type: invalid choice: 'flex'" in lines[-1], lines
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusals; CUDA runs megatron-core's own modules")
+@pytest.mark.parametrize("argv,message", [
+    (["--moe-token-dispatcher-type", "alltoall"], "--moe-token-dispatcher-type alltoall needs CUDA"),
+    (["--num-experts", "4"], "--num-experts on CPU needs --disable-bias-linear"),
+], ids=["alltoall", "bias"])
+def test_cpu_refusals_name_the_flag(argv, message, monkeypatch, capsys) -> None:
+    argv = argv if "--num-experts" in argv else MOE + argv
+    lines = _parse_error(argv, 1, monkeypatch, capsys)
+    assert len(lines) == 1 and message in lines[0], lines
+
+
+def test_moe_flags_reach_the_settings(monkeypatch) -> None:
+    from scripts import pretrain_gpt
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    _, settings, layout = pretrain_gpt.parse_args(["--optimizer", "adam", "--lr", "1.0", *MOE, "--moe-router-topk", "3",
+                                                   "--expert-model-parallel-size", "2", "--moe-aux-loss-coeff", "0.01"])
+    assert (layout.ep, layout.dp) == (2, 4)
+    assert (settings.num_moe_experts, settings.moe_router_topk, settings.moe_aux_loss_coeff) == (4, 3, 0.01)
+    assert settings.moe_token_dispatcher_type == "allgather"
+    _, dense, layout = pretrain_gpt.parse_args(["--optimizer", "adam", "--lr", "1.0", "--num-experts", "0"])
+    assert dense.num_moe_experts is None and layout.ep == 1  # Megatron-LM: 0 experts is a dense model
