@@ -15,8 +15,10 @@ Pipeline stages (also several model chunks per rank) and MoE layers with expert 
 are built on CPU too (``initialize_model_parallel(..., pipeline_model_parallel_size=,
 virtual_pipeline_model_parallel_size=, expert_model_parallel_size=)`` then
 :func:`build_gpt_model_chunks`), with one more substitution: tied embeddings across stages are
-synchronised without megatron's ``.cuda()`` (:class:`_CPUTiedEmbeddingGPTModel`). Their forward
-is another matter: megatron's pipeline schedules and MoE router call CUDA.
+synchronised without megatron's ``.cuda()`` (:class:`_CPUTiedEmbeddingGPTModel`). MoE layers
+also train on CPU, through the substitutions of ``scripts/moe.py`` (a router and an allgather
+dispatcher that do not call CUDA; experts seeded by global index, so the weights do not depend
+on the expert-parallel size); megatron's pipeline schedules still call CUDA.
 
 Typical use (torch.distributed must already be initialised, gloo is fine)::
 

@@ -29,6 +29,11 @@ An invalid flag, or a combination the
 optimizer factory refuses, exits every rank with status 2 after one line on rank 0's stderr naming
 the flags (torchrun then adds its own failure summary).
 
+Mixture of experts (scripts/moe.py): `--num-experts` makes every MLP megatron-core's MoELayer
+(`--moe-router-topk`, `--moe-aux-loss-coeff`, `--moe-token-dispatcher-type`), its experts split
+over `--expert-model-parallel-size` of the data-parallel ranks; expert gradients are summed over
+the expert data-parallel group and divided by the data-parallel size, as megatron-core's DDP does.
+
 Checkpoints (megatron_eopt.checkpointing): `--save DIR` every `--save-interval` iterations and
 after the last one; `--load DIR` resumes from its latest checkpoint (or `--ckpt-step N`), also
 at another TP/DP layout, with or without the distributed optimizer, in bf16 or fp32;
