@@ -11,6 +11,8 @@ one batched call per step), and the EP=2 layer-wise run saves a checkpoint that 
 run resumes. Then each MoE flag's bad values: one line on stderr naming the flag.
 """
 
+import re
+
 import pytest
 import torch
 
@@ -190,3 +192,31 @@ def test_moe_flags_reach_the_settings(monkeypatch) -> None:
     assert settings.moe_token_dispatcher_type == "allgather"
     _, dense, layout = pretrain_gpt.parse_args(["--optimizer", "adam", "--lr", "1.0", "--num-experts", "0"])
     assert dense.num_moe_experts is None and layout.ep == 1  # Megatron-LM: 0 experts is a dense model
+
+
+# The CPU substitutions refuse what they cannot do ------------------------------------------------
+
+def _moe_config(**fields):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_moe_experts=4,
+                             use_cpu_initialization=True, **fields)
+
+
+@pytest.mark.parametrize("fields,option", [
+    ({"moe_router_enable_expert_bias": True, "moe_router_score_function": "sigmoid"}, "moe_router_enable_expert_bias"),
+    ({"moe_router_load_balancing_type": "global_aux_loss"}, "moe_router_load_balancing_type='global_aux_loss'"),
+    ({"moe_router_load_balancing_type": "quantile_balancing"}, "moe_router_load_balancing_type='quantile_balancing'"),
+], ids=["expert-bias", "global-aux-loss", "quantile-balancing"])
+def test_cpu_router_refuses_options_with_cuda_buffers(fields, option) -> None:
+    from scripts.moe import CPUTopKRouter
+
+    with pytest.raises(ValueError, match=re.escape(f"CPUTopKRouter does not support {option}")):
+        CPUTopKRouter(_moe_config(**fields))
+
+
+def test_cpu_moe_layer_refuses_alltoall() -> None:
+    from scripts.moe import CPUMoELayer
+
+    with pytest.raises(ValueError, match="moe_token_dispatcher_type='alltoall' needs CUDA"):
+        CPUMoELayer(_moe_config(moe_token_dispatcher_type="alltoall"))
