@@ -103,11 +103,13 @@ def test_expert_parallel_layouts_equal_one_process(run_distributed, tmp_path):
             for records, _ in per_rank:
                 assert _losses(records) == pytest.approx(reference, rel=1e-5), (name, world_size)
                 assert _grad_norms(records) == pytest.approx(reference_norms, rel=1e-5), (name, world_size)
-            differences[name, world_size] = max(abs(a / b - 1) for a, b in zip(_losses(per_rank[0][0]), reference))
+            differences[name, world_size] = (
+                max(abs(a / b - 1) for a, b in zip(_losses(per_rank[0][0]), reference)),
+                max(abs(a / b - 1) for a, b in zip(_grad_norms(per_rank[0][0]), reference_norms)))
         if "muon" in name:
             for world_size in (1, 2, 4):
                 _check_expert_calls(name, world_size, [calls for _, calls in results[name, world_size]])
-    print("max relative loss difference against one process:", differences)
+    print("max relative (loss, grad norm) difference against one process:", differences)
     # The aux loss changes training by far more than the tolerance (else the runs above could
     # not tell a wrong aux-loss scale).
     muon, with_aux = _losses(results["muon", 1][0][0]), _losses(results["layer-wise muon, aux loss", 1][0][0])
@@ -116,6 +118,8 @@ def test_expert_parallel_layouts_equal_one_process(run_distributed, tmp_path):
     reference = _losses(results["layer-wise muon, aux loss", 1][0][0])
     assert [r["iteration"] for r in resumed] == list(range(6, ITERATIONS + 1))
     assert _losses(resumed) == pytest.approx(reference[5:], rel=1e-5)
+    print("resumed at EP=1 from EP=2, max relative loss difference:",
+          max(abs(a / b - 1) for a, b in zip(_losses(resumed), reference[5:])))
 
 
 # Flags -------------------------------------------------------------------------------------------
