@@ -70,3 +70,46 @@ def test_bucketed_average_equals_one_all_reduce_per_parameter(run_distributed):
         for collectives, params, error in run_distributed(_reduce_both_ways, 2, args=(dtype, fp32)):
             assert (collectives, params) == (2, 4)
             assert error == 0.0  # halving is exact, and the sum of two is the same either way
+
+
+def _expert_model() -> torch.nn.Module:
+    model = _model(torch.float32)
+    model[2].weight.allreduce = False  # megatron-core's tag for an expert parameter (at EP > 1)
+    return model
+
+
+def test_expert_parameters_need_their_group():
+    import pytest
+
+    with pytest.raises(ValueError, match="1 expert parameters .* pass expert_dp_group"):
+        GradReducer(_expert_model(), dp_group=None, accumulate_in_fp32=False)
+
+
+def _reduce_with_experts(rank: int, world_size: int, expert_dp_size: int) -> float:
+    """DP 4; experts summed over groups of `expert_dp_size` ranks, divided by 4. Returns max error."""
+    groups = [dist.new_group(list(range(start, start + expert_dp_size))) for start in range(0, world_size, expert_dp_size)]
+    expert_dp_group = groups[rank // expert_dp_size]
+    model = _expert_model()
+    reducer = GradReducer(model, dist.group.WORLD, accumulate_in_fp32=False, expert_dp_group=expert_dp_group)
+    _loss(model, seed=rank).backward()
+    own = {name: p.grad.clone() for name, p in model.named_parameters()}
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, own)
+    reducer.average_over_data_parallel()
+    # The reference, by hand: dense parameters the mean over all ranks; the expert weight the sum
+    # over this rank's expert-DP group divided by the whole DP size.
+    members = range(rank // expert_dp_size * expert_dp_size, (rank // expert_dp_size + 1) * expert_dp_size)
+    errors = []
+    for name, param in model.named_parameters():
+        ranks = members if name == "2.weight" else range(world_size)
+        expected = sum(everyone[r][name] for r in ranks) / world_size
+        errors.append((param.grad - expected).abs().max().item())
+    for group in groups:
+        dist.destroy_process_group(group)
+    return max(errors)
+
+
+def test_expert_gradients_summed_over_their_group_divided_by_dp(run_distributed):
+    for expert_dp_size in (1, 2):  # EP 4 and EP 2 at DP 4
+        errors = run_distributed(_reduce_with_experts, 4, args=(expert_dp_size,))
+        assert max(errors) < 1e-7, (expert_dp_size, errors)
