@@ -15,8 +15,9 @@ Pipeline stages (also several model chunks per rank) and MoE layers with expert 
 are built on CPU too (``initialize_model_parallel(..., pipeline_model_parallel_size=,
 virtual_pipeline_model_parallel_size=, expert_model_parallel_size=)`` then
 :func:`build_gpt_model_chunks`), with one more substitution: tied embeddings across stages are
-synchronised without megatron's ``.cuda()`` (:class:`_CPUTiedEmbeddingGPTModel`). Their forward
-is another matter: megatron's pipeline schedules and MoE router call CUDA.
+synchronised without megatron's ``.cuda()`` (:class:`_CPUTiedEmbeddingGPTModel`). megatron's
+pipeline schedules call CUDA: ``scripts/pipeline.py`` runs the stages with
+``torch.distributed.pipelining`` instead.
 
 Typical use (torch.distributed must already be initialised, gloo is fine)::
 
@@ -45,6 +46,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 
 __all__ = [
     "GPTModelSettings",
@@ -303,6 +305,11 @@ class GPTModelSettings:
     # megatron's --pipeline-model-parallel-layout, e.g. "Et*2|L": embedding and two layers on
     # the first stage, only the final norm and output layer (L) on the last. None: an even split.
     pipeline_model_parallel_layout: str | None = None
+    # megatron's other ways to split layers unevenly over stages (exclusive with a layout).
+    num_layers_in_first_pipeline_stage: int | None = None
+    num_layers_in_last_pipeline_stage: int | None = None
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
 
     def __post_init__(self) -> None:
         positive = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
@@ -394,11 +401,35 @@ def initialize_model_parallel(
         expert_model_parallel_size=expert_model_parallel_size,
     )
     # CPU initialisation draws from torch's default generator, on every device.
+    global _init_seed
+    _init_seed = seed
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         # Megatron's seeding also sets up the per-TP-rank CUDA RNG streams used by dropout;
         # it calls CUDA, hence only when CUDA is there.
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+# The seed of the last initialize_model_parallel: build_gpt_model seeds each model chunk and each
+# transformer layer from it (see _LayerSeededTransformerLayer).
+_init_seed: int | None = None
+
+
+class _LayerSeededTransformerLayer(TransformerLayer):
+    """megatron's TransformerLayer that reseeds the default generator after its initialisation,
+    with the seed and its global layer number.
+
+    With CPU initialisation the weights are drawn from one generator in construction order, so
+    without this a pipeline stage's layers would start where that stage's generator is, not
+    where the PP=1 model's is. With it, build_gpt_model seeds a chunk as the PP=1 model's
+    generator stands after the layers before it (seed + their count), and every layer, the
+    embedding and the output layer get the same weights in every pipeline layout.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if _init_seed is not None:
+            torch.manual_seed(_init_seed + self.layer_number)
 
 
 def _check_parallel_sizes(world_size: int, tp: int, pp: int, vpp: int | None, ep: int) -> None:
@@ -476,13 +507,17 @@ def build_gpt_model(
         **_expert_config(settings),
     )
     model_class = GPTModel if device.type == "cuda" else _CPUTiedEmbeddingGPTModel
+    layer_spec = gpt_layer_spec(
+        use_cuda=device.type == "cuda",
+        max_attn_logits=settings.qk_clip or settings.log_max_attention_logit,
+        num_experts=settings.num_moe_experts,
+    )
+    if layer_spec.module is TransformerLayer and _init_seed is not None:
+        layer_spec = dataclasses.replace(layer_spec, module=_LayerSeededTransformerLayer)
+        torch.manual_seed(_init_seed + get_transformer_layer_offset(config, vp_stage))
     model = model_class(
         config=config,
-        transformer_layer_spec=gpt_layer_spec(
-            use_cuda=device.type == "cuda",
-            max_attn_logits=settings.qk_clip or settings.log_max_attention_logit,
-            num_experts=settings.num_moe_experts,
-        ),
+        transformer_layer_spec=layer_spec,
         vocab_size=settings.vocab_size,
         max_sequence_length=settings.max_positions,
         share_embeddings_and_output_weights=settings.share_embeddings_and_output_weights,
@@ -505,6 +540,10 @@ def _pipeline_config(settings: GPTModelSettings) -> dict[str, Any]:
         pipeline_model_parallel_size=stages,
         virtual_pipeline_model_parallel_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
         pipeline_model_parallel_layout=settings.pipeline_model_parallel_layout,
+        num_layers_in_first_pipeline_stage=settings.num_layers_in_first_pipeline_stage,
+        num_layers_in_last_pipeline_stage=settings.num_layers_in_last_pipeline_stage,
+        account_for_embedding_in_pipeline_split=settings.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=settings.account_for_loss_in_pipeline_split,
         pipeline_dtype=settings.params_dtype,
     )
 

@@ -74,12 +74,13 @@ from scripts.evaluation import Evaluator, add_eval_args, check_eval_flags  # noq
 from scripts.gpt_model import (  # noqa: E402
     GPTModelSettings,
     SettingsError,
-    build_gpt_model,
+    build_gpt_model_chunks,
     destroy_model_parallel,
     gpt_loss,
     initialize_model_parallel,
 )
 from scripts.grad_reduction import GradReducer  # noqa: E402
+from scripts.pipeline import Pipeline, SingleStage, add_pipeline_args, pipeline_layout  # noqa: E402
 from scripts.tokenizer import add_tokenizer_args  # noqa: E402
 from scripts.training_log import PALETTE, Curve, Logger, Step, params_norm, plot_curves  # noqa: E402
 
@@ -165,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "NullTokenizer's; with a tokenizer the model's is its vocabulary, padded")
     training = parser.add_argument_group(title="training")
     training.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    add_pipeline_args(parser)
     training.add_argument("--use-torch-fsdp2", action="store_true",
                           help="shard the model with torch FSDP2 (fully_shard each transformer layer, then "
                                "the root) over the data-parallel ranks (TP=1)")
@@ -225,6 +227,8 @@ class Layout:
     tp: int
     dp: int
     grad_accumulation_steps: int
+    pp: int = 1
+    vpp: Optional[int] = None  # model chunks per pipeline rank (interleaved schedule); None: one
 
 
 def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, GPTModelSettings, Layout]:
@@ -250,7 +254,8 @@ def _layout(args: argparse.Namespace) -> Layout:
     tp = args.tensor_model_parallel_size
     if tp < 1 or world_size % tp:
         raise ValueError(f"--tensor-model-parallel-size {tp} must divide the world size ({world_size}).")
-    dp = world_size // tp
+    pp, vpp = pipeline_layout(args, world_size // tp)
+    dp = world_size // (tp * pp)
     if args.micro_batch_size < 1:
         raise ValueError(f"--micro-batch-size must be >= 1; got {args.micro_batch_size}.")
     if args.global_batch_size is None:
@@ -261,7 +266,7 @@ def _layout(args: argparse.Namespace) -> Layout:
             f"--global-batch-size {args.global_batch_size} must be a positive multiple of "
             f"--micro-batch-size * data-parallel size = {args.micro_batch_size} * {dp} = {per_step}."
         )
-    return Layout(world_size, rank, tp, dp, args.global_batch_size // per_step)
+    return Layout(world_size, rank, tp, dp, args.global_batch_size // per_step, pp, vpp)
 
 
 def _model_settings(args: argparse.Namespace, tp: int) -> GPTModelSettings:
@@ -327,6 +332,11 @@ def _settings_from_flags(args: argparse.Namespace) -> GPTModelSettings:
         qk_clip_threshold=args.qk_clip_threshold,
         qk_clip_alpha=args.qk_clip_alpha,
         log_max_attention_logit=args.log_max_attention_logit,
+        pipeline_model_parallel_layout=args.pipeline_model_parallel_layout,
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
     )
 
 
@@ -371,6 +381,7 @@ def _check_fsdp2_flags(args: argparse.Namespace) -> None:
                ("--use-distributed-optimizer (FSDP2 shards the optimizer state already)",
                 args.use_layer_wise_distributed_optimizer),
                ("--log-params-norm", args.log_params_norm),
+               ("--pipeline-model-parallel-size > 1", args.pipeline_model_parallel_size > 1),
                ("--bf16/--fp16 (fp32 main copies of DTensor shards are not implemented yet)", args.bf16 or args.fp16)]
     for what, given in refused:
         if given:
@@ -458,22 +469,20 @@ class BatchSource:
 # ------------------------------------------------------------------------------------------------
 
 
-def train_step(model, optimizer, micro_batches, grads: GradReducer, dp_group
+def train_step(model, optimizer, micro_batches, forward, grads: GradReducer, dp_group
                ) -> tuple[float, bool, Optional[float], Optional[float]]:
-    """Forward/backward over the micro-batches, DP gradient average, optimizer step.
+    """Forward/backward over the micro-batches (`forward`: one stage or a pipeline,
+    scripts/pipeline.py), DP gradient average, optimizer step.
 
-    Each micro-batch's loss is scaled by the optimizer's loss scale (fp16; 1 otherwise), which
-    the optimizer divides out of the gradients again; an overflow makes it skip the step and
-    back the scale off. Returns (global-batch mean loss, update successful, grad norm, zeros in
-    the gradients (with --log-num-zeros-in-grad, else None)).
+    Each micro-batch's loss is divided by the number of micro-batches and scaled by the
+    optimizer's loss scale (fp16; 1 otherwise), which the optimizer divides out of the gradients
+    again; an overflow makes it skip the step and back the scale off. Returns (global-batch mean
+    loss, update successful, grad norm, zeros in the gradients (with --log-num-zeros-in-grad,
+    else None)).
     """
     optimizer.zero_grad()
     grads.zero_grads()
-    total = torch.zeros((), dtype=torch.float32)
-    for tokens in micro_batches:
-        loss = gpt_loss(model, tokens) / len(micro_batches)
-        optimizer.scale_loss(loss).backward()
-        total += loss.detach().float().cpu()
+    total = forward.forward_backward(micro_batches, optimizer.scale_loss)
     grads.average_over_data_parallel()
     dp_size = dist.get_world_size(dp_group)
     loss_sum = total.to(next(model.parameters()).device)
@@ -485,43 +494,46 @@ def train_step(model, optimizer, micro_batches, grads: GradReducer, dp_group
 def train(args, settings, layout, device) -> list[dict]:
     from megatron.core import parallel_state
 
-    model = build_gpt_model(settings, device)
+    chunks = build_gpt_model_chunks(settings, device)
+    model = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)  # all of this rank's parameters
     dp_group = parallel_state.get_data_parallel_group()
     if args.use_torch_fsdp2:
         fully_shard_gpt(model, dp_group, device)
+    forward = SingleStage(model) if layout.pp == 1 else Pipeline(
+        chunks, layout.grad_accumulation_steps, (args.micro_batch_size, args.seq_length), device)
     config = optimizer_config_from_args(args, device)
-    optimizer = get_megatron_optimizer(config, [model])
+    optimizer = get_megatron_optimizer(config, chunks)
     scheduler = get_scheduler(config, scheduler_config(args), optimizer)
     batches = BatchSource(args, layout, parallel_state.get_data_parallel_rank())
     # The layer-wise optimizer reduces onto owners itself; FSDP2 reduce-scatters (averages) in backward.
     grads = GradReducer(model, dp_group, args.accumulate_allreduce_grads_in_fp32,
                         reduce_over_dp=not (config.use_layer_wise_distributed_optimizer or args.use_torch_fsdp2))
     log = Logger(args, layout.rank)
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    evaluator = Evaluator(args, batches.data.splits, batches.split_batches, gpt_loss, dp_group,
+    evaluator = Evaluator(args, batches.data.splits, batches.split_batches, forward.eval_loss, dp_group,
                           is_first_rank=layout.rank == 0, print_line=log.print_line,
                           on_result=lambda r: log.validation(r.iteration, r.loss) if r.split == "valid" else None)
     log.say(describe_model(model))
     precision_line = matmul_precision_line(args, device)
     if precision_line:
         log.say(precision_line)
-    start = resume(args, model, optimizer, scheduler, log)
+    start = resume(args, chunks, optimizer, scheduler, log)
     for iteration in range(start + 1, args.train_iters + 1):
         lr = optimizer.param_groups[0]["lr"]
         loss, ok, grad_norm, num_zeros = train_step(
-            model, optimizer, batches.micro_batches(iteration), grads, dp_group)
+            model, optimizer, batches.micro_batches(iteration), forward, grads, dp_group)
         if ok:
             scheduler.step(args.global_batch_size)
         log.iteration(Step(
             iteration, loss, lr, ok, grad_norm=None if grad_norm is None else float(grad_norm),
             loss_scale=float(optimizer.get_loss_scale()), num_zeros=None if num_zeros is None else float(num_zeros),
-            params_norm=params_norm(model, tp_group) if args.log_params_norm else None,
+            params_norm=(params_norm(model, parallel_state.get_tensor_model_parallel_rank(),
+                                     parallel_state.get_model_parallel_group()) if args.log_params_norm else None),
             max_attention_logit=optimizer.max_attention_logit))
         evaluator.periodic(model, iteration)
         stop = bool(args.exit_interval) and iteration % args.exit_interval == 0
         at_interval = bool(args.save_interval) and iteration % args.save_interval == 0
         if args.save and (at_interval or stop or iteration == args.train_iters):
-            path = save_checkpoint(args.save, iteration, [model], optimizer, scheduler)
+            path = save_checkpoint(args.save, iteration, chunks, optimizer, scheduler)
             log.say(f"saved checkpoint {path}")
         if stop:
             log.say(f"exiting after iteration {iteration} (--exit-interval {args.exit_interval})")
@@ -556,7 +568,7 @@ def data_parallel_mesh(dp_group, device: torch.device) -> Any:
     return DeviceMesh.from_group(dp_group, device.type, mesh_dim_names=(f"dp{next(_MESH_NUMBERS)}",))
 
 
-def resume(args: argparse.Namespace, model, optimizer, scheduler, log: Logger) -> int:
+def resume(args: argparse.Namespace, chunks, optimizer, scheduler, log: Logger) -> int:
     """Load --load's checkpoint (if there is one); returns the iteration it was saved at."""
     if not args.load:
         return 0
@@ -564,7 +576,7 @@ def resume(args: argparse.Namespace, model, optimizer, scheduler, log: Logger) -
         why = "it holds no checkpoint" if os.path.isdir(args.load) else "it does not exist"
         log.say(f"no checkpoint in {args.load} ({why}): training from scratch")
         return 0
-    loaded = load_checkpoint(args.load, [model], optimizer, scheduler, iteration=args.ckpt_step,
+    loaded = load_checkpoint(args.load, chunks, optimizer, scheduler, iteration=args.ckpt_step,
                              load_optimizer=not args.no_load_optim, load_rng=not args.no_load_rng)
     for message in loaded.messages:
         log.say(message)
@@ -609,10 +621,13 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     owns_process_group = not dist.is_initialized()
     args, settings, layout = parse_args(argv)
     device = init_distributed(layout)
-    initialize_model_parallel(layout.tp, args.seed)
+    initialize_model_parallel(layout.tp, args.seed, pipeline_model_parallel_size=layout.pp,
+                              virtual_pipeline_model_parallel_size=layout.vpp)
     try:
         if layout.rank == 0:
-            print(f"> world {layout.world_size} = TP {layout.tp} x DP {layout.dp}; global batch "
+            pipeline = f" x PP {layout.pp}" + (f" ({layout.vpp} model chunks per rank)" if layout.vpp else "")
+            print(f"> world {layout.world_size} = TP {layout.tp}{pipeline if layout.pp > 1 else ''} x DP "
+                  f"{layout.dp}; global batch "
                   f"{args.global_batch_size} = micro batch {args.micro_batch_size} x DP {layout.dp} x "
                   f"{layout.grad_accumulation_steps} accumulation steps; optimizer {args.optimizer}"
                   f"{' (layer-wise distributed)' if args.use_layer_wise_distributed_optimizer else ''}",
