@@ -157,3 +157,19 @@ def test_bad_pipeline_flags_exit_with_one_line(argv: list[str], message: str, mo
     assert exit_info.value.code == 2
     lines = [line for line in capsys.readouterr().err.strip().splitlines() if "No CUDA runtime" not in line]
     assert len(lines) == 1 and lines[0].startswith("pretrain_gpt.py: error: ") and message in lines[0], lines
+
+
+@pytest.mark.parametrize("saved,loaded", [
+    ((2, OPTIMIZERS["muon layer-wise"] + PP2), (1, OPTIMIZERS["muon"])),
+    ((1, OPTIMIZERS["adam"]), (2, OPTIMIZERS["adam"] + PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"])),
+], ids=["PP2 layer-wise -> PP1", "PP1 -> PP2 interleaved"])
+def test_checkpoint_moves_between_pipeline_layouts(saved, loaded, references, run_distributed, tmp_path) -> None:
+    """Saved at iteration 5 in one layout, resumed in another: iterations 6-10 are the reference's."""
+    (saved_world, saved_flags), (loaded_world, loaded_flags) = saved, loaded
+    reference = references["muon" if "muon" in saved_flags else "adam"]
+    checkpoints = ["--save", str(tmp_path), "--load", str(tmp_path)]
+    first = run_distributed(run_training, saved_world, args=(ARGV + saved_flags + checkpoints + ["--exit-interval", "5"],))
+    assert first[0]["loss"] == pytest.approx(reference["loss"][:5], rel=1e-5)
+    for curves in run_distributed(run_training, loaded_world, args=(ARGV + loaded_flags + checkpoints,)):
+        assert curves["loss"] == pytest.approx(reference["loss"][5:], rel=1e-5)
+        assert curves["validation"] == pytest.approx(reference["validation"][1:], rel=1e-5)
