@@ -4,7 +4,9 @@
         --optimizer muon --use-distributed-optimizer --lr 3e-3 --min-lr 3e-4 --train-iters 100
 
 `python scripts/pretrain_gpt.py ...` runs one process. Tensor parallelism comes from
-`--tensor-model-parallel-size`; the rest of the world is data parallelism. gloo on CPU, NCCL on
+`--tensor-model-parallel-size`, pipeline parallelism from `--pipeline-model-parallel-size` (with
+virtual stages and uneven splits; scripts/pipeline.py runs the schedule); the rest of the world is
+data parallelism. gloo on CPU, NCCL on
 CUDA. Each iteration's global batch is drawn from `--seed` and the iteration number and each
 data-parallel rank trains on its slice of it, so every TP/DP layout sees the same global batch.
 Gradients are averaged over data-parallel ranks by the layer-wise optimizer when it is on
