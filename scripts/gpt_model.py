@@ -9,7 +9,9 @@ On CUDA the layers come from megatron-core's own specs (Transformer Engine when
 installed, else the local spec). On CPU the local spec is used with one
 substitution: megatron's ``DotProductAttention`` allocates a CUDA buffer in
 forward, so ``core_attention`` is replaced by :class:`SDPACoreAttention`, built
-on ``torch.nn.functional.scaled_dot_product_attention``.
+on ``torch.nn.functional.scaled_dot_product_attention``; and RoPE's frequencies,
+which megatron moves to CUDA at the first forward, stay on CPU
+(:class:`_CPURotaryEmbedding`).
 
 Pipeline stages (also several model chunks per rank) and MoE layers with expert parallelism
 are built on CPU too (``initialize_model_parallel(..., pipeline_model_parallel_size=,
@@ -38,6 +40,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -285,6 +288,8 @@ class GPTModelSettings:
     add_bias_linear: bool = False
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
     position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute"
+    rotary_base: int = 10000  # RoPE: the base period of its frequencies
+    rotary_percent: float = 1.0  # RoPE: the fraction of each head's dimensions it rotates
     share_embeddings_and_output_weights: bool = False
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
@@ -332,6 +337,10 @@ class GPTModelSettings:
         if self.position_embedding_type not in ("learned_absolute", "rope", "none"):
             raise SettingsError("{position_embedding_type} must be learned_absolute, rope or none",
                                 position_embedding_type=self.position_embedding_type)
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise SettingsError("{rotary_percent} must be in (0, 1]", rotary_percent=self.rotary_percent)
+        if self.rotary_base < 1:
+            raise SettingsError("{rotary_base} must be >= 1", rotary_base=self.rotary_base)
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise SettingsError(f"{{{name}}} must be in [0, 1)", **{name: getattr(self, name)})
@@ -475,9 +484,6 @@ def build_gpt_model(
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("call initialize_model_parallel before build_gpt_model")
     device = torch.device(device)
-    if settings.position_embedding_type == "rope" and device.type != "cuda":
-        # megatron's RotaryEmbedding moves its frequencies with torch.cuda.current_device().
-        raise ValueError("position_embedding_type='rope' needs CUDA; use 'learned_absolute' on CPU")
     settings.check_tensor_parallel(parallel_state.get_tensor_model_parallel_world_size())
     config = TransformerConfig(
         num_layers=settings.num_layers,
@@ -522,6 +528,8 @@ def build_gpt_model(
         max_sequence_length=settings.max_positions,
         share_embeddings_and_output_weights=settings.share_embeddings_and_output_weights,
         position_embedding_type=settings.position_embedding_type,
+        rotary_base=settings.rotary_base,
+        rotary_percent=settings.rotary_percent,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
         vp_stage=vp_stage,
@@ -560,16 +568,37 @@ def _expert_config(settings: GPTModelSettings) -> dict[str, Any]:
     )
 
 
+class _CPURotaryEmbedding(RotaryEmbedding):
+    """megatron's RotaryEmbedding without the move of its inverse frequencies to
+    ``torch.cuda.current_device()`` at the first forward (``get_emb``): the same angles,
+    position x inverse frequency, each used by two components (the two halves of a head, or
+    neighbouring pairs with ``rotary_interleaved``), ``[seq, 1, 1, head_dim]``."""
+
+    def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        angles = self.get_freqs_non_repeated(max_seq_len, offset)
+        if self.rotary_interleaved:
+            emb = angles.repeat_interleave(2, dim=-1)
+        else:
+            emb = torch.cat((angles, angles), dim=-1)
+        return emb[:, None, None, :]
+
+
 class _CPUTiedEmbeddingGPTModel(GPTModel):
-    """GPTModel whose tied-embedding set-up also runs on CPU.
+    """GPTModel whose tied-embedding set-up and rotary embedding also run on CPU.
 
     With tied embeddings and a pipeline, megatron-core zeroes the last stage's output-layer
     copy and all-reduces it with the first stage's embedding over the embedding group, but
     first moves the weight with ``.cuda()`` (language_module.py). This substitution does the
-    same all-reduce where the weight is; on one stage it changes nothing.
+    same all-reduce where the weight is; on one stage it changes nothing. RoPE's frequencies
+    stay where the model is (:class:`_CPURotaryEmbedding`).
     """
 
     _syncing_embeddings_here = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if type(getattr(self, "rotary_pos_emb", None)) is RotaryEmbedding:
+            self.rotary_pos_emb.__class__ = _CPURotaryEmbedding
 
     def setup_embeddings_and_output_layer(self) -> None:
         self._syncing_embeddings_here = True  # hides the embedding group from megatron's CUDA copy

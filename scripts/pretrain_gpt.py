@@ -161,6 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--attention-dropout", type=float, default=0.0,
                        help="default 0 (Megatron-LM's is 0.1): layouts then train identically")
     model.add_argument("--init-method-std", type=float, default=0.02)
+    model.add_argument("--position-embedding-type", default="learned_absolute",
+                       choices=("learned_absolute", "rope", "none"))
+    model.add_argument("--rotary-base", type=int, default=None, help="RoPE's base period (default 10000)")
+    model.add_argument("--rotary-percent", type=float, default=None,
+                       help="the fraction of each head's dimensions RoPE rotates (default 1.0)")
     model.add_argument("--seq-length", type=int, default=32)
     model.add_argument("--max-position-embeddings", type=int, default=None, help="default: seq length")
     model.add_argument("--vocab-size", type=int, default=None,
@@ -309,6 +314,16 @@ def _ffn_hidden_size(args: argparse.Namespace) -> int:
     return 4 * args.hidden_size
 
 
+def _rotary_settings(args: argparse.Namespace) -> dict[str, Any]:
+    given = {name: value for name, value in (("rotary_base", args.rotary_base), ("rotary_percent", args.rotary_percent))
+             if value is not None}
+    if given and args.position_embedding_type != "rope":
+        flags = " and ".join(f"--{name.replace('_', '-')}" for name in given)
+        raise ValueError(f"{flags} only apply with --position-embedding-type rope "
+                         f"(got {args.position_embedding_type}).")
+    return given
+
+
 def _settings_from_flags(args: argparse.Namespace) -> GPTModelSettings:
     return GPTModelSettings(
         num_layers=args.num_layers,
@@ -328,6 +343,8 @@ def _settings_from_flags(args: argparse.Namespace) -> GPTModelSettings:
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
+        position_embedding_type=args.position_embedding_type,
+        **_rotary_settings(args),
         # QK-clip: the model's TransformerConfig carries the flags too (Transformer Engine's
         # attention records its maximum logits only when built with them).
         qk_clip=args.qk_clip,

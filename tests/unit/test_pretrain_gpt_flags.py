@@ -117,10 +117,14 @@ def _our_lines(stderr: str) -> list[str]:
         (["--tensorboard-log-interval", "0"], "--tensorboard-log-interval must be >= 1; got 0."),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
         (["--use-torch-fsdp2", "--bf16"], "--use-torch-fsdp2 does not support --bf16/--fp16"),
+        (["--rotary-base", "500"], "--rotary-base only apply with --position-embedding-type rope (got learned_absolute)."),
+        (["--position-embedding-type", "rope", "--rotary-percent", "0"], "--rotary-percent 0.0 must be in (0, 1]."),
+        (["--position-embedding-type", "alibi"], "argument --position-embedding-type: invalid choice: 'alibi'"),
     ],
     ids=["gqa-groups-alone", "hidden-dropout", "attention-dropout", "init-std", "init-std-nan", "swiglu-tiny", "normalization",
          "wsd-without-iters", "wsd-too-long", "wsd-iters-without-wsd", "wsd-style", "warmup-fraction", "warmup-fraction-and-iters",
-         "warmup-init", "tb-interval", "unknown", "fsdp2-bf16"],
+         "warmup-init", "tb-interval", "unknown", "fsdp2-bf16", "rotary-without-rope", "rotary-percent",
+         "position-embedding-type"],
 )
 def test_bad_new_flags_exit_with_one_line(argv: list[str], message: str, monkeypatch, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:

@@ -89,6 +89,14 @@ def test_uneven_pipeline_splits_train_as_one_process(references, run_distributed
         _assert_same_training(records, references["muon"])
 
 
+def test_rope_under_tensor_and_pipeline_parallelism(run_distributed) -> None:
+    """RoPE (on CPU through scripts/gpt_model.py's substitution) on every stage: TP=2 x PP=2
+    equals one process."""
+    rope = ARGV + OPTIMIZERS["muon"] + ["--position-embedding-type", "rope", "--rotary-percent", "0.5"]
+    reference = run_distributed(run_training, 1, args=(rope,))[0]
+    _assert_same_training(run_distributed(run_training, 4, args=(rope + LAYOUTS["TP=2 x PP=2"][1],)), reference)
+
+
 def _stage_layers(rank: int, world_size: int, argv: list[str]) -> list[list[int]]:
     """The global numbers of the transformer layers in each of this rank's model chunks."""
     import torch
