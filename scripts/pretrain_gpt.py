@@ -93,6 +93,7 @@ from scripts.training_log import PALETTE, Curve, Logger, Step, params_norm, plot
 
 
 PROG = "pretrain_gpt.py"
+DEFAULT_TRAIN_ITERS = 100
 # How long another rank that fails waits before exiting, so that rank 0 (which fails alike) has
 # printed the error first: torchrun stops every worker as soon as one exits non-zero, and a rank 1
 # that exited first could get rank 0 killed before it says why. Under torchrun the wait ends when
@@ -179,7 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
                                "the root) over the data-parallel ranks (TP=1)")
     training.add_argument("--micro-batch-size", type=int, default=4)
     training.add_argument("--global-batch-size", type=int, default=None, help="default: micro batch * DP")
-    training.add_argument("--train-iters", type=int, default=100)
+    training.add_argument("--train-iters", type=int, default=None,
+                          help=f"default {DEFAULT_TRAIN_ITERS} (without --train-samples)")
+    training.add_argument("--train-samples", type=int, default=None,
+                          help="train on this many samples (--train-samples // --global-batch-size iterations); "
+                               "the lr schedule then counts samples (--lr-decay-samples, --lr-warmup-samples, "
+                               "--lr-wsd-decay-samples)")
     training.add_argument("--exit-interval", type=int, default=None, help="stop after an iteration divisible by this")
     training.add_argument("--lr-decay-style", default="linear",
                           choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"))
@@ -193,6 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
                           help="the decay phase of --lr-decay-style WSD (default: exponential)")
     training.add_argument("--lr-wsd-decay-iters", type=int, default=None,
                           help="length of WSD's decay phase (needed with --lr-decay-style WSD)")
+    training.add_argument("--lr-decay-samples", type=int, default=None, help="with --train-samples (default: it)")
+    training.add_argument("--lr-warmup-samples", type=int, default=None, help="with --train-samples (default 0)")
+    training.add_argument("--lr-wsd-decay-samples", type=int, default=None,
+                          help="with --train-samples and --lr-decay-style WSD")
     training.add_argument("--seed", type=int, default=1234)
     training.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
                           help="sum micro-batch gradients and all-reduce them over data-parallel ranks in "
@@ -360,6 +370,7 @@ def _settings_from_flags(args: argparse.Namespace) -> GPTModelSettings:
 
 
 def _check_training_flags(args: argparse.Namespace) -> None:
+    _training_length(args)
     for name in ("train_iters", "log_interval", "tensorboard_log_interval"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}.")
@@ -392,6 +403,34 @@ def _check_training_flags(args: argparse.Namespace) -> None:
                                 str(error))) from None
 
 
+_ITERATION_SCHEDULE_FLAGS = ("lr_decay_iters", "lr_warmup_iters", "lr_wsd_decay_iters")
+_SAMPLE_SCHEDULE_FLAGS = ("lr_decay_samples", "lr_warmup_samples", "lr_wsd_decay_samples")
+
+
+def _training_length(args: argparse.Namespace) -> None:
+    """--train-iters or --train-samples (Megatron-LM: then train_samples // global batch
+    iterations, and the schedule flags count samples); sets args.train_iters either way."""
+    def given(names: tuple[str, ...]) -> list[str]:
+        return [f"--{name.replace('_', '-')}" for name in names if getattr(args, name)]
+
+    if args.train_samples is None:
+        if given(_SAMPLE_SCHEDULE_FLAGS):
+            raise ValueError(f"{given(_SAMPLE_SCHEDULE_FLAGS)[0]} needs --train-samples (with --train-iters the "
+                             f"schedule counts iterations: --lr-decay-iters, --lr-warmup-iters, ...).")
+        if args.train_iters is None:
+            args.train_iters = DEFAULT_TRAIN_ITERS
+        return
+    if args.train_iters is not None:
+        raise ValueError("--train-iters and --train-samples both set the training length; give one.")
+    if given(_ITERATION_SCHEDULE_FLAGS):
+        raise ValueError(f"{given(_ITERATION_SCHEDULE_FLAGS)[0]} counts iterations; with --train-samples the "
+                         f"schedule counts samples (--lr-decay-samples, --lr-warmup-samples, --lr-wsd-decay-samples).")
+    if args.train_samples < args.global_batch_size:
+        raise ValueError(f"--train-samples {args.train_samples} must be >= --global-batch-size "
+                         f"{args.global_batch_size} (one iteration).")
+    args.train_iters = args.train_samples // args.global_batch_size
+
+
 def _check_fsdp2_flags(args: argparse.Namespace) -> None:
     """What --use-torch-fsdp2 does not do yet, refused before anything is built."""
     if not args.use_torch_fsdp2:
@@ -418,7 +457,7 @@ def _check_wsd_flags(args: argparse.Namespace) -> None:
     if args.lr_wsd_decay_style is None:
         args.lr_wsd_decay_style = "exponential"  # Megatron-LM's default
     decay_iters = args.lr_decay_iters or args.train_iters
-    if args.lr_wsd_decay_iters is not None and args.lr_wsd_decay_iters > decay_iters:
+    if args.train_samples is None and args.lr_wsd_decay_iters is not None and args.lr_wsd_decay_iters > decay_iters:
         raise ValueError(f"--lr-wsd-decay-iters {args.lr_wsd_decay_iters} must not exceed the decay's "
                          f"{decay_iters} iterations (--lr-decay-iters, default --train-iters).")
 
@@ -434,10 +473,17 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
         lr_wsd_decay_style=args.lr_wsd_decay_style or "exponential",
         lr_wsd_decay_iters=args.lr_wsd_decay_iters,
         global_batch_size=args.global_batch_size,
-        train_iters=args.train_iters,
+        **_training_length_fields(args),
         override_opt_param_scheduler=args.override_opt_param_scheduler,
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
     )
+
+
+def _training_length_fields(args: argparse.Namespace) -> dict[str, Any]:
+    if args.train_samples is None:
+        return dict(train_iters=args.train_iters)
+    return dict(train_samples=args.train_samples, lr_decay_samples=args.lr_decay_samples,
+                lr_warmup_samples=args.lr_warmup_samples or 0, lr_wsd_decay_samples=args.lr_wsd_decay_samples)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -616,6 +662,8 @@ def fresh_schedule_note(args: argparse.Namespace, scheduler, start: int) -> str:
         return probe.get_lr({})
 
     last, span = args.train_iters, args.lr_decay_iters or args.train_iters
+    if args.train_samples is not None:
+        span = (args.lr_decay_samples or args.train_samples) // args.global_batch_size
     note = (f"--no-load-optim: fresh optimizer, lr schedule from step 0 at iteration {start + 1} (lr "
             f"{lr_after(0):.6e}) over --lr-decay-iters {span} iterations; the last iteration, {last}, "
             f"runs at lr {lr_after(last - start - 1):.6e}")
