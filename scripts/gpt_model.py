@@ -9,7 +9,9 @@ On CUDA the layers come from megatron-core's own specs (Transformer Engine when
 installed, else the local spec). On CPU the local spec is used with one
 substitution: megatron's ``DotProductAttention`` allocates a CUDA buffer in
 forward, so ``core_attention`` is replaced by :class:`SDPACoreAttention`, built
-on ``torch.nn.functional.scaled_dot_product_attention``.
+on ``torch.nn.functional.scaled_dot_product_attention``; and RoPE's frequencies,
+which megatron moves to CUDA at the first forward, stay on CPU
+(:class:`_CPURotaryEmbedding`).
 
 Pipeline stages (also several model chunks per rank) and MoE layers with expert parallelism
 are built on CPU too (``initialize_model_parallel(..., pipeline_model_parallel_size=,
@@ -18,7 +20,8 @@ virtual_pipeline_model_parallel_size=, expert_model_parallel_size=)`` then
 synchronised without megatron's ``.cuda()`` (:class:`_CPUTiedEmbeddingGPTModel`). MoE layers
 also train on CPU, through the substitutions of ``scripts/moe.py`` (a router and an allgather
 dispatcher that do not call CUDA; experts seeded by global index, so the weights do not depend
-on the expert-parallel size); megatron's pipeline schedules still call CUDA.
+on the expert-parallel size). megatron's pipeline schedules call CUDA: ``scripts/pipeline.py``
+runs the stages with ``torch.distributed.pipelining`` instead.
 
 Typical use (torch.distributed must already be initialised, gloo is fine)::
 
@@ -39,6 +42,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -47,6 +51,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 
 from scripts.moe import moe_layer_builder
 
@@ -297,6 +302,8 @@ class GPTModelSettings:
     add_bias_linear: bool = False
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
     position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute"
+    rotary_base: int = 10000  # RoPE: the base period of its frequencies
+    rotary_percent: float = 1.0  # RoPE: the fraction of each head's dimensions it rotates
     share_embeddings_and_output_weights: bool = False
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
@@ -319,6 +326,11 @@ class GPTModelSettings:
     # megatron's --pipeline-model-parallel-layout, e.g. "Et*2|L": embedding and two layers on
     # the first stage, only the final norm and output layer (L) on the last. None: an even split.
     pipeline_model_parallel_layout: str | None = None
+    # megatron's other ways to split layers unevenly over stages (exclusive with a layout).
+    num_layers_in_first_pipeline_stage: int | None = None
+    num_layers_in_last_pipeline_stage: int | None = None
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
 
     def __post_init__(self) -> None:
         positive = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
@@ -341,6 +353,10 @@ class GPTModelSettings:
         if self.position_embedding_type not in ("learned_absolute", "rope", "none"):
             raise SettingsError("{position_embedding_type} must be learned_absolute, rope or none",
                                 position_embedding_type=self.position_embedding_type)
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise SettingsError("{rotary_percent} must be in (0, 1]", rotary_percent=self.rotary_percent)
+        if self.rotary_base < 1:
+            raise SettingsError("{rotary_base} must be >= 1", rotary_base=self.rotary_base)
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise SettingsError(f"{{{name}}} must be in [0, 1)", **{name: getattr(self, name)})
@@ -410,11 +426,35 @@ def initialize_model_parallel(
         expert_model_parallel_size=expert_model_parallel_size,
     )
     # CPU initialisation draws from torch's default generator, on every device.
+    global _init_seed
+    _init_seed = seed
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         # Megatron's seeding also sets up the per-TP-rank CUDA RNG streams used by dropout;
         # it calls CUDA, hence only when CUDA is there.
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+# The seed of the last initialize_model_parallel: build_gpt_model seeds each model chunk and each
+# transformer layer from it (see _LayerSeededTransformerLayer).
+_init_seed: int | None = None
+
+
+class _LayerSeededTransformerLayer(TransformerLayer):
+    """megatron's TransformerLayer that reseeds the default generator after its initialisation,
+    with the seed and its global layer number.
+
+    With CPU initialisation the weights are drawn from one generator in construction order, so
+    without this a pipeline stage's layers would start where that stage's generator is, not
+    where the PP=1 model's is. With it, build_gpt_model seeds a chunk as the PP=1 model's
+    generator stands after the layers before it (seed + their count), and every layer, the
+    embedding and the output layer get the same weights in every pipeline layout.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if _init_seed is not None:
+            torch.manual_seed(_init_seed + self.layer_number)
 
 
 def _check_parallel_sizes(world_size: int, tp: int, pp: int, vpp: int | None, ep: int) -> None:
@@ -460,9 +500,6 @@ def build_gpt_model(
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("call initialize_model_parallel before build_gpt_model")
     device = torch.device(device)
-    if settings.position_embedding_type == "rope" and device.type != "cuda":
-        # megatron's RotaryEmbedding moves its frequencies with torch.cuda.current_device().
-        raise ValueError("position_embedding_type='rope' needs CUDA; use 'learned_absolute' on CPU")
     settings.check_tensor_parallel(parallel_state.get_tensor_model_parallel_world_size())
     config = TransformerConfig(
         num_layers=settings.num_layers,
@@ -492,17 +529,23 @@ def build_gpt_model(
         **_expert_config(settings),
     )
     model_class = GPTModel if device.type == "cuda" else _CPUTiedEmbeddingGPTModel
+    layer_spec = gpt_layer_spec(
+        use_cuda=device.type == "cuda",
+        max_attn_logits=settings.qk_clip or settings.log_max_attention_logit,
+        num_experts=settings.num_moe_experts,
+    )
+    if layer_spec.module is TransformerLayer and _init_seed is not None:
+        layer_spec = dataclasses.replace(layer_spec, module=_LayerSeededTransformerLayer)
+        torch.manual_seed(_init_seed + get_transformer_layer_offset(config, vp_stage))
     model = model_class(
         config=config,
-        transformer_layer_spec=gpt_layer_spec(
-            use_cuda=device.type == "cuda",
-            max_attn_logits=settings.qk_clip or settings.log_max_attention_logit,
-            num_experts=settings.num_moe_experts,
-        ),
+        transformer_layer_spec=layer_spec,
         vocab_size=settings.vocab_size,
         max_sequence_length=settings.max_positions,
         share_embeddings_and_output_weights=settings.share_embeddings_and_output_weights,
         position_embedding_type=settings.position_embedding_type,
+        rotary_base=settings.rotary_base,
+        rotary_percent=settings.rotary_percent,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
         vp_stage=vp_stage,
@@ -521,6 +564,10 @@ def _pipeline_config(settings: GPTModelSettings) -> dict[str, Any]:
         pipeline_model_parallel_size=stages,
         virtual_pipeline_model_parallel_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
         pipeline_model_parallel_layout=settings.pipeline_model_parallel_layout,
+        num_layers_in_first_pipeline_stage=settings.num_layers_in_first_pipeline_stage,
+        num_layers_in_last_pipeline_stage=settings.num_layers_in_last_pipeline_stage,
+        account_for_embedding_in_pipeline_split=settings.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=settings.account_for_loss_in_pipeline_split,
         pipeline_dtype=settings.params_dtype,
     )
 
@@ -538,16 +585,37 @@ def _expert_config(settings: GPTModelSettings) -> dict[str, Any]:
     )
 
 
+class _CPURotaryEmbedding(RotaryEmbedding):
+    """megatron's RotaryEmbedding without the move of its inverse frequencies to
+    ``torch.cuda.current_device()`` at the first forward (``get_emb``): the same angles,
+    position x inverse frequency, each used by two components (the two halves of a head, or
+    neighbouring pairs with ``rotary_interleaved``), ``[seq, 1, 1, head_dim]``."""
+
+    def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        angles = self.get_freqs_non_repeated(max_seq_len, offset)
+        if self.rotary_interleaved:
+            emb = angles.repeat_interleave(2, dim=-1)
+        else:
+            emb = torch.cat((angles, angles), dim=-1)
+        return emb[:, None, None, :]
+
+
 class _CPUTiedEmbeddingGPTModel(GPTModel):
-    """GPTModel whose tied-embedding set-up also runs on CPU.
+    """GPTModel whose tied-embedding set-up and rotary embedding also run on CPU.
 
     With tied embeddings and a pipeline, megatron-core zeroes the last stage's output-layer
     copy and all-reduces it with the first stage's embedding over the embedding group, but
     first moves the weight with ``.cuda()`` (language_module.py). This substitution does the
-    same all-reduce where the weight is; on one stage it changes nothing.
+    same all-reduce where the weight is; on one stage it changes nothing. RoPE's frequencies
+    stay where the model is (:class:`_CPURotaryEmbedding`).
     """
 
     _syncing_embeddings_here = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if type(getattr(self, "rotary_pos_emb", None)) is RotaryEmbedding:
+            self.rotary_pos_emb.__class__ = _CPURotaryEmbedding
 
     def setup_embeddings_and_output_layer(self) -> None:
         self._syncing_embeddings_here = True  # hides the embedding group from megatron's CUDA copy

@@ -4,7 +4,9 @@
         --optimizer muon --use-distributed-optimizer --lr 3e-3 --min-lr 3e-4 --train-iters 100
 
 `python scripts/pretrain_gpt.py ...` runs one process. Tensor parallelism comes from
-`--tensor-model-parallel-size`; the rest of the world is data parallelism. gloo on CPU, NCCL on
+`--tensor-model-parallel-size`, pipeline parallelism from `--pipeline-model-parallel-size` (with
+virtual stages and uneven splits; scripts/pipeline.py runs the schedule); the rest of the world is
+data parallelism. gloo on CPU, NCCL on
 CUDA. Each iteration's global batch is drawn from `--seed` and the iteration number and each
 data-parallel rank trains on its slice of it, so every TP/DP layout sees the same global batch.
 Gradients are averaged over data-parallel ranks by the layer-wise optimizer when it is on
@@ -80,13 +82,13 @@ from scripts.evaluation import Evaluator, add_eval_args, check_eval_flags  # noq
 from scripts.gpt_model import (  # noqa: E402
     GPTModelSettings,
     SettingsError,
-    build_gpt_model,
+    build_gpt_model_chunks,
     destroy_model_parallel,
-    gpt_loss,
     initialize_model_parallel,
 )
 from scripts.grad_reduction import GradReducer  # noqa: E402
 from scripts.moe import add_moe_args, check_moe_flags, describe_moe, moe_settings, start_step  # noqa: E402
+from scripts.pipeline import Pipeline, SingleStage, add_pipeline_args, pipeline_layout  # noqa: E402
 from scripts.tokenizer import add_tokenizer_args  # noqa: E402
 from scripts.training_log import PALETTE, Curve, Logger, Step, params_norm, plot_curves  # noqa: E402
 
@@ -97,6 +99,7 @@ from scripts.training_log import PALETTE, Curve, Logger, Step, params_norm, plot
 
 
 PROG = "pretrain_gpt.py"
+DEFAULT_TRAIN_ITERS = 100
 # How long another rank that fails waits before exiting, so that rank 0 (which fails alike) has
 # printed the error first: torchrun stops every worker as soon as one exits non-zero, and a rank 1
 # that exited first could get rank 0 killed before it says why. Under torchrun the wait ends when
@@ -165,6 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--attention-dropout", type=float, default=0.0,
                        help="default 0 (Megatron-LM's is 0.1): layouts then train identically")
     model.add_argument("--init-method-std", type=float, default=0.02)
+    model.add_argument("--position-embedding-type", default="learned_absolute",
+                       choices=("learned_absolute", "rope", "none"))
+    model.add_argument("--rotary-base", type=int, default=None, help="RoPE's base period (default 10000)")
+    model.add_argument("--rotary-percent", type=float, default=None,
+                       help="the fraction of each head's dimensions RoPE rotates (default 1.0)")
     model.add_argument("--seq-length", type=int, default=32)
     model.add_argument("--max-position-embeddings", type=int, default=None, help="default: seq length")
     model.add_argument("--vocab-size", type=int, default=None,
@@ -172,12 +180,18 @@ def build_parser() -> argparse.ArgumentParser:
                             "NullTokenizer's; with a tokenizer the model's is its vocabulary, padded")
     training = parser.add_argument_group(title="training")
     training.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    add_pipeline_args(parser)
     training.add_argument("--use-torch-fsdp2", action="store_true",
                           help="shard the model with torch FSDP2 (fully_shard each transformer layer, then "
                                "the root) over the data-parallel ranks (TP=1)")
     training.add_argument("--micro-batch-size", type=int, default=4)
     training.add_argument("--global-batch-size", type=int, default=None, help="default: micro batch * DP")
-    training.add_argument("--train-iters", type=int, default=100)
+    training.add_argument("--train-iters", type=int, default=None,
+                          help=f"default {DEFAULT_TRAIN_ITERS} (without --train-samples)")
+    training.add_argument("--train-samples", type=int, default=None,
+                          help="train on this many samples (--train-samples // --global-batch-size iterations); "
+                               "the lr schedule then counts samples (--lr-decay-samples, --lr-warmup-samples, "
+                               "--lr-wsd-decay-samples)")
     training.add_argument("--exit-interval", type=int, default=None, help="stop after an iteration divisible by this")
     training.add_argument("--lr-decay-style", default="linear",
                           choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"))
@@ -191,6 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
                           help="the decay phase of --lr-decay-style WSD (default: exponential)")
     training.add_argument("--lr-wsd-decay-iters", type=int, default=None,
                           help="length of WSD's decay phase (needed with --lr-decay-style WSD)")
+    training.add_argument("--lr-decay-samples", type=int, default=None, help="with --train-samples (default: it)")
+    training.add_argument("--lr-warmup-samples", type=int, default=None, help="with --train-samples (default 0)")
+    training.add_argument("--lr-wsd-decay-samples", type=int, default=None,
+                          help="with --train-samples and --lr-decay-style WSD")
     training.add_argument("--seed", type=int, default=1234)
     training.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
                           help="sum micro-batch gradients and all-reduce them over data-parallel ranks in "
@@ -233,6 +251,8 @@ class Layout:
     tp: int
     dp: int
     grad_accumulation_steps: int
+    pp: int = 1
+    vpp: Optional[int] = None  # model chunks per pipeline rank (interleaved schedule); None: one
     ep: int = 1  # expert-parallel size, out of the data-parallel ranks (scripts/moe.py)
 
 
@@ -260,7 +280,8 @@ def _layout(args: argparse.Namespace) -> Layout:
     tp = args.tensor_model_parallel_size
     if tp < 1 or world_size % tp:
         raise ValueError(f"--tensor-model-parallel-size {tp} must divide the world size ({world_size}).")
-    dp = world_size // tp
+    pp, vpp = pipeline_layout(args, world_size // tp)
+    dp = world_size // (tp * pp)
     if args.micro_batch_size < 1:
         raise ValueError(f"--micro-batch-size must be >= 1; got {args.micro_batch_size}.")
     if args.global_batch_size is None:
@@ -271,7 +292,7 @@ def _layout(args: argparse.Namespace) -> Layout:
             f"--global-batch-size {args.global_batch_size} must be a positive multiple of "
             f"--micro-batch-size * data-parallel size = {args.micro_batch_size} * {dp} = {per_step}."
         )
-    return Layout(world_size, rank, tp, dp, args.global_batch_size // per_step)
+    return Layout(world_size, rank, tp, dp, args.global_batch_size // per_step, pp, vpp)
 
 
 def _with_experts(args: argparse.Namespace, layout: Layout, settings: GPTModelSettings
@@ -320,6 +341,16 @@ def _ffn_hidden_size(args: argparse.Namespace) -> int:
     return 4 * args.hidden_size
 
 
+def _rotary_settings(args: argparse.Namespace) -> dict[str, Any]:
+    given = {name: value for name, value in (("rotary_base", args.rotary_base), ("rotary_percent", args.rotary_percent))
+             if value is not None}
+    if given and args.position_embedding_type != "rope":
+        flags = " and ".join(f"--{name.replace('_', '-')}" for name in given)
+        raise ValueError(f"{flags} only apply with --position-embedding-type rope "
+                         f"(got {args.position_embedding_type}).")
+    return given
+
+
 def _settings_from_flags(args: argparse.Namespace) -> GPTModelSettings:
     return GPTModelSettings(
         num_layers=args.num_layers,
@@ -339,16 +370,24 @@ def _settings_from_flags(args: argparse.Namespace) -> GPTModelSettings:
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
+        position_embedding_type=args.position_embedding_type,
+        **_rotary_settings(args),
         # QK-clip: the model's TransformerConfig carries the flags too (Transformer Engine's
         # attention records its maximum logits only when built with them).
         qk_clip=args.qk_clip,
         qk_clip_threshold=args.qk_clip_threshold,
         qk_clip_alpha=args.qk_clip_alpha,
         log_max_attention_logit=args.log_max_attention_logit,
+        pipeline_model_parallel_layout=args.pipeline_model_parallel_layout,
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
     )
 
 
 def _check_training_flags(args: argparse.Namespace) -> None:
+    _training_length(args)
     for name in ("train_iters", "log_interval", "tensorboard_log_interval"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}.")
@@ -381,6 +420,34 @@ def _check_training_flags(args: argparse.Namespace) -> None:
                                 str(error))) from None
 
 
+_ITERATION_SCHEDULE_FLAGS = ("lr_decay_iters", "lr_warmup_iters", "lr_wsd_decay_iters")
+_SAMPLE_SCHEDULE_FLAGS = ("lr_decay_samples", "lr_warmup_samples", "lr_wsd_decay_samples")
+
+
+def _training_length(args: argparse.Namespace) -> None:
+    """--train-iters or --train-samples (Megatron-LM: then train_samples // global batch
+    iterations, and the schedule flags count samples); sets args.train_iters either way."""
+    def given(names: tuple[str, ...]) -> list[str]:
+        return [f"--{name.replace('_', '-')}" for name in names if getattr(args, name)]
+
+    if args.train_samples is None:
+        if given(_SAMPLE_SCHEDULE_FLAGS):
+            raise ValueError(f"{given(_SAMPLE_SCHEDULE_FLAGS)[0]} needs --train-samples (with --train-iters the "
+                             f"schedule counts iterations: --lr-decay-iters, --lr-warmup-iters, ...).")
+        if args.train_iters is None:
+            args.train_iters = DEFAULT_TRAIN_ITERS
+        return
+    if args.train_iters is not None:
+        raise ValueError("--train-iters and --train-samples both set the training length; give one.")
+    if given(_ITERATION_SCHEDULE_FLAGS):
+        raise ValueError(f"{given(_ITERATION_SCHEDULE_FLAGS)[0]} counts iterations; with --train-samples the "
+                         f"schedule counts samples (--lr-decay-samples, --lr-warmup-samples, --lr-wsd-decay-samples).")
+    if args.train_samples < args.global_batch_size:
+        raise ValueError(f"--train-samples {args.train_samples} must be >= --global-batch-size "
+                         f"{args.global_batch_size} (one iteration).")
+    args.train_iters = args.train_samples // args.global_batch_size
+
+
 def _check_fsdp2_flags(args: argparse.Namespace) -> None:
     """What --use-torch-fsdp2 does not do yet, refused before anything is built."""
     if not args.use_torch_fsdp2:
@@ -389,6 +456,7 @@ def _check_fsdp2_flags(args: argparse.Namespace) -> None:
                ("--use-distributed-optimizer (FSDP2 shards the optimizer state already)",
                 args.use_layer_wise_distributed_optimizer),
                ("--log-params-norm", args.log_params_norm),
+               ("--pipeline-model-parallel-size > 1", args.pipeline_model_parallel_size > 1),
                ("--bf16/--fp16 (fp32 main copies of DTensor shards are not implemented yet)", args.bf16 or args.fp16)]
     for what, given in refused:
         if given:
@@ -406,7 +474,7 @@ def _check_wsd_flags(args: argparse.Namespace) -> None:
     if args.lr_wsd_decay_style is None:
         args.lr_wsd_decay_style = "exponential"  # Megatron-LM's default
     decay_iters = args.lr_decay_iters or args.train_iters
-    if args.lr_wsd_decay_iters is not None and args.lr_wsd_decay_iters > decay_iters:
+    if args.train_samples is None and args.lr_wsd_decay_iters is not None and args.lr_wsd_decay_iters > decay_iters:
         raise ValueError(f"--lr-wsd-decay-iters {args.lr_wsd_decay_iters} must not exceed the decay's "
                          f"{decay_iters} iterations (--lr-decay-iters, default --train-iters).")
 
@@ -422,10 +490,17 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
         lr_wsd_decay_style=args.lr_wsd_decay_style or "exponential",
         lr_wsd_decay_iters=args.lr_wsd_decay_iters,
         global_batch_size=args.global_batch_size,
-        train_iters=args.train_iters,
+        **_training_length_fields(args),
         override_opt_param_scheduler=args.override_opt_param_scheduler,
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
     )
+
+
+def _training_length_fields(args: argparse.Namespace) -> dict[str, Any]:
+    if args.train_samples is None:
+        return dict(train_iters=args.train_iters)
+    return dict(train_samples=args.train_samples, lr_decay_samples=args.lr_decay_samples,
+                lr_warmup_samples=args.lr_warmup_samples or 0, lr_wsd_decay_samples=args.lr_wsd_decay_samples)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -476,23 +551,21 @@ class BatchSource:
 # ------------------------------------------------------------------------------------------------
 
 
-def train_step(model, optimizer, micro_batches, grads: GradReducer, dp_group
+def train_step(model, optimizer, micro_batches, forward, grads: GradReducer, dp_group
                ) -> tuple[float, bool, Optional[float], Optional[float]]:
-    """Forward/backward over the micro-batches, DP gradient average, optimizer step.
+    """Forward/backward over the micro-batches (`forward`: one stage or a pipeline,
+    scripts/pipeline.py), DP gradient average, optimizer step.
 
-    Each micro-batch's loss is scaled by the optimizer's loss scale (fp16; 1 otherwise), which
-    the optimizer divides out of the gradients again; an overflow makes it skip the step and
-    back the scale off. Returns (global-batch mean loss, update successful, grad norm, zeros in
-    the gradients (with --log-num-zeros-in-grad, else None)).
+    Each micro-batch's loss is divided by the number of micro-batches and scaled by the
+    optimizer's loss scale (fp16; 1 otherwise), which the optimizer divides out of the gradients
+    again; an overflow makes it skip the step and back the scale off. Returns (global-batch mean
+    loss, update successful, grad norm, zeros in the gradients (with --log-num-zeros-in-grad,
+    else None)).
     """
     optimizer.zero_grad()
     grads.zero_grads()
     start_step(optimizer.get_loss_scale(), len(micro_batches))  # the MoE aux loss's gradient scale
-    total = torch.zeros((), dtype=torch.float32)
-    for tokens in micro_batches:
-        loss = gpt_loss(model, tokens) / len(micro_batches)
-        optimizer.scale_loss(loss).backward()
-        total += loss.detach().float().cpu()
+    total = forward.forward_backward(micro_batches, optimizer.scale_loss)
     grads.average_over_data_parallel()
     dp_size = dist.get_world_size(dp_group)
     loss_sum = total.to(next(model.parameters()).device)
@@ -504,12 +577,15 @@ def train_step(model, optimizer, micro_batches, grads: GradReducer, dp_group
 def train(args, settings, layout, device) -> list[dict]:
     from megatron.core import parallel_state
 
-    model = build_gpt_model(settings, device)
+    chunks = build_gpt_model_chunks(settings, device)
+    model = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)  # all of this rank's parameters
     dp_group = parallel_state.get_data_parallel_group()
     if args.use_torch_fsdp2:
         fully_shard_gpt(model, dp_group, device)
+    forward = SingleStage(model) if layout.pp == 1 else Pipeline(
+        chunks, layout.grad_accumulation_steps, (args.micro_batch_size, args.seq_length), device)
     config = optimizer_config_from_args(args, device)
-    optimizer = get_megatron_optimizer(config, [model])
+    optimizer = get_megatron_optimizer(config, chunks)
     scheduler = get_scheduler(config, scheduler_config(args), optimizer)
     batches = BatchSource(args, layout, parallel_state.get_data_parallel_rank())
     # The layer-wise optimizer reduces onto owners itself; FSDP2 reduce-scatters (averages) in backward.
@@ -517,8 +593,7 @@ def train(args, settings, layout, device) -> list[dict]:
                         reduce_over_dp=not (config.use_layer_wise_distributed_optimizer or args.use_torch_fsdp2),
                         expert_dp_group=parallel_state.get_expert_data_parallel_group())
     log = Logger(args, layout.rank)
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    evaluator = Evaluator(args, batches.data.splits, batches.split_batches, gpt_loss, dp_group,
+    evaluator = Evaluator(args, batches.data.splits, batches.split_batches, forward.eval_loss, dp_group,
                           is_first_rank=layout.rank == 0, print_line=log.print_line,
                           on_result=lambda r: log.validation(r.iteration, r.loss) if r.split == "valid" else None)
     log.say(describe_model(model))
@@ -527,23 +602,24 @@ def train(args, settings, layout, device) -> list[dict]:
     precision_line = matmul_precision_line(args, device)
     if precision_line:
         log.say(precision_line)
-    start = resume(args, model, optimizer, scheduler, log)
+    start = resume(args, chunks, optimizer, scheduler, log)
     for iteration in range(start + 1, args.train_iters + 1):
         lr = optimizer.param_groups[0]["lr"]
         loss, ok, grad_norm, num_zeros = train_step(
-            model, optimizer, batches.micro_batches(iteration), grads, dp_group)
+            model, optimizer, batches.micro_batches(iteration), forward, grads, dp_group)
         if ok:
             scheduler.step(args.global_batch_size)
         log.iteration(Step(
             iteration, loss, lr, ok, grad_norm=None if grad_norm is None else float(grad_norm),
             loss_scale=float(optimizer.get_loss_scale()), num_zeros=None if num_zeros is None else float(num_zeros),
-            params_norm=params_norm(model, tp_group) if args.log_params_norm else None,
+            params_norm=(params_norm(model, parallel_state.get_tensor_model_parallel_rank(),
+                                     parallel_state.get_model_parallel_group()) if args.log_params_norm else None),
             max_attention_logit=optimizer.max_attention_logit))
         evaluator.periodic(model, iteration)
         stop = bool(args.exit_interval) and iteration % args.exit_interval == 0
         at_interval = bool(args.save_interval) and iteration % args.save_interval == 0
         if args.save and (at_interval or stop or iteration == args.train_iters):
-            path = save_checkpoint(args.save, iteration, [model], optimizer, scheduler)
+            path = save_checkpoint(args.save, iteration, chunks, optimizer, scheduler)
             log.say(f"saved checkpoint {path}")
         if stop:
             log.say(f"exiting after iteration {iteration} (--exit-interval {args.exit_interval})")
@@ -578,7 +654,7 @@ def data_parallel_mesh(dp_group, device: torch.device) -> Any:
     return DeviceMesh.from_group(dp_group, device.type, mesh_dim_names=(f"dp{next(_MESH_NUMBERS)}",))
 
 
-def resume(args: argparse.Namespace, model, optimizer, scheduler, log: Logger) -> int:
+def resume(args: argparse.Namespace, chunks, optimizer, scheduler, log: Logger) -> int:
     """Load --load's checkpoint (if there is one); returns the iteration it was saved at."""
     if not args.load:
         return 0
@@ -586,7 +662,7 @@ def resume(args: argparse.Namespace, model, optimizer, scheduler, log: Logger) -
         why = "it holds no checkpoint" if os.path.isdir(args.load) else "it does not exist"
         log.say(f"no checkpoint in {args.load} ({why}): training from scratch")
         return 0
-    loaded = load_checkpoint(args.load, [model], optimizer, scheduler, iteration=args.ckpt_step,
+    loaded = load_checkpoint(args.load, chunks, optimizer, scheduler, iteration=args.ckpt_step,
                              load_optimizer=not args.no_load_optim, load_rng=not args.no_load_rng)
     for message in loaded.messages:
         log.say(message)
@@ -607,6 +683,8 @@ def fresh_schedule_note(args: argparse.Namespace, scheduler, start: int) -> str:
         return probe.get_lr({})
 
     last, span = args.train_iters, args.lr_decay_iters or args.train_iters
+    if args.train_samples is not None:
+        span = (args.lr_decay_samples or args.train_samples) // args.global_batch_size
     note = (f"--no-load-optim: fresh optimizer, lr schedule from step 0 at iteration {start + 1} (lr "
             f"{lr_after(0):.6e}) over --lr-decay-iters {span} iterations; the last iteration, {last}, "
             f"runs at lr {lr_after(last - start - 1):.6e}")
@@ -631,10 +709,13 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     owns_process_group = not dist.is_initialized()
     args, settings, layout = parse_args(argv)
     device = init_distributed(layout)
-    initialize_model_parallel(layout.tp, args.seed, expert_model_parallel_size=layout.ep)
+    initialize_model_parallel(layout.tp, args.seed, pipeline_model_parallel_size=layout.pp,
+                              virtual_pipeline_model_parallel_size=layout.vpp, expert_model_parallel_size=layout.ep)
     try:
         if layout.rank == 0:
-            print(f"> world {layout.world_size} = TP {layout.tp} x DP {layout.dp}; global batch "
+            pipeline = f" x PP {layout.pp}" + (f" ({layout.vpp} model chunks per rank)" if layout.vpp else "")
+            print(f"> world {layout.world_size} = TP {layout.tp}{pipeline if layout.pp > 1 else ''} x DP "
+                  f"{layout.dp}; global batch "
                   f"{args.global_batch_size} = micro batch {args.micro_batch_size} x DP {layout.dp} x "
                   f"{layout.grad_accumulation_steps} accumulation steps; optimizer {args.optimizer}"
                   f"{' (layer-wise distributed)' if args.use_layer_wise_distributed_optimizer else ''}",

@@ -315,17 +315,17 @@ def _record(stats: IntervalStats) -> dict:
     return record
 
 
-def params_norm(model: torch.nn.Module, tensor_parallel_group) -> float:
-    """L2 norm of all parameters, each counted once (Megatron-LM's calc_params_l2_norm without
-    pipeline stages): tensor-parallel shards are summed over the TP group, parameters replicated
-    over it are counted on TP rank 0 only."""
-    tp_rank = dist.get_rank(tensor_parallel_group)
-    params = [p for p in model.parameters() if getattr(p, "tensor_model_parallel", False) or tp_rank == 0]
+def params_norm(model: torch.nn.Module, tensor_parallel_rank: int, model_parallel_group) -> float:
+    """L2 norm of all parameters, each counted once (Megatron-LM's calc_params_l2_norm): summed
+    over the model-parallel group (TP x PP); parameters replicated over TP are counted on TP rank
+    0 only, and the last stage's copy of a tied embedding (megatron's `param.shared`) not at all."""
+    params = [p for p in model.parameters() if not getattr(p, "shared", False)
+              and (getattr(p, "tensor_model_parallel", False) or tensor_parallel_rank == 0)]
     device = next(model.parameters()).device
     square = torch.zeros((), dtype=torch.float32, device=device)
     for param in params:
         square += param.detach().float().square().sum()
-    dist.all_reduce(square, group=tensor_parallel_group)
+    dist.all_reduce(square, group=model_parallel_group)
     return square.sqrt().item()
 
 

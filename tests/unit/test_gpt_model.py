@@ -204,11 +204,27 @@ def test_settings_validation(kwargs, message):
         GPTModelSettings(**kwargs)
 
 
-def test_build_rejects_what_cpu_or_tp_cannot_run(tp1):
-    with pytest.raises(ValueError, match="rope"):
-        build_gpt_model(GPTModelSettings(position_embedding_type="rope"), "cpu")
+def test_build_rejects_what_tp_cannot_split():
     with pytest.raises(ValueError, match=r"tensor_model_parallel_size \(3\)"):
         GPTModelSettings().check_tensor_parallel(3)
+
+
+@pytest.mark.parametrize("rotary_percent", [1.0, 0.5])
+def test_rope_runs_on_cpu_with_the_rope_angles(tp1, rotary_percent):
+    """RoPE's angles from its definition (position p, pair i of the rotated d dimensions:
+    p * base^(-2i / d), each angle used by the i-th component of both halves), and a model
+    with RoPE (no position table) trains on CPU."""
+    settings = GPTModelSettings(position_embedding_type="rope", rotary_base=500, rotary_percent=rotary_percent)
+    model = build_gpt_model(settings)
+    assert not any("position_embeddings" in name for name, _ in model.named_parameters())
+    rotated = int(settings.hidden_size // settings.num_attention_heads * rotary_percent)
+    inverse_frequency = 500.0 ** (-torch.arange(0, rotated, 2, dtype=torch.float32) / rotated)
+    angles = torch.arange(settings.seq_length, dtype=torch.float32)[:, None] * inverse_frequency
+    expected = torch.cat((angles, angles), dim=-1)[:, None, None, :]
+    torch.testing.assert_close(model.rotary_pos_emb(settings.seq_length), expected)
+    loss = gpt_loss(model, fixed_tokens(settings))
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in model.parameters())
 
 
 def test_initialize_model_parallel_needs_torch_distributed(monkeypatch):

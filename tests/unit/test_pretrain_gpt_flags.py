@@ -87,6 +87,17 @@ def test_warmup_fraction_init_and_wsd_schedule(monkeypatch) -> None:
     assert lrs == pytest.approx(warmup + stable + decay, abs=1e-12)
 
 
+def test_train_samples_sets_iterations_and_a_schedule_in_samples(monkeypatch) -> None:
+    """Megatron-LM: --train-samples // global batch iterations; warmup and decay in samples."""
+    argv = ["--micro-batch-size", "4", "--global-batch-size", "4", "--train-samples", "42",
+            "--lr-warmup-samples", "8", "--lr-decay-samples", "32"]
+    args, _, _ = _parse(argv, monkeypatch)
+    assert args.train_iters == 10  # 42 // 4
+    samples = [4 * k for k in range(11)]
+    expected = [s / 8 if s <= 8 else 0.1 + 0.9 * max(0.0, 1 - (s - 8) / 24) for s in samples]
+    assert _lrs(argv, 10, monkeypatch) == pytest.approx(expected, abs=1e-12)
+
+
 def test_wsd_exponential_is_the_default_decay(monkeypatch) -> None:
     lrs = _lrs(["--train-iters", "4", "--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "2"], 4, monkeypatch)
     coefficients = [1.0, 1.0, 1.0, 2 * 0.5 ** 0.5 - 1, 0.0]  # megatron-core: 2 * 0.5 ** ratio - 1
@@ -117,10 +128,19 @@ def _our_lines(stderr: str) -> list[str]:
         (["--tensorboard-log-interval", "0"], "--tensorboard-log-interval must be >= 1; got 0."),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
         (["--use-torch-fsdp2", "--bf16"], "--use-torch-fsdp2 does not support --bf16/--fp16"),
+        (["--rotary-base", "500"], "--rotary-base only apply with --position-embedding-type rope (got learned_absolute)."),
+        (["--position-embedding-type", "rope", "--rotary-percent", "0"], "--rotary-percent 0.0 must be in (0, 1]."),
+        (["--position-embedding-type", "alibi"], "argument --position-embedding-type: invalid choice: 'alibi'"),
+        (["--train-samples", "40", "--train-iters", "10"], "--train-iters and --train-samples both set"),
+        (["--train-samples", "40", "--lr-decay-iters", "5"], "--lr-decay-iters counts iterations; with --train-samples"),
+        (["--lr-warmup-samples", "8"], "--lr-warmup-samples needs --train-samples"),
+        (["--train-samples", "2"], "--train-samples 2 must be >= --global-batch-size 4"),
     ],
     ids=["gqa-groups-alone", "hidden-dropout", "attention-dropout", "init-std", "init-std-nan", "swiglu-tiny", "normalization",
          "wsd-without-iters", "wsd-too-long", "wsd-iters-without-wsd", "wsd-style", "warmup-fraction", "warmup-fraction-and-iters",
-         "warmup-init", "tb-interval", "unknown", "fsdp2-bf16"],
+         "warmup-init", "tb-interval", "unknown", "fsdp2-bf16", "rotary-without-rope", "rotary-percent",
+         "position-embedding-type", "samples-and-iters", "iters-schedule-with-samples", "samples-schedule-alone",
+         "too-few-samples"],
 )
 def test_bad_new_flags_exit_with_one_line(argv: list[str], message: str, monkeypatch, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
