@@ -96,13 +96,14 @@ def test_expert_parallel_layouts_equal_one_process(run_distributed, tmp_path):
         reference = _losses(results[name, 1][0][0])
         assert len(reference) == ITERATIONS and reference[-1] < reference[0]
         # Muon and Adam hardly see a gradient's scale; the norm does (e.g. experts summed but not
-        # divided by the data-parallel size).
+        # divided by the data-parallel size). 1e-4: expert gradients are summed in another order
+        # at EP=2 (measured up to 1.8e-5 for adam with the aux loss; a scale error is >= 0.3).
         reference_norms = _grad_norms(results[name, 1][0][0])
         for world_size in (2, 4):
             per_rank = results[name, world_size]
             for records, _ in per_rank:
                 assert _losses(records) == pytest.approx(reference, rel=1e-5), (name, world_size)
-                assert _grad_norms(records) == pytest.approx(reference_norms, rel=1e-5), (name, world_size)
+                assert _grad_norms(records) == pytest.approx(reference_norms, rel=1e-4), (name, world_size)
             differences[name, world_size] = (
                 max(abs(a / b - 1) for a, b in zip(_losses(per_rank[0][0]), reference)),
                 max(abs(a / b - 1) for a, b in zip(_grad_norms(per_rank[0][0]), reference_norms)))
