@@ -263,7 +263,7 @@ def _layout(groups: Any, params: list) -> tuple[int, int, int]:
 
 def _parallel_groups(chunks: list[torch.nn.Module], pg_collection: Any) -> Any:
     """A torch FSDP2 model's groups come from its parameters' mesh, as for its optimizer (factory.py)."""
-    fsdp = fully_sharded_layout(chunks)
+    fsdp = fully_sharded_layout(chunks, pg_collection)
     return resolve_parallel_groups(pg_collection) if fsdp is None else fsdp.parallel_groups()
 
 
