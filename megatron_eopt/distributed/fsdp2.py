@@ -148,6 +148,11 @@ def _tensor_parallel_splits(chunks: list[torch.nn.Module]) -> tuple[dict[str, Te
     return splits, engine_layers
 
 
+def tensor_parallel_partition_dims(chunks: list[torch.nn.Module]) -> dict[str, int]:
+    """fqn -> megatron-core partition_dim of each parameter a megatron-core TP layer splits."""
+    return {fqn: split.partition_dim for fqn, split in _tensor_parallel_splits(chunks)[0].items()}
+
+
 def _tensor_parallel_groups(pg_collection: Any, dp_group: ProcessGroup, splits: dict[str, TensorParallelSplit],
                             engine_layers: list[str]) -> Optional[ParallelGroups]:
     """The caller's groups when their TP group has size > 1, checked against the layers; else None."""
