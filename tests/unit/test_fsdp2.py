@@ -376,23 +376,30 @@ def _nan_on_last_rank(sharded: torch.nn.Module, optimizer) -> dict:
 
 def _tp_fsdp_body(rank: int, world_size: int) -> dict:
     runs = {case: _tp_fsdp_case(*case) for case in TP_FSDP_CASES}
-    runs["no_tp_group"] = _no_tp_group_error()
+    runs.update(_tp_group_errors())
     return runs
 
 
-def _no_tp_group_error() -> tuple[str, str]:
-    """A model built at TP=2, then parallel_state torn down, and no pg_collection: refused."""
+def _tp_group_errors() -> dict[str, tuple[str, str]]:
+    """A model built at TP=2 given the DP group as its TP group, or (parallel_state torn down)
+    no TP group at all: both refused, naming a parameter."""
     from megatron.core import parallel_state
     from torch.distributed.fsdp import fully_shard
+
+    from megatron_eopt.distributed.process_groups import ParallelGroups
 
     initialize_model_parallel(TP, seed=11)
     try:
         model = build_gpt_model(SETTINGS)
-        mesh = data_parallel_mesh(parallel_state.get_data_parallel_group(), torch.device("cpu"))
-        fully_shard(model, mesh=mesh)
+        dp_group = parallel_state.get_data_parallel_group()
+        fully_shard(model, mesh=data_parallel_mesh(dp_group, torch.device("cpu")))
+        wrong = ParallelGroups.from_groups(tp=dp_group, mp=dp_group)
+        errors = {"wrong_tp_group": _error_of(lambda: get_megatron_optimizer(config_for("muon"), [model],
+                                                                             pg_collection=wrong))}
     finally:
         destroy_model_parallel()
-    return _error_of(lambda: get_megatron_optimizer(config_for("muon"), [model]))
+    errors["no_tp_group"] = _error_of(lambda: get_megatron_optimizer(config_for("muon"), [model]))
+    return errors
 
 
 def test_tp2_x_fsdp2_equals_tp1(run_distributed) -> None:
@@ -406,7 +413,9 @@ def test_tp2_x_fsdp2_equals_tp1(run_distributed) -> None:
     print(f"TP=2 x FSDP=2 cases: {time.perf_counter() - start:.1f} s")
     for rank, runs in enumerate(per_rank):
         kind, text = runs.pop("no_tp_group")
-        assert kind == "ValueError" and "tensor-parallel group" in text and "2 TP ranks" in text, text
+        assert kind == "ValueError" and "no tensor-parallel group was given" in text and "2 TP ranks" in text, text
+        kind, text = runs.pop("wrong_tp_group")
+        assert kind == "ValueError" and "the tensor-parallel group given has ranks" in text, text
         for case, run in runs.items():
             check_run(run, (rank,) + case)
             print(rank, case, "max error", max(run["errors"].values()))
