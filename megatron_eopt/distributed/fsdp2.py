@@ -131,8 +131,8 @@ def fully_sharded_layout(chunks: list[torch.nn.Module], pg_collection: Any = Non
 
 def _tensor_parallel_splits(chunks: list[torch.nn.Module]) -> tuple[dict[str, TensorParallelSplit], list[str]]:
     """(fqn -> split of every parameter a megatron-core TP layer splits, fqns held by Transformer
-    Engine layers), from the module holding each parameter."""
-    fqn_of = {id(p): fqn for fqn, _, p in named_trainable_parameters(chunks)}
+    Engine layers), from the module holding each parameter; frozen ones too (checkpoints store them)."""
+    fqn_of = {id(p): fqn for fqn, _, p in named_trainable_parameters(chunks, trainable_only=False)}
     splits, engine_layers = {}, []
     for chunk in chunks:
         for module in chunk.modules():
