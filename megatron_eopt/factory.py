@@ -86,9 +86,9 @@ def get_megatron_optimizer(
         raise ValueError("model_chunks is empty; pass the model (or its list of chunks).")
     if config.use_layer_wise_distributed_optimizer:
         _check_whole_gradients(chunks)
-    fsdp = fully_sharded_layout(chunks)  # torch FSDP2 (DTensor parameters), or None
+    fsdp = fully_sharded_layout(chunks, pg_collection)  # torch FSDP2 (DTensor parameters), or None
     if fsdp is not None:
-        check_fully_sharded_config(config, pg_collection)
+        check_fully_sharded_config(config)
         _check_supported(config, {name: lookup_optimizer(name) for name in routing.optimizers}, fsdp2=True)
         routing = dataclasses.replace(routing, embedding_or_output_names=OUTPUT_LAYER_NAMES)
     groups = resolve_parallel_groups(pg_collection) if fsdp is None else fsdp.parallel_groups()
@@ -96,6 +96,8 @@ def get_megatron_optimizer(
     check_config_overrides(overrides)
 
     param_groups, records = build_param_groups(chunks, config, overrides, groups.spanning_groups(), routing)
+    if fsdp is not None:
+        records = fsdp.with_tensor_parallel_facts(records)
     if not param_groups:
         raise ValueError("model_chunks have no trainable parameters (requires_grad=True).")
     if dump_param_to_param_group_map is not None:
@@ -267,7 +269,9 @@ def _children(
                 child_groups = [_owned_only(g, owned_fqns) for g in child_groups]
                 norm_groups = (_data_parallel_group(groups, is_expert), norm_group)
             if fsdp is not None:
-                norm_groups = (fsdp.group,)  # disjoint shards: their squares sum over the mesh
+                # Disjoint row shards: their squares sum over the mesh, then over the model-parallel
+                # group (a TP-replicated parameter counts on TP rank 0 only, as without FSDP2).
+                norm_groups = (fsdp.group, norm_group)
             child_records = [r for r in records if (r.is_expert_parallel, r.optimizer_name) == (is_expert, name)]
             make_optimizer = _optimizer_maker(lookup_optimizer(name), config, chunks, child_records, tp_group, fsdp)
             children.append(wrapper(child_groups, make_optimizer, config, records, tp_group, norm_groups,
@@ -344,8 +348,9 @@ def _optimizer_maker(
 ):
     """`make_optimizer(torch param groups)` for one child, with its TP group and layouts.
 
-    For torch FSDP2 (`fsdp`), a whole-matrix optimizer gets the whole matrices' layouts (a
-    DTensor's shape is global) as row shards with an owner rank each, instead of `layouts`.
+    For torch FSDP2 (`fsdp`), a whole-matrix optimizer gets the layouts of the matrices FSDP2
+    splits by rows (a DTensor's shape is global over the mesh: the whole matrix, or this TP
+    rank's shard of it) as row shards with an owner rank each, instead of `layouts`.
     """
     tp_size = group_size(tp_group)
     _check_tensor_parallel_support(spec, records, tp_size)
@@ -357,7 +362,8 @@ def _optimizer_maker(
     else:
         on_cpu = not torch.cuda.is_available()
     if fsdp is not None and spec.accepts("fsdp_shards"):
-        context = BuildContext(on_cpu=on_cpu, fsdp_group=fsdp.group, fsdp_shards=fsdp.row_shards(records, layouts))
+        context = BuildContext(tp_group=tp_group, on_cpu=on_cpu, fsdp_group=fsdp.group,
+                               fsdp_shards=fsdp.row_shards(records, layouts))
     else:
         context = BuildContext(tp_group=tp_group, layouts=layouts, on_cpu=on_cpu)
     return lambda param_groups: spec.build(param_groups, config, context)

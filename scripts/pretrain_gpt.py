@@ -183,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_pipeline_args(parser)
     training.add_argument("--use-torch-fsdp2", action="store_true",
                           help="shard the model with torch FSDP2 (fully_shard each transformer layer, then "
-                               "the root) over the data-parallel ranks (TP=1)")
+                               "the root) over the data-parallel ranks (of each TP rank, with TP > 1)")
     training.add_argument("--micro-batch-size", type=int, default=4)
     training.add_argument("--global-batch-size", type=int, default=None, help="default: micro batch * DP")
     training.add_argument("--train-iters", type=int, default=None,
@@ -452,8 +452,7 @@ def _check_fsdp2_flags(args: argparse.Namespace) -> None:
     """What --use-torch-fsdp2 does not do yet, refused before anything is built."""
     if not args.use_torch_fsdp2:
         return
-    refused = [("--tensor-model-parallel-size > 1", args.tensor_model_parallel_size > 1),
-               ("--use-distributed-optimizer (FSDP2 shards the optimizer state already)",
+    refused = [("--use-distributed-optimizer (FSDP2 shards the optimizer state already)",
                 args.use_layer_wise_distributed_optimizer),
                ("--log-params-norm", args.log_params_norm),
                ("--pipeline-model-parallel-size > 1", args.pipeline_model_parallel_size > 1),
@@ -632,7 +631,9 @@ def train(args, settings, layout, device) -> list[dict]:
 
 def fully_shard_gpt(model: torch.nn.Module, dp_group, device: torch.device) -> None:
     """Megatron-LM's --use-torch-fsdp2 layout: each transformer layer, then the root, sharded with
-    fully_shard over the data-parallel ranks (a 1-D mesh, FSDP2's default Shard(0) placement)."""
+    fully_shard over the data-parallel ranks (a 1-D mesh, FSDP2's default Shard(0) placement).
+    With TP > 1 each TP rank shards its TP shards over its own data-parallel group; the optimizer
+    takes the TP group from parallel_state."""
     from torch.distributed.fsdp import fully_shard
 
     mesh = data_parallel_mesh(dp_group, device)

@@ -11,7 +11,8 @@ checked before anything changes (schedule.py); RNG states are kept per rank (rng
 both functions on every rank of the job; all collectives run over the job's own ranks
 (`tp_dp_cp` of `pg_collection`, or its `job` group with pipeline parallelism), never a group the
 caller did not give, so jobs sharing one WORLD checkpoint independently. A torch FSDP2 model
-(DTensor parameters, see distributed/fsdp2.py) is checkpointed over its mesh's group, as its
+(DTensor parameters, see distributed/fsdp2.py) is checkpointed over its mesh's group (with
+tensor parallelism too, over the TP x DP group of `pg_collection` or parallel_state), as its
 optimizer steps: each rank writes and reads its rows of the global tensors (layout.py).
 """
 
@@ -263,7 +264,7 @@ def _layout(groups: Any, params: list) -> tuple[int, int, int]:
 
 def _parallel_groups(chunks: list[torch.nn.Module], pg_collection: Any) -> Any:
     """A torch FSDP2 model's groups come from its parameters' mesh, as for its optimizer (factory.py)."""
-    fsdp = fully_sharded_layout(chunks)
+    fsdp = fully_sharded_layout(chunks, pg_collection)
     return resolve_parallel_groups(pg_collection) if fsdp is None else fsdp.parallel_groups()
 
 

@@ -11,7 +11,10 @@ rank r holds rows `torch.chunk(rows, N)[r]` (uneven, possibly none). Its rows an
 parameter-shaped optimizer state are written as pieces of the same global tensors, cut where the
 `#part<i>` tensors meet (a gated linear_fc1's gate/up boundary need not fall between two ranks'
 rows), with explicit offsets: a ShardedTensor, which torch.distributed.checkpoint reads and
-writes like a DTensor. Nothing is gathered.
+writes like a DTensor. Nothing is gathered. With Megatron tensor parallelism too (TP x FSDP2),
+the rows FSDP2 splits are those of this TP rank's shard, which sits at TP rank t's place along
+megatron-core's partition_dim in the global tensor: the offsets add that place, and the
+ShardedTensor lists the pieces of every (TP rank, DP rank).
 """
 
 from dataclasses import dataclass
@@ -34,6 +37,20 @@ TP_MARK = "@tp"
 
 
 @dataclass(frozen=True)
+class TensorParallelRows:
+    """TP x FSDP2: which TP shard of the global tensor a row-sharded Placement's rows split."""
+
+    partition_dim: int  # megatron-core's: where the TP shards meet in the global tensor
+    tp_rank: int
+    ranks: tuple[tuple[int, ...], ...]  # global rank of (TP rank t, DP rank d): ranks[t][d]
+    group: ProcessGroup  # holds all of `ranks` (the checkpoint's); ShardedTensor checks against it
+
+    @property
+    def tp_size(self) -> int:
+        return len(self.ranks)
+
+
+@dataclass(frozen=True)
 class Placement:
     """How this rank's copy of a parameter maps to the global tensor(s) in a checkpoint."""
 
@@ -41,6 +58,7 @@ class Placement:
     partition_dim: int = -1  # megatron-core's partition_dim; -1: the same on every TP rank
     parts: int = 1  # partition_stride: interleaved blocks along partition_dim
     rows_by_rank: Optional[tuple[int, ...]] = None  # FSDP2's Shard(0): rows each rank of `group` holds
+    tp_rows: Optional[TensorParallelRows] = None  # TP x FSDP2: the TP shard those rows split
 
     @property
     def is_row_sharded(self) -> bool:
@@ -63,6 +81,8 @@ class Placement:
         shape = list(local_shape)
         if self.is_row_sharded:  # uneven FSDP2 shards: the global rows, not local x size
             shape[0] = sum(self.rows_by_rank) // self.parts
+            if self.tp_rows is not None:
+                shape[self.tp_rows.partition_dim] *= self.tp_rows.tp_size
         elif self.partition_dim >= 0:
             shape[self.partition_dim] = shape[self.partition_dim] // self.parts * self.tp_size
         return tuple(shape)
@@ -82,16 +102,17 @@ def placement_of(param: torch.nn.Parameter, tp_group: Optional[ProcessGroup]) ->
     return Placement(group, partition_dim, max(parts, 1))
 
 
-def row_placement(fqn: str, param: DTensor, parts: int) -> Placement:
+def row_placement(fqn: str, param: DTensor, parts: int, tp_rows: Optional[TensorParallelRows] = None) -> Placement:
     """The Placement of a torch FSDP2 parameter: Shard(0) on a 1-D mesh, the only layout handled.
 
     `parts`: the partition_stride megatron-core gives the unsharded parameter (fully_shard drops it).
+    `tp_rows`: for a tensor-parallel shard (TP x FSDP2), where it sits in the global tensor.
     """
     check_row_placement(fqn, param)
     group = param.device_mesh.get_group()
     if group_size(group) == 1:
-        return Placement(None, 0, parts, rows_by_rank=(param.shape[0],))
-    return Placement(group, 0, parts, rows_by_rank=chunk_rows(param.shape[0], group_size(group)))
+        return Placement(None, 0, parts, rows_by_rank=(param.shape[0],), tp_rows=tp_rows)
+    return Placement(group, 0, parts, rows_by_rank=chunk_rows(param.shape[0], group_size(group)), tp_rows=tp_rows)
 
 
 def local_tensor(param: torch.Tensor) -> torch.Tensor:
@@ -118,7 +139,7 @@ def global_pieces(key: str, local: torch.Tensor, placement: Placement, meshes: M
     Used for saving and, over freshly allocated buffers, for loading: torch.distributed.checkpoint
     then reads exactly this rank's piece of each global tensor into the buffer.
     """
-    if placement.is_row_sharded and placement.is_sharded:
+    if placement.is_row_sharded and (placement.is_sharded or placement.tp_rows is not None):
         return _row_pieces(key, local, placement)
     chunks = local.chunk(placement.parts, dim=placement.partition_dim) if placement.parts > 1 else [local]
     entries = {}
@@ -137,27 +158,49 @@ def global_pieces(key: str, local: torch.Tensor, placement: Placement, meshes: M
 
 def _row_pieces(key: str, local: torch.Tensor, placement: Placement) -> dict[str, ShardedTensor]:
     """This rank's rows of each `#part<i>` global tensor, with every rank's offsets (no collective)."""
-    starts = [sum(placement.rows_by_rank[:r]) for r in range(len(placement.rows_by_rank))]
     part_rows = sum(placement.rows_by_rank) // placement.parts
     rest = list(local.shape[1:])
-    rank = group_rank(placement.group)
+    tp = placement.tp_rows
+    ranks = tp.ranks if tp is not None else (tuple(_global_ranks(placement.group, len(placement.rows_by_rank))),)
+    me = (tp.tp_rank if tp is not None else 0, group_rank(placement.group))
+    global_shape = placement.global_part_shape(local.shape)
     entries = {}
     for index, part_key in enumerate(placement.keys(key)):
-        low, high = index * part_rows, (index + 1) * part_rows
         shards, local_shards = [], []
-        for r, (start, rows) in enumerate(zip(starts, placement.rows_by_rank)):
-            first, stop = max(start, low), min(start + rows, high)
-            if stop <= first:  # rank r holds none of this part's rows
-                continue
-            metadata = ShardMetadata([first - low] + [0] * len(rest), [stop - first, *rest],
-                                     f"rank:{dist.get_global_rank(placement.group, r)}/{local.device}")
-            shards.append(metadata)
-            if r == rank:
-                local_shards.append(LocalShard(local[first - start:stop - start], metadata))
-        global_metadata = ShardedTensorMetadata(shards, torch.Size([part_rows, *rest]), TensorProperties(dtype=local.dtype))
+        for t, dp_ranks in enumerate(ranks):
+            for d, (first, stop, offsets) in enumerate(_part_rows(placement, index, part_rows, t, rest)):
+                if stop <= first:  # this rank holds none of this part's rows
+                    continue
+                metadata = ShardMetadata(offsets, [stop - first, *rest], f"rank:{dp_ranks[d]}/{local.device}")
+                shards.append(metadata)
+                if (t, d) == me:
+                    start = sum(placement.rows_by_rank[:d])
+                    local_shards.append(LocalShard(local[first - start:stop - start], metadata))
+        global_metadata = ShardedTensorMetadata(shards, torch.Size(global_shape), TensorProperties(dtype=local.dtype))
         entries[part_key] = ShardedTensor._init_from_local_shards_and_global_metadata(
-            local_shards, global_metadata, process_group=placement.group)
+            local_shards, global_metadata, process_group=tp.group if tp is not None else placement.group)
     return entries
+
+
+def _part_rows(placement: Placement, index: int, part_rows: int, tp_rank: int,
+               rest: list[int]) -> list[tuple[int, int, list[int]]]:
+    """Per DP rank: (first, stop) of its rows of part `index` in the rows FSDP2 splits, and the
+    global offsets of that piece (TP rank `tp_rank`'s shard placed along its partition_dim)."""
+    low, high = index * part_rows, (index + 1) * part_rows
+    pieces, start = [], 0
+    for rows in placement.rows_by_rank:
+        first, stop = max(start, low), min(start + rows, high)
+        offsets = [first - low] + [0] * len(rest)
+        if placement.tp_rows is not None:
+            dim = placement.tp_rows.partition_dim
+            offsets[dim] += tp_rank * (part_rows if dim == 0 else rest[dim - 1])
+        pieces.append((first, stop, offsets))
+        start += rows
+    return pieces
+
+
+def _global_ranks(group: Optional[ProcessGroup], size: int) -> list[int]:
+    return [dist.get_rank()] if group is None else [dist.get_global_rank(group, r) for r in range(size)]
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:

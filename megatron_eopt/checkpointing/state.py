@@ -34,13 +34,15 @@ from megatron_eopt.checkpointing.layout import (
     TP_MARK,
     MeshCache,
     Placement,
+    TensorParallelRows,
     global_pieces,
     local_tensor,
     placement_of,
     row_placement,
 )
 from megatron_eopt.checkpointing.storage import CheckpointError, all_gather_objects
-from megatron_eopt.distributed.process_groups import ParallelGroups, ProcessGroup, group_size
+from megatron_eopt.distributed.fsdp2 import tensor_parallel_partition_dims
+from megatron_eopt.distributed.process_groups import ParallelGroups, ProcessGroup, group_rank, group_ranks, group_size
 from megatron_eopt.param_groups import chunk_model_config, named_trainable_parameters
 from megatron_eopt.wrappers.fp32 import FP32Optimizer
 
@@ -63,15 +65,33 @@ def model_params(model_chunks: list[torch.nn.Module], groups: ParallelGroups) ->
     why = "a checkpoint (which stores tensor-parallel shards in their global shape)"
     dense_tp = groups.require("tp", why)
     expert_tp = groups.require("expt_tp", why) if has_experts else None
+    tp_rows_of = _tensor_parallel_rows(model_chunks, named, groups, dense_tp)
     result = []
     for fqn, name, param in named:
         if isinstance(param, DTensor):  # torch FSDP2: its rows of the global tensor
-            placement = row_placement(fqn, param, _gated_parts(model_chunks, fqn, name))
+            placement = row_placement(fqn, param, _gated_parts(model_chunks, fqn, name), tp_rows_of.get(fqn))
         else:
             tp_group = expert_tp if not getattr(param, "allreduce", True) else dense_tp
             placement = placement_of(param, tp_group)
         result.append(ModelParam(fqn, param, placement, stored_names[fqn]))
     return result
+
+
+def _tensor_parallel_rows(model_chunks: list[torch.nn.Module], named: list, groups: ParallelGroups,
+                          tp_group: Optional[ProcessGroup]) -> dict[str, TensorParallelRows]:
+    """fqn -> where its TP shard sits, for the FSDP2 parameters a TP layer splits (TP x FSDP2).
+
+    Collective over the TP group when it has more than one rank and the model is FSDP2's: each
+    TP rank's data-parallel ranks are gathered once, so every rank knows every piece's owner.
+    """
+    meshes = [p.device_mesh for _, _, p in named if isinstance(p, DTensor)]
+    if not meshes or group_size(tp_group) == 1:
+        return {}
+    dp_ranks = tuple(group_ranks(meshes[0].get_group()))
+    ranks = tuple(tuple(r) for r in all_gather_objects(dp_ranks, tp_group))
+    group = checkpoint_group(groups)
+    return {fqn: TensorParallelRows(dim, group_rank(tp_group), ranks, group)
+            for fqn, dim in tensor_parallel_partition_dims(model_chunks).items()}
 
 
 def _gated_parts(model_chunks: list[torch.nn.Module], fqn: str, name: str) -> int:

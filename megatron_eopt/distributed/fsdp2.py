@@ -7,17 +7,25 @@ rank r of the mesh holds rows `torch.chunk(rows, N)[r]` (uneven, possibly none).
 - restores the routing facts `fully_shard` drops from parameters (megatron-core's attributes
   `is_embedding_or_output_parameter`, `tensor_model_parallel`, `partition_dim`, `allreduce`),
   from module types and names alone: lookup tables are found by module type (as for any model),
-  the output layer by its megatron-core name `output_layer.weight`; tensor parallelism and
-  expert parallelism are refused (not implemented with FSDP2);
+  the output layer by its megatron-core name `output_layer.weight`, tensor-parallel splits by
+  megatron-core's layer types (column-parallel: dim 0, row-parallel: dim 1); expert parallelism
+  is refused (not implemented with FSDP2);
+- with Megatron tensor parallelism as well (TP x FSDP2: each TP rank's shard of a matrix is
+  split by rows over that rank's data-parallel mesh), takes the TP group from `pg_collection` or
+  megatron-core's parallel_state and checks that it is the one the layers were built with and
+  that it crosses the mesh (one rank in common: this one);
 - assigns each Muon-routed matrix an owner rank by Newton-Schulz cost (the layer-wise
-  optimizer's `assign_owners`), who runs its whole-matrix Newton-Schulz (ops/row_shards.py);
+  optimizer's `assign_owners`), who runs its whole-matrix Newton-Schulz (ops/row_shards.py;
+  with TP, the owners of one matrix form a TP group and orthogonalize its TP shards together);
 - wraps the inner optimizers so that they step plain tensors aliasing each DTensor's local
   shard (`FullyShardedFP32Optimizer`): optimizer state is created per shard, 1/N of the memory,
   elementwise optimizers (Adam, Lion) step shards directly, and the gradient norm and inf/NaN
-  check are summed over the mesh's group, so clipping and skipping agree on every rank.
+  check are summed over the mesh's group (then over the model-parallel group, a TP-replicated
+  parameter counted on TP rank 0 only), so clipping and skipping agree on every rank.
 """
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any, Optional
 
@@ -26,7 +34,16 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from megatron_eopt.distributed.layer_wise import assign_owners
-from megatron_eopt.distributed.process_groups import ParallelGroups, ProcessGroup, group_size
+from megatron_eopt.distributed.process_groups import (
+    ParallelGroups,
+    ProcessGroup,
+    TensorParallelSplit,
+    group_ranks,
+    group_size,
+    initialized_parallel_state_groups,
+    megatron_tensor_parallel_split,
+    resolve_parallel_groups,
+)
 from megatron_eopt.ops.row_shards import RowShards, chunk_rows
 from megatron_eopt.ops.splits import MatrixLayout
 from megatron_eopt.param_groups import ParamRecord, named_trainable_parameters
@@ -37,6 +54,8 @@ from megatron_eopt.wrappers.fp32 import FP32Optimizer
 OUTPUT_LAYER_NAMES = ("output_layer.weight", "*.output_layer.weight")
 # megatron-core's routed experts (not `shared_experts`): expert parallelism is not supported here.
 EXPERT_NAMES = ("*.experts.*",)
+# Transformer Engine layers (megatron-core's TE specs): their tensor-parallel split is not read here.
+TRANSFORMER_ENGINE_MODULES = ("transformer_engine", "megatron.core.extensions")
 
 
 @dataclass(frozen=True)
@@ -45,26 +64,47 @@ class FullyShardedLayout:
 
     group: ProcessGroup
     rows_by_rank: dict[str, tuple[int, ...]]  # fqn -> rows each rank holds (dim 0)
+    # fqn -> megatron-core partition_dim of the parameters its tensor-parallel layers split
+    partition_dims: dict[str, int] = field(default_factory=dict)
+    # The caller's groups when tensor parallelism has size > 1 (TP x FSDP2), else None.
+    tensor_parallel: Optional[ParallelGroups] = None
+
+    @property
+    def tp_group(self) -> Optional[ProcessGroup]:
+        return None if self.tensor_parallel is None else self.tensor_parallel.tp
 
     def parallel_groups(self) -> ParallelGroups:
-        """Data parallel = the mesh's group; no tensor/pipeline parallelism (size 1)."""
-        return ParallelGroups.from_groups(tp=None, mp=None, dp_cp=self.group, tp_dp_cp=self.group)
+        """Data parallel = the mesh's group; tensor (and model) parallel the caller's, if any."""
+        given = self.tensor_parallel
+        if given is None:
+            return ParallelGroups.from_groups(tp=None, mp=None, dp_cp=self.group, tp_dp_cp=self.group)
+        # Checkpoints need the group of all TP x DP ranks; only the caller can name it.
+        known = {role: getattr(given, role) for role in ("tp_dp_cp", "job") if role in given.provided}
+        return ParallelGroups.from_groups(tp=given.tp, mp=given.mp, dp_cp=self.group, **known)
+
+    def with_tensor_parallel_facts(self, records: list[ParamRecord]) -> list[ParamRecord]:
+        """`records` with the tensor-parallel attributes `fully_shard` dropped, from the layer types."""
+        return [dataclasses.replace(r, tensor_model_parallel=r.fqn in self.partition_dims,
+                                    partition_dim=self.partition_dims.get(r.fqn, -1)) for r in records]
 
     def row_shards(self, records: list[ParamRecord], layouts: dict[str, MatrixLayout]) -> dict[str, RowShards]:
         """fqn -> RowShards of the matrices in `records`, owners balanced by Newton-Schulz cost.
 
-        `layouts` are of the whole matrices (a DTensor's shape is the global shape).
+        `layouts` are of the matrices FSDP2 splits (a DTensor's shape is its global shape over the
+        mesh): whole matrices, or this TP rank's shards of them. Every TP rank computes the same
+        owners (same shapes, same order), so a matrix's owners form one TP group.
         """
-        owners = assign_owners(records, {r.fqn for r in records}, group_size(self.group), 1)
+        owners = assign_owners(records, {r.fqn for r in records}, group_size(self.group), group_size(self.tp_group))
         return {r.fqn: RowShards(layouts[r.fqn], self.rows_by_rank[r.fqn], owners[r.fqn]) for r in records}
 
 
-def fully_sharded_layout(chunks: list[torch.nn.Module]) -> Optional[FullyShardedLayout]:
+def fully_sharded_layout(chunks: list[torch.nn.Module], pg_collection: Any = None) -> Optional[FullyShardedLayout]:
     """The layout of a model sharded with `fully_shard`; None when no parameter is a DTensor.
 
-    Raises (naming the parameter) for a mix of DTensor and plain trainable parameters, a
-    placement other than Shard(0) on a 1-D mesh, parameters on different meshes, or expert
-    parameters.
+    The tensor-parallel group, if any, is `pg_collection`'s, else megatron-core parallel_state's
+    when it is initialized. Raises (naming the parameter) for a mix of DTensor and plain
+    trainable parameters, a placement other than Shard(0) on a 1-D mesh, parameters on different
+    meshes, expert parameters, or tensor-parallel layers that do not fit the TP group.
     """
     named = named_trainable_parameters(chunks)
     sharded = [(fqn, p) for fqn, _, p in named if isinstance(p, DTensor)]
@@ -83,7 +123,85 @@ def fully_sharded_layout(chunks: list[torch.nn.Module]) -> Optional[FullySharded
         _check_not_expert(fqn)
     group = _common_group(sharded)
     size = group_size(group)
-    return FullyShardedLayout(group, {fqn: chunk_rows(p.shape[0], size) for fqn, p in sharded})
+    splits, engine_layers = _tensor_parallel_splits(chunks)
+    tensor_parallel = _tensor_parallel_groups(pg_collection, group, splits, engine_layers)
+    return FullyShardedLayout(group, {fqn: chunk_rows(p.shape[0], size) for fqn, p in sharded},
+                              {fqn: split.partition_dim for fqn, split in splits.items()}, tensor_parallel)
+
+
+def _tensor_parallel_splits(chunks: list[torch.nn.Module]) -> tuple[dict[str, TensorParallelSplit], list[str]]:
+    """(fqn -> split of every parameter a megatron-core TP layer splits, fqns held by Transformer
+    Engine layers), from the module holding each parameter; frozen ones too (checkpoints store them)."""
+    fqn_of = {id(p): fqn for fqn, _, p in named_trainable_parameters(chunks, trainable_only=False)}
+    splits, engine_layers = {}, []
+    for chunk in chunks:
+        for module in chunk.modules():
+            for name, param in module.named_parameters(recurse=False):
+                fqn = fqn_of.pop(id(param), None)  # pop: a tied parameter counts once
+                if fqn is None:
+                    continue
+                split = megatron_tensor_parallel_split(module, name)
+                if split is not None:
+                    splits[fqn] = split
+                if type(module).__module__.startswith(TRANSFORMER_ENGINE_MODULES):
+                    engine_layers.append(fqn)
+    return splits, engine_layers
+
+
+def tensor_parallel_partition_dims(chunks: list[torch.nn.Module]) -> dict[str, int]:
+    """fqn -> megatron-core partition_dim of each parameter a megatron-core TP layer splits."""
+    return {fqn: split.partition_dim for fqn, split in _tensor_parallel_splits(chunks)[0].items()}
+
+
+def _tensor_parallel_groups(pg_collection: Any, dp_group: ProcessGroup, splits: dict[str, TensorParallelSplit],
+                            engine_layers: list[str]) -> Optional[ParallelGroups]:
+    """The caller's groups when their TP group has size > 1, checked against the layers; else None."""
+    given = resolve_parallel_groups(pg_collection) if pg_collection is not None else initialized_parallel_state_groups()
+    tp_group = None if given is None else given.tp
+    if tp_group is None:
+        built = {fqn: s.tp_size for fqn, s in splits.items() if s.tp_size > 1}
+        if built:
+            fqn, size = next(iter(built.items()))
+            raise ValueError(
+                f"parameter {fqn!r} belongs to a megatron-core tensor-parallel layer built for {size} TP "
+                f"ranks, but no tensor-parallel group was given: pass pg_collection with its 'tp' and 'mp' "
+                f"groups, or keep megatron-core's parallel_state initialized while building the optimizer."
+            )
+        return None
+    if engine_layers:
+        raise ValueError(
+            f"parameter {engine_layers[0]!r} belongs to a Transformer Engine layer; tensor parallelism "
+            f"with torch FSDP2 reads the split of megatron-core's own layers only (the local spec: "
+            f"ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)."
+        )
+    _check_layers_fit(splits, tp_group)
+    _check_crosses_mesh(tp_group, dp_group)
+    return given
+
+
+def _check_layers_fit(splits: dict[str, TensorParallelSplit], tp_group: ProcessGroup) -> None:
+    """Each TP layer was built over `tp_group`: its size, its ranks."""
+    ranks = group_ranks(tp_group)
+    for fqn, split in splits.items():
+        layer_ranks = group_ranks(split.group) if split.group is not None else None
+        if split.tp_size != len(ranks) or (layer_ranks is not None and layer_ranks != ranks):
+            raise ValueError(
+                f"parameter {fqn!r}: its megatron-core layer is split over {split.tp_size} TP ranks "
+                f"{layer_ranks}, but the tensor-parallel group given has ranks {ranks}; pass the group the "
+                f"model was built with (pg_collection.tp, or parallel_state's)."
+            )
+
+
+def _check_crosses_mesh(tp_group: ProcessGroup, dp_group: ProcessGroup) -> None:
+    """TP x FSDP2 is a grid: the TP group and the mesh's data-parallel group share this rank only."""
+    common = sorted(set(group_ranks(tp_group)) & set(group_ranks(dp_group)))
+    if common != [dist.get_rank()]:
+        raise ValueError(
+            f"the tensor-parallel group {group_ranks(tp_group)} and the FSDP2 mesh's data-parallel group "
+            f"{group_ranks(dp_group)} share ranks {common}; they must share this rank ({dist.get_rank()}) "
+            f"only. fully_shard each TP rank's model over its own data-parallel group (e.g. "
+            f"DeviceMesh.from_group(parallel_state.get_data_parallel_group(), ...))."
+        )
 
 
 def check_row_placement(fqn: str, param: DTensor) -> None:
@@ -117,7 +235,7 @@ def _common_group(sharded: list[tuple[str, DTensor]]) -> ProcessGroup:
     return first.device_mesh.get_group()
 
 
-def check_fully_sharded_config(config: Any, pg_collection: Any) -> None:
+def check_fully_sharded_config(config: Any) -> None:
     """Refuse settings the FSDP2 path does not implement, before anything is built."""
     refused = [
         ("use_layer_wise_distributed_optimizer", config.use_layer_wise_distributed_optimizer,
@@ -129,14 +247,6 @@ def check_fully_sharded_config(config: Any, pg_collection: Any) -> None:
     for field, value, how in refused:
         if value:
             raise ValueError(f"{field}=True is not supported for a torch FSDP2 (DTensor) model: {how}.")
-    if pg_collection is not None:
-        tp = getattr(pg_collection, "tp", None)
-        if tp is not None and dist.get_world_size(tp) > 1:
-            raise ValueError(
-                f"pg_collection has a tensor-parallel group of size {dist.get_world_size(tp)}; tensor "
-                f"parallelism combined with torch FSDP2 is not supported yet. Omit pg_collection for a "
-                f"pure FSDP2 model: the data-parallel group comes from the parameters' DeviceMesh."
-            )
     if config.decoupled_lr is not None:
         raise ValueError(
             "decoupled_lr is set, but torch FSDP2 drops megatron-core's is_embedding_or_output_parameter "

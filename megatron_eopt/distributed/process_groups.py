@@ -6,6 +6,7 @@ that dimension has size 1 (no communication). A group that is needed but missing
 that says how to provide it; nothing ever falls back to the WORLD group.
 """
 
+import sys
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
@@ -200,6 +201,52 @@ def resolve_parallel_groups(pg_collection: Any = None) -> ParallelGroups:
             f"given: pass pg_collection (megatron-core ProcessGroupCollection, or "
             f"megatron_eopt.ParallelGroups) or initialize megatron-core parallel_state."
         ) from None
+
+
+def initialized_parallel_state_groups() -> Optional[ParallelGroups]:
+    """megatron-core's parallel_state groups when it is initialized in this process, else None
+    (never importing megatron-core for the question)."""
+    if "megatron.core.parallel_state" not in sys.modules:
+        return None
+    from megatron.core import parallel_state as ps
+
+    return ParallelGroups.from_parallel_state() if ps.model_parallel_is_initialized() else None
+
+
+@dataclass(frozen=True)
+class TensorParallelSplit:
+    """How a megatron-core tensor-parallel layer splits one of its parameters."""
+
+    partition_dim: int  # megatron-core's: 0 column-parallel rows, 1 row-parallel columns
+    tp_size: int  # ranks the layer was built for (its full size over its shard's)
+    group: Optional[ProcessGroup]  # the layer's own tensor-parallel group
+
+
+def megatron_tensor_parallel_split(module: torch.nn.Module, param_name: str) -> Optional[TensorParallelSplit]:
+    """The split of `module`'s parameter `param_name` if a megatron-core tensor-parallel layer
+    shards it (column-parallel weight and bias, row-parallel weight, vocab-parallel embedding);
+    None for any other parameter (a row-parallel bias is whole on every TP rank).
+
+    Read from the module type and sizes, because torch FSDP2's `fully_shard` drops megatron-core's
+    parameter attributes (`tensor_model_parallel`, `partition_dim`).
+    """
+    if "megatron.core.tensor_parallel" not in sys.modules:
+        return None  # no megatron-core layer can exist
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+    group = getattr(module, "tp_group", None)
+    if isinstance(module, ColumnParallelLinear) and param_name in ("weight", "bias"):
+        return TensorParallelSplit(0, module.output_size // module.output_size_per_partition, group)
+    if isinstance(module, RowParallelLinear) and param_name == "weight":
+        return TensorParallelSplit(1, module.input_size // module.input_size_per_partition, group)
+    if isinstance(module, VocabParallelEmbedding) and param_name == "weight":
+        return TensorParallelSplit(0, module.num_embeddings // module.num_embeddings_per_partition, group)
+    return None
+
+
+def group_ranks(group: Optional[ProcessGroup]) -> list[int]:
+    """Global ranks of `group`; this rank alone for None (size 1)."""
+    return [dist.get_rank()] if group is None else dist.get_process_group_ranks(group)
 
 
 def group_size(group: Optional[ProcessGroup]) -> int:

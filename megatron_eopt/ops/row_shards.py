@@ -13,6 +13,14 @@ owner rank (chosen by the caller, balancing Newton-Schulz cost). A step:
 Each rank sends (and receives) its shard of every matrix once in each direction: two shard
 volumes per matrix, the lower bound for one owner per matrix. No collective runs over a group
 other than the one given.
+
+With Megatron tensor parallelism as well (a 2-D layout, TP x FSDP2), the matrix FSDP2 splits by
+rows is this TP rank's shard (megatron-core's, along `partition_dim`); the owner is chosen the
+same on every TP rank (from the same shapes), so in step 2 the owners of one matrix are exactly
+the ranks of one TP group, and they orthogonalize their TP shards together in the TP mode
+(`orthogonalize_updates`) over that group, as TensorParallelMuon does without FSDP2. 'duplicated'
+runs as 'sharded' there: the same update (the whole matrix orthogonalized), but by one TP rank
+instead of all of them, so no rank repeats another's Newton-Schulz.
 """
 
 from dataclasses import dataclass
@@ -21,8 +29,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_eopt.ops.newton_schulz import NewtonSchulzSettings, orthogonalize_batched
-from megatron_eopt.ops.splits import MatrixLayout, merge_blocks, split_blocks
+from megatron_eopt.ops.newton_schulz import NewtonSchulzSettings, orthogonalize_updates
+from megatron_eopt.ops.splits import MatrixLayout
 
 
 @dataclass(frozen=True)
@@ -55,11 +63,14 @@ def orthogonalize_row_shards(
     shards: list[RowShards],
     group: Optional[dist.ProcessGroup],
     settings: NewtonSchulzSettings,
+    tp_mode: str = "duplicated",
+    tp_group: Optional[dist.ProcessGroup] = None,
 ) -> list[torch.Tensor]:
     """This rank's rows of the scaled orthogonalized update of every matrix (module docstring).
 
-    `updates[i]` is this rank's row shard of matrix i. Every rank of `group` must call this with
-    the same matrices in the same order.
+    `updates[i]` is this rank's row shard of matrix i (of this TP rank's shard of it, with a
+    `tp_group` of size > 1). Every rank of `group` and of `tp_group` must call this with the same
+    matrices in the same order.
     """
     size = 1 if group is None else dist.get_world_size(group)
     rank = 0 if group is None else dist.get_rank(group)
@@ -73,9 +84,9 @@ def orthogonalize_row_shards(
         [[(shards[i].rows_by_rank[src], cols[i]) for i in mine] for src in range(size)],
         group, device,
     )
-    # 2. Owners orthogonalize the whole matrices, block by block.
+    # 2. Owners orthogonalize the whole matrices (with TP: their TP shards, over the TP group).
     wholes = [torch.cat([gathered[src][k] for src in range(size)]) for k in range(len(mine))]
-    orthogonal = _orthogonalize_wholes(wholes, [shards[i].layout for i in mine], settings)
+    orthogonal = _orthogonalize_owned(wholes, [shards[i].layout for i in mine], settings, tp_mode, tp_group)
     # 3. Every rank gets its rows back.
     back = _exchange(
         [[o.split(shards[i].rows_by_rank)[dest] for i, o in zip(mine, orthogonal)] for dest in range(size)],
@@ -89,17 +100,17 @@ def orthogonalize_row_shards(
     return results
 
 
-def _orthogonalize_wholes(wholes: list[torch.Tensor], layouts: list[MatrixLayout],
-                          settings: NewtonSchulzSettings) -> list[torch.Tensor]:
-    """Scaled orthogonalization of each whole matrix's blocks, all blocks batched together."""
-    blocks = [split_blocks(whole, layout) for whole, layout in zip(wholes, layouts)]
-    scales = [settings.scale(*shape) for layout in layouts for shape in layout.global_block_shapes()]
-    results = orthogonalize_batched([b for per_matrix in blocks for b in per_matrix], scales, settings)
-    merged, start = [], 0
-    for per_matrix, layout in zip(blocks, layouts):
-        merged.append(merge_blocks(results[start:start + len(per_matrix)], layout))
-        start += len(per_matrix)
-    return merged
+def _orthogonalize_owned(wholes: list[torch.Tensor], layouts: list[MatrixLayout], settings: NewtonSchulzSettings,
+                         tp_mode: str, tp_group: Optional[dist.ProcessGroup]) -> list[torch.Tensor]:
+    """Scaled orthogonalization of each owned matrix's blocks, in the TP mode over `tp_group`.
+
+    Every rank of `tp_group` owns the same matrices (owners are chosen from shapes alone), so an
+    empty list is empty on all of them and no TP collective is needed.
+    """
+    if not wholes:
+        return []
+    mode = "sharded" if tp_mode == "duplicated" else tp_mode  # same update, Newton-Schulz once
+    return orthogonalize_updates(wholes, layouts, mode, tp_group, settings)
 
 
 def _exchange(send: list[list[torch.Tensor]], receive_shapes: list[list[tuple[int, int]]],

@@ -23,11 +23,13 @@ parameters). tp_mode='blockwise' treats every shard as a whole parameter: no com
 and the update depends on the TP degree.
 
 torch FSDP2 (`fsdp_shards`): the parameters are row shards (Shard(0)) of whole matrices over
-`fsdp_group`, orthogonalized once each, on an owner rank (ops/row_shards.py); the statistics
-are those of the whole matrices, summed over `fsdp_group` exactly as over a TP group that
-splits rows.
+`fsdp_group` (of this TP rank's shards of them, with a `tp_group` too), orthogonalized once
+each, on an owner rank (ops/row_shards.py); the statistics are those of the whole matrices:
+sums over the rows meet over `fsdp_group` (and over the TP group too when TP splits rows), sums
+over columns split by TP over the TP group.
 """
 
+import dataclasses
 import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
@@ -43,6 +45,7 @@ from megatron_eopt.ops.splits import MatrixLayout
 from megatron_eopt.optimizers.tensor_parallel_muon import (
     check_muon_arguments,
     layouts_by_param,
+    matrix_layouts_of,
     muon_use_syrk,
     orthogonalize_sharded,
     row_shards_by_param,
@@ -58,11 +61,20 @@ class _GlobalView:
 
     shape: tuple[int, int]  # global shape; the local one in blockwise mode or without TP
     sharded_dim: int  # the dimension split over the TP group (sums over it all-reduce); -1: none
+    rows_split: bool = False  # FSDP2: the rows are split over fsdp_group too
 
     @property
     def mean_dim(self) -> int:
         """normuon's averaged dimension: AdaptiveMuon's rule, applied to the global shape."""
         return 1 if self.shape[0] >= self.shape[1] else 0
+
+    def split_over_tp(self, dim: Optional[int] = None) -> bool:
+        """Whether a sum over `dim` (None: over the whole matrix) needs the TP group."""
+        return self.sharded_dim >= 0 and dim in (None, self.sharded_dim)
+
+    def split_over_fsdp(self, dim: Optional[int] = None) -> bool:
+        """Whether a sum over `dim` (None: over the whole matrix) needs the FSDP2 group."""
+        return self.rows_split and dim in (None, 0)
 
 
 @dataclass
@@ -90,8 +102,9 @@ class TensorParallelAdaptiveMuon(AdaptiveMuon):
             never uses it); `self.use_syrk` is what emerging_optimizers' Muon decides for this
             machine (off without Triton >= 3.4 or on an unvalidated GPU), and what the step uses.
         fsdp_group: the data-parallel group over which FSDP2 splits the matrices by rows.
-        fsdp_shards: fqn -> RowShards (whole-matrix layout, rows per rank, owner) of every
-            parameter, each a row shard; given, `layouts` and `tp_group` must be empty.
+        fsdp_shards: fqn -> RowShards (layout of the matrix FSDP2 splits, rows per rank, owner)
+            of every parameter, each a row shard; given, `layouts` must be empty (a `tp_group`
+            makes each matrix this TP rank's shard, whose layout says so).
 
     Checked here: tp_mode, lr, momentum, weight_decay, weight_decay_method, fp32_matmul_prec,
     coefficient_type, num_ns_steps, scale_mode, moment2_method, beta2, eps, that every
@@ -146,16 +159,14 @@ class TensorParallelAdaptiveMuon(AdaptiveMuon):
         self.tp_mode = tp_mode
         self.tp_group = tp_group
         self._layout_of = layouts_by_param(self.param_groups, dict(layouts or {}))
-        warn_if_blockwise_splits(tp_mode, tp_group, list(self._layout_of.values()))
-        self._view_of = {key: self._global_view(layout) for key, layout in self._layout_of.items()}
         self.fsdp_group = fsdp_group
         self._row_shards_of = row_shards_by_param(self.param_groups, fsdp_shards, fsdp_group, tp_group, layouts)
+        warn_if_blockwise_splits(tp_mode, tp_group, matrix_layouts_of(self._layout_of, self._row_shards_of))
+        self._view_of = {key: self._global_view(layout) for key, layout in self._layout_of.items()}
         if self._row_shards_of is not None:
-            split = 0 if fsdp_group is not None and dist.get_world_size(fsdp_group) > 1 else -1
-            self._view_of = {key: _GlobalView(shards.layout.local_shape, split)
+            rows_split = fsdp_group is not None and dist.get_world_size(fsdp_group) > 1
+            self._view_of = {key: dataclasses.replace(self._global_view(shards.layout), rows_split=rows_split)
                              for key, shards in self._row_shards_of.items()}
-        # Sums over a sharded dimension meet over the group that splits it.
-        self._reduce_group = tp_group if self._row_shards_of is None else fsdp_group
 
     def _global_view(self, layout: MatrixLayout) -> _GlobalView:
         tp_size = 1 if self.tp_group is None else dist.get_world_size(self.tp_group)
@@ -242,7 +253,7 @@ class TensorParallelAdaptiveMuon(AdaptiveMuon):
     def _normuon(self, pending: list[_Pending], orthogonal: list[torch.Tensor]) -> list[torch.Tensor]:
         # 1. Mean of O^2 along the global averaged dimension: partial sums meet when it is sharded.
         sums = [o.float().square().sum(dim=item.view.mean_dim, keepdim=True) for item, o in zip(pending, orthogonal)]
-        self._all_reduce_sum([s for item, s in zip(pending, sums) if item.view.sharded_dim == item.view.mean_dim])
+        self._sum_over_shards(pending, sums, [item.view.mean_dim for item in pending])
         normalized = []
         for item, o, total in zip(pending, orthogonal, sums):
             moment2 = self.state[item.param]["moment2_buffer"]
@@ -251,7 +262,7 @@ class TensorParallelAdaptiveMuon(AdaptiveMuon):
         # 2. Keep the Frobenius norm of O: squared norms of the whole matrices.
         squares = [torch.stack([o.float().square().sum(), n.float().square().sum()])
                    for o, n in zip(orthogonal, normalized)]
-        self._all_reduce_sum([sq for item, sq in zip(pending, squares) if item.view.sharded_dim >= 0])
+        self._sum_over_shards(pending, squares)
         return [n * (sq[0].sqrt() / sq[1].sqrt().clamp_min(item.group["eps"])).to(n.dtype)
                 for item, n, sq in zip(pending, normalized, squares)]
 
@@ -259,7 +270,7 @@ class TensorParallelAdaptiveMuon(AdaptiveMuon):
         # ||g||^2 and ||u||^2 of the whole matrices; the scalar moment2 stays equal on all TP ranks.
         squares = [torch.stack([item.grad.float().square().sum(), item.update.float().square().sum()])
                    for item in pending]
-        self._all_reduce_sum([sq for item, sq in zip(pending, squares) if item.view.sharded_dim >= 0])
+        self._sum_over_shards(pending, squares)
         scaled = []
         for item, o, sq in zip(pending, orthogonal, squares):
             moment2 = self.state[item.param]["moment2_buffer"]
@@ -267,8 +278,19 @@ class TensorParallelAdaptiveMuon(AdaptiveMuon):
             scaled.append(o * (sq[1].sqrt() / (moment2.sqrt() + item.group["eps"])).to(o.dtype))
         return scaled
 
-    def _all_reduce_sum(self, tensors: list[torch.Tensor]) -> None:
-        """Sum fp32 `tensors` over the sharding group (TP, or FSDP2's) in place, one collective for all.
+    def _sum_over_shards(self, pending: list[_Pending], partials: list[torch.Tensor],
+                         dims: Optional[list[int]] = None) -> None:
+        """Sum each of `partials` (over dimension `dims[i]` of its matrix; None: over all of it)
+        in place over the groups that split that dimension: FSDP2's (rows), then TP's."""
+        dims = dims or [None] * len(pending)
+        self._all_reduce_sum([t for item, t, d in zip(pending, partials, dims) if item.view.split_over_fsdp(d)],
+                             self.fsdp_group)
+        self._all_reduce_sum([t for item, t, d in zip(pending, partials, dims) if item.view.split_over_tp(d)],
+                             self.tp_group)
+
+    @staticmethod
+    def _all_reduce_sum(tensors: list[torch.Tensor], group: Optional[dist.ProcessGroup]) -> None:
+        """Sum fp32 `tensors` over `group` in place, one collective for all.
 
         Every rank has the same parameters in the same order, so the lists agree; empty on
         every rank in blockwise mode or without sharding, and then nothing is communicated.
@@ -276,6 +298,6 @@ class TensorParallelAdaptiveMuon(AdaptiveMuon):
         if not tensors:
             return
         flat = torch.cat([t.reshape(-1) for t in tensors])
-        dist.all_reduce(flat, group=self._reduce_group)
+        dist.all_reduce(flat, group=group)
         for tensor, part in zip(tensors, flat.split([t.numel() for t in tensors])):
             tensor.copy_(part.view_as(tensor))

@@ -15,8 +15,9 @@ products are emulated on CPUs without bf16 instructions (about 50x slower than f
 AVX2 machine of README's Performance section).
 
 torch FSDP2 (`fsdp_shards`): the parameters are this rank's row shards (Shard(0)) of whole
-matrices over `fsdp_group`; momentum stays a shard, and each matrix's Newton-Schulz runs once,
-on its owner rank (ops/row_shards.py).
+matrices over `fsdp_group` (of this TP rank's shards of them with a `tp_group` too); momentum
+stays a shard, and each matrix's Newton-Schulz runs once, on its owner rank (with TP: on one
+owner of its TP group, or spread over it in tp_mode 'distributed'; ops/row_shards.py).
 """
 
 import dataclasses
@@ -79,27 +80,27 @@ def layouts_by_param(param_groups: list[dict], layouts: Mapping[str, MatrixLayou
 def row_shards_by_param(param_groups: list[dict], fsdp_shards: Optional[Mapping[str, RowShards]],
                         fsdp_group: Optional[dist.ProcessGroup], tp_group: Optional[dist.ProcessGroup],
                         layouts: Optional[Mapping[str, MatrixLayout]]) -> Optional[dict[int, RowShards]]:
-    """id(param) -> RowShards for an FSDP2 run (None otherwise), checked at construction."""
+    """id(param) -> RowShards for an FSDP2 run (None otherwise), checked at construction.
+
+    With a `tp_group` of size > 1 (TP x FSDP2), each RowShards' layout is of this TP rank's
+    shard, which FSDP2 splits by rows; its `tp_size` must be the group's.
+    """
     if fsdp_shards is None:
         return None
-    if layouts or (tp_group is not None and dist.get_world_size(tp_group) > 1):
+    if layouts:
         raise ValueError(
-            "fsdp_shards (torch FSDP2) cannot be combined with tensor-parallel layouts or a tp_group "
-            "of size > 1 yet; give the whole-matrix layouts inside fsdp_shards and no tp_group."
+            "fsdp_shards (torch FSDP2) and layouts were both given; with FSDP2 each matrix's layout "
+            "(of this TP rank's shard) belongs inside its RowShards, and layouts must be empty."
         )
     rank = 0 if fsdp_group is None else dist.get_rank(fsdp_group)
+    tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
     by_param = {}
     for group in param_groups:
         for param, name in zip(group["params"], group.get("param_fqns") or ()):
             shards = fsdp_shards.get(name)
             if shards is None:
                 raise ValueError(f"parameter {name!r} has no entry in fsdp_shards; every parameter needs one.")
-            expected = (shards.rows_by_rank[rank], shards.layout.local_shape[1])
-            if tuple(param.shape) != expected:
-                raise ValueError(
-                    f"parameter {name!r}: this rank ({rank}) holds a {tuple(param.shape)} shard, but its "
-                    f"row split {shards.rows_by_rank} of {shards.layout.local_shape} gives {expected}."
-                )
+            _check_row_shard(name, param, shards, rank, tp_size)
             by_param[id(param)] = shards
     missing = sum(len(g["params"]) for g in param_groups) - len(by_param)
     if missing:
@@ -107,16 +108,40 @@ def row_shards_by_param(param_groups: list[dict], fsdp_shards: Optional[Mapping[
     return by_param
 
 
+def _check_row_shard(name: str, param: torch.Tensor, shards: RowShards, rank: int, tp_size: int) -> None:
+    expected = (shards.rows_by_rank[rank], shards.layout.local_shape[1])
+    if tuple(param.shape) != expected:
+        raise ValueError(
+            f"parameter {name!r}: this rank ({rank}) holds a {tuple(param.shape)} shard, but its "
+            f"row split {shards.rows_by_rank} of {shards.layout.local_shape} gives {expected}."
+        )
+    if shards.layout.partition_dim >= 0 and shards.layout.tp_size != tp_size:
+        # Otherwise the global shape, and so the Muon scale, would be wrong.
+        raise ValueError(
+            f"parameter {name!r}: its layout is split over tp_size={shards.layout.tp_size} TP ranks, but "
+            f"tp_group has {tp_size}; pass the parameters' tensor-parallel group."
+        )
+
+
+def matrix_layouts_of(layout_of: Mapping[int, MatrixLayout],
+                      row_shards_of: Optional[Mapping[int, RowShards]]) -> list[MatrixLayout]:
+    """The layouts of the matrices orthogonalized: those in the row shards with FSDP2."""
+    source = layout_of if row_shards_of is None else {k: s.layout for k, s in row_shards_of.items()}
+    return list(source.values())
+
+
 _WARNED_ONCE: set[str] = set()  # warnings this process has given
 
 
 def orthogonalize_sharded(optimizer: Any, params: list[torch.Tensor], updates: list[torch.Tensor]) -> list[torch.Tensor]:
     """The orthogonalized `updates` of `params` over the optimizer's shards: FSDP2 row shards
-    (each matrix to its owner and back) or TP shards (its tp_mode). TensorParallelMuon's and
+    (each matrix to its owner and back, TP shards of it in its tp_mode with TP as well) or TP
+    shards (its tp_mode). TensorParallelMuon's and
     TensorParallelAdaptiveMuon's `_orthogonalize_all`."""
     if optimizer._row_shards_of is not None:
         shards = [optimizer._row_shards_of[id(p)] for p in params]
-        return orthogonalize_row_shards(updates, shards, optimizer.fsdp_group, optimizer.settings)
+        return orthogonalize_row_shards(updates, shards, optimizer.fsdp_group, optimizer.settings,
+                                        optimizer.tp_mode, optimizer.tp_group)
     layouts = [optimizer._layout_of[id(p)] for p in params]
     return orthogonalize_updates(updates, layouts, optimizer.tp_mode, optimizer.tp_group, optimizer.settings)
 
@@ -183,8 +208,9 @@ class TensorParallelMuon(Muon):
             name their parameters in 'param_fqns'. A parameter without a layout is a whole,
             unfused matrix.
         fsdp_group: the data-parallel group over which FSDP2 splits the matrices by rows.
-        fsdp_shards: fqn -> RowShards (whole-matrix layout, rows per rank, owner) of every
-            parameter, each a row shard; given, `layouts` and `tp_group` must be empty.
+        fsdp_shards: fqn -> RowShards (layout of the matrix FSDP2 splits, rows per rank, owner)
+            of every parameter, each a row shard; given, `layouts` must be empty (a `tp_group`
+            makes each matrix this TP rank's shard, whose layout says so).
     `use_syrk` is a request: `self.use_syrk` is what emerging_optimizers' Muon decided for this
     machine (off without Triton >= 3.4 or on an unvalidated GPU), and what the step uses.
     """
@@ -224,9 +250,9 @@ class TensorParallelMuon(Muon):
         self.tp_mode = tp_mode
         self.tp_group = tp_group
         self._layout_of = layouts_by_param(self.param_groups, dict(layouts or {}))
-        warn_if_blockwise_splits(tp_mode, tp_group, list(self._layout_of.values()))
         self.fsdp_group = fsdp_group
         self._row_shards_of = row_shards_by_param(self.param_groups, fsdp_shards, fsdp_group, tp_group, layouts)
+        warn_if_blockwise_splits(tp_mode, tp_group, matrix_layouts_of(self._layout_of, self._row_shards_of))
 
     def orthogonalize(self, p: torch.Tensor, grad: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """The scaled orthogonalized update of one parameter (emerging_optimizers' hook)."""

@@ -65,6 +65,8 @@ class GPTRun:
         initialize_model_parallel(layout.tp, seed=SEED)
         settings = GPTModelSettings(**{**asdict(SETTINGS), "bf16": layout.bf16}) if layout.bf16 else SETTINGS
         self.model = build_gpt_model(settings)
+        # Read before fully_shard, which drops megatron-core's attributes.
+        self.partitions = {name: partition(p) for name, p in self.model.named_parameters()}
         if layout.fsdp2:
             fully_shard_gpt(self.model, parallel_state.get_data_parallel_group(), torch.device("cpu"))
         config = OptimizerConfig(**{**OPTIMIZERS[layout.optimizer], **config_changes}, bf16=layout.bf16,
@@ -88,16 +90,17 @@ class GPTRun:
 
     def synthetic_step(self, step: int) -> None:
         for name, param in self.model.named_parameters():
-            full_shape = list(param.shape)
-            dim, stride = partition(param)
+            full_shape = list(param.shape)  # a DTensor's: this TP rank's shard
+            dim, stride = self.partitions[name]
             if dim >= 0:
                 full_shape[dim] *= self.layout.tp
             generator = torch.Generator().manual_seed(zlib.crc32(f"{name}/{step}".encode()))
             full = (torch.randn(full_shape, generator=generator) * 0.01).to(torch.bfloat16).float()
+            shard = local_shard(full, dim, stride, self.tp_rank, self.layout.tp).to(param.dtype)
             if self.layout.fsdp2:  # src_data_rank=None: each rank its rows of its own (identical) copy
-                param.grad = distribute_tensor(full, param.device_mesh, [Shard(0)], src_data_rank=None)
+                param.grad = distribute_tensor(shard, param.device_mesh, [Shard(0)], src_data_rank=None)
                 continue
-            param.grad = local_shard(full, dim, stride, self.tp_rank, self.layout.tp).to(param.dtype)
+            param.grad = shard
         self._step(0.0)
 
     def _average_grads(self) -> None:
@@ -119,8 +122,8 @@ class GPTRun:
         """name -> (fp32 value: the main copy when there is one, partition_dim, stride)."""
         main_of = {id(m): main for child in self.optimizer.chained_optimizers
                    for m, main in zip(child.model_params, child.main_params)}
-        if self.layout.fsdp2:  # the main parameters alias the shards: gather the global tensors
-            return {name: (p.detach().full_tensor(), -1, 1) for name, p in self.model.named_parameters()}
+        if self.layout.fsdp2:  # the main parameters alias the shards: gather this TP rank's shards
+            return {name: (p.detach().full_tensor(), *self.partitions[name]) for name, p in self.model.named_parameters()}
         return {name: (main_of.get(id(p), p).detach().float().clone(), *partition(p))
                 for name, p in self.model.named_parameters()}
 

@@ -45,11 +45,14 @@ SOURCES = {  # name: (layout, world size)
     "FSDP2": (Layout(fsdp2=True), 2),
     "DP2 layer-wise": (Layout(layer_wise=True), 2),
     "adam FSDP2": (Layout("adam", fsdp2=True), 2),
+    "TP2 x FSDP2": (Layout(tp=2, fsdp2=True), 4),
 }
 RESHARDINGS = [  # (source, target layout, target world size)
     ("FSDP2", Layout(layer_wise=True), 2),
     ("DP2 layer-wise", Layout(fsdp2=True), 3),
     ("adam FSDP2", Layout("adam"), 1),
+    ("TP2 x FSDP2", Layout(), 1),  # TP=2 x FSDP2=2 -> one process
+    ("DP2 layer-wise", Layout(tp=2, fsdp2=True), 4),  # and into TP=2 x FSDP2=2
 ]
 
 
@@ -66,6 +69,7 @@ def test_fsdp2_checkpoints_reshard_to_and_from_layer_wise(run_distributed, tmp_p
         assert set(actual) == set(expected)
         errors = {name: (actual[name] - value).abs().max().item() for name, value in expected.items()}
         worst = max(errors.values())
+        print(f"{source} -> {layout.describe(world_size)}: worst difference {worst:.2e}")
         assert worst < 1e-6, (source, layout.describe(world_size), sorted(errors.items(), key=lambda e: -e[1])[:3])
 
 

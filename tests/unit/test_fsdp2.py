@@ -42,8 +42,12 @@ def config_for(optimizer: str) -> OptimizerConfig:
 
 def global_grads(model: torch.nn.Module, step: int) -> dict[str, torch.Tensor]:
     """Deterministic full gradients, the same on every rank (std 1: clipping at 1.0 is active)."""
+    return grads_of_shapes({name: p.shape for name, p in model.named_parameters()}, step)
+
+
+def grads_of_shapes(shapes: dict[str, torch.Size], step: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(1000 + step)
-    return {name: torch.randn(p.shape, generator=generator) for name, p in model.named_parameters()}
+    return {name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
 
 
 def set_grads(reference: torch.nn.Module, sharded: torch.nn.Module, grads: dict) -> None:
@@ -250,6 +254,179 @@ def test_bad_input_names_parameter_and_placement(run_distributed) -> None:
     assert kind == "ValueError" and "FSDP2" in text and "'soap'" in text, messages["soap"]
 
 
+# --- TP x FSDP2 (2-D): megatron-core TP layers, each TP rank's shards split by rows over its DP mesh ---
+
+# (optimizer, muon_tp_mode, reference): "tp1" is the unsharded TP=1 model in one process;
+# "tp2" a plain TP=2 model (no FSDP2), for blockwise, whose update depends on the TP degree.
+TP_FSDP_CASES = (("muon", "duplicated", "tp1"), ("muon", "distributed", "tp1"), ("muon", "sharded", "tp1"),
+                 ("muon", "blockwise", "tp2"), ("adam", "duplicated", "tp1"), ("adaptive_muon", "duplicated", "tp1"))
+TP = 2
+
+
+def _tp_splits(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
+    """name -> (partition_dim or -1, partition_stride), read before fully_shard drops them."""
+    return {name: (p.partition_dim if getattr(p, "tensor_model_parallel", False) else -1,
+                   getattr(p, "partition_stride", 1)) for name, p in model.named_parameters()}
+
+
+def _tp_shards(values: dict[str, torch.Tensor], splits: dict, tp_rank: int) -> dict[str, torch.Tensor]:
+    from tests.unit.test_gpt_optimizer import local_shard
+
+    return {name: local_shard(values[name], *splits[name], tp_rank, TP) for name in splits}
+
+
+def _tp2_model(full: dict[str, torch.Tensor]) -> tuple[torch.nn.Module, dict]:
+    """The GPT at TP=2 (parallel_state must be initialized so), holding the TP shards of `full`."""
+    from megatron.core import parallel_state
+
+    model = build_gpt_model(SETTINGS)
+    splits = _tp_splits(model)
+    with torch.no_grad():
+        for name, shard in _tp_shards(full, splits, parallel_state.get_tensor_model_parallel_rank()).items():
+            dict(model.named_parameters())[name].copy_(shard)
+    return model, splits
+
+
+class NewtonSchulzCount:
+    """Counts the matrices this process orthogonalizes (a batch of B counts B)."""
+
+    def __enter__(self):
+        from megatron_eopt.ops.newton_schulz import NewtonSchulzSettings
+
+        self.matrices, self._original = 0, NewtonSchulzSettings.orthogonalize
+
+        def counted(settings, x, **kwargs):
+            self.matrices += x.shape[0] if x.dim() == 3 else 1
+            return self._original(settings, x, **kwargs)
+
+        NewtonSchulzSettings.orthogonalize = counted
+        return self
+
+    def __exit__(self, *exc):
+        from megatron_eopt.ops.newton_schulz import NewtonSchulzSettings
+
+        NewtonSchulzSettings.orthogonalize = self._original
+
+
+def _tp_fsdp_case(optimizer: str, tp_mode: str, reference_kind: str) -> dict:
+    """3 steps of the TP=2 x FSDP=2 GPT against its reference, with the same global gradients."""
+    import dataclasses
+
+    from megatron.core import parallel_state
+    from torch.distributed.fsdp import fully_shard
+
+    config = dataclasses.replace(config_for(optimizer), muon_tp_mode=tp_mode)
+    reference = build_gpt()  # TP=1; its values are the start of every layout
+    full = {name: p.detach().clone() for name, p in reference.named_parameters()}
+    initialize_model_parallel(TP, seed=11)
+    try:
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        if reference_kind == "tp2":
+            reference, _ = _tp2_model(full)
+        reference_opt = get_megatron_optimizer(config, [reference],
+                                               pg_collection=None if reference_kind == "tp2" else _single_process())
+        sharded, splits = _tp2_model(full)
+        mesh = data_parallel_mesh(parallel_state.get_data_parallel_group(), torch.device("cpu"))
+        for layer in sharded.decoder.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(sharded, mesh=mesh)
+        # The TP group from parallel_state (as pretrain_gpt builds it), or from a pg_collection.
+        pg_collection = None
+        if optimizer == "adam":
+            from megatron.core.process_groups_config import ProcessGroupCollection
+
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        sharded_opt = get_megatron_optimizer(config, [sharded], pg_collection=pg_collection)
+        results, counts = [], [0, 0]
+        for step in range(STEPS):
+            grads = grads_of_shapes({name: value.shape for name, value in full.items()}, step)
+            reference_grads = grads if reference_kind == "tp1" else _tp_shards(grads, splits, tp_rank)
+            for name, p in reference.named_parameters():
+                p.grad = reference_grads[name].clone()
+            set_sharded_grads(sharded, _tp_shards(grads, splits, tp_rank))
+            with NewtonSchulzCount() as counted:
+                expected = reference_opt.step()
+            counts[0] += counted.matrices
+            with NewtonSchulzCount() as counted:
+                got = sharded_opt.step()
+            counts[1] += counted.matrices
+            results.append((expected, got))
+        reference_values = {name: p.detach() for name, p in reference.named_parameters()}
+        if reference_kind == "tp1":
+            reference_values = _tp_shards(reference_values, splits, tp_rank)
+        errors = {name: (p.full_tensor() - reference_values[name]).abs().max().item()
+                  for name, p in sharded.named_parameters()}
+        skip = _nan_on_last_rank(sharded, sharded_opt) if tp_mode == "duplicated" else None
+        return {"errors": errors, "results": results, "ns_counts": counts, "skip": skip,
+                "routing": (routing_of(reference_opt), routing_of(sharded_opt))}
+    finally:
+        destroy_model_parallel()
+
+
+def _nan_on_last_rank(sharded: torch.nn.Module, optimizer) -> dict:
+    """A NaN in the last rank's rows of one matrix only: every rank skips, nothing changes."""
+    set_sharded_grads(sharded, global_grads(sharded, 99))  # a DTensor's shape: this TP rank's shard
+    if torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
+        sharded.decoder.layers[1].mlp.linear_fc2.weight.grad.to_local()[0, 0] = float("nan")
+    before = {n: p.to_local().clone() for n, p in sharded.named_parameters()}
+    result = optimizer.step()
+    changed = [n for n, p in sharded.named_parameters() if not torch.equal(p.to_local(), before[n])]
+    return {"result": result, "changed": changed}
+
+
+def _tp_fsdp_body(rank: int, world_size: int) -> dict:
+    runs = {case: _tp_fsdp_case(*case) for case in TP_FSDP_CASES}
+    runs.update(_tp_group_errors())
+    return runs
+
+
+def _tp_group_errors() -> dict[str, tuple[str, str]]:
+    """A model built at TP=2 given the DP group as its TP group, or (parallel_state torn down)
+    no TP group at all: both refused, naming a parameter."""
+    from megatron.core import parallel_state
+    from torch.distributed.fsdp import fully_shard
+
+    from megatron_eopt.distributed.process_groups import ParallelGroups
+
+    initialize_model_parallel(TP, seed=11)
+    try:
+        model = build_gpt_model(SETTINGS)
+        dp_group = parallel_state.get_data_parallel_group()
+        fully_shard(model, mesh=data_parallel_mesh(dp_group, torch.device("cpu")))
+        wrong = ParallelGroups.from_groups(tp=dp_group, mp=dp_group)
+        errors = {"wrong_tp_group": _error_of(lambda: get_megatron_optimizer(config_for("muon"), [model],
+                                                                             pg_collection=wrong))}
+    finally:
+        destroy_model_parallel()
+    errors["no_tp_group"] = _error_of(lambda: get_megatron_optimizer(config_for("muon"), [model]))
+    return errors
+
+
+def test_tp2_x_fsdp2_equals_tp1(run_distributed) -> None:
+    """TP=2 x FSDP=2 on 4 ranks (GQA + SwiGLU GPTModel, megatron-core TP layers) takes the TP=1
+    steps: muon in the duplicated/distributed/sharded modes, adam, adaptive_muon (normuon); muon
+    blockwise takes the plain TP=2 steps. 1e-5 (fp32, 'highest'): the TP=1 reference
+    orthogonalizes whole matrices in one process, the 2-D run the same blocks after two
+    exchanges, and the gradient norm sums its squares in another order."""
+    start = time.perf_counter()
+    per_rank = run_distributed(_tp_fsdp_body, world_size=4, timeout=600)
+    print(f"TP=2 x FSDP=2 cases: {time.perf_counter() - start:.1f} s")
+    for rank, runs in enumerate(per_rank):
+        kind, text = runs.pop("no_tp_group")
+        assert kind == "ValueError" and "no tensor-parallel group was given" in text and "2 TP ranks" in text, text
+        kind, text = runs.pop("wrong_tp_group")
+        assert kind == "ValueError" and "the tensor-parallel group given has ranks" in text, text
+        for case, run in runs.items():
+            check_run(run, (rank,) + case)
+            print(rank, case, "max error", max(run["errors"].values()))
+            if case[0] == "muon" and case[1] == "duplicated":
+                skip = run["skip"]
+                assert skip["result"] == (False, None, None) and not skip["changed"], (rank, skip)
+    # Default mode: every block orthogonalized exactly once over the 4 ranks, as by TP=1 alone.
+    counts = [runs[("muon", "duplicated", "tp1")]["ns_counts"] for runs in per_rank]
+    assert sum(sharded for _, sharded in counts) == counts[0][0] > 0, counts
+
+
 PRETRAIN_ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
                  "--group-query-attention", "--num-query-groups", "2", "--swiglu",
                  "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "20", "--lr", "1e-2",
@@ -269,3 +446,26 @@ def test_pretrain_gpt_fsdp2_equals_layer_wise(run_distributed):
     assert len(expected) == 20 and expected[-1] < expected[0]
     for records in fsdp2:
         assert [r["loss"] for r in records] == pytest.approx(expected, rel=1e-5)
+
+
+def _pretrain_tp2_body(rank: int, world_size: int, iterations: int) -> dict:
+    """Both command lines in one call (each builds its groups and FSDP2 mesh anew)."""
+    from tests.pretrain_gpt_in_process import run_pretrain_gpt
+
+    argv = PRETRAIN_ARGV + ["--train-iters", str(iterations), "--tensor-model-parallel-size", "2"]
+    return {"fsdp2": run_pretrain_gpt(rank, world_size, argv + ["--use-torch-fsdp2"]),
+            "ddp": run_pretrain_gpt(rank, world_size, argv)}
+
+
+def test_pretrain_gpt_tp2_fsdp2_equals_tp2_dp2(run_distributed):
+    """scripts/pretrain_gpt.py --tensor-model-parallel-size 2 --use-torch-fsdp2 on 4 ranks (each TP
+    rank's shards over its DP pair) against TP=2 x DP=2 with all-reduced gradients: same seed,
+    data and global batch, fp32, muon; losses to 1e-5 relative."""
+    iterations = 10
+    for result in run_distributed(_pretrain_tp2_body, 4, args=(iterations,), timeout=600):
+        expected = [r["loss"] for r in result["ddp"]]
+        assert len(expected) == iterations and expected[-1] < expected[0]
+        got = [r["loss"] for r in result["fsdp2"]]
+        print("TP=2 x FSDP2=2 vs TP=2 x DP=2: max relative loss difference",
+              max(abs(g - e) / abs(e) for g, e in zip(got, expected)))
+        assert got == pytest.approx(expected, rel=1e-5)
