@@ -78,7 +78,7 @@ ROWS = [
      {"muon_fp32_matmul_prec": "highest"}),
     ("muon-match-adamw-rms", f"{MUON} --muon-match-adamw-rms", {"muon_match_adamw_rms": True}),
     ("muon-skip-threshold", f"{MUON} --grad-norm-skip-threshold 1000", {"grad_norm_skip_threshold": 1000.0}),
-    ("soap", "--optimizer soap --lr 0.03 --soap-precondition-frequency 2 --soap-no-kl-shampoo "
+    ("soap", "--optimizer soap --lr 0.02 --soap-precondition-frequency 2 --soap-no-kl-shampoo "
      "--soap-shampoo-beta 0.9", {"optimizer": "soap", "soap_precondition_frequency": 2,
                                  "soap_use_kl_shampoo": False, "soap_shampoo_beta": 0.9}),
     ("adaptive-muon", "--optimizer adaptive_muon --lr 0.02 --adaptive-muon-moment2-method normuon "
