@@ -25,7 +25,8 @@ bench: $(STAMP)
 
 # On a machine with one CUDA GPU: the GPU-tier tests, Newton-Schulz vs matmul TFLOP/s (bf16, fp32),
 # Muon / fused AdamW step, pretrain_gpt iteration, Megatron-LM's pretrain() with megatron-core's
-# optimizer and ours (losses, time, checkpoint resume); benchmarks/results/gpu_check.{json,md}.
+# optimizer and ours (losses, time, checkpoint resume), the trainer's CUDA-only paths (MoE router and
+# dispatchers, RoPE) against its CPU ones; benchmarks/results/gpu_check.{json,md}.
 # Without CUDA it builds everything and reports each check skipped with the reason (dry run).
 gpu-check: $(STAMP)
 	$(PY) benchmarks/gpu_check.py

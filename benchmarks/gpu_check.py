@@ -13,7 +13,11 @@
    for --megatron-lm-iters iterations with megatron-core's optimizer and with ours, same seed:
    Adam's losses equal within 1e-3 relative, Muon's within 1e-2; the iteration-time ratio; and
    ours saved halfway through Megatron-LM's checkpointing (torch_dist, our sharded_state_dict),
-   loaded by a new run that must log the losses of the uninterrupted one.
+   loaded by a new run that must log the losses of the uninterrupted one;
+6. the trainer's CUDA-only code paths against its CPU paths: small fp32 pretrain_gpt runs on the
+   GPU (megatron-core's own router, allgather and alltoall dispatchers, RotaryEmbedding) and the
+   same command lines on CPU (scripts/moe.py's and gpt_model.py's substitutions): the losses
+   of 10 iterations must agree within 1e-3 relative.
 Writes gpu_check.json and gpu_check.md to --out (default benchmarks/results/).
 
 Without CUDA (or with --dry-run) nothing is timed: it builds what each check would run (the
@@ -181,6 +185,60 @@ def median_iteration_ms(metrics: str, warmup: int) -> float:
     if not times:
         raise ValueError(f"{metrics}: no iteration after the {warmup} warm-up ones was logged.")
     return statistics.median(times)
+
+
+# ------------------------------------------------------------------------------------------------
+# 6. The trainer on CUDA against the trainer on CPU
+# ------------------------------------------------------------------------------------------------
+
+SMALL_RUN = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+             "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "10", "--lr", "1e-2",
+             "--log-interval", "1", "--eval-iters", "0", "--optimizer", "muon", "--use-distributed-optimizer",
+             "--muon-fp32-matmul-prec", "highest"]
+MOE = ["--num-experts", "4", "--disable-bias-linear", "--moe-aux-loss-coeff", "0.01"]
+CUDA_VS_CPU_RUNS = {  # name -> (flags on CUDA, flags of the CPU run it must equal)
+    "dense": ([], []),
+    "rope": (["--position-embedding-type", "rope"], ["--position-embedding-type", "rope"]),
+    "moe allgather": (MOE, MOE),
+    "moe alltoall": (MOE + ["--moe-token-dispatcher-type", "alltoall"], MOE),  # alltoall needs CUDA
+}
+CUDA_VS_CPU_TOLERANCE = 1e-3
+
+
+def run_losses(argv: list[str], metrics: str, cuda: bool) -> tuple[Optional[list[float]], str]:
+    env = dict(os.environ) if cuda else {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    command = [sys.executable, os.path.join(ROOT, "scripts", "pretrain_gpt.py"), *argv, "--metrics-jsonl", metrics]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        return None, (result.stdout + result.stderr)[-4000:]
+    with open(metrics) as f:
+        return [json.loads(line)["loss"] for line in f if line.strip()], ""
+
+
+def cuda_matches_cpu(args, skip: Optional[str], directory: str) -> dict:
+    check = "pretrain_gpt on CUDA (megatron-core's router, dispatchers, RoPE) = on CPU (substitutions), 10 it."
+    built = {"flags": {name: " ".join(SMALL_RUN + cuda) for name, (cuda, _) in CUDA_VS_CPU_RUNS.items()}}
+    if skip:
+        from scripts.pretrain_gpt import parse_args
+
+        for _, cpu in CUDA_VS_CPU_RUNS.values():  # the CUDA-only flags are refused here, rightly
+            parse_args(SMALL_RUN + cpu)
+        return skipped(check, skip, **built)
+    differences, failures = {}, []
+    for name, (cuda_flags, cpu_flags) in CUDA_VS_CPU_RUNS.items():
+        losses = {}
+        for device, flags in (("cuda", cuda_flags), ("cpu", cpu_flags)):
+            losses[device], output = run_losses(SMALL_RUN + flags, os.path.join(directory, f"{name}_{device}.jsonl"),
+                                                cuda=device == "cuda")
+            if losses[device] is None:
+                return {"check": check, "status": "failed", **built, "failed_run": f"{name} on {device}",
+                        "output_tail": output}
+        differences[name] = max(abs(a / b - 1) for a, b in zip(losses["cuda"], losses["cpu"]))
+        if len(losses["cuda"]) != len(losses["cpu"]) or differences[name] > CUDA_VS_CPU_TOLERANCE:
+            failures.append(f"{name}: loss rel. diff {differences[name]:.1e} > {CUDA_VS_CPU_TOLERANCE}")
+    summary = "; ".join(f"{name}: {d:.1e}" for name, d in differences.items())
+    return {"check": check, "status": "failed" if failures else "ran", **built, "failures": failures,
+            "loss_relative_difference_by_run": differences, "summary": f"loss rel. diff {summary}"}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -372,6 +430,7 @@ CHECKS = {  # name -> the rows it adds
     "step": lambda args, shape, skip, directory: [optimizer_steps(args, shape, skip)],
     "pretrain": lambda args, shape, skip, directory: [pretrain_iterations(args, skip, directory)],
     "megatron_lm": lambda args, shape, skip, directory: [megatron_lm_runs(args, skip, directory)],
+    "cuda_vs_cpu": lambda args, shape, skip, directory: [cuda_matches_cpu(args, skip, directory)],
 }
 
 
