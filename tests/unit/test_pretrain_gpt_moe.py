@@ -225,3 +225,14 @@ def test_cpu_moe_layer_refuses_alltoall() -> None:
 
     with pytest.raises(ValueError, match="moe_token_dispatcher_type='alltoall' needs CUDA"):
         CPUMoELayer(_moe_config(moe_token_dispatcher_type="alltoall"))
+
+
+def test_experts_through_the_pipeline_equal_one_process(run_distributed) -> None:
+    """EP=2 x PP=2 (4 ranks, one MoE layer a stage; scripts/pipeline.py) with the aux loss, whose
+    gradient scale follows the pipeline's micro-batches: the one-process losses and norms."""
+    argv = ARGV + RUNS["layer-wise muon, aux loss"]
+    reference = run_distributed(run_pretrain_gpt, 1, args=(argv,))[0]
+    pipelined = run_distributed(run_pretrain_gpt, 4, args=(argv + _layout(2) + ["--pipeline-model-parallel-size", "2"],))
+    for records in pipelined:
+        assert _losses(records) == pytest.approx(_losses(reference), rel=1e-5)
+        assert _grad_norms(records) == pytest.approx(_grad_norms(reference), rel=1e-4)
