@@ -24,7 +24,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from megatron_eopt.ops import newton_schulz
+from tests.newton_schulz_calls import recording_newton_schulz_calls
 from tests.unit.pp_ep_runs import DENSE, MOE, Layout, Run, assemble_global, reference
 
 STEPS = 3
@@ -132,22 +132,12 @@ def test_nan_on_last_stage_skips_every_rank(run_distributed, world_size):
 
 
 def _batched_experts_body(rank: int, world_size: int) -> list:
-    calls = []
-    original = newton_schulz.NewtonSchulzSettings.orthogonalize
-
-    def recording(self, x, **kwargs):
-        calls.append(tuple(x.shape))
-        return original(self, x, **kwargs)
-
-    newton_schulz.NewtonSchulzSettings.orthogonalize = recording
-    try:
+    with recording_newton_schulz_calls() as calls:
         run = Run(Layout("muon", ep=world_size, settings=MOE))
         try:
             assert run.step(0)[0]
         finally:
             run.close()
-    finally:
-        newton_schulz.NewtonSchulzSettings.orthogonalize = original
     return calls
 
 

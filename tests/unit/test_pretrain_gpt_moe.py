@@ -16,6 +16,7 @@ import re
 import pytest
 import torch
 
+from tests.newton_schulz_calls import recording_newton_schulz_calls
 from tests.pretrain_gpt_in_process import run_pretrain_gpt
 
 ITERATIONS = 10
@@ -37,20 +38,8 @@ RUNS = {
 
 def run_recording_newton_schulz(rank: int, world_size: int, argv: list[str]) -> tuple[list[dict], list[tuple]]:
     """`run_pretrain_gpt`, also returning the shape of every Newton-Schulz call on this rank."""
-    from megatron_eopt.ops import newton_schulz
-
-    calls = []
-    original = newton_schulz.NewtonSchulzSettings.orthogonalize
-
-    def recording(self, x, **kwargs):
-        calls.append(tuple(x.shape))
-        return original(self, x, **kwargs)
-
-    newton_schulz.NewtonSchulzSettings.orthogonalize = recording
-    try:
+    with recording_newton_schulz_calls() as calls:
         return run_pretrain_gpt(rank, world_size, argv), calls
-    finally:
-        newton_schulz.NewtonSchulzSettings.orthogonalize = original
 
 
 def _losses(records: list[dict]) -> list[float]:
