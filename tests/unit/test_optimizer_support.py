@@ -102,8 +102,10 @@ def test_oblique_optimizers_improve_a_gpt_from_its_initialisation(oblique_gpt, n
     losses = oblique_gpt[name]["losses"]
     # The initial loss is near uniform guessing over 64 tokens; with the embedding renormalized
     # by the first step it rose to 4.37 (oblique_adam) and 4.32 (oblique_sgd) and stayed above.
+    # Now a first step may cost a few thousandths (oblique_adam: 4.167 -> 4.171), then it falls.
     assert abs(losses[0] - math.log(64)) < 0.05, losses
-    assert all(later < losses[0] for later in losses[1:]), losses
+    assert all(later < losses[0] + 0.02 for later in losses[1:]), losses
+    assert losses[-1] < losses[0] - 0.05, losses
 
 
 @pytest.mark.parametrize("name", ["oblique_adam", "oblique_sgd"])
