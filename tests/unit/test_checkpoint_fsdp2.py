@@ -1,6 +1,6 @@
 """Checkpoints of torch FSDP2 models (`fully_shard`, DTensor Shard(0) rows), CPU gloo.
 
-- Exact resume at FSDP=2 (GQA + SwiGLU GPT, muon and adam, fp32, real gradients through FSDP2's
+- Exact resume at FSDP=2 (GQA + SwiGLU GPT, muon, adam and polargrad, fp32, real gradients through FSDP2's
   forward/backward): N iterations, save, a fresh FSDP2 model/optimizer/scheduler (RNG
   reseeded), load, N more equal 2N straight: every parameter shard and every optimizer state
   tensor BITWISE.
@@ -31,13 +31,13 @@ def _shards(run: GPTRun) -> dict:
 
 
 def _resume_body(rank: int, world_size: int, directory: str) -> dict:
-    return resume_differences((Layout("muon", fsdp2=True), Layout("adam", fsdp2=True)), _shards, directory, world_size,
-                              RESUME_STEPS)
+    layouts = (Layout("muon", fsdp2=True), Layout("adam", fsdp2=True), Layout("polargrad", fsdp2=True))
+    return resume_differences(layouts, _shards, directory, world_size, RESUME_STEPS)
 
 
-def test_fsdp2_resume_is_exact_for_muon_and_adam(run_distributed, tmp_path) -> None:
+def test_fsdp2_resume_is_exact_for_muon_adam_and_polargrad(run_distributed, tmp_path) -> None:
     for rank, result in enumerate(run_distributed(_resume_body, world_size=2, args=(str(tmp_path),), timeout=600)):
-        assert len(result) == 2
+        assert len(result) == 3
         for case, (differences, state_tensors) in result.items():
             assert not differences, (rank, case, differences[:10])
             assert state_tensors > 0, (rank, case)  # there was sharded state to compare
