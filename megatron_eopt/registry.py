@@ -34,7 +34,8 @@ Support (`OptimizerSpec.support`, rendered by `support_table_markdown()` into th
 tensor parallelism needs an elementwise optimizer ('all') or one that takes a `tp_group`
 (whole-matrix math over TP shards); fp16 needs loss scaling, which only adam/sgd have; the
 layer-wise distributed optimizer and bf16 (fp32 main copies) work for every optimizer; FSDP2
-needs an elementwise optimizer or one that takes `fsdp_shards` (Muon). The factory and `arguments.validate_args` refuse from these same facts.
+needs an elementwise optimizer or one that takes `fsdp_shards` (Muon, AdaptiveMuon, and
+MOP/PolarGrad/Scion through `with_tensor_parallelism`). The factory and `arguments.validate_args` refuse from these same facts.
 
 Parameter requirements: an entry's `param_check(param, kwargs)` says why a parameter cannot be
 stepped (SinkhornMuon: non-negative, Sinkhorn-normalized matrices only); the factory checks
@@ -617,7 +618,8 @@ def _whole_matrix_entry(optimizer_cls: type) -> EmergingOptimizerEntry:
 
     return EmergingOptimizerEntry(
         with_tensor_parallelism(optimizer_cls), qkv_split=False,
-        description=f"emerging_optimizers {optimizer_cls.__name__} over TP shards (whole matrix gathered)",
+        description=f"emerging_optimizers {optimizer_cls.__name__} over TP shards or FSDP2 row shards "
+                    f"(whole matrix gathered)",
     )
 
 
@@ -627,8 +629,8 @@ def _entry_maker(**settings: Any) -> Callable[[type], EmergingOptimizerEntry]:
 
 # Muon subclasses read the muon_* fields too; the other orthogonalized optimizers (mop,
 # polargrad, scion, spel) keep their own defaults (mop's nuclear-norm scale, for one) apart from
-# lr and weight decay. mop, polargrad and scion gain tensor parallelism (their update is a
-# function of the whole momentum matrix only); spel projects the weights after each update, so
+# lr and weight decay. mop, polargrad and scion gain tensor parallelism and FSDP2 (their update
+# is a function of the whole momentum matrix only); spel projects the weights after each update, so
 # it has none. REKLS is a SOAP variant: soap_* fields apply.
 _CURATED: dict[str, Callable[[type], EmergingOptimizerEntry]] = {
     "muon": _muon_entry,

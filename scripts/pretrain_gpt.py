@@ -183,7 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_pipeline_args(parser)
     training.add_argument("--use-torch-fsdp2", action="store_true",
                           help="shard the model with torch FSDP2 (fully_shard each transformer layer, then "
-                               "the root) over the data-parallel ranks (of each TP rank, with TP > 1)")
+                               "the root) over the data-parallel ranks (of each TP rank, with TP > 1); with "
+                               "--bf16 the sharded parameters and the optimizer stay fp32 and FSDP2 computes in "
+                               "bf16 (MixedPrecisionPolicy: bf16 parameters in forward/backward, gradients "
+                               "reduced in fp32)")
     training.add_argument("--micro-batch-size", type=int, default=4)
     training.add_argument("--global-batch-size", type=int, default=None, help="default: micro batch * DP")
     training.add_argument("--train-iters", type=int, default=None,
@@ -362,7 +365,7 @@ def _settings_from_flags(args: argparse.Namespace) -> GPTModelSettings:
         seq_length=args.seq_length,
         max_position_embeddings=args.max_position_embeddings,
         vocab_size=args.padded_vocab_size,
-        bf16=args.bf16,
+        bf16=args.bf16 and not args.use_torch_fsdp2,  # FSDP2: fp32 shards, bf16 compute (fully_shard_gpt)
         fp16=args.fp16,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         add_bias_linear=not args.disable_bias_linear,
@@ -456,7 +459,7 @@ def _check_fsdp2_flags(args: argparse.Namespace) -> None:
                 args.use_layer_wise_distributed_optimizer),
                ("--log-params-norm", args.log_params_norm),
                ("--pipeline-model-parallel-size > 1", args.pipeline_model_parallel_size > 1),
-               ("--bf16/--fp16 (fp32 main copies of DTensor shards are not implemented yet)", args.bf16 or args.fp16)]
+               ("--fp16 (loss scaling of DTensor shards is not implemented)", args.fp16)]
     for what, given in refused:
         if given:
             raise ValueError(f"--use-torch-fsdp2 does not support {what} yet.")
@@ -580,10 +583,12 @@ def train(args, settings, layout, device) -> list[dict]:
     model = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)  # all of this rank's parameters
     dp_group = parallel_state.get_data_parallel_group()
     if args.use_torch_fsdp2:
-        fully_shard_gpt(model, dp_group, device)
+        fully_shard_gpt(model, dp_group, device, bf16_compute=args.bf16)
     forward = SingleStage(model) if layout.pp == 1 else Pipeline(
         chunks, layout.grad_accumulation_steps, (args.micro_batch_size, args.seq_length), device)
     config = optimizer_config_from_args(args, device)
+    if args.use_torch_fsdp2:  # --bf16 is FSDP2's compute dtype there: the parameters it shards are fp32
+        config = dataclasses.replace(config, bf16=False)
     optimizer = get_megatron_optimizer(config, chunks)
     scheduler = get_scheduler(config, scheduler_config(args), optimizer)
     batches = BatchSource(args, layout, parallel_state.get_data_parallel_rank())
@@ -629,17 +634,21 @@ def train(args, settings, layout, device) -> list[dict]:
     return log.records
 
 
-def fully_shard_gpt(model: torch.nn.Module, dp_group, device: torch.device) -> None:
+def fully_shard_gpt(model: torch.nn.Module, dp_group, device: torch.device, bf16_compute: bool = False) -> None:
     """Megatron-LM's --use-torch-fsdp2 layout: each transformer layer, then the root, sharded with
     fully_shard over the data-parallel ranks (a 1-D mesh, FSDP2's default Shard(0) placement).
     With TP > 1 each TP rank shards its TP shards over its own data-parallel group; the optimizer
-    takes the TP group from parallel_state."""
-    from torch.distributed.fsdp import fully_shard
+    takes the TP group from parallel_state. `bf16_compute` (--bf16): the fp32 shards are cast to
+    bf16 for forward and backward, and gradients reduce-scattered in fp32 (torch's
+    MixedPrecisionPolicy), so the optimizer steps fp32 shards: fp32 main weights without copies."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = data_parallel_mesh(dp_group, device)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_compute else None
+    kwargs = {"mp_policy": policy} if policy is not None else {}
     for layer in model.decoder.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **kwargs)
+    fully_shard(model, mesh=mesh, **kwargs)
 
 
 _MESH_NUMBERS = itertools.count()

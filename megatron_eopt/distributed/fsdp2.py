@@ -14,7 +14,8 @@ rank r of the mesh holds rows `torch.chunk(rows, N)[r]` (uneven, possibly none).
   split by rows over that rank's data-parallel mesh), takes the TP group from `pg_collection` or
   megatron-core's parallel_state and checks that it is the one the layers were built with and
   that it crosses the mesh (one rank in common: this one);
-- assigns each Muon-routed matrix an owner rank by Newton-Schulz cost (the layer-wise
+- assigns each matrix of a whole-matrix optimizer (Muon, AdaptiveMuon, MOP, PolarGrad, Scion)
+  an owner rank by Newton-Schulz cost (the layer-wise
   optimizer's `assign_owners`), who runs its whole-matrix Newton-Schulz (ops/row_shards.py;
   with TP, the owners of one matrix form a TP group and orthogonalize its TP shards together);
 - wraps the inner optimizers so that they step plain tensors aliasing each DTensor's local

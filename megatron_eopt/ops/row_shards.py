@@ -1,4 +1,5 @@
-"""Newton-Schulz of matrices split by rows over a data-parallel group (torch FSDP2's Shard(0)).
+"""Newton-Schulz (or any whole-matrix function) of matrices split by rows over a data-parallel
+group (torch FSDP2's Shard(0)).
 
 FSDP2 gives rank r rows `torch.chunk(rows, N)[r]` of every matrix: uneven when N does not divide
 the rows, and empty on the last ranks when there are fewer rows than ranks. Each matrix has one
@@ -10,9 +11,10 @@ owner rank (chosen by the caller, balancing Newton-Schulz cost). A step:
    batched (`orthogonalize_batched`, the path every other mode takes, so the result is bitwise
    that of the unsharded optimizer);
 3. a second all_to_all_single sends each rank its rows of the result.
-Each rank sends (and receives) its shard of every matrix once in each direction: two shard
-volumes per matrix, the lower bound for one owner per matrix. No collective runs over a group
-other than the one given.
+`map_row_shards` is steps 1 and 3 around any function of the owned whole matrices (MOP's,
+PolarGrad's and Scion's own `orthogonalize`). Each rank sends (and receives) its shard of every
+matrix once in each direction: two shard volumes per matrix, the lower bound for one owner per
+matrix. No collective runs over a group other than the one given.
 
 With Megatron tensor parallelism as well (a 2-D layout, TP x FSDP2), the matrix FSDP2 splits by
 rows is this TP rank's shard (megatron-core's, along `partition_dim`); the owner is chosen the
@@ -24,7 +26,7 @@ instead of all of them, so no rank repeats another's Newton-Schulz.
 """
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -72,6 +74,25 @@ def orthogonalize_row_shards(
     `tp_group` of size > 1). Every rank of `group` and of `tp_group` must call this with the same
     matrices in the same order.
     """
+    def orthogonalize_owned(owned: list[int], wholes: list[torch.Tensor]) -> list[torch.Tensor]:
+        return _orthogonalize_owned(wholes, [shards[i].layout for i in owned], settings, tp_mode, tp_group)
+
+    return map_row_shards(updates, shards, group, orthogonalize_owned)
+
+
+def map_row_shards(
+    updates: list[torch.Tensor],
+    shards: list[RowShards],
+    group: Optional[dist.ProcessGroup],
+    compute_owned: Callable[[list[int], list[torch.Tensor]], list[torch.Tensor]],
+) -> list[torch.Tensor]:
+    """This rank's rows of f(whole matrix i) for every i, f computed once, on the owner.
+
+    `compute_owned(owned, wholes)` runs on every rank with the indices of the matrices it owns
+    (an empty list on ranks that own none) and their whole matrices (stacked row shards, fp32),
+    and returns the results, each of its matrix's whole shape. Every rank of `group` must call
+    this with the same matrices in the same order.
+    """
     size = 1 if group is None else dist.get_world_size(group)
     rank = 0 if group is None else dist.get_rank(group)
     device = updates[0].device if updates else torch.device("cpu")
@@ -84,12 +105,12 @@ def orthogonalize_row_shards(
         [[(shards[i].rows_by_rank[src], cols[i]) for i in mine] for src in range(size)],
         group, device,
     )
-    # 2. Owners orthogonalize the whole matrices (with TP: their TP shards, over the TP group).
+    # 2. Owners compute on the whole matrices (with TP: their TP shards, over the TP group).
     wholes = [torch.cat([gathered[src][k] for src in range(size)]) for k in range(len(mine))]
-    orthogonal = _orthogonalize_owned(wholes, [shards[i].layout for i in mine], settings, tp_mode, tp_group)
+    computed = compute_owned(mine, wholes)
     # 3. Every rank gets its rows back.
     back = _exchange(
-        [[o.split(shards[i].rows_by_rank)[dest] for i, o in zip(mine, orthogonal)] for dest in range(size)],
+        [[c.split(shards[i].rows_by_rank)[dest] for i, c in zip(mine, computed)] for dest in range(size)],
         [[tuple(updates[i].shape) for i, s in enumerate(shards) if s.owner == src] for src in range(size)],
         group, device,
     )

@@ -146,6 +146,29 @@ def orthogonalize_sharded(optimizer: Any, params: list[torch.Tensor], updates: l
     return orthogonalize_updates(updates, layouts, optimizer.tp_mode, optimizer.tp_group, optimizer.settings)
 
 
+def step_orthogonalizing_together(optimizer: Any) -> None:
+    """emerging_optimizers' OrthogonalizedOptimizer step, with one `_orthogonalize_all(params,
+    updates)` call for all parameters instead of `orthogonalize` per parameter (so that the
+    shards move in one exchange); weight decay, momentum and weight update are its own."""
+    pending = []
+    for group in optimizer.param_groups:
+        optimizer._init_group(group)
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            momentum = optimizer.state[p]["momentum_buffer"]
+            optimizer._apply_weight_decay_inplace(p, p.grad, group["lr"], group["weight_decay"])
+            momentum.lerp_(p.grad, 1 - group["momentum"])
+            update = p.grad.lerp(momentum, group["momentum"]) if optimizer.nesterov else momentum
+            pending.append((group, p, update))
+    with eo_utils.fp32_matmul_precision(optimizer.fp32_matmul_prec):
+        orthogonal = optimizer._orthogonalize_all([p for _, p, _ in pending], [u for _, _, u in pending])
+    for (group, p, _), update in zip(pending, orthogonal):
+        optimizer.pre_weight_update_fn_inplace(p, update)
+        p.add_(update, alpha=-group["lr"])
+        optimizer.post_weight_update_fn_inplace(p)
+
+
 def warn_if_blockwise_splits(tp_mode: str, tp_group: Optional[dist.ProcessGroup],
                              layouts: list[MatrixLayout]) -> None:
     """Warn once per process when tp_mode='blockwise' orthogonalizes tensor-parallel shards.
@@ -269,21 +292,4 @@ class TensorParallelMuon(Muon):
         """
         if closure is not None:
             raise ValueError("closure is not supported")
-        pending = []
-        for group in self.param_groups:
-            self._init_group(group)
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                momentum = self.state[p]["momentum_buffer"]
-                self._apply_weight_decay_inplace(p, p.grad, group["lr"], group["weight_decay"])
-                momentum.lerp_(p.grad, 1 - group["momentum"])
-                update = p.grad.lerp(momentum, group["momentum"]) if self.nesterov else momentum
-                pending.append((group, p, update))
-        with eo_utils.fp32_matmul_precision(self.fp32_matmul_prec):
-            orthogonal = self._orthogonalize_all([p for _, p, _ in pending], [u for _, _, u in pending])
-        for (group, p, _), update in zip(pending, orthogonal):
-            self.pre_weight_update_fn_inplace(p, update)
-            p.add_(update, alpha=-group["lr"])
-            self.post_weight_update_fn_inplace(p)
-        return None
+        step_orthogonalizing_together(self)

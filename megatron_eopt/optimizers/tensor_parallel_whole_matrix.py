@@ -1,16 +1,24 @@
-"""Tensor parallelism for orthogonalized optimizers whose only whole-matrix step is `orthogonalize`.
+"""Tensor parallelism and torch FSDP2 for orthogonalized optimizers whose only whole-matrix step
+is `orthogonalize`.
 
 emerging_optimizers' OrthogonalizedOptimizer steps each 2-D parameter as
     p <- weight decay(p);  m <- lerp(m, g, 1 - beta);  u <- m (or Nesterov's lerp(g, m, beta))
     p <- p - lr * orthogonalize(u)
-Everything but `orthogonalize` is elementwise, so on a TP shard it is the TP=1 step restricted
+Everything but `orthogonalize` is elementwise, so on a shard it is the unsharded step restricted
 to the shard. `with_tensor_parallelism(cls)` makes a subclass whose `orthogonalize` all-gathers
-u's shards into the whole matrix, calls the class's own `orthogonalize` on it (every TP rank
+u's TP shards into the whole matrix, calls the class's own `orthogonalize` on it (every TP rank
 the same computation), and keeps this rank's part: the TP=1 update, to round-off ('duplicated'
 in Muon's terms). Right for PolarGrad (nuclear-norm scale), MOP (SVD polar factor) and Scion
 (Newton-Schulz, width factor of the whole shape), whose `orthogonalize` is a function of u alone.
 Not for classes with other whole-matrix steps: Spel and SinkhornMuon project the weights after
 the update, MuonHyperball keeps the weight norm.
+
+torch FSDP2 (`fsdp_shards`): the parameters are row shards (Shard(0)) over `fsdp_group`, and
+each matrix has one owner rank, as for TensorParallelMuon: the step sends every u's rows to its
+owner in one exchange, the owner runs the class's `orthogonalize` on the whole matrix (with TP as
+well: on its TP shard, gathered over the TP group as above; the owners of a matrix form one TP
+group) and sends each rank its rows back (ops/row_shards.py). Each matrix is orthogonalized once
+per TP rank, on the exact fp32 matrix the unsharded optimizer sees.
 """
 
 from typing import Any, Mapping, Optional
@@ -18,28 +26,67 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_eopt.ops.row_shards import RowShards, map_row_shards
 from megatron_eopt.ops.splits import MatrixLayout
 from megatron_eopt.ops.whole_matrix import gather_whole_matrix, local_part
-from megatron_eopt.optimizers.tensor_parallel_muon import layouts_by_param
+from megatron_eopt.optimizers.tensor_parallel_muon import (
+    layouts_by_param,
+    row_shards_by_param,
+    step_orthogonalizing_together,
+)
 
 
 class _WholeMatrixOverTensorParallel:
     """The overriding part; mixed in before an OrthogonalizedOptimizer subclass."""
 
     tp_group: Optional[dist.ProcessGroup]
+    fsdp_group: Optional[dist.ProcessGroup]
     _layout_of: dict[int, MatrixLayout]
+    _row_shards_of: Optional[dict[int, RowShards]]
 
     def orthogonalize(self, p: torch.Tensor, grad: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        layout = self._layout_of[id(p)]
+        if self._row_shards_of is not None:  # a row shard alone has no whole-matrix update
+            return self._orthogonalize_all([p], [grad])[0]
+        return self._orthogonalize_tp_shard(p, grad, self._layout_of[id(p)], kwargs)
+
+    def _orthogonalize_tp_shard(self, p: torch.Tensor, grad: torch.Tensor, layout: MatrixLayout,
+                                kwargs: Mapping[str, Any]) -> torch.Tensor:
+        """The class's own `orthogonalize` of the TP=1 matrix, restricted to this TP shard."""
         whole = gather_whole_matrix(grad, layout, self.tp_group)
         return local_part(super().orthogonalize(p, whole, **kwargs), layout, self.tp_group)
 
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        if self._row_shards_of is None:
+            return super().step(closure)
+        if closure is not None:
+            raise ValueError("closure is not supported")
+        step_orthogonalizing_together(self)  # every matrix's rows to its owner in one exchange
+        return None
+
+    def _orthogonalize_all(self, params: list[torch.Tensor], updates: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's rows of every update, each matrix orthogonalized on its owner (FSDP2)."""
+        shards = [self._row_shards_of[id(p)] for p in params]
+        group_of = {id(p): group for group in self.param_groups for p in group["params"]}
+
+        def orthogonalize_owned(owned: list[int], wholes: list[torch.Tensor]) -> list[torch.Tensor]:
+            results = []
+            for i, whole in zip(owned, wholes):
+                kwargs = {k: v for k, v in group_of[id(params[i])].items() if k != "params"}
+                results.append(self._orthogonalize_tp_shard(params[i], whole, shards[i].layout, kwargs))
+            return results
+
+        return map_row_shards(updates, shards, self.fsdp_group, orthogonalize_owned)
+
 
 def with_tensor_parallelism(optimizer_cls: type) -> type:
-    """`TensorParallel<Name>`: `optimizer_cls` plus `tp_group` and `layouts` arguments.
+    """`TensorParallel<Name>`: `optimizer_cls` plus `tp_group`, `layouts`, `fsdp_group` and
+    `fsdp_shards` arguments.
 
     layouts: fqn -> MatrixLayout (built without a q/k/v split); param groups name their
-    parameters in 'param_fqns'. tp_group None: size 1 (the class's own step).
+    parameters in 'param_fqns'. tp_group None: size 1 (the class's own step). fsdp_shards:
+    fqn -> RowShards of every parameter, each a row shard over fsdp_group (torch FSDP2; the
+    layouts are then inside them, and `layouts` must be empty).
     """
 
     def __init__(
@@ -48,14 +95,19 @@ def with_tensor_parallelism(optimizer_cls: type) -> type:
         *,
         tp_group: Optional[dist.ProcessGroup] = None,
         layouts: Optional[Mapping[str, MatrixLayout]] = None,
+        fsdp_group: Optional[dist.ProcessGroup] = None,
+        fsdp_shards: Optional[Mapping[str, RowShards]] = None,
         **kwargs: Any,
     ) -> None:
         optimizer_cls.__init__(self, params, **kwargs)
         self.tp_group = tp_group
-        self._layout_of = layouts_by_param(self.param_groups, dict(layouts or {}))
+        self.fsdp_group = fsdp_group
+        self._row_shards_of = row_shards_by_param(self.param_groups, fsdp_shards, fsdp_group, tp_group, layouts)
+        if self._row_shards_of is None:
+            self._layout_of = layouts_by_param(self.param_groups, dict(layouts or {}))
 
     name = f"TensorParallel{optimizer_cls.__name__}"
     return type(name, (_WholeMatrixOverTensorParallel, optimizer_cls), {
         "__init__": __init__, "__module__": __name__, "__qualname__": name,
-        "__doc__": f"{optimizer_cls.__name__} over tensor-parallel shards (see {__name__}).",
+        "__doc__": f"{optimizer_cls.__name__} over tensor-parallel shards or FSDP2 row shards (see {__name__}).",
     })

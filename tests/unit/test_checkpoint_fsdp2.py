@@ -1,9 +1,11 @@
 """Checkpoints of torch FSDP2 models (`fully_shard`, DTensor Shard(0) rows), CPU gloo.
 
-- Exact resume at FSDP=2 (GQA + SwiGLU GPT, muon and adam, fp32, real gradients through FSDP2's
+- Exact resume at FSDP=2 (GQA + SwiGLU GPT, muon, adam and polargrad, fp32, real gradients through FSDP2's
   forward/backward): N iterations, save, a fresh FSDP2 model/optimizer/scheduler (RNG
   reseeded), load, N more equal 2N straight: every parameter shard and every optimizer state
   tensor BITWISE.
+- Exact resume at TP=2 x FSDP2=2 (4 ranks, muon and adam): the same comparison, each rank its
+  rows of its TP shard.
 - Resharding both ways: FSDP=2 -> layer-wise DP=2 and layer-wise DP=2 -> FSDP=3 (uneven rows:
   32 = 11 + 11 + 10), and adam FSDP=2 -> one process. After loading, one step with the same
   synthetic global gradient must give the parameters that continuing in the saved layout gives,
@@ -29,16 +31,31 @@ def _shards(run: GPTRun) -> dict:
 
 
 def _resume_body(rank: int, world_size: int, directory: str) -> dict:
-    return resume_differences((Layout("muon", fsdp2=True), Layout("adam", fsdp2=True)), _shards, directory, world_size,
-                              RESUME_STEPS)
+    layouts = (Layout("muon", fsdp2=True), Layout("adam", fsdp2=True), Layout("polargrad", fsdp2=True))
+    return resume_differences(layouts, _shards, directory, world_size, RESUME_STEPS)
 
 
-def test_fsdp2_resume_is_exact_for_muon_and_adam(run_distributed, tmp_path) -> None:
+def test_fsdp2_resume_is_exact_for_muon_adam_and_polargrad(run_distributed, tmp_path) -> None:
     for rank, result in enumerate(run_distributed(_resume_body, world_size=2, args=(str(tmp_path),), timeout=600)):
-        assert len(result) == 2
+        assert len(result) == 3
         for case, (differences, state_tensors) in result.items():
             assert not differences, (rank, case, differences[:10])
             assert state_tensors > 0, (rank, case)  # there was sharded state to compare
+
+
+def _tp2_resume_body(rank: int, world_size: int, directory: str) -> dict:
+    layouts = (Layout("muon", tp=2, fsdp2=True), Layout("adam", tp=2, fsdp2=True))
+    return resume_differences(layouts, _shards, directory, world_size, RESUME_STEPS)
+
+
+def test_tp2_x_fsdp2_resume_is_exact_for_muon_and_adam(run_distributed, tmp_path) -> None:
+    """TP=2 x FSDP2=2: N + save + load into a fresh model and optimizer + N == 2N, key by key."""
+    for rank, result in enumerate(run_distributed(_tp2_resume_body, world_size=4, args=(str(tmp_path),),
+                                                  timeout=600)):
+        assert len(result) == 2
+        for case, (differences, state_tensors) in result.items():
+            assert not differences, (rank, case, differences[:10])
+            assert state_tensors > 0, (rank, case)
 
 
 SOURCES = {  # name: (layout, world size)

@@ -177,8 +177,10 @@ def test_support_facts_are_the_documented_ones():
     assert {n for n, s in supports.items() if not s.tensor_parallel} == TP_REFUSED
     assert {n for n, s in supports.items() if s.fp16} == LOSS_SCALING
     assert all(s.layer_wise and s.bf16 for s in supports.values())
-    # FSDP2: elementwise optimizers step local shards; Muon and AdaptiveMuon take row shards (fsdp_shards).
-    assert {n for n, s in supports.items() if s.fsdp2} == {"adam", "sgd", "lion", "laprop", "muon", "adaptive_muon"}
+    # FSDP2: elementwise optimizers step local shards; Muon, AdaptiveMuon and the whole-matrix
+    # ones (MOP, PolarGrad, Scion) take row shards (fsdp_shards).
+    assert {n for n, s in supports.items() if s.fsdp2} == {"adam", "sgd", "lion", "laprop", "muon", "adaptive_muon",
+                                                         "mop", "polargrad", "scion"}
 
 
 def test_readme_support_table_is_the_generated_one():

@@ -127,7 +127,7 @@ def _our_lines(stderr: str) -> list[str]:
         (["--lr-warmup-init", "2.0"], "--lr-warmup-init 2.0 must not exceed --lr 1.0."),
         (["--tensorboard-log-interval", "0"], "--tensorboard-log-interval must be >= 1; got 0."),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
-        (["--use-torch-fsdp2", "--bf16"], "--use-torch-fsdp2 does not support --bf16/--fp16"),
+        (["--use-torch-fsdp2", "--fp16"], "--use-torch-fsdp2 does not support --fp16"),
         (["--rotary-base", "500"], "--rotary-base only apply with --position-embedding-type rope (got learned_absolute)."),
         (["--position-embedding-type", "rope", "--rotary-percent", "0"], "--rotary-percent 0.0 must be in (0, 1]."),
         (["--position-embedding-type", "alibi"], "argument --position-embedding-type: invalid choice: 'alibi'"),
@@ -138,7 +138,7 @@ def _our_lines(stderr: str) -> list[str]:
     ],
     ids=["gqa-groups-alone", "hidden-dropout", "attention-dropout", "init-std", "init-std-nan", "swiglu-tiny", "normalization",
          "wsd-without-iters", "wsd-too-long", "wsd-iters-without-wsd", "wsd-style", "warmup-fraction", "warmup-fraction-and-iters",
-         "warmup-init", "tb-interval", "unknown", "fsdp2-bf16", "rotary-without-rope", "rotary-percent",
+         "warmup-init", "tb-interval", "unknown", "fsdp2-fp16", "rotary-without-rope", "rotary-percent",
          "position-embedding-type", "samples-and-iters", "iters-schedule-with-samples", "samples-schedule-alone",
          "too-few-samples"],
 )

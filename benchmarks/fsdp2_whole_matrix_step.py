@@ -1,0 +1,106 @@
+"""mop/polargrad/scion on a torch FSDP2 model: our owner-per-matrix step against gather-everywhere.
+
+A megatron-core GPT (scripts/gpt_model.py) sharded with `fully_shard` (each layer, then the
+root) on all ranks. Timed: the inner optimizer's step over the local shards (gradients already
+in place), against the simpler design we did not take: the same momentum update, then every
+matrix's `full_tensor()` (an all-gather each) and the class's own `orthogonalize` of every
+matrix on every rank, keeping the local rows. Also the bytes each rank receives per step for the
+matrices in both designs.
+
+    torchrun --nproc-per-node 2 benchmarks/fsdp2_whole_matrix_step.py --optimizer polargrad [--hidden 256]
+
+gloo on CPU (fp32); NCCL with one GPU per rank when CUDA is available. Median of several steps
+after warm-up, interleaved, on the slowest rank. Prints numbers (rank 0); asserts nothing.
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _distributed import gpt_benchmark_parser, init_distributed, time_interleaved  # noqa: E402
+from _timing import write_json  # noqa: E402
+from fsdp2_step import build  # noqa: E402
+
+from megatron_eopt import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from scripts.gpt_model import GPTModelSettings  # noqa: E402
+
+
+def gather_everywhere_step(inner, mesh) -> None:
+    """Momentum on the shard, then every rank all-gathers and orthogonalizes every matrix."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    rank = dist.get_rank()
+    with torch.no_grad():
+        for group in inner.param_groups:
+            for p in group["params"]:
+                shards = inner._row_shards_of[id(p)]
+                momentum = inner.state[p]["momentum_buffer"]
+                momentum.lerp_(p.grad, 1 - group["momentum"])
+                shape = shards.layout.local_shape
+                full = DTensor.from_local(momentum, mesh, [Shard(0)], shape=torch.Size(shape),
+                                          stride=(shape[1], 1)).full_tensor()
+                update = inner.scaled_orthogonalize_fn(full)
+                p.add_(update.split(shards.rows_by_rank)[rank], alpha=-group["lr"])
+
+
+def received_bytes(inner, rank: int) -> tuple[int, int]:
+    """(ours, gather-everywhere): fp32 bytes this rank receives per step for the matrices."""
+    ours, everywhere = 0, 0
+    for group in inner.param_groups:
+        for p in group["params"]:
+            s = inner._row_shards_of[id(p)]
+            cols = s.layout.local_shape[1]
+            if s.owner == rank:  # the other ranks' rows in, none of the results
+                ours += sum(rows for r, rows in enumerate(s.rows_by_rank) if r != rank) * cols * 4
+            else:  # its rows of the result
+                ours += s.rows_by_rank[rank] * cols * 4
+            everywhere += (s.layout.local_shape[0] - s.rows_by_rank[rank]) * cols * 4
+    return ours, everywhere
+
+
+def main() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    parser = gpt_benchmark_parser(__doc__.splitlines()[0])
+    parser.add_argument("--optimizer", choices=("polargrad", "scion", "mop"), default="polargrad")
+    args = parser.parse_args()
+    device = init_distributed()
+    heads = max(1, args.hidden // 64)
+    settings = GPTModelSettings(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=heads,
+                                num_query_groups=max(1, heads // 2), ffn_hidden_size=4 * args.hidden,
+                                vocab_size=1024, seq_length=128)
+    config = OptimizerConfig(optimizer=args.optimizer, lr=1e-3)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    model = build(settings, device)
+    for layer in model.decoder.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = get_megatron_optimizer(config, [model])
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    child = optimizer.chained_optimizers[0]
+    child.grad_stats(False)  # local gradients in place on the shard aliases
+    inner = child.optimizer
+    seconds = time_interleaved({"ours": inner.step, "everywhere": lambda: gather_everywhere_step(inner, mesh)},
+                               {"ours": lambda: None, "everywhere": lambda: None}, args.warmup, args.repeats, device)
+    ours, everywhere = received_bytes(inner, dist.get_rank())
+    if dist.get_rank() == 0:
+        ratio = seconds["ours"] / seconds["everywhere"]
+        print(f"FSDP2 {args.optimizer}, GPT hidden {args.hidden}, {args.layers} layers, {dist.get_world_size()} "
+              f"ranks on {device.type}, median of {args.repeats} steps")
+        print(f"step: ours {seconds['ours'] * 1e3:.1f} ms, gather everywhere {seconds['everywhere'] * 1e3:.1f} ms, "
+              f"ratio {ratio:.3f}")
+        print(f"received per step by rank 0: ours {ours} bytes, gather everywhere {everywhere} bytes")
+        write_json(args.json, {"step_ms": {n: s * 1e3 for n, s in seconds.items()}, "step_ratio": ratio,
+                               "received_bytes_rank0": {"ours": ours, "everywhere": everywhere},
+                               "world_size": dist.get_world_size(), "device": device.type})
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
