@@ -600,7 +600,7 @@ def train(args, settings, layout, device) -> list[dict]:
     evaluator = Evaluator(args, batches.data.splits, batches.split_batches, forward.eval_loss, dp_group,
                           is_first_rank=layout.rank == 0, print_line=log.print_line,
                           on_result=lambda r: log.validation(r.iteration, r.loss) if r.split == "valid" else None)
-    log.say(describe_model(model))
+    log.say(describe_model(model) + (", bf16 compute (FSDP2 MixedPrecisionPolicy)" if args.use_torch_fsdp2 and args.bf16 else ""))
     if args.num_experts is not None:
         log.say(describe_moe(args))
     precision_line = matmul_precision_line(args, device)
