@@ -44,15 +44,16 @@ def test_fsdp2_resume_is_exact_for_muon_adam_and_polargrad(run_distributed, tmp_
 
 
 def _tp2_resume_body(rank: int, world_size: int, directory: str) -> dict:
-    layouts = (Layout("muon", tp=2, fsdp2=True), Layout("adam", tp=2, fsdp2=True))
+    # Muon only: Adam's moments take the same parameter-shaped path (FSDP=2 tests both).
+    layouts = (Layout("muon", tp=2, fsdp2=True),)
     return resume_differences(layouts, _shards, directory, world_size, RESUME_STEPS)
 
 
-def test_tp2_x_fsdp2_resume_is_exact_for_muon_and_adam(run_distributed, tmp_path) -> None:
+def test_tp2_x_fsdp2_resume_is_exact_for_muon(run_distributed, tmp_path) -> None:
     """TP=2 x FSDP2=2: N + save + load into a fresh model and optimizer + N == 2N, key by key."""
     for rank, result in enumerate(run_distributed(_tp2_resume_body, world_size=4, args=(str(tmp_path),),
                                                   timeout=600)):
-        assert len(result) == 2
+        assert len(result) == 1
         for case, (differences, state_tensors) in result.items():
             assert not differences, (rank, case, differences[:10])
             assert state_tensors > 0, (rank, case)

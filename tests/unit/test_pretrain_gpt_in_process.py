@@ -1,6 +1,7 @@
 """scripts/pretrain_gpt.py's `main` run in the harness's workers (tests/pretrain_gpt_in_process.py):
 it uses the process group it finds and leaves it usable, so one world runs several command lines.
-Compared with itself across layouts: TP=2 (one world) equals TP=1 (another), to 1e-5 relative."""
+Compared with itself across layouts: TP=2, DP=2 (layer-wise Muon), TP=2 x DP=2 (Adam) and DP=2
+(Muon, gradients all-reduced by the script) equal one process, to 1e-5 relative."""
 
 import pytest
 
@@ -20,3 +21,18 @@ def test_main_reuses_the_callers_process_group(run_distributed):
     assert len(losses) == 5 and losses[-1] < losses[0]
     for records in (*tensor_parallel, *data_parallel):
         assert [r["loss"] for r in records] == pytest.approx(losses, rel=1e-5)
+
+
+@pytest.mark.parametrize("optimizer,world_size,flags", [
+    ("adam", 4, ["--tensor-model-parallel-size", "2"]),
+    # Without the distributed optimizer: the script all-reduces the gradients (grad_reduction.py)
+    # and every DP rank steps every parameter.
+    ("muon", 2, []),
+])
+def test_more_layouts_equal_one_process(optimizer: str, world_size: int, flags: list[str], run_distributed):
+    argv = [a for a in ARGV if a != "--use-distributed-optimizer"]
+    argv[argv.index("--optimizer") + 1] = optimizer
+    reference = [r["loss"] for r in run_distributed(run_pretrain_gpt, 1, args=(argv,))[0]]
+    assert reference[-1] < reference[0]
+    for records in run_distributed(run_pretrain_gpt, world_size, args=(argv + flags,)):
+        assert [r["loss"] for r in records] == pytest.approx(reference, rel=1e-5)

