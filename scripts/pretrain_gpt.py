@@ -616,8 +616,7 @@ def train(args, settings, layout, device) -> list[dict]:
         log.iteration(Step(
             iteration, loss, lr, ok, grad_norm=None if grad_norm is None else float(grad_norm),
             loss_scale=float(optimizer.get_loss_scale()), num_zeros=None if num_zeros is None else float(num_zeros),
-            params_norm=(params_norm(model, parallel_state.get_tensor_model_parallel_rank(),
-                                     parallel_state.get_model_parallel_group()) if args.log_params_norm else None),
+            params_norm=logged_params_norm(model, optimizer) if args.log_params_norm else None,
             max_attention_logit=optimizer.max_attention_logit))
         evaluator.periodic(model, iteration)
         stop = bool(args.exit_interval) and iteration % args.exit_interval == 0
@@ -632,6 +631,17 @@ def train(args, settings, layout, device) -> list[dict]:
         evaluator.final(model, args.train_iters)
     log.close()
     return log.records
+
+
+def logged_params_norm(model: torch.nn.Module, optimizer) -> float:
+    """--log-params-norm reads every parameter: first wait for the layer-wise optimizer's
+    broadcasts still in flight (with --overlap-param-gather the next forward would wait for them)."""
+    from megatron.core import parallel_state
+
+    finish_param_sync = getattr(optimizer, "finish_param_sync", None)
+    if finish_param_sync is not None:
+        finish_param_sync()
+    return params_norm(model, parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_model_parallel_group())
 
 
 def fully_shard_gpt(model: torch.nn.Module, dp_group, device: torch.device, bf16_compute: bool = False) -> None:

@@ -5,8 +5,8 @@ Reference: the same command line in a one-process world (no pipeline, no TP, no 
 1e-5 relative over 10 fp32 iterations (gradient norms 1e-4): the training losses, the gradient
 norms, the parameter norms (--log-params-norm: summed over TP x PP, the tied output copy counted once) and the
 validation losses (evaluation runs through the pipeline too), for adam, muon and muon with the
-layer-wise distributed optimizer, at PP=2, PP=2 with 2 model chunks per rank (interleaved 1F1B),
-TP=2 x PP=2 and PP=2 x DP=2; and at PP=2 with uneven splits, one of which leaves the last stage
+layer-wise distributed optimizer (at PP=2 x DP=2 also with --overlap-param-gather), at PP=2,
+PP=2 with 2 model chunks per rank (interleaved 1F1B), TP=2 x PP=2 and PP=2 x DP=2; and at PP=2 with uneven splits, one of which leaves the last stage
 without a transformer layer (so without a Muon matrix). Embeddings are tied (the default), so the
 tied gradient sum across the first and last stage is exercised everywhere.
 """
@@ -81,6 +81,12 @@ def test_pipeline_layouts_train_as_one_process(layout: str, references, run_dist
     for name, optimizer_flags in OPTIMIZERS.items():
         records = run_distributed(run_training, world_size, args=(ARGV + optimizer_flags + flags,))
         _assert_same_training(records, references[name])
+    if layout == "PP=2 x DP=2":
+        # The layer-wise parameter broadcasts left to each chunk's next forward (and waited for
+        # by evaluation and by --log-params-norm, which reads every parameter).
+        overlap = OPTIMIZERS["muon layer-wise"] + ["--overlap-param-gather"]
+        _assert_same_training(run_distributed(run_training, world_size, args=(ARGV + overlap + flags,)),
+                              references["muon layer-wise"])
 
 
 def test_uneven_pipeline_splits_train_as_one_process(references, run_distributed) -> None:
