@@ -46,6 +46,7 @@ from megatron_eopt.optimizers.tensor_parallel_muon import (
     check_muon_arguments,
     layouts_by_param,
     matrix_layouts_of,
+    momentum_updates,
     muon_use_syrk,
     orthogonalize_sharded,
     row_shards_by_param,
@@ -219,17 +220,8 @@ class TensorParallelAdaptiveMuon(AdaptiveMuon):
         """
         if closure is not None:
             raise ValueError("closure is not supported")
-        pending = []
-        for group in self.param_groups:
-            self._init_group(group)
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                momentum = self.state[p]["momentum_buffer"]
-                self._apply_weight_decay_inplace(p, p.grad, group["lr"], group["weight_decay"])
-                momentum.lerp_(p.grad, 1 - group["momentum"])
-                update = p.grad.lerp(momentum, group["momentum"]) if self.nesterov else momentum
-                pending.append(_Pending(group, p, p.grad, update, self._view_of[id(p)]))
+        pending = [_Pending(group, p, p.grad, update, self._view_of[id(p)])
+                   for group, p, update in momentum_updates(self)]
         if not pending:
             return None
         with eo_utils.fp32_matmul_precision(self.fp32_matmul_prec):

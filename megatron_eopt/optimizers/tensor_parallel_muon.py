@@ -146,10 +146,10 @@ def orthogonalize_sharded(optimizer: Any, params: list[torch.Tensor], updates: l
     return orthogonalize_updates(updates, layouts, optimizer.tp_mode, optimizer.tp_group, optimizer.settings)
 
 
-def step_orthogonalizing_together(optimizer: Any) -> None:
-    """emerging_optimizers' OrthogonalizedOptimizer step, with one `_orthogonalize_all(params,
-    updates)` call for all parameters instead of `orthogonalize` per parameter (so that the
-    shards move in one exchange); weight decay, momentum and weight update are its own."""
+def momentum_updates(optimizer: Any) -> list[tuple[dict, torch.Tensor, torch.Tensor]]:
+    """emerging_optimizers' OrthogonalizedOptimizer step up to orthogonalization, for every
+    parameter with a gradient: weight decay, the momentum update, and the update to orthogonalize
+    (the momentum, or Nesterov's). Returns (group, param, update) in parameter order."""
     pending = []
     for group in optimizer.param_groups:
         optimizer._init_group(group)
@@ -161,6 +161,14 @@ def step_orthogonalizing_together(optimizer: Any) -> None:
             momentum.lerp_(p.grad, 1 - group["momentum"])
             update = p.grad.lerp(momentum, group["momentum"]) if optimizer.nesterov else momentum
             pending.append((group, p, update))
+    return pending
+
+
+def step_orthogonalizing_together(optimizer: Any) -> None:
+    """emerging_optimizers' OrthogonalizedOptimizer step, with one `_orthogonalize_all(params,
+    updates)` call for all parameters instead of `orthogonalize` per parameter (so that the
+    shards move in one exchange); weight decay, momentum and weight update are its own."""
+    pending = momentum_updates(optimizer)
     with eo_utils.fp32_matmul_precision(optimizer.fp32_matmul_prec):
         orthogonal = optimizer._orthogonalize_all([p for _, p, _ in pending], [u for _, _, u in pending])
     for (group, p, _), update in zip(pending, orthogonal):
