@@ -90,18 +90,17 @@ def exchanged_bytes(muon, world_size: int) -> tuple[int, int]:
     return sent, bound
 
 
-def main() -> None:
+def sharded_gpt_optimizer(args, config: OptimizerConfig, device: torch.device):
+    """A GPT of --hidden/--layers sharded with fully_shard (each layer, then the root) over all
+    ranks, its optimizer with random gradients in place, and the inner optimizer of the first
+    child (the matrices') ready to step: (settings, mesh, optimizer, inner)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    args = gpt_benchmark_parser(__doc__.splitlines()[0]).parse_args()
-    device = init_distributed()
     heads = max(1, args.hidden // 64)
     settings = GPTModelSettings(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=heads,
                                 num_query_groups=max(1, heads // 2), ffn_hidden_size=4 * args.hidden,
                                 vocab_size=1024, seq_length=128)
-    precision = "highest" if device.type == "cpu" else "medium"
-    config = OptimizerConfig(optimizer="muon", lr=1e-3, muon_fp32_matmul_prec=precision)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     model = build(settings, device)
     for layer in model.decoder.layers:
@@ -110,9 +109,17 @@ def main() -> None:
     optimizer = get_megatron_optimizer(config, [model])
     for p in model.parameters():
         p.grad = torch.randn_like(p)
-    muon_child = optimizer.chained_optimizers[0]
-    muon_child.grad_stats(False)  # local gradients in place on the shard aliases
-    muon = muon_child.optimizer
+    child = optimizer.chained_optimizers[0]
+    child.grad_stats(False)  # local gradients in place on the shard aliases
+    return settings, mesh, optimizer, child.optimizer
+
+
+def main() -> None:
+    args = gpt_benchmark_parser(__doc__.splitlines()[0]).parse_args()
+    device = init_distributed()
+    precision = "highest" if device.type == "cpu" else "medium"
+    config = OptimizerConfig(optimizer="muon", lr=1e-3, muon_fp32_matmul_prec=precision)
+    settings, mesh, optimizer, muon = sharded_gpt_optimizer(args, config, device)
     seconds = time_interleaved({"ours": muon.step, "redundant": lambda: redundant_step(muon, mesh)},
                                {"ours": lambda: None, "redundant": lambda: None}, args.warmup, args.repeats, device)
     local_state = torch.tensor([state_bytes(optimizer)], device=device)

@@ -23,10 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _distributed import gpt_benchmark_parser, init_distributed, time_interleaved  # noqa: E402
 from _timing import write_json  # noqa: E402
-from fsdp2_step import build  # noqa: E402
+from fsdp2_step import sharded_gpt_optimizer  # noqa: E402
 
-from megatron_eopt import OptimizerConfig, get_megatron_optimizer  # noqa: E402
-from scripts.gpt_model import GPTModelSettings  # noqa: E402
+from megatron_eopt import OptimizerConfig  # noqa: E402
 
 
 def gather_everywhere_step(inner, mesh) -> None:
@@ -63,29 +62,11 @@ def received_bytes(inner, rank: int) -> tuple[int, int]:
 
 
 def main() -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     parser = gpt_benchmark_parser(__doc__.splitlines()[0])
     parser.add_argument("--optimizer", choices=("polargrad", "scion", "mop"), default="polargrad")
     args = parser.parse_args()
     device = init_distributed()
-    heads = max(1, args.hidden // 64)
-    settings = GPTModelSettings(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=heads,
-                                num_query_groups=max(1, heads // 2), ffn_hidden_size=4 * args.hidden,
-                                vocab_size=1024, seq_length=128)
-    config = OptimizerConfig(optimizer=args.optimizer, lr=1e-3)
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    model = build(settings, device)
-    for layer in model.decoder.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optimizer = get_megatron_optimizer(config, [model])
-    for p in model.parameters():
-        p.grad = torch.randn_like(p)
-    child = optimizer.chained_optimizers[0]
-    child.grad_stats(False)  # local gradients in place on the shard aliases
-    inner = child.optimizer
+    _, mesh, _, inner = sharded_gpt_optimizer(args, OptimizerConfig(optimizer=args.optimizer, lr=1e-3), device)
     seconds = time_interleaved({"ours": inner.step, "everywhere": lambda: gather_everywhere_step(inner, mesh)},
                                {"ours": lambda: None, "everywhere": lambda: None}, args.warmup, args.repeats, device)
     ours, everywhere = received_bytes(inner, dist.get_rank())
