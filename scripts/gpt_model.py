@@ -51,9 +51,17 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 
 from scripts.moe import moe_layer_builder
+from scripts.sequence_parallel import (
+    SequenceParallelTorchNorm,
+    install_cpu_sequence_parallel,
+    use_cpu_rng_tracker,
+    use_cpu_sequence_parallel_linears,
+)
 
 __all__ = [
     "GPTModelSettings",
@@ -198,9 +206,11 @@ class SDPACoreAttention(MegatronModule):
         if self.record_max_attn_logits and self.training:
             self._record_max_logits(q, k, allowed, causal)
         dropout_p = self.dropout_p if self.training else 0.0
-        if dropout_p > 0.0 and q.is_cuda and not self.config.sequence_parallel:
+        if dropout_p > 0.0 and not self.config.sequence_parallel:
             # Heads differ across tensor-parallel ranks, so their dropout must use the
-            # model-parallel RNG stream, as megatron's DotProductAttention does.
+            # model-parallel RNG stream, as megatron's DotProductAttention does (on CPU the
+            # tracker's streams are CPU generator states, scripts/sequence_parallel.py). Under
+            # sequence parallelism the transformer block runs inside that stream already.
             with tensor_parallel.get_cuda_rng_tracker().fork():
                 out = self._sdpa(q, k, v, allowed, causal, dropout_p)
         else:
@@ -317,6 +327,10 @@ class GPTModelSettings:
     qk_clip_threshold: float = 100.0
     qk_clip_alpha: float = 0.5
     log_max_attention_logit: bool = False
+    # megatron's --sequence-parallel (scripts/sequence_parallel.py): activations outside attention
+    # and the MLP split along the sequence over the tensor-parallel ranks. Ignored at TP=1, as in
+    # megatron; the trainer sums the tagged norm gradients over TP (sum_sequence_parallel_grads).
+    sequence_parallel: bool = False
     # Mixture of experts (megatron-core's MoELayer, SequentialMLP experts; scripts/moe.py):
     # None: a dense MLP. Expert matrices have ffn_hidden_size columns, as megatron's default.
     num_moe_experts: int | None = None
@@ -392,6 +406,9 @@ class GPTModelSettings:
             if value % tp:
                 raise SettingsError(f"{{{name}}} must be divisible by {{tensor_model_parallel_size}}",
                                     **{name: value, "tensor_model_parallel_size": tp})
+        if self.sequence_parallel and self.seq_length % tp:
+            raise SettingsError("{seq_length} must be divisible by {tensor_model_parallel_size} with sequence parallelism",
+                                seq_length=self.seq_length, tensor_model_parallel_size=tp)
 
 
 def initialize_model_parallel(
@@ -433,6 +450,8 @@ def initialize_model_parallel(
         # Megatron's seeding also sets up the per-TP-rank CUDA RNG streams used by dropout;
         # it calls CUDA, hence only when CUDA is there.
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    else:  # the same per-TP-rank stream on the CPU generator (dropout under sequence parallelism)
+        use_cpu_rng_tracker(seed, parallel_state.get_tensor_model_parallel_rank())
 
 
 # The seed of the last initialize_model_parallel: build_gpt_model seeds each model chunk and each
@@ -500,7 +519,9 @@ def build_gpt_model(
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("call initialize_model_parallel before build_gpt_model")
     device = torch.device(device)
-    settings.check_tensor_parallel(parallel_state.get_tensor_model_parallel_world_size())
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    settings.check_tensor_parallel(tp)
+    sequence_parallel = settings.sequence_parallel and tp > 1
     config = TransformerConfig(
         num_layers=settings.num_layers,
         hidden_size=settings.hidden_size,
@@ -525,6 +546,7 @@ def build_gpt_model(
         qk_clip_threshold=settings.qk_clip_threshold,
         qk_clip_alpha=settings.qk_clip_alpha,
         log_max_attention_logit=settings.log_max_attention_logit,
+        sequence_parallel=sequence_parallel,
         **_pipeline_config(settings),
         **_expert_config(settings),
     )
@@ -537,6 +559,10 @@ def build_gpt_model(
     if layer_spec.module is TransformerLayer and _init_seed is not None:
         layer_spec = dataclasses.replace(layer_spec, module=_LayerSeededTransformerLayer)
         torch.manual_seed(_init_seed + get_transformer_layer_offset(config, vp_stage))
+    if sequence_parallel:
+        layer_spec = _sequence_parallel_block_spec(layer_spec, config, vp_stage)
+        if device.type != "cuda":
+            install_cpu_sequence_parallel()
     model = model_class(
         config=config,
         transformer_layer_spec=layer_spec,
@@ -553,6 +579,21 @@ def build_gpt_model(
     # Some local-spec modules (torch norms) ignore params_dtype; megatron's Float16Module casts
     # the whole model the same way for bf16 training. Parameters keep megatron's attributes.
     return model.to(device=device, dtype=settings.params_dtype)
+
+
+def _sequence_parallel_block_spec(layer_spec: ModuleSpec, config: TransformerConfig, vp_stage: int | None
+                                  ) -> ModuleSpec | TransformerBlockSubmodules:
+    """megatron's torch layer norm refuses sequence parallelism (it does not tag its weights):
+    with the local spec, the layers' norms and the final norm become SequenceParallelTorchNorm,
+    the final one through a block spec of this stage's layers. Transformer Engine's norms tag
+    their weights themselves and stay."""
+    norms = {name: SequenceParallelTorchNorm for name in ("input_layernorm", "pre_mlp_layernorm")
+             if getattr(layer_spec.submodules, name) is WrappedTorchNorm}
+    if not norms:
+        return layer_spec
+    layer_spec = dataclasses.replace(layer_spec, submodules=dataclasses.replace(layer_spec.submodules, **norms))
+    layers = get_num_layers_to_build(config, vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * layers, layer_norm=SequenceParallelTorchNorm)
 
 
 def _pipeline_config(settings: GPTModelSettings) -> dict[str, Any]:
@@ -616,6 +657,8 @@ class _CPUTiedEmbeddingGPTModel(GPTModel):
         super().__init__(*args, **kwargs)
         if type(getattr(self, "rotary_pos_emb", None)) is RotaryEmbedding:
             self.rotary_pos_emb.__class__ = _CPURotaryEmbedding
+        if self.config.sequence_parallel:
+            use_cpu_sequence_parallel_linears(self)
 
     def setup_embeddings_and_output_layer(self) -> None:
         self._syncing_embeddings_here = True  # hides the embedding group from megatron's CUDA copy

@@ -234,13 +234,16 @@ class Pipeline:
 
         batch, seq = self.micro_batch_shape
         dtype = chunk.config.params_dtype
-        hidden = torch.empty(seq, batch, chunk.config.hidden_size, dtype=dtype, device="meta", requires_grad=True)
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        # Between stages the hidden states are this rank's part of the sequence under sequence
+        # parallelism (scripts/sequence_parallel.py).
+        hidden = torch.empty(seq // tp if chunk.config.sequence_parallel else seq, batch, chunk.config.hidden_size, dtype=dtype, device="meta", requires_grad=True)
         if chunk.pre_process:
             inputs = torch.empty(batch, seq, dtype=torch.long, device="meta")
         else:
             inputs = hidden
         if chunk.post_process:
-            vocab = chunk.vocab_size // parallel_state.get_tensor_model_parallel_world_size()
+            vocab = chunk.vocab_size // tp
             return inputs, torch.empty(batch, seq, vocab, dtype=dtype, device="meta", requires_grad=True)
         return inputs, hidden
 

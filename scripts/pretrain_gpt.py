@@ -89,6 +89,7 @@ from scripts.gpt_model import (  # noqa: E402
 from scripts.grad_reduction import GradReducer  # noqa: E402
 from scripts.moe import add_moe_args, check_moe_flags, describe_moe, moe_settings, start_step  # noqa: E402
 from scripts.pipeline import Pipeline, SingleStage, add_pipeline_args, pipeline_layout  # noqa: E402
+from scripts.sequence_parallel import sequence_parallel_params, sum_sequence_parallel_grads  # noqa: E402
 from scripts.tokenizer import add_tokenizer_args  # noqa: E402
 from scripts.training_log import PALETTE, Curve, Logger, Step, params_norm, plot_curves  # noqa: E402
 
@@ -180,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "NullTokenizer's; with a tokenizer the model's is its vocabulary, padded")
     training = parser.add_argument_group(title="training")
     training.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    training.add_argument("--sequence-parallel", action="store_true",
+                          help="split the activations outside attention and the MLP along the sequence over "
+                               "the tensor-parallel ranks (off at TP 1, as in Megatron-LM)")
     add_pipeline_args(parser)
     training.add_argument("--use-torch-fsdp2", action="store_true",
                           help="shard the model with torch FSDP2 (fully_shard each transformer layer, then "
@@ -310,6 +314,11 @@ def _model_settings(args: argparse.Namespace, tp: int) -> GPTModelSettings:
     """The model the flags describe; its errors name the flags (`--seq-length`, not `seq_length`)."""
     check_data_flags(args)
     args.padded_vocab_size = model_vocab_size(args, tp)
+    if args.sequence_parallel and tp == 1:
+        if is_rank_zero():
+            print("> --sequence-parallel is off: it needs --tensor-model-parallel-size > 1 (as in Megatron-LM)",
+                  flush=True)
+        args.sequence_parallel = False
     try:
         settings = _settings_from_flags(args)
         settings.check_tensor_parallel(tp)
@@ -375,6 +384,7 @@ def _settings_from_flags(args: argparse.Namespace) -> GPTModelSettings:
         init_method_std=args.init_method_std,
         position_embedding_type=args.position_embedding_type,
         **_rotary_settings(args),
+        sequence_parallel=args.sequence_parallel,
         # QK-clip: the model's TransformerConfig carries the flags too (Transformer Engine's
         # attention records its maximum logits only when built with them).
         qk_clip=args.qk_clip,
@@ -459,7 +469,8 @@ def _check_fsdp2_flags(args: argparse.Namespace) -> None:
                 args.use_layer_wise_distributed_optimizer),
                ("--log-params-norm", args.log_params_norm),
                ("--pipeline-model-parallel-size > 1", args.pipeline_model_parallel_size > 1),
-               ("--fp16 (loss scaling of DTensor shards is not implemented)", args.fp16)]
+               ("--fp16 (loss scaling of DTensor shards is not implemented)", args.fp16),
+               ("--sequence-parallel", args.sequence_parallel)]
     for what, given in refused:
         if given:
             raise ValueError(f"--use-torch-fsdp2 does not support {what} yet.")
@@ -556,7 +567,8 @@ class BatchSource:
 def train_step(model, optimizer, micro_batches, forward, grads: GradReducer, dp_group
                ) -> tuple[float, bool, Optional[float], Optional[float]]:
     """Forward/backward over the micro-batches (`forward`: one stage or a pipeline,
-    scripts/pipeline.py), DP gradient average, optimizer step.
+    scripts/pipeline.py), sequence-parallel gradients summed over TP, DP gradient average,
+    optimizer step.
 
     Each micro-batch's loss is divided by the number of micro-batches and scaled by the
     optimizer's loss scale (fp16; 1 otherwise), which the optimizer divides out of the gradients
@@ -564,10 +576,13 @@ def train_step(model, optimizer, micro_batches, forward, grads: GradReducer, dp_
     loss, update successful, grad norm, zeros in the gradients (with --log-num-zeros-in-grad,
     else None)).
     """
+    from megatron.core import parallel_state
+
     optimizer.zero_grad()
     grads.zero_grads()
     start_step(optimizer.get_loss_scale(), len(micro_batches))  # the MoE aux loss's gradient scale
     total = forward.forward_backward(micro_batches, optimizer.scale_loss)
+    sum_sequence_parallel_grads(sequence_parallel_params([model]), parallel_state.get_tensor_model_parallel_group())
     grads.average_over_data_parallel()
     dp_size = dist.get_world_size(dp_group)
     loss_sum = total.to(next(model.parameters()).device)

@@ -14,10 +14,10 @@ import pytest
 ADAM = ["--optimizer", "adam", "--lr", "1.0", "--min-lr", "0.1"]
 
 
-def _parse(argv: list[str], monkeypatch):
+def _parse(argv: list[str], monkeypatch, world_size: int = 1):
     from scripts import pretrain_gpt
 
-    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
     monkeypatch.setenv("RANK", "0")
     return pretrain_gpt.parse_args(ADAM + argv)
 
@@ -185,3 +185,26 @@ def test_flags_build_that_model(run_distributed) -> None:
                                                         "--disable-bias-linear"],))
     assert not untied["tied"] and untied["names"]["output_layer.weight"] == (64, 64)
     assert not any(name.endswith(".bias") and "linear" in name for name in untied["names"]), untied["names"]
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--seq-length", "15"], "--seq-length 15 must be divisible by --tensor-model-parallel-size 2 with sequence parallelism."),
+        (["--use-torch-fsdp2"], "--use-torch-fsdp2 does not support --sequence-parallel yet."),
+    ],
+    ids=["seq-length", "fsdp2"],
+)
+def test_bad_sequence_parallel_flags_exit_with_one_line(argv: list[str], message: str, monkeypatch, capsys) -> None:
+    with pytest.raises(SystemExit):
+        _parse(["--tensor-model-parallel-size", "2", "--sequence-parallel"] + argv, monkeypatch, world_size=2)
+    assert _our_lines(capsys.readouterr().err) == [f"pretrain_gpt.py: error: {message}"]
+
+
+def test_sequence_parallel_is_off_at_one_tensor_parallel_rank(monkeypatch, capsys) -> None:
+    """As in Megatron-LM, and said."""
+    _, settings, _ = _parse(["--sequence-parallel"], monkeypatch)
+    assert not settings.sequence_parallel
+    assert "--sequence-parallel is off: it needs --tensor-model-parallel-size > 1" in capsys.readouterr().out
+    _, settings, _ = _parse(["--sequence-parallel", "--tensor-model-parallel-size", "2"], monkeypatch, world_size=2)
+    assert settings.sequence_parallel

@@ -1,0 +1,187 @@
+"""megatron-core's sequence parallelism (`--sequence-parallel`), on CPU as well as on CUDA.
+
+With sequence parallelism the activations outside attention and the MLP (embeddings output,
+layer norms, dropout, residuals) are split along the sequence over the tensor-parallel ranks:
+a column-parallel linear all-gathers its input along the sequence, a row-parallel linear
+reduce-scatters its output instead of all-reducing it. Layer-norm weights (and row-parallel
+biases) then see only this rank's tokens, so their gradients are summed over the
+tensor-parallel group after backward (:func:`sum_sequence_parallel_grads`, what megatron-core's
+`finalize_model_grads` does for parameters tagged `sequence_parallel`).
+
+megatron-core builds all of this; what stops it on CPU, and what this module substitutes:
+- its first-dimension all-gather and reduce-scatter allocate their outputs on
+  `torch.cuda.current_device()` (tensor_parallel/mappings.py): :func:`install_cpu_sequence_parallel`
+  replaces those two helpers by ones that allocate where the input is (the same collectives);
+- its column-parallel linear gathers into a CUDA buffer, forward and backward:
+  :class:`CPUSequenceParallelColumnLinear` gathers with megatron's own autograd mapping
+  (all-gather forward, reduce-scatter backward) and multiplies with `F.linear`;
+- its torch layer norm refuses sequence parallelism (only because it does not tag its weights;
+  this is also megatron's local spec on CUDA without Transformer Engine):
+  :class:`SequenceParallelTorchNorm` tags them;
+- dropout in the sequence-parallel region forks megatron's CUDA RNG tracker:
+  :class:`CPURNGStatesTracker` keeps the same named streams (a different one per
+  tensor-parallel rank) on the CPU generator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core.tensor_parallel import mappings
+from megatron.core.tensor_parallel import random as megatron_random
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+# megatron-core's RNG offsets (model_parallel_cuda_manual_seed): the model-parallel stream of a
+# tensor-parallel rank starts at seed + 2718 + its rank.
+_MODEL_PARALLEL_SEED_OFFSET = 2718
+
+
+def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+    """megatron's `_gather_along_first_dim` with its output where the input is."""
+    world_size = group.size()
+    if world_size == 1:
+        return input_
+    if output_split_sizes is None:
+        output = input_.new_empty((input_.size(0) * world_size, *input_.shape[1:]))
+        dist.all_gather_into_tensor(output, input_.contiguous(), group=group)
+        return output
+    output = input_.new_empty((sum(output_split_sizes), *input_.shape[1:]))
+    dist.all_gather(list(output.split(output_split_sizes)), input_.contiguous(), group=group)
+    return output
+
+
+def _reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
+    """megatron's `_reduce_scatter_along_first_dim` with its output where the input is."""
+    world_size = group.size()
+    if world_size == 1:
+        return input_
+    if input_split_sizes is None:
+        if input_.size(0) % world_size:
+            raise ValueError(f"sequence parallelism: the first dimension ({input_.size(0)}) must be "
+                             f"divisible by the tensor-parallel size ({world_size})")
+        output = input_.new_empty((input_.size(0) // world_size, *input_.shape[1:]))
+        dist.reduce_scatter_tensor(output, input_.contiguous(), group=group)
+        return output
+    pieces = list(input_.contiguous().split(input_split_sizes))
+    output = torch.empty_like(pieces[group.rank()])
+    dist.reduce_scatter(output, pieces, group=group)
+    return output
+
+
+def install_cpu_sequence_parallel() -> None:
+    """Make megatron's sequence-parallel mappings allocate where their input is (idempotent).
+
+    The autograd functions of megatron's mappings look these helpers up by module name at call
+    time, so replacing them there serves the embedding's scatter, the row-parallel linear's
+    reduce-scatter and every gather. For CUDA inputs the result is what megatron computes.
+    """
+    mappings._gather_along_first_dim = _gather_along_first_dim
+    mappings._reduce_scatter_along_first_dim = _reduce_scatter_along_first_dim
+
+
+class CPUSequenceParallelColumnLinear(ColumnParallelLinear):
+    """megatron's ColumnParallelLinear whose sequence-parallel input gather runs on any device:
+    megatron's `gather_from_sequence_parallel_region` (all-gather forward, reduce-scatter of the
+    input gradient backward), then `F.linear`, whose backward gives the weight gradient from the
+    gathered input. Without sequence parallelism megatron's own implementation runs."""
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        if not kwargs.get("sequence_parallel"):
+            return super()._forward_impl(input, weight, *args, **kwargs)
+        if kwargs.get("gradient_accumulation_fusion"):
+            raise ValueError("sequence parallelism on CPU does not support gradient_accumulation_fusion")
+        total_input = mappings.gather_from_sequence_parallel_region(
+            input, tensor_parallel_output_grad=True, group=kwargs.get("tp_group"))
+        return F.linear(total_input, weight, kwargs.get("bias"))
+
+
+def use_cpu_sequence_parallel_linears(model: torch.nn.Module) -> None:
+    """Swap megatron's column-parallel linears of `model` that use sequence parallelism for
+    :class:`CPUSequenceParallelColumnLinear` (same parameters and attributes)."""
+    for module in model.modules():
+        if type(module) is ColumnParallelLinear and module.sequence_parallel:
+            module.__class__ = CPUSequenceParallelColumnLinear
+
+
+class SequenceParallelTorchNorm:
+    """Spec module for megatron's local layer norm (`WrappedTorchNorm`'s arguments): a
+    `torch.nn.LayerNorm` or `torch.nn.RMSNorm` whose parameters carry megatron's
+    `sequence_parallel` attribute, the tag its fused and Transformer Engine norms set and
+    `finalize_model_grads` reads. Built through `__new__`, like megatron's, so the model holds
+    the torch module itself."""
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **unused) -> torch.nn.Module:
+        norms = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+        if config.normalization not in norms:
+            raise ValueError(f"normalization must be LayerNorm or RMSNorm, not {config.normalization!r}")
+        norm = norms[config.normalization](hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def sequence_parallel_params(chunks: Iterable[torch.nn.Module]) -> list[torch.nn.Parameter]:
+    """Parameters whose gradients cover only this tensor-parallel rank's tokens."""
+    return [p for chunk in chunks for p in chunk.parameters()
+            if p.requires_grad and getattr(p, "sequence_parallel", False)]
+
+
+def sum_sequence_parallel_grads(params: list[torch.nn.Parameter], tp_group) -> None:
+    """Sum the gradients of `params` (`main_grad` where the trainer accumulates in fp32) over the
+    tensor-parallel group, one all-reduce for all of them: afterwards every rank holds the
+    gradient of the whole sequence, as megatron-core's `finalize_model_grads` leaves them."""
+    if dist.get_world_size(tp_group) == 1:
+        return
+    grads = [getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad
+             for p in params]
+    grads = [g for g in grads if g is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=tp_group)
+    for grad, summed in zip(grads, flat.split([g.numel() for g in grads])):
+        grad.copy_(summed.view_as(grad))
+
+
+class CPURNGStatesTracker(megatron_random.CudaRNGStatesTracker):
+    """megatron's RNG-state tracker over the CPU generator: `add` keeps a named stream,
+    `fork` runs a block on it and restores the default stream afterwards."""
+
+    def add(self, name: str, seed: int) -> None:
+        if seed in self.seeds_ or name in self.states_:
+            raise ValueError(f"RNG stream {name!r} or seed {seed} is already tracked")
+        self._is_initialized = True
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = megatron_random._MODEL_PARALLEL_RNG_TRACKER_NAME):
+        if name not in self.states_:
+            raise ValueError(f"RNG stream {name!r} is not tracked")
+        default_state = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(default_state)
+
+
+def use_cpu_rng_tracker(seed: int, tp_rank: int) -> None:
+    """Make megatron's tracker a :class:`CPURNGStatesTracker` with its model-parallel stream
+    seeded as megatron seeds it on CUDA (one stream per TP rank). The tracker object stays the
+    one megatron created (its class changes), so code holding it, such as checkpoint I/O, sees
+    the streams."""
+    tracker = megatron_random.get_cuda_rng_tracker()
+    if type(tracker) is megatron_random.CudaRNGStatesTracker:
+        tracker.__class__ = CPURNGStatesTracker
+    elif not isinstance(tracker, CPURNGStatesTracker):
+        raise TypeError(f"megatron's RNG tracker is a {type(tracker).__name__}; on CPU it must be megatron's "
+                        f"CudaRNGStatesTracker, which use_cpu_rng_tracker runs on the CPU generator")
+    tracker.reset()
+    tracker.add(megatron_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + _MODEL_PARALLEL_SEED_OFFSET + tp_rank)
