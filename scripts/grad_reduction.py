@@ -20,11 +20,13 @@ expert the gradients of the tokens of every rank in its expert-parallel group, s
 the expert data-parallel group covers every data-parallel rank once.
 """
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from scripts.sequence_parallel import sequence_parallel_params, sum_sequence_parallel_grads
 
 BUCKET_NUMEL = 40_000_000  # megatron-core DDP's default bucket size, in elements
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -49,17 +51,26 @@ def split_into_buckets(params: list[torch.nn.Parameter], bucket_numel: int) -> l
 class GradReducer:
     """Accumulates (optionally in fp32) and averages a model's gradients over `dp_group`.
 
-    Use per step: `zero_grads()` before the micro-batches, `average_over_data_parallel()` after
-    the last backward. `reduce_over_dp=False` when the optimizer reduces gradients itself (the
+    Use per step: `zero_grads(micro_batches)` before the micro-batches, then
+    `average_over_data_parallel()` after the last backward (or `finalize_model_grads`, which
+    calls it). `reduce_over_dp=False` when the optimizer reduces gradients itself (the
     layer-wise distributed optimizer). `expert_dp_group`: where expert parameters
     (`allreduce=False`) are summed (module docstring); needed when the model has any.
+
+    Buckets hold the parameters in reverse order, the order backward produces their gradients
+    (as megatron-core's DDP). `overlap` (`--overlap-grad-reduce`): a bucket's all-reduce starts,
+    asynchronously, as soon as the last micro-batch's backward has produced all of its gradients,
+    and `average_over_data_parallel` waits for them. Buckets start in index order only (a ready
+    bucket waits for the ones before it), so every rank issues the same collectives in the same
+    order; the results are those of the non-overlapped reduction, bit for bit.
     """
 
     def __init__(self, model: torch.nn.Module, dp_group, accumulate_in_fp32: bool,
-                 reduce_over_dp: bool = True, bucket_numel: int = BUCKET_NUMEL, expert_dp_group=None) -> None:
+                 reduce_over_dp: bool = True, bucket_numel: int = BUCKET_NUMEL, expert_dp_group=None,
+                 overlap: bool = False) -> None:
         self.dp_group = dp_group
         self.reduce_over_dp = reduce_over_dp
-        params = [p for p in model.parameters() if p.requires_grad]
+        params = [p for p in model.parameters() if p.requires_grad][::-1]
         dense = [p for p in params if getattr(p, "allreduce", True)]
         experts = [p for p in params if not getattr(p, "allreduce", True)]
         if experts and reduce_over_dp and expert_dp_group is None:
@@ -72,6 +83,13 @@ class GradReducer:
         self.main_grad_buffers: list[Optional[torch.Tensor]] = [None] * len(self.buckets)
         if self.fp32_accumulation:
             self.main_grad_buffers = [self._attach_main_grads(bucket) for bucket in self.buckets]
+        self.overlap = overlap and reduce_over_dp and dp_group is not None and dist.get_world_size(dp_group) > 1
+        self._in_flight: list[tuple[Any, Optional[torch.Tensor], list[torch.Tensor]]] = []
+        self._grads_left: list[int] = []  # per bucket: gradients the step's backward passes still owe
+        if self.overlap:  # registered after _attach_main_grads' hooks, so they run after them
+            for index, bucket in enumerate(self.buckets):
+                for param in bucket:
+                    param.register_post_accumulate_grad_hook(lambda _param, index=index: self._grad_ready(index))
 
     @staticmethod
     def _attach_main_grads(bucket: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -84,23 +102,58 @@ class GradReducer:
             param.register_post_accumulate_grad_hook(_add_grad_to_main_grad)
         return buffer
 
-    def zero_grads(self) -> None:
+    def zero_grads(self, micro_batches: int = 1) -> None:
+        """Start a step of `micro_batches` backward passes (with `overlap`, the last one starts
+        the buckets' all-reduces)."""
         for buffer in self.main_grad_buffers:
             if buffer is not None:
                 buffer.zero_()
+        self._grads_left = [len(bucket) * micro_batches for bucket in self.buckets]
+
+    @property
+    def buckets_started(self) -> int:
+        """Buckets whose all-reduce has started this step (overlap: during backward)."""
+        return len(self._in_flight)
+
+    def _grad_ready(self, index: int) -> None:
+        if not self._grads_left:  # a backward outside a step (zero_grads not called): not ours
+            return
+        self._grads_left[index] -= 1
+        while self.buckets_started < len(self.buckets) and self._grads_left[self.buckets_started] == 0:
+            self._start(self.buckets_started)
 
     def average_over_data_parallel(self) -> None:
-        """Each bucket divided by the data-parallel size and summed over its group."""
+        """Each bucket divided by the data-parallel size and summed over its group: starts the
+        buckets not started yet, then waits for all of them."""
         dp_size = dist.get_world_size(self.dp_group)
         if not self.reduce_over_dp or dp_size == 1:
             return
-        for bucket, buffer, group in zip(self.buckets, self.main_grad_buffers, self.groups):
-            if buffer is not None:
-                buffer.div_(dp_size)
-                if dist.get_world_size(group) > 1:
-                    dist.all_reduce(buffer, group=group)
-            else:
-                _average_grads(bucket, dp_size, group)
+        for index in range(self.buckets_started, len(self.buckets)):
+            self._start(index)
+        for handle, flat, grads in self._in_flight:
+            if handle is not None:
+                handle.wait()
+            if flat is not None:
+                for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                    grad.copy_(averaged)
+        self._in_flight, self._grads_left = [], []
+
+    def _start(self, index: int) -> None:
+        """Bucket `index` divided by the DP size, its asynchronous sum over its group started.
+        Without an fp32 buffer the gradients are flattened into a copy (copied back when done).
+        Every rank runs the same model on the same number of micro-batches, so the same
+        parameters have gradients on every rank."""
+        group, buffer = self.groups[index], self.main_grad_buffers[index]
+        grads: list[torch.Tensor] = []
+        if buffer is None:
+            grads = [p.grad for p in self.buckets[index] if p.grad is not None]
+            buffer = _flatten_dense_tensors(grads) if grads else None
+        handle = None
+        if buffer is not None:
+            buffer.div_(dist.get_world_size(self.dp_group))
+            if dist.get_world_size(group) > 1:
+                handle = dist.all_reduce(buffer, group=group, async_op=True)
+        self._in_flight.append((handle, buffer if grads else None, grads))
 
 
 def _add_grad_to_main_grad(param: torch.nn.Parameter) -> None:
@@ -109,15 +162,35 @@ def _add_grad_to_main_grad(param: torch.nn.Parameter) -> None:
     param.grad = None
 
 
-def _average_grads(bucket: list[torch.nn.Parameter], dp_size: int, group) -> None:
-    """`param.grad` of a bucket divided by `dp_size`, flattened for one all-reduce over `group`.
-    Every rank runs the same model on the same number of micro-batches, so the same parameters
-    have gradients on every rank."""
-    grads = [p.grad for p in bucket if p.grad is not None]
-    if not grads:
+def finalize_model_grads(chunks: list[torch.nn.Module], grads: GradReducer) -> None:
+    """After a step's last backward, before the optimizer, what megatron-core's
+    `finalize_model_grads` does: the data-parallel average (waiting for overlapped buckets), the
+    sequence-parallel gradients summed over tensor-parallel ranks, the tied embedding gradients
+    summed over the first and last pipeline stage. Sums over different groups, so their order
+    does not change the result; the DP reduction goes first because overlapped buckets may still
+    be reading the gradients the other two write."""
+    from megatron.core import parallel_state
+
+    grads.average_over_data_parallel()
+    sum_sequence_parallel_grads(sequence_parallel_params(chunks), parallel_state.get_tensor_model_parallel_group())
+    sum_tied_embedding_grads(chunks)
+
+
+def sum_tied_embedding_grads(chunks: list[torch.nn.Module]) -> None:
+    """Sum the tied word-embedding gradient of the first stage and the output-layer gradient of
+    the last over megatron's embedding group (both copies then take the same step). Into
+    `main_grad` where the trainer accumulates in fp32."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
         return
-    flat = _flatten_dense_tensors(grads).div_(dp_size)
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(flat, group=group)
-    for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads)):
-        grad.copy_(averaged)
+    if not parallel_state.is_rank_in_embedding_group(ignore_virtual=True):
+        return
+    for chunk in chunks:
+        if not (chunk.share_embeddings_and_output_weights and (chunk.pre_process or chunk.post_process)):
+            continue
+        weight = chunk.shared_embedding_or_output_weight()
+        grad: Optional[torch.Tensor] = getattr(weight, "main_grad", None)
+        if grad is None:
+            grad = weight.grad
+        dist.all_reduce(grad, group=parallel_state.get_embedding_group())

@@ -289,8 +289,9 @@ def _check_expert_flags(args: argparse.Namespace, tp: int, dp: int, use_cuda: bo
         raise ValueError("--moe-token-dispatcher-type alltoall needs CUDA (megatron-core's all-to-all "
                          "dispatcher creates CUDA streams); use allgather on CPU.")
     if tp > 1:
-        raise ValueError(f"--num-experts with --tensor-model-parallel-size {tp} needs sequence parallelism "
-                         f"(megatron-core's MoELayer refuses to train without it), which this trainer does not have.")
+        raise ValueError(f"--num-experts with --tensor-model-parallel-size {tp} is not supported yet: megatron-core's "
+                         f"MoELayer needs --sequence-parallel there, and the token dispatcher of this trainer "
+                         f"does not split tokens over TP.")
     if args.use_torch_fsdp2:
         raise ValueError("--use-torch-fsdp2 does not support --num-experts yet.")
     if not args.disable_bias_linear and not use_cuda:

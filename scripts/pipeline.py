@@ -14,8 +14,8 @@ is stage v * PP + r) is wrapped in a `GPTStage`: the first stage takes token ids
 previous stage's hidden states (through megatron's `set_input_tensor`), the last returns logits
 and the loss is computed from them with megatron's own `compute_language_model_loss`, so a
 micro-batch's loss is the one `gpt_loss` gives at PP=1. Tied input/output embeddings live on the
-first and the last stage; their gradients are summed over megatron's embedding group after the
-backward (`sum_tied_embedding_grads`), as Megatron-LM's finalize_model_grads does.
+first and the last stage; the trainer sums their gradients over megatron's embedding group after
+the backward (scripts/grad_reduction.py's `finalize_model_grads`).
 
 Both return the sum over this rank's micro-batches of each one's mean loss divided by the
 number of micro-batches, on every rank (a pipeline's last stage broadcasts it to the others).
@@ -265,7 +265,6 @@ class Pipeline:
         tokens = torch.cat(micro_batches).to(self.device, torch.long)
         self._scale_loss = scale_loss
         self._run(self.train_schedule.step, tokens)
-        sum_tied_embedding_grads(self.chunks)
         return self._broadcast_loss().cpu()
 
     def eval_loss(self, model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -287,23 +286,3 @@ class Pipeline:
             total = torch.stack(self._losses).sum()
         dist.broadcast(total, group=self.group, group_src=self.last_rank)
         return total
-
-
-def sum_tied_embedding_grads(chunks: list[torch.nn.Module]) -> None:
-    """Sum the tied word-embedding gradient of the first stage and the output-layer gradient of
-    the last over megatron's embedding group (both copies then take the same step). Into
-    `main_grad` where the trainer accumulates in fp32 (scripts/grad_reduction.py)."""
-    from megatron.core import parallel_state
-
-    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
-        return
-    if not parallel_state.is_rank_in_embedding_group(ignore_virtual=True):
-        return
-    for chunk in chunks:
-        if not (chunk.share_embeddings_and_output_weights and (chunk.pre_process or chunk.post_process)):
-            continue
-        weight = chunk.shared_embedding_or_output_weight()
-        grad: Optional[torch.Tensor] = getattr(weight, "main_grad", None)
-        if grad is None:
-            grad = weight.grad
-        dist.all_reduce(grad, group=parallel_state.get_embedding_group())

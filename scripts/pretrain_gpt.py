@@ -86,10 +86,9 @@ from scripts.gpt_model import (  # noqa: E402
     destroy_model_parallel,
     initialize_model_parallel,
 )
-from scripts.grad_reduction import GradReducer  # noqa: E402
+from scripts.grad_reduction import BUCKET_NUMEL, GradReducer, finalize_model_grads  # noqa: E402
 from scripts.moe import add_moe_args, check_moe_flags, describe_moe, moe_settings, start_step  # noqa: E402
 from scripts.pipeline import Pipeline, SingleStage, add_pipeline_args, pipeline_layout  # noqa: E402
-from scripts.sequence_parallel import sequence_parallel_params, sum_sequence_parallel_grads  # noqa: E402
 from scripts.tokenizer import add_tokenizer_args  # noqa: E402
 from scripts.training_log import PALETTE, Curve, Logger, Step, params_norm, plot_curves  # noqa: E402
 
@@ -217,6 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
     training.add_argument("--lr-wsd-decay-samples", type=int, default=None,
                           help="with --train-samples and --lr-decay-style WSD")
     training.add_argument("--seed", type=int, default=1234)
+    training.add_argument("--overlap-grad-reduce", action="store_true",
+                          help="start each gradient bucket's data-parallel all-reduce during the last "
+                               "micro-batch's backward, as soon as its gradients are complete (with "
+                               "--use-distributed-optimizer the optimizer then takes averaged gradients "
+                               "instead of reducing onto owners; FSDP2 overlaps its reduce-scatter already)")
+    training.add_argument("--ddp-bucket-size", type=int, default=None,
+                          help=f"elements per gradient all-reduce bucket (default {BUCKET_NUMEL})")
     training.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
                           help="sum micro-batch gradients and all-reduce them over data-parallel ranks in "
                                "fp32 (param.main_grad); always on with --bf16, as in Megatron-LM; "
@@ -268,7 +274,9 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, GP
     args = build_parser().parse_args(argv)
     try:
         validate_args(args, args.tensor_model_parallel_size, wraps_fully_shard=True)
-        args.layer_wise_reduce_grads = args.use_layer_wise_distributed_optimizer  # no DDP here
+        # The layer-wise optimizer reduces gradients onto their owners itself, unless the bucketed
+        # all-reduce overlapped with backward (--overlap-grad-reduce) has averaged them already.
+        args.layer_wise_reduce_grads = args.use_layer_wise_distributed_optimizer and not args.overlap_grad_reduce
         optimizer_config_from_args(args)
         layout = _layout(args)
         settings = _model_settings(args, layout.tp)
@@ -404,6 +412,8 @@ def _check_training_flags(args: argparse.Namespace) -> None:
     for name in ("train_iters", "log_interval", "tensorboard_log_interval"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}.")
+    if args.ddp_bucket_size is not None and args.ddp_bucket_size < 1:
+        raise ValueError(f"--ddp-bucket-size must be >= 1; got {args.ddp_bucket_size}.")
     if args.exit_interval is not None and args.exit_interval < 1:
         raise ValueError(f"--exit-interval must be >= 1; got {args.exit_interval}.")
     if args.lr is None:
@@ -567,8 +577,8 @@ class BatchSource:
 def train_step(model, optimizer, micro_batches, forward, grads: GradReducer, dp_group
                ) -> tuple[float, bool, Optional[float], Optional[float]]:
     """Forward/backward over the micro-batches (`forward`: one stage or a pipeline,
-    scripts/pipeline.py), sequence-parallel gradients summed over TP, DP gradient average,
-    optimizer step.
+    scripts/pipeline.py), the gradients finalised (DP average, sums over TP of the
+    sequence-parallel ones and over the pipeline of the tied embedding), optimizer step.
 
     Each micro-batch's loss is divided by the number of micro-batches and scaled by the
     optimizer's loss scale (fp16; 1 otherwise), which the optimizer divides out of the gradients
@@ -576,14 +586,11 @@ def train_step(model, optimizer, micro_batches, forward, grads: GradReducer, dp_
     loss, update successful, grad norm, zeros in the gradients (with --log-num-zeros-in-grad,
     else None)).
     """
-    from megatron.core import parallel_state
-
     optimizer.zero_grad()
-    grads.zero_grads()
+    grads.zero_grads(len(micro_batches))
     start_step(optimizer.get_loss_scale(), len(micro_batches))  # the MoE aux loss's gradient scale
     total = forward.forward_backward(micro_batches, optimizer.scale_loss)
-    sum_sequence_parallel_grads(sequence_parallel_params([model]), parallel_state.get_tensor_model_parallel_group())
-    grads.average_over_data_parallel()
+    finalize_model_grads(list(model) if isinstance(model, torch.nn.ModuleList) else [model], grads)
     dp_size = dist.get_world_size(dp_group)
     loss_sum = total.to(next(model.parameters()).device)
     dist.all_reduce(loss_sum, group=dp_group)
@@ -607,10 +614,13 @@ def train(args, settings, layout, device) -> list[dict]:
     optimizer = get_megatron_optimizer(config, chunks)
     scheduler = get_scheduler(config, scheduler_config(args), optimizer)
     batches = BatchSource(args, layout, parallel_state.get_data_parallel_rank())
-    # The layer-wise optimizer reduces onto owners itself; FSDP2 reduce-scatters (averages) in backward.
+    # The layer-wise optimizer reduces onto owners itself (unless --overlap-grad-reduce); FSDP2
+    # reduce-scatters (averages) in backward.
     grads = GradReducer(model, dp_group, args.accumulate_allreduce_grads_in_fp32,
-                        reduce_over_dp=not (config.use_layer_wise_distributed_optimizer or args.use_torch_fsdp2),
-                        expert_dp_group=parallel_state.get_expert_data_parallel_group())
+                        reduce_over_dp=not (config.layer_wise_reduce_grads or args.use_torch_fsdp2),
+                        bucket_numel=args.ddp_bucket_size or BUCKET_NUMEL,
+                        expert_dp_group=parallel_state.get_expert_data_parallel_group(),
+                        overlap=args.overlap_grad_reduce)
     log = Logger(args, layout.rank)
     evaluator = Evaluator(args, batches.data.splits, batches.split_batches, forward.eval_loss, dp_group,
                           is_first_rank=layout.rank == 0, print_line=log.print_line,
@@ -618,6 +628,8 @@ def train(args, settings, layout, device) -> list[dict]:
     log.say(describe_model(model) + (", bf16 compute (FSDP2 MixedPrecisionPolicy)" if args.use_torch_fsdp2 and args.bf16 else ""))
     if args.num_experts is not None:
         log.say(describe_moe(args))
+    if args.overlap_grad_reduce and args.use_torch_fsdp2:
+        log.say("--overlap-grad-reduce: nothing to change, FSDP2 reduce-scatters each layer's gradients during backward")
     precision_line = matmul_precision_line(args, device)
     if precision_line:
         log.say(precision_line)

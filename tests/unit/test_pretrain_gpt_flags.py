@@ -135,12 +135,13 @@ def _our_lines(stderr: str) -> list[str]:
         (["--train-samples", "40", "--lr-decay-iters", "5"], "--lr-decay-iters counts iterations; with --train-samples"),
         (["--lr-warmup-samples", "8"], "--lr-warmup-samples needs --train-samples"),
         (["--train-samples", "2"], "--train-samples 2 must be >= --global-batch-size 4"),
+        (["--ddp-bucket-size", "0"], "--ddp-bucket-size must be >= 1; got 0."),
     ],
     ids=["gqa-groups-alone", "hidden-dropout", "attention-dropout", "init-std", "init-std-nan", "swiglu-tiny", "normalization",
          "wsd-without-iters", "wsd-too-long", "wsd-iters-without-wsd", "wsd-style", "warmup-fraction", "warmup-fraction-and-iters",
          "warmup-init", "tb-interval", "unknown", "fsdp2-fp16", "rotary-without-rope", "rotary-percent",
          "position-embedding-type", "samples-and-iters", "iters-schedule-with-samples", "samples-schedule-alone",
-         "too-few-samples"],
+         "too-few-samples", "ddp-bucket-size"],
 )
 def test_bad_new_flags_exit_with_one_line(argv: list[str], message: str, monkeypatch, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:

@@ -147,7 +147,7 @@ def _parse_error(argv: list[str], world_size: int, monkeypatch, capsys) -> list[
         (["--moe-aux-loss-coeff", "0.01"], 1, "--moe-aux-loss-coeff only applies with --num-experts"),
         (["--moe-token-dispatcher-type", "allgather", "--moe-router-topk", "2"], 1,
          "--moe-router-topk and --moe-token-dispatcher-type only apply with --num-experts"),
-        (MOE + ["--tensor-model-parallel-size", "2"], 2, "--num-experts with --tensor-model-parallel-size 2 needs sequence parallelism"),
+        (MOE + ["--tensor-model-parallel-size", "2"], 2, "--num-experts with --tensor-model-parallel-size 2 is not supported yet"),
         (MOE + ["--use-torch-fsdp2"], 2, "--use-torch-fsdp2 does not support --num-experts yet."),
     ],
     ids=["experts", "topk-1", "topk-above-experts", "topk-alone", "ep-experts", "ep-dp", "ep-0", "ep-alone",
