@@ -167,3 +167,57 @@ def test_step_synchronizes_with_the_host_at_most_twice(optimizer_name: str) -> N
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
     assert ok
     assert len(syncs) <= 2, syncs
+
+
+MEGATRON_DDP_SCRIPT = """
+import contextlib, torch, torch.distributed as dist
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed import finalize_model_grads as megatron_finalize_model_grads
+from megatron_eopt import OptimizerConfig, get_megatron_optimizer
+from scripts.gpt_model import GPTModelSettings, build_gpt_model, gpt_loss, initialize_model_parallel
+from scripts.grad_reduction import GradReducer, finalize_model_grads
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+initialize_model_parallel(tensor_model_parallel_size=1, seed=0)
+settings = GPTModelSettings(bf16=True, swiglu=True)
+config = OptimizerConfig(optimizer="muon", lr=3e-3, bf16=True, muon_fp32_matmul_prec="highest")
+ours, theirs = build_gpt_model(settings, device="cuda"), build_gpt_model(settings, device="cuda")
+for (name, a), b in zip(ours.state_dict().items(), theirs.state_dict().values()):
+    if torch.is_tensor(a):
+        assert torch.equal(a, b), name
+ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True,
+                                           use_distributed_optimizer=False, bucket_size=2000)
+ddp = DistributedDataParallel(config=theirs.config, ddp_config=ddp_config, module=theirs)
+reducer = GradReducer(ours, dist.group.WORLD, accumulate_in_fp32=True, bucket_numel=2000, overlap=True)
+our_optimizer, their_optimizer = get_megatron_optimizer(config, [ours]), get_megatron_optimizer(config, [ddp])
+generator = torch.Generator().manual_seed(1)
+for step in range(3):
+    micro_batches = [torch.randint(0, settings.vocab_size, (2, settings.seq_length + 1), generator=generator).cuda()
+                     for _ in range(3)]
+    our_optimizer.zero_grad()
+    reducer.zero_grads(len(micro_batches))
+    for tokens in micro_batches:
+        (gpt_loss(ours, tokens) / len(micro_batches)).backward()
+    finalize_model_grads([ours], reducer)
+    their_optimizer.zero_grad()
+    ddp.zero_grad_buffer()
+    for index, tokens in enumerate(micro_batches):
+        last = index == len(micro_batches) - 1
+        with contextlib.nullcontext() if last else ddp.no_sync():
+            (gpt_loss(ddp, tokens) / len(micro_batches)).backward()
+    megatron_finalize_model_grads([ddp])
+    for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
+        assert torch.equal(a.main_grad, b.main_grad), (step, name)
+    assert our_optimizer.step()[0] and their_optimizer.step()[0]
+for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
+    assert torch.equal(a, b), name
+print("MEGATRON-DDP-OK")
+"""
+
+
+def test_megatron_ddp_and_finalize_give_our_reducers_gradients() -> None:
+    """megatron-core's DistributedDataParallel (fp32 grad buffers, overlap_grad_reduce, no_sync
+    for all but the last micro-batch) and its finalize_model_grads against the trainer's
+    GradReducer and finalize_model_grads, on one GPU: the same fp32 main_grads, bit for bit, in
+    every step, and the same parameters after three steps of our Muon on each."""
+    _run_single_gpu_script(MEGATRON_DDP_SCRIPT, "MEGATRON-DDP-OK")
