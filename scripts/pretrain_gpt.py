@@ -479,8 +479,7 @@ def _check_fsdp2_flags(args: argparse.Namespace) -> None:
                 args.use_layer_wise_distributed_optimizer),
                ("--log-params-norm", args.log_params_norm),
                ("--pipeline-model-parallel-size > 1", args.pipeline_model_parallel_size > 1),
-               ("--fp16 (loss scaling of DTensor shards is not implemented)", args.fp16),
-               ("--sequence-parallel", args.sequence_parallel)]
+               ("--fp16 (loss scaling of DTensor shards is not implemented)", args.fp16)]
     for what, given in refused:
         if given:
             raise ValueError(f"--use-torch-fsdp2 does not support {what} yet.")
@@ -683,9 +682,15 @@ def fully_shard_gpt(model: torch.nn.Module, dp_group, device: torch.device, bf16
     mesh = data_parallel_mesh(dp_group, device)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_compute else None
     kwargs = {"mp_policy": policy} if policy is not None else {}
+    # fully_shard replaces the parameters, dropping megatron's attributes; the trainer's sum of
+    # the sequence-parallel gradients over TP reads this one, so it is put back.
+    sequence_parallel = {name for name, p in model.named_parameters() if getattr(p, "sequence_parallel", False)}
     for layer in model.decoder.layers:
         fully_shard(layer, mesh=mesh, **kwargs)
     fully_shard(model, mesh=mesh, **kwargs)
+    for name, param in model.named_parameters():
+        if name in sequence_parallel:
+            param.sequence_parallel = True
 
 
 _MESH_NUMBERS = itertools.count()

@@ -31,6 +31,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from megatron.core.tensor_parallel import mappings
 from megatron.core.tensor_parallel import random as megatron_random
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
@@ -131,15 +132,19 @@ def sequence_parallel_params(chunks: Iterable[torch.nn.Module]) -> list[torch.nn
             if p.requires_grad and getattr(p, "sequence_parallel", False)]
 
 
+@torch.no_grad()
 def sum_sequence_parallel_grads(params: list[torch.nn.Parameter], tp_group) -> None:
     """Sum the gradients of `params` (`main_grad` where the trainer accumulates in fp32) over the
     tensor-parallel group, one all-reduce for all of them: afterwards every rank holds the
-    gradient of the whole sequence, as megatron-core's `finalize_model_grads` leaves them."""
+    gradient of the whole sequence, as megatron-core's `finalize_model_grads` leaves them.
+    Under torch.no_grad: the sum writes into the gradients in place."""
     if dist.get_world_size(tp_group) == 1:
         return
     grads = [getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad
              for p in params]
-    grads = [g for g in grads if g is not None]
+    # FSDP2: each TP rank holds the same rows of a norm weight (its DP mesh shards alike), so
+    # the local shards are summed.
+    grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads if g is not None]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])

@@ -12,7 +12,7 @@ The gradient sum itself is checked against TP=1 directly, and shown to be needed
 import pytest
 
 from tests.pretrain_gpt_in_process import run_pretrain_gpt
-from tests.unit.test_pretrain_gpt_pipeline import ARGV, OPTIMIZERS, _assert_same_training, run_training
+from tests.unit.test_pretrain_gpt_pipeline import ARGV, OPTIMIZERS, TOLERANCE, _assert_same_training, run_training
 
 SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 
@@ -32,6 +32,17 @@ def test_sequence_parallelism_with_data_and_pipeline_parallelism(run_distributed
     reference = run_distributed(run_training, 1, args=(rope,))[0]
     _assert_same_training(run_distributed(run_training, 4, args=(rope + SP + ["--pipeline-model-parallel-size", "2"],)),
                           reference)
+
+
+def test_sequence_parallelism_with_fsdp2(run_distributed) -> None:
+    """TP=2 x FSDP2=2: fully_shard drops megatron's attributes, the trainer puts
+    `sequence_parallel` back and sums the norms' local gradient shards over TP."""
+    argv = [a for a in ARGV if a != "--log-params-norm"] + OPTIMIZERS["muon"]  # FSDP2 refuses --log-params-norm
+    (reference,) = run_distributed(run_pretrain_gpt, 1, args=(argv,))
+    for records in run_distributed(run_pretrain_gpt, 4, args=(argv + SP + ["--use-torch-fsdp2"],)):
+        for key in ("loss", "grad_norm"):
+            expected = [r[key] for r in reference]
+            assert [r[key] for r in records] == pytest.approx(expected, rel=TOLERANCE[key]), key
 
 
 def test_bf16_sequence_parallel_sums_the_fp32_main_grads(run_distributed) -> None:
