@@ -66,6 +66,14 @@ def parse_and_validate(
         parser.exit(2, f"{parser.prog}: error: {' '.join(str(error).split())}\n")
 
 
+def refuse_flags_without(given: list[str], needed: str) -> None:
+    """Refuse flags that mean something only with another setting, in one line:
+    `--a and --b only apply with --needed ...` (nothing when `given` is empty)."""
+    if given:
+        verb = "only apply" if len(given) > 1 else "only applies"
+        raise ValueError(f"{' and '.join(given)} {verb} with {needed}.")
+
+
 def flag_message(message: str) -> str:
     """`message` about OptimizerConfig fields, with each field spelled as its flag, one line."""
     # One pass, so a flag already written is never rewritten. Bare field names ("must not exceed

@@ -51,6 +51,8 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDisp
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_pg_rank
 
+from arguments import refuse_flags_without
+
 DISPATCHERS = ("allgather", "alltoall")  # megatron-core's "flex" needs DeepEP
 
 # ------------------------------------------------------------------------------------------------
@@ -269,9 +271,7 @@ def _refuse_without_experts(args: argparse.Namespace) -> None:
              if value is not None]
     if args.expert_model_parallel_size != 1:
         given.append(f"--expert-model-parallel-size {args.expert_model_parallel_size}")
-    if given:
-        verb = "only apply" if len(given) > 1 else "only applies"
-        raise ValueError(f"{' and '.join(given)} {verb} with --num-experts (a mixture-of-experts model).")
+    refuse_flags_without(given, "--num-experts (a mixture-of-experts model)")
 
 
 def _check_expert_flags(args: argparse.Namespace, tp: int, dp: int, use_cuda: bool) -> None:

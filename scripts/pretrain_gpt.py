@@ -66,7 +66,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from arguments import add_optimizer_args, matmul_precision_line, optimizer_config_from_args, validate_args  # noqa: E402
+from arguments import (  # noqa: E402
+    add_optimizer_args,
+    matmul_precision_line,
+    optimizer_config_from_args,
+    refuse_flags_without,
+    validate_args,
+)
 from megatron_eopt import get_megatron_optimizer  # noqa: E402
 from megatron_eopt.bridge import SchedulerConfig, get_scheduler  # noqa: E402
 from megatron_eopt.checkpointing import has_checkpoints, load_checkpoint, save_checkpoint  # noqa: E402
@@ -364,10 +370,9 @@ def _ffn_hidden_size(args: argparse.Namespace) -> int:
 def _rotary_settings(args: argparse.Namespace) -> dict[str, Any]:
     given = {name: value for name, value in (("rotary_base", args.rotary_base), ("rotary_percent", args.rotary_percent))
              if value is not None}
-    if given and args.position_embedding_type != "rope":
-        flags = " and ".join(f"--{name.replace('_', '-')}" for name in given)
-        raise ValueError(f"{flags} only apply with --position-embedding-type rope "
-                         f"(got {args.position_embedding_type}).")
+    if args.position_embedding_type != "rope":
+        refuse_flags_without([f"--{name.replace('_', '-')}" for name in given],
+                             f"--position-embedding-type rope (got {args.position_embedding_type})")
     return given
 
 
@@ -489,9 +494,7 @@ def _check_wsd_flags(args: argparse.Namespace) -> None:
     if args.lr_decay_style != "WSD":
         given = [f"--{name.replace('_', '-')}" for name in ("lr_wsd_decay_iters", "lr_wsd_decay_style")
                  if getattr(args, name) is not None]
-        if given:
-            raise ValueError(f"{' and '.join(given)} only apply with --lr-decay-style WSD "
-                             f"(got --lr-decay-style {args.lr_decay_style}).")
+        refuse_flags_without(given, f"--lr-decay-style WSD (got --lr-decay-style {args.lr_decay_style})")
         return
     if args.lr_wsd_decay_style is None:
         args.lr_wsd_decay_style = "exponential"  # Megatron-LM's default
