@@ -668,7 +668,10 @@ def logged_params_norm(model: torch.nn.Module, optimizer) -> float:
     finish_param_sync = getattr(optimizer, "finish_param_sync", None)
     if finish_param_sync is not None:
         finish_param_sync()
-    return params_norm(model, parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_model_parallel_group())
+    expert_group = (parallel_state.get_expert_tensor_model_pipeline_parallel_group()
+                    if parallel_state.get_expert_model_parallel_world_size() > 1 else None)  # experts split over EP
+    return params_norm(model, parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_model_parallel_group(),
+                       parallel_state.get_expert_tensor_parallel_rank(), expert_group)
 
 
 def fully_shard_gpt(model: torch.nn.Module, dp_group, device: torch.device, bf16_compute: bool = False) -> None:

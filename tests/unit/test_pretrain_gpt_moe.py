@@ -6,7 +6,8 @@ reduction). Against it, 10 iterations at EP=2 (2 ranks: DP 2, expert DP 1) and E
 Muon (reduced onto owners by the optimizer) and Adam, to 1e-5 relative: the layouts sum the same
 gradients in another order. Gradient accumulation differs too (4, 2 and 1 micro-batches per
 rank), which the aux loss runs (--moe-aux-loss-coeff) depend on through megatron's aux-loss
-scale. The runs also record the Newton-Schulz calls (expert matrices go to Muon, equal shapes in
+scale. Parameter norms (--log-params-norm) to 1e-5 too: each expert counted once, over the
+expert model-parallel group. The runs also record the Newton-Schulz calls (expert matrices go to Muon, equal shapes in
 one batched call per step), and the EP=2 layer-wise run saves a checkpoint that a one-process
 run resumes. Then each MoE flag's bad values: one line on stderr naming the flag.
 """
@@ -25,7 +26,7 @@ ITERATIONS = 10
 ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(ITERATIONS), "--lr", "1e-2",
         "--log-interval", "1", "--eval-iters", "0", "--disable-bias-linear", "--num-experts", "4",
-        "--moe-router-topk", "2", "--muon-fp32-matmul-prec", "highest"]
+        "--moe-router-topk", "2", "--muon-fp32-matmul-prec", "highest", "--log-params-norm"]
 EXPERT_SHAPES = ((128, 32), (32, 128))
 EXPERTS_PER_RANK = {1: 2 * 4, 2: 2 * 2, 4: 2 * 2}  # by world size: layers x local experts (EP 1, 2, 2)
 AUX = ["--moe-aux-loss-coeff", "0.1"]
@@ -48,6 +49,10 @@ def _losses(records: list[dict]) -> list[float]:
 
 def _grad_norms(records: list[dict]) -> list[float]:
     return [r["grad_norm"] for r in records]
+
+
+def _params_norms(records: list[dict]) -> list[float]:
+    return [r["params_norm"] for r in records]
 
 
 def _layout(world_size: int) -> list[str]:
@@ -93,6 +98,8 @@ def test_expert_parallel_layouts_equal_one_process(run_distributed, tmp_path):
             for records, _ in per_rank:
                 assert _losses(records) == pytest.approx(reference, rel=1e-5), (name, world_size)
                 assert _grad_norms(records) == pytest.approx(reference_norms, rel=1e-4), (name, world_size)
+                # Each expert counted once (EP=2 rank alone holds half of them: 11% off).
+                assert _params_norms(records) == pytest.approx(_params_norms(results[name, 1][0][0]), rel=1e-5)
             differences[name, world_size] = (
                 max(abs(a / b - 1) for a, b in zip(_losses(per_rank[0][0]), reference)),
                 max(abs(a / b - 1) for a, b in zip(_grad_norms(per_rank[0][0]), reference_norms)))
@@ -225,3 +232,4 @@ def test_experts_through_the_pipeline_equal_one_process(run_distributed) -> None
     for records in pipelined:
         assert _losses(records) == pytest.approx(_losses(reference), rel=1e-5)
         assert _grad_norms(records) == pytest.approx(_grad_norms(reference), rel=1e-4)
+        assert _params_norms(records) == pytest.approx(_params_norms(reference), rel=1e-5)
