@@ -35,6 +35,9 @@ Mixture of experts (scripts/moe.py): `--num-experts` makes every MLP megatron-co
 (`--moe-router-topk`, `--moe-aux-loss-coeff`, `--moe-token-dispatcher-type`), its experts split
 over `--expert-model-parallel-size` of the data-parallel ranks; expert gradients are summed over
 the expert data-parallel group and divided by the data-parallel size, as megatron-core's DDP does.
+With `--tensor-model-parallel-size` > 1 it needs `--sequence-parallel` (as megatron-core): the
+experts' linears are split over the TP ranks, the tokens gathered over TP x EP, and the router's
+gradient summed over TP with the other sequence-parallel parameters.
 
 Checkpoints (megatron_eopt.checkpointing): `--save DIR` every `--save-interval` iterations and
 after the last one; `--load DIR` resumes from its latest checkpoint (or `--ckpt-step N`), also
