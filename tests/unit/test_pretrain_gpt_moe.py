@@ -10,8 +10,8 @@ scale. Parameter norms (--log-params-norm) to 1e-5 too: each expert counted once
 expert model-parallel group. The runs also record the Newton-Schulz calls (expert matrices go to Muon, equal shapes in
 one batched call per step), and the EP=2 layer-wise run saves a checkpoint that a one-process
 run resumes. With tensor parallelism (and --sequence-parallel, which megatron-core's MoELayer
-needs there): TP=2, TP=2 x EP=2 (the dispatcher gathers over all 4 ranks) and TP=2 x DP=2 against
-one process, with validation and SwiGLU experts, checkpoints resumed in one process, and one
+needs there): TP=2, TP=2 x EP=2 (the dispatcher gathers over all 4 ranks), TP=2 x DP=2 and
+TP=2 x PP=2 against one process, with validation and SwiGLU experts, checkpoints resumed in one process, and one
 backward's expert and router gradients against TP=1's. Then each MoE flag's bad values: one line
 on stderr naming the flag.
 """
@@ -252,16 +252,17 @@ TP_LAYOUTS = {  # name: (world size, flags); TP x EP gathers the tokens of all 4
     "TP=2": (2, SP),
     "TP=2 x EP=2": (4, SP + _layout(2)),
     "TP=2 x DP=2": (4, SP),
+    "TP=2 x PP=2": (4, SP + ["--pipeline-model-parallel-size", "2"]),  # one MoE layer a stage
 }
 
 
 @pytest.mark.parametrize("name,layouts", [
     ("muon", ("TP=2", "TP=2 x EP=2")),
     ("layer-wise muon, aux loss", ("TP=2 x EP=2", "TP=2 x DP=2")),
-    ("adam, aux loss", ("TP=2",)),
+    ("adam, aux loss", ("TP=2", "TP=2 x PP=2")),
 ], ids=["muon", "layer-wise-muon-aux", "adam-aux"])
 def test_tensor_parallel_experts_train_as_one_process(name, layouts, run_distributed, tmp_path) -> None:
-    """10 iterations at TP=2 with sequence parallelism (x EP=2, x DP=2): the one-process losses,
+    """10 iterations at TP=2 with sequence parallelism (x EP=2, DP=2, PP=2): the one-process losses,
     validation losses and parameter norms to 1e-5, gradient norms to 1e-4 (expert matrices split
     over expert TP: Muon orthogonalizes whole matrices, the norms count each shard once). The
     first layout saves a checkpoint at iteration 5 that a one-process run resumes."""
