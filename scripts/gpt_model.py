@@ -20,7 +20,8 @@ virtual_pipeline_model_parallel_size=, expert_model_parallel_size=)`` then
 synchronised without megatron's ``.cuda()`` (:class:`_CPUTiedEmbeddingGPTModel`). MoE layers
 also train on CPU, through the substitutions of ``scripts/moe.py`` (a router and an allgather
 dispatcher that do not call CUDA; experts seeded by global index, so the weights do not depend
-on the expert-parallel size). megatron's pipeline schedules call CUDA: ``scripts/pipeline.py``
+on the expert-parallel size), with tensor parallelism too when ``sequence_parallel`` is set
+(megatron's MoELayer needs it). megatron's pipeline schedules call CUDA: ``scripts/pipeline.py``
 runs the stages with ``torch.distributed.pipelining`` instead.
 
 Typical use (torch.distributed must already be initialised, gloo is fine)::
@@ -409,6 +410,10 @@ class GPTModelSettings:
         if self.sequence_parallel and self.seq_length % tp:
             raise SettingsError("{seq_length} must be divisible by {tensor_model_parallel_size} with sequence parallelism",
                                 seq_length=self.seq_length, tensor_model_parallel_size=tp)
+        if self.num_moe_experts is not None and tp > 1 and not self.sequence_parallel:  # megatron's MoELayer refuses it
+            raise SettingsError("{num_moe_experts} with {tensor_model_parallel_size} needs {sequence_parallel}",
+                                num_moe_experts=self.num_moe_experts, tensor_model_parallel_size=tp,
+                                sequence_parallel=self.sequence_parallel)
 
 
 def initialize_model_parallel(

@@ -19,6 +19,17 @@ that changes one thing:
   (and reduce-scatters back) with plain torch.distributed calls, gloo included. The alltoall
   dispatcher creates a `torch.cuda.Stream` and is refused on CPU with a one-line error.
 
+Tensor parallelism (`--tensor-model-parallel-size` > 1) needs `--sequence-parallel`, as
+megatron-core's MoELayer does: the router sees this rank's part of the sequence, and the
+dispatcher gathers the tokens of the whole expert-TP x EP group (megatron's `tp_ep` group; the
+expert tensor-parallel size is the TP size, megatron's default). Each expert's linears are split
+over the expert-TP group (`expt_tp`) without communication of their own (megatron's
+`explicit_expert_comm`): each rank's output is a partial sum, which the dispatcher's
+reduce-scatter adds up with the other experts' outputs. The router's weight is replicated over
+TP and tagged `sequence_parallel` by megatron, so the trainer sums its gradient over TP with
+the layer norms' (scripts/sequence_parallel.py); the aux loss of each rank covers its tokens
+(megatron reduces the token counts over TP), and those gradients add up in the same sum.
+
 The aux loss (`--moe-aux-loss-coeff`): megatron's router attaches it to the routing
 probabilities with `MoEAuxLossAutoScaler`, whose backward multiplies its gradient by a
 process-wide scale. Megatron-LM sets that scale to loss scale / micro-batches each step, as this
@@ -129,8 +140,10 @@ class CPUAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
     """megatron's allgather dispatcher with its two collectives in plain torch.distributed calls.
 
     Every rank of the expert x tensor-parallel group gets every rank's tokens, routing map and
-    probabilities; each computes its local experts' outputs for all of them, and the sum over the
-    group, cut back to each rank's own tokens, is the layer's output (megatron's reduce-scatter).
+    probabilities; each computes its local experts' outputs for all of them (with expert TP: its
+    shard's partial sums), and the sum over the group, cut back to each rank's own tokens, is the
+    layer's output (megatron's reduce-scatter). Backward, the gathered rows' gradients, partial
+    on each rank, are summed onto the rank that owns the rows.
     """
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
@@ -288,10 +301,9 @@ def _check_expert_flags(args: argparse.Namespace, tp: int, dp: int, use_cuda: bo
     if args.moe_token_dispatcher_type == "alltoall" and not use_cuda:
         raise ValueError("--moe-token-dispatcher-type alltoall needs CUDA (megatron-core's all-to-all "
                          "dispatcher creates CUDA streams); use allgather on CPU.")
-    if tp > 1:
-        raise ValueError(f"--num-experts with --tensor-model-parallel-size {tp} is not supported yet: megatron-core's "
-                         f"MoELayer needs --sequence-parallel there, and the token dispatcher of this trainer "
-                         f"does not split tokens over TP.")
+    if tp > 1 and not args.sequence_parallel:
+        raise ValueError(f"--num-experts with --tensor-model-parallel-size {tp} needs --sequence-parallel "
+                         f"(megatron-core's MoELayer refuses tensor parallelism without it).")
     if args.use_torch_fsdp2:
         raise ValueError("--use-torch-fsdp2 does not support --num-experts yet.")
     if not args.disable_bias_linear and not use_cuda:

@@ -35,6 +35,9 @@ Mixture of experts (scripts/moe.py): `--num-experts` makes every MLP megatron-co
 (`--moe-router-topk`, `--moe-aux-loss-coeff`, `--moe-token-dispatcher-type`), its experts split
 over `--expert-model-parallel-size` of the data-parallel ranks; expert gradients are summed over
 the expert data-parallel group and divided by the data-parallel size, as megatron-core's DDP does.
+With `--tensor-model-parallel-size` > 1 it needs `--sequence-parallel` (as megatron-core): the
+experts' linears are split over the TP ranks, the tokens gathered over TP x EP, and the router's
+gradient summed over TP with the other sequence-parallel parameters.
 
 Checkpoints (megatron_eopt.checkpointing): `--save DIR` every `--save-interval` iterations and
 after the last one; `--load DIR` resumes from its latest checkpoint (or `--ckpt-step N`), also
@@ -670,7 +673,10 @@ def logged_params_norm(model: torch.nn.Module, optimizer) -> float:
     finish_param_sync = getattr(optimizer, "finish_param_sync", None)
     if finish_param_sync is not None:
         finish_param_sync()
-    return params_norm(model, parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_model_parallel_group())
+    expert_group = (parallel_state.get_expert_tensor_model_pipeline_parallel_group()
+                    if parallel_state.get_expert_model_parallel_world_size() > 1 else None)  # experts split over EP
+    return params_norm(model, parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_model_parallel_group(),
+                       parallel_state.get_expert_tensor_parallel_rank(), expert_group)
 
 
 def fully_shard_gpt(model: torch.nn.Module, dp_group, device: torch.device, bf16_compute: bool = False) -> None:

@@ -315,18 +315,37 @@ def _record(stats: IntervalStats) -> dict:
     return record
 
 
-def params_norm(model: torch.nn.Module, tensor_parallel_rank: int, model_parallel_group) -> float:
-    """L2 norm of all parameters, each counted once (Megatron-LM's calc_params_l2_norm): summed
-    over the model-parallel group (TP x PP); parameters replicated over TP are counted on TP rank
-    0 only, and the last stage's copy of a tied embedding (megatron's `param.shared`) not at all."""
-    params = [p for p in model.parameters() if not getattr(p, "shared", False)
-              and (getattr(p, "tensor_model_parallel", False) or tensor_parallel_rank == 0)]
+def params_norm(model: torch.nn.Module, tensor_parallel_rank: int, model_parallel_group,
+                expert_tensor_parallel_rank: int = 0, expert_model_parallel_group=None) -> float:
+    """L2 norm of all parameters, each counted once (Megatron-LM's calc_params_l2_norm): dense
+    parameters summed over the model-parallel group (TP x PP), expert parameters (megatron's
+    `allreduce=False`, split over expert parallelism) over the expert model-parallel group
+    (expert TP x EP x PP; to be given on every rank when EP > 1), which holds each expert once.
+    Parameters replicated over (expert) TP are counted on its rank 0 only, and the last stage's
+    copy of a tied embedding (megatron's `param.shared`) not at all."""
+    params = [p for p in model.parameters() if not getattr(p, "shared", False)]
+    dense = [p for p in params if getattr(p, "allreduce", True)]
+    experts = [p for p in params if not getattr(p, "allreduce", True)]
+    if experts and expert_model_parallel_group is None:
+        raise ValueError(f"params_norm: the model has {len(experts)} expert parameters (allreduce=False); "
+                         f"pass expert_model_parallel_group, the group that holds each expert once.")
     device = next(model.parameters()).device
-    square = torch.zeros((), dtype=torch.float32, device=device)
-    for param in params:
-        square += param.detach().float().square().sum()
-    dist.all_reduce(square, group=model_parallel_group)
+    square = _sum_of_squares(dense, tensor_parallel_rank, model_parallel_group, device)
+    if expert_model_parallel_group is not None:  # on every rank, with or without experts (a stage without layers)
+        square = square + _sum_of_squares(experts, expert_tensor_parallel_rank, expert_model_parallel_group, device)
     return square.sqrt().item()
+
+
+def _sum_of_squares(params: list[torch.nn.Parameter], tensor_parallel_rank: int, group,
+                    device: torch.device) -> torch.Tensor:
+    """Sum of squares of `params` over `group`, TP-replicated ones counted on TP rank 0 only.
+    Every rank of the group joins the all-reduce, with or without parameters of its own."""
+    counted = [p for p in params if getattr(p, "tensor_model_parallel", False) or tensor_parallel_rank == 0]
+    square = torch.zeros((), dtype=torch.float32, device=device)
+    for param in counted:
+        square += param.detach().float().square().sum()
+    dist.all_reduce(square, group=group)
+    return square
 
 
 # ------------------------------------------------------------------------------------------------

@@ -209,6 +209,14 @@ def test_build_rejects_what_tp_cannot_split():
         GPTModelSettings().check_tensor_parallel(3)
 
 
+def test_experts_with_tensor_parallelism_need_sequence_parallelism():
+    """megatron's MoELayer refuses TP without it in training: refused when the model is built."""
+    with pytest.raises(ValueError, match=r"num_moe_experts \(4\) with tensor_model_parallel_size \(2\) "
+                                         r"needs sequence_parallel \(False\)"):
+        GPTModelSettings(num_moe_experts=4).check_tensor_parallel(2)
+    GPTModelSettings(num_moe_experts=4, sequence_parallel=True).check_tensor_parallel(2)
+
+
 @pytest.mark.parametrize("rotary_percent", [1.0, 0.5])
 def test_rope_runs_on_cpu_with_the_rope_angles(tp1, rotary_percent):
     """RoPE's angles from its definition (position p, pair i of the rotated d dimensions:

@@ -6,9 +6,14 @@ reduction). Against it, 10 iterations at EP=2 (2 ranks: DP 2, expert DP 1) and E
 Muon (reduced onto owners by the optimizer) and Adam, to 1e-5 relative: the layouts sum the same
 gradients in another order. Gradient accumulation differs too (4, 2 and 1 micro-batches per
 rank), which the aux loss runs (--moe-aux-loss-coeff) depend on through megatron's aux-loss
-scale. The runs also record the Newton-Schulz calls (expert matrices go to Muon, equal shapes in
+scale. Parameter norms (--log-params-norm) to 1e-5 too: each expert counted once, over the
+expert model-parallel group. The runs also record the Newton-Schulz calls (expert matrices go to Muon, equal shapes in
 one batched call per step), and the EP=2 layer-wise run saves a checkpoint that a one-process
-run resumes. Then each MoE flag's bad values: one line on stderr naming the flag.
+run resumes. With tensor parallelism (and --sequence-parallel, which megatron-core's MoELayer
+needs there): TP=2, TP=2 x EP=2 (the dispatcher gathers over all 4 ranks), TP=2 x DP=2 and
+TP=2 x PP=2 against one process, with validation and SwiGLU experts, checkpoints resumed in one process, and one
+backward's expert and router gradients against TP=1's. Then each MoE flag's bad values: one line
+on stderr naming the flag.
 """
 
 import re
@@ -18,6 +23,7 @@ import torch
 
 from tests.newton_schulz_calls import recording_newton_schulz_calls
 from tests.pretrain_gpt_in_process import run_pretrain_gpt
+from tests.unit.test_pretrain_gpt_pipeline import _assert_same_training, run_training
 
 ITERATIONS = 10
 # 2 MoE layers x 4 experts; each expert an fc1 [128, 32] and an fc2 [32, 128] (no other matrix
@@ -25,7 +31,7 @@ ITERATIONS = 10
 ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(ITERATIONS), "--lr", "1e-2",
         "--log-interval", "1", "--eval-iters", "0", "--disable-bias-linear", "--num-experts", "4",
-        "--moe-router-topk", "2", "--muon-fp32-matmul-prec", "highest"]
+        "--moe-router-topk", "2", "--muon-fp32-matmul-prec", "highest", "--log-params-norm"]
 EXPERT_SHAPES = ((128, 32), (32, 128))
 EXPERTS_PER_RANK = {1: 2 * 4, 2: 2 * 2, 4: 2 * 2}  # by world size: layers x local experts (EP 1, 2, 2)
 AUX = ["--moe-aux-loss-coeff", "0.1"]
@@ -48,6 +54,10 @@ def _losses(records: list[dict]) -> list[float]:
 
 def _grad_norms(records: list[dict]) -> list[float]:
     return [r["grad_norm"] for r in records]
+
+
+def _params_norms(records: list[dict]) -> list[float]:
+    return [r["params_norm"] for r in records]
 
 
 def _layout(world_size: int) -> list[str]:
@@ -93,6 +103,8 @@ def test_expert_parallel_layouts_equal_one_process(run_distributed, tmp_path):
             for records, _ in per_rank:
                 assert _losses(records) == pytest.approx(reference, rel=1e-5), (name, world_size)
                 assert _grad_norms(records) == pytest.approx(reference_norms, rel=1e-4), (name, world_size)
+                # Each expert counted once (EP=2 rank alone holds half of them: 11% off).
+                assert _params_norms(records) == pytest.approx(_params_norms(results[name, 1][0][0]), rel=1e-5)
             differences[name, world_size] = (
                 max(abs(a / b - 1) for a, b in zip(_losses(per_rank[0][0]), reference)),
                 max(abs(a / b - 1) for a, b in zip(_grad_norms(per_rank[0][0]), reference_norms)))
@@ -147,7 +159,8 @@ def _parse_error(argv: list[str], world_size: int, monkeypatch, capsys) -> list[
         (["--moe-aux-loss-coeff", "0.01"], 1, "--moe-aux-loss-coeff only applies with --num-experts"),
         (["--moe-token-dispatcher-type", "allgather", "--moe-router-topk", "2"], 1,
          "--moe-router-topk and --moe-token-dispatcher-type only apply with --num-experts"),
-        (MOE + ["--tensor-model-parallel-size", "2"], 2, "--num-experts with --tensor-model-parallel-size 2 is not supported yet"),
+        (MOE + ["--tensor-model-parallel-size", "2"], 2,
+         "--num-experts with --tensor-model-parallel-size 2 needs --sequence-parallel"),
         (MOE + ["--use-torch-fsdp2"], 2, "--use-torch-fsdp2 does not support --num-experts yet."),
     ],
     ids=["experts", "topk-1", "topk-above-experts", "topk-alone", "ep-experts", "ep-dp", "ep-0", "ep-alone",
@@ -225,3 +238,83 @@ def test_experts_through_the_pipeline_equal_one_process(run_distributed) -> None
     for records in pipelined:
         assert _losses(records) == pytest.approx(_losses(reference), rel=1e-5)
         assert _grad_norms(records) == pytest.approx(_grad_norms(reference), rel=1e-4)
+        assert _params_norms(records) == pytest.approx(_params_norms(reference), rel=1e-5)
+
+
+# Tensor parallelism (with sequence parallelism, as megatron-core's MoELayer needs) ---------------
+
+SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+# Validation at iterations 5 and 10 and after training (what _assert_same_training compares), and
+# SwiGLU experts: each expert's fc1 holds gate and up rows, split over expert TP block by block.
+TP_ARGV = ARGV[:ARGV.index("--eval-iters")] + ARGV[ARGV.index("--eval-iters") + 2:] + [
+    "--eval-interval", "5", "--eval-iters", "1", "--swiglu"]
+TP_LAYOUTS = {  # name: (world size, flags); TP x EP gathers the tokens of all 4 ranks
+    "TP=2": (2, SP),
+    "TP=2 x EP=2": (4, SP + _layout(2)),
+    "TP=2 x DP=2": (4, SP),
+    "TP=2 x PP=2": (4, SP + ["--pipeline-model-parallel-size", "2"]),  # one MoE layer a stage
+}
+
+
+@pytest.mark.parametrize("name,layouts", [
+    ("muon", ("TP=2", "TP=2 x EP=2")),
+    ("layer-wise muon, aux loss", ("TP=2 x EP=2", "TP=2 x DP=2")),
+    ("adam, aux loss", ("TP=2", "TP=2 x PP=2")),
+], ids=["muon", "layer-wise-muon-aux", "adam-aux"])
+def test_tensor_parallel_experts_train_as_one_process(name, layouts, run_distributed, tmp_path) -> None:
+    """10 iterations at TP=2 with sequence parallelism (x EP=2, DP=2, PP=2): the one-process losses,
+    validation losses and parameter norms to 1e-5, gradient norms to 1e-4 (expert matrices split
+    over expert TP: Muon orthogonalizes whole matrices, the norms count each shard once). The
+    first layout saves a checkpoint at iteration 5 that a one-process run resumes."""
+    argv = TP_ARGV + RUNS[name]
+    reference = run_distributed(run_training, 1, args=(argv,))[0]
+    checkpoint = str(tmp_path / "tp2")
+    for index, layout in enumerate(layouts):
+        world_size, flags = TP_LAYOUTS[layout]
+        save = ["--save", checkpoint, "--save-interval", "5"] if index == 0 else []
+        _assert_same_training(run_distributed(run_training, world_size, args=(argv + flags + save,)), reference)
+    resumed = run_distributed(run_pretrain_gpt, 1, args=(argv + ["--load", checkpoint, "--ckpt-step", "5"],))[0]
+    assert [r["iteration"] for r in resumed] == list(range(6, ITERATIONS + 1))
+    assert _losses(resumed) == pytest.approx(reference["loss"][5:], rel=1e-5)
+
+
+def _moe_grads(rank: int, world_size: int, tp: int, sum_over_tp: bool) -> tuple[int, dict]:
+    """(TP rank, gradients of the MoE layer's parameters) after one backward of a one-layer
+    model with the aux loss, the sequence-parallel ones (router) summed over TP when asked."""
+    from megatron.core import parallel_state
+
+    from scripts.gpt_model import GPTModelSettings, build_gpt_model, destroy_model_parallel, gpt_loss, initialize_model_parallel
+    from scripts.moe import start_step
+    from scripts.sequence_parallel import sequence_parallel_params, sum_sequence_parallel_grads
+
+    initialize_model_parallel(tp, seed=3)
+    try:
+        model = build_gpt_model(GPTModelSettings(num_layers=1, swiglu=False, sequence_parallel=tp > 1,
+                                                 num_moe_experts=4, moe_aux_loss_coeff=0.1))
+        start_step(torch.ones(()), num_micro_batches=1)
+        tokens = torch.randint(0, 128, (2, 33), generator=torch.Generator().manual_seed(0))
+        gpt_loss(model, tokens).backward()
+        if sum_over_tp:
+            sum_sequence_parallel_grads(sequence_parallel_params([model]), parallel_state.get_tensor_model_parallel_group())
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if ".mlp." in name}
+        return parallel_state.get_tensor_model_parallel_rank(), grads
+    finally:
+        destroy_model_parallel()
+
+
+def test_tensor_parallel_moe_gradients_are_the_one_process_gradients(run_distributed) -> None:
+    """At TP=2 (sequence parallel) each rank's expert gradients are its shards of the TP=1 ones
+    (fc1 rows, fc2 columns: the dispatcher brought it every token of the TP group), with no sum;
+    the router's gradient covers this rank's tokens only (not TP=1's) until summed over TP."""
+    ((_, full),) = run_distributed(_moe_grads, 1, args=(1, False))
+    alone = run_distributed(_moe_grads, 2, args=(2, False))
+    summed = run_distributed(_moe_grads, 2, args=(2, True))
+    router = "decoder.layers.0.mlp.router.weight"
+    experts = [name for name in full if ".local_experts." in name]
+    assert len(experts) == 8 and router in full
+    for (tp_rank, grads), (_, summed_grads) in zip(alone, summed):
+        assert not torch.allclose(grads[router], full[router], atol=1e-6)
+        torch.testing.assert_close(summed_grads[router], full[router], rtol=1e-5, atol=1e-7)
+        for name in experts:
+            dim = 0 if "linear_fc1" in name else 1  # column- and row-parallel
+            torch.testing.assert_close(grads[name], full[name].chunk(2, dim=dim)[tp_rank], rtol=1e-5, atol=1e-7)
