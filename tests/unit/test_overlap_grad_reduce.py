@@ -4,8 +4,9 @@ reduction after backward, bit for bit.
 
 GradReducer directly: no bucket starts before the last micro-batch, every bucket has started
 when its backward returns, and the gradients equal the non-overlapped reducer's exactly. The
-trainer: DP=2 (adam; bf16 muon, fp32 main_grad) and PP=2 x DP=2 (tied embeddings: their sum
-over the pipeline must wait for the overlapped buckets) with small buckets log the same losses
+trainer: DP=2 (adam; bf16 muon, fp32 main_grad), PP=2 x DP=2 (tied embeddings: their sum
+over the pipeline must wait for the overlapped buckets) and MoE at EP=2 x DP=4 (expert buckets
+over the expert data-parallel group) with small buckets log the same losses
 and gradient norms with and without the flag; with the layer-wise optimizer (which then takes
 averaged gradients instead of reducing onto owners) it trains as one process.
 """
@@ -54,7 +55,11 @@ OVERLAP = ["--overlap-grad-reduce", "--ddp-bucket-size", "2000"]  # several buck
 def test_trainer_with_overlap_logs_the_same_run(run_distributed) -> None:
     runs = {"DP=2 adam": (2, OPTIMIZERS["adam"]),
             "DP=2 bf16 muon": (2, OPTIMIZERS["muon"] + ["--bf16", "--train-iters", "4", "--eval-iters", "0"]),
-            "PP=2 x DP=2 muon": (4, OPTIMIZERS["muon"] + ["--pipeline-model-parallel-size", "2"])}
+            "PP=2 x DP=2 muon": (4, OPTIMIZERS["muon"] + ["--pipeline-model-parallel-size", "2"]),
+            # expert buckets summed over the expert data-parallel group (EP=2 of DP=4)
+            "EP=2 x DP=4 MoE adam": (4, OPTIMIZERS["adam"] + ["--num-experts", "4", "--disable-bias-linear",
+                                                              "--expert-model-parallel-size", "2",
+                                                              "--moe-aux-loss-coeff", "0.1"])}
     for name, (world_size, flags) in runs.items():
         argv = ARGV + flags + ["--ddp-bucket-size", "2000"]
         plain = run_distributed(run_pretrain_gpt, world_size, args=(argv,))
