@@ -51,7 +51,7 @@ import torch.distributed as dist
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
-from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker, get_moe_metrics_tracker
 from megatron.core.transformer.moe.moe_utils import (
     MoEAuxLossAutoScaler,
     get_default_pg_collection,
@@ -233,12 +233,45 @@ def start_step(loss_scale: torch.Tensor, num_micro_batches: int) -> None:
     aux loss is too (Megatron-LM's `set_loss_scale(loss_scale / num_microbatches)`). The scale is
     a process-wide tensor that megatron updates in place: it is set anew here, on the loss
     scale's device. megatron's router records aux-loss values in a process-wide tracker that
-    Megatron-LM reports and clears every step; this trainer does not log them, and a tracker
-    left from an earlier model (another layer count) would fail, so it is cleared.
+    Megatron-LM reports and clears every step (`step_moe_losses` reads it); a tracker left from
+    an earlier model (another layer count) would fail, so it is made anew.
     """
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
     MoEAuxLossAutoScaler.set_loss_scale((loss_scale.detach().float() / num_micro_batches).reshape(()))
     destroy_moe_metrics_tracker()
+
+
+# What Megatron-LM logs for the load-balancing type this trainer offers ("aux_loss").
+LOGGED_MOE_LOSSES = ("load_balancing_loss",)
+
+
+def step_moe_losses(num_micro_batches: int, num_layers: int, device: torch.device) -> dict[str, float]:
+    """The step's MoE losses as Megatron-LM logs them (`load_balancing_loss`; 0 without an aux
+    loss, as there). megatron's router adds each micro-batch's unscaled load-balancing loss to its
+    layer's slot in a process-wide tracker; Megatron-LM's report sums the slots over the pipeline
+    (each stage holds its layers), then over the group the router named (its tokens' share: TP),
+    averages over data parallelism, and gives the mean over micro-batches and layers. The same
+    here, with sums divided by the group size where megatron averages (gloo has no
+    ReduceOp.AVG). Every rank calls it after the step (before the next `start_step`)."""
+    from megatron.core import parallel_state
+
+    tracker = get_moe_metrics_tracker()
+    losses = {}
+    for name in LOGGED_MOE_LOSSES:
+        tracker.ensure_initialized(name, num_layers, device=device)  # a stage whose layers recorded nothing
+        entry = tracker.metrics[name]
+        values = entry.values.clone()
+        dist.all_reduce(values, group=parallel_state.get_pipeline_model_parallel_group())
+        if entry.reduce_group is not None:
+            dist.all_reduce(values, group=entry.reduce_group)
+        averaged_over = [entry.avg_group] if entry.avg_group is not None else []
+        if entry.needs_dp_avg:
+            averaged_over.append(parallel_state.get_data_parallel_group())
+        for group in averaged_over:
+            dist.all_reduce(values, group=group)
+            values /= dist.get_world_size(group)
+        losses[name] = values.sum().item() / (num_micro_batches * num_layers)
+    return losses
 
 
 # ------------------------------------------------------------------------------------------------

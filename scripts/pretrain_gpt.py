@@ -96,7 +96,14 @@ from scripts.gpt_model import (  # noqa: E402
     initialize_model_parallel,
 )
 from scripts.grad_reduction import BUCKET_NUMEL, GradReducer, finalize_model_grads  # noqa: E402
-from scripts.moe import add_moe_args, check_moe_flags, describe_moe, moe_settings, start_step  # noqa: E402
+from scripts.moe import (  # noqa: E402
+    add_moe_args,
+    check_moe_flags,
+    describe_moe,
+    moe_settings,
+    start_step,
+    step_moe_losses,
+)
 from scripts.pipeline import Pipeline, SingleStage, add_pipeline_args, pipeline_layout  # noqa: E402
 from scripts.tokenizer import add_tokenizer_args  # noqa: E402
 from scripts.training_log import PALETTE, Curve, Logger, Step, params_norm, plot_curves  # noqa: E402
@@ -649,7 +656,9 @@ def train(args, settings, layout, device) -> list[dict]:
             iteration, loss, lr, ok, grad_norm=None if grad_norm is None else float(grad_norm),
             loss_scale=float(optimizer.get_loss_scale()), num_zeros=None if num_zeros is None else float(num_zeros),
             params_norm=logged_params_norm(model, optimizer) if args.log_params_norm else None,
-            max_attention_logit=optimizer.max_attention_logit))
+            max_attention_logit=optimizer.max_attention_logit,
+            other_losses=step_moe_losses(layout.grad_accumulation_steps, settings.num_layers, device)
+            if args.num_experts is not None else {}))
         evaluator.periodic(model, iteration)
         stop = bool(args.exit_interval) and iteration % args.exit_interval == 0
         at_interval = bool(args.save_interval) and iteration % args.save_interval == 0

@@ -11,7 +11,8 @@ formats:
 
 (one line). As in Megatron-LM, `lm loss` is the mean over the interval's successful iterations,
 the elapsed time is the interval's wall time over its iterations, and the skipped / nan counters
-count the interval (they restart after each line); `num zeros` (--log-num-zeros-in-grad),
+count the interval (they restart after each line); with MoE, `load_balancing_loss` follows
+`lm loss`, also averaged over the interval; `num zeros` (--log-num-zeros-in-grad),
 `params norm` (--log-params-norm) and `max attention logit` (--qk-clip /
 --log-max-attention-logit) are added when asked for. `--tensorboard-dir` writes Megatron-LM's
 scalar tags with torch's SummaryWriter; `--metrics-jsonl` one JSON object per printed line;
@@ -63,6 +64,9 @@ class IntervalStats:
     num_zeros: Optional[float] = None
     params_norm: Optional[float] = None
     max_attention_logit: Optional[float] = None
+    # Losses besides the lm loss (Megatron-LM's other total_loss_dict entries, e.g. MoE's
+    # load_balancing_loss): means over the interval's successful iterations.
+    other_losses: dict[str, float] = field(default_factory=dict)
 
 
 def format_iteration_line(stats: IntervalStats, now: Optional[datetime] = None) -> str:
@@ -76,6 +80,9 @@ def format_iteration_line(stats: IntervalStats, now: Optional[datetime] = None) 
     line += f" global batch size: {stats.global_batch_size:5d} |"
     if stats.lm_loss is not None and stats.lm_loss >= 0.0:  # Megatron-LM prints non-negative means only
         line += " lm loss: {:.6E} |".format(stats.lm_loss)
+    for name, value in stats.other_losses.items():
+        if value >= 0.0:
+            line += f" {name}: {value:.6E} |"
     line += f" loss scale: {stats.loss_scale:.1f} |"
     if stats.grad_norm is not None:
         line += f" grad norm: {stats.grad_norm:.3f} |"
@@ -95,15 +102,18 @@ class IntervalTotals:
     """Megatron-LM's total_loss_dict: sums since the last printed line."""
 
     loss_sum: float = 0.0
+    other_loss_sums: dict[str, float] = field(default_factory=dict)
     advanced: int = 0
     skipped: int = 0
     nan: int = 0
     started: float = field(default_factory=time.perf_counter)
 
-    def add(self, loss: float, ok: bool) -> None:
+    def add(self, loss: float, ok: bool, other_losses: dict[str, float]) -> None:
         if ok:
             self.advanced += 1
             self.loss_sum += loss
+            for name, value in other_losses.items():
+                self.other_loss_sums[name] = self.other_loss_sums.get(name, 0.0) + value
         else:  # a skipped step's loss is not averaged; a non-finite one counts as a nan iteration
             self.skipped += 1
             self.nan += int(not math.isfinite(loss))
@@ -115,6 +125,10 @@ class IntervalTotals:
     @property
     def mean_loss(self) -> Optional[float]:
         return self.loss_sum / self.advanced if self.advanced else None
+
+    @property
+    def mean_other_losses(self) -> dict[str, float]:
+        return {name: total / self.advanced for name, total in self.other_loss_sums.items()}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -197,6 +211,7 @@ class Step:
     num_zeros: Optional[float] = None
     params_norm: Optional[float] = None
     max_attention_logit: Optional[float] = None
+    other_losses: dict[str, float] = field(default_factory=dict)  # e.g. MoE's load_balancing_loss
 
 
 class Logger:
@@ -241,7 +256,7 @@ class Logger:
 
     def iteration(self, step: Step) -> None:
         self.consumed_samples += self.args.global_batch_size
-        self.totals.add(step.loss, step.ok)
+        self.totals.add(step.loss, step.ok, step.other_losses)
         if self.tensorboard and step.iteration % getattr(self.args, "tensorboard_log_interval", 1) == 0:
             self._tensorboard_step(step)
         if step.iteration % self.args.log_interval == 0 or step.iteration == 1:
@@ -256,6 +271,8 @@ class Logger:
         self.tensorboard.scalar("batch-size", self.args.global_batch_size, at, samples)
         if step.ok:
             self.tensorboard.scalar("lm loss", step.loss, at, samples)
+        for name, value in step.other_losses.items():  # Megatron-LM's MoE tags, without "vs samples"
+            self.tensorboard.scalar(name, value, at)
         self.tensorboard.scalar("loss-scale", step.loss_scale, at, samples)
         if step.grad_norm is not None:
             self.tensorboard.scalar("grad-norm", step.grad_norm, at, samples)
@@ -274,7 +291,7 @@ class Logger:
             elapsed_ms=elapsed_ms, learning_rate=step.learning_rate, global_batch_size=self.args.global_batch_size,
             lm_loss=totals.mean_loss, loss_scale=step.loss_scale, grad_norm=step.grad_norm, skipped=totals.skipped,
             nan=totals.nan, num_zeros=step.num_zeros, params_norm=step.params_norm,
-            max_attention_logit=step.max_attention_logit)
+            max_attention_logit=step.max_attention_logit, other_losses=totals.mean_other_losses)
         record = _record(stats)
         self.records.append(record)
         if not self.is_first:
@@ -312,6 +329,7 @@ def _record(stats: IntervalStats) -> dict:
     optional = {"num_zeros": stats.num_zeros, "params_norm": stats.params_norm,
                 "max_attention_logit": stats.max_attention_logit}
     record.update({key: value for key, value in optional.items() if value is not None})
+    record.update(stats.other_losses)
     return record
 
 

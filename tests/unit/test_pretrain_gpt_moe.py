@@ -60,6 +60,10 @@ def _params_norms(records: list[dict]) -> list[float]:
     return [r["params_norm"] for r in records]
 
 
+def _load_balancing(records: list[dict]) -> list[float]:
+    return [r["load_balancing_loss"] for r in records]
+
+
 def _layout(world_size: int) -> list[str]:
     return [] if world_size == 1 else ["--expert-model-parallel-size", "2"]
 
@@ -105,6 +109,9 @@ def test_expert_parallel_layouts_equal_one_process(run_distributed, tmp_path):
                 assert _grad_norms(records) == pytest.approx(reference_norms, rel=1e-4), (name, world_size)
                 # Each expert counted once (EP=2 rank alone holds half of them: 11% off).
                 assert _params_norms(records) == pytest.approx(_params_norms(results[name, 1][0][0]), rel=1e-5)
+                # Megatron-LM's logged load-balancing loss: per layer and micro-batch, averaged
+                # over data parallelism (0 without an aux loss, as Megatron-LM logs it).
+                assert _load_balancing(records) == pytest.approx(_load_balancing(results[name, 1][0][0]), rel=1e-5)
             differences[name, world_size] = (
                 max(abs(a / b - 1) for a, b in zip(_losses(per_rank[0][0]), reference)),
                 max(abs(a / b - 1) for a, b in zip(_grad_norms(per_rank[0][0]), reference_norms)))
@@ -112,6 +119,11 @@ def test_expert_parallel_layouts_equal_one_process(run_distributed, tmp_path):
             for world_size in (1, 2, 4):
                 _check_expert_calls(name, world_size, [calls for _, calls in results[name, world_size]])
     print("max relative (loss, grad norm) difference against one process:", differences)
+    # The switch load-balancing loss is E / (topk T^2) * sum_e tokens_e * probs_e: 1 for a
+    # uniform router, a little above it while training balances the experts.
+    assert set(_load_balancing(results["muon", 1][0][0])) == {0.0}
+    balancing = _load_balancing(results["adam, aux loss", 1][0][0])
+    assert all(1.0 <= value < 1.5 for value in balancing), balancing
     # The aux loss changes training by far more than the tolerance (else the runs above could
     # not tell a wrong aux-loss scale).
     muon, with_aux = _losses(results["muon", 1][0][0]), _losses(results["layer-wise muon, aux loss", 1][0][0])
@@ -239,6 +251,7 @@ def test_experts_through_the_pipeline_equal_one_process(run_distributed) -> None
         assert _losses(records) == pytest.approx(_losses(reference), rel=1e-5)
         assert _grad_norms(records) == pytest.approx(_grad_norms(reference), rel=1e-4)
         assert _params_norms(records) == pytest.approx(_params_norms(reference), rel=1e-5)
+        assert _load_balancing(records) == pytest.approx(_load_balancing(reference), rel=1e-5)
 
 
 # Tensor parallelism (with sequence parallelism, as megatron-core's MoELayer needs) ---------------

@@ -28,6 +28,7 @@ MEGATRON_LINE = re.compile(
     rf" learning rate: (?P<lr>{E}) \|"
     r" global batch size: (?P<batch>[ \d]{5}) \|"
     rf"(?: lm loss: (?P<loss>{E}) \|)?"
+    rf"(?: load_balancing_loss: (?P<load_balancing>{E}) \|)?"  # Megatron-LM's MoE total_loss_dict entry
     r" loss scale: (?P<scale>\d+\.\d) \|"
     r"(?: grad norm: (?P<grad_norm>\d+\.\d{3}) \|)?"
     r"(?: num zeros: (?P<zeros>[\d.]+) \|)?"
@@ -41,12 +42,14 @@ MEGATRON_LINE = re.compile(
 def test_line_parses_with_megatron_lm_format() -> None:
     stats = IntervalStats(iteration=20, train_iters=100, consumed_samples=320, elapsed_ms=41.25, learning_rate=9.75e-3,
                           global_batch_size=16, lm_loss=3.1234567, loss_scale=1.0, grad_norm=0.8125, skipped=1,
-                          nan=0, num_zeros=3.0, params_norm=18.5, max_attention_logit=52.25)
+                          nan=0, num_zeros=3.0, params_norm=18.5, max_attention_logit=52.25,
+                          other_losses={"load_balancing_loss": 1.0234567})
     match = MEGATRON_LINE.match(format_iteration_line(stats))
     assert match, format_iteration_line(stats)
     values = {key: value.strip() for key, value in match.groupdict().items()}
     assert values == {"iteration": "20", "train_iters": "100", "consumed": "320", "elapsed": "41.2",
-                      "lr": "9.750000E-03", "batch": "16", "loss": "3.123457E+00", "scale": "1.0",
+                      "lr": "9.750000E-03", "batch": "16", "loss": "3.123457E+00",
+                      "load_balancing": "1.023457E+00", "scale": "1.0",
                       "grad_norm": "0.812", "zeros": "3.0", "params_norm": "18.500", "max_logit": "52.250",
                       "skipped": "1", "nan": "0"}
 
@@ -57,6 +60,22 @@ def test_optional_fields_are_left_out() -> None:
     line = format_iteration_line(stats)
     match = MEGATRON_LINE.match(line)
     assert match and match["loss"] is None and match["grad_norm"] is None and match["max_logit"] is None, line
+
+
+def test_moe_load_balancing_loss_is_averaged_over_the_interval(monkeypatch, tmp_path) -> None:
+    """After lm loss, in Megatron-LM's total_loss_dict format, averaged over the interval's
+    successful iterations like lm loss; TensorBoard gets each iteration's value."""
+    stream = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", stream)
+    log = Logger(_args(train_iters=3, log_interval=3, tensorboard_dir=str(tmp_path)), rank=0)
+    for iteration, value, ok in [(1, 1.25, True), (2, 1.5, True), (3, 9.0, False)]:
+        log.iteration(Step(iteration, 3.0, 1e-3, ok, grad_norm=1.0, other_losses={"load_balancing_loss": value}))
+    log.close()
+    lines = [MEGATRON_LINE.match(line) for line in stream.getvalue().splitlines()]
+    assert all(lines), stream.getvalue()
+    assert [float(m["load_balancing"]) for m in lines] == [1.25, 1.5]  # iteration 1, then 2-3 (3 skipped)
+    assert [r["load_balancing_loss"] for r in log.records] == [1.25, 1.5]
+    assert _scalars(tmp_path)["load_balancing_loss"] == [(1, 1.25), (2, 1.5), (3, 9.0)]
 
 
 def _args(**overrides) -> argparse.Namespace:
