@@ -41,6 +41,7 @@ BENCHMARKS = {
     "fsdp2_4": TORCHRUN + ["--nproc-per-node", "4", "fsdp2_step.py", "--hidden", "256", "--layers", "4"],
     "fsdp2_polargrad_2": TORCHRUN + ["--nproc-per-node", "2", "fsdp2_whole_matrix_step.py", "--optimizer",
                                      "polargrad", "--hidden", "256", "--layers", "2"],
+    "grad_reduce_overlap": TORCHRUN + ["--nproc-per-node", "2", "grad_reduce_overlap.py"],
 }
 GPU_BENCHMARKS = {  # bf16 (fp32_matmul_prec 'medium', the library defaults on GPUs)
     "gpu_step": PYTHON + ["optimizer_step.py", "--device", "cuda", "--hidden", "4096", "--layers", "4",
@@ -108,6 +109,7 @@ INFO = [
      ("ratios", "batched / mcore_muon")),
     ("FSDP2 FSDP=4 bytes exchanged / two shard volumes per matrix", "fsdp2_4", ("exchanged_over_bound",)),
     ("FSDP2 polargrad step, one owner per matrix / gather everywhere, FSDP=2", "fsdp2_polargrad_2", ("step_ratio",)),
+    ("DP=2 iteration, --overlap-grad-reduce / all-reduce after backward", "grad_reduce_overlap", ("overlap_ratio",)),
 ]
 
 

@@ -1,0 +1,90 @@
+"""Whole training iteration (micro-batches forward + backward, gradient finalisation, Adam step)
+at DP=2: the trainer's bucketed data-parallel all-reduce after backward against
+`--overlap-grad-reduce` (each bucket's all-reduce started in the last micro-batch's backward).
+
+Two copies of the same megatron-core GPT (scripts/gpt_model.py), each with a GradReducer
+(scripts/grad_reduction.py) and Adam, differing only in `overlap`. Buckets of --bucket-numel
+elements, so the model has several and the early ones can reduce while backward goes on.
+
+    torchrun --nproc-per-node 2 benchmarks/grad_reduce_overlap.py [--hidden 512 --layers 4]
+
+gloo on CPU (where communication and computation share the same cores, so little can be hidden);
+NCCL with one GPU per rank when CUDA is available. Median of several iterations after warm-up,
+interleaved, each timed on the slowest rank. Prints numbers (rank 0); asserts nothing.
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _distributed import gpt_benchmark_parser, init_distributed, time_interleaved  # noqa: E402
+from _timing import write_json  # noqa: E402
+
+from megatron_eopt import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from scripts.gpt_model import (  # noqa: E402
+    GPTModelSettings,
+    build_gpt_model,
+    destroy_model_parallel,
+    gpt_loss,
+    initialize_model_parallel,
+)
+from scripts.grad_reduction import GradReducer, finalize_model_grads  # noqa: E402
+
+MODES = {"reduce after backward": False, "overlap": True}
+
+
+def main() -> None:
+    parser = gpt_benchmark_parser(__doc__.splitlines()[0])
+    parser.add_argument("--micro-batches", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=2, help="sequences per micro-batch")
+    parser.add_argument("--seq-length", type=int, default=128)
+    parser.add_argument("--bucket-numel", type=int, default=1_000_000)
+    args = parser.parse_args()
+    device = init_distributed()
+    initialize_model_parallel(1, seed=1234)
+    heads = max(1, args.hidden // 64)
+    settings = GPTModelSettings(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=heads,
+                                num_query_groups=heads, ffn_hidden_size=4 * args.hidden, vocab_size=1024,
+                                seq_length=args.seq_length)
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    micro_batches = [torch.randint(0, settings.vocab_size, (args.batch, args.seq_length + 1), generator=generator)
+                     .to(device) for _ in range(args.micro_batches)]
+    iterations, buckets = {}, 0
+    for name, overlap in MODES.items():
+        model = build_gpt_model(settings, device)
+        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-4), [model])
+        grads = GradReducer(model, dist.group.WORLD, accumulate_in_fp32=False, bucket_numel=args.bucket_numel,
+                            overlap=overlap)
+        buckets = len(grads.buckets)
+
+        def iteration(model=model, optimizer=optimizer, grads=grads) -> None:
+            optimizer.zero_grad()
+            grads.zero_grads(len(micro_batches))
+            for tokens in micro_batches:
+                (gpt_loss(model, tokens) / len(micro_batches)).backward()
+            finalize_model_grads([model], grads)
+            optimizer.step()
+
+        iterations[name] = iteration
+    seconds = time_interleaved(iterations, {name: (lambda: None) for name in iterations},
+                               args.warmup, args.repeats, device)
+    if dist.get_rank() == 0:
+        base = seconds["reduce after backward"]
+        print(f"Adam, GPT hidden {args.hidden}, {args.layers} layers, {args.micro_batches} micro-batches of "
+              f"{args.batch}x{args.seq_length} per rank, {buckets} buckets, {dist.get_world_size()} ranks on "
+              f"{device.type}, median of {args.repeats} iterations")
+        for name, value in seconds.items():
+            print(f"{name:22} {value * 1e3:9.1f} ms per iteration  ({value / base:.3f} of reducing after backward)")
+        write_json(args.json, {"iteration_ms": {n: s * 1e3 for n, s in seconds.items()},
+                               "overlap_ratio": seconds["overlap"] / base, "buckets": buckets,
+                               "world_size": dist.get_world_size(), "device": device.type})
+    destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
