@@ -45,6 +45,21 @@ def test_sequence_parallelism_with_fsdp2(run_distributed) -> None:
             assert [r[key] for r in records] == pytest.approx(expected, rel=TOLERANCE[key]), key
 
 
+def test_qk_clip_under_sequence_parallelism(run_distributed) -> None:
+    """QK-clip reads each attention's per-head maximum logit: under sequence parallelism the
+    attention sees the gathered sequence, so TP=2 logs and clips as one process (threshold 0.1:
+    clipping from the third step on)."""
+    argv = ARGV + OPTIMIZERS["muon"] + ["--qk-clip", "--qk-clip-threshold", "0.1", "--eval-iters", "0"]
+    (reference,) = run_distributed(run_pretrain_gpt, 1, args=(argv,))
+    logits = [r["max_attention_logit"] for r in reference]
+    assert max(logits) > 0.1, logits
+    # Maximum logits: 1e-4 relative (a max over TP-split matmuls; measured 5.0e-5, and 3.5e-5 at
+    # TP=2 without sequence parallelism); losses 1e-5 (measured 1.2e-7).
+    for records in run_distributed(run_pretrain_gpt, 2, args=(argv + SP,)):
+        for key, tolerance in (("loss", 1e-5), ("max_attention_logit", 1e-4)):
+            assert [r[key] for r in records] == pytest.approx([r[key] for r in reference], rel=tolerance), key
+
+
 def test_bf16_sequence_parallel_sums_the_fp32_main_grads(run_distributed) -> None:
     """bf16 parameters accumulate into fp32 `main_grad`; the sum over TP reads those. Not bitwise
     (bf16 matmuls split differently over TP): within 1e-2 relative over 6 iterations."""
