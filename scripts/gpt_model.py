@@ -56,11 +56,11 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 
+from scripts.cpu_rng import use_cpu_rng_tracker
 from scripts.moe import moe_layer_builder
 from scripts.sequence_parallel import (
     SequenceParallelTorchNorm,
     install_cpu_sequence_parallel,
-    use_cpu_rng_tracker,
     use_cpu_sequence_parallel_linears,
 )
 
@@ -210,7 +210,7 @@ class SDPACoreAttention(MegatronModule):
         if dropout_p > 0.0 and not self.config.sequence_parallel:
             # Heads differ across tensor-parallel ranks, so their dropout must use the
             # model-parallel RNG stream, as megatron's DotProductAttention does (on CPU the
-            # tracker's streams are CPU generator states, scripts/sequence_parallel.py). Under
+            # tracker's streams are CPU generator states, scripts/cpu_rng.py). Under
             # sequence parallelism the transformer block runs inside that stream already.
             with tensor_parallel.get_cuda_rng_tracker().fork():
                 out = self._sdpa(q, k, v, allowed, causal, dropout_p)
@@ -328,6 +328,14 @@ class GPTModelSettings:
     qk_clip_threshold: float = 100.0
     qk_clip_alpha: float = 0.5
     log_max_attention_logit: bool = False
+    # megatron's activation recompute: "full" recomputes whole layers in backward (recompute_method
+    # "uniform": groups of recompute_num_layers layers; "block": the first recompute_num_layers of
+    # each stage), "selective" the core attention. Dropout draws the same masks again (megatron's
+    # checkpoint restores the RNG states; scripts/cpu_rng.py on CPU). megatron's TransformerConfig
+    # checks the combination.
+    recompute_granularity: Literal["full", "selective"] | None = None
+    recompute_method: Literal["uniform", "block"] | None = None
+    recompute_num_layers: int | None = None
     # megatron's --sequence-parallel (scripts/sequence_parallel.py): activations outside attention
     # and the MLP split along the sequence over the tensor-parallel ranks. Ignored at TP=1, as in
     # megatron; the trainer sums the tagged norm gradients over TP (sum_sequence_parallel_grads).
@@ -455,7 +463,7 @@ def initialize_model_parallel(
         # Megatron's seeding also sets up the per-TP-rank CUDA RNG streams used by dropout;
         # it calls CUDA, hence only when CUDA is there.
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    else:  # the same per-TP-rank stream on the CPU generator (dropout under sequence parallelism)
+    else:  # the same per-TP-rank stream on the CPU generator (scripts/cpu_rng.py)
         use_cpu_rng_tracker(seed, parallel_state.get_tensor_model_parallel_rank())
 
 
@@ -552,6 +560,9 @@ def build_gpt_model(
         qk_clip_alpha=settings.qk_clip_alpha,
         log_max_attention_logit=settings.log_max_attention_logit,
         sequence_parallel=sequence_parallel,
+        recompute_granularity=settings.recompute_granularity,
+        recompute_method=settings.recompute_method,
+        recompute_num_layers=settings.recompute_num_layers,
         **_pipeline_config(settings),
         **_expert_config(settings),
     )

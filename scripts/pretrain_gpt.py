@@ -232,6 +232,16 @@ def build_parser() -> argparse.ArgumentParser:
     training.add_argument("--lr-wsd-decay-samples", type=int, default=None,
                           help="with --train-samples and --lr-decay-style WSD")
     training.add_argument("--seed", type=int, default=1234)
+    training.add_argument("--recompute-activations", action="store_true",
+                          help="recompute each layer's core attention in backward instead of keeping its "
+                               "activations (--recompute-granularity selective)")
+    training.add_argument("--recompute-granularity", default=None, choices=("full", "selective"),
+                          help="full: recompute whole layers (with --recompute-method and --recompute-num-layers); "
+                               "selective: the core attention")
+    training.add_argument("--recompute-method", default=None, choices=("uniform", "block"),
+                          help="with --recompute-granularity full: uniform recomputes groups of "
+                               "--recompute-num-layers layers, block the first --recompute-num-layers of each stage")
+    training.add_argument("--recompute-num-layers", type=int, default=None)
     training.add_argument("--overlap-grad-reduce", action="store_true",
                           help="start each gradient bucket's data-parallel all-reduce during the last "
                                "micro-batch's backward, as soon as its gradients are complete (with "
@@ -386,6 +396,29 @@ def _rotary_settings(args: argparse.Namespace) -> dict[str, Any]:
     return given
 
 
+def _recompute_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """Megatron-LM's rules: --recompute-activations is --recompute-granularity selective; full
+    recompute needs a method and a layer count, selective neither."""
+    granularity = args.recompute_granularity
+    if args.recompute_activations:
+        if granularity == "full":
+            raise ValueError("--recompute-activations (selective recompute) and --recompute-granularity full "
+                             "exclude each other; give one.")
+        granularity = "selective"
+    given = [flag for flag, value in (("--recompute-method", args.recompute_method),
+                                      ("--recompute-num-layers", args.recompute_num_layers)) if value is not None]
+    if granularity != "full":
+        refuse_flags_without(given, "--recompute-granularity full" + (f" (got {granularity})" if granularity else ""))
+    elif len(given) < 2:
+        raise ValueError("--recompute-granularity full needs --recompute-method (uniform or block) and "
+                         "--recompute-num-layers.")
+    elif not 1 <= args.recompute_num_layers <= args.num_layers:
+        raise ValueError(f"--recompute-num-layers {args.recompute_num_layers} must be in [1, --num-layers "
+                         f"{args.num_layers}].")
+    return dict(recompute_granularity=granularity, recompute_method=args.recompute_method,
+                recompute_num_layers=args.recompute_num_layers)
+
+
 def _settings_from_flags(args: argparse.Namespace) -> GPTModelSettings:
     return GPTModelSettings(
         num_layers=args.num_layers,
@@ -407,6 +440,7 @@ def _settings_from_flags(args: argparse.Namespace) -> GPTModelSettings:
         init_method_std=args.init_method_std,
         position_embedding_type=args.position_embedding_type,
         **_rotary_settings(args),
+        **_recompute_settings(args),
         sequence_parallel=args.sequence_parallel,
         # QK-clip: the model's TransformerConfig carries the flags too (Transformer Engine's
         # attention records its maximum logits only when built with them).

@@ -18,14 +18,12 @@ megatron-core builds all of this; what stops it on CPU, and what this module sub
 - its torch layer norm refuses sequence parallelism (only because it does not tag its weights;
   this is also megatron's local spec on CUDA without Transformer Engine):
   :class:`SequenceParallelTorchNorm` tags them;
-- dropout in the sequence-parallel region forks megatron's CUDA RNG tracker:
-  :class:`CPURNGStatesTracker` keeps the same named streams (a different one per
-  tensor-parallel rank) on the CPU generator.
+- dropout in the sequence-parallel region forks megatron's CUDA RNG tracker, which
+  scripts/cpu_rng.py runs on the CPU generator (a different stream per tensor-parallel rank).
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Iterable
 
 import torch
@@ -33,13 +31,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from megatron.core.tensor_parallel import mappings
-from megatron.core.tensor_parallel import random as megatron_random
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.transformer_config import TransformerConfig
-
-# megatron-core's RNG offsets (model_parallel_cuda_manual_seed): the model-parallel stream of a
-# tensor-parallel rank starts at seed + 2718 + its rank.
-_MODEL_PARALLEL_SEED_OFFSET = 2718
 
 
 def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
@@ -151,42 +144,3 @@ def sum_sequence_parallel_grads(params: list[torch.nn.Parameter], tp_group) -> N
     dist.all_reduce(flat, group=tp_group)
     for grad, summed in zip(grads, flat.split([g.numel() for g in grads])):
         grad.copy_(summed.view_as(grad))
-
-
-class CPURNGStatesTracker(megatron_random.CudaRNGStatesTracker):
-    """megatron's RNG-state tracker over the CPU generator: `add` keeps a named stream,
-    `fork` runs a block on it and restores the default stream afterwards."""
-
-    def add(self, name: str, seed: int) -> None:
-        if seed in self.seeds_ or name in self.states_:
-            raise ValueError(f"RNG stream {name!r} or seed {seed} is already tracked")
-        self._is_initialized = True
-        self.seeds_.add(seed)
-        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
-
-    @contextlib.contextmanager
-    def fork(self, name: str = megatron_random._MODEL_PARALLEL_RNG_TRACKER_NAME):
-        if name not in self.states_:
-            raise ValueError(f"RNG stream {name!r} is not tracked")
-        default_state = torch.get_rng_state()
-        torch.set_rng_state(self.states_[name])
-        try:
-            yield
-        finally:
-            self.states_[name] = torch.get_rng_state()
-            torch.set_rng_state(default_state)
-
-
-def use_cpu_rng_tracker(seed: int, tp_rank: int) -> None:
-    """Make megatron's tracker a :class:`CPURNGStatesTracker` with its model-parallel stream
-    seeded as megatron seeds it on CUDA (one stream per TP rank). The tracker object stays the
-    one megatron created (its class changes), so code holding it, such as checkpoint I/O, sees
-    the streams."""
-    tracker = megatron_random.get_cuda_rng_tracker()
-    if type(tracker) is megatron_random.CudaRNGStatesTracker:
-        tracker.__class__ = CPURNGStatesTracker
-    elif not isinstance(tracker, CPURNGStatesTracker):
-        raise TypeError(f"megatron's RNG tracker is a {type(tracker).__name__}; on CPU it must be megatron's "
-                        f"CudaRNGStatesTracker, which use_cpu_rng_tracker runs on the CPU generator")
-    tracker.reset()
-    tracker.add(megatron_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + _MODEL_PARALLEL_SEED_OFFSET + tp_rank)

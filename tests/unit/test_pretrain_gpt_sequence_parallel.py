@@ -115,7 +115,7 @@ def _draws(rank: int, world_size: int, seed: int, tp_rank: int) -> list:
 
     from megatron.core import tensor_parallel
 
-    from scripts.sequence_parallel import use_cpu_rng_tracker
+    from scripts.cpu_rng import use_cpu_rng_tracker
 
     use_cpu_rng_tracker(seed, tp_rank)
     before = torch.get_rng_state()

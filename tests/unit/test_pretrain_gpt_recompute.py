@@ -1,0 +1,98 @@
+"""Activation recompute in scripts/pretrain_gpt.py (Megatron-LM's --recompute-* flags), on CPU.
+
+Recompute changes when activations are computed, not what: with dropout on (hidden and
+attention 0.1, so the recomputed forward must draw the same masks: megatron's checkpoint
+restores the RNG states, scripts/cpu_rng.py makes that work without CUDA) every run logs the
+losses and gradient norms of the run without recompute, bit for bit. That the recompute happens
+is counted: the forward calls of each transformer layer (full) or each core attention
+(selective) per micro-batch.
+"""
+
+import pytest
+
+from tests.pretrain_gpt_in_process import run_pretrain_gpt
+from tests.unit.test_pretrain_gpt_pipeline import ARGV, OPTIMIZERS
+
+DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--eval-iters", "0", "--train-iters", "4"]
+LAYERS, MICRO_BATCHES, ITERATIONS = 4, 4, 4  # ARGV: 4 layers, global batch 8 of micro-batches of 2
+RECOMPUTE = {  # flags: (forward calls of the layers, of the core attentions) per micro-batch
+    "none": ([], (LAYERS, LAYERS)),
+    "selective": (["--recompute-activations"], (LAYERS, 2 * LAYERS)),
+    "full, uniform 2": (["--recompute-granularity", "full", "--recompute-method", "uniform",
+                         "--recompute-num-layers", "2"], (2 * LAYERS, 2 * LAYERS)),
+    "full, block 1": (["--recompute-granularity", "full", "--recompute-method", "block",
+                       "--recompute-num-layers", "1"], (LAYERS + 1, LAYERS + 1)),
+}
+
+
+def run_counting_forwards(rank: int, world_size: int, argv: list[str]) -> tuple[list[dict], int, int]:
+    """`run_pretrain_gpt`, also counting the calls of TransformerLayer.forward and of the core
+    attention's forward on this rank."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from scripts.gpt_model import SDPACoreAttention
+
+    counts = {TransformerLayer: 0, SDPACoreAttention: 0}
+    originals = {cls: cls.forward for cls in counts}
+
+    def counting(cls):
+        def forward(self, *args, **kwargs):
+            counts[cls] += 1
+            return originals[cls](self, *args, **kwargs)
+        return forward
+
+    for cls in counts:
+        cls.forward = counting(cls)
+    try:
+        records = run_pretrain_gpt(rank, world_size, argv)
+    finally:
+        for cls, original in originals.items():
+            cls.forward = original
+    return records, counts[TransformerLayer], counts[SDPACoreAttention]
+
+
+def _curves(records: list[dict]) -> tuple[list[float], list[float]]:
+    return [r["loss"] for r in records], [r["grad_norm"] for r in records]
+
+
+def test_recompute_gives_the_same_run_and_recomputes(run_distributed) -> None:
+    argv = ARGV + OPTIMIZERS["muon"] + DROPOUT
+    runs = {name: run_distributed(run_counting_forwards, 1, args=(argv + flags,))[0]
+            for name, (flags, _) in RECOMPUTE.items()}
+    reference = _curves(runs["none"][0])
+    assert len(reference[0]) == ITERATIONS
+    for name, (records, layer_calls, attention_calls) in runs.items():
+        assert _curves(records) == reference, name
+        per_micro_batch = RECOMPUTE[name][1]
+        assert (layer_calls, attention_calls) == tuple(n * MICRO_BATCHES * ITERATIONS for n in per_micro_batch), name
+
+
+def test_recompute_with_tensor_and_sequence_parallel_dropout(run_distributed) -> None:
+    """At TP=2 with sequence parallelism the dropout masks come from the tracker's per-rank stream
+    (forked inside the recomputed region): full recompute logs the run without it."""
+    argv = ARGV + OPTIMIZERS["adam"] + DROPOUT + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    plain = run_distributed(run_pretrain_gpt, 2, args=(argv,))
+    recomputed = run_distributed(run_pretrain_gpt, 2, args=(argv + RECOMPUTE["full, uniform 2"][0],))
+    assert _curves(recomputed[0]) == _curves(plain[0])
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--recompute-granularity", "full"], "--recompute-granularity full needs --recompute-method (uniform or block) "
+                                          "and --recompute-num-layers."),
+    (["--recompute-method", "block"], "--recompute-method only applies with --recompute-granularity full."),
+    (["--recompute-activations", "--recompute-num-layers", "1"],
+     "--recompute-num-layers only applies with --recompute-granularity full (got selective)."),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "9"],
+     "--recompute-num-layers 9 must be in [1, --num-layers 2]."),
+    (["--recompute-activations", "--recompute-granularity", "full"],
+     "--recompute-activations (selective recompute) and --recompute-granularity full exclude each other"),
+], ids=["full-alone", "method-alone", "layers-with-selective", "too-many-layers", "both"])
+def test_bad_recompute_flags_exit_with_one_line(argv: list[str], message: str, monkeypatch, capsys) -> None:
+    from scripts import pretrain_gpt
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit):
+        pretrain_gpt.parse_args(["--lr", "1e-3"] + argv)
+    lines = [line for line in capsys.readouterr().err.strip().splitlines() if "No CUDA runtime" not in line]
+    assert len(lines) == 1 and lines[0].startswith(f"pretrain_gpt.py: error: {message}"), lines
