@@ -220,31 +220,42 @@ class SDPACoreAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(sq, b, heads * head_dim)
 
 
-def gpt_layer_spec(use_cuda: bool, max_attn_logits: bool = False, num_experts: int | None = None) -> ModuleSpec:
+def gpt_layer_spec(use_cuda: bool, max_attn_logits: bool = False, num_experts: int | None = None,
+                   transformer_impl: str = "auto") -> ModuleSpec:
     """Transformer-layer spec: megatron's own on CUDA, local + SDPA attention on CPU.
 
     ``max_attn_logits`` (QK-clip or max-logit logging): on CUDA, Transformer Engine's
     attention records them from TE 2.9; without such a TE the SDPA attention is used.
     ``num_experts``: megatron's MoE layer, with the substitutions of scripts/moe.py (experts
     seeded by global index; on CPU also the router, layer and allgather dispatcher).
+    ``transformer_impl`` (Megatron-LM's --transformer-impl): "auto" takes Transformer Engine's
+    layers on CUDA when it is installed, "local" megatron's local ones, "transformer_engine"
+    requires them (CUDA and TE, >= 2.9 with ``max_attn_logits``).
     """
-    spec = _attention_spec(use_cuda, max_attn_logits, num_experts)
+    spec = _attention_spec(use_cuda, max_attn_logits, num_experts, transformer_impl)
     if num_experts is None:
         return spec
     mlp = moe_layer_builder(spec.submodules.mlp, use_cuda)
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))
 
 
-def _attention_spec(use_cuda: bool, max_attn_logits: bool, num_experts: int | None) -> ModuleSpec:
-    if use_cuda:
-        if _transformer_engine_at_least("2.9.0" if max_attn_logits else None):
-            from megatron.core.models.gpt.gpt_layer_specs import (
-                get_gpt_layer_with_transformer_engine_spec,
-            )
+TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 
-            return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts)
-        if not max_attn_logits:
-            return get_gpt_layer_local_spec(num_experts=num_experts)
+
+def _attention_spec(use_cuda: bool, max_attn_logits: bool, num_experts: int | None,
+                    transformer_impl: str) -> ModuleSpec:
+    if transformer_impl not in TRANSFORMER_IMPLS:
+        raise ValueError(f"transformer_impl must be one of {TRANSFORMER_IMPLS}, not {transformer_impl!r}")
+    te_version = "2.9.0" if max_attn_logits else None  # TE records the maximum logits from 2.9
+    if transformer_impl == "transformer_engine" and not (use_cuda and transformer_engine_at_least(te_version)):
+        raise ValueError(f"transformer_impl='transformer_engine' needs CUDA and Transformer Engine"
+                         f"{' >= 2.9 (QK-clip reads the maximum attention logits it records)' if te_version else ''}")
+    if use_cuda and transformer_impl != "local" and transformer_engine_at_least(te_version):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts)
+    if use_cuda and not max_attn_logits:
+        return get_gpt_layer_local_spec(num_experts=num_experts)
     # Copy each level we change so no spec object shared with other callers is mutated.
     spec = get_gpt_layer_local_spec(num_experts=num_experts)
     attention = spec.submodules.self_attention
@@ -257,7 +268,7 @@ def _attention_spec(use_cuda: bool, max_attn_logits: bool, num_experts: int | No
     )
 
 
-def _transformer_engine_at_least(version: str | None) -> bool:
+def transformer_engine_at_least(version: str | None) -> bool:
     """Whether Transformer Engine is installed (and at least ``version``, when given)."""
     try:
         import transformer_engine  # noqa: F401
@@ -328,6 +339,9 @@ class GPTModelSettings:
     qk_clip_threshold: float = 100.0
     qk_clip_alpha: float = 0.5
     log_max_attention_logit: bool = False
+    # megatron's --transformer-impl: "auto" (Transformer Engine on CUDA when installed), "local"
+    # or "transformer_engine" (required); see gpt_layer_spec.
+    transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
     # megatron's activation recompute: "full" recomputes whole layers in backward (recompute_method
     # "uniform": groups of recompute_num_layers layers; "block": the first recompute_num_layers of
     # each stage), "selective" the core attention. Dropout draws the same masks again (megatron's
@@ -571,6 +585,7 @@ def build_gpt_model(
         use_cuda=device.type == "cuda",
         max_attn_logits=settings.qk_clip or settings.log_max_attention_logit,
         num_experts=settings.num_moe_experts,
+        transformer_impl=settings.transformer_impl,
     )
     if layer_spec.module is TransformerLayer and _init_seed is not None:
         layer_spec = dataclasses.replace(layer_spec, module=_LayerSeededTransformerLayer)

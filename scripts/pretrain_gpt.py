@@ -94,6 +94,7 @@ from scripts.gpt_model import (  # noqa: E402
     build_gpt_model_chunks,
     destroy_model_parallel,
     initialize_model_parallel,
+    transformer_engine_at_least,
 )
 from scripts.grad_reduction import BUCKET_NUMEL, GradReducer, finalize_model_grads  # noqa: E402
 from scripts.moe import (  # noqa: E402
@@ -104,6 +105,7 @@ from scripts.moe import (  # noqa: E402
     start_step,
     step_moe_losses,
 )
+from scripts.no_effect_flags import add_no_effect_args, no_effect_lines  # noqa: E402
 from scripts.pipeline import Pipeline, SingleStage, add_pipeline_args, pipeline_layout  # noqa: E402
 from scripts.tokenizer import add_tokenizer_args  # noqa: E402
 from scripts.training_log import PALETTE, Curve, Logger, Step, params_norm, plot_curves  # noqa: E402
@@ -194,7 +196,13 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--vocab-size", type=int, default=None,
                        help=f"the generated task's vocabulary (default {DEFAULT_RULE_VOCAB_SIZE}) or "
                             "NullTokenizer's; with a tokenizer the model's is its vocabulary, padded")
+    model.add_argument("--transformer-impl", default=None, choices=("local", "transformer_engine"),
+                       help="megatron-core's local layers or Transformer Engine's (CUDA and TE needed); "
+                            "default: Transformer Engine on CUDA when installed, else local")
     training = parser.add_argument_group(title="training")
+    training.add_argument("--distributed-backend", default=None, choices=("nccl", "gloo"),
+                          help="default: nccl (one GPU per rank) where CUDA is available, else gloo on CPU; "
+                               "gloo runs on CPU even where CUDA is available")
     training.add_argument("--tensor-model-parallel-size", type=int, default=1)
     training.add_argument("--sequence-parallel", action="store_true",
                           help="split the activations outside attention and the MLP along the sequence over "
@@ -215,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
                                "the lr schedule then counts samples (--lr-decay-samples, --lr-warmup-samples, "
                                "--lr-wsd-decay-samples)")
     training.add_argument("--exit-interval", type=int, default=None, help="stop after an iteration divisible by this")
+    training.add_argument("--exit-duration-in-mins", type=float, default=None,
+                          help="stop (saving first, with --save) after the iteration that ends past this many "
+                               "minutes of training, on every rank together")
     training.add_argument("--lr-decay-style", default="linear",
                           choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"))
     training.add_argument("--lr-decay-iters", type=int, default=None, help="default: train iters")
@@ -280,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_tokenizer_args(parser)
     add_eval_args(parser)
     add_moe_args(parser)
+    add_no_effect_args(parser)
     return add_optimizer_args(parser)
 
 
@@ -304,6 +316,7 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, GP
         # all-reduce overlapped with backward (--overlap-grad-reduce) has averaged them already.
         args.layer_wise_reduce_grads = args.use_layer_wise_distributed_optimizer and not args.overlap_grad_reduce
         optimizer_config_from_args(args)
+        _check_device_flags(args)
         layout = _layout(args)
         settings = _model_settings(args, layout.tp)
         layout, settings = _with_experts(args, layout, settings)
@@ -336,11 +349,31 @@ def _layout(args: argparse.Namespace) -> Layout:
     return Layout(world_size, rank, tp, dp, args.global_batch_size // per_step, pp, vpp)
 
 
+def runs_on_cuda(args: argparse.Namespace) -> bool:
+    """NCCL on GPUs or gloo on CPU: a caller's process group, else --distributed-backend, else
+    CUDA when available."""
+    if dist.is_initialized():
+        return dist.get_backend() == "nccl"
+    if args.distributed_backend is not None:
+        return args.distributed_backend == "nccl"
+    return torch.cuda.is_available()
+
+
+def _check_device_flags(args: argparse.Namespace) -> None:
+    if args.distributed_backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("--distributed-backend nccl needs CUDA, and none is available (gloo runs on CPU).")
+    if dist.is_initialized() and args.distributed_backend not in (None, dist.get_backend()):
+        raise ValueError(f"--distributed-backend {args.distributed_backend}: the process group this runs in "
+                         f"is {dist.get_backend()}.")
+    if args.transformer_impl == "transformer_engine" and not (runs_on_cuda(args) and transformer_engine_at_least(None)):
+        raise ValueError("--transformer-impl transformer_engine needs CUDA and Transformer Engine installed "
+                         "(--transformer-impl local runs everywhere).")
+
+
 def _with_experts(args: argparse.Namespace, layout: Layout, settings: GPTModelSettings
                   ) -> tuple[Layout, GPTModelSettings]:
     """The MoE flags (scripts/moe.py) in the layout and the model settings."""
-    on_cuda = dist.get_backend() == "nccl" if dist.is_initialized() else torch.cuda.is_available()
-    ep = check_moe_flags(args, layout.tp, layout.dp, use_cuda=on_cuda)
+    ep = check_moe_flags(args, layout.tp, layout.dp, use_cuda=runs_on_cuda(args))
     return dataclasses.replace(layout, ep=ep), dataclasses.replace(settings, **moe_settings(args))
 
 
@@ -439,6 +472,7 @@ def _settings_from_flags(args: argparse.Namespace) -> GPTModelSettings:
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
         position_embedding_type=args.position_embedding_type,
+        transformer_impl=args.transformer_impl or "auto",
         **_rotary_settings(args),
         **_recompute_settings(args),
         sequence_parallel=args.sequence_parallel,
@@ -465,6 +499,8 @@ def _check_training_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--ddp-bucket-size must be >= 1; got {args.ddp_bucket_size}.")
     if args.exit_interval is not None and args.exit_interval < 1:
         raise ValueError(f"--exit-interval must be >= 1; got {args.exit_interval}.")
+    if args.exit_duration_in_mins is not None and not args.exit_duration_in_mins > 0:
+        raise ValueError(f"--exit-duration-in-mins must be > 0; got {args.exit_duration_in_mins}.")
     if args.lr is None:
         raise ValueError("--lr is required (the peak learning rate).")
     if args.bf16:  # Megatron-LM's default with bf16
@@ -577,16 +613,16 @@ def _training_length_fields(args: argparse.Namespace) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------
 
 
-def init_distributed(layout: Layout) -> torch.device:
-    """One process group over every rank: NCCL on CUDA (cuda:LOCAL_RANK), gloo on CPU. A process
-    group that already exists (a caller's, see `main`) is used as it is."""
+def init_distributed(args: argparse.Namespace, layout: Layout) -> torch.device:
+    """One process group over every rank: NCCL on CUDA (cuda:LOCAL_RANK), gloo on CPU (see
+    `runs_on_cuda`). A process group that already exists (a caller's, see `main`) is used as it is."""
     if dist.is_initialized():
         return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     if "MASTER_ADDR" not in os.environ:  # plain `python`: a one-process group on a free port
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
-    if torch.cuda.is_available():
+    if runs_on_cuda(args):
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", rank=layout.rank, world_size=layout.world_size, device_id=device)
@@ -674,12 +710,15 @@ def train(args, settings, layout, device) -> list[dict]:
     log.say(describe_model(model) + (", bf16 compute (FSDP2 MixedPrecisionPolicy)" if args.use_torch_fsdp2 and args.bf16 else ""))
     if args.num_experts is not None:
         log.say(describe_moe(args))
+    for line in no_effect_lines(args):
+        log.say(line)
     if args.overlap_grad_reduce and args.use_torch_fsdp2:
         log.say("--overlap-grad-reduce: nothing to change, FSDP2 reduce-scatters each layer's gradients during backward")
     precision_line = matmul_precision_line(args, device)
     if precision_line:
         log.say(precision_line)
     start = resume(args, chunks, optimizer, scheduler, log)
+    started = time.time()
     for iteration in range(start + 1, args.train_iters + 1):
         lr = optimizer.param_groups[0]["lr"]
         loss, ok, grad_norm, num_zeros = train_step(
@@ -694,18 +733,33 @@ def train(args, settings, layout, device) -> list[dict]:
             other_losses=step_moe_losses(layout.grad_accumulation_steps, settings.num_layers, device)
             if args.num_experts is not None else {}))
         evaluator.periodic(model, iteration)
-        stop = bool(args.exit_interval) and iteration % args.exit_interval == 0
+        stop = exit_reason(args, iteration, started, device)
         at_interval = bool(args.save_interval) and iteration % args.save_interval == 0
         if args.save and (at_interval or stop or iteration == args.train_iters):
             path = save_checkpoint(args.save, iteration, chunks, optimizer, scheduler)
             log.say(f"saved checkpoint {path}")
         if stop:
-            log.say(f"exiting after iteration {iteration} (--exit-interval {args.exit_interval})")
+            log.say(f"exiting after iteration {iteration} ({stop})")
             break
-    else:  # as in Megatron-LM, a run stopped by --exit-interval skips the final evaluation
+    else:  # as in Megatron-LM, a run stopped early skips the final evaluation
         evaluator.final(model, args.train_iters)
     log.close()
     return log.records
+
+
+def exit_reason(args: argparse.Namespace, iteration: int, started: float, device: torch.device) -> Optional[str]:
+    """Why training stops after `iteration` (None: it goes on): --exit-interval, or
+    --exit-duration-in-mins, decided on every rank at once (the longest clock: a MAX all-reduce,
+    as Megatron-LM does)."""
+    if args.exit_interval and iteration % args.exit_interval == 0:
+        return f"--exit-interval {args.exit_interval}"
+    if args.exit_duration_in_mins is None:
+        return None
+    minutes = torch.tensor((time.time() - started) / 60, dtype=torch.float64, device=device)
+    dist.all_reduce(minutes, op=dist.ReduceOp.MAX)
+    if minutes.item() < args.exit_duration_in_mins:
+        return None
+    return f"--exit-duration-in-mins {args.exit_duration_in_mins:g}: {minutes.item():.2f} minutes of training"
 
 
 def logged_params_norm(model: torch.nn.Module, optimizer) -> float:
@@ -812,7 +866,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     """
     owns_process_group = not dist.is_initialized()
     args, settings, layout = parse_args(argv)
-    device = init_distributed(layout)
+    device = init_distributed(args, layout)
     initialize_model_parallel(layout.tp, args.seed, pipeline_model_parallel_size=layout.pp,
                               virtual_pipeline_model_parallel_size=layout.vpp, expert_model_parallel_size=layout.ep)
     try:

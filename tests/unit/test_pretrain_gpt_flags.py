@@ -209,3 +209,54 @@ def test_sequence_parallel_is_off_at_one_tensor_parallel_rank(monkeypatch, capsy
     assert "--sequence-parallel is off: it needs --tensor-model-parallel-size > 1" in capsys.readouterr().out
     _, settings, _ = _parse(["--sequence-parallel", "--tensor-model-parallel-size", "2"], monkeypatch, world_size=2)
     assert settings.sequence_parallel
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--transformer-impl", "transformer_engine"], "--transformer-impl transformer_engine needs CUDA and Transformer Engine"),
+    (["--distributed-backend", "nccl"], "--distributed-backend nccl needs CUDA, and none is available"),
+    (["--exit-duration-in-mins", "0"], "--exit-duration-in-mins must be > 0; got 0.0."),
+    (["--attention-backend", "magic"], "argument --attention-backend: invalid choice: 'magic'"),
+], ids=["te-on-cpu", "nccl-on-cpu", "exit-duration", "attention-backend"])
+def test_bad_device_and_exit_flags(argv: list[str], message: str, monkeypatch, capsys) -> None:
+    import torch
+
+    if torch.cuda.is_available() and "CUDA" in message:
+        pytest.skip("the refusal is for machines without CUDA")
+    with pytest.raises(SystemExit):
+        _parse(argv, monkeypatch)
+    assert message in _our_lines(capsys.readouterr().err)[-1]
+
+
+def _run_printing(rank: int, world_size: int, argv: list[str]) -> tuple[list[dict], str]:
+    """pretrain_gpt's records and what it printed."""
+    import contextlib
+    import io
+
+    from tests.pretrain_gpt_in_process import run_pretrain_gpt
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        records = run_pretrain_gpt(rank, world_size, argv)
+    return records, out.getvalue()
+
+
+def test_megatron_lm_flags_without_effect_are_named_and_exit_duration_stops(run_distributed, tmp_path) -> None:
+    """A Megatron-LM command line's kernel and bookkeeping flags run, each named in one line as
+    changing nothing; --exit-duration-in-mins stops (after saving) once the time is past."""
+    from scripts.no_effect_flags import NO_EFFECT
+
+    argv = ADAM + ["--train-iters", "5", "--log-interval", "1", "--transformer-impl", "local",
+                   "--distributed-backend", "gloo", "--exit-duration-in-mins", "1e-9", "--save", str(tmp_path),
+                   "--use-mcore-models", "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion", "--no-rope-fusion",
+                   "--no-gradient-accumulation-fusion", "--use-flash-attn", "--attention-backend", "auto",
+                   "--num-workers", "2", "--use-cpu-initialization", "--log-validation-ppl-to-tensorboard"]
+    (records, printed), = run_distributed(_run_printing, 1, args=(argv,))
+    assert [r["iteration"] for r in records] == [1]
+    assert "exiting after iteration 1 (--exit-duration-in-mins 1e-09:" in printed
+    from megatron_eopt.checkpointing.storage import latest_checkpoint
+
+    assert latest_checkpoint(str(tmp_path)).endswith("1"), latest_checkpoint(str(tmp_path))  # saved before exiting
+    for flag in NO_EFFECT:
+        if flag in argv:
+            assert f"> {flag}" in printed and ": no effect, " in printed, flag
+    assert "--num-workers 2: no effect, samples are read in the training process" in printed
