@@ -872,7 +872,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     try:
         if layout.rank == 0:
             pipeline = f" x PP {layout.pp}" + (f" ({layout.vpp} model chunks per rank)" if layout.vpp else "")
-            print(f"> world {layout.world_size} = TP {layout.tp}{pipeline if layout.pp > 1 else ''} x DP "
+            sequence_parallel = " (sequence parallel)" if settings.sequence_parallel else ""
+            print(f"> world {layout.world_size} = TP {layout.tp}{sequence_parallel}{pipeline if layout.pp > 1 else ''} x DP "
                   f"{layout.dp}; global batch "
                   f"{args.global_batch_size} = micro batch {args.micro_batch_size} x DP {layout.dp} x "
                   f"{layout.grad_accumulation_steps} accumulation steps; optimizer {args.optimizer}"
