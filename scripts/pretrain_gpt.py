@@ -280,6 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
                                help="resuming: take the lr schedule from the checkpoint, ignoring this "
                                     "run's schedule flags")
     checkpointing.add_argument("--no-load-rng", action="store_true", help="do not restore the RNG states")
+    checkpointing.add_argument("--no-save-optim", action="store_true",
+                               help="save the model only (no optimizer or lr schedule state; resume it with "
+                                    "--no-load-optim)")
+    checkpointing.add_argument("--no-save-rng", action="store_true", help="save no RNG states")
     logging = parser.add_argument_group(title="logging")
     logging.add_argument("--log-interval", type=int, default=100)
     logging.add_argument("--tensorboard-dir", default=None, help="write TensorBoard event files here (rank 0)")
@@ -736,7 +740,9 @@ def train(args, settings, layout, device) -> list[dict]:
         stop = exit_reason(args, iteration, started, device)
         at_interval = bool(args.save_interval) and iteration % args.save_interval == 0
         if args.save and (at_interval or stop or iteration == args.train_iters):
-            path = save_checkpoint(args.save, iteration, chunks, optimizer, scheduler)
+            finish_param_sync(optimizer)  # save_checkpoint waits itself, but not when given no optimizer
+            path = save_checkpoint(args.save, iteration, chunks, None if args.no_save_optim else optimizer,
+                                   None if args.no_save_optim else scheduler, save_rng=not args.no_save_rng)
             log.say(f"saved checkpoint {path}")
         if stop:
             log.say(f"exiting after iteration {iteration} ({stop})")
@@ -762,14 +768,20 @@ def exit_reason(args: argparse.Namespace, iteration: int, started: float, device
     return f"--exit-duration-in-mins {args.exit_duration_in_mins:g}: {minutes.item():.2f} minutes of training"
 
 
+def finish_param_sync(optimizer) -> None:
+    """Wait for the layer-wise optimizer's parameter broadcasts still in flight (with
+    --overlap-param-gather the next forward would): code that reads every parameter first."""
+    finish = getattr(optimizer, "finish_param_sync", None)
+    if finish is not None:
+        finish()
+
+
 def logged_params_norm(model: torch.nn.Module, optimizer) -> float:
     """--log-params-norm reads every parameter: first wait for the layer-wise optimizer's
     broadcasts still in flight (with --overlap-param-gather the next forward would wait for them)."""
     from megatron.core import parallel_state
 
-    finish_param_sync = getattr(optimizer, "finish_param_sync", None)
-    if finish_param_sync is not None:
-        finish_param_sync()
+    finish_param_sync(optimizer)
     expert_group = (parallel_state.get_expert_tensor_model_pipeline_parallel_group()
                     if parallel_state.get_expert_model_parallel_world_size() > 1 else None)  # experts split over EP
     return params_norm(model, parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_model_parallel_group(),

@@ -70,11 +70,14 @@ def save_checkpoint(
     extra: Optional[dict] = None,
     pg_collection: Any = None,
     before_commit: Optional[Callable[[str], None]] = None,
+    save_rng: bool = True,
 ) -> str:
     """Write `checkpoint_dir/iter_<iteration>` and point `latest` at it; returns its path.
 
     `extra`: JSON-serialisable trainer state. `before_commit(path)` runs on every rank when all
     files are written, just before the directory is renamed into place (tests pause there).
+    Without `optimizer` (and `scheduler`) only the model is saved (Megatron-LM's --no-save-optim);
+    `save_rng=False` leaves the RNG states out (--no-save-rng).
     """
     _check_iteration(iteration)
     extra = _check_extra(extra)
@@ -87,7 +90,8 @@ def save_checkpoint(
     entries = save_entries(params, children, MeshCache())
     if scheduler is not None:
         entries.update(scheduler_entries(scheduler, children))
-    entries.update(rng_entries(storage.rank(group), storage.world_size(group)))
+    if save_rng:
+        entries.update(rng_entries(storage.rank(group), storage.world_size(group)))
     structure = global_group_structure(children, group, stored_names_by_fqn(params)) if children else None
 
     path, lock = storage.begin_save(checkpoint_dir, iteration, group)
@@ -209,7 +213,10 @@ def _rng_to_load(
         with_pp_ep = (saved[2:], here[2:]) != ((1, 1), (1, 1))
         return [], (f"RNG states not restored: saved at {_describe_layout(saved, with_pp_ep)}, this run has "
                     f"{_describe_layout(here, with_pp_ep)}; the RNGs keep this run's seeding")
-    return rng_keys_to_load(plan.index.tensors, storage.rank(group), storage.world_size(group)), None
+    keys = rng_keys_to_load(plan.index.tensors, storage.rank(group), storage.world_size(group))
+    if not keys:
+        return [], "RNG states not restored: the checkpoint holds none (saved without them); the RNGs keep this run's seeding"
+    return keys, None
 
 
 def _describe_layout(layout: tuple, with_pp_ep: bool) -> str:

@@ -260,3 +260,48 @@ def test_megatron_lm_flags_without_effect_are_named_and_exit_duration_stops(run_
         if flag in argv:
             assert f"> {flag}" in printed and ": no effect, " in printed, flag
     assert "--num-workers 2: no effect, samples are read in the training process" in printed
+
+
+def _run_catching_exit(rank: int, world_size: int, argv: list[str]) -> tuple[object, str, str]:
+    """(records, or the exit status; what was printed; what went to stderr)."""
+    import contextlib
+    import io
+
+    from tests.pretrain_gpt_in_process import run_pretrain_gpt
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            result = run_pretrain_gpt(rank, world_size, argv)
+        except SystemExit as exit_info:
+            result = exit_info.code
+    return result, out.getvalue(), err.getvalue()
+
+
+def test_model_only_checkpoint_without_rng(run_distributed, tmp_path) -> None:
+    """--no-save-optim --no-save-rng (Megatron-LM): the checkpoint holds the model and no RNG
+    states (the layer-wise broadcasts still in flight with --overlap-param-gather are waited for
+    first); resuming it needs --no-load-optim, and says that no RNG state was restored."""
+    import json
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from megatron_eopt.checkpointing.storage import MANIFEST, latest_checkpoint
+
+    base = ADAM + ["--log-interval", "1", "--use-distributed-optimizer", "--overlap-param-gather"]
+    saved, _, _ = run_distributed(_run_catching_exit, 1, args=(base + [
+        "--train-iters", "2", "--save", str(tmp_path), "--no-save-optim", "--no-save-rng"],))[0]
+    assert [r["iteration"] for r in saved] == [1, 2]
+    path = latest_checkpoint(str(tmp_path))
+    with open(os.path.join(path, MANIFEST)) as f:
+        manifest = json.load(f)
+    assert manifest["optimizers"] is None and not manifest["has_scheduler"]
+    keys = FileSystemReader(path).read_metadata().state_dict_metadata
+    assert keys and not any(key.startswith("rng/") for key in keys), sorted(keys)
+
+    status, _, err = run_distributed(_run_catching_exit, 1, args=(base + ["--train-iters", "4", "--load", str(tmp_path)],))[0]
+    assert status == 2 and "holds no optimizer state" in err and "--no-load-optim" in err, err
+    resumed, printed, _ = run_distributed(_run_catching_exit, 1, args=(base + [
+        "--train-iters", "4", "--load", str(tmp_path), "--no-load-optim"],))[0]
+    assert [r["iteration"] for r in resumed] == [3, 4]
+    assert "RNG states not restored: the checkpoint holds none" in printed
