@@ -76,3 +76,27 @@ def gather_ints(value: int, device: torch.device) -> list[int]:
     values[dist.get_rank()] = value
     dist.all_reduce(values)
     return values.tolist()
+
+
+def iteration_gpt_settings(hidden: int, layers: int, seq_length: int):
+    """The GPT the whole-iteration benchmarks train: 64-wide heads, 4x FFN, vocabulary 1024."""
+    from scripts.gpt_model import GPTModelSettings
+
+    heads = max(1, hidden // 64)
+    return GPTModelSettings(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=heads,
+                            ffn_hidden_size=4 * hidden, vocab_size=1024, seq_length=seq_length)
+
+
+def report_iterations(title: str, seconds: dict[str, float], baseline: str, json_path, **extra) -> None:
+    """Rank 0 prints each mode's median iteration time and its ratio to `baseline`'s, and writes
+    them (with `extra`) to `json_path`."""
+    from _timing import write_json
+
+    if dist.get_rank() != 0:
+        return
+    print(title)
+    width = max(len(name) for name in seconds) + 2
+    for name, value in seconds.items():
+        print(f"{name:{width}} {value * 1e3:9.1f} ms per iteration  ({value / seconds[baseline]:.3f} of {baseline})")
+    write_json(json_path, {"iteration_ms": {n: s * 1e3 for n, s in seconds.items()},
+                           "world_size": dist.get_world_size(), **extra})

@@ -21,12 +21,16 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _distributed import gpt_benchmark_parser, init_distributed, time_interleaved  # noqa: E402
-from _timing import write_json  # noqa: E402
+from _distributed import (  # noqa: E402
+    gpt_benchmark_parser,
+    init_distributed,
+    iteration_gpt_settings,
+    report_iterations,
+    time_interleaved,
+)
 
 from megatron_eopt import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 from scripts.gpt_model import (  # noqa: E402
-    GPTModelSettings,
     build_gpt_model,
     destroy_model_parallel,
     gpt_loss,
@@ -46,10 +50,7 @@ def main() -> None:
     args = parser.parse_args()
     device = init_distributed()
     initialize_model_parallel(1, seed=1234)
-    heads = max(1, args.hidden // 64)
-    settings = GPTModelSettings(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=heads,
-                                num_query_groups=heads, ffn_hidden_size=4 * args.hidden, vocab_size=1024,
-                                seq_length=args.seq_length)
+    settings = iteration_gpt_settings(args.hidden, args.layers, args.seq_length)
     generator = torch.Generator().manual_seed(dist.get_rank())
     micro_batches = [torch.randint(0, settings.vocab_size, (args.batch, args.seq_length + 1), generator=generator)
                      .to(device) for _ in range(args.micro_batches)]
@@ -72,16 +73,11 @@ def main() -> None:
         iterations[name] = iteration
     seconds = time_interleaved(iterations, {name: (lambda: None) for name in iterations},
                                args.warmup, args.repeats, device)
-    if dist.get_rank() == 0:
-        base = seconds["reduce after backward"]
-        print(f"Adam, GPT hidden {args.hidden}, {args.layers} layers, {args.micro_batches} micro-batches of "
-              f"{args.batch}x{args.seq_length} per rank, {buckets} buckets, {dist.get_world_size()} ranks on "
-              f"{device.type}, median of {args.repeats} iterations")
-        for name, value in seconds.items():
-            print(f"{name:22} {value * 1e3:9.1f} ms per iteration  ({value / base:.3f} of reducing after backward)")
-        write_json(args.json, {"iteration_ms": {n: s * 1e3 for n, s in seconds.items()},
-                               "overlap_ratio": seconds["overlap"] / base, "buckets": buckets,
-                               "world_size": dist.get_world_size(), "device": device.type})
+    report_iterations(f"Adam, GPT hidden {args.hidden}, {args.layers} layers, {args.micro_batches} micro-batches of "
+                      f"{args.batch}x{args.seq_length} per rank, {buckets} buckets, {dist.get_world_size()} ranks on "
+                      f"{device.type}, median of {args.repeats} iterations", seconds, "reduce after backward",
+                      args.json, overlap_ratio=seconds["overlap"] / seconds["reduce after backward"], buckets=buckets,
+                      device=device.type)
     destroy_model_parallel()
     dist.destroy_process_group()
 
