@@ -34,6 +34,8 @@ from megatron.core.tensor_parallel import mappings
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_eopt.ops.collectives import all_reduce_sum_coalesced
+
 
 def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
     """megatron's `_gather_along_first_dim` with its output where the input is."""
@@ -131,16 +133,9 @@ def sum_sequence_parallel_grads(params: list[torch.nn.Parameter], tp_group) -> N
     tensor-parallel group, one all-reduce for all of them: afterwards every rank holds the
     gradient of the whole sequence, as megatron-core's `finalize_model_grads` leaves them.
     Under torch.no_grad: the sum writes into the gradients in place."""
-    if dist.get_world_size(tp_group) == 1:
-        return
     grads = [getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad
              for p in params]
     # FSDP2: each TP rank holds the same rows of a norm weight (its DP mesh shards alike), so
     # the local shards are summed.
-    grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads if g is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=tp_group)
-    for grad, summed in zip(grads, flat.split([g.numel() for g in grads])):
-        grad.copy_(summed.view_as(grad))
+    all_reduce_sum_coalesced([g.to_local() if isinstance(g, DTensor) else g for g in grads if g is not None],
+                             tp_group)

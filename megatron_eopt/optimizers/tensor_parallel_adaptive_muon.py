@@ -39,6 +39,7 @@ import torch.distributed as dist
 from emerging_optimizers import utils as eo_utils
 from emerging_optimizers.orthogonalized_optimizers.adaptive_muon import AdaptiveMuon, Moment2MethodT
 
+from megatron_eopt.ops.collectives import all_reduce_sum_coalesced
 from megatron_eopt.ops.newton_schulz import NewtonSchulzSettings
 from megatron_eopt.ops.row_shards import RowShards
 from megatron_eopt.ops.splits import MatrixLayout
@@ -275,21 +276,9 @@ class TensorParallelAdaptiveMuon(AdaptiveMuon):
         """Sum each of `partials` (over dimension `dims[i]` of its matrix; None: over all of it)
         in place over the groups that split that dimension: FSDP2's (rows), then TP's."""
         dims = dims or [None] * len(pending)
-        self._all_reduce_sum([t for item, t, d in zip(pending, partials, dims) if item.view.split_over_fsdp(d)],
-                             self.fsdp_group)
-        self._all_reduce_sum([t for item, t, d in zip(pending, partials, dims) if item.view.split_over_tp(d)],
-                             self.tp_group)
-
-    @staticmethod
-    def _all_reduce_sum(tensors: list[torch.Tensor], group: Optional[dist.ProcessGroup]) -> None:
-        """Sum fp32 `tensors` over `group` in place, one collective for all.
-
-        Every rank has the same parameters in the same order, so the lists agree; empty on
-        every rank in blockwise mode or without sharding, and then nothing is communicated.
-        """
-        if not tensors:
-            return
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        dist.all_reduce(flat, group=group)
-        for tensor, part in zip(tensors, flat.split([t.numel() for t in tensors])):
-            tensor.copy_(part.view_as(tensor))
+        # Every rank has the same parameters in the same order, so the lists agree; empty on every
+        # rank in blockwise mode or without sharding, and then nothing is communicated.
+        all_reduce_sum_coalesced([t for item, t, d in zip(pending, partials, dims) if item.view.split_over_fsdp(d)],
+                                 self.fsdp_group)
+        all_reduce_sum_coalesced([t for item, t, d in zip(pending, partials, dims) if item.view.split_over_tp(d)],
+                                 self.tp_group)
