@@ -237,7 +237,8 @@ class Pipeline:
         tp = parallel_state.get_tensor_model_parallel_world_size()
         # Between stages the hidden states are this rank's part of the sequence under sequence
         # parallelism (scripts/sequence_parallel.py).
-        hidden = torch.empty(seq // tp if chunk.config.sequence_parallel else seq, batch, chunk.config.hidden_size, dtype=dtype, device="meta", requires_grad=True)
+        hidden_seq = seq // tp if chunk.config.sequence_parallel else seq
+        hidden = torch.empty(hidden_seq, batch, chunk.config.hidden_size, dtype=dtype, device="meta", requires_grad=True)
         if chunk.pre_process:
             inputs = torch.empty(batch, seq, dtype=torch.long, device="meta")
         else:
