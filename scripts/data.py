@@ -53,6 +53,8 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--split", default="969, 30, 1", help="train, valid, test proportions of --data-path")
     group.add_argument("--data-cache-path", default=None, help="where the dataset index caches are written")
     group.add_argument("--mock-data", action="store_true", help="megatron-core's MockGPTDataset")
+    group.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files",
+                       help="read the .bin files with file reads instead of memory-mapping them")
 
 
 def check_data_flags(args: argparse.Namespace) -> None:
@@ -211,12 +213,12 @@ def build_data_source(args: argparse.Namespace, counts: SampleCounts):
         return GeneratedTask(args.seed, args.seq_length, args.vocab_size)
     tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size, args.tokenizer_model)
     datasets = build_gpt_datasets(tokenizer, args.data_path, args.split, args.seq_length, args.seed,
-                                  counts, args.data_cache_path)
+                                  counts, args.data_cache_path, mmap_bin_files=args.mmap_bin_files)
     return MegatronDatasets(datasets, tokenizer)
 
 
 def build_gpt_datasets(tokenizer, data_path: Optional[list[str]], split: str, seq_length: int, seed: int,
-                       counts: SampleCounts, cache_path: Optional[str] = None) -> dict:
+                       counts: SampleCounts, cache_path: Optional[str] = None, mmap_bin_files: bool = True) -> dict:
     """{'train'|'valid'|'test': GPTDataset, BlendedDataset or None} from megatron-core's builder;
     MockGPTDataset when data_path is None."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
@@ -226,7 +228,7 @@ def build_gpt_datasets(tokenizer, data_path: Optional[list[str]], split: str, se
     config = GPTDatasetConfig(
         random_seed=seed, sequence_length=seq_length, blend=blend, split=split, path_to_cache=cache_path,
         tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
-        create_attention_mask=False,
+        create_attention_mask=False, mmap_bin_files=mmap_bin_files,
     )
     split_weights(split)
     dataset_type = GPTDataset if blend is not None else MockGPTDataset

@@ -10,9 +10,10 @@ test split is read once, at the end. Rank 0 prints Megatron-LM's line between da
 """
 
 import argparse
+import contextlib
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, ContextManager, Optional
 
 import torch
 import torch.distributed as dist
@@ -66,15 +67,17 @@ class Evaluator:
     `rank_samples(split, batch_index)` gives this data-parallel rank's micro-batches of that
     split's global batch; `loss_fn(model, tokens)` the mean per-token loss of a micro-batch.
     `on_result(result)` sees every evaluation (split, iteration, loss), e.g. for TensorBoard's
-    'lm loss validation'.
+    'lm loss validation'. Each evaluation runs inside `around_each()` (e.g. the garbage
+    collections of --manual-gc, scripts/housekeeping.py).
     """
 
     def __init__(self, args: argparse.Namespace, splits: tuple, rank_samples: Callable, loss_fn: Callable,
                  dp_group, is_first_rank: bool, print_line: Callable[[str], None] = print,
-                 on_result: Optional[Callable[["EvalResult"], None]] = None) -> None:
+                 on_result: Optional[Callable[["EvalResult"], None]] = None,
+                 around_each: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
         self.args, self.splits, self.rank_samples, self.loss_fn = args, splits, rank_samples, loss_fn
         self.dp_group, self.is_first_rank, self.print_line = dp_group, is_first_rank, print_line
-        self.on_result = on_result
+        self.on_result, self.around_each = on_result, around_each
 
     def periodic(self, model, iteration: int) -> Optional[EvalResult]:
         """Validation at every --eval-interval-th iteration."""
@@ -97,7 +100,8 @@ class Evaluator:
         return results
 
     def _run(self, model, split: str, slot: int, iteration: int, label: str) -> EvalResult:
-        loss = evaluate(model, self.loss_fn, self.rank_samples, split, slot, self.args.eval_iters, self.dp_group)
+        with self.around_each():
+            loss = evaluate(model, self.loss_fn, self.rank_samples, split, slot, self.args.eval_iters, self.dp_group)
         result = EvalResult(split, iteration, loss)
         if self.is_first_rank:
             self.print_line(validation_block(label, loss))

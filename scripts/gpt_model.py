@@ -58,11 +58,8 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, get_tr
 
 from scripts.cpu_rng import use_cpu_rng_tracker
 from scripts.moe import moe_layer_builder
-from scripts.sequence_parallel import (
-    SequenceParallelTorchNorm,
-    install_cpu_sequence_parallel,
-    use_cpu_sequence_parallel_linears,
-)
+from scripts.sequence_parallel import install_cpu_sequence_parallel, use_cpu_sequence_parallel_linears
+from scripts.torch_norm import LocalTorchNorm
 
 __all__ = [
     "GPTModelSettings",
@@ -323,6 +320,11 @@ class GPTModelSettings:
     fp16: bool = False  # fp16 parameters (megatron's --fp16)
     add_bias_linear: bool = False
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    # megatron's --apply-layernorm-1p: norms store gamma - 1 (initialised to 0) and scale by
+    # weight + 1 (scripts/torch_norm.py with the local spec; Transformer Engine's norms natively).
+    layernorm_zero_centered_gamma: bool = False
+    # megatron's --kv-channels: each attention head's width (None: hidden_size // heads).
+    kv_channels: int | None = None
     position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute"
     rotary_base: int = 10000  # RoPE: the base period of its frequencies
     rotary_percent: float = 1.0  # RoPE: the fraction of each head's dimensions it rotates
@@ -375,7 +377,9 @@ class GPTModelSettings:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{{{name}}} must be positive", **{name: getattr(self, name)})
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is not None and self.kv_channels <= 0:
+            raise SettingsError("{kv_channels} must be positive", kv_channels=self.kv_channels)
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise SettingsError("{hidden_size} must be divisible by {num_attention_heads}",
                                 hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads)
         groups = self.query_groups
@@ -559,6 +563,8 @@ def build_gpt_model(
         # SwiGLU is a gated linear unit with SiLU; megatron's default would give GeGLU.
         activation_func=F.silu if settings.swiglu else F.gelu,
         normalization=settings.normalization,
+        layernorm_zero_centered_gamma=settings.layernorm_zero_centered_gamma,
+        kv_channels=settings.kv_channels,
         add_bias_linear=settings.add_bias_linear,
         hidden_dropout=settings.hidden_dropout,
         attention_dropout=settings.attention_dropout,
@@ -590,10 +596,10 @@ def build_gpt_model(
     if layer_spec.module is TransformerLayer and _init_seed is not None:
         layer_spec = dataclasses.replace(layer_spec, module=_LayerSeededTransformerLayer)
         torch.manual_seed(_init_seed + get_transformer_layer_offset(config, vp_stage))
-    if sequence_parallel:
-        layer_spec = _sequence_parallel_block_spec(layer_spec, config, vp_stage)
-        if device.type != "cuda":
-            install_cpu_sequence_parallel()
+    if sequence_parallel or settings.layernorm_zero_centered_gamma:
+        layer_spec = _local_norm_block_spec(layer_spec, config, vp_stage)
+    if sequence_parallel and device.type != "cuda":
+        install_cpu_sequence_parallel()
     model = model_class(
         config=config,
         transformer_layer_spec=layer_spec,
@@ -612,19 +618,19 @@ def build_gpt_model(
     return model.to(device=device, dtype=settings.params_dtype)
 
 
-def _sequence_parallel_block_spec(layer_spec: ModuleSpec, config: TransformerConfig, vp_stage: int | None
-                                  ) -> ModuleSpec | TransformerBlockSubmodules:
-    """megatron's torch layer norm refuses sequence parallelism (it does not tag its weights):
-    with the local spec, the layers' norms and the final norm become SequenceParallelTorchNorm,
-    the final one through a block spec of this stage's layers. Transformer Engine's norms tag
-    their weights themselves and stay."""
-    norms = {name: SequenceParallelTorchNorm for name in ("input_layernorm", "pre_mlp_layernorm")
+def _local_norm_block_spec(layer_spec: ModuleSpec, config: TransformerConfig, vp_stage: int | None
+                           ) -> ModuleSpec | TransformerBlockSubmodules:
+    """megatron's torch layer norm refuses sequence parallelism and zero-centred gamma: with the
+    local spec, the layers' norms and the final norm become scripts/torch_norm.py's
+    LocalTorchNorm, the final one through a block spec of this stage's layers. Transformer
+    Engine's norms do both themselves and stay."""
+    norms = {name: LocalTorchNorm for name in ("input_layernorm", "pre_mlp_layernorm")
              if getattr(layer_spec.submodules, name) is WrappedTorchNorm}
     if not norms:
         return layer_spec
     layer_spec = dataclasses.replace(layer_spec, submodules=dataclasses.replace(layer_spec.submodules, **norms))
     layers = get_num_layers_to_build(config, vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer_spec] * layers, layer_norm=SequenceParallelTorchNorm)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * layers, layer_norm=LocalTorchNorm)
 
 
 def _pipeline_config(settings: GPTModelSettings) -> dict[str, Any]:

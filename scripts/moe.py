@@ -291,6 +291,9 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
                      help="weight of the load-balancing aux loss (default 0)")
     moe.add_argument("--moe-token-dispatcher-type", default=None, choices=DISPATCHERS,
                      help="default allgather; alltoall needs CUDA")
+    moe.add_argument("--moe-router-load-balancing-type", nargs="+", default=None,
+                     help="only aux_loss here (Megatron-LM's default: GShard's load-balancing loss, weighted "
+                          "by --moe-aux-loss-coeff)")
 
 
 def check_moe_flags(args: argparse.Namespace, tp: int, dp: int, use_cuda: bool) -> int:
@@ -313,6 +316,7 @@ def check_moe_flags(args: argparse.Namespace, tp: int, dp: int, use_cuda: bool) 
 def _refuse_without_experts(args: argparse.Namespace) -> None:
     given = [flag for flag, value in (("--moe-router-topk", args.moe_router_topk),
                                       ("--moe-aux-loss-coeff", args.moe_aux_loss_coeff),
+                                      ("--moe-router-load-balancing-type", args.moe_router_load_balancing_type),
                                       ("--moe-token-dispatcher-type", args.moe_token_dispatcher_type))
              if value is not None]
     if args.expert_model_parallel_size != 1:
@@ -328,6 +332,10 @@ def _check_expert_flags(args: argparse.Namespace, tp: int, dp: int, use_cuda: bo
     if not 2 <= topk <= experts:
         raise ValueError(f"--moe-router-topk must be in [2, --num-experts {experts}]; got {topk} (top-1 needs "
                          f"Megatron-LM's --moe-router-pre-softmax, which this trainer does not have).")
+    balancing = args.moe_router_load_balancing_type or ["aux_loss"]
+    if balancing != ["aux_loss"]:
+        raise ValueError(f"--moe-router-load-balancing-type {' '.join(balancing)}: only aux_loss is offered by this "
+                         f"trainer (the load-balancing loss weighted by --moe-aux-loss-coeff).")
     coeff = args.moe_aux_loss_coeff
     if not (math.isfinite(coeff) and coeff >= 0.0):
         raise ValueError(f"--moe-aux-loss-coeff must be a finite number >= 0; got {coeff}.")

@@ -9,6 +9,16 @@ run unchanged, and each one given is named at start-up with the reason (`no_effe
 - Settings that are always so here: megatron-core models, CPU initialisation (the weights do not
   depend on the parallel layout), the validation perplexity in TensorBoard.
 - `--num-workers`: samples are read in the training process (scripts/data.py), no DataLoader.
+- Settings whose result is the same here: `--calculate-per-token-loss` (no loss mask, so every
+  micro-batch has the same number of loss tokens and the per-token mean is the mean of the
+  micro-batch means), `--no-create-attention-mask-in-dataloader` (the data never carries one),
+  `--ckpt-format` (checkpoints are megatron_eopt.checkpointing's resharding format, whatever it
+  says), `--tiktoken-pattern` (read by TikTokenizer only, not offered), `--no-position-embedding`
+  (deprecated in Megatron-LM, allowed only where --position-embedding-type has none already).
+
+Flags named only to refuse them (`check_not_offered`): FP8 training, which Megatron-LM runs
+through Transformer Engine on Hopper or newer GPUs. A one-line error says so instead of
+argparse's "unrecognized arguments".
 """
 
 import argparse
@@ -29,6 +39,29 @@ NO_EFFECT: dict[str, tuple[dict, str]] = {  # flag: (argparse keywords, why it c
     "--use-cpu-initialization": ({"action": "store_true"}, "always on here (the weights do not depend on the layout)"),
     "--log-validation-ppl-to-tensorboard": ({"action": "store_true"}, "always written here with --tensorboard-dir"),
     "--num-workers": ({"type": int}, "samples are read in the training process, without a DataLoader"),
+    "--moe-grouped-gemm": ({"action": "store_true"}, "a kernel choice this trainer does not make (its experts run "
+                                                     "one after another, megatron's SequentialMLP: the same result)"),
+    "--calculate-per-token-loss": ({"action": "store_true"},
+                                   "the same result here: without a loss mask every micro-batch has --seq-length "
+                                   "loss tokens per sample, so the per-token mean is the mean of micro-batch means"),
+    "--no-create-attention-mask-in-dataloader": ({"action": "store_true"},
+                                                 "already so: the data carries no attention mask"),
+    "--ckpt-format": ({"choices": ("torch", "torch_dist", "torch_dcp", "fsdp_dtensor")},
+                      "checkpoints are megatron_eopt's resharding format (megatron_eopt.checkpointing) whatever "
+                      "this says"),
+    "--tiktoken-pattern": ({}, "read by TikTokenizer only, which this trainer does not offer"),
+    # Refused with --position-embedding-type learned_absolute, as Megatron-LM does (scripts/pretrain_gpt.py).
+    "--no-position-embedding": ({"action": "store_true"}, "Megatron-LM's deprecated spelling; the position "
+                                "embedding is --position-embedding-type's (rope or none here)"),
+}
+FP8 = ("FP8 training is not offered by this trainer (Megatron-LM runs it through Transformer Engine on Hopper or "
+       "newer GPUs); train with --bf16")
+NOT_OFFERED: dict[str, tuple[dict, str]] = {  # flag: (argparse keywords, why it is refused)
+    "--fp8-format": ({"choices": ("e4m3", "hybrid")}, FP8),
+    "--fp8-recipe": ({}, FP8),
+    "--fp8-amax-history-len": ({"type": int}, FP8),
+    "--fp8-amax-compute-algo": ({"choices": ("most_recent", "max")}, FP8),
+    "--fp8-param-gather": ({"action": "store_true"}, FP8),
 }
 
 
@@ -36,14 +69,29 @@ def add_no_effect_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(title="accepted from Megatron-LM, no effect here")
     for flag, (keywords, reason) in NO_EFFECT.items():
         group.add_argument(flag, default=None, help=reason, **keywords)
+    group = parser.add_argument_group(title="Megatron-LM flags refused with the reason")
+    for flag, (keywords, reason) in NOT_OFFERED.items():
+        group.add_argument(flag, default=None, help=reason, **keywords)
+
+
+def check_not_offered(args: argparse.Namespace) -> None:
+    """A ValueError naming the first refused flag the command line gave, with the reason."""
+    for flag, (_, reason) in NOT_OFFERED.items():
+        if _given(args, flag) is not None:
+            raise ValueError(f"{flag}: {reason}.")
+
+
+def _given(args: argparse.Namespace, flag: str):
+    value = getattr(args, flag[2:].replace("-", "_"))
+    return None if value is False else value
 
 
 def no_effect_lines(args: argparse.Namespace) -> list[str]:
     """One line for each of these flags the command line gave."""
     lines = []
     for flag, (_, reason) in NO_EFFECT.items():
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if value not in (None, False):
+        value = _given(args, flag)
+        if value is not None:
             shown = flag if value is True else f"{flag} {value}"
             lines.append(f"{shown}: no effect, {reason}")
     return lines

@@ -55,6 +55,7 @@ Data follows the iteration, so a resumed run continues exactly where the saved o
 import argparse
 import copy
 import dataclasses
+import datetime
 import itertools
 import os
 import re
@@ -62,7 +63,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, NoReturn, Optional, TextIO
+from typing import Any, Callable, NoReturn, Optional, TextIO
 
 import torch
 import torch.distributed as dist
@@ -97,6 +98,7 @@ from scripts.gpt_model import (  # noqa: E402
     transformer_engine_at_least,
 )
 from scripts.grad_reduction import BUCKET_NUMEL, GradReducer, finalize_model_grads  # noqa: E402
+from scripts.housekeeping import Housekeeping, add_housekeeping_args, check_housekeeping_flags  # noqa: E402
 from scripts.moe import (  # noqa: E402
     add_moe_args,
     check_moe_flags,
@@ -105,7 +107,7 @@ from scripts.moe import (  # noqa: E402
     start_step,
     step_moe_losses,
 )
-from scripts.no_effect_flags import add_no_effect_args, no_effect_lines  # noqa: E402
+from scripts.no_effect_flags import add_no_effect_args, check_not_offered, no_effect_lines  # noqa: E402
 from scripts.pipeline import Pipeline, SingleStage, add_pipeline_args, pipeline_layout  # noqa: E402
 from scripts.tokenizer import add_tokenizer_args  # noqa: E402
 from scripts.training_log import PALETTE, Curve, Logger, Step, params_norm, plot_curves  # noqa: E402
@@ -191,6 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--rotary-base", type=int, default=None, help="RoPE's base period (default 10000)")
     model.add_argument("--rotary-percent", type=float, default=None,
                        help="the fraction of each head's dimensions RoPE rotates (default 1.0)")
+    model.add_argument("--kv-channels", type=int, default=None,
+                       help="each attention head's width (default: hidden size / attention heads)")
+    model.add_argument("--apply-layernorm-1p", action="store_true",
+                       help="norms store gamma - 1 (initialised to 0) and scale by weight + 1 "
+                            "(megatron's zero-centred gamma)")
     model.add_argument("--seq-length", type=int, default=32)
     model.add_argument("--max-position-embeddings", type=int, default=None, help="default: seq length")
     model.add_argument("--vocab-size", type=int, default=None,
@@ -203,7 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
     training.add_argument("--distributed-backend", default=None, choices=("nccl", "gloo"),
                           help="default: nccl (one GPU per rank) where CUDA is available, else gloo on CPU; "
                                "gloo runs on CPU even where CUDA is available")
+    training.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                          help="how long a collective may wait for the other ranks before failing")
     training.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    training.add_argument("--context-parallel-size", type=int, default=1,
+                          help="only 1 here: context parallelism is not offered")
     training.add_argument("--sequence-parallel", action="store_true",
                           help="split the activations outside attention and the MLP along the sequence over "
                                "the tensor-parallel ranks (off at TP 1, as in Megatron-LM)")
@@ -264,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="sum micro-batch gradients and all-reduce them over data-parallel ranks in "
                                "fp32 (param.main_grad); always on with --bf16, as in Megatron-LM; "
                                "no effect on an fp32 model, whose gradients are fp32 already")
+    training.add_argument("--grad-reduce-in-bf16", action="store_true",
+                          help="with --bf16: sum micro-batch gradients and all-reduce them in bf16 (the "
+                               "parameters' dtype) instead of fp32")
     checkpointing = parser.add_argument_group(title="checkpointing")
     checkpointing.add_argument("--save", default=None, help="directory to save checkpoints in")
     checkpointing.add_argument("--save-interval", type=int, default=None,
@@ -295,6 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_tokenizer_args(parser)
     add_eval_args(parser)
     add_moe_args(parser)
+    add_housekeeping_args(parser)
     add_no_effect_args(parser)
     return add_optimizer_args(parser)
 
@@ -425,6 +440,9 @@ def _ffn_hidden_size(args: argparse.Namespace) -> int:
 
 
 def _rotary_settings(args: argparse.Namespace) -> dict[str, Any]:
+    if args.no_position_embedding and args.position_embedding_type == "learned_absolute":
+        raise ValueError("--no-position-embedding is deprecated (as in Megatron-LM): use --position-embedding-type "
+                         "none or rope.")
     given = {name: value for name, value in (("rotary_base", args.rotary_base), ("rotary_percent", args.rotary_percent))
              if value is not None}
     if args.position_embedding_type != "rope":
@@ -472,6 +490,8 @@ def _settings_from_flags(args: argparse.Namespace) -> GPTModelSettings:
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         add_bias_linear=not args.disable_bias_linear,
         normalization=args.normalization,
+        layernorm_zero_centered_gamma=args.apply_layernorm_1p,
+        kv_channels=args.kv_channels,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
@@ -501,14 +521,20 @@ def _check_training_flags(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}.")
     if args.ddp_bucket_size is not None and args.ddp_bucket_size < 1:
         raise ValueError(f"--ddp-bucket-size must be >= 1; got {args.ddp_bucket_size}.")
+    if args.distributed_timeout_minutes <= 0:
+        raise ValueError(f"--distributed-timeout-minutes must be > 0; got {args.distributed_timeout_minutes}.")
+    check_not_offered(args)
+    if args.context_parallel_size != 1:
+        raise ValueError(f"--context-parallel-size {args.context_parallel_size}: context parallelism is not "
+                         f"offered by this trainer (only 1).")
+    check_housekeeping_flags(args)
     if args.exit_interval is not None and args.exit_interval < 1:
         raise ValueError(f"--exit-interval must be >= 1; got {args.exit_interval}.")
     if args.exit_duration_in_mins is not None and not args.exit_duration_in_mins > 0:
         raise ValueError(f"--exit-duration-in-mins must be > 0; got {args.exit_duration_in_mins}.")
     if args.lr is None:
         raise ValueError("--lr is required (the peak learning rate).")
-    if args.bf16:  # Megatron-LM's default with bf16
-        args.accumulate_allreduce_grads_in_fp32 = True
+    _gradient_precision(args)
     if args.min_lr is None:
         args.min_lr = 0.0
     check_eval_flags(args)
@@ -530,6 +556,15 @@ def _check_training_flags(args: argparse.Namespace) -> None:
     except (TypeError, ValueError) as error:  # SchedulerConfig's field names -> this script's flags
         raise ValueError(re.sub(r"SchedulerConfig\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"),
                                 str(error))) from None
+
+
+def _gradient_precision(args: argparse.Namespace) -> None:
+    """Megatron-LM: with --bf16, gradients are accumulated and all-reduced in fp32 unless
+    --grad-reduce-in-bf16 (which wins over --accumulate-allreduce-grads-in-fp32)."""
+    if args.grad_reduce_in_bf16 and not args.bf16:
+        raise ValueError("--grad-reduce-in-bf16 only applies with --bf16.")
+    if args.bf16:
+        args.accumulate_allreduce_grads_in_fp32 = not args.grad_reduce_in_bf16
 
 
 _ITERATION_SCHEDULE_FLAGS = ("lr_decay_iters", "lr_warmup_iters", "lr_wsd_decay_iters")
@@ -626,13 +661,15 @@ def init_distributed(args: argparse.Namespace, layout: Layout) -> torch.device:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
+    timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
     if runs_on_cuda(args):
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=layout.rank, world_size=layout.world_size, device_id=device)
+        dist.init_process_group("nccl", rank=layout.rank, world_size=layout.world_size, device_id=device,
+                                timeout=timeout)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo", rank=layout.rank, world_size=layout.world_size)
+        dist.init_process_group("gloo", rank=layout.rank, world_size=layout.world_size, timeout=timeout)
     return device
 
 
@@ -660,7 +697,8 @@ class BatchSource:
 # ------------------------------------------------------------------------------------------------
 
 
-def train_step(model, optimizer, micro_batches, forward, grads: GradReducer, dp_group
+def train_step(model, optimizer, micro_batches, forward, grads: GradReducer, dp_group,
+               after_forward_backward: Callable[[], None] = lambda: None
                ) -> tuple[float, bool, Optional[float], Optional[float]]:
     """Forward/backward over the micro-batches (`forward`: one stage or a pipeline,
     scripts/pipeline.py), the gradients finalised (DP average, sums over TP of the
@@ -676,6 +714,7 @@ def train_step(model, optimizer, micro_batches, forward, grads: GradReducer, dp_
     grads.zero_grads(len(micro_batches))
     start_step(optimizer.get_loss_scale(), len(micro_batches))  # the MoE aux loss's gradient scale
     total = forward.forward_backward(micro_batches, optimizer.scale_loss)
+    after_forward_backward()
     finalize_model_grads(list(model) if isinstance(model, torch.nn.ModuleList) else [model], grads)
     dp_size = dist.get_world_size(dp_group)
     loss_sum = total.to(next(model.parameters()).device)
@@ -684,8 +723,11 @@ def train_step(model, optimizer, micro_batches, forward, grads: GradReducer, dp_
     return loss_sum.item() / dp_size, ok, grad_norm, num_zeros
 
 
-def train(args, settings, layout, device) -> list[dict]:
+def train(args, settings, layout, device, housekeeping: Optional[Housekeeping] = None) -> list[dict]:
+    """The training loop (inside `housekeeping.training()`, see `main`)."""
     from megatron.core import parallel_state
+
+    housekeeping = housekeeping or Housekeeping(args, device)
 
     chunks = build_gpt_model_chunks(settings, device)
     model = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)  # all of this rank's parameters
@@ -710,11 +752,12 @@ def train(args, settings, layout, device) -> list[dict]:
     log = Logger(args, layout.rank)
     evaluator = Evaluator(args, batches.data.splits, batches.split_batches, forward.eval_loss, dp_group,
                           is_first_rank=layout.rank == 0, print_line=log.print_line,
-                          on_result=lambda r: log.validation(r.iteration, r.loss) if r.split == "valid" else None)
+                          on_result=lambda r: log.validation(r.iteration, r.loss) if r.split == "valid" else None,
+                          around_each=housekeeping.evaluation)
     log.say(describe_model(model) + (", bf16 compute (FSDP2 MixedPrecisionPolicy)" if args.use_torch_fsdp2 and args.bf16 else ""))
     if args.num_experts is not None:
         log.say(describe_moe(args))
-    for line in no_effect_lines(args):
+    for line in no_effect_lines(args) + ([housekeeping.start_line] if housekeeping.start_line else []):
         log.say(line)
     if args.overlap_grad_reduce and args.use_torch_fsdp2:
         log.say("--overlap-grad-reduce: nothing to change, FSDP2 reduce-scatters each layer's gradients during backward")
@@ -726,7 +769,9 @@ def train(args, settings, layout, device) -> list[dict]:
     for iteration in range(start + 1, args.train_iters + 1):
         lr = optimizer.param_groups[0]["lr"]
         loss, ok, grad_norm, num_zeros = train_step(
-            model, optimizer, batches.micro_batches(iteration), forward, grads, dp_group)
+            model, optimizer, batches.micro_batches(iteration), forward, grads, dp_group,
+            housekeeping.after_forward_backward)
+        housekeeping.after_step(iteration)
         if ok:
             scheduler.step(args.global_batch_size)
         log.iteration(Step(
@@ -891,7 +936,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
                   f"{layout.grad_accumulation_steps} accumulation steps; optimizer {args.optimizer}"
                   f"{' (layer-wise distributed)' if args.use_layer_wise_distributed_optimizer else ''}",
                   flush=True)
-        records = train(args, settings, layout, device)
+        housekeeping = Housekeeping(args, device)
+        with housekeeping.training():
+            records = train(args, settings, layout, device, housekeeping)
         if args.plot and layout.rank == 0:
             logged = [r for r in records if r["loss"] is not None]  # None: every step of an interval skipped
             plot_curves(args.plot, [Curve(args.optimizer, [r["iteration"] for r in logged],

@@ -17,7 +17,7 @@ megatron-core builds all of this; what stops it on CPU, and what this module sub
   (all-gather forward, reduce-scatter backward) and multiplies with `F.linear`;
 - its torch layer norm refuses sequence parallelism (only because it does not tag its weights;
   this is also megatron's local spec on CUDA without Transformer Engine):
-  :class:`SequenceParallelTorchNorm` tags them;
+  scripts/torch_norm.py's `LocalTorchNorm` tags them;
 - dropout in the sequence-parallel region forks megatron's CUDA RNG tracker, which
   scripts/cpu_rng.py runs on the CPU generator (a different stream per tensor-parallel rank).
 """
@@ -32,7 +32,6 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from megatron.core.tensor_parallel import mappings
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
-from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_eopt.ops.collectives import all_reduce_sum_coalesced
 
@@ -102,23 +101,6 @@ def use_cpu_sequence_parallel_linears(model: torch.nn.Module) -> None:
     for module in model.modules():
         if type(module) is ColumnParallelLinear and module.sequence_parallel:
             module.__class__ = CPUSequenceParallelColumnLinear
-
-
-class SequenceParallelTorchNorm:
-    """Spec module for megatron's local layer norm (`WrappedTorchNorm`'s arguments): a
-    `torch.nn.LayerNorm` or `torch.nn.RMSNorm` whose parameters carry megatron's
-    `sequence_parallel` attribute, the tag its fused and Transformer Engine norms set and
-    `finalize_model_grads` reads. Built through `__new__`, like megatron's, so the model holds
-    the torch module itself."""
-
-    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **unused) -> torch.nn.Module:
-        norms = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
-        if config.normalization not in norms:
-            raise ValueError(f"normalization must be LayerNorm or RMSNorm, not {config.normalization!r}")
-        norm = norms[config.normalization](hidden_size, eps=eps)
-        for param in norm.parameters():
-            param.sequence_parallel = config.sequence_parallel
-        return norm
 
 
 def sequence_parallel_params(chunks: Iterable[torch.nn.Module]) -> list[torch.nn.Parameter]:
