@@ -43,9 +43,10 @@ def _doc_text(i: int) -> str:
     return f"w{i:03d} " * 20  # 100 bytes, a word no other document has
 
 
-def _datasets(prefixes: list[str], split: str, counts: data.SampleCounts, tmp_path) -> dict:
+def _datasets(prefixes: list[str], split: str, counts: data.SampleCounts, tmp_path, mmap_bin_files: bool = True
+              ) -> dict:
     return data.build_gpt_datasets(build_tokenizer("ByteLevelTokenizer"), prefixes, split, SEQ_LENGTH, 1234,
-                                   counts, str(tmp_path / "cache"))
+                                   counts, str(tmp_path / "cache"), mmap_bin_files=mmap_bin_files)
 
 
 def _tokens(dataset, i: int) -> numpy.ndarray:
@@ -81,6 +82,12 @@ def test_split_gives_disjoint_documents_and_the_sample_counts(tmp_path) -> None:
     sample = datasets["train"][0]
     assert len(sample["tokens"]) == len(sample["labels"]) == SEQ_LENGTH
     assert list(sample["tokens"][1:]) == list(sample["labels"][:-1])  # labels are the tokens shifted by one
+
+    # --no-mmap-bin-files: megatron-core reads the .bin file instead of mapping it; the same samples.
+    unmapped = _datasets([prefix], "50,50,0", data.SampleCounts(300, 14, 0), tmp_path, mmap_bin_files=False)
+    assert type(unmapped["train"].dataset.bin_reader).__name__ == "_FileBinReader"
+    assert type(datasets["train"].dataset.bin_reader).__name__ == "_MMapBinReader"
+    assert all((_tokens(unmapped["train"], i) == _tokens(datasets["train"], i)).all() for i in range(20))
 
 
 def test_blend_draws_samples_in_proportion_to_the_weights(tmp_path) -> None:
