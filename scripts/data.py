@@ -19,7 +19,8 @@ from typing import Optional
 
 import torch
 
-from scripts.tokenizer import BYTE_VOCAB_SIZE, build_tokenizer, check_tokenizer_flags, padded_vocab_size
+from scripts.tokenizer import (BYTE_VOCAB_SIZE, build_tokenizer, check_bpe_file_flags, check_tokenizer_flags,
+                               padded_vocab_size)
 
 RULES = [(3, 1), (5, 7), (7, 2), (11, 5)]
 DEFAULT_RULE_VOCAB_SIZE = 64
@@ -66,13 +67,16 @@ def check_data_flags(args: argparse.Namespace) -> None:
         blend_from_data_path(args.data_path)  # raises on a bad list or missing files
         split_weights(args.split)
         if args.tokenizer_type is None:
+            check_bpe_file_flags(None, args.vocab_file, args.merge_file)  # names them when given
             raise ValueError("--data-path needs --tokenizer-type (the tokenizer tools/preprocess_data.py used).")
     elif args.mock_data:
+        check_bpe_file_flags(args.tokenizer_type, args.vocab_file, args.merge_file)  # before the default type
         args.tokenizer_type = args.tokenizer_type or "NullTokenizer"
         if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
             args.vocab_size = DEFAULT_RULE_VOCAB_SIZE
     else:
         for flag, value in (("--tokenizer-type", args.tokenizer_type), ("--tokenizer-model", args.tokenizer_model),
+                            ("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file),
                             ("--data-cache-path", args.data_cache_path)):
             if value is not None:
                 raise ValueError(f"{flag} needs --data-path or --mock-data (the generated task has its own "
@@ -83,7 +87,8 @@ def check_data_flags(args: argparse.Namespace) -> None:
     if args.tokenizer_type != "NullTokenizer" and args.vocab_size is not None:
         raise ValueError(f"--vocab-size sets NullTokenizer's vocabulary; --tokenizer-type {args.tokenizer_type} "
                          f"has its own (got --vocab-size {args.vocab_size}).")
-    check_tokenizer_flags(args.tokenizer_type, args.vocab_size, args.tokenizer_model)
+    check_tokenizer_flags(args.tokenizer_type, args.vocab_size, args.tokenizer_model, args.vocab_file,
+                          args.merge_file)
 
 
 def blend_from_data_path(data_path: list[str]) -> tuple[list[str], Optional[list[float]]]:
@@ -211,7 +216,8 @@ def build_data_source(args: argparse.Namespace, counts: SampleCounts):
     same deterministic datasets; megatron-core writes the index caches once per cache folder)."""
     if args.data_path is None and not args.mock_data:
         return GeneratedTask(args.seed, args.seq_length, args.vocab_size)
-    tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size, args.tokenizer_model)
+    tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size, args.tokenizer_model, args.vocab_file,
+                                args.merge_file)
     datasets = build_gpt_datasets(tokenizer, args.data_path, args.split, args.seq_length, args.seed,
                                   counts, args.data_cache_path, mmap_bin_files=args.mmap_bin_files)
     return MegatronDatasets(datasets, tokenizer)
@@ -250,4 +256,5 @@ def tokenizer_vocab_size(args: argparse.Namespace) -> int:
         return args.vocab_size
     if args.tokenizer_type == "ByteLevelTokenizer":
         return BYTE_VOCAB_SIZE + 1  # bytes and the end-of-document id
-    return build_tokenizer(args.tokenizer_type, None, args.tokenizer_model).vocab_size
+    return build_tokenizer(args.tokenizer_type, None, args.tokenizer_model, args.vocab_file,
+                           args.merge_file).vocab_size

@@ -8,20 +8,31 @@
 - `HuggingFaceTokenizer --tokenizer-model PATH`: a local `tokenizer.json`, read with the
   `tokenizers` package when it is installed (it is not a dependency of this project); the
   end-of-document id is the first of `EOD_TOKENS` in its vocabulary. Nothing is downloaded.
+- `GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt`: GPT-2's byte-level BPE from
+  local files (Megatron-LM's GPT-3 example). The vocabulary and the end-of-document id
+  (`<|endoftext|>`'s id, as in Megatron-LM) come from vocab.json alone, so the trainer reads
+  data tokenized elsewhere without any extra package; tokenizing text (tools/preprocess_data.py)
+  goes through the `tokenizers` package's BPE model when it is installed (megatron-core's own
+  GPT2BPETokenizer is `transformers`' AutoTokenizer.from_pretrained("gpt2", ...), which looks the
+  name up on the Hugging Face hub; `transformers` is not installed here).
+  As in the installed Megatron-LM, `--vocab-file`/`--merge-file` do not imply a tokenizer type:
+  its build_tokenizer rejects a missing `--tokenizer-type`, and so do these checks.
 
 Every tokenizer here has what megatron-core's GPTDataset reads: `vocab_size`, `eod`, `pad`
 (-1: none), `unique_identifiers`, and `tokenize(text) -> list[int]`.
 """
 
+import json
 import math
 import os
 from collections import OrderedDict
 from typing import Any
 
-TOKENIZER_TYPES = ("NullTokenizer", "ByteLevelTokenizer", "HuggingFaceTokenizer")
+TOKENIZER_TYPES = ("NullTokenizer", "ByteLevelTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer")
 BYTE_VOCAB_SIZE = 256
 # End-of-document tokens of common tokenizer.json files (GPT-2, Llama, Llama 3, Gemma, ...).
 EOD_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
+GPT2_EOD_TOKEN = "<|endoftext|>"
 
 
 def add_tokenizer_args(parser) -> None:
@@ -31,12 +42,44 @@ def add_tokenizer_args(parser) -> None:
                        help="how the --data-path documents were tokenized (default: NullTokenizer "
                             "with --mock-data)")
     group.add_argument("--tokenizer-model", default=None, help="HuggingFaceTokenizer: a local tokenizer.json")
+    add_bpe_file_args(group)
     group.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                        help="pad the model's vocabulary to a multiple of this times TP (not for the generated task)")
 
 
-def check_tokenizer_flags(tokenizer_type: str, vocab_size: Any, tokenizer_model: Any) -> None:
+def add_bpe_file_args(group) -> None:
+    """GPT2BPETokenizer's files (the trainer's and tools/preprocess_data.py's flags)."""
+    group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: a local GPT-2 vocab.json")
+    group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: a local GPT-2 merges.txt")
+
+
+def check_bpe_file_flags(tokenizer_type: Any, vocab_file: Any, merge_file: Any) -> None:
+    """--vocab-file and --merge-file go together, with GPT2BPETokenizer only, and name files."""
+    if not vocab_file and not merge_file:
+        if tokenizer_type == "GPT2BPETokenizer":
+            raise ValueError("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file (a local "
+                             "GPT-2 vocab.json and merges.txt; nothing is downloaded).")
+        return
+    if tokenizer_type is None:
+        # Megatron-LM does not infer the type from the files: its build_tokenizer raises on None.
+        raise ValueError("--vocab-file/--merge-file need --tokenizer-type GPT2BPETokenizer (Megatron-LM does "
+                         "not infer it either).")
+    if tokenizer_type != "GPT2BPETokenizer":
+        flag = "--vocab-file" if vocab_file else "--merge-file"
+        raise ValueError(f"{flag} is read by --tokenizer-type GPT2BPETokenizer only; got --tokenizer-type "
+                         f"{tokenizer_type}.")
+    if not vocab_file or not merge_file:
+        given, missing = ("--vocab-file", "--merge-file") if vocab_file else ("--merge-file", "--vocab-file")
+        raise ValueError(f"{given} needs {missing} too (GPT2BPETokenizer reads both).")
+    for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+        if not os.path.isfile(path):
+            raise ValueError(f"{flag} {path}: no such file (nothing is downloaded).")
+
+
+def check_tokenizer_flags(tokenizer_type: str, vocab_size: Any, tokenizer_model: Any, vocab_file: Any = None,
+                          merge_file: Any = None) -> None:
     """Parse-time checks (cheap, no import of megatron-core), errors naming the flags."""
+    check_bpe_file_flags(tokenizer_type, vocab_file, merge_file)
     if tokenizer_type == "NullTokenizer" and (vocab_size is None or vocab_size < 2):
         raise ValueError(f"--tokenizer-type NullTokenizer needs --vocab-size N >= 2 (ids 0..N-2 and the "
                          f"end-of-document id N-1); got --vocab-size {vocab_size}.")
@@ -52,11 +95,18 @@ def check_tokenizer_flags(tokenizer_type: str, vocab_size: Any, tokenizer_model:
                          f"got --tokenizer-type {tokenizer_type}.")
 
 
-def build_tokenizer(tokenizer_type: str, vocab_size: Any = None, tokenizer_model: Any = None):
-    """The tokenizer the flags name (call check_tokenizer_flags first)."""
-    check_tokenizer_flags(tokenizer_type, vocab_size, tokenizer_model)
+def build_tokenizer(tokenizer_type: str, vocab_size: Any = None, tokenizer_model: Any = None,
+                    vocab_file: Any = None, merge_file: Any = None, for_text: bool = False):
+    """The tokenizer the flags name. for_text: it will tokenize text (tools/preprocess_data.py),
+    so a tokenizer that needs an optional package for that loads it now, before any output."""
+    check_tokenizer_flags(tokenizer_type, vocab_size, tokenizer_model, vocab_file, merge_file)
     if tokenizer_type == "HuggingFaceTokenizer":
         return TokenizerJson(tokenizer_model)
+    if tokenizer_type == "GPT2BPETokenizer":
+        tokenizer = GPT2BPETokenizer(vocab_file, merge_file)
+        if for_text:
+            tokenizer.encoder()
+        return tokenizer
     from megatron.core.tokenizers import MegatronTokenizer
 
     if tokenizer_type == "NullTokenizer":
@@ -109,3 +159,67 @@ class TokenizerJson:
     def unique_identifiers(self) -> OrderedDict:
         return OrderedDict(cls=type(self).__name__, path=os.path.abspath(self.path), vocab_size=self.vocab_size,
                            eod=self.eod)
+
+
+class GPT2BPETokenizer:
+    """GPT-2's byte-level BPE from a local vocab.json and merges.txt (Megatron-LM's
+    GPT2BPETokenizer). The vocabulary comes from vocab.json; text is tokenized by the `tokenizers`
+    package's BPE model, loaded on first use, so a trainer that only reads preprocessed data
+    needs no extra package."""
+
+    def __init__(self, vocab_file: str, merge_file: str) -> None:
+        self.vocab_file, self.merge_file = vocab_file, merge_file
+        vocab = _read_gpt2_vocab(vocab_file)
+        if GPT2_EOD_TOKEN not in vocab:
+            raise ValueError(f"--vocab-file {vocab_file}: no {GPT2_EOD_TOKEN} (the end-of-document token) in it.")
+        self.eod = vocab[GPT2_EOD_TOKEN]
+        # The embedding must cover the largest id (len(vocab) for GPT-2's dense ids 0..50256).
+        self.vocab_size = max(vocab.values()) + 1
+        self.pad = -1  # GPT-2 has no pad token: nothing is masked out of the loss
+        self._encoder = None
+
+    def encoder(self):
+        """The `tokenizers` BPE model with GPT-2's byte-level pre-tokenizer (its regex, no prefix space)."""
+        if self._encoder is None:
+            self._encoder = _gpt2_bpe_encoder(self.vocab_file, self.merge_file)
+        return self._encoder
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.encoder().encode(text, add_special_tokens=False).ids
+
+    @property
+    def unique_identifiers(self) -> OrderedDict:
+        return OrderedDict(cls=type(self).__name__, vocab_file=os.path.abspath(self.vocab_file),
+                           merge_file=os.path.abspath(self.merge_file), vocab_size=self.vocab_size, eod=self.eod)
+
+
+def _read_gpt2_vocab(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as file:
+            vocab = json.load(file)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"--vocab-file {path}: not a readable GPT-2 vocab.json ({error}).") from None
+    if not isinstance(vocab, dict) or not vocab or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in vocab.values()):
+        raise ValueError(f"--vocab-file {path}: a GPT-2 vocab.json is a JSON object of token -> id >= 0.")
+    return vocab
+
+
+def _gpt2_bpe_encoder(vocab_file: str, merge_file: str):
+    try:
+        from tokenizers import Tokenizer, models, pre_tokenizers
+    except ImportError:
+        raise ValueError(
+            "--tokenizer-type GPT2BPETokenizer needs the 'tokenizers' package to tokenize text, which is not "
+            "installed in this environment (it is not a dependency of megatron_eopt); install it, or "
+            "tokenize elsewhere: the trainer reads GPT-2 data with --vocab-file/--merge-file alone.") from None
+    try:
+        encoder = Tokenizer(models.BPE.from_file(vocab_file, merge_file))
+    except Exception as error:  # the package's own error types vary by version
+        raise ValueError(f"--vocab-file {vocab_file} --merge-file {merge_file}: not a readable GPT-2 BPE "
+                         f"({error}).") from None
+    # As GPT-2's tokenizer.json: split by GPT-2's regex, bytes mapped to printable characters.
+    encoder.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # <|endoftext|> in text is the end-of-document id, as megatron-core's GPT-2 (HF) tokenizer reads it.
+    encoder.add_special_tokens([GPT2_EOD_TOKEN])
+    return encoder

@@ -2,6 +2,8 @@
 
     python tools/preprocess_data.py --input docs.jsonl --output-prefix data/docs \\
         --tokenizer-type ByteLevelTokenizer --append-eod --workers 2
+    python tools/preprocess_data.py --input docs.jsonl --output-prefix data/gpt2 \\
+        --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt --append-eod
 
 Each line of --input is a JSON object; its --json-keys (default `text`) are tokenized (see
 scripts/tokenizer.py) and written, one document per line, with megatron-core's
@@ -19,7 +21,7 @@ from typing import Iterator, NoReturn, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts.tokenizer import TOKENIZER_TYPES, build_tokenizer, check_tokenizer_flags  # noqa: E402
+from scripts.tokenizer import TOKENIZER_TYPES, add_bpe_file_args, build_tokenizer, check_tokenizer_flags  # noqa: E402
 
 PROG = "preprocess_data.py"
 _worker_encoder = None  # the Encoder a forked worker inherits
@@ -32,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenize (default: text)")
     parser.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     parser.add_argument("--tokenizer-model", default=None, help="HuggingFaceTokenizer: a local tokenizer.json")
+    add_bpe_file_args(parser)
     parser.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer's vocabulary")
     parser.add_argument("--append-eod", action="store_true", help="end every document with the end-of-document id")
     parser.add_argument("--workers", type=int, default=1, help="tokenizing processes")
@@ -57,7 +60,8 @@ def check_args(args: argparse.Namespace) -> None:
     folder = os.path.dirname(os.path.abspath(args.output_prefix))
     if not os.path.isdir(folder):
         raise ValueError(f"--output-prefix {args.output_prefix}: the folder {folder} does not exist.")
-    check_tokenizer_flags(args.tokenizer_type, args.vocab_size, args.tokenizer_model)
+    check_tokenizer_flags(args.tokenizer_type, args.vocab_size, args.tokenizer_model, args.vocab_file,
+                          args.merge_file)
 
 
 class Encoder:
@@ -118,7 +122,8 @@ def preprocess(args: argparse.Namespace) -> dict[str, str]:
     import numpy
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
-    tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size, args.tokenizer_model)
+    tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size, args.tokenizer_model, args.vocab_file,
+                                args.merge_file, for_text=True)
     encoder = Encoder(tokenizer, args.json_keys, args.append_eod)
     prefixes = {key: f"{args.output_prefix}_{key}_document" for key in args.json_keys}
     dtype = DType.optimal_dtype(tokenizer.vocab_size)

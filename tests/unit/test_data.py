@@ -2,7 +2,9 @@
 
 References are independent of the code under test: the documents' own UTF-8 bytes (read back
 from the .bin/.idx with megatron-core's IndexedDataset), the document each training sample's
-tokens come from (each document is a distinct repeated word), and the blend weights given.
+tokens come from (each document is a distinct repeated word), the blend weights given, and
+GPT-2 BPE ids derived by hand from a tiny vocab.json/merges.txt (those that tokenize text need
+the optional `tokenizers` package and are skipped without it).
 """
 
 import json
@@ -168,6 +170,94 @@ def test_hugging_face_tokenizer_reads_the_file_through_the_tokenizers_package(tm
     assert tokenizer.tokenize("ab c") == [2, 1]
 
 
+
+# GPT2BPETokenizer: a tiny GPT-2 vocab.json/merges.txt; expected ids derived by hand below.
+# ------------------------------------------------------------------------------------------------
+
+# Byte-level symbols (GPT-2 maps the space byte to "Ġ"), then one token per merge in rank order.
+GPT2_VOCAB = {"d": 0, "e": 1, "h": 2, "l": 3, "o": 4, "r": 5, "w": 6, "Ġ": 7,
+              "ll": 8, "he": 9, "hell": 10, "hello": 11, "Ġw": 12, "or": 13, "<|endoftext|>": 14,
+              "!": 15}  # the end-of-document id is not the last
+GPT2_MERGES = ["l l", "h e", "he ll", "hell o", "Ġ w", "o r"]
+# By hand: GPT-2's regex splits "hello world" into "hello", " world" ("Ġworld"). "hello": l l ->
+# ll, h e -> he, he ll -> hell, hell o -> hello = [11]. "Ġworld": Ġ w -> Ġw, o r -> or; no merge
+# takes "l d" = [12, 13, 3, 0]. "Ġhello": no "Ġ h" merge, so Ġ then hello = [7, 11].
+GPT2_HAND = {"hello world": [11, 12, 13, 3, 0], "world hello": [6, 13, 3, 0, 7, 11],
+             "hello<|endoftext|>hello": [11, 14, 11]}
+
+
+def _gpt2_files(folder: pathlib.Path) -> tuple[str, str]:
+    vocab, merges = folder / "vocab.json", folder / "merges.txt"
+    vocab.write_text(json.dumps(GPT2_VOCAB), encoding="utf-8")
+    merges.write_text("#version: 0.2\n" + "".join(m + "\n" for m in GPT2_MERGES), encoding="utf-8")
+    return str(vocab), str(merges)
+
+
+def _gpt2_flags(folder: pathlib.Path) -> list[str]:
+    vocab, merges = _gpt2_files(folder)
+    return ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges]
+
+
+def test_gpt2_bpe_vocabulary_and_eod_come_from_vocab_json_without_the_package(tmp_path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # the trainer reads GPT-2 data without it
+    vocab, merges = _gpt2_files(tmp_path)
+    tokenizer = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
+    assert (tokenizer.vocab_size, tokenizer.eod, tokenizer.pad) == (16, GPT2_VOCAB["<|endoftext|>"], -1)
+    with pytest.raises(ValueError, match="GPT2BPETokenizer needs the 'tokenizers' package to tokenize text"):
+        tokenizer.tokenize("hello")
+
+
+def test_preprocess_gpt2_bpe_without_the_package_exits_with_one_line(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setitem(sys.modules, "tokenizers", None)
+    with pytest.raises(SystemExit):
+        _preprocess(tmp_path, "gpt2", ["hello"], *_gpt2_flags(tmp_path))
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "needs the 'tokenizers' package" in lines[0], lines
+    assert not list(tmp_path.glob("gpt2_text_document.*"))  # it stopped before writing
+
+
+def test_gpt2_bpe_tokenizes_as_derived_by_hand(tmp_path) -> None:
+    pytest.importorskip("tokenizers", reason="GPT2BPETokenizer tokenizes text through the 'tokenizers' package")
+    vocab, merges = _gpt2_files(tmp_path)
+    tokenizer = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
+    assert {text: tokenizer.tokenize(text) for text in GPT2_HAND} == GPT2_HAND
+
+
+def test_preprocess_gpt2_bpe_writes_the_hand_derived_ids_then_eod(tmp_path) -> None:
+    pytest.importorskip("tokenizers", reason="GPT2BPETokenizer tokenizes text through the 'tokenizers' package")
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    texts = ["hello world", "world hello"]
+    indexed = IndexedDataset(_preprocess(tmp_path, "gpt2", texts, *_gpt2_flags(tmp_path), "--workers", "2"))
+    assert [list(indexed[i]) for i in range(len(indexed))] == [GPT2_HAND[t] + [14] for t in texts]
+
+
+def _write_ids(prefix: str, documents: list[list[int]]) -> str:
+    """An indexed dataset written directly (the GPT-2 ids above, no `tokenizers` needed)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.uint16)
+    for ids in documents:
+        builder.add_document(numpy.array(ids, dtype=numpy.uint16), [len(ids)])
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
+def test_trainer_runs_on_gpt2_data_with_vocab_and_merge_files(tmp_path, run_distributed) -> None:
+    """Megatron-LM's GPT-3 example's data flags: --data-path, --split, --vocab-file, --merge-file."""
+    from tests.pretrain_gpt_in_process import run_pretrain_gpt
+
+    documents = [GPT2_HAND["hello world"] + [14], GPT2_HAND["world hello"] + [14]] * 40
+    prefix = _write_ids(str(tmp_path / "gpt2_text_document"), documents)
+    argv = ["--data-path", prefix, "--split", "98,2,0", *_gpt2_flags(tmp_path), "--num-layers", "1",
+            "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "4",
+            "--global-batch-size", "4", "--train-iters", "8", "--lr", "1e-2", "--log-interval", "1",
+            "--eval-iters", "0", "--data-cache-path", str(tmp_path / "cache")]
+    losses = [r["loss"] for r in run_distributed(run_pretrain_gpt, 1, args=(argv,))[0]]
+    # Two repeated sentences over 7 ids: the model learns them within 8 steps at this rate.
+    assert len(losses) == 8 and losses[-1] < losses[0] - 1.0, losses
+
+
 def test_validation_line_has_megatron_lms_format() -> None:
     # Megatron-LM's evaluate_and_print_results, written out: ' validation loss at {prefix} | ' then
     # '{key} value: {:.6E} | ' and '{key} PPL: {:.6E} | ' with PPL = exp(min(20, loss)).
@@ -200,6 +290,8 @@ def _bad_flags(tmp_path: pathlib.Path, prefix: str) -> list[tuple[list[str], str
     tokenizer_json = tmp_path / "tokenizer.json"
     tokenizer_json.write_text("{}")
     byte = ["--tokenizer-type", "ByteLevelTokenizer"]
+    vocab, merges = _gpt2_files(tmp_path)
+    gpt2 = ["--tokenizer-type", "GPT2BPETokenizer"]
     return [
         (["--data-path", str(text), *byte], f"--data-path {text} is a plain file, not an indexed dataset prefix: "
                                             "convert it first, e.g. `python tools/preprocess_data.py"),
@@ -222,6 +314,25 @@ def _bad_flags(tmp_path: pathlib.Path, prefix: str) -> list[tuple[list[str], str
          f"--tokenizer-model {tmp_path / 'x'}: no such file"),
         (["--data-path", prefix, *byte, "--tokenizer-model", str(tokenizer_json)],
          "--tokenizer-model is read by --tokenizer-type HuggingFaceTokenizer only"),
+        # Megatron-LM's build_tokenizer also rejects a missing --tokenizer-type: no GPT-2 inferred.
+        (["--data-path", prefix, "--vocab-file", vocab, "--merge-file", merges],
+         "--vocab-file/--merge-file need --tokenizer-type GPT2BPETokenizer"),
+        (["--mock-data", "--vocab-file", vocab, "--merge-file", merges],
+         "--vocab-file/--merge-file need --tokenizer-type GPT2BPETokenizer"),
+        (["--data-path", prefix, *gpt2], "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file"),
+        (["--data-path", prefix, *gpt2, "--vocab-file", vocab], "--vocab-file needs --merge-file too"),
+        (["--data-path", prefix, *gpt2, "--merge-file", merges], "--merge-file needs --vocab-file too"),
+        (["--data-path", prefix, *gpt2, "--vocab-file", str(tmp_path / "x"), "--merge-file", merges],
+         f"--vocab-file {tmp_path / 'x'}: no such file"),
+        (["--data-path", prefix, *gpt2, "--vocab-file", vocab, "--merge-file", str(tmp_path / "x")],
+         f"--merge-file {tmp_path / 'x'}: no such file"),
+        (["--data-path", prefix, *gpt2, "--vocab-file", str(text), "--merge-file", merges],
+         f"--vocab-file {text}: not a readable GPT-2 vocab.json"),
+        (["--data-path", prefix, *byte, "--vocab-file", vocab, "--merge-file", merges],
+         "--vocab-file is read by --tokenizer-type GPT2BPETokenizer only; got --tokenizer-type ByteLevelTokenizer"),
+        (["--data-path", prefix, *byte, "--merge-file", merges],
+         "--merge-file is read by --tokenizer-type GPT2BPETokenizer only"),
+        (["--vocab-file", vocab], "--vocab-file needs --data-path or --mock-data"),
         (["--data-path", prefix, *byte, "--make-vocab-size-divisible-by", "0"],
          "--make-vocab-size-divisible-by must be >= 1"),
         (["--tokenizer-type", "ByteLevelTokenizer"], "--tokenizer-type needs --data-path or --mock-data"),
@@ -244,11 +355,12 @@ def test_bad_data_tokenizer_and_eval_flags_exit_with_one_line(tmp_path, prefix, 
         assert message in lines[0], (argv, lines)
 
 
-def test_good_data_flags_set_the_model_vocabulary(prefix, monkeypatch) -> None:
+def test_good_data_flags_set_the_model_vocabulary(prefix, tmp_path, monkeypatch) -> None:
     from scripts import pretrain_gpt
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     cases = [
+        (["--data-path", prefix, *_gpt2_flags(tmp_path)], 256),  # vocab.json's 16 ids -> 128 * 2
         ([], 64),  # the generated task, --vocab-size default
         (["--vocab-size", "100"], 100),  # the generated task is not padded
         (["--data-path", prefix, "--tokenizer-type", "ByteLevelTokenizer"], 512),  # 257 -> 2 * 128 * 2
