@@ -6,15 +6,15 @@
 - `ByteLevelTokenizer`: UTF-8 bytes 0..255 plus the end-of-document id 256 (megatron-core's
   byte-level tokenizer; vocabulary 257, no download, no file).
 - `HuggingFaceTokenizer --tokenizer-model PATH`: a local `tokenizer.json`, read with the
-  `tokenizers` package when it is installed (it is not a dependency of this project); the
+  `tokenizers` package (the `scripts` extra of pyproject.toml); the
   end-of-document id is the first of `EOD_TOKENS` in its vocabulary. Nothing is downloaded.
 - `GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt`: GPT-2's byte-level BPE from
   local files (Megatron-LM's GPT-3 example). The vocabulary and the end-of-document id
   (`<|endoftext|>`'s id, as in Megatron-LM) come from vocab.json alone, so the trainer reads
   data tokenized elsewhere without any extra package; tokenizing text (tools/preprocess_data.py)
-  goes through the `tokenizers` package's BPE model when it is installed (megatron-core's own
-  GPT2BPETokenizer is `transformers`' AutoTokenizer.from_pretrained("gpt2", ...), which looks the
-  name up on the Hugging Face hub; `transformers` is not installed here).
+  goes through the `tokenizers` package's BPE model (megatron-core's own GPT2BPETokenizer is
+  `transformers`' AutoTokenizer.from_pretrained("gpt2", ...), which looks the name up on the
+  Hugging Face hub).
   As in the installed Megatron-LM, `--vocab-file`/`--merge-file` do not imply a tokenizer type:
   its build_tokenizer rejects a missing `--tokenizer-type`, and so do these checks.
 
@@ -136,7 +136,7 @@ class TokenizerJson:
         except ImportError:
             raise ValueError(
                 "--tokenizer-type HuggingFaceTokenizer needs the 'tokenizers' package, which is not "
-                "installed in this environment (it is not a dependency of megatron_eopt); install it "
+                "installed in this environment (pyproject.toml's `scripts` extra installs it); install it "
                 "or use --tokenizer-type ByteLevelTokenizer or NullTokenizer.") from None
         try:
             self._tokenizer = Tokenizer.from_file(path)
@@ -211,7 +211,7 @@ def _gpt2_bpe_encoder(vocab_file: str, merge_file: str):
     except ImportError:
         raise ValueError(
             "--tokenizer-type GPT2BPETokenizer needs the 'tokenizers' package to tokenize text, which is not "
-            "installed in this environment (it is not a dependency of megatron_eopt); install it, or "
+            "installed in this environment (pyproject.toml's `scripts` extra installs it); install it, or "
             "tokenize elsewhere: the trainer reads GPT-2 data with --vocab-file/--merge-file alone.") from None
     try:
         encoder = Tokenizer(models.BPE.from_file(vocab_file, merge_file))

@@ -3,8 +3,8 @@
 References are independent of the code under test: the documents' own UTF-8 bytes (read back
 from the .bin/.idx with megatron-core's IndexedDataset), the document each training sample's
 tokens come from (each document is a distinct repeated word), the blend weights given, and
-GPT-2 BPE ids derived by hand from a tiny vocab.json/merges.txt (those that tokenize text need
-the optional `tokenizers` package and are skipped without it).
+GPT-2 BPE ids derived by hand from a tiny vocab.json/merges.txt (tokenized through the
+`tokenizers` package, which the `scripts` extra installs).
 """
 
 import json
@@ -217,14 +217,12 @@ def test_preprocess_gpt2_bpe_without_the_package_exits_with_one_line(tmp_path, m
 
 
 def test_gpt2_bpe_tokenizes_as_derived_by_hand(tmp_path) -> None:
-    pytest.importorskip("tokenizers", reason="GPT2BPETokenizer tokenizes text through the 'tokenizers' package")
     vocab, merges = _gpt2_files(tmp_path)
     tokenizer = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
     assert {text: tokenizer.tokenize(text) for text in GPT2_HAND} == GPT2_HAND
 
 
 def test_preprocess_gpt2_bpe_writes_the_hand_derived_ids_then_eod(tmp_path) -> None:
-    pytest.importorskip("tokenizers", reason="GPT2BPETokenizer tokenizes text through the 'tokenizers' package")
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     texts = ["hello world", "world hello"]
