@@ -24,7 +24,8 @@ iterations and at the end, then test if the split has one (scripts/evaluation.py
 (scripts/training_log.py): rank 0 prints Megatron-LM's iteration line every `--log-interval`
 iterations; `--tensorboard-dir` writes Megatron-LM's TensorBoard scalars, `--metrics-jsonl` one
 JSON object per logged line, `--plot` the loss curve as a PNG; on a terminal rank 0 also redraws
-a progress bar. Model and schedule flags keep Megatron-LM's meaning and defaults where this
+a progress bar. `--log-throughput` and `--profile` (scripts/performance.py) add Megatron-LM's
+TFLOP/s per GPU to the line and profile a range of iterations. Model and schedule flags keep Megatron-LM's meaning and defaults where this
 trainer has them (tied embeddings, linear biases, LayerNorm, `--swiglu`'s FFN size, GQA only
 with `--group-query-attention`); dropout defaults to 0 here (so layouts can be compared exactly).
 An invalid flag, or a combination the
@@ -108,6 +109,13 @@ from scripts.moe import (  # noqa: E402
     step_moe_losses,
 )
 from scripts.no_effect_flags import add_no_effect_args, check_not_offered, no_effect_lines  # noqa: E402
+from scripts.performance import (  # noqa: E402
+    Profiler,
+    add_performance_args,
+    check_performance_flags,
+    flops_per_iteration,
+    performance_lines,
+)
 from scripts.pipeline import Pipeline, SingleStage, add_pipeline_args, pipeline_layout  # noqa: E402
 from scripts.tokenizer import add_tokenizer_args  # noqa: E402
 from scripts.training_log import PALETTE, Curve, Logger, Step, params_norm, plot_curves  # noqa: E402
@@ -310,6 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_args(parser)
     add_moe_args(parser)
     add_housekeeping_args(parser)
+    add_performance_args(parser)
     add_no_effect_args(parser)
     return add_optimizer_args(parser)
 
@@ -340,6 +349,7 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, GP
         settings = _model_settings(args, layout.tp)
         layout, settings = _with_experts(args, layout, settings)
         _check_training_flags(args)
+        check_performance_flags(args, layout.world_size)
     except ValueError as error:
         exit_with_error(str(error))
     return args, settings, layout
@@ -749,7 +759,8 @@ def train(args, settings, layout, device, housekeeping: Optional[Housekeeping] =
                         bucket_numel=args.ddp_bucket_size or BUCKET_NUMEL,
                         expert_dp_group=parallel_state.get_expert_data_parallel_group(),
                         overlap=args.overlap_grad_reduce)
-    log = Logger(args, layout.rank)
+    flops = flops_per_iteration(settings, args.global_batch_size) if args.log_throughput else None
+    log = Logger(args, layout.rank, flops_per_iteration=flops, world_size=layout.world_size)
     evaluator = Evaluator(args, batches.data.splits, batches.split_batches, forward.eval_loss, dp_group,
                           is_first_rank=layout.rank == 0, print_line=log.print_line,
                           on_result=lambda r: log.validation(r.iteration, r.loss) if r.split == "valid" else None,
@@ -757,7 +768,8 @@ def train(args, settings, layout, device, housekeeping: Optional[Housekeeping] =
     log.say(describe_model(model) + (", bf16 compute (FSDP2 MixedPrecisionPolicy)" if args.use_torch_fsdp2 and args.bf16 else ""))
     if args.num_experts is not None:
         log.say(describe_moe(args))
-    for line in no_effect_lines(args) + ([housekeeping.start_line] if housekeeping.start_line else []):
+    for line in (no_effect_lines(args) + performance_lines(args, on_cuda=device.type == "cuda")
+                 + ([housekeeping.start_line] if housekeeping.start_line else [])):
         log.say(line)
     if args.overlap_grad_reduce and args.use_torch_fsdp2:
         log.say("--overlap-grad-reduce: nothing to change, FSDP2 reduce-scatters each layer's gradients during backward")
@@ -766,7 +778,9 @@ def train(args, settings, layout, device, housekeeping: Optional[Housekeeping] =
         log.say(precision_line)
     start = resume(args, chunks, optimizer, scheduler, log)
     started = time.time()
+    profiler = Profiler(args, layout.rank, on_cuda=device.type == "cuda")
     for iteration in range(start + 1, args.train_iters + 1):
+        profiler.before(iteration)
         lr = optimizer.param_groups[0]["lr"]
         loss, ok, grad_norm, num_zeros = train_step(
             model, optimizer, batches.micro_batches(iteration), forward, grads, dp_group,
@@ -781,6 +795,7 @@ def train(args, settings, layout, device, housekeeping: Optional[Housekeeping] =
             max_attention_logit=optimizer.max_attention_logit,
             other_losses=step_moe_losses(layout.grad_accumulation_steps, settings.num_layers, device)
             if args.num_experts is not None else {}))
+        profiler.after(iteration)
         evaluator.periodic(model, iteration)
         stop = exit_reason(args, iteration, started, device)
         at_interval = bool(args.save_interval) and iteration % args.save_interval == 0
@@ -794,6 +809,7 @@ def train(args, settings, layout, device, housekeeping: Optional[Housekeeping] =
             break
     else:  # as in Megatron-LM, a run stopped early skips the final evaluation
         evaluator.final(model, args.train_iters)
+    profiler.close()
     log.close()
     return log.records
 

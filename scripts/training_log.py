@@ -13,8 +13,9 @@ formats:
 the elapsed time is the interval's wall time over its iterations, and the skipped / nan counters
 count the interval (they restart after each line); with MoE, `load_balancing_loss` follows
 `lm loss`, also averaged over the interval; `num zeros` (--log-num-zeros-in-grad),
-`params norm` (--log-params-norm) and `max attention logit` (--qk-clip /
---log-max-attention-logit) are added when asked for. `--tensorboard-dir` writes Megatron-LM's
+`params norm` (--log-params-norm), `max attention logit` (--qk-clip /
+--log-max-attention-logit) and, after the elapsed time, `throughput per GPU (TFLOP/s/GPU)`
+(--log-throughput, scripts/performance.py) are added when asked for. `--tensorboard-dir` writes Megatron-LM's
 scalar tags with torch's SummaryWriter; `--metrics-jsonl` one JSON object per printed line;
 `--plot` the loss curve with matplotlib. When stdout is a terminal, rank 0 also redraws a
 progress bar below the log lines.
@@ -64,6 +65,7 @@ class IntervalStats:
     num_zeros: Optional[float] = None
     params_norm: Optional[float] = None
     max_attention_logit: Optional[float] = None
+    throughput: Optional[float] = None  # TFLOP/s per GPU (per process on CPU), with --log-throughput
     # Losses besides the lm loss (Megatron-LM's other total_loss_dict entries, e.g. MoE's
     # load_balancing_loss): means over the interval's successful iterations.
     other_losses: dict[str, float] = field(default_factory=dict)
@@ -76,6 +78,8 @@ def format_iteration_line(stats: IntervalStats, now: Optional[datetime] = None) 
     line += " iteration {:8d}/{:8d} |".format(stats.iteration, stats.train_iters)
     line += " consumed samples: {:12d} |".format(stats.consumed_samples)
     line += " elapsed time per iteration (ms): {:.1f} |".format(stats.elapsed_ms)
+    if stats.throughput is not None:
+        line += f" throughput per GPU (TFLOP/s/GPU): {stats.throughput:.1f} |"
     line += f" learning rate: {stats.learning_rate:.6E} |"
     line += f" global batch size: {stats.global_batch_size:5d} |"
     if stats.lm_loss is not None and stats.lm_loss >= 0.0:  # Megatron-LM prints non-negative means only
@@ -219,11 +223,14 @@ class Logger:
 
     `args` gives train_iters, global_batch_size, log_interval, metrics_jsonl and (optional)
     tensorboard_dir / tensorboard_log_interval. Every rank keeps the records (for tests and
-    --plot); only rank 0 prints and writes files.
+    --plot); only rank 0 prints and writes files. With `flops_per_iteration` (--log-throughput:
+    one global batch's FLOPs) each line carries Megatron-LM's throughput per GPU over `world_size`
+    ranks.
     """
 
-    def __init__(self, args, rank: int) -> None:
+    def __init__(self, args, rank: int, flops_per_iteration: Optional[float] = None, world_size: int = 1) -> None:
         self.args, self.is_first = args, rank == 0
+        self.flops_per_iteration, self.world_size = flops_per_iteration, world_size
         self.records: list[dict] = []
         self.totals = IntervalTotals()
         self.consumed_samples = 0
@@ -291,17 +298,27 @@ class Logger:
             elapsed_ms=elapsed_ms, learning_rate=step.learning_rate, global_batch_size=self.args.global_batch_size,
             lm_loss=totals.mean_loss, loss_scale=step.loss_scale, grad_norm=step.grad_norm, skipped=totals.skipped,
             nan=totals.nan, num_zeros=step.num_zeros, params_norm=step.params_norm,
-            max_attention_logit=step.max_attention_logit, other_losses=totals.mean_other_losses)
+            max_attention_logit=step.max_attention_logit, throughput=self._throughput(elapsed_ms),
+            other_losses=totals.mean_other_losses)
         record = _record(stats)
         self.records.append(record)
         if not self.is_first:
             return
         if self.tensorboard and step.iteration > 1:  # Megatron-LM: not the first, set-up-laden one
             self.tensorboard.scalar("iteration-time", elapsed_ms / 1000, step.iteration)
+        if self.tensorboard and stats.throughput is not None:  # Megatron-LM writes it at every line
+            self.tensorboard.scalar("throughput", stats.throughput, step.iteration)
         self._print(format_iteration_line(stats))
         if self.metrics:
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()
+
+    def _throughput(self, elapsed_ms: float) -> Optional[float]:
+        """Megatron-LM's: FLOPs per iteration / (seconds per iteration over the interval x 1e12 x
+        world size)."""
+        if self.flops_per_iteration is None:
+            return None
+        return self.flops_per_iteration / (elapsed_ms / 1000 * 1e12 * self.world_size)
 
     def validation(self, iteration: int, loss: float) -> None:
         """Megatron-LM's validation scalars, `lm loss validation` and `lm loss validation ppl`
@@ -327,7 +344,7 @@ def _record(stats: IntervalStats) -> dict:
               "loss_scale": stats.loss_scale, "skipped": stats.skipped, "nan": stats.nan,
               "elapsed_ms": stats.elapsed_ms}
     optional = {"num_zeros": stats.num_zeros, "params_norm": stats.params_norm,
-                "max_attention_logit": stats.max_attention_logit}
+                "max_attention_logit": stats.max_attention_logit, "throughput": stats.throughput}
     record.update({key: value for key, value in optional.items() if value is not None})
     record.update(stats.other_losses)
     return record

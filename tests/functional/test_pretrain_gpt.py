@@ -170,7 +170,7 @@ class FlagsRun:
 def flags_run(tmp_path_factory: pytest.TempPathFactory) -> FlagsRun:
     folder = tmp_path_factory.mktemp("flags")
     extra = ["--bf16", "--train-iters", "40", "--exit-interval", "20", "--plot", str(folder / "loss.png"),
-             "--tensorboard-dir", str(folder / "tb"), "--log-params-norm", "--log-num-zeros-in-grad"]
+             "--tensorboard-dir", str(folder / "tb"), "--log-params-norm", "--log-num-zeros-in-grad", "--log-throughput"]
     records, stdout = _launch(1, "adam", folder / "metrics.jsonl", extra)
     return FlagsRun(records, stdout, folder / "loss.png", folder / "tb")
 
@@ -291,7 +291,7 @@ def test_plot_is_a_png_with_the_curve(flags_run: FlagsRun) -> None:
 
 
 TENSORBOARD_TAGS = ("lm loss", "learning-rate", "grad-norm", "loss-scale", "batch-size", "iteration-time",
-                    "num-zeros", "params-norm")
+                    "num-zeros", "params-norm", "throughput")
 
 
 def test_tensorboard_holds_megatron_lm_scalars(flags_run: FlagsRun) -> None:
@@ -313,6 +313,7 @@ def test_tensorboard_holds_megatron_lm_scalars(flags_run: FlagsRun) -> None:
     assert {v for _, v in scalars["batch-size"]} == {16.0} and {v for _, v in scalars["loss-scale"]} == {1.0}
     assert all(v > 0 for _, v in scalars["params-norm"])
     assert [r["params_norm"] for r in records] == pytest.approx([v for _, v in scalars["params-norm"]], rel=1e-6)
+    assert [r["throughput"] for r in records] == pytest.approx([v for _, v in scalars["throughput"]], rel=1e-6)
 
 
 def test_bad_optimizer_name_exits_with_argparse_error() -> None:

@@ -32,6 +32,7 @@ LLAMA3 = [
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--tiktoken-pattern", "v2",
     "--split", "98,1,1", "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--num-workers", "1",
     "--log-interval", "1", "--eval-iters", "1", "--eval-interval", "2", "--save-interval", "1000",
+    "--log-throughput", "--profile", "--profile-step-start", "4", "--profile-step-end", "6",
     "--ckpt-format", "torch_dist", "--distributed-timeout-minutes", "60",
 ]
 
@@ -138,6 +139,8 @@ def test_llama3_example_runs_and_collects_garbage_at_fixed_points(run_distribute
                  "--tiktoken-pattern v2", "--no-create-attention-mask-in-dataloader"):
         assert f"> {flag}: no effect, " in printed, flag
     assert "--empty-unused-memory-level 1: no effect on CPU" in printed
+    assert "--profile: no effect here, the CUDA profiler capture range needs CUDA" in printed
+    assert printed.count("throughput per GPU (TFLOP/s/GPU): ") == 4, printed  # --log-throughput, every line
 
     (quiet,) = run_distributed(_run_counting_gc, 1, args=(_llama3(tmp_path / "b") + [
         "--manual-gc-interval", "2", "--no-manual-gc-eval"],))

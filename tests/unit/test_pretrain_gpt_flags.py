@@ -149,6 +149,13 @@ def _our_lines(stderr: str) -> list[str]:
          "--moe-router-load-balancing-type seq_aux_loss: only aux_loss is offered"),
         (["--moe-router-load-balancing-type", "aux_loss"],
          "--moe-router-load-balancing-type only applies with --num-experts"),
+        (["--profile-step-start", "-1"], "--profile-step-start must be >= 0; got -1."),
+        (["--profile-step-start", "5", "--profile-step-end", "5"], "--profile-step-end 5 must be > --profile-step-start 5."),
+        (["--profile-step-end", "3"], "--profile-step-end 3 must be > --profile-step-start 10."),  # Megatron-LM's default start
+        (["--profile-ranks", "0", "1"], "--profile-ranks 1: the ranks run from 0 to 0 here."),
+        (["--profile-ranks", "-1"], "--profile-ranks -1: the ranks run from 0 to 0 here."),
+        (["--profile", "--use-pytorch-profiler"], "--use-pytorch-profiler writes its trace next to --tensorboard-dir "
+                                                  "(<dir>/../torch_profile, as Megatron-LM does); give --tensorboard-dir."),
     ],
     ids=["gqa-groups-alone", "hidden-dropout", "attention-dropout", "init-std", "init-std-nan", "swiglu-tiny", "normalization",
          "wsd-without-iters", "wsd-too-long", "wsd-iters-without-wsd", "wsd-style", "warmup-fraction", "warmup-fraction-and-iters",
@@ -156,7 +163,8 @@ def _our_lines(stderr: str) -> list[str]:
          "position-embedding-type", "samples-and-iters", "iters-schedule-with-samples", "samples-schedule-alone",
          "too-few-samples", "ddp-bucket-size", "context-parallel", "grad-reduce-bf16-without-bf16",
          "gc-interval-without-gc", "gc-interval", "empty-cache-level", "no-position-embedding", "kv-channels",
-         "timeout", "fp8", "load-balancing-type", "load-balancing-without-experts"],
+         "timeout", "fp8", "load-balancing-type", "load-balancing-without-experts", "profile-start", "profile-end",
+         "profile-end-default-start", "profile-ranks", "profile-ranks-negative", "pytorch-profiler-without-tensorboard"],
 )
 def test_bad_new_flags_exit_with_one_line(argv: list[str], message: str, monkeypatch, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
@@ -275,6 +283,44 @@ def test_megatron_lm_flags_without_effect_are_named_and_exit_duration_stops(run_
         if flag in argv:
             assert f"> {flag}" in printed and ": no effect, " in printed, flag
     assert "--num-workers 2: no effect, samples are read in the training process" in printed
+
+
+def test_log_throughput_and_pytorch_profiler_on_cpu(run_distributed, tmp_path) -> None:
+    """One run, Megatron-LM's llama3 example's logging flags: --log-throughput's TFLOP/s/GPU on
+    each line, in TensorBoard and the JSONL is the hand-counted FLOPs of the model built (--swiglu's
+    default FFN, the query groups) over the interval's seconds per iteration; --profile
+    --use-pytorch-profiler writes its trace where Megatron-LM does, holding iterations
+    [--profile-step-start, --profile-step-end) and no other."""
+    import gzip
+    import json
+
+    from tests.unit.test_performance import hand_count
+    from tests.unit.test_training_log import MEGATRON_LINE, _scalars
+
+    model = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention",
+             "--num-query-groups", "2", "--swiglu", "--seq-length", "16", "--vocab-size", "64", "--micro-batch-size", "4"]
+    argv = ADAM + model + ["--train-iters", "4", "--log-interval", "2", "--log-throughput", "--profile",
+                           "--use-pytorch-profiler", "--profile-step-start", "2", "--profile-step-end", "3",
+                           "--tensorboard-dir", str(tmp_path / "tb"), "--metrics-jsonl", str(tmp_path / "m.jsonl")]
+    (records, printed), = run_distributed(_run_printing, 1, args=(argv,))
+    # --swiglu's default FFN size: int(4 * 64 * 2 / 3 / 64) * 64 = 128; global batch 4 (one rank).
+    flops = hand_count(batch=4, seq=16, layers=2, hidden=64, heads=4, groups=2, ffn=128, vocab=64, swiglu=True)
+    assert [r["iteration"] for r in records] == [1, 2, 4]
+    assert [r["throughput"] for r in records] == pytest.approx(
+        [flops / (r["elapsed_ms"] / 1000 * 1e12) for r in records], rel=1e-12)
+    lines = [match for match in map(MEGATRON_LINE.match, printed.splitlines()) if match]
+    assert [m["throughput"] for m in lines] == [f"{r['throughput']:.1f}" for r in records], printed
+    assert [json.loads(line)["throughput"] for line in (tmp_path / "m.jsonl").read_text().splitlines()] == [
+        r["throughput"] for r in records]
+    tensorboard = _scalars(tmp_path / "tb")["throughput"]
+    assert [(step, pytest.approx(value, rel=1e-6)) for step, value in tensorboard] == [
+        (r["iteration"], r["throughput"]) for r in records]
+    assert "> --log-throughput: TFLOP/s/GPU counts per process here" in printed
+    with gzip.open(tmp_path / "torch_profile" / "rank-0.json.gz", "rt") as trace:  # <tensorboard dir>/../torch_profile
+        events = json.load(trace)["traceEvents"]
+    steps = {event["name"] for event in events if event.get("name", "").startswith("ProfilerStep#")}
+    assert steps == {"ProfilerStep#2"}, steps
+    assert "torch.profiler records iteration 2 of this run on every rank" in printed
 
 
 def _run_catching_exit(rank: int, world_size: int, argv: list[str]) -> tuple[object, str, str]:

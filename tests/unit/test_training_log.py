@@ -3,7 +3,8 @@ counters, the progress bar, TensorBoard validation scalars and the plot.
 
 The line is parsed with a regex written from Megatron-LM's `training_log` format strings
 (megatron/training/training.py): ` [%Y-%m-%d %H:%M:%S.%f] iteration {:8d}/{:8d} | consumed
-samples: {:12d} | elapsed time per iteration (ms): {:.1f} | learning rate: {:.6E} | global batch
+samples: {:12d} | elapsed time per iteration (ms): {:.1f} | [throughput per GPU (TFLOP/s/GPU):
+{:.1f} |] learning rate: {:.6E} | global batch
 size: {:5d} | lm loss: {:.6E} | loss scale: {:.1f} | grad norm: {:.3f} | ... | number of skipped
 iterations: {:3d} | number of nan iterations: {:3d} |`.
 """
@@ -25,6 +26,7 @@ MEGATRON_LINE = re.compile(
     r" iteration (?P<iteration>[ \d]{8})/(?P<train_iters>[ \d]{8}) \|"
     r" consumed samples: (?P<consumed>[ \d]{12}) \|"
     r" elapsed time per iteration \(ms\): (?P<elapsed>\d+\.\d) \|"
+    r"(?: throughput per GPU \(TFLOP/s/GPU\): (?P<throughput>\d+\.\d) \|)?"  # --log-throughput
     rf" learning rate: (?P<lr>{E}) \|"
     r" global batch size: (?P<batch>[ \d]{5}) \|"
     rf"(?: lm loss: (?P<loss>{E}) \|)?"
@@ -42,12 +44,12 @@ MEGATRON_LINE = re.compile(
 def test_line_parses_with_megatron_lm_format() -> None:
     stats = IntervalStats(iteration=20, train_iters=100, consumed_samples=320, elapsed_ms=41.25, learning_rate=9.75e-3,
                           global_batch_size=16, lm_loss=3.1234567, loss_scale=1.0, grad_norm=0.8125, skipped=1,
-                          nan=0, num_zeros=3.0, params_norm=18.5, max_attention_logit=52.25,
+                          nan=0, num_zeros=3.0, params_norm=18.5, max_attention_logit=52.25, throughput=123.46,
                           other_losses={"load_balancing_loss": 1.0234567})
     match = MEGATRON_LINE.match(format_iteration_line(stats))
     assert match, format_iteration_line(stats)
     values = {key: value.strip() for key, value in match.groupdict().items()}
-    assert values == {"iteration": "20", "train_iters": "100", "consumed": "320", "elapsed": "41.2",
+    assert values == {"iteration": "20", "train_iters": "100", "consumed": "320", "elapsed": "41.2", "throughput": "123.5",
                       "lr": "9.750000E-03", "batch": "16", "loss": "3.123457E+00",
                       "load_balancing": "1.023457E+00", "scale": "1.0",
                       "grad_norm": "0.812", "zeros": "3.0", "params_norm": "18.500", "max_logit": "52.250",
@@ -60,6 +62,7 @@ def test_optional_fields_are_left_out() -> None:
     line = format_iteration_line(stats)
     match = MEGATRON_LINE.match(line)
     assert match and match["loss"] is None and match["grad_norm"] is None and match["max_logit"] is None, line
+    assert match["throughput"] is None and "TFLOP" not in line, line
 
 
 def test_moe_load_balancing_loss_is_averaged_over_the_interval(monkeypatch, tmp_path) -> None:
@@ -76,6 +79,33 @@ def test_moe_load_balancing_loss_is_averaged_over_the_interval(monkeypatch, tmp_
     assert [float(m["load_balancing"]) for m in lines] == [1.25, 1.5]  # iteration 1, then 2-3 (3 skipped)
     assert [r["load_balancing_loss"] for r in log.records] == [1.25, 1.5]
     assert _scalars(tmp_path)["load_balancing_loss"] == [(1, 1.25), (2, 1.5), (3, 9.0)]
+
+
+def test_throughput_is_flops_over_interval_seconds_and_world_size(monkeypatch, tmp_path) -> None:
+    """Megatron-LM's TFLOP/s/GPU: FLOPs per iteration / (interval seconds per iteration x 1e12 x
+    world size), on the line (after the elapsed time), in TensorBoard (`throughput`, at every
+    printed line) and in the JSONL records."""
+    import json
+
+    stream = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", stream)
+    metrics = tmp_path / "metrics.jsonl"
+    log = Logger(_args(train_iters=4, log_interval=2, tensorboard_dir=str(tmp_path), metrics_jsonl=str(metrics)),
+                 rank=0, flops_per_iteration=6e12, world_size=2)
+    for iteration in range(1, 5):
+        log.iteration(Step(iteration, 3.0, 1e-3, True, grad_norm=1.0))
+    log.close()
+    records = log.records
+    # 6e12 FLOPs over 2 ranks in t s: 3 / t TFLOP/s each, t = elapsed_ms / 1000.
+    assert [r["throughput"] for r in records] == pytest.approx([3000 / r["elapsed_ms"] for r in records], rel=1e-12)
+    lines = [MEGATRON_LINE.match(line) for line in stream.getvalue().splitlines()]
+    assert all(lines), stream.getvalue()
+    assert [m["throughput"] for m in lines] == [f"{r['throughput']:.1f}" for r in records]
+    assert [json.loads(line)["throughput"] for line in metrics.read_text().splitlines()] == [
+        r["throughput"] for r in records]
+    scalars = _scalars(tmp_path)["throughput"]
+    assert [step for step, _ in scalars] == [1, 2, 4]
+    assert [value for _, value in scalars] == pytest.approx([r["throughput"] for r in records], rel=1e-6)  # float32
 
 
 def _args(**overrides) -> argparse.Namespace:
