@@ -166,10 +166,13 @@ class SampleCounts:
     test: int
 
     @classmethod
-    def for_run(cls, train_iters: int, global_batch_size: int, eval_interval: Optional[int], eval_iters: int):
+    def for_run(cls, train_iters: int, global_batch_size: int, eval_interval: Optional[int], eval_iters: int,
+                train_samples: Optional[int] = None):
+        """train_samples: what the iterations consume (default train_iters * global_batch_size;
+        less with a growing batch, scripts/batch_schedule.py)."""
         evaluations = (train_iters // eval_interval if eval_interval else 0) + 1  # periodic + final
-        return cls(train_iters * global_batch_size, evaluations * eval_iters * global_batch_size,
-                   eval_iters * global_batch_size)
+        train = train_iters * global_batch_size if train_samples is None else train_samples
+        return cls(train, evaluations * eval_iters * global_batch_size, eval_iters * global_batch_size)
 
 
 class GeneratedTask:
@@ -180,8 +183,10 @@ class GeneratedTask:
     def __init__(self, seed: int, seq_length: int, vocab_size: int) -> None:
         self.seed, self.length, self.vocab_size = seed, seq_length + 1, vocab_size
 
-    def samples(self, split: str, batch_index: int, global_batch_size: int, rows: slice) -> torch.Tensor:
-        # Training batch k is iteration k + 1's, seeded as the trainer has always seeded it.
+    def samples(self, split: str, batch_index: int, global_batch_size: int, rows: slice,
+                first_sample: Optional[int] = None) -> torch.Tensor:
+        # Training batch k is iteration k + 1's, seeded as the trainer has always seeded it (its
+        # own stream whatever its size, so first_sample is not needed).
         stream = SEED_STRIDE * self.seed + batch_index + 1 + (HELD_OUT_OFFSET if split == "valid" else 0)
         generator = torch.Generator().manual_seed(stream)
         return rule_batch(global_batch_size, self.length, self.vocab_size, generator)[rows]
@@ -194,9 +199,12 @@ class MegatronDatasets:
         self.datasets, self.tokenizer = datasets, tokenizer
         self.splits = tuple(name for name in SPLITS if datasets.get(name) is not None and len(datasets[name]))
 
-    def samples(self, split: str, batch_index: int, global_batch_size: int, rows: slice) -> torch.Tensor:
+    def samples(self, split: str, batch_index: int, global_batch_size: int, rows: slice,
+                first_sample: Optional[int] = None) -> torch.Tensor:
+        """first_sample: where the batch starts in the split (default batch_index * its size;
+        batches of a growing size start at the samples consumed before them)."""
         dataset = self.datasets[split]
-        first = batch_index * global_batch_size
+        first = batch_index * global_batch_size if first_sample is None else first_sample
         indices = range(first + rows.start, first + rows.stop)
         return torch.stack([self._tokens(dataset[i % len(dataset)]) for i in indices])
 

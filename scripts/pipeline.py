@@ -208,7 +208,9 @@ class Pipeline:
         self._losses: list[torch.Tensor] = []
         self._scale_loss: ScaleLoss = lambda loss: loss
         self._micro_batches = micro_batches_per_step
-        self.train_schedule = self._schedule(micro_batches_per_step, self._train_loss)
+        # One training schedule per micro-batch count (a growing global batch needs several,
+        # scripts/batch_schedule.py), built when first needed.
+        self._train_schedules = {micro_batches_per_step: self._schedule(micro_batches_per_step, self._train_loss)}
         # Evaluation runs one micro-batch at a time (scripts/evaluation.py); its own stages keep
         # the training schedule's buffers (sized for its micro-batch count) apart.
         self.eval_schedule = self._schedule(1, self._eval_loss)
@@ -265,7 +267,10 @@ class Pipeline:
     def forward_backward(self, micro_batches: list[torch.Tensor], scale_loss: ScaleLoss) -> torch.Tensor:
         tokens = torch.cat(micro_batches).to(self.device, torch.long)
         self._scale_loss = scale_loss
-        self._run(self.train_schedule.step, tokens)
+        self._micro_batches = len(micro_batches)
+        if self._micro_batches not in self._train_schedules:
+            self._train_schedules[self._micro_batches] = self._schedule(self._micro_batches, self._train_loss)
+        self._run(self._train_schedules[self._micro_batches].step, tokens)
         return self._broadcast_loss().cpu()
 
     def eval_loss(self, model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:

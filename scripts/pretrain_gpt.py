@@ -81,6 +81,7 @@ from arguments import (  # noqa: E402
 from megatron_eopt import get_megatron_optimizer  # noqa: E402
 from megatron_eopt.bridge import SchedulerConfig, get_scheduler  # noqa: E402
 from megatron_eopt.checkpointing import has_checkpoints, load_checkpoint, save_checkpoint  # noqa: E402
+from scripts.batch_schedule import BatchSchedule, add_batch_schedule_args, check_batch_schedule_flags  # noqa: E402
 from scripts.data import (  # noqa: E402
     DEFAULT_RULE_VOCAB_SIZE,
     SampleCounts,
@@ -235,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "reduced in fp32)")
     training.add_argument("--micro-batch-size", type=int, default=4)
     training.add_argument("--global-batch-size", type=int, default=None, help="default: micro batch * DP")
+    add_batch_schedule_args(parser)
     training.add_argument("--train-iters", type=int, default=None,
                           help=f"default {DEFAULT_TRAIN_ITERS} (without --train-samples)")
     training.add_argument("--train-samples", type=int, default=None,
@@ -345,10 +347,13 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, GP
         args.layer_wise_reduce_grads = args.use_layer_wise_distributed_optimizer and not args.overlap_grad_reduce
         optimizer_config_from_args(args)
         _check_device_flags(args)
+        check_batch_schedule_flags(args)  # a step schedule sets the global batch size
         layout = _layout(args)
         settings = _model_settings(args, layout.tp)
         layout, settings = _with_experts(args, layout, settings)
         _check_training_flags(args)
+        args.batch_schedule = BatchSchedule(args, args.micro_batch_size * layout.dp)
+        args.train_iters = args.batch_schedule.train_iters or args.train_iters
         check_performance_flags(args, layout.world_size)
     except ValueError as error:
         exit_with_error(str(error))
@@ -685,21 +690,29 @@ def init_distributed(args: argparse.Namespace, layout: Layout) -> torch.device:
 
 class BatchSource:
     """Global batches of a data source (scripts/data.py), this DP rank's rows in micro-batches.
-    Training iteration i reads train batch i - 1 (the generated task: seed stream i)."""
+    Training iteration i reads train batch i - 1 (the generated task: seed stream i), of the
+    size args.batch_schedule gives it (scripts/batch_schedule.py), from the samples consumed
+    before it on; evaluation batches have the global batch size."""
 
     def __init__(self, args: argparse.Namespace, layout: Layout, dp_rank: int) -> None:
-        self.args = args
+        self.args, self.dp, self.dp_rank, self.schedule = args, layout.dp, dp_rank, args.batch_schedule
+        train_samples = self.schedule.train_samples or args.train_iters * args.global_batch_size
         self.data = build_data_source(args, SampleCounts.for_run(
-            args.train_iters, args.global_batch_size, args.eval_interval, args.eval_iters))
-        per_rank = args.global_batch_size // layout.dp
-        self.rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+            args.train_iters, args.global_batch_size, args.eval_interval, args.eval_iters, train_samples))
 
     def micro_batches(self, iteration: int) -> list[torch.Tensor]:
-        return self.split_batches("train", iteration - 1)
+        size = self.schedule.size(iteration)
+        mine = self.data.samples("train", iteration - 1, size, self._rows(size),
+                                 first_sample=self.schedule.first_sample(iteration))
+        return list(mine.split(self.args.micro_batch_size))
 
     def split_batches(self, split: str, batch_index: int) -> list[torch.Tensor]:
-        mine = self.data.samples(split, batch_index, self.args.global_batch_size, self.rows)
-        return list(mine.split(self.args.micro_batch_size))
+        size = self.args.global_batch_size
+        return list(self.data.samples(split, batch_index, size, self._rows(size)).split(self.args.micro_batch_size))
+
+    def _rows(self, global_batch_size: int) -> slice:
+        per_rank = global_batch_size // self.dp
+        return slice(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -759,8 +772,8 @@ def train(args, settings, layout, device, housekeeping: Optional[Housekeeping] =
                         bucket_numel=args.ddp_bucket_size or BUCKET_NUMEL,
                         expert_dp_group=parallel_state.get_expert_data_parallel_group(),
                         overlap=args.overlap_grad_reduce)
-    flops = flops_per_iteration(settings, args.global_batch_size) if args.log_throughput else None
-    log = Logger(args, layout.rank, flops_per_iteration=flops, world_size=layout.world_size)
+    flops = flops_per_iteration(settings, 1) if args.log_throughput else None
+    log = Logger(args, layout.rank, flops_per_sample=flops, world_size=layout.world_size)
     evaluator = Evaluator(args, batches.data.splits, batches.split_batches, forward.eval_loss, dp_group,
                           is_first_rank=layout.rank == 0, print_line=log.print_line,
                           on_result=lambda r: log.validation(r.iteration, r.loss) if r.split == "valid" else None,
@@ -769,7 +782,7 @@ def train(args, settings, layout, device, housekeeping: Optional[Housekeeping] =
     if args.num_experts is not None:
         log.say(describe_moe(args))
     for line in (no_effect_lines(args) + performance_lines(args, on_cuda=device.type == "cuda")
-                 + ([housekeeping.start_line] if housekeeping.start_line else [])):
+                 + [line for line in (housekeeping.start_line, args.batch_schedule.describe()) if line]):
         log.say(line)
     if args.overlap_grad_reduce and args.use_torch_fsdp2:
         log.say("--overlap-grad-reduce: nothing to change, FSDP2 reduce-scatters each layer's gradients during backward")
@@ -782,19 +795,20 @@ def train(args, settings, layout, device, housekeeping: Optional[Housekeeping] =
     for iteration in range(start + 1, args.train_iters + 1):
         profiler.before(iteration)
         lr = optimizer.param_groups[0]["lr"]
+        micro_batches = batches.micro_batches(iteration)
         loss, ok, grad_norm, num_zeros = train_step(
-            model, optimizer, batches.micro_batches(iteration), forward, grads, dp_group,
-            housekeeping.after_forward_backward)
+            model, optimizer, micro_batches, forward, grads, dp_group, housekeeping.after_forward_backward)
         housekeeping.after_step(iteration)
+        batch_size = args.batch_schedule.size(iteration)
         if ok:
-            scheduler.step(args.global_batch_size)
+            scheduler.step(batch_size)
         log.iteration(Step(
             iteration, loss, lr, ok, grad_norm=None if grad_norm is None else float(grad_norm),
             loss_scale=float(optimizer.get_loss_scale()), num_zeros=None if num_zeros is None else float(num_zeros),
             params_norm=logged_params_norm(model, optimizer) if args.log_params_norm else None,
             max_attention_logit=optimizer.max_attention_logit,
-            other_losses=step_moe_losses(layout.grad_accumulation_steps, settings.num_layers, device)
-            if args.num_experts is not None else {}))
+            other_losses=step_moe_losses(len(micro_batches), settings.num_layers, device)
+            if args.num_experts is not None else {}, batch_size=batch_size))
         profiler.after(iteration)
         evaluator.periodic(model, iteration)
         stop = exit_reason(args, iteration, started, device)
@@ -901,7 +915,7 @@ def resume(args: argparse.Namespace, chunks, optimizer, scheduler, log: Logger) 
             f"{', model only' if args.no_load_optim else ''})")
     if args.no_load_optim:
         log.say(fresh_schedule_note(args, scheduler, loaded.iteration))
-    log.start_at(loaded.iteration)
+    log.start_at(loaded.iteration, args.batch_schedule.first_sample(loaded.iteration + 1))
     return loaded.iteration
 
 
@@ -910,7 +924,8 @@ def fresh_schedule_note(args: argparse.Namespace, scheduler, start: int) -> str:
     checkpoint, the lr schedule starts again at step 0. Say where that leaves this run."""
     def lr_after(iterations: int) -> float:
         probe = copy.copy(scheduler)  # get_lr reads only num_steps and the schedule values
-        probe.num_steps = iterations * args.global_batch_size
+        schedule = args.batch_schedule
+        probe.num_steps = schedule.first_sample(start + 1 + iterations) - schedule.first_sample(start + 1)
         return probe.get_lr({})
 
     last, span = args.train_iters, args.lr_decay_iters or args.train_iters

@@ -216,6 +216,7 @@ class Step:
     params_norm: Optional[float] = None
     max_attention_logit: Optional[float] = None
     other_losses: dict[str, float] = field(default_factory=dict)  # e.g. MoE's load_balancing_loss
+    batch_size: Optional[int] = None  # the step's global batch (None: args.global_batch_size)
 
 
 class Logger:
@@ -223,14 +224,14 @@ class Logger:
 
     `args` gives train_iters, global_batch_size, log_interval, metrics_jsonl and (optional)
     tensorboard_dir / tensorboard_log_interval. Every rank keeps the records (for tests and
-    --plot); only rank 0 prints and writes files. With `flops_per_iteration` (--log-throughput:
-    one global batch's FLOPs) each line carries Megatron-LM's throughput per GPU over `world_size`
-    ranks.
+    --plot); only rank 0 prints and writes files. With `flops_per_sample` (--log-throughput: one
+    sample's FLOPs, forward and backward) each line carries Megatron-LM's throughput per GPU over
+    `world_size` ranks, for the logged step's global batch.
     """
 
-    def __init__(self, args, rank: int, flops_per_iteration: Optional[float] = None, world_size: int = 1) -> None:
+    def __init__(self, args, rank: int, flops_per_sample: Optional[float] = None, world_size: int = 1) -> None:
         self.args, self.is_first = args, rank == 0
-        self.flops_per_iteration, self.world_size = flops_per_iteration, world_size
+        self.flops_per_sample, self.world_size = flops_per_sample, world_size
         self.records: list[dict] = []
         self.totals = IntervalTotals()
         self.consumed_samples = 0
@@ -240,9 +241,10 @@ class Logger:
         # Redirected output (files, pipes, tests) gets no bar, so logs hold only the log lines.
         self.bar = ProgressBar(args.train_iters, sys.stdout) if self.is_first and sys.stdout.isatty() else None
 
-    def start_at(self, iteration: int) -> None:
-        """Resuming: samples, timings and the progress bar count from `iteration`."""
-        self.consumed_samples = iteration * self.args.global_batch_size
+    def start_at(self, iteration: int, consumed_samples: Optional[int] = None) -> None:
+        """Resuming: samples (default iteration x global batch size), timings and the progress
+        bar count from `iteration`."""
+        self.consumed_samples = iteration * self.args.global_batch_size if consumed_samples is None else consumed_samples
         self.totals = IntervalTotals()
         if self.bar:
             self.bar.start_at(iteration)
@@ -261,8 +263,11 @@ class Logger:
         if self.is_first:
             self._print(text)
 
+    def _batch_size(self, step: Step) -> int:
+        return self.args.global_batch_size if step.batch_size is None else step.batch_size
+
     def iteration(self, step: Step) -> None:
-        self.consumed_samples += self.args.global_batch_size
+        self.consumed_samples += self._batch_size(step)
         self.totals.add(step.loss, step.ok, step.other_losses)
         if self.tensorboard and step.iteration % getattr(self.args, "tensorboard_log_interval", 1) == 0:
             self._tensorboard_step(step)
@@ -275,7 +280,7 @@ class Logger:
         """Megatron-LM writes these every --tensorboard-log-interval iterations, the loss unaveraged."""
         at, samples = step.iteration, self.consumed_samples
         self.tensorboard.scalar("learning-rate", step.learning_rate, at, samples)
-        self.tensorboard.scalar("batch-size", self.args.global_batch_size, at, samples)
+        self.tensorboard.scalar("batch-size", self._batch_size(step), at, samples)
         if step.ok:
             self.tensorboard.scalar("lm loss", step.loss, at, samples)
         for name, value in step.other_losses.items():  # Megatron-LM's MoE tags, without "vs samples"
@@ -295,10 +300,10 @@ class Logger:
         elapsed_ms = (time.perf_counter() - totals.started) * 1000 / totals.iterations
         stats = IntervalStats(
             iteration=step.iteration, train_iters=self.args.train_iters, consumed_samples=self.consumed_samples,
-            elapsed_ms=elapsed_ms, learning_rate=step.learning_rate, global_batch_size=self.args.global_batch_size,
+            elapsed_ms=elapsed_ms, learning_rate=step.learning_rate, global_batch_size=self._batch_size(step),
             lm_loss=totals.mean_loss, loss_scale=step.loss_scale, grad_norm=step.grad_norm, skipped=totals.skipped,
             nan=totals.nan, num_zeros=step.num_zeros, params_norm=step.params_norm,
-            max_attention_logit=step.max_attention_logit, throughput=self._throughput(elapsed_ms),
+            max_attention_logit=step.max_attention_logit, throughput=self._throughput(elapsed_ms, self._batch_size(step)),
             other_losses=totals.mean_other_losses)
         record = _record(stats)
         self.records.append(record)
@@ -313,12 +318,12 @@ class Logger:
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()
 
-    def _throughput(self, elapsed_ms: float) -> Optional[float]:
-        """Megatron-LM's: FLOPs per iteration / (seconds per iteration over the interval x 1e12 x
-        world size)."""
-        if self.flops_per_iteration is None:
+    def _throughput(self, elapsed_ms: float, batch_size: int) -> Optional[float]:
+        """Megatron-LM's: the logged step's FLOPs / (seconds per iteration over the interval x
+        1e12 x world size)."""
+        if self.flops_per_sample is None:
             return None
-        return self.flops_per_iteration / (elapsed_ms / 1000 * 1e12 * self.world_size)
+        return self.flops_per_sample * batch_size / (elapsed_ms / 1000 * 1e12 * self.world_size)
 
     def validation(self, iteration: int, loss: float) -> None:
         """Megatron-LM's validation scalars, `lm loss validation` and `lm loss validation ppl`
@@ -340,6 +345,7 @@ class Logger:
 def _record(stats: IntervalStats) -> dict:
     """The JSONL object of a printed line (the line's values, snake_case)."""
     record = {"iteration": stats.iteration, "consumed_samples": stats.consumed_samples,
+              "global_batch_size": stats.global_batch_size,
               "loss": stats.lm_loss, "lr": stats.learning_rate, "grad_norm": stats.grad_norm,
               "loss_scale": stats.loss_scale, "skipped": stats.skipped, "nan": stats.nan,
               "elapsed_ms": stats.elapsed_ms}

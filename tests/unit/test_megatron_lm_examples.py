@@ -2,6 +2,8 @@
 examples/mixtral/train_mixtral_8x7b_distributed.sh) run on scripts/pretrain_gpt.py unchanged
 except for the sizes (scaled down to run on CPU) and paths; their flags do what Megatron-LM
 does, or say in one line that they change nothing, or are refused with the reason (FP8).
+examples/gpt3/train_gpt3_175b_distributed.sh is refused as Megatron-LM refuses it (a batch
+ramp-up with --train-iters; --vocab-file without --tokenizer-type) and parses once fixed.
 
 References are independent of the code under test: megatron's own torch norms for
 --apply-layernorm-1p, one process for --kv-channels at TP 2, counted gc.collect calls for
@@ -35,6 +37,43 @@ LLAMA3 = [
     "--log-throughput", "--profile", "--profile-step-start", "4", "--profile-step-end", "6",
     "--ckpt-format", "torch_dist", "--distributed-timeout-minutes", "60",
 ]
+
+
+def _gpt3(tmp_path, train_length: list[str]) -> list[str]:
+    """The GPT-3 example's flags in its order, sizes scaled down; files that exist (parsing checks)."""
+    for name in ("data.bin", "data.idx", "merges.txt"):
+        (tmp_path / name).write_text("#version: 0.2\n" if name == "merges.txt" else "")
+    (tmp_path / "vocab.json").write_text('{"<|endoftext|>": 0, "a": 1}')
+    return [
+        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--max-position-embeddings", "32", "--attention-backend", "auto",
+        "--micro-batch-size", "1", "--global-batch-size", "16", "--rampup-batch-size", "4", "4", "24",
+        *train_length, "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+        "--init-method-std", "0.006", "--clip-grad", "1.0", "--fp16", "--lr", "6.0e-5", "--lr-decay-style", "cosine",
+        "--min-lr", "6.0e-6", "--lr-warmup-fraction", ".001",
+        "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+        "--data-path", str(tmp_path / "data"), "--vocab-file", str(tmp_path / "vocab.json"),
+        "--merge-file", str(tmp_path / "merges.txt"), "--split", "949,50,1",
+        "--log-interval", "100", "--save-interval", "10000", "--eval-interval", "1000",
+        "--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt"), "--eval-iters", "10",
+        "--tensorboard-dir", str(tmp_path / "tb"),
+    ]
+
+
+def test_gpt3_example_is_refused_as_megatron_lm_refuses_it_and_parses_once_fixed(monkeypatch, capsys,
+                                                                                  tmp_path) -> None:
+    as_published = _gpt3(tmp_path, ["--train-iters", "500", "--lr-decay-iters", "430"])
+    with pytest.raises(SystemExit):
+        _parse(as_published, monkeypatch)
+    assert "--rampup-batch-size needs --train-samples" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # with samples, the next refusal: the installed Megatron-LM's too
+        _parse(_gpt3(tmp_path, ["--train-samples", "200", "--lr-decay-samples", "172"]), monkeypatch)
+    assert "--vocab-file/--merge-file need --tokenizer-type GPT2BPETokenizer" in capsys.readouterr().err
+    args, settings, _ = _parse(_gpt3(tmp_path, ["--train-samples", "200", "--lr-decay-samples", "172",
+                                                "--tokenizer-type", "GPT2BPETokenizer"]), monkeypatch)
+    # (16 - 4) / 4 = 3 steps over 24 samples: 8 from sample 8, 12 from 16, 16 from 24 on.
+    assert [args.batch_schedule.size(i) for i in range(1, 8)] == [4, 4, 8, 12, 16, 16, 16]
+    assert settings.fp16 and settings.vocab_size == 128  # GPT-2 files' vocabulary (2) padded to 128
 
 
 def _llama3(checkpoints) -> list[str]:

@@ -91,13 +91,16 @@ def test_throughput_is_flops_over_interval_seconds_and_world_size(monkeypatch, t
     monkeypatch.setattr(sys, "stdout", stream)
     metrics = tmp_path / "metrics.jsonl"
     log = Logger(_args(train_iters=4, log_interval=2, tensorboard_dir=str(tmp_path), metrics_jsonl=str(metrics)),
-                 rank=0, flops_per_iteration=6e12, world_size=2)
-    for iteration in range(1, 5):
-        log.iteration(Step(iteration, 3.0, 1e-3, True, grad_norm=1.0))
+                 rank=0, flops_per_sample=6e12 / 8, world_size=2)
+    sizes = [8, 8, 16, 16]  # a growing global batch (--rampup-batch-size): FLOPs follow the logged step's
+    for iteration, size in enumerate(sizes, 1):
+        log.iteration(Step(iteration, 3.0, 1e-3, True, grad_norm=1.0, batch_size=size))
     log.close()
     records = log.records
-    # 6e12 FLOPs over 2 ranks in t s: 3 / t TFLOP/s each, t = elapsed_ms / 1000.
-    assert [r["throughput"] for r in records] == pytest.approx([3000 / r["elapsed_ms"] for r in records], rel=1e-12)
+    # 6e12 FLOPs (a batch of 8) over 2 ranks in t s: 3 / t TFLOP/s each, t = elapsed_ms / 1000.
+    assert [r["throughput"] for r in records] == pytest.approx(
+        [3000 * size / 8 / r["elapsed_ms"] for r, size in zip(records, (8, 8, 16))], rel=1e-12)
+    assert [r["consumed_samples"] for r in records] == [8, 16, 48]
     lines = [MEGATRON_LINE.match(line) for line in stream.getvalue().splitlines()]
     assert all(lines), stream.getvalue()
     assert [m["throughput"] for m in lines] == [f"{r['throughput']:.1f}" for r in records]
