@@ -9,11 +9,13 @@ run unchanged, and each one given is named at start-up with the reason (`no_effe
 - Settings that are always so here: megatron-core models, CPU initialisation (the weights do not
   depend on the parallel layout), the validation perplexity in TensorBoard.
 - `--num-workers`: samples are read in the training process (scripts/data.py), no DataLoader.
+- `--wandb-*`: Weights & Biases logging is not offered (no wandb package, no network).
 - Settings whose result is the same here: `--calculate-per-token-loss` (no loss mask, so every
   micro-batch has the same number of loss tokens and the per-token mean is the mean of the
   micro-batch means), `--no-create-attention-mask-in-dataloader` (the data never carries one),
   `--ckpt-format` (checkpoints are megatron_eopt.checkpointing's resharding format, whatever it
-  says), `--tiktoken-pattern` (read by TikTokenizer only, not offered), `--no-position-embedding`
+  says), `--tiktoken-pattern` (read by TikTokenizer only, not offered), `--log-timers-to-tensorboard`
+  (what it adds at Megatron-LM's default timing level is always written), `--no-position-embedding`
   (deprecated in Megatron-LM, allowed only where --position-embedding-type has none already).
 
 Flags named only to refuse them (`check_not_offered`): FP8 training, which Megatron-LM runs
@@ -23,6 +25,7 @@ argparse's "unrecognized arguments".
 
 import argparse
 
+WANDB = "Weights & Biases logging is not offered here (TensorBoard and --metrics-jsonl are)"
 ALREADY_OFF = "already off here: this trainer runs megatron-core's unfused code"
 NOT_CHOSEN = "a kernel choice this trainer does not make (the result does not depend on it)"
 NO_EFFECT: dict[str, tuple[dict, str]] = {  # flag: (argparse keywords, why it changes nothing)
@@ -50,6 +53,12 @@ NO_EFFECT: dict[str, tuple[dict, str]] = {  # flag: (argparse keywords, why it c
                       "checkpoints are megatron_eopt's resharding format (megatron_eopt.checkpointing) whatever "
                       "this says"),
     "--tiktoken-pattern": ({}, "read by TikTokenizer only, which this trainer does not offer"),
+    "--log-timers-to-tensorboard": ({"action": "store_true"}, "iteration-time and throughput (Megatron-LM's timers at "
+                                   "its default --timing-log-level 0) are always written with --tensorboard-dir"),
+    "--wandb-project": ({}, WANDB),
+    "--wandb-exp-name": ({}, WANDB),
+    "--wandb-save-dir": ({}, WANDB),
+    "--wandb-entity": ({}, WANDB),
     # Refused with --position-embedding-type learned_absolute, as Megatron-LM does (scripts/pretrain_gpt.py).
     "--no-position-embedding": ({"action": "store_true"}, "Megatron-LM's deprecated spelling; the position "
                                 "embedding is --position-embedding-type's (rope or none here)"),

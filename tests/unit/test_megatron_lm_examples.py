@@ -36,6 +36,9 @@ LLAMA3 = [
     "--log-interval", "1", "--eval-iters", "1", "--eval-interval", "2", "--save-interval", "1000",
     "--log-throughput", "--profile", "--profile-step-start", "4", "--profile-step-end", "6",
     "--ckpt-format", "torch_dist", "--distributed-timeout-minutes", "60",
+    # The logging flags of its bf16 sibling, examples/llama/train_llama3_8b_h200_bf16.sh.
+    "--wandb-project", "megatron-lm-training", "--wandb-exp-name", "llama3x-8b-bf16-tp1", "--wandb-save-dir", "wandb",
+    "--log-params-norm", "--log-num-zeros-in-grad", "--log-timers-to-tensorboard",
 ]
 
 
@@ -170,12 +173,14 @@ def test_llama3_example_runs_and_collects_garbage_at_fixed_points(run_distribute
     (run,) = run_distributed(_run_counting_gc, 1, args=(_llama3(tmp_path / "a") + ["--manual-gc-interval", "2"],))
     printed, records = run["printed"], run["records"]
     assert [r["iteration"] for r in records] == [1, 2, 3, 4] and all(r["loss"] > 0 for r in records)
+    assert all(r["params_norm"] > 0 and r["num_zeros"] >= 0 for r in records)
     evaluations = printed.count("validation loss at iteration")
     assert evaluations == 2 + 2  # at iterations 2 and 4, then the final validation and test
     assert run["collects"] == 1 + 4 // 2 + 2 * evaluations
     assert run["enabled_in_steps"] == [False] * 4 and run["enabled_after"]
     for flag in ("--cross-entropy-loss-fusion", "--calculate-per-token-loss", "--ckpt-format torch_dist",
-                 "--tiktoken-pattern v2", "--no-create-attention-mask-in-dataloader"):
+                 "--tiktoken-pattern v2", "--no-create-attention-mask-in-dataloader", "--log-timers-to-tensorboard",
+                 "--wandb-project megatron-lm-training"):
         assert f"> {flag}: no effect, " in printed, flag
     assert "--empty-unused-memory-level 1: no effect on CPU" in printed
     assert "--profile: no effect here, the CUDA profiler capture range needs CUDA" in printed
