@@ -103,8 +103,8 @@ def _assert_same_losses(layout: list[dict], reference: list[dict], what: str) ->
 @pytest.mark.parametrize("optimizer", ["adam", "muon"])
 def test_one_process_run_learns(optimizer: str, one_process) -> None:
     records = one_process(optimizer)
-    assert set(records[0]) == {"iteration", "consumed_samples", "loss", "lr", "grad_norm", "loss_scale", "skipped",
-                               "nan", "elapsed_ms"}
+    assert set(records[0]) == {"iteration", "consumed_samples", "global_batch_size", "loss", "lr", "grad_norm",
+                               "loss_scale", "skipped", "nan", "elapsed_ms"}
     assert [r["consumed_samples"] for r in records] == [16 * i for i in range(1, 21)]
     assert [r["iteration"] for r in records] == list(range(1, 21))
     assert all(r["skipped"] == 0 and math.isfinite(r["loss"]) for r in records)
