@@ -54,6 +54,8 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--split", default="969, 30, 1", help="train, valid, test proportions of --data-path")
     group.add_argument("--data-cache-path", default=None, help="where the dataset index caches are written")
     group.add_argument("--mock-data", action="store_true", help="megatron-core's MockGPTDataset")
+    group.add_argument("--eod-mask-loss", action="store_true",
+                       help="labels that are the end-of-document token do not count in the loss")
     group.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files",
                        help="read the .bin files with file reads instead of memory-mapping them")
 
@@ -75,6 +77,9 @@ def check_data_flags(args: argparse.Namespace) -> None:
         if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
             args.vocab_size = DEFAULT_RULE_VOCAB_SIZE
     else:
+        if args.eod_mask_loss:
+            raise ValueError("--eod-mask-loss needs --data-path or --mock-data (the generated task has no "
+                             "end-of-document token).")
         for flag, value in (("--tokenizer-type", args.tokenizer_type), ("--tokenizer-model", args.tokenizer_model),
                             ("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file),
                             ("--data-cache-path", args.data_cache_path)):

@@ -65,7 +65,8 @@ class Evaluator:
     """Runs evaluations of `model` on a data source's 'valid' and 'test' splits.
 
     `rank_samples(split, batch_index)` gives this data-parallel rank's micro-batches of that
-    split's global batch; `loss_fn(model, tokens)` the mean per-token loss of a micro-batch.
+    split's global batch; `loss_fn(model, tokens)` a micro-batch's (summed loss, count) of the
+    tokens that count.
     `on_result(result)` sees every evaluation (split, iteration, loss), e.g. for TensorBoard's
     'lm loss validation'. Each evaluation runs inside `around_each()` (e.g. the garbage
     collections of --manual-gc, scripts/housekeeping.py).
@@ -113,16 +114,18 @@ class Evaluator:
 @torch.no_grad()
 def evaluate(model, loss_fn: Callable, rank_samples: Callable, split: str, slot: int, eval_iters: int,
              dp_group) -> float:
-    """Mean per-token loss over eval_iters global batches (slot * eval_iters onwards), all DP ranks."""
+    """Mean per-token loss over eval_iters global batches (slot * eval_iters onwards), all DP
+    ranks: `loss_fn(model, tokens)` gives a micro-batch's (summed loss, count) of the tokens that
+    count (scripts/token_loss.py)."""
     was_training = model.training
     model.eval()
     try:
         total, count = torch.zeros((), dtype=torch.float64), 0
         for batch_index in range(slot * eval_iters, (slot + 1) * eval_iters):
             for tokens in rank_samples(split, batch_index):
-                tokens_in_batch = tokens.size(0) * (tokens.size(1) - 1)
-                total += loss_fn(model, tokens).double().cpu() * tokens_in_batch
-                count += tokens_in_batch
+                loss_sum, tokens_counted = loss_fn(model, tokens)
+                total += loss_sum.double().cpu()
+                count += tokens_counted
     finally:
         model.train(was_training)
     sums = torch.tensor([total.item(), float(count)], dtype=torch.float64, device=next(model.parameters()).device)

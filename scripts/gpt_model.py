@@ -70,6 +70,7 @@ __all__ = [
     "destroy_model_parallel",
     "gpt_layer_spec",
     "gpt_loss",
+    "gpt_token_losses",
     "initialize_model_parallel",
 ]
 
@@ -712,7 +713,14 @@ class _CPUTiedEmbeddingGPTModel(GPTModel):
 
 
 def gpt_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy of ``model`` on ``tokens`` (``[batch, seq + 1]``, int64).
+    """Mean next-token cross entropy of ``model`` on ``tokens`` (``[batch, seq + 1]``, int64)."""
+    losses, _ = gpt_token_losses(model, tokens)
+    return losses.mean()
+
+
+def gpt_token_losses(model: torch.nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token next-token cross entropy of ``model`` on ``tokens`` (``[batch, seq + 1]``,
+    int64) as fp32 ``[b, s]``, and the labels ``[b, s]``.
 
     The model sees ``tokens[:, :-1]`` and predicts ``tokens[:, 1:]``; megatron computes the
     vocab-parallel cross entropy when given labels and returns per-token losses ``[b, s]``.
@@ -725,4 +733,4 @@ def gpt_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     position_ids = torch.arange(inputs.size(1), device=inputs.device).expand_as(inputs)
     # attention_mask=None: causality comes from the attention module's causal mask type.
     losses = model(input_ids=inputs, position_ids=position_ids, attention_mask=None, labels=labels)
-    return losses.float().mean()
+    return losses.float(), labels

@@ -10,9 +10,8 @@ run unchanged, and each one given is named at start-up with the reason (`no_effe
   depend on the parallel layout), the validation perplexity in TensorBoard.
 - `--num-workers`: samples are read in the training process (scripts/data.py), no DataLoader.
 - `--wandb-*`: Weights & Biases logging is not offered (no wandb package, no network).
-- Settings whose result is the same here: `--calculate-per-token-loss` (no loss mask, so every
-  micro-batch has the same number of loss tokens and the per-token mean is the mean of the
-  micro-batch means), `--no-create-attention-mask-in-dataloader` (the data never carries one),
+- Settings whose result is the same here: `--no-create-attention-mask-in-dataloader` (the data
+  never carries one),
   `--ckpt-format` (checkpoints are megatron_eopt.checkpointing's resharding format, whatever it
   says), `--tiktoken-pattern` (read by TikTokenizer only, not offered), `--log-timers-to-tensorboard`
   (what it adds at Megatron-LM's default timing level is always written), `--no-position-embedding`
@@ -44,9 +43,6 @@ NO_EFFECT: dict[str, tuple[dict, str]] = {  # flag: (argparse keywords, why it c
     "--num-workers": ({"type": int}, "samples are read in the training process, without a DataLoader"),
     "--moe-grouped-gemm": ({"action": "store_true"}, "a kernel choice this trainer does not make (its experts run "
                                                      "one after another, megatron's SequentialMLP: the same result)"),
-    "--calculate-per-token-loss": ({"action": "store_true"},
-                                   "the same result here: without a loss mask every micro-batch has --seq-length "
-                                   "loss tokens per sample, so the per-token mean is the mean of micro-batch means"),
     "--no-create-attention-mask-in-dataloader": ({"action": "store_true"},
                                                  "already so: the data carries no attention mask"),
     "--ckpt-format": ({"choices": ("torch", "torch_dist", "torch_dcp", "fsdp_dtensor")},

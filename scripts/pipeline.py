@@ -13,12 +13,15 @@ Each model chunk (a megatron-core GPTModel built for its stage, `vp_stage` v on 
 is stage v * PP + r) is wrapped in a `GPTStage`: the first stage takes token ids, the others the
 previous stage's hidden states (through megatron's `set_input_tensor`), the last returns logits
 and the loss is computed from them with megatron's own `compute_language_model_loss`, so a
-micro-batch's loss is the one `gpt_loss` gives at PP=1. Tied input/output embeddings live on the
+micro-batch's token losses are the ones `gpt_token_losses` gives at PP=1. Tied input/output embeddings live on the
 first and the last stage; the trainer sums their gradients over megatron's embedding group after
 the backward (scripts/grad_reduction.py's `finalize_model_grads`).
 
-Both return the sum over this rank's micro-batches of each one's mean loss divided by the
-number of micro-batches, on every rank (a pipeline's last stage broadcasts it to the others).
+Each micro-batch's per-token losses become its share of the step's loss by scripts/token_loss.py
+(the mean over the micro-batch divided by the number of micro-batches, unless --eod-mask-loss or
+--calculate-per-token-loss say otherwise). Both return the sum of this rank's shares, on every
+rank (a pipeline's last stage broadcasts it to the others); their `eval_loss` gives an evaluation
+micro-batch's (summed counted loss, count).
 """
 
 import argparse
@@ -28,7 +31,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from scripts.gpt_model import gpt_loss
+from scripts.gpt_model import gpt_token_losses
+from scripts.token_loss import TokenLoss
 
 ScaleLoss = Callable[[torch.Tensor], torch.Tensor]
 
@@ -154,19 +158,20 @@ def _check_layer_split(args: argparse.Namespace, pp: int, chunks: int) -> None:
 class SingleStage:
     """The whole model on this rank: micro-batches one after another (gradients accumulate)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
+    def __init__(self, model: torch.nn.Module, token_loss: Optional[TokenLoss] = None) -> None:
+        self.model, self.token_loss = model, token_loss or TokenLoss()
 
     def forward_backward(self, micro_batches: list[torch.Tensor], scale_loss: ScaleLoss) -> torch.Tensor:
+        self.token_loss.start_step(micro_batches)
         total = torch.zeros((), dtype=torch.float32)
         for tokens in micro_batches:
-            loss = gpt_loss(self.model, tokens) / len(micro_batches)
+            loss = self.token_loss.share(*gpt_token_losses(self.model, tokens))
             scale_loss(loss).backward()
             total += loss.detach().float().cpu()
         return total
 
-    def eval_loss(self, model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-        return gpt_loss(model, tokens)
+    def eval_loss(self, model: torch.nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return self.token_loss.eval_sum_and_count(*gpt_token_losses(model, tokens))
 
 
 class GPTStage(torch.nn.Module):
@@ -194,10 +199,11 @@ class Pipeline:
     """
 
     def __init__(self, chunks: list[torch.nn.Module], micro_batches_per_step: int,
-                 micro_batch_shape: tuple[int, int], device: torch.device) -> None:
+                 micro_batch_shape: tuple[int, int], device: torch.device,
+                 token_loss: Optional[TokenLoss] = None) -> None:
         from megatron.core import parallel_state
 
-        self.chunks = chunks
+        self.chunks, self.token_loss = chunks, token_loss or TokenLoss()
         self.micro_batch_shape = micro_batch_shape
         self.device = device
         self.group = parallel_state.get_pipeline_model_parallel_group()
@@ -250,33 +256,36 @@ class Pipeline:
             return inputs, torch.empty(batch, seq, vocab, dtype=dtype, device="meta", requires_grad=True)
         return inputs, hidden
 
-    def _mean_token_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        # megatron's own loss on [s, b, vocab / TP] logits: the per-token values gpt_loss gets.
-        return self.chunks[-1].compute_language_model_loss(labels, logits.transpose(0, 1).contiguous()).float().mean()
+    def _token_losses(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # megatron's own loss on [s, b, vocab / TP] logits: the per-token values gpt_token_losses gets.
+        return self.chunks[-1].compute_language_model_loss(labels, logits.transpose(0, 1).contiguous()).float()
 
     def _train_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = self._mean_token_loss(logits, labels) / self._micro_batches
+        loss = self.token_loss.share(self._token_losses(logits, labels), labels)
         self._losses.append(loss.detach())
         return self._scale_loss(loss)
 
     def _eval_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = self._mean_token_loss(logits, labels)
-        self._losses.append(loss.detach())
-        return loss
+        total, count = self.token_loss.eval_sum_and_count(self._token_losses(logits, labels), labels)
+        self._losses.append(torch.stack([total, torch.tensor(float(count), dtype=torch.float64, device=total.device)]))
+        return total
 
     def forward_backward(self, micro_batches: list[torch.Tensor], scale_loss: ScaleLoss) -> torch.Tensor:
+        self.token_loss.start_step(micro_batches)
         tokens = torch.cat(micro_batches).to(self.device, torch.long)
         self._scale_loss = scale_loss
         self._micro_batches = len(micro_batches)
         if self._micro_batches not in self._train_schedules:
             self._train_schedules[self._micro_batches] = self._schedule(self._micro_batches, self._train_loss)
         self._run(self._train_schedules[self._micro_batches].step, tokens)
-        return self._broadcast_loss().cpu()
+        return self._broadcast_loss(torch.zeros((), dtype=torch.float32, device=self.device)).cpu()
 
-    def eval_loss(self, model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-        """A micro-batch's mean loss, forward only (the caller sets eval mode and no_grad)."""
+    def eval_loss(self, model: torch.nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """A micro-batch's (summed counted loss, count), forward only (the caller sets eval
+        mode and no_grad)."""
         self._run(self.eval_schedule.eval, tokens.to(self.device, torch.long))
-        return self._broadcast_loss()
+        total, count = self._broadcast_loss(torch.zeros(2, dtype=torch.float64, device=self.device))
+        return total, int(count.item())
 
     def _run(self, schedule_step: Callable, tokens: torch.Tensor) -> None:
         # Every rank passes both; the schedule gives the inputs to the first stage and the
@@ -285,10 +294,10 @@ class Pipeline:
         self._losses = []
         schedule_step(inputs, target=labels)
 
-    def _broadcast_loss(self) -> torch.Tensor:
-        """The last stage's summed micro-batch losses, on every rank of the pipeline."""
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
+    def _broadcast_loss(self, total: torch.Tensor) -> torch.Tensor:
+        """The last stage's summed micro-batch losses (into `total`, zeros of their shape), on
+        every rank of the pipeline."""
         if self.is_last_rank:
-            total = torch.stack(self._losses).sum()
+            total = torch.stack(self._losses).sum(0)
         dist.broadcast(total, group=self.group, group_src=self.last_rank)
         return total

@@ -118,6 +118,7 @@ from scripts.performance import (  # noqa: E402
     performance_lines,
 )
 from scripts.pipeline import Pipeline, SingleStage, add_pipeline_args, pipeline_layout  # noqa: E402
+from scripts.token_loss import TokenLoss  # noqa: E402
 from scripts.tokenizer import add_tokenizer_args  # noqa: E402
 from scripts.training_log import PALETTE, Curve, Logger, Step, params_norm, plot_curves  # noqa: E402
 
@@ -285,6 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
                           help="sum micro-batch gradients and all-reduce them over data-parallel ranks in "
                                "fp32 (param.main_grad); always on with --bf16, as in Megatron-LM; "
                                "no effect on an fp32 model, whose gradients are fp32 already")
+    training.add_argument("--calculate-per-token-loss", action="store_true",
+                          help="the step's loss is the sum of the global batch's token losses over their number "
+                               "(over micro-batches and data-parallel ranks), not a mean of micro-batch means "
+                               "(the same without --eod-mask-loss)")
     training.add_argument("--grad-reduce-in-bf16", action="store_true",
                           help="with --bf16: sum micro-batch gradients and all-reduce them in bf16 (the "
                                "parameters' dtype) instead of fp32")
@@ -543,6 +548,9 @@ def _check_training_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--context-parallel-size {args.context_parallel_size}: context parallelism is not "
                          f"offered by this trainer (only 1).")
     check_housekeeping_flags(args)
+    if args.calculate_per_token_loss and args.num_experts is not None:
+        raise ValueError("--calculate-per-token-loss with --num-experts is not offered (megatron-core scales the "
+                         "MoE aux loss differently under it).")
     if args.exit_interval is not None and args.exit_interval < 1:
         raise ValueError(f"--exit-interval must be >= 1; got {args.exit_interval}.")
     if args.exit_duration_in_mins is not None and not args.exit_duration_in_mins > 0:
@@ -757,14 +765,16 @@ def train(args, settings, layout, device, housekeeping: Optional[Housekeeping] =
     dp_group = parallel_state.get_data_parallel_group()
     if args.use_torch_fsdp2:
         fully_shard_gpt(model, dp_group, device, bf16_compute=args.bf16)
-    forward = SingleStage(model) if layout.pp == 1 else Pipeline(
-        chunks, layout.grad_accumulation_steps, (args.micro_batch_size, args.seq_length), device)
+    batches = BatchSource(args, layout, parallel_state.get_data_parallel_rank())
+    token_loss = TokenLoss(batches.data.tokenizer.eod if args.eod_mask_loss else None,
+                           per_token=args.calculate_per_token_loss, dp_group=dp_group)
+    forward = SingleStage(model, token_loss) if layout.pp == 1 else Pipeline(
+        chunks, layout.grad_accumulation_steps, (args.micro_batch_size, args.seq_length), device, token_loss)
     config = optimizer_config_from_args(args, device)
     if args.use_torch_fsdp2:  # --bf16 is FSDP2's compute dtype there: the parameters it shards are fp32
         config = dataclasses.replace(config, bf16=False)
     optimizer = get_megatron_optimizer(config, chunks)
     scheduler = get_scheduler(config, scheduler_config(args), optimizer)
-    batches = BatchSource(args, layout, parallel_state.get_data_parallel_rank())
     # The layer-wise optimizer reduces onto owners itself (unless --overlap-grad-reduce); FSDP2
     # reduce-scatters (averages) in backward.
     grads = GradReducer(model, dp_group, args.accumulate_allreduce_grads_in_fp32,

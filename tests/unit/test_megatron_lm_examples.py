@@ -178,7 +178,7 @@ def test_llama3_example_runs_and_collects_garbage_at_fixed_points(run_distribute
     assert evaluations == 2 + 2  # at iterations 2 and 4, then the final validation and test
     assert run["collects"] == 1 + 4 // 2 + 2 * evaluations
     assert run["enabled_in_steps"] == [False] * 4 and run["enabled_after"]
-    for flag in ("--cross-entropy-loss-fusion", "--calculate-per-token-loss", "--ckpt-format torch_dist",
+    for flag in ("--cross-entropy-loss-fusion", "--ckpt-format torch_dist",
                  "--tiktoken-pattern v2", "--no-create-attention-mask-in-dataloader", "--log-timers-to-tensorboard",
                  "--wandb-project megatron-lm-training"):
         assert f"> {flag}: no effect, " in printed, flag
