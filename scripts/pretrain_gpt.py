@@ -58,6 +58,7 @@ import copy
 import dataclasses
 import datetime
 import itertools
+import math
 import os
 import re
 import socket
@@ -68,6 +69,7 @@ from typing import Any, Callable, NoReturn, Optional, TextIO
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -290,6 +292,10 @@ def build_parser() -> argparse.ArgumentParser:
                           help="the step's loss is the sum of the global batch's token losses over their number "
                                "(over micro-batches and data-parallel ranks), not a mean of micro-batch means "
                                "(the same without --eod-mask-loss)")
+    training.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
+                          dest="check_for_nan_in_loss_and_grad",
+                          help="a NaN loss or gradient norm skips the step (counted in the log line) instead of "
+                               "stopping the run with an error (Megatron-LM's default)")
     training.add_argument("--grad-reduce-in-bf16", action="store_true",
                           help="with --bf16: sum micro-batch gradients and all-reduce them in bf16 (the "
                                "parameters' dtype) instead of fp32")
@@ -809,6 +815,8 @@ def train(args, settings, layout, device, housekeeping: Optional[Housekeeping] =
         loss, ok, grad_norm, num_zeros = train_step(
             model, optimizer, micro_batches, forward, grads, dp_group, housekeeping.after_forward_backward)
         housekeeping.after_step(iteration)
+        if args.check_for_nan_in_loss_and_grad:
+            stop_on_nan(iteration, loss, model, check_grads=not args.fp16, device=device)
         batch_size = args.batch_schedule.size(iteration)
         if ok:
             scheduler.step(batch_size)
@@ -836,6 +844,30 @@ def train(args, settings, layout, device, housekeeping: Optional[Housekeeping] =
     profiler.close()
     log.close()
     return log.records
+
+
+def stop_on_nan(iteration: int, loss: float, model: torch.nn.Module, check_grads: bool, device: torch.device) -> None:
+    """Megatron-LM's --check-for-nan-in-loss-and-grad (on by default): a NaN loss or a NaN in a
+    gradient stops the run on every rank. The step has skipped such an update already (its
+    gradients are not finite), so the parameters are the last good ones. The loss is reduced over
+    the ranks; the gradients are this rank's, so their verdict is all-reduced (MAX). With fp16
+    only the loss is checked: an overflow is the loss scaler's to skip."""
+    if math.isnan(loss):
+        exit_with_error(f"iteration {iteration}: found NaN in the loss (Megatron-LM's check; "
+                        f"--no-check-for-nan-in-loss-and-grad skips such steps instead).")
+    if not check_grads:
+        return
+    found = torch.zeros(1, device=device)
+    for param in model.parameters():
+        grad = getattr(param, "main_grad", None)
+        grad = param.grad if grad is None else grad
+        if grad is not None:
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            found = torch.maximum(found, local.isnan().any().float().to(device))
+    dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    if found.item():
+        exit_with_error(f"iteration {iteration}: found NaN in the gradients (Megatron-LM's check; "
+                        f"--no-check-for-nan-in-loss-and-grad skips such steps instead).")
 
 
 def exit_reason(args: argparse.Namespace, iteration: int, started: float, device: torch.device) -> Optional[str]:

@@ -10,6 +10,7 @@ Each rank returns its logged records (one dict per logged iteration, the same on
 `run_pretrain_gpt_with_overflow` also puts an inf into one gradient at one iteration (fp16 tests).
 """
 
+import functools
 import itertools
 from typing import Any
 
@@ -22,16 +23,18 @@ def run_pretrain_gpt(rank: int, world_size: int, argv: list[str]) -> list[dict[s
     return pretrain_gpt.main(list(argv))
 
 
-def run_pretrain_gpt_with_overflow(rank: int, world_size: int, argv: list[str], iteration: int
-                                   ) -> list[dict[str, Any]]:
-    """`run_pretrain_gpt` with an inf put into one gradient element on rank 0 at `iteration` (a
-    test aid: the trainer has no such option). Patches `train_step` for this call only."""
+def run_pretrain_gpt_with_overflow(rank: int, world_size: int, argv: list[str], iteration: int,
+                                   value: float = float("inf")) -> list[dict[str, Any]]:
+    """`run_pretrain_gpt` with `value` (default inf) put into one gradient element on rank 0 at
+    `iteration` (a test aid: the trainer has no such option). Patches `train_step` for this call
+    only."""
     original = pretrain_gpt.train_step
     calls = itertools.count(1)  # a run from scratch: call i is iteration i
 
     def train_step(model, *args, **kwargs):
         param = next(p for p in model.parameters() if p.requires_grad)
-        handle = param.register_hook(_one_inf) if next(calls) == iteration and rank == 0 else None
+        poison = functools.partial(_one_element, value=value)
+        handle = param.register_hook(poison) if next(calls) == iteration and rank == 0 else None
         try:
             return original(model, *args, **kwargs)
         finally:
@@ -45,7 +48,7 @@ def run_pretrain_gpt_with_overflow(rank: int, world_size: int, argv: list[str], 
         pretrain_gpt.train_step = original
 
 
-def _one_inf(grad: torch.Tensor) -> torch.Tensor:
+def _one_element(grad: torch.Tensor, value: float) -> torch.Tensor:
     grad = grad.clone()
-    grad.view(-1)[0] = float("inf")
+    grad.view(-1)[0] = value
     return grad

@@ -366,3 +366,33 @@ def test_model_only_checkpoint_without_rng(run_distributed, tmp_path) -> None:
         "--train-iters", "4", "--load", str(tmp_path), "--no-load-optim"],))[0]
     assert [r["iteration"] for r in resumed] == [3, 4]
     assert "RNG states not restored: the checkpoint holds none" in printed
+
+
+def _run_poisoned(rank: int, world_size: int, argv: list[str], iteration: int, value: float) -> tuple[object, str]:
+    """(records, or the exit status; stderr) of a run with `value` put into one gradient element."""
+    import contextlib
+    import io
+
+    from tests.pretrain_gpt_in_process import run_pretrain_gpt_with_overflow
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            result = run_pretrain_gpt_with_overflow(rank, world_size, argv, iteration, value)
+        except SystemExit as exit_info:
+            result = exit_info.code
+    return result, err.getvalue()
+
+
+def test_nan_gradient_stops_the_run_unless_told_to_skip(run_distributed) -> None:
+    """Megatron-LM's --check-for-nan-in-loss-and-grad is on by default: a NaN in a gradient at
+    iteration 2 stops the run there with one line; --no-check-for-nan-in-loss-and-grad skips that
+    step (counted) and trains on. An inf (not NaN) is left to the optimizer's skip either way."""
+    argv = ADAM + ["--train-iters", "3", "--log-interval", "1"]
+    status, err = run_distributed(_run_poisoned, 1, args=(argv, 2, float("nan")))[0]
+    assert status == 2 and "iteration 2: found NaN in the gradients (Megatron-LM's check;" in err, err
+    records, _ = run_distributed(_run_poisoned, 1, args=(argv + ["--no-check-for-nan-in-loss-and-grad"], 2,
+                                                         float("nan")))[0]
+    assert [r["skipped"] for r in records] == [0, 1, 0], records
+    records, _ = run_distributed(_run_poisoned, 1, args=(argv, 2, float("inf")))[0]
+    assert [r["skipped"] for r in records] == [0, 1, 0], records
