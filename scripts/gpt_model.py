@@ -353,6 +353,11 @@ class GPTModelSettings:
     recompute_granularity: Literal["full", "selective"] | None = None
     recompute_method: Literal["uniform", "block"] | None = None
     recompute_num_layers: int | None = None
+    # With "selective": the submodules recomputed (megatron's recompute_modules; None: its default,
+    # the core attention). "core_attn", "mlp" and "moe" are checkpointed, "layernorm" recomputed
+    # with its output discarded.
+    recompute_modules: tuple[str, ...] | None = None
+    distribute_saved_activations: bool = False  # full recompute at TP > 1, CUDA only
     # megatron's --sequence-parallel (scripts/sequence_parallel.py): activations outside attention
     # and the MLP split along the sequence over the tensor-parallel ranks. Ignored at TP=1, as in
     # megatron; the trainer sums the tagged norm gradients over TP (sum_sequence_parallel_grads).
@@ -584,6 +589,8 @@ def build_gpt_model(
         recompute_granularity=settings.recompute_granularity,
         recompute_method=settings.recompute_method,
         recompute_num_layers=settings.recompute_num_layers,
+        recompute_modules=None if settings.recompute_modules is None else list(settings.recompute_modules),
+        distribute_saved_activations=settings.distribute_saved_activations,
         **_pipeline_config(settings),
         **_expert_config(settings),
     )

@@ -291,6 +291,9 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
                      help="weight of the load-balancing aux loss (default 0)")
     moe.add_argument("--moe-token-dispatcher-type", default=None, choices=DISPATCHERS,
                      help="default allgather; alltoall needs CUDA")
+    moe.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                     help="only the tensor-parallel size here (Megatron-LM's default): the experts' "
+                          "linears are split over the TP ranks like the dense ones")
     moe.add_argument("--moe-router-load-balancing-type", nargs="+", default=None,
                      help="only aux_loss here (Megatron-LM's default: GShard's load-balancing loss, weighted "
                           "by --moe-aux-loss-coeff)")
@@ -321,6 +324,8 @@ def _refuse_without_experts(args: argparse.Namespace) -> None:
              if value is not None]
     if args.expert_model_parallel_size != 1:
         given.append(f"--expert-model-parallel-size {args.expert_model_parallel_size}")
+    if args.expert_tensor_parallel_size is not None:
+        given.append(f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size}")
     refuse_flags_without(given, "--num-experts (a mixture-of-experts model)")
 
 
@@ -332,6 +337,9 @@ def _check_expert_flags(args: argparse.Namespace, tp: int, dp: int, use_cuda: bo
     if not 2 <= topk <= experts:
         raise ValueError(f"--moe-router-topk must be in [2, --num-experts {experts}]; got {topk} (top-1 needs "
                          f"Megatron-LM's --moe-router-pre-softmax, which this trainer does not have).")
+    if args.expert_tensor_parallel_size not in (None, tp):
+        raise ValueError(f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size}: only the tensor-parallel "
+                         f"size ({tp}) is offered by this trainer (experts split over TP like the dense layers).")
     balancing = args.moe_router_load_balancing_type or ["aux_loss"]
     if balancing != ["aux_loss"]:
         raise ValueError(f"--moe-router-load-balancing-type {' '.join(balancing)}: only aux_loss is offered by this "

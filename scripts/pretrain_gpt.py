@@ -277,6 +277,12 @@ def build_parser() -> argparse.ArgumentParser:
                           help="with --recompute-granularity full: uniform recomputes groups of "
                                "--recompute-num-layers layers, block the first --recompute-num-layers of each stage")
     training.add_argument("--recompute-num-layers", type=int, default=None)
+    training.add_argument("--recompute-modules", nargs="*", default=None, choices=RECOMPUTE_MODULES,
+                          help="with selective recompute: the submodules recomputed in backward (default: "
+                               "core_attn; moe with --num-experts)")
+    training.add_argument("--distribute-saved-activations", action="store_true",
+                          help="with full recompute at TP > 1: split each checkpointed layer input over the "
+                               "tensor-parallel ranks (CUDA only: megatron gathers it into a CUDA buffer)")
     training.add_argument("--overlap-grad-reduce", action="store_true",
                           help="start each gradient bucket's data-parallel all-reduce during the last "
                                "micro-batch's backward, as soon as its gradients are complete (with "
@@ -477,6 +483,11 @@ def _rotary_settings(args: argparse.Namespace) -> dict[str, Any]:
     return given
 
 
+# Megatron-LM's --recompute-modules that this trainer's models have (no grouped GEMM, MLA, shared
+# experts or gated delta net).
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe")
+
+
 def _recompute_settings(args: argparse.Namespace) -> dict[str, Any]:
     """Megatron-LM's rules: --recompute-activations is --recompute-granularity selective; full
     recompute needs a method and a layer count, selective neither."""
@@ -488,6 +499,21 @@ def _recompute_settings(args: argparse.Namespace) -> dict[str, Any]:
         granularity = "selective"
     given = [flag for flag, value in (("--recompute-method", args.recompute_method),
                                       ("--recompute-num-layers", args.recompute_num_layers)) if value is not None]
+    if args.distribute_saved_activations:
+        given.append("--distribute-saved-activations")
+    if args.recompute_modules is not None and granularity != "selective":
+        raise ValueError("--recompute-modules only applies with selective recompute (--recompute-activations or "
+                         "--recompute-granularity selective).")
+    if args.recompute_modules is not None and "moe" in args.recompute_modules and args.num_experts is None:
+        raise ValueError("--recompute-modules moe needs --num-experts (a mixture-of-experts model).")
+    if args.recompute_modules is not None and "mlp" in args.recompute_modules and not args.disable_bias_linear:
+        raise ValueError("--recompute-modules mlp needs --disable-bias-linear (megatron-core's checkpoint hands the "
+                         "MLP's output bias, a parameter, back through itself, and its backward then recurses "
+                         "without end).")
+    if args.recompute_modules is not None and "layernorm" in args.recompute_modules and not (
+            runs_on_cuda(args) and transformer_engine_at_least(None)):
+        raise ValueError("--recompute-modules layernorm needs CUDA and Transformer Engine (megatron-core's "
+                         "output-discarding checkpoint calls Transformer Engine's FP8 state).")
     if granularity != "full":
         refuse_flags_without(given, "--recompute-granularity full" + (f" (got {granularity})" if granularity else ""))
     elif len(given) < 2:
@@ -496,8 +522,26 @@ def _recompute_settings(args: argparse.Namespace) -> dict[str, Any]:
     elif not 1 <= args.recompute_num_layers <= args.num_layers:
         raise ValueError(f"--recompute-num-layers {args.recompute_num_layers} must be in [1, --num-layers "
                          f"{args.num_layers}].")
+    if args.distribute_saved_activations:
+        _check_distributed_saved_activations(args)
+    modules = None if args.recompute_modules is None else tuple(args.recompute_modules)
     return dict(recompute_granularity=granularity, recompute_method=args.recompute_method,
-                recompute_num_layers=args.recompute_num_layers)
+                recompute_num_layers=args.recompute_num_layers, recompute_modules=modules,
+                distribute_saved_activations=args.distribute_saved_activations)
+
+
+def _check_distributed_saved_activations(args: argparse.Namespace) -> None:
+    """megatron-core's rules (TransformerConfig), plus CUDA: its checkpoint gathers the split
+    input into a buffer on torch.cuda.current_device()."""
+    if args.tensor_model_parallel_size == 1:
+        raise ValueError("--distribute-saved-activations needs --tensor-model-parallel-size > 1 (it splits "
+                         "activations over the tensor-parallel ranks).")
+    if args.sequence_parallel:
+        raise ValueError("--distribute-saved-activations and --sequence-parallel exclude each other (as in "
+                         "megatron-core: the activations are split over TP already).")
+    if not runs_on_cuda(args):
+        raise ValueError("--distribute-saved-activations needs CUDA (megatron-core gathers the saved activations "
+                         "into a CUDA buffer).")
 
 
 def _settings_from_flags(args: argparse.Namespace) -> GPTModelSettings:

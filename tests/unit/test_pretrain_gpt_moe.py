@@ -174,9 +174,14 @@ def _parse_error(argv: list[str], world_size: int, monkeypatch, capsys) -> list[
         (MOE + ["--tensor-model-parallel-size", "2"], 2,
          "--num-experts with --tensor-model-parallel-size 2 needs --sequence-parallel"),
         (MOE + ["--use-torch-fsdp2"], 2, "--use-torch-fsdp2 does not support --num-experts yet."),
+        (MOE + ["--expert-tensor-parallel-size", "2"], 1,
+         "--expert-tensor-parallel-size 2: only the tensor-parallel size (1) is offered"),
+        (["--expert-tensor-parallel-size", "1"], 1, "--expert-tensor-parallel-size 1 only applies with --num-experts"),
+        (MOE + ["--recompute-activations", "--recompute-modules", "moe", "--calculate-per-token-loss"], 1,
+         "--calculate-per-token-loss with --num-experts is not offered"),
     ],
     ids=["experts", "topk-1", "topk-above-experts", "topk-alone", "ep-experts", "ep-dp", "ep-0", "ep-alone",
-         "aux-negative", "aux-nan", "aux-alone", "two-alone", "tp", "fsdp2"],
+         "aux-negative", "aux-nan", "aux-alone", "two-alone", "tp", "fsdp2", "etp", "etp-alone", "per-token"],
 )
 def test_bad_moe_flags_exit_with_one_line(argv, world_size, message, monkeypatch, capsys) -> None:
     lines = _parse_error(argv, world_size, monkeypatch, capsys)
