@@ -1,8 +1,9 @@
 """Megatron-LM's performance flags: `--log-throughput` and `--profile` (megatron/training/training.py).
 
 `--log-throughput` adds Megatron-LM's `throughput per GPU (TFLOP/s/GPU): X |` to the iteration
-line (and the `throughput` TensorBoard scalar, the JSONL field): the FLOPs of one global batch,
-counted by megatron's own `num_floating_point_operations` for the model this trainer built, over
+line (and the `throughput` TensorBoard scalar, the JSONL field): the FLOPs of the logged step's
+global batch (it can grow, scripts/batch_schedule.py), counted by megatron's own
+`num_floating_point_operations` for the model this trainer built (linear in the batch), over
 (seconds per iteration, averaged over the log interval) x 1e12 x world size. On CPU a process
 stands for Megatron-LM's GPU; the unit keeps Megatron-LM's spelling for log parsers.
 
@@ -134,7 +135,7 @@ def flops_namespace(settings) -> argparse.Namespace:
         seq_length=settings.seq_length, num_layers=settings.num_layers, hidden_size=settings.hidden_size,
         num_attention_heads=heads, group_query_attention=settings.num_query_groups is not None,
         num_query_groups=settings.num_query_groups or heads,
-        kv_channels=settings.hidden_size // heads,  # megatron-core's TransformerConfig default
+        kv_channels=settings.kv_channels or settings.hidden_size // heads,  # --kv-channels, else megatron's default
         ffn_hidden_size=settings.ffn_hidden_size, swiglu=settings.swiglu, padded_vocab_size=settings.vocab_size,
         # Mixture of experts: every layer (moe_layer_freq 1), experts as wide as the dense FFN.
         num_experts=settings.num_moe_experts, moe_layer_freq=1, moe_router_topk=settings.moe_router_topk,

@@ -18,12 +18,13 @@ from scripts.performance import flops_per_iteration, performance_lines
 
 
 def hand_count(batch: int, seq: int, layers: int, hidden: int, heads: int, groups: int, ffn: int, vocab: int,
-               swiglu: bool, experts_per_token: int = 1) -> int:
-    """One global batch's FLOPs, forward and backward."""
-    head_dim = hidden // heads
-    qkv = 2 * hidden * (hidden + 2 * groups * head_dim)  # per token: q, and k, v for each group
-    scores_and_values = 2 * 2 * seq * hidden // 2  # QK^T and AV over the causal half of the sequence
-    out = 2 * hidden * hidden
+               swiglu: bool, experts_per_token: int = 1, head_dim: int | None = None) -> int:
+    """One global batch's FLOPs, forward and backward (head_dim: --kv-channels, default h / heads)."""
+    head_dim = head_dim or hidden // heads
+    attention = heads * head_dim  # the queries' width (the hidden size unless --kv-channels)
+    qkv = 2 * hidden * (attention + 2 * groups * head_dim)  # per token: q, and k, v for each group
+    scores_and_values = 2 * 2 * seq * attention // 2  # QK^T and AV over the causal half of the sequence
+    out = 2 * attention * hidden
     mlp = (3 if swiglu else 2) * 2 * hidden * ffn * experts_per_token  # SwiGLU: gate, up, down
     logits = 2 * hidden * vocab
     return 3 * batch * seq * (layers * (qkv + scores_and_values + out + mlp) + logits)
@@ -37,11 +38,13 @@ def hand_count(batch: int, seq: int, layers: int, hidden: int, heads: int, group
     (GPTModelSettings(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=None,
                       ffn_hidden_size=96, swiglu=True, seq_length=16, vocab_size=64, num_moe_experts=4,
                       moe_router_topk=3), 4, 3),
-], ids=["mha-gelu", "gqa-swiglu", "moe-top3"])
+    (GPTModelSettings(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=32,
+                      ffn_hidden_size=128, swiglu=True, seq_length=16, vocab_size=64), 2, 1),
+], ids=["mha-gelu", "gqa-swiglu", "moe-top3", "kv-channels"])
 def test_flops_per_iteration_is_the_hand_count(settings: GPTModelSettings, groups: int, experts_per_token: int) -> None:
     expected = hand_count(8, settings.seq_length, settings.num_layers, settings.hidden_size,
                           settings.num_attention_heads, groups, settings.ffn_hidden_size, settings.vocab_size,
-                          settings.swiglu, experts_per_token)
+                          settings.swiglu, experts_per_token, settings.kv_channels)
     assert flops_per_iteration(settings, 8) == expected
 
 
