@@ -320,6 +320,8 @@ class GPTModelSettings:
     bf16: bool = False  # bf16 parameters (megatron's --bf16); fp32 otherwise
     fp16: bool = False  # fp16 parameters (megatron's --fp16)
     add_bias_linear: bool = False
+    add_qkv_bias: bool = False  # megatron's --add-qkv-bias: biases on the QKV projection only (implied by add_bias_linear)
+    layernorm_epsilon: float = 1e-5  # megatron's --norm-epsilon
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
     # megatron's --apply-layernorm-1p: norms store gamma - 1 (initialised to 0) and scale by
     # weight + 1 (scripts/torch_norm.py with the local spec; Transformer Engine's norms natively).
@@ -407,6 +409,8 @@ class GPTModelSettings:
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise SettingsError(f"{{{name}}} must be in [0, 1)", **{name: getattr(self, name)})
+        if not (math.isfinite(self.layernorm_epsilon) and self.layernorm_epsilon > 0.0):
+            raise SettingsError("{layernorm_epsilon} must be a finite number > 0", layernorm_epsilon=self.layernorm_epsilon)
         if self.bf16 and self.fp16:
             raise SettingsError("{bf16} and {fp16} exclude each other", bf16=True, fp16=True)
         if not (math.isfinite(self.init_method_std) and self.init_method_std > 0.0):
@@ -572,6 +576,8 @@ def build_gpt_model(
         layernorm_zero_centered_gamma=settings.layernorm_zero_centered_gamma,
         kv_channels=settings.kv_channels,
         add_bias_linear=settings.add_bias_linear,
+        add_qkv_bias=settings.add_qkv_bias or settings.add_bias_linear,
+        layernorm_epsilon=settings.layernorm_epsilon,
         hidden_dropout=settings.hidden_dropout,
         attention_dropout=settings.attention_dropout,
         init_method_std=settings.init_method_std,

@@ -194,6 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                        help="a separate output layer (default: it shares the input embedding's weight)")
     model.add_argument("--disable-bias-linear", action="store_true", help="no biases in the linear layers")
+    model.add_argument("--add-qkv-bias", action="store_true",
+                       help="with --disable-bias-linear: biases on the QKV projection only")
+    model.add_argument("--norm-epsilon", type=float, default=1e-5,
+                       help="the epsilon of every LayerNorm/RMSNorm")
     model.add_argument("--normalization", default="LayerNorm", choices=("LayerNorm", "RMSNorm"))
     model.add_argument("--hidden-dropout", type=float, default=0.0,
                        help="default 0 (Megatron-LM's is 0.1): layouts then train identically")
@@ -202,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--init-method-std", type=float, default=0.02)
     model.add_argument("--position-embedding-type", default="learned_absolute",
                        choices=("learned_absolute", "rope", "none"))
+    model.add_argument("--use-rotary-position-embeddings", action="store_true",
+                       help="Megatron-LM's deprecated spelling of --position-embedding-type rope")
     model.add_argument("--rotary-base", type=int, default=None, help="RoPE's base period (default 10000)")
     model.add_argument("--rotary-percent", type=float, default=None,
                        help="the fraction of each head's dimensions RoPE rotates (default 1.0)")
@@ -443,6 +449,7 @@ def _model_settings(args: argparse.Namespace, tp: int) -> GPTModelSettings:
     except SettingsError as error:
         # Every setting and tensor_model_parallel_size is the destination of the flag of that name.
         flags = {name: f"--{name.replace('_', '-')}" for name in vars(args)}
+        flags["layernorm_epsilon"] = "--norm-epsilon"  # megatron's field name, Megatron-LM's flag
         raise ValueError(f"{error.message_for(flags)}.") from None
     return settings
 
@@ -545,6 +552,8 @@ def _check_distributed_saved_activations(args: argparse.Namespace) -> None:
 
 
 def _settings_from_flags(args: argparse.Namespace) -> GPTModelSettings:
+    if args.use_rotary_position_embeddings:  # Megatron-LM's legacy flag
+        args.position_embedding_type = "rope"
     return GPTModelSettings(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -559,6 +568,8 @@ def _settings_from_flags(args: argparse.Namespace) -> GPTModelSettings:
         fp16=args.fp16,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         add_bias_linear=not args.disable_bias_linear,
+        add_qkv_bias=args.add_qkv_bias,
+        layernorm_epsilon=args.norm_epsilon,
         normalization=args.normalization,
         layernorm_zero_centered_gamma=args.apply_layernorm_1p,
         kv_channels=args.kv_channels,

@@ -143,6 +143,7 @@ def _our_lines(stderr: str) -> list[str]:
         (["--empty-unused-memory-level", "3"], "argument --empty-unused-memory-level: invalid choice: 3"),
         (["--no-position-embedding"], "--no-position-embedding is deprecated (as in Megatron-LM): use"),
         (["--kv-channels", "0"], "--kv-channels 0 must be positive."),
+        (["--norm-epsilon", "0"], "--norm-epsilon 0.0 must be a finite number > 0."),
         (["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes must be > 0; got 0.0."),
         (["--fp8-param-gather"], "--fp8-param-gather: FP8 training is not offered by this trainer"),
         (["--num-experts", "2", "--disable-bias-linear", "--moe-router-load-balancing-type", "seq_aux_loss"],
@@ -162,7 +163,7 @@ def _our_lines(stderr: str) -> list[str]:
          "warmup-init", "tb-interval", "unknown", "fsdp2-fp16", "rotary-without-rope", "rotary-percent",
          "position-embedding-type", "samples-and-iters", "iters-schedule-with-samples", "samples-schedule-alone",
          "too-few-samples", "ddp-bucket-size", "context-parallel", "grad-reduce-bf16-without-bf16",
-         "gc-interval-without-gc", "gc-interval", "empty-cache-level", "no-position-embedding", "kv-channels",
+         "gc-interval-without-gc", "gc-interval", "empty-cache-level", "no-position-embedding", "kv-channels", "norm-eps",
          "timeout", "fp8", "load-balancing-type", "load-balancing-without-experts", "profile-start", "profile-end",
          "profile-end-default-start", "profile-ranks", "profile-ranks-negative", "pytorch-profiler-without-tensorboard"],
 )
@@ -189,7 +190,9 @@ def _built_model(rank: int, world_size: int, argv: list[str]) -> dict:
         model = build_gpt_model(settings, torch.device("cpu"))
         names = {name: tuple(p.shape) for name, p in model.named_parameters()}
         return {"names": names, "tied": model.output_layer.weight is None,
-                "attention_dropout": model.decoder.layers[0].self_attention.core_attention.dropout_p}
+                "attention_dropout": model.decoder.layers[0].self_attention.core_attention.dropout_p,
+                "norm_eps": {module.eps for module in model.modules() if isinstance(module, torch.nn.LayerNorm)},
+                "rope": model.position_embedding_type}
     finally:
         destroy_model_parallel()
 
@@ -209,6 +212,12 @@ def test_flags_build_that_model(run_distributed) -> None:
                                                         "--disable-bias-linear"],))
     assert not untied["tied"] and untied["names"]["output_layer.weight"] == (64, 64)
     assert not any(name.endswith(".bias") and "linear" in name for name in untied["names"]), untied["names"]
+    assert default["norm_eps"] == {1e-5} and default["rope"] == "learned_absolute"
+    (qkv_bias,) = run_distributed(_built_model, 1, args=(["--disable-bias-linear", "--add-qkv-bias", "--norm-epsilon",
+                                                          "1e-6", "--use-rotary-position-embeddings"],))
+    biases = sorted(name for name in qkv_bias["names"] if name.endswith(".bias") and "linear" in name)
+    assert biases == ["decoder.layers.0.self_attention.linear_qkv.bias", "decoder.layers.1.self_attention.linear_qkv.bias"]
+    assert qkv_bias["norm_eps"] == {1e-6} and qkv_bias["rope"] == "rope"
 
 
 @pytest.mark.parametrize(
