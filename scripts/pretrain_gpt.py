@@ -12,7 +12,11 @@ data-parallel rank trains on its slice of it, so every TP/DP layout sees the sam
 Gradients are averaged over data-parallel ranks by the layer-wise optimizer when it is on
 (`layer_wise_reduce_grads`), else here in buckets (scripts/grad_reduction.py); the step scales
 each micro-batch's loss by 1 / (gradient-accumulation steps), so the update follows the
-global-batch mean loss. `--fp16` trains an fp16 model whose loss is multiplied by the optimizer's
+global-batch mean loss (scripts/token_loss.py: `--eod-mask-loss` leaves out end-of-document labels,
+`--calculate-per-token-loss` averages over the global batch's tokens instead). The global batch
+can grow (scripts/batch_schedule.py: `--rampup-batch-size`, `--step-batch-size-schedule`). A NaN
+loss or gradient stops the run, as in Megatron-LM, unless `--no-check-for-nan-in-loss-and-grad`.
+`--fp16` trains an fp16 model whose loss is multiplied by the optimizer's
 loss scale (dynamic unless `--loss-scale`): an overflow skips the step and backs the scale off.
 `--bf16` trains a bf16 model whose gradients are summed over micro-batches and all-reduced in fp32
 (`param.main_grad`, Megatron-LM's `--accumulate-allreduce-grads-in-fp32`, implied by `--bf16`).
@@ -25,8 +29,9 @@ iterations and at the end, then test if the split has one (scripts/evaluation.py
 iterations; `--tensorboard-dir` writes Megatron-LM's TensorBoard scalars, `--metrics-jsonl` one
 JSON object per logged line, `--plot` the loss curve as a PNG; on a terminal rank 0 also redraws
 a progress bar. `--log-throughput` and `--profile` (scripts/performance.py) add Megatron-LM's
-TFLOP/s per GPU to the line and profile a range of iterations. Model and schedule flags keep Megatron-LM's meaning and defaults where this
-trainer has them (tied embeddings, linear biases, LayerNorm, `--swiglu`'s FFN size, GQA only
+TFLOP/s per GPU to the line and profile a range of iterations; `--manual-gc` and
+`--empty-unused-memory-level` are scripts/housekeeping.py's. Model and schedule flags keep
+Megatron-LM's meaning and defaults where this trainer has them (tied embeddings, linear biases, LayerNorm, `--swiglu`'s FFN size, GQA only
 with `--group-query-attention`); dropout defaults to 0 here (so layouts can be compared exactly).
 An invalid flag, or a combination the
 optimizer factory refuses, exits every rank with status 2 after one line on rank 0's stderr naming
