@@ -25,6 +25,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.tensor import DTensor
 
 from scripts.sequence_parallel import sequence_parallel_params, sum_sequence_parallel_grads
 
@@ -189,8 +190,26 @@ def sum_tied_embedding_grads(chunks: list[torch.nn.Module]) -> None:
     for chunk in chunks:
         if not (chunk.share_embeddings_and_output_weights and (chunk.pre_process or chunk.post_process)):
             continue
-        weight = chunk.shared_embedding_or_output_weight()
-        grad: Optional[torch.Tensor] = getattr(weight, "main_grad", None)
-        if grad is None:
-            grad = weight.grad
+        grad = accumulated_grad(chunk.shared_embedding_or_output_weight())
         dist.all_reduce(grad, group=parallel_state.get_embedding_group())
+
+
+def accumulated_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    """The gradient the optimizer will read: `main_grad` where the trainer accumulates in fp32,
+    else `param.grad`."""
+    grad = getattr(param, "main_grad", None)
+    return param.grad if grad is None else grad
+
+
+def nan_in_grads(model: torch.nn.Module, device: torch.device) -> bool:
+    """Whether any rank's gradients hold a NaN (an inf alone does not count): each rank looks at
+    its own (local shards under FSDP2) and the verdict is all-reduced (MAX) over every rank, so
+    all of them agree."""
+    found = torch.zeros(1, device=device)
+    for param in model.parameters():
+        grad = accumulated_grad(param)
+        if grad is not None:
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            found = torch.maximum(found, local.isnan().any().float().to(device))
+    dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    return bool(found.item())

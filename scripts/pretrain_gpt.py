@@ -74,7 +74,6 @@ from typing import Any, Callable, NoReturn, Optional, TextIO
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -106,7 +105,7 @@ from scripts.gpt_model import (  # noqa: E402
     initialize_model_parallel,
     transformer_engine_at_least,
 )
-from scripts.grad_reduction import BUCKET_NUMEL, GradReducer, finalize_model_grads  # noqa: E402
+from scripts.grad_reduction import BUCKET_NUMEL, GradReducer, finalize_model_grads, nan_in_grads  # noqa: E402
 from scripts.housekeeping import Housekeeping, add_housekeeping_args, check_housekeeping_flags  # noqa: E402
 from scripts.moe import (  # noqa: E402
     add_moe_args,
@@ -770,9 +769,9 @@ class BatchSource:
 
     def __init__(self, args: argparse.Namespace, layout: Layout, dp_rank: int) -> None:
         self.args, self.dp, self.dp_rank, self.schedule = args, layout.dp, dp_rank, args.batch_schedule
-        train_samples = self.schedule.train_samples or args.train_iters * args.global_batch_size
         self.data = build_data_source(args, SampleCounts.for_run(
-            args.train_iters, args.global_batch_size, args.eval_interval, args.eval_iters, train_samples))
+            args.train_iters, args.global_batch_size, args.eval_interval, args.eval_iters,
+            train_samples=self.schedule.first_sample(args.train_iters + 1)))
 
     def micro_batches(self, iteration: int) -> list[torch.Tensor]:
         size = self.schedule.size(iteration)
@@ -910,23 +909,11 @@ def stop_on_nan(iteration: int, loss: float, model: torch.nn.Module, check_grads
     """Megatron-LM's --check-for-nan-in-loss-and-grad (on by default): a NaN loss or a NaN in a
     gradient stops the run on every rank. The step has skipped such an update already (its
     gradients are not finite), so the parameters are the last good ones. The loss is reduced over
-    the ranks; the gradients are this rank's, so their verdict is all-reduced (MAX). With fp16
-    only the loss is checked: an overflow is the loss scaler's to skip."""
-    if math.isnan(loss):
-        exit_with_error(f"iteration {iteration}: found NaN in the loss (Megatron-LM's check; "
-                        f"--no-check-for-nan-in-loss-and-grad skips such steps instead).")
-    if not check_grads:
-        return
-    found = torch.zeros(1, device=device)
-    for param in model.parameters():
-        grad = getattr(param, "main_grad", None)
-        grad = param.grad if grad is None else grad
-        if grad is not None:
-            local = grad.to_local() if isinstance(grad, DTensor) else grad
-            found = torch.maximum(found, local.isnan().any().float().to(device))
-    dist.all_reduce(found, op=dist.ReduceOp.MAX)
-    if found.item():
-        exit_with_error(f"iteration {iteration}: found NaN in the gradients (Megatron-LM's check; "
+    the ranks; the gradients' verdict is all-reduced (`nan_in_grads`). With fp16 only the loss is
+    checked: an overflow is the loss scaler's to skip."""
+    what = "loss" if math.isnan(loss) else ("gradients" if check_grads and nan_in_grads(model, device) else None)
+    if what is not None:
+        exit_with_error(f"iteration {iteration}: found NaN in the {what} (Megatron-LM's check; "
                         f"--no-check-for-nan-in-loss-and-grad skips such steps instead).")
 
 

@@ -241,10 +241,10 @@ class Logger:
         # Redirected output (files, pipes, tests) gets no bar, so logs hold only the log lines.
         self.bar = ProgressBar(args.train_iters, sys.stdout) if self.is_first and sys.stdout.isatty() else None
 
-    def start_at(self, iteration: int, consumed_samples: Optional[int] = None) -> None:
-        """Resuming: samples (default iteration x global batch size), timings and the progress
-        bar count from `iteration`."""
-        self.consumed_samples = iteration * self.args.global_batch_size if consumed_samples is None else consumed_samples
+    def start_at(self, iteration: int, consumed_samples: int) -> None:
+        """Resuming: samples, timings and the progress bar count from `iteration`, after
+        `consumed_samples` (scripts/batch_schedule.py: the batch can grow)."""
+        self.consumed_samples = consumed_samples
         self.totals = IntervalTotals()
         if self.bar:
             self.bar.start_at(iteration)
