@@ -405,3 +405,20 @@ def test_nan_gradient_stops_the_run_unless_told_to_skip(run_distributed) -> None
     assert [r["skipped"] for r in records] == [0, 1, 0], records
     records, _ = run_distributed(_run_poisoned, 1, args=(argv, 2, float("inf")))[0]
     assert [r["skipped"] for r in records] == [0, 1, 0], records
+
+
+def test_distributed_timeout_reaches_the_process_group(monkeypatch) -> None:
+    """--distributed-timeout-minutes is the timeout init_process_group gets (default 10, as
+    Megatron-LM); the call is intercepted, no group is made."""
+    import datetime
+
+    from scripts import pretrain_gpt
+
+    calls = []
+    monkeypatch.setattr(pretrain_gpt.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(pretrain_gpt.dist, "init_process_group", lambda *args, **kwargs: calls.append(kwargs))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    for argv, minutes in (([], 10), (["--distributed-timeout-minutes", "60"], 60)):
+        args, _, layout = _parse(argv + ["--distributed-backend", "gloo"], monkeypatch)
+        pretrain_gpt.init_distributed(args, layout)
+        assert calls[-1]["timeout"] == datetime.timedelta(minutes=minutes), calls
