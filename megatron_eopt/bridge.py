@@ -232,7 +232,7 @@ def _check_weight_decay(config: SchedulerConfig) -> None:
 
 def _check_weight_decay_pair(start: float, end: float, style: str) -> None:
     if end < start:
-        raise _scheduler_error("end_weight_decay", f"({end}) must not be below start_weight_decay ({start}).")
+        raise _scheduler_error("end_weight_decay", f"({end}) must not be below SchedulerConfig.start_weight_decay ({start}).")
     if style == "constant" and start != end:
         raise _scheduler_error(
             "weight_decay_incr_style",

@@ -276,6 +276,13 @@ def build_parser() -> argparse.ArgumentParser:
     training.add_argument("--lr-warmup-samples", type=int, default=None, help="with --train-samples (default 0)")
     training.add_argument("--lr-wsd-decay-samples", type=int, default=None,
                           help="with --train-samples and --lr-decay-style WSD")
+    training.add_argument("--start-weight-decay", type=float, default=None,
+                          help="with --weight-decay-incr-style linear or cosine: the weight decay at the start")
+    training.add_argument("--end-weight-decay", type=float, default=None,
+                          help="with --weight-decay-incr-style linear or cosine: the weight decay at the end of "
+                               "training (it grows over all --train-iters or --train-samples)")
+    training.add_argument("--weight-decay-incr-style", default="constant", choices=("constant", "linear", "cosine"),
+                          help="constant: --weight-decay throughout")
     training.add_argument("--seed", type=int, default=1234)
     training.add_argument("--recompute-activations", action="store_true",
                           help="recompute each layer's core attention in backward instead of keeping its "
@@ -637,6 +644,7 @@ def _check_training_flags(args: argparse.Namespace) -> None:
     if args.plot and not args.plot.endswith(".png"):
         raise ValueError(f"--plot writes a PNG; give a path ending in .png, got {args.plot!r}.")
     _check_wsd_flags(args)
+    _check_weight_decay_flags(args)
     if args.lr_warmup_init > args.lr:
         raise ValueError(f"--lr-warmup-init {args.lr_warmup_init} must not exceed --lr {args.lr}.")
     try:
@@ -711,6 +719,17 @@ def _check_wsd_flags(args: argparse.Namespace) -> None:
                          f"{decay_iters} iterations (--lr-decay-iters, default --train-iters).")
 
 
+def _check_weight_decay_flags(args: argparse.Namespace) -> None:
+    """Megatron-LM's rule: a growing weight decay names both ends, a constant one is --weight-decay."""
+    style = args.weight_decay_incr_style
+    ends = [flag for flag, value in (("--start-weight-decay", args.start_weight_decay),
+                                     ("--end-weight-decay", args.end_weight_decay)) if value is not None]
+    if style == "constant":
+        refuse_flags_without(ends, "--weight-decay-incr-style linear or cosine (constant keeps --weight-decay)")
+    elif len(ends) < 2:
+        raise ValueError(f"--weight-decay-incr-style {style} needs --start-weight-decay and --end-weight-decay.")
+
+
 def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
     """Megatron-LM's schedule flags; megatron_eopt.bridge turns iterations into samples."""
     return SchedulerConfig(
@@ -725,6 +744,9 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
         **_training_length_fields(args),
         override_opt_param_scheduler=args.override_opt_param_scheduler,
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        start_weight_decay=args.start_weight_decay,
+        end_weight_decay=args.end_weight_decay,
+        weight_decay_incr_style=args.weight_decay_incr_style,
     )
 
 

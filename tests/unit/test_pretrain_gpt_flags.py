@@ -7,6 +7,7 @@ biases by default, and the lr of megatron-core's scheduler for warmup-fraction /
 WSD, computed by hand from the formulas (not by the scheduler under test).
 """
 
+import math
 import os
 
 import pytest
@@ -56,8 +57,9 @@ def test_group_query_attention_alone_means_one_group(monkeypatch) -> None:
     assert settings.num_query_groups == 1  # Megatron-LM's default for --num-query-groups
 
 
-def _lrs(argv: list[str], iterations: int, monkeypatch) -> list[float]:
-    """The lr megatron-core's scheduler gives after 0..iterations steps, as the trainer builds it."""
+def _lrs(argv: list[str], iterations: int, monkeypatch, key: str = "lr") -> list[float]:
+    """The lr (or another param-group `key`) megatron-core's scheduler gives after
+    0..iterations steps, as the trainer builds it."""
     import torch
 
     from arguments import optimizer_config_from_args
@@ -68,10 +70,10 @@ def _lrs(argv: list[str], iterations: int, monkeypatch) -> list[float]:
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=args.lr)
     scheduler = get_scheduler(optimizer_config_from_args(args, torch.device("cpu")),
                               pretrain_gpt.scheduler_config(args), optimizer)
-    lrs = [optimizer.param_groups[0]["lr"]]
+    lrs = [optimizer.param_groups[0][key]]
     for _ in range(iterations):
         scheduler.step(args.global_batch_size)
-        lrs.append(optimizer.param_groups[0]["lr"])
+        lrs.append(optimizer.param_groups[0][key])
     return lrs
 
 
@@ -102,6 +104,19 @@ def test_wsd_exponential_is_the_default_decay(monkeypatch) -> None:
     lrs = _lrs(["--train-iters", "4", "--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "2"], 4, monkeypatch)
     coefficients = [1.0, 1.0, 1.0, 2 * 0.5 ** 0.5 - 1, 0.0]  # megatron-core: 2 * 0.5 ** ratio - 1
     assert lrs == pytest.approx([0.1 + 0.9 * c for c in coefficients], abs=1e-12)
+
+
+@pytest.mark.parametrize("style", ["linear", "cosine"])
+def test_weight_decay_grows_from_start_to_end_over_training(style: str, monkeypatch) -> None:
+    """Megatron-LM: start + (end - start) * c over all training samples, c = the step ratio
+    (linear) or (cos(pi * (1 - ratio)) + 1) / 2 (cosine)."""
+    argv = ["--train-iters", "4", "--weight-decay", "0.5", "--start-weight-decay", "0.1", "--end-weight-decay",
+            "0.3", "--weight-decay-incr-style", style]
+    ratios = [k / 4 for k in range(5)]
+    coefficients = ratios if style == "linear" else [(math.cos(math.pi * (1 - r)) + 1) / 2 for r in ratios]
+    expected = [0.1 + 0.2 * c for c in coefficients]
+    assert _lrs(argv, 4, monkeypatch, key="weight_decay") == pytest.approx(expected, abs=1e-12)
+    assert _lrs(["--train-iters", "4", "--weight-decay", "0.5"], 4, monkeypatch, key="weight_decay") == [0.5] * 5
 
 
 def _our_lines(stderr: str) -> list[str]:
@@ -157,6 +172,12 @@ def _our_lines(stderr: str) -> list[str]:
         (["--profile-ranks", "-1"], "--profile-ranks -1: the ranks run from 0 to 0 here."),
         (["--profile", "--use-pytorch-profiler"], "--use-pytorch-profiler writes its trace next to --tensorboard-dir "
                                                   "(<dir>/../torch_profile, as Megatron-LM does); give --tensorboard-dir."),
+        (["--start-weight-decay", "0.1"],
+         "--start-weight-decay only applies with --weight-decay-incr-style linear or cosine"),
+        (["--weight-decay-incr-style", "linear", "--end-weight-decay", "0.1"],
+         "--weight-decay-incr-style linear needs --start-weight-decay and --end-weight-decay."),
+        (["--weight-decay-incr-style", "cosine", "--start-weight-decay", "0.3", "--end-weight-decay", "0.1"],
+         "--end-weight-decay (0.1) must not be below --start-weight-decay (0.3)."),
     ],
     ids=["gqa-groups-alone", "hidden-dropout", "attention-dropout", "init-std", "init-std-nan", "swiglu-tiny", "normalization",
          "wsd-without-iters", "wsd-too-long", "wsd-iters-without-wsd", "wsd-style", "warmup-fraction", "warmup-fraction-and-iters",
@@ -165,7 +186,8 @@ def _our_lines(stderr: str) -> list[str]:
          "too-few-samples", "ddp-bucket-size", "context-parallel", "grad-reduce-bf16-without-bf16",
          "gc-interval-without-gc", "gc-interval", "empty-cache-level", "no-position-embedding", "kv-channels", "norm-eps",
          "timeout", "fp8", "load-balancing-type", "load-balancing-without-experts", "profile-start", "profile-end",
-         "profile-end-default-start", "profile-ranks", "profile-ranks-negative", "pytorch-profiler-without-tensorboard"],
+         "profile-end-default-start", "profile-ranks", "profile-ranks-negative", "pytorch-profiler-without-tensorboard",
+         "start-wd-with-constant", "wd-incr-one-end", "wd-decreasing"],
 )
 def test_bad_new_flags_exit_with_one_line(argv: list[str], message: str, monkeypatch, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
