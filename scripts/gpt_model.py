@@ -219,7 +219,7 @@ class SDPACoreAttention(MegatronModule):
 
 
 def gpt_layer_spec(use_cuda: bool, max_attn_logits: bool = False, num_experts: int | None = None,
-                   transformer_impl: str = "auto") -> ModuleSpec:
+                   transformer_impl: str = "auto", qk_layernorm: bool = False) -> ModuleSpec:
     """Transformer-layer spec: megatron's own on CUDA, local + SDPA attention on CPU.
 
     ``max_attn_logits`` (QK-clip or max-logit logging): on CUDA, Transformer Engine's
@@ -229,8 +229,9 @@ def gpt_layer_spec(use_cuda: bool, max_attn_logits: bool = False, num_experts: i
     ``transformer_impl`` (Megatron-LM's --transformer-impl): "auto" takes Transformer Engine's
     layers on CUDA when it is installed, "local" megatron's local ones, "transformer_engine"
     requires them (CUDA and TE, >= 2.9 with ``max_attn_logits``).
+    ``qk_layernorm``: a norm on each head's query and key (megatron's, over the head width).
     """
-    spec = _attention_spec(use_cuda, max_attn_logits, num_experts, transformer_impl)
+    spec = _attention_spec(use_cuda, max_attn_logits, num_experts, transformer_impl, qk_layernorm)
     if num_experts is None:
         return spec
     mlp = moe_layer_builder(spec.submodules.mlp, use_cuda)
@@ -241,7 +242,7 @@ TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 
 
 def _attention_spec(use_cuda: bool, max_attn_logits: bool, num_experts: int | None,
-                    transformer_impl: str) -> ModuleSpec:
+                    transformer_impl: str, qk_layernorm: bool) -> ModuleSpec:
     if transformer_impl not in TRANSFORMER_IMPLS:
         raise ValueError(f"transformer_impl must be one of {TRANSFORMER_IMPLS}, not {transformer_impl!r}")
     te_version = "2.9.0" if max_attn_logits else None  # TE records the maximum logits from 2.9
@@ -251,11 +252,11 @@ def _attention_spec(use_cuda: bool, max_attn_logits: bool, num_experts: int | No
     if use_cuda and transformer_impl != "local" and transformer_engine_at_least(te_version):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts)
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=qk_layernorm)
     if use_cuda and not max_attn_logits:
-        return get_gpt_layer_local_spec(num_experts=num_experts)
+        return get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=qk_layernorm)
     # Copy each level we change so no spec object shared with other callers is mutated.
-    spec = get_gpt_layer_local_spec(num_experts=num_experts)
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=qk_layernorm)
     attention = spec.submodules.self_attention
     attention = dataclasses.replace(
         attention,
@@ -328,6 +329,10 @@ class GPTModelSettings:
     layernorm_zero_centered_gamma: bool = False
     # megatron's --kv-channels: each attention head's width (None: hidden_size // heads).
     kv_channels: int | None = None
+    # megatron's --qk-layernorm: a norm (--normalization's kind) on each head's query and key. Its
+    # weights are replicated over tensor-parallel ranks but each rank's gradient covers only its
+    # heads: the trainer sums them over TP (scripts/grad_reduction.py), as megatron does by name.
+    qk_layernorm: bool = False
     position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute"
     rotary_base: int = 10000  # RoPE: the base period of its frequencies
     rotary_percent: float = 1.0  # RoPE: the fraction of each head's dimensions it rotates
@@ -362,7 +367,7 @@ class GPTModelSettings:
     distribute_saved_activations: bool = False  # full recompute at TP > 1, CUDA only
     # megatron's --sequence-parallel (scripts/sequence_parallel.py): activations outside attention
     # and the MLP split along the sequence over the tensor-parallel ranks. Ignored at TP=1, as in
-    # megatron; the trainer sums the tagged norm gradients over TP (sum_sequence_parallel_grads).
+    # megatron; the trainer sums the tagged norm gradients over TP (sum_grads_over_tensor_parallel).
     sequence_parallel: bool = False
     # Mixture of experts (megatron-core's MoELayer, SequentialMLP experts; scripts/moe.py):
     # None: a dense MLP. Expert matrices have ffn_hidden_size columns, as megatron's default.
@@ -575,6 +580,7 @@ def build_gpt_model(
         normalization=settings.normalization,
         layernorm_zero_centered_gamma=settings.layernorm_zero_centered_gamma,
         kv_channels=settings.kv_channels,
+        qk_layernorm=settings.qk_layernorm,
         add_bias_linear=settings.add_bias_linear,
         add_qkv_bias=settings.add_qkv_bias or settings.add_bias_linear,
         layernorm_epsilon=settings.layernorm_epsilon,
@@ -606,6 +612,7 @@ def build_gpt_model(
         max_attn_logits=settings.qk_clip or settings.log_max_attention_logit,
         num_experts=settings.num_moe_experts,
         transformer_impl=settings.transformer_impl,
+        qk_layernorm=settings.qk_layernorm,
     )
     if layer_spec.module is TransformerLayer and _init_seed is not None:
         layer_spec = dataclasses.replace(layer_spec, module=_LayerSeededTransformerLayer)
@@ -635,14 +642,19 @@ def build_gpt_model(
 def _local_norm_block_spec(layer_spec: ModuleSpec, config: TransformerConfig, vp_stage: int | None
                            ) -> ModuleSpec | TransformerBlockSubmodules:
     """megatron's torch layer norm refuses sequence parallelism and zero-centred gamma: with the
-    local spec, the layers' norms and the final norm become scripts/torch_norm.py's
-    LocalTorchNorm, the final one through a block spec of this stage's layers. Transformer
-    Engine's norms do both themselves and stay."""
+    local spec, the layers' norms (the query/key norms too) and the final norm become
+    scripts/torch_norm.py's LocalTorchNorm, the final one through a block spec of this stage's
+    layers. Transformer Engine's norms do both themselves and stay."""
     norms = {name: LocalTorchNorm for name in ("input_layernorm", "pre_mlp_layernorm")
              if getattr(layer_spec.submodules, name) is WrappedTorchNorm}
     if not norms:
         return layer_spec
-    layer_spec = dataclasses.replace(layer_spec, submodules=dataclasses.replace(layer_spec.submodules, **norms))
+    attention = layer_spec.submodules.self_attention
+    qk_norms = {name: LocalTorchNorm for name in ("q_layernorm", "k_layernorm")
+                if getattr(attention.submodules, name) is WrappedTorchNorm}
+    attention = dataclasses.replace(attention, submodules=dataclasses.replace(attention.submodules, **qk_norms))
+    layer_spec = dataclasses.replace(layer_spec, submodules=dataclasses.replace(
+        layer_spec.submodules, self_attention=attention, **norms))
     layers = get_num_layers_to_build(config, vp_stage)
     return TransformerBlockSubmodules(layer_specs=[layer_spec] * layers, layer_norm=LocalTorchNorm)
 

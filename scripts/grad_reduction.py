@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 
-from scripts.sequence_parallel import sequence_parallel_params, sum_sequence_parallel_grads
+from scripts.sequence_parallel import sum_grads_over_tensor_parallel
 
 BUCKET_NUMEL = 40_000_000  # megatron-core DDP's default bucket size, in elements
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -166,15 +166,29 @@ def _add_grad_to_main_grad(param: torch.nn.Parameter) -> None:
 def finalize_model_grads(chunks: list[torch.nn.Module], grads: GradReducer) -> None:
     """After a step's last backward, before the optimizer, what megatron-core's
     `finalize_model_grads` does: the data-parallel average (waiting for overlapped buckets), the
-    sequence-parallel gradients summed over tensor-parallel ranks, the tied embedding gradients
+    sequence-parallel and query/key-norm gradients summed over tensor-parallel ranks, the tied embedding gradients
     summed over the first and last pipeline stage. Sums over different groups, so their order
     does not change the result; the DP reduction goes first because overlapped buckets may still
     be reading the gradients the other two write."""
     from megatron.core import parallel_state
 
     grads.average_over_data_parallel()
-    sum_sequence_parallel_grads(sequence_parallel_params(chunks), parallel_state.get_tensor_model_parallel_group())
+    sum_grads_over_tensor_parallel(tensor_parallel_partial_params(chunks),
+                                   parallel_state.get_tensor_model_parallel_group())
     sum_tied_embedding_grads(chunks)
+
+
+def tensor_parallel_partial_params(chunks: list[torch.nn.Module]) -> list[torch.nn.Parameter]:
+    """Parameters replicated over the tensor-parallel ranks whose gradients cover only this
+    rank's share: those tagged `sequence_parallel` (this rank's tokens) and the query/key norms
+    (this rank's heads), which megatron-core's `finalize_model_grads` sums over TP (the latter by
+    name)."""
+    return [param for chunk in chunks for name, param in chunk.named_parameters()
+            if param.requires_grad and (getattr(param, "sequence_parallel", False) or _is_qk_norm(name))]
+
+
+def _is_qk_norm(name: str) -> bool:
+    return "q_layernorm." in name or "k_layernorm." in name
 
 
 def sum_tied_embedding_grads(chunks: list[torch.nn.Module]) -> None:

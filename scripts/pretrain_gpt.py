@@ -217,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the fraction of each head's dimensions RoPE rotates (default 1.0)")
     model.add_argument("--kv-channels", type=int, default=None,
                        help="each attention head's width (default: hidden size / attention heads)")
+    model.add_argument("--qk-layernorm", action="store_true",
+                       help="normalise each head's query and key (--normalization's kind) before attention")
     model.add_argument("--apply-layernorm-1p", action="store_true",
                        help="norms store gamma - 1 (initialised to 0) and scale by weight + 1 "
                             "(megatron's zero-centred gamma)")
@@ -489,6 +491,13 @@ def _ffn_hidden_size(args: argparse.Namespace) -> int:
     return 4 * args.hidden_size
 
 
+def _qk_layernorm(args: argparse.Namespace) -> bool:
+    if args.qk_layernorm and args.qk_clip:
+        raise ValueError("--qk-clip is not offered with --qk-layernorm: the clip rescales W_q and W_k, which the "
+                         "norm after the projection undoes (--log-max-attention-logit works).")
+    return args.qk_layernorm
+
+
 def _rotary_settings(args: argparse.Namespace) -> dict[str, Any]:
     if args.no_position_embedding and args.position_embedding_type == "learned_absolute":
         raise ValueError("--no-position-embedding is deprecated (as in Megatron-LM): use --position-embedding-type "
@@ -584,6 +593,7 @@ def _settings_from_flags(args: argparse.Namespace) -> GPTModelSettings:
         normalization=args.normalization,
         layernorm_zero_centered_gamma=args.apply_layernorm_1p,
         kv_channels=args.kv_channels,
+        qk_layernorm=_qk_layernorm(args),
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,

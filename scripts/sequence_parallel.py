@@ -5,7 +5,7 @@ layer norms, dropout, residuals) are split along the sequence over the tensor-pa
 a column-parallel linear all-gathers its input along the sequence, a row-parallel linear
 reduce-scatters its output instead of all-reducing it. Layer-norm weights (and row-parallel
 biases) then see only this rank's tokens, so their gradients are summed over the
-tensor-parallel group after backward (:func:`sum_sequence_parallel_grads`, what megatron-core's
+tensor-parallel group after backward (:func:`sum_grads_over_tensor_parallel`, what megatron-core's
 `finalize_model_grads` does for parameters tagged `sequence_parallel`).
 
 megatron-core builds all of this; what stops it on CPU, and what this module substitutes:
@@ -23,8 +23,6 @@ megatron-core builds all of this; what stops it on CPU, and what this module sub
 """
 
 from __future__ import annotations
-
-from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -103,17 +101,12 @@ def use_cpu_sequence_parallel_linears(model: torch.nn.Module) -> None:
             module.__class__ = CPUSequenceParallelColumnLinear
 
 
-def sequence_parallel_params(chunks: Iterable[torch.nn.Module]) -> list[torch.nn.Parameter]:
-    """Parameters whose gradients cover only this tensor-parallel rank's tokens."""
-    return [p for chunk in chunks for p in chunk.parameters()
-            if p.requires_grad and getattr(p, "sequence_parallel", False)]
-
-
 @torch.no_grad()
-def sum_sequence_parallel_grads(params: list[torch.nn.Parameter], tp_group) -> None:
+def sum_grads_over_tensor_parallel(params: list[torch.nn.Parameter], tp_group) -> None:
     """Sum the gradients of `params` (`main_grad` where the trainer accumulates in fp32) over the
     tensor-parallel group, one all-reduce for all of them: afterwards every rank holds the
-    gradient of the whole sequence, as megatron-core's `finalize_model_grads` leaves them.
+    gradient of the whole sequence (or of all heads, for the query/key norms), as megatron-core's
+    `finalize_model_grads` leaves them.
     Under torch.no_grad: the sum writes into the gradients in place."""
     grads = [getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad
              for p in params]

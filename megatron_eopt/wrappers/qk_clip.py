@@ -86,8 +86,11 @@ class AttentionLayer:
     fqns: tuple[str, ...]  # linear_qkv.weight (and .bias) as the optimizer names them
 
 
-def find_attention_layers(chunks: Sequence[torch.nn.Module], fqn_of: dict[int, str], tp_size: int) -> list[AttentionLayer]:
-    """Every self-attention layer with a fused linear_qkv in `chunks`; others are refused.
+def find_attention_layers(chunks: Sequence[torch.nn.Module], fqn_of: dict[int, str], tp_size: int,
+                          clips: bool = True) -> list[AttentionLayer]:
+    """Every self-attention layer with a fused linear_qkv in `chunks`; others are refused, and
+    with `clips` (QK-clip, not only the logging of the maximum logit) also the layers whose
+    logits the clip cannot change.
 
     `fqn_of`: id(parameter) -> fqn of every parameter the optimizer steps on this rank.
     """
@@ -95,7 +98,7 @@ def find_attention_layers(chunks: Sequence[torch.nn.Module], fqn_of: dict[int, s
     for chunk in chunks:
         for name, module in chunk.named_modules():
             if isinstance(getattr(module, "core_attention", None), torch.nn.Module):
-                layers.append(_attention_layer(name, module, fqn_of, tp_size))
+                layers.append(_attention_layer(name, module, fqn_of, tp_size, clips))
     for layer in layers:  # check every layer before switching any on
         _check_records_logits(layer)
     for layer in layers:
@@ -104,7 +107,8 @@ def find_attention_layers(chunks: Sequence[torch.nn.Module], fqn_of: dict[int, s
     return layers
 
 
-def _attention_layer(name: str, module: torch.nn.Module, fqn_of: dict[int, str], tp_size: int) -> AttentionLayer:
+def _attention_layer(name: str, module: torch.nn.Module, fqn_of: dict[int, str], tp_size: int,
+                     clips: bool) -> AttentionLayer:
     kind = type(module).__name__
     linear_qkv = getattr(module, "linear_qkv", None)
     model_config = getattr(module, "config", None)
@@ -113,7 +117,10 @@ def _attention_layer(name: str, module: torch.nn.Module, fqn_of: dict[int, str],
             f"QK-clip: attention {name!r} ({kind}) has no fused linear_qkv and TransformerConfig; "
             f"only self-attention with linear_qkv is supported (not multi-latent or cross attention)."
         )
-    for option in ("qk_layernorm", "qk_l2_norm", "attention_output_gate"):
+    # A norm after the projection undoes the clip's scaling of W_q/W_k (the logits it records
+    # are still the logits); a gated projection has another row layout.
+    refused = ("qk_layernorm", "qk_l2_norm", "attention_output_gate") if clips else ("attention_output_gate",)
+    for option in refused:
         if getattr(model_config, option, False):
             raise ValueError(
                 f"QK-clip: attention {name!r} uses {option}=True, which QK-clip does not support "
@@ -236,7 +243,7 @@ def build_qk_clip(settings: QKClipSettings, chunks: Sequence[torch.nn.Module], f
 
     `fqn_of`: id(parameter) -> fqn of every parameter the optimizer steps on this rank.
     """
-    layers = find_attention_layers(chunks, fqn_of, group_size(tp_group))
+    layers = find_attention_layers(chunks, fqn_of, group_size(tp_group), clips=settings.qk_clip)
     if not layers:
         raise ValueError(
             "qk_clip/log_max_attention_logit is set, but model_chunks have no attention layer "

@@ -50,6 +50,7 @@ def test_model_flags_reach_the_settings(monkeypatch) -> None:
     assert not settings.share_embeddings_and_output_weights and not settings.add_bias_linear
     assert (settings.normalization, settings.hidden_dropout, settings.attention_dropout) == ("RMSNorm", 0.1, 0.2)
     assert (settings.init_method_std, settings.num_query_groups) == (0.01, 2)
+    assert not settings.qk_layernorm and _parse(["--qk-layernorm"], monkeypatch)[1].qk_layernorm
 
 
 def test_group_query_attention_alone_means_one_group(monkeypatch) -> None:
@@ -178,6 +179,7 @@ def _our_lines(stderr: str) -> list[str]:
          "--weight-decay-incr-style linear needs --start-weight-decay and --end-weight-decay."),
         (["--weight-decay-incr-style", "cosine", "--start-weight-decay", "0.3", "--end-weight-decay", "0.1"],
          "--end-weight-decay (0.1) must not be below --start-weight-decay (0.3)."),
+        (["--qk-layernorm", "--qk-clip"], "--qk-clip is not offered with --qk-layernorm: the clip rescales W_q"),
     ],
     ids=["gqa-groups-alone", "hidden-dropout", "attention-dropout", "init-std", "init-std-nan", "swiglu-tiny", "normalization",
          "wsd-without-iters", "wsd-too-long", "wsd-iters-without-wsd", "wsd-style", "warmup-fraction", "warmup-fraction-and-iters",
@@ -187,7 +189,7 @@ def _our_lines(stderr: str) -> list[str]:
          "gc-interval-without-gc", "gc-interval", "empty-cache-level", "no-position-embedding", "kv-channels", "norm-eps",
          "timeout", "fp8", "load-balancing-type", "load-balancing-without-experts", "profile-start", "profile-end",
          "profile-end-default-start", "profile-ranks", "profile-ranks-negative", "pytorch-profiler-without-tensorboard",
-         "start-wd-with-constant", "wd-incr-one-end", "wd-decreasing"],
+         "start-wd-with-constant", "wd-incr-one-end", "wd-decreasing", "qk-clip-with-qk-layernorm"],
 )
 def test_bad_new_flags_exit_with_one_line(argv: list[str], message: str, monkeypatch, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:

@@ -303,7 +303,8 @@ def _moe_grads(rank: int, world_size: int, tp: int, sum_over_tp: bool) -> tuple[
 
     from scripts.gpt_model import GPTModelSettings, build_gpt_model, destroy_model_parallel, gpt_loss, initialize_model_parallel
     from scripts.moe import start_step
-    from scripts.sequence_parallel import sequence_parallel_params, sum_sequence_parallel_grads
+    from scripts.grad_reduction import tensor_parallel_partial_params
+    from scripts.sequence_parallel import sum_grads_over_tensor_parallel
 
     initialize_model_parallel(tp, seed=3)
     try:
@@ -313,7 +314,7 @@ def _moe_grads(rank: int, world_size: int, tp: int, sum_over_tp: bool) -> tuple[
         tokens = torch.randint(0, 128, (2, 33), generator=torch.Generator().manual_seed(0))
         gpt_loss(model, tokens).backward()
         if sum_over_tp:
-            sum_sequence_parallel_grads(sequence_parallel_params([model]), parallel_state.get_tensor_model_parallel_group())
+            sum_grads_over_tensor_parallel(tensor_parallel_partial_params([model]), parallel_state.get_tensor_model_parallel_group())
         grads = {name: p.grad.clone() for name, p in model.named_parameters() if ".mlp." in name}
         return parallel_state.get_tensor_model_parallel_rank(), grads
     finally:

@@ -77,16 +77,17 @@ def _layer_norm_grads(rank: int, world_size: int, tp: int, sequence_parallel: bo
     from megatron.core import parallel_state
 
     from scripts.gpt_model import GPTModelSettings, build_gpt_model, destroy_model_parallel, gpt_loss, initialize_model_parallel
-    from scripts.sequence_parallel import sequence_parallel_params, sum_sequence_parallel_grads
+    from scripts.grad_reduction import tensor_parallel_partial_params
+    from scripts.sequence_parallel import sum_grads_over_tensor_parallel
 
     initialize_model_parallel(tp, seed=3)
     try:
         model = build_gpt_model(GPTModelSettings(sequence_parallel=sequence_parallel, add_bias_linear=True))
         tokens = torch.randint(0, 128, (2, 33), generator=torch.Generator().manual_seed(0))
         gpt_loss(model, tokens).backward()
-        tagged = sequence_parallel_params([model])
+        tagged = tensor_parallel_partial_params([model])
         if sum_over_tp:
-            sum_sequence_parallel_grads(tagged, parallel_state.get_tensor_model_parallel_group())
+            sum_grads_over_tensor_parallel(tagged, parallel_state.get_tensor_model_parallel_group())
         kept = {id(p) for p in tagged} if tp > 1 else {id(p) for p in model.parameters()}
         return {name: p.grad.clone() for name, p in model.named_parameters() if id(p) in kept}
     finally:

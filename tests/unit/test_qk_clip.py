@@ -173,6 +173,16 @@ def test_unsupported_attention_is_refused_by_name(attention, message: str) -> No
     assert "'attn'" in str(error.value)
 
 
+def test_logging_alone_accepts_normalized_queries_and_keys() -> None:
+    """Only the clip is undone by a query/key norm; the logits it records are still the logits."""
+    core = torch.nn.Identity()
+    core.record_max_attn_logits = False
+    model = torch.nn.ModuleDict({"attn": _FakeAttention(core, qk_layernorm=True)})
+    fqn_of = {id(p): name for name, p in model.named_parameters()}
+    (layer,) = find_attention_layers([model], fqn_of, tp_size=1, clips=False)
+    assert layer.rows.heads == 2 and core.record_max_attn_logits
+
+
 @pytest.mark.parametrize("field, bad", [("qk_clip_threshold", 0.0), ("qk_clip_threshold", math.inf),
                                         ("qk_clip_alpha", 0.0), ("qk_clip_alpha", 1.0)])
 def test_config_rejects_bad_values(field: str, bad: float) -> None:
