@@ -9,6 +9,9 @@ run unchanged, and each one given is named at start-up with the reason (`no_effe
 - Settings that are always so here: megatron-core models, CPU initialisation (the weights do not
   depend on the parallel layout), the validation perplexity in TensorBoard.
 - `--num-workers`: samples are read in the training process (scripts/data.py), no DataLoader.
+- `--attention-softmax-in-fp32` and `--apply-query-key-layer-scaling`: the softmax runs in fp32
+  on every attention path here, which makes the second (an fp16 range trick) change nothing.
+- `--timing-log-level`, `--timing-log-option`: only whole iterations are timed.
 - `--wandb-*`: Weights & Biases logging is not offered (no wandb package, no network).
 - Settings whose result is the same here: `--no-create-attention-mask-in-dataloader` (the data
   never carries one),
@@ -27,6 +30,8 @@ import argparse
 WANDB = "Weights & Biases logging is not offered here (TensorBoard and --metrics-jsonl are)"
 ALREADY_OFF = "already off here: this trainer runs megatron-core's unfused code"
 NOT_CHOSEN = "a kernel choice this trainer does not make (the result does not depend on it)"
+TIMERS = ("this trainer times whole iterations only (Megatron-LM's level 0: iteration time, throughput); finer "
+          "timers are not offered")
 NO_EFFECT: dict[str, tuple[dict, str]] = {  # flag: (argparse keywords, why it changes nothing)
     "--no-masked-softmax-fusion": ({"action": "store_true"}, ALREADY_OFF),
     "--no-bias-gelu-fusion": ({"action": "store_true"}, ALREADY_OFF),
@@ -51,6 +56,14 @@ NO_EFFECT: dict[str, tuple[dict, str]] = {  # flag: (argparse keywords, why it c
     "--tiktoken-pattern": ({}, "read by TikTokenizer only, which this trainer does not offer"),
     "--log-timers-to-tensorboard": ({"action": "store_true"}, "iteration-time and throughput (Megatron-LM's timers at "
                                    "its default --timing-log-level 0) are always written with --tensorboard-dir"),
+    "--attention-softmax-in-fp32": ({"action": "store_true"}, "already so here: the attention's softmax runs in fp32 "
+                                   "(torch's SDPA on CPU, Transformer Engine's attention, megatron's local attention "
+                                   "with TransformerConfig's default)"),
+    "--apply-query-key-layer-scaling": ({"action": "store_true"}, "an fp16 range trick (scores divided by the layer "
+                                        "number, multiplied back in an fp32 softmax) that leaves the attention as it is"),
+    "--no-persist-layer-norm": ({"action": "store_true"}, NOT_CHOSEN),
+    "--timing-log-level": ({"type": int, "choices": (0, 1, 2)}, TIMERS),
+    "--timing-log-option": ({"choices": ("max", "minmax", "all")}, TIMERS),
     "--wandb-project": ({}, WANDB),
     "--wandb-exp-name": ({}, WANDB),
     "--wandb-save-dir": ({}, WANDB),

@@ -126,7 +126,16 @@ from scripts.performance import (  # noqa: E402
 from scripts.pipeline import Pipeline, SingleStage, add_pipeline_args, pipeline_layout  # noqa: E402
 from scripts.token_loss import TokenLoss  # noqa: E402
 from scripts.tokenizer import add_tokenizer_args  # noqa: E402
-from scripts.training_log import PALETTE, Curve, Logger, Step, params_norm, plot_curves  # noqa: E402
+from scripts.training_log import (  # noqa: E402
+    PALETTE,
+    Curve,
+    Logger,
+    Step,
+    add_logging_args,
+    params_norm,
+    plot_curves,
+    tensorboard_option_lines,
+)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -344,13 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
                                help="save the model only (no optimizer or lr schedule state; resume it with "
                                     "--no-load-optim)")
     checkpointing.add_argument("--no-save-rng", action="store_true", help="save no RNG states")
-    logging = parser.add_argument_group(title="logging")
-    logging.add_argument("--log-interval", type=int, default=100)
-    logging.add_argument("--tensorboard-dir", default=None, help="write TensorBoard event files here (rank 0)")
-    logging.add_argument("--tensorboard-log-interval", type=int, default=1)
-    logging.add_argument("--log-params-norm", action="store_true", help="log the parameters' L2 norm")
-    logging.add_argument("--metrics-jsonl", default=None, help="write one JSON object per logged iteration")
-    logging.add_argument("--plot", default=None, help="write the loss curve as a PNG")
+    add_logging_args(parser)
     add_data_args(parser)
     add_tokenizer_args(parser)
     add_eval_args(parser)
@@ -618,7 +621,7 @@ def _settings_from_flags(args: argparse.Namespace) -> GPTModelSettings:
 
 def _check_training_flags(args: argparse.Namespace) -> None:
     _training_length(args)
-    for name in ("train_iters", "log_interval", "tensorboard_log_interval"):
+    for name in ("train_iters", "log_interval", "tensorboard_log_interval", "tensorboard_queue_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}.")
     if args.ddp_bucket_size is not None and args.ddp_bucket_size < 1:
@@ -880,7 +883,7 @@ def train(args, settings, layout, device, housekeeping: Optional[Housekeeping] =
                         expert_dp_group=parallel_state.get_expert_data_parallel_group(),
                         overlap=args.overlap_grad_reduce)
     flops = flops_per_iteration(settings, 1) if args.log_throughput else None
-    log = Logger(args, layout.rank, flops_per_sample=flops, world_size=layout.world_size)
+    log = Logger(args, layout.rank, flops_per_sample=flops, world_size=layout.world_size, on_cuda=device.type == "cuda")
     evaluator = Evaluator(args, batches.data.splits, batches.split_batches, forward.eval_loss, dp_group,
                           is_first_rank=layout.rank == 0, print_line=log.print_line,
                           on_result=lambda r: log.validation(r.iteration, r.loss) if r.split == "valid" else None,
@@ -889,6 +892,7 @@ def train(args, settings, layout, device, housekeeping: Optional[Housekeeping] =
     if args.num_experts is not None:
         log.say(describe_moe(args))
     for line in (no_effect_lines(args) + performance_lines(args, on_cuda=device.type == "cuda")
+                 + tensorboard_option_lines(args, on_cuda=device.type == "cuda")
                  + [line for line in (housekeeping.start_line, args.batch_schedule.describe()) if line]):
         log.say(line)
     if args.overlap_grad_reduce and args.use_torch_fsdp2:

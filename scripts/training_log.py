@@ -21,6 +21,7 @@ scalar tags with torch's SummaryWriter; `--metrics-jsonl` one JSON object per pr
 progress bar below the log lines.
 """
 
+import argparse
 import json
 import math
 import re
@@ -183,10 +184,10 @@ class ProgressBar:
 class TensorBoardWriter:
     """Megatron-LM's scalar tags (each also `<tag> vs samples`, against consumed samples)."""
 
-    def __init__(self, log_dir: str) -> None:
+    def __init__(self, log_dir: str, max_queue: int = 1000) -> None:
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
-        self.writer = SummaryWriter(log_dir=log_dir)
+        self.writer = SummaryWriter(log_dir=log_dir, max_queue=max_queue)
 
     def scalar(self, tag: str, value: float, iteration: int, consumed_samples: Optional[int] = None) -> None:
         self.writer.add_scalar(tag, value, iteration)
@@ -195,6 +196,45 @@ class TensorBoardWriter:
 
     def close(self) -> None:
         self.writer.close()
+
+
+# torch.cuda.memory_stats() keys Megatron-LM writes with --log-memory-to-tensorboard, by tag.
+CUDA_MEMORY_TAGS = {"mem-reserved-bytes": "reserved_bytes.all.current",
+                    "mem-allocated-bytes": "allocated_bytes.all.current",
+                    "mem-max-allocated-bytes": "allocated_bytes.all.peak",
+                    "mem-allocated-count": "allocation.all.current"}
+
+
+def add_logging_args(parser: argparse.ArgumentParser) -> None:
+    logging = parser.add_argument_group(title="logging")
+    logging.add_argument("--log-interval", type=int, default=100)
+    logging.add_argument("--tensorboard-dir", default=None, help="write TensorBoard event files here (rank 0)")
+    logging.add_argument("--tensorboard-log-interval", type=int, default=1)
+    logging.add_argument("--tensorboard-queue-size", type=int, default=1000,
+                         help="events TensorBoard's writer holds before writing them to disk")
+    logging.add_argument("--no-log-loss-scale-to-tensorboard", "--disable-log-loss-scale-to-tensorboard",
+                         action="store_false", dest="log_loss_scale_to_tensorboard",
+                         help="leave the loss-scale tag out of TensorBoard")
+    logging.add_argument("--log-world-size-to-tensorboard", action="store_true",
+                         help="write the number of ranks (tag world-size)")
+    logging.add_argument("--log-memory-to-tensorboard", action="store_true",
+                         help="write torch.cuda.memory_stats()'s reserved/allocated bytes (CUDA only)")
+    logging.add_argument("--log-params-norm", action="store_true", help="log the parameters' L2 norm")
+    logging.add_argument("--metrics-jsonl", default=None, help="write one JSON object per logged iteration")
+    logging.add_argument("--plot", default=None, help="write the loss curve as a PNG")
+
+
+def tensorboard_option_lines(args: argparse.Namespace, on_cuda: bool) -> list[str]:
+    """A start-up line for each TensorBoard option given that cannot write anything here."""
+    given = [flag for flag, on in (("--log-world-size-to-tensorboard", args.log_world_size_to_tensorboard),
+                                   ("--log-memory-to-tensorboard", args.log_memory_to_tensorboard),
+                                   ("--no-log-loss-scale-to-tensorboard", not args.log_loss_scale_to_tensorboard))
+             if on]
+    if not args.tensorboard_dir:
+        return [f"{flag}: no effect without --tensorboard-dir" for flag in given]
+    if args.log_memory_to_tensorboard and not on_cuda:
+        return ["--log-memory-to-tensorboard: no effect on CPU (it writes torch.cuda.memory_stats())"]
+    return []
 
 
 # ------------------------------------------------------------------------------------------------
@@ -226,10 +266,13 @@ class Logger:
     tensorboard_dir / tensorboard_log_interval. Every rank keeps the records (for tests and
     --plot); only rank 0 prints and writes files. With `flops_per_sample` (--log-throughput: one
     sample's FLOPs, forward and backward) each line carries Megatron-LM's throughput per GPU over
-    `world_size` ranks, for the logged step's global batch.
+    `world_size` ranks, for the logged step's global batch. TensorBoard options (optional in
+    `args`, Megatron-LM's defaults): tensorboard_queue_size, log_loss_scale_to_tensorboard,
+    log_world_size_to_tensorboard, log_memory_to_tensorboard (written `on_cuda` only).
     """
 
-    def __init__(self, args, rank: int, flops_per_sample: Optional[float] = None, world_size: int = 1) -> None:
+    def __init__(self, args, rank: int, flops_per_sample: Optional[float] = None, world_size: int = 1,
+                 on_cuda: bool = False) -> None:
         self.args, self.is_first = args, rank == 0
         self.flops_per_sample, self.world_size = flops_per_sample, world_size
         self.records: list[dict] = []
@@ -237,7 +280,9 @@ class Logger:
         self.consumed_samples = 0
         self.metrics = open(args.metrics_jsonl, "w") if args.metrics_jsonl and self.is_first else None
         tensorboard_dir = getattr(args, "tensorboard_dir", None)
-        self.tensorboard = TensorBoardWriter(tensorboard_dir) if tensorboard_dir and self.is_first else None
+        self.tensorboard = (TensorBoardWriter(tensorboard_dir, getattr(args, "tensorboard_queue_size", 1000))
+                            if tensorboard_dir and self.is_first else None)
+        self.log_memory = getattr(args, "log_memory_to_tensorboard", False) and on_cuda
         # Redirected output (files, pipes, tests) gets no bar, so logs hold only the log lines.
         self.bar = ProgressBar(args.train_iters, sys.stdout) if self.is_first and sys.stdout.isatty() else None
 
@@ -285,7 +330,10 @@ class Logger:
             self.tensorboard.scalar("lm loss", step.loss, at, samples)
         for name, value in step.other_losses.items():  # Megatron-LM's MoE tags, without "vs samples"
             self.tensorboard.scalar(name, value, at)
-        self.tensorboard.scalar("loss-scale", step.loss_scale, at, samples)
+        if getattr(self.args, "log_loss_scale_to_tensorboard", True):
+            self.tensorboard.scalar("loss-scale", step.loss_scale, at, samples)
+        if getattr(self.args, "log_world_size_to_tensorboard", False):
+            self.tensorboard.scalar("world-size", self.world_size, at, samples)
         if step.grad_norm is not None:
             self.tensorboard.scalar("grad-norm", step.grad_norm, at, samples)
         if step.num_zeros is not None:
@@ -294,6 +342,10 @@ class Logger:
             self.tensorboard.scalar("params-norm", step.params_norm, at, samples)
         if step.max_attention_logit is not None:
             self.tensorboard.scalar("max_attention_logit", step.max_attention_logit, at)
+        if self.log_memory:
+            stats = torch.cuda.memory_stats()
+            for tag, key in CUDA_MEMORY_TAGS.items():
+                self.tensorboard.scalar(tag, stats.get(key, 0), at)
 
     def _end_interval(self, step: Step) -> None:
         totals, self.totals = self.totals, IntervalTotals()

@@ -180,6 +180,7 @@ def _our_lines(stderr: str) -> list[str]:
         (["--weight-decay-incr-style", "cosine", "--start-weight-decay", "0.3", "--end-weight-decay", "0.1"],
          "--end-weight-decay (0.1) must not be below --start-weight-decay (0.3)."),
         (["--qk-layernorm", "--qk-clip"], "--qk-clip is not offered with --qk-layernorm: the clip rescales W_q"),
+        (["--tensorboard-queue-size", "0"], "--tensorboard-queue-size must be >= 1; got 0."),
     ],
     ids=["gqa-groups-alone", "hidden-dropout", "attention-dropout", "init-std", "init-std-nan", "swiglu-tiny", "normalization",
          "wsd-without-iters", "wsd-too-long", "wsd-iters-without-wsd", "wsd-style", "warmup-fraction", "warmup-fraction-and-iters",
@@ -189,7 +190,8 @@ def _our_lines(stderr: str) -> list[str]:
          "gc-interval-without-gc", "gc-interval", "empty-cache-level", "no-position-embedding", "kv-channels", "norm-eps",
          "timeout", "fp8", "load-balancing-type", "load-balancing-without-experts", "profile-start", "profile-end",
          "profile-end-default-start", "profile-ranks", "profile-ranks-negative", "pytorch-profiler-without-tensorboard",
-         "start-wd-with-constant", "wd-incr-one-end", "wd-decreasing", "qk-clip-with-qk-layernorm"],
+         "start-wd-with-constant", "wd-incr-one-end", "wd-decreasing", "qk-clip-with-qk-layernorm",
+         "tensorboard-queue-size"],
 )
 def test_bad_new_flags_exit_with_one_line(argv: list[str], message: str, monkeypatch, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
@@ -305,7 +307,9 @@ def test_megatron_lm_flags_without_effect_are_named_and_exit_duration_stops(run_
                    "--distributed-backend", "gloo", "--exit-duration-in-mins", "1e-9", "--save", str(tmp_path),
                    "--use-mcore-models", "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion", "--no-rope-fusion",
                    "--no-gradient-accumulation-fusion", "--use-flash-attn", "--attention-backend", "auto",
-                   "--num-workers", "2", "--use-cpu-initialization", "--log-validation-ppl-to-tensorboard"]
+                   "--num-workers", "2", "--use-cpu-initialization", "--log-validation-ppl-to-tensorboard",
+                   "--attention-softmax-in-fp32", "--apply-query-key-layer-scaling", "--no-persist-layer-norm",
+                   "--timing-log-level", "0", "--log-world-size-to-tensorboard"]
     (records, printed), = run_distributed(_run_printing, 1, args=(argv,))
     assert [r["iteration"] for r in records] == [1]
     assert "exiting after iteration 1 (--exit-duration-in-mins 1e-09:" in printed
@@ -316,6 +320,7 @@ def test_megatron_lm_flags_without_effect_are_named_and_exit_duration_stops(run_
         if flag in argv:
             assert f"> {flag}" in printed and ": no effect, " in printed, flag
     assert "--num-workers 2: no effect, samples are read in the training process" in printed
+    assert "> --log-world-size-to-tensorboard: no effect without --tensorboard-dir" in printed
 
 
 def test_log_throughput_and_pytorch_profiler_on_cpu(run_distributed, tmp_path) -> None:

@@ -16,6 +16,7 @@ import re
 import sys
 
 import pytest
+import torch
 
 from scripts import training_log
 from scripts.training_log import IntervalStats, Logger, Step, format_iteration_line
@@ -182,6 +183,44 @@ def test_validation_writes_megatron_lm_tags(tmp_path, monkeypatch) -> None:
     ppl = [value for _, value in scalars["lm loss validation ppl"]]
     assert ppl == pytest.approx([math.exp(2.5), math.exp(20.0)], rel=1e-6)  # TensorBoard stores float32
     assert scalars["lm loss validation vs samples"] == [(8, 2.5), (8, 25.0)]
+
+
+def test_tensorboard_options_follow_megatron_lm(tmp_path, monkeypatch) -> None:
+    """--log-world-size-to-tensorboard adds `world-size`, --no-log-loss-scale-to-tensorboard drops
+    `loss-scale`, --log-memory-to-tensorboard writes Megatron-LM's four torch.cuda.memory_stats()
+    tags (on CUDA; the stats are stubbed here), --tensorboard-queue-size reaches the writer."""
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    stats = {"reserved_bytes.all.current": 4096, "allocated_bytes.all.current": 1024,
+             "allocated_bytes.all.peak": 2048, "allocation.all.current": 7}
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: stats)
+    args = _args(tensorboard_dir=str(tmp_path / "on"), tensorboard_queue_size=5, log_world_size_to_tensorboard=True,
+                 log_loss_scale_to_tensorboard=False, log_memory_to_tensorboard=True)
+    log = Logger(args, rank=0, world_size=4, on_cuda=True)
+    assert log.tensorboard.writer.max_queue == 5
+    log.iteration(Step(1, 4.0, 1e-3, True, loss_scale=2.0))
+    log.close()
+    scalars = _scalars(tmp_path / "on")
+    assert scalars["world-size"] == [(1, 4.0)] and scalars["world-size vs samples"] == [(8, 4.0)]
+    assert "loss-scale" not in scalars
+    assert {tag: scalars[tag] for tag in ("mem-reserved-bytes", "mem-allocated-bytes", "mem-max-allocated-bytes",
+                                          "mem-allocated-count")} == {
+        "mem-reserved-bytes": [(1, 4096.0)], "mem-allocated-bytes": [(1, 1024.0)],
+        "mem-max-allocated-bytes": [(1, 2048.0)], "mem-allocated-count": [(1, 7.0)]}
+    log = Logger(_args(tensorboard_dir=str(tmp_path / "off")), rank=0, world_size=4)  # Megatron-LM's defaults
+    log.iteration(Step(1, 4.0, 1e-3, True, loss_scale=2.0))
+    log.close()
+    scalars = _scalars(tmp_path / "off")
+    assert scalars["loss-scale"] == [(1, 2.0)] and "world-size" not in scalars and "mem-reserved-bytes" not in scalars
+
+
+def test_tensorboard_options_that_cannot_write_say_so() -> None:
+    flags = dict(log_world_size_to_tensorboard=True, log_memory_to_tensorboard=True, log_loss_scale_to_tensorboard=True)
+    assert training_log.tensorboard_option_lines(_args(**flags), on_cuda=True) == [
+        "--log-world-size-to-tensorboard: no effect without --tensorboard-dir",
+        "--log-memory-to-tensorboard: no effect without --tensorboard-dir"]
+    assert training_log.tensorboard_option_lines(_args(tensorboard_dir="tb", **flags), on_cuda=False) == [
+        "--log-memory-to-tensorboard: no effect on CPU (it writes torch.cuda.memory_stats())"]
+    assert training_log.tensorboard_option_lines(_args(tensorboard_dir="tb", **flags), on_cuda=True) == []
 
 
 def test_validation_without_tensorboard_is_a_no_op(monkeypatch) -> None:
