@@ -336,6 +336,10 @@ class GPTModelSettings:
     position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute"
     rotary_base: int = 10000  # RoPE: the base period of its frequencies
     rotary_percent: float = 1.0  # RoPE: the fraction of each head's dimensions it rotates
+    rotary_interleaved: bool = False  # RoPE: rotate neighbouring pairs, not the two halves of a head
+    rotary_seq_len_interpolation_factor: float | None = None  # RoPE: positions divided by this
+    rope_scaling: bool = False  # RoPE: Llama 3.x's scaling of the long wavelengths (megatron's)
+    rope_scaling_factor: float = 8.0
     share_embeddings_and_output_weights: bool = False
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
@@ -411,6 +415,10 @@ class GPTModelSettings:
             raise SettingsError("{rotary_percent} must be in (0, 1]", rotary_percent=self.rotary_percent)
         if self.rotary_base < 1:
             raise SettingsError("{rotary_base} must be >= 1", rotary_base=self.rotary_base)
+        for name in ("rotary_seq_len_interpolation_factor", "rope_scaling_factor"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise SettingsError(f"{{{name}}} must be a finite number > 0", **{name: value})
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise SettingsError(f"{{{name}}} must be in [0, 1)", **{name: getattr(self, name)})
@@ -581,6 +589,7 @@ def build_gpt_model(
         layernorm_zero_centered_gamma=settings.layernorm_zero_centered_gamma,
         kv_channels=settings.kv_channels,
         qk_layernorm=settings.qk_layernorm,
+        rotary_interleaved=settings.rotary_interleaved,
         add_bias_linear=settings.add_bias_linear,
         add_qkv_bias=settings.add_qkv_bias or settings.add_bias_linear,
         layernorm_epsilon=settings.layernorm_epsilon,
@@ -630,6 +639,9 @@ def build_gpt_model(
         position_embedding_type=settings.position_embedding_type,
         rotary_base=settings.rotary_base,
         rotary_percent=settings.rotary_percent,
+        seq_len_interpolation_factor=settings.rotary_seq_len_interpolation_factor,
+        rope_scaling=settings.rope_scaling,
+        rope_scaling_factor=settings.rope_scaling_factor,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
         vp_stage=vp_stage,

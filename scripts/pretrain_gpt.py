@@ -224,6 +224,13 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--rotary-base", type=int, default=None, help="RoPE's base period (default 10000)")
     model.add_argument("--rotary-percent", type=float, default=None,
                        help="the fraction of each head's dimensions RoPE rotates (default 1.0)")
+    model.add_argument("--rotary-interleaved", action="store_true",
+                       help="RoPE rotates neighbouring pairs of dimensions instead of the two halves of a head")
+    model.add_argument("--rotary-seq-len-interpolation-factor", type=int, default=None,
+                       help="RoPE: positions divided by this (position interpolation)")
+    model.add_argument("--use-rope-scaling", action="store_true",
+                       help="RoPE: Llama 3.x's frequency scaling (long wavelengths divided by --rope-scaling-factor)")
+    model.add_argument("--rope-scaling-factor", type=float, default=None, help="with --use-rope-scaling (default 8)")
     model.add_argument("--kv-channels", type=int, default=None,
                        help="each attention head's width (default: hidden size / attention heads)")
     model.add_argument("--qk-layernorm", action="store_true",
@@ -505,10 +512,16 @@ def _rotary_settings(args: argparse.Namespace) -> dict[str, Any]:
     if args.no_position_embedding and args.position_embedding_type == "learned_absolute":
         raise ValueError("--no-position-embedding is deprecated (as in Megatron-LM): use --position-embedding-type "
                          "none or rope.")
-    given = {name: value for name, value in (("rotary_base", args.rotary_base), ("rotary_percent", args.rotary_percent))
-             if value is not None}
+    if args.rope_scaling_factor is not None and not args.use_rope_scaling:
+        raise ValueError("--rope-scaling-factor only applies with --use-rope-scaling.")
+    flags = {"rotary_base": "rotary_base", "rotary_percent": "rotary_percent",  # setting: its flag's dest
+             "rotary_interleaved": "rotary_interleaved", "rope_scaling": "use_rope_scaling",
+             "rotary_seq_len_interpolation_factor": "rotary_seq_len_interpolation_factor",
+             "rope_scaling_factor": "rope_scaling_factor"}
+    given = {name: getattr(args, dest) for name, dest in flags.items()
+             if getattr(args, dest) is not None and getattr(args, dest) is not False}
     if args.position_embedding_type != "rope":
-        refuse_flags_without([f"--{name.replace('_', '-')}" for name in given],
+        refuse_flags_without([f"--{flags[name].replace('_', '-')}" for name in given],
                              f"--position-embedding-type rope (got {args.position_embedding_type})")
     return given
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import socket
 
@@ -233,6 +234,51 @@ def test_rope_runs_on_cpu_with_the_rope_angles(tp1, rotary_percent):
     loss = gpt_loss(model, fixed_tokens(settings))
     loss.backward()
     assert torch.isfinite(loss) and all(p.grad is not None for p in model.parameters())
+
+
+def test_llama3_rope_scaling_and_position_interpolation_angles(tp1):
+    """Llama 3.x's frequency scaling written out (original context 8192, low/high frequency
+    factors 1 and 4): wavelengths below 8192/4 kept, above 8192 divided by the factor, smoothed
+    between; with interpolation factor 2 the positions are halved. Base 500000 and head width 8
+    give one frequency of each kind."""
+    settings = GPTModelSettings(position_embedding_type="rope", rotary_base=500000, rope_scaling=True,
+                                rope_scaling_factor=8.0, rotary_seq_len_interpolation_factor=2)
+    model = build_gpt_model(settings)
+    frequencies = [500000.0 ** (-i / 8) for i in (0, 2, 4, 6)]
+    wavelengths = [2 * math.pi / f for f in frequencies]
+    assert [w < 2048 for w in wavelengths] == [True, True, False, False] and wavelengths[3] > 8192
+    scaled = []
+    for frequency, wavelength in zip(frequencies, wavelengths):
+        smooth = (8192 / wavelength - 1) / (4 - 1)
+        scaled.append(frequency if wavelength < 2048 else frequency / 8 if wavelength > 8192
+                      else (1 - smooth) * frequency / 8 + smooth * frequency)
+    angles = (torch.arange(settings.seq_length, dtype=torch.float64)[:, None] / 2) * torch.tensor(scaled, dtype=torch.float64)
+    expected = torch.cat((angles, angles), dim=-1)[:, None, None, :].float()
+    torch.testing.assert_close(model.rotary_pos_emb(settings.seq_length), expected)
+
+
+def test_interleaved_rope_is_half_rope_with_permuted_query_key_rows(tp1):
+    """Interleaved RoPE rotates dimensions (2i, 2i + 1) by angle i, the default (i, i + d/2):
+    giving the default model the interleaved one's weights with each query/key head's rows
+    reordered 0, 2, 4, 6, 1, 3, 5, 7 gives the same loss (the dot products are unchanged by a
+    common permutation); without the reordering it differs. Rows from megatron's QKV layout: per
+    group 4 query heads, a key, a value."""
+    settings = GPTModelSettings(position_embedding_type="rope", init_method_std=0.2)  # logits of order 1
+    interleaved = build_gpt_model(dataclasses.replace(settings, rotary_interleaved=True))
+    halves = build_gpt_model(settings)
+    state = {name: tensor.clone() for name, tensor in interleaved.state_dict().items() if tensor is not None}
+    tokens = fixed_tokens(settings)
+    halves.load_state_dict(state, strict=False)
+    unordered = gpt_loss(halves, tokens)
+    order = torch.tensor([0, 2, 4, 6, 1, 3, 5, 7])
+    for name, weight in state.items():
+        if name.endswith("linear_qkv.weight"):
+            heads = weight.view(2, 6, 8, -1)  # groups, (4 query heads, key, value), head width, hidden
+            heads[:, :5] = heads[:, :5, order].clone()
+    halves.load_state_dict(state, strict=False)
+    expected = gpt_loss(interleaved, tokens)
+    torch.testing.assert_close(gpt_loss(halves, tokens), expected, rtol=1e-6, atol=1e-6)
+    assert abs(unordered.item() - expected.item()) > 1e-3 * expected.item()
 
 
 def test_initialize_model_parallel_needs_torch_distributed(monkeypatch):

@@ -51,6 +51,12 @@ def test_model_flags_reach_the_settings(monkeypatch) -> None:
     assert (settings.normalization, settings.hidden_dropout, settings.attention_dropout) == ("RMSNorm", 0.1, 0.2)
     assert (settings.init_method_std, settings.num_query_groups) == (0.01, 2)
     assert not settings.qk_layernorm and _parse(["--qk-layernorm"], monkeypatch)[1].qk_layernorm
+    _, rope, _ = _parse(["--position-embedding-type", "rope", "--rotary-interleaved", "--use-rope-scaling",
+                         "--rotary-seq-len-interpolation-factor", "4"], monkeypatch)
+    assert (rope.rotary_interleaved, rope.rope_scaling, rope.rope_scaling_factor) == (True, True, 8.0)
+    assert rope.rotary_seq_len_interpolation_factor == 4
+    assert _parse(["--position-embedding-type", "rope", "--use-rope-scaling", "--rope-scaling-factor", "32"],
+                  monkeypatch)[1].rope_scaling_factor == 32.0
 
 
 def test_group_query_attention_alone_means_one_group(monkeypatch) -> None:
@@ -181,6 +187,12 @@ def _our_lines(stderr: str) -> list[str]:
          "--end-weight-decay (0.1) must not be below --start-weight-decay (0.3)."),
         (["--qk-layernorm", "--qk-clip"], "--qk-clip is not offered with --qk-layernorm: the clip rescales W_q"),
         (["--tensorboard-queue-size", "0"], "--tensorboard-queue-size must be >= 1; got 0."),
+        (["--use-rope-scaling", "--rotary-interleaved"],
+         "--rotary-interleaved and --use-rope-scaling only apply with --position-embedding-type rope"),
+        (["--position-embedding-type", "rope", "--rope-scaling-factor", "4"],
+         "--rope-scaling-factor only applies with --use-rope-scaling."),
+        (["--position-embedding-type", "rope", "--rotary-seq-len-interpolation-factor", "0"],
+         "--rotary-seq-len-interpolation-factor 0 must be a finite number > 0."),
     ],
     ids=["gqa-groups-alone", "hidden-dropout", "attention-dropout", "init-std", "init-std-nan", "swiglu-tiny", "normalization",
          "wsd-without-iters", "wsd-too-long", "wsd-iters-without-wsd", "wsd-style", "warmup-fraction", "warmup-fraction-and-iters",
@@ -191,7 +203,8 @@ def _our_lines(stderr: str) -> list[str]:
          "timeout", "fp8", "load-balancing-type", "load-balancing-without-experts", "profile-start", "profile-end",
          "profile-end-default-start", "profile-ranks", "profile-ranks-negative", "pytorch-profiler-without-tensorboard",
          "start-wd-with-constant", "wd-incr-one-end", "wd-decreasing", "qk-clip-with-qk-layernorm",
-         "tensorboard-queue-size"],
+         "tensorboard-queue-size", "rope-flags-without-rope", "rope-factor-without-scaling",
+         "interpolation-factor"],
 )
 def test_bad_new_flags_exit_with_one_line(argv: list[str], message: str, monkeypatch, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
