@@ -43,6 +43,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.activations import quick_gelu, squared_relu
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -315,6 +316,9 @@ class GPTModelSettings:
     num_query_groups: int | None = 2  # None: multi-head attention (one group per head)
     ffn_hidden_size: int = 128
     swiglu: bool = True
+    # Without swiglu, the MLP's activation (Megatron-LM's --squared-relu, --quick-geglu: a gated
+    # unit with x * sigmoid(1.702 x)); "gelu" is megatron's default.
+    activation: Literal["gelu", "squared_relu", "quick_geglu"] = "gelu"
     seq_length: int = 32
     max_position_embeddings: int | None = None  # None: seq_length
     vocab_size: int = 128
@@ -406,6 +410,10 @@ class GPTModelSettings:
         if self.max_positions < self.seq_length:
             raise SettingsError("{max_position_embeddings} must be >= {seq_length}",
                                 max_position_embeddings=self.max_positions, seq_length=self.seq_length)
+        if self.activation not in ("gelu", "squared_relu", "quick_geglu"):
+            raise SettingsError("{activation} must be gelu, squared_relu or quick_geglu", activation=self.activation)
+        if self.swiglu and self.activation != "gelu":
+            raise SettingsError("{swiglu} and {activation} exclude each other", swiglu=True, activation=self.activation)
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             raise SettingsError("{normalization} must be LayerNorm or RMSNorm", normalization=self.normalization)
         if self.position_embedding_type not in ("learned_absolute", "rope", "none"):
@@ -428,6 +436,17 @@ class GPTModelSettings:
             raise SettingsError("{bf16} and {fp16} exclude each other", bf16=True, fp16=True)
         if not (math.isfinite(self.init_method_std) and self.init_method_std > 0.0):
             raise SettingsError("{init_method_std} must be a finite number > 0", init_method_std=self.init_method_std)
+
+    @property
+    def gated(self) -> bool:
+        return self.swiglu or self.activation == "quick_geglu"
+
+    @property
+    def activation_func(self) -> Any:
+        """megatron's activations; SwiGLU is a gated unit with SiLU (megatron's default would give GeGLU)."""
+        if self.swiglu:
+            return F.silu
+        return {"gelu": F.gelu, "squared_relu": squared_relu, "quick_geglu": quick_gelu}[self.activation]
 
     @property
     def query_groups(self) -> int:
@@ -582,9 +601,8 @@ def build_gpt_model(
         num_attention_heads=settings.num_attention_heads,
         num_query_groups=settings.query_groups,
         ffn_hidden_size=settings.ffn_hidden_size,
-        gated_linear_unit=settings.swiglu,
-        # SwiGLU is a gated linear unit with SiLU; megatron's default would give GeGLU.
-        activation_func=F.silu if settings.swiglu else F.gelu,
+        gated_linear_unit=settings.gated,
+        activation_func=settings.activation_func,
         normalization=settings.normalization,
         layernorm_zero_centered_gamma=settings.layernorm_zero_centered_gamma,
         kv_channels=settings.kv_channels,

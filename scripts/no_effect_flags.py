@@ -62,6 +62,8 @@ NO_EFFECT: dict[str, tuple[dict, str]] = {  # flag: (argparse keywords, why it c
     "--apply-query-key-layer-scaling": ({"action": "store_true"}, "an fp16 range trick (scores divided by the layer "
                                         "number, multiplied back in an fp32 softmax) that leaves the attention as it is"),
     "--no-persist-layer-norm": ({"action": "store_true"}, NOT_CHOSEN),
+    "--openai-gelu": ({"action": "store_true"}, "Megatron-LM itself no longer reads it (the activation stays GELU, "
+                      "or --swiglu's / --squared-relu's / --quick-geglu's)"),
     "--timing-log-level": ({"type": int, "choices": (0, 1, 2)}, TIMERS),
     "--timing-log-option": ({"choices": ("max", "minmax", "all")}, TIMERS),
     "--wandb-project": ({}, WANDB),

@@ -204,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--ffn-hidden-size", type=int, default=None,
                        help="default: 4 * hidden size; with --swiglu int(8 * hidden size / 3 / 64) * 64")
     model.add_argument("--swiglu", action="store_true")
+    model.add_argument("--squared-relu", action="store_true", help="the MLP's activation is relu(x)^2")
+    model.add_argument("--quick-geglu", action="store_true",
+                       help="the MLP is a gated unit with quick GELU, x * sigmoid(1.702 x)")
     model.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                        help="a separate output layer (default: it shares the input embedding's weight)")
     model.add_argument("--disable-bias-linear", action="store_true", help="no biases in the linear layers")
@@ -501,6 +504,14 @@ def _ffn_hidden_size(args: argparse.Namespace) -> int:
     return 4 * args.hidden_size
 
 
+def _activation(args: argparse.Namespace) -> str:
+    given = [flag for flag, on in (("--swiglu", args.swiglu), ("--squared-relu", args.squared_relu),
+                                   ("--quick-geglu", args.quick_geglu)) if on]
+    if len(given) > 1:
+        raise ValueError(f"{' and '.join(given)} exclude each other (one activation).")
+    return "squared_relu" if args.squared_relu else "quick_geglu" if args.quick_geglu else "gelu"
+
+
 def _qk_layernorm(args: argparse.Namespace) -> bool:
     if args.qk_layernorm and args.qk_clip:
         raise ValueError("--qk-clip is not offered with --qk-layernorm: the clip rescales W_q and W_k, which the "
@@ -597,6 +608,7 @@ def _settings_from_flags(args: argparse.Namespace) -> GPTModelSettings:
         num_query_groups=_query_groups(args),
         ffn_hidden_size=_ffn_hidden_size(args),
         swiglu=args.swiglu,
+        activation=_activation(args),
         seq_length=args.seq_length,
         max_position_embeddings=args.max_position_embeddings,
         vocab_size=args.padded_vocab_size,

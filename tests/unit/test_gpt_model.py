@@ -236,6 +236,26 @@ def test_rope_runs_on_cpu_with_the_rope_angles(tp1, rotary_percent):
     assert torch.isfinite(loss) and all(p.grad is not None for p in model.parameters())
 
 
+@pytest.mark.parametrize("activation", ["squared_relu", "quick_geglu"])
+def test_mlp_activations_are_megatron_lms(tp1, activation):
+    """--squared-relu: fc2(relu(fc1 x)^2); --quick-geglu: a gated unit, fc2(q(gate) * up) with
+    q(z) = z * sigmoid(1.702 z), gate and up the two halves of fc1's output."""
+    settings = GPTModelSettings(swiglu=False, activation=activation)
+    mlp = build_gpt_model(settings).decoder.layers[0].mlp
+    x = torch.randn(5, 2, settings.hidden_size, generator=torch.Generator().manual_seed(0))
+    fc1, fc2 = mlp.linear_fc1.weight, mlp.linear_fc2.weight
+    hidden = x @ fc1.T
+    if activation == "squared_relu":
+        assert fc1.shape[0] == settings.ffn_hidden_size
+        hidden = torch.relu(hidden) ** 2
+    else:
+        assert fc1.shape[0] == 2 * settings.ffn_hidden_size
+        gate, up = hidden.chunk(2, dim=-1)
+        hidden = gate * torch.sigmoid(1.702 * gate) * up
+    output, _ = mlp(x)
+    torch.testing.assert_close(output, hidden @ fc2.T, rtol=1e-5, atol=1e-6)
+
+
 def test_llama3_rope_scaling_and_position_interpolation_angles(tp1):
     """Llama 3.x's frequency scaling written out (original context 8192, low/high frequency
     factors 1 and 4): wavelengths below 8192/4 kept, above 8192 divided by the factor, smoothed

@@ -57,6 +57,9 @@ def test_model_flags_reach_the_settings(monkeypatch) -> None:
     assert rope.rotary_seq_len_interpolation_factor == 4
     assert _parse(["--position-embedding-type", "rope", "--use-rope-scaling", "--rope-scaling-factor", "32"],
                   monkeypatch)[1].rope_scaling_factor == 32.0
+    assert settings.activation == "gelu" and _parse(["--squared-relu"], monkeypatch)[1].activation == "squared_relu"
+    quick = _parse(["--quick-geglu"], monkeypatch)[1]
+    assert (quick.activation, quick.gated, quick.ffn_hidden_size) == ("quick_geglu", True, 4 * quick.hidden_size)
 
 
 def test_group_query_attention_alone_means_one_group(monkeypatch) -> None:
@@ -193,6 +196,7 @@ def _our_lines(stderr: str) -> list[str]:
          "--rope-scaling-factor only applies with --use-rope-scaling."),
         (["--position-embedding-type", "rope", "--rotary-seq-len-interpolation-factor", "0"],
          "--rotary-seq-len-interpolation-factor 0 must be a finite number > 0."),
+        (["--swiglu", "--quick-geglu"], "--swiglu and --quick-geglu exclude each other (one activation)."),
     ],
     ids=["gqa-groups-alone", "hidden-dropout", "attention-dropout", "init-std", "init-std-nan", "swiglu-tiny", "normalization",
          "wsd-without-iters", "wsd-too-long", "wsd-iters-without-wsd", "wsd-style", "warmup-fraction", "warmup-fraction-and-iters",
@@ -204,7 +208,7 @@ def _our_lines(stderr: str) -> list[str]:
          "profile-end-default-start", "profile-ranks", "profile-ranks-negative", "pytorch-profiler-without-tensorboard",
          "start-wd-with-constant", "wd-incr-one-end", "wd-decreasing", "qk-clip-with-qk-layernorm",
          "tensorboard-queue-size", "rope-flags-without-rope", "rope-factor-without-scaling",
-         "interpolation-factor"],
+         "interpolation-factor", "two-activations"],
 )
 def test_bad_new_flags_exit_with_one_line(argv: list[str], message: str, monkeypatch, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
@@ -322,7 +326,7 @@ def test_megatron_lm_flags_without_effect_are_named_and_exit_duration_stops(run_
                    "--no-gradient-accumulation-fusion", "--use-flash-attn", "--attention-backend", "auto",
                    "--num-workers", "2", "--use-cpu-initialization", "--log-validation-ppl-to-tensorboard",
                    "--attention-softmax-in-fp32", "--apply-query-key-layer-scaling", "--no-persist-layer-norm",
-                   "--timing-log-level", "0", "--log-world-size-to-tensorboard"]
+                   "--timing-log-level", "0", "--log-world-size-to-tensorboard", "--openai-gelu"]
     (records, printed), = run_distributed(_run_printing, 1, args=(argv,))
     assert [r["iteration"] for r in records] == [1]
     assert "exiting after iteration 1 (--exit-duration-in-mins 1e-09:" in printed
