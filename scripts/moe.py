@@ -110,12 +110,12 @@ class CPUTopKRouter(TopKRouter):
     def _register_buffers_on(self, device: torch.device) -> None:
         """The buffers TopKRouter.__init__ registers for these options, as megatron makes them."""
         experts = self.config.num_moe_experts
-        for name in ("local_tokens_per_expert", "expert_bias", "global_tokens_per_expert", "ga_steps"):
-            self.__dict__.pop(name, None)  # the None TopKRouter set for an option it saw off
         if self.enable_expert_bias:
+            del self.local_tokens_per_expert, self.expert_bias  # the None TopKRouter set, seeing the option off
             self.register_buffer("local_tokens_per_expert", torch.zeros(experts, device=device), persistent=False)
             self.register_buffer("expert_bias", torch.zeros(experts, device=device))
         if self.get_aux_loss_coeff("global_aux_loss") > 0:
+            del self.global_tokens_per_expert, self.ga_steps
             self.register_buffer("global_tokens_per_expert", torch.zeros(experts, device=device), persistent=False)
             self.register_buffer("ga_steps", torch.zeros((), device=device), persistent=False)
 
