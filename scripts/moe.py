@@ -1,4 +1,4 @@
-"""Mixture of experts: megatron-core's MoELayer on CPU as on CUDA, layout-independent experts, flags.
+"""Mixture of experts: megatron-core's MoELayer on CPU as on CUDA, layout-independent experts.
 
 The model (used by scripts/gpt_model.py's `gpt_layer_spec`): megatron-core's `MoELayer` with
 `SequentialMLP` experts and its allgather token dispatcher. Three substitutions, each a subclass
@@ -11,9 +11,11 @@ that changes one thing:
   index) is drawn from a generator seeded with that number + g, outside the main stream: the
   same experts, and the same dense weights after them, at every expert-parallel size.
 - CPU only, `CPUTopKRouter`: megatron's `TopKRouter.gating` moves its weight to
-  `torch.cuda.current_device()`; this one computes the same logits where the weight is.
-  Router options that allocate CUDA buffers (expert bias, global aux loss, quantile
-  balancing) are refused.
+  `torch.cuda.current_device()`; this one computes the same logits where the weight is. The
+  expert bias and the global aux loss keep token counts in buffers megatron allocates on CUDA;
+  this router allocates the same buffers where its weight is, so megatron's routing runs
+  unchanged (all routing math stays megatron's). Quantile balancing is refused: its buffers are
+  CUDA's too, and its update lives in megatron's own finalize_model_grads.
 - CPU only, `CPUMoELayer` with `CPUAllGatherTokenDispatcher`: megatron's allgather dispatcher
   gathers tokens over the expert x tensor-parallel group into a CUDA buffer; this one gathers
   (and reduce-scatters back) with plain torch.distributed calls, gloo included. The alltoall
@@ -35,7 +37,17 @@ probabilities with `MoEAuxLossAutoScaler`, whose backward multiplies its gradien
 process-wide scale. Megatron-LM sets that scale to loss scale / micro-batches each step, as this
 trainer scales the language-model loss: `start_step` does the same.
 
-The trainer's flags (`add_moe_args`, `check_moe_flags`) keep Megatron-LM's names and defaults.
+The z-loss is attached to the router's logits by the same scaler, so it is scaled the same way.
+
+What megatron-core's `finalize_model_grads` does for routers after each step's backward,
+`finish_router_step` does here (the trainer has its own gradient finalisation): the expert
+biases move with `get_updated_expert_bias`, from token counts summed over the tensor x
+data-parallel group, which holds every token of the global batch once, so the update does not
+depend on the DP/EP/TP layout; then the counts of the expert bias and the global aux loss start
+again.
+
+Dense layers among MoE ones (`--moe-layer-freq`) are built by scripts/gpt_model.py by global
+layer number; the flags are scripts/moe_flags.py's.
 """
 
 from __future__ import annotations

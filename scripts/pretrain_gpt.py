@@ -37,8 +37,9 @@ An invalid flag, or a combination the
 optimizer factory refuses, exits every rank with status 2 after one line on rank 0's stderr naming
 the flags (torchrun then adds its own failure summary).
 
-Mixture of experts (scripts/moe.py): `--num-experts` makes every MLP megatron-core's MoELayer
-(`--moe-router-topk`, `--moe-aux-loss-coeff`, `--moe-token-dispatcher-type`), its experts split
+Mixture of experts (scripts/moe.py; flags in scripts/moe_flags.py): `--num-experts` makes the MLPs
+megatron-core's MoELayer (`--moe-layer-freq` says which; router, load-balancing, shared-expert and
+capacity flags with Megatron-LM's names, passed to megatron-core's TransformerConfig), its experts split
 over `--expert-model-parallel-size` of the data-parallel ranks; expert gradients are summed over
 the expert data-parallel group and divided by the data-parallel size, as megatron-core's DDP does.
 With `--tensor-model-parallel-size` > 1 it needs `--sequence-parallel` (as megatron-core): the
