@@ -249,7 +249,8 @@ def check_moe_flags(args: argparse.Namespace, tp: int, dp: int, use_cuda: bool, 
 
 
 def _refuse_without_experts(args: argparse.Namespace) -> None:
-    given = [_flag(dest) for dest, unset in _NOT_GIVEN.items() if getattr(args, dest) is not unset]
+    given = [_flag(dest) + (f" {getattr(args, dest)}" if dest == "expert_tensor_parallel_size" else "")
+             for dest, unset in _NOT_GIVEN.items() if getattr(args, dest) is not unset]
     if args.expert_model_parallel_size != 1:
         given.insert(1, f"--expert-model-parallel-size {args.expert_model_parallel_size}")
     refuse_flags_without(given, "--num-experts (a mixture-of-experts model)")
