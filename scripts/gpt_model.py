@@ -54,11 +54,13 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.enums import LayerType
+from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 
 from scripts.cpu_rng import use_cpu_rng_tracker
 from scripts.moe import moe_layer_builder
+from scripts.moe_flags import moe_layer_pattern
 from scripts.sequence_parallel import install_cpu_sequence_parallel, use_cpu_sequence_parallel_linears
 from scripts.torch_norm import LocalTorchNorm
 
@@ -378,11 +380,35 @@ class GPTModelSettings:
     # megatron; the trainer sums the tagged norm gradients over TP (sum_grads_over_tensor_parallel).
     sequence_parallel: bool = False
     # Mixture of experts (megatron-core's MoELayer, SequentialMLP experts; scripts/moe.py):
-    # None: a dense MLP. Expert matrices have ffn_hidden_size columns, as megatron's default.
+    # None: a dense MLP. The other fields are megatron-core TransformerConfig's, same names and
+    # meaning (lists as tuples: the settings are frozen); scripts/moe_flags.py checks them.
     num_moe_experts: int | None = None
     moe_router_topk: int = 2
-    moe_aux_loss_coeff: float = 0.0  # the load-balancing loss (megatron's "aux_loss" type)
     moe_token_dispatcher_type: Literal["allgather", "alltoall"] = "allgather"  # alltoall: CUDA only
+    moe_ffn_hidden_size: int | None = None  # None: ffn_hidden_size, as megatron's default
+    moe_layer_freq: int | tuple[int, ...] = 1  # every Nth layer MoE, or 1 (MoE) / 0 (dense) per layer
+    # Load balancing: one type, or several each with its aux-loss coefficient.
+    moe_router_load_balancing_type: str | tuple[str, ...] = "aux_loss"
+    moe_aux_loss_coeff: float | tuple[float, ...] = 0.0
+    moe_z_loss_coeff: float | None = None
+    moe_router_enable_expert_bias: bool = False  # aux-loss-free balancing (scripts/moe.py's finish_router_step)
+    moe_router_bias_update_rate: float = 1e-3
+    # Routing: score function, top-k scaling, softmax before top-k, router precision,
+    # group-limited routing, input jitter.
+    moe_router_score_function: Literal["softmax", "sigmoid", "sqrtsoftplus"] = "softmax"
+    moe_router_topk_scaling_factor: float | None = None
+    moe_router_pre_softmax: bool = False
+    moe_router_dtype: Literal["fp32", "fp64"] | None = None
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    moe_input_jitter_eps: float | None = None
+    # Shared experts (megatron's SharedExpertMLP), optionally behind a sigmoid gate.
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_shared_expert_gate: bool = False
+    # Token dropping: capacity per expert, padding to it, and which tokens go.
+    moe_expert_capacity_factor: float | None = None
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_token_drop_policy: Literal["probs", "position"] = "probs"
     # megatron's --pipeline-model-parallel-layout, e.g. "Et*2|L": embedding and two layers on
     # the first stage, only the final norm and output layer (L) on the last. None: an even split.
     pipeline_model_parallel_layout: str | None = None
@@ -471,6 +497,8 @@ class GPTModelSettings:
             ("num_query_groups", self.query_groups),
             ("ffn_hidden_size", self.ffn_hidden_size),
             ("vocab_size", self.vocab_size),
+            ("moe_ffn_hidden_size", self.moe_ffn_hidden_size or 0),
+            ("moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size or 0),
         ):
             if value % tp:
                 raise SettingsError(f"{{{name}}} must be divisible by {{tensor_model_parallel_size}}",
@@ -634,18 +662,10 @@ def build_gpt_model(
         **_expert_config(settings),
     )
     model_class = GPTModel if device.type == "cuda" else _CPUTiedEmbeddingGPTModel
-    layer_spec = gpt_layer_spec(
-        use_cuda=device.type == "cuda",
-        max_attn_logits=settings.qk_clip or settings.log_max_attention_logit,
-        num_experts=settings.num_moe_experts,
-        transformer_impl=settings.transformer_impl,
-        qk_layernorm=settings.qk_layernorm,
-    )
-    if layer_spec.module is TransformerLayer and _init_seed is not None:
-        layer_spec = dataclasses.replace(layer_spec, module=_LayerSeededTransformerLayer)
+    layer_spec = _stage_block_spec(settings, config, vp_stage, device.type == "cuda",
+                                   local_norms=sequence_parallel or settings.layernorm_zero_centered_gamma)
+    if _init_seed is not None:  # see _LayerSeededTransformerLayer
         torch.manual_seed(_init_seed + get_transformer_layer_offset(config, vp_stage))
-    if sequence_parallel or settings.layernorm_zero_centered_gamma:
-        layer_spec = _local_norm_block_spec(layer_spec, config, vp_stage)
     if sequence_parallel and device.type != "cuda":
         install_cpu_sequence_parallel()
     model = model_class(
@@ -669,24 +689,57 @@ def build_gpt_model(
     return model.to(device=device, dtype=settings.params_dtype)
 
 
-def _local_norm_block_spec(layer_spec: ModuleSpec, config: TransformerConfig, vp_stage: int | None
-                           ) -> ModuleSpec | TransformerBlockSubmodules:
+def _stage_block_spec(settings: GPTModelSettings, config: TransformerConfig, vp_stage: int | None, use_cuda: bool,
+                      local_norms: bool) -> ModuleSpec | TransformerBlockSubmodules:
+    """This stage's layers: one layer spec when all are alike, else a block spec of this stage's
+    layers (MoE and dense ones by ``moe_layer_freq``, as megatron-core's
+    ``get_gpt_decoder_block_spec`` does; local norms, see :func:`_with_local_norms`)."""
+    is_moe = _stage_moe_layers(settings, config, vp_stage)
+    specs, final_norm = {}, None
+    for moe in set(is_moe) or {settings.num_moe_experts is not None}:
+        spec = gpt_layer_spec(use_cuda=use_cuda, max_attn_logits=settings.qk_clip or settings.log_max_attention_logit,
+                              num_experts=settings.num_moe_experts if moe else None,
+                              transformer_impl=settings.transformer_impl, qk_layernorm=settings.qk_layernorm)
+        if spec.module is TransformerLayer and _init_seed is not None:
+            spec = dataclasses.replace(spec, module=_LayerSeededTransformerLayer)
+        if local_norms:
+            spec, final_norm = _with_local_norms(spec)
+        specs[moe] = spec
+    if len(specs) == 1 and final_norm is None:
+        return next(iter(specs.values()))
+    return TransformerBlockSubmodules(layer_specs=[specs[moe] for moe in is_moe], layer_norm=final_norm or LayerNormImpl)
+
+
+def _stage_moe_layers(settings: GPTModelSettings, config: TransformerConfig, vp_stage: int | None) -> list[bool]:
+    """Whether each layer of this (virtual) stage is MoE, by its global number."""
+    if settings.num_moe_experts is None:
+        pattern = [0] * settings.num_layers
+    else:
+        pattern = moe_layer_pattern(settings.moe_layer_freq, settings.num_layers)
+    if config.pipeline_model_parallel_layout is not None:
+        layer_ids = config.pipeline_model_parallel_layout.get_layer_id_list(layer_type=LayerType.decoder,
+                                                                            vp_stage=vp_stage)
+    else:
+        offset = get_transformer_layer_offset(config, vp_stage)
+        layer_ids = range(offset, offset + get_num_layers_to_build(config, vp_stage))
+    return [bool(pattern[layer]) for layer in layer_ids]
+
+
+def _with_local_norms(layer_spec: ModuleSpec) -> tuple[ModuleSpec, type | None]:
     """megatron's torch layer norm refuses sequence parallelism and zero-centred gamma: with the
-    local spec, the layers' norms (the query/key norms too) and the final norm become
-    scripts/torch_norm.py's LocalTorchNorm, the final one through a block spec of this stage's
-    layers. Transformer Engine's norms do both themselves and stay."""
+    local spec, the layer's norms (the query/key norms too) become scripts/torch_norm.py's
+    LocalTorchNorm, and so must the final one (the second value; None when nothing changed).
+    Transformer Engine's norms do both themselves and stay."""
     norms = {name: LocalTorchNorm for name in ("input_layernorm", "pre_mlp_layernorm")
              if getattr(layer_spec.submodules, name) is WrappedTorchNorm}
     if not norms:
-        return layer_spec
+        return layer_spec, None
     attention = layer_spec.submodules.self_attention
     qk_norms = {name: LocalTorchNorm for name in ("q_layernorm", "k_layernorm")
                 if getattr(attention.submodules, name) is WrappedTorchNorm}
     attention = dataclasses.replace(attention, submodules=dataclasses.replace(attention.submodules, **qk_norms))
-    layer_spec = dataclasses.replace(layer_spec, submodules=dataclasses.replace(
-        layer_spec.submodules, self_attention=attention, **norms))
-    layers = get_num_layers_to_build(config, vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer_spec] * layers, layer_norm=LocalTorchNorm)
+    return dataclasses.replace(layer_spec, submodules=dataclasses.replace(
+        layer_spec.submodules, self_attention=attention, **norms)), LocalTorchNorm
 
 
 def _pipeline_config(settings: GPTModelSettings) -> dict[str, Any]:
@@ -706,16 +759,20 @@ def _pipeline_config(settings: GPTModelSettings) -> dict[str, Any]:
     )
 
 
+# MoE settings handed to TransformerConfig unchanged (tuples as the lists megatron expects).
+_MOE_CONFIG_FIELDS = tuple(field.name for field in dataclasses.fields(GPTModelSettings)
+                           if field.name.startswith("moe_"))
+
+
 def _expert_config(settings: GPTModelSettings) -> dict[str, Any]:
     if settings.num_moe_experts is None:
         return {}
+    fields = {name: getattr(settings, name) for name in _MOE_CONFIG_FIELDS}
     return dict(
         num_moe_experts=settings.num_moe_experts,
-        moe_router_topk=settings.moe_router_topk,
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
-        moe_aux_loss_coeff=settings.moe_aux_loss_coeff,
-        moe_token_dispatcher_type=settings.moe_token_dispatcher_type,
         moe_grouped_gemm=False,
+        **{name: list(value) if isinstance(value, tuple) else value for name, value in fields.items()},
     )
 
 

@@ -1,4 +1,4 @@
-"""Mixture of experts: megatron-core's MoELayer on CPU as on CUDA, layout-independent experts, flags.
+"""Mixture of experts: megatron-core's MoELayer on CPU as on CUDA, layout-independent experts.
 
 The model (used by scripts/gpt_model.py's `gpt_layer_spec`): megatron-core's `MoELayer` with
 `SequentialMLP` experts and its allgather token dispatcher. Three substitutions, each a subclass
@@ -11,9 +11,11 @@ that changes one thing:
   index) is drawn from a generator seeded with that number + g, outside the main stream: the
   same experts, and the same dense weights after them, at every expert-parallel size.
 - CPU only, `CPUTopKRouter`: megatron's `TopKRouter.gating` moves its weight to
-  `torch.cuda.current_device()`; this one computes the same logits where the weight is.
-  Router options that allocate CUDA buffers (expert bias, global aux loss, quantile
-  balancing) are refused.
+  `torch.cuda.current_device()`; this one computes the same logits where the weight is. The
+  expert bias and the global aux loss keep token counts in buffers megatron allocates on CUDA;
+  this router allocates the same buffers where its weight is, so megatron's routing runs
+  unchanged (all routing math stays megatron's). Quantile balancing is refused: its buffers are
+  CUDA's too, and its update lives in megatron's own finalize_model_grads.
 - CPU only, `CPUMoELayer` with `CPUAllGatherTokenDispatcher`: megatron's allgather dispatcher
   gathers tokens over the expert x tensor-parallel group into a CUDA buffer; this one gathers
   (and reduce-scatters back) with plain torch.distributed calls, gloo included. The alltoall
@@ -35,15 +37,24 @@ probabilities with `MoEAuxLossAutoScaler`, whose backward multiplies its gradien
 process-wide scale. Megatron-LM sets that scale to loss scale / micro-batches each step, as this
 trainer scales the language-model loss: `start_step` does the same.
 
-The trainer's flags (`add_moe_args`, `check_moe_flags`) keep Megatron-LM's names and defaults.
+The z-loss is attached to the router's logits by the same scaler, so it is scaled the same way.
+
+What megatron-core's `finalize_model_grads` does for routers after each step's backward,
+`finish_router_step` does here (the trainer has its own gradient finalisation): the expert
+biases move with `get_updated_expert_bias`, from token counts summed over the tensor x
+data-parallel group, which holds every token of the global batch once, so the update does not
+depend on the DP/EP/TP layout; then the counts of the expert bias and the global aux loss start
+again.
+
+Dense layers among MoE ones (`--moe-layer-freq`) are built by scripts/gpt_model.py by global
+layer number; the flags are scripts/moe_flags.py's.
 """
 
 from __future__ import annotations
 
-import argparse
+import copy as _copy
 import dataclasses
 import functools
-import math
 from typing import Any, Optional
 
 import torch
@@ -55,16 +66,13 @@ from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracke
 from megatron.core.transformer.moe.moe_utils import (
     MoEAuxLossAutoScaler,
     get_default_pg_collection,
+    get_updated_expert_bias,
     router_gating_linear,
 )
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_pg_rank
-
-from arguments import refuse_flags_without
-
-DISPATCHERS = ("allgather", "alltoall")  # megatron-core's "flex" needs DeepEP
 
 # ------------------------------------------------------------------------------------------------
 # Model modules
@@ -97,27 +105,52 @@ class ExpertSeededSequentialMLP(SequentialMLP):
 
 
 class CPUTopKRouter(TopKRouter):
-    """megatron's TopKRouter with the gating computed on the weight's own device."""
+    """megatron's TopKRouter with the gating computed on the weight's own device, and the buffers
+    of the expert bias and the global aux loss allocated there (megatron allocates them with
+    `torch.cuda.current_device()`; its routing reads them wherever they are)."""
 
     def __init__(self, config: TransformerConfig, pg_collection: Any = None, is_mtp_layer: bool = False) -> None:
-        _refuse_cuda_router_options(config)
-        super().__init__(config=config, pg_collection=pg_collection, is_mtp_layer=is_mtp_layer)
+        if "quantile_balancing" in _balancing_types(config):
+            raise ValueError("CPUTopKRouter does not support moe_router_load_balancing_type='quantile_balancing' "
+                             "(megatron-core allocates its buffers on CUDA and updates them in its own "
+                             "finalize_model_grads).")
+        super().__init__(config=_without_cuda_buffers(config), pg_collection=pg_collection, is_mtp_layer=is_mtp_layer)
+        self.config, self.routing_type = config, config.moe_router_load_balancing_type
+        self.enable_expert_bias = config.moe_router_enable_expert_bias
+        self._register_buffers_on(self.weight.device)
+
+    def _register_buffers_on(self, device: torch.device) -> None:
+        """The buffers TopKRouter.__init__ registers for these options, as megatron makes them."""
+        experts = self.config.num_moe_experts
+        if self.enable_expert_bias:
+            del self.local_tokens_per_expert, self.expert_bias  # the None TopKRouter set, seeing the option off
+            self.register_buffer("local_tokens_per_expert", torch.zeros(experts, device=device), persistent=False)
+            self.register_buffer("expert_bias", torch.zeros(experts, device=device))
+        if self.get_aux_loss_coeff("global_aux_loss") > 0:
+            del self.global_tokens_per_expert, self.ga_steps
+            self.register_buffer("global_tokens_per_expert", torch.zeros(experts, device=device), persistent=False)
+            self.register_buffer("ga_steps", torch.zeros((), device=device), persistent=False)
 
     def gating(self, input: torch.Tensor) -> torch.Tensor:
         dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
         return router_gating_linear(input, self.weight, self.bias, dtype)
 
 
-def _refuse_cuda_router_options(config: TransformerConfig) -> None:
-    """TopKRouter.__init__ allocates these options' buffers with torch.cuda.current_device()."""
+def _balancing_types(config: TransformerConfig) -> list[str]:
     types = config.moe_router_load_balancing_type
-    types = set(types) if isinstance(types, list) else {types}
-    refused = {"moe_router_enable_expert_bias=True": config.moe_router_enable_expert_bias,
-               "moe_router_load_balancing_type='global_aux_loss'": "global_aux_loss" in types,
-               "moe_router_load_balancing_type='quantile_balancing'": "quantile_balancing" in types}
-    for option, used in refused.items():
-        if used:
-            raise ValueError(f"CPUTopKRouter does not support {option} (megatron-core allocates its buffers on CUDA).")
+    return list(types) if isinstance(types, (list, tuple)) else [types]
+
+
+def _without_cuda_buffers(config: TransformerConfig) -> TransformerConfig:
+    """A shallow copy of `config` (no __post_init__ again) without the options whose buffers
+    TopKRouter.__init__ would put on CUDA: the router registers them itself afterwards."""
+    copy = _copy.copy(config)
+    copy.moe_router_enable_expert_bias = False
+    types = _balancing_types(config)
+    if "global_aux_loss" in types:
+        replaced = ["none" if kind == "global_aux_loss" else kind for kind in types]
+        copy.moe_router_load_balancing_type = replaced if isinstance(config.moe_router_load_balancing_type, list) else "none"
+    return copy
 
 
 class CPUMoELayer(MoELayer):
@@ -241,23 +274,51 @@ def start_step(loss_scale: torch.Tensor, num_micro_batches: int) -> None:
     destroy_moe_metrics_tracker()
 
 
-# What Megatron-LM logs for the load-balancing type this trainer offers ("aux_loss").
-LOGGED_MOE_LOSSES = ("load_balancing_loss",)
+def finish_router_step(chunks: list[torch.nn.Module]) -> None:
+    """After a step's backward, what megatron-core's `finalize_model_grads` does for the routers:
+    the expert biases move (aux-loss-free balancing, `get_updated_expert_bias`: each expert's
+    bias up by the update rate if it got fewer tokens than the mean, down if more), then the
+    step's token counts (expert bias, global aux loss) start again from zero.
+
+    The counts are summed over the tensor x data-parallel group first (megatron's `tp_dp_cp`),
+    which holds every token of the global batch once: sequence-parallel TP ranks count their
+    part of each sequence, data-parallel ranks (expert-parallel ones among them) their samples.
+    So the update is the one a single process makes over all micro-batches. Every rank of the
+    group holds the same layers (one pipeline stage), hence calls the same reductions."""
+    from megatron.core import parallel_state
+
+    routers = [module for chunk in chunks for module in chunk.modules() if isinstance(module, TopKRouter)]
+    biased = [router for router in routers
+              if router.expert_bias is not None and router.training and not router.frozen_expert_bias]
+    if biased:
+        updated = get_updated_expert_bias(
+            torch.stack([router.local_tokens_per_expert for router in biased]),
+            torch.stack([router.expert_bias for router in biased]),
+            biased[0].config.moe_router_bias_update_rate,
+            tp_dp_cp_group=parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True))
+        for router, bias in zip(biased, updated):
+            router.expert_bias.copy_(bias)
+    for router in routers:
+        if router.local_tokens_per_expert is not None:
+            router.local_tokens_per_expert.zero_()
+        router.reset_global_aux_loss_tracker()
 
 
-def step_moe_losses(num_micro_batches: int, num_layers: int, device: torch.device) -> dict[str, float]:
-    """The step's MoE losses as Megatron-LM logs them (`load_balancing_loss`; 0 without an aux
-    loss, as there). megatron's router adds each micro-batch's unscaled load-balancing loss to its
-    layer's slot in a process-wide tracker; Megatron-LM's report sums the slots over the pipeline
-    (each stage holds its layers), then over the group the router named (its tokens' share: TP),
-    averages over data parallelism, and gives the mean over micro-batches and layers. The same
-    here, with sums divided by the group size where megatron averages (gloo has no
-    ReduceOp.AVG). Every rank calls it after the step (before the next `start_step`)."""
+def step_moe_losses(names: list[str], num_micro_batches: int, num_layers: int, num_moe_layers: int,
+                    device: torch.device) -> dict[str, float]:
+    """The step's MoE losses `names` as Megatron-LM logs them (e.g. `load_balancing_loss`, 0
+    without an aux loss, as there; `z_loss`). megatron's router adds each micro-batch's unscaled
+    loss to its layer's slot in a process-wide tracker; Megatron-LM's report sums the slots over
+    the pipeline (each stage holds its layers), then over the group the router named (its
+    tokens' share: TP), averages over the groups it named and data parallelism, and gives the
+    mean over micro-batches and MoE layers. The same here, with sums divided by the group size
+    where megatron averages (gloo has no ReduceOp.AVG). Every rank calls it after the step
+    (before the next `start_step`)."""
     from megatron.core import parallel_state
 
     tracker = get_moe_metrics_tracker()
     losses = {}
-    for name in LOGGED_MOE_LOSSES:
+    for name in names:
         tracker.ensure_initialized(name, num_layers, device=device)  # a stage whose layers recorded nothing
         entry = tracker.metrics[name]
         values = entry.values.clone()
@@ -270,105 +331,5 @@ def step_moe_losses(num_micro_batches: int, num_layers: int, device: torch.devic
         for group in averaged_over:
             dist.all_reduce(values, group=group)
             values /= dist.get_world_size(group)
-        losses[name] = values.sum().item() / (num_micro_batches * num_layers)
+        losses[name] = values.sum().item() / (num_micro_batches * num_moe_layers)
     return losses
-
-
-# ------------------------------------------------------------------------------------------------
-# Flags
-# ------------------------------------------------------------------------------------------------
-
-
-def add_moe_args(parser: argparse.ArgumentParser) -> None:
-    moe = parser.add_argument_group(title="moe")
-    moe.add_argument("--num-experts", type=int, default=None,
-                     help="experts per MoE layer (every layer; megatron-core's MoELayer, SequentialMLP "
-                          "experts); default: dense MLPs")
-    moe.add_argument("--moe-router-topk", type=int, default=None, help="experts per token (default 2)")
-    moe.add_argument("--expert-model-parallel-size", type=int, default=1,
-                     help="ranks the experts of a layer are split over, out of the data-parallel ranks")
-    moe.add_argument("--moe-aux-loss-coeff", type=float, default=None,
-                     help="weight of the load-balancing aux loss (default 0)")
-    moe.add_argument("--moe-token-dispatcher-type", default=None, choices=DISPATCHERS,
-                     help="default allgather; alltoall needs CUDA")
-    moe.add_argument("--expert-tensor-parallel-size", type=int, default=None,
-                     help="only the tensor-parallel size here (Megatron-LM's default): the experts' "
-                          "linears are split over the TP ranks like the dense ones")
-    moe.add_argument("--moe-router-load-balancing-type", nargs="+", default=None,
-                     help="only aux_loss here (Megatron-LM's default: GShard's load-balancing loss, weighted "
-                          "by --moe-aux-loss-coeff)")
-
-
-def check_moe_flags(args: argparse.Namespace, tp: int, dp: int, use_cuda: bool) -> int:
-    """Check the MoE flags against each other and the layout; fills their defaults. Returns EP."""
-    if args.num_experts == 0:  # Megatron-LM's spelling of a dense model
-        args.num_experts = None
-    if args.num_experts is None:
-        _refuse_without_experts(args)
-    elif args.num_experts < 0:
-        raise ValueError(f"--num-experts must be >= 1 (or 0 for dense MLPs); got {args.num_experts}.")
-    # Megatron-LM's defaults, filled in only now so that the check above sees what was given.
-    args.moe_router_topk = 2 if args.moe_router_topk is None else args.moe_router_topk
-    args.moe_aux_loss_coeff = 0.0 if args.moe_aux_loss_coeff is None else args.moe_aux_loss_coeff
-    args.moe_token_dispatcher_type = args.moe_token_dispatcher_type or "allgather"
-    if args.num_experts is not None:
-        _check_expert_flags(args, tp, dp, use_cuda)
-    return args.expert_model_parallel_size
-
-
-def _refuse_without_experts(args: argparse.Namespace) -> None:
-    given = [flag for flag, value in (("--moe-router-topk", args.moe_router_topk),
-                                      ("--moe-aux-loss-coeff", args.moe_aux_loss_coeff),
-                                      ("--moe-router-load-balancing-type", args.moe_router_load_balancing_type),
-                                      ("--moe-token-dispatcher-type", args.moe_token_dispatcher_type))
-             if value is not None]
-    if args.expert_model_parallel_size != 1:
-        given.append(f"--expert-model-parallel-size {args.expert_model_parallel_size}")
-    if args.expert_tensor_parallel_size is not None:
-        given.append(f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size}")
-    refuse_flags_without(given, "--num-experts (a mixture-of-experts model)")
-
-
-def _check_expert_flags(args: argparse.Namespace, tp: int, dp: int, use_cuda: bool) -> None:
-    experts, ep, topk = args.num_experts, args.expert_model_parallel_size, args.moe_router_topk
-    if ep < 1 or experts % ep or dp % ep:
-        raise ValueError(f"--expert-model-parallel-size {ep} must be >= 1 and divide --num-experts {experts} "
-                         f"and the data-parallel size {dp}.")
-    if not 2 <= topk <= experts:
-        raise ValueError(f"--moe-router-topk must be in [2, --num-experts {experts}]; got {topk} (top-1 needs "
-                         f"Megatron-LM's --moe-router-pre-softmax, which this trainer does not have).")
-    if args.expert_tensor_parallel_size not in (None, tp):
-        raise ValueError(f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size}: only the tensor-parallel "
-                         f"size ({tp}) is offered by this trainer (experts split over TP like the dense layers).")
-    balancing = args.moe_router_load_balancing_type or ["aux_loss"]
-    if balancing != ["aux_loss"]:
-        raise ValueError(f"--moe-router-load-balancing-type {' '.join(balancing)}: only aux_loss is offered by this "
-                         f"trainer (the load-balancing loss weighted by --moe-aux-loss-coeff).")
-    coeff = args.moe_aux_loss_coeff
-    if not (math.isfinite(coeff) and coeff >= 0.0):
-        raise ValueError(f"--moe-aux-loss-coeff must be a finite number >= 0; got {coeff}.")
-    if args.moe_token_dispatcher_type == "alltoall" and not use_cuda:
-        raise ValueError("--moe-token-dispatcher-type alltoall needs CUDA (megatron-core's all-to-all "
-                         "dispatcher creates CUDA streams); use allgather on CPU.")
-    if tp > 1 and not args.sequence_parallel:
-        raise ValueError(f"--num-experts with --tensor-model-parallel-size {tp} needs --sequence-parallel "
-                         f"(megatron-core's MoELayer refuses tensor parallelism without it).")
-    if args.use_torch_fsdp2:
-        raise ValueError("--use-torch-fsdp2 does not support --num-experts yet.")
-    if not args.disable_bias_linear and not use_cuda:
-        raise ValueError("--num-experts on CPU needs --disable-bias-linear: megatron-core's expert MLP adds its "
-                         "bias in place to the output of its row-parallel linear, which autograd refuses there.")
-
-
-def moe_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """GPTModelSettings fields of the checked MoE flags."""
-    return dict(num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
-                moe_aux_loss_coeff=args.moe_aux_loss_coeff, moe_token_dispatcher_type=args.moe_token_dispatcher_type)
-
-
-def describe_moe(args: argparse.Namespace) -> str:
-    """One line for the run's log."""
-    ep = args.expert_model_parallel_size
-    return (f"MoE: {args.num_experts} experts per layer, top-{args.moe_router_topk}, EP {ep} "
-            f"({args.num_experts // ep} experts per rank), {args.moe_token_dispatcher_type} dispatcher, "
-            f"aux loss coeff {args.moe_aux_loss_coeff:g}")

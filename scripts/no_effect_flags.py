@@ -48,6 +48,11 @@ NO_EFFECT: dict[str, tuple[dict, str]] = {  # flag: (argparse keywords, why it c
     "--num-workers": ({"type": int}, "samples are read in the training process, without a DataLoader"),
     "--moe-grouped-gemm": ({"action": "store_true"}, "a kernel choice this trainer does not make (its experts run "
                                                      "one after another, megatron's SequentialMLP: the same result)"),
+    "--moe-permute-fusion": ({"action": "store_true"}, "a kernel choice this trainer does not make (megatron-core's "
+                                                       "unfused permutation: the same result)"),
+    "--moe-router-fusion": ({"action": "store_true"}, "a kernel choice this trainer does not make (megatron-core's "
+                                                      "unfused routing: the same result)"),
+    "--moe-per-layer-logging": ({"action": "store_true"}, "the MoE losses are logged as the mean over layers only"),
     "--no-create-attention-mask-in-dataloader": ({"action": "store_true"},
                                                  "already so: the data carries no attention mask"),
     "--ckpt-format": ({"choices": ("torch", "torch_dist", "torch_dcp", "fsdp_dtensor")},

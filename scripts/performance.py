@@ -137,9 +137,13 @@ def flops_namespace(settings) -> argparse.Namespace:
         num_query_groups=settings.num_query_groups or heads,
         kv_channels=settings.kv_channels or settings.hidden_size // heads,  # --kv-channels, else megatron's default
         ffn_hidden_size=settings.ffn_hidden_size, swiglu=settings.swiglu, padded_vocab_size=settings.vocab_size,
-        # Mixture of experts: every layer (moe_layer_freq 1), experts as wide as the dense FFN.
-        num_experts=settings.num_moe_experts, moe_layer_freq=1, moe_router_topk=settings.moe_router_topk,
-        moe_ffn_hidden_size=settings.ffn_hidden_size, moe_shared_expert_intermediate_size=None,
+        # Mixture of experts: the MoE layers, expert and shared-expert sizes as the model has them.
+        num_experts=settings.num_moe_experts,
+        moe_layer_freq=list(settings.moe_layer_freq) if isinstance(settings.moe_layer_freq, tuple)
+        else settings.moe_layer_freq,
+        moe_router_topk=settings.moe_router_topk,
+        moe_ffn_hidden_size=settings.moe_ffn_hidden_size or settings.ffn_hidden_size,
+        moe_shared_expert_intermediate_size=settings.moe_shared_expert_intermediate_size,
         moe_latent_size=None,
         # What this trainer's GPT never has: multi-token prediction, MLA, gated or linear
         # attention, hybrid (Mamba) layers.

@@ -37,8 +37,9 @@ An invalid flag, or a combination the
 optimizer factory refuses, exits every rank with status 2 after one line on rank 0's stderr naming
 the flags (torchrun then adds its own failure summary).
 
-Mixture of experts (scripts/moe.py): `--num-experts` makes every MLP megatron-core's MoELayer
-(`--moe-router-topk`, `--moe-aux-loss-coeff`, `--moe-token-dispatcher-type`), its experts split
+Mixture of experts (scripts/moe.py; flags in scripts/moe_flags.py): `--num-experts` makes the MLPs
+megatron-core's MoELayer (`--moe-layer-freq` says which; router, load-balancing, shared-expert and
+capacity flags with Megatron-LM's names, passed to megatron-core's TransformerConfig), its experts split
 over `--expert-model-parallel-size` of the data-parallel ranks; expert gradients are summed over
 the expert data-parallel group and divided by the data-parallel size, as megatron-core's DDP does.
 With `--tensor-model-parallel-size` > 1 it needs `--sequence-parallel` (as megatron-core): the
@@ -107,13 +108,15 @@ from scripts.gpt_model import (  # noqa: E402
 )
 from scripts.grad_reduction import BUCKET_NUMEL, GradReducer, finalize_model_grads, nan_in_grads  # noqa: E402
 from scripts.housekeeping import Housekeeping, add_housekeeping_args, check_housekeeping_flags  # noqa: E402
-from scripts.moe import (  # noqa: E402
+from scripts.moe import finish_router_step, start_step, step_moe_losses  # noqa: E402
+from scripts.moe_flags import (  # noqa: E402
     add_moe_args,
     check_moe_flags,
     describe_moe,
+    logged_moe_losses,
+    moe_layer_pattern,
+    moe_note_lines,
     moe_settings,
-    start_step,
-    step_moe_losses,
 )
 from scripts.no_effect_flags import add_no_effect_args, check_not_offered, no_effect_lines  # noqa: E402
 from scripts.performance import (  # noqa: E402
@@ -456,7 +459,7 @@ def _check_device_flags(args: argparse.Namespace) -> None:
 def _with_experts(args: argparse.Namespace, layout: Layout, settings: GPTModelSettings
                   ) -> tuple[Layout, GPTModelSettings]:
     """The MoE flags (scripts/moe.py) in the layout and the model settings."""
-    ep = check_moe_flags(args, layout.tp, layout.dp, use_cuda=runs_on_cuda(args))
+    ep = check_moe_flags(args, layout.tp, layout.dp, use_cuda=runs_on_cuda(args), num_layers=settings.num_layers)
     return dataclasses.replace(layout, ep=ep), dataclasses.replace(settings, **moe_settings(args))
 
 
@@ -871,12 +874,22 @@ def train_step(model, optimizer, micro_batches, forward, grads: GradReducer, dp_
     start_step(optimizer.get_loss_scale(), len(micro_batches))  # the MoE aux loss's gradient scale
     total = forward.forward_backward(micro_batches, optimizer.scale_loss)
     after_forward_backward()
-    finalize_model_grads(list(model) if isinstance(model, torch.nn.ModuleList) else [model], grads)
+    chunks = list(model) if isinstance(model, torch.nn.ModuleList) else [model]
+    finalize_model_grads(chunks, grads)
+    finish_router_step(chunks)  # MoE expert biases and token counts, as megatron's finalize_model_grads
     dp_size = dist.get_world_size(dp_group)
     loss_sum = total.to(next(model.parameters()).device)
     dist.all_reduce(loss_sum, group=dp_group)
     ok, grad_norm, num_zeros = optimizer.step()
     return loss_sum.item() / dp_size, ok, grad_norm, num_zeros
+
+
+def _moe_losses(args, settings: GPTModelSettings, num_micro_batches: int, device: torch.device) -> dict[str, float]:
+    """The step's MoE losses Megatron-LM logs (none for a dense model)."""
+    if args.num_experts is None:
+        return {}
+    num_moe_layers = sum(moe_layer_pattern(args.moe_layer_freq, settings.num_layers))
+    return step_moe_losses(logged_moe_losses(args), num_micro_batches, settings.num_layers, num_moe_layers, device)
 
 
 def train(args, settings, layout, device, housekeeping: Optional[Housekeeping] = None) -> list[dict]:
@@ -915,8 +928,8 @@ def train(args, settings, layout, device, housekeeping: Optional[Housekeeping] =
                           around_each=housekeeping.evaluation)
     log.say(describe_model(model) + (", bf16 compute (FSDP2 MixedPrecisionPolicy)" if args.use_torch_fsdp2 and args.bf16 else ""))
     if args.num_experts is not None:
-        log.say(describe_moe(args))
-    for line in (no_effect_lines(args) + performance_lines(args, on_cuda=device.type == "cuda")
+        log.say(describe_moe(args, settings.num_layers))
+    for line in (no_effect_lines(args) + moe_note_lines(args) + performance_lines(args, on_cuda=device.type == "cuda")
                  + tensorboard_option_lines(args, on_cuda=device.type == "cuda")
                  + [line for line in (housekeeping.start_line, args.batch_schedule.describe()) if line]):
         log.say(line)
@@ -945,8 +958,7 @@ def train(args, settings, layout, device, housekeeping: Optional[Housekeeping] =
             loss_scale=float(optimizer.get_loss_scale()), num_zeros=None if num_zeros is None else float(num_zeros),
             params_norm=logged_params_norm(model, optimizer) if args.log_params_norm else None,
             max_attention_logit=optimizer.max_attention_logit,
-            other_losses=step_moe_losses(len(micro_batches), settings.num_layers, device)
-            if args.num_experts is not None else {}, batch_size=batch_size))
+            other_losses=_moe_losses(args, settings, len(micro_batches), device), batch_size=batch_size))
         profiler.after(iteration)
         evaluator.periodic(model, iteration)
         stop = exit_reason(args, iteration, started, device)

@@ -14,6 +14,8 @@ import contextlib
 import dataclasses
 import io
 
+import re
+
 import pytest
 
 # The llama3 example's flags in its order, sizes scaled down, FP8 flags apart (FP8 below).
@@ -196,7 +198,7 @@ def test_mixtral_example_runs_at_expert_parallel_two(run_distributed) -> None:
     (run, _) = run_distributed(_run_counting_gc, 2, args=(MIXTRAL,))
     assert [r["iteration"] for r in run["records"]] == [1, 2, 3]
     printed = run["printed"]
-    assert "MoE: 2 experts per layer, top-2, EP 2" in printed
+    assert re.search(r"MoE: 2 experts in (\d+) of \1 layers, top-2 \(softmax\), EP 2", printed), printed
     assert "> --no-position-embedding: no effect, " in printed and "> --no-masked-softmax-fusion: no effect" in printed
     assert all(run["enabled_in_steps"])  # no --manual-gc: Python's own collector stays on
 
