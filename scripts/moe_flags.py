@@ -374,10 +374,6 @@ def _check_balancing_flags(args: argparse.Namespace) -> None:
             raise ValueError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid or "
                              "sqrtsoftplus (megatron-core's aux-loss-free routing).")
         _check_finite(args, "moe_router_bias_update_rate", above=0.0)
-        if args.save or args.load:
-            raise ValueError("--moe-router-enable-expert-bias with --save/--load is not offered: the expert bias is a "
-                             "buffer, and megatron_eopt's checkpoints hold parameters only (a resumed run would "
-                             "restart it from 0).")
 
 
 def _check_shared_expert_flags(args: argparse.Namespace, use_cuda: bool) -> None:

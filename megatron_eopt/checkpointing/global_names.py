@@ -20,7 +20,7 @@ import torch
 
 from megatron_eopt.param_groups import named_trainable_parameters, stored_child_name, stored_group_key
 
-__all__ = ["global_parameter_names", "stored_child_name", "stored_group_key"]
+__all__ = ["global_buffer_names", "global_parameter_names", "stored_child_name", "stored_group_key"]
 
 _LAYER = re.compile(r"(^|\.)layers\.(\d+)$")
 _LOCAL_EXPERT = re.compile(r"(^|\.)experts\.local_experts\.(\d+)$")
@@ -43,6 +43,22 @@ def global_parameter_names(model_chunks: list[torch.nn.Module]) -> dict[str, str
     wanted = {fqn for fqn, _, _ in named_trainable_parameters(model_chunks, trainable_only=False)}
     result = {fqn: name for fqn, name in result.items() if fqn in wanted}
     _check_unique(result)
+    return result
+
+
+def global_buffer_names(model_chunks: list[torch.nn.Module]) -> dict[str, tuple[torch.Tensor, str]]:
+    """{fqn: (buffer, its name in the PP=1/EP=1 model)} for every persistent buffer (model state
+    that no optimizer steps, e.g. an MoE router's expert bias), named as the parameters are.
+    Transformer Engine's `_extra_state` entries are not tensors and not included."""
+    result: dict[str, tuple[torch.Tensor, str]] = {}
+    for chunk_index, chunk in enumerate(model_chunks):
+        renames = _module_renames(chunk)
+        params = {id(param) for param in chunk.parameters()}
+        for name, value in chunk.state_dict(keep_vars=True).items():
+            if isinstance(value, torch.Tensor) and id(value) not in params and not name.endswith("_extra_state"):
+                fqn = (f"model_chunk{chunk_index}." if len(model_chunks) > 1 else "") + name
+                result[fqn] = (value, _global_name(name, value, renames))
+    _check_unique({fqn: name for fqn, (_, name) in result.items()})
     return result
 
 
@@ -73,7 +89,7 @@ def _global_expert(modules: dict[str, torch.nn.Module], name: str, match: re.Mat
     return int(indices[local])
 
 
-def _global_name(name: str, param: torch.nn.Parameter, renames: dict[str, str]) -> str:
+def _global_name(name: str, param: torch.Tensor, renames: dict[str, str]) -> str:
     if getattr(param, "shared", False) and name.endswith(TIED_OUTPUT):
         return name[: -len(TIED_OUTPUT)] + TIED_EMBEDDING
     # Each renamed module changes only its own last component (a layer or expert number), so

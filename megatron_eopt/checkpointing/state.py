@@ -28,7 +28,12 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from megatron_eopt.checkpointing.global_names import global_parameter_names, stored_child_name, stored_group_key
+from megatron_eopt.checkpointing.global_names import (
+    global_buffer_names,
+    global_parameter_names,
+    stored_child_name,
+    stored_group_key,
+)
 from megatron_eopt.checkpointing.layout import (
     PART_MARK,
     TP_MARK,
@@ -49,16 +54,18 @@ from megatron_eopt.wrappers.fp32 import FP32Optimizer
 
 @dataclass(frozen=True)
 class ModelParam:
-    """One model parameter as the checkpoint sees it."""
+    """One model parameter (or persistent buffer, which is replicated and never stepped) as the
+    checkpoint sees it."""
 
     fqn: str  # its name here (named_trainable_parameters), which the optimizer's records use
-    param: torch.nn.Parameter
+    param: torch.Tensor
     placement: Placement
     stored_name: str  # its name in the checkpoint: the PP=1/EP=1 name
 
 
 def model_params(model_chunks: list[torch.nn.Module], groups: ParallelGroups) -> list[ModelParam]:
-    """Every parameter of the model (frozen ones too) with its tensor-parallel or FSDP2 placement."""
+    """Every parameter of the model (frozen ones too) with its tensor-parallel or FSDP2 placement,
+    then every persistent buffer (whole on every rank)."""
     named = named_trainable_parameters(model_chunks, trainable_only=False)
     has_experts = any(not getattr(p, "allreduce", True) for _, _, p in named)
     stored_names = global_parameter_names(model_chunks)
@@ -74,6 +81,8 @@ def model_params(model_chunks: list[torch.nn.Module], groups: ParallelGroups) ->
             tp_group = expert_tp if not getattr(param, "allreduce", True) else dense_tp
             placement = placement_of(param, tp_group)
         result.append(ModelParam(fqn, param, placement, stored_names[fqn]))
+    for fqn, (buffer, stored_name) in global_buffer_names(model_chunks).items():
+        result.append(ModelParam(fqn, buffer, Placement(), stored_name))
     return result
 
 

@@ -183,18 +183,24 @@ def _assert_same(records: list[dict], reference: list[dict], layout: str) -> Non
     assert _series(records, "grad_norm") == pytest.approx(_series(reference, "grad_norm"), rel=1e-4), layout
 
 
-def test_router_flags_train_the_same_in_every_layout(run_distributed) -> None:
+def test_router_flags_train_the_same_in_every_layout(run_distributed, tmp_path) -> None:
     """EP=2 and PP=2 (2 ranks each; PP's second stage starts at global layer 3, MoE by the
     pattern), with token dropping: the one-process run. TP=2 with sequence parallelism without
-    it (megatron's capacity counts the tokens each rank routes: half a sequence under SP)."""
+    it (megatron's capacity counts the tokens each rank routes: half a sequence under SP). The
+    EP=2 run's checkpoint of iteration 3, expert biases included, resumes in one process as the
+    one-process run goes on."""
     with_capacity = run_distributed(run_pretrain_gpt, 1, args=(BASE + CAPACITY,))[0]
     without = run_distributed(run_pretrain_gpt, 1, args=(BASE,))[0]
-    layouts = {"EP=2": (BASE + CAPACITY + ["--expert-model-parallel-size", "2"], with_capacity),
+    save = ["--save", str(tmp_path), "--save-interval", "3"]
+    layouts = {"EP=2": (BASE + CAPACITY + ["--expert-model-parallel-size", "2"] + save, with_capacity),
                "PP=2": (BASE + CAPACITY + ["--pipeline-model-parallel-size", "2"], with_capacity),
                "TP=2": (BASE + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], without)}
     for layout, (argv, reference) in layouts.items():
         for records in run_distributed(run_pretrain_gpt, 2, args=(argv,)):
             _assert_same(records, reference, layout)
+    resumed = run_distributed(run_pretrain_gpt, 1, args=(BASE + CAPACITY + ["--load", str(tmp_path), "--ckpt-step", "3"],))[0]
+    assert [r["iteration"] for r in resumed] == [4, 5, 6]
+    assert _series(resumed, "loss") == pytest.approx(_series(with_capacity, "loss")[3:], rel=1e-5)
     # The runs train, and the options change training by far more than the tolerances.
     assert _series(without, "loss")[-1] < _series(without, "loss")[0]
     assert all(value > 0 for key in LOGGED for value in _series(without, key))
@@ -283,8 +289,6 @@ MOE = ["--num-experts", "4", "--disable-bias-linear"]
     (MOE + ["--moe-router-enable-expert-bias"], "--moe-router-enable-expert-bias needs --moe-router-score-function"),
     (MOE + ["--moe-router-bias-update-rate", "0.1"],
      "--moe-router-bias-update-rate only applies with --moe-router-enable-expert-bias (aux-loss-free balancing)."),
-    (MOE + ["--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid", "--save", "ckpt"],
-     "--moe-router-enable-expert-bias with --save/--load is not offered"),
     (MOE + ["--moe-shared-expert-gate"], "--moe-shared-expert-gate only applies with --moe-shared-expert-intermediate-size"),
     (MOE + ["--moe-shared-expert-intermediate-size", "30", "--tensor-model-parallel-size", "4", "--sequence-parallel"],
      "--moe-shared-expert-intermediate-size must be >= 1 and divisible by --tensor-model-parallel-size 4; got 30."),
