@@ -21,8 +21,9 @@ run unchanged, and each one given is named at start-up with the reason (`no_effe
   (deprecated in Megatron-LM, allowed only where --position-embedding-type has none already).
 
 Flags named only to refuse them (`check_not_offered`): FP8 training, which Megatron-LM runs
-through Transformer Engine on Hopper or newer GPUs. A one-line error says so instead of
-argparse's "unrecognized arguments".
+through Transformer Engine on Hopper or newer GPUs, and the optimizer's precision-aware state,
+CPU offload and CUDA graphs (its dtype flags given as fp32, what this trainer keeps, only say so).
+A one-line error says so instead of argparse's "unrecognized arguments".
 """
 
 import argparse
@@ -87,7 +88,22 @@ NOT_OFFERED: dict[str, tuple[dict, str]] = {  # flag: (argparse keywords, why it
     "--fp8-amax-history-len": ({"type": int}, FP8),
     "--fp8-amax-compute-algo": ({"choices": ("most_recent", "max")}, FP8),
     "--fp8-param-gather": ({"action": "store_true"}, FP8),
+    "--use-precision-aware-optimizer": ({"action": "store_true"}, "lower-precision optimizer state (Megatron-LM's "
+                                        "precision-aware optimizer, through Transformer Engine) is not offered: "
+                                        "main parameters, gradients and optimizer states stay fp32"),
+    "--optimizer-cpu-offload": ({"action": "store_true"}, "offloading the optimizer to CPU is not offered"),
+    "--optimizer-offload-fraction": ({"type": float}, "it applies with --optimizer-cpu-offload, which is not offered"),
+    "--optimizer-cuda-graph": ({"action": "store_true"}, "CUDA graphs of the optimizer step are not offered"),
 }
+# Megatron-LM's precision-aware optimizer's dtypes: fp32 is what this trainer keeps anyway
+# (named at start-up as changing nothing); any other value is refused.
+FP32_STATE_FLAGS: dict[str, tuple[str, ...]] = {  # flag: Megatron-LM's choices
+    "--main-grads-dtype": ("fp32", "bf16"),
+    "--main-params-dtype": ("fp32", "fp16"),
+    "--exp-avg-dtype": ("fp32", "fp16", "bf16", "fp8"),
+    "--exp-avg-sq-dtype": ("fp32", "fp16", "bf16", "fp8"),
+}
+FP32_STATE = "main parameters, gradients and optimizer states are fp32 here (the precision-aware optimizer is not offered)"
 
 
 def add_no_effect_args(parser: argparse.ArgumentParser) -> None:
@@ -96,18 +112,30 @@ def add_no_effect_args(parser: argparse.ArgumentParser) -> None:
         group.add_argument(flag, default=None, help=reason, **keywords)
     group = parser.add_argument_group(title="Megatron-LM flags refused with the reason")
     for flag, (keywords, reason) in NOT_OFFERED.items():
-        group.add_argument(flag, default=None, help=reason, **keywords)
+        group.add_argument(flag, dest=_refused_dest(flag), default=None, help=reason, **keywords)
+    for flag, choices in FP32_STATE_FLAGS.items():
+        group.add_argument(flag, dest=_refused_dest(flag), default=None, choices=choices, help=f"fp32 only: {FP32_STATE}")
+
+
+def _refused_dest(flag: str) -> str:
+    """Their own attribute names: several are OptimizerConfig fields, which the trainer copies
+    from the namespace by name (arguments.optimizer_config_from_args)."""
+    return "refused_" + flag[2:].replace("-", "_")
 
 
 def check_not_offered(args: argparse.Namespace) -> None:
     """A ValueError naming the first refused flag the command line gave, with the reason."""
     for flag, (_, reason) in NOT_OFFERED.items():
-        if _given(args, flag) is not None:
+        if _given(args, flag, _refused_dest(flag)) is not None:
             raise ValueError(f"{flag}: {reason}.")
+    for flag in FP32_STATE_FLAGS:
+        value = _given(args, flag, _refused_dest(flag))
+        if value not in (None, "fp32"):
+            raise ValueError(f"{flag} {value}: {FP32_STATE}.")
 
 
-def _given(args: argparse.Namespace, flag: str):
-    value = getattr(args, flag[2:].replace("-", "_"))
+def _given(args: argparse.Namespace, flag: str, dest: str = ""):
+    value = getattr(args, dest or flag[2:].replace("-", "_"))
     return None if value is False else value
 
 
@@ -119,4 +147,6 @@ def no_effect_lines(args: argparse.Namespace) -> list[str]:
         if value is not None:
             shown = flag if value is True else f"{flag} {value}"
             lines.append(f"{shown}: no effect, {reason}")
+    lines += [f"{flag} fp32: no effect, {FP32_STATE}" for flag in FP32_STATE_FLAGS
+              if _given(args, flag, _refused_dest(flag)) == "fp32"]
     return lines
