@@ -350,6 +350,9 @@ class GPTModelSettings:
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     init_method_std: float = 0.02
+    # megatron's --init-method-xavier-uniform: every weight (embeddings too) drawn U(-a, a),
+    # a = sqrt(6 / (fan_in + fan_out)) of the full matrix, instead of N(0, init_method_std).
+    init_method_xavier_uniform: bool = False
     # Initialise full weights on CPU and slice each rank's shard, so a model is identical
     # across tensor-parallel degrees for the same seed (megatron's --use-cpu-initialization).
     cpu_initialization: bool = True
@@ -642,6 +645,7 @@ def build_gpt_model(
         hidden_dropout=settings.hidden_dropout,
         attention_dropout=settings.attention_dropout,
         init_method_std=settings.init_method_std,
+        **_xavier_init(settings),
         bf16=settings.bf16,
         fp16=settings.fp16,
         params_dtype=settings.params_dtype,
@@ -740,6 +744,15 @@ def _with_local_norms(layer_spec: ModuleSpec) -> tuple[ModuleSpec, type | None]:
     attention = dataclasses.replace(attention, submodules=dataclasses.replace(attention.submodules, **qk_norms))
     return dataclasses.replace(layer_spec, submodules=dataclasses.replace(
         layer_spec.submodules, self_attention=attention, **norms)), LocalTorchNorm
+
+
+def _xavier_init(settings: GPTModelSettings) -> dict[str, Any]:
+    """Megatron-LM's --init-method-xavier-uniform: the init and the output-layer (scaled) init.
+    (The installed Megatron-LM hands TransformerConfig a `scaled_init_method`, a field it does
+    not have, so the flag fails there with a TypeError; its output_layer_init_method is meant.)"""
+    if not settings.init_method_xavier_uniform:
+        return {}
+    return dict(init_method=torch.nn.init.xavier_uniform_, output_layer_init_method=torch.nn.init.xavier_uniform_)
 
 
 def _pipeline_config(settings: GPTModelSettings) -> dict[str, Any]:

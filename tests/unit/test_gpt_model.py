@@ -236,6 +236,21 @@ def test_rope_runs_on_cpu_with_the_rope_angles(tp1, rotary_percent):
     assert torch.isfinite(loss) and all(p.grad is not None for p in model.parameters())
 
 
+def test_xavier_uniform_init_draws_within_the_full_matrices_bound(tp1):
+    """--init-method-xavier-uniform: U(-a, a), a = sqrt(6 / (fan_in + fan_out)) of each full
+    matrix, so the largest |w| is just under a and the std a / sqrt(3); N(0, 0.02) is not."""
+    xavier = build_gpt_model(GPTModelSettings(init_method_xavier_uniform=True))
+    normal = build_gpt_model(GPTModelSettings())
+    for model, expected in ((xavier, True), (normal, False)):
+        for name, weight in model.named_parameters():
+            if weight.dim() != 2:
+                continue
+            bound = math.sqrt(6 / sum(weight.shape))
+            within = 0.95 * bound < weight.abs().max() <= bound
+            spread = abs(weight.std().item() - bound / math.sqrt(3)) < 0.05 * bound
+            assert (within and spread) == expected, (name, weight.abs().max(), bound)
+
+
 @pytest.mark.parametrize("activation", ["squared_relu", "quick_geglu"])
 def test_mlp_activations_are_megatron_lms(tp1, activation):
     """--squared-relu: fc2(relu(fc1 x)^2); --quick-geglu: a gated unit, fc2(q(gate) * up) with

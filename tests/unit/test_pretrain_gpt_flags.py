@@ -58,6 +58,7 @@ def test_model_flags_reach_the_settings(monkeypatch) -> None:
     assert _parse(["--position-embedding-type", "rope", "--use-rope-scaling", "--rope-scaling-factor", "32"],
                   monkeypatch)[1].rope_scaling_factor == 32.0
     assert settings.activation == "gelu" and _parse(["--squared-relu"], monkeypatch)[1].activation == "squared_relu"
+    assert _parse(["--init-method-xavier-uniform"], monkeypatch)[1].init_method_xavier_uniform
     quick = _parse(["--quick-geglu"], monkeypatch)[1]
     assert (quick.activation, quick.gated, quick.ffn_hidden_size) == ("quick_geglu", True, 4 * quick.hidden_size)
 
