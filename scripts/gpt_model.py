@@ -353,6 +353,7 @@ class GPTModelSettings:
     # megatron's --init-method-xavier-uniform: every weight (embeddings too) drawn U(-a, a),
     # a = sqrt(6 / (fan_in + fan_out)) of the full matrix, instead of N(0, init_method_std).
     init_method_xavier_uniform: bool = False
+    embedding_init_method_std: float | None = None  # megatron's: the embeddings' N(0, std) (None: init_method_std)
     # Initialise full weights on CPU and slice each rank's shard, so a model is identical
     # across tensor-parallel degrees for the same seed (megatron's --use-cpu-initialization).
     cpu_initialization: bool = True
@@ -463,8 +464,10 @@ class GPTModelSettings:
             raise SettingsError("{layernorm_epsilon} must be a finite number > 0", layernorm_epsilon=self.layernorm_epsilon)
         if self.bf16 and self.fp16:
             raise SettingsError("{bf16} and {fp16} exclude each other", bf16=True, fp16=True)
-        if not (math.isfinite(self.init_method_std) and self.init_method_std > 0.0):
-            raise SettingsError("{init_method_std} must be a finite number > 0", init_method_std=self.init_method_std)
+        for name in ("init_method_std", "embedding_init_method_std"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0.0):
+                raise SettingsError(f"{{{name}}} must be a finite number > 0", **{name: value})
 
     @property
     def gated(self) -> bool:
@@ -645,6 +648,7 @@ def build_gpt_model(
         hidden_dropout=settings.hidden_dropout,
         attention_dropout=settings.attention_dropout,
         init_method_std=settings.init_method_std,
+        embedding_init_method_std=settings.embedding_init_method_std,
         **_xavier_init(settings),
         bf16=settings.bf16,
         fp16=settings.fp16,

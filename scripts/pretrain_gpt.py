@@ -223,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--attention-dropout", type=float, default=0.0,
                        help="default 0 (Megatron-LM's is 0.1): layouts then train identically")
     model.add_argument("--init-method-std", type=float, default=0.02)
+    model.add_argument("--embedding-init-method-std", type=float, default=None,
+                       help="the embeddings' N(0, std) (default: --init-method-std)")
     model.add_argument("--init-method-xavier-uniform", action="store_true",
                        help="draw every weight from Xavier's uniform distribution instead of N(0, --init-method-std)")
     model.add_argument("--position-embedding-type", default="learned_absolute",
@@ -631,6 +633,7 @@ def _settings_from_flags(args: argparse.Namespace) -> GPTModelSettings:
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
         init_method_xavier_uniform=args.init_method_xavier_uniform,
+        embedding_init_method_std=args.embedding_init_method_std,
         position_embedding_type=args.position_embedding_type,
         transformer_impl=args.transformer_impl or "auto",
         **_rotary_settings(args),

@@ -251,6 +251,13 @@ def test_xavier_uniform_init_draws_within_the_full_matrices_bound(tp1):
             assert (within and spread) == expected, (name, weight.abs().max(), bound)
 
 
+def test_embedding_init_std_is_the_embeddings_own(tp1):
+    weights = dict(build_gpt_model(GPTModelSettings(embedding_init_method_std=0.5)).named_parameters())
+    for name, std in (("embedding.word_embeddings.weight", 0.5), ("embedding.position_embeddings.weight", 0.5),
+                      ("decoder.layers.0.self_attention.linear_qkv.weight", 0.02)):
+        assert weights[name].std().item() == pytest.approx(std, rel=0.1), name
+
+
 @pytest.mark.parametrize("activation", ["squared_relu", "quick_geglu"])
 def test_mlp_activations_are_megatron_lms(tp1, activation):
     """--squared-relu: fc2(relu(fc1 x)^2); --quick-geglu: a gated unit, fc2(q(gate) * up) with

@@ -59,6 +59,7 @@ def test_model_flags_reach_the_settings(monkeypatch) -> None:
                   monkeypatch)[1].rope_scaling_factor == 32.0
     assert settings.activation == "gelu" and _parse(["--squared-relu"], monkeypatch)[1].activation == "squared_relu"
     assert _parse(["--init-method-xavier-uniform"], monkeypatch)[1].init_method_xavier_uniform
+    assert _parse(["--embedding-init-method-std", "0.5"], monkeypatch)[1].embedding_init_method_std == 0.5
     quick = _parse(["--quick-geglu"], monkeypatch)[1]
     assert (quick.activation, quick.gated, quick.ffn_hidden_size) == ("quick_geglu", True, 4 * quick.hidden_size)
 
