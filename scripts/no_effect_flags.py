@@ -68,6 +68,9 @@ NO_EFFECT: dict[str, tuple[dict, str]] = {  # flag: (argparse keywords, why it c
     "--apply-query-key-layer-scaling": ({"action": "store_true"}, "an fp16 range trick (scores divided by the layer "
                                         "number, multiplied back in an fp32 softmax) that leaves the attention as it is"),
     "--no-persist-layer-norm": ({"action": "store_true"}, NOT_CHOSEN),
+    "--apply-residual-connection-post-layernorm": ({"action": "store_true"}, "megatron-core's transformer layers do "
+                                                   "not read it (the residual is always the norm's input), so it "
+                                                   "changes nothing in Megatron-LM either"),
     "--openai-gelu": ({"action": "store_true"}, "Megatron-LM itself no longer reads it (the activation stays GELU, "
                       "or --swiglu's / --squared-relu's / --quick-geglu's)"),
     "--timing-log-level": ({"type": int, "choices": (0, 1, 2)}, TIMERS),

@@ -331,7 +331,7 @@ def test_megatron_lm_flags_without_effect_are_named_and_exit_duration_stops(run_
                    "--num-workers", "2", "--use-cpu-initialization", "--log-validation-ppl-to-tensorboard",
                    "--attention-softmax-in-fp32", "--apply-query-key-layer-scaling", "--no-persist-layer-norm",
                    "--timing-log-level", "0", "--log-world-size-to-tensorboard", "--openai-gelu",
-                   "--main-grads-dtype", "fp32"]
+                   "--main-grads-dtype", "fp32", "--apply-residual-connection-post-layernorm"]
     (records, printed), = run_distributed(_run_printing, 1, args=(argv,))
     assert [r["iteration"] for r in records] == [1]
     assert "exiting after iteration 1 (--exit-duration-in-mins 1e-09:" in printed
