@@ -52,13 +52,14 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.enums import LayerType
 from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 
 from scripts.cpu_rng import use_cpu_rng_tracker
+from scripts.mla import mla_config_fields, with_cpu_mla
 from scripts.moe import moe_layer_builder
 from scripts.moe_flags import moe_layer_pattern
 from scripts.sequence_parallel import install_cpu_sequence_parallel, use_cpu_sequence_parallel_linears
@@ -83,8 +84,8 @@ class SDPACoreAttention(MegatronModule):
 
     Takes the keywords megatron's ``Attention`` passes to ``core_attention``.
     Layouts follow megatron: query ``[sq, b, heads, head_dim]``, key/value
-    ``[sk, b, query_groups, head_dim]`` (per tensor-parallel partition), output
-    ``[sq, b, heads * head_dim]``. Options it does not implement raise
+    ``[sk, b, query_groups, head_dim]`` (per tensor-parallel partition; values may be narrower,
+    as in multi-latent attention), output ``[sq, b, heads * value_head_dim]``. Options it does not implement raise
     ``ValueError`` instead of silently computing different attention.
 
     QK-clip: while ``record_max_attn_logits`` is True (from the config's ``qk_clip`` /
@@ -103,6 +104,8 @@ class SDPACoreAttention(MegatronModule):
         attention_type: str,
         attention_dropout: float | None = None,
         softmax_scale: float | None = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
         cp_comm_type: str | None = None,
         pg_collection: ProcessGroupCollection | None = None,
     ) -> None:
@@ -119,7 +122,9 @@ class SDPACoreAttention(MegatronModule):
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
-        head_dim = config.kv_channels
+        # Multi-latent attention passes its query/key width (k_channels) and its value width
+        # (v_channels, may differ) with its own softmax_scale; the widths come from the tensors.
+        head_dim = config.kv_channels if k_channels is None else k_channels
         # apply_query_key_layer_scaling divides the scale by layer_number and multiplies the
         # scores back inside megatron's softmax: a numerical-range trick for fp16 with no effect
         # on the result, so it is ignored here.
@@ -217,12 +222,13 @@ class SDPACoreAttention(MegatronModule):
                 out = self._sdpa(q, k, v, allowed, causal, dropout_p)
         else:
             out = self._sdpa(q, k, v, allowed, causal, dropout_p)
-        # [b, n, sq, d] -> [sq, b, n * d]
-        return out.permute(2, 0, 1, 3).reshape(sq, b, heads * head_dim)
+        # [b, n, sq, d_v] -> [sq, b, n * d_v] (d_v: the value width, MLA's may differ from the query's)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, heads * value.size(-1))
 
 
 def gpt_layer_spec(use_cuda: bool, max_attn_logits: bool = False, num_experts: int | None = None,
-                   transformer_impl: str = "auto", qk_layernorm: bool = False) -> ModuleSpec:
+                   transformer_impl: str = "auto", qk_layernorm: bool = False,
+                   multi_latent_attention: bool = False) -> ModuleSpec:
     """Transformer-layer spec: megatron's own on CUDA, local + SDPA attention on CPU.
 
     ``max_attn_logits`` (QK-clip or max-logit logging): on CUDA, Transformer Engine's
@@ -232,9 +238,12 @@ def gpt_layer_spec(use_cuda: bool, max_attn_logits: bool = False, num_experts: i
     ``transformer_impl`` (Megatron-LM's --transformer-impl): "auto" takes Transformer Engine's
     layers on CUDA when it is installed, "local" megatron's local ones, "transformer_engine"
     requires them (CUDA and TE, >= 2.9 with ``max_attn_logits``).
-    ``qk_layernorm``: a norm on each head's query and key (megatron's, over the head width).
+    ``qk_layernorm``: a norm on each head's query and key (megatron's, over the head width); with
+    ``multi_latent_attention`` (megatron's MLASelfAttention, scripts/mla.py) norms on the
+    compressed query and key/value latents instead.
     """
-    spec = _attention_spec(use_cuda, max_attn_logits, num_experts, transformer_impl, qk_layernorm)
+    spec = _attention_spec(use_cuda, max_attn_logits, num_experts, transformer_impl, qk_layernorm,
+                           multi_latent_attention)
     if num_experts is None:
         return spec
     mlp = moe_layer_builder(spec.submodules.mlp, use_cuda)
@@ -245,7 +254,7 @@ TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 
 
 def _attention_spec(use_cuda: bool, max_attn_logits: bool, num_experts: int | None,
-                    transformer_impl: str, qk_layernorm: bool) -> ModuleSpec:
+                    transformer_impl: str, qk_layernorm: bool, multi_latent_attention: bool = False) -> ModuleSpec:
     if transformer_impl not in TRANSFORMER_IMPLS:
         raise ValueError(f"transformer_impl must be one of {TRANSFORMER_IMPLS}, not {transformer_impl!r}")
     te_version = "2.9.0" if max_attn_logits else None  # TE records the maximum logits from 2.9
@@ -255,12 +264,16 @@ def _attention_spec(use_cuda: bool, max_attn_logits: bool, num_experts: int | No
     if use_cuda and transformer_impl != "local" and transformer_engine_at_least(te_version):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=qk_layernorm)
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=qk_layernorm,
+                                                          multi_latent_attention=multi_latent_attention)
+    local = dict(num_experts=num_experts, qk_layernorm=qk_layernorm, multi_latent_attention=multi_latent_attention)
     if use_cuda and not max_attn_logits:
-        return get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=qk_layernorm)
+        return get_gpt_layer_local_spec(**local)
     # Copy each level we change so no spec object shared with other callers is mutated.
-    spec = get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=qk_layernorm)
+    spec = get_gpt_layer_local_spec(**local)
     attention = spec.submodules.self_attention
+    if multi_latent_attention and not use_cuda:
+        attention = with_cpu_mla(attention)
     attention = dataclasses.replace(
         attention,
         submodules=dataclasses.replace(attention.submodules, core_attention=SDPACoreAttention),
@@ -347,6 +360,22 @@ class GPTModelSettings:
     rope_scaling: bool = False  # RoPE: Llama 3.x's scaling of the long wavelengths (megatron's)
     rope_scaling_factor: float = 8.0
     share_embeddings_and_output_weights: bool = False
+    # megatron's multi-latent attention (--multi-latent-attention, scripts/mla.py): queries from
+    # hidden -> q_lora_rank -> heads (or one projection when q_lora_rank is None), keys and values
+    # from hidden -> kv_lora_rank (+ the shared RoPE key part) -> heads; each head's query/key is
+    # qk_head_dim wide plus qk_pos_emb_head_dim rotated by RoPE ("rope") or YaRN ("yarn", with
+    # rotary_scaling_factor, mscale, mscale_all_dim), its value v_head_dim. Megatron-LM's
+    # defaults; MLATransformerConfig's fields of the same names.
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    rope_type: Literal["rope", "yarn"] = "yarn"
+    rotary_scaling_factor: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     init_method_std: float = 0.02
@@ -468,6 +497,31 @@ class GPTModelSettings:
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0.0):
                 raise SettingsError(f"{{{name}}} must be a finite number > 0", **{name: value})
+        if self.multi_latent_attention:
+            self._check_multi_latent_attention()
+
+    def _check_multi_latent_attention(self) -> None:
+        for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+            if getattr(self, name) <= 0:
+                raise SettingsError(f"{{{name}}} must be positive", **{name: getattr(self, name)})
+        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+            raise SettingsError("{q_lora_rank} must be positive (or unset: no query compression)",
+                                q_lora_rank=self.q_lora_rank)
+        if self.qk_pos_emb_head_dim % 2:
+            raise SettingsError("{qk_pos_emb_head_dim} must be even (RoPE rotates pairs)",
+                                qk_pos_emb_head_dim=self.qk_pos_emb_head_dim)
+        if self.rope_type not in ("rope", "yarn"):
+            raise SettingsError("{rope_type} must be rope or yarn", rope_type=self.rope_type)
+        if not (math.isfinite(self.rotary_scaling_factor) and self.rotary_scaling_factor > 0):
+            raise SettingsError("{rotary_scaling_factor} must be a finite number > 0",
+                                rotary_scaling_factor=self.rotary_scaling_factor)
+        for name in ("mscale", "mscale_all_dim"):
+            if not math.isfinite(getattr(self, name)):
+                raise SettingsError(f"{{{name}}} must be a finite number", **{name: getattr(self, name)})
+        if self.num_query_groups is not None and self.num_query_groups != self.num_attention_heads:
+            raise SettingsError("{num_query_groups} does not apply with {multi_latent_attention} (every head has "
+                                "its own key and value)", num_query_groups=self.num_query_groups,
+                                multi_latent_attention=True)
 
     @property
     def gated(self) -> bool:
@@ -509,6 +563,8 @@ class GPTModelSettings:
             if value % tp:
                 raise SettingsError(f"{{{name}}} must be divisible by {{tensor_model_parallel_size}}",
                                     **{name: value, "tensor_model_parallel_size": tp})
+        if self.multi_latent_attention:
+            self._check_mla_tensor_parallel(tp)
         if self.sequence_parallel and self.seq_length % tp:
             raise SettingsError("{seq_length} must be divisible by {tensor_model_parallel_size} with sequence parallelism",
                                 seq_length=self.seq_length, tensor_model_parallel_size=tp)
@@ -516,6 +572,17 @@ class GPTModelSettings:
             raise SettingsError("{num_moe_experts} with {tensor_model_parallel_size} needs {sequence_parallel}",
                                 num_moe_experts=self.num_moe_experts, tensor_model_parallel_size=tp,
                                 sequence_parallel=self.sequence_parallel)
+
+
+    def _check_mla_tensor_parallel(self, tp: int) -> None:
+        """megatron's local spec splits the down-projections' outputs over TP too."""
+        if self.q_lora_rank is not None and self.q_lora_rank % tp:
+            raise SettingsError("{q_lora_rank} must be divisible by {tensor_model_parallel_size}",
+                                q_lora_rank=self.q_lora_rank, tensor_model_parallel_size=tp)
+        if (self.kv_lora_rank + self.qk_pos_emb_head_dim) % tp:
+            raise SettingsError("{kv_lora_rank} + {qk_pos_emb_head_dim} must be divisible by "
+                                "{tensor_model_parallel_size}", kv_lora_rank=self.kv_lora_rank,
+                                qk_pos_emb_head_dim=self.qk_pos_emb_head_dim, tensor_model_parallel_size=tp)
 
 
 def initialize_model_parallel(
@@ -629,7 +696,8 @@ def build_gpt_model(
     tp = parallel_state.get_tensor_model_parallel_world_size()
     settings.check_tensor_parallel(tp)
     sequence_parallel = settings.sequence_parallel and tp > 1
-    config = TransformerConfig(
+    config_class = MLATransformerConfig if settings.multi_latent_attention else TransformerConfig
+    config = config_class(
         num_layers=settings.num_layers,
         hidden_size=settings.hidden_size,
         num_attention_heads=settings.num_attention_heads,
@@ -668,6 +736,7 @@ def build_gpt_model(
         distribute_saved_activations=settings.distribute_saved_activations,
         **_pipeline_config(settings),
         **_expert_config(settings),
+        **mla_config_fields(settings),
     )
     model_class = GPTModel if device.type == "cuda" else _CPUTiedEmbeddingGPTModel
     layer_spec = _stage_block_spec(settings, config, vp_stage, device.type == "cuda",
@@ -707,7 +776,8 @@ def _stage_block_spec(settings: GPTModelSettings, config: TransformerConfig, vp_
     for moe in set(is_moe) or {settings.num_moe_experts is not None}:
         spec = gpt_layer_spec(use_cuda=use_cuda, max_attn_logits=settings.qk_clip or settings.log_max_attention_logit,
                               num_experts=settings.num_moe_experts if moe else None,
-                              transformer_impl=settings.transformer_impl, qk_layernorm=settings.qk_layernorm)
+                              transformer_impl=settings.transformer_impl, qk_layernorm=settings.qk_layernorm,
+                              multi_latent_attention=settings.multi_latent_attention)
         if spec.module is TransformerLayer and _init_seed is not None:
             spec = dataclasses.replace(spec, module=_LayerSeededTransformerLayer)
         if local_norms:
@@ -743,8 +813,8 @@ def _with_local_norms(layer_spec: ModuleSpec) -> tuple[ModuleSpec, type | None]:
     if not norms:
         return layer_spec, None
     attention = layer_spec.submodules.self_attention
-    qk_norms = {name: LocalTorchNorm for name in ("q_layernorm", "k_layernorm")
-                if getattr(attention.submodules, name) is WrappedTorchNorm}
+    qk_norms = {name: LocalTorchNorm for name in ("q_layernorm", "k_layernorm", "kv_layernorm")  # kv: MLA's
+                if getattr(attention.submodules, name, None) is WrappedTorchNorm}
     attention = dataclasses.replace(attention, submodules=dataclasses.replace(attention.submodules, **qk_norms))
     return dataclasses.replace(layer_spec, submodules=dataclasses.replace(
         layer_spec.submodules, self_attention=attention, **norms)), LocalTorchNorm

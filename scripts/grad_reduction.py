@@ -180,15 +180,28 @@ def finalize_model_grads(chunks: list[torch.nn.Module], grads: GradReducer) -> N
 
 def tensor_parallel_partial_params(chunks: list[torch.nn.Module]) -> list[torch.nn.Parameter]:
     """Parameters replicated over the tensor-parallel ranks whose gradients cover only this
-    rank's share: those tagged `sequence_parallel` (this rank's tokens) and the query/key norms
-    (this rank's heads), which megatron-core's `finalize_model_grads` sums over TP (the latter by
-    name)."""
+    rank's share: those tagged `sequence_parallel` (this rank's tokens) and the per-head
+    query/key norms (this rank's heads), which megatron-core's `finalize_model_grads` sums over
+    TP (the latter by name). Multi-latent attention's `q_layernorm`/`kv_layernorm` normalise the
+    whole latent on every rank and their gradient is complete there (megatron-core's local spec
+    sums it by name all the same, which doubles it at TP=2): only their `sequence_parallel` tag
+    counts."""
+    latent_norms = {id(param) for chunk in chunks for param in _latent_norm_params(chunk)}
     return [param for chunk in chunks for name, param in chunk.named_parameters()
-            if param.requires_grad and (getattr(param, "sequence_parallel", False) or _is_qk_norm(name))]
+            if param.requires_grad and (getattr(param, "sequence_parallel", False)
+                                        or (_is_qk_norm(name) and id(param) not in latent_norms))]
 
 
 def _is_qk_norm(name: str) -> bool:
     return "q_layernorm." in name or "k_layernorm." in name
+
+
+def _latent_norm_params(chunk: torch.nn.Module) -> list[torch.nn.Parameter]:
+    from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
+
+    return [param for module in chunk.modules() if isinstance(module, MultiLatentAttention)
+            for norm in (getattr(module, "q_layernorm", None), getattr(module, "kv_layernorm", None))
+            if norm is not None for param in norm.parameters()]
 
 
 def sum_tied_embedding_grads(chunks: list[torch.nn.Module]) -> None:

@@ -145,9 +145,13 @@ def flops_namespace(settings) -> argparse.Namespace:
         moe_ffn_hidden_size=settings.moe_ffn_hidden_size or settings.ffn_hidden_size,
         moe_shared_expert_intermediate_size=settings.moe_shared_expert_intermediate_size,
         moe_latent_size=None,
-        # What this trainer's GPT never has: multi-token prediction, MLA, gated or linear
-        # attention, hybrid (Mamba) layers.
-        mtp_num_layers=None, multi_latent_attention=False, attention_output_gate=False,
+        # Multi-latent attention (megatron's count has its own branch for it).
+        multi_latent_attention=settings.multi_latent_attention, q_lora_rank=settings.q_lora_rank,
+        kv_lora_rank=settings.kv_lora_rank, qk_head_dim=settings.qk_head_dim,
+        qk_pos_emb_head_dim=settings.qk_pos_emb_head_dim, v_head_dim=settings.v_head_dim,
+        # What this trainer's GPT never has: multi-token prediction, gated or linear attention,
+        # hybrid (Mamba) layers.
+        mtp_num_layers=None, attention_output_gate=False,
         experimental_attention_variant=None, hybrid_layer_pattern=None,
     )
 

@@ -108,6 +108,7 @@ from scripts.gpt_model import (  # noqa: E402
 )
 from scripts.grad_reduction import BUCKET_NUMEL, GradReducer, finalize_model_grads, nan_in_grads  # noqa: E402
 from scripts.housekeeping import Housekeeping, add_housekeeping_args, check_housekeeping_flags  # noqa: E402
+from scripts.mla_flags import add_mla_args, mla_settings  # noqa: E402
 from scripts.moe import finish_router_step, start_step, step_moe_losses  # noqa: E402
 from scripts.moe_flags import (  # noqa: E402
     add_moe_args,
@@ -375,6 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_tokenizer_args(parser)
     add_eval_args(parser)
     add_moe_args(parser)
+    add_mla_args(parser)
     add_housekeeping_args(parser)
     add_performance_args(parser)
     add_no_effect_args(parser)
@@ -538,8 +540,10 @@ def _rotary_settings(args: argparse.Namespace) -> dict[str, Any]:
              "rope_scaling_factor": "rope_scaling_factor"}
     given = {name: getattr(args, dest) for name, dest in flags.items()
              if getattr(args, dest) is not None and getattr(args, dest) is not False}
+    # MLA's own RoPE reads --rotary-base and --rotary-percent (scripts/mla_flags.py checks the rest).
+    mla_rotary = ("rotary_base", "rotary_percent") if args.multi_latent_attention else ()
     if args.position_embedding_type != "rope":
-        refuse_flags_without([f"--{flags[name].replace('_', '-')}" for name in given],
+        refuse_flags_without([f"--{flags[name].replace('_', '-')}" for name in given if name not in mla_rotary],
                              f"--position-embedding-type rope (got {args.position_embedding_type})")
     return given
 
@@ -637,6 +641,7 @@ def _settings_from_flags(args: argparse.Namespace) -> GPTModelSettings:
         position_embedding_type=args.position_embedding_type,
         transformer_impl=args.transformer_impl or "auto",
         **_rotary_settings(args),
+        **mla_settings(args, local_spec=_uses_local_spec(args)),
         **_recompute_settings(args),
         sequence_parallel=args.sequence_parallel,
         # QK-clip: the model's TransformerConfig carries the flags too (Transformer Engine's
@@ -651,6 +656,11 @@ def _settings_from_flags(args: argparse.Namespace) -> GPTModelSettings:
         account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
         account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
     )
+
+
+def _uses_local_spec(args: argparse.Namespace) -> bool:
+    """Whether megatron-core's local layers are built (scripts/gpt_model.py's gpt_layer_spec)."""
+    return args.transformer_impl == "local" or not (runs_on_cuda(args) and transformer_engine_at_least(None))
 
 
 def _check_training_flags(args: argparse.Namespace) -> None:
