@@ -28,6 +28,8 @@ def add_eval_args(parser: argparse.ArgumentParser) -> None:
                        help="evaluate on the validation split every this many iterations")
     group.add_argument("--eval-iters", type=int, default=100,
                        help="global batches per evaluation (0: none, also no final validation/test)")
+    group.add_argument("--skip-train", action="store_true",
+                       help="no training: evaluate the (--load) model on the validation and test splits, then exit")
 
 
 def check_eval_flags(args: argparse.Namespace) -> None:
@@ -35,6 +37,8 @@ def check_eval_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--eval-interval must be >= 1; got {args.eval_interval}.")
     if args.eval_iters < 0:
         raise ValueError(f"--eval-iters must be >= 0 (0: no evaluation); got {args.eval_iters}.")
+    if args.skip_train and not args.eval_iters:
+        raise ValueError("--skip-train only evaluates, and --eval-iters 0 turns evaluation off; give --eval-iters > 0.")
 
 
 @dataclass(frozen=True)
@@ -89,12 +93,14 @@ class Evaluator:
         return self._run(model, "valid", slot, iteration, f"iteration {iteration}")
 
     def final(self, model, iteration: int) -> list[EvalResult]:
-        """After training: validation (the last validation slot), then test if the split has one."""
+        """After training (or, with --skip-train, at the loaded iteration): validation (the
+        validation batches after those the periodic evaluations up to `iteration` read, as
+        Megatron-LM's iterator continues), then test if the split has one."""
         args, results = self.args, []
         if not args.eval_iters:
             return results
         if "valid" in self.splits:
-            slot = args.train_iters // args.eval_interval
+            slot = iteration // args.eval_interval
             results.append(self._run(model, "valid", slot, iteration, f"iteration {iteration} on validation set"))
         if "test" in self.splits:
             results.append(self._run(model, "test", 0, iteration, f"iteration {iteration} on test set"))

@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import torch
 import torch.nn.functional as F
@@ -917,19 +917,26 @@ def gpt_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return losses.mean()
 
 
-def gpt_token_losses(model: torch.nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gpt_token_losses(model: torch.nn.Module, tokens: torch.Tensor,
+                     document_inputs: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]] | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token next-token cross entropy of ``model`` on ``tokens`` (``[batch, seq + 1]``,
     int64) as fp32 ``[b, s]``, and the labels ``[b, s]``.
 
     The model sees ``tokens[:, :-1]`` and predicts ``tokens[:, 1:]``; megatron computes the
     vocab-parallel cross entropy when given labels and returns per-token losses ``[b, s]``.
     ``model`` may be a wrapper (e.g. megatron's DDP) that forwards its arguments.
+    ``document_inputs(inputs)``: (position ids, attention mask or None) for packed documents
+    (scripts/data.py's ``document_inputs``); default positions 0..s-1 and no mask.
     """
     if tokens.dim() != 2 or tokens.size(1) < 2:
         raise ValueError(f"tokens must be [batch, seq + 1] with seq >= 1: {tuple(tokens.shape)}")
     tokens = tokens.to(next(model.parameters()).device, torch.long)
     inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    position_ids = torch.arange(inputs.size(1), device=inputs.device).expand_as(inputs)
-    # attention_mask=None: causality comes from the attention module's causal mask type.
-    losses = model(input_ids=inputs, position_ids=position_ids, attention_mask=None, labels=labels)
+    if document_inputs is None:
+        position_ids = torch.arange(inputs.size(1), device=inputs.device).expand_as(inputs)
+        attention_mask = None  # causality comes from the attention module's causal mask type
+    else:
+        position_ids, attention_mask = document_inputs(inputs)
+    losses = model(input_ids=inputs, position_ids=position_ids, attention_mask=attention_mask, labels=labels)
     return losses.float(), labels

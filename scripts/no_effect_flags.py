@@ -19,11 +19,17 @@ run unchanged, and each one given is named at start-up with the reason (`no_effe
   says), `--tiktoken-pattern` (read by TikTokenizer only, not offered), `--log-timers-to-tensorboard`
   (what it adds at Megatron-LM's default timing level is always written), `--no-position-embedding`
   (deprecated in Megatron-LM, allowed only where --position-embedding-type has none already).
+- Checkpoint-format choices of megatron's distributed checkpointing: `--use-dist-ckpt` and
+  `--ckpt-fully-parallel-save` (deprecated, no effect in Megatron-LM either),
+  `--auto-detect-ckpt-format`, `--async-save`, `--no-ckpt-fully-parallel-save`,
+  `--ckpt-fully-parallel-load`, `--ckpt-assume-constant-structure`: megatron_eopt.checkpointing
+  has one format, written by every rank in parallel and synchronously; each reason says why.
 
 Flags named only to refuse them (`check_not_offered`): FP8 training, which Megatron-LM runs
-through Transformer Engine on Hopper or newer GPUs, and the optimizer's precision-aware state,
-CPU offload and CUDA graphs (its dtype flags given as fp32, what this trainer keeps, only say so).
-A one-line error says so instead of argparse's "unrecognized arguments".
+through Transformer Engine on Hopper or newer GPUs, the optimizer's precision-aware state,
+CPU offload and CUDA graphs (its dtype flags given as fp32, what this trainer keeps, only say so),
+and `--use-checkpoint-args` (checkpoints here do not store the command line). A one-line error
+says so instead of argparse's "unrecognized arguments".
 """
 
 import argparse
@@ -33,6 +39,10 @@ ALREADY_OFF = "already off here: this trainer runs megatron-core's unfused code"
 NOT_CHOSEN = "a kernel choice this trainer does not make (the result does not depend on it)"
 TIMERS = ("this trainer times whole iterations only (Megatron-LM's level 0: iteration time, throughput); finer "
           "timers are not offered")
+ASYNC_SAVE = ("saves are synchronous here: every rank writes its part and the checkpoint is committed before "
+              "training goes on (Megatron-LM 0.19 also turns --async-save off unless --use-persistent-ckpt-worker)")
+ALWAYS_PARALLEL_SAVE = ("every rank writes the shards it holds and each replicated tensor is written once "
+                        "(megatron_eopt.checkpointing); there is no save from data-parallel rank 0 only to switch to")
 NO_EFFECT: dict[str, tuple[dict, str]] = {  # flag: (argparse keywords, why it changes nothing)
     "--no-masked-softmax-fusion": ({"action": "store_true"}, ALREADY_OFF),
     "--no-bias-gelu-fusion": ({"action": "store_true"}, ALREADY_OFF),
@@ -79,10 +89,25 @@ NO_EFFECT: dict[str, tuple[dict, str]] = {  # flag: (argparse keywords, why it c
     "--wandb-exp-name": ({}, WANDB),
     "--wandb-save-dir": ({}, WANDB),
     "--wandb-entity": ({}, WANDB),
+    "--use-dist-ckpt": ({"action": "store_true"}, "deprecated in Megatron-LM, where it has no effect either; "
+                        "checkpoints here are always megatron_eopt's distributed format"),
+    "--auto-detect-ckpt-format": ({"action": "store_true"}, "there is one checkpoint format here "
+                                  "(megatron_eopt.checkpointing), nothing to detect"),
+    "--async-save": ({"action": "store_true"}, ASYNC_SAVE),
+    "--ckpt-fully-parallel-save": ({"action": "store_true"}, "deprecated in Megatron-LM, where it has no effect "
+                                   "either; saves are always parallel here"),
+    "--no-ckpt-fully-parallel-save": ({"action": "store_true"}, ALWAYS_PARALLEL_SAVE),
+    "--ckpt-fully-parallel-load": ({"action": "store_true"}, "each rank here reads only the tensors it holds "
+                                   "(megatron_eopt.checkpointing), with no read-once-and-exchange mode to choose"),
+    "--ckpt-assume-constant-structure": ({"action": "store_true"}, "it lets megatron's distributed checkpointing "
+                                         "reuse save plans between saves, which megatron_eopt.checkpointing does "
+                                         "not cache; the files are the same"),
     # Refused with --position-embedding-type learned_absolute, as Megatron-LM does (scripts/pretrain_gpt.py).
     "--no-position-embedding": ({"action": "store_true"}, "Megatron-LM's deprecated spelling; the position "
                                 "embedding is --position-embedding-type's (rope or none here)"),
 }
+USE_CHECKPOINT_ARGS = ("checkpoints here do not store the command line (megatron_eopt.checkpointing keeps the "
+                       "model, optimizer, lr schedule and RNG states); give the model flags again")
 FP8 = ("FP8 training is not offered by this trainer (Megatron-LM runs it through Transformer Engine on Hopper or "
        "newer GPUs); train with --bf16")
 NOT_OFFERED: dict[str, tuple[dict, str]] = {  # flag: (argparse keywords, why it is refused)
@@ -97,6 +122,7 @@ NOT_OFFERED: dict[str, tuple[dict, str]] = {  # flag: (argparse keywords, why it
     "--optimizer-cpu-offload": ({"action": "store_true"}, "offloading the optimizer to CPU is not offered"),
     "--optimizer-offload-fraction": ({"type": float}, "it applies with --optimizer-cpu-offload, which is not offered"),
     "--optimizer-cuda-graph": ({"action": "store_true"}, "CUDA graphs of the optimizer step are not offered"),
+    "--use-checkpoint-args": ({"action": "store_true"}, USE_CHECKPOINT_ARGS),
 }
 # Megatron-LM's precision-aware optimizer's dtypes: fp32 is what this trainer keeps anyway
 # (named at start-up as changing nothing); any other value is refused.

@@ -158,20 +158,22 @@ def _check_layer_split(args: argparse.Namespace, pp: int, chunks: int) -> None:
 class SingleStage:
     """The whole model on this rank: micro-batches one after another (gradients accumulate)."""
 
-    def __init__(self, model: torch.nn.Module, token_loss: Optional[TokenLoss] = None) -> None:
-        self.model, self.token_loss = model, token_loss or TokenLoss()
+    def __init__(self, model: torch.nn.Module, token_loss: Optional[TokenLoss] = None,
+                 document_inputs: Optional[Callable] = None) -> None:
+        """`document_inputs`: --reset-position-ids / --reset-attention-mask (gpt_token_losses)."""
+        self.model, self.token_loss, self.document_inputs = model, token_loss or TokenLoss(), document_inputs
 
     def forward_backward(self, micro_batches: list[torch.Tensor], scale_loss: ScaleLoss) -> torch.Tensor:
         self.token_loss.start_step(micro_batches)
         total = torch.zeros((), dtype=torch.float32)
         for tokens in micro_batches:
-            loss = self.token_loss.share(*gpt_token_losses(self.model, tokens))
+            loss = self.token_loss.share(*gpt_token_losses(self.model, tokens, self.document_inputs))
             scale_loss(loss).backward()
             total += loss.detach().float().cpu()
         return total
 
     def eval_loss(self, model: torch.nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, int]:
-        return self.token_loss.eval_sum_and_count(*gpt_token_losses(model, tokens))
+        return self.token_loss.eval_sum_and_count(*gpt_token_losses(model, tokens, self.document_inputs))
 
 
 class GPTStage(torch.nn.Module):

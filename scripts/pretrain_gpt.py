@@ -95,6 +95,7 @@ from scripts.data import (  # noqa: E402
     add_data_args,
     build_data_source,
     check_data_flags,
+    document_inputs,
     model_vocab_size,
 )
 from scripts.evaluation import Evaluator, add_eval_args, check_eval_flags  # noqa: E402
@@ -128,6 +129,12 @@ from scripts.performance import (  # noqa: E402
     performance_lines,
 )
 from scripts.pipeline import Pipeline, SingleStage, add_pipeline_args, pipeline_layout  # noqa: E402
+from scripts.run_control import (  # noqa: E402
+    ExitSignal,
+    add_run_control_args,
+    check_run_control_flags,
+    run_control_lines,
+)
 from scripts.token_loss import TokenLoss  # noqa: E402
 from scripts.tokenizer import add_tokenizer_args  # noqa: E402
 from scripts.training_log import (  # noqa: E402
@@ -359,11 +366,13 @@ def build_parser() -> argparse.ArgumentParser:
     checkpointing.add_argument("--ckpt-step", type=int, default=None, help="load this iteration instead of the latest")
     checkpointing.add_argument("--no-load-optim", action="store_true",
                                help="load the model only (fresh optimizer; the lr schedule starts again at step 0)")
-    checkpointing.add_argument("--override-opt_param-scheduler", action="store_true",
+    checkpointing.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler",
+                               action="store_true",
                                help="resuming: keep this run's lr schedule (lr, min lr, warmup and decay "
                                     "iters, decay style, weight decay), not the checkpoint's; the step "
                                     "count still comes from the checkpoint")
-    checkpointing.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+    checkpointing.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+                               action="store_true",
                                help="resuming: take the lr schedule from the checkpoint, ignoring this "
                                     "run's schedule flags")
     checkpointing.add_argument("--no-load-rng", action="store_true", help="do not restore the RNG states")
@@ -372,6 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "--no-load-optim)")
     checkpointing.add_argument("--no-save-rng", action="store_true", help="save no RNG states")
     add_logging_args(parser)
+    add_run_control_args(parser)
     add_data_args(parser)
     add_tokenizer_args(parser)
     add_eval_args(parser)
@@ -690,6 +700,8 @@ def _check_training_flags(args: argparse.Namespace) -> None:
     if args.min_lr is None:
         args.min_lr = 0.0
     check_eval_flags(args)
+    check_run_control_flags(args)
+    _check_document_flags(args)
     if args.save_interval is not None and (args.save_interval < 1 or not args.save):
         raise ValueError(f"--save-interval needs --save and must be >= 1; got {args.save_interval}.")
     if args.ckpt_step is not None and not args.load:
@@ -709,6 +721,30 @@ def _check_training_flags(args: argparse.Namespace) -> None:
     except (TypeError, ValueError) as error:  # SchedulerConfig's field names -> this script's flags
         raise ValueError(re.sub(r"SchedulerConfig\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"),
                                 str(error))) from None
+
+
+def _check_document_flags(args: argparse.Namespace) -> None:
+    """--reset-position-ids / --reset-attention-mask run through the one-stage forward, which
+    passes the per-document positions and mask to the model (scripts/pipeline.py's SingleStage)."""
+    given = [flag for flag, on in (("--reset-position-ids", args.reset_position_ids),
+                                   ("--reset-attention-mask", args.reset_attention_mask)) if on]
+    if given and args.pipeline_model_parallel_size > 1:
+        raise ValueError(f"{given[0]} needs --pipeline-model-parallel-size 1: the pipeline's stages here pass "
+                         f"each other hidden states only (torch.distributed.pipelining), not the per-document "
+                         f"positions and mask.")
+    if args.reset_attention_mask and runs_on_cuda(args) and args.transformer_impl != "local" and (
+            transformer_engine_at_least(None)):
+        raise ValueError("--reset-attention-mask with Transformer Engine is not offered: its attention is built "
+                         "with the causal mask type, which does not apply a per-document mask; add "
+                         "--transformer-impl local.")
+
+
+def document_lines(args: argparse.Namespace) -> list[str]:
+    if args.reset_position_ids and args.position_embedding_type != "learned_absolute":
+        return [f"--reset-position-ids: no effect with --position-embedding-type {args.position_embedding_type}: "
+                f"megatron-core's GPTModel reads position ids only for learned absolute position embeddings (RoPE "
+                f"rotates by the position in the sequence), as in Megatron-LM"]
+    return []
 
 
 def _gradient_precision(args: argparse.Namespace) -> None:
@@ -922,7 +958,12 @@ def train(args, settings, layout, device, housekeeping: Optional[Housekeeping] =
     batches = BatchSource(args, layout, parallel_state.get_data_parallel_rank())
     token_loss = TokenLoss(batches.data.tokenizer.eod if args.eod_mask_loss else None,
                            per_token=args.calculate_per_token_loss, dp_group=dp_group)
-    forward = SingleStage(model, token_loss) if layout.pp == 1 else Pipeline(
+    documents = None
+    if args.reset_position_ids or args.reset_attention_mask:
+        eod = batches.data.tokenizer.eod
+        documents = lambda inputs: document_inputs(inputs, eod, args.reset_position_ids,  # noqa: E731
+                                                   args.reset_attention_mask)
+    forward = SingleStage(model, token_loss, documents) if layout.pp == 1 else Pipeline(
         chunks, layout.grad_accumulation_steps, (args.micro_batch_size, args.seq_length), device, token_loss)
     config = optimizer_config_from_args(args, device)
     if args.use_torch_fsdp2:  # --bf16 is FSDP2's compute dtype there: the parameters it shards are fp32
@@ -945,7 +986,8 @@ def train(args, settings, layout, device, housekeeping: Optional[Housekeeping] =
     log.say(describe_model(model) + (", bf16 compute (FSDP2 MixedPrecisionPolicy)" if args.use_torch_fsdp2 and args.bf16 else ""))
     if args.num_experts is not None:
         log.say(describe_moe(args, settings.num_layers))
-    for line in (no_effect_lines(args) + moe_note_lines(args) + performance_lines(args, on_cuda=device.type == "cuda")
+    for line in (no_effect_lines(args) + moe_note_lines(args) + run_control_lines(args) + document_lines(args)
+                 + performance_lines(args, on_cuda=device.type == "cuda")
                  + tensorboard_option_lines(args, on_cuda=device.type == "cuda")
                  + [line for line in (housekeeping.start_line, args.batch_schedule.describe()) if line]):
         log.say(line)
@@ -955,40 +997,45 @@ def train(args, settings, layout, device, housekeeping: Optional[Housekeeping] =
     if precision_line:
         log.say(precision_line)
     start = resume(args, chunks, optimizer, scheduler, log)
+    if args.skip_train:  # Megatron-LM: evaluate the loaded model on validation and test, no training
+        evaluator.final(model, start)
+        log.close()
+        return log.records
     started = time.time()
     profiler = Profiler(args, layout.rank, on_cuda=device.type == "cuda")
-    for iteration in range(start + 1, args.train_iters + 1):
-        profiler.before(iteration)
-        lr = optimizer.param_groups[0]["lr"]
-        micro_batches = batches.micro_batches(iteration)
-        loss, ok, grad_norm, num_zeros = train_step(
-            model, optimizer, micro_batches, forward, grads, dp_group, housekeeping.after_forward_backward)
-        housekeeping.after_step(iteration)
-        if args.check_for_nan_in_loss_and_grad:
-            stop_on_nan(iteration, loss, model, check_grads=not args.fp16, device=device)
-        batch_size = args.batch_schedule.size(iteration)
-        if ok:
-            scheduler.step(batch_size)
-        log.iteration(Step(
-            iteration, loss, lr, ok, grad_norm=None if grad_norm is None else float(grad_norm),
-            loss_scale=float(optimizer.get_loss_scale()), num_zeros=None if num_zeros is None else float(num_zeros),
-            params_norm=logged_params_norm(model, optimizer) if args.log_params_norm else None,
-            max_attention_logit=optimizer.max_attention_logit,
-            other_losses=_moe_losses(args, settings, len(micro_batches), device), batch_size=batch_size))
-        profiler.after(iteration)
-        evaluator.periodic(model, iteration)
-        stop = exit_reason(args, iteration, started, device)
-        at_interval = bool(args.save_interval) and iteration % args.save_interval == 0
-        if args.save and (at_interval or stop or iteration == args.train_iters):
-            finish_param_sync(optimizer)  # save_checkpoint waits itself, but not when given no optimizer
-            path = save_checkpoint(args.save, iteration, chunks, None if args.no_save_optim else optimizer,
-                                   None if args.no_save_optim else scheduler, save_rng=not args.no_save_rng)
-            log.say(f"saved checkpoint {path}")
-        if stop:
-            log.say(f"exiting after iteration {iteration} ({stop})")
-            break
-    else:  # as in Megatron-LM, a run stopped early skips the final evaluation
-        evaluator.final(model, args.train_iters)
+    with ExitSignal(args) as exit_signal:  # --exit-signal-handler (scripts/run_control.py)
+        for iteration in range(start + 1, args.train_iters + 1):
+            profiler.before(iteration)
+            lr = optimizer.param_groups[0]["lr"]
+            micro_batches = batches.micro_batches(iteration)
+            loss, ok, grad_norm, num_zeros = train_step(
+                model, optimizer, micro_batches, forward, grads, dp_group, housekeeping.after_forward_backward)
+            housekeeping.after_step(iteration)
+            if args.check_for_nan_in_loss_and_grad:
+                stop_on_nan(iteration, loss, model, check_grads=not args.fp16, device=device)
+            batch_size = args.batch_schedule.size(iteration)
+            if ok:
+                scheduler.step(batch_size)
+            log.iteration(Step(
+                iteration, loss, lr, ok, grad_norm=None if grad_norm is None else float(grad_norm),
+                loss_scale=float(optimizer.get_loss_scale()), num_zeros=None if num_zeros is None else float(num_zeros),
+                params_norm=logged_params_norm(model, optimizer) if args.log_params_norm else None,
+                max_attention_logit=optimizer.max_attention_logit,
+                other_losses=_moe_losses(args, settings, len(micro_batches), device), batch_size=batch_size))
+            profiler.after(iteration)
+            evaluator.periodic(model, iteration)
+            stop = exit_signal.received() or exit_reason(args, iteration, started, device)
+            at_interval = bool(args.save_interval) and iteration % args.save_interval == 0
+            if args.save and (at_interval or stop or iteration == args.train_iters):
+                finish_param_sync(optimizer)  # save_checkpoint waits itself, but not when given no optimizer
+                path = save_checkpoint(args.save, iteration, chunks, None if args.no_save_optim else optimizer,
+                                       None if args.no_save_optim else scheduler, save_rng=not args.no_save_rng)
+                log.say(f"saved checkpoint {path}")
+            if stop:
+                log.say(f"exiting after iteration {iteration} ({stop})")
+                break
+        else:  # as in Megatron-LM, a run stopped early skips the final evaluation
+            evaluator.final(model, args.train_iters)
     profiler.close()
     log.close()
     return log.records
@@ -1078,20 +1125,28 @@ def data_parallel_mesh(dp_group, device: torch.device) -> Any:
 
 
 def resume(args: argparse.Namespace, chunks, optimizer, scheduler, log: Logger) -> int:
-    """Load --load's checkpoint (if there is one); returns the iteration it was saved at."""
+    """Load --load's checkpoint (if there is one); returns the iteration training continues
+    from: the saved one, or 0 with --finetune (weights only, as Megatron-LM). --skip-train loads
+    the model only, as Megatron-LM (it sets --no-load-optim)."""
     if not args.load:
         return 0
     if args.ckpt_step is None and not has_checkpoints(args.load):
         why = "it holds no checkpoint" if os.path.isdir(args.load) else "it does not exist"
+        if args.exit_on_missing_checkpoint:
+            exit_with_error(f"--exit-on-missing-checkpoint: no checkpoint in --load {args.load} ({why}).")
         log.say(f"no checkpoint in {args.load} ({why}): training from scratch")
         return 0
+    model_only = args.no_load_optim or args.finetune or args.skip_train
     loaded = load_checkpoint(args.load, chunks, optimizer, scheduler, iteration=args.ckpt_step,
-                             load_optimizer=not args.no_load_optim, load_rng=not args.no_load_rng)
+                             load_optimizer=not model_only, load_rng=not (args.no_load_rng or args.finetune))
     for message in loaded.messages:
         log.say(message)
     log.say(f"loaded checkpoint {loaded.path} (iteration {loaded.iteration}"
-            f"{', model only' if args.no_load_optim else ''})")
-    if args.no_load_optim:
+            f"{', model only' if model_only else ''})")
+    if args.finetune:
+        log.say("--finetune: weights loaded; iteration, consumed samples, optimizer, lr schedule and RNG start fresh")
+        return 0
+    if args.no_load_optim and not args.skip_train:
         log.say(fresh_schedule_note(args, scheduler, loaded.iteration))
     log.start_at(loaded.iteration, args.batch_schedule.first_sample(loaded.iteration + 1))
     return loaded.iteration

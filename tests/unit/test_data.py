@@ -337,6 +337,31 @@ def _bad_flags(tmp_path: pathlib.Path, prefix: str) -> list[tuple[list[str], str
         (["--data-cache-path", str(tmp_path)], "--data-cache-path needs --data-path or --mock-data"),
         (["--eval-interval", "0"], "--eval-interval must be >= 1; got 0."),
         (["--eval-iters", "-1"], "--eval-iters must be >= 0 (0: no evaluation); got -1."),
+        (["--data-path", prefix, "--train-data-path", prefix, *byte],
+         "--data-path and --train-data-path exclude each other"),
+        (["--data-path", prefix, "--data-args-path", str(text), *byte],
+         "--data-path and --data-args-path exclude each other"),
+        (["--valid-data-path", prefix, "--per-split-data-args-path", str(text), *byte],
+         "--valid-data-path and --per-split-data-args-path exclude each other"),
+        (["--train-data-path", prefix, "--split", "1,1,0", *byte], "with --train-data-path each split has its own"),
+        (["--valid-data-path", prefix, *byte], "--valid-data-path gives no training datasets"),
+        (["--train-data-path", prefix, "--mock-data"], "--train-data-path and --mock-data exclude each other"),
+        (["--train-data-path", str(tmp_path / "none"), *byte], f"--train-data-path {tmp_path / 'none'}: no indexed"),
+        (["--per-split-data-args-path", str(text), *byte], "--per-split-data-args-path " + str(text) + ": not JSON"),
+        (["--per-split-data-args-path", str(tokenizer_json), *byte], "needs a JSON object with the keys 'train'"),
+        (["--data-args-path", str(tmp_path / "none"), *byte], "--data-args-path " + str(tmp_path / "none")
+         + ": cannot read it"),
+        (["--train-data-path", prefix], "--train-data-path needs --tokenizer-type"),
+        (["--data-path", prefix, *byte, "--dataloader-type", "external"], "--dataloader-type external"),
+        (["--data-path", prefix, *byte, "--num-dataset-builder-threads", "0"], "--num-dataset-builder-threads must"),
+        (["--data-path", prefix, *byte, "--mid-level-dataset-surplus", "-1"], "--mid-level-dataset-surplus must"),
+        (["--reset-position-ids"], "--reset-position-ids needs --data-path or --mock-data"),
+        (["--reset-attention-mask"], "--reset-attention-mask needs --data-path or --mock-data"),
+        (["--dataloader-type", "cyclic"], "--dataloader-type cyclic needs --data-path or --mock-data"),
+        (["--split", "1,1,0"], "--split needs --data-path or --mock-data"),
+        (["--mock-data", "--reset-attention-mask", "--pipeline-model-parallel-size", "1", "--num-layers", "2",
+          "--tensor-model-parallel-size", "1", "--skip-train", "--eval-iters", "0"],
+         "--skip-train only evaluates, and --eval-iters 0"),
     ]
 
 
@@ -400,3 +425,146 @@ def test_generated_task_validation_uses_its_own_seed_stream() -> None:
     assert torch.equal(train[0], data.rule_batch(8, 17, 64, generator))
     assert not any(torch.equal(v, t) for v in valid for t in train)
     assert torch.equal(task.samples("valid", 1, 8, slice(2, 5)), valid[1][2:5])  # rows of the same batch
+
+
+# ------------------------------------------------------------------------------------------------
+# Per-split datasets, the flags' files, --dataloader-type cyclic, per-document positions and masks
+# ------------------------------------------------------------------------------------------------
+
+
+def _megatron_core_split_tokens(prefix: str, split_vector: str, counts, tmp_path) -> dict:
+    """Reference: megatron-core's builder called directly on one prefix split by `split_vector`
+    ('1,0,0' puts every document in train), not through scripts/data.py."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    config = GPTDatasetConfig(random_seed=1234, sequence_length=SEQ_LENGTH, blend=([prefix], None),
+                              split=split_vector, path_to_cache=str(tmp_path / "reference_cache"),
+                              tokenizer=build_tokenizer("ByteLevelTokenizer"), reset_position_ids=False,
+                              reset_attention_mask=False, eod_mask_loss=False)
+    built = BlendedMegatronDatasetBuilder(GPTDataset, [counts.train, counts.valid, counts.test], lambda: True,
+                                          config).build()
+    return dict(zip(data.SPLITS, built))
+
+
+def test_per_split_paths_and_their_files_give_megatron_cores_samples_of_each_split(tmp_path, monkeypatch) -> None:
+    """--train/valid/test-data-path: each split reads all of its own prefix, the samples megatron-core's
+    builder gives that prefix split wholly into that split; --per-split-data-args-path (JSON) and
+    --data-args-path (a file of --data-path words) are read as Megatron-LM reads them."""
+    from scripts import pretrain_gpt
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    prefixes = {split: _byte_docs(tmp_path, split, [_doc_text(i + 100 * k) for i in range(12)])
+                for k, split in enumerate(data.SPLITS)}
+    counts = data.SampleCounts(24, 8, 4)
+    common = ["--tokenizer-type", "ByteLevelTokenizer", "--seq-length", str(SEQ_LENGTH), "--lr", "1e-3",
+              "--data-cache-path", str(tmp_path / "cache")]
+    (tmp_path / "splits.json").write_text(json.dumps({"train": prefixes["train"], "valid": [prefixes["valid"]],
+                                                      "test": f"1 {prefixes['test']}"}))
+    flags = [arg for split in data.SPLITS for arg in (f"--{split}-data-path", prefixes[split])]
+    for argv in (flags, ["--per-split-data-args-path", str(tmp_path / "splits.json")]):
+        args, _, _ = pretrain_gpt.parse_args([*argv, *common])
+        source = data.build_data_source(args, counts)
+        assert source.splits == data.SPLITS, argv
+        for split, split_vector, count in (("train", "1,0,0", counts.train), ("valid", "0,1,0", counts.valid),
+                                           ("test", "0,0,1", counts.test)):
+            reference = _megatron_core_split_tokens(prefixes[split], split_vector, counts, tmp_path)[split]
+            rows = source.samples(split, 0, count, slice(0, count))
+            for i in range(count):
+                expected = numpy.concatenate([_tokens(reference, i), numpy.asarray(reference[i]["labels"])[-1:]])
+                assert rows[i].tolist() == expected.tolist(), (argv, split, i)
+    # --data-args-path: the same blend as the --data-path words it holds.
+    (tmp_path / "data_args.txt").write_text(f"0.3 {prefixes['train']}\n0.7 {prefixes['valid']}\n")
+    # (No test part: megatron-core loops forever building a split that has no document but is asked for samples.)
+    split, no_test = ["--split", "50,50,0"], data.SampleCounts(24, 8, 0)
+    from_file, _, _ = pretrain_gpt.parse_args(["--data-args-path", str(tmp_path / "data_args.txt"), *split, *common])
+    from_flags, _, _ = pretrain_gpt.parse_args(["--data-path", "0.3", prefixes["train"], "0.7", prefixes["valid"],
+                                                *split, *common])
+    file_rows = data.build_data_source(from_file, no_test).samples("train", 0, 24, slice(0, 24))
+    assert torch.equal(file_rows, data.build_data_source(from_flags, no_test).samples("train", 0, 24, slice(0, 24)))
+
+
+def test_cyclic_order_is_megatron_lms_random_sampler_at_one_rank() -> None:
+    """--dataloader-type cyclic: the indices of each global batch are what megatron's
+    MegatronPretrainingRandomSampler yields one data-parallel rank, epoch after epoch (its
+    permutation written out here: randperm seeded by the epoch over the whole micro-batches)."""
+    order = data.CyclicOrder(dataset_size=10, micro_batch_size=2)
+    expected = []
+    for epoch in range(3):
+        expected += torch.randperm(10, generator=torch.Generator().manual_seed(epoch)).tolist()
+    got = [i for k in range(7) for i in order.indices(4 * k, 4)]  # global batches of 4, across epochs
+    assert got == expected[:28]
+    assert data.CyclicOrder(10, 2).indices(12, 4) == expected[12:16]  # a resumed run starts mid-stream
+
+
+def _hand_document_inputs(row: list[int], eod: int) -> tuple[list[int], torch.Tensor]:
+    """Positions restart after each eod; a token attends to earlier tokens of its own document
+    (the eod closes a document) — True marks what is masked, as megatron's masks do."""
+    positions, document, position, documents = [], 0, 0, []
+    for token in row:
+        positions.append(position)
+        documents.append(document)
+        position += 1
+        if token == eod:
+            document, position = document + 1, 0
+    s = len(row)
+    allowed = torch.tensor([[j <= i and documents[j] == documents[i] for j in range(s)] for i in range(s)])
+    return positions, ~allowed
+
+
+def _packed_documents_body(rank: int, world_size: int) -> dict:
+    """One packed row of three documents through a megatron GPTModel with reset positions and a
+    document mask, against each document run alone (positions from 0, causal only)."""
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: F401 (megatron imported)
+    from scripts.gpt_model import GPTModelSettings, build_gpt_model, destroy_model_parallel, initialize_model_parallel
+
+    eod = 63
+    documents = [[5, 9, 2, eod], [7, 7, 1, 3, 8, eod], [4, 6, 11, 12, 13, 14]]
+    row = torch.tensor([sum(documents, [])])
+    initialize_model_parallel(1, seed=1234)
+    try:
+        model = build_gpt_model(GPTModelSettings(seq_length=row.size(1), vocab_size=64)).eval()
+        position_ids, mask = data.document_inputs(row, eod, True, True)
+        positions, hand_mask = _hand_document_inputs(row[0].tolist(), eod)
+        with torch.no_grad():
+            packed = model(input_ids=row, position_ids=position_ids, attention_mask=mask)
+            plain = model(input_ids=row, position_ids=torch.arange(row.size(1))[None], attention_mask=None)
+            alone = torch.cat([model(input_ids=torch.tensor([d]), position_ids=torch.arange(len(d))[None],
+                                     attention_mask=None) for d in documents], dim=1)
+        return dict(positions_ok=position_ids[0].tolist() == positions, mask_ok=torch.equal(mask[0, 0], hand_mask),
+                    packed_vs_alone=(packed - alone).abs().max().item(),
+                    plain_vs_alone=(plain - alone).abs().max().item())
+    finally:
+        destroy_model_parallel()
+
+
+def test_reset_position_ids_and_attention_mask_make_packed_documents_independent(run_distributed) -> None:
+    result = run_distributed(_packed_documents_body, 1)[0]
+    assert result["positions_ok"] and result["mask_ok"], result
+    # fp32 on CPU: the same per-token arithmetic up to summation order in the attention (measured ~1e-6).
+    assert result["packed_vs_alone"] < 1e-5, result
+    assert result["plain_vs_alone"] > 1e-2, result  # without them the later documents see the earlier ones
+
+
+def _per_split_runs_body(rank: int, world_size: int, prefix: str, cache: str) -> dict:
+    from scripts import pretrain_gpt
+
+    common = ["--tokenizer-type", "ByteLevelTokenizer", "--num-layers", "1", "--hidden-size", "32",
+              "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "4", "--train-iters", "4",
+              "--lr", "1e-2", "--log-interval", "1", "--eval-iters", "0", "--data-cache-path", cache]
+    losses = lambda argv: [r["loss"] for r in pretrain_gpt.main([*argv, *common])]  # noqa: E731
+    masked = ["--data-path", prefix, "--split", "1,0,0", "--eod-mask-loss"]
+    return dict(per_split=losses(["--train-data-path", prefix]),
+                data_path=losses(["--data-path", prefix, "--split", "1,0,0"]),
+                cyclic=losses(["--train-data-path", prefix, "--dataloader-type", "cyclic"]),
+                masked=losses(masked), documents=losses([*masked, "--reset-position-ids", "--reset-attention-mask"]))
+
+
+def test_per_split_run_equals_the_data_path_run_with_the_same_samples(tmp_path, run_distributed) -> None:
+    """--train-data-path A trains on the samples --data-path A --split 1,0,0 gives: the same losses.
+    The trainer passes --dataloader-type cyclic and the document flags on: other samples, other losses."""
+    prefix = _byte_docs(tmp_path, "docs", [_doc_text(i)[: 10 + 7 * i] for i in range(20)])
+    result = run_distributed(_per_split_runs_body, 1, args=(prefix, str(tmp_path / "cache")))[0]
+    assert len(result["per_split"]) == 4 and result["per_split"] == result["data_path"], result
+    assert result["cyclic"] != result["per_split"], result
+    assert result["documents"][0] != result["masked"][0], result  # the first loss: same weights, other inputs
