@@ -11,11 +11,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
-from _gpt import GptShape, add_shape_arguments  # noqa: E402
-from _timing import interleaved_times, medians  # noqa: E402
+from _gpt import GptShape, add_shape_arguments
+from _timing import interleaved_times, medians
 
 
 def gpt_benchmark_parser(description: str) -> argparse.ArgumentParser:
@@ -80,7 +78,7 @@ def gather_ints(value: int, device: torch.device) -> list[int]:
 
 def iteration_gpt_settings(hidden: int, layers: int, seq_length: int):
     """The GPT the whole-iteration benchmarks train: 64-wide heads, 4x FFN, vocabulary 1024."""
-    from scripts.gpt_model import GPTModelSettings
+    from megatron_eopt.training.model.gpt import GPTModelSettings
 
     heads = max(1, hidden // 64)
     return GPTModelSettings(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=heads,

@@ -1,6 +1,6 @@
 """Muon on a torch FSDP2 model: our owner-per-matrix step against the redundant one, state, bytes.
 
-A megatron-core GPT (scripts/gpt_model.py) sharded with `fully_shard` (each layer, then the
+A megatron-core GPT (megatron_eopt/training/model/gpt.py) sharded with `fully_shard` (each layer, then the
 root) on all ranks. Timed: the Muon part of one step (the inner TensorParallelMuon step over
 the local shards, gradients already in place), against an AReaL-style redundant step: the same
 momentum update, then every matrix's `full_tensor()` (an all-gather each) and Newton-Schulz of
@@ -16,21 +16,18 @@ available. Median of several steps after warm-up, interleaved, on the slowest ra
 numbers (rank 0); asserts nothing.
 """
 
-import os
-import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _distributed import gpt_benchmark_parser, init_distributed, time_interleaved  # noqa: E402
-from _timing import write_json  # noqa: E402
+from _distributed import gpt_benchmark_parser, init_distributed, time_interleaved
+from _timing import write_json
 
-from megatron_eopt import OptimizerConfig, get_megatron_optimizer  # noqa: E402
-from megatron_eopt.ops.newton_schulz import orthogonalize_batched  # noqa: E402
-from megatron_eopt.ops.splits import merge_blocks, split_blocks  # noqa: E402
-from scripts.gpt_model import (  # noqa: E402
+from megatron_eopt import OptimizerConfig, get_megatron_optimizer
+from megatron_eopt.ops.newton_schulz import orthogonalize_batched
+from megatron_eopt.ops.splits import merge_blocks, split_blocks
+from megatron_eopt.training.model.gpt import (
     GPTModelSettings,
     build_gpt_model,
     destroy_model_parallel,

@@ -1,6 +1,6 @@
 """mop/polargrad/scion on a torch FSDP2 model: our owner-per-matrix step against gather-everywhere.
 
-A megatron-core GPT (scripts/gpt_model.py) sharded with `fully_shard` (each layer, then the
+A megatron-core GPT (megatron_eopt/training/model/gpt.py) sharded with `fully_shard` (each layer, then the
 root) on all ranks. Timed: the inner optimizer's step over the local shards (gradients already
 in place), against the simpler design we did not take: the same momentum update, then every
 matrix's `full_tensor()` (an all-gather each) and the class's own `orthogonalize` of every
@@ -13,19 +13,16 @@ gloo on CPU (fp32); NCCL with one GPU per rank when CUDA is available. Median of
 after warm-up, interleaved, on the slowest rank. Prints numbers (rank 0); asserts nothing.
 """
 
-import os
-import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _distributed import gpt_benchmark_parser, init_distributed, time_interleaved  # noqa: E402
-from _timing import write_json  # noqa: E402
-from fsdp2_step import sharded_gpt_optimizer  # noqa: E402
+from _distributed import gpt_benchmark_parser, init_distributed, time_interleaved
+from _timing import write_json
+from fsdp2_step import sharded_gpt_optimizer
 
-from megatron_eopt import OptimizerConfig  # noqa: E402
+from megatron_eopt import OptimizerConfig
 
 
 def gather_everywhere_step(inner, mesh) -> None:

@@ -1,6 +1,6 @@
 """`make gpu-check`: every check that needs a CUDA GPU, in one command, for a machine with one.
 
-1. the GPU-tier tests (`pytest -m gpu tests`: tests/unit/test_gpu.py, test_checkpoint_gpu.py);
+1. the GPU-tier tests (`pytest -m gpu tests`: tests/unit/library/test_gpu.py, test_checkpoint_gpu.py);
 2. Newton-Schulz TFLOP/s in bf16 ('medium') and fp32 ('highest') on the blocks of a GPT of
    --hidden, against a dense --reference-size^3 matmul in the same dtype timed beside it
    (newton_schulz_efficiency.py);
@@ -16,7 +16,7 @@
    loaded by a new run that must log the losses of the uninterrupted one;
 6. the trainer's CUDA-only code paths against its CPU paths: small fp32 pretrain_gpt runs on the
    GPU (megatron-core's own router, allgather and alltoall dispatchers, RotaryEmbedding) and the
-   same command lines on CPU (scripts/moe.py's and gpt_model.py's substitutions): the losses
+   same command lines on CPU (megatron_eopt/training/model/moe.py's and gpt_model.py's substitutions): the losses
    of 10 iterations must agree within 1e-3 relative.
 Writes gpu_check.json and gpu_check.md to --out (default benchmarks/results/).
 
@@ -41,19 +41,16 @@ import tempfile
 import time
 from typing import Optional
 
+import newton_schulz_efficiency as ns_bench
+import optimizer_step as step_bench
 import torch
+from _gpt import GptShape
+from _timing import interleaved_times, medians, paired_ratio
+
+from megatron_eopt.config import native_bf16_matmul
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)  # this folder
-sys.path.insert(0, ROOT)  # the repository
-
-import newton_schulz_efficiency as ns_bench  # noqa: E402
-import optimizer_step as step_bench  # noqa: E402
-from _gpt import GptShape  # noqa: E402
-from _timing import interleaved_times, medians, paired_ratio  # noqa: E402
-
-from megatron_eopt.config import native_bf16_matmul  # noqa: E402
 
 STEP_ROWS = ("eopt_muon", "torch_adamw_fused")
 PRETRAIN_RUNS = {  # name -> the optimizer flags of pretrain_gpt.py
@@ -161,7 +158,7 @@ def pretrain_iterations(args, skip: Optional[str], directory: str) -> dict:
     built = {"flags": {name: " ".join(f) for name, f in flags.items()}, "transformer_engine": te,
              "tokens_per_iteration": {b: b * args.seq_length for b in args.pretrain_global_batch_sizes}}
     if skip:
-        from scripts.pretrain_gpt import parse_args  # checks every flag as a run would, builds nothing
+        from megatron_eopt.training.arguments.parser import parse_args  # checks every flag as a run would, builds nothing
 
         for argv in flags.values():
             parse_args(argv)
@@ -219,7 +216,7 @@ def cuda_matches_cpu(args, skip: Optional[str], directory: str) -> dict:
     check = "pretrain_gpt on CUDA (megatron-core's router, dispatchers, RoPE) = on CPU (substitutions), 10 it."
     built = {"flags": {name: " ".join(SMALL_RUN + cuda) for name, (cuda, _) in CUDA_VS_CPU_RUNS.items()}}
     if skip:
-        from scripts.pretrain_gpt import parse_args
+        from megatron_eopt.training.arguments.parser import parse_args
 
         for _, cpu in CUDA_VS_CPU_RUNS.values():  # the CUDA-only flags are refused here, rightly
             parse_args(SMALL_RUN + cpu)
@@ -289,7 +286,7 @@ def parse_megatron_lm_flags(runs) -> None:
     """Each run's flags through Megatron-LM's own parser plus the script's (no CUDA needed)."""
     from megatron.training.arguments import add_megatron_arguments
 
-    from scripts.pretrain_gpt_megatron_lm import add_script_args
+    from megatron_eopt.integrations.megatron_lm_gpt import add_script_args
 
     parser = add_script_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
     for argv in runs:

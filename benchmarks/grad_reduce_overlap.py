@@ -2,8 +2,8 @@
 at DP=2: the trainer's bucketed data-parallel all-reduce after backward against
 `--overlap-grad-reduce` (each bucket's all-reduce started in the last micro-batch's backward).
 
-Two copies of the same megatron-core GPT (scripts/gpt_model.py), each with a GradReducer
-(scripts/grad_reduction.py) and Adam, differing only in `overlap`. Buckets of --bucket-numel
+Two copies of the same megatron-core GPT (megatron_eopt/training/model/gpt.py), each with a GradReducer
+(megatron_eopt/training/parallel/grad_reduction.py) and Adam, differing only in `overlap`. Buckets of --bucket-numel
 elements, so the model has several and the early ones can reduce while backward goes on.
 
     torchrun --nproc-per-node 2 benchmarks/grad_reduce_overlap.py [--hidden 512 --layers 4]
@@ -13,15 +13,12 @@ NCCL with one GPU per rank when CUDA is available. Median of several iterations 
 interleaved, each timed on the slowest rank. Prints numbers (rank 0); asserts nothing.
 """
 
-import os
-import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _distributed import (  # noqa: E402
+from _distributed import (
     gpt_benchmark_parser,
     init_distributed,
     iteration_gpt_settings,
@@ -29,14 +26,14 @@ from _distributed import (  # noqa: E402
     time_interleaved,
 )
 
-from megatron_eopt import OptimizerConfig, get_megatron_optimizer  # noqa: E402
-from scripts.gpt_model import (  # noqa: E402
+from megatron_eopt import OptimizerConfig, get_megatron_optimizer
+from megatron_eopt.training.model.gpt import (
     build_gpt_model,
     destroy_model_parallel,
     gpt_loss,
     initialize_model_parallel,
 )
-from scripts.grad_reduction import GradReducer, finalize_model_grads  # noqa: E402
+from megatron_eopt.training.parallel.grad_reduction import GradReducer, finalize_model_grads
 
 MODES = {"reduce after backward": False, "overlap": True}
 

@@ -2,7 +2,7 @@
 parameter sync waited at the end of step() against overlap_param_gather (and with the
 optimizer step too).
 
-Three copies of the same megatron-core GPT (scripts/gpt_model.py), each with layer-wise Muon
+Three copies of the same megatron-core GPT (megatron_eopt/training/model/gpt.py), each with layer-wise Muon
 (`layer_wise_reduce_grads=True`: each rank's own gradients are reduced onto the owners),
 differing only in the overlap flags. Each timed iteration is zero_grad, forward, backward,
 step on one rank's batch; the overlapped broadcasts of one iteration are waited for in the
@@ -15,15 +15,12 @@ after warm-up, interleaved, each timed on the slowest rank. Prints numbers (rank
 nothing.
 """
 
-import os
-import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _distributed import (  # noqa: E402
+from _distributed import (
     gpt_benchmark_parser,
     init_distributed,
     iteration_gpt_settings,
@@ -31,8 +28,8 @@ from _distributed import (  # noqa: E402
     time_interleaved,
 )
 
-from megatron_eopt import OptimizerConfig, get_megatron_optimizer  # noqa: E402
-from scripts.gpt_model import (  # noqa: E402
+from megatron_eopt import OptimizerConfig, get_megatron_optimizer
+from megatron_eopt.training.model.gpt import (
     build_gpt_model,
     destroy_model_parallel,
     gpt_loss,

@@ -15,19 +15,16 @@ warm-up, the two optimizers interleaved, each step timed on the slowest rank. Pr
 (rank 0); asserts nothing.
 """
 
-import os
-import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _distributed import gather_ints, gpt_benchmark_parser, init_distributed, time_interleaved  # noqa: E402
-from _gpt import GptWeights, shape_from  # noqa: E402
-from _timing import write_json  # noqa: E402
+from _distributed import gather_ints, gpt_benchmark_parser, init_distributed, time_interleaved
+from _gpt import GptWeights, shape_from
+from _timing import write_json
 
-from megatron_eopt import OptimizerConfig, ParallelGroups, get_megatron_optimizer  # noqa: E402
+from megatron_eopt import OptimizerConfig, ParallelGroups, get_megatron_optimizer
 
 
 def state_tensor_bytes(optimizer) -> int:

@@ -11,20 +11,17 @@ fp32 parameters, so there are no fp32 main copies.
 """
 
 import argparse
-import os
-import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder
 
-from _distributed import gather_ints, init_distributed  # noqa: E402
-from _gpt import GptShape, GptWeights, add_shape_arguments, shape_from  # noqa: E402
-from _timing import write_json  # noqa: E402
-from layer_wise_vs_replicated import state_tensor_bytes  # noqa: E402
+from _distributed import gather_ints, init_distributed
+from _gpt import GptShape, GptWeights, add_shape_arguments, shape_from
+from _timing import write_json
+from layer_wise_vs_replicated import state_tensor_bytes
 
-from megatron_eopt import OptimizerConfig, ParallelGroups, get_megatron_optimizer  # noqa: E402
+from megatron_eopt import OptimizerConfig, ParallelGroups, get_megatron_optimizer
 
 
 def stepped(model: GptWeights, groups: ParallelGroups, **config) -> object:

@@ -17,19 +17,15 @@ Prints medians and ratios; asserts nothing.
 """
 
 import argparse
-import os
-import sys
 from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
-from _timing import interleaved_times, medians, paired_ratio, write_json  # noqa: E402
+from _timing import interleaved_times, medians, paired_ratio, write_json
 
-from megatron_eopt.ops.newton_schulz import NewtonSchulzSettings, orthogonalize_batched  # noqa: E402
-from emerging_optimizers import utils as eo_utils  # noqa: E402
+from megatron_eopt.ops.newton_schulz import NewtonSchulzSettings, orthogonalize_batched
+from emerging_optimizers import utils as eo_utils
 
 RATIOS = {"batched / per_matrix": ("batched", "per_matrix"), "batched / mcore_muon": ("batched", "mcore_muon")}
 

@@ -12,21 +12,17 @@ neighbours in time (the machine may be shared); the ratio reported is the median
 """
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
-from _gpt import GptShape, add_shape_arguments, gpt_weight_shapes, matrix_layout, shape_from  # noqa: E402
-from _timing import write_json  # noqa: E402
-from emerging_optimizers import utils as eo_utils  # noqa: E402
+from _gpt import GptShape, add_shape_arguments, gpt_weight_shapes, matrix_layout, shape_from
+from _timing import write_json
+from emerging_optimizers import utils as eo_utils
 
-from megatron_eopt.ops.newton_schulz import NewtonSchulzSettings, orthogonalize_batched  # noqa: E402
+from megatron_eopt.ops.newton_schulz import NewtonSchulzSettings, orthogonalize_batched
 
 def newton_schulz_flops(rows: int, cols: int, steps: int) -> int:
     k, n = min(rows, cols), max(rows, cols)

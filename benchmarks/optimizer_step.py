@@ -23,21 +23,17 @@ of the two rows' ratio in that round. Prints numbers; asserts nothing.
 """
 
 import argparse
-import os
-import sys
 from typing import Callable
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
-from _gpt import GptShape, GptWeights, add_shape_arguments, matrix_layout, shape_from  # noqa: E402
-from _timing import interleaved_times, medians, paired_ratio, write_json  # noqa: E402
+from _gpt import GptShape, GptWeights, add_shape_arguments, matrix_layout, shape_from
+from _timing import interleaved_times, medians, paired_ratio, write_json
 
-from megatron_eopt import OptimizerConfig, get_megatron_optimizer  # noqa: E402
-from megatron_eopt.config import native_bf16_matmul  # noqa: E402
-from megatron_eopt.optimizers.tensor_parallel_muon import TensorParallelMuon  # noqa: E402
+from megatron_eopt import OptimizerConfig, get_megatron_optimizer
+from megatron_eopt.config import native_bf16_matmul
+from megatron_eopt.optimizers.tensor_parallel_muon import TensorParallelMuon
 
 LR, WEIGHT_DECAY = 1e-3, 0.1
 Step = Callable[[], object]

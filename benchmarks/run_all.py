@@ -16,8 +16,7 @@ from typing import Optional
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
-from megatron_eopt.config import native_bf16_matmul  # noqa: E402
+from megatron_eopt.config import native_bf16_matmul
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")

@@ -9,18 +9,14 @@ one process, CPU. Prints numbers; asserts nothing.
 """
 
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
-from _gpt import GptShape, GptWeights, add_shape_arguments, shape_from  # noqa: E402
-from _timing import interleaved_times, medians, write_json  # noqa: E402
+from _gpt import GptShape, GptWeights, add_shape_arguments, shape_from
+from _timing import interleaved_times, medians, write_json
 
-from megatron_eopt import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron_eopt import OptimizerConfig, get_megatron_optimizer
 
 
 def set_grads(model: torch.nn.Module, grads: list[torch.Tensor]) -> None:

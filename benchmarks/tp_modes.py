@@ -16,19 +16,16 @@ rank. Prints numbers (rank 0); asserts nothing.
 """
 
 import argparse
-import os
-import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _distributed import gpt_benchmark_parser, init_distributed, time_interleaved  # noqa: E402
-from _gpt import gpt_weight_shapes, matrix_layout, shape_from  # noqa: E402
-from _timing import write_json  # noqa: E402
+from _distributed import gpt_benchmark_parser, init_distributed, time_interleaved
+from _gpt import gpt_weight_shapes, matrix_layout, shape_from
+from _timing import write_json
 
-from megatron_eopt.optimizers.tensor_parallel_muon import TensorParallelMuon  # noqa: E402
+from megatron_eopt.optimizers.tensor_parallel_muon import TensorParallelMuon
 
 MODES = ("duplicated", "distributed", "sharded")
 

@@ -23,7 +23,7 @@ ScaleMode = Literal["spectral", "unit_rms_norm", "shape_scaling"]
 TpMode = Literal["blockwise", "duplicated", "distributed", "sharded"]
 # What emerging_optimizers' `FP32MatmulPrecT` and `torch.set_float32_matmul_precision` accept
 # (Megatron-LM's 'low' is neither); the one list of them: config checks and command-line choices
-# read it, and tests/unit/test_config.py checks it against the installed emerging_optimizers.
+# read it, and tests/unit/library/test_config.py checks it against the installed emerging_optimizers.
 MatmulPrecision = Literal["highest", "high", "medium"]
 ScalarOptimizer = Literal["adam", "lion"]
 AdaptiveMoment2Method = Literal["adamuon", "normuon"]
@@ -158,7 +158,7 @@ class OptimizerConfig:
         Megatron-Bridge's `setup_optimizer` calls on a config object that has it."""
         # The one upward import of this module, inside the hook that needs it: the factory
         # (never the Bridge layer). Not at module level, so importing the config never imports
-        # the layers above it; tests/unit/test_imports.py lists it as the single exception.
+        # the layers above it; tests/unit/library/test_imports.py lists it as the single exception.
         from megatron_eopt.factory import get_megatron_optimizer
 
         return get_megatron_optimizer(
@@ -198,7 +198,7 @@ _FP32_STATE = FieldUse(
     "precision-aware optimizer, which megatron_eopt does not provide)")
 _NOT_IMPLEMENTED = FieldUse("refused", "is a megatron-core feature that megatron_eopt does not implement; leave it False")
 
-# Every field of megatron-core's OptimizerConfig (tests/unit/test_config.py checks the list
+# Every field of megatron-core's OptimizerConfig (tests/unit/library/test_config.py checks the list
 # against the installed megatron-core; the README lists the inert ones).
 MEGATRON_CORE_FIELDS: dict[str, FieldUse] = {
     **dict.fromkeys(

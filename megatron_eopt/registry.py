@@ -58,7 +58,7 @@ same keys: `init_state_fn(optimizer)`, by default the class's own step-free init
 `_init_group(group, skip_non_grad_params=False)` where it has one. PSGD-Pro and the oblique
 optimizers have none, so their entries create what their first step would (zero moments,
 identity Kronecker factors); MuonHyperball also records the weight norm its step stores.
-tests/unit/test_registry.py checks each against the state of a stepped optimizer. torch's
+tests/unit/library/test_registry.py checks each against the state of a stepped optimizer. torch's
 AdamW/SGD (adam, sgd) and third-party classes without `_init_group` keep lazy state.
 """
 

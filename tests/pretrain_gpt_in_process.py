@@ -16,11 +16,12 @@ from typing import Any
 
 import torch
 
-from scripts import pretrain_gpt
+from megatron_eopt.training import pretrain
+from megatron_eopt.training.loop import train as train_loop
 
 
 def run_pretrain_gpt(rank: int, world_size: int, argv: list[str]) -> list[dict[str, Any]]:
-    return pretrain_gpt.main(list(argv))
+    return pretrain.main(list(argv))
 
 
 def run_pretrain_gpt_with_overflow(rank: int, world_size: int, argv: list[str], iteration: int,
@@ -28,7 +29,7 @@ def run_pretrain_gpt_with_overflow(rank: int, world_size: int, argv: list[str], 
     """`run_pretrain_gpt` with `value` (default inf) put into one gradient element on rank 0 at
     `iteration` (a test aid: the trainer has no such option). Patches `train_step` for this call
     only."""
-    original = pretrain_gpt.train_step
+    original = train_loop.train_step
     calls = itertools.count(1)  # a run from scratch: call i is iteration i
 
     def train_step(model, *args, **kwargs):
@@ -41,11 +42,11 @@ def run_pretrain_gpt_with_overflow(rank: int, world_size: int, argv: list[str], 
             if handle is not None:
                 handle.remove()
 
-    pretrain_gpt.train_step = train_step
+    train_loop.train_step = train_step
     try:
-        return pretrain_gpt.main(list(argv))
+        return pretrain.main(list(argv))
     finally:
-        pretrain_gpt.train_step = original
+        train_loop.train_step = original
 
 
 def _one_element(grad: torch.Tensor, value: float) -> torch.Tensor:

@@ -6,7 +6,7 @@
         --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt --append-eod
 
 Each line of --input is a JSON object; its --json-keys (default `text`) are tokenized (see
-scripts/tokenizer.py) and written, one document per line, with megatron-core's
+megatron_eopt/training/data/tokenizer.py) and written, one document per line, with megatron-core's
 IndexedDatasetBuilder to `{output-prefix}_{key}_document.bin/.idx` (Megatron-LM's naming); the
 trainer then takes `--data-path {output-prefix}_{key}_document`. `--append-eod` ends each
 document with the tokenizer's end-of-document id. Empty documents are skipped.
@@ -19,9 +19,8 @@ import os
 import sys
 from typing import Iterator, NoReturn, Optional
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts.tokenizer import TOKENIZER_TYPES, add_bpe_file_args, build_tokenizer, check_tokenizer_flags  # noqa: E402
+from megatron_eopt.training.data.tokenizer import TOKENIZER_TYPES, add_bpe_file_args, build_tokenizer, check_tokenizer_flags
 
 PROG = "preprocess_data.py"
 _worker_encoder = None  # the Encoder a forked worker inherits

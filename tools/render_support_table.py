@@ -1,7 +1,7 @@
 """Rewrite the README's optimizer support table from the registry.
 
 The table lies between `<!-- support-table:start -->` and `<!-- support-table:end -->`;
-tests/unit/test_optimizer_support.py fails when it differs from
+tests/unit/library/test_optimizer_support.py fails when it differs from
 `megatron_eopt.registry.support_table_markdown()`. `--check` only reports a difference.
 """
 

@@ -11,7 +11,7 @@ import pathlib
 import subprocess
 import sys
 
-from scripts.training_log import PALETTE, PLOT_SIZE
+from megatron_eopt.training.logging.training_log import PALETTE, PLOT_SIZE
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ITERATIONS = 30

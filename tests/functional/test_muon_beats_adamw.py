@@ -13,7 +13,7 @@ distributed harness (imports paid once per session, not once per run).
 
 import os
 
-from scripts import demo
+from megatron_eopt.training import demo
 
 FLAGS = ["--micro-batch-size", "16", "--global-batch-size", "16", "--train-iters", "60", "--lr-warmup-iters", "5",
          "--lr-decay-style", "cosine", "--seed", "1234", "--log-interval", "1"]
@@ -25,13 +25,14 @@ MUON_REACHES_BY = 50
 def _losses(rank: int, world_size: int, argv: list[str]) -> list[float]:
     import torch
 
-    from scripts import pretrain_gpt
-    from scripts.gpt_model import initialize_model_parallel
+    from megatron_eopt.training.arguments.parser import parse_args
+    from megatron_eopt.training.loop import train as train_loop
+    from megatron_eopt.training.model.gpt import initialize_model_parallel
 
     os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank))
-    args, settings, layout = pretrain_gpt.parse_args(argv)
+    args, settings, layout = parse_args(argv)
     initialize_model_parallel(layout.tp, args.seed)
-    return [record["loss"] for record in pretrain_gpt.train(args, settings, layout, torch.device("cpu"))]
+    return [record["loss"] for record in train_loop.train(args, settings, layout, torch.device("cpu"))]
 
 
 def test_muon_reaches_adamw_final_loss_in_fewer_iterations(run_distributed) -> None:

@@ -16,10 +16,10 @@ optimizer loses moves them by >1e-3 within a few steps. The one-process run itse
 Layouts: each launch costs ~20 s of imports per process on 2 cores, so torchrun launches TP2 x
 DP2 with layer-wise Muon here, against the one-process run; the other layouts (TP2 x DP2 Adam,
 TP2 Muon, DP2 Muon without the distributed optimizer, pipelines, experts) run in the test
-workers' processes (tests/unit/test_pretrain_gpt_in_process.py and the pipeline/MoE tests). --bf16, --exit-interval, --plot and --tensorboard-dir are
+workers' processes (tests/unit/training/test_pretrain_gpt_in_process.py and the pipeline/MoE tests). --bf16, --exit-interval, --plot and --tensorboard-dir are
 checked on one more launch; --data-path/--split/--tokenizer-type with evaluation on another (a
 corpus written by the test and converted by tools/preprocess_data.py); the log line and progress
-bar in-process (tests/unit/test_training_log.py); flag errors in-process and once under torchrun.
+bar in-process (tests/unit/training/logging/test_training_log.py); flag errors in-process and once under torchrun.
 """
 
 import json
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from scripts.training_log import PALETTE, PLOT_SIZE
-from tests.unit.test_training_log import MEGATRON_LINE
+from megatron_eopt.training.logging.training_log import PALETTE, PLOT_SIZE
+from tests.unit.training.logging.test_training_log import MEGATRON_LINE
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOLERANCE = 1e-4
@@ -102,7 +102,7 @@ def _assert_same_losses(layout: list[dict], reference: list[dict], what: str) ->
 
 def test_one_process_run_learns(one_process) -> None:
     """The reference the launches below are compared with (Muon; Adam's one-process runs learn in
-    the in-process tests, tests/unit/test_pretrain_gpt_in_process.py: one launch fewer here)."""
+    the in-process tests, tests/unit/training/test_pretrain_gpt_in_process.py: one launch fewer here)."""
     records = one_process("muon")
     assert set(records[0]) == {"iteration", "consumed_samples", "global_batch_size", "loss", "lr", "grad_norm",
                                "loss_scale", "skipped", "nan", "elapsed_ms"}
@@ -351,11 +351,11 @@ def _our_lines(stderr: str) -> list[str]:
 )
 def test_bad_flags_exit_with_one_line(argv, world_size, message, monkeypatch, capsys) -> None:
     """Checked in-process (the checks run before any process group; a subprocess costs ~16 s)."""
-    from scripts import pretrain_gpt
+    from megatron_eopt.training.arguments.parser import parse_args
 
     monkeypatch.setenv("WORLD_SIZE", world_size)
     with pytest.raises(SystemExit) as exit_info:
-        pretrain_gpt.parse_args(argv)
+        parse_args(argv)
     assert exit_info.value.code == 2
     lines = _our_lines(capsys.readouterr().err)
     assert len(lines) == 1 and lines[0].startswith("pretrain_gpt.py: error: ") and message in lines[0], lines
@@ -366,19 +366,20 @@ def test_bad_flags_exit_with_one_line(argv, world_size, message, monkeypatch, ca
 def test_other_ranks_exit_alike_in_silence(argv, monkeypatch, capsys) -> None:
     """Rank 1 of 2 exits with rank 0's status and prints nothing (rank 0 says it once), after
     waiting long enough for rank 0 to have said it."""
-    from scripts import pretrain_gpt
+    from megatron_eopt.training import errors
+    from megatron_eopt.training.arguments.parser import parse_args
 
     waits = []
-    monkeypatch.setattr(pretrain_gpt.time, "sleep", waits.append)
+    monkeypatch.setattr(errors.time, "sleep", waits.append)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(SystemExit) as exit_info:
-        pretrain_gpt.parse_args(argv)
+        parse_args(argv)
     assert exit_info.value.code == (0 if argv == ["--help"] else 2)
     captured = capsys.readouterr()
     assert captured.out == "" and _our_lines(captured.err) == [], captured
     # A failing rank lets rank 0 print before torchrun stops the workers.
-    assert waits == ([] if argv == ["--help"] else [pretrain_gpt.OTHER_RANKS_WAIT_S])
+    assert waits == ([] if argv == ["--help"] else [errors.OTHER_RANKS_WAIT_S])
 
 
 def test_bad_flag_under_torchrun_is_one_line_without_a_worker_traceback() -> None:

@@ -23,7 +23,7 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from scripts.training_log import GREY, PALETTE, Curve, plot_curves  # noqa: E402
+from megatron_eopt.training.logging.training_log import GREY, PALETTE, Curve, plot_curves  # noqa: E402
 
 TAU = 50.0
 ITERATIONS = 30

@@ -5,6 +5,7 @@ a Markdown table that mark each check skipped with the reason. Small sizes keep 
 import importlib.util
 import json
 import pathlib
+import sys
 
 import pytest
 
@@ -14,6 +15,8 @@ SMALL = ["--hidden", "64", "--layers", "1", "--heads", "4", "--groups", "2", "--
 
 
 def load_gpu_check():
+    if str(ROOT / "benchmarks") not in sys.path:  # its sibling modules, as when it runs as a script
+        sys.path.insert(0, str(ROOT / "benchmarks"))
     spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

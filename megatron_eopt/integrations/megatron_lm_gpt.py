@@ -1,0 +1,153 @@
+"""Megatron-LM's own `pretrain()` for a GPT model, with megatron_eopt's optimizer.
+
+Run it exactly like Megatron-LM's pretrain_gpt.py; every Megatron-LM flag works, plus ours
+(`--muon-tp-mode sharded`, `--muon-fp32-matmul-prec highest`, `--muon-match-adamw-rms`, ...):
+
+    torchrun --nproc-per-node 8 scripts/pretrain_gpt_megatron_lm.py \
+        --optimizer muon --use-distributed-optimizer --tensor-model-parallel-size 2 \
+        --num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 \
+        --max-position-embeddings 1024 --micro-batch-size 4 --global-batch-size 64 \
+        --lr 3e-4 --train-iters 1000 --bf16 \
+        --mock-data --tokenizer-type NullTokenizer --vocab-size 50304
+
+Data: `--mock-data` (megatron-core's MockGPTDataset) or `--data-path [W] PREFIX ...` (Megatron
+indexed datasets), built by megatron-core's BlendedMegatronDatasetBuilder. The model is
+Megatron-LM's GPTModelConfig built from the flags (`gpt_config_from_args`). Megatron-LM's
+loop needs CUDA ("Megatron requires CUDA"): without it this script exits at once with one line;
+on CPU use scripts/pretrain_gpt.py.
+"""
+
+import sys
+from functools import partial
+from typing import Any, Optional
+
+import torch
+
+
+NO_CUDA_MESSAGE = (
+    "pretrain_gpt_megatron_lm.py: Megatron-LM's training loop needs CUDA and none is available "
+    "(on CPU, use scripts/pretrain_gpt.py)."
+)
+
+
+def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
+    """One micro-batch through the model; the loss function Megatron-LM's schedule calls."""
+    batch = _next_batch(data_iterator, next(model.parameters()).device)
+    output = model(
+        batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"]
+    )
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor) -> tuple:
+    """(summed loss, token count, {'lm loss': [sum, count]}): Megatron-LM divides by the count
+    over all micro-batches and data-parallel ranks, and logs 'lm loss' as sum / count."""
+    mask = loss_mask.reshape(-1).float()
+    loss = torch.sum(per_token_loss.reshape(-1).float() * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.cat([loss.detach().view(1), num_tokens.detach().float().view(1)])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def _next_batch(data_iterator: Any, device: torch.device) -> dict:
+    """Every rank reads its own batch: each builds the same deterministic dataset (see
+    `datasets_provider.is_distributed`), so no broadcast over the TP group is needed."""
+    if data_iterator is None:
+        raise RuntimeError("this rank has no data iterator; was the dataset built on every rank?")
+    return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in next(data_iterator).items()}
+
+
+def datasets_provider(num_samples: Optional[list], vp_stage: Optional[int] = None) -> tuple:
+    """(train, valid, test) GPT datasets: MockGPTDataset with --mock-data, else indexed data."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
+    from megatron.training import get_args
+
+    args = get_args()
+    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+    sizes = num_samples if num_samples is not None else _split_sample_counts(args)
+    builder = BlendedMegatronDatasetBuilder(dataset_type, sizes, lambda: True, _dataset_config(args))
+    return builder.build()
+
+
+datasets_provider.is_distributed = True  # Megatron-LM: build on every rank, not only TP rank 0
+
+
+def _split_sample_counts(args: Any) -> list[int]:
+    """Samples each split needs for the run the flags describe (train, valid, test)."""
+    evaluations = args.train_iters // args.eval_interval + 1 if args.eval_interval else 1
+    return [
+        args.train_iters * args.global_batch_size,
+        evaluations * args.eval_iters * args.global_batch_size,
+        args.eval_iters * args.global_batch_size,
+    ]
+
+
+def _dataset_config(args: Any) -> Any:
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+    from megatron.training import get_tokenizer
+    from megatron.training.utils import get_blend_and_blend_per_split
+
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    return GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=args.split,
+        path_to_cache=args.data_cache_path,
+        tokenizer=get_tokenizer(),
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+    )
+
+
+def use_prebuilt_dataset_helpers() -> None:
+    """Megatron-LM's initialisation runs `make` in megatron/core/datasets to build the C++ dataset
+    helpers, as in a source checkout; the megatron-core wheel ships them built and without the
+    Makefile, so that `make` fails and Megatron-LM exits. Skip the build when the built module
+    is there (a source checkout without it still builds)."""
+    import importlib.util
+
+    import megatron.core.datasets.utils as dataset_utils
+
+    if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is not None:
+        dataset_utils.compile_helpers = lambda: None
+
+
+def add_script_args(parser: Any) -> Any:
+    """Our optimizer flags, plus this script's switch for comparing with megatron-core's own."""
+    from megatron_eopt.integrations import megatron_lm
+
+    megatron_lm.add_megatron_eopt_args(parser)
+    parser.add_argument(
+        "--megatron-core-optimizer", action="store_true",
+        help="build megatron-core's own optimizer instead of megatron_eopt's (for comparisons: "
+        "same model, data and loop; flags only megatron_eopt knows are then refused by megatron-core)",
+    )
+    return parser
+
+
+def main() -> None:
+    if not torch.cuda.is_available():  # before the ~20 s import of Megatron-LM
+        print(NO_CUDA_MESSAGE, file=sys.stderr)
+        sys.exit(2)
+    from megatron.core.enums import ModelType
+    from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+    from megatron.training.training import pretrain
+
+    from megatron_eopt.integrations import megatron_lm
+
+    args = parse_and_validate_args(extra_args_provider=add_script_args)
+    use_prebuilt_dataset_helpers()
+    if not args.megatron_core_optimizer:
+        megatron_lm.install()
+    config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
+    pretrain(config, datasets_provider, ModelType.encoder_or_decoder, forward_step)
+
+
+if __name__ == "__main__":
+    main()

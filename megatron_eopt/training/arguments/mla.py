@@ -1,0 +1,88 @@
+"""Megatron-LM's multi-latent attention flags for scripts/pretrain_gpt.py: names, defaults, checks.
+
+Each flag's dest is the MLATransformerConfig field it sets (megatron_eopt/training/model/mla.py hands them on), with
+Megatron-LM's defaults (which differ from MLATransformerConfig's: --kv-lora-rank 32,
+--rotary-scaling-factor 1.0, --q-lora-rank unset = no query compression). `--rope-type` defaults
+to yarn with MLA, as in Megatron-LM; without MLA only `rope` (what the trainer does anyway) is
+accepted. Megatron-LM's `--yarn-*` flags configure YaRN for non-MLA attention only (MLA reads
+its own config fields, which Megatron-LM's command line does not set): MLA's YaRN uses
+megatron-core's defaults beta_fast 32, beta_slow 1, original max positions 4096 here too.
+
+The flags are parsed with `None` defaults so that a flag given without `--multi-latent-attention`
+is refused in one line; `mla_settings` fills in Megatron-LM's defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from megatron_eopt.arguments import refuse_flags_without
+
+# dest: Megatron-LM's default (None for --q-lora-rank means no query compression).
+MLA_DEFAULTS: dict[str, Any] = {"q_lora_rank": None, "kv_lora_rank": 32, "qk_head_dim": 128,
+                                "qk_pos_emb_head_dim": 64, "v_head_dim": 128, "rotary_scaling_factor": 1.0,
+                                "mscale": 1.0, "mscale_all_dim": 0.0}
+
+
+def add_mla_args(parser: argparse.ArgumentParser) -> None:
+    mla = parser.add_argument_group(title="multi-latent attention")
+    mla.add_argument("--multi-latent-attention", action="store_true",
+                     help="megatron-core's multi-latent attention (DeepSeek-V2/V3, Kimi-K2): queries, keys and "
+                          "values projected through low-rank latents")
+    mla.add_argument("--q-lora-rank", type=int, default=None,
+                     help="the query latent's width (default: none, one query projection)")
+    mla.add_argument("--kv-lora-rank", type=int, default=None, help="the key/value latent's width (default 32)")
+    mla.add_argument("--qk-head-dim", type=int, default=None,
+                     help="each head's query/key width without RoPE (default 128)")
+    mla.add_argument("--qk-pos-emb-head-dim", type=int, default=None,
+                     help="each head's query/key width rotated by RoPE (default 64; the key part is shared by all heads)")
+    mla.add_argument("--v-head-dim", type=int, default=None, help="each head's value width (default 128)")
+    mla.add_argument("--rope-type", default=None, choices=("rope", "yarn"),
+                     help="MLA's rotary embedding (default yarn; without MLA only rope)")
+    mla.add_argument("--rotary-scaling-factor", type=float, default=None,
+                     help="YaRN's context-extension factor (default 1.0: the original frequencies)")
+    mla.add_argument("--mscale", type=float, default=None, help="YaRN's mscale (default 1.0)")
+    mla.add_argument("--mscale-all-dim", type=float, default=None,
+                     help="YaRN's mscale_all_dim (default 0.0); also scales MLA's softmax")
+
+
+def mla_settings(args: argparse.Namespace, local_spec: bool) -> dict[str, Any]:
+    """GPTModelSettings fields of the MLA flags ({} without --multi-latent-attention).
+    ``local_spec``: megatron-core's local layers will be built (no Transformer Engine)."""
+    given = [f"--{dest.replace('_', '-')}" for dest in MLA_DEFAULTS if getattr(args, dest) is not None]
+    if not args.multi_latent_attention:
+        refuse_flags_without(given, "--multi-latent-attention")
+        if args.rope_type == "yarn":
+            raise ValueError("--rope-type yarn only applies with --multi-latent-attention (other attention takes "
+                             "rope, as in Megatron-LM).")
+        return {}
+    _check_mla_combinations(args, local_spec)
+    values = {dest: default if getattr(args, dest) is None else getattr(args, dest)
+              for dest, default in MLA_DEFAULTS.items()}
+    return dict(multi_latent_attention=True, rope_type=args.rope_type or "yarn", **values)
+
+
+def _check_mla_combinations(args: argparse.Namespace, local_spec: bool) -> None:
+    if args.group_query_attention:
+        raise ValueError("--group-query-attention and --multi-latent-attention exclude each other (as in "
+                         "Megatron-LM: every MLA head has its own key and value).")
+    if args.qk_clip:
+        raise ValueError("--qk-clip with --multi-latent-attention is not offered (the clip rescales a fused "
+                         "linear_qkv's query and key rows; MLA has none). --log-max-attention-logit works.")
+    if args.qk_layernorm and args.q_lora_rank is None and local_spec:
+        raise ValueError("--qk-layernorm with --multi-latent-attention needs --q-lora-rank with megatron-core's "
+                         "local layers (without a query latent megatron puts the query norm into Transformer "
+                         "Engine's fused norm+linear).")
+    refused = [flag for flag, on in (("--rotary-interleaved", args.rotary_interleaved),
+                                     ("--use-rope-scaling", args.use_rope_scaling),
+                                     ("--rotary-seq-len-interpolation-factor",
+                                      args.rotary_seq_len_interpolation_factor is not None)) if on]
+    if refused:
+        raise ValueError(f"{' and '.join(refused)} do not apply with --multi-latent-attention (its RoPE takes "
+                         f"--rope-type, --rotary-base, --rotary-percent and the YaRN flags).")
+    if args.rotary_percent is not None and args.rope_type != "rope":
+        raise ValueError("--rotary-percent with --multi-latent-attention only applies with --rope-type rope "
+                         "(YaRN rotates the whole --qk-pos-emb-head-dim).")
+    if args.rope_type == "rope" and args.mscale is not None:
+        raise ValueError("--mscale only applies with --rope-type yarn (got rope).")

@@ -1,0 +1,57 @@
+"""One-line flag errors and argparse output from rank 0 only; every rank exits alike."""
+
+import argparse
+import os
+import sys
+import time
+from typing import NoReturn, Optional, TextIO
+
+import torch.distributed as dist
+
+PROG = "pretrain_gpt.py"
+
+
+# How long another rank that fails waits before exiting, so that rank 0 (which fails alike) has
+# printed the error first: torchrun stops every worker as soon as one exits non-zero, and a rank 1
+# that exited first could get rank 0 killed before it says why. Under torchrun the wait ends when
+# rank 0 exits; it covers the ranks' difference in start-up time (seconds) with a wide margin.
+OTHER_RANKS_WAIT_S = 60.0
+
+
+def is_rank_zero() -> bool:
+    """From torchrun's environment, so it holds before any process group exists (or from the
+    process group a caller already made, see `main`)."""
+    if dist.is_initialized():
+        return dist.get_rank() == 0
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def exit_with_error(message: str) -> NoReturn:
+    """One line on rank 0's stderr, status 2 on every rank (argparse's convention), no traceback:
+    every rank parses the same flags and builds the same optimizer, so each rank gets here."""
+    _exit_from_any_rank(2, f"{PROG}: error: {' '.join(message.split())}\n")
+
+
+def _exit_from_any_rank(status: int, message: Optional[str]) -> NoReturn:
+    if is_rank_zero():
+        if message:
+            sys.stderr.write(message)
+            sys.stderr.flush()
+    elif status:
+        time.sleep(OTHER_RANKS_WAIT_S)
+    raise SystemExit(status)
+
+
+class RankZeroArgumentParser(argparse.ArgumentParser):
+    """argparse's usage, help and errors printed by rank 0 only; every rank exits alike."""
+
+    def print_usage(self, file: Optional[TextIO] = None) -> None:
+        if is_rank_zero():
+            super().print_usage(file)
+
+    def print_help(self, file: Optional[TextIO] = None) -> None:
+        if is_rank_zero():
+            super().print_help(file)
+
+    def exit(self, status: int = 0, message: Optional[str] = None) -> NoReturn:
+        _exit_from_any_rank(status, message)

@@ -1,0 +1,253 @@
+"""The training loop: the step (forward/backward, gradients finalised, optimizer step) and the iterations."""
+
+import argparse
+import dataclasses
+import math
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_eopt import get_megatron_optimizer
+from megatron_eopt.arguments import (
+    matmul_precision_line,
+    optimizer_config_from_args,
+)
+from megatron_eopt.bridge import get_scheduler
+from megatron_eopt.checkpointing import save_checkpoint
+from megatron_eopt.training.arguments.moe import (
+    describe_moe,
+    logged_moe_losses,
+    moe_layer_pattern,
+    moe_note_lines,
+)
+from megatron_eopt.training.arguments.no_effect import no_effect_lines
+from megatron_eopt.training.arguments.training import document_lines, scheduler_config
+from megatron_eopt.training.data.batches import BatchSource
+from megatron_eopt.training.data.datasets import (
+    document_inputs,
+)
+from megatron_eopt.training.errors import exit_with_error
+from megatron_eopt.training.logging.performance import (
+    Profiler,
+    flops_per_iteration,
+    performance_lines,
+)
+from megatron_eopt.training.logging.training_log import (
+    Logger,
+    Step,
+    params_norm,
+    tensorboard_option_lines,
+)
+from megatron_eopt.training.loop.evaluation import Evaluator
+from megatron_eopt.training.loop.housekeeping import Housekeeping
+from megatron_eopt.training.loop.resume import resume
+from megatron_eopt.training.loop.run_control import (
+    ExitSignal,
+    run_control_lines,
+)
+from megatron_eopt.training.loop.token_loss import TokenLoss
+from megatron_eopt.training.model.gpt import (
+    GPTModelSettings,
+    build_gpt_model_chunks,
+)
+from megatron_eopt.training.model.moe import (
+    finish_router_step,
+    start_step,
+    step_moe_losses,
+)
+from megatron_eopt.training.parallel.fsdp2 import fully_shard_gpt
+from megatron_eopt.training.parallel.grad_reduction import (
+    BUCKET_NUMEL,
+    GradReducer,
+    finalize_model_grads,
+    nan_in_grads,
+)
+from megatron_eopt.training.parallel.pipeline import Pipeline, SingleStage
+
+
+def train_step(model, optimizer, micro_batches, forward, grads: GradReducer, dp_group,
+               after_forward_backward: Callable[[], None] = lambda: None
+               ) -> tuple[float, bool, Optional[float], Optional[float]]:
+    """Forward/backward over the micro-batches (`forward`: one stage or a pipeline,
+    megatron_eopt/training/parallel/pipeline.py), the gradients finalised (DP average, sums over TP of the
+    sequence-parallel ones and over the pipeline of the tied embedding), optimizer step.
+
+    Each micro-batch's loss is divided by the number of micro-batches and scaled by the
+    optimizer's loss scale (fp16; 1 otherwise), which the optimizer divides out of the gradients
+    again; an overflow makes it skip the step and back the scale off. Returns (global-batch mean
+    loss, update successful, grad norm, zeros in the gradients (with --log-num-zeros-in-grad,
+    else None)).
+    """
+    optimizer.zero_grad()
+    grads.zero_grads(len(micro_batches))
+    start_step(optimizer.get_loss_scale(), len(micro_batches))  # the MoE aux loss's gradient scale
+    total = forward.forward_backward(micro_batches, optimizer.scale_loss)
+    after_forward_backward()
+    chunks = list(model) if isinstance(model, torch.nn.ModuleList) else [model]
+    finalize_model_grads(chunks, grads)
+    finish_router_step(chunks)  # MoE expert biases and token counts, as megatron's finalize_model_grads
+    dp_size = dist.get_world_size(dp_group)
+    loss_sum = total.to(next(model.parameters()).device)
+    dist.all_reduce(loss_sum, group=dp_group)
+    ok, grad_norm, num_zeros = optimizer.step()
+    return loss_sum.item() / dp_size, ok, grad_norm, num_zeros
+
+
+def _moe_losses(args, settings: GPTModelSettings, num_micro_batches: int, device: torch.device) -> dict[str, float]:
+    """The step's MoE losses Megatron-LM logs (none for a dense model)."""
+    if args.num_experts is None:
+        return {}
+    num_moe_layers = sum(moe_layer_pattern(args.moe_layer_freq, settings.num_layers))
+    return step_moe_losses(logged_moe_losses(args), num_micro_batches, settings.num_layers, num_moe_layers, device)
+
+
+def train(args, settings, layout, device, housekeeping: Optional[Housekeeping] = None) -> list[dict]:
+    """The training loop (inside `housekeeping.training()`, see `main`)."""
+    from megatron.core import parallel_state
+
+    housekeeping = housekeeping or Housekeeping(args, device)
+
+    chunks = build_gpt_model_chunks(settings, device)
+    model = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)  # all of this rank's parameters
+    dp_group = parallel_state.get_data_parallel_group()
+    if args.use_torch_fsdp2:
+        fully_shard_gpt(model, dp_group, device, bf16_compute=args.bf16)
+    batches = BatchSource(args, layout, parallel_state.get_data_parallel_rank())
+    token_loss = TokenLoss(batches.data.tokenizer.eod if args.eod_mask_loss else None,
+                           per_token=args.calculate_per_token_loss, dp_group=dp_group)
+    documents = None
+    if args.reset_position_ids or args.reset_attention_mask:
+        eod = batches.data.tokenizer.eod
+        documents = lambda inputs: document_inputs(inputs, eod, args.reset_position_ids,  # noqa: E731
+                                                   args.reset_attention_mask)
+    forward = SingleStage(model, token_loss, documents) if layout.pp == 1 else Pipeline(
+        chunks, layout.grad_accumulation_steps, (args.micro_batch_size, args.seq_length), device, token_loss)
+    config = optimizer_config_from_args(args, device)
+    if args.use_torch_fsdp2:  # --bf16 is FSDP2's compute dtype there: the parameters it shards are fp32
+        config = dataclasses.replace(config, bf16=False)
+    optimizer = get_megatron_optimizer(config, chunks)
+    scheduler = get_scheduler(config, scheduler_config(args), optimizer)
+    # The layer-wise optimizer reduces onto owners itself (unless --overlap-grad-reduce); FSDP2
+    # reduce-scatters (averages) in backward.
+    grads = GradReducer(model, dp_group, args.accumulate_allreduce_grads_in_fp32,
+                        reduce_over_dp=not (config.layer_wise_reduce_grads or args.use_torch_fsdp2),
+                        bucket_numel=args.ddp_bucket_size or BUCKET_NUMEL,
+                        expert_dp_group=parallel_state.get_expert_data_parallel_group(),
+                        overlap=args.overlap_grad_reduce)
+    flops = flops_per_iteration(settings, 1) if args.log_throughput else None
+    log = Logger(args, layout.rank, flops_per_sample=flops, world_size=layout.world_size, on_cuda=device.type == "cuda")
+    evaluator = Evaluator(args, batches.data.splits, batches.split_batches, forward.eval_loss, dp_group,
+                          is_first_rank=layout.rank == 0, print_line=log.print_line,
+                          on_result=lambda r: log.validation(r.iteration, r.loss) if r.split == "valid" else None,
+                          around_each=housekeeping.evaluation)
+    log.say(describe_model(model) + (", bf16 compute (FSDP2 MixedPrecisionPolicy)" if args.use_torch_fsdp2 and args.bf16 else ""))
+    if args.num_experts is not None:
+        log.say(describe_moe(args, settings.num_layers))
+    for line in (no_effect_lines(args) + moe_note_lines(args) + run_control_lines(args) + document_lines(args)
+                 + performance_lines(args, on_cuda=device.type == "cuda")
+                 + tensorboard_option_lines(args, on_cuda=device.type == "cuda")
+                 + [line for line in (housekeeping.start_line, args.batch_schedule.describe()) if line]):
+        log.say(line)
+    if args.overlap_grad_reduce and args.use_torch_fsdp2:
+        log.say("--overlap-grad-reduce: nothing to change, FSDP2 reduce-scatters each layer's gradients during backward")
+    precision_line = matmul_precision_line(args, device)
+    if precision_line:
+        log.say(precision_line)
+    start = resume(args, chunks, optimizer, scheduler, log)
+    if args.skip_train:  # Megatron-LM: evaluate the loaded model on validation and test, no training
+        evaluator.final(model, start)
+        log.close()
+        return log.records
+    started = time.time()
+    profiler = Profiler(args, layout.rank, on_cuda=device.type == "cuda")
+    with ExitSignal(args) as exit_signal:  # --exit-signal-handler (megatron_eopt/training/loop/run_control.py)
+        for iteration in range(start + 1, args.train_iters + 1):
+            profiler.before(iteration)
+            lr = optimizer.param_groups[0]["lr"]
+            micro_batches = batches.micro_batches(iteration)
+            loss, ok, grad_norm, num_zeros = train_step(
+                model, optimizer, micro_batches, forward, grads, dp_group, housekeeping.after_forward_backward)
+            housekeeping.after_step(iteration)
+            if args.check_for_nan_in_loss_and_grad:
+                stop_on_nan(iteration, loss, model, check_grads=not args.fp16, device=device)
+            batch_size = args.batch_schedule.size(iteration)
+            if ok:
+                scheduler.step(batch_size)
+            log.iteration(Step(
+                iteration, loss, lr, ok, grad_norm=None if grad_norm is None else float(grad_norm),
+                loss_scale=float(optimizer.get_loss_scale()), num_zeros=None if num_zeros is None else float(num_zeros),
+                params_norm=logged_params_norm(model, optimizer) if args.log_params_norm else None,
+                max_attention_logit=optimizer.max_attention_logit,
+                other_losses=_moe_losses(args, settings, len(micro_batches), device), batch_size=batch_size))
+            profiler.after(iteration)
+            evaluator.periodic(model, iteration)
+            stop = exit_signal.received() or exit_reason(args, iteration, started, device)
+            at_interval = bool(args.save_interval) and iteration % args.save_interval == 0
+            if args.save and (at_interval or stop or iteration == args.train_iters):
+                finish_param_sync(optimizer)  # save_checkpoint waits itself, but not when given no optimizer
+                path = save_checkpoint(args.save, iteration, chunks, None if args.no_save_optim else optimizer,
+                                       None if args.no_save_optim else scheduler, save_rng=not args.no_save_rng)
+                log.say(f"saved checkpoint {path}")
+            if stop:
+                log.say(f"exiting after iteration {iteration} ({stop})")
+                break
+        else:  # as in Megatron-LM, a run stopped early skips the final evaluation
+            evaluator.final(model, args.train_iters)
+    profiler.close()
+    log.close()
+    return log.records
+
+
+def stop_on_nan(iteration: int, loss: float, model: torch.nn.Module, check_grads: bool, device: torch.device) -> None:
+    """Megatron-LM's --check-for-nan-in-loss-and-grad (on by default): a NaN loss or a NaN in a
+    gradient stops the run on every rank. The step has skipped such an update already (its
+    gradients are not finite), so the parameters are the last good ones. The loss is reduced over
+    the ranks; the gradients' verdict is all-reduced (`nan_in_grads`). With fp16 only the loss is
+    checked: an overflow is the loss scaler's to skip."""
+    what = "loss" if math.isnan(loss) else ("gradients" if check_grads and nan_in_grads(model, device) else None)
+    if what is not None:
+        exit_with_error(f"iteration {iteration}: found NaN in the {what} (Megatron-LM's check; "
+                        f"--no-check-for-nan-in-loss-and-grad skips such steps instead).")
+
+
+def exit_reason(args: argparse.Namespace, iteration: int, started: float, device: torch.device) -> Optional[str]:
+    """Why training stops after `iteration` (None: it goes on): --exit-interval, or
+    --exit-duration-in-mins, decided on every rank at once (the longest clock: a MAX all-reduce,
+    as Megatron-LM does)."""
+    if args.exit_interval and iteration % args.exit_interval == 0:
+        return f"--exit-interval {args.exit_interval}"
+    if args.exit_duration_in_mins is None:
+        return None
+    minutes = torch.tensor((time.time() - started) / 60, dtype=torch.float64, device=device)
+    dist.all_reduce(minutes, op=dist.ReduceOp.MAX)
+    if minutes.item() < args.exit_duration_in_mins:
+        return None
+    return f"--exit-duration-in-mins {args.exit_duration_in_mins:g}: {minutes.item():.2f} minutes of training"
+
+
+def finish_param_sync(optimizer) -> None:
+    """Wait for the layer-wise optimizer's parameter broadcasts still in flight (with
+    --overlap-param-gather the next forward would): code that reads every parameter first."""
+    finish = getattr(optimizer, "finish_param_sync", None)
+    if finish is not None:
+        finish()
+
+
+def logged_params_norm(model: torch.nn.Module, optimizer) -> float:
+    """--log-params-norm reads every parameter: first wait for the layer-wise optimizer's
+    broadcasts still in flight (with --overlap-param-gather the next forward would wait for them)."""
+    from megatron.core import parallel_state
+
+    finish_param_sync(optimizer)
+    expert_group = (parallel_state.get_expert_tensor_model_pipeline_parallel_group()
+                    if parallel_state.get_expert_model_parallel_world_size() > 1 else None)  # experts split over EP
+    return params_norm(model, parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_model_parallel_group(),
+                       parallel_state.get_expert_tensor_parallel_rank(), expert_group)
+
+
+def describe_model(model: torch.nn.Module) -> str:
+    """Read from the built model (not the flags), so the line shows what --bf16 really made."""
+    params = list(model.parameters())
+    return f"model: {sum(p.numel() for p in params):,} parameters on rank 0, {params[0].dtype}"

@@ -1,0 +1,79 @@
+"""The job's layout (world = TP x PP x DP, experts out of DP) and its process group."""
+
+import argparse
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_eopt.training.parallel.pipeline import pipeline_layout
+
+
+@dataclass(frozen=True)
+class Layout:
+    world_size: int
+    rank: int
+    tp: int
+    dp: int
+    grad_accumulation_steps: int
+    pp: int = 1
+    vpp: Optional[int] = None  # model chunks per pipeline rank (interleaved schedule); None: one
+    ep: int = 1  # expert-parallel size, out of the data-parallel ranks (megatron_eopt/training/model/moe.py)
+
+
+def job_layout(args: argparse.Namespace) -> Layout:
+    if dist.is_initialized():  # a caller's process group (see `main`)
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+    else:
+        world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    tp = args.tensor_model_parallel_size
+    if tp < 1 or world_size % tp:
+        raise ValueError(f"--tensor-model-parallel-size {tp} must divide the world size ({world_size}).")
+    pp, vpp = pipeline_layout(args, world_size // tp)
+    dp = world_size // (tp * pp)
+    if args.micro_batch_size < 1:
+        raise ValueError(f"--micro-batch-size must be >= 1; got {args.micro_batch_size}.")
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * dp
+    per_step = args.micro_batch_size * dp
+    if args.global_batch_size < 1 or args.global_batch_size % per_step:
+        raise ValueError(
+            f"--global-batch-size {args.global_batch_size} must be a positive multiple of "
+            f"--micro-batch-size * data-parallel size = {args.micro_batch_size} * {dp} = {per_step}."
+        )
+    return Layout(world_size, rank, tp, dp, args.global_batch_size // per_step, pp, vpp)
+
+
+def runs_on_cuda(args: argparse.Namespace) -> bool:
+    """NCCL on GPUs or gloo on CPU: a caller's process group, else --distributed-backend, else
+    CUDA when available."""
+    if dist.is_initialized():
+        return dist.get_backend() == "nccl"
+    if args.distributed_backend is not None:
+        return args.distributed_backend == "nccl"
+    return torch.cuda.is_available()
+
+
+def init_distributed(args: argparse.Namespace, layout: Layout) -> torch.device:
+    """One process group over every rank: NCCL on CUDA (cuda:LOCAL_RANK), gloo on CPU (see
+    `runs_on_cuda`). A process group that already exists (a caller's, see `main`) is used as it is."""
+    if dist.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    if "MASTER_ADDR" not in os.environ:  # plain `python`: a one-process group on a free port
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
+    timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+    if runs_on_cuda(args):
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", rank=layout.rank, world_size=layout.world_size, device_id=device,
+                                timeout=timeout)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", rank=layout.rank, world_size=layout.world_size, timeout=timeout)
+    return device

@@ -1,0 +1,62 @@
+"""Pretrain a megatron-core GPTModel with megatron_eopt's optimizer, from Megatron-LM's flags."""
+
+from typing import Optional
+
+import torch.distributed as dist
+
+from megatron_eopt.training.arguments.parser import parse_args
+from megatron_eopt.training.errors import exit_with_error
+from megatron_eopt.training.logging.training_log import (
+    PALETTE,
+    Curve,
+    plot_curves,
+)
+from megatron_eopt.training.loop.housekeeping import Housekeeping
+from megatron_eopt.training.loop.train import train
+from megatron_eopt.training.model.gpt import (
+    destroy_model_parallel,
+    initialize_model_parallel,
+)
+from megatron_eopt.training.parallel.layout import init_distributed
+
+
+def main(argv: Optional[list[str]] = None) -> list[dict]:
+    """Train as the flags say; returns the logged records (every rank keeps them).
+
+    Called with torch.distributed already initialised (tests run many configurations in one set
+    of worker processes this way), the job is that whole process group, which is left
+    initialised at the end; otherwise the process group is made here and destroyed at the end.
+    """
+    owns_process_group = not dist.is_initialized()
+    args, settings, layout = parse_args(argv)
+    device = init_distributed(args, layout)
+    initialize_model_parallel(layout.tp, args.seed, pipeline_model_parallel_size=layout.pp,
+                              virtual_pipeline_model_parallel_size=layout.vpp, expert_model_parallel_size=layout.ep)
+    try:
+        if layout.rank == 0:
+            pipeline = f" x PP {layout.pp}" + (f" ({layout.vpp} model chunks per rank)" if layout.vpp else "")
+            sequence_parallel = " (sequence parallel)" if settings.sequence_parallel else ""
+            print(f"> world {layout.world_size} = TP {layout.tp}{sequence_parallel}{pipeline if layout.pp > 1 else ''} x DP "
+                  f"{layout.dp}; global batch "
+                  f"{args.global_batch_size} = micro batch {args.micro_batch_size} x DP {layout.dp} x "
+                  f"{layout.grad_accumulation_steps} accumulation steps; optimizer {args.optimizer}"
+                  f"{' (layer-wise distributed)' if args.use_layer_wise_distributed_optimizer else ''}",
+                  flush=True)
+        housekeeping = Housekeeping(args, device)
+        with housekeeping.training():
+            records = train(args, settings, layout, device, housekeeping)
+        if args.plot and layout.rank == 0:
+            logged = [r for r in records if r["loss"] is not None]  # None: every step of an interval skipped
+            plot_curves(args.plot, [Curve(args.optimizer, [r["iteration"] for r in logged],
+                                          [r["loss"] for r in logged], PALETTE[0])])
+    except ValueError as error:  # e.g. optimizer/config combinations the factory rejects
+        exit_with_error(str(error))
+    finally:
+        destroy_model_parallel()
+        if owns_process_group:
+            dist.destroy_process_group()
+    return records
+
+
+if __name__ == "__main__":  # `torchrun -m megatron_eopt.training.pretrain`, as scripts/pretrain_gpt.py
+    main()

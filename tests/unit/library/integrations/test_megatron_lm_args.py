@@ -1,0 +1,504 @@
+"""Megatron-LM's argument path into our optimizer, on CPU (megatron_eopt.integrations.megatron_lm).
+
+For a table of real Megatron-LM command lines, each rank of a 2-rank gloo world runs what
+Megatron-LM's `pretrain()` runs before its loop (which needs CUDA): `parse_args(extra_args_provider=
+add_megatron_eopt_args)` with the command line in sys.argv and WORLD_SIZE/RANK set (the only
+environment validate_args reads), `validate_args`, `get_megatron_optimizer_config`, `config.timers`
+= Megatron-LM's Timers, then `megatron.training.training.get_megatron_optimizer(...)` with the
+arguments `setup_model_and_optimizer` passes, after `install()`. The model is megatron-core's
+GPTModel built from the parsed flags (megatron_eopt/training/model/gpt.py; TP from the flags, DP = the rest).
+Gradients are averaged over data-parallel ranks as Megatron-LM's DDP does before the optimizer
+runs. Each row then trains 10 steps on one fixed batch.
+
+Expectations come from the command line, not from the code under test: the config fields and
+optimizer class the flags ask for, the learning rate of decoupled groups, data-parallel
+replicas bitwise equal after every step, and a loss that falls (last loss <= 0.8 x the first on a
+batch a 2-layer model memorises: an optimizer that does nothing or diverges fails it).
+
+Rows marked PENDING depend on changes of other helpers that land before this branch:
+`muon_fp32_matmul_prec` accepting 'highest' and refusing 'low', and adam/sgd with
+`use_distributed_optimizer=True` building the layer-wise optimizer.
+
+One pytest process; every Megatron-LM import happens in the reused gloo workers (~20 s once).
+"""
+
+import contextlib
+import hashlib
+import io
+import os
+import pathlib
+import subprocess
+import sys
+from unittest import mock
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[4]
+MODEL_FLAGS = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --group-query-attention "
+    "--num-query-groups 2 --ffn-hidden-size 48 --swiglu --seq-length 8 --max-position-embeddings 8 "
+    "--micro-batch-size 2 --global-batch-size 4 --train-iters 10 --mock-data "
+    "--tokenizer-type NullTokenizer --vocab-size 64 --min-lr 0 --weight-decay 0.01"
+)
+STEPS = 10
+SEED = 5
+MUON = "--optimizer muon --lr 0.02"
+ADAM = "--optimizer adam --lr 0.01"
+SGD = "--optimizer sgd --lr 0.5"
+TP2 = "--tensor-model-parallel-size 2"
+
+# (row id, extra flags, expected: config fields and "class" of the returned optimizer)
+ROWS = [
+    ("muon", MUON, {"optimizer": "muon", "use_layer_wise_distributed_optimizer": False,
+                    "class": "ChainedOptimizer", "muon_tp_mode": "duplicated"}),
+    ("muon-dist", f"{MUON} --use-distributed-optimizer",
+     {"optimizer": "muon", "use_layer_wise_distributed_optimizer": True, "use_distributed_optimizer": False,
+      "class": "LayerWiseDistributedOptimizer"}),
+    ("dist_muon", "--optimizer dist_muon --lr 0.02",
+     {"optimizer": "muon", "use_layer_wise_distributed_optimizer": True, "class": "LayerWiseDistributedOptimizer"}),
+    *[(f"muon-tp2-{mode}", f"{MUON} {TP2} --muon-tp-mode {mode}", {"muon_tp_mode": mode, "tp": 2})
+      for mode in ("blockwise", "duplicated", "distributed", "sharded")],
+    ("muon-tp2-dist", f"{MUON} {TP2} --use-distributed-optimizer",
+     {"muon_tp_mode": "duplicated", "tp": 2, "class": "LayerWiseDistributedOptimizer"}),
+    ("adam", ADAM, {"optimizer": "adam", "class": "ChainedOptimizer", "use_distributed_optimizer": False}),
+    ("adam-dist", f"{ADAM} --use-distributed-optimizer",  # PENDING: layer-wise for adam
+     {"optimizer": "adam", "class": "LayerWiseDistributedOptimizer"}),
+    ("sgd", SGD, {"optimizer": "sgd", "class": "ChainedOptimizer"}),
+    ("sgd-dist", f"{SGD} --use-distributed-optimizer",  # PENDING: layer-wise for sgd
+     {"optimizer": "sgd", "class": "LayerWiseDistributedOptimizer"}),
+    ("adam-bf16", f"{ADAM} --bf16", {"bf16": True, "params_dtype": "torch.bfloat16"}),
+    ("muon-bf16", f"{MUON} --bf16", {"bf16": True}),
+    ("adam-fp16", f"{ADAM} --fp16 --initial-loss-scale 4096",
+     {"fp16": True, "initial_loss_scale": 4096.0, "params_dtype": "torch.float16"}),
+    ("adam-no-clip", f"{ADAM} --clip-grad 0", {"clip_grad": 0.0}),
+    ("adam-decoupled-lr", f"{ADAM} --decoupled-lr 0.002 --decoupled-min-lr 0.0001",
+     {"decoupled_lr": 0.002, "decoupled_group_lr": (0.002, 0.002, 0.0001)}),
+    # Our flags, through add_megatron_eopt_args.
+    ("muon-highest", f"{MUON} --muon-fp32-matmul-prec highest",  # PENDING: 'highest'
+     {"muon_fp32_matmul_prec": "highest"}),
+    ("muon-match-adamw-rms", f"{MUON} --muon-match-adamw-rms", {"muon_match_adamw_rms": True}),
+    ("muon-skip-threshold", f"{MUON} --grad-norm-skip-threshold 1000", {"grad_norm_skip_threshold": 1000.0}),
+    ("soap", "--optimizer soap --lr 0.02 --soap-precondition-frequency 2 --soap-no-kl-shampoo "
+     "--soap-shampoo-beta 0.9", {"optimizer": "soap", "soap_precondition_frequency": 2,
+                                 "soap_use_kl_shampoo": False, "soap_shampoo_beta": 0.9}),
+    ("adaptive-muon", "--optimizer adaptive_muon --lr 0.02 --adaptive-muon-moment2-method normuon "
+     "--adaptive-muon-beta2 0.9 --adaptive-muon-eps 1e-6",
+     {"adaptive_muon_moment2_method": "normuon", "adaptive_muon_beta2": 0.9, "adaptive_muon_eps": 1e-6}),
+]
+
+
+# ---------------------------------------------------------------- worker side
+
+
+def parse_megatron_lm(argv: str, rank: int, world_size: int, with_ours: bool = True):
+    """Megatron-LM's parse_args + validate_args for `argv`, as its pretrain_gpt.py would run."""
+    from megatron.training.arguments import parse_args, validate_args
+
+    from megatron_eopt.integrations.megatron_lm import add_megatron_eopt_args
+
+    # The environment validate_args reads: the world, and for TP > 1 on a pre-Blackwell GPU
+    # CUDA_DEVICE_MAX_CONNECTIONS=1, which Megatron-LM's users set.
+    os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank), CUDA_DEVICE_MAX_CONNECTIONS="1")
+    saved_argv, sys.argv = sys.argv, ["pretrain_gpt.py", *argv.split()]
+    try:
+        # validate_args asks the GPU's architecture when TP > 1 (torch.cuda on CPU raises):
+        # answer as a Hopper would; nothing else in it touches CUDA for these command lines.
+        with contextlib.redirect_stdout(io.StringIO()), mock.patch(
+            "megatron.training.arguments.get_device_arch_version", return_value=9
+        ):  # (stdout: validate_args prints every argument)
+            args = parse_args(extra_args_provider=add_megatron_eopt_args if with_ours else None)
+            validate_args(args)
+    finally:
+        sys.argv = saved_argv
+    return args
+
+
+def build_through_megatron_lm(args, model):
+    """What setup_model_and_optimizer does, through the name install() rebinds."""
+    import megatron.training.training as megatron_lm_training
+    from megatron.core.timers import Timers
+    from megatron.training import global_vars
+
+    global_vars.set_args(args)
+    config, config_overrides = megatron_lm_training.get_megatron_optimizer_config(args)
+    config.timers = Timers(args.timing_log_level, args.timing_log_option)
+    return megatron_lm_training.get_megatron_optimizer(
+        config,
+        [model],
+        config_overrides=config_overrides,
+        use_gloo_process_groups=args.use_gloo_process_groups,
+        dump_param_to_param_group_map=args.dump_param_to_param_group_map,
+    )
+
+
+def model_from_args(args):
+    import torch
+
+    from megatron_eopt.training.model.gpt import GPTModelSettings, build_gpt_model
+
+    settings = GPTModelSettings(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups, ffn_hidden_size=args.ffn_hidden_size, swiglu=args.swiglu,
+        seq_length=args.seq_length, vocab_size=args.vocab_size, bf16=args.bf16,
+    )
+    model = build_gpt_model(settings)
+    return model.to(torch.float16) if args.fp16 else model
+
+
+def fixed_batch(args):
+    """One batch of rule sequences (megatron_eopt/training/data/datasets.py), identical on every rank."""
+    import torch
+
+    from megatron_eopt.training.data.datasets import rule_batch
+
+    generator = torch.Generator().manual_seed(SEED)
+    return rule_batch(args.global_batch_size, args.seq_length + 1, args.vocab_size, generator)
+
+
+def _row_body(rank: int, world_size: int, argv: str) -> dict:
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_eopt.integrations import megatron_lm
+    from megatron_eopt.training.model.gpt import destroy_model_parallel, gpt_loss, initialize_model_parallel
+
+    args = parse_megatron_lm(argv, rank, world_size)
+    initialize_model_parallel(args.tensor_model_parallel_size, seed=SEED)
+    try:
+        with megatron_lm.installed():
+            model = model_from_args(args)
+            optimizer = build_through_megatron_lm(args, model)
+        dp_group = parallel_state.get_data_parallel_group()
+        dp_rank, dp_size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
+        tokens = fixed_batch(args).chunk(dp_size)[dp_rank]
+        losses, checksums = [], []
+        for _ in range(STEPS):
+            optimizer.zero_grad()
+            loss = gpt_loss(model, tokens)
+            optimizer.scale_loss(loss).backward()
+            for param in model.parameters():  # Megatron-LM's DDP averages over DP first
+                dist.all_reduce(param.grad, group=dp_group)
+                param.grad /= dp_size
+            ok, _, _ = optimizer.step()
+            assert ok, "a step was skipped"
+            losses.append(loss.item())
+            checksums.append(_checksum(model))
+        config = optimizer.config
+        # megatron-core's standard overrides give embedding/output parameters max_lr/min_lr =
+        # decoupled_lr/decoupled_min_lr (with is_decoupled_lr False, as megatron-core 0.19 does).
+        decoupled = [(g["lr"], g["max_lr"], g["min_lr"]) for g in optimizer.param_groups
+                     if any(getattr(p, "is_embedding_or_output_parameter", False) for p in g["params"])]
+        return {
+            "class": type(optimizer).__name__,
+            "tp": parallel_state.get_tensor_model_parallel_world_size(),
+            "fields": {name: getattr(config, name) for name in vars(config) if name != "timers"},
+            "decoupled_group_lr": decoupled,
+            "losses": losses,
+            "checksums": checksums,
+        }
+    finally:
+        destroy_model_parallel()
+        from megatron.training import global_vars
+
+        global_vars.set_args(None)
+
+
+def _checksum(model) -> str:
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        digest.update(name.encode())
+        digest.update(param.detach().float().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _parse_body(rank: int, world_size: int, argv: str, with_ours: bool = True) -> dict:
+    """{'args': chosen attributes} or {'error': what argparse printed} for a bad command line."""
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            args = parse_megatron_lm(argv, rank, world_size, with_ours)
+    except SystemExit as exit_:
+        return {"error": stderr.getvalue(), "code": exit_.code}
+    from megatron.training.training import get_megatron_optimizer_config
+
+    from megatron_eopt.integrations.megatron_lm import optimizer_config_from_megatron_lm
+
+    mcore_config, _ = get_megatron_optimizer_config(args)
+    ours = optimizer_config_from_megatron_lm(args, mcore_config)
+    return {"ours": {k: v for k, v in vars(ours).items() if k != "timers"}}
+
+
+def _parsers_body(rank: int, world_size: int) -> dict:
+    """Megatron-LM's parser before and after add_megatron_eopt_args, action by action."""
+    import argparse
+
+    from megatron.training.arguments import add_megatron_arguments
+
+    import typing
+
+    from megatron_eopt.config import MatmulPrecision
+    from megatron_eopt.integrations.megatron_lm import add_megatron_eopt_args
+    from megatron_eopt.registry import list_optimizers
+
+    def describe(parser):
+        return {a.option_strings[0]: (tuple(a.option_strings), a.dest, a.default, a.nargs, a.const,
+                                      None if a.choices is None else tuple(a.choices))
+                for a in parser._actions if a.option_strings}
+
+    theirs = describe(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+    ours = describe(add_megatron_eopt_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))))
+    return {"theirs": theirs, "ours": ours, "registry": list(list_optimizers()),
+            "precisions": typing.get_args(MatmulPrecision)}
+
+
+def _install_body(rank: int, world_size: int) -> dict:
+    import megatron.training.training as megatron_lm_training
+
+    from megatron_eopt.integrations import megatron_lm
+
+    def called_name():  # what setup_model_and_optimizer resolves when it runs
+        return megatron_lm_training.setup_model_and_optimizer.__globals__["get_megatron_optimizer"]
+
+    original = called_name()
+    seen = {"before": called_name() is original}
+    megatron_lm.install()
+    megatron_lm.install()  # a second install changes nothing
+    seen["installed"] = called_name() is megatron_lm.get_megatron_optimizer_for_megatron_lm
+    megatron_lm.uninstall()
+    seen["restored"] = called_name() is original
+    with megatron_lm.installed():
+        seen["inside"] = called_name() is megatron_lm.get_megatron_optimizer_for_megatron_lm
+    seen["after"] = called_name() is original
+    return seen
+
+
+def _refuse_torch_format_body(rank: int, world_size: int) -> str:
+    from megatron_eopt.integrations import megatron_lm
+    from megatron_eopt.training.model.gpt import destroy_model_parallel, initialize_model_parallel
+
+    args = parse_megatron_lm(f"{MODEL_FLAGS} {ADAM} --use-distributed-optimizer --ckpt-format torch", rank, world_size)
+    initialize_model_parallel(1, seed=SEED)
+    try:
+        with megatron_lm.installed():
+            build_through_megatron_lm(args, model_from_args(args))
+    except ValueError as error:
+        return str(error)
+    finally:
+        destroy_model_parallel()
+    return "built"
+
+
+def _script_steps_body(rank: int, world_size: int) -> dict:
+    """The script's dataset provider, forward step and loss function on CPU (the loop around
+    them is Megatron-LM's and needs CUDA): its loss against cross entropy of the model's logits."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.training import global_vars
+
+    from megatron_eopt.integrations import megatron_lm_gpt as script
+    from megatron_eopt.training.model.gpt import destroy_model_parallel, initialize_model_parallel
+
+    args = parse_megatron_lm(f"{MODEL_FLAGS} {ADAM}", rank, world_size)
+    global_vars.set_args(args)
+    global_vars._GLOBAL_TOKENIZER = None
+    global_vars._build_tokenizer(args)  # what Megatron-LM's set_global_variables does
+    initialize_model_parallel(1, seed=SEED)
+    try:
+        train, valid, test = script.datasets_provider(None)
+        loader = lambda: iter(torch.utils.data.DataLoader(train, batch_size=args.micro_batch_size))
+        model = model_from_args(args)
+        output, loss_of = script.forward_step(loader(), model)
+        loss, num_tokens, report = loss_of(output)
+        batch = next(loader())
+        with torch.no_grad():
+            logits = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"))
+            per_token = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), batch["labels"].reshape(-1),
+                                        reduction="none")
+            mask = batch["loss_mask"].reshape(-1).float()
+            reference = (per_token * mask).sum().item()
+        return {"sizes": [len(train), len(valid), len(test)], "loss": loss.item(), "reference": reference,
+                "num_tokens": int(num_tokens), "mask_sum": int(mask.sum()), "report": report["lm loss"].tolist(), "report_keys": sorted(report)}
+    finally:
+        destroy_model_parallel()
+        global_vars.set_args(None)
+        global_vars._GLOBAL_TOKENIZER = None
+
+
+def _flat_tensors(tree, prefix=""):
+    """path -> tensor for every tensor in a nested state dict (lists and dicts)."""
+    import torch
+
+    if torch.is_tensor(tree):
+        return {prefix: tree.detach().clone()}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else ()
+    flat = {}
+    for key, value in items:
+        flat.update(_flat_tensors(value, f"{prefix}/{key}"))
+    return flat
+
+
+def _state_file_body(rank: int, world_size: int, directory: str) -> dict:
+    """--ckpt-format torch with the layer-wise optimizer: Megatron-LM saves one file per DP rank
+    (save_state_dict_to_file) and loads it back (load_state_dict_from_file)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_eopt.integrations import megatron_lm
+    from megatron_eopt.training.model.gpt import destroy_model_parallel, gpt_loss, initialize_model_parallel
+
+    args = parse_megatron_lm(f"{MODEL_FLAGS} {MUON} --use-distributed-optimizer --ckpt-format torch", rank, world_size)
+    initialize_model_parallel(1, seed=SEED)
+    try:
+        with megatron_lm.installed():
+            model = model_from_args(args)
+            optimizer = build_through_megatron_lm(args, model)
+        dp_group = parallel_state.get_data_parallel_group()
+        tokens = fixed_batch(args).chunk(2)[dist.get_rank(dp_group)]
+
+        def train_step():
+            optimizer.zero_grad()
+            gpt_loss(model, tokens).backward()
+            for param in model.parameters():
+                dist.all_reduce(param.grad, group=dp_group)
+                param.grad /= 2
+            assert optimizer.step()[0]
+
+        for _ in range(2):
+            train_step()
+        path = os.path.join(directory, f"layer_wise_optimizer_{dist.get_rank(dp_group)}.pt")
+        optimizer.save_state_dict_to_file(path)
+        saved = _flat_tensors(optimizer.state_dict())
+        train_step()  # the live state moves on
+        moved = _flat_tensors(optimizer.state_dict())
+        optimizer.load_state_dict_from_file(path)
+        loaded = _flat_tensors(optimizer.state_dict())
+        return {
+            "class": type(optimizer).__name__,
+            "n_tensors": len(saved),
+            "keys_equal": sorted(saved) == sorted(loaded),
+            "changed_by_step": sum(not torch.equal(saved[k], moved[k]) for k in saved),
+            "unequal_after_load": [k for k in saved if not torch.equal(saved[k], loaded[k])],
+        }
+    finally:
+        destroy_model_parallel()
+        from megatron.training import global_vars
+
+        global_vars.set_args(None)
+
+
+# ---------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[row[0] for row in ROWS])
+def test_megatron_lm_command_line_trains(run_distributed, row) -> None:
+    _, flags, expected = row
+    results = run_distributed(_row_body, world_size=2, args=(f"{MODEL_FLAGS} {flags}",), timeout=600)
+    for rank, result in enumerate(results):
+        losses = result["losses"]
+        assert losses[-1] <= 0.8 * losses[0], f"rank {rank}: loss did not fall: {losses}"
+        for name, value in expected.items():
+            if name in ("class", "tp"):
+                assert result[name] == value, (name, result[name])
+            elif name == "decoupled_group_lr":
+                assert result[name] and all(group == pytest.approx(value) for group in result[name]), result[name]
+            else:
+                got = result["fields"][name]
+                assert (str(got) if name == "params_dtype" else got) == value, (name, got)
+    if results[0]["tp"] == 1:  # two data-parallel replicas: bitwise equal after every step
+        assert results[0]["checksums"] == results[1]["checksums"]
+
+
+def test_extra_args_provider_keeps_megatron_lm_flags(run_distributed) -> None:
+    """Every Megatron-LM action keeps its spellings, dest, default and choices, except the
+    documented ones; our flags come on top; --optimizer lists every registered optimizer."""
+    result = run_distributed(_parsers_body, world_size=2)[0]
+    theirs, ours = result["theirs"], result["ours"]
+    changed = {option for option in theirs if ours[option] != theirs[option]}
+    assert changed <= {"--optimizer", "--muon-tp-mode", "--muon-fp32-matmul-prec"}, changed
+    assert set(theirs["--optimizer"][5]) < set(ours["--optimizer"][5])
+    assert set(result["registry"]) <= set(ours["--optimizer"][5])
+    assert ours["--muon-tp-mode"][5] == ("blockwise", "duplicated", "distributed", "sharded")
+    assert ours["--muon-tp-mode"][2] == "duplicated"  # ours and newer Megatron-LM's default
+    assert ours["--muon-fp32-matmul-prec"][5] == result["precisions"]  # exactly our config's
+    added = set(ours) - set(theirs)
+    assert added == {"--grad-norm-skip-threshold", "--muon-match-adamw-rms", "--muon-use-syrk",
+                     "--soap-shampoo-beta", "--soap-precondition-frequency", "--soap-no-kl-shampoo",
+                     "--adaptive-muon-moment2-method", "--adaptive-muon-beta2", "--adaptive-muon-eps"}, added
+
+
+@pytest.mark.parametrize(
+    "flags, field, value",
+    [
+        ("--muon-use-syrk", "muon_use_syrk", True),
+        ("--muon-match-adamw-rms", "muon_match_adamw_rms", True),
+        ("--muon-tp-mode sharded", "muon_tp_mode", "sharded"),
+        ("", "muon_tp_mode", "duplicated"),
+        ("--muon-fp32-matmul-prec highest", "muon_fp32_matmul_prec", "highest"),  # PENDING
+        ("--grad-norm-skip-threshold 7.5", "grad_norm_skip_threshold", 7.5),
+        ("--soap-no-kl-shampoo", "soap_use_kl_shampoo", False),
+        ("--adaptive-muon-eps 1e-5", "adaptive_muon_eps", 1e-5),
+        ("--muon-momentum 0.8", "muon_momentum", 0.8),  # one of Megatron-LM's own flags
+    ],
+)
+def test_each_flag_reaches_our_config(run_distributed, flags, field, value) -> None:
+    result = run_distributed(_parse_body, world_size=2, args=(f"{MODEL_FLAGS} {MUON} {flags}",))[0]
+    assert result["ours"][field] == value
+
+
+def test_matmul_precision_low_is_refused_with_the_reason(run_distributed) -> None:  # PENDING
+    result = run_distributed(_parse_body, world_size=2, args=(f"{MODEL_FLAGS} {MUON} --muon-fp32-matmul-prec low",))[0]
+    assert result.get("code") == 2, result
+    assert "--muon-fp32-matmul-prec" in result["error"] and "'low'" in result["error"]
+    allowed = result["error"].rsplit("choose one of", 1)[-1]
+    assert all(p in allowed for p in ("highest", "high", "medium")) and "low" not in allowed, result["error"]
+
+
+def test_megatron_lm_alone_still_parses_its_own_defaults(run_distributed) -> None:
+    """Without our provider Megatron-LM's parser is untouched (blockwise default)."""
+    result = run_distributed(_parse_body, world_size=2, args=(f"{MODEL_FLAGS} {MUON}", False))[0]
+    assert result["ours"]["muon_tp_mode"] == "blockwise"
+
+
+def test_install_rebinds_the_name_setup_model_and_optimizer_calls(run_distributed) -> None:
+    seen = run_distributed(_install_body, world_size=2)[0]
+    assert seen == {"before": True, "installed": True, "restored": True, "inside": True, "after": True}
+
+
+def test_distributed_optimizer_with_torch_checkpoint_format_is_refused(run_distributed) -> None:
+    message = run_distributed(_refuse_torch_format_body, world_size=2)[0]
+    assert "--ckpt-format torch_dist" in message and "save_parameter_state" in message, message
+
+
+def test_script_without_cuda_exits_at_once_with_one_line() -> None:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    script = REPO / "scripts" / "pretrain_gpt_megatron_lm.py"
+    done = subprocess.run([sys.executable, str(script), "--optimizer", "muon", "--use-distributed-optimizer",
+                           "--mock-data"], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 2, done
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "needs CUDA" in lines[0] and "scripts/pretrain_gpt.py" in lines[0], done.stderr
+    assert done.stdout == ""
+
+
+def test_script_data_and_loss_on_cpu(run_distributed) -> None:
+    """Loss = sum over unmasked tokens of the cross entropy of the model's own logits (fp32,
+    1e-5 relative: the same logits, two reductions); datasets as large as the run needs."""
+    result = run_distributed(_script_steps_body, world_size=2)[0]
+    train_needed = 10 * 4  # --train-iters x --global-batch-size
+    assert result["sizes"][0] >= train_needed, result["sizes"]
+    assert abs(result["loss"] - result["reference"]) <= 1e-5 * abs(result["reference"]), result
+    assert result["num_tokens"] == result["mask_sum"] > 0
+    assert result["report_keys"] == ["lm loss"]  # the key Megatron-LM logs as "lm loss"
+    assert result["report"] == pytest.approx([result["loss"], result["num_tokens"]], rel=1e-6)
+
+
+def test_layer_wise_state_files_round_trip(run_distributed, tmp_path) -> None:
+    """What Megatron-LM's --ckpt-format torch does with the layer-wise optimizer: each DP rank's
+    file brings back exactly the state it held (bitwise), after a step had changed it."""
+    for result in run_distributed(_state_file_body, world_size=2, args=(str(tmp_path),)):
+        assert result["class"] == "LayerWiseDistributedOptimizer"
+        assert result["n_tensors"] > 0 and result["keys_equal"]
+        assert result["changed_by_step"] > 0  # else the round trip would prove nothing
+        assert result["unequal_after_load"] == []

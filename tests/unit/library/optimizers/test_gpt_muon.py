@@ -1,0 +1,54 @@
+"""optimizer='muon' through get_megatron_optimizer on megatron-core's GPTModel shards.
+
+TP=2 and TP=4 (GQA 8 heads / 4 query groups, SwiGLU) take the same steps as TP=1 in the
+'duplicated', 'distributed' and 'sharded' modes: every rank's shard of every parameter
+matches the TP=1 parameter to 1e-5 after 3 steps (fp32; Newton-Schulz round-off differs
+with the matrix split), and the losses agree to 1e-5. Each mode is one call on 4 ranks:
+TP=1 (DP=4), TP=2 (DP=2) and TP=4 run one after the other on the same batch.
+"""
+
+import pytest
+import torch
+
+from megatron_eopt import OptimizerConfig
+from megatron_eopt.training.model.gpt import GPTModelSettings
+from tests.unit.library.optimizers.test_gpt_optimizer import local_shard, train_gpt
+
+SETTINGS = GPTModelSettings(num_layers=2, hidden_size=32, num_attention_heads=8, num_query_groups=4,
+                            ffn_hidden_size=48, swiglu=True, vocab_size=64, seq_length=16)
+
+
+def batch() -> torch.Tensor:
+    return torch.randint(0, SETTINGS.vocab_size, (4, SETTINGS.seq_length + 1), generator=torch.Generator().manual_seed(5))
+
+
+def train_muon(tp: int, tp_mode: str, steps: int) -> dict:
+    config = OptimizerConfig(optimizer="muon", lr=0.02, min_lr=0.0, weight_decay=0.05, clip_grad=1.0,
+                             muon_tp_mode=tp_mode, muon_momentum=0.9,
+                             muon_fp32_matmul_prec="highest")  # fp32: TP=n equals TP=1 to 1e-5
+    return train_gpt(SETTINGS, config, tp, steps, seed=11, tokens=batch())
+
+
+def _modes_body(rank: int, world_size: int, tp_mode: str) -> dict:
+    reference = train_muon(1, tp_mode, steps=3)
+    result = {}
+    for tp in (2, 4):
+        run = train_muon(tp, tp_mode, steps=3)
+        tp_rank = run["tp_rank"]
+        errors = {
+            name: (shard - local_shard(reference["params"][name][0], dim, stride, tp_rank, tp)).abs().max().item()
+            for name, (shard, dim, stride) in run["params"].items()
+        }
+        result[tp] = {"errors": errors, "losses": list(zip(reference["losses"], run["losses"]))}
+    return result
+
+
+@pytest.mark.parametrize("tp_mode", ["duplicated", "distributed", "sharded"])
+def test_muon_on_gpt_shards_equals_tp1(run_distributed, tp_mode: str) -> None:
+    for per_rank in run_distributed(_modes_body, world_size=4, args=(tp_mode,), timeout=600):
+        for tp, result in per_rank.items():
+            bad = {name: e for name, e in result["errors"].items() if e > 1e-5}
+            assert not bad, (tp_mode, tp, bad)
+            for tp1, tpn in result["losses"]:
+                assert abs(tp1 - tpn) < 1e-5, (tp_mode, tp, result["losses"])
+            assert result["losses"][-1][0] < result["losses"][0][0]  # it trains
