@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Print the path of a Python 3.12 interpreter, or explain how to get one and exit 1.
-# Order: $PYTHON312, python3.12 on PATH, the newest 3.12.x that pyenv lists.
+# Order: $PYTHON312, then the newest 3.12.x that `pyenv versions` lists, then python3.12 on PATH.
 set -u
 is_312() { "$1" -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 12) else 1)' 2>/dev/null; }
 
