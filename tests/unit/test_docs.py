@@ -1,0 +1,197 @@
+"""The README and docs/ stay short, their links resolve, and every code example in them runs.
+
+Examples are fenced blocks:
+- ```python: runs on CPU. A first line `# torchrun --nproc-per-node N this.py` runs it on N ranks
+  (torchrun's environment variables set), else in one process. `29500` becomes a free port.
+- ```bash: each command (lines joined at a trailing backslash) that starts with `python` or
+  `torchrun` runs on CPU, in order, in one scratch folder per block (it holds `scripts/` and
+  `tools/`); other lines (`make ...`) are not run. `--nproc-per-node N` gives N ranks.
+- A block whose first line is `# needs CUDA: REASON` is not run: the test is skipped with that
+  reason, after compiling a Python block or checking that a shell block's scripts exist.
+Other blocks (```text, plain ```) are not examples.
+
+To stay cheap, one subprocess imports torch and megatron-core once and forks a fresh process
+per rank of each example; an example sees a process with nothing initialised.
+"""
+
+import json
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+MAX_README_LINES = 300
+CUDA_MARK = "# needs CUDA:"
+FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.S | re.M)
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _examples() -> list[dict]:
+    found = []
+    for page in PAGES:
+        text = page.read_text()
+        for number, match in enumerate(FENCE.finditer(text)):
+            language, body = match.group(1), match.group(2)
+            if language not in ("python", "bash"):
+                continue
+            first = body.splitlines()[0] if body.strip() else ""
+            line = text[: match.start()].count("\n") + 1
+            found.append({"id": f"{page.relative_to(ROOT)}:{line}", "language": language, "code": body,
+                          "cuda": first[len(CUDA_MARK):].strip() if first.startswith(CUDA_MARK) else None})
+    return found
+
+
+def _commands(code: str) -> list[list[str]]:
+    """The shell commands of a block that start with python or torchrun, as argv lists."""
+    commands = []
+    for line in code.replace("\\\n", " ").splitlines():
+        words = shlex.split(line, comments=True)
+        if words and (words[0] in ("python", "torchrun") or words[0].endswith("/python")):
+            commands.append(words)
+    return commands
+
+
+EXAMPLES = _examples()
+
+
+def test_readme_is_at_most_300_lines() -> None:
+    lines = len((ROOT / "README.md").read_text().splitlines())
+    assert lines <= MAX_README_LINES, f"README.md has {lines} lines; move reference material to docs/."
+
+
+def test_relative_links_resolve() -> None:
+    broken = []
+    for page in PAGES:
+        for target in LINK.findall(page.read_text()):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue
+            path = (page.parent / target.split("#")[0]).resolve()
+            if not path.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken, broken
+
+
+RUNNER = textwrap.dedent(r'''
+    import json, os, runpy, shlex, socket, sys, tempfile, time, traceback
+    import torch, torch.distributed, megatron.core.parallel_state, megatron.core.models.gpt  # paid once
+    root, examples = sys.argv[1], json.loads(sys.stdin.read())
+
+    def free_port():
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+
+    def ranks_of(words):
+        for i, word in enumerate(words):
+            if word.startswith("--nproc-per-node"):
+                return int(word.split("=")[1] if "=" in word else words[i + 1])
+        return 1
+
+    def script_and_args(words):  # `python X.py ...` or `torchrun [--opts] X.py ...`
+        if words[0] != "torchrun":
+            return words[1], words[2:]
+        i = 1
+        while words[i].startswith("--"):
+            i += 1 if "=" in words[i] or words[i] == "--standalone" else 2
+        return words[i], words[i + 1:]
+
+    def run(ranks, body, timeout=300):
+        port, children = free_port(), []
+        for rank in range(ranks):
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    if ranks > 1:
+                        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                                          LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks))
+                    body()
+                    code = 0
+                except SystemExit as error:
+                    code = error.code if isinstance(error.code, int) else (0 if error.code is None else 1)
+                except BaseException:
+                    traceback.print_exc()
+                finally:
+                    sys.stdout.flush(); sys.stderr.flush()
+                    os._exit(code)
+            children.append(pid)
+        deadline, codes = time.time() + timeout, []
+        for pid in children:
+            while True:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    codes.append(os.waitstatus_to_exitcode(status)); break
+                if time.time() > deadline:
+                    for other in children:
+                        try: os.kill(other, 9)
+                        except ProcessLookupError: pass
+                    codes.append("timeout"); break
+                time.sleep(0.05)
+        return codes
+
+    results = {}
+    for example in examples:
+        start = time.time()
+        with tempfile.TemporaryDirectory() as scratch:
+            for name in ("scripts", "tools"):
+                os.symlink(os.path.join(root, name), os.path.join(scratch, name))
+            os.chdir(scratch)
+            if example["language"] == "python":
+                code = example["code"].replace("29500", str(free_port()))
+                first = code.splitlines()[0]
+                ranks = ranks_of(shlex.split(first[1:])) if first.startswith("# torchrun") else 1
+                body = lambda: exec(compile(code, example["id"], "exec"), {"__name__": "__main__"})
+                codes = run(ranks, body)
+            else:
+                codes = []
+                for words in example["commands"]:
+                    script, args = script_and_args(words)
+                    def body(script=script, args=args):
+                        sys.argv = [script, *args]
+                        runpy.run_path(script, run_name="__main__")
+                    codes = run(ranks_of(words), body)
+                    if any(codes):
+                        break
+            os.chdir(root)
+        results[example["id"]] = {"codes": codes, "seconds": round(time.time() - start, 1)}
+        print(f"{example['id']}: {codes} in {results[example['id']]['seconds']} s", file=sys.stderr, flush=True)
+    print("RESULTS " + json.dumps(results))
+''')
+
+
+@pytest.fixture(scope="module")
+def example_results() -> dict:
+    runnable = []
+    for example in EXAMPLES:
+        if example["cuda"] is None:
+            runnable.append({**example, "commands": _commands(example["code"]) if example["language"] == "bash" else []})
+    result = subprocess.run([sys.executable, "-c", RUNNER, str(ROOT)], input=json.dumps(runnable), cwd=ROOT,
+                            capture_output=True, text=True, timeout=900)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULTS ")]
+    assert lines, result.stdout[-3000:] + result.stderr[-6000:]
+    return {"results": json.loads(lines[-1][len("RESULTS "):]), "log": result.stdout[-4000:] + result.stderr[-8000:]}
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[example["id"] for example in EXAMPLES])
+def test_example_runs(example: dict, example_results: dict) -> None:
+    if example["cuda"] is not None:
+        if example["language"] == "python":
+            compile(example["code"], example["id"], "exec")
+        for words in _commands(example["code"]):
+            scripts = [word for word in words if word.endswith(".py")]
+            assert scripts and all((ROOT / script).exists() for script in scripts), words
+        pytest.skip(f"needs CUDA: {example['cuda']}")
+    outcome = example_results["results"][example["id"]]
+    assert outcome["codes"] and all(code == 0 for code in outcome["codes"]), example_results["log"]
+
+
+def test_readme_has_a_library_example_and_a_trainer_example() -> None:
+    ids = [example["id"] for example in EXAMPLES if example["id"].startswith("README.md")]
+    languages = {example["language"] for example in EXAMPLES if example["id"] in ids}
+    assert languages == {"python", "bash"}, ids
