@@ -1,19 +1,15 @@
 """Megatron-Bridge style set-up: `setup_optimizer(optimizer_config, scheduler_config, model)`.
 
-Megatron-Bridge (`megatron.bridge.training.optim.setup_optimizer`) builds the optimizer and
-megatron-core's `OptimizerParamScheduler` from two configs; downstream code wraps that call.
-This module offers the same call over megatron_eopt:
-
-- `SchedulerConfig`: Bridge's scheduler fields, plus the three training-loop values the step
-  counts need (`global_batch_size`, `train_iters` or `train_samples`), which Bridge reads from
-  its `TrainingConfig`. Validated in `__post_init__` (re-run with `finalize()`).
+Megatron-Bridge's `setup_optimizer` builds the optimizer and megatron-core's
+`OptimizerParamScheduler` from two configs; this module offers the same call:
+- `SchedulerConfig`: Bridge's scheduler fields, plus `global_batch_size` and `train_iters` or
+  `train_samples`, which Bridge reads from its `TrainingConfig`. Checked in `__post_init__`
+  (re-run with `finalize()`).
 - `setup_optimizer(...) -> (optimizer, scheduler)`: the optimizer through
-  `optimizer_config.provide(...)` when the config has that hook (ours does), else
-  `get_megatron_optimizer`; the scheduler counts steps in samples
-  (iterations * global_batch_size), so the trainer calls `scheduler.step(global_batch_size)`.
-- `OptimizerConfigOverrideProvider` / `OptimizerConfigOverrideProviderContext`: Bridge's hook
-  for per-parameter overrides.
-- `to_dict/from_dict/to_yaml/from_yaml` for both configs (YAML needs the optional PyYAML).
+  `optimizer_config.provide(...)` when the config has that hook, else `get_megatron_optimizer`.
+  The scheduler counts steps in samples, so the trainer calls `scheduler.step(global_batch_size)`.
+- `OptimizerConfigOverrideProvider` and its context: Bridge's hook for per-parameter overrides.
+- `to_dict/from_dict/to_yaml/from_yaml` for both configs (YAML needs PyYAML).
 """
 
 import dataclasses

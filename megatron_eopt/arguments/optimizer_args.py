@@ -1,19 +1,15 @@
 """Megatron-LM-compatible optimizer flags: `add_optimizer_args(parser)`.
 
 Every flag's `dest` is the `OptimizerConfig` field of the same name, and every default is read
-from `dataclasses.fields(OptimizerConfig)` (never retyped here), except
-`--muon-fp32-matmul-prec`, whose default None means "chosen from the hardware" by
-`optimizer_config_from_args` ('medium' where bf16 matrix products are native, else 'highest';
-the dataclass keeps megatron-core's 'medium', which the library honours on every device), so trainers that copy argparse
-attributes onto the config by name (Megatron-LM, Megatron-Bridge) get the same config as code
-that builds `OptimizerConfig()` directly. Flags are spelled as Megatron-LM spells them:
-`store_true` booleans, except Megatron-LM's negative spellings `--muon-no-split-qkv` and
-`--soap-no-kl-shampoo` (`store_false`, default True).
+from `dataclasses.fields(OptimizerConfig)`, so trainers that copy argparse attributes onto the
+config by name get the config that `OptimizerConfig()` gives. One exception:
+`--muon-fp32-matmul-prec` defaults to None, which `optimizer_config_from_args` resolves from the
+hardware ('medium' where bf16 matrix products are native, else 'highest').
 
-Imports: `megatron_eopt/arguments/` depends on `megatron_eopt.config` only. The lists of valid optimizer
-names and Newton-Schulz coefficient sets come from what is installed, so they are read from
-`megatron_eopt.registry.list_optimizers` and `megatron_eopt.ops.newton_schulz.coefficient_types`
-inside `add_optimizer_args` (lazily: importing this module stays cheap).
+Flags are spelled as Megatron-LM spells them: `store_true` booleans, except its negative
+spellings `--muon-no-split-qkv` and `--soap-no-kl-shampoo`. `megatron_eopt/arguments/` imports
+only `megatron_eopt.config`; the valid optimizer names and coefficient sets are read from the
+registry and ops/newton_schulz.py inside `add_optimizer_args`, so importing this module is cheap.
 """
 
 import argparse

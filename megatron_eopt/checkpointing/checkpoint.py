@@ -1,19 +1,16 @@
 """save_checkpoint / load_checkpoint: model, optimizer and scheduler in one sharded checkpoint.
 
-Built on torch.distributed.checkpoint: each rank writes the pieces it holds (its TP shard,
-the state of the parameters it owns), nothing is gathered to one rank. Tensors are stored in
-their global shape under their names in the PP=1/EP=1 model (global layer and expert numbers,
-global_names.py), so a checkpoint loads at another TP, DP, pipeline or expert-parallel size,
-with or without the layer-wise optimizer, in bf16 or fp32. Every rank loads the whole model
-(so no data-parallel rank keeps stale parameters), and the state of the parameters it steps.
+Built on torch.distributed.checkpoint: each rank writes the pieces it holds (its TP shard, its
+FSDP2 rows, the state of the parameters it owns), nothing is gathered. Tensors are stored in
+their global shape under their names in the PP=1/EP=1 model (global_names.py), so a checkpoint
+loads at another TP, DP, pipeline or expert-parallel size, with or without the layer-wise
+optimizer, in bf16 or fp32. Every rank loads the whole part of the model it holds.
+
 Directories are committed atomically, by one run at a time (storage.py); the lr schedule is
-checked before anything changes (schedule.py); RNG states are kept per rank (rng.py). Call
-both functions on every rank of the job; all collectives run over the job's own ranks
-(`tp_dp_cp` of `pg_collection`, or its `job` group with pipeline parallelism), never a group the
-caller did not give, so jobs sharing one WORLD checkpoint independently. A torch FSDP2 model
-(DTensor parameters, see distributed/fsdp2.py) is checkpointed over its mesh's group (with
-tensor parallelism too, over the TP x DP group of `pg_collection` or parallel_state), as its
-optimizer steps: each rank writes and reads its rows of the global tensors (layout.py).
+checked before anything changes (schedule.py); RNG states are kept per rank (rng.py). Call both
+functions on every rank of the job. Collectives run over the job's own ranks (`tp_dp_cp`, or
+`job` with pipelines; an FSDP2 model's mesh group), so jobs sharing one WORLD checkpoint
+independently. docs/checkpoints.md describes the behaviour.
 """
 
 import json

@@ -1,20 +1,14 @@
 """Where a rank's tensor sits in the global (unsharded) tensor a checkpoint stores.
 
-A checkpoint stores every parameter, fp32 main copy and parameter-shaped optimizer state in
-the shape it has at TP=1, under the parameter's name, so any layout can read any part of it.
-A tensor-parallel shard is saved as a DTensor shard of that global tensor: each rank writes
-its own piece and torch.distributed.checkpoint records the offsets. A weight built with
-`partition_stride=k` (megatron-core's gated `linear_fc1`: rank r holds [gate_r; up_r]) is
-stored as k global tensors `<key>#part<i>` (all gates, all ups), which is what TP=1 holds too.
-A torch FSDP2 (`fully_shard`) parameter is a DTensor split by rows, Shard(0), over its mesh:
-rank r holds rows `torch.chunk(rows, N)[r]` (uneven, possibly none). Its rows and those of its
-parameter-shaped optimizer state are written as pieces of the same global tensors, cut where the
-`#part<i>` tensors meet (a gated linear_fc1's gate/up boundary need not fall between two ranks'
-rows), with explicit offsets: a ShardedTensor, which torch.distributed.checkpoint reads and
-writes like a DTensor. Nothing is gathered. With Megatron tensor parallelism too (TP x FSDP2),
-the rows FSDP2 splits are those of this TP rank's shard, which sits at TP rank t's place along
-megatron-core's partition_dim in the global tensor: the offsets add that place, and the
-ShardedTensor lists the pieces of every (TP rank, DP rank).
+Every parameter, fp32 main copy and parameter-shaped optimizer state is stored in its TP=1
+shape under the parameter's name, so any layout can read any part of it.
+- A tensor-parallel shard is saved as a DTensor shard of that global tensor.
+- A weight built with `partition_stride=k` (a gated `linear_fc1`: rank r holds [gate_r; up_r])
+  is stored as k global tensors `<key>#part<i>`, which is what TP=1 holds too.
+- A torch FSDP2 parameter (rows `torch.chunk(rows, N)[r]`, possibly none) and its state are
+  written as pieces of the same global tensors with explicit offsets, cut where the
+  `#part<i>` tensors meet: a ShardedTensor. Nothing is gathered.
+- With TP x FSDP2 the offsets add this TP shard's place along megatron-core's partition_dim.
 """
 
 from dataclasses import dataclass

@@ -1,20 +1,14 @@
 """The lr scheduler's part of a checkpoint, checked before anything is loaded.
 
-megatron-core's `OptimizerParamScheduler.load_state_dict` compares each schedule value of the
-checkpoint (lr, min lr, warmup and decay steps, decay style, weight-decay range) with its own
-and asserts they match unless one of Megatron-LM's two flags, set on the scheduler, says which
-to keep:
-- `override_opt_param_scheduler` (`--override-opt_param-scheduler`): this run's values; only
-  the step count comes from the checkpoint;
-- `use_checkpoint_opt_param_scheduler` (`--use-checkpoint-opt_param-scheduler`): the
-  checkpoint's values, this run's are ignored.
-Its assertion fires halfway through loading, after the model was overwritten. Here the same
-comparison runs first, on every rank, and a mismatch is a CheckpointError naming each value
-(checkpoint vs now) and the two flags. The per-group lr bounds (`max_lr`/`min_lr` that the
-scheduler reads from each param group, e.g. a decoupled embedding lr) are compared too, and
-the checkpoint's are restored with `use_checkpoint_opt_param_scheduler`, so that flag restores
-the whole schedule (megatron-core restores group bounds with every optimizer load, which makes
-its override flag ineffective for them; here they follow the flags).
+megatron-core's `OptimizerParamScheduler.load_state_dict` asserts that the checkpoint's schedule
+(lr, min lr, warmup and decay steps, decay style, weight-decay range) equals its own, unless a
+flag says which to keep:
+- `override_opt_param_scheduler`: this run's values; only the step count comes from the checkpoint;
+- `use_checkpoint_opt_param_scheduler`: the checkpoint's values.
+Its assertion fires halfway through loading. Here the comparison runs first, on every rank, and
+a mismatch is a CheckpointError naming each value and the two flags. The param groups'
+`max_lr`/`min_lr` are compared too, and restored only with `use_checkpoint_opt_param_scheduler`,
+so the flags hold for them as well.
 """
 
 import json

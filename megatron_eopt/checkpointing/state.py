@@ -1,22 +1,15 @@
 """The entries of a checkpoint: model parameters and optimizer state by parameter name.
 
-Keys (see layout.py for `#part<i>` and `@tp<r>of<n>` suffixes):
-`<fqn>` is the parameter's name in the PP=1/EP=1 model (global_names.py: global layer and
-expert numbers, no `model_chunk<i>.` prefix), so a checkpoint loads at another pipeline or
-expert-parallel size. The last stage's tied output-layer copy is the embedding it copies
-(both stages write the same values; torch.distributed.checkpoint keeps one).
+`<fqn>` is the parameter's name in the PP=1, EP=1 model (global_names.py); layout.py adds the
+`#part<i>` and `@tp<r>of<n>` suffixes.
     model/<fqn>                  the model parameter, global shape, model dtype
     main/<fqn>                   its fp32 main copy (mixed precision only)
-    state/<child>/<fqn>/<name>   optimizer state `name` of the parameter (global shape when it
-                                 has the parameter's shape; scalars and objects as they are)
+    state/<child>/<fqn>/<name>   optimizer state `name` of the parameter
     groups/<child>               hyperparameters of every param group, by group key (JSON)
     grad_scaler/<child>          the loss scaler's state (JSON)
-`<child>` is the name of a chained optimizer (e.g. `muon/dense`, `adam/dense`); expert children
-and param groups are stored under the dense names (global_names.py says why). Only the rank that holds
-a state writes it (the owner, with the layer-wise optimizer); replicas are written once.
-A torch FSDP2 model (DTensor parameters) is stored the same way: each rank writes its rows of
-every parameter and of its parameter-shaped state, as pieces of the global tensor (layout.py);
-its optimizer steps the DTensors' local shards in place, so there is no separate main copy.
+`<child>` names a chained optimizer (e.g. `muon/dense`); expert children are stored under the
+dense names. Only the rank that holds a state writes it; replicas are written once. An FSDP2
+model's ranks write their rows as pieces of the global tensor.
 """
 
 import io

@@ -1,30 +1,16 @@
 """Checkpoint directories that are either complete or absent.
 
-Layout of `checkpoint_dir`:
     iter_0000010/                  a complete checkpoint: torch.distributed.checkpoint files
-        .metadata, __<rank>_<i>.distcp
         megatron_eopt.json         manifest: what is inside, and every file's size and CRC-32
     latest                         the name of the last complete checkpoint
-    .iter_0000020.incomplete/      a save in progress (or one killed midway)
-    .save_lock                     rank 0 holds an advisory lock on it while saving (who: inside)
+    .iter_0000020.incomplete/      a save in progress, or one killed midway
+    .save_lock                     rank 0 holds an advisory flock on it while saving
 
-A save writes into the `.incomplete` directory; when every rank has written its files and
-rank 0 the manifest, rank 0 renames it into place and only then rewrites `latest` (itself
-through a rename), so a process killed at any moment leaves the previous checkpoint and its
-marker intact. (Saving an iteration again moves the old copy to `iter_N.replaced` for the
-moment of the swap; a load finds it there if the swap was cut short.) A load verifies every
-file against the manifest first (the ranks share the work), so a truncated or corrupted
-checkpoint is named, never half-loaded.
-
-Every collective runs over `group`, the ranks that save or load this checkpoint together (None:
-one rank alone); ranks are numbered within it. Other jobs may share torch's WORLD.
-
-Two runs must not save into one directory at once: rank 0 takes an exclusive `fcntl.flock` on
-`.save_lock` for the whole save and a second saver is refused with the holder's pid, host and
-start time. A save is reported done only after the renamed directory verifies against its
-manifest, and only then does `latest` move (with a warning if it moves to an older iteration).
-A load without `latest` (a crash between the rename and the marker update) falls back to the
-newest `iter_N` that verifies, and says so.
+A save writes into the `.incomplete` directory. Rank 0 renames it into place when every rank is
+done, verifies it, and only then rewrites `latest` by a rename. Saving an iteration again moves
+the old copy to `iter_N.replaced` for the swap. A load verifies every file against the manifest
+first. Every collective runs over `group`, the ranks that save or load together (None: one
+rank). docs/checkpoints.md describes the behaviour.
 """
 
 import fcntl

@@ -1,28 +1,17 @@
-"""Models sharded with torch FSDP2 (`torch.distributed.fsdp.fully_shard`): DTensor parameters.
+"""Models sharded with torch FSDP2 (`fully_shard`): DTensor parameters on a 1-D mesh, Shard(0).
 
-`fully_shard` turns every parameter into a DTensor on a 1-D DeviceMesh with placement Shard(0):
-rank r of the mesh holds rows `torch.chunk(rows, N)[r]` (uneven, possibly none). This module
-- checks that layout, naming the parameter and placement it cannot handle;
-- takes the data-parallel group from the parameters' mesh (no megatron-core parallel_state);
-- restores the routing facts `fully_shard` drops from parameters (megatron-core's attributes
-  `is_embedding_or_output_parameter`, `tensor_model_parallel`, `partition_dim`, `allreduce`),
-  from module types and names alone: lookup tables are found by module type (as for any model),
-  the output layer by its megatron-core name `output_layer.weight`, tensor-parallel splits by
-  megatron-core's layer types (column-parallel: dim 0, row-parallel: dim 1); expert parallelism
-  is refused (not implemented with FSDP2);
-- with Megatron tensor parallelism as well (TP x FSDP2: each TP rank's shard of a matrix is
-  split by rows over that rank's data-parallel mesh), takes the TP group from `pg_collection` or
-  megatron-core's parallel_state and checks that it is the one the layers were built with and
-  that it crosses the mesh (one rank in common: this one);
-- assigns each matrix of a whole-matrix optimizer (Muon, AdaptiveMuon, MOP, PolarGrad, Scion)
-  an owner rank by Newton-Schulz cost (the layer-wise
-  optimizer's `assign_owners`), who runs its whole-matrix Newton-Schulz (ops/row_shards.py;
-  with TP, the owners of one matrix form a TP group and orthogonalize its TP shards together);
-- wraps the inner optimizers so that they step plain tensors aliasing each DTensor's local
-  shard (`FullyShardedFP32Optimizer`): optimizer state is created per shard, 1/N of the memory,
-  elementwise optimizers (Adam, Lion) step shards directly, and the gradient norm and inf/NaN
-  check are summed over the mesh's group (then over the model-parallel group, a TP-replicated
-  parameter counted on TP rank 0 only), so clipping and skipping agree on every rank.
+This module
+- checks that layout, naming any parameter or placement it cannot handle;
+- takes the data-parallel group from the parameters' mesh;
+- restores the routing facts `fully_shard` drops (`is_embedding_or_output_parameter`,
+  `tensor_model_parallel`, `partition_dim`, `allreduce`) from module types and names;
+- with tensor parallelism as well, takes the TP group from `pg_collection` or parallel_state and
+  checks it against the layers and the mesh;
+- gives each whole-matrix optimizer's matrix an owner rank by Newton-Schulz cost
+  (ops/row_shards.py runs the exchange);
+- wraps the inner optimizers to step each DTensor's local shard (`FullyShardedFP32Optimizer`),
+  with the gradient norm and the inf/NaN check summed over the mesh, then the model-parallel group.
+docs/fsdp2.md describes the behaviour.
 """
 
 import dataclasses

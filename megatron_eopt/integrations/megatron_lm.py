@@ -1,24 +1,15 @@
 """Megatron-LM's own training loop with megatron_eopt's optimizer.
 
-Megatron-LM (`megatron.training`, shipped inside the megatron-core wheel) builds its optimizer in
-`setup_model_and_optimizer` by calling the name `get_megatron_optimizer` of the module
-`megatron.training.training` with megatron-core's `OptimizerConfig`. `install()` rebinds that
-name to `get_megatron_optimizer_for_megatron_lm`, which turns Megatron-LM's arguments plus that
-config into our `OptimizerConfig` and calls `megatron_eopt.get_megatron_optimizer`; Megatron-LM's
-loop, logging and checkpointing then drive our optimizer object. `uninstall()` puts the
-original back. `add_megatron_eopt_args` is the `extra_args_provider` that teaches Megatron-LM's
-parser our choices and flags without changing any of its own:
+Megatron-LM's `setup_model_and_optimizer` calls the name `get_megatron_optimizer` of
+`megatron.training.training`. `install()` rebinds that name to
+`get_megatron_optimizer_for_megatron_lm`, which turns Megatron-LM's arguments and
+megatron-core's config into our `OptimizerConfig` and calls `megatron_eopt.get_megatron_optimizer`.
+`uninstall()` puts the original back.
 
-- `--optimizer`: every optimizer in our registry;
-- `--muon-tp-mode`: adds 'sharded', and defaults to our 'duplicated' (Megatron-LM 0.19 defaults
-  to 'blockwise', whose update depends on the TP degree; newer Megatron-LM also moved to
-  'duplicated');
-- `--muon-fp32-matmul-prec`: exactly our config's values ('low' is refused with the reason);
-- flags of our `OptimizerConfig` fields that Megatron-LM's parser lacks (`--muon-match-adamw-rms`,
-  `--muon-use-syrk`, `--grad-norm-skip-threshold`, the SOAP and adaptive-Muon flags). Two of ours
-  are deliberately left out (`NOT_OFFERED` says why).
-
-This is the only module of megatron_eopt that imports `megatron.training`.
+`add_megatron_eopt_args` is the `extra_args_provider` that adds our choices and flags to
+Megatron-LM's parser without changing any of its own; `NOT_OFFERED` names the two left out.
+This is the only module of megatron_eopt that imports `megatron.training`; docs/megatron-lm.md
+describes it.
 """
 
 import argparse

@@ -1,20 +1,17 @@
 """Newton-Schulz orthogonalization of tensor-parallel shards, in four TP modes.
 
-The iteration itself is emerging_optimizers' `newton_schulz`; this module decides which
-matrix each rank orthogonalizes and moves shards accordingly:
-- blockwise:   each rank orthogonalizes its local shard; no communication; the result (and
-               the scale, from the local shape) depends on the TP degree.
-- duplicated:  all-gather the shards (one collective for all blocks of a step), every TP rank
-               orthogonalizes the full matrix, keeps its slice.
+The iteration is emerging_optimizers' `newton_schulz`; this module decides which matrix each
+rank orthogonalizes and moves the shards:
+- blockwise:   each rank its local shard; no communication; the update depends on the TP degree.
+- duplicated:  one all-gather for all blocks of a step; every TP rank orthogonalizes the full
+               matrix and keeps its slice.
 - distributed: the shards stay put; each iteration all-reduces the small Gram matrix.
-- sharded:     each matrix is orthogonalized by exactly one TP rank (cost-balanced); shards go
-               to it with one all-to-all and the results come back with another.
+- sharded:     one TP rank per matrix, cost-balanced; one all-to-all there, one back.
 All but blockwise equal the TP=1 update to fp32 round-off. Scales use the global block shape.
 
-Matrices orthogonalized on one rank go through `orthogonalize_batched`: every group of equal
-shape is one batched (3-D) `newton_schulz` call. Each matrix, even one alone in its
-group, takes that same path, so a matrix's result does not depend on which others share the
-step (layer-wise owners and the non-distributed optimizer agree bitwise).
+`orthogonalize_batched` runs every group of equal shape as one batched `newton_schulz` call.
+Every matrix takes that path, even alone, so its result does not depend on which others share
+the step. docs/tp-muon.md describes the modes.
 """
 
 import typing

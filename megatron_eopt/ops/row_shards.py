@@ -1,28 +1,16 @@
-"""Newton-Schulz (or any whole-matrix function) of matrices split by rows over a data-parallel
-group (torch FSDP2's Shard(0)).
+"""Newton-Schulz, or any whole-matrix function, of matrices split by rows over a data-parallel
+group (torch FSDP2's Shard(0); shards may be uneven or empty).
 
-FSDP2 gives rank r rows `torch.chunk(rows, N)[r]` of every matrix: uneven when N does not divide
-the rows, and empty on the last ranks when there are fewer rows than ranks. Each matrix has one
-owner rank (chosen by the caller, balancing Newton-Schulz cost). A step:
-1. one all_to_all_single sends every rank's row shard of each matrix to its owner (explicit
-   split sizes, so uneven and empty shards need no padding);
-2. each owner stacks the rows into the whole matrix, splits it into its blocks (q/k/v of a fused
-   linear_qkv, gate/up of a gated linear_fc1) and orthogonalizes its blocks, equal shapes
-   batched (`orthogonalize_batched`, the path every other mode takes, so the result is bitwise
-   that of the unsharded optimizer);
+Each matrix has one owner rank, chosen by the caller. A step:
+1. one all_to_all_single sends every rank's rows of each matrix to its owner (explicit split
+   sizes, no padding);
+2. each owner stacks the rows, splits the matrix into its blocks (q/k/v, gate/up) and
+   orthogonalizes them, equal shapes batched;
 3. a second all_to_all_single sends each rank its rows of the result.
-`map_row_shards` is steps 1 and 3 around any function of the owned whole matrices (MOP's,
-PolarGrad's and Scion's own `orthogonalize`). Each rank sends (and receives) its shard of every
-matrix once in each direction: two shard volumes per matrix, the lower bound for one owner per
-matrix. No collective runs over a group other than the one given.
-
-With Megatron tensor parallelism as well (a 2-D layout, TP x FSDP2), the matrix FSDP2 splits by
-rows is this TP rank's shard (megatron-core's, along `partition_dim`); the owner is chosen the
-same on every TP rank (from the same shapes), so in step 2 the owners of one matrix are exactly
-the ranks of one TP group, and they orthogonalize their TP shards together in the TP mode
-(`orthogonalize_updates`) over that group, as TensorParallelMuon does without FSDP2. 'duplicated'
-runs as 'sharded' there: the same update (the whole matrix orthogonalized), but by one TP rank
-instead of all of them, so no rank repeats another's Newton-Schulz.
+`map_row_shards` is steps 1 and 3 around any function of the owned matrices (MOP's, PolarGrad's
+and Scion's `orthogonalize`). With tensor parallelism as well, the owners of one matrix form one
+TP group and orthogonalize its TP shards together in the TP mode; 'duplicated' runs as
+'sharded' there. docs/fsdp2.md describes what is sent.
 """
 
 from dataclasses import dataclass

@@ -1,19 +1,17 @@
 """The optimizer contract megatron-core trainers call, and the one step recipe behind it.
 
 `step()` returns `(update_successful, grad_norm, num_zeros_in_grad)`:
-1. every child copies its gradients to fp32 main gradients, unscales them and counts
-   inf/NaN, then sums [non-finite, norm^2, zeros] over the ranks that hold disjoint parts;
+1. every child copies its gradients to fp32 main gradients, unscales them and counts inf/NaN,
+   then sums [non-finite, norm^2, zeros] over the ranks that hold disjoint parts;
 2. inf/NaN anywhere: update the loss scale, return (False, None, None), change nothing else;
 3. clip every child's gradients by the global norm (`clip_grad`, 0 = off);
 4. a norm above `grad_norm_skip_threshold` returns (False, norm, zeros) without stepping;
 5. every child steps and copies its main parameters back to the model.
 
-With `config.timers` (megatron-core's `Timers`), the phases are timed under megatron-core's
-names, each started with `barrier=config.barrier_with_L1_time` as megatron-core does:
-'optimizer-copy-to-main-grad' (1: here the copy, unscaling, inf/NaN check, norm and zero
-count are one pass), 'optimizer-clip-main-grad' (3), 'optimizer-inner-step' and
-'optimizer-copy-main-to-model-params' (5, per child), and 'params-all-gather' (the layer-wise
-optimizer's broadcast from owners).
+With `config.timers` (megatron-core's `Timers`) the phases are timed under megatron-core's names,
+with `barrier=config.barrier_with_L1_time`: 'optimizer-copy-to-main-grad' (1),
+'optimizer-clip-main-grad' (3), 'optimizer-inner-step' and 'optimizer-copy-main-to-model-params'
+(5), and 'params-all-gather' (the layer-wise broadcast).
 """
 
 import contextlib

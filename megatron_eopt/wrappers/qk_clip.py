@@ -1,21 +1,14 @@
 """QK-clip as part of the optimizer step (MuonClip): settings, attention layers, the step hook.
 
-The optimizer finds every attention layer of the model chunks it was given (a module with a
-`core_attention` and a fused `linear_qkv`, at any depth, so DDP / Float16Module wrappers do not
-matter) and asks each core attention to record `current_max_attn_logits` (megatron-core's
-attribute: the per-head maximum of q.k/sqrt(d) on this tensor-parallel rank since the last step).
+The optimizer finds every attention layer of its model chunks (a module with a `core_attention`
+and a fused `linear_qkv`, behind any wrappers) and asks each core attention to record
+`current_max_attn_logits`, megatron-core's per-head maximum of q.k/sqrt(d).
 
-In `step()`: the maxima are MAX-reduced over the data-parallel x context-parallel group given to
-the optimizer and reset (every step, also a skipped one); `max_attention_logit` becomes the
-largest over the model (also MAX-reduced over the model-parallel group). With `qk_clip`, after a
-successful update each child scales the q/k rows of the `linear_qkv` weights (and biases) it
-steps in its fp32 main copies (ops/qk_clip.py), before they are copied to the model; with the
-layer-wise optimizer only the owner does, and its broadcast brings the result to the other
-ranks. So the next step starts from the clipped main copy, never a stale one.
-
-Nothing here reads the device from the host during the step: every layer's scales stay on the
-device (exactly 1 for groups under the threshold, which leaves their rows bitwise unchanged),
-and `max_attention_logit` is read back only when someone asks for it (the trainer's log line).
+In `step()` the maxima are MAX-reduced over the data x context-parallel group and reset. With
+`qk_clip`, after a successful update each child scales the q/k rows of the `linear_qkv` weights
+and biases in its fp32 main copies (ops/qk_clip.py); under the layer-wise optimizer only the
+owner does, and its broadcast carries the result. The scales stay on the device;
+`max_attention_logit` is read back only when asked for. docs/qk-clip.md describes it.
 """
 
 import contextlib

@@ -1,20 +1,15 @@
-"""Megatron-LM's growing global batch: the global batch size as a function of the samples
-consumed so far.
+"""Megatron-LM's growing global batch: the batch size as a function of the samples consumed.
 
-- `--rampup-batch-size START INCREMENT SAMPLES` (Megatron-LM's older flag, in its GPT-3
-  example): the batch starts at START and grows by INCREMENT in (--global-batch-size - START) /
-  INCREMENT equal steps spread over the first SAMPLES samples, then stays at --global-batch-size.
-  Step k (batch START + k * INCREMENT) begins once k * SAMPLES / steps samples are consumed.
-- `--step-batch-size-schedule "THRESHOLD:BATCH ..."` (the installed Megatron-LM's): BATCH from
-  THRESHOLD consumed tokens on (suffixes K, M, B, T; the first threshold 0); the last BATCH is the
-  global batch size, so --global-batch-size is not given with it (as in Megatron-LM).
+- `--rampup-batch-size START INCREMENT SAMPLES`: the batch starts at START and grows by INCREMENT
+  in equal steps spread over the first SAMPLES samples, up to --global-batch-size.
+- `--step-batch-size-schedule "THRESHOLD:BATCH ..."`: BATCH from THRESHOLD consumed tokens on
+  (suffixes K, M, B, T; the first threshold 0). The last BATCH is the global batch size, so
+  --global-batch-size is not given with it.
 
-Both need --train-samples, as Megatron-LM's ramp-up does: the lr schedule then counts samples,
-whereas iteration-based flags turn iterations into samples with one fixed batch size. Every batch
-size must be a multiple of --micro-batch-size x data-parallel size. Evaluation keeps the full
-global batch (Megatron-LM's eval batch size). megatron-core's StepBatchsizeNumMicroBatchesCalculator
-maps consumed samples to the batch size (its schedule parser reads the flag); this module checks
-the flags with errors naming them and lists the batch of every iteration.
+Both need --train-samples, as Megatron-LM's ramp-up does, and every batch size must divide by
+--micro-batch-size x data-parallel size. Evaluation keeps the full global batch.
+megatron-core's StepBatchsizeNumMicroBatchesCalculator maps consumed samples to the batch size;
+this module checks the flags with errors naming them and lists every iteration's batch.
 """
 
 import argparse

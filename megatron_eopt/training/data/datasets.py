@@ -1,24 +1,15 @@
-"""Training data for the scripts: the generated "rule" language, or megatron-core's GPT datasets.
+"""Training data for the trainer: the generated "rule" language, or megatron-core's GPT datasets.
 
-Generated task (the default; no files): each rule sequence follows x[t+1] = (a * x[t] + b) mod
-vocab for a rule (a, b) drawn from `RULES`, so a model can learn everything but the first token.
-Its validation batches come from seeds that no training iteration uses.
+Generated task (the default; no files): each sequence follows x[t+1] = (a * x[t] + b) mod vocab
+for a rule (a, b) drawn from `RULES`. Validation batches come from seeds no training iteration uses.
 
-Megatron datasets (Megatron-LM's flags): `--data-path [W1] PREFIX1 [W2 PREFIX2 ...]` names
-indexed datasets (PREFIX.bin / PREFIX.idx, written by tools/preprocess_data.py), split by
-`--split` into train/valid/test and blended by the weights, or `--mock-data` (megatron-core's
-MockGPTDataset); both through megatron-core's BlendedMegatronDatasetBuilder and GPTDataset.
-Instead of one `--data-path` split by `--split`, each split can have its own list
-(`--train-data-path`, `--valid-data-path`, `--test-data-path`: megatron-core's `blend_per_split`),
-and either form can come from a file (`--data-args-path`: the --data-path words; or
-`--per-split-data-args-path`: JSON with `train`, `valid`, `test` keys), read by Megatron-LM's
-`get_blend_and_blend_per_split`.
-Global batch k of a split is that split's samples [k * global batch, (k + 1) * global batch),
-as Megatron-LM's sampler reads them (`--dataloader-type single`), so a resumed run continues with
-the same samples; `--dataloader-type cyclic` reads the training samples in the order of
-Megatron-LM's `MegatronPretrainingRandomSampler` (a new permutation every epoch) instead.
-`--reset-position-ids` / `--reset-attention-mask` make each document start at position 0 and
-attend only within itself (`document_inputs`, megatron-core's GPTDataset rule).
+Megatron datasets: `--data-path`, `--split`, the per-split paths, `--data-args-path`,
+`--per-split-data-args-path` or `--mock-data`, built by megatron-core's
+BlendedMegatronDatasetBuilder and GPTDataset. Global batch k of a split is that split's samples
+[k * global batch, (k + 1) * global batch) (`--dataloader-type single`), so a resumed run
+continues with the same samples; `cyclic` follows Megatron-LM's random sampler.
+`document_inputs` applies `--reset-position-ids` and `--reset-attention-mask` with
+megatron-core's GPTDataset rule. docs/trainer.md lists the flags.
 """
 
 import argparse

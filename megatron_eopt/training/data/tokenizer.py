@@ -1,25 +1,15 @@
 """Tokenizers for the trainer and tools/preprocess_data.py: `--tokenizer-type` and its flags.
 
-- `NullTokenizer --vocab-size N`: the text is whitespace-separated integer ids; megatron-core's
-  NullTokenizer, as the installed Megatron-LM builds it: the vocabulary is N and the
-  end-of-document id is N - 1 (so documents use ids 0 .. N - 2 and N - 1 closes each one).
-- `ByteLevelTokenizer`: UTF-8 bytes 0..255 plus the end-of-document id 256 (megatron-core's
-  byte-level tokenizer; vocabulary 257, no download, no file).
+- `NullTokenizer --vocab-size N`: whitespace-separated integer ids; end-of-document id N - 1.
+- `ByteLevelTokenizer`: UTF-8 bytes plus end-of-document id 256.
 - `HuggingFaceTokenizer --tokenizer-model PATH`: a local `tokenizer.json`, read with the
-  `tokenizers` package (the `scripts` extra of pyproject.toml); the
-  end-of-document id is the first of `EOD_TOKENS` in its vocabulary. Nothing is downloaded.
-- `GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt`: GPT-2's byte-level BPE from
-  local files (Megatron-LM's GPT-3 example). The vocabulary and the end-of-document id
-  (`<|endoftext|>`'s id, as in Megatron-LM) come from vocab.json alone, so the trainer reads
-  data tokenized elsewhere without any extra package; tokenizing text (tools/preprocess_data.py)
-  goes through the `tokenizers` package's BPE model (megatron-core's own GPT2BPETokenizer is
-  `transformers`' AutoTokenizer.from_pretrained("gpt2", ...), which looks the name up on the
-  Hugging Face hub).
-  As in the installed Megatron-LM, `--vocab-file`/`--merge-file` do not imply a tokenizer type:
-  its build_tokenizer rejects a missing `--tokenizer-type`, and so do these checks.
+  `tokenizers` package; the end-of-document id is the first of `EOD_TOKENS` in its vocabulary.
+- `GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt`: GPT-2's BPE from local
+  files. Reading data needs only vocab.json; tokenizing text uses the `tokenizers` package.
 
-Every tokenizer here has what megatron-core's GPTDataset reads: `vocab_size`, `eod`, `pad`
-(-1: none), `unique_identifiers`, and `tokenize(text) -> list[int]`.
+As in Megatron-LM, `--vocab-file`/`--merge-file` do not imply a tokenizer type. Every tokenizer
+has what megatron-core's GPTDataset reads: `vocab_size`, `eod`, `pad` (-1: none),
+`unique_identifiers` and `tokenize(text) -> list[int]`. Nothing is downloaded.
 """
 
 import json

@@ -1,20 +1,16 @@
 """Megatron-LM's performance flags: `--log-throughput` and `--profile` (megatron/training/training.py).
 
-`--log-throughput` adds Megatron-LM's `throughput per GPU (TFLOP/s/GPU): X |` to the iteration
-line (and the `throughput` TensorBoard scalar, the JSONL field): the FLOPs of the logged step's
-global batch (it can grow, megatron_eopt/training/data/batch_schedule.py), counted by megatron's own
-`num_floating_point_operations` for the model this trainer built (linear in the batch), over
-(seconds per iteration, averaged over the log interval) x 1e12 x world size. On CPU a process
-stands for Megatron-LM's GPU; the unit keeps Megatron-LM's spelling for log parsers.
+`--log-throughput` adds `throughput per GPU (TFLOP/s/GPU): X |` to the iteration line, the
+`throughput` TensorBoard scalar and the JSONL: the logged step's global-batch FLOPs, counted by
+megatron's `num_floating_point_operations` for the model built, over (seconds per iteration over
+the interval) x 1e12 x world size. On CPU a process stands for a GPU.
 
 `--profile` profiles iterations `--profile-step-start` to `--profile-step-end` on the ranks of
-`--profile-ranks` (default: every rank, Megatron-LM's empty list), as Megatron-LM's train loop
-does: without `--use-pytorch-profiler` a CUDA profiler capture range (cudaProfilerStart before
-the iteration that follows `start` completed ones, cudaProfilerStop once `end` have completed,
-with torch's NVTX ranges inside: `nsys profile --capture-range=cudaProfilerApi`); with it
-torch.profiler on Megatron-LM's schedule (this run's steps `start` to `end - 1` recorded, the one
-before as warm-up), its Chrome trace written to `<--tensorboard-dir>/../torch_profile/
-rank-<rank>.json.gz` (Megatron-LM's place; the trace is written once the recording ends).
+`--profile-ranks` (default: every rank), as Megatron-LM's loop does. Without
+`--use-pytorch-profiler` it opens a CUDA profiler capture range for
+`nsys profile --capture-range=cudaProfilerApi`. With it, torch.profiler records those steps on
+Megatron-LM's schedule and writes a Chrome trace to
+`<--tensorboard-dir>/../torch_profile/rank-<rank>.json.gz`.
 """
 
 import argparse

@@ -1,24 +1,15 @@
 """What the trainer reports: Megatron-LM's iteration line, TensorBoard scalars, JSONL, plots.
 
-Rank 0 prints Megatron-LM's per-iteration line (megatron/training/training.py `training_log`)
-every `--log-interval` iterations and after the first one, with its fields, spelling and number
-formats:
+Rank 0 prints Megatron-LM's iteration line (megatron/training/training.py `training_log`) after
+the first iteration and every `--log-interval`, with its fields, spelling and number formats.
+`lm loss` is the mean over the interval's successful iterations; the elapsed time is the
+interval's wall time per iteration; the skipped and nan counters restart after each line.
+Optional fields (`num zeros`, `params norm`, `max attention logit`, `load_balancing_loss`,
+`throughput per GPU (TFLOP/s/GPU)`) appear when their flags ask for them.
 
-     [2026-11-22 13:05:02.123456] iteration       20/     100 | consumed samples:          320 |
-     elapsed time per iteration (ms): 41.2 | learning rate: 9.755283E-03 | global batch size:    16 |
-     lm loss: 3.123456E+00 | loss scale: 1.0 | grad norm: 0.812 | number of skipped iterations:   0 |
-     number of nan iterations:   0 |
-
-(one line). As in Megatron-LM, `lm loss` is the mean over the interval's successful iterations,
-the elapsed time is the interval's wall time over its iterations, and the skipped / nan counters
-count the interval (they restart after each line); with MoE, `load_balancing_loss` follows
-`lm loss`, also averaged over the interval; `num zeros` (--log-num-zeros-in-grad),
-`params norm` (--log-params-norm), `max attention logit` (--qk-clip /
---log-max-attention-logit) and, after the elapsed time, `throughput per GPU (TFLOP/s/GPU)`
-(--log-throughput, megatron_eopt/training/logging/performance.py) are added when asked for. `--tensorboard-dir` writes Megatron-LM's
-scalar tags with torch's SummaryWriter; `--metrics-jsonl` one JSON object per printed line;
-`--plot` the loss curve with matplotlib. When stdout is a terminal, rank 0 also redraws a
-progress bar below the log lines.
+`--tensorboard-dir` writes Megatron-LM's scalar tags with torch's SummaryWriter,
+`--metrics-jsonl` one JSON object per printed line, `--plot` the loss curve with matplotlib.
+On a terminal rank 0 also redraws a progress bar below the log lines.
 """
 
 import argparse

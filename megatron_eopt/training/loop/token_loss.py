@@ -1,20 +1,14 @@
 """How a step's per-token losses become the loss its gradients follow, as in Megatron-LM.
 
-- By default every label counts: a micro-batch's loss is the mean over its tokens and the step's
-  is the mean of its micro-batches' (each divided by their number before backward; the
-  data-parallel ranks' gradients are averaged).
-- `--eod-mask-loss`: labels that are the end-of-document token do not count (megatron-core's
-  GPTDataset loss mask with `eod_mask_loss`): a micro-batch's loss is the sum of its counted
-  token losses over their number (at least 1, as megatron-core's schedule clamps it).
-- `--calculate-per-token-loss`: the step's loss is the sum of every counted token loss of the
-  global batch over their number, across micro-batches and data-parallel ranks, instead of a
-  mean of micro-batch means. The global count is taken before the forward passes (one all-reduce
-  over the data-parallel group) and each micro-batch contributes sum * DP / count, because the
-  data-parallel gradients are averaged afterwards. Without a mask every micro-batch has the same
-  count and both rules give the same loss.
+- By default a micro-batch's loss is the mean over its tokens, and the step's is the mean of
+  its micro-batches'.
+- `--eod-mask-loss`: end-of-document labels do not count; a micro-batch's loss is its counted
+  tokens' sum over their number (at least 1).
+- `--calculate-per-token-loss`: the step's loss is the global batch's counted-token sum over
+  their number. The global count is all-reduced over data parallelism before the forward passes,
+  and each micro-batch contributes sum * DP / count, since the DP gradients are averaged.
 
-Evaluation always reports the counted tokens' mean over all its batches (Megatron-LM's
-validation loss).
+Evaluation reports the counted tokens' mean over all its batches.
 """
 
 from typing import Optional

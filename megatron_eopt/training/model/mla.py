@@ -1,19 +1,15 @@
 """megatron-core's multi-latent attention (DeepSeek-V2/V3, Kimi-K2) in the trainer's GPT model.
 
-The attention is megatron-core's own ``MLASelfAttention`` from its layer specs (local spec: the
-query and key/value down-projections are column-parallel linears whose outputs are gathered
-over TP, the up-projections column-parallel, ``linear_proj`` row-parallel; ``--qk-layernorm``
-puts megatron's norms on the compressed latents). On CPU two things change, nothing else:
-- the core attention is megatron_eopt/training/model/gpt.py's ``SDPACoreAttention`` (megatron's allocates a
-  CUDA buffer), which takes MLA's query/key width and its different value width;
-- MLA builds its rotary embedding (YaRN or plain RoPE on the ``qk_pos_emb_head_dim`` part of a
-  head) inside its constructor without ``use_cpu_initialization`` and moves the frequencies to
-  ``torch.cuda.current_device()`` at the first forward: :class:`CPUMLASelfAttention` builds the
-  CPU subclasses below instead, which compute the same angles and YaRN mscale where they are;
-- the down-projections' outputs are all-gathered along the last dimension by megatron's
-  ``gather_from_tensor_model_parallel_region``, whose helper allocates on CUDA:
-  :func:`install_cpu_last_dim_gather` replaces that helper by one that allocates where the input
-  is (the same collective), as megatron_eopt/training/parallel/sequence_parallel.py does for the first dimension.
+The attention is megatron-core's own ``MLASelfAttention`` from its layer specs: down-projections
+column-parallel with their outputs gathered over TP, up-projections column-parallel,
+``linear_proj`` row-parallel; ``--qk-layernorm`` puts megatron's norms on the latents.
+On CPU three things change, nothing else:
+- the core attention is training/model/gpt.py's ``SDPACoreAttention`` (megatron's allocates a
+  CUDA buffer), with MLA's query/key width and its own value width;
+- :class:`CPUMLASelfAttention` builds CPU subclasses of MLA's rotary embeddings (RoPE or YaRN),
+  which compute the same angles and mscale where they are;
+- :func:`install_cpu_last_dim_gather` replaces megatron's last-dimension gather helper, which
+  allocates on CUDA, by one that allocates where the input is (the same collective).
 """
 
 from __future__ import annotations

@@ -1,53 +1,18 @@
-"""Mixture of experts: megatron-core's MoELayer on CPU as on CUDA, layout-independent experts.
+"""Mixture of experts: megatron-core's MoELayer on CPU as on CUDA, with layout-independent experts.
 
-The model (used by megatron_eopt/training/model/gpt.py's `gpt_layer_spec`): megatron-core's `MoELayer` with
-`SequentialMLP` experts and its allgather token dispatcher. Three substitutions, each a subclass
-that changes one thing:
+`gpt_layer_spec` (training/model/gpt.py) builds megatron-core's `MoELayer` with `SequentialMLP`
+experts. Three subclasses each change one thing:
+- `ExpertSeededSequentialMLP`: expert g of a layer is drawn from a generator seeded with one
+  number per layer plus g, so the experts are the same at every expert-parallel size.
+- `CPUTopKRouter` (CPU only): megatron's router computes its logits and keeps its buffers on
+  CUDA; this one does the same where its weight is. Quantile balancing is refused.
+- `CPUMoELayer` with `CPUAllGatherTokenDispatcher` (CPU only): gathers and scatters tokens with
+  plain torch.distributed calls, gloo included. The alltoall dispatcher is refused on CPU.
 
-- `ExpertSeededSequentialMLP` (CPU and CUDA, with CPU initialisation): megatron draws each
-  rank's local experts one after another from torch's default generator, so at EP=2 rank 1's
-  experts 2 and 3 would get the numbers EP=1 gives experts 0 and 1, and every later layer would
-  be shifted too. Here each MoE layer takes one number from the generator, and expert g (global
-  index) is drawn from a generator seeded with that number + g, outside the main stream: the
-  same experts, and the same dense weights after them, at every expert-parallel size.
-- CPU only, `CPUTopKRouter`: megatron's `TopKRouter.gating` moves its weight to
-  `torch.cuda.current_device()`; this one computes the same logits where the weight is. The
-  expert bias and the global aux loss keep token counts in buffers megatron allocates on CUDA;
-  this router allocates the same buffers where its weight is, so megatron's routing runs
-  unchanged (all routing math stays megatron's). Quantile balancing is refused: its buffers are
-  CUDA's too, and its update lives in megatron's own finalize_model_grads.
-- CPU only, `CPUMoELayer` with `CPUAllGatherTokenDispatcher`: megatron's allgather dispatcher
-  gathers tokens over the expert x tensor-parallel group into a CUDA buffer; this one gathers
-  (and reduce-scatters back) with plain torch.distributed calls, gloo included. The alltoall
-  dispatcher creates a `torch.cuda.Stream` and is refused on CPU with a one-line error.
-
-Tensor parallelism (`--tensor-model-parallel-size` > 1) needs `--sequence-parallel`, as
-megatron-core's MoELayer does: the router sees this rank's part of the sequence, and the
-dispatcher gathers the tokens of the whole expert-TP x EP group (megatron's `tp_ep` group; the
-expert tensor-parallel size is the TP size, megatron's default). Each expert's linears are split
-over the expert-TP group (`expt_tp`) without communication of their own (megatron's
-`explicit_expert_comm`): each rank's output is a partial sum, which the dispatcher's
-reduce-scatter adds up with the other experts' outputs. The router's weight is replicated over
-TP and tagged `sequence_parallel` by megatron, so the trainer sums its gradient over TP with
-the layer norms' (megatron_eopt/training/parallel/sequence_parallel.py); the aux loss of each rank covers its tokens
-(megatron reduces the token counts over TP), and those gradients add up in the same sum.
-
-The aux loss (`--moe-aux-loss-coeff`): megatron's router attaches it to the routing
-probabilities with `MoEAuxLossAutoScaler`, whose backward multiplies its gradient by a
-process-wide scale. Megatron-LM sets that scale to loss scale / micro-batches each step, as this
-trainer scales the language-model loss: `start_step` does the same.
-
-The z-loss is attached to the router's logits by the same scaler, so it is scaled the same way.
-
-What megatron-core's `finalize_model_grads` does for routers after each step's backward,
-`finish_router_step` does here (the trainer has its own gradient finalisation): the expert
-biases move with `get_updated_expert_bias`, from token counts summed over the tensor x
-data-parallel group, which holds every token of the global batch once, so the update does not
-depend on the DP/EP/TP layout; then the counts of the expert bias and the global aux loss start
-again.
-
-Dense layers among MoE ones (`--moe-layer-freq`) are built by megatron_eopt/training/model/gpt.py by global
-layer number; the flags are megatron_eopt/training/arguments/moe.py's.
+`start_step` sets megatron's aux-loss scale to loss scale / micro-batches, as Megatron-LM does.
+`finish_router_step` does what megatron-core's `finalize_model_grads` does for routers: it moves
+the expert biases from token counts summed over TP x DP, then resets the counts.
+docs/trainer.md describes the flags.
 """
 
 from __future__ import annotations

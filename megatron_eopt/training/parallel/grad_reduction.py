@@ -1,23 +1,15 @@
 """Gradient accumulation across micro-batches and the data-parallel average, bucketed.
 
-Megatron-LM's `--accumulate-allreduce-grads-in-fp32` (its default with `--bf16`): each 16-bit
-parameter gets an fp32 `main_grad`, a view into a flat fp32 bucket. After every backward a hook
-adds the parameter's 16-bit gradient to it and frees the 16-bit one (as megatron-core's
-DistributedDataParallel does), so micro-batches are summed in fp32 and the data-parallel
-all-reduce runs in fp32, one collective per bucket. The optimizer reads `main_grad` when it is
-there (megatron_eopt/wrappers/fp32.py, mixed_precision.py).
+With `--accumulate-allreduce-grads-in-fp32` (implied by `--bf16`) each 16-bit parameter gets an
+fp32 `main_grad`, a view into a flat fp32 bucket; a hook adds every backward's gradient to it and
+frees the 16-bit one, as megatron-core's DDP does. Without it the gradients stay in `param.grad`
+and are copied into flat buckets of their own dtype for the all-reduce. Either way there is one
+collective per bucket (about BUCKET_NUMEL elements), and gradients are divided by the
+data-parallel size before the sum.
 
-Without fp32 accumulation the gradients stay in `param.grad`; they are copied into flat buckets
-of their own dtype for the all-reduce and copied back. Either way there is one collective per
-bucket (about BUCKET_NUMEL elements, Megatron-LM's default bucket size), never one per parameter.
-Gradients are divided by the data-parallel size before the sum (megatron-core's DDP default),
-which keeps scaled fp16 gradients in range.
-
-Expert parameters (megatron-core tags them `allreduce=False` at expert-parallel size > 1) are
-summed over the expert data-parallel group instead, but still divided by the whole
-data-parallel size, as megatron-core's DDP does: the token dispatcher has already brought each
-expert the gradients of the tokens of every rank in its expert-parallel group, so the sum over
-the expert data-parallel group covers every data-parallel rank once.
+Expert parameters (`allreduce=False`) are summed over the expert data-parallel group and divided
+by the whole data-parallel size, as megatron-core's DDP does. `finalize_model_grads` then sums
+the sequence-parallel gradients over TP and the tied embedding's over the pipeline.
 """
 
 from typing import Any, Optional

@@ -1,27 +1,15 @@
 """Forward and backward over a step's micro-batches: one stage, or a pipeline of GPT stages.
 
-`SingleStage` runs the micro-batches one after another through the whole model. `Pipeline`
-runs them through this rank's pipeline stages with `torch.distributed.pipelining`'s schedules
-(1F1B, GPipe when there are fewer micro-batches than stages, interleaved 1F1B with several
-model chunks per rank), on CPU/gloo and on CUDA/NCCL alike; megatron-core's own schedules call
-CUDA (`schedules.py`), so they cannot serve a CPU run, and one schedule everywhere keeps the
-layouts comparable. Megatron-LM's schedule for the same flags is 1F1B (interleaved with virtual
-stages) too: the order of micro-batches differs from it only in when each runs, not in the
-gradients, which are sums over the same micro-batches.
+`SingleStage` runs the micro-batches one after another through the whole model. `Pipeline` runs
+them through this rank's stages with `torch.distributed.pipelining`'s schedules (1F1B, GPipe with
+fewer micro-batches than stages, interleaved 1F1B with several chunks per rank), on CPU and CUDA
+alike: megatron-core's own schedules allocate on CUDA.
 
-Each model chunk (a megatron-core GPTModel built for its stage, `vp_stage` v on pipeline rank r
-is stage v * PP + r) is wrapped in a `GPTStage`: the first stage takes token ids, the others the
-previous stage's hidden states (through megatron's `set_input_tensor`), the last returns logits
-and the loss is computed from them with megatron's own `compute_language_model_loss`, so a
-micro-batch's token losses are the ones `gpt_token_losses` gives at PP=1. Tied input/output embeddings live on the
-first and the last stage; the trainer sums their gradients over megatron's embedding group after
-the backward (megatron_eopt/training/parallel/grad_reduction.py's `finalize_model_grads`).
-
-Each micro-batch's per-token losses become its share of the step's loss by megatron_eopt/training/loop/token_loss.py
-(the mean over the micro-batch divided by the number of micro-batches, unless --eod-mask-loss or
---calculate-per-token-loss say otherwise). Both return the sum of this rank's shares, on every
-rank (a pipeline's last stage broadcasts it to the others); their `eval_loss` gives an evaluation
-micro-batch's (summed counted loss, count).
+Each model chunk is wrapped in a `GPTStage`: the first takes token ids, the others the previous
+stage's hidden states, and the last computes megatron's `compute_language_model_loss` from its
+logits. token_loss.py turns each micro-batch's token losses into its share of the step's loss.
+Both classes return the sum of this rank's shares on every rank (the last stage broadcasts it);
+`eval_loss` gives an evaluation micro-batch's summed loss and token count.
 """
 
 import argparse

@@ -1,25 +1,17 @@
 """megatron-core's sequence parallelism (`--sequence-parallel`), on CPU as well as on CUDA.
 
-With sequence parallelism the activations outside attention and the MLP (embeddings output,
-layer norms, dropout, residuals) are split along the sequence over the tensor-parallel ranks:
-a column-parallel linear all-gathers its input along the sequence, a row-parallel linear
-reduce-scatters its output instead of all-reducing it. Layer-norm weights (and row-parallel
-biases) then see only this rank's tokens, so their gradients are summed over the
-tensor-parallel group after backward (:func:`sum_grads_over_tensor_parallel`, what megatron-core's
-`finalize_model_grads` does for parameters tagged `sequence_parallel`).
+Activations outside attention and the MLP are split along the sequence over the TP ranks, so
+layer-norm weights and row-parallel biases see only this rank's tokens.
+`sum_grads_over_tensor_parallel` sums their gradients over TP after backward, as megatron-core's
+`finalize_model_grads` does for parameters tagged `sequence_parallel`.
 
-megatron-core builds all of this; what stops it on CPU, and what this module substitutes:
-- its first-dimension all-gather and reduce-scatter allocate their outputs on
-  `torch.cuda.current_device()` (tensor_parallel/mappings.py): :func:`install_cpu_sequence_parallel`
-  replaces those two helpers by ones that allocate where the input is (the same collectives);
-- its column-parallel linear gathers into a CUDA buffer, forward and backward:
-  :class:`CPUSequenceParallelColumnLinear` gathers with megatron's own autograd mapping
-  (all-gather forward, reduce-scatter backward) and multiplies with `F.linear`;
-- its torch layer norm refuses sequence parallelism (only because it does not tag its weights;
-  this is also megatron's local spec on CUDA without Transformer Engine):
-  megatron_eopt/training/model/norms.py's `LocalTorchNorm` tags them;
-- dropout in the sequence-parallel region forks megatron's CUDA RNG tracker, which
-  megatron_eopt/training/parallel/cpu_rng.py runs on the CPU generator (a different stream per tensor-parallel rank).
+On CPU this module replaces what allocates on CUDA:
+- `install_cpu_sequence_parallel`: megatron's first-dimension all-gather and reduce-scatter
+  helpers, allocating where the input is;
+- `CPUSequenceParallelColumnLinear`: gathers with megatron's autograd mapping and multiplies
+  with `F.linear`.
+training/model/norms.py's `LocalTorchNorm` tags the norms' weights, and training/parallel/cpu_rng.py
+runs megatron's RNG tracker on the CPU generator.
 """
 
 from __future__ import annotations
