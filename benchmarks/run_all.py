@@ -1,7 +1,7 @@
 """`make bench`: every benchmark in turn, then one table of the headline ratios against their targets.
 
 Each benchmark prints its own table and writes benchmarks/results/<name>.json (git-ignored:
-the numbers belong to the machine; README's Performance section records one run); this adds
+the numbers belong to the machine; docs/performance.md records one run); this adds
 benchmarks/results/summary.json. Sizes are chosen so the whole run takes a few minutes on
 2 CPU cores; every script takes --hidden/--layers for larger runs.
 """

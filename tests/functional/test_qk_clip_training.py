@@ -8,7 +8,7 @@ step's clip brought the logits of the previous batch to tau with eta computed be
 step's update; so one update (at this lr the unclipped run grows by up to 1.6x per step near
 tau) and a new batch come on top of tau. Losses stay finite.
 
-Regenerate the README's plot (docs/qk_clip_max_logit.png) with
+Regenerate the plot of docs/qk-clip.md (docs/qk_clip_max_logit.png) with
 
     .venv/bin/python tests/functional/test_qk_clip_training.py --plot docs/qk_clip_max_logit.png
 """

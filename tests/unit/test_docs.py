@@ -4,8 +4,9 @@ Examples are fenced blocks:
 - ```python: runs on CPU. A first line `# torchrun --nproc-per-node N this.py` runs it on N ranks
   (torchrun's environment variables set), else in one process. `29500` becomes a free port.
 - ```bash: each command (lines joined at a trailing backslash) that starts with `python` or
-  `torchrun` runs on CPU, in order, in one scratch folder per block (it holds `scripts/` and
-  `tools/`); other lines (`make ...`) are not run. `--nproc-per-node N` gives N ranks.
+  `torchrun` runs on CPU: `python X.py`, `python -c CODE` or `torchrun [options] X.py`, where
+  `--nproc-per-node N` gives N ranks. A block's commands run in order in one scratch folder that
+  holds `scripts/`, `tools/` and `benchmarks/`. Other lines (`make ...`) are not run.
 - A block whose first line is `# needs CUDA: REASON` is not run: the test is skipped with that
   reason, after compiling a Python block or checking that a shell block's scripts exist.
 Other blocks (```text, plain ```) are not examples.
@@ -139,7 +140,7 @@ RUNNER = textwrap.dedent(r'''
     for example in examples:
         start = time.time()
         with tempfile.TemporaryDirectory() as scratch:
-            for name in ("scripts", "tools"):
+            for name in ("scripts", "tools", "benchmarks"):
                 os.symlink(os.path.join(root, name), os.path.join(scratch, name))
             os.chdir(scratch)
             if example["language"] == "python":
@@ -153,7 +154,12 @@ RUNNER = textwrap.dedent(r'''
                 for words in example["commands"]:
                     script, args = script_and_args(words)
                     def body(script=script, args=args):
+                        if script == "-c":  # python -c CODE
+                            sys.argv = ["-c", *args[1:]]
+                            exec(compile(args[0], "<string>", "exec"), {"__name__": "__main__"})
+                            return
                         sys.argv = [script, *args]
+                        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python X.py`
                         runpy.run_path(script, run_name="__main__")
                     codes = run(ranks_of(words), body)
                     if any(codes):

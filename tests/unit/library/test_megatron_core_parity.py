@@ -10,7 +10,7 @@ deliberate differences, each shown to be the only parameter that differs after o
   tables to the scalar optimizer, as the word embeddings;
 - a gated (SwiGLU) `linear_fc1`: we orthogonalize gate and up separately (two matrices that
   multiply elementwise), megatron-core the stacked [gate; up] matrix.
-Found by `make gpu-check`'s Megatron-LM runs (README, GPU section), which therefore use RoPE.
+Found by `make gpu-check`'s Megatron-LM runs (docs/gpu.md), which therefore use RoPE.
 """
 
 import contextlib

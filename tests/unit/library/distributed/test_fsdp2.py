@@ -538,7 +538,7 @@ def _pretrain_bf16_body(rank: int, world_size: int, iterations: int) -> dict:
 def test_pretrain_gpt_fsdp2_bf16_follows_fp32(run_distributed):
     """scripts/pretrain_gpt.py --use-torch-fsdp2 --bf16 (fp32 shards and optimizer, bf16 compute
     through MixedPrecisionPolicy) against the same run in fp32: it learns, its losses stay within
-    1e-2 of fp32's (bf16 rounds activations to 3 significant digits; measured in the README), and
+    1e-2 of fp32's (bf16 rounds activations to 3 significant digits; measured in docs/fsdp2.md), and
     they differ from fp32's (the forward really ran in bf16)."""
     iterations = 10
     for result in run_distributed(_pretrain_bf16_body, 2, args=(iterations,), timeout=600):
