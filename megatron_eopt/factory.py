@@ -23,8 +23,9 @@ from megatron_eopt.distributed.fsdp2 import (
     check_fully_sharded_config,
     fully_sharded_layout,
 )
-from megatron_eopt.distributed.layer_wise import DataParallelShards, LayerWiseDistributedOptimizer, assign_owners
+from megatron_eopt.distributed.layer_wise import DataParallelShards, LayerWiseDistributedOptimizer
 from megatron_eopt.distributed.process_groups import ParallelGroups, group_rank, group_size, resolve_parallel_groups
+from megatron_eopt.ops.ownership import assign_owners
 from megatron_eopt.param_groups import (
     ParamRecord,
     ParamRouting,

@@ -15,8 +15,8 @@ rank r of the mesh holds rows `torch.chunk(rows, N)[r]` (uneven, possibly none).
   megatron-core's parallel_state and checks that it is the one the layers were built with and
   that it crosses the mesh (one rank in common: this one);
 - assigns each matrix of a whole-matrix optimizer (Muon, AdaptiveMuon, MOP, PolarGrad, Scion)
-  an owner rank by Newton-Schulz cost (the layer-wise
-  optimizer's `assign_owners`), who runs its whole-matrix Newton-Schulz (ops/row_shards.py;
+  an owner rank by Newton-Schulz cost (`assign_owners` of ops/ownership.py, as the layer-wise
+  optimizer does), who runs its whole-matrix Newton-Schulz (ops/row_shards.py;
   with TP, the owners of one matrix form a TP group and orthogonalize its TP shards together);
 - wraps the inner optimizers so that they step plain tensors aliasing each DTensor's local
   shard (`FullyShardedFP32Optimizer`): optimizer state is created per shard, 1/N of the memory,
@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from megatron_eopt.distributed.layer_wise import assign_owners
 from megatron_eopt.distributed.process_groups import (
     ParallelGroups,
     ProcessGroup,
@@ -45,6 +44,7 @@ from megatron_eopt.distributed.process_groups import (
     megatron_tensor_parallel_split,
     resolve_parallel_groups,
 )
+from megatron_eopt.ops.ownership import assign_owners
 from megatron_eopt.ops.row_shards import RowShards, chunk_rows
 from megatron_eopt.ops.splits import MatrixLayout
 from megatron_eopt.param_groups import ParamRecord, named_trainable_parameters
