@@ -25,6 +25,7 @@ from megatron_eopt.distributed.fsdp2 import (
 )
 from megatron_eopt.distributed.layer_wise import DataParallelShards, LayerWiseDistributedOptimizer
 from megatron_eopt.distributed.process_groups import ParallelGroups, group_rank, group_size, resolve_parallel_groups
+from megatron_eopt.once import first_time
 from megatron_eopt.ops.ownership import assign_owners
 from megatron_eopt.param_groups import (
     ParamRecord,
@@ -44,7 +45,6 @@ from megatron_eopt.wrappers.qk_clip import QKClip, build_qk_clip, qk_clip_settin
 
 LEGACY_DISTRIBUTED_PREFIX = "dist_"
 logger = logging.getLogger(__name__)
-_told_distributed_is_layer_wise = False  # the info line is logged once per process
 
 
 def get_megatron_optimizer(
@@ -161,11 +161,9 @@ def _distributed_as_layer_wise(config: OptimizerConfig) -> OptimizerConfig:
     optimizer state (and fp32 main copies) over data-parallel ranks, by whole parameters, and
     takes the same steps as the non-distributed optimizer. A copy: the caller's config is kept.
     """
-    global _told_distributed_is_layer_wise
     if not config.use_distributed_optimizer:
         return config
-    if not _told_distributed_is_layer_wise:
-        _told_distributed_is_layer_wise = True
+    if first_time("distributed is layer-wise"):  # the info line is logged once per process
         logger.info(
             "use_distributed_optimizer=True: optimizer %r uses megatron_eopt's layer-wise distributed "
             "optimizer (each data-parallel rank keeps the state of whole parameters it owns).",
