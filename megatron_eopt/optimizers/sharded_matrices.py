@@ -20,7 +20,7 @@ from megatron_eopt.once import warn_once
 from megatron_eopt.ops.newton_schulz import TP_MODES, NewtonSchulzSettings, orthogonalize_updates
 from megatron_eopt.ops.row_shards import RowShards, orthogonalize_row_shards
 from megatron_eopt.ops.splits import MatrixLayout
-from megatron_eopt.param_names import group_param_names
+from megatron_eopt.param_names import named_params
 
 
 def check_muon_arguments(tp_mode: str, lr: float, momentum: float, weight_decay: float,
@@ -46,20 +46,19 @@ def layouts_by_param(param_groups: list[dict], layouts: Mapping[str, MatrixLayou
     whole, unfused matrix.
     """
     by_param = {}
-    for group in param_groups:
-        for param, name in zip(group["params"], group_param_names(group)):
-            if param.dim() != 2:
-                raise ValueError(
-                    f"parameter {name!r} has shape {tuple(param.shape)}; Muon updates 2-D matrices "
-                    f"only. Route it to the scalar optimizer (muon_scalar_optimizer) instead."
-                )
-            layout = layouts.get(name) or MatrixLayout(name=name, local_shape=tuple(param.shape))
-            if layout.local_shape != tuple(param.shape):
-                raise ValueError(
-                    f"parameter {name!r}: layout shape {layout.local_shape} differs from the "
-                    f"parameter's {tuple(param.shape)}."
-                )
-            by_param[id(param)] = layout
+    for param, name in named_params(param_groups):
+        if param.dim() != 2:
+            raise ValueError(
+                f"parameter {name!r} has shape {tuple(param.shape)}; Muon updates 2-D matrices "
+                f"only. Route it to the scalar optimizer (muon_scalar_optimizer) instead."
+            )
+        layout = layouts.get(name) or MatrixLayout(name=name, local_shape=tuple(param.shape))
+        if layout.local_shape != tuple(param.shape):
+            raise ValueError(
+                f"parameter {name!r}: layout shape {layout.local_shape} differs from the "
+                f"parameter's {tuple(param.shape)}."
+            )
+        by_param[id(param)] = layout
     return by_param
 
 

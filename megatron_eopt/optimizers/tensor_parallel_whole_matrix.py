@@ -32,8 +32,12 @@ from megatron_eopt.ops.whole_matrix import gather_whole_matrix, local_part
 from megatron_eopt.optimizers.sharded_matrices import OrthogonalizeTogether, layouts_by_param, row_shards_by_param
 
 
-class _WholeMatrixOverTensorParallel(OrthogonalizeTogether):
+class _WholeMatrixOverTensorParallel:
     """The overriding part; mixed in before an OrthogonalizedOptimizer subclass."""
+
+    # Borrowed rather than inherited, so that the class's bases stay (this, the wrapped class).
+    _momentum_updates = OrthogonalizeTogether._momentum_updates
+    _step_orthogonalizing_together = OrthogonalizeTogether._step_orthogonalizing_together
 
     tp_group: Optional[dist.ProcessGroup]
     fsdp_group: Optional[dist.ProcessGroup]

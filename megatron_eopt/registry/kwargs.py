@@ -22,7 +22,7 @@ import torch
 
 from megatron_eopt.hardware import CPU_BF16_FLAGS, native_bf16_matmul
 from megatron_eopt.once import warn_once
-from megatron_eopt.param_names import group_param_names
+from megatron_eopt.param_names import named_params
 from megatron_eopt.registry.entries import CONTEXT_ARGS, BuildContext, EmergingOptimizerEntry
 
 
@@ -190,25 +190,23 @@ def check_params(
         if spec.parameter.default is not inspect.Parameter.empty
     }
     kwargs = {**defaults, **optimizer_kwargs(name, entry, config, context)[0]}
-    for group in param_groups:
-        for param, fqn in zip(group["params"], group_param_names(group)):
-            problem = entry.param_check(param, kwargs)
-            if problem:
-                raise ValueError(
-                    f"optimizer {name!r} cannot step parameter {fqn!r} (shape {tuple(param.shape)}): {problem}"
-                )
+    for param, fqn in named_params(param_groups):
+        problem = entry.param_check(param, kwargs)
+        if problem:
+            raise ValueError(
+                f"optimizer {name!r} cannot step parameter {fqn!r} (shape {tuple(param.shape)}): {problem}"
+            )
 
 
 def _check_param_shapes(name: str, routing: str, param_groups: list[dict]) -> None:
     if routing == "all":
         return
-    for group in param_groups:
-        for param, fqn in zip(group["params"], group_param_names(group)):
-            if param.dim() != 2:
-                raise ValueError(
-                    f"parameter {fqn!r} has shape {tuple(param.shape)}, but optimizer {name!r} steps "
-                    f"2-D matrices only; route it to the scalar optimizer (muon_scalar_optimizer)."
-                )
+    for param, fqn in named_params(param_groups):
+        if param.dim() != 2:
+            raise ValueError(
+                f"parameter {fqn!r} has shape {tuple(param.shape)}, but optimizer {name!r} steps "
+                f"2-D matrices only; route it to the scalar optimizer (muon_scalar_optimizer)."
+            )
 
 
 def init_state_step_free(optimizer: torch.optim.Optimizer) -> None:
