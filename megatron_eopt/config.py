@@ -8,16 +8,16 @@ update. Consumers construct the config and mutate it later, so validation lives 
 """
 
 import dataclasses
-import functools
 import math
-import pathlib
-import re
 import typing
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Optional
 
 import torch
+
+# Re-exported: arguments/to_config.py and the benchmarks read them from the config module.
+from megatron_eopt.hardware import fp32_matmul_prec_for, native_bf16_matmul  # noqa: F401
+from megatron_eopt.once import warn_once
 
 ScaleMode = Literal["spectral", "unit_rms_norm", "shape_scaling"]
 TpMode = Literal["blockwise", "duplicated", "distributed", "sharded"]
@@ -244,18 +244,14 @@ MEGATRON_CORE_FIELDS: dict[str, FieldUse] = {
 # megatron_eopt's own fields: muon_use_syrk (newer Megatron-LM), muon_match_adamw_rms,
 # layer_wise_reduce_grads; all used.
 
-_WARNED_ONCE: set[str] = set()  # fields this process has warned about
-
-
 def warn_about_inert_fields(config: "OptimizerConfig") -> None:
     """One warning per process for each 'warns' field set away from its default."""
     defaults = {f.name: f.default for f in dataclasses.fields(OptimizerConfig)}
     for name, use in MEGATRON_CORE_FIELDS.items():
         value = getattr(config, name)
-        if use.kind == "warns" and value != defaults[name] and name not in _WARNED_ONCE:
-            _WARNED_ONCE.add(name)
-            warnings.warn(f"OptimizerConfig.{name}={value!r} has no effect in megatron_eopt: {use.why}.",
-                          UserWarning, stacklevel=3)
+        if use.kind == "warns" and value != defaults[name]:
+            warn_once(f"inert field {name}", f"OptimizerConfig.{name}={value!r} has no effect in megatron_eopt: "
+                      f"{use.why}.", stacklevel=3)
 
 
 def as_optimizer_config(config: Any) -> OptimizerConfig:
@@ -487,57 +483,6 @@ def _check_unsupported(config: OptimizerConfig) -> None:
             use.kind != "refused" or value == defaults[name],
             f"OptimizerConfig.{name} {use.why}; got {value}.",
         )
-
-
-# ------------------------------------------------------------------------------------------------
-# Choosing muon_fp32_matmul_prec from the hardware (for trainers whose user did not choose)
-# ------------------------------------------------------------------------------------------------
-
-# CPU feature flags (/proc/cpuinfo) of bf16 matrix instructions: x86 AVX512-BF16 and AMX, Arm BF16.
-CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
-
-
-def native_bf16_matmul(device: torch.device) -> bool:
-    """Whether `device` multiplies bf16 matrices in hardware; else bf16 is emulated there,
-    far slower than fp32 (about 50x on an AVX2 CPU), while native bf16 is faster than fp32."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported(including_emulation=False)
-    if device.type == "cpu":
-        return _cpu_has_bf16_instructions()
-    return False  # an unknown accelerator: assume nothing
-
-
-@functools.lru_cache(maxsize=None)
-def _cpu_has_bf16_instructions() -> bool:
-    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):  # torch's x86 checks
-        check = getattr(torch.cpu, probe, None)
-        if check is not None and check():
-            return True
-    try:
-        return cpuinfo_has_bf16(pathlib.Path("/proc/cpuinfo").read_text())
-    except OSError:
-        return False
-
-
-def cpuinfo_has_bf16(cpuinfo: str) -> bool:
-    """Whether the flags (x86) or Features (Arm) lines of /proc/cpuinfo name bf16 instructions."""
-    flags = {flag for line in re.findall(r"^(?:flags|Features)\s*:(.*)$", cpuinfo, re.M) for flag in line.split()}
-    return any(flag in flags for flag in CPU_BF16_FLAGS)
-
-
-def fp32_matmul_prec_for(device: torch.device) -> tuple[str, str]:
-    """(muon_fp32_matmul_prec, why) for `device`: megatron-core's 'medium' (bf16 Newton-Schulz)
-    where bf16 matrix products are native, else 'highest' (fp32)."""
-    device = torch.device(device)
-    if native_bf16_matmul(device):
-        return "medium", f"{device.type} has native bf16 matrix products"
-    if device.type == "cpu":
-        return "highest", (
-            f"this CPU has no bf16 matrix instructions ({'/'.join(CPU_BF16_FLAGS)}), so bf16 would be "
-            f"emulated, far slower than fp32"
-        )
-    return "highest", f"{device.type} has no native bf16 matrix products"
 
 
 # Aliases still imported by old code.

@@ -23,8 +23,10 @@ from megatron_eopt.distributed.fsdp2 import (
     check_fully_sharded_config,
     fully_sharded_layout,
 )
-from megatron_eopt.distributed.layer_wise import DataParallelShards, LayerWiseDistributedOptimizer, assign_owners
+from megatron_eopt.distributed.layer_wise import DataParallelShards, LayerWiseDistributedOptimizer
 from megatron_eopt.distributed.process_groups import ParallelGroups, group_rank, group_size, resolve_parallel_groups
+from megatron_eopt.once import first_time
+from megatron_eopt.ops.ownership import assign_owners
 from megatron_eopt.param_groups import (
     ParamRecord,
     ParamRouting,
@@ -43,7 +45,6 @@ from megatron_eopt.wrappers.qk_clip import QKClip, build_qk_clip, qk_clip_settin
 
 LEGACY_DISTRIBUTED_PREFIX = "dist_"
 logger = logging.getLogger(__name__)
-_told_distributed_is_layer_wise = False  # the info line is logged once per process
 
 
 def get_megatron_optimizer(
@@ -106,11 +107,25 @@ def get_megatron_optimizer(
         lookup_optimizer(name).check_params([g for g in param_groups if g["optimizer"] == name], config)
 
     qk_clip = _qk_clip(config, chunks, groups, records, fsdp)
+    build = _Build(config, chunks, groups, routing, param_groups, records, fsdp)
     if not config.use_layer_wise_distributed_optimizer:
-        optimizer = ChainedOptimizer(_children(config, chunks, groups, routing, param_groups, records, fsdp=fsdp))
+        optimizer = ChainedOptimizer(_children(build))
     else:
-        optimizer = _layer_wise(config, chunks, groups, routing, param_groups, records)
+        optimizer = _layer_wise(build)
     return _attach_qk_clip(optimizer, qk_clip)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Build:
+    """What the factory has resolved once it builds the children: every later step reads it."""
+
+    config: OptimizerConfig
+    chunks: list[torch.nn.Module]
+    groups: ParallelGroups
+    routing: ParamRouting
+    param_groups: list[dict]
+    records: list[ParamRecord]
+    fsdp: Optional[FullyShardedLayout] = None  # torch FSDP2's layout, or None
 
 
 def _qk_clip(config: OptimizerConfig, chunks: list[torch.nn.Module], groups: ParallelGroups,
@@ -160,11 +175,9 @@ def _distributed_as_layer_wise(config: OptimizerConfig) -> OptimizerConfig:
     optimizer state (and fp32 main copies) over data-parallel ranks, by whole parameters, and
     takes the same steps as the non-distributed optimizer. A copy: the caller's config is kept.
     """
-    global _told_distributed_is_layer_wise
     if not config.use_distributed_optimizer:
         return config
-    if not _told_distributed_is_layer_wise:
-        _told_distributed_is_layer_wise = True
+    if first_time("distributed is layer-wise"):  # the info line is logged once per process
         logger.info(
             "use_distributed_optimizer=True: optimizer %r uses megatron_eopt's layer-wise distributed "
             "optimizer (each data-parallel rank keeps the state of whole parameters it owns).",
@@ -188,15 +201,9 @@ def _check_whole_gradients(chunks: list[torch.nn.Module]) -> None:
             )
 
 
-def _layer_wise(
-    config: OptimizerConfig,
-    chunks: list[torch.nn.Module],
-    groups: ParallelGroups,
-    routing: ParamRouting,
-    param_groups: list[dict],
-    records: list[ParamRecord],
-) -> LayerWiseDistributedOptimizer:
+def _layer_wise(build: _Build) -> LayerWiseDistributedOptimizer:
     """Children over the parameters this rank owns, wrapped to reduce and broadcast."""
+    config, groups, routing, records = build.config, build.groups, build.routing, build.records
     # Parameters stepped by a matrix optimizer (Muon & co.) are balanced by Newton-Schulz cost.
     matrix_fqns = {r.fqn for r in records if routing.routing != "all" and r.optimizer_name == routing.optimizer}
     # Every rank must learn of an inf/NaN anywhere, so the check of non-owned gradients is summed
@@ -204,7 +211,7 @@ def _layer_wise(
     shards, owned_fqns, check_groups = [], set(), []
     for is_expert in (False, True):
         members = [r for r in records if r.is_expert_parallel == is_expert]
-        if not members and not any(g["is_expert_parallel"] == is_expert for g in param_groups):
+        if not members and not any(g["is_expert_parallel"] == is_expert for g in build.param_groups):
             continue
         dp_group = _data_parallel_group(groups, is_expert)
         tp_group, norm_group = _gradient_groups(groups, is_expert)
@@ -216,7 +223,7 @@ def _layer_wise(
         divisor = group_size(_data_parallel_group(groups, False)) if is_expert else None
         shards.append(DataParallelShards(dp_group, by_owner, grad_divisor=divisor))
         owned_fqns |= {r.fqn for r in members if owners[r.fqn] == group_rank(dp_group)}
-    children = _children(config, chunks, groups, routing, param_groups, records, owned_fqns)
+    children = _children(build, owned_fqns)
     # With overlap_param_gather_with_optimizer_step a bucket is launched once the child that
     # steps its parameters (on their owner) has stepped; every rank knows which child that is.
     index_of_child = {child.name: index for index, child in enumerate(children)}
@@ -226,7 +233,7 @@ def _layer_wise(
         children, shards, [r.param for r in records], check_groups, reduce_grads=config.layer_wise_reduce_grads,
         overlap_param_gather=config.overlap_param_gather,
         overlap_param_gather_with_optimizer_step=config.overlap_param_gather_with_optimizer_step,
-        model_chunks=chunks, phase_of=phase_of,
+        model_chunks=build.chunks, phase_of=phase_of,
     )
 
 
@@ -236,23 +243,15 @@ def _data_parallel_group(groups: ParallelGroups, is_expert: bool) -> Any:
     return groups.require("dp_cp", "the layer-wise optimizer")
 
 
-def _children(
-    config: OptimizerConfig,
-    chunks: list[torch.nn.Module],
-    groups: ParallelGroups,
-    routing: ParamRouting,
-    param_groups: list[dict],
-    records: list[ParamRecord],
-    owned_fqns: Optional[set[str]] = None,
-    fsdp: Optional[FullyShardedLayout] = None,
-) -> list[Any]:
+def _children(build: _Build, owned_fqns: Optional[set[str]] = None) -> list[Any]:
     """One wrapped optimizer per (optimizer, dense|expert) that has param groups.
 
     With `owned_fqns` (layer-wise), each child steps only those parameters (its groups keep
     their keys, possibly empty) and sums its gradient norm over the data-parallel group too.
-    With `fsdp` (torch FSDP2), each child steps the local shards and sums its gradient norm over
-    the mesh's group.
+    With `build.fsdp` (torch FSDP2), each child steps the local shards and sums its gradient
+    norm over the mesh's group.
     """
+    config, groups, routing, records, fsdp = build.config, build.groups, build.routing, build.records, build.fsdp
     grad_scaler = make_grad_scaler(config, _device_of(records))
     wrapper = MixedPrecisionOptimizer if (config.bf16 or config.fp16) else FP32Optimizer
     if fsdp is not None:
@@ -260,7 +259,8 @@ def _children(
     children = []
     for is_expert in (False, True):
         for name in routing.optimizers:
-            child_groups = [g for g in param_groups if (g["is_expert_parallel"], g["optimizer"]) == (is_expert, name)]
+            child_groups = [g for g in build.param_groups
+                            if (g["is_expert_parallel"], g["optimizer"]) == (is_expert, name)]
             if not child_groups:
                 continue
             tp_group, norm_group = _gradient_groups(groups, is_expert)
@@ -273,7 +273,8 @@ def _children(
                 # group (a TP-replicated parameter counts on TP rank 0 only, as without FSDP2).
                 norm_groups = (fsdp.group, norm_group)
             child_records = [r for r in records if (r.is_expert_parallel, r.optimizer_name) == (is_expert, name)]
-            make_optimizer = _optimizer_maker(lookup_optimizer(name), config, chunks, child_records, tp_group, fsdp)
+            make_optimizer = _optimizer_maker(lookup_optimizer(name), config, build.chunks, child_records, tp_group,
+                                              fsdp)
             children.append(wrapper(child_groups, make_optimizer, config, records, tp_group, norm_groups,
                                     _child_name(routing, name, is_expert), grad_scaler))
     return children

@@ -186,16 +186,12 @@ def global_group_structure(children: list[FP32Optimizer], group: Optional[Proces
 def _local_group_structure(children: list[FP32Optimizer], stored: dict[str, str]) -> list[tuple[str, dict[str, Any]]]:
     structure = []
     for child in children:
-        fqn_of = _fqn_of_main(child)
+        fqn_of = child.fqn_of_main
         structure.append((child.name, {
             "torch_class": type(child.optimizer).__name__,
             "groups": {g["group_key"]: [stored[fqn_of[id(p)]] for p in g["params"]] for g in child.optimizer.param_groups},
         }))
     return structure
-
-
-def _fqn_of_main(child: FP32Optimizer) -> dict[int, str]:
-    return {id(main): record.fqn for record, main in zip(child.records, child.main_params)}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -418,7 +414,7 @@ def loaded_optimizer_state(child: FP32Optimizer, state: dict, groups_json: str, 
                            masters: dict[int, torch.Tensor]) -> dict[str, Any]:
     """The child's state dict (wrappers/flat_state.py format) from what was loaded."""
     saved_groups = json.loads(groups_json)
-    fqn_of = _fqn_of_main(child)
+    fqn_of = child.fqn_of_main
     param_groups = {}
     for group in child.optimizer.param_groups:
         saved = saved_groups.get(stored_group_key(group["group_key"]), {})

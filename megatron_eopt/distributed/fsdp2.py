@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from megatron_eopt.distributed.layer_wise import assign_owners
 from megatron_eopt.distributed.process_groups import (
     ParallelGroups,
     ProcessGroup,
@@ -34,6 +33,7 @@ from megatron_eopt.distributed.process_groups import (
     megatron_tensor_parallel_split,
     resolve_parallel_groups,
 )
+from megatron_eopt.ops.ownership import assign_owners
 from megatron_eopt.ops.row_shards import RowShards, chunk_rows
 from megatron_eopt.ops.splits import MatrixLayout
 from megatron_eopt.param_groups import ParamRecord, named_trainable_parameters

@@ -51,9 +51,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_eopt.distributed.process_groups import ProcessGroup, group_rank, group_size
-from megatron_eopt.ops.ownership import assign_owner_ranks
-from megatron_eopt.ops.splits import newton_schulz_cost
-from megatron_eopt.param_groups import ParamRecord
 from megatron_eopt.wrappers.base import MegatronOptimizer, SteppableChild, StepResult, take_step, timed
 from megatron_eopt.wrappers.chained import ChainedOptimizer
 from megatron_eopt.wrappers.fp32 import model_grad
@@ -83,46 +80,6 @@ class DataParallelShards:
 
     def global_rank(self, owner: int) -> int:
         return dist.get_global_rank(self.group, owner)
-
-
-def newton_schulz_cost_of(record: ParamRecord, tp_size: int) -> int:
-    """Cost of orthogonalizing the record's global matrix (TP shards joined)."""
-    rows, cols = record.param.shape
-    if record.partition_dim == 0:
-        rows *= tp_size
-    elif record.partition_dim == 1:
-        cols *= tp_size
-    return newton_schulz_cost(rows, cols)
-
-
-def assign_owners(records: Sequence[ParamRecord], matrix_fqns: set[str], dp_size: int, tp_size: int) -> dict[str, int]:
-    """Owner (rank in the data-parallel group) of every parameter, the same on every rank.
-
-    Matrices stepped by a matrix optimizer are balanced by Newton-Schulz cost, the other
-    parameters separately by element count (their cost is proportional to their size). The
-    others' largest share then goes to the rank holding the fewest matrix elements, the next
-    largest to the next rank, and so on; taken as they come, both shares 0 (each with its pass's
-    largest item, e.g. a matrix and the embedding) would land on rank 0, which would then hold
-    far more optimizer state (it grows with elements) than total / dp_size.
-    """
-    matrices = [r for r in records if r.fqn in matrix_fqns]
-    others = [r for r in records if r.fqn not in matrix_fqns]
-    owners = {}
-    matrix_costs = [newton_schulz_cost_of(r, tp_size) for r in matrices]
-    for record, owner in zip(matrices, assign_owner_ranks(matrix_costs, dp_size)):
-        owners[record.fqn] = owner
-    matrix_elements, other_elements = [0] * dp_size, [0] * dp_size
-    for record in matrices:
-        matrix_elements[owners[record.fqn]] += record.param.numel()
-    other_shares = assign_owner_ranks([r.param.numel() for r in others], dp_size)
-    for record, share in zip(others, other_shares):
-        other_elements[share] += record.param.numel()
-    shares = sorted(range(dp_size), key=lambda s: (-other_elements[s], s))
-    ranks = sorted(range(dp_size), key=lambda r: (matrix_elements[r], r))
-    rank_of_share = dict(zip(shares, ranks))
-    for record, share in zip(others, other_shares):
-        owners[record.fqn] = rank_of_share[share]
-    return owners
 
 
 class _NonOwnedGradCheck(SteppableChild):

@@ -73,6 +73,10 @@ class NewtonSchulzSettings:
         return get_muon_scale_factor(rows, cols, mode=self.scale_mode) * self.extra_scale_factor
 
 
+# One block of one parameter's update: (index of the parameter, the block, the parameter's layout).
+Piece = tuple[int, torch.Tensor, MatrixLayout]
+
+
 def orthogonalize_updates(
     updates: list[torch.Tensor],
     layouts: list[MatrixLayout],
@@ -144,7 +148,7 @@ def _orthogonalize_stacked(matrices: list[torch.Tensor], settings: NewtonSchulzS
 
 
 def _local(
-    pieces: list[tuple[int, torch.Tensor, MatrixLayout]],
+    pieces: list[Piece],
     block_shapes: list[tuple[int, int]],
     tp_mode: str,
     tp_group: dist.ProcessGroup,
@@ -188,12 +192,8 @@ def _all_gather_blocks(shards: list[torch.Tensor], dims: list[int], group: dist.
     return fulls
 
 
-def _distributed(
-    pieces: list[tuple[int, torch.Tensor, MatrixLayout]],
-    block_shapes: list[tuple[int, int]],
-    tp_group: dist.ProcessGroup,
-    settings: NewtonSchulzSettings,
-) -> list[torch.Tensor]:
+def _distributed(pieces: list[Piece], block_shapes: list[tuple[int, int]], tp_group: dist.ProcessGroup,
+                 settings: NewtonSchulzSettings) -> list[torch.Tensor]:
     """Sharded blocks one by one (the all-reduced norm and Gram matrix are per matrix); replicated ones batched."""
     replicated = [k for k, (_, _, layout) in enumerate(pieces) if layout.partition_dim < 0]
     results: list[torch.Tensor] = [torch.empty(0)] * len(pieces)
@@ -209,12 +209,8 @@ def _distributed(
     return results
 
 
-def _sharded(
-    pieces: list[tuple[int, torch.Tensor, MatrixLayout]],
-    block_shapes: list[tuple[int, int]],
-    tp_group: dist.ProcessGroup,
-    settings: NewtonSchulzSettings,
-) -> list[torch.Tensor]:
+def _sharded(pieces: list[Piece], block_shapes: list[tuple[int, int]], tp_group: dist.ProcessGroup,
+             settings: NewtonSchulzSettings) -> list[torch.Tensor]:
     """Each block orthogonalized once, by its owner; two all-to-alls move shards and results."""
     size, rank = _size(tp_group), dist.get_rank(tp_group)
     owners = assign_owner_ranks([newton_schulz_cost(*s) for s in block_shapes], size)

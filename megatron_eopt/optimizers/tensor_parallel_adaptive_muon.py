@@ -43,16 +43,8 @@ from megatron_eopt.ops.collectives import all_reduce_sum_coalesced
 from megatron_eopt.ops.newton_schulz import NewtonSchulzSettings
 from megatron_eopt.ops.row_shards import RowShards
 from megatron_eopt.ops.splits import MatrixLayout
-from megatron_eopt.optimizers.tensor_parallel_muon import (
-    check_muon_arguments,
-    layouts_by_param,
-    matrix_layouts_of,
-    momentum_updates,
-    muon_use_syrk,
-    orthogonalize_sharded,
-    row_shards_by_param,
-    warn_if_blockwise_splits,
-)
+from megatron_eopt.optimizers.sharded_matrices import ShardedMatrices, check_muon_arguments
+from megatron_eopt.optimizers.tensor_parallel_muon import muon_use_syrk
 
 MOMENT2_METHODS: tuple[str, ...] = typing.get_args(Moment2MethodT)
 
@@ -90,7 +82,7 @@ class _Pending:
     view: _GlobalView
 
 
-class TensorParallelAdaptiveMuon(AdaptiveMuon):
+class TensorParallelAdaptiveMuon(ShardedMatrices, AdaptiveMuon):
     """AdaptiveMuon whose parameters may be TP shards (see the module docstring for the update).
 
     Args beyond emerging_optimizers' AdaptiveMuon (whose lr, momentum and weight_decay get
@@ -158,12 +150,7 @@ class TensorParallelAdaptiveMuon(AdaptiveMuon):
             scale_mode=scale_mode, extra_scale_factor=extra_scale_factor, moment2_method=moment2_method,
             beta2=beta2, eps=eps,
         )
-        self.tp_mode = tp_mode
-        self.tp_group = tp_group
-        self._layout_of = layouts_by_param(self.param_groups, dict(layouts or {}))
-        self.fsdp_group = fsdp_group
-        self._row_shards_of = row_shards_by_param(self.param_groups, fsdp_shards, fsdp_group, tp_group, layouts)
-        warn_if_blockwise_splits(tp_mode, tp_group, matrix_layouts_of(self._layout_of, self._row_shards_of))
+        self._set_up_shards(tp_mode, tp_group, layouts, fsdp_group, fsdp_shards)
         self._view_of = {key: self._global_view(layout) for key, layout in self._layout_of.items()}
         if self._row_shards_of is not None:
             rows_split = fsdp_group is not None and dist.get_world_size(fsdp_group) > 1
@@ -205,12 +192,6 @@ class TensorParallelAdaptiveMuon(AdaptiveMuon):
             self.state[p]["momentum_buffer"] = torch.zeros_like(p)
             self.state[p]["moment2_buffer"] = torch.zeros(shape, dtype=p.dtype, device=p.device)
 
-    def orthogonalize(self, p: torch.Tensor, grad: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        """The raw (unscaled) orthogonalized update of one parameter (emerging_optimizers' hook)."""
-        return self._orthogonalize_all([p], [grad])[0]
-
-    _orthogonalize_all = orthogonalize_sharded  # raw (settings scaled=False): the scale comes after the second moment
-
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> None:
         """AdaptiveMuon's step with every parameter's orthogonalization and statistics done together.
@@ -222,7 +203,7 @@ class TensorParallelAdaptiveMuon(AdaptiveMuon):
         if closure is not None:
             raise ValueError("closure is not supported")
         pending = [_Pending(group, p, p.grad, update, self._view_of[id(p)])
-                   for group, p, update in momentum_updates(self)]
+                   for group, p, update in self._momentum_updates()]
         if not pending:
             return None
         with eo_utils.fp32_matmul_precision(self.fp32_matmul_prec):

@@ -29,15 +29,15 @@ import torch.distributed as dist
 from megatron_eopt.ops.row_shards import RowShards, map_row_shards
 from megatron_eopt.ops.splits import MatrixLayout
 from megatron_eopt.ops.whole_matrix import gather_whole_matrix, local_part
-from megatron_eopt.optimizers.tensor_parallel_muon import (
-    layouts_by_param,
-    row_shards_by_param,
-    step_orthogonalizing_together,
-)
+from megatron_eopt.optimizers.sharded_matrices import OrthogonalizeTogether, layouts_by_param, row_shards_by_param
 
 
 class _WholeMatrixOverTensorParallel:
     """The overriding part; mixed in before an OrthogonalizedOptimizer subclass."""
+
+    # Borrowed rather than inherited, so that the class's bases stay (this, the wrapped class).
+    _momentum_updates = OrthogonalizeTogether._momentum_updates
+    _step_orthogonalizing_together = OrthogonalizeTogether._step_orthogonalizing_together
 
     tp_group: Optional[dist.ProcessGroup]
     fsdp_group: Optional[dist.ProcessGroup]
@@ -61,7 +61,7 @@ class _WholeMatrixOverTensorParallel:
             return super().step(closure)
         if closure is not None:
             raise ValueError("closure is not supported")
-        step_orthogonalizing_together(self)  # every matrix's rows to its owner in one exchange
+        self._step_orthogonalizing_together()  # every matrix's rows to its owner in one exchange
         return None
 
     def _orthogonalize_all(self, params: list[torch.Tensor], updates: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -75,7 +75,7 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
         ordered = [record_of[id(p)] for p in self.model_params]
         self.records = ordered  # parallel to model_params and main_params
         self.tp_group = tp_group
-        self._fqn_of_main = {id(main): r.fqn for main, r in zip(self.main_params, ordered)}
+        self.fqn_of_main = {id(main): r.fqn for main, r in zip(self.main_params, ordered)}  # id(main) -> fqn
         tp_rank = group_rank(tp_group)
         self._counts_for_norm = [
             not r.is_shared and (r.tensor_model_parallel or tp_rank == 0) for r in ordered
@@ -156,7 +156,7 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
         pass  # the model's parameters are the main parameters
 
     def state_dict(self) -> dict:
-        state = flat_state_dict(self.optimizer, self._fqn_of_main)
+        state = flat_state_dict(self.optimizer, self.fqn_of_main)
         state["grad_scaler"] = self.grad_scaler.state_dict() if self.grad_scaler else None
         return state
 
@@ -168,11 +168,11 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
     def check_state_dict(self, state_dict: dict) -> None:
         """Raise ValueError if `state_dict` does not fit this optimizer; changes nothing."""
         state_dict = expand_sharded_state_dict(state_dict)
-        torch_state_dict_from_flat(self.optimizer, state_dict, self._fqn_of_main)
+        torch_state_dict_from_flat(self.optimizer, state_dict, self.fqn_of_main)
 
     def load_state_dict(self, state_dict: dict) -> None:
         state_dict = expand_sharded_state_dict(state_dict)
-        load_flat_state_dict(self.optimizer, state_dict, self._fqn_of_main)
+        load_flat_state_dict(self.optimizer, state_dict, self.fqn_of_main)
         if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
 

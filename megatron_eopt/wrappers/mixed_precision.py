@@ -51,7 +51,7 @@ class MixedPrecisionOptimizer(FP32Optimizer):
 
     def state_dict(self) -> dict:
         state = super().state_dict()
-        state["main_params"] = {self._fqn_of_main[id(main)]: main.detach() for _, main in self._half_pairs()}
+        state["main_params"] = {self.fqn_of_main[id(main)]: main.detach() for _, main in self._half_pairs()}
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -61,6 +61,6 @@ class MixedPrecisionOptimizer(FP32Optimizer):
         saved = state_dict.get("main_params") or {}
         with torch.no_grad():
             for _, main in self._half_pairs():
-                fqn = self._fqn_of_main[id(main)]
+                fqn = self.fqn_of_main[id(main)]
                 if fqn in saved:
                     main.copy_(saved[fqn])

@@ -320,7 +320,7 @@ def spy_muon(monkeypatch):
             seen.update(tp_group=tp_group, layouts=dict(layouts), kwargs=dict(kwargs, momentum=momentum))
             super().__init__(params, lr, momentum, weight_decay, **kwargs)
 
-    monkeypatch.setattr(registry, "_TABLE", registry.OptimizerTable())
+    monkeypatch.setattr(registry.table, "_TABLE", registry.OptimizerTable())
     entry = registry.EmergingOptimizerEntry(SpyMuon, config_prefixes=("muon",))
     registry.register_emerging_optimizer("spy_muon", entry)
     return seen

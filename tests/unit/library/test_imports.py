@@ -4,8 +4,10 @@
 a fresh interpreter). The package's modules import each other without cycles, and only
 downwards through the layers (read from the source with `ast`, so imports inside functions and
 `if TYPE_CHECKING:` blocks count too):
-config/param_key -> ops -> optimizers -> registry -> param_groups -> wrappers/distributed ->
-checkpointing -> factory -> muon/bridge; megatron-core appears only where allowed.
+once/hardware/param_names -> config/param_key -> ops -> optimizers -> registry -> param_groups ->
+wrappers/distributed -> checkpointing -> factory -> muon/bridge; megatron-core appears only where
+allowed. A subpackage's `__init__.py` counts as a module, so a module of the registry package
+that imported the package itself (which imports it) is a cycle.
 """
 
 import ast
@@ -16,6 +18,7 @@ from typing import Optional
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[3] / "megatron_eopt"
 LAYER_OF = {  # first component below megatron_eopt -> layer; a module imports layers <= its own
+    "once": 0, "hardware": 0, "param_names": 0,  # leaves: they import no megatron_eopt module
     "config": 0, "param_key": 0, "ops": 1, "optimizers": 2, "registry": 3, "param_groups": 4,
     "wrappers": 5, "distributed": 5, "checkpointing": 6, "factory": 7, "muon": 8, "bridge": 8,
     "integrations": 9, "arguments": 9,
@@ -46,10 +49,13 @@ def package_imports(path: pathlib.Path) -> list[tuple[str, Optional[str]]]:
             if isinstance(child, ast.Import):
                 found.extend((alias.name, function) for alias in child.names)
             elif isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
-                found.append((child.module, function))
-                # `from megatron_eopt.wrappers import fp32` imports the module wrappers.fp32.
-                found.extend((f"{child.module}.{alias.name}", function) for alias in child.names
-                             if _module_path(f"{child.module}.{alias.name}") is not None)
+                # `from megatron_eopt.wrappers import fp32` imports the module wrappers.fp32 (and
+                # only that, as far as layers and cycles go: the package itself is not the target).
+                modules = [f"{child.module}.{alias.name}" for alias in child.names
+                           if _module_path(f"{child.module}.{alias.name}") is not None]
+                if len(modules) < len(child.names):
+                    found.append((child.module, function))
+                found.extend((module, function) for module in modules)
             visit(child, function)
 
     visit(ast.parse(path.read_text()), None)
@@ -57,11 +63,14 @@ def package_imports(path: pathlib.Path) -> list[tuple[str, Optional[str]]]:
 
 
 def _module_path(name: str) -> Optional[pathlib.Path]:
-    """The file of megatron_eopt module `name`, or None when it is not one (or is a package)."""
+    """The file of megatron_eopt module `name` (a subpackage's `__init__.py`), or None when it is not one."""
     if not name.startswith("megatron_eopt."):
         return None
-    path = PACKAGE.joinpath(*name.split(".")[1:]).with_suffix(".py")
-    return path if path.is_file() else None
+    path = PACKAGE.joinpath(*name.split(".")[1:])
+    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
 
 
 def layer(relative: pathlib.Path) -> int:
@@ -72,7 +81,8 @@ def layer(relative: pathlib.Path) -> int:
 
 
 def package_files() -> list[pathlib.Path]:
-    files = [p for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"]
+    """Every module of the package; subpackages' `__init__.py` too, not the top-level one (it re-exports all)."""
+    files = [p for p in PACKAGE.rglob("*.py") if p != PACKAGE / "__init__.py"]
     assert len(files) > 5
     return files
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_eopt import ParallelGroups, get_megatron_optimizer
-from megatron_eopt.optimizers import tensor_parallel_muon
+from megatron_eopt import once
 from tests.unit.library.distributed.test_distributed_step import tp_model
 
 
@@ -25,7 +25,7 @@ def _mcore_config(**kwargs):
 
 def _build_twice_and_record(model: torch.nn.Module, config, pg_collection=None) -> tuple[str, list[str]]:
     """(the optimizer's muon_tp_mode, messages of blockwise warnings) over two builds."""
-    getattr(tensor_parallel_muon, "_WARNED_ONCE", set()).clear()  # a fresh process, for this warning
+    once._GIVEN.clear()  # a fresh process, for this warning
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):
@@ -101,9 +101,7 @@ def test_refused_fields_raise_naming_the_field(name: str) -> None:
 
 
 def _build_warnings(**fields) -> list[str]:
-    from megatron_eopt import config as config_module
-
-    config_module._WARNED_ONCE.clear()
+    once._GIVEN.clear()
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -14,7 +14,7 @@ import torch
 from emerging_optimizers.orthogonalized_optimizers import muon_utils
 from emerging_optimizers.orthogonalized_optimizers.muon import Muon
 
-from megatron_eopt import registry
+from megatron_eopt import once, registry
 from megatron_eopt.config import OptimizerConfig
 from megatron_eopt.optimizers.tensor_parallel_adaptive_muon import TensorParallelAdaptiveMuon
 from megatron_eopt.optimizers.tensor_parallel_muon import TensorParallelMuon
@@ -104,8 +104,8 @@ def test_explicit_precision_is_honoured_on_cpu(precision: str, bf16: bool) -> No
 
 
 def test_medium_on_a_cpu_that_emulates_bf16_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(registry, "native_bf16_matmul", lambda device: False)
-    monkeypatch.setattr(registry, "_WARNED_ONCE", set())
+    monkeypatch.setattr(registry.kwargs, "native_bf16_matmul", lambda device: False)
+    monkeypatch.setattr(once, "_GIVEN", set())
     spec = registry.lookup_optimizer("muon")
     config = OptimizerConfig(optimizer="muon", lr=0.1, muon_fp32_matmul_prec="medium")
     with pytest.warns(UserWarning, match=r"muon_fp32_matmul_prec='medium'.*emulates.*'highest'"):
@@ -116,8 +116,8 @@ def test_medium_on_a_cpu_that_emulates_bf16_warns_once(monkeypatch: pytest.Monke
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         registry.optimizer_kwargs("muon", spec.entry, config, BuildContext(on_cpu=True))  # once only
-    monkeypatch.setattr(registry, "native_bf16_matmul", lambda device: True)
-    monkeypatch.setattr(registry, "_WARNED_ONCE", set())
+    monkeypatch.setattr(registry.kwargs, "native_bf16_matmul", lambda device: True)
+    monkeypatch.setattr(once, "_GIVEN", set())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         registry.optimizer_kwargs("muon", spec.entry, config, BuildContext(on_cpu=True))  # native: silent
@@ -127,10 +127,10 @@ def test_medium_on_a_cpu_that_emulates_bf16_warns_once(monkeypatch: pytest.Monke
 def test_the_command_line_default_is_chosen_from_the_hardware(monkeypatch, native: bool, expected: str) -> None:
     import argparse
 
+    from megatron_eopt import hardware
     from megatron_eopt.arguments import add_optimizer_args, matmul_precision_line, optimizer_config_from_args
-    from megatron_eopt import config as config_module
 
-    monkeypatch.setattr(config_module, "_cpu_has_bf16_instructions", lambda: native)
+    monkeypatch.setattr(hardware, "_cpu_has_bf16_instructions", lambda: native)
     args = add_optimizer_args(argparse.ArgumentParser()).parse_args(["--optimizer", "muon"])
     assert args.muon_fp32_matmul_prec is None
     cpu = torch.device("cpu")
@@ -143,7 +143,7 @@ def test_the_command_line_default_is_chosen_from_the_hardware(monkeypatch, nativ
 
 
 def test_native_bf16_detection_reads_the_cpu_flags() -> None:
-    from megatron_eopt.config import cpuinfo_has_bf16
+    from megatron_eopt.hardware import cpuinfo_has_bf16
 
     assert not cpuinfo_has_bf16("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512bw\n")
     assert cpuinfo_has_bf16("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\n")

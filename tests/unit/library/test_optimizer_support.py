@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from megatron_eopt.arguments import add_optimizer_args, optimizer_config_from_args, parse_and_validate, validate_args
 from megatron_eopt import OptimizerConfig, ParallelGroups, get_megatron_optimizer
-from megatron_eopt import factory, registry
+from megatron_eopt import once, registry
 from megatron_eopt.distributed.layer_wise import LayerWiseDistributedOptimizer
 from tests.unit.library.distributed.test_layer_wise import (
     CONFIG,
@@ -276,7 +276,7 @@ def test_pretrain_gpt_adam_with_distributed_optimizer_parses_to_layer_wise(monke
 def test_config_with_distributed_optimizer_builds_the_layer_wise_one_and_says_so_once(monkeypatch, caplog):
     from megatron_eopt.bridge import SchedulerConfig, setup_optimizer
 
-    monkeypatch.setattr(factory, "_told_distributed_is_layer_wise", False, raising=False)
+    monkeypatch.setattr(once, "_GIVEN", set())  # as in a fresh process
     config = OptimizerConfig(optimizer="adam", lr=0.01, min_lr=0.0, use_distributed_optimizer=True)
     with caplog.at_level(logging.INFO, logger="megatron_eopt.factory"):
         optimizer, scheduler = setup_optimizer(config, SchedulerConfig(train_iters=10), torch.nn.Linear(4, 4))

@@ -24,7 +24,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[3]
 @pytest.fixture
 def fresh_table(monkeypatch):
     table = OptimizerTable()
-    monkeypatch.setattr(registry, "_TABLE", table)
+    monkeypatch.setattr(registry.table, "_TABLE", table)
     return table
 
 

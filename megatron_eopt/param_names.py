@@ -1,0 +1,20 @@
+"""The names by which errors and checks refer to parameters.
+
+Param groups built by `param_groups.py` name their parameters in 'param_fqns'; groups a caller
+builds by hand may not, and then a parameter is named by its position in its group.
+"""
+
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+
+
+def group_param_names(group: Mapping[str, Any]) -> list[str]:
+    """The fully qualified name of every parameter of `group`, in order ('<parameter i>' unnamed)."""
+    return list(group.get("param_fqns") or [f"<parameter {i}>" for i in range(len(group["params"]))])
+
+
+def named_params(param_groups: Sequence[Mapping[str, Any]]) -> Iterator[tuple[torch.Tensor, str]]:
+    """(parameter, name) of every parameter of `param_groups`, group by group."""
+    for group in param_groups:
+        yield from zip(group["params"], group_param_names(group))
