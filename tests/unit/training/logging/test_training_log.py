@@ -223,11 +223,17 @@ def test_tensorboard_options_that_cannot_write_say_so() -> None:
     assert training_log.tensorboard_option_lines(_args(tensorboard_dir="tb", **flags), on_cuda=True) == []
 
 
-def test_validation_without_tensorboard_is_a_no_op(monkeypatch) -> None:
-    monkeypatch.setattr(sys, "stdout", io.StringIO())
+def test_validation_without_tensorboard_writes_nothing(monkeypatch, tmp_path) -> None:
+    # The caller prints the validation line; without --tensorboard-dir the logger adds nothing:
+    # no output, no file, no record.
+    stdout = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", stdout)
+    monkeypatch.chdir(tmp_path)
     log = Logger(_args(), rank=0)
-    log.validation(1, 2.5)  # nothing to write to; must not fail
+    log.validation(1, 2.5)
     log.close()
+    assert log.tensorboard is None
+    assert stdout.getvalue() == "" and list(tmp_path.iterdir()) == [] and log.records == []
 
 
 def test_plot_is_a_png_of_the_size_with_the_curve(tmp_path) -> None:
