@@ -1,47 +1,18 @@
 """LayerWiseDistributedOptimizer: each data-parallel rank owns whole parameters.
 
-Muon needs whole matrices, so instead of ZeRO's byte shards every parameter has one owner in
-its data-parallel group (dp x cp for dense parameters, the expert data-parallel group for
-experts). Only the owner keeps optimizer state and fp32 main copies and runs the update
-(Newton-Schulz included); afterwards it broadcasts the new values to the other ranks. Owners
-are assigned deterministically on every rank: matrices by Newton-Schulz cost of their global
-shape, largest first onto the least-loaded rank, then the other parameters by size.
+Muon needs whole matrices, so instead of ZeRO's byte shards every parameter has one owner in its
+data-parallel group (the expert data-parallel group for experts), assigned on every rank alike by
+Newton-Schulz cost (ops/ownership.py). Only the owner keeps optimizer state and fp32 main copies
+and runs the update; then it broadcasts the new values in buckets.
 
-A step:
-1. with `reduce_grads`, the gradients are this rank's own and are averaged onto each
-   parameter's owner by `reduce` (no all-reduce); otherwise they were already all-reduced
-   (torch or megatron-core DDP) and each owner reads its own copy. Expert gradients are
-   summed over the expert data-parallel group and divided by the dense data-parallel size,
-   as megatron-core's DDP does (the token dispatcher already brought each expert the
-   gradients of every rank of its expert-parallel group);
-2. megatron-core's step recipe (wrappers/base.py) over the owned parameters: the gradient norm
-   sums the owners' squares over the data-parallel group, then the model-parallel group;
-   inf/NaN in any gradient of any rank, owned or not, skips the step everywhere;
-3. after a successful step, owners broadcast their parameters in buckets; every async
-   handle and its buffer stay referenced until waited on.
-
-The parameter sync (step 3), megatron-core's `--overlap-param-gather` and
-`--overlap-param-gather-with-optimizer-step`:
-- without overlap, step() waits for every broadcast before it returns;
-- with `overlap_param_gather`, step() launches the broadcasts and returns. A forward pre-hook
-  on every module that holds parameters waits for the buckets of that module's own parameters
-  just before its forward runs (and copies them in on non-owners), so the sync of later layers
-  hides behind the forward of earlier ones. Buckets are launched in forward order: each
-  holds consecutive parameters of one owner in registration order (chunk by chunk, as
-  `named_parameters()` lists them), the usual forward order, and buckets are launched by
-  their first parameter's position. A bucket is waited on at the first module that uses any
-  of its parameters, so no parameter changes after a forward has used it;
-- with `overlap_param_gather_with_optimizer_step` too, each bucket is launched as soon as the
-  chained optimizer that updates its parameters has stepped (buckets never mix chained
-  optimizers), so the broadcast of e.g. Muon's matrices overlaps the scalar optimizer's step.
-  Finer (per-parameter) launches would need the inner optimizers to step parameter by
-  parameter, which they do not.
-Everything that reads or replaces parameters or optimizer state through this optimizer
-(step, state_dict, sharded_state_dict, load_state_dict, reload_model_params, checkpointing's
-save/load) first calls `finish_param_sync()` (megatron-core DDP's name), which code outside
-must call too before it reads or writes parameters without running a forward. zero_grad does
-not wait: it touches gradients only, and trainers call it just before the forward, where
-waiting would undo the overlap.
+A step: (1) with `reduce_grads`, gradients are averaged onto each owner by `reduce`, else they
+were all-reduced already; expert gradients are summed over the expert data-parallel group and
+divided by the dense data-parallel size, as megatron-core's DDP does; (2) megatron-core's step
+recipe (wrappers/base.py) over the owned parameters, the norm and the inf/NaN verdict reduced over
+data- and model-parallel groups; (3) the broadcasts, waited on in step() or, with
+`overlap_param_gather`, by a forward pre-hook of each module (launched after each chained
+optimizer's step with `overlap_param_gather_with_optimizer_step`). Whatever reads or replaces
+parameters or state calls `finish_param_sync()` first (docs/layer-wise.md).
 """
 
 from dataclasses import dataclass, field

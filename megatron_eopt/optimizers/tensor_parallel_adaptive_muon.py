@@ -1,32 +1,16 @@
 """TensorParallelAdaptiveMuon: emerging_optimizers' AdaptiveMuon for TP shards and fused weights.
 
-Update of each 2-D parameter p with gradient g, momentum beta, lr, weight decay wd, beta2, eps:
-    p <- p * (1 - lr * wd)                                  (decoupled weight decay)
-    m <- beta * m + (1 - beta) * g                          (EMA momentum)
-    u <- lerp(g, m, beta) if nesterov else m
-    O <- for each block B of u (q/k/v of linear_qkv, gate/up of a gated linear_fc1, else u):
-         NewtonSchulz(B)                                    (raw: no scale yet)
-    N <- second-moment normalization of O, by moment2_method:
-         adamuon: v <- beta2 * v + (1 - beta2) * O^2;  N = O / (sqrt(v) + eps)       (elementwise)
-         normuon: s = mean of O^2 over columns if rows >= cols, else over rows
-                  v <- beta2 * v + (1 - beta2) * s;    N = O / sqrt(max(v, eps))
-                  N <- N * ||O||_F / max(||N||_F, eps)
-         namo:    v <- beta2 * v + (1 - beta2) * ||g||_F^2;  N = O * ||u||_F / (sqrt(v) + eps)
-    p <- p - lr * N * scale(rows, cols) * extra_scale_factor
-scale: spectral sqrt(max(m, n)), shape_scaling sqrt(max(1, m/n)), unit_rms_norm sqrt(m/n).
-
-Everything above is of the whole (unsharded) parameter, so that tp_mode 'duplicated',
-'distributed' and 'sharded' give the TP=1 update to fp32 round-off: `rows`/`cols` and the
-normuon mean are those of the global shape, and means and norms over a sharded dimension are
-summed over the TP group (at most two all-reduces per step, each of one flat buffer for all
-parameters). tp_mode='blockwise' treats every shard as a whole parameter: no communication,
-and the update depends on the TP degree.
-
-torch FSDP2 (`fsdp_shards`): the parameters are row shards (Shard(0)) of whole matrices over
-`fsdp_group` (of this TP rank's shards of them, with a `tp_group` too), orthogonalized once
-each, on an owner rank (ops/row_shards.py); the statistics are those of the whole matrices:
-sums over the rows meet over `fsdp_group` (and over the TP group too when TP splits rows), sums
-over columns split by TP over the TP group.
+Update of each 2-D parameter p with gradient g (momentum beta, second-moment beta2, eps):
+    p <- p * (1 - lr * wd);  m <- beta * m + (1 - beta) * g;  u <- lerp(g, m, beta) if nesterov else m
+    O <- NewtonSchulz(B) for each block B of u (q/k/v of linear_qkv, gate/up of a gated linear_fc1)
+    N <- O normalized by its second moment: adamuon elementwise (v of O^2), normuon per row or
+         column (then rescaled to ||O||_F), namo by ||g||_F^2
+    p <- p - lr * N * scale(global rows, cols) * extra_scale_factor
+Everything is of the whole parameter, so tp_mode 'duplicated', 'distributed' and 'sharded' give
+the TP=1 update to fp32 round-off: means and norms over a sharded dimension are summed over the
+TP group (at most two all-reduces per step). 'blockwise' treats each shard as a whole parameter.
+With FSDP2 (`fsdp_shards`) each matrix is orthogonalized once, on its owner (ops/row_shards.py),
+and the statistics are summed over `fsdp_group` too. docs/tp-muon.md gives the formulas.
 """
 
 import dataclasses

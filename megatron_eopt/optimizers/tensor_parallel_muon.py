@@ -7,17 +7,11 @@ Update of each 2-D parameter p with gradient g, momentum beta, lr, weight decay 
     O <- for each block B of u (q/k/v of linear_qkv, gate/up of a gated linear_fc1, else u):
          NewtonSchulz(B) * scale(global shape of B) * extra_scale_factor
     p <- p - lr * O
-scale: spectral sqrt(max(m, n)), shape_scaling sqrt(max(1, m/n)), unit_rms_norm sqrt(m/n),
-always from the global (unsharded) block shape except in tp_mode='blockwise'. How the shards
-of a block meet is `tp_mode` (see ops/newton_schulz.py), which also batches equal-shape
-blocks into one Newton-Schulz call. On CPU, run with fp32_matmul_prec='highest': bf16 matrix
-products are emulated on CPUs without bf16 instructions (about 50x slower than fp32 on the
-AVX2 machine of README's Performance section).
-
-torch FSDP2 (`fsdp_shards`): the parameters are this rank's row shards (Shard(0)) of whole
-matrices over `fsdp_group` (of this TP rank's shards of them with a `tp_group` too); momentum
-stays a shard, and each matrix's Newton-Schulz runs once, on its owner rank (with TP: on one
-owner of its TP group, or spread over it in tp_mode 'distributed'; ops/row_shards.py).
+scale: spectral sqrt(max(m, n)), shape_scaling sqrt(max(1, m/n)), unit_rms_norm sqrt(m/n), from
+the global block shape except in tp_mode='blockwise'. How the shards of a block meet is
+`tp_mode` (ops/newton_schulz.py), which also batches equal-shape blocks. With FSDP2
+(`fsdp_shards`) momentum stays a row shard and each matrix's Newton-Schulz runs once, on its
+owner (ops/row_shards.py). docs/tp-muon.md describes the modes.
 """
 
 import dataclasses

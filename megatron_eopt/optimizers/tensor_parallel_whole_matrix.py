@@ -1,24 +1,16 @@
-"""Tensor parallelism and torch FSDP2 for orthogonalized optimizers whose only whole-matrix step
-is `orthogonalize`.
+"""Tensor parallelism and FSDP2 for orthogonalized optimizers whose only whole-matrix step is
+`orthogonalize`.
 
 emerging_optimizers' OrthogonalizedOptimizer steps each 2-D parameter as
     p <- weight decay(p);  m <- lerp(m, g, 1 - beta);  u <- m (or Nesterov's lerp(g, m, beta))
     p <- p - lr * orthogonalize(u)
-Everything but `orthogonalize` is elementwise, so on a shard it is the unsharded step restricted
-to the shard. `with_tensor_parallelism(cls)` makes a subclass whose `orthogonalize` all-gathers
-u's TP shards into the whole matrix, calls the class's own `orthogonalize` on it (every TP rank
-the same computation), and keeps this rank's part: the TP=1 update, to round-off ('duplicated'
-in Muon's terms). Right for PolarGrad (nuclear-norm scale), MOP (SVD polar factor) and Scion
-(Newton-Schulz, width factor of the whole shape), whose `orthogonalize` is a function of u alone.
-Not for classes with other whole-matrix steps: Spel and SinkhornMuon project the weights after
-the update, MuonHyperball keeps the weight norm.
-
-torch FSDP2 (`fsdp_shards`): the parameters are row shards (Shard(0)) over `fsdp_group`, and
-each matrix has one owner rank, as for TensorParallelMuon: the step sends every u's rows to its
-owner in one exchange, the owner runs the class's `orthogonalize` on the whole matrix (with TP as
-well: on its TP shard, gathered over the TP group as above; the owners of a matrix form one TP
-group) and sends each rank its rows back (ops/row_shards.py). Each matrix is orthogonalized once
-per TP rank, on the exact fp32 matrix the unsharded optimizer sees.
+Everything but `orthogonalize` is elementwise. `with_tensor_parallelism(cls)` makes a subclass
+whose `orthogonalize` all-gathers u's TP shards, calls the class's own `orthogonalize` on the
+whole matrix and keeps this rank's part: the TP=1 update to round-off. That fits PolarGrad, MOP
+and Scion, whose `orthogonalize` depends on u alone; not Spel, SinkhornMuon or MuonHyperball,
+which have other whole-matrix steps. With FSDP2 (`fsdp_shards`) each matrix has one owner, which
+receives every u's rows in one exchange, orthogonalizes the whole matrix and sends the rows
+back (ops/row_shards.py).
 """
 
 from typing import Any, Mapping, Optional
