@@ -4,7 +4,7 @@ The attention is megatron-core's own ``MLASelfAttention`` from its layer specs (
 query and key/value down-projections are column-parallel linears whose outputs are gathered
 over TP, the up-projections column-parallel, ``linear_proj`` row-parallel; ``--qk-layernorm``
 puts megatron's norms on the compressed latents). On CPU two things change, nothing else:
-- the core attention is megatron_eopt/training/model/gpt.py's ``SDPACoreAttention`` (megatron's allocates a
+- the core attention is megatron_eopt/training/model/sdpa_attention.py's ``SDPACoreAttention`` (megatron's allocates a
   CUDA buffer), which takes MLA's query/key width and its different value width;
 - MLA builds its rotary embedding (YaRN or plain RoPE on the ``qk_pos_emb_head_dim`` part of a
   head) inside its constructor without ``use_cpu_initialization`` and moves the frequencies to

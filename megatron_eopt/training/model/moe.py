@@ -1,6 +1,6 @@
 """Mixture of experts: megatron-core's MoELayer on CPU as on CUDA, layout-independent experts.
 
-The model (used by megatron_eopt/training/model/gpt.py's `gpt_layer_spec`): megatron-core's `MoELayer` with
+The model (used by megatron_eopt/training/model/layer_specs.py's `gpt_layer_spec`): megatron-core's `MoELayer` with
 `SequentialMLP` experts and its allgather token dispatcher. Three substitutions, each a subclass
 that changes one thing:
 
@@ -46,7 +46,7 @@ data-parallel group, which holds every token of the global batch once, so the up
 depend on the DP/EP/TP layout; then the counts of the expert bias and the global aux loss start
 again.
 
-Dense layers among MoE ones (`--moe-layer-freq`) are built by megatron_eopt/training/model/gpt.py by global
+Dense layers among MoE ones (`--moe-layer-freq`) are built by megatron_eopt/training/model/layer_specs.py by global
 layer number; the flags are megatron_eopt/training/arguments/moe.py's.
 """
 
