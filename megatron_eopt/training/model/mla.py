@@ -144,7 +144,7 @@ def _gather_along_last_dim(input_: torch.Tensor, group) -> torch.Tensor:
     if world_size == 1:
         return input_
     output = input_.new_empty((input_.size(0) * world_size, *input_.shape[1:]))
-    dist.all_gather_into_tensor(output, input_.contiguous(), group=group)
+    dist.all_gather_single(output, input_.contiguous(), group=group)
     return torch.cat(output.chunk(world_size, dim=0), dim=-1).contiguous()
 
 

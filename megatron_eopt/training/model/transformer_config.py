@@ -68,6 +68,9 @@ def transformer_config(settings: GPTModelSettings, device: torch.device) -> Tran
         **_pipeline_config(settings),
         **_expert_config(settings),
         **mla_config_fields(settings),
+        # Whole layers, should CUDA graphs be enabled: megatron-core's default, "full", is the
+        # deprecated spelling of this empty list and warns.
+        cuda_graph_modules=[],
     )
 
 

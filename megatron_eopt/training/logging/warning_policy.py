@@ -1,0 +1,40 @@
+"""Which warnings a training run prints, so that its output is not a page of repeats.
+
+Every rank imports megatron-core and torch, which say what is not installed (Transformer Engine,
+Apex, a CUDA runtime) and carry a SyntaxWarning in one of megatron-core's docstrings: harmless and
+the same on every rank, so each prints once, on rank 0. megatron_eopt's own warnings are about
+the run (its flags and configuration), the same on every rank: rank 0 prints them. The entry
+scripts call :func:`quiet_repeated_warnings` before anything imports megatron-core.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+__all__ = ["KNOWN_HARMLESS", "quiet_repeated_warnings"]
+
+# Third-party warnings known to be harmless: (category, message pattern, module pattern). Compiler
+# warnings name their module by its file path, hence the path pattern of the SyntaxWarning.
+KNOWN_HARMLESS = (
+    (UserWarning, r"(Transformer Engine and Apex are|Apex is) not installed", r"megatron\.core\."),
+    (SyntaxWarning, r"invalid escape sequence", r".*[/\\]megatron[/\\]core[/\\]"),
+)
+# torch logs this (not a warning) when something imports torch.utils.cpp_extension on a machine
+# without CUDA.
+NO_CUDA_RUNTIME = ("torch.utils.cpp_extension", "No CUDA runtime is found")
+
+
+def quiet_repeated_warnings(rank: int | None = None) -> None:
+    """Print the known harmless third-party warnings once on rank 0 and not elsewhere, and
+    megatron_eopt's warnings on rank 0 only. ``rank``: torchrun's ``RANK`` by default (0 without)."""
+    if rank is None:
+        rank = int(os.environ.get("RANK", "0"))
+    action = "once" if rank == 0 else "ignore"
+    for category, message, module in KNOWN_HARMLESS:
+        warnings.filterwarnings(action, message=message, category=category, module=module)
+    if rank != 0:
+        warnings.filterwarnings("ignore", module=r"megatron_eopt(\.|$)")
+        logger, message = NO_CUDA_RUNTIME
+        logging.getLogger(logger).addFilter(lambda record: not record.getMessage().startswith(message))
