@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import warnings
+from typing import Callable
 
 __all__ = ["KNOWN_HARMLESS", "quiet_repeated_warnings"]
 
@@ -27,14 +29,32 @@ NO_CUDA_RUNTIME = ("torch.utils.cpp_extension", "No CUDA runtime is found")
 
 
 def quiet_repeated_warnings(rank: int | None = None) -> None:
-    """Print the known harmless third-party warnings once on rank 0 and not elsewhere, and
+    """Print each known harmless third-party warning once on rank 0 and not elsewhere, and
     megatron_eopt's warnings on rank 0 only. ``rank``: torchrun's ``RANK`` by default (0 without)."""
     if rank is None:
         rank = int(os.environ.get("RANK", "0"))
-    action = "once" if rank == 0 else "ignore"
+    if rank == 0:
+        # Not the "once" action: it counts per module, and megatron-core repeats a message in several.
+        warnings.showwarning = _each_known_text_once(warnings.showwarning)
+        return
     for category, message, module in KNOWN_HARMLESS:
-        warnings.filterwarnings(action, message=message, category=category, module=module)
-    if rank != 0:
-        warnings.filterwarnings("ignore", module=r"megatron_eopt(\.|$)")
-        logger, message = NO_CUDA_RUNTIME
-        logging.getLogger(logger).addFilter(lambda record: not record.getMessage().startswith(message))
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
+    warnings.filterwarnings("ignore", module=r"megatron_eopt(\.|$)")
+    logger, message = NO_CUDA_RUNTIME
+    logging.getLogger(logger).addFilter(lambda record: not record.getMessage().startswith(message))
+
+
+def _each_known_text_once(show: Callable[..., None]) -> Callable[..., None]:
+    """``warnings.showwarning`` that passes a known harmless warning's text on the first time only."""
+    known = [(category, re.compile(message, re.I)) for category, message, _ in KNOWN_HARMLESS]
+    shown: set[str] = set()
+
+    def showwarning(message, category, filename, lineno, file=None, line=None) -> None:
+        text = str(message)
+        if any(issubclass(category, kind) and pattern.match(text) for kind, pattern in known):
+            if text in shown:
+                return
+            shown.add(text)
+        show(message, category, filename, lineno, file, line)
+
+    return showwarning

@@ -49,6 +49,10 @@ __all__ = [
     "initialize_model_parallel",
 ]
 
+# Settings handed to GPTModel under the same names and unchanged.
+_SAME_NAMED_ARGUMENTS = ("vocab_size", "share_embeddings_and_output_weights", "position_embedding_type",
+                         "rotary_base", "rotary_percent", "rope_scaling", "rope_scaling_factor")
+
 
 def build_gpt_model_chunks(settings: GPTModelSettings, device: torch.device | str = "cpu") -> list[GPTModel]:
     """This rank's model chunks: one per virtual pipeline stage (one without a virtual pipeline)."""
@@ -82,15 +86,9 @@ def build_gpt_model(
     model = model_class(
         config=config,
         transformer_layer_spec=layer_spec,
-        vocab_size=settings.vocab_size,
+        **{name: getattr(settings, name) for name in _SAME_NAMED_ARGUMENTS},
         max_sequence_length=settings.max_positions,
-        share_embeddings_and_output_weights=settings.share_embeddings_and_output_weights,
-        position_embedding_type=settings.position_embedding_type,
-        rotary_base=settings.rotary_base,
-        rotary_percent=settings.rotary_percent,
         seq_len_interpolation_factor=settings.rotary_seq_len_interpolation_factor,
-        rope_scaling=settings.rope_scaling,
-        rope_scaling_factor=settings.rope_scaling_factor,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
         vp_stage=vp_stage,

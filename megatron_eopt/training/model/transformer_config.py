@@ -23,48 +23,33 @@ from megatron_eopt.training.model.settings import GPTModelSettings
 __all__ = ["transformer_config"]
 
 
+# Settings handed to TransformerConfig under the same names and unchanged.
+_SAME_NAMED_FIELDS = (
+    "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "normalization",
+    "layernorm_zero_centered_gamma", "kv_channels", "qk_layernorm", "rotary_interleaved", "add_bias_linear",
+    "layernorm_epsilon", "hidden_dropout", "attention_dropout", "init_method_std", "embedding_init_method_std",
+    "bf16", "fp16", "params_dtype", "qk_clip", "qk_clip_threshold", "qk_clip_alpha", "log_max_attention_logit",
+    "recompute_granularity", "recompute_method", "recompute_num_layers", "distribute_saved_activations",
+)
+
+
 def transformer_config(settings: GPTModelSettings, device: torch.device) -> TransformerConfig:
     """The TransformerConfig (MLATransformerConfig with multi-latent attention) of ``settings`` for
     the current model-parallel state on ``device``. Sequence parallelism is off at TP=1."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     config_class = MLATransformerConfig if settings.multi_latent_attention else TransformerConfig
     return config_class(
-        num_layers=settings.num_layers,
-        hidden_size=settings.hidden_size,
-        num_attention_heads=settings.num_attention_heads,
+        **{name: getattr(settings, name) for name in _SAME_NAMED_FIELDS},
         num_query_groups=settings.query_groups,
-        ffn_hidden_size=settings.ffn_hidden_size,
         gated_linear_unit=settings.gated,
         activation_func=settings.activation_func,
-        normalization=settings.normalization,
-        layernorm_zero_centered_gamma=settings.layernorm_zero_centered_gamma,
-        kv_channels=settings.kv_channels,
-        qk_layernorm=settings.qk_layernorm,
-        rotary_interleaved=settings.rotary_interleaved,
-        add_bias_linear=settings.add_bias_linear,
         add_qkv_bias=settings.add_qkv_bias or settings.add_bias_linear,
-        layernorm_epsilon=settings.layernorm_epsilon,
-        hidden_dropout=settings.hidden_dropout,
-        attention_dropout=settings.attention_dropout,
-        init_method_std=settings.init_method_std,
-        embedding_init_method_std=settings.embedding_init_method_std,
         **_xavier_init(settings),
-        bf16=settings.bf16,
-        fp16=settings.fp16,
-        params_dtype=settings.params_dtype,
         tensor_model_parallel_size=tp,
         # On CPU there is no other way: megatron's GPU initialisation calls CUDA.
         use_cpu_initialization=settings.cpu_initialization or device.type != "cuda",
-        qk_clip=settings.qk_clip,
-        qk_clip_threshold=settings.qk_clip_threshold,
-        qk_clip_alpha=settings.qk_clip_alpha,
-        log_max_attention_logit=settings.log_max_attention_logit,
         sequence_parallel=settings.sequence_parallel and tp > 1,
-        recompute_granularity=settings.recompute_granularity,
-        recompute_method=settings.recompute_method,
-        recompute_num_layers=settings.recompute_num_layers,
         recompute_modules=None if settings.recompute_modules is None else list(settings.recompute_modules),
-        distribute_saved_activations=settings.distribute_saved_activations,
         **_pipeline_config(settings),
         **_expert_config(settings),
         **mla_config_fields(settings),
