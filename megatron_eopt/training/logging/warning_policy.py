@@ -20,7 +20,8 @@ __all__ = ["KNOWN_HARMLESS", "quiet_repeated_warnings"]
 # Third-party warnings known to be harmless: (category, message pattern, module pattern). Compiler
 # warnings name their module by its file path, hence the path pattern of the SyntaxWarning.
 KNOWN_HARMLESS = (
-    (UserWarning, r"(Transformer Engine and Apex are|Apex is) not installed", r"megatron\.core\."),
+    (UserWarning, r"(Transformer Engine and Apex are|Apex is) not installed", r"megatron\."),
+    (UserWarning, r"Only transformer-engine>=\S+ supports MoE experts, but your version is 0\.0\.0", r"megatron\."),
     (SyntaxWarning, r"invalid escape sequence", r".*[/\\]megatron[/\\]core[/\\]"),
 )
 # torch logs this (not a warning) when something imports torch.utils.cpp_extension on a machine

@@ -4,7 +4,6 @@ rank alignment, and what `get_megatron_optimizer` does with overrides.
 
 import json
 import os
-import types
 
 import pytest
 import torch
@@ -27,18 +26,6 @@ REQUIRED_GROUP_KEYS = {
 }
 # Values that megatron-core's groups carry too and that must agree for the same parameters.
 SHARED_VALUE_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "max_lr", "min_lr", "default_config")
-
-
-@pytest.fixture(scope="module")
-def mcore():
-    import megatron.core.optimizer as mcore_optimizer
-
-    return types.SimpleNamespace(
-        OptimizerConfig=mcore_optimizer.OptimizerConfig,
-        ParamKey=mcore_optimizer.ParamKey,
-        get_standard_config_overrides=mcore_optimizer.get_standard_config_overrides,
-        get_param_groups=mcore_optimizer._get_param_groups,
-    )
 
 
 @pytest.fixture
