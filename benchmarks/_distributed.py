@@ -85,6 +85,29 @@ def iteration_gpt_settings(hidden: int, layers: int, seq_length: int):
                             ffn_hidden_size=4 * hidden, vocab_size=1024, seq_length=seq_length)
 
 
+def start_iteration_benchmark(args):
+    """Join the job, set up TP=1 model parallelism, and return (device, the GPT settings of
+    --hidden/--layers/--seq-length, a token generator seeded by rank)."""
+    from megatron_eopt.training.model.gpt import initialize_model_parallel
+
+    device = init_distributed()
+    initialize_model_parallel(1, seed=1234)
+    settings = iteration_gpt_settings(args.hidden, args.layers, args.seq_length)
+    return device, settings, torch.Generator().manual_seed(dist.get_rank())
+
+
+def time_iterations(steps: dict[str, Callable[[], None]], args, device: torch.device) -> dict[str, float]:
+    """`time_interleaved` of steps that need no preparation, --warmup and --repeats from `args`."""
+    return time_interleaved(steps, {name: (lambda: None) for name in steps}, args.warmup, args.repeats, device)
+
+
+def finish_iteration_benchmark() -> None:
+    from megatron_eopt.training.model.gpt import destroy_model_parallel
+
+    destroy_model_parallel()
+    dist.destroy_process_group()
+
+
 def report_iterations(title: str, seconds: dict[str, float], baseline: str, json_path, **extra) -> None:
     """Rank 0 prints each mode's median iteration time and its ratio to `baseline`'s, and writes
     them (with `extra`) to `json_path`."""

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 
-from _distributed import gpt_benchmark_parser, init_distributed, time_interleaved
+from _distributed import gpt_benchmark_parser, init_distributed, time_iterations
 from _timing import write_json
 
 from megatron_eopt import OptimizerConfig, get_megatron_optimizer
@@ -43,19 +43,26 @@ def build(settings: GPTModelSettings, device: torch.device) -> torch.nn.Module:
         destroy_model_parallel()
 
 
-def redundant_step(muon, mesh) -> None:
-    """AReaL-style: momentum on the shard, then every rank all-gathers and orthogonalizes every matrix."""
+def gathered_momentum(inner, p: torch.nn.Parameter, group: dict, mesh):
+    """The simpler design's first half: the momentum update on this rank's shard of `p`, then
+    the whole matrix of momenta on every rank (an all-gather); returns it and `p`'s row shards."""
     from torch.distributed.tensor import DTensor, Shard
 
+    shards = inner._row_shards_of[id(p)]
+    momentum = inner.state[p]["momentum_buffer"]
+    momentum.lerp_(p.grad, 1 - group["momentum"])
+    shape = shards.layout.local_shape
+    full = DTensor.from_local(momentum, mesh, [Shard(0)], shape=torch.Size(shape), stride=(shape[1], 1)).full_tensor()
+    return full, shards
+
+
+def redundant_step(muon, mesh) -> None:
+    """AReaL-style: momentum on the shard, then every rank all-gathers and orthogonalizes every matrix."""
     rank = dist.get_rank()
     group = muon.param_groups[0]
     fulls, items = [], []
-    for p, shards in ((p, muon._row_shards_of[id(p)]) for g in muon.param_groups for p in g["params"]):
-        momentum = muon.state[p]["momentum_buffer"]
-        momentum.lerp_(p.grad, 1 - group["momentum"])
-        shape = shards.layout.local_shape
-        full = DTensor.from_local(momentum, mesh, [Shard(0)], shape=torch.Size(shape),
-                                  stride=(shape[1], 1)).full_tensor()
+    for p in (p for g in muon.param_groups for p in g["params"]):
+        full, shards = gathered_momentum(muon, p, group, mesh)
         fulls.append(full)
         items.append((p, shards))
     blocks = [split_blocks(full, s.layout) for full, (_, s) in zip(fulls, items)]
@@ -74,16 +81,19 @@ def state_bytes(optimizer) -> int:
                for s in child.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
 
 
+def row_shards(inner):
+    """Each matrix's row shards over the ranks (its owner, rows by rank, layout)."""
+    return [inner._row_shards_of[id(p)] for group in inner.param_groups for p in group["params"]]
+
+
 def exchanged_bytes(muon, world_size: int) -> tuple[int, int]:
     """(bytes all ranks send per step for the Muon matrices, two shard volumes per matrix)."""
     sent, bound = 0, 0
-    for g in muon.param_groups:
-        for p in g["params"]:
-            s = muon._row_shards_of[id(p)]
-            cols = s.layout.local_shape[1]
-            non_owner_rows = sum(rows for r, rows in enumerate(s.rows_by_rank) if r != s.owner)
-            sent += 2 * non_owner_rows * cols * 4  # there and back, fp32
-            bound += 2 * (s.layout.local_shape[0] // world_size) * cols * 4 * (world_size - 1)
+    for s in row_shards(muon):
+        cols = s.layout.local_shape[1]
+        non_owner_rows = sum(rows for r, rows in enumerate(s.rows_by_rank) if r != s.owner)
+        sent += 2 * non_owner_rows * cols * 4  # there and back, fp32
+        bound += 2 * (s.layout.local_shape[0] // world_size) * cols * 4 * (world_size - 1)
     return sent, bound
 
 
@@ -117,8 +127,7 @@ def main() -> None:
     precision = "highest" if device.type == "cpu" else "medium"
     config = OptimizerConfig(optimizer="muon", lr=1e-3, muon_fp32_matmul_prec=precision)
     settings, mesh, optimizer, muon = sharded_gpt_optimizer(args, config, device)
-    seconds = time_interleaved({"ours": muon.step, "redundant": lambda: redundant_step(muon, mesh)},
-                               {"ours": lambda: None, "redundant": lambda: None}, args.warmup, args.repeats, device)
+    seconds = time_iterations({"ours": muon.step, "redundant": lambda: redundant_step(muon, mesh)}, args, device)
     local_state = torch.tensor([state_bytes(optimizer)], device=device)
     dist.all_reduce(local_state, op=dist.ReduceOp.MAX)
     unsharded = build(settings, device)

@@ -18,27 +18,20 @@ import torch
 import torch.distributed as dist
 
 
-from _distributed import gpt_benchmark_parser, init_distributed, time_interleaved
+from _distributed import gpt_benchmark_parser, init_distributed, time_iterations
 from _timing import write_json
-from fsdp2_step import sharded_gpt_optimizer
+from fsdp2_step import gathered_momentum, row_shards, sharded_gpt_optimizer
 
 from megatron_eopt import OptimizerConfig
 
 
 def gather_everywhere_step(inner, mesh) -> None:
     """Momentum on the shard, then every rank all-gathers and orthogonalizes every matrix."""
-    from torch.distributed.tensor import DTensor, Shard
-
     rank = dist.get_rank()
     with torch.no_grad():
         for group in inner.param_groups:
             for p in group["params"]:
-                shards = inner._row_shards_of[id(p)]
-                momentum = inner.state[p]["momentum_buffer"]
-                momentum.lerp_(p.grad, 1 - group["momentum"])
-                shape = shards.layout.local_shape
-                full = DTensor.from_local(momentum, mesh, [Shard(0)], shape=torch.Size(shape),
-                                          stride=(shape[1], 1)).full_tensor()
+                full, shards = gathered_momentum(inner, p, group, mesh)
                 update = inner.scaled_orthogonalize_fn(full)
                 p.add_(update.split(shards.rows_by_rank)[rank], alpha=-group["lr"])
 
@@ -46,15 +39,13 @@ def gather_everywhere_step(inner, mesh) -> None:
 def received_bytes(inner, rank: int) -> tuple[int, int]:
     """(ours, gather-everywhere): fp32 bytes this rank receives per step for the matrices."""
     ours, everywhere = 0, 0
-    for group in inner.param_groups:
-        for p in group["params"]:
-            s = inner._row_shards_of[id(p)]
-            cols = s.layout.local_shape[1]
-            if s.owner == rank:  # the other ranks' rows in, none of the results
-                ours += sum(rows for r, rows in enumerate(s.rows_by_rank) if r != rank) * cols * 4
-            else:  # its rows of the result
-                ours += s.rows_by_rank[rank] * cols * 4
-            everywhere += (s.layout.local_shape[0] - s.rows_by_rank[rank]) * cols * 4
+    for s in row_shards(inner):
+        cols = s.layout.local_shape[1]
+        if s.owner == rank:  # the other ranks' rows in, none of the results
+            ours += sum(rows for r, rows in enumerate(s.rows_by_rank) if r != rank) * cols * 4
+        else:  # its rows of the result
+            ours += s.rows_by_rank[rank] * cols * 4
+        everywhere += (s.layout.local_shape[0] - s.rows_by_rank[rank]) * cols * 4
     return ours, everywhere
 
 
@@ -64,8 +55,8 @@ def main() -> None:
     args = parser.parse_args()
     device = init_distributed()
     _, mesh, _, inner = sharded_gpt_optimizer(args, OptimizerConfig(optimizer=args.optimizer, lr=1e-3), device)
-    seconds = time_interleaved({"ours": inner.step, "everywhere": lambda: gather_everywhere_step(inner, mesh)},
-                               {"ours": lambda: None, "everywhere": lambda: None}, args.warmup, args.repeats, device)
+    seconds = time_iterations({"ours": inner.step, "everywhere": lambda: gather_everywhere_step(inner, mesh)},
+                              args, device)
     ours, everywhere = received_bytes(inner, dist.get_rank())
     if dist.get_rank() == 0:
         ratio = seconds["ours"] / seconds["everywhere"]

@@ -19,20 +19,15 @@ import torch.distributed as dist
 
 
 from _distributed import (
+    finish_iteration_benchmark,
     gpt_benchmark_parser,
-    init_distributed,
-    iteration_gpt_settings,
     report_iterations,
-    time_interleaved,
+    start_iteration_benchmark,
+    time_iterations,
 )
 
 from megatron_eopt import OptimizerConfig, get_megatron_optimizer
-from megatron_eopt.training.model.gpt import (
-    build_gpt_model,
-    destroy_model_parallel,
-    gpt_loss,
-    initialize_model_parallel,
-)
+from megatron_eopt.training.model.gpt import build_gpt_model, gpt_loss
 from megatron_eopt.training.parallel.grad_reduction import GradReducer, finalize_model_grads
 
 MODES = {"reduce after backward": False, "overlap": True}
@@ -45,10 +40,7 @@ def main() -> None:
     parser.add_argument("--seq-length", type=int, default=128)
     parser.add_argument("--bucket-numel", type=int, default=1_000_000)
     args = parser.parse_args()
-    device = init_distributed()
-    initialize_model_parallel(1, seed=1234)
-    settings = iteration_gpt_settings(args.hidden, args.layers, args.seq_length)
-    generator = torch.Generator().manual_seed(dist.get_rank())
+    device, settings, generator = start_iteration_benchmark(args)
     micro_batches = [torch.randint(0, settings.vocab_size, (args.batch, args.seq_length + 1), generator=generator)
                      .to(device) for _ in range(args.micro_batches)]
     iterations, buckets = {}, 0
@@ -68,15 +60,13 @@ def main() -> None:
             optimizer.step()
 
         iterations[name] = iteration
-    seconds = time_interleaved(iterations, {name: (lambda: None) for name in iterations},
-                               args.warmup, args.repeats, device)
+    seconds = time_iterations(iterations, args, device)
     report_iterations(f"Adam, GPT hidden {args.hidden}, {args.layers} layers, {args.micro_batches} micro-batches of "
                       f"{args.batch}x{args.seq_length} per rank, {buckets} buckets, {dist.get_world_size()} ranks on "
                       f"{device.type}, median of {args.repeats} iterations", seconds, "reduce after backward",
                       args.json, overlap_ratio=seconds["overlap"] / seconds["reduce after backward"], buckets=buckets,
                       device=device.type)
-    destroy_model_parallel()
-    dist.destroy_process_group()
+    finish_iteration_benchmark()
 
 
 if __name__ == "__main__":

@@ -21,20 +21,15 @@ import torch.distributed as dist
 
 
 from _distributed import (
+    finish_iteration_benchmark,
     gpt_benchmark_parser,
-    init_distributed,
-    iteration_gpt_settings,
     report_iterations,
-    time_interleaved,
+    start_iteration_benchmark,
+    time_iterations,
 )
 
 from megatron_eopt import OptimizerConfig, get_megatron_optimizer
-from megatron_eopt.training.model.gpt import (
-    build_gpt_model,
-    destroy_model_parallel,
-    gpt_loss,
-    initialize_model_parallel,
-)
+from megatron_eopt.training.model.gpt import build_gpt_model, gpt_loss
 
 MODES = {"wait in step": {}, "overlap": {"overlap_param_gather": True},
          "overlap + optimizer step": {"overlap_param_gather": True, "overlap_param_gather_with_optimizer_step": True}}
@@ -45,10 +40,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
     parser.add_argument("--seq-length", type=int, default=128)
     args = parser.parse_args()
-    device = init_distributed()
-    initialize_model_parallel(1, seed=1234)
-    settings = iteration_gpt_settings(args.hidden, args.layers, args.seq_length)
-    generator = torch.Generator().manual_seed(dist.get_rank())
+    device, settings, generator = start_iteration_benchmark(args)
     tokens = torch.randint(0, settings.vocab_size, (args.batch, args.seq_length + 1), generator=generator).to(device)
     iterations = {}
     for name, flags in MODES.items():
@@ -63,13 +55,11 @@ def main() -> None:
             optimizer.step()
 
         iterations[name] = iteration
-    seconds = time_interleaved(iterations, {name: (lambda: None) for name in iterations},
-                               args.warmup, args.repeats, device)
+    seconds = time_iterations(iterations, args, device)
     report_iterations(f"layer-wise Muon, GPT hidden {args.hidden}, {args.layers} layers, batch {args.batch}x"
                       f"{args.seq_length} per rank, {dist.get_world_size()} ranks on {device.type}, "
                       f"median of {args.repeats} iterations", seconds, "wait in step", args.json, device=device.type)
-    destroy_model_parallel()
-    dist.destroy_process_group()
+    finish_iteration_benchmark()
 
 
 if __name__ == "__main__":

@@ -7,7 +7,11 @@
 `megatron_eopt.training`; docs/trainer.md describes its flags.
 """
 
-from megatron_eopt.training.pretrain import main
+from megatron_eopt.training.logging.warning_policy import quiet_repeated_warnings
+
+quiet_repeated_warnings()  # before megatron-core is imported: it warns on import
+
+from megatron_eopt.training.pretrain import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

@@ -1,4 +1,5 @@
-"""Collectives over lists of tensors, one call for all of them."""
+"""Collectives over lists of tensors, one call for all of them; the single-tensor gather and
+reduce-scatter under the names of the installed torch."""
 
 from typing import Optional
 
@@ -17,3 +18,9 @@ def all_reduce_sum_coalesced(tensors: list[torch.Tensor], group: Optional[Proces
     dist.all_reduce(flat, group=group)
     for tensor, part in zip(tensors, flat.split([t.numel() for t in tensors])):
         tensor.copy_(part.view_as(tensor))
+
+
+# torch 2.13 renames all_gather_into_tensor and reduce_scatter_tensor to these (the old names,
+# thin wrappers now, print a FutureWarning); older torch has only the old names.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -146,7 +146,7 @@ def _check_records_logits(layer: AttentionLayer) -> None:
             f"QK-clip: the core attention of {layer.name!r} ({type(core_attention).__name__}) does not record "
             f"the maximum attention logits (current_max_attn_logits). Build the model with "
             f"TransformerConfig(qk_clip=True or log_max_attention_logit=True) and Transformer Engine "
-            f">= 2.9, or with an attention that records them (megatron_eopt/training/model/gpt.py's SDPACoreAttention)."
+            f">= 2.9, or with an attention that records them (megatron_eopt/training/model/sdpa_attention.py's SDPACoreAttention)."
         )
 
 

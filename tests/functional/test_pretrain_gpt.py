@@ -204,6 +204,7 @@ class DataRun:
     records: list[dict]
     validations: list[tuple[str, float, float]]  # (at, loss, ppl)
     stdout: str
+    stderr: str
     folder: pathlib.Path
     prefix: str
 
@@ -244,7 +245,7 @@ def _data_launch(nproc: int, folder: pathlib.Path, prefix: str) -> DataRun:
             assert lines[number - 1] == lines[number + 1] == "-" * (len(line) + 1), lines[number - 1:number + 2]
             validations.append((match["at"], float(match["loss"]), float(match["ppl"])))
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return DataRun(records, validations, result.stdout, folder, prefix)
+    return DataRun(records, validations, result.stdout, result.stderr, folder, prefix)
 
 
 def test_data_path_trains_on_the_corpus(data_run: DataRun) -> None:
@@ -398,14 +399,39 @@ def test_bad_flag_under_torchrun_is_one_line_without_a_worker_traceback() -> Non
     assert re.search(r"Root Cause.*?rank\s*:\s*0 .*?exitcode\s*:\s*2\b", stderr, re.S), stderr
 
 
-def test_data_parallel_ranks_read_their_rows_and_evaluate_together(data_run: DataRun) -> None:
+@pytest.fixture(scope="module")
+def dp2_data_run(data_run: DataRun) -> DataRun:
+    """The data run on two ranks (torchrun, DP=2)."""
+    return _data_launch(2, data_run.folder, data_run.prefix)
+
+
+def test_data_parallel_ranks_read_their_rows_and_evaluate_together(data_run: DataRun, dp2_data_run: DataRun) -> None:
     """DP=2 (torchrun, each rank reading its half of every global batch and evaluating its half
     of every validation batch) against the one-process run: the same losses to 1e-4 (reduction
     order; seen: 1e-6) and the same validation values (printed to 7 digits: 1e-5 relative)."""
-    dp2 = _data_launch(2, data_run.folder, data_run.prefix)
+    dp2 = dp2_data_run
     losses, expected = _losses(dp2.records), _losses(data_run.records)
     assert len(losses) == len(expected) == 40
     assert max(abs(a - b) for a, b in zip(losses, expected)) <= TOLERANCE, (losses, expected)
     assert [at for at, _, _ in dp2.validations] == [at for at, _, _ in data_run.validations]
     for (_, loss, _), (_, expected, _) in zip(dp2.validations, data_run.validations):
         assert loss == pytest.approx(expected, rel=1e-5, abs=1e-4), (dp2.validations, data_run.validations)
+
+
+WARNING_LINE = re.compile(r"^(?P<file>\S+\.py):\d+: (?P<category>\w*Warning): (?P<text>.*)$")
+# Warnings megatron-core prints about the calls we make (as of megatron-core 0.16): none may show.
+WARNINGS_ABOUT_OUR_CALLS = ("full scope is deprecated", "is deprecated. Please use `torch.distributed.")
+
+
+def test_two_ranks_print_each_third_party_warning_once_and_none_of_ours(dp2_data_run: DataRun) -> None:
+    """A 2-rank run's output (both streams): no warning from megatron_eopt or the scripts, none that
+    megatron-core or torch raises about our calls, each third-party one at most once (rank 0's),
+    and torch's "No CUDA runtime" line at most once."""
+    output = dp2_data_run.stdout + dp2_data_run.stderr
+    found = [match for match in map(WARNING_LINE.match, output.splitlines()) if match]
+    ours = [match[0] for match in found if re.search(r"[/\\](megatron_eopt|scripts)[/\\]", match["file"])]
+    assert ours == [], output
+    assert not [text for text in WARNINGS_ABOUT_OUR_CALLS if text in output], output
+    texts = [(match["category"], match["text"]) for match in found]
+    assert len(texts) == len(set(texts)), output
+    assert output.count("No CUDA runtime is found") <= 1, output

@@ -20,11 +20,8 @@ from megatron_eopt.training.data.datasets import (
     model_vocab_size,
 )
 from megatron_eopt.training.errors import is_rank_zero
-from megatron_eopt.training.model.gpt import (
-    GPTModelSettings,
-    SettingsError,
-    transformer_engine_at_least,
-)
+from megatron_eopt.training.model.layer_specs import transformer_engine_at_least
+from megatron_eopt.training.model.settings import GPTModelSettings, SettingsError
 from megatron_eopt.training.parallel.layout import Layout, runs_on_cuda
 
 
@@ -236,5 +233,5 @@ def _settings_from_flags(args: argparse.Namespace) -> GPTModelSettings:
 
 
 def uses_local_spec(args: argparse.Namespace) -> bool:
-    """Whether megatron-core's local layers are built (megatron_eopt/training/model/gpt.py's gpt_layer_spec)."""
+    """Whether megatron-core's local layers are built (megatron_eopt/training/model/layer_specs.py's gpt_layer_spec)."""
     return args.transformer_impl == "local" or not (runs_on_cuda(args) and transformer_engine_at_least(None))

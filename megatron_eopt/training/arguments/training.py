@@ -14,9 +14,7 @@ from megatron_eopt.training.loop.housekeeping import check_housekeeping_flags
 from megatron_eopt.training.loop.run_control import (
     check_run_control_flags,
 )
-from megatron_eopt.training.model.gpt import (
-    transformer_engine_at_least,
-)
+from megatron_eopt.training.model.layer_specs import transformer_engine_at_least
 from megatron_eopt.training.parallel.layout import runs_on_cuda
 
 

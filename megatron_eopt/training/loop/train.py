@@ -4,7 +4,7 @@ import argparse
 import dataclasses
 import math
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -104,26 +104,48 @@ def _moe_losses(args, settings: GPTModelSettings, num_micro_batches: int, device
 
 
 def train(args, settings, layout, device, housekeeping: Optional[Housekeeping] = None) -> list[dict]:
-    """The training loop (inside `housekeeping.training()`, see `main`)."""
+    """The training loop (inside `housekeeping.training()`, see `main`): build, say what was
+    built, resume, iterate (or with --skip-train only evaluate); returns the logged records."""
+    housekeeping = housekeeping or Housekeeping(args, device)
+    run = build_training(args, settings, layout, device, housekeeping)
+    say_setup(args, settings, device, run, housekeeping)
+    start = resume(args, run.chunks, run.optimizer, run.scheduler, run.log)
+    if args.skip_train:  # Megatron-LM: evaluate the loaded model on validation and test, no training
+        run.evaluator.final(run.model, start)
+    else:
+        run_iterations(args, settings, layout, device, run, housekeeping, start)
+    run.log.close()
+    return run.log.records
+
+
+@dataclasses.dataclass
+class Training:
+    """What `train` builds before its first iteration."""
+
+    chunks: list[torch.nn.Module]  # this rank's model chunks, one per virtual pipeline stage
+    model: torch.nn.Module  # all of this rank's parameters: the one chunk, or a ModuleList of them
+    dp_group: Any
+    batches: BatchSource
+    forward: SingleStage | Pipeline
+    optimizer: Any
+    scheduler: Any
+    grads: GradReducer
+    log: Logger
+    evaluator: Evaluator
+
+
+def build_training(args, settings, layout, device, housekeeping: Housekeeping) -> Training:
+    """The model (sharded with --use-torch-fsdp2), the data, the forward, the optimizer and its
+    scheduler, the gradient reduction, the logger and the evaluator."""
     from megatron.core import parallel_state
 
-    housekeeping = housekeeping or Housekeeping(args, device)
-
     chunks = build_gpt_model_chunks(settings, device)
-    model = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)  # all of this rank's parameters
+    model = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
     dp_group = parallel_state.get_data_parallel_group()
     if args.use_torch_fsdp2:
         fully_shard_gpt(model, dp_group, device, bf16_compute=args.bf16)
     batches = BatchSource(args, layout, parallel_state.get_data_parallel_rank())
-    token_loss = TokenLoss(batches.data.tokenizer.eod if args.eod_mask_loss else None,
-                           per_token=args.calculate_per_token_loss, dp_group=dp_group)
-    documents = None
-    if args.reset_position_ids or args.reset_attention_mask:
-        eod = batches.data.tokenizer.eod
-        documents = lambda inputs: document_inputs(inputs, eod, args.reset_position_ids,  # noqa: E731
-                                                   args.reset_attention_mask)
-    forward = SingleStage(model, token_loss, documents) if layout.pp == 1 else Pipeline(
-        chunks, layout.grad_accumulation_steps, (args.micro_batch_size, args.seq_length), device, token_loss)
+    forward = _forward(args, layout, device, chunks, model, batches, dp_group)
     config = optimizer_config_from_args(args, device)
     if args.use_torch_fsdp2:  # --bf16 is FSDP2's compute dtype there: the parameters it shards are fp32
         config = dataclasses.replace(config, bf16=False)
@@ -142,7 +164,30 @@ def train(args, settings, layout, device, housekeeping: Optional[Housekeeping] =
                           is_first_rank=layout.rank == 0, print_line=log.print_line,
                           on_result=lambda r: log.validation(r.iteration, r.loss) if r.split == "valid" else None,
                           around_each=housekeeping.evaluation)
-    log.say(describe_model(model) + (", bf16 compute (FSDP2 MixedPrecisionPolicy)" if args.use_torch_fsdp2 and args.bf16 else ""))
+    return Training(chunks, model, dp_group, batches, forward, optimizer, scheduler, grads, log, evaluator)
+
+
+def _forward(args, layout, device, chunks, model, batches: BatchSource, dp_group) -> SingleStage | Pipeline:
+    """Forward/backward of one stage, or of the pipeline, with the loss over the tokens that count
+    (--eod-mask-loss) and the documents' positions and masks (--reset-position-ids/-attention-mask)."""
+    token_loss = TokenLoss(batches.data.tokenizer.eod if args.eod_mask_loss else None,
+                           per_token=args.calculate_per_token_loss, dp_group=dp_group)
+    documents = None
+    if args.reset_position_ids or args.reset_attention_mask:
+        eod = batches.data.tokenizer.eod
+        documents = lambda inputs: document_inputs(inputs, eod, args.reset_position_ids,  # noqa: E731
+                                                   args.reset_attention_mask)
+    if layout.pp == 1:
+        return SingleStage(model, token_loss, documents)
+    return Pipeline(chunks, layout.grad_accumulation_steps, (args.micro_batch_size, args.seq_length), device,
+                    token_loss)
+
+
+def say_setup(args, settings, device, run: Training, housekeeping: Housekeeping) -> None:
+    """The lines before training: the model, MoE, flags without effect, notes, the precision."""
+    log = run.log
+    log.say(describe_model(run.model)
+            + (", bf16 compute (FSDP2 MixedPrecisionPolicy)" if args.use_torch_fsdp2 and args.bf16 else ""))
     if args.num_experts is not None:
         log.say(describe_moe(args, settings.num_layers))
     for line in (no_effect_lines(args) + moe_note_lines(args) + run_control_lines(args) + document_lines(args)
@@ -155,49 +200,58 @@ def train(args, settings, layout, device, housekeeping: Optional[Housekeeping] =
     precision_line = matmul_precision_line(args, device)
     if precision_line:
         log.say(precision_line)
-    start = resume(args, chunks, optimizer, scheduler, log)
-    if args.skip_train:  # Megatron-LM: evaluate the loaded model on validation and test, no training
-        evaluator.final(model, start)
-        log.close()
-        return log.records
+
+
+def run_iterations(args, settings, layout, device, run: Training, housekeeping: Housekeeping, start: int) -> None:
+    """Iterations start + 1 .. --train-iters, each followed by its evaluation, checkpoint and exit
+    decisions; the final evaluation when none stopped the run early."""
     started = time.time()
     profiler = Profiler(args, layout.rank, on_cuda=device.type == "cuda")
     with ExitSignal(args) as exit_signal:  # --exit-signal-handler (megatron_eopt/training/loop/run_control.py)
         for iteration in range(start + 1, args.train_iters + 1):
             profiler.before(iteration)
-            lr = optimizer.param_groups[0]["lr"]
-            micro_batches = batches.micro_batches(iteration)
-            loss, ok, grad_norm, num_zeros = train_step(
-                model, optimizer, micro_batches, forward, grads, dp_group, housekeeping.after_forward_backward)
-            housekeeping.after_step(iteration)
-            if args.check_for_nan_in_loss_and_grad:
-                stop_on_nan(iteration, loss, model, check_grads=not args.fp16, device=device)
-            batch_size = args.batch_schedule.size(iteration)
-            if ok:
-                scheduler.step(batch_size)
-            log.iteration(Step(
-                iteration, loss, lr, ok, grad_norm=None if grad_norm is None else float(grad_norm),
-                loss_scale=float(optimizer.get_loss_scale()), num_zeros=None if num_zeros is None else float(num_zeros),
-                params_norm=logged_params_norm(model, optimizer) if args.log_params_norm else None,
-                max_attention_logit=optimizer.max_attention_logit,
-                other_losses=_moe_losses(args, settings, len(micro_batches), device), batch_size=batch_size))
+            train_iteration(args, settings, device, run, housekeeping, iteration)
             profiler.after(iteration)
-            evaluator.periodic(model, iteration)
+            run.evaluator.periodic(run.model, iteration)
             stop = exit_signal.received() or exit_reason(args, iteration, started, device)
-            at_interval = bool(args.save_interval) and iteration % args.save_interval == 0
-            if args.save and (at_interval or stop or iteration == args.train_iters):
-                finish_param_sync(optimizer)  # save_checkpoint waits itself, but not when given no optimizer
-                path = save_checkpoint(args.save, iteration, chunks, None if args.no_save_optim else optimizer,
-                                       None if args.no_save_optim else scheduler, save_rng=not args.no_save_rng)
-                log.say(f"saved checkpoint {path}")
+            save_if_due(args, iteration, bool(stop), run)
             if stop:
-                log.say(f"exiting after iteration {iteration} ({stop})")
+                run.log.say(f"exiting after iteration {iteration} ({stop})")
                 break
         else:  # as in Megatron-LM, a run stopped early skips the final evaluation
-            evaluator.final(model, args.train_iters)
+            run.evaluator.final(run.model, args.train_iters)
     profiler.close()
-    log.close()
-    return log.records
+
+
+def train_iteration(args, settings, device, run: Training, housekeeping: Housekeeping, iteration: int) -> None:
+    """One training step, the scheduler's step after a successful update, and its log line."""
+    lr = run.optimizer.param_groups[0]["lr"]
+    micro_batches = run.batches.micro_batches(iteration)
+    loss, ok, grad_norm, num_zeros = train_step(run.model, run.optimizer, micro_batches, run.forward, run.grads,
+                                                run.dp_group, housekeeping.after_forward_backward)
+    housekeeping.after_step(iteration)
+    if args.check_for_nan_in_loss_and_grad:
+        stop_on_nan(iteration, loss, run.model, check_grads=not args.fp16, device=device)
+    batch_size = args.batch_schedule.size(iteration)
+    if ok:
+        run.scheduler.step(batch_size)
+    run.log.iteration(Step(
+        iteration, loss, lr, ok, grad_norm=None if grad_norm is None else float(grad_norm),
+        loss_scale=float(run.optimizer.get_loss_scale()), num_zeros=None if num_zeros is None else float(num_zeros),
+        params_norm=logged_params_norm(run.model, run.optimizer) if args.log_params_norm else None,
+        max_attention_logit=run.optimizer.max_attention_logit,
+        other_losses=_moe_losses(args, settings, len(micro_batches), device), batch_size=batch_size))
+
+
+def save_if_due(args, iteration: int, stopping: bool, run: Training) -> None:
+    """--save's checkpoint after `iteration`: at --save-interval, when stopping, after the last."""
+    at_interval = bool(args.save_interval) and iteration % args.save_interval == 0
+    if not (args.save and (at_interval or stopping or iteration == args.train_iters)):
+        return
+    finish_param_sync(run.optimizer)  # save_checkpoint waits itself, but not when given no optimizer
+    optimizer, scheduler = (None, None) if args.no_save_optim else (run.optimizer, run.scheduler)
+    path = save_checkpoint(args.save, iteration, run.chunks, optimizer, scheduler, save_rng=not args.no_save_rng)
+    run.log.say(f"saved checkpoint {path}")
 
 
 def stop_on_nan(iteration: int, loss: float, model: torch.nn.Module, check_grads: bool, device: torch.device) -> None:

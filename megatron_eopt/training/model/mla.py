@@ -4,7 +4,7 @@ The attention is megatron-core's own ``MLASelfAttention`` from its layer specs: 
 column-parallel with their outputs gathered over TP, up-projections column-parallel,
 ``linear_proj`` row-parallel; ``--qk-layernorm`` puts megatron's norms on the latents.
 On CPU three things change, nothing else:
-- the core attention is training/model/gpt.py's ``SDPACoreAttention`` (megatron's allocates a
+- the core attention is training/model/sdpa_attention.py's ``SDPACoreAttention`` (megatron's allocates a
   CUDA buffer), with MLA's query/key width and its own value width;
 - :class:`CPUMLASelfAttention` builds CPU subclasses of MLA's rotary embeddings (RoPE or YaRN),
   which compute the same angles and mscale where they are;
@@ -20,13 +20,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding as yarn
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.tensor_parallel import mappings
 from megatron.core.transformer import multi_latent_attention
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megatron_eopt.ops.collectives import all_gather_single
 
 __all__ = ["CPUMLASelfAttention", "MLA_CONFIG_FIELDS", "mla_config_fields", "with_cpu_mla"]
 
@@ -140,7 +141,7 @@ def _gather_along_last_dim(input_: torch.Tensor, group) -> torch.Tensor:
     if world_size == 1:
         return input_
     output = input_.new_empty((input_.size(0) * world_size, *input_.shape[1:]))
-    dist.all_gather_into_tensor(output, input_.contiguous(), group=group)
+    all_gather_single(output, input_.contiguous(), group=group)
     return torch.cat(output.chunk(world_size, dim=0), dim=-1).contiguous()
 
 

@@ -1,6 +1,6 @@
 """Mixture of experts: megatron-core's MoELayer on CPU as on CUDA, with layout-independent experts.
 
-`gpt_layer_spec` (training/model/gpt.py) builds megatron-core's `MoELayer` with `SequentialMLP`
+`gpt_layer_spec` (training/model/layer_specs.py) builds megatron-core's `MoELayer` with `SequentialMLP`
 experts. Three subclasses each change one thing:
 - `ExpertSeededSequentialMLP`: expert g of a layer is drawn from a generator seeded with one
   number per layer plus g, so the experts are the same at every expert-parallel size.

@@ -23,7 +23,7 @@ from megatron.core.tensor_parallel import mappings
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from torch.distributed.tensor import DTensor
 
-from megatron_eopt.ops.collectives import all_reduce_sum_coalesced
+from megatron_eopt.ops.collectives import all_gather_single, all_reduce_sum_coalesced, reduce_scatter_single
 
 
 def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
@@ -33,7 +33,7 @@ def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_b
         return input_
     if output_split_sizes is None:
         output = input_.new_empty((input_.size(0) * world_size, *input_.shape[1:]))
-        dist.all_gather_into_tensor(output, input_.contiguous(), group=group)
+        all_gather_single(output, input_.contiguous(), group=group)
         return output
     output = input_.new_empty((sum(output_split_sizes), *input_.shape[1:]))
     dist.all_gather(list(output.split(output_split_sizes)), input_.contiguous(), group=group)
@@ -50,7 +50,7 @@ def _reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_g
             raise ValueError(f"sequence parallelism: the first dimension ({input_.size(0)}) must be "
                              f"divisible by the tensor-parallel size ({world_size})")
         output = input_.new_empty((input_.size(0) // world_size, *input_.shape[1:]))
-        dist.reduce_scatter_tensor(output, input_.contiguous(), group=group)
+        reduce_scatter_single(output, input_.contiguous(), group=group)
         return output
     pieces = list(input_.contiguous().split(input_split_sizes))
     output = torch.empty_like(pieces[group.rank()])

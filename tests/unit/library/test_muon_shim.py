@@ -9,24 +9,14 @@ import dataclasses
 import warnings
 
 import pytest
-import torch
 
 import megatron_eopt.factory
 from megatron_eopt import ChainedOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron_eopt.distributed.layer_wise import LayerWiseDistributedOptimizer
 from megatron_eopt.muon import get_megatron_muon_optimizer
+from tests.unit.library.test_bridge import Model
 
 GROUP_VALUES = ("group_key", "optimizer", "lr", "weight_decay", "max_lr", "min_lr", "wd_mult", "is_decoupled_lr")
-
-
-class Model(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.embedding = torch.nn.Embedding(16, 8)
-        self.embedding.weight.is_embedding_or_output_parameter = True
-        self.fc1 = torch.nn.Linear(8, 12)
-        self.fc2 = torch.nn.Linear(12, 8)
 
 
 def muon_config(**changes) -> OptimizerConfig:

@@ -51,6 +51,19 @@ def set_grads(model: torch.nn.Module, grads: list[torch.Tensor], attribute: str 
         setattr(param, attribute, grad.clone().to(param.dtype if attribute == "grad" else torch.float32))
 
 
+def step_alike(optimizer, torch_optimizer, ours: torch.nn.Module, reference: torch.nn.Module,
+               sequence: list[list[torch.Tensor]], attribute: str = "grad") -> list[bool]:
+    """Each step: the same gradients on both models (ours in `attribute`), then both optimizers
+    step. Returns whether each of our steps succeeded."""
+    succeeded = []
+    for grads in sequence:
+        set_grads(ours, grads, attribute=attribute)
+        set_grads(reference, grads)
+        succeeded.append(optimizer.step()[0])
+        torch_optimizer.step()
+    return succeeded
+
+
 def no_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """The standard overrides written out by hand: no decay for 1-D parameters and biases."""
     decay = [p for n, p in model.named_parameters() if p.dim() > 1 and not n.endswith(".bias")]
@@ -78,11 +91,8 @@ def test_adam_equals_torch_exactly(decoupled: bool) -> None:
     )
     torch_class = torch.optim.AdamW if decoupled else torch.optim.Adam
     torch_optimizer = torch_class(reference.parameters(), lr=0.01, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)
-    for grads in gradient_sequence(ours, steps=4):
-        set_grads(ours, grads)
-        set_grads(reference, grads)
-        assert optimizer.step()[0] is True
-        torch_optimizer.step()
+    assert all(ok is True for ok in step_alike(optimizer, torch_optimizer, ours, reference,
+                                               gradient_sequence(ours, steps=4)))
     assert_all_equal(params_of(ours), params_of(reference))
 
 
@@ -92,11 +102,7 @@ def test_standard_overrides_equal_torch_with_no_decay_group() -> None:
     torch_optimizer = torch.optim.AdamW(
         no_decay_groups(reference, 0.1), lr=0.01, betas=(0.8, 0.99), eps=1e-6
     )
-    for grads in gradient_sequence(ours, steps=3):
-        set_grads(ours, grads)
-        set_grads(reference, grads)
-        optimizer.step()
-        torch_optimizer.step()
+    step_alike(optimizer, torch_optimizer, ours, reference, gradient_sequence(ours, steps=3))
     assert_all_equal(params_of(ours), params_of(reference))
 
 
@@ -105,11 +111,7 @@ def test_sgd_equals_torch_exactly() -> None:
     config = OptimizerConfig(optimizer="sgd", lr=0.05, sgd_momentum=0.7, weight_decay=0.01, clip_grad=0.0)
     optimizer = get_megatron_optimizer(config, ours, config_overrides={})
     torch_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.7, weight_decay=0.01)
-    for grads in gradient_sequence(ours, steps=4):
-        set_grads(ours, grads)
-        set_grads(reference, grads)
-        optimizer.step()
-        torch_optimizer.step()
+    step_alike(optimizer, torch_optimizer, ours, reference, gradient_sequence(ours, steps=4))
     assert_all_equal(params_of(ours), params_of(reference))
 
 
@@ -135,11 +137,7 @@ def test_reads_megatron_main_grad() -> None:
     ours, reference = make_model(), make_model()
     optimizer = get_megatron_optimizer(OptimizerConfig(**ADAM), ours, config_overrides={})
     torch_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)
-    for grads in gradient_sequence(ours, steps=2):
-        set_grads(ours, grads, attribute="main_grad")
-        set_grads(reference, grads)
-        optimizer.step()
-        torch_optimizer.step()
+    step_alike(optimizer, torch_optimizer, ours, reference, gradient_sequence(ours, steps=2), attribute="main_grad")
     assert_all_equal(params_of(ours), params_of(reference))
 
 
@@ -151,11 +149,8 @@ def test_bf16_model_reads_megatron_main_grad() -> None:
     reference.load_state_dict({k: v.float() for k, v in ours.state_dict().items()})
     optimizer = get_megatron_optimizer(OptimizerConfig(**ADAM, bf16=True), ours, config_overrides={})
     torch_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)
-    for grads in gradient_sequence(ours, steps=2):
-        set_grads(ours, grads, attribute="main_grad")
-        set_grads(reference, grads)
-        assert optimizer.step()[0]
-        torch_optimizer.step()
+    assert all(step_alike(optimizer, torch_optimizer, ours, reference, gradient_sequence(ours, steps=2),
+                          attribute="main_grad"))
     assert_all_equal([m.detach() for m in optimizer.chained_optimizers[0].main_params], params_of(reference))
 
 
@@ -213,11 +208,7 @@ def test_bf16_main_params_equal_fp32_run() -> None:
             r.copy_(p.float())
     optimizer = get_megatron_optimizer(OptimizerConfig(**ADAM, bf16=True), model, config_overrides={})
     torch_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)
-    for grads in gradient_sequence(model, steps=4):
-        set_grads(model, grads)
-        set_grads(reference, grads)
-        optimizer.step()
-        torch_optimizer.step()
+    step_alike(optimizer, torch_optimizer, model, reference, gradient_sequence(model, steps=4))
     child = optimizer.chained_optimizers[0]
     assert_all_equal([m.detach() for m in child.main_params], params_of(reference))
     assert_all_equal(params_of(model), [r.to(torch.bfloat16) for r in params_of(reference)])
@@ -296,11 +287,7 @@ def test_accepts_megatron_core_config() -> None:
     core_config = CoreConfig(optimizer="sgd", lr=0.05, sgd_momentum=0.5, weight_decay=0.0, clip_grad=0.0)
     optimizer = get_megatron_optimizer(core_config, ours)
     torch_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.5)
-    for grads in gradient_sequence(ours, steps=2):
-        set_grads(ours, grads)
-        set_grads(reference, grads)
-        optimizer.step()
-        torch_optimizer.step()
+    step_alike(optimizer, torch_optimizer, ours, reference, gradient_sequence(ours, steps=2))
     assert_all_equal(params_of(ours), params_of(reference))
 
 

@@ -4,7 +4,6 @@ rank alignment, and what `get_megatron_optimizer` does with overrides.
 
 import json
 import os
-import types
 
 import pytest
 import torch
@@ -29,18 +28,6 @@ REQUIRED_GROUP_KEYS = {
 SHARED_VALUE_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "max_lr", "min_lr", "default_config")
 
 
-@pytest.fixture(scope="module")
-def mcore():
-    import megatron.core.optimizer as mcore_optimizer
-
-    return types.SimpleNamespace(
-        OptimizerConfig=mcore_optimizer.OptimizerConfig,
-        ParamKey=mcore_optimizer.ParamKey,
-        get_standard_config_overrides=mcore_optimizer.get_standard_config_overrides,
-        get_param_groups=mcore_optimizer._get_param_groups,
-    )
-
-
 @pytest.fixture
 def single_rank_gather(monkeypatch):
     """megatron-core's `_get_param_groups` all-gathers its group keys; one rank gathers itself."""
@@ -54,8 +41,8 @@ def single_rank_gather(monkeypatch):
     monkeypatch.setattr(torch.distributed, "all_gather_object", all_gather_object)
 
 
-class _Chunk(torch.nn.Module):
-    """Dense linear (weight+bias), norms, QK-layernorm, an expert, a frozen layer, an embedding."""
+class _DenseModel(torch.nn.Module):
+    """An embedding, a dense linear (weight+bias), a norm and a frozen layer."""
 
     def __init__(self):
         super().__init__()
@@ -63,14 +50,21 @@ class _Chunk(torch.nn.Module):
         self.embedding.weight.is_embedding_or_output_parameter = True
         self.linear = torch.nn.Linear(8, 8)
         self.norm = torch.nn.LayerNorm(8)
+        self.frozen = torch.nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+
+
+class _Chunk(_DenseModel):
+    """The dense model's parameters, QK-layernorm, an expert and an output layer."""
+
+    def __init__(self):
+        super().__init__()
         self.self_attention = torch.nn.Module()
         self.self_attention.q_layernorm = torch.nn.RMSNorm(8)
         self.self_attention.k_layernorm = torch.nn.RMSNorm(8)
         self.experts = torch.nn.Linear(8, 8)
         for param in self.experts.parameters():
             param.allreduce = False
-        self.frozen = torch.nn.Linear(8, 8)
-        self.frozen.requires_grad_(False)
         self.output_layer = torch.nn.Linear(8, 16, bias=False)
         self.output_layer.weight.is_embedding_or_output_parameter = True
 
@@ -261,17 +255,6 @@ def test_distinct_keys_with_one_description_are_rejected(first, second):
 # ------------------------------------------------------------------------------------------------
 # Through get_megatron_optimizer
 # ------------------------------------------------------------------------------------------------
-
-
-class _DenseModel(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embedding = torch.nn.Embedding(16, 8)
-        self.embedding.weight.is_embedding_or_output_parameter = True
-        self.linear = torch.nn.Linear(8, 8)
-        self.norm = torch.nn.LayerNorm(8)
-        self.frozen = torch.nn.Linear(8, 8)
-        self.frozen.requires_grad_(False)
 
 
 def test_factory_empty_overrides_give_one_dense_group():

@@ -23,21 +23,6 @@ from megatron_eopt.param_key import (
 )
 
 
-@pytest.fixture(scope="module")
-def mcore():
-    import megatron.core.optimizer as mcore_optimizer
-    from megatron.core.optimizer_param_scheduler import combine_param_group_overrides
-
-    return types.SimpleNamespace(
-        ParamKey=mcore_optimizer.ParamKey,
-        ParamPredicate=mcore_optimizer.ParamPredicate,
-        ParamWithNamePredicate=mcore_optimizer.ParamWithNamePredicate,
-        OptimizerConfig=mcore_optimizer.OptimizerConfig,
-        get_standard_config_overrides=mcore_optimizer.get_standard_config_overrides,
-        combine=combine_param_group_overrides,
-    )
-
-
 OURS = types.SimpleNamespace(
     ParamKey=ParamKey, ParamPredicate=ParamPredicate, ParamWithNamePredicate=ParamWithNamePredicate
 )

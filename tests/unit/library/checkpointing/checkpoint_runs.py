@@ -26,10 +26,9 @@ from megatron_eopt.training.model.gpt import (
     initialize_model_parallel,
 )
 from megatron_eopt.training.parallel.fsdp2 import fully_shard_gpt
+from tests.unit.library.distributed.test_layer_wise_gpt import SETTINGS  # the same tiny GPT
 from tests.unit.library.optimizers.test_gpt_optimizer import local_shard
 
-SETTINGS = GPTModelSettings(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                            ffn_hidden_size=48, swiglu=True, vocab_size=64, seq_length=8)
 GLOBAL_BATCH = 8
 SEED = 5
 # Muon runs in fp32 (muon_fp32_matmul_prec='highest'): layouts are compared at fp32 round-off.

@@ -1,4 +1,4 @@
-"""Tests for megatron_eopt/training/model/gpt.py: megatron-core's GPTModel on CPU, TP=1 and TP=2."""
+"""Tests for megatron_eopt/training/model/ (gpt.py and its pieces): megatron-core's GPTModel on CPU, TP=1 and TP=2."""
 
 from __future__ import annotations
 
@@ -17,13 +17,13 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_eopt.training.model.gpt import (
     GPTModelSettings,
-    SDPACoreAttention,
     build_gpt_model,
     destroy_model_parallel,
-    gpt_layer_spec,
     gpt_loss,
     initialize_model_parallel,
 )
+from megatron_eopt.training.model.layer_specs import gpt_layer_spec
+from megatron_eopt.training.model.sdpa_attention import SDPACoreAttention
 
 SEED = 1234
 QKV = "decoder.layers.0.self_attention.linear_qkv.weight"

@@ -32,7 +32,7 @@ def run_counting_forwards(rank: int, world_size: int, argv: list[str]) -> tuple[
     from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from megatron_eopt.training.model.gpt import SDPACoreAttention
+    from megatron_eopt.training.model.sdpa_attention import SDPACoreAttention
 
     counts = {TransformerLayer: 0, SDPACoreAttention: 0, MLP: 0, torch.nn.LayerNorm: 0}
     originals = {cls: cls.forward for cls in counts}

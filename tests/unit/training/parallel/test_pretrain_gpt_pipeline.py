@@ -99,7 +99,7 @@ def test_uneven_pipeline_splits_train_as_one_process(references, run_distributed
 
 
 def test_rope_under_tensor_and_pipeline_parallelism(run_distributed) -> None:
-    """RoPE (on CPU through megatron_eopt/training/model/gpt.py's substitution) on every stage: TP=2 x PP=2
+    """RoPE (on CPU through megatron_eopt/training/model/cpu_gpt_model.py's substitution) on every stage: TP=2 x PP=2
     equals one process."""
     rope = ARGV + OPTIMIZERS["muon"] + ["--position-embedding-type", "rope", "--rotary-percent", "0.5"]
     reference = run_distributed(run_training, 1, args=(rope,))[0]
