@@ -1,19 +1,16 @@
 """Muon on a torch FSDP2 model: our owner-per-matrix step against the redundant one, state, bytes.
 
-A megatron-core GPT (megatron_eopt/training/model/gpt.py) sharded with `fully_shard` (each layer, then the
-root) on all ranks. Timed: the Muon part of one step (the inner TensorParallelMuon step over
-the local shards, gradients already in place), against an AReaL-style redundant step: the same
-momentum update, then every matrix's `full_tensor()` (an all-gather each) and Newton-Schulz of
-every matrix on every rank (the same batched call, same q/k/v and gate/up blocks), keeping the
-local rows. Also: optimizer-state bytes per rank (max over ranks) against the unsharded
-optimizer's, and the bytes each step exchanges for the Muon matrices against the lower bound
-of two shard volumes per matrix (each non-owner shard to its owner and back).
+A megatron-core GPT sharded with `fully_shard` (each layer, then the root) on all ranks. Timed:
+the Muon part of one step (the inner TensorParallelMuon step over the local shards) against an
+AReaL-style redundant step (every matrix's `full_tensor()` and Newton-Schulz on every rank, the
+same blocks, keeping the local rows). Also: optimizer-state bytes per rank against the unsharded
+optimizer's, and the bytes a step exchanges against the lower bound of two shard volumes per
+matrix.
 
     torchrun --nproc-per-node 4 benchmarks/fsdp2_step.py [--hidden 512 --layers 4]
 
-gloo on CPU (fp32, fp32_matmul_prec 'highest'); NCCL with one GPU per rank when CUDA is
-available. Median of several steps after warm-up, interleaved, on the slowest rank. Prints
-numbers (rank 0); asserts nothing.
+gloo on CPU (fp32, 'highest'); NCCL with one GPU per rank under CUDA. Medians after warm-up,
+interleaved, on the slowest rank. Prints numbers (rank 0); asserts nothing.
 """
 
 

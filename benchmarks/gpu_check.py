@@ -1,29 +1,16 @@
-"""`make gpu-check`: every check that needs a CUDA GPU, in one command, for a machine with one.
+"""`make gpu-check`: every check that needs a CUDA GPU, in one command.
 
-1. the GPU-tier tests (`pytest -m gpu tests`: tests/unit/library/test_gpu.py, test_checkpoint_gpu.py);
-2. Newton-Schulz TFLOP/s in bf16 ('medium') and fp32 ('highest') on the blocks of a GPT of
-   --hidden, against a dense --reference-size^3 matmul in the same dtype timed beside it
-   (newton_schulz_efficiency.py);
-3. our Muon step (get_megatron_optimizer defaults) / torch.optim.AdamW(fused=True) step on the
-   2-D weights of a GPT of --hidden and --layers (optimizer_step.py);
-4. a whole scripts/pretrain_gpt.py iteration (bf16, world size 1; Transformer Engine layers when
-   installed), Muon with the layer-wise distributed optimizer / Adam: the median of the
-   per-iteration times it logs, after --pretrain-warmup iterations;
-5. Megatron-LM's own `pretrain()` (scripts/pretrain_gpt_megatron_lm.py, mock data, bf16, one GPU)
-   for --megatron-lm-iters iterations with megatron-core's optimizer and with ours, same seed:
-   Adam's losses equal within 1e-3 relative, Muon's within 1e-2; the iteration-time ratio; and
-   ours saved halfway through Megatron-LM's checkpointing (torch_dist, our sharded_state_dict),
-   loaded by a new run that must log the losses of the uninterrupted one;
-6. the trainer's CUDA-only code paths against its CPU paths: small fp32 pretrain_gpt runs on the
-   GPU (megatron-core's own router, allgather and alltoall dispatchers, RotaryEmbedding) and the
-   same command lines on CPU (megatron_eopt/training/model/moe.py's and gpt_model.py's substitutions): the losses
-   of 10 iterations must agree within 1e-3 relative.
-Writes gpu_check.json and gpu_check.md to --out (default benchmarks/results/).
-
-Without CUDA (or with --dry-run) nothing is timed: it builds what each check would run (the
-models and optimizers of 3, the block shapes of 2, the pretrain_gpt flags of 4 through its own
-parser) and records every check as skipped with the reason, so the command and its outputs can
-be checked anywhere.
+1. the GPU-tier tests (`pytest -m gpu tests`);
+2. Newton-Schulz TFLOP/s in bf16 and fp32 on a GPT's blocks against a dense matmul beside it;
+3. our Muon step / torch.optim.AdamW(fused=True) on a GPT's 2-D weights;
+4. a scripts/pretrain_gpt.py iteration (bf16, one GPU), layer-wise Muon / Adam;
+5. Megatron-LM's own `pretrain()` with megatron-core's optimizer and with ours: losses, time,
+   and a checkpoint saved halfway and resumed;
+6. the trainer's CUDA-only paths (megatron-core's router, dispatchers, RotaryEmbedding) against
+   its CPU substitutes: 10 iterations' losses within 1e-3 relative.
+Writes gpu_check.json and gpu_check.md to --out (default benchmarks/results/). Without CUDA (or
+with --dry-run) it builds what each check would run and records every check as skipped with
+the reason. docs/gpu.md describes the checks and holds the results.
 
     python benchmarks/gpu_check.py [--out DIR] [--dry-run] [--hidden 4096] [--layers 2] [--checks ...]
 """

@@ -1,16 +1,12 @@
 """Newton-Schulz on the expert matrices of one MoE layer: one batched call per shape against one
-call per matrix (what a per-parameter loop does), and megatron-core's TensorParallelMuon step.
+call per matrix, and megatron-core's TensorParallelMuon step.
 
-An MoE layer has many experts of equal shape (Megatron-LM #6683: hundreds), so the per-matrix
-work is small and a loop over matrices is bound by per-call overhead (kernel launches on a GPU),
-which batching removes. Shapes: --experts experts, each a gated fc1 ([2 * ffn, hidden]: gate
-and up, orthogonalized separately) and an fc2 ([hidden, ffn]); default 64 x (256 -> 704,
-SwiGLU). Rows, all at the same precision (--precision; 'highest': fp32):
-- batched:      our orthogonalize_batched on every block at once (one call per shape: 2 here)
-- per_matrix:   the same Newton-Schulz (emerging_optimizers') called on each 2-D block in turn
-- mcore_muon:   megatron-core's TensorParallelMuon.step on the expert weights (its per-parameter
-                loop; it orthogonalizes a gated fc1 whole, so its blocks differ from ours: same
-                flop count within 1 %, not the same result)
+An MoE layer has many experts of equal shape, so a loop over matrices is bound by per-call
+overhead, which batching removes. Shapes: --experts experts, each a gated fc1 (gate and up,
+orthogonalized separately) and an fc2; default 64 x (256 -> 704, SwiGLU). Rows, at one precision:
+- batched:    our orthogonalize_batched, one call per shape;
+- per_matrix: emerging_optimizers' Newton-Schulz on each 2-D block in turn;
+- mcore_muon: megatron-core's TensorParallelMuon.step (fc1 whole: same flops within 1 %).
 Prints medians and ratios; asserts nothing.
 
     python benchmarks/moe_experts.py [--experts 64 --hidden 256 --ffn 704] [--device cuda] [--json PATH]

@@ -2,22 +2,14 @@
 torch.optim.Muon and torch.optim.AdamW.
 
 Rows (all step only the 2-D weights, with the same gradients, lr 1e-3, weight decay 0.1):
-- eopt_muon:        get_megatron_optimizer(OptimizerConfig(optimizer='muon')), library defaults
-                    (clipping at 1.0 included; muon_fp32_matmul_prec='medium': bf16 Newton-Schulz, on CPU too)
-- eopt_muon_highest, eopt_muon_medium: the same full factory step with muon_fp32_matmul_prec
-                    set explicitly ('highest': fp32, 'medium': bf16 Newton-Schulz); against
-                    mcore_muon_fp32 and mcore_muon they compare at equal precision
-- eopt_muon_class:  our TensorParallelMuon at TP=1, fp32_matmul_prec='highest', with megatron-core's
-                    blocks (QKV split per query group, the gated fc1 whole; our factory also
-                    splits fc1 into gate and up), so it computes exactly what mcore_muon_fp32 does
-- mcore_muon:       megatron-core's TensorParallelMuon built with the kwargs its factory derives
-                    from megatron-core's default OptimizerConfig (QKV split, fp32_matmul_prec
-                    'medium': Newton-Schulz in bf16, which is emulated and slow on CPUs)
-- mcore_muon_fp32:  the same with fp32_matmul_prec='highest'
-- torch_muon:       torch.optim.Muon defaults (its Newton-Schulz is always bf16)
-- torch_adamw:      torch.optim.AdamW (torch_adamw_fused: with fused=True)
-Rows interleaved in rounds after warm-up; times are medians, a ratio is the median over rounds
-of the two rows' ratio in that round. Prints numbers; asserts nothing.
+- eopt_muon (library defaults), eopt_muon_highest, eopt_muon_medium: our full factory step;
+- eopt_muon_class: our TensorParallelMuon with megatron-core's blocks, fp32: what mcore_muon_fp32
+  computes, exactly;
+- mcore_muon, mcore_muon_fp32: megatron-core's TensorParallelMuon with its factory's kwargs, in
+  bf16 ('medium') and fp32 ('highest') Newton-Schulz;
+- torch_muon, torch_adamw, torch_adamw_fused: torch's optimizers.
+Rows interleave in rounds after warm-up; times are medians, a ratio the median of per-round
+ratios. Prints numbers; asserts nothing. docs/performance.md explains the comparisons.
 
     python benchmarks/optimizer_step.py [--rows eopt_muon,mcore_muon_fp32,...] [--device cuda] [--json PATH]
 """
