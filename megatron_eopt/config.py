@@ -19,14 +19,13 @@ from typing import Any, Callable, Literal, Optional
 
 import torch
 
-ScaleMode = Literal["spectral", "unit_rms_norm", "shape_scaling"]
-TpMode = Literal["blockwise", "duplicated", "distributed", "sharded"]
-# What emerging_optimizers' `FP32MatmulPrecT` and `torch.set_float32_matmul_precision` accept
-# (Megatron-LM's 'low' is neither); the one list of them: config checks and command-line choices
-# read it, and tests/unit/library/test_config.py checks it against the installed emerging_optimizers.
-MatmulPrecision = Literal["highest", "high", "medium"]
-ScalarOptimizer = Literal["adam", "lion"]
-AdaptiveMoment2Method = Literal["adamuon", "normuon"]
+from megatron_eopt.config_choices import (  # noqa: F401 (re-exported)
+    AdaptiveMoment2Method,
+    MatmulPrecision,
+    ScalarOptimizer,
+    ScaleMode,
+    TpMode,
+)
 
 
 @dataclass

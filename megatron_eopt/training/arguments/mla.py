@@ -25,28 +25,6 @@ MLA_DEFAULTS: dict[str, Any] = {"q_lora_rank": None, "kv_lora_rank": 32, "qk_hea
                                 "mscale": 1.0, "mscale_all_dim": 0.0}
 
 
-def add_mla_args(parser: argparse.ArgumentParser) -> None:
-    mla = parser.add_argument_group(title="multi-latent attention")
-    mla.add_argument("--multi-latent-attention", action="store_true",
-                     help="megatron-core's multi-latent attention (DeepSeek-V2/V3, Kimi-K2): queries, keys and "
-                          "values projected through low-rank latents")
-    mla.add_argument("--q-lora-rank", type=int, default=None,
-                     help="the query latent's width (default: none, one query projection)")
-    mla.add_argument("--kv-lora-rank", type=int, default=None, help="the key/value latent's width (default 32)")
-    mla.add_argument("--qk-head-dim", type=int, default=None,
-                     help="each head's query/key width without RoPE (default 128)")
-    mla.add_argument("--qk-pos-emb-head-dim", type=int, default=None,
-                     help="each head's query/key width rotated by RoPE (default 64; the key part is shared by all heads)")
-    mla.add_argument("--v-head-dim", type=int, default=None, help="each head's value width (default 128)")
-    mla.add_argument("--rope-type", default=None, choices=("rope", "yarn"),
-                     help="MLA's rotary embedding (default yarn; without MLA only rope)")
-    mla.add_argument("--rotary-scaling-factor", type=float, default=None,
-                     help="YaRN's context-extension factor (default 1.0: the original frequencies)")
-    mla.add_argument("--mscale", type=float, default=None, help="YaRN's mscale (default 1.0)")
-    mla.add_argument("--mscale-all-dim", type=float, default=None,
-                     help="YaRN's mscale_all_dim (default 0.0); also scales MLA's softmax")
-
-
 def mla_settings(args: argparse.Namespace, local_spec: bool) -> dict[str, Any]:
     """GPTModelSettings fields of the MLA flags ({} without --multi-latent-attention).
     ``local_spec``: megatron-core's local layers will be built (no Transformer Engine)."""

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from megatron_eopt.arguments import (
     refuse_flags_without,
 )
+from megatron_eopt.training.arguments.flags.training import RECOMPUTE_MODULES  # noqa: F401 (re-exported)
 from megatron_eopt.training.arguments.mla import mla_settings
 from megatron_eopt.training.arguments.moe import (
     check_moe_flags,
@@ -123,11 +124,6 @@ def _rotary_settings(args: argparse.Namespace) -> dict[str, Any]:
         refuse_flags_without([f"--{flags[name].replace('_', '-')}" for name in given if name not in mla_rotary],
                              f"--position-embedding-type rope (got {args.position_embedding_type})")
     return given
-
-
-# Megatron-LM's --recompute-modules that this trainer's models have (no grouped GEMM, MLA, shared
-# experts or gated delta net).
-RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe")
 
 
 def _recompute_settings(args: argparse.Namespace) -> dict[str, Any]:

@@ -33,6 +33,10 @@ says so instead of argparse's "unrecognized arguments".
 """
 
 import argparse
+import dataclasses
+
+from megatron_eopt.training.arguments.flags.table import NO_EFFECT as CHANGES_NOTHING
+from megatron_eopt.training.arguments.flags.table import REFUSED, Flag
 
 WANDB = "Weights & Biases logging is not offered here (TensorBoard and --metrics-jsonl are)"
 ALREADY_OFF = "already off here: this trainer runs megatron-core's unfused code"
@@ -43,87 +47,87 @@ ASYNC_SAVE = ("saves are synchronous here: every rank writes its part and the ch
               "training goes on (Megatron-LM 0.19 also turns --async-save off unless --use-persistent-ckpt-worker)")
 ALWAYS_PARALLEL_SAVE = ("every rank writes the shards it holds and each replicated tensor is written once "
                         "(megatron_eopt.checkpointing); there is no save from data-parallel rank 0 only to switch to")
-NO_EFFECT: dict[str, tuple[dict, str]] = {  # flag: (argparse keywords, why it changes nothing)
-    "--no-masked-softmax-fusion": ({"action": "store_true"}, ALREADY_OFF),
-    "--no-bias-gelu-fusion": ({"action": "store_true"}, ALREADY_OFF),
-    "--no-bias-swiglu-fusion": ({"action": "store_true"}, ALREADY_OFF),
-    "--no-bias-dropout-fusion": ({"action": "store_true"}, ALREADY_OFF),
-    "--no-rope-fusion": ({"action": "store_true"}, ALREADY_OFF),
-    "--no-gradient-accumulation-fusion": ({"action": "store_true"}, ALREADY_OFF),
-    "--cross-entropy-loss-fusion": ({"action": "store_true"}, NOT_CHOSEN),
-    "--use-flash-attn": ({"action": "store_true"}, NOT_CHOSEN),
-    "--attention-backend": ({"choices": ("auto", "flash", "fused", "unfused", "local")}, NOT_CHOSEN),
-    "--use-mcore-models": ({"action": "store_true"}, "the models are always megatron-core's"),
-    "--use-cpu-initialization": ({"action": "store_true"}, "always on here (the weights do not depend on the layout)"),
-    "--log-validation-ppl-to-tensorboard": ({"action": "store_true"}, "always written here with --tensorboard-dir"),
-    "--num-workers": ({"type": int}, "samples are read in the training process, without a DataLoader"),
-    "--moe-grouped-gemm": ({"action": "store_true"}, "a kernel choice this trainer does not make (its experts run "
+NO_EFFECT_ROWS: tuple[Flag, ...] = (
+    Flag("--no-masked-softmax-fusion", default=None, action="store_true", status=CHANGES_NOTHING, reason=ALREADY_OFF),
+    Flag("--no-bias-gelu-fusion", default=None, action="store_true", status=CHANGES_NOTHING, reason=ALREADY_OFF),
+    Flag("--no-bias-swiglu-fusion", default=None, action="store_true", status=CHANGES_NOTHING, reason=ALREADY_OFF),
+    Flag("--no-bias-dropout-fusion", default=None, action="store_true", status=CHANGES_NOTHING, reason=ALREADY_OFF),
+    Flag("--no-rope-fusion", default=None, action="store_true", status=CHANGES_NOTHING, reason=ALREADY_OFF),
+    Flag("--no-gradient-accumulation-fusion", default=None, action="store_true", status=CHANGES_NOTHING, reason=ALREADY_OFF),
+    Flag("--cross-entropy-loss-fusion", default=None, action="store_true", status=CHANGES_NOTHING, reason=NOT_CHOSEN),
+    Flag("--use-flash-attn", default=None, action="store_true", status=CHANGES_NOTHING, reason=NOT_CHOSEN),
+    Flag("--attention-backend", default=None, choices=("auto", "flash", "fused", "unfused", "local"), status=CHANGES_NOTHING, reason=NOT_CHOSEN),
+    Flag("--use-mcore-models", default=None, action="store_true", status=CHANGES_NOTHING, reason="the models are always megatron-core's"),
+    Flag("--use-cpu-initialization", default=None, action="store_true", status=CHANGES_NOTHING, reason="always on here (the weights do not depend on the layout)"),
+    Flag("--log-validation-ppl-to-tensorboard", default=None, action="store_true", status=CHANGES_NOTHING, reason="always written here with --tensorboard-dir"),
+    Flag("--num-workers", default=None, type=int, status=CHANGES_NOTHING, reason="samples are read in the training process, without a DataLoader"),
+    Flag("--moe-grouped-gemm", default=None, action="store_true", status=CHANGES_NOTHING, reason="a kernel choice this trainer does not make (its experts run "
                                                      "one after another, megatron's SequentialMLP: the same result)"),
-    "--moe-permute-fusion": ({"action": "store_true"}, "a kernel choice this trainer does not make (megatron-core's "
+    Flag("--moe-permute-fusion", default=None, action="store_true", status=CHANGES_NOTHING, reason="a kernel choice this trainer does not make (megatron-core's "
                                                        "unfused permutation: the same result)"),
-    "--moe-router-fusion": ({"action": "store_true"}, "a kernel choice this trainer does not make (megatron-core's "
+    Flag("--moe-router-fusion", default=None, action="store_true", status=CHANGES_NOTHING, reason="a kernel choice this trainer does not make (megatron-core's "
                                                       "unfused routing: the same result)"),
-    "--moe-per-layer-logging": ({"action": "store_true"}, "the MoE losses are logged as the mean over layers only"),
-    "--no-create-attention-mask-in-dataloader": ({"action": "store_true"},
-                                                 "already so: the data carries no attention mask"),
-    "--ckpt-format": ({"choices": ("torch", "torch_dist", "torch_dcp", "fsdp_dtensor")},
-                      "checkpoints are megatron_eopt's resharding format (megatron_eopt.checkpointing) whatever "
+    Flag("--moe-per-layer-logging", default=None, action="store_true", status=CHANGES_NOTHING, reason="the MoE losses are logged as the mean over layers only"),
+    Flag("--no-create-attention-mask-in-dataloader", default=None, action="store_true", status=CHANGES_NOTHING,
+         reason="already so: the data carries no attention mask"),
+    Flag("--ckpt-format", default=None, choices=("torch", "torch_dist", "torch_dcp", "fsdp_dtensor"), status=CHANGES_NOTHING,
+         reason=                      "checkpoints are megatron_eopt's resharding format (megatron_eopt.checkpointing) whatever "
                       "this says"),
-    "--tiktoken-pattern": ({}, "read by TikTokenizer only, which this trainer does not offer"),
-    "--log-timers-to-tensorboard": ({"action": "store_true"}, "iteration-time and throughput (Megatron-LM's timers at "
+    Flag("--tiktoken-pattern", default=None, status=CHANGES_NOTHING, reason="read by TikTokenizer only, which this trainer does not offer"),
+    Flag("--log-timers-to-tensorboard", default=None, action="store_true", status=CHANGES_NOTHING, reason="iteration-time and throughput (Megatron-LM's timers at "
                                    "its default --timing-log-level 0) are always written with --tensorboard-dir"),
-    "--attention-softmax-in-fp32": ({"action": "store_true"}, "already so here: the attention's softmax runs in fp32 "
+    Flag("--attention-softmax-in-fp32", default=None, action="store_true", status=CHANGES_NOTHING, reason="already so here: the attention's softmax runs in fp32 "
                                    "(torch's SDPA on CPU, Transformer Engine's attention, megatron's local attention "
                                    "with TransformerConfig's default)"),
-    "--apply-query-key-layer-scaling": ({"action": "store_true"}, "an fp16 range trick (scores divided by the layer "
+    Flag("--apply-query-key-layer-scaling", default=None, action="store_true", status=CHANGES_NOTHING, reason="an fp16 range trick (scores divided by the layer "
                                         "number, multiplied back in an fp32 softmax) that leaves the attention as it is"),
-    "--no-persist-layer-norm": ({"action": "store_true"}, NOT_CHOSEN),
-    "--apply-residual-connection-post-layernorm": ({"action": "store_true"}, "megatron-core's transformer layers do "
+    Flag("--no-persist-layer-norm", default=None, action="store_true", status=CHANGES_NOTHING, reason=NOT_CHOSEN),
+    Flag("--apply-residual-connection-post-layernorm", default=None, action="store_true", status=CHANGES_NOTHING, reason="megatron-core's transformer layers do "
                                                    "not read it (the residual is always the norm's input), so it "
                                                    "changes nothing in Megatron-LM either"),
-    "--openai-gelu": ({"action": "store_true"}, "Megatron-LM itself no longer reads it (the activation stays GELU, "
+    Flag("--openai-gelu", default=None, action="store_true", status=CHANGES_NOTHING, reason="Megatron-LM itself no longer reads it (the activation stays GELU, "
                       "or --swiglu's / --squared-relu's / --quick-geglu's)"),
-    "--timing-log-level": ({"type": int, "choices": (0, 1, 2)}, TIMERS),
-    "--timing-log-option": ({"choices": ("max", "minmax", "all")}, TIMERS),
-    "--wandb-project": ({}, WANDB),
-    "--wandb-exp-name": ({}, WANDB),
-    "--wandb-save-dir": ({}, WANDB),
-    "--wandb-entity": ({}, WANDB),
-    "--use-dist-ckpt": ({"action": "store_true"}, "deprecated in Megatron-LM, where it has no effect either; "
+    Flag("--timing-log-level", default=None, type=int, choices=(0, 1, 2), status=CHANGES_NOTHING, reason=TIMERS),
+    Flag("--timing-log-option", default=None, choices=("max", "minmax", "all"), status=CHANGES_NOTHING, reason=TIMERS),
+    Flag("--wandb-project", default=None, status=CHANGES_NOTHING, reason=WANDB),
+    Flag("--wandb-exp-name", default=None, status=CHANGES_NOTHING, reason=WANDB),
+    Flag("--wandb-save-dir", default=None, status=CHANGES_NOTHING, reason=WANDB),
+    Flag("--wandb-entity", default=None, status=CHANGES_NOTHING, reason=WANDB),
+    Flag("--use-dist-ckpt", default=None, action="store_true", status=CHANGES_NOTHING, reason="deprecated in Megatron-LM, where it has no effect either; "
                         "checkpoints here are always megatron_eopt's distributed format"),
-    "--auto-detect-ckpt-format": ({"action": "store_true"}, "there is one checkpoint format here "
+    Flag("--auto-detect-ckpt-format", default=None, action="store_true", status=CHANGES_NOTHING, reason="there is one checkpoint format here "
                                   "(megatron_eopt.checkpointing), nothing to detect"),
-    "--async-save": ({"action": "store_true"}, ASYNC_SAVE),
-    "--ckpt-fully-parallel-save": ({"action": "store_true"}, "deprecated in Megatron-LM, where it has no effect "
+    Flag("--async-save", default=None, action="store_true", status=CHANGES_NOTHING, reason=ASYNC_SAVE),
+    Flag("--ckpt-fully-parallel-save", default=None, action="store_true", status=CHANGES_NOTHING, reason="deprecated in Megatron-LM, where it has no effect "
                                    "either; saves are always parallel here"),
-    "--no-ckpt-fully-parallel-save": ({"action": "store_true"}, ALWAYS_PARALLEL_SAVE),
-    "--ckpt-fully-parallel-load": ({"action": "store_true"}, "each rank here reads only the tensors it holds "
+    Flag("--no-ckpt-fully-parallel-save", default=None, action="store_true", status=CHANGES_NOTHING, reason=ALWAYS_PARALLEL_SAVE),
+    Flag("--ckpt-fully-parallel-load", default=None, action="store_true", status=CHANGES_NOTHING, reason="each rank here reads only the tensors it holds "
                                    "(megatron_eopt.checkpointing), with no read-once-and-exchange mode to choose"),
-    "--ckpt-assume-constant-structure": ({"action": "store_true"}, "it lets megatron's distributed checkpointing "
+    Flag("--ckpt-assume-constant-structure", default=None, action="store_true", status=CHANGES_NOTHING, reason="it lets megatron's distributed checkpointing "
                                          "reuse save plans between saves, which megatron_eopt.checkpointing does "
                                          "not cache; the files are the same"),
     # Refused with --position-embedding-type learned_absolute, as Megatron-LM does (scripts/pretrain_gpt.py).
-    "--no-position-embedding": ({"action": "store_true"}, "Megatron-LM's deprecated spelling; the position "
+    Flag("--no-position-embedding", default=None, action="store_true", status=CHANGES_NOTHING, reason="Megatron-LM's deprecated spelling; the position "
                                 "embedding is --position-embedding-type's (rope or none here)"),
-}
+)
 USE_CHECKPOINT_ARGS = ("checkpoints here do not store the command line (megatron_eopt.checkpointing keeps the "
                        "model, optimizer, lr schedule and RNG states); give the model flags again")
 FP8 = ("FP8 training is not offered by this trainer (Megatron-LM runs it through Transformer Engine on Hopper or "
        "newer GPUs); train with --bf16")
-NOT_OFFERED: dict[str, tuple[dict, str]] = {  # flag: (argparse keywords, why it is refused)
-    "--fp8-format": ({"choices": ("e4m3", "hybrid")}, FP8),
-    "--fp8-recipe": ({}, FP8),
-    "--fp8-amax-history-len": ({"type": int}, FP8),
-    "--fp8-amax-compute-algo": ({"choices": ("most_recent", "max")}, FP8),
-    "--fp8-param-gather": ({"action": "store_true"}, FP8),
-    "--use-precision-aware-optimizer": ({"action": "store_true"}, "lower-precision optimizer state (Megatron-LM's "
+NOT_OFFERED_ROWS: tuple[Flag, ...] = (
+    Flag("--fp8-format", default=None, choices=("e4m3", "hybrid"), status=REFUSED, reason=FP8),
+    Flag("--fp8-recipe", default=None, status=REFUSED, reason=FP8),
+    Flag("--fp8-amax-history-len", default=None, type=int, status=REFUSED, reason=FP8),
+    Flag("--fp8-amax-compute-algo", default=None, choices=("most_recent", "max"), status=REFUSED, reason=FP8),
+    Flag("--fp8-param-gather", default=None, action="store_true", status=REFUSED, reason=FP8),
+    Flag("--use-precision-aware-optimizer", default=None, action="store_true", status=REFUSED, reason="lower-precision optimizer state (Megatron-LM's "
                                         "precision-aware optimizer, through Transformer Engine) is not offered: "
                                         "main parameters, gradients and optimizer states stay fp32"),
-    "--optimizer-cpu-offload": ({"action": "store_true"}, "offloading the optimizer to CPU is not offered"),
-    "--optimizer-offload-fraction": ({"type": float}, "it applies with --optimizer-cpu-offload, which is not offered"),
-    "--optimizer-cuda-graph": ({"action": "store_true"}, "CUDA graphs of the optimizer step are not offered"),
-    "--use-checkpoint-args": ({"action": "store_true"}, USE_CHECKPOINT_ARGS),
-}
+    Flag("--optimizer-cpu-offload", default=None, action="store_true", status=REFUSED, reason="offloading the optimizer to CPU is not offered"),
+    Flag("--optimizer-offload-fraction", default=None, type=float, status=REFUSED, reason="it applies with --optimizer-cpu-offload, which is not offered"),
+    Flag("--optimizer-cuda-graph", default=None, action="store_true", status=REFUSED, reason="CUDA graphs of the optimizer step are not offered"),
+    Flag("--use-checkpoint-args", default=None, action="store_true", status=REFUSED, reason=USE_CHECKPOINT_ARGS),
+)
 # Megatron-LM's precision-aware optimizer's dtypes: fp32 is what this trainer keeps anyway
 # (named at start-up as changing nothing); any other value is refused.
 FP32_STATE_FLAGS: dict[str, tuple[str, ...]] = {  # flag: Megatron-LM's choices
@@ -135,32 +139,29 @@ FP32_STATE_FLAGS: dict[str, tuple[str, ...]] = {  # flag: Megatron-LM's choices
 FP32_STATE = "main parameters, gradients and optimizer states are fp32 here (the precision-aware optimizer is not offered)"
 
 
-def add_no_effect_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group(title="accepted from Megatron-LM, no effect here")
-    for flag, (keywords, reason) in NO_EFFECT.items():
-        group.add_argument(flag, default=None, help=reason, **keywords)
-    group = parser.add_argument_group(title="Megatron-LM flags refused with the reason")
-    for flag, (keywords, reason) in NOT_OFFERED.items():
-        group.add_argument(flag, dest=_refused_dest(flag), default=None, help=reason, **keywords)
-    for flag, choices in FP32_STATE_FLAGS.items():
-        group.add_argument(flag, dest=_refused_dest(flag), default=None, choices=choices, help=f"fp32 only: {FP32_STATE}")
-
-
 def _refused_dest(flag: str) -> str:
     """Their own attribute names: several are OptimizerConfig fields, which the trainer copies
     from the namespace by name (arguments.optimizer_config_from_args)."""
     return "refused_" + flag[2:].replace("-", "_")
 
 
+REFUSED_ROWS: tuple[Flag, ...] = tuple(dataclasses.replace(row, dest=_refused_dest(row.option)) for row in NOT_OFFERED_ROWS) + tuple(
+    Flag(flag, default=None, choices=choices, dest=_refused_dest(flag), help=f"fp32 only: {FP32_STATE}", status=REFUSED,
+         reason=FP32_STATE) for flag, choices in FP32_STATE_FLAGS.items())
+NO_EFFECT: dict[str, Flag] = {row.option: row for row in NO_EFFECT_ROWS}
+NO_EFFECT_TITLE = "accepted from Megatron-LM, no effect here"
+REFUSED_TITLE = "Megatron-LM flags refused with the reason"
+
+
 def check_not_offered(args: argparse.Namespace) -> None:
     """A ValueError naming the first refused flag the command line gave, with the reason."""
-    for flag, (_, reason) in NOT_OFFERED.items():
-        if _given(args, flag, _refused_dest(flag)) is not None:
-            raise ValueError(f"{flag}: {reason}.")
-    for flag in FP32_STATE_FLAGS:
-        value = _given(args, flag, _refused_dest(flag))
-        if value not in (None, "fp32"):
-            raise ValueError(f"{flag} {value}: {FP32_STATE}.")
+    for row in REFUSED_ROWS:
+        value = _given(args, row.option, row.name)
+        if row.option in FP32_STATE_FLAGS:
+            if value not in (None, "fp32"):
+                raise ValueError(f"{row.option} {value}: {FP32_STATE}.")
+        elif value is not None:
+            raise ValueError(f"{row.option}: {row.reason}.")
 
 
 def _given(args: argparse.Namespace, flag: str, dest: str = ""):
@@ -171,11 +172,11 @@ def _given(args: argparse.Namespace, flag: str, dest: str = ""):
 def no_effect_lines(args: argparse.Namespace) -> list[str]:
     """One line for each of these flags the command line gave."""
     lines = []
-    for flag, (_, reason) in NO_EFFECT.items():
+    for flag, row in NO_EFFECT.items():
         value = _given(args, flag)
         if value is not None:
             shown = flag if value is True else f"{flag} {value}"
-            lines.append(f"{shown}: no effect, {reason}")
+            lines.append(f"{shown}: no effect, {row.reason}")
     lines += [f"{flag} fp32: no effect, {FP32_STATE}" for flag in FP32_STATE_FLAGS
               if _given(args, flag, _refused_dest(flag)) == "fp32"]
     return lines

@@ -25,18 +25,6 @@ from typing import Optional
 FLAGS = ("--rampup-batch-size", "--step-batch-size-schedule")
 
 
-def add_batch_schedule_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group(title="growing global batch")
-    group.add_argument("--rampup-batch-size", nargs=3, type=int, default=None,
-                       metavar=("START", "INCREMENT", "SAMPLES"),
-                       help="grow the global batch from START by INCREMENT in equal steps over the first "
-                            "SAMPLES samples up to --global-batch-size (needs --train-samples)")
-    group.add_argument("--step-batch-size-schedule", default=None,
-                       help='"THRESHOLD:BATCH ...": BATCH from THRESHOLD consumed tokens on (K/M/B/T '
-                            "suffixes, first threshold 0); the last BATCH is the global batch size "
-                            "(needs --train-samples, excludes --global-batch-size)")
-
-
 def check_batch_schedule_flags(args: argparse.Namespace) -> None:
     """Before the layout is known: the flags' own rules. Sets --global-batch-size from a step
     schedule (its last batch)."""

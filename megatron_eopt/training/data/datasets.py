@@ -64,41 +64,6 @@ def rule_batch(batch_size: int, length: int, vocab: int, generator: torch.Genera
 # ------------------------------------------------------------------------------------------------
 
 
-def add_data_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group(title="data")
-    group.add_argument("--data-path", nargs="*", default=None,
-                       help="[W1] PREFIX1 [W2 PREFIX2 ...]: indexed datasets (PREFIX.bin/.idx from "
-                            "tools/preprocess_data.py), blended by the weights; default: the generated task")
-    group.add_argument("--split", default=None,
-                       help=f"train, valid, test proportions of --data-path (default {DEFAULT_SPLIT!r})")
-    for split, name in (("train", "training"), ("valid", "validation"), ("test", "test")):
-        group.add_argument(f"--{split}-data-path", nargs="*", default=None,
-                           help=f"[W1] PREFIX1 ...: the {name} split's own datasets (instead of --data-path "
-                                f"and --split)")
-    group.add_argument("--data-args-path", default=None,
-                       help="a file holding the --data-path list (whitespace-separated), instead of --data-path")
-    group.add_argument("--per-split-data-args-path", default=None,
-                       help="a JSON file with 'train', 'valid' and 'test' keys, each a --data-path list (a "
-                            "string or a list of strings), instead of --train/valid/test-data-path")
-    group.add_argument("--num-dataset-builder-threads", type=int, default=1,
-                       help="threads megatron-core's dataset builder uses per rank")
-    group.add_argument("--mid-level-dataset-surplus", type=float, default=0.005,
-                       help="extra samples megatron-core builds for each dataset of a blend")
-    group.add_argument("--dataloader-type", default=None, choices=("single", "cyclic", "external"),
-                       help="single (default): the training samples in order; cyclic: in a new random "
-                            "order every epoch (Megatron-LM's MegatronPretrainingRandomSampler)")
-    group.add_argument("--reset-position-ids", action="store_true",
-                       help="positions start again at 0 after each end-of-document token")
-    group.add_argument("--reset-attention-mask", action="store_true",
-                       help="tokens attend only within their own document (end-of-document token included)")
-    group.add_argument("--data-cache-path", default=None, help="where the dataset index caches are written")
-    group.add_argument("--mock-data", action="store_true", help="megatron-core's MockGPTDataset")
-    group.add_argument("--eod-mask-loss", action="store_true",
-                       help="labels that are the end-of-document token do not count in the loss")
-    group.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files",
-                       help="read the .bin files with file reads instead of memory-mapping them")
-
-
 def check_data_flags(args: argparse.Namespace) -> None:
     """Parse-time checks (no megatron-core import); errors name the flags. Sets args.vocab_size
     for the generated task and NullTokenizer --mock-data, args.tokenizer_type's default,

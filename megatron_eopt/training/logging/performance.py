@@ -28,25 +28,6 @@ DEFAULT_PROFILE_STEP_END = 12
 PROFILE_DETAIL_FLAGS = ("--use-pytorch-profiler", "--profile-step-start", "--profile-step-end", "--profile-ranks")
 
 
-def add_performance_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group(title="throughput and profiling")
-    group.add_argument("--log-throughput", action="store_true",
-                       help="add the TFLOP/s per GPU (per process on CPU) to the iteration line, the "
-                            "`throughput` TensorBoard scalar and --metrics-jsonl")
-    group.add_argument("--profile", action="store_true",
-                       help="profile iterations --profile-step-start to --profile-step-end: a CUDA profiler "
-                            "capture range for nsys, or torch.profiler with --use-pytorch-profiler")
-    group.add_argument("--use-pytorch-profiler", action="store_true",
-                       help="with --profile: torch.profiler (also on CPU), its trace in "
-                            "<--tensorboard-dir>/../torch_profile")
-    group.add_argument("--profile-step-start", type=int, default=None,
-                       help=f"with --profile (default {DEFAULT_PROFILE_STEP_START})")
-    group.add_argument("--profile-step-end", type=int, default=None,
-                       help=f"with --profile (default {DEFAULT_PROFILE_STEP_END})")
-    group.add_argument("--profile-ranks", type=int, nargs="+", default=None,
-                       help="with --profile: the global ranks to profile (default: every rank)")
-
-
 def check_performance_flags(args: argparse.Namespace, world_size: int) -> None:
     """Refuse bad values (naming the flag); fill Megatron-LM's defaults after noting which of
     the profiling flags were given (for `performance_lines`)."""

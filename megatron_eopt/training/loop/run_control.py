@@ -24,22 +24,6 @@ STRICTNESS_CHOICES = ("assume_ok_unexpected", "log_unexpected", "log_all", "rais
                       "return_unexpected", "return_all", "ignore_all")  # megatron's StrictHandling values
 
 
-def add_run_control_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group(title="run control")
-    group.add_argument("--exit-signal-handler", action="store_true",
-                       help="on --exit-signal, save a checkpoint (with --save) at the end of the current "
-                            "iteration and exit, every rank together")
-    group.add_argument("--exit-signal", default=None, choices=CATCHABLE_SIGNALS, metavar="SIGNAL",
-                       help="the signal --exit-signal-handler waits for (default SIGTERM)")
-    group.add_argument("--finetune", action="store_true",
-                       help="load the model weights only: iteration, consumed samples, optimizer, lr schedule "
-                            "and RNG start fresh")
-    group.add_argument("--exit-on-missing-checkpoint", action="store_true",
-                       help="stop when --load holds no checkpoint, instead of training from scratch")
-    group.add_argument("--dist-ckpt-strictness", default=None, choices=STRICTNESS_CHOICES,
-                       help="only raise_all, what megatron_eopt's loader does: any key difference is an error")
-
-
 def check_run_control_flags(args: argparse.Namespace) -> None:
     if args.exit_signal is not None and not args.exit_signal_handler:
         raise ValueError(f"--exit-signal {args.exit_signal} needs --exit-signal-handler.")

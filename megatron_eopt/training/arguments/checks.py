@@ -1,0 +1,47 @@
+"""The checks of parse_args that need torch, megatron-core or the installed optimizers, run after
+the flags are parsed (arguments/parser.py); errors exit every rank with one line."""
+
+import argparse
+
+from megatron_eopt.arguments import (
+    optimizer_config_from_args,
+    validate_args,
+)
+from megatron_eopt.arguments.optimizer_args import resolve_optimizer_flags
+from megatron_eopt.training.arguments.model import (
+    check_device_flags,
+    model_settings,
+    with_experts,
+)
+from megatron_eopt.training.arguments.training import check_training_flags
+from megatron_eopt.training.data.batch_schedule import (
+    BatchSchedule,
+    check_batch_schedule_flags,
+)
+from megatron_eopt.training.errors import exit_with_error
+from megatron_eopt.training.logging.performance import check_performance_flags
+from megatron_eopt.training.model.gpt import GPTModelSettings
+from megatron_eopt.training.parallel.layout import Layout, job_layout
+
+
+def check_flags(parsed: argparse.Namespace) -> tuple[argparse.Namespace, GPTModelSettings, Layout]:
+    """Check every flag before any process group exists; errors exit with one line."""
+    try:
+        args = resolve_optimizer_flags(parsed)
+        validate_args(args, args.tensor_model_parallel_size, wraps_fully_shard=True)
+        # The layer-wise optimizer reduces gradients onto their owners itself, unless the bucketed
+        # all-reduce overlapped with backward (--overlap-grad-reduce) has averaged them already.
+        args.layer_wise_reduce_grads = args.use_layer_wise_distributed_optimizer and not args.overlap_grad_reduce
+        optimizer_config_from_args(args)
+        check_device_flags(args)
+        check_batch_schedule_flags(args)  # a step schedule sets the global batch size
+        layout = job_layout(args)
+        settings = model_settings(args, layout.tp)
+        layout, settings = with_experts(args, layout, settings)
+        check_training_flags(args)
+        args.batch_schedule = BatchSchedule(args, args.micro_batch_size * layout.dp)
+        args.train_iters = args.batch_schedule.train_iters or args.train_iters
+        check_performance_flags(args, layout.world_size)
+    except ValueError as error:
+        exit_with_error(str(error))
+    return args, settings, layout
