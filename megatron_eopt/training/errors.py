@@ -76,9 +76,10 @@ class RankZeroArgumentParser(argparse.ArgumentParser):
 
 
 def _closest(word: str, candidates: list[str]) -> Optional[str]:
-    """The candidate `word` begins (one only) or, else, the most similar one."""
-    starting = [candidate for candidate in candidates if candidate.startswith(word)]
+    """The candidate `word` begins (one only) or, else, the most similar one, ignoring case."""
+    lower = {candidate.lower(): candidate for candidate in candidates}
+    starting = [candidate for candidate in lower if candidate.startswith(word.lower())]
     if len(starting) == 1:
-        return starting[0]
-    matches = difflib.get_close_matches(word, candidates, n=1)
-    return matches[0] if matches else None
+        return lower[starting[0]]
+    matches = difflib.get_close_matches(word.lower(), list(lower), n=1)
+    return lower[matches[0]] if matches else None

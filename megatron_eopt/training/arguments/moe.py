@@ -38,7 +38,7 @@ LOGGED_LOSS_OF_TYPE = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_l
                        "global_aux_loss": "global_load_balancing_loss"}
 
 # MoE flags other than --num-experts, with the value argparse leaves when one is not given (the
-# defaults are filled in by check_moe_flags, so that a flag given without --num-experts is seen).
+# defaults are filled in by resolve_moe_flags, so that a flag given without --num-experts is seen).
 _NOT_GIVEN = {"moe_router_topk": None, "moe_aux_loss_coeff": None, "moe_router_load_balancing_type": None,
               "moe_token_dispatcher_type": None, "expert_tensor_parallel_size": None, "moe_ffn_hidden_size": None,
               "moe_layer_freq": None, "moe_router_score_function": None, "moe_router_topk_scaling_factor": None,
@@ -156,17 +156,21 @@ def moe_layer_pattern(freq: int | list[int] | tuple[int, ...], num_layers: int) 
 # ------------------------------------------------------------------------------------------------
 
 
-def check_moe_flags(args: argparse.Namespace, tp: int, dp: int, use_cuda: bool, num_layers: int) -> int:
-    """Check the MoE flags against each other and the layout; fills their defaults. Returns EP."""
-    if args.num_experts == 0:  # Megatron-LM's spelling of a dense model
-        args.num_experts = None
-    if args.num_experts is None:
+def resolve_moe_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The MoE flags with Megatron-LM's defaults, after refusing those given without their
+    feature (which needs them unfilled). `--num-experts 0` is Megatron-LM's spelling of dense."""
+    experts = None if args.num_experts == 0 else args.num_experts
+    if experts is None:
         _refuse_without_experts(args)
-    elif args.num_experts < 0:
-        raise ValueError(f"--num-experts must be >= 1 (or 0 for dense MLPs); got {args.num_experts}.")
+    elif experts < 0:
+        raise ValueError(f"--num-experts must be >= 1 (or 0 for dense MLPs); got {experts}.")
     else:
         _refuse_without_their_feature(args)
-    _fill_defaults(args)
+    return dict(_defaults(args), num_experts=experts)
+
+
+def check_moe_flags(args: argparse.Namespace, tp: int, dp: int, use_cuda: bool, num_layers: int) -> int:
+    """Check the resolved MoE flags (`resolve_moe_flags`) against each other and the layout. Returns EP."""
     if args.num_experts is not None:
         _check_expert_flags(args, tp, dp, use_cuda)
         _check_router_flags(args)
@@ -202,17 +206,15 @@ def _refuse_without_their_feature(args: argparse.Namespace) -> None:
             refuse_flags_without(given, f"{_flag(needed)} ({feature})")
 
 
-def _fill_defaults(args: argparse.Namespace) -> None:
-    """Megatron-LM's defaults, filled in only now so that the check above sees what was given.
+def _defaults(args: argparse.Namespace) -> dict[str, Any]:
+    """Megatron-LM's defaults, filled in only after the refusals, which see what was given.
     One balancing type and one coefficient become plain values, as Megatron-LM does."""
     defaults = dict(moe_router_topk=2, moe_token_dispatcher_type="allgather", moe_router_score_function="softmax",
                     moe_router_bias_update_rate=1e-3, moe_token_drop_policy="probs", moe_layer_freq="1")
-    for dest, value in defaults.items():
-        if getattr(args, dest) is None:
-            setattr(args, dest, value)
+    values = {dest: default if getattr(args, dest) is None else getattr(args, dest) for dest, default in defaults.items()}
     for dest in ("moe_router_pre_softmax", "moe_router_enable_expert_bias", "moe_shared_expert_overlap",
                  "moe_shared_expert_gate", "moe_pad_expert_input_to_capacity"):
-        setattr(args, dest, bool(getattr(args, dest)))
+        values[dest] = bool(getattr(args, dest))
     types = args.moe_router_load_balancing_type or ["aux_loss"]
     coeffs = args.moe_aux_loss_coeff or [0.0]
     if len(types) != len(coeffs) and args.moe_aux_loss_coeff is not None:
@@ -220,9 +222,10 @@ def _fill_defaults(args: argparse.Namespace) -> None:
                          f"--moe-router-load-balancing-type(s): give one coefficient per type.")
     if len(types) > 1 and args.moe_aux_loss_coeff is None:
         coeffs = [0.0] * len(types)
-    args.moe_router_load_balancing_type = types[0] if len(types) == 1 else list(types)
-    args.moe_aux_loss_coeff = coeffs[0] if len(coeffs) == 1 else list(coeffs)
-    args.moe_layer_freq = parse_moe_layer_freq(args.moe_layer_freq)
+    values["moe_router_load_balancing_type"] = types[0] if len(types) == 1 else list(types)
+    values["moe_aux_loss_coeff"] = coeffs[0] if len(coeffs) == 1 else list(coeffs)
+    values["moe_layer_freq"] = parse_moe_layer_freq(values["moe_layer_freq"])
+    return values
 
 
 def _check_expert_flags(args: argparse.Namespace, tp: int, dp: int, use_cuda: bool) -> None:

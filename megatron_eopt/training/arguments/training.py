@@ -2,12 +2,13 @@
 
 import argparse
 import re
-from typing import Any
+from typing import Any, Optional
 
 from megatron_eopt.arguments import (
     refuse_flags_without,
 )
 from megatron_eopt.bridge import SchedulerConfig
+from megatron_eopt.training.arguments.flags.table import replaced
 from megatron_eopt.training.arguments.no_effect import check_not_offered
 from megatron_eopt.training.loop.evaluation import check_eval_flags
 from megatron_eopt.training.loop.housekeeping import check_housekeeping_flags
@@ -20,8 +21,10 @@ from megatron_eopt.training.model.gpt import (
 from megatron_eopt.training.parallel.layout import runs_on_cuda
 
 
-def check_training_flags(args: argparse.Namespace) -> None:
-    _training_length(args)
+def check_training_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """Check the training flags; returns the defaults they resolve (train_iters, min_lr, the
+    gradient precision, WSD's decay style, --exit-signal's)."""
+    args = replaced(args, train_iters=_training_length(args))
     for name in ("train_iters", "log_interval", "tensorboard_log_interval", "tensorboard_queue_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}.")
@@ -43,11 +46,10 @@ def check_training_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--exit-duration-in-mins must be > 0; got {args.exit_duration_in_mins}.")
     if args.lr is None:
         raise ValueError("--lr is required (the peak learning rate).")
-    _gradient_precision(args)
-    if args.min_lr is None:
-        args.min_lr = 0.0
+    args = replaced(args, min_lr=0.0 if args.min_lr is None else args.min_lr,
+                    accumulate_allreduce_grads_in_fp32=_gradient_precision(args))
     check_eval_flags(args)
-    check_run_control_flags(args)
+    args = replaced(args, **check_run_control_flags(args))
     _check_document_flags(args)
     if args.save_interval is not None and (args.save_interval < 1 or not args.save):
         raise ValueError(f"--save-interval needs --save and must be >= 1; got {args.save_interval}.")
@@ -59,7 +61,7 @@ def check_training_flags(args: argparse.Namespace) -> None:
     _check_fsdp2_flags(args)
     if args.plot and not args.plot.endswith(".png"):
         raise ValueError(f"--plot writes a PNG; give a path ending in .png, got {args.plot!r}.")
-    _check_wsd_flags(args)
+    args = replaced(args, lr_wsd_decay_style=_check_wsd_flags(args))
     _check_weight_decay_flags(args)
     if args.lr_warmup_init > args.lr:
         raise ValueError(f"--lr-warmup-init {args.lr_warmup_init} must not exceed --lr {args.lr}.")
@@ -68,6 +70,8 @@ def check_training_flags(args: argparse.Namespace) -> None:
     except (TypeError, ValueError) as error:  # SchedulerConfig's field names -> this script's flags
         raise ValueError(re.sub(r"SchedulerConfig\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"),
                                 str(error))) from None
+    return {name: getattr(args, name) for name in ("train_iters", "min_lr", "accumulate_allreduce_grads_in_fp32",
+                                                   "lr_wsd_decay_style", "exit_signal")}
 
 
 def _check_document_flags(args: argparse.Namespace) -> None:
@@ -94,13 +98,14 @@ def document_lines(args: argparse.Namespace) -> list[str]:
     return []
 
 
-def _gradient_precision(args: argparse.Namespace) -> None:
-    """Megatron-LM: with --bf16, gradients are accumulated and all-reduced in fp32 unless
-    --grad-reduce-in-bf16 (which wins over --accumulate-allreduce-grads-in-fp32)."""
+def _gradient_precision(args: argparse.Namespace) -> bool:
+    """--accumulate-allreduce-grads-in-fp32 resolved. Megatron-LM: with --bf16, gradients are
+    accumulated and all-reduced in fp32 unless --grad-reduce-in-bf16 (which wins)."""
     if args.grad_reduce_in_bf16 and not args.bf16:
         raise ValueError("--grad-reduce-in-bf16 only applies with --bf16.")
     if args.bf16:
-        args.accumulate_allreduce_grads_in_fp32 = not args.grad_reduce_in_bf16
+        return not args.grad_reduce_in_bf16
+    return args.accumulate_allreduce_grads_in_fp32
 
 
 DEFAULT_TRAIN_ITERS = 100  # without --train-iters or --train-samples
@@ -110,9 +115,9 @@ _ITERATION_SCHEDULE_FLAGS = ("lr_decay_iters", "lr_warmup_iters", "lr_wsd_decay_
 _SAMPLE_SCHEDULE_FLAGS = ("lr_decay_samples", "lr_warmup_samples", "lr_wsd_decay_samples")
 
 
-def _training_length(args: argparse.Namespace) -> None:
+def _training_length(args: argparse.Namespace) -> int:
     """--train-iters or --train-samples (Megatron-LM: then train_samples // global batch
-    iterations, and the schedule flags count samples); sets args.train_iters either way."""
+    iterations, and the schedule flags count samples); returns the iterations either way."""
     def given(names: tuple[str, ...]) -> list[str]:
         return [f"--{name.replace('_', '-')}" for name in names if getattr(args, name)]
 
@@ -120,9 +125,7 @@ def _training_length(args: argparse.Namespace) -> None:
         if given(_SAMPLE_SCHEDULE_FLAGS):
             raise ValueError(f"{given(_SAMPLE_SCHEDULE_FLAGS)[0]} needs --train-samples (with --train-iters the "
                              f"schedule counts iterations: --lr-decay-iters, --lr-warmup-iters, ...).")
-        if args.train_iters is None:
-            args.train_iters = DEFAULT_TRAIN_ITERS
-        return
+        return DEFAULT_TRAIN_ITERS if args.train_iters is None else args.train_iters
     if args.train_iters is not None:
         raise ValueError("--train-iters and --train-samples both set the training length; give one.")
     if given(_ITERATION_SCHEDULE_FLAGS):
@@ -131,7 +134,7 @@ def _training_length(args: argparse.Namespace) -> None:
     if args.train_samples < args.global_batch_size:
         raise ValueError(f"--train-samples {args.train_samples} must be >= --global-batch-size "
                          f"{args.global_batch_size} (one iteration).")
-    args.train_iters = args.train_samples // args.global_batch_size
+    return args.train_samples // args.global_batch_size
 
 
 def _check_fsdp2_flags(args: argparse.Namespace) -> None:
@@ -148,18 +151,18 @@ def _check_fsdp2_flags(args: argparse.Namespace) -> None:
             raise ValueError(f"--use-torch-fsdp2 does not support {what} yet.")
 
 
-def _check_wsd_flags(args: argparse.Namespace) -> None:
+def _check_wsd_flags(args: argparse.Namespace) -> Optional[str]:
+    """Checks; returns --lr-wsd-decay-style (Megatron-LM's default exponential with WSD)."""
     if args.lr_decay_style != "WSD":
         given = [f"--{name.replace('_', '-')}" for name in ("lr_wsd_decay_iters", "lr_wsd_decay_style")
                  if getattr(args, name) is not None]
         refuse_flags_without(given, f"--lr-decay-style WSD (got --lr-decay-style {args.lr_decay_style})")
-        return
-    if args.lr_wsd_decay_style is None:
-        args.lr_wsd_decay_style = "exponential"  # Megatron-LM's default
+        return args.lr_wsd_decay_style
     decay_iters = args.lr_decay_iters or args.train_iters
     if args.train_samples is None and args.lr_wsd_decay_iters is not None and args.lr_wsd_decay_iters > decay_iters:
         raise ValueError(f"--lr-wsd-decay-iters {args.lr_wsd_decay_iters} must not exceed the decay's "
                          f"{decay_iters} iterations (--lr-decay-iters, default --train-iters).")
+    return args.lr_wsd_decay_style or "exponential"  # Megatron-LM's default
 
 
 def _check_weight_decay_flags(args: argparse.Namespace) -> None:

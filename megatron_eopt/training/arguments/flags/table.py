@@ -8,8 +8,9 @@ here, named at start-up with `reason`) or `REFUSED` (a one-line error with `reas
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 ACTIVE = "active"
 NO_EFFECT = "changes nothing here"
@@ -70,3 +71,25 @@ def add_flags(parser: argparse.ArgumentParser, title: str, rows: Iterable[Flag])
 def option_of(name: str) -> str:
     """The command-line spelling of a dest."""
     return "--" + name.replace("_", "-")
+
+
+def replaced(args: argparse.Namespace, **values: Any) -> argparse.Namespace:
+    """A new namespace: `args` with `values` (defaults resolved); `args` itself is left as parsed."""
+    return argparse.Namespace(**{**vars(args), **values})
+
+
+def settings_from_flags(args: argparse.Namespace, cls: type, computed: Mapping[str, Any],
+                        renamed: Mapping[str, str] = {}, skip: Iterable[str] = ()) -> Any:
+    """`cls(...)`, a dataclass of settings, from the flags by name: each field is `computed[field]`,
+    else the flag `renamed[field]`, else the flag of the same name (not in `skip`; None keeps the
+    field's default)."""
+    skip = set(skip)
+    values = {}
+    for field in dataclasses.fields(cls):
+        if field.name in computed:
+            values[field.name] = computed[field.name]
+        elif field.name in renamed:
+            values[field.name] = getattr(args, renamed[field.name])
+        elif field.name not in skip and getattr(args, field.name, None) is not None:
+            values[field.name] = getattr(args, field.name)
+    return cls(**values)
