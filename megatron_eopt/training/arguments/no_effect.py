@@ -33,10 +33,27 @@ says so instead of argparse's "unrecognized arguments".
 """
 
 import argparse
-import dataclasses
 
 from megatron_eopt.training.arguments.flags.table import NO_EFFECT as CHANGES_NOTHING
 from megatron_eopt.training.arguments.flags.table import REFUSED, Flag
+
+def _ignored(option: str, value: bool = False, **fields) -> Flag:
+    """A row that changes nothing here: a switch, or (`value`) a flag taking a value; None unless given."""
+    return Flag(option, default=None, action=None if value else "store_true", status=CHANGES_NOTHING, **fields)
+
+
+def _refused(option: str, value: bool = False, **fields) -> Flag:
+    """A row that is refused with its reason; its own dest (`_refused_dest`)."""
+    return Flag(option, default=None, action=None if value else "store_true", status=REFUSED,
+                dest=_refused_dest(option), **fields)
+
+
+def _refused_dest(flag: str) -> str:
+    """Their own attribute names: several are OptimizerConfig fields, which the trainer copies
+    from the namespace by name (arguments.optimizer_config_from_args)."""
+    return "refused_" + flag[2:].replace("-", "_")
+
+
 
 WANDB = "Weights & Biases logging is not offered here (TensorBoard and --metrics-jsonl are)"
 ALREADY_OFF = "already off here: this trainer runs megatron-core's unfused code"
@@ -48,85 +65,93 @@ ASYNC_SAVE = ("saves are synchronous here: every rank writes its part and the ch
 ALWAYS_PARALLEL_SAVE = ("every rank writes the shards it holds and each replicated tensor is written once "
                         "(megatron_eopt.checkpointing); there is no save from data-parallel rank 0 only to switch to")
 NO_EFFECT_ROWS: tuple[Flag, ...] = (
-    Flag("--no-masked-softmax-fusion", default=None, action="store_true", status=CHANGES_NOTHING, reason=ALREADY_OFF),
-    Flag("--no-bias-gelu-fusion", default=None, action="store_true", status=CHANGES_NOTHING, reason=ALREADY_OFF),
-    Flag("--no-bias-swiglu-fusion", default=None, action="store_true", status=CHANGES_NOTHING, reason=ALREADY_OFF),
-    Flag("--no-bias-dropout-fusion", default=None, action="store_true", status=CHANGES_NOTHING, reason=ALREADY_OFF),
-    Flag("--no-rope-fusion", default=None, action="store_true", status=CHANGES_NOTHING, reason=ALREADY_OFF),
-    Flag("--no-gradient-accumulation-fusion", default=None, action="store_true", status=CHANGES_NOTHING, reason=ALREADY_OFF),
-    Flag("--cross-entropy-loss-fusion", default=None, action="store_true", status=CHANGES_NOTHING, reason=NOT_CHOSEN),
-    Flag("--use-flash-attn", default=None, action="store_true", status=CHANGES_NOTHING, reason=NOT_CHOSEN),
-    Flag("--attention-backend", default=None, choices=("auto", "flash", "fused", "unfused", "local"), status=CHANGES_NOTHING, reason=NOT_CHOSEN),
-    Flag("--use-mcore-models", default=None, action="store_true", status=CHANGES_NOTHING, reason="the models are always megatron-core's"),
-    Flag("--use-cpu-initialization", default=None, action="store_true", status=CHANGES_NOTHING, reason="always on here (the weights do not depend on the layout)"),
-    Flag("--log-validation-ppl-to-tensorboard", default=None, action="store_true", status=CHANGES_NOTHING, reason="always written here with --tensorboard-dir"),
-    Flag("--num-workers", default=None, type=int, status=CHANGES_NOTHING, reason="samples are read in the training process, without a DataLoader"),
-    Flag("--moe-grouped-gemm", default=None, action="store_true", status=CHANGES_NOTHING, reason="a kernel choice this trainer does not make (its experts run "
-                                                     "one after another, megatron's SequentialMLP: the same result)"),
-    Flag("--moe-permute-fusion", default=None, action="store_true", status=CHANGES_NOTHING, reason="a kernel choice this trainer does not make (megatron-core's "
-                                                       "unfused permutation: the same result)"),
-    Flag("--moe-router-fusion", default=None, action="store_true", status=CHANGES_NOTHING, reason="a kernel choice this trainer does not make (megatron-core's "
-                                                      "unfused routing: the same result)"),
-    Flag("--moe-per-layer-logging", default=None, action="store_true", status=CHANGES_NOTHING, reason="the MoE losses are logged as the mean over layers only"),
-    Flag("--no-create-attention-mask-in-dataloader", default=None, action="store_true", status=CHANGES_NOTHING,
-         reason="already so: the data carries no attention mask"),
-    Flag("--ckpt-format", default=None, choices=("torch", "torch_dist", "torch_dcp", "fsdp_dtensor"), status=CHANGES_NOTHING,
-         reason=                      "checkpoints are megatron_eopt's resharding format (megatron_eopt.checkpointing) whatever "
-                      "this says"),
-    Flag("--tiktoken-pattern", default=None, status=CHANGES_NOTHING, reason="read by TikTokenizer only, which this trainer does not offer"),
-    Flag("--log-timers-to-tensorboard", default=None, action="store_true", status=CHANGES_NOTHING, reason="iteration-time and throughput (Megatron-LM's timers at "
-                                   "its default --timing-log-level 0) are always written with --tensorboard-dir"),
-    Flag("--attention-softmax-in-fp32", default=None, action="store_true", status=CHANGES_NOTHING, reason="already so here: the attention's softmax runs in fp32 "
-                                   "(torch's SDPA on CPU, Transformer Engine's attention, megatron's local attention "
-                                   "with TransformerConfig's default)"),
-    Flag("--apply-query-key-layer-scaling", default=None, action="store_true", status=CHANGES_NOTHING, reason="an fp16 range trick (scores divided by the layer "
-                                        "number, multiplied back in an fp32 softmax) that leaves the attention as it is"),
-    Flag("--no-persist-layer-norm", default=None, action="store_true", status=CHANGES_NOTHING, reason=NOT_CHOSEN),
-    Flag("--apply-residual-connection-post-layernorm", default=None, action="store_true", status=CHANGES_NOTHING, reason="megatron-core's transformer layers do "
-                                                   "not read it (the residual is always the norm's input), so it "
-                                                   "changes nothing in Megatron-LM either"),
-    Flag("--openai-gelu", default=None, action="store_true", status=CHANGES_NOTHING, reason="Megatron-LM itself no longer reads it (the activation stays GELU, "
-                      "or --swiglu's / --squared-relu's / --quick-geglu's)"),
-    Flag("--timing-log-level", default=None, type=int, choices=(0, 1, 2), status=CHANGES_NOTHING, reason=TIMERS),
-    Flag("--timing-log-option", default=None, choices=("max", "minmax", "all"), status=CHANGES_NOTHING, reason=TIMERS),
-    Flag("--wandb-project", default=None, status=CHANGES_NOTHING, reason=WANDB),
-    Flag("--wandb-exp-name", default=None, status=CHANGES_NOTHING, reason=WANDB),
-    Flag("--wandb-save-dir", default=None, status=CHANGES_NOTHING, reason=WANDB),
-    Flag("--wandb-entity", default=None, status=CHANGES_NOTHING, reason=WANDB),
-    Flag("--use-dist-ckpt", default=None, action="store_true", status=CHANGES_NOTHING, reason="deprecated in Megatron-LM, where it has no effect either; "
-                        "checkpoints here are always megatron_eopt's distributed format"),
-    Flag("--auto-detect-ckpt-format", default=None, action="store_true", status=CHANGES_NOTHING, reason="there is one checkpoint format here "
-                                  "(megatron_eopt.checkpointing), nothing to detect"),
-    Flag("--async-save", default=None, action="store_true", status=CHANGES_NOTHING, reason=ASYNC_SAVE),
-    Flag("--ckpt-fully-parallel-save", default=None, action="store_true", status=CHANGES_NOTHING, reason="deprecated in Megatron-LM, where it has no effect "
-                                   "either; saves are always parallel here"),
-    Flag("--no-ckpt-fully-parallel-save", default=None, action="store_true", status=CHANGES_NOTHING, reason=ALWAYS_PARALLEL_SAVE),
-    Flag("--ckpt-fully-parallel-load", default=None, action="store_true", status=CHANGES_NOTHING, reason="each rank here reads only the tensors it holds "
-                                   "(megatron_eopt.checkpointing), with no read-once-and-exchange mode to choose"),
-    Flag("--ckpt-assume-constant-structure", default=None, action="store_true", status=CHANGES_NOTHING, reason="it lets megatron's distributed checkpointing "
-                                         "reuse save plans between saves, which megatron_eopt.checkpointing does "
-                                         "not cache; the files are the same"),
+    _ignored("--no-masked-softmax-fusion", reason=ALREADY_OFF),
+    _ignored("--no-bias-gelu-fusion", reason=ALREADY_OFF),
+    _ignored("--no-bias-swiglu-fusion", reason=ALREADY_OFF),
+    _ignored("--no-bias-dropout-fusion", reason=ALREADY_OFF),
+    _ignored("--no-rope-fusion", reason=ALREADY_OFF),
+    _ignored("--no-gradient-accumulation-fusion", reason=ALREADY_OFF),
+    _ignored("--cross-entropy-loss-fusion", reason=NOT_CHOSEN),
+    _ignored("--use-flash-attn", reason=NOT_CHOSEN),
+    _ignored("--attention-backend", choices=("auto", "flash", "fused", "unfused", "local"), value=True,
+         reason=NOT_CHOSEN),
+    _ignored("--use-mcore-models", reason=("the models are always megatron-core's")),
+    _ignored("--use-cpu-initialization", reason=("always on here (the weights do not depend on the layout)")),
+    _ignored("--log-validation-ppl-to-tensorboard", reason=("always written here with --tensorboard-dir")),
+    _ignored("--num-workers", type=int, value=True,
+         reason="samples are read in the training process, without a DataLoader"),
+    _ignored("--moe-grouped-gemm",
+         reason=("a kernel choice this trainer does not make (its experts run one after another, megatron's "
+                 "SequentialMLP: the same result)")),
+    _ignored("--moe-permute-fusion",
+         reason="a kernel choice this trainer does not make (megatron-core's unfused permutation: the same result)"),
+    _ignored("--moe-router-fusion",
+         reason="a kernel choice this trainer does not make (megatron-core's unfused routing: the same result)"),
+    _ignored("--moe-per-layer-logging", reason=("the MoE losses are logged as the mean over layers only")),
+    _ignored("--no-create-attention-mask-in-dataloader", reason=("already so: the data carries no attention mask")),
+    _ignored("--ckpt-format", choices=("torch", "torch_dist", "torch_dcp", "fsdp_dtensor"), value=True,
+         reason="checkpoints are megatron_eopt's resharding format (megatron_eopt.checkpointing) whatever this says"),
+    _ignored("--tiktoken-pattern", value=True, reason=("read by TikTokenizer only, which this trainer does not offer")),
+    _ignored("--log-timers-to-tensorboard",
+         reason=("iteration-time and throughput (Megatron-LM's timers at its default --timing-log-level 0) are always "
+                 "written with --tensorboard-dir")),
+    _ignored("--attention-softmax-in-fp32",
+         reason=("already so here: the attention's softmax runs in fp32 (torch's SDPA on CPU, Transformer Engine's "
+                 "attention, megatron's local attention with TransformerConfig's default)")),
+    _ignored("--apply-query-key-layer-scaling",
+         reason=("an fp16 range trick (scores divided by the layer number, multiplied back in an fp32 softmax) that "
+                 "leaves the attention as it is")),
+    _ignored("--no-persist-layer-norm", reason=NOT_CHOSEN),
+    _ignored("--apply-residual-connection-post-layernorm",
+         reason=("megatron-core's transformer layers do not read it (the residual is always the norm's input), so it "
+                 "changes nothing in Megatron-LM either")),
+    _ignored("--openai-gelu",
+         reason=("Megatron-LM itself no longer reads it (the activation stays GELU, or --swiglu's / --squared-relu's /"
+                 " --quick-geglu's)")),
+    _ignored("--timing-log-level", type=int, choices=(0, 1, 2), value=True, reason=TIMERS),
+    _ignored("--timing-log-option", choices=("max", "minmax", "all"), value=True, reason=TIMERS),
+    _ignored("--wandb-project", value=True, reason=WANDB),
+    _ignored("--wandb-exp-name", value=True, reason=WANDB),
+    _ignored("--wandb-save-dir", value=True, reason=WANDB),
+    _ignored("--wandb-entity", value=True, reason=WANDB),
+    _ignored("--use-dist-ckpt",
+         reason=("deprecated in Megatron-LM, where it has no effect either; checkpoints here are always "
+                 "megatron_eopt's distributed format")),
+    _ignored("--auto-detect-ckpt-format",
+         reason="there is one checkpoint format here (megatron_eopt.checkpointing), nothing to detect"),
+    _ignored("--async-save", reason=ASYNC_SAVE),
+    _ignored("--ckpt-fully-parallel-save",
+         reason="deprecated in Megatron-LM, where it has no effect either; saves are always parallel here"),
+    _ignored("--no-ckpt-fully-parallel-save", reason=ALWAYS_PARALLEL_SAVE),
+    _ignored("--ckpt-fully-parallel-load",
+         reason=("each rank here reads only the tensors it holds (megatron_eopt.checkpointing), with no read-once-and-"
+                 "exchange mode to choose")),
+    _ignored("--ckpt-assume-constant-structure",
+         reason=("it lets megatron's distributed checkpointing reuse save plans between saves, which "
+                 "megatron_eopt.checkpointing does not cache; the files are the same")),
     # Refused with --position-embedding-type learned_absolute, as Megatron-LM does (scripts/pretrain_gpt.py).
-    Flag("--no-position-embedding", default=None, action="store_true", status=CHANGES_NOTHING, reason="Megatron-LM's deprecated spelling; the position "
-                                "embedding is --position-embedding-type's (rope or none here)"),
+    _ignored("--no-position-embedding",
+         reason=("Megatron-LM's deprecated spelling; the position embedding is --position-embedding-type's (rope or "
+                 "none here)")),
 )
 USE_CHECKPOINT_ARGS = ("checkpoints here do not store the command line (megatron_eopt.checkpointing keeps the "
                        "model, optimizer, lr schedule and RNG states); give the model flags again")
 FP8 = ("FP8 training is not offered by this trainer (Megatron-LM runs it through Transformer Engine on Hopper or "
        "newer GPUs); train with --bf16")
 NOT_OFFERED_ROWS: tuple[Flag, ...] = (
-    Flag("--fp8-format", default=None, choices=("e4m3", "hybrid"), status=REFUSED, reason=FP8),
-    Flag("--fp8-recipe", default=None, status=REFUSED, reason=FP8),
-    Flag("--fp8-amax-history-len", default=None, type=int, status=REFUSED, reason=FP8),
-    Flag("--fp8-amax-compute-algo", default=None, choices=("most_recent", "max"), status=REFUSED, reason=FP8),
-    Flag("--fp8-param-gather", default=None, action="store_true", status=REFUSED, reason=FP8),
-    Flag("--use-precision-aware-optimizer", default=None, action="store_true", status=REFUSED, reason="lower-precision optimizer state (Megatron-LM's "
-                                        "precision-aware optimizer, through Transformer Engine) is not offered: "
-                                        "main parameters, gradients and optimizer states stay fp32"),
-    Flag("--optimizer-cpu-offload", default=None, action="store_true", status=REFUSED, reason="offloading the optimizer to CPU is not offered"),
-    Flag("--optimizer-offload-fraction", default=None, type=float, status=REFUSED, reason="it applies with --optimizer-cpu-offload, which is not offered"),
-    Flag("--optimizer-cuda-graph", default=None, action="store_true", status=REFUSED, reason="CUDA graphs of the optimizer step are not offered"),
-    Flag("--use-checkpoint-args", default=None, action="store_true", status=REFUSED, reason=USE_CHECKPOINT_ARGS),
+    _refused("--fp8-format", choices=("e4m3", "hybrid"), value=True, reason=FP8),
+    _refused("--fp8-recipe", value=True, reason=FP8),
+    _refused("--fp8-amax-history-len", type=int, value=True, reason=FP8),
+    _refused("--fp8-amax-compute-algo", choices=("most_recent", "max"), value=True, reason=FP8),
+    _refused("--fp8-param-gather", reason=FP8),
+    _refused("--use-precision-aware-optimizer",
+         reason=("lower-precision optimizer state (Megatron-LM's precision-aware optimizer, through Transformer "
+                 "Engine) is not offered: main parameters, gradients and optimizer states stay fp32")),
+    _refused("--optimizer-cpu-offload", reason=("offloading the optimizer to CPU is not offered")),
+    _refused("--optimizer-offload-fraction", type=float, value=True,
+         reason="it applies with --optimizer-cpu-offload, which is not offered"),
+    _refused("--optimizer-cuda-graph", reason=("CUDA graphs of the optimizer step are not offered")),
+    _refused("--use-checkpoint-args", reason=USE_CHECKPOINT_ARGS),
 )
 # Megatron-LM's precision-aware optimizer's dtypes: fp32 is what this trainer keeps anyway
 # (named at start-up as changing nothing); any other value is refused.
@@ -139,15 +164,9 @@ FP32_STATE_FLAGS: dict[str, tuple[str, ...]] = {  # flag: Megatron-LM's choices
 FP32_STATE = "main parameters, gradients and optimizer states are fp32 here (the precision-aware optimizer is not offered)"
 
 
-def _refused_dest(flag: str) -> str:
-    """Their own attribute names: several are OptimizerConfig fields, which the trainer copies
-    from the namespace by name (arguments.optimizer_config_from_args)."""
-    return "refused_" + flag[2:].replace("-", "_")
-
-
-REFUSED_ROWS: tuple[Flag, ...] = tuple(dataclasses.replace(row, dest=_refused_dest(row.option)) for row in NOT_OFFERED_ROWS) + tuple(
-    Flag(flag, default=None, choices=choices, dest=_refused_dest(flag), help=f"fp32 only: {FP32_STATE}", status=REFUSED,
-         reason=FP32_STATE) for flag, choices in FP32_STATE_FLAGS.items())
+REFUSED_ROWS: tuple[Flag, ...] = NOT_OFFERED_ROWS + tuple(
+    _refused(flag, value=True, choices=choices, help=f"fp32 only: {FP32_STATE}", reason=FP32_STATE)
+    for flag, choices in FP32_STATE_FLAGS.items())
 NO_EFFECT: dict[str, Flag] = {row.option: row for row in NO_EFFECT_ROWS}
 NO_EFFECT_TITLE = "accepted from Megatron-LM, no effect here"
 REFUSED_TITLE = "Megatron-LM flags refused with the reason"

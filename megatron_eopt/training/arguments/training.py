@@ -8,7 +8,8 @@ from megatron_eopt.arguments import (
     refuse_flags_without,
 )
 from megatron_eopt.bridge import SchedulerConfig
-from megatron_eopt.training.arguments.flags.table import replaced
+from megatron_eopt.training.arguments.flags.table import replaced, settings_from_flags
+from megatron_eopt.training.arguments.flags.training import DEFAULT_TRAIN_ITERS
 from megatron_eopt.training.arguments.no_effect import check_not_offered
 from megatron_eopt.training.loop.evaluation import check_eval_flags
 from megatron_eopt.training.loop.housekeeping import check_housekeeping_flags
@@ -108,7 +109,6 @@ def _gradient_precision(args: argparse.Namespace) -> bool:
     return args.accumulate_allreduce_grads_in_fp32
 
 
-DEFAULT_TRAIN_ITERS = 100  # without --train-iters or --train-samples
 _ITERATION_SCHEDULE_FLAGS = ("lr_decay_iters", "lr_warmup_iters", "lr_wsd_decay_iters")
 
 
@@ -177,27 +177,11 @@ def _check_weight_decay_flags(args: argparse.Namespace) -> None:
 
 
 def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
-    """Megatron-LM's schedule flags; megatron_eopt.bridge turns iterations into samples."""
-    return SchedulerConfig(
-        lr_decay_style=args.lr_decay_style,
-        lr_decay_iters=args.lr_decay_iters,
-        lr_warmup_iters=args.lr_warmup_iters,
-        lr_warmup_fraction=args.lr_warmup_fraction,
-        lr_warmup_init=args.lr_warmup_init,
+    """Megatron-LM's schedule flags, matched to SchedulerConfig's fields by name; megatron_eopt.bridge
+    turns iterations into samples. With --train-samples the schedule counts samples only."""
+    samples = args.train_samples is not None
+    return settings_from_flags(args, SchedulerConfig, dict(
         lr_wsd_decay_style=args.lr_wsd_decay_style or "exponential",
-        lr_wsd_decay_iters=args.lr_wsd_decay_iters,
-        global_batch_size=args.global_batch_size,
-        **_training_length_fields(args),
-        override_opt_param_scheduler=args.override_opt_param_scheduler,
-        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-        start_weight_decay=args.start_weight_decay,
-        end_weight_decay=args.end_weight_decay,
-        weight_decay_incr_style=args.weight_decay_incr_style,
-    )
-
-
-def _training_length_fields(args: argparse.Namespace) -> dict[str, Any]:
-    if args.train_samples is None:
-        return dict(train_iters=args.train_iters)
-    return dict(train_samples=args.train_samples, lr_decay_samples=args.lr_decay_samples,
-                lr_warmup_samples=args.lr_warmup_samples or 0, lr_wsd_decay_samples=args.lr_wsd_decay_samples)
+        train_iters=None if samples else args.train_iters,
+        lr_warmup_samples=args.lr_warmup_samples or 0,
+    ))

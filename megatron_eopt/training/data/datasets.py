@@ -30,6 +30,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from megatron_eopt.training.arguments.flags.model import DEFAULT_RULE_VOCAB_SIZE  # noqa: F401 (re-exported)
 from megatron_eopt.training.data.tokenizer import (
     BYTE_VOCAB_SIZE,
     build_tokenizer,
@@ -39,7 +40,6 @@ from megatron_eopt.training.data.tokenizer import (
 )
 
 RULES = [(3, 1), (5, 7), (7, 2), (11, 5)]
-DEFAULT_RULE_VOCAB_SIZE = 64
 SPLITS = ("train", "valid", "test")
 DEFAULT_SPLIT = "969, 30, 1"  # Megatron-LM's legacy default for --data-path without --split
 PER_SPLIT_FLAGS = tuple(f"--{split}-data-path" for split in SPLITS)
@@ -123,6 +123,7 @@ def _check_dataset_options(args: argparse.Namespace) -> str:
     if not args.mid_level_dataset_surplus >= 0:
         raise ValueError(f"--mid-level-dataset-surplus must be >= 0 (a fraction of extra samples); got "
                          f"{args.mid_level_dataset_surplus}.")
+    return args.dataloader_type or "single"  # Megatron-LM's default
 
 
 def _data_source_flags(args: argparse.Namespace) -> list[str]:

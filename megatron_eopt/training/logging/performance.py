@@ -23,8 +23,7 @@ from typing import Optional
 
 import torch
 
-DEFAULT_PROFILE_STEP_START = 10  # Megatron-LM's ProfilingConfig defaults
-DEFAULT_PROFILE_STEP_END = 12
+from megatron_eopt.training.arguments.flags.logging import DEFAULT_PROFILE_STEP_END, DEFAULT_PROFILE_STEP_START
 PROFILE_DETAIL_FLAGS = ("--use-pytorch-profiler", "--profile-step-start", "--profile-step-end", "--profile-ranks")
 
 

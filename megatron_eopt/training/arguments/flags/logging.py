@@ -3,6 +3,9 @@ profiling (`PERFORMANCE`)."""
 
 from megatron_eopt.training.arguments.flags.table import Flag, switch
 
+DEFAULT_PROFILE_STEP_START = 10  # Megatron-LM's ProfilingConfig defaults
+DEFAULT_PROFILE_STEP_END = 12
+
 LOGGING_TITLE = 'logging'
 LOGGING: tuple[Flag, ...] = (
     Flag('--log-interval', int, 100),
@@ -29,7 +32,7 @@ PERFORMANCE: tuple[Flag, ...] = (
                ' nsys, or torch.profiler with --use-pytorch-profiler')),
     switch('--use-pytorch-profiler',
          help='with --profile: torch.profiler (also on CPU), its trace in <--tensorboard-dir>/../torch_profile'),
-    Flag('--profile-step-start', int, help='with --profile (default 10)'),
-    Flag('--profile-step-end', int, help='with --profile (default 12)'),
+    Flag('--profile-step-start', int, help=f'with --profile (default {DEFAULT_PROFILE_STEP_START})'),
+    Flag('--profile-step-end', int, help=f'with --profile (default {DEFAULT_PROFILE_STEP_END})'),
     Flag('--profile-ranks', int, nargs='+', help='with --profile: the global ranks to profile (default: every rank)'),
 )

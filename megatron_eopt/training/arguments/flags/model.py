@@ -6,6 +6,8 @@ MLA flags other than `--multi-latent-attention` and `--rope-type` are parsed as 
 
 from megatron_eopt.training.arguments.flags.table import Flag, switch
 
+DEFAULT_RULE_VOCAB_SIZE = 64  # the generated task's vocabulary
+
 MODEL_TITLE = 'model'
 MODEL: tuple[Flag, ...] = (
     Flag('--num-layers', int, 2),
@@ -48,7 +50,7 @@ MODEL: tuple[Flag, ...] = (
     Flag('--seq-length', int, 32),
     Flag('--max-position-embeddings', int, help='default: seq length'),
     Flag('--vocab-size', int,
-         help=("the generated task's vocabulary (default 64) or NullTokenizer's; with a tokenizer the model's is"
+         help=(f"the generated task's vocabulary (default {DEFAULT_RULE_VOCAB_SIZE}) or NullTokenizer's; with a tokenizer the model's is"
                ' its vocabulary, padded')),
     Flag('--transformer-impl', choices=('local', 'transformer_engine'),
          help=("megatron-core's local layers or Transformer Engine's (CUDA and TE needed); default: Transformer "

@@ -3,6 +3,8 @@
 
 from megatron_eopt.training.arguments.flags.table import Flag, switch
 
+BUCKET_NUMEL = 40_000_000  # megatron-core DDP's default bucket size, in elements
+
 PARALLEL_TITLE = 'parallelism'
 PARALLEL: tuple[Flag, ...] = (
     Flag('--distributed-backend', choices=('nccl', 'gloo'),
@@ -24,7 +26,7 @@ PARALLEL: tuple[Flag, ...] = (
          help=("start each gradient bucket's data-parallel all-reduce during the last micro-batch's backward, as"
                ' soon as its gradients are complete (with --use-distributed-optimizer the optimizer then takes '
                'averaged gradients instead of reducing onto owners; FSDP2 overlaps its reduce-scatter already)')),
-    Flag('--ddp-bucket-size', int, help='elements per gradient all-reduce bucket (default 40000000)'),
+    Flag('--ddp-bucket-size', int, help=f'elements per gradient all-reduce bucket (default {BUCKET_NUMEL})'),
     switch('--accumulate-allreduce-grads-in-fp32',
          help=('sum micro-batch gradients and all-reduce them over data-parallel ranks in fp32 '
                '(param.main_grad); always on with --bf16, as in Megatron-LM; no effect on an fp32 model, whose '

@@ -3,6 +3,8 @@ global batch (`BATCH_SCHEDULE`) and memory housekeeping (`MEMORY`)."""
 
 from megatron_eopt.training.arguments.flags.table import Flag, switch
 
+DEFAULT_TRAIN_ITERS = 100  # without --train-iters or --train-samples
+
 # Megatron-LM's --recompute-modules that this trainer's models have (no grouped GEMM, MLA, shared
 # experts or gated delta net).
 RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe")
@@ -11,7 +13,7 @@ TRAINING_TITLE = 'training'
 TRAINING: tuple[Flag, ...] = (
     Flag('--micro-batch-size', int, 4),
     Flag('--global-batch-size', int, help='default: micro batch * DP'),
-    Flag('--train-iters', int, help='default 100 (without --train-samples)'),
+    Flag('--train-iters', int, help=f'default {DEFAULT_TRAIN_ITERS} (without --train-samples)'),
     Flag('--train-samples', int,
          help=('train on this many samples (--train-samples // --global-batch-size iterations); the lr schedule '
                'then counts samples (--lr-decay-samples, --lr-warmup-samples, --lr-wsd-decay-samples)')),
