@@ -1,4 +1,4 @@
-"""Megatron-LM's multi-latent attention flags for scripts/pretrain_gpt.py: names, defaults, checks.
+"""Megatron-LM's multi-latent attention flags (the MLA table, flags/model.py): defaults and checks.
 
 Each flag's dest is the MLATransformerConfig field it sets (megatron_eopt/training/model/mla.py hands them on), with
 Megatron-LM's defaults (which differ from MLATransformerConfig's: --kv-lora-rank 32,
@@ -18,6 +18,8 @@ import argparse
 from typing import Any
 
 from megatron_eopt.arguments import refuse_flags_without
+from megatron_eopt.training.arguments.flags.model import MLA
+from megatron_eopt.training.arguments.flags.table import given_needing
 
 # dest: Megatron-LM's default (None for --q-lora-rank means no query compression).
 MLA_DEFAULTS: dict[str, Any] = {"q_lora_rank": None, "kv_lora_rank": 32, "qk_head_dim": 128,
@@ -28,9 +30,8 @@ MLA_DEFAULTS: dict[str, Any] = {"q_lora_rank": None, "kv_lora_rank": 32, "qk_hea
 def mla_settings(args: argparse.Namespace, local_spec: bool) -> dict[str, Any]:
     """GPTModelSettings fields of the MLA flags ({} without --multi-latent-attention).
     ``local_spec``: megatron-core's local layers will be built (no Transformer Engine)."""
-    given = [f"--{dest.replace('_', '-')}" for dest in MLA_DEFAULTS if getattr(args, dest) is not None]
     if not args.multi_latent_attention:
-        refuse_flags_without(given, "--multi-latent-attention")
+        refuse_flags_without(given_needing(args, MLA, "multi_latent_attention"), "--multi-latent-attention")
         if args.rope_type == "yarn":
             raise ValueError("--rope-type yarn only applies with --multi-latent-attention (other attention takes "
                              "rope, as in Megatron-LM).")

@@ -93,3 +93,8 @@ def settings_from_flags(args: argparse.Namespace, cls: type, computed: Mapping[s
         elif field.name not in skip and getattr(args, field.name, None) is not None:
             values[field.name] = getattr(args, field.name)
     return cls(**values)
+
+
+def given_needing(args: argparse.Namespace, rows: Iterable[Flag], needed: str) -> list[str]:
+    """The options of `rows` that need the flag `needed` (their `needs` column) and were given."""
+    return [row.option for row in rows if row.needs == needed and getattr(args, row.name) not in (None, False)]
