@@ -35,7 +35,7 @@ DATA: tuple[Flag, ...] = (
                "(Megatron-LM's MegatronPretrainingRandomSampler)")),
     switch('--reset-position-ids', help='positions start again at 0 after each end-of-document token'),
     switch('--reset-attention-mask',
-         help='tokens attend only within their own document (end-of-document token included)'),
+           help='tokens attend only within their own document (end-of-document token included)'),
     Flag('--data-cache-path', help='where the dataset index caches are written'),
     switch('--mock-data', help="megatron-core's MockGPTDataset"),
     switch('--eod-mask-loss', help='labels that are the end-of-document token do not count in the loss'),
@@ -58,5 +58,5 @@ VALIDATION: tuple[Flag, ...] = (
     Flag('--eval-interval', int, 1000, help='evaluate on the validation split every this many iterations'),
     Flag('--eval-iters', int, 100, help='global batches per evaluation (0: none, also no final validation/test)'),
     switch('--skip-train',
-         help='no training: evaluate the (--load) model on the validation and test splits, then exit'),
+           help='no training: evaluate the (--load) model on the validation and test splits, then exit'),
 )

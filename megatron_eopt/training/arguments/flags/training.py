@@ -42,8 +42,8 @@ TRAINING: tuple[Flag, ...] = (
          help='constant: --weight-decay throughout'),
     Flag('--seed', int, 1234),
     switch('--recompute-activations',
-         help=("recompute each layer's core attention in backward instead of keeping its activations "
-               '(--recompute-granularity selective)')),
+           help=("recompute each layer's core attention in backward instead of keeping its activations "
+                 '(--recompute-granularity selective)')),
     Flag('--recompute-granularity', choices=('full', 'selective'),
          help=('full: recompute whole layers (with --recompute-method and --recompute-num-layers); selective: '
                'the core attention')),
@@ -55,12 +55,12 @@ TRAINING: tuple[Flag, ...] = (
          help=('with selective recompute: the submodules recomputed in backward (default: core_attn; moe with '
                '--num-experts)')),
     switch('--distribute-saved-activations',
-         help=('with full recompute at TP > 1: split each checkpointed layer input over the tensor-parallel '
-               'ranks (CUDA only: megatron gathers it into a CUDA buffer)')),
+           help=('with full recompute at TP > 1: split each checkpointed layer input over the tensor-parallel '
+                 'ranks (CUDA only: megatron gathers it into a CUDA buffer)')),
     switch('--calculate-per-token-loss',
-         help=("the step's loss is the sum of the global batch's token losses over their number (over micro-"
-               'batches and data-parallel ranks), not a mean of micro-batch means (the same without --eod-mask-'
-               'loss)')),
+           help=("the step's loss is the sum of the global batch's token losses over their number (over micro-"
+                 'batches and data-parallel ranks), not a mean of micro-batch means (the same without --eod-mask-'
+                 'loss)')),
     Flag('--no-check-for-nan-in-loss-and-grad', action="store_false", dest='check_for_nan_in_loss_and_grad',
          help=('a NaN loss or gradient norm skips the step (counted in the log line) instead of stopping the run'
                " with an error (Megatron-LM's default)")),
@@ -80,7 +80,7 @@ BATCH_SCHEDULE: tuple[Flag, ...] = (
 MEMORY_TITLE = 'memory and garbage collection'
 MEMORY: tuple[Flag, ...] = (
     switch('--manual-gc',
-         help="turn Python's automatic garbage collector off and collect at fixed points on every rank instead"),
+           help="turn Python's automatic garbage collector off and collect at fixed points on every rank instead"),
     Flag('--manual-gc-interval', int, 0, help='with --manual-gc: also collect every this many iterations (0: never)'),
     Flag('--no-manual-gc-eval', action="store_false", dest='manual_gc_eval',
          help='with --manual-gc: do not collect before and after each evaluation'),
