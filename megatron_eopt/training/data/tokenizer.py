@@ -28,7 +28,8 @@ import os
 from collections import OrderedDict
 from typing import Any
 
-TOKENIZER_TYPES = ("NullTokenizer", "ByteLevelTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer")
+from megatron_eopt.training.arguments.flags.data import BPE_FILES, TOKENIZER_TYPES  # noqa: F401 (re-exported)
+
 BYTE_VOCAB_SIZE = 256
 # End-of-document tokens of common tokenizer.json files (GPT-2, Llama, Llama 3, Gemma, ...).
 EOD_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
@@ -37,8 +38,6 @@ GPT2_EOD_TOKEN = "<|endoftext|>"
 
 def add_bpe_file_args(group) -> None:
     """GPT2BPETokenizer's files (tools/preprocess_data.py's flags; the trainer's table has them too)."""
-    from megatron_eopt.training.arguments.flags.data import BPE_FILES  # that table imports this module
-
     for row in BPE_FILES:
         group.add_argument(row.option, **row.kwargs())
 

@@ -2,7 +2,8 @@
 shared with tools/preprocess_data.py) and validation (`VALIDATION`)."""
 
 from megatron_eopt.training.arguments.flags.table import Flag, switch
-from megatron_eopt.training.data.tokenizer import TOKENIZER_TYPES
+
+TOKENIZER_TYPES = ("NullTokenizer", "ByteLevelTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer")
 
 # GPT2BPETokenizer's files: the trainer's flags and tools/preprocess_data.py's.
 BPE_FILES: tuple[Flag, ...] = (
