@@ -1,6 +1,8 @@
-"""The trainer's flags, one declarative table per concern (see `table.Flag`).
+"""The trainer's flags, one declarative table of `table.Flag` rows per concern.
 
-`ALL_TABLES` lists (group title, rows) in the order `--help` shows them; the parser, the
-one-line errors about flags that need or exclude others, and the no-effect/refused lines all
-come from these rows. Nothing here imports torch or megatron-core.
+model.py (model, MLA), moe.py, parallel.py (parallelism, pipeline), training.py (length,
+schedule, recompute, batch ramp-up, memory), data.py (data, tokenizer, validation), logging.py
+(logging, profiling), checkpoint.py (checkpoints, run control); the no-effect and refused rows
+are in arguments/no_effect.py and the optimizer's in megatron_eopt/arguments/optimizer_args.py.
+arguments/parser.py builds the parser from them. Nothing here imports torch or megatron-core.
 """
