@@ -9,11 +9,11 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Optional
 
-from megatron_eopt.arguments.optimizer_args import add_optimizer_args
+from megatron_eopt.arguments.optimizer_args import add_optimizer_args, resolve_optimizer_flags
 from megatron_eopt.training.arguments.flags import checkpoint, data, logging, model, moe, parallel, training
 from megatron_eopt.training.arguments.flags.table import Flag, add_flags
 from megatron_eopt.training.arguments.no_effect import NO_EFFECT_ROWS, NO_EFFECT_TITLE, REFUSED_ROWS, REFUSED_TITLE
-from megatron_eopt.training.errors import PROG, RankZeroArgumentParser, is_rank_zero
+from megatron_eopt.training.errors import PROG, RankZeroArgumentParser, exit_with_error, is_rank_zero
 
 if TYPE_CHECKING:
     from megatron_eopt.training.model.gpt import GPTModelSettings
@@ -58,6 +58,10 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, "G
     parsed = build_parser().parse_args(argv)
     if "megatron.core" not in sys.modules and is_rank_zero():
         print("> importing torch and megatron-core ...", flush=True)
-    from megatron_eopt.training.arguments.checks import check_flags  # the heavy imports
+    try:  # the installed optimizers (torch, not yet megatron-core): a misspelt name fails sooner
+        resolve_optimizer_flags(parsed)
+    except ValueError as error:
+        exit_with_error(f"{error}; see {PROG} --help.")
+    from megatron_eopt.training.arguments.checks import check_flags  # megatron-core
 
     return check_flags(parsed)
