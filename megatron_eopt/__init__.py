@@ -1,35 +1,41 @@
 """megatron_eopt: the optimizer layer of Megatron-style training.
 
 `get_megatron_optimizer(config, model_chunks)` returns a ready optimizer with megatron-core's
-contract. This module only re-exports; importing it does not import megatron-core.
+contract. This module only re-exports, lazily: importing it imports neither torch nor megatron-core.
 """
 
-from megatron_eopt.config import AdamOptimizerConfig, OptimizerConfig, SGDOptimizerConfig
-from megatron_eopt.distributed.layer_wise import LayerWiseDistributedOptimizer
-from megatron_eopt.distributed.process_groups import ParallelGroups
-from megatron_eopt.factory import get_megatron_optimizer
-from megatron_eopt.param_key import (
-    ParamGroupOverride,
-    ParamKey,
-    ParamPredicate,
-    ParamWithNamePredicate,
-    get_standard_config_overrides,
-)
-from megatron_eopt.optimizers.tensor_parallel_adaptive_muon import TensorParallelAdaptiveMuon
-from megatron_eopt.optimizers.tensor_parallel_muon import TensorParallelMuon
-from megatron_eopt.registry import (
-    EmergingOptimizerEntry,
-    OptimizerEntry,
-    list_optimizers,
-    lookup_optimizer,
-    register_emerging_optimizer,
-    register_optimizer,
-)
-from megatron_eopt.wrappers.base import MegatronOptimizer
-from megatron_eopt.wrappers.chained import ChainedOptimizer
-from megatron_eopt.wrappers.fp32 import FP32Optimizer
-from megatron_eopt.wrappers.grad_scaler import ConstantGradScaler, DynamicGradScaler
-from megatron_eopt.wrappers.mixed_precision import MixedPrecisionOptimizer
+import importlib
+from typing import Any
+
+# Public name -> the module that defines it, imported on first use (PEP 562), so that
+# `import megatron_eopt.arguments` or the trainer's flag parser does not import torch.
+_LAZY = {
+    "AdamOptimizerConfig": "megatron_eopt.config",
+    "OptimizerConfig": "megatron_eopt.config",
+    "SGDOptimizerConfig": "megatron_eopt.config",
+    "LayerWiseDistributedOptimizer": "megatron_eopt.distributed.layer_wise",
+    "ParallelGroups": "megatron_eopt.distributed.process_groups",
+    "get_megatron_optimizer": "megatron_eopt.factory",
+    "ParamGroupOverride": "megatron_eopt.param_key",
+    "ParamKey": "megatron_eopt.param_key",
+    "ParamPredicate": "megatron_eopt.param_key",
+    "ParamWithNamePredicate": "megatron_eopt.param_key",
+    "get_standard_config_overrides": "megatron_eopt.param_key",
+    "TensorParallelAdaptiveMuon": "megatron_eopt.optimizers.tensor_parallel_adaptive_muon",
+    "TensorParallelMuon": "megatron_eopt.optimizers.tensor_parallel_muon",
+    "EmergingOptimizerEntry": "megatron_eopt.registry",
+    "OptimizerEntry": "megatron_eopt.registry",
+    "list_optimizers": "megatron_eopt.registry",
+    "lookup_optimizer": "megatron_eopt.registry",
+    "register_emerging_optimizer": "megatron_eopt.registry",
+    "register_optimizer": "megatron_eopt.registry",
+    "MegatronOptimizer": "megatron_eopt.wrappers.base",
+    "ChainedOptimizer": "megatron_eopt.wrappers.chained",
+    "FP32Optimizer": "megatron_eopt.wrappers.fp32",
+    "ConstantGradScaler": "megatron_eopt.wrappers.grad_scaler",
+    "DynamicGradScaler": "megatron_eopt.wrappers.grad_scaler",
+    "MixedPrecisionOptimizer": "megatron_eopt.wrappers.mixed_precision",
+}
 
 __all__ = [
     "AdamOptimizerConfig",
@@ -58,3 +64,15 @@ __all__ = [
     "register_emerging_optimizer",
     "register_optimizer",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'megatron_eopt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -15,18 +15,17 @@ from typing import Any, Callable, Literal, Optional
 
 import torch
 
+from megatron_eopt.config_choices import (  # noqa: F401 (re-exported)
+    AdaptiveMoment2Method,
+    MatmulPrecision,
+    ScalarOptimizer,
+    ScaleMode,
+    TpMode,
+)
+
 # Re-exported: arguments/to_config.py and the benchmarks read them from the config module.
 from megatron_eopt.hardware import fp32_matmul_prec_for, native_bf16_matmul  # noqa: F401
 from megatron_eopt.once import warn_once
-
-ScaleMode = Literal["spectral", "unit_rms_norm", "shape_scaling"]
-TpMode = Literal["blockwise", "duplicated", "distributed", "sharded"]
-# What emerging_optimizers' `FP32MatmulPrecT` and `torch.set_float32_matmul_precision` accept
-# (Megatron-LM's 'low' is neither); the one list of them: config checks and command-line choices
-# read it, and tests/unit/library/test_config.py checks it against the installed emerging_optimizers.
-MatmulPrecision = Literal["highest", "high", "medium"]
-ScalarOptimizer = Literal["adam", "lion"]
-AdaptiveMoment2Method = Literal["adamuon", "normuon"]
 
 
 @dataclass

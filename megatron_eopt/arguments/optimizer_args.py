@@ -7,21 +7,22 @@ config by name get the config that `OptimizerConfig()` gives. One exception:
 hardware ('medium' where bf16 matrix products are native, else 'highest').
 
 Flags are spelled as Megatron-LM spells them: `store_true` booleans, except its negative
-spellings `--muon-no-split-qkv` and `--soap-no-kl-shampoo`. `megatron_eopt/arguments/` imports
-only `megatron_eopt.config`; the valid optimizer names and coefficient sets are read from the
-registry and ops/newton_schulz.py inside `add_optimizer_args`, so importing this module is cheap.
+spellings `--muon-no-split-qkv` and `--soap-no-kl-shampoo`. Importing this module imports no
+torch: the defaults and the installed choices (`list_optimizers`, `coefficient_types`) are read
+inside `add_optimizer_args`; with `deferred=True` not at all (defaults None, choices unchecked),
+and `resolve_optimizer_flags` fills and checks them later, so a trainer parses before torch.
 """
 
 import argparse
 import dataclasses
+import difflib
 import typing
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
-from megatron_eopt.config import (
+from megatron_eopt.config_choices import (
     AdaptiveMoment2Method,
     MatmulPrecision,
-    OptimizerConfig,
     ScalarOptimizer,
     ScaleMode,
     TpMode,
@@ -42,6 +43,7 @@ class Flag:
     choices: Optional[Callable[[], tuple[str, ...]]] = None  # read when the parser is built
     negative: bool = False  # a `--no-...` switch: store_false
     hardware_default: bool = False  # default None: optimizer_config_from_args chooses for the device
+    installed: bool = False  # choices read from the installed packages (imports torch)
 
 
 def _optimizer_choices() -> tuple[str, ...]:
@@ -63,7 +65,7 @@ def _literal(alias: Any) -> Callable[[], tuple[str, ...]]:
 FLAGS: tuple[Flag, ...] = (
     # General.
     Flag("--optimizer", "optimizer", "Optimizer (dist_muon is deprecated: use --optimizer muon "
-         "--use-distributed-optimizer).", str, _optimizer_choices),
+         "--use-distributed-optimizer).", str, _optimizer_choices, installed=True),
     Flag("--lr", "lr", "Peak learning rate.", float),
     Flag("--min-lr", "min_lr", "Minimum learning rate of the schedule.", float),
     Flag("--decoupled-lr", "decoupled_lr", "Learning rate of the embedding and output layer.", float),
@@ -92,7 +94,7 @@ FLAGS: tuple[Flag, ...] = (
          "where bf16 matrix products are native (GPUs, CPUs with AVX512-BF16/AMX/Arm BF16), "
          "else 'highest'.", str, _literal(MatmulPrecision), hardware_default=True),
     Flag("--muon-coefficient-type", "muon_coefficient_type", "Newton-Schulz coefficient set (those "
-         "of the installed emerging_optimizers).", str, _coefficient_choices),
+         "of the installed emerging_optimizers).", str, _coefficient_choices, installed=True),
     Flag("--muon-num-ns-steps", "muon_num_ns_steps", "Newton-Schulz steps.", int),
     Flag("--muon-tp-mode", "muon_tp_mode", "How tensor-parallel matrices are orthogonalized (no "
          "effect without tensor parallelism).", str, _literal(TpMode)),
@@ -157,25 +159,58 @@ class _StoreAndRecord(argparse.Action):
         setattr(namespace, GIVEN_FLAGS_ATTR, given | {self.dest})
 
 
-def add_optimizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the 'optimizer' argument group to `parser` and return it."""
-    defaults = {field.name: field.default for field in dataclasses.fields(OptimizerConfig)}
+def add_optimizer_args(parser: argparse.ArgumentParser, *, deferred: bool = False) -> argparse.ArgumentParser:
+    """Add the 'optimizer' argument group to `parser` and return it.
+
+    `deferred`: every default None and the installed choices unchecked, with no import of torch;
+    `resolve_optimizer_flags` then gives the namespace with OptimizerConfig's defaults.
+    """
+    defaults = {} if deferred else _config_defaults()
     group = parser.add_argument_group(title="optimizer")
     for flag in FLAGS:
-        kwargs = flag_kwargs(flag, None if flag.hardware_default else defaults[flag.dest])
+        kwargs = flag_kwargs(flag, None if flag.hardware_default else defaults.get(flag.dest),
+                             with_choices=not (deferred and flag.installed))
         if flag.dest == "muon_tp_mode":  # validate_args warns when it is given with TP=1
             kwargs["action"] = _StoreAndRecord
+        if deferred and flag.installed:
+            kwargs["help"] += f" Choices: those installed ({flag.option} checks them after start-up)."
         group.add_argument(flag.option, **kwargs)
     return parser
 
 
-def flag_kwargs(flag: Flag, default: Any) -> dict[str, Any]:
+def _config_defaults() -> dict[str, Any]:
+    from megatron_eopt.config import OptimizerConfig  # imports torch
+
+    return {field.name: field.default for field in dataclasses.fields(OptimizerConfig)}
+
+
+def resolve_optimizer_flags(args: argparse.Namespace) -> argparse.Namespace:
+    """A new namespace: `args` from a deferred parser with OptimizerConfig's defaults for the
+    flags not given, after checking the installed choices (ValueError in argparse's words)."""
+    for flag in FLAGS:
+        value = getattr(args, flag.dest, None)
+        if flag.installed and value is not None and value not in flag.choices():
+            raise ValueError(invalid_choice_message(flag.option, value, flag.choices()))
+    defaults = _config_defaults()
+    filled = {flag.dest: defaults[flag.dest] for flag in FLAGS
+              if getattr(args, flag.dest, None) is None and not flag.hardware_default}
+    return argparse.Namespace(**{**vars(args), **filled})
+
+
+def invalid_choice_message(option: str, value: Any, choices: Sequence[Any]) -> str:
+    """argparse's words for a bad choice, plus the closest choice."""
+    message = f"argument {option}: invalid choice: {value!r} (choose from {', '.join(map(repr, choices))})"
+    close = difflib.get_close_matches(str(value), [str(choice) for choice in choices], n=1)
+    return message + (f"; did you mean {close[0]}?" if close else "")
+
+
+def flag_kwargs(flag: Flag, default: Any, with_choices: bool = True) -> dict[str, Any]:
     """`add_argument` keyword arguments for `flag` (also used to extend Megatron-LM's parser)."""
     kwargs: dict[str, Any] = {"dest": flag.dest, "default": default, "help": flag.help}
     if flag.type is None:
         kwargs["action"] = "store_false" if flag.negative else "store_true"
     else:
         kwargs["type"] = flag.type
-        if flag.choices is not None:
+        if flag.choices is not None and with_choices:
             kwargs["choices"] = flag.choices()
     return kwargs

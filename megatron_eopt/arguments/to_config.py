@@ -7,15 +7,18 @@ too; fields `args` lacks keep their defaults. The config validates itself on con
 `matmul_precision_line` is the one line a trainer prints about that choice.
 """
 
+from __future__ import annotations
+
 import argparse
 import dataclasses
-from typing import Optional
-
-import torch
-
-from megatron_eopt.config import OptimizerConfig, fp32_matmul_prec_for
+from typing import TYPE_CHECKING, Optional
 
 from megatron_eopt.arguments.optimizer_args import DEPRECATED_OPTIMIZER_NAMES
+
+if TYPE_CHECKING:  # torch and the config are imported where used: parsers stay torch-free
+    import torch
+
+    from megatron_eopt.config import OptimizerConfig
 
 
 def optimizer_config_from_args(args: argparse.Namespace, device: Optional[torch.device] = None) -> OptimizerConfig:
@@ -27,6 +30,8 @@ def optimizer_config_from_args(args: argparse.Namespace, device: Optional[torch.
     Call `validate_args(args)` first: it rewrites deprecated spellings (dist_muon) and the
     distributed-optimizer flags of emerging optimizers, which this function does not.
     """
+    from megatron_eopt.config import OptimizerConfig, fp32_matmul_prec_for
+
     if getattr(args, "optimizer", None) in DEPRECATED_OPTIMIZER_NAMES:
         raise ValueError(
             f"--optimizer {args.optimizer} is a deprecated spelling; call validate_args(args) "
@@ -48,11 +53,15 @@ def matmul_precision_line(args: argparse.Namespace, device: Optional[torch.devic
     (also for adam/sgd, which have no use for it)."""
     if getattr(args, "muon_fp32_matmul_prec", "") is not None or getattr(args, "optimizer", None) in ("adam", "sgd"):
         return None
+    from megatron_eopt.config import fp32_matmul_prec_for
+
     value, why = fp32_matmul_prec_for(_device_or_default(device))
     return f"--muon-fp32-matmul-prec not given: using {value!r} ({why}); pass it to choose."
 
 
 def _device_or_default(device: Optional[torch.device]) -> torch.device:
+    import torch
+
     if device is not None:
         return torch.device(device)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -62,9 +62,8 @@ RUNS = (
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--train-iters", type=int, default=300)
-    parser.add_argument("--out-dir", default="demo_output")
+    parser.add_argument("--out-dir", type=os.path.abspath, default="demo_output")  # argparse converts the default too
     args = parser.parse_args(argv)
-    args.out_dir = os.path.abspath(args.out_dir)
     if args.train_iters < WINDOW:
         parser.error(f"--train-iters must be >= {WINDOW} (the smoothing window); got {args.train_iters}")
     return args

@@ -1,12 +1,12 @@
 """One-line flag errors and argparse output from rank 0 only; every rank exits alike."""
 
 import argparse
+import difflib
 import os
+import re
 import sys
 import time
 from typing import NoReturn, Optional, TextIO
-
-import torch.distributed as dist
 
 PROG = "pretrain_gpt.py"
 
@@ -21,7 +21,8 @@ OTHER_RANKS_WAIT_S = 60.0
 def is_rank_zero() -> bool:
     """From torchrun's environment, so it holds before any process group exists (or from the
     process group a caller already made, see `main`)."""
-    if dist.is_initialized():
+    dist = sys.modules.get("torch.distributed")  # not imported yet: no process group either
+    if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.get_rank() == 0
     return int(os.environ.get("RANK", "0")) == 0
 
@@ -43,7 +44,24 @@ def _exit_from_any_rank(status: int, message: Optional[str]) -> NoReturn:
 
 
 class RankZeroArgumentParser(argparse.ArgumentParser):
-    """argparse's usage, help and errors printed by rank 0 only; every rank exits alike."""
+    """argparse's usage and help printed by rank 0 only; every rank exits alike. Its errors are
+    one line (no usage), with the closest flag or choice and a pointer to --help."""
+
+    def error(self, message: str) -> NoReturn:
+        exit_with_error(f"{message}{self._close_match(message)}; see {self.prog} --help.")
+
+    def _close_match(self, message: str) -> str:
+        unknown = re.match(r"unrecognized arguments: (.*)", message)
+        if unknown:
+            options = [option for option in self._option_string_actions if option.startswith("--")]
+            guesses = [_closest(word.split("=")[0], options) for word in unknown.group(1).split() if word[:1] == "-"]
+            guesses = [guess for guess in guesses if guess]
+            return f" (did you mean {' or '.join(guesses)}?)" if guesses else ""
+        choice = re.search(r"invalid choice: (.*?) \(choose from (.*)\)$", message)
+        if choice:
+            guess = _closest(choice.group(1).strip("'"), [c.strip().strip("'") for c in choice.group(2).split(",")])
+            return f"; did you mean {guess}?" if guess else ""
+        return ""
 
     def print_usage(self, file: Optional[TextIO] = None) -> None:
         if is_rank_zero():
@@ -55,3 +73,13 @@ class RankZeroArgumentParser(argparse.ArgumentParser):
 
     def exit(self, status: int = 0, message: Optional[str] = None) -> NoReturn:
         _exit_from_any_rank(status, message)
+
+
+def _closest(word: str, candidates: list[str]) -> Optional[str]:
+    """The candidate `word` begins (one only) or, else, the most similar one, ignoring case."""
+    lower = {candidate.lower(): candidate for candidate in candidates}
+    starting = [candidate for candidate in lower if candidate.startswith(word.lower())]
+    if len(starting) == 1:
+        return lower[starting[0]]
+    matches = difflib.get_close_matches(word.lower(), list(lower), n=1)
+    return lower[matches[0]] if matches else None

@@ -1,23 +1,12 @@
 """Pretrain a megatron-core GPTModel with megatron_eopt's optimizer, from Megatron-LM's flags."""
 
+import sys
 from typing import Optional
 
-import torch.distributed as dist
-
+# Only the parser is imported here: torch and megatron-core come after the flags are parsed
+# (parse_args), so --help and flag errors do not wait for them.
 from megatron_eopt.training.arguments.parser import parse_args
 from megatron_eopt.training.errors import exit_with_error
-from megatron_eopt.training.logging.training_log import (
-    PALETTE,
-    Curve,
-    plot_curves,
-)
-from megatron_eopt.training.loop.housekeeping import Housekeeping
-from megatron_eopt.training.loop.train import train
-from megatron_eopt.training.model.gpt import (
-    destroy_model_parallel,
-    initialize_model_parallel,
-)
-from megatron_eopt.training.parallel.layout import init_distributed
 
 
 def main(argv: Optional[list[str]] = None) -> list[dict]:
@@ -27,8 +16,17 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     of worker processes this way), the job is that whole process group, which is left
     initialised at the end; otherwise the process group is made here and destroyed at the end.
     """
-    owns_process_group = not dist.is_initialized()
+    dist = sys.modules.get("torch.distributed")
+    owns_process_group = not (dist is not None and dist.is_available() and dist.is_initialized())
     args, settings, layout = parse_args(argv)
+    import torch.distributed as dist
+
+    from megatron_eopt.training.logging.training_log import PALETTE, Curve, plot_curves
+    from megatron_eopt.training.loop.housekeeping import Housekeeping
+    from megatron_eopt.training.loop.train import train
+    from megatron_eopt.training.model.gpt import destroy_model_parallel, initialize_model_parallel
+    from megatron_eopt.training.parallel.layout import init_distributed
+
     device = init_distributed(args, layout)
     initialize_model_parallel(layout.tp, args.seed, pipeline_model_parallel_size=layout.pp,
                               virtual_pipeline_model_parallel_size=layout.vpp, expert_model_parallel_size=layout.ep)

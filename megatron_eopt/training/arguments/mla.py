@@ -1,4 +1,4 @@
-"""Megatron-LM's multi-latent attention flags for scripts/pretrain_gpt.py: names, defaults, checks.
+"""Megatron-LM's multi-latent attention flags (the MLA table, flags/model.py): defaults and checks.
 
 Each flag's dest is the MLATransformerConfig field it sets (megatron_eopt/training/model/mla.py hands them on), with
 Megatron-LM's defaults (which differ from MLATransformerConfig's: --kv-lora-rank 32,
@@ -18,6 +18,8 @@ import argparse
 from typing import Any
 
 from megatron_eopt.arguments import refuse_flags_without
+from megatron_eopt.training.arguments.flags.model import MLA
+from megatron_eopt.training.arguments.flags.table import given_needing
 
 # dest: Megatron-LM's default (None for --q-lora-rank means no query compression).
 MLA_DEFAULTS: dict[str, Any] = {"q_lora_rank": None, "kv_lora_rank": 32, "qk_head_dim": 128,
@@ -25,34 +27,11 @@ MLA_DEFAULTS: dict[str, Any] = {"q_lora_rank": None, "kv_lora_rank": 32, "qk_hea
                                 "mscale": 1.0, "mscale_all_dim": 0.0}
 
 
-def add_mla_args(parser: argparse.ArgumentParser) -> None:
-    mla = parser.add_argument_group(title="multi-latent attention")
-    mla.add_argument("--multi-latent-attention", action="store_true",
-                     help="megatron-core's multi-latent attention (DeepSeek-V2/V3, Kimi-K2): queries, keys and "
-                          "values projected through low-rank latents")
-    mla.add_argument("--q-lora-rank", type=int, default=None,
-                     help="the query latent's width (default: none, one query projection)")
-    mla.add_argument("--kv-lora-rank", type=int, default=None, help="the key/value latent's width (default 32)")
-    mla.add_argument("--qk-head-dim", type=int, default=None,
-                     help="each head's query/key width without RoPE (default 128)")
-    mla.add_argument("--qk-pos-emb-head-dim", type=int, default=None,
-                     help="each head's query/key width rotated by RoPE (default 64; the key part is shared by all heads)")
-    mla.add_argument("--v-head-dim", type=int, default=None, help="each head's value width (default 128)")
-    mla.add_argument("--rope-type", default=None, choices=("rope", "yarn"),
-                     help="MLA's rotary embedding (default yarn; without MLA only rope)")
-    mla.add_argument("--rotary-scaling-factor", type=float, default=None,
-                     help="YaRN's context-extension factor (default 1.0: the original frequencies)")
-    mla.add_argument("--mscale", type=float, default=None, help="YaRN's mscale (default 1.0)")
-    mla.add_argument("--mscale-all-dim", type=float, default=None,
-                     help="YaRN's mscale_all_dim (default 0.0); also scales MLA's softmax")
-
-
 def mla_settings(args: argparse.Namespace, local_spec: bool) -> dict[str, Any]:
     """GPTModelSettings fields of the MLA flags ({} without --multi-latent-attention).
     ``local_spec``: megatron-core's local layers will be built (no Transformer Engine)."""
-    given = [f"--{dest.replace('_', '-')}" for dest in MLA_DEFAULTS if getattr(args, dest) is not None]
     if not args.multi_latent_attention:
-        refuse_flags_without(given, "--multi-latent-attention")
+        refuse_flags_without(given_needing(args, MLA, "multi_latent_attention"), "--multi-latent-attention")
         if args.rope_type == "yarn":
             raise ValueError("--rope-type yarn only applies with --multi-latent-attention (other attention takes "
                              "rope, as in Megatron-LM).")

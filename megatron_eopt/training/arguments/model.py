@@ -10,13 +10,17 @@ import torch.distributed as dist
 from megatron_eopt.arguments import (
     refuse_flags_without,
 )
+from megatron_eopt.training.arguments.flags.model import MLA
+from megatron_eopt.training.arguments.flags.moe import MOE
+from megatron_eopt.training.arguments.flags.table import option_of, replaced, settings_from_flags
+from megatron_eopt.training.arguments.flags.training import RECOMPUTE_MODULES  # noqa: F401 (re-exported)
 from megatron_eopt.training.arguments.mla import mla_settings
 from megatron_eopt.training.arguments.moe import (
     check_moe_flags,
     moe_settings,
+    resolve_moe_flags,
 )
 from megatron_eopt.training.data.datasets import (
-    check_data_flags,
     model_vocab_size,
 )
 from megatron_eopt.training.errors import is_rank_zero
@@ -37,28 +41,37 @@ def check_device_flags(args: argparse.Namespace) -> None:
 
 
 def with_experts(args: argparse.Namespace, layout: Layout, settings: GPTModelSettings
-                  ) -> tuple[Layout, GPTModelSettings]:
-    """The MoE flags (megatron_eopt/training/model/moe.py) in the layout and the model settings."""
+                  ) -> tuple[argparse.Namespace, Layout, GPTModelSettings]:
+    """The MoE flags (megatron_eopt/training/model/moe.py) resolved, in the layout and the model settings."""
+    args = replaced(args, **resolve_moe_flags(args))
     ep = check_moe_flags(args, layout.tp, layout.dp, use_cuda=runs_on_cuda(args), num_layers=settings.num_layers)
-    return dataclasses.replace(layout, ep=ep), dataclasses.replace(settings, **moe_settings(args))
+    return args, dataclasses.replace(layout, ep=ep), dataclasses.replace(settings, **moe_settings(args))
 
 
-def model_settings(args: argparse.Namespace, tp: int) -> GPTModelSettings:
-    """The model the flags describe; its errors name the flags (`--seq-length`, not `seq_length`)."""
-    check_data_flags(args)
-    args.padded_vocab_size = model_vocab_size(args, tp)
-    if args.sequence_parallel and tp == 1:
+def model_defaults(args: argparse.Namespace, tp: int) -> dict[str, Any]:
+    """The model flags' resolved values: the padded vocabulary, --sequence-parallel (off at TP 1,
+    said on rank 0) and Megatron-LM's legacy --use-rotary-position-embeddings."""
+    sequence_parallel = args.sequence_parallel
+    if sequence_parallel and tp == 1:
         if is_rank_zero():
             print("> --sequence-parallel is off: it needs --tensor-model-parallel-size > 1 (as in Megatron-LM)",
                   flush=True)
-        args.sequence_parallel = False
+        sequence_parallel = False
+    rope = args.use_rotary_position_embeddings
+    return dict(padded_vocab_size=model_vocab_size(args, tp), sequence_parallel=sequence_parallel,
+                position_embedding_type="rope" if rope else args.position_embedding_type)
+
+
+def model_settings(args: argparse.Namespace, tp: int) -> GPTModelSettings:
+    """The model `args` (with `model_defaults` resolved) describe; its errors name the flags
+    (`--seq-length`, not `seq_length`)."""
     try:
-        settings = _settings_from_flags(args)
+        settings = settings_from_flags(args, GPTModelSettings, _model_fields(args), RENAMED, _OWN_RESOLUTION)
         settings.check_tensor_parallel(tp)
     except SettingsError as error:
         # Every setting and tensor_model_parallel_size is the destination of the flag of that name.
         flags = {name: f"--{name.replace('_', '-')}" for name in vars(args)}
-        flags["layernorm_epsilon"] = "--norm-epsilon"  # megatron's field name, Megatron-LM's flag
+        flags.update({field: option_of(dest) for field, dest in RENAMED.items()})
         raise ValueError(f"{error.message_for(flags)}.") from None
     return settings
 
@@ -102,7 +115,7 @@ def _qk_layernorm(args: argparse.Namespace) -> bool:
     return args.qk_layernorm
 
 
-def _rotary_settings(args: argparse.Namespace) -> dict[str, Any]:
+def _rotary_settings(args: argparse.Namespace) -> None:
     if args.no_position_embedding and args.position_embedding_type == "learned_absolute":
         raise ValueError("--no-position-embedding is deprecated (as in Megatron-LM): use --position-embedding-type "
                          "none or rope.")
@@ -119,12 +132,6 @@ def _rotary_settings(args: argparse.Namespace) -> dict[str, Any]:
     if args.position_embedding_type != "rope":
         refuse_flags_without([f"--{flags[name].replace('_', '-')}" for name in given if name not in mla_rotary],
                              f"--position-embedding-type rope (got {args.position_embedding_type})")
-    return given
-
-
-# Megatron-LM's --recompute-modules that this trainer's models have (no grouped GEMM, MLA, shared
-# experts or gated delta net).
-RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe")
 
 
 def _recompute_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -183,52 +190,28 @@ def _check_distributed_saved_activations(args: argparse.Namespace) -> None:
                          "into a CUDA buffer).")
 
 
-def _settings_from_flags(args: argparse.Namespace) -> GPTModelSettings:
-    if args.use_rotary_position_embeddings:  # Megatron-LM's legacy flag
-        args.position_embedding_type = "rope"
-    return GPTModelSettings(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=_query_groups(args),
-        ffn_hidden_size=_ffn_hidden_size(args),
-        swiglu=args.swiglu,
-        activation=_activation(args),
-        seq_length=args.seq_length,
-        max_position_embeddings=args.max_position_embeddings,
-        vocab_size=args.padded_vocab_size,
+# GPTModelSettings field: the flag (dest) that sets it, where the names differ.
+RENAMED = {"vocab_size": "padded_vocab_size", "layernorm_epsilon": "norm_epsilon",
+           "layernorm_zero_centered_gamma": "apply_layernorm_1p", "rope_scaling": "use_rope_scaling",
+           "num_layers_in_first_pipeline_stage": "decoder_first_pipeline_num_layers",
+           "num_layers_in_last_pipeline_stage": "decoder_last_pipeline_num_layers"}
+# Set through mla_settings / moe_settings (their flags are None unless given with the feature).
+_OWN_RESOLUTION = {row.name for row in MLA + MOE}
+
+
+def _model_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The GPTModelSettings fields that are not a flag's value as given (each checked here)."""
+    fields = dict(num_query_groups=_query_groups(args), ffn_hidden_size=_ffn_hidden_size(args),
+                  activation=_activation(args), qk_layernorm=_qk_layernorm(args))
+    _rotary_settings(args)  # checks; the given RoPE flags are copied by name
+    return dict(
+        fields,
         bf16=args.bf16 and not args.use_torch_fsdp2,  # FSDP2: fp32 shards, bf16 compute (fully_shard_gpt)
-        fp16=args.fp16,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         add_bias_linear=not args.disable_bias_linear,
-        add_qkv_bias=args.add_qkv_bias,
-        layernorm_epsilon=args.norm_epsilon,
-        normalization=args.normalization,
-        layernorm_zero_centered_gamma=args.apply_layernorm_1p,
-        kv_channels=args.kv_channels,
-        qk_layernorm=_qk_layernorm(args),
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std,
-        init_method_xavier_uniform=args.init_method_xavier_uniform,
-        embedding_init_method_std=args.embedding_init_method_std,
-        position_embedding_type=args.position_embedding_type,
         transformer_impl=args.transformer_impl or "auto",
-        **_rotary_settings(args),
         **mla_settings(args, local_spec=uses_local_spec(args)),
         **_recompute_settings(args),
-        sequence_parallel=args.sequence_parallel,
-        # QK-clip: the model's TransformerConfig carries the flags too (Transformer Engine's
-        # attention records its maximum logits only when built with them).
-        qk_clip=args.qk_clip,
-        qk_clip_threshold=args.qk_clip_threshold,
-        qk_clip_alpha=args.qk_clip_alpha,
-        log_max_attention_logit=args.log_max_attention_logit,
-        pipeline_model_parallel_layout=args.pipeline_model_parallel_layout,
-        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
-        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
-        account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
-        account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
     )
 
 

@@ -38,7 +38,7 @@ LOGGED_LOSS_OF_TYPE = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_l
                        "global_aux_loss": "global_load_balancing_loss"}
 
 # MoE flags other than --num-experts, with the value argparse leaves when one is not given (the
-# defaults are filled in by check_moe_flags, so that a flag given without --num-experts is seen).
+# defaults are filled in by resolve_moe_flags, so that a flag given without --num-experts is seen).
 _NOT_GIVEN = {"moe_router_topk": None, "moe_aux_loss_coeff": None, "moe_router_load_balancing_type": None,
               "moe_token_dispatcher_type": None, "expert_tensor_parallel_size": None, "moe_ffn_hidden_size": None,
               "moe_layer_freq": None, "moe_router_score_function": None, "moe_router_topk_scaling_factor": None,
@@ -156,88 +156,21 @@ def moe_layer_pattern(freq: int | list[int] | tuple[int, ...], num_layers: int) 
 # ------------------------------------------------------------------------------------------------
 
 
-def add_moe_args(parser: argparse.ArgumentParser) -> None:
-    moe = parser.add_argument_group(title="moe")
-    moe.add_argument("--num-experts", type=int, default=None,
-                     help="experts per MoE layer (megatron-core's MoELayer, SequentialMLP experts); default: dense MLPs")
-    moe.add_argument("--moe-layer-freq", default=None,
-                     help="MoE layers: an int N (every Nth layer, from the first; default 1) or a 0/1 list such as "
-                          "'([0]*1+[1]*3)' (0: a dense MLP)")
-    moe.add_argument("--moe-ffn-hidden-size", type=int, default=None,
-                     help="each expert's FFN size (default --ffn-hidden-size)")
-    moe.add_argument("--moe-router-topk", type=int, default=None, help="experts per token (default 2)")
-    moe.add_argument("--expert-model-parallel-size", type=int, default=1,
-                     help="ranks the experts of a layer are split over, out of the data-parallel ranks")
-    moe.add_argument("--expert-tensor-parallel-size", type=int, default=None,
-                     help="only the tensor-parallel size here (Megatron-LM's default): the experts' "
-                          "linears are split over the TP ranks like the dense ones")
-    moe.add_argument("--moe-token-dispatcher-type", default=None, choices=DISPATCHERS,
-                     help="default allgather; alltoall needs CUDA")
-    _add_router_args(moe)
-    _add_balancing_args(moe)
-    _add_shared_expert_args(moe)
-    _add_capacity_args(moe)
-
-
-def _add_router_args(moe) -> None:
-    moe.add_argument("--moe-router-score-function", default=None, choices=SCORE_FUNCTIONS,
-                     help="the router's score of each expert (default softmax)")
-    moe.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
-                     help="multiplies the top-k routing probabilities (default none)")
-    moe.add_argument("--moe-router-pre-softmax", action="store_true", default=None,
-                     help="softmax over all experts before the top-k (else over the top-k); allows top-1")
-    moe.add_argument("--moe-router-dtype", default=None, choices=("fp32", "fp64"),
-                     help="the router's logits and scores in this precision (default: the model's)")
-    moe.add_argument("--moe-router-num-groups", type=int, default=None,
-                     help="group-limited routing: the experts split into this many groups")
-    moe.add_argument("--moe-router-group-topk", type=int, default=None,
-                     help="group-limited routing: groups each token's experts are chosen from")
-    moe.add_argument("--moe-input-jitter-eps", type=float, default=None,
-                     help="multiplies the router's input by uniform noise in [1 - eps, 1 + eps] while training")
-
-
-def _add_balancing_args(moe) -> None:
-    moe.add_argument("--moe-router-load-balancing-type", nargs="+", default=None, choices=LOAD_BALANCING_TYPES,
-                     help="aux_loss (default), seq_aux_loss, global_aux_loss, sinkhorn or none; several aux-loss "
-                          "types with one --moe-aux-loss-coeff each")
-    moe.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=None,
-                     help="weight of the load-balancing loss (default 0), one per --moe-router-load-balancing-type")
-    moe.add_argument("--moe-z-loss-coeff", type=float, default=None, help="weight of the router z-loss (default none)")
-    moe.add_argument("--moe-router-enable-expert-bias", action="store_true", default=None,
-                     help="aux-loss-free balancing: a per-expert bias on the routing scores, updated every step")
-    moe.add_argument("--moe-router-bias-update-rate", type=float, default=None,
-                     help="the expert bias's step per iteration (default 1e-3)")
-
-
-def _add_shared_expert_args(moe) -> None:
-    moe.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
-                     help="FFN size of the shared experts every token goes through (default: none)")
-    moe.add_argument("--moe-shared-expert-gate", action="store_true", default=None,
-                     help="a learned sigmoid gate on the shared experts' output")
-    moe.add_argument("--moe-shared-expert-overlap", action="store_true", default=None,
-                     help="overlap the shared experts with the dispatch (CUDA streams; alltoall)")
-
-
-def _add_capacity_args(moe) -> None:
-    moe.add_argument("--moe-expert-capacity-factor", type=float, default=None,
-                     help="each expert takes at most factor x its even share of the tokens; the rest are dropped")
-    moe.add_argument("--moe-pad-expert-input-to-capacity", action="store_true", default=None,
-                     help="fill every expert to its capacity (with zero-weight tokens)")
-    moe.add_argument("--moe-token-drop-policy", default=None, choices=DROP_POLICIES,
-                     help="which tokens an expert over capacity drops: lowest probs (default) or last position")
+def resolve_moe_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The MoE flags with Megatron-LM's defaults, after refusing those given without their
+    feature (which needs them unfilled). `--num-experts 0` is Megatron-LM's spelling of dense."""
+    experts = None if args.num_experts == 0 else args.num_experts
+    if experts is None:
+        _refuse_without_experts(args)
+    elif experts < 0:
+        raise ValueError(f"--num-experts must be >= 1 (or 0 for dense MLPs); got {experts}.")
+    else:
+        _refuse_without_their_feature(args)
+    return dict(_defaults(args), num_experts=experts)
 
 
 def check_moe_flags(args: argparse.Namespace, tp: int, dp: int, use_cuda: bool, num_layers: int) -> int:
-    """Check the MoE flags against each other and the layout; fills their defaults. Returns EP."""
-    if args.num_experts == 0:  # Megatron-LM's spelling of a dense model
-        args.num_experts = None
-    if args.num_experts is None:
-        _refuse_without_experts(args)
-    elif args.num_experts < 0:
-        raise ValueError(f"--num-experts must be >= 1 (or 0 for dense MLPs); got {args.num_experts}.")
-    else:
-        _refuse_without_their_feature(args)
-    _fill_defaults(args)
+    """Check the resolved MoE flags (`resolve_moe_flags`) against each other and the layout. Returns EP."""
     if args.num_experts is not None:
         _check_expert_flags(args, tp, dp, use_cuda)
         _check_router_flags(args)
@@ -273,17 +206,15 @@ def _refuse_without_their_feature(args: argparse.Namespace) -> None:
             refuse_flags_without(given, f"{_flag(needed)} ({feature})")
 
 
-def _fill_defaults(args: argparse.Namespace) -> None:
-    """Megatron-LM's defaults, filled in only now so that the check above sees what was given.
+def _defaults(args: argparse.Namespace) -> dict[str, Any]:
+    """Megatron-LM's defaults, filled in only after the refusals, which see what was given.
     One balancing type and one coefficient become plain values, as Megatron-LM does."""
     defaults = dict(moe_router_topk=2, moe_token_dispatcher_type="allgather", moe_router_score_function="softmax",
                     moe_router_bias_update_rate=1e-3, moe_token_drop_policy="probs", moe_layer_freq="1")
-    for dest, value in defaults.items():
-        if getattr(args, dest) is None:
-            setattr(args, dest, value)
+    values = {dest: default if getattr(args, dest) is None else getattr(args, dest) for dest, default in defaults.items()}
     for dest in ("moe_router_pre_softmax", "moe_router_enable_expert_bias", "moe_shared_expert_overlap",
                  "moe_shared_expert_gate", "moe_pad_expert_input_to_capacity"):
-        setattr(args, dest, bool(getattr(args, dest)))
+        values[dest] = bool(getattr(args, dest))
     types = args.moe_router_load_balancing_type or ["aux_loss"]
     coeffs = args.moe_aux_loss_coeff or [0.0]
     if len(types) != len(coeffs) and args.moe_aux_loss_coeff is not None:
@@ -291,9 +222,10 @@ def _fill_defaults(args: argparse.Namespace) -> None:
                          f"--moe-router-load-balancing-type(s): give one coefficient per type.")
     if len(types) > 1 and args.moe_aux_loss_coeff is None:
         coeffs = [0.0] * len(types)
-    args.moe_router_load_balancing_type = types[0] if len(types) == 1 else list(types)
-    args.moe_aux_loss_coeff = coeffs[0] if len(coeffs) == 1 else list(coeffs)
-    args.moe_layer_freq = parse_moe_layer_freq(args.moe_layer_freq)
+    values["moe_router_load_balancing_type"] = types[0] if len(types) == 1 else list(types)
+    values["moe_aux_loss_coeff"] = coeffs[0] if len(coeffs) == 1 else list(coeffs)
+    values["moe_layer_freq"] = parse_moe_layer_freq(values["moe_layer_freq"])
+    return values
 
 
 def _check_expert_flags(args: argparse.Namespace, tp: int, dp: int, use_cuda: bool) -> None:

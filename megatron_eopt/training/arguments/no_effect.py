@@ -34,6 +34,27 @@ says so instead of argparse's "unrecognized arguments".
 
 import argparse
 
+from megatron_eopt.training.arguments.flags.table import NO_EFFECT as CHANGES_NOTHING
+from megatron_eopt.training.arguments.flags.table import REFUSED, Flag
+
+def _ignored(option: str, value: bool = False, **fields) -> Flag:
+    """A row that changes nothing here: a switch, or (`value`) a flag taking a value; None unless given."""
+    return Flag(option, default=None, action=None if value else "store_true", status=CHANGES_NOTHING, **fields)
+
+
+def _refused(option: str, value: bool = False, **fields) -> Flag:
+    """A row that is refused with its reason; its own dest (`_refused_dest`)."""
+    return Flag(option, default=None, action=None if value else "store_true", status=REFUSED,
+                dest=_refused_dest(option), **fields)
+
+
+def _refused_dest(flag: str) -> str:
+    """Their own attribute names: several are OptimizerConfig fields, which the trainer copies
+    from the namespace by name (arguments.optimizer_config_from_args)."""
+    return "refused_" + flag[2:].replace("-", "_")
+
+
+
 WANDB = "Weights & Biases logging is not offered here (TensorBoard and --metrics-jsonl are)"
 ALREADY_OFF = "already off here: this trainer runs megatron-core's unfused code"
 NOT_CHOSEN = "a kernel choice this trainer does not make (the result does not depend on it)"
@@ -43,87 +64,95 @@ ASYNC_SAVE = ("saves are synchronous here: every rank writes its part and the ch
               "training goes on (Megatron-LM 0.19 also turns --async-save off unless --use-persistent-ckpt-worker)")
 ALWAYS_PARALLEL_SAVE = ("every rank writes the shards it holds and each replicated tensor is written once "
                         "(megatron_eopt.checkpointing); there is no save from data-parallel rank 0 only to switch to")
-NO_EFFECT: dict[str, tuple[dict, str]] = {  # flag: (argparse keywords, why it changes nothing)
-    "--no-masked-softmax-fusion": ({"action": "store_true"}, ALREADY_OFF),
-    "--no-bias-gelu-fusion": ({"action": "store_true"}, ALREADY_OFF),
-    "--no-bias-swiglu-fusion": ({"action": "store_true"}, ALREADY_OFF),
-    "--no-bias-dropout-fusion": ({"action": "store_true"}, ALREADY_OFF),
-    "--no-rope-fusion": ({"action": "store_true"}, ALREADY_OFF),
-    "--no-gradient-accumulation-fusion": ({"action": "store_true"}, ALREADY_OFF),
-    "--cross-entropy-loss-fusion": ({"action": "store_true"}, NOT_CHOSEN),
-    "--use-flash-attn": ({"action": "store_true"}, NOT_CHOSEN),
-    "--attention-backend": ({"choices": ("auto", "flash", "fused", "unfused", "local")}, NOT_CHOSEN),
-    "--use-mcore-models": ({"action": "store_true"}, "the models are always megatron-core's"),
-    "--use-cpu-initialization": ({"action": "store_true"}, "always on here (the weights do not depend on the layout)"),
-    "--log-validation-ppl-to-tensorboard": ({"action": "store_true"}, "always written here with --tensorboard-dir"),
-    "--num-workers": ({"type": int}, "samples are read in the training process, without a DataLoader"),
-    "--moe-grouped-gemm": ({"action": "store_true"}, "a kernel choice this trainer does not make (its experts run "
-                                                     "one after another, megatron's SequentialMLP: the same result)"),
-    "--moe-permute-fusion": ({"action": "store_true"}, "a kernel choice this trainer does not make (megatron-core's "
-                                                       "unfused permutation: the same result)"),
-    "--moe-router-fusion": ({"action": "store_true"}, "a kernel choice this trainer does not make (megatron-core's "
-                                                      "unfused routing: the same result)"),
-    "--moe-per-layer-logging": ({"action": "store_true"}, "the MoE losses are logged as the mean over layers only"),
-    "--no-create-attention-mask-in-dataloader": ({"action": "store_true"},
-                                                 "already so: the data carries no attention mask"),
-    "--ckpt-format": ({"choices": ("torch", "torch_dist", "torch_dcp", "fsdp_dtensor")},
-                      "checkpoints are megatron_eopt's resharding format (megatron_eopt.checkpointing) whatever "
-                      "this says"),
-    "--tiktoken-pattern": ({}, "read by TikTokenizer only, which this trainer does not offer"),
-    "--log-timers-to-tensorboard": ({"action": "store_true"}, "iteration-time and throughput (Megatron-LM's timers at "
-                                   "its default --timing-log-level 0) are always written with --tensorboard-dir"),
-    "--attention-softmax-in-fp32": ({"action": "store_true"}, "already so here: the attention's softmax runs in fp32 "
-                                   "(torch's SDPA on CPU, Transformer Engine's attention, megatron's local attention "
-                                   "with TransformerConfig's default)"),
-    "--apply-query-key-layer-scaling": ({"action": "store_true"}, "an fp16 range trick (scores divided by the layer "
-                                        "number, multiplied back in an fp32 softmax) that leaves the attention as it is"),
-    "--no-persist-layer-norm": ({"action": "store_true"}, NOT_CHOSEN),
-    "--apply-residual-connection-post-layernorm": ({"action": "store_true"}, "megatron-core's transformer layers do "
-                                                   "not read it (the residual is always the norm's input), so it "
-                                                   "changes nothing in Megatron-LM either"),
-    "--openai-gelu": ({"action": "store_true"}, "Megatron-LM itself no longer reads it (the activation stays GELU, "
-                      "or --swiglu's / --squared-relu's / --quick-geglu's)"),
-    "--timing-log-level": ({"type": int, "choices": (0, 1, 2)}, TIMERS),
-    "--timing-log-option": ({"choices": ("max", "minmax", "all")}, TIMERS),
-    "--wandb-project": ({}, WANDB),
-    "--wandb-exp-name": ({}, WANDB),
-    "--wandb-save-dir": ({}, WANDB),
-    "--wandb-entity": ({}, WANDB),
-    "--use-dist-ckpt": ({"action": "store_true"}, "deprecated in Megatron-LM, where it has no effect either; "
-                        "checkpoints here are always megatron_eopt's distributed format"),
-    "--auto-detect-ckpt-format": ({"action": "store_true"}, "there is one checkpoint format here "
-                                  "(megatron_eopt.checkpointing), nothing to detect"),
-    "--async-save": ({"action": "store_true"}, ASYNC_SAVE),
-    "--ckpt-fully-parallel-save": ({"action": "store_true"}, "deprecated in Megatron-LM, where it has no effect "
-                                   "either; saves are always parallel here"),
-    "--no-ckpt-fully-parallel-save": ({"action": "store_true"}, ALWAYS_PARALLEL_SAVE),
-    "--ckpt-fully-parallel-load": ({"action": "store_true"}, "each rank here reads only the tensors it holds "
-                                   "(megatron_eopt.checkpointing), with no read-once-and-exchange mode to choose"),
-    "--ckpt-assume-constant-structure": ({"action": "store_true"}, "it lets megatron's distributed checkpointing "
-                                         "reuse save plans between saves, which megatron_eopt.checkpointing does "
-                                         "not cache; the files are the same"),
+NO_EFFECT_ROWS: tuple[Flag, ...] = (
+    _ignored("--no-masked-softmax-fusion", reason=ALREADY_OFF),
+    _ignored("--no-bias-gelu-fusion", reason=ALREADY_OFF),
+    _ignored("--no-bias-swiglu-fusion", reason=ALREADY_OFF),
+    _ignored("--no-bias-dropout-fusion", reason=ALREADY_OFF),
+    _ignored("--no-rope-fusion", reason=ALREADY_OFF),
+    _ignored("--no-gradient-accumulation-fusion", reason=ALREADY_OFF),
+    _ignored("--cross-entropy-loss-fusion", reason=NOT_CHOSEN),
+    _ignored("--use-flash-attn", reason=NOT_CHOSEN),
+    _ignored("--attention-backend", choices=("auto", "flash", "fused", "unfused", "local"), value=True,
+         reason=NOT_CHOSEN),
+    _ignored("--use-mcore-models", reason=("the models are always megatron-core's")),
+    _ignored("--use-cpu-initialization", reason=("always on here (the weights do not depend on the layout)")),
+    _ignored("--log-validation-ppl-to-tensorboard", reason=("always written here with --tensorboard-dir")),
+    _ignored("--num-workers", type=int, value=True,
+         reason="samples are read in the training process, without a DataLoader"),
+    _ignored("--moe-grouped-gemm",
+         reason=("a kernel choice this trainer does not make (its experts run one after another, megatron's "
+                 "SequentialMLP: the same result)")),
+    _ignored("--moe-permute-fusion",
+         reason="a kernel choice this trainer does not make (megatron-core's unfused permutation: the same result)"),
+    _ignored("--moe-router-fusion",
+         reason="a kernel choice this trainer does not make (megatron-core's unfused routing: the same result)"),
+    _ignored("--moe-per-layer-logging", reason=("the MoE losses are logged as the mean over layers only")),
+    _ignored("--no-create-attention-mask-in-dataloader", reason=("already so: the data carries no attention mask")),
+    _ignored("--ckpt-format", choices=("torch", "torch_dist", "torch_dcp", "fsdp_dtensor"), value=True,
+         reason="checkpoints are megatron_eopt's resharding format (megatron_eopt.checkpointing) whatever this says"),
+    _ignored("--tiktoken-pattern", value=True, reason=("read by TikTokenizer only, which this trainer does not offer")),
+    _ignored("--log-timers-to-tensorboard",
+         reason=("iteration-time and throughput (Megatron-LM's timers at its default --timing-log-level 0) are always "
+                 "written with --tensorboard-dir")),
+    _ignored("--attention-softmax-in-fp32",
+         reason=("already so here: the attention's softmax runs in fp32 (torch's SDPA on CPU, Transformer Engine's "
+                 "attention, megatron's local attention with TransformerConfig's default)")),
+    _ignored("--apply-query-key-layer-scaling",
+         reason=("an fp16 range trick (scores divided by the layer number, multiplied back in an fp32 softmax) that "
+                 "leaves the attention as it is")),
+    _ignored("--no-persist-layer-norm", reason=NOT_CHOSEN),
+    _ignored("--apply-residual-connection-post-layernorm",
+         reason=("megatron-core's transformer layers do not read it (the residual is always the norm's input), so it "
+                 "changes nothing in Megatron-LM either")),
+    _ignored("--openai-gelu",
+         reason=("Megatron-LM itself no longer reads it (the activation stays GELU, or --swiglu's / --squared-relu's /"
+                 " --quick-geglu's)")),
+    _ignored("--timing-log-level", type=int, choices=(0, 1, 2), value=True, reason=TIMERS),
+    _ignored("--timing-log-option", choices=("max", "minmax", "all"), value=True, reason=TIMERS),
+    _ignored("--wandb-project", value=True, reason=WANDB),
+    _ignored("--wandb-exp-name", value=True, reason=WANDB),
+    _ignored("--wandb-save-dir", value=True, reason=WANDB),
+    _ignored("--wandb-entity", value=True, reason=WANDB),
+    _ignored("--use-dist-ckpt",
+         reason=("deprecated in Megatron-LM, where it has no effect either; checkpoints here are always "
+                 "megatron_eopt's distributed format")),
+    _ignored("--auto-detect-ckpt-format",
+         reason="there is one checkpoint format here (megatron_eopt.checkpointing), nothing to detect"),
+    _ignored("--async-save", reason=ASYNC_SAVE),
+    _ignored("--ckpt-fully-parallel-save",
+         reason="deprecated in Megatron-LM, where it has no effect either; saves are always parallel here"),
+    _ignored("--no-ckpt-fully-parallel-save", reason=ALWAYS_PARALLEL_SAVE),
+    _ignored("--ckpt-fully-parallel-load",
+         reason=("each rank here reads only the tensors it holds (megatron_eopt.checkpointing), with no read-once-and-"
+                 "exchange mode to choose")),
+    _ignored("--ckpt-assume-constant-structure",
+         reason=("it lets megatron's distributed checkpointing reuse save plans between saves, which "
+                 "megatron_eopt.checkpointing does not cache; the files are the same")),
     # Refused with --position-embedding-type learned_absolute, as Megatron-LM does (scripts/pretrain_gpt.py).
-    "--no-position-embedding": ({"action": "store_true"}, "Megatron-LM's deprecated spelling; the position "
-                                "embedding is --position-embedding-type's (rope or none here)"),
-}
+    _ignored("--no-position-embedding",
+         reason=("Megatron-LM's deprecated spelling; the position embedding is --position-embedding-type's (rope or "
+                 "none here)")),
+)
 USE_CHECKPOINT_ARGS = ("checkpoints here do not store the command line (megatron_eopt.checkpointing keeps the "
                        "model, optimizer, lr schedule and RNG states); give the model flags again")
 FP8 = ("FP8 training is not offered by this trainer (Megatron-LM runs it through Transformer Engine on Hopper or "
        "newer GPUs); train with --bf16")
-NOT_OFFERED: dict[str, tuple[dict, str]] = {  # flag: (argparse keywords, why it is refused)
-    "--fp8-format": ({"choices": ("e4m3", "hybrid")}, FP8),
-    "--fp8-recipe": ({}, FP8),
-    "--fp8-amax-history-len": ({"type": int}, FP8),
-    "--fp8-amax-compute-algo": ({"choices": ("most_recent", "max")}, FP8),
-    "--fp8-param-gather": ({"action": "store_true"}, FP8),
-    "--use-precision-aware-optimizer": ({"action": "store_true"}, "lower-precision optimizer state (Megatron-LM's "
-                                        "precision-aware optimizer, through Transformer Engine) is not offered: "
-                                        "main parameters, gradients and optimizer states stay fp32"),
-    "--optimizer-cpu-offload": ({"action": "store_true"}, "offloading the optimizer to CPU is not offered"),
-    "--optimizer-offload-fraction": ({"type": float}, "it applies with --optimizer-cpu-offload, which is not offered"),
-    "--optimizer-cuda-graph": ({"action": "store_true"}, "CUDA graphs of the optimizer step are not offered"),
-    "--use-checkpoint-args": ({"action": "store_true"}, USE_CHECKPOINT_ARGS),
-}
+NOT_OFFERED_ROWS: tuple[Flag, ...] = (
+    _refused("--fp8-format", choices=("e4m3", "hybrid"), value=True, reason=FP8),
+    _refused("--fp8-recipe", value=True, reason=FP8),
+    _refused("--fp8-amax-history-len", type=int, value=True, reason=FP8),
+    _refused("--fp8-amax-compute-algo", choices=("most_recent", "max"), value=True, reason=FP8),
+    _refused("--fp8-param-gather", reason=FP8),
+    _refused("--use-precision-aware-optimizer",
+         reason=("lower-precision optimizer state (Megatron-LM's precision-aware optimizer, through Transformer "
+                 "Engine) is not offered: main parameters, gradients and optimizer states stay fp32")),
+    _refused("--optimizer-cpu-offload", reason=("offloading the optimizer to CPU is not offered")),
+    _refused("--optimizer-offload-fraction", type=float, value=True,
+         reason="it applies with --optimizer-cpu-offload, which is not offered"),
+    _refused("--optimizer-cuda-graph", reason=("CUDA graphs of the optimizer step are not offered")),
+    _refused("--use-checkpoint-args", reason=USE_CHECKPOINT_ARGS),
+)
 # Megatron-LM's precision-aware optimizer's dtypes: fp32 is what this trainer keeps anyway
 # (named at start-up as changing nothing); any other value is refused.
 FP32_STATE_FLAGS: dict[str, tuple[str, ...]] = {  # flag: Megatron-LM's choices
@@ -135,32 +164,23 @@ FP32_STATE_FLAGS: dict[str, tuple[str, ...]] = {  # flag: Megatron-LM's choices
 FP32_STATE = "main parameters, gradients and optimizer states are fp32 here (the precision-aware optimizer is not offered)"
 
 
-def add_no_effect_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group(title="accepted from Megatron-LM, no effect here")
-    for flag, (keywords, reason) in NO_EFFECT.items():
-        group.add_argument(flag, default=None, help=reason, **keywords)
-    group = parser.add_argument_group(title="Megatron-LM flags refused with the reason")
-    for flag, (keywords, reason) in NOT_OFFERED.items():
-        group.add_argument(flag, dest=_refused_dest(flag), default=None, help=reason, **keywords)
-    for flag, choices in FP32_STATE_FLAGS.items():
-        group.add_argument(flag, dest=_refused_dest(flag), default=None, choices=choices, help=f"fp32 only: {FP32_STATE}")
-
-
-def _refused_dest(flag: str) -> str:
-    """Their own attribute names: several are OptimizerConfig fields, which the trainer copies
-    from the namespace by name (arguments.optimizer_config_from_args)."""
-    return "refused_" + flag[2:].replace("-", "_")
+REFUSED_ROWS: tuple[Flag, ...] = NOT_OFFERED_ROWS + tuple(
+    _refused(flag, value=True, choices=choices, help=f"fp32 only: {FP32_STATE}", reason=FP32_STATE)
+    for flag, choices in FP32_STATE_FLAGS.items())
+NO_EFFECT: dict[str, Flag] = {row.option: row for row in NO_EFFECT_ROWS}
+NO_EFFECT_TITLE = "accepted from Megatron-LM, no effect here"
+REFUSED_TITLE = "Megatron-LM flags refused with the reason"
 
 
 def check_not_offered(args: argparse.Namespace) -> None:
     """A ValueError naming the first refused flag the command line gave, with the reason."""
-    for flag, (_, reason) in NOT_OFFERED.items():
-        if _given(args, flag, _refused_dest(flag)) is not None:
-            raise ValueError(f"{flag}: {reason}.")
-    for flag in FP32_STATE_FLAGS:
-        value = _given(args, flag, _refused_dest(flag))
-        if value not in (None, "fp32"):
-            raise ValueError(f"{flag} {value}: {FP32_STATE}.")
+    for row in REFUSED_ROWS:
+        value = _given(args, row.option, row.name)
+        if row.option in FP32_STATE_FLAGS:
+            if value not in (None, "fp32"):
+                raise ValueError(f"{row.option} {value}: {FP32_STATE}.")
+        elif value is not None:
+            raise ValueError(f"{row.option}: {row.reason}.")
 
 
 def _given(args: argparse.Namespace, flag: str, dest: str = ""):
@@ -171,11 +191,11 @@ def _given(args: argparse.Namespace, flag: str, dest: str = ""):
 def no_effect_lines(args: argparse.Namespace) -> list[str]:
     """One line for each of these flags the command line gave."""
     lines = []
-    for flag, (_, reason) in NO_EFFECT.items():
+    for flag, row in NO_EFFECT.items():
         value = _given(args, flag)
         if value is not None:
             shown = flag if value is True else f"{flag} {value}"
-            lines.append(f"{shown}: no effect, {reason}")
+            lines.append(f"{shown}: no effect, {row.reason}")
     lines += [f"{flag} fp32: no effect, {FP32_STATE}" for flag in FP32_STATE_FLAGS
               if _given(args, flag, _refused_dest(flag)) == "fp32"]
     return lines

@@ -2,12 +2,14 @@
 
 import argparse
 import re
-from typing import Any
+from typing import Any, Optional
 
 from megatron_eopt.arguments import (
     refuse_flags_without,
 )
 from megatron_eopt.bridge import SchedulerConfig
+from megatron_eopt.training.arguments.flags.table import replaced, settings_from_flags
+from megatron_eopt.training.arguments.flags.training import DEFAULT_TRAIN_ITERS
 from megatron_eopt.training.arguments.no_effect import check_not_offered
 from megatron_eopt.training.loop.evaluation import check_eval_flags
 from megatron_eopt.training.loop.housekeeping import check_housekeeping_flags
@@ -18,8 +20,10 @@ from megatron_eopt.training.model.layer_specs import transformer_engine_at_least
 from megatron_eopt.training.parallel.layout import runs_on_cuda
 
 
-def check_training_flags(args: argparse.Namespace) -> None:
-    _training_length(args)
+def check_training_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """Check the training flags; returns the defaults they resolve (train_iters, min_lr, the
+    gradient precision, WSD's decay style, --exit-signal's)."""
+    args = replaced(args, train_iters=_training_length(args))
     for name in ("train_iters", "log_interval", "tensorboard_log_interval", "tensorboard_queue_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}.")
@@ -41,11 +45,10 @@ def check_training_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--exit-duration-in-mins must be > 0; got {args.exit_duration_in_mins}.")
     if args.lr is None:
         raise ValueError("--lr is required (the peak learning rate).")
-    _gradient_precision(args)
-    if args.min_lr is None:
-        args.min_lr = 0.0
+    args = replaced(args, min_lr=0.0 if args.min_lr is None else args.min_lr,
+                    accumulate_allreduce_grads_in_fp32=_gradient_precision(args))
     check_eval_flags(args)
-    check_run_control_flags(args)
+    args = replaced(args, **check_run_control_flags(args))
     _check_document_flags(args)
     if args.save_interval is not None and (args.save_interval < 1 or not args.save):
         raise ValueError(f"--save-interval needs --save and must be >= 1; got {args.save_interval}.")
@@ -57,7 +60,7 @@ def check_training_flags(args: argparse.Namespace) -> None:
     _check_fsdp2_flags(args)
     if args.plot and not args.plot.endswith(".png"):
         raise ValueError(f"--plot writes a PNG; give a path ending in .png, got {args.plot!r}.")
-    _check_wsd_flags(args)
+    args = replaced(args, lr_wsd_decay_style=_check_wsd_flags(args))
     _check_weight_decay_flags(args)
     if args.lr_warmup_init > args.lr:
         raise ValueError(f"--lr-warmup-init {args.lr_warmup_init} must not exceed --lr {args.lr}.")
@@ -66,6 +69,8 @@ def check_training_flags(args: argparse.Namespace) -> None:
     except (TypeError, ValueError) as error:  # SchedulerConfig's field names -> this script's flags
         raise ValueError(re.sub(r"SchedulerConfig\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"),
                                 str(error))) from None
+    return {name: getattr(args, name) for name in ("train_iters", "min_lr", "accumulate_allreduce_grads_in_fp32",
+                                                   "lr_wsd_decay_style", "exit_signal")}
 
 
 def _check_document_flags(args: argparse.Namespace) -> None:
@@ -92,25 +97,25 @@ def document_lines(args: argparse.Namespace) -> list[str]:
     return []
 
 
-def _gradient_precision(args: argparse.Namespace) -> None:
-    """Megatron-LM: with --bf16, gradients are accumulated and all-reduced in fp32 unless
-    --grad-reduce-in-bf16 (which wins over --accumulate-allreduce-grads-in-fp32)."""
+def _gradient_precision(args: argparse.Namespace) -> bool:
+    """--accumulate-allreduce-grads-in-fp32 resolved. Megatron-LM: with --bf16, gradients are
+    accumulated and all-reduced in fp32 unless --grad-reduce-in-bf16 (which wins)."""
     if args.grad_reduce_in_bf16 and not args.bf16:
         raise ValueError("--grad-reduce-in-bf16 only applies with --bf16.")
     if args.bf16:
-        args.accumulate_allreduce_grads_in_fp32 = not args.grad_reduce_in_bf16
+        return not args.grad_reduce_in_bf16
+    return args.accumulate_allreduce_grads_in_fp32
 
 
-DEFAULT_TRAIN_ITERS = 100  # without --train-iters or --train-samples
 _ITERATION_SCHEDULE_FLAGS = ("lr_decay_iters", "lr_warmup_iters", "lr_wsd_decay_iters")
 
 
 _SAMPLE_SCHEDULE_FLAGS = ("lr_decay_samples", "lr_warmup_samples", "lr_wsd_decay_samples")
 
 
-def _training_length(args: argparse.Namespace) -> None:
+def _training_length(args: argparse.Namespace) -> int:
     """--train-iters or --train-samples (Megatron-LM: then train_samples // global batch
-    iterations, and the schedule flags count samples); sets args.train_iters either way."""
+    iterations, and the schedule flags count samples); returns the iterations either way."""
     def given(names: tuple[str, ...]) -> list[str]:
         return [f"--{name.replace('_', '-')}" for name in names if getattr(args, name)]
 
@@ -118,9 +123,7 @@ def _training_length(args: argparse.Namespace) -> None:
         if given(_SAMPLE_SCHEDULE_FLAGS):
             raise ValueError(f"{given(_SAMPLE_SCHEDULE_FLAGS)[0]} needs --train-samples (with --train-iters the "
                              f"schedule counts iterations: --lr-decay-iters, --lr-warmup-iters, ...).")
-        if args.train_iters is None:
-            args.train_iters = DEFAULT_TRAIN_ITERS
-        return
+        return DEFAULT_TRAIN_ITERS if args.train_iters is None else args.train_iters
     if args.train_iters is not None:
         raise ValueError("--train-iters and --train-samples both set the training length; give one.")
     if given(_ITERATION_SCHEDULE_FLAGS):
@@ -129,7 +132,7 @@ def _training_length(args: argparse.Namespace) -> None:
     if args.train_samples < args.global_batch_size:
         raise ValueError(f"--train-samples {args.train_samples} must be >= --global-batch-size "
                          f"{args.global_batch_size} (one iteration).")
-    args.train_iters = args.train_samples // args.global_batch_size
+    return args.train_samples // args.global_batch_size
 
 
 def _check_fsdp2_flags(args: argparse.Namespace) -> None:
@@ -146,18 +149,18 @@ def _check_fsdp2_flags(args: argparse.Namespace) -> None:
             raise ValueError(f"--use-torch-fsdp2 does not support {what} yet.")
 
 
-def _check_wsd_flags(args: argparse.Namespace) -> None:
+def _check_wsd_flags(args: argparse.Namespace) -> Optional[str]:
+    """Checks; returns --lr-wsd-decay-style (Megatron-LM's default exponential with WSD)."""
     if args.lr_decay_style != "WSD":
         given = [f"--{name.replace('_', '-')}" for name in ("lr_wsd_decay_iters", "lr_wsd_decay_style")
                  if getattr(args, name) is not None]
         refuse_flags_without(given, f"--lr-decay-style WSD (got --lr-decay-style {args.lr_decay_style})")
-        return
-    if args.lr_wsd_decay_style is None:
-        args.lr_wsd_decay_style = "exponential"  # Megatron-LM's default
+        return args.lr_wsd_decay_style
     decay_iters = args.lr_decay_iters or args.train_iters
     if args.train_samples is None and args.lr_wsd_decay_iters is not None and args.lr_wsd_decay_iters > decay_iters:
         raise ValueError(f"--lr-wsd-decay-iters {args.lr_wsd_decay_iters} must not exceed the decay's "
                          f"{decay_iters} iterations (--lr-decay-iters, default --train-iters).")
+    return args.lr_wsd_decay_style or "exponential"  # Megatron-LM's default
 
 
 def _check_weight_decay_flags(args: argparse.Namespace) -> None:
@@ -172,27 +175,11 @@ def _check_weight_decay_flags(args: argparse.Namespace) -> None:
 
 
 def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
-    """Megatron-LM's schedule flags; megatron_eopt.bridge turns iterations into samples."""
-    return SchedulerConfig(
-        lr_decay_style=args.lr_decay_style,
-        lr_decay_iters=args.lr_decay_iters,
-        lr_warmup_iters=args.lr_warmup_iters,
-        lr_warmup_fraction=args.lr_warmup_fraction,
-        lr_warmup_init=args.lr_warmup_init,
+    """Megatron-LM's schedule flags, matched to SchedulerConfig's fields by name; megatron_eopt.bridge
+    turns iterations into samples. With --train-samples the schedule counts samples only."""
+    samples = args.train_samples is not None
+    return settings_from_flags(args, SchedulerConfig, dict(
         lr_wsd_decay_style=args.lr_wsd_decay_style or "exponential",
-        lr_wsd_decay_iters=args.lr_wsd_decay_iters,
-        global_batch_size=args.global_batch_size,
-        **_training_length_fields(args),
-        override_opt_param_scheduler=args.override_opt_param_scheduler,
-        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-        start_weight_decay=args.start_weight_decay,
-        end_weight_decay=args.end_weight_decay,
-        weight_decay_incr_style=args.weight_decay_incr_style,
-    )
-
-
-def _training_length_fields(args: argparse.Namespace) -> dict[str, Any]:
-    if args.train_samples is None:
-        return dict(train_iters=args.train_iters)
-    return dict(train_samples=args.train_samples, lr_decay_samples=args.lr_decay_samples,
-                lr_warmup_samples=args.lr_warmup_samples or 0, lr_wsd_decay_samples=args.lr_wsd_decay_samples)
+        train_iters=None if samples else args.train_iters,
+        lr_warmup_samples=args.lr_warmup_samples or 0,
+    ))

@@ -20,36 +20,25 @@ from typing import Optional
 FLAGS = ("--rampup-batch-size", "--step-batch-size-schedule")
 
 
-def add_batch_schedule_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group(title="growing global batch")
-    group.add_argument("--rampup-batch-size", nargs=3, type=int, default=None,
-                       metavar=("START", "INCREMENT", "SAMPLES"),
-                       help="grow the global batch from START by INCREMENT in equal steps over the first "
-                            "SAMPLES samples up to --global-batch-size (needs --train-samples)")
-    group.add_argument("--step-batch-size-schedule", default=None,
-                       help='"THRESHOLD:BATCH ...": BATCH from THRESHOLD consumed tokens on (K/M/B/T '
-                            "suffixes, first threshold 0); the last BATCH is the global batch size "
-                            "(needs --train-samples, excludes --global-batch-size)")
-
-
-def check_batch_schedule_flags(args: argparse.Namespace) -> None:
-    """Before the layout is known: the flags' own rules. Sets --global-batch-size from a step
-    schedule (its last batch)."""
+def check_batch_schedule_flags(args: argparse.Namespace) -> Optional[int]:
+    """Before the layout is known: the flags' own rules. Returns --global-batch-size, which a
+    step schedule sets (its last batch)."""
     given = [flag for flag in FLAGS if getattr(args, flag[2:].replace("-", "_")) is not None]
     if len(given) == 2:
         raise ValueError("--rampup-batch-size and --step-batch-size-schedule exclude each other; give one.")
     if not given:
-        return
+        return args.global_batch_size
     if args.train_samples is None:
         raise ValueError(f"{given[0]} needs --train-samples (Megatron-LM: no batch-size ramp-up for "
                          f"iteration-based training; the lr schedule then counts samples).")
     if args.rampup_batch_size is not None:
         _check_rampup(args)
+        return args.global_batch_size
     else:
         if args.global_batch_size is not None:
             raise ValueError("--step-batch-size-schedule sets the global batch size (its last batch); "
                              "--global-batch-size excludes it (as in Megatron-LM).")
-        args.global_batch_size = step_schedule(args.step_batch_size_schedule, args.seq_length)[-1][1]
+        return step_schedule(args.step_batch_size_schedule, args.seq_length)[-1][1]
 
 
 def _check_rampup(args: argparse.Namespace) -> None:

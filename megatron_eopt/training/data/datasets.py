@@ -21,6 +21,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from megatron_eopt.training.arguments.flags.model import DEFAULT_RULE_VOCAB_SIZE  # noqa: F401 (re-exported)
 from megatron_eopt.training.data.tokenizer import (
     BYTE_VOCAB_SIZE,
     build_tokenizer,
@@ -30,7 +31,6 @@ from megatron_eopt.training.data.tokenizer import (
 )
 
 RULES = [(3, 1), (5, 7), (7, 2), (11, 5)]
-DEFAULT_RULE_VOCAB_SIZE = 64
 SPLITS = ("train", "valid", "test")
 DEFAULT_SPLIT = "969, 30, 1"  # Megatron-LM's legacy default for --data-path without --split
 PER_SPLIT_FLAGS = tuple(f"--{split}-data-path" for split in SPLITS)
@@ -55,70 +55,36 @@ def rule_batch(batch_size: int, length: int, vocab: int, generator: torch.Genera
 # ------------------------------------------------------------------------------------------------
 
 
-def add_data_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group(title="data")
-    group.add_argument("--data-path", nargs="*", default=None,
-                       help="[W1] PREFIX1 [W2 PREFIX2 ...]: indexed datasets (PREFIX.bin/.idx from "
-                            "tools/preprocess_data.py), blended by the weights; default: the generated task")
-    group.add_argument("--split", default=None,
-                       help=f"train, valid, test proportions of --data-path (default {DEFAULT_SPLIT!r})")
-    for split, name in (("train", "training"), ("valid", "validation"), ("test", "test")):
-        group.add_argument(f"--{split}-data-path", nargs="*", default=None,
-                           help=f"[W1] PREFIX1 ...: the {name} split's own datasets (instead of --data-path "
-                                f"and --split)")
-    group.add_argument("--data-args-path", default=None,
-                       help="a file holding the --data-path list (whitespace-separated), instead of --data-path")
-    group.add_argument("--per-split-data-args-path", default=None,
-                       help="a JSON file with 'train', 'valid' and 'test' keys, each a --data-path list (a "
-                            "string or a list of strings), instead of --train/valid/test-data-path")
-    group.add_argument("--num-dataset-builder-threads", type=int, default=1,
-                       help="threads megatron-core's dataset builder uses per rank")
-    group.add_argument("--mid-level-dataset-surplus", type=float, default=0.005,
-                       help="extra samples megatron-core builds for each dataset of a blend")
-    group.add_argument("--dataloader-type", default=None, choices=("single", "cyclic", "external"),
-                       help="single (default): the training samples in order; cyclic: in a new random "
-                            "order every epoch (Megatron-LM's MegatronPretrainingRandomSampler)")
-    group.add_argument("--reset-position-ids", action="store_true",
-                       help="positions start again at 0 after each end-of-document token")
-    group.add_argument("--reset-attention-mask", action="store_true",
-                       help="tokens attend only within their own document (end-of-document token included)")
-    group.add_argument("--data-cache-path", default=None, help="where the dataset index caches are written")
-    group.add_argument("--mock-data", action="store_true", help="megatron-core's MockGPTDataset")
-    group.add_argument("--eod-mask-loss", action="store_true",
-                       help="labels that are the end-of-document token do not count in the loss")
-    group.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files",
-                       help="read the .bin files with file reads instead of memory-mapping them")
-
-
-def check_data_flags(args: argparse.Namespace) -> None:
-    """Parse-time checks (no megatron-core import); errors name the flags. Sets args.vocab_size
-    for the generated task and NullTokenizer --mock-data, args.tokenizer_type's default,
-    args.split's and args.dataloader_type's."""
-    _check_dataset_options(args)
+def check_data_flags(args: argparse.Namespace) -> dict:
+    """Parse-time checks (no megatron-core import); errors name the flags. Returns the defaults
+    they resolve: vocab_size for the generated task and NullTokenizer --mock-data,
+    tokenizer_type's, split's and dataloader_type's."""
+    resolved = {"dataloader_type": _check_dataset_options(args)}
     lists = dataset_lists(args)
     if lists and args.mock_data:
         raise ValueError(f"{_data_source_flags(args)[0]} and --mock-data exclude each other; give one.")
+    tokenizer_type, vocab_size = args.tokenizer_type, args.vocab_size
     if lists:
-        _check_dataset_lists(args, lists)
-        if args.tokenizer_type is None:
+        resolved["split"] = _check_dataset_lists(args, lists)
+        if tokenizer_type is None:
             check_bpe_file_flags(None, args.vocab_file, args.merge_file)  # names them when given
             raise ValueError(f"{_data_source_flags(args)[0]} needs --tokenizer-type (the tokenizer "
                              f"tools/preprocess_data.py used).")
     elif args.mock_data:
-        args.split = args.split or DEFAULT_SPLIT
-        split_weights(args.split)
-        check_bpe_file_flags(args.tokenizer_type, args.vocab_file, args.merge_file)  # before the default type
-        args.tokenizer_type = args.tokenizer_type or "NullTokenizer"
-        if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
-            args.vocab_size = DEFAULT_RULE_VOCAB_SIZE
+        resolved["split"] = args.split or DEFAULT_SPLIT
+        split_weights(resolved["split"])
+        check_bpe_file_flags(tokenizer_type, args.vocab_file, args.merge_file)  # before the default type
+        tokenizer_type = tokenizer_type or "NullTokenizer"
+        if tokenizer_type == "NullTokenizer" and vocab_size is None:
+            vocab_size = DEFAULT_RULE_VOCAB_SIZE
     else:
         _check_generated_task_flags(args)
-        return
-    if args.tokenizer_type != "NullTokenizer" and args.vocab_size is not None:
-        raise ValueError(f"--vocab-size sets NullTokenizer's vocabulary; --tokenizer-type {args.tokenizer_type} "
-                         f"has its own (got --vocab-size {args.vocab_size}).")
-    check_tokenizer_flags(args.tokenizer_type, args.vocab_size, args.tokenizer_model, args.vocab_file,
-                          args.merge_file)
+        return dict(resolved, vocab_size=DEFAULT_RULE_VOCAB_SIZE if vocab_size is None else vocab_size)
+    if tokenizer_type != "NullTokenizer" and vocab_size is not None:
+        raise ValueError(f"--vocab-size sets NullTokenizer's vocabulary; --tokenizer-type {tokenizer_type} "
+                         f"has its own (got --vocab-size {vocab_size}).")
+    check_tokenizer_flags(tokenizer_type, vocab_size, args.tokenizer_model, args.vocab_file, args.merge_file)
+    return dict(resolved, tokenizer_type=tokenizer_type, vocab_size=vocab_size)
 
 
 def _check_generated_task_flags(args: argparse.Namespace) -> None:
@@ -136,20 +102,19 @@ def _check_generated_task_flags(args: argparse.Namespace) -> None:
         if value is not None:
             raise ValueError(f"{flag} needs --data-path or --mock-data (the generated task has its own "
                              f"vocabulary, --vocab-size, and draws every batch afresh).")
-    if args.vocab_size is None:
-        args.vocab_size = DEFAULT_RULE_VOCAB_SIZE
 
 
-def _check_dataset_options(args: argparse.Namespace) -> None:
+def _check_dataset_options(args: argparse.Namespace) -> str:
+    """Checks; returns --dataloader-type (default single, as in Megatron-LM)."""
     if args.dataloader_type == "external":
         raise ValueError("--dataloader-type external (the dataset is its own iterator) is not offered: this "
                          "trainer reads the samples itself; give single or cyclic.")
-    args.dataloader_type = args.dataloader_type or "single"  # Megatron-LM's default
     if args.num_dataset_builder_threads < 1:
         raise ValueError(f"--num-dataset-builder-threads must be >= 1; got {args.num_dataset_builder_threads}.")
     if not args.mid_level_dataset_surplus >= 0:
         raise ValueError(f"--mid-level-dataset-surplus must be >= 0 (a fraction of extra samples); got "
                          f"{args.mid_level_dataset_surplus}.")
+    return args.dataloader_type or "single"  # Megatron-LM's default
 
 
 def _data_source_flags(args: argparse.Namespace) -> list[str]:
@@ -212,23 +177,24 @@ def _read_per_split_file(path: str) -> dict[str, Optional[list[str]]]:
     return lists
 
 
-def _check_dataset_lists(args: argparse.Namespace, lists: dict[str, Optional[list[str]]]) -> None:
-    """Every list well formed and its files there; --split only with a shared list."""
+def _check_dataset_lists(args: argparse.Namespace, lists: dict[str, Optional[list[str]]]) -> Optional[str]:
+    """Every list well formed and its files there; --split only with a shared list (returned,
+    with its default)."""
     source = _data_source_flags(args)[0]
     for key, words in lists.items():
         if words is not None:
             flag = "--data-path" if key == "all" else f"--{key}-data-path"
             blend_from_data_path(words, flag if source in ("--data-path", *PER_SPLIT_FLAGS) else f"{source} ({flag})")
     if "all" in lists:
-        args.split = args.split or DEFAULT_SPLIT
-        split_weights(args.split)
-        return
+        split_weights(args.split or DEFAULT_SPLIT)
+        return args.split or DEFAULT_SPLIT
     if args.split is not None:
         raise ValueError(f"--split divides --data-path into splits; with {source} each split has its own "
                          f"datasets: leave --split out.")
     if lists["train"] is None and not getattr(args, "skip_train", False):
         raise ValueError(f"{source} gives no training datasets: give --train-data-path (or 'train' in the "
                          f"--per-split-data-args-path file), or --skip-train to only evaluate.")
+    return None
 
 
 def blend_from_data_path(data_path: list[str], flag: str = "--data-path") -> tuple[list[str], Optional[list[float]]]:

@@ -18,29 +18,18 @@ import os
 from collections import OrderedDict
 from typing import Any
 
-TOKENIZER_TYPES = ("NullTokenizer", "ByteLevelTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer")
+from megatron_eopt.training.arguments.flags.data import BPE_FILES, TOKENIZER_TYPES  # noqa: F401 (re-exported)
+
 BYTE_VOCAB_SIZE = 256
 # End-of-document tokens of common tokenizer.json files (GPT-2, Llama, Llama 3, Gemma, ...).
 EOD_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
 GPT2_EOD_TOKEN = "<|endoftext|>"
 
 
-def add_tokenizer_args(parser) -> None:
-    """Megatron-LM's flag names; --vocab-size is the trainer's (a model flag)."""
-    group = parser.add_argument_group(title="tokenizer")
-    group.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES,
-                       help="how the --data-path documents were tokenized (default: NullTokenizer "
-                            "with --mock-data)")
-    group.add_argument("--tokenizer-model", default=None, help="HuggingFaceTokenizer: a local tokenizer.json")
-    add_bpe_file_args(group)
-    group.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                       help="pad the model's vocabulary to a multiple of this times TP (not for the generated task)")
-
-
 def add_bpe_file_args(group) -> None:
-    """GPT2BPETokenizer's files (the trainer's and tools/preprocess_data.py's flags)."""
-    group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: a local GPT-2 vocab.json")
-    group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: a local GPT-2 merges.txt")
+    """GPT2BPETokenizer's files (tools/preprocess_data.py's flags; the trainer's table has them too)."""
+    for row in BPE_FILES:
+        group.add_argument(row.option, **row.kwargs())
 
 
 def check_bpe_file_flags(tokenizer_type: Any, vocab_file: Any, merge_file: Any) -> None:

@@ -19,51 +19,28 @@ from typing import Optional
 
 import torch
 
-DEFAULT_PROFILE_STEP_START = 10  # Megatron-LM's ProfilingConfig defaults
-DEFAULT_PROFILE_STEP_END = 12
+from megatron_eopt.training.arguments.flags.logging import DEFAULT_PROFILE_STEP_END, DEFAULT_PROFILE_STEP_START
 PROFILE_DETAIL_FLAGS = ("--use-pytorch-profiler", "--profile-step-start", "--profile-step-end", "--profile-ranks")
 
 
-def add_performance_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group(title="throughput and profiling")
-    group.add_argument("--log-throughput", action="store_true",
-                       help="add the TFLOP/s per GPU (per process on CPU) to the iteration line, the "
-                            "`throughput` TensorBoard scalar and --metrics-jsonl")
-    group.add_argument("--profile", action="store_true",
-                       help="profile iterations --profile-step-start to --profile-step-end: a CUDA profiler "
-                            "capture range for nsys, or torch.profiler with --use-pytorch-profiler")
-    group.add_argument("--use-pytorch-profiler", action="store_true",
-                       help="with --profile: torch.profiler (also on CPU), its trace in "
-                            "<--tensorboard-dir>/../torch_profile")
-    group.add_argument("--profile-step-start", type=int, default=None,
-                       help=f"with --profile (default {DEFAULT_PROFILE_STEP_START})")
-    group.add_argument("--profile-step-end", type=int, default=None,
-                       help=f"with --profile (default {DEFAULT_PROFILE_STEP_END})")
-    group.add_argument("--profile-ranks", type=int, nargs="+", default=None,
-                       help="with --profile: the global ranks to profile (default: every rank)")
-
-
-def check_performance_flags(args: argparse.Namespace, world_size: int) -> None:
-    """Refuse bad values (naming the flag); fill Megatron-LM's defaults after noting which of
+def check_performance_flags(args: argparse.Namespace, world_size: int) -> dict:
+    """Refuse bad values (naming the flag); returns Megatron-LM's defaults filled in and which of
     the profiling flags were given (for `performance_lines`)."""
-    args.profile_flags_given = [flag for flag in PROFILE_DETAIL_FLAGS
-                                if getattr(args, flag[2:].replace("-", "_")) not in (None, False)]
-    if args.profile_step_start is None:
-        args.profile_step_start = DEFAULT_PROFILE_STEP_START
-    if args.profile_step_end is None:
-        args.profile_step_end = DEFAULT_PROFILE_STEP_END
-    start, end = args.profile_step_start, args.profile_step_end
+    given = [flag for flag in PROFILE_DETAIL_FLAGS if getattr(args, flag[2:].replace("-", "_")) not in (None, False)]
+    start = DEFAULT_PROFILE_STEP_START if args.profile_step_start is None else args.profile_step_start
+    end = DEFAULT_PROFILE_STEP_END if args.profile_step_end is None else args.profile_step_end
     if start < 0:
         raise ValueError(f"--profile-step-start must be >= 0; got {start}.")
     if end <= start:
         raise ValueError(f"--profile-step-end {end} must be > --profile-step-start {start}.")
-    args.profile_ranks = args.profile_ranks or []
-    outside = [rank for rank in args.profile_ranks if not 0 <= rank < world_size]
+    ranks = args.profile_ranks or []
+    outside = [rank for rank in ranks if not 0 <= rank < world_size]
     if outside:
         raise ValueError(f"--profile-ranks {outside[0]}: the ranks run from 0 to {world_size - 1} here.")
     if args.profile and args.use_pytorch_profiler and not args.tensorboard_dir:
         raise ValueError("--use-pytorch-profiler writes its trace next to --tensorboard-dir "
                          "(<dir>/../torch_profile, as Megatron-LM does); give --tensorboard-dir.")
+    return dict(profile_flags_given=given, profile_step_start=start, profile_step_end=end, profile_ranks=ranks)
 
 
 def performance_lines(args: argparse.Namespace, on_cuda: bool) -> list[str]:

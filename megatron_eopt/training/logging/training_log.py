@@ -198,25 +198,6 @@ CUDA_MEMORY_TAGS = {"mem-reserved-bytes": "reserved_bytes.all.current",
                     "mem-allocated-count": "allocation.all.current"}
 
 
-def add_logging_args(parser: argparse.ArgumentParser) -> None:
-    logging = parser.add_argument_group(title="logging")
-    logging.add_argument("--log-interval", type=int, default=100)
-    logging.add_argument("--tensorboard-dir", default=None, help="write TensorBoard event files here (rank 0)")
-    logging.add_argument("--tensorboard-log-interval", type=int, default=1)
-    logging.add_argument("--tensorboard-queue-size", type=int, default=1000,
-                         help="events TensorBoard's writer holds before writing them to disk")
-    logging.add_argument("--no-log-loss-scale-to-tensorboard", "--disable-log-loss-scale-to-tensorboard",
-                         action="store_false", dest="log_loss_scale_to_tensorboard",
-                         help="leave the loss-scale tag out of TensorBoard")
-    logging.add_argument("--log-world-size-to-tensorboard", action="store_true",
-                         help="write the number of ranks (tag world-size)")
-    logging.add_argument("--log-memory-to-tensorboard", action="store_true",
-                         help="write torch.cuda.memory_stats()'s reserved/allocated bytes (CUDA only)")
-    logging.add_argument("--log-params-norm", action="store_true", help="log the parameters' L2 norm")
-    logging.add_argument("--metrics-jsonl", default=None, help="write one JSON object per logged iteration")
-    logging.add_argument("--plot", default=None, help="write the loss curve as a PNG")
-
-
 def tensorboard_option_lines(args: argparse.Namespace, on_cuda: bool) -> list[str]:
     """A start-up line for each TensorBoard option given that cannot write anything here."""
     given = [flag for flag, on in (("--log-world-size-to-tensorboard", args.log_world_size_to_tensorboard),

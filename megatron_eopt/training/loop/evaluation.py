@@ -22,16 +22,6 @@ import torch.distributed as dist
 PPL_EXPONENT_CAP = 20.0
 
 
-def add_eval_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group(title="validation")
-    group.add_argument("--eval-interval", type=int, default=1000,
-                       help="evaluate on the validation split every this many iterations")
-    group.add_argument("--eval-iters", type=int, default=100,
-                       help="global batches per evaluation (0: none, also no final validation/test)")
-    group.add_argument("--skip-train", action="store_true",
-                       help="no training: evaluate the (--load) model on the validation and test splits, then exit")
-
-
 def check_eval_flags(args: argparse.Namespace) -> None:
     if args.eval_interval is not None and args.eval_interval < 1:
         raise ValueError(f"--eval-interval must be >= 1; got {args.eval_interval}.")

@@ -17,20 +17,6 @@ from typing import Iterator
 import torch
 
 
-def add_housekeeping_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group(title="memory and garbage collection")
-    group.add_argument("--manual-gc", action="store_true",
-                       help="turn Python's automatic garbage collector off and collect at fixed points on "
-                            "every rank instead")
-    group.add_argument("--manual-gc-interval", type=int, default=0,
-                       help="with --manual-gc: also collect every this many iterations (0: never)")
-    group.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
-                       help="with --manual-gc: do not collect before and after each evaluation")
-    group.add_argument("--empty-unused-memory-level", type=int, default=0, choices=(0, 1, 2),
-                       help="empty the CUDA caching allocator after each forward/backward (1) and also "
-                            "after each optimizer step (2)")
-
-
 def check_housekeeping_flags(args: argparse.Namespace) -> None:
     if args.manual_gc_interval < 0:
         raise ValueError(f"--manual-gc-interval must be >= 0; got {args.manual_gc_interval}.")

@@ -24,26 +24,10 @@ STRICTNESS_CHOICES = ("assume_ok_unexpected", "log_unexpected", "log_all", "rais
                       "return_unexpected", "return_all", "ignore_all")  # megatron's StrictHandling values
 
 
-def add_run_control_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group(title="run control")
-    group.add_argument("--exit-signal-handler", action="store_true",
-                       help="on --exit-signal, save a checkpoint (with --save) at the end of the current "
-                            "iteration and exit, every rank together")
-    group.add_argument("--exit-signal", default=None, choices=CATCHABLE_SIGNALS, metavar="SIGNAL",
-                       help="the signal --exit-signal-handler waits for (default SIGTERM)")
-    group.add_argument("--finetune", action="store_true",
-                       help="load the model weights only: iteration, consumed samples, optimizer, lr schedule "
-                            "and RNG start fresh")
-    group.add_argument("--exit-on-missing-checkpoint", action="store_true",
-                       help="stop when --load holds no checkpoint, instead of training from scratch")
-    group.add_argument("--dist-ckpt-strictness", default=None, choices=STRICTNESS_CHOICES,
-                       help="only raise_all, what megatron_eopt's loader does: any key difference is an error")
-
-
-def check_run_control_flags(args: argparse.Namespace) -> None:
+def check_run_control_flags(args: argparse.Namespace) -> dict:
+    """Checks; returns --exit-signal with its default, SIGTERM."""
     if args.exit_signal is not None and not args.exit_signal_handler:
         raise ValueError(f"--exit-signal {args.exit_signal} needs --exit-signal-handler.")
-    args.exit_signal = args.exit_signal or "SIGTERM"
     for flag, given in (("--finetune", args.finetune), ("--exit-on-missing-checkpoint", args.exit_on_missing_checkpoint)):
         if given and not args.load:
             raise ValueError(f"{flag} needs --load (the checkpoint directory).")
@@ -51,6 +35,7 @@ def check_run_control_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--dist-ckpt-strictness {args.dist_ckpt_strictness} is not offered: "
                          f"megatron_eopt.checkpointing refuses any key that the checkpoint and the model do "
                          f"not share (raise_all, the only value accepted).")
+    return {"exit_signal": args.exit_signal or "SIGTERM"}
 
 
 def run_control_lines(args: argparse.Namespace) -> list[str]:

@@ -19,11 +19,11 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 
+from megatron_eopt.training.arguments.flags.parallel import BUCKET_NUMEL  # noqa: F401 (re-exported)
 from megatron_eopt.training.parallel.sequence_parallel import (
     sum_grads_over_tensor_parallel,
 )
 
-BUCKET_NUMEL = 40_000_000  # megatron-core DDP's default bucket size, in elements
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 

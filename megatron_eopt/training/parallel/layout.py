@@ -37,15 +37,14 @@ def job_layout(args: argparse.Namespace) -> Layout:
     dp = world_size // (tp * pp)
     if args.micro_batch_size < 1:
         raise ValueError(f"--micro-batch-size must be >= 1; got {args.micro_batch_size}.")
-    if args.global_batch_size is None:
-        args.global_batch_size = args.micro_batch_size * dp
     per_step = args.micro_batch_size * dp
-    if args.global_batch_size < 1 or args.global_batch_size % per_step:
+    global_batch = per_step if args.global_batch_size is None else args.global_batch_size  # default: one step
+    if global_batch < 1 or global_batch % per_step:
         raise ValueError(
-            f"--global-batch-size {args.global_batch_size} must be a positive multiple of "
+            f"--global-batch-size {global_batch} must be a positive multiple of "
             f"--micro-batch-size * data-parallel size = {args.micro_batch_size} * {dp} = {per_step}."
         )
-    return Layout(world_size, rank, tp, dp, args.global_batch_size // per_step, pp, vpp)
+    return Layout(world_size, rank, tp, dp, global_batch // per_step, pp, vpp)
 
 
 def runs_on_cuda(args: argparse.Namespace) -> bool:

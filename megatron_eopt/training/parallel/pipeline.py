@@ -35,28 +35,6 @@ ScaleLoss = Callable[[torch.Tensor], torch.Tensor]
 # ------------------------------------------------------------------------------------------------
 
 
-def add_pipeline_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group(title="pipeline parallelism")
-    group.add_argument("--pipeline-model-parallel-size", type=int, default=1,
-                       help="pipeline stages (torch.distributed.pipelining's 1F1B schedule)")
-    group.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
-                       help="transformer layers per model chunk: several chunks per pipeline rank, "
-                            "interleaved 1F1B")
-    group.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
-                       help="model chunks per pipeline rank (instead of --num-layers-per-virtual-pipeline-stage)")
-    group.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
-                       help="transformer layers on the first pipeline stage (the rest split evenly)")
-    group.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
-                       help="transformer layers on the last pipeline stage (the rest split evenly)")
-    group.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
-                       help="count the embedding as one layer when splitting layers over stages")
-    group.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
-                       help="count the output layer and loss as one layer when splitting layers over stages")
-    group.add_argument("--pipeline-model-parallel-layout", default=None,
-                       help="megatron-core's layout string, e.g. 'Et*2|t*2L' (E embedding, t layer, "
-                            "L output layer and loss, | between stages); virtual stages follow from it")
-
-
 def pipeline_layout(args: argparse.Namespace, ranks_per_tp_rank: int) -> tuple[int, Optional[int]]:
     """(pipeline stages, model chunks per rank or None for one), checked against the layer
     count so that every (virtual) stage gets the layers the flags say, before anything is built."""
