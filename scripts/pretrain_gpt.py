@@ -8,10 +8,8 @@
 """
 
 from megatron_eopt.training.logging.warning_policy import quiet_repeated_warnings
-
-quiet_repeated_warnings()  # before megatron-core is imported: it warns on import
-
-from megatron_eopt.training.pretrain import main  # noqa: E402
+from megatron_eopt.training.pretrain import main
 
 if __name__ == "__main__":
+    quiet_repeated_warnings()  # before main() imports megatron-core, which warns on import
     main()

@@ -57,4 +57,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
 
 
 if __name__ == "__main__":  # `torchrun -m megatron_eopt.training.pretrain`, as scripts/pretrain_gpt.py
+    from megatron_eopt.training.logging.warning_policy import quiet_repeated_warnings
+
+    quiet_repeated_warnings()
     main()
