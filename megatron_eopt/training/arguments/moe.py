@@ -1,22 +1,14 @@
-"""Megatron-LM's mixture-of-experts flags for scripts/pretrain_gpt.py: names, defaults, checks.
+"""Megatron-LM's mixture-of-experts flags: settings and checks (the rows are in flags/moe.py).
 
-Megatron-LM builds most of these flags from megatron-core's TransformerConfig fields, so each
-flag's dest is the field it sets (`moe_settings` hands them on unchanged, through
+Each flag's dest is the TransformerConfig field it sets (`moe_settings` hands them on through
 GPTModelSettings); only `--num-experts` is spelled differently (`num_moe_experts`). The routing
-itself is megatron-core's (megatron_eopt/training/model/moe.py only moves buffers and collectives off CUDA).
+is megatron-core's; training/model/moe.py only moves buffers and collectives off CUDA.
 
-Why the checks are here and not left to megatron-core: TransformerConfig is built on every rank
-after the process groups exist, and its failures are asserts naming fields; checked here, a bad
-value or combination exits every rank before any work with one line naming the flags and what
-is allowed. The rules are megatron-core's own (top-1 softmax routing needs pre-softmax, expert
-bias needs a sigmoid-like score, capacity needs an aux-loss-type balancing, one coefficient per
-balancing type), plus what this trainer cannot do on CPU (CUDA streams or buffers megatron
-allocates itself) and flags that would be silently ignored (refused, or named at start-up by
-`moe_note_lines` where Megatron-LM command lines give them anyway).
-
-`--moe-layer-freq`: Megatron-LM `eval`s the list expression; here a small parser accepts exactly
-the forms Megatron-LM documents (an int N, a list of 0/1, and sums of `[..]*n` products, in
-parentheses too) and nothing that could run code.
+The checks run here, before any process group exists, because megatron-core's own are asserts
+on every rank after start-up: a bad value or combination exits every rank with one line naming
+the flags. The rules are megatron-core's, plus what this trainer cannot do on CPU, plus flags
+that would be silently ignored (refused, or named at start-up by `moe_note_lines`).
+`--moe-layer-freq` is parsed, not `eval`ed: an int N, a list of 0/1, and sums of `[..]*n`.
 """
 
 from __future__ import annotations

@@ -1,35 +1,14 @@
-"""Megatron-LM flags that change nothing in this trainer: accepted, so Megatron-LM command lines
-run unchanged, and each one given is named at start-up with the reason (`no_effect_lines`).
+"""Megatron-LM flags that change nothing in this trainer, and flags refused in one line.
 
-- Kernel choices that leave the result as it is. The trainer runs megatron-core's unfused paths
-  (TransformerConfig's fusion fields keep their default, off), so the `--no-*-fusion` flags ask
-  for what is already so; `--cross-entropy-loss-fusion`, `--use-flash-attn` and
-  `--attention-backend` ask for kernels it does not choose (on CPU the attention is torch's
-  `scaled_dot_product_attention`; on CUDA Transformer Engine picks its own).
-- Settings that are always so here: megatron-core models, CPU initialisation (the weights do not
-  depend on the parallel layout), the validation perplexity in TensorBoard.
-- `--num-workers`: samples are read in the training process (megatron_eopt/training/data/datasets.py), no DataLoader.
-- `--attention-softmax-in-fp32` and `--apply-query-key-layer-scaling`: the softmax runs in fp32
-  on every attention path here, which makes the second (an fp16 range trick) change nothing.
-- `--timing-log-level`, `--timing-log-option`: only whole iterations are timed.
-- `--wandb-*`: Weights & Biases logging is not offered (no wandb package, no network).
-- Settings whose result is the same here: `--no-create-attention-mask-in-dataloader` (the data
-  never carries one),
-  `--ckpt-format` (checkpoints are megatron_eopt.checkpointing's resharding format, whatever it
-  says), `--tiktoken-pattern` (read by TikTokenizer only, not offered), `--log-timers-to-tensorboard`
-  (what it adds at Megatron-LM's default timing level is always written), `--no-position-embedding`
-  (deprecated in Megatron-LM, allowed only where --position-embedding-type has none already).
-- Checkpoint-format choices of megatron's distributed checkpointing: `--use-dist-ckpt` and
-  `--ckpt-fully-parallel-save` (deprecated, no effect in Megatron-LM either),
-  `--auto-detect-ckpt-format`, `--async-save`, `--no-ckpt-fully-parallel-save`,
-  `--ckpt-fully-parallel-load`, `--ckpt-assume-constant-structure`: megatron_eopt.checkpointing
-  has one format, written by every rank in parallel and synchronously; each reason says why.
+Accepted flags are named at start-up with the reason (`no_effect_lines`), so Megatron-LM command
+lines run unchanged: kernel and fusion choices that leave the result as it is, settings that are
+always so here (megatron-core models, CPU initialisation), `--num-workers` (no DataLoader),
+timing and Weights & Biases options, and the checkpoint-format choices of megatron's distributed
+checkpointing (megatron_eopt.checkpointing has one format). Each row says why.
 
-Flags named only to refuse them (`check_not_offered`): FP8 training, which Megatron-LM runs
-through Transformer Engine on Hopper or newer GPUs, the optimizer's precision-aware state,
-CPU offload and CUDA graphs (its dtype flags given as fp32, what this trainer keeps, only say so),
-and `--use-checkpoint-args` (checkpoints here do not store the command line). A one-line error
-says so instead of argparse's "unrecognized arguments".
+Refused flags (`check_not_offered`): FP8 training, the precision-aware optimizer, CPU offload,
+optimizer CUDA graphs, and `--use-checkpoint-args`: one line instead of argparse's
+"unrecognized arguments". docs/trainer.md lists both kinds.
 """
 
 import argparse

@@ -1,22 +1,14 @@
 """A small megatron-core ``GPTModel`` that trains on CPU as well as on CUDA, and its loss.
 
-It is the model behind the optimizer library's tests, the demo script and
-``scripts/pretrain_gpt.py``: megatron-core's real ``GPTModel`` (its parallel linears,
-vocab-parallel embedding and cross entropy, parameter attributes), so optimizers are exercised
-on exactly what Megatron training hands them. The pieces, each in its own module: the settings
-(``settings.py``), their ``TransformerConfig`` (``transformer_config.py``), the layer specs
-(``layer_specs.py``: megatron's own on CUDA, on CPU with ``sdpa_attention.py``, ``mla.py``,
-``moe.py``), the model class (``cpu_gpt_model.py`` on CPU) and the model-parallel groups and
-seeds (``model_parallel.py``). Pipeline stages (several chunks per rank too) and MoE layers with
-expert parallelism are built on CPU too; ``parallel/pipeline.py`` runs the stages.
+It is megatron-core's real ``GPTModel`` (parallel linears, vocab-parallel embedding and cross
+entropy, parameter attributes), so optimizers see exactly what Megatron training hands them. The
+pieces live beside it: settings.py, transformer_config.py, layer_specs.py (with sdpa_attention.py,
+mla.py, moe.py on CPU), cpu_gpt_model.py and model_parallel.py. Pipeline stages and MoE layers
+with expert parallelism build on CPU too.
 
-Typical use (torch.distributed must already be initialised, gloo is fine)::
-
-    initialize_model_parallel(tensor_model_parallel_size=1, seed=1234)
+    initialize_model_parallel(tensor_model_parallel_size=1, seed=1234)  # after init_process_group
     model = build_gpt_model(GPTModelSettings())
     loss = gpt_loss(model, tokens)  # tokens: [batch, seq + 1]
-    loss.backward()
-    destroy_model_parallel()
 """
 
 from __future__ import annotations
