@@ -1,14 +1,7 @@
 """Megatron-LM's own `pretrain()` for a GPT model, with megatron_eopt's optimizer.
 
-Run it exactly like Megatron-LM's pretrain_gpt.py; every Megatron-LM flag works, plus ours
-(`--muon-tp-mode sharded`, `--muon-fp32-matmul-prec highest`, `--muon-match-adamw-rms`, ...):
-
-    torchrun --nproc-per-node 8 scripts/pretrain_gpt_megatron_lm.py \
-        --optimizer muon --use-distributed-optimizer --tensor-model-parallel-size 2 \
-        --num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 \
-        --max-position-embeddings 1024 --micro-batch-size 4 --global-batch-size 64 \
-        --lr 3e-4 --train-iters 1000 --bf16 \
-        --mock-data --tokenizer-type NullTokenizer --vocab-size 50304
+scripts/pretrain_gpt_megatron_lm.py runs it exactly like Megatron-LM's pretrain_gpt.py; every
+Megatron-LM flag works, plus ours (`--muon-tp-mode sharded`, `--muon-match-adamw-rms`, ...).
 
 Data: `--mock-data` (megatron-core's MockGPTDataset) or `--data-path [W] PREFIX ...` (Megatron
 indexed datasets), built by megatron-core's BlendedMegatronDatasetBuilder. The model is
