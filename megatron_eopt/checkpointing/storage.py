@@ -20,8 +20,8 @@ Every collective runs over `group`, the ranks that save or load this checkpoint 
 one rank alone); ranks are numbered within it. Other jobs may share torch's WORLD.
 
 Two runs must not save into one directory at once: rank 0 takes an exclusive `fcntl.flock` on
-`.save_lock` for the whole save and a second saver is refused with the holder's pid, host and
-start time. A save is reported done only after the renamed directory verifies against its
+`.save_lock` for the whole save (for the whole run with ownership.py's `DirectoryOwner`) and a
+second saver is refused with the holder's pid, host and start time. A save is reported done only after the renamed directory verifies against its
 manifest, and only then does `latest` move (with a warning if it moves to an older iteration).
 A load without `latest` (a crash between the rename and the marker update) falls back to the
 newest `iter_N` that verifies, and says so.
@@ -154,8 +154,11 @@ class SaveLock:
 
     The lock file names its holder (pid, host, start time, command), so a second run saving into
     the same directory is refused with who the first one is. The kernel drops the lock when the
-    holder exits, even when killed, so a stale file never blocks anyone.
+    holder exits, even when killed, so a stale file never blocks anyone. In a directory this
+    process owns for its whole run (ownership.py) the owner's lock covers the save.
     """
+
+    ACTIVITY = "saving"
 
     def __init__(self, checkpoint_dir: str) -> None:
         self.checkpoint_dir = checkpoint_dir
@@ -163,6 +166,10 @@ class SaveLock:
         self._file = None
 
     def acquire(self) -> None:
+        if os.path.realpath(self.checkpoint_dir) not in OWNED:
+            self._lock()
+
+    def _lock(self) -> None:
         file = open(self.path, "a+")
         try:
             fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -170,16 +177,17 @@ class SaveLock:
             file.seek(0)
             holder = file.read().strip() or "holder not yet written"
             file.close()
-            raise CheckpointError(
-                f"another run is saving into {self.checkpoint_dir} ({holder}); two runs must not "
-                f"share a checkpoint directory: give this one its own --save / checkpoint_dir."
-            ) from None
+            raise CheckpointError(self.refusal(holder)) from None
         file.truncate(0)
         started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-        file.write(f"pid {os.getpid()} on host {socket.gethostname()}, saving since {started}, "
+        file.write(f"pid {os.getpid()} on host {socket.gethostname()}, {self.ACTIVITY} since {started}, "
                    f"command: {' '.join(sys.argv)[:300]}")
         file.flush()
         self._file = file
+
+    def refusal(self, holder: str) -> str:
+        return (f"another run is saving into {self.checkpoint_dir} ({holder}); two runs must not "
+                f"share a checkpoint directory: give this one its own --save / checkpoint_dir.")
 
     def release(self) -> None:
         if self._file is not None:
@@ -187,6 +195,10 @@ class SaveLock:
             fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
             self._file.close()
             self._file = None
+
+
+# Directories this process owns for a whole run (realpath -> ownership.DirectoryOwner).
+OWNED: dict[str, Any] = {}
 
 
 def begin_save(
@@ -202,6 +214,8 @@ def begin_save(
             return
         os.makedirs(checkpoint_dir, exist_ok=True)
         lock.acquire()  # before touching the staging folder: it may be another run's
+        if os.path.realpath(checkpoint_dir) in OWNED:
+            OWNED[os.path.realpath(checkpoint_dir)].before_save(iteration)
         try:
             shutil.rmtree(path, ignore_errors=True)
             os.makedirs(path)

@@ -12,6 +12,7 @@ from megatron_eopt.training.logging.training_log import (
     plot_curves,
 )
 from megatron_eopt.training.loop.housekeeping import Housekeeping
+from megatron_eopt.training.loop.save_directory import own_save_directory
 from megatron_eopt.training.loop.train import train
 from megatron_eopt.training.model.gpt import (
     destroy_model_parallel,
@@ -43,7 +44,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
                   f"{' (layer-wise distributed)' if args.use_layer_wise_distributed_optimizer else ''}",
                   flush=True)
         housekeeping = Housekeeping(args, device)
-        with housekeeping.training():
+        with own_save_directory(args, layout.rank), housekeeping.training():
             records = train(args, settings, layout, device, housekeeping)
         if args.plot and layout.rank == 0:
             logged = [r for r in records if r["loss"] is not None]  # None: every step of an interval skipped
