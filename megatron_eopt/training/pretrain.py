@@ -5,6 +5,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from megatron_eopt.training.arguments.parser import parse_args
+from megatron_eopt.training.checkpoint_paths import check_checkpoint_paths
 from megatron_eopt.training.errors import exit_with_error
 from megatron_eopt.training.logging.training_log import (
     PALETTE,
@@ -30,6 +31,10 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     """
     owns_process_group = not dist.is_initialized()
     args, settings, layout = parse_args(argv)
+    try:
+        check_checkpoint_paths(args)  # before any model is built: --save writable, --load as the flags need
+    except ValueError as error:
+        exit_with_error(str(error))
     device = init_distributed(args, layout)
     initialize_model_parallel(layout.tp, args.seed, pipeline_model_parallel_size=layout.pp,
                               virtual_pipeline_model_parallel_size=layout.vpp, expert_model_parallel_size=layout.ep)
