@@ -77,6 +77,7 @@ import torch.distributed as dist
 
 from megatron_eopt.config import CPU_BF16_FLAGS, native_bf16_matmul
 from megatron_eopt.ops.row_shards import RowShards
+from megatron_eopt.optimizers.compiled_step import watch_first_step
 from megatron_eopt.ops.splits import MatrixLayout
 from megatron_eopt.param_key import check_config_overrides
 
@@ -705,7 +706,7 @@ def _build_emerging(
         check_params(name, entry, param_groups, config, context)
     optimizer = entry.optimizer_cls(param_groups, **kwargs)
     (entry.init_state_fn or init_state_step_free)(optimizer)
-    return optimizer
+    return watch_first_step(name, optimizer, config)  # torch.compile'd updates (optimizers/compiled_step.py)
 
 
 def optimizer_kwargs(
