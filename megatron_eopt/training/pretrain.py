@@ -19,7 +19,8 @@ from megatron_eopt.training.model.gpt import (
     destroy_model_parallel,
     initialize_model_parallel,
 )
-from megatron_eopt.training.parallel.layout import init_distributed
+from megatron_eopt.training.parallel.cpu_threads import set_cpu_threads
+from megatron_eopt.training.parallel.layout import init_distributed, runs_on_cuda
 
 
 def main(argv: Optional[list[str]] = None) -> list[dict]:
@@ -35,6 +36,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
         check_checkpoint_paths(args)  # before any model is built: --save writable, --load as the flags need
     except ValueError as error:
         exit_with_error(str(error))
+    set_cpu_threads(runs_on_cuda(args), lambda line: layout.rank == 0 and print(f"> {line}", flush=True))
     device = init_distributed(args, layout)
     initialize_model_parallel(layout.tp, args.seed, pipeline_model_parallel_size=layout.pp,
                               virtual_pipeline_model_parallel_size=layout.vpp, expert_model_parallel_size=layout.ep)

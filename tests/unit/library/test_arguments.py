@@ -26,13 +26,15 @@ FROZEN_OPTIONS = sorted([
     "--muon-extra-scale-factor", "--muon-match-adamw-rms", "--muon-scalar-optimizer",
     "--muon-use-syrk", "--lion-beta1", "--lion-beta2", "--soap-shampoo-beta",
     "--soap-precondition-frequency", "--soap-no-kl-shampoo", "--adaptive-muon-moment2-method",
-    "--adaptive-muon-beta2", "--adaptive-muon-eps", "--use-distributed-optimizer",
+    "--adaptive-muon-beta2", "--adaptive-muon-eps", "--no-emerging-optimizers-compile",
+    "--use-distributed-optimizer",
     "--use-layer-wise-distributed-optimizer", "--layer-wise-reduce-grads", "--overlap-param-gather",
     "--overlap-param-gather-with-optimizer-step", "--fp16", "--bf16", "--loss-scale",
     "--initial-loss-scale", "--min-loss-scale", "--loss-scale-window", "--hysteresis",
     "--qk-clip", "--qk-clip-threshold", "--qk-clip-alpha", "--log-max-attention-logit",
 ])
-NEGATIVE_FLAGS = {"--muon-no-split-qkv": "muon_split_qkv", "--soap-no-kl-shampoo": "soap_use_kl_shampoo"}
+NEGATIVE_FLAGS = {"--muon-no-split-qkv": "muon_split_qkv", "--soap-no-kl-shampoo": "soap_use_kl_shampoo",
+                  "--no-emerging-optimizers-compile": "emerging_optimizers_compile"}
 FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(OptimizerConfig)}
 HARDWARE_DEFAULTS = {"muon_fp32_matmul_prec"}  # flags whose default is chosen from the hardware
 
