@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from megatron_eopt.training.arguments.parser import parse_args
 from megatron_eopt.training.checkpoint_paths import check_checkpoint_paths
-from megatron_eopt.training.errors import exit_with_error
+from megatron_eopt.training.errors import exit_with_error, one_line_warnings
 from megatron_eopt.training.logging.training_log import (
     PALETTE,
     Curve,
@@ -31,6 +31,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     initialised at the end; otherwise the process group is made here and destroyed at the end.
     """
     owns_process_group = not dist.is_initialized()
+    one_line_warnings()  # e.g. validate_args' "has no effect" warnings, without Python's source line
     args, settings, layout = parse_args(argv)
     try:
         check_checkpoint_paths(args)  # before any model is built: --save writable, --load as the flags need

@@ -191,9 +191,18 @@ def test_muon_tp_mode_without_tensor_parallelism_warns(parser) -> None:
         warnings.simplefilter("error")
         parse(parser, "--optimizer", "muon", "--muon-tp-mode", "sharded", tp=2)
         parse(parser, "--optimizer", "muon", tp=1)  # not given: nothing to warn about
-        args = parser.parse_args(["--muon-tp-mode", "blockwise"])
+        args = parser.parse_args(["--optimizer", "muon", "--muon-tp-mode", "blockwise"])
         args.tensor_model_parallel_size = 4  # Megatron-LM's namespace carries the TP size
         validate_args(args)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_muon_tp_mode_with_an_optimizer_that_is_not_muon_says_so(parser, tp: int) -> None:
+    with pytest.warns(UserWarning) as caught:
+        parse(parser, "--optimizer", "adam", "--muon-tp-mode", "sharded", tp=tp)
+    messages = [str(w.message) for w in caught if "--muon-tp-mode" in str(w.message)]
+    assert messages == ["--muon-tp-mode sharded has no effect with --optimizer adam, which does not use Muon's "
+                        "tensor-parallel modes (those that do: adaptive_muon, muon)."], messages
 
 
 def test_round_trip_equals_building_the_config_directly(parser) -> None:
