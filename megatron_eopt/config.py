@@ -97,6 +97,9 @@ class OptimizerConfig:
     adaptive_muon_moment2_method: str = "adamuon"
     adaptive_muon_beta2: float = 0.95
     adaptive_muon_eps: float = 1e-8
+    # megatron_eopt: False runs emerging_optimizers' torch.compile'd updates (lion, laprop, soap,
+    # rekls, psgd_pro) uncompiled: no first-step compilation (optimizers/compiled_step.py).
+    emerging_optimizers_compile: bool = True
 
     # Distribution.
     use_distributed_optimizer: bool = False
@@ -241,7 +244,7 @@ MEGATRON_CORE_FIELDS: dict[str, FieldUse] = {
         "parameter went)"),
 }
 # megatron_eopt's own fields: muon_use_syrk (newer Megatron-LM), muon_match_adamw_rms,
-# layer_wise_reduce_grads; all used.
+# layer_wise_reduce_grads, emerging_optimizers_compile; all used.
 
 def warn_about_inert_fields(config: "OptimizerConfig") -> None:
     """One warning per process for each 'warns' field set away from its default."""

@@ -117,6 +117,9 @@ FLAGS: tuple[Flag, ...] = (
          "adaptive Muon.", str, _literal(AdaptiveMoment2Method)),
     Flag("--adaptive-muon-beta2", "adaptive_muon_beta2", "Adaptive Muon beta2.", float),
     Flag("--adaptive-muon-eps", "adaptive_muon_eps", "Adaptive Muon epsilon.", float),
+    Flag("--no-emerging-optimizers-compile", "emerging_optimizers_compile", "Run emerging_optimizers' "
+         "torch.compile'd updates (lion, laprop, soap, rekls, psgd_pro) uncompiled: no first-step "
+         "compilation.", negative=True),
     # QK-clip (MuonClip).
     Flag("--qk-clip", "qk_clip", "After each step, scale W_q/W_k of attention heads whose largest "
          "logit exceeded --qk-clip-threshold (MuonClip)."),

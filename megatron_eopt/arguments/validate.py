@@ -10,7 +10,8 @@
   value OptimizerConfig rejects, raise ValueError with a one-line message naming the flags;
   `parse_and_validate` turns that into `parser.error`-style output (exit code 2, one line on
   stderr). All before any process group or model exists.
-- `--muon-tp-mode` given without tensor parallelism warns that it has no effect.
+- `--muon-tp-mode` given without tensor parallelism, or with an optimizer that is not Muon's,
+  warns that it has no effect.
 """
 
 import argparse
@@ -149,10 +150,30 @@ def _use_layer_wise_distributed_optimizer(args: argparse.Namespace) -> None:
 
 def _warn_tp_mode_without_tp(args: argparse.Namespace, tensor_model_parallel_size: int) -> None:
     given = getattr(args, GIVEN_FLAGS_ATTR, None) or ()
-    if tensor_model_parallel_size == 1 and "muon_tp_mode" in given:
-        warnings.warn(
-            f"--muon-tp-mode {args.muon_tp_mode} has no effect with tensor-model-parallel size 1 "
-            f"(every rank holds whole matrices).",
-            UserWarning,
-            stacklevel=3,
-        )
+    if "muon_tp_mode" not in given:
+        return
+    readers = muon_tp_mode_readers()
+    if args.optimizer not in readers:
+        message = (f"--muon-tp-mode {args.muon_tp_mode} has no effect with --optimizer {args.optimizer}, which "
+                   f"does not use Muon's tensor-parallel modes (those that do: {', '.join(readers)}).")
+    elif tensor_model_parallel_size == 1:
+        message = (f"--muon-tp-mode {args.muon_tp_mode} has no effect with tensor-model-parallel size 1 "
+                   f"(every rank holds whole matrices).")
+    else:
+        return
+    warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def muon_tp_mode_readers() -> list[str]:
+    """Registered optimizers whose constructor takes `OptimizerConfig.muon_tp_mode` (muon, adaptive_muon)."""
+    from megatron_eopt.config import OptimizerConfig
+    from megatron_eopt.registry import EmergingOptimizerEntry, list_optimizers, lookup_optimizer, optimizer_kwargs
+
+    readers = []
+    for name in list_optimizers():
+        entry = lookup_optimizer(name).entry
+        if isinstance(entry, EmergingOptimizerEntry):
+            _, sources = optimizer_kwargs(name, entry, OptimizerConfig(optimizer=name, lr=1e-3))
+            if sources.get("tp_mode") == "OptimizerConfig.muon_tp_mode":
+                readers.append(name)
+    return readers

@@ -10,7 +10,8 @@ A save writes into the `.incomplete` directory. Rank 0 renames it into place whe
 done, verifies it, and only then rewrites `latest` by a rename. Saving an iteration again moves
 the old copy to `iter_N.replaced` for the swap. A load verifies every file against the manifest
 first. Every collective runs over `group`, the ranks that save or load together (None: one
-rank). docs/checkpoints.md describes the behaviour.
+rank). Rank 0 holds an exclusive flock on `.save_lock` for a save, or for a whole run with
+ownership.py's `DirectoryOwner`. docs/checkpoints.md describes the behaviour.
 """
 
 import fcntl
@@ -140,8 +141,11 @@ class SaveLock:
 
     The lock file names its holder (pid, host, start time, command), so a second run saving into
     the same directory is refused with who the first one is. The kernel drops the lock when the
-    holder exits, even when killed, so a stale file never blocks anyone.
+    holder exits, even when killed, so a stale file never blocks anyone. In a directory this
+    process owns for its whole run (ownership.py) the owner's lock covers the save.
     """
+
+    ACTIVITY = "saving"
 
     def __init__(self, checkpoint_dir: str) -> None:
         self.checkpoint_dir = checkpoint_dir
@@ -149,6 +153,10 @@ class SaveLock:
         self._file = None
 
     def acquire(self) -> None:
+        if os.path.realpath(self.checkpoint_dir) not in OWNED:
+            self._lock()
+
+    def _lock(self) -> None:
         file = open(self.path, "a+")
         try:
             fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -156,16 +164,17 @@ class SaveLock:
             file.seek(0)
             holder = file.read().strip() or "holder not yet written"
             file.close()
-            raise CheckpointError(
-                f"another run is saving into {self.checkpoint_dir} ({holder}); two runs must not "
-                f"share a checkpoint directory: give this one its own --save / checkpoint_dir."
-            ) from None
+            raise CheckpointError(self.refusal(holder)) from None
         file.truncate(0)
         started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-        file.write(f"pid {os.getpid()} on host {socket.gethostname()}, saving since {started}, "
+        file.write(f"pid {os.getpid()} on host {socket.gethostname()}, {self.ACTIVITY} since {started}, "
                    f"command: {' '.join(sys.argv)[:300]}")
         file.flush()
         self._file = file
+
+    def refusal(self, holder: str) -> str:
+        return (f"another run is saving into {self.checkpoint_dir} ({holder}); two runs must not "
+                f"share a checkpoint directory: give this one its own --save / checkpoint_dir.")
 
     def release(self) -> None:
         if self._file is not None:
@@ -173,6 +182,10 @@ class SaveLock:
             fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
             self._file.close()
             self._file = None
+
+
+# Directories this process owns for a whole run (realpath -> ownership.DirectoryOwner).
+OWNED: dict[str, Any] = {}
 
 
 def begin_save(
@@ -188,6 +201,8 @@ def begin_save(
             return
         os.makedirs(checkpoint_dir, exist_ok=True)
         lock.acquire()  # before touching the staging folder: it may be another run's
+        if os.path.realpath(checkpoint_dir) in OWNED:
+            OWNED[os.path.realpath(checkpoint_dir)].before_save(iteration)
         try:
             shutil.rmtree(path, ignore_errors=True)
             os.makedirs(path)

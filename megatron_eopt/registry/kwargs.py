@@ -22,6 +22,7 @@ import torch
 
 from megatron_eopt.hardware import CPU_BF16_FLAGS, native_bf16_matmul
 from megatron_eopt.once import warn_once
+from megatron_eopt.optimizers.compiled_step import watch_first_step
 from megatron_eopt.param_names import named_params
 from megatron_eopt.registry.entries import CONTEXT_ARGS, BuildContext, EmergingOptimizerEntry
 
@@ -70,7 +71,7 @@ def build_emerging(
         check_params(name, entry, param_groups, config, context)
     optimizer = entry.optimizer_cls(param_groups, **kwargs)
     (entry.init_state_fn or init_state_step_free)(optimizer)
-    return optimizer
+    return watch_first_step(name, optimizer, config)  # torch.compile'd updates (optimizers/compiled_step.py)
 
 
 def optimizer_kwargs(

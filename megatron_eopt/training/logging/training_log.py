@@ -63,6 +63,14 @@ class IntervalStats:
     other_losses: dict[str, float] = field(default_factory=dict)
 
 
+def throughput_text(tflops: float) -> str:
+    """Megatron-LM's one decimal from 1 TFLOP/s up; below it three significant digits (a CPU's
+    0.00412 would print as 0.0)."""
+    if tflops >= 1 or tflops <= 0 or not math.isfinite(tflops):
+        return f"{tflops:.1f}"
+    return f"{tflops:.{2 - math.floor(math.log10(tflops))}f}"
+
+
 def format_iteration_line(stats: IntervalStats, now: Optional[datetime] = None) -> str:
     """Megatron-LM's line for `stats` (the fields this trainer has, in Megatron-LM's order)."""
     now = datetime.now() if now is None else now
@@ -71,7 +79,7 @@ def format_iteration_line(stats: IntervalStats, now: Optional[datetime] = None) 
     line += " consumed samples: {:12d} |".format(stats.consumed_samples)
     line += " elapsed time per iteration (ms): {:.1f} |".format(stats.elapsed_ms)
     if stats.throughput is not None:
-        line += f" throughput per GPU (TFLOP/s/GPU): {stats.throughput:.1f} |"
+        line += f" throughput per GPU (TFLOP/s/GPU): {throughput_text(stats.throughput)} |"
     line += f" learning rate: {stats.learning_rate:.6E} |"
     line += f" global batch size: {stats.global_batch_size:5d} |"
     if stats.lm_loss is not None and stats.lm_loss >= 0.0:  # Megatron-LM prints non-negative means only
@@ -448,6 +456,7 @@ def plot_curves(path: str, curves: Sequence[Curve], x_label: str = "iteration", 
             # and 5s of each decade are labelled, so the labels do not overlap.
             axes.yaxis.set_major_formatter(ticker.FuncFormatter(lambda value, _: f"{value:g}"))
             axes.yaxis.set_minor_formatter(ticker.FuncFormatter(_two_or_five))
+            narrow_log_ticks(axes)
         axes.set_xlabel(x_label)
         axes.set_ylabel(y_label)
         axes.grid(True, which="both", alpha=0.3)
@@ -456,6 +465,20 @@ def plot_curves(path: str, curves: Sequence[Curve], x_label: str = "iteration", 
         figure.savefig(path, dpi=dpi)
     finally:
         pyplot.close(figure)
+
+
+def narrow_log_ticks(axes) -> None:
+    """A log y-axis spanning less than a decade shows no power of ten and at most one 2 or 5 (a
+    loss from 1.56 to 4.17 got the single label '2'): label evenly spaced round values in view
+    instead (1.5, 2, 2.5, ..., 4 there)."""
+    from matplotlib import ticker
+
+    low, high = axes.get_ylim()
+    if low <= 0 or high / low >= 10:
+        return
+    ticks = [t for t in ticker.MaxNLocator(nbins=6, steps=[1, 2, 2.5, 5, 10]).tick_values(low, high) if low <= t <= high]
+    axes.yaxis.set_major_locator(ticker.FixedLocator(ticks))
+    axes.yaxis.set_minor_formatter(ticker.NullFormatter())
 
 
 def _two_or_five(value: float, _position) -> str:

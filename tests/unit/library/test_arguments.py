@@ -26,13 +26,15 @@ FROZEN_OPTIONS = sorted([
     "--muon-extra-scale-factor", "--muon-match-adamw-rms", "--muon-scalar-optimizer",
     "--muon-use-syrk", "--lion-beta1", "--lion-beta2", "--soap-shampoo-beta",
     "--soap-precondition-frequency", "--soap-no-kl-shampoo", "--adaptive-muon-moment2-method",
-    "--adaptive-muon-beta2", "--adaptive-muon-eps", "--use-distributed-optimizer",
+    "--adaptive-muon-beta2", "--adaptive-muon-eps", "--no-emerging-optimizers-compile",
+    "--use-distributed-optimizer",
     "--use-layer-wise-distributed-optimizer", "--layer-wise-reduce-grads", "--overlap-param-gather",
     "--overlap-param-gather-with-optimizer-step", "--fp16", "--bf16", "--loss-scale",
     "--initial-loss-scale", "--min-loss-scale", "--loss-scale-window", "--hysteresis",
     "--qk-clip", "--qk-clip-threshold", "--qk-clip-alpha", "--log-max-attention-logit",
 ])
-NEGATIVE_FLAGS = {"--muon-no-split-qkv": "muon_split_qkv", "--soap-no-kl-shampoo": "soap_use_kl_shampoo"}
+NEGATIVE_FLAGS = {"--muon-no-split-qkv": "muon_split_qkv", "--soap-no-kl-shampoo": "soap_use_kl_shampoo",
+                  "--no-emerging-optimizers-compile": "emerging_optimizers_compile"}
 FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(OptimizerConfig)}
 HARDWARE_DEFAULTS = {"muon_fp32_matmul_prec"}  # flags whose default is chosen from the hardware
 
@@ -189,9 +191,18 @@ def test_muon_tp_mode_without_tensor_parallelism_warns(parser) -> None:
         warnings.simplefilter("error")
         parse(parser, "--optimizer", "muon", "--muon-tp-mode", "sharded", tp=2)
         parse(parser, "--optimizer", "muon", tp=1)  # not given: nothing to warn about
-        args = parser.parse_args(["--muon-tp-mode", "blockwise"])
+        args = parser.parse_args(["--optimizer", "muon", "--muon-tp-mode", "blockwise"])
         args.tensor_model_parallel_size = 4  # Megatron-LM's namespace carries the TP size
         validate_args(args)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_muon_tp_mode_with_an_optimizer_that_is_not_muon_says_so(parser, tp: int) -> None:
+    with pytest.warns(UserWarning) as caught:
+        parse(parser, "--optimizer", "adam", "--muon-tp-mode", "sharded", tp=tp)
+    messages = [str(w.message) for w in caught if "--muon-tp-mode" in str(w.message)]
+    assert messages == ["--muon-tp-mode sharded has no effect with --optimizer adam, which does not use Muon's "
+                        "tensor-parallel modes (those that do: adaptive_muon, muon)."], messages
 
 
 def test_round_trip_equals_building_the_config_directly(parser) -> None:

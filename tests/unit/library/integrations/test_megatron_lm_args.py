@@ -425,7 +425,8 @@ def test_extra_args_provider_keeps_megatron_lm_flags(run_distributed) -> None:
     added = set(ours) - set(theirs)
     assert added == {"--grad-norm-skip-threshold", "--muon-match-adamw-rms", "--muon-use-syrk",
                      "--soap-shampoo-beta", "--soap-precondition-frequency", "--soap-no-kl-shampoo",
-                     "--adaptive-muon-moment2-method", "--adaptive-muon-beta2", "--adaptive-muon-eps"}, added
+                     "--adaptive-muon-moment2-method", "--adaptive-muon-beta2", "--adaptive-muon-eps",
+                     "--no-emerging-optimizers-compile"}, added
 
 
 @pytest.mark.parametrize(
@@ -439,6 +440,7 @@ def test_extra_args_provider_keeps_megatron_lm_flags(run_distributed) -> None:
         ("--grad-norm-skip-threshold 7.5", "grad_norm_skip_threshold", 7.5),
         ("--soap-no-kl-shampoo", "soap_use_kl_shampoo", False),
         ("--adaptive-muon-eps 1e-5", "adaptive_muon_eps", 1e-5),
+        ("--no-emerging-optimizers-compile", "emerging_optimizers_compile", False),
         ("--muon-momentum 0.8", "muon_momentum", 0.8),  # one of Megatron-LM's own flags
     ],
 )

@@ -245,3 +245,48 @@ def test_plot_is_a_png_of_the_size_with_the_curve(tmp_path) -> None:
         assert image.format == "PNG" and image.size == training_log.PLOT_SIZE
         colors = dict((color[:3], count) for count, color in image.convert("RGBA").getcolors(1 << 20))
     assert colors.get(training_log.PALETTE[0], 0) > 300, sorted(colors.items(), key=lambda kv: -kv[1])[:5]
+
+
+@pytest.mark.parametrize("tflops,text", [(123.46, "123.5"), (1.0, "1.0"), (0.5, "0.500"), (0.0412, "0.0412"),
+                                         (0.00412345, "0.00412"), (0.0, "0.0")])
+def test_throughput_keeps_three_significant_digits_below_one(tflops: float, text: str) -> None:
+    assert training_log.throughput_text(tflops) == text
+
+
+def _labelled_ticks(ys: list[float], path) -> list[str]:
+    """The y tick labels plot_curves' log axis shows in view for a curve through `ys`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    captured = {}
+    original_close = pyplot.close
+    pyplot.close = lambda figure: captured.setdefault("figure", figure)
+    try:
+        training_log.plot_curves(str(path), [
+            training_log.Curve("a", list(range(len(ys))), ys, training_log.PALETTE[0])])
+    finally:
+        pyplot.close = original_close
+    figure = captured["figure"]
+    axes = figure.axes[0]
+    figure.canvas.draw()
+    low, high = axes.get_ylim()
+    labels = [t.get_text() for t in axes.yaxis.get_ticklabels(which="both")
+              if t.get_text() and low <= t.get_position()[1] <= high]
+    original_close(figure)
+    return labels
+
+
+def test_a_log_axis_within_one_decade_has_readable_ticks(tmp_path) -> None:
+    labels = _labelled_ticks([4.17, 3.0, 2.2, 1.8, 1.56], tmp_path / "plot.png")
+    values = [float(label) for label in labels]
+    assert len(values) >= 4 and values == sorted(values), labels  # was ['2'] alone
+    assert all(1.4 <= v <= 4.5 for v in values) and len(set(labels)) == len(labels), labels
+    steps = {round(b - a, 6) for a, b in zip(values, values[1:])}
+    assert len(steps) == 1, labels  # evenly spaced round values
+
+
+def test_a_log_axis_over_decades_keeps_powers_of_ten(tmp_path) -> None:
+    labels = _labelled_ticks([50.0, 5.0, 0.5], tmp_path / "plot.png")
+    assert {"1", "10"} <= set(labels), labels
