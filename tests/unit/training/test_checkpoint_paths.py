@@ -81,11 +81,13 @@ def test_main_refuses_before_anything_is_built(flags, message, monkeypatch, caps
     import torch.distributed as dist
 
     from megatron_eopt.training import pretrain
+    from megatron_eopt.training.loop import train
+    from megatron_eopt.training.parallel import layout
 
     monkeypatch.chdir(ROOT)
     built = []
-    monkeypatch.setattr(pretrain, "init_distributed", lambda *a: built.append("process group"))
-    monkeypatch.setattr(pretrain, "train", lambda *a: built.append("model"))
+    monkeypatch.setattr(layout, "init_distributed", lambda *a: built.append("process group"))
+    monkeypatch.setattr(train, "train", lambda *a: built.append("model"))
     with pytest.raises(SystemExit) as exit_info:
         pretrain.main(["--optimizer", "adam", "--lr", "1e-3", "--train-iters", "3"] + flags)
     assert exit_info.value.code == 2 and built == [] and not dist.is_initialized()
