@@ -67,11 +67,25 @@ def device_after_import(args: argparse.Namespace) -> Device:
     import torch
 
     from megatron_eopt.training.model.layer_specs import transformer_engine_at_least
-    from megatron_eopt.training.parallel.layout import runs_on_cuda
 
     dist = process_group()
-    return Device(torch.cuda.is_available(), runs_on_cuda(args), transformer_engine_at_least(None),
+    on_cuda = runs_on_cuda(args)
+    # Transformer Engine matters only on CUDA (Device.te_on_cuda): not imported on CPU.
+    return Device(torch.cuda.is_available(), on_cuda, transformer_engine_at_least(None) if on_cuda else None,
                   None if dist is None else dist.get_backend())
+
+
+def runs_on_cuda(args: argparse.Namespace) -> bool:
+    """NCCL on GPUs or gloo on CPU: a caller's process group, else --distributed-backend, else
+    CUDA when available."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return dist.get_backend() == "nccl"
+    if args.distributed_backend is not None:
+        return args.distributed_backend == "nccl"
+    return torch.cuda.is_available()
 
 
 class NotYetKnown(Exception):

@@ -13,7 +13,7 @@ import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-from megatron_eopt.training.arguments.device import world
+from megatron_eopt.training.arguments.device import runs_on_cuda, world  # noqa: F401 (runs_on_cuda re-exported)
 from megatron_eopt.training.arguments.pipeline import pipeline_layout
 
 if TYPE_CHECKING:
@@ -51,19 +51,6 @@ def job_layout(args: argparse.Namespace, imported: bool = True) -> Layout:
             f"--micro-batch-size * data-parallel size = {args.micro_batch_size} * {dp} = {per_step}."
         )
     return Layout(world_size, rank, tp, dp, global_batch // per_step, pp, vpp)
-
-
-def runs_on_cuda(args: argparse.Namespace) -> bool:
-    """NCCL on GPUs or gloo on CPU: a caller's process group, else --distributed-backend, else
-    CUDA when available."""
-    import torch
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return dist.get_backend() == "nccl"
-    if args.distributed_backend is not None:
-        return args.distributed_backend == "nccl"
-    return torch.cuda.is_available()
 
 
 def init_distributed(args: argparse.Namespace, layout: Layout) -> torch.device:
