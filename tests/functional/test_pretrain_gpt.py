@@ -319,7 +319,9 @@ def test_tensorboard_holds_megatron_lm_scalars(flags_run: FlagsRun) -> None:
 
 
 def test_bad_optimizer_name_exits_with_argparse_error() -> None:
-    result = subprocess.run([sys.executable, "scripts/pretrain_gpt.py", "--optimizer", "nope"],
+    # --lr given: without it, "--lr is required" comes first (checked before torch; the installed
+    # optimizers' names only after it).
+    result = subprocess.run([sys.executable, "scripts/pretrain_gpt.py", "--optimizer", "nope", "--lr", "1e-3"],
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr

@@ -15,7 +15,7 @@ is refused in one line; `mla_settings` fills in Megatron-LM's defaults.
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, Optional
 
 from megatron_eopt.arguments import refuse_flags_without
 from megatron_eopt.training.arguments.flags.model import MLA
@@ -27,9 +27,10 @@ MLA_DEFAULTS: dict[str, Any] = {"q_lora_rank": None, "kv_lora_rank": 32, "qk_hea
                                 "mscale": 1.0, "mscale_all_dim": 0.0}
 
 
-def mla_settings(args: argparse.Namespace, local_spec: bool) -> dict[str, Any]:
+def mla_settings(args: argparse.Namespace, local_spec: Optional[bool]) -> dict[str, Any]:
     """GPTModelSettings fields of the MLA flags ({} without --multi-latent-attention).
-    ``local_spec``: megatron-core's local layers will be built (no Transformer Engine)."""
+    ``local_spec``: megatron-core's local layers will be built (no Transformer Engine); None: not
+    known yet (before torch is imported), the check that needs it waits."""
     if not args.multi_latent_attention:
         refuse_flags_without(given_needing(args, MLA, "multi_latent_attention"), "--multi-latent-attention")
         if args.rope_type == "yarn":
@@ -42,14 +43,14 @@ def mla_settings(args: argparse.Namespace, local_spec: bool) -> dict[str, Any]:
     return dict(multi_latent_attention=True, rope_type=args.rope_type or "yarn", **values)
 
 
-def _check_mla_combinations(args: argparse.Namespace, local_spec: bool) -> None:
+def _check_mla_combinations(args: argparse.Namespace, local_spec: Optional[bool]) -> None:
     if args.group_query_attention:
         raise ValueError("--group-query-attention and --multi-latent-attention exclude each other (as in "
                          "Megatron-LM: every MLA head has its own key and value).")
     if args.qk_clip:
         raise ValueError("--qk-clip with --multi-latent-attention is not offered (the clip rescales a fused "
                          "linear_qkv's query and key rows; MLA has none). --log-max-attention-logit works.")
-    if args.qk_layernorm and args.q_lora_rank is None and local_spec:
+    if args.qk_layernorm and args.q_lora_rank is None and local_spec is True:
         raise ValueError("--qk-layernorm with --multi-latent-attention needs --q-lora-rank with megatron-core's "
                          "local layers (without a query latent megatron puts the query norm into Transformer "
                          "Engine's fused norm+linear).")

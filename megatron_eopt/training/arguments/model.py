@@ -1,15 +1,18 @@
-"""The model the flags describe (GPTModelSettings), with Megatron-LM's defaults and rules."""
+"""The model the flags describe (GPTModelSettings), with Megatron-LM's defaults and rules.
+
+Torch-free: the checks that need to know the machine read `Device` (arguments/device.py) and
+skip what it does not know yet (before the import); they run again after it.
+"""
 
 import argparse
 import dataclasses
 from typing import Any, Optional
 
-import torch
-import torch.distributed as dist
-
 from megatron_eopt.arguments import (
     refuse_flags_without,
 )
+from megatron_eopt.training.arguments.data import model_vocab_size
+from megatron_eopt.training.arguments.device import Device
 from megatron_eopt.training.arguments.flags.model import MLA
 from megatron_eopt.training.arguments.flags.moe import MOE
 from megatron_eopt.training.arguments.flags.table import option_of, replaced, settings_from_flags
@@ -20,40 +23,36 @@ from megatron_eopt.training.arguments.moe import (
     moe_settings,
     resolve_moe_flags,
 )
-from megatron_eopt.training.data.datasets import (
-    model_vocab_size,
-)
 from megatron_eopt.training.errors import is_rank_zero
-from megatron_eopt.training.model.layer_specs import transformer_engine_at_least
 from megatron_eopt.training.model.settings import GPTModelSettings, SettingsError
-from megatron_eopt.training.parallel.layout import Layout, runs_on_cuda
+from megatron_eopt.training.parallel.layout import Layout
 
 
-def check_device_flags(args: argparse.Namespace) -> None:
-    if args.distributed_backend == "nccl" and not torch.cuda.is_available():
+def check_device_flags(args: argparse.Namespace, device: Device) -> None:
+    if args.distributed_backend == "nccl" and device.cuda_available is False:
         raise ValueError("--distributed-backend nccl needs CUDA, and none is available (gloo runs on CPU).")
-    if dist.is_initialized() and args.distributed_backend not in (None, dist.get_backend()):
+    if device.backend is not None and args.distributed_backend not in (None, device.backend):
         raise ValueError(f"--distributed-backend {args.distributed_backend}: the process group this runs in "
-                         f"is {dist.get_backend()}.")
-    if args.transformer_impl == "transformer_engine" and not (runs_on_cuda(args) and transformer_engine_at_least(None)):
+                         f"is {device.backend}.")
+    if args.transformer_impl == "transformer_engine" and device.te_on_cuda is False:
         raise ValueError("--transformer-impl transformer_engine needs CUDA and Transformer Engine installed "
                          "(--transformer-impl local runs everywhere).")
 
 
-def with_experts(args: argparse.Namespace, layout: Layout, settings: GPTModelSettings
+def with_experts(args: argparse.Namespace, layout: Layout, settings: GPTModelSettings, device: Device
                   ) -> tuple[argparse.Namespace, Layout, GPTModelSettings]:
     """The MoE flags (megatron_eopt/training/model/moe.py) resolved, in the layout and the model settings."""
     args = replaced(args, **resolve_moe_flags(args))
-    ep = check_moe_flags(args, layout.tp, layout.dp, use_cuda=runs_on_cuda(args), num_layers=settings.num_layers)
+    ep = check_moe_flags(args, layout.tp, layout.dp, use_cuda=device.on_cuda, num_layers=settings.num_layers)
     return args, dataclasses.replace(layout, ep=ep), dataclasses.replace(settings, **moe_settings(args))
 
 
-def model_defaults(args: argparse.Namespace, tp: int) -> dict[str, Any]:
+def model_defaults(args: argparse.Namespace, tp: int, say: bool = True) -> dict[str, Any]:
     """The model flags' resolved values: the padded vocabulary, --sequence-parallel (off at TP 1,
-    said on rank 0) and Megatron-LM's legacy --use-rotary-position-embeddings."""
+    said on rank 0 when `say`) and Megatron-LM's legacy --use-rotary-position-embeddings."""
     sequence_parallel = args.sequence_parallel
     if sequence_parallel and tp == 1:
-        if is_rank_zero():
+        if say and is_rank_zero():
             print("> --sequence-parallel is off: it needs --tensor-model-parallel-size > 1 (as in Megatron-LM)",
                   flush=True)
         sequence_parallel = False
@@ -62,11 +61,11 @@ def model_defaults(args: argparse.Namespace, tp: int) -> dict[str, Any]:
                 position_embedding_type="rope" if rope else args.position_embedding_type)
 
 
-def model_settings(args: argparse.Namespace, tp: int) -> GPTModelSettings:
+def model_settings(args: argparse.Namespace, tp: int, device: Device) -> GPTModelSettings:
     """The model `args` (with `model_defaults` resolved) describe; its errors name the flags
     (`--seq-length`, not `seq_length`)."""
     try:
-        settings = settings_from_flags(args, GPTModelSettings, _model_fields(args), RENAMED, _OWN_RESOLUTION)
+        settings = settings_from_flags(args, GPTModelSettings, _model_fields(args, device), RENAMED, _OWN_RESOLUTION)
         settings.check_tensor_parallel(tp)
     except SettingsError as error:
         # Every setting and tensor_model_parallel_size is the destination of the flag of that name.
@@ -134,7 +133,7 @@ def _rotary_settings(args: argparse.Namespace) -> None:
                              f"--position-embedding-type rope (got {args.position_embedding_type})")
 
 
-def _recompute_settings(args: argparse.Namespace) -> dict[str, Any]:
+def _recompute_settings(args: argparse.Namespace, device: Device) -> dict[str, Any]:
     """Megatron-LM's rules: --recompute-activations is --recompute-granularity selective; full
     recompute needs a method and a layer count, selective neither."""
     granularity = args.recompute_granularity
@@ -156,8 +155,7 @@ def _recompute_settings(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--recompute-modules mlp needs --disable-bias-linear (megatron-core's checkpoint hands the "
                          "MLP's output bias, a parameter, back through itself, and its backward then recurses "
                          "without end).")
-    if args.recompute_modules is not None and "layernorm" in args.recompute_modules and not (
-            runs_on_cuda(args) and transformer_engine_at_least(None)):
+    if args.recompute_modules is not None and "layernorm" in args.recompute_modules and device.te_on_cuda is False:
         raise ValueError("--recompute-modules layernorm needs CUDA and Transformer Engine (megatron-core's "
                          "output-discarding checkpoint calls Transformer Engine's FP8 state).")
     if granularity != "full":
@@ -169,14 +167,14 @@ def _recompute_settings(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--recompute-num-layers {args.recompute_num_layers} must be in [1, --num-layers "
                          f"{args.num_layers}].")
     if args.distribute_saved_activations:
-        _check_distributed_saved_activations(args)
+        _check_distributed_saved_activations(args, device)
     modules = None if args.recompute_modules is None else tuple(args.recompute_modules)
     return dict(recompute_granularity=granularity, recompute_method=args.recompute_method,
                 recompute_num_layers=args.recompute_num_layers, recompute_modules=modules,
                 distribute_saved_activations=args.distribute_saved_activations)
 
 
-def _check_distributed_saved_activations(args: argparse.Namespace) -> None:
+def _check_distributed_saved_activations(args: argparse.Namespace, device: Device) -> None:
     """megatron-core's rules (TransformerConfig), plus CUDA: its checkpoint gathers the split
     input into a buffer on torch.cuda.current_device()."""
     if args.tensor_model_parallel_size == 1:
@@ -185,7 +183,7 @@ def _check_distributed_saved_activations(args: argparse.Namespace) -> None:
     if args.sequence_parallel:
         raise ValueError("--distribute-saved-activations and --sequence-parallel exclude each other (as in "
                          "megatron-core: the activations are split over TP already).")
-    if not runs_on_cuda(args):
+    if device.on_cuda is False:
         raise ValueError("--distribute-saved-activations needs CUDA (megatron-core gathers the saved activations "
                          "into a CUDA buffer).")
 
@@ -199,7 +197,7 @@ RENAMED = {"vocab_size": "padded_vocab_size", "layernorm_epsilon": "norm_epsilon
 _OWN_RESOLUTION = {row.name for row in MLA + MOE}
 
 
-def _model_fields(args: argparse.Namespace) -> dict[str, Any]:
+def _model_fields(args: argparse.Namespace, device: Device) -> dict[str, Any]:
     """The GPTModelSettings fields that are not a flag's value as given (each checked here)."""
     fields = dict(num_query_groups=_query_groups(args), ffn_hidden_size=_ffn_hidden_size(args),
                   activation=_activation(args), qk_layernorm=_qk_layernorm(args))
@@ -210,11 +208,6 @@ def _model_fields(args: argparse.Namespace) -> dict[str, Any]:
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         add_bias_linear=not args.disable_bias_linear,
         transformer_impl=args.transformer_impl or "auto",
-        **mla_settings(args, local_spec=uses_local_spec(args)),
-        **_recompute_settings(args),
+        **mla_settings(args, local_spec=device.local_spec(args)),
+        **_recompute_settings(args, device),
     )
-
-
-def uses_local_spec(args: argparse.Namespace) -> bool:
-    """Whether megatron-core's local layers are built (megatron_eopt/training/model/layer_specs.py's gpt_layer_spec)."""
-    return args.transformer_impl == "local" or not (runs_on_cuda(args) and transformer_engine_at_least(None))

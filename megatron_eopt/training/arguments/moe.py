@@ -161,8 +161,9 @@ def resolve_moe_flags(args: argparse.Namespace) -> dict[str, Any]:
     return dict(_defaults(args), num_experts=experts)
 
 
-def check_moe_flags(args: argparse.Namespace, tp: int, dp: int, use_cuda: bool, num_layers: int) -> int:
-    """Check the resolved MoE flags (`resolve_moe_flags`) against each other and the layout. Returns EP."""
+def check_moe_flags(args: argparse.Namespace, tp: int, dp: int, use_cuda: Optional[bool], num_layers: int) -> int:
+    """Check the resolved MoE flags (`resolve_moe_flags`) against each other and the layout (`use_cuda`
+    None: not known yet, its checks wait). Returns EP."""
     if args.num_experts is not None:
         _check_expert_flags(args, tp, dp, use_cuda)
         _check_router_flags(args)
@@ -220,7 +221,7 @@ def _defaults(args: argparse.Namespace) -> dict[str, Any]:
     return values
 
 
-def _check_expert_flags(args: argparse.Namespace, tp: int, dp: int, use_cuda: bool) -> None:
+def _check_expert_flags(args: argparse.Namespace, tp: int, dp: int, use_cuda: Optional[bool]) -> None:
     experts, ep = args.num_experts, args.expert_model_parallel_size
     if ep < 1 or experts % ep or dp % ep:
         raise ValueError(f"--expert-model-parallel-size {ep} must be >= 1 and divide --num-experts {experts} "
@@ -232,7 +233,7 @@ def _check_expert_flags(args: argparse.Namespace, tp: int, dp: int, use_cuda: bo
         size = getattr(args, dest)
         if size is not None and (size < 1 or size % tp):
             raise ValueError(f"{_flag(dest)} must be >= 1 and divisible by --tensor-model-parallel-size {tp}; got {size}.")
-    if args.moe_token_dispatcher_type == "alltoall" and not use_cuda:
+    if args.moe_token_dispatcher_type == "alltoall" and use_cuda is False:
         raise ValueError("--moe-token-dispatcher-type alltoall needs CUDA (megatron-core's all-to-all "
                          "dispatcher creates CUDA streams); use allgather on CPU.")
     if tp > 1 and not args.sequence_parallel:
@@ -240,7 +241,7 @@ def _check_expert_flags(args: argparse.Namespace, tp: int, dp: int, use_cuda: bo
                          f"(megatron-core's MoELayer refuses tensor parallelism without it).")
     if args.use_torch_fsdp2:
         raise ValueError("--use-torch-fsdp2 does not support --num-experts yet.")
-    if not args.disable_bias_linear and not use_cuda:
+    if not args.disable_bias_linear and use_cuda is False:
         raise ValueError("--num-experts on CPU needs --disable-bias-linear: megatron-core's expert MLP adds its "
                          "bias in place to the output of its row-parallel linear, which autograd refuses there.")
 
@@ -300,8 +301,8 @@ def _check_balancing_flags(args: argparse.Namespace) -> None:
         _check_finite(args, "moe_router_bias_update_rate", above=0.0)
 
 
-def _check_shared_expert_flags(args: argparse.Namespace, use_cuda: bool) -> None:
-    if args.moe_shared_expert_overlap and not use_cuda:
+def _check_shared_expert_flags(args: argparse.Namespace, use_cuda: Optional[bool]) -> None:
+    if args.moe_shared_expert_overlap and use_cuda is False:
         raise ValueError("--moe-shared-expert-overlap needs CUDA (megatron-core runs the shared experts on a "
                          "torch.cuda.Stream); leave it out on CPU.")
     if args.moe_shared_expert_overlap and args.moe_token_dispatcher_type != "alltoall":

@@ -1,8 +1,9 @@
 """pretrain_gpt.py's parser and `parse_args`: every flag parsed and checked before any process group exists.
 
 The parser is built from the flag tables (`flags/`), which import neither torch nor megatron-core,
-so `--help` and argparse's errors come at once. `parse_args` then imports torch and megatron-core
-(saying so on rank 0) and runs the checks that need them (arguments/checks.py).
+so `--help` and argparse's errors come at once, and so do the checks of the flags against each
+other (arguments/checks.py). `parse_args` then imports torch and megatron-core (saying so on
+rank 0) and checks the flags against the installed optimizers and the device.
 """
 
 import argparse
@@ -51,17 +52,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, "GPTModelSettings", "Layout"]:
-    """Parse the flags (argparse errors exit at once, one line), then import torch and megatron-core
-    and check the flags against each other, the installed packages and the device.
+    """Parse the flags and check them against each other (errors exit at once, one line), then
+    import torch and megatron-core and check them against the installed packages and the device.
 
     Returns a new namespace with every default resolved, the model settings and the layout."""
+    from megatron_eopt.training.arguments.checks import check_flags, check_flags_before_import  # torch-free
+
     parsed = build_parser().parse_args(argv)
+    check_flags_before_import(parsed)
     if "megatron.core" not in sys.modules and is_rank_zero():
         print("> importing torch and megatron-core ...", flush=True)
     try:  # the installed optimizers (torch, not yet megatron-core): a misspelt name fails sooner
         resolve_optimizer_flags(parsed)
     except ValueError as error:
         exit_with_error(f"{error}; see {PROG} --help.")
-    from megatron_eopt.training.arguments.checks import check_flags  # megatron-core
-
-    return check_flags(parsed)
+    return check_flags(parsed)  # imports torch and megatron-core

@@ -1,28 +1,31 @@
 """Training-length, schedule, checkpoint and precision flags: checks and the lr schedule's SchedulerConfig."""
 
+from __future__ import annotations
+
 import argparse
 import re
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from megatron_eopt.arguments import (
     refuse_flags_without,
 )
-from megatron_eopt.bridge import SchedulerConfig
+from megatron_eopt.training.arguments.device import Device
 from megatron_eopt.training.arguments.flags.table import replaced, settings_from_flags
 from megatron_eopt.training.arguments.flags.training import DEFAULT_TRAIN_ITERS
+from megatron_eopt.training.arguments.loop import check_eval_flags, check_housekeeping_flags
 from megatron_eopt.training.arguments.no_effect import check_not_offered
-from megatron_eopt.training.loop.evaluation import check_eval_flags
-from megatron_eopt.training.loop.housekeeping import check_housekeeping_flags
 from megatron_eopt.training.loop.run_control import (
     check_run_control_flags,
 )
-from megatron_eopt.training.model.layer_specs import transformer_engine_at_least
-from megatron_eopt.training.parallel.layout import runs_on_cuda
+
+if TYPE_CHECKING:
+    from megatron_eopt.bridge import SchedulerConfig  # imports torch
 
 
-def check_training_flags(args: argparse.Namespace) -> dict[str, Any]:
+def check_training_flags(args: argparse.Namespace, device: Device, imported: bool = True) -> dict[str, Any]:
     """Check the training flags; returns the defaults they resolve (train_iters, min_lr, the
-    gradient precision, WSD's decay style, --exit-signal's)."""
+    gradient precision, WSD's decay style, --exit-signal's). `imported` False (before torch):
+    the lr schedule's SchedulerConfig (megatron_eopt.bridge, torch) checks its fields later."""
     args = replaced(args, train_iters=_training_length(args))
     for name in ("train_iters", "log_interval", "tensorboard_log_interval", "tensorboard_queue_size"):
         if getattr(args, name) < 1:
@@ -49,7 +52,7 @@ def check_training_flags(args: argparse.Namespace) -> dict[str, Any]:
                     accumulate_allreduce_grads_in_fp32=_gradient_precision(args))
     check_eval_flags(args)
     args = replaced(args, **check_run_control_flags(args))
-    _check_document_flags(args)
+    _check_document_flags(args, device)
     if args.save_interval is not None and (args.save_interval < 1 or not args.save):
         raise ValueError(f"--save-interval needs --save and must be >= 1; got {args.save_interval}.")
     if args.ckpt_step is not None and not args.load:
@@ -65,7 +68,8 @@ def check_training_flags(args: argparse.Namespace) -> dict[str, Any]:
     if args.lr_warmup_init > args.lr:
         raise ValueError(f"--lr-warmup-init {args.lr_warmup_init} must not exceed --lr {args.lr}.")
     try:
-        scheduler_config(args)
+        if imported:
+            scheduler_config(args)
     except (TypeError, ValueError) as error:  # SchedulerConfig's field names -> this script's flags
         raise ValueError(re.sub(r"SchedulerConfig\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"),
                                 str(error))) from None
@@ -73,7 +77,7 @@ def check_training_flags(args: argparse.Namespace) -> dict[str, Any]:
                                                    "lr_wsd_decay_style", "exit_signal")}
 
 
-def _check_document_flags(args: argparse.Namespace) -> None:
+def _check_document_flags(args: argparse.Namespace, device: Device) -> None:
     """--reset-position-ids / --reset-attention-mask run through the one-stage forward, which
     passes the per-document positions and mask to the model (megatron_eopt/training/parallel/pipeline.py's SingleStage)."""
     given = [flag for flag, on in (("--reset-position-ids", args.reset_position_ids),
@@ -82,8 +86,7 @@ def _check_document_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"{given[0]} needs --pipeline-model-parallel-size 1: the pipeline's stages here pass "
                          f"each other hidden states only (torch.distributed.pipelining), not the per-document "
                          f"positions and mask.")
-    if args.reset_attention_mask and runs_on_cuda(args) and args.transformer_impl != "local" and (
-            transformer_engine_at_least(None)):
+    if args.reset_attention_mask and device.te_on_cuda is True and args.transformer_impl != "local":
         raise ValueError("--reset-attention-mask with Transformer Engine is not offered: its attention is built "
                          "with the causal mask type, which does not apply a per-document mask; add "
                          "--transformer-impl local.")
@@ -177,6 +180,8 @@ def _check_weight_decay_flags(args: argparse.Namespace) -> None:
 def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
     """Megatron-LM's schedule flags, matched to SchedulerConfig's fields by name; megatron_eopt.bridge
     turns iterations into samples. With --train-samples the schedule counts samples only."""
+    from megatron_eopt.bridge import SchedulerConfig
+
     samples = args.train_samples is not None
     return settings_from_flags(args, SchedulerConfig, dict(
         lr_wsd_decay_style=args.lr_wsd_decay_style or "exponential",

@@ -17,12 +17,14 @@ import itertools
 import math
 from typing import Optional
 
+from megatron_eopt.training.arguments.device import NotYetKnown
+
 FLAGS = ("--rampup-batch-size", "--step-batch-size-schedule")
 
 
-def check_batch_schedule_flags(args: argparse.Namespace) -> Optional[int]:
+def check_batch_schedule_flags(args: argparse.Namespace, imported: bool = True) -> Optional[int]:
     """Before the layout is known: the flags' own rules. Returns --global-batch-size, which a
-    step schedule sets (its last batch)."""
+    step schedule sets (its last batch; NotYetKnown before the import: megatron-core reads it)."""
     given = [flag for flag in FLAGS if getattr(args, flag[2:].replace("-", "_")) is not None]
     if len(given) == 2:
         raise ValueError("--rampup-batch-size and --step-batch-size-schedule exclude each other; give one.")
@@ -38,6 +40,8 @@ def check_batch_schedule_flags(args: argparse.Namespace) -> Optional[int]:
         if args.global_batch_size is not None:
             raise ValueError("--step-batch-size-schedule sets the global batch size (its last batch); "
                              "--global-batch-size excludes it (as in Megatron-LM).")
+        if not imported:
+            raise NotYetKnown
         return step_schedule(args.step_batch_size_schedule, args.seq_length)[-1][1]
 
 
@@ -94,11 +98,7 @@ class BatchSchedule:
         self.sizes: Optional[list[int]] = None
         if self.steps is None:
             return
-        for _, size in self.steps:
-            if size % samples_per_micro_step:
-                flag = "--rampup-batch-size" if args.rampup_batch_size else "--step-batch-size-schedule"
-                raise ValueError(f"{flag}: batch size {size} is not a multiple of --micro-batch-size * "
-                                 f"data-parallel size = {samples_per_micro_step}.")
+        check_batch_sizes(args, self.steps, samples_per_micro_step)
         self.sizes = self._sizes_until(args.train_samples, samples_per_micro_step)
         self.first_samples = [0, *itertools.accumulate(self.sizes)]
 
@@ -142,6 +142,21 @@ class BatchSchedule:
         grows = " -> ".join(f"{size} from sample {threshold}" for threshold, size in self.steps)
         return (f"global batch size grows: {grows}; {self.train_iters} iterations for "
                 f"{self.train_samples} samples")
+
+
+def check_batch_sizes(args: argparse.Namespace, steps: Optional[list[tuple[int, int]]],
+                      samples_per_micro_step: int) -> None:
+    """Every batch of the schedule `steps` (None: none) a multiple of one micro step's samples."""
+    for _, size in steps or ():
+        if size % samples_per_micro_step:
+            flag = "--rampup-batch-size" if args.rampup_batch_size else "--step-batch-size-schedule"
+            raise ValueError(f"{flag}: batch size {size} is not a multiple of --micro-batch-size * "
+                             f"data-parallel size = {samples_per_micro_step}.")
+
+
+def rampup_steps(args: argparse.Namespace) -> Optional[list[tuple[int, int]]]:
+    """--rampup-batch-size's schedule (torch-free), None without the flag."""
+    return None if args.rampup_batch_size is None else rampup_schedule(*args.rampup_batch_size, args.global_batch_size)
 
 
 def _steps(args: argparse.Namespace) -> Optional[list[tuple[int, int]]]:

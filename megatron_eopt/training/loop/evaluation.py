@@ -18,17 +18,10 @@ from typing import Callable, ContextManager, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_eopt.training.arguments.loop import check_eval_flags  # noqa: F401 (re-exported)
+
 # Megatron-LM caps the exponent so a diverged loss prints a number, not inf.
 PPL_EXPONENT_CAP = 20.0
-
-
-def check_eval_flags(args: argparse.Namespace) -> None:
-    if args.eval_interval is not None and args.eval_interval < 1:
-        raise ValueError(f"--eval-interval must be >= 1; got {args.eval_interval}.")
-    if args.eval_iters < 0:
-        raise ValueError(f"--eval-iters must be >= 0 (0: no evaluation); got {args.eval_iters}.")
-    if args.skip_train and not args.eval_iters:
-        raise ValueError("--skip-train only evaluates, and --eval-iters 0 turns evaluation off; give --eval-iters > 0.")
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,7 @@ from typing import Iterator
 
 import torch
 
-
-def check_housekeeping_flags(args: argparse.Namespace) -> None:
-    if args.manual_gc_interval < 0:
-        raise ValueError(f"--manual-gc-interval must be >= 0; got {args.manual_gc_interval}.")
-    if args.manual_gc_interval and not args.manual_gc:
-        raise ValueError("--manual-gc-interval only applies with --manual-gc.")
+from megatron_eopt.training.arguments.loop import check_housekeeping_flags  # noqa: F401 (re-exported)
 
 
 class Housekeeping:

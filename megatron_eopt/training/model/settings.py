@@ -10,11 +10,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
-import torch.nn.functional as F
-from megatron.core.activations import quick_gelu, squared_relu
+if TYPE_CHECKING:  # torch is imported where it is used: the flag checks make settings before torch
+    import torch
 
 __all__ = ["GPTModelSettings", "SettingsError"]
 
@@ -253,6 +252,9 @@ class GPTModelSettings:
     @property
     def activation_func(self) -> Any:
         """megatron's activations; SwiGLU is a gated unit with SiLU (megatron's default would give GeGLU)."""
+        import torch.nn.functional as F
+        from megatron.core.activations import quick_gelu, squared_relu
+
         if self.swiglu:
             return F.silu
         return {"gelu": F.gelu, "squared_relu": squared_relu, "quick_geglu": quick_gelu}[self.activation]
@@ -269,6 +271,8 @@ class GPTModelSettings:
 
     @property
     def params_dtype(self) -> torch.dtype:
+        import torch
+
         if self.bf16:
             return torch.bfloat16
         return torch.float16 if self.fp16 else torch.float32

@@ -1,16 +1,23 @@
-"""The job's layout (world = TP x PP x DP, experts out of DP) and its process group."""
+"""The job's layout (world = TP x PP x DP, experts out of DP) and its process group.
+
+`job_layout` is torch-free (the flags are checked before torch is imported); torch is imported
+by the functions that need it.
+"""
+
+from __future__ import annotations
 
 import argparse
 import datetime
 import os
 import socket
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import torch
-import torch.distributed as dist
+from megatron_eopt.training.arguments.device import runs_on_cuda, world  # noqa: F401 (runs_on_cuda re-exported)
+from megatron_eopt.training.arguments.pipeline import pipeline_layout
 
-from megatron_eopt.training.parallel.pipeline import pipeline_layout
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -25,15 +32,14 @@ class Layout:
     ep: int = 1  # expert-parallel size, out of the data-parallel ranks (megatron_eopt/training/model/moe.py)
 
 
-def job_layout(args: argparse.Namespace) -> Layout:
-    if dist.is_initialized():  # a caller's process group (see `main`)
-        world_size, rank = dist.get_world_size(), dist.get_rank()
-    else:
-        world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+def job_layout(args: argparse.Namespace, imported: bool = True) -> Layout:
+    """The layout the flags ask for over the world (a caller's process group, see `main`, else
+    WORLD_SIZE and RANK). `imported` False: before torch (see arguments/pipeline.py)."""
+    world_size, rank = world()
     tp = args.tensor_model_parallel_size
     if tp < 1 or world_size % tp:
         raise ValueError(f"--tensor-model-parallel-size {tp} must divide the world size ({world_size}).")
-    pp, vpp = pipeline_layout(args, world_size // tp)
+    pp, vpp = pipeline_layout(args, world_size // tp, imported)
     dp = world_size // (tp * pp)
     if args.micro_batch_size < 1:
         raise ValueError(f"--micro-batch-size must be >= 1; got {args.micro_batch_size}.")
@@ -47,19 +53,12 @@ def job_layout(args: argparse.Namespace) -> Layout:
     return Layout(world_size, rank, tp, dp, global_batch // per_step, pp, vpp)
 
 
-def runs_on_cuda(args: argparse.Namespace) -> bool:
-    """NCCL on GPUs or gloo on CPU: a caller's process group, else --distributed-backend, else
-    CUDA when available."""
-    if dist.is_initialized():
-        return dist.get_backend() == "nccl"
-    if args.distributed_backend is not None:
-        return args.distributed_backend == "nccl"
-    return torch.cuda.is_available()
-
-
 def init_distributed(args: argparse.Namespace, layout: Layout) -> torch.device:
     """One process group over every rank: NCCL on CUDA (cuda:LOCAL_RANK), gloo on CPU (see
     `runs_on_cuda`). A process group that already exists (a caller's, see `main`) is used as it is."""
+    import torch
+    import torch.distributed as dist
+
     if dist.is_initialized():
         return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     if "MASTER_ADDR" not in os.environ:  # plain `python`: a one-process group on a free port

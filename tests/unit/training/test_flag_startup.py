@@ -51,3 +51,68 @@ def test_flag_errors_are_one_line_without_torch(argv, message) -> None:
     assert report == {"code": 2, "heavy": []}
     assert stdout.strip() == "" and len(stderr.strip().splitlines()) == 1, stderr
     assert message in stderr
+
+
+# Runs every command line in one fresh interpreter (one start-up for them all), each through the
+# entry script, and reports per command line its status, its stdout and stderr, and its seconds;
+# then which heavy modules any of them imported.
+PROBE_MANY = """
+import contextlib, io, json, runpy, sys, time
+results = []
+for argv in json.loads(sys.argv[1]):
+    sys.argv = ["pretrain_gpt.py", *argv]
+    out, err = io.StringIO(), io.StringIO()
+    start = time.perf_counter()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path("scripts/pretrain_gpt.py", run_name="__main__")
+            code = 0
+        except SystemExit as exit:
+            code = exit.code
+    results.append({"code": code, "stdout": out.getvalue(), "stderr": err.getvalue(),
+                    "seconds": time.perf_counter() - start})
+heavy = sorted(name for name in ("torch", "megatron.core", "transformer_engine") if name in sys.modules)
+sys.__stdout__.write("\\nPROBE " + json.dumps({"results": results, "heavy": heavy}) + "\\n")
+"""
+
+# One error of each concern that depends on flags together or on defaults, not on the machine.
+SEMANTIC_ERRORS = {
+    "model": (["--lr", "0.1", "--num-query-groups", "2"],
+              "--num-query-groups 2 needs --group-query-attention (without it every head has its own key/value "
+              "group)."),
+    "recompute": (["--lr", "0.1", "--recompute-method", "uniform"],
+                  "--recompute-method only applies with --recompute-granularity full."),
+    "moe": (["--lr", "0.1", "--num-experts", "4", "--moe-router-topk", "5", "--disable-bias-linear"],
+            "--moe-router-topk must be in [1, --num-experts 4]; got 5."),
+    "mla": (["--lr", "0.1", "--multi-latent-attention", "--group-query-attention"],
+            "--group-query-attention and --multi-latent-attention exclude each other"),
+    "parallel": (["--lr", "0.1", "--tensor-model-parallel-size", "3"],
+                 "--tensor-model-parallel-size 3 must divide the world size (1)."),
+    "lr-required": ([], "--lr is required (the peak learning rate)."),
+    "training-length": (["--lr", "0.1", "--train-iters", "10", "--train-samples", "100"],
+                        "--train-iters and --train-samples both set the training length; give one."),
+    "wsd": (["--lr", "0.1", "--lr-wsd-decay-iters", "5"], "--lr-wsd-decay-iters only applies with --lr-decay-style WSD"),
+    "batch-schedule": (["--lr", "0.1", "--rampup-batch-size", "4", "4", "100"],
+                       "--rampup-batch-size needs --train-samples"),
+    "data": (["--lr", "0.1", "--eod-mask-loss"], "--eod-mask-loss needs --data-path or --mock-data"),
+    "eval": (["--lr", "0.1", "--eval-iters", "-1"], "--eval-iters must be >= 0 (0: no evaluation); got -1."),
+    "logging": (["--lr", "0.1", "--profile-step-start", "5", "--profile-step-end", "5"],
+                "--profile-step-end 5 must be > --profile-step-start 5."),
+    "checkpoint": (["--lr", "0.1", "--ckpt-step", "5"], "--ckpt-step needs --load."),
+    "run-control": (["--lr", "0.1", "--exit-signal", "SIGINT"], "--exit-signal SIGINT needs --exit-signal-handler."),
+}
+
+
+def test_semantic_flag_errors_come_before_torch() -> None:
+    """Errors of flags together (or of their defaults) exit 2 with one line before torch,
+    megatron-core or Transformer Engine is imported, each in well under the import's time."""
+    argvs = [argv for argv, _ in SEMANTIC_ERRORS.values()]
+    result = subprocess.run([sys.executable, "-c", PROBE_MANY, json.dumps(argvs)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120, env={**os.environ, "RANK": "0", "WORLD_SIZE": "1"})
+    report = json.loads(result.stdout.rsplit("PROBE ", 1)[1])
+    assert report["heavy"] == [], report["heavy"]
+    for (concern, (_, message)), run in zip(SEMANTIC_ERRORS.items(), report["results"]):
+        lines = run["stderr"].strip().splitlines()
+        assert run["code"] == 2 and run["stdout"].strip() == "" and len(lines) == 1, (concern, run)
+        assert lines[0].startswith("pretrain_gpt.py: error: ") and message in lines[0], (concern, lines[0])
+        assert run["seconds"] < 5, (concern, run["seconds"])

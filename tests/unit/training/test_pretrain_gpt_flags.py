@@ -472,11 +472,13 @@ def test_distributed_timeout_reaches_the_process_group(monkeypatch) -> None:
 
     from megatron_eopt.training.arguments.parser import parse_args
     from megatron_eopt.training.arguments.training import scheduler_config
+    import torch.distributed as dist
+
     from megatron_eopt.training.parallel import layout as parallel_layout
 
     calls = []
-    monkeypatch.setattr(parallel_layout.dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(parallel_layout.dist, "init_process_group", lambda *args, **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda *args, **kwargs: calls.append(kwargs))
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     for argv, minutes in (([], 10), (["--distributed-timeout-minutes", "60"], 60)):
         args, _, layout = _parse(argv + ["--distributed-backend", "gloo"], monkeypatch)
