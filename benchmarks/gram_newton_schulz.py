@@ -12,6 +12,7 @@ the matmul FLOPs of Newton-Schulz per step (ops/gram_newton_schulz.py counts the
 import argparse
 
 import torch
+from _gpt import GptShape
 from _timing import interleaved_times, medians, write_json
 
 from megatron_eopt.ops.gram_newton_schulz import gram_flops, restart_steps, standard_flops
@@ -24,6 +25,7 @@ LR, WEIGHT_DECAY, STEPS = 1e-3, 0.1, 5
 def weights(kind: str, hidden: int, layers: int, device: torch.device) -> torch.nn.Module:
     shapes = [(4 * hidden, hidden), (hidden, 4 * hidden)] if kind == "ffn_heavy" else [(hidden, hidden)] * 2
     model = torch.nn.Module()
+    model.config = GptShape(hidden).model_config()  # megatron-core's kwargs read the qkv split from it
     for i, shape in enumerate(shapes * layers):
         model.register_parameter(f"w{i}", torch.nn.Parameter(torch.randn(shape, device=device) * 0.02))
     return model
