@@ -41,6 +41,7 @@ BENCHMARKS = {
     "fsdp2_polargrad_2": TORCHRUN + ["--nproc-per-node", "2", "fsdp2_whole_matrix_step.py", "--optimizer",
                                      "polargrad", "--hidden", "256", "--layers", "2"],
     "grad_reduce_overlap": TORCHRUN + ["--nproc-per-node", "2", "grad_reduce_overlap.py"],
+    "gram_newton_schulz": PYTHON + ["gram_newton_schulz.py", *MAIN, "--repeats", "3"],
 }
 GPU_BENCHMARKS = {  # bf16 (fp32_matmul_prec 'medium', the library defaults on GPUs)
     "gpu_step": PYTHON + ["optimizer_step.py", "--device", "cuda", "--hidden", "4096", "--layers", "4",
@@ -93,6 +94,8 @@ TARGETS = [
     ("FSDP2 Muon step / redundant (full_tensor + NS on every rank), FSDP=2", "fsdp2_2", ("step_ratio",), 0.6, "max"),
     ("FSDP2 Muon step / redundant (full_tensor + NS on every rank), FSDP=4", "fsdp2_4", ("step_ratio",), 0.6, "max"),
     ("FSDP2 state per rank at FSDP=4 / unsharded", "fsdp2_4", ("state_ratio",), 0.3, "max"),
+    ("Muon step, FFN-heavy 4:1, bf16 both: Gram Newton-Schulz / megatron-core", "gram_newton_schulz",
+     ("rows", "ffn_heavy medium", "gram_over_mcore"), 0.7, "max"),
 ]
 INFO = [
     ("Note (not a target): each library's defaults, ours / megatron-core", "step_defaults",
@@ -109,6 +112,10 @@ INFO = [
     ("FSDP2 FSDP=4 bytes exchanged / two shard volumes per matrix", "fsdp2_4", ("exchanged_over_bound",)),
     ("FSDP2 polargrad step, one owner per matrix / gather everywhere, FSDP=2", "fsdp2_polargrad_2", ("step_ratio",)),
     ("DP=2 iteration, --overlap-grad-reduce / all-reduce after backward", "grad_reduce_overlap", ("overlap_ratio",)),
+    ("Muon step, FFN-heavy 4:1, fp32 both: Gram Newton-Schulz / megatron-core", "gram_newton_schulz",
+     ("rows", "ffn_heavy highest", "gram_over_mcore")),
+    ("Muon step, square, bf16: with the Gram flag / standard (square blocks stay standard)", "gram_newton_schulz",
+     ("rows", "square medium", "gram_over_standard")),
 ]
 
 

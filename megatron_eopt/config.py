@@ -87,6 +87,10 @@ class OptimizerConfig:
     # megatron_eopt: scale Muon's update to AdamW's RMS, 0.2 * sqrt(max(m, n)) (Moonlight), on top
     # of muon_extra_scale_factor, so nobody has to hand-set 0.2. Needs muon_scale_mode='spectral'.
     muon_match_adamw_rms: bool = False
+    # megatron_eopt: Gram Newton-Schulz (iterate on the m x m Gram matrix) on the blocks where it
+    # costs fewer FLOPs than the standard iteration (ops/gram_newton_schulz.py). Muon and
+    # adaptive_muon only.
+    muon_gram_newton_schulz: bool = False
 
     # Other emerging optimizers.
     lion_beta1: float = 0.95
@@ -244,7 +248,9 @@ MEGATRON_CORE_FIELDS: dict[str, FieldUse] = {
         "parameter went)"),
 }
 # megatron_eopt's own fields: muon_use_syrk (newer Megatron-LM), muon_match_adamw_rms,
-# layer_wise_reduce_grads, emerging_optimizers_compile; all used.
+# muon_gram_newton_schulz, layer_wise_reduce_grads, emerging_optimizers_compile; all used.
+# The optimizers whose Newton-Schulz can take the Gram path (dist_muon: deprecated spelling of muon).
+GRAM_NEWTON_SCHULZ_OPTIMIZERS = ("muon", "dist_muon", "adaptive_muon")
 
 def warn_about_inert_fields(config: "OptimizerConfig") -> None:
     """One warning per process for each 'warns' field set away from its default."""
@@ -416,6 +422,16 @@ def _check_muon(config: OptimizerConfig) -> None:
         not config.muon_match_adamw_rms or config.muon_scale_mode == "spectral",
         f"OptimizerConfig.muon_match_adamw_rms needs muon_scale_mode='spectral' (the rule is "
         f"0.2 * sqrt(max(m, n))); got muon_scale_mode={config.muon_scale_mode!r}.",
+    )
+    _require(
+        isinstance(config.muon_gram_newton_schulz, bool),
+        f"OptimizerConfig.muon_gram_newton_schulz must be True or False; got {config.muon_gram_newton_schulz!r}.",
+    )
+    _require(
+        not config.muon_gram_newton_schulz or config.optimizer in GRAM_NEWTON_SCHULZ_OPTIMIZERS,
+        f"OptimizerConfig.muon_gram_newton_schulz=True is implemented for optimizer "
+        f"{', '.join(map(repr, GRAM_NEWTON_SCHULZ_OPTIMIZERS))}; got optimizer={config.optimizer!r}. "
+        f"Set muon_gram_newton_schulz=False (command line: drop --muon-gram-newton-schulz).",
     )
     _require(
         config.muon_num_ns_steps >= 1,

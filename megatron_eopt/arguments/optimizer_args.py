@@ -105,6 +105,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--muon-scalar-optimizer", "muon_scalar_optimizer", "Optimizer of the parameters Muon "
          "does not step.", str, _literal(ScalarOptimizer)),
     Flag("--muon-use-syrk", "muon_use_syrk", "Use SYRK in the Newton-Schulz iteration."),
+    Flag("--muon-gram-newton-schulz", "muon_gram_newton_schulz", "Gram Newton-Schulz (iterate on the "
+         "small Gram matrix) on the blocks where it costs fewer FLOPs (muon, adaptive_muon)."),
     # Other emerging optimizers.
     Flag("--lion-beta1", "lion_beta1", "Lion beta1 (sign update).", float),
     Flag("--lion-beta2", "lion_beta2", "Lion beta2 (momentum EMA).", float),

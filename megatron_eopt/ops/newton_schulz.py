@@ -11,7 +11,8 @@ All but blockwise equal the TP=1 update to fp32 round-off. Scales use the global
 
 `orthogonalize_batched` runs every group of equal shape as one batched `newton_schulz` call.
 Every matrix takes that path, even alone, so its result does not depend on which others share
-the step. docs/tp-muon.md describes the modes.
+the step. With `gram=True` a block takes Gram Newton-Schulz where that costs fewer FLOPs
+(ops/gram_newton_schulz.py; `block_paths` says which). docs/tp-muon.md describes the modes.
 """
 
 import typing
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from emerging_optimizers.orthogonalized_optimizers import muon_utils
 from emerging_optimizers.orthogonalized_optimizers.muon import get_muon_scale_factor
 
+from megatron_eopt.ops.gram_newton_schulz import gram_newton_schulz, gram_pays, gram_stable, restart_steps
 from megatron_eopt.ops.ownership import assign_owner_ranks
 from megatron_eopt.ops.splits import MatrixLayout, merge_blocks, newton_schulz_cost, split_blocks
 
@@ -45,6 +47,7 @@ class NewtonSchulzSettings:
     extra_scale_factor: float = 1.0
     use_syrk: bool = False
     scaled: bool = True  # False: raw orthogonalization (AdaptiveMuon scales after its moment2)
+    gram: bool = False  # Gram Newton-Schulz on the blocks where it costs fewer FLOPs
 
     def __post_init__(self) -> None:
         if self.num_steps < 1:
@@ -61,11 +64,25 @@ class NewtonSchulzSettings:
                 f"{self.scale_mode!r}."
             )
 
-    def orthogonalize(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
-        """Unscaled orthogonalization of a matrix (or a batch of equal-shape matrices)."""
-        return muon_utils.newton_schulz(
-            x, steps=self.num_steps, coefficient_type=self.coefficient_type, use_syrk=self.use_syrk, **kwargs
-        )
+    def orthogonalize(self, x: torch.Tensor, transpose: Optional[bool] = None,
+                      tp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+        """Unscaled orthogonalization of a matrix (or a batch of equal-shape matrices); with
+        `tp_group`, x is this rank's shard along the dimension that is not transposed away."""
+        precision = torch.get_float32_matmul_precision()
+        if self.takes_gram_path(x.size(-2), x.size(-1), precision, transpose):
+            return gram_newton_schulz(x, self.num_steps, self.coefficient_type, transpose=transpose, tp_group=tp_group)
+        return muon_utils.newton_schulz(x, steps=self.num_steps, coefficient_type=self.coefficient_type,
+                                        use_syrk=self.use_syrk, transpose=transpose, tp_group=tp_group)
+
+    def takes_gram_path(self, rows: int, cols: int, precision: str, transpose: Optional[bool] = None) -> bool:
+        """Whether a rows x cols matrix (as `orthogonalize` sees it) takes Gram Newton-Schulz: with
+        `gram`, where that is stable at `precision` and costs fewer FLOPs."""
+        if not self.gram:
+            return False
+        transpose = rows > cols if transpose is None else transpose
+        m, n = (cols, rows) if transpose else (rows, cols)
+        return (gram_stable(self.coefficient_type, self.num_steps, precision)
+                and gram_pays(m, n, self.num_steps, restart_steps(self.num_steps)))
 
     def scale(self, rows: int, cols: int) -> float:
         if not self.scaled:
@@ -111,6 +128,20 @@ def orthogonalize_updates(
 
 def _size(group: Optional[dist.ProcessGroup]) -> int:
     return 1 if group is None else dist.get_world_size(group)
+
+
+def block_paths(layout: MatrixLayout, tp_mode: str, tp_size: int, settings: NewtonSchulzSettings,
+                precision: str) -> tuple[str, ...]:
+    """'gram' or 'standard' for each block of `layout`, as `orthogonalize_updates` will run it:
+    the global block in 'duplicated'/'sharded' (and at TP=1), the local shard in 'blockwise',
+    the local shard iterated on its Gram matrix over the TP ranks in 'distributed'."""
+    sharded = tp_size > 1 and layout.partition_dim >= 0
+    shapes = layout.global_block_shapes()
+    if sharded and tp_mode in ("blockwise", "distributed"):
+        shapes = [(layout.num_row_groups * block, layout.local_shape[1]) for block in layout.blocks]
+    transpose = (layout.partition_dim == 0) if sharded and tp_mode == "distributed" else None
+    return tuple("gram" if settings.takes_gram_path(rows, cols, precision, transpose) else "standard"
+                 for rows, cols in shapes)
 
 
 def orthogonalize_batched(matrices: list[torch.Tensor], scales: list[float],

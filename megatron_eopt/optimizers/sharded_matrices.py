@@ -8,6 +8,7 @@ where each matrix lives (TP shards with `layouts`, or FSDP2 row shards with `fsd
 exchange (also used by the optimizers of tensor_parallel_whole_matrix.py).
 """
 
+import logging
 import typing
 from typing import Any, Mapping, Optional
 
@@ -16,8 +17,8 @@ import torch.distributed as dist
 from emerging_optimizers import mixin as eo_mixin
 from emerging_optimizers import utils as eo_utils
 
-from megatron_eopt.once import warn_once
-from megatron_eopt.ops.newton_schulz import TP_MODES, NewtonSchulzSettings, orthogonalize_updates
+from megatron_eopt.once import first_time, warn_once
+from megatron_eopt.ops.newton_schulz import TP_MODES, NewtonSchulzSettings, block_paths, orthogonalize_updates
 from megatron_eopt.ops.row_shards import RowShards, orthogonalize_row_shards
 from megatron_eopt.ops.splits import MatrixLayout
 from megatron_eopt.param_names import named_params
@@ -137,6 +138,24 @@ def warn_if_blockwise_splits(tp_mode: str, tp_group: Optional[dist.ProcessGroup]
     )
 
 
+logger = logging.getLogger(__name__)
+
+
+def log_newton_schulz_paths(paths: Mapping[str, tuple[str, ...]], precision: str) -> None:
+    """One info line per process: how many blocks take Gram Newton-Schulz, and which."""
+    gram = sorted({name for name, kinds in paths.items() if "gram" in kinds})
+    standard = sorted({name for name, kinds in paths.items() if "standard" in kinds})
+    if not paths or not first_time("gram_newton_schulz_paths"):
+        return
+    count = sum(kinds.count("gram") for kinds in paths.values())
+    total = sum(len(kinds) for kinds in paths.values())
+    logger.info(
+        "Gram Newton-Schulz (fp32_matmul_prec=%r): %d of %d blocks take the Gram path (e.g. %s); the "
+        "standard path: %s. The optimizer's newton_schulz_paths lists every parameter.",
+        precision, count, total, ", ".join(gram[:3]) or "none", ", ".join(standard[:3]) or "none",
+    )
+
+
 class OrthogonalizeTogether:
     """Mixed in before an OrthogonalizedOptimizer subclass that defines `_orthogonalize_all`."""
 
@@ -188,7 +207,14 @@ class ShardedMatrices(OrthogonalizeTogether):
         self._layout_of = layouts_by_param(self.param_groups, dict(layouts or {}))
         self.fsdp_group = fsdp_group
         self._row_shards_of = row_shards_by_param(self.param_groups, fsdp_shards, fsdp_group, tp_group, layouts)
-        warn_if_blockwise_splits(tp_mode, tp_group, matrix_layouts_of(self._layout_of, self._row_shards_of))
+        matrix_layouts = matrix_layouts_of(self._layout_of, self._row_shards_of)
+        warn_if_blockwise_splits(tp_mode, tp_group, matrix_layouts)
+        # fqn -> 'gram' or 'standard' per block (q/k/v, gate/up), as the step runs them.
+        tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
+        self.newton_schulz_paths = {layout.name: block_paths(layout, tp_mode, tp_size, self.settings,
+                                                             self.fp32_matmul_prec) for layout in matrix_layouts}
+        if self.settings.gram:
+            log_newton_schulz_paths(self.newton_schulz_paths, self.fp32_matmul_prec)
 
     def orthogonalize(self, p: torch.Tensor, grad: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """The orthogonalized update of one parameter (emerging_optimizers' hook), scaled or raw

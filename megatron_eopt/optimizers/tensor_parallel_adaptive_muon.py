@@ -79,6 +79,8 @@ class TensorParallelAdaptiveMuon(ShardedMatrices, AdaptiveMuon):
         use_syrk: request emerging_optimizers' SYRK Newton-Schulz kernel (AdaptiveMuon itself
             never uses it); `self.use_syrk` is what emerging_optimizers' Muon decides for this
             machine (off without Triton >= 3.4 or on an unvalidated GPU), and what the step uses.
+        gram_newton_schulz: Gram Newton-Schulz on the blocks where it costs fewer FLOPs
+            (`self.newton_schulz_paths` says which; ops/gram_newton_schulz.py).
         fsdp_group: the data-parallel group over which FSDP2 splits the matrices by rows.
         fsdp_shards: fqn -> RowShards (layout of the matrix FSDP2 splits, rows per rank, owner)
             of every parameter, each a row shard; given, `layouts` must be empty (a `tp_group`
@@ -108,6 +110,7 @@ class TensorParallelAdaptiveMuon(ShardedMatrices, AdaptiveMuon):
         beta2: float = 0.95,
         eps: float = 1e-8,
         use_syrk: bool = False,
+        gram_newton_schulz: bool = False,
         tp_mode: str = "duplicated",
         tp_group: Optional[dist.ProcessGroup] = None,
         layouts: Optional[Mapping[str, MatrixLayout]] = None,
@@ -126,7 +129,8 @@ class TensorParallelAdaptiveMuon(ShardedMatrices, AdaptiveMuon):
         # Raw Newton-Schulz: the Muon scale comes after the second-moment normalization.
         self.use_syrk = muon_use_syrk(use_syrk)
         self.settings = NewtonSchulzSettings(
-            num_ns_steps, coefficient_type, scale_mode, extra_scale_factor, use_syrk=self.use_syrk, scaled=False
+            num_ns_steps, coefficient_type, scale_mode, extra_scale_factor, use_syrk=self.use_syrk, scaled=False,
+            gram=gram_newton_schulz,
         )
         super().__init__(
             params, lr, momentum, weight_decay, nesterov=nesterov, weight_decay_method=weight_decay_method,

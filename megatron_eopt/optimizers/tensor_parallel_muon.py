@@ -71,6 +71,8 @@ class TensorParallelMuon(ShardedMatrices, Muon):
         fsdp_shards: fqn -> RowShards (layout of the matrix FSDP2 splits, rows per rank, owner)
             of every parameter, each a row shard; given, `layouts` must be empty (a `tp_group`
             makes each matrix this TP rank's shard, whose layout says so).
+    gram_newton_schulz: Gram Newton-Schulz on the blocks where it costs fewer FLOPs
+        (`self.newton_schulz_paths` says which; ops/gram_newton_schulz.py).
     `use_syrk` is a request: `self.use_syrk` is what emerging_optimizers' Muon decided for this
     machine (off without Triton >= 3.4 or on an unvalidated GPU), and what the step uses.
     """
@@ -90,6 +92,7 @@ class TensorParallelMuon(ShardedMatrices, Muon):
         scale_mode: str = "spectral",
         extra_scale_factor: float = 1.0,
         use_syrk: bool = False,
+        gram_newton_schulz: bool = False,
         tp_mode: str = "duplicated",
         tp_group: Optional[dist.ProcessGroup] = None,
         layouts: Optional[Mapping[str, MatrixLayout]] = None,
@@ -98,7 +101,8 @@ class TensorParallelMuon(ShardedMatrices, Muon):
     ) -> None:
         check_muon_arguments(tp_mode, lr, momentum, weight_decay, weight_decay_method, fp32_matmul_prec)
         # Checked here, before the backend checks them with its own messages.
-        settings = NewtonSchulzSettings(num_ns_steps, coefficient_type, scale_mode, extra_scale_factor)
+        settings = NewtonSchulzSettings(num_ns_steps, coefficient_type, scale_mode, extra_scale_factor,
+                                        gram=gram_newton_schulz)
         super().__init__(
             params, lr, momentum, weight_decay, nesterov=nesterov, weight_decay_method=weight_decay_method,
             fp32_matmul_prec=fp32_matmul_prec, coefficient_type=coefficient_type, num_ns_steps=num_ns_steps,

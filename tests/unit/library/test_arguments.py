@@ -24,7 +24,7 @@ FROZEN_OPTIONS = sorted([
     "--muon-momentum", "--muon-nesterov", "--muon-no-split-qkv", "--muon-scale-mode",
     "--muon-fp32-matmul-prec", "--muon-coefficient-type", "--muon-num-ns-steps", "--muon-tp-mode",
     "--muon-extra-scale-factor", "--muon-match-adamw-rms", "--muon-scalar-optimizer",
-    "--muon-use-syrk", "--lion-beta1", "--lion-beta2", "--soap-shampoo-beta",
+    "--muon-use-syrk", "--muon-gram-newton-schulz", "--lion-beta1", "--lion-beta2", "--soap-shampoo-beta",
     "--soap-precondition-frequency", "--soap-no-kl-shampoo", "--adaptive-muon-moment2-method",
     "--adaptive-muon-beta2", "--adaptive-muon-eps", "--no-emerging-optimizers-compile",
     "--use-distributed-optimizer",

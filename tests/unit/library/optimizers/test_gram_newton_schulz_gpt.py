@@ -1,0 +1,89 @@
+"""Muon and adaptive Muon with Gram Newton-Schulz on megatron-core's GPTModel (CPU, one rank).
+
+A GPT whose fc1 blocks/fc2 (128 x 32, 32 x 128) and k/v blocks (16 x 32) take the Gram path and
+whose q and proj (32 x 32) stay standard (`newton_schulz_paths` is checked).
+- fp32 ('highest'), 10 steps (adaptive_muon at lr 1e-3: at 1e-2 its elementwise-normalized
+  update makes this tiny GPT chaotic): every parameter within 1e-3 relative (Frobenius) of the standard
+  iteration's run (measured <= 2e-5: Gram and standard are the same polynomial, summed in
+  another order).
+- bf16 ('medium'), 100 steps: the mean loss of the last 10 steps is within the noise band of
+  the standard version, the spread of that mean over two data seeds of the standard run (plus
+  1% of the loss, so a band that happens to be tiny does not make the test flaky).
+"""
+
+import pytest
+import torch
+
+from megatron_eopt import OptimizerConfig, ParallelGroups, get_megatron_optimizer
+from megatron_eopt.training.model.gpt import (
+    GPTModelSettings,
+    build_gpt_model,
+    destroy_model_parallel,
+    gpt_loss,
+    initialize_model_parallel,
+)
+
+SETTINGS = GPTModelSettings(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                            ffn_hidden_size=128, vocab_size=64, seq_length=8)
+
+
+def train(optimizer: str, gram: bool, precision: str, steps: int, data_seed: int = 0) -> dict:
+    initialize_model_parallel(1, seed=7)
+    try:
+        model = build_gpt_model(SETTINGS)
+        # adaptive_muon's update is elementwise normalized (RMS ~1 before the scale): a smaller lr.
+        config = OptimizerConfig(optimizer=optimizer, lr=0.01 if optimizer == "muon" else 0.001, min_lr=0.0, weight_decay=0.05, clip_grad=1.0,
+                                 muon_momentum=0.9, muon_fp32_matmul_prec=precision,
+                                 muon_gram_newton_schulz=gram)
+        opt = get_megatron_optimizer(config, [model], pg_collection=ParallelGroups.single_process())
+        generator = torch.Generator().manual_seed(data_seed)
+        batches = torch.randint(0, SETTINGS.vocab_size, (4, 8, SETTINGS.seq_length + 1), generator=generator)
+        losses = []
+        for step in range(steps):
+            opt.zero_grad()
+            loss = gpt_loss(model, batches[step % len(batches)])
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        inner = [getattr(child, "optimizer", child) for child in opt.chained_optimizers]  # FP32Optimizer's
+        paths = {name: p for child in inner for name, p in getattr(child, "newton_schulz_paths", {}).items()}
+        return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+                "paths": paths}
+    finally:
+        destroy_model_parallel()
+
+
+def _fp32_body(rank: int, world_size: int, optimizer: str) -> dict:
+    return {"standard": train(optimizer, False, "highest", 10), "gram": train(optimizer, True, "highest", 10)}
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "adaptive_muon"])
+def test_fp32_ten_steps_match_standard(run_distributed, optimizer: str) -> None:
+    runs = run_distributed(_fp32_body, world_size=1, args=(optimizer,), timeout=600)[0]
+    paths = runs["gram"]["paths"]
+    assert set(paths["decoder.layers.0.mlp.linear_fc1.weight"]) == {"gram"}  # (gate, up) with SwiGLU
+    assert paths["decoder.layers.0.mlp.linear_fc2.weight"] == ("gram",)
+    assert paths["decoder.layers.0.self_attention.linear_qkv.weight"] == ("standard", "gram", "gram")
+    assert paths["decoder.layers.0.self_attention.linear_proj.weight"] == ("standard",)
+    assert set(runs["standard"]["paths"]) == set(paths)
+    for name, expected in runs["standard"]["params"].items():
+        got = runs["gram"]["params"][name]
+        assert ((got - expected).norm() / expected.norm()).item() <= 1e-3, name
+
+
+def _bf16_body(rank: int, world_size: int) -> dict:
+    return {"standard": [train("muon", False, "medium", 100, seed)["losses"] for seed in (0, 1)],
+            "gram": [train("muon", True, "medium", 100, seed)["losses"] for seed in (0, 1)]}
+
+
+def test_bf16_hundred_steps_loss_within_noise(run_distributed) -> None:
+    runs = run_distributed(_bf16_body, world_size=1, timeout=900)[0]
+
+    def tail(losses: list[float]) -> float:
+        return sum(losses[-10:]) / 10
+
+    standard = [tail(losses) for losses in runs["standard"]]
+    band = abs(standard[0] - standard[1]) + 0.01 * standard[0]
+    assert runs["standard"][0][-1] < runs["standard"][0][0] - 0.5  # it trains
+    for seed, losses in enumerate(runs["gram"]):
+        assert abs(tail(losses) - standard[seed]) <= band, (seed, tail(losses), standard, band)
