@@ -4,7 +4,8 @@ A ~1.3M-parameter GPT (4 layers, hidden 160) on the Python standard library's so
 (megatron_eopt/training/corpus.py, byte-level), one process per run, 1,000 iterations of 8 x 128
 tokens. Stages, each run once and kept as benchmarks/results/convergence/runs/NAME.json (a run
 whose file exists with the same command is not repeated, so an interrupted sweep resumes):
-  1. lr sweep, seed 1: AdamW and Muon (AdamW-RMS matched, quintic), 4 lrs each;
+  1. lr sweep, seed 1: AdamW and Muon (AdamW-RMS matched, quintic), 4 lrs each (a best lr at
+     either end of its sweep is flagged in the report);
   2. the best lr of each (lowest final validation loss) again with seeds 2 and 3;
   3. Muon variants at Muon's best lr, seed 1: polar_express coefficients, NorMuon (adaptive_muon),
      spectral scale without RMS matching (its own lrs), weight decay 0.1, a halved embedding lr;
@@ -53,7 +54,7 @@ class Scale:
 
 
 FULL = Scale(("--num-layers", "4", "--hidden-size", "160", "--num-attention-heads", "5"), 128, 8, 1000, 50, 10,
-             (2e-3, 4e-3, 8e-3, 1.6e-2), (4e-3, 8e-3, 1.6e-2, 3.2e-2), (2.0, 4.0), (1, 2, 3), 4_000_000)
+             (5e-4, 1e-3, 2e-3, 4e-3), (5e-3, 1e-2, 2e-2, 4e-2), (2.0, 4.0), (1, 2, 3), 4_000_000)
 QUICK = Scale(("--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2"), 32, 4, 60, 20, 2,
               (4e-3, 1.6e-2), (8e-3, 3.2e-2), (2.0,), (1, 2), 1_000_000)
 
@@ -235,7 +236,9 @@ def summarize(results: list[dict], scale: Scale) -> dict:
     return {"train_iters": scale.train_iters, "tokens_per_iteration": scale.seq_length * scale.global_batch,
             "model": list(scale.model), "best_lr": {g: best[g] for g in ("adamw", "muon")}, "adamw_final_validation_loss": _mean_spread(adamw_finals),
             "target": target, "muon_reach": reach, "muon_reach_fraction": ratio,
-            "target_met": ratio is not None and ratio <= 0.7, "rows": table}
+            "target_met": ratio is not None and ratio <= 0.7, "rows": table,
+            "best_at_sweep_edge": [g for g, lrs in (("adamw", scale.adamw_lrs), ("muon", scale.muon_lrs))
+                                   if best[g] in (min(lrs), max(lrs))]}
 
 
 def _table_row(row: dict, best: dict) -> dict:
@@ -273,6 +276,9 @@ def markdown(summary: dict) -> str:
               f"{summary['train_iters']}" + (f": {fraction:.2f} of the iterations at equal tokens, "
                                              f"{'within' if summary['target_met'] else 'short of'} the 0.7 target."
                                              if fraction is not None else ", not in every seed.")]
+    for group in summary["best_at_sweep_edge"]:
+        lines.append(f"Note: {group}'s best lr {summary['best_lr'][group]:g} is at the end of its sweep; a wider "
+                     f"sweep may find a better one.")
     return "\n".join(lines)
 
 
@@ -350,8 +356,8 @@ def report(results: list[dict], scale: Scale, args: argparse.Namespace) -> str:
         handle.write(table + "\n")
     plot(results, summary, os.path.join(args.out, "convergence_loss.png"))
     if args.docs:
-        replace_table(DOC, table)
         plot(results, summary, DOC_PLOT)
+        replace_table(DOC, table + f"\n\n![Validation loss of the best runs]({os.path.basename(DOC_PLOT)})")
     return table
 
 

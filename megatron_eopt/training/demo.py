@@ -60,7 +60,7 @@ class Run:
 
 
 RUNS = (
-    Run("AdamW", 1e-2, ("--optimizer", "adam")),
+    Run("AdamW", 1e-3, ("--optimizer", "adam")),
     # Matched to AdamW's update RMS, so the embeddings and norms (stepped by Adam inside Muon)
     # and the Muon-stepped matrices share one sensible lr.
     Run("Muon", 2e-2, ("--optimizer", "muon", "--use-distributed-optimizer", "--muon-match-adamw-rms")),
