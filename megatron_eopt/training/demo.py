@@ -36,7 +36,7 @@ from megatron_eopt.training.logging.training_log import ITERATION_IN_LINE, PALET
 
 NPROC = 2
 SEQ_LENGTH = 64
-EVAL_ITERS = 8
+EVAL_ITERS = 16
 COMMON_FLAGS = ["--global-batch-size", "8", "--seq-length", str(SEQ_LENGTH), "--lr-warmup-iters", "10",
                 "--lr-decay-style", "cosine", "--log-interval", "1", "--seed", "1234",
                 "--eval-iters", str(EVAL_ITERS)]
@@ -60,7 +60,7 @@ class Run:
 
 
 RUNS = (
-    Run("AdamW", 1e-3, ("--optimizer", "adam")),
+    Run("AdamW", 1.5e-3, ("--optimizer", "adam")),
     # Matched to AdamW's update RMS, so the embeddings and norms (stepped by Adam inside Muon)
     # and the Muon-stepped matrices share one sensible lr.
     Run("Muon", 2e-2, ("--optimizer", "muon", "--use-distributed-optimizer", "--muon-match-adamw-rms")),
@@ -70,7 +70,7 @@ RUNS = (
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--train-iters", type=int, default=300)
-    parser.add_argument("--eval-interval", type=int, default=25, help="iterations between validations")
+    parser.add_argument("--eval-interval", type=int, default=50, help="iterations between validations")
     parser.add_argument("--out-dir", default="demo_output")
     parser.add_argument("--corpus-dir", default="data", help="where the corpus is built and cached")
     args = parser.parse_args(argv)

@@ -1,6 +1,6 @@
 """Muon reaches AdamW's final loss in fewer iterations on the demo's real text (the Python
 standard library's source, byte-level; megatron_eopt/training/corpus.py), each with the demo's
-tuned peak lr (README.md, "Demo": AdamW 1e-3, Muon 2e-2 with --muon-match-adamw-rms).
+tuned peak lr (README.md, "Demo": AdamW 1.5e-3, Muon 2e-2 with --muon-match-adamw-rms).
 
 The default small GPT, 100 iterations of global batch 8 x 64 bytes, cosine to a tenth of the
 peak after 10 warm-up iterations, seed 1234, one process; training losses smoothed over 10
@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 FLAGS = ["--micro-batch-size", "8", "--global-batch-size", "8", "--seq-length", "64", "--train-iters", "100",
          "--lr-warmup-iters", "10", "--lr-decay-style", "cosine", "--seed", "1234", "--log-interval", "1",
          "--eval-iters", "0"]
-ADAMW = ["--optimizer", "adam", "--lr", "1e-3", "--min-lr", "1e-4"]
+ADAMW = ["--optimizer", "adam", "--lr", "1.5e-3", "--min-lr", "1.5e-4"]
 MUON = ["--optimizer", "muon", "--muon-match-adamw-rms", "--lr", "2e-2", "--min-lr", "2e-3"]
 MUON_REACHES_BY = 70  # the 0.7 of the iterations that docs/convergence.md aims at
 
