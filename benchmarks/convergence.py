@@ -30,6 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 DOC = os.path.join(ROOT, "docs", "convergence.md")
 DOC_PLOT = os.path.join(ROOT, "docs", "convergence_loss.png")
+VARIANT_COLORS = (*PALETTE[2:], (148, 103, 189), (140, 86, 75), (227, 119, 194), (188, 189, 34))
 TABLE_BEGIN, TABLE_END = "<!-- convergence table: begin -->", "<!-- convergence table: end -->"
 
 
@@ -294,7 +295,7 @@ def _spread_text(spread: Optional[dict], number: str) -> str:
 
 def plot(results: list[dict], summary: dict, path: str) -> None:
     """Validation curves: the best AdamW and Muon (mean over seeds) and each variant's best run."""
-    curves, colors = [], iter(PALETTE[2:])
+    curves, colors = [], iter(VARIANT_COLORS)
     for row in summary["rows"]:
         if not row["best"] or row["status"] == "skipped":
             continue
@@ -306,7 +307,7 @@ def plot(results: list[dict], summary: dict, path: str) -> None:
         color = {"adamw": PALETTE[0], "muon": PALETTE[1]}.get(row["group"]) or next(colors, GREY)
         label = f"{row['group']} lr {row['lr']:g}" + (f" (mean of {len(runs)} seeds)" if len(runs) > 1 else "")
         curves.append(Curve(label, iterations, means, color, dashed=row["group"] not in ("adamw", "muon")))
-    plot_curves(path, curves, y_label="validation loss")
+    plot_curves(path, curves, y_label="validation loss", log_y=False)
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
