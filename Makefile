@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-unit test-functional demo bench gpu-check venv lock clean
+.PHONY: test test-unit test-functional demo convergence bench gpu-check venv lock clean
 
 test: $(STAMP)
 	$(PY) -m pytest tests -q
@@ -18,6 +18,12 @@ test-functional: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) scripts/demo.py
+
+# Muon against AdamW on real text: lr sweeps, 3 seeds, Muon variants (about an hour on 2 CPU cores;
+# resumes where it stopped). Writes benchmarks/results/convergence/ and the table and plot of
+# docs/convergence.md. Not part of `make test`.
+convergence: $(STAMP)
+	$(PY) benchmarks/convergence.py --docs
 
 # Prints each benchmark's table and a summary; JSON under benchmarks/results/ (git-ignored).
 bench: $(STAMP)

@@ -1,25 +1,31 @@
-"""Muon reaches AdamW's final loss in fewer iterations on the default task (the generated rule
-language, the default small GPT), each with a tuned but fixed peak lr.
+"""Muon reaches AdamW's final loss in fewer iterations on the demo's real text (the Python
+standard library's source, byte-level; megatron_eopt/training/corpus.py), each with the demo's
+tuned peak lr (README.md, "Demo": AdamW 1.5e-3, Muon 2e-2 with --muon-match-adamw-rms).
 
-60 iterations, global batch 16, cosine to a tenth of the peak after 5 warm-up iterations, seed
-1234, one process. Sweep behind the lrs (mean loss of the last 10 iterations):
-AdamW 3e-3: 1.69, 1e-2: 0.52, 2e-2: 0.60, 3e-2: 1.75; Muon with --muon-match-adamw-rms
-1e-2: 0.50, 2e-2: 0.24, 3e-2: 0.28, 5e-2: 0.23. With these lrs Muon reached AdamW's final loss
-at iteration 40 (seeds 1-4: 41-47), so the bound of 50 leaves a margin without being loose.
+The default small GPT, 100 iterations of global batch 8 x 64 bytes, cosine to a tenth of the
+peak after 10 warm-up iterations, seed 1234, one process; training losses smoothed over 10
+iterations (demo.final_loss, demo.iterations_to_reach). Measured
+(2026-11-24, shared 2-core CPU): AdamW's final loss 2.838, Muon's 2.290; Muon reached 2.838 at
+iteration 38, so the bound of 70 (0.7 of the run) leaves a margin without being loose.
 
-Both runs go through scripts/pretrain_gpt.py's parse_args and train in a worker of the shared
-distributed harness (imports paid once per session, not once per run).
+Both runs go through the trainer's parse_args and train in a worker of the shared distributed
+harness (imports paid once per session, not once per run). The corpus is built under data/ on
+first use, as `make demo` builds it.
 """
 
 import os
+import pathlib
 
 from megatron_eopt.training import demo
+from megatron_eopt.training.corpus import prepare_stdlib_corpus
 
-FLAGS = ["--micro-batch-size", "16", "--global-batch-size", "16", "--train-iters", "60", "--lr-warmup-iters", "5",
-         "--lr-decay-style", "cosine", "--seed", "1234", "--log-interval", "1"]
-ADAMW = ["--optimizer", "adam", "--lr", "1e-2", "--min-lr", "1e-3"]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+FLAGS = ["--micro-batch-size", "8", "--global-batch-size", "8", "--seq-length", "64", "--train-iters", "100",
+         "--lr-warmup-iters", "10", "--lr-decay-style", "cosine", "--seed", "1234", "--log-interval", "1",
+         "--eval-iters", "0"]
+ADAMW = ["--optimizer", "adam", "--lr", "1.5e-3", "--min-lr", "1.5e-4"]
 MUON = ["--optimizer", "muon", "--muon-match-adamw-rms", "--lr", "2e-2", "--min-lr", "2e-3"]
-MUON_REACHES_BY = 50
+MUON_REACHES_BY = 70  # the 0.7 of the iterations that docs/convergence.md aims at
 
 
 def _losses(rank: int, world_size: int, argv: list[str]) -> list[float]:
@@ -36,8 +42,9 @@ def _losses(rank: int, world_size: int, argv: list[str]) -> list[float]:
 
 
 def test_muon_reaches_adamw_final_loss_in_fewer_iterations(run_distributed) -> None:
-    (adamw,) = run_distributed(_losses, 1, args=(FLAGS + ADAMW,))
-    (muon,) = run_distributed(_losses, 1, args=(FLAGS + MUON,))
+    data = prepare_stdlib_corpus(str(ROOT / "data")).trainer_flags()
+    (adamw,) = run_distributed(_losses, 1, args=(FLAGS + data + ADAMW,))
+    (muon,) = run_distributed(_losses, 1, args=(FLAGS + data + MUON,))
     target = demo.final_loss(adamw)
     reached = demo.iterations_to_reach(muon, target)
     assert reached is not None and reached <= MUON_REACHES_BY, (
