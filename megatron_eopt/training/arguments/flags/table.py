@@ -1,8 +1,9 @@
 """`Flag`: one row of a flag table, and `add_flags`, which turns rows into argparse arguments.
 
-A row holds the option, its type, default, choices and help; the flag it needs (`needs`) and
-those it excludes (`excludes`); and its status: active, `NO_EFFECT` (accepted, changes nothing
-here, named at start-up with `reason`) or `REFUSED` (a one-line error with `reason`).
+A row holds the option, its type, default, choices and help; the flag it needs (`needs`); and
+its status: active, `NO_EFFECT` (accepted, changes nothing here, named at start-up with `reason`)
+or `REFUSED` (a one-line error with `reason`). Exclusions between flags live in the checks, whose
+messages say why each pair cannot go together.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ class Flag:
     aliases: tuple[str, ...] = ()  # further spellings of the option
     metavar: Any = None
     needs: Optional[str] = None  # the flag (dest) it only applies with
-    excludes: tuple[str, ...] = ()  # flags (dests) it cannot be given with
     status: str = ACTIVE
     reason: str = ""  # why it changes nothing here or is refused
 
