@@ -36,6 +36,11 @@ EMERGING_MODULES = (
 )
 
 
+# What get_megatron_optimizer also accepts (factory.py rewrites it), named wherever names are listed.
+DEPRECATED_SPELLINGS = ("Deprecated spelling: 'dist_muon' (and 'dist_<name>'), which is <name> with the layer-wise "
+                        "distributed optimizer.")
+
+
 class OptimizerTable:
     """Registered optimizers by name; fills itself from emerging_optimizers and entry points."""
 
@@ -70,7 +75,8 @@ class OptimizerTable:
             failed = ""
             if self.unavailable:
                 failed = f" (could not be registered: {', '.join(sorted(self.unavailable))})"
-            raise ValueError(f"unknown optimizer {name!r}; valid names: {', '.join(self.names())}.{failed}")
+            raise ValueError(f"unknown optimizer {name!r}; valid names: {', '.join(self.names())}.{failed} "
+                             f"{DEPRECATED_SPELLINGS}")
         return OptimizerSpec(name, self.entries[name])
 
     def ensure_loaded(self) -> None:

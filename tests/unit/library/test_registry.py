@@ -86,7 +86,7 @@ def test_routing_decision_per_optimizer():
 
 
 def test_unknown_name_lists_valid_ones():
-    with pytest.raises(ValueError, match=r"^unknown optimizer 'soapp'; valid names: adam, adaptive_muon, .*muon, .*soap, spel\.$"):
+    with pytest.raises(ValueError, match=r"^unknown optimizer 'soapp'; valid names: adam, adaptive_muon, .*muon, .*soap, spel\. Deprecated spelling: 'dist_muon'"):
         registry.lookup_optimizer("soapp")
 
 
