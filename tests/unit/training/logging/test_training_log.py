@@ -27,7 +27,7 @@ MEGATRON_LINE = re.compile(
     r" iteration (?P<iteration>[ \d]{8})/(?P<train_iters>[ \d]{8}) \|"
     r" consumed samples: (?P<consumed>[ \d]{12}) \|"
     r" elapsed time per iteration \(ms\): (?P<elapsed>\d+\.\d) \|"
-    r"(?: throughput per GPU \(TFLOP/s/GPU\): (?P<throughput>\d+\.\d) \|)?"  # --log-throughput
+    r"(?: throughput per GPU \(TFLOP/s/GPU\): (?P<throughput>\d+\.\d+) \|)?"  # --log-throughput
     rf" learning rate: (?P<lr>{E}) \|"
     r" global batch size: (?P<batch>[ \d]{5}) \|"
     rf"(?: lm loss: (?P<loss>{E}) \|)?"
