@@ -19,6 +19,7 @@ from torch.distributed.checkpoint import filesystem
 from megatron_eopt.checkpointing import storage
 from megatron_eopt.training.logging.warning_policy import quiet_repeated_warnings
 from megatron_eopt.training.loop import train
+from megatron_eopt.training.parallel import elastic
 from megatron_eopt.training.pretrain import main
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -75,6 +76,7 @@ wrap(train, "train_iteration", before=_iteration_starts)
 wrap(filesystem.FileSystemWriter, "write_data", after=lambda *a, **k: maybe_fault("write"))
 wrap(storage, "commit", before=_commit)
 wrap(storage, "verify_files", before=_verify)
+wrap(elastic, "fail", before=lambda *a, **k: say("fails"))
 
 if __name__ == "__main__":
     say("starts")

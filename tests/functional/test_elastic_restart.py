@@ -85,7 +85,7 @@ def fault_times(stderr: str) -> dict:
     for a, what, t in events:
         if what == "starts":
             starts[int(a)] = min(starts.get(int(a), float("inf")), float(t))
-    return {a: starts[a + 1] - t for a, t in faults.items() if a + 1 in starts}
+    return {a: round(starts[a + 1] - t, 1) for a, t in faults.items() if a + 1 in starts}
 
 
 @pytest.fixture(scope="module")
@@ -120,4 +120,38 @@ def test_three_kills_resume_exactly(layout: str, straight, tmp_path: pathlib.Pat
     assert result.stderr.count("fault_entry: attempt") >= 2 * (len(kills) + 1), result.stderr[-3000:]
     assert len(re.findall(r"SIGKILL in phase step", result.stderr)) == len(kills)
     print(f"{layout}: seconds from kill to restart {fault_times(result.stderr)}")
+    assert_same_checkpoint(straight(layout), tmp_path / "ckpt", tmp_path)
+
+
+SAVE_FAULTS = [  # (phase, rank, save iteration), one per attempt: each resumes before the next save killed
+    ("write", 0, 6), ("write", 1, 6), ("rename", 0, 6), ("rename", 1, 9), ("latest", 0, 9), ("latest", 1, 12)]
+
+
+def test_kills_during_saves_leave_the_previous_or_the_new_checkpoint(straight, tmp_path: pathlib.Path) -> None:
+    layout = "DP2 layer-wise Muon"
+    faults = [{"attempt": a, "rank": r, "iteration": i, "phase": p} for a, (p, r, i) in enumerate(SAVE_FAULTS)]
+    result = launch(LAYOUTS[layout], tmp_path / "ckpt", faults, restarts=len(faults))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    loaded = [int(n) for n in re.findall(r"loaded checkpoint \S*iter_(\d+)", result.stdout)]
+    assert len(loaded) == len(faults), (loaded, result.stdout[-3000:])
+    for (phase, _, iteration), resumed_at in zip(SAVE_FAULTS, loaded):
+        assert resumed_at in (iteration - SAVE_INTERVAL, iteration), (phase, iteration, loaded)
+    print(f"save faults {SAVE_FAULTS}: resumed at {loaded}; seconds from kill to restart {fault_times(result.stderr)}")
+    assert not list((tmp_path / "ckpt").glob(".*.incomplete"))
+    assert_same_checkpoint(straight(layout), tmp_path / "ckpt", tmp_path)
+
+
+def test_a_stopped_rank_ends_the_others_in_one_line_and_the_job_restarts(straight, tmp_path: pathlib.Path) -> None:
+    layout = "DP2 layer-wise Muon"
+    stop = [{"attempt": 0, "rank": 1, "iteration": 5, "phase": "step", "signal": "STOP"}]
+    result = launch(LAYOUTS[layout] + ["--distributed-timeout-minutes", "0.5"], tmp_path / "ckpt", stop, restarts=1)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("pretrain_gpt.py: error: rank 0:")]
+    assert len(lines) == 1, result.stderr[-4000:]
+    assert "did not complete within --distributed-timeout-minutes 0.5" in lines[0], lines[0]
+    assert re.search(r"torch.distributed \w+ called from \w+ \(megatron", lines[0]), lines[0]
+    events = dict(re.findall(r"fault_entry: attempt 0 rank \d (SIGSTOP|fails).*? at t=([\d.]+)", result.stderr))
+    detected = float(events["fails"]) - float(events["SIGSTOP"])
+    print(f"{lines[0]}\nstop detected after {detected:.1f} s; seconds to restart {fault_times(result.stderr)}")
+    assert detected < 0.5 * 60 + 20
     assert_same_checkpoint(straight(layout), tmp_path / "ckpt", tmp_path)
