@@ -164,13 +164,37 @@ class SaveLock:
             file.seek(0)
             holder = file.read().strip() or "holder not yet written"
             file.close()
-            raise CheckpointError(self.refusal(holder)) from None
+            if not _dead_holder(holder):
+                raise CheckpointError(self.refusal(holder)) from None
+            file = self._take_over(holder)
         file.truncate(0)
         started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
         file.write(f"pid {os.getpid()} on host {socket.gethostname()}, {self.ACTIVITY} since {started}, "
                    f"command: {' '.join(sys.argv)[:300]}")
         file.flush()
         self._file = file
+
+    def _take_over(self, holder: str):
+        """The lock of a holder that died while a process it forked keeps the file open: a new
+        lock file takes its place (under `.save_lock.takeover`, so two runs cannot both take it)."""
+        with open(self.path + ".takeover", "a+") as guard:
+            fcntl.flock(guard.fileno(), fcntl.LOCK_EX)
+            file = open(self.path, "a+")
+            try:
+                fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # freed meanwhile, or taken over
+                return file
+            except BlockingIOError:
+                file.seek(0)
+                current = file.read().strip()
+                file.close()
+                if current != holder:  # another run took it over first
+                    raise CheckpointError(self.refusal(current or "holder not yet written")) from None
+            staged = open(self.path + ".new", "w+")
+            fcntl.flock(staged.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.replace(staged.name, self.path)
+        warnings.warn(f"took over the lock on {self.checkpoint_dir}: its holder is dead ({holder}); a process "
+                      f"it started still had the lock file open", stacklevel=4)
+        return staged
 
     def refusal(self, holder: str) -> str:
         return (f"another run is saving into {self.checkpoint_dir} ({holder}); two runs must not "
@@ -182,6 +206,25 @@ class SaveLock:
             fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
             self._file.close()
             self._file = None
+
+
+def _dead_holder(holder: str) -> bool:
+    """Whether the lock file names a process on this host that no longer exists."""
+    match = re.match(r"pid (\d+) on host (\S+),", holder)
+    if match is None or match.group(2) != socket.gethostname():
+        return False  # unknown, or another host's: it may be alive
+    pid = int(match.group(1))
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")  # a zombie: dead, not yet reaped
+    except (OSError, IndexError):
+        return False
 
 
 # Directories this process owns for a whole run (realpath -> ownership.DirectoryOwner).

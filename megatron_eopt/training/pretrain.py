@@ -33,14 +33,19 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
 
     from megatron_eopt.training.model.gpt import destroy_model_parallel, initialize_model_parallel
     from megatron_eopt.training.parallel.cpu_threads import set_cpu_threads
+    from megatron_eopt.training.parallel.elastic import collective_failures
     from megatron_eopt.training.parallel.layout import init_distributed, runs_on_cuda
 
     set_cpu_threads(runs_on_cuda(args), lambda line: layout.rank == 0 and print(f"> {line}", flush=True))
     device = init_distributed(args, layout)
-    initialize_model_parallel(layout.tp, args.seed, pipeline_model_parallel_size=layout.pp,
-                              virtual_pipeline_model_parallel_size=layout.vpp, expert_model_parallel_size=layout.ep)
+    # A collective that fails (a rank died) or times out (a rank stopped) ends this rank in one line.
+    failures = lambda: collective_failures(layout.rank, args.distributed_timeout_minutes)  # noqa: E731
+    with failures():
+        initialize_model_parallel(layout.tp, args.seed, pipeline_model_parallel_size=layout.pp,
+                                  virtual_pipeline_model_parallel_size=layout.vpp, expert_model_parallel_size=layout.ep)
     try:
-        records = _train_and_plot(args, settings, layout, device)
+        with failures():
+            records = _train_and_plot(args, settings, layout, device)
     except ValueError as error:  # e.g. optimizer/config combinations the factory rejects
         exit_with_error(str(error))
     finally:

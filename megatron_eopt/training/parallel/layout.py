@@ -10,6 +10,7 @@ import argparse
 import datetime
 import os
 import socket
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -55,9 +56,13 @@ def job_layout(args: argparse.Namespace, imported: bool = True) -> Layout:
 
 def init_distributed(args: argparse.Namespace, layout: Layout) -> torch.device:
     """One process group over every rank: NCCL on CUDA (cuda:LOCAL_RANK), gloo on CPU (see
-    `runs_on_cuda`). A process group that already exists (a caller's, see `main`) is used as it is."""
+    `runs_on_cuda`). A process group that already exists (a caller's, see `main`) is used as it is.
+    Under torchrun each restart meets in a key space of its own (elastic.py's `restart_store`); a
+    rendezvous that does not complete within --distributed-timeout-minutes ends in one line."""
     import torch
     import torch.distributed as dist
+
+    from megatron_eopt.training.parallel.elastic import fail, restart_attempt, restart_store
 
     if dist.is_initialized():
         return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -66,12 +71,23 @@ def init_distributed(args: argparse.Namespace, layout: Layout) -> torch.device:
             sock.bind(("127.0.0.1", 0))
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
     timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
-    if runs_on_cuda(args):
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=layout.rank, world_size=layout.world_size, device_id=device,
-                                timeout=timeout)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", rank=layout.rank, world_size=layout.world_size, timeout=timeout)
+    on_cuda = runs_on_cuda(args)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if on_cuda else torch.device("cpu")
+    started = time.monotonic()
+    try:
+        store = restart_store(layout.rank, layout.world_size, timeout)
+        extra = {} if store is None else {"store": store}
+        if on_cuda:
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", rank=layout.rank, world_size=layout.world_size, device_id=device,
+                                    timeout=timeout, **extra)
+        else:
+            dist.init_process_group("gloo", rank=layout.rank, world_size=layout.world_size, timeout=timeout, **extra)
+    except (RuntimeError, TimeoutError, ConnectionError) as error:
+        first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+        attempt = restart_attempt()
+        fail(layout.rank, f"the rendezvous of {layout.world_size} ranks at {os.environ['MASTER_ADDR']}:"
+                          f"{os.environ['MASTER_PORT']}{'' if attempt is None else f' (restart {attempt})'} "
+                          f"failed after {time.monotonic() - started:.0f} s (--distributed-timeout-minutes "
+                          f"{args.distributed_timeout_minutes:g}): {first[:300]}")
     return device

@@ -1,0 +1,102 @@
+"""Restarts under `torchrun --max-restarts` and collectives that fail in one line instead of hanging.
+
+torchrun's agent keeps one TCPStore for the whole job (static and c10d rendezvous alike), so the
+keys gloo's rendezvous wrote on an earlier attempt are still there on the next: a restarted rank
+that starts before its peers reads a dead peer's address and fails with `Gloo connectFullMesh
+failed ... Connection refused` (or waits). `restart_store` gives each attempt its own key space
+(a PrefixStore per TORCHELASTIC_RESTART_COUNT) and bounds the wait by --distributed-timeout-minutes.
+`collective_failures` turns a collective that failed (a peer killed) or timed out (a peer stopped)
+into one line naming the operation and where it was called, then exits non-zero at once (no
+clean-up that could wait on the dead peer), so torchrun can restart the job from its checkpoint.
+"""
+
+import contextlib
+import datetime
+import os
+import sys
+import traceback
+from typing import Iterator, Optional
+
+import torch.distributed as dist
+
+from megatron_eopt.training.errors import PROG
+
+EXIT_STATUS = 1  # a worker failure for torchrun: it restarts the job while restarts are left
+
+
+def restart_attempt() -> Optional[int]:
+    """torchelastic's restart count (0 on the first attempt); None outside torchrun."""
+    count = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    return int(count) if count is not None and count.isdigit() else None
+
+
+def restart_store(rank: int, world_size: int, timeout: datetime.timedelta) -> Optional[dist.Store]:
+    """Under torchrun: a client of the job's TCPStore (the agent's, or rank 0's without the agent
+    store), its keys under this attempt's own prefix. None outside torchrun (env:// as before)."""
+    attempt = restart_attempt()
+    if attempt is None:
+        return None
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
+        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    else:  # rank 0 hosts a store of its own, new for each attempt
+        store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, multi_tenant=True)
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return dist.PrefixStore(f"megatron_eopt/{run_id}/attempt_{attempt}/", store)
+
+
+def fail(rank: int, message: str) -> None:
+    """One line on this rank's stderr, then exit at once with EXIT_STATUS (no clean-up)."""
+    sys.stdout.flush()
+    sys.stderr.write(f"{PROG}: error: rank {rank}: {' '.join(message.split())}\n")
+    sys.stderr.flush()
+    os._exit(EXIT_STATUS)
+
+
+def describe_failure(error: BaseException) -> str:
+    """`torch.distributed.<op>` called from <function> (<file>:<line>), from the traceback: the
+    innermost torch.distributed function and the innermost megatron_eopt/megatron frame above it."""
+    frames = traceback.extract_tb(error.__traceback__)
+    op, caller = None, None
+    for index, frame in enumerate(frames):
+        if os.sep + os.path.join("torch", "distributed") + os.sep in frame.filename:
+            if op is None:
+                op = frame.name
+                outside = [f for f in frames[:index] if os.sep + "torch" + os.sep not in f.filename]
+                caller = outside[-1] if outside else None
+    if op is None:
+        return "a collective"
+    where = f" called from {caller.name} ({_short(caller.filename)}:{caller.lineno})" if caller else ""
+    return f"torch.distributed {op}{where}"
+
+
+def _short(filename: str) -> str:
+    for anchor in ("megatron_eopt" + os.sep, "megatron" + os.sep, "tests" + os.sep):
+        if anchor in filename:
+            return anchor + filename.rsplit(anchor, 1)[1]
+    return os.path.basename(filename)
+
+
+def is_collective_failure(error: BaseException) -> bool:
+    """A RuntimeError (gloo/NCCL failure, a store timeout) raised inside torch.distributed."""
+    if not isinstance(error, (RuntimeError, TimeoutError, ConnectionError)):
+        return False
+    marker = os.sep + os.path.join("torch", "distributed") + os.sep
+    in_dist = any(marker in frame.filename for frame in traceback.extract_tb(error.__traceback__))
+    return in_dist or isinstance(error, getattr(dist, "DistError", ()))
+
+
+@contextlib.contextmanager
+def collective_failures(rank: int, timeout_minutes: float) -> Iterator[None]:
+    """A collective that fails or times out in the block ends this rank with one line (`fail`)."""
+    try:
+        yield
+    except BaseException as error:
+        if not is_collective_failure(error):
+            raise
+        first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+        timed_out = "timed out" in str(error).lower() or "timeout" in str(error).lower()
+        why = (f"did not complete within --distributed-timeout-minutes {timeout_minutes:g} (a rank stopped?)"
+               if timed_out else "failed (a rank died?)")
+        fail(rank, f"{describe_failure(error)} {why}: {first[:300]}. Exiting with status {EXIT_STATUS}; "
+                   f"under torchrun --max-restarts the job restarts from its last checkpoint.")

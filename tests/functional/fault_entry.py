@@ -1,0 +1,84 @@
+"""Test-only entry: `torchrun -m tests.functional.fault_entry <pretrain_gpt flags>` with faults.
+
+MEGATRON_EOPT_FAULTS is a JSON list of faults, each {"attempt": torchrun's restart count,
+"rank": global rank, "iteration": N, "phase": P, "signal": "KILL" or "STOP"}; the rank sends
+itself the signal when attempt, rank and iteration match. Phases: "step" (as iteration N
+starts), "write" (the save after N: this rank's shards written, the metadata not yet), "rename"
+(all files and the manifest written, before the rename into place), "latest" (after the rename,
+before `latest` moves). Each fault and each start prints one `fault_entry:` line with the time.
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+from torch.distributed.checkpoint import filesystem
+
+from megatron_eopt.checkpointing import storage
+from megatron_eopt.training.logging.warning_policy import quiet_repeated_warnings
+from megatron_eopt.training.loop import train
+from megatron_eopt.training.parallel import elastic
+from megatron_eopt.training.pretrain import main
+
+ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+RANK = int(os.environ.get("RANK", "0"))
+FAULTS = [f for f in json.loads(os.environ.get("MEGATRON_EOPT_FAULTS", "[]"))
+          if f["attempt"] == ATTEMPT and f["rank"] == RANK]
+STATE = {"iteration": 0, "committing": False}
+
+
+def say(what: str) -> None:
+    sys.stderr.write(f"fault_entry: attempt {ATTEMPT} rank {RANK} {what} at t={time.time():.3f}\n")
+    sys.stderr.flush()
+
+
+def maybe_fault(phase: str) -> None:
+    for fault in FAULTS:
+        if fault["phase"] == phase and fault["iteration"] == STATE["iteration"]:
+            name = fault.get("signal", "KILL")
+            say(f"SIG{name} in phase {phase} of iteration {STATE['iteration']}")
+            os.kill(os.getpid(), getattr(signal, f"SIG{name}"))
+
+
+def wrap(owner, name: str, before=None, after=None) -> None:
+    original = getattr(owner, name)
+
+    def wrapped(*args, **kwargs):
+        if before:
+            before(*args, **kwargs)
+        result = original(*args, **kwargs)
+        if after:
+            after(*args, **kwargs)
+        return result
+
+    setattr(owner, name, wrapped)
+
+
+def _iteration_starts(args, settings, device, run, housekeeping, iteration) -> None:
+    STATE["iteration"] = iteration
+    maybe_fault("step")
+
+
+def _verify(*args, **kwargs) -> None:
+    if STATE["committing"]:
+        STATE["committing"] = False
+        maybe_fault("latest")  # commit verifies the renamed directory before moving `latest`
+
+
+def _commit(*args, **kwargs) -> None:
+    maybe_fault("rename")
+    STATE["committing"] = True
+
+
+wrap(train, "train_iteration", before=_iteration_starts)
+wrap(filesystem.FileSystemWriter, "write_data", after=lambda *a, **k: maybe_fault("write"))
+wrap(storage, "commit", before=_commit)
+wrap(storage, "verify_files", before=_verify)
+wrap(elastic, "fail", before=lambda *a, **k: say("fails"))
+
+if __name__ == "__main__":
+    say("starts")
+    quiet_repeated_warnings()
+    main()
