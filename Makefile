@@ -5,16 +5,20 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-unit test-functional demo convergence bench gpu-check venv lock clean
+.PHONY: test test-slow test-unit test-functional demo convergence bench gpu-check venv lock clean
 
 test: $(STAMP)
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests -q -m "not slow"
+
+# Fault-injection runs of other layouts and of kills during saves (docs/reliability.md): minutes each.
+test-slow: $(STAMP)
+	$(PY) -m pytest tests -q -m slow
 
 test-unit: $(STAMP)
-	$(PY) -m pytest tests/unit -q
+	$(PY) -m pytest tests/unit -q -m "not slow"
 
 test-functional: $(STAMP)
-	$(PY) -m pytest tests/functional -q
+	$(PY) -m pytest tests/functional -q -m "not slow"
 
 demo: $(STAMP)
 	$(PY) scripts/demo.py

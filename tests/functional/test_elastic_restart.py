@@ -110,7 +110,10 @@ def draw_kills(rng: random.Random, count: int = 3) -> list[dict]:
     return [{"attempt": a, "rank": rng.randrange(2), "iteration": i, "phase": "step"} for a, i in enumerate(iterations)]
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+# The layer-wise DP=2 layout runs in `make test`; the others, each some minutes of restarts on two
+# cores, in `make test-slow`.
+@pytest.mark.parametrize("layout", [layout if layout == "DP2 layer-wise Muon" else pytest.param(layout, marks=pytest.mark.slow)
+                                    for layout in LAYOUTS])
 def test_three_kills_resume_exactly(layout: str, straight, tmp_path: pathlib.Path) -> None:
     rng = random.Random(f"{SEED}/{layout}")
     kills = draw_kills(rng)
@@ -127,6 +130,7 @@ SAVE_FAULTS = [  # (phase, rank, save iteration), one per attempt: each resumes 
     ("write", 0, 6), ("write", 1, 6), ("rename", 0, 6), ("rename", 1, 9), ("latest", 0, 9), ("latest", 1, 12)]
 
 
+@pytest.mark.slow
 def test_kills_during_saves_leave_the_previous_or_the_new_checkpoint(straight, tmp_path: pathlib.Path) -> None:
     layout = "DP2 layer-wise Muon"
     faults = [{"attempt": a, "rank": r, "iteration": i, "phase": p} for a, (p, r, i) in enumerate(SAVE_FAULTS)]
