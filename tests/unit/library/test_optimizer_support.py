@@ -240,7 +240,7 @@ def test_pretrain_gpt_refuses_before_building_anything(monkeypatch, capsys):
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(SystemExit) as raised:
-        parse_args(["--optimizer", "psgd_pro", "--tensor-model-parallel-size", "2"])
+        parse_args(["--optimizer", "psgd_pro", "--tensor-model-parallel-size", "2", "--lr", "1e-3"])
     assert raised.value.code == 2
     assert "--tensor-model-parallel-size 2 is not supported with --optimizer psgd_pro" in capsys.readouterr().err
 
