@@ -37,6 +37,8 @@ def check_flags_before_import(parsed: argparse.Namespace) -> None:
     what argparse made; errors exit with one line. Where a value the rest needs is known only
     after the import (NotYetKnown), the rest waits for `check_flags`."""
     try:
+        if parsed.fp16 and parsed.bf16:  # OptimizerConfig's rule, which runs after the import, in its words
+            raise ValueError("--fp16 and --bf16 are both True; choose at most one.")
         _resolve(_optimizer_stand_in(parsed), device_before_import(parsed), imported=False)
     except NotYetKnown:
         pass

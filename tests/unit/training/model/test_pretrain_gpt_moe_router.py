@@ -321,5 +321,5 @@ def test_shared_expert_overlap_is_refused_on_cpu(monkeypatch, capsys) -> None:
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(SystemExit):
         parse_args(["--optimizer", "adam", "--lr", "1.0", *MOE, "--moe-shared-expert-intermediate-size",
-                                 "64", "--moe-shared-expert-overlap"])
+                    "64", "--moe-shared-expert-overlap", "--distributed-backend", "gloo"])  # on CPU, known before torch
     assert "--moe-shared-expert-overlap needs CUDA" in capsys.readouterr().err
