@@ -69,9 +69,13 @@ def test_blockwise_chooses_per_shard(run_distributed) -> None:
 def _layer_wise_body(rank: int, world_size: int) -> dict:
     from tests.unit.library.distributed import test_layer_wise_gpt as layer_wise
 
-    layer_wise.MUON = {**layer_wise.MUON, "muon_gram_newton_schulz": True}
-    reference = layer_wise.train_reference(world_size)
-    got = layer_wise.train_layer_wise(1, None, reduce_grads=True)
+    muon = layer_wise.MUON  # the workers outlive this test: put the module's config back
+    layer_wise.MUON = {**muon, "muon_gram_newton_schulz": True}
+    try:
+        reference = layer_wise.train_reference(world_size)
+        got = layer_wise.train_layer_wise(1, None, reduce_grads=True)
+    finally:
+        layer_wise.MUON = muon
     return {n: (v[0] - got["params"][n][0]).abs().max().item() for n, v in reference["params"].items()}
 
 
