@@ -6,7 +6,6 @@ directory; the next run holds the lock from its first iteration (before any save
 its save of iteration 2 replaces the checkpoint an earlier run left there.
 """
 
-import fcntl
 import json
 import os
 import signal
@@ -15,6 +14,8 @@ import sys
 import textwrap
 
 import torch
+
+from tests.unit.library.checkpointing.test_ownership import _lock_is_free
 
 ARGV = ["--optimizer", "adam", "--lr", "1e-3", "--train-iters", "2", "--save-interval", "2", "--log-interval", "1",
         "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
@@ -27,16 +28,6 @@ HOLDER = textwrap.dedent("""
     print("holding", flush=True)
     time.sleep(600)
 """)
-
-
-def _lock_is_free(directory: str) -> bool:
-    with open(os.path.join(directory, ".save_lock"), "a+") as f:
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        fcntl.flock(f.fileno(), fcntl.LOCK_UN)
-        return True
 
 
 def _run(rank: int, world_size: int, argv: list[str], save: str) -> tuple[object, str, str, list[bool]]:
