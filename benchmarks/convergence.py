@@ -7,7 +7,8 @@ whose file exists with the same command is not repeated, so an interrupted sweep
 1. lr sweep, seed 1: AdamW and Muon (AdamW-RMS matched, quintic), 4 lrs each; 2. the best lr
 of each (lowest final validation loss) with seeds 2 and 3; 3. Muon variants at Muon's best lr,
 seed 1: polar_express, NorMuon, spectral scale at 1x and 2.5x the lr, weight decay 0.1, a halved
-embedding lr, and a Gram Newton-Schulz slot skipped until the library has it. Then summary.json,
+embedding lr, and Gram Newton-Schulz. Runs go `--jobs` at a time (default: one per CPU, one
+thread each: on 2 cores that beats one 2-thread run at a time by far). Then summary.json,
 convergence_loss.png and a Markdown table; with --docs (`make convergence`) the table and the
 plot go into docs/convergence.md. --quick: a tiny model, 60 iterations (plumbing, no numbers).
 """
@@ -18,8 +19,10 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Optional
 
 from megatron_eopt.training.corpus import prepare_stdlib_corpus
@@ -68,7 +71,6 @@ class Variant:
     name: str
     flags: tuple[str, ...]
     lr_factors: tuple[float, ...] = (1.0,)
-    skip_reason: Optional[str] = None
     decoupled_lr_factor: Optional[float] = None  # --decoupled-lr = best lr x this
 
 
@@ -83,8 +85,7 @@ def variants(scale: Scale) -> tuple[Variant, ...]:
         Variant("spectral", ("--optimizer", "muon", "--muon-scale-mode", "spectral"), scale.spectral_lr_factors),
         Variant("weight_decay_0.1", MUON + ("--weight-decay", "0.1")),
         Variant("embedding_lr_half", MUON, decoupled_lr_factor=0.5),
-        Variant("gram_newton_schulz", MUON, skip_reason="Gram Newton-Schulz has not landed in the library yet "
-                "(no flag selects it); this slot runs once it has"),
+        Variant("gram_newton_schulz", MUON + ("--muon-gram-newton-schulz",)),
     )
 
 
@@ -98,7 +99,6 @@ class Spec:
     seed: int
     flags: tuple[str, ...]
     decoupled_lr: Optional[float] = None
-    extra: dict = field(default_factory=dict)
 
     def command(self, scale: Scale, data_flags: list[str], metrics: str) -> list[str]:
         decoupled = ["--decoupled-lr", f"{self.decoupled_lr:g}", "--decoupled-min-lr",
@@ -139,7 +139,7 @@ def later_specs(scale: Scale, results: dict[str, dict]) -> list[Spec]:
         for factor in variant.lr_factors:
             decoupled = muon_lr * variant.decoupled_lr_factor if variant.decoupled_lr_factor else None
             spec = Spec(f"{variant.name}_lr{muon_lr * factor:g}_seed1", variant.name, muon_lr * factor, 1,
-                        variant.flags, decoupled, {"skip_reason": variant.skip_reason} if variant.skip_reason else {})
+                        variant.flags, decoupled)
             specs.append(spec)
     return specs
 
@@ -149,15 +149,13 @@ def command_key(command: list[str]) -> list[str]:
     return command[1:-2]
 
 
-def run_spec(spec: Spec, scale: Scale, data_flags: list[str], runs_dir: str, progress: str) -> tuple[dict, bool]:
+def run_spec(spec: Spec, scale: Scale, data_flags: list[str], runs_dir: str, progress: str,
+             threads: int = 1) -> tuple[dict, bool]:
     """Train `spec` unless runs_dir holds its result for the same command; returns the result and
     whether it was trained now."""
     path, metrics, log_path = (os.path.join(runs_dir, f"{spec.name}.{ext}") for ext in ("json", "jsonl", "log"))
     command = spec.command(scale, data_flags, metrics)
     base = {"name": spec.name, "group": spec.group, "lr": spec.lr, "seed": spec.seed, "decoupled_lr": spec.decoupled_lr}
-    if spec.extra.get("skip_reason"):
-        print(f"{progress} {spec.name}: skipped ({spec.extra['skip_reason']})", flush=True)
-        return {**base, "status": "skipped", "reason": spec.extra["skip_reason"]}, False
     if os.path.exists(path):
         with open(path) as handle:
             done = json.load(handle)
@@ -166,8 +164,9 @@ def run_spec(spec: Spec, scale: Scale, data_flags: list[str], runs_dir: str, pro
             return done, False
     print(f"{progress} {spec.name}: {' '.join(command_key(command))}", flush=True)
     start, lines = time.time(), []
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     with open(log_path, "w") as log, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                                      text=True, cwd=ROOT) as process:
+                                                      text=True, cwd=ROOT, env=env) as process:
         for line in process.stdout:
             log.write(line)
             lines.append(line)
@@ -211,8 +210,8 @@ def _mean_spread(values: list[float]) -> dict:
 
 
 def summarize(results: list[dict], scale: Scale) -> dict:
-    """Everything the report shows, from the runs' results (the skipped ones included)."""
-    done = {r["name"]: r for r in results if r["status"] != "skipped"}
+    """Everything the report shows, from the runs' results."""
+    done = {r["name"]: r for r in results}
     best = {group: best_lr(done, group) for group in {r["group"] for r in done.values()}}
     adamw_finals = [r["final_validation_loss"] for r in done.values()
                     if r["group"] == "adamw" and r["lr"] == best["adamw"] and r["final_validation_loss"] is not None]
@@ -221,9 +220,7 @@ def summarize(results: list[dict], scale: Scale) -> dict:
     for r in results:
         key = (r["group"], r["lr"])
         row = rows.setdefault(key, {"group": r["group"], "lr": r["lr"], "seeds": [], "finals": [], "reach": [],
-                                    "tokens_per_second": [], "status": r["status"], "reason": r.get("reason")})
-        if r["status"] == "skipped":
-            continue
+                                    "tokens_per_second": []})
         row["seeds"].append(r["seed"])
         row["finals"].append(r["final_validation_loss"])
         row["reach"].append(validation_reach(r["validation"], target) if r["group"] != "adamw" else None)
@@ -245,8 +242,7 @@ def summarize(results: list[dict], scale: Scale) -> dict:
 def _table_row(row: dict, best: dict) -> dict:
     finals = [f for f in row["finals"] if f is not None]
     reached = [r for r in row["reach"] if r is not None]
-    return {"group": row["group"], "lr": row["lr"], "seeds": row["seeds"], "status": row["status"],
-            "reason": row["reason"], "best": best.get(row["group"]) == row["lr"],
+    return {"group": row["group"], "lr": row["lr"], "seeds": row["seeds"], "best": best.get(row["group"]) == row["lr"],
             "final_validation_loss": _mean_spread(finals) if finals else None,
             "diverged": len(row["finals"]) - len(finals),
             "reach": _mean_spread(reached) if reached else None, "not_reached": len(row["reach"]) - len(reached),
@@ -258,9 +254,6 @@ def markdown(summary: dict) -> str:
              "iteration | tokens/s |", "|---|---|---|---|---|---|"]
     for row in summary["rows"]:
         name = f"**{row['group']}**" if row["best"] else row["group"]
-        if row["status"] == "skipped":
-            lines.append(f"| {name} | - | - | skipped: {row['reason']} | - | - |")
-            continue
         loss = _spread_text(row["final_validation_loss"], "{:.4f}")
         if row["diverged"]:
             loss += f" ({row['diverged']} without a final loss: diverged or stopped)"
@@ -297,7 +290,7 @@ def plot(results: list[dict], summary: dict, path: str) -> None:
     """Validation curves: the best AdamW and Muon (mean over seeds) and each variant's best run."""
     curves, colors = [], iter(VARIANT_COLORS)
     for row in summary["rows"]:
-        if not row["best"] or row["status"] == "skipped":
+        if not row["best"]:
             continue
         runs = [r for r in results if r["group"] == row["group"] and r["lr"] == row["lr"] and r.get("validation")]
         if not runs:
@@ -315,36 +308,44 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="a tiny model and sweep: checks the plumbing only")
     parser.add_argument("--out", default=None, help="results folder (default benchmarks/results/convergence[-quick])")
     parser.add_argument("--corpus-dir", default=os.path.join(ROOT, "data"))
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                        help="runs trained at once, each with CPUs/jobs threads (default: one per CPU)")
     parser.add_argument("--docs", action="store_true", help="write the table and plot into docs/ (not with --quick)")
     args = parser.parse_args(argv)
     if args.docs and args.quick:
         parser.error("--docs records the full benchmark; --quick results stay in their folder")
+    if args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, got {args.jobs}")
     args.out = args.out or os.path.join(HERE, "results", "convergence-quick" if args.quick else "convergence")
     return args
 
 
 def run_all(scale: Scale, args: argparse.Namespace) -> list[dict]:
-    """The three stages in order, with progress and an estimate of the time left."""
+    """The three stages in order, `args.jobs` runs at a time, with progress and an estimate of the
+    time left. Results keep the stages' order whatever order the runs finish in."""
     corpus = prepare_stdlib_corpus(args.corpus_dir, scale.corpus_bytes)
     runs_dir = os.path.join(args.out, "runs")
     os.makedirs(runs_dir, exist_ok=True)
     extra_seeds = 2 * (len(scale.seeds) - 1)
     total = len(sweep_specs(scale)) + extra_seeds + sum(len(v.lr_factors) for v in variants(scale))
-    start, trained, results = time.time(), [], []  # trained: the runs trained now, for the estimate
+    threads = max(1, (os.cpu_count() or 1) // args.jobs)
+    start, trained, finished, lock = time.time(), [], [], threading.Lock()  # trained: for the estimate
 
-    def run(spec: Spec) -> None:
-        elapsed = time.time() - start
-        eta = f", about {elapsed / len(trained) * (total - len(results)) / 60:.0f} min left" if trained else ""
-        result, trained_now = run_spec(spec, scale, corpus.trainer_flags(), runs_dir,
-                                       f"[{len(results) + 1}/{total}, {elapsed / 60:.1f} min{eta}]")
-        if trained_now:
-            trained.append(result)
-        results.append(result)
+    def run(spec: Spec) -> dict:
+        with lock:
+            elapsed = time.time() - start
+            eta = (f", about {elapsed / len(trained) * (total - len(finished)) / args.jobs / 60:.0f} min left"
+                   if trained else "")
+            progress = f"[{len(finished) + 1}/{total}, {elapsed / 60:.1f} min{eta}]"
+        result, trained_now = run_spec(spec, scale, corpus.trainer_flags(), runs_dir, progress, threads)
+        with lock:
+            trained.extend([result] if trained_now else [])
+            finished.append(result)
+        return result
 
-    for spec in sweep_specs(scale):
-        run(spec)
-    for spec in later_specs(scale, {r["name"]: r for r in results}):
-        run(spec)
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        results = list(pool.map(run, sweep_specs(scale)))
+        results += list(pool.map(run, later_specs(scale, {r["name"]: r for r in results})))
     return results
 
 

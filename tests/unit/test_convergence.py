@@ -82,8 +82,6 @@ def _results() -> list[dict]:
         _result("muon", 1e-2, 2, curve(3.3, 2.9, 2.7), 2.7),
         _result("muon", 3e-2, 1, curve(3.6, 3.1, 2.9), 2.9),
         {**_result("muon", 1e-1, 1, curve(9.0), None), "status": "failed"},
-        {"name": "gram", "group": "gram_newton_schulz", "lr": 1e-2, "seed": 1, "status": "skipped",
-         "reason": "not landed"},
     ]
 
 
@@ -96,7 +94,7 @@ def test_later_stages_use_the_best_lrs(convergence) -> None:
     assert [s.group for s in specs[2:]] == [name for name, _ in expected]
     assert [s.lr for s in specs[2:]] == pytest.approx([lr for _, lr in expected])  # at Muon's best lr
     gram = next(s for s in specs if s.group == "gram_newton_schulz")
-    assert gram.extra["skip_reason"]
+    assert "--muon-gram-newton-schulz" in gram.flags
 
 
 def test_report_sweep_target_reach_and_docs_table(convergence, tmp_path) -> None:
@@ -111,10 +109,9 @@ def test_report_sweep_target_reach_and_docs_table(convergence, tmp_path) -> None
     assert summary["muon_reach_fraction"] == pytest.approx(33.0 / SCALE_ITERS) and summary["target_met"]
 
     table = convergence.markdown(summary)
-    assert table.count("\n| ") == 6  # header rule + adamw x2, muon x3 (one failed), the skipped slot
+    assert table.count("\n| ") == 5  # header rule + adamw x2, muon x3 (one failed)
     assert "| **muon** | 0.01 | 1,2 | 2.7500 ± 0.0707" in table
     assert "| muon | 0.1 | 1 | - (1 without a final loss: diverged or stopped)" in table
-    assert "| gram_newton_schulz | - | - | skipped: not landed |" in table
 
     doc = tmp_path / "doc.md"
     doc.write_text(f"intro\n{convergence.TABLE_BEGIN}\nold table\n{convergence.TABLE_END}\nafter\n")
