@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_eopt.distributed.process_groups import ProcessGroup, group_rank, group_size
+from megatron_eopt.ops.collectives import wait_bounded
 from megatron_eopt.wrappers.base import MegatronOptimizer, SteppableChild, StepResult, take_step, timed
 from megatron_eopt.wrappers.chained import ChainedOptimizer
 from megatron_eopt.wrappers.fp32 import model_grad
@@ -273,10 +274,11 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
                     flat = torch.cat([_grad_or_zeros(p).reshape(-1).float() for p in bucket]
                                      + [torch.tensor([float(model_grad(p) is not None) for p in bucket], device=bucket[0].device)])
                     work = dist.reduce(flat, dst=shard.global_rank(owner), op=dist.ReduceOp.SUM, group=shard.group, async_op=True)
-                    pending.append((work, flat, bucket, owner == group_rank(shard.group), shard.divisor))
+                    pending.append((work, flat, bucket, owner == group_rank(shard.group), shard.divisor, shard, owner))
         received = []
-        for work, flat, bucket, is_owner, divisor in pending:
-            work.wait()
+        for work, flat, bucket, is_owner, divisor, shard, owner in pending:
+            wait_bounded(work, shard.group, f"torch.distributed reduce of the layer-wise gradient bucket of "
+                                            f"{_describe_params(bucket)} onto rank {shard.global_rank(owner)}")
             if is_owner:
                 received.append((flat, bucket, divisor))
         if not received:
@@ -299,9 +301,10 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
 
     def _finish_bucket(self, index: int) -> None:
         in_flight = self._in_flight[index]  # stays referenced until the wait returned
-        in_flight.work.wait()
-        del self._in_flight[index]
         bucket = self._sync_buckets[index]
+        wait_bounded(in_flight.work, bucket.group, f"torch.distributed broadcast of layer-wise parameter bucket "
+                                                   f"{index} ({_describe_params(bucket.params)}) from rank {bucket.source}")
+        del self._in_flight[index]
         if not bucket.is_owner:
             _unflatten_into(in_flight.flat, bucket.params)
 
@@ -358,6 +361,12 @@ def _buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> list[list[t
             buckets.append([param])
             size = nbytes
     return buckets
+
+
+def _describe_params(params: list[torch.nn.Parameter]) -> str:
+    """E.g. `3 parameters, 4,160 elements, shapes 64x32, 32x32, 32`."""
+    shapes = ", ".join("x".join(map(str, p.shape)) or "scalar" for p in params[:4]) + (", ..." if len(params) > 4 else "")
+    return f"{len(params)} parameter{'s' * (len(params) != 1)}, {sum(p.numel() for p in params):,} elements, shapes {shapes}"
 
 
 def _grad_or_zeros(param: torch.nn.Parameter) -> torch.Tensor:

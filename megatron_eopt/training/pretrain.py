@@ -42,7 +42,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     failures = lambda: collective_failures(layout.rank, args.distributed_timeout_minutes)  # noqa: E731
     with failures():
         initialize_model_parallel(layout.tp, args.seed, pipeline_model_parallel_size=layout.pp,
-                                  virtual_pipeline_model_parallel_size=layout.vpp, expert_model_parallel_size=layout.ep)
+                                  virtual_pipeline_model_parallel_size=layout.vpp, expert_model_parallel_size=layout.ep,
+                                  distributed_timeout_minutes=args.distributed_timeout_minutes)
     try:
         with failures():
             records = _train_and_plot(args, settings, layout, device)

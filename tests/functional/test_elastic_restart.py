@@ -145,19 +145,23 @@ def test_kills_during_saves_leave_the_previous_or_the_new_checkpoint(straight, t
     assert_same_checkpoint(straight(layout), tmp_path / "ckpt", tmp_path)
 
 
-@pytest.mark.xfail(run=False, reason="not yet: with layer-wise Muon at DP=2 the surviving rank waits in an "
-                   "async gloo Work.wait() that has no timeout (seen with gdb); needs a bounded wait there")
+STOP_TIMEOUT_MINUTES = 0.25  # short, so the test is quick; long enough for a loaded machine's start-up
+
+
 def test_a_stopped_rank_ends_the_others_in_one_line_and_the_job_restarts(straight, tmp_path: pathlib.Path) -> None:
     layout = "DP2 layer-wise Muon"
     stop = [{"attempt": 0, "rank": 1, "iteration": 5, "phase": "step", "signal": "STOP"}]
-    result = launch(LAYOUTS[layout] + ["--distributed-timeout-minutes", "0.5"], tmp_path / "ckpt", stop, restarts=1)
+    flags = LAYOUTS[layout] + ["--distributed-timeout-minutes", str(STOP_TIMEOUT_MINUTES)]
+    result = launch(flags, tmp_path / "ckpt", stop, restarts=1)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     lines = [line for line in result.stderr.splitlines() if line.startswith("pretrain_gpt.py: error: rank 0:")]
     assert len(lines) == 1, result.stderr[-4000:]
-    assert "did not complete within --distributed-timeout-minutes 0.5" in lines[0], lines[0]
-    assert re.search(r"torch.distributed \w+ called from \w+ \(megatron", lines[0]), lines[0]
+    assert re.search(r"torch.distributed \w+ (called from \w+ \(megatron|of )", lines[0]), lines[0]
+    assert (f"--distributed-timeout-minutes {STOP_TIMEOUT_MINUTES:g}" in lines[0]
+            and "did not complete within" in lines[0]), lines[0]
     events = dict(re.findall(r"fault_entry: attempt 0 rank \d (SIGSTOP|fails).*? at t=([\d.]+)", result.stderr))
     detected = float(events["fails"]) - float(events["SIGSTOP"])
-    print(f"{lines[0]}\nstop detected after {detected:.1f} s; seconds to restart {fault_times(result.stderr)}")
-    assert detected < 0.5 * 60 + 20
+    print(f"{lines[0]}\nstop detected after {detected:.1f} s (timeout {STOP_TIMEOUT_MINUTES * 60:g} s); "
+          f"seconds to restart {fault_times(result.stderr)}")
+    assert detected < STOP_TIMEOUT_MINUTES * 60 + 20
     assert_same_checkpoint(straight(layout), tmp_path / "ckpt", tmp_path)

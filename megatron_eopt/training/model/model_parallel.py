@@ -20,6 +20,7 @@ from megatron.core.transformer.transformer_layer import (
     get_transformer_layer_offset,
 )
 
+from megatron_eopt.ops.collectives import group_timeout
 from megatron_eopt.training.parallel.cpu_rng import use_cpu_rng_tracker
 
 __all__ = [
@@ -37,6 +38,7 @@ def initialize_model_parallel(
     pipeline_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: int | None = None,
     expert_model_parallel_size: int = 1,
+    distributed_timeout_minutes: float | None = None,
 ) -> None:
     """Set up megatron's model-parallel groups and seed the RNGs.
 
@@ -44,7 +46,9 @@ def initialize_model_parallel(
     ``tensor_model_parallel_size * pipeline_model_parallel_size`` (the rest becomes data
     parallelism). ``virtual_pipeline_model_parallel_size``: model chunks per rank (interleaved
     pipeline; build them with :func:`build_gpt_model_chunks`). Experts are split over
-    ``expert_model_parallel_size`` ranks of the data-parallel ranks (megatron's layout).
+    ``expert_model_parallel_size`` ranks of the data-parallel ranks (megatron's layout). The
+    groups time out after ``distributed_timeout_minutes`` (None: the default group's timeout, not
+    megatron's 30 minutes, which would outlast --distributed-timeout-minutes).
     """
     if not torch.distributed.is_available() or not torch.distributed.is_initialized():
         raise RuntimeError(
@@ -61,6 +65,8 @@ def initialize_model_parallel(
         pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         expert_model_parallel_size=expert_model_parallel_size,
+        distributed_timeout_minutes=(group_timeout(None).total_seconds() / 60 if distributed_timeout_minutes is None
+                                     else distributed_timeout_minutes),
     )
     # CPU initialisation draws from torch's default generator, on every device.
     global _init_seed

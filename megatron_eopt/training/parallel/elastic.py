@@ -19,6 +19,7 @@ from typing import Iterator, Optional
 
 import torch.distributed as dist
 
+from megatron_eopt.ops.collectives import CollectiveTimeout
 from megatron_eopt.training.errors import PROG
 
 EXIT_STATUS = 1  # a worker failure for torchrun: it restarts the job while restarts are left
@@ -60,7 +61,7 @@ def describe_failure(error: BaseException) -> str:
     op, caller = None, None
     for index, frame in enumerate(frames):
         if os.sep + os.path.join("torch", "distributed") + os.sep in frame.filename:
-            if op is None:
+            if op is None and frame.name != "wrapper":  # torch's logging decorator around the collective
                 op = frame.name
                 outside = [f for f in frames[:index] if os.sep + "torch" + os.sep not in f.filename]
                 caller = outside[-1] if outside else None
@@ -91,6 +92,9 @@ def collective_failures(rank: int, timeout_minutes: float) -> Iterator[None]:
     """A collective that fails or times out in the block ends this rank with one line (`fail`)."""
     try:
         yield
+    except CollectiveTimeout as error:  # the library's bounded wait names the operation itself
+        fail(rank, f"{error} (--distributed-timeout-minutes {timeout_minutes:g}; a rank stopped?). Exiting with "
+                   f"status {EXIT_STATUS}; under torchrun --max-restarts the job restarts from its last checkpoint.")
     except BaseException as error:
         if not is_collective_failure(error):
             raise

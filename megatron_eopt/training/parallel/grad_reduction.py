@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 
+from megatron_eopt.ops.collectives import wait_bounded
 from megatron_eopt.training.arguments.flags.parallel import BUCKET_NUMEL  # noqa: F401 (re-exported)
 from megatron_eopt.training.parallel.sequence_parallel import (
     sum_grads_over_tensor_parallel,
@@ -125,9 +126,11 @@ class GradReducer:
             return
         for index in range(self.buckets_started, len(self.buckets)):
             self._start(index)
-        for handle, flat, grads in self._in_flight:
+        for index, (handle, flat, grads) in enumerate(self._in_flight):
             if handle is not None:
-                handle.wait()
+                wait_bounded(handle, self.groups[index], f"torch.distributed all_reduce of gradient bucket {index} "
+                                                         f"({len(self.buckets[index])} parameters, "
+                                                         f"{sum(p.numel() for p in self.buckets[index]):,} elements)")
             if flat is not None:
                 for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads)):
                     grad.copy_(averaged)
