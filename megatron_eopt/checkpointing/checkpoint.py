@@ -14,6 +14,8 @@ independently. docs/checkpoints.md describes the behaviour.
 """
 
 import json
+import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -44,7 +46,7 @@ from megatron_eopt.checkpointing.state import (
     stored_model_names,
     stored_names_by_fqn,
 )
-from megatron_eopt.checkpointing.storage import CheckpointError
+from megatron_eopt.checkpointing.storage import CheckpointError, CheckpointSaveError  # noqa: F401 (re-exported)
 from megatron_eopt.distributed.fsdp2 import fully_sharded_layout
 from megatron_eopt.distributed.process_groups import ProcessGroup, group_size, resolve_parallel_groups
 
@@ -74,8 +76,76 @@ def save_checkpoint(
     `extra`: JSON-serialisable trainer state. `before_commit(path)` runs on every rank when all
     files are written, just before the directory is renamed into place (tests pause there).
     Without `optimizer` (and `scheduler`) only the model is saved (Megatron-LM's --no-save-optim);
-    `save_rng=False` leaves the RNG states out (--no-save-rng).
+    `save_rng=False` leaves the RNG states out (--no-save-rng). An OS error on any rank (a full
+    disk, an unwritable directory) raises CheckpointSaveError on every rank, with the directory
+    as it was before the save.
     """
+    entries, manifest, group = _prepare_save(iteration, model_chunks, optimizer, scheduler, extra, pg_collection,
+                                             save_rng, snapshot=False)
+    return _write(checkpoint_dir, iteration, entries, manifest, group, before_commit)
+
+
+def start_save_checkpoint(
+    checkpoint_dir: str,
+    iteration: int,
+    model_chunks: list[torch.nn.Module],
+    optimizer: Any = None,
+    scheduler: Any = None,
+    extra: Optional[dict] = None,
+    pg_collection: Any = None,
+    save_rng: bool = True,
+) -> "PendingSave":
+    """`save_checkpoint` in the background (Megatron-LM's --async-save): copies the state to the
+    CPU now, then writes, verifies, renames and moves `latest` in a thread, with the same
+    guarantees; training may change the model meanwhile. `wait()` on the result returns the path
+    or raises the save's error. Call it on every rank; one save per directory in flight at a time.
+    The thread's collectives run over a gloo group of the checkpoint group's ranks, made once
+    (new_group over those ranks only), so they never interleave with training's collectives."""
+    key = os.path.realpath(checkpoint_dir)
+    if key in _IN_FLIGHT and not _IN_FLIGHT[key].done():
+        raise ValueError(f"a save into {checkpoint_dir} is still in flight (iteration {_IN_FLIGHT[key].iteration}); "
+                         f"wait() for it before starting another.")
+    entries, manifest, group = _prepare_save(iteration, model_chunks, optimizer, scheduler, extra, pg_collection,
+                                             save_rng, snapshot=True)
+    background = storage.background_group(group)
+    pending = PendingSave(iteration, lambda: _write(checkpoint_dir, iteration, entries, manifest, background, None))
+    _IN_FLIGHT[key] = pending
+    return pending
+
+
+class PendingSave:
+    """A checkpoint being written by a background thread (`start_save_checkpoint`)."""
+
+    def __init__(self, iteration: int, write: Callable[[], str]) -> None:
+        self.iteration = iteration
+        self._path: Optional[str] = None
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, args=(write,), name=f"save-iter-{iteration}", daemon=True)
+        self._thread.start()
+
+    def _run(self, write: Callable[[], str]) -> None:
+        try:
+            self._path = write()
+        except BaseException as error:  # re-raised by wait(), in the caller's thread
+            self._error = error
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> str:
+        """Block until the save is committed; its path, or the save's error (CheckpointSaveError...)."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._path
+
+
+_IN_FLIGHT: dict[str, PendingSave] = {}  # realpath of the directory -> its latest asynchronous save
+
+
+def _prepare_save(iteration, model_chunks, optimizer, scheduler, extra, pg_collection, save_rng: bool,
+                  snapshot: bool) -> tuple[dict, dict, Optional[ProcessGroup]]:
+    """(entries, manifest, checkpoint group): what this rank writes, checked; copies with `snapshot`."""
     _check_iteration(iteration)
     extra = _check_extra(extra)
     _finish_param_sync(optimizer)
@@ -84,30 +154,41 @@ def save_checkpoint(
     params = model_params(chunks, groups)
     group = checkpoint_group(groups)
     children = optimizer_children(optimizer)
-    entries = save_entries(params, children, MeshCache())
+    entries = save_entries(params, children, MeshCache(), snapshot=snapshot)
     if scheduler is not None:
         entries.update(scheduler_entries(scheduler, children))
     if save_rng:
         entries.update(rng_entries(storage.rank(group), storage.world_size(group)))
     structure = global_group_structure(children, group, stored_names_by_fqn(params)) if children else None
+    manifest = {
+        "format": storage.FORMAT_VERSION,
+        "iteration": iteration,
+        "extra": extra,
+        "world_size": storage.world_size(group),
+        "tensor_parallel_size": _tp_size(groups),
+        "pipeline_parallel_size": pipeline_size(groups),
+        "expert_parallel_size": _ep_size(groups, params),
+        "optimizers": structure,
+        "has_scheduler": scheduler is not None,
+    }
+    return entries, manifest, group
 
+
+def _write(checkpoint_dir: str, iteration: int, entries: dict, manifest: dict, group: Optional[ProcessGroup],
+           before_commit: Optional[Callable[[str], None]]) -> str:
+    """Stage, write, checksum, rename, verify and point `latest` (storage.py); a failed step puts
+    the directory back and raises CheckpointSaveError on every rank."""
     path, lock = storage.begin_save(checkpoint_dir, iteration, group)
     try:
-        dcp.save(entries, storage_writer=FileSystemWriter(path), process_group=group, no_dist=group is None)
-        storage.write_manifest(path, {
-            "format": storage.FORMAT_VERSION,
-            "iteration": iteration,
-            "extra": extra,
-            "world_size": storage.world_size(group),
-            "tensor_parallel_size": _tp_size(groups),
-            "pipeline_parallel_size": pipeline_size(groups),
-            "expert_parallel_size": _ep_size(groups, params),
-            "optimizers": structure,
-            "has_scheduler": scheduler is not None,
-        }, group)
+        write = lambda: dcp.save(entries, storage_writer=FileSystemWriter(path),  # noqa: E731
+                                 process_group=group, no_dist=group is None)
+        storage.agree(write, group, "saving", saving=True)
+        storage.write_manifest(path, manifest, group)
         if before_commit is not None:
             before_commit(path)
         return storage.commit(checkpoint_dir, iteration, group)
+    except storage.SaveFailed as failure:
+        raise storage.abandon_save(checkpoint_dir, iteration, failure, group) from None
     finally:
         storage.end_save(lock)
 

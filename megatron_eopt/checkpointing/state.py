@@ -199,23 +199,31 @@ def _local_group_structure(children: list[FP32Optimizer], stored: dict[str, str]
 # ------------------------------------------------------------------------------------------------
 
 
-def save_entries(params: list[ModelParam], children: list[FP32Optimizer], meshes: MeshCache) -> dict[str, Any]:
-    """Everything of the model and optimizer this rank writes."""
+def save_entries(params: list[ModelParam], children: list[FP32Optimizer], meshes: MeshCache,
+                 snapshot: bool = False) -> dict[str, Any]:
+    """Everything of the model and optimizer this rank writes: views of the live tensors, or with
+    `snapshot` copies on the CPU (an asynchronous save writes them while training goes on)."""
+    detached = _cpu_copy if snapshot else torch.Tensor.detach
     entries: dict[str, Any] = {}
     placement_of_param = {id(p.param): p.placement for p in params}
     stored = stored_names_by_fqn(params)
     for p in params:
-        entries.update(global_pieces(f"model/{p.stored_name}", local_tensor(p.param).detach(), p.placement, meshes))
+        entries.update(global_pieces(f"model/{p.stored_name}", detached(local_tensor(p.param)), p.placement, meshes))
     for child in children:
         for record, model_param, main_param in zip(child.records, child.model_params, child.main_params):
             placement = placement_of_param[id(model_param)]
             if has_main_copy(model_param, main_param):
-                entries.update(global_pieces(f"main/{stored[record.fqn]}", main_param.detach(), placement, meshes))
+                entries.update(global_pieces(f"main/{stored[record.fqn]}", detached(main_param), placement, meshes))
             for name, value in child.optimizer.state.get(main_param, {}).items():
                 key = f"state/{stored_child_name(child.name)}/{stored[record.fqn]}/{name}"
+                value = detached(value) if torch.is_tensor(value) else value
                 entries.update(_state_entry(key, value, local_tensor(model_param), placement, meshes))
     entries.update(_hyperparameter_entries(children))
     return entries
+
+
+def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu", copy=True)
 
 
 def has_main_copy(model_param: torch.Tensor, main_param: torch.Tensor) -> bool:

@@ -14,6 +14,7 @@ rank). Rank 0 holds an exclusive flock on `.save_lock` for a save, or for a whol
 ownership.py's `DirectoryOwner`. docs/checkpoints.md describes the behaviour.
 """
 
+import contextlib
 import fcntl
 import json
 import os
@@ -27,8 +28,10 @@ import zlib
 from typing import Any, Callable, Optional, TypeVar
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_eopt.distributed.process_groups import ProcessGroup
+from megatron_eopt.ops.collectives import group_timeout
 
 MANIFEST = "megatron_eopt.json"
 LATEST = "latest"
@@ -41,6 +44,18 @@ T = TypeVar("T")
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded here; the message says why and what to do."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """A save that failed on some rank with an OS error (a full disk, an unwritable or read-only
+    directory): raised on every rank of the save alike, after the directory was put back as it
+    was before the save (the partial directory removed, `latest` and the older checkpoints as
+    they were)."""
+
+
+class SaveFailed(Exception):
+    """A step of a save failed on some rank (raised on every rank); `save_checkpoint` turns it
+    into a CheckpointSaveError once the directory is put back."""
 
 
 def checkpoint_name(iteration: int) -> str:
@@ -253,8 +268,29 @@ def begin_save(
             lock.release()
             raise
 
-    agree(prepare, group, "saving")
+    try:
+        agree(prepare, group, "saving", saving=True)
+    except SaveFailed as failure:
+        raise CheckpointSaveError(f"saving {checkpoint_name(iteration)} in {checkpoint_dir} failed before "
+                                  f"writing anything: {failure}") from None
     return path, lock
+
+
+def abandon_save(checkpoint_dir: str, iteration: int, failure: SaveFailed,
+                 group: Optional[ProcessGroup]) -> CheckpointSaveError:
+    """After a failed step: rank 0 removes the `.incomplete` directory (a failed commit has put
+    the directory back already); every rank gets the same error, saying what is left."""
+    staged = incomplete_path(checkpoint_dir, iteration)
+    if rank(group) == 0:
+        shutil.rmtree(staged, ignore_errors=True)
+    left = all_gather_objects(os.path.isdir(staged) if rank(group) == 0 else None, group)[0]
+    latest = latest_checkpoint(checkpoint_dir)
+    latest = os.path.basename(latest) if latest else None
+    return CheckpointSaveError(
+        f"saving {checkpoint_name(iteration)} in {checkpoint_dir} failed: {failure}. "
+        + (f"The partial directory {staged} could not be removed" if left else "The partial directory is removed")
+        + (f"; '{LATEST}' still names {latest}, which loads as before." if latest
+           else f"; there is no '{LATEST}' (no earlier checkpoint)."))
 
 
 def end_save(lock: Optional[SaveLock]) -> None:
@@ -267,24 +303,24 @@ def write_manifest(path: str, manifest: dict[str, Any], group: Optional[ProcessG
     own_prefix = f"__{rank(group)}_"
     own = {name: _file_record(os.path.join(path, name)) for name in os.listdir(path) if name.startswith(own_prefix)}
     gathered = all_gather_objects(own, group)
+    files = {name: record for part in gathered for name, record in part.items()}
     if rank(group) == 0:
-        files = {name: record for part in gathered for name, record in part.items()}
         files[".metadata"] = _file_record(os.path.join(path, ".metadata"))
-        _write_atomically(os.path.join(path, MANIFEST), json.dumps({**manifest, "files": files}, indent=1))
+    def write() -> None:
+        if rank(group) == 0:
+            _write_atomically(os.path.join(path, MANIFEST), json.dumps({**manifest, "files": files}, indent=1))
+
+    agree(write, group, "saving", saving=True)
 
 
 def commit(checkpoint_dir: str, iteration: int, group: Optional[ProcessGroup]) -> str:
     """Rename the finished `.incomplete` directory into place, verify it against its manifest, and
-    only then point `latest` at it."""
+    only then point `latest` at it. A rename or `latest` that fails (SaveFailed on every rank)
+    puts the directory back as it was before the save."""
     _barrier(group)  # every rank has finished writing
     final = os.path.join(checkpoint_dir, checkpoint_name(iteration))
-    if rank(group) == 0:
-        staged = incomplete_path(checkpoint_dir, iteration)
-        if os.path.isdir(final):  # saving the same iteration again
-            shutil.rmtree(final + REPLACED, ignore_errors=True)
-            os.replace(final, final + REPLACED)
-        os.replace(staged, final)
-    _barrier(group)
+    agree(lambda: _rename_into_place(checkpoint_dir, iteration) if rank(group) == 0 else None,
+          group, "saving", saving=True)
     try:
         verify_files(final, read_manifest(final), group)
     except CheckpointError as error:
@@ -292,11 +328,38 @@ def commit(checkpoint_dir: str, iteration: int, group: Optional[ProcessGroup]) -
             f"saving {final} failed: it does not match its manifest after writing ({error}); "
             f"'{LATEST}' was not moved to it. Did another process write into {checkpoint_dir}?"
         ) from None
+    try:
+        agree(lambda: _point_latest(checkpoint_dir, iteration) if rank(group) == 0 else None,
+              group, "saving", saving=True)
+    except SaveFailed:
+        if rank(group) == 0:
+            _undo_rename(final)
+        raise
     if rank(group) == 0:
-        _point_latest(checkpoint_dir, iteration)
         shutil.rmtree(final + REPLACED, ignore_errors=True)
     _barrier(group)
     return final
+
+
+def _rename_into_place(checkpoint_dir: str, iteration: int) -> None:
+    final = os.path.join(checkpoint_dir, checkpoint_name(iteration))
+    staged = incomplete_path(checkpoint_dir, iteration)
+    if os.path.isdir(final):  # saving the same iteration again
+        shutil.rmtree(final + REPLACED, ignore_errors=True)
+        os.replace(final, final + REPLACED)
+    try:
+        os.replace(staged, final)
+    except OSError:
+        if os.path.isdir(final + REPLACED):
+            os.replace(final + REPLACED, final)
+        raise
+
+
+def _undo_rename(final: str) -> None:
+    """`latest` did not move: the new directory goes (its copy of an earlier save comes back)."""
+    shutil.rmtree(final, ignore_errors=True)
+    if os.path.isdir(final + REPLACED) and not os.path.exists(final):
+        os.replace(final + REPLACED, final)
 
 
 def _point_latest(checkpoint_dir: str, iteration: int) -> None:
@@ -356,18 +419,38 @@ def verify_files(path: str, manifest: dict[str, Any], group: Optional[ProcessGro
         raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(problems) + ". Load an earlier checkpoint.")
 
 
-def agree(step: Callable[[], T], group: Optional[ProcessGroup], activity: str = "loading") -> T:
-    """Run `step` on every rank; if it fails on any, raise on all (the failing rank's own error)."""
+def agree(step: Callable[[], T], group: Optional[ProcessGroup], activity: str = "loading",
+          saving: bool = False) -> T:
+    """Run `step` on every rank; if it fails on any, raise on all (the failing rank's own error).
+    With `saving`, an OS error (or torch.distributed.checkpoint's CheckpointException) on any
+    rank raises SaveFailed on every rank, naming the rank and the error."""
     try:
-        result, message = step(), None
+        result, failure = step(), None
     except (ValueError, TypeError) as error:
-        result, message, own = None, f"rank {rank(group)}: {error}", error
-    messages = [m for m in all_gather_objects(message, group) if m is not None]
-    if message is not None:
+        result, failure, own = None, ("error", f"rank {rank(group)}: {error}"), error
+    except (OSError, CheckpointException) as error:
+        if not saving:
+            raise
+        failure = ("os", _error_line(error) if isinstance(error, CheckpointException)
+                   else f"rank {rank(group)}: {_error_line(error)}")
+        result, own = None, SaveFailed(failure[1])
+    failures = [f for f in all_gather_objects(failure, group) if f is not None]
+    if failure is not None:
         raise own
-    if messages:
-        raise CheckpointError(f"{activity} stopped on every rank: {messages[0]}")
+    if failures:
+        kind, message = failures[0]
+        raise SaveFailed(message) if kind == "os" else CheckpointError(f"{activity} stopped on every rank: {message}")
     return result
+
+
+def _error_line(error: BaseException) -> str:
+    """One line for an OS error, or for the first failure inside a CheckpointException."""
+    if isinstance(error, CheckpointException) and error.failures:
+        ranks = sorted(error.failures)
+        inner = error.failures[ranks[0]][0]
+        return f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))}: writing the shards: " + \
+            _error_line(inner)
+    return " ".join(f"{type(error).__name__}: {error}".split())[:400]
 
 
 def _file_record(path: str) -> dict[str, int]:
@@ -380,11 +463,16 @@ def _file_record(path: str) -> dict[str, int]:
 
 def _write_atomically(path: str, text: str) -> None:
     staged = path + ".tmp"
-    with open(staged, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(staged, path)
+    try:
+        with open(staged, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(staged, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.remove(staged)
+        raise
     _fsync_directory(os.path.dirname(path) or ".")
 
 
@@ -394,6 +482,21 @@ def _fsync_directory(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_BACKGROUND_GROUPS: dict[str, ProcessGroup] = {}
+
+
+def background_group(group: Optional[ProcessGroup]) -> Optional[ProcessGroup]:
+    """A gloo group of `group`'s ranks for a save's collectives in a background thread, made on
+    first use by those ranks only (same timeout as `group`); None for a rank alone."""
+    if group is None:
+        return None
+    if group.group_name not in _BACKGROUND_GROUPS:
+        _BACKGROUND_GROUPS[group.group_name] = dist.new_group(
+            dist.get_process_group_ranks(group), timeout=group_timeout(group), backend="gloo",
+            use_local_synchronization=True)
+    return _BACKGROUND_GROUPS[group.group_name]
 
 
 def rank(group: Optional[ProcessGroup]) -> int:

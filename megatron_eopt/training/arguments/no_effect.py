@@ -39,8 +39,6 @@ ALREADY_OFF = "already off here: this trainer runs megatron-core's unfused code"
 NOT_CHOSEN = "a kernel choice this trainer does not make (the result does not depend on it)"
 TIMERS = ("this trainer times whole iterations only (Megatron-LM's level 0: iteration time, throughput); finer "
           "timers are not offered")
-ASYNC_SAVE = ("saves are synchronous here: every rank writes its part and the checkpoint is committed before "
-              "training goes on (Megatron-LM 0.19 also turns --async-save off unless --use-persistent-ckpt-worker)")
 ALWAYS_PARALLEL_SAVE = ("every rank writes the shards it holds and each replicated tensor is written once "
                         "(megatron_eopt.checkpointing); there is no save from data-parallel rank 0 only to switch to")
 NO_EFFECT_ROWS: tuple[Flag, ...] = (
@@ -98,7 +96,6 @@ NO_EFFECT_ROWS: tuple[Flag, ...] = (
                  "megatron_eopt's distributed format")),
     _ignored("--auto-detect-ckpt-format",
          reason="there is one checkpoint format here (megatron_eopt.checkpointing), nothing to detect"),
-    _ignored("--async-save", reason=ASYNC_SAVE),
     _ignored("--ckpt-fully-parallel-save",
          reason="deprecated in Megatron-LM, where it has no effect either; saves are always parallel here"),
     _ignored("--no-ckpt-fully-parallel-save", reason=ALWAYS_PARALLEL_SAVE),

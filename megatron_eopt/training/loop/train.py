@@ -15,7 +15,7 @@ from megatron_eopt.arguments import (
     optimizer_config_from_args,
 )
 from megatron_eopt.bridge import get_scheduler
-from megatron_eopt.checkpointing import save_checkpoint
+from megatron_eopt.checkpointing import CheckpointSaveError, save_checkpoint, start_save_checkpoint
 from megatron_eopt.training.arguments.moe import (
     describe_moe,
     logged_moe_losses,
@@ -132,6 +132,7 @@ class Training:
     grads: GradReducer
     log: Logger
     evaluator: Evaluator
+    pending_save: Any = None  # the --async-save checkpoint being written (checkpointing.PendingSave)
 
 
 def build_training(args, settings, layout, device, housekeeping: Housekeeping) -> Training:
@@ -220,6 +221,7 @@ def run_iterations(args, settings, layout, device, run: Training, housekeeping: 
                 break
         else:  # as in Megatron-LM, a run stopped early skips the final evaluation
             run.evaluator.final(run.model, args.train_iters)
+    finish_pending_save(args, run)  # none left after a save at the end; without --save none started
     profiler.close()
 
 
@@ -244,14 +246,46 @@ def train_iteration(args, settings, device, run: Training, housekeeping: Houseke
 
 
 def save_if_due(args, iteration: int, stopping: bool, run: Training) -> None:
-    """--save's checkpoint after `iteration`: at --save-interval, when stopping, after the last."""
+    """--save's checkpoint after `iteration`: at --save-interval, when stopping, after the last.
+    With --async-save an interval's checkpoint is written in the background (the one before it
+    waited for first); the last one, and one on stopping, are written before going on."""
     at_interval = bool(args.save_interval) and iteration % args.save_interval == 0
-    if not (args.save and (at_interval or stopping or iteration == args.train_iters)):
+    final = stopping or iteration == args.train_iters
+    if not (args.save and (at_interval or final)):
         return
+    finish_pending_save(args, run)
     finish_param_sync(run.optimizer)  # save_checkpoint waits itself, but not when given no optimizer
     optimizer, scheduler = (None, None) if args.no_save_optim else (run.optimizer, run.scheduler)
-    path = save_checkpoint(args.save, iteration, run.chunks, optimizer, scheduler, save_rng=not args.no_save_rng)
+    if args.async_save and not final:
+        run.pending_save = start_save_checkpoint(args.save, iteration, run.chunks, optimizer, scheduler,
+                                                 save_rng=not args.no_save_rng)
+        return
+    try:
+        path = save_checkpoint(args.save, iteration, run.chunks, optimizer, scheduler, save_rng=not args.no_save_rng)
+    except CheckpointSaveError as error:  # raised on every rank alike; the directory is as it was
+        _save_failed(args, run, error, iteration)
+        return
     run.log.say(f"saved checkpoint {path}")
+
+
+def finish_pending_save(args, run: Training) -> None:
+    """Wait for the --async-save checkpoint in flight, if any, and say how it ended."""
+    pending, run.pending_save = run.pending_save, None
+    if pending is None:
+        return
+    try:
+        path = pending.wait()
+    except CheckpointSaveError as error:
+        _save_failed(args, run, error, pending.iteration)
+        return
+    run.log.say(f"saved checkpoint {path} (in the background, --async-save)")
+
+
+def _save_failed(args, run: Training, error: CheckpointSaveError, iteration: int) -> None:
+    if not args.continue_on_save_failure:
+        exit_with_error(f"{error} Training stops (the save after iteration {iteration} failed; "
+                        f"--continue-on-save-failure would go on training).")
+    run.log.say(f"warning: {error} Training goes on (--continue-on-save-failure).")
 
 
 def stop_on_nan(iteration: int, loss: float, model: torch.nn.Module, check_grads: bool, device: torch.device) -> None:

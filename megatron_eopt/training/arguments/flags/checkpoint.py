@@ -20,6 +20,14 @@ CHECKPOINT: tuple[Flag, ...] = (
     switch('--no-save-optim',
            help='save the model only (no optimizer or lr schedule state; resume it with --no-load-optim)'),
     switch('--no-save-rng', help='save no RNG states'),
+    switch('--async-save',
+           help=("write each --save-interval checkpoint in the background: the state is copied to the CPU, training "
+                 "goes on, and the next save, the run's end and --exit-signal-handler wait for it; the checkpoint "
+                 "after the last iteration (or on an exit signal) is written before exiting")),
+    switch('--continue-on-save-failure',
+           help=("ours (Megatron-LM has none): a save that fails with an OS error (a full disk, an unwritable --save) "
+                 "is reported in one line and training goes on to the next save; without it training stops there, "
+                 "with a non-zero exit status. Either way the failed save leaves the directory as it was")),
 )
 
 RUN_CONTROL_TITLE = 'run control'
