@@ -7,10 +7,11 @@ megatron_eopt.checkpointing's: `start_save_checkpoint` copies the state to the C
 part, reported) and a thread writes, checksums, renames and moves `latest`; the iterations that
 run until it is committed are the "in flight" ones. Prints numbers; asserts nothing.
 
-    python benchmarks/async_save.py [--hidden 512 --layers 4] [--saves 3] [--json PATH]
+    python benchmarks/async_save.py [--hidden 512 --layers 4] [--saves 3] [--threads N] [--json PATH]
 """
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -40,8 +41,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1024, help="rows of the activation batch per iteration")
     parser.add_argument("--saves", type=int, default=3)
     parser.add_argument("--normal", type=int, default=8, help="iterations timed without a save")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads for training (default: torch's)")
     parser.add_argument("--json", metavar="PATH", help="also write the numbers here")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     shape = shape_from(args)
     model = GptWeights(shape)
@@ -70,7 +74,8 @@ def main() -> None:
     median = {key: statistics.median(value) for key, value in record.items() if isinstance(value, list) and value}
     record["stall_ratio"] = median["in_flight_s"] / median["normal_s"]
     record["medians_s"] = median
-    print(f"model: {shape.describe()}, {sum(p.numel() for p in model.parameters()):,} parameters (fp32, Adam)")
+    print(f"model: {shape.describe()}, {sum(p.numel() for p in model.parameters()):,} parameters (fp32, Adam); "
+          f"{torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.0f}")
     print(f"normal iteration           {median['normal_s'] * 1e3:9.1f} ms  ({len(record['normal_s'])} iterations)")
     print(f"iteration, save in flight  {median['in_flight_s'] * 1e3:9.1f} ms  ({len(record['in_flight_s'])} iterations)")
     print(f"stall ratio (in flight / normal): {record['stall_ratio']:.2f}  (target <= 1.2)")

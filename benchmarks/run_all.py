@@ -42,6 +42,7 @@ BENCHMARKS = {
                                      "polargrad", "--hidden", "256", "--layers", "2"],
     "grad_reduce_overlap": TORCHRUN + ["--nproc-per-node", "2", "grad_reduce_overlap.py"],
     "gram_newton_schulz": PYTHON + ["gram_newton_schulz.py", *MAIN, "--repeats", "3"],
+    "async_save": PYTHON + ["async_save.py", "--tokens", "256", "--threads", "1"],
 }
 GPU_BENCHMARKS = {  # bf16 (fp32_matmul_prec 'medium', the library defaults on GPUs)
     "gpu_step": PYTHON + ["optimizer_step.py", "--device", "cuda", "--hidden", "4096", "--layers", "4",
@@ -94,6 +95,7 @@ TARGETS = [
     ("FSDP2 Muon step / redundant (full_tensor + NS on every rank), FSDP=2", "fsdp2_2", ("step_ratio",), 0.6, "max"),
     ("FSDP2 Muon step / redundant (full_tensor + NS on every rank), FSDP=4", "fsdp2_4", ("step_ratio",), 0.6, "max"),
     ("FSDP2 state per rank at FSDP=4 / unsharded", "fsdp2_4", ("state_ratio",), 0.3, "max"),
+    ("--async-save: iteration with a save in flight / normal iteration", "async_save", ("stall_ratio",), 1.2, "max"),
     ("Muon step, FFN-heavy 4:1, bf16 both: Gram Newton-Schulz / megatron-core", "gram_newton_schulz",
      ("rows", "ffn_heavy medium", "gram_over_mcore"), 0.7, "max"),
 ]

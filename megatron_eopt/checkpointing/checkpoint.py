@@ -125,6 +125,11 @@ class PendingSave:
 
     def _run(self, write: Callable[[], str]) -> None:
         try:
+            # Lowest CPU priority for this thread only (Linux: a thread is a task), so training keeps its cores.
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICENESS)
+        except (OSError, AttributeError):
+            pass  # not Linux, or not allowed: the save runs at the process's priority
+        try:
             self._path = write()
         except BaseException as error:  # re-raised by wait(), in the caller's thread
             self._error = error
@@ -140,6 +145,7 @@ class PendingSave:
         return self._path
 
 
+BACKGROUND_NICENESS = 19
 _IN_FLIGHT: dict[str, PendingSave] = {}  # realpath of the directory -> its latest asynchronous save
 
 

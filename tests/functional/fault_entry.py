@@ -3,9 +3,10 @@
 MEGATRON_EOPT_FAULTS is a JSON list of faults, each {"attempt": torchrun's restart count,
 "rank": global rank, "iteration": N, "phase": P, "signal": "KILL" or "STOP"}; the rank sends
 itself the signal when attempt, rank and iteration match. Phases: "step" (as iteration N
-starts), "write" (the save after N: this rank's shards written, the metadata not yet), "rename"
-(all files and the manifest written, before the rename into place), "latest" (after the rename,
-before `latest` moves). Each fault and each start prints one `fault_entry:` line with the time.
+starts), "write" (the save of iteration N: this rank's shards written, the metadata not yet),
+"rename" (all files and the manifest written, before the rename into place), "latest" (after the
+rename, before `latest` moves); with --async-save the save phases happen in the background thread
+while later iterations run. Each fault and each start prints one `fault_entry:` line with the time.
 """
 
 import json
@@ -26,7 +27,7 @@ ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 RANK = int(os.environ.get("RANK", "0"))
 FAULTS = [f for f in json.loads(os.environ.get("MEGATRON_EOPT_FAULTS", "[]"))
           if f["attempt"] == ATTEMPT and f["rank"] == RANK]
-STATE = {"iteration": 0, "committing": False}
+STATE = {"iteration": 0, "saving": None, "committing": False}
 
 
 def say(what: str) -> None:
@@ -35,10 +36,11 @@ def say(what: str) -> None:
 
 
 def maybe_fault(phase: str) -> None:
+    iteration = STATE["iteration"] if phase == "step" else STATE["saving"]  # the save's own iteration
     for fault in FAULTS:
-        if fault["phase"] == phase and fault["iteration"] == STATE["iteration"]:
+        if fault["phase"] == phase and fault["iteration"] == iteration:
             name = fault.get("signal", "KILL")
-            say(f"SIG{name} in phase {phase} of iteration {STATE['iteration']}")
+            say(f"SIG{name} in phase {phase} of iteration {iteration}")
             os.kill(os.getpid(), getattr(signal, f"SIG{name}"))
 
 
@@ -72,7 +74,12 @@ def _commit(*args, **kwargs) -> None:
     STATE["committing"] = True
 
 
+def _save_begins(checkpoint_dir, iteration, group) -> None:
+    STATE["saving"] = iteration
+
+
 wrap(train, "train_iteration", before=_iteration_starts)
+wrap(storage, "begin_save", before=_save_begins)
 wrap(filesystem.FileSystemWriter, "write_data", after=lambda *a, **k: maybe_fault("write"))
 wrap(storage, "commit", before=_commit)
 wrap(storage, "verify_files", before=_verify)

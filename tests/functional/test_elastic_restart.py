@@ -6,7 +6,8 @@ job each time and it resumes from its newest verified checkpoint. Its final chec
 equal an uninterrupted run's tensor by tensor (parameters, optimizer state, scheduler, RNG, data
 position), for layer-wise Muon at DP=2, TP=2, PP=2 and FSDP2. Kills during a save, at each of
 its phases, on rank 0 and on rank 1, must leave the previous or the new checkpoint, never a
-partial one. A stopped rank (SIGSTOP) makes the others fail in one line within
+partial one, and so must kills during an --async-save save (written while iterations go on). A
+stopped rank (SIGSTOP) makes the others fail in one line within
 --distributed-timeout-minutes, and torchrun restarts the job.
 """
 
@@ -141,6 +142,27 @@ def test_kills_during_saves_leave_the_previous_or_the_new_checkpoint(straight, t
     for (phase, _, iteration), resumed_at in zip(SAVE_FAULTS, loaded):
         assert resumed_at in (iteration - SAVE_INTERVAL, iteration), (phase, iteration, loaded)
     print(f"save faults {SAVE_FAULTS}: resumed at {loaded}; seconds from kill to restart {fault_times(result.stderr)}")
+    assert not list((tmp_path / "ckpt").glob(".*.incomplete"))
+    assert_same_checkpoint(straight(layout), tmp_path / "ckpt", tmp_path)
+
+
+ASYNC_SAVE_FAULTS = [("write", 1, 6), ("latest", 0, 9)]  # in the background thread, iterations running meanwhile
+
+
+@pytest.mark.slow
+def test_kills_during_async_saves_leave_the_previous_or_the_new_checkpoint(straight, tmp_path: pathlib.Path) -> None:
+    layout = "DP2 layer-wise Muon"
+    faults = [{"attempt": a, "rank": r, "iteration": i, "phase": p} for a, (p, r, i) in enumerate(ASYNC_SAVE_FAULTS)]
+    result = launch(LAYOUTS[layout] + ["--async-save"], tmp_path / "ckpt", faults, restarts=len(faults))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert len(re.findall(r"SIGKILL in phase \w+ of iteration", result.stderr)) == len(faults), result.stderr[-3000:]
+    loaded = [int(n) for n in re.findall(r"loaded checkpoint \S*iter_(\d+)", result.stdout)]
+    assert len(loaded) == len(faults), (loaded, result.stdout[-3000:])
+    for (phase, _, iteration), resumed_at in zip(ASYNC_SAVE_FAULTS, loaded):
+        assert resumed_at in (iteration - SAVE_INTERVAL, iteration), (phase, iteration, loaded)
+    print(f"async save faults {ASYNC_SAVE_FAULTS}: resumed at {loaded}; seconds from kill to restart "
+          f"{fault_times(result.stderr)}")
+    assert "(in the background, --async-save)" in result.stdout
     assert not list((tmp_path / "ckpt").glob(".*.incomplete"))
     assert_same_checkpoint(straight(layout), tmp_path / "ckpt", tmp_path)
 
