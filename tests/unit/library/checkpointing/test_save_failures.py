@@ -97,3 +97,37 @@ def test_an_unwritable_directory_fails_before_writing(tmp_path, monkeypatch) -> 
     with pytest.raises(CheckpointSaveError, match="failed before writing anything: rank 0: PermissionError"):
         save_checkpoint(str(tmp_path / "ckpt"), 1, model, optimizer)
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_an_async_save_equals_a_synchronous_one_and_one_at_a_time(tmp_path, monkeypatch) -> None:
+    """start_save_checkpoint copies the state before returning: steps taken while it writes do not
+    reach the file. A second save into the same directory while one is in flight is refused."""
+    import threading
+
+    from megatron_eopt.checkpointing import start_save_checkpoint
+
+    model, optimizer = _model_and_optimizer(0)
+    _step(model, optimizer)
+    save_checkpoint(str(tmp_path / "sync"), 1, model, optimizer)
+    release, begin_save = threading.Event(), storage.begin_save
+
+    def held_begin_save(*args, **kwargs):
+        release.wait(timeout=60)
+        return begin_save(*args, **kwargs)
+
+    monkeypatch.setattr(storage, "begin_save", held_begin_save)
+    pending = start_save_checkpoint(str(tmp_path / "async"), 1, model, optimizer)
+    with pytest.raises(ValueError, match="still in flight \\(iteration 1\\); wait\\(\\) for it"):
+        start_save_checkpoint(str(tmp_path / "async"), 2, model, optimizer)
+    _step(model, optimizer)  # changes the live state while the save is held
+    release.set()
+    assert pending.wait() == str(tmp_path / "async" / "iter_0000001") and pending.done()
+    monkeypatch.undo()
+    for name in ("sync", "async"):
+        model, optimizer = _model_and_optimizer(1)
+        load_checkpoint(str(tmp_path / name), model, optimizer)
+        _step(model, optimizer)  # the same step from the loaded state: equal only if the optimizer state is too
+        if name == "sync":
+            expected = [p.detach().clone() for p in model.parameters()]
+    for value, reference in zip(model.parameters(), expected):
+        assert torch.equal(value, reference)
