@@ -306,6 +306,7 @@ def write_manifest(path: str, manifest: dict[str, Any], group: Optional[ProcessG
     files = {name: record for part in gathered for name, record in part.items()}
     if rank(group) == 0:
         files[".metadata"] = _file_record(os.path.join(path, ".metadata"))
+
     def write() -> None:
         if rank(group) == 0:
             _write_atomically(os.path.join(path, MANIFEST), json.dumps({**manifest, "files": files}, indent=1))
@@ -328,12 +329,13 @@ def commit(checkpoint_dir: str, iteration: int, group: Optional[ProcessGroup]) -
             f"saving {final} failed: it does not match its manifest after writing ({error}); "
             f"'{LATEST}' was not moved to it. Did another process write into {checkpoint_dir}?"
         ) from None
+    marker_before = _marker_identity(checkpoint_dir)
     try:
         agree(lambda: _point_latest(checkpoint_dir, iteration) if rank(group) == 0 else None,
               group, "saving", saving=True)
     except SaveFailed:
-        if rank(group) == 0:
-            _undo_rename(final)
+        if rank(group) == 0 and _marker_identity(checkpoint_dir) == marker_before:
+            _undo_rename(final)  # (a failure after `latest` moved, fsyncing its directory, keeps the new one)
         raise
     if rank(group) == 0:
         shutil.rmtree(final + REPLACED, ignore_errors=True)
@@ -353,6 +355,15 @@ def _rename_into_place(checkpoint_dir: str, iteration: int) -> None:
         if os.path.isdir(final + REPLACED):
             os.replace(final + REPLACED, final)
         raise
+
+
+def _marker_identity(checkpoint_dir: str) -> Optional[tuple[int, int]]:
+    """(inode, mtime) of `latest`: a rewrite (a rename onto it) changes it."""
+    try:
+        stat = os.stat(os.path.join(checkpoint_dir, LATEST))
+    except FileNotFoundError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns
 
 
 def _undo_rename(final: str) -> None:
@@ -497,6 +508,13 @@ def background_group(group: Optional[ProcessGroup]) -> Optional[ProcessGroup]:
             dist.get_process_group_ranks(group), timeout=group_timeout(group), backend="gloo",
             use_local_synchronization=True)
     return _BACKGROUND_GROUPS[group.group_name]
+
+
+def release_background_groups() -> None:
+    """Destroy the groups `background_group` made (wait for the saves using them first)."""
+    for group in _BACKGROUND_GROUPS.values():
+        dist.destroy_process_group(group)
+    _BACKGROUND_GROUPS.clear()
 
 
 def rank(group: Optional[ProcessGroup]) -> int:

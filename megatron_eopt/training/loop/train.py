@@ -16,6 +16,7 @@ from megatron_eopt.arguments import (
 )
 from megatron_eopt.bridge import get_scheduler
 from megatron_eopt.checkpointing import CheckpointSaveError, save_checkpoint, start_save_checkpoint
+from megatron_eopt.checkpointing.storage import release_background_groups
 from megatron_eopt.training.arguments.moe import (
     describe_moe,
     logged_moe_losses,
@@ -113,7 +114,10 @@ def train(args, settings, layout, device, housekeeping: Optional[Housekeeping] =
     if args.skip_train:  # Megatron-LM: evaluate the loaded model on validation and test, no training
         run.evaluator.final(run.model, start)
     else:
-        run_iterations(args, settings, layout, device, run, housekeeping, start)
+        try:
+            run_iterations(args, settings, layout, device, run, housekeeping, start)
+        finally:
+            release_background_groups()  # --async-save's gloo group (none without it)
     run.log.close()
     return run.log.records
 
