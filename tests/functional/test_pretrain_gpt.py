@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from megatron_eopt.training.curves import read_metrics
 from megatron_eopt.training.logging.training_log import PALETTE, PLOT_SIZE
 from tests.unit.training.logging.test_training_log import MEGATRON_LINE
 
@@ -71,7 +72,7 @@ def _launch(nproc: int, optimizer: str, metrics: pathlib.Path, extra: list[str] 
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     log_lines = [line for line in result.stdout.splitlines() if MEGATRON_LINE.match(line)]
     assert len(log_lines) == 20, result.stdout
-    return [json.loads(line) for line in metrics.read_text().splitlines()], result.stdout
+    return read_metrics(str(metrics))[0], result.stdout
 
 
 def _losses(records: list[dict]) -> list[float]:
@@ -149,7 +150,7 @@ def test_two_torchrun_nodes_with_the_tensor_parallel_group_across_them(one_proce
     for node, (stdout, stderr) in zip(nodes, outputs):
         assert node.returncode == 0, stdout[-2000:] + stderr[-4000:]
     assert "> world 2 = TP 2 x DP 1" in outputs[0][0]
-    records = [json.loads(line) for line in (tmp_path / "node0.jsonl").read_text().splitlines()]
+    records = read_metrics(str(tmp_path / "node0.jsonl"))[0]
     _assert_same_losses(records, one_process("muon"), "two torchrun nodes, TP2 across them")
 
 
@@ -244,7 +245,9 @@ def _data_launch(nproc: int, folder: pathlib.Path, prefix: str) -> DataRun:
             assert match, line
             assert lines[number - 1] == lines[number + 1] == "-" * (len(line) + 1), lines[number - 1:number + 2]
             validations.append((match["at"], float(match["loss"]), float(match["ppl"])))
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    records, evaluations = read_metrics(str(metrics))
+    # The metrics file has each printed evaluation, in order (the printed loss has 7 digits).
+    assert [r["eval_loss"] for r in evaluations] == pytest.approx([loss for _, loss, _ in validations], rel=1e-6)
     return DataRun(records, validations, result.stdout, result.stderr, folder, prefix)
 
 
