@@ -45,7 +45,13 @@ def test_help_imports_neither_torch_nor_megatron_core() -> None:
                                 "'blockwise', 'duplicated', 'distributed', 'sharded'); did you mean duplicated?; see "
                                 "pretrain_gpt.py --help."),
     (["--normalization", "rmsnorm"], "did you mean RMSNorm?"),
-], ids=["bad-type", "unknown-flag", "bad-choice", "close-choice"])
+    # The installed optimizers and coefficient sets, known without torch (optimizer_names.py).
+    (["--optimizer", "muonn", "--lr", "1e-3"], "pretrain_gpt.py: error: argument --optimizer: invalid choice: 'muonn' "
+                                               "(choose from 'adam', "),
+    (["--optimizer", "muonn"], "'sgd', 'sinkhorn_muon', 'soap', 'spel', 'dist_muon'); did you mean muon?; see "
+                               "pretrain_gpt.py --help."),
+    (["--muon-coefficient-type", "quintc"], "invalid choice: 'quintc' (choose from 'simple', 'quintic', "),
+], ids=["bad-type", "unknown-flag", "bad-choice", "close-choice", "optimizer", "optimizer-close", "coefficients"])
 def test_flag_errors_are_one_line_without_torch(argv, message) -> None:
     report, stdout, stderr = _probe(argv)
     assert report == {"code": 2, "heavy": []}
