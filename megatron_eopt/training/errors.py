@@ -1,11 +1,11 @@
-"""One-line flag errors and argparse output from rank 0 only; every rank exits alike; one-line warnings."""
+"""One-line flag errors and argparse output from rank 0 only; every rank exits alike (warnings:
+logging/warning_policy.py)."""
 
 import argparse
 import os
 import re
 import sys
 import time
-import warnings
 from typing import NoReturn, Optional, TextIO
 
 from megatron_eopt.close_match import closest, did_you_mean
@@ -33,15 +33,6 @@ def exit_with_error(message: str) -> NoReturn:
     """One line on rank 0's stderr, status 2 on every rank (argparse's convention), no traceback:
     every rank parses the same flags and builds the same optimizer, so each rank gets here."""
     _exit_from_any_rank(2, f"{PROG}: error: {' '.join(message.split())}\n")
-
-
-def one_line_warnings() -> None:
-    """Warnings print as one line each (`format_warning`), without the Python source line."""
-    warnings.formatwarning = format_warning
-
-
-def format_warning(message, category: type, filename: str, lineno: int, line: Optional[str] = None) -> str:
-    return f"{PROG}: warning: {' '.join(str(message).split())} ({category.__name__})\n"
 
 
 def _exit_from_any_rank(status: int, message: Optional[str]) -> NoReturn:
