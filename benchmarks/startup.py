@@ -24,7 +24,7 @@ CASES = {
     "import megatron_eopt": ["-c", "import megatron_eopt"],
     "import get_megatron_optimizer": ["-c", "from megatron_eopt import get_megatron_optimizer"],
 }
-HEAVY = ("torch", "megatron.core", "emerging_optimizers", "transformer_engine")
+HEAVY = ("torch", "megatron.core", "transformer_engine")
 IMPORT_LINE = re.compile(r"import time:\s+(\d+) \|\s+(\d+) \|( *)(\S+)")
 
 

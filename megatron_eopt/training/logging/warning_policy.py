@@ -1,6 +1,6 @@
 """Which warnings a training run prints, and how: one line each, and not a page of repeats.
 
-`warning_policy(rank)`, the one mechanism, holds for a block (pretrain.main, which imports torch
+`warning_policy()`, the one mechanism, holds for a block (pretrain.main, which imports torch
 and megatron-core inside it) and is undone after it:
 - every warning prints as one line (`format_warning`), without Python's source line;
 - known harmless third-party warnings (`KNOWN_HARMLESS`: Transformer Engine or Apex not
