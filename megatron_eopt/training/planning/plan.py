@@ -230,6 +230,7 @@ def plan_rank(inputs: PlanInputs, rank: int, stages: Optional[dict] = None) -> R
     stage = stages[key]
     stepped = _stepped(inputs, stage, dp_rank)
     muon = [r for r in stepped if r.optimizer_name == routing.optimizer]
+    muon = [r for r in muon if not r.is_expert_parallel] + [r for r in muon if r.is_expert_parallel]  # child order
     flops, gram_flops, sent, calls, auto = {}, {}, {}, {}, {}
     exchange = _fsdp_exchange_bytes(inputs, stage, dp_rank) if layout.fsdp else 0.0
     for mode in MODES:

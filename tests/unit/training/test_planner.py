@@ -1,0 +1,167 @@
+"""The Muon planner against counted real steps (CPU, gloo, 4 ranks, one launch for every layout).
+
+On each rank of each layout below the trainer's GPTModel is built and one step of the library's
+Muon is taken. Counted there: the parameters (names, shapes, TP split, expert flag) against the
+planner's inventory; inside every `orthogonalize_updates` call, the matrices, the matmul FLOPs
+(torch's FlopCounterMode over the real products) and every collective (bytes by the convention
+below, written here, not taken from the cost model); the optimizer state held. The planner's
+numbers for that rank must equal them exactly. Bytes a rank sends: all-gather (p - 1) x its
+buffer; all-to-all what goes to other ranks; all-reduce 2 (p - 1) / p x the buffer (a ring).
+"""
+
+import contextlib
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_eopt.training.model.settings import GPTModelSettings
+
+DENSE = GPTModelSettings(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=96,
+                         swiglu=True, vocab_size=128, position_embedding_type="rope", normalization="RMSNorm")
+MOE = dataclasses.replace(DENSE, num_moe_experts=4, moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=64,
+                          moe_layer_freq=(0, 1), sequence_parallel=True)
+MLA = dataclasses.replace(DENSE, multi_latent_attention=True, num_query_groups=None, q_lora_rank=16, kv_lora_rank=16,
+                          qk_head_dim=8, qk_pos_emb_head_dim=8, v_head_dim=8, qk_layernorm=True)
+# (name, settings, (tp, pp, ep), layer-wise, muon_tp_mode, Gram Newton-Schulz); 4 ranks each.
+CASES = [
+    ("tp2-duplicated", DENSE, (2, 1, 1), True, "duplicated", False),
+    ("tp2-distributed", DENSE, (2, 1, 1), True, "distributed", False),
+    ("tp2-sharded", DENSE, (2, 1, 1), True, "sharded", False),
+    ("tp2-distributed-gram", DENSE, (2, 1, 1), True, "distributed", True),
+    ("tp2-sharded-replicated-dp", DENSE, (2, 1, 1), False, "sharded", False),
+    ("pp2-dp2", DENSE, (1, 2, 1), True, "duplicated", False),
+    ("ep2-dp4-moe", MOE, (1, 1, 2), True, "duplicated", False),
+    ("tp2-ep2-moe-sharded", MOE, (2, 1, 2), True, "sharded", True),
+    ("tp2-mla-duplicated-gram", MLA, (2, 1, 1), True, "duplicated", True),
+]
+
+
+def _sent_bytes(op: str, args: tuple, kwargs: dict) -> float:
+    group = kwargs.get("group")
+    size = dist.get_world_size(group)
+    if op == "all_gather":
+        return (size - 1) * args[1].numel() * args[1].element_size()
+    if op == "all_reduce":
+        return 2 * (size - 1) / size * args[0].numel() * args[0].element_size()
+    if op == "all_to_all_single":
+        splits, element = args[3], args[1].element_size()
+        return sum(n for r, n in enumerate(splits) if r != dist.get_rank(group)) * element
+    raise AssertionError(f"uncounted collective {op} inside orthogonalize_updates")
+
+
+@contextlib.contextmanager
+def counting_collectives(counted: dict):
+    names = ("all_gather", "all_reduce", "all_to_all_single", "broadcast", "reduce", "all_gather_into_tensor",
+             "reduce_scatter_tensor")
+    originals = {name: getattr(dist, name) for name in names}
+
+    def wrap(name):
+        def counting(*args, **kwargs):
+            counted["bytes"] += _sent_bytes(name, args, kwargs)
+            counted["calls"] += 1
+            return originals[name](*args, **kwargs)
+        return counting
+
+    try:
+        for name in names:
+            setattr(dist, name, wrap(name))
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+def counted_step(optimizer) -> dict:
+    """One step, counting matrices, FLOPs and collectives inside every orthogonalize_updates call."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import megatron_eopt.optimizers.sharded_matrices as sharded_matrices
+
+    counted = {"flops": 0, "bytes": 0.0, "calls": 0, "matrices": []}
+    original = sharded_matrices.orthogonalize_updates
+
+    def counting(updates, layouts, tp_mode, tp_group, settings):
+        counted["matrices"] += [layout.name for layout in layouts]
+        with FlopCounterMode(display=False) as flops, counting_collectives(counted):
+            result = original(updates, layouts, tp_mode, tp_group, settings)
+        counted["flops"] += flops.get_total_flops()
+        return result
+
+    sharded_matrices.orthogonalize_updates = counting
+    try:
+        optimizer.step()
+    finally:
+        sharded_matrices.orthogonalize_updates = original
+    return counted
+
+
+def _state_bytes(optimizer) -> int:
+    from megatron_eopt.distributed.layer_wise import LayerWiseDistributedOptimizer
+
+    return LayerWiseDistributedOptimizer.optimizer_state_bytes(optimizer)  # reads only the children
+
+
+def _one_case(case: tuple) -> dict:
+    from megatron.core import parallel_state as ps
+
+    from megatron_eopt import OptimizerConfig, get_megatron_optimizer
+    from megatron_eopt.ops.muon_cost import hardware_profile
+    from megatron_eopt.training.model.gpt import build_gpt_model_chunks, destroy_model_parallel, initialize_model_parallel
+    from megatron_eopt.training.planning.inventory import stage_parameters
+    from megatron_eopt.training.planning.plan import PlanInputs, PlanLayout, plan_rank
+
+    name, settings, (tp, pp, ep), layer_wise, mode, gram = case
+    initialize_model_parallel(tensor_model_parallel_size=tp, seed=1, pipeline_model_parallel_size=pp,
+                              expert_model_parallel_size=ep)
+    try:
+        chunks = build_gpt_model_chunks(settings)
+        real = [(n, tuple(p.shape), int(getattr(p, "partition_dim", -1)) if getattr(p, "tensor_model_parallel", False)
+                 else -1, not getattr(p, "allreduce", True)) for n, p in chunks[0].named_parameters()]
+        config = OptimizerConfig(optimizer="muon", lr=0.01, use_distributed_optimizer=layer_wise, muon_tp_mode=mode,
+                                 muon_gram_newton_schulz=gram)
+        optimizer = get_megatron_optimizer(config, chunks)
+        generator = torch.Generator().manual_seed(dist.get_rank())
+        for param in chunks[0].parameters():
+            param.grad = torch.randn(param.shape, generator=generator)
+        counted = counted_step(optimizer)
+        counted["state"] = _state_bytes(optimizer)
+        layout = PlanLayout(tp=tp, pp=pp, dp=dist.get_world_size() // (tp * pp), ep=ep, layer_wise=layer_wise)
+        coordinates = (ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank(),
+                       ps.get_tensor_model_parallel_rank())
+        planned = plan_rank(PlanInputs(settings, layout, config, hardware_profile("h100"), 1e15,
+                                       make_vocab_size_divisible_by=1), dist.get_rank())
+        inventory = [(p.name, p.shape, p.partition_dim, p.expert)
+                     for p in stage_parameters(settings, tp, pp, coordinates[0], ep, ps.get_expert_model_parallel_rank())]
+        return {"real": real, "inventory": inventory, "counted": counted, "coordinates": coordinates,
+                "planned_coordinates": layout.coordinates(dist.get_rank()),
+                "planned": {"matrices": list(planned.matrices), "flops": (planned.gram_flops if gram else planned.flops)[mode],
+                            "bytes": planned.bytes_sent[mode], "calls": planned.collectives[mode],
+                            "state": planned.state_bytes}}
+    finally:
+        destroy_model_parallel()
+
+
+def _body(rank: int, world_size: int) -> dict:
+    return {case[0]: _one_case(case) for case in CASES}
+
+
+@pytest.fixture(scope="module")
+def results(run_distributed) -> list[dict]:
+    return run_distributed(_body, world_size=4, timeout=600)
+
+
+@pytest.mark.parametrize("case", [case[0] for case in CASES])
+def test_planner_equals_counted_step(results: list[dict], case: str) -> None:
+    for rank, by_case in enumerate(results):
+        got = by_case[case]
+        assert got["inventory"] == got["real"], (rank, case)
+        assert got["planned_coordinates"] == got["coordinates"], (rank, case)
+        counted, planned = got["counted"], got["planned"]
+        assert planned["matrices"] == counted["matrices"], (rank, case)
+        assert counted["flops"] > 0 or not counted["matrices"], (rank, case)
+        for key in ("flops", "bytes", "calls", "state"):
+            assert planned[key] == counted[key], (rank, case, key, planned[key], counted[key])
+    if case.startswith("tp2"):  # the TP modes move something on some rank (a check that counts)
+        assert any(by_case[case]["counted"]["bytes"] > 0 for by_case in results), case
