@@ -1,7 +1,8 @@
 """What one Muon step costs per matrix block and TP mode: FLOPs, bytes, predicted time.
 
 Public names (stable): EXACT_MODES, HardwareProfile, PROFILES, hardware_profile, calibrate,
-clear_calibrations, BlockCost, block_cost, layout_costs, cheapest_mode, rank_costs, RankCost.
+clear_calibrations, BlockCost, block_cost, layout_costs, cheapest_mode, RankCost, rank_costs,
+step_costs, step_time_s, auto_tp_modes, choose_tp_modes, newton_schulz_flops.
 - block_cost(shape, partition_dim, tp_size, mode, settings, precision): one block's Newton-Schulz
   FLOPs (standard or Gram, chosen as the step chooses) and bytes per rank, as the step runs it.
 - rank_costs(layouts, modes, tp_size, rank, ...): one rank's exact totals for a step, owners
@@ -15,7 +16,7 @@ all-reduce of B bytes as a ring sends it, 2 (t - 1) / t * B. FLOPs count matrix 
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -88,13 +89,21 @@ def calibrate(device: torch.device, group: Optional[dist.ProcessGroup] = None) -
     ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
     key = (device.type, ranks)
     if key not in _calibrations:
-        times = torch.tensor([*_matmul_seconds(device), *_all_reduce_seconds(device, group)], dtype=torch.float64)
-        if group is not None and len(ranks) > 1:
-            shared = times.to(device)
+        wire = collective_device(group)
+        times = torch.tensor([*_matmul_seconds(device), *_all_reduce_seconds(wire, group)], dtype=torch.float64)
+        if len(ranks) > 1:
+            shared = times.to(wire)
             dist.all_reduce(shared, op=dist.ReduceOp.MAX, group=group)
             times = shared.cpu()
         _calibrations[key] = _profile_from_times(device, times.tolist(), len(ranks))
     return _calibrations[key]
+
+
+def collective_device(group: Optional[dist.ProcessGroup]) -> torch.device:
+    """Where a collective's tensors live for `group`: the current GPU for NCCL, else the CPU."""
+    if group is not None and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def clear_calibrations() -> None:
@@ -292,17 +301,23 @@ class RankCost:
 def rank_costs(layouts: Sequence[MatrixLayout], modes: Sequence[str], tp_size: int, rank: int,
                settings: NewtonSchulzSettings = NewtonSchulzSettings(), precision: str = "highest") -> RankCost:
     """TP rank `rank`'s FLOPs, bytes sent and collective calls when one step orthogonalizes
-    `layouts` (parameter i in `modes[i]`), as `orthogonalize_updates` runs them: 'sharded' blocks
-    get their owners from `assign_owner_ranks` over those blocks' costs, in parameter order."""
-    if len(modes) != len(layouts):
-        raise ValueError(f"modes must give one mode per layout; got {len(modes)} for {len(layouts)} layouts.")
+    `layouts` (parameter i in `modes[i]`), as `orthogonalize_updates` runs them (`step_costs`)."""
     if not 0 <= rank < tp_size:
         raise ValueError(f"rank must be in [0, tp_size={tp_size}); got {rank}.")
+    return step_costs(layouts, modes, tp_size, settings, precision)[rank]
+
+
+def step_costs(layouts: Sequence[MatrixLayout], modes: Sequence[str], tp_size: int,
+               settings: NewtonSchulzSettings = NewtonSchulzSettings(), precision: str = "highest") -> list[RankCost]:
+    """Every TP rank's RankCost for one step: 'sharded' blocks get their owners from
+    `assign_owner_ranks` over those blocks' costs, in parameter order, as the step assigns them."""
+    if len(modes) != len(layouts):
+        raise ValueError(f"modes must give one mode per layout; got {len(modes)} for {len(layouts)} layouts.")
     blocks = [(shape, layout.partition_dim if tp_size > 1 else -1, mode)
               for layout, mode in zip(layouts, modes) for shape in layout.global_block_shapes()]
-    flops, sent, collectives = 0, 0.0, 0
     if tp_size == 1:
-        return RankCost(sum(newton_schulz_flops(*shape, settings, precision)[1] for shape, _, _ in blocks), 0.0, 0)
+        return [RankCost(sum(newton_schulz_flops(*shape, settings, precision)[1] for shape, _, _ in blocks), 0.0, 0)]
+    flops, sent, collectives = 0, 0.0, 0  # the same on every rank outside 'sharded'
     for mode in ("blockwise", "duplicated", "distributed"):
         costs = [block_cost(shape, dim, tp_size, mode, settings, precision) for shape, dim, m in blocks if m == mode]
         flops += sum(c.flops for c in costs)
@@ -310,7 +325,68 @@ def rank_costs(layouts: Sequence[MatrixLayout], modes: Sequence[str], tp_size: i
         collectives += sum(c.collectives for c in costs) + max((c.shared_collectives for c in costs), default=0)
     owned = [(shape, dim) for shape, dim, mode in blocks if mode == "sharded"]
     owners = assign_owner_ranks([newton_schulz_cost(*shape) for shape, _ in owned], tp_size)
+    per_rank = [[flops, sent] for _ in range(tp_size)]
     for (shape, dim), owner in zip(owned, owners):
-        flops += newton_schulz_flops(*shape, settings, precision)[1] if owner == rank else 0
-        sent += sharded_bytes_sent(shape, dim >= 0, tp_size, owner == rank)
-    return RankCost(flops, sent, collectives + (2 if owned else 0))
+        per_rank[owner][0] += newton_schulz_flops(*shape, settings, precision)[1]
+        for rank in range(tp_size):
+            per_rank[rank][1] += sharded_bytes_sent(shape, dim >= 0, tp_size, owner == rank)
+    return [RankCost(f, b, collectives + (2 if owned else 0)) for f, b in per_rank]
+
+
+def step_time_s(layouts: Sequence[MatrixLayout], modes: Sequence[str], tp_size: int, profile: HardwareProfile,
+                settings: NewtonSchulzSettings = NewtonSchulzSettings(), precision: str = "highest") -> float:
+    """Predicted seconds of one step's orthogonalization: the slowest TP rank's."""
+    return max(cost.time_s(profile, precision) for cost in step_costs(layouts, modes, tp_size, settings, precision))
+
+
+AUTO = "auto"
+
+
+def resolve_profile(name: Union[None, str, HardwareProfile], device: Optional[torch.device],
+                    group: Optional[dist.ProcessGroup]) -> HardwareProfile:
+    """The profile 'auto' uses: a HardwareProfile, a name (PROFILES, or 'cpu'), or None: calibrated
+    on `device` (None: the group's collective device) over `group` (a collective all call)."""
+    if isinstance(name, HardwareProfile):
+        return name
+    if name is not None:
+        return hardware_profile(name, group)
+    return calibrate(collective_device(group) if device is None else device, group)
+
+
+def choose_tp_modes(tp_mode: str, layouts: Sequence[MatrixLayout], tp_size: int,
+                    profile: Optional[HardwareProfile], settings: NewtonSchulzSettings = NewtonSchulzSettings(),
+                    precision: str = "highest") -> dict[str, str]:
+    """fqn -> the mode its matrix runs in: `tp_mode` itself, or for 'auto' `auto_tp_modes`
+    ('duplicated' at TP=1, where all modes are the same and need no profile)."""
+    if tp_mode != AUTO:
+        return {layout.name: tp_mode for layout in layouts}
+    if tp_size == 1:
+        return {layout.name: EXACT_MODES[0] for layout in layouts}
+    if profile is None:
+        raise ValueError("tp_mode='auto' at TP > 1 needs a hardware profile to choose modes with.")
+    return dict(zip((layout.name for layout in layouts), auto_tp_modes(layouts, tp_size, profile, settings, precision)))
+
+
+def auto_tp_modes(layouts: Sequence[MatrixLayout], tp_size: int, profile: HardwareProfile,
+                  settings: NewtonSchulzSettings = NewtonSchulzSettings(), precision: str = "highest") -> list[str]:
+    """One exact mode per layout: of a few candidate plans, the one with the least `step_time_s`.
+
+    Candidates: each matrix's `cheapest_mode` (marginal, which assumes 'sharded' owners balance);
+    each matrix's cheaper of 'duplicated'/'distributed'; and that with the k costliest matrices
+    'sharded' (k = t, 2t, 4t, ... and all), since few sharded matrices balance badly over t ranks.
+    Shapes, settings and the profile decide, so every rank that knows the same layouts agrees.
+    """
+    count = len(layouts)
+    marginal = [cheapest_mode(lay, tp_size, profile, settings, precision) for lay in layouts]
+    unsharded = [cheapest_mode(lay, tp_size, profile, settings, precision, EXACT_MODES[:2]) for lay in layouts]
+    cost = [sum(newton_schulz_cost(*shape) for shape in lay.global_block_shapes()) for lay in layouts]
+    order = sorted(range(count), key=lambda i: (-cost[i], i))
+    candidates = [marginal, unsharded]
+    k = tp_size
+    while k < count:
+        top = set(order[:k])
+        candidates.append([("sharded" if i in top else mode) for i, mode in enumerate(unsharded)])
+        k *= 2
+    candidates.append(["sharded"] * count)
+    times = [step_time_s(layouts, plan, tp_size, profile, settings, precision) for plan in candidates]
+    return candidates[min(range(len(candidates)), key=lambda i: (times[i], i))]
