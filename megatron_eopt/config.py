@@ -17,6 +17,7 @@ import torch
 
 from megatron_eopt.config_choices import (  # noqa: F401 (re-exported)
     AdaptiveMoment2Method,
+    HardwareProfileName,
     MatmulPrecision,
     ScalarOptimizer,
     ScaleMode,
@@ -91,6 +92,12 @@ class OptimizerConfig:
     # costs fewer FLOPs than the standard iteration (ops/gram_newton_schulz.py). Muon and
     # adaptive_muon only.
     muon_gram_newton_schulz: bool = False
+    # Newer Megatron-LM (PR #6761): the TP mode of expert matrices (MoE, over the expert TP group);
+    # None follows muon_tp_mode.
+    muon_expert_tp_mode: Optional[str] = None
+    # megatron_eopt: what muon_tp_mode='auto' predicts step times with (ops/muon_cost.py): 'h100'
+    # (measured GPU figures) or 'cpu'; None calibrates on the parameters' device over the TP group.
+    muon_tp_hardware_profile: Optional[str] = None
 
     # Other emerging optimizers.
     lion_beta1: float = 0.95
@@ -247,8 +254,9 @@ MEGATRON_CORE_FIELDS: dict[str, FieldUse] = {
         "megatron_eopt writes nothing there (dump_param_to_param_group_map shows where each "
         "parameter went)"),
 }
-# megatron_eopt's own fields: muon_use_syrk (newer Megatron-LM), muon_match_adamw_rms,
-# muon_gram_newton_schulz, layer_wise_reduce_grads, emerging_optimizers_compile; all used.
+# megatron_eopt's own fields: muon_use_syrk and muon_expert_tp_mode (newer Megatron-LM),
+# muon_match_adamw_rms, muon_gram_newton_schulz, muon_tp_hardware_profile,
+# layer_wise_reduce_grads, emerging_optimizers_compile; all used.
 # The optimizers whose Newton-Schulz can take the Gram path (dist_muon: deprecated spelling of muon).
 GRAM_NEWTON_SCHULZ_OPTIMIZERS = ("muon", "dist_muon", "adaptive_muon")
 
@@ -415,6 +423,9 @@ def _check_loss_scaling(config: OptimizerConfig) -> None:
 def _check_muon(config: OptimizerConfig) -> None:
     _check_choice(config, "muon_scale_mode", typing.get_args(ScaleMode))
     _check_choice(config, "muon_tp_mode", typing.get_args(TpMode))
+    for name, choices in (("muon_expert_tp_mode", TpMode), ("muon_tp_hardware_profile", HardwareProfileName)):
+        if getattr(config, name) is not None:
+            _check_choice(config, name, (*typing.get_args(choices), None))
     _check_choice(config, "muon_fp32_matmul_prec", typing.get_args(MatmulPrecision))
     _check_choice(config, "muon_scalar_optimizer", typing.get_args(ScalarOptimizer))
     _check_choice(config, "adaptive_muon_moment2_method", typing.get_args(AdaptiveMoment2Method))
