@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Optional
 
-from megatron_eopt.ops.muon_cost import EXACT_MODES, HardwareProfile, cheapest_mode, rank_costs
+from megatron_eopt.ops.muon_cost import EXACT_MODES, HardwareProfile, choose_tp_modes, rank_costs
 from megatron_eopt.ops.newton_schulz import NewtonSchulzSettings
 from megatron_eopt.ops.ownership import assign_owners
 from megatron_eopt.ops.row_shards import chunk_rows
@@ -72,9 +72,10 @@ class RankPlan:
     matrices: tuple[str, ...]  # Muon matrices whose update this rank computes (owned, or all)
     flops: dict[str, int]  # mode -> Newton-Schulz FLOPs (standard iteration)
     gram_flops: dict[str, int]  # mode -> FLOPs with Gram Newton-Schulz where it pays
-    bytes_sent: dict[str, float]  # mode -> bytes sent over the TP group (FSDP2: plus the row exchange)
-    collectives: dict[str, int]
+    bytes_sent: dict[str, float]  # mode -> bytes sent over the TP group (FSDP2: plus the row exchange),
+    collectives: dict[str, int]  # standard iteration
     state_bytes: int  # optimizer state (and fp32 main copies with bf16) on this rank
+    step: tuple[int, float, int]  # (FLOPs, bytes sent, collectives) of the configured mode and Gram setting
     auto_modes: dict[str, int] = field(default_factory=dict)  # mode -> matrices 'auto' gives it
     muon_time_s: float = 0.0  # configured mode, standard or Gram as configured
     iteration_time_s: float = 0.0
@@ -133,6 +134,7 @@ class _Stage:
     records: list[ParamRecord]
     layouts: dict[str, Any]  # fqn -> MatrixLayout of each Muon matrix
     owners: dict[str, int]  # fqn -> owning rank in its data-parallel group (layer-wise, FSDP2)
+    chosen: dict = field(default_factory=dict)  # (expert, mode, gram) -> fqn -> TP mode
 
 
 def _stage(inputs: PlanInputs, settings: GPTModelSettings, routing: ParamRouting, stage: int, ep_rank: int) -> _Stage:
@@ -163,14 +165,18 @@ def _stepped(inputs: PlanInputs, stage: _Stage, dp_rank: int) -> list[ParamRecor
             and stage.owners[r.fqn] == (expert_dp_rank if r.is_expert_parallel else dp_rank)]
 
 
-def _modes(inputs: PlanInputs, layouts: list, mode: str, expert: bool, gram: bool) -> list[str]:
-    """Each parameter's TP mode: `mode`, or for 'auto' the cost model's cheapest exact mode."""
-    if inputs.layout.fsdp and mode == "duplicated":
-        mode = "sharded"  # ops/row_shards.py: owners run 'duplicated' as 'sharded'
-    if mode != "auto":
-        return [mode] * len(layouts)
-    return [cheapest_mode(layout, inputs.layout.tp, inputs.profile, inputs.newton_schulz(gram), inputs.precision)
-            for layout in layouts]
+def _modes(inputs: PlanInputs, stage: _Stage, expert: bool, owned: list, mode: str, gram: bool) -> list[str]:
+    """The TP mode of each owned layout, as the optimizer resolves them: 'auto' is the cost
+    model's `choose_tp_modes` over every matrix the optimizer knows (owned or not); with FSDP2
+    the owners run 'duplicated' as 'sharded' (ops/row_shards.py)."""
+    key = (expert, mode, gram)
+    if key not in stage.chosen:
+        known = [stage.layouts[r.fqn] for r in stage.records if r.fqn in stage.layouts and r.is_expert_parallel == expert]
+        stage.chosen[key] = choose_tp_modes(mode, known, inputs.layout.tp, inputs.profile, inputs.newton_schulz(gram),
+                                            inputs.precision)
+    chosen = stage.chosen[key]
+    modes = [chosen[layout.name] for layout in owned]
+    return ["sharded" if inputs.layout.fsdp and m == "duplicated" else m for m in modes]
 
 
 def _tp_costs(inputs: PlanInputs, stage: _Stage, muon: list[ParamRecord], tp_rank: int, mode: str, gram: bool
@@ -178,12 +184,12 @@ def _tp_costs(inputs: PlanInputs, stage: _Stage, muon: list[ParamRecord], tp_ran
     """(FLOPs, bytes sent, collectives, modes) of the dense and the expert Muon optimizers' steps."""
     flops, sent, calls, modes = 0, 0.0, 0, []
     for expert in (False, True):
-        layouts = [stage.layouts[r.fqn] for r in muon if r.is_expert_parallel == expert]
-        if not layouts:
+        owned = [stage.layouts[r.fqn] for r in muon if r.is_expert_parallel == expert]
+        if not owned:
             continue
         expert_mode = getattr(inputs.config, "muon_expert_tp_mode", None) if expert else None
-        child_modes = _modes(inputs, layouts, expert_mode or mode, expert, gram)
-        cost = rank_costs(layouts, child_modes, inputs.layout.tp, tp_rank, inputs.newton_schulz(gram), inputs.precision)
+        child_modes = _modes(inputs, stage, expert, owned, expert_mode or mode, gram)
+        cost = rank_costs(owned, child_modes, inputs.layout.tp, tp_rank, inputs.newton_schulz(gram), inputs.precision)
         flops, sent, calls, modes = flops + cost.flops, sent + cost.bytes_sent, calls + cost.collectives, modes + child_modes
     return flops, sent, calls, modes
 
@@ -242,13 +248,12 @@ def plan_rank(inputs: PlanInputs, rank: int, stages: Optional[dict] = None) -> R
             auto = {m: modes.count(m) for m in EXACT_MODES if m in modes}
     configured = inputs.config.muon_tp_mode
     gram = bool(getattr(inputs.config, "muon_gram_newton_schulz", False))
-    if configured not in MODES:  # 'blockwise'
-        flops[configured], sent[configured], calls[configured], _ = _tp_costs(inputs, stage, muon, tp_rank, configured, gram)
-    step_flops = (gram_flops if gram else flops)[configured] if configured in MODES else flops[configured]
-    muon_time = inputs.profile.time_s(step_flops, sent[configured], calls[configured], inputs.precision)
+    step_flops, step_sent, step_calls, _ = _tp_costs(inputs, stage, muon, tp_rank, configured, gram)
+    step = (step_flops, step_sent + exchange, step_calls + (2 if layout.fsdp else 0))
+    muon_time = inputs.profile.time_s(*step, inputs.precision)
     state = _state_bytes(inputs, stage.records if layout.fsdp else stepped, dp_rank)
     return RankPlan(rank, stage_index, dp_rank, tp_rank, tuple(r.fqn for r in muon), flops, gram_flops, sent, calls,
-                    state, auto, muon_time, iteration_seconds(inputs))
+                    state, step, auto, muon_time, iteration_seconds(inputs))
 
 
 def plan_ranks(inputs: PlanInputs, ranks: Optional[list[int]] = None) -> list[RankPlan]:

@@ -76,6 +76,7 @@ def as_json(inputs: PlanInputs, plans: list[RankPlan]) -> str:
         "ranks": [{"rank": p.rank, "stage": p.stage, "dp_rank": p.dp_rank, "tp_rank": p.tp_rank,
                    "matrices": list(p.matrices), "flops": p.flops, "gram_flops": p.gram_flops,
                    "bytes_sent": p.bytes_sent, "collectives": p.collectives, "state_bytes": p.state_bytes,
+                   "step": {"flops": p.step[0], "bytes_sent": p.step[1], "collectives": p.step[2]},
                    "auto_modes": p.auto_modes, "muon_time_s": p.muon_time_s,
                    "iteration_time_s": p.iteration_time_s, "share": p.share} for p in plans],
     }

@@ -18,23 +18,27 @@ import torch.distributed as dist
 
 from megatron_eopt.training.model.settings import GPTModelSettings
 
-DENSE = GPTModelSettings(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=96,
+DENSE = GPTModelSettings(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=256,
                          swiglu=True, vocab_size=128, position_embedding_type="rope", normalization="RMSNorm")
 MOE = dataclasses.replace(DENSE, num_moe_experts=4, moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=64,
                           moe_layer_freq=(0, 1), sequence_parallel=True)
 MLA = dataclasses.replace(DENSE, multi_latent_attention=True, num_query_groups=None, q_lora_rank=16, kv_lora_rank=16,
                           qk_head_dim=8, qk_pos_emb_head_dim=8, v_head_dim=8, qk_layernorm=True)
-# (name, settings, (tp, pp, ep), layer-wise, muon_tp_mode, Gram Newton-Schulz); 4 ranks each.
+# (name, settings, (tp, pp, ep), layer-wise, muon_tp_mode, Gram Newton-Schulz, more config); 4 ranks each.
+AUTO = {"muon_tp_hardware_profile": "h100"}
 CASES = [
-    ("tp2-duplicated", DENSE, (2, 1, 1), True, "duplicated", False),
-    ("tp2-distributed", DENSE, (2, 1, 1), True, "distributed", False),
-    ("tp2-sharded", DENSE, (2, 1, 1), True, "sharded", False),
-    ("tp2-distributed-gram", DENSE, (2, 1, 1), True, "distributed", True),
-    ("tp2-sharded-replicated-dp", DENSE, (2, 1, 1), False, "sharded", False),
-    ("pp2-dp2", DENSE, (1, 2, 1), True, "duplicated", False),
-    ("ep2-dp4-moe", MOE, (1, 1, 2), True, "duplicated", False),
-    ("tp2-ep2-moe-sharded", MOE, (2, 1, 2), True, "sharded", True),
-    ("tp2-mla-duplicated-gram", MLA, (2, 1, 1), True, "duplicated", True),
+    ("tp2-duplicated", DENSE, (2, 1, 1), True, "duplicated", False, {}),
+    ("tp2-distributed", DENSE, (2, 1, 1), True, "distributed", False, {}),
+    ("tp2-sharded", DENSE, (2, 1, 1), True, "sharded", False, {}),
+    ("tp2-distributed-gram", DENSE, (2, 1, 1), True, "distributed", True, {}),
+    ("tp2-auto-gram", DENSE, (2, 1, 1), True, "auto", True, AUTO),
+    ("tp2-sharded-replicated-dp", DENSE, (2, 1, 1), False, "sharded", False, {}),
+    ("pp2-dp2", DENSE, (1, 2, 1), True, "duplicated", False, {}),
+    ("ep2-dp4-moe", MOE, (1, 1, 2), True, "duplicated", False, {}),
+    ("tp2-ep2-moe-sharded", MOE, (2, 1, 2), True, "sharded", True, {}),
+    ("tp2-ep2-moe-auto-experts-distributed", MOE, (2, 1, 2), True, "auto", False,
+     {**AUTO, "muon_expert_tp_mode": "distributed"}),
+    ("tp2-mla-duplicated-gram", MLA, (2, 1, 1), True, "duplicated", True, {}),
 ]
 
 
@@ -112,7 +116,7 @@ def _one_case(case: tuple) -> dict:
     from megatron_eopt.training.planning.inventory import stage_parameters
     from megatron_eopt.training.planning.plan import PlanInputs, PlanLayout, plan_rank
 
-    name, settings, (tp, pp, ep), layer_wise, mode, gram = case
+    name, settings, (tp, pp, ep), layer_wise, mode, gram, more = case
     initialize_model_parallel(tensor_model_parallel_size=tp, seed=1, pipeline_model_parallel_size=pp,
                               expert_model_parallel_size=ep)
     try:
@@ -120,7 +124,7 @@ def _one_case(case: tuple) -> dict:
         real = [(n, tuple(p.shape), int(getattr(p, "partition_dim", -1)) if getattr(p, "tensor_model_parallel", False)
                  else -1, not getattr(p, "allreduce", True)) for n, p in chunks[0].named_parameters()]
         config = OptimizerConfig(optimizer="muon", lr=0.01, use_distributed_optimizer=layer_wise, muon_tp_mode=mode,
-                                 muon_gram_newton_schulz=gram)
+                                 muon_gram_newton_schulz=gram, **more)
         optimizer = get_megatron_optimizer(config, chunks)
         generator = torch.Generator().manual_seed(dist.get_rank())
         for param in chunks[0].parameters():
@@ -136,9 +140,9 @@ def _one_case(case: tuple) -> dict:
                      for p in stage_parameters(settings, tp, pp, coordinates[0], ep, ps.get_expert_model_parallel_rank())]
         return {"real": real, "inventory": inventory, "counted": counted, "coordinates": coordinates,
                 "planned_coordinates": layout.coordinates(dist.get_rank()),
-                "planned": {"matrices": list(planned.matrices), "flops": (planned.gram_flops if gram else planned.flops)[mode],
-                            "bytes": planned.bytes_sent[mode], "calls": planned.collectives[mode],
-                            "state": planned.state_bytes}}
+                "planned": {"matrices": list(planned.matrices), "flops": planned.step[0], "bytes": planned.step[1],
+                            "calls": planned.step[2], "state": planned.state_bytes,
+                            "standard_flops": planned.flops[mode], "gram_flops": planned.gram_flops[mode]}}
     finally:
         destroy_model_parallel()
 
@@ -165,3 +169,5 @@ def test_planner_equals_counted_step(results: list[dict], case: str) -> None:
             assert planned[key] == counted[key], (rank, case, key, planned[key], counted[key])
     if case.startswith("tp2"):  # the TP modes move something on some rank (a check that counts)
         assert any(by_case[case]["counted"]["bytes"] > 0 for by_case in results), case
+    if "gram" in case:  # and Gram Newton-Schulz takes its path somewhere
+        assert any(r[case]["planned"]["gram_flops"] < r[case]["planned"]["standard_flops"] for r in results), case
