@@ -7,27 +7,31 @@ import dataclasses
 from typing import Optional
 
 from megatron_eopt.arguments import optimizer_config_from_args, validate_args
-from megatron_eopt.arguments.optimizer_args import resolve_optimizer_flags
+from megatron_eopt.arguments.optimizer_args import add_optimizer_args, resolve_optimizer_flags
 from megatron_eopt.training.arguments.device import Device
 from megatron_eopt.training.arguments.flags import model as model_flags
 from megatron_eopt.training.arguments.flags import moe as moe_flags
 from megatron_eopt.training.arguments.flags.table import replaced
 from megatron_eopt.training.arguments.model import model_defaults, model_settings
 from megatron_eopt.training.arguments.moe import moe_settings, resolve_moe_flags
-from megatron_eopt.training.arguments.parser import build_parser
-from megatron_eopt.training.errors import exit_with_error
+from megatron_eopt.training.arguments.flags.table import add_flags
+from megatron_eopt.training.arguments.parser import TABLES
 from megatron_eopt.training.model.settings import GPTModelSettings
 from megatron_eopt.training.planning.presets import PRESETS
 
 # Dense bf16 peak FLOP/s of each hardware profile's GPU (vendor datasheet: H100 SXM 989 TFLOP/s).
 PEAK_FLOPS = {"h100": 989e12}
-# Model flags that a preset may still take: they change the tokens, not the matrices.
-PRESET_FLAGS = ("seq_length",)
+# Flags of the model tables that a preset still takes: the tokens and the layout, not the matrices.
+PRESET_FLAGS = ("seq_length", "expert_model_parallel_size", "expert_tensor_parallel_size")
 
 
 def build_planner_parser() -> argparse.ArgumentParser:
-    parser = build_parser()
-    parser.prog, parser.description = "plan_muon.py", "Per-rank cost of Muon's step for a model and a layout."
+    """The trainer's flag tables and the optimizer's flags, then the planner's own."""
+    parser = argparse.ArgumentParser(prog="plan_muon.py",
+                                     description="Per-rank cost of Muon's step for a model and a layout.")
+    for title, rows in TABLES:
+        add_flags(parser, title, rows)
+    add_optimizer_args(parser, deferred=True)
     group = parser.add_argument_group("planner")
     group.add_argument("--model", choices=sorted(PRESETS), help="a named model (else the model flags describe it)")
     group.add_argument("--data-parallel-size", type=int, default=1, help="DP: world = TP x PP x DP")
@@ -56,7 +60,9 @@ def model_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             raise ValueError(f"--model {args.model} describes the whole model; {', '.join(given)} would change it. "
                              f"Give either --model or the model flags.")
         changes = {"seq_length": args.seq_length} if args.seq_length != parser.get_default("seq_length") else {}
-        return dataclasses.replace(PRESETS[args.model], **changes)
+        return dataclasses.replace(PRESETS[args.model], **changes,
+                                   num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+                                   num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers)
     args = replaced(args, **model_defaults(args, tp, say=False))
     settings = model_settings(args, tp, Device(None, None, None, None))
     return dataclasses.replace(settings, **moe_settings(replaced(args, **resolve_moe_flags(args))))
@@ -79,7 +85,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     try:
         text = run(parser, args)
     except ValueError as error:
-        exit_with_error(str(error))
+        parser.error(str(error))  # one line, status 2, under this tool's name
     print(text)
 
 

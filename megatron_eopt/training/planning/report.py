@@ -8,32 +8,28 @@ from megatron_eopt.training.planning.plan import MODES, PlanInputs, RankPlan
 GIB, MIB = 2**30, 2**20
 
 
-def _row_key(plan: RankPlan) -> tuple:
-    """What a table row shows, rank numbers aside: ranks with equal keys share a row."""
-    return (plan.stage, len(plan.matrices), tuple(plan.flops.values()), tuple(plan.gram_flops.values()),
-            tuple(plan.bytes_sent.values()), plan.state_bytes, tuple(sorted(plan.auto_modes.items())))
-
-
 def _ranks_text(ranks: list[int]) -> str:
     return ",".join(map(str, ranks)) if len(ranks) <= 4 else f"{ranks[0]},{ranks[1]},... ({len(ranks)})"
 
 
-def table_rows(plans: list[RankPlan], mode: str, gram: bool, limit: int) -> list[list[str]]:
-    """One row per group of equal ranks, slowest first, at most `limit` rows (0: all)."""
+def _cells(p: RankPlan, mode: str) -> tuple[str, ...]:
+    """A row's cells after the ranks: ranks whose cells are equal share a row."""
+    return (str(p.stage), str(len(p.matrices)),
+            f"{p.flops[mode] / 1e9:,.0f}" if mode in p.flops else "-",
+            f"{p.gram_flops[mode] / 1e9:,.0f}" if mode in p.gram_flops else "-",
+            *[f"{p.bytes_sent[m] / MIB:,.1f}" for m in MODES],
+            f"{p.state_bytes / GIB:,.2f}", f"{p.muon_time_s * 1e3:,.1f}",
+            f"{100 * p.share:.2f}" if p.iteration_time_s else "-")
+
+
+def table_rows(plans: list[RankPlan], mode: str, limit: int) -> tuple[list[list[str]], int]:
+    """Rows of equal ranks, slowest first, at most `limit` (0: all); and how many rows there are."""
     groups: dict[tuple, list[RankPlan]] = {}
     for plan in plans:
-        groups.setdefault(_row_key(plan), []).append(plan)
-    ordered = sorted(groups.values(), key=lambda g: (-g[0].muon_time_s, g[0].rank))
-    rows = []
-    for group in ordered[:limit or None]:
-        p = group[0]
-        rows.append([_ranks_text([q.rank for q in group]), str(p.stage), str(len(p.matrices)),
-                     f"{p.flops[mode] / 1e9:,.0f}" if mode in p.flops else "-",
-                     f"{p.gram_flops[mode] / 1e9:,.0f}" if mode in p.gram_flops else "-",
-                     *[f"{p.bytes_sent[m] / MIB:,.1f}" for m in MODES],
-                     f"{p.state_bytes / GIB:,.2f}", f"{p.muon_time_s * 1e3:,.1f}",
-                     f"{100 * p.share:.2f}" if p.iteration_time_s else "-"])
-    return rows
+        groups.setdefault(_cells(plan, mode), []).append(plan)
+    ordered = sorted(groups.items(), key=lambda item: (-item[1][0].muon_time_s, item[1][0].rank))
+    rows = [[_ranks_text([p.rank for p in group]), *cells] for cells, group in ordered[:limit or None]]
+    return rows, len(groups)
 
 
 HEADER = ["ranks", "stage", "Muon matrices", "NS GFLOP", "NS GFLOP (Gram)",
@@ -56,10 +52,9 @@ def render_table(inputs: PlanInputs, plans: list[RankPlan], limit: int = 12) -> 
     else:
         lines.append(f"The slowest rank's Muon step: {slowest.muon_time_s * 1e3:.1f} ms (give "
                      f"--global-batch-size for the iteration time).")
-    rows = table_rows(plans, mode, gram, limit)
+    rows, groups = table_rows(plans, mode, limit)
     lines += ["", "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
-    groups = len({_row_key(p) for p in plans})
     if limit and groups > limit:
         lines.append(f"\n{groups - limit} more groups of ranks; --all-ranks lists them, --json gives every rank.")
     return "\n".join(lines)
