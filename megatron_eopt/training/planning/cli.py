@@ -104,11 +104,12 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
     layout = PlanLayout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                         dp=args.data_parallel_size, ep=args.expert_model_parallel_size, fsdp=args.use_torch_fsdp2,
                         layer_wise=config.use_layer_wise_distributed_optimizer)
+    profile = hardware_profile(args.hardware)  # an unknown name lists the known ones
     peak = args.peak_tflops * 1e12 if args.peak_tflops else PEAK_FLOPS.get(args.hardware)
     if peak is None:
         raise ValueError(f"hardware {args.hardware!r} has no peak FLOP/s here; give --peak-tflops.")
     tokens = (args.global_batch_size or 0) * settings.seq_length
-    inputs = PlanInputs(settings, layout, config, hardware_profile(args.hardware), peak, args.mfu, tokens,
+    inputs = PlanInputs(settings, layout, config, profile, peak, args.mfu, tokens,
                         args.make_vocab_size_divisible_by)
     plans = plan_ranks(inputs)
     return as_json(inputs, plans) if args.json else render_table(inputs, plans, 0 if args.all_ranks else 12)

@@ -18,6 +18,7 @@ def _cells(p: RankPlan, mode: str) -> tuple[str, ...]:
             f"{p.flops[mode] / 1e9:,.0f}" if mode in p.flops else "-",
             f"{p.gram_flops[mode] / 1e9:,.0f}" if mode in p.gram_flops else "-",
             *[f"{p.bytes_sent[m] / MIB:,.1f}" for m in MODES],
+            " ".join(f"{m[:4]} {n}" for m, n in p.auto_modes.items()) or "-",
             f"{p.state_bytes / GIB:,.2f}", f"{p.muon_time_s * 1e3:,.1f}",
             f"{100 * p.share:.2f}" if p.iteration_time_s else "-")
 
@@ -33,7 +34,7 @@ def table_rows(plans: list[RankPlan], mode: str, limit: int) -> tuple[list[list[
 
 
 HEADER = ["ranks", "stage", "Muon matrices", "NS GFLOP", "NS GFLOP (Gram)",
-          *[f"MiB sent {m}" for m in MODES], "state GiB", "Muon ms", "% of iteration"]
+          *[f"MiB sent {m}" for m in MODES], "auto picks", "state GiB", "Muon ms", "% of iteration"]
 
 
 def render_table(inputs: PlanInputs, plans: list[RankPlan], limit: int = 12) -> str:

@@ -171,3 +171,71 @@ def test_planner_equals_counted_step(results: list[dict], case: str) -> None:
         assert any(by_case[case]["counted"]["bytes"] > 0 for by_case in results), case
     if "gram" in case:  # and Gram Newton-Schulz takes its path somewhere
         assert any(r[case]["planned"]["gram_flops"] < r[case]["planned"]["standard_flops"] for r in results), case
+
+
+def _doc_runs() -> list[tuple[list[str], str]]:
+    """(arguments, output) of each ```text block of docs/planner.md that starts with the tool."""
+    import pathlib
+    import re
+    import shlex
+
+    text = (pathlib.Path(__file__).resolve().parents[3] / "docs" / "planner.md").read_text()
+    runs = []
+    for block in re.findall(r"^```text\n(.*?)^```", text, re.S | re.M):
+        lines = block.splitlines()
+        if not lines[0].startswith("$ python tools/plan_muon.py"):
+            continue
+        command = []
+        while True:
+            line = lines.pop(0)
+            command.append(line.rstrip("\\").strip())
+            if not line.endswith("\\"):
+                break
+        runs.append((shlex.split(" ".join(command))[3:], "\n".join(lines)))
+    return runs
+
+
+def _plan_text(argv: list[str]) -> str:
+    from megatron_eopt.training.planning.cli import build_planner_parser, run
+
+    parser = build_planner_parser()
+    return run(parser, parser.parse_args(argv))
+
+
+def test_docs_tables_are_the_tools_output() -> None:
+    runs = _doc_runs()
+    assert len(runs) == 3
+    for argv, output in runs:
+        assert _plan_text(argv) == output, " ".join(argv)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "llama3-8b", "--hidden-size", "1024"], "--model llama3-8b describes the whole model; --hidden-size"),
+    (["--model", "llama3-8b", "--mfu", "0"], "--mfu must be in (0, 1]"),
+    (["--model", "llama3-8b", "--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage", "2"],
+     "drop --num-layers-per-virtual-pipeline-stage"),
+    (["--model", "deepseek-v3", "--pipeline-model-parallel-size", "4"], "61 layers do not split over 4 pipeline stages"),
+    (["--model", "qwen3-30b-a3b", "--data-parallel-size", "4", "--expert-model-parallel-size", "8"],
+     "ep 8 must divide dp 4"),
+    (["--model", "llama3-8b", "--optimizer", "adamw"], "invalid choice"),
+    (["--model", "llama3-8b", "--optimizer", "soap"], "plans Muon-family optimizers"),
+    (["--model", "llama3-8b", "--hardware", "tpu"], "hardware profile must be one of"),
+])
+def test_bad_input_is_one_line(argv: list[str], message: str, capsys) -> None:
+    from megatron_eopt.training.planning.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_info.value.code == 2 and message in error, error
+
+
+def test_flags_describe_the_same_model_as_the_preset() -> None:
+    """Llama-3 8B as Megatron-LM flags plans exactly as the preset does."""
+    layout = ["--tensor-model-parallel-size", "2", "--data-parallel-size", "2", "--use-distributed-optimizer",
+              "--global-batch-size", "8", "--json"]
+    flags = ["--num-layers", "32", "--hidden-size", "4096", "--ffn-hidden-size", "14336", "--num-attention-heads", "32",
+             "--group-query-attention", "--num-query-groups", "8", "--swiglu", "--normalization", "RMSNorm",
+             "--position-embedding-type", "rope", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+             "--vocab-size", "128256", "--seq-length", "8192", "--max-position-embeddings", "8192"]
+    assert _plan_text(flags + layout) == _plan_text(["--model", "llama3-8b"] + layout)
