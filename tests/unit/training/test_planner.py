@@ -1,4 +1,4 @@
-"""The Muon planner against counted real steps (CPU, gloo, 4 ranks, one launch for every layout).
+"""The Muon planner against counted real steps (CPU, gloo, 4 ranks, one launch for 13 layouts).
 
 On each rank of each layout below the trainer's GPTModel is built and one step of the library's
 Muon is taken. Counted there: the parameters (names, shapes, TP split, expert flag) against the
@@ -24,7 +24,8 @@ MOE = dataclasses.replace(DENSE, num_moe_experts=4, moe_ffn_hidden_size=32, moe_
                           moe_layer_freq=(0, 1), sequence_parallel=True)
 MLA = dataclasses.replace(DENSE, multi_latent_attention=True, num_query_groups=None, q_lora_rank=16, kv_lora_rank=16,
                           qk_head_dim=8, qk_pos_emb_head_dim=8, v_head_dim=8, qk_layernorm=True)
-# (name, settings, (tp, pp, ep), layer-wise, muon_tp_mode, Gram Newton-Schulz, more config); 4 ranks each.
+# (name, settings, (tp, pp, ep), distribution, muon_tp_mode, Gram Newton-Schulz, more config); 4 ranks each.
+# distribution: True the layer-wise optimizer, False replicated over DP, "fsdp" torch FSDP2.
 AUTO = {"muon_tp_hardware_profile": "h100"}
 CASES = [
     ("tp2-duplicated", DENSE, (2, 1, 1), True, "duplicated", False, {}),
@@ -39,6 +40,8 @@ CASES = [
     ("tp2-ep2-moe-auto-experts-distributed", MOE, (2, 1, 2), True, "auto", False,
      {**AUTO, "muon_expert_tp_mode": "distributed"}),
     ("tp2-mla-duplicated-gram", MLA, (2, 1, 1), True, "duplicated", True, {}),
+    ("fsdp-dp4-duplicated-gram", DENSE, (1, 1, 1), "fsdp", "duplicated", True, {}),
+    ("tp2-fsdp-dp2-distributed", DENSE, (2, 1, 1), "fsdp", "distributed", False, {}),
 ]
 
 
@@ -78,33 +81,73 @@ def counting_collectives(counted: dict):
 
 
 def counted_step(optimizer) -> dict:
-    """One step, counting matrices, FLOPs and collectives inside every orthogonalize_updates call."""
+    """One step, counting matrices, FLOPs and collectives inside every orthogonalize_updates call
+    (FSDP2: every orthogonalize_row_shards call, the row exchange included)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     import megatron_eopt.optimizers.sharded_matrices as sharded_matrices
 
     counted = {"flops": 0, "bytes": 0.0, "calls": 0, "matrices": []}
-    original = sharded_matrices.orthogonalize_updates
+    originals = (sharded_matrices.orthogonalize_updates, sharded_matrices.orthogonalize_row_shards)
 
-    def counting(updates, layouts, tp_mode, tp_group, settings):
-        counted["matrices"] += [layout.name for layout in layouts]
+    def count(run, names):
+        counted["matrices"] += names
         with FlopCounterMode(display=False) as flops, counting_collectives(counted):
-            result = original(updates, layouts, tp_mode, tp_group, settings)
+            result = run()
         counted["flops"] += flops.get_total_flops()
         return result
 
-    sharded_matrices.orthogonalize_updates = counting
+    def counting(updates, layouts, tp_mode, tp_group, settings):
+        return count(lambda: originals[0](updates, layouts, tp_mode, tp_group, settings), [lay.name for lay in layouts])
+
+    def counting_rows(updates, shards, group, settings, tp_mode, tp_group):
+        mine = [s.layout.name for s in shards if s.owner == dist.get_rank(group)]
+        return count(lambda: originals[1](updates, shards, group, settings, tp_mode, tp_group), mine)
+
+    sharded_matrices.orthogonalize_updates, sharded_matrices.orthogonalize_row_shards = counting, counting_rows
     try:
         optimizer.step()
     finally:
-        sharded_matrices.orthogonalize_updates = original
+        sharded_matrices.orthogonalize_updates, sharded_matrices.orthogonalize_row_shards = originals
     return counted
 
 
-def _state_bytes(optimizer) -> int:
-    from megatron_eopt.distributed.layer_wise import LayerWiseDistributedOptimizer
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor  # DTensor: this rank's shard
 
-    return LayerWiseDistributedOptimizer.optimizer_state_bytes(optimizer)  # reads only the children
+
+def _state_bytes(optimizer) -> int:
+    """Optimizer state tensors and fp32 main copies this rank holds, over the chained optimizers
+    (a main parameter on a model parameter's own storage, as FSDP2's are, is no copy)."""
+    total = 0
+    for child in optimizer.chained_optimizers:
+        tensors = [_local(t) for state in child.state.values() for t in state.values() if torch.is_tensor(t)]
+        storages = {_local(p).untyped_storage().data_ptr() for p in child.model_params}
+        tensors += [m for m in map(_local, child.main_params) if m.untyped_storage().data_ptr() not in storages]
+        total += sum(t.numel() * t.element_size() for t in tensors)
+    return total
+
+
+def _model_and_grads(settings, distribution):
+    """This rank's model chunks with a gradient on every parameter (FSDP2: sharded, by a backward)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_eopt.training.model.gpt import build_gpt_model_chunks, gpt_loss
+    from megatron_eopt.training.parallel.fsdp2 import fully_shard_gpt
+
+    chunks = build_gpt_model_chunks(settings)
+    real = [(n, tuple(p.shape), int(getattr(p, "partition_dim", -1)) if getattr(p, "tensor_model_parallel", False)
+             else -1, not getattr(p, "allreduce", True)) for n, p in chunks[0].named_parameters()]
+    if distribution == "fsdp":
+        fully_shard_gpt(chunks[0], ps.get_data_parallel_group(), torch.device("cpu"))
+        tokens = torch.randint(0, settings.vocab_size, (2, settings.seq_length + 1),
+                               generator=torch.Generator().manual_seed(ps.get_data_parallel_rank()))
+        gpt_loss(chunks[0], tokens).backward()
+    else:
+        generator = torch.Generator().manual_seed(dist.get_rank())
+        for param in chunks[0].parameters():
+            param.grad = torch.randn(param.shape, generator=generator)
+    return chunks, real
 
 
 def _one_case(case: tuple) -> dict:
@@ -112,26 +155,22 @@ def _one_case(case: tuple) -> dict:
 
     from megatron_eopt import OptimizerConfig, get_megatron_optimizer
     from megatron_eopt.ops.muon_cost import hardware_profile
-    from megatron_eopt.training.model.gpt import build_gpt_model_chunks, destroy_model_parallel, initialize_model_parallel
+    from megatron_eopt.training.model.gpt import destroy_model_parallel, initialize_model_parallel
     from megatron_eopt.training.planning.inventory import stage_parameters
     from megatron_eopt.training.planning.plan import PlanInputs, PlanLayout, plan_rank
 
-    name, settings, (tp, pp, ep), layer_wise, mode, gram, more = case
+    name, settings, (tp, pp, ep), distribution, mode, gram, more = case
     initialize_model_parallel(tensor_model_parallel_size=tp, seed=1, pipeline_model_parallel_size=pp,
                               expert_model_parallel_size=ep)
     try:
-        chunks = build_gpt_model_chunks(settings)
-        real = [(n, tuple(p.shape), int(getattr(p, "partition_dim", -1)) if getattr(p, "tensor_model_parallel", False)
-                 else -1, not getattr(p, "allreduce", True)) for n, p in chunks[0].named_parameters()]
-        config = OptimizerConfig(optimizer="muon", lr=0.01, use_distributed_optimizer=layer_wise, muon_tp_mode=mode,
-                                 muon_gram_newton_schulz=gram, **more)
+        chunks, real = _model_and_grads(settings, distribution)
+        config = OptimizerConfig(optimizer="muon", lr=0.01, use_distributed_optimizer=distribution is True,
+                                 muon_tp_mode=mode, muon_gram_newton_schulz=gram, **more)
         optimizer = get_megatron_optimizer(config, chunks)
-        generator = torch.Generator().manual_seed(dist.get_rank())
-        for param in chunks[0].parameters():
-            param.grad = torch.randn(param.shape, generator=generator)
         counted = counted_step(optimizer)
         counted["state"] = _state_bytes(optimizer)
-        layout = PlanLayout(tp=tp, pp=pp, dp=dist.get_world_size() // (tp * pp), ep=ep, layer_wise=layer_wise)
+        layout = PlanLayout(tp=tp, pp=pp, dp=dist.get_world_size() // (tp * pp), ep=ep, layer_wise=distribution is True,
+                            fsdp=distribution == "fsdp")
         coordinates = (ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank(),
                        ps.get_tensor_model_parallel_rank())
         planned = plan_rank(PlanInputs(settings, layout, config, hardware_profile("h100"), 1e15,
