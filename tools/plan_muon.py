@@ -1,4 +1,4 @@
-"""What Muon's step costs each rank of a cluster: owned matrices, Newton-Schulz FLOPs (standard
+r"""What Muon's step costs each rank of a cluster: owned matrices, Newton-Schulz FLOPs (standard
 and Gram), bytes per TP mode, optimizer state, predicted time and share of an iteration.
 
     python tools/plan_muon.py --model llama3-70b --tensor-model-parallel-size 8 \

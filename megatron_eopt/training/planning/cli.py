@@ -45,10 +45,9 @@ def build_planner_parser() -> argparse.ArgumentParser:
 
 
 def _given_model_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
-    defaults = {action.dest: action.default for action in parser._actions}
     rows = model_flags.MODEL + model_flags.MLA + moe_flags.MOE
     return [row.option for row in rows if row.name not in PRESET_FLAGS
-            and getattr(args, row.name, None) != defaults.get(row.name)]
+            and getattr(args, row.name, None) != parser.get_default(row.name)]
 
 
 def model_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> GPTModelSettings:

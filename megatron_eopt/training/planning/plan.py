@@ -72,8 +72,8 @@ class RankPlan:
     matrices: tuple[str, ...]  # Muon matrices whose update this rank computes (owned, or all)
     flops: dict[str, int]  # mode -> Newton-Schulz FLOPs (standard iteration)
     gram_flops: dict[str, int]  # mode -> FLOPs with Gram Newton-Schulz where it pays
-    bytes_sent: dict[str, float]  # mode -> bytes sent over the TP group (FSDP2: plus the row exchange),
-    collectives: dict[str, int]  # standard iteration
+    bytes_sent: dict[str, float]  # mode -> bytes sent over the TP group (FSDP2: plus the row exchange);
+    collectives: dict[str, int]  # both with the standard iteration ('step' has the configured one)
     state_bytes: int  # optimizer state (and fp32 main copies with bf16) on this rank
     step: tuple[int, float, int]  # (FLOPs, bytes sent, collectives) of the configured mode and Gram setting
     auto_modes: dict[str, int] = field(default_factory=dict)  # mode -> matrices 'auto' gives it
@@ -239,15 +239,16 @@ def plan_rank(inputs: PlanInputs, rank: int, stages: Optional[dict] = None) -> R
     muon = [r for r in muon if not r.is_expert_parallel] + [r for r in muon if r.is_expert_parallel]  # child order
     flops, gram_flops, sent, calls, auto = {}, {}, {}, {}, {}
     exchange = _fsdp_exchange_bytes(inputs, stage, dp_rank) if layout.fsdp else 0.0
+    gram = bool(getattr(inputs.config, "muon_gram_newton_schulz", False))
     for mode in MODES:
         flops[mode], sent[mode], calls[mode], modes = _tp_costs(inputs, stage, muon, tp_rank, mode, gram=False)
-        gram_flops[mode] = _tp_costs(inputs, stage, muon, tp_rank, mode, gram=True)[0]
+        gram_flops[mode], _, _, gram_modes = _tp_costs(inputs, stage, muon, tp_rank, mode, gram=True)
         sent[mode] += exchange
         calls[mode] += 2 if layout.fsdp else 0
-        if mode == "auto":
-            auto = {m: modes.count(m) for m in EXACT_MODES if m in modes}
+        if mode == "auto":  # what 'auto' picks with the configured Gram setting
+            picked = gram_modes if gram else modes
+            auto = {m: picked.count(m) for m in EXACT_MODES if m in picked}
     configured = inputs.config.muon_tp_mode
-    gram = bool(getattr(inputs.config, "muon_gram_newton_schulz", False))
     step_flops, step_sent, step_calls, _ = _tp_costs(inputs, stage, muon, tp_rank, configured, gram)
     step = (step_flops, step_sent + exchange, step_calls + (2 if layout.fsdp else 0))
     muon_time = inputs.profile.time_s(*step, inputs.precision)
