@@ -68,12 +68,13 @@ def model_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
 
 def optimizer_config(args: argparse.Namespace):
-    """OptimizerConfig from the optimizer flags (Newton-Schulz in bf16, 'medium', unless given)."""
+    """OptimizerConfig from the optimizer flags: --optimizer muon and Newton-Schulz in bf16
+    ('medium') unless given."""
+    if args.optimizer is None:
+        args = replaced(args, optimizer="muon")
     args = resolve_optimizer_flags(args)
     if args.muon_fp32_matmul_prec is None:
         args = replaced(args, muon_fp32_matmul_prec="medium")
-    if args.optimizer == "adam":  # the trainer's default; the planner is about Muon
-        args = replaced(args, optimizer="muon")
     args = validate_args(args, args.tensor_model_parallel_size, wraps_fully_shard=True)
     return optimizer_config_from_args(args)
 

@@ -258,6 +258,7 @@ def test_docs_tables_are_the_tools_output() -> None:
      "ep 8 must divide dp 4"),
     (["--model", "llama3-8b", "--optimizer", "adamw"], "invalid choice"),
     (["--model", "llama3-8b", "--optimizer", "soap"], "plans Muon-family optimizers"),
+    (["--model", "llama3-8b", "--optimizer", "adam"], "plans Muon-family optimizers"),
     (["--model", "llama3-8b", "--hardware", "tpu"], "hardware profile must be one of"),
 ])
 def test_bad_input_is_one_line(argv: list[str], message: str, capsys) -> None:
