@@ -153,20 +153,15 @@ def _moe(settings: GPTModelSettings, prefix: str, tp: int, ep: int, ep_rank: int
     return params
 
 
-_LOOKUP_TABLE = None
-
-
 def planned_records(params: list[PlannedParam], routing: ParamRouting) -> list[ParamRecord]:
     """The library's ParamRecord of each parameter (over a meta tensor), routed by `routing`."""
-    global _LOOKUP_TABLE
-    if _LOOKUP_TABLE is None:
-        _LOOKUP_TABLE = torch.nn.Embedding(1, 1, device="meta")  # a module of a lookup-table type
+    lookup_table = torch.nn.Embedding(1, 1, device="meta")  # the owner of lookup-table parameters
     records = []
     for spec in params:
         param = torch.nn.Parameter(torch.empty(spec.shape, device="meta"))
         if spec.embedding_or_output:
             param.is_embedding_or_output_parameter = True
-        owner = _LOOKUP_TABLE if spec.lookup_table else None
+        owner = lookup_table if spec.lookup_table else None
         optimizer = routing.optimizer_for(param, owner, spec.name)
         records.append(ParamRecord(fqn=spec.name, name=spec.name, param=param, group_key="", optimizer_name=optimizer,
                                    is_expert_parallel=spec.expert, tensor_model_parallel=spec.partition_dim >= 0,
