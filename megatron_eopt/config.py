@@ -91,6 +91,10 @@ class OptimizerConfig:
     # costs fewer FLOPs than the standard iteration (ops/gram_newton_schulz.py). Muon and
     # adaptive_muon only.
     muon_gram_newton_schulz: bool = False
+    # megatron_eopt (Megatron-LM PR #6326's name): orthogonalize every q, gate, k and v head of
+    # linear_qkv as its own kv_channels x hidden matrix, scaled by that shape, instead of the q,
+    # k and v of all query groups together. Needs muon_split_qkv. Muon and adaptive_muon only.
+    muon_split_qkv_per_head: bool = False
 
     # Other emerging optimizers.
     lion_beta1: float = 0.95
@@ -248,9 +252,12 @@ MEGATRON_CORE_FIELDS: dict[str, FieldUse] = {
         "parameter went)"),
 }
 # megatron_eopt's own fields: muon_use_syrk (newer Megatron-LM), muon_match_adamw_rms,
-# muon_gram_newton_schulz, layer_wise_reduce_grads, emerging_optimizers_compile; all used.
+# muon_gram_newton_schulz, muon_split_qkv_per_head, layer_wise_reduce_grads,
+# emerging_optimizers_compile; all used.
 # The optimizers whose Newton-Schulz can take the Gram path (dist_muon: deprecated spelling of muon).
 GRAM_NEWTON_SCHULZ_OPTIMIZERS = ("muon", "dist_muon", "adaptive_muon")
+# The optimizers that split linear_qkv into q/k/v blocks, and so per head on request.
+PER_HEAD_QKV_OPTIMIZERS = GRAM_NEWTON_SCHULZ_OPTIMIZERS
 
 def warn_about_inert_fields(config: "OptimizerConfig") -> None:
     """One warning per process for each 'warns' field set away from its default."""
@@ -433,6 +440,7 @@ def _check_muon(config: OptimizerConfig) -> None:
         f"{', '.join(map(repr, GRAM_NEWTON_SCHULZ_OPTIMIZERS))}; got optimizer={config.optimizer!r}. "
         f"Set muon_gram_newton_schulz=False (command line: drop --muon-gram-newton-schulz).",
     )
+    _check_per_head_qkv(config)
     _require(
         config.muon_num_ns_steps >= 1,
         f"OptimizerConfig.muon_num_ns_steps must be >= 1; got {config.muon_num_ns_steps}.",
@@ -446,6 +454,22 @@ def _check_muon(config: OptimizerConfig) -> None:
         config.soap_precondition_frequency >= 1,
         f"OptimizerConfig.soap_precondition_frequency must be >= 1; got "
         f"{config.soap_precondition_frequency}.",
+    )
+
+
+def _check_per_head_qkv(config: OptimizerConfig) -> None:
+    if not config.muon_split_qkv_per_head:
+        return
+    _require(
+        config.optimizer in PER_HEAD_QKV_OPTIMIZERS,
+        f"OptimizerConfig.muon_split_qkv_per_head=True is implemented for optimizer "
+        f"{', '.join(map(repr, PER_HEAD_QKV_OPTIMIZERS))}; got optimizer={config.optimizer!r}. "
+        f"Set muon_split_qkv_per_head=False (command line: drop --muon-split-qkv-per-head).",
+    )
+    _require(
+        config.muon_split_qkv,
+        "OptimizerConfig.muon_split_qkv_per_head=True splits linear_qkv per head, but muon_split_qkv=False "
+        "keeps it whole; set muon_split_qkv=True (drop --muon-no-split-qkv) or muon_split_qkv_per_head=False.",
     )
 
 

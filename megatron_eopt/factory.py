@@ -357,7 +357,8 @@ def _optimizer_maker(
     _check_tensor_parallel_support(spec, records, tp_size)
     layouts = None
     if spec.accepts("layouts"):
-        layouts = matrix_layouts(records, chunks, tp_size, config.muon_split_qkv and spec.entry.qkv_split)
+        split_qkv = config.muon_split_qkv and spec.entry.qkv_split
+        layouts = matrix_layouts(records, chunks, tp_size, split_qkv, split_qkv and config.muon_split_qkv_per_head)
     if records:
         on_cpu = all(r.param.device.type == "cpu" for r in records)
     else:

@@ -8,10 +8,10 @@ rank orthogonalizes and moves the shards:
 - distributed: the shards stay put; each iteration all-reduces the small Gram matrix.
 - sharded:     one TP rank per matrix, cost-balanced; one all-to-all there, one back.
 All but blockwise equal the TP=1 update to fp32 round-off. Scales use the global block shape.
-
-`orthogonalize_batched` runs every group of equal shape as one batched `newton_schulz` call.
-Every matrix takes that path, even alone, so its result does not depend on which others share
-the step. With `gram=True` a block takes Gram Newton-Schulz where that costs fewer FLOPs
+Per-head blocks (MatrixLayout.per_head) are whole on their rank: done there in every mode.
+`orthogonalize_batched` runs every group of equal shape as one batched `newton_schulz` call,
+even a matrix alone, so a result does not depend on which others share the step. With
+`gram=True` a block takes Gram Newton-Schulz where that costs fewer FLOPs
 (ops/gram_newton_schulz.py; `block_paths` says which). docs/tp-muon.md describes the modes.
 """
 
@@ -110,17 +110,21 @@ def orthogonalize_updates(
     pieces = [(i, block, layout) for i, (u, layout) in enumerate(zip(updates, layouts))
               for block in split_blocks(u.float(), layout)]
     block_shapes = [s for layout in layouts for s in layout.global_block_shapes()]
-    if _size(tp_group) == 1:
-        results = orthogonalize_batched([b for _, b, _ in pieces], [settings.scale(*s) for s in block_shapes], settings)
-    elif tp_mode == "sharded":
-        results = _sharded(pieces, block_shapes, tp_group, settings)
-    elif tp_mode == "distributed":
-        results = _distributed(pieces, block_shapes, tp_group, settings)
-    else:
-        results = _local(pieces, block_shapes, tp_mode, tp_group, settings)
+    # Without TP, and for per-head blocks (whole on this rank), in every mode: here, no communication.
+    here = [_size(tp_group) == 1 or layout.per_head for _, _, layout in pieces]
+    own = [k for k, local in enumerate(here) if local]
+    shared = [k for k, local in enumerate(here) if not local]  # the same on every TP rank
+    results: list[torch.Tensor] = [torch.empty(0)] * len(pieces)
+    for k, result in zip(own, orthogonalize_batched([pieces[k][1] for k in own],
+                                                    [settings.scale(*block_shapes[k]) for k in own], settings)):
+        results[k] = result
+    if shared:
+        for k, result in zip(shared, _in_tp_mode(tp_mode, [pieces[k] for k in shared],
+                                                 [block_shapes[k] for k in shared], tp_group, settings)):
+            results[k] = result
     merged, start = [], 0
     for update, layout in zip(updates, layouts):
-        count = len(layout.blocks)
+        count = len(layout.global_block_shapes())
         merged.append(merge_blocks(results[start:start + count], layout).to(update.dtype))
         start += count
     return merged
@@ -130,12 +134,22 @@ def _size(group: Optional[dist.ProcessGroup]) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+def _in_tp_mode(tp_mode: str, pieces: list[Piece], block_shapes: list[tuple[int, int]], tp_group: dist.ProcessGroup,
+                settings: NewtonSchulzSettings) -> list[torch.Tensor]:
+    """Scaled orthogonalized `pieces` (TP shards or replicated blocks) over `tp_group` in `tp_mode`."""
+    if tp_mode == "sharded":
+        return _sharded(pieces, block_shapes, tp_group, settings)
+    if tp_mode == "distributed":
+        return _distributed(pieces, block_shapes, tp_group, settings)
+    return _local(pieces, block_shapes, tp_mode, tp_group, settings)
+
+
 def block_paths(layout: MatrixLayout, tp_mode: str, tp_size: int, settings: NewtonSchulzSettings,
                 precision: str) -> tuple[str, ...]:
     """'gram' or 'standard' for each block of `layout`, as `orthogonalize_updates` will run it:
     the global block in 'duplicated'/'sharded' (and at TP=1), the local shard in 'blockwise',
     the local shard iterated on its Gram matrix over the TP ranks in 'distributed'."""
-    sharded = tp_size > 1 and layout.partition_dim >= 0
+    sharded = tp_size > 1 and layout.partition_dim >= 0 and not layout.per_head
     shapes = layout.global_block_shapes()
     if sharded and tp_mode in ("blockwise", "distributed"):
         shapes = [(layout.num_row_groups * block, layout.local_shape[1]) for block in layout.blocks]
