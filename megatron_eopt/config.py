@@ -464,12 +464,13 @@ def _check_per_head_qkv(config: OptimizerConfig) -> None:
         config.optimizer in PER_HEAD_QKV_OPTIMIZERS,
         f"OptimizerConfig.muon_split_qkv_per_head=True is implemented for optimizer "
         f"{', '.join(map(repr, PER_HEAD_QKV_OPTIMIZERS))}; got optimizer={config.optimizer!r}. "
-        f"Set muon_split_qkv_per_head=False (command line: drop --muon-split-qkv-per-head).",
+        f"Turn muon_split_qkv_per_head off or choose one of those.",
     )
+    # The command line refuses --muon-split-qkv-per-head with --muon-no-split-qkv first, in flag words.
     _require(
         config.muon_split_qkv,
-        "OptimizerConfig.muon_split_qkv_per_head=True splits linear_qkv per head, but muon_split_qkv=False "
-        "keeps it whole; set muon_split_qkv=True (drop --muon-no-split-qkv) or muon_split_qkv_per_head=False.",
+        "OptimizerConfig.muon_split_qkv_per_head=True needs muon_split_qkv=True (per head is a finer "
+        "q/k/v split); got muon_split_qkv=False, which keeps linear_qkv whole.",
     )
 
 

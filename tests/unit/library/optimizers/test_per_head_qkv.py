@@ -10,6 +10,7 @@ TP, layer-wise and FSDP2 runs are in test_tensor_parallel_muon.py, test_gpt_muon
 test_layer_wise_gpt.py and test_fsdp2.py.
 """
 
+import argparse
 import math
 from types import SimpleNamespace
 
@@ -18,6 +19,7 @@ import torch
 from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz
 
 from megatron_eopt import OptimizerConfig
+from megatron_eopt.arguments import add_optimizer_args, validate_args
 from megatron_eopt.ops.qk_clip import QKVRows
 from megatron_eopt.ops.splits import MatrixLayout, merge_blocks, qkv_row_blocks, split_blocks
 from megatron_eopt.optimizers.tensor_parallel_muon import TensorParallelMuon
@@ -92,8 +94,16 @@ def test_bad_values_raise() -> None:
     with pytest.raises(ValueError, match=r"muon_split_qkv_per_head=True is implemented for optimizer 'muon'.*"
                                          r"got optimizer='adam'"):
         OptimizerConfig(optimizer="adam", muon_split_qkv_per_head=True)
-    with pytest.raises(ValueError, match=r"muon_split_qkv=False keeps it whole; set muon_split_qkv=True"):
+    with pytest.raises(ValueError, match=r"muon_split_qkv_per_head=True needs muon_split_qkv=True .*got "
+                                         r"muon_split_qkv=False"):
         OptimizerConfig(optimizer="muon", muon_split_qkv=False, muon_split_qkv_per_head=True)
+    with pytest.raises(ValueError, match=r"^--muon-split-qkv-per-head and --muon-no-split-qkv exclude each other"):
+        validate_args(add_optimizer_args(argparse.ArgumentParser()).parse_args(
+            ["--optimizer", "muon", "--muon-no-split-qkv", "--muon-split-qkv-per-head"]), 1)
+    with pytest.raises(ValueError, match=r"^--muon-split-qkv-per-head=True is implemented for optimizer 'muon'.*"
+                                         r"Turn --muon-split-qkv-per-head off"):
+        validate_args(add_optimizer_args(argparse.ArgumentParser()).parse_args(
+            ["--optimizer", "adam", "--lr", "1e-3", "--muon-split-qkv-per-head"]), 1)
     with pytest.raises(TypeError, match=r"muon_split_qkv_per_head must be a bool; got str 'yes'"):
         OptimizerConfig(optimizer="muon", muon_split_qkv_per_head="yes")
     with pytest.raises(ValueError, match=r"'qkv': head_rows=3 must be > 0 and divide every row block \(12\+4\+4\)"):
@@ -102,3 +112,22 @@ def test_bad_values_raise() -> None:
         MatrixLayout("qkv", (20, HIDDEN), 1, 2, 1, (), head_rows=4)
     config = OptimizerConfig(optimizer="adaptive_muon", muon_split_qkv_per_head=True)
     assert config.muon_split_qkv_per_head  # adaptive_muon splits per head too
+
+
+def test_gram_newton_schulz_takes_each_head() -> None:
+    """With muon_gram_newton_schulz every 4 x 20 head takes the Gram path (fewer FLOPs there), and
+    the update equals the standard iteration's to fp32 round-off (1e-5 of the scale)."""
+    layout = per_head_layout(gate=False)
+    grad = torch.randn(layout.local_shape, generator=torch.Generator().manual_seed(8))
+    updates = {}
+    for gram in (False, True):
+        param = torch.nn.Parameter(torch.zeros(layout.local_shape))
+        optimizer = TensorParallelMuon([{"params": [param], "param_fqns": ["qkv"]}], lr=1.0, momentum=0.0,
+                                       weight_decay=0.0, fp32_matmul_prec="highest", layouts={"qkv": layout},
+                                       gram_newton_schulz=gram)
+        heads = len(layout.global_block_shapes())
+        assert optimizer.newton_schulz_paths["qkv"] == ("gram" if gram else "standard",) * heads
+        param.grad = grad.clone()
+        optimizer.step()
+        updates[gram] = -param.detach()
+    torch.testing.assert_close(updates[True], updates[False], rtol=0, atol=1e-5 * math.sqrt(HIDDEN))
