@@ -25,7 +25,7 @@ from megatron_eopt.distributed.fsdp2 import (
 )
 from megatron_eopt.distributed.layer_wise import DataParallelShards, LayerWiseDistributedOptimizer
 from megatron_eopt.distributed.process_groups import ParallelGroups, group_rank, group_size, resolve_parallel_groups
-from megatron_eopt.once import first_time
+from megatron_eopt.once import first_time, warn_once
 from megatron_eopt.ops.ownership import assign_owners
 from megatron_eopt.param_groups import (
     ParamRecord,
@@ -101,6 +101,7 @@ def get_megatron_optimizer(
         records = fsdp.with_tensor_parallel_facts(records)
     if not param_groups:
         raise ValueError("model_chunks have no trainable parameters (requires_grad=True).")
+    _warn_if_per_head_finds_no_qkv(config, records)
     if dump_param_to_param_group_map is not None:
         dump_param_group_map(dump_param_to_param_group_map, param_groups, records)
     for name in routing.optimizers:  # on every rank, before any rank builds (and owns) anything
@@ -148,6 +149,15 @@ def _attach_qk_clip(optimizer: ChainedOptimizer, qk_clip: Optional[QKClip]) -> C
     for child in optimizer.chained_optimizers:
         child.qk_clip = qk_clip
     return optimizer
+
+
+def _warn_if_per_head_finds_no_qkv(config: OptimizerConfig, records: list[ParamRecord]) -> None:
+    """`muon_split_qkv_per_head` splits fused `linear_qkv.weight`s only: say so when there is none."""
+    if config.muon_split_qkv_per_head and not any(
+            r.name.endswith("linear_qkv.weight") and r.optimizer_name == config.optimizer for r in records):
+        warn_once("per_head_without_qkv", f"OptimizerConfig.muon_split_qkv_per_head=True has no effect on this "
+                  f"rank: none of the matrices {config.optimizer!r} steps here is a fused linear_qkv.weight "
+                  f"(multi-latent attention's projections, for one, are orthogonalized whole).", stacklevel=4)
 
 
 def _without_legacy_name(config: OptimizerConfig) -> OptimizerConfig:

@@ -131,3 +131,17 @@ def test_gram_newton_schulz_takes_each_head() -> None:
         optimizer.step()
         updates[gram] = -param.detach()
     torch.testing.assert_close(updates[True], updates[False], rtol=0, atol=1e-5 * math.sqrt(HIDDEN))
+
+
+def test_model_without_fused_qkv_warns_once() -> None:
+    """A model whose Muon matrices include no linear_qkv.weight: the option says it does nothing."""
+    from unittest import mock
+
+    from megatron_eopt import ParallelGroups, get_megatron_optimizer
+    from megatron_eopt import once
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 4, bias=False))
+    config = OptimizerConfig(optimizer="muon", lr=0.01, muon_split_qkv_per_head=True)
+    with mock.patch.object(once, "_GIVEN", set()), pytest.warns(UserWarning, match=r"muon_split_qkv_per_head=True has "
+                                                                                    r"no effect on this rank"):
+        get_megatron_optimizer(config, [model], pg_collection=ParallelGroups.single_process())
