@@ -11,7 +11,7 @@
   `parse_and_validate` turns that into `parser.error`-style output (exit code 2, one line on
   stderr). All before any process group or model exists.
 - `--muon-tp-mode` given without tensor parallelism, or with an optimizer that is not Muon's,
-  warns that it has no effect; `--muon-split-qkv-per-head` with `--muon-no-split-qkv` is refused.
+  warns that it has no effect.
 """
 
 import argparse
@@ -36,9 +36,6 @@ def validate_args(
     if tensor_model_parallel_size is None:
         tensor_model_parallel_size = getattr(args, "tensor_model_parallel_size", None) or 1
     _rewrite_dist_muon(args)
-    if getattr(args, "muon_split_qkv_per_head", False) and not getattr(args, "muon_split_qkv", True):
-        raise ValueError("--muon-split-qkv-per-head and --muon-no-split-qkv exclude each other (per head "
-                         "splits linear_qkv further than q/k/v; --muon-no-split-qkv keeps it whole); drop one.")
     _check_support(args, tensor_model_parallel_size, wraps_fully_shard)
     _use_layer_wise_distributed_optimizer(args)
     _warn_tp_mode_without_tp(args, tensor_model_parallel_size)
