@@ -16,6 +16,7 @@ import torch
 
 from megatron_eopt.config_choices import (  # noqa: F401 (re-exported)
     AdaptiveMoment2Method,
+    HardwareProfileName,
     MatmulPrecision,
     ScalarOptimizer,
     ScaleMode,
@@ -96,6 +97,12 @@ class OptimizerConfig:
     # linear_qkv as its own kv_channels x hidden matrix, scaled by that shape, instead of the q,
     # k and v of all query groups together. Needs muon_split_qkv. Muon and adaptive_muon only.
     muon_split_qkv_per_head: bool = False
+    # Newer Megatron-LM (PR #6761): the TP mode of expert matrices (MoE, over the expert TP group);
+    # None follows muon_tp_mode.
+    muon_expert_tp_mode: Optional[str] = None
+    # megatron_eopt: what muon_tp_mode='auto' predicts step times with (ops/muon_cost.py): 'h100'
+    # (measured GPU figures) or 'cpu'; None calibrates on the parameters' device over the TP group.
+    muon_tp_hardware_profile: Optional[str] = None
 
     # Other emerging optimizers.
     lion_beta1: float = 0.95
@@ -252,9 +259,9 @@ MEGATRON_CORE_FIELDS: dict[str, FieldUse] = {
         "megatron_eopt writes nothing there (dump_param_to_param_group_map shows where each "
         "parameter went)"),
 }
-# megatron_eopt's own fields: muon_use_syrk (newer Megatron-LM), muon_match_adamw_rms,
-# muon_gram_newton_schulz, muon_split_qkv_per_head, layer_wise_reduce_grads,
-# emerging_optimizers_compile; all used.
+# megatron_eopt's own fields: muon_use_syrk and muon_expert_tp_mode (newer Megatron-LM),
+# muon_match_adamw_rms, muon_gram_newton_schulz, muon_split_qkv_per_head, muon_tp_hardware_profile,
+# layer_wise_reduce_grads, emerging_optimizers_compile; all used.
 
 def warn_about_inert_fields(config: "OptimizerConfig") -> None:
     """One warning per process for each 'warns' field set away from its default."""

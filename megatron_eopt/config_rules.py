@@ -12,7 +12,14 @@ import math
 import typing
 from typing import Any
 
-from megatron_eopt.config_choices import AdaptiveMoment2Method, MatmulPrecision, ScalarOptimizer, ScaleMode, TpMode
+from megatron_eopt.config_choices import (
+    AdaptiveMoment2Method,
+    HardwareProfileName,
+    MatmulPrecision,
+    ScalarOptimizer,
+    ScaleMode,
+    TpMode,
+)
 
 # The optimizers whose Newton-Schulz can take the Gram path (dist_muon: deprecated spelling of muon).
 GRAM_NEWTON_SCHULZ_OPTIMIZERS = ("muon", "dist_muon", "adaptive_muon")
@@ -102,7 +109,8 @@ def _check_loss_scaling(config: Any) -> None:
 def _check_muon(config: Any) -> None:
     for name, choices in (("muon_scale_mode", ScaleMode), ("muon_tp_mode", TpMode),
                           ("muon_fp32_matmul_prec", MatmulPrecision), ("muon_scalar_optimizer", ScalarOptimizer),
-                          ("adaptive_muon_moment2_method", AdaptiveMoment2Method)):
+                          ("adaptive_muon_moment2_method", AdaptiveMoment2Method),
+                          ("muon_expert_tp_mode", TpMode), ("muon_tp_hardware_profile", HardwareProfileName)):
         _check_choice(config, name, typing.get_args(choices))
     if _value(config, "muon_match_adamw_rms") and _known(config, "muon_scale_mode"):
         _require(config.muon_scale_mode == "spectral",

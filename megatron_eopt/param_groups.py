@@ -283,10 +283,12 @@ def _make_group(group_id: _GroupId, members: list[ParamRecord], override: dict, 
     return group
 
 
-def dump_param_group_map(path: str, param_groups: list[dict], records: list[ParamRecord]) -> str:
+def dump_param_group_map(path: str, param_groups: list[dict], records: list[ParamRecord],
+                         tp_modes: Optional[Mapping[str, str]] = None) -> str:
     """Write which optimizer and group every parameter of this rank got, as JSON.
 
     `path` is a directory; each rank writes `rank_{rank:05d}.json` there. Returns the file.
+    `tp_modes` (fqn -> Muon TP mode, 'auto' resolved) adds a 'tp_mode' entry to those parameters.
     """
     index_by_key = {group["group_key"]: i for i, group in enumerate(param_groups)}
     entries = {
@@ -298,6 +300,9 @@ def dump_param_group_map(path: str, param_groups: list[dict], records: list[Para
         }
         for r in records
     }
+    for fqn, mode in (tp_modes or {}).items():
+        if fqn in entries:
+            entries[fqn]["tp_mode"] = mode
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     os.makedirs(path, exist_ok=True)
     file_path = os.path.join(path, f"rank_{rank:05d}.json")

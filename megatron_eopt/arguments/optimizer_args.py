@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional, Sequence
 from megatron_eopt.close_match import did_you_mean
 from megatron_eopt.config_choices import (
     AdaptiveMoment2Method,
+    HardwareProfileName,
     MatmulPrecision,
     ScalarOptimizer,
     ScaleMode,
@@ -109,7 +110,13 @@ FLAGS: tuple[Flag, ...] = (
          listed=coefficient_types),
     Flag("--muon-num-ns-steps", "muon_num_ns_steps", "Newton-Schulz steps.", int),
     Flag("--muon-tp-mode", "muon_tp_mode", "How tensor-parallel matrices are orthogonalized (no "
-         "effect without tensor parallelism).", str, _literal(TpMode)),
+         "effect without tensor parallelism); 'auto': per matrix, the exact mode predicted cheapest.",
+         str, _literal(TpMode)),
+    Flag("--muon-expert-tp-mode", "muon_expert_tp_mode", "TP mode of expert (MoE) matrices over the "
+         "expert TP group. Default: --muon-tp-mode.", str, _literal(TpMode)),
+    Flag("--muon-tp-hardware-profile", "muon_tp_hardware_profile", "What --muon-tp-mode auto predicts "
+         "with: 'h100' (measured GPU figures) or 'cpu'. Default: rates calibrated on this machine.",
+         str, _literal(HardwareProfileName)),
     Flag("--muon-extra-scale-factor", "muon_extra_scale_factor", "Extra factor on Muon's update.",
          float),
     Flag("--muon-match-adamw-rms", "muon_match_adamw_rms", "Scale Muon's update to AdamW's RMS "

@@ -44,7 +44,7 @@ def test_help_imports_neither_torch_nor_megatron_core() -> None:
     (["--lrr", "1"], "pretrain_gpt.py: error: unrecognized arguments: --lrr 1 (did you mean --lr?); see "
                      "pretrain_gpt.py --help."),
     (["--muon-tp-mode", "dup"], "pretrain_gpt.py: error: argument --muon-tp-mode: invalid choice: 'dup' (choose from "
-                                "'blockwise', 'duplicated', 'distributed', 'sharded'); did you mean duplicated?; see "
+                                "'blockwise', 'duplicated', 'distributed', 'sharded', 'auto'); did you mean duplicated?; see "
                                 "pretrain_gpt.py --help."),
     (["--normalization", "rmsnorm"], "did you mean RMSNorm?"),
     # The installed optimizers and coefficient sets, known without torch (optimizer_names.py).

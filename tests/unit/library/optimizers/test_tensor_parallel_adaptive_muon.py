@@ -196,7 +196,7 @@ def test_blockwise_scales_by_local_shape() -> None:
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(tp_mode="dist"), "tp_mode must be one of 'blockwise', 'duplicated', 'distributed', 'sharded'; got 'dist'"),
+    (dict(tp_mode="dist"), "tp_mode must be one of 'blockwise', 'duplicated', 'distributed', 'sharded', 'auto'; got 'dist'"),
     (dict(moment2_method="adam"), "moment2_method must be one of 'adamuon', 'normuon'.*; got 'adam'"),
     (dict(beta2=1.0), r"beta2 must be in \[0, 1\); got 1.0"),
     (dict(eps=0.0), "eps must be > 0"),
