@@ -146,3 +146,16 @@ def test_model_without_fused_qkv_warns_once() -> None:
     with mock.patch.object(once, "_GIVEN", set()), pytest.warns(UserWarning, match=r"muon_split_qkv_per_head=True has "
                                                                                     r"no effect on this rank"):
         get_megatron_optimizer(config, [model], pg_collection=ParallelGroups.single_process())
+
+
+def test_cost_model_counts_each_ranks_heads_with_nothing_sent() -> None:
+    """muon_tp_mode='auto' and the planner cost a per-head qkv as the step runs it at TP=2: each
+    rank its own 5 heads (3 q, k, v of its one query group), no bytes, no collectives."""
+    from megatron_eopt.ops.gram_newton_schulz import standard_flops
+    from megatron_eopt.ops.muon_cost import step_costs
+
+    groups, blocks = qkv_row_blocks(model_config(gate=False), 2, "qkv")
+    layout = MatrixLayout("qkv", (groups * sum(blocks), HIDDEN), 0, 2, groups, blocks, head_rows=KV)
+    for mode in ("duplicated", "distributed", "sharded", "blockwise"):
+        costs = step_costs([layout], [mode], 2)
+        assert [(c.flops, c.bytes_sent, c.collectives) for c in costs] == [(5 * standard_flops(KV, HIDDEN, 5), 0.0, 0)] * 2
