@@ -93,6 +93,10 @@ class OptimizerConfig:
     # costs fewer FLOPs than the standard iteration (ops/gram_newton_schulz.py). Muon and
     # adaptive_muon only.
     muon_gram_newton_schulz: bool = False
+    # megatron_eopt (Megatron-LM PR #6326's name): orthogonalize every q, gate, k and v head of
+    # linear_qkv as its own kv_channels x hidden matrix, scaled by that shape, instead of the q,
+    # k and v of all query groups together. Needs muon_split_qkv. Muon and adaptive_muon only.
+    muon_split_qkv_per_head: bool = False
     # Newer Megatron-LM (PR #6761): the TP mode of expert matrices (MoE, over the expert TP group);
     # None follows muon_tp_mode.
     muon_expert_tp_mode: Optional[str] = None
@@ -256,7 +260,7 @@ MEGATRON_CORE_FIELDS: dict[str, FieldUse] = {
         "parameter went)"),
 }
 # megatron_eopt's own fields: muon_use_syrk and muon_expert_tp_mode (newer Megatron-LM),
-# muon_match_adamw_rms, muon_gram_newton_schulz, muon_tp_hardware_profile,
+# muon_match_adamw_rms, muon_gram_newton_schulz, muon_split_qkv_per_head, muon_tp_hardware_profile,
 # layer_wise_reduce_grads, emerging_optimizers_compile; all used.
 
 def warn_about_inert_fields(config: "OptimizerConfig") -> None:

@@ -23,6 +23,8 @@ from megatron_eopt.config_choices import (
 
 # The optimizers whose Newton-Schulz can take the Gram path (dist_muon: deprecated spelling of muon).
 GRAM_NEWTON_SCHULZ_OPTIMIZERS = ("muon", "dist_muon", "adaptive_muon")
+# The optimizers that split linear_qkv into q/k/v blocks, and so per head on request.
+PER_HEAD_QKV_OPTIMIZERS = GRAM_NEWTON_SCHULZ_OPTIMIZERS
 
 
 def check_values(config: Any) -> None:
@@ -122,6 +124,7 @@ def _check_muon(config: Any) -> None:
                  f"OptimizerConfig.muon_gram_newton_schulz=True is implemented for optimizer "
                  f"{', '.join(map(repr, GRAM_NEWTON_SCHULZ_OPTIMIZERS))}; got optimizer={config.optimizer!r}. "
                  f"Set muon_gram_newton_schulz=False (command line: drop --muon-gram-newton-schulz).")
+    _check_per_head_qkv(config)
     steps, scale, frequency = (_value(config, name) for name in (
         "muon_num_ns_steps", "muon_extra_scale_factor", "soap_precondition_frequency"))
     _require(steps is None or steps >= 1, f"OptimizerConfig.muon_num_ns_steps must be >= 1; got {steps}.")
@@ -129,6 +132,20 @@ def _check_muon(config: Any) -> None:
              f"OptimizerConfig.muon_extra_scale_factor must be a finite number > 0; got {scale}.")
     _require(frequency is None or frequency >= 1,
              f"OptimizerConfig.soap_precondition_frequency must be >= 1; got {frequency}.")
+
+
+def _check_per_head_qkv(config: Any) -> None:
+    # Worded so that it also reads right with the fields spelled as flags (--muon-no-split-qkv).
+    if not _value(config, "muon_split_qkv_per_head"):
+        return
+    if _known(config, "optimizer"):
+        _require(config.optimizer in PER_HEAD_QKV_OPTIMIZERS,
+                 f"OptimizerConfig.muon_split_qkv_per_head=True is implemented for optimizer "
+                 f"{', '.join(map(repr, PER_HEAD_QKV_OPTIMIZERS))}; got optimizer={config.optimizer!r}. "
+                 f"Turn muon_split_qkv_per_head off or choose one of those.")
+    _require(_value(config, "muon_split_qkv") is not False,
+             "OptimizerConfig.muon_split_qkv_per_head=True needs linear_qkv split into q, k and v first, and "
+             "muon_split_qkv says not to split it; change one of the two.")
 
 
 def _check_gradients(config: Any) -> None:

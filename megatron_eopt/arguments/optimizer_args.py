@@ -98,6 +98,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--muon-nesterov", "muon_nesterov", "Nesterov momentum in Muon."),
     Flag("--muon-no-split-qkv", "muon_split_qkv", "Orthogonalize linear_qkv as one matrix instead "
          "of q, k, v separately.", negative=True),
+    Flag("--muon-split-qkv-per-head", "muon_split_qkv_per_head", "Orthogonalize every q, k and v "
+         "head of linear_qkv as its own matrix (muon, adaptive_muon)."),
     Flag("--muon-scale-mode", "muon_scale_mode", "Scale of Muon's update.", str, _literal(ScaleMode)),
     Flag("--muon-fp32-matmul-prec", "muon_fp32_matmul_prec", "FP32 matmul precision of the "
          "Newton-Schulz iteration ('medium': bf16). Default: chosen from the hardware, 'medium' "

@@ -143,7 +143,9 @@ def _stage(inputs: PlanInputs, settings: GPTModelSettings, routing: ParamRouting
     records = planned_records(params, routing)
     muon = [r for r in records if r.optimizer_name == routing.optimizer]
     model_config = model_config_of(settings)
-    layouts = {r.fqn: matrix_layout(r, model_config, layout.tp, inputs.config.muon_split_qkv) for r in muon}
+    split_qkv = inputs.config.muon_split_qkv
+    layouts = {r.fqn: matrix_layout(r, model_config, layout.tp, split_qkv,
+                                    split_qkv and inputs.config.muon_split_qkv_per_head) for r in muon}
     owners: dict[str, int] = {}
     if layout.fsdp:  # distributed/fsdp2.py: the Muon child's matrices, balanced over the mesh
         owners = assign_owners(muon, {r.fqn for r in muon}, layout.dp, layout.tp)
