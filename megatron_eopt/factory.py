@@ -25,7 +25,7 @@ from megatron_eopt.distributed.fsdp2 import (
 )
 from megatron_eopt.distributed.layer_wise import DataParallelShards, LayerWiseDistributedOptimizer
 from megatron_eopt.distributed.process_groups import ParallelGroups, group_rank, group_size, resolve_parallel_groups
-from megatron_eopt.once import first_time
+from megatron_eopt.once import first_time, warn_once
 from megatron_eopt.ops.ownership import assign_owners
 from megatron_eopt.param_groups import (
     ParamRecord,
@@ -101,6 +101,7 @@ def get_megatron_optimizer(
         records = fsdp.with_tensor_parallel_facts(records)
     if not param_groups:
         raise ValueError("model_chunks have no trainable parameters (requires_grad=True).")
+    _warn_if_per_head_finds_no_qkv(config, records)
     if dump_param_to_param_group_map is not None:
         dump_param_group_map(dump_param_to_param_group_map, param_groups, records)
     for name in routing.optimizers:  # on every rank, before any rank builds (and owns) anything
@@ -112,7 +113,36 @@ def get_megatron_optimizer(
         optimizer = ChainedOptimizer(_children(build))
     else:
         optimizer = _layer_wise(build)
+    tp_modes = muon_tp_modes(optimizer)
+    _warn_if_tp_settings_unused(config, records, tp_modes)
+    if dump_param_to_param_group_map is not None and tp_modes:  # again, with each matrix's TP mode
+        dump_param_group_map(dump_param_to_param_group_map, param_groups, records, tp_modes)
     return _attach_qk_clip(optimizer, qk_clip)
+
+
+def _warn_if_tp_settings_unused(config: OptimizerConfig, records: list[ParamRecord], tp_modes: Mapping[str, str]) -> None:
+    """Say so (once per process) when muon_expert_tp_mode or muon_tp_hardware_profile is set but
+    nothing reads it: no expert matrix takes a TP mode, or no mode is 'auto'."""
+    expert_matrices = [r.fqn for r in records if r.is_expert_parallel and r.fqn in tp_modes]
+    if config.muon_expert_tp_mode is not None and not expert_matrices:
+        warn_once("unused muon_expert_tp_mode",
+                  f"OptimizerConfig.muon_expert_tp_mode={config.muon_expert_tp_mode!r} has no effect: no expert "
+                  f"(MoE, param.allreduce=False) matrix is stepped by a Muon-family optimizer here.", stacklevel=3)
+    expert_mode = config.muon_expert_tp_mode or config.muon_tp_mode
+    uses_auto = "auto" in (config.muon_tp_mode, expert_mode if expert_matrices else None)
+    if config.muon_tp_hardware_profile is not None and not (uses_auto and tp_modes):
+        warn_once("unused muon_tp_hardware_profile",
+                  f"OptimizerConfig.muon_tp_hardware_profile={config.muon_tp_hardware_profile!r} has no effect: "
+                  f"only muon_tp_mode='auto' (or muon_expert_tp_mode='auto') reads it.", stacklevel=3)
+
+
+def muon_tp_modes(optimizer: Any) -> dict[str, str]:
+    """fqn -> the TP mode each Muon-family matrix runs in ('auto' resolved per matrix; the
+    expert ones per `muon_expert_tp_mode`), from an optimizer `get_megatron_optimizer` built."""
+    modes: dict[str, str] = {}
+    for child in getattr(optimizer, "chained_optimizers", [optimizer]):
+        modes.update(getattr(getattr(child, "optimizer", None), "tp_modes", None) or {})
+    return modes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +178,15 @@ def _attach_qk_clip(optimizer: ChainedOptimizer, qk_clip: Optional[QKClip]) -> C
     for child in optimizer.chained_optimizers:
         child.qk_clip = qk_clip
     return optimizer
+
+
+def _warn_if_per_head_finds_no_qkv(config: OptimizerConfig, records: list[ParamRecord]) -> None:
+    """`muon_split_qkv_per_head` splits fused `linear_qkv.weight`s only: say so when there is none."""
+    if config.muon_split_qkv_per_head and not any(
+            r.name.endswith("linear_qkv.weight") and r.optimizer_name == config.optimizer for r in records):
+        warn_once("per_head_without_qkv", f"OptimizerConfig.muon_split_qkv_per_head=True has no effect on this "
+                  f"rank: none of the matrices {config.optimizer!r} steps here is a fused linear_qkv.weight "
+                  f"(multi-latent attention's projections, for one, are orthogonalized whole).", stacklevel=4)
 
 
 def _without_legacy_name(config: OptimizerConfig) -> OptimizerConfig:
@@ -274,7 +313,7 @@ def _children(build: _Build, owned_fqns: Optional[set[str]] = None) -> list[Any]
                 norm_groups = (fsdp.group, norm_group)
             child_records = [r for r in records if (r.is_expert_parallel, r.optimizer_name) == (is_expert, name)]
             make_optimizer = _optimizer_maker(lookup_optimizer(name), config, build.chunks, child_records, tp_group,
-                                              fsdp)
+                                              fsdp, is_expert)
             children.append(wrapper(child_groups, make_optimizer, config, records, tp_group, norm_groups,
                                     _child_name(routing, name, is_expert), grad_scaler))
     return children
@@ -346,8 +385,10 @@ def _optimizer_maker(
     records: list[ParamRecord],
     tp_group: Any,
     fsdp: Optional[FullyShardedLayout] = None,
+    is_expert: bool = False,
 ):
-    """`make_optimizer(torch param groups)` for one child, with its TP group and layouts.
+    """`make_optimizer(torch param groups)` for one child, with its TP group and layouts
+    (expert children read `muon_expert_tp_mode`-style fields first: registry/kwargs.py).
 
     For torch FSDP2 (`fsdp`), a whole-matrix optimizer gets the layouts of the matrices FSDP2
     splits by rows (a DTensor's shape is global over the mesh: the whole matrix, or this TP
@@ -357,16 +398,17 @@ def _optimizer_maker(
     _check_tensor_parallel_support(spec, records, tp_size)
     layouts = None
     if spec.accepts("layouts"):
-        layouts = matrix_layouts(records, chunks, tp_size, config.muon_split_qkv and spec.entry.qkv_split)
+        split_qkv = config.muon_split_qkv and spec.entry.qkv_split
+        layouts = matrix_layouts(records, chunks, tp_size, split_qkv, split_qkv and config.muon_split_qkv_per_head)
     if records:
         on_cpu = all(r.param.device.type == "cpu" for r in records)
     else:
         on_cpu = not torch.cuda.is_available()
     if fsdp is not None and spec.accepts("fsdp_shards"):
         context = BuildContext(tp_group=tp_group, on_cpu=on_cpu, fsdp_group=fsdp.group,
-                               fsdp_shards=fsdp.row_shards(records, layouts))
+                               fsdp_shards=fsdp.row_shards(records, layouts), is_expert=is_expert)
     else:
-        context = BuildContext(tp_group=tp_group, layouts=layouts, on_cpu=on_cpu)
+        context = BuildContext(tp_group=tp_group, layouts=layouts, on_cpu=on_cpu, is_expert=is_expert)
     return lambda param_groups: spec.build(param_groups, config, context)
 
 

@@ -14,7 +14,7 @@ TP group and orthogonalize its TP shards together in the TP mode; 'duplicated' r
 """
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -53,17 +53,20 @@ def orthogonalize_row_shards(
     shards: list[RowShards],
     group: Optional[dist.ProcessGroup],
     settings: NewtonSchulzSettings,
-    tp_mode: str = "duplicated",
+    tp_mode: Union[str, Sequence[str]] = "duplicated",
     tp_group: Optional[dist.ProcessGroup] = None,
 ) -> list[torch.Tensor]:
     """This rank's rows of the scaled orthogonalized update of every matrix (module docstring).
 
     `updates[i]` is this rank's row shard of matrix i (of this TP rank's shard of it, with a
-    `tp_group` of size > 1). Every rank of `group` and of `tp_group` must call this with the same
-    matrices in the same order.
+    `tp_group` of size > 1); `tp_mode` is one mode or one per matrix. Every rank of `group` and
+    of `tp_group` must call this with the same matrices in the same order.
     """
+    modes = [tp_mode] * len(shards) if isinstance(tp_mode, str) else list(tp_mode)
+
     def orthogonalize_owned(owned: list[int], wholes: list[torch.Tensor]) -> list[torch.Tensor]:
-        return _orthogonalize_owned(wholes, [shards[i].layout for i in owned], settings, tp_mode, tp_group)
+        return _orthogonalize_owned(wholes, [shards[i].layout for i in owned], settings,
+                                    [modes[i] for i in owned], tp_group)
 
     return map_row_shards(updates, shards, group, orthogonalize_owned)
 
@@ -110,7 +113,7 @@ def map_row_shards(
 
 
 def _orthogonalize_owned(wholes: list[torch.Tensor], layouts: list[MatrixLayout], settings: NewtonSchulzSettings,
-                         tp_mode: str, tp_group: Optional[dist.ProcessGroup]) -> list[torch.Tensor]:
+                         tp_modes: list[str], tp_group: Optional[dist.ProcessGroup]) -> list[torch.Tensor]:
     """Scaled orthogonalization of each owned matrix's blocks, in the TP mode over `tp_group`.
 
     Every rank of `tp_group` owns the same matrices (owners are chosen from shapes alone), so an
@@ -118,8 +121,8 @@ def _orthogonalize_owned(wholes: list[torch.Tensor], layouts: list[MatrixLayout]
     """
     if not wholes:
         return []
-    mode = "sharded" if tp_mode == "duplicated" else tp_mode  # same update, Newton-Schulz once
-    return orthogonalize_updates(wholes, layouts, mode, tp_group, settings)
+    modes = ["sharded" if mode == "duplicated" else mode for mode in tp_modes]  # same update, Newton-Schulz once
+    return orthogonalize_updates(wholes, layouts, modes, tp_group, settings)
 
 
 def _exchange(send: list[list[torch.Tensor]], receive_shapes: list[list[tuple[int, int]]],

@@ -10,7 +10,7 @@ exchange (also used by the optimizers of tensor_parallel_whole_matrix.py).
 
 import logging
 import typing
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,7 @@ from emerging_optimizers import mixin as eo_mixin
 from emerging_optimizers import utils as eo_utils
 
 from megatron_eopt.once import first_time, warn_once
+from megatron_eopt.ops.muon_cost import AUTO, HardwareProfile, choose_tp_modes, resolve_profile
 from megatron_eopt.ops.newton_schulz import TP_MODES, NewtonSchulzSettings, block_paths, orthogonalize_updates
 from megatron_eopt.ops.row_shards import RowShards, orthogonalize_row_shards
 from megatron_eopt.ops.splits import MatrixLayout
@@ -27,8 +28,8 @@ from megatron_eopt.param_names import named_params
 def check_muon_arguments(tp_mode: str, lr: float, momentum: float, weight_decay: float,
                          weight_decay_method: str, fp32_matmul_prec: str) -> None:
     """Argument checks shared by the tensor-parallel Muon optimizers."""
-    if tp_mode not in TP_MODES:
-        raise ValueError(f"tp_mode must be one of {', '.join(map(repr, TP_MODES))}; got {tp_mode!r}.")
+    if tp_mode not in (*TP_MODES, AUTO):
+        raise ValueError(f"tp_mode must be one of {', '.join(map(repr, (*TP_MODES, AUTO)))}; got {tp_mode!r}.")
     if not 0.0 <= momentum < 1.0:
         raise ValueError(f"momentum must be in [0, 1); got {momentum}.")
     if lr < 0.0 or weight_decay < 0.0:
@@ -200,8 +201,10 @@ class ShardedMatrices(OrthogonalizeTogether):
 
     def _set_up_shards(self, tp_mode: str, tp_group: Optional[dist.ProcessGroup],
                        layouts: Optional[Mapping[str, MatrixLayout]], fsdp_group: Optional[dist.ProcessGroup],
-                       fsdp_shards: Optional[Mapping[str, RowShards]]) -> None:
-        """Check every parameter against its layout (or row shards) now rather than in `step`."""
+                       fsdp_shards: Optional[Mapping[str, RowShards]],
+                       hardware_profile: Union[None, str, HardwareProfile] = None) -> None:
+        """Check every parameter against its layout (or row shards) now rather than in `step`,
+        and resolve each matrix's TP mode (`tp_modes`; 'auto' asks ops/muon_cost.py)."""
         self.tp_mode = tp_mode
         self.tp_group = tp_group
         self._layout_of = layouts_by_param(self.param_groups, dict(layouts or {}))
@@ -209,12 +212,28 @@ class ShardedMatrices(OrthogonalizeTogether):
         self._row_shards_of = row_shards_by_param(self.param_groups, fsdp_shards, fsdp_group, tp_group, layouts)
         matrix_layouts = matrix_layouts_of(self._layout_of, self._row_shards_of)
         warn_if_blockwise_splits(tp_mode, tp_group, matrix_layouts)
-        # fqn -> 'gram' or 'standard' per block (q/k/v, gate/up), as the step runs them.
         tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
-        self.newton_schulz_paths = {layout.name: block_paths(layout, tp_mode, tp_size, self.settings,
-                                                             self.fp32_matmul_prec) for layout in matrix_layouts}
+        self.tp_profile = self._tp_profile(tp_mode, tp_size, hardware_profile)
+        # fqn -> mode, for every matrix this optimizer was told of (the layer-wise optimizer's
+        # unowned ones too): the choice depends on its shape alone, so every rank agrees.
+        known = {layout.name: layout for layout in (*dict(layouts or {}).values(), *matrix_layouts)}
+        self.tp_modes = choose_tp_modes(tp_mode, list(known.values()), tp_size, self.tp_profile, self.settings,
+                                        self.fp32_matmul_prec)
+        # fqn -> 'gram' or 'standard' per block (q/k/v, gate/up), as the step runs them.
+        self.newton_schulz_paths = {layout.name: block_paths(layout, self.tp_modes[layout.name], tp_size,
+                                                             self.settings, self.fp32_matmul_prec)
+                                    for layout in matrix_layouts}
         if self.settings.gram:
             log_newton_schulz_paths(self.newton_schulz_paths, self.fp32_matmul_prec)
+
+    def _tp_profile(self, tp_mode: str, tp_size: int,
+                    hardware_profile: Union[None, str, HardwareProfile]) -> Optional[HardwareProfile]:
+        """The hardware profile 'auto' chooses with (None otherwise, or at TP=1); calibrated on
+        the parameters' device over the TP group unless `hardware_profile` names one."""
+        if tp_mode != AUTO or tp_size == 1:
+            return None
+        device = next((p.device for group in self.param_groups for p in group["params"]), None)
+        return resolve_profile(hardware_profile, device, self.tp_group)
 
     def orthogonalize(self, p: torch.Tensor, grad: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """The orthogonalized update of one parameter (emerging_optimizers' hook), scaled or raw
@@ -227,7 +246,8 @@ class ShardedMatrices(OrthogonalizeTogether):
         shards (in tp_mode)."""
         if self._row_shards_of is not None:
             shards = [self._row_shards_of[id(p)] for p in params]
-            return orthogonalize_row_shards(updates, shards, self.fsdp_group, self.settings, self.tp_mode,
-                                            self.tp_group)
+            modes = [self.tp_modes[s.layout.name] for s in shards]
+            return orthogonalize_row_shards(updates, shards, self.fsdp_group, self.settings, modes, self.tp_group)
         layouts = [self._layout_of[id(p)] for p in params]
-        return orthogonalize_updates(updates, layouts, self.tp_mode, self.tp_group, self.settings)
+        modes = [self.tp_modes[layout.name] for layout in layouts]
+        return orthogonalize_updates(updates, layouts, modes, self.tp_group, self.settings)

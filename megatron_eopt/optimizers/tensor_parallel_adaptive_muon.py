@@ -16,7 +16,7 @@ and the statistics are summed over `fsdp_group` too. docs/tp-muon.md gives the f
 import dataclasses
 import typing
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,7 @@ from emerging_optimizers import utils as eo_utils
 from emerging_optimizers.orthogonalized_optimizers.adaptive_muon import AdaptiveMuon, Moment2MethodT
 
 from megatron_eopt.ops.collectives import all_reduce_sum_coalesced
+from megatron_eopt.ops.muon_cost import HardwareProfile
 from megatron_eopt.ops.newton_schulz import NewtonSchulzSettings
 from megatron_eopt.ops.row_shards import RowShards
 from megatron_eopt.ops.splits import MatrixLayout
@@ -71,7 +72,10 @@ class TensorParallelAdaptiveMuon(ShardedMatrices, AdaptiveMuon):
 
     Args beyond emerging_optimizers' AdaptiveMuon (whose lr, momentum and weight_decay get
     TensorParallelMuon's defaults here):
-        tp_mode: 'blockwise', 'duplicated', 'distributed' or 'sharded'.
+        tp_mode: 'blockwise', 'duplicated', 'distributed', 'sharded' or 'auto' (per matrix, the
+            exact mode that ops/muon_cost.py predicts cheapest; `self.tp_modes` says which).
+        tp_hardware_profile: what 'auto' predicts with: a HardwareProfile, a name ('h100', 'cpu'),
+            or None: rates calibrated on the parameters' device over `tp_group` (cached).
         tp_group: the tensor-parallel group of these parameters (None: size 1).
         layouts: fqn -> MatrixLayout for parameters that are shards or fused; param groups
             name their parameters in 'param_fqns'. A parameter without a layout is a whole,
@@ -112,6 +116,7 @@ class TensorParallelAdaptiveMuon(ShardedMatrices, AdaptiveMuon):
         use_syrk: bool = False,
         gram_newton_schulz: bool = False,
         tp_mode: str = "duplicated",
+        tp_hardware_profile: Union[None, str, HardwareProfile] = None,
         tp_group: Optional[dist.ProcessGroup] = None,
         layouts: Optional[Mapping[str, MatrixLayout]] = None,
         fsdp_group: Optional[dist.ProcessGroup] = None,
@@ -138,7 +143,7 @@ class TensorParallelAdaptiveMuon(ShardedMatrices, AdaptiveMuon):
             scale_mode=scale_mode, extra_scale_factor=extra_scale_factor, moment2_method=moment2_method,
             beta2=beta2, eps=eps,
         )
-        self._set_up_shards(tp_mode, tp_group, layouts, fsdp_group, fsdp_shards)
+        self._set_up_shards(tp_mode, tp_group, layouts, fsdp_group, fsdp_shards, tp_hardware_profile)
         self._view_of = {key: self._global_view(layout) for key, layout in self._layout_of.items()}
         if self._row_shards_of is not None:
             rows_split = fsdp_group is not None and dist.get_world_size(fsdp_group) > 1

@@ -16,12 +16,13 @@ owner (ops/row_shards.py). docs/tp-muon.md describes the modes.
 
 import dataclasses
 import inspect
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
 from emerging_optimizers.orthogonalized_optimizers.muon import Muon
 
+from megatron_eopt.ops.muon_cost import HardwareProfile
 from megatron_eopt.ops.newton_schulz import NewtonSchulzSettings
 from megatron_eopt.ops.row_shards import RowShards
 from megatron_eopt.ops.splits import MatrixLayout
@@ -62,7 +63,10 @@ class TensorParallelMuon(ShardedMatrices, Muon):
     """Muon whose parameters may be TP shards (see the module docstring for the update).
 
     Args beyond emerging_optimizers' Muon:
-        tp_mode: 'blockwise', 'duplicated', 'distributed' or 'sharded'.
+        tp_mode: 'blockwise', 'duplicated', 'distributed', 'sharded' or 'auto' (per matrix, the
+            exact mode that ops/muon_cost.py predicts cheapest; `self.tp_modes` says which).
+        tp_hardware_profile: what 'auto' predicts with: a HardwareProfile, a name ('h100', 'cpu'),
+            or None: rates calibrated on the parameters' device over `tp_group` (cached).
         tp_group: the tensor-parallel group of these parameters (None: size 1).
         layouts: fqn -> MatrixLayout for parameters that are shards or fused; param groups
             name their parameters in 'param_fqns'. A parameter without a layout is a whole,
@@ -94,6 +98,7 @@ class TensorParallelMuon(ShardedMatrices, Muon):
         use_syrk: bool = False,
         gram_newton_schulz: bool = False,
         tp_mode: str = "duplicated",
+        tp_hardware_profile: Union[None, str, HardwareProfile] = None,
         tp_group: Optional[dist.ProcessGroup] = None,
         layouts: Optional[Mapping[str, MatrixLayout]] = None,
         fsdp_group: Optional[dist.ProcessGroup] = None,
@@ -112,7 +117,7 @@ class TensorParallelMuon(ShardedMatrices, Muon):
         self.use_syrk = backend_use_syrk(self.scaled_orthogonalize_fn) if use_syrk else False
         # Scaled: the Muon scale is applied with Newton-Schulz (by `orthogonalize`).
         self.settings = dataclasses.replace(settings, use_syrk=self.use_syrk)
-        self._set_up_shards(tp_mode, tp_group, layouts, fsdp_group, fsdp_shards)
+        self._set_up_shards(tp_mode, tp_group, layouts, fsdp_group, fsdp_shards, tp_hardware_profile)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> None:

@@ -21,8 +21,9 @@ FROZEN_OPTIONS = sorted([
     "--optimizer", "--lr", "--min-lr", "--decoupled-lr", "--decoupled-min-lr", "--weight-decay",
     "--apply-wd-to-qk-layernorm", "--clip-grad", "--grad-norm-skip-threshold",
     "--log-num-zeros-in-grad", "--adam-beta1", "--adam-beta2", "--adam-eps", "--sgd-momentum",
-    "--muon-momentum", "--muon-nesterov", "--muon-no-split-qkv", "--muon-scale-mode",
+    "--muon-momentum", "--muon-nesterov", "--muon-no-split-qkv", "--muon-split-qkv-per-head", "--muon-scale-mode",
     "--muon-fp32-matmul-prec", "--muon-coefficient-type", "--muon-num-ns-steps", "--muon-tp-mode",
+    "--muon-expert-tp-mode", "--muon-tp-hardware-profile",
     "--muon-extra-scale-factor", "--muon-match-adamw-rms", "--muon-scalar-optimizer",
     "--muon-use-syrk", "--muon-gram-newton-schulz", "--lion-beta1", "--lion-beta2", "--soap-shampoo-beta",
     "--soap-precondition-frequency", "--soap-no-kl-shampoo", "--adaptive-muon-moment2-method",
@@ -99,7 +100,8 @@ def test_choices_come_from_what_is_installed(parser) -> None:
     choices = {a.dest: a.choices for a in optimizer_actions(parser) if a.choices}
     assert list(choices["optimizer"]) == list_optimizers() + ["dist_muon"]
     assert tuple(choices["muon_coefficient_type"]) == coefficient_types()
-    assert tuple(choices["muon_tp_mode"]) == TP_MODES
+    assert tuple(choices["muon_tp_mode"]) == (*TP_MODES, "auto")  # 'auto' resolves to those per matrix
+    assert tuple(choices["muon_expert_tp_mode"]) == (*TP_MODES, "auto")
     assert tuple(choices["adaptive_muon_moment2_method"]) == ("adamuon", "normuon")
     assert tuple(choices["muon_fp32_matmul_prec"]) == ("highest", "high", "medium")
 

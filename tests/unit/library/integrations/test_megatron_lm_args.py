@@ -419,11 +419,12 @@ def test_extra_args_provider_keeps_megatron_lm_flags(run_distributed) -> None:
     assert changed <= {"--optimizer", "--muon-tp-mode", "--muon-fp32-matmul-prec"}, changed
     assert set(theirs["--optimizer"][5]) < set(ours["--optimizer"][5])
     assert set(result["registry"]) <= set(ours["--optimizer"][5])
-    assert ours["--muon-tp-mode"][5] == ("blockwise", "duplicated", "distributed", "sharded")
+    assert ours["--muon-tp-mode"][5] == ("blockwise", "duplicated", "distributed", "sharded", "auto")
     assert ours["--muon-tp-mode"][2] == "duplicated"  # ours and newer Megatron-LM's default
     assert ours["--muon-fp32-matmul-prec"][5] == result["precisions"]  # exactly our config's
     added = set(ours) - set(theirs)
     assert added == {"--grad-norm-skip-threshold", "--muon-match-adamw-rms", "--muon-use-syrk", "--muon-gram-newton-schulz",
+                     "--muon-split-qkv-per-head", "--muon-expert-tp-mode", "--muon-tp-hardware-profile",
                      "--soap-shampoo-beta", "--soap-precondition-frequency", "--soap-no-kl-shampoo",
                      "--adaptive-muon-moment2-method", "--adaptive-muon-beta2", "--adaptive-muon-eps",
                      "--no-emerging-optimizers-compile"}, added
@@ -434,8 +435,12 @@ def test_extra_args_provider_keeps_megatron_lm_flags(run_distributed) -> None:
     [
         ("--muon-use-syrk", "muon_use_syrk", True),
         ("--muon-gram-newton-schulz", "muon_gram_newton_schulz", True),
+        ("--muon-split-qkv-per-head", "muon_split_qkv_per_head", True),
         ("--muon-match-adamw-rms", "muon_match_adamw_rms", True),
         ("--muon-tp-mode sharded", "muon_tp_mode", "sharded"),
+        ("--muon-tp-mode auto", "muon_tp_mode", "auto"),
+        ("--muon-expert-tp-mode distributed", "muon_expert_tp_mode", "distributed"),
+        ("--muon-tp-hardware-profile h100", "muon_tp_hardware_profile", "h100"),
         ("", "muon_tp_mode", "duplicated"),
         ("--muon-fp32-matmul-prec highest", "muon_fp32_matmul_prec", "highest"),  # PENDING
         ("--grad-norm-skip-threshold 7.5", "grad_norm_skip_threshold", 7.5),
