@@ -372,8 +372,9 @@ def auto_tp_modes(layouts: Sequence[MatrixLayout], tp_size: int, profile: Hardwa
     """One exact mode per layout: of a few candidate plans, the one with the least `step_time_s`.
 
     Candidates: each matrix's `cheapest_mode` (marginal, which assumes 'sharded' owners balance);
-    each matrix's cheaper of 'duplicated'/'distributed'; and that with the k costliest matrices
-    'sharded' (k = t, 2t, 4t, ... and all), since few sharded matrices balance badly over t ranks.
+    each matrix's cheaper of 'duplicated'/'distributed' ("unsharded"); for k = 1, 2, 4, ...: the
+    k costliest matrices 'sharded' and the rest unsharded, or the other way round; all 'sharded'.
+    Few sharded matrices balance badly over t ranks, which the marginal view cannot see.
     Shapes, settings and the profile decide, so every rank that knows the same layouts agrees.
     """
     count = len(layouts)
@@ -382,10 +383,11 @@ def auto_tp_modes(layouts: Sequence[MatrixLayout], tp_size: int, profile: Hardwa
     cost = [sum(newton_schulz_cost(*shape) for shape in lay.global_block_shapes()) for lay in layouts]
     order = sorted(range(count), key=lambda i: (-cost[i], i))
     candidates = [marginal, unsharded]
-    k = tp_size
+    k = 1
     while k < count:
-        top = set(order[:k])
+        top = set(order[:k])  # the k costliest sharded, the rest not; then the other way round
         candidates.append([("sharded" if i in top else mode) for i, mode in enumerate(unsharded)])
+        candidates.append([(mode if i in top else "sharded") for i, mode in enumerate(unsharded)])
         k *= 2
     candidates.append(["sharded"] * count)
     times = [step_time_s(layouts, plan, tp_size, profile, settings, precision) for plan in candidates]
