@@ -78,3 +78,50 @@ def test_auto_and_expert_modes_equal_tp1_and_are_dumped(run_distributed) -> None
         assert {modes[name] for name in set(modes) - experts} <= {"duplicated", "distributed", "sharded"}
         assert all(entry["optimizer"] == "muon" for name, entry in dumped.items() if name in modes)
     assert results[0]["modes"] == results[1]["modes"]
+
+
+# Counted step against the model: a fused qkv (q/k/v per query group), a gated fc1, a
+# row-parallel proj, a replicated matrix; every mode, and a mix. 'highest': fp32 on the wire.
+def _layouts(size: int) -> dict:
+    from megatron_eopt.ops.splits import MatrixLayout
+
+    return {"qkv": MatrixLayout("qkv", (4 * 8 // size, 16), 0, size, 4 // size, (4, 2, 2)),
+            "fc1": MatrixLayout("fc1", (2 * 24 // size, 16), 0, size, 1, (24 // size, 24 // size)),
+            "proj": MatrixLayout("proj", (16, 32 // size), 1, size),
+            "whole": MatrixLayout("whole", (12, 20))}
+
+
+def _counted_body(rank: int, size: int, plans: list, gram: bool) -> list:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron_eopt.ops.muon_cost import rank_costs
+    from megatron_eopt.optimizers.tensor_parallel_muon import TensorParallelMuon
+    from tests.collective_counts import counting_collectives
+
+    layouts = _layouts(size)
+    out = []
+    for plan in plans:
+        params = [torch.nn.Parameter(torch.randn(layout.local_shape)) for layout in layouts.values()]
+        optimizer = TensorParallelMuon([{"params": params, "param_fqns": list(layouts)}], fp32_matmul_prec="highest",
+                                       gram_newton_schulz=gram, tp_group=dist.group.WORLD, layouts=layouts)
+        optimizer.tp_modes = dict(zip(layouts, plan))  # what 'auto' sets: one mode per matrix
+        for param in params:
+            param.grad = torch.randn_like(param)
+        with counting_collectives(rank, size) as counts, FlopCounterMode(display=False) as flops:
+            optimizer.step()
+        model = rank_costs(list(layouts.values()), plan, size, rank, optimizer.settings, "highest")
+        out.append(((flops.get_total_flops(), counts["bytes_sent"], counts["calls"]),
+                    (model.flops, model.bytes_sent, model.collectives)))
+    return out
+
+
+def test_cost_model_equals_a_counted_step(run_distributed) -> None:
+    plans = [[mode] * 4 for mode in ("duplicated", "distributed", "sharded")]
+    plans.append(["distributed", "sharded", "duplicated", "sharded"])
+    for size in (2, 4):
+        for gram in (False, True):
+            for per_plan in run_distributed(_counted_body, world_size=size, args=(plans, gram)):
+                for plan, (counted, model) in zip(plans, per_plan):
+                    assert counted[0] == model[0], (size, gram, plan, "flops", counted, model)
+                    assert abs(counted[1] - model[1]) < 1e-6, (size, gram, plan, "bytes", counted, model)
+                    assert counted[2] == model[2], (size, gram, plan, "collectives", counted, model)
