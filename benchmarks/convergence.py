@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron_eopt.training.corpus import prepare_stdlib_corpus
-from megatron_eopt.training.curves import VALIDATION_LINE, final_loss, validation_points, validation_reach
+from megatron_eopt.training.curves import VALIDATION_LINE, final_loss, read_metrics, validation_curve, validation_reach
 from megatron_eopt.training.logging.training_log import GREY, PALETTE, Curve, plot_curves
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -54,9 +54,9 @@ class Scale:
     corpus_bytes: int
 
 
-# 999,840 parameters; 512 tokens an iteration, so the 18 runs fit in about an hour on 2 cores.
+# 999,840 parameters; 512 tokens an iteration, so the 20 runs fit in about an hour on 2 cores.
 FULL = Scale(("--num-layers", "3", "--hidden-size", "160", "--num-attention-heads", "5"), 64, 8, 1000, 50, 10,
-             (5e-4, 1e-3, 2e-3, 4e-3), (5e-3, 1e-2, 2e-2, 4e-2), (1.0, 2.5), (1, 2, 3), 4_000_000)
+             (5e-4, 1e-3, 2e-3, 4e-3), (2.5e-3, 5e-3, 1e-2, 2e-2, 4e-2), (1.0, 2.5), (1, 2, 3), 4_000_000)
 QUICK = Scale(("--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2"), 32, 4, 60, 20, 2,
               (4e-3, 1.6e-2), (8e-3, 3.2e-2), (2.0,), (1, 2), 1_000_000)
 
@@ -163,16 +163,15 @@ def run_spec(spec: Spec, scale: Scale, data_flags: list[str], runs_dir: str, pro
             print(f"{progress} {spec.name}: done earlier ({_loss_text(done)})", flush=True)
             return done, False
     print(f"{progress} {spec.name}: {' '.join(command_key(command))}", flush=True)
-    start, lines = time.time(), []
+    start = time.time()
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     with open(log_path, "w") as log, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                                       text=True, cwd=ROOT, env=env) as process:
         for line in process.stdout:
             log.write(line)
-            lines.append(line)
             if VALIDATION_LINE.search(line) and "on validation set" not in line:
                 print(f"    {spec.name}: {line.strip()}", flush=True)
-    result = {**base, **measure(lines, metrics, scale), "command": command_key(command),
+    result = {**base, **measure(metrics, scale), "command": command_key(command),
               "wall_s": round(time.time() - start, 1), "exit_code": process.returncode}
     result["status"] = "done" if process.returncode == 0 else "failed"
     with open(path, "w") as handle:
@@ -181,13 +180,10 @@ def run_spec(spec: Spec, scale: Scale, data_flags: list[str], runs_dir: str, pro
     return result, True
 
 
-def measure(lines: list[str], metrics: str, scale: Scale) -> dict:
+def measure(metrics: str, scale: Scale) -> dict:
     """A run's validation points, final losses and speed (what exists of a run that stopped early)."""
-    rows = []
-    if os.path.exists(metrics):
-        with open(metrics) as handle:
-            rows = [json.loads(line) for line in handle]
-    points = validation_points(lines)
+    rows, evaluations = read_metrics(metrics) if os.path.exists(metrics) else ([], [])
+    points = validation_curve(evaluations)
     losses = [r["loss"] for r in rows]
     finished = bool(rows) and rows[-1]["iteration"] == scale.train_iters
     speeds = [r["elapsed_ms"] for r in rows[1:]]  # the first iteration pays one-off set-up
@@ -329,18 +325,17 @@ def run_all(scale: Scale, args: argparse.Namespace) -> list[dict]:
     extra_seeds = 2 * (len(scale.seeds) - 1)
     total = len(sweep_specs(scale)) + extra_seeds + sum(len(v.lr_factors) for v in variants(scale))
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
-    start, trained, finished, lock = time.time(), [], [], threading.Lock()  # trained: for the estimate
+    start, trained, started, lock = time.time(), [], [], threading.Lock()  # trained: for the estimate
 
     def run(spec: Spec) -> dict:
-        with lock:
+        with lock:  # runs finish at `jobs` at a time, so time per trained run already counts the overlap
+            started.append(spec)
             elapsed = time.time() - start
-            eta = (f", about {elapsed / len(trained) * (total - len(finished)) / args.jobs / 60:.0f} min left"
-                   if trained else "")
-            progress = f"[{len(finished) + 1}/{total}, {elapsed / 60:.1f} min{eta}]"
+            eta = f", about {elapsed / len(trained) * (total - len(started) + 1) / 60:.0f} min left" if trained else ""
+            progress = f"[{len(started)}/{total}, {elapsed / 60:.1f} min{eta}]"
         result, trained_now = run_spec(spec, scale, corpus.trainer_flags(), runs_dir, progress, threads)
         with lock:
             trained.extend([result] if trained_now else [])
-            finished.append(result)
         return result
 
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:

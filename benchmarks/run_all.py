@@ -43,6 +43,7 @@ BENCHMARKS = {
                                      "polargrad", "--hidden", "256", "--layers", "2"],
     "grad_reduce_overlap": TORCHRUN + ["--nproc-per-node", "2", "grad_reduce_overlap.py"],
     "gram_newton_schulz": PYTHON + ["gram_newton_schulz.py", *MAIN, "--repeats", "3"],
+    "per_head_qkv": PYTHON + ["per_head_qkv.py", *MAIN, "--repeats", "5"],
 }
 GPU_BENCHMARKS = {  # bf16 (fp32_matmul_prec 'medium', the library defaults on GPUs)
     "gpu_step": PYTHON + ["optimizer_step.py", "--device", "cuda", "--hidden", "4096", "--layers", "4",
@@ -123,6 +124,9 @@ INFO = [
      ("rows", "ffn_heavy highest", "gram_over_mcore")),
     ("Muon step, square, bf16: with the Gram flag / standard (square blocks stay standard)", "gram_newton_schulz",
      ("rows", "square medium", "gram_over_standard")),
+    ("linear_qkv Muon step, fp32: per head / per q, k, v (muon_split_qkv_per_head)", "per_head_qkv",
+     ("step_ratio",)),
+    ("linear_qkv Newton-Schulz FLOPs: per head / per q, k, v", "per_head_qkv", ("flop_ratio",)),
 ]
 
 

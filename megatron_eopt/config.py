@@ -8,7 +8,6 @@ update. Consumers construct the config and mutate it later, so validation lives 
 """
 
 import dataclasses
-import math
 import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Optional
@@ -23,6 +22,8 @@ from megatron_eopt.config_choices import (  # noqa: F401 (re-exported)
     ScaleMode,
     TpMode,
 )
+
+from megatron_eopt.config_rules import GRAM_NEWTON_SCHULZ_OPTIMIZERS, check_values  # noqa: F401 (re-exported)
 
 # Re-exported: arguments/to_config.py and the benchmarks read them from the config module.
 from megatron_eopt.hardware import fp32_matmul_prec_for, native_bf16_matmul  # noqa: F401
@@ -92,6 +93,10 @@ class OptimizerConfig:
     # costs fewer FLOPs than the standard iteration (ops/gram_newton_schulz.py). Muon and
     # adaptive_muon only.
     muon_gram_newton_schulz: bool = False
+    # megatron_eopt (Megatron-LM PR #6326's name): orthogonalize every q, gate, k and v head of
+    # linear_qkv as its own kv_channels x hidden matrix, scaled by that shape, instead of the q,
+    # k and v of all query groups together. Needs muon_split_qkv. Muon and adaptive_muon only.
+    muon_split_qkv_per_head: bool = False
     # Newer Megatron-LM (PR #6761): the TP mode of expert matrices (MoE, over the expert TP group);
     # None follows muon_tp_mode.
     muon_expert_tp_mode: Optional[str] = None
@@ -255,10 +260,8 @@ MEGATRON_CORE_FIELDS: dict[str, FieldUse] = {
         "parameter went)"),
 }
 # megatron_eopt's own fields: muon_use_syrk and muon_expert_tp_mode (newer Megatron-LM),
-# muon_match_adamw_rms, muon_gram_newton_schulz, muon_tp_hardware_profile,
+# muon_match_adamw_rms, muon_gram_newton_schulz, muon_split_qkv_per_head, muon_tp_hardware_profile,
 # layer_wise_reduce_grads, emerging_optimizers_compile; all used.
-# The optimizers whose Newton-Schulz can take the Gram path (dist_muon: deprecated spelling of muon).
-GRAM_NEWTON_SCHULZ_OPTIMIZERS = ("muon", "dist_muon", "adaptive_muon")
 
 def warn_about_inert_fields(config: "OptimizerConfig") -> None:
     """One warning per process for each 'warns' field set away from its default."""
@@ -321,185 +324,9 @@ def _check_field_types(config: OptimizerConfig) -> None:
             )
 
 
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
-
-
-def _check_choice(config: OptimizerConfig, name: str, choices: tuple[str, ...]) -> None:
-    value = getattr(config, name)
-    _require(
-        value in choices,
-        f"OptimizerConfig.{name} must be one of {', '.join(repr(c) for c in choices)}; "
-        f"got {value!r}.",
-    )
-
-
-def _check_unit_interval(config: OptimizerConfig, *names: str) -> None:
-    for name in names:
-        value = getattr(config, name)
-        _require(0.0 <= value < 1.0, f"OptimizerConfig.{name} must be in [0, 1); got {value}.")
-
-
 def _check_values(config: OptimizerConfig) -> None:
-    _check_optimizer_name(config)
-    _check_learning_rates(config)
-    _check_precision(config)
-    _check_loss_scaling(config)
-    _check_unit_interval(
-        config, "adam_beta1", "adam_beta2", "muon_momentum", "lion_beta1", "lion_beta2",
-        "soap_shampoo_beta", "adaptive_muon_beta2",
-    )
-    _require(config.adam_eps >= 0.0, f"OptimizerConfig.adam_eps must be >= 0; got {config.adam_eps}.")
-    _require(
-        config.adaptive_muon_eps >= 0.0,
-        f"OptimizerConfig.adaptive_muon_eps must be >= 0; got {config.adaptive_muon_eps}.",
-    )
-    _require(
-        config.sgd_momentum >= 0.0,
-        f"OptimizerConfig.sgd_momentum must be >= 0; got {config.sgd_momentum}.",
-    )
-    _check_muon(config)
-    _check_gradients(config)
-    _check_qk_clip(config)
-    _check_distribution(config)
+    check_values(config)  # the rules on values alone, torch-free (config_rules.py)
     _check_unsupported(config)
-
-
-def _check_optimizer_name(config: OptimizerConfig) -> None:
-    # Which names exist is the registry's business (it lists them); here only the spelling.
-    _require(
-        config.optimizer.strip() != "",
-        "OptimizerConfig.optimizer must name an optimizer (for example 'adam' or 'muon'); got ''.",
-    )
-
-
-def _check_learning_rates(config: OptimizerConfig) -> None:
-    for name in ("lr", "min_lr", "decoupled_lr", "decoupled_min_lr"):
-        value = getattr(config, name)
-        if value is not None:
-            _require(
-                math.isfinite(value) and value >= 0.0,
-                f"OptimizerConfig.{name} must be a finite number >= 0 or None; got {value}.",
-            )
-    for low, high in (("min_lr", "lr"), ("decoupled_min_lr", "decoupled_lr")):
-        low_value, high_value = getattr(config, low), getattr(config, high)
-        if low_value is not None and high_value is not None:
-            _require(
-                low_value <= high_value,
-                f"OptimizerConfig.{low} ({low_value}) must not exceed {high} ({high_value}).",
-            )
-    _require(
-        math.isfinite(config.weight_decay) and config.weight_decay >= 0.0,
-        f"OptimizerConfig.weight_decay must be a finite number >= 0; got {config.weight_decay}.",
-    )
-
-
-def _check_precision(config: OptimizerConfig) -> None:
-    _require(
-        not (config.fp16 and config.bf16),
-        "OptimizerConfig.fp16 and OptimizerConfig.bf16 are both True; choose at most one.",
-    )
-
-
-def _check_loss_scaling(config: OptimizerConfig) -> None:
-    if config.loss_scale is not None:
-        _require(
-            config.loss_scale > 0.0,
-            f"OptimizerConfig.loss_scale must be > 0 or None; got {config.loss_scale}.",
-        )
-    _require(
-        0.0 < config.min_loss_scale <= config.initial_loss_scale,
-        f"OptimizerConfig needs 0 < min_loss_scale <= initial_loss_scale; got "
-        f"min_loss_scale={config.min_loss_scale}, initial_loss_scale={config.initial_loss_scale}.",
-    )
-    _require(
-        config.loss_scale_window >= 1,
-        f"OptimizerConfig.loss_scale_window must be >= 1; got {config.loss_scale_window}.",
-    )
-    _require(config.hysteresis >= 1, f"OptimizerConfig.hysteresis must be >= 1; got {config.hysteresis}.")
-
-
-def _check_muon(config: OptimizerConfig) -> None:
-    _check_choice(config, "muon_scale_mode", typing.get_args(ScaleMode))
-    _check_choice(config, "muon_tp_mode", typing.get_args(TpMode))
-    for name, choices in (("muon_expert_tp_mode", TpMode), ("muon_tp_hardware_profile", HardwareProfileName)):
-        if getattr(config, name) is not None:
-            _check_choice(config, name, (*typing.get_args(choices), None))
-    _check_choice(config, "muon_fp32_matmul_prec", typing.get_args(MatmulPrecision))
-    _check_choice(config, "muon_scalar_optimizer", typing.get_args(ScalarOptimizer))
-    _check_choice(config, "adaptive_muon_moment2_method", typing.get_args(AdaptiveMoment2Method))
-    _require(
-        not config.muon_match_adamw_rms or config.muon_scale_mode == "spectral",
-        f"OptimizerConfig.muon_match_adamw_rms needs muon_scale_mode='spectral' (the rule is "
-        f"0.2 * sqrt(max(m, n))); got muon_scale_mode={config.muon_scale_mode!r}.",
-    )
-    _require(
-        isinstance(config.muon_gram_newton_schulz, bool),
-        f"OptimizerConfig.muon_gram_newton_schulz must be True or False; got {config.muon_gram_newton_schulz!r}.",
-    )
-    _require(
-        not config.muon_gram_newton_schulz or config.optimizer in GRAM_NEWTON_SCHULZ_OPTIMIZERS,
-        f"OptimizerConfig.muon_gram_newton_schulz=True is implemented for optimizer "
-        f"{', '.join(map(repr, GRAM_NEWTON_SCHULZ_OPTIMIZERS))}; got optimizer={config.optimizer!r}. "
-        f"Set muon_gram_newton_schulz=False (command line: drop --muon-gram-newton-schulz).",
-    )
-    _require(
-        config.muon_num_ns_steps >= 1,
-        f"OptimizerConfig.muon_num_ns_steps must be >= 1; got {config.muon_num_ns_steps}.",
-    )
-    _require(
-        math.isfinite(config.muon_extra_scale_factor) and config.muon_extra_scale_factor > 0.0,
-        f"OptimizerConfig.muon_extra_scale_factor must be a finite number > 0; got "
-        f"{config.muon_extra_scale_factor}.",
-    )
-    _require(
-        config.soap_precondition_frequency >= 1,
-        f"OptimizerConfig.soap_precondition_frequency must be >= 1; got "
-        f"{config.soap_precondition_frequency}.",
-    )
-
-
-def _check_gradients(config: OptimizerConfig) -> None:
-    _require(
-        math.isfinite(config.clip_grad) and config.clip_grad >= 0.0,
-        f"OptimizerConfig.clip_grad must be a finite number >= 0 (0 disables clipping); got "
-        f"{config.clip_grad}.",
-    )
-    _require(
-        config.grad_norm_skip_threshold > 0.0,
-        f"OptimizerConfig.grad_norm_skip_threshold must be > 0 (inf disables it); got "
-        f"{config.grad_norm_skip_threshold}.",
-    )
-
-
-def _check_qk_clip(config: OptimizerConfig) -> None:
-    _require(
-        math.isfinite(config.qk_clip_threshold) and config.qk_clip_threshold > 0.0,
-        f"OptimizerConfig.qk_clip_threshold must be a finite number > 0; got {config.qk_clip_threshold}.",
-    )
-    _require(
-        0.0 < config.qk_clip_alpha < 1.0,
-        f"OptimizerConfig.qk_clip_alpha must be in (0, 1) (as Megatron-LM requires); got {config.qk_clip_alpha}.",
-    )
-
-
-def _check_distribution(config: OptimizerConfig) -> None:
-    # As Megatron-LM's argument checks: only a distributed optimizer has a parameter sync to
-    # overlap, and the optimizer-step overlap extends the forward overlap.
-    distributed = config.use_distributed_optimizer or config.use_layer_wise_distributed_optimizer
-    _require(
-        distributed or not config.overlap_param_gather,
-        "OptimizerConfig.overlap_param_gather=True needs the distributed optimizer "
-        "(use_distributed_optimizer or use_layer_wise_distributed_optimizer; command line: "
-        "--use-distributed-optimizer): without it every rank updates every parameter and there is "
-        "no parameter sync to overlap.",
-    )
-    _require(
-        config.overlap_param_gather or not config.overlap_param_gather_with_optimizer_step,
-        "OptimizerConfig.overlap_param_gather_with_optimizer_step=True needs overlap_param_gather=True "
-        "(command line: --overlap-param-gather), as in Megatron-LM.",
-    )
 
 
 def _check_unsupported(config: OptimizerConfig) -> None:
@@ -508,10 +335,8 @@ def _check_unsupported(config: OptimizerConfig) -> None:
     defaults = {f.name: f.default for f in dataclasses.fields(OptimizerConfig)}
     for name, use in MEGATRON_CORE_FIELDS.items():
         value = getattr(config, name)
-        _require(
-            use.kind != "refused" or value == defaults[name],
-            f"OptimizerConfig.{name} {use.why}; got {value}.",
-        )
+        if use.kind == "refused" and value != defaults[name]:
+            raise ValueError(f"OptimizerConfig.{name} {use.why}; got {value}.")
 
 
 # Aliases still imported by old code.

@@ -102,6 +102,7 @@ def get_megatron_optimizer(
         records = fsdp.with_tensor_parallel_facts(records)
     if not param_groups:
         raise ValueError("model_chunks have no trainable parameters (requires_grad=True).")
+    _warn_if_per_head_finds_no_qkv(config, records)
     if dump_param_to_param_group_map is not None:
         dump_param_group_map(dump_param_to_param_group_map, param_groups, records)
     for name in routing.optimizers:  # on every rank, before any rank builds (and owns) anything
@@ -178,6 +179,15 @@ def _attach_qk_clip(optimizer: ChainedOptimizer, qk_clip: Optional[QKClip]) -> C
     for child in optimizer.chained_optimizers:
         child.qk_clip = qk_clip
     return optimizer
+
+
+def _warn_if_per_head_finds_no_qkv(config: OptimizerConfig, records: list[ParamRecord]) -> None:
+    """`muon_split_qkv_per_head` splits fused `linear_qkv.weight`s only: say so when there is none."""
+    if config.muon_split_qkv_per_head and not any(
+            r.name.endswith("linear_qkv.weight") and r.optimizer_name == config.optimizer for r in records):
+        warn_once("per_head_without_qkv", f"OptimizerConfig.muon_split_qkv_per_head=True has no effect on this "
+                  f"rank: none of the matrices {config.optimizer!r} steps here is a fused linear_qkv.weight "
+                  f"(multi-latent attention's projections, for one, are orthogonalized whole).", stacklevel=4)
 
 
 def _without_legacy_name(config: OptimizerConfig) -> OptimizerConfig:
@@ -387,7 +397,8 @@ def _optimizer_maker(
     _check_tensor_parallel_support(spec, records, tp_size)
     layouts = None
     if spec.accepts("layouts"):
-        layouts = matrix_layouts(records, chunks, tp_size, config.muon_split_qkv and spec.entry.qkv_split)
+        split_qkv = config.muon_split_qkv and spec.entry.qkv_split
+        layouts = matrix_layouts(records, chunks, tp_size, split_qkv, split_qkv and config.muon_split_qkv_per_head)
     if records:
         on_cpu = all(r.param.device.type == "cpu" for r in records)
     else:

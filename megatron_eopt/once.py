@@ -7,6 +7,13 @@ library goes through `warn_once` or `first_time`, so one set records what has be
 
 import warnings
 
+
+
+class RankWarning(UserWarning):
+    """A warning about one rank alone (its data, its device): a trainer that prints the run's
+    warnings on rank 0 only prints these on every rank."""
+
+
 _GIVEN: set[str] = set()  # keys this process has said something about
 
 

@@ -312,20 +312,24 @@ def dump_param_group_map(path: str, param_groups: list[dict], records: list[Para
 
 
 def matrix_layouts(
-    records: Iterable[ParamRecord], model_chunks: Sequence[torch.nn.Module], tp_size: int, split_qkv: bool
+    records: Iterable[ParamRecord], model_chunks: Sequence[torch.nn.Module], tp_size: int, split_qkv: bool,
+    per_head: bool = False,
 ) -> dict[str, MatrixLayout]:
     """fqn -> MatrixLayout of every record: its shard of the global matrix and its fused blocks.
 
-    `linear_qkv.weight` splits into q/k/v(/gate) blocks per query group when `split_qkv`; a
-    `linear_fc1.weight` of a gated linear unit into gate and up halves. Both read the owning
-    chunk's TransformerConfig (`.config`). A layout that does not fit raises, naming the fqn.
+    `linear_qkv.weight` splits into q/k/v(/gate) blocks per query group when `split_qkv`, and
+    further into one matrix per q, gate, k and v head with `per_head`; a `linear_fc1.weight` of
+    a gated linear unit into gate and up halves. Both read the owning chunk's TransformerConfig
+    (`.config`). A layout that does not fit raises, naming the fqn.
     """
     return {
-        r.fqn: matrix_layout(r, chunk_model_config(model_chunks[r.chunk_index]), tp_size, split_qkv) for r in records
+        r.fqn: matrix_layout(r, chunk_model_config(model_chunks[r.chunk_index]), tp_size, split_qkv, per_head)
+        for r in records
     }
 
 
-def matrix_layout(record: ParamRecord, model_config: Any, tp_size: int, split_qkv: bool) -> MatrixLayout:
+def matrix_layout(record: ParamRecord, model_config: Any, tp_size: int, split_qkv: bool,
+                  per_head: bool = False) -> MatrixLayout:
     """The MatrixLayout of one 2-D parameter (see `matrix_layouts`)."""
     shape = tuple(record.param.shape)
     if len(shape) != 2:
@@ -333,7 +337,7 @@ def matrix_layout(record: ParamRecord, model_config: Any, tp_size: int, split_qk
             f"parameter {record.fqn!r} has shape {shape}, but optimizer {record.optimizer_name!r} "
             f"orthogonalizes 2-D matrices only; route it to the scalar optimizer (muon_scalar_optimizer)."
         )
-    num_row_groups, row_blocks = 1, ()
+    num_row_groups, row_blocks, head_rows = 1, (), 0
     if split_qkv and record.name.endswith("linear_qkv.weight"):
         if model_config is None:
             raise ValueError(
@@ -344,6 +348,7 @@ def matrix_layout(record: ParamRecord, model_config: Any, tp_size: int, split_qk
             )
         sharded_rows = record.tensor_model_parallel and record.partition_dim == 0
         num_row_groups, row_blocks = qkv_row_blocks(model_config, tp_size if sharded_rows else 1, record.fqn)
+        head_rows = row_blocks[-1] if per_head else 0  # kv_channels: the rows of one head
     elif record.name.endswith("linear_fc1.weight") and getattr(model_config, "gated_linear_unit", False):
         row_blocks = (shape[0] // 2, shape[0] // 2)
     return MatrixLayout(
@@ -353,6 +358,7 @@ def matrix_layout(record: ParamRecord, model_config: Any, tp_size: int, split_qk
         tp_size=tp_size,
         num_row_groups=num_row_groups,
         row_blocks=row_blocks,
+        head_rows=head_rows,
     )
 
 

@@ -7,9 +7,7 @@
 `megatron_eopt.training`; docs/trainer.md describes its flags.
 """
 
-from megatron_eopt.training.logging.warning_policy import quiet_repeated_warnings
 from megatron_eopt.training.pretrain import main
 
 if __name__ == "__main__":
-    quiet_repeated_warnings()  # before main() imports megatron-core, which warns on import
     main()

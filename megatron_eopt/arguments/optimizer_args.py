@@ -9,17 +9,19 @@ hardware ('medium' where bf16 matrix products are native, else 'highest').
 Flags are spelled as Megatron-LM spells them: `store_true` booleans, except its negative
 spellings `--muon-no-split-qkv` and `--soap-no-kl-shampoo`. Importing this module imports no
 torch: the defaults and the installed choices (`list_optimizers`, `coefficient_types`) are read
-inside `add_optimizer_args`; with `deferred=True` not at all (defaults None, choices unchecked),
-and `resolve_optimizer_flags` fills and checks them later, so a trainer parses before torch.
+inside `add_optimizer_args`; with `deferred=True` not at all (defaults None; the installed
+choices from the torch-free lists of optimizer_names.py where they describe the installed
+emerging_optimizers), and `resolve_optimizer_flags` fills and checks them later, so a trainer
+parses before torch.
 """
 
 import argparse
 import dataclasses
-import difflib
 import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
+from megatron_eopt.close_match import did_you_mean
 from megatron_eopt.config_choices import (
     AdaptiveMoment2Method,
     HardwareProfileName,
@@ -28,8 +30,8 @@ from megatron_eopt.config_choices import (
     ScaleMode,
     TpMode,
 )
+from megatron_eopt.optimizer_names import DEPRECATED_OPTIMIZER_NAMES, coefficient_types, optimizer_names
 
-DEPRECATED_OPTIMIZER_NAMES = ("dist_muon",)  # accepted by --optimizer, rewritten by validate_args
 GIVEN_FLAGS_ATTR = "optimizer_flags_given"  # Namespace attribute: dests set on the command line
 
 
@@ -45,12 +47,18 @@ class Flag:
     negative: bool = False  # a `--no-...` switch: store_false
     hardware_default: bool = False  # default None: optimizer_config_from_args chooses for the device
     installed: bool = False  # choices read from the installed packages (imports torch)
+    listed: Optional[Callable[[], Optional[tuple[str, ...]]]] = None  # the same, torch-free (None: unknown)
 
 
 def _optimizer_choices() -> tuple[str, ...]:
     from megatron_eopt.registry import list_optimizers  # lazy: installed optimizers only
 
     return tuple(list_optimizers()) + DEPRECATED_OPTIMIZER_NAMES
+
+
+def _listed_optimizer_choices() -> Optional[tuple[str, ...]]:
+    names = optimizer_names()
+    return None if names is None else names + DEPRECATED_OPTIMIZER_NAMES
 
 
 def _coefficient_choices() -> tuple[str, ...]:
@@ -66,7 +74,8 @@ def _literal(alias: Any) -> Callable[[], tuple[str, ...]]:
 FLAGS: tuple[Flag, ...] = (
     # General.
     Flag("--optimizer", "optimizer", "Optimizer (dist_muon is deprecated: use --optimizer muon "
-         "--use-distributed-optimizer).", str, _optimizer_choices, installed=True),
+         "--use-distributed-optimizer).", str, _optimizer_choices, installed=True,
+         listed=_listed_optimizer_choices),
     Flag("--lr", "lr", "Peak learning rate.", float),
     Flag("--min-lr", "min_lr", "Minimum learning rate of the schedule.", float),
     Flag("--decoupled-lr", "decoupled_lr", "Learning rate of the embedding and output layer.", float),
@@ -89,13 +98,16 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--muon-nesterov", "muon_nesterov", "Nesterov momentum in Muon."),
     Flag("--muon-no-split-qkv", "muon_split_qkv", "Orthogonalize linear_qkv as one matrix instead "
          "of q, k, v separately.", negative=True),
+    Flag("--muon-split-qkv-per-head", "muon_split_qkv_per_head", "Orthogonalize every q, k and v "
+         "head of linear_qkv as its own matrix (muon, adaptive_muon)."),
     Flag("--muon-scale-mode", "muon_scale_mode", "Scale of Muon's update.", str, _literal(ScaleMode)),
     Flag("--muon-fp32-matmul-prec", "muon_fp32_matmul_prec", "FP32 matmul precision of the "
          "Newton-Schulz iteration ('medium': bf16). Default: chosen from the hardware, 'medium' "
          "where bf16 matrix products are native (GPUs, CPUs with AVX512-BF16/AMX/Arm BF16), "
          "else 'highest'.", str, _literal(MatmulPrecision), hardware_default=True),
     Flag("--muon-coefficient-type", "muon_coefficient_type", "Newton-Schulz coefficient set (those "
-         "of the installed emerging_optimizers).", str, _coefficient_choices, installed=True),
+         "of the installed emerging_optimizers).", str, _coefficient_choices, installed=True,
+         listed=coefficient_types),
     Flag("--muon-num-ns-steps", "muon_num_ns_steps", "Newton-Schulz steps.", int),
     Flag("--muon-tp-mode", "muon_tp_mode", "How tensor-parallel matrices are orthogonalized (no "
          "effect without tensor parallelism); 'auto': per matrix, the exact mode predicted cheapest.",
@@ -174,7 +186,8 @@ class _StoreAndRecord(argparse.Action):
 def add_optimizer_args(parser: argparse.ArgumentParser, *, deferred: bool = False) -> argparse.ArgumentParser:
     """Add the 'optimizer' argument group to `parser` and return it.
 
-    `deferred`: every default None and the installed choices unchecked, with no import of torch;
+    `deferred`: every default None and the installed choices from optimizer_names.py (unchecked
+    where it does not know them), with no import of torch;
     `resolve_optimizer_flags` then gives the namespace with OptimizerConfig's defaults.
     """
     defaults = {} if deferred else _config_defaults()
@@ -184,7 +197,10 @@ def add_optimizer_args(parser: argparse.ArgumentParser, *, deferred: bool = Fals
                              with_choices=not (deferred and flag.installed))
         if flag.dest == "muon_tp_mode":  # validate_args warns when it is given with TP=1
             kwargs["action"] = _StoreAndRecord
-        if deferred and flag.installed:
+        listed = flag.listed() if deferred and flag.listed is not None else None
+        if listed is not None:  # the installed choices, known without torch (optimizer_names.py)
+            kwargs["choices"] = listed
+        elif deferred and flag.installed:
             kwargs["help"] += f" Choices: those installed ({flag.option} checks them after start-up)."
         group.add_argument(flag.option, **kwargs)
     return parser
@@ -212,8 +228,7 @@ def resolve_optimizer_flags(args: argparse.Namespace) -> argparse.Namespace:
 def invalid_choice_message(option: str, value: Any, choices: Sequence[Any]) -> str:
     """argparse's words for a bad choice, plus the closest choice."""
     message = f"argument {option}: invalid choice: {value!r} (choose from {', '.join(map(repr, choices))})"
-    close = difflib.get_close_matches(str(value), [str(choice) for choice in choices], n=1)
-    return message + (f"; did you mean {close[0]}?" if close else "")
+    return message + did_you_mean(str(value), [str(choice) for choice in choices])
 
 
 def flag_kwargs(flag: Flag, default: Any, with_choices: bool = True) -> dict[str, Any]:

@@ -271,10 +271,19 @@ def sharded_bytes_sent(shape: tuple[int, int], sharded: bool, tp_size: int, owne
 
 def layout_costs(layout: MatrixLayout, tp_size: int, mode: str, settings: NewtonSchulzSettings = NewtonSchulzSettings(),
                  precision: str = "highest") -> list[BlockCost]:
-    """`block_cost` of every block of one parameter (q/k/v, gate/up, or the whole matrix)."""
-    partition_dim = layout.partition_dim if tp_size > 1 else -1
+    """`block_cost` of every block of one parameter (q/k/v, gate/up, or the whole matrix). Per-head
+    blocks are whole on their rank: each rank runs its own, with no communication, in any mode."""
+    partition_dim, mode = _block_placement(layout, tp_size, mode)
     return [block_cost(shape, partition_dim, tp_size, mode, settings, precision)
             for shape in layout.global_block_shapes()]
+
+
+def _block_placement(layout: MatrixLayout, tp_size: int, mode: str) -> tuple[int, str]:
+    """(partition_dim, mode) that `block_cost` counts a block of `layout` with: a per-head block
+    costs what a replicated one does in 'duplicated' (every rank runs it, nothing is sent)."""
+    if layout.per_head:
+        return -1, "duplicated"
+    return (layout.partition_dim if tp_size > 1 else -1), mode
 
 
 def cheapest_mode(layout: MatrixLayout, tp_size: int, profile: HardwareProfile,
@@ -314,7 +323,7 @@ def step_costs(layouts: Sequence[MatrixLayout], modes: Sequence[str], tp_size: i
     `assign_owner_ranks` over those blocks' costs, in parameter order, as the step assigns them."""
     if len(modes) != len(layouts):
         raise ValueError(f"modes must give one mode per layout; got {len(modes)} for {len(layouts)} layouts.")
-    blocks = [(shape, layout.partition_dim if tp_size > 1 else -1, mode)
+    blocks = [(shape, *_block_placement(layout, tp_size, mode))
               for layout, mode in zip(layouts, modes) for shape in layout.global_block_shapes()]
     if tp_size == 1:
         return [RankCost(sum(newton_schulz_flops(*shape, settings, precision)[1] for shape, _, _ in blocks), 0.0, 0)]

@@ -7,8 +7,8 @@ The iteration is emerging_optimizers'; this module decides who orthogonalizes wh
 - distributed: the shards stay put; each iteration all-reduces the small Gram matrix.
 - sharded:     one TP rank per matrix, cost-balanced; one all-to-all there, one back.
 All but blockwise equal the TP=1 update to fp32 round-off; each parameter may have its own mode
-('auto': ops/muon_cost.py chooses). Scales use the global block shape.
-
+('auto': ops/muon_cost.py chooses). Scales use the global block shape. Per-head blocks
+(MatrixLayout.per_head) are whole on their rank: done there, in every mode.
 `orthogonalize_batched` runs every group of equal shape as one batched call, every matrix even
 alone, so its result does not depend on which others share the step. With `gram=True` a block
 takes Gram Newton-Schulz where that costs fewer FLOPs (ops/gram_newton_schulz.py; `block_paths`
@@ -114,20 +114,23 @@ def orthogonalize_updates(
     pieces = [(i, block, layout) for i, (u, layout) in enumerate(zip(updates, layouts))
               for block in split_blocks(u.float(), layout)]
     block_shapes = [s for layout in layouts for s in layout.global_block_shapes()]
-    if _size(tp_group) == 1:
-        results = orthogonalize_batched([b for _, b, _ in pieces], [settings.scale(*s) for s in block_shapes], settings)
-    else:
-        results = [torch.empty(0)] * len(pieces)
-        for mode in TP_MODES:
-            subset = [k for k, (i, _, _) in enumerate(pieces) if modes[i] == mode]
-            if subset:
-                done = _orthogonalize_in_mode([pieces[k] for k in subset], [block_shapes[k] for k in subset],
-                                              mode, tp_group, settings)
-                for k, result in zip(subset, done):
-                    results[k] = result
+    # Without TP, and per-head blocks (whole on this rank) in every mode: here, no communication.
+    here = [_size(tp_group) == 1 or layout.per_head for _, _, layout in pieces]
+    own = [k for k, local in enumerate(here) if local]
+    results: list[torch.Tensor] = [torch.empty(0)] * len(pieces)
+    for k, result in zip(own, orthogonalize_batched([pieces[k][1] for k in own],
+                                                    [settings.scale(*block_shapes[k]) for k in own], settings)):
+        results[k] = result
+    for mode in TP_MODES:  # the same subsets on every TP rank
+        subset = [k for k, (i, _, _) in enumerate(pieces) if modes[i] == mode and not here[k]]
+        if subset:
+            done = _orthogonalize_in_mode([pieces[k] for k in subset], [block_shapes[k] for k in subset],
+                                          mode, tp_group, settings)
+            for k, result in zip(subset, done):
+                results[k] = result
     merged, start = [], 0
     for update, layout in zip(updates, layouts):
-        count = len(layout.blocks)
+        count = len(layout.global_block_shapes())
         merged.append(merge_blocks(results[start:start + count], layout).to(update.dtype))
         start += count
     return merged
@@ -151,7 +154,7 @@ def block_paths(layout: MatrixLayout, tp_mode: str, tp_size: int, settings: Newt
     """'gram' or 'standard' for each block of `layout`, as `orthogonalize_updates` will run it:
     the global block in 'duplicated'/'sharded' (and at TP=1), the local shard in 'blockwise',
     the local shard iterated on its Gram matrix over the TP ranks in 'distributed'."""
-    sharded = tp_size > 1 and layout.partition_dim >= 0
+    sharded = tp_size > 1 and layout.partition_dim >= 0 and not layout.per_head
     shapes = layout.global_block_shapes()
     if sharded and tp_mode in ("blockwise", "distributed"):
         shapes = [(layout.num_row_groups * block, layout.local_shape[1]) for block in layout.blocks]

@@ -8,6 +8,8 @@ A 2-D weight's local shard is `num_row_groups` repetitions of row blocks of size
 - linear_fc1 with a gated linear unit: 1 group, blocks (gate_r, up_r): megatron-core builds it
   with partition_stride=2, so rank r holds [gate_r; up_r] and the global matrix is
   [gate_all; up_all]
+- linear_qkv split per head (`head_rows` = kv_channels): every head_rows consecutive rows (one
+  q, gate, k or v head) are a matrix of their own, whole on this rank
 Pure functions; no communication, no megatron-core import.
 """
 
@@ -27,6 +29,7 @@ class MatrixLayout:
     tp_size: int = 1
     num_row_groups: int = 1
     row_blocks: tuple[int, ...] = ()  # empty: one block of all rows
+    head_rows: int = 0  # > 0: each head_rows consecutive rows are one matrix (per-head split)
 
     def __post_init__(self) -> None:
         rows, _ = self.local_shape
@@ -44,20 +47,44 @@ class MatrixLayout:
                 f"parameter {self.name!r}: fused row blocks on a row-parallel (partition_dim=1) "
                 f"shard are not a megatron-core layout."
             )
+        if self.head_rows:
+            self._check_head_rows()
+
+    def _check_head_rows(self) -> None:
+        if self.head_rows < 0 or any(block % self.head_rows for block in self.blocks):
+            raise ValueError(
+                f"parameter {self.name!r}: head_rows={self.head_rows} must be > 0 and divide every "
+                f"row block ({'+'.join(map(str, self.blocks))}) for a per-head split."
+            )
+        if self.partition_dim == 1:
+            raise ValueError(
+                f"parameter {self.name!r}: a per-head split of a row-parallel (partition_dim=1) "
+                f"shard is not a megatron-core layout."
+            )
 
     @property
     def blocks(self) -> tuple[int, ...]:
         return self.row_blocks or (self.local_shape[0],)
 
+    @property
+    def per_head(self) -> bool:
+        """Whether every block matrix is one head, held whole by this rank (never sharded)."""
+        return self.head_rows > 0
+
     def global_block_shapes(self) -> list[tuple[int, int]]:
         """(rows, cols) of each block matrix in the unsharded model."""
+        if self.per_head:  # column-parallel or replicated: the columns are whole
+            return [(self.head_rows, self.local_shape[1])] * (self.local_shape[0] // self.head_rows)
         rows_factor = self.tp_size if self.partition_dim == 0 else 1
         cols = self.local_shape[1] * (self.tp_size if self.partition_dim == 1 else 1)
         return [(self.num_row_groups * block * rows_factor, cols) for block in self.blocks]
 
 
 def split_blocks(x: torch.Tensor, layout: MatrixLayout) -> list[torch.Tensor]:
-    """The local part of every block matrix (rows of one block from all row groups)."""
+    """The local part of every block matrix (rows of one block from all row groups; per head:
+    each head's rows, in row order)."""
+    if layout.per_head:
+        return list(x.reshape(-1, layout.head_rows, x.shape[1]).unbind(0))
     if len(layout.blocks) == 1:
         return [x]
     grouped = x.reshape(layout.num_row_groups, sum(layout.blocks), x.shape[1])
@@ -68,6 +95,8 @@ def merge_blocks(parts: list[torch.Tensor], layout: MatrixLayout) -> torch.Tenso
     """Inverse of `split_blocks`."""
     if len(parts) == 1:
         return parts[0]
+    if layout.per_head:
+        return torch.cat(parts, dim=0)
     cols = parts[0].shape[1]
     grouped = [p.reshape(layout.num_row_groups, -1, cols) for p in parts]
     return torch.cat(grouped, dim=1).reshape(-1, cols)

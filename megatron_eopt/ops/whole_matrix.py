@@ -21,10 +21,12 @@ def _size(group: Optional[dist.ProcessGroup]) -> int:
 
 
 def _is_sharded(layout: MatrixLayout, tp_group: Optional[dist.ProcessGroup]) -> bool:
-    if layout.partition_dim >= 0 and _size(tp_group) > 1 and layout.num_row_groups != 1:
+    split = layout.num_row_groups != 1 or layout.per_head
+    if layout.partition_dim >= 0 and _size(tp_group) > 1 and split:
         raise ValueError(
-            f"parameter {layout.name!r}: a whole-matrix layout has one row group; got "
-            f"{layout.num_row_groups} (a q/k/v split, which only Muon uses)."
+            f"parameter {layout.name!r}: a whole-matrix layout has one row group and no per-head "
+            f"split; got {layout.num_row_groups} group(s), head_rows={layout.head_rows} (a q/k/v "
+            f"split, which only Muon uses)."
         )
     return layout.partition_dim >= 0 and _size(tp_group) > 1
 

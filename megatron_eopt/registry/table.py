@@ -17,12 +17,13 @@ import warnings
 
 import torch
 
+from megatron_eopt.ops.newton_schulz import coefficient_types
+from megatron_eopt.optimizer_names import COEFFICIENT_TYPES, EMERGING_OPTIMIZERS, ENTRY_POINT_GROUP, mismatch
 from megatron_eopt.registry.builtin import CURATED, build_adam, build_sgd, emerging_entry
 from megatron_eopt.registry.entries import NAME_PATTERN, EmergingOptimizerEntry, Entry, OptimizerEntry
 from megatron_eopt.registry.spec import OptimizerSpec
 from megatron_eopt.registry.support import SUPPORT_COLUMNS
 
-ENTRY_POINT_GROUP = "megatron_eopt.optimizers"
 # Modules whose import registers emerging_optimizers' optimizers (or that we read values from).
 EMERGING_MODULES = (
     "emerging_optimizers.registry",
@@ -117,6 +118,7 @@ class OptimizerTable:
         from emerging_optimizers import registry as eo_registry
 
         names = eo_registry.get_optimizer_name_list()
+        _check_listed_names(names)
         for name in names:
             try:
                 entry = emerging_entry(name, eo_registry.get_optimizer_cls(name))
@@ -152,6 +154,16 @@ class OptimizerTable:
                 )
                 self.unavailable.setdefault(entry_point.name, why)
                 warnings.warn(why, RuntimeWarning, stacklevel=2)
+
+
+def _check_listed_names(names: list[str]) -> None:
+    """Warn when the torch-free lists that flags are checked against before the import
+    (optimizer_names.py) differ from the installed emerging_optimizers."""
+    for listed, installed, what in ((EMERGING_OPTIMIZERS, names, "optimizer names"),
+                                    (COEFFICIENT_TYPES, coefficient_types(), "Newton-Schulz coefficient sets")):
+        difference = mismatch(listed, installed, what)
+        if difference:
+            warnings.warn(difference + ".", RuntimeWarning, stacklevel=3)
 
 
 def _emerging_version() -> str:

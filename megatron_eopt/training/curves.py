@@ -1,16 +1,17 @@
-"""Loss curves of trainer runs: smoothing, final losses, validation points read from the log, and
+"""Loss curves of trainer runs: the metrics file, smoothing, final losses, validation points, and
 the iteration at which one run reaches another's final loss. Used by `make demo` and
 benchmarks/convergence.py.
 
 Training losses are per logged iteration (`--metrics-jsonl`, `--log-interval 1`) and smoothed over
-WINDOW iterations. Validation losses are the trainer's periodic evaluations, parsed from its
-printed `validation loss at iteration N | lm loss value: X` lines (the final `on validation set`
-line is left out: it reads other batches at the same iteration).
+WINDOW iterations. Validation losses are the trainer's periodic evaluations, from the metrics file's
+evaluation records (VALIDATION_LINE finds their printed lines, for progress). The final evaluation
+(`on validation set`) is left out: it reads other batches at the same iteration.
 """
 
+import json
 import re
 import statistics
-from typing import Iterable, Optional
+from typing import Optional
 
 WINDOW = 10
 VALIDATION_LINE = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([-+0-9.eE]+|nan|inf)")
@@ -30,10 +31,17 @@ def final_loss(losses: list[float]) -> float:
     return statistics.fmean(losses[-WINDOW:])
 
 
-def validation_points(log_lines: Iterable[str]) -> list[tuple[int, float]]:
-    """(iteration, loss) of each periodic evaluation in a trainer's printed output, in order."""
-    return [(int(match.group(1)), float(match.group(2)))
-            for match in map(VALIDATION_LINE.search, log_lines) if match]
+def read_metrics(path: str) -> tuple[list[dict], list[dict]]:
+    """A --metrics-jsonl file's training records (one per logged iteration: `loss`, `lr`, ...)
+    and evaluation records (`split`, `final`, `eval_loss`, `eval_ppl`), each in file order."""
+    with open(path) as handle:
+        records = [json.loads(line) for line in handle if line.strip()]
+    return [r for r in records if "eval_loss" not in r], [r for r in records if "eval_loss" in r]
+
+
+def validation_curve(evaluations: list[dict]) -> list[tuple[int, float]]:
+    """(iteration, loss) of each periodic validation among read_metrics' evaluation records."""
+    return [(r["iteration"], r["eval_loss"]) for r in evaluations if r["split"] == "valid" and not r["final"]]
 
 
 def validation_reach(points: list[tuple[int, float]], target: float) -> Optional[float]:

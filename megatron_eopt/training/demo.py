@@ -29,7 +29,8 @@ from megatron_eopt.training.curves import (  # noqa: F401 (re-exported for the t
     final_loss,
     iterations_to_reach,
     smoothed,
-    validation_points,
+    read_metrics,
+    validation_curve,
     validation_reach,
 )
 from megatron_eopt.training.logging.training_log import ITERATION_IN_LINE, PALETTE, Curve, plot_curves
@@ -88,18 +89,16 @@ def train(run: Run, args: argparse.Namespace, data_flags: list[str]) -> dict:
     command = run.command(args, data_flags, metrics)
     print(f"> {run.name}: torchrun {' '.join(command[3:])}", flush=True)
     echo_every = max(1, args.train_iters // 10)
-    lines = []
     with open(log_path, "w") as log, subprocess.Popen(command, stdout=subprocess.PIPE,
                                                       stderr=subprocess.STDOUT, text=True) as process:
         for line in process.stdout:
             log.write(line)
-            lines.append(line)
             if _is_milestone(line, echo_every):
                 print(line, end="", flush=True)
     if process.returncode:
         sys.exit(f"{run.name} failed (exit {process.returncode}); see {log_path}")
-    with open(metrics) as handle:
-        return {"train": [json.loads(line) for line in handle], "validation": validation_points(lines)}
+    train, evaluations = read_metrics(metrics)
+    return {"train": train, "validation": validation_curve(evaluations)}
 
 
 def _is_milestone(line: str, every: int) -> bool:

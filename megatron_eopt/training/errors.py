@@ -1,13 +1,14 @@
-"""One-line flag errors and argparse output from rank 0 only; every rank exits alike; one-line warnings."""
+"""One-line flag errors and argparse output from rank 0 only; every rank exits alike (warnings:
+logging/warning_policy.py)."""
 
 import argparse
-import difflib
 import os
 import re
 import sys
 import time
-import warnings
 from typing import NoReturn, Optional, TextIO
+
+from megatron_eopt.close_match import closest, did_you_mean
 
 PROG = "pretrain_gpt.py"
 
@@ -34,15 +35,6 @@ def exit_with_error(message: str) -> NoReturn:
     _exit_from_any_rank(2, f"{PROG}: error: {' '.join(message.split())}\n")
 
 
-def one_line_warnings() -> None:
-    """Warnings print as one line each (`format_warning`), without the Python source line."""
-    warnings.formatwarning = format_warning
-
-
-def format_warning(message, category: type, filename: str, lineno: int, line: Optional[str] = None) -> str:
-    return f"{PROG}: warning: {' '.join(str(message).split())} ({category.__name__})\n"
-
-
 def _exit_from_any_rank(status: int, message: Optional[str]) -> NoReturn:
     if is_rank_zero():
         if message:
@@ -64,13 +56,12 @@ class RankZeroArgumentParser(argparse.ArgumentParser):
         unknown = re.match(r"unrecognized arguments: (.*)", message)
         if unknown:
             options = [option for option in self._option_string_actions if option.startswith("--")]
-            guesses = [_closest(word.split("=")[0], options) for word in unknown.group(1).split() if word[:1] == "-"]
+            guesses = [closest(word.split("=")[0], options) for word in unknown.group(1).split() if word[:1] == "-"]
             guesses = [guess for guess in guesses if guess]
             return f" (did you mean {' or '.join(guesses)}?)" if guesses else ""
         choice = re.search(r"invalid choice: (.*?) \(choose from (.*)\)$", message)
         if choice:
-            guess = _closest(choice.group(1).strip("'"), [c.strip().strip("'") for c in choice.group(2).split(",")])
-            return f"; did you mean {guess}?" if guess else ""
+            return did_you_mean(choice.group(1).strip("'"), [c.strip().strip("'") for c in choice.group(2).split(",")])
         return ""
 
     def print_usage(self, file: Optional[TextIO] = None) -> None:
@@ -84,12 +75,3 @@ class RankZeroArgumentParser(argparse.ArgumentParser):
     def exit(self, status: int = 0, message: Optional[str] = None) -> NoReturn:
         _exit_from_any_rank(status, message)
 
-
-def _closest(word: str, candidates: list[str]) -> Optional[str]:
-    """The candidate `word` begins (one only) or, else, the most similar one, ignoring case."""
-    lower = {candidate.lower(): candidate for candidate in candidates}
-    starting = [candidate for candidate in lower if candidate.startswith(word.lower())]
-    if len(starting) == 1:
-        return lower[starting[0]]
-    matches = difflib.get_close_matches(word.lower(), list(lower), n=1)
-    return lower[matches[0]] if matches else None

@@ -11,7 +11,8 @@ from typing import Optional
 # the flags are parsed (parse_args), so --help and flag errors do not wait for them.
 from megatron_eopt.training.arguments.parser import parse_args
 from megatron_eopt.training.checkpoint_paths import check_checkpoint_paths
-from megatron_eopt.training.errors import exit_with_error, one_line_warnings
+from megatron_eopt.training.errors import exit_with_error
+from megatron_eopt.training.logging.warning_policy import warning_policy
 
 
 def main(argv: Optional[list[str]] = None) -> list[dict]:
@@ -21,9 +22,13 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     of worker processes this way), the job is that whole process group, which is left
     initialised at the end; otherwise the process group is made here and destroyed at the end.
     """
+    with warning_policy():  # one line each; the harmless third-party ones once, on rank 0
+        return _main(argv)
+
+
+def _main(argv: Optional[list[str]]) -> list[dict]:
     dist = sys.modules.get("torch.distributed")
     owns_process_group = not (dist is not None and dist.is_available() and dist.is_initialized())
-    one_line_warnings()  # e.g. validate_args' "has no effect" warnings, without Python's source line
     args, settings, layout = parse_args(argv)
     try:
         check_checkpoint_paths(args)  # before any model is built: --save writable, --load as the flags need
@@ -83,7 +88,4 @@ def _describe_job(args, settings, layout) -> str:
 
 
 if __name__ == "__main__":  # `torchrun -m megatron_eopt.training.pretrain`, as scripts/pretrain_gpt.py
-    from megatron_eopt.training.logging.warning_policy import quiet_repeated_warnings
-
-    quiet_repeated_warnings()
     main()

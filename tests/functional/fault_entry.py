@@ -17,7 +17,6 @@ import time
 from torch.distributed.checkpoint import filesystem
 
 from megatron_eopt.checkpointing import storage
-from megatron_eopt.training.logging.warning_policy import quiet_repeated_warnings
 from megatron_eopt.training.loop import train
 from megatron_eopt.training.parallel import elastic
 from megatron_eopt.training.pretrain import main
@@ -80,5 +79,4 @@ wrap(elastic, "fail", before=lambda *a, **k: say("fails"))
 
 if __name__ == "__main__":
     say("starts")
-    quiet_repeated_warnings()
     main()

@@ -14,7 +14,6 @@ checkpoint's step, and a directory without `latest` resumes from its newest chec
 so. Expected learning rates come from the cosine formula written out here.
 """
 
-import json
 import math
 import pathlib
 import shutil
@@ -25,6 +24,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from megatron_eopt.training.curves import read_metrics
 from tests.functional.test_pretrain_gpt import MODEL_FLAGS, ROOT, TOLERANCE
 
 # fp32 Newton-Schulz (the default is chosen from the hardware): layouts are compared to 1e-4.
@@ -45,7 +45,7 @@ def _run(nproc: int, flags: list[str], metrics: pathlib.Path, output: dict | Non
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     if output is not None:
         output["stdout"] = result.stdout
-    return [json.loads(line) for line in metrics.read_text().splitlines()]
+    return read_metrics(str(metrics))[0]
 
 
 def _cosine_lr(steps_done: int, max_lr: float, min_lr: float = 1e-3, warmup: int = 2, decay: int = 20) -> float:

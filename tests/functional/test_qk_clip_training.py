@@ -13,7 +13,6 @@ Regenerate the plot of docs/qk-clip.md (docs/qk_clip_max_logit.png) with
     .venv/bin/python tests/functional/test_qk_clip_training.py --plot docs/qk_clip_max_logit.png
 """
 
-import json
 import math
 import pathlib
 import subprocess
@@ -23,6 +22,7 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from megatron_eopt.training.curves import read_metrics  # noqa: E402
 from megatron_eopt.training.logging.training_log import GREY, PALETTE, Curve, plot_curves  # noqa: E402
 
 TAU = 50.0
@@ -43,7 +43,7 @@ def _launch(folder: pathlib.Path, name: str, extra: list[str]) -> list[dict]:
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "| max attention logit: " in result.stdout
-    return [json.loads(line) for line in metrics.read_text().splitlines()]
+    return read_metrics(str(metrics))[0]
 
 
 def run_both(folder: pathlib.Path) -> dict[str, list[dict]]:

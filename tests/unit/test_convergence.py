@@ -27,6 +27,9 @@ def _fake_popen(validation: list[tuple[int, float]], calls: list):
         def __init__(self, command, **kwargs):
             calls.append(command)
             rows = [{"iteration": i, "loss": 5.0 - i / 100, "elapsed_ms": 100.0} for i in range(1, SCALE_ITERS + 1)]
+            rows += [{"iteration": i, "split": "valid", "final": False, "eval_loss": v, "eval_ppl": 1.0}
+                     for i, v in validation]
+            rows += [{"iteration": SCALE_ITERS, "split": "valid", "final": True, "eval_loss": 9.0, "eval_ppl": 1.0}]
             pathlib.Path(command[-1]).write_text("".join(json.dumps(row) + "\n" for row in rows))
             self.stdout = [f" validation loss at iteration {i} | lm loss value: {v:.6E} | lm loss PPL: 1 |\n"
                            for i, v in validation]

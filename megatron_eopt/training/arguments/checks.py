@@ -10,8 +10,10 @@ from megatron_eopt.arguments import (
     validate_args,
 )
 from megatron_eopt.arguments.optimizer_args import resolve_optimizer_flags
+from megatron_eopt.arguments.validate import flag_message
+from megatron_eopt.config_rules import check_values
 from megatron_eopt.training.arguments.data import check_data_flags
-from megatron_eopt.training.arguments.device import Device, NotYetKnown, device_after_import, device_before_import
+from megatron_eopt.training.arguments.device import Device, device_after_import, device_before_import
 from megatron_eopt.training.arguments.flags.table import replaced
 from megatron_eopt.training.arguments.loop import check_performance_flags
 from megatron_eopt.training.arguments.model import (
@@ -25,7 +27,7 @@ from megatron_eopt.training.data.batch_schedule import (
     BatchSchedule,
     check_batch_schedule_flags,
     check_batch_sizes,
-    rampup_steps,
+    schedule_steps,
 )
 from megatron_eopt.training.errors import exit_with_error
 from megatron_eopt.training.model.settings import GPTModelSettings
@@ -34,14 +36,18 @@ from megatron_eopt.training.parallel.layout import Layout, job_layout
 
 def check_flags_before_import(parsed: argparse.Namespace) -> None:
     """Every check that needs neither torch nor megatron-core nor the installed optimizers, on
-    what argparse made; errors exit with one line. Where a value the rest needs is known only
-    after the import (NotYetKnown), the rest waits for `check_flags`."""
+    what argparse made; errors exit with one line. What only the import can tell (the device's
+    CUDA and Transformer Engine, the optimizers' defaults) is None here, and the checks that
+    need it pass now and decide in `check_flags`."""
     try:
-        if parsed.fp16 and parsed.bf16:  # OptimizerConfig's rule, which runs after the import, in its words
-            raise ValueError("--fp16 and --bf16 are both True; choose at most one.")
-        _resolve(_optimizer_stand_in(parsed), device_before_import(parsed), imported=False)
-    except NotYetKnown:
-        pass
+        stand_in = _optimizer_stand_in(parsed)
+        # The optimizer's flags first, as after the import (_optimizer_flags): OptimizerConfig's
+        # rules on the flags given, in its words with the fields spelled as flags.
+        try:
+            check_values(stand_in)
+        except ValueError as error:
+            raise ValueError(flag_message(str(error))) from None
+        _resolve(stand_in, device_before_import(parsed), imported=False)
     except ValueError as error:
         exit_with_error(str(error))
 
@@ -83,17 +89,17 @@ def _optimizer_stand_in(parsed: argparse.Namespace) -> argparse.Namespace:
 def _resolve(args: argparse.Namespace, device: Device, imported: bool
              ) -> tuple[argparse.Namespace, GPTModelSettings, Layout]:
     check_device_flags(args, device)
-    args = replaced(args, global_batch_size=check_batch_schedule_flags(args, imported))  # a step schedule sets it
-    layout = job_layout(args, imported)
+    args = replaced(args, global_batch_size=check_batch_schedule_flags(args))  # a step schedule sets it
+    layout = job_layout(args)
     args = replaced(args, global_batch_size=args.micro_batch_size * layout.dp * layout.grad_accumulation_steps)
     args = replaced(args, **check_data_flags(args))
     args = replaced(args, **model_defaults(args, layout.tp, say=imported))
     settings = model_settings(args, layout.tp, device)
     args, layout, settings = with_experts(args, layout, settings, device)
-    args = replaced(args, **check_training_flags(args, device, imported))
+    args = replaced(args, **check_training_flags(args, device))
     if imported:
         schedule = BatchSchedule(args, args.micro_batch_size * layout.dp)
         args = replaced(args, batch_schedule=schedule, train_iters=schedule.train_iters or args.train_iters)
     else:  # megatron-core's calculator lists the batches; their sizes are checked now
-        check_batch_sizes(args, rampup_steps(args), args.micro_batch_size * layout.dp)
+        check_batch_sizes(args, schedule_steps(args), args.micro_batch_size * layout.dp)
     return replaced(args, **check_performance_flags(args, layout.world_size)), settings, layout

@@ -1,14 +1,19 @@
 """What the flag checks need to know about the machine (`Device`), before and after torch is imported.
 
 Before the import only the torch-free answers are known: a caller's process group (when
-torch.distributed is already imported), --distributed-backend, and whether Transformer Engine is
-installed at all (`importlib.util.find_spec`); the rest is None (unknown), and the checks that
-need it wait for `device_after_import`, which reads torch and Transformer Engine.
+torch.distributed is already imported), --distributed-backend, whether Transformer Engine is
+installed at all (`importlib.util.find_spec`), and that CUDA is absent where that is certain
+(`cuda_surely_absent`); the rest is None (unknown), and the checks that need it wait for
+`device_after_import`, which reads torch and Transformer Engine. Those stay after the import:
+whether torch sees a GPU (`torch.cuda.is_available()` depends on the build, the driver and the
+devices), and Transformer Engine's version (read by importing it).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import importlib.metadata
 import importlib.util
 import os
 import sys
@@ -55,12 +60,33 @@ def world() -> tuple[int, int]:
 def device_before_import(args: argparse.Namespace) -> Device:
     dist = process_group()
     backend = None if dist is None else dist.get_backend()
+    cuda_available = False if cuda_surely_absent() else None
     if backend is not None:
         on_cuda: Optional[bool] = backend == "nccl"
+    elif args.distributed_backend is not None:
+        on_cuda = args.distributed_backend == "nccl"
     else:
-        on_cuda = None if args.distributed_backend is None else args.distributed_backend == "nccl"
+        on_cuda = cuda_available  # runs_on_cuda: CUDA when available
     transformer_engine = False if importlib.util.find_spec("transformer_engine") is None else None
-    return Device(None, on_cuda, transformer_engine, backend)
+    return Device(cuda_available, on_cuda, transformer_engine, backend)
+
+
+def cuda_surely_absent() -> bool:
+    """True where torch certainly cannot use CUDA, found without importing it: a CPU-only torch
+    build ('+cpu'), or a CUDA build on Linux without the NVIDIA driver's library. False: unknown."""
+    try:
+        version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    if "+cpu" in version:
+        return True
+    if "+rocm" in version or not sys.platform.startswith("linux"):
+        return False  # ROCm builds answer for AMD GPUs through torch.cuda; other systems: unknown
+    try:
+        ctypes.CDLL("libcuda.so.1")  # loads the driver's library (as torch would); initialises nothing
+    except OSError:
+        return True
+    return False
 
 
 def device_after_import(args: argparse.Namespace) -> Device:
@@ -87,8 +113,3 @@ def runs_on_cuda(args: argparse.Namespace) -> bool:
         return args.distributed_backend == "nccl"
     return torch.cuda.is_available()
 
-
-class NotYetKnown(Exception):
-    """Raised by a check before the import when what follows needs a value only torch or
-    megatron-core can give (e.g. megatron-core's reading of --pipeline-model-parallel-layout):
-    the remaining checks then run after the import."""

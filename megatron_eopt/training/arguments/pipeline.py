@@ -1,20 +1,22 @@
 """The pipeline flags (Megatron-LM's names and meanings): stages, model chunks and the layer split.
 
 Torch-free: parallel/layout.py's `job_layout` calls `pipeline_layout` before and after the import.
+--pipeline-model-parallel-layout is read here (`layout_stages`, megatron-core's grammar and rules,
+which tests/unit/training/parallel/test_pretrain_gpt_pipeline.py checks against megatron-core's
+PipelineParallelLayerLayout); megatron-core reads it again when the model is built.
 """
 
 import argparse
+import re
 from typing import Optional
 
-from megatron_eopt.training.arguments.device import NotYetKnown
+# megatron-core's layer characters: embedding, loss, transformer (decoder) layer, multi-token prediction.
+LAYER_CHARACTERS = "ELtm"
 
 
-
-def pipeline_layout(args: argparse.Namespace, ranks_per_tp_rank: int, imported: bool = True
-                    ) -> tuple[int, Optional[int]]:
+def pipeline_layout(args: argparse.Namespace, ranks_per_tp_rank: int) -> tuple[int, Optional[int]]:
     """(pipeline stages, model chunks per rank or None for one), checked against the layer
-    count so that every (virtual) stage gets the layers the flags say, before anything is built.
-    `imported` False: NotYetKnown where megatron-core must read --pipeline-model-parallel-layout."""
+    count so that every (virtual) stage gets the layers the flags say, before anything is built."""
     pp = args.pipeline_model_parallel_size
     if pp < 1 or ranks_per_tp_rank % pp:
         raise ValueError(f"--pipeline-model-parallel-size {pp} must be >= 1 and divide the world size / "
@@ -32,31 +34,57 @@ def pipeline_layout(args: argparse.Namespace, ranks_per_tp_rank: int, imported: 
             raise ValueError(f"{split_flags[0]} needs --pipeline-model-parallel-size > 1.")
         return 1, None
     if args.pipeline_model_parallel_layout is not None:
-        return pp, _layout_string_chunks(args, pp, split_flags, imported)
+        return pp, _layout_string_chunks(args, pp, split_flags)
     chunks = _virtual_stages(args, pp)
     _check_layer_split(args, pp, chunks)
     return pp, None if chunks == 1 else chunks
 
 
-def _layout_string_chunks(args: argparse.Namespace, pp: int, split_flags: list[str], imported: bool) -> Optional[int]:
+def _layout_string_chunks(args: argparse.Namespace, pp: int, split_flags: list[str]) -> Optional[int]:
     others = [flag for flag in split_flags if flag != "--pipeline-model-parallel-layout"]
     if others:
         raise ValueError(f"--pipeline-model-parallel-layout sets the whole split; it excludes {', '.join(others)}.")
-    if not imported:
-        raise NotYetKnown
-    from megatron.core.transformer.pipeline_parallel_layer_layout import (
-        PipelineParallelLayerLayout,
-    )
-
     try:
-        layout = PipelineParallelLayerLayout.from_str(args.pipeline_model_parallel_layout, pp)
-        layout.validate_layer_layout(num_layers=args.num_layers, mtp_num_layers=None)
-    except (AssertionError, ValueError, KeyError) as error:
+        stages = layout_stages(args.pipeline_model_parallel_layout)
+        check_layout(stages, pp, args.num_layers)
+    except ValueError as error:
         raise ValueError(f"--pipeline-model-parallel-layout {args.pipeline_model_parallel_layout!r} does not fit "
-                         f"--pipeline-model-parallel-size {pp} and --num-layers {args.num_layers}: "
-                         f"{' '.join(str(error).split())}") from None
-    chunks = layout.virtual_pipeline_model_parallel_size
+                         f"--pipeline-model-parallel-size {pp} and --num-layers {args.num_layers}: {error}") from None
+    chunks = len(stages) // pp
     return None if chunks == 1 else chunks
+
+
+def layout_stages(layout: str) -> list[str]:
+    """The layer characters of each stage, in stage order (stage i is on pipeline rank i % pp),
+    as megatron-core reads the string: commas dropped, then `(...)*n` and `x*n` repeated n times,
+    stages split at '|'."""
+    text = layout.replace(",", "")
+    text = re.sub(r"\(([^)]+)\)\*(\d+)", lambda match: match[1] * int(match[2]), text)
+    text = re.sub(r"(.)\*(\d+)", lambda match: match[1] * int(match[2]), text)
+    stages = text.split("|")
+    for stage in stages:
+        unknown = sorted(set(stage) - set(LAYER_CHARACTERS))
+        if unknown:
+            raise ValueError(f"unknown layer character {unknown[0]!r} in stage {stage!r} (known: E embedding, "
+                             f"L loss, t transformer layer, m multi-token prediction)")
+    return stages
+
+
+def check_layout(stages: list[str], pp: int, num_layers: int) -> None:
+    """megatron-core's rules (validate_layer_layout, without multi-token prediction): a whole
+    number of stages per pipeline rank; the embedding first and the loss last, once each; one
+    't' per layer."""
+    if len(stages) % pp:
+        raise ValueError(f"its {len(stages)} stages do not divide over {pp} pipeline ranks")
+    layers = "".join(stages)
+    if layers[:1] != "E" or layers.count("E") != 1:
+        raise ValueError("the embedding (E) must come first, once")
+    if layers[-1:] != "L" or layers.count("L") != 1:
+        raise ValueError("the loss (L) must come last, once")
+    if layers.count("t") != num_layers:
+        raise ValueError(f"it has {layers.count('t')} transformer layers (t), not {num_layers}")
+    if "m" in layers:
+        raise ValueError("multi-token prediction layers (m) are not offered by this trainer")
 
 
 def _virtual_stages(args: argparse.Namespace, pp: int) -> int:

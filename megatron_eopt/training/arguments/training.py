@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import re
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from megatron_eopt.arguments import (
     refuse_flags_without,
 )
+from megatron_eopt.scheduler_config import SchedulerConfig
 from megatron_eopt.training.arguments.device import Device
 from megatron_eopt.training.arguments.flags.table import replaced, settings_from_flags
 from megatron_eopt.training.arguments.flags.training import DEFAULT_TRAIN_ITERS
@@ -18,14 +19,11 @@ from megatron_eopt.training.loop.run_control import (
     check_run_control_flags,
 )
 
-if TYPE_CHECKING:
-    from megatron_eopt.bridge import SchedulerConfig  # imports torch
 
-
-def check_training_flags(args: argparse.Namespace, device: Device, imported: bool = True) -> dict[str, Any]:
+def check_training_flags(args: argparse.Namespace, device: Device) -> dict[str, Any]:
     """Check the training flags; returns the defaults they resolve (train_iters, min_lr, the
-    gradient precision, WSD's decay style, --exit-signal's). `imported` False (before torch):
-    the lr schedule's SchedulerConfig (megatron_eopt.bridge, torch) checks its fields later."""
+    gradient precision, WSD's decay style, --exit-signal's); the lr schedule's SchedulerConfig
+    (torch-free) checks its fields, so the same before and after the import."""
     args = replaced(args, train_iters=_training_length(args))
     for name in ("train_iters", "log_interval", "tensorboard_log_interval", "tensorboard_queue_size"):
         if getattr(args, name) < 1:
@@ -68,8 +66,7 @@ def check_training_flags(args: argparse.Namespace, device: Device, imported: boo
     if args.lr_warmup_init > args.lr:
         raise ValueError(f"--lr-warmup-init {args.lr_warmup_init} must not exceed --lr {args.lr}.")
     try:
-        if imported:
-            scheduler_config(args)
+        scheduler_config(args)
     except (TypeError, ValueError) as error:  # SchedulerConfig's field names -> this script's flags
         raise ValueError(re.sub(r"SchedulerConfig\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"),
                                 str(error))) from None
@@ -180,8 +177,6 @@ def _check_weight_decay_flags(args: argparse.Namespace) -> None:
 def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
     """Megatron-LM's schedule flags, matched to SchedulerConfig's fields by name; megatron_eopt.bridge
     turns iterations into samples. With --train-samples the schedule counts samples only."""
-    from megatron_eopt.bridge import SchedulerConfig
-
     samples = args.train_samples is not None
     return settings_from_flags(args, SchedulerConfig, dict(
         lr_wsd_decay_style=args.lr_wsd_decay_style or "exponential",

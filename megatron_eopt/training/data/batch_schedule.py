@@ -9,7 +9,9 @@
 Both need --train-samples, as Megatron-LM's ramp-up does, and every batch size must divide by
 --micro-batch-size x data-parallel size. Evaluation keeps the full global batch.
 megatron-core's StepBatchsizeNumMicroBatchesCalculator maps consumed samples to the batch size;
-this module checks the flags with errors naming them and lists every iteration's batch.
+this module checks the flags with errors naming them and lists every iteration's batch. It reads
+--step-batch-size-schedule itself (`parse_step_schedule`, torch-free, the calculator's grammar),
+so the flags are checked before torch and megatron-core are imported.
 """
 
 import argparse
@@ -17,14 +19,13 @@ import itertools
 import math
 from typing import Optional
 
-from megatron_eopt.training.arguments.device import NotYetKnown
 
 FLAGS = ("--rampup-batch-size", "--step-batch-size-schedule")
 
 
-def check_batch_schedule_flags(args: argparse.Namespace, imported: bool = True) -> Optional[int]:
+def check_batch_schedule_flags(args: argparse.Namespace) -> Optional[int]:
     """Before the layout is known: the flags' own rules. Returns --global-batch-size, which a
-    step schedule sets (its last batch; NotYetKnown before the import: megatron-core reads it)."""
+    step schedule sets (its last batch)."""
     given = [flag for flag in FLAGS if getattr(args, flag[2:].replace("-", "_")) is not None]
     if len(given) == 2:
         raise ValueError("--rampup-batch-size and --step-batch-size-schedule exclude each other; give one.")
@@ -40,8 +41,6 @@ def check_batch_schedule_flags(args: argparse.Namespace, imported: bool = True) 
         if args.global_batch_size is not None:
             raise ValueError("--step-batch-size-schedule sets the global batch size (its last batch); "
                              "--global-batch-size excludes it (as in Megatron-LM).")
-        if not imported:
-            raise NotYetKnown
         return step_schedule(args.step_batch_size_schedule, args.seq_length)[-1][1]
 
 
@@ -61,12 +60,8 @@ def _check_rampup(args: argparse.Namespace) -> None:
 def step_schedule(text: str, seq_length: int) -> list[tuple[int, int]]:
     """--step-batch-size-schedule as (threshold in samples, batch size), ascending; thresholds
     count tokens, as Megatron-LM's flag does (divided by --seq-length)."""
-    from megatron.core.num_microbatches_calculator import (
-        StepBatchsizeNumMicroBatchesCalculator,
-    )
-
     try:
-        schedule = StepBatchsizeNumMicroBatchesCalculator._parse_schedule(text, seq_length)
+        schedule = parse_step_schedule(text, seq_length)
     except ValueError as error:
         raise ValueError(f"--step-batch-size-schedule {text!r}: {error}.") from None
     thresholds = [threshold for threshold, _ in schedule]
@@ -76,6 +71,37 @@ def step_schedule(text: str, seq_length: int) -> list[tuple[int, int]]:
     if any(size < 1 for _, size in schedule):
         raise ValueError(f"--step-batch-size-schedule {text!r}: batch sizes must be >= 1.")
     return schedule
+
+
+SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
+
+
+def parse_step_schedule(text: str, seq_length: Optional[int]) -> list[tuple[int, int]]:
+    """megatron-core's reading of a step schedule: "THRESHOLD:BATCH" entries split by spaces or
+    commas, each number with an optional suffix K, M, B or T (any case, fractions allowed, then
+    truncated), thresholds divided by `seq_length` (tokens to samples) unless it is None; sorted
+    by threshold. ValueError names a malformed entry."""
+    schedule = []
+    for entry in text.replace(",", " ").split():
+        if ":" not in entry:
+            raise ValueError(f'Invalid schedule entry "{entry}" (expected THRESHOLD:BATCH_SIZE)')
+        threshold, batch_size = (_schedule_number(value, entry) for value in entry.split(":", 1))
+        schedule.append((threshold if seq_length is None else threshold // seq_length, batch_size))
+    return sorted(schedule, key=lambda step: step[0])
+
+
+def _schedule_number(value: str, entry: str) -> int:
+    value = value.strip().upper()
+    multiplier = SUFFIXES.get(value[-1:], 1)
+    digits = value[:-1] if value[-1:] in SUFFIXES else value
+    try:
+        number = float(digits)
+    except ValueError:
+        raise ValueError(f'Invalid number "{value}" in schedule entry "{entry}" (a number with an optional '
+                         f'suffix K, M, B or T)') from None
+    if not math.isfinite(number):
+        raise ValueError(f'Invalid number "{value}" in schedule entry "{entry}" (not finite)')
+    return int(number * multiplier)
 
 
 def rampup_schedule(start: int, increment: int, samples: int, final: int) -> list[tuple[int, int]]:
@@ -94,7 +120,7 @@ class BatchSchedule:
 
     def __init__(self, args: argparse.Namespace, samples_per_micro_step: int) -> None:
         self.global_batch_size = args.global_batch_size
-        self.steps = _steps(args)
+        self.steps = schedule_steps(args)
         self.sizes: Optional[list[int]] = None
         if self.steps is None:
             return
@@ -154,12 +180,8 @@ def check_batch_sizes(args: argparse.Namespace, steps: Optional[list[tuple[int, 
                              f"data-parallel size = {samples_per_micro_step}.")
 
 
-def rampup_steps(args: argparse.Namespace) -> Optional[list[tuple[int, int]]]:
-    """--rampup-batch-size's schedule (torch-free), None without the flag."""
-    return None if args.rampup_batch_size is None else rampup_schedule(*args.rampup_batch_size, args.global_batch_size)
-
-
-def _steps(args: argparse.Namespace) -> Optional[list[tuple[int, int]]]:
+def schedule_steps(args: argparse.Namespace) -> Optional[list[tuple[int, int]]]:
+    """The schedule flag's (threshold in samples, batch size) steps, torch-free; None without one."""
     if args.rampup_batch_size is not None:
         return rampup_schedule(*args.rampup_batch_size, args.global_batch_size)
     if args.step_batch_size_schedule is not None:

@@ -359,13 +359,18 @@ class Logger:
             return None
         return self.flops_per_sample * batch_size / (elapsed_ms / 1000 * 1e12 * self.world_size)
 
-    def validation(self, iteration: int, loss: float) -> None:
-        """Megatron-LM's validation scalars, `lm loss validation` and `lm loss validation ppl`
-        (exp of the loss capped at 20, as Megatron-LM does); the caller prints its own line."""
-        if self.tensorboard:
-            ppl = math.exp(min(20.0, loss))
-            self.tensorboard.scalar("lm loss validation", loss, iteration, self.consumed_samples)
-            self.tensorboard.scalar("lm loss validation ppl", ppl, iteration, self.consumed_samples)
+    def evaluation(self, result) -> None:
+        """An evaluation's record (an EvalResult: split, iteration, loss, ppl, final) in the metrics
+        file, and for validation Megatron-LM's scalars `lm loss validation` and `lm loss
+        validation ppl`; the evaluator prints its own line."""
+        if self.metrics:
+            record = {"iteration": result.iteration, "split": result.split, "final": result.final,
+                      "eval_loss": result.loss, "eval_ppl": result.ppl}
+            self.metrics.write(json.dumps(record) + "\n")
+            self.metrics.flush()
+        if self.tensorboard and result.split == "valid":
+            self.tensorboard.scalar("lm loss validation", result.loss, result.iteration, self.consumed_samples)
+            self.tensorboard.scalar("lm loss validation ppl", result.ppl, result.iteration, self.consumed_samples)
 
     def close(self) -> None:
         if self.bar:

@@ -1,21 +1,28 @@
-"""Which warnings a training run prints, so that its output is not a page of repeats.
+"""Which warnings a training run prints, and how: one line each, and not a page of repeats.
 
-Every rank imports megatron-core and torch, which say what is not installed (Transformer Engine,
-Apex, a CUDA runtime) and carry a SyntaxWarning in one of megatron-core's docstrings: harmless and
-the same on every rank, so each prints once, on rank 0. megatron_eopt's own warnings are about
-the run (its flags and configuration), the same on every rank: rank 0 prints them. The entry
-scripts call :func:`quiet_repeated_warnings` before anything imports megatron-core.
+`warning_policy()`, the one mechanism, holds for a block (pretrain.main, which imports torch
+and megatron-core inside it) and is undone after it:
+- every warning prints as one line (`format_warning`), without Python's source line;
+- known harmless third-party warnings (`KNOWN_HARMLESS`: Transformer Engine or Apex not
+  installed, a SyntaxWarning in megatron-core's docstrings) print once, on rank 0, and torch's
+  "No CUDA runtime" log line is dropped on the other ranks;
+- megatron_eopt's own warnings are about the run (its flags and configuration), the same on every
+  rank: rank 0 prints them, except a `RankWarning` (megatron_eopt.once), about one rank alone,
+  which every rank prints.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import os
 import re
 import warnings
-from typing import Callable
+from typing import Callable, Iterator, Optional
 
-__all__ = ["KNOWN_HARMLESS", "quiet_repeated_warnings"]
+from megatron_eopt.once import RankWarning
+from megatron_eopt.training.errors import PROG, is_rank_zero
+
+__all__ = ["KNOWN_HARMLESS", "format_warning", "warning_policy"]
 
 # Third-party warnings known to be harmless: (category, message pattern, module pattern). Compiler
 # warnings name their module by its file path, hence the path pattern of the SyntaxWarning.
@@ -29,20 +36,42 @@ KNOWN_HARMLESS = (
 NO_CUDA_RUNTIME = ("torch.utils.cpp_extension", "No CUDA runtime is found")
 
 
-def quiet_repeated_warnings(rank: int | None = None) -> None:
-    """Print each known harmless third-party warning once on rank 0 and not elsewhere, and
-    megatron_eopt's warnings on rank 0 only. ``rank``: torchrun's ``RANK`` by default (0 without)."""
-    if rank is None:
-        rank = int(os.environ.get("RANK", "0"))
-    if rank == 0:
-        # Not the "once" action: it counts per module, and megatron-core repeats a message in several.
-        warnings.showwarning = _each_known_text_once(warnings.showwarning)
-        return
-    for category, message, module in KNOWN_HARMLESS:
-        warnings.filterwarnings("ignore", message=message, category=category, module=module)
-    warnings.filterwarnings("ignore", module=r"megatron_eopt(\.|$)")
-    logger, message = NO_CUDA_RUNTIME
-    logging.getLogger(logger).addFilter(lambda record: not record.getMessage().startswith(message))
+def format_warning(message, category: type, filename: str, lineno: int, line: Optional[str] = None) -> str:
+    """One line: `pretrain_gpt.py: warning: <message on one line> (<category>)`."""
+    return f"{PROG}: warning: {' '.join(str(message).split())} ({category.__name__})\n"
+
+
+@contextlib.contextmanager
+def warning_policy(rank_zero: Optional[bool] = None) -> Iterator[None]:
+    """The policy above for the block; `rank_zero` by default from a caller's process group or
+    torchrun's RANK (errors.is_rank_zero). The warnings module's filters, `showwarning` and
+    `formatwarning` are restored afterwards."""
+    if rank_zero is None:
+        rank_zero = is_rank_zero()
+    format_before = warnings.formatwarning
+    logger = logging.getLogger(NO_CUDA_RUNTIME[0])
+    drop_no_cuda = _NoCudaRuntimeFilter()
+    with warnings.catch_warnings():
+        warnings.formatwarning = format_warning
+        if rank_zero:
+            # Not the "once" action: it counts per module, and megatron-core repeats a message in several.
+            warnings.showwarning = _each_known_text_once(warnings.showwarning)
+        else:
+            for category, message, module in KNOWN_HARMLESS:
+                warnings.filterwarnings("ignore", message=message, category=category, module=module)
+            warnings.filterwarnings("ignore", module=r"megatron_eopt(\.|$)")
+            warnings.filterwarnings("default", category=RankWarning)  # inserted first: it wins
+            logger.addFilter(drop_no_cuda)
+        try:
+            yield
+        finally:
+            warnings.formatwarning = format_before
+            logger.removeFilter(drop_no_cuda)
+
+
+class _NoCudaRuntimeFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(NO_CUDA_RUNTIME[1])
 
 
 def _each_known_text_once(show: Callable[..., None]) -> Callable[..., None]:

@@ -29,6 +29,7 @@ class EvalResult:
     split: str  # 'valid' or 'test'
     iteration: int
     loss: float
+    final: bool = False  # the evaluation after training, not an --eval-interval one
 
     @property
     def ppl(self) -> float:
@@ -73,7 +74,7 @@ class Evaluator:
         if not args.eval_iters or "valid" not in self.splits or iteration % args.eval_interval:
             return None
         slot = iteration // args.eval_interval - 1
-        return self._run(model, "valid", slot, iteration, f"iteration {iteration}")
+        return self._run(model, "valid", slot, iteration, f"iteration {iteration}", final=False)
 
     def final(self, model, iteration: int) -> list[EvalResult]:
         """After training (or, with --skip-train, at the loaded iteration): validation (the
@@ -84,15 +85,16 @@ class Evaluator:
             return results
         if "valid" in self.splits:
             slot = iteration // args.eval_interval
-            results.append(self._run(model, "valid", slot, iteration, f"iteration {iteration} on validation set"))
+            results.append(self._run(model, "valid", slot, iteration, f"iteration {iteration} on validation set",
+                                     final=True))
         if "test" in self.splits:
-            results.append(self._run(model, "test", 0, iteration, f"iteration {iteration} on test set"))
+            results.append(self._run(model, "test", 0, iteration, f"iteration {iteration} on test set", final=True))
         return results
 
-    def _run(self, model, split: str, slot: int, iteration: int, label: str) -> EvalResult:
+    def _run(self, model, split: str, slot: int, iteration: int, label: str, final: bool) -> EvalResult:
         with self.around_each():
             loss = evaluate(model, self.loss_fn, self.rank_samples, split, slot, self.args.eval_iters, self.dp_group)
-        result = EvalResult(split, iteration, loss)
+        result = EvalResult(split, iteration, loss, final)
         if self.is_first_rank:
             self.print_line(validation_block(label, loss))
         if self.on_result is not None:

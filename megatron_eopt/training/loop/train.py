@@ -162,7 +162,7 @@ def build_training(args, settings, layout, device, housekeeping: Housekeeping) -
     log = Logger(args, layout.rank, flops_per_sample=flops, world_size=layout.world_size, on_cuda=device.type == "cuda")
     evaluator = Evaluator(args, batches.data.splits, batches.split_batches, forward.eval_loss, dp_group,
                           is_first_rank=layout.rank == 0, print_line=log.print_line,
-                          on_result=lambda r: log.validation(r.iteration, r.loss) if r.split == "valid" else None,
+                          on_result=log.evaluation,
                           around_each=housekeeping.evaluation)
     return Training(chunks, model, dp_group, batches, forward, optimizer, scheduler, grads, log, evaluator)
 

@@ -33,14 +33,14 @@ class Layout:
     ep: int = 1  # expert-parallel size, out of the data-parallel ranks (megatron_eopt/training/model/moe.py)
 
 
-def job_layout(args: argparse.Namespace, imported: bool = True) -> Layout:
+def job_layout(args: argparse.Namespace) -> Layout:
     """The layout the flags ask for over the world (a caller's process group, see `main`, else
-    WORLD_SIZE and RANK). `imported` False: before torch (see arguments/pipeline.py)."""
+    WORLD_SIZE and RANK); torch-free, so the same before and after the import."""
     world_size, rank = world()
     tp = args.tensor_model_parallel_size
     if tp < 1 or world_size % tp:
         raise ValueError(f"--tensor-model-parallel-size {tp} must divide the world size ({world_size}).")
-    pp, vpp = pipeline_layout(args, world_size // tp, imported)
+    pp, vpp = pipeline_layout(args, world_size // tp)
     dp = world_size // (tp * pp)
     if args.micro_batch_size < 1:
         raise ValueError(f"--micro-batch-size must be >= 1; got {args.micro_batch_size}.")

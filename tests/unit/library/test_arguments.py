@@ -21,7 +21,7 @@ FROZEN_OPTIONS = sorted([
     "--optimizer", "--lr", "--min-lr", "--decoupled-lr", "--decoupled-min-lr", "--weight-decay",
     "--apply-wd-to-qk-layernorm", "--clip-grad", "--grad-norm-skip-threshold",
     "--log-num-zeros-in-grad", "--adam-beta1", "--adam-beta2", "--adam-eps", "--sgd-momentum",
-    "--muon-momentum", "--muon-nesterov", "--muon-no-split-qkv", "--muon-scale-mode",
+    "--muon-momentum", "--muon-nesterov", "--muon-no-split-qkv", "--muon-split-qkv-per-head", "--muon-scale-mode",
     "--muon-fp32-matmul-prec", "--muon-coefficient-type", "--muon-num-ns-steps", "--muon-tp-mode",
     "--muon-expert-tp-mode", "--muon-tp-hardware-profile",
     "--muon-extra-scale-factor", "--muon-match-adamw-rms", "--muon-scalar-optimizer",

@@ -1,22 +1,9 @@
-"""megatron_eopt/training/curves.py: validation points read from the trainer's lines, and the
-interpolated iteration at which a validation curve reaches a target."""
+"""megatron_eopt/training/curves.py: the interpolated iteration at which a validation curve reaches
+a target, and the training-loss helpers (read_metrics: tests/unit/training/logging/test_training_log.py)."""
 
 import pytest
 
 from megatron_eopt.training import curves
-
-LOG = """\
- [2026-11-24 00:12:54] iteration       10/      20 | lm loss: 2.931405E+00 |
-----------------------------------------------------------------------------------------------
- validation loss at iteration 10 | lm loss value: 2.964949E+00 | lm loss PPL: 1.939372E+01 |
- validation loss at iteration 20 | lm loss value: 2.675678E+00 | lm loss PPL: 1.452220E+01 |
- validation loss at iteration 20 on validation set | lm loss value: 2.739456E+00 | lm loss PPL: 1.547856E+01 |
-"""
-
-
-def test_validation_points_are_the_periodic_evaluations() -> None:
-    assert curves.validation_points(LOG.splitlines()) == [(10, 2.964949), (20, 2.675678)]
-
 
 def test_validation_reach_interpolates_between_evaluations() -> None:
     points = [(50, 4.0), (100, 3.0), (150, 2.0), (200, 1.5)]

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from megatron_eopt.training.arguments.device import cuda_surely_absent
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 # Runs pretrain_gpt.py's entry in a fresh interpreter and reports, after it exits, its status
@@ -42,10 +44,16 @@ def test_help_imports_neither_torch_nor_megatron_core() -> None:
     (["--lrr", "1"], "pretrain_gpt.py: error: unrecognized arguments: --lrr 1 (did you mean --lr?); see "
                      "pretrain_gpt.py --help."),
     (["--muon-tp-mode", "dup"], "pretrain_gpt.py: error: argument --muon-tp-mode: invalid choice: 'dup' (choose from "
-                                "'blockwise', 'duplicated', 'distributed', 'sharded'); did you mean duplicated?; see "
+                                "'blockwise', 'duplicated', 'distributed', 'sharded', 'auto'); did you mean duplicated?; see "
                                 "pretrain_gpt.py --help."),
     (["--normalization", "rmsnorm"], "did you mean RMSNorm?"),
-], ids=["bad-type", "unknown-flag", "bad-choice", "close-choice"])
+    # The installed optimizers and coefficient sets, known without torch (optimizer_names.py).
+    (["--optimizer", "muonn", "--lr", "1e-3"], "pretrain_gpt.py: error: argument --optimizer: invalid choice: 'muonn' "
+                                               "(choose from 'adam', "),
+    (["--optimizer", "muonn"], "'sgd', 'sinkhorn_muon', 'soap', 'spel', 'dist_muon'); did you mean muon?; see "
+                               "pretrain_gpt.py --help."),
+    (["--muon-coefficient-type", "quintc"], "invalid choice: 'quintc' (choose from 'simple', 'quintic', "),
+], ids=["bad-type", "unknown-flag", "bad-choice", "close-choice", "optimizer", "optimizer-close", "coefficients"])
 def test_flag_errors_are_one_line_without_torch(argv, message) -> None:
     report, stdout, stderr = _probe(argv)
     assert report == {"code": 2, "heavy": []}
@@ -100,19 +108,51 @@ SEMANTIC_ERRORS = {
                 "--profile-step-end 5 must be > --profile-step-start 5."),
     "checkpoint": (["--lr", "0.1", "--ckpt-step", "5"], "--ckpt-step needs --load."),
     "run-control": (["--lr", "0.1", "--exit-signal", "SIGINT"], "--exit-signal SIGINT needs --exit-signal-handler."),
+    # OptimizerConfig's rules (config_rules.py), in its words, before the trainer's own checks.
+    "precision": (["--fp16", "--bf16"], "--fp16 and --bf16 are both True; choose at most one."),
+    "optimizer-config": (["--lr", "0.1", "--min-lr", "1"], "--min-lr (1.0) must not exceed --lr (0.1)."),
+    # The lr schedule's SchedulerConfig, --step-batch-size-schedule and --pipeline-model-parallel-layout,
+    # read without torch and megatron-core.
+    "scheduler": (["--lr", "0.1", "--lr-decay-style", "WSD"], "--lr-wsd-decay-iters must be set when"),
+    "step-schedule": (["--lr", "0.1", "--step-batch-size-schedule", "0:4 x", "--train-samples", "60"],
+                      "--step-batch-size-schedule '0:4 x': Invalid schedule entry \"x\""),
 }
+if cuda_surely_absent():  # a CPU-only torch build, or no NVIDIA driver: known without torch
+    SEMANTIC_ERRORS["device"] = (["--lr", "0.1", "--distributed-backend", "nccl"],
+                                 "--distributed-backend nccl needs CUDA, and none is available")
+
+
+def _probe_many(argvs: list[list[str]], world_size: int = 1) -> dict:
+    result = subprocess.run([sys.executable, "-c", PROBE_MANY, json.dumps(argvs)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120, env={**os.environ, "RANK": "0", "WORLD_SIZE": str(world_size)})
+    return json.loads(result.stdout.rsplit("PROBE ", 1)[1])
+
+
+def _assert_one_line_errors(report: dict, errors: dict) -> None:
+    assert report["heavy"] == [], report["heavy"]
+    for (concern, (_, message)), run in zip(errors.items(), report["results"]):
+        lines = run["stderr"].strip().splitlines()
+        assert run["code"] == 2 and run["stdout"].strip() == "" and len(lines) == 1, (concern, run)
+        assert lines[0].startswith("pretrain_gpt.py: error: ") and message in lines[0], (concern, lines[0])
+        assert run["seconds"] < 5, (concern, run["seconds"])
 
 
 def test_semantic_flag_errors_come_before_torch() -> None:
     """Errors of flags together (or of their defaults) exit 2 with one line before torch,
     megatron-core or Transformer Engine is imported, each in well under the import's time."""
-    argvs = [argv for argv, _ in SEMANTIC_ERRORS.values()]
-    result = subprocess.run([sys.executable, "-c", PROBE_MANY, json.dumps(argvs)], cwd=ROOT, capture_output=True,
-                            text=True, timeout=120, env={**os.environ, "RANK": "0", "WORLD_SIZE": "1"})
-    report = json.loads(result.stdout.rsplit("PROBE ", 1)[1])
-    assert report["heavy"] == [], report["heavy"]
-    for (concern, (_, message)), run in zip(SEMANTIC_ERRORS.items(), report["results"]):
-        lines = run["stderr"].strip().splitlines()
-        assert run["code"] == 2 and run["stdout"].strip() == "" and len(lines) == 1, (concern, run)
-        assert lines[0].startswith("pretrain_gpt.py: error: ") and message in lines[0], (concern, lines[0])
-        assert run["seconds"] < 5, (concern, run["seconds"])
+    _assert_one_line_errors(_probe_many([argv for argv, _ in SEMANTIC_ERRORS.values()]), SEMANTIC_ERRORS)
+
+
+PIPELINE_ERRORS = {  # at WORLD_SIZE 2 (nothing is started before the flags are checked)
+    "layout": (["--lr", "0.1", "--num-layers", "2", "--pipeline-model-parallel-size", "2",
+                "--pipeline-model-parallel-layout", "Et*3|L"],
+               "--pipeline-model-parallel-layout 'Et*3|L' does not fit --pipeline-model-parallel-size 2 and "
+               "--num-layers 2: it has 3 transformer layers (t), not 2"),
+    "layout-characters": (["--lr", "0.1", "--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout",
+                           "Et|tx|L"], "unknown layer character 'x'"),
+}
+
+
+def test_pipeline_layout_errors_come_before_torch() -> None:
+    _assert_one_line_errors(_probe_many([argv for argv, _ in PIPELINE_ERRORS.values()], world_size=2),
+                            PIPELINE_ERRORS)

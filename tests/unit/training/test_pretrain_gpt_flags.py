@@ -361,6 +361,7 @@ def test_log_throughput_and_pytorch_profiler_on_cpu(run_distributed, tmp_path) -
     import gzip
     import json
 
+    from megatron_eopt.training.curves import read_metrics
     from tests.unit.training.logging.test_performance import hand_count
     from tests.unit.training.logging.test_training_log import MEGATRON_LINE, _scalars
 
@@ -379,7 +380,7 @@ def test_log_throughput_and_pytorch_profiler_on_cpu(run_distributed, tmp_path) -
     # Megatron-LM's one decimal from 1 TFLOP/s up; below, three significant digits (not 0.0).
     assert [float(m["throughput"]) for m in lines] == pytest.approx([r["throughput"] for r in records], rel=5e-3), printed
     assert all(len(m["throughput"].lstrip("0.")) == 3 for m in lines if float(m["throughput"]) < 1), printed
-    assert [json.loads(line)["throughput"] for line in (tmp_path / "m.jsonl").read_text().splitlines()] == [
+    assert [record["throughput"] for record in read_metrics(str(tmp_path / "m.jsonl"))[0]] == [
         r["throughput"] for r in records]
     tensorboard = _scalars(tmp_path / "tb")["throughput"]
     assert [(step, pytest.approx(value, rel=1e-6)) for step, value in tensorboard] == [

@@ -293,9 +293,10 @@ def test_bad_input_names_parameter_and_placement(run_distributed) -> None:
 # (optimizer, muon_tp_mode, reference): "tp1" is the unsharded TP=1 model in one process;
 # "tp2" a plain TP=2 model (no FSDP2), for blockwise, whose update depends on the TP degree.
 # No ("muon", "sharded"): at TP x FSDP2 the duplicated mode runs as sharded (the same code), and
-# the count of Newton-Schulz calls below shows it.
+# the count of Newton-Schulz calls below shows it. "per_head": muon_split_qkv_per_head.
 TP_FSDP_CASES = (("muon", "duplicated", "tp1"), ("muon", "distributed", "tp1"), ("muon", "auto", "tp1"),
-                 ("muon", "blockwise", "tp2"), ("adam", "duplicated", "tp1"), ("adaptive_muon", "duplicated", "tp1"))
+                 ("muon", "blockwise", "tp2"), ("adam", "duplicated", "tp1"), ("adaptive_muon", "duplicated", "tp1"),
+                 ("muon", "duplicated", "tp1", "per_head"))
 TP = 2
 
 
@@ -344,7 +345,7 @@ class NewtonSchulzCount:
         NewtonSchulzSettings.orthogonalize = self._original
 
 
-def _tp_fsdp_case(optimizer: str, tp_mode: str, reference_kind: str) -> dict:
+def _tp_fsdp_case(optimizer: str, tp_mode: str, reference_kind: str, variant: str = "") -> dict:
     """3 steps of the TP=2 x FSDP=2 GPT against its reference, with the same global gradients."""
     import dataclasses
 
@@ -353,7 +354,8 @@ def _tp_fsdp_case(optimizer: str, tp_mode: str, reference_kind: str) -> dict:
 
     # 'auto' with a named profile: no calibration cached in the reused workers.
     profile = "h100" if tp_mode == "auto" else None
-    config = dataclasses.replace(config_for(optimizer), muon_tp_mode=tp_mode, muon_tp_hardware_profile=profile)
+    config = dataclasses.replace(config_for(optimizer), muon_tp_mode=tp_mode, muon_tp_hardware_profile=profile,
+                                 muon_split_qkv_per_head=variant == "per_head")
     reference = build_gpt()  # TP=1; its values are the start of every layout
     full = {name: p.detach().clone() for name, p in reference.named_parameters()}
     initialize_model_parallel(TP, seed=11)
@@ -460,9 +462,11 @@ def test_tp2_x_fsdp2_equals_tp1(run_distributed) -> None:
             if case[0] == "muon" and case[1] == "duplicated":
                 skip = run["skip"]
                 assert skip["result"] == (False, None, None) and not skip["changed"], (rank, skip)
-    # Default mode: every block orthogonalized exactly once over the 4 ranks, as by TP=1 alone.
-    counts = [runs[("muon", "duplicated", "tp1")]["ns_counts"] for runs in per_rank]
-    assert sum(sharded for _, sharded in counts) == counts[0][0] > 0, counts
+    # Default mode: every block orthogonalized exactly once over the 4 ranks, as by TP=1 alone;
+    # per head too (each TP rank of a matrix's owners does its own heads).
+    for case in (("muon", "duplicated", "tp1"), ("muon", "duplicated", "tp1", "per_head")):
+        counts = [runs[case]["ns_counts"] for runs in per_rank]
+        assert sum(sharded for _, sharded in counts) == counts[0][0] > 0, (case, counts)
 
 
 def _tp_fsdp_whole_matrix_body(rank: int, world_size: int) -> dict:

@@ -22,6 +22,7 @@ differently over TP, so their round-off differs, as in test_gpt_muon.py).
 
 import hashlib
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -64,12 +65,12 @@ def checksum(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def train_reference(slices: int) -> dict:
+def train_reference(slices: int, per_head: bool = False) -> dict:
     """Non-distributed Muon (TP=1, no DP): loss = mean of the `slices` per-slice mean losses."""
     initialize_model_parallel(1, seed=SEED)
     try:
         model = build_gpt_model(SETTINGS)
-        optimizer = get_megatron_optimizer(OptimizerConfig(**MUON), [model],
+        optimizer = get_megatron_optimizer(OptimizerConfig(**MUON, muon_split_qkv_per_head=per_head), [model],
                                            pg_collection=ParallelGroups.single_process())
         losses, norms = [], []
         for step in range(STEPS):
@@ -87,7 +88,8 @@ def train_reference(slices: int) -> dict:
         destroy_model_parallel()
 
 
-def train_layer_wise(tp: int, dp_group, reduce_grads: bool, tp_mode: str = "duplicated") -> dict:
+def train_layer_wise(tp: int, dp_group, reduce_grads: bool, per_head: bool = False,
+                     tp_mode: str = "duplicated") -> dict:
     """Layer-wise Muon; dp_group None: parallel_state's groups (DP = world / tp)."""
     initialize_model_parallel(tp, seed=SEED)
     try:
@@ -99,8 +101,8 @@ def train_layer_wise(tp: int, dp_group, reduce_grads: bool, tp_mode: str = "dupl
         else:  # explicit groups, as a trainer with its own DP layout passes them
             pg_collection, dp = ParallelGroups.from_groups(tp=None, mp=None, dp_cp=dp_group), dp_group
         config = OptimizerConfig(**MUON, use_layer_wise_distributed_optimizer=True,
-                                 layer_wise_reduce_grads=reduce_grads, muon_tp_mode=tp_mode,
-                                 muon_tp_hardware_profile="h100" if tp_mode == "auto" else None)
+                                 layer_wise_reduce_grads=reduce_grads, muon_split_qkv_per_head=per_head,
+                                 muon_tp_mode=tp_mode, muon_tp_hardware_profile="h100" if tp_mode == "auto" else None)
         optimizer = get_megatron_optimizer(config, [model], pg_collection=pg_collection)
         dp_rank, dp_size = dist.get_rank(dp), dist.get_world_size(dp)
         losses, checksums, norms = [], [], []
@@ -169,12 +171,12 @@ def test_layer_wise_muon_dp2_dp4_equals_dp1(run_distributed) -> None:
         assert len(first["dp_ranks"]) == dp_size
 
 
-def _tensor_and_data_parallel_body(rank: int, world_size: int) -> dict:
-    reference = train_reference(slices=2)
+def _tensor_and_data_parallel_body(rank: int, world_size: int, per_head: bool) -> dict:
+    reference = train_reference(slices=2, per_head=per_head)
     result = {}
     # 'auto' (profile 'h100'): each owner's matrices in the mode chosen for the whole model.
     for reduce_grads, tp_mode in ((True, "duplicated"), (False, "duplicated"), (False, "auto")):
-        run = train_layer_wise(2, None, reduce_grads, tp_mode)  # parallel_state: TP=2, DP=2
+        run = train_layer_wise(2, None, reduce_grads, per_head, tp_mode)  # parallel_state: TP=2, DP=2
         errors = {}
         for name, (shard, dim, stride) in run["params"].items():
             expected = local_shard(reference["params"][name][0], dim, stride, run["tp_rank"], 2)
@@ -185,8 +187,10 @@ def _tensor_and_data_parallel_body(rank: int, world_size: int) -> dict:
     return result
 
 
-def test_layer_wise_muon_tp2_dp2_equals_tp1_dp1(run_distributed) -> None:
-    results = run_distributed(_tensor_and_data_parallel_body, world_size=4, timeout=300)
+@pytest.mark.parametrize("per_head", [False, True], ids=["qkv", "per_head"])
+def test_layer_wise_muon_tp2_dp2_equals_tp1_dp1(run_distributed, per_head: bool) -> None:
+    """Also per head (muon_split_qkv_per_head): 4 heads in 2 query groups, one group per TP rank."""
+    results = run_distributed(_tensor_and_data_parallel_body, world_size=4, args=(per_head,), timeout=300)
     for case in ((True, "duplicated"), (False, "duplicated"), (False, "auto")):
         for rank, per_rank in enumerate(results):
             result = per_rank[case]

@@ -54,10 +54,10 @@ def run(optimizer_params: dict[str, torch.nn.Parameter], optimizer, grad_of) -> 
         optimizer.step()
 
 
-def reference_run(method: str, rank: int = 0, size: int = 1) -> tuple[dict, dict]:
+def reference_run(method: str, rank: int = 0, size: int = 1, per_head: bool = False) -> tuple[dict, dict]:
     """AdaptiveMuon on whole matrices (size 1) or, for blockwise, on this rank's shards."""
     params = {n: torch.nn.Parameter(local_shard(n, initial(n), rank, size)) for n in MATRICES}
-    layouts = [layout_for(n, p, size) for n, p in params.items()]
+    layouts = [layout_for(n, p, size, per_head=per_head) for n, p in params.items()]
     optimizer = SplitAdaptiveMuon(list(params.values()), layouts, moment2_method=method, **OPTIONS)
     run(params, optimizer, lambda n, step: local_shard(n, gradient(n, step), rank, size))
     return params, {n: optimizer.state[p]["moment2_buffer"] for n, p in params.items()}
@@ -70,21 +70,22 @@ def expected_moment2(name: str, reference: torch.Tensor, rank: int, size: int) -
     return local_shard(name, reference, rank, size)
 
 
-def _tp_errors(rank: int, size: int, method: str, tp_mode: str) -> dict[str, tuple[float, float]]:
+def _tp_errors(rank: int, size: int, method: str, tp_mode: str,
+               per_head: bool = False) -> dict[str, tuple[float, float]]:
     """Max |param error| and max |moment2 error| / max |moment2| (namo's holds ||g||^2 ~ 30,
     where one fp32 ulp is 4e-6) of this rank's shards after STEPS steps."""
     params = {n: torch.nn.Parameter(local_shard(n, initial(n), rank, size)) for n in MATRICES}
+    layouts = {n: layout_for(n, p, size, per_head=per_head) for n, p in params.items()}
     optimizer = TensorParallelAdaptiveMuon(
         [{"params": list(params.values()), "param_fqns": list(params)}], moment2_method=method,
-        tp_mode=tp_mode, tp_group=dist.group.WORLD, layouts={n: layout_for(n, p, size) for n, p in params.items()},
-        **OPTIONS,
+        tp_mode=tp_mode, tp_group=dist.group.WORLD, layouts=layouts, **OPTIONS,
     )
     run(params, optimizer, lambda n, step: local_shard(n, gradient(n, step), rank, size))
     if tp_mode == "blockwise":
-        reference, moment2 = reference_run(method, rank, size)
+        reference, moment2 = reference_run(method, rank, size, per_head)
         expected = {n: (reference[n], moment2[n]) for n in MATRICES}
     else:
-        reference, moment2 = reference_run(method)
+        reference, moment2 = reference_run(method, per_head=per_head)
         expected = {n: (local_shard(n, reference[n], rank, size), expected_moment2(n, moment2[n], rank, size))
                     for n in MATRICES}
     return {
@@ -110,6 +111,19 @@ def _tp_body(rank: int, size: int) -> dict[tuple[str, str], tuple[dict, dict[str
                     errors = _tp_errors(rank, size, method, tp_mode)
                 results[(method, tp_mode)] = (errors, {c: m.call_count for c, m in calls.items()})
     return results
+
+
+def _per_head_body(rank: int, size: int) -> dict[str, dict[str, tuple[float, float]]]:
+    return {tp_mode: _tp_errors(rank, size, "normuon", tp_mode, per_head=True)
+            for tp_mode in ("duplicated", "distributed", "sharded")}
+
+
+def test_per_head_tp_modes_equal_single_process_adaptive_muon(run_distributed) -> None:
+    """Per head (each q, k and v head of qkv its own matrix; normuon's statistics and the scale
+    stay those of the whole parameter), TP=2 in every exact mode equals TP=1 AdaptiveMuon."""
+    for rank_results in run_distributed(_per_head_body, world_size=2):
+        bad = {mode: {n: e for n, e in errors.items() if max(e) > 1e-5} for mode, errors in rank_results.items()}
+        assert not any(bad.values()), bad
 
 
 @pytest.mark.parametrize("size", [2, 4])

@@ -35,9 +35,12 @@ MATRICES = {
 LR, MOMENTUM, WD, STEPS = 0.05, 0.9, 0.1, 3
 
 
-def block_rows(name: str) -> list[list[int]]:
-    """Row indices of each block of the global matrix."""
+def block_rows(name: str, per_head: bool = False) -> list[list[int]]:
+    """Row indices of each block of the global matrix (per head: each q, k and v head's KV rows)."""
     (rows, _), kind, _ = MATRICES[name]
+    if kind == "qkv" and per_head:
+        return [[g * QKV_ROWS_PER_GROUP + head * KV + r for r in range(KV)]
+                for g in range(GROUPS) for head in range(QKV_ROWS_PER_GROUP // KV)]
     if kind == "qkv":
         offsets = [(0, Q_ROWS), (Q_ROWS, Q_ROWS + KV), (Q_ROWS + KV, QKV_ROWS_PER_GROUP)]
         return [[g * QKV_ROWS_PER_GROUP + r for g in range(GROUPS) for r in range(a, b)] for a, b in offsets]
@@ -46,9 +49,9 @@ def block_rows(name: str) -> list[list[int]]:
     return [list(range(rows))]
 
 
-def reference_update(name: str, momentum: torch.Tensor) -> torch.Tensor:
+def reference_update(name: str, momentum: torch.Tensor, per_head: bool = False) -> torch.Tensor:
     update = torch.zeros_like(momentum)
-    for rows in block_rows(name):
+    for rows in block_rows(name, per_head):
         block = momentum[rows]
         update[rows] = newton_schulz(block, steps=5) * math.sqrt(max(block.shape))
     return update
@@ -63,10 +66,11 @@ def local_shard(name: str, full: torch.Tensor, rank: int, size: int) -> torch.Te
     return full.chunk(size, dim=dim)[rank].clone()  # qkv: whole query groups per rank
 
 
-def layout_for(name: str, local: torch.Tensor, size: int, split: bool = True) -> MatrixLayout:
+def layout_for(name: str, local: torch.Tensor, size: int, split: bool = True, per_head: bool = False) -> MatrixLayout:
     _, kind, dim = MATRICES[name]
     if kind == "qkv" and split:
-        return MatrixLayout(name, tuple(local.shape), dim, size, GROUPS // size, (Q_ROWS, KV, KV))
+        return MatrixLayout(name, tuple(local.shape), dim, size, GROUPS // size, (Q_ROWS, KV, KV),
+                            head_rows=KV if per_head else 0)
     if kind == "glu" and split:
         return MatrixLayout(name, tuple(local.shape), dim, size, 1, (local.shape[0] // 2,) * 2)
     return MatrixLayout(name, tuple(local.shape), dim, size)
@@ -80,24 +84,24 @@ def gradient(name: str, step: int) -> torch.Tensor:
     return torch.randn(MATRICES[name][0], generator=torch.Generator().manual_seed(100 * step + len(name)))
 
 
-def reference_run() -> dict[str, torch.Tensor]:
+def reference_run(per_head: bool = False) -> dict[str, torch.Tensor]:
     params = {name: initial(name) for name in MATRICES}
     momenta = {name: torch.zeros_like(p) for name, p in params.items()}
     for step in range(STEPS):
         for name in MATRICES:
             momenta[name] = MOMENTUM * momenta[name] + (1 - MOMENTUM) * gradient(name, step)
-            params[name] = params[name] * (1 - LR * WD) - LR * reference_update(name, momenta[name])
+            params[name] = params[name] * (1 - LR * WD) - LR * reference_update(name, momenta[name], per_head)
     return params
 
 
-def blockwise_reference(rank: int, size: int) -> dict[str, torch.Tensor]:
+def blockwise_reference(rank: int, size: int, per_head: bool = False) -> dict[str, torch.Tensor]:
     """Per-shard Newton-Schulz with the shard's own blocks and shape (what blockwise means)."""
     params = {n: local_shard(n, initial(n), rank, size) for n in MATRICES}
     momenta = {n: torch.zeros_like(p) for n, p in params.items()}
     for step in range(STEPS):
         for name in MATRICES:
             momenta[name] = MOMENTUM * momenta[name] + (1 - MOMENTUM) * local_shard(name, gradient(name, step), rank, size)
-            layout = layout_for(name, params[name], size)
+            layout = layout_for(name, params[name], size, per_head=per_head)
             blocks = [newton_schulz(b, steps=5) * math.sqrt(max(b.shape)) for b in split_blocks(momenta[name], layout)]
             params[name] = params[name] * (1 - LR * WD) - LR * merge_blocks(blocks, layout)
     return params
@@ -108,10 +112,10 @@ MIXED_MODES = {"qkv": "distributed", "fc1": "sharded", "proj": "duplicated", "co
                "replicated": "distributed"}
 
 
-def _tp_body(rank: int, size: int, tp_mode: str) -> dict[str, tuple[float, float]]:
+def _tp_body(rank: int, size: int, tp_mode: str, per_head: bool = False) -> dict:
     world = dist.group.WORLD
     params = {n: torch.nn.Parameter(local_shard(n, initial(n), rank, size)) for n in MATRICES}
-    layouts = {n: layout_for(n, p, size) for n, p in params.items()}
+    layouts = {n: layout_for(n, p, size, per_head=per_head) for n, p in params.items()}
     try:
         optimizer = TensorParallelMuon(
             [{"params": list(params.values()), "param_fqns": list(params)}], lr=LR, momentum=MOMENTUM,
@@ -126,8 +130,8 @@ def _tp_body(rank: int, size: int, tp_mode: str) -> dict[str, tuple[float, float
         for name, param in params.items():
             param.grad = local_shard(name, gradient(name, step), rank, size)
         optimizer.step()
-    full_reference = reference_run()
-    shard_reference = blockwise_reference(rank, size)
+    full_reference = reference_run(per_head)
+    shard_reference = blockwise_reference(rank, size, per_head)
     errors = {
         name: (
             (param.detach() - local_shard(name, full_reference[name], rank, size)).abs().max().item(),
@@ -138,10 +142,13 @@ def _tp_body(rank: int, size: int, tp_mode: str) -> dict[str, tuple[float, float
     return {"errors": errors, "tp_modes": optimizer.tp_modes}
 
 
+@pytest.mark.parametrize("per_head", [False, True], ids=["qkv", "per_head"])
 @pytest.mark.parametrize("size", [2, 4])
 @pytest.mark.parametrize("tp_mode", ["duplicated", "distributed", "sharded", "auto", "mixed"])
-def test_tp_modes_equal_full_matrix_reference(run_distributed, size: int, tp_mode: str) -> None:
-    results = run_distributed(_tp_body, world_size=size, args=(tp_mode,))
+def test_tp_modes_equal_full_matrix_reference(run_distributed, size: int, tp_mode: str, per_head: bool) -> None:
+    """Per head (GQA: 2 q heads, k and v per query group), each of the 24 heads of qkv is its
+    own KV x HIDDEN matrix in the reference; every rank holds whole heads."""
+    results = run_distributed(_tp_body, world_size=size, args=(tp_mode, per_head))
     for result in results:
         bad = {name: e for name, (e, _) in result["errors"].items() if e > 1e-5}
         assert not bad, (tp_mode, size, bad)
@@ -156,6 +163,12 @@ def test_blockwise_is_per_shard_and_tp_dependent(run_distributed) -> None:
         assert all(per_shard < 1e-6 for _, per_shard in errors.values()), errors
         assert errors["column"][0] > 1e-3 and errors["qkv"][0] > 1e-3  # differs from TP=1
         assert errors["replicated"][0] < 1e-6  # nothing sharded, nothing differs
+
+
+def test_blockwise_per_head_qkv_is_exact(run_distributed) -> None:
+    """Per head, no head is split over TP ranks: blockwise equals TP=1 on qkv (not on others)."""
+    for errors in (r["errors"] for r in run_distributed(_tp_body, world_size=2, args=("blockwise", True))):
+        assert errors["qkv"][0] < 1e-6 and errors["column"][0] > 1e-3, errors
 
 
 def test_single_process_splits_equal_explicit_blocks() -> None:

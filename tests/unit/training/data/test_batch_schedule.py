@@ -8,7 +8,7 @@ from a checkpoint in the middle of the ramp (losses equal, fp32).
 
 import pytest
 
-from megatron_eopt.training.data.batch_schedule import rampup_schedule
+from megatron_eopt.training.data.batch_schedule import parse_step_schedule, rampup_schedule
 
 ADAM = ["--optimizer", "adam", "--lr", "1e-3", "--lr-decay-style", "constant", "--log-interval", "1",
         "--mock-data", "--micro-batch-size", "2"]
@@ -25,6 +25,22 @@ def test_rampup_steps_follow_megatron_lm() -> None:
     assert rampup_schedule(4, 4, 16, 12) == [(0, 4), (8, 8), (16, 12)]
     assert rampup_schedule(4, 4, 0, 12) == [(0, 12)]  # no ramp-up samples: the full batch at once
     assert rampup_schedule(2, 1, 2, 6) == [(0, 2), (1, 4), (2, 6)]  # steps closer than a sample: the last wins
+
+
+SCHEDULES = ["0:4 256:8", "0:4,1K:8", "  0:4 ,, 2.5k:16  1M:32 ", "0:1 1b:2 1T:4", "512:8 0:4", "0:4 0:8", "0:0",
+             "64:4", "0.9:3 7.7:5"]
+
+
+@pytest.mark.parametrize("seq_length", [None, 1, 32])
+def test_step_schedules_are_read_as_megatron_core_reads_them(seq_length) -> None:
+    """parse_step_schedule (torch-free) against megatron-core's own parser, the reference."""
+    from megatron.core.num_microbatches_calculator import StepBatchsizeNumMicroBatchesCalculator as Calculator
+
+    for text in SCHEDULES:
+        assert parse_step_schedule(text, seq_length) == Calculator._parse_schedule(text, seq_length), text
+    for text in ("0:4 x", "0:4 a:8", "0:4 8:b", "0:4 :8", "0:4 1:inf"):
+        with pytest.raises(ValueError, match=r"^Invalid (schedule entry|number)"):
+            parse_step_schedule(text, seq_length)
 
 
 def _parse(argv: list[str], monkeypatch, world_size: int = 1):

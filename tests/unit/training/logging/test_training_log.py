@@ -18,7 +18,9 @@ import sys
 import pytest
 import torch
 
+from megatron_eopt.training.curves import read_metrics, validation_curve
 from megatron_eopt.training.logging import training_log
+from megatron_eopt.training.loop.evaluation import EvalResult
 from megatron_eopt.training.logging.training_log import IntervalStats, Logger, Step, format_iteration_line
 
 E = r"[0-9]\.[0-9]{6}E[+-][0-9]{2}"  # {:.6E}
@@ -169,15 +171,25 @@ def _scalars(folder) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
-def test_validation_writes_megatron_lm_tags(tmp_path, monkeypatch) -> None:
-    """What the eval loop calls: `lm loss validation` and its perplexity, exp(min(20, loss))."""
+def test_evaluations_write_megatron_lm_tags_and_metrics_records(tmp_path, monkeypatch) -> None:
+    """What the eval loop calls: `lm loss validation` and its perplexity, exp(min(20, loss)), for
+    validation only; every evaluation is a record of the metrics file, which read_metrics tells
+    apart from the training records."""
     monkeypatch.setattr(sys, "stdout", io.StringIO())
-    log = Logger(_args(tensorboard_dir=str(tmp_path)), rank=0)
+    metrics = tmp_path / "metrics.jsonl"
+    log = Logger(_args(tensorboard_dir=str(tmp_path / "tb"), metrics_jsonl=str(metrics)), rank=0)
     log.iteration(Step(1, 4.0, 1e-3, True))
-    log.validation(1, 2.5)
-    log.validation(2, 25.0)
+    log.evaluation(EvalResult("valid", 1, 2.5))
+    log.evaluation(EvalResult("valid", 2, 25.0, final=True))
+    log.evaluation(EvalResult("test", 2, 3.0, final=True))
     log.close()
-    scalars = _scalars(tmp_path)
+    train, evaluations = read_metrics(str(metrics))
+    assert [r["iteration"] for r in train] == [1] and train[0]["loss"] == 4.0
+    assert [(r["split"], r["iteration"], r["final"], r["eval_loss"]) for r in evaluations] == [
+        ("valid", 1, False, 2.5), ("valid", 2, True, 25.0), ("test", 2, True, 3.0)]
+    assert evaluations[0]["eval_ppl"] == pytest.approx(math.exp(2.5))
+    assert validation_curve(evaluations) == [(1, 2.5)]  # periodic validations only
+    scalars = _scalars(tmp_path / "tb")
     assert scalars["lm loss validation"] == [(1, 2.5), (2, 25.0)]
     assert [step for step, _ in scalars["lm loss validation ppl"]] == [1, 2]
     ppl = [value for _, value in scalars["lm loss validation ppl"]]
@@ -230,7 +242,7 @@ def test_validation_without_tensorboard_writes_nothing(monkeypatch, tmp_path) ->
     monkeypatch.setattr(sys, "stdout", stdout)
     monkeypatch.chdir(tmp_path)
     log = Logger(_args(), rank=0)
-    log.validation(1, 2.5)
+    log.evaluation(EvalResult("valid", 1, 2.5))
     log.close()
     assert log.tensorboard is None
     assert stdout.getvalue() == "" and list(tmp_path.iterdir()) == [] and log.records == []

@@ -193,6 +193,34 @@ def test_bad_pipeline_flags_exit_with_one_line(argv: list[str], message: str, mo
     assert len(lines) == 1 and lines[0].startswith("pretrain_gpt.py: error: ") and message in lines[0], lines
 
 
+LAYOUTS = ["Et|t|t|tL", "Et*3|L", "E(tt|)*2L", "Ettt|(tt|)*2,L", "Et*2|t*2|L", "E,t,t|t,tL", "tE|ttL", "Et|tL|L",
+           "EttL", "E|tttt|L|", "Etx|ttL", "Et|tm|tL", "(Et|)*2ttL", "Et*4|L|E", "E|t*4L"]
+
+
+@pytest.mark.parametrize("pp", [1, 2, 3])
+def test_layout_strings_are_read_as_megatron_core_reads_them(pp: int) -> None:
+    """layout_stages/check_layout (torch-free) against megatron-core's PipelineParallelLayerLayout,
+    the reference: the same strings fit, with the same model chunks per rank; the others fail."""
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    from megatron_eopt.training.arguments.pipeline import check_layout, layout_stages
+
+    for text in LAYOUTS:
+        try:
+            reference = PipelineParallelLayerLayout(text, pp)
+            reference.validate_layer_layout(num_layers=4, mtp_num_layers=None)
+            expected = reference.virtual_pipeline_model_parallel_size
+        except (AssertionError, ValueError, KeyError):
+            expected = None
+        try:
+            stages = layout_stages(text)
+            check_layout(stages, pp, 4)
+            got = len(stages) // pp
+        except ValueError:
+            got = None
+        assert got == expected, (text, pp)
+
+
 @pytest.mark.parametrize("saved,loaded", [
     ((2, OPTIMIZERS["muon layer-wise"] + PP2), (1, OPTIMIZERS["muon"])),
     ((1, OPTIMIZERS["adam"]), (2, OPTIMIZERS["adam"] + PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"])),
