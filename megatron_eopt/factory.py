@@ -34,6 +34,7 @@ from megatron_eopt.param_groups import (
     dump_param_group_map,
     matrix_layouts,
 )
+from megatron_eopt.param_names import EXPERT_NAME_PART, is_expert_name
 from megatron_eopt.param_key import check_config_overrides, get_standard_config_overrides
 from megatron_eopt.registry import BuildContext, OptimizerSpec, lookup_optimizer, optimizers_supporting
 from megatron_eopt.wrappers.chained import ChainedOptimizer
@@ -123,11 +124,11 @@ def get_megatron_optimizer(
 def _warn_if_tp_settings_unused(config: OptimizerConfig, records: list[ParamRecord], tp_modes: Mapping[str, str]) -> None:
     """Say so (once per process) when muon_expert_tp_mode or muon_tp_hardware_profile is set but
     nothing reads it: no expert matrix takes a TP mode, or no mode is 'auto'."""
-    expert_matrices = [r.fqn for r in records if r.is_expert_parallel and r.fqn in tp_modes]
+    expert_matrices = [fqn for fqn in tp_modes if is_expert_name(fqn)]
     if config.muon_expert_tp_mode is not None and not expert_matrices:
         warn_once("unused muon_expert_tp_mode",
                   f"OptimizerConfig.muon_expert_tp_mode={config.muon_expert_tp_mode!r} has no effect: no expert "
-                  f"(MoE, param.allreduce=False) matrix is stepped by a Muon-family optimizer here.", stacklevel=3)
+                  f"matrix ('{EXPERT_NAME_PART}' in its name) is stepped by a Muon-family optimizer here.", stacklevel=3)
     expert_mode = config.muon_expert_tp_mode or config.muon_tp_mode
     uses_auto = "auto" in (config.muon_tp_mode, expert_mode if expert_matrices else None)
     if config.muon_tp_hardware_profile is not None and not (uses_auto and tp_modes):
@@ -313,7 +314,7 @@ def _children(build: _Build, owned_fqns: Optional[set[str]] = None) -> list[Any]
                 norm_groups = (fsdp.group, norm_group)
             child_records = [r for r in records if (r.is_expert_parallel, r.optimizer_name) == (is_expert, name)]
             make_optimizer = _optimizer_maker(lookup_optimizer(name), config, build.chunks, child_records, tp_group,
-                                              fsdp, is_expert)
+                                              fsdp)
             children.append(wrapper(child_groups, make_optimizer, config, records, tp_group, norm_groups,
                                     _child_name(routing, name, is_expert), grad_scaler))
     return children
@@ -385,10 +386,8 @@ def _optimizer_maker(
     records: list[ParamRecord],
     tp_group: Any,
     fsdp: Optional[FullyShardedLayout] = None,
-    is_expert: bool = False,
 ):
-    """`make_optimizer(torch param groups)` for one child, with its TP group and layouts
-    (expert children read `muon_expert_tp_mode`-style fields first: registry/kwargs.py).
+    """`make_optimizer(torch param groups)` for one child, with its TP group and layouts.
 
     For torch FSDP2 (`fsdp`), a whole-matrix optimizer gets the layouts of the matrices FSDP2
     splits by rows (a DTensor's shape is global over the mesh: the whole matrix, or this TP
@@ -406,9 +405,9 @@ def _optimizer_maker(
         on_cpu = not torch.cuda.is_available()
     if fsdp is not None and spec.accepts("fsdp_shards"):
         context = BuildContext(tp_group=tp_group, on_cpu=on_cpu, fsdp_group=fsdp.group,
-                               fsdp_shards=fsdp.row_shards(records, layouts), is_expert=is_expert)
+                               fsdp_shards=fsdp.row_shards(records, layouts))
     else:
-        context = BuildContext(tp_group=tp_group, layouts=layouts, on_cpu=on_cpu, is_expert=is_expert)
+        context = BuildContext(tp_group=tp_group, layouts=layouts, on_cpu=on_cpu)
     return lambda param_groups: spec.build(param_groups, config, context)
 
 

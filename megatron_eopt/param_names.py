@@ -18,3 +18,13 @@ def named_params(param_groups: Sequence[Mapping[str, Any]]) -> Iterator[tuple[to
     """(parameter, name) of every parameter of `param_groups`, group by group."""
     for group in param_groups:
         yield from zip(group["params"], group_param_names(group))
+
+
+# megatron-core's routed experts live in `*.experts.*` (SequentialMLP's local_experts, TEGroupedMLP);
+# `shared_experts` are dense.
+EXPERT_NAME_PART = ".experts."
+
+
+def is_expert_name(fqn: str) -> bool:
+    """Whether `fqn` names a routed expert's parameter (MoE), by megatron-core's module names."""
+    return EXPERT_NAME_PART in f".{fqn}"

@@ -111,7 +111,7 @@ def clear_calibrations() -> None:
     _calibrations.clear()
 
 
-MATMUL_SIZE, BF16_MATMUL_SIZE, REPEATS = 256, 128, 3  # a few ms each on a CPU core
+MATMUL_SIZE, BF16_MATMUL_SIZE, REPEATS = 384, 128, 5  # a few ms each on a CPU core
 SMALL_BYTES, LARGE_BYTES = 4, 4 << 20
 
 
@@ -120,16 +120,17 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _best_seconds(run, device: torch.device) -> float:
+def _median_seconds(run, device: torch.device) -> float:
+    """Median, not best: on a shared machine the rates the step will see, not the peak."""
     run()  # warm-up
-    best = float("inf")
+    times = []
     for _ in range(REPEATS):
         _synchronize(device)
         start = time.perf_counter()
         run()
         _synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return best
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
 
 
 def _matmul_seconds(device: torch.device) -> tuple[float, float]:
@@ -139,7 +140,7 @@ def _matmul_seconds(device: torch.device) -> tuple[float, float]:
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
     try:
-        return _best_seconds(lambda: a @ a, device), _best_seconds(lambda: b @ b, device)
+        return _median_seconds(lambda: a @ a, device), _median_seconds(lambda: b @ b, device)
     finally:
         torch.set_float32_matmul_precision(previous)
 
@@ -150,8 +151,8 @@ def _all_reduce_seconds(device: torch.device, group: Optional[dist.ProcessGroup]
         return 0.0, 0.0
     small = torch.zeros(SMALL_BYTES // 4, device=device)
     large = torch.zeros(LARGE_BYTES // 4, device=device)
-    return (_best_seconds(lambda: dist.all_reduce(small, group=group), device),
-            _best_seconds(lambda: dist.all_reduce(large, group=group), device))
+    return (_median_seconds(lambda: dist.all_reduce(small, group=group), device),
+            _median_seconds(lambda: dist.all_reduce(large, group=group), device))
 
 
 def _profile_from_times(device: torch.device, times: list[float], group_size: int) -> HardwareProfile:
@@ -381,8 +382,9 @@ def auto_tp_modes(layouts: Sequence[MatrixLayout], tp_size: int, profile: Hardwa
     """One exact mode per layout: of a few candidate plans, the one with the least `step_time_s`.
 
     Candidates: each matrix's `cheapest_mode` (marginal, which assumes 'sharded' owners balance);
-    each matrix's cheaper of 'duplicated'/'distributed'; and that with the k costliest matrices
-    'sharded' (k = t, 2t, 4t, ... and all), since few sharded matrices balance badly over t ranks.
+    each matrix's cheaper of 'duplicated'/'distributed' ("unsharded"); for k = 1, 2, 4, ...: the
+    k costliest matrices 'sharded' and the rest unsharded, or the other way round; all 'sharded'.
+    Few sharded matrices balance badly over t ranks, which the marginal view cannot see.
     Shapes, settings and the profile decide, so every rank that knows the same layouts agrees.
     """
     count = len(layouts)
@@ -391,10 +393,11 @@ def auto_tp_modes(layouts: Sequence[MatrixLayout], tp_size: int, profile: Hardwa
     cost = [sum(newton_schulz_cost(*shape) for shape in lay.global_block_shapes()) for lay in layouts]
     order = sorted(range(count), key=lambda i: (-cost[i], i))
     candidates = [marginal, unsharded]
-    k = tp_size
+    k = 1
     while k < count:
-        top = set(order[:k])
+        top = set(order[:k])  # the k costliest sharded, the rest not; then the other way round
         candidates.append([("sharded" if i in top else mode) for i, mode in enumerate(unsharded)])
+        candidates.append([(mode if i in top else "sharded") for i, mode in enumerate(unsharded)])
         k *= 2
     candidates.append(["sharded"] * count)
     times = [step_time_s(layouts, plan, tp_size, profile, settings, precision) for plan in candidates]

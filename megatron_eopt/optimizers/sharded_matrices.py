@@ -22,14 +22,15 @@ from megatron_eopt.ops.muon_cost import AUTO, HardwareProfile, choose_tp_modes, 
 from megatron_eopt.ops.newton_schulz import TP_MODES, NewtonSchulzSettings, block_paths, orthogonalize_updates
 from megatron_eopt.ops.row_shards import RowShards, orthogonalize_row_shards
 from megatron_eopt.ops.splits import MatrixLayout
-from megatron_eopt.param_names import named_params
+from megatron_eopt.param_names import is_expert_name, named_params
 
 
 def check_muon_arguments(tp_mode: str, lr: float, momentum: float, weight_decay: float,
-                         weight_decay_method: str, fp32_matmul_prec: str) -> None:
+                         weight_decay_method: str, fp32_matmul_prec: str, expert_tp_mode: Optional[str] = None) -> None:
     """Argument checks shared by the tensor-parallel Muon optimizers."""
-    if tp_mode not in (*TP_MODES, AUTO):
-        raise ValueError(f"tp_mode must be one of {', '.join(map(repr, (*TP_MODES, AUTO)))}; got {tp_mode!r}.")
+    for name, value in (("tp_mode", tp_mode), ("expert_tp_mode", expert_tp_mode or tp_mode)):
+        if value not in (*TP_MODES, AUTO):
+            raise ValueError(f"{name} must be one of {', '.join(map(repr, (*TP_MODES, AUTO)))}; got {value!r}.")
     if not 0.0 <= momentum < 1.0:
         raise ValueError(f"momentum must be in [0, 1); got {momentum}.")
     if lr < 0.0 or weight_decay < 0.0:
@@ -117,16 +118,16 @@ def matrix_layouts_of(layout_of: Mapping[int, MatrixLayout],
     return list(source.values())
 
 
-def warn_if_blockwise_splits(tp_mode: str, tp_group: Optional[dist.ProcessGroup],
-                             layouts: list[MatrixLayout]) -> None:
-    """Warn once per process when tp_mode='blockwise' orthogonalizes tensor-parallel shards.
+def warn_if_blockwise_splits(tp_group: Optional[dist.ProcessGroup], blockwise: list[MatrixLayout]) -> None:
+    """Warn once per process when tp_mode='blockwise' orthogonalizes tensor-parallel shards
+    (`blockwise`: the layouts in that mode).
 
     Then the update depends on the TP degree. It is megatron-core's default, so a megatron-core
     OptimizerConfig passed as it is brings it along; the value is kept, and this says so.
     """
     tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
-    sharded = [layout.name for layout in layouts if layout.partition_dim >= 0]
-    if tp_mode != "blockwise" or tp_size == 1 or not sharded:
+    sharded = [layout.name for layout in blockwise if layout.partition_dim >= 0]
+    if tp_size == 1 or not sharded:
         return
     warn_once(
         "blockwise",
@@ -202,23 +203,26 @@ class ShardedMatrices(OrthogonalizeTogether):
     def _set_up_shards(self, tp_mode: str, tp_group: Optional[dist.ProcessGroup],
                        layouts: Optional[Mapping[str, MatrixLayout]], fsdp_group: Optional[dist.ProcessGroup],
                        fsdp_shards: Optional[Mapping[str, RowShards]],
-                       hardware_profile: Union[None, str, HardwareProfile] = None) -> None:
+                       hardware_profile: Union[None, str, HardwareProfile] = None,
+                       expert_tp_mode: Optional[str] = None) -> None:
         """Check every parameter against its layout (or row shards) now rather than in `step`,
         and resolve each matrix's TP mode (`tp_modes`; 'auto' asks ops/muon_cost.py)."""
         self.tp_mode = tp_mode
+        self.expert_tp_mode = expert_tp_mode or tp_mode
         self.tp_group = tp_group
         self._layout_of = layouts_by_param(self.param_groups, dict(layouts or {}))
         self.fsdp_group = fsdp_group
         self._row_shards_of = row_shards_by_param(self.param_groups, fsdp_shards, fsdp_group, tp_group, layouts)
         matrix_layouts = matrix_layouts_of(self._layout_of, self._row_shards_of)
-        warn_if_blockwise_splits(tp_mode, tp_group, matrix_layouts)
         tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
-        self.tp_profile = self._tp_profile(tp_mode, tp_size, hardware_profile)
+        # Decided from the config alone, so all TP ranks calibrate (a collective) or none does.
+        uses_auto = AUTO in (self.tp_mode, self.expert_tp_mode)
+        self.tp_profile = self._tp_profile(tp_size, hardware_profile) if uses_auto else None
         # fqn -> mode, for every matrix this optimizer was told of (the layer-wise optimizer's
-        # unowned ones too): the choice depends on its shape alone, so every rank agrees.
+        # unowned ones too): shapes decide 'auto', so every rank agrees.
         known = {layout.name: layout for layout in (*dict(layouts or {}).values(), *matrix_layouts)}
-        self.tp_modes = choose_tp_modes(tp_mode, list(known.values()), tp_size, self.tp_profile, self.settings,
-                                        self.fp32_matmul_prec)
+        self.tp_modes = self._resolve_tp_modes(list(known.values()), tp_size)
+        warn_if_blockwise_splits(tp_group, [lay for lay in matrix_layouts if self.tp_modes[lay.name] == "blockwise"])
         # fqn -> 'gram' or 'standard' per block (q/k/v, gate/up), as the step runs them.
         self.newton_schulz_paths = {layout.name: block_paths(layout, self.tp_modes[layout.name], tp_size,
                                                              self.settings, self.fp32_matmul_prec)
@@ -226,11 +230,21 @@ class ShardedMatrices(OrthogonalizeTogether):
         if self.settings.gram:
             log_newton_schulz_paths(self.newton_schulz_paths, self.fp32_matmul_prec)
 
-    def _tp_profile(self, tp_mode: str, tp_size: int,
-                    hardware_profile: Union[None, str, HardwareProfile]) -> Optional[HardwareProfile]:
-        """The hardware profile 'auto' chooses with (None otherwise, or at TP=1); calibrated on
-        the parameters' device over the TP group unless `hardware_profile` names one."""
-        if tp_mode != AUTO or tp_size == 1:
+    def _resolve_tp_modes(self, layouts: list[MatrixLayout], tp_size: int) -> dict[str, str]:
+        """Routed experts' matrices take `expert_tp_mode`, the others `tp_mode`; 'auto' plans
+        the matrices set to it together."""
+        by_mode: dict[str, list[MatrixLayout]] = {}
+        for layout in layouts:
+            by_mode.setdefault(self.expert_tp_mode if is_expert_name(layout.name) else self.tp_mode, []).append(layout)
+        modes: dict[str, str] = {}
+        for mode, members in by_mode.items():
+            modes.update(choose_tp_modes(mode, members, tp_size, self.tp_profile, self.settings, self.fp32_matmul_prec))
+        return modes
+
+    def _tp_profile(self, tp_size: int, hardware_profile: Union[None, str, HardwareProfile]) -> Optional[HardwareProfile]:
+        """The hardware profile 'auto' chooses with (None at TP=1); calibrated on the parameters'
+        device over the TP group unless `hardware_profile` names or is one."""
+        if tp_size == 1:
             return None
         device = next((p.device for group in self.param_groups for p in group["params"]), None)
         return resolve_profile(hardware_profile, device, self.tp_group)

@@ -76,6 +76,7 @@ class TensorParallelAdaptiveMuon(ShardedMatrices, AdaptiveMuon):
             exact mode that ops/muon_cost.py predicts cheapest; `self.tp_modes` says which).
         tp_hardware_profile: what 'auto' predicts with: a HardwareProfile, a name ('h100', 'cpu'),
             or None: rates calibrated on the parameters' device over `tp_group` (cached).
+        expert_tp_mode: the mode of routed experts' matrices ('.experts.' in the name); None: tp_mode.
         tp_group: the tensor-parallel group of these parameters (None: size 1).
         layouts: fqn -> MatrixLayout for parameters that are shards or fused; param groups
             name their parameters in 'param_fqns'. A parameter without a layout is a whole,
@@ -117,12 +118,14 @@ class TensorParallelAdaptiveMuon(ShardedMatrices, AdaptiveMuon):
         gram_newton_schulz: bool = False,
         tp_mode: str = "duplicated",
         tp_hardware_profile: Union[None, str, HardwareProfile] = None,
+        expert_tp_mode: Optional[str] = None,
         tp_group: Optional[dist.ProcessGroup] = None,
         layouts: Optional[Mapping[str, MatrixLayout]] = None,
         fsdp_group: Optional[dist.ProcessGroup] = None,
         fsdp_shards: Optional[Mapping[str, RowShards]] = None,
     ) -> None:
-        check_muon_arguments(tp_mode, lr, momentum, weight_decay, weight_decay_method, fp32_matmul_prec)
+        check_muon_arguments(tp_mode, lr, momentum, weight_decay, weight_decay_method, fp32_matmul_prec,
+                             expert_tp_mode)
         if moment2_method not in MOMENT2_METHODS:
             raise ValueError(
                 f"moment2_method must be one of {', '.join(map(repr, MOMENT2_METHODS))}; got {moment2_method!r}."
@@ -143,7 +146,7 @@ class TensorParallelAdaptiveMuon(ShardedMatrices, AdaptiveMuon):
             scale_mode=scale_mode, extra_scale_factor=extra_scale_factor, moment2_method=moment2_method,
             beta2=beta2, eps=eps,
         )
-        self._set_up_shards(tp_mode, tp_group, layouts, fsdp_group, fsdp_shards, tp_hardware_profile)
+        self._set_up_shards(tp_mode, tp_group, layouts, fsdp_group, fsdp_shards, tp_hardware_profile, expert_tp_mode)
         self._view_of = {key: self._global_view(layout) for key, layout in self._layout_of.items()}
         if self._row_shards_of is not None:
             rows_split = fsdp_group is not None and dist.get_world_size(fsdp_group) > 1
@@ -152,7 +155,7 @@ class TensorParallelAdaptiveMuon(ShardedMatrices, AdaptiveMuon):
 
     def _global_view(self, layout: MatrixLayout) -> _GlobalView:
         tp_size = 1 if self.tp_group is None else dist.get_world_size(self.tp_group)
-        if self.tp_mode == "blockwise" or layout.partition_dim < 0:
+        if self.tp_modes.get(layout.name, self.tp_mode) == "blockwise" or layout.partition_dim < 0:
             return _GlobalView(layout.local_shape, -1)
         if layout.tp_size != tp_size:
             # Otherwise the global shape, and so the scale and the normuon mean, would be wrong.

@@ -67,6 +67,7 @@ class TensorParallelMuon(ShardedMatrices, Muon):
             exact mode that ops/muon_cost.py predicts cheapest; `self.tp_modes` says which).
         tp_hardware_profile: what 'auto' predicts with: a HardwareProfile, a name ('h100', 'cpu'),
             or None: rates calibrated on the parameters' device over `tp_group` (cached).
+        expert_tp_mode: the mode of routed experts' matrices ('.experts.' in the name); None: tp_mode.
         tp_group: the tensor-parallel group of these parameters (None: size 1).
         layouts: fqn -> MatrixLayout for parameters that are shards or fused; param groups
             name their parameters in 'param_fqns'. A parameter without a layout is a whole,
@@ -99,12 +100,14 @@ class TensorParallelMuon(ShardedMatrices, Muon):
         gram_newton_schulz: bool = False,
         tp_mode: str = "duplicated",
         tp_hardware_profile: Union[None, str, HardwareProfile] = None,
+        expert_tp_mode: Optional[str] = None,
         tp_group: Optional[dist.ProcessGroup] = None,
         layouts: Optional[Mapping[str, MatrixLayout]] = None,
         fsdp_group: Optional[dist.ProcessGroup] = None,
         fsdp_shards: Optional[Mapping[str, RowShards]] = None,
     ) -> None:
-        check_muon_arguments(tp_mode, lr, momentum, weight_decay, weight_decay_method, fp32_matmul_prec)
+        check_muon_arguments(tp_mode, lr, momentum, weight_decay, weight_decay_method, fp32_matmul_prec,
+                             expert_tp_mode)
         # Checked here, before the backend checks them with its own messages.
         settings = NewtonSchulzSettings(num_ns_steps, coefficient_type, scale_mode, extra_scale_factor,
                                         gram=gram_newton_schulz)
@@ -117,7 +120,7 @@ class TensorParallelMuon(ShardedMatrices, Muon):
         self.use_syrk = backend_use_syrk(self.scaled_orthogonalize_fn) if use_syrk else False
         # Scaled: the Muon scale is applied with Newton-Schulz (by `orthogonalize`).
         self.settings = dataclasses.replace(settings, use_syrk=self.use_syrk)
-        self._set_up_shards(tp_mode, tp_group, layouts, fsdp_group, fsdp_shards, tp_hardware_profile)
+        self._set_up_shards(tp_mode, tp_group, layouts, fsdp_group, fsdp_shards, tp_hardware_profile, expert_tp_mode)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> None:

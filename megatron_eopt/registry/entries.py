@@ -121,4 +121,3 @@ class BuildContext:
     on_cpu: bool = True  # all parameters on CPU
     fsdp_group: Optional[dist.ProcessGroup] = None  # torch FSDP2: the group the rows are split over
     fsdp_shards: Optional[Mapping[str, RowShards]] = None  # FSDP2: fqn -> row shards and owner
-    is_expert: bool = False  # expert parameters (MoE): `<prefix>_expert_<arg>` fields come first

@@ -2,8 +2,7 @@
 
 For each `__init__` argument `arg` (through `**kwargs` to the parent class's): `config.<prefix>_<arg>`
 for the entry's prefixes (its name first, then `config_prefixes`), else `config.<arg>`, else the
-class default; config values that are None count as unset. An expert child (MoE) reads
-`config.<prefix>_expert_<arg>` first (`muon_expert_tp_mode`). Then, where the class takes them:
+class default; config values that are None count as unset. Then, where the class takes them:
 `weight_decay_method` is 'decoupled' or 'l2' from `decoupled_weight_decay`; the entry's
 `config_to_kwargs(config)` may add or replace values; `tp_group`/`layouts` (and, for FSDP2,
 `fsdp_group`/`fsdp_shards`) come from the factory. Matmul precisions are honoured on every device;
@@ -86,8 +85,7 @@ def optimizer_kwargs(
     for argument in arguments:
         if argument in CONTEXT_ARGS:
             continue
-        expert_fields = tuple(f"{prefix}_expert_{argument}" for prefix in prefixes) if context.is_expert else ()
-        for field_name in (*expert_fields, *(f"{prefix}_{argument}" for prefix in prefixes), argument):
+        for field_name in (*(f"{prefix}_{argument}" for prefix in prefixes), argument):
             if getattr(config, field_name, None) is not None:
                 kwargs[argument], sources[argument] = getattr(config, field_name), f"OptimizerConfig.{field_name}"
                 break

@@ -294,7 +294,7 @@ def test_bad_input_names_parameter_and_placement(run_distributed) -> None:
 # "tp2" a plain TP=2 model (no FSDP2), for blockwise, whose update depends on the TP degree.
 # No ("muon", "sharded"): at TP x FSDP2 the duplicated mode runs as sharded (the same code), and
 # the count of Newton-Schulz calls below shows it. "per_head": muon_split_qkv_per_head.
-TP_FSDP_CASES = (("muon", "duplicated", "tp1"), ("muon", "distributed", "tp1"),
+TP_FSDP_CASES = (("muon", "duplicated", "tp1"), ("muon", "distributed", "tp1"), ("muon", "auto", "tp1"),
                  ("muon", "blockwise", "tp2"), ("adam", "duplicated", "tp1"), ("adaptive_muon", "duplicated", "tp1"),
                  ("muon", "duplicated", "tp1", "per_head"))
 TP = 2
@@ -352,7 +352,9 @@ def _tp_fsdp_case(optimizer: str, tp_mode: str, reference_kind: str, variant: st
     from megatron.core import parallel_state
     from torch.distributed.fsdp import fully_shard
 
-    config = dataclasses.replace(config_for(optimizer), muon_tp_mode=tp_mode,
+    # 'auto' with a named profile: no calibration cached in the reused workers.
+    profile = "h100" if tp_mode == "auto" else None
+    config = dataclasses.replace(config_for(optimizer), muon_tp_mode=tp_mode, muon_tp_hardware_profile=profile,
                                  muon_split_qkv_per_head=variant == "per_head")
     reference = build_gpt()  # TP=1; its values are the start of every layout
     full = {name: p.detach().clone() for name, p in reference.named_parameters()}
@@ -442,7 +444,7 @@ def _tp_group_errors() -> dict[str, tuple[str, str]]:
 
 def test_tp2_x_fsdp2_equals_tp1(run_distributed) -> None:
     """TP=2 x FSDP=2 on 4 ranks (GQA + SwiGLU GPTModel, megatron-core TP layers) takes the TP=1
-    steps: muon in the duplicated (run as sharded) and distributed modes, adam, adaptive_muon (normuon); muon
+    steps: muon in the duplicated (run as sharded), distributed and auto modes, adam, adaptive_muon (normuon); muon
     blockwise takes the plain TP=2 steps. 1e-5 (fp32, 'highest'): the TP=1 reference
     orthogonalizes whole matrices in one process, the 2-D run the same blocks after two
     exchanges, and the gradient norm sums its squares in another order."""

@@ -88,7 +88,8 @@ def train_reference(slices: int, per_head: bool = False) -> dict:
         destroy_model_parallel()
 
 
-def train_layer_wise(tp: int, dp_group, reduce_grads: bool, per_head: bool = False) -> dict:
+def train_layer_wise(tp: int, dp_group, reduce_grads: bool, per_head: bool = False,
+                     tp_mode: str = "duplicated") -> dict:
     """Layer-wise Muon; dp_group None: parallel_state's groups (DP = world / tp)."""
     initialize_model_parallel(tp, seed=SEED)
     try:
@@ -100,7 +101,8 @@ def train_layer_wise(tp: int, dp_group, reduce_grads: bool, per_head: bool = Fal
         else:  # explicit groups, as a trainer with its own DP layout passes them
             pg_collection, dp = ParallelGroups.from_groups(tp=None, mp=None, dp_cp=dp_group), dp_group
         config = OptimizerConfig(**MUON, use_layer_wise_distributed_optimizer=True,
-                                 layer_wise_reduce_grads=reduce_grads, muon_split_qkv_per_head=per_head)
+                                 layer_wise_reduce_grads=reduce_grads, muon_split_qkv_per_head=per_head,
+                                 muon_tp_mode=tp_mode, muon_tp_hardware_profile="h100" if tp_mode == "auto" else None)
         optimizer = get_megatron_optimizer(config, [model], pg_collection=pg_collection)
         dp_rank, dp_size = dist.get_rank(dp), dist.get_world_size(dp)
         losses, checksums, norms = [], [], []
@@ -172,14 +174,16 @@ def test_layer_wise_muon_dp2_dp4_equals_dp1(run_distributed) -> None:
 def _tensor_and_data_parallel_body(rank: int, world_size: int, per_head: bool) -> dict:
     reference = train_reference(slices=2, per_head=per_head)
     result = {}
-    for reduce_grads in (True, False):
-        run = train_layer_wise(2, None, reduce_grads, per_head)  # parallel_state: TP=2, DP=2
+    # 'auto' (profile 'h100'): each owner's matrices in the mode chosen for the whole model.
+    for reduce_grads, tp_mode in ((True, "duplicated"), (False, "duplicated"), (False, "auto")):
+        run = train_layer_wise(2, None, reduce_grads, per_head, tp_mode)  # parallel_state: TP=2, DP=2
         errors = {}
         for name, (shard, dim, stride) in run["params"].items():
             expected = local_shard(reference["params"][name][0], dim, stride, run["tp_rank"], 2)
             errors[name] = (shard - expected).abs().max().item()
-        result[reduce_grads] = {"errors": errors, "checksums": run["checksums"], "dp_ranks": run["dp_ranks"],
-                                "norms": list(zip(reference["norms"], run["norms"]))}
+        result[(reduce_grads, tp_mode)] = {"errors": errors, "checksums": run["checksums"],
+                                           "dp_ranks": run["dp_ranks"],
+                                           "norms": list(zip(reference["norms"], run["norms"]))}
     return result
 
 
@@ -187,12 +191,12 @@ def _tensor_and_data_parallel_body(rank: int, world_size: int, per_head: bool) -
 def test_layer_wise_muon_tp2_dp2_equals_tp1_dp1(run_distributed, per_head: bool) -> None:
     """Also per head (muon_split_qkv_per_head): 4 heads in 2 query groups, one group per TP rank."""
     results = run_distributed(_tensor_and_data_parallel_body, world_size=4, args=(per_head,), timeout=300)
-    for reduce_grads in (True, False):
+    for case in ((True, "duplicated"), (False, "duplicated"), (False, "auto")):
         for rank, per_rank in enumerate(results):
-            result = per_rank[reduce_grads]
+            result = per_rank[case]
             bad = {name: e for name, e in result["errors"].items() if e > 1e-5}
-            assert not bad, (reduce_grads, rank, bad)
+            assert not bad, (case, rank, bad)
             for reference, norm in result["norms"]:
-                assert abs(norm - reference) < 1e-6 * reference, (reduce_grads, result["norms"])
+                assert abs(norm - reference) < 1e-6 * reference, (case, result["norms"])
             assert len(result["dp_ranks"]) == 2 and rank in result["dp_ranks"]
-            assert all(results[r][reduce_grads]["checksums"] == result["checksums"] for r in result["dp_ranks"])
+            assert all(results[r][case]["checksums"] == result["checksums"] for r in result["dp_ranks"])

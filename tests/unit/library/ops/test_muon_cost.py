@@ -114,3 +114,27 @@ def test_cheapest_mode_is_the_least_predicted_time() -> None:
         assert cheapest_mode(layout, 2, profile) == min(EXACT_MODES, key=lambda m: (times[m], EXACT_MODES.index(m)))
     replicated = MatrixLayout("w", (64, 64))
     assert cheapest_mode(replicated, 1, PROFILES["h100"]) == "duplicated"  # TP=1: all equal, the first
+
+
+def test_config_profile_names_are_the_cost_models() -> None:
+    import typing
+
+    from megatron_eopt.config_choices import HardwareProfileName
+    from megatron_eopt.ops.muon_cost import CALIBRATED
+
+    assert set(typing.get_args(HardwareProfileName)) == set(PROFILES) | set(CALIBRATED)
+
+
+def test_auto_plan_is_never_predicted_slower_than_a_fixed_mode() -> None:
+    from megatron_eopt.ops.muon_cost import auto_tp_modes, step_time_s
+
+    t = 4
+    layouts = [MatrixLayout("big", (1024, 256), partition_dim=0, tp_size=t),
+               MatrixLayout("small", (64, 16), partition_dim=1, tp_size=t),
+               MatrixLayout("whole", (32, 32))]
+    for profile in (PROFILES["h100"], HardwareProfile("slow-link", 1e12, 1e12, 1e6, 1e-3),
+                    HardwareProfile("slow-flops", 1e8, 1e8, 1e11, 1e-6)):
+        plan = auto_tp_modes(layouts, t, profile)
+        assert set(plan) <= set(EXACT_MODES)
+        best_fixed = min(step_time_s(layouts, [mode] * 3, t, profile) for mode in EXACT_MODES)
+        assert step_time_s(layouts, plan, t, profile) <= best_fixed

@@ -1,10 +1,10 @@
 """optimizer='muon' through get_megatron_optimizer on megatron-core's GPTModel shards.
 
 TP=2 and TP=4 (GQA 8 heads / 4 query groups, SwiGLU) take the same steps as TP=1 in the
-'duplicated', 'distributed' and 'sharded' modes: every rank's shard of every parameter
-matches the TP=1 parameter to 1e-5 after 3 steps (fp32; Newton-Schulz round-off differs
-with the matrix split), and the losses agree to 1e-5. Each mode is one call on 4 ranks:
-TP=1 (DP=4), TP=2 (DP=2) and TP=4 run one after the other on the same batch. With
+'duplicated', 'distributed', 'sharded' and 'auto' (calibrated here) modes: every rank's shard
+of every parameter matches the TP=1 parameter to 1e-5 after 3 steps (fp32; Newton-Schulz
+round-off differs with the matrix split), and the losses agree to 1e-5. Each mode is one call on
+4 ranks: TP=1 (DP=4), TP=2 (DP=2) and TP=4 run one after the other on the same batch. With
 `muon_split_qkv_per_head` as well (each of the 16 q, k and v heads per layer its own matrix;
 TP=4 holds one query group per rank), where linear_qkv must also differ from the per-group split.
 """
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from megatron_eopt import OptimizerConfig
+from megatron_eopt.ops.muon_cost import clear_calibrations
 from megatron_eopt.training.model.gpt import GPTModelSettings
 from tests.unit.library.optimizers.test_gpt_optimizer import local_shard, train_gpt
 
@@ -28,7 +29,10 @@ def train_muon(tp: int, tp_mode: str, steps: int, per_head: bool = False) -> dic
     config = OptimizerConfig(optimizer="muon", lr=0.02, min_lr=0.0, weight_decay=0.05, clip_grad=1.0,
                              muon_tp_mode=tp_mode, muon_momentum=0.9, muon_split_qkv_per_head=per_head,
                              muon_fp32_matmul_prec="highest")  # fp32: TP=n equals TP=1 to 1e-5
-    return train_gpt(SETTINGS, config, tp, steps, seed=11, tokens=batch())
+    try:
+        return train_gpt(SETTINGS, config, tp, steps, seed=11, tokens=batch())
+    finally:
+        clear_calibrations()  # 'auto' calibrates over the TP group; the reused workers start clean
 
 
 def _modes_body(rank: int, world_size: int, tp_mode: str, per_head: bool) -> dict:
@@ -50,7 +54,7 @@ def _modes_body(rank: int, world_size: int, tp_mode: str, per_head: bool) -> dic
 
 
 @pytest.mark.parametrize("per_head", [False, True], ids=["qkv", "per_head"])
-@pytest.mark.parametrize("tp_mode", ["duplicated", "distributed", "sharded"])
+@pytest.mark.parametrize("tp_mode", ["duplicated", "distributed", "sharded", "auto"])
 def test_muon_on_gpt_shards_equals_tp1(run_distributed, tp_mode: str, per_head: bool) -> None:
     for per_rank in run_distributed(_modes_body, world_size=4, args=(tp_mode, per_head), timeout=600):
         if per_head:
