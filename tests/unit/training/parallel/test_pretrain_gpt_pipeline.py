@@ -193,7 +193,7 @@ def test_bad_pipeline_flags_exit_with_one_line(argv: list[str], message: str, mo
     assert len(lines) == 1 and lines[0].startswith("pretrain_gpt.py: error: ") and message in lines[0], lines
 
 
-LAYOUTS = ["Et|t|t|tL", "Et*3|L", "E(tt|)*2L", "Ettt|(tt|)*2,L", "Et*2|t*2|L", "E,t,t|t,tL", "tE|ttL", "Et|tL|L",
+LAYOUT_STRINGS = ["Et|t|t|tL", "Et*3|L", "E(tt|)*2L", "Ettt|(tt|)*2,L", "Et*2|t*2|L", "E,t,t|t,tL", "tE|ttL", "Et|tL|L",
            "EttL", "E|tttt|L|", "Etx|ttL", "Et|tm|tL", "(Et|)*2ttL", "Et*4|L|E", "E|t*4L"]
 
 
@@ -205,7 +205,7 @@ def test_layout_strings_are_read_as_megatron_core_reads_them(pp: int) -> None:
 
     from megatron_eopt.training.arguments.pipeline import check_layout, layout_stages
 
-    for text in LAYOUTS:
+    for text in LAYOUT_STRINGS:
         try:
             reference = PipelineParallelLayerLayout(text, pp)
             reference.validate_layer_layout(num_layers=4, mtp_num_layers=None)
