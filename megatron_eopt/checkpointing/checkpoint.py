@@ -49,6 +49,7 @@ from megatron_eopt.checkpointing.state import (
 from megatron_eopt.checkpointing.storage import CheckpointError, CheckpointSaveError  # noqa: F401 (re-exported)
 from megatron_eopt.distributed.fsdp2 import fully_sharded_layout
 from megatron_eopt.distributed.process_groups import ProcessGroup, group_size, resolve_parallel_groups
+from megatron_eopt.ops.collectives import group_timeout
 
 
 @dataclass(frozen=True)
@@ -94,23 +95,60 @@ def start_save_checkpoint(
     extra: Optional[dict] = None,
     pg_collection: Any = None,
     save_rng: bool = True,
+    background_group: Optional[ProcessGroup] = None,
 ) -> "PendingSave":
     """`save_checkpoint` in the background (Megatron-LM's --async-save): copies the state to the
     CPU now, then writes, verifies, renames and moves `latest` in a thread, with the same
     guarantees; training may change the model meanwhile. `wait()` on the result returns the path
     or raises the save's error. Call it on every rank; one save per directory in flight at a time.
-    The thread's collectives run over a gloo group of the checkpoint group's ranks, made once
-    (new_group over those ranks only), so they never interleave with training's collectives."""
+
+    The thread's collectives must not interleave with training's, so a checkpoint of more than
+    one rank needs `background_group`: a gloo group of the checkpoint's ranks that nothing else
+    uses, made once by `new_save_group` and passed to every call (None for a rank alone)."""
     key = os.path.realpath(checkpoint_dir)
-    if key in _IN_FLIGHT and not _IN_FLIGHT[key].done():
+    for done in [k for k, save in _IN_FLIGHT.items() if save.done()]:
+        del _IN_FLIGHT[done]
+    if key in _IN_FLIGHT:
         raise ValueError(f"a save into {checkpoint_dir} is still in flight (iteration {_IN_FLIGHT[key].iteration}); "
                          f"wait() for it before starting another.")
     entries, manifest, group = _prepare_save(iteration, model_chunks, optimizer, scheduler, extra, pg_collection,
                                              save_rng, snapshot=True)
-    background = storage.background_group(group)
-    pending = PendingSave(iteration, lambda: _write(checkpoint_dir, iteration, entries, manifest, background, None))
+    _check_background_group(background_group, group)
+    pending = PendingSave(iteration, lambda: _write(checkpoint_dir, iteration, entries, manifest, background_group, None))
     _IN_FLIGHT[key] = pending
     return pending
+
+
+def new_save_group(model_chunks: list[torch.nn.Module], pg_collection: Any = None) -> Optional[ProcessGroup]:
+    """A gloo group of the ranks that write `model_chunks`' checkpoint, for `start_save_checkpoint`'s
+    background thread (same timeout as the checkpoint group); None when one rank writes it alone.
+
+    torch.distributed.new_group: every rank of the default group calls it, at the same point,
+    like any other group. Made once per run and destroyed by the caller when no save is in
+    flight. (A group made with use_local_synchronization would be named after its ranks alone;
+    made again on the same store, its rendezvous would read the previous one's addresses.)"""
+    group = checkpoint_group(_parallel_groups(_as_chunks(model_chunks), pg_collection))
+    if group is None:
+        return None
+    return torch.distributed.new_group(torch.distributed.get_process_group_ranks(group), backend="gloo",
+                                       timeout=group_timeout(group))
+
+
+def _check_background_group(background: Optional[ProcessGroup], group: Optional[ProcessGroup]) -> None:
+    if group is None:
+        return
+    if background is None:
+        raise ValueError(f"start_save_checkpoint: this checkpoint is written by {storage.world_size(group)} ranks, "
+                         f"so it needs background_group=, a gloo group of those ranks for the writing thread "
+                         f"alone: make it once with new_save_group(model_chunks) on every rank and pass it to "
+                         f"every call.")
+    ranks, expected = (torch.distributed.get_process_group_ranks(g) for g in (background, group))
+    if ranks != expected:
+        raise ValueError(f"start_save_checkpoint: background_group has the ranks {ranks}, but the checkpoint is "
+                         f"written by the ranks {expected}; make it with new_save_group(model_chunks).")
+    if background is group:
+        raise ValueError("start_save_checkpoint: background_group is the checkpoint group itself; the writing "
+                         "thread needs a group of its own (new_save_group(model_chunks)).")
 
 
 class PendingSave:

@@ -31,7 +31,6 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_eopt.distributed.process_groups import ProcessGroup
-from megatron_eopt.ops.collectives import group_timeout
 
 MANIFEST = "megatron_eopt.json"
 LATEST = "latest"
@@ -493,28 +492,6 @@ def _fsync_directory(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-_BACKGROUND_GROUPS: dict[str, ProcessGroup] = {}
-
-
-def background_group(group: Optional[ProcessGroup]) -> Optional[ProcessGroup]:
-    """A gloo group of `group`'s ranks for a save's collectives in a background thread, made on
-    first use by those ranks only (same timeout as `group`); None for a rank alone."""
-    if group is None:
-        return None
-    if group.group_name not in _BACKGROUND_GROUPS:
-        _BACKGROUND_GROUPS[group.group_name] = dist.new_group(
-            dist.get_process_group_ranks(group), timeout=group_timeout(group), backend="gloo",
-            use_local_synchronization=True)
-    return _BACKGROUND_GROUPS[group.group_name]
-
-
-def release_background_groups() -> None:
-    """Destroy the groups `background_group` made (wait for the saves using them first)."""
-    for group in _BACKGROUND_GROUPS.values():
-        dist.destroy_process_group(group)
-    _BACKGROUND_GROUPS.clear()
 
 
 def rank(group: Optional[ProcessGroup]) -> int:

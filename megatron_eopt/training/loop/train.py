@@ -15,8 +15,7 @@ from megatron_eopt.arguments import (
     optimizer_config_from_args,
 )
 from megatron_eopt.bridge import get_scheduler
-from megatron_eopt.checkpointing import CheckpointSaveError, save_checkpoint, start_save_checkpoint
-from megatron_eopt.checkpointing.storage import release_background_groups
+from megatron_eopt.checkpointing import CheckpointSaveError, new_save_group, save_checkpoint, start_save_checkpoint
 from megatron_eopt.training.arguments.moe import (
     describe_moe,
     logged_moe_losses,
@@ -109,15 +108,15 @@ def train(args, settings, layout, device, housekeeping: Optional[Housekeeping] =
     built, resume, iterate (or with --skip-train only evaluate); returns the logged records."""
     housekeeping = housekeeping or Housekeeping(args, device)
     run = build_training(args, settings, layout, device, housekeeping)
-    say_setup(args, settings, device, run, housekeeping)
-    start = resume(args, run.chunks, run.optimizer, run.scheduler, run.log)
-    if args.skip_train:  # Megatron-LM: evaluate the loaded model on validation and test, no training
-        run.evaluator.final(run.model, start)
-    else:
-        try:
+    try:
+        say_setup(args, settings, device, run, housekeeping)
+        start = resume(args, run.chunks, run.optimizer, run.scheduler, run.log)
+        if args.skip_train:  # Megatron-LM: evaluate the loaded model on validation and test, no training
+            run.evaluator.final(run.model, start)
+        else:
             run_iterations(args, settings, layout, device, run, housekeeping, start)
-        finally:
-            release_background_groups()  # --async-save's gloo group (none without it)
+    finally:
+        release_save_group(run)
     run.log.close()
     return run.log.records
 
@@ -136,6 +135,7 @@ class Training:
     grads: GradReducer
     log: Logger
     evaluator: Evaluator
+    save_group: Any = None  # --async-save's gloo group for the writing thread (checkpointing.new_save_group)
     pending_save: Any = None  # the --async-save checkpoint being written (checkpointing.PendingSave)
 
 
@@ -169,7 +169,16 @@ def build_training(args, settings, layout, device, housekeeping: Housekeeping) -
                           is_first_rank=layout.rank == 0, print_line=log.print_line,
                           on_result=log.evaluation,
                           around_each=housekeeping.evaluation)
-    return Training(chunks, model, dp_group, batches, forward, optimizer, scheduler, grads, log, evaluator)
+    save_group = new_save_group(chunks) if args.save and args.async_save else None
+    return Training(chunks, model, dp_group, batches, forward, optimizer, scheduler, grads, log, evaluator, save_group)
+
+
+def release_save_group(run: Training) -> None:
+    """Destroy --async-save's group, unless a save still uses it (the run is failing: the
+    process ends with the thread)."""
+    if run.save_group is not None and (run.pending_save is None or run.pending_save.done()):
+        dist.destroy_process_group(run.save_group)
+        run.save_group = None
 
 
 def _forward(args, layout, device, chunks, model, batches: BatchSource, dp_group) -> SingleStage | Pipeline:
@@ -262,7 +271,7 @@ def save_if_due(args, iteration: int, stopping: bool, run: Training) -> None:
     optimizer, scheduler = (None, None) if args.no_save_optim else (run.optimizer, run.scheduler)
     if args.async_save and not final:
         run.pending_save = start_save_checkpoint(args.save, iteration, run.chunks, optimizer, scheduler,
-                                                 save_rng=not args.no_save_rng)
+                                                 save_rng=not args.no_save_rng, background_group=run.save_group)
         return
     try:
         path = save_checkpoint(args.save, iteration, run.chunks, optimizer, scheduler, save_rng=not args.no_save_rng)

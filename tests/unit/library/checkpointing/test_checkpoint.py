@@ -364,3 +364,50 @@ def test_rng_states_are_per_rank_and_restored_only_at_the_saved_layout(run_distr
     assert torch.equal(resharded["tracker"], torch.rand(3, generator=untouched))  # this run's own seeding
     assert resharded["messages"] == ("RNG states not restored: saved at world size 2 with TP 1, this run has "
                                      "world size 1 with TP 1; the RNGs keep this run's seeding",)
+
+
+# ------------------------------------------------------------------------------------------------
+# Asynchronous saves at 2 ranks: the writing thread's own group
+# ------------------------------------------------------------------------------------------------
+
+
+def _async_groups_body(rank: int, world_size: int, directory: str) -> dict:
+    """Two saves, each with a save group made for it and destroyed after, as two runs in one
+    process would. Rank 1 makes the second group late: a group made again under the first one's
+    name would read the first one's rendezvous addresses and hang (torch names a group made with
+    use_local_synchronization after its ranks and the number of live groups)."""
+    import time
+
+    from megatron_eopt.checkpointing import new_save_group, start_save_checkpoint
+    from megatron_eopt.checkpointing.state import checkpoint_group
+    from megatron_eopt.distributed.process_groups import resolve_parallel_groups
+
+    run = GPTRun(Layout("adam"))
+    try:
+        run.train_step(0)
+        refusals = []
+        for wrong in (None, checkpoint_group(resolve_parallel_groups(None))):
+            try:
+                start_save_checkpoint(directory, 1, [run.model], run.optimizer, background_group=wrong)
+            except ValueError as error:
+                refusals.append(str(error))
+        paths = []
+        for iteration in (1, 2):
+            if rank == 1 and iteration == 2:
+                time.sleep(2.0)
+            group = new_save_group([run.model])
+            paths.append(start_save_checkpoint(directory, iteration, [run.model], run.optimizer,
+                                               background_group=group).wait())
+            torch.distributed.destroy_process_group(group)
+        return {"refusals": refusals, "paths": paths, "latest": latest_checkpoint(directory)}
+    finally:
+        run.close()
+
+
+def test_async_saves_need_a_group_of_their_own_made_once_per_run(run_distributed, tmp_path) -> None:
+    for found in run_distributed(_async_groups_body, world_size=2, args=(str(tmp_path),), timeout=120):
+        assert found["paths"] == [str(tmp_path / "iter_0000001"), str(tmp_path / "iter_0000002")]
+        assert found["latest"] == str(tmp_path / "iter_0000002")
+        assert len(found["refusals"]) == 2
+        assert "written by 2 ranks, so it needs background_group=" in found["refusals"][0]
+        assert "background_group is the checkpoint group itself" in found["refusals"][1]

@@ -71,10 +71,6 @@ def test_async_saves_equal_synchronous_ones(tmp_path, run_distributed) -> None:
             assert torch.equal(value, actual[key]) if torch.is_tensor(value) else value == actual[key], (name, key)
 
 
-# Slow (make test-slow) because it is not yet trusted: in one full `make test` (2026-11-24) this
-# run hung until the harness's 300 s timeout, though it passes alone (28 s). Under investigation
-# (issue 30): a race in the failure path of an async save under load is suspected.
-@pytest.mark.slow
 def test_a_failed_async_save_stops_the_run_at_the_next_save(tmp_path, run_distributed) -> None:
     failed = run_distributed(_run_with_full_disk_on_rank_1, 2, args=(str(tmp_path / "full"), ["--async-save"]))
     assert [r["status"] for r in failed] == [2, 2] and failed[0]["latest"] == "iter_0000002"
