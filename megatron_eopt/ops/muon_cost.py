@@ -41,6 +41,7 @@ class HardwareProfile:
     link_bytes_per_s: float  # what one rank sends per second over the TP group's links
     collective_latency_s: float  # fixed cost of one collective call
     tf32_flops: Optional[float] = None  # at 'high'; None: as fp32_flops
+    peak_bf16_flops: Optional[float] = None  # the device's dense bf16 peak (datasheet); None: unknown
     notes: str = field(default="", compare=False)
 
     def matmul_flops(self, precision: str) -> float:
@@ -57,11 +58,11 @@ class HardwareProfile:
 
 
 # H100 SXM: Newton-Schulz's own bf16 and fp32 rates measured by benchmarks/gpu_check.py (docs/gpu.md);
-# tf32 assumed half of bf16. The TP link is an assumption: NVLink 4, about 450 GB/s each way, and
+# tf32 assumed half of bf16; the dense bf16 peak is the H100 SXM datasheet's. The TP link is an assumption: NVLink 4, about 450 GB/s each way, and
 # about 10 us per NCCL collective inside one node.
 PROFILES: dict[str, HardwareProfile] = {
     "h100": HardwareProfile("h100", fp32_flops=50.2e12, bf16_flops=569e12, link_bytes_per_s=450e9,
-                            collective_latency_s=10e-6, tf32_flops=284e12,
+                            collective_latency_s=10e-6, tf32_flops=284e12, peak_bf16_flops=989e12,
                             notes="Newton-Schulz rates measured on one H100 (docs/gpu.md); NVLink 450 GB/s "
                                   "and 10 us per collective assumed"),
 }

@@ -19,8 +19,6 @@ from megatron_eopt.training.arguments.parser import TABLES
 from megatron_eopt.training.model.settings import GPTModelSettings
 from megatron_eopt.training.planning.presets import PRESETS
 
-# Dense bf16 peak FLOP/s of each hardware profile's GPU (vendor datasheet: H100 SXM 989 TFLOP/s).
-PEAK_FLOPS = {"h100": 989e12}
 # Flags of the model tables that a preset still takes: the tokens and the layout, not the matrices.
 PRESET_FLAGS = ("seq_length", "expert_model_parallel_size", "expert_tensor_parallel_size")
 
@@ -37,7 +35,7 @@ def build_planner_parser() -> argparse.ArgumentParser:
     group.add_argument("--data-parallel-size", type=int, default=1, help="DP: world = TP x PP x DP")
     group.add_argument("--hardware", default="h100", help="hardware profile of the cost model (ops/muon_cost.py)")
     group.add_argument("--peak-tflops", type=float, help="dense bf16 peak per GPU for the iteration time "
-                       f"(default: the profile's, {', '.join(f'{k} {v / 1e12:.0f}' for k, v in PEAK_FLOPS.items())})")
+                       "(default: the hardware profile's datasheet peak, e.g. h100 989)")
     group.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilization of an iteration (0-1]")
     group.add_argument("--json", action="store_true", help="every rank as JSON instead of the table")
     group.add_argument("--all-ranks", action="store_true", help="every group of ranks in the table")
@@ -105,7 +103,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
                         dp=args.data_parallel_size, ep=args.expert_model_parallel_size, fsdp=args.use_torch_fsdp2,
                         layer_wise=config.use_layer_wise_distributed_optimizer)
     profile = hardware_profile(args.hardware)  # an unknown name lists the known ones
-    peak = args.peak_tflops * 1e12 if args.peak_tflops else PEAK_FLOPS.get(args.hardware)
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else profile.peak_bf16_flops
     if peak is None:
         raise ValueError(f"hardware {args.hardware!r} has no peak FLOP/s here; give --peak-tflops.")
     tokens = (args.global_batch_size or 0) * settings.seq_length
