@@ -58,8 +58,8 @@ class HardwareProfile:
 
 
 # H100 SXM: Newton-Schulz's own bf16 and fp32 rates measured by benchmarks/gpu_check.py (docs/gpu.md);
-# tf32 assumed half of bf16; the dense bf16 peak is the H100 SXM datasheet's. The TP link is an assumption: NVLink 4, about 450 GB/s each way, and
-# about 10 us per NCCL collective inside one node.
+# tf32 assumed half of bf16; the dense bf16 peak is the datasheet's. The TP link is an assumption:
+# NVLink 4, about 450 GB/s each way, and about 10 us per NCCL collective inside one node.
 PROFILES: dict[str, HardwareProfile] = {
     "h100": HardwareProfile("h100", fp32_flops=50.2e12, bf16_flops=569e12, link_bytes_per_s=450e9,
                             collective_latency_s=10e-6, tf32_flops=284e12, peak_bf16_flops=989e12,
