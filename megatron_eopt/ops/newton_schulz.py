@@ -8,13 +8,11 @@ The iteration is emerging_optimizers'; this module decides who orthogonalizes wh
 - sharded:     one TP rank per matrix, cost-balanced; one all-to-all there, one back.
 All but blockwise equal the TP=1 update to fp32 round-off; each parameter may have its own mode
 ('auto': ops/muon_cost.py chooses). Scales use the global block shape. Per-head blocks
-(MatrixLayout.per_head) are whole on their rank: done there, in every mode.
+(MatrixLayout.per_head) are whole on their rank: done there, in every mode (docs/tp-muon.md).
 `orthogonalize_batched` runs every group of equal shape as one batched call, every matrix even
-alone, so its result does not depend on which others share the step. With `gram=True` a block
-takes Gram Newton-Schulz where that costs fewer FLOPs (ops/gram_newton_schulz.py; `block_paths`
-says which); with a `package` (ops/gram_newton_schulz_package.py) those blocks run through the
-gram-newton-schulz package, except 'distributed' shards (no TP group there). docs/tp-muon.md
-describes the modes.
+alone, so its result does not depend on which others share the step. `gram=True`: a block takes
+Gram Newton-Schulz where that costs fewer FLOPs (ops/gram_newton_schulz.py), through the
+gram-newton-schulz `package` if given, except 'distributed' shards (`block_paths` says which).
 """
 
 import typing
