@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from megatron_eopt.once import warn_once
 from megatron_eopt.ops.gram_newton_schulz import coefficient_schedule, restart_steps
 
 PACKAGE = "gram_newton_schulz"
@@ -43,6 +44,11 @@ class GramPackage:
         if importlib.util.find_spec(PACKAGE) is None:
             raise ValueError(f"gram_newton_schulz_package=True needs the gram-newton-schulz package, which is "
                              f"not importable here: {INSTALL_HINT}.")
+        module = importlib.import_module(PACKAGE)
+        if not hasattr(module, "GramNewtonSchulz"):  # e.g. a script of that name first on sys.path
+            raise ValueError(f"gram_newton_schulz_package=True: the module {PACKAGE!r} imported from "
+                             f"{getattr(module, '__file__', None)!r} is not the gram-newton-schulz package (it has no "
+                             f"GramNewtonSchulz); rename what shadows it, or {INSTALL_HINT}.")
         self.coefficients = [list(abc) for abc in coefficient_schedule(coefficient_type, steps)]
         self.restarts = list(restart_steps(steps))
         self._by_kernels: dict[bool, Callable[[torch.Tensor], torch.Tensor]] = {}
@@ -55,6 +61,10 @@ class GramPackage:
         kernels = device.type == "cuda"
         if kernels not in self._by_kernels:
             self._by_kernels[kernels] = _build(self.coefficients, self.restarts, kernels)
+            if not kernels:
+                warn_once("gram_package_torch_path", f"gram_newton_schulz_package=True on {device.type}: the "
+                          f"package's torch path computes in float16, which CPUs run far slower than our bf16 "
+                          f"Gram path (43x measured, docs/newton-schulz.md); it is meant for CUDA.", stacklevel=4)
         return self._by_kernels[kernels]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

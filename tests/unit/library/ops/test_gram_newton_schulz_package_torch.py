@@ -6,7 +6,7 @@
   <= 5.8e-3), and the two within 2e-2 of each other (measured <= 5.9e-3). float16 keeps 3 more
   mantissa bits than bf16, hence the package's smaller error.
 - `NewtonSchulzSettings` with a package sends exactly the Gram blocks without a TP group to it.
-- Errors: the package not importable, and its arguments (optimizer and config level, the latter
+- Errors: the package not importable or shadowed, and its arguments (optimizer and config level, the latter
   torch-free as config_rules.py).
 """
 
@@ -80,6 +80,14 @@ def test_not_importable_says_how_to_install(monkeypatch) -> None:
     for cls in (TensorParallelMuon, TensorParallelAdaptiveMuon):
         with pytest.raises(ValueError, match=r"not importable.*pip install gram-newton-schulz.*quack-kernels"):
             cls([p], gram_newton_schulz=True, gram_newton_schulz_package=True, fp32_matmul_prec="medium")
+
+
+def test_a_shadowing_module_is_named(monkeypatch) -> None:
+    import_module = importlib.import_module
+    monkeypatch.setattr(importlib, "import_module", lambda name, *args: SimpleNamespace(__file__="/x/gram_newton_schulz.py")
+                        if name == package_module.PACKAGE else import_module(name, *args))
+    with pytest.raises(ValueError, match=r"'/x/gram_newton_schulz.py' is not the gram-newton-schulz package"):
+        GramPackage("quintic", 5)
 
 
 @pytest.mark.parametrize("kwargs, message", [
