@@ -43,6 +43,8 @@ gpu-check: $(STAMP)
 
 venv: $(STAMP)
 
+# gram-newton-schulz (the optional --muon-gram-newton-schulz-package backend) without its declared
+# dependencies: they are CUDA-only (quack-kernels, nvidia-cutlass-dsl) and its torch path needs only torch.
 $(STAMP): pyproject.toml requirements.lock tools/find_python312.sh
 	@py312=$$(tools/find_python312.sh) || exit 1; \
 	echo "Creating $(VENV) with $$py312"; \
@@ -50,6 +52,7 @@ $(STAMP): pyproject.toml requirements.lock tools/find_python312.sh
 	$(PY) -m pip install --quiet --disable-pip-version-check uv && \
 	$(VENV)/bin/uv pip install --quiet --python $(PY) -r requirements.lock && \
 	$(VENV)/bin/uv pip install --quiet --python $(PY) --no-deps -e . && \
+	$(VENV)/bin/uv pip install --quiet --python $(PY) --no-deps gram-newton-schulz==0.1.6 && \
 	touch $(STAMP)
 
 # Re-resolve the pinned versions (needs the registry); commit the result.

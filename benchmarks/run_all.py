@@ -42,7 +42,7 @@ BENCHMARKS = {
     "fsdp2_polargrad_2": TORCHRUN + ["--nproc-per-node", "2", "fsdp2_whole_matrix_step.py", "--optimizer",
                                      "polargrad", "--hidden", "256", "--layers", "2"],
     "grad_reduce_overlap": TORCHRUN + ["--nproc-per-node", "2", "grad_reduce_overlap.py"],
-    "gram_newton_schulz": PYTHON + ["gram_newton_schulz.py", *MAIN, "--repeats", "3"],
+    "gram_newton_schulz": PYTHON + ["gram_newton_schulz_step.py", *MAIN, "--repeats", "3"],
     "per_head_qkv": PYTHON + ["per_head_qkv.py", *MAIN, "--repeats", "5"],
     "async_save": PYTHON + ["async_save.py", "--tokens", "256", "--threads", "1"],
 }

@@ -93,6 +93,10 @@ class OptimizerConfig:
     # costs fewer FLOPs than the standard iteration (ops/gram_newton_schulz.py). Muon and
     # adaptive_muon only.
     muon_gram_newton_schulz: bool = False
+    # megatron_eopt: run those blocks, where whole on their rank, through the gram-newton-schulz
+    # package (Dao AI Lab; its CUDA kernels on CUDA, its torch path elsewhere). It computes in
+    # float16: needs muon_gram_newton_schulz=True and muon_fp32_matmul_prec='medium'.
+    muon_gram_newton_schulz_package: bool = False
     # megatron_eopt (Megatron-LM PR #6326's name): orthogonalize every q, gate, k and v head of
     # linear_qkv as its own kv_channels x hidden matrix, scaled by that shape, instead of the q,
     # k and v of all query groups together. Needs muon_split_qkv. Muon and adaptive_muon only.
@@ -260,8 +264,8 @@ MEGATRON_CORE_FIELDS: dict[str, FieldUse] = {
         "parameter went)"),
 }
 # megatron_eopt's own fields: muon_use_syrk and muon_expert_tp_mode (newer Megatron-LM),
-# muon_match_adamw_rms, muon_gram_newton_schulz, muon_split_qkv_per_head, muon_tp_hardware_profile,
-# layer_wise_reduce_grads, emerging_optimizers_compile; all used.
+# muon_match_adamw_rms, muon_gram_newton_schulz, muon_gram_newton_schulz_package, muon_split_qkv_per_head,
+# muon_tp_hardware_profile, layer_wise_reduce_grads, emerging_optimizers_compile; all used.
 
 def warn_about_inert_fields(config: "OptimizerConfig") -> None:
     """One warning per process for each 'warns' field set away from its default."""

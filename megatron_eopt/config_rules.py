@@ -124,6 +124,7 @@ def _check_muon(config: Any) -> None:
                  f"OptimizerConfig.muon_gram_newton_schulz=True is implemented for optimizer "
                  f"{', '.join(map(repr, GRAM_NEWTON_SCHULZ_OPTIMIZERS))}; got optimizer={config.optimizer!r}. "
                  f"Set muon_gram_newton_schulz=False (command line: drop --muon-gram-newton-schulz).")
+    _check_gram_package(config)
     _check_per_head_qkv(config)
     steps, scale, frequency = (_value(config, name) for name in (
         "muon_num_ns_steps", "muon_extra_scale_factor", "soap_precondition_frequency"))
@@ -132,6 +133,21 @@ def _check_muon(config: Any) -> None:
              f"OptimizerConfig.muon_extra_scale_factor must be a finite number > 0; got {scale}.")
     _require(frequency is None or frequency >= 1,
              f"OptimizerConfig.soap_precondition_frequency must be >= 1; got {frequency}.")
+
+
+def _check_gram_package(config: Any) -> None:
+    package = _value(config, "muon_gram_newton_schulz_package")
+    _require(package is None or isinstance(package, bool),
+             f"OptimizerConfig.muon_gram_newton_schulz_package must be True or False; got {package!r}.")
+    if not package:
+        return
+    _require(_value(config, "muon_gram_newton_schulz") is not False,
+             "OptimizerConfig.muon_gram_newton_schulz_package=True needs muon_gram_newton_schulz=True (the "
+             "package runs the blocks that take the Gram path); set both or neither.")
+    precision = _value(config, "muon_fp32_matmul_prec")
+    _require(precision is None or precision == "medium",
+             f"OptimizerConfig.muon_gram_newton_schulz_package=True needs muon_fp32_matmul_prec='medium': the "
+             f"gram-newton-schulz package computes in float16 only; got muon_fp32_matmul_prec={precision!r}.")
 
 
 def _check_per_head_qkv(config: Any) -> None:

@@ -126,6 +126,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--muon-use-syrk", "muon_use_syrk", "Use SYRK in the Newton-Schulz iteration."),
     Flag("--muon-gram-newton-schulz", "muon_gram_newton_schulz", "Gram Newton-Schulz (iterate on the "
          "small Gram matrix) on the blocks where it costs fewer FLOPs (muon, adaptive_muon)."),
+    Flag("--muon-gram-newton-schulz-package", "muon_gram_newton_schulz_package", "Run those Gram blocks, "
+         "where whole on their rank, through the gram-newton-schulz package (float16; needs "
+         "--muon-gram-newton-schulz and --muon-fp32-matmul-prec medium)."),
     # Other emerging optimizers.
     Flag("--lion-beta1", "lion_beta1", "Lion beta1 (sign update).", float),
     Flag("--lion-beta2", "lion_beta2", "Lion beta2 (momentum EMA).", float),

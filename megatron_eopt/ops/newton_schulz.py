@@ -8,15 +8,15 @@ The iteration is emerging_optimizers'; this module decides who orthogonalizes wh
 - sharded:     one TP rank per matrix, cost-balanced; one all-to-all there, one back.
 All but blockwise equal the TP=1 update to fp32 round-off; each parameter may have its own mode
 ('auto': ops/muon_cost.py chooses). Scales use the global block shape. Per-head blocks
-(MatrixLayout.per_head) are whole on their rank: done there, in every mode.
+(MatrixLayout.per_head) are whole on their rank: done there, in every mode (docs/tp-muon.md).
 `orthogonalize_batched` runs every group of equal shape as one batched call, every matrix even
-alone, so its result does not depend on which others share the step. With `gram=True` a block
-takes Gram Newton-Schulz where that costs fewer FLOPs (ops/gram_newton_schulz.py; `block_paths`
-says which). docs/tp-muon.md describes the modes.
+alone, so its result does not depend on which others share the step. `gram=True`: a block takes
+Gram Newton-Schulz where that costs fewer FLOPs (ops/gram_newton_schulz.py), through the
+gram-newton-schulz `package` if given, except 'distributed' shards (`block_paths` says which).
 """
 
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Optional, Sequence, Union
 
 import torch
@@ -25,6 +25,7 @@ from emerging_optimizers.orthogonalized_optimizers import muon_utils
 from emerging_optimizers.orthogonalized_optimizers.muon import get_muon_scale_factor
 
 from megatron_eopt.ops.gram_newton_schulz import gram_newton_schulz, gram_pays, gram_stable, restart_steps
+from megatron_eopt.ops.gram_newton_schulz_package import PACKAGE_PATH, GramPackage
 from megatron_eopt.ops.ownership import assign_owner_ranks
 from megatron_eopt.ops.splits import MatrixLayout, merge_blocks, newton_schulz_cost, split_blocks
 
@@ -48,8 +49,12 @@ class NewtonSchulzSettings:
     use_syrk: bool = False
     scaled: bool = True  # False: raw orthogonalization (AdaptiveMuon scales after its moment2)
     gram: bool = False  # Gram Newton-Schulz on the blocks where it costs fewer FLOPs
+    # The gram-newton-schulz package runs those blocks where they are whole here (no tp_group).
+    package: Optional[GramPackage] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.package is not None and not self.gram:
+            raise ValueError("NewtonSchulzSettings: a gram-newton-schulz package backend needs gram=True.")
         if self.num_steps < 1:
             raise ValueError(f"num_ns_steps must be >= 1; got {self.num_steps}.")
         valid = coefficient_types()
@@ -70,6 +75,8 @@ class NewtonSchulzSettings:
         `tp_group`, x is this rank's shard along the dimension that is not transposed away."""
         precision = torch.get_float32_matmul_precision()
         if self.takes_gram_path(x.size(-2), x.size(-1), precision, transpose):
+            if self.package is not None and tp_group is None and transpose in (None, x.size(-2) > x.size(-1)):
+                return self.package(x)
             return gram_newton_schulz(x, self.num_steps, self.coefficient_type, transpose=transpose, tp_group=tp_group)
         return muon_utils.newton_schulz(x, steps=self.num_steps, coefficient_type=self.coefficient_type,
                                         use_syrk=self.use_syrk, transpose=transpose, tp_group=tp_group)
@@ -151,15 +158,17 @@ def _size(group: Optional[dist.ProcessGroup]) -> int:
 
 def block_paths(layout: MatrixLayout, tp_mode: str, tp_size: int, settings: NewtonSchulzSettings,
                 precision: str) -> tuple[str, ...]:
-    """'gram' or 'standard' for each block of `layout`, as `orthogonalize_updates` will run it:
-    the global block in 'duplicated'/'sharded' (and at TP=1), the local shard in 'blockwise',
-    the local shard iterated on its Gram matrix over the TP ranks in 'distributed'."""
+    """'gram', PACKAGE_PATH or 'standard' for each block of `layout`, as `orthogonalize_updates`
+    will run it: the global block in 'duplicated'/'sharded' (and at TP=1), the local shard in
+    'blockwise', the local shard iterated on its Gram matrix over the TP ranks in 'distributed'
+    (ours even with a package: it has no TP group)."""
     sharded = tp_size > 1 and layout.partition_dim >= 0 and not layout.per_head
     shapes = layout.global_block_shapes()
     if sharded and tp_mode in ("blockwise", "distributed"):
         shapes = [(layout.num_row_groups * block, layout.local_shape[1]) for block in layout.blocks]
     transpose = (layout.partition_dim == 0) if sharded and tp_mode == "distributed" else None
-    return tuple("gram" if settings.takes_gram_path(rows, cols, precision, transpose) else "standard"
+    gram = PACKAGE_PATH if settings.package is not None and not (sharded and tp_mode == "distributed") else "gram"
+    return tuple(gram if settings.takes_gram_path(rows, cols, precision, transpose) else "standard"
                  for rows, cols in shapes)
 
 

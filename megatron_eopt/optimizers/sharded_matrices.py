@@ -18,6 +18,7 @@ from emerging_optimizers import mixin as eo_mixin
 from emerging_optimizers import utils as eo_utils
 
 from megatron_eopt.once import first_time, warn_once
+from megatron_eopt.ops.gram_newton_schulz_package import PACKAGE_PATH
 from megatron_eopt.ops.muon_cost import AUTO, HardwareProfile, choose_tp_modes, resolve_profile
 from megatron_eopt.ops.newton_schulz import TP_MODES, NewtonSchulzSettings, block_paths, orthogonalize_updates
 from megatron_eopt.ops.row_shards import RowShards, orthogonalize_row_shards
@@ -144,17 +145,20 @@ logger = logging.getLogger(__name__)
 
 
 def log_newton_schulz_paths(paths: Mapping[str, tuple[str, ...]], precision: str) -> None:
-    """One info line per process: how many blocks take Gram Newton-Schulz, and which."""
-    gram = sorted({name for name, kinds in paths.items() if "gram" in kinds})
+    """One info line per process: how many blocks take Gram Newton-Schulz (ours or, PACKAGE_PATH,
+    the gram-newton-schulz package's), and which."""
+    gram = sorted({name for name, kinds in paths.items() if set(kinds) - {"standard"}})
     standard = sorted({name for name, kinds in paths.items() if "standard" in kinds})
     if not paths or not first_time("gram_newton_schulz_paths"):
         return
-    count = sum(kinds.count("gram") for kinds in paths.values())
+    count = sum(kinds.count("gram") + kinds.count(PACKAGE_PATH) for kinds in paths.values())
+    package = sum(kinds.count(PACKAGE_PATH) for kinds in paths.values())
     total = sum(len(kinds) for kinds in paths.values())
     logger.info(
-        "Gram Newton-Schulz (fp32_matmul_prec=%r): %d of %d blocks take the Gram path (e.g. %s); the "
-        "standard path: %s. The optimizer's newton_schulz_paths lists every parameter.",
-        precision, count, total, ", ".join(gram[:3]) or "none", ", ".join(standard[:3]) or "none",
+        "Gram Newton-Schulz (fp32_matmul_prec=%r): %d of %d blocks take the Gram path (e.g. %s), %d of them "
+        "through the gram-newton-schulz package; the standard path: %s. The optimizer's newton_schulz_paths "
+        "lists every parameter.",
+        precision, count, total, ", ".join(gram[:3]) or "none", package, ", ".join(standard[:3]) or "none",
     )
 
 
@@ -229,6 +233,9 @@ class ShardedMatrices(OrthogonalizeTogether):
                                     for layout in matrix_layouts}
         if self.settings.gram:
             log_newton_schulz_paths(self.newton_schulz_paths, self.fp32_matmul_prec)
+        if self.settings.package is not None:  # its CUDA kernels imported now, not in the first step
+            for device in {p.device for group in self.param_groups for p in group["params"]}:
+                self.settings.package.prepare(device)
 
     def _resolve_tp_modes(self, layouts: list[MatrixLayout], tp_size: int) -> dict[str, str]:
         """Routed experts' matrices take `expert_tp_mode`, the others `tp_mode`; 'auto' plans

@@ -24,6 +24,7 @@ from emerging_optimizers import utils as eo_utils
 from emerging_optimizers.orthogonalized_optimizers.adaptive_muon import AdaptiveMuon, Moment2MethodT
 
 from megatron_eopt.ops.collectives import all_reduce_sum_coalesced
+from megatron_eopt.ops.gram_newton_schulz_package import package_for
 from megatron_eopt.ops.muon_cost import HardwareProfile
 from megatron_eopt.ops.newton_schulz import NewtonSchulzSettings
 from megatron_eopt.ops.row_shards import RowShards
@@ -86,6 +87,8 @@ class TensorParallelAdaptiveMuon(ShardedMatrices, AdaptiveMuon):
             machine (off without Triton >= 3.4 or on an unvalidated GPU), and what the step uses.
         gram_newton_schulz: Gram Newton-Schulz on the blocks where it costs fewer FLOPs
             (`self.newton_schulz_paths` says which; ops/gram_newton_schulz.py).
+        gram_newton_schulz_package: those blocks, where whole on this rank, run through the
+            gram-newton-schulz package (needs fp32_matmul_prec='medium').
         fsdp_group: the data-parallel group over which FSDP2 splits the matrices by rows.
         fsdp_shards: fqn -> RowShards (layout of the matrix FSDP2 splits, rows per rank, owner)
             of every parameter, each a row shard; given, `layouts` must be empty (a `tp_group`
@@ -116,6 +119,7 @@ class TensorParallelAdaptiveMuon(ShardedMatrices, AdaptiveMuon):
         eps: float = 1e-8,
         use_syrk: bool = False,
         gram_newton_schulz: bool = False,
+        gram_newton_schulz_package: bool = False,
         tp_mode: str = "duplicated",
         tp_hardware_profile: Union[None, str, HardwareProfile] = None,
         expert_tp_mode: Optional[str] = None,
@@ -139,6 +143,8 @@ class TensorParallelAdaptiveMuon(ShardedMatrices, AdaptiveMuon):
         self.settings = NewtonSchulzSettings(
             num_ns_steps, coefficient_type, scale_mode, extra_scale_factor, use_syrk=self.use_syrk, scaled=False,
             gram=gram_newton_schulz,
+            package=package_for(gram_newton_schulz, gram_newton_schulz_package, fp32_matmul_prec, coefficient_type,
+                                num_ns_steps),
         )
         super().__init__(
             params, lr, momentum, weight_decay, nesterov=nesterov, weight_decay_method=weight_decay_method,

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from emerging_optimizers.orthogonalized_optimizers.muon import Muon
 
+from megatron_eopt.ops.gram_newton_schulz_package import package_for
 from megatron_eopt.ops.muon_cost import HardwareProfile
 from megatron_eopt.ops.newton_schulz import NewtonSchulzSettings
 from megatron_eopt.ops.row_shards import RowShards
@@ -78,6 +79,9 @@ class TensorParallelMuon(ShardedMatrices, Muon):
             makes each matrix this TP rank's shard, whose layout says so).
     gram_newton_schulz: Gram Newton-Schulz on the blocks where it costs fewer FLOPs
         (`self.newton_schulz_paths` says which; ops/gram_newton_schulz.py).
+    gram_newton_schulz_package: those blocks, where whole on this rank, run through the
+        gram-newton-schulz package (float16; needs fp32_matmul_prec='medium';
+        ops/gram_newton_schulz_package.py).
     `use_syrk` is a request: `self.use_syrk` is what emerging_optimizers' Muon decided for this
     machine (off without Triton >= 3.4 or on an unvalidated GPU), and what the step uses.
     """
@@ -98,6 +102,7 @@ class TensorParallelMuon(ShardedMatrices, Muon):
         extra_scale_factor: float = 1.0,
         use_syrk: bool = False,
         gram_newton_schulz: bool = False,
+        gram_newton_schulz_package: bool = False,
         tp_mode: str = "duplicated",
         tp_hardware_profile: Union[None, str, HardwareProfile] = None,
         expert_tp_mode: Optional[str] = None,
@@ -111,6 +116,8 @@ class TensorParallelMuon(ShardedMatrices, Muon):
         # Checked here, before the backend checks them with its own messages.
         settings = NewtonSchulzSettings(num_ns_steps, coefficient_type, scale_mode, extra_scale_factor,
                                         gram=gram_newton_schulz)
+        package = package_for(gram_newton_schulz, gram_newton_schulz_package, fp32_matmul_prec, coefficient_type,
+                              num_ns_steps)
         super().__init__(
             params, lr, momentum, weight_decay, nesterov=nesterov, weight_decay_method=weight_decay_method,
             fp32_matmul_prec=fp32_matmul_prec, coefficient_type=coefficient_type, num_ns_steps=num_ns_steps,
@@ -119,7 +126,7 @@ class TensorParallelMuon(ShardedMatrices, Muon):
         # The backend may have turned use_syrk off (unsupported here): follow its decision.
         self.use_syrk = backend_use_syrk(self.scaled_orthogonalize_fn) if use_syrk else False
         # Scaled: the Muon scale is applied with Newton-Schulz (by `orthogonalize`).
-        self.settings = dataclasses.replace(settings, use_syrk=self.use_syrk)
+        self.settings = dataclasses.replace(settings, use_syrk=self.use_syrk, package=package)
         self._set_up_shards(tp_mode, tp_group, layouts, fsdp_group, fsdp_shards, tp_hardware_profile, expert_tp_mode)
 
     @torch.no_grad()

@@ -424,6 +424,7 @@ def test_extra_args_provider_keeps_megatron_lm_flags(run_distributed) -> None:
     assert ours["--muon-fp32-matmul-prec"][5] == result["precisions"]  # exactly our config's
     added = set(ours) - set(theirs)
     assert added == {"--grad-norm-skip-threshold", "--muon-match-adamw-rms", "--muon-use-syrk", "--muon-gram-newton-schulz",
+                     "--muon-gram-newton-schulz-package",
                      "--muon-split-qkv-per-head", "--muon-expert-tp-mode", "--muon-tp-hardware-profile",
                      "--soap-shampoo-beta", "--soap-precondition-frequency", "--soap-no-kl-shampoo",
                      "--adaptive-muon-moment2-method", "--adaptive-muon-beta2", "--adaptive-muon-eps",
@@ -435,6 +436,8 @@ def test_extra_args_provider_keeps_megatron_lm_flags(run_distributed) -> None:
     [
         ("--muon-use-syrk", "muon_use_syrk", True),
         ("--muon-gram-newton-schulz", "muon_gram_newton_schulz", True),
+        ("--muon-gram-newton-schulz --muon-gram-newton-schulz-package --muon-fp32-matmul-prec medium",
+         "muon_gram_newton_schulz_package", True),
         ("--muon-split-qkv-per-head", "muon_split_qkv_per_head", True),
         ("--muon-match-adamw-rms", "muon_match_adamw_rms", True),
         ("--muon-tp-mode sharded", "muon_tp_mode", "sharded"),

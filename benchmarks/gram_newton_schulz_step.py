@@ -3,10 +3,12 @@
 Two GPT weight sets at hidden h, each `--layers` times: FFN-heavy, fc1 (4h x h) and fc2
 (h x 4h) (4:1), and square, q and proj (h x h). Rows per precision ('highest': fp32,
 'medium': bf16 products): megatron-core's TensorParallelMuon (its factory's kwargs), our
-TensorParallelMuon with the standard iteration, and with `gram_newton_schulz=True`. FLOPs are
-the matmul FLOPs of Newton-Schulz per step (ops/gram_newton_schulz.py counts them exactly).
+TensorParallelMuon with the standard iteration, and with `gram_newton_schulz=True`; with
+`--package`, at 'medium' also through the gram-newton-schulz package (its kernels on CUDA, its
+float16 torch path elsewhere). FLOPs are the matmul FLOPs of Newton-Schulz per step
+(ops/gram_newton_schulz.py counts them exactly).
 
-    python benchmarks/gram_newton_schulz.py [--hidden 1024] [--layers 2] [--device cuda] [--json PATH]
+    python benchmarks/gram_newton_schulz_step.py [--hidden 1024] [--layers 2] [--device cuda] [--package] [--json PATH]
 """
 
 import argparse
@@ -42,10 +44,11 @@ def mcore_step(model: torch.nn.Module, precision: str):
     return McoreMuon(list(model.parameters()), **{**kwargs, "fp32_matmul_prec": precision}).step
 
 
-def eopt_step(model: torch.nn.Module, precision: str, gram: bool):
+def eopt_step(model: torch.nn.Module, precision: str, gram: bool, package: bool = False):
     names, params = zip(*model.named_parameters())
     return TensorParallelMuon([{"params": list(params), "param_fqns": list(names)}], lr=LR, momentum=0.95,
-                              weight_decay=WEIGHT_DECAY, fp32_matmul_prec=precision, gram_newton_schulz=gram).step
+                              weight_decay=WEIGHT_DECAY, fp32_matmul_prec=precision, gram_newton_schulz=gram,
+                              gram_newton_schulz_package=package).step
 
 
 def flops(model: torch.nn.Module, precision: str, gram: bool) -> int:
@@ -59,12 +62,14 @@ def flops(model: torch.nn.Module, precision: str, gram: bool) -> int:
 
 def measure(kind: str, precision: str, args, device: torch.device) -> dict:
     rows = {"mcore": None, "eopt_standard": False, "eopt_gram": True}
+    if args.package and precision == "medium":
+        rows["eopt_gram_package"] = True
     torch.manual_seed(0)
     models = {row: weights(kind, args.hidden, args.layers, device) for row in rows}
     for model in models.values():
         model.load_state_dict(models["mcore"].state_dict())
-    steps = {row: mcore_step(models[row], precision) if gram is None else eopt_step(models[row], precision, gram)
-             for row, gram in rows.items()}
+    steps = {row: mcore_step(models[row], precision) if gram is None
+             else eopt_step(models[row], precision, gram, row == "eopt_gram_package") for row, gram in rows.items()}
     grads = [torch.randn_like(p) for p in models["mcore"].parameters()]
 
     def prepare(model: torch.nn.Module):
@@ -86,19 +91,22 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--package", action="store_true", help="add the gram-newton-schulz package row ('medium')")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
     device = torch.device(args.device)
     results = {}
     print(f"hidden {args.hidden}, {args.layers} layers, {STEPS} Newton-Schulz steps (quintic), {device}")
-    print(f"  {'weights':10} {'precision':9} {'row':14} {'GFLOP':>8} {'ms':>9}  gram/mcore  gram/standard")
+    print(f"  {'weights':10} {'precision':9} {'row':17} {'GFLOP':>8} {'ms':>9}  gram/mcore  gram/standard")
     for precision in args.precisions.split(","):
         for kind in ("ffn_heavy", "square"):
             result = results[f"{kind} {precision}"] = measure(kind, precision, args, device)
-            for row in ("mcore", "eopt_standard", "eopt_gram"):
+            for row in [row for row in result if row.startswith(("mcore", "eopt_"))]:
                 ratios = (f"  {result['gram_over_mcore']:10.3f}  {result['gram_over_standard']:13.3f}"
-                          if row == "eopt_gram" else "")
-                print(f"  {kind:10} {precision:9} {row:14} {result[row]['gflop']:8.1f} "
+                          if row == "eopt_gram" else
+                          f"  {result[row]['seconds'] / result['eopt_gram']['seconds']:10.3f} x eopt_gram"
+                          if row == "eopt_gram_package" else "")
+                print(f"  {kind:10} {precision:9} {row:17} {result[row]['gflop']:8.1f} "
                       f"{1e3 * result[row]['seconds']:9.1f}{ratios}", flush=True)
     if args.json:
         write_json(args.json, {"hidden": args.hidden, "layers": args.layers, "device": str(device), "rows": results})
