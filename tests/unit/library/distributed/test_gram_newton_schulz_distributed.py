@@ -84,7 +84,8 @@ def test_layer_wise_equals_non_distributed(run_distributed) -> None:
         assert max(errors.values()) <= 1e-5, errors
 
 
-def _fsdp2_body(rank: int, world_size: int) -> dict:
+def fsdp2_errors(rank: int, world_size: int, fields: dict) -> dict:
+    """FSDP2 (2 ranks) against one process on the GPT of test_fsdp2.py, Muon with `fields` set."""
     from torch.distributed.fsdp import fully_shard
 
     from tests.unit.library.distributed import test_fsdp2
@@ -95,10 +96,11 @@ def _fsdp2_body(rank: int, world_size: int) -> dict:
         fully_shard(layer, mesh=mesh)
     fully_shard(sharded, mesh=mesh)
     config = test_fsdp2.config_for("muon")
-    config.muon_gram_newton_schulz = True
+    for name, value in fields.items():
+        setattr(config, name, value)
     return test_fsdp2.step_both(model, sharded, config)["errors"]
 
 
 def test_fsdp2_equals_unsharded(run_distributed) -> None:
-    for errors in run_distributed(_fsdp2_body, world_size=2, timeout=600):
+    for errors in run_distributed(fsdp2_errors, world_size=2, args=({"muon_gram_newton_schulz": True},), timeout=600):
         assert max(errors.values()) <= 1e-5, errors

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from megatron_eopt.ops.gram_newton_schulz_package import PACKAGE_PATH, GramPackage
 from megatron_eopt.ops.splits import MatrixLayout
 from megatron_eopt.optimizers.tensor_parallel_muon import TensorParallelMuon
-from tests.unit.library.distributed.test_gram_newton_schulz_distributed import MATRICES, shard
+from tests.unit.library.distributed.test_gram_newton_schulz_distributed import MATRICES, fsdp2_errors, shard
 
 
 class RecordingPackage(GramPackage):
@@ -97,22 +97,6 @@ def _layer_wise_body(rank: int, world_size: int) -> dict:
     return {"package": relative(reference), "ours": relative(ours)}
 
 
-def _fsdp2_body(rank: int, world_size: int) -> dict:
-    from torch.distributed.fsdp import fully_shard
-
-    from tests.unit.library.distributed import test_fsdp2
-
-    model, sharded = test_fsdp2.build_gpt(), test_fsdp2.build_gpt()
-    mesh = test_fsdp2._mesh(world_size)
-    for layer in sharded.decoder.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(sharded, mesh=mesh)
-    config = test_fsdp2.config_for("muon")
-    for name, value in PACKAGE_FIELDS.items():
-        setattr(config, name, value)
-    return test_fsdp2.step_both(model, sharded, config)["errors"]
-
-
 def test_layer_wise_owner_runs_the_package(run_distributed) -> None:
     for errors in run_distributed(_layer_wise_body, world_size=2, timeout=600):
         assert max(errors["package"].values()) <= 2e-3, errors["package"]
@@ -120,5 +104,5 @@ def test_layer_wise_owner_runs_the_package(run_distributed) -> None:
 
 
 def test_fsdp2_owner_runs_the_package(run_distributed) -> None:
-    for errors in run_distributed(_fsdp2_body, world_size=2, timeout=600):
+    for errors in run_distributed(fsdp2_errors, world_size=2, args=(PACKAGE_FIELDS,), timeout=600):
         assert max(errors.values()) <= 2e-3, errors
