@@ -4,6 +4,12 @@ torch numbers state by position, which breaks as soon as the parameter order or 
 layout differs between save and load. Here state is `{fqn: {name: tensor}}` and groups are
 `{group_key: {hyperparameter: number, "params": [fqn, ...]}}`, so a checkpoint is matched by
 names, and a mismatch is reported by name.
+
+Between steps every state tensor is row-major contiguous in a 64-byte-aligned storage of its own
+(`canonical_state_layout`), which is how a checkpoint loads it. A live tensor in another layout
+(SOAP's and REKLS's eigenbases come out of LAPACK column-major) would make the next step's
+products run other BLAS kernels than after a resume: on Intel CPUs MKL's results depend on the
+operands' layout and alignment, so a resumed run would not continue bitwise (docs/reliability.md).
 """
 
 from typing import Any, Mapping
@@ -34,6 +40,26 @@ def load_flat_state_dict(
 ) -> None:
     """Load a `flat_state_dict` into `optimizer`, refusing any mismatch by name."""
     optimizer.load_state_dict(torch_state_dict_from_flat(optimizer, flat, fqn_of))
+    canonical_state_layout(optimizer)
+
+
+STATE_ALIGNMENT = 64  # bytes: what torch's CPU allocator gives a new tensor
+
+
+def canonical_state_layout(optimizer: torch.optim.Optimizer) -> None:
+    """Give every plain state tensor of `optimizer` the layout of a fresh one (module docstring):
+    contiguous, in a storage of its own that starts at a 64-byte boundary. Copies only those that
+    are not; values are unchanged."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if type(value) is torch.Tensor and value.dim() > 0 and not _canonical(value):
+                state[key] = value.clone(memory_format=torch.contiguous_format)
+
+
+def _canonical(value: torch.Tensor) -> bool:
+    return (value.is_contiguous() and value.storage_offset() == 0
+            and value.untyped_storage().nbytes() == value.numel() * value.element_size()
+            and (value.device.type != "cpu" or value.data_ptr() % STATE_ALIGNMENT == 0))
 
 
 def torch_state_dict_from_flat(

@@ -14,6 +14,7 @@ from megatron_eopt.distributed.process_groups import ProcessGroup, group_rank
 from megatron_eopt.param_groups import ParamRecord
 from megatron_eopt.wrappers.base import MegatronOptimizer, SteppableChild, StepResult, take_step, timed
 from megatron_eopt.wrappers.flat_state import (
+    canonical_state_layout,
     flat_state_dict,
     load_flat_state_dict,
     torch_state_dict_from_flat,
@@ -119,6 +120,7 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
     def step_with_ready_grads(self) -> None:
         with timed(self.config, "optimizer-inner-step"):
             self.optimizer.step()
+            canonical_state_layout(self.optimizer)
         if self.qk_clip is not None:  # QK-clip scales the updated main copies (wrappers/qk_clip.py)
             self.qk_clip.clip_main_params((r.fqn, main) for r, main in zip(self.records, self.main_params))
         with timed(self.config, "optimizer-copy-main-to-model-params"):
