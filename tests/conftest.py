@@ -1,5 +1,9 @@
 """Shared pytest fixtures.
 
+``bf16_products``: the test runs bf16 products as a CPU with native bf16 does, on every CPU
+(tests/bf16_numerics.py); every test whose subject is bf16 behaviour uses it (a multi-rank body
+enters ``bf16_numerics()`` itself).
+
 ``run_distributed`` runs a function on N CPU ranks (gloo). Importing torch + megatron-core costs
 ~15-20 s of CPU per process, so the worker processes are started once per session and reused
 across tests rather than per test; see tests/distributed_harness.py.
@@ -11,6 +15,7 @@ from typing import Any
 import pytest
 
 from tests import distributed_harness
+from tests.bf16_numerics import bf16_numerics
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -31,3 +36,9 @@ def run_distributed() -> Iterator[Callable[..., list[Any]]]:
     """
     yield distributed_harness.run_distributed
     distributed_harness.shutdown_distributed()
+
+
+@pytest.fixture
+def bf16_products() -> Iterator[None]:
+    with bf16_numerics():
+        yield

@@ -10,9 +10,9 @@ All but blockwise equal the TP=1 update to fp32 round-off; each parameter may ha
 ('auto': ops/muon_cost.py chooses). Scales use the global block shape. Per-head blocks
 (MatrixLayout.per_head) are whole on their rank: done there, in every mode (docs/tp-muon.md).
 `orthogonalize_batched` runs every group of equal shape as one batched call, every matrix even
-alone, so its result does not depend on which others share the step. `gram=True`: a block takes
-Gram Newton-Schulz where that costs fewer FLOPs (ops/gram_newton_schulz.py), through the
-gram-newton-schulz `package` if given, except 'distributed' shards (`block_paths` says which).
+alone, so in fp32 its result does not depend on which others share the step. `gram=True`: a
+block takes Gram Newton-Schulz where that costs fewer FLOPs (ops/gram_newton_schulz.py), through
+the gram-newton-schulz `package` if given, except 'distributed' shards (`block_paths` says which).
 """
 
 import typing
@@ -175,6 +175,9 @@ def block_paths(layout: MatrixLayout, tp_mode: str, tp_size: int, settings: Newt
 def orthogonalize_batched(matrices: list[torch.Tensor], scales: list[float],
                           settings: NewtonSchulzSettings) -> list[torch.Tensor]:
     """`scales[i]` times the orthogonalized `matrices[i]`; equal shapes go through one batched call.
+
+    In bf16 a result may depend on the batch's size: native bf16 kernels (AMX, GPUs) choose their
+    summation order by batch count.
 
     The results are views of new batch tensors, never of the inputs.
     """

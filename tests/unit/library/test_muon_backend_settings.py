@@ -93,7 +93,7 @@ def _muon_update_through_the_factory(precision: str) -> tuple[torch.Tensor, torc
 
 
 @pytest.mark.parametrize("precision,bf16", [("medium", True), ("highest", False)])
-def test_explicit_precision_is_honoured_on_cpu(precision: str, bf16: bool) -> None:
+def test_explicit_precision_is_honoured_on_cpu(bf16_products, precision: str, bf16: bool) -> None:
     update, momentum = _muon_update_through_the_factory(precision)
     same_path = _newton_schulz_reference(momentum, bf16=bf16)
     other_path = _newton_schulz_reference(momentum, bf16=not bf16)

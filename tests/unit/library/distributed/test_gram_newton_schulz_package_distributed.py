@@ -7,10 +7,12 @@ one, all on the Gram path), 3 steps:
 - 'distributed': the sharded blocks iterate on Gram matrices all-reduced over the ranks, which
   the package cannot do: they report 'gram' and never reach it (its calls are recorded on this
   optimizer's settings); the replicated block goes through it.
-- The layer-wise owner (DP=2) and FSDP2 (2 ranks) on the GPT of test_layer_wise_gpt.py /
-  test_fsdp2.py at 'medium': within 2e-3 of the single-process package run (layer-wise: relative
-  Frobenius, measured 3.2e-4, against 6.7e-2 from our bf16 Gram run; FSDP2: max abs, measured
-  5.4e-4). Not 0: the reduced gradients differ by round-off, which half precision amplifies.
+- The layer-wise owner (DP=2) on exact gradients at 'medium', bf16 products as a native bf16 CPU
+  runs them (tests/bf16_numerics.py): its total update within the package's float16 round-off
+  (PACKAGE_TOLERANCE) of the single-process package run, and closer to it than our bf16 path.
+- FSDP2 (2 ranks) on the GPT of test_fsdp2.py at 'medium': within 2e-3 of the single-process
+  package run (max abs, measured 5.4e-4). Not 0: the reduced gradients differ by round-off, which
+  half precision amplifies.
 """
 
 import dataclasses
@@ -22,6 +24,7 @@ import torch.distributed as dist
 from megatron_eopt.ops.gram_newton_schulz_package import PACKAGE_PATH, GramPackage
 from megatron_eopt.ops.splits import MatrixLayout
 from megatron_eopt.optimizers.tensor_parallel_muon import TensorParallelMuon
+from tests.bf16_numerics import bf16_numerics, runs_bf16_at_medium
 from tests.unit.library.distributed.test_gram_newton_schulz_distributed import MATRICES, fsdp2_errors, shard
 
 
@@ -78,29 +81,71 @@ def test_tp2_with_package(run_distributed, tp_mode: str) -> None:
 PACKAGE_FIELDS = dict(muon_fp32_matmul_prec="medium", muon_gram_newton_schulz=True, muon_gram_newton_schulz_package=True)
 
 
+# Hand-built model for the layer-wise case: two wide matrices (the Gram path, so the package) and
+# a square one (the standard path, ours in bf16); every shape twice, so an owner's batches differ
+# from the single process's.
+PACKAGE_SHAPES = {"layers.0.in_proj.weight": (16, 96), "layers.0.out_proj.weight": (96, 16),
+                  "layers.0.square.weight": (32, 32), "layers.1.in_proj.weight": (16, 96),
+                  "layers.1.square.weight": (32, 32), "layers.0.norm.weight": (16,)}
+LAYER_WISE_STEPS = 3
+# The package's float16 products: its result carries round-off of about its depth (3 products in
+# each of 5 steps) times float16's unit round-off 2**-11, relative. With the same gradients (exact
+# here) momentum and Newton-Schulz inputs are bitwise those of one process, so that bound holds
+# for each update and for their sum; bf16 (ours) is 8 times coarser.
+PACKAGE_TOLERANCE = 15 * 2.0**-11
+
+
 def _layer_wise_body(rank: int, world_size: int) -> dict:
-    from tests.unit.library.distributed import test_layer_wise_gpt as layer_wise
+    from tests.unit.library.distributed import test_layer_wise as layer_wise
 
-    muon = layer_wise.MUON  # the workers outlive this test: put the module's config back
-    try:
-        layer_wise.MUON = {**muon, **PACKAGE_FIELDS, "muon_gram_newton_schulz_package": False}
-        ours = layer_wise.train_reference(world_size)
-        layer_wise.MUON = {**muon, **PACKAGE_FIELDS}
-        reference = layer_wise.train_reference(world_size)
-        got = layer_wise.train_layer_wise(1, None, reduce_grads=True)
-    finally:
-        layer_wise.MUON = muon
+    fields = {**PACKAGE_FIELDS, "lr": 0.01, "clip_grad": 0.0}
+    owner_calls: set[tuple[int, ...]] = set()
+    original = GramPackage.__call__
 
-    def relative(run: dict) -> dict:
-        return {n: ((run["params"][n][0] - p[0]).norm() / run["params"][n][0].norm()).item()
-                for n, p in got["params"].items()}
-    return {"package": relative(reference), "ours": relative(ours)}
+    def recording(self, x: torch.Tensor) -> torch.Tensor:
+        owner_calls.add(tuple(x.shape))
+        return original(self, x)
+
+    with bf16_numerics():
+        assert runs_bf16_at_medium()
+        start, model = layer_wise.build_model(PACKAGE_SHAPES), layer_wise.build_model(PACKAGE_SHAPES)
+        references = {"package": layer_wise.build_model(PACKAGE_SHAPES), "ours": layer_wise.build_model(PACKAGE_SHAPES)}
+        optimizers = {name: layer_wise.reference_optimizer(
+            reference, **{**fields, "muon_gram_newton_schulz_package": name == "package"})
+            for name, reference in references.items()}
+        layer_wise_optimizer = layer_wise.layer_wise_optimizer(model, dist.group.WORLD, True, **fields)
+        ranks = dist.get_process_group_ranks(dist.group.WORLD)
+        for step in range(LAYER_WISE_STEPS):
+            layer_wise.set_grads(model, layer_wise.rank_grads(PACKAGE_SHAPES, step, rank))
+            GramPackage.__call__ = recording
+            try:
+                assert layer_wise_optimizer.step()[0]
+            finally:
+                GramPackage.__call__ = original
+            for name, optimizer in optimizers.items():
+                layer_wise.set_grads(references[name], layer_wise.averaged_grads(PACKAGE_SHAPES, step, ranks))
+                assert optimizer.step()[0]
+
+    def relative(reference: torch.nn.Module) -> dict[str, float]:
+        """Relative Frobenius error of this rank's total update against `reference`'s."""
+        before = dict(start.named_parameters())
+        expected = dict(reference.named_parameters())
+        return {n: ((p - expected[n]).norm() / (expected[n] - before[n]).norm()).item()
+                for n, p in model.named_parameters() if p.dim() == 2}
+
+    return {"package": relative(references["package"]), "ours": relative(references["ours"]),
+            "owner_calls": sorted(owner_calls), "owned": sorted(layer_wise.owned_names(layer_wise_optimizer, model))}
 
 
 def test_layer_wise_owner_runs_the_package(run_distributed) -> None:
-    for errors in run_distributed(_layer_wise_body, world_size=2, timeout=600):
-        assert max(errors["package"].values()) <= 2e-3, errors["package"]
+    results = run_distributed(_layer_wise_body, world_size=2, timeout=600)
+    for errors in results:
+        assert max(errors["package"].values()) <= PACKAGE_TOLERANCE, errors["package"]
         assert max(errors["package"].values()) < max(errors["ours"].values()), errors  # not our bf16 path
+        # A rank calls the package exactly when it owns a wide matrix, with those matrices only.
+        wide = {PACKAGE_SHAPES[n] for n in errors["owned"] if "proj" in n}
+        assert {shape[1:] for shape in errors["owner_calls"]} == wide, errors
+    assert any(errors["owner_calls"] for errors in results)
 
 
 def test_fsdp2_owner_runs_the_package(run_distributed) -> None:

@@ -121,7 +121,7 @@ def test_fp32_equals_emerging_optimizers(name: str) -> None:
 
 
 @pytest.mark.parametrize("coefficient_type, steps", [(t, s) for t in coefficient_types() for s in (5, 10)])
-def test_bf16_stress(coefficient_type: str, steps: int) -> None:
+def test_bf16_stress(bf16_products, coefficient_type: str, steps: int) -> None:
     if not gram_stable(coefficient_type, steps, "medium"):
         pytest.skip(f"{coefficient_type} x {steps} steps takes the standard path in bf16 (gram_stable)")
     previous = torch.get_float32_matmul_precision()

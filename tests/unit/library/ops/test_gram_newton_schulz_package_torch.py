@@ -34,7 +34,7 @@ def relative(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 @pytest.fixture
-def medium():
+def medium(bf16_products):
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("medium")
     yield

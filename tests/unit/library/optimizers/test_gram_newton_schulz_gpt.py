@@ -6,9 +6,12 @@ whose q and proj (32 x 32) stay standard (`newton_schulz_paths` is checked).
   update makes this tiny GPT chaotic): every parameter within 1e-3 relative (Frobenius) of the standard
   iteration's run (measured <= 2e-5: Gram and standard are the same polynomial, summed in
   another order).
-- bf16 ('medium'), 100 steps: the mean loss of the last 10 steps is within the noise band of
-  the standard version, the spread of that mean over two data seeds of the standard run (plus
-  1% of the loss, so a band that happens to be tiny does not make the test flaky).
+- bf16 ('medium', bf16 products as a native bf16 CPU runs them: tests/bf16_numerics.py), 100
+  steps, data seeds 0-2 for each: the mean over seeds of the last-10-step mean loss is no worse
+  than the standard iteration's mean by more than the standard's seed spread (max - min). One
+  seed against another is noise: 8 seeds of the standard run spread 0.303-0.365 here, and the
+  issue's AMX machine saw one seed 16% worse (docs/newton-schulz.md). A broken Gram path (a wrong
+  polynomial or restart) trains far worse than that.
 """
 
 import pytest
@@ -22,6 +25,7 @@ from megatron_eopt.training.model.gpt import (
     gpt_loss,
     initialize_model_parallel,
 )
+from tests.bf16_numerics import bf16_numerics
 
 SETTINGS = GPTModelSettings(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                             ffn_hidden_size=128, vocab_size=64, seq_length=8)
@@ -71,9 +75,13 @@ def test_fp32_ten_steps_match_standard(run_distributed, optimizer: str) -> None:
         assert ((got - expected).norm() / expected.norm()).item() <= 1e-3, name
 
 
+BF16_SEEDS = (0, 1, 2)
+
+
 def _bf16_body(rank: int, world_size: int) -> dict:
-    return {"standard": [train("muon", False, "medium", 100, seed)["losses"] for seed in (0, 1)],
-            "gram": [train("muon", True, "medium", 100, seed)["losses"] for seed in (0, 1)]}
+    with bf16_numerics():
+        return {"standard": [train("muon", False, "medium", 100, seed)["losses"] for seed in BF16_SEEDS],
+                "gram": [train("muon", True, "medium", 100, seed)["losses"] for seed in BF16_SEEDS]}
 
 
 def test_bf16_hundred_steps_loss_within_noise(run_distributed) -> None:
@@ -83,7 +91,7 @@ def test_bf16_hundred_steps_loss_within_noise(run_distributed) -> None:
         return sum(losses[-10:]) / 10
 
     standard = [tail(losses) for losses in runs["standard"]]
-    band = abs(standard[0] - standard[1]) + 0.01 * standard[0]
+    gram = [tail(losses) for losses in runs["gram"]]
     assert runs["standard"][0][-1] < runs["standard"][0][0] - 0.5  # it trains
-    for seed, losses in enumerate(runs["gram"]):
-        assert abs(tail(losses) - standard[seed]) <= band, (seed, tail(losses), standard, band)
+    spread = max(standard) - min(standard)
+    assert sum(gram) / len(gram) <= sum(standard) / len(standard) + spread, (gram, standard)

@@ -17,6 +17,7 @@ import torch
 from megatron_eopt import OptimizerConfig, ParallelGroups, get_megatron_optimizer
 from megatron_eopt.ops.gram_newton_schulz_package import PACKAGE_PATH
 from megatron_eopt.training.model.gpt import build_gpt_model, destroy_model_parallel, gpt_loss, initialize_model_parallel
+from tests.bf16_numerics import bf16_numerics
 from tests.unit.library.optimizers.test_gram_newton_schulz_gpt import SETTINGS
 
 QKV, FC1, FC2 = (f"decoder.layers.0.{name}.weight" for name in ("self_attention.linear_qkv", "mlp.linear_fc1",
@@ -52,8 +53,9 @@ def train(optimizer: str, gram: bool, package: bool, precision: str) -> dict:
 
 
 def _body(rank: int, world_size: int, optimizer: str) -> dict:
-    return {"package": train(optimizer, True, True, "medium"), "ours": train(optimizer, True, False, "medium"),
-            "fp32": train(optimizer, False, False, "highest")}
+    with bf16_numerics():
+        return {"package": train(optimizer, True, True, "medium"), "ours": train(optimizer, True, False, "medium"),
+                "fp32": train(optimizer, False, False, "highest")}
 
 
 def relative(got: torch.Tensor, expected: torch.Tensor) -> float:
