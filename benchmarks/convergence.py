@@ -66,12 +66,13 @@ ADAMW = ("--optimizer", "adam")
 
 @dataclass(frozen=True)
 class Variant:
-    """A Muon variant run at Muon's best lr times each of `lr_factors`, seed 1."""
+    """A Muon variant run at Muon's best lr times each of `lr_factors`, with each of `seeds`."""
 
     name: str
     flags: tuple[str, ...]
     lr_factors: tuple[float, ...] = (1.0,)
     decoupled_lr_factor: Optional[float] = None  # --decoupled-lr = best lr x this
+    seeds: tuple[int, ...] = (1,)
 
 
 def variants(scale: Scale) -> tuple[Variant, ...]:
@@ -85,7 +86,9 @@ def variants(scale: Scale) -> tuple[Variant, ...]:
         Variant("spectral", ("--optimizer", "muon", "--muon-scale-mode", "spectral"), scale.spectral_lr_factors),
         Variant("weight_decay_0.1", MUON + ("--weight-decay", "0.1")),
         Variant("embedding_lr_half", MUON, decoupled_lr_factor=0.5),
-        Variant("gram_newton_schulz", MUON + ("--muon-gram-newton-schulz",)),
+        # Every seed: whether Gram in bf16 trains as well as the standard iteration is a question of
+        # the seed spread (docs/newton-schulz.md).
+        Variant("gram_newton_schulz", MUON + ("--muon-gram-newton-schulz",), seeds=scale.seeds),
     )
 
 
@@ -138,9 +141,8 @@ def later_specs(scale: Scale, results: dict[str, dict]) -> list[Spec]:
     for variant in variants(scale):
         for factor in variant.lr_factors:
             decoupled = muon_lr * variant.decoupled_lr_factor if variant.decoupled_lr_factor else None
-            spec = Spec(f"{variant.name}_lr{muon_lr * factor:g}_seed1", variant.name, muon_lr * factor, 1,
-                        variant.flags, decoupled)
-            specs.append(spec)
+            specs += [Spec(f"{variant.name}_lr{muon_lr * factor:g}_seed{seed}", variant.name, muon_lr * factor, seed,
+                           variant.flags, decoupled) for seed in variant.seeds]
     return specs
 
 
@@ -323,7 +325,7 @@ def run_all(scale: Scale, args: argparse.Namespace) -> list[dict]:
     runs_dir = os.path.join(args.out, "runs")
     os.makedirs(runs_dir, exist_ok=True)
     extra_seeds = 2 * (len(scale.seeds) - 1)
-    total = len(sweep_specs(scale)) + extra_seeds + sum(len(v.lr_factors) for v in variants(scale))
+    total = len(sweep_specs(scale)) + extra_seeds + sum(len(v.lr_factors) * len(v.seeds) for v in variants(scale))
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
     start, trained, started, lock = time.time(), [], [], threading.Lock()  # trained: for the estimate
 

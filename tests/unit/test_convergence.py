@@ -93,11 +93,13 @@ def test_later_stages_use_the_best_lrs(convergence) -> None:
     specs = convergence.later_specs(convergence.QUICK, results)
     names = [s.name for s in specs]
     assert names[:2] == ["adamw_lr0.003_seed2", "muon_lr0.01_seed2"]
-    expected = [(v.name, 0.01 * factor) for v in convergence.variants(convergence.QUICK) for factor in v.lr_factors]
+    expected = [(v.name, 0.01 * factor) for v in convergence.variants(convergence.QUICK) for factor in v.lr_factors
+                for _ in v.seeds]
     assert [s.group for s in specs[2:]] == [name for name, _ in expected]
     assert [s.lr for s in specs[2:]] == pytest.approx([lr for _, lr in expected])  # at Muon's best lr
-    gram = next(s for s in specs if s.group == "gram_newton_schulz")
-    assert "--muon-gram-newton-schulz" in gram.flags
+    gram = [s for s in specs if s.group == "gram_newton_schulz"]
+    assert all("--muon-gram-newton-schulz" in s.flags for s in gram)
+    assert [s.seed for s in gram] == list(convergence.QUICK.seeds)  # every seed: compared with Muon's spread
 
 
 def test_report_sweep_target_reach_and_docs_table(convergence, tmp_path) -> None:
