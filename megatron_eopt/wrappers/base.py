@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import torch
 
 from megatron_eopt.distributed.process_groups import group_rank
+from megatron_eopt.wrappers.flat_state import match_param_groups
 from megatron_eopt.wrappers.grad_stats import (
     NONFINITE,
     SEPARATE_GRAD_NORM_GROUPS,
@@ -111,6 +112,21 @@ class MegatronOptimizer(ABC):
 
     def _grad_norm_group(self, param: torch.nn.Parameter) -> Optional[str]:
         return grad_norm_group_of(param)
+
+    @staticmethod
+    def _filter_and_reorder_param_groups(current_groups: list[dict], state_dict_groups: list[dict]) -> list[dict]:
+        """megatron-core's matching of saved param groups (torch's positional format) to live ones.
+
+        For each current group, the saved group with the same identifying values
+        (flat_state.PARAM_GROUP_IDENTIFIER_KEYS: a missing key is None, NeMo's `pre_` prefix
+        stands in), holding the 'params' of the saved group at that position, as torch's
+        load pairs groups by position. A group without a match raises ValueError.
+        """
+        if len(current_groups) != len(state_dict_groups):
+            raise ValueError(f"the state dict has {len(state_dict_groups)} param groups but this optimizer "
+                             f"{len(current_groups)}; the overrides (or the model) changed since it was saved.")
+        matched = match_param_groups(current_groups, state_dict_groups)
+        return [{**group, "params": saved["params"]} for group, saved in zip(matched, state_dict_groups)]
 
 
 class SteppableChild(ABC):

@@ -11,6 +11,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_eopt.wrappers.base import MegatronOptimizer, SteppableChild, StepResult, default_device, take_step
+from megatron_eopt.wrappers.flat_state import megatron_core_optimizer_state
 from megatron_eopt.wrappers.megatron_core_chain import step_megatron_core_children
 from megatron_eopt.wrappers.megatron_sharded import child_sharded_state_dict
 from megatron_eopt.wrappers.qk_clip import QKClip, qk_clip_step
@@ -142,6 +143,9 @@ class ChainedOptimizer(MegatronOptimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         if self.is_stub_optimizer and not self.chained_optimizers and not state_dict:
             return  # a stub's state: nothing (ours {"optimizers": {}}, megatron-core's [])
+        if isinstance(state_dict, list) or megatron_core_optimizer_state(state_dict) is not None:
+            self._load_megatron_core(state_dict)
+            return
         saved = state_dict.get("optimizers") if isinstance(state_dict, dict) else None
         if saved is None:
             raise ValueError(
@@ -160,6 +164,19 @@ class ChainedOptimizer(MegatronOptimizer):
                 child.check_state_dict(saved[name])
         for name, child in pairs:
             child.load_state_dict(saved[name])
+
+
+    def _load_megatron_core(self, state_dict: Any) -> None:
+        """megatron-core's ChainedOptimizer format: one child's state dict, or a list of them."""
+        states = state_dict if isinstance(state_dict, list) else [state_dict]
+        if len(states) != len(self.chained_optimizers):
+            raise ValueError(f"the state dict holds {len(states)} optimizer(s) (megatron-core's format) but this "
+                             f"chain has {len(self.chained_optimizers)}: {self._names}.")
+        for child, state in zip(self.chained_optimizers, states):  # check all before loading any
+            if hasattr(child, "check_state_dict"):
+                child.check_state_dict(state)
+        for child, state in zip(self.chained_optimizers, states):
+            child.load_state_dict(state)
 
 
 def _parameters_of(child: Any) -> list[torch.nn.Parameter]:

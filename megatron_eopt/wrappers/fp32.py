@@ -23,6 +23,7 @@ from megatron_eopt.wrappers.base import (
 from megatron_eopt.wrappers.flat_state import (
     flat_state_dict,
     load_flat_state_dict,
+    megatron_core_optimizer_state,
     torch_state_dict_from_flat,
 )
 from megatron_eopt.wrappers.grad_stats import grad_norm_group_of, local_grad_stats, reduced_grad_stats
@@ -191,10 +192,28 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
 
     def check_state_dict(self, state_dict: dict) -> None:
         """Raise ValueError if `state_dict` does not fit this optimizer; changes nothing."""
+        if megatron_core_optimizer_state(state_dict) is not None:
+            self._from_megatron_core(state_dict)
+            return
         state_dict = expand_sharded_state_dict(state_dict)
         torch_state_dict_from_flat(self.optimizer, state_dict, self.fqn_of_main)
 
+    def _from_megatron_core(self, state_dict: dict) -> dict:
+        """megatron-core's FP32Optimizer state dict (torch's, positional) in our torch optimizer's
+        terms: param groups matched as megatron-core matches them, hyperparameters from the
+        checkpoint, the groups' own metadata (group_key, max_lr, ...) as the live config built it."""
+        saved = megatron_core_optimizer_state(state_dict)
+        live_groups = self.optimizer.param_groups
+        groups = [{**{k: v for k, v in live.items() if k != "params"},
+                   **{k: group[k] for k in self.optimizer.defaults if k in group}, "params": group["params"]}
+                  for live, group in zip(live_groups, self._filter_and_reorder_param_groups(live_groups,
+                                                                                            saved["param_groups"]))]
+        return {"state": saved["state"], "param_groups": groups}
+
     def load_state_dict(self, state_dict: dict) -> None:
+        if megatron_core_optimizer_state(state_dict) is not None:
+            self.optimizer.load_state_dict(self._from_megatron_core(state_dict))
+            return
         state_dict = expand_sharded_state_dict(state_dict)
         load_flat_state_dict(self.optimizer, state_dict, self.fqn_of_main)
         if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
