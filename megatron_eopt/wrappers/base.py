@@ -4,11 +4,9 @@
 1. every child copies its gradients to fp32 main gradients, unscales them and counts inf/NaN,
    then sums [non-finite, norm^2, zeros] over the ranks that hold disjoint parts;
 2. inf/NaN anywhere: update the loss scale, return (False, None, None), change nothing else;
-3. clip every child's gradients by the global norm (`clip_grad`, 0 = off); parameters of a
-   separate gradient-norm group (`grad_norm_group='mtp'`, wrappers/grad_stats.py) are left out
-   of that norm and clipped by their group's own norm (`grad_norms_by_group`);
-4. a norm above `grad_norm_skip_threshold` returns (False, norm, zeros) without stepping (the
-   main norm only decides);
+3. clip every child's gradients by the global norm (`clip_grad`, 0 = off), a separate group's
+   (`grad_norm_group='mtp'`, grad_stats.py) by its own norm, which the global one leaves out;
+4. a norm above `grad_norm_skip_threshold` returns (False, norm, zeros) without stepping;
 5. every child steps and copies its main parameters back to the model.
 
 With `config.timers` (megatron-core's `Timers`) the phases are timed under megatron-core's names,

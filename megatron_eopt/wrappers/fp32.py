@@ -118,11 +118,12 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
     # The step recipe's phases.
     def grad_stats(self, count_zeros: bool) -> torch.Tensor:
         self._prepare_main_grads()
-        counted = [(m.grad, group) for m, counts, group in zip(self.main_params, self._counts_for_norm, self._grad_norm_groups)
-                   if counts and m.grad is not None]
+        facts = zip(self.main_params, self._counts_for_norm, self._grad_norm_groups)
+        counted = [(m.grad, group) for m, counts, group in facts if counts and m.grad is not None]
         other_grads = [m.grad for m, counts in zip(self.main_params, self._counts_for_norm)
                        if not counts and m.grad is not None]
-        group_grads = {name: [g for g, group in counted if group == name] for name in set(self._grad_norm_groups) - {None}}
+        group_grads = {name: [g for g, group in counted if group == name]
+                       for name in set(self._grad_norm_groups) - {None}}
         inv_scale = self.grad_scaler.inv_scale if self.grad_scaler is not None else None
         stats = local_grad_stats([g for g, group in counted if group is None], other_grads, inv_scale, count_zeros,
                                  self._device, group_grads)
