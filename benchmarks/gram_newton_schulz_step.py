@@ -47,7 +47,7 @@ def mcore_step(model: torch.nn.Module, precision: str):
 def eopt_step(model: torch.nn.Module, precision: str, gram: bool, package: bool = False):
     names, params = zip(*model.named_parameters())
     return TensorParallelMuon([{"params": list(params), "param_fqns": list(names)}], lr=LR, momentum=0.95,
-                              weight_decay=WEIGHT_DECAY, fp32_matmul_prec=precision, gram_newton_schulz=gram,
+                              nesterov=False, weight_decay=WEIGHT_DECAY, fp32_matmul_prec=precision, gram_newton_schulz=gram,
                               gram_newton_schulz_package=package).step
 
 

@@ -40,7 +40,7 @@ def eopt_muon_class(model: GptWeights, shape: GptShape) -> Step:
     names, params = zip(*model.named_parameters())
     layouts = {n: matrix_layout(n, tuple(p.shape), 1, shape) for n, p in zip(names, params) if "linear_qkv" in n}
     return TensorParallelMuon([{"params": list(params), "param_fqns": list(names)}], lr=LR, momentum=0.95,
-                              weight_decay=WEIGHT_DECAY, fp32_matmul_prec="highest", layouts=layouts).step
+                              nesterov=False, weight_decay=WEIGHT_DECAY, fp32_matmul_prec="highest", layouts=layouts).step
 
 
 def mcore_muon(model: GptWeights, **overrides) -> Step:

@@ -74,7 +74,8 @@ def get_megatron_optimizer(
         dump_param_to_param_group_map: a directory; each rank writes which optimizer and
             param group each of its parameters got (`rank_00000.json`, ...).
     Returns:
-        A ChainedOptimizer. Children: 'dense' (and 'expert' when the model has experts) for an
+        A ChainedOptimizer; a stub (`is_stub_optimizer`, no children, its step a no-op) when the
+        chunks have no trainable parameter. Children: 'dense' (and 'expert' when the model has experts) for an
         optimizer that takes every parameter; '<optimizer>/dense', '<scalar>/dense' (and
         '.../expert') for one that routes some parameters to the scalar optimizer.
     """
@@ -100,11 +101,11 @@ def get_megatron_optimizer(
     param_groups, records = build_param_groups(chunks, config, overrides, groups.spanning_groups(), routing)
     if fsdp is not None:
         records = fsdp.with_tensor_parallel_facts(records)
-    if not param_groups:
-        raise ValueError("model_chunks have no trainable parameters (requires_grad=True).")
     _warn_if_per_head_finds_no_qkv(config, records)
     if dump_param_to_param_group_map is not None:
         dump_param_group_map(dump_param_to_param_group_map, param_groups, records)
+    if not param_groups:  # no trainable parameter on any rank of the groups (a frozen model or stage)
+        return ChainedOptimizer([], config=config)  # a stub, as megatron-core builds
     for name in routing.optimizers:  # on every rank, before any rank builds (and owns) anything
         lookup_optimizer(name).check_params([g for g in param_groups if g["optimizer"] == name], config)
 

@@ -9,15 +9,19 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 
-def group_param_names(group: Mapping[str, Any]) -> list[str]:
-    """The fully qualified name of every parameter of `group`, in order ('<parameter i>' unnamed)."""
-    return list(group.get("param_fqns") or [f"<parameter {i}>" for i in range(len(group["params"]))])
+def group_param_names(group: Mapping[str, Any], start: int = 0) -> list[str]:
+    """The fully qualified name of every parameter of `group`, in order ('<parameter i>' unnamed,
+    i counted from `start`)."""
+    return list(group.get("param_fqns") or [f"<parameter {start + i}>" for i in range(len(group["params"]))])
 
 
 def named_params(param_groups: Sequence[Mapping[str, Any]]) -> Iterator[tuple[torch.Tensor, str]]:
-    """(parameter, name) of every parameter of `param_groups`, group by group."""
+    """(parameter, name) of every parameter of `param_groups`, group by group; an unnamed one is
+    '<parameter i>', i its position over all groups (torch's state-dict index)."""
+    start = 0
     for group in param_groups:
-        yield from zip(group["params"], group_param_names(group))
+        yield from zip(group["params"], group_param_names(group, start))
+        start += len(group["params"])
 
 
 # megatron-core's routed experts live in `*.experts.*` (SequentialMLP's local_experts, TEGroupedMLP);

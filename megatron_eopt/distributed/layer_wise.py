@@ -26,7 +26,7 @@ from megatron_eopt.ops.collectives import wait_bounded
 from megatron_eopt.wrappers.base import MegatronOptimizer, SteppableChild, StepResult, take_step, timed
 from megatron_eopt.wrappers.chained import ChainedOptimizer
 from megatron_eopt.wrappers.fp32 import model_grad
-from megatron_eopt.wrappers.grad_stats import NONFINITE, reduced_grad_stats, unscale_and_count_nonfinite
+from megatron_eopt.wrappers.grad_stats import NONFINITE, STATS_SIZE, reduced_grad_stats, unscale_and_count_nonfinite
 from megatron_eopt.wrappers.qk_clip import qk_clip_step
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20
@@ -64,13 +64,13 @@ class _NonOwnedGradCheck(SteppableChild):
         self.params, self.groups, self.device = params, tuple(groups), device
 
     def grad_stats(self, count_zeros: bool) -> torch.Tensor:
-        stats = torch.zeros(3, dtype=torch.float32, device=self.device)
+        stats = torch.zeros(STATS_SIZE, dtype=torch.float32, device=self.device)
         grads = [g for g in map(model_grad, self.params) if g is not None]
         if grads:  # "unscaling" by 1 leaves every value as it is
             stats[NONFINITE] = unscale_and_count_nonfinite(grads, torch.ones(1, device=self.device))
         return reduced_grad_stats(stats, self.groups)
 
-    def main_grads(self) -> list[torch.Tensor]:
+    def main_grads(self, grad_norm_group: Optional[str] = None) -> list[torch.Tensor]:
         return []
 
     def step_with_ready_grads(self) -> None:
@@ -110,8 +110,8 @@ class _LaunchAfterStep(SteppableChild):
     def grad_stats(self, count_zeros: bool) -> torch.Tensor:
         return self.child.grad_stats(count_zeros)
 
-    def main_grads(self) -> list[torch.Tensor]:
-        return self.child.main_grads()
+    def main_grads(self, grad_norm_group: Optional[str] = None) -> list[torch.Tensor]:
+        return self.child.main_grads(grad_norm_group)
 
     def step_with_ready_grads(self) -> None:
         self.child.step_with_ready_grads()
@@ -197,7 +197,8 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
             children = [_LaunchAfterStep(child, lambda phase=phase: self._start_param_sync(phase))
                         for phase, child in enumerate(children)]
         with qk_clip_step(self.qk_clip):  # owners clip their main copies; the broadcast spreads them
-            result = take_step(children + [self._non_owned_check], self.config)
+            self.grad_norms_by_group = {}
+            result = take_step(children + [self._non_owned_check], self.config, self.grad_norms_by_group)
         if result[0]:
             with timed(self.config, "params-all-gather"):  # megatron-core's name for the parameter sync
                 self._start_param_sync()

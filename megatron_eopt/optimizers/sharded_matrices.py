@@ -23,6 +23,7 @@ from megatron_eopt.ops.muon_cost import AUTO, HardwareProfile, choose_tp_modes, 
 from megatron_eopt.ops.newton_schulz import TP_MODES, NewtonSchulzSettings, block_paths, orthogonalize_updates
 from megatron_eopt.ops.row_shards import RowShards, orthogonalize_row_shards
 from megatron_eopt.ops.splits import MatrixLayout
+from megatron_eopt.optimizers.megatron_core_args import IsQkvFn, megatron_core_layouts, tp_group_of
 from megatron_eopt.param_names import is_expert_name, named_params
 
 
@@ -203,6 +204,20 @@ class ShardedMatrices(OrthogonalizeTogether):
     """
 
     settings: NewtonSchulzSettings
+
+    def _megatron_core_shards(self, pg_collection: Any, split_qkv: bool, is_qkv_fn: Optional[IsQkvFn],
+                              qkv_split_shapes: Optional[list[int]], tp_group: Optional[dist.ProcessGroup],
+                              layouts: Optional[Mapping[str, MatrixLayout]],
+                              ) -> tuple[Optional[dist.ProcessGroup], Optional[Mapping[str, MatrixLayout]]]:
+        """(tp_group, layouts) with megatron-core's arguments applied (megatron_core_args.py);
+        a layout given in `layouts` wins. Kept as attributes under megatron-core's names."""
+        self.pg_collection, self.split_qkv = pg_collection, split_qkv
+        self.is_qkv_fn, self.qkv_split_shapes = is_qkv_fn, qkv_split_shapes
+        if pg_collection is None and not split_qkv:
+            return tp_group, layouts
+        tp_group = tp_group_of(pg_collection, tp_group, self.param_groups)
+        derived = megatron_core_layouts(self.param_groups, tp_group, split_qkv, is_qkv_fn, qkv_split_shapes)
+        return tp_group, {**derived, **dict(layouts or {})}
 
     def _set_up_shards(self, tp_mode: str, tp_group: Optional[dist.ProcessGroup],
                        layouts: Optional[Mapping[str, MatrixLayout]], fsdp_group: Optional[dist.ProcessGroup],

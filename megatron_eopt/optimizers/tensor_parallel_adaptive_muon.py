@@ -29,6 +29,7 @@ from megatron_eopt.ops.muon_cost import HardwareProfile
 from megatron_eopt.ops.newton_schulz import NewtonSchulzSettings
 from megatron_eopt.ops.row_shards import RowShards
 from megatron_eopt.ops.splits import MatrixLayout
+from megatron_eopt.optimizers.megatron_core_args import IsQkvFn, weight_decay_method_of
 from megatron_eopt.optimizers.sharded_matrices import ShardedMatrices, check_muon_arguments
 from megatron_eopt.optimizers.tensor_parallel_muon import muon_use_syrk
 
@@ -71,8 +72,9 @@ class _Pending:
 class TensorParallelAdaptiveMuon(ShardedMatrices, AdaptiveMuon):
     """AdaptiveMuon whose parameters may be TP shards (see the module docstring for the update).
 
-    Args beyond emerging_optimizers' AdaptiveMuon (whose lr, momentum and weight_decay get
-    TensorParallelMuon's defaults here):
+    The arguments up to `eps` are megatron-core's TensorParallelAdaptiveMuon's, in its order and
+    with its defaults (megatron-core's arguments act as in TensorParallelMuon). Keyword-only, ours:
+        weight_decay_method: emerging_optimizers' name; None: from use_decoupled_weight_decay.
         tp_mode: 'blockwise', 'duplicated', 'distributed', 'sharded' or 'auto' (per matrix, the
             exact mode that ops/muon_cost.py predicts cheapest; `self.tp_modes` says which).
         tp_hardware_profile: what 'auto' predicts with: a HardwareProfile, a name ('h100', 'cpu'),
@@ -105,22 +107,27 @@ class TensorParallelAdaptiveMuon(ShardedMatrices, AdaptiveMuon):
         params: Any,
         lr: float = 3e-4,
         momentum: float = 0.95,
+        nesterov: bool = True,
         weight_decay: float = 0.01,
-        *,
-        nesterov: bool = False,
-        weight_decay_method: str = "decoupled",
+        use_decoupled_weight_decay: bool = True,
+        split_qkv: bool = False,
+        is_qkv_fn: Optional[IsQkvFn] = None,
+        qkv_split_shapes: Optional[list[int]] = None,
         fp32_matmul_prec: str = "medium",
         coefficient_type: str = "quintic",
         num_ns_steps: int = 5,
         scale_mode: str = "spectral",
         extra_scale_factor: float = 1.0,
+        pg_collection: Any = None,
+        tp_mode: str = "duplicated",
         moment2_method: str = "adamuon",
         beta2: float = 0.95,
         eps: float = 1e-8,
+        *,
+        weight_decay_method: Optional[str] = None,
         use_syrk: bool = False,
         gram_newton_schulz: bool = False,
         gram_newton_schulz_package: bool = False,
-        tp_mode: str = "duplicated",
         tp_hardware_profile: Union[None, str, HardwareProfile] = None,
         expert_tp_mode: Optional[str] = None,
         tp_group: Optional[dist.ProcessGroup] = None,
@@ -128,6 +135,7 @@ class TensorParallelAdaptiveMuon(ShardedMatrices, AdaptiveMuon):
         fsdp_group: Optional[dist.ProcessGroup] = None,
         fsdp_shards: Optional[Mapping[str, RowShards]] = None,
     ) -> None:
+        weight_decay_method = weight_decay_method_of(use_decoupled_weight_decay, weight_decay_method)
         check_muon_arguments(tp_mode, lr, momentum, weight_decay, weight_decay_method, fp32_matmul_prec,
                              expert_tp_mode)
         if moment2_method not in MOMENT2_METHODS:
@@ -152,6 +160,8 @@ class TensorParallelAdaptiveMuon(ShardedMatrices, AdaptiveMuon):
             scale_mode=scale_mode, extra_scale_factor=extra_scale_factor, moment2_method=moment2_method,
             beta2=beta2, eps=eps,
         )
+        tp_group, layouts = self._megatron_core_shards(pg_collection, split_qkv, is_qkv_fn, qkv_split_shapes,
+                                                       tp_group, layouts)
         self._set_up_shards(tp_mode, tp_group, layouts, fsdp_group, fsdp_shards, tp_hardware_profile, expert_tp_mode)
         self._view_of = {key: self._global_view(layout) for key, layout in self._layout_of.items()}
         if self._row_shards_of is not None:

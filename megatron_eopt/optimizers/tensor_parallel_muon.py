@@ -27,6 +27,7 @@ from megatron_eopt.ops.muon_cost import HardwareProfile
 from megatron_eopt.ops.newton_schulz import NewtonSchulzSettings
 from megatron_eopt.ops.row_shards import RowShards
 from megatron_eopt.ops.splits import MatrixLayout
+from megatron_eopt.optimizers.megatron_core_args import IsQkvFn, weight_decay_method_of
 from megatron_eopt.optimizers.sharded_matrices import ShardedMatrices, check_muon_arguments
 
 
@@ -63,7 +64,11 @@ ADAMW_RMS_MATCHING_EXTRA_SCALE = 0.2
 class TensorParallelMuon(ShardedMatrices, Muon):
     """Muon whose parameters may be TP shards (see the module docstring for the update).
 
-    Args beyond emerging_optimizers' Muon:
+    The arguments up to `tp_mode` are megatron-core's TensorParallelMuon's, in its order and with
+    its defaults (optimizers/megatron_core_args.py says how `pg_collection`, `split_qkv`,
+    `is_qkv_fn`, `qkv_split_shapes` and `use_decoupled_weight_decay` act). Keyword-only, ours:
+        weight_decay_method: emerging_optimizers' name ('decoupled', 'l2', ...); None: from
+            use_decoupled_weight_decay.
         tp_mode: 'blockwise', 'duplicated', 'distributed', 'sharded' or 'auto' (per matrix, the
             exact mode that ops/muon_cost.py predicts cheapest; `self.tp_modes` says which).
         tp_hardware_profile: what 'auto' predicts with: a HardwareProfile, a name ('h100', 'cpu'),
@@ -91,19 +96,24 @@ class TensorParallelMuon(ShardedMatrices, Muon):
         params: Any,
         lr: float = 3e-4,
         momentum: float = 0.95,
+        nesterov: bool = True,
         weight_decay: float = 0.01,
-        *,
-        nesterov: bool = False,
-        weight_decay_method: str = "decoupled",
+        use_decoupled_weight_decay: bool = True,
+        split_qkv: bool = False,
+        is_qkv_fn: Optional[IsQkvFn] = None,
+        qkv_split_shapes: Optional[list[int]] = None,
         fp32_matmul_prec: str = "medium",
         coefficient_type: str = "quintic",
         num_ns_steps: int = 5,
         scale_mode: str = "spectral",
         extra_scale_factor: float = 1.0,
+        pg_collection: Any = None,
+        tp_mode: str = "duplicated",
+        *,
+        weight_decay_method: Optional[str] = None,
         use_syrk: bool = False,
         gram_newton_schulz: bool = False,
         gram_newton_schulz_package: bool = False,
-        tp_mode: str = "duplicated",
         tp_hardware_profile: Union[None, str, HardwareProfile] = None,
         expert_tp_mode: Optional[str] = None,
         tp_group: Optional[dist.ProcessGroup] = None,
@@ -111,6 +121,7 @@ class TensorParallelMuon(ShardedMatrices, Muon):
         fsdp_group: Optional[dist.ProcessGroup] = None,
         fsdp_shards: Optional[Mapping[str, RowShards]] = None,
     ) -> None:
+        weight_decay_method = weight_decay_method_of(use_decoupled_weight_decay, weight_decay_method)
         check_muon_arguments(tp_mode, lr, momentum, weight_decay, weight_decay_method, fp32_matmul_prec,
                              expert_tp_mode)
         # Checked here, before the backend checks them with its own messages.
@@ -127,6 +138,8 @@ class TensorParallelMuon(ShardedMatrices, Muon):
         self.use_syrk = backend_use_syrk(self.scaled_orthogonalize_fn) if use_syrk else False
         # Scaled: the Muon scale is applied with Newton-Schulz (by `orthogonalize`).
         self.settings = dataclasses.replace(settings, use_syrk=self.use_syrk, package=package)
+        tp_group, layouts = self._megatron_core_shards(pg_collection, split_qkv, is_qkv_fn, qkv_split_shapes,
+                                                       tp_group, layouts)
         self._set_up_shards(tp_mode, tp_group, layouts, fsdp_group, fsdp_shards, tp_hardware_profile, expert_tp_mode)
 
     @torch.no_grad()

@@ -42,8 +42,11 @@ ConfigToKwargs = Callable[[Any], Mapping[str, Any]]
 Routing = Literal["hidden_matrices", "matrices", "all"]
 ROUTINGS: tuple[str, ...] = typing.get_args(Routing)
 
-# Arguments the factory supplies (never read from the config).
-CONTEXT_ARGS = ("tp_group", "layouts", "fsdp_group", "fsdp_shards")
+# Arguments the factory supplies (never read from the config); megatron-core's TensorParallelMuon
+# arguments that it gives as tp_group, layouts and weight_decay_method instead (so that, e.g.,
+# OptimizerConfig.muon_split_qkv is not passed as split_qkv: the layouts already split).
+CONTEXT_ARGS = ("tp_group", "layouts", "fsdp_group", "fsdp_shards",
+                "pg_collection", "split_qkv", "is_qkv_fn", "qkv_split_shapes", "use_decoupled_weight_decay")
 NAME_PATTERN = re.compile(r"[a-z][a-z0-9_]*")  # optimizer names and config prefixes
 
 

@@ -4,7 +4,8 @@
 1. every child copies its gradients to fp32 main gradients, unscales them and counts inf/NaN,
    then sums [non-finite, norm^2, zeros] over the ranks that hold disjoint parts;
 2. inf/NaN anywhere: update the loss scale, return (False, None, None), change nothing else;
-3. clip every child's gradients by the global norm (`clip_grad`, 0 = off);
+3. clip every child's gradients by the global norm (`clip_grad`, 0 = off), a separate group's
+   (`grad_norm_group='mtp'`, grad_stats.py) by its own norm, which the global one leaves out;
 4. a norm above `grad_norm_skip_threshold` returns (False, norm, zeros) without stepping;
 5. every child steps and copies its main parameters back to the model.
 
@@ -17,11 +18,23 @@ with `barrier=config.barrier_with_L1_time`: 'optimizer-copy-to-main-grad' (1),
 import contextlib
 import math
 from abc import ABC, abstractmethod
-from typing import Any, Iterator, Optional
+from types import MappingProxyType
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 
-from megatron_eopt.wrappers.grad_stats import scale_grads
+from megatron_eopt.distributed.process_groups import group_rank
+from megatron_eopt.wrappers.flat_state import match_param_groups
+from megatron_eopt.wrappers.grad_stats import (
+    NONFINITE,
+    SEPARATE_GRAD_NORM_GROUPS,
+    SUM_OF_SQUARES,
+    ZEROS,
+    check_grad_norm_group,
+    grad_norm_group_of,
+    group_index,
+    scale_grads,
+)
 
 StepResult = tuple[bool, Optional[float], Optional[int]]
 
@@ -66,6 +79,53 @@ class MegatronOptimizer(ABC):
     @abstractmethod
     def load_state_dict(self, state_dict: dict) -> None: ...
 
+    # megatron-core's gradient-norm helpers, with its names and signatures.
+    # The norm of each separate gradient-norm group at the last step (e.g. {'mtp': 0.14}).
+    grad_norms_by_group: Mapping[str, float] = MappingProxyType({})
+
+    def get_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters this optimizer steps (fp32 main copies where it keeps them)."""
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def get_grads_for_grad_norm(self, grad_norm_group: Optional[str] = None) -> list[torch.Tensor]:
+        """Gradients counted in the main norm (None), or in `grad_norm_group`'s own norm."""
+        if grad_norm_group is not None:
+            check_grad_norm_group(grad_norm_group)
+        return self._filter_grads_for_norm(
+            self.get_parameters(), param_filter=lambda p: self._grad_norm_group(p) == grad_norm_group
+        )
+
+    def _filter_grads_for_norm(self, params: list[torch.nn.Parameter],
+                               param_filter: Optional[Callable[[torch.nn.Parameter], bool]] = None,
+                               ) -> list[torch.Tensor]:
+        """The gradients of `params` a norm counts: those passing `param_filter`, not None, not
+        the second copy of a tied parameter, and held by one tensor-parallel rank only."""
+        return [p.grad for p in params
+                if (param_filter is None or param_filter(p)) and p.grad is not None and self._counts_in_norm(p)]
+
+    def _counts_in_norm(self, param: torch.nn.Parameter) -> bool:
+        """megatron-core's rule from the parameter's attributes (`shared`, `tensor_model_parallel`)."""
+        on_one_rank = getattr(param, "tensor_model_parallel", False) or group_rank(getattr(self, "tp_group", None)) == 0
+        return not getattr(param, "shared", False) and bool(on_one_rank)
+
+    def _grad_norm_group(self, param: torch.nn.Parameter) -> Optional[str]:
+        return grad_norm_group_of(param)
+
+    @staticmethod
+    def _filter_and_reorder_param_groups(current_groups: list[dict], state_dict_groups: list[dict]) -> list[dict]:
+        """megatron-core's matching of saved param groups (torch's positional format) to live ones.
+
+        For each current group, the saved group with the same identifying values
+        (flat_state.PARAM_GROUP_IDENTIFIER_KEYS: a missing key is None, NeMo's `pre_` prefix
+        stands in), holding the 'params' of the saved group at that position, as torch's
+        load pairs groups by position. A group without a match raises ValueError.
+        """
+        if len(current_groups) != len(state_dict_groups):
+            raise ValueError(f"the state dict has {len(state_dict_groups)} param groups but this optimizer "
+                             f"{len(current_groups)}; the overrides (or the model) changed since it was saved.")
+        matched = match_param_groups(current_groups, state_dict_groups)
+        return [{**group, "params": saved["params"]} for group, saved in zip(matched, state_dict_groups)]
+
 
 class SteppableChild(ABC):
     """The per-child phases the step recipe drives (see the module docstring)."""
@@ -74,10 +134,12 @@ class SteppableChild(ABC):
 
     @abstractmethod
     def grad_stats(self, count_zeros: bool) -> torch.Tensor:
-        """Prepare main gradients; return [non-finite, norm^2, zeros] summed over its group."""
+        """Prepare main gradients; return the STATS_SIZE statistics (grad_stats.py) summed over
+        its groups."""
 
     @abstractmethod
-    def main_grads(self) -> list[torch.Tensor]: ...
+    def main_grads(self, grad_norm_group: Optional[str] = None) -> list[torch.Tensor]:
+        """Main gradients of the parameters in `grad_norm_group` (None: the main norm's)."""
 
     @abstractmethod
     def step_with_ready_grads(self) -> None: ...
@@ -102,8 +164,10 @@ def timed(config: Any, name: str) -> Iterator[None]:
         timers(name).stop()
 
 
-def take_step(children: list[SteppableChild], config: Any) -> StepResult:
-    """One optimizer step over `children`, which share one gradient norm.
+def take_step(children: list[SteppableChild], config: Any,
+              norms_by_group: Optional[dict[str, float]] = None) -> StepResult:
+    """One optimizer step over `children`, which share one gradient norm; `norms_by_group` is
+    filled with the norm of every separate gradient-norm group that has parameters.
 
     The statistics stay on the device until they are read back once, in one transfer, right
     before the step is decided: the only point where the host must wait for the device (the
@@ -111,21 +175,28 @@ def take_step(children: list[SteppableChild], config: Any) -> StepResult:
     """
     with timed(config, "optimizer-copy-to-main-grad"):
         totals = _summed_stats(children, config.log_num_zeros_in_grad)
-    nonfinite, sum_of_squares, zeros = totals.tolist()  # the step's one device-to-host sync
-    found_inf = nonfinite > 0
+    stats = totals.tolist()  # the step's one device-to-host sync
+    found_inf = stats[NONFINITE] > 0
     for scaler in _unique_scalers(children):
         scaler.update(found_inf)
+    if norms_by_group is not None:
+        norms_by_group.clear()
     if found_inf:
         return False, None, None
 
-    grad_norm = math.sqrt(sum_of_squares)
-    num_zeros = int(zeros) if config.log_num_zeros_in_grad else None
+    grad_norm = math.sqrt(stats[SUM_OF_SQUARES])
+    num_zeros = int(stats[ZEROS]) if config.log_num_zeros_in_grad else None
+    group_norms = {name: math.sqrt(stats[group_index(name)])
+                   for name in SEPARATE_GRAD_NORM_GROUPS if stats[group_index(name) + 1] > 0}
+    if norms_by_group is not None:
+        norms_by_group.update(group_norms)
     with timed(config, "optimizer-clip-main-grad"):
         if config.clip_grad > 0.0:
-            clip_coeff = config.clip_grad / (grad_norm + 1.0e-6)
-            if clip_coeff < 1.0:
-                for child in children:
-                    scale_grads(child.main_grads(), clip_coeff)
+            for name, norm in {None: grad_norm, **group_norms}.items():
+                clip_coeff = config.clip_grad / (norm + 1.0e-6)
+                if clip_coeff < 1.0:
+                    for child in children:
+                        scale_grads(child.main_grads(name), clip_coeff)
     if grad_norm > config.grad_norm_skip_threshold:
         return False, grad_norm, num_zeros
     for child in children:
@@ -145,3 +216,10 @@ def _summed_stats(children: list[SteppableChild], count_zeros: bool) -> torch.Te
 def _unique_scalers(children: list[SteppableChild]) -> list[Any]:
     scalers = {id(c.grad_scaler): c.grad_scaler for c in children if c.grad_scaler is not None}
     return list(scalers.values())
+
+
+def default_device() -> torch.device:
+    """Where a rank without parameters keeps its statistics: the device the other ranks use."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -10,44 +10,69 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_eopt.wrappers.base import MegatronOptimizer, SteppableChild, StepResult, take_step
+from megatron_eopt.wrappers.base import MegatronOptimizer, SteppableChild, StepResult, default_device, take_step
+from megatron_eopt.wrappers.flat_state import megatron_core_optimizer_state
+from megatron_eopt.wrappers.megatron_core_chain import step_megatron_core_children
 from megatron_eopt.wrappers.megatron_sharded import child_sharded_state_dict
 from megatron_eopt.wrappers.qk_clip import QKClip, qk_clip_step
 
 
 class ChainedOptimizer(MegatronOptimizer):
-    """Steps `chained_optimizers` (each an FP32Optimizer or MixedPrecisionOptimizer) as one."""
+    """Steps `chained_optimizers` as one.
+
+    Children are ours (FP32Optimizer, MixedPrecisionOptimizer: one gradient norm over all of
+    them, wrappers/base.py), or, as megatron-core accepts, any objects with megatron-core's
+    optimizer interface (megatron_core_chain.py; a torch optimizer can be chained but not
+    stepped), not both kinds in one chain. No children, or only stubs, make a stub
+    (`is_stub_optimizer`): a rank without trainable parameters, whose step changes nothing and
+    returns (True, 0.0, None) (0 zeros with `log_num_zeros_in_grad`), as megatron-core's stub does.
+    """
 
     # In megatron-core's sharded format a state's main replica is data-parallel rank 0, which
     # holds every state; the layer-wise optimizer sets this: there the owner writes it.
     owner_is_main_replica = False
     qk_clip: Optional[QKClip] = None  # set by the factory when QK-clip or max-logit logging is on
-    # Megatron-LM skips optimizer calls on a rank whose optimizer is a stub (megatron-core builds
-    # one for a rank without parameters); the factory never builds a chain without parameters.
-    is_stub_optimizer = False
 
-    def __init__(self, chained_optimizers: list[MegatronOptimizer]) -> None:
+    def __init__(self, chained_optimizers: list[Any], config: Any = None) -> None:
         children = list(chained_optimizers)
-        if not children:
-            raise ValueError("ChainedOptimizer needs at least one optimizer.")
+        ours = [isinstance(child, SteppableChild) for child in children]
+        if any(ours) and not all(ours):
+            raise TypeError(
+                f"ChainedOptimizer children are either all megatron_eopt's (FP32Optimizer/MixedPrecisionOptimizer) "
+                f"or all others with megatron-core's optimizer interface; got "
+                f"{[type(child).__name__ for child in children]}."
+            )
         for child in children:
-            if not isinstance(child, SteppableChild):
-                raise TypeError(
-                    f"ChainedOptimizer children must be FP32Optimizer/MixedPrecisionOptimizer "
-                    f"(or another SteppableChild); got {type(child).__name__}."
-                )
-        names = [child.name for child in children]
+            if not hasattr(child, "param_groups"):
+                raise TypeError(f"ChainedOptimizer children need param_groups (an optimizer interface); got "
+                                f"{type(child).__name__}.")
+        names = [getattr(child, "name", f"chained_{index}") for index, child in enumerate(children)]
         if len(set(names)) != len(names):
             raise ValueError(f"ChainedOptimizer children need distinct names; got {names}.")
         self.chained_optimizers = children
-
-    @property
-    def config(self) -> Any:
-        return self.chained_optimizers[0].config
+        self._names = names
+        self._ours = all(ours)
+        # Megatron-LM skips optimizer calls on a rank whose optimizer is a stub.
+        self.is_stub_optimizer = all(getattr(child, "is_stub_optimizer", False) for child in children)
+        self.config = config if config is not None else next(
+            (child.config for child in children if getattr(child, "config", None) is not None), None)
+        self.grad_norms_by_group = {}
 
     def step(self) -> StepResult:
+        self.grad_norms_by_group = {}
+        if self.is_stub_optimizer:
+            log_zeros = self.config is not None and self.config.log_num_zeros_in_grad
+            return True, 0.0, (0 if log_zeros else None)
+        if not self._ours:
+            return step_megatron_core_children(self.chained_optimizers, self.config, self.grad_norms_by_group)
         with qk_clip_step(self.qk_clip):
-            return take_step(self.chained_optimizers, self.config)
+            return take_step(self.chained_optimizers, self.config, self.grad_norms_by_group)
+
+    def get_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for child in self.chained_optimizers for p in _parameters_of(child)]
+
+    def get_grads_for_grad_norm(self, grad_norm_group: Optional[str] = None) -> list[torch.Tensor]:
+        return [g for child in self.chained_optimizers for g in child.get_grads_for_grad_norm(grad_norm_group)]
 
     @property
     def max_attention_logit(self) -> Optional[float]:
@@ -80,6 +105,8 @@ class ChainedOptimizer(MegatronOptimizer):
             child.zero_grad(set_to_none)
 
     def get_loss_scale(self) -> torch.Tensor:
+        if not self.chained_optimizers:
+            return torch.ones(1, dtype=torch.float32, device=default_device())
         return self.chained_optimizers[0].get_loss_scale()
 
     def reload_model_params(self, state_dict: Optional[dict] = None) -> None:
@@ -94,7 +121,7 @@ class ChainedOptimizer(MegatronOptimizer):
     def state_dict(self, is_loading: bool = False) -> dict:
         """`is_loading`: Megatron-LM's torch_dcp load asks for a dict to load into; the state
         is created eagerly here, so the same dict serves both ways and the flag changes nothing."""
-        return {"optimizers": {child.name: child.state_dict() for child in self.chained_optimizers}}
+        return {"optimizers": {name: child.state_dict() for name, child in zip(self._names, self.chained_optimizers)}}
 
     def save_state_dict_to_file(self, filename: str) -> None:
         """This rank's state_dict() to `filename` (Megatron-LM's --ckpt-format torch with the
@@ -109,27 +136,53 @@ class ChainedOptimizer(MegatronOptimizer):
                            metadata: Optional[dict] = None) -> dict:
         """megatron-core's format for dist_checkpointing (see wrappers/megatron_sharded.py)."""
         return {"optimizers": {
-            child.name: child_sharded_state_dict(child, model_sharded_state_dict, is_loading, self.owner_is_main_replica)
-            for child in self.chained_optimizers
+            name: child_sharded_state_dict(child, model_sharded_state_dict, is_loading, self.owner_is_main_replica)
+            for name, child in zip(self._names, self.chained_optimizers)
         }}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        if self.is_stub_optimizer and not self.chained_optimizers and not state_dict:
+            return  # a stub's state: nothing (ours {"optimizers": {}}, megatron-core's [])
+        if isinstance(state_dict, list) or megatron_core_optimizer_state(state_dict) is not None:
+            self._load_megatron_core(state_dict)
+            return
         saved = state_dict.get("optimizers") if isinstance(state_dict, dict) else None
         if saved is None:
             raise ValueError(
                 "not a ChainedOptimizer state dict (no 'optimizers' entry); it was not written "
                 "by megatron_eopt's ChainedOptimizer.state_dict()."
             )
-        names = [child.name for child in self.chained_optimizers]
+        names = self._names
         if sorted(saved) != sorted(names):
             raise ValueError(
                 f"the checkpoint holds optimizers {sorted(saved)} but this chain has {names}; "
                 f"the optimizer or the parameter routing changed since it was saved."
             )
-        for child in self.chained_optimizers:  # check all before loading any: never half-load
-            child.check_state_dict(saved[child.name])
-        for child in self.chained_optimizers:
-            child.load_state_dict(saved[child.name])
+        pairs = list(zip(names, self.chained_optimizers))
+        for name, child in pairs:  # check all before loading any: never half-load
+            if hasattr(child, "check_state_dict"):
+                child.check_state_dict(saved[name])
+        for name, child in pairs:
+            child.load_state_dict(saved[name])
+
+
+    def _load_megatron_core(self, state_dict: Any) -> None:
+        """megatron-core's ChainedOptimizer format: one child's state dict, or a list of them."""
+        states = state_dict if isinstance(state_dict, list) else [state_dict]
+        if len(states) != len(self.chained_optimizers):
+            raise ValueError(f"the state dict holds {len(states)} optimizer(s) (megatron-core's format) but this "
+                             f"chain has {len(self.chained_optimizers)}: {self._names}.")
+        for child, state in zip(self.chained_optimizers, states):  # check all before loading any
+            if hasattr(child, "check_state_dict"):
+                child.check_state_dict(state)
+        for child, state in zip(self.chained_optimizers, states):
+            child.load_state_dict(state)
+
+
+def _parameters_of(child: Any) -> list[torch.nn.Parameter]:
+    if hasattr(child, "get_parameters"):
+        return list(child.get_parameters())
+    return [p for group in child.param_groups for p in group["params"]]
 
 
 class ChainedState(Mapping):

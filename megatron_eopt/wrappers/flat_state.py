@@ -3,18 +3,56 @@
 torch numbers state by position, which breaks as soon as the parameter order or the group
 layout differs between save and load. Here state is `{fqn: {name: tensor}}` and groups are
 `{group_key: {hyperparameter: number, "params": [fqn, ...]}}`, so a checkpoint is matched by
-names, and a mismatch is reported by name.
+names, and a mismatch is reported by name. Saved group keys that are not the live ones (renamed
+override rules, megatron-core's groups) are matched by their identifying keys, as megatron-core's
+`MegatronOptimizer._filter_and_reorder_param_groups` does (`match_param_groups`).
 
 Between steps every state tensor is row-major contiguous in a 64-byte-aligned storage of its own
-(`canonical_state_layout`), which is how a checkpoint loads it. A live tensor in another layout
-(SOAP's and REKLS's eigenbases come out of LAPACK column-major) would make the next step's
-products run other BLAS kernels than after a resume: on Intel CPUs MKL's results depend on the
-operands' layout and alignment, so a resumed run would not continue bitwise (docs/reliability.md).
+(`canonical_state_layout`), as a checkpoint loads it: SOAP's and REKLS's eigenbases come out of
+LAPACK column-major, and on Intel CPUs MKL's results depend on layout and alignment, so a resumed
+run would not continue bitwise otherwise (docs/reliability.md).
 """
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
+
+from megatron_eopt.param_key import ParamGroupOverride
+
+# megatron-core's `param_group_identifier_keys`: what tells param groups apart on load, every
+# ParamGroupOverride field (and `optimizer`), then the structural flags every group carries.
+PARAM_GROUP_IDENTIFIER_KEYS: tuple[str, ...] = (
+    *sorted({*ParamGroupOverride.__annotations__, "optimizer"}), "lr_mult", "is_expert_parallel", "is_decoupled_lr",
+)
+
+
+def param_group_identifier(group: Mapping[str, Any]) -> tuple:
+    """A group's identifying values: a missing key counts as None; NeMo's `pre_<key>` stands in."""
+    return tuple(group.get(key, group.get(f"pre_{key}")) for key in PARAM_GROUP_IDENTIFIER_KEYS)
+
+
+def match_param_groups(current_groups: Sequence[Mapping[str, Any]],
+                       saved_groups: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The saved group with each current group's identifier, in the current groups' order."""
+    by_identifier: dict[tuple, Mapping[str, Any]] = {}
+    for group in saved_groups:
+        identifier = param_group_identifier(group)
+        if identifier in by_identifier:
+            raise ValueError(
+                f"two saved param groups have the same identifying values {identifier} (keys "
+                f"{PARAM_GROUP_IDENTIFIER_KEYS}); they cannot be told apart on load."
+            )
+        by_identifier[identifier] = group
+    matched = []
+    for group in current_groups:
+        identifier = param_group_identifier(group)
+        if identifier not in by_identifier:
+            raise ValueError(
+                f"no saved param group has the identifying values {identifier} (keys "
+                f"{PARAM_GROUP_IDENTIFIER_KEYS}); the saved ones have {sorted(map(str, by_identifier))}."
+            )
+        matched.append(by_identifier[identifier])
+    return matched
 
 
 def flat_state_dict(optimizer: torch.optim.Optimizer, fqn_of: Mapping[int, str]) -> dict[str, Any]:
@@ -35,12 +73,19 @@ def flat_state_dict(optimizer: torch.optim.Optimizer, fqn_of: Mapping[int, str])
     }
 
 
+def megatron_core_optimizer_state(state_dict: Any) -> Any:
+    """The torch optimizer state dict inside megatron-core's FP32Optimizer format (torch's own:
+    'param_groups' a list); None for ours (a dict by group key) or anything else."""
+    if isinstance(state_dict, Mapping) and isinstance(state_dict.get("param_groups"), list):
+        return state_dict
+    return None
+
+
 def load_flat_state_dict(
     optimizer: torch.optim.Optimizer, flat: Mapping[str, Any], fqn_of: Mapping[int, str]
 ) -> None:
     """Load a `flat_state_dict` into `optimizer`, refusing any mismatch by name."""
     optimizer.load_state_dict(torch_state_dict_from_flat(optimizer, flat, fqn_of))
-    canonical_state_layout(optimizer)
 
 
 STATE_ALIGNMENT = 64  # bytes: what torch's CPU allocator gives a new tensor
@@ -78,7 +123,8 @@ def torch_state_dict_from_flat(
         )
     _check_same_optimizer(optimizer, flat)
     saved_groups = flat["param_groups"]
-    _check_same_groups(optimizer, saved_groups)
+    if {group["group_key"] for group in optimizer.param_groups} != set(saved_groups):
+        saved_groups = _matched_by_identifier(optimizer, saved_groups)
     torch_groups, torch_state, index = [], {}, 0
     for live in optimizer.param_groups:
         saved = saved_groups[live["group_key"]]
@@ -106,15 +152,19 @@ def _check_same_optimizer(optimizer: torch.optim.Optimizer, flat: Mapping[str, A
         )
 
 
-def _check_same_groups(optimizer: torch.optim.Optimizer, saved_groups: Mapping[str, Any]) -> None:
+def _matched_by_identifier(optimizer: torch.optim.Optimizer, saved_groups: Mapping[str, Any]) -> dict[str, Any]:
+    """live group_key -> the saved group with its identifying values (the keys differ)."""
     live_keys = {group["group_key"] for group in optimizer.param_groups}
-    missing, extra = sorted(live_keys - set(saved_groups)), sorted(set(saved_groups) - live_keys)
-    if missing or extra:
-        raise ValueError(
-            f"param groups differ from the checkpoint's: missing in the checkpoint {missing}, "
-            f"only in the checkpoint {extra}. The overrides (or the model) changed since it was "
-            f"saved."
-        )
+    differ = (f"param groups differ from the checkpoint's: missing in the checkpoint "
+              f"{sorted(live_keys - set(saved_groups))}, only in the checkpoint {sorted(set(saved_groups) - live_keys)}")
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ValueError(f"{differ}. The overrides (or the model) changed since it was saved.")
+    try:
+        matched = match_param_groups(optimizer.param_groups, list(saved_groups.values()))
+    except ValueError as error:
+        raise ValueError(f"{differ}, and matching them by their values failed: {error} The overrides (or the "
+                         f"model) changed since it was saved.") from None
+    return {group["group_key"]: saved for group, saved in zip(optimizer.param_groups, matched)}
 
 
 def _check_same_params(live: Mapping[str, Any], saved: Mapping[str, Any], fqn_of: Mapping[int, str]) -> None:

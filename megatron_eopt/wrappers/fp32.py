@@ -12,14 +12,22 @@ import torch
 
 from megatron_eopt.distributed.process_groups import ProcessGroup, group_rank
 from megatron_eopt.param_groups import ParamRecord
-from megatron_eopt.wrappers.base import MegatronOptimizer, SteppableChild, StepResult, take_step, timed
+from megatron_eopt.wrappers.base import (
+    MegatronOptimizer,
+    SteppableChild,
+    StepResult,
+    default_device,
+    take_step,
+    timed,
+)
 from megatron_eopt.wrappers.flat_state import (
     canonical_state_layout,
     flat_state_dict,
     load_flat_state_dict,
+    megatron_core_optimizer_state,
     torch_state_dict_from_flat,
 )
-from megatron_eopt.wrappers.grad_stats import local_grad_stats, reduced_grad_stats
+from megatron_eopt.wrappers.grad_stats import grad_norm_group_of, local_grad_stats, reduced_grad_stats
 from megatron_eopt.wrappers.megatron_sharded import child_sharded_state_dict, expand_sharded_state_dict
 from megatron_eopt.wrappers.qk_clip import QKClip
 
@@ -81,7 +89,11 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
         self._counts_for_norm = [
             not r.is_shared and (r.tensor_model_parallel or tp_rank == 0) for r in ordered
         ]
-        self._device = self.model_params[0].device if self.model_params else _default_device()
+        # Separate gradient-norm group of each parameter (None: the main norm), read from the model
+        # parameter (an fp32 main copy has no attributes); an unregistered name raises here.
+        self._grad_norm_groups = [grad_norm_group_of(p, r.fqn) for p, r in zip(self.model_params, ordered)]
+        self._index_of_main = {id(main): i for i, main in enumerate(self.main_params)}
+        self._device = self.model_params[0].device if self.model_params else default_device()
         self.qk_clip: Optional[QKClip] = None  # set by the factory when QK-clip is on
         self._one = torch.ones(1, dtype=torch.float32, device=self._device)
 
@@ -107,15 +119,28 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
     # The step recipe's phases.
     def grad_stats(self, count_zeros: bool) -> torch.Tensor:
         self._prepare_main_grads()
-        grads = [m.grad for m in self.main_params]
-        norm_grads = [g for g, counts in zip(grads, self._counts_for_norm) if counts and g is not None]
-        other_grads = [g for g, counts in zip(grads, self._counts_for_norm) if not counts and g is not None]
+        facts = zip(self.main_params, self._counts_for_norm, self._grad_norm_groups)
+        counted = [(m.grad, group) for m, counts, group in facts if counts and m.grad is not None]
+        other_grads = [m.grad for m, counts in zip(self.main_params, self._counts_for_norm)
+                       if not counts and m.grad is not None]
+        group_grads = {name: [g for g, group in counted if group == name]
+                       for name in set(self._grad_norm_groups) - {None}}
         inv_scale = self.grad_scaler.inv_scale if self.grad_scaler is not None else None
-        stats = local_grad_stats(norm_grads, other_grads, inv_scale, count_zeros, self._device)
+        stats = local_grad_stats([g for g, group in counted if group is None], other_grads, inv_scale, count_zeros,
+                                 self._device, group_grads)
         return reduced_grad_stats(stats, self._norm_groups)
 
-    def main_grads(self) -> list[torch.Tensor]:
-        return [m.grad for m in self.main_params if m.grad is not None]
+    def main_grads(self, grad_norm_group: Optional[str] = None) -> list[torch.Tensor]:
+        return [m.grad for m, group in zip(self.main_params, self._grad_norm_groups)
+                if m.grad is not None and group == grad_norm_group]
+
+    def _counts_in_norm(self, param: torch.nn.Parameter) -> bool:
+        index = self._index_of_main.get(id(param))
+        return super()._counts_in_norm(param) if index is None else self._counts_for_norm[index]
+
+    def _grad_norm_group(self, param: torch.nn.Parameter) -> Optional[str]:
+        index = self._index_of_main.get(id(param))
+        return super()._grad_norm_group(param) if index is None else self._grad_norm_groups[index]
 
     def step_with_ready_grads(self) -> None:
         with timed(self.config, "optimizer-inner-step"):
@@ -128,7 +153,8 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
 
     # The contract.
     def step(self) -> StepResult:
-        return take_step([self], self.config)
+        self.grad_norms_by_group = {}
+        return take_step([self], self.config, self.grad_norms_by_group)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -169,18 +195,30 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
 
     def check_state_dict(self, state_dict: dict) -> None:
         """Raise ValueError if `state_dict` does not fit this optimizer; changes nothing."""
+        if megatron_core_optimizer_state(state_dict) is not None:
+            self._from_megatron_core(state_dict)
+            return
         state_dict = expand_sharded_state_dict(state_dict)
         torch_state_dict_from_flat(self.optimizer, state_dict, self.fqn_of_main)
 
+    def _from_megatron_core(self, state_dict: dict) -> dict:
+        """megatron-core's FP32Optimizer state dict (torch's, positional) in our torch optimizer's
+        terms: param groups matched as megatron-core matches them, hyperparameters from the
+        checkpoint, the groups' own metadata (group_key, max_lr, ...) as the live config built it."""
+        saved = megatron_core_optimizer_state(state_dict)
+        live_groups = self.optimizer.param_groups
+        groups = [{**{k: v for k, v in live.items() if k != "params"},
+                   **{k: group[k] for k in self.optimizer.defaults if k in group}, "params": group["params"]}
+                  for live, group in zip(live_groups, self._filter_and_reorder_param_groups(live_groups,
+                                                                                            saved["param_groups"]))]
+        return {"state": saved["state"], "param_groups": groups}
+
     def load_state_dict(self, state_dict: dict) -> None:
-        state_dict = expand_sharded_state_dict(state_dict)
-        load_flat_state_dict(self.optimizer, state_dict, self.fqn_of_main)
-        if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
-            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
-
-
-def _default_device() -> torch.device:
-    # A rank without parameters still joins the collectives, on the device the others use.
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+        if megatron_core_optimizer_state(state_dict) is not None:
+            self.optimizer.load_state_dict(self._from_megatron_core(state_dict))
+        else:
+            state_dict = expand_sharded_state_dict(state_dict)
+            load_flat_state_dict(self.optimizer, state_dict, self.fqn_of_main)
+            if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
+                self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        canonical_state_layout(self.optimizer)  # as a live step leaves it (flat_state.py)

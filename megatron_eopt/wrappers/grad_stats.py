@@ -1,19 +1,57 @@
-"""Gradient statistics that decide a step: non-finite count, squared L2 norm, zero count.
+"""Gradient statistics that decide a step: non-finite count, squared L2 norm, zero count, and
+for each separate gradient-norm group its squared norm and how many parameters it has.
 
-All three are sums, so one all-reduce (SUM) per process group carries them together. They
+All are sums, so one all-reduce (SUM) per process group carries them together. They
 stay on the device: nothing here waits for the device (no `.item()`, no branch on a tensor);
 the step reads them back once (wrappers/base.py).
+
+Separate gradient-norm groups are megatron-core's: a parameter tagged `grad_norm_group='mtp'`
+(megatron-core's `mtp_detach_heads` tags the multi-token-prediction heads) is left out of the
+main norm and clipped by its group's own norm; an unregistered group name is an error.
 """
 
 from collections import defaultdict
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 
 from megatron_eopt.distributed.process_groups import ProcessGroup, all_reduce_sum
 
-# Index of each statistic in the tensor that travels.
+# megatron-core's registered separate gradient-norm groups and the attribute that tags them.
+MTP_GRAD_NORM_GROUP = "mtp"
+GRAD_NORM_GROUP_ATTR = "grad_norm_group"
+SEPARATE_GRAD_NORM_GROUPS: tuple[str, ...] = (MTP_GRAD_NORM_GROUP,)
+
+# Index of each statistic in the tensor that travels; then, per separate group g (in
+# SEPARATE_GRAD_NORM_GROUPS' order), its sum of squares at group_index(g) and its parameter count
+# right after.
 NONFINITE, SUM_OF_SQUARES, ZEROS = 0, 1, 2
+STATS_SIZE = 3 + 2 * len(SEPARATE_GRAD_NORM_GROUPS)
+
+
+def group_index(grad_norm_group: str) -> int:
+    """Where `grad_norm_group`'s sum of squares travels in the statistics."""
+    return 3 + 2 * SEPARATE_GRAD_NORM_GROUPS.index(check_grad_norm_group(grad_norm_group))
+
+
+def check_grad_norm_group(grad_norm_group: str) -> str:
+    if grad_norm_group not in SEPARATE_GRAD_NORM_GROUPS:
+        raise ValueError(
+            f"Unknown grad_norm_group {grad_norm_group!r}; the registered ones are "
+            f"{', '.join(map(repr, SEPARATE_GRAD_NORM_GROUPS))} (megatron-core's SEPARATE_GRAD_NORM_GROUPS)."
+        )
+    return grad_norm_group
+
+
+def grad_norm_group_of(param: torch.Tensor, name: str = "") -> Optional[str]:
+    """The separate gradient-norm group `param` is tagged with (None: the main norm)."""
+    group = getattr(param, GRAD_NORM_GROUP_ATTR, None)
+    if group is None:
+        return None
+    try:
+        return check_grad_norm_group(group)
+    except ValueError as error:
+        raise ValueError(f"parameter {name!r}: {error}" if name else str(error)) from None
 
 
 def unscale_and_count_nonfinite(grads: list[torch.Tensor], inv_scale: torch.Tensor,
@@ -53,34 +91,45 @@ def local_grad_stats(
     inv_scale: Optional[torch.Tensor],
     count_zeros_in_grad: bool,
     device: torch.device,
+    group_grads: Optional[Mapping[str, list[torch.Tensor]]] = None,
 ) -> torch.Tensor:
-    """[non-finite, sum of squares, zeros] of this rank, before any reduction, on `device`.
+    """The STATS_SIZE statistics of this rank, before any reduction, on `device`.
 
-    `norm_grads` count in the norm (each tensor-parallel-duplicated parameter on one rank
-    only); `other_grads` are the remaining copies, which are still checked for inf/NaN.
+    `norm_grads` count in the main norm (each tensor-parallel-duplicated parameter on one rank
+    only); `group_grads` (group -> gradients, counted as `norm_grads` are) in their separate
+    group's norm; `other_grads` are the remaining copies, which are still checked for inf/NaN.
     With a loss scale (`inv_scale`), every gradient is unscaled and checked in one fused pass.
-    Without one, the norm's sum of squares is non-finite exactly when a gradient in it is inf or
+    Without one, a sum of squares is non-finite exactly when a gradient in it is inf or
     NaN (or so large that its square overflows, also treated as overflow), so only
     `other_grads` need a pass of their own: one read of the gradients fewer.
     """
-    nonfinite = torch.zeros((), dtype=torch.float32, device=device)
-    sum_of_squares = torch.zeros((), dtype=torch.float32, device=device)
-    zeros = torch.zeros((), dtype=torch.float32, device=device)
+    group_grads = dict(group_grads or {})
+    counted = norm_grads + [g for grads in group_grads.values() for g in grads]
+    stats = torch.zeros(STATS_SIZE, dtype=torch.float32, device=device)
     if inv_scale is not None:
-        nonfinite = unscale_and_count_nonfinite(norm_grads + other_grads, inv_scale, device)
+        stats[NONFINITE] = unscale_and_count_nonfinite(counted + other_grads, inv_scale, device)
     elif other_grads:
-        nonfinite = unscale_and_count_nonfinite(other_grads, torch.ones(1, device=device), device)
-    if norm_grads:
-        norms = torch._foreach_norm([g.float() for g in norm_grads], 2.0)
-        sum_of_squares = torch.stack([n.to(device) for n in norms]).square().sum()
-        if count_zeros_in_grad:
-            zeros = count_zeros(norm_grads, device)
-    # A non-finite norm counts as overflow; 0 keeps the reduced sum meaningful for the other
+        stats[NONFINITE] = unscale_and_count_nonfinite(other_grads, torch.ones(1, device=device), device)
+    stats[SUM_OF_SQUARES] = _sum_of_squares(norm_grads, device)
+    for name, grads in group_grads.items():
+        stats[group_index(name)] = _sum_of_squares(grads, device)
+        stats[group_index(name) + 1] = len(grads)
+    if count_zeros_in_grad and counted:
+        stats[ZEROS] = count_zeros(counted, device)
+    # A non-finite norm counts as overflow; 0 keeps the reduced sums meaningful for the other
     # ranks' view. Masked on the device instead of branched on, so the device is not waited for.
-    finite = torch.isfinite(sum_of_squares)
-    nonfinite = nonfinite + (~finite).float()
-    sum_of_squares = torch.where(finite, sum_of_squares, torch.zeros_like(sum_of_squares))
-    return torch.stack([nonfinite, sum_of_squares, zeros])
+    squares = stats[SUM_OF_SQUARES::2][: 1 + len(SEPARATE_GRAD_NORM_GROUPS)]
+    finite = torch.isfinite(squares)
+    stats[NONFINITE] += (~finite).sum().float()
+    stats[SUM_OF_SQUARES::2] = torch.where(finite, squares, torch.zeros_like(squares))
+    return stats
+
+
+def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch._foreach_norm([g.float() for g in grads], 2.0)
+    return torch.stack([n.to(device) for n in norms]).square().sum()
 
 
 def reduced_grad_stats(stats: torch.Tensor, groups: Sequence[Optional[ProcessGroup]]) -> torch.Tensor:

@@ -119,7 +119,7 @@ def _tp_body(rank: int, size: int, tp_mode: str, per_head: bool = False) -> dict
     try:
         optimizer = TensorParallelMuon(
             [{"params": list(params.values()), "param_fqns": list(params)}], lr=LR, momentum=MOMENTUM,
-            weight_decay=WD, fp32_matmul_prec="highest", tp_mode="auto" if tp_mode == "mixed" else tp_mode,
+            nesterov=False, weight_decay=WD, fp32_matmul_prec="highest", tp_mode="auto" if tp_mode == "mixed" else tp_mode,
             tp_group=world, layouts=layouts,  # 'auto': calibrated here, over the group
         )
     finally:
