@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, TypeVar, Union
 import torch
 
 from megatron_eopt import factory
-from megatron_eopt.scheduler_config import (  # noqa: F401 (re-exported)
+from megatron_eopt.config.scheduler import (  # noqa: F401 (re-exported)
     LrDecayStyle,
     SchedulerConfig,
     WdIncrStyle,

@@ -14,7 +14,7 @@ from typing import Any, Iterable, Mapping, Optional, Union
 import torch
 
 from megatron_eopt import factory
-from megatron_eopt.config import OptimizerConfig, as_optimizer_config
+from megatron_eopt.config.optimizer_config import OptimizerConfig, as_optimizer_config
 from megatron_eopt.registry import lookup_optimizer
 
 # Arguments of megatron-core's older optimizer getters; accepted only at their no-op defaults.

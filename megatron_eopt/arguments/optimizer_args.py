@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from megatron_eopt.close_match import did_you_mean
-from megatron_eopt.config_choices import (
+from megatron_eopt.config.choices import (
     AdaptiveMoment2Method,
     HardwareProfileName,
     MatmulPrecision,
@@ -30,7 +30,7 @@ from megatron_eopt.config_choices import (
     ScaleMode,
     TpMode,
 )
-from megatron_eopt.optimizer_names import DEPRECATED_OPTIMIZER_NAMES, coefficient_types, optimizer_names
+from megatron_eopt.config.optimizer_names import DEPRECATED_OPTIMIZER_NAMES, coefficient_types, optimizer_names
 
 GIVEN_FLAGS_ATTR = "optimizer_flags_given"  # Namespace attribute: dests set on the command line
 
@@ -210,7 +210,7 @@ def add_optimizer_args(parser: argparse.ArgumentParser, *, deferred: bool = Fals
 
 
 def _config_defaults() -> dict[str, Any]:
-    from megatron_eopt.config import OptimizerConfig  # imports torch
+    from megatron_eopt.config.optimizer_config import OptimizerConfig  # imports torch
 
     return {field.name: field.default for field in dataclasses.fields(OptimizerConfig)}
 

@@ -18,7 +18,7 @@ from megatron_eopt.arguments.optimizer_args import DEPRECATED_OPTIMIZER_NAMES
 if TYPE_CHECKING:  # torch and the config are imported where used: parsers stay torch-free
     import torch
 
-    from megatron_eopt.config import OptimizerConfig
+    from megatron_eopt.config.optimizer_config import OptimizerConfig
 
 
 def optimizer_config_from_args(args: argparse.Namespace, device: Optional[torch.device] = None) -> OptimizerConfig:
@@ -30,7 +30,7 @@ def optimizer_config_from_args(args: argparse.Namespace, device: Optional[torch.
     Call `validate_args(args)` first: it rewrites deprecated spellings (dist_muon) and the
     distributed-optimizer flags of emerging optimizers, which this function does not.
     """
-    from megatron_eopt.config import OptimizerConfig, fp32_matmul_prec_for
+    from megatron_eopt.config.optimizer_config import OptimizerConfig, fp32_matmul_prec_for
 
     if getattr(args, "optimizer", None) in DEPRECATED_OPTIMIZER_NAMES:
         raise ValueError(
@@ -53,7 +53,7 @@ def matmul_precision_line(args: argparse.Namespace, device: Optional[torch.devic
     (also for adam/sgd, which have no use for it)."""
     if getattr(args, "muon_fp32_matmul_prec", "") is not None or getattr(args, "optimizer", None) in ("adam", "sgd"):
         return None
-    from megatron_eopt.config import fp32_matmul_prec_for
+    from megatron_eopt.config.optimizer_config import fp32_matmul_prec_for
 
     value, why = fp32_matmul_prec_for(_device_or_default(device))
     return f"--muon-fp32-matmul-prec not given: using {value!r} ({why}); pass it to choose."

@@ -166,7 +166,7 @@ def _warn_tp_mode_without_tp(args: argparse.Namespace, tensor_model_parallel_siz
 
 def muon_tp_mode_readers() -> list[str]:
     """Registered optimizers whose constructor takes `OptimizerConfig.muon_tp_mode` (muon, adaptive_muon)."""
-    from megatron_eopt.config import OptimizerConfig
+    from megatron_eopt.config.optimizer_config import OptimizerConfig
     from megatron_eopt.registry import EmergingOptimizerEntry, list_optimizers, lookup_optimizer, optimizer_kwargs
 
     readers = []

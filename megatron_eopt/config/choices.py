@@ -1,6 +1,6 @@
 """The closed sets of OptimizerConfig's string fields, importable without torch.
 
-`megatron_eopt.config` re-exports them; command-line parsers read them here so that building a
+`megatron_eopt.config.optimizer_config` re-exports them; command-line parsers read them here so that building a
 parser (and `--help`) does not import torch.
 """
 
@@ -14,7 +14,7 @@ TpMode = Literal["blockwise", "duplicated", "distributed", "sharded", "auto"]
 HardwareProfileName = Literal["h100", "cpu"]
 # What emerging_optimizers' `FP32MatmulPrecT` and `torch.set_float32_matmul_precision` accept
 # (Megatron-LM's 'low' is neither); the one list of them: config checks and command-line choices
-# read it, and tests/unit/library/test_config.py checks it against the installed emerging_optimizers.
+# read it, and tests/unit/library/config/test_optimizer_config.py checks it against the installed emerging_optimizers.
 MatmulPrecision = Literal["highest", "high", "medium"]
 ScalarOptimizer = Literal["adam", "lion"]
 AdaptiveMoment2Method = Literal["adamuon", "normuon"]

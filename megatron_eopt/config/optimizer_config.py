@@ -14,7 +14,7 @@ from typing import Any, Callable, Literal, Optional
 
 import torch
 
-from megatron_eopt.config_choices import (  # noqa: F401 (re-exported)
+from megatron_eopt.config.choices import (  # noqa: F401 (re-exported)
     AdaptiveMoment2Method,
     HardwareProfileName,
     MatmulPrecision,
@@ -23,7 +23,7 @@ from megatron_eopt.config_choices import (  # noqa: F401 (re-exported)
     TpMode,
 )
 
-from megatron_eopt.config_rules import GRAM_NEWTON_SCHULZ_OPTIMIZERS, check_values  # noqa: F401 (re-exported)
+from megatron_eopt.config.rules import GRAM_NEWTON_SCHULZ_OPTIMIZERS, check_values  # noqa: F401 (re-exported)
 
 # Re-exported: arguments/to_config.py and the benchmarks read them from the config module.
 from megatron_eopt.hardware import fp32_matmul_prec_for, native_bf16_matmul  # noqa: F401
@@ -220,7 +220,7 @@ _FP32_STATE = FieldUse(
     "precision-aware optimizer, which megatron_eopt does not provide)")
 _NOT_IMPLEMENTED = FieldUse("refused", "is a megatron-core feature that megatron_eopt does not implement; leave it False")
 
-# Every field of megatron-core's OptimizerConfig (tests/unit/library/test_config.py checks the list
+# Every field of megatron-core's OptimizerConfig (tests/unit/library/config/test_optimizer_config.py checks the list
 # against the installed megatron-core; the README lists the inert ones).
 MEGATRON_CORE_FIELDS: dict[str, FieldUse] = {
     **dict.fromkeys(
@@ -329,7 +329,7 @@ def _check_field_types(config: OptimizerConfig) -> None:
 
 
 def _check_values(config: OptimizerConfig) -> None:
-    check_values(config)  # the rules on values alone, torch-free (config_rules.py)
+    check_values(config)  # the rules on values alone, torch-free (config/rules.py)
     _check_unsupported(config)
 
 

@@ -3,7 +3,7 @@
 Command-line parsers check `--optimizer` and `--muon-coefficient-type` against these before the
 heavy imports, so a misspelt name fails at once. The registry (registry/table.py) checks the
 installed emerging_optimizers against `EMERGING_OPTIMIZERS` when it loads, and
-tests/unit/library/test_optimizer_names.py checks both lists against the installed package. They
+tests/unit/library/config/test_optimizer_names.py checks both lists against the installed package. They
 describe one release series of emerging-optimizers: with another installed, `optimizer_names` and
 `coefficient_types` return None, and only the installed package (after the import) can say.
 """
@@ -51,6 +51,6 @@ def mismatch(listed: tuple[str, ...], installed: list[str] | tuple[str, ...], wh
     if not series_installed() or set(listed) == set(installed):
         return None
     missing, extra = sorted(set(installed) - set(listed)), sorted(set(listed) - set(installed))
-    return (f"megatron_eopt/optimizer_names.py's {what} differ from the installed emerging_optimizers "
+    return (f"megatron_eopt/config/optimizer_names.py's {what} differ from the installed emerging_optimizers "
             f"{importlib.metadata.version('emerging-optimizers')}: not listed {missing}, listed but absent {extra}; "
             f"flag checks before the import may refuse or accept the wrong names")

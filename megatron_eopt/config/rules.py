@@ -12,7 +12,7 @@ import math
 import typing
 from typing import Any
 
-from megatron_eopt.config_choices import (
+from megatron_eopt.config.choices import (
     AdaptiveMoment2Method,
     HardwareProfileName,
     MatmulPrecision,

@@ -23,7 +23,7 @@ from megatron_eopt.ops.muon_cost import AUTO, HardwareProfile, choose_tp_modes, 
 from megatron_eopt.ops.newton_schulz import TP_MODES, NewtonSchulzSettings, block_paths, orthogonalize_updates
 from megatron_eopt.ops.row_shards import RowShards, orthogonalize_row_shards
 from megatron_eopt.ops.splits import MatrixLayout
-from megatron_eopt.param_names import is_expert_name, named_params
+from megatron_eopt.params.names import is_expert_name, named_params
 
 
 def check_muon_arguments(tp_mode: str, lr: float, momentum: float, weight_decay: float,

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_eopt.ops.splits import MatrixLayout, qkv_row_blocks
-from megatron_eopt.param_key import describe_key, matching_keys, merge_overrides
+from megatron_eopt.params.overrides import describe_key, matching_keys, merge_overrides
 
 DEFAULT_GROUP_NAME = "default"
 

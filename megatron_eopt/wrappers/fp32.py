@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from megatron_eopt.distributed.process_groups import ProcessGroup, group_rank
-from megatron_eopt.param_groups import ParamRecord
+from megatron_eopt.params.groups import ParamRecord
 from megatron_eopt.wrappers.base import MegatronOptimizer, SteppableChild, StepResult, take_step, timed
 from megatron_eopt.wrappers.flat_state import (
     flat_state_dict,

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
-from megatron_eopt.param_groups import ParamRecord, stored_child_name
+from megatron_eopt.params.groups import ParamRecord, stored_child_name
 from megatron_eopt.registry import init_torch_state
 
 COMMON_STATE = "common_state"

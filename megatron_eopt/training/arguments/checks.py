@@ -11,7 +11,7 @@ from megatron_eopt.arguments import (
 )
 from megatron_eopt.arguments.optimizer_args import resolve_optimizer_flags
 from megatron_eopt.arguments.validate import flag_message
-from megatron_eopt.config_rules import check_values
+from megatron_eopt.config.rules import check_values
 from megatron_eopt.training.arguments.data import check_data_flags
 from megatron_eopt.training.arguments.device import Device, device_after_import, device_before_import
 from megatron_eopt.training.arguments.flags.table import replaced

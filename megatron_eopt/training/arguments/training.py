@@ -9,7 +9,7 @@ from typing import Any, Optional
 from megatron_eopt.arguments import (
     refuse_flags_without,
 )
-from megatron_eopt.scheduler_config import SchedulerConfig
+from megatron_eopt.config.scheduler import SchedulerConfig
 from megatron_eopt.training.arguments.device import Device
 from megatron_eopt.training.arguments.flags.table import replaced, settings_from_flags
 from megatron_eopt.training.arguments.flags.training import DEFAULT_TRAIN_ITERS

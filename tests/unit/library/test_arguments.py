@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_eopt.arguments import add_optimizer_args, optimizer_config_from_args, parse_and_validate, validate_args
-from megatron_eopt.config import OptimizerConfig
+from megatron_eopt.config.optimizer_config import OptimizerConfig
 from megatron_eopt.registry import list_optimizers
 
 # Every option string add_optimizer_args adds. Adding, removing or renaming a flag is a change to
@@ -67,7 +67,7 @@ def test_every_dest_is_a_field_with_the_dataclass_default(parser) -> None:
 
 
 def test_defaults_give_the_default_config(parser) -> None:
-    from megatron_eopt.config import fp32_matmul_prec_for
+    from megatron_eopt.config.optimizer_config import fp32_matmul_prec_for
 
     cpu = torch.device("cpu")
     chosen = fp32_matmul_prec_for(cpu)[0]

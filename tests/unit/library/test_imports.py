@@ -4,7 +4,7 @@
 a fresh interpreter). The package's modules import each other without cycles, and only
 downwards through the layers (read from the source with `ast`, so imports inside functions and
 `if TYPE_CHECKING:` blocks count too):
-once/hardware/param_names -> config/param_key -> ops -> optimizers -> registry -> param_groups ->
+once/hardware -> config -> ops -> params -> optimizers -> registry ->
 wrappers/distributed -> checkpointing -> factory -> muon/bridge; megatron-core appears only where
 allowed. A subpackage's `__init__.py` counts as a module, so a module of the registry package
 that imported the package itself (which imports it) is a cycle.
@@ -18,11 +18,10 @@ from typing import Optional
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[3] / "megatron_eopt"
 LAYER_OF = {  # first component below megatron_eopt -> layer; a module imports layers <= its own
-    "once": 0, "hardware": 0, "param_names": 0,  # leaves: they import no megatron_eopt module
-    "config": 0, "param_key": 0, "ops": 1, "optimizers": 2, "registry": 3, "param_groups": 4,
+    "once": 0, "hardware": 0, "close_match": 0,  # leaves: they import no megatron_eopt module
+    "config": 0, "ops": 1, "params": 2, "optimizers": 3, "registry": 4,
     "wrappers": 5, "distributed": 5, "checkpointing": 6, "factory": 7, "muon": 8, "bridge": 8,
-    "integrations": 9, "arguments": 9, "config_choices": 0, "optimizer_names": 0, "close_match": 0,
-    "config_rules": 0, "scheduler_config": 0,
+    "integrations": 9, "arguments": 9,
     "training": 10,  # the trainer: nothing in the library imports it
 }
 # checkpointing/rng.py: megatron-core's process-global RNG tracker, only once megatron-core is imported.
@@ -33,7 +32,7 @@ MEGATRON_CORE_ALLOWED_UNDER = ("training/",)  # the trainer: megatron-core's mod
 # Megatron-Bridge's custom-optimizer hook, so the config must be able to call the factory.
 # It is a function-level import of the factory alone (never of the Bridge layer), so importing
 # the config never imports what lies above it.
-UPWARD_ALLOWED = {("config.py", "megatron_eopt.factory", "provide")}
+UPWARD_ALLOWED = {("config/optimizer_config.py", "megatron_eopt.factory", "provide")}
 # Megatron-LM's training package (megatron.training, in the megatron-core wheel): only its adapter.
 MEGATRON_TRAINING_ALLOWED = {"integrations/megatron_lm.py", "integrations/megatron_lm_gpt.py"}
 
@@ -150,7 +149,7 @@ def test_the_library_never_imports_the_trainer() -> None:
 
 def test_importing_the_config_does_not_import_the_bridge_layer() -> None:
     # The config's provide() reaches the factory only when called.
-    code = "import sys, megatron_eopt.config; print('\\n'.join(sys.modules))"
+    code = "import sys, megatron_eopt.config.optimizer_config; print('\\n'.join(sys.modules))"
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "megatron_eopt.bridge" not in output.stdout.split()
 

@@ -15,7 +15,7 @@ from emerging_optimizers.orthogonalized_optimizers import muon_utils
 from emerging_optimizers.orthogonalized_optimizers.muon import Muon
 
 from megatron_eopt import once, registry
-from megatron_eopt.config import OptimizerConfig
+from megatron_eopt.config.optimizer_config import OptimizerConfig
 from megatron_eopt.optimizers.tensor_parallel_adaptive_muon import TensorParallelAdaptiveMuon
 from megatron_eopt.optimizers.tensor_parallel_muon import TensorParallelMuon
 from megatron_eopt.registry import BuildContext

@@ -1,4 +1,4 @@
-"""OptimizerConfig's value rules (config_rules.py): torch-free, the config's own checks, and
+"""OptimizerConfig's value rules (config/rules.py): torch-free, the config's own checks, and
 usable on a command line's flags before the defaults are known (None: not given)."""
 
 import json
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_eopt import OptimizerConfig
-from megatron_eopt.config_rules import check_values
+from megatron_eopt.config.rules import check_values
 
 BAD = [
     dict(fp16=True, bf16=True),
@@ -39,6 +39,6 @@ def test_rules_on_unknown_fields_wait() -> None:
 
 
 def test_importing_the_rules_imports_no_torch() -> None:
-    code = "import sys\nimport megatron_eopt.config_rules\nprint(__import__('json').dumps('torch' in sys.modules))"
+    code = "import sys\nimport megatron_eopt.config.rules\nprint(__import__('json').dumps('torch' in sys.modules))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert json.loads(result.stdout) is False

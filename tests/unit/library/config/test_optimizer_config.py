@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from megatron_eopt.config import (
+from megatron_eopt.config.optimizer_config import (
     AdamOptimizerConfig,
     OptimizerConfig,
     SGDOptimizerConfig,
@@ -355,7 +355,7 @@ def test_matmul_precisions_are_what_emerging_optimizers_and_torch_accept():
 
     from emerging_optimizers.utils import FP32MatmulPrecT
 
-    from megatron_eopt.config import MatmulPrecision
+    from megatron_eopt.config.optimizer_config import MatmulPrecision
 
     assert set(typing.get_args(MatmulPrecision)) == set(typing.get_args(FP32MatmulPrecT))
     previous = torch.get_float32_matmul_precision()

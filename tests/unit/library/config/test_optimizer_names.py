@@ -1,4 +1,4 @@
-"""The torch-free lists of optimizer names and coefficient sets (optimizer_names.py) against the
+"""The torch-free lists of optimizer names and coefficient sets (config/optimizer_names.py) against the
 installed emerging_optimizers, which the registry reads after importing torch."""
 
 import json
@@ -8,7 +8,8 @@ import warnings
 
 import pytest
 
-from megatron_eopt import optimizer_names, registry
+from megatron_eopt import registry
+from megatron_eopt.config import optimizer_names
 from megatron_eopt.ops.newton_schulz import coefficient_types
 from megatron_eopt.registry import OptimizerTable
 
@@ -20,7 +21,7 @@ def test_the_lists_are_the_installed_packages() -> None:
 
 
 def test_they_import_no_torch() -> None:
-    code = ("import json, sys\nfrom megatron_eopt import optimizer_names\n"
+    code = ("import json, sys\nfrom megatron_eopt.config import optimizer_names\n"
             "names = optimizer_names.optimizer_names(), optimizer_names.coefficient_types()\n"
             "print(json.dumps({'names': names, 'torch': 'torch' in sys.modules}))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)

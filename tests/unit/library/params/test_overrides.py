@@ -11,8 +11,8 @@ import types
 import pytest
 import torch
 
-from megatron_eopt.config import OptimizerConfig
-from megatron_eopt.param_key import (
+from megatron_eopt.config.optimizer_config import OptimizerConfig
+from megatron_eopt.params.overrides import (
     ParamKey,
     ParamPredicate,
     ParamWithNamePredicate,

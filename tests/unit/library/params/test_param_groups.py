@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import megatron_eopt
-from megatron_eopt.config import OptimizerConfig
-from megatron_eopt.param_groups import build_param_groups
-from megatron_eopt.param_key import ParamKey, ParamPredicate, get_standard_config_overrides
+from megatron_eopt.config.optimizer_config import OptimizerConfig
+from megatron_eopt.params.groups import build_param_groups
+from megatron_eopt.params.overrides import ParamKey, ParamPredicate, get_standard_config_overrides
 
 REQUIRED_GROUP_KEYS = {
     "params",
