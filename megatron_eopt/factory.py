@@ -24,8 +24,8 @@ from megatron_eopt.distributed.fsdp2 import (
     fully_sharded_layout,
 )
 from megatron_eopt.distributed.layer_wise import DataParallelShards, LayerWiseDistributedOptimizer
-from megatron_eopt.distributed.process_groups import ParallelGroups, group_rank, group_size, resolve_parallel_groups
-from megatron_eopt.once import first_time, warn_once
+from megatron_eopt.runtime.process_groups import ParallelGroups, group_rank, group_size, resolve_parallel_groups
+from megatron_eopt.runtime.once import first_time, warn_once
 from megatron_eopt.ops.ownership import assign_owners
 from megatron_eopt.params.groups import (
     ParamRecord,

@@ -48,7 +48,7 @@ from megatron_eopt.checkpointing.state import (
 )
 from megatron_eopt.checkpointing.storage import CheckpointError, CheckpointSaveError  # noqa: F401 (re-exported)
 from megatron_eopt.distributed.fsdp2 import fully_sharded_layout
-from megatron_eopt.distributed.process_groups import ProcessGroup, group_size, resolve_parallel_groups
+from megatron_eopt.runtime.process_groups import ProcessGroup, group_size, resolve_parallel_groups
 from megatron_eopt.ops.collectives import group_timeout
 
 

@@ -11,7 +11,7 @@ done, verifies it, and only then rewrites `latest` by a rename. Saving an iterat
 the old copy to `iter_N.replaced` for the swap. A load verifies every file against the manifest
 first. Every collective runs over `group`, the ranks that save or load together (None: one
 rank). Rank 0 holds an exclusive flock on `.save_lock` for a save, or for a whole run with
-ownership.py's `DirectoryOwner`. docs/checkpoints.md describes the behaviour.
+directory_lock.py's `DirectoryOwner`. docs/checkpoints.md describes the behaviour.
 """
 
 import contextlib
@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional, TypeVar
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_eopt.distributed.process_groups import ProcessGroup
+from megatron_eopt.runtime.process_groups import ProcessGroup
 
 MANIFEST = "megatron_eopt.json"
 LATEST = "latest"
@@ -156,7 +156,7 @@ class SaveLock:
     The lock file names its holder (pid, host, start time, command), so a second run saving into
     the same directory is refused with who the first one is. The kernel drops the lock when the
     holder exits, even when killed, so a stale file never blocks anyone. In a directory this
-    process owns for its whole run (ownership.py) the owner's lock covers the save.
+    process owns for its whole run (directory_lock.py) the owner's lock covers the save.
     """
 
     ACTIVITY = "saving"

@@ -26,8 +26,8 @@ from megatron_eopt.config.choices import (  # noqa: F401 (re-exported)
 from megatron_eopt.config.rules import GRAM_NEWTON_SCHULZ_OPTIMIZERS, check_values  # noqa: F401 (re-exported)
 
 # Re-exported: arguments/to_config.py and the benchmarks read them from the config module.
-from megatron_eopt.hardware import fp32_matmul_prec_for, native_bf16_matmul  # noqa: F401
-from megatron_eopt.once import warn_once
+from megatron_eopt.runtime.hardware import fp32_matmul_prec_for, native_bf16_matmul  # noqa: F401
+from megatron_eopt.runtime.once import warn_once
 
 
 @dataclass

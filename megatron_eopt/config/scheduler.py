@@ -1,7 +1,7 @@
 """Megatron-Bridge's SchedulerConfig: the learning-rate and weight-decay schedule's fields, checked.
 
 Importable without torch, so a trainer checks its schedule flags before the heavy imports;
-megatron_eopt.bridge re-exports it and builds megatron-core's scheduler from it.
+megatron_eopt.integrations.megatron_bridge re-exports it and builds megatron-core's scheduler from it.
 """
 
 import dataclasses

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from megatron_eopt.distributed.process_groups import (
+from megatron_eopt.runtime.process_groups import (
     ParallelGroups,
     ProcessGroup,
     TensorParallelSplit,

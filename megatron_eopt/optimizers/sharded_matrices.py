@@ -17,7 +17,7 @@ import torch.distributed as dist
 from emerging_optimizers import mixin as eo_mixin
 from emerging_optimizers import utils as eo_utils
 
-from megatron_eopt.once import first_time, warn_once
+from megatron_eopt.runtime.once import first_time, warn_once
 from megatron_eopt.ops.gram_newton_schulz_package import PACKAGE_PATH
 from megatron_eopt.ops.muon_cost import AUTO, HardwareProfile, choose_tp_modes, resolve_profile
 from megatron_eopt.ops.newton_schulz import TP_MODES, NewtonSchulzSettings, block_paths, orthogonalize_updates

@@ -11,7 +11,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_eopt.wrappers.base import MegatronOptimizer, SteppableChild, StepResult, take_step
-from megatron_eopt.wrappers.megatron_sharded import child_sharded_state_dict
+from megatron_eopt.checkpointing.megatron_sharded import child_sharded_state_dict
 from megatron_eopt.wrappers.qk_clip import QKClip, qk_clip_step
 
 
@@ -107,7 +107,7 @@ class ChainedOptimizer(MegatronOptimizer):
 
     def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
                            metadata: Optional[dict] = None) -> dict:
-        """megatron-core's format for dist_checkpointing (see wrappers/megatron_sharded.py)."""
+        """megatron-core's format for dist_checkpointing (see checkpointing/megatron_sharded.py)."""
         return {"optimizers": {
             child.name: child_sharded_state_dict(child, model_sharded_state_dict, is_loading, self.owner_is_main_replica)
             for child in self.chained_optimizers

@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron_eopt.distributed.process_groups import ProcessGroup, all_reduce_sum
+from megatron_eopt.runtime.process_groups import ProcessGroup, all_reduce_sum
 
 # Index of each statistic in the tensor that travels.
 NONFINITE, SUM_OF_SQUARES, ZEROS = 0, 1, 2

@@ -7,7 +7,7 @@ and megatron-core inside it) and is undone after it:
   installed, a SyntaxWarning in megatron-core's docstrings) print once, on rank 0, and torch's
   "No CUDA runtime" log line is dropped on the other ranks;
 - megatron_eopt's own warnings are about the run (its flags and configuration), the same on every
-  rank: rank 0 prints them, except a `RankWarning` (megatron_eopt.once), about one rank alone,
+  rank: rank 0 prints them, except a `RankWarning` (megatron_eopt.runtime.once), about one rank alone,
   which every rank prints.
 """
 
@@ -19,7 +19,7 @@ import re
 import warnings
 from typing import Callable, Iterator, Optional
 
-from megatron_eopt.once import RankWarning
+from megatron_eopt.runtime.once import RankWarning
 from megatron_eopt.training.errors import PROG, is_rank_zero
 
 __all__ = ["KNOWN_HARMLESS", "format_warning", "warning_policy"]

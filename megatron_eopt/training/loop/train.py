@@ -14,7 +14,7 @@ from megatron_eopt.arguments import (
     matmul_precision_line,
     optimizer_config_from_args,
 )
-from megatron_eopt.bridge import get_scheduler
+from megatron_eopt.integrations.megatron_bridge import get_scheduler
 from megatron_eopt.checkpointing import CheckpointSaveError, new_save_group, save_checkpoint, start_save_checkpoint
 from megatron_eopt.training.arguments.moe import (
     describe_moe,

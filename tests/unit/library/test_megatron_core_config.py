@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_eopt import ParallelGroups, get_megatron_optimizer
-from megatron_eopt import once
+from megatron_eopt.runtime import once
 from tests.unit.library.distributed.test_distributed_step import tp_model
 
 

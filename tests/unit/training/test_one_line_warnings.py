@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 
-from megatron_eopt.once import RankWarning
+from megatron_eopt.runtime.once import RankWarning
 from megatron_eopt.training.logging import warning_policy as policy
 
 APEX = "Apex is not installed. Falling back to Torch Norm"

@@ -77,7 +77,7 @@ def _lrs(argv: list[str], iterations: int, monkeypatch, key: str = "lr") -> list
     import torch
 
     from megatron_eopt.arguments import optimizer_config_from_args
-    from megatron_eopt.bridge import get_scheduler
+    from megatron_eopt.integrations.megatron_bridge import get_scheduler
     from megatron_eopt.training.arguments.parser import parse_args
     from megatron_eopt.training.arguments.training import scheduler_config
     from megatron_eopt.training.parallel import layout as parallel_layout

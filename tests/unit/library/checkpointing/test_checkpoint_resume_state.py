@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from megatron_eopt import OptimizerConfig, get_megatron_optimizer
-from megatron_eopt.bridge import SchedulerConfig, get_scheduler
+from megatron_eopt.integrations.megatron_bridge import SchedulerConfig, get_scheduler
 from megatron_eopt.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
 
 BATCH = 4

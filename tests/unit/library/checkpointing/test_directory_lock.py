@@ -1,4 +1,4 @@
-"""A run owns its checkpoint directory from start-up until it exits (checkpointing/ownership.py).
+"""A run owns its checkpoint directory from start-up until it exits (checkpointing/directory_lock.py).
 
 Another process that holds the directory (a child process here) refuses this one's saves and
 claims, naming its pid; SIGKILLed, it leaves the directory free for the next run. Between two of
@@ -19,11 +19,11 @@ import torch
 
 from megatron_eopt import OptimizerConfig, get_megatron_optimizer
 from megatron_eopt.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
-from megatron_eopt.checkpointing.ownership import DirectoryOwner
+from megatron_eopt.checkpointing.directory_lock import DirectoryOwner
 
 HOLDER = textwrap.dedent("""
     import sys, time
-    from megatron_eopt.checkpointing.ownership import DirectoryOwner
+    from megatron_eopt.checkpointing.directory_lock import DirectoryOwner
     DirectoryOwner(sys.argv[1]).acquire()
     print("holding", flush=True)
     time.sleep(600)

@@ -17,7 +17,7 @@ import torch
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_eopt import ChainedOptimizer, OptimizerConfig, ParamKey, get_megatron_optimizer
-from megatron_eopt.bridge import (
+from megatron_eopt.integrations.megatron_bridge import (
     OptimizerConfigOverrideProvider,
     OptimizerConfigOverrideProviderContext,
     SchedulerConfig,

@@ -139,7 +139,7 @@ def test_model_without_fused_qkv_warns_once() -> None:
     from unittest import mock
 
     from megatron_eopt import ParallelGroups, get_megatron_optimizer
-    from megatron_eopt import once
+    from megatron_eopt.runtime import once
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 4, bias=False))
     config = OptimizerConfig(optimizer="muon", lr=0.01, muon_split_qkv_per_head=True)

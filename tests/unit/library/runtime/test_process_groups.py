@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_eopt import OptimizerConfig, ParallelGroups, get_megatron_optimizer
-from megatron_eopt.distributed.process_groups import resolve_parallel_groups
+from megatron_eopt.runtime.process_groups import resolve_parallel_groups
 
 
 def test_single_process_without_torch_distributed() -> None:
