@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from megatron_eopt.ops.splits import MatrixLayout, qkv_row_blocks
 from megatron_eopt.params.overrides import describe_key, matching_keys, merge_overrides
+from megatron_eopt.runtime.process_groups import group_size
 
 DEFAULT_GROUP_NAME = "default"
 
@@ -241,7 +242,7 @@ def _aligned_group_ids(
     """The group ids of all ranks, in one order on every rank."""
     union = dict(local)
     for group in groups:  # each gather passes on what the previous ones collected
-        gathered: list[Optional[dict[str, _GroupId]]] = [None] * dist.get_world_size(group)
+        gathered: list[Optional[dict[str, _GroupId]]] = [None] * group_size(group)
         dist.all_gather_object(gathered, union, group=group)
         union = {key: group_id for per_rank in gathered for key, group_id in per_rank.items()}
 

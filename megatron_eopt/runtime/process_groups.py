@@ -178,7 +178,7 @@ def _trivial_to_none(group: Optional[ProcessGroup]) -> Optional[ProcessGroup]:
         return None
     if not isinstance(group, ProcessGroup):
         raise TypeError(f"expected a torch.distributed.ProcessGroup; got {type(group).__name__}.")
-    return group if dist.get_world_size(group) > 1 else None
+    return group if group_size(group) > 1 else None
 
 
 def resolve_parallel_groups(pg_collection: Any = None) -> ParallelGroups:
@@ -259,6 +259,6 @@ def group_rank(group: Optional[ProcessGroup]) -> int:
 
 def all_reduce_sum(tensor: torch.Tensor, group: Optional[ProcessGroup]) -> torch.Tensor:
     """In-place sum over `group`; a no-op for a size-1 (None) group."""
-    if group is not None and dist.get_world_size(group) > 1:
+    if group_size(group) > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
