@@ -1,8 +1,9 @@
 """Guardrails on the shape of the code outside tests/, read from the source with `ast`.
 
 Functions fit on a screen (at most 80 lines), modules stay below 700 lines, module docstrings
-stay short (15 lines), megatron_eopt/ holds at most 4 modules outside its folders, entry scripts are thin and nothing imports them, and nothing edits
-`sys.path` (the package is installed; scripts run with their own folder on the path).
+stay short (15 lines), megatron_eopt/ holds at most 4 modules outside its folders, entry scripts
+are thin and nothing imports them, and nothing edits `sys.path` (the package is installed;
+scripts run with their own folder on the path).
 """
 
 import ast
