@@ -5,9 +5,9 @@
 exits like argparse on errors, `optimizer_config_from_args` builds the OptimizerConfig.
 """
 
-from megatron_eopt.arguments.optimizer_args import add_optimizer_args
-from megatron_eopt.arguments.to_config import matmul_precision_line, optimizer_config_from_args
-from megatron_eopt.arguments.validate import parse_and_validate, refuse_flags_without, validate_args
+from arguments.optimizer_args import add_optimizer_args
+from arguments.to_config import matmul_precision_line, optimizer_config_from_args
+from arguments.validate import parse_and_validate, refuse_flags_without, validate_args
 
 __all__ = [
     "add_optimizer_args",

@@ -21,7 +21,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-from megatron_eopt.arguments.close_match import did_you_mean
+from arguments.close_match import did_you_mean
 from megatron_eopt.config.choices import (
     AdaptiveMoment2Method,
     HardwareProfileName,

@@ -13,7 +13,7 @@ import argparse
 import dataclasses
 from typing import TYPE_CHECKING, Optional
 
-from megatron_eopt.arguments.optimizer_args import DEPRECATED_OPTIMIZER_NAMES
+from arguments.optimizer_args import DEPRECATED_OPTIMIZER_NAMES
 
 if TYPE_CHECKING:  # torch and the config are imported where used: parsers stay torch-free
     import torch

@@ -19,7 +19,7 @@ import re
 import warnings
 from typing import Optional, Sequence
 
-from megatron_eopt.arguments.optimizer_args import GIVEN_FLAGS_ATTR, OPTION_OF, add_optimizer_args
+from arguments.optimizer_args import GIVEN_FLAGS_ATTR, OPTION_OF, add_optimizer_args
 
 
 def validate_args(
@@ -39,7 +39,7 @@ def validate_args(
     _check_support(args, tensor_model_parallel_size, wraps_fully_shard)
     _use_layer_wise_distributed_optimizer(args)
     _warn_tp_mode_without_tp(args, tensor_model_parallel_size)
-    from megatron_eopt.arguments.to_config import optimizer_config_from_args  # imports torch
+    from arguments.to_config import optimizer_config_from_args  # imports torch
 
     try:
         optimizer_config_from_args(args)

@@ -7,7 +7,7 @@ contract. This module only re-exports, lazily: importing it imports neither torc
 from megatron_eopt.runtime.lazy_exports import lazy_exports
 
 # Public name -> the module that defines it, imported on first use (PEP 562), so that
-# `import megatron_eopt.arguments` or the trainer's flag parser does not import torch.
+# `import arguments` or the trainer's flag parser does not import torch.
 _LAZY = {
     "AdamOptimizerConfig": "megatron_eopt.config.optimizer_config",
     "OptimizerConfig": "megatron_eopt.config.optimizer_config",

@@ -5,24 +5,24 @@ exit every rank with one line. This module imports neither torch nor megatron-co
 
 import argparse
 
-from megatron_eopt.arguments import (
+from arguments import (
     optimizer_config_from_args,
     validate_args,
 )
-from megatron_eopt.arguments.optimizer_args import resolve_optimizer_flags
-from megatron_eopt.arguments.validate import flag_message
+from arguments.optimizer_args import resolve_optimizer_flags
+from arguments.validate import flag_message
 from megatron_eopt.config.rules import check_values
-from megatron_eopt.training.arguments.data import check_data_flags
-from megatron_eopt.training.arguments.device import Device, device_after_import, device_before_import
-from megatron_eopt.training.arguments.flags.table import replaced
-from megatron_eopt.training.arguments.loop import check_performance_flags
-from megatron_eopt.training.arguments.model import (
+from arguments.trainer.data import check_data_flags
+from arguments.trainer.device import Device, device_after_import, device_before_import
+from arguments.trainer.flags.table import replaced
+from arguments.trainer.loop import check_performance_flags
+from arguments.trainer.model import (
     check_device_flags,
     model_defaults,
     model_settings,
     with_experts,
 )
-from megatron_eopt.training.arguments.training import check_training_flags
+from arguments.trainer.training import check_training_flags
 from megatron_eopt.training.data.batch_schedule import (
     BatchSchedule,
     check_batch_schedule_flags,

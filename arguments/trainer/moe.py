@@ -18,7 +18,7 @@ import math
 import re
 from typing import Any, Optional
 
-from megatron_eopt.arguments import refuse_flags_without
+from arguments import refuse_flags_without
 
 DISPATCHERS = ("allgather", "alltoall")  # megatron-core's "flex" needs DeepEP
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing", "none")

@@ -10,7 +10,7 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-SOURCE_FOLDERS = ("megatron_eopt", "scripts", "benchmarks", "tools")
+SOURCE_FOLDERS = ("megatron_eopt", "arguments", "scripts", "benchmarks", "tools")
 MAX_FUNCTION_LINES = 80
 MAX_MODULE_LINES = 700
 MAX_DOCSTRING_LINES = 15

@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-from megatron_eopt.arguments import add_optimizer_args, optimizer_config_from_args, parse_and_validate, validate_args
+from arguments import add_optimizer_args, optimizer_config_from_args, parse_and_validate, validate_args
 from megatron_eopt.config.optimizer_config import OptimizerConfig
 from megatron_eopt.registry import list_optimizers
 
@@ -167,7 +167,7 @@ def test_bad_values_exit_2_with_one_line_naming_the_flag(parser, capsys, argv, f
 
 
 def test_bad_value_from_a_real_command_line() -> None:
-    code = "from megatron_eopt.arguments import parse_and_validate; parse_and_validate()"
+    code = "from arguments import parse_and_validate; parse_and_validate()"
     result = subprocess.run(
         [sys.executable, "-c", code, "--adam-beta1", "1.5"], capture_output=True, text=True, timeout=300
     )

@@ -129,7 +129,7 @@ def test_the_command_line_default_is_chosen_from_the_hardware(monkeypatch, nativ
     import argparse
 
     from megatron_eopt.runtime import hardware
-    from megatron_eopt.arguments import add_optimizer_args, matmul_precision_line, optimizer_config_from_args
+    from arguments import add_optimizer_args, matmul_precision_line, optimizer_config_from_args
 
     monkeypatch.setattr(hardware, "_cpu_has_bf16_instructions", lambda: native)
     args = add_optimizer_args(argparse.ArgumentParser()).parse_args(["--optimizer", "muon"])

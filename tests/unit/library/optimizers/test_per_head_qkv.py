@@ -19,7 +19,7 @@ import torch
 from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz
 
 from megatron_eopt import OptimizerConfig
-from megatron_eopt.arguments import add_optimizer_args, validate_args
+from arguments import add_optimizer_args, validate_args
 from megatron_eopt.ops.qk_clip import QKVRows
 from megatron_eopt.ops.splits import MatrixLayout, merge_blocks, qkv_row_blocks, split_blocks
 from megatron_eopt.optimizers.tensor_parallel_muon import TensorParallelMuon
