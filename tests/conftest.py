@@ -11,6 +11,12 @@ from typing import Any
 import pytest
 
 from tests import distributed_harness
+from tests.tiers import (  # noqa: F401 (the tier markers' hooks: tests/tiers.py)
+    pytest_addoption,
+    pytest_collection_modifyitems,
+    pytest_configure,
+    pytest_sessionfinish,
+)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
