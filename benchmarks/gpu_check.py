@@ -34,7 +34,7 @@ import torch
 from _gpt import GptShape
 from _timing import interleaved_times, medians, paired_ratio
 
-from megatron_eopt.config.optimizer_config import native_bf16_matmul
+from megatron_eopt.runtime.hardware import native_bf16_matmul
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
