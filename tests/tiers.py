@@ -145,5 +145,5 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if missing:
         reporter: Optional[Any] = session.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
-            reporter.write_line(f"the tests that ran never imported these library modules: {missing}", red=True)
+            reporter.write_line(f"\nthe tests that ran never imported these library modules: {missing}", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
