@@ -175,8 +175,9 @@ def _check_weight_decay_flags(args: argparse.Namespace) -> None:
 
 
 def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
-    """Megatron-LM's schedule flags, matched to SchedulerConfig's fields by name; megatron_eopt.integrations.megatron_bridge
-    turns iterations into samples. With --train-samples the schedule counts samples only."""
+    """Megatron-LM's schedule flags, matched to SchedulerConfig's fields by name;
+    megatron_eopt.integrations.megatron_bridge turns iterations into samples. With --train-samples
+    the schedule counts samples only."""
     samples = args.train_samples is not None
     return settings_from_flags(args, SchedulerConfig, dict(
         lr_wsd_decay_style=args.lr_wsd_decay_style or "exponential",

@@ -1,7 +1,7 @@
 """The closed sets of OptimizerConfig's string fields, importable without torch.
 
-`megatron_eopt.config.optimizer_config` re-exports them; command-line parsers read them here so that building a
-parser (and `--help`) does not import torch.
+`megatron_eopt.config.optimizer_config` re-exports them; command-line parsers read them here so
+that building a parser (and `--help`) does not import torch.
 """
 
 from typing import Literal
