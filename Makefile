@@ -5,10 +5,15 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-slow test-unit test-functional demo convergence bench gpu-check venv lock clean
+.PHONY: test test-fast test-slow test-unit test-functional demo convergence bench gpu-check venv lock clean
 
 test: $(STAMP)
 	$(PY) -m pytest tests -q -m "not slow"
+
+# The loop while you work: the in-process tier, no worker ranks and no process started (tests/tiers.py
+# marks the others `multirank` and `subprocess` from their code). Fails if it left a library module unimported.
+test-fast: $(STAMP)
+	$(PY) -m pytest tests -q -m "not multirank and not subprocess and not slow" --require-library-imported
 
 # Fault-injection runs of other layouts and of kills during saves (docs/reliability.md): minutes each.
 test-slow: $(STAMP)

@@ -128,7 +128,7 @@ def main() -> None:
     local_state = torch.tensor([state_bytes(optimizer)], device=device)
     dist.all_reduce(local_state, op=dist.ReduceOp.MAX)
     unsharded = build(settings, device)
-    from megatron_eopt.distributed.process_groups import ParallelGroups
+    from megatron_eopt.runtime.process_groups import ParallelGroups
 
     full_state = state_bytes(get_megatron_optimizer(config, [unsharded], pg_collection=ParallelGroups.single_process()))
     sent, bound = exchanged_bytes(muon, dist.get_world_size())

@@ -34,7 +34,7 @@ import torch
 from _gpt import GptShape
 from _timing import interleaved_times, medians, paired_ratio
 
-from megatron_eopt.config import native_bf16_matmul
+from megatron_eopt.runtime.hardware import native_bf16_matmul
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -145,7 +145,7 @@ def pretrain_iterations(args, skip: Optional[str], directory: str) -> dict:
     built = {"flags": {name: " ".join(f) for name, f in flags.items()}, "transformer_engine": te,
              "tokens_per_iteration": {b: b * args.seq_length for b in args.pretrain_global_batch_sizes}}
     if skip:
-        from megatron_eopt.training.arguments.parser import parse_args  # checks every flag as a run would, builds nothing
+        from arguments.trainer.parser import parse_args  # checks every flag as a run would, builds nothing
 
         for argv in flags.values():
             parse_args(argv)
@@ -203,7 +203,7 @@ def cuda_matches_cpu(args, skip: Optional[str], directory: str) -> dict:
     check = "pretrain_gpt on CUDA (megatron-core's router, dispatchers, RoPE) = on CPU (substitutions), 10 it."
     built = {"flags": {name: " ".join(SMALL_RUN + cuda) for name, (cuda, _) in CUDA_VS_CPU_RUNS.items()}}
     if skip:
-        from megatron_eopt.training.arguments.parser import parse_args
+        from arguments.trainer.parser import parse_args
 
         for _, cpu in CUDA_VS_CPU_RUNS.values():  # the CUDA-only flags are refused here, rightly
             parse_args(SMALL_RUN + cpu)

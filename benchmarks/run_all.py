@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from megatron_eopt.config import native_bf16_matmul
+from megatron_eopt.runtime.hardware import native_bf16_matmul
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")

@@ -4,23 +4,22 @@
 contract. This module only re-exports, lazily: importing it imports neither torch nor megatron-core.
 """
 
-import importlib
-from typing import Any
+from megatron_eopt.runtime.lazy_exports import lazy_exports
 
 # Public name -> the module that defines it, imported on first use (PEP 562), so that
-# `import megatron_eopt.arguments` or the trainer's flag parser does not import torch.
+# `import arguments` or the trainer's flag parser does not import torch.
 _LAZY = {
-    "AdamOptimizerConfig": "megatron_eopt.config",
-    "OptimizerConfig": "megatron_eopt.config",
-    "SGDOptimizerConfig": "megatron_eopt.config",
+    "AdamOptimizerConfig": "megatron_eopt.config.optimizer_config",
+    "OptimizerConfig": "megatron_eopt.config.optimizer_config",
+    "SGDOptimizerConfig": "megatron_eopt.config.optimizer_config",
     "LayerWiseDistributedOptimizer": "megatron_eopt.distributed.layer_wise",
-    "ParallelGroups": "megatron_eopt.distributed.process_groups",
+    "ParallelGroups": "megatron_eopt.runtime.process_groups",
     "get_megatron_optimizer": "megatron_eopt.factory",
-    "ParamGroupOverride": "megatron_eopt.param_key",
-    "ParamKey": "megatron_eopt.param_key",
-    "ParamPredicate": "megatron_eopt.param_key",
-    "ParamWithNamePredicate": "megatron_eopt.param_key",
-    "get_standard_config_overrides": "megatron_eopt.param_key",
+    "ParamGroupOverride": "megatron_eopt.params.overrides",
+    "ParamKey": "megatron_eopt.params.overrides",
+    "ParamPredicate": "megatron_eopt.params.overrides",
+    "ParamWithNamePredicate": "megatron_eopt.params.overrides",
+    "get_standard_config_overrides": "megatron_eopt.params.overrides",
     "TensorParallelAdaptiveMuon": "megatron_eopt.optimizers.tensor_parallel_adaptive_muon",
     "TensorParallelMuon": "megatron_eopt.optimizers.tensor_parallel_muon",
     "EmergingOptimizerEntry": "megatron_eopt.registry",
@@ -66,13 +65,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'megatron_eopt' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

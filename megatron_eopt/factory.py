@@ -15,7 +15,7 @@ from typing import Any, Iterable, Mapping, Optional, Union
 
 import torch
 
-from megatron_eopt.config import OptimizerConfig, as_optimizer_config, warn_about_inert_fields
+from megatron_eopt.config.optimizer_config import OptimizerConfig, as_optimizer_config, warn_about_inert_fields
 from megatron_eopt.distributed.fsdp2 import (
     OUTPUT_LAYER_NAMES,
     FullyShardedFP32Optimizer,
@@ -24,18 +24,18 @@ from megatron_eopt.distributed.fsdp2 import (
     fully_sharded_layout,
 )
 from megatron_eopt.distributed.layer_wise import DataParallelShards, LayerWiseDistributedOptimizer
-from megatron_eopt.distributed.process_groups import ParallelGroups, group_rank, group_size, resolve_parallel_groups
-from megatron_eopt.once import first_time, warn_once
+from megatron_eopt.runtime.process_groups import ParallelGroups, group_rank, group_size, resolve_parallel_groups
+from megatron_eopt.runtime.once import first_time, warn_once
 from megatron_eopt.ops.ownership import assign_owners
-from megatron_eopt.param_groups import (
+from megatron_eopt.params.groups import (
     ParamRecord,
     ParamRouting,
     build_param_groups,
     dump_param_group_map,
     matrix_layouts,
 )
-from megatron_eopt.param_names import EXPERT_NAME_PART, is_expert_name
-from megatron_eopt.param_key import check_config_overrides, get_standard_config_overrides
+from megatron_eopt.params.names import EXPERT_NAME_PART, is_expert_name
+from megatron_eopt.params.overrides import check_config_overrides, get_standard_config_overrides
 from megatron_eopt.registry import BuildContext, OptimizerSpec, lookup_optimizer, optimizers_supporting
 from megatron_eopt.wrappers.chained import ChainedOptimizer
 from megatron_eopt.wrappers.fp32 import FP32Optimizer

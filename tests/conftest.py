@@ -16,6 +16,12 @@ import pytest
 
 from tests import distributed_harness
 from tests.bf16_numerics import bf16_numerics
+from tests.tiers import (  # noqa: F401 (the tier markers' hooks: tests/tiers.py)
+    pytest_addoption,
+    pytest_collection_modifyitems,
+    pytest_configure,
+    pytest_sessionfinish,
+)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

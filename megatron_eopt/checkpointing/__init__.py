@@ -1,15 +1,25 @@
-"""Sharded, resharding, atomic checkpoints of the model, optimizer and lr scheduler."""
+"""Sharded, resharding, atomic checkpoints of the model, optimizer and lr scheduler.
 
-from megatron_eopt.checkpointing.checkpoint import (
-    LoadedCheckpoint,
-    PendingSave,
-    load_checkpoint,
-    new_save_group,
-    save_checkpoint,
-    start_save_checkpoint,
-)
-from megatron_eopt.checkpointing.ownership import DirectoryOwner
-from megatron_eopt.checkpointing.storage import CheckpointError, CheckpointSaveError, has_checkpoints, latest_checkpoint
+The names below are imported on first use, so that importing one module of this package (the
+wrappers import megatron_sharded.py) does not import the whole checkpointing stack.
+"""
 
-__all__ = ["CheckpointError", "CheckpointSaveError", "DirectoryOwner", "LoadedCheckpoint", "has_checkpoints", "latest_checkpoint", "PendingSave", "load_checkpoint", "new_save_group",
-           "save_checkpoint", "start_save_checkpoint"]
+from megatron_eopt.runtime.lazy_exports import lazy_exports
+
+_LAZY = {
+    "LoadedCheckpoint": "megatron_eopt.checkpointing.checkpoint",
+    "PendingSave": "megatron_eopt.checkpointing.checkpoint",
+    "load_checkpoint": "megatron_eopt.checkpointing.checkpoint",
+    "new_save_group": "megatron_eopt.checkpointing.checkpoint",
+    "save_checkpoint": "megatron_eopt.checkpointing.checkpoint",
+    "start_save_checkpoint": "megatron_eopt.checkpointing.checkpoint",
+    "DirectoryOwner": "megatron_eopt.checkpointing.directory_lock",
+    "CheckpointError": "megatron_eopt.checkpointing.storage",
+    "CheckpointSaveError": "megatron_eopt.checkpointing.storage",
+    "has_checkpoints": "megatron_eopt.checkpointing.storage",
+    "latest_checkpoint": "megatron_eopt.checkpointing.storage",
+}
+
+__all__ = sorted(_LAZY)
+
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -48,7 +48,7 @@ from megatron_eopt.checkpointing.state import (
 )
 from megatron_eopt.checkpointing.storage import CheckpointError, CheckpointSaveError  # noqa: F401 (re-exported)
 from megatron_eopt.distributed.fsdp2 import fully_sharded_layout
-from megatron_eopt.distributed.process_groups import ProcessGroup, group_size, resolve_parallel_groups
+from megatron_eopt.runtime.process_groups import ProcessGroup, group_rank, group_size, resolve_parallel_groups
 from megatron_eopt.ops.collectives import group_timeout
 
 
@@ -138,7 +138,7 @@ def _check_background_group(background: Optional[ProcessGroup], group: Optional[
     if group is None:
         return
     if background is None:
-        raise ValueError(f"start_save_checkpoint: this checkpoint is written by {storage.world_size(group)} ranks, "
+        raise ValueError(f"start_save_checkpoint: this checkpoint is written by {group_size(group)} ranks, "
                          f"so it needs background_group=, a gloo group of those ranks for the writing thread "
                          f"alone: make it once with new_save_group(model_chunks) on every rank and pass it to "
                          f"every call.")
@@ -202,13 +202,13 @@ def _prepare_save(iteration, model_chunks, optimizer, scheduler, extra, pg_colle
     if scheduler is not None:
         entries.update(scheduler_entries(scheduler, children))
     if save_rng:
-        entries.update(rng_entries(storage.rank(group), storage.world_size(group)))
+        entries.update(rng_entries(group_rank(group), group_size(group)))
     structure = global_group_structure(children, group, stored_names_by_fqn(params)) if children else None
     manifest = {
         "format": storage.FORMAT_VERSION,
         "iteration": iteration,
         "extra": extra,
-        "world_size": storage.world_size(group),
+        "world_size": group_size(group),
         "tensor_parallel_size": _tp_size(groups),
         "pipeline_parallel_size": pipeline_size(groups),
         "expert_parallel_size": _ep_size(groups, params),
@@ -330,12 +330,12 @@ def _rng_to_load(
     # Checkpoints written before PP/EP were recorded had neither (size 1).
     saved = (manifest.get("world_size"), manifest.get("tensor_parallel_size", tp),
              manifest.get("pipeline_parallel_size", 1), manifest.get("expert_parallel_size", 1))
-    here = (storage.world_size(group), tp, pp, ep)
+    here = (group_size(group), tp, pp, ep)
     if saved != here:
         with_pp_ep = (saved[2:], here[2:]) != ((1, 1), (1, 1))
         return [], (f"RNG states not restored: saved at {_describe_layout(saved, with_pp_ep)}, this run has "
                     f"{_describe_layout(here, with_pp_ep)}; the RNGs keep this run's seeding")
-    keys = rng_keys_to_load(plan.index.tensors, storage.rank(group), storage.world_size(group))
+    keys = rng_keys_to_load(plan.index.tensors, group_rank(group), group_size(group))
     if not keys:
         return [], "RNG states not restored: the checkpoint holds none (saved without them); the RNGs keep this run's seeding"
     return keys, None

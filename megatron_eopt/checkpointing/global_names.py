@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from megatron_eopt.param_groups import named_trainable_parameters, stored_child_name, stored_group_key
+from megatron_eopt.params.groups import named_trainable_parameters, stored_child_name, stored_group_key
 
 __all__ = ["global_buffer_names", "global_parameter_names", "stored_child_name", "stored_group_key"]
 

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from megatron_eopt.distributed.fsdp2 import check_row_placement
-from megatron_eopt.distributed.process_groups import ProcessGroup, group_rank, group_size
+from megatron_eopt.runtime.process_groups import ProcessGroup, group_rank, group_size
 from megatron_eopt.ops.row_shards import chunk_rows
 
 PART_MARK = "#part"

@@ -40,8 +40,8 @@ from megatron_eopt.checkpointing.layout import (
 )
 from megatron_eopt.checkpointing.storage import CheckpointError, all_gather_objects
 from megatron_eopt.distributed.fsdp2 import tensor_parallel_partition_dims
-from megatron_eopt.distributed.process_groups import ParallelGroups, ProcessGroup, group_rank, group_ranks, group_size
-from megatron_eopt.param_groups import chunk_model_config, named_trainable_parameters
+from megatron_eopt.runtime.process_groups import ParallelGroups, ProcessGroup, group_rank, group_ranks, group_size
+from megatron_eopt.params.groups import chunk_model_config, named_trainable_parameters
 from megatron_eopt.wrappers.fp32 import FP32Optimizer
 
 

@@ -11,7 +11,7 @@ done, verifies it, and only then rewrites `latest` by a rename. Saving an iterat
 the old copy to `iter_N.replaced` for the swap. A load verifies every file against the manifest
 first. Every collective runs over `group`, the ranks that save or load together (None: one
 rank). Rank 0 holds an exclusive flock on `.save_lock` for a save, or for a whole run with
-ownership.py's `DirectoryOwner`. docs/checkpoints.md describes the behaviour.
+directory_lock.py's `DirectoryOwner`. docs/checkpoints.md describes the behaviour.
 """
 
 import contextlib
@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional, TypeVar
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_eopt.distributed.process_groups import ProcessGroup
+from megatron_eopt.runtime.process_groups import ProcessGroup, group_rank, group_size
 
 MANIFEST = "megatron_eopt.json"
 LATEST = "latest"
@@ -156,7 +156,7 @@ class SaveLock:
     The lock file names its holder (pid, host, start time, command), so a second run saving into
     the same directory is refused with who the first one is. The kernel drops the lock when the
     holder exits, even when killed, so a stale file never blocks anyone. In a directory this
-    process owns for its whole run (ownership.py) the owner's lock covers the save.
+    process owns for its whole run (directory_lock.py) the owner's lock covers the save.
     """
 
     ACTIVITY = "saving"
@@ -251,7 +251,7 @@ def begin_save(
     """Lock the directory and create the empty `.incomplete` one on rank 0 (removing a killed save's
     leftovers); returns its path and the lock, which `end_save` releases."""
     path = incomplete_path(checkpoint_dir, iteration)
-    lock = SaveLock(checkpoint_dir) if rank(group) == 0 else None
+    lock = SaveLock(checkpoint_dir) if group_rank(group) == 0 else None
 
     def prepare() -> None:
         if lock is None:
@@ -280,9 +280,9 @@ def abandon_save(checkpoint_dir: str, iteration: int, failure: SaveFailed,
     """After a failed step: rank 0 removes the `.incomplete` directory (a failed commit has put
     the directory back already); every rank gets the same error, saying what is left."""
     staged = incomplete_path(checkpoint_dir, iteration)
-    if rank(group) == 0:
+    if group_rank(group) == 0:
         shutil.rmtree(staged, ignore_errors=True)
-    left = all_gather_objects(os.path.isdir(staged) if rank(group) == 0 else None, group)[0]
+    left = all_gather_objects(os.path.isdir(staged) if group_rank(group) == 0 else None, group)[0]
     latest = latest_checkpoint(checkpoint_dir)
     latest = os.path.basename(latest) if latest else None
     return CheckpointSaveError(
@@ -299,15 +299,15 @@ def end_save(lock: Optional[SaveLock]) -> None:
 
 def write_manifest(path: str, manifest: dict[str, Any], group: Optional[ProcessGroup]) -> None:
     """Every rank checksums the files it wrote; rank 0 writes the manifest with all of them."""
-    own_prefix = f"__{rank(group)}_"
+    own_prefix = f"__{group_rank(group)}_"
     own = {name: _file_record(os.path.join(path, name)) for name in os.listdir(path) if name.startswith(own_prefix)}
     gathered = all_gather_objects(own, group)
     files = {name: record for part in gathered for name, record in part.items()}
-    if rank(group) == 0:
+    if group_rank(group) == 0:
         files[".metadata"] = _file_record(os.path.join(path, ".metadata"))
 
     def write() -> None:
-        if rank(group) == 0:
+        if group_rank(group) == 0:
             _write_atomically(os.path.join(path, MANIFEST), json.dumps({**manifest, "files": files}, indent=1))
 
     agree(write, group, "saving", saving=True)
@@ -319,7 +319,7 @@ def commit(checkpoint_dir: str, iteration: int, group: Optional[ProcessGroup]) -
     puts the directory back as it was before the save."""
     _barrier(group)  # every rank has finished writing
     final = os.path.join(checkpoint_dir, checkpoint_name(iteration))
-    agree(lambda: _rename_into_place(checkpoint_dir, iteration) if rank(group) == 0 else None,
+    agree(lambda: _rename_into_place(checkpoint_dir, iteration) if group_rank(group) == 0 else None,
           group, "saving", saving=True)
     try:
         verify_files(final, read_manifest(final), group)
@@ -330,13 +330,13 @@ def commit(checkpoint_dir: str, iteration: int, group: Optional[ProcessGroup]) -
         ) from None
     marker_before = _marker_identity(checkpoint_dir)
     try:
-        agree(lambda: _point_latest(checkpoint_dir, iteration) if rank(group) == 0 else None,
+        agree(lambda: _point_latest(checkpoint_dir, iteration) if group_rank(group) == 0 else None,
               group, "saving", saving=True)
     except SaveFailed:
-        if rank(group) == 0 and _marker_identity(checkpoint_dir) == marker_before:
+        if group_rank(group) == 0 and _marker_identity(checkpoint_dir) == marker_before:
             _undo_rename(final)  # (a failure after `latest` moved, fsyncing its directory, keeps the new one)
         raise
-    if rank(group) == 0:
+    if group_rank(group) == 0:
         shutil.rmtree(final + REPLACED, ignore_errors=True)
     _barrier(group)
     return final
@@ -413,7 +413,7 @@ def verify_files(path: str, manifest: dict[str, Any], group: Optional[ProcessGro
     """Check every file's size and CRC-32 against the manifest; the ranks split the files."""
     names = sorted(manifest["files"])
     problems = []
-    for name in names[rank(group)::world_size(group)]:
+    for name in names[group_rank(group)::group_size(group)]:
         expected = manifest["files"][name]
         file_path = os.path.join(path, name)
         if not os.path.isfile(file_path):
@@ -437,12 +437,12 @@ def agree(step: Callable[[], T], group: Optional[ProcessGroup], activity: str = 
     try:
         result, failure = step(), None
     except (ValueError, TypeError) as error:
-        result, failure, own = None, ("error", f"rank {rank(group)}: {error}"), error
+        result, failure, own = None, ("error", f"rank {group_rank(group)}: {error}"), error
     except (OSError, CheckpointException) as error:
         if not saving:
             raise
         failure = ("os", _error_line(error) if isinstance(error, CheckpointException)
-                   else f"rank {rank(group)}: {_error_line(error)}")
+                   else f"rank {group_rank(group)}: {_error_line(error)}")
         result, own = None, SaveFailed(failure[1])
     failures = [f for f in all_gather_objects(failure, group) if f is not None]
     if failure is not None:
@@ -494,15 +494,6 @@ def _fsync_directory(path: str) -> None:
         os.close(fd)
 
 
-def rank(group: Optional[ProcessGroup]) -> int:
-    """This rank's number in `group` (None: a rank alone)."""
-    return 0 if group is None else dist.get_rank(group)
-
-
-def world_size(group: Optional[ProcessGroup]) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
 def _barrier(group: Optional[ProcessGroup]) -> None:
     if group is not None:
         dist.barrier(group=group)
@@ -511,6 +502,6 @@ def _barrier(group: Optional[ProcessGroup]) -> None:
 def all_gather_objects(obj: Any, group: Optional[ProcessGroup]) -> list[Any]:
     if group is None:
         return [obj]
-    gathered: list[Any] = [None] * dist.get_world_size(group)
+    gathered: list[Any] = [None] * group_size(group)
     dist.all_gather_object(gathered, obj, group=group)
     return gathered

@@ -1,1 +1,1 @@
-"""Process groups and, later, data-parallel distribution of the optimizer."""
+"""Data-parallel distribution of the optimizer: the layer-wise optimizer and FSDP2 (process groups: runtime/)."""

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from megatron_eopt.distributed.process_groups import (
+from megatron_eopt.runtime.process_groups import (
     ParallelGroups,
     ProcessGroup,
     TensorParallelSplit,
@@ -36,7 +36,7 @@ from megatron_eopt.distributed.process_groups import (
 from megatron_eopt.ops.ownership import assign_owners
 from megatron_eopt.ops.row_shards import RowShards, chunk_rows
 from megatron_eopt.ops.splits import MatrixLayout
-from megatron_eopt.param_groups import ParamRecord, named_trainable_parameters
+from megatron_eopt.params.groups import ParamRecord, named_trainable_parameters
 from megatron_eopt.wrappers.fp32 import FP32Optimizer
 
 # megatron-core's language models name their LM head `output_layer` (GPTModel, MambaModel); its

@@ -21,7 +21,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_eopt.distributed.process_groups import ProcessGroup, group_rank, group_size
+from megatron_eopt.runtime.process_groups import ProcessGroup, group_rank, group_size
 from megatron_eopt.ops.collectives import wait_bounded
 from megatron_eopt.wrappers.base import MegatronOptimizer, SteppableChild, StepResult, take_step, timed
 from megatron_eopt.wrappers.chained import ChainedOptimizer

@@ -21,8 +21,8 @@ from typing import Any, Iterator, Optional
 import megatron.training.training as megatron_lm_training
 from megatron.training import global_vars
 
-from megatron_eopt.arguments.optimizer_args import FLAGS, Flag, flag_kwargs
-from megatron_eopt.config import MatmulPrecision, OptimizerConfig, TpMode
+from arguments.optimizer_args import FLAGS, Flag, flag_kwargs
+from megatron_eopt.config.optimizer_config import MatmulPrecision, OptimizerConfig, TpMode
 from megatron_eopt.factory import get_megatron_optimizer
 from megatron_eopt.registry import list_optimizers
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from megatron_eopt.once import warn_once
+from megatron_eopt.runtime.once import warn_once
 from megatron_eopt.ops.gram_newton_schulz import coefficient_schedule, restart_steps
 
 PACKAGE = "gram_newton_schulz"

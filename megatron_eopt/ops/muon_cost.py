@@ -25,6 +25,7 @@ from megatron_eopt.ops.gram_newton_schulz import gram_flops, restart_steps, stan
 from megatron_eopt.ops.newton_schulz import NewtonSchulzSettings
 from megatron_eopt.ops.ownership import assign_owner_ranks
 from megatron_eopt.ops.splits import MatrixLayout, newton_schulz_cost
+from megatron_eopt.runtime.process_groups import group_size
 
 EXACT_MODES: tuple[str, ...] = ("duplicated", "distributed", "sharded")
 TP_MODES: tuple[str, ...] = ("blockwise", *EXACT_MODES)
@@ -148,7 +149,7 @@ def _matmul_seconds(device: torch.device) -> tuple[float, float]:
 
 def _all_reduce_seconds(device: torch.device, group: Optional[dist.ProcessGroup]) -> tuple[float, float]:
     """Seconds of a SMALL_BYTES and a LARGE_BYTES fp32 all-reduce over `group` (0, 0 without one)."""
-    if group is None or dist.get_world_size(group) < 2:
+    if group_size(group) < 2:
         return 0.0, 0.0
     small = torch.zeros(SMALL_BYTES // 4, device=device)
     large = torch.zeros(LARGE_BYTES // 4, device=device)

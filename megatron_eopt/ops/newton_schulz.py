@@ -28,6 +28,7 @@ from megatron_eopt.ops.gram_newton_schulz import gram_newton_schulz, gram_pays, 
 from megatron_eopt.ops.gram_newton_schulz_package import PACKAGE_PATH, GramPackage
 from megatron_eopt.ops.ownership import assign_owner_ranks
 from megatron_eopt.ops.splits import MatrixLayout, merge_blocks, newton_schulz_cost, split_blocks
+from megatron_eopt.runtime.process_groups import group_rank, group_size
 
 TpMode = Literal["blockwise", "duplicated", "distributed", "sharded"]
 TP_MODES: tuple[str, ...] = typing.get_args(TpMode)
@@ -122,7 +123,7 @@ def orthogonalize_updates(
               for block in split_blocks(u.float(), layout)]
     block_shapes = [s for layout in layouts for s in layout.global_block_shapes()]
     # Without TP, and per-head blocks (whole on this rank) in every mode: here, no communication.
-    here = [_size(tp_group) == 1 or layout.per_head for _, _, layout in pieces]
+    here = [group_size(tp_group) == 1 or layout.per_head for _, _, layout in pieces]
     own = [k for k, local in enumerate(here) if local]
     results: list[torch.Tensor] = [torch.empty(0)] * len(pieces)
     for k, result in zip(own, orthogonalize_batched([pieces[k][1] for k in own],
@@ -150,10 +151,6 @@ def _orthogonalize_in_mode(pieces: list[Piece], block_shapes: list[tuple[int, in
     if tp_mode == "distributed":
         return _distributed(pieces, block_shapes, tp_group, settings)
     return _local(pieces, block_shapes, tp_mode, tp_group, settings)
-
-
-def _size(group: Optional[dist.ProcessGroup]) -> int:
-    return 1 if group is None else dist.get_world_size(group)
 
 
 def block_paths(layout: MatrixLayout, tp_mode: str, tp_size: int, settings: NewtonSchulzSettings,
@@ -217,7 +214,7 @@ def _local(
     settings: NewtonSchulzSettings,
 ) -> list[torch.Tensor]:
     """'blockwise' (each shard alone) and 'duplicated' (each rank the all-gathered matrix)."""
-    size, rank = _size(tp_group), dist.get_rank(tp_group)
+    size, rank = group_size(tp_group), group_rank(tp_group)
     gather = [k for k, (_, _, layout) in enumerate(pieces) if tp_mode == "duplicated" and layout.partition_dim >= 0]
     full = dict(zip(gather, _all_gather_blocks([pieces[k][1] for k in gather],
                                                [pieces[k][2].partition_dim for k in gather], tp_group)))
@@ -244,7 +241,7 @@ def _all_gather_blocks(shards: list[torch.Tensor], dims: list[int], group: dist.
     if not shards:
         return []
     flat = torch.cat([s.reshape(-1) for s in shards])
-    buffers = [torch.empty_like(flat) for _ in range(_size(group))]
+    buffers = [torch.empty_like(flat) for _ in range(group_size(group))]
     dist.all_gather(buffers, flat, group=group)
     fulls, offset = [], 0
     for shard, dim in zip(shards, dims):
@@ -274,7 +271,7 @@ def _distributed(pieces: list[Piece], block_shapes: list[tuple[int, int]], tp_gr
 def _sharded(pieces: list[Piece], block_shapes: list[tuple[int, int]], tp_group: dist.ProcessGroup,
              settings: NewtonSchulzSettings) -> list[torch.Tensor]:
     """Each block orthogonalized once, by its owner; two all-to-alls move shards and results."""
-    size, rank = _size(tp_group), dist.get_rank(tp_group)
+    size, rank = group_size(tp_group), group_rank(tp_group)
     owners = assign_owner_ranks([newton_schulz_cost(*s) for s in block_shapes], size)
     blocks = [block.contiguous() for _, block, _ in pieces]
     dims = [layout.partition_dim for _, _, layout in pieces]

@@ -13,7 +13,7 @@ from megatron_eopt.ops.splits import newton_schulz_cost
 
 
 class OwnedParam(Protocol):
-    """What ownership reads of a parameter's record (param_groups.ParamRecord has it)."""
+    """What ownership reads of a parameter's record (params.groups.ParamRecord has it)."""
 
     fqn: str
     param: torch.Tensor

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megatron_eopt.ops.newton_schulz import NewtonSchulzSettings, orthogonalize_updates
 from megatron_eopt.ops.splits import MatrixLayout
+from megatron_eopt.runtime.process_groups import group_rank, group_size
 
 
 @dataclass(frozen=True)
@@ -84,8 +85,7 @@ def map_row_shards(
     and returns the results, each of its matrix's whole shape. Every rank of `group` must call
     this with the same matrices in the same order.
     """
-    size = 1 if group is None else dist.get_world_size(group)
-    rank = 0 if group is None else dist.get_rank(group)
+    size, rank = group_size(group), group_rank(group)
     device = updates[0].device if updates else torch.device("cpu")
     mine = [i for i, s in enumerate(shards) if s.owner == rank]
     cols = [s.layout.local_shape[1] for s in shards]

@@ -14,21 +14,18 @@ import torch
 import torch.distributed as dist
 
 from megatron_eopt.ops.splits import MatrixLayout, split_blocks
-
-
-def _size(group: Optional[dist.ProcessGroup]) -> int:
-    return 1 if group is None else dist.get_world_size(group)
+from megatron_eopt.runtime.process_groups import group_rank, group_size
 
 
 def _is_sharded(layout: MatrixLayout, tp_group: Optional[dist.ProcessGroup]) -> bool:
     split = layout.num_row_groups != 1 or layout.per_head
-    if layout.partition_dim >= 0 and _size(tp_group) > 1 and split:
+    if layout.partition_dim >= 0 and group_size(tp_group) > 1 and split:
         raise ValueError(
             f"parameter {layout.name!r}: a whole-matrix layout has one row group and no per-head "
             f"split; got {layout.num_row_groups} group(s), head_rows={layout.head_rows} (a q/k/v "
             f"split, which only Muon uses)."
         )
-    return layout.partition_dim >= 0 and _size(tp_group) > 1
+    return layout.partition_dim >= 0 and group_size(tp_group) > 1
 
 
 def gather_whole_matrix(local: torch.Tensor, layout: MatrixLayout, tp_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
@@ -37,7 +34,7 @@ def gather_whole_matrix(local: torch.Tensor, layout: MatrixLayout, tp_group: Opt
         return local
     blocks = []
     for block in split_blocks(local, layout):
-        shards = [torch.empty_like(block) for _ in range(_size(tp_group))]
+        shards = [torch.empty_like(block) for _ in range(group_size(tp_group))]
         dist.all_gather(shards, block.contiguous(), group=tp_group)
         blocks.append(torch.cat(shards, dim=layout.partition_dim))
     return torch.cat(blocks, dim=0)
@@ -47,7 +44,7 @@ def local_part(whole: torch.Tensor, layout: MatrixLayout, tp_group: Optional[dis
     """This rank's shard of a TP=1 matrix (the inverse of `gather_whole_matrix`)."""
     if not _is_sharded(layout, tp_group):
         return whole
-    size, rank = _size(tp_group), dist.get_rank(tp_group)
+    size, rank = group_size(tp_group), group_rank(tp_group)
     rows = [block_rows for block_rows, _ in layout.global_block_shapes()]
     blocks = whole.split(rows, dim=0)
     return torch.cat([block.chunk(size, dim=layout.partition_dim)[rank] for block in blocks], dim=0)

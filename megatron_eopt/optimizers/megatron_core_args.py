@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_eopt.ops.splits import MatrixLayout
-from megatron_eopt.param_names import named_params
+from megatron_eopt.params.names import named_params
+from megatron_eopt.runtime.process_groups import group_size
 
 IsQkvFn = Callable[[torch.Tensor], bool]
 
@@ -44,8 +45,8 @@ def tp_group_of(pg_collection: Any, tp_group: Optional[dist.ProcessGroup],
         raise ValueError("pass the tensor-parallel group once: pg_collection (megatron-core's) or tp_group, not both.")
     for name in ("gtp_remat", "expt_gtp_remat"):
         group = getattr(pg_collection, name, None)
-        if group is not None and dist.get_world_size(group) > 1:
-            raise ValueError(f"pg_collection.{name} has {dist.get_world_size(group)} ranks; generalized tensor "
+        if group is not None and group_size(group) > 1:
+            raise ValueError(f"pg_collection.{name} has {group_size(group)} ranks; generalized tensor "
                              f"parallelism (GTP remat) is not supported by megatron_eopt's Muon: use size 1.")
     kinds = sorted({"expt_tp" if getattr(p, "expert_tp", False) else "tp" for p, _ in named_params(param_groups)})
     for kind in kinds:
@@ -53,10 +54,10 @@ def tp_group_of(pg_collection: Any, tp_group: Optional[dist.ProcessGroup],
             raise ValueError(f"pg_collection has no {kind!r} group; pass megatron-core's ProcessGroupCollection "
                              f"with a '{kind}' group (or tp_group).")
     groups = [getattr(pg_collection, kind) for kind in kinds]
-    if len(groups) == 2 and groups[0] is not groups[1] and _size(groups[0]) * _size(groups[1]) > 1:
+    if len(groups) == 2 and groups[0] is not groups[1] and group_size(groups[0]) * group_size(groups[1]) > 1:
         raise ValueError("these parameters mix expert (expert_tp=True) and dense ones, whose TP groups differ "
                          "(pg_collection.expt_tp, pg_collection.tp); give each kind its own optimizer.")
-    return next((g for g in groups if _size(g) > 1), groups[0] if groups else getattr(pg_collection, "tp", None))
+    return next((g for g in groups if group_size(g) > 1), groups[0] if groups else getattr(pg_collection, "tp", None))
 
 
 def megatron_core_layouts(param_groups: Sequence[Mapping[str, Any]], tp_group: Optional[dist.ProcessGroup],
@@ -66,7 +67,7 @@ def megatron_core_layouts(param_groups: Sequence[Mapping[str, Any]], tp_group: O
     if split_qkv and not callable(is_qkv_fn):
         raise ValueError(f"split_qkv=True needs is_qkv_fn, a function telling fused QKV weights apart "
                          f"(e.g. lambda p: getattr(p, 'is_qkv', False)); got {is_qkv_fn!r}.")
-    tp_size = _size(tp_group)
+    tp_size = group_size(tp_group)
     layouts = {}
     for param, name in named_params(param_groups):
         if param.dim() != 2:
@@ -84,7 +85,3 @@ def megatron_core_layouts(param_groups: Sequence[Mapping[str, Any]], tp_group: O
         layouts[name] = MatrixLayout(name, tuple(param.shape), partition_dim, tp_size if partition_dim >= 0 else 1,
                                      num_row_groups, row_blocks)
     return layouts
-
-
-def _size(group: Optional[dist.ProcessGroup]) -> int:
-    return 1 if group is None else dist.get_world_size(group)

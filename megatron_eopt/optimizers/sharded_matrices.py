@@ -17,14 +17,15 @@ import torch.distributed as dist
 from emerging_optimizers import mixin as eo_mixin
 from emerging_optimizers import utils as eo_utils
 
-from megatron_eopt.once import first_time, warn_once
 from megatron_eopt.ops.gram_newton_schulz_package import PACKAGE_PATH
 from megatron_eopt.ops.muon_cost import AUTO, HardwareProfile, choose_tp_modes, resolve_profile
 from megatron_eopt.ops.newton_schulz import TP_MODES, NewtonSchulzSettings, block_paths, orthogonalize_updates
 from megatron_eopt.ops.row_shards import RowShards, orthogonalize_row_shards
 from megatron_eopt.ops.splits import MatrixLayout
 from megatron_eopt.optimizers.megatron_core_args import IsQkvFn, megatron_core_layouts, tp_group_of
-from megatron_eopt.param_names import is_expert_name, named_params
+from megatron_eopt.params.names import is_expert_name, named_params
+from megatron_eopt.runtime.once import first_time, warn_once
+from megatron_eopt.runtime.process_groups import group_rank, group_size
 
 
 def check_muon_arguments(tp_mode: str, lr: float, momentum: float, weight_decay: float,
@@ -82,8 +83,8 @@ def row_shards_by_param(param_groups: list[dict], fsdp_shards: Optional[Mapping[
             "fsdp_shards (torch FSDP2) and layouts were both given; with FSDP2 each matrix's layout "
             "(of this TP rank's shard) belongs inside its RowShards, and layouts must be empty."
         )
-    rank = 0 if fsdp_group is None else dist.get_rank(fsdp_group)
-    tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
+    rank = group_rank(fsdp_group)
+    tp_size = group_size(tp_group)
     by_param = {}
     for group in param_groups:
         for param, name in zip(group["params"], group.get("param_fqns") or ()):
@@ -127,7 +128,7 @@ def warn_if_blockwise_splits(tp_group: Optional[dist.ProcessGroup], blockwise: l
     Then the update depends on the TP degree. It is megatron-core's default, so a megatron-core
     OptimizerConfig passed as it is brings it along; the value is kept, and this says so.
     """
-    tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
+    tp_size = group_size(tp_group)
     sharded = [layout.name for layout in blockwise if layout.partition_dim >= 0]
     if tp_size == 1 or not sharded:
         return
@@ -233,7 +234,7 @@ class ShardedMatrices(OrthogonalizeTogether):
         self.fsdp_group = fsdp_group
         self._row_shards_of = row_shards_by_param(self.param_groups, fsdp_shards, fsdp_group, tp_group, layouts)
         matrix_layouts = matrix_layouts_of(self._layout_of, self._row_shards_of)
-        tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
+        tp_size = group_size(tp_group)
         # Decided from the config alone, so all TP ranks calibrate (a collective) or none does.
         uses_auto = AUTO in (self.tp_mode, self.expert_tp_mode)
         self.tp_profile = self._tp_profile(tp_size, hardware_profile) if uses_auto else None

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from megatron_eopt.ops.row_shards import RowShards
 from megatron_eopt.ops.splits import MatrixLayout
-from megatron_eopt.param_key import check_config_overrides
+from megatron_eopt.params.overrides import check_config_overrides
 
 BuildOptimizer = Callable[[list[dict], Any], torch.optim.Optimizer]
 # `fn(param, constructor kwargs) -> None, or why the optimizer cannot step this parameter`.

@@ -20,10 +20,10 @@ from typing import Any, Literal, Mapping, Optional, Union
 
 import torch
 
-from megatron_eopt.hardware import CPU_BF16_FLAGS, native_bf16_matmul
-from megatron_eopt.once import warn_once
+from megatron_eopt.runtime.hardware import CPU_BF16_FLAGS, native_bf16_matmul
+from megatron_eopt.runtime.once import warn_once
 from megatron_eopt.optimizers.compiled_step import watch_first_step
-from megatron_eopt.param_names import named_params
+from megatron_eopt.params.names import named_params
 from megatron_eopt.registry.entries import CONTEXT_ARGS, BuildContext, EmergingOptimizerEntry
 
 

@@ -18,7 +18,7 @@ import warnings
 import torch
 
 from megatron_eopt.ops.newton_schulz import coefficient_types
-from megatron_eopt.optimizer_names import COEFFICIENT_TYPES, EMERGING_OPTIMIZERS, ENTRY_POINT_GROUP, mismatch
+from megatron_eopt.config.optimizer_names import COEFFICIENT_TYPES, EMERGING_OPTIMIZERS, ENTRY_POINT_GROUP, mismatch
 from megatron_eopt.registry.builtin import CURATED, build_adam, build_sgd, emerging_entry
 from megatron_eopt.registry.entries import NAME_PATTERN, EmergingOptimizerEntry, Entry, OptimizerEntry
 from megatron_eopt.registry.spec import OptimizerSpec

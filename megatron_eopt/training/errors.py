@@ -8,7 +8,7 @@ import sys
 import time
 from typing import NoReturn, Optional, TextIO
 
-from megatron_eopt.close_match import closest, did_you_mean
+from arguments.close_match import closest, did_you_mean
 
 PROG = "pretrain_gpt.py"
 

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 
-from megatron_eopt.distributed.process_groups import group_rank
+from megatron_eopt.runtime.process_groups import group_rank
 from megatron_eopt.wrappers.flat_state import match_param_groups
 from megatron_eopt.wrappers.grad_stats import (
     NONFINITE,

@@ -10,10 +10,10 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_eopt.checkpointing.megatron_sharded import child_sharded_state_dict
 from megatron_eopt.wrappers.base import MegatronOptimizer, SteppableChild, StepResult, default_device, take_step
 from megatron_eopt.wrappers.flat_state import megatron_core_optimizer_state
 from megatron_eopt.wrappers.megatron_core_chain import step_megatron_core_children
-from megatron_eopt.wrappers.megatron_sharded import child_sharded_state_dict
 from megatron_eopt.wrappers.qk_clip import QKClip, qk_clip_step
 
 
@@ -28,6 +28,9 @@ class ChainedOptimizer(MegatronOptimizer):
     returns (True, 0.0, None) (0 zeros with `log_num_zeros_in_grad`), as megatron-core's stub does.
     """
 
+    # Megatron-LM skips optimizer calls on a rank whose optimizer is a stub: only a chain whose
+    # children are all stubs (none: a rank without trainable parameters) is one.
+    is_stub_optimizer: bool = False
     # In megatron-core's sharded format a state's main replica is data-parallel rank 0, which
     # holds every state; the layer-wise optimizer sets this: there the owner writes it.
     owner_is_main_replica = False
@@ -52,7 +55,6 @@ class ChainedOptimizer(MegatronOptimizer):
         self.chained_optimizers = children
         self._names = names
         self._ours = all(ours)
-        # Megatron-LM skips optimizer calls on a rank whose optimizer is a stub.
         self.is_stub_optimizer = all(getattr(child, "is_stub_optimizer", False) for child in children)
         self.config = config if config is not None else next(
             (child.config for child in children if getattr(child, "config", None) is not None), None)
@@ -134,7 +136,7 @@ class ChainedOptimizer(MegatronOptimizer):
 
     def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
                            metadata: Optional[dict] = None) -> dict:
-        """megatron-core's format for dist_checkpointing (see wrappers/megatron_sharded.py)."""
+        """megatron-core's format for dist_checkpointing (see checkpointing/megatron_sharded.py)."""
         return {"optimizers": {
             name: child_sharded_state_dict(child, model_sharded_state_dict, is_loading, self.owner_is_main_replica)
             for name, child in zip(self._names, self.chained_optimizers)

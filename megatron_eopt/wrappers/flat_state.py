@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from megatron_eopt.param_key import ParamGroupOverride
+from megatron_eopt.params.overrides import ParamGroupOverride
 
 # megatron-core's `param_group_identifier_keys`: what tells param groups apart on load, every
 # ParamGroupOverride field (and `optimizer`), then the structural flags every group carries.

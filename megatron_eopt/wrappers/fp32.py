@@ -10,8 +10,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from megatron_eopt.distributed.process_groups import ProcessGroup, group_rank
-from megatron_eopt.param_groups import ParamRecord
+from megatron_eopt.params.groups import ParamRecord
+from megatron_eopt.runtime.process_groups import ProcessGroup, group_rank
 from megatron_eopt.wrappers.base import (
     MegatronOptimizer,
     SteppableChild,
@@ -28,7 +28,7 @@ from megatron_eopt.wrappers.flat_state import (
     torch_state_dict_from_flat,
 )
 from megatron_eopt.wrappers.grad_stats import grad_norm_group_of, local_grad_stats, reduced_grad_stats
-from megatron_eopt.wrappers.megatron_sharded import child_sharded_state_dict, expand_sharded_state_dict
+from megatron_eopt.checkpointing.megatron_sharded import child_sharded_state_dict, expand_sharded_state_dict
 from megatron_eopt.wrappers.qk_clip import QKClip
 
 MakeOptimizer = Callable[[list[dict]], torch.optim.Optimizer]
@@ -190,7 +190,7 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
 
     def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
                            metadata: Optional[dict] = None) -> dict:
-        """megatron-core's format for dist_checkpointing (see wrappers/megatron_sharded.py)."""
+        """megatron-core's format for dist_checkpointing (see checkpointing/megatron_sharded.py)."""
         return child_sharded_state_dict(self, model_sharded_state_dict, is_loading, owner_is_main_replica=False)
 
     def check_state_dict(self, state_dict: dict) -> None:

@@ -15,7 +15,7 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
-from megatron_eopt.distributed.process_groups import ProcessGroup, all_reduce_sum
+from megatron_eopt.runtime.process_groups import ProcessGroup, all_reduce_sum
 
 # megatron-core's registered separate gradient-norm groups and the attribute that tags them.
 MTP_GRAD_NORM_GROUP = "mtp"

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_eopt.distributed.process_groups import all_reduce_sum
+from megatron_eopt.runtime.process_groups import all_reduce_sum
 from megatron_eopt.wrappers.base import StepResult
 from megatron_eopt.wrappers.grad_stats import SEPARATE_GRAD_NORM_GROUPS, grad_norm_group_of, scale_grads
 

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_eopt.distributed.process_groups import ProcessGroup, group_size
+from megatron_eopt.runtime.process_groups import ProcessGroup, group_size
 from megatron_eopt.ops.qk_clip import QKVRows, clip_scales, group_max_logits, scale_qk_rows
 from megatron_eopt.ops.splits import qkv_row_blocks
 

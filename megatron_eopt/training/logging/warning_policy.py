@@ -6,9 +6,9 @@ and megatron-core inside it) and is undone after it:
 - known harmless third-party warnings (`KNOWN_HARMLESS`: Transformer Engine or Apex not
   installed, a SyntaxWarning in megatron-core's docstrings) print once, on rank 0, and torch's
   "No CUDA runtime" log line is dropped on the other ranks;
-- megatron_eopt's own warnings are about the run (its flags and configuration), the same on every
-  rank: rank 0 prints them, except a `RankWarning` (megatron_eopt.once), about one rank alone,
-  which every rank prints.
+- megatron_eopt's own warnings (and those of its flags, arguments/) are about the run (its flags
+  and configuration), the same on every rank: rank 0 prints them, except a `RankWarning`
+  (megatron_eopt.runtime.once), about one rank alone, which every rank prints.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import re
 import warnings
 from typing import Callable, Iterator, Optional
 
-from megatron_eopt.once import RankWarning
+from megatron_eopt.runtime.once import RankWarning
 from megatron_eopt.training.errors import PROG, is_rank_zero
 
 __all__ = ["KNOWN_HARMLESS", "format_warning", "warning_policy"]
@@ -59,7 +59,7 @@ def warning_policy(rank_zero: Optional[bool] = None) -> Iterator[None]:
         else:
             for category, message, module in KNOWN_HARMLESS:
                 warnings.filterwarnings("ignore", message=message, category=category, module=module)
-            warnings.filterwarnings("ignore", module=r"megatron_eopt(\.|$)")
+            warnings.filterwarnings("ignore", module=r"(megatron_eopt|arguments)(\.|$)")
             warnings.filterwarnings("default", category=RankWarning)  # inserted first: it wins
             logger.addFilter(drop_no_cuda)
         try:

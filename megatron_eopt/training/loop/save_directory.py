@@ -1,4 +1,4 @@
-"""The trainer owns its --save directory from start-up until it exits (checkpointing/ownership.py).
+"""The trainer owns its --save directory from start-up until it exits (checkpointing/directory_lock.py).
 
 Rank 0 takes the directory's lock before any model is built and holds it for the whole run, so
 a second run pointed at the same --save is refused at its start-up, in one line naming the
@@ -12,7 +12,7 @@ from typing import Iterator, Optional
 
 import torch.distributed as dist
 
-from megatron_eopt.checkpointing.ownership import DirectoryOwner
+from megatron_eopt.checkpointing.directory_lock import DirectoryOwner
 from megatron_eopt.checkpointing.storage import CheckpointError
 from megatron_eopt.training.errors import exit_with_error
 

@@ -10,20 +10,20 @@ import torch
 import torch.distributed as dist
 
 from megatron_eopt import get_megatron_optimizer
-from megatron_eopt.arguments import (
+from arguments import (
     matmul_precision_line,
     optimizer_config_from_args,
 )
-from megatron_eopt.bridge import get_scheduler
+from megatron_eopt.integrations.megatron_bridge import get_scheduler
 from megatron_eopt.checkpointing import CheckpointSaveError, new_save_group, save_checkpoint, start_save_checkpoint
-from megatron_eopt.training.arguments.moe import (
+from arguments.trainer.moe import (
     describe_moe,
     logged_moe_losses,
     moe_layer_pattern,
     moe_note_lines,
 )
-from megatron_eopt.training.arguments.no_effect import no_effect_lines
-from megatron_eopt.training.arguments.training import document_lines, scheduler_config
+from arguments.trainer.no_effect import no_effect_lines
+from arguments.trainer.training import document_lines, scheduler_config
 from megatron_eopt.training.data.batches import BatchSource
 from megatron_eopt.training.data.datasets import (
     document_inputs,

@@ -17,7 +17,7 @@ from megatron_eopt.ops.muon_cost import EXACT_MODES, HardwareProfile, choose_tp_
 from megatron_eopt.ops.newton_schulz import NewtonSchulzSettings
 from megatron_eopt.ops.ownership import assign_owners
 from megatron_eopt.ops.row_shards import chunk_rows
-from megatron_eopt.param_groups import ParamRecord, ParamRouting, matrix_layout
+from megatron_eopt.params.groups import ParamRecord, ParamRouting, matrix_layout
 from megatron_eopt.registry import lookup_optimizer
 from megatron_eopt.training.data.tokenizer import padded_vocab_size
 from megatron_eopt.training.model.settings import GPTModelSettings

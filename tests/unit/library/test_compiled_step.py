@@ -74,7 +74,7 @@ def test_lion_runs_uncompiled_when_asked(capsys) -> None:
 
 
 def test_the_trainer_flag_sets_the_field() -> None:
-    from megatron_eopt.arguments import add_optimizer_args, optimizer_config_from_args
+    from arguments import add_optimizer_args, optimizer_config_from_args
 
     parser = add_optimizer_args(argparse.ArgumentParser())
     default = parser.parse_args(["--optimizer", "lion", "--lr", "1e-3"])

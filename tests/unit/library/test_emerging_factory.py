@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 from megatron_eopt import OptimizerConfig, ParallelGroups, ParamKey, get_megatron_optimizer
 from megatron_eopt import registry
-from megatron_eopt.param_groups import build_param_groups, matrix_layouts
-from megatron_eopt.param_key import get_standard_config_overrides
+from megatron_eopt.params.groups import build_param_groups, matrix_layouts
+from megatron_eopt.params.overrides import get_standard_config_overrides
 
 HIDDEN_MATRICES = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")
 

@@ -4,10 +4,11 @@
 a fresh interpreter). The package's modules import each other without cycles, and only
 downwards through the layers (read from the source with `ast`, so imports inside functions and
 `if TYPE_CHECKING:` blocks count too):
-once/hardware/param_names -> config/param_key -> ops -> optimizers -> registry -> param_groups ->
-wrappers/distributed -> checkpointing -> factory -> muon/bridge; megatron-core appears only where
-allowed. A subpackage's `__init__.py` counts as a module, so a module of the registry package
-that imported the package itself (which imports it) is a cycle.
+runtime -> config -> ops -> params -> optimizers -> registry -> wrappers/distributed ->
+checkpointing -> factory -> integrations (docs/layers.md draws them); megatron-core appears only where
+allowed. The top-level arguments/ (every command-line flag) imports without torch, and the
+library never imports it. A subpackage's `__init__.py` counts as a module, so a module of the
+registry package that imported the package itself (which imports it) is a cycle.
 """
 
 import ast
@@ -16,24 +17,28 @@ import subprocess
 import sys
 from typing import Optional
 
-PACKAGE = pathlib.Path(__file__).resolve().parents[3] / "megatron_eopt"
-LAYER_OF = {  # first component below megatron_eopt -> layer; a module imports layers <= its own
-    "once": 0, "hardware": 0, "param_names": 0,  # leaves: they import no megatron_eopt module
-    "config": 0, "param_key": 0, "ops": 1, "optimizers": 2, "registry": 3, "param_groups": 4,
-    "wrappers": 5, "distributed": 5, "checkpointing": 6, "factory": 7, "muon": 8, "bridge": 8,
-    "integrations": 9, "arguments": 9, "config_choices": 0, "optimizer_names": 0, "close_match": 0,
-    "config_rules": 0, "scheduler_config": 0,
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+PACKAGE = ROOT / "megatron_eopt"
+ARGUMENTS = ROOT / "arguments"  # every command-line flag: the optimizer's (arguments/*.py), the trainer's (trainer/)
+LAYER_OF = {  # first component below megatron_eopt (or "folder/module") -> layer; a module imports layers <= its own
+    "runtime": 0,  # process groups, hardware, warn-once: they import no other megatron_eopt module
+    "config": 1, "ops": 2, "params": 3, "optimizers": 4, "registry": 5, "wrappers": 6, "distributed": 6,
+    # megatron-core's dist_checkpointing format of one wrapper: the wrappers' sharded_state_dict() calls it.
+    "checkpointing/megatron_sharded": 6,
+    "checkpointing": 7, "factory": 8, "integrations": 9,
+    "muon": 9,  # the deprecated import path: re-exports integrations/deprecated_muon.py
     "training": 10,  # the trainer: nothing in the library imports it
 }
 # checkpointing/rng.py: megatron-core's process-global RNG tracker, only once megatron-core is imported.
-MEGATRON_CORE_ALLOWED = {"distributed/process_groups.py", "factory.py", "bridge.py", "wrappers/megatron_sharded.py",
+MEGATRON_CORE_ALLOWED = {"runtime/process_groups.py", "factory.py", "integrations/megatron_bridge.py",
+                         "checkpointing/megatron_sharded.py",
                          "checkpointing/rng.py", "integrations/megatron_lm.py", "integrations/megatron_lm_gpt.py"}
 MEGATRON_CORE_ALLOWED_UNDER = ("training/",)  # the trainer: megatron-core's models, Megatron-LM's helpers
 # The one upward import, inside the method that needs it: OptimizerConfig.provide() is
 # Megatron-Bridge's custom-optimizer hook, so the config must be able to call the factory.
 # It is a function-level import of the factory alone (never of the Bridge layer), so importing
 # the config never imports what lies above it.
-UPWARD_ALLOWED = {("config.py", "megatron_eopt.factory", "provide")}
+UPWARD_ALLOWED = {("config/optimizer_config.py", "megatron_eopt.factory", "provide")}
 # Megatron-LM's training package (megatron.training, in the megatron-core wheel): only its adapter.
 MEGATRON_TRAINING_ALLOWED = {"integrations/megatron_lm.py", "integrations/megatron_lm_gpt.py"}
 
@@ -64,10 +69,10 @@ def package_imports(path: pathlib.Path) -> list[tuple[str, Optional[str]]]:
 
 
 def _module_path(name: str) -> Optional[pathlib.Path]:
-    """The file of megatron_eopt module `name` (a subpackage's `__init__.py`), or None when it is not one."""
-    if not name.startswith("megatron_eopt."):
+    """The file of megatron_eopt or arguments module `name` (a package's `__init__.py`), or None when it is not one."""
+    if name.split(".")[0] not in ("megatron_eopt", "arguments") or name == "megatron_eopt":
         return None
-    path = PACKAGE.joinpath(*name.split(".")[1:])
+    path = ROOT.joinpath(*name.split("."))
     for candidate in (path.with_suffix(".py"), path / "__init__.py"):
         if candidate.is_file():
             return candidate
@@ -75,6 +80,9 @@ def _module_path(name: str) -> Optional[pathlib.Path]:
 
 
 def layer(relative: pathlib.Path) -> int:
+    module = relative.with_suffix("").as_posix()
+    if "/".join(module.split("/")[:2]) in LAYER_OF:
+        return LAYER_OF["/".join(module.split("/")[:2])]
     top = relative.parts[0].removesuffix(".py")
     if top not in LAYER_OF:
         raise AssertionError(f"megatron_eopt/{relative} is in no layer; add it to LAYER_OF")
@@ -88,16 +96,22 @@ def package_files() -> list[pathlib.Path]:
     return files
 
 
+def arguments_files() -> list[pathlib.Path]:
+    files = list(ARGUMENTS.rglob("*.py"))
+    assert len(files) > 5
+    return files
+
+
 def import_graph() -> dict[str, set[str]]:
-    """module (path relative to the package) -> modules it imports, allowed exceptions left out."""
+    """module (path relative to the repository) -> modules it imports, allowed exceptions left out."""
     graph: dict[str, set[str]] = {}
-    for path in package_files():
-        relative = path.relative_to(PACKAGE).as_posix()
-        targets = graph.setdefault(relative, set())
+    for path in package_files() + arguments_files():
+        targets = graph.setdefault(path.relative_to(ROOT).as_posix(), set())
+        in_package = path.relative_to(PACKAGE).as_posix() if path.is_relative_to(PACKAGE) else None
         for name, function in package_imports(path):
             target = _module_path(name)
-            if target is not None and (relative, name, function) not in UPWARD_ALLOWED:
-                targets.add(target.relative_to(PACKAGE).as_posix())
+            if target is not None and (in_package, name, function) not in UPWARD_ALLOWED:
+                targets.add(target.relative_to(ROOT).as_posix())
     return graph
 
 
@@ -143,16 +157,47 @@ def test_the_library_never_imports_the_trainer() -> None:
     imports = [f"{p.relative_to(PACKAGE)} imports {name}" for p in library for name, _ in package_imports(p)
                if name == "megatron_eopt.training" or name.startswith("megatron_eopt.training.")]
     assert not imports, imports
-    code = "import sys, megatron_eopt, megatron_eopt.integrations, megatron_eopt.arguments; print('\\n'.join(sys.modules))"
+    code = "import sys, megatron_eopt, megatron_eopt.integrations, arguments; print('\\n'.join(sys.modules))"
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert not [m for m in output.stdout.split() if m.startswith("megatron_eopt.training")]
 
 
+def test_the_library_never_imports_the_flags() -> None:
+    # The library is megatron_eopt/ without its two users of the flags: the trainer and the integrations.
+    library = [p for p in package_files() if p.relative_to(PACKAGE).parts[0] not in ("training", "integrations")]
+    imports = [f"{p.relative_to(PACKAGE)} imports {name}" for p in library for name, _ in package_imports(p)
+               if name.split(".")[0] == "arguments"]
+    assert not imports, imports
+    code = ("import sys, megatron_eopt, megatron_eopt.factory, megatron_eopt.checkpointing.checkpoint; "
+            "megatron_eopt.get_megatron_optimizer; print('\\n'.join(sys.modules))")
+    output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert not [m for m in output.stdout.split() if m.split(".")[0] == "arguments"]
+
+
+def test_the_flags_import_without_torch() -> None:
+    # --help and a flag typo are answered before torch (seconds) or megatron-core (more) is imported.
+    modules = sorted(".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+                     for p in arguments_files())
+    code = (f"import importlib, sys; [importlib.import_module(m) for m in {modules!r}]; "
+            "print('\\n'.join(sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert "arguments.trainer.parser" in loaded
+    assert not [m for m in loaded if m.split(".")[0] in ("torch", "megatron")]
+
+
+def test_the_optimizer_flags_import_only_the_library() -> None:
+    # arguments/*.py serve Megatron-LM's parser as well as ours: only arguments/trainer/ reads the trainer.
+    optimizer_flags = [p for p in arguments_files() if p.relative_to(ARGUMENTS).parts[0] != "trainer"]
+    imports = [f"{p.relative_to(ROOT)} imports {name}" for p in optimizer_flags for name, _ in package_imports(p)
+               if name.startswith(("megatron_eopt.training", "arguments.trainer", "megatron."))]
+    assert not imports, imports
+
+
 def test_importing_the_config_does_not_import_the_bridge_layer() -> None:
     # The config's provide() reaches the factory only when called.
-    code = "import sys, megatron_eopt.config; print('\\n'.join(sys.modules))"
+    code = "import sys, megatron_eopt.config.optimizer_config; print('\\n'.join(sys.modules))"
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert "megatron_eopt.bridge" not in output.stdout.split()
+    assert "megatron_eopt.integrations.megatron_bridge" not in output.stdout.split()
 
 
 def test_layers_import_only_downwards() -> None:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_eopt import ParallelGroups, get_megatron_optimizer
-from megatron_eopt import once
+from megatron_eopt.runtime import once
 from tests.unit.library.distributed.test_distributed_step import tp_model
 
 
@@ -35,7 +35,7 @@ def _build_twice_and_record(model: torch.nn.Module, config, pg_collection=None) 
 
 
 def _tp2_body(rank: int, world_size: int, use_mcore_default: bool) -> tuple[str, list[str]]:
-    from megatron_eopt.config import OptimizerConfig
+    from megatron_eopt.config.optimizer_config import OptimizerConfig
 
     world = dist.group.WORLD
     config = _mcore_config() if use_mcore_default else OptimizerConfig(optimizer="muon", lr=0.01)
@@ -67,7 +67,7 @@ def test_megatron_core_blockwise_is_kept_without_warning_at_tp1() -> None:
 # Every megatron-core field does what it does there, or says why not
 # ------------------------------------------------------------------------------------------------
 
-from megatron_eopt.config import MEGATRON_CORE_FIELDS, OptimizerConfig  # noqa: E402
+from megatron_eopt.config.optimizer_config import MEGATRON_CORE_FIELDS, OptimizerConfig  # noqa: E402
 
 # A non-default value for each field that is not 'used'.
 NON_DEFAULT = {

@@ -14,8 +14,9 @@ import torch
 from emerging_optimizers.orthogonalized_optimizers import muon_utils
 from emerging_optimizers.orthogonalized_optimizers.muon import Muon
 
-from megatron_eopt import once, registry
-from megatron_eopt.config import OptimizerConfig
+from megatron_eopt import registry
+from megatron_eopt.runtime import once
+from megatron_eopt.config.optimizer_config import OptimizerConfig
 from megatron_eopt.optimizers.tensor_parallel_adaptive_muon import TensorParallelAdaptiveMuon
 from megatron_eopt.optimizers.tensor_parallel_muon import TensorParallelMuon
 from megatron_eopt.registry import BuildContext
@@ -127,8 +128,8 @@ def test_medium_on_a_cpu_that_emulates_bf16_warns_once(monkeypatch: pytest.Monke
 def test_the_command_line_default_is_chosen_from_the_hardware(monkeypatch, native: bool, expected: str) -> None:
     import argparse
 
-    from megatron_eopt import hardware
-    from megatron_eopt.arguments import add_optimizer_args, matmul_precision_line, optimizer_config_from_args
+    from megatron_eopt.runtime import hardware
+    from arguments import add_optimizer_args, matmul_precision_line, optimizer_config_from_args
 
     monkeypatch.setattr(hardware, "_cpu_has_bf16_instructions", lambda: native)
     args = add_optimizer_args(argparse.ArgumentParser()).parse_args(["--optimizer", "muon"])
@@ -143,7 +144,7 @@ def test_the_command_line_default_is_chosen_from_the_hardware(monkeypatch, nativ
 
 
 def test_native_bf16_detection_reads_the_cpu_flags() -> None:
-    from megatron_eopt.hardware import cpuinfo_has_bf16
+    from megatron_eopt.runtime.hardware import cpuinfo_has_bf16
 
     assert not cpuinfo_has_bf16("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512bw\n")
     assert cpuinfo_has_bf16("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\n")

@@ -14,7 +14,7 @@ import megatron_eopt.factory
 from megatron_eopt import ChainedOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron_eopt.distributed.layer_wise import LayerWiseDistributedOptimizer
 from megatron_eopt.muon import get_megatron_muon_optimizer
-from tests.unit.library.test_bridge import Model
+from tests.unit.library.integrations.test_megatron_bridge import Model
 
 GROUP_VALUES = ("group_key", "optimizer", "lr", "weight_decay", "max_lr", "min_lr", "wd_mult", "is_decoupled_lr")
 

@@ -27,9 +27,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_eopt.arguments import add_optimizer_args, optimizer_config_from_args, parse_and_validate, validate_args
+from arguments import add_optimizer_args, optimizer_config_from_args, parse_and_validate, validate_args
 from megatron_eopt import OptimizerConfig, ParallelGroups, get_megatron_optimizer
-from megatron_eopt import once, registry
+from megatron_eopt import registry
+from megatron_eopt.runtime import once
 from megatron_eopt.distributed.layer_wise import LayerWiseDistributedOptimizer
 from tests.unit.library.distributed.test_layer_wise import (
     CONFIG,
@@ -236,7 +237,7 @@ def test_unsupported_combinations_exit_2_with_one_line(parser, capsys):
 
 
 def test_pretrain_gpt_refuses_before_building_anything(monkeypatch, capsys):
-    from megatron_eopt.training.arguments.parser import parse_args
+    from arguments.trainer.parser import parse_args
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(SystemExit) as raised:
@@ -264,7 +265,7 @@ def test_distributed_optimizer_flag_means_layer_wise_for_every_optimizer(parser,
 
 
 def test_pretrain_gpt_adam_with_distributed_optimizer_parses_to_layer_wise(monkeypatch):
-    from megatron_eopt.training.arguments.parser import parse_args
+    from arguments.trainer.parser import parse_args
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     args, _, layout = parse_args(["--optimizer", "adam", "--use-distributed-optimizer", "--lr", "1e-3"])
@@ -274,7 +275,7 @@ def test_pretrain_gpt_adam_with_distributed_optimizer_parses_to_layer_wise(monke
 
 
 def test_config_with_distributed_optimizer_builds_the_layer_wise_one_and_says_so_once(monkeypatch, caplog):
-    from megatron_eopt.bridge import SchedulerConfig, setup_optimizer
+    from megatron_eopt.integrations.megatron_bridge import SchedulerConfig, setup_optimizer
 
     monkeypatch.setattr(once, "_GIVEN", set())  # as in a fresh process
     config = OptimizerConfig(optimizer="adam", lr=0.01, min_lr=0.0, use_distributed_optimizer=True)

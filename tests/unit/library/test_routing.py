@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from megatron_eopt import OptimizerConfig, ParamKey, get_megatron_optimizer
-from megatron_eopt.param_groups import ParamRouting, build_param_groups, matrix_layout, matrix_layouts
-from megatron_eopt.param_key import get_standard_config_overrides
+from megatron_eopt.params.groups import ParamRouting, build_param_groups, matrix_layout, matrix_layouts
+from megatron_eopt.params.overrides import get_standard_config_overrides
 
 
 class _Model(torch.nn.Module):

@@ -6,7 +6,7 @@ import importlib.metadata
 
 import pytest
 
-from megatron_eopt.training.arguments import device
+from arguments.trainer import device
 
 
 def test_it_agrees_with_torch_here() -> None:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from megatron_eopt.training.arguments.device import cuda_surely_absent
+from arguments.trainer.device import cuda_surely_absent
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -47,7 +47,7 @@ def test_help_imports_neither_torch_nor_megatron_core() -> None:
                                 "'blockwise', 'duplicated', 'distributed', 'sharded', 'auto'); did you mean duplicated?; see "
                                 "pretrain_gpt.py --help."),
     (["--normalization", "rmsnorm"], "did you mean RMSNorm?"),
-    # The installed optimizers and coefficient sets, known without torch (optimizer_names.py).
+    # The installed optimizers and coefficient sets, known without torch (config/optimizer_names.py).
     (["--optimizer", "muonn", "--lr", "1e-3"], "pretrain_gpt.py: error: argument --optimizer: invalid choice: 'muonn' "
                                                "(choose from 'adam', "),
     (["--optimizer", "muonn"], "'sgd', 'sinkhorn_muon', 'soap', 'spel', 'dist_muon'); did you mean muon?; see "
@@ -108,7 +108,7 @@ SEMANTIC_ERRORS = {
                 "--profile-step-end 5 must be > --profile-step-start 5."),
     "checkpoint": (["--lr", "0.1", "--ckpt-step", "5"], "--ckpt-step needs --load."),
     "run-control": (["--lr", "0.1", "--exit-signal", "SIGINT"], "--exit-signal SIGINT needs --exit-signal-handler."),
-    # OptimizerConfig's rules (config_rules.py), in its words, before the trainer's own checks.
+    # OptimizerConfig's rules (config/rules.py), in its words, before the trainer's own checks.
     "precision": (["--fp16", "--bf16"], "--fp16 and --bf16 are both True; choose at most one."),
     "optimizer-config": (["--lr", "0.1", "--min-lr", "1"], "--min-lr (1.0) must not exceed --lr (0.1)."),
     # The lr schedule's SchedulerConfig, --step-batch-size-schedule and --pipeline-model-parallel-layout,

@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 
-from megatron_eopt.once import RankWarning
+from megatron_eopt.runtime.once import RankWarning
 from megatron_eopt.training.logging import warning_policy as policy
 
 APEX = "Apex is not installed. Falling back to Torch Norm"
@@ -28,7 +28,7 @@ def _printed(rank_zero: bool) -> list[str]:
         with policy.warning_policy(rank_zero):
             for module in ("megatron.core.fusions.fused_layer_norm", "megatron.core.transformer.torch_norm"):
                 warnings.warn_explicit(APEX, UserWarning, f"/{module}.py", 1, module=module)
-            warnings.warn_explicit("--x has no effect", UserWarning, "/v.py", 2, module="megatron_eopt.arguments.v")
+            warnings.warn_explicit("--x has no effect", UserWarning, "/v.py", 2, module="arguments.v")
             warnings.warn_explicit("this rank's file", RankWarning, "/d.py", 3, module="megatron_eopt.training.d")
             warnings.warn_explicit("something new", FutureWarning, "/t.py", 4, module="torch.thing")
     return lines

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from megatron_eopt import OptimizerConfig, get_megatron_optimizer
-from megatron_eopt.bridge import SchedulerConfig, get_scheduler
+from megatron_eopt.integrations.megatron_bridge import SchedulerConfig, get_scheduler
 from megatron_eopt.training.model.gpt import (
     GPTModelSettings,
     build_gpt_model,

@@ -380,7 +380,7 @@ def _async_groups_body(rank: int, world_size: int, directory: str) -> dict:
 
     from megatron_eopt.checkpointing import new_save_group, start_save_checkpoint
     from megatron_eopt.checkpointing.state import checkpoint_group
-    from megatron_eopt.distributed.process_groups import resolve_parallel_groups
+    from megatron_eopt.runtime.process_groups import resolve_parallel_groups
 
     run = GPTRun(Layout("adam"))
     try:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from megatron_eopt import OptimizerConfig, get_megatron_optimizer
-from megatron_eopt.bridge import SchedulerConfig, get_scheduler
+from megatron_eopt.integrations.megatron_bridge import SchedulerConfig, get_scheduler
 from megatron_eopt.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
 
 BATCH = 4
@@ -157,8 +157,8 @@ def _draws(tracker) -> dict:
 
 
 def test_pretrain_gpt_scheduler_flags_reach_the_scheduler_config(capsys) -> None:
-    from megatron_eopt.training.arguments.parser import parse_args
-    from megatron_eopt.training.arguments.training import scheduler_config
+    from arguments.trainer.parser import parse_args
+    from arguments.trainer.training import scheduler_config
 
     base = ["--lr", "1e-2", "--load", "ckpt"]
     for flag, field in (("--override-opt_param-scheduler", "override_opt_param_scheduler"),

@@ -16,11 +16,11 @@ import warnings
 import pytest
 
 from megatron_eopt.checkpointing import CheckpointError
-from megatron_eopt.checkpointing.ownership import DirectoryOwner
+from megatron_eopt.checkpointing.directory_lock import DirectoryOwner
 
 FORKING_HOLDER = textwrap.dedent("""
     import os, sys, time
-    from megatron_eopt.checkpointing.ownership import DirectoryOwner
+    from megatron_eopt.checkpointing.directory_lock import DirectoryOwner
     DirectoryOwner(sys.argv[1]).acquire()
     child = os.fork()
     if child == 0:
@@ -45,7 +45,7 @@ def test_a_dead_holders_lock_is_taken_over_once(tmp_path) -> None:
             owner = DirectoryOwner(str(tmp_path)).acquire()
         lines = [str(w.message) for w in caught]
         assert len(lines) == 1 and f"took over the lock on {tmp_path}: its holder is dead (pid {holder.pid}" in lines[0]
-        other = subprocess.run([sys.executable, "-c", "import sys; from megatron_eopt.checkpointing.ownership "
+        other = subprocess.run([sys.executable, "-c", "import sys; from megatron_eopt.checkpointing.directory_lock "
                                 "import DirectoryOwner; DirectoryOwner(sys.argv[1]).acquire()", str(tmp_path)],
                                capture_output=True, text=True, timeout=120)
         assert other.returncode != 0 and f"pid {os.getpid()} on host" in other.stderr, other.stderr[-2000:]

@@ -100,7 +100,7 @@ def step_both(reference: torch.nn.Module, sharded: torch.nn.Module, config: Opti
 
 
 def _single_process():
-    from megatron_eopt.distributed.process_groups import ParallelGroups
+    from megatron_eopt.runtime.process_groups import ParallelGroups
 
     return ParallelGroups.single_process()  # the reference is one unsharded replica
 
@@ -426,7 +426,7 @@ def _tp_group_errors() -> dict[str, tuple[str, str]]:
     from megatron.core import parallel_state
     from torch.distributed.fsdp import fully_shard
 
-    from megatron_eopt.distributed.process_groups import ParallelGroups
+    from megatron_eopt.runtime.process_groups import ParallelGroups
 
     initialize_model_parallel(TP, seed=11)
     try:

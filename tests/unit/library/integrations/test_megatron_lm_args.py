@@ -237,7 +237,7 @@ def _parsers_body(rank: int, world_size: int) -> dict:
 
     import typing
 
-    from megatron_eopt.config import MatmulPrecision
+    from megatron_eopt.config.optimizer_config import MatmulPrecision
     from megatron_eopt.integrations.megatron_lm import add_megatron_eopt_args
     from megatron_eopt.registry import list_optimizers
 

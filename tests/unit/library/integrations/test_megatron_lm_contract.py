@@ -140,7 +140,8 @@ def test_knowingly_unsupported_members_are_still_used() -> None:
 
 
 def test_members_added_for_megatron_lm_behave() -> None:
-    """Values Megatron-LM branches on: a built chain is never a stub optimizer."""
+    """Values Megatron-LM branches on: a chain is not a stub optimizer unless it has no children
+    (tests/unit/library/wrappers/test_stub_optimizer.py)."""
     for cls in OPTIMIZER_CLASSES:
         assert cls.is_stub_optimizer is False
     params = inspect.signature(LayerWiseDistributedOptimizer.load_state_dict_from_file).parameters

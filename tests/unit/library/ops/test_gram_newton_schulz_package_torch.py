@@ -7,7 +7,7 @@
   mantissa bits than bf16, hence the package's smaller error.
 - `NewtonSchulzSettings` with a package sends exactly the Gram blocks without a TP group to it.
 - Errors: the package not importable or shadowed, and its arguments (optimizer and config level, the latter
-  torch-free as config_rules.py).
+  torch-free as config/rules.py).
 """
 
 import importlib.util
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatron_eopt import OptimizerConfig
-from megatron_eopt.config_rules import check_values
+from megatron_eopt.config.rules import check_values
 from megatron_eopt.ops import gram_newton_schulz_package as package_module
 from megatron_eopt.ops.gram_newton_schulz import gram_newton_schulz
 from megatron_eopt.ops.gram_newton_schulz_package import GramPackage, check_package_arguments

@@ -119,7 +119,7 @@ def test_cheapest_mode_is_the_least_predicted_time() -> None:
 def test_config_profile_names_are_the_cost_models() -> None:
     import typing
 
-    from megatron_eopt.config_choices import HardwareProfileName
+    from megatron_eopt.config.choices import HardwareProfileName
     from megatron_eopt.ops.muon_cost import CALIBRATED
 
     assert set(typing.get_args(HardwareProfileName)) == set(PROFILES) | set(CALIBRATED)

@@ -19,7 +19,7 @@ import torch
 from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz
 
 from megatron_eopt import OptimizerConfig
-from megatron_eopt.arguments import add_optimizer_args, validate_args
+from arguments import add_optimizer_args, validate_args
 from megatron_eopt.ops.qk_clip import QKVRows
 from megatron_eopt.ops.splits import MatrixLayout, merge_blocks, qkv_row_blocks, split_blocks
 from megatron_eopt.optimizers.tensor_parallel_muon import TensorParallelMuon
@@ -139,7 +139,7 @@ def test_model_without_fused_qkv_warns_once() -> None:
     from unittest import mock
 
     from megatron_eopt import ParallelGroups, get_megatron_optimizer
-    from megatron_eopt import once
+    from megatron_eopt.runtime import once
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 4, bias=False))
     config = OptimizerConfig(optimizer="muon", lr=0.01, muon_split_qkv_per_head=True)

@@ -15,7 +15,7 @@ import textwrap
 
 import torch
 
-from tests.unit.library.checkpointing.test_ownership import _lock_is_free
+from tests.unit.library.checkpointing.test_directory_lock import _lock_is_free
 
 ARGV = ["--optimizer", "adam", "--lr", "1e-3", "--train-iters", "2", "--save-interval", "2", "--log-interval", "1",
         "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
@@ -23,7 +23,7 @@ ARGV = ["--optimizer", "adam", "--lr", "1e-3", "--train-iters", "2", "--save-int
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 HOLDER = textwrap.dedent("""
     import sys, time
-    from megatron_eopt.checkpointing.ownership import DirectoryOwner
+    from megatron_eopt.checkpointing.directory_lock import DirectoryOwner
     DirectoryOwner(sys.argv[1]).acquire()
     print("holding", flush=True)
     time.sleep(600)

@@ -1,0 +1,246 @@
+"""Megatron-LM-compatible optimizer flags: `add_optimizer_args(parser)`.
+
+Every flag's `dest` is the `OptimizerConfig` field of the same name, and every default is read
+from `dataclasses.fields(OptimizerConfig)`, so trainers that copy argparse attributes onto the
+config by name get the config that `OptimizerConfig()` gives. One exception:
+`--muon-fp32-matmul-prec` defaults to None, which `optimizer_config_from_args` resolves from the
+hardware ('medium' where bf16 matrix products are native, else 'highest').
+
+Flags are spelled as Megatron-LM spells them: `store_true` booleans, except its negative
+spellings `--muon-no-split-qkv` and `--soap-no-kl-shampoo`. Importing this module imports no
+torch: the defaults and the installed choices (`list_optimizers`, `coefficient_types`) are read
+inside `add_optimizer_args`; with `deferred=True` not at all (defaults None; the installed
+choices from the torch-free lists of optimizer_names.py where they describe the installed
+emerging_optimizers), and `resolve_optimizer_flags` fills and checks them later, so a trainer
+parses before torch.
+"""
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+from arguments.close_match import did_you_mean
+from megatron_eopt.config.choices import (
+    AdaptiveMoment2Method,
+    HardwareProfileName,
+    MatmulPrecision,
+    ScalarOptimizer,
+    ScaleMode,
+    TpMode,
+)
+from megatron_eopt.config.optimizer_names import DEPRECATED_OPTIMIZER_NAMES, coefficient_types, optimizer_names
+
+GIVEN_FLAGS_ATTR = "optimizer_flags_given"  # Namespace attribute: dests set on the command line
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One command-line flag: `option` sets `OptimizerConfig.<dest>`."""
+
+    option: str
+    dest: str
+    help: str
+    type: Optional[Callable[[str], Any]] = None  # None: a boolean switch
+    choices: Optional[Callable[[], tuple[str, ...]]] = None  # read when the parser is built
+    negative: bool = False  # a `--no-...` switch: store_false
+    hardware_default: bool = False  # default None: optimizer_config_from_args chooses for the device
+    installed: bool = False  # choices read from the installed packages (imports torch)
+    listed: Optional[Callable[[], Optional[tuple[str, ...]]]] = None  # the same, torch-free (None: unknown)
+
+
+def _optimizer_choices() -> tuple[str, ...]:
+    from megatron_eopt.registry import list_optimizers  # lazy: installed optimizers only
+
+    return tuple(list_optimizers()) + DEPRECATED_OPTIMIZER_NAMES
+
+
+def _listed_optimizer_choices() -> Optional[tuple[str, ...]]:
+    names = optimizer_names()
+    return None if names is None else names + DEPRECATED_OPTIMIZER_NAMES
+
+
+def _coefficient_choices() -> tuple[str, ...]:
+    from megatron_eopt.ops.newton_schulz import coefficient_types  # lazy: installed sets only
+
+    return coefficient_types()
+
+
+def _literal(alias: Any) -> Callable[[], tuple[str, ...]]:
+    return lambda: typing.get_args(alias)
+
+
+FLAGS: tuple[Flag, ...] = (
+    # General.
+    Flag("--optimizer", "optimizer", "Optimizer (dist_muon is deprecated: use --optimizer muon "
+         "--use-distributed-optimizer).", str, _optimizer_choices, installed=True,
+         listed=_listed_optimizer_choices),
+    Flag("--lr", "lr", "Peak learning rate.", float),
+    Flag("--min-lr", "min_lr", "Minimum learning rate of the schedule.", float),
+    Flag("--decoupled-lr", "decoupled_lr", "Learning rate of the embedding and output layer.", float),
+    Flag("--decoupled-min-lr", "decoupled_min_lr", "Minimum learning rate of the embedding and "
+         "output layer.", float),
+    Flag("--weight-decay", "weight_decay", "Weight decay coefficient.", float),
+    Flag("--apply-wd-to-qk-layernorm", "apply_wd_to_qk_layernorm", "Apply weight decay to the "
+         "QK-layernorm weights too."),
+    Flag("--clip-grad", "clip_grad", "Clip gradients to this global L2 norm (0 disables).", float),
+    Flag("--grad-norm-skip-threshold", "grad_norm_skip_threshold", "Skip the step when the "
+         "gradient norm exceeds this.", float),
+    Flag("--log-num-zeros-in-grad", "log_num_zeros_in_grad", "Count zeros in the gradients."),
+    # Adam and SGD.
+    Flag("--adam-beta1", "adam_beta1", "Adam beta1.", float),
+    Flag("--adam-beta2", "adam_beta2", "Adam beta2.", float),
+    Flag("--adam-eps", "adam_eps", "Adam epsilon.", float),
+    Flag("--sgd-momentum", "sgd_momentum", "SGD momentum.", float),
+    # Muon.
+    Flag("--muon-momentum", "muon_momentum", "Muon momentum.", float),
+    Flag("--muon-nesterov", "muon_nesterov", "Nesterov momentum in Muon."),
+    Flag("--muon-no-split-qkv", "muon_split_qkv", "Orthogonalize linear_qkv as one matrix instead "
+         "of q, k, v separately.", negative=True),
+    Flag("--muon-split-qkv-per-head", "muon_split_qkv_per_head", "Orthogonalize every q, k and v "
+         "head of linear_qkv as its own matrix (muon, adaptive_muon)."),
+    Flag("--muon-scale-mode", "muon_scale_mode", "Scale of Muon's update.", str, _literal(ScaleMode)),
+    Flag("--muon-fp32-matmul-prec", "muon_fp32_matmul_prec", "FP32 matmul precision of the "
+         "Newton-Schulz iteration ('medium': bf16). Default: chosen from the hardware, 'medium' "
+         "where bf16 matrix products are native (GPUs, CPUs with AVX512-BF16/AMX/Arm BF16), "
+         "else 'highest'.", str, _literal(MatmulPrecision), hardware_default=True),
+    Flag("--muon-coefficient-type", "muon_coefficient_type", "Newton-Schulz coefficient set (those "
+         "of the installed emerging_optimizers).", str, _coefficient_choices, installed=True,
+         listed=coefficient_types),
+    Flag("--muon-num-ns-steps", "muon_num_ns_steps", "Newton-Schulz steps.", int),
+    Flag("--muon-tp-mode", "muon_tp_mode", "How tensor-parallel matrices are orthogonalized (no "
+         "effect without tensor parallelism); 'auto': per matrix, the exact mode predicted cheapest.",
+         str, _literal(TpMode)),
+    Flag("--muon-expert-tp-mode", "muon_expert_tp_mode", "TP mode of expert (MoE) matrices over the "
+         "expert TP group. Default: --muon-tp-mode.", str, _literal(TpMode)),
+    Flag("--muon-tp-hardware-profile", "muon_tp_hardware_profile", "What --muon-tp-mode auto predicts "
+         "with: 'h100' (measured GPU figures) or 'cpu'. Default: rates calibrated on this machine.",
+         str, _literal(HardwareProfileName)),
+    Flag("--muon-extra-scale-factor", "muon_extra_scale_factor", "Extra factor on Muon's update.",
+         float),
+    Flag("--muon-match-adamw-rms", "muon_match_adamw_rms", "Scale Muon's update to AdamW's RMS "
+         "(0.2 * sqrt(max(m, n)); needs --muon-scale-mode spectral)."),
+    Flag("--muon-scalar-optimizer", "muon_scalar_optimizer", "Optimizer of the parameters Muon "
+         "does not step.", str, _literal(ScalarOptimizer)),
+    Flag("--muon-use-syrk", "muon_use_syrk", "Use SYRK in the Newton-Schulz iteration."),
+    Flag("--muon-gram-newton-schulz", "muon_gram_newton_schulz", "Gram Newton-Schulz (iterate on the "
+         "small Gram matrix) on the blocks where it costs fewer FLOPs (muon, adaptive_muon)."),
+    Flag("--muon-gram-newton-schulz-package", "muon_gram_newton_schulz_package", "Run those Gram blocks, "
+         "where whole on their rank, through the gram-newton-schulz package (float16; needs "
+         "--muon-gram-newton-schulz and --muon-fp32-matmul-prec medium)."),
+    # Other emerging optimizers.
+    Flag("--lion-beta1", "lion_beta1", "Lion beta1 (sign update).", float),
+    Flag("--lion-beta2", "lion_beta2", "Lion beta2 (momentum EMA).", float),
+    Flag("--soap-shampoo-beta", "soap_shampoo_beta", "SOAP Shampoo beta.", float),
+    Flag("--soap-precondition-frequency", "soap_precondition_frequency", "SOAP preconditioner "
+         "update interval (steps).", int),
+    Flag("--soap-no-kl-shampoo", "soap_use_kl_shampoo", "Use plain Shampoo factors in SOAP "
+         "instead of KL-Shampoo.", negative=True),
+    Flag("--adaptive-muon-moment2-method", "adaptive_muon_moment2_method", "Second moment of "
+         "adaptive Muon.", str, _literal(AdaptiveMoment2Method)),
+    Flag("--adaptive-muon-beta2", "adaptive_muon_beta2", "Adaptive Muon beta2.", float),
+    Flag("--adaptive-muon-eps", "adaptive_muon_eps", "Adaptive Muon epsilon.", float),
+    Flag("--no-emerging-optimizers-compile", "emerging_optimizers_compile", "Run emerging_optimizers' "
+         "torch.compile'd updates (lion, laprop, soap, rekls, psgd_pro) uncompiled: no first-step "
+         "compilation.", negative=True),
+    # QK-clip (MuonClip).
+    Flag("--qk-clip", "qk_clip", "After each step, scale W_q/W_k of attention heads whose largest "
+         "logit exceeded --qk-clip-threshold (MuonClip)."),
+    Flag("--qk-clip-threshold", "qk_clip_threshold", "QK-clip threshold tau on the largest "
+         "attention logit.", float),
+    Flag("--qk-clip-alpha", "qk_clip_alpha", "QK-clip balance: W_q scaled by eta^alpha, W_k by "
+         "eta^(1-alpha).", float),
+    Flag("--log-max-attention-logit", "log_max_attention_logit", "Record and log the largest "
+         "attention logit (implied by --qk-clip)."),
+    # Distribution.
+    Flag("--use-distributed-optimizer", "use_distributed_optimizer", "Shard optimizer state over "
+         "data-parallel ranks (layer-wise for emerging optimizers)."),
+    Flag("--use-layer-wise-distributed-optimizer", "use_layer_wise_distributed_optimizer", "Give "
+         "each parameter's optimizer state to one data-parallel rank."),
+    Flag("--layer-wise-reduce-grads", "layer_wise_reduce_grads", "With the layer-wise optimizer: "
+         "gradients are each rank's own and are reduced onto their owners."),
+    Flag("--overlap-param-gather", "overlap_param_gather", "Overlap the parameter all-gather with "
+         "the forward pass."),
+    Flag("--overlap-param-gather-with-optimizer-step", "overlap_param_gather_with_optimizer_step",
+         "Overlap the parameter all-gather with the optimizer step."),
+    # Mixed precision and loss scaling.
+    Flag("--fp16", "fp16", "fp16 mixed precision (adam/sgd only)."),
+    Flag("--bf16", "bf16", "bf16 mixed precision."),
+    Flag("--loss-scale", "loss_scale", "Static loss scale (fp16; default: dynamic).", float),
+    Flag("--initial-loss-scale", "initial_loss_scale", "Initial dynamic loss scale.", float),
+    Flag("--min-loss-scale", "min_loss_scale", "Minimum dynamic loss scale.", float),
+    Flag("--loss-scale-window", "loss_scale_window", "Steps between loss-scale increases.", float),
+    Flag("--hysteresis", "hysteresis", "Overflows tolerated before the loss scale drops.", int),
+)
+
+OPTION_OF: dict[str, str] = {flag.dest: flag.option for flag in FLAGS}  # field -> flag string
+
+
+class _StoreAndRecord(argparse.Action):
+    """`store`, also recording the dest in `namespace.optimizer_flags_given`."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        given = set(getattr(namespace, GIVEN_FLAGS_ATTR, None) or ())
+        setattr(namespace, GIVEN_FLAGS_ATTR, given | {self.dest})
+
+
+def add_optimizer_args(parser: argparse.ArgumentParser, *, deferred: bool = False) -> argparse.ArgumentParser:
+    """Add the 'optimizer' argument group to `parser` and return it.
+
+    `deferred`: every default None and the installed choices from optimizer_names.py (unchecked
+    where it does not know them), with no import of torch;
+    `resolve_optimizer_flags` then gives the namespace with OptimizerConfig's defaults.
+    """
+    defaults = {} if deferred else _config_defaults()
+    group = parser.add_argument_group(title="optimizer")
+    for flag in FLAGS:
+        kwargs = flag_kwargs(flag, None if flag.hardware_default else defaults.get(flag.dest),
+                             with_choices=not (deferred and flag.installed))
+        if flag.dest == "muon_tp_mode":  # validate_args warns when it is given with TP=1
+            kwargs["action"] = _StoreAndRecord
+        listed = flag.listed() if deferred and flag.listed is not None else None
+        if listed is not None:  # the installed choices, known without torch (optimizer_names.py)
+            kwargs["choices"] = listed
+        elif deferred and flag.installed:
+            kwargs["help"] += f" Choices: those installed ({flag.option} checks them after start-up)."
+        group.add_argument(flag.option, **kwargs)
+    return parser
+
+
+def _config_defaults() -> dict[str, Any]:
+    from megatron_eopt.config.optimizer_config import OptimizerConfig  # imports torch
+
+    return {field.name: field.default for field in dataclasses.fields(OptimizerConfig)}
+
+
+def resolve_optimizer_flags(args: argparse.Namespace) -> argparse.Namespace:
+    """A new namespace: `args` from a deferred parser with OptimizerConfig's defaults for the
+    flags not given, after checking the installed choices (ValueError in argparse's words)."""
+    for flag in FLAGS:
+        value = getattr(args, flag.dest, None)
+        if flag.installed and value is not None and value not in flag.choices():
+            raise ValueError(invalid_choice_message(flag.option, value, flag.choices()))
+    defaults = _config_defaults()
+    filled = {flag.dest: defaults[flag.dest] for flag in FLAGS
+              if getattr(args, flag.dest, None) is None and not flag.hardware_default}
+    return argparse.Namespace(**{**vars(args), **filled})
+
+
+def invalid_choice_message(option: str, value: Any, choices: Sequence[Any]) -> str:
+    """argparse's words for a bad choice, plus the closest choice."""
+    message = f"argument {option}: invalid choice: {value!r} (choose from {', '.join(map(repr, choices))})"
+    return message + did_you_mean(str(value), [str(choice) for choice in choices])
+
+
+def flag_kwargs(flag: Flag, default: Any, with_choices: bool = True) -> dict[str, Any]:
+    """`add_argument` keyword arguments for `flag` (also used to extend Megatron-LM's parser)."""
+    kwargs: dict[str, Any] = {"dest": flag.dest, "default": default, "help": flag.help}
+    if flag.type is None:
+        kwargs["action"] = "store_false" if flag.negative else "store_true"
+    else:
+        kwargs["type"] = flag.type
+        if flag.choices is not None and with_choices:
+            kwargs["choices"] = flag.choices()
+    return kwargs

@@ -1,0 +1,186 @@
+"""Training-length, schedule, checkpoint and precision flags: checks and the lr schedule's SchedulerConfig."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Any, Optional
+
+from arguments import (
+    refuse_flags_without,
+)
+from megatron_eopt.config.scheduler import SchedulerConfig
+from arguments.trainer.device import Device
+from arguments.trainer.flags.table import replaced, settings_from_flags
+from arguments.trainer.flags.training import DEFAULT_TRAIN_ITERS
+from arguments.trainer.loop import check_eval_flags, check_housekeeping_flags
+from arguments.trainer.no_effect import check_not_offered
+from megatron_eopt.training.loop.run_control import (
+    check_run_control_flags,
+)
+
+
+def check_training_flags(args: argparse.Namespace, device: Device) -> dict[str, Any]:
+    """Check the training flags; returns the defaults they resolve (train_iters, min_lr, the
+    gradient precision, WSD's decay style, --exit-signal's); the lr schedule's SchedulerConfig
+    (torch-free) checks its fields, so the same before and after the import."""
+    args = replaced(args, train_iters=_training_length(args))
+    for name in ("train_iters", "log_interval", "tensorboard_log_interval", "tensorboard_queue_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}.")
+    if args.ddp_bucket_size is not None and args.ddp_bucket_size < 1:
+        raise ValueError(f"--ddp-bucket-size must be >= 1; got {args.ddp_bucket_size}.")
+    if args.distributed_timeout_minutes <= 0:
+        raise ValueError(f"--distributed-timeout-minutes must be > 0; got {args.distributed_timeout_minutes}.")
+    check_not_offered(args)
+    if args.context_parallel_size != 1:
+        raise ValueError(f"--context-parallel-size {args.context_parallel_size}: context parallelism is not "
+                         f"offered by this trainer (only 1).")
+    check_housekeeping_flags(args)
+    if args.calculate_per_token_loss and args.num_experts is not None:
+        raise ValueError("--calculate-per-token-loss with --num-experts is not offered (megatron-core scales the "
+                         "MoE aux loss differently under it).")
+    if args.exit_interval is not None and args.exit_interval < 1:
+        raise ValueError(f"--exit-interval must be >= 1; got {args.exit_interval}.")
+    if args.exit_duration_in_mins is not None and not args.exit_duration_in_mins > 0:
+        raise ValueError(f"--exit-duration-in-mins must be > 0; got {args.exit_duration_in_mins}.")
+    if args.lr is None:
+        raise ValueError("--lr is required (the peak learning rate).")
+    args = replaced(args, min_lr=0.0 if args.min_lr is None else args.min_lr,
+                    accumulate_allreduce_grads_in_fp32=_gradient_precision(args))
+    check_eval_flags(args)
+    args = replaced(args, **check_run_control_flags(args))
+    _check_document_flags(args, device)
+    if args.save_interval is not None and (args.save_interval < 1 or not args.save):
+        raise ValueError(f"--save-interval needs --save and must be >= 1; got {args.save_interval}.")
+    if args.ckpt_step is not None and not args.load:
+        raise ValueError("--ckpt-step needs --load.")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise ValueError("--override-opt_param-scheduler (this run's lr schedule) and "
+                         "--use-checkpoint-opt_param-scheduler (the checkpoint's) exclude each other; give one.")
+    _check_fsdp2_flags(args)
+    if args.plot and not args.plot.endswith(".png"):
+        raise ValueError(f"--plot writes a PNG; give a path ending in .png, got {args.plot!r}.")
+    args = replaced(args, lr_wsd_decay_style=_check_wsd_flags(args))
+    _check_weight_decay_flags(args)
+    if args.lr_warmup_init > args.lr:
+        raise ValueError(f"--lr-warmup-init {args.lr_warmup_init} must not exceed --lr {args.lr}.")
+    try:
+        scheduler_config(args)
+    except (TypeError, ValueError) as error:  # SchedulerConfig's field names -> this script's flags
+        raise ValueError(re.sub(r"SchedulerConfig\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"),
+                                str(error))) from None
+    return {name: getattr(args, name) for name in ("train_iters", "min_lr", "accumulate_allreduce_grads_in_fp32",
+                                                   "lr_wsd_decay_style", "exit_signal")}
+
+
+def _check_document_flags(args: argparse.Namespace, device: Device) -> None:
+    """--reset-position-ids / --reset-attention-mask run through the one-stage forward, which
+    passes the per-document positions and mask to the model (megatron_eopt/training/parallel/pipeline.py's SingleStage)."""
+    given = [flag for flag, on in (("--reset-position-ids", args.reset_position_ids),
+                                   ("--reset-attention-mask", args.reset_attention_mask)) if on]
+    if given and args.pipeline_model_parallel_size > 1:
+        raise ValueError(f"{given[0]} needs --pipeline-model-parallel-size 1: the pipeline's stages here pass "
+                         f"each other hidden states only (torch.distributed.pipelining), not the per-document "
+                         f"positions and mask.")
+    if args.reset_attention_mask and device.te_on_cuda is True and args.transformer_impl != "local":
+        raise ValueError("--reset-attention-mask with Transformer Engine is not offered: its attention is built "
+                         "with the causal mask type, which does not apply a per-document mask; add "
+                         "--transformer-impl local.")
+
+
+def document_lines(args: argparse.Namespace) -> list[str]:
+    if args.reset_position_ids and args.position_embedding_type != "learned_absolute":
+        return [f"--reset-position-ids: no effect with --position-embedding-type {args.position_embedding_type}: "
+                f"megatron-core's GPTModel reads position ids only for learned absolute position embeddings (RoPE "
+                f"rotates by the position in the sequence), as in Megatron-LM"]
+    return []
+
+
+def _gradient_precision(args: argparse.Namespace) -> bool:
+    """--accumulate-allreduce-grads-in-fp32 resolved. Megatron-LM: with --bf16, gradients are
+    accumulated and all-reduced in fp32 unless --grad-reduce-in-bf16 (which wins)."""
+    if args.grad_reduce_in_bf16 and not args.bf16:
+        raise ValueError("--grad-reduce-in-bf16 only applies with --bf16.")
+    if args.bf16:
+        return not args.grad_reduce_in_bf16
+    return args.accumulate_allreduce_grads_in_fp32
+
+
+_ITERATION_SCHEDULE_FLAGS = ("lr_decay_iters", "lr_warmup_iters", "lr_wsd_decay_iters")
+
+
+_SAMPLE_SCHEDULE_FLAGS = ("lr_decay_samples", "lr_warmup_samples", "lr_wsd_decay_samples")
+
+
+def _training_length(args: argparse.Namespace) -> int:
+    """--train-iters or --train-samples (Megatron-LM: then train_samples // global batch
+    iterations, and the schedule flags count samples); returns the iterations either way."""
+    def given(names: tuple[str, ...]) -> list[str]:
+        return [f"--{name.replace('_', '-')}" for name in names if getattr(args, name)]
+
+    if args.train_samples is None:
+        if given(_SAMPLE_SCHEDULE_FLAGS):
+            raise ValueError(f"{given(_SAMPLE_SCHEDULE_FLAGS)[0]} needs --train-samples (with --train-iters the "
+                             f"schedule counts iterations: --lr-decay-iters, --lr-warmup-iters, ...).")
+        return DEFAULT_TRAIN_ITERS if args.train_iters is None else args.train_iters
+    if args.train_iters is not None:
+        raise ValueError("--train-iters and --train-samples both set the training length; give one.")
+    if given(_ITERATION_SCHEDULE_FLAGS):
+        raise ValueError(f"{given(_ITERATION_SCHEDULE_FLAGS)[0]} counts iterations; with --train-samples the "
+                         f"schedule counts samples (--lr-decay-samples, --lr-warmup-samples, --lr-wsd-decay-samples).")
+    if args.train_samples < args.global_batch_size:
+        raise ValueError(f"--train-samples {args.train_samples} must be >= --global-batch-size "
+                         f"{args.global_batch_size} (one iteration).")
+    return args.train_samples // args.global_batch_size
+
+
+def _check_fsdp2_flags(args: argparse.Namespace) -> None:
+    """What --use-torch-fsdp2 does not do yet, refused before anything is built."""
+    if not args.use_torch_fsdp2:
+        return
+    refused = [("--use-distributed-optimizer (FSDP2 shards the optimizer state already)",
+                args.use_layer_wise_distributed_optimizer),
+               ("--log-params-norm", args.log_params_norm),
+               ("--pipeline-model-parallel-size > 1", args.pipeline_model_parallel_size > 1),
+               ("--fp16 (loss scaling of DTensor shards is not implemented)", args.fp16)]
+    for what, given in refused:
+        if given:
+            raise ValueError(f"--use-torch-fsdp2 does not support {what} yet.")
+
+
+def _check_wsd_flags(args: argparse.Namespace) -> Optional[str]:
+    """Checks; returns --lr-wsd-decay-style (Megatron-LM's default exponential with WSD)."""
+    if args.lr_decay_style != "WSD":
+        given = [f"--{name.replace('_', '-')}" for name in ("lr_wsd_decay_iters", "lr_wsd_decay_style")
+                 if getattr(args, name) is not None]
+        refuse_flags_without(given, f"--lr-decay-style WSD (got --lr-decay-style {args.lr_decay_style})")
+        return args.lr_wsd_decay_style
+    decay_iters = args.lr_decay_iters or args.train_iters
+    if args.train_samples is None and args.lr_wsd_decay_iters is not None and args.lr_wsd_decay_iters > decay_iters:
+        raise ValueError(f"--lr-wsd-decay-iters {args.lr_wsd_decay_iters} must not exceed the decay's "
+                         f"{decay_iters} iterations (--lr-decay-iters, default --train-iters).")
+    return args.lr_wsd_decay_style or "exponential"  # Megatron-LM's default
+
+
+def _check_weight_decay_flags(args: argparse.Namespace) -> None:
+    """Megatron-LM's rule: a growing weight decay names both ends, a constant one is --weight-decay."""
+    style = args.weight_decay_incr_style
+    ends = [flag for flag, value in (("--start-weight-decay", args.start_weight_decay),
+                                     ("--end-weight-decay", args.end_weight_decay)) if value is not None]
+    if style == "constant":
+        refuse_flags_without(ends, "--weight-decay-incr-style linear or cosine (constant keeps --weight-decay)")
+    elif len(ends) < 2:
+        raise ValueError(f"--weight-decay-incr-style {style} needs --start-weight-decay and --end-weight-decay.")
+
+
+def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
+    """Megatron-LM's schedule flags, matched to SchedulerConfig's fields by name;
+    megatron_eopt.integrations.megatron_bridge turns iterations into samples. With --train-samples
+    the schedule counts samples only."""
+    samples = args.train_samples is not None
+    return settings_from_flags(args, SchedulerConfig, dict(
+        lr_wsd_decay_style=args.lr_wsd_decay_style or "exponential",
+        train_iters=None if samples else args.train_iters,
+        lr_warmup_samples=args.lr_warmup_samples or 0,
+    ))

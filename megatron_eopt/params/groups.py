@@ -1,0 +1,393 @@
+"""Model chunks + overrides -> torch param groups, routing, and one record of facts per parameter.
+
+A group is identified by a stable text key `<optimizer>/<dense|expert>/<override keys>`: the
+optimizer that steps it, whether it holds expert parameters, and the descriptions of the
+override keys its parameters matched (never the override values, so a checkpoint still matches
+its groups after an lr change). Every rank creates the same set of keys, some groups possibly
+empty, because checkpoints match groups by key. Groups list their parameters' fqns in
+`param_fqns`, parallel to `params` (metadata; torch ignores it).
+
+Routing (`ParamRouting`): an optimizer that takes only some parameters (Muon: hidden 2-D
+matrices) gets those; the others go to the scalar optimizer; see megatron_eopt.registry for
+which optimizer takes what. `matrix_layouts` describes the matrices such an optimizer
+orthogonalizes (tensor-parallel shards, fused QKV and gate/up weights).
+"""
+
+import fnmatch
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_eopt.ops.splits import MatrixLayout, qkv_row_blocks
+from megatron_eopt.params.overrides import describe_key, matching_keys, merge_overrides
+from megatron_eopt.runtime.process_groups import group_size
+
+DEFAULT_GROUP_NAME = "default"
+
+
+@dataclass(frozen=True)
+class ParamRecord:
+    """What the optimizer needs to know about one parameter, computed once."""
+
+    fqn: str  # unique across model chunks; the key of this parameter's optimizer state
+    name: str  # name inside its model chunk, as override globs see it
+    param: torch.nn.Parameter
+    group_key: str
+    is_expert_parallel: bool  # megatron-core: param.allreduce is False
+    tensor_model_parallel: bool  # sharded over the (expert) tensor-parallel group
+    partition_dim: int  # -1 when not tensor-parallel
+    is_shared: bool  # a second copy of a tied parameter (megatron-core: param.shared)
+    optimizer_name: str = ""  # the registered optimizer that steps it
+    chunk_index: int = 0  # which model chunk owns it
+
+
+@dataclass(frozen=True)
+class ParamRouting:
+    """Which optimizer steps each parameter.
+
+    optimizer: the configured optimizer.  routing: what it takes (registry's `Routing`):
+    'all' every parameter; 'matrices' every 2-D parameter not marked `use_muon=False`;
+    'hidden_matrices' those that are moreover neither `is_embedding_or_output_parameter` nor a
+    lookup table (a parameter of a `lookup_table_types` module: megatron-core tags only the word
+    embedding and the output layer, not the learned position embedding), unless the user
+    opted them in with `use_muon=True`.
+    scalar_optimizer: steps the rest.
+    embedding_or_output_names: name globs (fnmatch, as override keys match names) of parameters
+    that count as `is_embedding_or_output_parameter` without the attribute: torch FSDP2's
+    `fully_shard` replaces every parameter by a DTensor and drops megatron-core's attributes,
+    so for such models the factory names the output layer here (distributed/fsdp2.py).
+    """
+
+    optimizer: str
+    routing: str = "all"
+    scalar_optimizer: Optional[str] = None
+    lookup_table_types: tuple[type, ...] = (torch.nn.Embedding,)
+    embedding_or_output_names: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.routing != "all" and not self.scalar_optimizer:
+            raise ValueError(f"routing {self.routing!r} of optimizer {self.optimizer!r} needs a scalar optimizer.")
+
+    @property
+    def optimizers(self) -> tuple[str, ...]:
+        """The optimizers in chain order: the configured one, then the scalar one (if used)."""
+        if self.routing == "all" or self.scalar_optimizer == self.optimizer:
+            return (self.optimizer,)
+        return (self.optimizer, self.scalar_optimizer)
+
+    def optimizer_for(self, param: torch.nn.Parameter, owner: Optional[torch.nn.Module], name: str = "") -> str:
+        return self.optimizer if self._takes(param, owner, name) else self.scalar_optimizer
+
+    def _takes(self, param: torch.nn.Parameter, owner: Optional[torch.nn.Module], name: str) -> bool:
+        if self.routing == "all":
+            return True
+        use_muon = getattr(param, "use_muon", None)  # None: not set; True opts in, False out
+        if param.dim() != 2 or use_muon is False:
+            return False
+        if self.routing == "matrices" or use_muon is True:
+            return True
+        is_lookup_table = isinstance(owner, self.lookup_table_types)
+        named = any(fnmatch.fnmatchcase(name, pattern) for pattern in self.embedding_or_output_names)
+        return not (getattr(param, "is_embedding_or_output_parameter", False) or is_lookup_table or named)
+
+
+def named_trainable_parameters(
+    model_chunks: Iterable[torch.nn.Module], trainable_only: bool = True
+) -> list[tuple[str, str, torch.nn.Parameter]]:
+    """(fqn, name, param) for every trainable parameter, each parameter once, in chunk order.
+
+    With several chunks (virtual pipeline stages) names repeat across chunks, so the fqn
+    gets a `model_chunk{i}.` prefix. `trainable_only=False` includes frozen parameters too
+    (checkpoints save the whole model).
+    """
+    chunks = list(model_chunks)
+    seen: set[int] = set()
+    result = []
+    for index, chunk in enumerate(chunks):
+        if not isinstance(chunk, torch.nn.Module):
+            raise TypeError(
+                f"model_chunks must be torch.nn.Module objects; item {index} is "
+                f"{type(chunk).__name__}."
+            )
+        for name, param in chunk.named_parameters():
+            if (trainable_only and not param.requires_grad) or id(param) in seen:
+                continue
+            seen.add(id(param))
+            fqn = name if len(chunks) == 1 else f"model_chunk{index}.{name}"
+            result.append((fqn, name, param))
+    return result
+
+
+def group_key_for(optimizer: str, is_expert_parallel: bool, key_descriptions: Iterable[str]) -> str:
+    kind = "expert" if is_expert_parallel else "dense"
+    keys = sorted(set(key_descriptions))
+    return f"{optimizer}/{kind}/{'+'.join(keys) if keys else DEFAULT_GROUP_NAME}"
+
+
+@dataclass(frozen=True)
+class _GroupId:
+    optimizer: str
+    is_expert_parallel: bool
+    descriptions: tuple[str, ...]
+
+    @property
+    def key(self) -> str:
+        return group_key_for(self.optimizer, self.is_expert_parallel, self.descriptions)
+
+
+def _owners_and_chunks(chunks: list) -> dict[int, tuple[torch.nn.Module, int]]:
+    """id(param) -> (the module holding it directly, its chunk index); the first, if tied."""
+    found: dict[int, tuple[torch.nn.Module, int]] = {}
+    for index, chunk in enumerate(chunks):
+        for module in chunk.modules() if isinstance(chunk, torch.nn.Module) else ():
+            for param in module.parameters(recurse=False):
+                found.setdefault(id(param), (module, index))
+    return found
+
+
+def build_param_groups(
+    model_chunks: Iterable[torch.nn.Module],
+    config: Any,
+    config_overrides: Mapping[Any, Mapping[str, Any]],
+    align_groups: Sequence[dist.ProcessGroup] = (),
+    routing: Optional[ParamRouting] = None,
+) -> tuple[list[dict], list[ParamRecord]]:
+    """Param groups (torch format plus megatron-core's keys) and the per-parameter records.
+
+    `align_groups`: groups over which, one after the other, the group keys are gathered so that
+    they agree on all ranks that checkpoint together (`ParallelGroups.spanning_groups()`); none
+    for a single process. `routing`: None sends every parameter to `config.optimizer`.
+    Groups come dense before expert, the configured optimizer's before the scalar one's.
+    """
+    routing = routing or ParamRouting(config.optimizer)
+    key_by_description = _keys_by_description(config_overrides)
+    records, local_ids = _records_and_group_ids(list(model_chunks), config_overrides, routing)
+    groups = []
+    for group_id in _aligned_group_ids(local_ids, align_groups, routing.optimizers):
+        unknown = [d for d in group_id.descriptions if d not in key_by_description]
+        if unknown:
+            raise ValueError(
+                f"param group {group_id.key!r} exists on another rank but its override keys "
+                f"{unknown} are not in this rank's config_overrides; every rank must pass the "
+                f"same config_overrides."
+            )
+        keys = [key_by_description[d] for d in group_id.descriptions]
+        override = merge_overrides(keys, config_overrides, f"<group {group_id.key}>")
+        members = [r for r in records if r.group_key == group_id.key]
+        groups.append(_make_group(group_id, members, override, config))
+    return groups, records
+
+
+def _records_and_group_ids(
+    chunks: list, config_overrides: Mapping[Any, Mapping[str, Any]], routing: ParamRouting
+) -> tuple[list[ParamRecord], dict[str, _GroupId]]:
+    """Route and record every trainable parameter; the group ids this rank uses."""
+    records: list[ParamRecord] = []
+    group_ids: dict[str, _GroupId] = {}
+    parameters = named_trainable_parameters(chunks)  # checks the chunks' types
+    owners = _owners_and_chunks(chunks)
+    for fqn, name, param in parameters:
+        keys = matching_keys(config_overrides, param, name)
+        merge_overrides(keys, config_overrides, name)  # a conflict raises here, naming `name`
+        is_expert = not getattr(param, "allreduce", True)
+        owner, chunk_index = owners[id(param)]
+        optimizer = routing.optimizer_for(param, owner, name)
+        group_id = _GroupId(optimizer, is_expert, tuple(sorted(describe_key(key) for key in keys)))
+        group_ids[group_id.key] = group_id
+        records.append(_make_record(fqn, name, param, group_id.key, is_expert, optimizer, chunk_index))
+    return records, group_ids
+
+
+def _keys_by_description(config_overrides: Mapping[Any, Mapping[str, Any]]) -> dict[str, Any]:
+    key_by_description: dict[str, Any] = {}
+    for key in config_overrides:
+        description = describe_key(key)
+        if description in key_by_description:
+            # Groups are identified by these descriptions; two keys sharing one would share a
+            # group and silently lose one key's override.
+            raise ValueError(
+                f"config_overrides has two different keys described as {description}: "
+                f"{key_by_description[description]!r} and {key!r}. Give their predicates "
+                f"distinct names, or merge them into one key."
+            )
+        key_by_description[description] = key
+    return key_by_description
+
+
+def _make_record(
+    fqn: str, name: str, param: torch.nn.Parameter, group_key: str, is_expert: bool, optimizer: str, chunk: int
+) -> ParamRecord:
+    tensor_parallel = bool(getattr(param, "tensor_model_parallel", False))
+    return ParamRecord(
+        fqn=fqn,
+        name=name,
+        param=param,
+        group_key=group_key,
+        is_expert_parallel=is_expert,
+        tensor_model_parallel=tensor_parallel,
+        partition_dim=int(getattr(param, "partition_dim", -1)) if tensor_parallel else -1,
+        is_shared=bool(getattr(param, "shared", False)),
+        optimizer_name=optimizer,
+        chunk_index=chunk,
+    )
+
+
+def _aligned_group_ids(
+    local: dict[str, _GroupId], groups: Sequence[dist.ProcessGroup], optimizers: Sequence[str]
+) -> list[_GroupId]:
+    """The group ids of all ranks, in one order on every rank."""
+    union = dict(local)
+    for group in groups:  # each gather passes on what the previous ones collected
+        gathered: list[Optional[dict[str, _GroupId]]] = [None] * group_size(group)
+        dist.all_gather_object(gathered, union, group=group)
+        union = {key: group_id for per_rank in gathered for key, group_id in per_rank.items()}
+
+    def order(key: str) -> tuple:
+        group_id = union[key]
+        rank = optimizers.index(group_id.optimizer) if group_id.optimizer in optimizers else len(optimizers)
+        # Dense before expert; the configured optimizer first; the default group first.
+        return (group_id.is_expert_parallel, rank, group_id.optimizer, bool(group_id.descriptions), key)
+
+    return [union[key] for key in sorted(union, key=order)]
+
+
+def _make_group(group_id: _GroupId, members: list[ParamRecord], override: dict, config: Any) -> dict:
+    group_key = group_id.key
+    group = {
+        "params": [r.param for r in members],
+        "param_fqns": [r.fqn for r in members],
+        "group_key": group_key,
+        "optimizer": group_id.optimizer,
+        "is_expert_parallel": group_id.is_expert_parallel,
+        # megatron-core's logging reads the lr of the first default_config group.
+        "default_config": not any("lr" in field for field in override),
+        "wd_mult": 1.0,
+        "lr_mult": 1.0,
+        "is_decoupled_lr": False,
+        "max_lr": config.lr,
+        "min_lr": config.min_lr,
+    }
+    group.update(override)
+    if group["max_lr"] is None:
+        raise ValueError(
+            f"param group {group_key!r} has no learning rate: set OptimizerConfig.lr (the peak "
+            f"learning rate), or max_lr in its override."
+        )
+    # Right before any scheduler runs; the scheduler later sets both the same way.
+    group["lr"] = group["max_lr"]
+    start_wd = group.get("start_wd", config.weight_decay)
+    group["weight_decay"] = start_wd * group["wd_mult"]
+    return group
+
+
+def dump_param_group_map(path: str, param_groups: list[dict], records: list[ParamRecord],
+                         tp_modes: Optional[Mapping[str, str]] = None) -> str:
+    """Write which optimizer and group every parameter of this rank got, as JSON.
+
+    `path` is a directory; each rank writes `rank_{rank:05d}.json` there. Returns the file.
+    `tp_modes` (fqn -> Muon TP mode, 'auto' resolved) adds a 'tp_mode' entry to those parameters.
+    """
+    index_by_key = {group["group_key"]: i for i, group in enumerate(param_groups)}
+    entries = {
+        r.fqn: {
+            "group_index": index_by_key[r.group_key],
+            "group_key": r.group_key,
+            "optimizer": r.optimizer_name,
+            "shape": list(r.param.shape),
+        }
+        for r in records
+    }
+    for fqn, mode in (tp_modes or {}).items():
+        if fqn in entries:
+            entries[fqn]["tp_mode"] = mode
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    os.makedirs(path, exist_ok=True)
+    file_path = os.path.join(path, f"rank_{rank:05d}.json")
+    with open(file_path, "w") as handle:
+        json.dump(entries, handle, indent=1, sort_keys=True)
+    return file_path
+
+
+def matrix_layouts(
+    records: Iterable[ParamRecord], model_chunks: Sequence[torch.nn.Module], tp_size: int, split_qkv: bool,
+    per_head: bool = False,
+) -> dict[str, MatrixLayout]:
+    """fqn -> MatrixLayout of every record: its shard of the global matrix and its fused blocks.
+
+    `linear_qkv.weight` splits into q/k/v(/gate) blocks per query group when `split_qkv`, and
+    further into one matrix per q, gate, k and v head with `per_head`; a `linear_fc1.weight` of
+    a gated linear unit into gate and up halves. Both read the owning chunk's TransformerConfig
+    (`.config`). A layout that does not fit raises, naming the fqn.
+    """
+    return {
+        r.fqn: matrix_layout(r, chunk_model_config(model_chunks[r.chunk_index]), tp_size, split_qkv, per_head)
+        for r in records
+    }
+
+
+def matrix_layout(record: ParamRecord, model_config: Any, tp_size: int, split_qkv: bool,
+                  per_head: bool = False) -> MatrixLayout:
+    """The MatrixLayout of one 2-D parameter (see `matrix_layouts`)."""
+    shape = tuple(record.param.shape)
+    if len(shape) != 2:
+        raise ValueError(
+            f"parameter {record.fqn!r} has shape {shape}, but optimizer {record.optimizer_name!r} "
+            f"orthogonalizes 2-D matrices only; route it to the scalar optimizer (muon_scalar_optimizer)."
+        )
+    num_row_groups, row_blocks, head_rows = 1, (), 0
+    if split_qkv and record.name.endswith("linear_qkv.weight"):
+        if model_config is None:
+            raise ValueError(
+                f"parameter {record.fqn!r} is a fused QKV weight; splitting it needs the "
+                f"TransformerConfig of its model chunk (`.config` with num_attention_heads, "
+                f"num_query_groups, kv_channels), which the chunk lacks. Set "
+                f"OptimizerConfig.muon_split_qkv=False to orthogonalize it whole."
+            )
+        sharded_rows = record.tensor_model_parallel and record.partition_dim == 0
+        num_row_groups, row_blocks = qkv_row_blocks(model_config, tp_size if sharded_rows else 1, record.fqn)
+        head_rows = row_blocks[-1] if per_head else 0  # kv_channels: the rows of one head
+    elif record.name.endswith("linear_fc1.weight") and getattr(model_config, "gated_linear_unit", False):
+        row_blocks = (shape[0] // 2, shape[0] // 2)
+    return MatrixLayout(
+        name=record.fqn,
+        local_shape=shape,
+        partition_dim=record.partition_dim,
+        tp_size=tp_size,
+        num_row_groups=num_row_groups,
+        row_blocks=row_blocks,
+        head_rows=head_rows,
+    )
+
+
+def chunk_model_config(chunk: torch.nn.Module) -> Any:
+    """The TransformerConfig of a chunk, looking through wrappers (DDP, Float16Module: `.module`)."""
+    module = chunk
+    while module is not None:
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "num_attention_heads"):
+            return config
+        module = getattr(module, "module", None)
+    return None
+
+
+# Expert parameters are in optimizer children (and param groups) of their own only when
+# megatron-core marks them `allreduce=False`, which it does at expert-parallel size > 1: at EP=1
+# they are dense parameters. Checkpoints (ours and megatron-core's format) file them under the
+# dense names, so state saved at one EP size is found at another.
+DENSE, EXPERT = "dense", "expert"
+
+
+def stored_child_name(child_name: str) -> str:
+    """'expert' -> 'dense', 'muon/expert' -> 'muon/dense' (factory._child_name's forms)."""
+    head, slash, kind = child_name.rpartition("/")
+    return head + slash + DENSE if kind == EXPERT else child_name
+
+
+def stored_group_key(group_key: str) -> str:
+    """'adam/expert/<overrides>' -> 'adam/dense/<overrides>' (param_groups.group_key_for's form)."""
+    optimizer, kind, rest = (group_key.split("/", 2) + ["", ""])[:3]
+    return f"{optimizer}/{DENSE}/{rest}" if kind == EXPERT else group_key

@@ -1,0 +1,6 @@
+"""The bottom layer: what the process runs on and with, imported by every layer above.
+
+process_groups.py: the parallel groups of a run and one helper for each group's size and rank
+(`group_size(None) == 1`); hardware.py: device capabilities (native bf16 matmul); once.py:
+warnings given once per process. They import no other megatron_eopt module.
+"""
