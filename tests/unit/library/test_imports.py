@@ -22,7 +22,7 @@ LAYER_OF = {  # first component below megatron_eopt -> layer; a module imports l
     "config": 0, "param_key": 0, "ops": 1, "optimizers": 2, "registry": 3, "param_groups": 4,
     "wrappers": 5, "distributed": 5, "checkpointing": 6, "factory": 7, "muon": 8, "bridge": 8,
     "integrations": 9, "arguments": 9, "config_choices": 0, "optimizer_names": 0, "close_match": 0,
-    "config_rules": 0, "scheduler_config": 0,
+    "config_rules": 0, "config_precision": 0, "scheduler_config": 0,
     "training": 10,  # the trainer: nothing in the library imports it
 }
 # checkpointing/rng.py: megatron-core's process-global RNG tracker, only once megatron-core is imported.
