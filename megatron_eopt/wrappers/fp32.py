@@ -124,6 +124,18 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
             )
         return param
 
+    def fp32_main_params(self) -> list[torch.Tensor]:
+        """The fp32 main weights, parallel to main_params (MixedPrecisionOptimizer may hold them
+        in another form between steps and rebuild them here)."""
+        return [main.detach() for main in self.main_params]
+
+    def set_main_params(self, values: dict[int, torch.Tensor]) -> None:
+        """Set main weights from fp32 `values` by id(model parameter); here the model's own."""
+
+    def main_param_bytes(self) -> int:
+        """Bytes this optimizer holds for main weights beyond the model's parameters."""
+        return 0
+
     def _prepare_main_grads(self) -> None:
         """DDP's fp32 `main_grad` becomes the gradient of the parameters stepped in place (a
         16-bit parameter cannot take an fp32 `.grad`; its fp32 main copy gets it instead)."""
