@@ -248,7 +248,9 @@ MEGATRON_CORE_FIELDS: dict[str, FieldUse] = {
         "inert", "megatron-core's optimizer does not read it either: Megatron-LM turns it into its DDP's gradient "
         "buffer dtype (grad_reduce_in_fp32); megatron_eopt steps with whatever gradient the model holds, as fp32"),
     "reuse_grad_buf_for_mxfp8_param_ag": _NOT_IMPLEMENTED,
-    "optimizer_cpu_offload": _NOT_IMPLEMENTED,
+    "optimizer_cpu_offload": FieldUse(
+        "refused", "(CPU offload) is not implemented; to save optimizer memory use use_precision_aware_optimizer "
+        "(16-bit state, param remainders) or the layer-wise distributed optimizer; leave it False"),
     "optimizer_cuda_graph": _NOT_IMPLEMENTED,
     "optimizer_offload_fraction": _CPU_OFFLOAD_ONLY,
     "use_torch_optimizer_for_cpu_offload": _CPU_OFFLOAD_ONLY,

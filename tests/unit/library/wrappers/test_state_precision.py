@@ -152,3 +152,12 @@ def test_an_optimizer_without_known_moments_is_refused() -> None:
     with pytest.raises(ValueError, match="not supported with optimizer 'my_optimizer'"):
         state_precision_for("my_optimizer", precise)
     assert state_precision_for("my_optimizer", config("adam", use_precision_aware_optimizer=True)) is None
+
+
+def test_docs_table_is_the_module_table() -> None:
+    from pathlib import Path
+
+    from megatron_eopt.wrappers.state_precision import state_precision_table_markdown
+
+    page = Path(__file__).resolve().parents[4] / "docs" / "memory.md"
+    assert state_precision_table_markdown() in page.read_text()
