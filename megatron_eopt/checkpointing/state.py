@@ -210,10 +210,12 @@ def save_entries(params: list[ModelParam], children: list[FP32Optimizer], meshes
     for p in params:
         entries.update(global_pieces(f"model/{p.stored_name}", detached(local_tensor(p.param)), p.placement, meshes))
     for child in children:
-        for record, model_param, main_param in zip(child.records, child.model_params, child.main_params):
+        fp32_mains = child.fp32_main_params()  # remainders: rebuilt, so checkpoints stay interchangeable
+        for record, model_param, main_param, fp32_main in zip(child.records, child.model_params, child.main_params,
+                                                              fp32_mains):
             placement = placement_of_param[id(model_param)]
             if has_main_copy(model_param, main_param):
-                entries.update(global_pieces(f"main/{stored[record.fqn]}", detached(main_param), placement, meshes))
+                entries.update(global_pieces(f"main/{stored[record.fqn]}", detached(fp32_main), placement, meshes))
             for name, value in child.optimizer.state.get(main_param, {}).items():
                 key = f"state/{stored_child_name(child.name)}/{stored[record.fqn]}/{name}"
                 value = detached(value) if torch.is_tensor(value) else value

@@ -23,6 +23,7 @@ from megatron_eopt.config.choices import (  # noqa: F401 (re-exported)
     TpMode,
 )
 
+from megatron_eopt.config.precision import check_precision_fields
 from megatron_eopt.config.rules import GRAM_NEWTON_SCHULZ_OPTIMIZERS, check_values  # noqa: F401 (re-exported)
 
 # Re-exported: arguments/to_config.py and the benchmarks read them from the config module.
@@ -215,9 +216,6 @@ class FieldUse:
 
 _USED = FieldUse("used")
 _CPU_OFFLOAD_ONLY = FieldUse("inert", "megatron-core reads it only with optimizer_cpu_offload, which is refused")
-_FP32_STATE = FieldUse(
-    "refused", "must be torch.float32 (reduced-precision optimizer state needs megatron-core's "
-    "precision-aware optimizer, which megatron_eopt does not provide)")
 _NOT_IMPLEMENTED = FieldUse("refused", "is a megatron-core feature that megatron_eopt does not implement; leave it False")
 
 # Every field of megatron-core's OptimizerConfig (tests/unit/library/config/test_optimizer_config.py checks the list
@@ -243,16 +241,17 @@ MEGATRON_CORE_FIELDS: dict[str, FieldUse] = {
         "distributed optimizer; fp8 is the model's concern, and megatron_eopt's wrappers refuse "
         "fp8 parameters by dtype"),
     "params_dtype": FieldUse("inert", "megatron-core's optimizer does not read it either (the model's dtype)"),
-    "store_param_remainders": FieldUse(
-        "inert", "megatron-core reads it only with use_precision_aware_optimizer, which is refused"),
-    "use_precision_aware_optimizer": _NOT_IMPLEMENTED,
+    # The precision-aware optimizer (config/precision.py, docs/memory.md).
+    **dict.fromkeys(["use_precision_aware_optimizer", "store_param_remainders", "main_params_dtype",
+                     "exp_avg_dtype", "exp_avg_sq_dtype"], _USED),
+    "main_grads_dtype": FieldUse(
+        "inert", "megatron-core's optimizer does not read it either: Megatron-LM turns it into its DDP's gradient "
+        "buffer dtype (grad_reduce_in_fp32); megatron_eopt steps with whatever gradient the model holds, as fp32"),
     "reuse_grad_buf_for_mxfp8_param_ag": _NOT_IMPLEMENTED,
-    "optimizer_cpu_offload": _NOT_IMPLEMENTED,
+    "optimizer_cpu_offload": FieldUse(
+        "refused", "(CPU offload) is not implemented; to save optimizer memory use use_precision_aware_optimizer "
+        "(16-bit state, param remainders) or the layer-wise distributed optimizer; leave it False"),
     "optimizer_cuda_graph": _NOT_IMPLEMENTED,
-    "main_grads_dtype": _FP32_STATE,
-    "main_params_dtype": _FP32_STATE,
-    "exp_avg_dtype": _FP32_STATE,
-    "exp_avg_sq_dtype": _FP32_STATE,
     "optimizer_offload_fraction": _CPU_OFFLOAD_ONLY,
     "use_torch_optimizer_for_cpu_offload": _CPU_OFFLOAD_ONLY,
     "overlap_cpu_optimizer_d2h_h2d": _CPU_OFFLOAD_ONLY,
@@ -330,6 +329,7 @@ def _check_field_types(config: OptimizerConfig) -> None:
 
 def _check_values(config: OptimizerConfig) -> None:
     check_values(config)  # the rules on values alone, torch-free (config/rules.py)
+    check_precision_fields(config)  # the precision-aware optimizer's dtypes (config/precision.py)
     _check_unsupported(config)
 
 

@@ -255,8 +255,7 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
         for child in self.chained_optimizers:
             for state in child.state.values():
                 total += sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t))
-            model_ids = {id(p) for p in child.model_params}
-            total += sum(m.numel() * m.element_size() for m in child.main_params if id(m) not in model_ids)
+            total += child.main_param_bytes()  # fp32 copies, or 16-bit remainders (main_param_storage.py)
         return total
 
     # Communication.

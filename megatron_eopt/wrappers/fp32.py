@@ -6,7 +6,8 @@ tensor-parallel rank holds in full (not `tensor_model_parallel`) on one rank onl
 second copy of tied parameters (`shared`), and is summed over the model-parallel group.
 """
 
-from typing import Any, Callable, Optional, Sequence
+import contextlib
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -30,8 +31,14 @@ from megatron_eopt.wrappers.flat_state import (
 from megatron_eopt.wrappers.grad_stats import grad_norm_group_of, local_grad_stats, reduced_grad_stats
 from megatron_eopt.checkpointing.megatron_sharded import child_sharded_state_dict, expand_sharded_state_dict
 from megatron_eopt.wrappers.qk_clip import QKClip
+from megatron_eopt.wrappers.state_precision import StatePrecision
 
 MakeOptimizer = Callable[[list[dict]], torch.optim.Optimizer]
+
+
+@contextlib.contextmanager
+def _fp32_state(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    yield  # state already fp32
 
 
 def model_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
@@ -54,6 +61,8 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
             other (model-parallel; data-parallel owners first for the layer-wise optimizer).
         name: this optimizer's name inside a chain (and in checkpoints).
         grad_scaler: loss scaler (fp16 only), or None.
+        state_precision: the stored dtypes of reduced-precision state (wrappers/state_precision.py),
+            or None for fp32 state.
     """
 
     def __init__(
@@ -66,8 +75,10 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
         norm_groups: Sequence[Optional[ProcessGroup]],
         name: str = "dense",
         grad_scaler: Any = None,
+        state_precision: Optional[StatePrecision] = None,
     ) -> None:
         self.config = config
+        self.state_precision = state_precision
         self.name = name
         self.grad_scaler = grad_scaler
         self._norm_groups = tuple(norm_groups)
@@ -96,6 +107,13 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
         self._device = self.model_params[0].device if self.model_params else default_device()
         self.qk_clip: Optional[QKClip] = None  # set by the factory when QK-clip is on
         self._one = torch.ones(1, dtype=torch.float32, device=self._device)
+        self._store_state()
+
+    def _store_state(self) -> None:
+        """Reduced-precision state in its stored dtype (and the canonical layout, flat_state.py)."""
+        if self.state_precision is not None:
+            self.state_precision.store(self.optimizer)
+        canonical_state_layout(self.optimizer)
 
     # Main parameters: the model's own here; fp32 copies in MixedPrecisionOptimizer.
     def _make_main_param(self, param: torch.nn.Parameter) -> torch.nn.Parameter:
@@ -105,6 +123,18 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
                 f"OptimizerConfig.bf16/fp16 for 16-bit models (mixed precision)."
             )
         return param
+
+    def fp32_main_params(self) -> list[torch.Tensor]:
+        """The fp32 main weights, parallel to main_params (MixedPrecisionOptimizer may hold them
+        in another form between steps and rebuild them here)."""
+        return [main.detach() for main in self.main_params]
+
+    def set_main_params(self, values: dict[int, torch.Tensor]) -> None:
+        """Set main weights from fp32 `values` by id(model parameter); here the model's own."""
+
+    def main_param_bytes(self) -> int:
+        """Bytes this optimizer holds for main weights beyond the model's parameters."""
+        return 0
 
     def _prepare_main_grads(self) -> None:
         """DDP's fp32 `main_grad` becomes the gradient of the parameters stepped in place (a
@@ -144,7 +174,9 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
 
     def step_with_ready_grads(self) -> None:
         with timed(self.config, "optimizer-inner-step"):
-            self.optimizer.step()
+            working = self.state_precision.working if self.state_precision is not None else _fp32_state
+            with working(self.optimizer):  # the update in fp32, stored state rounded after it
+                self.optimizer.step()
             canonical_state_layout(self.optimizer)
         if self.qk_clip is not None:  # QK-clip scales the updated main copies (wrappers/qk_clip.py)
             self.qk_clip.clip_main_params((r.fqn, main) for r, main in zip(self.records, self.main_params))
@@ -221,4 +253,4 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
             load_flat_state_dict(self.optimizer, state_dict, self.fqn_of_main)
             if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
                 self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
-        canonical_state_layout(self.optimizer)  # as a live step leaves it (flat_state.py)
+        self._store_state()  # torch loads state in the parameters' dtype; as a live step leaves it

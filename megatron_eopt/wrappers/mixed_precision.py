@@ -1,22 +1,31 @@
-"""MixedPrecisionOptimizer: bf16/fp16 model parameters stepped through fp32 main copies.
+"""MixedPrecisionOptimizer: bf16/fp16 model parameters stepped through fp32 main weights.
 
-Each 16-bit parameter gets an fp32 main copy that the torch optimizer steps; its gradient is
-the model gradient (DDP's fp32 `main_grad`, or the 16-bit `.grad`) as fp32. After a
-successful step the main copies are rounded back into the model. fp32 parameters of the same
-model are stepped in place, as in FP32Optimizer.
+Each 16-bit parameter gets an fp32 main parameter that the torch optimizer steps; its gradient
+is the model gradient (DDP's fp32 `main_grad`, or the 16-bit `.grad`) as fp32. After a
+successful step the main weights are rounded back into the model. fp32 parameters of the same
+model are stepped in place, as in FP32Optimizer. Between steps the main weights are held as
+`storage` says (wrappers/main_param_storage.py): fp32 copies, or with the precision-aware
+optimizer the bf16 parameter plus a 16-bit remainder, or the 16-bit parameter alone.
 """
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from megatron_eopt.wrappers.fp32 import FP32Optimizer, model_grad
+from megatron_eopt.wrappers.main_param_storage import Fp32Copies, main_param_storage_for
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 class MixedPrecisionOptimizer(FP32Optimizer):
     """FP32Optimizer for models whose parameters are bf16 or fp16 (same arguments)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.storage = main_param_storage_for(self.config) or Fp32Copies()
+        for model, main in self._half_pairs():  # the inner optimizer was built over fp32 copies
+            self.storage.set(model, main, main.detach())
 
     def _make_main_param(self, param: torch.nn.Parameter) -> torch.nn.Parameter:
         if param.dtype == torch.float32:
@@ -39,28 +48,47 @@ class MixedPrecisionOptimizer(FP32Optimizer):
             if not hasattr(model, "main_grad"):
                 model.grad = None  # the fp32 copy replaces it; free the 16-bit one
 
+    def step_with_ready_grads(self) -> None:
+        for model, main in self._half_pairs():  # fp32 main weights for the update
+            self.storage.materialize(model, main)
+        super().step_with_ready_grads()  # ends with _copy_main_params_to_model
+
     def _copy_main_params_to_model(self) -> None:
-        with torch.no_grad():
-            for model, main in self._half_pairs():
-                model.copy_(main)
+        for model, main in self._half_pairs():
+            self.storage.store(model, main)
+
+    def fp32_main_params(self) -> list[torch.Tensor]:
+        return [self.storage.value(model, main) if model is not main else main.detach()
+                for model, main in zip(self.model_params, self.main_params)]
+
+    def set_main_params(self, values: dict[int, torch.Tensor]) -> None:
+        for model, main in self._half_pairs():
+            if id(model) in values:
+                self.storage.set(model, main, values[id(model)])
+
+    def main_param_bytes(self) -> int:
+        return sum(self.storage.nbytes(model, main) for model, main in self._half_pairs())
 
     def reload_model_params(self, state_dict: Optional[dict] = None) -> None:
-        with torch.no_grad():
-            for model, main in self._half_pairs():
-                main.copy_(model)
+        for model, main in self._half_pairs():
+            self.storage.set(model, main, model.detach().float())
 
     def state_dict(self) -> dict:
         state = super().state_dict()
-        state["main_params"] = {self.fqn_of_main[id(main)]: main.detach() for _, main in self._half_pairs()}
+        # fp32 main weights whatever the storage, so checkpoints stay interchangeable.
+        state["main_params"] = {self.fqn_of_main[id(main)]: self.storage.value(model, main)
+                                for model, main in self._half_pairs()}
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
-        # A checkpoint without fp32 main copies (saved by an fp32 run) keeps the copies made
-        # from the model parameters, which then hold the same values.
+        # A checkpoint without fp32 main weights (saved by an fp32 run) keeps the main weights
+        # made from the model parameters (remainders: the model parameters exactly).
         saved = state_dict.get("main_params") or {}
         with torch.no_grad():
-            for _, main in self._half_pairs():
+            for model, main in self._half_pairs():
                 fqn = self.fqn_of_main[id(main)]
                 if fqn in saved:
-                    main.copy_(saved[fqn])
+                    self.storage.set(model, main, saved[fqn])
+                elif not self.storage.holds_fp32:
+                    self.storage.set(model, main, model.detach().float())

@@ -234,10 +234,10 @@ BAD_INPUTS = {
     "muon_num_ns_steps_float": ({"muon_num_ns_steps": 5.0}, TypeError, [r"muon_num_ns_steps", r"int"]),
     "optimizer_not_string": ({"optimizer": 3}, TypeError, [r"optimizer", r"string"]),
     "params_dtype_string": ({"params_dtype": "bf16"}, TypeError, [r"params_dtype", r"torch.dtype"]),
-    "precision_aware_optimizer": (
-        {"use_precision_aware_optimizer": True},
+    "precision_aware_fp8_state": (
+        {"use_precision_aware_optimizer": True, "exp_avg_dtype": torch.float8_e4m3fn},
         ValueError,
-        [r"use_precision_aware_optimizer", r"not implement"],
+        [r"exp_avg_dtype", r"torch.bfloat16", r"fp8"],
     ),
     "optimizer_cpu_offload": (
         {"optimizer_cpu_offload": True},
