@@ -19,6 +19,7 @@ TOP_LEVEL_NAMES = {
 # module -> names, as the contract and docs/ spell them.
 DOCUMENTED_PATHS = {
     "megatron_eopt.muon": ["get_megatron_muon_optimizer"],
+    "megatron_eopt.config": ["OptimizerConfig", "FieldUse", "MEGATRON_CORE_FIELDS", "as_optimizer_config"],
     "megatron_eopt.integrations.megatron_bridge": ["setup_optimizer", "SchedulerConfig", "to_yaml", "from_yaml"],
     "megatron_eopt.integrations.megatron_lm": ["install", "uninstall", "installed", "add_megatron_eopt_args"],
     "megatron_eopt.checkpointing": ["load_checkpoint", "save_checkpoint", "start_save_checkpoint", "DirectoryOwner",
