@@ -32,6 +32,7 @@ from megatron_eopt.ops.splits import MatrixLayout
 from megatron_eopt.optimizers.megatron_core_args import IsQkvFn, weight_decay_method_of
 from megatron_eopt.optimizers.sharded_matrices import ShardedMatrices, check_muon_arguments
 from megatron_eopt.optimizers.tensor_parallel_muon import muon_use_syrk
+from megatron_eopt.runtime.process_groups import group_size
 
 MOMENT2_METHODS: tuple[str, ...] = typing.get_args(Moment2MethodT)
 
@@ -165,12 +166,12 @@ class TensorParallelAdaptiveMuon(ShardedMatrices, AdaptiveMuon):
         self._set_up_shards(tp_mode, tp_group, layouts, fsdp_group, fsdp_shards, tp_hardware_profile, expert_tp_mode)
         self._view_of = {key: self._global_view(layout) for key, layout in self._layout_of.items()}
         if self._row_shards_of is not None:
-            rows_split = fsdp_group is not None and dist.get_world_size(fsdp_group) > 1
+            rows_split = group_size(fsdp_group) > 1
             self._view_of = {key: dataclasses.replace(self._global_view(shards.layout), rows_split=rows_split)
                              for key, shards in self._row_shards_of.items()}
 
     def _global_view(self, layout: MatrixLayout) -> _GlobalView:
-        tp_size = 1 if self.tp_group is None else dist.get_world_size(self.tp_group)
+        tp_size = group_size(self.tp_group)
         if self.tp_modes.get(layout.name, self.tp_mode) == "blockwise" or layout.partition_dim < 0:
             return _GlobalView(layout.local_shape, -1)
         if layout.tp_size != tp_size:
