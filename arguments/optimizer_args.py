@@ -50,6 +50,11 @@ class Flag:
     listed: Optional[Callable[[], Optional[tuple[str, ...]]]] = None  # the same, torch-free (None: unknown)
 
 
+# Megatron-LM's names of the precision-aware dtypes (fp8 state is not implemented here).
+DTYPE_NAMES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # flag value: torch name
+DTYPE_CHOICES: tuple[str, ...] = tuple(DTYPE_NAMES)
+
+
 def _optimizer_choices() -> tuple[str, ...]:
     from megatron_eopt.registry import list_optimizers  # lazy: installed optimizers only
 
@@ -172,6 +177,20 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--min-loss-scale", "min_loss_scale", "Minimum dynamic loss scale.", float),
     Flag("--loss-scale-window", "loss_scale_window", "Steps between loss-scale increases.", float),
     Flag("--hysteresis", "hysteresis", "Overflows tolerated before the loss scale drops.", int),
+    # The precision-aware optimizer (docs/memory.md): megatron-core's fields, Megatron-LM's flags.
+    Flag("--use-precision-aware-optimizer", "use_precision_aware_optimizer", "Allow 16-bit main "
+         "weights and optimizer state (the dtype flags below), for every optimizer."),
+    Flag("--no-store-param-remainders", "store_param_remainders", "With --bf16 and "
+         "--use-precision-aware-optimizer: keep fp32 main weights instead of the bf16 parameter plus a "
+         "16-bit remainder.", negative=True),
+    Flag("--main-params-dtype", "main_params_dtype", "Dtype of the main weights with "
+         "--use-precision-aware-optimizer and --no-store-param-remainders.", str, lambda: DTYPE_CHOICES),
+    Flag("--main-grads-dtype", "main_grads_dtype", "Dtype of the gradient buffer with "
+         "--use-precision-aware-optimizer (bf16: like --grad-reduce-in-bf16).", str, lambda: ("fp32", "bf16")),
+    Flag("--exp-avg-dtype", "exp_avg_dtype", "Dtype of the first moment (Adam's exp_avg, Muon's "
+         "momentum) with --use-precision-aware-optimizer.", str, lambda: DTYPE_CHOICES),
+    Flag("--exp-avg-sq-dtype", "exp_avg_sq_dtype", "Dtype of the second moment (Adam's exp_avg_sq) with "
+         "--use-precision-aware-optimizer.", str, lambda: DTYPE_CHOICES),
 )
 
 OPTION_OF: dict[str, str] = {flag.dest: flag.option for flag in FLAGS}  # field -> flag string
@@ -212,7 +231,13 @@ def add_optimizer_args(parser: argparse.ArgumentParser, *, deferred: bool = Fals
 def _config_defaults() -> dict[str, Any]:
     from megatron_eopt.config.optimizer_config import OptimizerConfig  # imports torch
 
-    return {field.name: field.default for field in dataclasses.fields(OptimizerConfig)}
+    return {field.name: _flag_value(field.default) for field in dataclasses.fields(OptimizerConfig)}
+
+
+def _flag_value(default: Any) -> Any:
+    """A dtype default as its flag's name (torch.float32 -> 'fp32'); anything else as it is."""
+    names = {torch_name: name for name, torch_name in DTYPE_NAMES.items()}
+    return names.get(str(default).removeprefix("torch."), default) if type(default).__name__ == "dtype" else default
 
 
 def resolve_optimizer_flags(args: argparse.Namespace) -> argparse.Namespace:

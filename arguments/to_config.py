@@ -3,6 +3,7 @@
 Copies every attribute of `args` whose name is an `OptimizerConfig` field, as Megatron-LM does
 (`getattr(args, f.name)` for each field), so a namespace from Megatron-LM's own parser works
 too; fields `args` lacks keep their defaults. The config validates itself on construction.
+Dtype flags ('fp32', 'bf16', 'fp16') become torch dtypes.
 `--muon-fp32-matmul-prec` left at None is chosen for the device (`fp32_matmul_prec_for`);
 `matmul_precision_line` is the one line a trainer prints about that choice.
 """
@@ -13,7 +14,7 @@ import argparse
 import dataclasses
 from typing import TYPE_CHECKING, Optional
 
-from arguments.optimizer_args import DEPRECATED_OPTIMIZER_NAMES
+from arguments.optimizer_args import DEPRECATED_OPTIMIZER_NAMES, DTYPE_NAMES
 
 if TYPE_CHECKING:  # torch and the config are imported where used: parsers stay torch-free
     import torch
@@ -43,6 +44,11 @@ def optimizer_config_from_args(args: argparse.Namespace, device: Optional[torch.
         for field in dataclasses.fields(OptimizerConfig)
         if hasattr(args, field.name)
     }
+    for name, value in values.items():
+        if isinstance(value, str) and value in DTYPE_NAMES:  # 'bf16' -> torch.bfloat16, as Megatron-LM maps them
+            import torch
+
+            values[name] = getattr(torch, DTYPE_NAMES[value])
     if values.get("muon_fp32_matmul_prec", "") is None:
         values["muon_fp32_matmul_prec"] = fp32_matmul_prec_for(_device_or_default(device))[0]
     return OptimizerConfig(**values)

@@ -6,7 +6,7 @@ always so here (megatron-core models, CPU initialisation), `--num-workers` (no D
 timing and Weights & Biases options, and the checkpoint-format choices of megatron's distributed
 checkpointing (megatron_eopt.checkpointing has one format). Each row says why.
 
-Refused flags (`check_not_offered`): FP8 training, the precision-aware optimizer, CPU offload,
+Refused flags (`check_not_offered`): FP8 training, CPU offload,
 optimizer CUDA graphs, and `--use-checkpoint-args`: one line instead of argparse's
 "unrecognized arguments". docs/trainer.md lists both kinds.
 """
@@ -120,29 +120,13 @@ NOT_OFFERED_ROWS: tuple[Flag, ...] = (
     _refused("--fp8-amax-history-len", type=int, value=True, reason=FP8),
     _refused("--fp8-amax-compute-algo", choices=("most_recent", "max"), value=True, reason=FP8),
     _refused("--fp8-param-gather", reason=FP8),
-    _refused("--use-precision-aware-optimizer",
-         reason=("lower-precision optimizer state (Megatron-LM's precision-aware optimizer, through Transformer "
-                 "Engine) is not offered: main parameters, gradients and optimizer states stay fp32")),
     _refused("--optimizer-cpu-offload", reason=("offloading the optimizer to CPU is not offered")),
     _refused("--optimizer-offload-fraction", type=float, value=True,
          reason="it applies with --optimizer-cpu-offload, which is not offered"),
     _refused("--optimizer-cuda-graph", reason=("CUDA graphs of the optimizer step are not offered")),
     _refused("--use-checkpoint-args", reason=USE_CHECKPOINT_ARGS),
 )
-# Megatron-LM's precision-aware optimizer's dtypes: fp32 is what this trainer keeps anyway
-# (named at start-up as changing nothing); any other value is refused.
-FP32_STATE_FLAGS: dict[str, tuple[str, ...]] = {  # flag: Megatron-LM's choices
-    "--main-grads-dtype": ("fp32", "bf16"),
-    "--main-params-dtype": ("fp32", "fp16"),
-    "--exp-avg-dtype": ("fp32", "fp16", "bf16", "fp8"),
-    "--exp-avg-sq-dtype": ("fp32", "fp16", "bf16", "fp8"),
-}
-FP32_STATE = "main parameters, gradients and optimizer states are fp32 here (the precision-aware optimizer is not offered)"
-
-
-REFUSED_ROWS: tuple[Flag, ...] = NOT_OFFERED_ROWS + tuple(
-    _refused(flag, value=True, choices=choices, help=f"fp32 only: {FP32_STATE}", reason=FP32_STATE)
-    for flag, choices in FP32_STATE_FLAGS.items())
+REFUSED_ROWS: tuple[Flag, ...] = NOT_OFFERED_ROWS
 NO_EFFECT: dict[str, Flag] = {row.option: row for row in NO_EFFECT_ROWS}
 NO_EFFECT_TITLE = "accepted from Megatron-LM, no effect here"
 REFUSED_TITLE = "Megatron-LM flags refused with the reason"
@@ -152,10 +136,7 @@ def check_not_offered(args: argparse.Namespace) -> None:
     """A ValueError naming the first refused flag the command line gave, with the reason."""
     for row in REFUSED_ROWS:
         value = _given(args, row.option, row.name)
-        if row.option in FP32_STATE_FLAGS:
-            if value not in (None, "fp32"):
-                raise ValueError(f"{row.option} {value}: {FP32_STATE}.")
-        elif value is not None:
+        if value is not None:
             raise ValueError(f"{row.option}: {row.reason}.")
 
 
@@ -172,6 +153,4 @@ def no_effect_lines(args: argparse.Namespace) -> list[str]:
         if value is not None:
             shown = flag if value is True else f"{flag} {value}"
             lines.append(f"{shown}: no effect, {row.reason}")
-    lines += [f"{flag} fp32: no effect, {FP32_STATE}" for flag in FP32_STATE_FLAGS
-              if _given(args, flag, _refused_dest(flag)) == "fp32"]
     return lines

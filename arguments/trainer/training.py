@@ -99,11 +99,14 @@ def document_lines(args: argparse.Namespace) -> list[str]:
 
 def _gradient_precision(args: argparse.Namespace) -> bool:
     """--accumulate-allreduce-grads-in-fp32 resolved. Megatron-LM: with --bf16, gradients are
-    accumulated and all-reduced in fp32 unless --grad-reduce-in-bf16 (which wins)."""
+    accumulated and all-reduced in fp32 unless --grad-reduce-in-bf16 or --main-grads-dtype bf16."""
     if args.grad_reduce_in_bf16 and not args.bf16:
         raise ValueError("--grad-reduce-in-bf16 only applies with --bf16.")
+    bf16_grads = getattr(args, "main_grads_dtype", "fp32") in ("bf16", "bfloat16")
+    if bf16_grads and not args.bf16:
+        raise ValueError("--main-grads-dtype bf16 only applies with --bf16.")
     if args.bf16:
-        return not args.grad_reduce_in_bf16
+        return not (args.grad_reduce_in_bf16 or bf16_grads)
     return args.accumulate_allreduce_grads_in_fp32
 
 

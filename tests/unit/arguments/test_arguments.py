@@ -34,9 +34,13 @@ FROZEN_OPTIONS = sorted([
     "--overlap-param-gather-with-optimizer-step", "--fp16", "--bf16", "--loss-scale",
     "--initial-loss-scale", "--min-loss-scale", "--loss-scale-window", "--hysteresis",
     "--qk-clip", "--qk-clip-threshold", "--qk-clip-alpha", "--log-max-attention-logit",
+    "--use-precision-aware-optimizer", "--no-store-param-remainders", "--main-params-dtype",
+    "--main-grads-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype",
 ])
 NEGATIVE_FLAGS = {"--muon-no-split-qkv": "muon_split_qkv", "--soap-no-kl-shampoo": "soap_use_kl_shampoo",
-                  "--no-emerging-optimizers-compile": "emerging_optimizers_compile"}
+                  "--no-emerging-optimizers-compile": "emerging_optimizers_compile",
+                  "--no-store-param-remainders": "store_param_remainders"}
+FLAG_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # Megatron-LM's names
 FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(OptimizerConfig)}
 HARDWARE_DEFAULTS = {"muon_fp32_matmul_prec"}  # flags whose default is chosen from the hardware
 
@@ -62,8 +66,9 @@ def test_every_dest_is_a_field_with_the_dataclass_default(parser) -> None:
         if action.dest in HARDWARE_DEFAULTS:  # None: chosen for the device by optimizer_config_from_args
             assert action.default is None, action.option_strings
             continue
-        assert action.default == FIELD_DEFAULTS[action.dest], action.option_strings
-        assert type(action.default) is type(FIELD_DEFAULTS[action.dest]), action.option_strings
+        default = FLAG_DTYPES.get(action.default, action.default)  # a dtype flag's default by its name
+        assert default == FIELD_DEFAULTS[action.dest], action.option_strings
+        assert type(default) is type(FIELD_DEFAULTS[action.dest]), action.option_strings
 
 
 def test_defaults_give_the_default_config(parser) -> None:

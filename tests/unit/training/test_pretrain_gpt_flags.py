@@ -203,8 +203,9 @@ def _our_lines(stderr: str) -> list[str]:
         (["--position-embedding-type", "rope", "--rotary-seq-len-interpolation-factor", "0"],
          "--rotary-seq-len-interpolation-factor 0 must be a finite number > 0."),
         (["--swiglu", "--quick-geglu"], "--swiglu and --quick-geglu exclude each other (one activation)."),
-        (["--use-precision-aware-optimizer"], "--use-precision-aware-optimizer: lower-precision optimizer state"),
-        (["--exp-avg-dtype", "bf16"], "--exp-avg-dtype bf16: main parameters, gradients and optimizer states are fp32"),
+        (["--exp-avg-dtype", "bf16"], "--exp-avg-dtype can only be torch.float32 without --use-precision-aware-optimizer"),
+        (["--use-precision-aware-optimizer", "--main-grads-dtype", "bf16"],
+         "--main-grads-dtype bf16 only applies with --bf16."),
     ],
     ids=["gqa-groups-alone", "hidden-dropout", "attention-dropout", "init-std", "init-std-nan", "swiglu-tiny", "normalization",
          "wsd-without-iters", "wsd-too-long", "wsd-iters-without-wsd", "wsd-style", "warmup-fraction", "warmup-fraction-and-iters",
@@ -216,7 +217,7 @@ def _our_lines(stderr: str) -> list[str]:
          "profile-end-default-start", "profile-ranks", "profile-ranks-negative", "pytorch-profiler-without-tensorboard",
          "start-wd-with-constant", "wd-incr-one-end", "wd-decreasing", "qk-clip-with-qk-layernorm",
          "tensorboard-queue-size", "rope-flags-without-rope", "rope-factor-without-scaling",
-         "interpolation-factor", "two-activations", "precision-aware", "exp-avg-bf16"],
+         "interpolation-factor", "two-activations", "exp-avg-bf16", "bf16-grads-without-bf16"],
 )
 def test_bad_new_flags_exit_with_one_line(argv: list[str], message: str, monkeypatch, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
@@ -337,7 +338,7 @@ def test_megatron_lm_flags_without_effect_are_named_and_exit_duration_stops(run_
                    "--num-workers", "2", "--use-cpu-initialization", "--log-validation-ppl-to-tensorboard",
                    "--attention-softmax-in-fp32", "--apply-query-key-layer-scaling", "--no-persist-layer-norm",
                    "--timing-log-level", "0", "--log-world-size-to-tensorboard", "--openai-gelu",
-                   "--main-grads-dtype", "fp32", "--apply-residual-connection-post-layernorm"]
+                   "--apply-residual-connection-post-layernorm"]
     (records, printed), = run_distributed(_run_printing, 1, args=(argv,))
     assert [r["iteration"] for r in records] == [1]
     assert "exiting after iteration 1 (--exit-duration-in-mins 1e-09:" in printed
@@ -349,7 +350,6 @@ def test_megatron_lm_flags_without_effect_are_named_and_exit_duration_stops(run_
             assert f"> {flag}" in printed and ": no effect, " in printed, flag
     assert "--num-workers 2: no effect, samples are read in the training process" in printed
     assert "> --log-world-size-to-tensorboard: no effect without --tensorboard-dir" in printed
-    assert "> --main-grads-dtype fp32: no effect, main parameters, gradients and optimizer states are fp32" in printed
 
 
 def test_log_throughput_and_pytorch_profiler_on_cpu(run_distributed, tmp_path) -> None:

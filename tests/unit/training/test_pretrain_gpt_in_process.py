@@ -36,3 +36,17 @@ def test_more_layouts_equal_one_process(optimizer: str, world_size: int, flags: 
     assert reference[-1] < reference[0]
     for records in run_distributed(run_pretrain_gpt, world_size, args=(argv + flags,)):
         assert [r["loss"] for r in records] == pytest.approx(reference, rel=1e-5)
+
+
+def test_precision_aware_flags_train(run_distributed):
+    """Megatron-LM's DeepSeek-V3-style flags: bf16 parameters with remainders and bf16 Adam moments
+    train (the loss falls), and differ from the same run with fp32 moments."""
+    argv = [a for a in ARGV if a != "--use-distributed-optimizer"]
+    argv[argv.index("--optimizer") + 1] = "adam"
+    argv += ["--bf16", "--use-precision-aware-optimizer"]
+    fp32_state = [r["loss"] for r in run_distributed(run_pretrain_gpt, 1, args=(argv,))[0]]
+    bf16_state = [r["loss"] for r in run_distributed(
+        run_pretrain_gpt, 1, args=(argv + ["--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"],))[0]]
+    assert len(bf16_state) == 5 and bf16_state[-1] < bf16_state[0]
+    assert bf16_state != fp32_state
+    assert bf16_state == pytest.approx(fp32_state, rel=5e-2)

@@ -347,3 +347,32 @@ def test_dicts_and_yaml_take_the_backend_matmul_precisions_and_refuse_low() -> N
     assert from_yaml(OptimizerConfig, "muon_fp32_matmul_prec: highest\n").muon_fp32_matmul_prec == "highest"
     with pytest.raises(ValueError, match=r"'highest', 'high', 'medium'; got 'low'"):
         from_yaml(OptimizerConfig, "muon_fp32_matmul_prec: low\n")
+
+
+# The precision-aware fields (docs/memory.md) ------------------------------------------------------
+
+DEEPSEEK_V3_STYLE = {"optimizer": "muon", "lr": 0.02, "min_lr": 0.002, "bf16": True, "params_dtype": "bfloat16",
+                     "use_precision_aware_optimizer": True, "exp_avg_dtype": "bfloat16",
+                     "exp_avg_sq_dtype": "bfloat16", "main_grads_dtype": "bfloat16",
+                     "muon_fp32_matmul_prec": "highest"}
+
+
+@pytest.mark.parametrize("store_param_remainders,main_bytes", [(True, 2), (False, 4)], ids=["remainders", "fp32-main"])
+def test_provide_builds_a_precision_aware_recipe(store_param_remainders: bool, main_bytes: int) -> None:
+    """A recipe's dict (dtypes by name) through from_dict and provide(): every moment is stored in
+    bf16 after a step, and the main weights take 2 bytes per element (remainders) or 4 (fp32)."""
+    config = from_dict(OptimizerConfig, {**DEEPSEEK_V3_STYLE, "store_param_remainders": store_param_remainders})
+    assert (config.exp_avg_dtype, config.exp_avg_sq_dtype, config.main_grads_dtype) == (torch.bfloat16,) * 3
+    model = Model().bfloat16()
+    optimizer = config.provide(model_chunks=[model], use_gloo_process_groups=False)
+    for param in model.parameters():
+        param.grad = torch.full_like(param, 0.25)
+    optimizer.step()
+    children = optimizer.chained_optimizers
+    moments = {(k, t.dtype) for child in children for state in child.state.values() for k, t in state.items()
+               if torch.is_tensor(t) and t.dim() > 0}
+    # Muon's momentum (the matrices) and Adam's moments (embedding, biases), all bf16.
+    assert moments == {("momentum_buffer", torch.bfloat16), ("exp_avg", torch.bfloat16),
+                       ("exp_avg_sq", torch.bfloat16)}, moments
+    numel = sum(p.numel() for p in model.parameters())
+    assert sum(child.main_param_bytes() for child in children) == main_bytes * numel

@@ -428,7 +428,7 @@ def test_extra_args_provider_keeps_megatron_lm_flags(run_distributed) -> None:
                      "--muon-split-qkv-per-head", "--muon-expert-tp-mode", "--muon-tp-hardware-profile",
                      "--soap-shampoo-beta", "--soap-precondition-frequency", "--soap-no-kl-shampoo",
                      "--adaptive-muon-moment2-method", "--adaptive-muon-beta2", "--adaptive-muon-eps",
-                     "--no-emerging-optimizers-compile"}, added
+                     "--no-emerging-optimizers-compile", "--no-store-param-remainders"}, added
 
 
 @pytest.mark.parametrize(

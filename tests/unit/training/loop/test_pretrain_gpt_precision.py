@@ -68,6 +68,14 @@ def test_precision_flags_reach_the_model_and_the_gradients(monkeypatch):
     assert settings.params_dtype == torch.bfloat16 and args.accumulate_allreduce_grads_in_fp32
 
 
+def test_main_grads_dtype_bf16_keeps_gradients_in_bf16(monkeypatch):
+    """Megatron-LM: --main-grads-dtype bf16 turns off --bf16's fp32 gradient accumulation."""
+    args, _, _ = _parse(["--bf16", "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16"], monkeypatch)
+    assert not args.accumulate_allreduce_grads_in_fp32
+    args, _, _ = _parse(["--bf16", "--use-precision-aware-optimizer", "--main-grads-dtype", "fp32"], monkeypatch)
+    assert args.accumulate_allreduce_grads_in_fp32
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--fp16", "--bf16"], "--fp16 and --bf16 are both True; choose at most one."),
     (["--fp16", "--optimizer", "muon"], "--fp16 is not supported with --optimizer muon"),
