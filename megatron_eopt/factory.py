@@ -112,9 +112,9 @@ def get_megatron_optimizer(
         lookup_optimizer(name).check_params([g for g in param_groups if g["optimizer"] == name], config)
 
     qk_clip = _qk_clip(config, chunks, groups, records, fsdp)
-    build = _Build(config, chunks, groups, routing, param_groups, records, fsdp)
+    build = _Build(config, chunks, groups, routing, param_groups, records, fsdp, qk_clip)
     if not config.use_layer_wise_distributed_optimizer:
-        optimizer = ChainedOptimizer(_children(build))
+        optimizer = ChainedOptimizer(_children(build), qk_clip=qk_clip)
     else:
         optimizer = _layer_wise(build)
     tp_modes = muon_tp_modes(optimizer)
@@ -122,7 +122,7 @@ def get_megatron_optimizer(
     _warn_if_tp_settings_unused(config, records, tp_modes)
     if dump_param_to_param_group_map is not None and tp_modes:  # again, with each matrix's TP mode
         dump_param_group_map(dump_param_to_param_group_map, param_groups, records, tp_modes)
-    return _attach_qk_clip(optimizer, qk_clip)
+    return optimizer
 
 
 def _refuse_precision_aware_with_fsdp2(config: OptimizerConfig) -> None:
@@ -160,7 +160,8 @@ def muon_tp_modes(optimizer: Any) -> dict[str, str]:
     expert ones per `muon_expert_tp_mode`), from an optimizer `get_megatron_optimizer` built."""
     modes: dict[str, str] = {}
     for child in getattr(optimizer, "chained_optimizers", [optimizer]):
-        modes.update(getattr(getattr(child, "optimizer", None), "tp_modes", None) or {})
+        tp_modes = getattr(child, "tp_modes", None)  # megatron-core children (a chain of theirs) have none
+        modes.update(tp_modes() if tp_modes is not None else {})
     return modes
 
 
@@ -175,6 +176,8 @@ class _Build:
     param_groups: list[dict]
     records: list[ParamRecord]
     fsdp: Optional[FullyShardedLayout] = None  # torch FSDP2's layout, or None
+    # QK-clip: the chain measures the maxima in step(); each child clips the main copies it steps.
+    qk_clip: Optional[QKClip] = None
 
 
 def _qk_clip(config: OptimizerConfig, chunks: list[torch.nn.Module], groups: ParallelGroups,
@@ -189,14 +192,6 @@ def _qk_clip(config: OptimizerConfig, chunks: list[torch.nn.Module], groups: Par
     why = "QK-clip (maximum attention logits)"
     return build_qk_clip(settings, chunks, {id(r.param): r.fqn for r in records}, groups.require("tp", why),
                          groups.require("dp_cp", why), groups.require("mp", why), _device_of(records))
-
-
-def _attach_qk_clip(optimizer: ChainedOptimizer, qk_clip: Optional[QKClip]) -> ChainedOptimizer:
-    """The chain measures the maxima in step(); each child clips the main copies it steps."""
-    optimizer.qk_clip = qk_clip
-    for child in optimizer.chained_optimizers:
-        child.qk_clip = qk_clip
-    return optimizer
 
 
 def _warn_if_per_head_finds_no_qkv(config: OptimizerConfig, records: list[ParamRecord]) -> None:
@@ -291,7 +286,7 @@ def _layer_wise(build: _Build) -> LayerWiseDistributedOptimizer:
         children, shards, [r.param for r in records], check_groups, reduce_grads=config.layer_wise_reduce_grads,
         overlap_param_gather=config.overlap_param_gather,
         overlap_param_gather_with_optimizer_step=config.overlap_param_gather_with_optimizer_step,
-        model_chunks=build.chunks, phase_of=phase_of,
+        model_chunks=build.chunks, phase_of=phase_of, qk_clip=build.qk_clip,
     )
 
 
@@ -335,7 +330,7 @@ def _children(build: _Build, owned_fqns: Optional[set[str]] = None) -> list[Any]
                                               fsdp)
             children.append(wrapper(child_groups, make_optimizer, config, records, tp_group, norm_groups,
                                     _child_name(routing, name, is_expert), grad_scaler,
-                                    state_precision=state_precision_for(name, config)))
+                                    state_precision=state_precision_for(name, config), qk_clip=build.qk_clip))
     return children
 
 

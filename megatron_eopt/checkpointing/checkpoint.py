@@ -361,8 +361,8 @@ def _apply(params, masters, children, child_states, all_children) -> None:
         child.load_state_dict(state)
     if not children:  # model only: fp32 main copies follow the loaded values at full precision
         for child in all_children:
-            child.set_main_params({id(model): masters[id(model)] for model, main in
-                                   zip(child.model_params, child.main_params) if has_main_copy(model, main)})
+            child.set_main_params({id(param.model): masters[id(param.model)] for param in child.checkpoint_params()
+                                   if has_main_copy(param.model, param.main)})
 
 
 def _finish_param_sync(optimizer: Any) -> None:

@@ -13,32 +13,18 @@ taken the same steps); the parameter lists of the groups stay local (not saved),
 else is common to all ranks (megatron-core saves rank 0's copy).
 """
 
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from megatron_eopt.params.groups import ParamRecord, stored_child_name
-from megatron_eopt.registry import init_torch_state
+from megatron_eopt.params.groups import stored_child_name
+from megatron_eopt.wrappers.base import CheckpointableChild
 
 COMMON_STATE = "common_state"
 
 
-class ShardableChild(Protocol):
-    """What this module reads of a wrapped optimizer (FP32Optimizer and its subclasses).
-
-    A protocol, so that fp32.py imports this module and not the other way round.
-    """
-
-    name: str
-    optimizer: torch.optim.Optimizer
-    model_params: list[torch.nn.Parameter]
-    records: list[ParamRecord]  # parallel to model_params
-
-    def state_dict(self) -> dict: ...
-
-
 def child_sharded_state_dict(
-    child: ShardableChild, model_sharded_state_dict: dict, is_loading: bool, owner_is_main_replica: bool
+    child: CheckpointableChild, model_sharded_state_dict: dict, is_loading: bool, owner_is_main_replica: bool
 ) -> dict:
     """The child's `state_dict()` with its tensors replaced by megatron-core sharded tensors."""
     from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
@@ -48,14 +34,15 @@ def child_sharded_state_dict(
     )
 
     if is_loading:
-        init_torch_state(child.optimizer)
+        child.init_state()
     state_dict = child.state_dict()
-    by_index = get_param_id_to_sharded_param_map(model_sharded_state_dict, child.model_params)
-    sharded_of = {child.records[i].fqn: _as_main_replica(s, owner_is_main_replica) for i, s in by_index.items()}
+    params = child.checkpoint_params()
+    by_index = get_param_id_to_sharded_param_map(model_sharded_state_dict, [p.model for p in params])
+    sharded_of = {params[i].fqn: _as_main_replica(s, owner_is_main_replica) for i, s in by_index.items()}
     # Expert state is keyed under the dense child's name: at EP=1 megatron-core makes experts
     # dense parameters (param_groups.stored_child_name), and the keys must not depend on EP.
     prefix = f"optimizer.{stored_child_name(child.name).replace('/', '.')}"
-    param_of = {record.fqn: param for record, param in zip(child.records, child.model_params)}
+    param_of = {p.fqn: p.model for p in params}
     tensors, common = {}, {}
     for fqn, entries in state_dict["state"].items():
         for name, value in entries.items():

@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 
 from megatron_eopt.checkpointing.global_names import stored_child_name, stored_group_key
 from megatron_eopt.checkpointing.storage import CheckpointError
-from megatron_eopt.wrappers.fp32 import FP32Optimizer
+from megatron_eopt.wrappers.base import CheckpointableChild
 
 SCHEDULER_KEY = "scheduler"  # the scheduler's state_dict (JSON)
 LR_BOUNDS_KEY = "scheduler_lr_bounds"  # {child: {group_key: [max_lr, min_lr]}} (JSON)
@@ -37,22 +37,22 @@ FLAGS = ("pass --override-opt_param-scheduler to keep this run's schedule (the s
          "(Python: SchedulerConfig.override_opt_param_scheduler / use_checkpoint_opt_param_scheduler)")
 
 
-def scheduler_entries(scheduler: Any, children: list[FP32Optimizer]) -> dict[str, str]:
+def scheduler_entries(scheduler: Any, children: list[CheckpointableChild]) -> dict[str, str]:
     return {SCHEDULER_KEY: json.dumps(scheduler.state_dict()), LR_BOUNDS_KEY: json.dumps(_lr_bounds(children))}
 
 
-def _lr_bounds(children: list[FP32Optimizer]) -> dict[str, dict[str, list]]:
+def _lr_bounds(children: list[CheckpointableChild]) -> dict[str, dict[str, list]]:
     # By stored names: an expert child's groups merge into its dense child's (global_names.py).
     bounds: dict[str, dict[str, list]] = {}
     for child in children:
         groups = bounds.setdefault(stored_child_name(child.name), {})
-        for g in child.optimizer.param_groups:
+        for g in child.param_groups:
             groups[stored_group_key(g["group_key"])] = [g.get("max_lr"), g.get("min_lr")]
     return bounds
 
 
 def plan_scheduler_load(scheduler: Any, saved_json: str, bounds_json: Optional[str],
-                        children: list[FP32Optimizer], path: str) -> Callable[[], None]:
+                        children: list[CheckpointableChild], path: str) -> Callable[[], None]:
     """Check the saved schedule against `scheduler` (raises, changing nothing); returns the load."""
     saved = json.loads(saved_json)
     saved_bounds = json.loads(bounds_json) if bounds_json is not None else {}
@@ -83,7 +83,7 @@ def _schedule_differences(scheduler: Any, saved: dict) -> list[str]:
     return differences
 
 
-def _bound_differences(scheduler: Any, children: list[FP32Optimizer], saved_bounds: dict, saved: dict) -> list[str]:
+def _bound_differences(scheduler: Any, children: list[CheckpointableChild], saved_bounds: dict, saved: dict) -> list[str]:
     """Group bounds that differ other than as the scheduler's own lr / min lr do (said once above)."""
     explained = {(saved.get("max_lr"), scheduler.max_lr), (saved.get("min_lr"), scheduler.min_lr)}
     differences = []
@@ -98,10 +98,10 @@ def _bound_differences(scheduler: Any, children: list[FP32Optimizer], saved_boun
     return differences
 
 
-def _restore_bounds(children: list[FP32Optimizer], saved_bounds: dict) -> None:
+def _restore_bounds(children: list[CheckpointableChild], saved_bounds: dict) -> None:
     for child in children:
         stored_groups = saved_bounds.get(stored_child_name(child.name), {})
-        for group in child.optimizer.param_groups:
+        for group in child.param_groups:
             stored = stored_groups.get(stored_group_key(group["group_key"]))
             if stored is not None:
                 group["max_lr"], group["min_lr"] = stored

@@ -42,6 +42,7 @@ from megatron_eopt.checkpointing.storage import CheckpointError, all_gather_obje
 from megatron_eopt.distributed.fsdp2 import tensor_parallel_partition_dims
 from megatron_eopt.runtime.process_groups import ParallelGroups, ProcessGroup, group_rank, group_ranks, group_size
 from megatron_eopt.params.groups import chunk_model_config, named_trainable_parameters
+from megatron_eopt.wrappers.base import CheckpointableChild
 from megatron_eopt.wrappers.fp32 import FP32Optimizer
 
 
@@ -150,7 +151,7 @@ def stored_names_by_fqn(params: list[ModelParam]) -> dict[str, str]:
     return {p.fqn: p.stored_name for p in params}
 
 
-def optimizer_children(optimizer: Any) -> list[FP32Optimizer]:
+def optimizer_children(optimizer: Any) -> list[CheckpointableChild]:
     """The wrapped optimizers whose state a checkpoint holds."""
     if optimizer is None:
         return []
@@ -166,7 +167,7 @@ def optimizer_children(optimizer: Any) -> list[FP32Optimizer]:
     return list(children)
 
 
-def global_group_structure(children: list[FP32Optimizer], group: Optional[ProcessGroup],
+def global_group_structure(children: list[CheckpointableChild], group: Optional[ProcessGroup],
                            stored: dict[str, str]) -> dict[str, dict[str, Any]]:
     """{child: {'torch_class', 'groups': {group_key: [stored name, ...]}}} over the ranks of `group` (collective).
 
@@ -183,13 +184,13 @@ def global_group_structure(children: list[FP32Optimizer], group: Optional[Proces
     return merged
 
 
-def _local_group_structure(children: list[FP32Optimizer], stored: dict[str, str]) -> list[tuple[str, dict[str, Any]]]:
+def _local_group_structure(children: list[CheckpointableChild], stored: dict[str, str]) -> list[tuple[str, dict[str, Any]]]:
     structure = []
     for child in children:
         fqn_of = child.fqn_of_main
         structure.append((child.name, {
-            "torch_class": type(child.optimizer).__name__,
-            "groups": {g["group_key"]: [stored[fqn_of[id(p)]] for p in g["params"]] for g in child.optimizer.param_groups},
+            "torch_class": child.inner_class_name(),
+            "groups": {g["group_key"]: [stored[fqn_of[id(p)]] for p in g["params"]] for g in child.param_groups},
         }))
     return structure
 
@@ -199,7 +200,7 @@ def _local_group_structure(children: list[FP32Optimizer], stored: dict[str, str]
 # ------------------------------------------------------------------------------------------------
 
 
-def save_entries(params: list[ModelParam], children: list[FP32Optimizer], meshes: MeshCache,
+def save_entries(params: list[ModelParam], children: list[CheckpointableChild], meshes: MeshCache,
                  snapshot: bool = False) -> dict[str, Any]:
     """Everything of the model and optimizer this rank writes: views of the live tensors, or with
     `snapshot` copies on the CPU (an asynchronous save writes them while training goes on)."""
@@ -211,13 +212,13 @@ def save_entries(params: list[ModelParam], children: list[FP32Optimizer], meshes
         entries.update(global_pieces(f"model/{p.stored_name}", detached(local_tensor(p.param)), p.placement, meshes))
     for child in children:
         fp32_mains = child.fp32_main_params()  # remainders: rebuilt, so checkpoints stay interchangeable
-        for record, model_param, main_param, fp32_main in zip(child.records, child.model_params, child.main_params,
-                                                              fp32_mains):
+        for param, fp32_main in zip(child.checkpoint_params(), fp32_mains):
+            model_param = param.model
             placement = placement_of_param[id(model_param)]
-            if has_main_copy(model_param, main_param):
-                entries.update(global_pieces(f"main/{stored[record.fqn]}", detached(fp32_main), placement, meshes))
-            for name, value in child.optimizer.state.get(main_param, {}).items():
-                key = f"state/{stored_child_name(child.name)}/{stored[record.fqn]}/{name}"
+            if has_main_copy(model_param, param.main):
+                entries.update(global_pieces(f"main/{stored[param.fqn]}", detached(fp32_main), placement, meshes))
+            for name, value in param.state.items():
+                key = f"state/{stored_child_name(child.name)}/{stored[param.fqn]}/{name}"
                 value = detached(value) if torch.is_tensor(value) else value
                 entries.update(_state_entry(key, value, local_tensor(model_param), placement, meshes))
     entries.update(_hyperparameter_entries(children))
@@ -233,7 +234,7 @@ def has_main_copy(model_param: torch.Tensor, main_param: torch.Tensor) -> bool:
     return main_param is not model_param and not isinstance(model_param, DTensor)
 
 
-def _hyperparameter_entries(children: list[FP32Optimizer]) -> dict[str, str]:
+def _hyperparameter_entries(children: list[CheckpointableChild]) -> dict[str, str]:
     """groups/<child> and grad_scaler/<child>, an expert child's merged into its dense child's."""
     groups: dict[str, dict] = {}
     scalers: dict[str, Any] = {}
@@ -279,11 +280,11 @@ def unpack_object(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _hyperparameters(child: FP32Optimizer) -> dict[str, dict[str, Any]]:
+def _hyperparameters(child: CheckpointableChild) -> dict[str, dict[str, Any]]:
     """Each group's optimizer hyperparameters (lr, betas, ...) that JSON can hold."""
     return {
-        stored_group_key(group["group_key"]): {k: group[k] for k in child.optimizer.defaults if k in group and _is_plain(group[k])}
-        for group in child.optimizer.param_groups
+        stored_group_key(group["group_key"]): {k: group[k] for k in child.hyperparameter_names() if k in group and _is_plain(group[k])}
+        for group in child.param_groups
     }
 
 
@@ -372,18 +373,18 @@ def plan_model(plan: LoadPlan, params: list[ModelParam], model_names: set[str]) 
     return values
 
 
-def plan_optimizer_state(plan: LoadPlan, child: FP32Optimizer, params: list[ModelParam]) -> Callable[[], dict]:
+def plan_optimizer_state(plan: LoadPlan, child: CheckpointableChild, params: list[ModelParam]) -> Callable[[], dict]:
     """Targets for `child`'s state; returns a getter of {fqn: {name: value}} once loaded."""
     placement_of_param = {id(p.param): p.placement for p in params}
     stored = stored_names_by_fqn(params)
     getters: dict[str, dict[str, Callable[[], Any]]] = {}
-    for record, model_param in zip(child.records, child.model_params):
-        placement = placement_of_param[id(model_param)]
+    for param in child.checkpoint_params():
+        placement = placement_of_param[id(param.model)]
         child_name = stored_child_name(child.name)
-        for name, keys in plan.index.state_keys.get((child_name, stored[record.fqn]), {}).items():
-            key = f"state/{child_name}/{stored[record.fqn]}/{name}"
-            getters.setdefault(record.fqn, {})[name] = _plan_state_value(plan, key, keys, local_tensor(model_param),
-                                                                         placement)
+        for name, keys in plan.index.state_keys.get((child_name, stored[param.fqn]), {}).items():
+            key = f"state/{child_name}/{stored[param.fqn]}/{name}"
+            getters.setdefault(param.fqn, {})[name] = _plan_state_value(plan, key, keys, local_tensor(param.model),
+                                                                        placement)
     return lambda: {fqn: {name: get() for name, get in entry.items()} for fqn, entry in getters.items()}
 
 
@@ -420,23 +421,20 @@ def _parameter_shaped(plan: LoadPlan, key: str, param: torch.Tensor, placement: 
     return tuple(stored.size) == placement.global_part_shape(param.shape)
 
 
-def loaded_optimizer_state(child: FP32Optimizer, state: dict, groups_json: str, scaler_json: str,
+def loaded_optimizer_state(child: CheckpointableChild, state: dict, groups_json: str, scaler_json: str,
                            masters: dict[int, torch.Tensor]) -> dict[str, Any]:
     """The child's state dict (wrappers/flat_state.py format) from what was loaded."""
     saved_groups = json.loads(groups_json)
     fqn_of = child.fqn_of_main
     param_groups = {}
-    for group in child.optimizer.param_groups:
+    for group in child.param_groups:
         saved = saved_groups.get(stored_group_key(group["group_key"]), {})
         hyperparameters = {k: _like(v, group.get(k)) for k, v in saved.items()}
         param_groups[group["group_key"]] = {**hyperparameters, "params": [fqn_of[id(p)] for p in group["params"]]}
-    main_params = {
-        record.fqn: masters[id(model)]
-        for record, model, main in zip(child.records, child.model_params, child.main_params)
-        if has_main_copy(model, main)
-    }
+    main_params = {param.fqn: masters[id(param.model)]
+                   for param in child.checkpoint_params() if has_main_copy(param.model, param.main)}
     return {
-        "optimizer_class": type(child.optimizer).__name__,
+        "optimizer_class": child.inner_class_name(),
         "param_groups": param_groups,
         "state": state,
         "grad_scaler": json.loads(scaler_json),

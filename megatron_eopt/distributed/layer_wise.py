@@ -27,7 +27,7 @@ from megatron_eopt.wrappers.base import MegatronOptimizer, SteppableChild, StepR
 from megatron_eopt.wrappers.chained import ChainedOptimizer
 from megatron_eopt.wrappers.fp32 import model_grad
 from megatron_eopt.wrappers.grad_stats import NONFINITE, STATS_SIZE, reduced_grad_stats, unscale_and_count_nonfinite
-from megatron_eopt.wrappers.qk_clip import qk_clip_step
+from megatron_eopt.wrappers.qk_clip import QKClip, qk_clip_step
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20
 
@@ -143,6 +143,7 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
         model_chunks: the modules whose forward pre-hooks wait (needed with overlap).
         phase_of: id(parameter) -> index in `chained_optimizers` of the optimizer that steps
             it (on its owner); parameters not in it count as stepped by the last one.
+        qk_clip: QK-clip or max-logit logging (wrappers/qk_clip.py), the one the children got, or None.
     """
 
     owner_is_main_replica = True  # only the owner holds a parameter's state
@@ -159,8 +160,9 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
         overlap_param_gather_with_optimizer_step: bool = False,
         model_chunks: Sequence[torch.nn.Module] = (),
         phase_of: Optional[Mapping[int, int]] = None,
+        qk_clip: Optional[QKClip] = None,
     ) -> None:
-        super().__init__(chained_optimizers)
+        super().__init__(chained_optimizers, qk_clip=qk_clip)
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1; got {bucket_bytes}.")
         if overlap_param_gather_with_optimizer_step and not overlap_param_gather:

@@ -34,9 +34,8 @@ class ChainedOptimizer(MegatronOptimizer):
     # In megatron-core's sharded format a state's main replica is data-parallel rank 0, which
     # holds every state; the layer-wise optimizer sets this: there the owner writes it.
     owner_is_main_replica = False
-    qk_clip: Optional[QKClip] = None  # set by the factory when QK-clip or max-logit logging is on
 
-    def __init__(self, chained_optimizers: list[Any], config: Any = None) -> None:
+    def __init__(self, chained_optimizers: list[Any], config: Any = None, qk_clip: Optional[QKClip] = None) -> None:
         children = list(chained_optimizers)
         ours = [isinstance(child, SteppableChild) for child in children]
         if any(ours) and not all(ours):
@@ -53,6 +52,8 @@ class ChainedOptimizer(MegatronOptimizer):
         if len(set(names)) != len(names):
             raise ValueError(f"ChainedOptimizer children need distinct names; got {names}.")
         self.chained_optimizers = children
+        # QK-clip or max-logit logging: measured here in step(), the children clip (they get the same).
+        self.qk_clip = qk_clip
         self._names = names
         self._ours = all(ours)
         self.is_stub_optimizer = all(getattr(child, "is_stub_optimizer", False) for child in children)

@@ -12,8 +12,10 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 
 from megatron_eopt.params.groups import ParamRecord
+from megatron_eopt.registry import init_torch_state
 from megatron_eopt.runtime.process_groups import ProcessGroup, group_rank
 from megatron_eopt.wrappers.base import (
+    ChildParam,
     MegatronOptimizer,
     SteppableChild,
     StepResult,
@@ -63,6 +65,10 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
         grad_scaler: loss scaler (fp16 only), or None.
         state_precision: the stored dtypes of reduced-precision state (wrappers/state_precision.py),
             or None for fp32 state.
+        qk_clip: QK-clip (wrappers/qk_clip.py), which scales the main copies after each update,
+            or None. The chain measures the maxima in its step; every child of it gets the same.
+
+    Checkpoints read it through CheckpointableChild's methods (wrappers/base.py) only.
     """
 
     def __init__(
@@ -76,6 +82,7 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
         name: str = "dense",
         grad_scaler: Any = None,
         state_precision: Optional[StatePrecision] = None,
+        qk_clip: Optional[QKClip] = None,
     ) -> None:
         self.config = config
         self.state_precision = state_precision
@@ -105,7 +112,7 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
         self._grad_norm_groups = [grad_norm_group_of(p, r.fqn) for p, r in zip(self.model_params, ordered)]
         self._index_of_main = {id(main): i for i, main in enumerate(self.main_params)}
         self._device = self.model_params[0].device if self.model_params else default_device()
-        self.qk_clip: Optional[QKClip] = None  # set by the factory when QK-clip is on
+        self.qk_clip = qk_clip
         self._one = torch.ones(1, dtype=torch.float32, device=self._device)
         self._store_state()
 
@@ -131,6 +138,29 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
 
     def set_main_params(self, values: dict[int, torch.Tensor]) -> None:
         """Set main weights from fp32 `values` by id(model parameter); here the model's own."""
+
+    # What checkpoints read (CheckpointableChild, wrappers/base.py).
+    def checkpoint_params(self) -> list[ChildParam]:
+        """Every parameter this child steps, in its order (parallel to fp32_main_params())."""
+        state = self.optimizer.state
+        return [ChildParam(r.fqn, model, main, state.get(main, {}))
+                for r, model, main in zip(self.records, self.model_params, self.main_params)]
+
+    def hyperparameter_names(self) -> tuple[str, ...]:
+        """The inner optimizer's hyperparameters (its `defaults`: lr, betas, ...)."""
+        return tuple(self.optimizer.defaults)
+
+    def inner_class_name(self) -> str:
+        """The inner torch optimizer's class name (checkpoints refuse another optimizer's state)."""
+        return type(self.optimizer).__name__
+
+    def init_state(self) -> None:
+        """Create state that torch's optimizers create lazily, as targets for a sharded load."""
+        init_torch_state(self.optimizer)
+
+    def tp_modes(self) -> dict[str, str]:
+        """fqn -> TP mode of each matrix a Muon-family inner optimizer steps ({} for others)."""
+        return dict(getattr(self.optimizer, "tp_modes", None) or {})
 
     def main_param_bytes(self) -> int:
         """Bytes this optimizer holds for main weights beyond the model's parameters."""

@@ -72,3 +72,31 @@ def test_entry_scripts_are_thin() -> None:
 def test_the_package_root_holds_few_modules() -> None:
     root_modules = sorted(p.name for p in (ROOT / "megatron_eopt").glob("*.py"))
     assert len(root_modules) <= MAX_ROOT_MODULES, root_modules
+
+
+# What checkpointing/ may not read of a child: its inner torch optimizer and its parameter lists.
+# It calls the child's methods instead (CheckpointableChild, wrappers/base.py), so the wrappers may
+# change how they hold these.
+CHILD_INTERNALS = {"optimizer", "records", "model_params", "main_params"}
+
+
+def _foreign_attribute_uses(tree: ast.AST, names: set[str], stores: bool) -> list[ast.Attribute]:
+    """Attribute reads (or, with `stores`, assignments) of `names` on anything but `self`."""
+    wanted = ast.Store if stores else ast.Load
+    return [node for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and node.attr in names and isinstance(node.ctx, wanted)
+            and not (isinstance(node.value, ast.Name) and node.value.id == "self")]
+
+
+def test_checkpointing_reads_children_through_their_methods() -> None:
+    offenders = [f"{relative(path)}:{node.lineno} reads .{node.attr}"
+                 for path in sorted((ROOT / "megatron_eopt" / "checkpointing").glob("*.py"))
+                 for node in _foreign_attribute_uses(ast.parse(path.read_text()), CHILD_INTERNALS, stores=False)]
+    assert not offenders, offenders
+
+
+def test_qk_clip_is_given_to_constructors_not_set_on_built_objects() -> None:
+    offenders = [f"{relative(path)}:{node.lineno} sets .qk_clip"
+                 for path in source_files()
+                 for node in _foreign_attribute_uses(ast.parse(path.read_text()), {"qk_clip"}, stores=True)]
+    assert not offenders, offenders
