@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from megatron_eopt import OptimizerConfig, ParallelGroups, get_megatron_optimizer
 from megatron_eopt.wrappers.main_param_storage import join_fp32, split_fp32
+from tests.unit.library.distributed import test_layer_wise as layer_wise
 
 SHAPES = {"embedding.weight": (24, 16), "layers.0.in_proj.weight": (32, 16), "layers.0.out_proj.weight": (16, 32),
           "layers.0.norm.weight": (16,), "layers.1.in_proj.weight": (32, 16), "head.weight": (24, 16)}
@@ -43,20 +44,8 @@ def test_split_and_join_are_exact_for_every_kind_of_value() -> None:
     assert is_tie.sum() >= 400  # the crafted ties with an even high half are there
 
 
-def build_model(seed: int = 0) -> torch.nn.Module:
-    generator = torch.Generator().manual_seed(seed)
-    root = torch.nn.Module()
-    for name, shape in SHAPES.items():
-        *path, attribute = name.split(".")
-        module = root
-        for part in path:
-            if not hasattr(module, part):
-                module.add_module(part, torch.nn.Module())
-            module = getattr(module, part)
-        value = (torch.randn(shape, generator=generator) * 0.5).to(torch.bfloat16)
-        module.register_parameter(attribute, torch.nn.Parameter(value))
-    root.get_parameter("embedding.weight").is_embedding_or_output_parameter = True
-    return root
+def build_model() -> torch.nn.Module:
+    return layer_wise.build_model(SHAPES, dtype=torch.bfloat16)
 
 
 def grads_for(step: int) -> dict[str, torch.Tensor]:
