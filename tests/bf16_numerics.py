@@ -26,6 +26,7 @@ import os
 from collections.abc import Iterator
 
 import torch
+from emerging_optimizers.utils import fp32_matmul_precision
 from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
@@ -42,12 +43,8 @@ def runs_bf16_at_medium() -> bool:
     """Whether an fp32 product at `medium` rounds its inputs to bf16 here and now. A test about
     bf16 asserts it first, so that it cannot pass on fp32 numerics."""
     a = torch.full((64, 64), 1.0 + 2.0**-10)  # not a bf16 value: rounds to 1.0
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("medium")
-    try:
+    with fp32_matmul_precision("medium"):
         return (a @ a)[0, 0].item() == 64.0
-    finally:
-        torch.set_float32_matmul_precision(previous)
 
 
 @functools.cache
@@ -66,21 +63,11 @@ def emulating() -> bool:
 
 def _sum_over_inner(a: torch.Tensor, b: torch.Tensor, halves: bool) -> torch.Tensor:
     """fp32 a @ b of fp32 tensors at fp32 precision, the inner dimension summed in two halves."""
-    with _highest():
+    with fp32_matmul_precision("highest"):
         if not halves or a.size(-1) < 2:
             return torch.matmul(a, b)
         k = a.size(-1) // 2
         return torch.matmul(a[..., :k], b[..., :k, :]) + torch.matmul(a[..., k:], b[..., k:, :])
-
-
-@contextlib.contextmanager
-def _highest() -> Iterator[None]:
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(previous)
 
 
 class NativeBf16Products(TorchDispatchMode):

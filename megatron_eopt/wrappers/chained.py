@@ -161,13 +161,7 @@ class ChainedOptimizer(MegatronOptimizer):
                 f"the checkpoint holds optimizers {sorted(saved)} but this chain has {names}; "
                 f"the optimizer or the parameter routing changed since it was saved."
             )
-        pairs = list(zip(names, self.chained_optimizers))
-        for name, child in pairs:  # check all before loading any: never half-load
-            if hasattr(child, "check_state_dict"):
-                child.check_state_dict(saved[name])
-        for name, child in pairs:
-            child.load_state_dict(saved[name])
-
+        _check_then_load([(child, saved[name]) for name, child in zip(names, self.chained_optimizers)])
 
     def _load_megatron_core(self, state_dict: Any) -> None:
         """megatron-core's ChainedOptimizer format: one child's state dict, or a list of them."""
@@ -175,11 +169,16 @@ class ChainedOptimizer(MegatronOptimizer):
         if len(states) != len(self.chained_optimizers):
             raise ValueError(f"the state dict holds {len(states)} optimizer(s) (megatron-core's format) but this "
                              f"chain has {len(self.chained_optimizers)}: {self._names}.")
-        for child, state in zip(self.chained_optimizers, states):  # check all before loading any
-            if hasattr(child, "check_state_dict"):
-                child.check_state_dict(state)
-        for child, state in zip(self.chained_optimizers, states):
-            child.load_state_dict(state)
+        _check_then_load(list(zip(self.chained_optimizers, states)))
+
+
+def _check_then_load(children_and_states: list[tuple[Any, Any]]) -> None:
+    """Check every child's state before loading any: a mismatch never half-loads the chain."""
+    for child, state in children_and_states:
+        if hasattr(child, "check_state_dict"):
+            child.check_state_dict(state)
+    for child, state in children_and_states:
+        child.load_state_dict(state)
 
 
 def _parameters_of(child: Any) -> list[torch.nn.Parameter]:

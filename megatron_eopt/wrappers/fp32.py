@@ -7,7 +7,7 @@ second copy of tied parameters (`shared`), and is summed over the model-parallel
 """
 
 import contextlib
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -36,11 +36,6 @@ from megatron_eopt.wrappers.qk_clip import QKClip
 from megatron_eopt.wrappers.state_precision import StatePrecision
 
 MakeOptimizer = Callable[[list[dict]], torch.optim.Optimizer]
-
-
-@contextlib.contextmanager
-def _fp32_state(optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    yield  # state already fp32
 
 
 def model_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
@@ -204,8 +199,9 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
 
     def step_with_ready_grads(self) -> None:
         with timed(self.config, "optimizer-inner-step"):
-            working = self.state_precision.working if self.state_precision is not None else _fp32_state
-            with working(self.optimizer):  # the update in fp32, stored state rounded after it
+            precision = self.state_precision
+            with precision.working(self.optimizer) if precision else contextlib.nullcontext():
+                # the update in fp32, stored state rounded after it
                 self.optimizer.step()
             canonical_state_layout(self.optimizer)
         if self.qk_clip is not None:  # QK-clip scales the updated main copies (wrappers/qk_clip.py)
