@@ -13,8 +13,9 @@ scheduler flags; with `--override-opt_param-scheduler` it follows the new schedu
 checkpoint's step, and a directory without `latest` resumes from its newest checkpoint, saying
 so. Expected learning rates come from the cosine formula written out here.
 
-The DP=2 runs launch new processes under torchrun; the one-process runs that load the checkpoint
-run in a worker of the shared distributed harness (imports paid once per session, ~20 s a launch).
+The resumed DP=2 run launches new processes under torchrun; the straight run and the one-process
+runs that load its checkpoints run in workers of the shared distributed harness (imports paid
+once per session, not ~20 s a launch).
 """
 
 import math
@@ -73,10 +74,15 @@ def _checkpoint(path: pathlib.Path, tmp_path: pathlib.Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def straight_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, list[dict]]:
+def straight_run(tmp_path_factory: pytest.TempPathFactory, run_distributed) -> tuple[pathlib.Path, list[dict]]:
+    """The run every test loads from, on the harness's 2 workers (OMP_NUM_THREADS=1 and gloo, as
+    under torchrun); the resume that must reproduce it runs in new processes."""
     tmp = tmp_path_factory.mktemp("straight")
-    records = _run(2, MUON + ["--save", str(tmp / "ckpt"), "--save-interval", "10"], tmp / "metrics.jsonl")
-    return tmp / "ckpt", records
+    argv = MODEL_FLAGS + MUON + ["--save", str(tmp / "ckpt"), "--save-interval", "10",
+                                 "--metrics-jsonl", str(tmp / "metrics.jsonl")]
+    for result in run_distributed(run_pretrain_gpt_reporting, 2, args=(argv,), timeout=600):
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return tmp / "ckpt", read_metrics(str(tmp / "metrics.jsonl"))[0]
 
 
 def _losses(records: list[dict], first: int) -> list[float]:
