@@ -13,18 +13,19 @@ iterations here, while a wrong TP slice, a wrong DP slice or gradient average, o
 optimizer loses moves them by >1e-3 within a few steps. The one-process run itself must learn
 (its loss falls by > 0.5), so the layouts are not compared with a run that does nothing.
 
-Layouts: each launch costs ~20 s of imports per process on 2 cores, so torchrun launches TP2 x
-DP2 with layer-wise Muon here, against the one-process run; the other layouts (TP2 x DP2 Adam,
+Layouts: each launch costs ~20 s of imports per process on 2 cores, so TP2 x DP2 with layer-wise
+Muon runs here, against the one-process run; the other layouts (TP2 x DP2 Adam,
 TP2 Muon, DP2 Muon without the distributed optimizer, pipelines, experts) run in the test
 workers' processes (tests/unit/training/test_pretrain_gpt_in_process.py and the pipeline/MoE
 tests). --bf16, --exit-interval, --plot and --tensorboard-dir are checked on one more run;
 --data-path/--split/--tokenizer-type with evaluation on another (a corpus written by the test and
 converted by tools/preprocess_data.py), which is also launched under torchrun at DP=2; the log line
 and progress bar in-process (tests/unit/training/logging/test_training_log.py); flag errors
-in-process and once under torchrun. The one-process runs (the reference, the flags run, the data
-run) go through the script's `main` in a worker of the shared distributed harness, which has paid
-the imports once per session (tests/pretrain_gpt_in_process.py); the torchrun launches are new
-processes.
+in-process and once under torchrun. TP2 x DP2 and the one-process runs (the reference, the flags
+run, the data run) go through the script's `main` on workers of the shared distributed harness,
+which has paid the imports once per session (tests/pretrain_gpt_in_process.py); torchrun launches
+new processes for two "nodes" with the TP group across them, for the DP=2 data run (and its
+warnings) and for a bad flag.
 """
 
 import json
@@ -74,7 +75,7 @@ def _command(nproc: int, optimizer: str, extra: list[str]) -> list[str]:
 def _launch(nproc: int, optimizer: str, metrics: pathlib.Path, extra: list[str] = (),
             run_distributed=None) -> tuple[list[dict], str]:
     """Train 20 logged iterations; returns the metrics records and rank 0's stdout. With
-    `run_distributed` (one process), the run goes through the script's `main` in a harness worker."""
+    `run_distributed`, the run goes through the script's `main` on `nproc` harness workers."""
     result = _start(nproc, optimizer, [*extra, "--metrics-jsonl", str(metrics)], run_distributed)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     log_lines = [line for line in result.stdout.splitlines() if MEGATRON_LINE.match(line)]
@@ -85,9 +86,10 @@ def _launch(nproc: int, optimizer: str, metrics: pathlib.Path, extra: list[str] 
 def _start(nproc: int, optimizer: str, extra: list[str], run_distributed=None) -> subprocess.CompletedProcess:
     if run_distributed is None:
         return subprocess.run(_command(nproc, optimizer, extra), cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert nproc == 1, "a harness worker runs one process's job"
     argv = MODEL_FLAGS + OPTIMIZER_FLAGS[optimizer] + extra
-    return run_distributed(run_pretrain_gpt_reporting, 1, args=(argv,), timeout=600)[0]
+    results = run_distributed(run_pretrain_gpt_reporting, nproc, args=(argv,), timeout=600)
+    failed = [result for result in results if result.returncode != 0]
+    return failed[0] if failed else results[0]  # rank 0 prints the log, as under torchrun
 
 
 def _losses(records: list[dict]) -> list[float]:
@@ -136,8 +138,11 @@ LAYOUTS = [  # (processes, TP, optimizer)
 
 @pytest.mark.parametrize(
     "nproc,tp,optimizer", [pytest.param(n, tp, opt, id=f"tp{tp}-dp{n // tp}-{opt}") for n, tp, opt in LAYOUTS])
-def test_layout_matches_one_process(nproc: int, tp: int, optimizer: str, one_process, tmp_path: pathlib.Path) -> None:
-    records, _ = _launch(nproc, optimizer, tmp_path / "metrics.jsonl", ["--tensor-model-parallel-size", str(tp)])
+def test_layout_matches_one_process(nproc: int, tp: int, optimizer: str, one_process, run_distributed,
+                                    tmp_path: pathlib.Path) -> None:
+    """On the harness's workers: the two-node test below and the DP=2 data run launch torchrun."""
+    records, _ = _launch(nproc, optimizer, tmp_path / "metrics.jsonl", ["--tensor-model-parallel-size", str(tp)],
+                         run_distributed)
     reference = one_process(optimizer.removesuffix("-replicated"))  # the same update, computed once per rank
     # The learning-rate schedule does not depend on the layout: the same lr at every iteration.
     assert [r["lr"] for r in records] == [r["lr"] for r in reference]
