@@ -62,6 +62,9 @@ QUICK = Scale(("--num-layers", "1", "--hidden-size", "32", "--num-attention-head
 
 MUON = ("--optimizer", "muon", "--muon-match-adamw-rms")
 ADAMW = ("--optimizer", "adam")
+# megatron-core's precision-aware state (docs/memory.md): bf16 moments. The model is fp32 here, so
+# there are no bf16 parameters to hold remainders for; only the moments change.
+BF16_STATE = ("--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16")
 
 
 @dataclass(frozen=True)
@@ -132,17 +135,29 @@ def _sortable(loss: Optional[float]) -> float:
 
 
 def later_specs(scale: Scale, results: dict[str, dict]) -> list[Spec]:
-    """Stages 2 and 3, which need the sweep's best lrs."""
+    """Stages 2, 3 and 4, which need the sweep's best lrs."""
     specs = []
     for group, flags in (("adamw", ADAMW), ("muon", MUON)):
         lr = best_lr(results, group)
         specs += [Spec(f"{group}_lr{lr:g}_seed{seed}", group, lr, seed, flags) for seed in scale.seeds[1:]]
+    specs += bf16_state_specs(scale, results)
     muon_lr = best_lr(results, "muon")
     for variant in variants(scale):
         for factor in variant.lr_factors:
             decoupled = muon_lr * variant.decoupled_lr_factor if variant.decoupled_lr_factor else None
             specs += [Spec(f"{variant.name}_lr{muon_lr * factor:g}_seed{seed}", variant.name, muon_lr * factor, seed,
                            variant.flags, decoupled) for seed in variant.seeds]
+    return specs
+
+
+def bf16_state_specs(scale: Scale, results: dict[str, dict]) -> list[Spec]:
+    """Stage 4: AdamW and Muon at their best lrs with bf16 state, every seed, to compare with their
+    fp32-state seeds."""
+    specs = []
+    for group, flags in (("adamw", ADAMW), ("muon", MUON)):
+        lr = best_lr(results, group)
+        specs += [Spec(f"{group}_bf16_state_lr{lr:g}_seed{seed}", f"{group}_bf16_state", lr, seed, flags + BF16_STATE)
+                  for seed in scale.seeds]
     return specs
 
 
@@ -325,7 +340,8 @@ def run_all(scale: Scale, args: argparse.Namespace) -> list[dict]:
     runs_dir = os.path.join(args.out, "runs")
     os.makedirs(runs_dir, exist_ok=True)
     extra_seeds = 2 * (len(scale.seeds) - 1)
-    total = len(sweep_specs(scale)) + extra_seeds + sum(len(v.lr_factors) * len(v.seeds) for v in variants(scale))
+    total = (len(sweep_specs(scale)) + extra_seeds + 2 * len(scale.seeds)
+             + sum(len(v.lr_factors) * len(v.seeds) for v in variants(scale)))
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
     start, trained, started, lock = time.time(), [], [], threading.Lock()  # trained: for the estimate
 

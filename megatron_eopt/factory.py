@@ -93,7 +93,6 @@ def get_megatron_optimizer(
     fsdp = fully_sharded_layout(chunks, pg_collection)  # torch FSDP2 (DTensor parameters), or None
     if fsdp is not None:
         check_fully_sharded_config(config)
-        _refuse_precision_aware_with_fsdp2(config)
         _check_supported(config, {name: lookup_optimizer(name) for name in routing.optimizers}, fsdp2=True)
         routing = dataclasses.replace(routing, embedding_or_output_names=OUTPUT_LAYER_NAMES)
     groups = resolve_parallel_groups(pg_collection) if fsdp is None else fsdp.parallel_groups()
@@ -123,12 +122,6 @@ def get_megatron_optimizer(
     if dump_param_to_param_group_map is not None and tp_modes:  # again, with each matrix's TP mode
         dump_param_group_map(dump_param_to_param_group_map, param_groups, records, tp_modes)
     return optimizer
-
-
-def _refuse_precision_aware_with_fsdp2(config: OptimizerConfig) -> None:
-    if config.use_precision_aware_optimizer:
-        raise ValueError("use_precision_aware_optimizer=True is not supported with a torch FSDP2 (DTensor) model yet; "
-                         "it works with the replicated and layer-wise distributed optimizers (docs/memory.md).")
 
 
 def _refuse_precision_aware_with_distributed_tp(config: OptimizerConfig, tp_modes: Mapping[str, str]) -> None:
