@@ -187,13 +187,18 @@ def report(shape: GptShape, params: int, rows: dict, path: Optional[str]) -> Non
             matrices = f"{row['muon_matrix_bytes_per_param']:.3f}"
         print(f"  {key:38} {max(per_rank):12.3f} {row['model_bytes_per_param']:6.2f} {matrices:>13}   "
               + " ".join(f"{b:.3f}" for b in per_rank))
+    ratios = {f"{name} {layout}": rows[f"{name} {layout} precision-aware"]["bytes_per_param"]
+              / rows[f"{name} {layout} fp32 state"]["bytes_per_param"]
+              for name in ("adam", "muon") for layout in ("replicated", "layer-wise", "fsdp2")
+              if "bytes_per_param" in rows[f"{name} {layout} precision-aware"]}
+    print("  precision-aware / fp32 state: " + ", ".join(f"{key} {value:.3f}" for key, value in ratios.items()))
     print(f"megatron-core's distributed optimizer, Adam, bytes per parameter (parameter + gradient + optimizer "
           f"state), d = data-parallel size, from {MEGATRON_CORE_DOCS}:")
     cited = {}
     for dtypes, (plain, sharded) in MEGATRON_CORE_FIGURES.items():
         cited[dtypes] = {"non_distributed": plain, "distributed_d4": sharded(4)}
         print(f"  {dtypes:30} non-distributed {plain:2d}   distributed at d=4 {sharded(4):5.2f}")
-    write_json(path, {"model": shape.describe(), "parameters": params, "rows": rows,
+    write_json(path, {"model": shape.describe(), "parameters": params, "rows": rows, "ratios": ratios,
                       "megatron_core": {"source": MEGATRON_CORE_DOCS, "figures": cited}})
 
 

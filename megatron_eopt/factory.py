@@ -117,19 +117,10 @@ def get_megatron_optimizer(
     else:
         optimizer = _layer_wise(build)
     tp_modes = muon_tp_modes(optimizer)
-    _refuse_precision_aware_with_distributed_tp(config, tp_modes)
     _warn_if_tp_settings_unused(config, records, tp_modes)
     if dump_param_to_param_group_map is not None and tp_modes:  # again, with each matrix's TP mode
         dump_param_group_map(dump_param_to_param_group_map, param_groups, records, tp_modes)
     return optimizer
-
-
-def _refuse_precision_aware_with_distributed_tp(config: OptimizerConfig, tp_modes: Mapping[str, str]) -> None:
-    """muon_tp_mode='distributed' (chosen, or picked by 'auto') is not covered by the precision-aware tests."""
-    distributed = sorted(fqn for fqn, mode in tp_modes.items() if mode == "distributed")
-    if config.use_precision_aware_optimizer and distributed:
-        raise ValueError(f"use_precision_aware_optimizer=True is not supported with muon_tp_mode 'distributed' yet "
-                         f"(parameter {distributed[0]!r}); use muon_tp_mode='duplicated' or 'blockwise'.")
 
 
 def _warn_if_tp_settings_unused(config: OptimizerConfig, records: list[ParamRecord], tp_modes: Mapping[str, str]) -> None:
