@@ -7,8 +7,8 @@ whose file exists with the same command is not repeated, so an interrupted sweep
 1. lr sweep, seed 1: AdamW and Muon (AdamW-RMS matched, quintic), 4 lrs each; 2. the best lr
 of each (lowest final validation loss) with seeds 2 and 3; 3. Muon variants at Muon's best lr,
 seed 1: polar_express, NorMuon, spectral scale at 1x and 2.5x the lr, weight decay 0.1, a halved
-embedding lr, and Gram Newton-Schulz. Runs go `--jobs` at a time (default: one per CPU, one
-thread each: on 2 cores that beats one 2-thread run at a time by far). Then summary.json,
+embedding lr, and Gram Newton-Schulz; 4. AdamW and Muon at their best lrs with bf16 state, every
+seed. Runs go `--jobs` at a time (default: one per CPU, one thread each). Then summary.json,
 convergence_loss.png and a Markdown table; with --docs (`make convergence`) the table and the
 plot go into docs/convergence.md. --quick: a tiny model, 60 iterations (plumbing, no numbers).
 """
@@ -135,12 +135,11 @@ def _sortable(loss: Optional[float]) -> float:
 
 
 def later_specs(scale: Scale, results: dict[str, dict]) -> list[Spec]:
-    """Stages 2, 3 and 4, which need the sweep's best lrs."""
+    """Stages 2 and 3, which need the sweep's best lrs."""
     specs = []
     for group, flags in (("adamw", ADAMW), ("muon", MUON)):
         lr = best_lr(results, group)
         specs += [Spec(f"{group}_lr{lr:g}_seed{seed}", group, lr, seed, flags) for seed in scale.seeds[1:]]
-    specs += bf16_state_specs(scale, results)
     muon_lr = best_lr(results, "muon")
     for variant in variants(scale):
         for factor in variant.lr_factors:
@@ -359,6 +358,7 @@ def run_all(scale: Scale, args: argparse.Namespace) -> list[dict]:
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         results = list(pool.map(run, sweep_specs(scale)))
         results += list(pool.map(run, later_specs(scale, {r["name"]: r for r in results})))
+        results += list(pool.map(run, bf16_state_specs(scale, {r["name"]: r for r in results})))
     return results
 
 

@@ -1,19 +1,13 @@
 """Optimizer-owned bytes per parameter on each rank: fp32 state against the precision-aware optimizer.
 
-Counted from the tensors that are allocated, not from a formula: after one step and `zero_grad()`
-(the state between iterations), every tensor reachable from the optimizer object (its state,
-main weights, remainders, buffers) is collected, storages are deduplicated, and the model's own
-parameters are left out. Bytes are divided by the model's parameter count (all ranks together).
-
-Rows: adam and muon (`muon_scalar_optimizer` adam for the layer norms), each with
-- fp32 state: bf16 parameters (`bf16=True`) with fp32 main copies and fp32 moments;
-- precision-aware: `use_precision_aware_optimizer=True`, bf16 `exp_avg_dtype`/`exp_avg_sq_dtype`,
-  `store_param_remainders=True` (megatron-core's default): bf16 parameters + int16 remainders;
-in three layouts: replicated (every rank holds everything), layer-wise DP=4, and torch FSDP2
-over 4 ranks. FSDP2 keeps fp32 sharded parameters (they are the main weights; compute in bf16
-through `MixedPrecisionPolicy`), so there its rows differ in the moments only, and the model
-column is the fp32 shard. Beside them: megatron-core's distributed-optimizer figures as its
-documentation gives them.
+Counted from allocated tensors, not a formula: after a step and `zero_grad()`, every tensor
+reachable from the optimizer object (state, main weights, remainders, buffers), storages
+deduplicated, the model's parameters left out, divided by the model's parameter count.
+adam and muon (adam for the layer norms), each with fp32 state (bf16 parameters, fp32 main copies
+and moments) and precision-aware state (bf16 moments, int16 remainders), replicated, layer-wise
+DP=4 and torch FSDP2 over 4 ranks. FSDP2 keeps fp32 shards as the main weights (bf16 compute
+through MixedPrecisionPolicy), so there only the moments change. Beside them: megatron-core's
+documented figures for its distributed optimizer (docs/memory.md).
 
     torchrun --nproc-per-node 4 benchmarks/precision_memory.py [--json PATH]
 """
