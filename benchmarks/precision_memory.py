@@ -79,6 +79,13 @@ def owned_bytes(optimizer: Any, model: torch.nn.Module) -> int:
     return sum(nbytes for _, _, nbytes in storages)
 
 
+def accounted_bytes(optimizer: Any) -> int:
+    """The optimizer's own accounting, a check on the walk: its state tensors plus main_param_bytes()."""
+    return sum(t.numel() * t.element_size() for child in optimizer.chained_optimizers
+               for state in child.state.values() for t in state.values() if torch.is_tensor(t)) + \
+        sum(child.main_param_bytes() for child in optimizer.chained_optimizers)
+
+
 def model_bytes(model: torch.nn.Module) -> int:
     return sum(nbytes for _, _, nbytes in {_storage_key(p) for p in model.parameters()})
 
@@ -128,7 +135,8 @@ def measure(shape: GptShape, name: str, state: str, layout: str, device: torch.d
     except ValueError as error:
         return {"refused": str(error)}
     stepped(optimizer, model, mesh)
-    result = {"owned": owned_bytes(optimizer, model), "model": model_bytes(model)}
+    result = {"owned": owned_bytes(optimizer, model), "model": model_bytes(model),
+              "accounted": accounted_bytes(optimizer)}
     if name == "muon":
         result["matrix_owned"], result["matrix_params"] = matrix_bytes(optimizer, model)
     return result
@@ -167,7 +175,7 @@ def main() -> None:
 def report(shape: GptShape, params: int, rows: dict, path: Optional[str]) -> None:
     print(f"Optimizer-owned bytes per parameter on each rank, {params / 1e6:.2f}M parameters ({shape.describe()})")
     print("  (state + main weights + remainders, after step and zero_grad; model: its parameters on that rank)")
-    print(f"  {'':38} {'largest rank':>12} {'model':>6} {'muon matrices':>13}   each rank")
+    print(f"  {'':38} {'largest rank':>12} {'model':>6} {'muon matrices':>13} {'walk - state':>12}   each rank")
     for key, row in rows.items():
         if "refused" in row:
             print(f"  {key:38} refused: {row['refused']}")
@@ -179,7 +187,10 @@ def report(shape: GptShape, params: int, rows: dict, path: Optional[str]) -> Non
         if "matrix_owned" in row:  # the Muon-stepped matrices alone (the norms are adam's)
             row["muon_matrix_bytes_per_param"] = max(row["matrix_owned"]) / row["matrix_params"][0]
             matrices = f"{row['muon_matrix_bytes_per_param']:.3f}"
-        print(f"  {key:38} {max(per_rank):12.3f} {row['model_bytes_per_param']:6.2f} {matrices:>13}   "
+        # Bytes the walk found beyond the state tensors and main_param_bytes(): scalars, placeholders.
+        row["unaccounted_bytes"] = max(o - a for o, a in zip(row["owned"], row["accounted"]))
+        print(f"  {key:38} {max(per_rank):12.3f} {row['model_bytes_per_param']:6.2f} {matrices:>13} "
+              f"{row['unaccounted_bytes']:12d}   "
               + " ".join(f"{b:.3f}" for b in per_rank))
     ratios = {f"{name} {layout}": rows[f"{name} {layout} precision-aware"]["bytes_per_param"]
               / rows[f"{name} {layout} fp32 state"]["bytes_per_param"]
