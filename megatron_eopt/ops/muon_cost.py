@@ -282,9 +282,13 @@ def layout_costs(layout: MatrixLayout, tp_size: int, mode: str, settings: Newton
 
 def _block_placement(layout: MatrixLayout, tp_size: int, mode: str) -> tuple[int, str]:
     """(partition_dim, mode) that `block_cost` counts a block of `layout` with: a per-head block
-    costs what a replicated one does in 'duplicated' (every rank runs it, nothing is sent)."""
+    costs what a replicated one does in 'duplicated' (every rank runs it, nothing is sent). A
+    `tp_contiguous` matrix is gathered whole first: its blocks cost what replicated ones do in the
+    mode (the one all-gather before them is not counted)."""
     if layout.per_head:
         return -1, "duplicated"
+    if layout.tp_contiguous:
+        return -1, mode
     return (layout.partition_dim if tp_size > 1 else -1), mode
 
 
