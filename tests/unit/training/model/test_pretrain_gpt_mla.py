@@ -8,8 +8,8 @@ References, none produced by the code under test:
   without megatron_eopt/training/model/mla.py's RoPE-key gradient sum, and MLA's q_layernorm gradient was doubled when
   summed over TP by name, as megatron-core's local path does.)
 - The built weights' shapes at TP=2, written out from the flags by hand.
-- Muon's Newton-Schulz calls at TP=2 (default duplicated mode): every MLA matrix whole, at its
-  global shape, as megatron-core's Muon does (it splits only `linear_qkv`).
+- Muon's Newton-Schulz calls at TP=2 (default duplicated mode): every MLA component at its
+  global shape (params/fused_layouts.py; megatron-core's Muon splits only `linear_qkv`).
 - YaRN: the angles and concentration factor of the model's rotary embedding, and MLA's softmax
   scale, against the formulas written out here.
 - FLOPs: megatron's count grows by 6 * tokens * (the parameters a wider query latent adds).
@@ -100,10 +100,13 @@ def test_mla_weights_have_the_shapes_the_flags_give(tp2_model) -> None:
     }
 
 
-def test_muon_orthogonalizes_each_mla_matrix_whole_at_its_global_shape(tp2_model) -> None:
+def test_muon_orthogonalizes_each_mla_component_at_its_global_shape(tp2_model) -> None:
+    """Issue 39: each query head; the latent and the shared rotary key of linear_kv_down_proj
+    (which TP=2 shards through the latent); per head the key and the value of linear_kv_up_proj."""
     ffn = 64  # ARGV's --ffn-hidden-size; --swiglu: gate and up halves separately
-    per_layer = [(Q_LORA, HIDDEN), (Q_LORA, HEADS * (QK + POS)), (KV_LORA + POS, HIDDEN),
-                 (KV_LORA, HEADS * (QK + V)), (HEADS * V, HIDDEN), (HIDDEN, ffn), (HIDDEN, ffn), (HIDDEN, ffn)]
+    per_layer = ([(Q_LORA, HIDDEN)] + [(QK + POS, Q_LORA)] * HEADS + [(KV_LORA, HIDDEN), (POS, HIDDEN)]
+                 + [(QK, KV_LORA)] * HEADS + [(V, KV_LORA)] * HEADS
+                 + [(HEADS * V, HIDDEN), (HIDDEN, ffn), (HIDDEN, ffn), (HIDDEN, ffn)])
     expected = sorted(tuple(sorted(shape)) for shape in per_layer * 2)  # 2 layers, one step
     assert _matrices(tp2_model["calls"]) == expected
 
