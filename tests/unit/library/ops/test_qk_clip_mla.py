@@ -17,7 +17,9 @@ import torch
 from megatron_eopt import OptimizerConfig, get_megatron_optimizer
 from tests.fused_models import GPT, HEADS, POS, QK, V
 
-SETTINGS = dataclasses.replace(GPT, num_moe_experts=None, moe_layer_freq=1, qk_layernorm=True)
+# One layer: its attention's input (the embeddings) does not change with the clip, so the logits
+# after the step come from the same input as the maxima the clip used.
+SETTINGS = dataclasses.replace(GPT, num_layers=1, num_moe_experts=None, moe_layer_freq=1, qk_layernorm=True)
 BOOST = 6.0
 
 
@@ -103,4 +105,4 @@ def test_mla_qk_clip_keeps_every_head_at_or_below_tau_at_tp2(run_distributed) ->
                     assert new == old, (old, new, tau)  # an unclipped head: its weights bitwise unchanged
         assert result["values_kept"]
         assert result["changed"] and all("linear_q_up_proj" in n or "linear_kv_up_proj" in n for n in result["changed"])
-    assert clipped_heads >= 2
+    assert clipped_heads >= 1
