@@ -19,7 +19,7 @@ from _timing import interleaved_times, medians, write_json
 
 from megatron_eopt.ops.gram_newton_schulz import gram_flops, restart_steps, standard_flops
 from megatron_eopt.ops.newton_schulz import NewtonSchulzSettings
-from megatron_eopt.optimizers.tensor_parallel_muon import TensorParallelMuon
+from megatron_eopt.optimizers.muon.tensor_parallel_muon import TensorParallelMuon
 
 LR, WEIGHT_DECAY, STEPS = 1e-3, 0.1, 5
 

@@ -25,7 +25,7 @@ from _timing import interleaved_times, medians, paired_ratio, write_json
 
 from megatron_eopt import OptimizerConfig, get_megatron_optimizer
 from megatron_eopt.runtime.hardware import native_bf16_matmul
-from megatron_eopt.optimizers.tensor_parallel_muon import TensorParallelMuon
+from megatron_eopt.optimizers.muon.tensor_parallel_muon import TensorParallelMuon
 
 LR, WEIGHT_DECAY = 1e-3, 0.1
 Step = Callable[[], object]

@@ -26,7 +26,7 @@ from _gpt import gpt_weight_shapes, matrix_layout, shape_from
 from _timing import write_json
 
 from megatron_eopt.ops.muon_cost import step_time_s
-from megatron_eopt.optimizers.tensor_parallel_muon import TensorParallelMuon
+from megatron_eopt.optimizers.muon.tensor_parallel_muon import TensorParallelMuon
 
 MODES = ("duplicated", "distributed", "sharded", "auto")
 

@@ -15,6 +15,7 @@ block takes Gram Newton-Schulz where that costs fewer FLOPs (ops/gram_newton_sch
 the gram-newton-schulz `package` if given, except 'distributed' shards (`block_paths` says which).
 """
 
+import functools
 import typing
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Sequence, Union
@@ -134,8 +135,7 @@ def orthogonalize_updates(
     for mode in TP_MODES:  # the same subsets on every TP rank
         subset = [k for k, (i, _, _) in enumerate(pieces) if modes[i] == mode and not here[k]]
         if subset:
-            done = _orthogonalize_in_mode([pieces[k] for k in subset], [block_shapes[k] for k in subset],
-                                          mode, tp_group, settings)
+            done = _IN_MODE[mode]([pieces[k] for k in subset], [block_shapes[k] for k in subset], tp_group, settings)
             for k, result in zip(subset, done):
                 results[k] = result
     merged, start = [], 0
@@ -144,15 +144,6 @@ def orthogonalize_updates(
         merged.append(merge_blocks(results[start:start + count], layout).to(update.dtype))
         start += count
     return keep_local_rows(merged, cut, tp_group)
-
-
-def _orthogonalize_in_mode(pieces: list[Piece], block_shapes: list[tuple[int, int]], tp_mode: str,
-                           tp_group: dist.ProcessGroup, settings: NewtonSchulzSettings) -> list[torch.Tensor]:
-    if tp_mode == "sharded":
-        return _sharded(pieces, block_shapes, tp_group, settings)
-    if tp_mode == "distributed":
-        return _distributed(pieces, block_shapes, tp_group, settings)
-    return _local(pieces, block_shapes, tp_mode, tp_group, settings)
 
 
 def block_paths(layout: MatrixLayout, tp_mode: str, tp_size: int, settings: NewtonSchulzSettings,
@@ -185,7 +176,12 @@ def orthogonalize_batched(matrices: list[torch.Tensor], scales: list[float],
         groups.setdefault((tuple(matrix.shape), matrix.dtype, matrix.device), []).append(i)
     results: list[torch.Tensor] = [torch.empty(0)] * len(matrices)
     for indices in groups.values():
-        orthogonal = _orthogonalize_stacked([matrices[i] for i in indices], settings)
+        group = [matrices[i] for i in indices]
+        # Tall matrices are stacked tall, not pre-transposed: newton_schulz then transposes the batch
+        # as a view, exactly as it does a single matrix, so the round-off is the 2-D path's.
+        # emerging_optimizers' syrk kernel takes 2-D input only.
+        orthogonal = (torch.stack([settings.orthogonalize(m) for m in group]) if settings.use_syrk
+                      else settings.orthogonalize(torch.stack(group)))
         group_scales = [scales[i] for i in indices]
         if len(set(group_scales)) == 1:  # the usual case: a Python scalar, no host-to-device copy
             orthogonal.mul_(group_scales[0])
@@ -197,23 +193,12 @@ def orthogonalize_batched(matrices: list[torch.Tensor], scales: list[float],
     return results
 
 
-def _orthogonalize_stacked(matrices: list[torch.Tensor], settings: NewtonSchulzSettings) -> torch.Tensor:
-    """Unscaled orthogonalization of equal-shape matrices, as one (B, m, n) tensor.
-
-    Tall matrices are stacked tall, not pre-transposed: newton_schulz then transposes the
-    batch as a view, exactly as it does a single matrix, so the round-off is the 2-D path's.
-    """
-    if settings.use_syrk:  # emerging_optimizers' syrk kernel takes 2-D input only
-        return torch.stack([settings.orthogonalize(m) for m in matrices])
-    return settings.orthogonalize(torch.stack(matrices))
-
-
 def _local(
     pieces: list[Piece],
     block_shapes: list[tuple[int, int]],
-    tp_mode: str,
     tp_group: dist.ProcessGroup,
     settings: NewtonSchulzSettings,
+    tp_mode: str,
 ) -> list[torch.Tensor]:
     """'blockwise' (each shard alone) and 'duplicated' (each rank the all-gathered matrix)."""
     size, rank = group_size(tp_group), group_rank(tp_group)
@@ -331,3 +316,12 @@ def _all_to_all(
             offset += like.numel()
         received.append(tensors)
     return received
+
+
+# How the shards of a block meet, by TP mode: (pieces, global block shapes, tp_group, settings) -> results.
+_IN_MODE = {
+    "blockwise": functools.partial(_local, tp_mode="blockwise"),
+    "duplicated": functools.partial(_local, tp_mode="duplicated"),
+    "distributed": _distributed,
+    "sharded": _sharded,
+}

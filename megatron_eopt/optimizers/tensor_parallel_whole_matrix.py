@@ -21,15 +21,15 @@ import torch.distributed as dist
 from megatron_eopt.ops.row_shards import RowShards, map_row_shards
 from megatron_eopt.ops.splits import MatrixLayout
 from megatron_eopt.ops.whole_matrix import gather_whole_matrix, local_part
-from megatron_eopt.optimizers.sharded_matrices import OrthogonalizeTogether, layouts_by_param, row_shards_by_param
+from megatron_eopt.optimizers.muon.shards import layouts_by_param, row_shards_by_param
+from megatron_eopt.optimizers.muon.step import OrthogonalizeTogether
 
 
 class _WholeMatrixOverTensorParallel:
     """The overriding part; mixed in before an OrthogonalizedOptimizer subclass."""
 
     # Borrowed rather than inherited, so that the class's bases stay (this, the wrapped class).
-    _momentum_updates = OrthogonalizeTogether._momentum_updates
-    _step_orthogonalizing_together = OrthogonalizeTogether._step_orthogonalizing_together
+    _step_orthogonalizing_together = OrthogonalizeTogether.step
 
     tp_group: Optional[dist.ProcessGroup]
     fsdp_group: Optional[dist.ProcessGroup]
@@ -38,7 +38,7 @@ class _WholeMatrixOverTensorParallel:
 
     def orthogonalize(self, p: torch.Tensor, grad: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         if self._row_shards_of is not None:  # a row shard alone has no whole-matrix update
-            return self._orthogonalize_all([p], [grad])[0]
+            return self.orthogonalize_all_fn([p], [grad])[0]
         return self._orthogonalize_tp_shard(p, grad, self._layout_of[id(p)], kwargs)
 
     def _orthogonalize_tp_shard(self, p: torch.Tensor, grad: torch.Tensor, layout: MatrixLayout,
@@ -51,12 +51,9 @@ class _WholeMatrixOverTensorParallel:
     def step(self, closure: Any = None) -> None:
         if self._row_shards_of is None:
             return super().step(closure)
-        if closure is not None:
-            raise ValueError("closure is not supported")
-        self._step_orthogonalizing_together()  # every matrix's rows to its owner in one exchange
-        return None
+        return self._step_orthogonalizing_together(closure)  # every matrix's rows to its owner in one exchange
 
-    def _orthogonalize_all(self, params: list[torch.Tensor], updates: list[torch.Tensor]) -> list[torch.Tensor]:
+    def orthogonalize_all_fn(self, params: list[torch.Tensor], updates: list[torch.Tensor]) -> list[torch.Tensor]:
         """This rank's rows of every update, each matrix orthogonalized on its owner (FSDP2)."""
         shards = [self._row_shards_of[id(p)] for p in params]
         group_of = {id(p): group for group in self.param_groups for p in group["params"]}

@@ -103,14 +103,14 @@ def _params_without_state(optimizer: torch.optim.Optimizer) -> list[tuple[torch.
 
 def _muon_scale_kwargs(config: Any) -> dict[str, Any]:
     """`muon_match_adamw_rms` multiplies the extra scale by 0.2 (Moonlight's AdamW-RMS rule)."""
-    from megatron_eopt.optimizers.tensor_parallel_muon import ADAMW_RMS_MATCHING_EXTRA_SCALE
+    from megatron_eopt.optimizers.muon.tensor_parallel_muon import ADAMW_RMS_MATCHING_EXTRA_SCALE
 
     factor = ADAMW_RMS_MATCHING_EXTRA_SCALE if getattr(config, "muon_match_adamw_rms", False) else 1.0
     return {"extra_scale_factor": config.muon_extra_scale_factor * factor}
 
 
 def _muon_entry(optimizer_cls: type) -> EmergingOptimizerEntry:
-    from megatron_eopt.optimizers.tensor_parallel_muon import TensorParallelMuon
+    from megatron_eopt.optimizers.muon.tensor_parallel_muon import TensorParallelMuon
 
     return EmergingOptimizerEntry(
         TensorParallelMuon, routing="hidden_matrices", config_prefixes=("muon",),
@@ -120,7 +120,7 @@ def _muon_entry(optimizer_cls: type) -> EmergingOptimizerEntry:
 
 
 def _adaptive_muon_entry(optimizer_cls: type) -> EmergingOptimizerEntry:
-    from megatron_eopt.optimizers.tensor_parallel_adaptive_muon import TensorParallelAdaptiveMuon
+    from megatron_eopt.optimizers.muon.tensor_parallel_adaptive_muon import TensorParallelAdaptiveMuon
 
     return EmergingOptimizerEntry(
         TensorParallelAdaptiveMuon, routing="hidden_matrices", config_prefixes=("muon",),

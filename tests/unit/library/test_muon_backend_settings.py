@@ -17,8 +17,8 @@ from emerging_optimizers.orthogonalized_optimizers.muon import Muon
 from megatron_eopt import registry
 from megatron_eopt.runtime import once
 from megatron_eopt.config.optimizer_config import OptimizerConfig
-from megatron_eopt.optimizers.tensor_parallel_adaptive_muon import TensorParallelAdaptiveMuon
-from megatron_eopt.optimizers.tensor_parallel_muon import TensorParallelMuon
+from megatron_eopt.optimizers.muon.tensor_parallel_adaptive_muon import TensorParallelAdaptiveMuon
+from megatron_eopt.optimizers.muon.tensor_parallel_muon import TensorParallelMuon
 from megatron_eopt.registry import BuildContext
 
 OPTIMIZERS = {"muon": TensorParallelMuon, "adaptive_muon": TensorParallelAdaptiveMuon}

@@ -85,7 +85,7 @@ def counted_step(optimizer) -> dict:
     (FSDP2: every orthogonalize_row_shards call, the row exchange included)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    import megatron_eopt.optimizers.sharded_matrices as sharded_matrices
+    import megatron_eopt.optimizers.muon.shards as sharded_matrices
 
     counted = {"flops": 0, "bytes": 0.0, "calls": 0, "matrices": []}
     originals = (sharded_matrices.orthogonalize_updates, sharded_matrices.orthogonalize_row_shards)

@@ -95,7 +95,7 @@ def _counted_body(rank: int, size: int, plans: list, gram: bool) -> list:
     from torch.utils.flop_counter import FlopCounterMode
 
     from megatron_eopt.ops.muon_cost import rank_costs
-    from megatron_eopt.optimizers.tensor_parallel_muon import TensorParallelMuon
+    from megatron_eopt.optimizers.muon.tensor_parallel_muon import TensorParallelMuon
     from tests.collective_counts import counting_collectives
 
     layouts = _layouts(size)

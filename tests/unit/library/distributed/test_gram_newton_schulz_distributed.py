@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_eopt.ops.splits import MatrixLayout
-from megatron_eopt.optimizers.tensor_parallel_muon import TensorParallelMuon
+from megatron_eopt.optimizers.muon.tensor_parallel_muon import TensorParallelMuon
 
 # name -> (global shape, partition_dim): all wide or tall enough for the Gram path at TP=1 and 2.
 MATRICES = {"column": ((96, 16), 0), "row": ((16, 96), 1), "replicated": ((8, 40), -1)}

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from megatron_eopt.ops.gram_newton_schulz_package import PACKAGE_PATH, GramPackage
 from megatron_eopt.ops.splits import MatrixLayout
-from megatron_eopt.optimizers.tensor_parallel_muon import TensorParallelMuon
+from megatron_eopt.optimizers.muon.tensor_parallel_muon import TensorParallelMuon
 from tests.bf16_numerics import bf16_numerics, runs_bf16_at_medium
 from tests.unit.library.distributed.test_gram_newton_schulz_distributed import MATRICES, fsdp2_errors, shard
 

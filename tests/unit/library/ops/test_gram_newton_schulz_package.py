@@ -43,7 +43,7 @@ def test_optimizer_with_package_kernels_equals_ours() -> None:
     """One TensorParallelMuon step on CUDA fc1/fc2-like weights: with the package (its kernels)
     within 5e-2 relative of ours at 'medium', and the blocks reported as the package's."""
     from megatron_eopt.ops.gram_newton_schulz_package import PACKAGE_PATH
-    from megatron_eopt.optimizers.tensor_parallel_muon import TensorParallelMuon
+    from megatron_eopt.optimizers.muon.tensor_parallel_muon import TensorParallelMuon
 
     generator = torch.Generator("cuda").manual_seed(0)
     shapes = {"fc1": (4096, 1024), "fc2": (1024, 4096)}

@@ -22,8 +22,8 @@ from megatron_eopt.ops import gram_newton_schulz_package as package_module
 from megatron_eopt.ops.gram_newton_schulz import gram_newton_schulz
 from megatron_eopt.ops.gram_newton_schulz_package import GramPackage, check_package_arguments
 from megatron_eopt.ops.newton_schulz import NewtonSchulzSettings
-from megatron_eopt.optimizers.tensor_parallel_adaptive_muon import TensorParallelAdaptiveMuon
-from megatron_eopt.optimizers.tensor_parallel_muon import TensorParallelMuon
+from megatron_eopt.optimizers.muon.tensor_parallel_adaptive_muon import TensorParallelAdaptiveMuon
+from megatron_eopt.optimizers.muon.tensor_parallel_muon import TensorParallelMuon
 from tests.unit.library.ops.test_gram_newton_schulz import standard_float64
 
 SHAPES = [(64, 256), (256, 64), (3, 64, 256), (3, 256, 64)]

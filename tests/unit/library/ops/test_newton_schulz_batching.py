@@ -15,7 +15,7 @@ from emerging_optimizers.orthogonalized_optimizers import muon_utils
 
 from megatron_eopt.ops.newton_schulz import NewtonSchulzSettings, orthogonalize_batched
 from megatron_eopt.ops.splits import MatrixLayout
-from megatron_eopt.optimizers.tensor_parallel_muon import TensorParallelMuon
+from megatron_eopt.optimizers.muon.tensor_parallel_muon import TensorParallelMuon
 
 # Square, wide and tall, each shape several times, interleaved so a group's members are not adjacent.
 SHAPES = [(16, 16), (8, 24), (24, 8), (16, 16), (8, 24), (24, 8), (16, 16), (5, 7)]

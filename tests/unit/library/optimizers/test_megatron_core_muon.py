@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_eopt.ops.splits import MatrixLayout
-from megatron_eopt.optimizers.tensor_parallel_adaptive_muon import TensorParallelAdaptiveMuon
-from megatron_eopt.optimizers.tensor_parallel_muon import TensorParallelMuon
+from megatron_eopt.optimizers.muon.tensor_parallel_adaptive_muon import TensorParallelAdaptiveMuon
+from megatron_eopt.optimizers.muon.tensor_parallel_muon import TensorParallelMuon
 
 STEPS = 3
 Q, KV, GROUPS, HIDDEN = 4, 2, 4, 12  # rows per query group: q 4, k 2, v 2

@@ -22,7 +22,7 @@ from megatron_eopt import OptimizerConfig
 from arguments import add_optimizer_args, validate_args
 from megatron_eopt.ops.qk_clip import QKVRows
 from megatron_eopt.ops.splits import MatrixLayout, merge_blocks, qkv_row_blocks, split_blocks
-from megatron_eopt.optimizers.tensor_parallel_muon import TensorParallelMuon
+from megatron_eopt.optimizers.muon.tensor_parallel_muon import TensorParallelMuon
 from tests.newton_schulz_calls import recording_newton_schulz_calls
 
 HEADS, GROUPS, KV, HIDDEN = 6, 2, 4, 20  # GQA: 3 q heads per query group

@@ -19,7 +19,7 @@ from emerging_optimizers.orthogonalized_optimizers.adaptive_muon import Adaptive
 from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz
 
 from megatron_eopt.ops.splits import MatrixLayout, merge_blocks, split_blocks
-from megatron_eopt.optimizers.tensor_parallel_adaptive_muon import MOMENT2_METHODS, TensorParallelAdaptiveMuon
+from megatron_eopt.optimizers.muon.tensor_parallel_adaptive_muon import MOMENT2_METHODS, TensorParallelAdaptiveMuon
 from tests.unit.library.optimizers.test_tensor_parallel_muon import MATRICES, gradient, initial, layout_for, local_shard
 
 # normuon averages over columns when rows >= cols, else over rows. Of test_tensor_parallel_muon's

@@ -18,7 +18,7 @@ from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schu
 
 from megatron_eopt.ops.muon_cost import clear_calibrations
 from megatron_eopt.ops.splits import MatrixLayout, merge_blocks, split_blocks
-from megatron_eopt.optimizers.tensor_parallel_muon import TensorParallelMuon
+from megatron_eopt.optimizers.muon.tensor_parallel_muon import TensorParallelMuon
 
 HEADS, GROUPS, KV = 8, 4, 2  # GQA: 2 heads per group; q rows per group = 4
 Q_ROWS = HEADS // GROUPS * KV

@@ -27,8 +27,8 @@ from megatron_eopt.ops.muon_cost import HardwareProfile
 from megatron_eopt.ops.newton_schulz import NewtonSchulzSettings
 from megatron_eopt.ops.row_shards import RowShards
 from megatron_eopt.ops.splits import MatrixLayout
-from megatron_eopt.optimizers.megatron_core_args import IsQkvFn, weight_decay_method_of
-from megatron_eopt.optimizers.sharded_matrices import ShardedMatrices, check_muon_arguments
+from megatron_eopt.optimizers.muon.megatron_core_args import IsQkvFn, weight_decay_method_of
+from megatron_eopt.optimizers.muon.shards import ShardedMatrices, check_muon_arguments
 
 
 def backend_use_syrk(scaled_orthogonalize_fn: Callable) -> bool:
@@ -65,7 +65,7 @@ class TensorParallelMuon(ShardedMatrices, Muon):
     """Muon whose parameters may be TP shards (see the module docstring for the update).
 
     The arguments up to `tp_mode` are megatron-core's TensorParallelMuon's, in its order and with
-    its defaults (optimizers/megatron_core_args.py says how `pg_collection`, `split_qkv`,
+    its defaults (megatron_core_args.py says how `pg_collection`, `split_qkv`,
     `is_qkv_fn`, `qkv_split_shapes` and `use_decoupled_weight_decay` act). Keyword-only, ours:
         weight_decay_method: emerging_optimizers' name ('decoupled', 'l2', ...); None: from
             use_decoupled_weight_decay.
@@ -141,14 +141,3 @@ class TensorParallelMuon(ShardedMatrices, Muon):
         tp_group, layouts = self._megatron_core_shards(pg_collection, split_qkv, is_qkv_fn, qkv_split_shapes,
                                                        tp_group, layouts)
         self._set_up_shards(tp_mode, tp_group, layouts, fsdp_group, fsdp_shards, tp_hardware_profile, expert_tp_mode)
-
-    @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], float]] = None) -> None:
-        """Muon's step with every parameter's orthogonalization done together.
-
-        Together, so that tp_mode='sharded' moves all shards with one exchange; the weight decay,
-        momentum and weight update are Muon's own (emerging_optimizers).
-        """
-        if closure is not None:
-            raise ValueError("closure is not supported")
-        self._step_orthogonalizing_together()

@@ -1,11 +1,10 @@
-"""What the tensor-parallel orthogonalized optimizers share: each parameter's layout and shards,
-checked at construction, and a step that orthogonalizes every parameter in one call.
+"""Where each of Muon's matrices lives, checked at construction, and the orthogonalize function
+of all of them that the step is given.
 
 `ShardedMatrices` is the part of TensorParallelMuon and TensorParallelAdaptiveMuon that knows
-where each matrix lives (TP shards with `layouts`, or FSDP2 row shards with `fsdp_shards`);
-`OrthogonalizeTogether` is emerging_optimizers' OrthogonalizedOptimizer step with one
-`_orthogonalize_all(params, updates)` call for all parameters, so that shards move in one
-exchange (also used by the optimizers of tensor_parallel_whole_matrix.py).
+where each matrix lives (TP shards with `layouts`, or FSDP2 row shards with `fsdp_shards`) and
+which TP mode each takes. It gives the step (step.py) its `orthogonalize_all_fn`: the method for
+TP shards or the one for FSDP2 row shards, which read these facts when called.
 """
 
 import logging
@@ -22,7 +21,8 @@ from megatron_eopt.ops.muon_cost import AUTO, HardwareProfile, choose_tp_modes, 
 from megatron_eopt.ops.newton_schulz import TP_MODES, NewtonSchulzSettings, block_paths, orthogonalize_updates
 from megatron_eopt.ops.row_shards import RowShards, orthogonalize_row_shards
 from megatron_eopt.ops.splits import MatrixLayout
-from megatron_eopt.optimizers.megatron_core_args import IsQkvFn, megatron_core_layouts, tp_group_of
+from megatron_eopt.optimizers.muon.megatron_core_args import IsQkvFn, megatron_core_layouts, tp_group_of
+from megatron_eopt.optimizers.muon.step import OrthogonalizeTogether
 from megatron_eopt.params.names import is_expert_name, named_params
 from megatron_eopt.runtime.once import first_time, warn_once
 from megatron_eopt.runtime.process_groups import group_rank, group_size
@@ -164,39 +164,6 @@ def log_newton_schulz_paths(paths: Mapping[str, tuple[str, ...]], precision: str
     )
 
 
-class OrthogonalizeTogether:
-    """Mixed in before an OrthogonalizedOptimizer subclass that defines `_orthogonalize_all`."""
-
-    def _momentum_updates(self) -> list[tuple[dict, torch.Tensor, torch.Tensor]]:
-        """emerging_optimizers' OrthogonalizedOptimizer step up to orthogonalization, for every
-        parameter with a gradient: weight decay, the momentum update, and the update to
-        orthogonalize (the momentum, or Nesterov's). Returns (group, param, update) in order."""
-        pending = []
-        for group in self.param_groups:
-            self._init_group(group)
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                momentum = self.state[p]["momentum_buffer"]
-                self._apply_weight_decay_inplace(p, p.grad, group["lr"], group["weight_decay"])
-                momentum.lerp_(p.grad, 1 - group["momentum"])
-                update = p.grad.lerp(momentum, group["momentum"]) if self.nesterov else momentum
-                pending.append((group, p, update))
-        return pending
-
-    def _step_orthogonalizing_together(self) -> None:
-        """emerging_optimizers' OrthogonalizedOptimizer step, with one `_orthogonalize_all`
-        call for all parameters instead of `orthogonalize` per parameter; weight decay,
-        momentum and weight update are its own."""
-        pending = self._momentum_updates()
-        with eo_utils.fp32_matmul_precision(self.fp32_matmul_prec):
-            orthogonal = self._orthogonalize_all([p for _, p, _ in pending], [u for _, _, u in pending])
-        for (group, p, _), update in zip(pending, orthogonal):
-            self.pre_weight_update_fn_inplace(p, update)
-            p.add_(update, alpha=-group["lr"])
-            self.post_weight_update_fn_inplace(p)
-
-
 class ShardedMatrices(OrthogonalizeTogether):
     """Layouts and shards of TensorParallelMuon's and TensorParallelAdaptiveMuon's parameters.
 
@@ -252,6 +219,8 @@ class ShardedMatrices(OrthogonalizeTogether):
         if self.settings.package is not None:  # its CUDA kernels imported now, not in the first step
             for device in {p.device for group in self.param_groups for p in group["params"]}:
                 self.settings.package.prepare(device)
+        self.orthogonalize_all_fn = (self._orthogonalize_tp_shards if self._row_shards_of is None
+                                     else self._orthogonalize_fsdp_shards)
 
     def _resolve_tp_modes(self, layouts: list[MatrixLayout], tp_size: int) -> dict[str, str]:
         """Routed experts' matrices take `expert_tp_mode`, the others `tp_mode`; 'auto' plans
@@ -272,19 +241,15 @@ class ShardedMatrices(OrthogonalizeTogether):
         device = next((p.device for group in self.param_groups for p in group["params"]), None)
         return resolve_profile(hardware_profile, device, self.tp_group)
 
-    def orthogonalize(self, p: torch.Tensor, grad: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        """The orthogonalized update of one parameter (emerging_optimizers' hook), scaled or raw
-        as `self.settings` say."""
-        return self._orthogonalize_all([p], [grad])[0]
-
-    def _orthogonalize_all(self, params: list[torch.Tensor], updates: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The orthogonalized `updates` of `params` over their shards: FSDP2 row shards (each
-        matrix to its owner and back, TP shards of it in its tp_mode with TP as well) or TP
-        shards (in tp_mode)."""
-        if self._row_shards_of is not None:
-            shards = [self._row_shards_of[id(p)] for p in params]
-            modes = [self.tp_modes[s.layout.name] for s in shards]
-            return orthogonalize_row_shards(updates, shards, self.fsdp_group, self.settings, modes, self.tp_group)
+    def _orthogonalize_tp_shards(self, params: list[torch.Tensor], updates: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The orthogonalized `updates` of `params`: TP shards (or whole matrices), each in its tp_mode."""
         layouts = [self._layout_of[id(p)] for p in params]
         modes = [self.tp_modes[layout.name] for layout in layouts]
         return orthogonalize_updates(updates, layouts, modes, self.tp_group, self.settings)
+
+    def _orthogonalize_fsdp_shards(self, params: list[torch.Tensor], updates: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's rows of the orthogonalized `updates` of `params`, FSDP2 row shards: each matrix
+        to its owner and back, its TP shards (with TP as well) in its tp_mode."""
+        shards = [self._row_shards_of[id(p)] for p in params]
+        modes = [self.tp_modes[s.layout.name] for s in shards]
+        return orthogonalize_row_shards(updates, shards, self.fsdp_group, self.settings, modes, self.tp_group)

@@ -29,9 +29,10 @@ from megatron_eopt.ops.muon_cost import HardwareProfile
 from megatron_eopt.ops.newton_schulz import NewtonSchulzSettings
 from megatron_eopt.ops.row_shards import RowShards
 from megatron_eopt.ops.splits import MatrixLayout
-from megatron_eopt.optimizers.megatron_core_args import IsQkvFn, weight_decay_method_of
-from megatron_eopt.optimizers.sharded_matrices import ShardedMatrices, check_muon_arguments
-from megatron_eopt.optimizers.tensor_parallel_muon import muon_use_syrk
+from megatron_eopt.optimizers.muon.megatron_core_args import IsQkvFn, weight_decay_method_of
+from megatron_eopt.optimizers.muon.shards import ShardedMatrices, check_muon_arguments
+from megatron_eopt.optimizers.muon.step import momentum_updates
+from megatron_eopt.optimizers.muon.tensor_parallel_muon import muon_use_syrk
 from megatron_eopt.runtime.process_groups import group_size
 
 MOMENT2_METHODS: tuple[str, ...] = typing.get_args(Moment2MethodT)
@@ -216,11 +217,11 @@ class TensorParallelAdaptiveMuon(ShardedMatrices, AdaptiveMuon):
         if closure is not None:
             raise ValueError("closure is not supported")
         pending = [_Pending(group, p, p.grad, update, self._view_of[id(p)])
-                   for group, p, update in self._momentum_updates()]
+                   for group, p, update in momentum_updates(self)]
         if not pending:
             return None
         with eo_utils.fp32_matmul_precision(self.fp32_matmul_prec):
-            orthogonal = self._orthogonalize_all([item.param for item in pending], [item.update for item in pending])
+            orthogonal = self.orthogonalize_all_fn([item.param for item in pending], [item.update for item in pending])
         normalize = {"adamuon": self._adamuon, "normuon": self._normuon, "namo": self._namo}[self.moment2_method]
         for item, update in zip(pending, normalize(pending, orthogonal)):
             update = self._apply_muon_scale(update, *item.view.shape)
