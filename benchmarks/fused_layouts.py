@@ -19,7 +19,7 @@ from _timing import interleaved_times, medians, paired_ratio, write_json
 
 from megatron_eopt.ops.gram_newton_schulz import standard_flops
 from megatron_eopt.ops.splits import MatrixLayout
-from megatron_eopt.optimizers.tensor_parallel_muon import TensorParallelMuon
+from megatron_eopt.optimizers.muon.tensor_parallel_muon import TensorParallelMuon
 from megatron_eopt.params import fused_layouts as table
 
 STEPS = 5
