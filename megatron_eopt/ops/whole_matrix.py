@@ -2,11 +2,12 @@
 of the whole matrix (PolarGrad's nuclear norm, MOP's SVD, Scion's Newton-Schulz).
 
 The whole matrix is the parameter's TP=1 value: each block of the shard (one block, or the
-gate and up halves of a gated `linear_fc1`, built with partition_stride=2) is all-gathered along
-`partition_dim` and the blocks are stacked. A fused `linear_qkv` is one block here (each rank
+gate and up halves of a gated `linear_fc1`, built with partition_stride=2, or Mamba's and gated
+delta net's in_proj parts) is all-gathered along `partition_dim` and the blocks are stacked. A fused `linear_qkv` is one block here (each rank
 holds whole query groups, so its shards concatenate to the TP=1 row order); layouts that split
 q/k/v (`num_row_groups` > 1) belong to Muon and are refused. A `tp_contiguous` matrix (MLA's
-column-parallel `linear_kv_down_proj`) is one block too: TP shards it as one matrix.
+column-parallel `linear_kv_down_proj`) is one block too: TP shards it as one matrix; so is a
+per-head (`per_group`) MLA up-projection, whose ranks hold whole heads in TP=1 order.
 
 `gather_cut_matrices` and `keep_local_rows` do the same for Muon's `tp_contiguous` layouts,
 whose shards may cut through a block: the blocks are split from the whole matrix.
@@ -21,8 +22,14 @@ from megatron_eopt.ops.splits import MatrixLayout, shard_layout, split_blocks, w
 from megatron_eopt.runtime.process_groups import group_rank, group_size
 
 
+def _in_tp1_order(layout: MatrixLayout) -> bool:
+    """Whether the TP shards, concatenated, are the TP=1 matrix: whole heads per rank (MLA's
+    per-head layouts) or one matrix sharded as a whole (`tp_contiguous`)."""
+    return layout.per_group or layout.tp_contiguous
+
+
 def _is_sharded(layout: MatrixLayout, tp_group: Optional[dist.ProcessGroup]) -> bool:
-    split = layout.num_row_groups != 1 or layout.per_head
+    split = (layout.num_row_groups != 1 and not layout.per_group) or layout.head_rows > 0
     if layout.partition_dim >= 0 and group_size(tp_group) > 1 and split:
         raise ValueError(
             f"parameter {layout.name!r}: a whole-matrix layout has one row group and no per-head "
@@ -37,7 +44,7 @@ def gather_whole_matrix(local: torch.Tensor, layout: MatrixLayout, tp_group: Opt
     if not _is_sharded(layout, tp_group):
         return local
     blocks = []
-    for block in ([local] if layout.tp_contiguous else split_blocks(local, layout)):
+    for block in ([local] if _in_tp1_order(layout) else split_blocks(local, layout)):
         shards = [torch.empty_like(block) for _ in range(group_size(tp_group))]
         dist.all_gather(shards, block.contiguous(), group=tp_group)
         blocks.append(torch.cat(shards, dim=layout.partition_dim))
@@ -49,8 +56,10 @@ def local_part(whole: torch.Tensor, layout: MatrixLayout, tp_group: Optional[dis
     if not _is_sharded(layout, tp_group):
         return whole
     size, rank = group_size(tp_group), group_rank(tp_group)
+    if _in_tp1_order(layout):
+        return whole.chunk(size, dim=layout.partition_dim)[rank]
     rows = [block_rows for block_rows, _ in layout.global_block_shapes()]
-    blocks = whole.split([sum(rows)] if layout.tp_contiguous else rows, dim=0)
+    blocks = whole.split(rows, dim=0)
     return torch.cat([block.chunk(size, dim=layout.partition_dim)[rank] for block in blocks], dim=0)
 
 

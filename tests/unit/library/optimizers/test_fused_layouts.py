@@ -228,3 +228,38 @@ def test_known_module_missing_its_facts_warns() -> None:
         layout = matrix_layout(_record("in_proj.weight", owner.in_proj.weight), None, 1, True, owner=owner,
                                attribute="in_proj")
     assert layout.row_blocks == ()
+
+
+def _whole_matrix_body(rank: int, world_size: int) -> dict:
+    """Whole-matrix optimizers (mop, polargrad, scion) gather MLA's per-head and cut weights."""
+    from megatron_eopt.ops.splits import MatrixLayout
+    from megatron_eopt.ops.whole_matrix import gather_whole_matrix, local_part
+
+    group = torch.distributed.group.WORLD
+    full = torch.arange(32 * 5, dtype=torch.float32).view(32, 5)
+    shard = full.chunk(2)[rank]  # column-parallel: whole heads (or contiguous rows) per rank
+    layouts = {"per_head": MatrixLayout("kv_up", (16, 5), 0, 2, 2, (6, 2), per_group=True),
+               "cut": MatrixLayout("kv_down", (16, 5), 0, 2, row_blocks=(20, 12), tp_contiguous=True)}
+    return {name: (torch.equal(gather_whole_matrix(shard, layout, group), full),
+                   torch.equal(local_part(full, layout, group), shard)) for name, layout in layouts.items()}
+
+
+def test_whole_matrix_gathers_per_head_and_cut_layouts(run_distributed) -> None:
+    for per_rank in run_distributed(_whole_matrix_body, world_size=2, timeout=300):
+        assert per_rank == {"per_head": (True, True), "cut": (True, True)}
+
+
+def test_cut_shard_splits_where_the_parts_cut_it_and_bad_layouts_raise() -> None:
+    """'blockwise' on MLA's kv_down_proj at TP=2 (latent 10 rows, rotary key 6): rank 0 holds 8
+    latent rows, rank 1 the other 2 and the rotary key."""
+    from megatron_eopt.ops.splits import MatrixLayout, shard_layout, split_blocks
+
+    layout = MatrixLayout("kv_down", (8, HEADS), 0, 2, row_blocks=(10, 6), tp_contiguous=True)
+    assert layout.cut_by_tp and layout.global_block_shapes() == [(10, HEADS), (6, HEADS)]
+    assert [shard_layout(layout, rank).row_blocks for rank in (0, 1)] == [(8,), (2, 6)]
+    with pytest.raises(ValueError, match=r"'kv_down': its TP shard cuts through its blocks"):
+        split_blocks(torch.zeros(8, HEADS), layout)
+    with pytest.raises(ValueError, match=r"'kv_down': tp_contiguous needs .* sum to the global rows \(16\)"):
+        MatrixLayout("kv_down", (8, HEADS), 0, 2, row_blocks=(10, 4), tp_contiguous=True)
+    with pytest.raises(ValueError, match=r"'kv_up': per_group splits whole row groups"):
+        MatrixLayout("kv_up", (16, HEADS), 0, 2, 2, (6, 2), head_rows=2, per_group=True)
