@@ -9,8 +9,9 @@ MLA fields of the config). Types are matched by their qualified name through the
 layer does not import megatron-core, and subclasses inherit their base's entries.
 
 `register_fused_layout(module_type, attribute, function)` declares the layout of a custom module.
-Without an owner module (the planner, which has only names and shapes), `linear_qkv` and
-`linear_fc1` are found by name. A parameter with megatron-core's `partition_sizes` (parts each
+Without an owner module (the planner, which has only names and shapes), `linear_qkv`,
+`linear_fc1` and (with a config that says `multi_latent_attention`) MLA's projections are found
+by name. A parameter with megatron-core's `partition_sizes` (parts each
 sharded over TP) that no entry describes is split by those sizes. A 2-D weight that still looks
 fused (`partition_stride > 1`, or an entry that cannot read its facts) is orthogonalized whole,
 with a warning that names it, once.
@@ -189,7 +190,17 @@ def gated_delta_net_in_proj(weight: FusedWeight) -> Optional[FusedBlocks]:
     return FusedBlocks(tuple(int(s) for s in sections)) if sections else None
 
 
-_BY_NAME: dict[str, LayoutFunction] = {"linear_qkv": attention_qkv, "linear_fc1": mlp_fc1}
+def _if_latent_attention(function: LayoutFunction) -> LayoutFunction:
+    """`function` by name only where the config says multi-latent attention (names such as
+    linear_q_proj are common elsewhere)."""
+    return lambda weight: function(weight) if getattr(weight.model_config, "multi_latent_attention", False) else WHOLE
+
+
+_BY_NAME: dict[str, LayoutFunction] = {
+    "linear_qkv": attention_qkv, "linear_fc1": mlp_fc1,
+    "linear_q_proj": _if_latent_attention(mla_query_up), "linear_q_up_proj": _if_latent_attention(mla_query_up),
+    "linear_kv_down_proj": _if_latent_attention(mla_kv_down), "linear_kv_up_proj": _if_latent_attention(mla_kv_up),
+}
 
 for _type, _attribute, _function in (
     ("megatron.core.transformer.attention.Attention", "linear_qkv", attention_qkv),
