@@ -10,11 +10,8 @@ eta per query group, from the largest logit over the group's heads; it scales al
 q heads by eta^alpha and its k by eta^(1 - alpha) (megatron-core's rule). The group's largest
 logit becomes tau; its other heads are scaled by the same eta, possibly more than they needed.
 
-Multi-latent attention (Kimi K2's rule): one eta per head. Each head's logit is q_C.k_C + q_R.k_R;
-its query and key rows (q_C in linear_q_up_proj, k_C in linear_kv_up_proj) are scaled by
-eta^alpha and eta^(1 - alpha), its rotary query q_R by eta, and the rotary key k_R, which all
-heads share (linear_kv_down_proj), not at all: every part of the logit is multiplied by eta.
-`ClipRows` describes which rows of a weight take which power, for both kinds of attention.
+Multi-latent attention, as Kimi K2 does: one eta per head; its query and key rows by eta^alpha and
+eta^(1 - alpha), its rotary query by eta, the rotary key all heads share not at all (`ClipRows`).
 """
 
 from dataclasses import dataclass

@@ -2,23 +2,15 @@
 
 A 2-D weight's local shard is `num_row_groups` repetitions of row blocks of sizes
 `row_blocks`; block j, taken from every row group, is one matrix to orthogonalize.
-- plain weight:                  1 group,  blocks (rows,)
-- linear_qkv (grouped-query):    query groups on this rank, blocks (q[, gate], k, v) per group,
-  q = heads_per_group * kv_channels; each TP rank holds whole query groups
-- linear_fc1 with a gated linear unit: 1 group, blocks (gate_r, up_r): megatron-core builds it
-  with partition_stride=2, so rank r holds [gate_r; up_r] and the global matrix is
-  [gate_all; up_all]
-- linear_qkv split per head (`head_rows` = kv_channels): every head_rows consecutive rows (one
-  q, gate, k or v head) are a matrix of their own, whole on this rank
-- per head with parts of different sizes (`per_group`): every row group's every block is a matrix
-  of its own, whole on this rank; MLA's linear_kv_up_proj: per head, (key, value) rows
-- several parts each sharded over TP (Mamba's in_proj [z, x, B, C, dt], gated delta net's
-  in_proj): 1 group, one block per part, of its rows on this rank
-- parts of the global matrix that TP shards as one contiguous matrix (`tp_contiguous`; MLA's
-  column-parallel linear_kv_down_proj [latent; rotary key]): `row_blocks` are global rows, and a
-  shard may cut through a part, so the matrix is whole (gathered) before it is split
-params/fused_layouts.py says which megatron-core weight has which layout.
-Pure functions; no communication, no megatron-core import.
+- plain weight: 1 group, blocks (rows,)
+- linear_qkv: query groups on this rank, blocks (q[, gate], k, v) per group; per head with
+  `head_rows` = kv_channels (every head_rows rows one matrix, whole on this rank)
+- parts each sharded over TP (fc1's gate/up with partition_stride=2, Mamba's and gated delta
+  net's in_proj): 1 group, one block per part, of its rows on this rank
+- `per_group`: every block of every row group is a matrix, whole on this rank (MLA's heads)
+- `tp_contiguous`: `row_blocks` split the global rows, TP shards the matrix as one and a shard
+  may cut a part (MLA's column-parallel linear_kv_down_proj): split only when whole
+params/fused_layouts.py says which weight has which layout. Pure functions; no communication.
 """
 
 from dataclasses import dataclass

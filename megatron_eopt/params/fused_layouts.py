@@ -1,20 +1,16 @@
 """Which weights are fused, and their blocks: one table that every Muon consumer reads.
 
-A fused weight is one linear layer's weight that packs several matrices (q/k/v, SwiGLU's gate
-and up, MLA's key and value heads, Mamba's [z, x, B, C, dt]). Muon orthogonalizes each of them
-separately. The table maps (type of the module that holds the linear layer, the linear layer's
-attribute name) to a function that reads the blocks from that module and its TransformerConfig,
-from the facts megatron-core records (GDN's `in_proj_split_sections`, Mamba's per-part sizes, the
-MLA fields of the config). Types are matched by their qualified name through the MRO, so this
-layer does not import megatron-core, and subclasses inherit their base's entries.
-
-`register_fused_layout(module_type, attribute, function)` declares the layout of a custom module.
-Without an owner module (the planner, which has only names and shapes), `linear_qkv`,
-`linear_fc1` and (with a config that says `multi_latent_attention`) MLA's projections are found
-by name. A parameter with megatron-core's `partition_sizes` (parts each
-sharded over TP) that no entry describes is split by those sizes. A 2-D weight that still looks
-fused (`partition_stride > 1`, or an entry that cannot read its facts) is orthogonalized whole,
-with a warning that names it, once.
+A fused weight packs several matrices into one linear layer's weight (q/k/v, SwiGLU's gate and
+up, MLA's heads, Mamba's [z, x, B, C, dt]); Muon orthogonalizes each separately. The table maps
+(type of the module holding the linear layer, the layer's attribute) to a function that reads
+the blocks from that module and its TransformerConfig, from what megatron-core records (GDN's
+`in_proj_split_sections`, Mamba's per-part sizes, MLA's config fields). Types match by qualified
+name through the MRO: no megatron-core import here, and subclasses inherit their base's entry.
+`register_fused_layout` declares a custom module's layout. Without an owner module (the
+planner) `linear_qkv`, `linear_fc1` and MLA's projections are found by name. Megatron-core's
+`partition_sizes` on a weight no entry describes splits it. A 2-D weight that still looks fused
+(`partition_stride > 1`, or an entry that cannot read its facts) stays whole, with a warning
+naming it, once.
 """
 
 from dataclasses import dataclass
