@@ -7,8 +7,8 @@ whose file exists with the same command is not repeated, so an interrupted sweep
 1. lr sweep, seed 1: AdamW and Muon (AdamW-RMS matched, quintic), 4 lrs each; 2. the best lr
 of each (lowest final validation loss) with seeds 2 and 3; 3. Muon variants at Muon's best lr,
 seed 1: polar_express, NorMuon, spectral scale at 1x and 2.5x the lr, weight decay 0.1, a halved
-embedding lr, and Gram Newton-Schulz. Runs go `--jobs` at a time (default: one per CPU, one
-thread each: on 2 cores that beats one 2-thread run at a time by far). Then summary.json,
+embedding lr, and Gram Newton-Schulz; 4. AdamW and Muon at their best lrs with bf16 state, every
+seed. Runs go `--jobs` at a time (default: one per CPU, one thread each). Then summary.json,
 convergence_loss.png and a Markdown table; with --docs (`make convergence`) the table and the
 plot go into docs/convergence.md. --quick: a tiny model, 60 iterations (plumbing, no numbers).
 """
@@ -62,6 +62,9 @@ QUICK = Scale(("--num-layers", "1", "--hidden-size", "32", "--num-attention-head
 
 MUON = ("--optimizer", "muon", "--muon-match-adamw-rms")
 ADAMW = ("--optimizer", "adam")
+# megatron-core's precision-aware state (docs/memory.md): bf16 moments. The model is fp32 here, so
+# there are no bf16 parameters to hold remainders for; only the moments change.
+BF16_STATE = ("--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16")
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,17 @@ def later_specs(scale: Scale, results: dict[str, dict]) -> list[Spec]:
             decoupled = muon_lr * variant.decoupled_lr_factor if variant.decoupled_lr_factor else None
             specs += [Spec(f"{variant.name}_lr{muon_lr * factor:g}_seed{seed}", variant.name, muon_lr * factor, seed,
                            variant.flags, decoupled) for seed in variant.seeds]
+    return specs
+
+
+def bf16_state_specs(scale: Scale, results: dict[str, dict]) -> list[Spec]:
+    """Stage 4: AdamW and Muon at their best lrs with bf16 state, every seed, to compare with their
+    fp32-state seeds."""
+    specs = []
+    for group, flags in (("adamw", ADAMW), ("muon", MUON)):
+        lr = best_lr(results, group)
+        specs += [Spec(f"{group}_bf16_state_lr{lr:g}_seed{seed}", f"{group}_bf16_state", lr, seed, flags + BF16_STATE)
+                  for seed in scale.seeds]
     return specs
 
 
@@ -325,7 +339,8 @@ def run_all(scale: Scale, args: argparse.Namespace) -> list[dict]:
     runs_dir = os.path.join(args.out, "runs")
     os.makedirs(runs_dir, exist_ok=True)
     extra_seeds = 2 * (len(scale.seeds) - 1)
-    total = len(sweep_specs(scale)) + extra_seeds + sum(len(v.lr_factors) * len(v.seeds) for v in variants(scale))
+    total = (len(sweep_specs(scale)) + extra_seeds + 2 * len(scale.seeds)
+             + sum(len(v.lr_factors) * len(v.seeds) for v in variants(scale)))
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
     start, trained, started, lock = time.time(), [], [], threading.Lock()  # trained: for the estimate
 
@@ -343,6 +358,7 @@ def run_all(scale: Scale, args: argparse.Namespace) -> list[dict]:
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         results = list(pool.map(run, sweep_specs(scale)))
         results += list(pool.map(run, later_specs(scale, {r["name"]: r for r in results})))
+        results += list(pool.map(run, bf16_state_specs(scale, {r["name"]: r for r in results})))
     return results
 
 

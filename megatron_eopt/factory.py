@@ -93,7 +93,6 @@ def get_megatron_optimizer(
     fsdp = fully_sharded_layout(chunks, pg_collection)  # torch FSDP2 (DTensor parameters), or None
     if fsdp is not None:
         check_fully_sharded_config(config)
-        _refuse_precision_aware_with_fsdp2(config)
         _check_supported(config, {name: lookup_optimizer(name) for name in routing.optimizers}, fsdp2=True)
         routing = dataclasses.replace(routing, embedding_or_output_names=OUTPUT_LAYER_NAMES)
     groups = resolve_parallel_groups(pg_collection) if fsdp is None else fsdp.parallel_groups()
@@ -118,25 +117,10 @@ def get_megatron_optimizer(
     else:
         optimizer = _layer_wise(build)
     tp_modes = muon_tp_modes(optimizer)
-    _refuse_precision_aware_with_distributed_tp(config, tp_modes)
     _warn_if_tp_settings_unused(config, records, tp_modes)
     if dump_param_to_param_group_map is not None and tp_modes:  # again, with each matrix's TP mode
         dump_param_group_map(dump_param_to_param_group_map, param_groups, records, tp_modes)
     return optimizer
-
-
-def _refuse_precision_aware_with_fsdp2(config: OptimizerConfig) -> None:
-    if config.use_precision_aware_optimizer:
-        raise ValueError("use_precision_aware_optimizer=True is not supported with a torch FSDP2 (DTensor) model yet; "
-                         "it works with the replicated and layer-wise distributed optimizers (docs/memory.md).")
-
-
-def _refuse_precision_aware_with_distributed_tp(config: OptimizerConfig, tp_modes: Mapping[str, str]) -> None:
-    """muon_tp_mode='distributed' (chosen, or picked by 'auto') is not covered by the precision-aware tests."""
-    distributed = sorted(fqn for fqn, mode in tp_modes.items() if mode == "distributed")
-    if config.use_precision_aware_optimizer and distributed:
-        raise ValueError(f"use_precision_aware_optimizer=True is not supported with muon_tp_mode 'distributed' yet "
-                         f"(parameter {distributed[0]!r}); use muon_tp_mode='duplicated' or 'blockwise'.")
 
 
 def _warn_if_tp_settings_unused(config: OptimizerConfig, records: list[ParamRecord], tp_modes: Mapping[str, str]) -> None:

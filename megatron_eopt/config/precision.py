@@ -4,8 +4,8 @@
 `exp_avg_sq_dtype` and `main_grads_dtype` keep megatron-core's names, defaults and meanings. As
 in megatron-core, every dtype field must be torch.float32 unless `use_precision_aware_optimizer`
 is on. megatron-core allows it with adam and its byte-sharded distributed optimizer only; here
-every registered optimizer and the replicated and layer-wise layouts take it (the factory refuses
-torch FSDP2). `check_precision_fields` raises a one-line ValueError for the first broken rule.
+every registered optimizer and the replicated, layer-wise and torch FSDP2 layouts take it (FSDP2's
+fp32 shards are the main weights, so there only the moment dtypes apply). `check_precision_fields` raises a one-line ValueError for the first broken rule.
 """
 
 from typing import Any

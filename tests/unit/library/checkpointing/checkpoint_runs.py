@@ -49,10 +49,18 @@ class Layout:
     layer_wise: bool = False
     bf16: bool = False
     fsdp2: bool = False
+    # The precision-aware optimizer with bf16 moments (and, with bf16, remainders: docs/memory.md).
+    bf16_state: bool = False
 
     def describe(self, world_size: int) -> str:
         return (f"{self.optimizer} TP{self.tp} DP{world_size // self.tp}{' layer-wise' if self.layer_wise else ''}"
-                f"{' bf16' if self.bf16 else ''}{' FSDP2' if self.fsdp2 else ''}")
+                f"{' bf16' if self.bf16 else ''}{' FSDP2' if self.fsdp2 else ''}"
+                f"{' bf16-state' if self.bf16_state else ''}")
+
+    def precision_fields(self) -> dict:
+        if not self.bf16_state:
+            return {}
+        return dict(use_precision_aware_optimizer=True, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
 
 
 class GPTRun:
@@ -69,7 +77,8 @@ class GPTRun:
         self.partitions = {name: partition(p) for name, p in self.model.named_parameters()}
         if layout.fsdp2:
             fully_shard_gpt(self.model, parallel_state.get_data_parallel_group(), torch.device("cpu"))
-        config = OptimizerConfig(**{**OPTIMIZERS[layout.optimizer], **config_changes}, bf16=layout.bf16,
+        config = OptimizerConfig(**{**OPTIMIZERS[layout.optimizer], **layout.precision_fields(), **config_changes},
+                                 bf16=layout.bf16,
                                  use_layer_wise_distributed_optimizer=layout.layer_wise)
         self.optimizer = get_megatron_optimizer(config, [self.model])
         self.scheduler = get_scheduler(config, SchedulerConfig(lr_warmup_iters=2, train_iters=40,
@@ -120,8 +129,9 @@ class GPTRun:
 
     def master_params(self) -> dict[str, tuple[torch.Tensor, int, int]]:
         """name -> (fp32 value: the main copy when there is one, partition_dim, stride)."""
+        # fp32_main_params: the main weight however it is held (an fp32 copy, or bf16 + remainder)
         main_of = {id(m): main for child in self.optimizer.chained_optimizers
-                   for m, main in zip(child.model_params, child.main_params)}
+                   for m, main in zip(child.model_params, child.fp32_main_params())}
         if self.layout.fsdp2:  # the main parameters alias the shards: gather this TP rank's shards
             return {name: (p.detach().full_tensor(), *self.partitions[name]) for name, p in self.model.named_parameters()}
         return {name: (main_of.get(id(p), p).detach().float().clone(), *partition(p))

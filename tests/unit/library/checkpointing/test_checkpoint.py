@@ -122,6 +122,9 @@ SOURCES = {  # name: (layout, world size)
     "DP2 layer-wise": (Layout(layer_wise=True), 2),
     "bf16": (Layout(bf16=True), 1),
     "adam TP2 layer-wise DP2": (Layout("adam", tp=2, layer_wise=True), 4),
+    # The precision-aware optimizer: bf16 moments, and with bf16 parameters remainders.
+    "TP2 bf16 bf16-state": (Layout(tp=2, bf16=True, bf16_state=True), 2),
+    "adam DP2 layer-wise bf16-state": (Layout("adam", layer_wise=True, bf16_state=True), 2),
 }
 RESHARDINGS = [  # (source, target layout, target world size)
     ("TP2", Layout(), 1),
@@ -133,6 +136,8 @@ RESHARDINGS = [  # (source, target layout, target world size)
     ("bf16", Layout(), 1),
     ("TP1", Layout(bf16=True), 1),
     ("adam TP2 layer-wise DP2", Layout("adam"), 1),
+    ("TP2 bf16 bf16-state", Layout(bf16=True, bf16_state=True), 1),
+    ("adam DP2 layer-wise bf16-state", Layout("adam", tp=2, bf16_state=True), 2),
 ]
 
 

@@ -11,6 +11,8 @@
   synthetic global gradient must give the parameters that continuing in the saved layout gives,
   to 1e-6 (fp32; the gradient norm is summed in another order over other ranks). Both sides are
   our layouts stepping independently: neither is a value the code under test printed.
+- bf16 moments (the precision-aware optimizer): exact resume at FSDP=2 (muon, adam; the
+  comparison is of dtypes too), and FSDP=2 -> layer-wise DP=2 resharding.
 - Optimizer state that is neither scalar nor parameter-shaped (NorMuon's second moment) is
   refused at save, before anything is written.
 """
@@ -43,6 +45,21 @@ def test_fsdp2_resume_is_exact_for_muon_adam_and_polargrad(run_distributed, tmp_
             assert state_tensors > 0, (rank, case)  # there was sharded state to compare
 
 
+def _bf16_state_resume_body(rank: int, world_size: int, directory: str) -> dict:
+    layouts = (Layout("muon", fsdp2=True, bf16_state=True), Layout("adam", fsdp2=True, bf16_state=True))
+    return resume_differences(layouts, _shards, directory, world_size, RESUME_STEPS)
+
+
+def test_fsdp2_resume_with_bf16_moments_is_exact(run_distributed, tmp_path) -> None:
+    """bf16 moments on the shards: saved in bf16, loaded back bitwise, the run continues exactly."""
+    for rank, result in enumerate(run_distributed(_bf16_state_resume_body, world_size=2, args=(str(tmp_path),),
+                                                  timeout=600)):
+        assert len(result) == 2
+        for case, (differences, state_tensors) in result.items():
+            assert not differences, (rank, case, differences[:10])
+            assert state_tensors > 0, (rank, case)
+
+
 def _tp2_resume_body(rank: int, world_size: int, directory: str) -> dict:
     # Muon only: Adam's moments take the same parameter-shaped path (FSDP=2 tests both).
     layouts = (Layout("muon", tp=2, fsdp2=True),)
@@ -64,6 +81,7 @@ SOURCES = {  # name: (layout, world size)
     "DP2 layer-wise": (Layout(layer_wise=True), 2),
     "adam FSDP2": (Layout("adam", fsdp2=True), 2),
     "TP2 x FSDP2": (Layout(tp=2, fsdp2=True), 4),
+    "FSDP2 bf16-state": (Layout(fsdp2=True, bf16_state=True), 2),
 }
 RESHARDINGS = [  # (source, target layout, target world size)
     ("FSDP2", Layout(layer_wise=True), 2),
@@ -71,6 +89,7 @@ RESHARDINGS = [  # (source, target layout, target world size)
     ("adam FSDP2", Layout("adam"), 1),
     ("TP2 x FSDP2", Layout(), 1),  # TP=2 x FSDP2=2 -> one process
     ("DP2 layer-wise", Layout(tp=2, fsdp2=True), 4),  # and into TP=2 x FSDP2=2
+    ("FSDP2 bf16-state", Layout(layer_wise=True, bf16_state=True), 2),  # bf16 moments, FSDP2 -> layer-wise
 ]
 
 

@@ -14,6 +14,7 @@ shards and, for the 5x7 matrix at 4 ranks, a rank with no rows.
 """
 
 import copy
+import dataclasses
 import time
 
 import pytest
@@ -554,3 +555,63 @@ def test_pretrain_gpt_fsdp2_bf16_follows_fp32(run_distributed):
         worst = max(abs(g - e) for g, e in zip(got, expected))
         print(f"FSDP2 bf16 vs fp32 over {iterations} iterations: worst loss difference {worst:.2e}")
         assert 0 < worst <= 1e-2, (got, expected)
+
+
+# --- Precision-aware state (docs/memory.md): bf16 moments on the local shards ---
+
+BF16_MOMENTS = dict(use_precision_aware_optimizer=True, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
+
+
+def _moments_by_fqn(optimizer) -> dict[str, dict[str, torch.Tensor]]:
+    """fqn -> the state tensors of that parameter (an FSDP2 run's: its rows)."""
+    return {p.fqn: {k: v.clone() for k, v in p.state.items() if torch.is_tensor(v) and v.dim() > 0}
+            for child in optimizer.chained_optimizers for p in child.checkpoint_params()}
+
+
+def _bf16_moments_body(rank: int, world_size: int) -> dict:
+    """Plain model (uneven rows; at 3 ranks the 5x7 matrix splits 2, 2, 1): FSDP2 and one process,
+    both with bf16 moments, STEPS steps with the same gradients. No clipping: the moments are then
+    elementwise the same fp32 arithmetic on the same numbers in both layouts, so they must be
+    bitwise equal; the parameters match as test_plain_model_uneven_shards's do."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(3)
+    reference = Plain()
+    mesh = _mesh(world_size)
+    runs = {}
+    for optimizer in ("muon", "adam"):
+        config = dataclasses.replace(config_for(optimizer), clip_grad=0.0, **BF16_MOMENTS)
+        model, sharded = copy.deepcopy(reference), copy.deepcopy(reference)
+        fully_shard(sharded, mesh=mesh)
+        reference_opt = get_megatron_optimizer(config, [model], pg_collection=_single_process())
+        sharded_opt = get_megatron_optimizer(config, [sharded])
+        for step in range(STEPS):
+            set_grads(model, sharded, global_grads(model, step))
+            assert reference_opt.step()[0] and sharded_opt.step()[0]
+        full = dict(model.named_parameters())
+        runs[optimizer] = {
+            "errors": {name: (p.full_tensor() - full[name]).abs().max().item() for name, p in sharded.named_parameters()},
+            "moments": (_moments_by_fqn(reference_opt), _moments_by_fqn(sharded_opt)),
+        }
+    return runs
+
+
+@pytest.mark.parametrize("world_size", [3])
+def test_fsdp2_bf16_moments_equal_one_process_bf16_moments(run_distributed, world_size: int) -> None:
+    for rank, runs in enumerate(run_distributed(_bf16_moments_body, world_size=world_size, timeout=600)):
+        for optimizer, run in runs.items():
+            bad = {name: e for name, e in run["errors"].items() if not e <= TOLERANCE}
+            assert not bad, (rank, optimizer, bad)
+            expected, got = run["moments"]
+            assert set(expected) == set(got), (rank, optimizer)
+            compared = 0
+            for fqn, state in expected.items():
+                for key, value in state.items():
+                    rows = value.chunk(world_size)[rank] if rank < len(value.chunk(world_size)) else value[:0]
+                    assert got[fqn][key].dtype == torch.bfloat16 == value.dtype, (rank, optimizer, fqn, key)
+                    assert torch.equal(got[fqn][key], rows), (rank, optimizer, fqn, key)
+                    compared += 1
+            keys = {key for state in expected.values() for key in state}
+            assert keys == ({"momentum_buffer", "exp_avg", "exp_avg_sq"} if optimizer == "muon"
+                            else {"exp_avg", "exp_avg_sq"}), (optimizer, keys)
+            assert compared >= len(expected), (rank, optimizer, compared)
