@@ -45,6 +45,7 @@ BENCHMARKS = {
     "grad_reduce_overlap": TORCHRUN + ["--nproc-per-node", "2", "grad_reduce_overlap.py"],
     "gram_newton_schulz": PYTHON + ["gram_newton_schulz_step.py", *MAIN, "--repeats", "3"],
     "per_head_qkv": PYTHON + ["per_head_qkv.py", *MAIN, "--repeats", "5"],
+    "fused_layouts": PYTHON + ["fused_layouts.py", "--hidden", "1024", "--repeats", "3"],
     "async_save": PYTHON + ["async_save.py", "--tokens", "256", "--threads", "1"],
 }
 GPU_BENCHMARKS = {  # bf16 (fp32_matmul_prec 'medium', the library defaults on GPUs)
@@ -142,6 +143,9 @@ INFO = [
     ("linear_qkv Muon step, fp32: per head / per q, k, v (muon_split_qkv_per_head)", "per_head_qkv",
      ("step_ratio",)),
     ("linear_qkv Newton-Schulz FLOPs: per head / per q, k, v", "per_head_qkv", ("flop_ratio",)),
+    ("Fused MLA/Mamba/GDN weights, Newton-Schulz FLOPs: per component / whole", "fused_layouts", ("flop_ratio",)),
+    ("MLA linear_kv_up_proj Muon step, fp32: per head key/value / whole", "fused_layouts", ("mla_kv_up_step_ratio",)),
+    ("Mamba in_proj Muon step, fp32: [z, x, B, C, dt] / whole", "fused_layouts", ("mamba_step_ratio",)),
 ]
 
 

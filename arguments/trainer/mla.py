@@ -47,9 +47,6 @@ def _check_mla_combinations(args: argparse.Namespace, local_spec: Optional[bool]
     if args.group_query_attention:
         raise ValueError("--group-query-attention and --multi-latent-attention exclude each other (as in "
                          "Megatron-LM: every MLA head has its own key and value).")
-    if args.qk_clip:
-        raise ValueError("--qk-clip with --multi-latent-attention is not offered (the clip rescales a fused "
-                         "linear_qkv's query and key rows; MLA has none). --log-max-attention-logit works.")
     if args.qk_layernorm and args.q_lora_rank is None and local_spec is True:
         raise ValueError("--qk-layernorm with --multi-latent-attention needs --q-lora-rank with megatron-core's "
                          "local layers (without a query latent megatron puts the query norm into Transformer "

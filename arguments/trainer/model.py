@@ -108,7 +108,8 @@ def _activation(args: argparse.Namespace) -> str:
 
 
 def _qk_layernorm(args: argparse.Namespace) -> bool:
-    if args.qk_layernorm and args.qk_clip:
+    # MLA's norms act on the latents, before the up-projections that the clip scales.
+    if args.qk_layernorm and args.qk_clip and not getattr(args, "multi_latent_attention", False):
         raise ValueError("--qk-clip is not offered with --qk-layernorm: the clip rescales W_q and W_k, which the "
                          "norm after the projection undoes (--log-max-attention-logit works).")
     return args.qk_layernorm

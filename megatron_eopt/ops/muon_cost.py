@@ -282,9 +282,13 @@ def layout_costs(layout: MatrixLayout, tp_size: int, mode: str, settings: Newton
 
 def _block_placement(layout: MatrixLayout, tp_size: int, mode: str) -> tuple[int, str]:
     """(partition_dim, mode) that `block_cost` counts a block of `layout` with: a per-head block
-    costs what a replicated one does in 'duplicated' (every rank runs it, nothing is sent)."""
+    costs what a replicated one does in 'duplicated' (every rank runs it, nothing is sent). A
+    `tp_contiguous` matrix is gathered whole first (`step_costs` counts that all-gather): its
+    blocks cost what replicated ones do in the mode ('blockwise' counts the global parts)."""
     if layout.per_head:
         return -1, "duplicated"
+    if layout.tp_contiguous:
+        return -1, mode
     return (layout.partition_dim if tp_size > 1 else -1), mode
 
 
@@ -330,6 +334,10 @@ def step_costs(layouts: Sequence[MatrixLayout], modes: Sequence[str], tp_size: i
     if tp_size == 1:
         return [RankCost(sum(newton_schulz_flops(*shape, settings, precision)[1] for shape, _, _ in blocks), 0.0, 0)]
     flops, sent, collectives = 0, 0.0, 0  # the same on every rank outside 'sharded'
+    cut = [layout for layout, mode in zip(layouts, modes) if layout.cut_by_tp and mode != "blockwise"]
+    if cut:  # ops/whole_matrix.py's gather_cut_matrices: one all-gather of every rank's shards
+        sent += (tp_size - 1) * sum(layout.local_shape[0] * layout.local_shape[1] for layout in cut) * FP32_BYTES
+        collectives += 1
     for mode in ("blockwise", "duplicated", "distributed"):
         costs = [block_cost(shape, dim, tp_size, mode, settings, precision) for shape, dim, m in blocks if m == mode]
         flops += sum(c.flops for c in costs)

@@ -29,6 +29,7 @@ from megatron_eopt.ops.gram_newton_schulz import gram_newton_schulz, gram_pays, 
 from megatron_eopt.ops.gram_newton_schulz_package import PACKAGE_PATH, GramPackage
 from megatron_eopt.ops.ownership import assign_owner_ranks
 from megatron_eopt.ops.splits import MatrixLayout, merge_blocks, newton_schulz_cost, split_blocks
+from megatron_eopt.ops.whole_matrix import gather_cut_matrices, keep_local_rows
 from megatron_eopt.runtime.process_groups import group_rank, group_size
 
 TpMode = Literal["blockwise", "duplicated", "distributed", "sharded"]
@@ -120,6 +121,7 @@ def orthogonalize_updates(
     if len(modes) != len(layouts) or any(mode not in TP_MODES for mode in modes):
         raise ValueError(f"tp_mode must be one of {', '.join(map(repr, TP_MODES))} (or one per parameter); "
                          f"got {tp_mode!r} for {len(layouts)} parameters.")
+    updates, layouts, cut = gather_cut_matrices(updates, layouts, modes, tp_group)  # MLA's kv_down_proj
     pieces = [(i, block, layout) for i, (u, layout) in enumerate(zip(updates, layouts))
               for block in split_blocks(u.float(), layout)]
     block_shapes = [s for layout in layouts for s in layout.global_block_shapes()]
@@ -141,7 +143,7 @@ def orthogonalize_updates(
         count = len(layout.global_block_shapes())
         merged.append(merge_blocks(results[start:start + count], layout).to(update.dtype))
         start += count
-    return merged
+    return keep_local_rows(merged, cut, tp_group)
 
 
 def block_paths(layout: MatrixLayout, tp_mode: str, tp_size: int, settings: NewtonSchulzSettings,
@@ -150,7 +152,7 @@ def block_paths(layout: MatrixLayout, tp_mode: str, tp_size: int, settings: Newt
     will run it: the global block in 'duplicated'/'sharded' (and at TP=1), the local shard in
     'blockwise', the local shard iterated on its Gram matrix over the TP ranks in 'distributed'
     (ours even with a package: it has no TP group)."""
-    sharded = tp_size > 1 and layout.partition_dim >= 0 and not layout.per_head
+    sharded = tp_size > 1 and layout.partition_dim >= 0 and not (layout.per_head or layout.tp_contiguous)
     shapes = layout.global_block_shapes()
     if sharded and tp_mode in ("blockwise", "distributed"):
         shapes = [(layout.num_row_groups * block, layout.local_shape[1]) for block in layout.blocks]

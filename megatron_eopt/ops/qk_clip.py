@@ -9,6 +9,9 @@ Grouped-query attention: the k rows of a query group are shared by its heads, so
 eta per query group, from the largest logit over the group's heads; it scales all of the group's
 q heads by eta^alpha and its k by eta^(1 - alpha) (megatron-core's rule). The group's largest
 logit becomes tau; its other heads are scaled by the same eta, possibly more than they needed.
+
+Multi-latent attention, as Kimi K2 does: one eta per head; its query and key rows by eta^alpha and
+eta^(1 - alpha), its rotary query by eta, the rotary key all heads share not at all (`ClipRows`).
 """
 
 from dataclasses import dataclass
@@ -77,3 +80,49 @@ def scale_qk_rows(tensor: torch.Tensor, rows: QKVRows, q_scale: torch.Tensor, k_
     with torch.no_grad():
         grouped[:, :q_rows].mul_(q_scale.to(tensor.dtype).view(shape))
         grouped[:, q_rows:q_rows + rows.head_dim].mul_(k_scale.to(tensor.dtype).view(shape))
+
+
+# The power of eta that each kind of part is multiplied by; "" is not scaled.
+PART_KINDS = ("q", "k", "qk", "")
+
+
+@dataclass(frozen=True)
+class ClipRows:
+    """Rows of one weight (or bias) that QK-clip scales: `units` repetitions (query groups, or
+    MLA heads: one eta each) of `parts`, each (rows, kind): 'q' takes eta^alpha, 'k'
+    eta^(1 - alpha), 'qk' eta (MLA's rotary query), '' nothing (values)."""
+
+    name: str
+    units: int
+    parts: tuple[tuple[int, str], ...]
+
+    def __post_init__(self) -> None:
+        if self.units < 1 or any(rows < 1 or kind not in PART_KINDS for rows, kind in self.parts):
+            raise ValueError(f"{self.name!r}: ClipRows needs units >= 1 and parts of >= 1 rows of a kind in "
+                             f"{PART_KINDS}; got {self.units} units, parts {self.parts}.")
+
+    @property
+    def rows(self) -> int:
+        return self.units * sum(rows for rows, _ in self.parts)
+
+
+def qkv_clip_rows(rows: QKVRows) -> ClipRows:
+    """A `linear_qkv` weight's ClipRows: per query group its q heads, k, v."""
+    return ClipRows(rows.name, rows.groups, ((rows.heads_per_group * rows.head_dim, "q"), (rows.head_dim, "k"),
+                                             (rows.head_dim, "")))
+
+
+def scale_clip_rows(tensor: torch.Tensor, rows: ClipRows, q_scale: torch.Tensor, k_scale: torch.Tensor) -> None:
+    """Multiply, in place, each unit's parts by its scale (`q_scale[u]`, `k_scale[u]` or their
+    product); the rows of kind '' stay as they are. `tensor` is a weight [rows, in] or a bias."""
+    if tensor.shape[0] != rows.rows:
+        raise ValueError(f"{rows.name!r}: {tensor.shape[0]} rows on this tensor-parallel rank; expected "
+                         f"{rows.units} x ({'+'.join(str(r) for r, _ in rows.parts)}) = {rows.rows}.")
+    scales = {"q": q_scale, "k": k_scale, "qk": q_scale * k_scale}
+    units = tensor.view(rows.units, rows.rows // rows.units, -1)
+    start = 0
+    with torch.no_grad():
+        for part_rows, kind in rows.parts:
+            if kind:
+                units[:, start:start + part_rows].mul_(scales[kind].to(tensor.dtype).view(rows.units, 1, 1))
+            start += part_rows

@@ -2,15 +2,15 @@
 
 A 2-D weight's local shard is `num_row_groups` repetitions of row blocks of sizes
 `row_blocks`; block j, taken from every row group, is one matrix to orthogonalize.
-- plain weight:                  1 group,  blocks (rows,)
-- linear_qkv (grouped-query):    query groups on this rank, blocks (q[, gate], k, v) per group,
-  q = heads_per_group * kv_channels; each TP rank holds whole query groups
-- linear_fc1 with a gated linear unit: 1 group, blocks (gate_r, up_r): megatron-core builds it
-  with partition_stride=2, so rank r holds [gate_r; up_r] and the global matrix is
-  [gate_all; up_all]
-- linear_qkv split per head (`head_rows` = kv_channels): every head_rows consecutive rows (one
-  q, gate, k or v head) are a matrix of their own, whole on this rank
-Pure functions; no communication, no megatron-core import.
+- plain weight: 1 group, blocks (rows,)
+- linear_qkv: query groups on this rank, blocks (q[, gate], k, v) per group; per head with
+  `head_rows` = kv_channels (every head_rows rows one matrix, whole on this rank)
+- parts each sharded over TP (fc1's gate/up with partition_stride=2, Mamba's and gated delta
+  net's in_proj): 1 group, one block per part, of its rows on this rank
+- `per_group`: every block of every row group is a matrix, whole on this rank (MLA's heads)
+- `tp_contiguous`: `row_blocks` split the global rows, TP shards the matrix as one and a shard
+  may cut a part (MLA's column-parallel linear_kv_down_proj): split only when whole
+params/fused_layouts.py says which weight has which layout. Pure functions; no communication.
 """
 
 from dataclasses import dataclass
@@ -30,13 +30,17 @@ class MatrixLayout:
     num_row_groups: int = 1
     row_blocks: tuple[int, ...] = ()  # empty: one block of all rows
     head_rows: int = 0  # > 0: each head_rows consecutive rows are one matrix (per-head split)
+    per_group: bool = False  # every block of every row group is one matrix, whole on this rank
+    tp_contiguous: bool = False  # row_blocks split the global rows; TP shards the matrix as one
 
     def __post_init__(self) -> None:
         rows, _ = self.local_shape
         blocks = self.row_blocks or (rows,)
         if self.partition_dim not in (-1, 0, 1):
             raise ValueError(f"parameter {self.name!r}: partition_dim must be -1, 0 or 1; got {self.partition_dim}.")
-        if self.num_row_groups * sum(blocks) != rows:
+        if self.tp_contiguous:
+            self._check_tp_contiguous()
+        elif self.num_row_groups * sum(blocks) != rows:
             raise ValueError(
                 f"parameter {self.name!r}: {rows} rows on this TP rank is not "
                 f"{self.num_row_groups} group(s) of the split total {sum(blocks)} "
@@ -49,6 +53,20 @@ class MatrixLayout:
             )
         if self.head_rows:
             self._check_head_rows()
+        if self.per_group and (self.partition_dim == 1 or self.head_rows or self.tp_contiguous):
+            raise ValueError(
+                f"parameter {self.name!r}: per_group splits whole row groups of a column-parallel or "
+                f"replicated shard, without head_rows or tp_contiguous."
+            )
+
+    def _check_tp_contiguous(self) -> None:
+        rows = self.local_shape[0] * (self.tp_size if self.partition_dim == 0 else 1)
+        if self.num_row_groups != 1 or self.partition_dim == 1 or self.head_rows or sum(self.row_blocks) != rows:
+            raise ValueError(
+                f"parameter {self.name!r}: tp_contiguous needs 1 row group, no head_rows, no row-parallel "
+                f"shard and row blocks that sum to the global rows ({rows}); got {self.num_row_groups} "
+                f"group(s), partition_dim={self.partition_dim}, blocks {'+'.join(map(str, self.row_blocks))}."
+            )
 
     def _check_head_rows(self) -> None:
         if self.head_rows < 0 or any(block % self.head_rows for block in self.blocks):
@@ -68,13 +86,22 @@ class MatrixLayout:
 
     @property
     def per_head(self) -> bool:
-        """Whether every block matrix is one head, held whole by this rank (never sharded)."""
-        return self.head_rows > 0
+        """Whether every block matrix is one head (or row group), held whole by this rank."""
+        return self.head_rows > 0 or self.per_group
+
+    @property
+    def cut_by_tp(self) -> bool:
+        """Whether a TP shard may cut through a block: the matrix must be whole to be split."""
+        return self.tp_contiguous and self.partition_dim == 0 and self.tp_size > 1
 
     def global_block_shapes(self) -> list[tuple[int, int]]:
         """(rows, cols) of each block matrix in the unsharded model."""
-        if self.per_head:  # column-parallel or replicated: the columns are whole
+        if self.head_rows:  # column-parallel or replicated: the columns are whole
             return [(self.head_rows, self.local_shape[1])] * (self.local_shape[0] // self.head_rows)
+        if self.per_group:
+            return [(block, self.local_shape[1]) for block in self.blocks] * self.num_row_groups
+        if self.tp_contiguous:
+            return [(block, self.local_shape[1]) for block in self.blocks]
         rows_factor = self.tp_size if self.partition_dim == 0 else 1
         cols = self.local_shape[1] * (self.tp_size if self.partition_dim == 1 else 1)
         return [(self.num_row_groups * block * rows_factor, cols) for block in self.blocks]
@@ -83,8 +110,14 @@ class MatrixLayout:
 def split_blocks(x: torch.Tensor, layout: MatrixLayout) -> list[torch.Tensor]:
     """The local part of every block matrix (rows of one block from all row groups; per head:
     each head's rows, in row order)."""
-    if layout.per_head:
+    if layout.cut_by_tp:
+        raise ValueError(f"parameter {layout.name!r}: its TP shard cuts through its blocks; split the whole "
+                         f"matrix (ops/whole_matrix.py: gather_cut_matrices).")
+    if layout.head_rows:
         return list(x.reshape(-1, layout.head_rows, x.shape[1]).unbind(0))
+    if layout.per_group:
+        groups = x.reshape(layout.num_row_groups, sum(layout.blocks), x.shape[1])
+        return [part for group in groups for part in group.split(list(layout.blocks), dim=0)]
     if len(layout.blocks) == 1:
         return [x]
     grouped = x.reshape(layout.num_row_groups, sum(layout.blocks), x.shape[1])
@@ -95,11 +128,30 @@ def merge_blocks(parts: list[torch.Tensor], layout: MatrixLayout) -> torch.Tenso
     """Inverse of `split_blocks`."""
     if len(parts) == 1:
         return parts[0]
-    if layout.per_head:
+    if layout.per_head or layout.tp_contiguous:  # blocks in row order
         return torch.cat(parts, dim=0)
     cols = parts[0].shape[1]
     grouped = [p.reshape(layout.num_row_groups, -1, cols) for p in parts]
     return torch.cat(grouped, dim=1).reshape(-1, cols)
+
+
+def whole_layout(layout: MatrixLayout) -> MatrixLayout:
+    """The layout of the whole (TP-gathered) matrix of a `tp_contiguous` layout: replicated."""
+    rows = sum(layout.blocks)
+    return MatrixLayout(layout.name, (rows, layout.local_shape[1]), row_blocks=layout.row_blocks)
+
+
+def shard_layout(layout: MatrixLayout, tp_rank: int) -> MatrixLayout:
+    """A `tp_contiguous` shard as a matrix of its own, split where the global blocks cut it
+    (its parts of those blocks); replicated, so it is scaled by its own shape ('blockwise')."""
+    rows = layout.local_shape[0]
+    start, end, parts, offset = tp_rank * rows, (tp_rank + 1) * rows, [], 0
+    for block in layout.blocks:
+        overlap = min(end, offset + block) - max(start, offset)
+        if overlap > 0:
+            parts.append(overlap)
+        offset += block
+    return MatrixLayout(layout.name, layout.local_shape, row_blocks=tuple(parts))
 
 
 def qkv_row_blocks(model_config: Any, tp_size: int, name: str) -> tuple[int, tuple[int, ...]]:

@@ -22,7 +22,8 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_eopt.ops.splits import MatrixLayout, qkv_row_blocks
+from megatron_eopt.ops.splits import MatrixLayout
+from megatron_eopt.params.fused_layouts import FusedWeight, fused_blocks
 from megatron_eopt.params.overrides import describe_key, matching_keys, merge_overrides
 from megatron_eopt.runtime.process_groups import group_size
 
@@ -318,48 +319,64 @@ def matrix_layouts(
 ) -> dict[str, MatrixLayout]:
     """fqn -> MatrixLayout of every record: its shard of the global matrix and its fused blocks.
 
-    `linear_qkv.weight` splits into q/k/v(/gate) blocks per query group when `split_qkv`, and
-    further into one matrix per q, gate, k and v head with `per_head`; a `linear_fc1.weight` of
-    a gated linear unit into gate and up halves. Both read the owning chunk's TransformerConfig
-    (`.config`). A layout that does not fit raises, naming the fqn.
+    The blocks come from params/fused_layouts.py's table, by the module that holds the weight's
+    linear layer: `linear_qkv.weight` splits into q/k/v(/gate) blocks per query group when
+    `split_qkv` (per head with `per_head`), a gated `linear_fc1.weight` into gate and up halves,
+    MLA's, Mamba's and gated delta net's projections into their parts. They read the owner's
+    TransformerConfig (`.config`, else the chunk's). A layout that does not fit raises, naming the fqn.
     """
+    chunks = list(model_chunks)
+    sites = _linear_layer_sites(chunks)
     return {
-        r.fqn: matrix_layout(r, chunk_model_config(model_chunks[r.chunk_index]), tp_size, split_qkv, per_head)
+        r.fqn: matrix_layout(r, chunk_model_config(chunks[r.chunk_index]), tp_size, split_qkv, per_head,
+                             *sites.get(id(r.param), (None, "")))
         for r in records
     }
 
 
+def _linear_layer_sites(chunks: list) -> dict[int, tuple[torch.nn.Module, str]]:
+    """id(weight) -> (the module holding its linear layer, that layer's attribute name)."""
+    sites: dict[int, tuple[torch.nn.Module, str]] = {}
+    for chunk in chunks:
+        for module in chunk.modules() if isinstance(chunk, torch.nn.Module) else ():
+            for attribute, child in module.named_children():
+                for name, param in child.named_parameters(recurse=False):
+                    if name.startswith("weight"):  # 'weight', or a grouped layer's 'weight0', 'weight1', ...
+                        sites.setdefault(id(param), (module, attribute))
+    return sites
+
+
 def matrix_layout(record: ParamRecord, model_config: Any, tp_size: int, split_qkv: bool,
-                  per_head: bool = False) -> MatrixLayout:
-    """The MatrixLayout of one 2-D parameter (see `matrix_layouts`)."""
+                  per_head: bool = False, owner: Optional[torch.nn.Module] = None,
+                  attribute: str = "") -> MatrixLayout:
+    """The MatrixLayout of one 2-D parameter (see `matrix_layouts`). Without `owner` (the module
+    holding its linear layer as `attribute`) the blocks are found by the name's last but one part."""
     shape = tuple(record.param.shape)
     if len(shape) != 2:
         raise ValueError(
             f"parameter {record.fqn!r} has shape {shape}, but optimizer {record.optimizer_name!r} "
             f"orthogonalizes 2-D matrices only; route it to the scalar optimizer (muon_scalar_optimizer)."
         )
-    num_row_groups, row_blocks, head_rows = 1, (), 0
-    if split_qkv and record.name.endswith("linear_qkv.weight"):
-        if model_config is None:
-            raise ValueError(
-                f"parameter {record.fqn!r} is a fused QKV weight; splitting it needs the "
-                f"TransformerConfig of its model chunk (`.config` with num_attention_heads, "
-                f"num_query_groups, kv_channels), which the chunk lacks. Set "
-                f"OptimizerConfig.muon_split_qkv=False to orthogonalize it whole."
-            )
-        sharded_rows = record.tensor_model_parallel and record.partition_dim == 0
-        num_row_groups, row_blocks = qkv_row_blocks(model_config, tp_size if sharded_rows else 1, record.fqn)
-        head_rows = row_blocks[-1] if per_head else 0  # kv_channels: the rows of one head
-    elif record.name.endswith("linear_fc1.weight") and getattr(model_config, "gated_linear_unit", False):
-        row_blocks = (shape[0] // 2, shape[0] // 2)
+    if owner is None:
+        parts = record.name.split(".")
+        attribute = parts[-2] if len(parts) > 1 and parts[-1] == "weight" else ""
+    sharded_rows = record.tensor_model_parallel and record.partition_dim == 0
+    owner_config = getattr(owner, "config", None)
+    owner_config = owner_config if hasattr(owner_config, "num_attention_heads") else None
+    blocks = fused_blocks(FusedWeight(
+        fqn=record.fqn, param=record.param, owner=owner, attribute=attribute,
+        model_config=owner_config if owner_config is not None else model_config,
+        tp_size=tp_size if sharded_rows else 1, split_qkv=split_qkv, per_head=per_head))
     return MatrixLayout(
         name=record.fqn,
         local_shape=shape,
         partition_dim=record.partition_dim,
         tp_size=tp_size,
-        num_row_groups=num_row_groups,
-        row_blocks=row_blocks,
-        head_rows=head_rows,
+        num_row_groups=blocks.num_row_groups,
+        row_blocks=blocks.row_blocks,
+        head_rows=blocks.head_rows,
+        per_group=blocks.per_group,
+        tp_contiguous=blocks.tp_contiguous,
     )
 
 

@@ -1,8 +1,9 @@
 """QK-clip as part of the optimizer step (MuonClip): settings, attention layers, the step hook.
 
 The optimizer finds every attention layer of its model chunks (a module with a `core_attention`
-and a fused `linear_qkv`, behind any wrappers) and asks each core attention to record
-`current_max_attn_logits`, megatron-core's per-head maximum of q.k/sqrt(d).
+and a fused `linear_qkv`, or multi-latent attention's `linear_kv_up_proj`, behind any wrappers)
+and asks each core attention to record `current_max_attn_logits`, megatron-core's per-head
+maximum of q.k/sqrt(d).
 
 In `step()` the maxima are MAX-reduced over the data x context-parallel group and reset. With
 `qk_clip`, after a successful update each child scales the q/k rows of the `linear_qkv` weights
@@ -21,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_eopt.runtime.process_groups import ProcessGroup, group_size
-from megatron_eopt.ops.qk_clip import QKVRows, clip_scales, group_max_logits, scale_qk_rows
+from megatron_eopt.ops.qk_clip import (ClipRows, QKVRows, clip_scales, group_max_logits, qkv_clip_rows,
+                                       scale_clip_rows)
 from megatron_eopt.ops.splits import qkv_row_blocks
 
 # megatron-core's names and defaults (TransformerConfig); also fields of OptimizerConfig.
@@ -75,8 +77,9 @@ class AttentionLayer:
 
     name: str  # module path inside its chunk, for messages
     core_attention: torch.nn.Module
-    rows: QKVRows
-    fqns: tuple[str, ...]  # linear_qkv.weight (and .bias) as the optimizer names them
+    rows: QKVRows  # the heads on this rank and their query groups (MLA: one group per head)
+    fqns: tuple[str, ...]  # linear_qkv.weight (and .bias) as the optimizer names them; MLA: its up-projections
+    clip_rows: tuple[ClipRows, ...] = ()  # which rows of each of `fqns` the clip scales how
 
 
 def find_attention_layers(chunks: Sequence[torch.nn.Module], fqn_of: dict[int, str], tp_size: int,
@@ -102,6 +105,8 @@ def find_attention_layers(chunks: Sequence[torch.nn.Module], fqn_of: dict[int, s
 
 def _attention_layer(name: str, module: torch.nn.Module, fqn_of: dict[int, str], tp_size: int,
                      clips: bool) -> AttentionLayer:
+    if isinstance(getattr(module, "linear_kv_up_proj", None), torch.nn.Module):
+        return _latent_attention_layer(name, module, fqn_of, tp_size)
     kind = type(module).__name__
     linear_qkv = getattr(module, "linear_qkv", None)
     model_config = getattr(module, "config", None)
@@ -133,7 +138,32 @@ def _attention_layer(name: str, module: torch.nn.Module, fqn_of: dict[int, str],
     rows = QKVRows(fqn, groups, blocks[0] // blocks[1], blocks[1])
     if weight.shape[0] != rows.rows:
         raise ValueError(f"QK-clip: {fqn!r} has {weight.shape[0]} rows on this rank; its TransformerConfig says {rows.rows}.")
-    return AttentionLayer(name, module.core_attention, rows, tuple(fqn_of[id(t)] for t in tensors))
+    fqns = tuple(fqn_of[id(t)] for t in tensors)
+    return AttentionLayer(name, module.core_attention, rows, fqns,
+                          tuple(qkv_clip_rows(dataclasses.replace(rows, name=f)) for f in fqns))
+
+
+def _latent_attention_layer(name: str, module: torch.nn.Module, fqn_of: dict[int, str], tp_size: int) -> AttentionLayer:
+    """Multi-latent attention, clipped per head as Kimi K2 does (ops/qk_clip.py). Its norms act
+    on the latents, before the up-projections the clip scales, so they do not undo it."""
+    config = module.config
+    query = getattr(module, "linear_q_up_proj", None) or getattr(module, "linear_q_proj")
+    targets = ((query, ((config.qk_head_dim, "q"), (config.qk_pos_emb_head_dim, "qk"))),
+               (module.linear_kv_up_proj, ((config.qk_head_dim, "k"), (config.v_head_dim, ""))))
+    heads = config.num_attention_heads // tp_size
+    fqns, clip_rows = [], []
+    for linear, parts in targets:
+        fqn = fqn_of.get(id(linear.weight))
+        if fqn is None:
+            raise ValueError(f"QK-clip: the {name!r} projection {type(linear).__name__} is not a parameter this "
+                             f"optimizer steps (frozen?); it cannot be clipped.")
+        fqns.append(fqn)
+        clip_rows.append(ClipRows(fqn, heads, parts))
+        if linear.weight.shape[0] != clip_rows[-1].rows:
+            raise ValueError(f"QK-clip: {fqn!r} has {linear.weight.shape[0]} rows on this rank; its "
+                             f"TransformerConfig says {clip_rows[-1].rows} ({heads} heads).")
+    rows = QKVRows(fqns[0], heads, 1, config.qk_head_dim)  # one eta per head: each has its own key
+    return AttentionLayer(name, module.core_attention, rows, tuple(fqns), tuple(clip_rows))
 
 
 def _check_records_logits(layer: AttentionLayer) -> None:
@@ -158,7 +188,7 @@ class QKClip:
         self.settings, self.layers = settings, layers
         self.dp_cp_group, self.mp_group, self.device = dp_cp_group, mp_group, device
         self._largest: Optional[torch.Tensor] = None  # this step's largest logit, on the device
-        self._pending: dict[str, tuple[QKVRows, torch.Tensor, torch.Tensor]] = {}
+        self._pending: dict[str, tuple[ClipRows, torch.Tensor, torch.Tensor]] = {}
 
     @property
     def max_attention_logit(self) -> Optional[float]:
@@ -180,7 +210,7 @@ class QKClip:
         """Scale the q/k rows of the given (fqn, fp32 main parameter) pairs that need it."""
         for fqn, main in named_main_params:
             if fqn in self._pending:
-                scale_qk_rows(main.detach(), *self._pending[fqn])
+                scale_clip_rows(main.detach(), *self._pending[fqn])
 
     def _measure(self) -> None:
         per_layer = [self._local_max(layer) for layer in self.layers]  # checks all before resetting
@@ -202,13 +232,13 @@ class QKClip:
         group_max_logits(maxima, layer.rows)  # raises on a wrong shape
         return maxima
 
-    def _scales(self, maxima: Sequence[torch.Tensor]) -> dict[str, tuple[QKVRows, torch.Tensor, torch.Tensor]]:
+    def _scales(self, maxima: Sequence[torch.Tensor]) -> dict[str, tuple[ClipRows, torch.Tensor, torch.Tensor]]:
         pending = {}
         for layer, layer_max in zip(self.layers, maxima):
             group_max = group_max_logits(layer_max, layer.rows)
             q_scale, k_scale = clip_scales(group_max, self.settings.qk_clip_threshold, self.settings.qk_clip_alpha)
-            for fqn in layer.fqns:
-                pending[fqn] = (dataclasses.replace(layer.rows, name=fqn), q_scale, k_scale)
+            for fqn, rows in zip(layer.fqns, layer.clip_rows):
+                pending[fqn] = (rows, q_scale, k_scale)
         return pending
 
 

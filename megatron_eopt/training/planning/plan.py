@@ -124,7 +124,10 @@ def model_config_of(settings: GPTModelSettings) -> SimpleNamespace:
     """What `matrix_layout` reads of a TransformerConfig, from the settings."""
     return SimpleNamespace(num_attention_heads=settings.num_attention_heads, num_query_groups=settings.query_groups,
                            kv_channels=settings.kv_channels, hidden_size=settings.hidden_size,
-                           gated_linear_unit=settings.gated, attention_output_gate=False)
+                           gated_linear_unit=settings.gated, attention_output_gate=False,
+                           multi_latent_attention=settings.multi_latent_attention,
+                           kv_lora_rank=settings.kv_lora_rank, qk_head_dim=settings.qk_head_dim,
+                           qk_pos_emb_head_dim=settings.qk_pos_emb_head_dim, v_head_dim=settings.v_head_dim)
 
 
 @dataclass

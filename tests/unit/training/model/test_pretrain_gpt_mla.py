@@ -8,8 +8,8 @@ References, none produced by the code under test:
   without megatron_eopt/training/model/mla.py's RoPE-key gradient sum, and MLA's q_layernorm gradient was doubled when
   summed over TP by name, as megatron-core's local path does.)
 - The built weights' shapes at TP=2, written out from the flags by hand.
-- Muon's Newton-Schulz calls at TP=2 (default duplicated mode): every MLA matrix whole, at its
-  global shape, as megatron-core's Muon does (it splits only `linear_qkv`).
+- Muon's Newton-Schulz calls at TP=2 (default duplicated mode): every MLA component at its
+  global shape (params/fused_layouts.py; megatron-core's Muon splits only `linear_qkv`).
 - YaRN: the angles and concentration factor of the model's rotary embedding, and MLA's softmax
   scale, against the formulas written out here.
 - FLOPs: megatron's count grows by 6 * tokens * (the parameters a wider query latent adds).
@@ -100,10 +100,14 @@ def test_mla_weights_have_the_shapes_the_flags_give(tp2_model) -> None:
     }
 
 
-def test_muon_orthogonalizes_each_mla_matrix_whole_at_its_global_shape(tp2_model) -> None:
-    ffn = 64  # ARGV's --ffn-hidden-size; --swiglu: gate and up halves separately
-    per_layer = [(Q_LORA, HIDDEN), (Q_LORA, HEADS * (QK + POS)), (KV_LORA + POS, HIDDEN),
-                 (KV_LORA, HEADS * (QK + V)), (HEADS * V, HIDDEN), (HIDDEN, ffn), (HIDDEN, ffn), (HIDDEN, ffn)]
+def test_muon_orthogonalizes_each_mla_component_at_its_global_shape(tp2_model) -> None:
+    """Issue 39: each query head; the latent and the shared rotary key of linear_kv_down_proj
+    (which TP=2 shards through the latent); per head the key and the value of linear_kv_up_proj.
+    Rank 0 records its own calls: the heads are whole on their rank, so it runs its 2 of 4."""
+    ffn, local_heads = 64, HEADS // 2  # ARGV's --ffn-hidden-size; --swiglu: gate and up halves separately
+    per_layer = ([(Q_LORA, HIDDEN)] + [(QK + POS, Q_LORA)] * local_heads + [(KV_LORA, HIDDEN), (POS, HIDDEN)]
+                 + [(QK, KV_LORA)] * local_heads + [(V, KV_LORA)] * local_heads
+                 + [(HEADS * V, HIDDEN), (HIDDEN, ffn), (HIDDEN, ffn), (HIDDEN, ffn)])
     expected = sorted(tuple(sorted(shape)) for shape in per_layer * 2)  # 2 layers, one step
     assert _matrices(tp2_model["calls"]) == expected
 
@@ -148,7 +152,6 @@ def test_flops_count_the_query_latent(monkeypatch) -> None:
     (["--kv-lora-rank", "8", "--mscale", "2"], "--kv-lora-rank and --mscale only apply with --multi-latent-attention"),
     (["--rope-type", "yarn"], "--rope-type yarn only applies with --multi-latent-attention"),
     (MLA + ["--group-query-attention"], "--group-query-attention and --multi-latent-attention exclude each other"),
-    (["--multi-latent-attention", "--optimizer", "muon", "--qk-clip"], "--qk-clip with --multi-latent-attention is not offered"),
     (["--multi-latent-attention", "--qk-layernorm"], "--qk-layernorm with --multi-latent-attention needs --q-lora-rank"),
     (MLA + ["--qk-pos-emb-head-dim", "3"], "--qk-pos-emb-head-dim 3 must be even"),
     (MLA + ["--kv-lora-rank", "0"], "--kv-lora-rank 0 must be positive"),
@@ -164,3 +167,24 @@ def test_bad_mla_flags_exit_with_one_line(argv: list[str], message: str, monkeyp
     assert exit_info.value.code == 2
     lines = _our_lines(capsys.readouterr().err)
     assert len(lines) == 1 and lines[0].startswith("pretrain_gpt.py: error: ") and message in lines[0], lines
+
+
+def test_mla_trains_with_muon_and_qk_clip_at_tp2(run_distributed) -> None:
+    """Muon at lr 0.05 (constant) on the MLA model at TP=2, 20 iterations, tau = 1 (the logits of
+    this tiny model). Without the clip the largest logit grows to 32 tau (measured 2026-11-25:
+    32.8 at most, 32.0 last); with --qk-clip it stays between 1.7 and 4.5 tau after the first
+    iterations. It is logged before the step, and the clip follows the update with eta from the
+    logits before it, so one update (here up to 2x per step) and a new batch come on top of tau."""
+    from tests.pretrain_gpt_in_process import run_pretrain_gpt
+
+    argv = (ARGV + MLA + ["--optimizer", "muon", "--tensor-model-parallel-size", "2", "--lr", "0.05",
+                          "--lr-decay-style", "constant", "--train-iters", "20", "--eval-iters", "0",
+                          "--global-batch-size", "4"])
+    maxima = {}
+    for name, flags in (("free", ["--log-max-attention-logit"]), ("clipped", ["--qk-clip", "--qk-clip-threshold", "1.0"])):
+        records = run_distributed(run_pretrain_gpt, 2, args=(argv + flags,))[0]
+        assert len(records) == 20 and all(math.isfinite(r["loss"]) for r in records)
+        maxima[name] = [r["max_attention_logit"] for r in records]
+    assert maxima["free"][-1] > 10.0, maxima
+    assert max(maxima["clipped"]) <= 6.0, maxima
+    assert max(maxima["clipped"][10:]) < 0.25 * max(maxima["free"][10:]), maxima

@@ -1,0 +1,213 @@
+"""Which weights are fused, and their blocks: one table that every Muon consumer reads.
+
+A fused weight packs several matrices into one linear layer's weight (q/k/v, SwiGLU's gate and
+up, MLA's heads, Mamba's [z, x, B, C, dt]); Muon orthogonalizes each separately. The table maps
+(type of the module holding the linear layer, the layer's attribute) to a function that reads
+the blocks from that module and its TransformerConfig, from what megatron-core records (GDN's
+`in_proj_split_sections`, Mamba's per-part sizes, MLA's config fields). Types match by qualified
+name through the MRO: no megatron-core import here, and subclasses inherit their base's entry.
+`register_fused_layout` declares a custom module's layout. Without an owner module (the
+planner) `linear_qkv`, `linear_fc1` and MLA's projections are found by name. Megatron-core's
+`partition_sizes` on a weight no entry describes splits it. A 2-D weight that still looks fused
+(`partition_stride > 1`, or an entry that cannot read its facts) stays whole, with a warning
+naming it, once.
+"""
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from megatron_eopt.ops.splits import qkv_row_blocks
+from megatron_eopt.runtime.once import warn_once
+
+
+@dataclass(frozen=True)
+class FusedWeight:
+    """What a layout function reads: one linear layer's weight and the module that holds it."""
+
+    fqn: str  # for messages
+    param: torch.Tensor  # this rank's shard
+    owner: Optional[torch.nn.Module]  # holds the linear layer as `attribute`; None: known by name only
+    attribute: str  # e.g. 'linear_kv_up_proj'
+    model_config: Any  # the owner's TransformerConfig (or its chunk's)
+    tp_size: int  # ranks sharding its rows: the TP size for a column-parallel weight, else 1
+    split_qkv: bool = True
+    per_head: bool = False
+
+
+@dataclass(frozen=True)
+class FusedBlocks:
+    """The blocks of a fused weight, as MatrixLayout's fields (ops/splits.py); () is one matrix."""
+
+    row_blocks: tuple[int, ...] = ()
+    num_row_groups: int = 1
+    head_rows: int = 0
+    per_group: bool = False
+    tp_contiguous: bool = False
+
+
+WHOLE = FusedBlocks()
+LayoutFunction = Callable[[FusedWeight], Optional[FusedBlocks]]  # None: its facts are missing
+
+_TABLE: dict[tuple[str, str], LayoutFunction] = {}
+
+
+def qualified_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def register_fused_layout(module_type: Union[type, str], attribute: str, function: LayoutFunction) -> None:
+    """Declare that `module_type`'s linear layer `attribute` has the blocks `function` returns.
+
+    `module_type` is a class or its qualified name ('package.module.Class'); subclasses match
+    too. A later registration of the same pair replaces the earlier one.
+    """
+    name = module_type if isinstance(module_type, str) else qualified_name(module_type)
+    if not isinstance(name, str) or "." not in name or not attribute or not callable(function):
+        raise TypeError(f"register_fused_layout takes a class (or its qualified name 'module.Class'), an attribute "
+                        f"name and a function of a FusedWeight; got {module_type!r}, {attribute!r}, {function!r}.")
+    _TABLE[(name, attribute)] = function
+
+
+def registered_function(owner: Optional[torch.nn.Module], attribute: str) -> Optional[LayoutFunction]:
+    """The table's function for `owner.attribute` (through owner's MRO); by name without owner."""
+    if owner is None:
+        return _BY_NAME.get(attribute)
+    for cls in type(owner).__mro__:
+        function = _TABLE.get((qualified_name(cls), attribute))
+        if function is not None:
+            return function
+    return None
+
+
+def fused_blocks(weight: FusedWeight) -> FusedBlocks:
+    """The blocks of one 2-D weight (WHOLE when it is one matrix); warns once when it looks fused
+    but nothing describes it."""
+    function = registered_function(weight.owner, weight.attribute)
+    if function is None and weight.owner is not None and weight.attribute in _BY_NAME \
+            and not _known_type(weight.owner):
+        function = _BY_NAME[weight.attribute]  # megatron-core's names in a module of its own
+    if function is not None:
+        blocks = function(weight)
+        if blocks is not None:
+            return blocks
+        _warn_unknown(weight, f"its {type(weight.owner).__name__} lacks the facts its layout reads")
+        return WHOLE
+    sizes = getattr(weight.param, "partition_sizes", None)
+    if sizes:  # megatron-core's record of parts each sharded over TP (Mamba's in_proj)
+        return FusedBlocks(tuple(int(s) for s in sizes))
+    if int(getattr(weight.param, "partition_stride", 1)) > 1:
+        _warn_unknown(weight, f"it has partition_stride={weight.param.partition_stride}")
+    return WHOLE
+
+
+def _known_type(owner: torch.nn.Module) -> bool:
+    names = {qualified_name(cls) for cls in type(owner).__mro__}
+    return any(name in names for name, _ in _TABLE)
+
+
+def _warn_unknown(weight: FusedWeight, why: str) -> None:
+    warn_once(f"unknown_fused_weight:{weight.fqn}",
+              f"Muon orthogonalizes {weight.fqn!r} as one matrix, but {why}, so it may pack several; "
+              f"declare its blocks with megatron_eopt.params.fused_layouts.register_fused_layout.")
+
+
+# --- megatron-core's fused weights -------------------------------------------------------------
+
+def attention_qkv(weight: FusedWeight) -> FusedBlocks:
+    """linear_qkv: per query group (q[, gate], k, v); per head with `per_head`."""
+    if not weight.split_qkv:
+        return WHOLE
+    if weight.model_config is None:
+        raise ValueError(
+            f"parameter {weight.fqn!r} is a fused QKV weight; splitting it needs the TransformerConfig of its "
+            f"model chunk (`.config` with num_attention_heads, num_query_groups, kv_channels), which the chunk "
+            f"lacks. Set OptimizerConfig.muon_split_qkv=False to orthogonalize it whole."
+        )
+    groups, blocks = qkv_row_blocks(weight.model_config, weight.tp_size, weight.fqn)
+    return FusedBlocks(blocks, groups, head_rows=blocks[-1] if weight.per_head else 0)
+
+
+def mlp_fc1(weight: FusedWeight) -> FusedBlocks:
+    """linear_fc1 of a gated linear unit: gate and up halves (partition_stride=2: each sharded)."""
+    if not getattr(weight.model_config, "gated_linear_unit", False):
+        return WHOLE
+    half = weight.param.shape[0] // 2
+    return FusedBlocks((half, half))
+
+
+def _per_head(weight: FusedWeight, head_parts: tuple[int, ...]) -> FusedBlocks:
+    rows = weight.param.shape[0]
+    if rows % sum(head_parts):
+        raise ValueError(f"parameter {weight.fqn!r}: {rows} rows on this rank are not whole heads of "
+                         f"{'+'.join(map(str, head_parts))} rows.")
+    return FusedBlocks(head_parts, rows // sum(head_parts), per_group=True)
+
+
+def mla_query_up(weight: FusedWeight) -> FusedBlocks:
+    """linear_q_up_proj (and linear_q_proj without q_lora_rank): one matrix per head, its
+    qk_head_dim + qk_pos_emb_head_dim rows (the head's query and its rotary query)."""
+    config = weight.model_config
+    return _per_head(weight, (config.qk_head_dim + config.qk_pos_emb_head_dim,))
+
+
+def mla_kv_up(weight: FusedWeight) -> FusedBlocks:
+    """linear_kv_up_proj: per head, its key (qk_head_dim rows) and its value (v_head_dim rows)."""
+    config = weight.model_config
+    return _per_head(weight, (config.qk_head_dim, config.v_head_dim))
+
+
+def mla_kv_down(weight: FusedWeight) -> FusedBlocks:
+    """linear_kv_down_proj: the compressed KV (kv_lora_rank rows), then the rotary key shared by
+    all heads (qk_pos_emb_head_dim rows). Column-parallel (the local spec), TP shards the whole
+    matrix, cutting through the parts: `tp_contiguous`."""
+    config = weight.model_config
+    return FusedBlocks((config.kv_lora_rank, config.qk_pos_emb_head_dim), tp_contiguous=weight.tp_size > 1)
+
+
+def mamba_in_proj(weight: FusedWeight) -> Optional[FusedBlocks]:
+    """MambaMixer.in_proj: [z, x, B, C, dt], each sharded over TP; this rank's sizes as its
+    `sharded_state_dict` splits them."""
+    mixer = weight.owner
+    try:
+        d_inner, groups, state, heads = (mixer.d_inner_local_tp, mixer.ngroups_local_tp, mixer.d_state,
+                                         mixer.nheads_local_tp)
+    except AttributeError:
+        return None
+    return FusedBlocks((d_inner, d_inner, groups * state, groups * state, heads))
+
+
+def gated_delta_net_in_proj(weight: FusedWeight) -> Optional[FusedBlocks]:
+    """Gated delta net's in_proj: the parts its module records, this rank's sizes
+    (`in_proj_split_sections`: query, key, value, z, beta, alpha in megatron-core 0.19), each
+    sharded over TP."""
+    sections = getattr(weight.owner, "in_proj_split_sections", None)
+    return FusedBlocks(tuple(int(s) for s in sections)) if sections else None
+
+
+def _if_latent_attention(function: LayoutFunction) -> LayoutFunction:
+    """`function` by name only where the config says multi-latent attention (names such as
+    linear_q_proj are common elsewhere)."""
+    return lambda weight: function(weight) if getattr(weight.model_config, "multi_latent_attention", False) else WHOLE
+
+
+_BY_NAME: dict[str, LayoutFunction] = {
+    "linear_qkv": attention_qkv, "linear_fc1": mlp_fc1,
+    "linear_q_proj": _if_latent_attention(mla_query_up), "linear_q_up_proj": _if_latent_attention(mla_query_up),
+    "linear_kv_down_proj": _if_latent_attention(mla_kv_down), "linear_kv_up_proj": _if_latent_attention(mla_kv_up),
+}
+
+for _type, _attribute, _function in (
+    ("megatron.core.transformer.attention.Attention", "linear_qkv", attention_qkv),
+    ("megatron.core.transformer.mlp.MLP", "linear_fc1", mlp_fc1),
+    ("megatron.core.transformer.moe.experts.TEGroupedMLP", "linear_fc1", mlp_fc1),
+    ("megatron.core.transformer.multi_latent_attention.MultiLatentAttention", "linear_q_proj", mla_query_up),
+    ("megatron.core.transformer.multi_latent_attention.MultiLatentAttention", "linear_q_down_proj", lambda w: WHOLE),
+    ("megatron.core.transformer.multi_latent_attention.MultiLatentAttention", "linear_q_up_proj", mla_query_up),
+    ("megatron.core.transformer.multi_latent_attention.MultiLatentAttention", "linear_kv_down_proj", mla_kv_down),
+    ("megatron.core.transformer.multi_latent_attention.MultiLatentAttention", "linear_kv_up_proj", mla_kv_up),
+    ("megatron.core.ssm.mamba_mixer.MambaMixer", "in_proj", mamba_in_proj),
+    ("megatron.core.ssm.gated_delta_net.common._GDNBase", "in_proj", gated_delta_net_in_proj),
+):
+    register_fused_layout(_type, _attribute, _function)
