@@ -7,11 +7,16 @@ command lines (layouts, optimizers, resumes) in one world:
     records = run_distributed(run_pretrain_gpt, 4, args=(argv,))
 
 Each rank returns its logged records (one dict per logged iteration, the same on every rank).
+`run_pretrain_gpt_reporting` returns what a launch would report instead (exit status, stdout,
+stderr), for tests that read what the run printed or how it exited.
 `run_pretrain_gpt_with_overflow` also puts an inf into one gradient at one iteration (fp16 tests).
 """
 
+import contextlib
 import functools
+import io
 import itertools
+import subprocess
 from typing import Any
 
 import torch
@@ -22,6 +27,19 @@ from megatron_eopt.training.loop import train as train_loop
 
 def run_pretrain_gpt(rank: int, world_size: int, argv: list[str]) -> list[dict[str, Any]]:
     return pretrain.main(list(argv))
+
+
+def run_pretrain_gpt_reporting(rank: int, world_size: int, argv: list[str]) -> subprocess.CompletedProcess:
+    """`run_pretrain_gpt` seen as a launch of scripts/pretrain_gpt.py sees it: its exit status (a
+    SystemExit's code: 2 for a refused flag or checkpoint) and what it printed on each stream."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    status = 0
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            pretrain.main(list(argv))
+        except SystemExit as exit_:
+            status = exit_.code if isinstance(exit_.code, int) else 1
+    return subprocess.CompletedProcess(["pretrain_gpt.py", *argv], status, stdout.getvalue(), stderr.getvalue())
 
 
 def run_pretrain_gpt_with_overflow(rank: int, world_size: int, argv: list[str], iteration: int,

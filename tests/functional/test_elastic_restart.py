@@ -25,6 +25,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.functional.test_pretrain_gpt import ROOT
+from tests.pretrain_gpt_in_process import run_pretrain_gpt_reporting
 
 TORCHRUN = str(pathlib.Path(sys.executable).with_name("torchrun"))
 TRAIN_ITERS, SAVE_INTERVAL = 12, 3
@@ -90,14 +91,17 @@ def fault_times(stderr: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory: pytest.TempPathFactory):
+def straight(tmp_path_factory: pytest.TempPathFactory, run_distributed):
+    """The uninterrupted run of a layout: the reference, so it runs on the harness's 2 workers
+    (OMP_NUM_THREADS=1 and gloo as under torchrun) instead of paying a launch's imports."""
     runs = {}
 
     def run(layout: str) -> pathlib.Path:
         if layout not in runs:
             directory = tmp_path_factory.mktemp("straight") / "ckpt"
-            result = launch(LAYOUTS[layout], directory)
-            assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+            argv = [*MODEL, *LAYOUTS[layout], "--save", str(directory), "--load", str(directory)]
+            for result in run_distributed(run_pretrain_gpt_reporting, 2, args=(argv,), timeout=600):
+                assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
             runs[layout] = directory
         return runs[layout]
 

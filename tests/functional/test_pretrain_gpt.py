@@ -13,13 +13,19 @@ iterations here, while a wrong TP slice, a wrong DP slice or gradient average, o
 optimizer loses moves them by >1e-3 within a few steps. The one-process run itself must learn
 (its loss falls by > 0.5), so the layouts are not compared with a run that does nothing.
 
-Layouts: each launch costs ~20 s of imports per process on 2 cores, so torchrun launches TP2 x
-DP2 with layer-wise Muon here, against the one-process run; the other layouts (TP2 x DP2 Adam,
+Layouts: each launch costs ~20 s of imports per process on 2 cores, so TP2 x DP2 with layer-wise
+Muon runs here, against the one-process run; the other layouts (TP2 x DP2 Adam,
 TP2 Muon, DP2 Muon without the distributed optimizer, pipelines, experts) run in the test
-workers' processes (tests/unit/training/test_pretrain_gpt_in_process.py and the pipeline/MoE tests). --bf16, --exit-interval, --plot and --tensorboard-dir are
-checked on one more launch; --data-path/--split/--tokenizer-type with evaluation on another (a
-corpus written by the test and converted by tools/preprocess_data.py); the log line and progress
-bar in-process (tests/unit/training/logging/test_training_log.py); flag errors in-process and once under torchrun.
+workers' processes (tests/unit/training/test_pretrain_gpt_in_process.py and the pipeline/MoE
+tests). --bf16, --exit-interval, --plot and --tensorboard-dir are checked on one more run;
+--data-path/--split/--tokenizer-type with evaluation on another (a corpus written by the test and
+converted by tools/preprocess_data.py), which is also launched under torchrun at DP=2; the log line
+and progress bar in-process (tests/unit/training/logging/test_training_log.py); flag errors
+in-process and once under torchrun. TP2 x DP2 and the one-process runs (the reference, the flags
+run, the data run) go through the script's `main` on workers of the shared distributed harness,
+which has paid the imports once per session (tests/pretrain_gpt_in_process.py); torchrun launches
+new processes for two "nodes" with the TP group across them, for the DP=2 data run (and its
+warnings) and for a bad flag.
 """
 
 import json
@@ -35,6 +41,7 @@ import pytest
 
 from megatron_eopt.training.curves import read_metrics
 from megatron_eopt.training.logging.training_log import PALETTE, PLOT_SIZE
+from tests.pretrain_gpt_in_process import run_pretrain_gpt_reporting
 from tests.unit.training.logging.test_training_log import MEGATRON_LINE
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -65,14 +72,24 @@ def _command(nproc: int, optimizer: str, extra: list[str]) -> list[str]:
     return launcher + MODEL_FLAGS + OPTIMIZER_FLAGS[optimizer] + extra
 
 
-def _launch(nproc: int, optimizer: str, metrics: pathlib.Path, extra: list[str] = ()) -> tuple[list[dict], str]:
-    """Train 20 logged iterations; returns the metrics records and rank 0's stdout."""
-    command = _command(nproc, optimizer, [*extra, "--metrics-jsonl", str(metrics)])
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+def _launch(nproc: int, optimizer: str, metrics: pathlib.Path, extra: list[str] = (),
+            run_distributed=None) -> tuple[list[dict], str]:
+    """Train 20 logged iterations; returns the metrics records and rank 0's stdout. With
+    `run_distributed`, the run goes through the script's `main` on `nproc` harness workers."""
+    result = _start(nproc, optimizer, [*extra, "--metrics-jsonl", str(metrics)], run_distributed)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     log_lines = [line for line in result.stdout.splitlines() if MEGATRON_LINE.match(line)]
     assert len(log_lines) == 20, result.stdout
     return read_metrics(str(metrics))[0], result.stdout
+
+
+def _start(nproc: int, optimizer: str, extra: list[str], run_distributed=None) -> subprocess.CompletedProcess:
+    if run_distributed is None:
+        return subprocess.run(_command(nproc, optimizer, extra), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    argv = MODEL_FLAGS + OPTIMIZER_FLAGS[optimizer] + extra
+    results = run_distributed(run_pretrain_gpt_reporting, nproc, args=(argv,), timeout=600)
+    failed = [result for result in results if result.returncode != 0]
+    return failed[0] if failed else results[0]  # rank 0 prints the log, as under torchrun
 
 
 def _losses(records: list[dict]) -> list[float]:
@@ -80,14 +97,14 @@ def _losses(records: list[dict]) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
-    """optimizer -> metrics of its TP=1/DP=1 run, launched once for the module."""
+def one_process(tmp_path_factory: pytest.TempPathFactory, run_distributed) -> dict[str, list[dict]]:
+    """optimizer -> metrics of its TP=1/DP=1 run (in a harness worker), run once for the module."""
     runs: dict[str, list[dict]] = {}
 
     def records(optimizer: str) -> list[dict]:
         if optimizer not in runs:
             metrics = tmp_path_factory.mktemp(f"one_process_{optimizer}") / "metrics.jsonl"
-            runs[optimizer] = _launch(1, optimizer, metrics)[0]
+            runs[optimizer] = _launch(1, optimizer, metrics, run_distributed=run_distributed)[0]
         return runs[optimizer]
 
     return records
@@ -121,8 +138,11 @@ LAYOUTS = [  # (processes, TP, optimizer)
 
 @pytest.mark.parametrize(
     "nproc,tp,optimizer", [pytest.param(n, tp, opt, id=f"tp{tp}-dp{n // tp}-{opt}") for n, tp, opt in LAYOUTS])
-def test_layout_matches_one_process(nproc: int, tp: int, optimizer: str, one_process, tmp_path: pathlib.Path) -> None:
-    records, _ = _launch(nproc, optimizer, tmp_path / "metrics.jsonl", ["--tensor-model-parallel-size", str(tp)])
+def test_layout_matches_one_process(nproc: int, tp: int, optimizer: str, one_process, run_distributed,
+                                    tmp_path: pathlib.Path) -> None:
+    """On the harness's workers: the two-node test below and the DP=2 data run launch torchrun."""
+    records, _ = _launch(nproc, optimizer, tmp_path / "metrics.jsonl", ["--tensor-model-parallel-size", str(tp)],
+                         run_distributed)
     reference = one_process(optimizer.removesuffix("-replicated"))  # the same update, computed once per rank
     # The learning-rate schedule does not depend on the layout: the same lr at every iteration.
     assert [r["lr"] for r in records] == [r["lr"] for r in reference]
@@ -169,11 +189,11 @@ class FlagsRun:
 
 
 @pytest.fixture(scope="module")
-def flags_run(tmp_path_factory: pytest.TempPathFactory) -> FlagsRun:
+def flags_run(tmp_path_factory: pytest.TempPathFactory, run_distributed) -> FlagsRun:
     folder = tmp_path_factory.mktemp("flags")
     extra = ["--bf16", "--train-iters", "40", "--exit-interval", "20", "--plot", str(folder / "loss.png"),
              "--tensorboard-dir", str(folder / "tb"), "--log-params-norm", "--log-num-zeros-in-grad", "--log-throughput"]
-    records, stdout = _launch(1, "adam", folder / "metrics.jsonl", extra)
+    records, stdout = _launch(1, "adam", folder / "metrics.jsonl", extra, run_distributed)
     return FlagsRun(records, stdout, folder / "loss.png", folder / "tb")
 
 
@@ -211,7 +231,7 @@ class DataRun:
 
 
 @pytest.fixture(scope="module")
-def data_run(tmp_path_factory: pytest.TempPathFactory) -> DataRun:
+def data_run(tmp_path_factory: pytest.TempPathFactory, run_distributed) -> DataRun:
     import random
 
     folder = tmp_path_factory.mktemp("data")
@@ -225,17 +245,16 @@ def data_run(tmp_path_factory: pytest.TempPathFactory) -> DataRun:
     assert preprocess.returncode == 0, preprocess.stderr[-3000:]
     prefix = str(folder / "corpus_text_document")
     assert f"wrote {prefix}.bin/.idx: 400 documents" in preprocess.stdout, preprocess.stdout
-    return _data_launch(1, folder, prefix)
+    return _data_launch(1, folder, prefix, run_distributed)
 
 
-def _data_launch(nproc: int, folder: pathlib.Path, prefix: str) -> DataRun:
+def _data_launch(nproc: int, folder: pathlib.Path, prefix: str, run_distributed=None) -> DataRun:
     extra = ["--data-path", prefix, "--split", "90,8,2", "--tokenizer-type", "ByteLevelTokenizer",
              "--data-cache-path", str(folder / "cache"), "--train-iters", "40", "--eval-interval", "10",
              "--eval-iters", "2"]
     metrics = folder / f"metrics_{nproc}.jsonl"
     extra += ["--tensorboard-dir", str(folder / f"tb_{nproc}")]
-    command = _command(nproc, "adam", [*extra, "--metrics-jsonl", str(metrics)])
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    result = _start(nproc, "adam", [*extra, "--metrics-jsonl", str(metrics)], run_distributed)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     lines = result.stdout.splitlines()
     validations = []

@@ -1,4 +1,4 @@
-"""`pretrain_gpt.py --save/--load` end to end, in new processes each time (CPU, gloo).
+"""`pretrain_gpt.py --save/--load` end to end, in other processes than the saving run's (CPU, gloo).
 
 One 20-iteration run (layer-wise Muon, DP=2) saves at iterations 10 and 20. Resuming it at 10
 in new processes must reproduce iterations 11-20 exactly: the same losses, and a checkpoint at
@@ -12,6 +12,10 @@ A resume with a changed `--lr` is refused (exit 2, nothing trained) naming the v
 scheduler flags; with `--override-opt_param-scheduler` it follows the new schedule from the
 checkpoint's step, and a directory without `latest` resumes from its newest checkpoint, saying
 so. Expected learning rates come from the cosine formula written out here.
+
+The resumed DP=2 run launches new processes under torchrun; the straight run and the one-process
+runs that load its checkpoints run in workers of the shared distributed harness (imports paid
+once per session, not ~20 s a launch).
 """
 
 import math
@@ -26,22 +30,30 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from megatron_eopt.training.curves import read_metrics
 from tests.functional.test_pretrain_gpt import MODEL_FLAGS, ROOT, TOLERANCE
+from tests.pretrain_gpt_in_process import run_pretrain_gpt_reporting
 
 # fp32 Newton-Schulz (the default is chosen from the hardware): layouts are compared to 1e-4.
 FP32_MUON = ["--optimizer", "muon", "--muon-fp32-matmul-prec", "highest"]
 MUON = FP32_MUON + ["--use-distributed-optimizer"]
 
 
-def _launch(nproc: int, flags: list[str], metrics: pathlib.Path) -> subprocess.CompletedProcess:
-    launcher = [sys.executable, "scripts/pretrain_gpt.py"] if nproc == 1 else [
-        str(pathlib.Path(sys.executable).with_name("torchrun")), "--standalone", f"--nproc-per-node={nproc}",
-        "scripts/pretrain_gpt.py"]
+def _launch(nproc: int, flags: list[str], metrics: pathlib.Path, run_distributed=None) -> subprocess.CompletedProcess:
+    """`nproc` new processes under torchrun; with `run_distributed` (nproc 1), the run in a harness
+    worker instead (still a new process's view of the checkpoint: nothing of the saving run is in it)."""
+    if run_distributed is not None:
+        assert nproc == 1, "a harness worker runs one process's job"
+        argv = MODEL_FLAGS + flags + ["--metrics-jsonl", str(metrics)]
+        (result,) = run_distributed(run_pretrain_gpt_reporting, 1, args=(argv,), timeout=600)
+        return result
+    launcher = [str(pathlib.Path(sys.executable).with_name("torchrun")), "--standalone", f"--nproc-per-node={nproc}",
+                "scripts/pretrain_gpt.py"]
     command = launcher + MODEL_FLAGS + flags + ["--metrics-jsonl", str(metrics)]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
-def _run(nproc: int, flags: list[str], metrics: pathlib.Path, output: dict | None = None) -> list[dict]:
-    result = _launch(nproc, flags, metrics)
+def _run(nproc: int, flags: list[str], metrics: pathlib.Path, output: dict | None = None,
+         run_distributed=None) -> list[dict]:
+    result = _launch(nproc, flags, metrics, run_distributed)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     if output is not None:
         output["stdout"] = result.stdout
@@ -62,10 +74,15 @@ def _checkpoint(path: pathlib.Path, tmp_path: pathlib.Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def straight_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, list[dict]]:
+def straight_run(tmp_path_factory: pytest.TempPathFactory, run_distributed) -> tuple[pathlib.Path, list[dict]]:
+    """The run every test loads from, on the harness's 2 workers (OMP_NUM_THREADS=1 and gloo, as
+    under torchrun); the resume that must reproduce it runs in new processes."""
     tmp = tmp_path_factory.mktemp("straight")
-    records = _run(2, MUON + ["--save", str(tmp / "ckpt"), "--save-interval", "10"], tmp / "metrics.jsonl")
-    return tmp / "ckpt", records
+    argv = MODEL_FLAGS + MUON + ["--save", str(tmp / "ckpt"), "--save-interval", "10",
+                                 "--metrics-jsonl", str(tmp / "metrics.jsonl")]
+    for result in run_distributed(run_pretrain_gpt_reporting, 2, args=(argv,), timeout=600):
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return tmp / "ckpt", read_metrics(str(tmp / "metrics.jsonl"))[0]
 
 
 def _losses(records: list[dict], first: int) -> list[float]:
@@ -89,15 +106,16 @@ def test_resume_in_new_processes_is_exact(straight_run, tmp_path: pathlib.Path) 
             assert value == actual[key], key
 
 
-def test_resume_at_another_layout_and_model_only(straight_run, tmp_path: pathlib.Path) -> None:
+def test_resume_at_another_layout_and_model_only(straight_run, run_distributed, tmp_path: pathlib.Path) -> None:
     saved, straight = straight_run
-    replicated = _run(1, [*FP32_MUON, "--load", str(saved), "--ckpt-step", "10"], tmp_path / "m1.jsonl")
+    replicated = _run(1, [*FP32_MUON, "--load", str(saved), "--ckpt-step", "10"], tmp_path / "m1.jsonl",
+                      run_distributed=run_distributed)
     worst = max(abs(a - b) for a, b in zip(_losses(replicated, 11), _losses(straight, 11)))
     assert len(replicated) == 10 and worst <= TOLERANCE, (worst, replicated)
     # AdamW from Muon's model: the first loss is the model's, the same as Muon's at iteration 11.
     output = {}
     adam = _run(1, ["--optimizer", "adam", "--load", str(saved), "--ckpt-step", "10", "--no-load-optim"],
-                tmp_path / "m2.jsonl", output)
+                tmp_path / "m2.jsonl", output, run_distributed)
     assert adam[0]["iteration"] == 11
     assert abs(adam[0]["loss"] - _losses(straight, 11)[0]) <= TOLERANCE
     # Megatron-LM's --no-load-optim: iterations continue (11-20), the schedule restarts at step 0.
@@ -109,11 +127,13 @@ def test_resume_at_another_layout_and_model_only(straight_run, tmp_path: pathlib
             f"(--lr-decay-iters 10 fits the schedule to this run)") in output["stdout"]
 
 
-def test_changed_schedule_is_refused_then_overridden_without_latest(straight_run, tmp_path: pathlib.Path) -> None:
+def test_changed_schedule_is_refused_then_overridden_without_latest(straight_run, run_distributed,
+                                                                   tmp_path: pathlib.Path) -> None:
     saved, straight = straight_run
     directory = tmp_path / "ckpt"  # iteration 10 only, no `latest`: a crash before the marker update
     shutil.copytree(saved / "iter_0000010", directory / "iter_0000010")
-    refused = _launch(1, ["--optimizer", "muon", "--load", str(directory), "--lr", "2e-2"], tmp_path / "refused.jsonl")
+    refused = _launch(1, ["--optimizer", "muon", "--load", str(directory), "--lr", "2e-2"], tmp_path / "refused.jsonl",
+                      run_distributed)
     assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
     for fragment in ("learning rate (max_lr): checkpoint 0.01, now 0.02", "Nothing was loaded",
                      "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"):
@@ -122,7 +142,7 @@ def test_changed_schedule_is_refused_then_overridden_without_latest(straight_run
 
     output = {}
     resumed = _run(1, ["--optimizer", "muon", "--load", str(directory), "--lr", "2e-2",
-                       "--override-opt_param-scheduler"], tmp_path / "override.jsonl", output)
+                       "--override-opt_param-scheduler"], tmp_path / "override.jsonl", output, run_distributed)
     assert [r["iteration"] for r in resumed] == list(range(11, 21))
     for record in resumed:  # the new peak lr, at the checkpoint's step count
         assert math.isclose(record["lr"], _cosine_lr(record["iteration"] - 1, 2e-2), rel_tol=1e-12), record

@@ -8,6 +8,8 @@ step's clip brought the logits of the previous batch to tau with eta computed be
 step's update; so one update (at this lr the unclipped run grows by up to 1.6x per step near
 tau) and a new batch come on top of tau. Losses stay finite.
 
+Both runs go through scripts/pretrain_gpt.py's `main` in a worker of the shared distributed
+harness (tests/pretrain_gpt_in_process.py: the imports paid once per session, not once per run).
 Regenerate the plot of docs/qk-clip.md (docs/qk_clip_max_logit.png) with
 
     .venv/bin/python tests/functional/test_qk_clip_training.py --plot docs/qk_clip_max_logit.png
@@ -15,7 +17,6 @@ Regenerate the plot of docs/qk-clip.md (docs/qk_clip_max_logit.png) with
 
 import math
 import pathlib
-import subprocess
 import sys
 import tempfile
 
@@ -24,6 +25,8 @@ sys.path.insert(0, str(ROOT))
 
 from megatron_eopt.training.curves import read_metrics  # noqa: E402
 from megatron_eopt.training.logging.training_log import GREY, PALETTE, Curve, plot_curves  # noqa: E402
+from tests import distributed_harness  # noqa: E402
+from tests.pretrain_gpt_in_process import run_pretrain_gpt_reporting  # noqa: E402
 
 TAU = 50.0
 ITERATIONS = 30
@@ -37,21 +40,21 @@ RUNS = {"without QK-clip": ["--log-max-attention-logit"],
         "with QK-clip": ["--qk-clip", "--qk-clip-threshold", str(TAU)]}
 
 
-def _launch(folder: pathlib.Path, name: str, extra: list[str]) -> list[dict]:
+def _launch(run_distributed, folder: pathlib.Path, name: str, extra: list[str]) -> list[dict]:
     metrics = folder / f"{name.replace(' ', '_')}.jsonl"
-    command = [sys.executable, "scripts/pretrain_gpt.py", *FLAGS, *extra, "--metrics-jsonl", str(metrics)]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    argv = [*FLAGS, *extra, "--metrics-jsonl", str(metrics)]
+    (result,) = run_distributed(run_pretrain_gpt_reporting, 1, args=(argv,), timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "| max attention logit: " in result.stdout
     return read_metrics(str(metrics))[0]
 
 
-def run_both(folder: pathlib.Path) -> dict[str, list[dict]]:
-    return {name: _launch(folder, name, extra) for name, extra in RUNS.items()}
+def run_both(run_distributed, folder: pathlib.Path) -> dict[str, list[dict]]:
+    return {name: _launch(run_distributed, folder, name, extra) for name, extra in RUNS.items()}
 
 
-def test_qk_clip_keeps_the_max_logit_at_tau(tmp_path: pathlib.Path) -> None:
-    runs = run_both(tmp_path)
+def test_qk_clip_keeps_the_max_logit_at_tau(run_distributed, tmp_path: pathlib.Path) -> None:
+    runs = run_both(run_distributed, tmp_path)
     for records in runs.values():
         assert [r["iteration"] for r in records] == list(range(1, ITERATIONS + 1))
         assert all(math.isfinite(r["loss"]) for r in records)
@@ -64,7 +67,10 @@ def test_qk_clip_keeps_the_max_logit_at_tau(tmp_path: pathlib.Path) -> None:
 
 def plot(path: str) -> None:
     with tempfile.TemporaryDirectory() as folder:
-        runs = run_both(pathlib.Path(folder))
+        try:
+            runs = run_both(distributed_harness.run_distributed, pathlib.Path(folder))
+        finally:
+            distributed_harness.shutdown_distributed()
     curves = [Curve(name, [r["iteration"] for r in records], [r["max_attention_logit"] for r in records], color)
               for (name, records), color in zip(runs.items(), PALETTE)]
     curves.append(Curve(f"threshold {TAU:g}", [1, ITERATIONS], [TAU, TAU], GREY, dashed=True))

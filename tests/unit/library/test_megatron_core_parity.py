@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from megatron_eopt import OptimizerConfig, get_megatron_optimizer
-from megatron_eopt.training.model.gpt import GPTModelSettings, build_gpt_model, destroy_model_parallel, gpt_loss, initialize_model_parallel
+from megatron_eopt.training.model.gpt import GPTModelSettings, build_gpt_model
+from tests.gpt_training import model_parallel, params, token_batch, train_steps
 
 SETTINGS = dict(num_layers=2, hidden_size=32, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=48,
                 vocab_size=64, seq_length=16)
@@ -57,26 +58,16 @@ def train(library: str, model_fields: dict, steps: int) -> dict:
     from megatron.core.optimizer import OptimizerConfig as CoreConfig
     from megatron.core.optimizer import get_megatron_optimizer as core_get_megatron_optimizer
 
-    initialize_model_parallel(1, seed=3)
-    try:
+    with model_parallel(1, seed=3):
         model = build_gpt_model(GPTModelSettings(**SETTINGS, **model_fields))
         if library == "ours":
             optimizer = get_megatron_optimizer(OptimizerConfig(**FIELDS), [model], config_overrides={})
         else:
             with cuda_tensors_on_cpu():
                 optimizer = core_get_megatron_optimizer(CoreConfig(**FIELDS), [model], config_overrides={})
-        tokens = torch.randint(0, SETTINGS["vocab_size"], (4, SETTINGS["seq_length"] + 1),
-                               generator=torch.Generator().manual_seed(5))
-        losses = []
-        for _ in range(steps):
-            optimizer.zero_grad()
-            loss = gpt_loss(model, tokens)
-            loss.backward()
-            step(library, optimizer)
-            losses.append(loss.item())
-        return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
-    finally:
-        destroy_model_parallel()
+        tokens = token_batch(GPTModelSettings(**SETTINGS), batch=4, seed=5)
+        run = train_steps(model, optimizer, tokens, steps, take_step=lambda optimizer: step(library, optimizer))
+        return {"losses": run.losses, "params": params(model)}
 
 
 def step(library: str, optimizer) -> None:

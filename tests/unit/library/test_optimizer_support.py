@@ -59,26 +59,19 @@ LOSS_SCALING = {"adam", "sgd"}  # the only optimizers with fp16 (loss scaling)
 # ------------------------------------------------------------------------------------------------
 
 def _gpt_body(rank: int, world_size: int, dump_dir: str) -> dict:
-    from megatron_eopt.training.model.gpt import (GPTModelSettings, build_gpt_model, destroy_model_parallel, gpt_loss,
-                                   initialize_model_parallel)
+    from megatron_eopt.training.model.gpt import GPTModelSettings, build_gpt_model, gpt_loss
+    from tests.gpt_training import model_parallel, token_batch, train_steps
 
     settings = GPTModelSettings(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                                 ffn_hidden_size=64, vocab_size=64, seq_length=16)
-    tokens = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(1000))
+    tokens = token_batch(settings, batch=4, seed=1000)
     results = {}
     for name, lr in (("oblique_adam", 1e-3), ("oblique_sgd", 1e-2)):
-        initialize_model_parallel(1, seed=7)
-        try:
+        with model_parallel(1, seed=7):
             model = build_gpt_model(settings)
             config = OptimizerConfig(optimizer=name, lr=lr, weight_decay=0.0)
             optimizer = get_megatron_optimizer(config, [model], dump_param_to_param_group_map=f"{dump_dir}/{name}")
-            losses = []
-            for _ in range(4):
-                optimizer.zero_grad()
-                loss = gpt_loss(model, tokens)
-                loss.backward()
-                assert optimizer.step()[0]
-                losses.append(loss.item())
+            losses = train_steps(model, optimizer, tokens, 4).losses
             losses.append(gpt_loss(model, tokens).item())
             # Opting the word embedding in: the same optimizer takes it.
             model.embedding.word_embeddings.weight.use_muon = True
@@ -88,8 +81,6 @@ def _gpt_body(rank: int, world_size: int, dump_dir: str) -> dict:
                 with open(os.path.join(dump_dir, variant, "rank_00000.json")) as handle:
                     routes[variant] = {fqn: entry["optimizer"] for fqn, entry in json.load(handle).items()}
             results[name] = {"losses": losses, "routes": routes}
-        finally:
-            destroy_model_parallel()
     return results
 
 
@@ -390,7 +381,7 @@ def _fp32_newton_schulz(optimizer_cls: type):
 
 def _whole_matrix_tp_body(rank: int, world_size: int, names: list[str]) -> dict:
     from megatron_eopt.training.model.gpt import GPTModelSettings
-    from tests.unit.library.optimizers.test_gpt_optimizer import local_shard, train_gpt
+    from tests.gpt_training import local_shard, train_gpt
 
     # test_gpt_muon.py's model: GQA (two whole query groups per TP rank), gated fc1
     # (partition_stride=2, where a plain concatenation of shards is not the TP=1 matrix).
@@ -434,7 +425,7 @@ TP_TAGS = {"attn.linear_qkv.weight": (0, 1), "mlp.linear_fc1.weight": (0, 2), "m
 
 
 def _tp_model(rank: int, tp_size: int) -> torch.nn.Module:
-    from tests.unit.library.optimizers.test_gpt_optimizer import local_shard
+    from tests.gpt_training import local_shard
 
     model = build_model(TP_SHAPES)
     # What the layouts read: a gated linear unit; q/k/v kept whole by these optimizers.
@@ -448,7 +439,7 @@ def _tp_model(rank: int, tp_size: int) -> torch.nn.Module:
 
 
 def _exact_tp_body(rank: int, world_size: int, name: str, steps: int) -> dict:
-    from tests.unit.library.optimizers.test_gpt_optimizer import local_shard
+    from tests.gpt_training import local_shard
 
     world = dist.group.WORLD
     config = OptimizerConfig(optimizer=name, lr=0.01, min_lr=0.0, weight_decay=0.05, clip_grad=0.0)

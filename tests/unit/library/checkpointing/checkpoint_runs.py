@@ -22,12 +22,11 @@ from megatron_eopt.training.model.gpt import (
     GPTModelSettings,
     build_gpt_model,
     destroy_model_parallel,
-    gpt_loss,
     initialize_model_parallel,
 )
 from megatron_eopt.training.parallel.fsdp2 import fully_shard_gpt
 from tests.unit.library.distributed.test_layer_wise_gpt import SETTINGS  # the same tiny GPT
-from tests.unit.library.optimizers.test_gpt_optimizer import local_shard
+from tests.gpt_training import local_shard, token_batch, train_steps
 
 GLOBAL_BATCH = 8
 SEED = 5
@@ -90,12 +89,13 @@ class GPTRun:
         destroy_model_parallel()
 
     def train_step(self, step: int) -> float:
-        self.optimizer.zero_grad()
         dp_rank, dp_size = dist.get_rank(self.dp_group), dist.get_world_size(self.dp_group)
-        loss = gpt_loss(self.model, global_batch(step).chunk(dp_size)[dp_rank])
-        loss.backward()
-        self._average_grads()
-        return self._step(loss.item())
+        # What DDP does (layer_wise_reduce_grads is off by default, for every layout); FSDP2
+        # reduce-scattered (averaged) the gradients in backward.
+        average = self.dp_group if dp_size > 1 and not self.layout.fsdp2 else None
+        run = train_steps(self.model, self.optimizer, global_batch(step).chunk(dp_size)[dp_rank], range(step, step + 1),
+                          average_grads_over=average, take_step=self._take_step)
+        return run.losses[0]
 
     def synthetic_step(self, step: int) -> None:
         for name, param in self.model.named_parameters():
@@ -110,22 +110,14 @@ class GPTRun:
                 param.grad = distribute_tensor(shard, param.device_mesh, [Shard(0)], src_data_rank=None)
                 continue
             param.grad = shard
-        self._step(0.0)
+        self._take_step(self.optimizer)
 
-    def _average_grads(self) -> None:
-        # What DDP does (layer_wise_reduce_grads is off by default, for every layout).
-        size = dist.get_world_size(self.dp_group)
-        if size > 1 and not self.layout.fsdp2:  # FSDP2 reduce-scattered (averaged) them in backward
-            for param in self.model.parameters():
-                dist.all_reduce(param.grad, group=self.dp_group)
-                param.grad /= size
-
-    def _step(self, loss: float) -> float:
-        ok, _, _ = self.optimizer.step()
+    def _take_step(self, optimizer) -> float:
+        ok, grad_norm, _ = optimizer.step()
         if not ok:
             raise RuntimeError("the optimizer skipped a step")
         self.scheduler.step(GLOBAL_BATCH)
-        return loss
+        return grad_norm
 
     def master_params(self) -> dict[str, tuple[torch.Tensor, int, int]]:
         """name -> (fp32 value: the main copy when there is one, partition_dim, stride)."""
@@ -145,8 +137,7 @@ def partition(param: torch.Tensor) -> tuple[int, int]:
 
 
 def global_batch(step: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(1000 + step)
-    return torch.randint(0, SETTINGS.vocab_size, (GLOBAL_BATCH, SETTINGS.seq_length + 1), generator=generator)
+    return token_batch(SETTINGS, batch=GLOBAL_BATCH, seed=1000 + step)
 
 
 def assemble(shards_by_tp_rank: list[dict]) -> dict[str, torch.Tensor]:

@@ -26,7 +26,7 @@ from megatron_eopt.training.model.gpt import (
     initialize_model_parallel,
 )
 from tests.unit.library.checkpointing.checkpoint_runs import partition
-from tests.unit.library.optimizers.test_gpt_optimizer import local_shard
+from tests.gpt_training import local_shard
 
 DENSE = GPTModelSettings(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                          ffn_hidden_size=48, swiglu=True, vocab_size=64, seq_length=8,

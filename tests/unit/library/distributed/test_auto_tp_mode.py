@@ -20,14 +20,8 @@ import torch.distributed as dist
 
 from megatron_eopt import OptimizerConfig, get_megatron_optimizer
 from megatron_eopt.factory import muon_tp_modes
-from megatron_eopt.training.model.gpt import (
-    GPTModelSettings,
-    build_gpt_model,
-    destroy_model_parallel,
-    gpt_loss,
-    initialize_model_parallel,
-)
-from tests.unit.library.optimizers.test_gpt_optimizer import local_shard, snapshot
+from megatron_eopt.training.model.gpt import GPTModelSettings, build_gpt_model
+from tests.gpt_training import local_shard, model_parallel, snapshot, token_batch, train_steps
 
 MOE = GPTModelSettings(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
                        swiglu=True, vocab_size=64, seq_length=8, num_moe_experts=4, moe_router_topk=2)
@@ -38,23 +32,16 @@ STEPS = 1
 
 
 def _train(tp: int, dump: str) -> dict:
-    initialize_model_parallel(tp, seed=3)
-    try:
+    from megatron.core import parallel_state
+
+    with model_parallel(tp, seed=3):
         model = build_gpt_model(replace(MOE, sequence_parallel=tp > 1))  # MoE at TP > 1 needs it
         optimizer = get_megatron_optimizer(replace(CONFIG), [model], dump_param_to_param_group_map=dump)
-        tokens = torch.randint(0, MOE.vocab_size, (4, MOE.seq_length + 1), generator=torch.Generator().manual_seed(9))
-        for _ in range(STEPS):
-            optimizer.zero_grad()
-            gpt_loss(model, tokens).backward()
-            assert optimizer.step()[0]
+        train_steps(model, optimizer, token_batch(MOE, batch=4, seed=9), STEPS)
         with open(os.path.join(dump, f"rank_{dist.get_rank():05d}.json")) as handle:
             dumped = json.load(handle)
-        from megatron.core import parallel_state
-
         return {"params": snapshot(model), "modes": muon_tp_modes(optimizer), "dumped": dumped,
                 "tp_rank": parallel_state.get_tensor_model_parallel_rank()}
-    finally:
-        destroy_model_parallel()
 
 
 def _body(rank: int, world_size: int) -> dict:

@@ -308,7 +308,7 @@ def _tp_splits(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
 
 
 def _tp_shards(values: dict[str, torch.Tensor], splits: dict, tp_rank: int) -> dict[str, torch.Tensor]:
-    from tests.unit.library.optimizers.test_gpt_optimizer import local_shard
+    from tests.gpt_training import local_shard
 
     return {name: local_shard(values[name], *splits[name], tp_rank, TP) for name in splits}
 

@@ -27,14 +27,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_eopt import OptimizerConfig, ParallelGroups, get_megatron_optimizer
-from megatron_eopt.training.model.gpt import (
-    GPTModelSettings,
-    build_gpt_model,
-    destroy_model_parallel,
-    gpt_loss,
-    initialize_model_parallel,
-)
-from tests.unit.library.optimizers.test_gpt_optimizer import local_shard, snapshot
+from megatron_eopt.training.model.gpt import GPTModelSettings, build_gpt_model
+from tests.gpt_training import local_shard, model_parallel, snapshot, token_batch, train_steps
 
 SETTINGS = GPTModelSettings(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                             ffn_hidden_size=48, swiglu=True, vocab_size=64, seq_length=8)
@@ -49,8 +43,7 @@ SEED = 11
 
 def global_batch(step: int) -> torch.Tensor:
     """The same global batch every step, so that a falling loss shows the model trains."""
-    generator = torch.Generator().manual_seed(100)
-    return torch.randint(0, SETTINGS.vocab_size, (GLOBAL_BATCH, SETTINGS.seq_length + 1), generator=generator)
+    return token_batch(SETTINGS, batch=GLOBAL_BATCH, seed=100)
 
 
 def dp_slice(step: int, dp_rank: int, dp_size: int) -> torch.Tensor:
@@ -67,34 +60,22 @@ def checksum(model: torch.nn.Module) -> str:
 
 def train_reference(slices: int, per_head: bool = False) -> dict:
     """Non-distributed Muon (TP=1, no DP): loss = mean of the `slices` per-slice mean losses."""
-    initialize_model_parallel(1, seed=SEED)
-    try:
+    with model_parallel(1, seed=SEED):
         model = build_gpt_model(SETTINGS)
         optimizer = get_megatron_optimizer(OptimizerConfig(**MUON, muon_split_qkv_per_head=per_head), [model],
                                            pg_collection=ParallelGroups.single_process())
-        losses, norms = [], []
-        for step in range(STEPS):
-            optimizer.zero_grad()
-            loss = torch.stack([gpt_loss(model, dp_slice(step, r, slices)) for r in range(slices)]).mean()
-            loss.backward()
-            ok, norm, _ = optimizer.step()
-            assert ok
-            losses.append(loss.item())
-            norms.append(norm)
+        run = train_steps(model, optimizer, lambda step: [dp_slice(step, r, slices) for r in range(slices)], STEPS)
         state_bytes = [sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t))
                        for child in optimizer.chained_optimizers for state in child.state.values()]
-        return {"losses": losses, "norms": norms, "params": snapshot(model), "state_bytes": state_bytes}
-    finally:
-        destroy_model_parallel()
+        return {"losses": run.losses, "norms": run.grad_norms, "params": snapshot(model), "state_bytes": state_bytes}
 
 
 def train_layer_wise(tp: int, dp_group, reduce_grads: bool, per_head: bool = False,
                      tp_mode: str = "duplicated") -> dict:
     """Layer-wise Muon; dp_group None: parallel_state's groups (DP = world / tp)."""
-    initialize_model_parallel(tp, seed=SEED)
-    try:
-        from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps
 
+    with model_parallel(tp, seed=SEED):
         model = build_gpt_model(SETTINGS)
         if dp_group is None:
             pg_collection, dp = None, ps.get_data_parallel_group()
@@ -105,25 +86,13 @@ def train_layer_wise(tp: int, dp_group, reduce_grads: bool, per_head: bool = Fal
                                  muon_tp_mode=tp_mode, muon_tp_hardware_profile="h100" if tp_mode == "auto" else None)
         optimizer = get_megatron_optimizer(config, [model], pg_collection=pg_collection)
         dp_rank, dp_size = dist.get_rank(dp), dist.get_world_size(dp)
-        losses, checksums, norms = [], [], []
-        for step in range(STEPS):
-            optimizer.zero_grad()
-            loss = gpt_loss(model, dp_slice(step, dp_rank, dp_size))
-            loss.backward()
-            if not reduce_grads:  # what DDP does before the optimizer runs
-                for param in model.parameters():
-                    dist.all_reduce(param.grad, group=dp)
-                    param.grad /= dp_size
-            ok, norm, _ = optimizer.step()
-            assert ok
-            losses.append(loss.item())
-            norms.append(norm)
-            checksums.append(checksum(model))
-        return {"losses": losses, "norms": norms, "checksums": checksums, "params": snapshot(model),
+        checksums = []
+        run = train_steps(model, optimizer, lambda step: dp_slice(step, dp_rank, dp_size), STEPS,
+                          average_grads_over=None if reduce_grads else dp,  # else: what DDP does
+                          after_step=lambda step: checksums.append(checksum(model)))
+        return {"losses": run.losses, "norms": run.grad_norms, "checksums": checksums, "params": snapshot(model),
                 "state_bytes": optimizer.optimizer_state_bytes(),
                 "tp_rank": ps.get_tensor_model_parallel_rank(), "dp_ranks": dist.get_process_group_ranks(dp)}
-    finally:
-        destroy_model_parallel()
 
 
 def _data_parallel_body(rank: int, world_size: int) -> dict:

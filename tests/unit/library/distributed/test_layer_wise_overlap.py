@@ -19,6 +19,7 @@ import torch.distributed as dist
 from megatron_eopt import OptimizerConfig, get_megatron_optimizer
 from megatron_eopt.checkpointing import load_checkpoint, save_checkpoint
 from megatron_eopt.training.model.gpt import build_gpt_model, destroy_model_parallel, gpt_loss, initialize_model_parallel
+from tests.gpt_training import train_steps
 from tests.unit.library.distributed.test_layer_wise_gpt import MUON, SEED, SETTINGS, dp_slice
 
 STEPS = 10
@@ -46,10 +47,8 @@ def _build(mode: str, optimizer_name: str = "muon"):
 
 
 def _train_step(model, optimizer, step: int) -> None:
-    optimizer.zero_grad()  # before the forward, as Megatron-LM's loop does: must not wait
-    loss = gpt_loss(model, dp_slice(step, dist.get_rank(), dist.get_world_size()))
-    loss.backward()
-    assert optimizer.step()[0]
+    # zero_grad before the forward, as Megatron-LM's loop does (train_steps does): must not wait
+    train_steps(model, optimizer, dp_slice(step, dist.get_rank(), dist.get_world_size()), range(step, step + 1))
 
 
 def _tensors(tree, prefix=""):

@@ -161,7 +161,8 @@ def _row_body(rank: int, world_size: int, argv: str) -> dict:
     from megatron.core import parallel_state
 
     from megatron_eopt.integrations import megatron_lm
-    from megatron_eopt.training.model.gpt import destroy_model_parallel, gpt_loss, initialize_model_parallel
+    from megatron_eopt.training.model.gpt import destroy_model_parallel, initialize_model_parallel
+    from tests.gpt_training import train_steps
 
     args = parse_megatron_lm(argv, rank, world_size)
     initialize_model_parallel(args.tensor_model_parallel_size, seed=SEED)
@@ -172,18 +173,10 @@ def _row_body(rank: int, world_size: int, argv: str) -> dict:
         dp_group = parallel_state.get_data_parallel_group()
         dp_rank, dp_size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
         tokens = fixed_batch(args).chunk(dp_size)[dp_rank]
-        losses, checksums = [], []
-        for _ in range(STEPS):
-            optimizer.zero_grad()
-            loss = gpt_loss(model, tokens)
-            optimizer.scale_loss(loss).backward()
-            for param in model.parameters():  # Megatron-LM's DDP averages over DP first
-                dist.all_reduce(param.grad, group=dp_group)
-                param.grad /= dp_size
-            ok, _, _ = optimizer.step()
-            assert ok, "a step was skipped"
-            losses.append(loss.item())
-            checksums.append(_checksum(model))
+        checksums = []
+        losses = train_steps(model, optimizer, tokens, STEPS, scale_loss=True,
+                             average_grads_over=dp_group,  # Megatron-LM's DDP averages over DP first
+                             after_step=lambda step: checksums.append(_checksum(model))).losses
         config = optimizer.config
         # megatron-core's standard overrides give embedding/output parameters max_lr/min_lr =
         # decoupled_lr/decoupled_min_lr (with is_decoupled_lr False, as megatron-core 0.19 does).
@@ -346,7 +339,8 @@ def _state_file_body(rank: int, world_size: int, directory: str) -> dict:
     from megatron.core import parallel_state
 
     from megatron_eopt.integrations import megatron_lm
-    from megatron_eopt.training.model.gpt import destroy_model_parallel, gpt_loss, initialize_model_parallel
+    from megatron_eopt.training.model.gpt import destroy_model_parallel, initialize_model_parallel
+    from tests.gpt_training import train_steps
 
     args = parse_megatron_lm(f"{MODEL_FLAGS} {MUON} --use-distributed-optimizer --ckpt-format torch", rank, world_size)
     initialize_model_parallel(1, seed=SEED)
@@ -358,12 +352,7 @@ def _state_file_body(rank: int, world_size: int, directory: str) -> dict:
         tokens = fixed_batch(args).chunk(2)[dist.get_rank(dp_group)]
 
         def train_step():
-            optimizer.zero_grad()
-            gpt_loss(model, tokens).backward()
-            for param in model.parameters():
-                dist.all_reduce(param.grad, group=dp_group)
-                param.grad /= 2
-            assert optimizer.step()[0]
+            train_steps(model, optimizer, tokens, 1, average_grads_over=dp_group)
 
         for _ in range(2):
             train_step()

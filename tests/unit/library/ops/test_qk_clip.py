@@ -28,7 +28,7 @@ from megatron_eopt.training.model.gpt import (
     gpt_loss,
     initialize_model_parallel,
 )
-from tests.unit.library.optimizers.test_gpt_optimizer import local_shard, snapshot
+from tests.gpt_training import local_shard, model_parallel, snapshot, token_batch, train_steps
 
 MHA = GPTModelSettings(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=None,
                        ffn_hidden_size=48, vocab_size=64, seq_length=8, add_bias_linear=True)
@@ -39,8 +39,7 @@ BOOST = 12.0  # q/k rows scaled up so that logits reach tens
 
 
 def tokens(settings: GPTModelSettings, batch: int = 4, seed: int = 7) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, settings.vocab_size, (batch, settings.seq_length + 1), generator=generator)
+    return token_batch(settings, batch, seed)
 
 
 def qkv_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -270,8 +269,7 @@ def _train(settings: GPTModelSettings, config: OptimizerConfig, tp: int, steps: 
     """`steps` steps on one global batch; this rank takes its DP slice (dp_group) or all `slices`."""
     from megatron.core import parallel_state
 
-    initialize_model_parallel(tp, seed=SEED)
-    try:
+    with model_parallel(tp, seed=SEED):
         model = build_gpt_model(settings)
         boost_qk(model, settings, tp)
         opt = get_megatron_optimizer(config, [model], pg_collection=pg_collection)
@@ -279,15 +277,8 @@ def _train(settings: GPTModelSettings, config: OptimizerConfig, tp: int, steps: 
         if dp_group is not None:
             batch = [batch[dist.get_rank(dp_group)]]
         maxima = []
-        for _ in range(steps):
-            opt.zero_grad()
-            loss = torch.stack([gpt_loss(model, micro) for micro in batch]).mean()
-            loss.backward()
-            assert opt.step()[0]
-            maxima.append(opt.max_attention_logit)
+        train_steps(model, opt, list(batch), steps, after_step=lambda step: maxima.append(opt.max_attention_logit))
         return {"params": snapshot(model), "maxima": maxima, "tp_rank": parallel_state.get_tensor_model_parallel_rank()}
-    finally:
-        destroy_model_parallel()
 
 
 def _max_error(run: dict, reference: dict, tp: int) -> dict:
@@ -332,8 +323,7 @@ def test_clip_does_not_depend_on_the_layout(run_distributed, body) -> None:
 
 def _bf16_body(rank: int, world_size: int) -> dict:
     settings = GPTModelSettings(**{**GQA.__dict__, "bf16": True})
-    initialize_model_parallel(1, seed=SEED)
-    try:
+    with model_parallel(1, seed=SEED):
         model = build_gpt_model(settings)
         boost_qk(model, settings)
         rows = rows_of(settings)
@@ -341,19 +331,13 @@ def _bf16_body(rank: int, world_size: int) -> dict:
         opt = get_megatron_optimizer(config, [model], pg_collection=ParallelGroups.single_process())
         inputs, _ = capture_qkv_inputs(model)
         steps = []
-        for _ in range(2):
-            opt.zero_grad()
-            gpt_loss(model, tokens(settings)).backward()
-            assert opt.step()[0]
-            steps.append({
-                "logged": opt.max_attention_logit,
-                # this step's layer-0 logits recomputed from the weights after the step
-                "after": model_head_max(model, [x[-1:] for x in inputs], rows)[0].max().item(),
-                "weight": qkv_modules(model)[0].weight.detach().float().clone(),
-            })
+        train_steps(model, opt, tokens(settings), 2, after_step=lambda step: steps.append({
+            "logged": opt.max_attention_logit,
+            # this step's layer-0 logits recomputed from the weights after the step
+            "after": model_head_max(model, [x[-1:] for x in inputs], rows)[0].max().item(),
+            "weight": qkv_modules(model)[0].weight.detach().float().clone(),
+        }))
         return {"steps": steps}
-    finally:
-        destroy_model_parallel()
 
 
 def test_bf16_clipped_main_copy_survives_the_next_step(run_distributed) -> None:

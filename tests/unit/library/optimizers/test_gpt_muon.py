@@ -15,14 +15,14 @@ import torch
 from megatron_eopt import OptimizerConfig
 from megatron_eopt.ops.muon_cost import clear_calibrations
 from megatron_eopt.training.model.gpt import GPTModelSettings
-from tests.unit.library.optimizers.test_gpt_optimizer import local_shard, train_gpt
+from tests.gpt_training import local_shard, token_batch, train_gpt
 
 SETTINGS = GPTModelSettings(num_layers=2, hidden_size=32, num_attention_heads=8, num_query_groups=4,
                             ffn_hidden_size=48, swiglu=True, vocab_size=64, seq_length=16)
 
 
 def batch() -> torch.Tensor:
-    return torch.randint(0, SETTINGS.vocab_size, (4, SETTINGS.seq_length + 1), generator=torch.Generator().manual_seed(5))
+    return token_batch(SETTINGS, batch=4, seed=5)
 
 
 def train_muon(tp: int, tp_mode: str, steps: int, per_head: bool = False) -> dict:

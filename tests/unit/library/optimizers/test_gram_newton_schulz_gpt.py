@@ -15,46 +15,29 @@ whose q and proj (32 x 32) stay standard (`newton_schulz_paths` is checked).
 """
 
 import pytest
-import torch
 
 from megatron_eopt import OptimizerConfig, ParallelGroups, get_megatron_optimizer
-from megatron_eopt.training.model.gpt import (
-    GPTModelSettings,
-    build_gpt_model,
-    destroy_model_parallel,
-    gpt_loss,
-    initialize_model_parallel,
-)
+from megatron_eopt.training.model.gpt import GPTModelSettings, build_gpt_model
 from tests.bf16_numerics import bf16_numerics
+from tests.gpt_training import model_parallel, params, token_batch, train_steps, unchecked_step
 
 SETTINGS = GPTModelSettings(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                             ffn_hidden_size=128, vocab_size=64, seq_length=8)
 
 
 def train(optimizer: str, gram: bool, precision: str, steps: int, data_seed: int = 0) -> dict:
-    initialize_model_parallel(1, seed=7)
-    try:
+    with model_parallel(1, seed=7):
         model = build_gpt_model(SETTINGS)
         # adaptive_muon's update is elementwise normalized (RMS ~1 before the scale): a smaller lr.
         config = OptimizerConfig(optimizer=optimizer, lr=0.01 if optimizer == "muon" else 0.001, min_lr=0.0, weight_decay=0.05, clip_grad=1.0,
                                  muon_momentum=0.9, muon_fp32_matmul_prec=precision,
                                  muon_gram_newton_schulz=gram)
         opt = get_megatron_optimizer(config, [model], pg_collection=ParallelGroups.single_process())
-        generator = torch.Generator().manual_seed(data_seed)
-        batches = torch.randint(0, SETTINGS.vocab_size, (4, 8, SETTINGS.seq_length + 1), generator=generator)
-        losses = []
-        for step in range(steps):
-            opt.zero_grad()
-            loss = gpt_loss(model, batches[step % len(batches)])
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+        batches = token_batch(SETTINGS, batch=8, seed=data_seed, batches=4)  # 4 batches, taken in turn
+        run = train_steps(model, opt, lambda step: batches[step % len(batches)], steps, take_step=unchecked_step)
         inner = [getattr(child, "optimizer", child) for child in opt.chained_optimizers]  # FP32Optimizer's
         paths = {name: p for child in inner for name, p in getattr(child, "newton_schulz_paths", {}).items()}
-        return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-                "paths": paths}
-    finally:
-        destroy_model_parallel()
+        return {"losses": run.losses, "params": params(model), "paths": paths}
 
 
 def _fp32_body(rank: int, world_size: int, optimizer: str) -> dict:

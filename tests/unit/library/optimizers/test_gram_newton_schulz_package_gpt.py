@@ -16,8 +16,9 @@ import torch
 
 from megatron_eopt import OptimizerConfig, ParallelGroups, get_megatron_optimizer
 from megatron_eopt.ops.gram_newton_schulz_package import PACKAGE_PATH
-from megatron_eopt.training.model.gpt import build_gpt_model, destroy_model_parallel, gpt_loss, initialize_model_parallel
+from megatron_eopt.training.model.gpt import build_gpt_model
 from tests.bf16_numerics import bf16_numerics
+from tests.gpt_training import model_parallel, params, token_batch, train_steps, unchecked_step
 from tests.unit.library.optimizers.test_gram_newton_schulz_gpt import SETTINGS
 
 QKV, FC1, FC2 = (f"decoder.layers.0.{name}.weight" for name in ("self_attention.linear_qkv", "mlp.linear_fc1",
@@ -28,28 +29,24 @@ STEPS = 5
 
 def train(optimizer: str, gram: bool, package: bool, precision: str) -> dict:
     """Parameters after step 1 and after STEPS, and `newton_schulz_paths`."""
-    initialize_model_parallel(1, seed=7)
-    try:
+    with model_parallel(1, seed=7):
         model = build_gpt_model(SETTINGS)
         config = OptimizerConfig(optimizer=optimizer, lr=0.01 if optimizer == "muon" else 0.001, min_lr=0.0,
                                  weight_decay=0.05, clip_grad=1.0, muon_momentum=0.9, muon_fp32_matmul_prec=precision,
                                  muon_gram_newton_schulz=gram, muon_gram_newton_schulz_package=package)
         opt = get_megatron_optimizer(config, [model], pg_collection=ParallelGroups.single_process())
-        batches = torch.randint(0, SETTINGS.vocab_size, (4, 8, SETTINGS.seq_length + 1),
-                                generator=torch.Generator().manual_seed(0))
-        initial = {n: p.detach().clone() for n, p in model.named_parameters()}
-        for step in range(STEPS):
-            opt.zero_grad()
-            gpt_loss(model, batches[step % len(batches)]).backward()
-            opt.step()
+        batches = token_batch(SETTINGS, batch=8, seed=0, batches=4)  # 4 batches, taken in turn
+        initial, first = params(model), {}
+
+        def keep_first_update(step: int) -> None:
             if step == 0:
-                first = {n: p.detach() - initial[n] for n, p in model.named_parameters()}
+                first.update({n: p.detach() - initial[n] for n, p in model.named_parameters()})
+
+        train_steps(model, opt, lambda step: batches[step % len(batches)], STEPS, take_step=unchecked_step,
+                    after_step=keep_first_update)
         inner = [getattr(child, "optimizer", child) for child in opt.chained_optimizers]
         paths = {name: p for child in inner for name, p in getattr(child, "newton_schulz_paths", {}).items()}
-        return {"first": first, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-                "paths": paths}
-    finally:
-        destroy_model_parallel()
+        return {"first": first, "params": params(model), "paths": paths}
 
 
 def _body(rank: int, world_size: int, optimizer: str) -> dict:

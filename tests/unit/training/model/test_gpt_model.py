@@ -24,15 +24,14 @@ from megatron_eopt.training.model.gpt import (
 )
 from megatron_eopt.training.model.layer_specs import gpt_layer_spec
 from megatron_eopt.training.model.sdpa_attention import SDPACoreAttention
+from tests.gpt_training import token_batch, train_steps, unchecked_step
 
 SEED = 1234
 QKV = "decoder.layers.0.self_attention.linear_qkv.weight"
 
 
 def fixed_tokens(settings: GPTModelSettings, batch: int = 4) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(0)
-    shape = (batch, settings.seq_length + 1)
-    return torch.randint(0, settings.vocab_size, shape, generator=generator)
+    return token_batch(settings, batch, seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -173,13 +172,7 @@ def test_adamw_reduces_loss(tp1):
     model = build_gpt_model(settings)
     tokens = fixed_tokens(settings)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(8):
-        optimizer.zero_grad()
-        loss = gpt_loss(model, tokens)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    losses = train_steps(model, optimizer, tokens, 8, take_step=unchecked_step).losses
     assert losses[-1] < losses[0] - 0.5, losses
 
 
