@@ -149,7 +149,7 @@ def _check_fsdp2_flags(args: argparse.Namespace) -> None:
                ("--fp16 (loss scaling of DTensor shards is not implemented)", args.fp16),
                ("--main-params-dtype other than fp32 (FSDP2's fp32 shards are the main weights; "
                 "--exp-avg-dtype and --exp-avg-sq-dtype apply)",
-                getattr(args, "main_params_dtype", "fp32") not in ("fp32", "float32"))]
+                getattr(args, "main_params_dtype", None) not in (None, "fp32"))]  # None: not given (fp32)
     for what, given in refused:
         if given:
             raise ValueError(f"--use-torch-fsdp2 does not support {what} yet.")
