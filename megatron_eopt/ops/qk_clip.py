@@ -65,23 +65,6 @@ def clip_scales(group_max: torch.Tensor, threshold: float, alpha: float) -> tupl
     return eta.pow(alpha), eta.pow(1.0 - alpha)
 
 
-def scale_qk_rows(tensor: torch.Tensor, rows: QKVRows, q_scale: torch.Tensor, k_scale: torch.Tensor) -> None:
-    """Multiply, in place, each query group's q rows by `q_scale[g]` and its k rows by
-    `k_scale[g]` in a `linear_qkv` weight ([rows, in]) or bias ([rows]); v rows stay as they are."""
-    if tensor.shape[0] != rows.rows:
-        raise ValueError(
-            f"{rows.name!r}: {tensor.shape[0]} rows on this tensor-parallel rank; expected "
-            f"{rows.groups} query group(s) of ({rows.heads_per_group} q heads + k + v) x "
-            f"{rows.head_dim} = {rows.rows}."
-        )
-    q_rows = rows.heads_per_group * rows.head_dim
-    grouped = tensor.view(rows.groups, (rows.heads_per_group + 2) * rows.head_dim, -1)
-    shape = (rows.groups, 1, 1)
-    with torch.no_grad():
-        grouped[:, :q_rows].mul_(q_scale.to(tensor.dtype).view(shape))
-        grouped[:, q_rows:q_rows + rows.head_dim].mul_(k_scale.to(tensor.dtype).view(shape))
-
-
 # The power of eta that each kind of part is multiplied by; "" is not scaled.
 PART_KINDS = ("q", "k", "qk", "")
 

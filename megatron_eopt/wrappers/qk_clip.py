@@ -79,7 +79,7 @@ class AttentionLayer:
     core_attention: torch.nn.Module
     rows: QKVRows  # the heads on this rank and their query groups (MLA: one group per head)
     fqns: tuple[str, ...]  # linear_qkv.weight (and .bias) as the optimizer names them; MLA: its up-projections
-    clip_rows: tuple[ClipRows, ...] = ()  # which rows of each of `fqns` the clip scales how
+    clip_rows: tuple[ClipRows, ...]  # which rows of each of `fqns` the clip scales how
 
 
 def find_attention_layers(chunks: Sequence[torch.nn.Module], fqn_of: dict[int, str], tp_size: int,

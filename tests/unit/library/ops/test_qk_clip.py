@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_eopt import OptimizerConfig, ParallelGroups, get_megatron_optimizer
-from megatron_eopt.ops.qk_clip import QKVRows, clip_scales, group_max_logits, scale_qk_rows
+from megatron_eopt.ops.qk_clip import QKVRows, clip_scales, group_max_logits, qkv_clip_rows, scale_clip_rows
 from megatron_eopt.wrappers.qk_clip import QKClipSettings, find_attention_layers, resolve_qk_clip_settings
 from megatron_eopt.training.model.gpt import (
     GPTModelSettings,
@@ -120,7 +120,7 @@ def test_scale_qk_rows_touches_only_q_and_k_of_each_group() -> None:
     rows = QKVRows("w", groups=2, heads_per_group=2, head_dim=3)
     weight = torch.randn(rows.rows, 5)
     before = qkv_parts(weight, rows)
-    scale_qk_rows(weight, rows, torch.tensor([0.5, 1.0]), torch.tensor([0.25, 1.0]))
+    scale_clip_rows(weight, qkv_clip_rows(rows), torch.tensor([0.5, 1.0]), torch.tensor([0.25, 1.0]))
     after = qkv_parts(weight, rows)
     assert torch.equal(after["q"][0], before["q"][0] * 0.5) and torch.equal(after["k"][0], before["k"][0] * 0.25)
     assert torch.equal(after["q"][1], before["q"][1]) and torch.equal(after["k"][1], before["k"][1])
@@ -128,7 +128,7 @@ def test_scale_qk_rows_touches_only_q_and_k_of_each_group() -> None:
     with pytest.raises(ValueError, match="expected \\(4,\\)"):
         group_max_logits(torch.zeros(3), rows)
     with pytest.raises(ValueError, match="rows on this tensor-parallel rank"):
-        scale_qk_rows(torch.zeros(7, 5), rows, torch.ones(2), torch.ones(2))
+        scale_clip_rows(torch.zeros(7, 5), qkv_clip_rows(rows), torch.ones(2), torch.ones(2))
 
 
 def test_settings_from_either_config_and_disagreement_refused() -> None:
