@@ -13,6 +13,7 @@ commits, refusals.
 import os
 import shutil
 import signal
+from typing import Optional
 
 import pytest
 import torch
@@ -77,11 +78,18 @@ def _resume_body(rank: int, world_size: int, directory: str) -> dict:
     return resume_differences(layouts, _params, directory, world_size)
 
 
-def test_resume_is_exact_for_adam_muon_layer_wise_and_tp2(run_distributed, tmp_path) -> None:
-    for rank, result in enumerate(run_distributed(_resume_body, world_size=2, args=(str(tmp_path),), timeout=600)):
+def assert_resumed_exactly(results: list[dict], cases: Optional[int] = None) -> None:
+    """Every rank's `resume_differences`: `cases` cases (if given), no difference, and state to compare in each."""
+    for rank, result in enumerate(results):
+        if cases is not None:
+            assert len(result) == cases
         for case, (differences, state_tensors) in result.items():
             assert not differences, (rank, case, differences[:10])
             assert state_tensors > 0, (rank, case)  # there was state to compare
+
+
+def test_resume_is_exact_for_adam_muon_layer_wise_and_tp2(run_distributed, tmp_path) -> None:
+    assert_resumed_exactly(run_distributed(_resume_body, world_size=2, args=(str(tmp_path),), timeout=600))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -23,7 +23,8 @@ import torch
 
 from megatron_eopt.checkpointing import CheckpointError, save_checkpoint
 from tests.unit.library.checkpointing.checkpoint_runs import GPTRun, Layout
-from tests.unit.library.checkpointing.test_checkpoint import _global_params, _load_then_step, _save_then_continue, _train, resume_differences
+from tests.unit.library.checkpointing.test_checkpoint import (_global_params, _load_then_step, _save_then_continue, _train,
+                                                              assert_resumed_exactly, resume_differences)
 
 RESUME_STEPS = 4
 
@@ -38,11 +39,7 @@ def _resume_body(rank: int, world_size: int, directory: str) -> dict:
 
 
 def test_fsdp2_resume_is_exact_for_muon_adam_and_polargrad(run_distributed, tmp_path) -> None:
-    for rank, result in enumerate(run_distributed(_resume_body, world_size=2, args=(str(tmp_path),), timeout=600)):
-        assert len(result) == 3
-        for case, (differences, state_tensors) in result.items():
-            assert not differences, (rank, case, differences[:10])
-            assert state_tensors > 0, (rank, case)  # there was sharded state to compare
+    assert_resumed_exactly(run_distributed(_resume_body, world_size=2, args=(str(tmp_path),), timeout=600), cases=3)
 
 
 def _bf16_state_resume_body(rank: int, world_size: int, directory: str) -> dict:
@@ -52,12 +49,8 @@ def _bf16_state_resume_body(rank: int, world_size: int, directory: str) -> dict:
 
 def test_fsdp2_resume_with_bf16_moments_is_exact(run_distributed, tmp_path) -> None:
     """bf16 moments on the shards: saved in bf16, loaded back bitwise, the run continues exactly."""
-    for rank, result in enumerate(run_distributed(_bf16_state_resume_body, world_size=2, args=(str(tmp_path),),
-                                                  timeout=600)):
-        assert len(result) == 2
-        for case, (differences, state_tensors) in result.items():
-            assert not differences, (rank, case, differences[:10])
-            assert state_tensors > 0, (rank, case)
+    results = run_distributed(_bf16_state_resume_body, world_size=2, args=(str(tmp_path),), timeout=600)
+    assert_resumed_exactly(results, cases=2)
 
 
 def _tp2_resume_body(rank: int, world_size: int, directory: str) -> dict:
@@ -68,12 +61,7 @@ def _tp2_resume_body(rank: int, world_size: int, directory: str) -> dict:
 
 def test_tp2_x_fsdp2_resume_is_exact_for_muon(run_distributed, tmp_path) -> None:
     """TP=2 x FSDP2=2: N + save + load into a fresh model and optimizer + N == 2N, key by key."""
-    for rank, result in enumerate(run_distributed(_tp2_resume_body, world_size=4, args=(str(tmp_path),),
-                                                  timeout=600)):
-        assert len(result) == 1
-        for case, (differences, state_tensors) in result.items():
-            assert not differences, (rank, case, differences[:10])
-            assert state_tensors > 0, (rank, case)
+    assert_resumed_exactly(run_distributed(_tp2_resume_body, world_size=4, args=(str(tmp_path),), timeout=600), cases=1)
 
 
 SOURCES = {  # name: (layout, world size)
