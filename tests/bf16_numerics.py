@@ -14,6 +14,7 @@ so a test about bf16 behaviour would pass there without testing it.
   fill the cores). Here an unbatched or batch-of-one product sums its inner dimension in two
   halves, a batch of several in one pass, for fp32 at `medium` and for bf16 tensors alike. A
   result that depends on which matrices share a batch then differs here as on those machines.
+  Both orders are computed so that they give the same bits on every CPU (`_sum_over_inner`).
 On a CPU with native bf16 it changes nothing: the hardware does it.
 
 `MEGATRON_EOPT_TEST_BF16=emulate` forces the emulation, `=native` forbids it (to run a native CPU's
@@ -62,12 +63,17 @@ def emulating() -> bool:
 
 
 def _sum_over_inner(a: torch.Tensor, b: torch.Tensor, halves: bool) -> torch.Tensor:
-    """fp32 a @ b of fp32 tensors at fp32 precision, the inner dimension summed in two halves."""
-    with fp32_matmul_precision("highest"):
-        if not halves or a.size(-1) < 2:
-            return torch.matmul(a, b)
-        k = a.size(-1) // 2
-        return torch.matmul(a[..., :k], b[..., :k, :]) + torch.matmul(a[..., k:], b[..., k:, :])
+    """fp32 a @ b of bf16 values held in fp32, the inner dimension summed in one pass or in two halves.
+
+    The products of bf16 values are exact, so one pass is their float64 sum rounded once to fp32,
+    and halves rounds each half's sum to fp32 and adds the two in fp32. Neither depends on how this
+    CPU's kernels block the sum (float64 round-off is far below an fp32 ulp), so the emulation gives
+    the same bits on every CPU and the two orders differ wherever double rounding shows."""
+    a, b = a.double(), b.double()
+    if not halves or a.size(-1) < 2:
+        return torch.matmul(a, b).float()
+    k = a.size(-1) // 2
+    return torch.matmul(a[..., :k], b[..., :k, :]).float() + torch.matmul(a[..., k:], b[..., k:, :]).float()
 
 
 class NativeBf16Products(TorchDispatchMode):
