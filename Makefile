@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-fast test-slow test-unit test-functional demo convergence bench gpu-check venv lock clean
+.PHONY: test test-fast test-slow test-unit test-functional test-numerics test-compat demo convergence bench gpu-check venv lock clean
 
 test: $(STAMP)
 	$(PY) -m pytest tests -q -m "not slow"
@@ -18,6 +18,32 @@ test-fast: $(STAMP)
 # Fault-injection runs of other layouts and of kills during saves (docs/reliability.md): minutes each.
 test-slow: $(STAMP)
 	$(PY) -m pytest tests -q -m slow
+
+# make test's tests under kernel settings that round differently from this CPU's default build (the
+# code paths of other CPUs; docs/reliability.md). Each setting first says whether it changes the bits
+# of a product here. As long as `make test` for each setting; not part of CI.
+# torch 2.13's inductor emits vector code that does not compile under ATEN_CPU_CAPABILITY=default, so
+# that setting runs emerging_optimizers' compiled updates eagerly (TORCH_COMPILE_DISABLE=1).
+NUMERICS_SETTINGS := "ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=COMPATIBLE" \
+	"ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=AVX2 TORCH_COMPILE_DISABLE=1"
+test-numerics: $(STAMP)
+	@failed=0; for setting in $(NUMERICS_SETTINGS); do \
+	  echo "== $$setting"; env $$setting $(PY) tools/rounding_probe.py && \
+	  env $$setting $(PY) -m pytest tests -q -m "not slow" -p no:cacheprovider || failed=1; \
+	done; exit $$failed
+
+# The fast tier, the FSDP2 and the layer-wise tests on the oldest torch pyproject.toml allows and on the
+# newest one tested (a venv each, .venv-torch-VERSION, from requirements.lock with that torch). Not part of CI.
+COMPAT_TORCH := 2.9.0 2.15.0
+COMPAT_TESTS := tests/unit/library/distributed/test_fsdp2.py tests/unit/library/distributed/test_layer_wise.py \
+	tests/unit/library/distributed/test_layer_wise_gpt.py tests/unit/library/checkpointing/test_checkpoint_fsdp2.py
+test-compat:
+	@failed=0; for version in $(COMPAT_TORCH); do \
+	  tools/compat_venv.sh $$version || exit 1; echo "== torch $$version"; \
+	  .venv-torch-$$version/bin/python -m pytest tests -q -p no:cacheprovider \
+	    -m "not multirank and not subprocess and not slow" --require-library-imported || failed=1; \
+	  .venv-torch-$$version/bin/python -m pytest $(COMPAT_TESTS) -q -p no:cacheprovider -m "not slow" || failed=1; \
+	done; exit $$failed
 
 test-unit: $(STAMP)
 	$(PY) -m pytest tests/unit -q -m "not slow"

@@ -46,6 +46,9 @@ OUTPUT_LAYER_NAMES = ("output_layer.weight", "*.output_layer.weight")
 EXPERT_NAMES = ("*.experts.*",)
 # Transformer Engine layers (megatron-core's TE specs): their tensor-parallel split is not read here.
 TRANSFORMER_ENGINE_MODULES = ("transformer_engine", "megatron.core.extensions")
+# The first torch whose FSDP2 averages gradients on CPU: 2.8 reduce-scatters them with ReduceOp.AVG,
+# which gloo silently sums (torch issue #162338), so gradients come out world-size times too large.
+FSDP2_AVERAGES_ON_CPU_SINCE = (2, 9)
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,7 @@ def fully_sharded_layout(chunks: list[torch.nn.Module], pg_collection: Any = Non
         check_row_placement(fqn, param)
         _check_not_expert(fqn)
     group = _common_group(sharded)
+    check_fsdp2_averages(sharded[0][1].device)
     size = group_size(group)
     splits, engine_layers = _tensor_parallel_splits(chunks)
     tensor_parallel = _tensor_parallel_groups(pg_collection, group, splits, engine_layers)
@@ -223,6 +227,16 @@ def _common_group(sharded: list[tuple[str, DTensor]]) -> ProcessGroup:
                 f"and {param.device_mesh}); fully_shard every module over one mesh."
             )
     return first.device_mesh.get_group()
+
+
+def check_fsdp2_averages(device: torch.device, torch_version: str = torch.__version__) -> None:
+    """Refuse a torch whose FSDP2 sums the gradients of CPU (gloo) parameters instead of averaging them."""
+    release = tuple(int(part) for part in torch_version.split("+")[0].split(".")[:2])
+    if device.type == "cpu" and release < FSDP2_AVERAGES_ON_CPU_SINCE:
+        raise RuntimeError(
+            f"torch {torch_version}'s FSDP2 sums gradients over gloo instead of averaging them (torch issue "
+            f"#162338), so CPU training with it would be silently wrong: use torch>=2.9 (pyproject.toml's floor)."
+        )
 
 
 def check_fully_sharded_config(config: Any) -> None:

@@ -9,10 +9,10 @@ The iteration is emerging_optimizers'; this module decides who orthogonalizes wh
 All but blockwise equal the TP=1 update to fp32 round-off; each parameter may have its own mode
 ('auto': ops/muon_cost.py chooses). Scales use the global block shape. Per-head blocks
 (MatrixLayout.per_head) are whole on their rank: done there, in every mode (docs/tp-muon.md).
-`orthogonalize_batched` runs every group of equal shape as one batched call, every matrix even
-alone, so in fp32 its result does not depend on which others share the step. `gram=True`: a
-block takes Gram Newton-Schulz where that costs fewer FLOPs (ops/gram_newton_schulz.py), through
-the gram-newton-schulz `package` if given, except 'distributed' shards (`block_paths` says which).
+`orthogonalize_batched`: one batched call per shape; a result never depends on the other matrices'
+values, and on their number only where the BLAS splits a lone product over threads (docs/testing.md).
+`gram=True`: a block takes Gram Newton-Schulz where that costs fewer FLOPs (ops/gram_newton_schulz.py),
+through the gram-newton-schulz `package` if given, except 'distributed' shards (`block_paths` says which).
 """
 
 import functools

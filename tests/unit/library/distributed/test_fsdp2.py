@@ -615,3 +615,14 @@ def test_fsdp2_bf16_moments_equal_one_process_bf16_moments(run_distributed, worl
             assert keys == ({"momentum_buffer", "exp_avg", "exp_avg_sq"} if optimizer == "muon"
                             else {"exp_avg", "exp_avg_sq"}), (optimizer, keys)
             assert compared >= len(expected), (rank, optimizer, compared)
+
+
+def test_a_torch_whose_fsdp2_sums_gradients_on_gloo_is_refused() -> None:
+    from megatron_eopt.distributed.fsdp2 import check_fsdp2_averages
+
+    cpu = torch.device("cpu")
+    with pytest.raises(RuntimeError, match=r"^torch 2\.8\.0\+cpu's FSDP2 sums gradients over gloo .* use torch>=2\.9"):
+        check_fsdp2_averages(cpu, "2.8.0+cpu")
+    for fixed in ("2.9.1", "2.10.0", torch.__version__):  # make test-compat runs the FSDP2 tests on the floor
+        check_fsdp2_averages(cpu, fixed)
+    check_fsdp2_averages(torch.device("cuda"), "2.8.0")  # NCCL averages
