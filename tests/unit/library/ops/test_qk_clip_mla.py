@@ -16,16 +16,13 @@ import torch
 
 from megatron_eopt import OptimizerConfig, get_megatron_optimizer
 from tests.fused_models import GPT, HEADS, POS, QK, V
+from tests.thresholds import MARGIN, threshold_between
 
 # One layer: its attention's input (the embeddings) does not change with the clip, so the logits
 # after the step come from the same input as the maxima the clip used.
 SETTINGS = dataclasses.replace(GPT, num_layers=1, num_moe_experts=None, moe_layer_freq=1, qk_layernorm=True)
 BOOST = 6.0
 SEEDS = (5, 6)  # model seeds; the tokens' seed is the model's + 4
-# tau lies at least this far (relative) from every head's largest logit: far above the fp32 round-off
-# (~1e-6) by which the optimizer's maxima and this test's float64 ones differ, so both agree on
-# which heads exceed tau on every CPU.
-TAU_MARGIN = 1e-3
 
 
 def _head_max_logits(model: torch.nn.Module, tokens: torch.Tensor) -> list[torch.Tensor]:
@@ -52,16 +49,6 @@ def _head_max_logits(model: torch.nn.Module, tokens: torch.Tensor) -> list[torch
     return captured
 
 
-def _tau_between_heads(maxima: torch.Tensor) -> tuple[float, float]:
-    """tau midway in the widest gap between two heads' largest logits, and its relative distance to
-    both: never a head's own maximum, so some heads are clipped and some are not."""
-    values = maxima.double().sort().values
-    widest = int((values[1:] - values[:-1]).argmax())
-    low, high = values[widest].item(), values[widest + 1].item()
-    tau = (low + high) / 2
-    return tau, (high - low) / 2 / abs(tau)
-
-
 def _mla_clip_body(rank: int, world_size: int) -> list[dict]:
     return [_mla_clip_run(seed) for seed in SEEDS]
 
@@ -86,11 +73,11 @@ def _mla_clip_run(seed: int) -> dict:
         tokens = torch.randint(0, SETTINGS.vocab_size, (2, SETTINGS.seq_length + 1),
                                generator=torch.Generator().manual_seed(seed + 4))
         before = _head_max_logits(model, tokens)
-        # tau from all heads' maxima over both ranks, the same on both
+        # tau from all heads' maxima over both ranks, the same on both, between two of them
         local = torch.cat(before)
         gathered = [torch.empty_like(local) for _ in range(2)]
         torch.distributed.all_gather(gathered, local)
-        tau, margin = _tau_between_heads(torch.cat(gathered))
+        tau, margin = threshold_between(torch.cat(gathered))  # some heads clipped, some not
         config = OptimizerConfig(optimizer="muon", lr=0.0, min_lr=0.0, weight_decay=0.0, qk_clip=True,
                                  qk_clip_threshold=tau, qk_clip_alpha=0.5, muon_fp32_matmul_prec="highest")
         optimizer = get_megatron_optimizer(config, [model])
@@ -116,7 +103,7 @@ def test_mla_qk_clip_keeps_every_head_at_or_below_tau_at_tp2(run_distributed) ->
     kept_heads = {seed: 0 for seed in SEEDS}
     for result in (run for rank in run_distributed(_mla_clip_body, world_size=2, timeout=600) for run in rank):
         assert result["ok"]
-        assert result["margin"] > TAU_MARGIN, result  # no head's maximum sits at tau
+        assert result["margin"] > MARGIN, result  # no head's maximum sits at tau
         tau, seed, clipped_here = result["tau"], result["seed"], 0
         for before, after in zip(result["before"], result["after"]):
             for old, new in zip(before.tolist(), after.tolist()):
