@@ -205,7 +205,7 @@ def _our_lines(stderr: str) -> list[str]:
         (["--position-embedding-type", "rope", "--rotary-seq-len-interpolation-factor", "0"],
          "--rotary-seq-len-interpolation-factor 0 must be a finite number > 0."),
         (["--swiglu", "--quick-geglu"], "--swiglu and --quick-geglu exclude each other (one activation)."),
-        (["--exp-avg-dtype", "bf16"], "--exp-avg-dtype can only be torch.float32 without --use-precision-aware-optimizer"),
+        (["--exp-avg-dtype", "bf16"], "--exp-avg-dtype can only be fp32 without --use-precision-aware-optimizer"),
         (["--use-precision-aware-optimizer", "--main-grads-dtype", "bf16"],
          "--main-grads-dtype bf16 only applies with --bf16."),
     ],

@@ -97,11 +97,11 @@ def test_bad_values_raise() -> None:
     with pytest.raises(ValueError, match=r"muon_split_qkv_per_head=True needs linear_qkv split into q, k and v "
                                          r"first, and muon_split_qkv says not to split it"):
         OptimizerConfig(optimizer="muon", muon_split_qkv=False, muon_split_qkv_per_head=True)
-    with pytest.raises(ValueError, match=r"^--muon-split-qkv-per-head=True needs linear_qkv split into q, k and v "
+    with pytest.raises(ValueError, match=r"^--muon-split-qkv-per-head needs linear_qkv split into q, k and v "
                                          r"first, and --muon-no-split-qkv says not to split it"):
         validate_args(add_optimizer_args(argparse.ArgumentParser()).parse_args(
             ["--optimizer", "muon", "--muon-no-split-qkv", "--muon-split-qkv-per-head"]), 1)
-    with pytest.raises(ValueError, match=r"^--muon-split-qkv-per-head=True is implemented for optimizer 'muon'.*"
+    with pytest.raises(ValueError, match=r"^--muon-split-qkv-per-head is implemented for optimizer 'muon'.*"
                                          r"Turn --muon-split-qkv-per-head off"):
         validate_args(add_optimizer_args(argparse.ArgumentParser()).parse_args(
             ["--optimizer", "adam", "--lr", "1e-3", "--muon-split-qkv-per-head"]), 1)
