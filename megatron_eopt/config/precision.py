@@ -10,9 +10,9 @@ fp32 shards are the main weights, so there only the moment dtypes apply).
 `check_precision_fields` raises a one-line ValueError for the first broken rule. It reads dtypes
 by name, so it takes torch dtypes (an OptimizerConfig) as well as Megatron-LM's flag values
 ('fp32', 'bf16', 'fp16': a parsed command line, checked before torch is imported). A field that is
-None is not given yet: its default (fp32; False, and True for
-`store_param_remainders`) is assumed. Messages spell dtypes as torch does;
-arguments/validate.py's `flag_message` spells them as the flags take them.
+None is not given yet and has its default (fp32; off, but on for `store_param_remainders`).
+Messages spell dtypes as torch does; arguments/validate.py's `flag_message` spells them as the
+flags take them.
 """
 
 from typing import Any, Optional
@@ -76,12 +76,12 @@ def _check_main_params_dtype(config: Any, main: Optional[str]) -> None:
     if model == FP32:
         raise ValueError(f"OptimizerConfig.main_params_dtype must be torch.float32 for an fp32 model (16-bit main "
                          f"weights need bf16=True or fp16=True); got {main}.")
-    model_flag = "bf16=True" if model == "torch.bfloat16" else "fp16=True"
+    model_switch = "bf16=True" if model == "torch.bfloat16" else "fp16=True"
     if main != model:
         raise ValueError(f"OptimizerConfig.main_params_dtype must be torch.float32 or the model's own 16-bit dtype, "
-                         f"{model} with {model_flag}; got {main}.")
+                         f"{model} with {model_switch}; got {main}.")
     if remainders_apply(config):
-        raise ValueError(f"OptimizerConfig.main_params_dtype {main} with {model_flag} needs "
+        raise ValueError(f"OptimizerConfig.main_params_dtype {main} with {model_switch} needs "
                          f"store_param_remainders=False: by default the main weights are exact fp32, each the bf16 "
                          f"parameter plus a 16-bit remainder. Allowed: main_params_dtype torch.float32, or "
                          f"{main} with store_param_remainders=False.")
