@@ -242,15 +242,17 @@ def _flag_value(default: Any) -> Any:
 
 def resolve_optimizer_flags(args: argparse.Namespace) -> argparse.Namespace:
     """A new namespace: `args` from a deferred parser with OptimizerConfig's defaults for the
-    flags not given, after checking the installed choices (ValueError in argparse's words)."""
+    flags not given, after checking the installed choices (ValueError in argparse's words). Its
+    `optimizer_flags_given` names every optimizer flag's dest the command line gave."""
     for flag in FLAGS:
         value = getattr(args, flag.dest, None)
         if flag.installed and value is not None and value not in flag.choices():
             raise ValueError(invalid_choice_message(flag.option, value, flag.choices()))
     defaults = _config_defaults()
-    filled = {flag.dest: defaults[flag.dest] for flag in FLAGS
-              if getattr(args, flag.dest, None) is None and not flag.hardware_default}
-    return argparse.Namespace(**{**vars(args), **filled})
+    not_given = {flag.dest for flag in FLAGS if getattr(args, flag.dest, None) is None}
+    filled = {flag.dest: defaults[flag.dest] for flag in FLAGS if flag.dest in not_given and not flag.hardware_default}
+    given = set(getattr(args, GIVEN_FLAGS_ATTR, None) or ()) | {flag.dest for flag in FLAGS} - not_given
+    return argparse.Namespace(**{**vars(args), **filled, GIVEN_FLAGS_ATTR: given})
 
 
 def invalid_choice_message(option: str, value: Any, choices: Sequence[Any]) -> str:

@@ -19,7 +19,8 @@ import re
 import warnings
 from typing import Optional, Sequence
 
-from arguments.optimizer_args import GIVEN_FLAGS_ATTR, OPTION_OF, add_optimizer_args
+from arguments.optimizer_args import FLAGS, GIVEN_FLAGS_ATTR, OPTION_OF, add_optimizer_args
+from megatron_eopt.config.precision import FLAG_VALUE_OF
 
 
 def validate_args(
@@ -77,13 +78,28 @@ def refuse_flags_without(given: list[str], needed: str) -> None:
 
 
 def flag_message(message: str) -> str:
-    """`message` about OptimizerConfig fields, with each field spelled as its flag, one line."""
+    """`message` about OptimizerConfig fields, with each field spelled as its flag and each dtype
+    as the flags take it (torch.bfloat16 -> bf16), one line."""
+    # A switch set the way its flag sets it is the flag alone: `bf16=True` -> `--bf16`,
+    # `store_param_remainders=False` -> `--no-store-param-remainders`.
+    switches = "|".join(sorted(SWITCH_VALUE, key=len, reverse=True))
+    message = re.sub(r"(?:\bOptimizerConfig\.|(?<![\w.-]))(" + switches + r")=(True|False)\b", _switch, message)
     # One pass, so a flag already written is never rewritten. Bare field names ("must not exceed
     # lr") too, but 'optimizer' only after 'OptimizerConfig.': the word also appears in prose.
     bare = sorted((name for name in OPTION_OF if "_" in name or name == "lr"), key=len, reverse=True)
     pattern = r"\bOptimizerConfig\.(\w+)|(?<![\w-])(" + "|".join(bare) + r")(?![\w-])"
     message = re.sub(pattern, _option_for_field, message)
+    message = re.sub(r"\btorch\.(float32|bfloat16|float16)\b", lambda m: FLAG_VALUE_OF[m.group(0)], message)
     return " ".join(message.replace("OptimizerConfig needs", "needs").split())
+
+
+# Each switch's field -> the value its flag sets (True; False for the `--no-...` spellings).
+SWITCH_VALUE: dict[str, str] = {flag.dest: str(not flag.negative) for flag in FLAGS if flag.type is None}
+
+
+def _switch(match: re.Match) -> str:
+    name, value = match.groups()
+    return OPTION_OF[name] if SWITCH_VALUE[name] == value else match.group(0)
 
 
 def _option_for_field(match: re.Match) -> str:

@@ -183,8 +183,9 @@ def _warn_if_per_head_finds_no_qkv(config: OptimizerConfig, records: list[ParamR
     if config.muon_split_qkv_per_head and not any(
             r.name.endswith("linear_qkv.weight") and r.optimizer_name == config.optimizer for r in records):
         warn_once("per_head_without_qkv", f"OptimizerConfig.muon_split_qkv_per_head=True has no effect on this "
-                  f"rank: none of the matrices {config.optimizer!r} steps here is a fused linear_qkv.weight "
-                  f"(multi-latent attention's projections, for one, are orthogonalized whole).", stacklevel=4)
+                  f"rank: it splits fused linear_qkv.weights only, and none of the matrices {config.optimizer!r} "
+                  f"steps here is one (multi-latent attention's projections are orthogonalized per head and "
+                  f"component without it; docs/tp-muon.md).", stacklevel=4)
 
 
 def _without_legacy_name(config: OptimizerConfig) -> OptimizerConfig:

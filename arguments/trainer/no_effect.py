@@ -13,6 +13,7 @@ optimizer CUDA graphs, and `--use-checkpoint-args`: one line instead of argparse
 
 import argparse
 
+from arguments.optimizer_args import GIVEN_FLAGS_ATTR, OPTION_OF
 from arguments.trainer.flags.table import NO_EFFECT as CHANGES_NOTHING
 from arguments.trainer.flags.table import REFUSED, Flag
 
@@ -146,11 +147,62 @@ def _given(args: argparse.Namespace, flag: str, dest: str = ""):
 
 
 def no_effect_lines(args: argparse.Namespace) -> list[str]:
-    """One line for each of these flags the command line gave."""
+    """One line for each of these flags the command line gave, then for each flag (or default)
+    that the other flags leave without effect (`combination_lines`)."""
     lines = []
     for flag, row in NO_EFFECT.items():
         value = _given(args, flag)
         if value is not None:
             shown = flag if value is True else f"{flag} {value}"
             lines.append(f"{shown}: no effect, {row.reason}")
-    return lines
+    return lines + combination_lines(args)
+
+
+def combination_lines(args: argparse.Namespace) -> list[str]:
+    """Flags that change nothing with the others given: QK-clip's settings without --qk-clip,
+    the parameter remainders without a bf16 model, YaRN's mscale flags at scaling factor 1."""
+    return _qk_clip_lines(args) + _remainder_lines(args) + _mscale_lines(args)
+
+
+def _qk_clip_lines(args: argparse.Namespace) -> list[str]:
+    given = getattr(args, GIVEN_FLAGS_ATTR, None) or ()
+    settings = [f"{OPTION_OF[name]} {getattr(args, name):g}" for name in ("qk_clip_threshold", "qk_clip_alpha")
+                if name in given]
+    if not settings or args.qk_clip:
+        return []
+    logging = " (--log-max-attention-logit only records the logits)" if args.log_max_attention_logit else ""
+    return [f"{' and '.join(settings)}: no effect without --qk-clip, the clip they set{logging}"]
+
+
+def _remainder_lines(args: argparse.Namespace) -> list[str]:
+    # megatron-core keeps remainders for bf16 parameters under the precision-aware optimizer only.
+    if "store_param_remainders" in (getattr(args, GIVEN_FLAGS_ATTR, None) or ()):
+        if args.use_precision_aware_optimizer and args.bf16:
+            return []
+        missing = " and ".join(flag for flag, on in (("--bf16", args.bf16), ("--use-precision-aware-optimizer",
+                                                                             args.use_precision_aware_optimizer))
+                               if not on)
+        return [f"--no-store-param-remainders: no effect without {missing}: only bf16 parameters of the "
+                f"precision-aware optimizer keep their fp32 main weights as remainders"]
+    if args.use_precision_aware_optimizer and args.fp16 and args.store_param_remainders:
+        return ["--use-precision-aware-optimizer with --fp16: parameter remainders (on by default) have no effect, "
+                "they apply to bf16 parameters only; the main weights are --main-params-dtype "
+                f"{args.main_params_dtype}"]
+    return []
+
+
+def _mscale_lines(args: argparse.Namespace) -> list[str]:
+    # megatron-core's YaRN factors are 0.1 * mscale * ln(factor) + 1: 1 for any mscale unless the
+    # factor exceeds 1 (its concentration factor and MLA's softmax scale alike).
+    if not args.multi_latent_attention:
+        return []
+    given = [f"--{name.replace('_', '-')} {getattr(args, name):g}" for name in ("mscale", "mscale_all_dim")
+             if getattr(args, name) is not None]
+    factor = 1.0 if args.rotary_scaling_factor is None else args.rotary_scaling_factor
+    if given and factor <= 1.0:
+        return [f"{' and '.join(given)}: no effect with --rotary-scaling-factor {factor:g} (YaRN's mscale factors, "
+                f"0.1 * mscale * ln(factor) + 1, are 1 unless the factor exceeds 1, as in megatron-core)"]
+    if args.rope_type == "rope" and args.rotary_scaling_factor is not None and not args.mscale_all_dim:
+        return [f"--rotary-scaling-factor {factor:g}: no effect with --rope-type rope without --mscale-all-dim "
+                f"(it scales YaRN's frequencies, and MLA's softmax only through --mscale-all-dim)"]
+    return []

@@ -149,10 +149,17 @@ def _check_fsdp2_flags(args: argparse.Namespace) -> None:
                ("--fp16 (loss scaling of DTensor shards is not implemented)", args.fp16),
                ("--main-params-dtype other than fp32 (FSDP2's fp32 shards are the main weights; "
                 "--exp-avg-dtype and --exp-avg-sq-dtype apply)",
-                getattr(args, "main_params_dtype", None) not in (None, "fp32"))]  # None: not given (fp32)
+                getattr(args, "main_params_dtype", None) not in (None, "fp32")),  # None: not given (fp32)
+               (f"{_qk_clip_flags(args)} (QK-clip and its logit record are not implemented for DTensor parameters)",
+                _qk_clip_flags(args))]
     for what, given in refused:
         if given:
             raise ValueError(f"--use-torch-fsdp2 does not support {what} yet.")
+
+
+def _qk_clip_flags(args: argparse.Namespace) -> str:
+    return " and ".join(flag for flag, on in (("--qk-clip", args.qk_clip),
+                                              ("--log-max-attention-logit", args.log_max_attention_logit)) if on)
 
 
 def _check_wsd_flags(args: argparse.Namespace) -> Optional[str]:

@@ -224,8 +224,7 @@ def _write(checkpoint_dir: str, iteration: int, entries: dict, manifest: dict, g
     the directory back and raises CheckpointSaveError on every rank."""
     path, lock = storage.begin_save(checkpoint_dir, iteration, group)
     try:
-        write = lambda: dcp.save(entries, storage_writer=FileSystemWriter(path),  # noqa: E731
-                                 process_group=group, no_dist=group is None)
+        write = lambda: dcp.save(entries, storage_writer=FileSystemWriter(path), **_dcp_group(group))  # noqa: E731
         storage.agree(write, group, "saving", saving=True)
         storage.write_manifest(path, manifest, group)
         if before_commit is not None:
@@ -348,9 +347,21 @@ def _describe_layout(layout: tuple, with_pp_ep: bool) -> str:
 
 def _read(plan: LoadPlan, path: str, group: Optional[ProcessGroup]) -> None:
     try:
-        dcp.load(plan.targets, storage_reader=FileSystemReader(path), process_group=group, no_dist=group is None)
+        dcp.load(plan.targets, storage_reader=FileSystemReader(path), **_dcp_group(group))
     except CheckpointException as error:
         raise CheckpointError(f"reading {path} failed: {error}") from None
+
+
+def _dcp_group(group: Optional[ProcessGroup]) -> dict[str, Any]:
+    """dcp.save's and dcp.load's process_group and no_dist for a checkpoint `group` (None: this
+    rank alone). dcp warns on every no_dist call ("torch.distributed is disabled ... assuming the
+    intent is to save in a single process"), so where torch.distributed runs this process alone,
+    its default group, which holds no other process, coordinates the rank instead."""
+    if group is not None:
+        return {"process_group": group, "no_dist": False}
+    alone = torch.distributed.is_available() and torch.distributed.is_initialized() and \
+        torch.distributed.get_world_size() == 1
+    return {"process_group": None, "no_dist": not alone}
 
 
 def _apply(params, masters, children, child_states, all_children) -> None:

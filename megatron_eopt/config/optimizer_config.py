@@ -23,7 +23,6 @@ from megatron_eopt.config.choices import (  # noqa: F401 (re-exported)
     TpMode,
 )
 
-from megatron_eopt.config.precision import check_precision_fields
 from megatron_eopt.config.rules import GRAM_NEWTON_SCHULZ_OPTIMIZERS, check_values  # noqa: F401 (re-exported)
 
 # Re-exported: arguments/to_config.py and the benchmarks read them from the config module.
@@ -328,8 +327,7 @@ def _check_field_types(config: OptimizerConfig) -> None:
 
 
 def _check_values(config: OptimizerConfig) -> None:
-    check_values(config)  # the rules on values alone, torch-free (config/rules.py)
-    check_precision_fields(config)  # the precision-aware optimizer's dtypes (config/precision.py)
+    check_values(config)  # the rules on values alone, the precision-aware ones too, torch-free (config/rules.py)
     _check_unsupported(config)
 
 

@@ -20,6 +20,7 @@ from megatron_eopt.config.choices import (
     ScaleMode,
     TpMode,
 )
+from megatron_eopt.config.precision import check_precision_fields
 
 # The optimizers whose Newton-Schulz can take the Gram path (dist_muon: deprecated spelling of muon).
 GRAM_NEWTON_SCHULZ_OPTIMIZERS = ("muon", "dist_muon", "adaptive_muon")
@@ -92,6 +93,7 @@ def _check_learning_rates(config: Any) -> None:
 def _check_precision(config: Any) -> None:
     _require(not (_value(config, "fp16") and _value(config, "bf16")),
              "OptimizerConfig.fp16 and OptimizerConfig.bf16 are both True; choose at most one.")
+    check_precision_fields(config)  # the precision-aware optimizer's dtypes (config/precision.py)
 
 
 def _check_loss_scaling(config: Any) -> None:

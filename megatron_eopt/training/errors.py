@@ -2,10 +2,14 @@
 logging/warning_policy.py)."""
 
 import argparse
+import contextlib
 import os
 import re
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from typing import NoReturn, Optional, TextIO
 
 from arguments.close_match import closest, did_you_mean
@@ -16,7 +20,9 @@ PROG = "pretrain_gpt.py"
 # How long another rank that fails waits before exiting, so that rank 0 (which fails alike) has
 # printed the error first: torchrun stops every worker as soon as one exits non-zero, and a rank 1
 # that exited first could get rank 0 killed before it says why. Under torchrun the wait ends when
-# rank 0 exits; it covers the ranks' difference in start-up time (seconds) with a wide margin.
+# rank 0 exits: torchrun then sends the others SIGTERM, on which they exit with rank 0's status
+# (not -15), so its report lists every rank with status 2. The wait covers the ranks' difference
+# in start-up time (seconds) with a wide margin.
 OTHER_RANKS_WAIT_S = 60.0
 
 
@@ -41,8 +47,23 @@ def _exit_from_any_rank(status: int, message: Optional[str]) -> NoReturn:
             sys.stderr.write(message)
             sys.stderr.flush()
     elif status:
-        time.sleep(OTHER_RANKS_WAIT_S)
+        with _exiting_on_sigterm(status):
+            time.sleep(OTHER_RANKS_WAIT_S)
     raise SystemExit(status)
+
+
+@contextlib.contextmanager
+def _exiting_on_sigterm(status: int) -> Iterator[None]:
+    """SIGTERM (torchrun stopping the workers once rank 0 has exited) ends this rank at once with
+    `status`; the handler before is restored after the block. Only the main thread sets handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(status))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 class RankZeroArgumentParser(argparse.ArgumentParser):

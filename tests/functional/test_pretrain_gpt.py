@@ -32,6 +32,7 @@ import json
 import math
 import pathlib
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -394,17 +395,26 @@ def test_other_ranks_exit_alike_in_silence(argv, monkeypatch, capsys) -> None:
     from megatron_eopt.training import errors
     from arguments.trainer.parser import parse_args
 
-    waits = []
-    monkeypatch.setattr(errors.time, "sleep", waits.append)
+    waits, exits = [], []
+
+    def sleep(seconds: float) -> None:  # torchrun's SIGTERM arrives during the wait
+        waits.append(seconds)
+        signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+
+    monkeypatch.setattr(errors.time, "sleep", sleep)
+    monkeypatch.setattr(errors.os, "_exit", exits.append)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
+    handler = signal.getsignal(signal.SIGTERM)
     with pytest.raises(SystemExit) as exit_info:
         parse_args(argv)
     assert exit_info.value.code == (0 if argv == ["--help"] else 2)
     captured = capsys.readouterr()
     assert captured.out == "" and _our_lines(captured.err) == [], captured
-    # A failing rank lets rank 0 print before torchrun stops the workers.
+    # A failing rank lets rank 0 print before torchrun stops the workers, and exits with rank 0's
+    # status when stopped; SIGTERM's handler is as before afterwards.
     assert waits == ([] if argv == ["--help"] else [errors.OTHER_RANKS_WAIT_S])
+    assert exits == ([] if argv == ["--help"] else [2]) and signal.getsignal(signal.SIGTERM) is handler
 
 
 def test_bad_flag_under_torchrun_is_one_line_without_a_worker_traceback() -> None:
@@ -419,8 +429,11 @@ def test_bad_flag_under_torchrun_is_one_line_without_a_worker_traceback() -> Non
     assert stderr.count("Traceback (most recent call last)") <= 1, stderr
     frames = re.findall(r'File "([^"]+)"', stderr)
     assert all("torch/distributed/" in f or f.endswith("torchrun") for f in frames), frames
-    # Rank 0 exits first, with our status; torchrun then stops the others (they were waiting).
+    # Rank 0 exits first, with our status; torchrun then stops the other (it was waiting), which
+    # exits with the same status instead of dying of the SIGTERM (-15).
     assert re.search(r"Root Cause.*?rank\s*:\s*0 .*?exitcode\s*:\s*2\b", stderr, re.S), stderr
+    exits = re.findall(r"^\s*rank\s*:\s*(\d+) .*?^\s*exitcode\s*:\s*(-?\d+)", stderr, re.S | re.M)
+    assert sorted(exits) == [("0", "2"), ("1", "2")], stderr
 
 
 @pytest.fixture(scope="module")

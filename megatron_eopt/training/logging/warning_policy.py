@@ -4,8 +4,11 @@
 and megatron-core inside it) and is undone after it:
 - every warning prints as one line (`format_warning`), without Python's source line;
 - known harmless third-party warnings (`KNOWN_HARMLESS`: Transformer Engine or Apex not
-  installed, a SyntaxWarning in megatron-core's docstrings) print once, on rank 0, and torch's
-  "No CUDA runtime" log line is dropped on the other ranks;
+  installed) print once, on rank 0, and torch's "No CUDA runtime" log line is dropped on the
+  other ranks; those that say nothing about the run (`SILENCED`: the SyntaxWarnings Python
+  raises when it compiles megatron-core's docstrings) print nowhere;
+- megatron_eopt's warnings about OptimizerConfig's fields name the flags that set them
+  (`--muon-split-qkv-per-head` for `OptimizerConfig.muon_split_qkv_per_head=True`);
 - megatron_eopt's own warnings (and those of its flags, arguments/) are about the run (its flags
   and configuration), the same on every rank: rank 0 prints them, except a `RankWarning`
   (megatron_eopt.runtime.once), about one rank alone, which every rank prints.
@@ -19,16 +22,20 @@ import re
 import warnings
 from typing import Callable, Iterator, Optional
 
+from arguments.validate import flag_message
 from megatron_eopt.runtime.once import RankWarning
 from megatron_eopt.training.errors import PROG, is_rank_zero
 
-__all__ = ["KNOWN_HARMLESS", "format_warning", "warning_policy"]
+__all__ = ["KNOWN_HARMLESS", "SILENCED", "format_warning", "warning_policy"]
 
-# Third-party warnings known to be harmless: (category, message pattern, module pattern). Compiler
-# warnings name their module by its file path, hence the path pattern of the SyntaxWarning.
+# Third-party warnings known to be harmless: (category, message pattern, module pattern).
 KNOWN_HARMLESS = (
     (UserWarning, r"(Transformer Engine and Apex are|Apex is) not installed", r"megatron\."),
     (UserWarning, r"Only transformer-engine>=\S+ supports MoE experts, but your version is 0\.0\.0", r"megatron\."),
+)
+# Third-party warnings about their own source, not the run, ignored on every rank. Compiler
+# warnings name their module by its file path, hence the path pattern.
+SILENCED = (
     (SyntaxWarning, r"invalid escape sequence", r".*[/\\]megatron[/\\]core[/\\]"),
 )
 # torch logs this (not a warning) when something imports torch.utils.cpp_extension on a machine
@@ -38,7 +45,10 @@ NO_CUDA_RUNTIME = ("torch.utils.cpp_extension", "No CUDA runtime is found")
 
 def format_warning(message, category: type, filename: str, lineno: int, line: Optional[str] = None) -> str:
     """One line: `pretrain_gpt.py: warning: <message on one line> (<category>)`."""
-    return f"{PROG}: warning: {' '.join(str(message).split())} ({category.__name__})\n"
+    text = str(message)
+    if "OptimizerConfig." in text:  # the library's words: this run set those fields with flags
+        text = flag_message(text)
+    return f"{PROG}: warning: {' '.join(text.split())} ({category.__name__})\n"
 
 
 @contextlib.contextmanager
@@ -53,6 +63,8 @@ def warning_policy(rank_zero: Optional[bool] = None) -> Iterator[None]:
     drop_no_cuda = _NoCudaRuntimeFilter()
     with warnings.catch_warnings():
         warnings.formatwarning = format_warning
+        for category, message, module in SILENCED:
+            warnings.filterwarnings("ignore", message=message, category=category, module=module)
         if rank_zero:
             # Not the "once" action: it counts per module, and megatron-core repeats a message in several.
             warnings.showwarning = _each_known_text_once(warnings.showwarning)

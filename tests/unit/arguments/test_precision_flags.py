@@ -102,6 +102,25 @@ def test_bad_values_exit_with_one_line(argv: list[str], message: str, capsys) ->
     assert error.startswith(f"p: error: {message}"), error
 
 
-def test_dtype_without_the_precision_aware_optimizer_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"^--exp-avg-dtype can only be torch.float32 without --use-precision-aware-optimizer"):
-        optimizer_config_from_args(parse(["--optimizer", "adam", "--lr", "0.01", "--exp-avg-dtype", "bf16"]))
+REMAINDERS_NEEDED = ("--main-params-dtype bf16 with --bf16 needs --no-store-param-remainders: by default the main "
+                     "weights are exact fp32, each the bf16 parameter plus a 16-bit remainder. Allowed: "
+                     "--main-params-dtype fp32, or bf16 with --no-store-param-remainders.")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--exp-avg-dtype", "bf16"],
+     "--exp-avg-dtype can only be fp32 without --use-precision-aware-optimizer (as in megatron-core); got bf16."),
+    # The model's dtype first: fp16 is no main-weight dtype of a bf16 model, whatever the remainders.
+    (["--bf16", "--use-precision-aware-optimizer", "--main-params-dtype", "fp16"],
+     "--main-params-dtype must be fp32 or the model's own 16-bit dtype, bf16 with --bf16; got fp16."),
+    (["--use-precision-aware-optimizer", "--main-params-dtype", "bf16"],
+     "--main-params-dtype must be fp32 for an fp32 model (16-bit main weights need --bf16 or --fp16); got bf16."),
+    # The default keeps remainders: the flag to add is named.
+    (["--bf16", "--use-precision-aware-optimizer", "--main-params-dtype", "bf16"], REMAINDERS_NEEDED),
+], ids=["without-precision-aware", "fp16-main-bf16-model", "fp32-model", "remainders"])
+def test_precision_errors_name_flags_and_their_values(argv: list[str], message: str) -> None:
+    """The messages of Megatron-LM's parser path (validate_args) and of the deferred one (the trainer's)."""
+    for deferred in (False, True):
+        with pytest.raises(ValueError) as caught:
+            parse(["--optimizer", "adam", "--lr", "0.01", *argv], deferred)
+        assert str(caught.value) == message

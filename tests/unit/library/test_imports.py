@@ -174,10 +174,24 @@ def test_the_library_never_imports_the_flags() -> None:
     assert not [m for m in output.stdout.split() if m.split(".")[0] == "arguments"]
 
 
+# config/'s modules that the flag parsers run before torch is imported (docs/layers.md: torch in optimizer_config.py only).
+TORCH_FREE_CONFIG = ("rules", "precision", "choices", "optimizer_names", "scheduler")
+
+
+def test_config_imports_torch_in_optimizer_config_only() -> None:
+    # At module level: the parsers check OptimizerConfig's rules on the flags before the import.
+    config = PACKAGE / "config"
+    assert {p.stem for p in config.glob("*.py")} >= {*TORCH_FREE_CONFIG, "optimizer_config"}
+    imports = [f"config/{p.name} imports {name}" for p in config.glob("*.py") if p.stem != "optimizer_config"
+               for name, function in package_imports(p) if function is None and name.split(".")[0] == "torch"]
+    assert not imports, imports
+
+
 def test_the_flags_import_without_torch() -> None:
-    # --help and a flag typo are answered before torch (seconds) or megatron-core (more) is imported.
+    # --help and a flag typo are answered before torch (seconds) or megatron-core (more) is imported,
+    # and so are OptimizerConfig's rules on the flags (config/rules.py and what it imports).
     modules = sorted(".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-                     for p in arguments_files())
+                     for p in arguments_files()) + [f"megatron_eopt.config.{name}" for name in TORCH_FREE_CONFIG]
     code = (f"import importlib, sys; [importlib.import_module(m) for m in {modules!r}]; "
             "print('\\n'.join(sys.modules))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()

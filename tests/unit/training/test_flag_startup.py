@@ -111,6 +111,24 @@ SEMANTIC_ERRORS = {
     # OptimizerConfig's rules (config/rules.py), in its words, before the trainer's own checks.
     "precision": (["--fp16", "--bf16"], "--fp16 and --bf16 are both True; choose at most one."),
     "optimizer-config": (["--lr", "0.1", "--min-lr", "1"], "--min-lr (1.0) must not exceed --lr (0.1)."),
+    # The precision-aware optimizer's rules (config/precision.py), the flags' values named as given.
+    "state-dtype": (["--lr", "0.1", "--exp-avg-dtype", "bf16"],
+                    "--exp-avg-dtype can only be fp32 without --use-precision-aware-optimizer (as in megatron-core); "
+                    "got bf16."),
+    "grads-dtype": (["--lr", "0.1", "--bf16", "--main-grads-dtype", "bf16"],
+                    "--main-grads-dtype can only be fp32 without --use-precision-aware-optimizer"),
+    "main-params-model-dtype": (["--lr", "0.1", "--bf16", "--use-precision-aware-optimizer", "--main-params-dtype",
+                                 "fp16"], "pretrain_gpt.py: error: --main-params-dtype must be fp32 or the model's own "
+                                          "16-bit dtype, bf16 with --bf16; got fp16."),
+    "main-params-remainders": (["--lr", "0.1", "--bf16", "--use-precision-aware-optimizer", "--main-params-dtype",
+                                "bf16"], "pretrain_gpt.py: error: --main-params-dtype bf16 with --bf16 needs "
+                                         "--no-store-param-remainders: by default the main weights are exact fp32, "
+                                         "each the bf16 parameter plus a 16-bit remainder. Allowed: --main-params-dtype "
+                                         "fp32, or bf16 with --no-store-param-remainders."),
+    "qk-clip-fsdp2": (["--lr", "0.1", "--use-torch-fsdp2", "--qk-clip", "--log-max-attention-logit"],
+                      "pretrain_gpt.py: error: --use-torch-fsdp2 does not support --qk-clip and "
+                      "--log-max-attention-logit (QK-clip and its logit record are not implemented for DTensor "
+                      "parameters) yet."),
     # The lr schedule's SchedulerConfig, --step-batch-size-schedule and --pipeline-model-parallel-layout,
     # read without torch and megatron-core.
     "scheduler": (["--lr", "0.1", "--lr-decay-style", "WSD"], "--lr-wsd-decay-iters must be set when"),

@@ -18,9 +18,22 @@ def test_a_warning_is_one_line_without_source() -> None:
     assert text == "pretrain_gpt.py: warning: --muon-tp-mode sharded has no effect with --optimizer adam (UserWarning)\n"
 
 
+def test_the_librarys_warnings_name_the_flags() -> None:
+    # The factory's words (test_per_head_qkv.py checks them), as the trainer's user set the field.
+    text = policy.format_warning(UserWarning(
+        "OptimizerConfig.muon_split_qkv_per_head=True has no effect on this rank: it splits fused linear_qkv.weights "
+        "only, and none of the matrices 'muon' steps here is one (multi-latent attention's projections are "
+        "orthogonalized per head and component without it; docs/tp-muon.md)."), UserWarning, "/x/factory.py", 1)
+    assert text == ("pretrain_gpt.py: warning: --muon-split-qkv-per-head has no effect on this rank: it splits fused "
+                    "linear_qkv.weights only, and none of the matrices 'muon' steps here is one (multi-latent "
+                    "attention's projections are orthogonalized per head and component without it; "
+                    "docs/tp-muon.md). (UserWarning)\n")
+
+
 def _printed(rank_zero: bool) -> list[str]:
     """The lines printed under the policy for: a harmless third-party warning twice, one of
-    megatron_eopt's, a RankWarning of megatron_eopt's and an unknown third-party one."""
+    megatron_eopt's, a RankWarning of megatron_eopt's, an unknown third-party one, and the
+    SyntaxWarning Python raises compiling megatron-core's docstrings (silenced: none of them shows it)."""
     lines: list[str] = []
     with warnings.catch_warnings():
         warnings.simplefilter("always")
@@ -31,6 +44,8 @@ def _printed(rank_zero: bool) -> list[str]:
             warnings.warn_explicit("--x has no effect", UserWarning, "/v.py", 2, module="arguments.v")
             warnings.warn_explicit("this rank's file", RankWarning, "/d.py", 3, module="megatron_eopt.training.d")
             warnings.warn_explicit("something new", FutureWarning, "/t.py", 4, module="torch.thing")
+            source = "/venv/site-packages/megatron/core/inference/contexts/kv_block_allocator"  # as the compiler names it
+            warnings.warn_explicit("invalid escape sequence '\\-'", SyntaxWarning, f"{source}.py", 426, module=source)
     return lines
 
 

@@ -205,7 +205,7 @@ def _our_lines(stderr: str) -> list[str]:
         (["--position-embedding-type", "rope", "--rotary-seq-len-interpolation-factor", "0"],
          "--rotary-seq-len-interpolation-factor 0 must be a finite number > 0."),
         (["--swiglu", "--quick-geglu"], "--swiglu and --quick-geglu exclude each other (one activation)."),
-        (["--exp-avg-dtype", "bf16"], "--exp-avg-dtype can only be torch.float32 without --use-precision-aware-optimizer"),
+        (["--exp-avg-dtype", "bf16"], "--exp-avg-dtype can only be fp32 without --use-precision-aware-optimizer"),
         (["--use-precision-aware-optimizer", "--main-grads-dtype", "bf16"],
          "--main-grads-dtype bf16 only applies with --bf16."),
     ],
@@ -489,3 +489,42 @@ def test_distributed_timeout_reaches_the_process_group(monkeypatch) -> None:
         args, _, layout = _parse(argv + ["--distributed-backend", "gloo"], monkeypatch)
         parallel_layout.init_distributed(args, layout)
         assert calls[-1]["timeout"] == datetime.timedelta(minutes=minutes), calls
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["--qk-clip-threshold", "50"], "--qk-clip-threshold 50: no effect without --qk-clip, the clip they set"),
+    (["--log-max-attention-logit", "--qk-clip-threshold", "50", "--qk-clip-alpha", "0.3"],
+     "--qk-clip-threshold 50 and --qk-clip-alpha 0.3: no effect without --qk-clip, the clip they set "
+     "(--log-max-attention-logit only records the logits)"),
+    (["--qk-clip", "--qk-clip-threshold", "50"], None),
+    (["--use-precision-aware-optimizer", "--no-store-param-remainders"],
+     "--no-store-param-remainders: no effect without --bf16: only bf16 parameters of the precision-aware optimizer "
+     "keep their fp32 main weights as remainders"),
+    (["--bf16", "--use-precision-aware-optimizer", "--no-store-param-remainders"], None),
+    (["--fp16", "--use-precision-aware-optimizer"],
+     "--use-precision-aware-optimizer with --fp16: parameter remainders (on by default) have no effect, they apply "
+     "to bf16 parameters only; the main weights are --main-params-dtype fp32"),
+    (["--multi-latent-attention", "--mscale", "0.7", "--mscale-all-dim", "0.5"],
+     "--mscale 0.7 and --mscale-all-dim 0.5: no effect with --rotary-scaling-factor 1 (YaRN's mscale factors, "
+     "0.1 * mscale * ln(factor) + 1, are 1 unless the factor exceeds 1, as in megatron-core)"),
+    (["--multi-latent-attention", "--rope-type", "rope", "--mscale-all-dim", "0.5"],
+     "--mscale-all-dim 0.5: no effect with --rotary-scaling-factor 1"),
+    (["--multi-latent-attention", "--rope-type", "rope", "--rotary-scaling-factor", "4"],
+     "--rotary-scaling-factor 4: no effect with --rope-type rope without --mscale-all-dim (it scales YaRN's "
+     "frequencies, and MLA's softmax only through --mscale-all-dim)"),
+    (["--multi-latent-attention", "--rotary-scaling-factor", "4", "--mscale", "0.7"], None),
+    (["--multi-latent-attention", "--rope-type", "rope", "--rotary-scaling-factor", "4", "--mscale-all-dim", "1"],
+     None),
+], ids=["qk-threshold", "qk-settings-logging", "qk-clip", "remainders-fp32", "remainders-bf16", "remainders-fp16",
+        "mscale-factor-1", "mscale-all-dim-rope", "rope-scaling-factor", "yarn-scaled", "rope-softmax-scaled"])
+def test_flags_this_combination_leaves_without_effect_are_named(argv: list[str], line, monkeypatch) -> None:
+    """The start-up lines of flags the others make change nothing (say_setup prints no_effect_lines)."""
+    from arguments.trainer.no_effect import combination_lines, no_effect_lines
+
+    args, _, _ = _parse(argv, monkeypatch)
+    lines = no_effect_lines(args)
+    assert lines == combination_lines(args)  # none of the always-inert flags given
+    if line is None:
+        assert lines == [], lines
+    else:
+        assert len(lines) == 1 and lines[0].startswith(line), lines

@@ -223,3 +223,28 @@ def test_without_latest_the_newest_verified_checkpoint_loads_and_says_so(tmp_pat
         os.remove(tmp_path / f"iter_{iteration:07d}" / "megatron_eopt.json")
     with pytest.raises(CheckpointError, match="none of its iter_\\* directories verifies"):
         load_checkpoint(str(tmp_path), fresh, fresh_optimizer)
+
+
+def test_one_process_job_saves_and_loads_without_torchs_single_process_warning(tmp_path) -> None:
+    """torch.distributed initialised with this process alone (the trainer, docs/checkpoints.md):
+    no "torch.distributed is disabled ... assuming ... single process" warning on save or load,
+    synchronous or in the background; and the state round-trips."""
+    import warnings
+
+    from megatron_eopt.checkpointing import start_save_checkpoint
+
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        model, optimizer = _model_and_optimizer(0)
+        _step(model, optimizer, 0)
+        saved = [p.detach().clone() for p in model.parameters()]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            save_checkpoint(str(tmp_path), 1, model, optimizer)
+            start_save_checkpoint(str(tmp_path), 2, model, optimizer).wait()
+            model, optimizer = _model_and_optimizer(1)
+            assert load_checkpoint(str(tmp_path), model, optimizer, iteration=1).iteration == 1
+    finally:
+        torch.distributed.destroy_process_group()
+    assert [str(w.message) for w in caught if "single process" in str(w.message)] == []
+    assert all(torch.equal(value, reference) for value, reference in zip(model.parameters(), saved))

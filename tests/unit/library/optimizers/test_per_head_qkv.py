@@ -97,11 +97,11 @@ def test_bad_values_raise() -> None:
     with pytest.raises(ValueError, match=r"muon_split_qkv_per_head=True needs linear_qkv split into q, k and v "
                                          r"first, and muon_split_qkv says not to split it"):
         OptimizerConfig(optimizer="muon", muon_split_qkv=False, muon_split_qkv_per_head=True)
-    with pytest.raises(ValueError, match=r"^--muon-split-qkv-per-head=True needs linear_qkv split into q, k and v "
+    with pytest.raises(ValueError, match=r"^--muon-split-qkv-per-head needs linear_qkv split into q, k and v "
                                          r"first, and --muon-no-split-qkv says not to split it"):
         validate_args(add_optimizer_args(argparse.ArgumentParser()).parse_args(
             ["--optimizer", "muon", "--muon-no-split-qkv", "--muon-split-qkv-per-head"]), 1)
-    with pytest.raises(ValueError, match=r"^--muon-split-qkv-per-head=True is implemented for optimizer 'muon'.*"
+    with pytest.raises(ValueError, match=r"^--muon-split-qkv-per-head is implemented for optimizer 'muon'.*"
                                          r"Turn --muon-split-qkv-per-head off"):
         validate_args(add_optimizer_args(argparse.ArgumentParser()).parse_args(
             ["--optimizer", "adam", "--lr", "1e-3", "--muon-split-qkv-per-head"]), 1)
@@ -134,18 +134,44 @@ def test_gram_newton_schulz_takes_each_head() -> None:
     torch.testing.assert_close(updates[True], updates[False], rtol=0, atol=1e-5 * math.sqrt(HIDDEN))
 
 
-def test_model_without_fused_qkv_warns_once() -> None:
-    """A model whose Muon matrices include no linear_qkv.weight: the option says it does nothing."""
+class LatentAttentionLike(torch.nn.Module):
+    """MLA's key/value up-projection of 2 heads (key 3 rows, value 5 rows each, from a latent of 6),
+    held as megatron-core's MLASelfAttention holds it: found by name with the MLA config fields."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(num_attention_heads=2, multi_latent_attention=True, qk_head_dim=3, v_head_dim=5,
+                                      qk_pos_emb_head_dim=2, kv_lora_rank=6)
+        self.linear_kv_up_proj = torch.nn.Linear(6, 16, bias=False)
+
+
+def test_per_head_on_latent_attention_changes_nothing_and_says_so() -> None:
+    """MLA has no fused linear_qkv: its projections run per head and component (each head's key, its
+    value) with the option or without it, and the option says, once, that it does nothing."""
+    import warnings
     from unittest import mock
 
     from megatron_eopt import ParallelGroups, get_megatron_optimizer
     from megatron_eopt.runtime import once
 
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 4, bias=False))
-    config = OptimizerConfig(optimizer="muon", lr=0.01, muon_split_qkv_per_head=True)
-    with mock.patch.object(once, "_GIVEN", set()), pytest.warns(UserWarning, match=r"muon_split_qkv_per_head=True has "
-                                                                                    r"no effect on this rank"):
-        get_megatron_optimizer(config, [model], pg_collection=ParallelGroups.single_process())
+    calls, said = {}, {}
+    for per_head in (False, True):
+        torch.manual_seed(0)
+        model = LatentAttentionLike()
+        config = OptimizerConfig(optimizer="muon", lr=0.01, muon_split_qkv_per_head=per_head,
+                                 muon_fp32_matmul_prec="highest")
+        with mock.patch.object(once, "_GIVEN", set()), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            optimizer = get_megatron_optimizer(config, [model], pg_collection=ParallelGroups.single_process())
+        said[per_head] = [str(w.message) for w in caught if "muon_split_qkv_per_head" in str(w.message)]
+        model.linear_kv_up_proj.weight.grad = torch.randn(16, 6)
+        with recording_newton_schulz_calls() as calls[per_head]:
+            optimizer.step()
+    assert calls[True] == calls[False] and sorted(shape[-2:] for shape in calls[True]) == [(3, 6), (5, 6)], calls
+    assert said == {False: [], True: [
+        "OptimizerConfig.muon_split_qkv_per_head=True has no effect on this rank: it splits fused linear_qkv.weights "
+        "only, and none of the matrices 'muon' steps here is one (multi-latent attention's projections are "
+        "orthogonalized per head and component without it; docs/tp-muon.md)."]}
 
 
 def test_cost_model_counts_each_ranks_heads_with_nothing_sent() -> None:

@@ -142,10 +142,14 @@ def main_of(optimizer) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("fields,pattern", [
-    (dict(bf16=True, main_params_dtype=torch.bfloat16), r"conflicts with store_param_remainders=True"),
+    (dict(bf16=True, main_params_dtype=torch.bfloat16),
+     r"main_params_dtype torch.bfloat16 with bf16=True needs store_param_remainders=False: "),
+    # The model's dtype first, with the remainders on or off.
+    (dict(bf16=True, main_params_dtype=torch.float16),
+     r"must be torch.float32 or the model's own 16-bit dtype, torch.bfloat16 with bf16=True; got torch.float16"),
     (dict(bf16=True, store_param_remainders=False, main_params_dtype=torch.float16),
-     r"must be torch.float32 or the model's own 16-bit dtype \(torch.bfloat16"),
-    (dict(main_params_dtype=torch.bfloat16), r"must be torch.float32 or the model's own 16-bit dtype \(torch.float32"),
+     r"must be torch.float32 or the model's own 16-bit dtype, torch.bfloat16 with bf16=True; got torch.float16"),
+    (dict(main_params_dtype=torch.bfloat16), r"must be torch.float32 for an fp32 model"),
     (dict(main_grads_dtype=torch.float16), r"main_grads_dtype must be one of torch.float32, torch.bfloat16"),
 ])
 def test_refused_combinations_say_what_to_change(fields: dict, pattern: str) -> None:
