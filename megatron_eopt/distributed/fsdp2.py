@@ -131,9 +131,11 @@ def fully_sharded_layout(chunks: list[torch.nn.Module], pg_collection: Any = Non
         _check_not_expert(fqn)
     group = _common_group(sharded)
     splits, engine_layers = _tensor_parallel_splits(chunks)
-    tensor_parallel = _tensor_parallel_groups(pg_collection, group, splits, engine_layers)
-    if engine == MEGATRON_FSDP and tensor_parallel is not None:
-        raise ValueError(tensor_parallel_refusal(next(iter(splits), sharded[0][0])))
+    if engine == MEGATRON_FSDP:
+        _refuse_tensor_parallel(pg_collection, splits, sharded[0][0])
+        tensor_parallel = None
+    else:
+        tensor_parallel = _tensor_parallel_groups(pg_collection, group, splits, engine_layers)
     rows = gathered_rows([p.to_local().shape[0] for _, p in sharded], group, sharded[0][1].device)
     return FullyShardedLayout(group, {fqn: r for (fqn, _), r in zip(sharded, rows)},
                               {fqn: split.partition_dim for fqn, split in splits.items()}, tensor_parallel, engine)
@@ -161,6 +163,14 @@ def _tensor_parallel_splits(chunks: list[torch.nn.Module]) -> tuple[dict[str, Te
 def tensor_parallel_partition_dims(chunks: list[torch.nn.Module]) -> dict[str, int]:
     """fqn -> megatron-core partition_dim of each parameter a megatron-core TP layer splits."""
     return {fqn: split.partition_dim for fqn, split in _tensor_parallel_splits(chunks)[0].items()}
+
+
+def _refuse_tensor_parallel(pg_collection: Any, splits: dict[str, TensorParallelSplit], first_fqn: str) -> None:
+    """TP x Megatron-FSDP is refused: a TP group of size > 1 given, or layers built for TP > 1."""
+    given = resolve_parallel_groups(pg_collection) if pg_collection is not None else initialized_parallel_state_groups()
+    built = [fqn for fqn, split in splits.items() if split.tp_size > 1]
+    if built or group_size(None if given is None else given.tp) > 1:
+        raise ValueError(tensor_parallel_refusal(built[0] if built else first_fqn))
 
 
 def _tensor_parallel_groups(pg_collection: Any, dp_group: ProcessGroup, splits: dict[str, TensorParallelSplit],
