@@ -2,9 +2,10 @@
 megatron-core's copy of it): what sets them apart from torch FSDP2 for the optimizer.
 
 Both give DTensor parameters with Shard(0) on a 1-D data-parallel mesh, and distributed/fsdp2.py
-handles both. Megatron-FSDP differs in three ways, checked or handled here:
+handles both. Megatron-FSDP differs in these ways, checked or handled here:
 - its shards follow its flat buckets, not torch.chunk (row splits are gathered, ops/row_shards.py);
 - a rank whose shard of a parameter is empty gets no `.grad` from `finish_grad_sync()`;
+- it computes with copies of the shards, refreshed after a checkpoint is loaded;
 - only its ZeRO-3 strategy ('optim_grads_params') gives sharded DTensor parameters; TP x
   Megatron-FSDP (a 2-D mesh) is not handled.
 """
@@ -69,3 +70,12 @@ def missing_grad(fqn: str, shard: torch.Tensor) -> torch.Tensor:
         f"parameter {fqn!r} has no gradient on this rank, which holds {tuple(shard.shape)} of it: call "
         f"model.finish_grad_sync() after backward and before optimizer.step() (Megatron-FSDP's step protocol)."
     )
+
+
+def refresh_compute_weights(chunks: list[torch.nn.Module]) -> None:
+    """After parameters were written in place (a checkpoint loaded): Megatron-FSDP computes with its
+    model-weight buffers and keeps the parameters of modules outside its units gathered, so copy the
+    shards there (`install_optimized_model_weights`) and gather them again (`start_param_sync`)."""
+    for wrapper in megatron_fsdp_wrappers(chunks):
+        wrapper.install_optimized_model_weights()
+        wrapper.start_param_sync(force_sync=True)

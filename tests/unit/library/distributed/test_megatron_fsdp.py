@@ -160,3 +160,81 @@ def test_gpt_megatron_fsdp_equals_one_process(run_distributed, world_size: int) 
     assert any(0 in split for split in matrices.values()), rows  # an empty shard
     qkv = rows["module.decoder.layers.0.self_attention.linear_qkv.weight"]
     assert any(r % QUERY_GROUP_ROWS for r in qkv), qkv  # cut inside a query group
+
+
+# --- Checkpoints: save_checkpoint / load_checkpoint take the Megatron-FSDP model and optimizer as they are ---
+
+RESUME_STEPS = 2
+
+
+def _take_steps(model, optimizer, first: int, count: int, rank: int) -> None:
+    for step in range(first, first + count):
+        gpt_loss(model, micro_batch(step, rank)).backward()
+        model.finish_grad_sync()
+        optimizer.step()
+        model.install_optimized_model_weights()
+        model.zero_grad_buffer()
+
+
+def _full_state(model, optimizer) -> dict[str, torch.Tensor]:
+    """Every parameter and every optimizer state tensor, whole (test-side gathers of the shards)."""
+    import torch.distributed as dist
+
+    full = {f"model/{n.removeprefix('module.')}": gathered(p) for n, p in model.named_parameters()}
+    for child in optimizer.chained_optimizers:
+        for main, fqn in ((m, child.fqn_of_main[id(m)]) for m in child.main_params):
+            for key, value in child.state.get(main, {}).items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    shards = [None] * dist.get_world_size()
+                    dist.all_gather_object(shards, value.detach())
+                    full[f"state/{fqn.removeprefix('module.')}/{key}"] = torch.cat(shards)
+    return full
+
+
+def _resume_body(rank: int, world_size: int, directory: str) -> dict:
+    """DP=2: save after 2 steps; 2 more steps straight, and 2 more after loading into a fresh model
+    and optimizer: compared bitwise. Rank 0 writes the saved model and state for the DP=3 load."""
+    from megatron_eopt.checkpointing import load_checkpoint, save_checkpoint
+
+    torch.set_float32_matmul_precision("highest")
+    differences = {}
+    for name in ("muon", "adam"):
+        model = megatron_fsdp_gpt()
+        optimizer = get_megatron_optimizer(config_for(name), [model])
+        _take_steps(model, optimizer, 0, RESUME_STEPS, rank)
+        save_checkpoint(f"{directory}/{name}", RESUME_STEPS, [model], optimizer)
+        saved = _full_state(model, optimizer)
+        if rank == 0:
+            torch.save(saved, f"{directory}/{name}.pt")
+        _take_steps(model, optimizer, RESUME_STEPS, RESUME_STEPS, rank)
+        straight = _full_state(model, optimizer)
+        model = megatron_fsdp_gpt()
+        optimizer = get_megatron_optimizer(config_for(name), [model])
+        load_checkpoint(f"{directory}/{name}", [model], optimizer)
+        _take_steps(model, optimizer, RESUME_STEPS, RESUME_STEPS, rank)
+        resumed = _full_state(model, optimizer)
+        assert straight.keys() == resumed.keys() and any(k.startswith("state/") for k in straight)
+        differences[name] = [k for k in straight if not torch.equal(straight[k], resumed[k])]
+    return differences
+
+
+def _reshard_body(rank: int, world_size: int, directory: str) -> dict:
+    """The DP=2 checkpoints loaded at DP=3 (other shards) give the saved model and state exactly."""
+    from megatron_eopt.checkpointing import load_checkpoint
+
+    differences = {}
+    for name in ("muon", "adam"):
+        model = megatron_fsdp_gpt()
+        optimizer = get_megatron_optimizer(config_for(name), [model])
+        load_checkpoint(f"{directory}/{name}", [model], optimizer)
+        loaded, saved = _full_state(model, optimizer), torch.load(f"{directory}/{name}.pt")
+        assert loaded.keys() == saved.keys(), sorted(set(loaded) ^ set(saved))
+        differences[name] = [k for k in saved if not torch.equal(saved[k], loaded[k])]
+    return differences
+
+
+def test_megatron_fsdp_checkpoint_resumes_exactly_and_loads_at_another_dp_size(run_distributed, tmp_path) -> None:
+    for differences in run_distributed(_resume_body, world_size=2, args=(str(tmp_path),), timeout=600):
+        assert differences == {"muon": [], "adam": []}, differences
+    for differences in run_distributed(_reshard_body, world_size=3, args=(str(tmp_path),), timeout=600):
+        assert differences == {"muon": [], "adam": []}, differences
