@@ -238,3 +238,55 @@ def test_megatron_fsdp_checkpoint_resumes_exactly_and_loads_at_another_dp_size(r
         assert differences == {"muon": [], "adam": []}, differences
     for differences in run_distributed(_reshard_body, world_size=3, args=(str(tmp_path),), timeout=600):
         assert differences == {"muon": [], "adam": []}, differences
+
+
+# --- The trainer: scripts/pretrain_gpt.py --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params ---
+
+def _pretrain_argv(iterations: int) -> list[str]:
+    from tests.unit.library.distributed.test_fsdp2 import PRETRAIN_ARGV
+
+    argv = list(PRETRAIN_ARGV)
+    argv[argv.index("--train-iters") + 1] = str(iterations)
+    return argv
+
+
+MEGATRON_FSDP_FLAGS = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
+
+
+def _pretrain_body(rank: int, world_size: int, directory: str) -> dict:
+    """DP=2 with Megatron-FSDP: 6 iterations straight, and 3 + save + load + 3 (each command line
+    builds its process groups and Megatron-FSDP anew); a refused strategy."""
+    from tests.pretrain_gpt_in_process import run_pretrain_gpt, run_pretrain_gpt_reporting
+
+    argv = _pretrain_argv(6) + MEGATRON_FSDP_FLAGS
+    runs = {"straight": run_pretrain_gpt(rank, world_size, argv),
+            "first": run_pretrain_gpt(rank, world_size, argv + ["--save", directory, "--exit-interval", "3"]),
+            "resumed": run_pretrain_gpt(rank, world_size, argv + ["--load", directory])}
+    refused = run_pretrain_gpt_reporting(rank, world_size, _pretrain_argv(1) + ["--use-megatron-fsdp"])
+    return {"runs": runs, "refused": (refused.returncode, refused.stderr + refused.stdout)}
+
+
+def _one_process_body(rank: int, world_size: int) -> list[dict]:
+    from tests.pretrain_gpt_in_process import run_pretrain_gpt
+
+    return run_pretrain_gpt(rank, world_size, _pretrain_argv(6))
+
+
+def test_pretrain_gpt_megatron_fsdp_equals_one_process_and_resumes_exactly(run_distributed, tmp_path) -> None:
+    """The same seed, data and global batch (8: 2 micro-batches per rank at DP=2, 4 in one process),
+    fp32, muon at 'highest': Megatron-FSDP's losses equal one process's to 1e-5 relative (the
+    gradients are summed in another order); the resumed run's equal the straight run's bitwise."""
+    expected = [r["loss"] for r in run_distributed(_one_process_body, 1, timeout=600)[0]]
+    assert len(expected) == 6 and expected[-1] < expected[0], expected
+    results = run_distributed(_pretrain_body, 2, args=(str(tmp_path),), timeout=600)
+    code, text = results[0]["refused"]  # rank 0 prints the one line; every rank exits with status 2
+    assert code == 2 and "optim_grads_params" in text and "Traceback" not in text, text
+    for result in results:
+        losses = {name: {r["iteration"]: r["loss"] for r in records} for name, records in result["runs"].items()}
+        straight = [losses["straight"][i] for i in range(1, 7)]
+        print("Megatron-FSDP DP=2 vs one process: max relative loss difference",
+              max(abs(g - e) / abs(e) for g, e in zip(straight, expected)))
+        assert straight == pytest.approx(expected, rel=1e-5)
+        assert sorted(losses["first"]) == [1, 2, 3] and sorted(losses["resumed"]) == [4, 5, 6], losses
+        assert {**losses["first"], **losses["resumed"]} == losses["straight"]  # bitwise
+        assert result["refused"][0] == 2, result["refused"]
