@@ -7,13 +7,12 @@ This module
   ranks' actual shards (one all_gather of their sizes; megatron_fsdp_model.py says why);
 - restores the routing facts `fully_shard` drops (`is_embedding_or_output_parameter`,
   `tensor_model_parallel`, `partition_dim`, `allreduce`) from module types and names;
-- with tensor parallelism as well, takes the TP group from `pg_collection` or parallel_state and
-  checks it against the layers and the mesh;
+- with TP as well (FSDP2 only), takes the TP group from `pg_collection` or parallel_state and checks it;
 - gives each whole-matrix optimizer's matrix an owner rank by Newton-Schulz cost
   (ops/row_shards.py runs the exchange);
 - wraps the inner optimizers to step each DTensor's local shard (`FullyShardedFP32Optimizer`),
   with the gradient norm and the inf/NaN check summed over the mesh, then the model-parallel group.
-docs/fsdp2.md describes the behaviour.
+docs/fsdp2.md and docs/megatron-fsdp.md describe the behaviour.
 """
 
 import dataclasses

@@ -290,3 +290,56 @@ def test_pretrain_gpt_megatron_fsdp_equals_one_process_and_resumes_exactly(run_d
         assert sorted(losses["first"]) == [1, 2, 3] and sorted(losses["resumed"]) == [4, 5, 6], losses
         assert {**losses["first"], **losses["resumed"]} == losses["straight"]  # bitwise
         assert result["refused"][0] == 2, result["refused"]
+
+
+# --- Megatron-LM's own path: validate_args with --use-megatron-fsdp and an emerging optimizer ---
+
+def _parse_megatron_lm(argv: str, rank: int, world_size: int):
+    """test_megatron_lm_args.parse_megatron_lm without CUDA_DEVICE_MAX_CONNECTIONS=1, which Megatron-LM
+    refuses with FSDP (it is set there for TP > 1)."""
+    import os
+    from unittest import mock
+
+    from tests.unit.library.integrations.test_megatron_lm_args import parse_megatron_lm
+
+    with mock.patch.dict(os.environ):
+        with mock.patch.object(os.environ, "update", lambda **values: os.environ.__setitem__("RANK", values["RANK"])
+                               or os.environ.__setitem__("WORLD_SIZE", values["WORLD_SIZE"])):
+            return parse_megatron_lm(argv, rank, world_size)
+
+
+def _megatron_lm_body(rank: int, world_size: int) -> dict:
+    """Megatron-LM's parse_args + validate_args (as its pretrain_gpt.py runs them) without and with
+    megatron_lm.install(); with it, the optimizer Megatron-LM's setup would build, on a Megatron-FSDP GPT."""
+    from megatron_eopt.integrations import megatron_lm
+    from tests.unit.library.integrations.test_megatron_lm_args import MODEL_FLAGS, build_through_megatron_lm
+
+    argv = (f"{MODEL_FLAGS} --optimizer muon --lr 0.02 --use-megatron-fsdp --data-parallel-sharding-strategy "
+            f"optim_grads_params --ckpt-format fsdp_dtensor")
+    result = {}
+    try:
+        _parse_megatron_lm(argv, rank, world_size)
+        result["without"] = "accepted"
+    except AssertionError as error:  # Megatron-LM's own refusal
+        result["without"] = str(error)
+    with megatron_lm.installed():
+        args = _parse_megatron_lm(argv, rank, world_size)
+        result["args"] = (args.optimizer, args.use_layer_wise_distributed_optimizer, args.use_distributed_optimizer)
+        try:
+            optimizer = build_through_megatron_lm(args, megatron_fsdp_gpt())
+            result["config"] = (optimizer.config.use_distributed_optimizer,
+                                optimizer.config.use_layer_wise_distributed_optimizer)
+            result["children"] = sorted(type(c).__name__ for c in optimizer.chained_optimizers)
+        finally:
+            from megatron.training import global_vars
+
+            global_vars.set_args(None)
+    return result
+
+
+def test_megatron_lm_validate_args_accepts_emerging_optimizers_on_megatron_fsdp(run_distributed) -> None:
+    for result in run_distributed(_megatron_lm_body, 2, timeout=600):
+        assert "Megatron-FSDP" in result["without"], result  # refused without install()
+        assert result["args"] == ("muon", False, True), result  # Megatron-LM's own flag for its FSDP stays
+        assert result["config"] == (False, False), result  # ours steps the DTensor shards itself
+        assert result["children"] == ["MegatronFSDPFP32Optimizer"] * 2, result  # muon and adam children
