@@ -9,9 +9,8 @@
 6. the trainer's CUDA-only paths (megatron-core's router, dispatchers, RotaryEmbedding) against
    its CPU substitutes: 10 iterations' losses within 1e-3 relative;
 7. pretrain_gpt --use-megatron-fsdp on CUDA (Megatron-FSDP as shipped) against CPU (patched).
-Writes gpu_check.json and gpu_check.md to --out (default benchmarks/results/). Without CUDA (or
-with --dry-run) it builds what each check would run and records every check as skipped with
-the reason. docs/gpu.md describes the checks and holds the results.
+Writes gpu_check.json and .md to --out (default benchmarks/results/). Without CUDA (or --dry-run)
+it builds what each check would run and records each skipped with the reason (docs/gpu.md).
 
     python benchmarks/gpu_check.py [--out DIR] [--dry-run] [--hidden 4096] [--layers 2] [--checks ...]
 """
