@@ -112,11 +112,11 @@ def fully_sharded_layout(chunks: list[torch.nn.Module], pg_collection: Any = Non
     meshes, expert parameters, tensor-parallel layers that do not fit the TP group, and tensor
     parallelism with Megatron-FSDP.
     """
+    engine = sharding_engine(chunks)  # first: Megatron-FSDP's other strategies keep plain parameters
     named = named_trainable_parameters(chunks)
     sharded = [(fqn, p) for fqn, _, p in named if isinstance(p, DTensor)]
     if not sharded:
         return None
-    engine = sharding_engine(chunks)
     plain = [fqn for fqn, _, p in named if not isinstance(p, DTensor)]
     if plain:
         raise TypeError(

@@ -114,9 +114,10 @@ def refusals() -> dict[str, tuple[str, str]]:
     model = megatron_fsdp_gpt()
     optimizer = get_megatron_optimizer(config_for("muon"), [model])
     messages = {"no finish_grad_sync": _error_of(optimizer.step)}  # no backward: no gradient anywhere
-    optim_only = fully_shard_model(torch.nn.Sequential(torch.nn.Linear(8, 6)), zero_dp_strategy="optim",
-                                   device=torch.device("cpu"))
-    messages["optim"] = _error_of(lambda: get_megatron_optimizer(config_for("muon"), [optim_only]))
+    for strategy in ("optim", "no_shard"):  # the latter keeps plain parameters
+        other = fully_shard_model(torch.nn.Sequential(torch.nn.Linear(8, 6)), zero_dp_strategy=strategy,
+                                  device=torch.device("cpu"))
+        messages[strategy] = _error_of(lambda: get_megatron_optimizer(config_for("muon"), [other]))
     world = ParallelGroups.from_groups(tp=torch.distributed.group.WORLD, mp=torch.distributed.group.WORLD)
     messages["tp"] = _error_of(lambda: get_megatron_optimizer(config_for("muon"), [model], pg_collection=world))
     return messages
@@ -144,8 +145,9 @@ def test_gpt_megatron_fsdp_equals_one_process(run_distributed, world_size: int) 
     for reply in replies if world_size == 2 else ():
         kind, text = reply["refusals"]["no finish_grad_sync"]
         assert kind == "ValueError" and "finish_grad_sync()" in text, reply["refusals"]
-        kind, text = reply["refusals"]["optim"]
-        assert kind == "ValueError" and "'optim'" in text and "'optim_grads_params'" in text, reply["refusals"]
+        for strategy in ("optim", "no_shard"):
+            kind, text = reply["refusals"][strategy]
+            assert kind == "ValueError" and f"{strategy!r}" in text and "'optim_grads_params'" in text, reply["refusals"]
         kind, text = reply["refusals"]["tp"]  # TP x Megatron-FSDP: refused in one line naming what works
         assert kind == "ValueError" and "--use-torch-fsdp2" in text and "\n" not in text, reply["refusals"]
     per_rank = [r["runs"] for r in replies]
