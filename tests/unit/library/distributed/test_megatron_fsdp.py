@@ -48,15 +48,11 @@ def build_gpt() -> torch.nn.Module:
 
 
 def megatron_fsdp_gpt() -> torch.nn.Module:
-    from megatron.core.transformer.transformer_layer import TransformerLayer
+    """The GPT wrapped by Megatron-FSDP as the trainer wraps it: ZeRO-3 over all ranks, each
+    TransformerLayer a unit, on CPU through runtime/megatron_fsdp_cpu.py."""
+    from megatron_eopt.training.parallel import megatron_fsdp
 
-    from megatron_eopt.runtime import megatron_fsdp_cpu
-
-    assert megatron_fsdp_cpu.install()
-    from megatron_fsdp import fully_shard_model
-
-    return fully_shard_model(build_gpt(), fsdp_unit_modules=[TransformerLayer], zero_dp_strategy=3,
-                             device=torch.device("cpu"))
+    return megatron_fsdp.megatron_fsdp_gpt(build_gpt(), torch.device("cpu"))
 
 
 def micro_batch(step: int, rank: int) -> torch.Tensor:
