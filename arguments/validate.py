@@ -131,7 +131,8 @@ def _check_support(args: argparse.Namespace, tensor_model_parallel_size: int, wr
         "tensor_parallel": (tensor_model_parallel_size > 1, f"--tensor-model-parallel-size {tensor_model_parallel_size}"),
         "fp16": (getattr(args, "fp16", False), "--fp16"),
         "bf16": (getattr(args, "bf16", False), "--bf16"),
-        "fsdp2": (getattr(args, "use_torch_fsdp2", False), "--use-torch-fsdp2"),
+        "fsdp2": (getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False),
+                  "--use-megatron-fsdp" if getattr(args, "use_megatron_fsdp", False) else "--use-torch-fsdp2"),
         "layer_wise": (_wants_layer_wise(args), "--use-distributed-optimizer"),
     }
     support = lookup_optimizer(optimizer).support

@@ -7,10 +7,10 @@
 5. Megatron-LM's own `pretrain()` with megatron-core's optimizer and with ours: losses, time,
    and a checkpoint saved halfway and resumed;
 6. the trainer's CUDA-only paths (megatron-core's router, dispatchers, RotaryEmbedding) against
-   its CPU substitutes: 10 iterations' losses within 1e-3 relative.
-Writes gpu_check.json and gpu_check.md to --out (default benchmarks/results/). Without CUDA (or
-with --dry-run) it builds what each check would run and records every check as skipped with
-the reason. docs/gpu.md describes the checks and holds the results.
+   its CPU substitutes: 10 iterations' losses within 1e-3 relative;
+7. pretrain_gpt --use-megatron-fsdp on CUDA (Megatron-FSDP as shipped) against CPU (patched).
+Writes gpu_check.json and .md to --out (default benchmarks/results/). Without CUDA (or --dry-run)
+it builds what each check would run and records each skipped with the reason (docs/gpu.md).
 
     python benchmarks/gpu_check.py [--out DIR] [--dry-run] [--hidden 4096] [--layers 2] [--checks ...]
 """
@@ -225,6 +225,32 @@ def cuda_matches_cpu(args, skip: Optional[str], directory: str) -> dict:
             "loss_relative_difference_by_run": differences, "summary": f"loss rel. diff {summary}"}
 
 
+MEGATRON_FSDP_RUN = [flag for flag in SMALL_RUN if flag != "--use-distributed-optimizer"] + [
+    "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
+
+
+def megatron_fsdp_cuda_matches_cpu(args, skip: Optional[str], directory: str) -> dict:
+    """Megatron-FSDP's own CUDA calls (streams, buffers on the GPU) against the run on CPU through
+    megatron_eopt.runtime.megatron_fsdp_cpu: muon, 10 iterations, one rank."""
+    check = "pretrain_gpt --use-megatron-fsdp on CUDA = on CPU (megatron_fsdp_cpu patch), muon, 10 it."
+    built = {"flags": " ".join(MEGATRON_FSDP_RUN)}
+    if skip:
+        from arguments.trainer.parser import parse_args
+
+        parse_args(MEGATRON_FSDP_RUN)
+        return skipped(check, skip, **built)
+    losses = {}
+    for device in ("cuda", "cpu"):
+        losses[device], output = run_losses(MEGATRON_FSDP_RUN, os.path.join(directory, f"megatron_fsdp_{device}.jsonl"),
+                                            cuda=device == "cuda")
+        if losses[device] is None:
+            return {"check": check, "status": "failed", **built, "failed_run": device, "output_tail": output}
+    difference = max(abs(a / b - 1) for a, b in zip(losses["cuda"], losses["cpu"]))
+    failed = len(losses["cuda"]) != len(losses["cpu"]) or difference > CUDA_VS_CPU_TOLERANCE
+    return {"check": check, "status": "failed" if failed else "ran", **built, "losses": losses,
+            "summary": f"loss rel. diff {difference:.1e} (bound {CUDA_VS_CPU_TOLERANCE})"}
+
+
 # ------------------------------------------------------------------------------------------------
 # 5. Megatron-LM's pretrain() with megatron-core's optimizer and with ours
 # ------------------------------------------------------------------------------------------------
@@ -415,6 +441,7 @@ CHECKS = {  # name -> the rows it adds
     "pretrain": lambda args, shape, skip, directory: [pretrain_iterations(args, skip, directory)],
     "megatron_lm": lambda args, shape, skip, directory: [megatron_lm_runs(args, skip, directory)],
     "cuda_vs_cpu": lambda args, shape, skip, directory: [cuda_matches_cpu(args, skip, directory)],
+    "megatron_fsdp": lambda args, shape, skip, directory: [megatron_fsdp_cuda_matches_cpu(args, skip, directory)],
 }
 
 

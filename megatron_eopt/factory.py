@@ -18,7 +18,6 @@ import torch
 from megatron_eopt.config.optimizer_config import OptimizerConfig, as_optimizer_config, warn_about_inert_fields
 from megatron_eopt.distributed.fsdp2 import (
     OUTPUT_LAYER_NAMES,
-    FullyShardedFP32Optimizer,
     FullyShardedLayout,
     check_fully_sharded_config,
     fully_sharded_layout,
@@ -90,9 +89,9 @@ def get_megatron_optimizer(
         raise ValueError("model_chunks is empty; pass the model (or its list of chunks).")
     if config.use_layer_wise_distributed_optimizer:
         _check_whole_gradients(chunks)
-    fsdp = fully_sharded_layout(chunks, pg_collection)  # torch FSDP2 (DTensor parameters), or None
+    fsdp = fully_sharded_layout(chunks, pg_collection)  # torch FSDP2 or Megatron-FSDP (DTensor parameters), or None
     if fsdp is not None:
-        check_fully_sharded_config(config)
+        check_fully_sharded_config(config, fsdp.engine)
         _check_supported(config, {name: lookup_optimizer(name) for name in routing.optimizers}, fsdp2=True)
         routing = dataclasses.replace(routing, embedding_or_output_names=OUTPUT_LAYER_NAMES)
     groups = resolve_parallel_groups(pg_collection) if fsdp is None else fsdp.parallel_groups()
@@ -293,7 +292,7 @@ def _children(build: _Build, owned_fqns: Optional[set[str]] = None) -> list[Any]
     grad_scaler = make_grad_scaler(config, _device_of(records))
     wrapper = MixedPrecisionOptimizer if (config.bf16 or config.fp16) else FP32Optimizer
     if fsdp is not None:
-        wrapper = FullyShardedFP32Optimizer
+        wrapper = fsdp.optimizer_class
     children = []
     for is_expert in (False, True):
         for name in routing.optimizers:
@@ -365,7 +364,7 @@ def _check_supported(config: OptimizerConfig, specs: Mapping[str, OptimizerSpec]
     checks = (("fp16", config.fp16), ("bf16", config.bf16),
               ("layer_wise", config.use_layer_wise_distributed_optimizer), ("fsdp2", fsdp2))
     settings = {"layer_wise": "use_layer_wise_distributed_optimizer=True",
-                "fsdp2": "a torch FSDP2 (fully_shard, DTensor) model"}
+                "fsdp2": "a sharded DTensor model (torch FSDP2 or Megatron-FSDP)"}
     for feature, wanted in checks:
         refused = [name for name, spec in specs.items() if wanted and not getattr(spec.support, feature)]
         if refused:

@@ -59,6 +59,7 @@ def check_training_flags(args: argparse.Namespace, device: Device) -> dict[str, 
         raise ValueError("--override-opt_param-scheduler (this run's lr schedule) and "
                          "--use-checkpoint-opt_param-scheduler (the checkpoint's) exclude each other; give one.")
     _check_fsdp2_flags(args)
+    _check_megatron_fsdp_flags(args)
     if args.plot and not args.plot.endswith(".png"):
         raise ValueError(f"--plot writes a PNG; give a path ending in .png, got {args.plot!r}.")
     args = replaced(args, lr_wsd_decay_style=_check_wsd_flags(args))
@@ -160,6 +161,30 @@ def _check_fsdp2_flags(args: argparse.Namespace) -> None:
 def _qk_clip_flags(args: argparse.Namespace) -> str:
     return " and ".join(flag for flag, on in (("--qk-clip", args.qk_clip),
                                               ("--log-max-attention-logit", args.log_max_attention_logit)) if on)
+
+
+def _check_megatron_fsdp_flags(args: argparse.Namespace) -> None:
+    """What --use-megatron-fsdp does not do, refused before anything is built."""
+    if not args.use_megatron_fsdp:
+        if args.data_parallel_sharding_strategy != "no_shard":
+            raise ValueError(f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} needs "
+                             f"--use-megatron-fsdp.")
+        return
+    refused = [("--data-parallel-sharding-strategy other than optim_grads_params (given "
+                f"{args.data_parallel_sharding_strategy}; only ZeRO-3 gives the optimizer sharded parameters)",
+                args.data_parallel_sharding_strategy != "optim_grads_params"),
+               ("--use-torch-fsdp2 (one sharding engine at a time)", args.use_torch_fsdp2),
+               ("--tensor-model-parallel-size > 1 (TP x FSDP works with --use-torch-fsdp2)",
+                args.tensor_model_parallel_size > 1),
+               ("--pipeline-model-parallel-size > 1", args.pipeline_model_parallel_size > 1),
+               ("--num-experts", args.num_experts is not None),
+               ("--use-distributed-optimizer (Megatron-FSDP shards the optimizer state already)",
+                args.use_layer_wise_distributed_optimizer),
+               ("--fp16 or --bf16 (it trains fp32 shards here)", args.fp16 or args.bf16),
+               ("--log-params-norm", args.log_params_norm)]
+    for what, given in refused:
+        if given:
+            raise ValueError(f"--use-megatron-fsdp does not support {what}.")
 
 
 def _check_wsd_flags(args: argparse.Namespace) -> Optional[str]:

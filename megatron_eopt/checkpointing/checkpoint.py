@@ -48,6 +48,7 @@ from megatron_eopt.checkpointing.state import (
 )
 from megatron_eopt.checkpointing.storage import CheckpointError, CheckpointSaveError  # noqa: F401 (re-exported)
 from megatron_eopt.distributed.fsdp2 import fully_sharded_layout
+from megatron_eopt.distributed.megatron_fsdp_model import refresh_compute_weights
 from megatron_eopt.runtime.process_groups import ProcessGroup, group_rank, group_size, resolve_parallel_groups
 from megatron_eopt.ops.collectives import group_timeout
 
@@ -292,6 +293,7 @@ def load_checkpoint(
 
     child_states, load_scheduler = storage.agree(checked_states, group)
     _apply(params, masters, children, child_states, optimizer_children(optimizer))
+    refresh_compute_weights(chunks)  # Megatron-FSDP computes with copies of the loaded shards
     if load_scheduler is not None:
         load_scheduler()
     if rng_keys:

@@ -24,7 +24,6 @@ from torch.distributed.tensor import DTensor, Shard
 
 from megatron_eopt.distributed.fsdp2 import check_row_placement
 from megatron_eopt.runtime.process_groups import ProcessGroup, group_rank, group_size
-from megatron_eopt.ops.row_shards import chunk_rows
 
 PART_MARK = "#part"
 TP_MARK = "@tp"
@@ -96,17 +95,20 @@ def placement_of(param: torch.nn.Parameter, tp_group: Optional[ProcessGroup]) ->
     return Placement(group, partition_dim, max(parts, 1))
 
 
-def row_placement(fqn: str, param: DTensor, parts: int, tp_rows: Optional[TensorParallelRows] = None) -> Placement:
-    """The Placement of a torch FSDP2 parameter: Shard(0) on a 1-D mesh, the only layout handled.
+def row_placement(fqn: str, param: DTensor, parts: int, rows_by_rank: tuple[int, ...],
+                  tp_rows: Optional[TensorParallelRows] = None) -> Placement:
+    """The Placement of a torch FSDP2 or Megatron-FSDP parameter: Shard(0) on a 1-D mesh, the only
+    layout handled.
 
     `parts`: the partition_stride megatron-core gives the unsharded parameter (fully_shard drops it).
+    `rows_by_rank`: the rows each rank of the mesh holds, as gathered (ops/row_shards.gathered_rows).
     `tp_rows`: for a tensor-parallel shard (TP x FSDP2), where it sits in the global tensor.
     """
     check_row_placement(fqn, param)
     group = param.device_mesh.get_group()
     if group_size(group) == 1:
         return Placement(None, 0, parts, rows_by_rank=(param.shape[0],), tp_rows=tp_rows)
-    return Placement(group, 0, parts, rows_by_rank=chunk_rows(param.shape[0], group_size(group)), tp_rows=tp_rows)
+    return Placement(group, 0, parts, rows_by_rank=rows_by_rank, tp_rows=tp_rows)
 
 
 def local_tensor(param: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,7 @@ from megatron_eopt.checkpointing.layout import (
 )
 from megatron_eopt.checkpointing.storage import CheckpointError, all_gather_objects
 from megatron_eopt.distributed.fsdp2 import tensor_parallel_partition_dims
+from megatron_eopt.ops.row_shards import gathered_rows
 from megatron_eopt.runtime.process_groups import ParallelGroups, ProcessGroup, group_rank, group_ranks, group_size
 from megatron_eopt.params.groups import chunk_model_config, named_trainable_parameters
 from megatron_eopt.wrappers.base import CheckpointableChild
@@ -67,10 +68,12 @@ def model_params(model_chunks: list[torch.nn.Module], groups: ParallelGroups) ->
     dense_tp = groups.require("tp", why)
     expert_tp = groups.require("expt_tp", why) if has_experts else None
     tp_rows_of = _tensor_parallel_rows(model_chunks, named, groups, dense_tp)
+    rows_of = _rows_by_rank(named)
     result = []
     for fqn, name, param in named:
-        if isinstance(param, DTensor):  # torch FSDP2: its rows of the global tensor
-            placement = row_placement(fqn, param, _gated_parts(model_chunks, fqn, name), tp_rows_of.get(fqn))
+        if isinstance(param, DTensor):  # torch FSDP2 or Megatron-FSDP: its rows of the global tensor
+            placement = row_placement(fqn, param, _gated_parts(model_chunks, fqn, name), rows_of[fqn],
+                                      tp_rows_of.get(fqn))
         else:
             tp_group = expert_tp if not getattr(param, "allreduce", True) else dense_tp
             placement = placement_of(param, tp_group)
@@ -78,6 +81,17 @@ def model_params(model_chunks: list[torch.nn.Module], groups: ParallelGroups) ->
     for fqn, (buffer, stored_name) in global_buffer_names(model_chunks).items():
         result.append(ModelParam(fqn, buffer, Placement(), stored_name))
     return result
+
+
+def _rows_by_rank(named: list) -> dict[str, tuple[int, ...]]:
+    """fqn -> rows each rank of the mesh holds, for every DTensor parameter: one all_gather over the
+    mesh's group (the engines' splits differ: Megatron-FSDP's follows its buckets)."""
+    sharded = [(fqn, p) for fqn, _, p in named if isinstance(p, DTensor)]
+    if not sharded:
+        return {}
+    first = sharded[0][1]
+    rows = gathered_rows([p.to_local().shape[0] for _, p in sharded], first.device_mesh.get_group(), first.device)
+    return {fqn: r for (fqn, _), r in zip(sharded, rows)}
 
 
 def _tensor_parallel_rows(model_chunks: list[torch.nn.Module], named: list, groups: ParallelGroups,

@@ -1,17 +1,18 @@
-"""Models sharded with torch FSDP2 (`fully_shard`): DTensor parameters on a 1-D mesh, Shard(0).
+"""Models sharded with torch FSDP2 (`fully_shard`) or Megatron-FSDP (`fully_shard_model`, ZeRO-3):
+DTensor parameters on a 1-D mesh, Shard(0), shards of any sizes.
 
 This module
 - checks that layout, naming any parameter or placement it cannot handle;
-- takes the data-parallel group from the parameters' mesh;
+- takes the data-parallel group from the parameters' mesh, and each matrix's row split from the
+  ranks' actual shards (one all_gather of their sizes; megatron_fsdp_model.py says why);
 - restores the routing facts `fully_shard` drops (`is_embedding_or_output_parameter`,
   `tensor_model_parallel`, `partition_dim`, `allreduce`) from module types and names;
-- with tensor parallelism as well, takes the TP group from `pg_collection` or parallel_state and
-  checks it against the layers and the mesh;
+- with TP as well (FSDP2 only), takes the TP group from `pg_collection` or parallel_state and checks it;
 - gives each whole-matrix optimizer's matrix an owner rank by Newton-Schulz cost
   (ops/row_shards.py runs the exchange);
 - wraps the inner optimizers to step each DTensor's local shard (`FullyShardedFP32Optimizer`),
   with the gradient norm and the inf/NaN check summed over the mesh, then the model-parallel group.
-docs/fsdp2.md describes the behaviour.
+docs/fsdp2.md and docs/megatron-fsdp.md describe the behaviour.
 """
 
 import dataclasses
@@ -34,7 +35,14 @@ from megatron_eopt.runtime.process_groups import (
     resolve_parallel_groups,
 )
 from megatron_eopt.ops.ownership import assign_owners
-from megatron_eopt.ops.row_shards import RowShards, chunk_rows
+from megatron_eopt.distributed.megatron_fsdp_model import (
+    MEGATRON_FSDP,
+    TORCH_FSDP2,
+    missing_grad,
+    sharding_engine,
+    tensor_parallel_refusal,
+)
+from megatron_eopt.ops.row_shards import RowShards, gathered_rows
 from megatron_eopt.ops.splits import MatrixLayout
 from megatron_eopt.params.groups import ParamRecord, named_trainable_parameters
 from megatron_eopt.wrappers.fp32 import FP32Optimizer
@@ -53,14 +61,20 @@ FSDP2_AVERAGES_ON_CPU_SINCE = (2, 9)
 
 @dataclass(frozen=True)
 class FullyShardedLayout:
-    """A FSDP2 model's data-parallel group and the row split of every trainable parameter."""
+    """A sharded model's data-parallel group and the row split of every trainable parameter."""
 
     group: ProcessGroup
-    rows_by_rank: dict[str, tuple[int, ...]]  # fqn -> rows each rank holds (dim 0)
+    rows_by_rank: dict[str, tuple[int, ...]]  # fqn -> rows each rank holds (dim 0), as gathered
     # fqn -> megatron-core partition_dim of the parameters its tensor-parallel layers split
     partition_dims: dict[str, int] = field(default_factory=dict)
     # The caller's groups when tensor parallelism has size > 1 (TP x FSDP2), else None.
     tensor_parallel: Optional[ParallelGroups] = None
+    engine: str = TORCH_FSDP2  # or MEGATRON_FSDP
+
+    @property
+    def optimizer_class(self) -> type:
+        """The wrapper that steps each child's local shards."""
+        return MegatronFSDPFP32Optimizer if self.engine == MEGATRON_FSDP else FullyShardedFP32Optimizer
 
     @property
     def tp_group(self) -> Optional[ProcessGroup]:
@@ -92,13 +106,16 @@ class FullyShardedLayout:
 
 
 def fully_sharded_layout(chunks: list[torch.nn.Module], pg_collection: Any = None) -> Optional[FullyShardedLayout]:
-    """The layout of a model sharded with `fully_shard`; None when no parameter is a DTensor.
+    """The layout of a model sharded with torch FSDP2's `fully_shard` or Megatron-FSDP; None when no
+    parameter is a DTensor. Gathers every rank's shard sizes over the parameters' mesh (a collective).
 
     The tensor-parallel group, if any, is `pg_collection`'s, else megatron-core parallel_state's
     when it is initialized. Raises (naming the parameter) for a mix of DTensor and plain
     trainable parameters, a placement other than Shard(0) on a 1-D mesh, parameters on different
-    meshes, expert parameters, or tensor-parallel layers that do not fit the TP group.
+    meshes, expert parameters, tensor-parallel layers that do not fit the TP group, and tensor
+    parallelism with Megatron-FSDP.
     """
+    engine = sharding_engine(chunks)  # first: Megatron-FSDP's other strategies keep plain parameters
     named = named_trainable_parameters(chunks)
     sharded = [(fqn, p) for fqn, _, p in named if isinstance(p, DTensor)]
     if not sharded:
@@ -107,20 +124,25 @@ def fully_sharded_layout(chunks: list[torch.nn.Module], pg_collection: Any = Non
     if plain:
         raise TypeError(
             f"parameter {plain[0]!r} is a plain tensor, but parameter {sharded[0][0]!r} is a DTensor "
-            f"(torch FSDP2): a model's trainable parameters must be all DTensors or all plain tensors. "
+            f"({engine}): a model's trainable parameters must be all DTensors or all plain tensors. "
             f"fully_shard the module holding {plain[0]!r} too (e.g. fully_shard the root module), or "
             f"freeze it (requires_grad=False)."
         )
     for fqn, param in sharded:
-        check_row_placement(fqn, param)
+        check_row_placement(fqn, param, engine)
         _check_not_expert(fqn)
     group = _common_group(sharded)
-    check_fsdp2_averages(sharded[0][1].device)
-    size = group_size(group)
+    if engine == TORCH_FSDP2:
+        check_fsdp2_averages(sharded[0][1].device)
     splits, engine_layers = _tensor_parallel_splits(chunks)
-    tensor_parallel = _tensor_parallel_groups(pg_collection, group, splits, engine_layers)
-    return FullyShardedLayout(group, {fqn: chunk_rows(p.shape[0], size) for fqn, p in sharded},
-                              {fqn: split.partition_dim for fqn, split in splits.items()}, tensor_parallel)
+    if engine == MEGATRON_FSDP:
+        _refuse_tensor_parallel(pg_collection, splits, sharded[0][0])
+        tensor_parallel = None
+    else:
+        tensor_parallel = _tensor_parallel_groups(pg_collection, group, splits, engine_layers)
+    rows = gathered_rows([p.to_local().shape[0] for _, p in sharded], group, sharded[0][1].device)
+    return FullyShardedLayout(group, {fqn: r for (fqn, _), r in zip(sharded, rows)},
+                              {fqn: split.partition_dim for fqn, split in splits.items()}, tensor_parallel, engine)
 
 
 def _tensor_parallel_splits(chunks: list[torch.nn.Module]) -> tuple[dict[str, TensorParallelSplit], list[str]]:
@@ -145,6 +167,14 @@ def _tensor_parallel_splits(chunks: list[torch.nn.Module]) -> tuple[dict[str, Te
 def tensor_parallel_partition_dims(chunks: list[torch.nn.Module]) -> dict[str, int]:
     """fqn -> megatron-core partition_dim of each parameter a megatron-core TP layer splits."""
     return {fqn: split.partition_dim for fqn, split in _tensor_parallel_splits(chunks)[0].items()}
+
+
+def _refuse_tensor_parallel(pg_collection: Any, splits: dict[str, TensorParallelSplit], first_fqn: str) -> None:
+    """TP x Megatron-FSDP is refused: a TP group of size > 1 given, or layers built for TP > 1."""
+    given = resolve_parallel_groups(pg_collection) if pg_collection is not None else initialized_parallel_state_groups()
+    built = [fqn for fqn, split in splits.items() if split.tp_size > 1]
+    if built or group_size(None if given is None else given.tp) > 1:
+        raise ValueError(tensor_parallel_refusal(built[0] if built else first_fqn))
 
 
 def _tensor_parallel_groups(pg_collection: Any, dp_group: ProcessGroup, splits: dict[str, TensorParallelSplit],
@@ -198,9 +228,11 @@ def _check_crosses_mesh(tp_group: ProcessGroup, dp_group: ProcessGroup) -> None:
         )
 
 
-def check_row_placement(fqn: str, param: DTensor) -> None:
+def check_row_placement(fqn: str, param: DTensor, engine: str = TORCH_FSDP2) -> None:
     """FSDP2's default layout, the only one handled: Shard(0) on a 1-D mesh."""
     placements = tuple(param.placements)
+    if engine == MEGATRON_FSDP and param.device_mesh.ndim != 1:
+        raise ValueError(tensor_parallel_refusal(fqn))
     if param.device_mesh.ndim != 1 or placements != (Shard(0),) or param.dim() < 1:
         raise ValueError(
             f"parameter {fqn!r}: DTensor placement {placements} on a {param.device_mesh.ndim}-D mesh "
@@ -239,19 +271,20 @@ def check_fsdp2_averages(device: torch.device, torch_version: str = torch.__vers
         )
 
 
-def check_fully_sharded_config(config: Any) -> None:
-    """Refuse settings the FSDP2 path does not implement, before anything is built."""
+def check_fully_sharded_config(config: Any, engine: str = TORCH_FSDP2) -> None:
+    """Refuse settings the sharded path does not implement, before anything is built."""
+    compute_in_bf16 = ("fully_shard(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))" if engine == TORCH_FSDP2
+                       else "Megatron-FSDP's MixedPrecisionPolicy")
     refused = [
         ("use_layer_wise_distributed_optimizer", config.use_layer_wise_distributed_optimizer,
-         "FSDP2 already shards the state; set use_distributed_optimizer=False"),
-        ("bf16", config.bf16, "keep FSDP2's sharded parameters in fp32 and compute in bf16 with "
-         "fully_shard(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))"),
-        ("fp16", config.fp16, "fp16 loss scaling is not implemented for FSDP2"),
+         f"{engine} already shards the state; set use_distributed_optimizer=False"),
+        ("bf16", config.bf16, f"keep the sharded parameters in fp32 and compute in bf16 with {compute_in_bf16}"),
+        ("fp16", config.fp16, f"fp16 loss scaling is not implemented for {engine}"),
     ]
     for field, value, how in refused:
         if value:
-            raise ValueError(f"{field}=True is not supported for a torch FSDP2 (DTensor) model: {how}.")
-    if config.decoupled_lr is not None:
+            raise ValueError(f"{field}=True is not supported for a {engine} (DTensor) model: {how}.")
+    if config.decoupled_lr is not None and engine == TORCH_FSDP2:
         raise ValueError(
             "decoupled_lr is set, but torch FSDP2 drops megatron-core's is_embedding_or_output_parameter "
             "attribute that the standard override matches on; pass config_overrides with a name key "
@@ -289,7 +322,19 @@ class FullyShardedFP32Optimizer(FP32Optimizer):
         with torch.no_grad():
             for param, main, record in zip(self.model_params, self.main_params, self.records):
                 main.data = param.to_local()
-                main.grad = None if param.grad is None else _local_grad(record.fqn, param.grad)
+                main.grad = self._missing_grad(record.fqn, main.data) if param.grad is None else _local_grad(
+                    record.fqn, param.grad)
+
+    def _missing_grad(self, fqn: str, shard: torch.Tensor) -> Optional[torch.Tensor]:
+        """FSDP2 gives every rank a gradient or none: a parameter without one is not stepped."""
+        return None
+
+
+class MegatronFSDPFP32Optimizer(FullyShardedFP32Optimizer):
+    """FullyShardedFP32Optimizer for Megatron-FSDP, which gives an empty shard no gradient."""
+
+    def _missing_grad(self, fqn: str, shard: torch.Tensor) -> Optional[torch.Tensor]:
+        return missing_grad(fqn, shard)
 
 
 def _local_grad(fqn: str, grad: torch.Tensor) -> torch.Tensor:
@@ -297,7 +342,7 @@ def _local_grad(fqn: str, grad: torch.Tensor) -> torch.Tensor:
         placement = tuple(grad.placements) if isinstance(grad, DTensor) else "a plain tensor"
         raise ValueError(
             f"parameter {fqn!r}: its gradient is {placement}; a torch FSDP2 parameter's gradient must "
-            f"be a DTensor with placement Shard(0), like the parameter (FSDP2's reduce-scatter gives one)."
+            f"be a DTensor with placement Shard(0), like the parameter (FSDP2's and Megatron-FSDP's reduce-scatter give one)."
         )
     return grad.to_local()
 

@@ -3,8 +3,9 @@
 Megatron-LM's `setup_model_and_optimizer` calls the name `get_megatron_optimizer` of
 `megatron.training.training`. `install()` rebinds that name to
 `get_megatron_optimizer_for_megatron_lm`, which turns Megatron-LM's arguments and
-megatron-core's config into our `OptimizerConfig` and calls `megatron_eopt.get_megatron_optimizer`.
-`uninstall()` puts the original back.
+megatron-core's config into our `OptimizerConfig` and calls `megatron_eopt.get_megatron_optimizer`,
+and `megatron.training.arguments.validate_args` to `validate_args_for_megatron_eopt`, which lets
+emerging optimizers run on Megatron-FSDP. `uninstall()` puts the originals back.
 
 `add_megatron_eopt_args` is the `extra_args_provider` that adds our choices and flags to
 Megatron-LM's parser without changing any of its own; `NOT_OFFERED` names the two left out.
@@ -18,6 +19,7 @@ import dataclasses
 import typing
 from typing import Any, Iterator, Optional
 
+import megatron.training.arguments as megatron_lm_arguments
 import megatron.training.training as megatron_lm_training
 from megatron.training import global_vars
 
@@ -35,6 +37,9 @@ NOT_OFFERED = {
 }
 _PATCHED_NAME = "get_megatron_optimizer"
 _original: Optional[Any] = None  # Megatron-LM's function while ours is installed
+_original_validate_args: Optional[Any] = None  # Megatron-LM's validate_args while ours is installed
+# What Megatron-LM's validate_args lets run on Megatron-FSDP; it refuses every other optimizer there.
+_MEGATRON_FSDP_OPTIMIZERS = ("adam", "sgd")
 
 
 # ---------------------------------------------------------------- command line
@@ -103,10 +108,16 @@ def optimizer_config_from_megatron_lm(args: Optional[argparse.Namespace], config
     if args is not None:
         values.update({n: getattr(args, n) for n in ours if n not in values and hasattr(args, n)})
         _check_checkpoint_format(args)
+        if getattr(args, "use_megatron_fsdp", False):
+            # Megatron-LM sets use_distributed_optimizer for Megatron-FSDP (its DistributedOptimizer
+            # over Megatron-FSDP's buffers); ours steps the DTensor shards Megatron-FSDP gives.
+            values.update(use_distributed_optimizer=False, use_layer_wise_distributed_optimizer=False)
     return OptimizerConfig(**values)
 
 
 def _check_checkpoint_format(args: argparse.Namespace) -> None:
+    if getattr(args, "use_megatron_fsdp", False):
+        return  # Megatron-LM's validate_args asks for Megatron-FSDP's own format (fsdp_dtensor)
     if getattr(args, "use_distributed_optimizer", False) and getattr(args, "ckpt_format", None) == "torch":
         raise ValueError(
             "--use-distributed-optimizer with --ckpt-format torch makes Megatron-LM save "
@@ -140,27 +151,64 @@ def get_megatron_optimizer_for_megatron_lm(
     )
 
 
+# ---------------------------------------------------------------- validate_args
+
+
+def validate_args_for_megatron_eopt(args: argparse.Namespace, defaults: Optional[dict] = None) -> argparse.Namespace:
+    """Megatron-LM's validate_args, which `install()` puts in its place: the same, except that an
+    emerging optimizer (`--optimizer muon`, ...) with `--use-megatron-fsdp` is not refused.
+
+    Megatron-LM refuses them twice (an assert in its Megatron-FSDP block and another in its
+    emerging-optimizer block), and the latter would turn `--use-distributed-optimizer`, which it
+    sets for Megatron-FSDP itself, into the layer-wise optimizer. So the checks run as for
+    `--optimizer adam`, and the optimizer is put back after them.
+    """
+    validate = _original_validate_args or megatron_lm_arguments.validate_args
+    defaults = {} if defaults is None else defaults
+    optimizer = getattr(args, "optimizer", "adam")
+    if not getattr(args, "use_megatron_fsdp", False) or optimizer in _MEGATRON_FSDP_OPTIMIZERS:
+        return validate(args, defaults)
+    if optimizer.startswith("dist_"):
+        raise ValueError(f"--optimizer {optimizer} is the layer-wise distributed optimizer, which has nothing to "
+                         f"shard on Megatron-FSDP; use --optimizer {optimizer.removeprefix('dist_')}.")
+    args.optimizer = "adam"
+    try:
+        validated = validate(args, defaults)
+    finally:
+        args.optimizer = optimizer
+    validated.optimizer = optimizer
+    validated.use_layer_wise_distributed_optimizer = False
+    return validated
+
+
 # ---------------------------------------------------------------- install
 
 
 def install() -> None:
     """Make Megatron-LM's `setup_model_and_optimizer` build megatron_eopt's optimizer.
 
-    Rebinds `megatron.training.training.get_megatron_optimizer` (the name that function calls).
-    Calling it again while installed changes nothing.
+    Rebinds `megatron.training.training.get_megatron_optimizer` (the name that function calls) and
+    `megatron.training.arguments.validate_args` (validate_args_for_megatron_eopt). Calling it again
+    while installed changes nothing.
     """
-    global _original
+    global _original, _original_validate_args
     if _original is None:
         _original = getattr(megatron_lm_training, _PATCHED_NAME)
         setattr(megatron_lm_training, _PATCHED_NAME, get_megatron_optimizer_for_megatron_lm)
+    if _original_validate_args is None:
+        _original_validate_args = megatron_lm_arguments.validate_args
+        megatron_lm_arguments.validate_args = validate_args_for_megatron_eopt
 
 
 def uninstall() -> None:
     """Put Megatron-LM's own `get_megatron_optimizer` back (no-op when not installed)."""
-    global _original
+    global _original, _original_validate_args
     if _original is not None:
         setattr(megatron_lm_training, _PATCHED_NAME, _original)
         _original = None
+    if _original_validate_args is not None:
+        megatron_lm_arguments.validate_args = _original_validate_args
+        _original_validate_args = None
 
 
 def is_installed() -> bool:

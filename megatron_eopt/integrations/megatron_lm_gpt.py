@@ -134,10 +134,10 @@ def main() -> None:
 
     from megatron_eopt.integrations import megatron_lm
 
+    if "--megatron-core-optimizer" not in sys.argv[1:]:
+        megatron_lm.install()  # before validate_args, which install() lets take Megatron-FSDP with ours
     args = parse_and_validate_args(extra_args_provider=add_script_args)
     use_prebuilt_dataset_helpers()
-    if not args.megatron_core_optimizer:
-        megatron_lm.install()
     config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
     pretrain(config, datasets_provider, ModelType.encoder_or_decoder, forward_step)
 

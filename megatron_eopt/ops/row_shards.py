@@ -1,5 +1,5 @@
 """Newton-Schulz, or any whole-matrix function, of matrices split by rows over a data-parallel
-group (torch FSDP2's Shard(0); shards may be uneven or empty).
+group (Shard(0) of torch FSDP2 or Megatron-FSDP; shards may be uneven or empty).
 
 Each matrix has one owner rank, chosen by the caller. A step:
 1. one all_to_all_single sends every rank's rows of each matrix to its owner (explicit split
@@ -41,8 +41,26 @@ class RowShards:
             )
 
 
+def gathered_rows(local_rows: Sequence[int], group: Optional[dist.ProcessGroup],
+                  device: torch.device) -> list[tuple[int, ...]]:
+    """Rows each rank of `group` holds of each matrix: `local_rows[i]` is this rank's count of
+    matrix i. One all_gather; every rank must list the same matrices in the same order.
+
+    The split is read, never computed: Megatron-FSDP cuts its flat buckets wherever the ranks'
+    equal byte shares end, so its Shard(0) is not torch.chunk's.
+    """
+    if group_size(group) == 1:
+        return [(rows,) for rows in local_rows]
+    mine = torch.tensor(list(local_rows), dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(group_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    by_rank = torch.stack(everyone).cpu().tolist()
+    return [tuple(ranks) for ranks in zip(*by_rank)] if local_rows else []
+
+
 def chunk_rows(rows: int, num_ranks: int) -> tuple[int, ...]:
-    """Rows per rank as `torch.chunk` (and so FSDP2 and DTensor's Shard(0)) splits them."""
+    """Rows per rank as `torch.chunk` splits them: torch FSDP2's split, for plans and checkpoint
+    layouts made without the model; a live model's split is `gathered_rows`."""
     if num_ranks < 1:
         raise ValueError(f"num_ranks must be >= 1; got {num_ranks}.")
     per_rank = -(-rows // num_ranks)  # ceil: chunk's piece size; later ranks get less or nothing

@@ -1,4 +1,4 @@
-"""Parallelism flags: process groups, tensor/sequence/data parallelism, FSDP2, gradient reduction
+"""Parallelism flags: process groups, tensor/sequence/data parallelism, FSDP2, Megatron-FSDP, gradient reduction
 (`PARALLEL`) and pipeline parallelism (`PIPELINE`)."""
 
 from arguments.trainer.flags.table import Flag, switch
@@ -22,6 +22,13 @@ PARALLEL: tuple[Flag, ...] = (
                  'data-parallel ranks (of each TP rank, with TP > 1); with --bf16 the sharded parameters and the '
                  'optimizer stay fp32 and FSDP2 computes in bf16 (MixedPrecisionPolicy: bf16 parameters in '
                  'forward/backward, gradients reduced in fp32)')),
+    switch('--use-megatron-fsdp',
+           help=('wrap the model with Megatron-FSDP (the megatron-fsdp package; each transformer layer one unit) '
+                 'over all ranks; needs --data-parallel-sharding-strategy optim_grads_params; TP and PP 1')),
+    Flag('--data-parallel-sharding-strategy', str, 'no_shard',
+         choices=('no_shard', 'optim', 'optim_grads', 'optim_grads_params'),
+         help=("with --use-megatron-fsdp, what Megatron-FSDP shards: only 'optim_grads_params' (ZeRO-3: "
+               'parameters, gradients and optimizer state) is supported; the others are refused')),
     switch('--overlap-grad-reduce',
            help=("start each gradient bucket's data-parallel all-reduce during the last micro-batch's backward, as"
                  ' soon as its gradients are complete (with --use-distributed-optimizer the optimizer then takes '

@@ -58,6 +58,7 @@ from megatron_eopt.training.model.moe import (
     step_moe_losses,
 )
 from megatron_eopt.training.parallel.fsdp2 import fully_shard_gpt
+from megatron_eopt.training.parallel.megatron_fsdp import finish_grad_sync, install_stepped_weights, megatron_fsdp_gpt
 from megatron_eopt.training.parallel.grad_reduction import (
     BUCKET_NUMEL,
     GradReducer,
@@ -86,12 +87,14 @@ def train_step(model, optimizer, micro_batches, forward, grads: GradReducer, dp_
     total = forward.forward_backward(micro_batches, optimizer.scale_loss)
     after_forward_backward()
     chunks = list(model) if isinstance(model, torch.nn.ModuleList) else [model]
+    finish_grad_sync(chunks)  # Megatron-FSDP's (nothing without it)
     finalize_model_grads(chunks, grads)
     finish_router_step(chunks)  # MoE expert biases and token counts, as megatron's finalize_model_grads
     dp_size = dist.get_world_size(dp_group)
     loss_sum = total.to(next(model.parameters()).device)
     dist.all_reduce(loss_sum, group=dp_group)
     ok, grad_norm, num_zeros = optimizer.step()
+    install_stepped_weights(chunks)  # Megatron-FSDP's (nothing without it)
     return loss_sum.item() / dp_size, ok, grad_norm, num_zeros
 
 
@@ -149,6 +152,9 @@ def build_training(args, settings, layout, device, housekeeping: Housekeeping) -
     dp_group = parallel_state.get_data_parallel_group()
     if args.use_torch_fsdp2:
         fully_shard_gpt(model, dp_group, device, bf16_compute=args.bf16)
+    if args.use_megatron_fsdp:
+        model = megatron_fsdp_gpt(model, device)
+        chunks = [model]
     batches = BatchSource(args, layout, parallel_state.get_data_parallel_rank())
     forward = _forward(args, layout, device, chunks, model, batches, dp_group)
     config = optimizer_config_from_args(args, device)
@@ -159,7 +165,8 @@ def build_training(args, settings, layout, device, housekeeping: Housekeeping) -
     # The layer-wise optimizer reduces onto owners itself (unless --overlap-grad-reduce); FSDP2
     # reduce-scatters (averages) in backward.
     grads = GradReducer(model, dp_group, args.accumulate_allreduce_grads_in_fp32,
-                        reduce_over_dp=not (config.layer_wise_reduce_grads or args.use_torch_fsdp2),
+                        reduce_over_dp=not (config.layer_wise_reduce_grads or args.use_torch_fsdp2
+                                            or args.use_megatron_fsdp),
                         bucket_numel=args.ddp_bucket_size or BUCKET_NUMEL,
                         expert_dp_group=parallel_state.get_expert_data_parallel_group(),
                         overlap=args.overlap_grad_reduce)
@@ -209,8 +216,9 @@ def say_setup(args, settings, device, run: Training, housekeeping: Housekeeping)
                  + tensorboard_option_lines(args, on_cuda=device.type == "cuda")
                  + [line for line in (housekeeping.start_line, args.batch_schedule.describe()) if line]):
         log.say(line)
-    if args.overlap_grad_reduce and args.use_torch_fsdp2:
-        log.say("--overlap-grad-reduce: nothing to change, FSDP2 reduce-scatters each layer's gradients during backward")
+    if args.overlap_grad_reduce and (args.use_torch_fsdp2 or args.use_megatron_fsdp):
+        log.say(f"--overlap-grad-reduce: nothing to change, {'FSDP2' if args.use_torch_fsdp2 else 'Megatron-FSDP'} "
+                f"reduce-scatters each layer's gradients during backward")
     precision_line = matmul_precision_line(args, device)
     if precision_line:
         log.say(precision_line)

@@ -1,0 +1,81 @@
+"""Models wrapped by Megatron-FSDP (`MegatronFSDP`, `fully_shard_model`; the `megatron_fsdp` package or
+megatron-core's copy of it): what sets them apart from torch FSDP2 for the optimizer.
+
+Both give DTensor parameters with Shard(0) on a 1-D data-parallel mesh, and distributed/fsdp2.py
+handles both. Megatron-FSDP differs in these ways, checked or handled here:
+- its shards follow its flat buckets, not torch.chunk (row splits are gathered, ops/row_shards.py);
+- a rank whose shard of a parameter is empty gets no `.grad` from `finish_grad_sync()`;
+- it computes with copies of the shards, refreshed after a checkpoint is loaded;
+- only its ZeRO-3 strategy ('optim_grads_params') gives sharded DTensor parameters; TP x
+  Megatron-FSDP (a 2-D mesh) is not handled.
+"""
+
+import torch
+
+MEGATRON_FSDP = "Megatron-FSDP"
+TORCH_FSDP2 = "torch FSDP2"
+# MegatronFSDP's module in the megatron_fsdp package and in megatron-core's copy of it.
+MEGATRON_FSDP_CLASSES = ("megatron_fsdp.megatron_fsdp.MegatronFSDP",
+                         "megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp.MegatronFSDP")
+SUPPORTED_STRATEGY = "optim_grads_params"
+
+
+def _qualified_name(module: torch.nn.Module) -> str:
+    return f"{type(module).__module__}.{type(module).__qualname__}"
+
+
+def megatron_fsdp_wrappers(chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The MegatronFSDP modules in `chunks` (a chunk itself, or inside megatron-core's adapter)."""
+    return [m for chunk in chunks for m in chunk.modules() if _qualified_name(m) in MEGATRON_FSDP_CLASSES]
+
+
+def sharding_engine(chunks: list[torch.nn.Module]) -> str:
+    """Which engine sharded the DTensor parameters of `chunks`, refusing what is not handled."""
+    wrappers = megatron_fsdp_wrappers(chunks)
+    if not wrappers:
+        return TORCH_FSDP2
+    for wrapper in wrappers:
+        check_sharding_strategy(wrapper.data_parallel_sharding_strategy)
+    return MEGATRON_FSDP
+
+
+def check_sharding_strategy(strategy: str) -> None:
+    """Megatron-FSDP's strategies other than ZeRO-3 keep plain parameters and shard the optimizer
+    state inside Megatron-FSDP's own buffers, which this optimizer does not read."""
+    if strategy != SUPPORTED_STRATEGY:
+        raise ValueError(
+            f"Megatron-FSDP data_parallel_sharding_strategy={strategy!r} is not supported by megatron_eopt's "
+            f"optimizers; use {SUPPORTED_STRATEGY!r} (zero_dp_strategy=3), which shards parameters, gradients "
+            f"and optimizer state."
+        )
+
+
+def tensor_parallel_refusal(fqn: str) -> str:
+    """The one-line refusal of TP x Megatron-FSDP, naming what works instead."""
+    return (f"parameter {fqn!r}: tensor parallelism with Megatron-FSDP (its 2-D (fsdp, tp) mesh) is not "
+            f"supported; use TP x torch FSDP2 (--use-torch-fsdp2), or Megatron-FSDP at TP=1.")
+
+
+def missing_grad(fqn: str, shard: torch.Tensor) -> torch.Tensor:
+    """The gradient of this rank's `shard` of a Megatron-FSDP parameter that has no `.grad`.
+
+    `finish_grad_sync()` attaches a gradient to every non-empty shard and none to an empty one. The
+    empty one gets an empty gradient, so that every rank steps, and exchanges, the same matrices.
+    A non-empty shard without one means the gradients were not synchronized: stepping it as zero
+    would decay it (as Megatron-FSDP's own first optimizer step does), so it is refused.
+    """
+    if shard.numel() == 0:
+        return torch.zeros_like(shard)
+    raise ValueError(
+        f"parameter {fqn!r} has no gradient on this rank, which holds {tuple(shard.shape)} of it: call "
+        f"model.finish_grad_sync() after backward and before optimizer.step() (Megatron-FSDP's step protocol)."
+    )
+
+
+def refresh_compute_weights(chunks: list[torch.nn.Module]) -> None:
+    """After parameters were written in place (a checkpoint loaded): Megatron-FSDP computes with its
+    model-weight buffers and keeps the parameters of modules outside its units gathered, so copy the
+    shards there (`install_optimized_model_weights`) and gather them again (`start_param_sync`)."""
+    for wrapper in megatron_fsdp_wrappers(chunks):
+        wrapper.install_optimized_model_weights()
+        wrapper.start_param_sync(force_sync=True)

@@ -1,0 +1,157 @@
+"""Megatron-FSDP (the `megatron_fsdp` package, 0.6.x) on CPU and gloo: its CUDA-only calls replaced
+at run time, never by editing the installed package, and only where CUDA is absent.
+
+`install()` swaps the module-level names `torch` and `dist` of Megatron-FSDP's own modules for
+stand-ins that pass everything through to torch except the calls listed in REPLACED_CALLS; torch
+itself and every other module are untouched. With CUDA available `install()` does nothing.
+"""
+
+import copy
+import importlib
+import types
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# Megatron-FSDP's modules that name `torch` (or `dist`) and call CUDA through it.
+PATCHED_MODULES = ("megatron_fsdp", "fully_shard", "param_and_grad_buffer", "utils", "uneven_dtensor")
+
+REPLACED_CALLS = {
+    "torch.device('cuda...')": "torch.device('cpu'): the default device (megatron_fsdp.py) and the "
+                               "device mesh (fully_shard.py: init_device_mesh(device_type='cuda'))",
+    "torch.cuda.current_device()": "the CPU device: buffers (utils.py) and the default device",
+    "torch.cuda.Stream(), torch.cuda.current_stream(), stream.record_event()": "a stream and events that "
+        "wait for nothing (CPU work runs in program order)",
+    "torch.cuda.stream(s)": "a context that does nothing",
+    "torch.cuda.synchronize(), torch.cuda.empty_cache()": "nothing to wait for or free",
+    "torch.tensor(...).cuda()": "stays on the CPU (uneven_dtensor.py's boundary check)",
+    "dist.all_gather(uneven shards)": "gloo gathers equal sizes only: padded to the largest shard, cut back",
+    "gradient_reduce_preprocessing(...)": "gradient_reduce_div_fusion off: NCCL's PREMUL_SUM is not in "
+                                          "gloo; the gradient is scaled, then summed",
+}
+
+_installed = False
+
+
+class _NoEvent:
+    """A CUDA event already reached: CPU work runs in program order."""
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _NoStream:
+    """A CUDA stream's methods, doing nothing: CPU work runs in program order."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _NoEvent:
+        return _NoEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _cpu_cuda() -> types.SimpleNamespace:
+    """The `torch.cuda` Megatron-FSDP sees: the calls it makes, none needing a GPU."""
+    return types.SimpleNamespace(
+        Stream=_NoStream, current_stream=_NoStream, stream=lambda stream=None: nullcontext(),
+        current_device=lambda: torch.device("cpu"), synchronize=_nothing, empty_cache=_nothing,
+        is_available=lambda: False,
+    )
+
+
+def _cpu_device(spec: Any = "cpu", index: Any = None) -> torch.device:
+    """torch.device, with every CUDA device ('cuda', 'cuda:0', f'cuda:{current_device()}') the CPU."""
+    if str(spec).startswith("cuda"):
+        return torch.device("cpu")
+    return torch.device(spec) if index is None else torch.device(spec, index)
+
+
+class _CpuTensor(torch.Tensor):
+    """`torch.tensor(...)` of the stand-in: a tensor whose `.cuda()` keeps it on the CPU."""
+
+    def cuda(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.as_subclass(torch.Tensor)
+
+
+class _Passthrough(types.ModuleType):
+    """A module whose attributes are `base`'s, except those given."""
+
+    def __init__(self, base: types.ModuleType, **replaced: Any) -> None:
+        super().__init__(base.__name__)
+        self._base = base
+        self.__dict__.update(replaced)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._base, name)
+
+
+def _all_gather_padded(tensor_list: list, tensor: torch.Tensor, group: Any = None, async_op: bool = False):
+    """dist.all_gather of flat shards of any sizes: gloo needs equal sizes, so each is padded to the largest."""
+    sizes = [t.numel() for t in tensor_list]
+    if len(set(sizes)) <= 1 or async_op:
+        return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+    largest = max(sizes)
+    padded = [torch.empty(largest, dtype=tensor.dtype, device=tensor.device) for _ in sizes]
+    local = torch.zeros(largest, dtype=tensor.dtype, device=tensor.device)
+    local[:tensor.numel()] = tensor.reshape(-1)
+    dist.all_gather(padded, local, group=group)
+    for out, received, size in zip(tensor_list, padded, sizes):
+        out.view(-1).copy_(received[:size])
+    return None
+
+
+def _without_premul_sum(original):
+    def gradient_reduce_preprocessing(grad_data, scaling_factor, ddp_config):
+        if getattr(ddp_config, "gradient_reduce_div_fusion", False):
+            ddp_config = copy.copy(ddp_config)
+            ddp_config.gradient_reduce_div_fusion = False
+        return original(grad_data, scaling_factor, ddp_config)
+    return gradient_reduce_preprocessing
+
+
+def install() -> bool:
+    """Patch Megatron-FSDP's CUDA-only calls (REPLACED_CALLS) when CUDA is absent; idempotent.
+
+    Returns whether the patch is active. Call it before building a Megatron-FSDP model on CPU.
+    """
+    global _installed
+    if torch.cuda.is_available():
+        return False
+    if _installed:
+        return True
+    cpu_torch = _Passthrough(torch, cuda=_cpu_cuda(), device=_cpu_device,
+                             tensor=lambda *a, **k: torch.tensor(*a, **k).as_subclass(_CpuTensor))
+    cpu_dist = _Passthrough(dist, all_gather=_all_gather_padded)
+    for name in PATCHED_MODULES:
+        module = importlib.import_module(f"megatron_fsdp.{name}")
+        module.torch = cpu_torch
+        if getattr(module, "dist", None) is dist:
+            module.dist = cpu_dist
+    buffers = importlib.import_module("megatron_fsdp.param_and_grad_buffer")
+    buffers.gradient_reduce_preprocessing = _without_premul_sum(buffers.gradient_reduce_preprocessing)
+    fully_shard = importlib.import_module("megatron_fsdp.fully_shard")
+    fully_shard.init_device_mesh = lambda device_type, *a, **k: torch.distributed.device_mesh.init_device_mesh(
+        "cpu", *a, **k)
+    _installed = True
+    return True

@@ -1,0 +1,50 @@
+"""Megatron-LM's --use-megatron-fsdp layout: the GPT wrapped by Megatron-FSDP (`fully_shard_model`,
+ZeRO-3: 'optim_grads_params'), each transformer layer one FSDP unit, over all ranks (TP = PP = 1).
+
+Megatron-FSDP's step protocol, which the trainer follows: backward, `finish_grad_sync()` (attaches
+each rank's gradient shards), the optimizer's step, `install_optimized_model_weights()` and
+`zero_grad_buffer()`. On CPU its CUDA-only calls are replaced first (runtime/megatron_fsdp_cpu.py).
+"""
+
+import itertools
+
+import torch
+import torch.distributed as dist
+
+from megatron_eopt.distributed.megatron_fsdp_model import megatron_fsdp_wrappers
+from megatron_eopt.runtime import megatron_fsdp_cpu
+
+_MESH_NUMBERS = itertools.count()
+
+
+def megatron_fsdp_gpt(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """`model` wrapped by Megatron-FSDP over every rank (ZeRO-3), each TransformerLayer a unit."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if device.type == "cpu":
+        megatron_fsdp_cpu.install()
+    from megatron_fsdp import fully_shard_model
+
+    # Named anew on every call: torch caches equal meshes, and `main` may run several times in one
+    # process with new process groups (training/parallel/fsdp2.py's data_parallel_mesh says more).
+    number = next(_MESH_NUMBERS)
+    names = (f"megatron_fsdp_dp{number}", f"megatron_fsdp_tp{number}")
+    mesh = init_device_mesh(device.type, (dist.get_world_size(), 1), mesh_dim_names=names)
+    return fully_shard_model(model, device_mesh=mesh, dp_shard_dim=names[0], tp_dim=names[1],
+                             fsdp_unit_modules=[TransformerLayer], zero_dp_strategy="optim_grads_params",
+                             device=device)
+
+
+def finish_grad_sync(chunks: list[torch.nn.Module]) -> None:
+    """After the step's last backward: Megatron-FSDP's reduce-scatter done, gradient shards attached."""
+    for wrapper in megatron_fsdp_wrappers(chunks):
+        wrapper.finish_grad_sync()
+
+
+def install_stepped_weights(chunks: list[torch.nn.Module]) -> None:
+    """After the optimizer's step: the stepped shards into Megatron-FSDP's compute weights, its
+    gradient buffers zeroed for the next step."""
+    for wrapper in megatron_fsdp_wrappers(chunks):
+        wrapper.install_optimized_model_weights()
+        wrapper.zero_grad_buffer()
