@@ -181,7 +181,9 @@ def _check_megatron_fsdp_flags(args: argparse.Namespace) -> None:
                ("--use-distributed-optimizer (Megatron-FSDP shards the optimizer state already)",
                 args.use_layer_wise_distributed_optimizer),
                ("--fp16 or --bf16 (it trains fp32 shards here)", args.fp16 or args.bf16),
-               ("--log-params-norm", args.log_params_norm)]
+               ("--log-params-norm", args.log_params_norm),
+               (f"{_qk_clip_flags(args)} (QK-clip and its logit record are not implemented for DTensor parameters)",
+                _qk_clip_flags(args))]
     for what, given in refused:
         if given:
             raise ValueError(f"--use-megatron-fsdp does not support {what}.")
