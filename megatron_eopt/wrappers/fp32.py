@@ -19,6 +19,7 @@ from megatron_eopt.wrappers.base import (
     MegatronOptimizer,
     SteppableChild,
     StepResult,
+    counts_in_norm,
     default_device,
     take_step,
     timed,
@@ -30,7 +31,12 @@ from megatron_eopt.wrappers.flat_state import (
     megatron_core_optimizer_state,
     torch_state_dict_from_flat,
 )
-from megatron_eopt.wrappers.grad_stats import grad_norm_group_of, local_grad_stats, reduced_grad_stats
+from megatron_eopt.wrappers.grad_stats import (
+    check_grad_norm_group,
+    grad_norm_group_of,
+    local_grad_stats,
+    reduced_grad_stats,
+)
 from megatron_eopt.checkpointing.megatron_sharded import child_sharded_state_dict, expand_sharded_state_dict
 from megatron_eopt.wrappers.qk_clip import QKClip
 from megatron_eopt.wrappers.state_precision import StatePrecision
@@ -189,13 +195,23 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
         return [m.grad for m, group in zip(self.main_params, self._grad_norm_groups)
                 if m.grad is not None and group == grad_norm_group]
 
-    def _counts_in_norm(self, param: torch.nn.Parameter) -> bool:
-        index = self._index_of_main.get(id(param))
-        return super()._counts_in_norm(param) if index is None else self._counts_for_norm[index]
+    def get_grads_for_grad_norm(self, grad_norm_group: Optional[str] = None) -> list[torch.Tensor]:
+        """As the base's, each parameter judged by its model parameter's attributes (an fp32
+        main copy has none)."""
+        if grad_norm_group is not None:
+            check_grad_norm_group(grad_norm_group)
+        facts = zip(self.main_params, self._counts_for_norm, self._grad_norm_groups)
+        return [m.grad for m, counts, group in facts if counts and group == grad_norm_group and m.grad is not None]
 
-    def _grad_norm_group(self, param: torch.nn.Parameter) -> Optional[str]:
-        index = self._index_of_main.get(id(param))
-        return super()._grad_norm_group(param) if index is None else self._grad_norm_groups[index]
+    def _filter_grads_for_norm(self, params: list[torch.nn.Parameter],
+                               param_filter: Optional[Callable[[torch.nn.Parameter], bool]] = None,
+                               ) -> list[torch.Tensor]:
+        """As the base's, the main parameters it steps judged by their model parameters."""
+        def counts(param: torch.nn.Parameter) -> bool:
+            index = self._index_of_main.get(id(param))
+            return counts_in_norm(param, self.tp_group) if index is None else self._counts_for_norm[index]
+
+        return [p.grad for p in params if (param_filter is None or param_filter(p)) and p.grad is not None and counts(p)]
 
     def step_with_ready_grads(self) -> None:
         with timed(self.config, "optimizer-inner-step"):
