@@ -158,6 +158,7 @@ class CheckpointableChild(Protocol):
     so that the wrappers can change how they hold parameters and the inner optimizer freely."""
 
     name: str
+    config: Any  # the OptimizerConfig (megatron-core's format depends on bf16/fp16 and the optimizer)
     grad_scaler: Any
     fqn_of_main: dict[int, str]  # id(main parameter) -> fqn
 
