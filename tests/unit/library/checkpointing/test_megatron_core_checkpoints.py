@@ -235,17 +235,27 @@ def _reshard_body(rank: int, world_size: int, directory: str) -> dict:
         with model_parallel(3 - saved_tp, seed=3):
             for loader in ("core", "ours"):
                 loaded = Run(loader, optimizer, seed=2)
+                fresh = loaded.params()
                 state = dist_checkpointing.load(loaded.sharded(metadata, is_loading=True), case_directory)
                 loaded.model.load_state_dict(state["model"])
                 loaded.optimizer.load_state_dict(state["optimizer"])
+                if loader == "ours":  # the load changed every parameter and filled the state
+                    unchanged = set(fresh) - set(_differences(fresh, loaded.params()))
+                    empty = [k for k, v in _state_tensors(loaded.optimizer).items() if not v.any()]
                 loaded.train(range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS))
                 continued[loader] = loaded.params()
-        results[(saver, saved_tp, optimizer)] = {
-            name: (continued["ours"][name] - value).abs().max().item() for name, value in continued["core"].items()}
+        errors = {name: (continued["ours"][name] - value).abs().max().item() for name, value in continued["core"].items()}
+        results[(saver, saved_tp, optimizer)] = (errors, sorted(unchanged), empty)
     return results
+
+
+def _state_tensors(optimizer) -> dict[str, torch.Tensor]:
+    return {f"{fqn}/{name}": value for child in optimizer.chained_optimizers for p in child.checkpoint_params()
+            for fqn in [p.fqn] for name, value in p.state.items() if torch.is_tensor(value) and value.dim() > 0}
 
 
 def test_megatron_core_checkpoint_at_another_tp_size_continues_as_megatron_core(run_distributed, tmp_path) -> None:
     for rank, results in enumerate(run_distributed(_reshard_body, world_size=2, args=(str(tmp_path),), timeout=600)):
-        for case, errors in results.items():
+        for case, (errors, unchanged, empty) in results.items():
             assert errors and not any(errors.values()), (rank, case, {n: e for n, e in errors.items() if e})
+            assert not unchanged and not empty, (rank, case, unchanged, empty)
