@@ -1,28 +1,16 @@
-"""Optimizer state in megatron-core's formats: `state_dict()` and `sharded_state_dict()` as
-megatron-core 0.19.2's optimizer of the same kind writes them, so a checkpoint moves both ways.
+"""Optimizer state as megatron-core 0.19.2's optimizer of the same kind writes it, both ways.
 
-A trainer calls `optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading, metadata)`
-and hands the result to megatron-core's `dist_checkpointing.save/load`, then
-`optimizer.load_state_dict` with what `load` returned.
-
-One table, `CORE_FORMATS`, says where each kind of megatron-core optimizer keeps what:
-- a child is megatron-core's `FP32Optimizer` (fp32 model) or `Float16OptimizerWithFloat16Params`
-  (bf16/fp16 model: torch's state dict under 'optimizer', the fp32 main copies as one list per
-  param group under 'fp32_from_fp16_params'); state is torch's, positional, param groups a list;
-- each parameter-shaped state tensor is the model parameter's ShardedTensor (or factory) re-keyed
-  `optimizer.state.<name>.<model key>`, the fp32 main copy `optimizer.state.fp32_param.<model
-  key>`, so megatron-core reshards them over TP/DP/PP/EP; the step is stored once, `common_step`;
-- a chain of one child is that child's dict, of several `{i: child}` whose keys get `chained_{i}.`
-  unless `metadata['chained_optim_avoid_prefix']` (megatron-core's rule, `adds_chain_prefix`).
-Param groups carry megatron-core's fields: its `optimizer` field is set only for parameters routed
-to another optimizer than the run's own (Muon's scalar Adam), so ours is left out where it names
-the run's optimizer, and filled back in on load. Scalar state other than the step (megatron-core
-has no key for it) is kept under `eopt_scalar_state`, which megatron-core does not read.
-
-With the layer-wise optimizer the owner writes a parameter's state as the main replica.
-`metadata[LAYOUT_KEY]` records the layout written; the releases before it wrote state keyed by
-our child names (`optimizer.<child>.state.<name>.<key>`), which `metadata[LAYOUT_KEY] =
-EOPT_V1_LAYOUT` still reads (`checkpoint_optimizer_layout` tells which a checkpoint holds).
+`CORE_FORMATS` is the one table of its kinds: `FP32Optimizer` (torch's positional state dict) and
+`Float16OptimizerWithFloat16Params` (that under 'optimizer', fp32 main copies per group under
+'fp32_from_fp16_params'). In `sharded_state_dict` each parameter-shaped state tensor is the model
+parameter's ShardedTensor re-keyed `optimizer.state.<name>.<model key>` (main copies
+`optimizer.state.fp32_param.<key>`), the step once as `common_step`; a chain of several children is
+`{i: child}` with `chained_{i}.` prefixes by megatron-core's rule (`adds_chain_prefix`). Param
+groups leave `optimizer` out where it names the run's own optimizer, as megatron-core's do; scalar
+state other than the step goes under `eopt_scalar_state`, which megatron-core does not read. The
+layer-wise owner writes a parameter's state as the main replica. `metadata[LAYOUT_KEY]` records
+the layout; the one written before (`optimizer.<child>.state.<name>.<key>`, EOPT_V1_LAYOUT) still
+loads when the metadata names it (`checkpoint_optimizer_layout` tells which a checkpoint holds).
 """
 
 from dataclasses import dataclass, replace
@@ -30,6 +18,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from megatron_eopt.config.optimizer_names import run_optimizer
 from megatron_eopt.params.groups import stored_child_name
 from megatron_eopt.wrappers.base import CheckpointableChild, ChildParam
 
@@ -84,11 +73,6 @@ def torch_state_of(state_dict: Mapping, layout: CoreFormat) -> Mapping:
     return state_dict if layout.torch_state_key is None else state_dict[layout.torch_state_key]
 
 
-def primary_optimizer(config: Any) -> str:
-    """The run's own optimizer, which megatron-core's param groups leave unnamed."""
-    return config.optimizer.removeprefix("dist_")
-
-
 # ------------------------------------------------------------------------------------------------
 # Our child -> megatron-core's format
 # ------------------------------------------------------------------------------------------------
@@ -98,7 +82,7 @@ def core_state_dict(child: CheckpointableChild) -> dict:
     """The child's state as megatron-core's optimizer of the same kind returns it from `state_dict()`."""
     params = child.checkpoint_params()
     index_of = {id(p.main): i for i, p in enumerate(params)}
-    primary = primary_optimizer(child.config)
+    primary = run_optimizer(child.config)
     groups = []
     for group in child.param_groups:
         fields = {k: v for k, v in group.items() if k not in OWN_GROUP_FIELDS}
@@ -261,7 +245,7 @@ def unpack_core_state_dict(state_dict: Mapping, params: list[ChildParam], config
     for index, values in entries.items():
         _check_shapes(index, values, params)
         state[index] = {**values, **{name: _copy(value) for name, value in shared.items()}}
-    primary = primary_optimizer(config)
+    primary = run_optimizer(config)
     groups = [{**group, "optimizer": group.get("optimizer") or primary} for group in torch_state["param_groups"]]
     mains = {}
     if layout.main_params_key is not None:
