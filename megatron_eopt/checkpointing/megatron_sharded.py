@@ -102,6 +102,14 @@ def core_state_dict(child: CheckpointableChild) -> dict:
     return state_dict
 
 
+def megatron_core_state_dict(optimizer: Any) -> Any:
+    """What megatron-core's optimizer of the same kind returns from `state_dict()` (the plain
+    `--ckpt-format torch`): one child's dict, or a list for a chain of several. Our own
+    `state_dict()` keys state by parameter name, which megatron-core cannot read; this is the way back."""
+    states = [core_state_dict(child) for child in getattr(optimizer, "chained_optimizers", [optimizer])]
+    return states[0] if len(states) == 1 else states
+
+
 def _main_copy_indices(params: list[ChildParam], indices: list[int]) -> list[int]:
     """The indices of parameters with a separate fp32 main copy (megatron-core's 16-bit ones)."""
     return [i for i in indices if params[i].main is not params[i].model]
