@@ -44,12 +44,19 @@ class CoreFormat:
     kind: str  # megatron-core's class
     torch_state_key: Optional[str]  # torch's optimizer state dict: the dict itself (None) or under this key
     main_params_key: Optional[str]  # fp32 main copies of the 16-bit parameters, one list per param group
+    # DistributedOptimizer: per-parameter state under this key instead of torch's 'state' (read only),
+    # with the fp32 main copy as its state `param`, and the step in each param group.
+    param_state_key: Optional[str] = None
 
 
+# DistributedOptimizer's formats keyed by DDP bucket need its buffers' layout: not read.
 CORE_FORMATS = {
+    "distributed_fully_reshardable": CoreFormat("DistributedOptimizer (fully_reshardable)", "optimizer", None,
+                                                "param_state"),
     "fp32": CoreFormat("FP32Optimizer", None, None),
     "float16": CoreFormat("Float16OptimizerWithFloat16Params", "optimizer", "fp32_from_fp16_params"),
 }
+DISTRIBUTED_MAIN_PARAM = "param"
 
 
 def core_format_of(child: CheckpointableChild) -> CoreFormat:
@@ -64,7 +71,8 @@ def core_format_in(state_dict: Any) -> Optional[CoreFormat]:
         return None
     for layout in CORE_FORMATS.values():
         torch_state = state_dict if layout.torch_state_key is None else state_dict.get(layout.torch_state_key)
-        if isinstance(torch_state, Mapping) and isinstance(torch_state.get("param_groups"), list):
+        if (isinstance(torch_state, Mapping) and isinstance(torch_state.get("param_groups"), list)
+                and (layout.param_state_key is None or layout.param_state_key in state_dict)):
             return layout
     return None
 
@@ -199,24 +207,71 @@ def layout_of(metadata: Optional[Mapping]) -> str:
 def chain_sharded_state_dict(names: list[str], children: list[CheckpointableChild], model_sharded_state_dict: dict,
                              is_loading: bool, owner_is_main_replica: bool, metadata: Optional[dict]) -> dict:
     """A chain's sharded state dict in the layout `metadata` asks for (megatron-core's by default)."""
-    from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
-
     if layout_of(metadata) == EOPT_V1_LAYOUT:
         return {"optimizers": {name: v1_child_sharded_state_dict(child, model_sharded_state_dict, is_loading,
                                                                  owner_is_main_replica)
                                for name, child in zip(names, children)}}
     if not is_loading:
         describe_layout(metadata)
+    elif written_by_distributed_optimizer(metadata):
+        states = [distributed_load_request(child, model_sharded_state_dict, metadata) for child in children]
+        return states[0] if len(states) == 1 else _chained(states, metadata)
     states = [child_sharded_state_dict(child, model_sharded_state_dict, is_loading, owner_is_main_replica)
               if hasattr(child, "checkpoint_params")  # else megatron-core's own optimizer in our chain
               else child.sharded_state_dict(model_sharded_state_dict, is_loading, metadata=metadata)
               for child in children]
-    if len(states) == 1:
-        return states[0]
+    return states[0] if len(states) == 1 else _chained(states, metadata)
+
+
+def _chained(states: list[dict], metadata: Optional[Mapping]) -> dict:
+    from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
+
     if adds_chain_prefix(metadata or {}):
         for index, state in enumerate(states):
             add_prefix_for_sharding(state, f"chained_{index}.")
     return dict(enumerate(states))
+
+
+def written_by_distributed_optimizer(metadata: Optional[Mapping]) -> bool:
+    """Whether a checkpoint's metadata says megatron-core's DistributedOptimizer wrote it: a
+    distributed-optimizer format, and not our layout mark (we always leave one). Refuses the
+    bucket-keyed formats, which we cannot read."""
+    metadata = metadata or {}
+    sharding = metadata.get("distrib_optim_sharding_type")
+    if sharding is None or LAYOUT_KEY in metadata:
+        return False
+    if sharding != "fully_reshardable":
+        raise ValueError(
+            f"the checkpoint holds megatron-core DistributedOptimizer state in its {sharding!r} format, which "
+            f"megatron_eopt cannot read (only 'fully_reshardable': save it with --dist-ckpt-optim-fully-"
+            f"reshardable), or load the model only (--no-load-optim)."
+        )
+    return True
+
+
+def distributed_load_request(child: CheckpointableChild, model_sharded_state_dict: dict, metadata: Mapping) -> dict:
+    """What to load of megatron-core's DistributedOptimizer `fully_reshardable` checkpoint: its
+    per-parameter state (`optimizer.state.<name>.<key>`, the fp32 main copy as `param`), its
+    param groups (which hold the step) from the common state."""
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
+    from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+
+    child.init_state()
+    params = child.checkpoint_params()
+    sharded_of = _sharded_params(params, model_sharded_state_dict, owner_is_main_replica=False)
+    torch_state = core_state_dict(child)
+    torch_state = torch_state_of(torch_state, core_format_of(child))
+    mains = dict(zip(range(len(params)), child.fp32_main_params()))
+    param_state = {}
+    for i, entries in torch_state["state"].items():
+        tensors = {name: value for name, value in entries.items() if _is_parameter_shaped(child, name, value, params[i])}
+        if _main_copy_indices(params, [i]):
+            tensors[DISTRIBUTED_MAIN_PARAM] = mains[i]
+        param_state[i] = {name: make_sharded_optimizer_tensor(sharded_of(i), value, f"{STATE_PREFIX}.{name}")
+                          for name, value in tensors.items()}
+    groups = [{"params": LocalNonpersistentObject(group["params"])} for group in torch_state["param_groups"]]
+    return {"optimizer": {"param_groups": groups}, "param_state": param_state,
+            "param_state_sharding_type": metadata["distrib_optim_sharding_type"]}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -246,7 +301,18 @@ def unpack_core_state_dict(state_dict: Mapping, params: list[ChildParam], config
     layout = core_format_in(state_dict)
     torch_state = torch_state_of(state_dict, layout)
     shared = dict(state_dict.get(EXTRA_SCALARS) or {})
-    entries = dict(torch_state["state"])
+    mains = {}
+    if layout.param_state_key is not None:  # DistributedOptimizer: the step in the groups, mains in the state
+        entries = {i: dict(values) for i, values in state_dict[layout.param_state_key].items()}
+        for index, values in entries.items():
+            main = values.pop(DISTRIBUTED_MAIN_PARAM, None)
+            if main is not None and index in _main_copy_indices(params, [index]):
+                mains[index] = main
+        steps = {group["step"] for group in torch_state["param_groups"] if group.get("step") is not None}
+        if steps:
+            shared["step"] = torch.tensor(float(steps.pop()))
+    else:
+        entries = dict(torch_state["state"])
     if COMMON_STEP in entries:
         shared["step"] = entries.pop(COMMON_STEP)
     state = {}
@@ -255,7 +321,6 @@ def unpack_core_state_dict(state_dict: Mapping, params: list[ChildParam], config
         state[index] = {**values, **{name: _copy(value) for name, value in shared.items()}}
     primary = run_optimizer(config)
     groups = [{**group, "optimizer": group.get("optimizer") or primary} for group in torch_state["param_groups"]]
-    mains = {}
     if layout.main_params_key is not None:
         for group, values in zip(groups, state_dict.get(layout.main_params_key) or []):
             mains.update(zip(_main_copy_indices(params, list(group["params"])), values))

@@ -18,6 +18,7 @@ through the plain format (`--ckpt-format torch`: `torch.save`/`torch.load` of wh
 `state_dict()` returned, or for ours `megatron_core_state_dict(optimizer)`).
 """
 
+import contextlib
 import io
 
 import pytest
@@ -260,3 +261,106 @@ def test_megatron_core_checkpoint_at_another_tp_size_continues_as_megatron_core(
         for case, (errors, unchanged, empty) in results.items():
             assert errors and not any(errors.values()), (rank, case, {n: e for n, e in errors.items() if e})
             assert not unchanged and not empty, (rank, case, unchanged, empty)
+
+
+# ------------------------------------------------------------------------------------------------
+# megatron-core's DistributedOptimizer (`--use-distributed-optimizer`), its fully_reshardable format
+# ------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def megatron_core_ddp_on_cpu():
+    """megatron-core 0.19.2's DDP and DistributedOptimizer on CPU: its buffers are made on
+    `torch.cuda.current_device()` (here 'cpu'), its gradient sync asks for the current CUDA stream
+    (here one that waits for nothing: CPU work is in order), and the optimizer checks that each
+    parameter's `type()` is a `torch.cuda.*Tensor` (here the CPU type with that name, while it is
+    built: `building`)."""
+    saved = torch.cuda.current_device, torch.cuda.current_stream, torch.cuda.stream, torch.Tensor.type
+
+    class Stream:
+        def wait_event(self, event) -> None: ...
+        def wait_stream(self, stream) -> None: ...
+
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.current_stream = lambda *args, **kwargs: Stream()
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
+    try:
+        with cuda_tensors_on_cpu():
+            yield
+    finally:
+        torch.cuda.current_device, torch.cuda.current_stream, torch.cuda.stream, torch.Tensor.type = saved
+
+
+@contextlib.contextmanager
+def building():
+    original = torch.Tensor.type
+
+    def cuda_named(tensor, *args, **kwargs):
+        name = original(tensor, *args, **kwargs)
+        return name.replace("torch.", "torch.cuda.", 1) if not args and not kwargs else name
+
+    torch.Tensor.type = cuda_named
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+DISTRIBUTED_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True,
+                        "distrib_optim_fully_reshardable_mem_efficient": True, "singleton_local_shards": False}
+
+
+def _distributed_body(rank: int, world_size: int, directory: str) -> dict:
+    """megatron-core's DDP + DistributedOptimizer (Adam) trains and saves fully_reshardable; ours
+    loads and continues, against megatron-core continuing; and the bucket-keyed format's refusal."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig as CoreConfig
+    from megatron.core.optimizer import get_megatron_optimizer as core_get_megatron_optimizer
+
+    from megatron_eopt.training.model.gpt import GPTModelSettings, build_gpt_model
+
+    settings = GPTModelSettings(**SETTINGS)
+    with model_parallel(1, seed=3), megatron_core_ddp_on_cpu():
+        torch.manual_seed(1)
+        model = build_gpt_model(settings)
+        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+            use_distributed_optimizer=True, grad_reduce_in_fp32=True), model)
+        with building():
+            core = core_get_megatron_optimizer(CoreConfig(**FIELDS["adam"], use_distributed_optimizer=True), [ddp])
+
+        def train(steps: range) -> None:
+            for step in steps:
+                ddp.zero_grad_buffer()
+                core.zero_grad()
+                step_loss(ddp, token_batch(settings, batch=4, seed=100 + step)).backward()
+                ddp.finish_grad_sync()
+                for child in core.chained_optimizers:  # megatron-core's step less its CUDA-only norm
+                    assert not child.prepare_grads() and child.step_with_ready_grads()
+
+        train(range(SAVED_STEPS))
+        model_sd = model.sharded_state_dict()
+        _megatron_save({"model": model_sd, "optimizer": core.sharded_state_dict(
+            model_sd, metadata=dict(DISTRIBUTED_METADATA))}, directory)
+        train(range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS))
+        expected = {name: p.detach().clone() for name, p in model.named_parameters()}
+
+        ours = Run("ours", "adam", seed=2)
+        state = dist_checkpointing.load(ours.sharded(DISTRIBUTED_METADATA, is_loading=True), directory)
+        ours.model.load_state_dict(state["model"])
+        ours.optimizer.load_state_dict(state["optimizer"])
+        ours.train(range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS))
+        keys = _optimizer_keys(directory)
+        try:
+            ours.sharded({**DISTRIBUTED_METADATA, "distrib_optim_sharding_type": "dp_reshardable"}, is_loading=True)
+            refusal = "accepted"
+        except ValueError as error:
+            refusal = str(error)
+    return {"differences": _differences(expected, ours.params()), "keys": keys, "refusal": refusal}
+
+
+def test_megatron_core_distributed_optimizer_checkpoint_continues_in_ours(run_distributed, tmp_path) -> None:
+    (result,) = run_distributed(_distributed_body, world_size=1, args=(str(tmp_path),), timeout=600)
+    assert any(k.startswith("optimizer.state.param.") for k in result["keys"]), result["keys"][:5]
+    assert not result["differences"], result["differences"][:5]
+    assert "'dp_reshardable' format, which megatron_eopt cannot read" in result["refusal"], result["refusal"]
