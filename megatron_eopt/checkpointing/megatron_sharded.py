@@ -244,7 +244,8 @@ def written_by_distributed_optimizer(metadata: Optional[Mapping]) -> bool:
         raise ValueError(
             f"the checkpoint holds megatron-core DistributedOptimizer state in its {sharding!r} format, which "
             f"megatron_eopt cannot read (only 'fully_reshardable': save it with --dist-ckpt-optim-fully-"
-            f"reshardable), or load the model only (--no-load-optim)."
+            f"reshardable), or load the model only (--no-load-optim). If megatron_eopt wrote it before its "
+            f"megatron-core layout, set metadata[{LAYOUT_KEY!r}] = {EOPT_V1_LAYOUT!r}."
         )
     return True
 
