@@ -18,7 +18,6 @@ through the plain format (`--ckpt-format torch`: `torch.save`/`torch.load` of wh
 `state_dict()` returned, or for ours `megatron_core_state_dict(optimizer)`).
 """
 
-import contextlib
 import io
 
 import pytest
@@ -27,7 +26,7 @@ import torch
 from megatron_eopt.checkpointing import checkpoint_optimizer_layout, megatron_core_state_dict
 from tests.gpt_training import model_parallel, step_loss, token_batch
 from tests.unit.library.checkpointing.test_megatron_sharded import _megatron_save
-from tests.unit.library.test_megatron_core_parity import cuda_tensors_on_cpu
+from tests.megatron_core_on_cpu import cuda_named_types, cuda_tensors_on_cpu, megatron_core_ddp_on_cpu
 
 SAVED_STEPS, MORE_STEPS = 2, 2
 SETTINGS = dict(num_layers=2, hidden_size=32, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=48,
@@ -268,44 +267,6 @@ def test_megatron_core_checkpoint_at_another_tp_size_continues_as_megatron_core(
 # ------------------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def megatron_core_ddp_on_cpu():
-    """megatron-core 0.19.2's DDP and DistributedOptimizer on CPU: its buffers are made on
-    `torch.cuda.current_device()` (here 'cpu'), its gradient sync asks for the current CUDA stream
-    (here one that waits for nothing: CPU work is in order), and the optimizer checks that each
-    parameter's `type()` is a `torch.cuda.*Tensor` (here the CPU type with that name, while it is
-    built: `building`)."""
-    saved = torch.cuda.current_device, torch.cuda.current_stream, torch.cuda.stream, torch.Tensor.type
-
-    class Stream:
-        def wait_event(self, event) -> None: ...
-        def wait_stream(self, stream) -> None: ...
-
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.current_stream = lambda *args, **kwargs: Stream()
-    torch.cuda.stream = lambda stream: contextlib.nullcontext()
-    try:
-        with cuda_tensors_on_cpu():
-            yield
-    finally:
-        torch.cuda.current_device, torch.cuda.current_stream, torch.cuda.stream, torch.Tensor.type = saved
-
-
-@contextlib.contextmanager
-def building():
-    original = torch.Tensor.type
-
-    def cuda_named(tensor, *args, **kwargs):
-        name = original(tensor, *args, **kwargs)
-        return name.replace("torch.", "torch.cuda.", 1) if not args and not kwargs else name
-
-    torch.Tensor.type = cuda_named
-    try:
-        yield
-    finally:
-        torch.Tensor.type = original
-
-
 DISTRIBUTED_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True,
                         "distrib_optim_fully_reshardable_mem_efficient": True, "singleton_local_shards": False}
 
@@ -326,7 +287,7 @@ def _distributed_body(rank: int, world_size: int, directory: str) -> dict:
         model = build_gpt_model(settings)
         ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
             use_distributed_optimizer=True, grad_reduce_in_fp32=True), model)
-        with building():
+        with cuda_named_types():
             core = core_get_megatron_optimizer(CoreConfig(**FIELDS["adam"], use_distributed_optimizer=True), [ddp])
 
         def train(steps: range) -> None:
