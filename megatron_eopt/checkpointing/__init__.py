@@ -14,6 +14,8 @@ _LAZY = {
     "save_checkpoint": "megatron_eopt.checkpointing.checkpoint",
     "start_save_checkpoint": "megatron_eopt.checkpointing.checkpoint",
     "DirectoryOwner": "megatron_eopt.checkpointing.directory_lock",
+    "checkpoint_optimizer_layout": "megatron_eopt.checkpointing.megatron_sharded",
+    "megatron_core_state_dict": "megatron_eopt.checkpointing.megatron_sharded",
     "CheckpointError": "megatron_eopt.checkpointing.storage",
     "CheckpointSaveError": "megatron_eopt.checkpointing.storage",
     "has_checkpoints": "megatron_eopt.checkpointing.storage",

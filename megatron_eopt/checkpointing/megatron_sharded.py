@@ -1,110 +1,452 @@
-"""`sharded_state_dict` in megatron-core's format, for Megatron-LM and Megatron-Bridge trainers.
+"""Optimizer state as megatron-core 0.19.2's optimizer of the same kind writes it, both ways.
 
-A trainer calls `optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading)` and hands
-the result to megatron-core's `dist_checkpointing.save/load`, then `optimizer.load_state_dict`
-with what `load` returned. Each parameter-shaped state tensor (and fp32 main copy) becomes the
-model parameter's ShardedTensor (or factory, e.g. the gated fc1's) re-keyed
-`optimizer.<child>.state.<name>.<model key>`, as megatron-core's own optimizers do, so
-megatron-core reshards it over TP/DP; the model's keys carry global layer and expert offsets, so
-the optimizer's do too at any PP/EP size (expert state keyed under the dense child's name). With
-the layer-wise optimizer the owner writes a parameter's state as the main replica (only the
-owner has it). Scalar state (Adam's `step`) is one value per state name (every parameter has
-taken the same steps); the parameter lists of the groups stay local (not saved), everything
-else is common to all ranks (megatron-core saves rank 0's copy).
+`CORE_FORMATS` is the one table of its kinds: `FP32Optimizer` (torch's positional state dict) and
+`Float16OptimizerWithFloat16Params` (that under 'optimizer', fp32 main copies per group under
+'fp32_from_fp16_params'). In `sharded_state_dict` each parameter-shaped state tensor is the model
+parameter's ShardedTensor re-keyed `optimizer.state.<name>.<model key>` (main copies
+`optimizer.state.fp32_param.<key>`), the step once as `common_step`; a chain of several children is
+`{i: child}` with `chained_{i}.` prefixes by megatron-core's rule (`adds_chain_prefix`). Param
+groups leave `optimizer` out where it names the run's own optimizer, as megatron-core's do; scalar
+state other than the step goes under `eopt_scalar_state`, which megatron-core does not read. The
+layer-wise owner writes a parameter's state as the main replica. `metadata[LAYOUT_KEY]` records
+the layout; the one written before (`optimizer.<child>.state.<name>.<key>`, EOPT_V1_LAYOUT) still
+loads when the metadata names it (`checkpoint_optimizer_layout` tells which a checkpoint holds).
 """
 
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Mapping, Optional
 
 import torch
 
+from megatron_eopt.config.optimizer_names import run_optimizer
 from megatron_eopt.params.groups import stored_child_name
-from megatron_eopt.wrappers.base import CheckpointableChild
+from megatron_eopt.wrappers.base import CheckpointableChild, ChildParam
 
-COMMON_STATE = "common_state"
+LAYOUT_KEY = "eopt_optimizer_layout"
+MEGATRON_CORE_LAYOUT = "megatron_core"  # what this module writes
+EOPT_V1_LAYOUT = "megatron_eopt_v1"  # keyed by our child names: written before megatron-core's layout
+STATE_PREFIX = "optimizer.state"  # + .<state name>.<model key>
+MAIN_PARAM_STATE = "fp32_param"
+COMMON_STEP = "common_step"
+EXTRA_SCALARS = "eopt_scalar_state"
+# Fields of our param groups that megatron-core's do not have (it records no names).
+OWN_GROUP_FIELDS = ("params", "param_fqns", "group_key")
+# megatron-core's DistributedOptimizer formats keyed by parameter (DistributedOptimizer.
+# checkpoint_fully_reshardable_formats); the others are keyed by its DDP buckets.
+PARAMETER_KEYED_FORMATS = ("fully_reshardable", "fully_sharded_model_space")
+BUCKET_KEYED_FORMATS = ("dp_reshardable", "dp_zero_gather_scatter", "fully_sharded_bucket_space")
 
 
-def child_sharded_state_dict(
-    child: CheckpointableChild, model_sharded_state_dict: dict, is_loading: bool, owner_is_main_replica: bool
-) -> dict:
-    """The child's `state_dict()` with its tensors replaced by megatron-core sharded tensors."""
+@dataclass(frozen=True)
+class CoreFormat:
+    """Where one kind of megatron-core optimizer keeps its state in `state_dict()` (optimizer.py)."""
+
+    kind: str  # megatron-core's class
+    torch_state_key: Optional[str]  # torch's optimizer state dict: the dict itself (None) or under this key
+    main_params_key: Optional[str]  # fp32 main copies of the 16-bit parameters, one list per param group
+    # DistributedOptimizer: per-parameter state under this key instead of torch's 'state' (read only),
+    # with the fp32 main copy as its state `param`, and the step in each param group.
+    param_state_key: Optional[str] = None
+
+
+# DistributedOptimizer's formats keyed by DDP bucket need its buffers' layout: not read.
+CORE_FORMATS = {
+    "distributed_fully_reshardable": CoreFormat("DistributedOptimizer (fully_reshardable)", "optimizer", None,
+                                                "param_state"),
+    "fp32": CoreFormat("FP32Optimizer", None, None),
+    "float16": CoreFormat("Float16OptimizerWithFloat16Params", "optimizer", "fp32_from_fp16_params"),
+}
+DISTRIBUTED_MAIN_PARAM = "param"
+
+
+def core_format_of(child: CheckpointableChild) -> CoreFormat:
+    """megatron-core's kind for the child: Float16... when the run is bf16/fp16, as its factory builds."""
+    config = child.config
+    return CORE_FORMATS["float16" if config.bf16 or config.fp16 else "fp32"]
+
+
+def core_format_in(state_dict: Any) -> Optional[CoreFormat]:
+    """The megatron-core format `state_dict` is in, or None (ours, or not a state dict)."""
+    if not isinstance(state_dict, Mapping):
+        return None
+    for layout in CORE_FORMATS.values():
+        torch_state = state_dict if layout.torch_state_key is None else state_dict.get(layout.torch_state_key)
+        if (isinstance(torch_state, Mapping) and isinstance(torch_state.get("param_groups"), list)
+                and (layout.param_state_key is None or layout.param_state_key in state_dict)):
+            return layout
+    return None
+
+
+def torch_state_of(state_dict: Mapping, layout: CoreFormat) -> Mapping:
+    return state_dict if layout.torch_state_key is None else state_dict[layout.torch_state_key]
+
+
+# ------------------------------------------------------------------------------------------------
+# Our child -> megatron-core's format
+# ------------------------------------------------------------------------------------------------
+
+
+def core_state_dict(child: CheckpointableChild) -> dict:
+    """The child's state as megatron-core's optimizer of the same kind returns it from `state_dict()`."""
+    params = child.checkpoint_params()
+    index_of = {id(p.main): i for i, p in enumerate(params)}
+    primary = run_optimizer(child.config)
+    groups = []
+    for group in child.param_groups:
+        fields = {k: v for k, v in group.items() if k not in OWN_GROUP_FIELDS}
+        if fields.get("optimizer") == primary:
+            del fields["optimizer"]
+        groups.append({**fields, "params": [index_of[id(p)] for p in group["params"]]})
+    torch_state = {"state": {i: dict(p.state) for i, p in enumerate(params) if p.state}, "param_groups": groups}
+    layout = core_format_of(child)
+    if layout.torch_state_key is None:
+        return torch_state
+    mains = child.fp32_main_params()
+    state_dict = {layout.torch_state_key: torch_state,
+                  layout.main_params_key: [[mains[i] for i in _main_copy_indices(params, group["params"])]
+                                           for group in groups]}
+    if child.grad_scaler is not None:
+        state_dict["grad_scaler"] = child.grad_scaler.state_dict()
+    return state_dict
+
+
+def megatron_core_state_dict(optimizer: Any) -> Any:
+    """What megatron-core's optimizer of the same kind returns from `state_dict()` (the plain
+    `--ckpt-format torch`): one child's dict, or a list for a chain of several. Our own
+    `state_dict()` keys state by parameter name, which megatron-core cannot read; this is the way back."""
+    states = [core_state_dict(child) for child in getattr(optimizer, "chained_optimizers", [optimizer])]
+    return states[0] if len(states) == 1 else states
+
+
+def _main_copy_indices(params: list[ChildParam], indices: list[int]) -> list[int]:
+    """The indices of parameters with a separate fp32 main copy (megatron-core's 16-bit ones)."""
+    return [i for i in indices if params[i].main is not params[i].model]
+
+
+def child_sharded_state_dict(child: CheckpointableChild, model_sharded_state_dict: dict, is_loading: bool,
+                             owner_is_main_replica: bool) -> dict:
+    """`core_state_dict` with its tensors replaced by megatron-core sharded tensors."""
     from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
-    from megatron.core.dist_checkpointing.optimizer import (
-        get_param_id_to_sharded_param_map,
-        make_sharded_optimizer_tensor,
-    )
+    from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+
+    if is_loading:
+        child.init_state()
+    params = child.checkpoint_params()
+    sharded_of = _sharded_params(params, model_sharded_state_dict, owner_is_main_replica)
+    state_dict = core_state_dict(child)
+    layout = core_format_of(child)
+    torch_state = torch_state_of(state_dict, layout)
+    state, scalars = {}, {}
+    for i, entries in torch_state["state"].items():
+        state[i] = {}
+        for name, value in entries.items():
+            if _is_parameter_shaped(child, name, value, params[i]):
+                state[i][name] = make_sharded_optimizer_tensor(sharded_of(i), value, f"{STATE_PREFIX}.{name}")
+            else:
+                _add_common(scalars, name, value, params[i].fqn)
+    if "step" in scalars:
+        state[COMMON_STEP] = scalars.pop("step")
+    torch_state["state"] = state
+    if layout.main_params_key is not None:
+        state_dict[layout.main_params_key] = [
+            [make_sharded_optimizer_tensor(sharded_of(i), main, f"{STATE_PREFIX}.{MAIN_PARAM_STATE}")
+             for i, main in zip(_main_copy_indices(params, group["params"]), mains)]
+            for group, mains in zip(torch_state["param_groups"], state_dict[layout.main_params_key])
+        ]
+    for group in torch_state["param_groups"]:  # which parameters: this rank's own business
+        group["params"] = LocalNonpersistentObject(group["params"])
+    if scalars:
+        state_dict[EXTRA_SCALARS] = scalars
+    return state_dict
+
+
+def _sharded_params(params: list[ChildParam], model_sharded_state_dict: dict, owner_is_main_replica: bool):
+    """index -> the model parameter's ShardedTensor (or factory); a getter that names a missing one."""
+    from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map
+
+    by_index = get_param_id_to_sharded_param_map(model_sharded_state_dict, [p.model for p in params])
+
+    def sharded_of(index: int) -> Any:
+        if index not in by_index:
+            raise ValueError(
+                f"parameter {params[index].fqn!r} has no entry in the model's sharded_state_dict; build it with "
+                f"the model's own sharded_state_dict() (its tensors must be the parameters themselves)."
+            )
+        return _as_main_replica(by_index[index], owner_is_main_replica)
+
+    return sharded_of
+
+
+def adds_chain_prefix(metadata: Mapping) -> bool:
+    """megatron-core's ChainedOptimizer rule: `chained_{i}.` unless `chained_optim_avoid_prefix`, and
+    always with a distributed-optimizer format keyed by DDP buckets."""
+    sharding = metadata.get("distrib_optim_sharding_type")
+    bucket_keyed = sharding is not None and sharding not in PARAMETER_KEYED_FORMATS
+    return bucket_keyed or not metadata.get("chained_optim_avoid_prefix", False)
+
+
+def describe_layout(metadata: Optional[dict]) -> None:
+    """Record in the caller's `metadata` (Megatron-LM saves it with the checkpoint and hands it back
+    on load) what we write: megatron-core's layout, keyed by parameter even where a bucket-keyed
+    distributed-optimizer format was asked for (we have no DDP buckets)."""
+    if metadata is None:
+        return
+    metadata[LAYOUT_KEY] = MEGATRON_CORE_LAYOUT
+    if metadata.get("distrib_optim_sharding_type") in BUCKET_KEYED_FORMATS:
+        metadata["distrib_optim_sharding_type"] = "fully_reshardable"
+
+
+def layout_of(metadata: Optional[Mapping]) -> str:
+    layout = (metadata or {}).get(LAYOUT_KEY, MEGATRON_CORE_LAYOUT)
+    if layout not in (MEGATRON_CORE_LAYOUT, EOPT_V1_LAYOUT):
+        raise ValueError(f"metadata[{LAYOUT_KEY!r}] is {layout!r}; the layouts are "
+                         f"{MEGATRON_CORE_LAYOUT!r} (megatron-core's) and {EOPT_V1_LAYOUT!r} (ours before it).")
+    return layout
+
+
+def chain_sharded_state_dict(names: list[str], children: list[CheckpointableChild], model_sharded_state_dict: dict,
+                             is_loading: bool, owner_is_main_replica: bool, metadata: Optional[dict]) -> dict:
+    """A chain's sharded state dict in the layout `metadata` asks for (megatron-core's by default)."""
+    if layout_of(metadata) == EOPT_V1_LAYOUT:
+        return {"optimizers": {name: v1_child_sharded_state_dict(child, model_sharded_state_dict, is_loading,
+                                                                 owner_is_main_replica)
+                               for name, child in zip(names, children)}}
+    if not is_loading:
+        describe_layout(metadata)
+    elif written_by_distributed_optimizer(metadata):
+        states = [distributed_load_request(child, model_sharded_state_dict, metadata) for child in children]
+        return states[0] if len(states) == 1 else _chained(states, metadata)
+    states = [child_sharded_state_dict(child, model_sharded_state_dict, is_loading, owner_is_main_replica)
+              if hasattr(child, "checkpoint_params")  # else megatron-core's own optimizer in our chain
+              else child.sharded_state_dict(model_sharded_state_dict, is_loading, metadata=metadata)
+              for child in children]
+    return states[0] if len(states) == 1 else _chained(states, metadata)
+
+
+def _chained(states: list[dict], metadata: Optional[Mapping]) -> dict:
+    from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
+
+    if adds_chain_prefix(metadata or {}):
+        for index, state in enumerate(states):
+            add_prefix_for_sharding(state, f"chained_{index}.")
+    return dict(enumerate(states))
+
+
+def written_by_distributed_optimizer(metadata: Optional[Mapping]) -> bool:
+    """Whether a checkpoint's metadata says megatron-core's DistributedOptimizer wrote it: a
+    distributed-optimizer format, and not our layout mark (we always leave one). Refuses the
+    bucket-keyed formats, which we cannot read."""
+    metadata = metadata or {}
+    sharding = metadata.get("distrib_optim_sharding_type")
+    if sharding is None or LAYOUT_KEY in metadata:
+        return False
+    if sharding != "fully_reshardable":
+        raise ValueError(
+            f"the checkpoint holds megatron-core DistributedOptimizer state in its {sharding!r} format, which "
+            f"megatron_eopt cannot read (only 'fully_reshardable': save it with --dist-ckpt-optim-fully-"
+            f"reshardable), or load the model only (--no-load-optim). If megatron_eopt wrote it before its "
+            f"megatron-core layout, set metadata[{LAYOUT_KEY!r}] = {EOPT_V1_LAYOUT!r}."
+        )
+    return True
+
+
+def distributed_load_request(child: CheckpointableChild, model_sharded_state_dict: dict, metadata: Mapping) -> dict:
+    """What to load of megatron-core's DistributedOptimizer `fully_reshardable` checkpoint: its
+    per-parameter state (`optimizer.state.<name>.<key>`, the fp32 main copy as `param`), its
+    param groups (which hold the step) from the common state."""
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
+    from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+
+    child.init_state()
+    params = child.checkpoint_params()
+    sharded_of = _sharded_params(params, model_sharded_state_dict, owner_is_main_replica=False)
+    torch_state = core_state_dict(child)
+    torch_state = torch_state_of(torch_state, core_format_of(child))
+    mains = dict(zip(range(len(params)), child.fp32_main_params()))
+    param_state = {}
+    for i, entries in torch_state["state"].items():
+        tensors = {name: value for name, value in entries.items() if _is_parameter_shaped(child, name, value, params[i])}
+        if _main_copy_indices(params, [i]):
+            tensors[DISTRIBUTED_MAIN_PARAM] = mains[i]
+        param_state[i] = {name: make_sharded_optimizer_tensor(sharded_of(i), value, f"{STATE_PREFIX}.{name}")
+                          for name, value in tensors.items()}
+    groups = [{"params": LocalNonpersistentObject(group["params"])} for group in torch_state["param_groups"]]
+    return {"optimizer": {"param_groups": groups}, "param_state": param_state,
+            "param_state_sharding_type": metadata["distrib_optim_sharding_type"]}
+
+
+# ------------------------------------------------------------------------------------------------
+# megatron-core's format -> our child
+# ------------------------------------------------------------------------------------------------
+
+
+def core_chain_states(state_dict: Any) -> Optional[list]:
+    """A chain's megatron-core state dict as a list of its children's, or None (ours).
+
+    `state_dict()` gives one child's dict or a list; a sharded load `{i: child}`."""
+    if isinstance(state_dict, list):
+        return state_dict
+    if isinstance(state_dict, Mapping):
+        if state_dict and all(isinstance(key, int) for key in state_dict):
+            return [state_dict[key] for key in sorted(state_dict)]
+        if core_format_in(state_dict) is not None:
+            return [state_dict]
+    return None
+
+
+def unpack_core_state_dict(state_dict: Mapping, params: list[ChildParam], config: Any,
+                           ) -> tuple[dict, list[dict], dict[int, torch.Tensor], Optional[dict]]:
+    """(torch state by index, saved param groups, fp32 main copies by index, grad scaler state) from
+    megatron-core's format; the step spread to every parameter's state, each group's `optimizer`
+    filled in. Changes nothing; refuses state of another shape than its parameter's."""
+    layout = core_format_in(state_dict)
+    torch_state = torch_state_of(state_dict, layout)
+    shared = dict(state_dict.get(EXTRA_SCALARS) or {})
+    mains = {}
+    if layout.param_state_key is not None:  # DistributedOptimizer: the step in the groups, mains in the state
+        entries = {i: dict(values) for i, values in state_dict[layout.param_state_key].items()}
+        for index, values in entries.items():
+            main = values.pop(DISTRIBUTED_MAIN_PARAM, None)
+            if main is not None and index in _main_copy_indices(params, [index]):
+                mains[index] = main
+        steps = {group["step"] for group in torch_state["param_groups"] if group.get("step") is not None}
+        if steps:
+            shared["step"] = torch.tensor(float(steps.pop()))
+    else:
+        entries = dict(torch_state["state"])
+    if COMMON_STEP in entries:
+        shared["step"] = entries.pop(COMMON_STEP)
+    state = {}
+    for index, values in entries.items():
+        _check_shapes(index, values, params)
+        state[index] = {**values, **{name: _copy(value) for name, value in shared.items()}}
+    primary = run_optimizer(config)
+    groups = [{**group, "optimizer": group.get("optimizer") or primary} for group in torch_state["param_groups"]]
+    if layout.main_params_key is not None:
+        for group, values in zip(groups, state_dict.get(layout.main_params_key) or []):
+            mains.update(zip(_main_copy_indices(params, list(group["params"])), values))
+    return state, groups, mains, state_dict.get("grad_scaler")
+
+
+def _check_shapes(index: Any, values: Mapping, params: list[ChildParam]) -> None:
+    if not isinstance(index, int) or not 0 <= index < len(params):
+        raise ValueError(f"megatron-core optimizer state for parameter index {index!r}, but this optimizer "
+                         f"steps {len(params)} parameters: the checkpoint is of another model or optimizer.")
+    shape = tuple(params[index].model.shape)
+    for name, value in values.items():
+        if torch.is_tensor(value) and value.dim() > 0 and tuple(value.shape) != shape:
+            raise ValueError(
+                f"megatron-core optimizer state {name!r} at index {index} has shape {tuple(value.shape)}, but "
+                f"parameter {params[index].fqn!r} there has shape {shape}: the checkpoint is of another model "
+                f"(or another parameter order)."
+            )
+
+
+def _copy(value: Any) -> Any:
+    return value.clone() if torch.is_tensor(value) else value
+
+
+# ------------------------------------------------------------------------------------------------
+# The layout before megatron-core's (EOPT_V1_LAYOUT): still read and, on request, written
+# ------------------------------------------------------------------------------------------------
+
+V1_COMMON_STATE = "common_state"
+
+
+def v1_child_sharded_state_dict(child: CheckpointableChild, model_sharded_state_dict: dict, is_loading: bool,
+                                owner_is_main_replica: bool) -> dict:
+    """The child's flat `state_dict()` with tensors keyed `optimizer.<child>.state.<name>.<model key>`
+    (expert children under the dense name) and `optimizer.<child>.fp32_param.<model key>`, scalar
+    state once per name under 'common_state'."""
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
+    from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
     if is_loading:
         child.init_state()
     state_dict = child.state_dict()
     params = child.checkpoint_params()
-    by_index = get_param_id_to_sharded_param_map(model_sharded_state_dict, [p.model for p in params])
-    sharded_of = {params[i].fqn: _as_main_replica(s, owner_is_main_replica) for i, s in by_index.items()}
-    # Expert state is keyed under the dense child's name: at EP=1 megatron-core makes experts
-    # dense parameters (param_groups.stored_child_name), and the keys must not depend on EP.
+    sharded_of = _sharded_params(params, model_sharded_state_dict, owner_is_main_replica)
+    index_of = {p.fqn: i for i, p in enumerate(params)}
     prefix = f"optimizer.{stored_child_name(child.name).replace('/', '.')}"
-    param_of = {p.fqn: p.model for p in params}
     tensors, common = {}, {}
     for fqn, entries in state_dict["state"].items():
         for name, value in entries.items():
-            param = param_of[fqn]
-            if torch.is_tensor(value) and value.dim() > 0 and value.shape == param.shape:
-                tensors[f"{fqn}/{name}"] = make_sharded_optimizer_tensor(_sharded(sharded_of, fqn), value, f"{prefix}.state.{name}")
-            elif (torch.is_tensor(value) and value.dim() == 0) or isinstance(value, (bool, int, float, str)):
-                _add_common(common, name, value, fqn)
+            if _is_parameter_shaped(child, name, value, params[index_of[fqn]]):
+                tensors[f"{fqn}/{name}"] = make_sharded_optimizer_tensor(sharded_of(index_of[fqn]), value,
+                                                                         f"{prefix}.state.{name}")
             else:
-                shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
-                raise ValueError(
-                    f"optimizer {child.name!r} keeps state {name!r} ({shape}) for parameter {fqn!r} of "
-                    f"shape {tuple(param.shape)}; megatron-core's sharded format holds parameter-shaped "
-                    f"and scalar state only. Use megatron_eopt.checkpointing.save_checkpoint for this optimizer."
-                )
+                _add_common(common, name, value, fqn)
     state_dict["state"] = tensors
-    state_dict[COMMON_STATE] = common
+    state_dict[V1_COMMON_STATE] = common
     state_dict["main_params"] = {
-        fqn: make_sharded_optimizer_tensor(_sharded(sharded_of, fqn), main, f"{prefix}.fp32_param")
+        fqn: make_sharded_optimizer_tensor(sharded_of(index_of[fqn]), main, f"{prefix}.fp32_param")
         for fqn, main in state_dict.get("main_params", {}).items()
     }
-    for group in state_dict["param_groups"].values():  # which parameters: this rank's own business
+    for group in state_dict["param_groups"].values():
         for key in ("params", "param_fqns"):
             if key in group:
                 group[key] = LocalNonpersistentObject(group[key])
     return state_dict
 
 
-def expand_sharded_state_dict(state_dict: dict) -> dict:
-    """What `dist_checkpointing.load` returned -> the child's usual `state_dict()` format."""
-    if COMMON_STATE not in state_dict:
+def expand_v1_sharded_state_dict(state_dict: dict) -> dict:
+    """What `dist_checkpointing.load` returned for the v1 layout -> the child's flat `state_dict()`."""
+    if V1_COMMON_STATE not in state_dict:
         return state_dict
     state: dict[str, dict[str, Any]] = {}
     for key, value in state_dict["state"].items():
         fqn, name = key.rsplit("/", 1)
         state.setdefault(fqn, {})[name] = value
     for entries in state.values():
-        for name, value in state_dict[COMMON_STATE].items():
-            entries[name] = value.clone() if torch.is_tensor(value) else value
-    rest = {k: v for k, v in state_dict.items() if k not in ("state", COMMON_STATE)}
+        for name, value in state_dict[V1_COMMON_STATE].items():
+            entries[name] = _copy(value)
+    rest = {k: v for k, v in state_dict.items() if k not in ("state", V1_COMMON_STATE)}
     return {**rest, "state": state}
 
 
-def _sharded(sharded_of: dict, fqn: str) -> Any:
-    if fqn not in sharded_of:
-        raise ValueError(
-            f"parameter {fqn!r} has no entry in the model's sharded_state_dict; build it with "
-            f"the model's own sharded_state_dict() (its tensors must be the parameters themselves)."
-        )
-    return sharded_of[fqn]
+def checkpoint_optimizer_layout(checkpoint_dir: str) -> Optional[str]:
+    """The optimizer layout a torch_dist checkpoint holds, from its tensor keys: MEGATRON_CORE_LAYOUT
+    (`[chained_i.]optimizer.state.*`), EOPT_V1_LAYOUT (`optimizer.<child>.state.*`), or None (no
+    optimizer state, or megatron-core's DistributedOptimizer buckets `optimizer.distributed.*`).
+    Put it in the load's metadata under LAYOUT_KEY."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(checkpoint_dir).read_metadata().state_dict_metadata
+    for key in keys:
+        bare = key.split(".", 1)[1] if key.startswith("chained_") else key
+        if bare.startswith(f"{STATE_PREFIX}."):
+            return MEGATRON_CORE_LAYOUT
+        if bare.startswith("optimizer.") and not bare.startswith("optimizer.distributed.") and (
+                ".state." in bare or bare.endswith(".fp32_param") or ".fp32_param." in bare):
+            return EOPT_V1_LAYOUT
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
 
 
 def _as_main_replica(sharded: Any, owner_is_main_replica: bool) -> Any:
     """The layer-wise owner writes the state: the data-parallel part of its replica id is 0."""
-    from dataclasses import replace
-
     if not owner_is_main_replica:
         return sharded
     replica_id = sharded.replica_id
     if isinstance(replica_id, tuple) and replica_id:
         return replace(sharded, replica_id=(*replica_id[:-1], 0))
     return replace(sharded, replica_id=0)
+
+
+def _is_parameter_shaped(child: CheckpointableChild, name: str, value: Any, param: ChildParam) -> bool:
+    """True for state shaped like its parameter, False for a scalar; refuses anything else."""
+    if torch.is_tensor(value) and value.dim() > 0 and value.shape == param.model.shape:
+        return True
+    if (torch.is_tensor(value) and value.dim() == 0) or isinstance(value, (bool, int, float, str)):
+        return False
+    shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
+    raise ValueError(
+        f"optimizer {child.name!r} keeps state {name!r} ({shape}) for parameter {param.fqn!r} of shape "
+        f"{tuple(param.model.shape)}; megatron-core's sharded format holds parameter-shaped and scalar "
+        f"state only. Use megatron_eopt.checkpointing.save_checkpoint for this optimizer."
+    )
 
 
 def _add_common(common: dict, name: str, value: Any, fqn: str) -> None:

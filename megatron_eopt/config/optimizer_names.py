@@ -22,6 +22,11 @@ DEPRECATED_OPTIMIZER_NAMES = ("dist_muon",)  # accepted by --optimizer, rewritte
 ENTRY_POINT_GROUP = "megatron_eopt.optimizers"  # third-party optimizers, registered under their names
 
 
+def run_optimizer(config) -> str:
+    """The optimizer `config` names, its deprecated `dist_` spelling read as the plain name."""
+    return config.optimizer.removeprefix("dist_")
+
+
 def series_installed() -> bool:
     """Whether the installed emerging-optimizers is of the series the lists describe."""
     try:

@@ -87,12 +87,14 @@ class MegatronOptimizer(ABC):
         """The parameters this optimizer steps (fp32 main copies where it keeps them)."""
         return [p for group in self.param_groups for p in group["params"]]
 
+    # These two need no more of `self` than megatron-core's: `get_parameters()` and, if set,
+    # `tp_group` (Megatron-LM's tests borrow them onto an object that has nothing else).
     def get_grads_for_grad_norm(self, grad_norm_group: Optional[str] = None) -> list[torch.Tensor]:
         """Gradients counted in the main norm (None), or in `grad_norm_group`'s own norm."""
         if grad_norm_group is not None:
             check_grad_norm_group(grad_norm_group)
         return self._filter_grads_for_norm(
-            self.get_parameters(), param_filter=lambda p: self._grad_norm_group(p) == grad_norm_group
+            self.get_parameters(), param_filter=lambda p: grad_norm_group_of(p) == grad_norm_group
         )
 
     def _filter_grads_for_norm(self, params: list[torch.nn.Parameter],
@@ -100,16 +102,9 @@ class MegatronOptimizer(ABC):
                                ) -> list[torch.Tensor]:
         """The gradients of `params` a norm counts: those passing `param_filter`, not None, not
         the second copy of a tied parameter, and held by one tensor-parallel rank only."""
+        tp_group = getattr(self, "tp_group", None)
         return [p.grad for p in params
-                if (param_filter is None or param_filter(p)) and p.grad is not None and self._counts_in_norm(p)]
-
-    def _counts_in_norm(self, param: torch.nn.Parameter) -> bool:
-        """megatron-core's rule from the parameter's attributes (`shared`, `tensor_model_parallel`)."""
-        on_one_rank = getattr(param, "tensor_model_parallel", False) or group_rank(getattr(self, "tp_group", None)) == 0
-        return not getattr(param, "shared", False) and bool(on_one_rank)
-
-    def _grad_norm_group(self, param: torch.nn.Parameter) -> Optional[str]:
-        return grad_norm_group_of(param)
+                if (param_filter is None or param_filter(p)) and p.grad is not None and counts_in_norm(p, tp_group)]
 
     @staticmethod
     def _filter_and_reorder_param_groups(current_groups: list[dict], state_dict_groups: list[dict]) -> list[dict]:
@@ -163,6 +158,7 @@ class CheckpointableChild(Protocol):
     so that the wrappers can change how they hold parameters and the inner optimizer freely."""
 
     name: str
+    config: Any  # the OptimizerConfig (megatron-core's format depends on bf16/fp16 and the optimizer)
     grad_scaler: Any
     fqn_of_main: dict[int, str]  # id(main parameter) -> fqn
 
@@ -184,6 +180,13 @@ class CheckpointableChild(Protocol):
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state_dict: dict) -> None: ...
+
+
+def counts_in_norm(param: torch.nn.Parameter, tp_group: Any = None) -> bool:
+    """megatron-core's rule from the parameter's attributes (`shared`, `tensor_model_parallel`):
+    a tied second copy never counts, a tensor-parallel-duplicated one on TP rank 0 only."""
+    on_one_rank = getattr(param, "tensor_model_parallel", False) or group_rank(tp_group) == 0
+    return not getattr(param, "shared", False) and bool(on_one_rank)
 
 
 @contextlib.contextmanager

@@ -10,9 +10,8 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_eopt.checkpointing.megatron_sharded import child_sharded_state_dict
+from megatron_eopt.checkpointing.megatron_sharded import chain_sharded_state_dict, core_chain_states
 from megatron_eopt.wrappers.base import MegatronOptimizer, SteppableChild, StepResult, default_device, take_step
-from megatron_eopt.wrappers.flat_state import megatron_core_optimizer_state
 from megatron_eopt.wrappers.megatron_core_chain import step_megatron_core_children
 from megatron_eopt.wrappers.qk_clip import QKClip, qk_clip_step
 
@@ -138,16 +137,15 @@ class ChainedOptimizer(MegatronOptimizer):
     def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
                            metadata: Optional[dict] = None) -> dict:
         """megatron-core's format for dist_checkpointing (see checkpointing/megatron_sharded.py)."""
-        return {"optimizers": {
-            name: child_sharded_state_dict(child, model_sharded_state_dict, is_loading, self.owner_is_main_replica)
-            for name, child in zip(self._names, self.chained_optimizers)
-        }}
+        return chain_sharded_state_dict(self._names, self.chained_optimizers, model_sharded_state_dict, is_loading,
+                                        self.owner_is_main_replica, metadata)
 
     def load_state_dict(self, state_dict: dict) -> None:
         if self.is_stub_optimizer and not self.chained_optimizers and not state_dict:
             return  # a stub's state: nothing (ours {"optimizers": {}}, megatron-core's [])
-        if isinstance(state_dict, list) or megatron_core_optimizer_state(state_dict) is not None:
-            self._load_megatron_core(state_dict)
+        core_states = core_chain_states(state_dict)
+        if core_states is not None:
+            self._load_megatron_core(core_states)
             return
         saved = state_dict.get("optimizers") if isinstance(state_dict, dict) else None
         if saved is None:
@@ -163,9 +161,8 @@ class ChainedOptimizer(MegatronOptimizer):
             )
         _check_then_load([(child, saved[name]) for name, child in zip(names, self.chained_optimizers)])
 
-    def _load_megatron_core(self, state_dict: Any) -> None:
-        """megatron-core's ChainedOptimizer format: one child's state dict, or a list of them."""
-        states = state_dict if isinstance(state_dict, list) else [state_dict]
+    def _load_megatron_core(self, states: list) -> None:
+        """megatron-core's ChainedOptimizer format: its children's state dicts, in chain order."""
         if len(states) != len(self.chained_optimizers):
             raise ValueError(f"the state dict holds {len(states)} optimizer(s) (megatron-core's format) but this "
                              f"chain has {len(self.chained_optimizers)}: {self._names}.")

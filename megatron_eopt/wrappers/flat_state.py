@@ -73,14 +73,6 @@ def flat_state_dict(optimizer: torch.optim.Optimizer, fqn_of: Mapping[int, str])
     }
 
 
-def megatron_core_optimizer_state(state_dict: Any) -> Any:
-    """The torch optimizer state dict inside megatron-core's FP32Optimizer format (torch's own:
-    'param_groups' a list); None for ours (a dict by group key) or anything else."""
-    if isinstance(state_dict, Mapping) and isinstance(state_dict.get("param_groups"), list):
-        return state_dict
-    return None
-
-
 def load_flat_state_dict(
     optimizer: torch.optim.Optimizer, flat: Mapping[str, Any], fqn_of: Mapping[int, str]
 ) -> None:

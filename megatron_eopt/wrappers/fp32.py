@@ -19,6 +19,7 @@ from megatron_eopt.wrappers.base import (
     MegatronOptimizer,
     SteppableChild,
     StepResult,
+    counts_in_norm,
     default_device,
     take_step,
     timed,
@@ -27,11 +28,20 @@ from megatron_eopt.wrappers.flat_state import (
     canonical_state_layout,
     flat_state_dict,
     load_flat_state_dict,
-    megatron_core_optimizer_state,
     torch_state_dict_from_flat,
 )
-from megatron_eopt.wrappers.grad_stats import grad_norm_group_of, local_grad_stats, reduced_grad_stats
-from megatron_eopt.checkpointing.megatron_sharded import child_sharded_state_dict, expand_sharded_state_dict
+from megatron_eopt.wrappers.grad_stats import (
+    check_grad_norm_group,
+    grad_norm_group_of,
+    local_grad_stats,
+    reduced_grad_stats,
+)
+from megatron_eopt.checkpointing.megatron_sharded import (
+    chain_sharded_state_dict,
+    core_format_in,
+    expand_v1_sharded_state_dict,
+    unpack_core_state_dict,
+)
 from megatron_eopt.wrappers.qk_clip import QKClip
 from megatron_eopt.wrappers.state_precision import StatePrecision
 
@@ -134,6 +144,10 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
     def set_main_params(self, values: dict[int, torch.Tensor]) -> None:
         """Set main weights from fp32 `values` by id(model parameter); here the model's own."""
 
+    def _load_main_params(self, saved: dict[int, torch.Tensor]) -> None:
+        """After a load: the main weights the checkpoint holds, by id(model parameter)."""
+        self.set_main_params(saved)
+
     # What checkpoints read (CheckpointableChild, wrappers/base.py).
     def checkpoint_params(self) -> list[ChildParam]:
         """Every parameter this child steps, in its order (parallel to fp32_main_params())."""
@@ -189,13 +203,23 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
         return [m.grad for m, group in zip(self.main_params, self._grad_norm_groups)
                 if m.grad is not None and group == grad_norm_group]
 
-    def _counts_in_norm(self, param: torch.nn.Parameter) -> bool:
-        index = self._index_of_main.get(id(param))
-        return super()._counts_in_norm(param) if index is None else self._counts_for_norm[index]
+    def get_grads_for_grad_norm(self, grad_norm_group: Optional[str] = None) -> list[torch.Tensor]:
+        """As the base's, each parameter judged by its model parameter's attributes (an fp32
+        main copy has none)."""
+        if grad_norm_group is not None:
+            check_grad_norm_group(grad_norm_group)
+        facts = zip(self.main_params, self._counts_for_norm, self._grad_norm_groups)
+        return [m.grad for m, counts, group in facts if counts and group == grad_norm_group and m.grad is not None]
 
-    def _grad_norm_group(self, param: torch.nn.Parameter) -> Optional[str]:
-        index = self._index_of_main.get(id(param))
-        return super()._grad_norm_group(param) if index is None else self._grad_norm_groups[index]
+    def _filter_grads_for_norm(self, params: list[torch.nn.Parameter],
+                               param_filter: Optional[Callable[[torch.nn.Parameter], bool]] = None,
+                               ) -> list[torch.Tensor]:
+        """As the base's, the main parameters it steps judged by their model parameters."""
+        def counts(param: torch.nn.Parameter) -> bool:
+            index = self._index_of_main.get(id(param))
+            return counts_in_norm(param, self.tp_group) if index is None else self._counts_for_norm[index]
+
+        return [p.grad for p in params if (param_filter is None or param_filter(p)) and p.grad is not None and counts(p)]
 
     def step_with_ready_grads(self) -> None:
         with timed(self.config, "optimizer-inner-step"):
@@ -249,34 +273,42 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
     def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
                            metadata: Optional[dict] = None) -> dict:
         """megatron-core's format for dist_checkpointing (see checkpointing/megatron_sharded.py)."""
-        return child_sharded_state_dict(self, model_sharded_state_dict, is_loading, owner_is_main_replica=False)
+        return chain_sharded_state_dict([self.name], [self], model_sharded_state_dict, is_loading,
+                                        owner_is_main_replica=False, metadata=metadata)
 
     def check_state_dict(self, state_dict: dict) -> None:
         """Raise ValueError if `state_dict` does not fit this optimizer; changes nothing."""
-        if megatron_core_optimizer_state(state_dict) is not None:
+        if core_format_in(state_dict) is not None:
             self._from_megatron_core(state_dict)
             return
-        state_dict = expand_sharded_state_dict(state_dict)
+        state_dict = expand_v1_sharded_state_dict(state_dict)
         torch_state_dict_from_flat(self.optimizer, state_dict, self.fqn_of_main)
 
-    def _from_megatron_core(self, state_dict: dict) -> dict:
-        """megatron-core's FP32Optimizer state dict (torch's, positional) in our torch optimizer's
-        terms: param groups matched as megatron-core matches them, hyperparameters from the
-        checkpoint, the groups' own metadata (group_key, max_lr, ...) as the live config built it."""
-        saved = megatron_core_optimizer_state(state_dict)
+    def _from_megatron_core(self, state_dict: dict) -> tuple[dict, dict[int, torch.Tensor], Optional[dict]]:
+        """megatron-core's state dict (checkpointing/megatron_sharded.py) in our torch optimizer's
+        terms, with the fp32 main copies by id(model parameter) and the loss scaler's state: param
+        groups matched as megatron-core matches them, hyperparameters from the checkpoint, the
+        groups' own metadata (group_key, max_lr, ...) as the live config built it."""
+        params = self.checkpoint_params()
+        state, saved_groups, mains, scaler = unpack_core_state_dict(state_dict, params, self.config)
         live_groups = self.optimizer.param_groups
         groups = [{**{k: v for k, v in live.items() if k != "params"},
                    **{k: group[k] for k in self.optimizer.defaults if k in group}, "params": group["params"]}
-                  for live, group in zip(live_groups, self._filter_and_reorder_param_groups(live_groups,
-                                                                                            saved["param_groups"]))]
-        return {"state": saved["state"], "param_groups": groups}
+                  for live, group in zip(live_groups, self._filter_and_reorder_param_groups(live_groups, saved_groups))]
+        return ({"state": state, "param_groups": groups},
+                {id(params[index].model): main for index, main in mains.items()}, scaler)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        if megatron_core_optimizer_state(state_dict) is not None:
-            self.optimizer.load_state_dict(self._from_megatron_core(state_dict))
+        if core_format_in(state_dict) is not None:
+            torch_state, mains, scaler = self._from_megatron_core(state_dict)
+            self.optimizer.load_state_dict(torch_state)
         else:
-            state_dict = expand_sharded_state_dict(state_dict)
+            state_dict = expand_v1_sharded_state_dict(state_dict)
             load_flat_state_dict(self.optimizer, state_dict, self.fqn_of_main)
-            if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
-                self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+            scaler = state_dict.get("grad_scaler")
+            saved = state_dict.get("main_params") or {}
+            mains = {id(p.model): saved[p.fqn] for p in self.checkpoint_params() if p.fqn in saved}
+        if self.grad_scaler is not None and scaler is not None:
+            self.grad_scaler.load_state_dict(scaler)
+        self._load_main_params(mains)
         self._store_state()  # torch loads state in the parameters' dtype; as a live step leaves it

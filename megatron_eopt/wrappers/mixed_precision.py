@@ -80,15 +80,12 @@ class MixedPrecisionOptimizer(FP32Optimizer):
                                 for model, main in self._half_pairs()}
         return state
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        super().load_state_dict(state_dict)
+    def _load_main_params(self, saved: dict[int, torch.Tensor]) -> None:
         # A checkpoint without fp32 main weights (saved by an fp32 run) keeps the main weights
         # made from the model parameters (remainders: the model parameters exactly).
-        saved = state_dict.get("main_params") or {}
         with torch.no_grad():
             for model, main in self._half_pairs():
-                fqn = self.fqn_of_main[id(main)]
-                if fqn in saved:
-                    self.storage.set(model, main, saved[fqn])
+                if id(model) in saved:
+                    self.storage.set(model, main, saved[id(model)])
                 elif not self.storage.holds_fp32:
                     self.storage.set(model, main, model.detach().float())

@@ -141,6 +141,68 @@ def test_megatron_dist_checkpointing_round_trip() -> None:
     _run_single_gpu_script(DIST_CHECKPOINTING_SCRIPT, "DIST-CHECKPOINTING-OK")
 
 
+BF16_BOTH_WAYS_SCRIPT = """
+import tempfile, torch, torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig as CoreConfig
+from megatron.core.optimizer import get_megatron_optimizer as core_get_megatron_optimizer
+from megatron_eopt import OptimizerConfig, get_megatron_optimizer
+from megatron_eopt.training.model.gpt import GPTModelSettings, build_gpt_model, gpt_loss, initialize_model_parallel
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+initialize_model_parallel(tensor_model_parallel_size=1, seed=0)
+settings = GPTModelSettings(bf16=True, position_embedding_type="none", swiglu=False)
+FIELDS = dict(adam=dict(optimizer="adam"), muon=dict(optimizer="muon", muon_fp32_matmul_prec="highest",
+                                                      muon_tp_mode="duplicated"))
+def build(library, name, seed):
+    torch.manual_seed(seed)
+    model = build_gpt_model(settings, device="cuda")
+    fields = dict(FIELDS[name], lr=1e-2, min_lr=0.0, weight_decay=0.05, clip_grad=0.0, bf16=True)
+    if library == "ours":
+        return model, get_megatron_optimizer(OptimizerConfig(**fields), [model])
+    model.ddp_config = DistributedDataParallelConfig()
+    return model, core_get_megatron_optimizer(CoreConfig(**fields), [model])
+def train(model, optimizer, steps):
+    for step in steps:
+        optimizer.zero_grad()
+        tokens = torch.randint(0, settings.vocab_size, (4, settings.seq_length + 1),
+                               generator=torch.Generator().manual_seed(step)).cuda()
+        gpt_loss(model, tokens).backward()
+        assert optimizer.step()[0]
+for name in ("adam", "muon"):
+    for saver, loader in (("core", "ours"), ("ours", "core")):
+        directory = tempfile.mkdtemp()
+        model, optimizer = build(saver, name, seed=1)
+        train(model, optimizer, range(2))
+        model_sd = model.sharded_state_dict()
+        metadata = {{"chained_optim_avoid_prefix": True}}
+        dist_checkpointing.save({{"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, metadata=metadata)}},
+                                directory)
+        train(model, optimizer, range(2, 4))
+        fresh_model, fresh = build(loader, name, seed=2)
+        model_sd = fresh_model.sharded_state_dict()
+        loaded = dist_checkpointing.load({{"model": model_sd, "optimizer": fresh.sharded_state_dict(
+            model_sd, is_loading=True, metadata={{"chained_optim_avoid_prefix": True}})}}, directory)
+        fresh_model.load_state_dict(loaded["model"], strict=False)
+        fresh.load_state_dict(loaded["optimizer"])
+        train(fresh_model, fresh, range(2, 4))
+        expected = dict(model.named_parameters())
+        for key, param in fresh_model.named_parameters():  # within 2 bf16 ulps (module docstring of the test)
+            torch.testing.assert_close(param.float(), expected[key].float(), rtol=2.0 ** -6, atol=0.0,
+                                       msg=lambda m: f"{{name}} {{saver}} -> {{loader}} {{key}}: {{m}}")
+print("BF16-BOTH-WAYS-OK")
+"""
+
+
+def test_bf16_checkpoints_move_both_ways_with_megatron_core() -> None:
+    """megatron-core's Float16OptimizerWithFloat16Params (CUDA-only) saves with fp32_param keys, ours
+    loads and continues as it continues; and the mirror (tests/unit/library/checkpointing/
+    test_megatron_core_checkpoints.py does fp32 on CPU, bitwise). Within 2 bf16 ulps of the
+    parameters, not bitwise: on a GPU megatron-core may step with Transformer Engine's fused Adam."""
+    _run_single_gpu_script(BF16_BOTH_WAYS_SCRIPT, "BF16-BOTH-WAYS-OK")
+
+
 @pytest.mark.parametrize("optimizer_name", ["adam", "muon"])
 def test_step_synchronizes_with_the_host_at_most_twice(optimizer_name: str) -> None:
     """torch's sync debug mode flags every synchronizing CUDA call (read-backs, blocking copies);

@@ -13,14 +13,13 @@ deliberate differences, each shown to be the only parameter that differs after o
 Found by `make gpu-check`'s Megatron-LM runs (docs/gpu.md), which therefore use RoPE.
 """
 
-import contextlib
-
 import pytest
 import torch
 
 from megatron_eopt import OptimizerConfig, get_megatron_optimizer
 from megatron_eopt.training.model.gpt import GPTModelSettings, build_gpt_model
 from tests.gpt_training import model_parallel, params, token_batch, train_steps
+from tests.megatron_core_on_cpu import cuda_tensors_on_cpu
 
 SETTINGS = dict(num_layers=2, hidden_size=32, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=48,
                 vocab_size=64, seq_length=16)
@@ -35,23 +34,6 @@ CASES = {
 }
 FIELDS = dict(optimizer="muon", lr=0.02, min_lr=0.0, weight_decay=0.05, clip_grad=0.0, muon_momentum=0.9,
               muon_fp32_matmul_prec="highest", muon_tp_mode="duplicated")
-
-
-@contextlib.contextmanager
-def cuda_tensors_on_cpu():
-    """megatron-core's optimizer wrappers make their loss-scale tensor with device='cuda'."""
-    original = torch.tensor
-
-    def tensor(*args, **kwargs):
-        if kwargs.get("device") == "cuda":
-            kwargs["device"] = "cpu"
-        return original(*args, **kwargs)
-
-    torch.tensor = tensor
-    try:
-        yield
-    finally:
-        torch.tensor = original
 
 
 def train(library: str, model_fields: dict, steps: int) -> dict:

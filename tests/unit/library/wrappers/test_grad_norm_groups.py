@@ -118,10 +118,58 @@ def test_filter_grads_for_norm_is_megatron_cores() -> None:
 
     class Ours:
         _filter_grads_for_norm = MegatronOptimizer._filter_grads_for_norm
-        _counts_in_norm = MegatronOptimizer._counts_in_norm
 
     is_main = lambda p: getattr(p, "grad_norm_group", None) is None  # noqa: E731
     for param_filter in (None, is_main):
         expected = Mcore()._filter_grads_for_norm(params, param_filter=param_filter)
         got = Ours()._filter_grads_for_norm(params, param_filter=param_filter)
         assert [id(g) for g in got] == [id(g) for g in expected]
+
+
+def _bare(library: str, params: list[torch.nn.Parameter]):
+    """An object with only `config`, `params` and `get_parameters()`, borrowing the library's
+    `_filter_grads_for_norm` and `get_grads_for_grad_norm`, as Megatron-LM's own tests
+    (`test_mtp_grad_separation*`, `test_unregistered_grad_norm_group_raises`) build it."""
+    import types
+
+    from megatron.core.optimizer.optimizer import MegatronOptimizer as McoreOptimizer
+    from megatron.core.optimizer.optimizer import OptimizerConfig as McoreConfig
+
+    from megatron_eopt.wrappers.base import MegatronOptimizer
+
+    cls = McoreOptimizer if library == "core" else MegatronOptimizer
+    bare = types.SimpleNamespace(config=McoreConfig(optimizer="adam", lr=0.1), params=params)
+    bare.get_parameters = lambda: bare.params
+    bare._filter_grads_for_norm = types.MethodType(cls._filter_grads_for_norm, bare)
+    bare.get_grads_for_grad_norm = types.MethodType(cls.get_grads_for_grad_norm, bare)
+    return bare
+
+
+def _tagged_params(groups: list) -> list[torch.nn.Parameter]:
+    params = []
+    for group in groups:
+        param = torch.nn.Parameter(torch.randn(2, 3))
+        param.grad = torch.randn(2, 3)
+        param.tensor_model_parallel = True  # megatron-core asks parallel_state otherwise
+        if group is not None:
+            param.grad_norm_group = group
+        params.append(param)
+    return params
+
+
+@pytest.mark.parametrize("groups", [[None, "mtp", None, "mtp"], [None, None]], ids=["mtp", "no_mtp_params"])
+def test_grad_norm_helpers_on_a_bare_object_equal_megatron_cores(groups: list) -> None:
+    """Each gradient in the main norm or the 'mtp' group exactly as megatron-core's methods pick them."""
+    params = _tagged_params(groups)
+    for group in (None, "mtp"):
+        expected = _bare("core", params).get_grads_for_grad_norm(group)
+        got = _bare("ours", params).get_grads_for_grad_norm(group)
+        assert [id(g) for g in got] == [id(g) for g in expected], group
+        assert [id(g) for g in got] == [id(p.grad) for p, tag in zip(params, groups) if tag == group], group
+
+
+def test_unregistered_group_on_a_bare_object_raises_as_megatron_core() -> None:
+    params = _tagged_params([None, "aux"])
+    for library in ("core", "ours"):
+        with pytest.raises(ValueError, match="Unknown grad_norm_group 'aux'"):
+            _bare(library, params).get_grads_for_grad_norm()

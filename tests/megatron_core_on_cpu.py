@@ -1,0 +1,67 @@
+"""megatron-core 0.19.2's optimizers, DDP and DistributedOptimizer on CPU, for tests that use them as
+the reference: its CUDA-only calls patched at run time, here only (the installed package is not edited).
+
+- `cuda_tensors_on_cpu`: its optimizer wrappers make their loss-scale tensor with device='cuda'.
+- `megatron_core_ddp_on_cpu` (with `cuda_tensors_on_cpu`): its DDP buffers and gradient sync.
+- `cuda_named_types`: while its DistributedOptimizer is built, which checks parameter types by name.
+"""
+
+import contextlib
+
+import torch
+
+
+@contextlib.contextmanager
+def cuda_tensors_on_cpu():
+    """megatron-core's optimizer wrappers make their loss-scale tensor with device='cuda'."""
+    original = torch.tensor
+
+    def tensor(*args, **kwargs):
+        if kwargs.get("device") == "cuda":
+            kwargs["device"] = "cpu"
+        return original(*args, **kwargs)
+
+    torch.tensor = tensor
+    try:
+        yield
+    finally:
+        torch.tensor = original
+
+
+@contextlib.contextmanager
+def megatron_core_ddp_on_cpu():
+    """megatron-core 0.19.2's DDP and DistributedOptimizer on CPU: its buffers are made on
+    `torch.cuda.current_device()` (here 'cpu'), its gradient sync asks for the current CUDA stream
+    (here one that waits for nothing: CPU work is in order), and the optimizer checks that each
+    parameter's `type()` is a `torch.cuda.*Tensor` (here the CPU type with that name, while it is
+    built: `cuda_named_types`)."""
+    saved = torch.cuda.current_device, torch.cuda.current_stream, torch.cuda.stream
+
+    class Stream:
+        def wait_event(self, event) -> None: ...
+        def wait_stream(self, stream) -> None: ...
+
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.current_stream = lambda *args, **kwargs: Stream()
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
+    try:
+        with cuda_tensors_on_cpu():
+            yield
+    finally:
+        torch.cuda.current_device, torch.cuda.current_stream, torch.cuda.stream = saved
+
+
+@contextlib.contextmanager
+def cuda_named_types():
+    """`tensor.type()` names a CPU tensor as its CUDA type (`torch.cuda.FloatTensor`)."""
+    original = torch.Tensor.type
+
+    def cuda_named(tensor, *args, **kwargs):
+        name = original(tensor, *args, **kwargs)
+        return name.replace("torch.", "torch.cuda.", 1) if not args and not kwargs else name
+
+    torch.Tensor.type = cuda_named
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
