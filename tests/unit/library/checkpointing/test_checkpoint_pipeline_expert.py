@@ -131,7 +131,9 @@ def _megatron_sharded_body(rank: int, world_size: int) -> dict:
         run = _steps(Run(layout), 0, 1)
         try:
             model = run.chunks[0].sharded_state_dict()
-            sharded = run.optimizer.sharded_state_dict(model)
+            # As Megatron-LM saves: without chained_optim_avoid_prefix megatron-core's rule prefixes a
+            # chain of several children (EP=2: dense and expert) but not a chain of one (EP=1).
+            sharded = run.optimizer.sharded_state_dict(model, metadata={"chained_optim_avoid_prefix": True})
             apply_factories(sharded)
             result[layout.describe(world_size)] = {
                 (t.key, tuple(t.global_offset)): t.data.clone()
