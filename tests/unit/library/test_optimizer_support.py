@@ -15,7 +15,6 @@ the code under test.
 """
 
 import argparse
-import contextlib
 import json
 import logging
 import math
@@ -32,6 +31,7 @@ from megatron_eopt import OptimizerConfig, ParallelGroups, get_megatron_optimize
 from megatron_eopt import registry
 from megatron_eopt.runtime import once
 from megatron_eopt.distributed.layer_wise import LayerWiseDistributedOptimizer
+from tests.newton_schulz_precision import fp32_newton_schulz
 from tests.unit.library.distributed.test_layer_wise import (
     CONFIG,
     MATRICES,
@@ -365,20 +365,6 @@ def _assert_distributed_equals_reference(results: list[dict], names: list[str]) 
 # C(3). Whole-matrix optimizers at TP=2 take the TP=1 steps
 # ------------------------------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def _fp32_newton_schulz(optimizer_cls: type):
-    """Compare layouts at fp32 round-off: Scion's class default is fp32_matmul_prec='medium' (bf16
-    Newton-Schulz, which amplifies the TP forward's round-off) and no config field reaches it."""
-    init = next(c.__init__ for c in optimizer_cls.__mro__
-                if "fp32_matmul_prec" in (getattr(c.__init__, "__kwdefaults__", None) or {}))
-    saved = dict(init.__kwdefaults__)
-    init.__kwdefaults__ = {**saved, "fp32_matmul_prec": "highest"}
-    try:
-        yield
-    finally:
-        init.__kwdefaults__ = saved
-
-
 def _whole_matrix_tp_body(rank: int, world_size: int, names: list[str]) -> dict:
     from megatron_eopt.training.model.gpt import GPTModelSettings
     from tests.gpt_training import local_shard, train_gpt
@@ -391,7 +377,7 @@ def _whole_matrix_tp_body(rank: int, world_size: int, names: list[str]) -> dict:
     results = {}
     for name in names:
         config = OptimizerConfig(optimizer=name, lr=0.01, min_lr=0.0, weight_decay=0.05, clip_grad=1.0)
-        with _fp32_newton_schulz(registry.lookup_optimizer(name).entry.optimizer_cls):
+        with fp32_newton_schulz(name):  # tests/newton_schulz_precision.py says why
             reference = train_gpt(settings, config, 1, 3, seed=11, tokens=tokens)  # TP=1, DP=2
             sharded = train_gpt(settings, config, 2, 3, seed=11, tokens=tokens)
         results[name] = {

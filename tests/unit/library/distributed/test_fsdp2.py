@@ -23,6 +23,7 @@ import torch
 from megatron_eopt import OptimizerConfig, get_megatron_optimizer
 from megatron_eopt.training.model.gpt import GPTModelSettings, build_gpt_model, destroy_model_parallel, initialize_model_parallel
 from megatron_eopt.training.parallel.fsdp2 import data_parallel_mesh
+from tests.newton_schulz_precision import fp32_newton_schulz
 
 SETTINGS = GPTModelSettings(num_layers=2, hidden_size=32, num_attention_heads=8, num_query_groups=4,
                             ffn_hidden_size=48, swiglu=True, vocab_size=64, seq_length=16)
@@ -134,7 +135,8 @@ def _gpt_body(rank: int, world_size: int, optimizers: tuple[str, ...] = OPTIMIZE
         for layer in sharded.decoder.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(sharded, mesh=mesh)
-        runs[optimizer] = step_both(model, sharded, config_for(optimizer))
+        with fp32_newton_schulz(optimizer):  # tests/newton_schulz_precision.py says why
+            runs[optimizer] = step_both(model, sharded, config_for(optimizer))
     return runs
 
 
