@@ -118,15 +118,26 @@ def sharded_gpt_optimizer(args, config: OptimizerConfig, device: torch.device):
     return settings, mesh, optimizer, child.optimizer
 
 
-def main() -> None:
-    args = gpt_benchmark_parser(__doc__.splitlines()[0]).parse_args()
+def muon_benchmark(description: str):
+    """The command line, the device and a Muon config, fp32 Newton-Schulz on CPU (bf16 is emulated
+    there) and megatron-core's 'medium' on GPUs: (args, device, precision, config)."""
+    args = gpt_benchmark_parser(description).parse_args()
     device = init_distributed()
     precision = "highest" if device.type == "cpu" else "medium"
-    config = OptimizerConfig(optimizer="muon", lr=1e-3, muon_fp32_matmul_prec=precision)
+    return args, device, precision, OptimizerConfig(optimizer="muon", lr=1e-3, muon_fp32_matmul_prec=precision)
+
+
+def max_over_ranks(value: int, device: torch.device) -> int:
+    tensor = torch.tensor([value], device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
+
+
+def main() -> None:
+    args, device, precision, config = muon_benchmark(__doc__.splitlines()[0])
     settings, mesh, optimizer, muon = sharded_gpt_optimizer(args, config, device)
     seconds = time_iterations({"ours": muon.step, "redundant": lambda: redundant_step(muon, mesh)}, args, device)
-    local_state = torch.tensor([state_bytes(optimizer)], device=device)
-    dist.all_reduce(local_state, op=dist.ReduceOp.MAX)
+    local_state = max_over_ranks(state_bytes(optimizer), device)
     unsharded = build(settings, device)
     from megatron_eopt.runtime.process_groups import ParallelGroups
 
@@ -138,12 +149,12 @@ def main() -> None:
               f"{device.type} ({precision}), median of {args.repeats} steps")
         print(f"Muon step: ours {seconds['ours'] * 1e3:.1f} ms, redundant {seconds['redundant'] * 1e3:.1f} ms, "
               f"ratio {ratio:.3f}")
-        print(f"state bytes: max per rank {local_state.item()}, unsharded {full_state}, "
-              f"ratio {local_state.item() / full_state:.3f}")
+        print(f"state bytes: max per rank {local_state}, unsharded {full_state}, "
+              f"ratio {local_state / full_state:.3f}")
         print(f"exchanged per step (all ranks, Muon matrices): {sent} bytes; two shard volumes per matrix "
               f"(even split): {bound} bytes")
         write_json(args.json, {"step_ms": {n: s * 1e3 for n, s in seconds.items()}, "step_ratio": ratio,
-                               "state_ratio": local_state.item() / full_state, "exchanged_bytes": sent,
+                               "state_ratio": local_state / full_state, "exchanged_bytes": sent,
                                "two_shard_volumes_bytes": bound, "exchanged_over_bound": sent / bound,
                                "world_size": dist.get_world_size(),
                                "device": device.type})

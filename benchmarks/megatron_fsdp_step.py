@@ -16,9 +16,9 @@ interleaved, on the slowest rank. Prints numbers (rank 0); asserts nothing.
 import torch
 import torch.distributed as dist
 
-from _distributed import gpt_benchmark_parser, init_distributed, time_iterations
+from _distributed import time_iterations
 from _timing import write_json
-from fsdp2_step import build, exchanged_bytes, sharded_gpt_optimizer, state_bytes
+from fsdp2_step import build, exchanged_bytes, max_over_ranks, muon_benchmark, sharded_gpt_optimizer, state_bytes
 
 from megatron_eopt import OptimizerConfig, get_megatron_optimizer
 from megatron_eopt.runtime.process_groups import ParallelGroups
@@ -50,22 +50,13 @@ def unsharded_optimizer(settings, config: OptimizerConfig, device: torch.device)
     return model, get_megatron_optimizer(config, [model], pg_collection=ParallelGroups.single_process())
 
 
-def max_over_ranks(value: int, device: torch.device) -> int:
-    tensor = torch.tensor([value], device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return int(tensor.item())
-
-
 def local_param_bytes(model: torch.nn.Module) -> int:
     local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
     return sum(t.numel() * t.element_size() for t in local)
 
 
 def main() -> None:
-    args = gpt_benchmark_parser(__doc__.splitlines()[0]).parse_args()
-    device = init_distributed()
-    precision = "highest" if device.type == "cpu" else "medium"
-    config = OptimizerConfig(optimizer="muon", lr=1e-3, muon_fp32_matmul_prec=precision)
+    args, device, precision, config = muon_benchmark(__doc__.splitlines()[0])
     settings, _, fsdp2_opt, fsdp2_muon = sharded_gpt_optimizer(args, config, device)
     mfsdp_model, mfsdp_opt = megatron_fsdp_optimizer(settings, config, device)
     full_model, full_opt = unsharded_optimizer(settings, config, device)
