@@ -3,7 +3,8 @@ the reference: its CUDA-only calls patched at run time, here only (the installed
 
 - `cuda_tensors_on_cpu`: its optimizer wrappers make their loss-scale tensor with device='cuda'.
 - `megatron_core_ddp_on_cpu` (with `cuda_tensors_on_cpu`): its DDP buffers and gradient sync.
-- `cuda_named_types`: while its DistributedOptimizer is built, which checks parameter types by name.
+- `cuda_named_types`: while its DistributedOptimizer or Float16OptimizerWithFloat16Params is built,
+  which check parameter types by name.
 """
 
 import contextlib

@@ -198,7 +198,7 @@ print("BF16-BOTH-WAYS-OK")
 def test_bf16_checkpoints_move_both_ways_with_megatron_core() -> None:
     """megatron-core's Float16OptimizerWithFloat16Params (CUDA-only) saves with fp32_param keys, ours
     loads and continues as it continues; and the mirror (tests/unit/library/checkpointing/
-    test_megatron_core_checkpoints.py does fp32 on CPU, bitwise). Within 2 bf16 ulps of the
+    test_megatron_core_checkpoints.py does fp32 and bf16 on CPU, bitwise). Within 2 bf16 ulps of the
     parameters, not bitwise: on a GPU megatron-core may step with Transformer Engine's fused Adam."""
     _run_single_gpu_script(BF16_BOTH_WAYS_SCRIPT, "BF16-BOTH-WAYS-OK")
 

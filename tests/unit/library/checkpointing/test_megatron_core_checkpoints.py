@@ -2,15 +2,18 @@
 
 The reference is megatron-core's code: its `get_megatron_optimizer` builds FP32Optimizer (Adam)
 and the chain FP32Optimizer(TensorParallelMuon) + FP32Optimizer(AdamW) on CPU once its loss-scale
-tensor is made off CUDA (`cuda_tensors_on_cpu`); its step is each chained torch optimizer's own step
-(its wrappers' step computes the norm on CUDA; nothing is clipped, clip_grad=0, so ours skips
-nothing either). Both libraries use the standard overrides: two param groups (wd_mult 0 for
+tensor is made off CUDA (`cuda_tensors_on_cpu`), and with bf16 parameters the same kinds wrapped in
+Float16OptimizerWithFloat16Params once its type check sees CUDA names (`cuda_named_types`). Its
+step is each child's `prepare_grads` and `step_with_ready_grads` (gradients to the fp32 main copies,
+the torch optimizer's step, the main copies back to bf16): its wrappers' `step` computes the norm
+on CUDA, and nothing is clipped (clip_grad=0), so ours skips nothing either. Both libraries use the standard overrides: two param groups (wd_mult 0 for
 biases and 1-D), which megatron-core starts at the same weight decay and ours at its own, so the
 steps before a save differ; after a load both run with the checkpoint's hyperparameters.
 
 Each case: library S trains N steps and saves; library L loads into a fresh model and optimizer
 and takes M steps; that must equal S continuing itself for M steps without the save, bitwise
-(fp32 Adam and Muon step bitwise alike: tests/unit/library/test_megatron_core_parity.py).
+(fp32 Adam and Muon step bitwise alike: tests/unit/library/test_megatron_core_parity.py; in bf16
+both step the same fp32 main copies and round them to bf16 alike).
 Saved through `sharded_state_dict(model_sd, is_loading, metadata)` with megatron-core's
 `dist_checkpointing` (its torch_dist format, written on CPU as test_megatron_sharded.py explains;
 loaded by `dist_checkpointing.load` itself), with and without `chained_optim_avoid_prefix`, and
@@ -45,7 +48,7 @@ METADATA = {"avoid_prefix": {"chained_optim_avoid_prefix": True, "singleton_loca
 class Run:
     """A GPTModel and one library's optimizer (`library`: 'core' or 'ours')."""
 
-    def __init__(self, library: str, optimizer: str, seed: int) -> None:
+    def __init__(self, library: str, optimizer: str, seed: int, bf16: bool = False) -> None:
         from megatron.core.distributed import DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig as CoreConfig
         from megatron.core.optimizer import get_megatron_optimizer as core_get_megatron_optimizer
@@ -53,15 +56,17 @@ class Run:
         from megatron_eopt import OptimizerConfig, get_megatron_optimizer
         from megatron_eopt.training.model.gpt import GPTModelSettings, build_gpt_model
 
-        self.library, self.settings = library, GPTModelSettings(**SETTINGS)
+        self.library, self.settings = library, GPTModelSettings(**SETTINGS, bf16=bf16)
+        fields = dict(FIELDS[optimizer], bf16=bf16)
         torch.manual_seed(seed)
         self.model = build_gpt_model(self.settings)
         if library == "ours":
-            self.optimizer = get_megatron_optimizer(OptimizerConfig(**FIELDS[optimizer]), [self.model])
+            self.optimizer = get_megatron_optimizer(OptimizerConfig(**fields), [self.model])
         else:
             self.model.ddp_config = DistributedDataParallelConfig()  # read by megatron-core's factory
-            with cuda_tensors_on_cpu():
-                self.optimizer = core_get_megatron_optimizer(CoreConfig(**FIELDS[optimizer]), [self.model])
+            # bf16: Float16OptimizerWithFloat16Params, which checks parameter types by CUDA name.
+            with cuda_tensors_on_cpu(), cuda_named_types():
+                self.optimizer = core_get_megatron_optimizer(CoreConfig(**fields), [self.model])
 
     def train(self, steps: range) -> None:
         for step in steps:
@@ -70,8 +75,9 @@ class Run:
             if self.library == "ours":
                 assert self.optimizer.step()[0]
             else:
-                for child in self.optimizer.chained_optimizers:
-                    child.optimizer.step()
+                for child in self.optimizer.chained_optimizers:  # bf16: gradients to the fp32 main copies and back
+                    child.prepare_grads()
+                    child.step_with_ready_grads()
 
     def sharded(self, metadata, is_loading: bool = False, keep_metadata: bool = False) -> dict:
         """`keep_metadata`: hand over `metadata` itself (Megatron-LM saves what the optimizer left in it)."""
@@ -88,11 +94,12 @@ def _differences(expected: dict, actual: dict) -> list[str]:
     return [name for name in expected if not torch.equal(expected[name], actual[name])]
 
 
-def _continued(saver: str, loader: str, optimizer: str, how: str, metadata, directory: str) -> dict:
+def _continued(saver: str, loader: str, optimizer: str, how: str, metadata, precision: str, directory: str) -> dict:
     """`saver` trains and saves, `loader` loads and continues; both against `saver` continuing."""
     from megatron.core import dist_checkpointing
 
-    saved = Run(saver, optimizer, seed=1)
+    bf16 = precision == "bf16"
+    saved = Run(saver, optimizer, seed=1, bf16=bf16)
     saved.train(range(SAVED_STEPS))
     if how == "sharded":
         written = dict(metadata or {})
@@ -103,7 +110,7 @@ def _continued(saver: str, loader: str, optimizer: str, how: str, metadata, dire
         torch.save({"model": saved.model.state_dict(), "optimizer": optimizer_state}, buffer)
     saved.train(range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS))
 
-    loaded = Run(loader, optimizer, seed=2)
+    loaded = Run(loader, optimizer, seed=2, bf16=bf16)
     fresh_differs = bool(_differences(saved.params(), loaded.params()))
     if how == "sharded":
         state = dist_checkpointing.load(loaded.sharded(metadata, is_loading=True), directory)
@@ -114,6 +121,8 @@ def _continued(saver: str, loader: str, optimizer: str, how: str, metadata, dire
     loaded.optimizer.load_state_dict(state["optimizer"])
     loaded.train(range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS))
     result = {"fresh_differs": fresh_differs, "differences": _differences(saved.params(), loaded.params())}
+    core = saved if saver == "core" else loaded
+    result["core_kinds"] = {type(child).__name__ for child in core.optimizer.chained_optimizers}
     if how == "sharded":
         result.update(written=written, keys=_optimizer_keys(directory), layout=checkpoint_optimizer_layout(directory))
     return result
@@ -125,11 +134,15 @@ def _optimizer_keys(directory: str) -> list[str]:
     return sorted(k for k in FileSystemReader(directory).read_metadata().state_dict_metadata if "optimizer." in k)
 
 
-CASES = [(saver, loader, optimizer, how, metadata)
+# bf16: megatron-core's Float16OptimizerWithFloat16Params, its fp32 main copies saved as fp32_param.
+CASES = [(saver, loader, optimizer, how, metadata, "fp32")
          for saver, loader in (("core", "ours"), ("ours", "core"))
          for optimizer in ("adam", "muon")
          for how, metadata in (("sharded", "avoid_prefix"), ("sharded", "prefix"), ("plain", None))
-         ] + [("ours", "ours", "muon", "sharded", "eopt_v1")]
+         ] + [("ours", "ours", "muon", "sharded", "eopt_v1", "fp32")] + [
+         (saver, loader, optimizer, how, "avoid_prefix" if how == "sharded" else None, "bf16")
+         for saver, loader in (("core", "ours"), ("ours", "core"))
+         for optimizer in ("adam", "muon") for how in ("sharded", "plain")]
 
 
 def _both_ways_body(rank: int, world_size: int, directory: str) -> dict:
@@ -137,11 +150,11 @@ def _both_ways_body(rank: int, world_size: int, directory: str) -> dict:
 
     results = {}
     with model_parallel(1, seed=3):
-        for index, (saver, loader, optimizer, how, metadata) in enumerate(CASES):
+        for index, (saver, loader, optimizer, how, metadata, precision) in enumerate(CASES):
             case_directory = os.path.join(directory, str(index))
             os.makedirs(case_directory)
-            results[(saver, loader, optimizer, how, metadata)] = _continued(
-                saver, loader, optimizer, how, METADATA.get(metadata), case_directory)
+            results[(saver, loader, optimizer, how, metadata, precision)] = _continued(
+                saver, loader, optimizer, how, METADATA.get(metadata), precision, case_directory)
         refusals = _refusals()
     return results, refusals
 
@@ -179,7 +192,9 @@ def test_checkpoints_move_both_ways_and_continue_bitwise(run_distributed, tmp_pa
     for case, result in results.items():
         assert result["fresh_differs"], case
         assert not result["differences"], (case, result["differences"][:5])
-        saver, _, optimizer, how, metadata = case
+        saver, _, optimizer, how, metadata, precision = case
+        kind = "Float16OptimizerWithFloat16Params" if precision == "bf16" else "FP32Optimizer"
+        assert result["core_kinds"] == {kind}, (case, result["core_kinds"])
         if how != "sharded":
             continue
         keys = result["keys"]
@@ -190,6 +205,9 @@ def test_checkpoints_move_both_ways_and_continue_bitwise(run_distributed, tmp_pa
             continue
         assert result["layout"] == "megatron_core", case
         names = {"adam": {"exp_avg", "exp_avg_sq"}, "muon": {"momentum_buffer", "exp_avg", "exp_avg_sq"}}[optimizer]
+        if precision == "bf16":  # the fp32 main copies, as megatron-core's Float16 optimizer keys them
+            names = names | {"fp32_param"}
+            assert any(k.startswith("optimizer.state.fp32_param.") for k in keys), (case, keys[:5])
         prefixed = optimizer == "muon" and metadata == "prefix"  # one child: no prefix (megatron-core's rule)
         for key in keys:
             bare = key.split(".", 1)[1] if prefixed else key
@@ -235,7 +253,7 @@ def _reshard_body(rank: int, world_size: int, directory: str) -> dict:
         continued = {}
         with model_parallel(3 - saved_tp, seed=3):
             for loader in ("core", "ours"):
-                loaded = Run(loader, optimizer, seed=2)
+                loaded = Run(loader, optimizer, seed=2, bf16=bf16)
                 fresh = loaded.params()
                 state = dist_checkpointing.load(loaded.sharded(metadata, is_loading=True), case_directory)
                 loaded.model.load_state_dict(state["model"])
