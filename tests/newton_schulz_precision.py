@@ -17,8 +17,8 @@ from megatron_eopt import registry
 @contextlib.contextmanager
 def fp32_newton_schulz(optimizer_name: str) -> Iterator[None]:
     """While it is open, the registered optimizer's class defaults to fp32_matmul_prec='highest'
-    (unchanged where the class has no such argument)."""
-    optimizer_cls = registry.lookup_optimizer(optimizer_name).entry.optimizer_cls
+    (unchanged for built-in entries, which take it from the config, and classes without it)."""
+    optimizer_cls = getattr(registry.lookup_optimizer(optimizer_name).entry, "optimizer_cls", object)
     init = next((c.__init__ for c in optimizer_cls.__mro__
                  if "fp32_matmul_prec" in (getattr(c.__init__, "__kwdefaults__", None) or {})), None)
     if init is None:
