@@ -18,6 +18,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from megatron_eopt.checkpointing.ddp_buckets import DistributedOptimizerBuckets
 from megatron_eopt.config.optimizer_names import run_optimizer
 from megatron_eopt.params.groups import stored_child_name
 from megatron_eopt.wrappers.base import CheckpointableChild, ChildParam
@@ -47,16 +48,26 @@ class CoreFormat:
     # DistributedOptimizer: per-parameter state under this key instead of torch's 'state' (read only),
     # with the fp32 main copy as its state `param`, and the step in each param group.
     param_state_key: Optional[str] = None
+    sharding_type: Optional[str] = None  # DistributedOptimizer: its `param_state_sharding_type`
+    # dp_reshardable: each state tensor is a range of a DDP bucket (ddp_buckets.py), read flat.
+    keyed_by_bucket: bool = False
 
 
-# DistributedOptimizer's formats keyed by DDP bucket need its buffers' layout: not read.
+# DistributedOptimizer's `dp_zero_gather_scatter` and `fully_sharded_bucket_space` (deprecated) are not read.
 CORE_FORMATS = {
     "distributed_fully_reshardable": CoreFormat("DistributedOptimizer (fully_reshardable)", "optimizer", None,
-                                                "param_state"),
+                                                "param_state", "fully_reshardable"),
+    "distributed_dp_reshardable": CoreFormat("DistributedOptimizer (dp_reshardable)", "optimizer", None,
+                                             "param_state", "dp_reshardable", keyed_by_bucket=True),
     "fp32": CoreFormat("FP32Optimizer", None, None),
     "float16": CoreFormat("Float16OptimizerWithFloat16Params", "optimizer", "fp32_from_fp16_params"),
 }
 DISTRIBUTED_MAIN_PARAM = "param"
+SHARDING_TYPE_KEY = "param_state_sharding_type"
+# dp_reshardable keeps the param groups in a sharded object without their parameters; a load request
+# carries ours here, as the other formats' requests carry them in the groups themselves.
+GROUP_PARAMS = "eopt_param_group_params"
+READ_DISTRIBUTED_FORMATS = {f.sharding_type: f for f in CORE_FORMATS.values() if f.sharding_type is not None}
 
 
 def core_format_of(child: CheckpointableChild) -> CoreFormat:
@@ -72,7 +83,8 @@ def core_format_in(state_dict: Any) -> Optional[CoreFormat]:
     for layout in CORE_FORMATS.values():
         torch_state = state_dict if layout.torch_state_key is None else state_dict.get(layout.torch_state_key)
         if (isinstance(torch_state, Mapping) and isinstance(torch_state.get("param_groups"), list)
-                and (layout.param_state_key is None or layout.param_state_key in state_dict)):
+                and (layout.param_state_key is None or (layout.param_state_key in state_dict and state_dict.get(
+                    SHARDING_TYPE_KEY) == layout.sharding_type))):
             return layout
     return None
 
@@ -205,8 +217,10 @@ def layout_of(metadata: Optional[Mapping]) -> str:
 
 
 def chain_sharded_state_dict(names: list[str], children: list[CheckpointableChild], model_sharded_state_dict: dict,
-                             is_loading: bool, owner_is_main_replica: bool, metadata: Optional[dict]) -> dict:
-    """A chain's sharded state dict in the layout `metadata` asks for (megatron-core's by default)."""
+                             is_loading: bool, owner_is_main_replica: bool, metadata: Optional[dict],
+                             buckets: Optional[DistributedOptimizerBuckets] = None) -> dict:
+    """A chain's sharded state dict in the layout `metadata` asks for (megatron-core's by default).
+    `buckets`: megatron-core's DDP bucket layout for the run's model, to read a `dp_reshardable` one."""
     if layout_of(metadata) == EOPT_V1_LAYOUT:
         return {"optimizers": {name: v1_child_sharded_state_dict(child, model_sharded_state_dict, is_loading,
                                                                  owner_is_main_replica)
@@ -214,7 +228,7 @@ def chain_sharded_state_dict(names: list[str], children: list[CheckpointableChil
     if not is_loading:
         describe_layout(metadata)
     elif written_by_distributed_optimizer(metadata):
-        states = [distributed_load_request(child, model_sharded_state_dict, metadata) for child in children]
+        states = [distributed_load_request(child, model_sharded_state_dict, metadata, buckets) for child in children]
         return states[0] if len(states) == 1 else _chained(states, metadata)
     states = [child_sharded_state_dict(child, model_sharded_state_dict, is_loading, owner_is_main_replica)
               if hasattr(child, "checkpoint_params")  # else megatron-core's own optimizer in our chain
@@ -235,44 +249,91 @@ def _chained(states: list[dict], metadata: Optional[Mapping]) -> dict:
 def written_by_distributed_optimizer(metadata: Optional[Mapping]) -> bool:
     """Whether a checkpoint's metadata says megatron-core's DistributedOptimizer wrote it: a
     distributed-optimizer format, and not our layout mark (we always leave one). Refuses the
-    bucket-keyed formats, which we cannot read."""
+    formats we do not read."""
     metadata = metadata or {}
     sharding = metadata.get("distrib_optim_sharding_type")
     if sharding is None or LAYOUT_KEY in metadata:
         return False
-    if sharding != "fully_reshardable":
+    if sharding not in READ_DISTRIBUTED_FORMATS:
         raise ValueError(
             f"the checkpoint holds megatron-core DistributedOptimizer state in its {sharding!r} format, which "
-            f"megatron_eopt cannot read (only 'fully_reshardable': save it with --dist-ckpt-optim-fully-"
-            f"reshardable), or load the model only (--no-load-optim). If megatron_eopt wrote it before its "
-            f"megatron-core layout, set metadata[{LAYOUT_KEY!r}] = {EOPT_V1_LAYOUT!r}."
+            f"megatron_eopt cannot read (only {sorted(READ_DISTRIBUTED_FORMATS)}): save it with "
+            f"--dist-ckpt-optim-fully-reshardable, or load the model only (--no-load-optim). If megatron_eopt "
+            f"wrote it before its megatron-core layout, set metadata[{LAYOUT_KEY!r}] = {EOPT_V1_LAYOUT!r}."
         )
     return True
 
 
-def distributed_load_request(child: CheckpointableChild, model_sharded_state_dict: dict, metadata: Mapping) -> dict:
-    """What to load of megatron-core's DistributedOptimizer `fully_reshardable` checkpoint: its
-    per-parameter state (`optimizer.state.<name>.<key>`, the fp32 main copy as `param`), its
-    param groups (which hold the step) from the common state."""
+def distributed_load_request(child: CheckpointableChild, model_sharded_state_dict: dict, metadata: Mapping,
+                             buckets: Optional[DistributedOptimizerBuckets]) -> dict:
+    """What to load of megatron-core's DistributedOptimizer checkpoint in a format of
+    READ_DISTRIBUTED_FORMATS: per parameter its state and fp32 main copy (`param`), keyed by the
+    parameter (`optimizer.state.<name>.<key>`) or by the DDP bucket range it lies in; the param
+    groups, which hold the step."""
     from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
-    from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
+    layout = READ_DISTRIBUTED_FORMATS[metadata["distrib_optim_sharding_type"]]
     child.init_state()
     params = child.checkpoint_params()
-    sharded_of = _sharded_params(params, model_sharded_state_dict, owner_is_main_replica=False)
-    torch_state = core_state_dict(child)
-    torch_state = torch_state_of(torch_state, core_format_of(child))
-    mains = dict(zip(range(len(params)), child.fp32_main_params()))
+    sharded = (_bucket_sharded(params, buckets) if layout.keyed_by_bucket
+               else _parameter_sharded(params, model_sharded_state_dict))
+    torch_state = torch_state_of(core_state_dict(child), core_format_of(child))
+    mains = dict(enumerate(child.fp32_main_params()))
     param_state = {}
     for i, entries in torch_state["state"].items():
         tensors = {name: value for name, value in entries.items() if _is_parameter_shaped(child, name, value, params[i])}
         if _main_copy_indices(params, [i]):
             tensors[DISTRIBUTED_MAIN_PARAM] = mains[i]
-        param_state[i] = {name: make_sharded_optimizer_tensor(sharded_of(i), value, f"{STATE_PREFIX}.{name}")
-                          for name, value in tensors.items()}
-    groups = [{"params": LocalNonpersistentObject(group["params"])} for group in torch_state["param_groups"]]
-    return {"optimizer": {"param_groups": groups}, "param_state": param_state,
-            "param_state_sharding_type": metadata["distrib_optim_sharding_type"]}
+        param_state[i] = {name: sharded(i, name, value) for name, value in tensors.items()}
+    group_params = [group["params"] for group in torch_state["param_groups"]]
+    request = {layout.param_state_key: param_state, SHARDING_TYPE_KEY: layout.sharding_type}
+    if layout.keyed_by_bucket:
+        request.update(optimizer=_bucket_common_state(buckets, "optimizer", torch_state["param_groups"]),
+                       **{GROUP_PARAMS: LocalNonpersistentObject(group_params)})
+    else:
+        request["optimizer"] = {"param_groups": [{"params": LocalNonpersistentObject(p)} for p in group_params]}
+    return request
+
+
+def _parameter_sharded(params: list[ChildParam], model_sharded_state_dict: dict):
+    """(index, name, tensor) -> the tensor keyed `optimizer.state.<name>.<model key>`, as its parameter."""
+    from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+
+    sharded_of = _sharded_params(params, model_sharded_state_dict, owner_is_main_replica=False)
+    return lambda i, name, value: make_sharded_optimizer_tensor(sharded_of(i), value, f"{STATE_PREFIX}.{name}")
+
+
+def _bucket_sharded(params: list[ChildParam], buckets: Optional[DistributedOptimizerBuckets]):
+    """(index, name, tensor) -> the flattened tensor as its range of megatron-core's DDP bucket."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    if buckets is None:
+        raise ValueError("reading megatron-core's 'dp_reshardable' checkpoint needs the model's DDP bucket layout; "
+                         "build the optimizer with megatron_eopt.get_megatron_optimizer(config, model_chunks).")
+    places = buckets.places()
+    for param in params:
+        if id(param.model) not in places:
+            raise ValueError(
+                f"parameter {param.fqn!r} is in no dense DDP buffer of megatron-core's DistributedOptimizer "
+                f"(an expert or layer-wise-managed one): its 'dp_reshardable' state is not read; save with "
+                f"--dist-ckpt-optim-fully-reshardable.")
+
+    def sharded(i: int, name: str, value: torch.Tensor) -> Any:
+        place = places[id(params[i].model)]
+        flat = value.detach().reshape(-1)
+        return ShardedTensor(place.tensor_key(buckets.model_parallel_rank, name), flat, flat.dtype, tuple(flat.shape),
+                             (place.bucket_numel_unpadded,), (place.start,), axis_fragmentations=None,
+                             replica_id=(0, 0, buckets.dp_rank))
+
+    return sharded
+
+
+def _bucket_common_state(buckets: DistributedOptimizerBuckets, name: str, value: Any) -> Any:
+    """megatron-core's DistributedOptimizer keeps its non-parameter state per model-parallel rank."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return ShardedObject(f"optimizer.distributed.dp_group_idx_{buckets.model_parallel_rank}.{name}",
+                         {"param_groups": value}, (1,), (0,), replica_id=(0, 0, buckets.dp_rank))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -305,6 +366,8 @@ def unpack_core_state_dict(state_dict: Mapping, params: list[ChildParam], config
     mains = {}
     if layout.param_state_key is not None:  # DistributedOptimizer: the step in the groups, mains in the state
         entries = {i: dict(values) for i, values in state_dict[layout.param_state_key].items()}
+        if layout.keyed_by_bucket:
+            entries = {i: _unflattened(i, values, params) for i, values in entries.items()}
         for index, values in entries.items():
             main = values.pop(DISTRIBUTED_MAIN_PARAM, None)
             if main is not None and index in _main_copy_indices(params, [index]):
@@ -322,6 +385,8 @@ def unpack_core_state_dict(state_dict: Mapping, params: list[ChildParam], config
         state[index] = {**values, **{name: _copy(value) for name, value in shared.items()}}
     primary = run_optimizer(config)
     groups = [{**group, "optimizer": group.get("optimizer") or primary} for group in torch_state["param_groups"]]
+    if GROUP_PARAMS in state_dict:  # dp_reshardable: ours, by position, as the other formats' merge gives them
+        groups = [{**group, "params": params_of} for group, params_of in zip(groups, state_dict[GROUP_PARAMS])]
     if layout.main_params_key is not None:
         for group, values in zip(groups, state_dict.get(layout.main_params_key) or []):
             mains.update(zip(_main_copy_indices(params, list(group["params"])), values))
@@ -340,6 +405,18 @@ def _check_shapes(index: Any, values: Mapping, params: list[ChildParam]) -> None
                 f"parameter {params[index].fqn!r} there has shape {shape}: the checkpoint is of another model "
                 f"(or another parameter order)."
             )
+
+
+def _unflattened(index: Any, values: Mapping, params: list[ChildParam]) -> dict:
+    """A parameter's state read flat from its DDP bucket range, in the parameter's shape."""
+    _check_shapes(index, {}, params)
+    shape = params[index].model.shape
+    unflattened = {}
+    for name, value in values.items():
+        if torch.is_tensor(value) and value.dim() == 1 and value.numel() == params[index].model.numel():
+            value = value.view(shape)
+        unflattened[name] = value
+    return unflattened
 
 
 def _copy(value: Any) -> Any:
