@@ -24,8 +24,11 @@ from megatron_eopt.params.groups import stored_child_name
 from megatron_eopt.wrappers.base import CheckpointableChild, ChildParam
 
 LAYOUT_KEY = "eopt_optimizer_layout"
-MEGATRON_CORE_LAYOUT = "megatron_core"  # what this module writes
+MEGATRON_CORE_LAYOUT = "megatron_core"  # what this module writes: megatron-core's optimizer of the same kind's
+# with a distributed-optimizer format in the metadata: its DistributedOptimizer's fully_reshardable
+MEGATRON_CORE_DISTRIBUTED_LAYOUT = "megatron_core_distributed"
 EOPT_V1_LAYOUT = "megatron_eopt_v1"  # keyed by our child names: written before megatron-core's layout
+LAYOUTS = (MEGATRON_CORE_LAYOUT, MEGATRON_CORE_DISTRIBUTED_LAYOUT, EOPT_V1_LAYOUT)
 STATE_PREFIX = "optimizer.state"  # + .<state name>.<model key>
 MAIN_PARAM_STATE = "fp32_param"
 COMMON_STEP = "common_step"
@@ -33,9 +36,8 @@ EXTRA_SCALARS = "eopt_scalar_state"
 # Fields of our param groups that megatron-core's do not have (it records no names).
 OWN_GROUP_FIELDS = ("params", "param_fqns", "group_key")
 # megatron-core's DistributedOptimizer formats keyed by parameter (DistributedOptimizer.
-# checkpoint_fully_reshardable_formats); the others are keyed by its DDP buckets.
+# checkpoint_fully_reshardable_formats); the others are keyed by its DDP buckets (ddp_buckets.py).
 PARAMETER_KEYED_FORMATS = ("fully_reshardable", "fully_sharded_model_space")
-BUCKET_KEYED_FORMATS = ("dp_reshardable", "dp_zero_gather_scatter", "fully_sharded_bucket_space")
 
 
 @dataclass(frozen=True)
@@ -199,20 +201,22 @@ def adds_chain_prefix(metadata: Mapping) -> bool:
 
 def describe_layout(metadata: Optional[dict]) -> None:
     """Record in the caller's `metadata` (Megatron-LM saves it with the checkpoint and hands it back
-    on load) what we write: megatron-core's layout, keyed by parameter even where a bucket-keyed
-    distributed-optimizer format was asked for (we have no DDP buckets)."""
+    on load) what we write: with a distributed-optimizer format, DistributedOptimizer's
+    `fully_reshardable` (keyed by parameter, whatever format was asked for: we have no DDP
+    buckets); otherwise the layout of megatron-core's optimizer of the same kind."""
     if metadata is None:
         return
-    metadata[LAYOUT_KEY] = MEGATRON_CORE_LAYOUT
-    if metadata.get("distrib_optim_sharding_type") in BUCKET_KEYED_FORMATS:
+    distributed = metadata.get("distrib_optim_sharding_type") is not None
+    metadata[LAYOUT_KEY] = MEGATRON_CORE_DISTRIBUTED_LAYOUT if distributed else MEGATRON_CORE_LAYOUT
+    if distributed:
         metadata["distrib_optim_sharding_type"] = "fully_reshardable"
 
 
 def layout_of(metadata: Optional[Mapping]) -> str:
     layout = (metadata or {}).get(LAYOUT_KEY, MEGATRON_CORE_LAYOUT)
-    if layout not in (MEGATRON_CORE_LAYOUT, EOPT_V1_LAYOUT):
-        raise ValueError(f"metadata[{LAYOUT_KEY!r}] is {layout!r}; the layouts are "
-                         f"{MEGATRON_CORE_LAYOUT!r} (megatron-core's) and {EOPT_V1_LAYOUT!r} (ours before it).")
+    if layout not in LAYOUTS:
+        raise ValueError(f"metadata[{LAYOUT_KEY!r}] is {layout!r}; the layouts are {LAYOUTS}: megatron-core's "
+                         f"optimizer's, its DistributedOptimizer's, ours before them.")
     return layout
 
 
@@ -225,10 +229,15 @@ def chain_sharded_state_dict(names: list[str], children: list[CheckpointableChil
         return {"optimizers": {name: v1_child_sharded_state_dict(child, model_sharded_state_dict, is_loading,
                                                                  owner_is_main_replica)
                                for name, child in zip(names, children)}}
-    if not is_loading:
+    if is_loading:
+        distributed = written_by_distributed_optimizer(metadata)
+    else:
         describe_layout(metadata)
-    elif written_by_distributed_optimizer(metadata):
-        states = [distributed_load_request(child, model_sharded_state_dict, metadata, buckets) for child in children]
+        distributed = layout_of(metadata) == MEGATRON_CORE_DISTRIBUTED_LAYOUT
+    if distributed:
+        format_name = (metadata or {}).get("distrib_optim_sharding_type") if is_loading else "fully_reshardable"
+        states = [distributed_sharded_state(child, model_sharded_state_dict, READ_DISTRIBUTED_FORMATS[format_name],
+                                            buckets, is_loading, owner_is_main_replica) for child in children]
         return states[0] if len(states) == 1 else _chained(states, metadata)
     states = [child_sharded_state_dict(child, model_sharded_state_dict, is_loading, owner_is_main_replica)
               if hasattr(child, "checkpoint_params")  # else megatron-core's own optimizer in our chain
@@ -247,12 +256,12 @@ def _chained(states: list[dict], metadata: Optional[Mapping]) -> dict:
 
 
 def written_by_distributed_optimizer(metadata: Optional[Mapping]) -> bool:
-    """Whether a checkpoint's metadata says megatron-core's DistributedOptimizer wrote it: a
-    distributed-optimizer format, and not our layout mark (we always leave one). Refuses the
-    formats we do not read."""
+    """Whether a checkpoint holds megatron-core's DistributedOptimizer layout: its metadata names a
+    distributed-optimizer format, with our mark of that layout or no mark (megatron-core wrote it).
+    Refuses the formats we do not read."""
     metadata = metadata or {}
     sharding = metadata.get("distrib_optim_sharding_type")
-    if sharding is None or LAYOUT_KEY in metadata:
+    if sharding is None or metadata.get(LAYOUT_KEY, MEGATRON_CORE_DISTRIBUTED_LAYOUT) != MEGATRON_CORE_DISTRIBUTED_LAYOUT:
         return False
     if sharding not in READ_DISTRIBUTED_FORMATS:
         raise ValueError(
@@ -264,42 +273,53 @@ def written_by_distributed_optimizer(metadata: Optional[Mapping]) -> bool:
     return True
 
 
-def distributed_load_request(child: CheckpointableChild, model_sharded_state_dict: dict, metadata: Mapping,
-                             buckets: Optional[DistributedOptimizerBuckets]) -> dict:
-    """What to load of megatron-core's DistributedOptimizer checkpoint in a format of
-    READ_DISTRIBUTED_FORMATS: per parameter its state and fp32 main copy (`param`), keyed by the
-    parameter (`optimizer.state.<name>.<key>`) or by the DDP bucket range it lies in; the param
-    groups, which hold the step."""
+def distributed_sharded_state(child: CheckpointableChild, model_sharded_state_dict: dict, layout: CoreFormat,
+                              buckets: Optional[DistributedOptimizerBuckets], is_loading: bool,
+                              owner_is_main_replica: bool) -> dict:
+    """The child's state as megatron-core's DistributedOptimizer writes it in `layout` (one of
+    READ_DISTRIBUTED_FORMATS; only `fully_reshardable` is written): per parameter its state and fp32
+    main copy (`param`), keyed by the parameter (`optimizer.state.<name>.<key>`) or by the DDP bucket
+    range it lies in; the param groups with the step. Loading asks for the main copies of 16-bit
+    parameters only (an fp32 parameter's is the model's own)."""
     from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
 
-    layout = READ_DISTRIBUTED_FORMATS[metadata["distrib_optim_sharding_type"]]
-    child.init_state()
+    if is_loading:
+        child.init_state()
     params = child.checkpoint_params()
     sharded = (_bucket_sharded(params, buckets) if layout.keyed_by_bucket
-               else _parameter_sharded(params, model_sharded_state_dict))
+               else _parameter_sharded(params, model_sharded_state_dict, owner_is_main_replica))
     torch_state = torch_state_of(core_state_dict(child), core_format_of(child))
     mains = dict(enumerate(child.fp32_main_params()))
-    param_state = {}
+    param_state, scalars = {}, {}
     for i, entries in torch_state["state"].items():
-        tensors = {name: value for name, value in entries.items() if _is_parameter_shaped(child, name, value, params[i])}
-        if _main_copy_indices(params, [i]):
+        tensors = {}
+        for name, value in entries.items():
+            if _is_parameter_shaped(child, name, value, params[i]):
+                tensors[name] = value
+            else:
+                _add_common(scalars, name, value, params[i].fqn)
+        if not is_loading or _main_copy_indices(params, [i]):
             tensors[DISTRIBUTED_MAIN_PARAM] = mains[i]
         param_state[i] = {name: sharded(i, name, value) for name, value in tensors.items()}
+    step = scalars.pop("step", None)
+    groups = [{**group, "params": LocalNonpersistentObject(group["params"]),
+               **({"step": step.item() if torch.is_tensor(step) else step} if step is not None else {})}
+              for group in torch_state["param_groups"]]
+    state = {layout.param_state_key: param_state, SHARDING_TYPE_KEY: layout.sharding_type}
+    if scalars:
+        state[EXTRA_SCALARS] = scalars
+    if not layout.keyed_by_bucket:
+        return {**state, "optimizer": {"param_groups": groups}}
     group_params = [group["params"] for group in torch_state["param_groups"]]
-    request = {layout.param_state_key: param_state, SHARDING_TYPE_KEY: layout.sharding_type}
-    if layout.keyed_by_bucket:
-        request.update(optimizer=_bucket_common_state(buckets, "optimizer", torch_state["param_groups"]),
-                       **{GROUP_PARAMS: LocalNonpersistentObject(group_params)})
-    else:
-        request["optimizer"] = {"param_groups": [{"params": LocalNonpersistentObject(p)} for p in group_params]}
-    return request
+    return {**state, "optimizer": _bucket_common_state(buckets, "optimizer", groups),
+            GROUP_PARAMS: LocalNonpersistentObject(group_params)}
 
 
-def _parameter_sharded(params: list[ChildParam], model_sharded_state_dict: dict):
+def _parameter_sharded(params: list[ChildParam], model_sharded_state_dict: dict, owner_is_main_replica: bool):
     """(index, name, tensor) -> the tensor keyed `optimizer.state.<name>.<model key>`, as its parameter."""
     from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
-    sharded_of = _sharded_params(params, model_sharded_state_dict, owner_is_main_replica=False)
+    sharded_of = _sharded_params(params, model_sharded_state_dict, owner_is_main_replica)
     return lambda i, name, value: make_sharded_optimizer_tensor(sharded_of(i), value, f"{STATE_PREFIX}.{name}")
 
 

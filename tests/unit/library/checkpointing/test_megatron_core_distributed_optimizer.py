@@ -22,11 +22,12 @@ after two steps). Megatron-LM's GPU runs (TE's FusedAdam, the step in the param 
 """
 
 import io
+from typing import Optional
 
 import torch
 
 from tests.gpt_training import model_parallel, step_loss, token_batch
-from tests.megatron_core_on_cpu import cuda_named_types, megatron_core_ddp_on_cpu
+from tests.megatron_core_on_cpu import cuda_named_types, distributed_optimizer_loads_on_cpu, megatron_core_ddp_on_cpu
 from tests.unit.library.checkpointing.test_megatron_core_checkpoints import (
     FIELDS,
     MORE_STEPS,
@@ -77,10 +78,12 @@ class CoreRun:
             for child in self.optimizer.chained_optimizers:
                 assert not child.prepare_grads() and child.step_with_ready_grads()
 
-    def sharded(self, is_loading: bool = False) -> dict:
+    def sharded(self, is_loading: bool = False, metadata: Optional[dict] = None) -> dict:
+        """`metadata`: handed over itself (Megatron-LM saves what the optimizer left in it)."""
         model = self.model.sharded_state_dict()
+        metadata = dict(METADATA) if metadata is None else metadata
         return {"model": model, "optimizer": self.optimizer.sharded_state_dict(model, is_loading=is_loading,
-                                                                                metadata=dict(METADATA))}
+                                                                                metadata=metadata)}
 
     def params(self) -> dict[str, torch.Tensor]:
         return {name: p.detach().clone() for name, p in self.model.named_parameters()}
@@ -108,10 +111,10 @@ class OursRun(CoreRun):
             assert self.optimizer.step()[0]
 
 
-def _loaded_and_continued(run: CoreRun, directory: str) -> dict[str, torch.Tensor]:
+def _loaded_and_continued(run: CoreRun, directory: str, metadata: Optional[dict] = None) -> dict[str, torch.Tensor]:
     from megatron.core import dist_checkpointing
 
-    state = dist_checkpointing.load(run.sharded(is_loading=True), directory)
+    state = dist_checkpointing.load(run.sharded(is_loading=True, metadata=dict(metadata or METADATA)), directory)
     run.model.load_state_dict(state["model"])
     run.optimizer.load_state_dict(state["optimizer"])
     run.train(range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS))
@@ -162,21 +165,42 @@ def _layout_body(rank: int, world_size: int) -> dict:
 # ------------------------------------------------------------------------------------------------
 
 
-def _save_and_continue_body(rank: int, world_size: int, directory: str) -> dict:
-    """DP=2: megatron-core trains, saves, continues; ours (plain, layer-wise) loads and continues."""
+def _save_and_continue_body(rank: int, world_size: int, directory: str, mirror_directory: str) -> dict:
+    """DP=2: megatron-core trains, saves, continues; ours (plain, layer-wise) loads and continues.
+    And the mirror."""
     with model_parallel(1, seed=3), megatron_core_ddp_on_cpu():
+        mirror = _mirror(mirror_directory)
         core = CoreRun(seed=1)
         core.train(range(SAVED_STEPS))
         _megatron_save(core.sharded(), directory)
         core.train(range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS))
         expected = core.params()
         results = {"buckets": [len(b.buckets) for b in core.ddp.buffers], "keys": _optimizer_keys(directory),
-                   "expected": expected}
+                   "expected": expected, "mirror": mirror}
         for layer_wise in (False, True):
             ours = OursRun(seed=2, layer_wise=layer_wise)
             fresh_differs = bool(_differences(expected, ours.params()))
             results[f"layer_wise={layer_wise}"] = (fresh_differs, _differences(expected, _loaded_and_continued(ours, directory)))
     return results
+
+
+def _mirror(directory: str) -> dict:
+    """Ours, layer-wise as Megatron-LM runs it with --use-distributed-optimizer, trains and saves with
+    Megatron-LM's metadata (dp_reshardable asked for); megatron-core's DistributedOptimizer and our
+    plain optimizer load with the metadata we left and continue: against ours continuing itself."""
+    ours = OursRun(seed=1, layer_wise=True)
+    ours.train(range(SAVED_STEPS))
+    written = dict(METADATA)
+    _megatron_save(ours.sharded(metadata=written), directory)
+    ours.train(range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS))
+    expected = ours.params()
+    core = CoreRun(seed=2)
+    core.train(range(-1, 0))  # its sharded_state_dict reads the step from the state (torch's Adam)
+    with distributed_optimizer_loads_on_cpu():
+        core_continued = _loaded_and_continued(core, directory, written)
+    ours_continued = _loaded_and_continued(OursRun(seed=2, layer_wise=False), directory, written)
+    return {"written": written, "keys": _optimizer_keys(directory), "core": _differences(expected, core_continued),
+            "ours": _differences(expected, ours_continued)}
 
 
 def _other_dp_size_body(rank: int, world_size: int, directory: str, expected: dict) -> dict:
@@ -208,16 +232,24 @@ def _serialized(state_dict: dict) -> bytes:
     return buffer.getvalue()
 
 
-def test_megatron_core_dp_reshardable_checkpoint_continues_in_ours(run_distributed, tmp_path) -> None:
+def test_megatron_core_distributed_optimizer_checkpoints_both_ways(run_distributed, tmp_path) -> None:
     layouts = run_distributed(_layout_body, world_size=2, timeout=600)
     for rank, results in enumerate(layouts):
         for name, (mismatches, buckets) in results.items():
             assert not mismatches, (rank, name, mismatches)
         assert max(results["buckets"][1]) > 1 and results["one_bucket"][1] == [1], results
 
-    directory = str(tmp_path)
-    for rank, results in enumerate(run_distributed(_save_and_continue_body, world_size=2, args=(directory,),
-                                                   timeout=600)):
+    directory, mirror_directory = tmp_path / "core", tmp_path / "ours"
+    directory.mkdir()
+    mirror_directory.mkdir()
+    directory, mirror_directory = str(directory), str(mirror_directory)
+    for rank, results in enumerate(run_distributed(_save_and_continue_body, world_size=2,
+                                                   args=(directory, mirror_directory), timeout=600)):
+        mirror = results["mirror"]
+        assert mirror["written"]["distrib_optim_sharding_type"] == "fully_reshardable", mirror["written"]
+        assert mirror["written"]["eopt_optimizer_layout"] == "megatron_core_distributed", mirror["written"]
+        assert any(k.startswith("optimizer.state.param.") for k in mirror["keys"]), mirror["keys"][:5]
+        assert not mirror["core"] and not mirror["ours"], (rank, mirror["core"][:5], mirror["ours"][:5])
         assert max(results["buckets"]) > 1, results["buckets"]
         assert any(".bucket_idx_1.exp_avg" in key for key in results["keys"]), results["keys"][:5]
         for case in ("layer_wise=False", "layer_wise=True"):
