@@ -15,6 +15,7 @@ from typing import Any, Iterable, Mapping, Optional, Union
 
 import torch
 
+from megatron_eopt.checkpointing.ddp_buckets import DistributedOptimizerBuckets
 from megatron_eopt.config.optimizer_config import OptimizerConfig, as_optimizer_config, warn_about_inert_fields
 from megatron_eopt.distributed.fsdp2 import (
     OUTPUT_LAYER_NAMES,
@@ -115,6 +116,9 @@ def get_megatron_optimizer(
         optimizer = ChainedOptimizer(_children(build), qk_clip=qk_clip)
     else:
         optimizer = _layer_wise(build)
+    if fsdp is None:
+        optimizer.core_buckets = DistributedOptimizerBuckets(chunks, group_size(groups.dp_cp), group_rank(groups.dp_cp),
+                                                             group_rank(groups.mp))
     tp_modes = muon_tp_modes(optimizer)
     _warn_if_tp_settings_unused(config, records, tp_modes)
     if dump_param_to_param_group_map is not None and tp_modes:  # again, with each matrix's TP mode

@@ -8,8 +8,10 @@ parameter's ShardedTensor re-keyed `optimizer.state.<name>.<model key>` (main co
 `{i: child}` with `chained_{i}.` prefixes by megatron-core's rule (`adds_chain_prefix`). Param
 groups leave `optimizer` out where it names the run's own optimizer, as megatron-core's do; scalar
 state other than the step goes under `eopt_scalar_state`, which megatron-core does not read. The
-layer-wise owner writes a parameter's state as the main replica. `metadata[LAYOUT_KEY]` records
-the layout; the one written before (`optimizer.<child>.state.<name>.<key>`, EOPT_V1_LAYOUT) still
+layer-wise owner writes a parameter's state as the main replica. With a distributed-optimizer
+format in the metadata, the state is megatron-core's DistributedOptimizer's instead: its
+`fully_reshardable` is written and read, its `dp_reshardable` (keyed by DDP bucket, whose layout
+ddp_buckets.py computes) read. `metadata[LAYOUT_KEY]` records the layout; the one written before (`optimizer.<child>.state.<name>.<key>`, EOPT_V1_LAYOUT) still
 loads when the metadata names it (`checkpoint_optimizer_layout` tells which a checkpoint holds).
 """
 
@@ -18,13 +20,17 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from megatron_eopt.checkpointing.ddp_buckets import DistributedOptimizerBuckets
 from megatron_eopt.config.optimizer_names import run_optimizer
 from megatron_eopt.params.groups import stored_child_name
 from megatron_eopt.wrappers.base import CheckpointableChild, ChildParam
 
 LAYOUT_KEY = "eopt_optimizer_layout"
-MEGATRON_CORE_LAYOUT = "megatron_core"  # what this module writes
+MEGATRON_CORE_LAYOUT = "megatron_core"  # what this module writes: megatron-core's optimizer of the same kind's
+# with a distributed-optimizer format in the metadata: its DistributedOptimizer's fully_reshardable
+MEGATRON_CORE_DISTRIBUTED_LAYOUT = "megatron_core_distributed"
 EOPT_V1_LAYOUT = "megatron_eopt_v1"  # keyed by our child names: written before megatron-core's layout
+LAYOUTS = (MEGATRON_CORE_LAYOUT, MEGATRON_CORE_DISTRIBUTED_LAYOUT, EOPT_V1_LAYOUT)
 STATE_PREFIX = "optimizer.state"  # + .<state name>.<model key>
 MAIN_PARAM_STATE = "fp32_param"
 COMMON_STEP = "common_step"
@@ -32,9 +38,8 @@ EXTRA_SCALARS = "eopt_scalar_state"
 # Fields of our param groups that megatron-core's do not have (it records no names).
 OWN_GROUP_FIELDS = ("params", "param_fqns", "group_key")
 # megatron-core's DistributedOptimizer formats keyed by parameter (DistributedOptimizer.
-# checkpoint_fully_reshardable_formats); the others are keyed by its DDP buckets.
+# checkpoint_fully_reshardable_formats); the others are keyed by its DDP buckets (ddp_buckets.py).
 PARAMETER_KEYED_FORMATS = ("fully_reshardable", "fully_sharded_model_space")
-BUCKET_KEYED_FORMATS = ("dp_reshardable", "dp_zero_gather_scatter", "fully_sharded_bucket_space")
 
 
 @dataclass(frozen=True)
@@ -47,16 +52,26 @@ class CoreFormat:
     # DistributedOptimizer: per-parameter state under this key instead of torch's 'state' (read only),
     # with the fp32 main copy as its state `param`, and the step in each param group.
     param_state_key: Optional[str] = None
+    sharding_type: Optional[str] = None  # DistributedOptimizer: its `param_state_sharding_type`
+    # dp_reshardable: each state tensor is a range of a DDP bucket (ddp_buckets.py), read flat.
+    keyed_by_bucket: bool = False
 
 
-# DistributedOptimizer's formats keyed by DDP bucket need its buffers' layout: not read.
+# DistributedOptimizer's `dp_zero_gather_scatter` and `fully_sharded_bucket_space` (deprecated) are not read.
 CORE_FORMATS = {
     "distributed_fully_reshardable": CoreFormat("DistributedOptimizer (fully_reshardable)", "optimizer", None,
-                                                "param_state"),
+                                                "param_state", "fully_reshardable"),
+    "distributed_dp_reshardable": CoreFormat("DistributedOptimizer (dp_reshardable)", "optimizer", None,
+                                             "param_state", "dp_reshardable", keyed_by_bucket=True),
     "fp32": CoreFormat("FP32Optimizer", None, None),
     "float16": CoreFormat("Float16OptimizerWithFloat16Params", "optimizer", "fp32_from_fp16_params"),
 }
 DISTRIBUTED_MAIN_PARAM = "param"
+SHARDING_TYPE_KEY = "param_state_sharding_type"
+# dp_reshardable keeps the param groups in a sharded object without their parameters; a load request
+# carries ours here, as the other formats' requests carry them in the groups themselves.
+GROUP_PARAMS = "eopt_param_group_params"
+READ_DISTRIBUTED_FORMATS = {f.sharding_type: f for f in CORE_FORMATS.values() if f.sharding_type is not None}
 
 
 def core_format_of(child: CheckpointableChild) -> CoreFormat:
@@ -72,7 +87,8 @@ def core_format_in(state_dict: Any) -> Optional[CoreFormat]:
     for layout in CORE_FORMATS.values():
         torch_state = state_dict if layout.torch_state_key is None else state_dict.get(layout.torch_state_key)
         if (isinstance(torch_state, Mapping) and isinstance(torch_state.get("param_groups"), list)
-                and (layout.param_state_key is None or layout.param_state_key in state_dict)):
+                and (layout.param_state_key is None or (layout.param_state_key in state_dict and state_dict.get(
+                    SHARDING_TYPE_KEY) == layout.sharding_type))):
             return layout
     return None
 
@@ -187,34 +203,43 @@ def adds_chain_prefix(metadata: Mapping) -> bool:
 
 def describe_layout(metadata: Optional[dict]) -> None:
     """Record in the caller's `metadata` (Megatron-LM saves it with the checkpoint and hands it back
-    on load) what we write: megatron-core's layout, keyed by parameter even where a bucket-keyed
-    distributed-optimizer format was asked for (we have no DDP buckets)."""
+    on load) what we write: with a distributed-optimizer format, DistributedOptimizer's
+    `fully_reshardable` (keyed by parameter, whatever format was asked for: we have no DDP
+    buckets); otherwise the layout of megatron-core's optimizer of the same kind."""
     if metadata is None:
         return
-    metadata[LAYOUT_KEY] = MEGATRON_CORE_LAYOUT
-    if metadata.get("distrib_optim_sharding_type") in BUCKET_KEYED_FORMATS:
+    distributed = metadata.get("distrib_optim_sharding_type") is not None
+    metadata[LAYOUT_KEY] = MEGATRON_CORE_DISTRIBUTED_LAYOUT if distributed else MEGATRON_CORE_LAYOUT
+    if distributed:
         metadata["distrib_optim_sharding_type"] = "fully_reshardable"
 
 
 def layout_of(metadata: Optional[Mapping]) -> str:
     layout = (metadata or {}).get(LAYOUT_KEY, MEGATRON_CORE_LAYOUT)
-    if layout not in (MEGATRON_CORE_LAYOUT, EOPT_V1_LAYOUT):
-        raise ValueError(f"metadata[{LAYOUT_KEY!r}] is {layout!r}; the layouts are "
-                         f"{MEGATRON_CORE_LAYOUT!r} (megatron-core's) and {EOPT_V1_LAYOUT!r} (ours before it).")
+    if layout not in LAYOUTS:
+        raise ValueError(f"metadata[{LAYOUT_KEY!r}] is {layout!r}; the layouts are {LAYOUTS}: megatron-core's "
+                         f"optimizer's, its DistributedOptimizer's, ours before them.")
     return layout
 
 
 def chain_sharded_state_dict(names: list[str], children: list[CheckpointableChild], model_sharded_state_dict: dict,
-                             is_loading: bool, owner_is_main_replica: bool, metadata: Optional[dict]) -> dict:
-    """A chain's sharded state dict in the layout `metadata` asks for (megatron-core's by default)."""
+                             is_loading: bool, owner_is_main_replica: bool, metadata: Optional[dict],
+                             buckets: Optional[DistributedOptimizerBuckets] = None) -> dict:
+    """A chain's sharded state dict in the layout `metadata` asks for (megatron-core's by default).
+    `buckets`: megatron-core's DDP bucket layout for the run's model, to read a `dp_reshardable` one."""
     if layout_of(metadata) == EOPT_V1_LAYOUT:
         return {"optimizers": {name: v1_child_sharded_state_dict(child, model_sharded_state_dict, is_loading,
                                                                  owner_is_main_replica)
                                for name, child in zip(names, children)}}
-    if not is_loading:
+    if is_loading:
+        distributed = written_by_distributed_optimizer(metadata)
+    else:
         describe_layout(metadata)
-    elif written_by_distributed_optimizer(metadata):
-        states = [distributed_load_request(child, model_sharded_state_dict, metadata) for child in children]
+        distributed = layout_of(metadata) == MEGATRON_CORE_DISTRIBUTED_LAYOUT
+    if distributed:
+        format_name = (metadata or {}).get("distrib_optim_sharding_type") if is_loading else "fully_reshardable"
+        states = [distributed_sharded_state(child, model_sharded_state_dict, READ_DISTRIBUTED_FORMATS[format_name],
+                                            buckets, is_loading, owner_is_main_replica) for child in children]
         return states[0] if len(states) == 1 else _chained(states, metadata)
     states = [child_sharded_state_dict(child, model_sharded_state_dict, is_loading, owner_is_main_replica)
               if hasattr(child, "checkpoint_params")  # else megatron-core's own optimizer in our chain
@@ -233,46 +258,104 @@ def _chained(states: list[dict], metadata: Optional[Mapping]) -> dict:
 
 
 def written_by_distributed_optimizer(metadata: Optional[Mapping]) -> bool:
-    """Whether a checkpoint's metadata says megatron-core's DistributedOptimizer wrote it: a
-    distributed-optimizer format, and not our layout mark (we always leave one). Refuses the
-    bucket-keyed formats, which we cannot read."""
+    """Whether a checkpoint holds megatron-core's DistributedOptimizer layout: its metadata names a
+    distributed-optimizer format, with our mark of that layout or no mark (megatron-core wrote it).
+    Refuses the formats we do not read."""
     metadata = metadata or {}
     sharding = metadata.get("distrib_optim_sharding_type")
-    if sharding is None or LAYOUT_KEY in metadata:
+    if sharding is None or metadata.get(LAYOUT_KEY, MEGATRON_CORE_DISTRIBUTED_LAYOUT) != MEGATRON_CORE_DISTRIBUTED_LAYOUT:
         return False
-    if sharding != "fully_reshardable":
+    if sharding not in READ_DISTRIBUTED_FORMATS:
         raise ValueError(
             f"the checkpoint holds megatron-core DistributedOptimizer state in its {sharding!r} format, which "
-            f"megatron_eopt cannot read (only 'fully_reshardable': save it with --dist-ckpt-optim-fully-"
-            f"reshardable), or load the model only (--no-load-optim). If megatron_eopt wrote it before its "
-            f"megatron-core layout, set metadata[{LAYOUT_KEY!r}] = {EOPT_V1_LAYOUT!r}."
+            f"megatron_eopt cannot read (only {sorted(READ_DISTRIBUTED_FORMATS)}): save it with "
+            f"--dist-ckpt-optim-fully-reshardable, or load the model only (--no-load-optim). If megatron_eopt "
+            f"wrote it before its megatron-core layout, set metadata[{LAYOUT_KEY!r}] = {EOPT_V1_LAYOUT!r}."
         )
     return True
 
 
-def distributed_load_request(child: CheckpointableChild, model_sharded_state_dict: dict, metadata: Mapping) -> dict:
-    """What to load of megatron-core's DistributedOptimizer `fully_reshardable` checkpoint: its
-    per-parameter state (`optimizer.state.<name>.<key>`, the fp32 main copy as `param`), its
-    param groups (which hold the step) from the common state."""
+def distributed_sharded_state(child: CheckpointableChild, model_sharded_state_dict: dict, layout: CoreFormat,
+                              buckets: Optional[DistributedOptimizerBuckets], is_loading: bool,
+                              owner_is_main_replica: bool) -> dict:
+    """The child's state as megatron-core's DistributedOptimizer writes it in `layout` (one of
+    READ_DISTRIBUTED_FORMATS; only `fully_reshardable` is written): per parameter its state and fp32
+    main copy (`param`), keyed by the parameter (`optimizer.state.<name>.<key>`) or by the DDP bucket
+    range it lies in; the param groups with the step. Loading asks for the main copies of 16-bit
+    parameters only (an fp32 parameter's is the model's own)."""
     from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
+
+    if is_loading:
+        child.init_state()
+    params = child.checkpoint_params()
+    sharded = (_bucket_sharded(params, buckets) if layout.keyed_by_bucket
+               else _parameter_sharded(params, model_sharded_state_dict, owner_is_main_replica))
+    torch_state = torch_state_of(core_state_dict(child), core_format_of(child))
+    mains = dict(enumerate(child.fp32_main_params()))
+    param_state, scalars = {}, {}
+    for i, entries in torch_state["state"].items():
+        tensors = {}
+        for name, value in entries.items():
+            if _is_parameter_shaped(child, name, value, params[i]):
+                tensors[name] = value
+            else:
+                _add_common(scalars, name, value, params[i].fqn)
+        if not is_loading or _main_copy_indices(params, [i]):
+            tensors[DISTRIBUTED_MAIN_PARAM] = mains[i]
+        param_state[i] = {name: sharded(i, name, value) for name, value in tensors.items()}
+    step = scalars.pop("step", None)
+    groups = [{**group, "params": LocalNonpersistentObject(group["params"]),
+               **({"step": step.item() if torch.is_tensor(step) else step} if step is not None else {})}
+              for group in torch_state["param_groups"]]
+    state = {layout.param_state_key: param_state, SHARDING_TYPE_KEY: layout.sharding_type}
+    if scalars:
+        state[EXTRA_SCALARS] = scalars
+    if not layout.keyed_by_bucket:
+        return {**state, "optimizer": {"param_groups": groups}}
+    group_params = [group["params"] for group in torch_state["param_groups"]]
+    return {**state, "optimizer": _bucket_common_state(buckets, "optimizer", groups),
+            GROUP_PARAMS: LocalNonpersistentObject(group_params)}
+
+
+def _parameter_sharded(params: list[ChildParam], model_sharded_state_dict: dict, owner_is_main_replica: bool):
+    """(index, name, tensor) -> the tensor keyed `optimizer.state.<name>.<model key>`, as its parameter."""
     from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
-    child.init_state()
-    params = child.checkpoint_params()
-    sharded_of = _sharded_params(params, model_sharded_state_dict, owner_is_main_replica=False)
-    torch_state = core_state_dict(child)
-    torch_state = torch_state_of(torch_state, core_format_of(child))
-    mains = dict(zip(range(len(params)), child.fp32_main_params()))
-    param_state = {}
-    for i, entries in torch_state["state"].items():
-        tensors = {name: value for name, value in entries.items() if _is_parameter_shaped(child, name, value, params[i])}
-        if _main_copy_indices(params, [i]):
-            tensors[DISTRIBUTED_MAIN_PARAM] = mains[i]
-        param_state[i] = {name: make_sharded_optimizer_tensor(sharded_of(i), value, f"{STATE_PREFIX}.{name}")
-                          for name, value in tensors.items()}
-    groups = [{"params": LocalNonpersistentObject(group["params"])} for group in torch_state["param_groups"]]
-    return {"optimizer": {"param_groups": groups}, "param_state": param_state,
-            "param_state_sharding_type": metadata["distrib_optim_sharding_type"]}
+    sharded_of = _sharded_params(params, model_sharded_state_dict, owner_is_main_replica)
+    return lambda i, name, value: make_sharded_optimizer_tensor(sharded_of(i), value, f"{STATE_PREFIX}.{name}")
+
+
+def _bucket_sharded(params: list[ChildParam], buckets: Optional[DistributedOptimizerBuckets]):
+    """(index, name, tensor) -> the flattened tensor as its range of megatron-core's DDP bucket."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    if buckets is None:
+        raise ValueError("reading megatron-core's 'dp_reshardable' checkpoint needs the model's DDP bucket layout; "
+                         "build the optimizer with megatron_eopt.get_megatron_optimizer(config, model_chunks).")
+    places = buckets.places()
+    for param in params:
+        if id(param.model) not in places:
+            raise ValueError(
+                f"parameter {param.fqn!r} is in no dense DDP buffer of megatron-core's DistributedOptimizer "
+                f"(an expert or layer-wise-managed one): its 'dp_reshardable' state is not read; save with "
+                f"--dist-ckpt-optim-fully-reshardable.")
+
+    def sharded(i: int, name: str, value: torch.Tensor) -> Any:
+        place = places[id(params[i].model)]
+        flat = value.detach().reshape(-1)
+        return ShardedTensor(place.tensor_key(buckets.model_parallel_rank, name), flat, flat.dtype, tuple(flat.shape),
+                             (place.bucket_numel_unpadded,), (place.start,), axis_fragmentations=None,
+                             replica_id=(0, 0, buckets.dp_rank))
+
+    return sharded
+
+
+def _bucket_common_state(buckets: DistributedOptimizerBuckets, name: str, value: Any) -> Any:
+    """megatron-core's DistributedOptimizer keeps its non-parameter state per model-parallel rank."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return ShardedObject(f"optimizer.distributed.dp_group_idx_{buckets.model_parallel_rank}.{name}",
+                         {"param_groups": value}, (1,), (0,), replica_id=(0, 0, buckets.dp_rank))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -305,6 +388,8 @@ def unpack_core_state_dict(state_dict: Mapping, params: list[ChildParam], config
     mains = {}
     if layout.param_state_key is not None:  # DistributedOptimizer: the step in the groups, mains in the state
         entries = {i: dict(values) for i, values in state_dict[layout.param_state_key].items()}
+        if layout.keyed_by_bucket:
+            entries = {i: _unflattened(i, values, params) for i, values in entries.items()}
         for index, values in entries.items():
             main = values.pop(DISTRIBUTED_MAIN_PARAM, None)
             if main is not None and index in _main_copy_indices(params, [index]):
@@ -322,6 +407,8 @@ def unpack_core_state_dict(state_dict: Mapping, params: list[ChildParam], config
         state[index] = {**values, **{name: _copy(value) for name, value in shared.items()}}
     primary = run_optimizer(config)
     groups = [{**group, "optimizer": group.get("optimizer") or primary} for group in torch_state["param_groups"]]
+    if GROUP_PARAMS in state_dict:  # dp_reshardable: ours, by position, as the other formats' merge gives them
+        groups = [{**group, "params": params_of} for group, params_of in zip(groups, state_dict[GROUP_PARAMS])]
     if layout.main_params_key is not None:
         for group, values in zip(groups, state_dict.get(layout.main_params_key) or []):
             mains.update(zip(_main_copy_indices(params, list(group["params"])), values))
@@ -340,6 +427,18 @@ def _check_shapes(index: Any, values: Mapping, params: list[ChildParam]) -> None
                 f"parameter {params[index].fqn!r} there has shape {shape}: the checkpoint is of another model "
                 f"(or another parameter order)."
             )
+
+
+def _unflattened(index: Any, values: Mapping, params: list[ChildParam]) -> dict:
+    """A parameter's state read flat from its DDP bucket range, in the parameter's shape."""
+    _check_shapes(index, {}, params)
+    shape = params[index].model.shape
+    unflattened = {}
+    for name, value in values.items():
+        if torch.is_tensor(value) and value.dim() == 1 and value.numel() == params[index].model.numel():
+            value = value.view(shape)
+        unflattened[name] = value
+    return unflattened
 
 
 def _copy(value: Any) -> Any:

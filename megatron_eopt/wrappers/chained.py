@@ -59,6 +59,9 @@ class ChainedOptimizer(MegatronOptimizer):
         self.config = config if config is not None else next(
             (child.config for child in children if getattr(child, "config", None) is not None), None)
         self.grad_norms_by_group = {}
+        # megatron-core's DDP bucket layout for the model (checkpointing/ddp_buckets.py), set by
+        # get_megatron_optimizer: reading its DistributedOptimizer's dp_reshardable checkpoints needs it.
+        self.core_buckets = None
 
     def step(self) -> StepResult:
         self.grad_norms_by_group = {}
@@ -138,7 +141,7 @@ class ChainedOptimizer(MegatronOptimizer):
                            metadata: Optional[dict] = None) -> dict:
         """megatron-core's format for dist_checkpointing (see checkpointing/megatron_sharded.py)."""
         return chain_sharded_state_dict(self._names, self.chained_optimizers, model_sharded_state_dict, is_loading,
-                                        self.owner_is_main_replica, metadata)
+                                        self.owner_is_main_replica, metadata, self.core_buckets)
 
     def load_state_dict(self, state_dict: dict) -> None:
         if self.is_stub_optimizer and not self.chained_optimizers and not state_dict:

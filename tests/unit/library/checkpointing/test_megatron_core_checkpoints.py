@@ -291,7 +291,7 @@ DISTRIBUTED_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "cha
 
 def _distributed_body(rank: int, world_size: int, directory: str) -> dict:
     """megatron-core's DDP + DistributedOptimizer (Adam) trains and saves fully_reshardable; ours
-    loads and continues, against megatron-core continuing; and the bucket-keyed format's refusal."""
+    loads and continues, against megatron-core continuing; and a deprecated format's refusal."""
     from megatron.core import dist_checkpointing
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig as CoreConfig
@@ -331,7 +331,8 @@ def _distributed_body(rank: int, world_size: int, directory: str) -> dict:
         ours.train(range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS))
         keys = _optimizer_keys(directory)
         try:
-            ours.sharded({**DISTRIBUTED_METADATA, "distrib_optim_sharding_type": "dp_reshardable"}, is_loading=True)
+            ours.sharded({**DISTRIBUTED_METADATA, "distrib_optim_sharding_type": "fully_sharded_bucket_space"},
+                         is_loading=True)
             refusal = "accepted"
         except ValueError as error:
             refusal = str(error)
@@ -342,4 +343,4 @@ def test_megatron_core_distributed_optimizer_checkpoint_continues_in_ours(run_di
     (result,) = run_distributed(_distributed_body, world_size=1, args=(str(tmp_path),), timeout=600)
     assert any(k.startswith("optimizer.state.param.") for k in result["keys"]), result["keys"][:5]
     assert not result["differences"], result["differences"][:5]
-    assert "'dp_reshardable' format, which megatron_eopt cannot read" in result["refusal"], result["refusal"]
+    assert "'fully_sharded_bucket_space' format, which megatron_eopt cannot read" in result["refusal"], result["refusal"]
