@@ -3,9 +3,9 @@
 DCP (`torch.distributed.checkpoint`) through `optimizer.sharded_state_dict(..., metadata=
 {'distrib_optim_sharding_type': 'fsdp_dtensor'})`.
 
-A child's dict is `{'state': {fqn: {name: value}}, 'param_to_group_meta': {fqn: group fields},
-'optimizer_class': name}`, as megatron-core's DistributedOptimizer writes it for Megatron-FSDP (plus
-the class, which we check on load). State shaped like the parameter's shard is a DTensor, Shard(0)
+A chain's dict is `{'state': {fqn: {name: value}}, 'param_to_group_meta': {fqn: group fields}}`, as
+megatron-core's DistributedOptimizer writes it for Megatron-FSDP (the fields add the optimizer's
+class, checked on load). State shaped like the parameter's shard is a DTensor, Shard(0)
 on the parameter's mesh, its rows where the parameter's are: the shards may be uneven or empty, so
 each carries its chunk (offset, size) for DCP, from one all_gather of the ranks' row counts over
 the mesh. Scalars (the step) stay plain. A load's targets are new tensors: the live state changes
@@ -37,20 +37,20 @@ def is_fsdp_dtensor_state(state_dict: Any) -> bool:
     return isinstance(state_dict, Mapping) and {"state", GROUP_META} <= set(state_dict)
 
 
-def chain_of_fsdp_dtensor_states(states: list[dict]) -> dict:
-    """A chain's children's dicts, one as itself, several keyed "0", "1", ...: megatron-core keys them
-    by int, but DCP writes a loaded non-tensor value back under the key's string (a second entry)."""
-    return states[0] if len(states) == 1 else {str(index): state for index, state in enumerate(states)}
+def merged_fsdp_dtensor_states(states: list[dict]) -> dict:
+    """A chain's children's dicts as one, as megatron-core's one DistributedOptimizer writes it for
+    Megatron-FSDP (and as Megatron-LM's SwiGLU step reads it): their parameters are disjoint."""
+    return {"state": {fqn: entries for state in states for fqn, entries in state["state"].items()},
+            GROUP_META: {fqn: fields for state in states for fqn, fields in state[GROUP_META].items()}}
 
 
-def fsdp_dtensor_chain_states(state_dict: Any) -> Optional[list]:
-    """The children's states in chain order from `chain_of_fsdp_dtensor_states`' dict, or None."""
-    if is_fsdp_dtensor_state(state_dict):
-        return [state_dict]
-    if (isinstance(state_dict, Mapping) and state_dict and all(isinstance(k, str) and k.isdigit() for k in state_dict)
-            and all(is_fsdp_dtensor_state(v) for v in state_dict.values())):
-        return [state_dict[key] for key in sorted(state_dict, key=int)]
-    return None
+def check_names(state_dict: Mapping, fqns: list[str]) -> None:
+    """The checkpoint holds state of exactly these parameters (the chain's), else one-line ValueError."""
+    saved = set(state_dict[GROUP_META])
+    missing, extra = sorted(set(fqns) - saved), sorted(saved - set(fqns))
+    if missing or extra:
+        raise ValueError(f"the fsdp_dtensor optimizer state is of other parameters: missing in it {missing[:3]}, "
+                         f"only in it {extra[:3]} (of {len(missing)} and {len(extra)}); load the matching model.")
 
 
 def fsdp_dtensor_state_dict(child: CheckpointableChild, is_loading: bool) -> dict:
@@ -69,21 +69,24 @@ def fsdp_dtensor_state_dict(child: CheckpointableChild, is_loading: bool) -> dic
     meta = {}
     for group in flat["param_groups"].values():
         fields = {k: v for k, v in group.items() if k not in GROUP_FIELDS_LEFT_OUT}
-        meta.update({fqn: dict(fields) for fqn in group["params"]})
-    return {"state": state, GROUP_META: meta, OPTIMIZER_CLASS: flat[OPTIMIZER_CLASS]}
+        meta.update({fqn: {**fields, OPTIMIZER_CLASS: flat[OPTIMIZER_CLASS]} for fqn in group["params"]})
+    return {"state": state, GROUP_META: meta}
 
 
-def flat_from_fsdp_dtensor(state_dict: Mapping, live_class: str) -> dict:
-    """What DCP loaded into `fsdp_dtensor_state_dict`'s targets -> the child's flat `state_dict()`
-    (wrappers/flat_state.py): this rank's rows of each state, groups rebuilt from the per-parameter
-    fields. megatron-core's own writes carry no class: the live one is assumed (shapes are checked)."""
+def flat_from_fsdp_dtensor(state_dict: Mapping, fqns: list[str], live_class: str) -> dict:
+    """What DCP loaded into `fsdp_dtensor_state_dict`'s targets -> the flat `state_dict()`
+    (wrappers/flat_state.py) of the child stepping `fqns`: this rank's rows of each state, groups
+    rebuilt from the per-parameter fields. megatron-core's own writes name no optimizer class: the
+    live one is assumed (shapes are checked)."""
+    fields_of = {fqn: state_dict[GROUP_META][fqn] for fqn in fqns if fqn in state_dict[GROUP_META]}
     state = {fqn: {name: value.to_local() if isinstance(value, DTensor) else value for name, value in entries.items()}
-             for fqn, entries in state_dict["state"].items()}
+             for fqn, entries in state_dict["state"].items() if fqn in fields_of}
     groups: dict[str, dict] = {}
-    for fqn, fields in state_dict[GROUP_META].items():
+    for fqn, fields in fields_of.items():
         key = fields.get("group_key", str(param_group_identifier(fields)))
         groups.setdefault(key, {**fields, "group_key": key, "params": []})["params"].append(fqn)
-    return {OPTIMIZER_CLASS: state_dict.get(OPTIMIZER_CLASS, live_class), "param_groups": groups, "state": state,
+    classes = sorted({fields.get(OPTIMIZER_CLASS, live_class) for fields in fields_of.values()})
+    return {OPTIMIZER_CLASS: " and ".join(classes) or live_class, "param_groups": groups, "state": state,
             "grad_scaler": None}
 
 

@@ -19,11 +19,7 @@ from typing import Any, Mapping, Optional
 import torch
 from torch.distributed.tensor import DTensor
 
-from megatron_eopt.checkpointing.fsdp_dtensor import (
-    asks_for_fsdp_dtensor,
-    chain_of_fsdp_dtensor_states,
-    fsdp_dtensor_chain_states,
-)
+from megatron_eopt.checkpointing.fsdp_dtensor import asks_for_fsdp_dtensor, merged_fsdp_dtensor_states
 from megatron_eopt.config.optimizer_names import run_optimizer
 from megatron_eopt.params.groups import stored_child_name
 from megatron_eopt.wrappers.base import CheckpointableChild, ChildParam
@@ -217,7 +213,7 @@ def chain_sharded_state_dict(names: list[str], children: list[CheckpointableChil
     if asks_for_fsdp_dtensor(metadata) or _any_dtensor_sharded(children):
         states = [child.sharded_state_dict(model_sharded_state_dict, is_loading, metadata=metadata)
                   for child in children]
-        return chain_of_fsdp_dtensor_states(states)
+        return merged_fsdp_dtensor_states(states)
     if layout_of(metadata) == EOPT_V1_LAYOUT:
         return {"optimizers": {name: v1_child_sharded_state_dict(child, model_sharded_state_dict, is_loading,
                                                                  owner_is_main_replica)
@@ -302,9 +298,6 @@ def core_chain_states(state_dict: Any) -> Optional[list]:
     `state_dict()` gives one child's dict or a list; a sharded load `{i: child}`."""
     if isinstance(state_dict, list):
         return state_dict
-    fsdp_states = fsdp_dtensor_chain_states(state_dict)
-    if fsdp_states is not None:
-        return fsdp_states
     if isinstance(state_dict, Mapping):
         if state_dict and all(isinstance(key, int) for key in state_dict):
             return [state_dict[key] for key in sorted(state_dict)]

@@ -310,7 +310,7 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
     def _as_flat(self, state_dict: dict) -> dict:
         """Our flat `state_dict()` from what a sharded load returned in our other layouts."""
         if is_fsdp_dtensor_state(state_dict):
-            return flat_from_fsdp_dtensor(state_dict, self.inner_class_name())
+            return flat_from_fsdp_dtensor(state_dict, [r.fqn for r in self.records], self.inner_class_name())
         return expand_v1_sharded_state_dict(state_dict)
 
     def load_state_dict(self, state_dict: dict) -> None:
