@@ -53,29 +53,36 @@ def built(name: str):
     return model, get_megatron_optimizer(config_for(name), [model])
 
 
-def save(model, optimizer, directory: str, megatron_fsdp_preprocess: bool) -> None:
-    """Megatron-LM's save: generate_state_dict, preprocess_fsdp_dtensor_state_dict's uneven step, DCP.
-    Without `megatron_fsdp_preprocess`, that step runs on the model's part only (as in `load`)."""
+def save(model, optimizer, directory: str, uneven: str) -> None:
+    """Megatron-LM's save: generate_state_dict, preprocess_fsdp_dtensor_state_dict's uneven step
+    (over `uneven`: all, the model's part, or none), DCP."""
     import torch.distributed.checkpoint as dcp
     from megatron_fsdp.uneven_dtensor import preprocess_state_dict_for_uneven_dtensor
 
     state_dict = {"model": model.state_dict()}
     state_dict["optimizer"] = optimizer.sharded_state_dict(state_dict, metadata=metadata())
-    preprocess_state_dict_for_uneven_dtensor(state_dict if megatron_fsdp_preprocess else state_dict["model"])
+    _preprocess(state_dict, uneven)
     dcp.save(state_dict, checkpoint_id=directory)
 
 
-def load(model, optimizer, directory: str, megatron_fsdp_preprocess: bool = True) -> dict:
-    """Megatron-LM's load. Without `megatron_fsdp_preprocess`, Megatron-FSDP's uneven-DTensor step
-    runs on the model's part only: the optimizer's DTensors carry their chunks themselves."""
-    import torch.distributed.checkpoint as dcp
+def _preprocess(state_dict: dict, uneven: str) -> None:
+    """Megatron-FSDP's uneven-DTensor step over all of `state_dict` (Megatron-LM's), its model's part
+    (the optimizer's DTensors carry their chunks themselves), or none (FSDP2: torch.chunk's split)."""
     from megatron_fsdp.uneven_dtensor import preprocess_state_dict_for_uneven_dtensor
+
+    if uneven != "none":
+        preprocess_state_dict_for_uneven_dtensor(state_dict if uneven == "all" else state_dict["model"])
+
+
+def load(model, optimizer, directory: str, uneven: str = "all") -> dict:
+    """Megatron-LM's load (`uneven` as in `save`)."""
+    import torch.distributed.checkpoint as dcp
 
     from megatron_eopt.distributed.megatron_fsdp_model import refresh_compute_weights
 
     state_dict = {"model": model.state_dict()}
     state_dict["optimizer"] = optimizer.sharded_state_dict(state_dict, is_loading=True, metadata=metadata())
-    preprocess_state_dict_for_uneven_dtensor(state_dict if megatron_fsdp_preprocess else state_dict["model"])
+    _preprocess(state_dict, uneven)
     dcp.load(state_dict, checkpoint_id=directory)
     model.load_state_dict(state_dict["model"])
     refresh_compute_weights([model])
@@ -97,7 +104,7 @@ def _dp2_body(rank: int, world_size: int, directory: str) -> dict:
     for name in OPTIMIZERS:
         model, optimizer = built(name)
         take_steps(model, optimizer, 0, rank, world_size)
-        save(model, optimizer, f"{directory}/{name}", megatron_fsdp_preprocess=name == "muon")
+        save(model, optimizer, f"{directory}/{name}", uneven="all" if name == "muon" else "model")
         saved = _full_state(model, optimizer)
         take_steps(model, optimizer, STEPS, rank, world_size)
         straight = _full_state(model, optimizer)
@@ -110,6 +117,7 @@ def _dp2_body(rank: int, world_size: int, directory: str) -> dict:
         result[f"{name} steps"] = sorted({int(s["step"]) for c in optimizer.chained_optimizers
                                           for s in c.state.values() if "step" in s})
     result["refusals"] = refusals(model, optimizer, loaded["muon"]["optimizer"])
+    result["fsdp2"] = _fsdp2_dp2(rank, directory)
     return result
 
 
@@ -138,16 +146,69 @@ def _dp3_body(rank: int, world_size: int, directory: str) -> dict:
     for name in OPTIMIZERS:
         expected = torch.load(f"{directory}/{name}.pt")
         model, optimizer = built(name)
-        load(model, optimizer, f"{directory}/{name}", megatron_fsdp_preprocess=False)
+        load(model, optimizer, f"{directory}/{name}", uneven="model")
         result[f"{name} loaded"] = differing(expected["saved"], _full_state(model, optimizer))
         take_steps(model, optimizer, STEPS, rank, world_size)
         continued = _full_state(model, optimizer)
         result[name] = max((continued[k] - v).abs().max().item() for k, v in expected["straight"].items())
         result[f"{name} keys"] = sorted(continued.keys() ^ expected["straight"].keys())
+    result["fsdp2"] = _fsdp2_dp3(directory)
     return result
 
 
-def test_megatron_fsdp_sharded_state_dict_resumes_exactly_and_loads_at_dp3(run_distributed, tmp_path) -> None:
+# --- torch FSDP2: the same calls (torch.chunk's row split), a small model with gradients set directly ---
+
+def fsdp2_built():
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from tests.unit.library.distributed.test_fsdp2 import Plain, _mesh
+    from tests.unit.library.distributed.test_fsdp2 import config_for as fsdp2_config
+
+    torch.manual_seed(3)
+    model = Plain()  # 30x16, 72x20 + bias, 5x7, a norm
+    fully_shard(model, mesh=_mesh(dist.get_world_size()))
+    return model, get_megatron_optimizer(fsdp2_config("muon"), [model])
+
+
+def fsdp2_steps(model, optimizer, first: int) -> None:
+    """Steps with the same whole gradients at any DP size (each rank keeps its rows)."""
+    from tests.unit.library.distributed.test_fsdp2 import global_grads, set_sharded_grads
+
+    for step in range(first, first + STEPS):
+        set_sharded_grads(model, global_grads(model, step))
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _fsdp2_dp2(rank: int, directory: str) -> list[str]:
+    """Muon on FSDP2 at DP=2: save, continue, and load into a fresh one and continue: bitwise."""
+    model, optimizer = fsdp2_built()
+    fsdp2_steps(model, optimizer, 0)
+    save(model, optimizer, f"{directory}/fsdp2", uneven="none")
+    saved = _full_state(model, optimizer)
+    fsdp2_steps(model, optimizer, STEPS)
+    straight = _full_state(model, optimizer)
+    if rank == 0:
+        torch.save({"saved": saved, "straight": straight}, f"{directory}/fsdp2.pt")
+    model, optimizer = fsdp2_built()
+    load(model, optimizer, f"{directory}/fsdp2", uneven="none")
+    fsdp2_steps(model, optimizer, STEPS)
+    return differing(straight, _full_state(model, optimizer))
+
+
+def _fsdp2_dp3(directory: str) -> dict:
+    expected = torch.load(f"{directory}/fsdp2.pt")
+    model, optimizer = fsdp2_built()
+    load(model, optimizer, f"{directory}/fsdp2", uneven="none")
+    loaded = differing(expected["saved"], _full_state(model, optimizer))
+    fsdp2_steps(model, optimizer, STEPS)
+    continued = _full_state(model, optimizer)
+    return {"loaded": loaded, "continued": max((continued[k] - v).abs().max().item()
+                                              for k, v in expected["straight"].items())}
+
+
+def test_sharded_state_dict_resumes_exactly_and_loads_at_dp3_on_megatron_fsdp_and_fsdp2(run_distributed, tmp_path) -> None:
     for result in run_distributed(_dp2_body, world_size=2, args=(str(tmp_path),), timeout=600):
         assert result["muon"] == [] and result["adam"] == [], result  # bitwise
         assert result["muon steps"] == result["adam steps"] == [2 * STEPS], result
@@ -156,9 +217,12 @@ def test_megatron_fsdp_sharded_state_dict_resumes_exactly_and_loads_at_dp3(run_d
         kind, text = result["refusals"]["muon into adam"]
         assert kind == "ValueError" and "\n" not in text, text
         assert result["refusals"]["unchanged"] == [], result["refusals"]
+        assert result["fsdp2"] == [], result["fsdp2"]  # bitwise
     for result in run_distributed(_dp3_body, world_size=3, args=(str(tmp_path),), timeout=600):
         print("fsdp_dtensor DP=2 -> DP=3, continued vs DP=2 continued, max abs difference:",
               {name: result[name] for name in OPTIMIZERS})
         for name in OPTIMIZERS:
             assert result[f"{name} loaded"] == [] and result[f"{name} keys"] == [], result
             assert result[name] <= TOLERANCE, result
+        print("FSDP2 muon DP=2 -> DP=3, continued vs DP=2 continued:", result["fsdp2"]["continued"])
+        assert result["fsdp2"]["loaded"] == [] and result["fsdp2"]["continued"] <= TOLERANCE, result["fsdp2"]
