@@ -11,6 +11,7 @@ the same global batch's gradient in another order; Megatron-FSDP's shards are un
 checked in test_megatron_fsdp.py on the same GPT).
 """
 
+import pytest
 import torch
 
 from megatron_eopt import get_megatron_optimizer
@@ -226,3 +227,14 @@ def test_sharded_state_dict_resumes_exactly_and_loads_at_dp3_on_megatron_fsdp_an
             assert result[name] <= TOLERANCE, result
         print("FSDP2 muon DP=2 -> DP=3, continued vs DP=2 continued:", result["fsdp2"]["continued"])
         assert result["fsdp2"]["loaded"] == [] and result["fsdp2"]["continued"] <= TOLERANCE, result["fsdp2"]
+
+
+def test_fsdp_dtensor_layout_of_a_model_without_dtensors_is_refused_in_one_line() -> None:
+    from megatron_eopt import OptimizerConfig
+    from megatron_eopt.runtime.process_groups import ParallelGroups
+
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3), [torch.nn.Linear(4, 3)],
+                                       pg_collection=ParallelGroups.single_process())
+    with pytest.raises(TypeError, match="sharded by torch FSDP2 or Megatron-FSDP") as refused:
+        optimizer.sharded_state_dict({}, metadata={"distrib_optim_sharding_type": "fsdp_dtensor"})
+    assert "\n" not in str(refused.value)
