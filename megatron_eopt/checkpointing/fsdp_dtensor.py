@@ -33,7 +33,7 @@ def asks_for_fsdp_dtensor(metadata: Optional[Mapping]) -> bool:
 
 
 def is_fsdp_dtensor_state(state_dict: Any) -> bool:
-    """Whether `state_dict` is one child's state in the fsdp_dtensor layout."""
+    """Whether `state_dict` is optimizer state in the fsdp_dtensor layout (a chain's or one child's)."""
     return isinstance(state_dict, Mapping) and {"state", GROUP_META} <= set(state_dict)
 
 
@@ -79,7 +79,9 @@ def flat_from_fsdp_dtensor(state_dict: Mapping, fqns: list[str], live_class: str
     rebuilt from the per-parameter fields. megatron-core's own writes name no optimizer class: the
     live one is assumed (shapes are checked)."""
     fields_of = {fqn: state_dict[GROUP_META][fqn] for fqn in fqns if fqn in state_dict[GROUP_META]}
-    state = {fqn: {name: value.to_local() if isinstance(value, DTensor) else value for name, value in entries.items()}
+    # detach(): a tensor object of its own, without the DCP hooks `row_sharded` set on the target
+    state = {fqn: {name: value.to_local().detach() if isinstance(value, DTensor) else value
+                   for name, value in entries.items()}
              for fqn, entries in state_dict["state"].items() if fqn in fields_of}
     groups: dict[str, dict] = {}
     for fqn, fields in fields_of.items():
