@@ -11,16 +11,19 @@ state other than the step goes under `eopt_scalar_state`, which megatron-core do
 layer-wise owner writes a parameter's state as the main replica. With a distributed-optimizer
 format in the metadata, the state is megatron-core's DistributedOptimizer's instead: its
 `fully_reshardable` is written and read, its `dp_reshardable` (keyed by DDP bucket, whose layout
-ddp_buckets.py computes) read. `metadata[LAYOUT_KEY]` records the layout; the one written before (`optimizer.<child>.state.<name>.<key>`, EOPT_V1_LAYOUT) still
-loads when the metadata names it (`checkpoint_optimizer_layout` tells which a checkpoint holds).
+ddp_buckets.py computes) read. `metadata[LAYOUT_KEY]` records the layout; the one written before
+(`optimizer.<child>.state.<name>.<key>`, EOPT_V1_LAYOUT) still loads when the metadata names it
+(`checkpoint_optimizer_layout` tells which a checkpoint holds).
 """
 
 from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from megatron_eopt.checkpointing.ddp_buckets import DistributedOptimizerBuckets
+from megatron_eopt.checkpointing.fsdp_dtensor import asks_for_fsdp_dtensor, merged_fsdp_dtensor_states
 from megatron_eopt.config.optimizer_names import run_optimizer
 from megatron_eopt.params.groups import stored_child_name
 from megatron_eopt.wrappers.base import CheckpointableChild, ChildParam
@@ -226,7 +229,12 @@ def chain_sharded_state_dict(names: list[str], children: list[CheckpointableChil
                              is_loading: bool, owner_is_main_replica: bool, metadata: Optional[dict],
                              buckets: Optional[DistributedOptimizerBuckets] = None) -> dict:
     """A chain's sharded state dict in the layout `metadata` asks for (megatron-core's by default).
-    `buckets`: megatron-core's DDP bucket layout for the run's model, to read a `dp_reshardable` one."""
+    `buckets`: megatron-core's DDP bucket layout for the run's model, to read a `dp_reshardable` one.
+    DTensor-sharded children (FSDP2, Megatron-FSDP) answer themselves: checkpointing/fsdp_dtensor.py."""
+    if asks_for_fsdp_dtensor(metadata) or _any_dtensor_sharded(children):
+        states = [child.sharded_state_dict(model_sharded_state_dict, is_loading, metadata=metadata)
+                  for child in children]
+        return merged_fsdp_dtensor_states(states)
     if layout_of(metadata) == EOPT_V1_LAYOUT:
         return {"optimizers": {name: v1_child_sharded_state_dict(child, model_sharded_state_dict, is_loading,
                                                                  owner_is_main_replica)
@@ -248,6 +256,11 @@ def chain_sharded_state_dict(names: list[str], children: list[CheckpointableChil
     return states[0] if len(states) == 1 else _chained(states, metadata)
 
 
+def _any_dtensor_sharded(children: list[CheckpointableChild]) -> bool:
+    return any(isinstance(p.model, DTensor) for child in children if hasattr(child, "checkpoint_params")
+               for p in child.checkpoint_params()[:1])
+
+
 def _chained(states: list[dict], metadata: Optional[Mapping]) -> dict:
     from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
 
@@ -263,7 +276,8 @@ def written_by_distributed_optimizer(metadata: Optional[Mapping]) -> bool:
     Refuses the formats we do not read."""
     metadata = metadata or {}
     sharding = metadata.get("distrib_optim_sharding_type")
-    if sharding is None or metadata.get(LAYOUT_KEY, MEGATRON_CORE_DISTRIBUTED_LAYOUT) != MEGATRON_CORE_DISTRIBUTED_LAYOUT:
+    layout = metadata.get(LAYOUT_KEY, MEGATRON_CORE_DISTRIBUTED_LAYOUT)
+    if sharding is None or layout != MEGATRON_CORE_DISTRIBUTED_LAYOUT:
         return False
     if sharding not in READ_DISTRIBUTED_FORMATS:
         raise ValueError(

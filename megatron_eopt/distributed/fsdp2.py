@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
+from megatron_eopt.checkpointing.fsdp_dtensor import FSDP_DTENSOR, SHARDING_TYPE_KEY, asks_for_fsdp_dtensor
 from megatron_eopt.runtime.process_groups import (
     ParallelGroups,
     ProcessGroup,
@@ -313,10 +314,20 @@ class FullyShardedFP32Optimizer(FP32Optimizer):
 
     def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
                            metadata: Optional[dict] = None) -> dict:
-        raise ValueError(
-            "sharded_state_dict() (megatron-core dist_checkpointing) is not supported for torch FSDP2 "
-            "models yet; state_dict() holds this rank's rows of every state tensor, keyed by parameter name."
-        )
+        """megatron-core's fsdp_dtensor layout, which Megatron-LM saves and loads with torch DCP
+        (checkpointing/fsdp_dtensor.py); its ShardedTensor formats (torch_dist) are refused."""
+        if not asks_for_fsdp_dtensor(metadata):
+            raise ValueError(
+                f"sharded_state_dict() of a DTensor-sharded model (torch FSDP2, Megatron-FSDP) gives megatron-core's "
+                f"fsdp_dtensor layout only: pass metadata={{'{SHARDING_TYPE_KEY}': '{FSDP_DTENSOR}'}} and save it with "
+                f"torch.distributed.checkpoint (Megatron-LM's --ckpt-format fsdp_dtensor), or use save_checkpoint."
+            )
+        if group_size(self.tp_group) > 1:
+            raise ValueError(
+                "the fsdp_dtensor layout keys state by parameter name, which the TP ranks of TP x torch FSDP2 share: "
+                "it is not supported there; use megatron_eopt.checkpointing.save_checkpoint."
+            )
+        return super().sharded_state_dict(model_sharded_state_dict, is_loading, metadata)
 
     def _prepare_main_grads(self) -> None:
         with torch.no_grad():

@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_eopt.checkpointing.fsdp_dtensor import check_names, is_fsdp_dtensor_state
 from megatron_eopt.checkpointing.megatron_sharded import chain_sharded_state_dict, core_chain_states
 from megatron_eopt.wrappers.base import MegatronOptimizer, SteppableChild, StepResult, default_device, take_step
 from megatron_eopt.wrappers.megatron_core_chain import step_megatron_core_children
@@ -146,6 +147,11 @@ class ChainedOptimizer(MegatronOptimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         if self.is_stub_optimizer and not self.chained_optimizers and not state_dict:
             return  # a stub's state: nothing (ours {"optimizers": {}}, megatron-core's [])
+        if is_fsdp_dtensor_state(state_dict):  # one dict for the chain, keyed by parameter name
+            check_names(state_dict, [fqn for child in self.chained_optimizers
+                                     for fqn in getattr(child, "fqn_of_main", {}).values()])
+            _check_then_load([(child, state_dict) for child in self.chained_optimizers])
+            return
         core_states = core_chain_states(state_dict)
         if core_states is not None:
             self._load_megatron_core(core_states)

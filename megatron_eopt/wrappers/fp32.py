@@ -36,6 +36,12 @@ from megatron_eopt.wrappers.grad_stats import (
     local_grad_stats,
     reduced_grad_stats,
 )
+from megatron_eopt.checkpointing.fsdp_dtensor import (
+    asks_for_fsdp_dtensor,
+    flat_from_fsdp_dtensor,
+    fsdp_dtensor_state_dict,
+    is_fsdp_dtensor_state,
+)
 from megatron_eopt.checkpointing.megatron_sharded import (
     chain_sharded_state_dict,
     core_format_in,
@@ -272,7 +278,10 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
 
     def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
                            metadata: Optional[dict] = None) -> dict:
-        """megatron-core's format for dist_checkpointing (see checkpointing/megatron_sharded.py)."""
+        """megatron-core's format for dist_checkpointing (see checkpointing/megatron_sharded.py), or
+        its fsdp_dtensor layout for torch DCP when `metadata` asks for it (checkpointing/fsdp_dtensor.py)."""
+        if asks_for_fsdp_dtensor(metadata):
+            return fsdp_dtensor_state_dict(self, is_loading)
         return chain_sharded_state_dict([self.name], [self], model_sharded_state_dict, is_loading,
                                         owner_is_main_replica=False, metadata=metadata)
 
@@ -281,7 +290,7 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
         if core_format_in(state_dict) is not None:
             self._from_megatron_core(state_dict)
             return
-        state_dict = expand_v1_sharded_state_dict(state_dict)
+        state_dict = self._as_flat(state_dict)
         torch_state_dict_from_flat(self.optimizer, state_dict, self.fqn_of_main)
 
     def _from_megatron_core(self, state_dict: dict) -> tuple[dict, dict[int, torch.Tensor], Optional[dict]]:
@@ -298,12 +307,18 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
         return ({"state": state, "param_groups": groups},
                 {id(params[index].model): main for index, main in mains.items()}, scaler)
 
+    def _as_flat(self, state_dict: dict) -> dict:
+        """Our flat `state_dict()` from what a sharded load returned in our other layouts."""
+        if is_fsdp_dtensor_state(state_dict):
+            return flat_from_fsdp_dtensor(state_dict, [r.fqn for r in self.records], self.inner_class_name())
+        return expand_v1_sharded_state_dict(state_dict)
+
     def load_state_dict(self, state_dict: dict) -> None:
         if core_format_in(state_dict) is not None:
             torch_state, mains, scaler = self._from_megatron_core(state_dict)
             self.optimizer.load_state_dict(torch_state)
         else:
-            state_dict = expand_v1_sharded_state_dict(state_dict)
+            state_dict = self._as_flat(state_dict)
             load_flat_state_dict(self.optimizer, state_dict, self.fqn_of_main)
             scaler = state_dict.get("grad_scaler")
             saved = state_dict.get("main_params") or {}

@@ -25,6 +25,7 @@ LAYER_OF = {  # first component below megatron_eopt (or "folder/module") -> laye
     "config": 1, "ops": 2, "params": 3, "optimizers": 4, "registry": 5, "wrappers": 6, "distributed": 6,
     # megatron-core's dist_checkpointing format of one wrapper: the wrappers' sharded_state_dict() calls it.
     "checkpointing/megatron_sharded": 6,
+    "checkpointing/fsdp_dtensor": 6,  # megatron-core's fsdp_dtensor layout of one wrapper, the same way
     "checkpointing": 7, "factory": 8, "integrations": 9,
     "muon": 9,  # the deprecated import path: re-exports integrations/deprecated_muon.py
     "training": 10,  # the trainer: nothing in the library imports it
