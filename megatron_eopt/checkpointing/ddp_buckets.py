@@ -1,22 +1,16 @@
 """megatron-core 0.19.2's DDP bucket layout, computed from the model: where each parameter lies in
-the buckets its DistributedOptimizer keys a `dp_reshardable` checkpoint by.
-
-The layout is deterministic (distributed/param_and_grad_buffer.py, optimizer/distrib_optimizer.py,
-optimizer/param_layout.py):
-- DDP takes a model chunk's trainable parameters in `named_parameters()` order and puts them into
-  buffers by (param dtype, grad dtype, expert-parallel, layer-wise-managed), in the order each
-  first appears; grads are fp32 with `grad_reduce_in_fp32`.
-- A buffer lays its parameters out last to first (the order backward produces their gradients),
-  each starting at a multiple of 64 elements. A bucket closes once it holds `bucket_size` elements
-  or more (never when `bucket_size` is None) and its end is padded to a multiple of lcm(DP, 128)
-  (with `pad_buckets_for_high_nccl_busbw` also of 2**16). A `shared_embedding` parameter gets a
-  bucket of its own.
-- The DistributedOptimizer cuts each padded bucket into DP equal shards: DP rank r owns shard r.
-  Its `gbuf_idx` counts the dense buffers of its model chunks, chunk after chunk.
-
-The unpadded bucket sizes and each parameter's place in its bucket do not depend on DP (bucket
-starts are multiples of 128), which is why megatron-core's loader accepts such a checkpoint at
-another DP size and no other model-parallel layout.
+the buckets its DistributedOptimizer keys a `dp_reshardable` checkpoint by (read from its
+param_and_grad_buffer.py, distrib_optimizer.py and param_layout.py):
+- DDP puts a chunk's trainable parameters, in `named_parameters()` order, into buffers by (param
+  dtype, grad dtype, expert-parallel, layer-wise-managed); grads are fp32 with grad_reduce_in_fp32.
+- A buffer lays its parameters out last to first, each at a multiple of 64 elements. A bucket
+  closes once it holds `bucket_size` elements (never when None); its end is padded to a multiple
+  of lcm(DP, 128) (and of 2**16 with `pad_buckets_for_high_nccl_busbw`). A `shared_embedding`
+  parameter gets a bucket of its own.
+- The DistributedOptimizer cuts each padded bucket into DP equal shards, rank r owning shard r;
+  its `gbuf_idx` counts the dense buffers of its model chunks, chunk after chunk.
+Unpadded bucket sizes and places in a bucket do not depend on DP (bucket starts are multiples of
+128): megatron-core's loader accepts such a checkpoint at another DP size, no other layout.
 """
 
 import math

@@ -9,11 +9,9 @@ parameter's ShardedTensor re-keyed `optimizer.state.<name>.<model key>` (main co
 groups leave `optimizer` out where it names the run's own optimizer, as megatron-core's do; scalar
 state other than the step goes under `eopt_scalar_state`, which megatron-core does not read. The
 layer-wise owner writes a parameter's state as the main replica. With a distributed-optimizer
-format in the metadata, the state is megatron-core's DistributedOptimizer's instead: its
-`fully_reshardable` is written and read, its `dp_reshardable` (keyed by DDP bucket, whose layout
-ddp_buckets.py computes) read. `metadata[LAYOUT_KEY]` records the layout; the one written before
-(`optimizer.<child>.state.<name>.<key>`, EOPT_V1_LAYOUT) still loads when the metadata names it
-(`checkpoint_optimizer_layout` tells which a checkpoint holds).
+format in the metadata, megatron-core's DistributedOptimizer's: `fully_reshardable` written and
+read, `dp_reshardable` (by DDP bucket: ddp_buckets.py) read. `metadata[LAYOUT_KEY]` records the
+layout; our earlier one (EOPT_V1_LAYOUT) loads when the metadata names it.
 """
 
 from dataclasses import dataclass, replace

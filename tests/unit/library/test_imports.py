@@ -26,6 +26,7 @@ LAYER_OF = {  # first component below megatron_eopt (or "folder/module") -> laye
     # megatron-core's dist_checkpointing format of one wrapper: the wrappers' sharded_state_dict() calls it.
     "checkpointing/megatron_sharded": 6,
     "checkpointing/fsdp_dtensor": 6,  # megatron-core's fsdp_dtensor layout of one wrapper, the same way
+    "checkpointing/ddp_buckets": 6,  # megatron-core's DDP bucket layout, which megatron_sharded reads by
     "checkpointing": 7, "factory": 8, "integrations": 9,
     "muon": 9,  # the deprecated import path: re-exports integrations/deprecated_muon.py
     "training": 10,  # the trainer: nothing in the library imports it

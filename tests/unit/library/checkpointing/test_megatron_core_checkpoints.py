@@ -253,7 +253,7 @@ def _reshard_body(rank: int, world_size: int, directory: str) -> dict:
         continued = {}
         with model_parallel(3 - saved_tp, seed=3):
             for loader in ("core", "ours"):
-                loaded = Run(loader, optimizer, seed=2, bf16=bf16)
+                loaded = Run(loader, optimizer, seed=2)
                 fresh = loaded.params()
                 state = dist_checkpointing.load(loaded.sharded(metadata, is_loading=True), case_directory)
                 loaded.model.load_state_dict(state["model"])
