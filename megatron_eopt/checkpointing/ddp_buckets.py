@@ -76,17 +76,27 @@ class BucketPlace:
                 f".dtype_{self.key.dtype_name()}.bucket_idx_{self.bucket_index}.{state_name}")
 
 
-def buffer_key_of(param: torch.nn.Parameter, grad_reduce_in_fp32: bool) -> BufferKey:
+def buffer_key_of(param: torch.nn.Parameter, grad_reduce_in_fp32: bool, layer_wise: bool = False) -> BufferKey:
+    """`layer_wise`: as Megatron-LM tags the parameters for megatron-core's layer-wise optimizer
+    (`tag_params_for_buffer_routing`) where they carry no tag of their own."""
     return BufferKey(param.dtype, torch.float32 if grad_reduce_in_fp32 else param.dtype,
-                     not getattr(param, "allreduce", True),
-                     bool(getattr(param, "is_managed_by_layer_wise_optimizer", False)))
+                     not getattr(param, "allreduce", True), _managed_by_layer_wise(param, layer_wise))
 
 
-def group_into_buffers(params: Iterable[torch.nn.Parameter], grad_reduce_in_fp32: bool) -> dict[BufferKey, list]:
+def _managed_by_layer_wise(param: torch.nn.Parameter, layer_wise: bool) -> bool:
+    if hasattr(param, "is_managed_by_layer_wise_optimizer") or not layer_wise:
+        return bool(getattr(param, "is_managed_by_layer_wise_optimizer", False))
+    from megatron.core.optimizer.layer_wise_optimizer import is_managed_by_layer_wise_optimizer
+
+    return is_managed_by_layer_wise_optimizer(param)
+
+
+def group_into_buffers(params: Iterable[torch.nn.Parameter], grad_reduce_in_fp32: bool,
+                       layer_wise: bool = False) -> dict[BufferKey, list]:
     """The parameters of each buffer, buffers in the order their first parameter appears."""
     buffers: dict[BufferKey, list] = {}
     for param in params:
-        buffers.setdefault(buffer_key_of(param, grad_reduce_in_fp32), []).append(param)
+        buffers.setdefault(buffer_key_of(param, grad_reduce_in_fp32, layer_wise), []).append(param)
     return buffers
 
 
@@ -163,12 +173,13 @@ def chunk_ddp_settings(chunk: torch.nn.Module, chunk_index: int, dp_size: int) -
                             bool(config.pad_buckets_for_high_nccl_busbw))
 
 
-def distributed_optimizer_buffers(chunks: list, dp_size: int) -> list[BufferLayout]:
-    """The dense buffers of megatron-core's DistributedOptimizer over `chunks`, in gbuf_idx order."""
+def distributed_optimizer_buffers(chunks: list, dp_size: int, layer_wise: bool = False) -> list[BufferLayout]:
+    """The dense buffers of megatron-core's DistributedOptimizer over `chunks`, in gbuf_idx order.
+    `layer_wise`: the one chained after its layer-wise optimizer, which keeps the matrices' buffers."""
     layouts = []
     for index, chunk in enumerate(chunks):
         settings = chunk_ddp_settings(chunk, index, dp_size)
-        for key, params in group_into_buffers(settings.params, settings.grad_reduce_in_fp32).items():
+        for key, params in group_into_buffers(settings.params, settings.grad_reduce_in_fp32, layer_wise).items():
             if not key.is_expert_parallel and not key.is_managed_by_layer_wise_optimizer:
                 layouts.append(lay_out_buffer(key, params, settings.bucket_size, dp_size,
                                               settings.pad_for_high_nccl_busbw))
@@ -201,12 +212,19 @@ class DistributedOptimizerBuckets:
     """Where megatron-core's DistributedOptimizer over these model chunks keeps each parameter's
     state (computed when asked: a load of such a checkpoint needs it)."""
 
-    def __init__(self, chunks: list, dp_size: int, dp_rank: int, model_parallel_rank: int) -> None:
+    def __init__(self, chunks: list, dp_size: int, dp_rank: int, model_parallel_rank: int,
+                 layer_wise: bool = False) -> None:
         self.chunks, self.dp_size, self.dp_rank = list(chunks), dp_size, dp_rank
         self.model_parallel_rank = model_parallel_rank  # megatron-core's dp_group_idx in its keys
+        # the DistributedOptimizer chained after megatron-core's layer-wise one (Megatron-LM's
+        # --optimizer muon --use-distributed-optimizer): the matrices' buffers are not its own
+        self.layer_wise = layer_wise
+
+    def after_layer_wise(self) -> "DistributedOptimizerBuckets":
+        return DistributedOptimizerBuckets(self.chunks, self.dp_size, self.dp_rank, self.model_parallel_rank, True)
 
     def layouts(self) -> list[BufferLayout]:
-        return distributed_optimizer_buffers(self.chunks, self.dp_size)
+        return distributed_optimizer_buffers(self.chunks, self.dp_size, self.layer_wise)
 
     def places(self) -> dict[int, BucketPlace]:
         return bucket_places(self.layouts())

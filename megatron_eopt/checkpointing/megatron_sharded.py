@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from megatron_eopt.checkpointing.ddp_buckets import DistributedOptimizerBuckets
 from megatron_eopt.checkpointing.fsdp_dtensor import asks_for_fsdp_dtensor, merged_fsdp_dtensor_states
-from megatron_eopt.config.optimizer_names import run_optimizer
+from megatron_eopt.config.optimizer_names import BUILTIN_OPTIMIZERS, run_optimizer
 from megatron_eopt.params.groups import stored_child_name
 from megatron_eopt.wrappers.base import CheckpointableChild, ChildParam
 
@@ -30,8 +30,11 @@ LAYOUT_KEY = "eopt_optimizer_layout"
 MEGATRON_CORE_LAYOUT = "megatron_core"  # what this module writes: megatron-core's optimizer of the same kind's
 # with a distributed-optimizer format in the metadata: its DistributedOptimizer's fully_reshardable
 MEGATRON_CORE_DISTRIBUTED_LAYOUT = "megatron_core_distributed"
+# the same for an emerging optimizer's run: megatron-core's layer-wise chain (`kept_by_layer_wise`)
+MEGATRON_CORE_LAYER_WISE_LAYOUT = "megatron_core_layer_wise"
 EOPT_V1_LAYOUT = "megatron_eopt_v1"  # keyed by our child names: written before megatron-core's layout
-LAYOUTS = (MEGATRON_CORE_LAYOUT, MEGATRON_CORE_DISTRIBUTED_LAYOUT, EOPT_V1_LAYOUT)
+LAYOUTS = (MEGATRON_CORE_LAYOUT, MEGATRON_CORE_DISTRIBUTED_LAYOUT, MEGATRON_CORE_LAYER_WISE_LAYOUT, EOPT_V1_LAYOUT)
+DISTRIBUTED_LAYOUTS = (MEGATRON_CORE_DISTRIBUTED_LAYOUT, MEGATRON_CORE_LAYER_WISE_LAYOUT)
 STATE_PREFIX = "optimizer.state"  # + .<state name>.<model key>
 MAIN_PARAM_STATE = "fp32_param"
 COMMON_STEP = "common_step"
@@ -141,8 +144,10 @@ def _main_copy_indices(params: list[ChildParam], indices: list[int]) -> list[int
 
 
 def child_sharded_state_dict(child: CheckpointableChild, model_sharded_state_dict: dict, is_loading: bool,
-                             owner_is_main_replica: bool) -> dict:
-    """`core_state_dict` with its tensors replaced by megatron-core sharded tensors."""
+                             owner_is_main_replica: bool, layer_wise: bool = False) -> dict:
+    """`core_state_dict` with its tensors replaced by megatron-core sharded tensors. `layer_wise`: as
+    megatron-core's LayerWiseDistributedOptimizer writes its child (a rank may own none of a group's
+    parameters): the main copies as `{group index: list}`, empty ones and empty state not saved."""
     from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
     from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
@@ -174,6 +179,12 @@ def child_sharded_state_dict(child: CheckpointableChild, model_sharded_state_dic
         group["params"] = LocalNonpersistentObject(group["params"])
     if scalars:
         state_dict[EXTRA_SCALARS] = scalars
+    if layer_wise:
+        if layout.main_params_key is not None:
+            state_dict[layout.main_params_key] = {i: mains if mains else LocalNonpersistentObject(mains)
+                                                  for i, mains in enumerate(state_dict[layout.main_params_key])}
+        if not torch_state["state"]:
+            torch_state["state"] = LocalNonpersistentObject(torch_state["state"])
     return state_dict
 
 
@@ -202,17 +213,29 @@ def adds_chain_prefix(metadata: Mapping) -> bool:
     return bucket_keyed or not metadata.get("chained_optim_avoid_prefix", False)
 
 
-def describe_layout(metadata: Optional[dict]) -> None:
+def describe_layout(metadata: Optional[dict], layer_wise: bool) -> None:
     """Record in the caller's `metadata` (Megatron-LM saves it with the checkpoint and hands it back
     on load) what we write: with a distributed-optimizer format, DistributedOptimizer's
     `fully_reshardable` (keyed by parameter, whatever format was asked for: we have no DDP
-    buckets); otherwise the layout of megatron-core's optimizer of the same kind."""
+    buckets), for an emerging optimizer's run in megatron-core's layer-wise chain
+    (`layer_wise`); otherwise the layout of megatron-core's optimizer of the same kind."""
     if metadata is None:
         return
-    distributed = metadata.get("distrib_optim_sharding_type") is not None
-    metadata[LAYOUT_KEY] = MEGATRON_CORE_DISTRIBUTED_LAYOUT if distributed else MEGATRON_CORE_LAYOUT
-    if distributed:
-        metadata["distrib_optim_sharding_type"] = "fully_reshardable"
+    if metadata.get("distrib_optim_sharding_type") is None:
+        metadata[LAYOUT_KEY] = MEGATRON_CORE_LAYOUT
+        return
+    metadata[LAYOUT_KEY] = MEGATRON_CORE_LAYER_WISE_LAYOUT if layer_wise else MEGATRON_CORE_DISTRIBUTED_LAYOUT
+    metadata["distrib_optim_sharding_type"] = "fully_reshardable"
+
+
+def kept_by_layer_wise(child: CheckpointableChild) -> bool:
+    """Whether megatron-core's chain for Megatron-LM's `--optimizer <emerging> --use-distributed-optimizer`
+    keeps the child's parameters in its LayerWiseDistributedOptimizer (the run's emerging optimizer's,
+    written as its FP32/Float16 optimizer writes them), not in the DistributedOptimizer chained after
+    it (the others': Adam's, ...)."""
+    primary = run_optimizer(child.config)
+    return primary not in BUILTIN_OPTIMIZERS and any(g.get("optimizer", primary) == primary
+                                                     for g in child.param_groups)
 
 
 def layout_of(metadata: Optional[Mapping]) -> str:
@@ -240,18 +263,52 @@ def chain_sharded_state_dict(names: list[str], children: list[CheckpointableChil
     if is_loading:
         distributed = written_by_distributed_optimizer(metadata)
     else:
-        describe_layout(metadata)
-        distributed = layout_of(metadata) == MEGATRON_CORE_DISTRIBUTED_LAYOUT
+        describe_layout(metadata, layer_wise=any(map(kept_by_layer_wise, children)))
+        distributed = layout_of(metadata) in DISTRIBUTED_LAYOUTS
     if distributed:
-        format_name = (metadata or {}).get("distrib_optim_sharding_type") if is_loading else "fully_reshardable"
-        states = [distributed_sharded_state(child, model_sharded_state_dict, READ_DISTRIBUTED_FORMATS[format_name],
-                                            buckets, is_loading, owner_is_main_replica) for child in children]
-        return states[0] if len(states) == 1 else _chained(states, metadata)
+        return _distributed_chain(children, model_sharded_state_dict, is_loading, owner_is_main_replica,
+                                  metadata, buckets)
     states = [child_sharded_state_dict(child, model_sharded_state_dict, is_loading, owner_is_main_replica)
               if hasattr(child, "checkpoint_params")  # else megatron-core's own optimizer in our chain
               else child.sharded_state_dict(model_sharded_state_dict, is_loading, metadata=metadata)
               for child in children]
     return states[0] if len(states) == 1 else _chained(states, metadata)
+
+
+def _distributed_chain(children: list[CheckpointableChild], model_sharded_state_dict: dict, is_loading: bool,
+                       owner_is_main_replica: bool, metadata: Optional[dict],
+                       buckets: Optional[DistributedOptimizerBuckets]) -> dict:
+    """megatron-core's DistributedOptimizer layout (`fully_reshardable` written; read as the metadata
+    says), or for an emerging optimizer its layer-wise chain: [LayerWiseDistributedOptimizer (the
+    emerging optimizer's children, parameter-keyed), DistributedOptimizer (the rest; with the
+    matrices' DDP buffers the layer-wise one's)]. Our own earlier checkpoints
+    (MEGATRON_CORE_DISTRIBUTED_LAYOUT) hold every child in the DistributedOptimizer's layout."""
+    format_name = (metadata or {}).get("distrib_optim_sharding_type") if is_loading else "fully_reshardable"
+    layout = READ_DISTRIBUTED_FORMATS[format_name]
+    layer_wise = [layout_of(metadata) != MEGATRON_CORE_DISTRIBUTED_LAYOUT and kept_by_layer_wise(child)
+                  for child in children]
+    if any(layer_wise):
+        _check_layer_wise_chain(children, layer_wise)
+        buckets = buckets.after_layer_wise() if buckets is not None else None
+    states = [child_sharded_state_dict(child, model_sharded_state_dict, is_loading, owner_is_main_replica,
+                                       layer_wise=True) if kept
+              else distributed_sharded_state(child, model_sharded_state_dict, layout, buckets, is_loading,
+                                             owner_is_main_replica)
+              for child, kept in zip(children, layer_wise)]
+    return states[0] if len(states) == 1 else _chained(states, metadata)
+
+
+def _check_layer_wise_chain(children: list[CheckpointableChild], layer_wise: list[bool]) -> None:
+    """megatron-core's layer-wise chain holds one optimizer for all of the emerging optimizer's
+    parameters, first, and the others' after it (no expert ones)."""
+    if layer_wise[0] and sum(layer_wise) == 1:
+        return
+    names = [getattr(child, "name", "?") for child in children]
+    raise ValueError(
+        f"megatron-core's layer-wise distributed-optimizer checkpoint holds one optimizer for the emerging "
+        f"optimizer's parameters, then the others'; this chain has {names} (expert parameters in optimizers of "
+        f"their own): save and load it with megatron_eopt.checkpointing.save_checkpoint, or without "
+        f"--use-distributed-optimizer.")
 
 
 def _any_dtensor_sharded(children: list[CheckpointableChild]) -> bool:
@@ -275,7 +332,7 @@ def written_by_distributed_optimizer(metadata: Optional[Mapping]) -> bool:
     metadata = metadata or {}
     sharding = metadata.get("distrib_optim_sharding_type")
     layout = metadata.get(LAYOUT_KEY, MEGATRON_CORE_DISTRIBUTED_LAYOUT)
-    if sharding is None or layout != MEGATRON_CORE_DISTRIBUTED_LAYOUT:
+    if sharding is None or layout not in DISTRIBUTED_LAYOUTS:
         return False
     if sharding not in READ_DISTRIBUTED_FORMATS:
         raise ValueError(
@@ -422,9 +479,16 @@ def unpack_core_state_dict(state_dict: Mapping, params: list[ChildParam], config
     if GROUP_PARAMS in state_dict:  # dp_reshardable: ours, by position, as the other formats' merge gives them
         groups = [{**group, "params": params_of} for group, params_of in zip(groups, state_dict[GROUP_PARAMS])]
     if layout.main_params_key is not None:
-        for group, values in zip(groups, state_dict.get(layout.main_params_key) or []):
+        for group, values in zip(groups, _by_group(state_dict.get(layout.main_params_key))):
             mains.update(zip(_main_copy_indices(params, list(group["params"])), values))
     return state, groups, mains, state_dict.get("grad_scaler")
+
+
+def _by_group(main_copies: Any) -> list:
+    """Main copies per param group: a list, or megatron-core's layer-wise `{group index: list}`."""
+    if isinstance(main_copies, Mapping):
+        return [main_copies[i] for i in sorted(main_copies)]
+    return list(main_copies or [])
 
 
 def _check_shapes(index: Any, values: Mapping, params: list[ChildParam]) -> None:

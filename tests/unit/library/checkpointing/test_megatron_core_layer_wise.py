@@ -1,0 +1,165 @@
+"""megatron-core 0.19.2's layer-wise Muon checkpoints (`--optimizer muon --use-distributed-optimizer`,
+once `dist_muon`), both ways (issue 46).
+
+What Megatron-LM builds for that command line (core_r0.19.0 training.py, arguments.py): parameters
+tagged by `tag_params_for_buffer_routing` (2-D non-embedding matrices: Muon's), DDP with
+use_distributed_optimizer and `LayerWiseDistributedOptimizer.compute_full_param_layout`, and the
+chain [LayerWiseDistributedOptimizer(Muon), DistributedOptimizer(Adam over the untagged buffers)].
+Its checkpoint (`dp_reshardable` metadata) holds Muon's momentum keyed by parameter
+(`chained_0.optimizer.state.momentum_buffer.<key>`) and Adam's state by DDP bucket
+(`chained_1.optimizer.distributed.dp_group_idx_0.gbuf_idx_0...`).
+"""
+
+from typing import Optional
+
+import torch
+
+from tests.gpt_training import model_parallel, step_loss, token_batch
+from tests.megatron_core_on_cpu import cuda_named_types, distributed_optimizer_loads_on_cpu, megatron_core_ddp_on_cpu
+from tests.unit.library.checkpointing.test_megatron_core_checkpoints import (
+    FIELDS,
+    MORE_STEPS,
+    SAVED_STEPS,
+    SETTINGS,
+    _differences,
+    _optimizer_keys,
+)
+from tests.unit.library.checkpointing.test_megatron_core_distributed_optimizer import BUCKET_SIZE, METADATA, _ddp_config
+from tests.unit.library.checkpointing.test_megatron_sharded import _megatron_save
+
+
+class CoreLayerWiseRun:
+    """megatron-core's layer-wise Muon over a GPTModel, built as Megatron-LM builds it."""
+
+    def __init__(self, seed: int) -> None:
+        from megatron.core.distributed import DistributedDataParallel
+        from megatron.core.optimizer import OptimizerConfig as CoreConfig
+        from megatron.core.optimizer import get_megatron_optimizer as core_get_megatron_optimizer
+        from megatron.core.optimizer.layer_wise_optimizer import (
+            LayerWiseDistributedOptimizer,
+            tag_params_for_buffer_routing,
+        )
+
+        from megatron_eopt.training.model.gpt import GPTModelSettings, build_gpt_model
+
+        self.settings = GPTModelSettings(**SETTINGS, bf16=True)
+        torch.manual_seed(seed)
+        self.model = build_gpt_model(self.settings)
+        tag_params_for_buffer_routing([self.model])
+        ddp_config = _ddp_config()
+        dp_size = torch.distributed.get_world_size() // self.model.config.tensor_model_parallel_size
+        layout = LayerWiseDistributedOptimizer.compute_full_param_layout(
+            [p for p in self.model.parameters() if p.requires_grad], BUCKET_SIZE, dp_size, ddp_config)
+        self.ddp = DistributedDataParallel(self.model.config, ddp_config, self.model, full_param_layout=layout)
+        with cuda_named_types():
+            self.optimizer = core_get_megatron_optimizer(
+                CoreConfig(**FIELDS["muon"], bf16=True, use_layer_wise_distributed_optimizer=True), [self.ddp])
+
+    def train(self, steps: range) -> None:
+        for step in steps:
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            step_loss(self.ddp, token_batch(self.settings, batch=4, seed=100 + step)).backward()
+            self.ddp.finish_grad_sync()
+            for child in self.optimizer.chained_optimizers:
+                assert not child.prepare_grads() and child.step_with_ready_grads()
+
+    def sharded(self, is_loading: bool = False, metadata: Optional[dict] = None) -> dict:
+        model = self.model.sharded_state_dict()
+        metadata = dict(METADATA) if metadata is None else metadata
+        return {"model": model, "optimizer": self.optimizer.sharded_state_dict(model, is_loading=is_loading,
+                                                                                metadata=metadata)}
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach().clone() for name, p in self.model.named_parameters()}
+
+
+class OursRun(CoreLayerWiseRun):
+    """Ours (Muon, bf16) over a bare GPTModel carrying the DDP config the megatron-core job ran with."""
+
+    def __init__(self, seed: int, layer_wise: bool) -> None:
+        from megatron_eopt import OptimizerConfig, get_megatron_optimizer
+        from megatron_eopt.training.model.gpt import GPTModelSettings, build_gpt_model
+
+        self.settings = GPTModelSettings(**SETTINGS, bf16=True)
+        torch.manual_seed(seed)
+        self.model = self.ddp = build_gpt_model(self.settings)
+        self.model.ddp_config = _ddp_config(use_distributed_optimizer=False)
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(**FIELDS["muon"], bf16=True, use_distributed_optimizer=layer_wise), [self.model])
+
+    def train(self, steps: range) -> None:
+        for step in steps:
+            self.optimizer.zero_grad()
+            step_loss(self.model, token_batch(self.settings, batch=4, seed=100 + step)).backward()
+            assert self.optimizer.step()[0]
+
+
+def _loaded_and_continued(run: CoreLayerWiseRun, directory: str, metadata: Optional[dict] = None) -> dict:
+    from megatron.core import dist_checkpointing
+
+    state = dist_checkpointing.load(run.sharded(is_loading=True, metadata=dict(metadata or METADATA)), directory)
+    run.model.load_state_dict(state["model"])
+    run.optimizer.load_state_dict(state["optimizer"])
+    run.train(range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS))
+    return run.params()
+
+
+def _ours_saves_body(rank: int, world_size: int, directory: str) -> dict:
+    """DP=2: ours (layer-wise, as Megatron-LM runs it with --use-distributed-optimizer) trains and
+    saves with Megatron-LM's metadata (dp_reshardable asked for); megatron-core's layer-wise Muon and
+    our plain optimizer load with the metadata we left and continue: against ours continuing itself."""
+    with model_parallel(1, seed=3), megatron_core_ddp_on_cpu():
+        ours = OursRun(seed=1, layer_wise=True)
+        ours.train(range(SAVED_STEPS))
+        written = dict(METADATA)
+        _megatron_save(ours.sharded(metadata=written), directory)
+        ours.train(range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS))
+        expected = ours.params()
+        core = CoreLayerWiseRun(seed=2)
+        core.train(range(-1, 0))  # its DistributedOptimizer's sharded_state_dict reads the step from the state
+        with distributed_optimizer_loads_on_cpu():
+            core_continued = _loaded_and_continued(core, directory, written)
+        ours_continued = _loaded_and_continued(OursRun(seed=2, layer_wise=False), directory, written)
+    return {"written": written, "keys": _optimizer_keys(directory), "core": _differences(expected, core_continued),
+            "ours": _differences(expected, ours_continued)}
+
+
+def _core_saves_body(rank: int, world_size: int, directory: str) -> dict:
+    """DP=2: megatron-core's layer-wise Muon trains, saves (dp_reshardable), continues; ours (plain and
+    layer-wise) loads and continues."""
+    with model_parallel(1, seed=3), megatron_core_ddp_on_cpu():
+        core = CoreLayerWiseRun(seed=1)
+        kinds = [type(c).__name__ for c in core.optimizer.chained_optimizers]
+        core.train(range(SAVED_STEPS))
+        _megatron_save(core.sharded(), directory)
+        core.train(range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS))
+        expected = core.params()
+        results = {"kinds": kinds, "keys": _optimizer_keys(directory), "expected": expected}
+        for layer_wise in (False, True):
+            ours = OursRun(seed=2, layer_wise=layer_wise)
+            fresh_differs = bool(_differences(expected, ours.params()))
+            results[f"layer_wise={layer_wise}"] = (fresh_differs,
+                                                   _differences(expected, _loaded_and_continued(ours, directory)))
+    return results
+
+
+def test_megatron_core_layer_wise_checkpoints_both_ways(run_distributed, tmp_path) -> None:
+    directory = str(tmp_path / "core")
+    for rank, results in enumerate(run_distributed(_core_saves_body, world_size=2, args=(directory,), timeout=600)):
+        assert results["kinds"] == ["LayerWiseDistributedOptimizer", "DistributedOptimizer"], results["kinds"]
+        keys = results["keys"]
+        assert any(k.startswith("chained_0.optimizer.state.momentum_buffer.") for k in keys), keys[:5]
+        assert any(k.startswith("chained_1.optimizer.distributed.") and k.endswith(".exp_avg") for k in keys), keys
+        for case in ("layer_wise=False", "layer_wise=True"):
+            fresh_differs, differences = results[case]
+            assert fresh_differs and not differences, (rank, case, differences[:5])
+
+    directory = str(tmp_path / "ours")
+    for rank, results in enumerate(run_distributed(_ours_saves_body, world_size=2, args=(directory,), timeout=600)):
+        assert results["written"]["distrib_optim_sharding_type"] == "fully_reshardable", results["written"]
+        assert results["written"]["eopt_optimizer_layout"] == "megatron_core_layer_wise", results["written"]
+        keys = results["keys"]
+        assert any(k.startswith("optimizer.state.momentum_buffer.") for k in keys), keys[:5]
+        assert any(k.startswith("optimizer.state.param.") for k in keys), keys[:5]
+        assert not results["core"] and not results["ours"], (rank, results["core"][:5], results["ours"][:5])
