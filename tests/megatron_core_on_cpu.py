@@ -2,7 +2,8 @@
 the reference: its CUDA-only calls patched at run time, here only (the installed package is not edited).
 
 - `cuda_tensors_on_cpu`: its optimizer wrappers make their loss-scale tensor with device='cuda'.
-- `megatron_core_ddp_on_cpu` (with `cuda_tensors_on_cpu`): its DDP buffers and gradient sync.
+- `megatron_core_ddp_on_cpu` (with `cuda_tensors_on_cpu`): its DDP buffers and gradient sync, and its
+  DistributedOptimizer's gather of the state for a `fully_reshardable` save (`.cuda()` stays on CPU).
 - `cuda_named_types`: while its DistributedOptimizer or Float16OptimizerWithFloat16Params is built,
   which check parameter types by name.
 - `distributed_optimizer_loads_on_cpu`: its DistributedOptimizer's load with torch's Adam.
@@ -37,7 +38,7 @@ def megatron_core_ddp_on_cpu():
     (here one that waits for nothing: CPU work is in order), and the optimizer checks that each
     parameter's `type()` is a `torch.cuda.*Tensor` (here the CPU type with that name, while it is
     built: `cuda_named_types`)."""
-    saved = torch.cuda.current_device, torch.cuda.current_stream, torch.cuda.stream
+    saved = torch.cuda.current_device, torch.cuda.current_stream, torch.cuda.stream, torch.Tensor.cuda
 
     class Stream:
         def wait_event(self, event) -> None: ...
@@ -46,11 +47,12 @@ def megatron_core_ddp_on_cpu():
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.current_stream = lambda *args, **kwargs: Stream()
     torch.cuda.stream = lambda stream: contextlib.nullcontext()
+    torch.Tensor.cuda = lambda tensor, *args, **kwargs: tensor
     try:
         with cuda_tensors_on_cpu():
             yield
     finally:
-        torch.cuda.current_device, torch.cuda.current_stream, torch.cuda.stream = saved
+        torch.cuda.current_device, torch.cuda.current_stream, torch.cuda.stream, torch.Tensor.cuda = saved
 
 
 @contextlib.contextmanager

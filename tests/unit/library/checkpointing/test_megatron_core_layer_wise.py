@@ -144,6 +144,35 @@ def _core_saves_body(rank: int, world_size: int, directory: str) -> dict:
     return results
 
 
+FULLY_RESHARDABLE = {**METADATA, "distrib_optim_sharding_type": "fully_reshardable",
+                     "distrib_optim_fully_reshardable_mem_efficient": False}
+
+
+def _core_saves_at_tp2_body(rank: int, world_size: int, directory: str) -> list[str]:
+    """TP=2: megatron-core's layer-wise Muon trains and saves as --dist-ckpt-optim-fully-reshardable
+    writes (the format Megatron-LM lets a job load at another TP size)."""
+    with model_parallel(2, seed=3), megatron_core_ddp_on_cpu():
+        core = CoreLayerWiseRun(seed=1)
+        core.train(range(SAVED_STEPS))
+        _megatron_save(core.sharded(metadata=dict(FULLY_RESHARDABLE)), directory)
+    return _optimizer_keys(directory)
+
+
+def _tp1_loads_body(rank: int, world_size: int, directory: str) -> dict:
+    """TP=1: megatron-core's layer-wise Muon loads the TP=2 checkpoint (its own reshard) and continues;
+    ours (plain, layer-wise) loads it and continues: against megatron-core."""
+    with model_parallel(1, seed=3), megatron_core_ddp_on_cpu():
+        core = CoreLayerWiseRun(seed=2)
+        core.train(range(-1, 0))  # its DistributedOptimizer's sharded_state_dict reads the step from the state
+        with distributed_optimizer_loads_on_cpu():
+            expected = _loaded_and_continued(core, directory, FULLY_RESHARDABLE)
+        results = {}
+        for layer_wise in (False, True):
+            ours = _loaded_and_continued(OursRun(seed=2, layer_wise=layer_wise), directory, FULLY_RESHARDABLE)
+            results[f"layer_wise={layer_wise}"] = _differences(expected, ours)
+    return results
+
+
 def test_megatron_core_layer_wise_checkpoints_both_ways(run_distributed, tmp_path) -> None:
     directory = str(tmp_path / "core")
     for rank, results in enumerate(run_distributed(_core_saves_body, world_size=2, args=(directory,), timeout=600)):
@@ -163,3 +192,11 @@ def test_megatron_core_layer_wise_checkpoints_both_ways(run_distributed, tmp_pat
         assert any(k.startswith("optimizer.state.momentum_buffer.") for k in keys), keys[:5]
         assert any(k.startswith("optimizer.state.param.") for k in keys), keys[:5]
         assert not results["core"] and not results["ours"], (rank, results["core"][:5], results["ours"][:5])
+
+    directory = str(tmp_path / "core_tp2")
+    keys = run_distributed(_core_saves_at_tp2_body, world_size=2, args=(directory,), timeout=600)[0]
+    for state in ("momentum_buffer", "exp_avg", "param"):  # keyed by parameter (no prefix: avoided)
+        assert any(k.startswith(f"optimizer.state.{state}.") for k in keys), (state, keys[:5])
+    (results,) = run_distributed(_tp1_loads_body, world_size=1, args=(directory,), timeout=600)
+    for case, differences in results.items():
+        assert not differences, (case, differences[:5])
