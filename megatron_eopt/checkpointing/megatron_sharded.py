@@ -24,6 +24,7 @@ from megatron_eopt.checkpointing.ddp_buckets import DistributedOptimizerBuckets
 from megatron_eopt.checkpointing.fsdp_dtensor import asks_for_fsdp_dtensor, merged_fsdp_dtensor_states
 from megatron_eopt.config.optimizer_names import BUILTIN_OPTIMIZERS, run_optimizer
 from megatron_eopt.params.groups import stored_child_name
+from megatron_eopt.runtime.once import warn_once
 from megatron_eopt.wrappers.base import CheckpointableChild, ChildParam
 
 LAYOUT_KEY = "eopt_optimizer_layout"
@@ -39,6 +40,9 @@ STATE_PREFIX = "optimizer.state"  # + .<state name>.<model key>
 MAIN_PARAM_STATE = "fp32_param"
 COMMON_STEP = "common_step"
 EXTRA_SCALARS = "eopt_scalar_state"
+# State of other shapes than its parameter's (SOAP's factors, NorMuon's second moment), which
+# megatron-core has no key for: {index: {name: ShardedObject keyed `eopt_own_state.<name>.<model key>`}}.
+OWN_STATE = "eopt_own_state"
 # Fields of our param groups that megatron-core's do not have (it records no names).
 OWN_GROUP_FIELDS = ("params", "param_fqns", "group_key")
 # megatron-core's DistributedOptimizer formats keyed by parameter (DistributedOptimizer.
@@ -158,14 +162,11 @@ def child_sharded_state_dict(child: CheckpointableChild, model_sharded_state_dic
     state_dict = core_state_dict(child)
     layout = core_format_of(child)
     torch_state = torch_state_of(state_dict, layout)
-    state, scalars = {}, {}
-    for i, entries in torch_state["state"].items():
-        state[i] = {}
-        for name, value in entries.items():
-            if _is_parameter_shaped(child, name, value, params[i]):
-                state[i][name] = make_sharded_optimizer_tensor(sharded_of(i), value, f"{STATE_PREFIX}.{name}")
-            else:
-                _add_common(scalars, name, value, params[i].fqn)
+    shaped, own, scalars = _sorted_state(child, params, torch_state, is_loading)
+    state = {i: {name: make_sharded_optimizer_tensor(sharded_of(i), value, f"{STATE_PREFIX}.{name}")
+                 for name, value in entries.items()} for i, entries in shaped.items()}
+    if own:
+        state_dict[OWN_STATE] = _own_sharded(own, sharded_of)
     if "step" in scalars:
         state[COMMON_STEP] = scalars.pop("step")
     torch_state["state"] = state
@@ -361,14 +362,9 @@ def distributed_sharded_state(child: CheckpointableChild, model_sharded_state_di
                else _parameter_sharded(params, model_sharded_state_dict, owner_is_main_replica))
     torch_state = torch_state_of(core_state_dict(child), core_format_of(child))
     mains = dict(enumerate(child.fp32_main_params()))
-    param_state, scalars = {}, {}
-    for i, entries in torch_state["state"].items():
-        tensors = {}
-        for name, value in entries.items():
-            if _is_parameter_shaped(child, name, value, params[i]):
-                tensors[name] = value
-            else:
-                _add_common(scalars, name, value, params[i].fqn)
+    shaped, own, scalars = _sorted_state(child, params, torch_state, is_loading)
+    param_state = {}
+    for i, tensors in shaped.items():
         if not is_loading or _main_copy_indices(params, [i]):
             tensors[DISTRIBUTED_MAIN_PARAM] = mains[i]
         param_state[i] = {name: sharded(i, name, value) for name, value in tensors.items()}
@@ -379,6 +375,8 @@ def distributed_sharded_state(child: CheckpointableChild, model_sharded_state_di
     state = {layout.param_state_key: param_state, SHARDING_TYPE_KEY: layout.sharding_type}
     if scalars:
         state[EXTRA_SCALARS] = scalars
+    if own:
+        state[OWN_STATE] = _own_sharded(own, _sharded_params(params, model_sharded_state_dict, owner_is_main_replica))
     if not layout.keyed_by_bucket:
         return {**state, "optimizer": {"param_groups": groups}}
     group_params = [group["params"] for group in torch_state["param_groups"]]
@@ -470,10 +468,12 @@ def unpack_core_state_dict(state_dict: Mapping, params: list[ChildParam], config
         entries = dict(torch_state["state"])
     if COMMON_STEP in entries:
         shared["step"] = entries.pop(COMMON_STEP)
+    own = state_dict.get(OWN_STATE) or {}
     state = {}
-    for index, values in entries.items():
+    for index in {*entries, *own}:
+        values = entries.get(index, {})
         _check_shapes(index, values, params)
-        state[index] = {**values, **{name: _copy(value) for name, value in shared.items()}}
+        state[index] = {**values, **own.get(index, {}), **{name: _copy(value) for name, value in shared.items()}}
     primary = run_optimizer(config)
     groups = [{**group, "optimizer": group.get("optimizer") or primary} for group in torch_state["param_groups"]]
     if GROUP_PARAMS in state_dict:  # dp_reshardable: ours, by position, as the other formats' merge gives them
@@ -610,18 +610,68 @@ def _as_main_replica(sharded: Any, owner_is_main_replica: bool) -> Any:
     return replace(sharded, replica_id=0)
 
 
+PARAMETER_SHAPED, SCALAR, OWN_SHAPED = "parameter-shaped", "scalar", "own-shaped"
+
+
+def _state_kind(value: Any, param: ChildParam) -> str:
+    """PARAMETER_SHAPED, SCALAR, or OWN_SHAPED (a tensor of another shape, SOAP's lists of factors, ...)."""
+    if torch.is_tensor(value) and value.dim() > 0:
+        return PARAMETER_SHAPED if value.shape == param.model.shape else OWN_SHAPED
+    return SCALAR if torch.is_tensor(value) or isinstance(value, (bool, int, float, str)) else OWN_SHAPED
+
+
 def _is_parameter_shaped(child: CheckpointableChild, name: str, value: Any, param: ChildParam) -> bool:
-    """True for state shaped like its parameter, False for a scalar; refuses anything else."""
-    if torch.is_tensor(value) and value.dim() > 0 and value.shape == param.model.shape:
-        return True
-    if (torch.is_tensor(value) and value.dim() == 0) or isinstance(value, (bool, int, float, str)):
-        return False
-    shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
-    raise ValueError(
-        f"optimizer {child.name!r} keeps state {name!r} ({shape}) for parameter {param.fqn!r} of shape "
-        f"{tuple(param.model.shape)}; megatron-core's sharded format holds parameter-shaped and scalar "
-        f"state only. Use megatron_eopt.checkpointing.save_checkpoint for this optimizer."
-    )
+    """The layout before megatron-core's (v1) holds parameter-shaped and scalar state only."""
+    kind = _state_kind(value, param)
+    if kind == OWN_SHAPED:
+        shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
+        raise ValueError(
+            f"optimizer {child.name!r} keeps state {name!r} ({shape}) for parameter {param.fqn!r} of shape "
+            f"{tuple(param.model.shape)}; the {EOPT_V1_LAYOUT!r} layout holds parameter-shaped and scalar state "
+            f"only. Save in megatron-core's layout (the default) or with megatron_eopt.checkpointing.save_checkpoint.")
+    return kind == PARAMETER_SHAPED
+
+
+def _sorted_state(child: CheckpointableChild, params: list[ChildParam], torch_state: Mapping, is_loading: bool,
+                  ) -> tuple[dict, dict, dict]:
+    """(parameter-shaped state, own-shaped state) by parameter index, and scalar state once per name.
+    Saving own-shaped state says which megatron-core's optimizer will not read."""
+    shaped, own, scalars = {}, {}, {}
+    for i, entries in torch_state["state"].items():
+        shaped[i] = {}
+        for name, value in entries.items():
+            kind = _state_kind(value, params[i])
+            if kind == PARAMETER_SHAPED:
+                shaped[i][name] = value
+            elif kind == OWN_SHAPED:
+                own.setdefault(i, {})[name] = value
+            else:
+                _add_common(scalars, name, value, params[i].fqn)
+    if own and not is_loading:
+        names = sorted({name for entries in own.values() for name in entries})
+        warn_once(f"megatron-core drops {child.name} {names}",
+                  f"optimizer {child.name!r}'s state {names} is not shaped like its parameters; the checkpoint keeps "
+                  f"it under {OWN_STATE!r}, which megatron_eopt reads at the same parallel layout and megatron-core's "
+                  f"optimizer does not read: loading this checkpoint into megatron-core drops it.")
+    return shaped, own, scalars
+
+
+def _own_sharded(own: dict, sharded_of: Any) -> dict:
+    """Own-shaped state as objects, one per parameter shard, keyed by it:
+    `eopt_own_state.<name>.<model key>.chunk_<its place among the shards>` (a fused weight's
+    factory: its first part's place). Read back at the same parallel layout only."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensorFactory
+
+    objects = {}
+    for i, entries in own.items():
+        param = sharded_of(i)
+        place = next(iter(nested_values(param.build()))) if isinstance(param, ShardedTensorFactory) else param
+        chunk = "_".join(map(str, place.local_chunk_offset_in_global()))
+        objects[i] = {name: ShardedObject(f"{OWN_STATE}.{name}.{param.key}.chunk_{chunk}", value, (1,), (0,),
+                                          replica_id=param.replica_id)
+                      for name, value in entries.items()}
+    return objects
 
 
 def _add_common(common: dict, name: str, value: Any, fqn: str) -> None:

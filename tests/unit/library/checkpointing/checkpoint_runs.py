@@ -38,6 +38,7 @@ OPTIMIZERS = {
     "normuon": dict(optimizer="adaptive_muon", adaptive_muon_moment2_method="normuon", lr=3e-3, min_lr=3e-4,
                     weight_decay=0.05, clip_grad=1.0, muon_fp32_matmul_prec="highest"),
     "polargrad": dict(optimizer="polargrad", lr=3e-3, min_lr=3e-4, weight_decay=0.05, clip_grad=1.0),
+    "soap": dict(optimizer="soap", lr=3e-3, min_lr=3e-4, weight_decay=0.05, clip_grad=1.0),
 }
 
 
