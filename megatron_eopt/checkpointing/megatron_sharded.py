@@ -7,11 +7,12 @@ parameter's ShardedTensor re-keyed `optimizer.state.<name>.<model key>` (main co
 `optimizer.state.fp32_param.<key>`), the step once as `common_step`; a chain of several children is
 `{i: child}` with `chained_{i}.` prefixes by megatron-core's rule (`adds_chain_prefix`). Param
 groups leave `optimizer` out where it names the run's own optimizer, as megatron-core's do; scalar
-state other than the step goes under `eopt_scalar_state`, which megatron-core does not read. The
-layer-wise owner writes a parameter's state as the main replica. With a distributed-optimizer
-format in the metadata, megatron-core's DistributedOptimizer's: `fully_reshardable` written and
-read, `dp_reshardable` (by DDP bucket: ddp_buckets.py) read. `metadata[LAYOUT_KEY]` records the
-layout; our earlier one (EOPT_V1_LAYOUT) loads when the metadata names it.
+state other than the step goes under `eopt_scalar_state`, state of other shapes under
+`eopt_own_state` (megatron-core reads neither). The layer-wise owner writes a parameter's state as
+the main replica. With a distributed-optimizer format in the metadata, megatron-core's
+DistributedOptimizer's (for an emerging optimizer, chained after its LayerWiseDistributedOptimizer):
+`fully_reshardable` written and read, `dp_reshardable` (by DDP bucket: ddp_buckets.py) read.
+`metadata[LAYOUT_KEY]` records the layout; our earlier one (EOPT_V1_LAYOUT) loads when named.
 """
 
 from dataclasses import dataclass, replace

@@ -33,7 +33,7 @@ LAYER_OF = {  # first component below megatron_eopt (or "folder/module") -> laye
 }
 # checkpointing/rng.py: megatron-core's process-global RNG tracker, only once megatron-core is imported.
 MEGATRON_CORE_ALLOWED = {"runtime/process_groups.py", "factory.py", "integrations/megatron_bridge.py",
-                         "checkpointing/megatron_sharded.py",
+                         "checkpointing/megatron_sharded.py", "checkpointing/ddp_buckets.py",
                          "checkpointing/rng.py", "integrations/megatron_lm.py", "integrations/megatron_lm_gpt.py"}
 MEGATRON_CORE_ALLOWED_UNDER = ("training/",)  # the trainer: megatron-core's models, Megatron-LM's helpers
 # The one upward import, inside the method that needs it: OptimizerConfig.provide() is

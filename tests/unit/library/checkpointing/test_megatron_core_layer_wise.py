@@ -109,11 +109,21 @@ def _ours_saves_body(rank: int, world_size: int, directory: str) -> dict:
     """DP=2: ours (layer-wise, as Megatron-LM runs it with --use-distributed-optimizer) trains and
     saves with Megatron-LM's metadata (dp_reshardable asked for); megatron-core's layer-wise Muon and
     our plain optimizer load with the metadata we left and continue: against ours continuing itself."""
+    from megatron_eopt.checkpointing import megatron_sharded
+
     with model_parallel(1, seed=3), megatron_core_ddp_on_cpu():
         ours = OursRun(seed=1, layer_wise=True)
         ours.train(range(SAVED_STEPS))
         written = dict(METADATA)
         _megatron_save(ours.sharded(metadata=written), directory)
+        # as ours wrote it before this layout (stop 50's megatron_core_distributed: every child in the
+        # DistributedOptimizer's), which must keep loading
+        earlier_written, kept = dict(METADATA), megatron_sharded.kept_by_layer_wise
+        megatron_sharded.kept_by_layer_wise = lambda child: False
+        try:
+            _megatron_save(ours.sharded(metadata=earlier_written), f"{directory}_earlier")
+        finally:
+            megatron_sharded.kept_by_layer_wise = kept
         ours.train(range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS))
         expected = ours.params()
         core = CoreLayerWiseRun(seed=2)
@@ -121,8 +131,10 @@ def _ours_saves_body(rank: int, world_size: int, directory: str) -> dict:
         with distributed_optimizer_loads_on_cpu():
             core_continued = _loaded_and_continued(core, directory, written)
         ours_continued = _loaded_and_continued(OursRun(seed=2, layer_wise=False), directory, written)
+        earlier = _loaded_and_continued(OursRun(seed=2, layer_wise=True), f"{directory}_earlier", earlier_written)
     return {"written": written, "keys": _optimizer_keys(directory), "core": _differences(expected, core_continued),
-            "ours": _differences(expected, ours_continued)}
+            "ours": _differences(expected, ours_continued), "earlier_written": earlier_written,
+            "earlier": _differences(expected, earlier)}
 
 
 def _core_saves_body(rank: int, world_size: int, directory: str) -> dict:
@@ -192,6 +204,8 @@ def test_megatron_core_layer_wise_checkpoints_both_ways(run_distributed, tmp_pat
         assert any(k.startswith("optimizer.state.momentum_buffer.") for k in keys), keys[:5]
         assert any(k.startswith("optimizer.state.param.") for k in keys), keys[:5]
         assert not results["core"] and not results["ours"], (rank, results["core"][:5], results["ours"][:5])
+        assert results["earlier_written"]["eopt_optimizer_layout"] == "megatron_core_distributed", results
+        assert not results["earlier"], (rank, results["earlier"][:5])
 
     directory = str(tmp_path / "core_tp2")
     keys = run_distributed(_core_saves_at_tp2_body, world_size=2, args=(directory,), timeout=600)[0]
