@@ -429,11 +429,13 @@ def test_bad_flag_under_torchrun_is_one_line_without_a_worker_traceback() -> Non
     assert stderr.count("Traceback (most recent call last)") <= 1, stderr
     frames = re.findall(r'File "([^"]+)"', stderr)
     assert all("torch/distributed/" in f or f.endswith("torchrun") for f in frames), frames
-    # Rank 0 exits first, with our status; torchrun then stops the other (it was waiting), which
-    # exits with the same status instead of dying of the SIGTERM (-15).
+    # Rank 0 exits first, with our status; torchrun then stops the other. Had it reached the same
+    # error (it waits there), it exits with rank 0's status (test_other_ranks_exit_alike_in_silence);
+    # stopped while still importing, it dies of the SIGTERM (-15). Which one is timing: measured
+    # under ATEN_CPU_CAPABILITY=default, rank 1 was still importing twice in two runs.
     assert re.search(r"Root Cause.*?rank\s*:\s*0 .*?exitcode\s*:\s*2\b", stderr, re.S), stderr
-    exits = re.findall(r"^\s*rank\s*:\s*(\d+) .*?^\s*exitcode\s*:\s*(-?\d+)", stderr, re.S | re.M)
-    assert sorted(exits) == [("0", "2"), ("1", "2")], stderr
+    exits = dict(re.findall(r"^\s*rank\s*:\s*(\d+) .*?^\s*exitcode\s*:\s*(-?\d+)", stderr, re.S | re.M))
+    assert exits["0"] == "2" and exits.get("1", "2") in ("2", "-15"), stderr
 
 
 @pytest.fixture(scope="module")
