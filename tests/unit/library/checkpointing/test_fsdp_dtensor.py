@@ -17,6 +17,7 @@ import torch
 from megatron_eopt import get_megatron_optimizer
 from megatron_eopt.training.model.gpt import gpt_loss
 from tests.unit.library.distributed.test_megatron_fsdp import SETTINGS, _full_state, config_for, megatron_fsdp_gpt
+from tests.refusals import error_of
 
 STEPS = 2  # before the save, and after it
 GLOBAL_BATCH = 6  # sequences per step: 3 per rank at DP=2, 2 at DP=3
@@ -125,18 +126,10 @@ def _dp2_body(rank: int, world_size: int, directory: str) -> dict:
 def refusals(adam_model, adam_optimizer, muon_state: dict) -> dict:
     """One-line errors; a refused load changes no state."""
     before = _full_state(adam_model, adam_optimizer)
-    messages = {"torch_dist": _error_of(lambda: adam_optimizer.sharded_state_dict({}, metadata={})),
-                "muon into adam": _error_of(lambda: adam_optimizer.load_state_dict(muon_state))}
+    messages = {"torch_dist": error_of(lambda: adam_optimizer.sharded_state_dict({}, metadata={})),
+                "muon into adam": error_of(lambda: adam_optimizer.load_state_dict(muon_state))}
     messages["unchanged"] = differing(before, _full_state(adam_model, adam_optimizer))
     return messages
-
-
-def _error_of(call) -> tuple[str, str]:
-    try:
-        call()
-    except (TypeError, ValueError) as error:
-        return type(error).__name__, str(error)
-    return "none", ""
 
 
 def _dp3_body(rank: int, world_size: int, directory: str) -> dict:

@@ -24,6 +24,7 @@ from megatron_eopt import OptimizerConfig, get_megatron_optimizer
 from megatron_eopt.training.model.gpt import GPTModelSettings, build_gpt_model, destroy_model_parallel, initialize_model_parallel
 from megatron_eopt.training.parallel.fsdp2 import data_parallel_mesh
 from tests.newton_schulz_precision import fp32_newton_schulz
+from tests.refusals import error_of
 
 SETTINGS = GPTModelSettings(num_layers=2, hidden_size=32, num_attention_heads=8, num_query_groups=4,
                             ffn_hidden_size=48, swiglu=True, vocab_size=64, seq_length=16)
@@ -189,26 +190,18 @@ def _bad_input_body(rank: int, world_size: int) -> dict:
 
     mixed = Plain()
     fully_shard(mixed.a, mesh=mesh)  # b, c and norm stay plain tensors
-    messages["mixed"] = _error_of(lambda: get_megatron_optimizer(config, [mixed]))
+    messages["mixed"] = error_of(lambda: get_megatron_optimizer(config, [mixed]))
     for name, placement in (("shard1", Shard(1)), ("replicate", Replicate())):
         model = Plain()
         for module in (model.a, model.b, model.c, model.norm):
             for pname, p in list(module.named_parameters()):
                 value = distribute_tensor(p.detach(), mesh, [placement if p.dim() == 2 else Shard(0)])
                 setattr(module, pname, torch.nn.Parameter(value))
-        messages[name] = _error_of(lambda: get_megatron_optimizer(config, [model]))
+        messages[name] = error_of(lambda: get_megatron_optimizer(config, [model]))
     sharded = Plain()
     fully_shard(sharded, mesh=mesh)
-    messages["soap"] = _error_of(lambda: get_megatron_optimizer(OptimizerConfig(optimizer="soap", lr=0.01), [sharded]))
+    messages["soap"] = error_of(lambda: get_megatron_optimizer(OptimizerConfig(optimizer="soap", lr=0.01), [sharded]))
     return messages
-
-
-def _error_of(build) -> tuple[str, str]:
-    try:
-        build()
-    except (TypeError, ValueError) as error:
-        return type(error).__name__, str(error)
-    return "none", ""
 
 
 def check_run(run: dict, label: str) -> None:
@@ -437,11 +430,11 @@ def _tp_group_errors() -> dict[str, tuple[str, str]]:
         dp_group = parallel_state.get_data_parallel_group()
         fully_shard(model, mesh=data_parallel_mesh(dp_group, torch.device("cpu")))
         wrong = ParallelGroups.from_groups(tp=dp_group, mp=dp_group)
-        errors = {"wrong_tp_group": _error_of(lambda: get_megatron_optimizer(config_for("muon"), [model],
+        errors = {"wrong_tp_group": error_of(lambda: get_megatron_optimizer(config_for("muon"), [model],
                                                                              pg_collection=wrong))}
     finally:
         destroy_model_parallel()
-    errors["no_tp_group"] = _error_of(lambda: get_megatron_optimizer(config_for("muon"), [model]))
+    errors["no_tp_group"] = error_of(lambda: get_megatron_optimizer(config_for("muon"), [model]))
     return errors
 
 

@@ -24,6 +24,7 @@ from megatron_eopt.training.model.gpt import (
     gpt_loss,
     initialize_model_parallel,
 )
+from tests.refusals import error_of
 
 SETTINGS = GPTModelSettings(num_layers=2, hidden_size=32, num_attention_heads=8, num_query_groups=4,
                             ffn_hidden_size=48, swiglu=True, vocab_size=64, seq_length=16)
@@ -109,22 +110,14 @@ def refusals() -> dict[str, tuple[str, str]]:
 
     model = megatron_fsdp_gpt()
     optimizer = get_megatron_optimizer(config_for("muon"), [model])
-    messages = {"no finish_grad_sync": _error_of(optimizer.step)}  # no backward: no gradient anywhere
+    messages = {"no finish_grad_sync": error_of(optimizer.step)}  # no backward: no gradient anywhere
     for strategy in ("optim", "no_shard"):  # the latter keeps plain parameters
         other = fully_shard_model(torch.nn.Sequential(torch.nn.Linear(8, 6)), zero_dp_strategy=strategy,
                                   device=torch.device("cpu"))
-        messages[strategy] = _error_of(lambda: get_megatron_optimizer(config_for("muon"), [other]))
+        messages[strategy] = error_of(lambda: get_megatron_optimizer(config_for("muon"), [other]))
     world = ParallelGroups.from_groups(tp=torch.distributed.group.WORLD, mp=torch.distributed.group.WORLD)
-    messages["tp"] = _error_of(lambda: get_megatron_optimizer(config_for("muon"), [model], pg_collection=world))
+    messages["tp"] = error_of(lambda: get_megatron_optimizer(config_for("muon"), [model], pg_collection=world))
     return messages
-
-
-def _error_of(call) -> tuple[str, str]:
-    try:
-        call()
-    except (TypeError, ValueError) as error:
-        return type(error).__name__, str(error)
-    return "none", ""
 
 
 def check_run(run: dict, label) -> None:
