@@ -359,8 +359,8 @@ def distributed_sharded_state(child: CheckpointableChild, model_sharded_state_di
     if is_loading:
         child.init_state()
     params = child.checkpoint_params()
-    sharded = (_bucket_sharded(params, buckets) if layout.keyed_by_bucket
-               else _parameter_sharded(params, model_sharded_state_dict, owner_is_main_replica))
+    sharded_of = _sharded_params(params, model_sharded_state_dict, owner_is_main_replica)
+    sharded = _bucket_sharded(params, buckets) if layout.keyed_by_bucket else _parameter_sharded(sharded_of)
     torch_state = torch_state_of(core_state_dict(child), core_format_of(child))
     mains = dict(enumerate(child.fp32_main_params()))
     shaped, own, scalars = _sorted_state(child, params, torch_state, is_loading)
@@ -377,7 +377,7 @@ def distributed_sharded_state(child: CheckpointableChild, model_sharded_state_di
     if scalars:
         state[EXTRA_SCALARS] = scalars
     if own:
-        state[OWN_STATE] = _own_sharded(own, _sharded_params(params, model_sharded_state_dict, owner_is_main_replica))
+        state[OWN_STATE] = _own_sharded(own, sharded_of)
     if not layout.keyed_by_bucket:
         return {**state, "optimizer": {"param_groups": groups}}
     group_params = [group["params"] for group in torch_state["param_groups"]]
@@ -385,11 +385,11 @@ def distributed_sharded_state(child: CheckpointableChild, model_sharded_state_di
             GROUP_PARAMS: LocalNonpersistentObject(group_params)}
 
 
-def _parameter_sharded(params: list[ChildParam], model_sharded_state_dict: dict, owner_is_main_replica: bool):
-    """(index, name, tensor) -> the tensor keyed `optimizer.state.<name>.<model key>`, as its parameter."""
+def _parameter_sharded(sharded_of: Any):
+    """(index, name, tensor) -> the tensor keyed `optimizer.state.<name>.<model key>`, as its parameter
+    (`sharded_of(index)`: the parameter's ShardedTensor, _sharded_params)."""
     from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
-    sharded_of = _sharded_params(params, model_sharded_state_dict, owner_is_main_replica)
     return lambda i, name, value: make_sharded_optimizer_tensor(sharded_of(i), value, f"{STATE_PREFIX}.{name}")
 
 

@@ -92,17 +92,17 @@ class CoreRun:
 class OursRun(CoreRun):
     """Ours over a bare GPTModel carrying the DDP config the megatron-core job ran with."""
 
-    def __init__(self, seed: int, layer_wise: bool) -> None:
+    def __init__(self, seed: int, layer_wise: bool, optimizer: str = "adam", bf16: bool = False) -> None:
         from megatron_eopt import OptimizerConfig, get_megatron_optimizer
         from megatron_eopt.training.model.gpt import GPTModelSettings, build_gpt_model
 
-        self.settings = GPTModelSettings(**SETTINGS)
+        self.settings = GPTModelSettings(**SETTINGS, bf16=bf16)
         torch.manual_seed(seed)
         self.model = self.ddp = build_gpt_model(self.settings)
         # as Megatron-LM builds it for ours: DDP all-reduces whole gradients (use_distributed_optimizer=False)
         self.model.ddp_config = _ddp_config(use_distributed_optimizer=False)
-        self.optimizer = get_megatron_optimizer(OptimizerConfig(**FIELDS["adam"], use_distributed_optimizer=layer_wise),
-                                                [self.model])
+        config = OptimizerConfig(**FIELDS[optimizer], bf16=bf16, use_distributed_optimizer=layer_wise)
+        self.optimizer = get_megatron_optimizer(config, [self.model])
 
     def train(self, steps: range) -> None:
         for step in steps:

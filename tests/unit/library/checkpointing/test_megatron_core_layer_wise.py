@@ -10,11 +10,9 @@ Its checkpoint (`dp_reshardable` metadata) holds Muon's momentum keyed by parame
 (`chained_1.optimizer.distributed.dp_group_idx_0.gbuf_idx_0...`).
 """
 
-from typing import Optional
-
 import torch
 
-from tests.gpt_training import model_parallel, step_loss, token_batch
+from tests.gpt_training import model_parallel
 from tests.megatron_core_on_cpu import cuda_named_types, distributed_optimizer_loads_on_cpu, megatron_core_ddp_on_cpu
 from tests.unit.library.checkpointing.test_megatron_core_checkpoints import (
     FIELDS,
@@ -24,12 +22,19 @@ from tests.unit.library.checkpointing.test_megatron_core_checkpoints import (
     _differences,
     _optimizer_keys,
 )
-from tests.unit.library.checkpointing.test_megatron_core_distributed_optimizer import BUCKET_SIZE, METADATA, _ddp_config
+from tests.unit.library.checkpointing.test_megatron_core_distributed_optimizer import (
+    BUCKET_SIZE,
+    METADATA,
+    CoreRun,
+    OursRun,
+    _ddp_config,
+    _loaded_and_continued,
+)
 from tests.unit.library.checkpointing.test_megatron_sharded import _megatron_save
 
 
-class CoreLayerWiseRun:
-    """megatron-core's layer-wise Muon over a GPTModel, built as Megatron-LM builds it."""
+class CoreLayerWiseRun(CoreRun):
+    """megatron-core's layer-wise Muon over a GPTModel, built as Megatron-LM builds it (bf16)."""
 
     def __init__(self, seed: int) -> None:
         from megatron.core.distributed import DistributedDataParallel
@@ -55,54 +60,10 @@ class CoreLayerWiseRun:
             self.optimizer = core_get_megatron_optimizer(
                 CoreConfig(**FIELDS["muon"], bf16=True, use_layer_wise_distributed_optimizer=True), [self.ddp])
 
-    def train(self, steps: range) -> None:
-        for step in steps:
-            self.ddp.zero_grad_buffer()
-            self.optimizer.zero_grad()
-            step_loss(self.ddp, token_batch(self.settings, batch=4, seed=100 + step)).backward()
-            self.ddp.finish_grad_sync()
-            for child in self.optimizer.chained_optimizers:
-                assert not child.prepare_grads() and child.step_with_ready_grads()
 
-    def sharded(self, is_loading: bool = False, metadata: Optional[dict] = None) -> dict:
-        model = self.model.sharded_state_dict()
-        metadata = dict(METADATA) if metadata is None else metadata
-        return {"model": model, "optimizer": self.optimizer.sharded_state_dict(model, is_loading=is_loading,
-                                                                                metadata=metadata)}
-
-    def params(self) -> dict[str, torch.Tensor]:
-        return {name: p.detach().clone() for name, p in self.model.named_parameters()}
-
-
-class OursRun(CoreLayerWiseRun):
-    """Ours (Muon, bf16) over a bare GPTModel carrying the DDP config the megatron-core job ran with."""
-
-    def __init__(self, seed: int, layer_wise: bool) -> None:
-        from megatron_eopt import OptimizerConfig, get_megatron_optimizer
-        from megatron_eopt.training.model.gpt import GPTModelSettings, build_gpt_model
-
-        self.settings = GPTModelSettings(**SETTINGS, bf16=True)
-        torch.manual_seed(seed)
-        self.model = self.ddp = build_gpt_model(self.settings)
-        self.model.ddp_config = _ddp_config(use_distributed_optimizer=False)
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(**FIELDS["muon"], bf16=True, use_distributed_optimizer=layer_wise), [self.model])
-
-    def train(self, steps: range) -> None:
-        for step in steps:
-            self.optimizer.zero_grad()
-            step_loss(self.model, token_batch(self.settings, batch=4, seed=100 + step)).backward()
-            assert self.optimizer.step()[0]
-
-
-def _loaded_and_continued(run: CoreLayerWiseRun, directory: str, metadata: Optional[dict] = None) -> dict:
-    from megatron.core import dist_checkpointing
-
-    state = dist_checkpointing.load(run.sharded(is_loading=True, metadata=dict(metadata or METADATA)), directory)
-    run.model.load_state_dict(state["model"])
-    run.optimizer.load_state_dict(state["optimizer"])
-    run.train(range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS))
-    return run.params()
+def _ours(seed: int, layer_wise: bool) -> OursRun:
+    """Ours: Muon in bf16, plain or layer-wise."""
+    return OursRun(seed, layer_wise, optimizer="muon", bf16=True)
 
 
 def _ours_saves_body(rank: int, world_size: int, directory: str) -> dict:
@@ -112,7 +73,7 @@ def _ours_saves_body(rank: int, world_size: int, directory: str) -> dict:
     from megatron_eopt.checkpointing import megatron_sharded
 
     with model_parallel(1, seed=3), megatron_core_ddp_on_cpu():
-        ours = OursRun(seed=1, layer_wise=True)
+        ours = _ours(seed=1, layer_wise=True)
         ours.train(range(SAVED_STEPS))
         written = dict(METADATA)
         _megatron_save(ours.sharded(metadata=written), directory)
@@ -130,8 +91,8 @@ def _ours_saves_body(rank: int, world_size: int, directory: str) -> dict:
         core.train(range(-1, 0))  # its DistributedOptimizer's sharded_state_dict reads the step from the state
         with distributed_optimizer_loads_on_cpu():
             core_continued = _loaded_and_continued(core, directory, written)
-        ours_continued = _loaded_and_continued(OursRun(seed=2, layer_wise=False), directory, written)
-        earlier = _loaded_and_continued(OursRun(seed=2, layer_wise=True), f"{directory}_earlier", earlier_written)
+        ours_continued = _loaded_and_continued(_ours(seed=2, layer_wise=False), directory, written)
+        earlier = _loaded_and_continued(_ours(seed=2, layer_wise=True), f"{directory}_earlier", earlier_written)
     return {"written": written, "keys": _optimizer_keys(directory), "core": _differences(expected, core_continued),
             "ours": _differences(expected, ours_continued), "earlier_written": earlier_written,
             "earlier": _differences(expected, earlier)}
@@ -149,7 +110,7 @@ def _core_saves_body(rank: int, world_size: int, directory: str) -> dict:
         expected = core.params()
         results = {"kinds": kinds, "keys": _optimizer_keys(directory), "expected": expected}
         for layer_wise in (False, True):
-            ours = OursRun(seed=2, layer_wise=layer_wise)
+            ours = _ours(seed=2, layer_wise=layer_wise)
             fresh_differs = bool(_differences(expected, ours.params()))
             results[f"layer_wise={layer_wise}"] = (fresh_differs,
                                                    _differences(expected, _loaded_and_continued(ours, directory)))
@@ -180,7 +141,7 @@ def _tp1_loads_body(rank: int, world_size: int, directory: str) -> dict:
             expected = _loaded_and_continued(core, directory, FULLY_RESHARDABLE)
         results = {}
         for layer_wise in (False, True):
-            ours = _loaded_and_continued(OursRun(seed=2, layer_wise=layer_wise), directory, FULLY_RESHARDABLE)
+            ours = _loaded_and_continued(_ours(seed=2, layer_wise=layer_wise), directory, FULLY_RESHARDABLE)
             results[f"layer_wise={layer_wise}"] = _differences(expected, ours)
     return results
 
