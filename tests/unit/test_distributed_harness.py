@@ -71,6 +71,35 @@ def _print_rank(rank: int, world_size: int) -> None:
     print(f"hello from rank {rank}")
 
 
+_KEPT_GROUPS: list = []
+
+
+def _keep_a_group(rank: int, world_size: int) -> None:
+    """A deliberate leak: a group used, destroyed by the harness, but still referenced here."""
+    group = dist.new_group(list(range(world_size)))
+    dist.all_reduce(torch.ones(1), group=group)
+    _KEPT_GROUPS.append(group)
+
+
+def _groups_released_by_the_reset(rank: int, world_size: int) -> None:
+    """What the suite's calls do and the harness undoes: megatron-core's parallel state twice (its
+    teardown forgets only some groups), and a DTensor op on a mesh of new groups (DTensor's caches
+    key on the mesh)."""
+    from megatron.core import parallel_state
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    for _ in range(2):
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+        parallel_state.destroy_model_parallel()
+    mesh = init_device_mesh("cpu", (world_size,))
+    (distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)]) * 2).full_tensor()
+
+
+def _threads(rank: int, world_size: int) -> int:
+    return sum(1 for _ in os.scandir("/proc/self/task"))
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_all_reduce_sum_reaches_every_rank(run_distributed, world_size):
     results = run_distributed(_all_reduce_sum, world_size=world_size, args=(3.0,))
@@ -110,6 +139,29 @@ def test_megatron_parallel_state_does_not_leak_into_the_next_call(run_distribute
     assert run_distributed(_init_tensor_parallel, world_size=2) == [(2, 0), (2, 1)]
     # Only the default WORLD group survives between calls.
     assert run_distributed(_model_parallel_state, world_size=2) == [(False, 1)] * 2
+
+
+def test_groups_die_with_the_call_and_the_world_stays(run_distributed):
+    """After megatron-core's and DTensor's groups, a worker holds a fresh worker's threads."""
+    first = run_distributed(_pid, world_size=2)
+    fresh = run_distributed(_threads, world_size=2)
+    run_distributed(_groups_released_by_the_reset, world_size=2)
+    assert run_distributed(_threads, world_size=2) == fresh
+    assert run_distributed(_pid, world_size=2) == first
+
+
+def test_a_call_that_keeps_a_group_alive_fails_naming_the_test(run_distributed):
+    from tests.distributed_harness import ThreadLeakError
+
+    first = run_distributed(_pid, world_size=2)
+    with pytest.raises(ThreadLeakError) as exc:
+        run_distributed(_keep_a_group, world_size=2)
+    message = str(exc.value)
+    assert "test_a_call_that_keeps_a_group_alive_fails_naming_the_test leaked" in message, message
+    assert "_keep_a_group" in message and "1 gloo group(s) still alive" in message, message
+    assert sorted(exc.value.failures) == [0, 1]
+    # The leaking world is replaced; the next call runs in fresh workers.
+    assert set(run_distributed(_pid, world_size=2)).isdisjoint(first)
 
 
 def test_rng_and_default_dtype_are_reset_between_calls(run_distributed):

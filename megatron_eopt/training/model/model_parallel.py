@@ -10,6 +10,7 @@ same in every pipeline layout.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from megatron_eopt.training.parallel.cpu_rng import use_cpu_rng_tracker
 __all__ = [
     "LayerSeededTransformerLayer",
     "destroy_model_parallel",
+    "forget_megatron_core_groups",
     "init_seed",
     "initialize_model_parallel",
     "seed_model_chunk",
@@ -60,6 +62,7 @@ def initialize_model_parallel(
                           virtual_pipeline_model_parallel_size, expert_model_parallel_size)
     if parallel_state.model_parallel_is_initialized():
         raise RuntimeError("model parallel state is already initialised; destroy it first")
+    groups_before = set(_live_groups())
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size,
         pipeline_model_parallel_size,
@@ -68,6 +71,7 @@ def initialize_model_parallel(
         distributed_timeout_minutes=(group_timeout(None).total_seconds() / 60 if distributed_timeout_minutes is None
                                      else distributed_timeout_minutes),
     )
+    _groups_made[:] = [group for group in _live_groups() if group not in groups_before]
     # CPU initialisation draws from torch's default generator, on every device.
     global _init_seed
     _init_seed = seed
@@ -133,6 +137,45 @@ def _check_parallel_sizes(world_size: int, tp: int, pp: int, vpp: int | None, ep
 
 
 def destroy_model_parallel() -> None:
-    """Tear down megatron's model-parallel groups (torch.distributed stays initialised)."""
+    """Tear down megatron's model-parallel state and destroy the groups that
+    :func:`initialize_model_parallel` made (torch.distributed stays initialised).
+
+    A gloo group keeps its threads and sockets until the last reference to it goes, so megatron-core's
+    own teardown, which only forgets the groups, would leave every group of every initialisation alive
+    in a process that initialises more than once (a test worker, a job that re-initialises)."""
     parallel_state.destroy_model_parallel()
+    forget_megatron_core_groups()
+    for group in _groups_made:
+        if group in _live_groups():
+            torch.distributed.destroy_process_group(group)
+    _groups_made.clear()
+
+
+# The groups the last initialize_model_parallel made, destroyed by destroy_model_parallel.
+_groups_made: list[torch.distributed.ProcessGroup] = []
+
+# The parallel_state globals that megatron-core 0.19's destroy_model_parallel leaves set, each with
+# the value it starts with. All hold groups; _global_process_group_list holds every group that
+# create_group has ever made in the process.
+_GROUP_GLOBALS_LEFT_SET: dict[str, Callable[[], Any]] = {
+    "_global_process_group_list": lambda: None,
+    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP": lambda: None,
+    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO": lambda: None,
+    "_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS": lambda: None,
+    "_HYBRID_DP_CP_GROUPS": dict,
+}
+
+
+def forget_megatron_core_groups() -> None:
+    """Reset the parallel_state globals that megatron-core's destroy_model_parallel leaves holding
+    groups; call after it."""
+    for name, initial in _GROUP_GLOBALS_LEFT_SET.items():
+        if hasattr(parallel_state, name):
+            setattr(parallel_state, name, initial())
+
+
+def _live_groups() -> dict[torch.distributed.ProcessGroup, Any]:
+    """The groups this process belongs to, the default one included. torch has no public list: pg_map
+    is the registry destroy_process_group itself keeps."""
+    return torch.distributed.distributed_c10d._world.pg_map
 
