@@ -405,8 +405,13 @@ class DistributedHarness:
             leaks = {rank: reply["leaked"] for rank, reply in replies.items() if reply.get("leaked")}
             if leaks or not all(reply["reusable"] for reply in replies.values()):
                 self._retire(world)
-            if leaks:
+            if any(leak["held"] for leak in leaks.values()):
                 raise _leak_error(task, world.size, leaks)
+            if leaks:
+                # Held only through C++ (a dependency's gradient hooks keep its model and groups):
+                # nothing in Python can let go of them, so the world was replaced instead.
+                print(f"run_distributed: replaced the world after {task['module']}.{task['qualname']}: "
+                      f"{leaks[min(leaks)]['text']}, held outside Python's reach")
             return [replies[rank]["result"] for rank in range(world.size)]
 
     def prestart(self) -> None:
@@ -652,16 +657,16 @@ def _call_error(
     return error_type("\n".join(lines), failures)
 
 
-def _leak_error(task: dict[str, Any], world_size: int, leaks: dict[int, str]) -> ThreadLeakError:
+def _leak_error(task: dict[str, Any], world_size: int, leaks: dict[int, dict[str, Any]]) -> ThreadLeakError:
     # pytest names the running test in the environment of the process that runs it.
     test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0] or "the caller"
     lines = [f"{test} leaked: run_distributed({task['module']}.{task['qualname']}, "
              f"world_size={world_size}) returned, but its workers still hold more threads than a "
-             "fresh worker after every group was destroyed and garbage collected. Something the call "
-             "made still references a process group (a module-level cache or global, a thread it "
-             "started). The world was replaced."]
-    lines += [f"  rank {rank}: {text}" for rank, text in sorted(leaks.items())]
-    return ThreadLeakError("\n".join(lines), {rank: text for rank, text in leaks.items()})
+             "fresh worker after every group was destroyed and garbage collected: a module-level "
+             "global or cache still references a process group, or a thread the call started still "
+             "runs. The world was replaced."]
+    lines += [f"  rank {rank}: {leak['text']}" for rank, leak in sorted(leaks.items())]
+    return ThreadLeakError("\n".join(lines), {rank: leak["text"] for rank, leak in leaks.items()})
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -766,6 +771,12 @@ def _preload() -> None:
     import torch
 
     torch.set_num_threads(1)
+    with contextlib.suppress(ImportError):
+        import tqdm
+
+        # tqdm's monitor thread outlives the bars of megatron-core's and torch's checkpoint
+        # writers; without it a bar still updates, on its own calls.
+        tqdm.tqdm.monitor_interval = 0
     # The imports' objects never become garbage: out of the collector's sight, the full collection
     # after every call (_reset_shared_state) takes milliseconds instead of ~0.4 s.
     gc.collect()
@@ -1094,8 +1105,9 @@ def _fresh_worker_threads() -> Counter[str]:
     return _thread_census()
 
 
-def _threads_leaked(baseline: Counter[str]) -> str | None:
-    """What threads the call left beyond a fresh worker's, as text; None if none."""
+def _threads_leaked(baseline: Counter[str]) -> dict[str, Any] | None:
+    """What threads the call left beyond a fresh worker's, and whether Python code holds them
+    (``"held"``: a chain from a module or class to a live group); None if it left none."""
     extra = _thread_census() - baseline
     for name in list(extra):
         if name.startswith(_PROCESS_LIFETIME_THREADS):
@@ -1103,8 +1115,65 @@ def _threads_leaked(baseline: Counter[str]) -> str | None:
     if not extra:
         return None
     groups = extra["gloo_tcp_loop"]
-    what = ", ".join(f"{count} {name}" for name, count in extra.most_common())
-    return f"{what} threads" + (f" (about {groups} gloo group(s) still alive)" if groups else "")
+    text = ", ".join(f"{count} {name}" for name, count in extra.most_common()) + " threads"
+    if groups:
+        text += f" (about {groups} gloo group(s) still alive)"
+    started = [thread.name for thread in threading.enumerate() if thread is not threading.main_thread()]
+    if started:
+        text += f"; Python threads: {', '.join(started)}"
+    chains = [chain for chain in map(_backref_chain, _live_subgroups()) if chain]
+    if chains:
+        text += "; held by: " + "; ".join(chains[:3])
+    return {"text": text, "held": bool(chains or started)}
+
+
+def _live_subgroups() -> list[Any]:
+    """Every ProcessGroup object the collector can reach, the default group aside."""
+    import torch.distributed as dist
+
+    found: dict[int, Any] = {}
+    for holder in gc.get_objects():
+        for referent in gc.get_referents(holder):
+            if isinstance(referent, dist.ProcessGroup) and referent is not dist.group.WORLD:
+                found[id(referent)] = referent
+    return list(found.values())
+
+
+def _backref_chain(target: Any, depth: int = 16) -> str | None:
+    """"group <- dict <- module x": the shortest chain of referrers from ``target`` to a module's
+    or a class's namespace; None if there is none within ``depth`` (the group is then held only
+    by objects that C++ keeps alive, such as a gradient hook on a parameter of its own model)."""
+    import types
+
+    frontier: list[tuple[Any, tuple[str, ...]]] = [(target, ())]
+    seen = {id(target), id(frontier[0])}
+    for _ in range(depth):
+        next_frontier: list[tuple[Any, tuple[str, ...]]] = []
+        for obj, path in frontier:
+            for referrer in gc.get_referrers(obj):
+                # This search's own lists and entries, and frames (this one's, the call's finished
+                # ones), are not holders.
+                if (id(referrer) in seen or referrer is frontier or referrer is next_frontier
+                        or isinstance(referrer, types.FrameType)):
+                    continue
+                seen.add(id(referrer))
+                step = (*path, _describe(referrer))
+                if isinstance(referrer, (types.ModuleType, type)):
+                    return " <- ".join(("group", *step))
+                next_frontier.append((referrer, step))
+        seen.update(id(entry) for entry in next_frontier)
+        frontier = next_frontier
+    return None
+
+
+def _describe(obj: Any) -> str:
+    import types
+
+    if isinstance(obj, types.ModuleType):
+        return f"module {obj.__name__}"
+    if isinstance(obj, type):
+        return f"class {obj.__module__}.{obj.__qualname__}"
+    return type(obj).__qualname__
 
 
 def _destroy_subgroups() -> None:
