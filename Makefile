@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 .PHONY: test test-fast test-slow test-unit test-functional test-numerics test-compat demo convergence bench gpu-check venv lock clean
 
 test: $(STAMP)
-	$(PY) -m pytest tests -q -m "not slow"
+	$(PY) -m pytest tests -q -m "not slow" --durations=20
 
 # The loop while you work: the in-process tier, no worker ranks and no process started (tests/tiers.py
 # marks the others `multirank` and `subprocess` from their code). Fails if it left a library module unimported.
