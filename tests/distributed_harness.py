@@ -1073,11 +1073,10 @@ def _clear_dtensor_caches() -> None:
 
     debug._clear_sharding_prop_cache()
     redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
-    for cache in ("clear_redistribute_planner_cache",):
-        if hasattr(redistribute, cache):
-            getattr(redistribute, cache)()
+    if hasattr(redistribute, "clear_redistribute_planner_cache"):  # torch >= 2.11
+        redistribute.clear_redistribute_planner_cache()
     if hasattr(redistribute, "_gen_transform_infos"):
-        getattr(redistribute, "_gen_transform_infos").cache_clear()
+        redistribute._gen_transform_infos.cache_clear()
     collective_utils = sys.modules.get("torch.distributed.tensor._collective_utils")
     if collective_utils is not None:
         collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
@@ -1139,31 +1138,37 @@ def _live_subgroups() -> list[Any]:
     return list(found.values())
 
 
-def _backref_chain(target: Any, depth: int = 16) -> str | None:
+def _backref_chain(target: Any, most_visited: int = 500) -> str | None:
     """"group <- dict <- module x": the shortest chain of referrers from ``target`` to a module's
-    or a class's namespace; None if there is none within ``depth`` (the group is then held only
-    by objects that C++ keeps alive, such as a gradient hook on a parameter of its own model)."""
+    or a class's namespace; None if none is found among ``most_visited`` objects (the group is
+    then held only by objects that C++ keeps alive, such as a gradient hook on a parameter of its
+    own model)."""
     import types
 
     frontier: list[tuple[Any, tuple[str, ...]]] = [(target, ())]
     seen = {id(target), id(frontier[0])}
-    for _ in range(depth):
-        next_frontier: list[tuple[Any, tuple[str, ...]]] = []
-        for obj, path in frontier:
-            for referrer in gc.get_referrers(obj):
-                # This search's own lists and entries, and frames (this one's, the call's finished
-                # ones), are not holders.
-                if (id(referrer) in seen or referrer is frontier or referrer is next_frontier
-                        or isinstance(referrer, types.FrameType)):
-                    continue
-                seen.add(id(referrer))
-                step = (*path, _describe(referrer))
-                if isinstance(referrer, (types.ModuleType, type)):
-                    return " <- ".join(("group", *step))
-                next_frontier.append((referrer, step))
-        seen.update(id(entry) for entry in next_frontier)
-        frontier = next_frontier
-    return None
+    visited = 0
+    gc.unfreeze()  # get_referrers does not search the frozen imports, where module globals live
+    try:
+        while frontier and visited < most_visited:
+            next_frontier: list[tuple[Any, tuple[str, ...]]] = []
+            for obj, path in frontier[:most_visited - visited]:
+                visited += 1
+                for referrer in gc.get_referrers(obj):
+                    # This search's own lists and entries, and frames, are not holders.
+                    if (id(referrer) in seen or referrer is frontier or referrer is next_frontier
+                            or isinstance(referrer, types.FrameType)):
+                        continue
+                    seen.add(id(referrer))
+                    step = (*path, _describe(referrer))
+                    if isinstance(referrer, (types.ModuleType, type)):
+                        return " <- ".join(("group", *step))
+                    next_frontier.append((referrer, step))
+            seen.update(id(entry) for entry in next_frontier)
+            frontier = next_frontier
+        return None
+    finally:
+        gc.freeze()
 
 
 def _describe(obj: Any) -> str:
