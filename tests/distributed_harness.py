@@ -1051,11 +1051,11 @@ def _reset_shared_state() -> bool:
         import torch.distributed as dist
         from megatron.core import parallel_state
 
-        from megatron_eopt.training.model.model_parallel import forget_megatron_core_groups
+        from megatron_eopt.training.model.model_parallel import forget_model_parallel_groups
 
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
-        forget_megatron_core_groups()
+        forget_model_parallel_groups()
         _destroy_subgroups()
         _clear_dtensor_caches()
         gc.collect()

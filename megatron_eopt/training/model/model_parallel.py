@@ -27,7 +27,7 @@ from megatron_eopt.training.parallel.cpu_rng import use_cpu_rng_tracker
 __all__ = [
     "LayerSeededTransformerLayer",
     "destroy_model_parallel",
-    "forget_megatron_core_groups",
+    "forget_model_parallel_groups",
     "init_seed",
     "initialize_model_parallel",
     "seed_model_chunk",
@@ -144,11 +144,10 @@ def destroy_model_parallel() -> None:
     own teardown, which only forgets the groups, would leave every group of every initialisation alive
     in a process that initialises more than once (a test worker, a job that re-initialises)."""
     parallel_state.destroy_model_parallel()
-    forget_megatron_core_groups()
     for group in _groups_made:
         if group in _live_groups():
             torch.distributed.destroy_process_group(group)
-    _groups_made.clear()
+    forget_model_parallel_groups()
 
 
 # The groups the last initialize_model_parallel made, destroyed by destroy_model_parallel.
@@ -166,12 +165,13 @@ _GROUP_GLOBALS_LEFT_SET: dict[str, Callable[[], Any]] = {
 }
 
 
-def forget_megatron_core_groups() -> None:
-    """Reset the parallel_state globals that megatron-core's destroy_model_parallel leaves holding
-    groups; call after it."""
+def forget_model_parallel_groups() -> None:
+    """Drop every reference to the model-parallel groups kept here and in the parallel_state globals
+    that megatron-core's destroy_model_parallel leaves set (call after it); destroys nothing."""
     for name, initial in _GROUP_GLOBALS_LEFT_SET.items():
         if hasattr(parallel_state, name):
             setattr(parallel_state, name, initial())
+    _groups_made.clear()
 
 
 def _live_groups() -> dict[torch.distributed.ProcessGroup, Any]:
