@@ -1120,65 +1120,47 @@ def _threads_leaked(baseline: Counter[str]) -> dict[str, Any] | None:
     started = [thread.name for thread in threading.enumerate() if thread is not threading.main_thread()]
     if started:
         text += f"; Python threads: {', '.join(started)}"
-    chains = [chain for chain in map(_backref_chain, _live_subgroups()) if chain]
+    chains = _chains_from_modules_to_groups()
     if chains:
         text += "; held by: " + "; ".join(chains[:3])
     return {"text": text, "held": bool(chains or started)}
 
 
-def _live_subgroups() -> list[Any]:
-    """Every ProcessGroup object the collector can reach, the default group aside."""
+def _chains_from_modules_to_groups(most: int = 3) -> list[str]:
+    """"module x -> dict -> list -> ProcessGroup": for up to ``most`` live groups other than the
+    default one, how a module's namespace reaches it, found by walking references down from every
+    loaded module (one pass over the heap). A group none reaches is held only by objects C++ keeps
+    alive, such as a gradient hook on a parameter of its own model."""
     import torch.distributed as dist
 
-    found: dict[int, Any] = {}
-    for holder in gc.get_objects():
-        for referent in gc.get_referents(holder):
-            if isinstance(referent, dist.ProcessGroup) and referent is not dist.group.WORLD:
-                found[id(referent)] = referent
-    return list(found.values())
+    roots = [module for module in list(sys.modules.values()) if module is not None]
+    objects: dict[int, Any] = {id(root): root for root in roots}  # also keeps every id valid
+    parent: dict[int, int] = {}
+    stack: list[Any] = list(roots)
+    found: list[Any] = []
+    while stack and len(found) < most:
+        obj = stack.pop()
+        for referent in gc.get_referents(obj):
+            is_group = isinstance(referent, dist.ProcessGroup)
+            # Untracked objects (strings, numbers) refer to nothing; a group is untracked too.
+            if id(referent) in objects or not (is_group or gc.is_tracked(referent)):
+                continue
+            objects[id(referent)] = referent
+            parent[id(referent)] = id(obj)
+            if not is_group:
+                stack.append(referent)
+            elif referent is not dist.group.WORLD:
+                found.append(referent)
+    return [_chain_to(group, parent, objects) for group in found]
 
 
-def _backref_chain(target: Any, most_visited: int = 500) -> str | None:
-    """"group <- dict <- module x": the shortest chain of referrers from ``target`` to a module's
-    or a class's namespace; None if none is found among ``most_visited`` objects (the group is
-    then held only by objects that C++ keeps alive, such as a gradient hook on a parameter of its
-    own model)."""
-    import types
-
-    frontier: list[tuple[Any, tuple[str, ...]]] = [(target, ())]
-    seen = {id(target), id(frontier[0])}
-    visited = 0
-    gc.unfreeze()  # get_referrers does not search the frozen imports, where module globals live
-    try:
-        while frontier and visited < most_visited:
-            next_frontier: list[tuple[Any, tuple[str, ...]]] = []
-            for obj, path in frontier[:most_visited - visited]:
-                visited += 1
-                for referrer in gc.get_referrers(obj):
-                    # This search's own lists and entries, and frames, are not holders.
-                    if (id(referrer) in seen or referrer is frontier or referrer is next_frontier
-                            or isinstance(referrer, types.FrameType)):
-                        continue
-                    seen.add(id(referrer))
-                    step = (*path, _describe(referrer))
-                    if isinstance(referrer, (types.ModuleType, type)):
-                        return " <- ".join(("group", *step))
-                    next_frontier.append((referrer, step))
-            seen.update(id(entry) for entry in next_frontier)
-            frontier = next_frontier
-        return None
-    finally:
-        gc.freeze()
-
-
-def _describe(obj: Any) -> str:
-    import types
-
-    if isinstance(obj, types.ModuleType):
-        return f"module {obj.__name__}"
-    if isinstance(obj, type):
-        return f"class {obj.__module__}.{obj.__qualname__}"
-    return type(obj).__qualname__
+def _chain_to(target: Any, parent: dict[int, int], objects: dict[int, Any]) -> str:
+    steps, key = [], id(target)
+    while key in parent:
+        steps.append(type(objects[key]).__qualname__)
+        key = parent[key]
+    steps.append(f"module {getattr(objects[key], '__name__', '?')}")
+    return " -> ".join(reversed(steps))
 
 
 def _destroy_subgroups() -> None:
