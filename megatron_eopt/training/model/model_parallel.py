@@ -62,7 +62,6 @@ def initialize_model_parallel(
                           virtual_pipeline_model_parallel_size, expert_model_parallel_size)
     if parallel_state.model_parallel_is_initialized():
         raise RuntimeError("model parallel state is already initialised; destroy it first")
-    groups_before = set(_live_groups())
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size,
         pipeline_model_parallel_size,
@@ -71,7 +70,6 @@ def initialize_model_parallel(
         distributed_timeout_minutes=(group_timeout(None).total_seconds() / 60 if distributed_timeout_minutes is None
                                      else distributed_timeout_minutes),
     )
-    _groups_made[:] = [group for group in _live_groups() if group not in groups_before]
     # CPU initialisation draws from torch's default generator, on every device.
     global _init_seed
     _init_seed = seed
@@ -137,21 +135,16 @@ def _check_parallel_sizes(world_size: int, tp: int, pp: int, vpp: int | None, ep
 
 
 def destroy_model_parallel() -> None:
-    """Tear down megatron's model-parallel state and destroy the groups that
-    :func:`initialize_model_parallel` made (torch.distributed stays initialised).
+    """Tear down megatron's model-parallel state (torch.distributed stays initialised) and drop the
+    references megatron-core's own teardown keeps to its groups.
 
-    A gloo group keeps its threads and sockets until the last reference to it goes, so megatron-core's
-    own teardown, which only forgets the groups, would leave every group of every initialisation alive
-    in a process that initialises more than once (a test worker, a job that re-initialises)."""
+    A gloo group keeps its threads and sockets until the last reference to it goes; megatron-core
+    0.19 keeps every group it ever made in ``_global_process_group_list``, so a process that
+    initialises more than once (a test worker, a job that re-initialises) would keep them all. The
+    groups themselves are not destroyed: a model built on them may still be in use."""
     parallel_state.destroy_model_parallel()
-    for group in _groups_made:
-        if group in _live_groups():
-            torch.distributed.destroy_process_group(group)
     forget_model_parallel_groups()
 
-
-# The groups the last initialize_model_parallel made, destroyed by destroy_model_parallel.
-_groups_made: list[torch.distributed.ProcessGroup] = []
 
 # The parallel_state globals that megatron-core 0.19's destroy_model_parallel leaves set, each with
 # the value it starts with. All hold groups; _global_process_group_list holds every group that
@@ -166,16 +159,8 @@ _GROUP_GLOBALS_LEFT_SET: dict[str, Callable[[], Any]] = {
 
 
 def forget_model_parallel_groups() -> None:
-    """Drop every reference to the model-parallel groups kept here and in the parallel_state globals
-    that megatron-core's destroy_model_parallel leaves set (call after it); destroys nothing."""
+    """Reset the parallel_state globals that megatron-core's destroy_model_parallel leaves holding
+    groups (call after it); destroys nothing."""
     for name, initial in _GROUP_GLOBALS_LEFT_SET.items():
         if hasattr(parallel_state, name):
             setattr(parallel_state, name, initial())
-    _groups_made.clear()
-
-
-def _live_groups() -> dict[torch.distributed.ProcessGroup, Any]:
-    """The groups this process belongs to, the default one included. torch has no public list: pg_map
-    is the registry destroy_process_group itself keeps."""
-    return torch.distributed.distributed_c10d._world.pg_map
-

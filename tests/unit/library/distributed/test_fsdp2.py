@@ -433,9 +433,7 @@ def _tp_group_errors() -> dict[str, tuple[str, str]]:
         errors = {"wrong_tp_group": error_of(lambda: get_megatron_optimizer(config_for("muon"), [model],
                                                                              pg_collection=wrong))}
     finally:
-        # megatron-core's teardown forgets the groups but keeps them alive, as the FSDP2 mesh still
-        # needs the DP group below (ours destroys them; the harness does after the call).
-        parallel_state.destroy_model_parallel()
+        destroy_model_parallel()
     errors["no_tp_group"] = error_of(lambda: get_megatron_optimizer(config_for("muon"), [model]))
     return errors
 
