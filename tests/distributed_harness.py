@@ -218,6 +218,8 @@ def _make_task(
         # Mirrored in the worker so test modules and their helpers import as they do here.
         "sys_path": list(sys.path),
         "cwd": os.getcwd(),
+        # The walk that names a leak's holder takes seconds a rank: only where a leak fails the test.
+        "strict_leaks": os.environ.get(STRICT_LEAKS_ENV) == "1",
     }
 
 
@@ -409,7 +411,7 @@ class DistributedHarness:
             leaks = {rank: reply["leaked"] for rank, reply in replies.items() if reply.get("leaked")}
             if leaks or not all(reply["reusable"] for reply in replies.values()):
                 self._retire(world)
-            if os.environ.get(STRICT_LEAKS_ENV) == "1" and any(leak["held"] for leak in leaks.values()):
+            if task["strict_leaks"] and any(leak["held"] for leak in leaks.values()):
                 raise _leak_error(task, world.size, leaks)
             if leaks:
                 # Held only through C++ (a dependency's gradient hooks keep its model and groups),
@@ -967,7 +969,7 @@ def _run_task(
     except BaseException:  # SystemExit from a test is a failure too
         reply = {"status": "error", "traceback": traceback.format_exc()}
     reply["reusable"] = _reset_shared_state()
-    reply["leaked"] = _threads_leaked(baseline_threads)
+    reply["leaked"] = _threads_leaked(baseline_threads, task["strict_leaks"])
     return reply
 
 
@@ -1108,9 +1110,10 @@ def _fresh_worker_threads() -> Counter[str]:
     return _thread_census()
 
 
-def _threads_leaked(baseline: Counter[str]) -> dict[str, Any] | None:
-    """What threads the call left beyond a fresh worker's, and whether Python code holds them
-    (``"held"``: a chain from a module or class to a live group); None if it left none."""
+def _threads_leaked(baseline: Counter[str], find_holders: bool) -> dict[str, Any] | None:
+    """What threads the call left beyond a fresh worker's, and (``find_holders``) whether Python
+    holds them (``"held"``: a chain from a loaded module to a live group, or a Python thread still
+    running); None if it left none."""
     extra = _thread_census() - baseline
     for name in list(extra):
         if name.startswith(_PROCESS_LIFETIME_THREADS):
@@ -1124,7 +1127,7 @@ def _threads_leaked(baseline: Counter[str]) -> dict[str, Any] | None:
     started = [thread.name for thread in threading.enumerate() if thread is not threading.main_thread()]
     if started:
         text += f"; Python threads: {', '.join(started)}"
-    chains = _chains_from_modules_to_groups()
+    chains = _chains_from_modules_to_groups() if find_holders else []
     if chains:
         text += "; held by: " + "; ".join(chains[:3])
     return {"text": text, "held": bool(chains or started)}
