@@ -13,6 +13,7 @@ call :func:`run_distributed` here and :func:`shutdown_distributed` when done. Li
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import ctypes
 import faulthandler
@@ -62,10 +63,13 @@ PRELOAD_MODULES = (
 # Imported by nearly every test module: preloading saves seconds per new world on a busy machine.
 OPTIONAL_PRELOAD_MODULES = ("pytest",)
 _TOKEN_ENV = "_MEGATRON_EOPT_HARNESS_TOKEN"
-# "1": a call that leaves threads Python holds (a module reaches a live group, a thread still runs)
-# fails with ThreadLeakError. Otherwise the world is replaced and the culprit printed: known
-# culprits remain in our own code (docs/testing.md), so the suite runs without it for now.
+# A call that leaves threads behind (a live group, a running thread) fails with ThreadLeakError,
+# naming the test and what holds them. "0" relaxes that: the world is replaced and the culprit
+# printed (to list every culprit of a suite in one run).
 STRICT_LEAKS_ENV = "MEGATRON_EOPT_STRICT_LEAKS"
+# No process of the suite holds more threads at any moment (docs/testing.md): a call whose worker
+# went over fails with ThreadLeakError.
+THREAD_BUDGET = 200
 _STACK_DUMP_WAIT_S = 0.5
 _STACK_SIGNAL = signal.SIGUSR1
 
@@ -218,8 +222,7 @@ def _make_task(
         # Mirrored in the worker so test modules and their helpers import as they do here.
         "sys_path": list(sys.path),
         "cwd": os.getcwd(),
-        # The walk that names a leak's holder takes seconds a rank: only where a leak fails the test.
-        "strict_leaks": os.environ.get(STRICT_LEAKS_ENV) == "1",
+        "strict_leaks": os.environ.get(STRICT_LEAKS_ENV) != "0",
     }
 
 
@@ -411,11 +414,12 @@ class DistributedHarness:
             leaks = {rank: reply["leaked"] for rank, reply in replies.items() if reply.get("leaked")}
             if leaks or not all(reply["reusable"] for reply in replies.values()):
                 self._retire(world)
-            if task["strict_leaks"] and any(leak["held"] for leak in leaks.values()):
+            peaks = {rank: reply["peak_threads"] for rank, reply in replies.items()}
+            if max(peaks.values()) > THREAD_BUDGET:
+                raise _budget_error(task, world.size, peaks)
+            if leaks and task["strict_leaks"]:
                 raise _leak_error(task, world.size, leaks)
             if leaks:
-                # Held only through C++ (a dependency's gradient hooks keep its model and groups),
-                # or, until the culprits are fixed, by Python (not strict): the world was replaced.
                 print(f"run_distributed: replaced the world after {task['module']}.{task['qualname']}: "
                       f"{leaks[min(leaks)]['text']}")
             return [replies[rank]["result"] for rank in range(world.size)]
@@ -664,15 +668,28 @@ def _call_error(
 
 
 def _leak_error(task: dict[str, Any], world_size: int, leaks: dict[int, dict[str, Any]]) -> ThreadLeakError:
-    # pytest names the running test in the environment of the process that runs it.
-    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0] or "the caller"
-    lines = [f"{test} leaked: run_distributed({task['module']}.{task['qualname']}, "
+    lines = [f"{_current_test()} leaked: run_distributed({task['module']}.{task['qualname']}, "
              f"world_size={world_size}) returned, but its workers still hold more threads than a "
              "fresh worker after every group was destroyed and garbage collected: a module-level "
              "global or cache still references a process group, or a thread the call started still "
              "runs. The world was replaced."]
     lines += [f"  rank {rank}: {leak['text']}" for rank, leak in sorted(leaks.items())]
     return ThreadLeakError("\n".join(lines), {rank: leak["text"] for rank, leak in leaks.items()})
+
+
+def _budget_error(task: dict[str, Any], world_size: int, peaks: dict[int, int]) -> ThreadLeakError:
+    over = {rank: peak for rank, peak in sorted(peaks.items()) if peak > THREAD_BUDGET}
+    lines = [f"{_current_test()} went over the suite's thread budget: during run_distributed("
+             f"{task['module']}.{task['qualname']}, world_size={world_size}) a worker held more than "
+             f"{THREAD_BUDGET} threads at once (a gloo group keeps 3 until its last reference goes): "
+             "destroy each group, mesh or model-parallel state before making the next one."]
+    lines += [f"  rank {rank}: {peak} threads" for rank, peak in over.items()]
+    return ThreadLeakError("\n".join(lines), {rank: f"{peak} threads" for rank, peak in over.items()})
+
+
+def _current_test() -> str:
+    # pytest names the running test in the environment of the process that runs it.
+    return os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0] or "the caller"
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -961,16 +978,53 @@ def _run_task(
     baseline_env: dict[str, str],
     baseline_threads: Counter[str],
 ) -> dict[str, Any]:
-    try:
-        _prepare_for_call(task, baseline_env)
-        fn = _resolve_function(task["module"], task["qualname"], task["file"])
-        args, kwargs = pickle.loads(task["payload"])  # after fn's module: args may use its classes
-        reply: dict[str, Any] = {"status": "ok", "result": fn(rank, world_size, *args, **kwargs)}
-    except BaseException:  # SystemExit from a test is a failure too
-        reply = {"status": "error", "traceback": traceback.format_exc()}
+    with _PeakThreads() as peak:
+        try:
+            _prepare_for_call(task, baseline_env)
+            fn = _resolve_function(task["module"], task["qualname"], task["file"])
+            args, kwargs = pickle.loads(task["payload"])  # after fn's module: args may use its classes
+            reply: dict[str, Any] = {"status": "ok", "result": fn(rank, world_size, *args, **kwargs)}
+        except BaseException:  # SystemExit from a test is a failure too
+            reply = {"status": "error", "traceback": traceback.format_exc()}
+    reply["peak_threads"] = peak.most
     reply["reusable"] = _reset_shared_state()
-    reply["leaked"] = _threads_leaked(baseline_threads, task["strict_leaks"])
+    reply["leaked"] = _threads_leaked(baseline_threads)
     return reply
+
+
+class _PeakThreads:
+    """The most threads this process had while the block ran, sampled every ``interval`` seconds
+    by a thread of its own (not counted), and once at the end."""
+
+    def __init__(self, interval: float = 0.05) -> None:
+        self.most = 0
+        self._interval = interval
+        self._stop = threading.Event()
+        self._sampler = threading.Thread(target=self._sample, name="harness-peak-threads", daemon=True)
+
+    def __enter__(self) -> "_PeakThreads":
+        self._sampler.start()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._stop.set()
+        self._sampler.join()
+        # join() returns before the OS thread has quite exited; the leak census must not see it.
+        deadline = time.monotonic() + 1.0
+        while os.path.exists(f"/proc/self/task/{self._sampler.native_id}") and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    def _sample(self) -> None:
+        while True:
+            self.most = max(self.most, _thread_count() - 1)
+            if self._stop.wait(self._interval):
+                self.most = max(self.most, _thread_count() - 1)
+                return
+
+
+def _thread_count() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("Threads:"))
 
 
 def _prepare_for_call(task: dict[str, Any], baseline_env: dict[str, str]) -> None:
@@ -1110,10 +1164,9 @@ def _fresh_worker_threads() -> Counter[str]:
     return _thread_census()
 
 
-def _threads_leaked(baseline: Counter[str], find_holders: bool) -> dict[str, Any] | None:
-    """What threads the call left beyond a fresh worker's, and (``find_holders``) whether Python
-    holds them (``"held"``: a chain from a loaded module to a live group, or a Python thread still
-    running); None if it left none."""
+def _threads_leaked(baseline: Counter[str]) -> dict[str, Any] | None:
+    """What threads the call left beyond a fresh worker's, and what holds them (a chain from a
+    loaded module to a live group, a Python thread still running); None if it left none."""
     extra = _thread_census() - baseline
     for name in list(extra):
         if name.startswith(_PROCESS_LIFETIME_THREADS):
@@ -1127,26 +1180,28 @@ def _threads_leaked(baseline: Counter[str], find_holders: bool) -> dict[str, Any
     started = [thread.name for thread in threading.enumerate() if thread is not threading.main_thread()]
     if started:
         text += f"; Python threads: {', '.join(started)}"
-    chains = _chains_from_modules_to_groups() if find_holders else []
+    chains = _chains_from_modules_to_groups() if groups else []
     if chains:
         text += "; held by: " + "; ".join(chains[:3])
-    return {"text": text, "held": bool(chains or started)}
+    elif groups:
+        text += "; no module reaches them: objects C++ keeps alive hold them (e.g. a gradient hook on a parameter)"
+    return {"text": text}
 
 
 def _chains_from_modules_to_groups(most: int = 3) -> list[str]:
     """"module x -> dict -> list -> ProcessGroup": for up to ``most`` live groups other than the
     default one, how a module's namespace reaches it, found by walking references down from every
-    loaded module (one pass over the heap). A group none reaches is held only by objects C++ keeps
-    alive, such as a gradient hook on a parameter of its own model."""
+    loaded module (one breadth-first pass over the heap). A group none reaches is held only by
+    objects C++ keeps alive, such as a gradient hook on a parameter of its own model."""
     import torch.distributed as dist
 
     roots = [module for module in list(sys.modules.values()) if module is not None]
     objects: dict[int, Any] = {id(root): root for root in roots}  # also keeps every id valid
     parent: dict[int, int] = {}
-    stack: list[Any] = list(roots)
+    queue = collections.deque(roots)  # breadth first: each chain found is a shortest one
     found: list[Any] = []
-    while stack and len(found) < most:
-        obj = stack.pop()
+    while queue and len(found) < most:
+        obj = queue.popleft()
         for referent in gc.get_referents(obj):
             is_group = isinstance(referent, dist.ProcessGroup)
             # Untracked objects (strings, numbers) refer to nothing; a group is untracked too.
@@ -1155,7 +1210,7 @@ def _chains_from_modules_to_groups(most: int = 3) -> list[str]:
             objects[id(referent)] = referent
             parent[id(referent)] = id(obj)
             if not is_group:
-                stack.append(referent)
+                queue.append(referent)
             elif referent is not dist.group.WORLD:
                 found.append(referent)
     return [_chain_to(group, parent, objects) for group in found]

@@ -107,8 +107,6 @@ def start_save_checkpoint(
     one rank needs `background_group`: a gloo group of the checkpoint's ranks that nothing else
     uses, made once by `new_save_group` and passed to every call (None for a rank alone)."""
     key = os.path.realpath(checkpoint_dir)
-    for done in [k for k, save in _IN_FLIGHT.items() if save.done()]:
-        del _IN_FLIGHT[done]
     if key in _IN_FLIGHT:
         raise ValueError(f"a save into {checkpoint_dir} is still in flight (iteration {_IN_FLIGHT[key].iteration}); "
                          f"wait() for it before starting another.")
@@ -117,6 +115,7 @@ def start_save_checkpoint(
     _check_background_group(background_group, group)
     pending = PendingSave(iteration, lambda: _write(checkpoint_dir, iteration, entries, manifest, background_group, None))
     _IN_FLIGHT[key] = pending
+    pending.start(on_done=lambda: _IN_FLIGHT.pop(key, None))
     return pending
 
 
@@ -160,6 +159,11 @@ class PendingSave:
         self._path: Optional[str] = None
         self._error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, args=(write,), name=f"save-iter-{iteration}", daemon=True)
+        self._on_done: Callable[[], Any] = lambda: None
+
+    def start(self, on_done: Callable[[], Any]) -> None:
+        """Start writing; `on_done()` runs in the thread when the save has ended, either way."""
+        self._on_done = on_done
         self._thread.start()
 
     def _run(self, write: Callable[[], str]) -> None:
@@ -172,6 +176,8 @@ class PendingSave:
             self._path = write()
         except BaseException as error:  # re-raised by wait(), in the caller's thread
             self._error = error
+        finally:
+            self._on_done()
 
     def done(self) -> bool:
         return not self._thread.is_alive()
@@ -185,7 +191,9 @@ class PendingSave:
 
 
 BACKGROUND_NICENESS = 19
-_IN_FLIGHT: dict[str, PendingSave] = {}  # realpath of the directory -> its latest asynchronous save
+# realpath of a directory -> its asynchronous save while it runs. A save leaves when it ends: a failed
+# one's error holds the frames of its write, and with them the model and its groups.
+_IN_FLIGHT: dict[str, PendingSave] = {}
 
 
 def _prepare_save(iteration, model_chunks, optimizer, scheduler, extra, pg_collection, save_rng: bool,

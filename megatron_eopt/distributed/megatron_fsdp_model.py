@@ -10,6 +10,11 @@ handles both. Megatron-FSDP differs in these ways, checked or handled here:
   Megatron-FSDP (a 2-D mesh) is not handled.
 """
 
+import functools
+import weakref
+from collections.abc import Callable
+from typing import Any, Optional
+
 import torch
 
 MEGATRON_FSDP = "Megatron-FSDP"
@@ -79,3 +84,27 @@ def refresh_compute_weights(chunks: list[torch.nn.Module]) -> None:
     for wrapper in megatron_fsdp_wrappers(chunks):
         wrapper.install_optimized_model_weights()
         wrapper.start_param_sync(force_sync=True)
+
+
+def hold_gradient_hooks_weakly(wrapper: torch.nn.Module) -> None:
+    """Let a dropped MegatronFSDP model be freed, and with it its process groups.
+
+    Its post-accumulate-grad hooks sit on its own parameters, where autograd keeps them in C++
+    out of the garbage collector's sight, and each reaches the wrapper: a cycle no collection
+    breaks, so every model built in a process stays alive with its 20 or more groups. Here each
+    parameter keeps a forwarder that holds its hook weakly, and the wrapper keeps the hooks: the
+    same calls, in a cycle of Python objects that `gc` frees."""
+    hooks_kept = []
+    for handle in wrapper.grad_acc_hooks.values():
+        hooks = handle.hooks_dict_ref()
+        if hooks is None or handle.id not in hooks:
+            continue
+        hook = hooks[handle.id]
+        hooks_kept.append(hook)
+        hooks[handle.id] = functools.partial(_call_while_alive, weakref.ref(hook))
+    wrapper.megatron_eopt_gradient_hooks = hooks_kept
+
+
+def _call_while_alive(hook: "weakref.ref[Callable[..., Any]]", *args: Any) -> Optional[Any]:
+    target = hook()
+    return None if target is None else target(*args)

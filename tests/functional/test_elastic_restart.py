@@ -8,7 +8,8 @@ position), for layer-wise Muon at DP=2, TP=2, PP=2 and FSDP2. Kills during a sav
 its phases, on rank 0 and on rank 1, must leave the previous or the new checkpoint, never a
 partial one, and so must kills during an --async-save save (written while iterations go on). A
 stopped rank (SIGSTOP) makes the others fail in one line within
---distributed-timeout-minutes, and torchrun restarts the job.
+--distributed-timeout-minutes, and torchrun restarts the job. `make test` runs the stop and three
+kills of DP=2 layer-wise Muon in one launch; `make test-slow` the rest.
 """
 
 import json
@@ -108,17 +109,17 @@ def straight(tmp_path_factory: pytest.TempPathFactory, run_distributed):
     return run
 
 
-def draw_kills(rng: random.Random, count: int = 3) -> list[dict]:
-    """`count` increasing iterations in 2..TRAIN_ITERS, one per attempt, each on a drawn rank:
-    every attempt resumes before its kill, so each kill happens."""
-    iterations = sorted(rng.sample(range(2, TRAIN_ITERS + 1), count))
+def draw_kills(rng: random.Random, count: int = 3, first_iteration: int = 2) -> list[dict]:
+    """`count` increasing iterations in first_iteration..TRAIN_ITERS, one per attempt, each on a
+    drawn rank: every attempt resumes before its kill, so each kill happens."""
+    iterations = sorted(rng.sample(range(first_iteration, TRAIN_ITERS + 1), count))
     return [{"attempt": a, "rank": rng.randrange(2), "iteration": i, "phase": "step"} for a, i in enumerate(iterations)]
 
 
-# The layer-wise DP=2 layout runs in `make test`; the others, each some minutes of restarts on two
-# cores, in `make test-slow`.
-@pytest.mark.parametrize("layout", [layout if layout == "DP2 layer-wise Muon" else pytest.param(layout, marks=pytest.mark.slow)
-                                    for layout in LAYOUTS])
+# Each layout takes some minutes of restarts on two cores: `make test-slow`. The layer-wise DP=2 layout's
+# kills run in `make test` too, in one launch with a stopped rank (the last test here).
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_three_kills_resume_exactly(layout: str, straight, tmp_path: pathlib.Path) -> None:
     rng = random.Random(f"{SEED}/{layout}")
     kills = draw_kills(rng)
@@ -172,22 +173,35 @@ def test_kills_during_async_saves_leave_the_previous_or_the_new_checkpoint(strai
 
 
 STOP_TIMEOUT_MINUTES = 0.25  # short, so the test is quick; long enough for a loaded machine's start-up
+STOP = {"attempt": 0, "rank": 1, "iteration": 5, "phase": "step", "signal": "STOP"}
 
 
-def test_a_stopped_rank_ends_the_others_in_one_line_and_the_job_restarts(straight, tmp_path: pathlib.Path) -> None:
+def test_a_stopped_rank_ends_the_others_in_one_line_then_three_kills_resume_exactly(straight,
+                                                                                   tmp_path: pathlib.Path) -> None:
+    """One launch, four attempts: rank 1 stops (SIGSTOP) in the first; a drawn rank is killed in
+    each of the next three, each at a later iteration than the fault before it, so each happens."""
     layout = "DP2 layer-wise Muon"
-    stop = [{"attempt": 0, "rank": 1, "iteration": 5, "phase": "step", "signal": "STOP"}]
+    rng = random.Random(f"{SEED}/{layout}/after a stop")
+    kills = [{**kill, "attempt": kill["attempt"] + 1}
+             for kill in draw_kills(rng, first_iteration=STOP["iteration"] + 1)]
+    print(f"FAULT_SEED={SEED} {layout}: stop {STOP}, kills {kills}")
     flags = LAYOUTS[layout] + ["--distributed-timeout-minutes", str(STOP_TIMEOUT_MINUTES)]
-    result = launch(flags, tmp_path / "ckpt", stop, restarts=1)
+    result = launch(flags, tmp_path / "ckpt", [STOP, *kills], restarts=1 + len(kills))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    lines = [line for line in result.stderr.splitlines() if line.startswith("pretrain_gpt.py: error: rank 0:")]
+
+    # The stop: rank 0 fails in one line that names the collective and the timeout.
+    lines = [line for line in result.stderr.splitlines()
+             if line.startswith("pretrain_gpt.py: error: rank 0:") and "did not complete within" in line]
     assert len(lines) == 1, result.stderr[-4000:]
     assert re.search(r"torch.distributed \w+ (called from \w+ \(megatron|of )", lines[0]), lines[0]
-    assert (f"--distributed-timeout-minutes {STOP_TIMEOUT_MINUTES:g}" in lines[0]
-            and "did not complete within" in lines[0]), lines[0]
+    assert f"--distributed-timeout-minutes {STOP_TIMEOUT_MINUTES:g}" in lines[0], lines[0]
     events = dict(re.findall(r"fault_entry: attempt 0 rank \d (SIGSTOP|fails).*? at t=([\d.]+)", result.stderr))
     detected = float(events["fails"]) - float(events["SIGSTOP"])
-    print(f"{lines[0]}\nstop detected after {detected:.1f} s (timeout {STOP_TIMEOUT_MINUTES * 60:g} s); "
-          f"seconds to restart {fault_times(result.stderr)}")
+    print(f"{lines[0]}\nstop detected after {detected:.1f} s (timeout {STOP_TIMEOUT_MINUTES * 60:g} s)")
     assert detected < STOP_TIMEOUT_MINUTES * 60 + 20
+
+    # The kills: each restarts the job, which resumes; the end equals the uninterrupted run's.
+    assert len(re.findall(r"SIGKILL in phase step", result.stderr)) == len(kills), result.stderr[-3000:]
+    assert result.stderr.count("fault_entry: attempt") >= 2 * (len(kills) + 2), result.stderr[-3000:]
+    print(f"seconds from each fault to the restart {fault_times(result.stderr)}")
     assert_same_checkpoint(straight(layout), tmp_path / "ckpt", tmp_path)

@@ -81,6 +81,16 @@ def _keep_a_group(rank: int, world_size: int) -> None:
     _KEPT_GROUPS.append(group)
 
 
+def _many_groups_at_once(rank: int, world_size: int, count: int) -> int:
+    """`count` gloo groups alive together (3 threads each), each used, all destroyed before returning."""
+    groups = [dist.new_group(list(range(world_size))) for _ in range(count)]
+    for group in groups:
+        dist.all_reduce(torch.ones(1), group=group)
+    for group in groups:
+        dist.destroy_process_group(group)
+    return len(groups)
+
+
 def _groups_released_by_the_reset(rank: int, world_size: int) -> None:
     """What the suite's calls do and the harness undoes: megatron-core's parallel state twice (its
     teardown forgets only some groups), and a DTensor op on a mesh of new groups (DTensor's caches
@@ -153,8 +163,7 @@ def test_groups_die_with_the_call_and_the_world_stays(run_distributed):
 def test_a_call_that_keeps_a_group_alive_fails_naming_the_test(run_distributed, monkeypatch):
     from tests.distributed_harness import STRICT_LEAKS_ENV, ThreadLeakError
 
-    monkeypatch.setenv(STRICT_LEAKS_ENV, "1")
-
+    monkeypatch.delenv(STRICT_LEAKS_ENV, raising=False)  # strict unless "0"
     first = run_distributed(_pid, world_size=2)
     with pytest.raises(ThreadLeakError) as exc:
         run_distributed(_keep_a_group, world_size=2)
@@ -166,10 +175,22 @@ def test_a_call_that_keeps_a_group_alive_fails_naming_the_test(run_distributed, 
     # The leaking world is replaced; the next call runs in fresh workers.
     second = run_distributed(_pid, world_size=2)
     assert set(second).isdisjoint(first)
-    # Not strict: the same leak replaces the world and names the holder in the test's output.
-    monkeypatch.delenv(STRICT_LEAKS_ENV)
+    # Relaxed: the same leak replaces the world and names the holder in the test's output.
+    monkeypatch.setenv(STRICT_LEAKS_ENV, "0")
     run_distributed(_keep_a_group, world_size=2)
     assert set(run_distributed(_pid, world_size=2)).isdisjoint(second)
+
+
+def test_a_call_over_the_thread_budget_fails_naming_the_test(run_distributed):
+    """Groups alive at once within a call count too, even if the call destroys them all."""
+    from tests.distributed_harness import THREAD_BUDGET, ThreadLeakError
+
+    with pytest.raises(ThreadLeakError) as exc:
+        run_distributed(_many_groups_at_once, world_size=2, args=(THREAD_BUDGET // 3 + 1,))
+    message = str(exc.value)
+    assert "test_a_call_over_the_thread_budget_fails_naming_the_test went over the suite's thread budget" in message
+    assert "_many_groups_at_once" in message and f"more than {THREAD_BUDGET} threads" in message, message
+    assert run_distributed(_many_groups_at_once, world_size=2, args=(5,)) == [5, 5]  # a few are fine
 
 
 def test_rng_and_default_dtype_are_reset_between_calls(run_distributed):

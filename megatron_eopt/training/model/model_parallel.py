@@ -10,6 +10,7 @@ same in every pipeline layout.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -62,6 +63,9 @@ def initialize_model_parallel(
                           virtual_pipeline_model_parallel_size, expert_model_parallel_size)
     if parallel_state.model_parallel_is_initialized():
         raise RuntimeError("model parallel state is already initialised; destroy it first")
+    # Models dropped since the last teardown may sit in reference cycles with the groups they were
+    # built on; freed now, their gloo threads go before about 23 new groups start theirs.
+    gc.collect()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size,
         pipeline_model_parallel_size,
@@ -135,15 +139,20 @@ def _check_parallel_sizes(world_size: int, tp: int, pp: int, vpp: int | None, ep
 
 
 def destroy_model_parallel() -> None:
-    """Tear down megatron's model-parallel state (torch.distributed stays initialised) and drop the
-    references megatron-core's own teardown keeps to its groups.
+    """Tear down megatron's model-parallel state and destroy the groups megatron-core made for it
+    (torch.distributed stays initialised).
 
-    A gloo group keeps its threads and sockets until the last reference to it goes; megatron-core
-    0.19 keeps every group it ever made in ``_global_process_group_list``, so a process that
-    initialises more than once (a test worker, a job that re-initialises) would keep them all. The
-    groups themselves are not destroyed: a model built on them may still be in use."""
+    A gloo group keeps its threads and sockets until it is destroyed and its last reference goes,
+    and megatron-core's own teardown only forgets its groups: a process that initialises more than
+    once (a test, a job that re-initialises) would keep every set. Destroy what was built on the
+    groups first, or stop using it: a collective on a destroyed group fails."""
+    made = [group for group in parallel_state._global_process_group_list or () if group is not None]
     parallel_state.destroy_model_parallel()
     forget_model_parallel_groups()
+    registered = torch.distributed.distributed_c10d._world.pg_map
+    for group in made:
+        if group in registered:
+            torch.distributed.destroy_process_group(group)
 
 
 # The parallel_state globals that megatron-core 0.19's destroy_model_parallel leaves set, each with
@@ -159,8 +168,17 @@ _GROUP_GLOBALS_LEFT_SET: dict[str, Callable[[], Any]] = {
 
 
 def forget_model_parallel_groups() -> None:
-    """Reset the parallel_state globals that megatron-core's destroy_model_parallel leaves holding
-    groups (call after it); destroys nothing."""
+    """Reset what megatron-core keeps across its destroy_model_parallel that holds groups (call
+    after it); destroys nothing. Beyond the parallel_state globals: the rotary embeddings' forward
+    caches, whose keys are the embedding modules (and so their context-parallel group), and the
+    MoE metrics tracker, whose entries keep the groups they reduce over."""
     for name, initial in _GROUP_GLOBALS_LEFT_SET.items():
         if hasattr(parallel_state, name):
             setattr(parallel_state, name, initial())
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+    for embedding in (RotaryEmbedding, YarnRotaryEmbedding):
+        embedding.forward.cache_clear()
+    destroy_moe_metrics_tracker()

@@ -11,7 +11,7 @@ import itertools
 import torch
 import torch.distributed as dist
 
-from megatron_eopt.distributed.megatron_fsdp_model import megatron_fsdp_wrappers
+from megatron_eopt.distributed.megatron_fsdp_model import hold_gradient_hooks_weakly, megatron_fsdp_wrappers
 from megatron_eopt.runtime import megatron_fsdp_cpu
 
 _MESH_NUMBERS = itertools.count()
@@ -31,9 +31,12 @@ def megatron_fsdp_gpt(model: torch.nn.Module, device: torch.device) -> torch.nn.
     number = next(_MESH_NUMBERS)
     names = (f"megatron_fsdp_dp{number}", f"megatron_fsdp_tp{number}")
     mesh = init_device_mesh(device.type, (dist.get_world_size(), 1), mesh_dim_names=names)
-    return fully_shard_model(model, device_mesh=mesh, dp_shard_dim=names[0], tp_dim=names[1],
-                             fsdp_unit_modules=[TransformerLayer], zero_dp_strategy="optim_grads_params",
-                             device=device)
+    wrapped = fully_shard_model(model, device_mesh=mesh, dp_shard_dim=names[0], tp_dim=names[1],
+                                fsdp_unit_modules=[TransformerLayer], zero_dp_strategy="optim_grads_params",
+                                device=device)
+    for wrapper in megatron_fsdp_wrappers([wrapped]):
+        hold_gradient_hooks_weakly(wrapper)
+    return wrapped
 
 
 def finish_grad_sync(chunks: list[torch.nn.Module]) -> None:

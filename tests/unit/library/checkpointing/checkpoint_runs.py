@@ -87,7 +87,10 @@ class GPTRun:
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
 
     def close(self) -> None:
+        """Tear down parallel_state and let go of the model and optimizer, so that the groups they
+        hold go before the next run makes its own (the suite's thread budget)."""
         destroy_model_parallel()
+        vars(self).clear()
 
     def train_step(self, step: int) -> float:
         dp_rank, dp_size = dist.get_rank(self.dp_group), dist.get_world_size(self.dp_group)

@@ -88,7 +88,10 @@ class Run:
         self.optimizer = get_megatron_optimizer(config, self.chunks, pg_collection=groups)
 
     def close(self) -> None:
+        """Tear down parallel_state and let go of the model and optimizer, so that the groups they
+        hold go before the next run makes its own (the suite's thread budget)."""
         destroy_model_parallel()
+        vars(self).clear()
 
     def _named_params(self) -> dict[str, torch.nn.Parameter]:
         result = {}

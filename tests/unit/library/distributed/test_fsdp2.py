@@ -116,29 +116,33 @@ def _mesh(world_size: int):
     return data_parallel_mesh(dist.group.WORLD, torch.device("cpu"))
 
 
-def build_gpt() -> torch.nn.Module:
+def build_gpt(copies: int = 1):
     """megatron-core's GPTModel, the same on every call and rank (seeded); parallel_state is
-    set up only to build it and torn down again: the FSDP2 optimizer must not need it."""
+    set up only to build it and torn down again: the FSDP2 optimizer must not need it. With
+    `copies` > 1, a tuple of that many equal models built on one set of groups."""
     initialize_model_parallel(1, seed=11)
     try:
-        return build_gpt_model(SETTINGS)
+        models = tuple(build_gpt_model(SETTINGS) for _ in range(copies))
     finally:
         destroy_model_parallel()
+    return models[0] if copies == 1 else models
 
 
 def _gpt_body(rank: int, world_size: int, optimizers: tuple[str, ...] = OPTIMIZERS) -> dict:
+    mesh = _mesh(world_size)
+    return {optimizer: _gpt_run(optimizer, mesh) for optimizer in optimizers}
+
+
+def _gpt_run(optimizer: str, mesh) -> dict:
+    """One optimizer's run; its models (and the groups they hold) go when it returns."""
     from torch.distributed.fsdp import fully_shard
 
-    mesh = _mesh(world_size)
-    runs = {}
-    for optimizer in optimizers:
-        model, sharded = build_gpt(), build_gpt()  # megatron's modules hold process groups: no deepcopy
-        for layer in sharded.decoder.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(sharded, mesh=mesh)
-        with fp32_newton_schulz(optimizer):  # tests/newton_schulz_precision.py says why
-            runs[optimizer] = step_both(model, sharded, config_for(optimizer))
-    return runs
+    model, sharded = build_gpt(copies=2)  # megatron's modules hold process groups: no deepcopy
+    for layer in sharded.decoder.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    with fp32_newton_schulz(optimizer):  # tests/newton_schulz_precision.py says why
+        return step_both(model, sharded, config_for(optimizer))
 
 
 class Plain(torch.nn.Module):
@@ -427,7 +431,9 @@ def _tp_group_errors() -> dict[str, tuple[str, str]]:
     initialize_model_parallel(TP, seed=11)
     try:
         model = build_gpt_model(SETTINGS)
-        dp_group = parallel_state.get_data_parallel_group()
+        # The data-parallel ranks in a group of the test's own: the mesh outlives parallel_state's groups.
+        dp_ranks = torch.distributed.get_process_group_ranks(parallel_state.get_data_parallel_group())
+        dp_group = _own_data_parallel_group(dp_ranks)
         fully_shard(model, mesh=data_parallel_mesh(dp_group, torch.device("cpu")))
         wrong = ParallelGroups.from_groups(tp=dp_group, mp=dp_group)
         errors = {"wrong_tp_group": error_of(lambda: get_megatron_optimizer(config_for("muon"), [model],
@@ -436,6 +442,14 @@ def _tp_group_errors() -> dict[str, tuple[str, str]]:
         destroy_model_parallel()
     errors["no_tp_group"] = error_of(lambda: get_megatron_optimizer(config_for("muon"), [model]))
     return errors
+
+
+def _own_data_parallel_group(dp_ranks: list[int]):
+    """A new group of `dp_ranks`; every rank makes each TP rank's data-parallel group, as
+    torch.distributed.new_group requires, and keeps its own."""
+    world = torch.distributed.get_world_size()
+    groups = {t: torch.distributed.new_group([r for r in range(world) if r % TP == t]) for t in range(TP)}
+    return groups[dp_ranks[0] % TP]
 
 
 def test_tp2_x_fsdp2_equals_tp1(run_distributed) -> None:

@@ -296,14 +296,10 @@ def _tp_body(rank: int, world_size: int, config: OptimizerConfig) -> dict:
 
 
 def _layer_wise_body(rank: int, world_size: int, config: OptimizerConfig) -> dict:
-    from megatron.core import parallel_state
-
     reference = _train(GQA, config, tp=1, steps=4, slices=2, pg_collection=ParallelGroups.single_process())
     layer_wise = OptimizerConfig(**{**config.__dict__, "use_layer_wise_distributed_optimizer": True,
                                     "layer_wise_reduce_grads": True})
-    initialize_model_parallel(1, seed=SEED)  # only to look up the DP group for the slices
-    dp_group = parallel_state.get_data_parallel_group()
-    destroy_model_parallel()
+    dp_group = dist.new_group(list(range(world_size)))  # at TP=1 every rank is data-parallel
     run = _train(GQA, layer_wise, tp=1, steps=4, slices=2, dp_group=dp_group)
     return {"errors": _max_error(run, reference, 1), "maxima": (reference["maxima"], run["maxima"])}
 
