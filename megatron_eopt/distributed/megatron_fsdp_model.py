@@ -86,14 +86,21 @@ def refresh_compute_weights(chunks: list[torch.nn.Module]) -> None:
         wrapper.start_param_sync(force_sync=True)
 
 
-def hold_gradient_hooks_weakly(wrapper: torch.nn.Module) -> None:
-    """Let a dropped MegatronFSDP model be freed, and with it its process groups.
+def hold_gradient_hooks_weakly(model: torch.nn.Module) -> None:
+    """Let a dropped Megatron-FSDP model (the MegatronFSDP modules in `model`) be freed, and with it
+    its process groups.
 
-    Its post-accumulate-grad hooks sit on its own parameters, where autograd keeps them in C++
-    out of the garbage collector's sight, and each reaches the wrapper: a cycle no collection
+    MegatronFSDP's post-accumulate-grad hooks sit on its own parameters, where autograd keeps them
+    in C++ out of the garbage collector's sight, and each reaches the wrapper: a cycle no collection
     breaks, so every model built in a process stays alive with its 20 or more groups. Here each
     parameter keeps a forwarder that holds its hook weakly, and the wrapper keeps the hooks: the
     same calls, in a cycle of Python objects that `gc` frees."""
+    for wrapper in megatron_fsdp_wrappers([model]):
+        if not hasattr(wrapper, "megatron_eopt_gradient_hooks"):
+            _hold_weakly(wrapper)
+
+
+def _hold_weakly(wrapper: torch.nn.Module) -> None:
     hooks_kept = []
     for handle in wrapper.grad_acc_hooks.values():
         hooks = handle.hooks_dict_ref()

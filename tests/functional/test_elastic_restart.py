@@ -33,7 +33,7 @@ TRAIN_ITERS, SAVE_INTERVAL = 12, 3
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
          "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(TRAIN_ITERS), "--lr", "1e-2",
          "--min-lr", "1e-3", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--log-interval", "1",
-         "--seed", "1234", "--save-interval", str(SAVE_INTERVAL)]
+         "--seed", "1234", "--save-interval", str(SAVE_INTERVAL), "--eval-iters", "0"]  # no evaluation: not checked
 MUON = ["--optimizer", "muon", "--muon-fp32-matmul-prec", "highest"]
 LAYOUTS = {
     "DP2 layer-wise Muon": MUON + ["--use-distributed-optimizer"],

@@ -35,6 +35,9 @@ from tests.pretrain_gpt_in_process import run_pretrain_gpt_reporting
 # fp32 Newton-Schulz (the default is chosen from the hardware): layouts are compared to 1e-4.
 FP32_MUON = ["--optimizer", "muon", "--muon-fp32-matmul-prec", "highest"]
 MUON = FP32_MUON + ["--use-distributed-optimizer"]
+# No evaluation: these tests check training and checkpoints, and the final validation and test
+# would take most of each run.
+RUN_FLAGS = MODEL_FLAGS + ["--eval-iters", "0"]
 
 
 def _launch(nproc: int, flags: list[str], metrics: pathlib.Path, run_distributed=None) -> subprocess.CompletedProcess:
@@ -42,12 +45,12 @@ def _launch(nproc: int, flags: list[str], metrics: pathlib.Path, run_distributed
     worker instead (still a new process's view of the checkpoint: nothing of the saving run is in it)."""
     if run_distributed is not None:
         assert nproc == 1, "a harness worker runs one process's job"
-        argv = MODEL_FLAGS + flags + ["--metrics-jsonl", str(metrics)]
+        argv = RUN_FLAGS + flags + ["--metrics-jsonl", str(metrics)]
         (result,) = run_distributed(run_pretrain_gpt_reporting, 1, args=(argv,), timeout=600)
         return result
     launcher = [str(pathlib.Path(sys.executable).with_name("torchrun")), "--standalone", f"--nproc-per-node={nproc}",
                 "scripts/pretrain_gpt.py"]
-    command = launcher + MODEL_FLAGS + flags + ["--metrics-jsonl", str(metrics)]
+    command = launcher + RUN_FLAGS + flags + ["--metrics-jsonl", str(metrics)]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
@@ -78,7 +81,7 @@ def straight_run(tmp_path_factory: pytest.TempPathFactory, run_distributed) -> t
     """The run every test loads from, on the harness's 2 workers (OMP_NUM_THREADS=1 and gloo, as
     under torchrun); the resume that must reproduce it runs in new processes."""
     tmp = tmp_path_factory.mktemp("straight")
-    argv = MODEL_FLAGS + MUON + ["--save", str(tmp / "ckpt"), "--save-interval", "10",
+    argv = RUN_FLAGS + MUON + ["--save", str(tmp / "ckpt"), "--save-interval", "10",
                                  "--metrics-jsonl", str(tmp / "metrics.jsonl")]
     for result in run_distributed(run_pretrain_gpt_reporting, 2, args=(argv,), timeout=600):
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]

@@ -12,6 +12,8 @@ by the whole data-parallel size, as megatron-core's DDP does. `finalize_model_gr
 the sequence-parallel gradients over TP and the tied embedding's over the pipeline.
 """
 
+import functools
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -42,6 +44,12 @@ def split_into_buckets(params: list[torch.nn.Parameter], bucket_numel: int) -> l
             buckets.append([param])
             size = param.numel()
     return buckets
+
+
+def _grad_ready(reducer: "weakref.ref[GradReducer]", index: int, _param: torch.Tensor) -> None:
+    live = reducer()
+    if live is not None:
+        live._grad_ready(index)
 
 
 class GradReducer:
@@ -83,9 +91,12 @@ class GradReducer:
         self._in_flight: list[tuple[Any, Optional[torch.Tensor], list[torch.Tensor]]] = []
         self._grads_left: list[int] = []  # per bucket: gradients the step's backward passes still owe
         if self.overlap:  # registered after _attach_main_grads' hooks, so they run after them
+            # Weakly: autograd keeps a parameter's hooks in C++, out of the collector's sight, and a
+            # hook holding this reducer would keep it, its groups and the model alive for good.
+            reducer = weakref.ref(self)
             for index, bucket in enumerate(self.buckets):
                 for param in bucket:
-                    param.register_post_accumulate_grad_hook(lambda _param, index=index: self._grad_ready(index))
+                    param.register_post_accumulate_grad_hook(functools.partial(_grad_ready, reducer, index))
 
     @staticmethod
     def _attach_main_grads(bucket: list[torch.nn.Parameter]) -> torch.Tensor:

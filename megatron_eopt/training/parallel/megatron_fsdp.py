@@ -34,8 +34,7 @@ def megatron_fsdp_gpt(model: torch.nn.Module, device: torch.device) -> torch.nn.
     wrapped = fully_shard_model(model, device_mesh=mesh, dp_shard_dim=names[0], tp_dim=names[1],
                                 fsdp_unit_modules=[TransformerLayer], zero_dp_strategy="optim_grads_params",
                                 device=device)
-    for wrapper in megatron_fsdp_wrappers([wrapped]):
-        hold_gradient_hooks_weakly(wrapper)
+    hold_gradient_hooks_weakly(wrapped)
     return wrapped
 
 

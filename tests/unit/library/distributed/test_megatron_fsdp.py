@@ -99,13 +99,32 @@ def train_both(optimizer_name: str, rank: int, world_size: int) -> dict:
 
 def _gpt_body(rank: int, world_size: int) -> dict:
     runs = {optimizer: train_both(optimizer, rank, world_size) for optimizer in OPTIMIZERS}
-    return {"runs": runs, "refusals": refusals() if world_size == 2 else {}}
+    return {"runs": runs, "refusals": refusals() if world_size == 2 else {},
+            "dropped_model_freed": _dropped_model_is_freed(rank)}
+
+
+def _dropped_model_is_freed(rank: int) -> bool:
+    """A Megatron-FSDP model that took a step, once dropped, is collected, and with it its groups:
+    its gradient hooks, which autograd keeps on its own parameters, hold it weakly."""
+    import gc
+    import weakref
+
+    from megatron_eopt.distributed.megatron_fsdp_model import megatron_fsdp_wrappers
+
+    model = megatron_fsdp_gpt()
+    optimizer = get_megatron_optimizer(config_for("adam"), [model])
+    _take_steps(model, optimizer, 0, 1, rank)
+    wrapper = weakref.ref(megatron_fsdp_wrappers([model])[0])
+    del model, optimizer
+    gc.collect()
+    return wrapper() is None
 
 
 def refusals() -> dict[str, tuple[str, str]]:
     """What is refused, each with a clear error on every rank."""
     from megatron_fsdp import fully_shard_model
 
+    from megatron_eopt.distributed.megatron_fsdp_model import hold_gradient_hooks_weakly
     from megatron_eopt.runtime.process_groups import ParallelGroups
 
     model = megatron_fsdp_gpt()
@@ -114,6 +133,7 @@ def refusals() -> dict[str, tuple[str, str]]:
     for strategy in ("optim", "no_shard"):  # the latter keeps plain parameters
         other = fully_shard_model(torch.nn.Sequential(torch.nn.Linear(8, 6)), zero_dp_strategy=strategy,
                                   device=torch.device("cpu"))
+        hold_gradient_hooks_weakly(other)  # as the trainer does: else the model and its groups stay for good
         messages[strategy] = error_of(lambda: get_megatron_optimizer(config_for("muon"), [other]))
     world = ParallelGroups.from_groups(tp=torch.distributed.group.WORLD, mp=torch.distributed.group.WORLD)
     messages["tp"] = error_of(lambda: get_megatron_optimizer(config_for("muon"), [model], pg_collection=world))
@@ -139,6 +159,7 @@ def test_gpt_megatron_fsdp_equals_one_process(run_distributed, world_size: int) 
             assert kind == "ValueError" and f"{strategy!r}" in text and "'optim_grads_params'" in text, reply["refusals"]
         kind, text = reply["refusals"]["tp"]  # TP x Megatron-FSDP: refused in one line naming what works
         assert kind == "ValueError" and "--use-torch-fsdp2" in text and "\n" not in text, reply["refusals"]
+    assert all(reply["dropped_model_freed"] for reply in replies)
     per_rank = [r["runs"] for r in replies]
     for rank, runs in enumerate(per_rank):
         for optimizer, run in runs.items():

@@ -11,7 +11,7 @@ import pytest
 from megatron_eopt.training.data.batch_schedule import parse_step_schedule, rampup_schedule
 
 ADAM = ["--optimizer", "adam", "--lr", "1e-3", "--lr-decay-style", "constant", "--log-interval", "1",
-        "--mock-data", "--micro-batch-size", "2"]
+        "--mock-data", "--micro-batch-size", "2", "--eval-iters", "0"]  # no evaluation: not checked here
 # Batch 4, 4, 8 (from sample 8), then 12 (from sample 16) until 60 samples: 4+4+8+12*4 = 64.
 RAMP = ADAM + ["--global-batch-size", "12", "--rampup-batch-size", "4", "4", "16", "--train-samples", "60"]
 RAMP_SIZES = [4, 4, 8, 12, 12, 12, 12]
