@@ -1,21 +1,25 @@
-"""Optimizer state of DTensor-sharded models (torch FSDP2, Megatron-FSDP) in megatron-core's
-`fsdp_dtensor` layout: what Megatron-LM's `--ckpt-format fsdp_dtensor` saves and loads with torch
-DCP (`torch.distributed.checkpoint`) through `optimizer.sharded_state_dict(..., metadata=
+"""Optimizer state of DTensor-sharded models (torch FSDP2, Megatron-FSDP) as DTensors, for torch DCP
+(`torch.distributed.checkpoint`): in `optimizer.state_dict()` (`dtensor_state_dict`: our flat layout,
+as torch's own optimizers keep state under FSDP2; torchtitan's flow and Megatron-LM's
+`--ckpt-format torch_dcp`), and in megatron-core's `fsdp_dtensor` layout: what Megatron-LM's
+`--ckpt-format fsdp_dtensor` saves and loads through `optimizer.sharded_state_dict(..., metadata=
 {'distrib_optim_sharding_type': 'fsdp_dtensor'})`.
 
 A chain's dict is `{'state': {fqn: {name: value}}, 'param_to_group_meta': {fqn: group fields}}`, as
 megatron-core's DistributedOptimizer writes it for Megatron-FSDP (the fields add the optimizer's
-class, checked on load). State shaped like the parameter's shard is a DTensor, Shard(0)
+class, checked on load). State holding this rank's rows of the parameter is a DTensor, Shard(0)
 on the parameter's mesh, its rows where the parameter's are: the shards may be uneven or empty, so
 each carries its chunk (offset, size) for DCP, from one all_gather of the ranks' row counts over
-the mesh. Scalars (the step) stay plain. A load's targets are new tensors: the live state changes
+the mesh. A statistic of the whole matrix, equal on every rank, is a replicated DTensor; scalars
+(the step) stay plain. A load's targets are new tensors: the live state changes
 only in `load_state_dict`, after DCP has read everything, and another DP size reads other rows.
 """
 
 from typing import Any, Mapping, Optional
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from megatron_eopt.ops.row_shards import gathered_rows
 from megatron_eopt.wrappers.base import CheckpointableChild, ChildParam
@@ -56,21 +60,105 @@ def check_names(state_dict: Mapping, fqns: list[str]) -> None:
 def fsdp_dtensor_state_dict(child: CheckpointableChild, is_loading: bool) -> dict:
     """The child's state in the fsdp_dtensor layout (module docstring); with `is_loading`, empty
     targets of the same structure for DCP to read into. A collective over the parameters' mesh."""
-    if is_loading:
-        child.init_state()
-    flat = child.state_dict()
-    params = child.checkpoint_params()
-    offsets = _row_offsets(params)
-    state = {}
-    for param in params:
-        entries = flat["state"].get(param.fqn, {})
-        state[param.fqn] = {name: _stored(child, param, name, value, offsets[param.fqn], is_loading)
-                            for name, value in entries.items()}
+    flat = dtensor_state_dict(child, is_loading)
+    state = {param.fqn: flat["state"].get(param.fqn, {}) for param in child.checkpoint_params()}
     meta = {}
     for group in flat["param_groups"].values():
         fields = {k: v for k, v in group.items() if k not in GROUP_FIELDS_LEFT_OUT}
         meta.update({fqn: {**fields, OPTIMIZER_CLASS: flat[OPTIMIZER_CLASS]} for fqn in group["params"]})
     return {"state": state, GROUP_META: meta}
+
+
+def dtensor_state_dict(child: CheckpointableChild, is_loading: bool) -> dict:
+    """The child's flat state dict (wrappers/flat_state.py) as torch's own optimizers keep state
+    under FSDP2: each tensor holding this rank's rows of its parameter (the moments; per-row
+    statistics) a DTensor laid out like the parameter (`row_sharded`), each statistic of the whole
+    matrix, equal on every rank (normuon's per-column second moment), a replicated DTensor;
+    scalars stay plain. State torch's optimizers make at their first step is made first, so the
+    dict is a complete target; with `is_loading` its tensors are new ones for DCP to read into.
+    Collectives over the parameters' mesh."""
+    child.init_state()
+    flat = child.local_state_dict()
+    params = [param for param in child.checkpoint_params() if param.fqn in flat["state"]]
+    tensors = [(param, name, value) for param in params for name, value in flat["state"][param.fqn].items()
+               if torch.is_tensor(value) and value.dim() > 0]
+    row_sharded_state, offsets = _split_state(params, tensors)
+    replicated = [(p, name, value) for p, name, value in tensors if (p.fqn, name) not in row_sharded_state]
+    if not is_loading:
+        _check_replicated(child, replicated)
+    stored = {}
+    for param, name, value in tensors:
+        local = torch.empty_like(value) if is_loading else value.detach()
+        if (param.fqn, name) in row_sharded_state:
+            stored[param.fqn, name] = row_sharded(local, param.model, offsets[param.fqn])
+        else:
+            stored[param.fqn, name] = DTensor.from_local(local, param.model.device_mesh, [Replicate()], run_check=False)
+    flat["state"] = {param.fqn: {name: stored.get((param.fqn, name), _scalar(child, param, name, value, is_loading))
+                                 for name, value in flat["state"][param.fqn].items()}
+                     for param in params}
+    return flat
+
+
+def _split_state(params: list[ChildParam], tensors: list[tuple[ChildParam, str, torch.Tensor]]
+                 ) -> tuple[set[tuple[str, str]], dict[str, int]]:
+    """Which state tensors hold this rank's rows of their parameter (on every rank, as many rows as
+    the parameter's shard), and each parameter's first row here: one all_gather of row counts."""
+    if not params:
+        return set(), {}
+    first = params[0].model
+    if not isinstance(first, DTensor):
+        raise TypeError(f"parameter {params[0].fqn!r} is not a DTensor; DTensor optimizer state is for models "
+                        f"sharded by torch FSDP2 or Megatron-FSDP (megatron-core's format: metadata without it).")
+    counts = [p.model.to_local().shape[0] for p in params] + [value.shape[0] for _, _, value in tensors]
+    rows = gathered_rows(counts, first.device_mesh.get_group(), first.device)
+    param_rows = dict(zip((p.fqn for p in params), rows))
+    rank = first.device_mesh.get_local_rank()
+    offsets = {fqn: sum(split[:rank]) for fqn, split in param_rows.items()}
+    row_state = {(param.fqn, name) for (param, name, _), split in zip(tensors, rows[len(params):])
+                 if split == param_rows[param.fqn]}
+    return row_state, offsets
+
+
+def _check_replicated(child: CheckpointableChild, replicated: list[tuple[ChildParam, str, torch.Tensor]]) -> None:
+    """State that is not row-sharded must be a whole-matrix statistic, equal on every rank."""
+    if not replicated:
+        return
+    group = replicated[0][0].model.device_mesh.get_group()
+    local = torch.cat([value.detach().float().flatten() for _, _, value in replicated])
+    highest, lowest = local.clone(), local.neg()
+    dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(lowest, op=dist.ReduceOp.MAX, group=group)
+    if torch.equal(highest, local) and torch.equal(lowest.neg(), local):
+        return
+    sizes = [value.numel() for _, _, value in replicated]
+    differs = (highest != local) | (lowest.neg() != local)
+    index = next(i for i, part in enumerate(differs.split(sizes)) if part.any())
+    param, name, value = replicated[index]
+    raise ValueError(
+        f"optimizer {child.name!r} keeps state {name!r} {tuple(value.shape)} for parameter {param.fqn!r}, neither "
+        f"this rank's rows of it (its shard here is {tuple(param.model.to_local().shape)}) nor equal on every rank; "
+        f"DTensor optimizer state cannot hold it. Use megatron_eopt.checkpointing.save_checkpoint for this optimizer."
+    )
+
+
+def _scalar(child: CheckpointableChild, param: ChildParam, name: str, value: Any, is_loading: bool) -> Any:
+    """A scalar state value as saved (a load's target: a copy)."""
+    if torch.is_tensor(value):
+        return value.clone() if is_loading else value
+    if isinstance(value, (bool, int, float, str)):
+        return value
+    raise ValueError(f"optimizer {child.name!r} keeps state {name!r} of type {type(value).__name__} for parameter "
+                     f"{param.fqn!r}; DTensor optimizer state holds tensors and scalars only. Use "
+                     f"megatron_eopt.checkpointing.save_checkpoint for this optimizer.")
+
+
+def local_values(flat: dict) -> dict:
+    """`flat` with each DTensor state value replaced by this rank's rows (what DCP loaded into
+    `dtensor_state_dict`'s targets), as a tensor of its own without the DCP hooks of the target."""
+    state = {fqn: {name: value.to_local().detach() if isinstance(value, DTensor) else value
+                   for name, value in entries.items()}
+             for fqn, entries in flat.get("state", {}).items()}
+    return {**flat, "state": state}
 
 
 def flat_from_fsdp_dtensor(state_dict: Mapping, fqns: list[str], live_class: str) -> dict:
@@ -79,10 +167,7 @@ def flat_from_fsdp_dtensor(state_dict: Mapping, fqns: list[str], live_class: str
     rebuilt from the per-parameter fields. megatron-core's own writes name no optimizer class: the
     live one is assumed (shapes are checked)."""
     fields_of = {fqn: state_dict[GROUP_META][fqn] for fqn in fqns if fqn in state_dict[GROUP_META]}
-    # detach(): a tensor object of its own, without the DCP hooks `row_sharded` set on the target
-    state = {fqn: {name: value.to_local().detach() if isinstance(value, DTensor) else value
-                   for name, value in entries.items()}
-             for fqn, entries in state_dict["state"].items() if fqn in fields_of}
+    state = {fqn: entries for fqn, entries in local_values(state_dict)["state"].items() if fqn in fields_of}
     groups: dict[str, dict] = {}
     for fqn, fields in fields_of.items():
         key = fields.get("group_key", str(param_group_identifier(fields)))
@@ -92,52 +177,22 @@ def flat_from_fsdp_dtensor(state_dict: Mapping, fqns: list[str], live_class: str
             "grad_scaler": None}
 
 
-def _row_offsets(params: list[ChildParam]) -> dict[str, int]:
-    """fqn -> the first row of this rank's shard in the whole parameter."""
-    if not params:
-        return {}
-    first = params[0].model
-    if not isinstance(first, DTensor):
-        raise TypeError(f"parameter {params[0].fqn!r} is not a DTensor; the fsdp_dtensor layout is for models "
-                        f"sharded by torch FSDP2 or Megatron-FSDP (megatron-core's format: metadata without it).")
-    rows = gathered_rows([p.model.to_local().shape[0] for p in params], first.device_mesh.get_group(), first.device)
-    rank = first.device_mesh.get_local_rank()
-    return {p.fqn: sum(split[:rank]) for p, split in zip(params, rows)}
-
-
-def _stored(child: CheckpointableChild, param: ChildParam, name: str, value: Any, row_offset: int,
-            is_loading: bool) -> Any:
-    """A state value as saved: shaped like the shard, a DTensor; a scalar, itself (a load's target: a copy)."""
-    shard_shape = param.model.to_local().shape
-    if torch.is_tensor(value) and value.dim() > 0 and value.shape == shard_shape:
-        return row_sharded(torch.empty_like(value) if is_loading else value.detach(), param.model, row_offset)
-    if torch.is_tensor(value) and value.dim() == 0:
-        return value.clone() if is_loading else value
-    if isinstance(value, (bool, int, float, str)):
-        return value
-    shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
-    raise ValueError(
-        f"optimizer {child.name!r} keeps state {name!r} ({shape}) for parameter {param.fqn!r}, whose shard here is "
-        f"{tuple(shard_shape)}; the fsdp_dtensor layout holds state shaped like the shard and scalars only. "
-        f"Use megatron_eopt.checkpointing.save_checkpoint for this optimizer."
-    )
-
-
 def row_sharded(local: torch.Tensor, param: DTensor, row_offset: int) -> DTensor:
-    """`local` (this rank's rows of a tensor shaped like `param`) as a DTensor laid out like `param`,
+    """`local` (this rank's rows of a tensor with `param`'s rows) as a DTensor laid out like `param`,
     with its chunk for DCP: DCP's own offsets assume torch.chunk's split, Megatron-FSDP's is not."""
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-    tensor = DTensor.from_local(local, param.device_mesh, [Shard(0)], run_check=False, shape=param.shape,
-                                stride=param.stride())
+    shape = torch.Size((param.shape[0], *local.shape[1:]))  # the parameter's, or its rows' statistics
+    stride = torch.empty(shape, device="meta").stride()
+    tensor = DTensor.from_local(local, param.device_mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
     offsets = (row_offset,) + (0,) * (local.dim() - 1)
     chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=local.shape)
 
     def write_items(fqn: str, _: Any) -> list:
         if local.numel() == 0:  # an empty shard writes nothing
             return []
-        data = TensorWriteData(chunk=chunk, properties=TensorProperties.create_from_tensor(local), size=param.shape)
+        data = TensorWriteData(chunk=chunk, properties=TensorProperties.create_from_tensor(local), size=shape)
         return [WriteItem(type=WriteItemType.SHARD, index=MetadataIndex(fqn, chunk.offsets), tensor_data=data)]
 
     # torch's DTensor hands DCP's planners these hooks of its local tensor when it has them.

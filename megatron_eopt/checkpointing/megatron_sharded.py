@@ -539,7 +539,7 @@ def v1_child_sharded_state_dict(child: CheckpointableChild, model_sharded_state_
 
     if is_loading:
         child.init_state()
-    state_dict = child.state_dict()
+    state_dict = child.local_state_dict()
     params = child.checkpoint_params()
     sharded_of = _sharded_params(params, model_sharded_state_dict, owner_is_main_replica)
     index_of = {p.fqn: i for i, p in enumerate(params)}

@@ -24,7 +24,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from megatron_eopt.checkpointing.fsdp_dtensor import FSDP_DTENSOR, SHARDING_TYPE_KEY, asks_for_fsdp_dtensor
+from megatron_eopt.checkpointing.fsdp_dtensor import (
+    FSDP_DTENSOR,
+    SHARDING_TYPE_KEY,
+    asks_for_fsdp_dtensor,
+    dtensor_state_dict,
+)
 from megatron_eopt.runtime.process_groups import (
     ParallelGroups,
     ProcessGroup,
@@ -311,6 +316,19 @@ class FullyShardedFP32Optimizer(FP32Optimizer):
             )
         with torch.no_grad():
             return torch.nn.Parameter(param.to_local(), requires_grad=False)
+
+    def state_dict(self, is_loading: bool = False) -> dict:
+        """torch's convention for sharded state (its own optimizers' under FSDP2): each tensor shaped
+        like this rank's shard is a DTensor laid out like the parameter, uneven and empty shards
+        included, so torch DCP saves each row once and loads at another FSDP size; scalars (the
+        step) stay plain. Complete before the first step; `is_loading`: new tensors to load into.
+        A collective over the parameters' mesh (checkpointing/fsdp_dtensor.py)."""
+        if group_size(self.tp_group) > 1:
+            raise ValueError(
+                "state_dict() of TP x torch FSDP2 is not supported: its DTensor state would be keyed by parameter "
+                "name, which the TP ranks share; use megatron_eopt.checkpointing.save_checkpoint."
+            )
+        return dtensor_state_dict(self, is_loading)
 
     def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
                            metadata: Optional[dict] = None) -> dict:

@@ -5,7 +5,7 @@ Megatron-LM's `setup_model_and_optimizer` calls the name `get_megatron_optimizer
 `get_megatron_optimizer_for_megatron_lm`, which turns Megatron-LM's arguments and
 megatron-core's config into our `OptimizerConfig` and calls `megatron_eopt.get_megatron_optimizer`,
 and `megatron.training.arguments.validate_args` to `validate_args_for_megatron_eopt`, which lets
-emerging optimizers run on Megatron-FSDP. `uninstall()` puts the originals back.
+emerging optimizers run on Megatron-FSDP and torch FSDP2. `uninstall()` puts the originals back.
 
 `add_megatron_eopt_args` is the `extra_args_provider` that adds our choices and flags to
 Megatron-LM's parser without changing any of its own; `NOT_OFFERED` names the two left out.
@@ -38,7 +38,7 @@ NOT_OFFERED = {
 _PATCHED_NAME = "get_megatron_optimizer"
 _original: Optional[Any] = None  # Megatron-LM's function while ours is installed
 _original_validate_args: Optional[Any] = None  # Megatron-LM's validate_args while ours is installed
-# What Megatron-LM's validate_args lets run on Megatron-FSDP; it refuses every other optimizer there.
+# What Megatron-LM's validate_args lets run on Megatron-FSDP and FSDP2; it refuses every other optimizer there.
 _MEGATRON_FSDP_OPTIMIZERS = ("adam", "sgd")
 
 
@@ -118,6 +118,16 @@ def optimizer_config_from_megatron_lm(args: Optional[argparse.Namespace], config
 def _check_checkpoint_format(args: argparse.Namespace) -> None:
     if getattr(args, "use_megatron_fsdp", False):
         return  # Megatron-LM's validate_args asks for Megatron-FSDP's own format (fsdp_dtensor)
+    if getattr(args, "use_torch_fsdp2", False):
+        # Megatron-LM allows torch_dist and torch_dcp there; torch_dist asks for megatron-core's
+        # ShardedTensor state, which our FSDP2 optimizer does not give.
+        if getattr(args, "ckpt_format", None) != "torch_dcp":
+            raise ValueError(
+                f"--use-torch-fsdp2 with --ckpt-format {getattr(args, 'ckpt_format', None)} is not supported by "
+                f"megatron_eopt's optimizer; use --ckpt-format torch_dcp, which saves optimizer.state_dict() "
+                f"(DTensor state) with torch DCP."
+            )
+        return
     if getattr(args, "use_distributed_optimizer", False) and getattr(args, "ckpt_format", None) == "torch":
         raise ValueError(
             "--use-distributed-optimizer with --ckpt-format torch makes Megatron-LM save "
@@ -156,21 +166,24 @@ def get_megatron_optimizer_for_megatron_lm(
 
 def validate_args_for_megatron_eopt(args: argparse.Namespace, defaults: Optional[dict] = None) -> argparse.Namespace:
     """Megatron-LM's validate_args, which `install()` puts in its place: the same, except that an
-    emerging optimizer (`--optimizer muon`, ...) with `--use-megatron-fsdp` is not refused.
+    emerging optimizer (`--optimizer muon`, ...) with `--use-megatron-fsdp` or `--use-torch-fsdp2`
+    is not refused.
 
-    Megatron-LM refuses them twice (an assert in its Megatron-FSDP block and another in its
-    emerging-optimizer block), and the latter would turn `--use-distributed-optimizer`, which it
-    sets for Megatron-FSDP itself, into the layer-wise optimizer. So the checks run as for
-    `--optimizer adam`, and the optimizer is put back after them.
+    Megatron-LM refuses them (asserts in its FSDP blocks and in its emerging-optimizer block,
+    which also allows only the torch and torch_dist formats), and the latter would turn
+    `--use-distributed-optimizer`, which it sets for Megatron-FSDP itself, into the layer-wise
+    optimizer. So the checks run as for `--optimizer adam`, and the optimizer is put back after them.
     """
     validate = _original_validate_args or megatron_lm_arguments.validate_args
     defaults = {} if defaults is None else defaults
     optimizer = getattr(args, "optimizer", "adam")
-    if not getattr(args, "use_megatron_fsdp", False) or optimizer in _MEGATRON_FSDP_OPTIMIZERS:
+    engine = ("Megatron-FSDP" if getattr(args, "use_megatron_fsdp", False)
+              else "torch FSDP2" if getattr(args, "use_torch_fsdp2", False) else None)
+    if engine is None or optimizer in _MEGATRON_FSDP_OPTIMIZERS:
         return validate(args, defaults)
     if optimizer.startswith("dist_"):
         raise ValueError(f"--optimizer {optimizer} is the layer-wise distributed optimizer, which has nothing to "
-                         f"shard on Megatron-FSDP; use --optimizer {optimizer.removeprefix('dist_')}.")
+                         f"shard on {engine}; use --optimizer {optimizer.removeprefix('dist_')}.")
     args.optimizer = "adam"
     try:
         validated = validate(args, defaults)

@@ -177,7 +177,9 @@ class CheckpointableChild(Protocol):
 
     def init_state(self) -> None: ...  # state tensors exist before a sharded load fills them
 
-    def state_dict(self) -> dict: ...
+    def state_dict(self, is_loading: bool = False) -> dict: ...
+
+    def local_state_dict(self) -> dict: ...  # state_dict() with plain tensors (this rank's shards)
 
     def load_state_dict(self, state_dict: dict) -> None: ...
 

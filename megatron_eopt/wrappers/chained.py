@@ -125,9 +125,11 @@ class ChainedOptimizer(MegatronOptimizer):
         the layer-wise optimizer broadcasts from the owners)."""
 
     def state_dict(self, is_loading: bool = False) -> dict:
-        """`is_loading`: Megatron-LM's torch_dcp load asks for a dict to load into; the state
-        is created eagerly here, so the same dict serves both ways and the flag changes nothing."""
-        return {"optimizers": {name: child.state_dict() for name, child in zip(self._names, self.chained_optimizers)}}
+        """Each child's state by name. `is_loading`: Megatron-LM's torch_dcp load asks for a dict to
+        load into; a DTensor-sharded model's children give new DTensors then (distributed/fsdp2.py)."""
+        loading = is_loading and self._ours  # megatron-core's children take no flag
+        return {"optimizers": {name: child.state_dict(is_loading=True) if loading else child.state_dict()
+                               for name, child in zip(self._names, self.chained_optimizers)}}
 
     def save_state_dict_to_file(self, filename: str) -> None:
         """This rank's state_dict() to `filename` (Megatron-LM's --ckpt-format torch with the

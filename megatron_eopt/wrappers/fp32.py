@@ -41,6 +41,7 @@ from megatron_eopt.checkpointing.fsdp_dtensor import (
     flat_from_fsdp_dtensor,
     fsdp_dtensor_state_dict,
     is_fsdp_dtensor_state,
+    local_values,
 )
 from megatron_eopt.checkpointing.megatron_sharded import (
     chain_sharded_state_dict,
@@ -271,7 +272,15 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
     def reload_model_params(self, state_dict: Optional[dict] = None) -> None:
         pass  # the model's parameters are the main parameters
 
-    def state_dict(self) -> dict:
+    def state_dict(self, is_loading: bool = False) -> dict:
+        """`local_state_dict()`, with the state torch's optimizers make at their first step made
+        first: a fresh optimizer's dict is a complete target to load into (`is_loading` changes
+        nothing here)."""
+        self.init_state()
+        return self.local_state_dict()
+
+    def local_state_dict(self) -> dict:
+        """This rank's state by parameter name, every tensor a plain one (wrappers/flat_state.py)."""
         state = flat_state_dict(self.optimizer, self.fqn_of_main)
         state["grad_scaler"] = self.grad_scaler.state_dict() if self.grad_scaler else None
         return state
@@ -308,10 +317,11 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
                 {id(params[index].model): main for index, main in mains.items()}, scaler)
 
     def _as_flat(self, state_dict: dict) -> dict:
-        """Our flat `state_dict()` from what a sharded load returned in our other layouts."""
+        """Our flat `local_state_dict()` from what a sharded load returned in our other layouts, or
+        from `state_dict()` with DTensor state (a DTensor-sharded model's)."""
         if is_fsdp_dtensor_state(state_dict):
             return flat_from_fsdp_dtensor(state_dict, [r.fqn for r in self.records], self.inner_class_name())
-        return expand_v1_sharded_state_dict(state_dict)
+        return local_values(expand_v1_sharded_state_dict(state_dict))
 
     def load_state_dict(self, state_dict: dict) -> None:
         if core_format_in(state_dict) is not None:

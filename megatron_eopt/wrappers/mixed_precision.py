@@ -73,8 +73,8 @@ class MixedPrecisionOptimizer(FP32Optimizer):
         for model, main in self._half_pairs():
             self.storage.set(model, main, model.detach().float())
 
-    def state_dict(self) -> dict:
-        state = super().state_dict()
+    def local_state_dict(self) -> dict:
+        state = super().local_state_dict()
         # fp32 main weights whatever the storage, so checkpoints stay interchangeable.
         state["main_params"] = {self.fqn_of_main[id(main)]: self.storage.value(model, main)
                                 for model, main in self._half_pairs()}

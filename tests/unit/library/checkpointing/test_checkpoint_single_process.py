@@ -121,6 +121,24 @@ def test_every_registered_optimizer_round_trips(name: str, tmp_path) -> None:
     _step(fresh_model, fresh, 2)
     for value, other in zip(model.parameters(), fresh_model.parameters()):
         assert torch.equal(value, other)
+    # A fresh optimizer's state_dict() is a complete target: filled in place, as torch DCP's load fills
+    # it, and loaded, it holds the saved state (torch's Adam makes its state only at its first step).
+    target_optimizer = get_megatron_optimizer(config, [_model_for(name, 2)])
+    target = target_optimizer.state_dict()
+    target_optimizer.load_state_dict(_filled_in_place(target, saved_state))
+    assert not _differences(saved_state, target_optimizer.state_dict())
+
+
+def _filled_in_place(target, saved, path: str = ""):
+    """`target` with each tensor overwritten in place by `saved`'s (refusing a missing or misshapen
+    one, where DCP would load nothing or fail) and every other value taken from `saved`."""
+    if isinstance(saved, dict):
+        assert isinstance(target, dict) and set(target) == set(saved), (path, sorted(set(target) ^ set(saved)))
+        return {key: _filled_in_place(target[key], value, f"{path}/{key}") for key, value in saved.items()}
+    if torch.is_tensor(saved):
+        assert torch.is_tensor(target) and target.shape == saved.shape and target.dtype == saved.dtype, path
+        return target.copy_(saved)
+    return saved
 
 
 def test_killed_while_replacing_the_same_iteration_still_loads(tmp_path) -> None:

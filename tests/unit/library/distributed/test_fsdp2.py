@@ -635,3 +635,48 @@ def test_a_torch_whose_fsdp2_sums_gradients_on_gloo_is_refused() -> None:
     for fixed in ("2.9.1", "2.10.0", torch.__version__):  # make test-compat runs the FSDP2 tests on the floor
         check_fsdp2_averages(cpu, fixed)
     check_fsdp2_averages(torch.device("cuda"), "2.8.0")  # NCCL averages
+
+
+# --- Megatron-LM's own path: validate_args and the optimizer's build with --use-torch-fsdp2 ---
+
+def _megatron_lm_body(rank: int, world_size: int) -> dict:
+    """Megatron-LM's parse_args + validate_args (as its pretrain_gpt.py runs them) with --use-torch-fsdp2
+    and muon, without and with megatron_lm.install(); with it, the optimizer Megatron-LM's setup builds
+    on an FSDP2 GPT, for --ckpt-format torch_dcp (works) and torch_dist (refused at build)."""
+    from megatron.training import global_vars
+    from torch.distributed.fsdp import fully_shard
+
+    from megatron_eopt.integrations import megatron_lm
+    from tests.unit.library.distributed.test_megatron_fsdp import _parse_megatron_lm
+    from tests.unit.library.integrations.test_megatron_lm_args import MODEL_FLAGS, build_through_megatron_lm
+
+    result = {}
+    for ckpt_format in ("torch_dcp", "torch_dist"):
+        argv = (f"{MODEL_FLAGS} --optimizer muon --lr 0.02 --use-torch-fsdp2 --ckpt-format {ckpt_format} "
+                "--no-gradient-accumulation-fusion --untie-embeddings-and-output-weights")
+        try:
+            _parse_megatron_lm(argv, rank, world_size)
+            result[f"without {ckpt_format}"] = "accepted"
+        except AssertionError as error:  # Megatron-LM's own refusal
+            result[f"without {ckpt_format}"] = str(error)
+        with megatron_lm.installed():
+            args = _parse_megatron_lm(argv, rank, world_size)
+            model = build_gpt()
+            fully_shard(model, mesh=_mesh(world_size))
+            try:
+                optimizer = build_through_megatron_lm(args, model)
+                result[ckpt_format] = sorted(type(c).__name__ for c in optimizer.chained_optimizers)
+            except ValueError as error:
+                result[ckpt_format] = str(error)
+            finally:
+                global_vars.set_args(None)
+    return result
+
+
+def test_megatron_lm_accepts_emerging_optimizers_on_fsdp2_with_torch_dcp(run_distributed) -> None:
+    for result in run_distributed(_megatron_lm_body, 2, timeout=600):
+        assert "Torch-FSDP2" in result["without torch_dcp"], result  # refused without install()
+        assert result["torch_dcp"] == ["FullyShardedFP32Optimizer"] * 2, result  # muon and adam children
+        refusal = result["torch_dist"]  # accepted by Megatron-LM with FSDP2, refused when ours is built
+        assert "--ckpt-format torch_dist" in refusal and "use --ckpt-format torch_dcp" in refusal, result
+        assert "\n" not in refusal, result
