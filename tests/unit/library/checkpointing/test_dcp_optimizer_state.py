@@ -46,14 +46,13 @@ def sharded_model(engine: str, model: str) -> torch.nn.Module:
         return module
     from megatron_fsdp import fully_shard_model
 
-    from megatron_eopt.distributed.megatron_fsdp_model import hold_gradient_hooks_weakly, megatron_fsdp_wrappers
+    from megatron_eopt.distributed.megatron_fsdp_model import hold_gradient_hooks_weakly
     from megatron_eopt.runtime import megatron_fsdp_cpu
 
     megatron_fsdp_cpu.install()
     wrapped = fully_shard_model(module, fsdp_unit_modules=[torch.nn.Linear], zero_dp_strategy="optim_grads_params",
                                 device=torch.device("cpu"))
-    for wrapper in megatron_fsdp_wrappers([wrapped]):
-        hold_gradient_hooks_weakly(wrapper)
+    hold_gradient_hooks_weakly(wrapped)
     return wrapped
 
 
