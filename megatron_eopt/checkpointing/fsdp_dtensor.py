@@ -93,7 +93,8 @@ def dtensor_state_dict(child: CheckpointableChild, is_loading: bool) -> dict:
             stored[param.fqn, name] = row_sharded(local, param.model, offsets[param.fqn])
         else:
             stored[param.fqn, name] = DTensor.from_local(local, param.model.device_mesh, [Replicate()], run_check=False)
-    flat["state"] = {param.fqn: {name: stored.get((param.fqn, name), _scalar(child, param, name, value, is_loading))
+    flat["state"] = {param.fqn: {name: stored[param.fqn, name] if (param.fqn, name) in stored
+                                 else _scalar(child, param, name, value, is_loading)
                                  for name, value in flat["state"][param.fqn].items()}
                      for param in params}
     return flat

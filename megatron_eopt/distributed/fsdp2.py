@@ -318,11 +318,12 @@ class FullyShardedFP32Optimizer(FP32Optimizer):
             return torch.nn.Parameter(param.to_local(), requires_grad=False)
 
     def state_dict(self, is_loading: bool = False) -> dict:
-        """torch's convention for sharded state (its own optimizers' under FSDP2): each tensor shaped
-        like this rank's shard is a DTensor laid out like the parameter, uneven and empty shards
-        included, so torch DCP saves each row once and loads at another FSDP size; scalars (the
-        step) stay plain. Complete before the first step; `is_loading`: new tensors to load into.
-        A collective over the parameters' mesh (checkpointing/fsdp_dtensor.py)."""
+        """torch's convention for sharded state (its own optimizers' under FSDP2): state holding this
+        rank's rows of its parameter is a DTensor laid out like the parameter, uneven and empty
+        shards included, a whole-matrix statistic a replicated one, so torch DCP saves each row once
+        and loads at another FSDP size; scalars (the step) stay plain. Complete before the first
+        step; `is_loading`: new tensors to load into. Collectives over the parameters' mesh
+        (checkpointing/fsdp_dtensor.dtensor_state_dict)."""
         if group_size(self.tp_group) > 1:
             raise ValueError(
                 "state_dict() of TP x torch FSDP2 is not supported: its DTensor state would be keyed by parameter "
