@@ -126,13 +126,13 @@ def _check_replicated(child: CheckpointableChild, replicated: list[tuple[ChildPa
         return
     group = replicated[0][0].model.device_mesh.get_group()
     local = torch.cat([value.detach().float().flatten() for _, _, value in replicated])
-    highest, lowest = local.clone(), local.neg()
-    dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=group)
-    dist.all_reduce(lowest, op=dist.ReduceOp.MAX, group=group)
-    if torch.equal(highest, local) and torch.equal(lowest.neg(), local):
+    extremes = torch.cat([local, local.neg()])  # every rank's maximum and minimum, in one all_reduce
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    highest, lowest = extremes[:local.numel()], extremes[local.numel():].neg()
+    if torch.equal(highest, local) and torch.equal(lowest, local):
         return
     sizes = [value.numel() for _, _, value in replicated]
-    differs = (highest != local) | (lowest.neg() != local)
+    differs = (highest != local) | (lowest != local)
     index = next(i for i, part in enumerate(differs.split(sizes)) if part.any())
     param, name, value = replicated[index]
     raise ValueError(

@@ -324,11 +324,7 @@ class FullyShardedFP32Optimizer(FP32Optimizer):
         and loads at another FSDP size; scalars (the step) stay plain. Complete before the first
         step; `is_loading`: new tensors to load into. Collectives over the parameters' mesh
         (checkpointing/fsdp_dtensor.dtensor_state_dict)."""
-        if group_size(self.tp_group) > 1:
-            raise ValueError(
-                "state_dict() of TP x torch FSDP2 is not supported: its DTensor state would be keyed by parameter "
-                "name, which the TP ranks share; use megatron_eopt.checkpointing.save_checkpoint."
-            )
+        self._refuse_tensor_parallel("state_dict()")
         return dtensor_state_dict(self, is_loading)
 
     def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
@@ -341,12 +337,16 @@ class FullyShardedFP32Optimizer(FP32Optimizer):
                 f"fsdp_dtensor layout only: pass metadata={{'{SHARDING_TYPE_KEY}': '{FSDP_DTENSOR}'}} and save it with "
                 f"torch.distributed.checkpoint (Megatron-LM's --ckpt-format fsdp_dtensor), or use save_checkpoint."
             )
+        self._refuse_tensor_parallel("the fsdp_dtensor layout")
+        return super().sharded_state_dict(model_sharded_state_dict, is_loading, metadata)
+
+    def _refuse_tensor_parallel(self, what: str) -> None:
+        """DTensor state is keyed by parameter name, which the TP ranks of TP x torch FSDP2 share."""
         if group_size(self.tp_group) > 1:
             raise ValueError(
-                "the fsdp_dtensor layout keys state by parameter name, which the TP ranks of TP x torch FSDP2 share: "
-                "it is not supported there; use megatron_eopt.checkpointing.save_checkpoint."
+                f"{what} of TP x torch FSDP2 is not supported: its DTensor state is keyed by parameter name, "
+                f"which the TP ranks share; use megatron_eopt.checkpointing.save_checkpoint."
             )
-        return super().sharded_state_dict(model_sharded_state_dict, is_loading, metadata)
 
     def _prepare_main_grads(self) -> None:
         with torch.no_grad():

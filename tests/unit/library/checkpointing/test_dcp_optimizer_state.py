@@ -12,7 +12,8 @@ was saved (bitwise, at FSDP=3 too), and the FSDP=2 run continued (at FSDP=3: 1e-
 same global batch's gradient in another order).
 """
 
-import pytest
+import itertools
+
 import torch
 import torch.distributed as dist
 
@@ -21,6 +22,8 @@ from megatron_eopt import OptimizerConfig, get_megatron_optimizer
 OPTIMIZERS = ("adam", "muon", "adaptive_muon")
 MODELS = {"even": (16, 32, 4), "uneven": (16, 30, 5)}
 ENGINES = ("fsdp2", "megatron_fsdp")
+CASES = {f"{engine}-{model}-{optimizer}": (engine, model, optimizer)
+         for engine, model, optimizer in itertools.product(ENGINES, MODELS, OPTIMIZERS)}
 STEPS = 3  # before the save, and after it
 GLOBAL_BATCH = 6  # rows per step: 3 per rank at FSDP=2, 2 at FSDP=3
 TOLERANCE = 1e-6
@@ -121,25 +124,22 @@ def _save_body(rank: int, world_size: int, directory: str) -> dict:
 
     torch.set_float32_matmul_precision("highest")
     results = {}
-    for engine in ENGINES:
-        for model_name in MODELS:
-            for optimizer_name in OPTIMIZERS:
-                case = f"{engine}-{model_name}-{optimizer_name}"
-                path = f"{directory}/{case}"
-                model = sharded_model(engine, model_name)
-                optimizer = get_megatron_optimizer(config_for(optimizer_name), [model])
-                take_steps(model, optimizer, 0, engine)
-                dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint_id=path)
-                saved = full_state(optimizer.state_dict())
-                take_steps(model, optimizer, STEPS, engine)
-                straight = full_params(model)
-                del model, optimizer
-                target = "is_loading" if optimizer_name == "adam" else "plain"
-                model, optimizer = load(engine, model_name, optimizer_name, path, target)
-                loaded = full_state(optimizer.state_dict())
-                take_steps(model, optimizer, STEPS, engine)
-                results[case] = {"saved": saved, "loaded": loaded, "straight": straight, "resumed": full_params(model)}
-                del model, optimizer
+    for case, (engine, model_name, optimizer_name) in CASES.items():
+        path = f"{directory}/{case}"
+        model = sharded_model(engine, model_name)
+        optimizer = get_megatron_optimizer(config_for(optimizer_name), [model])
+        take_steps(model, optimizer, 0, engine)
+        dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint_id=path)
+        saved = full_state(optimizer.state_dict())
+        take_steps(model, optimizer, STEPS, engine)
+        straight = full_params(model)
+        del model, optimizer
+        target = "is_loading" if optimizer_name == "adam" else "plain"
+        model, optimizer = load(engine, model_name, optimizer_name, path, target)
+        loaded = full_state(optimizer.state_dict())
+        take_steps(model, optimizer, STEPS, engine)
+        results[case] = {"saved": saved, "loaded": loaded, "straight": straight, "resumed": full_params(model)}
+        del model, optimizer
     return results
 
 
@@ -147,15 +147,12 @@ def _load_at_three_body(rank: int, world_size: int, directory: str) -> dict:
     """FSDP=3: what FSDP=2 saved, loaded and continued."""
     torch.set_float32_matmul_precision("highest")
     results = {}
-    for engine in ENGINES:
-        for model_name in MODELS:
-            for optimizer_name in OPTIMIZERS:
-                case = f"{engine}-{model_name}-{optimizer_name}"
-                model, optimizer = load(engine, model_name, optimizer_name, f"{directory}/{case}", "is_loading")
-                loaded = full_state(optimizer.state_dict())
-                take_steps(model, optimizer, STEPS, engine)
-                results[case] = {"loaded": loaded, "resumed": full_params(model)}
-                del model, optimizer
+    for case, (engine, model_name, optimizer_name) in CASES.items():
+        model, optimizer = load(engine, model_name, optimizer_name, f"{directory}/{case}", "is_loading")
+        loaded = full_state(optimizer.state_dict())
+        take_steps(model, optimizer, STEPS, engine)
+        results[case] = {"loaded": loaded, "resumed": full_params(model)}
+        del model, optimizer
     return results
 
 
@@ -168,8 +165,9 @@ def _differences(expected: dict, actual: dict) -> dict[str, float]:
 def test_dcp_resumes_exactly_at_fsdp2_and_loads_at_fsdp3(run_distributed, tmp_path) -> None:
     at_two = run_distributed(_save_body, world_size=2, args=(str(tmp_path),), timeout=600)
     at_three = run_distributed(_load_at_three_body, world_size=3, args=(str(tmp_path),), timeout=600)
+    assert set(at_two[0]) == set(at_three[0]) == set(CASES)
     for case, result in at_two[0].items():
-        engine, model_name, optimizer_name = case.split("-")
+        optimizer_name = CASES[case][2]
         # Every state tensor the optimizer keeps is in the checkpoint: adam's moments and step too.
         names = {path.rsplit("/", 1)[-1] for path in result["saved"]}
         expected_names = {"adam": {"exp_avg", "exp_avg_sq", "step"}}.get(optimizer_name, {"momentum_buffer"})
