@@ -1146,9 +1146,24 @@ def _clear_dtensor_caches() -> None:
 _PROCESS_LIFETIME_THREADS = ("pt_autograd_",)
 # The name a native thread inherits from the process (a thread that never names itself).
 _MAIN_THREAD_NAME = Path("/proc/self/comm").read_text().strip() if os.path.exists("/proc/self/comm") else "python"
-# Thread pools a module keeps for the process's life, whose threads start at their first use:
-# (module, attribute). torch's dynamo prefetches with torch.utils._functools._prefetch_executor.
-_PROCESS_LIFETIME_POOLS = (("torch.utils._functools", "_prefetch_executor"),)
+
+
+def _dynamo_prefetch_pool() -> Any:
+    """torch's dynamo prefetches with this module-level pool."""
+    return getattr(sys.modules.get("torch.utils._functools"), "_prefetch_executor", None)
+
+
+def _inductor_compile_pool() -> Any:
+    """Inductor compiles in a pool it makes at its first compile (not on an FX graph cache hit)
+    and caches for the process's life; None until then (asking must not make it)."""
+    async_compile = sys.modules.get("torch._inductor.async_compile")
+    if async_compile is None or not async_compile.AsyncCompile.pool.cache_info().currsize:
+        return None
+    return async_compile.AsyncCompile.pool()
+
+
+# Thread pools torch keeps for the process's life, whose threads start at their first use.
+_PROCESS_LIFETIME_POOLS = (_dynamo_prefetch_pool, _inductor_compile_pool)
 
 
 def _thread_census() -> Counter[str]:
@@ -1166,9 +1181,8 @@ def _thread_census() -> Counter[str]:
 
 def _process_lifetime_pool_threads() -> set[threading.Thread]:
     threads: set[threading.Thread] = set()
-    for module_name, attribute in _PROCESS_LIFETIME_POOLS:
-        pool = getattr(sys.modules.get(module_name), attribute, None)
-        threads.update(getattr(pool, "_threads", ()))
+    for pool in _PROCESS_LIFETIME_POOLS:
+        threads.update(getattr(pool(), "_threads", ()))
     return threads
 
 
