@@ -56,7 +56,8 @@ def launch(flags: list[str], directory: pathlib.Path, faults: list[dict] = (), r
     command = [TORCHRUN, "--nproc-per-node", "2", "--max-restarts", str(restarts), "--master-port",
                str(free_port()), "-m", "tests.functional.fault_entry", *MODEL, *flags,
                "--save", str(directory), "--load", str(directory)]
-    env = {**os.environ, "MEGATRON_EOPT_FAULTS": json.dumps(list(faults))}
+    # A stopped (SIGSTOP) worker ignores torchrun's SIGTERM: SIGKILL after 3 s, not torchrun's 30.
+    env = {**os.environ, "MEGATRON_EOPT_FAULTS": json.dumps(list(faults)), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "3"}
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
