@@ -29,6 +29,7 @@ from megatron_eopt.config.choices import (
     ScalarOptimizer,
     ScaleMode,
     TpMode,
+    is_megatron_core_default,
 )
 from megatron_eopt.config.optimizer_names import DEPRECATED_OPTIMIZER_NAMES, coefficient_types, optimizer_names
 
@@ -134,6 +135,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--muon-gram-newton-schulz-package", "muon_gram_newton_schulz_package", "Run those Gram blocks, "
          "where whole on their rank, through the gram-newton-schulz package (float16; needs "
          "--muon-gram-newton-schulz and --muon-fp32-matmul-prec medium)."),
+    Flag("--muon-aol-preconditioner", "muon_aol_preconditioner", "Turbo-Muon: start every Newton-Schulz from "
+         "the AOL-preconditioned matrix, with the 'aol' coefficients and 4 steps unless --muon-coefficient-type "
+         "or --muon-num-ns-steps is given (muon, adaptive_muon)."),
     # Other emerging optimizers.
     Flag("--lion-beta1", "lion_beta1", "Lion beta1 (sign update).", float),
     Flag("--lion-beta2", "lion_beta2", "Lion beta2 (momentum EMA).", float),
@@ -261,13 +265,24 @@ def invalid_choice_message(option: str, value: Any, choices: Sequence[Any]) -> s
     return message + did_you_mean(str(value), [str(choice) for choice in choices])
 
 
+def keeping_megatron_core_defaults(convert: Callable[[str], Any]) -> Callable[[Any], Any]:
+    """`convert` for what the command line gives; a default marked as megatron-core's passes as it is
+    (argparse runs `type` on a string default, which would make it look given: config/newton_schulz.py)."""
+
+    def converted(value: Any) -> Any:
+        return value if is_megatron_core_default(value) else convert(value)
+
+    converted.__name__ = getattr(convert, "__name__", "value")  # argparse names it in "invalid <name> value"
+    return converted
+
+
 def flag_kwargs(flag: Flag, default: Any, with_choices: bool = True) -> dict[str, Any]:
     """`add_argument` keyword arguments for `flag` (also used to extend Megatron-LM's parser)."""
     kwargs: dict[str, Any] = {"dest": flag.dest, "default": default, "help": flag.help}
     if flag.type is None:
         kwargs["action"] = "store_false" if flag.negative else "store_true"
     else:
-        kwargs["type"] = flag.type
+        kwargs["type"] = keeping_megatron_core_defaults(flag.type)
         if flag.choices is not None and with_choices:
             kwargs["choices"] = flag.choices()
     return kwargs

@@ -31,7 +31,7 @@ def optimizer_config_from_args(args: argparse.Namespace, device: Optional[torch.
     Call `validate_args(args)` first: it rewrites deprecated spellings (dist_muon) and the
     distributed-optimizer flags of emerging optimizers, which this function does not.
     """
-    from megatron_eopt.config.optimizer_config import OptimizerConfig, fp32_matmul_prec_for
+    from megatron_eopt.config.optimizer_config import OptimizerConfig, fp32_matmul_prec_for, megatron_core_default
 
     if getattr(args, "optimizer", None) in DEPRECATED_OPTIMIZER_NAMES:
         raise ValueError(
@@ -50,7 +50,8 @@ def optimizer_config_from_args(args: argparse.Namespace, device: Optional[torch.
 
             values[name] = getattr(torch, DTYPE_NAMES[value])
     if values.get("muon_fp32_matmul_prec", "") is None:
-        values["muon_fp32_matmul_prec"] = fp32_matmul_prec_for(_device_or_default(device))[0]
+        # Chosen for the device, not by the user: an emerging optimizer's own default precision stays.
+        values["muon_fp32_matmul_prec"] = megatron_core_default(fp32_matmul_prec_for(_device_or_default(device))[0])
     return OptimizerConfig(**values)
 
 

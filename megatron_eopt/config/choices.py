@@ -4,7 +4,7 @@
 that building a parser (and `--help`) does not import torch.
 """
 
-from typing import Literal
+from typing import Any, Literal
 
 ScaleMode = Literal["spectral", "unit_rms_norm", "shape_scaling"]
 # 'auto': per matrix, the exact mode (duplicated, distributed, sharded) predicted cheapest.
@@ -18,3 +18,36 @@ HardwareProfileName = Literal["h100", "cpu"]
 MatmulPrecision = Literal["highest", "high", "medium"]
 ScalarOptimizer = Literal["adam", "lion"]
 AdaptiveMoment2Method = Literal["adamuon", "normuon"]
+
+# Turbo-Muon's Newton-Schulz (muon_aol_preconditioner): the paper's coefficients and steps, used
+# for the fields the user left at megatron-core's defaults (`MegatronCoreDefault`).
+TURBO_MUON_COEFFICIENT_TYPE, TURBO_MUON_NUM_NS_STEPS = "aol", 4
+
+
+class MegatronCoreDefault:
+    """A field's value left at megatron-core's default by the user, as opposed to one set to it.
+
+    Mixed into the value's own type (`megatron_core_default("quintic")` is a str), so it reads,
+    compares, prints, pickles and serializes as that value. Where an option brings defaults of its
+    own (Turbo-Muon's coefficients and steps; an emerging optimizer's own matmul precision), they
+    replace this value and never one the user set: any value assigned or parsed is a plain one.
+    """
+
+    __slots__ = ()
+
+
+class _DefaultStr(MegatronCoreDefault, str):
+    __slots__ = ()
+
+
+class _DefaultInt(MegatronCoreDefault, int):
+    __slots__ = ()
+
+
+def megatron_core_default(value: Any) -> Any:
+    """`value` marked as megatron-core's default (a str or an int)."""
+    return {str: _DefaultStr, int: _DefaultInt}[type(value)](value)
+
+
+def is_megatron_core_default(value: Any) -> bool:
+    return isinstance(value, MegatronCoreDefault)

@@ -18,9 +18,12 @@ from megatron_eopt.config.choices import (  # noqa: F401 (re-exported)
     AdaptiveMoment2Method,
     HardwareProfileName,
     MatmulPrecision,
+    MegatronCoreDefault,
     ScalarOptimizer,
     ScaleMode,
     TpMode,
+    is_megatron_core_default,
+    megatron_core_default,
 )
 
 from megatron_eopt.config.rules import GRAM_NEWTON_SCHULZ_OPTIMIZERS, check_values  # noqa: F401 (re-exported)
@@ -79,9 +82,12 @@ class OptimizerConfig:
     muon_split_qkv: bool = True
     muon_nesterov: bool = False
     muon_scale_mode: str = "spectral"
-    muon_fp32_matmul_prec: str = "medium"  # 'highest', 'high' or 'medium'; honoured on every device
-    muon_coefficient_type: str = "quintic"
-    muon_num_ns_steps: int = 5
+    # These three reach every orthogonalizing optimizer once set; left at megatron-core's default
+    # (`MegatronCoreDefault`), they give way to Turbo-Muon's coefficients and steps
+    # (muon_aol_preconditioner) and to an emerging optimizer's own precision (PolarGrad's 'highest').
+    muon_fp32_matmul_prec: str = megatron_core_default("medium")  # 'highest', 'high', 'medium'; on every device
+    muon_coefficient_type: str = megatron_core_default("quintic")
+    muon_num_ns_steps: int = megatron_core_default(5)
     muon_tp_mode: str = "duplicated"
     muon_extra_scale_factor: float = 1.0
     muon_scalar_optimizer: str = "adam"
@@ -97,6 +103,10 @@ class OptimizerConfig:
     # package (Dao AI Lab; its CUDA kernels on CUDA, its torch path elsewhere). It computes in
     # float16: needs muon_gram_newton_schulz=True and muon_fp32_matmul_prec='medium'.
     muon_gram_newton_schulz_package: bool = False
+    # megatron_eopt: Turbo-Muon (arXiv 2512.04632): every Newton-Schulz starts from the
+    # AOL-preconditioned matrix (ops/aol.py), with the 'aol' coefficients and 4 steps unless
+    # muon_coefficient_type / muon_num_ns_steps are set. Muon and adaptive_muon only.
+    muon_aol_preconditioner: bool = False
     # megatron_eopt (Megatron-LM PR #6326's name): orthogonalize every q, gate, k and v head of
     # linear_qkv as its own kv_channels x hidden matrix, scaled by that shape, instead of the q,
     # k and v of all query groups together. Needs muon_split_qkv. Muon and adaptive_muon only.
@@ -262,8 +272,9 @@ MEGATRON_CORE_FIELDS: dict[str, FieldUse] = {
         "parameter went)"),
 }
 # megatron_eopt's own fields: muon_use_syrk and muon_expert_tp_mode (newer Megatron-LM),
-# muon_match_adamw_rms, muon_gram_newton_schulz, muon_gram_newton_schulz_package, muon_split_qkv_per_head,
-# muon_tp_hardware_profile, layer_wise_reduce_grads, emerging_optimizers_compile; all used.
+# muon_match_adamw_rms, muon_gram_newton_schulz, muon_gram_newton_schulz_package, muon_aol_preconditioner,
+# muon_split_qkv_per_head, muon_tp_hardware_profile, layer_wise_reduce_grads, emerging_optimizers_compile;
+# all used.
 
 def warn_about_inert_fields(config: "OptimizerConfig") -> None:
     """One warning per process for each 'warns' field set away from its default."""

@@ -24,6 +24,8 @@ from megatron_eopt.config.precision import check_precision_fields
 
 # The optimizers whose Newton-Schulz can take the Gram path (dist_muon: deprecated spelling of muon).
 GRAM_NEWTON_SCHULZ_OPTIMIZERS = ("muon", "dist_muon", "adaptive_muon")
+# The optimizers whose Newton-Schulz is ours (ops/newton_schulz.py), and so can take the AOL preconditioner.
+AOL_OPTIMIZERS = GRAM_NEWTON_SCHULZ_OPTIMIZERS
 # The optimizers that split linear_qkv into q/k/v blocks, and so per head on request.
 PER_HEAD_QKV_OPTIMIZERS = GRAM_NEWTON_SCHULZ_OPTIMIZERS
 
@@ -127,6 +129,7 @@ def _check_muon(config: Any) -> None:
                  f"{', '.join(map(repr, GRAM_NEWTON_SCHULZ_OPTIMIZERS))}; got optimizer={config.optimizer!r}. "
                  f"Set muon_gram_newton_schulz=False (command line: drop --muon-gram-newton-schulz).")
     _check_gram_package(config)
+    _check_aol_preconditioner(config)
     _check_per_head_qkv(config)
     steps, scale, frequency = (_value(config, name) for name in (
         "muon_num_ns_steps", "muon_extra_scale_factor", "soap_precondition_frequency"))
@@ -150,6 +153,24 @@ def _check_gram_package(config: Any) -> None:
     _require(precision is None or precision == "medium",
              f"OptimizerConfig.muon_gram_newton_schulz_package=True needs muon_fp32_matmul_prec='medium': the "
              f"gram-newton-schulz package computes in float16 only; got muon_fp32_matmul_prec={precision!r}.")
+
+
+def _check_aol_preconditioner(config: Any) -> None:
+    aol = _value(config, "muon_aol_preconditioner")
+    _require(aol is None or isinstance(aol, bool),
+             f"OptimizerConfig.muon_aol_preconditioner must be True or False; got {aol!r}.")
+    if not aol:
+        return
+    if _known(config, "optimizer"):
+        _require(config.optimizer in AOL_OPTIMIZERS,
+                 f"OptimizerConfig.muon_aol_preconditioner=True is implemented for optimizer "
+                 f"{', '.join(map(repr, AOL_OPTIMIZERS))}, whose Newton-Schulz is megatron_eopt's; "
+                 f"optimizer={config.optimizer!r} calls emerging_optimizers' newton_schulz, which has no "
+                 f"preconditioner. Turn muon_aol_preconditioner off (command line: drop --muon-aol-preconditioner).")
+    for other in ("muon_gram_newton_schulz_package", "muon_use_syrk"):
+        _require(not _value(config, other),
+                 f"OptimizerConfig.muon_aol_preconditioner=True and {other}=True: that kernel does not run the "
+                 f"AOL preconditioner; turn one of the two off.")
 
 
 def _check_per_head_qkv(config: Any) -> None:

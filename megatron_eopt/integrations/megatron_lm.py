@@ -23,7 +23,8 @@ import megatron.training.arguments as megatron_lm_arguments
 import megatron.training.training as megatron_lm_training
 from megatron.training import global_vars
 
-from arguments.optimizer_args import FLAGS, Flag, flag_kwargs
+from arguments.optimizer_args import FLAGS, Flag, flag_kwargs, keeping_megatron_core_defaults
+from megatron_eopt.config.newton_schulz import NEWTON_SCHULZ_FIELDS
 from megatron_eopt.config.optimizer_config import MatmulPrecision, OptimizerConfig, TpMode
 from megatron_eopt.factory import get_megatron_optimizer
 from megatron_eopt.registry import list_optimizers
@@ -57,6 +58,12 @@ def add_megatron_eopt_args(parser: argparse.ArgumentParser) -> argparse.Argument
     _extend_choices(tp_mode, typing.get_args(TpMode))
     tp_mode.default = _field_default("muon_tp_mode")
     _restrict_matmul_precision(actions["--muon-fp32-matmul-prec"])
+    # The same values, marked as megatron-core's defaults: set, they reach every orthogonalizing
+    # optimizer; unset, they give way to Turbo-Muon's and the optimizers' own (config/newton_schulz.py).
+    for action in parser._actions:
+        if action.dest in NEWTON_SCHULZ_FIELDS:
+            action.default = _field_default(action.dest)
+            action.type = keeping_megatron_core_defaults(action.type or str)
     group = parser.add_argument_group(title="megatron_eopt")
     for flag in FLAGS:
         if flag.option not in actions and flag.dest not in NOT_OFFERED:

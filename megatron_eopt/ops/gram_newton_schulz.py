@@ -17,29 +17,21 @@ from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from emerging_optimizers.orthogonalized_optimizers import muon_utils
 
-Coefficients = tuple[float, float, float]
+from megatron_eopt.ops.aol import aol_precondition
+from megatron_eopt.ops.newton_schulz_steps import (  # noqa: F401 (coefficient_schedule: this module's API too)
+    Coefficients,
+    addmm,
+    coefficient_schedule,
+    gram_matrix,
+    oriented_unit_input,
+    restored_output,
+)
 
-# emerging_optimizers' newton_schulz repeats the last set for these types, cycles the others.
-REPEAT_LAST_TYPES = ("polar_express", "cans", "deepseekv4")
 # Restarts after step FIRST_RESTART, then every RESTART_EVERY steps (never after the last).
 FIRST_RESTART, RESTART_EVERY = 3, 2
 # In bf16 (and tf32) these types lose accuracy on the Gram path beyond this many steps.
 BF16_MAX_STEPS = {"polar_express": 5, "cans": 0}
-
-
-def coefficient_schedule(coefficient_type: str, steps: int) -> list[Coefficients]:
-    """The (a, b, c) of each of `steps` steps, as emerging_optimizers' newton_schulz uses them."""
-    sets = getattr(muon_utils, "_COEFFICIENT_SETS", None)
-    if not isinstance(sets, dict) or coefficient_type not in sets:
-        raise ValueError(
-            f"Gram Newton-Schulz cannot read coefficient set {coefficient_type!r} from the installed "
-            f"emerging_optimizers (muon_utils._COEFFICIENT_SETS); it has "
-            f"{sorted(sets) if isinstance(sets, dict) else 'none'}."
-        )
-    mode = "repeat_last" if coefficient_type in REPEAT_LAST_TYPES else "cycle"
-    return [tuple(map(float, abc)) for abc in muon_utils.get_coefficient_iterator(steps, sets[coefficient_type], mode)]
 
 
 def restart_steps(steps: int) -> tuple[int, ...]:
@@ -77,21 +69,6 @@ def gram_pays(m: int, n: int, steps: int, restarts: Sequence[int] = ()) -> bool:
     return gram_flops(m, n, steps, restarts) < standard_flops(m, n, steps)
 
 
-def _addmm(input: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float, alpha: float = 1.0) -> torch.Tensor:
-    """beta * input + alpha * a @ b, 2-D or batched."""
-    if a.ndim == 2:
-        return torch.addmm(input, a, b, beta=beta, alpha=alpha)
-    return torch.baddbmm(input, a, b, beta=beta, alpha=alpha)
-
-
-def _gram(x: torch.Tensor, tp_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
-    """x x^T, summed over the TP ranks that hold column shards of x."""
-    gram = x @ x.mT
-    if tp_group is not None:
-        dist.all_reduce(gram, op=dist.ReduceOp.SUM, group=tp_group)
-    return gram
-
-
 def gram_newton_schulz(
     x: torch.Tensor,
     steps: int,
@@ -100,51 +77,44 @@ def gram_newton_schulz(
     transpose: Optional[bool] = None,
     tp_group: Optional[dist.ProcessGroup] = None,
     restarts: Optional[Sequence[int]] = None,
+    aol: bool = False,
 ) -> torch.Tensor:
     """Orthogonalize `x` (2-D or a batch) as `muon_utils.newton_schulz` does, by the Gram iteration.
 
     x: float32 (the matmul precision decides bf16 or fp32 products, as there) or float64.
     tp_group: x holds this rank's columns (after the transpose): the Gram matrices are
     all-reduced, which is exact; everything else is local. restarts: None for `restart_steps`.
+    aol: iterate on the AOL-preconditioned X_0 and Gram matrix (ops/aol.py).
     """
-    if x.ndim not in (2, 3) or x.dtype not in (torch.float32, torch.float64):
-        raise TypeError(f"x must be a 2-D or 3-D float32/float64 tensor; got {x.ndim}-D {x.dtype}.")
-    if transpose is None:
-        transpose = x.size(-2) > x.size(-1)
-    if transpose:
-        x = x.mT
-    if tp_group is not None:
-        x = muon_utils.distributed_normalize_p2(x, eps, tp_group)
-    else:
-        x = torch.nn.functional.normalize(x, p=2, dim=(-2, -1), eps=eps)  # type: ignore[arg-type]
-    if x.dtype == torch.float32 and torch.get_float32_matmul_precision() == "medium":
-        x = x.to(torch.bfloat16)  # as newton_schulz: bf16 in and out of every product
+    input_dtype = x.dtype
+    x, transpose = oriented_unit_input(x, transpose, eps, tp_group)
     schedule = coefficient_schedule(coefficient_type, steps)
     if restarts is None:
         restarts = restart_steps(steps)
-    polynomial, base = _polynomial(x, schedule, set(restarts), tp_group)
-    result = (polynomial @ base).to(torch.float64 if x.dtype == torch.float64 else torch.float32)
-    return result.mT if transpose else result
+    polynomial, base = _polynomial(x, schedule, set(restarts), tp_group, aol)
+    return restored_output(polynomial @ base, transpose, input_dtype)
 
 
 def _polynomial(x: torch.Tensor, schedule: Sequence[Coefficients], restarts: set[int],
-                tp_group: Optional[dist.ProcessGroup]) -> tuple[torch.Tensor, torch.Tensor]:
+                tp_group: Optional[dist.ProcessGroup], aol: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(Q, X_r): the accumulated polynomial since the last restart and the iterate it applies to."""
-    r = _gram(x, tp_group)
+    r = gram_matrix(x, tp_group)
+    if aol:
+        x, r = aol_precondition(x, r)
     q: Optional[torch.Tensor] = None
     for step, (a, b, c) in enumerate(schedule, start=1):
-        z = _addmm(r, r, r, beta=b, alpha=c)  # Z = b R + c R^2, so P = a I + Z
+        z = addmm(r, r, r, beta=b, alpha=c)  # Z = b R + c R^2, so P = a I + Z
         if q is None:
             q = z.clone()
             q.diagonal(dim1=-2, dim2=-1).add_(a)
         else:
-            q = _addmm(q, z, q, beta=a)  # P Q
+            q = addmm(q, z, q, beta=a)  # P Q
         if step == len(schedule):
             break
         if step in restarts:
             x = q @ x
-            r, q = _gram(x, tp_group), None
+            r, q = gram_matrix(x, tp_group), None
         else:
-            rp = _addmm(r, r, z, beta=a)  # R P
-            r = _addmm(rp, z, rp, beta=a)  # P R P
+            rp = addmm(r, r, z, beta=a)  # R P
+            r = addmm(rp, z, rp, beta=a)  # P R P
     return q, x  # type: ignore[return-value]  (steps >= 1)

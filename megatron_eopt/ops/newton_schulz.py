@@ -13,6 +13,7 @@ All but blockwise equal the TP=1 update to fp32 round-off; each parameter may ha
 values, and on their number only where the BLAS splits a lone product over threads (docs/testing.md).
 `gram=True`: a block takes Gram Newton-Schulz where that costs fewer FLOPs (ops/gram_newton_schulz.py),
 through the gram-newton-schulz `package` if given, except 'distributed' shards (`block_paths` says which).
+`aol=True`: every path starts from the AOL-preconditioned matrix (Turbo-Muon, ops/aol.py).
 """
 
 import functools
@@ -25,11 +26,14 @@ import torch.distributed as dist
 from emerging_optimizers.orthogonalized_optimizers import muon_utils
 from emerging_optimizers.orthogonalized_optimizers.muon import get_muon_scale_factor
 
+from megatron_eopt.config.choices import TURBO_MUON_COEFFICIENT_TYPE
+from megatron_eopt.ops.aol import aol_newton_schulz
 from megatron_eopt.ops.gram_newton_schulz import gram_newton_schulz, gram_pays, gram_stable, restart_steps
 from megatron_eopt.ops.gram_newton_schulz_package import PACKAGE_PATH, GramPackage
 from megatron_eopt.ops.ownership import assign_owner_ranks
 from megatron_eopt.ops.splits import MatrixLayout, merge_blocks, newton_schulz_cost, split_blocks
 from megatron_eopt.ops.whole_matrix import gather_cut_matrices, keep_local_rows
+from megatron_eopt.runtime.once import warn_once
 from megatron_eopt.runtime.process_groups import group_rank, group_size
 
 TpMode = Literal["blockwise", "duplicated", "distributed", "sharded"]
@@ -52,6 +56,7 @@ class NewtonSchulzSettings:
     use_syrk: bool = False
     scaled: bool = True  # False: raw orthogonalization (AdaptiveMuon scales after its moment2)
     gram: bool = False  # Gram Newton-Schulz on the blocks where it costs fewer FLOPs
+    aol: bool = False  # the AOL preconditioner (Turbo-Muon, ops/aol.py) on every path but the package's
     # The gram-newton-schulz package runs those blocks where they are whole here (no tp_group).
     package: Optional[GramPackage] = field(default=None, compare=False, repr=False)
 
@@ -66,6 +71,18 @@ class NewtonSchulzSettings:
                 f"coefficient_type must be one of {', '.join(map(repr, valid))} (from the installed "
                 f"emerging_optimizers); got {self.coefficient_type!r}."
             )
+        if self.aol and self.package is not None:
+            raise ValueError("The gram-newton-schulz package does not run the AOL preconditioner: turn one of "
+                             "muon_gram_newton_schulz_package and muon_aol_preconditioner off (our Gram "
+                             "Newton-Schulz runs it).")
+        if self.aol and self.use_syrk:
+            raise ValueError("emerging_optimizers' syrk kernel does not run the AOL preconditioner: turn one of "
+                             "muon_use_syrk and muon_aol_preconditioner off.")
+        if self.coefficient_type == TURBO_MUON_COEFFICIENT_TYPE and not self.aol:
+            warn_once("aol_coefficients_without_aol",
+                      "Newton-Schulz coefficient type 'aol' without the AOL preconditioner runs Turbo-Muon's "
+                      "coefficients on a Frobenius-normalized input they were not tuned for (as megatron-core "
+                      "does); muon_aol_preconditioner=True (--muon-aol-preconditioner) gives Turbo-Muon.")
         if self.scale_mode not in ("spectral", "unit_rms_norm", "shape_scaling"):
             raise ValueError(
                 f"scale_mode must be one of 'spectral', 'unit_rms_norm', 'shape_scaling'; got "
@@ -80,7 +97,10 @@ class NewtonSchulzSettings:
         if self.takes_gram_path(x.size(-2), x.size(-1), precision, transpose):
             if self.package is not None and tp_group is None and transpose in (None, x.size(-2) > x.size(-1)):
                 return self.package(x)
-            return gram_newton_schulz(x, self.num_steps, self.coefficient_type, transpose=transpose, tp_group=tp_group)
+            return gram_newton_schulz(x, self.num_steps, self.coefficient_type, transpose=transpose, tp_group=tp_group,
+                                      aol=self.aol)
+        if self.aol:
+            return aol_newton_schulz(x, self.num_steps, self.coefficient_type, transpose=transpose, tp_group=tp_group)
         return muon_utils.newton_schulz(x, steps=self.num_steps, coefficient_type=self.coefficient_type,
                                         use_syrk=self.use_syrk, transpose=transpose, tp_group=tp_group)
 

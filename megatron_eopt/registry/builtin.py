@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
+from megatron_eopt.config.newton_schulz import coefficients_and_steps
 from megatron_eopt.registry.entries import EmergingOptimizerEntry
 from megatron_eopt.registry.kwargs import init_state_step_free
 
@@ -101,12 +102,15 @@ def _params_without_state(optimizer: torch.optim.Optimizer) -> list[tuple[torch.
 
 
 
-def _muon_scale_kwargs(config: Any) -> dict[str, Any]:
-    """`muon_match_adamw_rms` multiplies the extra scale by 0.2 (Moonlight's AdamW-RMS rule)."""
+def _muon_kwargs(config: Any) -> dict[str, Any]:
+    """`muon_match_adamw_rms` multiplies the extra scale by 0.2 (Moonlight's AdamW-RMS rule); the
+    AOL preconditioner brings Turbo-Muon's coefficients and steps (config/newton_schulz.py)."""
     from megatron_eopt.optimizers.muon.tensor_parallel_muon import ADAMW_RMS_MATCHING_EXTRA_SCALE
 
     factor = ADAMW_RMS_MATCHING_EXTRA_SCALE if getattr(config, "muon_match_adamw_rms", False) else 1.0
-    return {"extra_scale_factor": config.muon_extra_scale_factor * factor}
+    coefficient_type, steps = coefficients_and_steps(config)
+    return {"extra_scale_factor": config.muon_extra_scale_factor * factor, "coefficient_type": coefficient_type,
+            "num_ns_steps": steps}
 
 
 def _muon_entry(optimizer_cls: type) -> EmergingOptimizerEntry:
@@ -114,7 +118,7 @@ def _muon_entry(optimizer_cls: type) -> EmergingOptimizerEntry:
 
     return EmergingOptimizerEntry(
         TensorParallelMuon, routing="hidden_matrices", config_prefixes=("muon",),
-        config_to_kwargs=_muon_scale_kwargs,
+        config_to_kwargs=_muon_kwargs,
         description=f"megatron_eopt TensorParallelMuon ({optimizer_cls.__name__} over TP shards)",
     )
 
@@ -124,7 +128,7 @@ def _adaptive_muon_entry(optimizer_cls: type) -> EmergingOptimizerEntry:
 
     return EmergingOptimizerEntry(
         TensorParallelAdaptiveMuon, routing="hidden_matrices", config_prefixes=("muon",),
-        config_to_kwargs=_muon_scale_kwargs,
+        config_to_kwargs=_muon_kwargs,
         description=f"megatron_eopt TensorParallelAdaptiveMuon ({optimizer_cls.__name__} over TP shards)",
     )
 
@@ -180,7 +184,7 @@ def _entry_maker(**settings: Any) -> Callable[[type], EmergingOptimizerEntry]:
 
 # Muon subclasses read the muon_* fields too; the other orthogonalized optimizers (mop,
 # polargrad, scion, spel) keep their own defaults (mop's nuclear-norm scale, for one) apart from
-# lr and weight decay. mop, polargrad and scion gain tensor parallelism and FSDP2 (their update
+# lr, weight decay and the Newton-Schulz fields set in the config (registry/kwargs.py). mop, polargrad and scion gain tensor parallelism and FSDP2 (their update
 # is a function of the whole momentum matrix only); spel projects the weights after each update, so
 # it has none. REKLS is a SOAP variant: soap_* fields apply.
 CURATED: dict[str, Callable[[type], EmergingOptimizerEntry]] = {

@@ -2,7 +2,9 @@
 
 For each `__init__` argument `arg` (through `**kwargs` to the parent class's): `config.<prefix>_<arg>`
 for the entry's prefixes (its name first, then `config_prefixes`), else `config.<arg>`, else the
-class default; config values that are None count as unset. Then, where the class takes them:
+Newton-Schulz fields set in the config (`muon_fp32_matmul_prec`, `muon_coefficient_type`,
+`muon_num_ns_steps`; config/newton_schulz.py), else the class default; config values that are None
+count as unset. Then, where the class takes them:
 `weight_decay_method` is 'decoupled' or 'l2' from `decoupled_weight_decay`; the entry's
 `config_to_kwargs(config)` may add or replace values; `tp_group`/`layouts` (and, for FSDP2,
 `fsdp_group`/`fsdp_shards`) come from the factory. Matmul precisions are honoured on every device;
@@ -20,6 +22,7 @@ from typing import Any, Literal, Mapping, Optional, Union
 
 import torch
 
+from megatron_eopt.config.newton_schulz import NEWTON_SCHULZ_FIELDS, fields_set
 from megatron_eopt.runtime.hardware import CPU_BF16_FLAGS, native_bf16_matmul
 from megatron_eopt.runtime.once import warn_once
 from megatron_eopt.optimizers.compiled_step import watch_first_step
@@ -89,6 +92,7 @@ def optimizer_kwargs(
             if getattr(config, field_name, None) is not None:
                 kwargs[argument], sources[argument] = getattr(config, field_name), f"OptimizerConfig.{field_name}"
                 break
+    _add_newton_schulz_fields(name, entry.optimizer_cls, arguments, config, kwargs, sources)
     if "weight_decay_method" in arguments and "weight_decay_method" not in kwargs:
         kwargs["weight_decay_method"] = "decoupled" if config.decoupled_weight_decay else "l2"
         sources["weight_decay_method"] = "OptimizerConfig.decoupled_weight_decay"
@@ -106,6 +110,25 @@ def optimizer_kwargs(
         kwargs["fsdp_group"], sources["fsdp_group"] = context.fsdp_group, "the factory"
         kwargs["fsdp_shards"], sources["fsdp_shards"] = dict(context.fsdp_shards), "the factory"
     return kwargs, sources
+
+
+def _add_newton_schulz_fields(name: str, optimizer_cls: type, arguments: Mapping[str, Any], config: Any,
+                              kwargs: dict[str, Any], sources: dict[str, str]) -> None:
+    """The Newton-Schulz fields set in the config reach every optimizer that takes them
+    (config/newton_schulz.py); an orthogonalized optimizer that does not take one refuses it."""
+    from emerging_optimizers.orthogonalized_optimizers import OrthogonalizedOptimizer
+
+    for field_name, value in fields_set(config).items():
+        argument = NEWTON_SCHULZ_FIELDS[field_name]
+        if argument in arguments:
+            kwargs.setdefault(argument, value)
+            sources.setdefault(argument, f"OptimizerConfig.{field_name}")
+        elif issubclass(optimizer_cls, OrthogonalizedOptimizer):
+            raise ValueError(
+                f"OptimizerConfig.{field_name}={value!r} does not apply to optimizer {name!r}: it takes no "
+                f"{argument} (it does not orthogonalize by Newton-Schulz steps of its own). Leave "
+                f"{field_name} unset for it."
+            )
 
 
 def _warn_if_bf16_is_emulated(precisions: Mapping[str, Any], sources: Mapping[str, str]) -> None:

@@ -93,6 +93,8 @@ class TensorParallelAdaptiveMuon(ShardedMatrices, AdaptiveMuon):
             (`self.newton_schulz_paths` says which; ops/gram_newton_schulz.py).
         gram_newton_schulz_package: those blocks, where whole on this rank, run through the
             gram-newton-schulz package (needs fp32_matmul_prec='medium').
+        aol_preconditioner: Turbo-Muon: every Newton-Schulz starts from the AOL-preconditioned
+            matrix (ops/aol.py); pair it with coefficient_type='aol' and num_ns_steps=4.
         fsdp_group: the data-parallel group over which FSDP2 splits the matrices by rows.
         fsdp_shards: fqn -> RowShards (layout of the matrix FSDP2 splits, rows per rank, owner)
             of every parameter, each a row shard; given, `layouts` must be empty (a `tp_group`
@@ -130,6 +132,7 @@ class TensorParallelAdaptiveMuon(ShardedMatrices, AdaptiveMuon):
         use_syrk: bool = False,
         gram_newton_schulz: bool = False,
         gram_newton_schulz_package: bool = False,
+        aol_preconditioner: bool = False,
         tp_hardware_profile: Union[None, str, HardwareProfile] = None,
         expert_tp_mode: Optional[str] = None,
         tp_group: Optional[dist.ProcessGroup] = None,
@@ -152,7 +155,7 @@ class TensorParallelAdaptiveMuon(ShardedMatrices, AdaptiveMuon):
         self.use_syrk = muon_use_syrk(use_syrk)
         self.settings = NewtonSchulzSettings(
             num_ns_steps, coefficient_type, scale_mode, extra_scale_factor, use_syrk=self.use_syrk, scaled=False,
-            gram=gram_newton_schulz,
+            gram=gram_newton_schulz, aol=aol_preconditioner,
             package=package_for(gram_newton_schulz, gram_newton_schulz_package, fp32_matmul_prec, coefficient_type,
                                 num_ns_steps),
         )

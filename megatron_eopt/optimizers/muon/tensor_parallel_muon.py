@@ -87,6 +87,8 @@ class TensorParallelMuon(ShardedMatrices, Muon):
     gram_newton_schulz_package: those blocks, where whole on this rank, run through the
         gram-newton-schulz package (float16; needs fp32_matmul_prec='medium';
         ops/gram_newton_schulz_package.py).
+    aol_preconditioner: Turbo-Muon: every Newton-Schulz starts from the AOL-preconditioned matrix
+        (ops/aol.py); pair it with coefficient_type='aol' and num_ns_steps=4 (OptimizerConfig does).
     `use_syrk` is a request: `self.use_syrk` is what emerging_optimizers' Muon decided for this
     machine (off without Triton >= 3.4 or on an unvalidated GPU), and what the step uses.
     """
@@ -114,6 +116,7 @@ class TensorParallelMuon(ShardedMatrices, Muon):
         use_syrk: bool = False,
         gram_newton_schulz: bool = False,
         gram_newton_schulz_package: bool = False,
+        aol_preconditioner: bool = False,
         tp_hardware_profile: Union[None, str, HardwareProfile] = None,
         expert_tp_mode: Optional[str] = None,
         tp_group: Optional[dist.ProcessGroup] = None,
@@ -126,7 +129,7 @@ class TensorParallelMuon(ShardedMatrices, Muon):
                              expert_tp_mode)
         # Checked here, before the backend checks them with its own messages.
         settings = NewtonSchulzSettings(num_ns_steps, coefficient_type, scale_mode, extra_scale_factor,
-                                        gram=gram_newton_schulz)
+                                        use_syrk=use_syrk, gram=gram_newton_schulz, aol=aol_preconditioner)
         package = package_for(gram_newton_schulz, gram_newton_schulz_package, fp32_matmul_prec, coefficient_type,
                               num_ns_steps)
         super().__init__(

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Optional
 
+from megatron_eopt.config.newton_schulz import coefficients_and_steps
 from megatron_eopt.ops.muon_cost import EXACT_MODES, HardwareProfile, choose_tp_modes, rank_costs
 from megatron_eopt.ops.newton_schulz import NewtonSchulzSettings
 from megatron_eopt.ops.ownership import assign_owners
@@ -103,8 +104,9 @@ class PlanInputs:
         return self.config.muon_fp32_matmul_prec
 
     def newton_schulz(self, gram: bool) -> NewtonSchulzSettings:
-        c = self.config
-        return NewtonSchulzSettings(c.muon_num_ns_steps, c.muon_coefficient_type, gram=gram)
+        coefficient_type, steps = coefficients_and_steps(self.config)
+        return NewtonSchulzSettings(steps, coefficient_type, gram=gram,
+                                    aol=bool(getattr(self.config, "muon_aol_preconditioner", False)))
 
     def padded_settings(self) -> GPTModelSettings:
         vocab = padded_vocab_size(self.settings.vocab_size, self.make_vocab_size_divisible_by, self.layout.tp)

@@ -22,13 +22,15 @@ def shard(full: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
     return full.clone() if dim < 0 else full.chunk(size, dim=dim)[rank].clone()
 
 
-def run_muon(rank: int, size: int, tp_mode: str, tp_group) -> dict[str, torch.Tensor]:
+def run_muon(rank: int, size: int, tp_mode: str, tp_group, **options) -> dict[str, torch.Tensor]:
+    """3 steps of Muon (Gram Newton-Schulz unless `options` say otherwise) on this rank's shards."""
     params = {n: torch.nn.Parameter(shard(torch.randn(s, generator=torch.Generator().manual_seed(len(n))), d, rank, size))
               for n, (s, d) in MATRICES.items()}
     layouts = {n: MatrixLayout(n, tuple(p.shape), MATRICES[n][1], size) for n, p in params.items()}
+    options = {"gram_newton_schulz": True, **options}
     optimizer = TensorParallelMuon([{"params": list(params.values()), "param_fqns": list(params)}], lr=0.05,
-                                   momentum=0.9, fp32_matmul_prec="highest", gram_newton_schulz=True,
-                                   tp_mode=tp_mode, tp_group=tp_group, layouts=layouts)
+                                   momentum=0.9, fp32_matmul_prec="highest", tp_mode=tp_mode, tp_group=tp_group,
+                                   layouts=layouts, **options)
     for step in range(3):
         for n, p in params.items():
             p.grad = shard(torch.randn(MATRICES[n][0], generator=torch.Generator().manual_seed(step)), MATRICES[n][1],

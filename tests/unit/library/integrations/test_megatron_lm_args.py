@@ -217,9 +217,12 @@ def _parse_body(rank: int, world_size: int, argv: str, with_ours: bool = True) -
 
     from megatron_eopt.integrations.megatron_lm import optimizer_config_from_megatron_lm
 
+    from megatron_eopt.config.newton_schulz import coefficients_and_steps
+
     mcore_config, _ = get_megatron_optimizer_config(args)
     ours = optimizer_config_from_megatron_lm(args, mcore_config)
-    return {"ours": {k: v for k, v in vars(ours).items() if k != "timers"}}
+    return {"ours": {k: v for k, v in vars(ours).items() if k != "timers"},
+            "newton_schulz": coefficients_and_steps(ours)}
 
 
 def _parsers_body(rank: int, world_size: int) -> dict:
@@ -425,6 +428,7 @@ def test_extra_args_provider_keeps_megatron_lm_flags(run_distributed) -> None:
     [
         ("--muon-use-syrk", "muon_use_syrk", True),
         ("--muon-gram-newton-schulz", "muon_gram_newton_schulz", True),
+        ("--muon-aol-preconditioner", "muon_aol_preconditioner", True),
         ("--muon-gram-newton-schulz --muon-gram-newton-schulz-package --muon-fp32-matmul-prec medium",
          "muon_gram_newton_schulz_package", True),
         ("--muon-split-qkv-per-head", "muon_split_qkv_per_head", True),
@@ -445,6 +449,17 @@ def test_extra_args_provider_keeps_megatron_lm_flags(run_distributed) -> None:
 def test_each_flag_reaches_our_config(run_distributed, flags, field, value) -> None:
     result = run_distributed(_parse_body, world_size=2, args=(f"{MODEL_FLAGS} {MUON} {flags}",))[0]
     assert result["ours"][field] == value
+
+
+@pytest.mark.parametrize("flags, newton_schulz", [
+    ("", ("quintic", 5)),
+    ("--muon-aol-preconditioner", ("aol", 4)),  # Turbo-Muon's, for what the command line left unset
+    ("--muon-aol-preconditioner --muon-num-ns-steps 5", ("aol", 5)),  # given: kept, though it is the default
+    ("--muon-aol-preconditioner --muon-coefficient-type quintic", ("quintic", 4)),
+])
+def test_turbo_muon_defaults_through_megatron_lm(run_distributed, flags, newton_schulz) -> None:
+    result = run_distributed(_parse_body, world_size=2, args=(f"{MODEL_FLAGS} {MUON} {flags}",))[0]
+    assert result["newton_schulz"] == newton_schulz
 
 
 def test_matmul_precision_low_is_refused_with_the_reason(run_distributed) -> None:  # PENDING
