@@ -5,6 +5,7 @@ Rows (all step only the 2-D weights, with the same gradients, lr 1e-3, weight de
 - eopt_muon (library defaults), eopt_muon_highest, eopt_muon_medium: our full factory step;
 - eopt_muon_class: our TensorParallelMuon with megatron-core's blocks, fp32: what mcore_muon_fp32
   computes, exactly;
+- eopt_turbo_muon_highest, eopt_turbo_muon_gram_highest: Turbo-Muon ('aol' x 4), with and without Gram;
 - mcore_muon, mcore_muon_fp32: megatron-core's TensorParallelMuon with its factory's kwargs, in
   bf16 ('medium') and fp32 ('highest') Newton-Schulz;
 - torch_muon, torch_adamw, torch_adamw_fused: torch's optimizers.
@@ -67,6 +68,11 @@ BUILDERS: dict[str, Callable[[GptWeights, GptShape], Step]] = {
     "eopt_muon_highest": lambda model, shape: eopt_muon(model, muon_fp32_matmul_prec="highest"),
     "eopt_muon_medium": lambda model, shape: eopt_muon(model, muon_fp32_matmul_prec="medium"),
     "eopt_muon_class": eopt_muon_class,
+    "eopt_turbo_muon_highest": lambda model, shape: eopt_muon(model, muon_fp32_matmul_prec="highest",
+                                                              muon_aol_preconditioner=True),
+    "eopt_turbo_muon_gram_highest": lambda model, shape: eopt_muon(model, muon_fp32_matmul_prec="highest",
+                                                                   muon_aol_preconditioner=True,
+                                                                   muon_gram_newton_schulz=True),
     "mcore_muon": lambda model, shape: mcore_muon(model),
     "mcore_muon_fp32": lambda model, shape: mcore_muon(model, fp32_matmul_prec="highest"),
     "torch_muon": lambda model, shape: torch_muon(model),
@@ -79,6 +85,9 @@ RATIOS = {
     "fp32: eopt_muon_class / mcore_muon_fp32": ("eopt_muon_class", "mcore_muon_fp32"),
     "highest: eopt_muon_highest / mcore_muon_fp32": ("eopt_muon_highest", "mcore_muon_fp32"),
     "medium: eopt_muon_medium / mcore_muon": ("eopt_muon_medium", "mcore_muon"),
+    "Turbo-Muon (AOL, 4 steps): eopt_turbo_muon_highest / mcore_muon_fp32": ("eopt_turbo_muon_highest", "mcore_muon_fp32"),
+    "Turbo-Muon + Gram: eopt_turbo_muon_gram_highest / mcore_muon_fp32": ("eopt_turbo_muon_gram_highest",
+                                                                         "mcore_muon_fp32"),
     "eopt_muon / torch_muon": ("eopt_muon", "torch_muon"),
     "eopt_muon / torch_adamw": ("eopt_muon", "torch_adamw"),
     "highest: eopt_muon_highest / torch_adamw": ("eopt_muon_highest", "torch_adamw"),

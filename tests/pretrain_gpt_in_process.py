@@ -21,12 +21,25 @@ from typing import Any
 
 import torch
 
-from megatron_eopt.training import pretrain
+from megatron_eopt.training import errors, pretrain
 from megatron_eopt.training.loop import train as train_loop
 
 
+@contextlib.contextmanager
+def ranks_exit_together():
+    """A refused command line ends every rank at once: the other ranks' wait for rank 0's line
+    (errors.OTHER_RANKS_WAIT_S) is for torchrun, which stops them when rank 0 exits; here there
+    is no torchrun, and they would wait it out (60 s)."""
+    before, errors.OTHER_RANKS_WAIT_S = errors.OTHER_RANKS_WAIT_S, 0.0
+    try:
+        yield
+    finally:
+        errors.OTHER_RANKS_WAIT_S = before
+
+
 def run_pretrain_gpt(rank: int, world_size: int, argv: list[str]) -> list[dict[str, Any]]:
-    return pretrain.main(list(argv))
+    with ranks_exit_together():
+        return pretrain.main(list(argv))
 
 
 def run_pretrain_gpt_reporting(rank: int, world_size: int, argv: list[str]) -> subprocess.CompletedProcess:
@@ -34,7 +47,7 @@ def run_pretrain_gpt_reporting(rank: int, world_size: int, argv: list[str]) -> s
     SystemExit's code: 2 for a refused flag or checkpoint) and what it printed on each stream."""
     stdout, stderr = io.StringIO(), io.StringIO()
     status = 0
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), ranks_exit_together():
         try:
             pretrain.main(list(argv))
         except SystemExit as exit_:
@@ -62,7 +75,7 @@ def run_pretrain_gpt_with_overflow(rank: int, world_size: int, argv: list[str], 
 
     train_loop.train_step = train_step
     try:
-        return pretrain.main(list(argv))
+        return run_pretrain_gpt(rank, world_size, argv)
     finally:
         train_loop.train_step = original
 

@@ -51,3 +51,10 @@ def megatron_core_default(value: Any) -> Any:
 
 def is_megatron_core_default(value: Any) -> bool:
     return isinstance(value, MegatronCoreDefault)
+
+
+def plain_value(value: Any) -> Any:
+    """`value` without the mark (a plain str or int); anything else as it is."""
+    if isinstance(value, _DefaultStr):
+        return str(value)
+    return int(value) if isinstance(value, _DefaultInt) else value

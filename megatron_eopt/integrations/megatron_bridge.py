@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, TypeVar, Union
 import torch
 
 from megatron_eopt import factory
+from megatron_eopt.config.choices import is_megatron_core_default
 from megatron_eopt.config.scheduler import (  # noqa: F401 (re-exported)
     LrDecayStyle,
     SchedulerConfig,
@@ -180,13 +181,15 @@ ConfigT = TypeVar("ConfigT")
 
 def to_dict(config: Any) -> dict[str, Any]:
     """The config's fields as plain values: torch dtypes as names ('float32'); callables
-    (such as `timers`) left out, so they come back as their defaults."""
+    (such as `timers`) left out, so they come back as their defaults; so are the fields left at
+    megatron-core's defaults (`MegatronCoreDefault`), so that they come back as defaults, not as
+    values the user set (docs/newton-schulz.md)."""
     if not dataclasses.is_dataclass(config) or isinstance(config, type):
         raise TypeError(f"to_dict takes a dataclass instance (OptimizerConfig, SchedulerConfig); got {config!r}.")
     values = {}
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
-        if callable(value) or _is_callable_field(type(config), field.name):
+        if callable(value) or _is_callable_field(type(config), field.name) or is_megatron_core_default(value):
             continue
         values[field.name] = str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
     return values

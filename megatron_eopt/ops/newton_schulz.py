@@ -11,9 +11,8 @@ All but blockwise equal the TP=1 update to fp32 round-off; each parameter may ha
 (MatrixLayout.per_head) are whole on their rank: done there, in every mode (docs/tp-muon.md).
 `orthogonalize_batched`: one batched call per shape; a result never depends on the other matrices'
 values, and on their number only where the BLAS splits a lone product over threads (docs/testing.md).
-`gram=True`: a block takes Gram Newton-Schulz where that costs fewer FLOPs (ops/gram_newton_schulz.py),
-through the gram-newton-schulz `package` if given, except 'distributed' shards (`block_paths` says which).
-`aol=True`: every path starts from the AOL-preconditioned matrix (Turbo-Muon, ops/aol.py).
+`gram=True`: Gram Newton-Schulz where it costs fewer FLOPs (ops/gram_newton_schulz.py; through the `package`
+if given, except 'distributed' shards: `block_paths`); `aol=True`: Turbo-Muon's preconditioner (ops/aol.py).
 """
 
 import functools

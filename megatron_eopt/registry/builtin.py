@@ -108,9 +108,13 @@ def _muon_kwargs(config: Any) -> dict[str, Any]:
     from megatron_eopt.optimizers.muon.tensor_parallel_muon import ADAMW_RMS_MATCHING_EXTRA_SCALE
 
     factor = ADAMW_RMS_MATCHING_EXTRA_SCALE if getattr(config, "muon_match_adamw_rms", False) else 1.0
+    kwargs: dict[str, Any] = {"extra_scale_factor": config.muon_extra_scale_factor * factor}
     coefficient_type, steps = coefficients_and_steps(config)
-    return {"extra_scale_factor": config.muon_extra_scale_factor * factor, "coefficient_type": coefficient_type,
-            "num_ns_steps": steps}
+    for argument, value, field_value in (("coefficient_type", coefficient_type, config.muon_coefficient_type),
+                                         ("num_ns_steps", steps, config.muon_num_ns_steps)):
+        if value != field_value:  # Turbo-Muon's in place of megatron-core's default
+            kwargs[argument] = value
+    return kwargs
 
 
 def _muon_entry(optimizer_cls: type) -> EmergingOptimizerEntry:

@@ -53,6 +53,7 @@ MODEL_FLAGS = [
     "--ffn-hidden-size", "64", "--swiglu", "--seq-length", "16", "--micro-batch-size", "2",
     "--global-batch-size", "16", "--train-iters", "20", "--lr", "1e-2", "--min-lr", "1e-3",
     "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--log-interval", "1", "--seed", "1234",
+    "--eval-iters", "0",  # no evaluation (the trainer's default: 100 + 100 batches at the end) unless a test asks
 ]
 # Muon pinned to fp32 Newton-Schulz: the layouts are compared at fp32 round-off, and the default
 # precision is chosen from the hardware.

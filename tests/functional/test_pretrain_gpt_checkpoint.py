@@ -37,7 +37,7 @@ FP32_MUON = ["--optimizer", "muon", "--muon-fp32-matmul-prec", "highest"]
 MUON = FP32_MUON + ["--use-distributed-optimizer"]
 # No evaluation: these tests check training and checkpoints, and the final validation and test
 # would take most of each run.
-RUN_FLAGS = MODEL_FLAGS + ["--eval-iters", "0"]
+RUN_FLAGS = MODEL_FLAGS  # no evaluation (--eval-iters 0 there)
 
 
 def _launch(nproc: int, flags: list[str], metrics: pathlib.Path, run_distributed=None) -> subprocess.CompletedProcess:

@@ -207,7 +207,8 @@ def test_muon_kwargs_follow_the_muon_fields():
     assert kwargs == dict(lr=0.5, momentum=0.8, weight_decay=0.3, nesterov=True, weight_decay_method="l2",
                           fp32_matmul_prec="medium", coefficient_type="polar_express", num_ns_steps=7,
                           scale_mode="unit_rms_norm", extra_scale_factor=0.2, use_syrk=False, tp_mode="sharded",
-                          tp_group=None, gram_newton_schulz=False, gram_newton_schulz_package=False)
+                          tp_group=None, gram_newton_schulz=False, gram_newton_schulz_package=False,
+                          aol_preconditioner=False)
 
 
 def test_matmul_precision_is_the_configs_on_every_device():

@@ -11,6 +11,7 @@ import re
 import pytest
 import torch
 
+from megatron_eopt.config.choices import plain_value
 from megatron_eopt.config.optimizer_config import (
     AdamOptimizerConfig,
     OptimizerConfig,
@@ -37,6 +38,7 @@ def _default_of(field: dataclasses.Field):
 def _same(a, b) -> bool:
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
         return True
+    a, b = plain_value(a), plain_value(b)  # ours marks megatron-core's defaults (MegatronCoreDefault)
     return type(a) is type(b) and a == b
 
 

@@ -15,7 +15,7 @@ import signal
 
 import pytest
 
-from megatron_eopt.training import errors
+from tests.pretrain_gpt_in_process import ranks_exit_together
 from megatron_eopt.training import pretrain
 from arguments.trainer.parser import parse_args
 from megatron_eopt.training.loop import train as train_loop
@@ -93,14 +93,12 @@ def _run_control_body(rank: int, world_size: int, folder: str) -> dict:
     out["finetune_reference"] = _finetune_reference(str(full), short)
     out["skip_train"], out["skip_train_validation"] = _main_collecting_validation(
         [*ARGV, "--load", str(full), "--skip-train"])
-    errors.OTHER_RANKS_WAIT_S = 0.0  # this world's rank 1 need not wait for rank 0's line
     try:
-        pretrain.main([*ARGV, "--load", str(pathlib.Path(folder, "empty")), "--exit-on-missing-checkpoint"])
+        with ranks_exit_together():
+            pretrain.main([*ARGV, "--load", str(pathlib.Path(folder, "empty")), "--exit-on-missing-checkpoint"])
         out["missing_exit"] = None
     except SystemExit as exit_info:
         out["missing_exit"] = exit_info.code
-    finally:
-        errors.OTHER_RANKS_WAIT_S = 60.0
     return out
 
 

@@ -35,26 +35,25 @@ def _run(rank: int, world_size: int, argv: list[str], save: str) -> tuple[object
     import contextlib
     import io
 
-    from megatron_eopt.training import errors
     from megatron_eopt.training.loop import train as train_loop
     from tests.pretrain_gpt_in_process import run_pretrain_gpt
 
-    original_step, original_wait, free = train_loop.train_step, errors.OTHER_RANKS_WAIT_S, []
+    original_step, free = train_loop.train_step, []
 
     def train_step(*args, **kwargs):
         free.append(_lock_is_free(save))
         return original_step(*args, **kwargs)
 
-    train_loop.train_step, errors.OTHER_RANKS_WAIT_S = train_step, 0.0
+    train_loop.train_step = train_step
     out, err = io.StringIO(), io.StringIO()
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
-                result = run_pretrain_gpt(rank, world_size, argv)
+                result = run_pretrain_gpt(rank, world_size, argv)  # every rank exits at once on an error
             except SystemExit as exit_info:
                 result = exit_info.code
     finally:
-        train_loop.train_step, errors.OTHER_RANKS_WAIT_S = original_step, original_wait
+        train_loop.train_step = original_step
     return result, out.getvalue(), err.getvalue(), free
 
 

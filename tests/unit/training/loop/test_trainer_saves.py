@@ -17,7 +17,7 @@ import torch
 from torch.distributed.checkpoint import filesystem
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from megatron_eopt.training import errors, pretrain
+from tests.pretrain_gpt_in_process import run_pretrain_gpt
 
 ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "6", "--lr", "1e-2",
@@ -30,23 +30,23 @@ def _run_with_full_disk_on_rank_1(rank: int, world_size: int, folder: str, flags
                                   failing: int | None = FAILING_ITERATION) -> dict:
     """pretrain's main where rank 1's shard writes raise ENOSPC at the save of `failing` (None:
     none fails). The patches are undone before returning (the workers are reused)."""
-    original_write, original_wait = filesystem.FileSystemWriter.write_data, errors.OTHER_RANKS_WAIT_S
+    original_write = filesystem.FileSystemWriter.write_data
 
     def write_data(self, plan, planner):
         if rank == 1 and failing is not None and f"iter_{failing:07d}" in str(self.path):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return original_write(self, plan, planner)
 
-    filesystem.FileSystemWriter.write_data, errors.OTHER_RANKS_WAIT_S = write_data, 0.0
+    filesystem.FileSystemWriter.write_data = write_data
     out, err = io.StringIO(), io.StringIO()
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            records = pretrain.main([*ARGV, "--save", folder, *flags])
+            records = run_pretrain_gpt(rank, world_size, [*ARGV, "--save", folder, *flags])  # ranks exit together
         status = 0
     except SystemExit as exit_info:
         records, status = [], exit_info.code
     finally:
-        filesystem.FileSystemWriter.write_data, errors.OTHER_RANKS_WAIT_S = original_write, original_wait
+        filesystem.FileSystemWriter.write_data = original_write
     return {"status": status, "out": out.getvalue(), "err": err.getvalue(), "iterations": [r["iteration"] for r in records],
             "listing": sorted(os.listdir(folder)), "latest": pathlib.Path(folder, "latest").read_text()}
 
