@@ -416,7 +416,7 @@ def test_extra_args_provider_keeps_megatron_lm_flags(run_distributed) -> None:
     assert ours["--muon-fp32-matmul-prec"][5] == result["precisions"]  # exactly our config's
     added = set(ours) - set(theirs)
     assert added == {"--grad-norm-skip-threshold", "--muon-match-adamw-rms", "--muon-use-syrk", "--muon-gram-newton-schulz",
-                     "--muon-gram-newton-schulz-package",
+                     "--muon-gram-newton-schulz-package", "--muon-aol-preconditioner",
                      "--muon-split-qkv-per-head", "--muon-expert-tp-mode", "--muon-tp-hardware-profile",
                      "--soap-shampoo-beta", "--soap-precondition-frequency", "--soap-no-kl-shampoo",
                      "--adaptive-muon-moment2-method", "--adaptive-muon-beta2", "--adaptive-muon-eps",
