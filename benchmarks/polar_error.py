@@ -86,7 +86,8 @@ def errors(matrices: dict[str, torch.Tensor]) -> dict[str, list[float]]:
     for label, settings in VARIANTS.items():
         for gram in (False, True):
             variant = NewtonSchulzSettings(settings.num_steps, settings.coefficient_type, gram=gram, aol=settings.aol)
-            name = f"{label}{', Gram' if gram else ''}"
+            taking = sum(variant.takes_gram_path(*x.shape, "highest") for x in matrices.values())
+            name = f"{label}{f', Gram (taken by {taking})' if gram else ''}"
             table[name] = [polar_error(x, variant.orthogonalize(x)) for x in matrices.values()]
     return table
 
@@ -102,6 +103,7 @@ def main(argv: list[str] | None = None) -> None:
             f"Student-t(3) matrices of the same shapes ({len(momenta)})":
                 heavy_tailed([m.shape for m in momenta.values()], args.seed)}
     results = {name: errors(matrices) for name, matrices in sets.items()}
+    print("shapes:", ", ".join(sorted({"x".join(map(str, m.shape)) for m in momenta.values()})))
     print("| Newton-Schulz | " + " | ".join(f"{name}: median / worst" for name in results) + " |")
     print("|---|" + "---|" * len(results))
     for variant in next(iter(results.values())):
