@@ -200,7 +200,7 @@ FLAGS: tuple[Flag, ...] = (
 OPTION_OF: dict[str, str] = {flag.dest: flag.option for flag in FLAGS}  # field -> flag string
 
 
-class _StoreAndRecord(argparse.Action):
+class StoreAndRecord(argparse.Action):
     """`store`, also recording the dest in `namespace.optimizer_flags_given`."""
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
@@ -222,7 +222,7 @@ def add_optimizer_args(parser: argparse.ArgumentParser, *, deferred: bool = Fals
         kwargs = flag_kwargs(flag, None if flag.hardware_default else defaults.get(flag.dest),
                              with_choices=not (deferred and flag.installed))
         if flag.dest == "muon_tp_mode":  # validate_args warns when it is given with TP=1
-            kwargs["action"] = _StoreAndRecord
+            kwargs["action"] = StoreAndRecord
         listed = flag.listed() if deferred and flag.listed is not None else None
         if listed is not None:  # the installed choices, known without torch (optimizer_names.py)
             kwargs["choices"] = listed

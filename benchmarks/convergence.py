@@ -92,6 +92,8 @@ def variants(scale: Scale) -> tuple[Variant, ...]:
         # Every seed: whether Gram in bf16 trains as well as the standard iteration is a question of
         # the seed spread (docs/newton-schulz.md).
         Variant("gram_newton_schulz", MUON + ("--muon-gram-newton-schulz",), seeds=scale.seeds),
+        # Turbo-Muon: the AOL preconditioner, 'aol' x 4 (docs/newton-schulz.md); every seed, as Gram.
+        Variant("turbo_muon", MUON + ("--muon-aol-preconditioner",), seeds=scale.seeds),
     )
 
 

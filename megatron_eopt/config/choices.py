@@ -28,12 +28,25 @@ class MegatronCoreDefault:
     """A field's value left at megatron-core's default by the user, as opposed to one set to it.
 
     Mixed into the value's own type (`megatron_core_default("quintic")` is a str), so it reads,
-    compares, prints, pickles and serializes as that value. Where an option brings defaults of its
-    own (Turbo-Muon's coefficients and steps; an emerging optimizer's own matmul precision), they
+    compares, prints and serializes as that value. Where an option brings defaults of its own
+    (Turbo-Muon's coefficients and steps; an emerging optimizer's own matmul precision), they
     replace this value and never one the user set: any value assigned or parsed is a plain one.
+    Copies keep the mark; pickles drop it, so a pickled config loads where megatron_eopt is not
+    installed. Namespaces that get pickled into checkpoints (Megatron-LM's args, loaded weights-only)
+    hold plain values: its integration records the given flags instead (integrations/megatron_lm.py).
     """
 
     __slots__ = ()
+
+    def __copy__(self) -> "MegatronCoreDefault":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "MegatronCoreDefault":
+        return self
+
+    def __reduce__(self) -> tuple:
+        plain = plain_value(self)
+        return type(plain), (plain,)
 
 
 class _DefaultStr(MegatronCoreDefault, str):

@@ -23,9 +23,9 @@ import megatron.training.arguments as megatron_lm_arguments
 import megatron.training.training as megatron_lm_training
 from megatron.training import global_vars
 
-from arguments.optimizer_args import FLAGS, Flag, flag_kwargs, keeping_megatron_core_defaults
+from arguments.optimizer_args import FLAGS, GIVEN_FLAGS_ATTR, Flag, StoreAndRecord, flag_kwargs
 from megatron_eopt.config.newton_schulz import NEWTON_SCHULZ_FIELDS
-from megatron_eopt.config.optimizer_config import MatmulPrecision, OptimizerConfig, TpMode
+from megatron_eopt.config.optimizer_config import MatmulPrecision, OptimizerConfig, TpMode, megatron_core_default
 from megatron_eopt.factory import get_megatron_optimizer
 from megatron_eopt.registry import list_optimizers
 
@@ -58,12 +58,12 @@ def add_megatron_eopt_args(parser: argparse.ArgumentParser) -> argparse.Argument
     _extend_choices(tp_mode, typing.get_args(TpMode))
     tp_mode.default = _field_default("muon_tp_mode")
     _restrict_matmul_precision(actions["--muon-fp32-matmul-prec"])
-    # The same values, marked as megatron-core's defaults: set, they reach every orthogonalizing
-    # optimizer; unset, they give way to Turbo-Muon's and the optimizers' own (config/newton_schulz.py).
+    # Given, these reach every orthogonalizing optimizer; not given, they give way to Turbo-Muon's and
+    # the optimizers' own (config/newton_schulz.py): record which the command line gave. (Not marked
+    # defaults in `args`: Megatron-LM pickles args into its checkpoints and loads them weights-only.)
     for action in parser._actions:
         if action.dest in NEWTON_SCHULZ_FIELDS:
-            action.default = _field_default(action.dest)
-            action.type = keeping_megatron_core_defaults(action.type or str)
+            action.__class__ = StoreAndRecord  # a store action that also records its dest
     group = parser.add_argument_group(title="megatron_eopt")
     for flag in FLAGS:
         if flag.option not in actions and flag.dest not in NOT_OFFERED:
@@ -114,6 +114,10 @@ def optimizer_config_from_megatron_lm(args: Optional[argparse.Namespace], config
     values = {name: getattr(config, name) for name in ours if hasattr(config, name)}
     if args is not None:
         values.update({n: getattr(args, n) for n in ours if n not in values and hasattr(args, n)})
+        given = getattr(args, GIVEN_FLAGS_ATTR, None) or ()
+        for name in NEWTON_SCHULZ_FIELDS:  # left at their defaults: marked so (add_megatron_eopt_args)
+            if name in values and name not in given and type(values[name]) in (str, int):
+                values[name] = megatron_core_default(values[name])
         _check_checkpoint_format(args)
         if getattr(args, "use_megatron_fsdp", False):
             # Megatron-LM sets use_distributed_optimizer for Megatron-FSDP (its DistributedOptimizer

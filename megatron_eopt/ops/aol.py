@@ -4,8 +4,8 @@ Newton-Schulz needs its input's spectral norm at most 1. The standard iteration 
 Frobenius norm, which bounds it but shrinks every singular value by up to sqrt(rank). AOL (Prach &
 Lampert, 2022) scales row i of X (m x n, m <= n after the transpose) by
     d_i = (sum_j |(X X^T)_ij|)^(-1/2)
-instead: ||D X||_2 <= 1, and the singular values of D X sit closer to 1, so fewer steps reach the
-same polar error (the paper: 4 steps of its 'aol' coefficients against 5 quintic ones). X X^T is
+instead: ||D X||_2 <= 1, with the singular values closer to 1 (the paper reports 4 steps of its
+'aol' coefficients at 5 quintic steps' polar error; docs/newton-schulz.md measures ours). X X^T is
 the first step's product anyway: D (X X^T) D is the preconditioned Gram matrix, so the
 preconditioner costs the row sums and two scalings. With a `tp_group` (x holds columns of the
 matrix) the Gram matrix is all-reduced before the row sums, so every rank scales by the same D.

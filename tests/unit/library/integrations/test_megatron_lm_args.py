@@ -221,8 +221,12 @@ def _parse_body(rank: int, world_size: int, argv: str, with_ours: bool = True) -
 
     mcore_config, _ = get_megatron_optimizer_config(args)
     ours = optimizer_config_from_megatron_lm(args, mcore_config)
+    from megatron_eopt.config.choices import is_megatron_core_default
+
     return {"ours": {k: v for k, v in vars(ours).items() if k != "timers"},
-            "newton_schulz": coefficients_and_steps(ours)}
+            "newton_schulz": coefficients_and_steps(ours),
+            # Megatron-LM pickles args into checkpoints and loads them weights-only: plain values only.
+            "marked_args": sorted(k for k, v in vars(args).items() if is_megatron_core_default(v))}
 
 
 def _parsers_body(rank: int, world_size: int) -> dict:
@@ -460,6 +464,7 @@ def test_each_flag_reaches_our_config(run_distributed, flags, field, value) -> N
 def test_turbo_muon_defaults_through_megatron_lm(run_distributed, flags, newton_schulz) -> None:
     result = run_distributed(_parse_body, world_size=2, args=(f"{MODEL_FLAGS} {MUON} {flags}",))[0]
     assert result["newton_schulz"] == newton_schulz
+    assert result["marked_args"] == []
 
 
 def test_matmul_precision_low_is_refused_with_the_reason(run_distributed) -> None:  # PENDING
