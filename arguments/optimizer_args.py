@@ -136,7 +136,7 @@ FLAGS: tuple[Flag, ...] = (
          "where whole on their rank, through the gram-newton-schulz package (float16; needs "
          "--muon-gram-newton-schulz and --muon-fp32-matmul-prec medium)."),
     Flag("--muon-aol-preconditioner", "muon_aol_preconditioner", "Turbo-Muon: start every Newton-Schulz from "
-         "the AOL-preconditioned matrix, with the 'aol' coefficients and 4 steps unless --muon-coefficient-type "
+         "the AOL-preconditioned matrix, with quintic coefficients and 4 steps unless --muon-coefficient-type "
          "or --muon-num-ns-steps is given (muon, adaptive_muon)."),
     # Other emerging optimizers.
     Flag("--lion-beta1", "lion_beta1", "Lion beta1 (sign update).", float),

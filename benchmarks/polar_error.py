@@ -5,9 +5,9 @@ Two sets of matrices:
   trained here in one process, its momentum buffers taken after several iterations;
 - heavy-tailed random matrices of the same shapes (Student-t entries, 3 degrees of freedom).
 
-Variants: quintic x 5 (megatron-core's default), Turbo-Muon (AOL preconditioner, 'aol' x 4), the
-'aol' coefficients x 4 without the preconditioner (megatron-core's `muon_coefficient_type='aol'`),
-polar_express x 5; each through the standard and the Gram iteration, in fp32 ('highest').
+Variants: quintic x 5 (megatron-core's default), Turbo-Muon (AOL preconditioner, quintic x 4),
+quintic x 4 alone, the 'aol' coefficients x 4 without the preconditioner (megatron-core's
+`muon_coefficient_type='aol'`), polar_express x 5; each standard and Gram, in fp32 ('highest').
 Prints a markdown table (median and worst over each set): docs/newton-schulz.md holds one.
 
     python benchmarks/polar_error.py [--iterations 20 60 120] [--seed 0]
@@ -26,7 +26,8 @@ from megatron_eopt.ops.newton_schulz import NewtonSchulzSettings
 # (label, settings): each standard, then Gram (where it pays, as Muon would run it: `takes_gram_path`).
 VARIANTS = {
     "quintic x 5": NewtonSchulzSettings(5, "quintic"),
-    "Turbo-Muon: AOL, 'aol' x 4": NewtonSchulzSettings(4, "aol", aol=True),
+    "Turbo-Muon: AOL, quintic x 4": NewtonSchulzSettings(4, "quintic", aol=True),
+    "quintic x 4": NewtonSchulzSettings(4, "quintic"),
     "'aol' x 4 without AOL": NewtonSchulzSettings(4, "aol"),
     "polar_express x 5": NewtonSchulzSettings(5, "polar_express"),
 }

@@ -104,7 +104,7 @@ class OptimizerConfig:
     # float16: needs muon_gram_newton_schulz=True and muon_fp32_matmul_prec='medium'.
     muon_gram_newton_schulz_package: bool = False
     # megatron_eopt: Turbo-Muon (arXiv 2512.04632): every Newton-Schulz starts from the
-    # AOL-preconditioned matrix (ops/aol.py), with the 'aol' coefficients and 4 steps unless
+    # AOL-preconditioned matrix (ops/aol.py), with quintic coefficients and 4 steps unless
     # muon_coefficient_type / muon_num_ns_steps are set. Muon and adaptive_muon only.
     muon_aol_preconditioner: bool = False
     # megatron_eopt (Megatron-LM PR #6326's name): orthogonalize every q, gate, k and v head of

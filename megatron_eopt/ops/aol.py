@@ -60,3 +60,21 @@ def aol_newton_schulz(
         z = addmm(gram, gram, gram, beta=b, alpha=c)  # b A + c A^2
         x = addmm(x, z, x, beta=a)  # a X + (b A + c A^2) X
     return restored_output(x, transpose, input_dtype)
+
+
+def check_sign_preserving(coefficient_type: str, steps: int) -> None:
+    """ValueError unless the schedule's polynomial is positive on (0, 1]: the preconditioner puts the
+    largest singular value near 1, where a negative value would turn that direction of the update
+    around (emerging_optimizers 0.3's 'aol' set x 4 does so above 0.87)."""
+    sigma = torch.linspace(1e-3, 1.0, 1000, dtype=torch.float64)
+    value = sigma.clone()
+    for a, b, c in coefficient_schedule(coefficient_type, steps):
+        value = a * value + b * value**3 + c * value**5
+    if (value <= 0).any():
+        first = sigma[value <= 0][0].item()
+        raise ValueError(
+            f"Newton-Schulz coefficient type {coefficient_type!r} x {steps} steps maps singular values from "
+            f"{first:.3f} up to negative ones, and the AOL preconditioner puts the largest near 1: those "
+            f"directions of the update would turn around. With muon_aol_preconditioner, choose another "
+            f"(Turbo-Muon's default: {TURBO_MUON_COEFFICIENT_TYPE!r} x {TURBO_MUON_NUM_NS_STEPS})."
+        )

@@ -25,8 +25,7 @@ import torch.distributed as dist
 from emerging_optimizers.orthogonalized_optimizers import muon_utils
 from emerging_optimizers.orthogonalized_optimizers.muon import get_muon_scale_factor
 
-from megatron_eopt.config.choices import TURBO_MUON_COEFFICIENT_TYPE
-from megatron_eopt.ops.aol import aol_newton_schulz
+from megatron_eopt.ops.aol import aol_newton_schulz, check_sign_preserving
 from megatron_eopt.ops.gram_newton_schulz import gram_newton_schulz, gram_pays, gram_stable, restart_steps
 from megatron_eopt.ops.gram_newton_schulz_package import PACKAGE_PATH, GramPackage
 from megatron_eopt.ops.ownership import assign_owner_ranks
@@ -77,11 +76,13 @@ class NewtonSchulzSettings:
         if self.aol and self.use_syrk:
             raise ValueError("emerging_optimizers' syrk kernel does not run the AOL preconditioner: turn one of "
                              "muon_use_syrk and muon_aol_preconditioner off.")
-        if self.coefficient_type == TURBO_MUON_COEFFICIENT_TYPE and not self.aol:
+        if self.aol:
+            check_sign_preserving(self.coefficient_type, self.num_steps)
+        elif self.coefficient_type == "aol":
             warn_once("aol_coefficients_without_aol",
-                      "Newton-Schulz coefficient type 'aol' without the AOL preconditioner runs Turbo-Muon's "
-                      "coefficients on a Frobenius-normalized input they were not tuned for (as megatron-core "
-                      "does); muon_aol_preconditioner=True (--muon-aol-preconditioner) gives Turbo-Muon.")
+                      "Newton-Schulz coefficient type 'aol' without the AOL preconditioner runs coefficients "
+                      "meant for a preconditioned input on a Frobenius-normalized one (as megatron-core does); "
+                      "muon_aol_preconditioner=True (--muon-aol-preconditioner) gives Turbo-Muon.")
         if self.scale_mode not in ("spectral", "unit_rms_norm", "shape_scaling"):
             raise ValueError(
                 f"scale_mode must be one of 'spectral', 'unit_rms_norm', 'shape_scaling'; got "

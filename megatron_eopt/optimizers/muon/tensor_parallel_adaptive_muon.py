@@ -94,7 +94,7 @@ class TensorParallelAdaptiveMuon(ShardedMatrices, AdaptiveMuon):
         gram_newton_schulz_package: those blocks, where whole on this rank, run through the
             gram-newton-schulz package (needs fp32_matmul_prec='medium').
         aol_preconditioner: Turbo-Muon: every Newton-Schulz starts from the AOL-preconditioned
-            matrix (ops/aol.py); pair it with coefficient_type='aol' and num_ns_steps=4.
+            matrix (ops/aol.py); Turbo-Muon runs it with quintic x 4 (OptimizerConfig's default then).
         fsdp_group: the data-parallel group over which FSDP2 splits the matrices by rows.
         fsdp_shards: fqn -> RowShards (layout of the matrix FSDP2 splits, rows per rank, owner)
             of every parameter, each a row shard; given, `layouts` must be empty (a `tp_group`

@@ -88,7 +88,7 @@ class TensorParallelMuon(ShardedMatrices, Muon):
         gram-newton-schulz package (float16; needs fp32_matmul_prec='medium';
         ops/gram_newton_schulz_package.py).
     aol_preconditioner: Turbo-Muon: every Newton-Schulz starts from the AOL-preconditioned matrix
-        (ops/aol.py); pair it with coefficient_type='aol' and num_ns_steps=4 (OptimizerConfig does).
+        (ops/aol.py); Turbo-Muon runs it with quintic x 4 (OptimizerConfig's default then).
     `use_syrk` is a request: `self.use_syrk` is what emerging_optimizers' Muon decided for this
     machine (off without Triton >= 3.4 or on an unvalidated GPU), and what the step uses.
     """

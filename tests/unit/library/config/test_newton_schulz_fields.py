@@ -1,6 +1,6 @@
 """The Newton-Schulz fields reach every orthogonalizing optimizer; Turbo-Muon's defaults (config/newton_schulz.py).
 
-- `muon_aol_preconditioner` gives muon and adaptive_muon the 'aol' coefficients and 4 steps for
+- `muon_aol_preconditioner` gives muon and adaptive_muon quintic coefficients and 4 steps for
   the fields left at megatron-core's defaults, also when switched on after construction; a value
   the user sets is kept even where it equals the default. The built optimizer's Newton-Schulz
   takes the preconditioner, and its update equals ops/aol.py's on the momentum.
@@ -35,13 +35,14 @@ def kwargs_for(name: str, **fields) -> dict:
 def test_turbo_muon_defaults_and_values_the_user_set(name: str) -> None:
     assert coefficients_and_steps(OptimizerConfig()) == ("quintic", 5)
     turbo = kwargs_for(name, muon_aol_preconditioner=True)
-    assert (turbo["coefficient_type"], turbo["num_ns_steps"], turbo["aol_preconditioner"]) == ("aol", 4, True)
-    kept = kwargs_for(name, muon_aol_preconditioner=True, muon_num_ns_steps=5, muon_coefficient_type="quintic")
-    assert (kept["coefficient_type"], kept["num_ns_steps"]) == ("quintic", 5)
+    assert (turbo["coefficient_type"], turbo["num_ns_steps"], turbo["aol_preconditioner"]) == ("quintic", 4, True)
+    kept = kwargs_for(name, muon_aol_preconditioner=True, muon_num_ns_steps=5, muon_coefficient_type="polar_express")
+    assert (kept["coefficient_type"], kept["num_ns_steps"]) == ("polar_express", 5)
+    assert kwargs_for(name, muon_aol_preconditioner=True, muon_num_ns_steps=5)["num_ns_steps"] == 5  # set: kept
     config = OptimizerConfig(optimizer=name)
     config.muon_aol_preconditioner = True  # consumers mutate configs after construction
-    assert coefficients_and_steps(config.finalize()) == ("aol", 4)
-    assert coefficients_and_steps(dataclasses.replace(config, muon_num_ns_steps=3)) == ("aol", 3)
+    assert coefficients_and_steps(config.finalize()) == ("quintic", 4)
+    assert coefficients_and_steps(dataclasses.replace(config, muon_num_ns_steps=3)) == ("quintic", 3)
 
 
 def test_the_built_muon_steps_with_the_preconditioner() -> None:
@@ -51,12 +52,12 @@ def test_the_built_muon_steps_with_the_preconditioner() -> None:
                              muon_momentum=0.0, weight_decay=0.0)
     optimizer = spec.build([{"params": [param], "param_fqns": ["w"], "lr": 0.1}], config)
     settings = optimizer.settings
-    assert (settings.aol, settings.coefficient_type, settings.num_steps) == (True, "aol", 4)
+    assert (settings.aol, settings.coefficient_type, settings.num_steps) == (True, "quintic", 4)
     before, grad = param.detach().clone(), torch.randn(16, 48, generator=torch.Generator().manual_seed(1))
     param.grad = grad.clone()
     optimizer.step()
     with torch.no_grad():
-        expected = before - 0.1 * settings.scale(16, 48) * aol_newton_schulz(grad, 4, "aol")
+        expected = before - 0.1 * settings.scale(16, 48) * aol_newton_schulz(grad, 4, "quintic")
     assert (param.detach() - expected).abs().max() <= 1e-6
 
 
@@ -94,9 +95,9 @@ def test_trainer_flags_resolve_the_same_way() -> None:
         return optimizer_config_from_args(add_optimizer_args(argparse.ArgumentParser()).parse_args(argv.split()),
                                           device=torch.device("cpu"))
 
-    assert coefficients_and_steps(config_for("--optimizer muon --muon-aol-preconditioner")) == ("aol", 4)
+    assert coefficients_and_steps(config_for("--optimizer muon --muon-aol-preconditioner")) == ("quintic", 4)
     assert coefficients_and_steps(config_for("--optimizer muon --muon-aol-preconditioner --muon-num-ns-steps 5")) == (
-        "aol", 5)
+        "quintic", 5)
     assert coefficients_and_steps(config_for("--optimizer muon")) == ("quintic", 5)
     # Chosen for the device, not given: scion keeps its own precision.
     assert "fp32_matmul_prec" not in registry.optimizer_kwargs(

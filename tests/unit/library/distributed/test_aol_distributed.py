@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from tests.unit.library.distributed.test_gram_newton_schulz_distributed import MATRICES, fsdp2_errors, run_muon, shard
 
-TURBO = {"aol_preconditioner": True, "coefficient_type": "aol", "num_ns_steps": 4}
+TURBO = {"aol_preconditioner": True, "coefficient_type": "quintic", "num_ns_steps": 4}
 
 
 def _tp_modes_body(rank: int, size: int) -> dict:
@@ -25,7 +25,7 @@ def _tp_modes_body(rank: int, size: int) -> dict:
         for mode in ("duplicated", "distributed", "sharded"):
             got = run_muon(rank, size, mode, dist.group.WORLD, gram_newton_schulz=gram, **TURBO)
             errors[f"{mode}{' gram' if gram else ''}"] = distance(got, reference)
-    plain = run_muon(0, 1, "duplicated", None, gram_newton_schulz=False, coefficient_type="aol", num_ns_steps=4)
+    plain = run_muon(0, 1, "duplicated", None, gram_newton_schulz=False, coefficient_type="quintic", num_ns_steps=4)
     turbo = run_muon(0, 1, "duplicated", None, gram_newton_schulz=False, **TURBO)
     effect = max((turbo["params"][n] - plain["params"][n]).abs().max().item() for n in MATRICES)
     return {"errors": errors, "preconditioner's effect": effect}

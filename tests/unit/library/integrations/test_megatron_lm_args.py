@@ -457,9 +457,9 @@ def test_each_flag_reaches_our_config(run_distributed, flags, field, value) -> N
 
 @pytest.mark.parametrize("flags, newton_schulz", [
     ("", ("quintic", 5)),
-    ("--muon-aol-preconditioner", ("aol", 4)),  # Turbo-Muon's, for what the command line left unset
-    ("--muon-aol-preconditioner --muon-num-ns-steps 5", ("aol", 5)),  # given: kept, though it is the default
-    ("--muon-aol-preconditioner --muon-coefficient-type quintic", ("quintic", 4)),
+    ("--muon-aol-preconditioner", ("quintic", 4)),  # Turbo-Muon's, for what the command line left unset
+    ("--muon-aol-preconditioner --muon-num-ns-steps 5", ("quintic", 5)),  # given: kept, though it is the default
+    ("--muon-aol-preconditioner --muon-coefficient-type polar_express", ("polar_express", 4)),
 ])
 def test_turbo_muon_defaults_through_megatron_lm(run_distributed, flags, newton_schulz) -> None:
     result = run_distributed(_parse_body, world_size=2, args=(f"{MODEL_FLAGS} {MUON} {flags}",))[0]

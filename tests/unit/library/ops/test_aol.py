@@ -7,8 +7,9 @@
   ill-conditioned and rank-deficient inputs; a zero matrix stays zero, with no NaN.
 - The Gram path with the preconditioner equals the standard path with it: float64 to 1e-10, fp32
   to 1e-5; the batched call equals the calls on each matrix.
-- `NewtonSchulzSettings(aol=True)` takes these paths; the package and syrk kernels refuse it;
-  the 'aol' coefficients without it warn once, saying which flag gives Turbo-Muon.
+- `NewtonSchulzSettings(aol=True)` takes these paths; the package and syrk kernels refuse it, and so
+  does a schedule whose polynomial turns singular values near 1 negative (emerging_optimizers' 'aol'
+  x 4, checked against the polynomial evaluated here); the 'aol' coefficients without it warn once.
 """
 
 import warnings
@@ -86,18 +87,29 @@ def test_gram_path_and_batches_equal_the_standard_path() -> None:
 
 def test_settings_route_aol_and_refuse_kernels_without_it() -> None:
     x = torch.randn(16, 96, generator=torch.Generator().manual_seed(6))
-    settings = NewtonSchulzSettings(4, "aol", aol=True)
-    assert torch.equal(settings.orthogonalize(x), aol_newton_schulz(x, 4, "aol"))
-    gram = NewtonSchulzSettings(4, "aol", aol=True, gram=True)
+    settings = NewtonSchulzSettings(4, "quintic", aol=True)
+    assert torch.equal(settings.orthogonalize(x), aol_newton_schulz(x, 4, "quintic"))
+    gram = NewtonSchulzSettings(4, "quintic", aol=True, gram=True)
     assert gram.takes_gram_path(16, 96, "highest")
-    assert torch.equal(gram.orthogonalize(x), gram_newton_schulz(x, 4, "aol", aol=True))
+    assert torch.equal(gram.orthogonalize(x), gram_newton_schulz(x, 4, "quintic", aol=True))
     with pytest.raises(ValueError, match="syrk kernel does not run the AOL preconditioner"):
-        NewtonSchulzSettings(4, "aol", aol=True, use_syrk=True)
+        NewtonSchulzSettings(4, "quintic", aol=True, use_syrk=True)
     with pytest.raises(ValueError, match="package does not run the AOL preconditioner"):
-        NewtonSchulzSettings(4, "aol", aol=True, gram=True, package=object())
+        NewtonSchulzSettings(4, "quintic", aol=True, gram=True, package=object())
+    sigma = torch.linspace(0.5, 1.0, 501, dtype=torch.float64)
+    for coefficient_type in coefficient_types():
+        for steps in (4, 5):
+            value = sigma.clone()
+            for a, b, c in coefficient_schedule(coefficient_type, steps):
+                value = a * value + b * value**3 + c * value**5
+            if (value <= 0).any():  # 'aol' x 4 turns singular values above 0.88 around
+                with pytest.raises(ValueError, match=f"{coefficient_type!r} x {steps} steps maps singular values"):
+                    NewtonSchulzSettings(steps, coefficient_type, aol=True)
+            else:
+                NewtonSchulzSettings(steps, coefficient_type, aol=True)
     once._GIVEN.discard("aol_coefficients_without_aol")  # said once per process: maybe by an earlier test
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         NewtonSchulzSettings(4, "aol")
     messages = [str(w.message) for w in caught]
-    assert any("--muon-aol-preconditioner" in m and "not tuned for" in m for m in messages), messages
+    assert any("--muon-aol-preconditioner" in m and "meant for a preconditioned input" in m for m in messages), messages
