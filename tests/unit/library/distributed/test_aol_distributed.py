@@ -3,9 +3,11 @@
 - TP=2, one launch: 'duplicated', 'sharded' and 'distributed' (where the all-reduced Gram matrix
   gives every rank the same row scales), each with the standard and the Gram iteration, equal
   TP=1 to 1e-5 after 3 steps; and the preconditioner changes the update (by > 1e-3).
-- One launch: the layer-wise optimizer (DP=2) and FSDP2 (2 ranks) on the GPT (q/k/v and gated
-  fc1 blocks) equal one process to 1e-5, with the preconditioner on.
+- One launch: the layer-wise optimizer (DP=2), FSDP2 and Megatron-FSDP (2 ranks, uneven row shards) on
+  the GPT (q/k/v and gated fc1 blocks) equal one process to 1e-5, with the preconditioner on.
 """
+
+import dataclasses
 
 import torch.distributed as dist
 
@@ -37,7 +39,7 @@ def test_tp_modes_equal_tp1(run_distributed) -> None:
         assert result["preconditioner's effect"] > 1e-3
 
 
-def _layer_wise_and_fsdp2_body(rank: int, world_size: int) -> dict:
+def _layer_wise_and_fsdp_body(rank: int, world_size: int) -> dict:
     from tests.unit.library.distributed import test_layer_wise_gpt as layer_wise
 
     muon = layer_wise.MUON  # the workers outlive this test: put the module's config back
@@ -48,10 +50,23 @@ def _layer_wise_and_fsdp2_body(rank: int, world_size: int) -> dict:
     finally:
         layer_wise.MUON = muon
     return {"layer-wise": {n: (v[0] - got["params"][n][0]).abs().max().item() for n, v in reference["params"].items()},
-            "fsdp2": fsdp2_errors(rank, world_size, {"muon_aol_preconditioner": True})}
+            "fsdp2": fsdp2_errors(rank, world_size, {"muon_aol_preconditioner": True}),
+            "megatron-fsdp": _megatron_fsdp_errors(rank, world_size)}
 
 
-def test_layer_wise_and_fsdp2_equal_one_process(run_distributed) -> None:
-    for result in run_distributed(_layer_wise_and_fsdp2_body, world_size=2, timeout=600):
+def _megatron_fsdp_errors(rank: int, world_size: int) -> dict:
+    """Megatron-FSDP (uneven row shards, each matrix orthogonalized by its owner) against one process."""
+    from tests.unit.library.distributed import test_megatron_fsdp as megatron_fsdp
+
+    config_for = megatron_fsdp.config_for  # the workers outlive this test: put the module's function back
+    megatron_fsdp.config_for = lambda name: dataclasses.replace(config_for(name), muon_aol_preconditioner=True)
+    try:
+        return megatron_fsdp.train_both("muon", rank, world_size)["errors"]
+    finally:
+        megatron_fsdp.config_for = config_for
+
+
+def test_layer_wise_fsdp2_and_megatron_fsdp_equal_one_process(run_distributed) -> None:
+    for result in run_distributed(_layer_wise_and_fsdp_body, world_size=2, timeout=600):
         for engine, errors in result.items():
             assert max(errors.values()) <= 1e-5, (engine, errors)
