@@ -51,6 +51,13 @@ def _value(config: Any, name: str) -> Any:
     return getattr(config, name, None)
 
 
+def _boolean(config: Any, name: str) -> Any:
+    """The field's value (None: not given yet), after checking that it is True or False."""
+    value = _value(config, name)
+    _require(value is None or isinstance(value, bool), f"OptimizerConfig.{name} must be True or False; got {value!r}.")
+    return value
+
+
 def _known(config: Any, *names: str) -> bool:
     return all(_value(config, name) is not None for name in names)
 
@@ -120,9 +127,7 @@ def _check_muon(config: Any) -> None:
         _require(config.muon_scale_mode == "spectral",
                  f"OptimizerConfig.muon_match_adamw_rms needs muon_scale_mode='spectral' (the rule is "
                  f"0.2 * sqrt(max(m, n))); got muon_scale_mode={config.muon_scale_mode!r}.")
-    gram = _value(config, "muon_gram_newton_schulz")
-    _require(gram is None or isinstance(gram, bool),
-             f"OptimizerConfig.muon_gram_newton_schulz must be True or False; got {gram!r}.")
+    gram = _boolean(config, "muon_gram_newton_schulz")
     if gram and _known(config, "optimizer"):
         _require(config.optimizer in GRAM_NEWTON_SCHULZ_OPTIMIZERS,
                  f"OptimizerConfig.muon_gram_newton_schulz=True is implemented for optimizer "
@@ -141,10 +146,7 @@ def _check_muon(config: Any) -> None:
 
 
 def _check_gram_package(config: Any) -> None:
-    package = _value(config, "muon_gram_newton_schulz_package")
-    _require(package is None or isinstance(package, bool),
-             f"OptimizerConfig.muon_gram_newton_schulz_package must be True or False; got {package!r}.")
-    if not package:
+    if not _boolean(config, "muon_gram_newton_schulz_package"):
         return
     _require(_value(config, "muon_gram_newton_schulz") is not False,
              "OptimizerConfig.muon_gram_newton_schulz_package=True needs muon_gram_newton_schulz=True (the "
@@ -156,10 +158,7 @@ def _check_gram_package(config: Any) -> None:
 
 
 def _check_aol_preconditioner(config: Any) -> None:
-    aol = _value(config, "muon_aol_preconditioner")
-    _require(aol is None or isinstance(aol, bool),
-             f"OptimizerConfig.muon_aol_preconditioner must be True or False; got {aol!r}.")
-    if not aol:
+    if not _boolean(config, "muon_aol_preconditioner"):
         return
     if _known(config, "optimizer"):
         _require(config.optimizer in AOL_OPTIMIZERS,

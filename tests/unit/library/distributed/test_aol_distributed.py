@@ -11,7 +11,13 @@ import dataclasses
 
 import torch.distributed as dist
 
-from tests.unit.library.distributed.test_gram_newton_schulz_distributed import MATRICES, fsdp2_errors, run_muon, shard
+from tests.unit.library.distributed.test_gram_newton_schulz_distributed import (
+    MATRICES,
+    fsdp2_errors,
+    layer_wise_errors,
+    run_muon,
+    shard,
+)
 
 TURBO = {"aol_preconditioner": True, "coefficient_type": "quintic", "num_ns_steps": 4}
 
@@ -40,17 +46,9 @@ def test_tp_modes_equal_tp1(run_distributed) -> None:
 
 
 def _layer_wise_and_fsdp_body(rank: int, world_size: int) -> dict:
-    from tests.unit.library.distributed import test_layer_wise_gpt as layer_wise
-
-    muon = layer_wise.MUON  # the workers outlive this test: put the module's config back
-    layer_wise.MUON = {**muon, "muon_aol_preconditioner": True}
-    try:
-        reference = layer_wise.train_reference(world_size)
-        got = layer_wise.train_layer_wise(1, None, reduce_grads=True)
-    finally:
-        layer_wise.MUON = muon
-    return {"layer-wise": {n: (v[0] - got["params"][n][0]).abs().max().item() for n, v in reference["params"].items()},
-            "fsdp2": fsdp2_errors(rank, world_size, {"muon_aol_preconditioner": True}),
+    turbo = {"muon_aol_preconditioner": True}
+    return {"layer-wise": layer_wise_errors(world_size, turbo),
+            "fsdp2": fsdp2_errors(rank, world_size, turbo),
             "megatron-fsdp": _megatron_fsdp_errors(rank, world_size)}
 
 

@@ -68,17 +68,23 @@ def test_blockwise_chooses_per_shard(run_distributed) -> None:
         assert result["paths"]["column"] == ("gram",)
 
 
-def _layer_wise_body(rank: int, world_size: int) -> dict:
+def layer_wise_errors(world_size: int, fields: dict) -> dict:
+    """The layer-wise optimizer (DP=`world_size`) against one process on the GPT of
+    test_layer_wise_gpt.py, Muon with `fields` set."""
     from tests.unit.library.distributed import test_layer_wise_gpt as layer_wise
 
     muon = layer_wise.MUON  # the workers outlive this test: put the module's config back
-    layer_wise.MUON = {**muon, "muon_gram_newton_schulz": True}
+    layer_wise.MUON = {**muon, **fields}
     try:
         reference = layer_wise.train_reference(world_size)
         got = layer_wise.train_layer_wise(1, None, reduce_grads=True)
     finally:
         layer_wise.MUON = muon
     return {n: (v[0] - got["params"][n][0]).abs().max().item() for n, v in reference["params"].items()}
+
+
+def _layer_wise_body(rank: int, world_size: int) -> dict:
+    return layer_wise_errors(world_size, {"muon_gram_newton_schulz": True})
 
 
 def test_layer_wise_equals_non_distributed(run_distributed) -> None:

@@ -320,6 +320,16 @@ def _parse_megatron_lm(argv: str, rank: int, world_size: int):
             return parse_megatron_lm(argv, rank, world_size)
 
 
+def megatron_lm_alone(argv: str, rank: int, world_size: int) -> str:
+    """'accepted', or Megatron-LM's own refusal (an AssertionError in its validate_args), of `argv`
+    parsed without megatron_lm.install()."""
+    try:
+        _parse_megatron_lm(argv, rank, world_size)
+        return "accepted"
+    except AssertionError as error:
+        return str(error)
+
+
 def _megatron_lm_body(rank: int, world_size: int) -> dict:
     """Megatron-LM's parse_args + validate_args (as its pretrain_gpt.py runs them) without and with
     megatron_lm.install(); with it, the optimizer Megatron-LM's setup would build, on a Megatron-FSDP GPT."""
@@ -328,12 +338,7 @@ def _megatron_lm_body(rank: int, world_size: int) -> dict:
 
     argv = (f"{MODEL_FLAGS} --optimizer muon --lr 0.02 --use-megatron-fsdp --data-parallel-sharding-strategy "
             f"optim_grads_params --ckpt-format fsdp_dtensor")
-    result = {}
-    try:
-        _parse_megatron_lm(argv, rank, world_size)
-        result["without"] = "accepted"
-    except AssertionError as error:  # Megatron-LM's own refusal
-        result["without"] = str(error)
+    result = {"without": megatron_lm_alone(argv, rank, world_size)}
     with megatron_lm.installed():
         args = _parse_megatron_lm(argv, rank, world_size)
         result["args"] = (args.optimizer, args.use_layer_wise_distributed_optimizer, args.use_distributed_optimizer)
