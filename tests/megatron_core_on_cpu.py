@@ -6,6 +6,7 @@ the reference: its CUDA-only calls patched at run time, here only (the installed
   DistributedOptimizer's gather of the state for a `fully_reshardable` save (`.cuda()` stays on CPU).
 - `cuda_named_types`: while its DistributedOptimizer or Float16OptimizerWithFloat16Params is built,
   which check parameter types by name.
+- `megatron_core_steps_on_cpu`: its `optimizer.step()` (gradient norm and clipping).
 - `distributed_optimizer_loads_on_cpu`: its DistributedOptimizer's load with torch's Adam.
 """
 
@@ -29,6 +30,26 @@ def cuda_tensors_on_cpu():
         yield
     finally:
         torch.tensor = original
+
+
+@contextlib.contextmanager
+def megatron_core_steps_on_cpu():
+    """megatron-core's `optimizer.step()`: its gradient norm and clipping make their buffers with
+    `torch.zeros(..., device='cuda')` (here on CPU) and check that each gradient's `type()` is
+    `torch.cuda.FloatTensor` (here the CPU type with that name: `cuda_named_types`)."""
+    original = torch.zeros
+
+    def zeros(*args, **kwargs):
+        if kwargs.get("device") == "cuda":
+            kwargs["device"] = "cpu"
+        return original(*args, **kwargs)
+
+    torch.zeros = zeros
+    try:
+        with cuda_tensors_on_cpu(), cuda_named_types():
+            yield
+    finally:
+        torch.zeros = original
 
 
 @contextlib.contextmanager

@@ -1,0 +1,109 @@
+"""Model chunks whose megatron-core DDP reduce-scatters their gradients: megatron-core's own
+DistributedOptimizer steps them.
+
+megatron-core's DistributedDataParallel built with `ddp_config.use_distributed_optimizer=True`
+(Megatron-LM's `--use-distributed-optimizer`) reduce-scatters each gradient bucket, so a rank
+holds correct gradients only for its byte shard of each bucket. megatron-core's DistributedOptimizer
+is the optimizer written for exactly that contract: it keeps the fp32 main copies and the state of
+its shard, steps them, and all-gathers the parameters through the DDP's buffers. For an
+elementwise optimizer (adam, sgd) the factory builds that object through megatron-core's own
+`get_megatron_optimizer`, so its steps, memory and checkpoints (`dp_reshardable`,
+`fully_reshardable`, `--ckpt-format torch`) are megatron-core's. An optimizer that needs whole
+matrices (Muon's family) cannot step byte shards: refused, saying how to get whole gradients.
+"""
+
+import dataclasses
+from typing import Any, Mapping, Optional
+
+import torch
+
+# What megatron-core 0.19.2's DistributedOptimizer steps through its own factory.
+BYTE_SHARDED_OPTIMIZERS = ("adam", "sgd")
+# Our fields megatron-core's optimizer has no counterpart for: refused there rather than ignored.
+_FIELDS_WITHOUT_MEGATRON_CORE_SUPPORT = ("qk_clip", "log_max_attention_logit")
+
+
+def reduce_scattering_chunks(chunks: list[torch.nn.Module]) -> list[int]:
+    """Indices of the chunks whose megatron-core DDP reduce-scatters gradients (Megatron-FSDP,
+    which also sets the flag, shards parameters instead and is handled elsewhere)."""
+    indices = []
+    for index, chunk in enumerate(chunks):
+        ddp_config = getattr(chunk, "ddp_config", None)
+        if (ddp_config is not None and getattr(ddp_config, "use_distributed_optimizer", False)
+                and not getattr(ddp_config, "use_megatron_fsdp", False)):
+            indices.append(index)
+    return indices
+
+
+def check_byte_sharded_config(config: Any, chunks: list[torch.nn.Module], matrix_optimizer: bool) -> None:
+    """Refuse what cannot step reduce-scattered gradients, saying what to do instead."""
+    scattering = reduce_scattering_chunks(chunks)
+    if len(scattering) != len(chunks):
+        raise ValueError(f"model chunks {scattering} reduce-scatter their gradients (megatron-core DDP with "
+                         f"ddp_config.use_distributed_optimizer=True) and the others do not; build every chunk's "
+                         f"DDP with the same ddp_config.")
+    if config.use_layer_wise_distributed_optimizer:
+        raise ValueError(_whole_gradients_message(config, matrix_optimizer))
+    if config.optimizer not in BYTE_SHARDED_OPTIMIZERS:
+        raise ValueError(
+            f"optimizer {config.optimizer!r} with a DDP that reduce-scatters gradients "
+            f"(ddp_config.use_distributed_optimizer=True): megatron-core's DistributedOptimizer, which "
+            f"steps those byte shards, runs {', '.join(BYTE_SHARDED_OPTIMIZERS)} only. For {config.optimizer!r} "
+            f"build DDP with use_distributed_optimizer=False (it then all-reduces) and set "
+            f"OptimizerConfig.use_layer_wise_distributed_optimizer=True.")
+    if not config.use_distributed_optimizer:
+        raise ValueError(
+            "model chunk 0 is wrapped in megatron-core's DistributedDataParallel with "
+            "ddp_config.use_distributed_optimizer=True, which leaves each rank the gradients of its "
+            "bucket shard only; a non-distributed optimizer would step the other elements with partial "
+            "gradients. Set OptimizerConfig.use_distributed_optimizer=True, or build DDP with "
+            "use_distributed_optimizer=False.")
+    unsupported = [name for name in _FIELDS_WITHOUT_MEGATRON_CORE_SUPPORT if getattr(config, name, False)]
+    if unsupported:
+        raise ValueError(f"{', '.join(f'OptimizerConfig.{name}=True' for name in unsupported)} is not supported "
+                         f"by megatron-core's DistributedOptimizer, which steps reduce-scattered gradients; turn "
+                         f"it off, or build DDP with use_distributed_optimizer=False and use the layer-wise optimizer.")
+    for index, chunk in enumerate(chunks):
+        if not hasattr(chunk, "buffers") or not hasattr(chunk, "bucket_size"):
+            raise ValueError(f"model chunk {index} carries ddp_config.use_distributed_optimizer=True but is not "
+                             f"megatron-core's DistributedDataParallel (it has no gradient buffers), which "
+                             f"megatron-core's DistributedOptimizer steps; wrap it in DistributedDataParallel, or "
+                             f"set ddp_config.use_distributed_optimizer=False.")
+
+
+def _whole_gradients_message(config: Any, matrix_optimizer: bool) -> str:
+    kind = "whole matrices" if matrix_optimizer else "whole parameters"
+    return (
+        f"optimizer {config.optimizer!r} with the layer-wise distributed optimizer steps {kind}, but the "
+        f"model chunks are wrapped in megatron-core's DistributedDataParallel with "
+        f"ddp_config.use_distributed_optimizer=True, which reduce-scatters gradients into byte shards. Build "
+        f"DDP with use_distributed_optimizer=False (it then all-reduces whole gradients); in Megatron-LM's "
+        f"loop add --no-use-layer-wise-param-layout, with which it builds DDP so for "
+        f"--optimizer {config.optimizer} --use-distributed-optimizer."
+    )
+
+
+def megatron_core_distributed_optimizer(
+    config: Any,
+    chunks: list[torch.nn.Module],
+    config_overrides: Optional[Mapping[Any, Mapping[str, Any]]],
+    use_gloo_process_groups: bool,
+    pg_collection: Any,
+    dump_param_to_param_group_map: Optional[str],
+) -> Any:
+    """megatron-core's ChainedOptimizer of DistributedOptimizers, as its own factory builds it for
+    `config` (which must have passed `check_byte_sharded_config`)."""
+    from megatron.core.optimizer import OptimizerConfig as MegatronCoreConfig
+    from megatron.core.optimizer import get_megatron_optimizer as megatron_core_get_megatron_optimizer
+
+    if pg_collection is not None and not hasattr(pg_collection, "dp_cp"):
+        raise TypeError(f"megatron-core's DistributedOptimizer takes megatron-core's ProcessGroupCollection as "
+                        f"pg_collection (or None for its parallel_state); got {type(pg_collection).__name__}.")
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(MegatronCoreConfig)
+              if f.init and hasattr(config, f.name)}
+    core_config = MegatronCoreConfig(**{**values, "use_layer_wise_distributed_optimizer": False})
+    # Our ParamKeys match parameters as megatron-core's do (`matches(param, name)`); None gives
+    # megatron-core's standard overrides, which are ours.
+    return megatron_core_get_megatron_optimizer(
+        core_config, chunks, config_overrides=config_overrides, use_gloo_process_groups=use_gloo_process_groups,
+        pg_collection=pg_collection, dump_param_to_param_group_map=dump_param_to_param_group_map)

