@@ -42,18 +42,11 @@ def check_byte_sharded_config(config: Any, chunks: list[torch.nn.Module], matrix
         raise ValueError(f"model chunks {scattering} reduce-scatter their gradients (megatron-core DDP with "
                          f"ddp_config.use_distributed_optimizer=True) and the others do not; build every chunk's "
                          f"DDP with the same ddp_config.")
-    if config.use_layer_wise_distributed_optimizer:
+    if config.use_layer_wise_distributed_optimizer or config.optimizer not in BYTE_SHARDED_OPTIMIZERS:
         raise ValueError(_whole_gradients_message(config, matrix_optimizer))
-    if config.optimizer not in BYTE_SHARDED_OPTIMIZERS:
-        raise ValueError(
-            f"optimizer {config.optimizer!r} with a DDP that reduce-scatters gradients "
-            f"(ddp_config.use_distributed_optimizer=True): megatron-core's DistributedOptimizer, which "
-            f"steps those byte shards, runs {', '.join(BYTE_SHARDED_OPTIMIZERS)} only. For {config.optimizer!r} "
-            f"build DDP with use_distributed_optimizer=False (it then all-reduces) and set "
-            f"OptimizerConfig.use_layer_wise_distributed_optimizer=True.")
     if not config.use_distributed_optimizer:
         raise ValueError(
-            "model chunk 0 is wrapped in megatron-core's DistributedDataParallel with "
+            "the model chunks are wrapped in megatron-core's DistributedDataParallel with "
             "ddp_config.use_distributed_optimizer=True, which leaves each rank the gradients of its "
             "bucket shard only; a non-distributed optimizer would step the other elements with partial "
             "gradients. Set OptimizerConfig.use_distributed_optimizer=True, or build DDP with "
@@ -66,21 +59,29 @@ def check_byte_sharded_config(config: Any, chunks: list[torch.nn.Module], matrix
     for index, chunk in enumerate(chunks):
         if not hasattr(chunk, "buffers") or not hasattr(chunk, "bucket_size"):
             raise ValueError(f"model chunk {index} carries ddp_config.use_distributed_optimizer=True but is not "
-                             f"megatron-core's DistributedDataParallel (it has no gradient buffers), which "
+                             f"megatron-core's DistributedDataParallel (it has no gradient buckets), whose buckets "
                              f"megatron-core's DistributedOptimizer steps; wrap it in DistributedDataParallel, or "
                              f"set ddp_config.use_distributed_optimizer=False.")
 
 
 def _whole_gradients_message(config: Any, matrix_optimizer: bool) -> str:
-    kind = "whole matrices" if matrix_optimizer else "whole parameters"
-    return (
-        f"optimizer {config.optimizer!r} with the layer-wise distributed optimizer steps {kind}, but the "
-        f"model chunks are wrapped in megatron-core's DistributedDataParallel with "
-        f"ddp_config.use_distributed_optimizer=True, which reduce-scatters gradients into byte shards. Build "
-        f"DDP with use_distributed_optimizer=False (it then all-reduces whole gradients); in Megatron-LM's "
-        f"loop add --no-use-layer-wise-param-layout, with which it builds DDP so for "
-        f"--optimizer {config.optimizer} --use-distributed-optimizer."
-    )
+    """Megatron-LM builds DDP to all-reduce for an emerging optimizer with
+    --no-use-layer-wise-param-layout; by default (megatron-core 0.19) it reduce-scatters."""
+    needs = "whole matrices" if matrix_optimizer else "whole parameters"
+    if config.optimizer in BYTE_SHARDED_OPTIMIZERS:  # asked for the layer-wise optimizer itself
+        return (f"the layer-wise distributed optimizer steps whole parameters, but the model chunks are wrapped in "
+                f"megatron-core's DistributedDataParallel with ddp_config.use_distributed_optimizer=True, which "
+                f"reduce-scatters gradients into byte shards. For {config.optimizer!r} set "
+                f"OptimizerConfig.use_distributed_optimizer=True with use_layer_wise_distributed_optimizer=False "
+                f"(megatron-core's DistributedOptimizer steps those shards), or build DDP with "
+                f"use_distributed_optimizer=False (it then all-reduces).")
+    return (f"optimizer {config.optimizer!r} steps {needs}, but the model chunks are wrapped in megatron-core's "
+            f"DistributedDataParallel with ddp_config.use_distributed_optimizer=True, which reduce-scatters "
+            f"gradients into byte shards (megatron-core's DistributedOptimizer steps such shards for "
+            f"{' and '.join(BYTE_SHARDED_OPTIMIZERS)} only). Build DDP with use_distributed_optimizer=False (it "
+            f"then all-reduces) and keep OptimizerConfig.use_distributed_optimizer=True (the layer-wise "
+            f"distributed optimizer); in Megatron-LM's loop add --no-use-layer-wise-param-layout to "
+            f"--optimizer {config.optimizer} --use-distributed-optimizer, with which it builds DDP so.")
 
 
 def megatron_core_distributed_optimizer(

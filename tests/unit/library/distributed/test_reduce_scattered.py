@@ -139,3 +139,81 @@ def test_adam_steps_reduce_scattered_shards_as_megatron_core(run_distributed, bf
         assert result["from_plain"] < (1e-2 if bf16 else 1e-5), result["from_plain"]
     states = [r["state"] for r in results]
     assert sum(states) == results[0]["plain_state"] and max(states) <= 0.55 * results[0]["plain_state"], states
+
+
+# ------------------------------------------------------------------------------------------------
+# Checkpoints: one saves, the other loads and continues as the saver continues
+# ------------------------------------------------------------------------------------------------
+
+SAVED_STEPS, MORE_STEPS = 2, 2
+SHARDED_FORMATS = ("fully_reshardable", "dp_reshardable")
+
+
+def _sharded(run: Run, sharding_type: str, is_loading: bool = False) -> dict:
+    model = run.model.sharded_state_dict()
+    metadata = {"distrib_optim_sharding_type": sharding_type, "chained_optim_avoid_prefix": True,
+                "singleton_local_shards": False}  # as Megatron-LM passes them
+    return {"model": model, "optimizer": run.optimizer.sharded_state_dict(model, is_loading=is_loading,
+                                                                          metadata=metadata)}
+
+
+def _save(run: Run, how: str, directory: str) -> None:
+    """torch_dist (`how` a sharding type) or Megatron-LM's --ckpt-format torch (`how` 'torch')."""
+    import os
+
+    import torch.distributed as dist
+
+    from tests.unit.library.checkpointing.test_megatron_sharded import _megatron_save
+
+    if how == "torch":
+        torch.save({"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict()},
+                   os.path.join(directory, f"rank_{dist.get_rank()}.pt"))
+        run.optimizer.save_parameter_state(os.path.join(directory, "distrib_optim.pt"))
+        dist.barrier()
+    else:
+        _megatron_save(_sharded(run, how), directory)
+
+
+def _load(run: Run, how: str, directory: str) -> None:
+    import os
+
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    with distributed_optimizer_loads_on_cpu():  # its load with torch's Adam (tests/megatron_core_on_cpu.py)
+        if how == "torch":
+            saved = torch.load(os.path.join(directory, f"rank_{dist.get_rank()}.pt"), weights_only=False)
+            run.model.load_state_dict(saved["model"])
+            run.optimizer.load_state_dict(saved["optimizer"])
+            with torch.no_grad():  # it copies fp32 main shards into views of the parameters, as its load does
+                run.optimizer.load_parameter_state(os.path.join(directory, "distrib_optim.pt"))
+        else:
+            state = dist_checkpointing.load(_sharded(run, how, is_loading=True), directory)
+            run.model.load_state_dict(state["model"])
+            run.optimizer.load_state_dict(state["optimizer"])
+
+
+def _checkpoint_body(rank: int, world_size: int, saver: str, loader: str, how: str, directory: str) -> dict:
+    """`saver` trains SAVED_STEPS and saves, then continues; `loader` (trained as many steps on other
+    data, so that torch's lazy Adam state and per-parameter step exist as in the saver) loads and
+    continues on the saver's data."""
+    with model_parallel(1, seed=3), megatron_core_ddp_on_cpu():
+        saving = Run(saver)
+        saving.train(range(SAVED_STEPS))
+        _save(saving, how, directory)
+        saving.train(range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS))
+        expected = saving.params()
+        loading = Run(loader)
+        loading.train(range(1000, 1000 + SAVED_STEPS))
+        differs_before = bool(_differences(expected, loading.params()))
+        _load(loading, how, directory)
+        loading.train(range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS))
+        return {"differs_before": differs_before, "differences": _differences(expected, loading.params())}
+
+
+@pytest.mark.parametrize("how", [*SHARDED_FORMATS, "torch"])
+@pytest.mark.parametrize("saver,loader", [("core", "ours"), ("ours", "core")])
+def test_checkpoints_load_into_the_other_and_continue(run_distributed, tmp_path, saver, loader, how) -> None:
+    results = run_distributed(_checkpoint_body, world_size=2, args=(saver, loader, how, str(tmp_path)), timeout=600)
+    for rank, result in enumerate(results):
+        assert result["differs_before"] and result["differences"] == [], (rank, result["differences"][:5])
