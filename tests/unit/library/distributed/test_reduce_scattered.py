@@ -217,3 +217,153 @@ def test_checkpoints_load_into_the_other_and_continue(run_distributed, tmp_path,
     results = run_distributed(_checkpoint_body, world_size=2, args=(saver, loader, how, str(tmp_path)), timeout=600)
     for rank, result in enumerate(results):
         assert result["differs_before"] and result["differences"] == [], (rank, result["differences"][:5])
+
+
+# ------------------------------------------------------------------------------------------------
+# Refusals, in one line each, before anything is built
+# ------------------------------------------------------------------------------------------------
+
+
+def _carrying_ddp_config(use_distributed_optimizer: bool = True, **attributes) -> torch.nn.Module:
+    """A module with megatron-core DDP's `ddp_config` (and `attributes`, e.g. its buffers)."""
+    model = torch.nn.Linear(4, 4)
+    model.ddp_config = types.SimpleNamespace(use_distributed_optimizer=use_distributed_optimizer,
+                                             use_megatron_fsdp=False)
+    for name, value in attributes.items():
+        setattr(model, name, value)
+    return model
+
+
+DDP_LIKE = dict(buffers=[], bucket_size=None)  # passes the chunk check; every refusal below comes first
+REFUSALS = [
+    ("muon", dict(optimizer="muon", use_distributed_optimizer=True), DDP_LIKE,
+     r"optimizer 'muon' steps whole matrices.*reduce-scatters.*--no-use-layer-wise-param-layout"),
+    ("muon-layer-wise", dict(optimizer="muon", use_layer_wise_distributed_optimizer=True), DDP_LIKE,
+     r"optimizer 'muon' steps whole matrices.*Build DDP with use_distributed_optimizer=False"),
+    ("dist_muon", dict(optimizer="dist_muon"), DDP_LIKE, r"optimizer 'muon' steps whole matrices"),
+    ("lion", dict(optimizer="lion", use_distributed_optimizer=True), DDP_LIKE,
+     r"optimizer 'lion' steps whole parameters.*adam and sgd only"),
+    ("adam-layer-wise", dict(optimizer="adam", use_layer_wise_distributed_optimizer=True), DDP_LIKE,
+     r"layer-wise distributed optimizer steps whole parameters.*use_layer_wise_distributed_optimizer=False"),
+    ("adam-not-distributed", dict(optimizer="adam"), DDP_LIKE,
+     r"bucket shard only.*Set OptimizerConfig\.use_distributed_optimizer=True"),
+    ("qk-clip", dict(optimizer="adam", use_distributed_optimizer=True, log_max_attention_logit=True), DDP_LIKE,
+     r"log_max_attention_logit=True is not supported by megatron-core's DistributedOptimizer"),
+    ("not-ddp", dict(optimizer="adam", use_distributed_optimizer=True), {},
+     r"model chunk 0 carries ddp_config\.use_distributed_optimizer=True but is not megatron-core's "
+     r"DistributedDataParallel"),
+]
+
+
+@pytest.mark.parametrize("fields,attributes,message", [r[1:] for r in REFUSALS], ids=[r[0] for r in REFUSALS])
+def test_what_cannot_step_reduce_scattered_gradients_is_refused(fields, attributes, message) -> None:
+    from megatron_eopt import OptimizerConfig, get_megatron_optimizer
+
+    config = OptimizerConfig(lr=0.01, **fields)
+    with pytest.warns(DeprecationWarning) if fields["optimizer"] == "dist_muon" else _nothing():
+        with pytest.raises(ValueError, match=message) as raised:
+            get_megatron_optimizer(config, _carrying_ddp_config(**attributes))
+    assert "\n" not in str(raised.value)
+
+
+def test_chunks_that_disagree_on_reduce_scattering_are_refused() -> None:
+    from megatron_eopt import OptimizerConfig, get_megatron_optimizer
+
+    chunks = [_carrying_ddp_config(**DDP_LIKE), _carrying_ddp_config(False, **DDP_LIKE)]
+    with pytest.raises(ValueError, match=r"model chunks \[0\] reduce-scatter .* and the others do not"):
+        get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=0.01, use_distributed_optimizer=True), chunks)
+
+
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+# ------------------------------------------------------------------------------------------------
+# Megatron-LM's command line, with its own DDP wrapping (get_model's), after install()
+# ------------------------------------------------------------------------------------------------
+
+
+def _megatron_lm_run(argv: str, rank: int, world_size: int, ours: bool) -> dict:
+    """Megatron-LM's arguments, its DDP as `get_model` wraps it, its optimizer factory (ours when
+    `ours`, through install()), then its step: the class it builds, and the parameters after each
+    step, or the ValueError it raises."""
+    import megatron.training.training as megatron_lm_training
+    import torch.distributed as dist
+    from megatron.training import global_vars
+
+    from megatron_eopt.integrations import megatron_lm
+    from tests.unit.library.integrations.test_megatron_lm_args import fixed_batch, model_from_args, parse_megatron_lm
+
+    args = parse_megatron_lm(argv, rank, world_size)
+    global_vars.set_args(args)
+    try:
+        model = model_from_args(args)
+        ddp_config = megatron_lm_training.get_megatron_ddp_config(args)
+        (ddp,) = megatron_lm_training.wrap_model_chunks_with_ddp(
+            [model], model.config, ddp_config,
+            use_layer_wise_distributed_optimizer=args.use_layer_wise_distributed_optimizer,
+            use_layer_wise_param_layout=args.use_layer_wise_param_layout)
+        config, config_overrides = megatron_lm_training.get_megatron_optimizer_config(args)
+        with megatron_lm.installed() if ours else _nothing(), cuda_named_types():
+            try:
+                optimizer = megatron_lm_training.get_megatron_optimizer(config, [ddp], config_overrides=config_overrides)
+            except ValueError as error:
+                return {"error": str(error)}
+        tokens = fixed_batch(args).chunk(world_size)[dist.get_rank()]
+        params = []
+        for _ in range(3):
+            ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            step_loss(ddp, tokens).backward()
+            ddp.finish_grad_sync()
+            with megatron_core_steps_on_cpu():
+                assert optimizer.step()[0]
+            params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        return {"ddp_reduce_scatters": ddp_config.use_distributed_optimizer, "class": type(optimizer).__name__,
+                "children": [type(c).__name__ for c in getattr(optimizer, "chained_optimizers", [])], "params": params}
+    finally:
+        global_vars.set_args(None)
+
+
+def _megatron_lm_body(rank: int, world_size: int) -> dict:
+    from megatron_eopt.training.model.gpt import destroy_model_parallel, initialize_model_parallel
+    from tests.unit.library.integrations.test_megatron_lm_args import ADAM, MODEL_FLAGS, MUON, SEED
+
+    runs = {"adam": (f"{MODEL_FLAGS} {ADAM} --use-distributed-optimizer", True),
+            "adam-core": (f"{MODEL_FLAGS} {ADAM} --use-distributed-optimizer", False),
+            # megatron-core's DistributedOptimizer writes its parameter-state files itself
+            "adam-torch-format": (f"{MODEL_FLAGS} {ADAM} --use-distributed-optimizer --ckpt-format torch", True),
+            "muon": (f"{MODEL_FLAGS} {MUON} --use-distributed-optimizer", True),
+            "muon-whole": (f"{MODEL_FLAGS} {MUON} --use-distributed-optimizer --no-use-layer-wise-param-layout", True)}
+    results = {}
+    for name, (argv, ours) in runs.items():
+        initialize_model_parallel(1, seed=SEED)
+        try:
+            with megatron_core_ddp_on_cpu():
+                results[name] = _megatron_lm_run(argv, rank, world_size, ours)
+        finally:
+            destroy_model_parallel()
+    return results
+
+
+def test_megatron_lm_command_lines_with_its_ddp(run_distributed) -> None:
+    """`--optimizer adam --use-distributed-optimizer`: megatron-core's DistributedOptimizer, equal
+    bitwise after each step to Megatron-LM without install(), with `--ckpt-format torch` too. `--optimizer muon
+    --use-distributed-optimizer`: megatron-core 0.19.2's Megatron-LM builds DDP to reduce-scatter
+    (its shard-aligned layer-wise layout): refused in one line that names the flag with which it
+    all-reduces; with that flag ours builds the layer-wise optimizer, and DP replicas stay equal."""
+    per_rank = run_distributed(_megatron_lm_body, world_size=2, timeout=600)
+    for rank, results in enumerate(per_rank):
+        adam, core = results["adam"], results["adam-core"]
+        assert adam["ddp_reduce_scatters"] and adam["children"] == ["DistributedOptimizer"], adam.get("children")
+        assert all(not _differences(c, o) for c, o in zip(core["params"], adam["params"])), rank
+        assert _differences(adam["params"][0], adam["params"][-1])  # it trained
+        assert results["adam-torch-format"]["children"] == ["DistributedOptimizer"], results["adam-torch-format"]
+        message = results["muon"]["error"]
+        assert "--no-use-layer-wise-param-layout" in message and "\n" not in message, message
+        whole = results["muon-whole"]
+        assert not whole["ddp_reduce_scatters"] and whole["class"] == "LayerWiseDistributedOptimizer", whole
+    replicas = [results["muon-whole"]["params"][-1] for results in per_rank]
+    assert not _differences(*replicas) and _differences(per_rank[0]["muon-whole"]["params"][0], replicas[0])
