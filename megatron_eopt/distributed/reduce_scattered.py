@@ -24,13 +24,16 @@ _FIELDS_WITHOUT_MEGATRON_CORE_SUPPORT = ("qk_clip", "log_max_attention_logit")
 
 
 def reduce_scattering_chunks(chunks: list[torch.nn.Module]) -> list[int]:
-    """Indices of the chunks whose megatron-core DDP reduce-scatters gradients (Megatron-FSDP,
-    which also sets the flag, shards parameters instead and is handled elsewhere)."""
+    """Indices of the chunks whose megatron-core DDP reduce-scatters gradients. Megatron-FSDP, which
+    also sets the flag, shards the parameters themselves (DTensors; distributed/fsdp2.py steps them)."""
+    from torch.distributed.tensor import DTensor
+
     indices = []
     for index, chunk in enumerate(chunks):
         ddp_config = getattr(chunk, "ddp_config", None)
         if (ddp_config is not None and getattr(ddp_config, "use_distributed_optimizer", False)
-                and not getattr(ddp_config, "use_megatron_fsdp", False)):
+                and not getattr(ddp_config, "use_megatron_fsdp", False)
+                and not any(isinstance(p, DTensor) for p in chunk.parameters())):
             indices.append(index)
     return indices
 
