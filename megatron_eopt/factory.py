@@ -24,11 +24,7 @@ from megatron_eopt.distributed.fsdp2 import (
     fully_sharded_layout,
 )
 from megatron_eopt.distributed.layer_wise import DataParallelShards, LayerWiseDistributedOptimizer
-from megatron_eopt.distributed.reduce_scattered import (
-    check_byte_sharded_config,
-    megatron_core_distributed_optimizer,
-    reduce_scattering_chunks,
-)
+from megatron_eopt.distributed.reduce_scattered import check_byte_sharded_config, reduce_scattering_chunks
 from megatron_eopt.runtime.process_groups import ParallelGroups, group_rank, group_size, resolve_parallel_groups
 from megatron_eopt.runtime.once import first_time, warn_once
 from megatron_eopt.ops.ownership import assign_owners
@@ -80,10 +76,8 @@ def get_megatron_optimizer(
         dump_param_to_param_group_map: a directory; each rank writes which optimizer and
             param group each of its parameters got (`rank_00000.json`, ...).
     Returns:
-        Chunks wrapped in megatron-core's DDP with `ddp_config.use_distributed_optimizer=True`
-        (it reduce-scatters gradients): megatron-core's own ChainedOptimizer of DistributedOptimizers
-        for adam and sgd, built by its factory (distributed/reduce_scattered.py).
-        Otherwise a ChainedOptimizer; a stub (`is_stub_optimizer`, no children, its step a no-op) when the
+        For chunks in megatron-core's DDP that reduce-scatters gradients, what megatron-core's own
+        factory builds (its DistributedOptimizers; adam only). Otherwise a ChainedOptimizer; a stub (`is_stub_optimizer`, no children, its step a no-op) when the
         chunks have no trainable parameter. Children: 'dense' (and 'expert' when the model has experts) for an
         optimizer that takes every parameter; '<optimizer>/dense', '<scalar>/dense' (and
         '.../expert') for one that routes some parameters to the scalar optimizer.
@@ -92,10 +86,9 @@ def get_megatron_optimizer(
     chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
     if not chunks:
         raise ValueError("model_chunks is empty; pass the model (or its list of chunks).")
-    if reduce_scattering_chunks(chunks):  # megatron-core's DDP for its DistributedOptimizer
-        check_byte_sharded_config(config, chunks, lookup_optimizer(config.optimizer).routing != "all")
-        return megatron_core_distributed_optimizer(config, chunks, config_overrides, use_gloo_process_groups,
-                                                   pg_collection, dump_param_to_param_group_map)
+    if reduce_scattering_chunks(chunks):  # megatron-core's DDP built for its DistributedOptimizer
+        return _megatron_core_distributed(config, chunks, config_overrides, use_gloo_process_groups,
+                                          pg_collection, dump_param_to_param_group_map)
     config = _distributed_as_layer_wise(config)
     warn_about_inert_fields(config)
     spec = lookup_optimizer(config.optimizer)
@@ -237,6 +230,33 @@ def _distributed_as_layer_wise(config: OptimizerConfig) -> OptimizerConfig:
             config.optimizer,
         )
     return dataclasses.replace(config, use_distributed_optimizer=False, use_layer_wise_distributed_optimizer=True)
+
+
+def _megatron_core_distributed(
+    config: OptimizerConfig,
+    chunks: list[torch.nn.Module],
+    config_overrides: Optional[Mapping[Any, Mapping[str, Any]]],
+    use_gloo_process_groups: bool,
+    pg_collection: Any,
+    dump_param_to_param_group_map: Optional[str],
+) -> Any:
+    """megatron-core's ChainedOptimizer of DistributedOptimizers, as its own factory builds it for
+    `config`, over chunks whose DDP reduce-scatters (docs/layer-wise.md says why megatron-core's)."""
+    from megatron.core.optimizer import OptimizerConfig as MegatronCoreConfig
+    from megatron.core.optimizer import get_megatron_optimizer as megatron_core_get_megatron_optimizer
+
+    check_byte_sharded_config(config, chunks, lookup_optimizer(config.optimizer).routing != "all")
+    if pg_collection is not None and not hasattr(pg_collection, "dp_cp"):
+        raise TypeError(f"megatron-core's DistributedOptimizer takes megatron-core's ProcessGroupCollection as "
+                        f"pg_collection (or None for its parallel_state); got {type(pg_collection).__name__}.")
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(MegatronCoreConfig)
+              if f.init and hasattr(config, f.name)}
+    # Our ParamKeys match parameters as megatron-core's do (`matches(param, name)`); None gives
+    # megatron-core's standard overrides, which are ours.
+    return megatron_core_get_megatron_optimizer(
+        MegatronCoreConfig(**values), chunks, config_overrides=config_overrides,
+        use_gloo_process_groups=use_gloo_process_groups, pg_collection=pg_collection,
+        dump_param_to_param_group_map=dump_param_to_param_group_map)
 
 
 def _layer_wise(build: _Build) -> LayerWiseDistributedOptimizer:

@@ -6,19 +6,20 @@ megatron-core's DistributedDataParallel built with `ddp_config.use_distributed_o
 holds correct gradients only for its byte shard of each bucket. megatron-core's DistributedOptimizer
 is the optimizer written for exactly that contract: it keeps the fp32 main copies and the state of
 its shard, steps them, and all-gathers the parameters through the DDP's buffers. For an
-elementwise optimizer (adam, sgd) the factory builds that object through megatron-core's own
-`get_megatron_optimizer`, so its steps, memory and checkpoints (`dp_reshardable`,
-`fully_reshardable`, `--ckpt-format torch`) are megatron-core's. An optimizer that needs whole
-matrices (Muon's family) cannot step byte shards: refused, saying how to get whole gradients.
+elementwise optimizer the factory builds that object through megatron-core's own
+`get_megatron_optimizer` (adam: it refuses SGD), so its steps, memory and checkpoints (`dp_reshardable`,
+`fully_reshardable`, `--ckpt-format torch`) are megatron-core's. Here: which chunks reduce-scatter,
+and the refusals (an optimizer that needs whole matrices cannot step byte shards), each saying
+how to get whole gradients instead.
 """
 
-import dataclasses
-from typing import Any, Mapping, Optional
+from typing import Any
 
 import torch
 
-# What megatron-core 0.19.2's DistributedOptimizer steps through its own factory.
-BYTE_SHARDED_OPTIMIZERS = ("adam", "sgd")
+# What megatron-core 0.19.2's DistributedOptimizer steps through its own factory: it asserts that
+# SGD (no state initializer for its checkpoints) is not given to it.
+BYTE_SHARDED_OPTIMIZERS = ("adam",)
 # Our fields megatron-core's optimizer has no counterpart for: refused there rather than ignored.
 _FIELDS_WITHOUT_MEGATRON_CORE_SUPPORT = ("qk_clip", "log_max_attention_logit")
 
@@ -71,43 +72,23 @@ def _whole_gradients_message(config: Any, matrix_optimizer: bool) -> str:
     """Megatron-LM builds DDP to all-reduce for an emerging optimizer with
     --no-use-layer-wise-param-layout; by default (megatron-core 0.19) it reduce-scatters."""
     needs = "whole matrices" if matrix_optimizer else "whole parameters"
-    if config.optimizer in BYTE_SHARDED_OPTIMIZERS:  # asked for the layer-wise optimizer itself
+    if config.optimizer == "sgd" and not config.use_layer_wise_distributed_optimizer:
+        return ("optimizer 'sgd' over megatron-core's DistributedDataParallel with "
+                "ddp_config.use_distributed_optimizer=True, which reduce-scatters gradients into byte shards: "
+                "megatron-core's DistributedOptimizer, which steps such shards, refuses SGD (so does Megatron-LM's "
+                "own --optimizer sgd --use-distributed-optimizer). Build DDP with use_distributed_optimizer=False "
+                "(it then all-reduces) and keep OptimizerConfig.use_distributed_optimizer=True (the layer-wise "
+                "distributed optimizer), or use optimizer='adam'.")
+    if config.optimizer in BYTE_SHARDED_OPTIMIZERS + ("sgd",):  # asked for the layer-wise optimizer itself
         return (f"the layer-wise distributed optimizer steps whole parameters, but the model chunks are wrapped in "
                 f"megatron-core's DistributedDataParallel with ddp_config.use_distributed_optimizer=True, which "
-                f"reduce-scatters gradients into byte shards. For {config.optimizer!r} set "
-                f"OptimizerConfig.use_distributed_optimizer=True with use_layer_wise_distributed_optimizer=False "
-                f"(megatron-core's DistributedOptimizer steps those shards), or build DDP with "
-                f"use_distributed_optimizer=False (it then all-reduces).")
+                f"reduce-scatters gradients into byte shards. Build DDP with use_distributed_optimizer=False (it "
+                f"then all-reduces), or for 'adam' set OptimizerConfig.use_distributed_optimizer=True with "
+                f"use_layer_wise_distributed_optimizer=False (megatron-core's DistributedOptimizer steps those shards).")
     return (f"optimizer {config.optimizer!r} steps {needs}, but the model chunks are wrapped in megatron-core's "
             f"DistributedDataParallel with ddp_config.use_distributed_optimizer=True, which reduce-scatters "
             f"gradients into byte shards (megatron-core's DistributedOptimizer steps such shards for "
-            f"{' and '.join(BYTE_SHARDED_OPTIMIZERS)} only). Build DDP with use_distributed_optimizer=False (it "
+            f"{', '.join(BYTE_SHARDED_OPTIMIZERS)} only). Build DDP with use_distributed_optimizer=False (it "
             f"then all-reduces) and keep OptimizerConfig.use_distributed_optimizer=True (the layer-wise "
             f"distributed optimizer); in Megatron-LM's loop add --no-use-layer-wise-param-layout to "
             f"--optimizer {config.optimizer} --use-distributed-optimizer, with which it builds DDP so.")
-
-
-def megatron_core_distributed_optimizer(
-    config: Any,
-    chunks: list[torch.nn.Module],
-    config_overrides: Optional[Mapping[Any, Mapping[str, Any]]],
-    use_gloo_process_groups: bool,
-    pg_collection: Any,
-    dump_param_to_param_group_map: Optional[str],
-) -> Any:
-    """megatron-core's ChainedOptimizer of DistributedOptimizers, as its own factory builds it for
-    `config` (which must have passed `check_byte_sharded_config`)."""
-    from megatron.core.optimizer import OptimizerConfig as MegatronCoreConfig
-    from megatron.core.optimizer import get_megatron_optimizer as megatron_core_get_megatron_optimizer
-
-    if pg_collection is not None and not hasattr(pg_collection, "dp_cp"):
-        raise TypeError(f"megatron-core's DistributedOptimizer takes megatron-core's ProcessGroupCollection as "
-                        f"pg_collection (or None for its parallel_state); got {type(pg_collection).__name__}.")
-    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(MegatronCoreConfig)
-              if f.init and hasattr(config, f.name)}
-    core_config = MegatronCoreConfig(**{**values, "use_layer_wise_distributed_optimizer": False})
-    # Our ParamKeys match parameters as megatron-core's do (`matches(param, name)`); None gives
-    # megatron-core's standard overrides, which are ours.
-    return megatron_core_get_megatron_optimizer(
-        core_config, chunks, config_overrides=config_overrides, use_gloo_process_groups=use_gloo_process_groups,
-        pg_collection=pg_collection, dump_param_to_param_group_map=dump_param_to_param_group_map)

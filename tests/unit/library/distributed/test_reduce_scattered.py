@@ -5,8 +5,9 @@ gradients into byte shards of its buckets (distributed/reduce_scattered.py).
 The reference is megatron-core 0.19.2 itself, on gloo at DP=2 with tests/megatron_core_on_cpu.py's
 patches: its own `get_megatron_optimizer` for the same config over its own DDP of the same model.
 Each rank trains on its own batches (so the reduce-scatter matters), with gradient clipping on.
-- steps: ours and megatron-core's give bitwise equal parameters after every step, in fp32 and in
-  bf16 with fp32 main copies; a non-distributed run (all-reducing DDP) takes the same steps to fp32
+- steps: ours (given our standard overrides, our ParamKeys) and megatron-core's give bitwise equal
+  parameters after every step: Adam in fp32 and in bf16 with fp32 main copies; a
+  non-distributed run (all-reducing DDP) takes the same steps to fp32
   round-off (its norm and averages are summed in another order), so the shards were stepped with
   the right gradients;
 - memory: each rank keeps optimizer state (moments and fp32 main copies) for half the elements of
@@ -14,7 +15,8 @@ Each rank trains on its own batches (so the reduce-scatter matters), with gradie
 - checkpoints: megatron-core's writes (`fully_reshardable`, `dp_reshardable`, and its plain
   `state_dict()` with its parameter-state file, Megatron-LM's `--ckpt-format torch`), ours loads and
   continues bitwise as megatron-core continues itself; and the mirror;
-- refusals: Muon (whole matrices) and the layer-wise optimizer on such a DDP, a non-distributed
+- refusals: Muon (whole matrices), SGD (megatron-core's DistributedOptimizer refuses it) and the
+  layer-wise optimizer on such a DDP, a non-distributed
   optimizer on it, and a module that only carries the DDP's config, each in one line saying what to do.
 """
 
@@ -48,24 +50,28 @@ def _ddp_config(use_distributed_optimizer: bool = True):
 class Run:
     """A GPTModel in megatron-core's DDP and an optimizer built by `factory` ('ours' or 'core')."""
 
-    def __init__(self, factory: str, bf16: bool = False, distributed: bool = True) -> None:
+    def __init__(self, factory: str, bf16: bool = False, distributed: bool = True, optimizer: str = "adam",
+                 our_overrides: bool = False) -> None:
+        """`our_overrides`: ours gets our standard overrides (our ParamKeys) instead of None."""
         from megatron.core.distributed import DistributedDataParallel
         from megatron.core.optimizer import OptimizerConfig as CoreConfig
         from megatron.core.optimizer import get_megatron_optimizer as core_get_megatron_optimizer
 
-        from megatron_eopt import OptimizerConfig, get_megatron_optimizer
+        from megatron_eopt import OptimizerConfig, get_megatron_optimizer, get_standard_config_overrides
         from megatron_eopt.training.model.gpt import GPTModelSettings, build_gpt_model
 
         self.settings = GPTModelSettings(**SETTINGS, bf16=bf16)
         torch.manual_seed(11)
         self.model = build_gpt_model(self.settings)
         self.ddp = DistributedDataParallel(self.model.config, _ddp_config(distributed), self.model)
-        fields = dict(FIELDS, bf16=bf16, use_distributed_optimizer=distributed)
+        fields = dict(FIELDS, optimizer=optimizer, bf16=bf16, use_distributed_optimizer=distributed)
         with cuda_named_types():
             if factory == "core":
                 self.optimizer = core_get_megatron_optimizer(CoreConfig(**fields), [self.ddp])
             else:
-                self.optimizer = get_megatron_optimizer(OptimizerConfig(**fields), [self.ddp])
+                config = OptimizerConfig(**fields)
+                overrides = get_standard_config_overrides(config) if our_overrides else None
+                self.optimizer = get_megatron_optimizer(config, [self.ddp], config_overrides=overrides)
         for group in self.optimizer.param_groups:  # what Megatron-LM's scheduler sets (constant lr)
             group["lr"], group["weight_decay"] = group["max_lr"], FIELDS["weight_decay"] * group["wd_mult"]
 
@@ -104,19 +110,19 @@ def _differences(expected: dict, actual: dict) -> list[str]:
     return [name for name in expected if not torch.equal(expected[name], actual[name])]
 
 
-def _steps_body(rank: int, world_size: int, bf16: bool) -> dict:
+def _steps_body(rank: int, world_size: int, optimizer: str, bf16: bool) -> dict:
     with model_parallel(1, seed=3), megatron_core_ddp_on_cpu():
-        core = Run("core", bf16)
+        core = Run("core", bf16, optimizer=optimizer)
         core_norms, core_params = [], []
         for step in range(STEPS):
             core_norms += core.train(range(step, step + 1))
             core_params.append(core.params())
-        ours = Run("ours", bf16)
+        ours = Run("ours", bf16, optimizer=optimizer, our_overrides=True)
         ours_params = []
         for step in range(STEPS):
             ours.train(range(step, step + 1))
             ours_params.append(ours.params())
-        plain = Run("ours", bf16, distributed=False)
+        plain = Run("ours", bf16, distributed=False, optimizer=optimizer)
         plain.train(range(STEPS))
         return {
             "class": [type(ours.optimizer).__name__, [type(c).__name__ for c in ours.optimizer.chained_optimizers]],
@@ -128,9 +134,9 @@ def _steps_body(rank: int, world_size: int, bf16: bool) -> dict:
         }
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-def test_adam_steps_reduce_scattered_shards_as_megatron_core(run_distributed, bf16) -> None:
-    results = run_distributed(_steps_body, world_size=2, args=(bf16,), timeout=600)
+@pytest.mark.parametrize("optimizer,bf16", [("adam", False), ("adam", True)], ids=["adam-fp32", "adam-bf16"])
+def test_steps_reduce_scattered_shards_as_megatron_core(run_distributed, optimizer, bf16) -> None:
+    results = run_distributed(_steps_body, world_size=2, args=(optimizer, bf16), timeout=600)
     for rank, result in enumerate(results):
         assert result["class"] == ["ChainedOptimizer", ["DistributedOptimizer"]], result["class"]
         assert result["differences"] == [[]] * STEPS, (rank, result["differences"])
@@ -242,9 +248,12 @@ REFUSALS = [
      r"optimizer 'muon' steps whole matrices.*Build DDP with use_distributed_optimizer=False"),
     ("dist_muon", dict(optimizer="dist_muon"), DDP_LIKE, r"optimizer 'muon' steps whole matrices"),
     ("lion", dict(optimizer="lion", use_distributed_optimizer=True), DDP_LIKE,
-     r"optimizer 'lion' steps whole parameters.*adam and sgd only"),
+     r"optimizer 'lion' steps whole parameters.*for adam only"),
+    ("sgd", dict(optimizer="sgd", use_distributed_optimizer=True), DDP_LIKE,
+     r"optimizer 'sgd' .*refuses SGD.*Build DDP with use_distributed_optimizer=False"),
     ("adam-layer-wise", dict(optimizer="adam", use_layer_wise_distributed_optimizer=True), DDP_LIKE,
-     r"layer-wise distributed optimizer steps whole parameters.*use_layer_wise_distributed_optimizer=False"),
+     r"layer-wise distributed optimizer steps whole parameters.*Build DDP with use_distributed_optimizer=False.*"
+     r"use_layer_wise_distributed_optimizer=False"),
     ("adam-not-distributed", dict(optimizer="adam"), DDP_LIKE,
      r"bucket shard only.*Set OptimizerConfig\.use_distributed_optimizer=True"),
     ("qk-clip", dict(optimizer="adam", use_distributed_optimizer=True, log_max_attention_logit=True), DDP_LIKE,
