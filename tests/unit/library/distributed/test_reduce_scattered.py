@@ -6,18 +6,17 @@ The reference is megatron-core 0.19.2 itself, on gloo at DP=2 with tests/megatro
 patches: its own `get_megatron_optimizer` for the same config over its own DDP of the same model.
 Each rank trains on its own batches (so the reduce-scatter matters), with gradient clipping on.
 - steps: ours (given our standard overrides, our ParamKeys) and megatron-core's give bitwise equal
-  parameters after every step: Adam in fp32 and in bf16 with fp32 main copies; a
-  non-distributed run (all-reducing DDP) takes the same steps to fp32
-  round-off (its norm and averages are summed in another order), so the shards were stepped with
-  the right gradients;
+  parameters after every step: Adam in fp32 and in bf16 with fp32 main copies; a non-distributed
+  run (all-reducing DDP) takes the same steps to fp32 round-off (its norm and averages are summed
+  in another order), so the shards were stepped with the right gradients;
 - memory: each rank keeps optimizer state (moments and fp32 main copies) for half the elements of
   the non-distributed optimizer's; the two ranks' together are exactly its;
 - checkpoints: megatron-core's writes (`fully_reshardable`, `dp_reshardable`, and its plain
   `state_dict()` with its parameter-state file, Megatron-LM's `--ckpt-format torch`), ours loads and
   continues bitwise as megatron-core continues itself; and the mirror;
-- refusals: Muon (whole matrices), SGD (megatron-core's DistributedOptimizer refuses it) and the
-  layer-wise optimizer on such a DDP, a non-distributed
-  optimizer on it, and a module that only carries the DDP's config, each in one line saying what to do.
+- refusals: Muon (whole matrices), SGD (megatron-core's DistributedOptimizer refuses it), the
+  layer-wise and a non-distributed optimizer on such a DDP, and a module that only carries the
+  DDP's config, each in one line saying what to do.
 """
 
 import types
@@ -128,6 +127,7 @@ def _steps_body(rank: int, world_size: int, optimizer: str, bf16: bool) -> dict:
             "class": [type(ours.optimizer).__name__, [type(c).__name__ for c in ours.optimizer.chained_optimizers]],
             "differences": [_differences(c, o) for c, o in zip(core_params, ours_params)],
             "moved": bool(_differences(ours_params[0], ours_params[-1])),
+            "buckets": [len(buffer.buckets) for buffer in ours.ddp.buffers],
             "norms": core_norms,
             "from_plain": max((plain.params()[n] - ours_params[-1][n]).abs().max().item() for n in ours_params[-1]),
             "state": ours.state_numel(), "plain_state": plain.state_numel(),
@@ -141,6 +141,7 @@ def test_steps_reduce_scattered_shards_as_megatron_core(run_distributed, optimiz
         assert result["class"] == ["ChainedOptimizer", ["DistributedOptimizer"]], result["class"]
         assert result["differences"] == [[]] * STEPS, (rank, result["differences"])
         assert result["moved"] and all(n > FIELDS["clip_grad"] for n in result["norms"]), result["norms"]
+        assert max(result["buckets"]) > 1, result["buckets"]
         # fp32 round-off of a few steps of lr 0.01; bf16 parameters round to 2**-8 relative.
         assert result["from_plain"] < (1e-2 if bf16 else 1e-5), result["from_plain"]
     states = [r["state"] for r in results]
