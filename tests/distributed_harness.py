@@ -70,6 +70,7 @@ STRICT_LEAKS_ENV = "MEGATRON_EOPT_STRICT_LEAKS"
 # No process of the suite holds more threads at any moment (docs/testing.md): a call whose worker
 # went over fails with ThreadLeakError.
 THREAD_BUDGET = 200
+_EXITING_THREADS_WAIT_S = 1.0  # how long the leak census waits for threads that are ending
 _STACK_DUMP_WAIT_S = 0.5
 _STACK_SIGNAL = signal.SIGUSR1
 
@@ -1195,13 +1196,24 @@ def _fresh_worker_threads() -> Counter[str]:
     return _thread_census()
 
 
-def _threads_leaked(baseline: Counter[str]) -> dict[str, Any] | None:
-    """What threads the call left beyond a fresh worker's, and what holds them (a chain from a
-    loaded module to a live group, a Python thread still running); None if it left none."""
+def _extra_threads(baseline: Counter[str]) -> Counter[str]:
     extra = _thread_census() - baseline
     for name in list(extra):
         if name.startswith(_PROCESS_LIFETIME_THREADS):
             del extra[name]
+    return extra
+
+
+def _threads_leaked(baseline: Counter[str]) -> dict[str, Any] | None:
+    """What threads the call left beyond a fresh worker's, and what holds them (a chain from a
+    loaded module to a live group, a Python thread still running); None if it left none."""
+    extra = _extra_threads(baseline)
+    # A group's threads end as its last reference goes, some a moment after: a thread still
+    # exiting is not a leak (a leaked one is still there after the wait).
+    deadline = time.monotonic() + _EXITING_THREADS_WAIT_S
+    while extra and time.monotonic() < deadline:
+        time.sleep(0.01)
+        extra = _extra_threads(baseline)
     if not extra:
         return None
     groups = extra["gloo_tcp_loop"]

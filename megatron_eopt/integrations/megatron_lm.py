@@ -198,6 +198,12 @@ def validate_args_for_megatron_eopt(args: argparse.Namespace, defaults: Optional
     which also allows only the torch and torch_dist formats), and the latter would turn
     `--use-distributed-optimizer`, which it sets for Megatron-FSDP itself, into the layer-wise
     optimizer. So the checks run as for `--optimizer adam`, and the optimizer is put back after them.
+
+    With the layer-wise optimizer (`--optimizer muon --use-distributed-optimizer`), Megatron-LM's
+    default parameter layout makes its DDP reduce-scatter, into shards laid out for megatron-core's
+    own layer-wise optimizer; ours owns whole parameters by its own balance and needs each whole
+    gradient. So the layout is Megatron-LM's other one, `--no-use-layer-wise-param-layout` (DDP
+    all-reduces; the same steps), said in one line on rank 0.
     """
     validate = _original_validate_args or megatron_lm_arguments.validate_args
     defaults = {} if defaults is None else defaults
@@ -205,7 +211,7 @@ def validate_args_for_megatron_eopt(args: argparse.Namespace, defaults: Optional
     engine = ("Megatron-FSDP" if getattr(args, "use_megatron_fsdp", False)
               else "torch FSDP2" if getattr(args, "use_torch_fsdp2", False) else None)
     if engine is None or optimizer in _MEGATRON_FSDP_OPTIMIZERS:
-        return validate(args, defaults)
+        return _with_whole_gradients(validate(args, defaults))
     if optimizer.startswith("dist_"):
         raise ValueError(f"--optimizer {optimizer} is the layer-wise distributed optimizer, which has nothing to "
                          f"shard on {engine}; use --optimizer {optimizer.removeprefix('dist_')}.")
@@ -217,6 +223,17 @@ def validate_args_for_megatron_eopt(args: argparse.Namespace, defaults: Optional
     validated.optimizer = optimizer
     validated.use_layer_wise_distributed_optimizer = False
     return validated
+
+
+def _with_whole_gradients(args: argparse.Namespace) -> argparse.Namespace:
+    """Megatron-LM's all-reducing DDP layout for our layer-wise optimizer (validate_args_for_megatron_eopt)."""
+    if getattr(args, "use_layer_wise_distributed_optimizer", False) and getattr(args, "use_layer_wise_param_layout", True):
+        args.use_layer_wise_param_layout = False
+        if getattr(args, "rank", 0) == 0:
+            print("megatron_eopt: --optimizer " + str(args.optimizer) + " --use-distributed-optimizer runs "
+                  "megatron_eopt's layer-wise optimizer, which needs whole gradients: Megatron-LM's DDP "
+                  "all-reduces (--no-use-layer-wise-param-layout).", flush=True)
+    return args
 
 
 # ---------------------------------------------------------------- install

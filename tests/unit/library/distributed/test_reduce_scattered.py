@@ -295,10 +295,10 @@ def _nothing():
 # ------------------------------------------------------------------------------------------------
 
 
-def _megatron_lm_run(argv: str, rank: int, world_size: int, ours: bool) -> dict:
+def _megatron_lm_run(argv: str, rank: int, world_size: int, ours: bool, validated_by_ours: bool = True) -> dict:
     """Megatron-LM's arguments, its DDP as `get_model` wraps it, its optimizer factory (ours when
-    `ours`, through install()), then its step: the class it builds, and the parameters after each
-    step, or the ValueError it raises."""
+    `ours`, through install(), which validates the arguments too unless not `validated_by_ours`),
+    then its step: the class it builds, and the parameters after each step, or the ValueError it raises."""
     import megatron.training.training as megatron_lm_training
     import torch.distributed as dist
     from megatron.training import global_vars
@@ -306,7 +306,8 @@ def _megatron_lm_run(argv: str, rank: int, world_size: int, ours: bool) -> dict:
     from megatron_eopt.integrations import megatron_lm
     from tests.unit.library.integrations.test_megatron_lm_args import fixed_batch, model_from_args, parse_megatron_lm
 
-    args = parse_megatron_lm(argv, rank, world_size)
+    with megatron_lm.installed() if ours and validated_by_ours else _nothing():
+        args = parse_megatron_lm(argv, rank, world_size)
     global_vars.set_args(args)
     try:
         model = model_from_args(args)
@@ -346,13 +347,15 @@ def _megatron_lm_body(rank: int, world_size: int) -> dict:
             # megatron-core's DistributedOptimizer writes its parameter-state files itself
             "adam-torch-format": (f"{MODEL_FLAGS} {ADAM} --use-distributed-optimizer --ckpt-format torch", True),
             "muon": (f"{MODEL_FLAGS} {MUON} --use-distributed-optimizer", True),
-            "muon-whole": (f"{MODEL_FLAGS} {MUON} --use-distributed-optimizer --no-use-layer-wise-param-layout", True)}
+            # our factory alone, after Megatron-LM's own validate_args (its reduce-scattering layout)
+            "muon-validated-by-megatron-lm": (f"{MODEL_FLAGS} {MUON} --use-distributed-optimizer", True)}
     results = {}
     for name, (argv, ours) in runs.items():
         initialize_model_parallel(1, seed=SEED)
         try:
             with megatron_core_ddp_on_cpu():
-                results[name] = _megatron_lm_run(argv, rank, world_size, ours)
+                results[name] = _megatron_lm_run(argv, rank, world_size, ours,
+                                                 validated_by_ours=name != "muon-validated-by-megatron-lm")
         finally:
             destroy_model_parallel()
     return results
@@ -362,8 +365,9 @@ def test_megatron_lm_command_lines_with_its_ddp(run_distributed) -> None:
     """`--optimizer adam --use-distributed-optimizer`: megatron-core's DistributedOptimizer, equal
     bitwise after each step to Megatron-LM without install(), with `--ckpt-format torch` too. `--optimizer muon
     --use-distributed-optimizer`: megatron-core 0.19.2's Megatron-LM builds DDP to reduce-scatter
-    (its shard-aligned layer-wise layout): refused in one line that names the flag with which it
-    all-reduces; with that flag ours builds the layer-wise optimizer, and DP replicas stay equal."""
+    (its shard-aligned layer-wise layout); install()'s validate_args picks its all-reducing layout
+    (--no-use-layer-wise-param-layout), ours builds the layer-wise optimizer, and DP replicas stay
+    equal. Our factory after Megatron-LM's own validate_args refuses in one line naming that flag."""
     per_rank = run_distributed(_megatron_lm_body, world_size=2, timeout=600)
     for rank, results in enumerate(per_rank):
         adam, core = results["adam"], results["adam-core"]
@@ -371,9 +375,9 @@ def test_megatron_lm_command_lines_with_its_ddp(run_distributed) -> None:
         assert all(not _differences(c, o) for c, o in zip(core["params"], adam["params"])), rank
         assert _differences(adam["params"][0], adam["params"][-1])  # it trained
         assert results["adam-torch-format"]["children"] == ["DistributedOptimizer"], results["adam-torch-format"]
-        message = results["muon"]["error"]
+        message = results["muon-validated-by-megatron-lm"]["error"]
         assert "--no-use-layer-wise-param-layout" in message and "\n" not in message, message
-        whole = results["muon-whole"]
+        whole = results["muon"]
         assert not whole["ddp_reduce_scatters"] and whole["class"] == "LayerWiseDistributedOptimizer", whole
-    replicas = [results["muon-whole"]["params"][-1] for results in per_rank]
-    assert not _differences(*replicas) and _differences(per_rank[0]["muon-whole"]["params"][0], replicas[0])
+    replicas = [results["muon"]["params"][-1] for results in per_rank]
+    assert not _differences(*replicas) and _differences(per_rank[0]["muon"]["params"][0], replicas[0])
