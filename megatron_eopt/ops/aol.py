@@ -1,20 +1,13 @@
 """AOL-preconditioned Newton-Schulz: Turbo-Muon (Boissin, Massena, Mamalet, Serrurier, arXiv 2512.04632).
 
-Newton-Schulz needs its input's spectral norm at most 1. The standard iteration divides X by its
-Frobenius norm, which bounds it but shrinks every singular value by up to sqrt(rank). AOL (Prach &
-Lampert, 2022) scales row i of X (m x n, m <= n after the transpose) by
-    d_i = (sum_j |(X X^T)_ij|)^(-1/2)
-instead: ||D X||_2 <= 1, with the singular values closer to 1 (the paper reports 4 steps of its
-'aol' coefficients at 5 quintic steps' polar error; docs/newton-schulz.md measures ours). X X^T is
-the first step's product anyway: D (X X^T) D is the preconditioned Gram matrix, so the
-preconditioner costs the row sums and two scalings. With a `tp_group` (x holds columns of the
-matrix) the Gram matrix is all-reduced before the row sums, so every rank scales by the same D.
-
-D X has another polar factor than X, so the side scaled must not depend on how the iteration is
-oriented: it is always the side emerging_optimizers' transpose rule puts first (the smaller one).
-Where a caller fixes the orientation the other way ('distributed' TP mode: its shards must be
-columns, and a matrix may be sharded along its smaller side), the columns are scaled instead, by
-X^T X's absolute row sums, over the gathered columns (`aol_preconditioned`).
+AOL (Prach & Lampert, 2022) scales row i of X (m x n, m <= n after the transpose) by
+d_i = (sum_j |(X X^T)_ij|)^(-1/2) instead of dividing X by its Frobenius norm: ||D X||_2 <= 1, with
+the singular values closer to 1 (docs/newton-schulz.md measures the polar error). X X^T is the first
+step's product anyway: D (X X^T) D is the preconditioned Gram matrix. With a `tp_group` (x holds
+columns) the Gram matrix is all-reduced first, so every rank scales by the same D. D X has another
+polar factor than X, so the side scaled is always the one the transpose rule puts first; where a
+caller fixes the orientation the other way ('distributed' TP mode), the columns are scaled, by X^T X
+over the gathered columns (`aol_preconditioned`).
 """
 
 from typing import Optional
