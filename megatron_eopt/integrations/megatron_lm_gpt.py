@@ -124,9 +124,9 @@ def add_script_args(parser: Any) -> Any:
 
 
 def main() -> None:
-    if not torch.cuda.is_available():  # before the ~20 s import of Megatron-LM
-        print(NO_CUDA_MESSAGE, file=sys.stderr)
-        sys.exit(2)
+    from megatron_eopt.runtime import megatron_lm_cpu
+
+    megatron_lm_cpu.install()  # without CUDA: the loop on CPU and gloo (does nothing with CUDA)
     from megatron.core.enums import ModelType
     from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
