@@ -16,6 +16,7 @@ code wrote.
 """
 
 import contextlib
+import copy
 import gc
 import dataclasses
 import sys
@@ -27,6 +28,10 @@ class Run:
     records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     optimizer_package: Optional[str] = None  # 'megatron_eopt' or 'megatron' (megatron-core's own)
     exit_status: int = 0
+    # After the loop's last iteration (none when it exited by sys.exit): this rank's parameters by
+    # name, and its optimizer's state_dict() (ours only).
+    parameters: Optional[dict[str, Any]] = None
+    optimizer_state: Optional[dict[str, Any]] = None
 
     def losses(self) -> dict[int, float]:
         return {r["iteration"]: r["lm loss"] for r in self.records}
@@ -42,7 +47,12 @@ def _recording(run: Run) -> Iterator[None]:
 
     def train(forward_step_func, model, optimizer, *args, **kwargs):
         run.optimizer_package = type(optimizer).__module__.split(".")[0]
-        return original_train(forward_step_func, model, optimizer, *args, **kwargs)
+        result = original_train(forward_step_func, model, optimizer, *args, **kwargs)
+        run.parameters = {f"{i}.{name}": p.detach().clone() for i, chunk in enumerate(model)
+                          for name, p in chunk.named_parameters()}
+        if run.optimizer_package == "megatron_eopt":
+            run.optimizer_state = copy.deepcopy(optimizer.state_dict())
+        return result
 
     def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
                      skipped_iter, grad_norm, *args, **kwargs):
@@ -111,4 +121,6 @@ def run_megatron_lm(rank: int, world_size: int, argv: list[str]) -> Run:
 def run_megatron_lm_many(rank: int, world_size: int, argvs: list[list[str]]) -> list[Run]:
     """Several runs in one call (one round trip to the workers): the records of each."""
     return [run_megatron_lm(rank, world_size, argv) for argv in argvs]
+
+
 

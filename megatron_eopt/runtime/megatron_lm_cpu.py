@@ -45,6 +45,9 @@ REPLACED_CALLS = {
     "_get_cuda_rng_state/_set_cuda_rng_state": "a CPU generator of their own, so the RNG tracker's "
         "states stay apart from the CPU generator's and both are checkpointed and restored",
     "initialize_megatron(allow_no_cuda=False)": "allow_no_cuda=True: it asserts CUDA otherwise",
+    "set_jit_fusion_options()": "skipped: on torch >= 2.2 it only warms up the fused kernels, with "
+        "torch.rand on 'cuda', which here would draw from the CPU generator that --use-cpu-initialization "
+        "then draws the weights from (and compile them with a C++ compiler, seconds per process)",
     "DistributedOptimizer.load_state_dict with torch's Adam": "no_grad load; step given apart and "
         "one step tensor per parameter (see _distributed_optimizer_loads_with_torch_adam)",
     "dist.all_gather(unequal sizes) in the layer-wise optimizer": "gloo gathers equal sizes only: "
@@ -266,6 +269,7 @@ def _replacements(rng: _CudaGenerator) -> list[tuple[Any, str, Any]]:
         (tp_random, "_get_cuda_rng_state", lambda device="cuda", clone=False, graph_safe=False: rng.get_rng_state()),
         (tp_random, "_set_cuda_rng_state", rng.set_rng_state),
         (training, "initialize_megatron", functools.partial(initialize.initialize_megatron, allow_no_cuda=True)),
+        (training, "set_jit_fusion_options", _returning(None)),
         (layer_wise, "torch", _Passthrough(torch, distributed=_Passthrough(dist, all_gather=_all_gather_padded))),
     ]
     if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is not None:
