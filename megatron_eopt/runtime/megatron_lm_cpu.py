@@ -16,10 +16,7 @@ CUDA kernels on a CPU).
 
 import contextlib
 import functools
-import importlib
 import importlib.metadata
-import importlib.util
-import os
 import threading
 import types
 from typing import Any, Callable, Iterator, Optional
@@ -53,14 +50,6 @@ REPLACED_CALLS = {
     "dist.all_gather(unequal sizes) in the layer-wise optimizer": "gloo gathers equal sizes only: "
         "padded to the largest, cut back",
 }
-# Not CPU faults, but met by the loop on any machine without them (also replaced by install()):
-REPLACED_ELSEWHERE = {
-    "megatron.core.datasets.utils.compile_helpers()": "runs `make` in the installed package, which "
-        "has no Makefile; the wheel ships the built helpers_cpp module, so the build is skipped",
-    "dist_checkpointing's _process_memory()": "needs psutil for a debug log line; read from /proc "
-                                              "when psutil is absent",
-}
-
 _lock = threading.Lock()
 _undo: list[Callable[[], None]] = []  # set while installed: each undoes one replacement
 _mode: Optional[TorchFunctionMode] = None
@@ -190,15 +179,6 @@ def _cuda_stand_ins(rng: _CudaGenerator) -> dict[str, Any]:
 # ---------------------------------------------------------------- megatron-core names
 
 
-def _process_memory() -> int:
-    """Resident bytes of this process (psutil's memory_info().rss), from /proc."""
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
 def _all_gather_padded(tensor_list: list, tensor: torch.Tensor, group: Any = None, async_op: bool = False):
     """dist.all_gather of flat tensors of any sizes: gloo needs equal sizes, so each is padded to the
     largest and cut back."""
@@ -253,8 +233,6 @@ def _distributed_optimizer_loads_with_torch_adam(optimizer_class: type) -> list[
 
 def _replacements(rng: _CudaGenerator) -> list[tuple[Any, str, Any]]:
     """(owner, name, replacement) for every name install() rebinds."""
-    import megatron.core.datasets.utils as dataset_utils
-    import megatron.core.dist_checkpointing.strategies.filesystem_async as filesystem_async
     import megatron.core.optimizer.layer_wise_optimizer as layer_wise
     import megatron.core.tensor_parallel.random as tp_random
     import megatron.training.initialize as initialize
@@ -272,10 +250,6 @@ def _replacements(rng: _CudaGenerator) -> list[tuple[Any, str, Any]]:
         (training, "set_jit_fusion_options", _returning(None)),
         (layer_wise, "torch", _Passthrough(torch, distributed=_Passthrough(dist, all_gather=_all_gather_padded))),
     ]
-    if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is not None:
-        replaced.append((dataset_utils, "compile_helpers", _returning(None)))
-    if not getattr(filesystem_async, "HAVE_PSUTIL", True):
-        replaced.append((filesystem_async, "_process_memory", _process_memory))
     return replaced + _distributed_optimizer_loads_with_torch_adam(DistributedOptimizer)
 
 
