@@ -46,7 +46,7 @@ REPLACED_CALLS = {
         "torch.rand on 'cuda', which here would draw from the CPU generator that --use-cpu-initialization "
         "then draws the weights from (and compile them with a C++ compiler, seconds per process)",
     "DistributedOptimizer.load_state_dict with torch's Adam": "no_grad load; step given apart and "
-        "one step tensor per parameter (see _distributed_optimizer_loads_with_torch_adam)",
+        "one step tensor per parameter (see distributed_optimizer_loads_with_torch_adam)",
     "dist.all_gather(unequal sizes) in the layer-wise optimizer": "gloo gathers equal sizes only: "
         "padded to the largest, cut back",
 }
@@ -202,7 +202,7 @@ class _Done:
         return True
 
 
-def _distributed_optimizer_loads_with_torch_adam(optimizer_class: type) -> list[tuple[Any, str, Any]]:
+def distributed_optimizer_loads_with_torch_adam(optimizer_class: type) -> list[tuple[Any, str, Any]]:
     """megatron-core 0.19's DistributedOptimizer load with torch's Adam (no TE or Apex, as on CPU),
     which keeps a `step` tensor per parameter in its state, fails or drifts:
     - it copies a loaded fp32 `param` into a view of the parameter itself: torch allows that
@@ -213,7 +213,7 @@ def _distributed_optimizer_loads_with_torch_adam(optimizer_class: type) -> list[
     - it gives every parameter one shared `step` tensor, which torch's Adam then advances once per
       parameter per step: each parameter gets its own copy of the loaded step afterwards.
     TE's FusedAdam on GPU keeps the step in the param groups and meets none of these.
-    Returns (owner, name, replacement) triples."""
+    Returns (owner, name, replacement) triples, for `replaced`."""
     original_load = optimizer_class.load_state_dict
     original_set = optimizer_class._set_main_param_and_optimizer_states
 
@@ -250,7 +250,7 @@ def _replacements(rng: _CudaGenerator) -> list[tuple[Any, str, Any]]:
         (training, "set_jit_fusion_options", _returning(None)),
         (layer_wise, "torch", _Passthrough(torch, distributed=_Passthrough(dist, all_gather=_all_gather_padded))),
     ]
-    return replaced + _distributed_optimizer_loads_with_torch_adam(DistributedOptimizer)
+    return replaced + distributed_optimizer_loads_with_torch_adam(DistributedOptimizer)
 
 
 class _Passthrough(types.ModuleType):
@@ -269,6 +269,27 @@ class _Passthrough(types.ModuleType):
 # ---------------------------------------------------------------- install
 
 
+def _replace(replacements: list[tuple[Any, str, Any]]) -> list[Callable[[], None]]:
+    """Rebind each (owner, name) to its replacement; the undo of each, to call in reverse order."""
+    undo = []
+    for owner, name, value in replacements:
+        undo.append(functools.partial(setattr, owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+    return undo
+
+
+@contextlib.contextmanager
+def replaced(replacements: list[tuple[Any, str, Any]]) -> Iterator[None]:
+    """Some of these replacements alone, inside the block (tests use megatron-core's
+    DistributedOptimizer on CPU with `distributed_optimizer_loads_with_torch_adam`)."""
+    undo = _replace(replacements)
+    try:
+        yield
+    finally:
+        while undo:
+            undo.pop()()
+
+
 def install() -> bool:
     """Replace Megatron-LM's CUDA-only calls (REPLACED_CALLS) when CUDA is absent; idempotent.
 
@@ -282,9 +303,7 @@ def install() -> bool:
         if _mode is not None:
             return True
         check_megatron_core_version()
-        for owner, name, value in _replacements(_CudaGenerator()):
-            _undo.append(functools.partial(setattr, owner, name, getattr(owner, name)))
-            setattr(owner, name, value)
+        _undo.extend(_replace(_replacements(_CudaGenerator())))
         _mode = _CudaOnCpu()
         _mode.__enter__()
     return True
