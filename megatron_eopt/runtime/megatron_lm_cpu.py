@@ -39,8 +39,9 @@ REPLACED_CALLS = {
     "torch.cuda streams, events, synchronize(), empty_cache(), memory counters":
         "do nothing or count 0 (CPU work runs in program order)",
     "torch.cuda RNG (get/set_rng_state, manual_seed) and tensor_parallel.random's "
-    "_get_cuda_rng_state/_set_cuda_rng_state": "a CPU generator of their own, so the RNG tracker's "
-        "states stay apart from the CPU generator's and both are checkpointed and restored",
+    "_get_cuda_rng_state/_set_cuda_rng_state": "a CPU generator of their own, which dropout draws from "
+        "(the function mode): the RNG tracker's states stay apart from the CPU generator's, both are "
+        "checkpointed and restored, and a resumed run draws the same dropout masks",
     "initialize_megatron(allow_no_cuda=False)": "allow_no_cuda=True: it asserts CUDA otherwise",
     "set_jit_fusion_options()": "skipped: on torch >= 2.2 it only warms up the fused kernels, with "
         "torch.rand on 'cuda', which here would draw from the CPU generator that --use-cpu-initialization "
@@ -82,11 +83,27 @@ def _cuda_type_name(name: str) -> str:
     return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
 
 
+# What draws from the CUDA generator on GPUs while the model trains (Megatron-LM's dropout, in and
+# out of the RNG tracker's forks). Weight initialisation with --use-cpu-initialization draws from the
+# CPU generator, as on GPUs.
+_DROPOUTS = (torch.nn.functional.dropout, torch.dropout, torch.nn.functional.dropout1d,
+             torch.nn.functional.dropout2d, torch.nn.functional.dropout3d)
+
+
 class _CudaOnCpu(TorchFunctionMode):
-    """Every CUDA device asked for is the CPU; `tensor.type()` gives the CUDA name."""
+    """Every CUDA device asked for is the CPU; `tensor.type()` gives the CUDA name; dropout draws
+    from the "CUDA" generator, so that, as on GPUs, what draws from the CPU generator (a DataLoader's
+    seed when its iterator starts, after a resume too) does not move the dropout masks."""
+
+    def __init__(self, rng: "_CudaGenerator") -> None:
+        super().__init__()
+        self.rng = rng
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        if func in _DROPOUTS:
+            with self.rng.drawn_from():
+                return func(*args, **kwargs)
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = "cpu"
         if kwargs.get("pin_memory"):
@@ -153,6 +170,18 @@ class _CudaGenerator:
 
     def manual_seed(self, seed: int) -> None:
         self.generator.manual_seed(int(seed))
+
+    @contextlib.contextmanager
+    def drawn_from(self) -> Iterator[None]:
+        """Inside, torch's CPU generator draws this generator's numbers (a CPU kernel takes no
+        other generator); after, each generator is where its own draws left it."""
+        cpu_state = torch.get_rng_state()
+        torch.set_rng_state(self.generator.get_state())
+        try:
+            yield
+        finally:
+            self.generator.set_state(torch.get_rng_state())
+            torch.set_rng_state(cpu_state)
 
 
 def _returning(value: Any) -> Callable[..., Any]:
@@ -303,8 +332,9 @@ def install() -> bool:
         if _mode is not None:
             return True
         check_megatron_core_version()
-        _undo.extend(_replace(_replacements(_CudaGenerator())))
-        _mode = _CudaOnCpu()
+        rng = _CudaGenerator()
+        _undo.extend(_replace(_replacements(rng)))
+        _mode = _CudaOnCpu(rng)
         _mode.__enter__()
     return True
 

@@ -2,7 +2,7 @@
 
 scripts/pretrain_gpt_megatron_lm.py runs Megatron-LM's loop through megatron_eopt/runtime/
 megatron_lm_cpu.py when CUDA is absent. A tiny GPT (2 layers, hidden 64, 4 heads, seq 32, rope,
-global batch 8 of micro-batches of 2, 6 iterations, dropout 0) runs in the harness's workers
+global batch 8 of micro-batches of 2, 6 iterations, dropout 0 unless said) runs in the harness's workers
 (tests/megatron_lm_in_process.py: ~2 s a run, imports paid once), plus one torchrun launch of the
 script as a user types it. Every expectation comes from another run: megatron-core's own optimizer
 (`--megatron-core-optimizer`, the loop without `install()`), or the same run without interruption.
@@ -17,9 +17,12 @@ Losses are what the loop hands its logger ('lm loss' averaged over micro-batches
   was not interrupted at iterations 4-6 (losses, gradient norms, learning rates), and ends with the
   same parameters and optimizer state on every rank, bitwise, for `--ckpt-format torch_dist`
   (dp_reshardable and `--dist-ckpt-optim-fully-reshardable`) and `--ckpt-format torch`.
-  Every iteration is equal. Megatron-LM's printed log line is not: it logs a run's first
-  iteration without resetting its averages, so the second printed iteration after a restart (5
-  here) shows the mean of iterations 4 and 5; the torchrun test checks that from the printed lines.
+  Every iteration is equal, with dropout too: on CPU dropout draws from the patch's "CUDA"
+  generator, which Megatron-LM checkpoints apart from the CPU one. (Drawn from the CPU generator,
+  the masks moved after a resume: a DataLoader draws its seed from it when its iterator starts.)
+  Megatron-LM's printed log line is not equal: it logs a run's first iteration without resetting
+  its averages, so the second printed iteration after a restart (5 here) shows the mean of
+  iterations 4 and 5; the torchrun test checks that from the printed lines.
 """
 
 import pathlib
@@ -49,6 +52,7 @@ OPTIMIZERS = {
     "adam": ["--optimizer", "adam"],
     "muon": ["--optimizer", "muon"],
     "layer-wise muon": ["--optimizer", "muon", "--use-distributed-optimizer"],
+    "adam with dropout": ["--optimizer", "adam", "--attention-dropout", "0.1", "--hidden-dropout", "0.1"],
 }
 FORMATS = {
     "torch_dist": ["--ckpt-format", "torch_dist"],
@@ -59,7 +63,7 @@ FORMATS = {
 # ask for DistributedOptimizer parameter-state files), and the fully reshardable layout is the
 # distributed optimizer's: each optimizer with the formats it has.
 RESUMES = {"adam": ("torch_dist", "torch"), "muon": ("torch",),
-           "layer-wise muon": ("torch_dist", "torch_dist fully_reshardable")}
+           "layer-wise muon": ("torch_dist", "torch_dist fully_reshardable"), "adam with dropout": ("torch_dist",)}
 
 
 def _runs(run_distributed, *flag_lists: list[str]) -> list[list[Run]]:

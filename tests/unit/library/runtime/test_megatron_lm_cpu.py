@@ -53,6 +53,11 @@ def test_cuda_is_the_cpu_while_installed_and_restored_after() -> None:
         cuda_state = torch.cuda.get_rng_state()
         tp_random._set_cuda_rng_state(cuda_state)
         assert torch.equal(torch.get_rng_state(), cpu_state) and not torch.equal(cuda_state, cpu_state)
+        # Dropout draws from it, as on GPUs: the CPU generator stays where it was.
+        masks = [torch.nn.functional.dropout(torch.ones(64), 0.5) for _ in range(2)]
+        assert torch.equal(torch.get_rng_state(), cpu_state) and not torch.equal(*masks)
+        torch.cuda.set_rng_state(cuda_state)
+        assert torch.equal(torch.nn.functional.dropout(torch.ones(64), 0.5), masks[0])
         assert training.initialize_megatron.keywords == {"allow_no_cuda": True}
     assert not megatron_lm_cpu.is_installed()
     assert (torch.cuda.device_count, torch.cuda.get_rng_state, tp_random._set_cuda_rng_state,
