@@ -18,12 +18,13 @@ import contextlib
 import functools
 import importlib.metadata
 import threading
-import types
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
+
+from megatron_eopt.runtime.cpu_stand_ins import NoEvent, NoStream, Passthrough, all_gather_padded
 
 SUPPORTED_MEGATRON_CORE = "0.19"  # the release series whose names REPLACED_CALLS replaces
 
@@ -120,41 +121,6 @@ class _CudaOnCpu(TorchFunctionMode):
 # ---------------------------------------------------------------- torch.cuda
 
 
-class _NoEvent:
-    """A CUDA event already reached: CPU work runs in program order."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def record(self, stream: Any = None) -> None:
-        pass
-
-    def wait(self, stream: Any = None) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-    def elapsed_time(self, other: Any) -> float:
-        return 0.0
-
-
-class _NoStream(_NoEvent):
-    """A CUDA stream that waits for nothing."""
-
-    def wait_stream(self, other: Any) -> None:
-        pass
-
-    def wait_event(self, event: Any) -> None:
-        pass
-
-    def record_event(self, event: Any = None) -> _NoEvent:
-        return _NoEvent()
-
-
 class _CudaGenerator:
     """The "CUDA" generator: a CPU generator apart from torch's default one, so that checkpointing
     both (torch_rng_state, cuda_rng_state) and restoring them in turn keeps both."""
@@ -198,7 +164,7 @@ def _cuda_stand_ins(rng: _CudaGenerator) -> dict[str, Any]:
     return dict(
         {name: _returning(None) for name in nothing}, **{name: _returning(0) for name in zero},
         device_count=_returning(1), memory_stats=_returning({}),
-        Stream=_NoStream, current_stream=_NoStream, default_stream=_NoStream, Event=_NoEvent,
+        Stream=NoStream, current_stream=NoStream, default_stream=NoStream, Event=NoEvent,
         stream=lambda stream=None: contextlib.nullcontext(),
         get_rng_state=rng.get_rng_state, set_rng_state=rng.set_rng_state,
         manual_seed=rng.manual_seed, manual_seed_all=rng.manual_seed,
@@ -206,29 +172,6 @@ def _cuda_stand_ins(rng: _CudaGenerator) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- megatron-core names
-
-
-def _all_gather_padded(tensor_list: list, tensor: torch.Tensor, group: Any = None, async_op: bool = False):
-    """dist.all_gather of flat tensors of any sizes: gloo needs equal sizes, so each is padded to the
-    largest and cut back."""
-    sizes = [t.numel() for t in tensor_list]
-    if len(set(sizes)) <= 1:
-        return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
-    largest = max(sizes)
-    padded = [torch.empty(largest, dtype=tensor.dtype, device=tensor.device) for _ in sizes]
-    local = torch.zeros(largest, dtype=tensor.dtype, device=tensor.device)
-    local[:tensor.numel()] = tensor.reshape(-1)
-    dist.all_gather(padded, local, group=group)
-    for out, received, size in zip(tensor_list, padded, sizes):
-        out.view(-1).copy_(received[:size].view_as(out.view(-1)))
-    return _Done() if async_op else None
-
-
-class _Done:
-    """The work handle of a collective already finished."""
-
-    def wait(self, *args: Any, **kwargs: Any) -> bool:
-        return True
 
 
 def distributed_optimizer_loads_with_torch_adam(optimizer_class: type) -> list[tuple[Any, str, Any]]:
@@ -277,22 +220,9 @@ def _replacements(rng: _CudaGenerator) -> list[tuple[Any, str, Any]]:
         (tp_random, "_set_cuda_rng_state", rng.set_rng_state),
         (training, "initialize_megatron", functools.partial(initialize.initialize_megatron, allow_no_cuda=True)),
         (training, "set_jit_fusion_options", _returning(None)),
-        (layer_wise, "torch", _Passthrough(torch, distributed=_Passthrough(dist, all_gather=_all_gather_padded))),
+        (layer_wise, "torch", Passthrough(torch, distributed=Passthrough(dist, all_gather=all_gather_padded))),
     ]
     return replaced + distributed_optimizer_loads_with_torch_adam(DistributedOptimizer)
-
-
-class _Passthrough(types.ModuleType):
-    """A module whose attributes are `base`'s, except those given (the layer-wise optimizer's
-    `torch`, whose `torch.distributed.all_gather` pads unequal sizes)."""
-
-    def __init__(self, base: types.ModuleType, **replaced: Any) -> None:
-        super().__init__(base.__name__)
-        self._base = base
-        self.__dict__.update(replaced)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._base, name)
 
 
 # ---------------------------------------------------------------- install
