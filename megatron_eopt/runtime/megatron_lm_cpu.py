@@ -36,7 +36,7 @@ REPLACED_CALLS = {
                      "megatron-core's Float16 and Distributed optimizers check parameters by that name",
     "torch.cuda.device_count()": "1: with 0, initialize_megatron never sets up the model-parallel "
                                  "groups nor the RNG tracker",
-    "torch.cuda.current_device(), set_device(), get_device_properties()": "device 0, nothing to set",
+    "torch.cuda.current_device(), set_device()": "device 0, nothing to set",
     "torch.cuda streams, events, synchronize(), empty_cache(), memory counters":
         "do nothing or count 0 (CPU work runs in program order)",
     "torch.cuda RNG (get/set_rng_state, manual_seed) and tensor_parallel.random's "
@@ -212,9 +212,7 @@ def _replacements(rng: _CudaGenerator) -> list[tuple[Any, str, Any]]:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     replaced = [(torch.cuda, name, value) for name, value in _cuda_stand_ins(rng).items()]
-    replaced += [(torch.cuda.random, name, getattr(rng, name))
-                 for name in ("get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all")
-                 if hasattr(rng, name)]
+    replaced += [(torch.cuda.random, name, getattr(rng, name)) for name in ("get_rng_state", "set_rng_state")]
     replaced += [
         (tp_random, "_get_cuda_rng_state", lambda device="cuda", clone=False, graph_safe=False: rng.get_rng_state()),
         (tp_random, "_set_cuda_rng_state", rng.set_rng_state),
