@@ -136,6 +136,7 @@ def test_resume_continues_exactly(run_distributed, tmp_path, optimizer: str) -> 
             assert [r["iteration"] for r in mine.records] == list(after), where  # it went on from the save
             for key in ("lm loss", "grad norm", "learning rate"):
                 assert _column(mine, key, after) == _column(reference, key, after), f"{where}: {key}"
+            assert mine.parameters and mine.optimizer_state, where  # something to compare
             _assert_equal_tensors(mine.parameters, reference.parameters, f"{where}: parameters")
             _assert_equal_tensors(mine.optimizer_state, reference.optimizer_state, f"{where}: optimizer state")
             assert mine.optimizer_package == "megatron_eopt", where
