@@ -111,8 +111,10 @@ def run_megatron_lm(rank: int, world_size: int, argv: list[str]) -> Run:
     try:
         with _command_line(argv), _recording(run):
             megatron_lm_gpt.main()
-    except SystemExit as exit_:  # --exit-interval: Megatron-LM's loop saves, then exits
-        run.exit_status = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    except SystemExit as exit_:  # --exit-interval: Megatron-LM's loop saves, then exits with 0
+        if exit_.code not in (0, None):
+            raise RuntimeError(f"pretrain_gpt_megatron_lm.py {' '.join(argv)} exited with {exit_.code}") from exit_
+        run.exit_status = 0
     finally:
         forget_megatron_lm_run()
     return run
@@ -121,6 +123,7 @@ def run_megatron_lm(rank: int, world_size: int, argv: list[str]) -> Run:
 def run_megatron_lm_many(rank: int, world_size: int, argvs: list[list[str]]) -> list[Run]:
     """Several runs in one call (one round trip to the workers): the records of each."""
     return [run_megatron_lm(rank, world_size, argv) for argv in argvs]
+
 
 
 
