@@ -471,6 +471,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}.")
     shape = GptShape(args.hidden, args.layers, args.heads, args.groups)
+    os.makedirs(args.out, exist_ok=True)  # the Megatron-LM runs write their logs there first
     skip = cuda_skip_reason(args.dry_run)
     device = torch.cuda.get_device_name() if skip is None else f"cpu ({cpu_name()})"
     start = time.perf_counter()
@@ -480,7 +481,6 @@ def main(argv: Optional[list[str]] = None) -> dict:
               "native_bf16_matmul": native_bf16_matmul(torch.device("cpu" if skip else "cuda")),
               "transformer_engine": importlib.util.find_spec("transformer_engine") is not None,
               "model": shape.describe(), "seconds": time.perf_counter() - start, "checks": checks}
-    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
         json.dump(record, f, indent=2)
     table = markdown(record)

@@ -24,6 +24,7 @@ from megatron_eopt.distributed.fsdp2 import (
     fully_sharded_layout,
 )
 from megatron_eopt.distributed.layer_wise import DataParallelShards, LayerWiseDistributedOptimizer
+from megatron_eopt.distributed.reduce_scattered import check_byte_sharded_config, reduce_scattering_chunks
 from megatron_eopt.runtime.process_groups import ParallelGroups, group_rank, group_size, resolve_parallel_groups
 from megatron_eopt.runtime.once import first_time, warn_once
 from megatron_eopt.ops.ownership import assign_owners
@@ -66,30 +67,33 @@ def get_megatron_optimizer(
             (`get_standard_config_overrides`, plus the optimizer entry's default overrides),
             {} means none at all. Give the scalar part of a Muon run its own lr/wd here (e.g. a
             key matching 1-D parameters).
-        use_gloo_process_groups: accepted for compatibility and inert: megatron-core uses gloo
-            groups only for its byte-sharded distributed optimizer's CPU-side state gathering
-            on save/load; megatron_eopt's optimizers and checkpoints communicate over the
-            given groups alone, so no gloo side groups are needed.
+        use_gloo_process_groups: megatron-core uses gloo groups only for its byte-sharded
+            DistributedOptimizer's CPU-side state gathering on save/load: passed to it when the
+            chunks reduce-scatter (below), inert otherwise (our optimizers and checkpoints
+            communicate over the given groups alone).
         pg_collection: megatron-core ProcessGroupCollection or ParallelGroups; None uses
             megatron-core's parallel_state when torch.distributed runs several ranks.
         dump_param_to_param_group_map: a directory; each rank writes which optimizer and
             param group each of its parameters got (`rank_00000.json`, ...).
     Returns:
-        A ChainedOptimizer; a stub (`is_stub_optimizer`, no children, its step a no-op) when the
+        For chunks in megatron-core's DDP that reduce-scatters gradients, what megatron-core's own
+        factory builds (its DistributedOptimizers; adam only). Otherwise a ChainedOptimizer; a stub (`is_stub_optimizer`, no children, its step a no-op) when the
         chunks have no trainable parameter. Children: 'dense' (and 'expert' when the model has experts) for an
         optimizer that takes every parameter; '<optimizer>/dense', '<scalar>/dense' (and
         '.../expert') for one that routes some parameters to the scalar optimizer.
     """
-    config = _distributed_as_layer_wise(_without_legacy_name(as_optimizer_config(config)))
+    config = _without_legacy_name(as_optimizer_config(config))
+    chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
+    if not chunks:
+        raise ValueError("model_chunks is empty; pass the model (or its list of chunks).")
+    if reduce_scattering_chunks(chunks):  # megatron-core's DDP built for its DistributedOptimizer
+        return _megatron_core_distributed(config, chunks, config_overrides, use_gloo_process_groups,
+                                          pg_collection, dump_param_to_param_group_map)
+    config = _distributed_as_layer_wise(config)
     warn_about_inert_fields(config)
     spec = lookup_optimizer(config.optimizer)
     routing = _routing(spec, config)
     _check_supported(config, {name: lookup_optimizer(name) for name in routing.optimizers})
-    chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
-    if not chunks:
-        raise ValueError("model_chunks is empty; pass the model (or its list of chunks).")
-    if config.use_layer_wise_distributed_optimizer:
-        _check_whole_gradients(chunks)
     fsdp = fully_sharded_layout(chunks, pg_collection)  # torch FSDP2 or Megatron-FSDP (DTensor parameters), or None
     if fsdp is not None:
         check_fully_sharded_config(config, fsdp.engine)
@@ -210,11 +214,12 @@ def _without_legacy_name(config: OptimizerConfig) -> OptimizerConfig:
 
 
 def _distributed_as_layer_wise(config: OptimizerConfig) -> OptimizerConfig:
-    """use_distributed_optimizer=True means the layer-wise distributed optimizer, for every optimizer.
+    """use_distributed_optimizer=True over whole gradients means the layer-wise distributed
+    optimizer, for every optimizer (reduce-scattered gradients go to megatron-core's, above).
 
-    megatron-core's byte-sharded optimizer is not implemented; the layer-wise one also shards the
-    optimizer state (and fp32 main copies) over data-parallel ranks, by whole parameters, and
-    takes the same steps as the non-distributed optimizer. A copy: the caller's config is kept.
+    It shards the optimizer state (and fp32 main copies) over data-parallel ranks, by whole
+    parameters, and takes the same steps as the non-distributed optimizer. A copy: the caller's
+    config is kept.
     """
     if not config.use_distributed_optimizer:
         return config
@@ -227,19 +232,31 @@ def _distributed_as_layer_wise(config: OptimizerConfig) -> OptimizerConfig:
     return dataclasses.replace(config, use_distributed_optimizer=False, use_layer_wise_distributed_optimizer=True)
 
 
-def _check_whole_gradients(chunks: list[torch.nn.Module]) -> None:
-    """The layer-wise optimizer needs each parameter's whole gradient; megatron-core's DDP built
-    for the byte-sharded optimizer reduce-scatters them into pieces instead."""
-    for index, chunk in enumerate(chunks):
-        ddp_config = getattr(chunk, "ddp_config", None)
-        if ddp_config is not None and getattr(ddp_config, "use_distributed_optimizer", False):
-            raise ValueError(
-                f"model chunk {index} is wrapped in megatron-core's DistributedDataParallel with "
-                f"ddp_config.use_distributed_optimizer=True, which reduce-scatters gradients into "
-                f"byte shards; megatron_eopt's distributed optimizer (layer-wise: whole parameters per "
-                f"rank) needs whole gradients. Build DDP with use_distributed_optimizer=False (it then "
-                f"all-reduces), keeping OptimizerConfig.use_distributed_optimizer=True."
-            )
+def _megatron_core_distributed(
+    config: OptimizerConfig,
+    chunks: list[torch.nn.Module],
+    config_overrides: Optional[Mapping[Any, Mapping[str, Any]]],
+    use_gloo_process_groups: bool,
+    pg_collection: Any,
+    dump_param_to_param_group_map: Optional[str],
+) -> Any:
+    """megatron-core's ChainedOptimizer of DistributedOptimizers, as its own factory builds it for
+    `config`, over chunks whose DDP reduce-scatters (docs/layer-wise.md says why megatron-core's)."""
+    from megatron.core.optimizer import OptimizerConfig as MegatronCoreConfig
+    from megatron.core.optimizer import get_megatron_optimizer as megatron_core_get_megatron_optimizer
+
+    check_byte_sharded_config(config, chunks, lookup_optimizer(config.optimizer).routing != "all")
+    if pg_collection is not None and not hasattr(pg_collection, "dp_cp"):
+        raise TypeError(f"megatron-core's DistributedOptimizer takes megatron-core's ProcessGroupCollection as "
+                        f"pg_collection (or None for its parallel_state); got {type(pg_collection).__name__}.")
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(MegatronCoreConfig)
+              if f.init and hasattr(config, f.name)}
+    # Our ParamKeys match parameters as megatron-core's do (`matches(param, name)`); None gives
+    # megatron-core's standard overrides, which are ours.
+    return megatron_core_get_megatron_optimizer(
+        MegatronCoreConfig(**values), chunks, config_overrides=config_overrides,
+        use_gloo_process_groups=use_gloo_process_groups, pg_collection=pg_collection,
+        dump_param_to_param_group_map=dump_param_to_param_group_map)
 
 
 def _layer_wise(build: _Build) -> LayerWiseDistributedOptimizer:

@@ -70,6 +70,7 @@ STRICT_LEAKS_ENV = "MEGATRON_EOPT_STRICT_LEAKS"
 # No process of the suite holds more threads at any moment (docs/testing.md): a call whose worker
 # went over fails with ThreadLeakError.
 THREAD_BUDGET = 200
+_EXITING_THREADS_WAIT_S = 1.0  # how long the thread census waits for threads that are starting or ending
 _STACK_DUMP_WAIT_S = 0.5
 _STACK_SIGNAL = signal.SIGUSR1
 
@@ -1187,21 +1188,40 @@ def _process_lifetime_pool_threads() -> set[threading.Thread]:
 
 
 def _fresh_worker_threads() -> Counter[str]:
-    """The threads of a worker that has run one collective on its default group."""
+    """The threads of a worker that has run one collective on its default group, once their names
+    hold still: a native thread names itself after it starts (gloo's pt_gloo_runloop), and one
+    counted under the process's name here would look like a leak later."""
     import torch
     import torch.distributed as dist
 
     dist.all_reduce(torch.zeros(1))
-    return _thread_census()
+    census, deadline = _thread_census(), time.monotonic() + _EXITING_THREADS_WAIT_S
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
+        census, before = _thread_census(), census
+        if census == before:
+            break
+    return census
+
+
+def _extra_threads(baseline: Counter[str]) -> Counter[str]:
+    extra = _thread_census() - baseline
+    for name in list(extra):
+        if name.startswith(_PROCESS_LIFETIME_THREADS):
+            del extra[name]
+    return extra
 
 
 def _threads_leaked(baseline: Counter[str]) -> dict[str, Any] | None:
     """What threads the call left beyond a fresh worker's, and what holds them (a chain from a
     loaded module to a live group, a Python thread still running); None if it left none."""
-    extra = _thread_census() - baseline
-    for name in list(extra):
-        if name.startswith(_PROCESS_LIFETIME_THREADS):
-            del extra[name]
+    extra = _extra_threads(baseline)
+    # A group's threads end as its last reference goes, some a moment after: a thread still
+    # exiting is not a leak (a leaked one is still there after the wait).
+    deadline = time.monotonic() + _EXITING_THREADS_WAIT_S
+    while extra and time.monotonic() < deadline:
+        time.sleep(0.01)
+        extra = _extra_threads(baseline)
     if not extra:
         return None
     groups = extra["gloo_tcp_loop"]

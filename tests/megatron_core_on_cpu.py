@@ -6,6 +6,7 @@ the reference: its CUDA-only calls patched at run time, here only (the installed
   DistributedOptimizer's gather of the state for a `fully_reshardable` save (`.cuda()` stays on CPU).
 - `cuda_named_types`: while its DistributedOptimizer or Float16OptimizerWithFloat16Params is built,
   which check parameter types by name.
+- `megatron_core_steps_on_cpu`: its `optimizer.step()` (gradient norm and clipping).
 - `distributed_optimizer_loads_on_cpu`: its DistributedOptimizer's load with torch's Adam (the
   replacement megatron_eopt/runtime/megatron_lm_cpu.py makes for Megatron-LM's loop on CPU).
 """
@@ -16,20 +17,34 @@ import torch
 
 
 @contextlib.contextmanager
-def cuda_tensors_on_cpu():
-    """megatron-core's optimizer wrappers make their loss-scale tensor with device='cuda'."""
-    original = torch.tensor
+def _cuda_device_on_cpu(factory_name: str):
+    """`torch.<factory_name>(..., device='cuda')` makes its tensor on CPU."""
+    original = getattr(torch, factory_name)
 
-    def tensor(*args, **kwargs):
+    def on_cpu(*args, **kwargs):
         if kwargs.get("device") == "cuda":
             kwargs["device"] = "cpu"
         return original(*args, **kwargs)
 
-    torch.tensor = tensor
+    setattr(torch, factory_name, on_cpu)
     try:
         yield
     finally:
-        torch.tensor = original
+        setattr(torch, factory_name, original)
+
+
+def cuda_tensors_on_cpu():
+    """megatron-core's optimizer wrappers make their loss-scale tensor with device='cuda'."""
+    return _cuda_device_on_cpu("tensor")
+
+
+@contextlib.contextmanager
+def megatron_core_steps_on_cpu():
+    """megatron-core's `optimizer.step()`: its gradient norm and clipping make their buffers with
+    `torch.zeros(..., device='cuda')` (here on CPU) and check that each gradient's `type()` is
+    `torch.cuda.FloatTensor` (here the CPU type with that name: `cuda_named_types`)."""
+    with _cuda_device_on_cpu("zeros"), cuda_tensors_on_cpu(), cuda_named_types():
+        yield
 
 
 @contextlib.contextmanager

@@ -21,11 +21,13 @@ from typing import Any, Iterator, Optional
 
 import megatron.training.arguments as megatron_lm_arguments
 import megatron.training.training as megatron_lm_training
+import torch
 from megatron.training import global_vars
 
 from arguments.optimizer_args import FLAGS, GIVEN_FLAGS_ATTR, Flag, StoreAndRecord, flag_kwargs
 from megatron_eopt.config.newton_schulz import NEWTON_SCHULZ_FIELDS
 from megatron_eopt.config.optimizer_config import MatmulPrecision, OptimizerConfig, TpMode, megatron_core_default
+from megatron_eopt.distributed.reduce_scattered import reduce_scattering_chunks
 from megatron_eopt.factory import get_megatron_optimizer
 from megatron_eopt.registry import list_optimizers
 
@@ -103,12 +105,15 @@ def _field_default(name: str) -> Any:
 # ---------------------------------------------------------------- config
 
 
-def optimizer_config_from_megatron_lm(args: Optional[argparse.Namespace], config: Any) -> OptimizerConfig:
+def optimizer_config_from_megatron_lm(args: Optional[argparse.Namespace], config: Any,
+                                      model_chunks: Optional[list] = None) -> OptimizerConfig:
     """Our OptimizerConfig from megatron-core's `config` plus Megatron-LM's `args`.
 
     Every field megatron-core's config has is taken from it (Megatron-LM may have changed it
     after parsing, e.g. `config.timers`); our fields it lacks (`muon_match_adamw_rms`,
     `muon_use_syrk`, ...) are read from `args` by name, as Megatron-LM reads its own.
+    `model_chunks`: the chunks the optimizer is for; when their DDP reduce-scatters, the
+    optimizer is megatron-core's DistributedOptimizer, which writes `--ckpt-format torch`.
     """
     ours = [f.name for f in dataclasses.fields(OptimizerConfig)]
     values = {name: getattr(config, name) for name in ours if hasattr(config, name)}
@@ -118,7 +123,7 @@ def optimizer_config_from_megatron_lm(args: Optional[argparse.Namespace], config
         for name in NEWTON_SCHULZ_FIELDS:  # left at their defaults: marked so (add_megatron_eopt_args)
             if name in values and name not in given and type(values[name]) in (str, int):
                 values[name] = megatron_core_default(values[name])
-        _check_checkpoint_format(args)
+        _check_checkpoint_format(args, _reduce_scatters(model_chunks))
         if getattr(args, "use_megatron_fsdp", False):
             # Megatron-LM sets use_distributed_optimizer for Megatron-FSDP (its DistributedOptimizer
             # over Megatron-FSDP's buffers); ours steps the DTensor shards Megatron-FSDP gives.
@@ -126,7 +131,14 @@ def optimizer_config_from_megatron_lm(args: Optional[argparse.Namespace], config
     return OptimizerConfig(**values)
 
 
-def _check_checkpoint_format(args: argparse.Namespace) -> None:
+def _reduce_scatters(model_chunks: Any) -> bool:
+    if model_chunks is None:
+        return False
+    chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
+    return bool(chunks) and bool(reduce_scattering_chunks(chunks))
+
+
+def _check_checkpoint_format(args: argparse.Namespace, byte_sharded: bool = False) -> None:
     if getattr(args, "use_megatron_fsdp", False):
         return  # Megatron-LM's validate_args asks for Megatron-FSDP's own format (fsdp_dtensor)
     if getattr(args, "use_torch_fsdp2", False):
@@ -139,6 +151,8 @@ def _check_checkpoint_format(args: argparse.Namespace) -> None:
                 f"(DTensor state) with torch DCP."
             )
         return
+    if byte_sharded:
+        return  # megatron-core's DistributedOptimizer (distributed/reduce_scattered.py) writes every format
     if getattr(args, "use_distributed_optimizer", False) and getattr(args, "ckpt_format", None) == "torch":
         raise ValueError(
             "--use-distributed-optimizer with --ckpt-format torch makes Megatron-LM save "
@@ -163,7 +177,7 @@ def get_megatron_optimizer_for_megatron_lm(
     """
     args = global_vars._GLOBAL_ARGS  # get_args() asserts when unset; None: no Megatron-LM run
     return get_megatron_optimizer(
-        optimizer_config_from_megatron_lm(args, config),
+        optimizer_config_from_megatron_lm(args, config, model_chunks),
         model_chunks,
         config_overrides=config_overrides,
         use_gloo_process_groups=use_gloo_process_groups,
@@ -184,6 +198,12 @@ def validate_args_for_megatron_eopt(args: argparse.Namespace, defaults: Optional
     which also allows only the torch and torch_dist formats), and the latter would turn
     `--use-distributed-optimizer`, which it sets for Megatron-FSDP itself, into the layer-wise
     optimizer. So the checks run as for `--optimizer adam`, and the optimizer is put back after them.
+
+    With the layer-wise optimizer (`--optimizer muon --use-distributed-optimizer`), Megatron-LM's
+    default parameter layout makes its DDP reduce-scatter, into shards laid out for megatron-core's
+    own layer-wise optimizer; ours owns whole parameters by its own balance and needs each whole
+    gradient. So the layout is Megatron-LM's other one, `--no-use-layer-wise-param-layout` (DDP
+    all-reduces; the same steps), said in one line on rank 0.
     """
     validate = _original_validate_args or megatron_lm_arguments.validate_args
     defaults = {} if defaults is None else defaults
@@ -191,7 +211,7 @@ def validate_args_for_megatron_eopt(args: argparse.Namespace, defaults: Optional
     engine = ("Megatron-FSDP" if getattr(args, "use_megatron_fsdp", False)
               else "torch FSDP2" if getattr(args, "use_torch_fsdp2", False) else None)
     if engine is None or optimizer in _MEGATRON_FSDP_OPTIMIZERS:
-        return validate(args, defaults)
+        return _with_whole_gradients(validate(args, defaults))
     if optimizer.startswith("dist_"):
         raise ValueError(f"--optimizer {optimizer} is the layer-wise distributed optimizer, which has nothing to "
                          f"shard on {engine}; use --optimizer {optimizer.removeprefix('dist_')}.")
@@ -203,6 +223,17 @@ def validate_args_for_megatron_eopt(args: argparse.Namespace, defaults: Optional
     validated.optimizer = optimizer
     validated.use_layer_wise_distributed_optimizer = False
     return validated
+
+
+def _with_whole_gradients(args: argparse.Namespace) -> argparse.Namespace:
+    """Megatron-LM's all-reducing DDP layout for our layer-wise optimizer (validate_args_for_megatron_eopt)."""
+    if getattr(args, "use_layer_wise_distributed_optimizer", False) and getattr(args, "use_layer_wise_param_layout", True):
+        args.use_layer_wise_param_layout = False
+        if getattr(args, "rank", 0) == 0:
+            print("megatron_eopt: --optimizer " + str(args.optimizer) + " --use-distributed-optimizer runs "
+                  "megatron_eopt's layer-wise optimizer, which needs whole gradients: Megatron-LM's DDP "
+                  "all-reduces (--no-use-layer-wise-param-layout).", flush=True)
+    return args
 
 
 # ---------------------------------------------------------------- install

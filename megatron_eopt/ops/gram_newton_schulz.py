@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_eopt.ops.aol import aol_precondition
+from megatron_eopt.ops.aol import aol_preconditioned
 from megatron_eopt.ops.newton_schulz_steps import (  # noqa: F401 (coefficient_schedule: this module's API too)
     Coefficients,
     addmm,
@@ -91,16 +91,14 @@ def gram_newton_schulz(
     schedule = coefficient_schedule(coefficient_type, steps)
     if restarts is None:
         restarts = restart_steps(steps)
-    polynomial, base = _polynomial(x, schedule, set(restarts), tp_group, aol)
+    polynomial, base = _polynomial(x, schedule, set(restarts), tp_group, aol, transpose)
     return restored_output(polynomial @ base, transpose, input_dtype)
 
 
 def _polynomial(x: torch.Tensor, schedule: Sequence[Coefficients], restarts: set[int],
-                tp_group: Optional[dist.ProcessGroup], aol: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                tp_group: Optional[dist.ProcessGroup], aol: bool, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(Q, X_r): the accumulated polynomial since the last restart and the iterate it applies to."""
-    r = gram_matrix(x, tp_group)
-    if aol:
-        x, r = aol_precondition(x, r)
+    x, r = aol_preconditioned(x, transposed, tp_group) if aol else (x, gram_matrix(x, tp_group))
     q: Optional[torch.Tensor] = None
     for step, (a, b, c) in enumerate(schedule, start=1):
         z = addmm(r, r, r, beta=b, alpha=c)  # Z = b R + c R^2, so P = a I + Z

@@ -40,7 +40,30 @@ def maybe_fault(phase: str) -> None:
         if fault["phase"] == phase and fault["iteration"] == iteration:
             name = fault.get("signal", "KILL")
             say(f"SIG{name} in phase {phase} of iteration {iteration}")
+            if name == "STOP":
+                continue_when_terminated(os.getpid())
             os.kill(os.getpid(), getattr(signal, f"SIG{name}"))
+
+
+def continue_when_terminated(pid: int) -> None:
+    """A stopped process holds torchrun's SIGTERM pending, and torchrun's restart waits a fixed 30 s
+    (LocalElasticAgent._stop_workers ignores TORCH_ELASTIC_SHUTDOWN_TIMEOUT) before SIGKILL. A
+    forked watcher sends SIGCONT once a SIGTERM is pending, so the stopped rank ends as torchrun asks.
+    The stop itself lasts until then: the other ranks still meet a rank that does nothing."""
+    if os.fork() != 0:
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torchrun signals the worker's whole process group
+    term = 1 << (signal.SIGTERM - 1)
+    try:
+        while True:
+            with open(f"/proc/{pid}/status") as status:  # pending signals, per thread and shared
+                pending = [int(line.split()[1], 16) for line in status if line.startswith(("SigPnd:", "ShdPnd:"))]
+            if any(mask & term for mask in pending):
+                os.kill(pid, signal.SIGCONT)
+                break
+            time.sleep(0.1)
+    finally:
+        os._exit(0)  # also when the stopped process is gone (its /proc entry with it)
 
 
 def wrap(owner, name: str, before=None, after=None) -> None:

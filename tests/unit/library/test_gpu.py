@@ -142,7 +142,10 @@ def test_megatron_dist_checkpointing_round_trip() -> None:
 
 
 BF16_BOTH_WAYS_SCRIPT = """
+import os
+os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # cuBLAS's deterministic mode needs it before CUDA starts
 import tempfile, torch, torch.distributed as dist
+torch.use_deterministic_algorithms(True)  # the embedding's backward on CUDA adds with atomics, in any order
 from megatron.core import dist_checkpointing
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig as CoreConfig

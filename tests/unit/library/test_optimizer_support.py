@@ -282,11 +282,6 @@ def test_config_with_distributed_optimizer_builds_the_layer_wise_one_and_says_so
     assert isinstance(get_megatron_optimizer(megatron_config, torch.nn.Linear(4, 4)), LayerWiseDistributedOptimizer)
 
 
-def test_ddp_that_reduce_scatters_gradients_is_refused():
-    model = torch.nn.Linear(4, 4)
-    model.ddp_config = types.SimpleNamespace(use_distributed_optimizer=True)  # megatron-core DDP's attribute
-    with pytest.raises(ValueError, match=r"model chunk 0 .*ddp_config\.use_distributed_optimizer=True.*whole gradients"):
-        get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=0.01, use_distributed_optimizer=True), model)
 
 
 def _sinkhorn_ready(model: torch.nn.Module) -> None:

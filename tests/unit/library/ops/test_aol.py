@@ -13,6 +13,7 @@
 """
 
 import warnings
+from typing import Optional
 
 import pytest
 import torch
@@ -24,10 +25,11 @@ from megatron_eopt.runtime import once
 from tests.unit.library.ops.test_gram_newton_schulz import stress_inputs
 
 
-def aol_float64(x: torch.Tensor, steps: int, coefficient_type: str) -> torch.Tensor:
+def aol_float64(x: torch.Tensor, steps: int, coefficient_type: str, transpose: Optional[bool] = None) -> torch.Tensor:
     """Turbo-Muon written out in float64: unit Frobenius norm, rows scaled by 1/sqrt of the Gram
-    matrix's absolute row sums, then the standard steps (each forming its own Gram matrix)."""
-    transpose = x.size(-2) > x.size(-1)
+    matrix's absolute row sums, then the standard steps (each forming its own Gram matrix).
+    `transpose`: which side is the rows (default: the smaller, emerging_optimizers' rule)."""
+    transpose = x.size(-2) > x.size(-1) if transpose is None else transpose
     X = torch.nn.functional.normalize(x.mT if transpose else x, p=2, dim=(-2, -1), eps=1e-7)
     row_sums = (X @ X.mT).abs().sum(dim=-1)
     X = X / row_sums.clamp_min(torch.finfo(torch.float64).tiny).sqrt().unsqueeze(-1)
@@ -83,6 +85,19 @@ def test_gram_path_and_batches_equal_the_standard_path() -> None:
     together = aol_newton_schulz(batch, 4)
     for i in range(3):
         assert (together[i] - aol_newton_schulz(batch[i], 4)).abs().max() <= 1e-6
+
+
+def test_the_scaled_side_does_not_depend_on_the_orientation() -> None:
+    """D X has another polar factor than X D: an orientation fixed against the transpose rule (as
+    'distributed' TP mode fixes it) still scales the side the rule puts first, in both paths, and
+    that side is what the float64 iteration written out above scales."""
+    for shape in [(24, 80), (80, 24), (32, 32)]:
+        x = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+        expected = aol_float64(x, 4, "quintic")
+        other_way = not x.size(0) > x.size(1)
+        assert (aol_newton_schulz(x, 4, "quintic", transpose=other_way) - expected).abs().max() <= 1e-12, shape
+        assert (gram_newton_schulz(x, 4, "quintic", transpose=other_way, aol=True) - expected).abs().max() <= 1e-10
+        assert (aol_float64(x, 4, "quintic", transpose=other_way) - expected).abs().max() > 1e-3  # the side matters
 
 
 def test_settings_route_aol_and_refuse_kernels_without_it() -> None:

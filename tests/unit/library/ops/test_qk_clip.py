@@ -12,6 +12,7 @@ captured linear_qkv input and the weights after the step, never through the mode
 """
 
 import contextlib
+import dataclasses
 import math
 
 import pytest
@@ -310,14 +311,19 @@ CLIPPED_MUON = OptimizerConfig(optimizer="muon", lr=0.01, weight_decay=0.01, cli
                                qk_clip_threshold=4.0, qk_clip_alpha=0.5, muon_fp32_matmul_prec="highest")
 
 
+CLIPPED_TURBO_MUON = dataclasses.replace(CLIPPED_MUON, muon_aol_preconditioner=True)
+
+
 @pytest.mark.parametrize("body", [_tp_body, _layer_wise_body], ids=["tp2-vs-tp1", "layer-wise-dp2-vs-dp1"])
 def test_clip_does_not_depend_on_the_layout(run_distributed, body) -> None:
-    for result in run_distributed(body, world_size=2, args=(CLIPPED_MUON,)):
-        reference, other = result["maxima"]
-        assert all(m > CLIPPED_MUON.qk_clip_threshold for m in reference), reference  # clipping every step
-        assert other == pytest.approx(reference, rel=1e-6)
-        bad = {name: e for name, e in result["errors"].items() if e > 1e-6}
-        assert not bad, bad
+    """Muon and Turbo-Muon (the AOL preconditioner), clipping every step."""
+    for config in (CLIPPED_MUON, CLIPPED_TURBO_MUON):
+        for result in run_distributed(body, world_size=2, args=(config,)):
+            reference, other = result["maxima"]
+            assert all(m > config.qk_clip_threshold for m in reference), reference  # clipping every step
+            assert other == pytest.approx(reference, rel=1e-6)
+            bad = {name: e for name, e in result["errors"].items() if e > 1e-6}
+            assert not bad, (config.muon_aol_preconditioner, bad)
 
 
 def _bf16_body(rank: int, world_size: int) -> dict:

@@ -15,6 +15,11 @@ TP shards of the global gradient and of the reference update are cut by hand too
 Mamba/GDN in_proj split over the TP ranks, fc1's halves likewise (partition_stride=2), any other
 weight contiguously along its partition_dim.
 
+Turbo-Muon (muon_aol_preconditioner) in each TP mode that cuts or sums a matrix, the layer-wise
+optimizer and FSDP2, against the same components through test_aol.py's float64 iteration: the
+'distributed' mode fixes its orientation by the shard, so it meets matrices sharded along the side
+the preconditioner scales (ops/aol.py).
+
 Tolerance 2e-5 on updates of entries about 1: fp32 round-off of a batched against a 2-D
 Newton-Schulz (about 1e-6) and, in 'distributed', of Gram matrices summed over ranks.
 """
@@ -31,6 +36,7 @@ from megatron_eopt.params.fused_layouts import FusedBlocks, register_fused_layou
 from megatron_eopt.params.groups import ParamRecord, matrix_layout
 from megatron_eopt.runtime import once
 from tests.fused_models import GDN_PARTS, HEADS, KV_LORA, MAMBA_PARTS, POS, QK, V
+from tests.unit.library.ops.test_aol import aol_float64
 
 TOLERANCE = 2e-5
 
@@ -49,13 +55,16 @@ def components(name: str, rows: int) -> list[tuple[int, int]]:
     return [(start, start + size) for start, size in zip(starts, sizes)]
 
 
-def reference_update(name: str, grad: torch.Tensor) -> torch.Tensor:
+def reference_update(name: str, grad: torch.Tensor, aol: bool = False) -> torch.Tensor:
+    """Each component orthogonalized alone: emerging_optimizers' `newton_schulz` (quintic x 5), or
+    with `aol` Turbo-Muon's iteration as test_aol.py writes it out (quintic x 4), in float64."""
     from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz
 
     update = torch.empty_like(grad)
     for start, end in components(name, grad.shape[0]):
         block = grad[start:end]
-        update[start:end] = newton_schulz(block, steps=5) * math.sqrt(max(block.shape))
+        orthogonal = aol_float64(block.double(), 4, "quintic").float() if aol else newton_schulz(block, steps=5)
+        update[start:end] = orthogonal * math.sqrt(max(block.shape))
     return update
 
 
@@ -87,7 +96,7 @@ def global_grads(shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
     return {name: torch.randn(shape, generator=generator) for name, shape in sorted(shapes.items())}
 
 
-def _step_case(tp: int, tp_mode: str, layout: str, grads: dict, expected: dict) -> dict:
+def _step_case(tp: int, tp_mode: str, layout: str, grads: dict, expected: dict, aol: bool = False) -> dict:
     """One Muon step on the hybrid chunk at `tp` (the rest data-parallel); the largest error of
     each Muon matrix's update against the reference's TP shard."""
     from megatron.core import parallel_state
@@ -106,6 +115,8 @@ def _step_case(tp: int, tp_mode: str, layout: str, grads: dict, expected: dict) 
                 for n, p in model.named_parameters()}
         local = {n: tp_shard(n, grads[n], dims[n], rank, tp) for n in dims}
         extra = {"use_layer_wise_distributed_optimizer": True} if layout == "layer_wise" else {}
+        if aol:
+            extra["muon_aol_preconditioner"] = True
         if layout == "fsdp2":
             fully_shard(model, mesh=data_parallel_mesh(parallel_state.get_data_parallel_group(), torch.device("cpu")))
         optimizer = get_megatron_optimizer(config(tp_mode, **extra), [model])
@@ -135,6 +146,9 @@ CASES = ((1, "duplicated", "plain"), (2, "duplicated", "plain"), (2, "distribute
          (2, "auto", "plain"), (4, "duplicated", "plain"), (4, "distributed", "plain"), (4, "sharded", "plain"),
          (2, "duplicated", "layer_wise"), (2, "sharded", "layer_wise"), (2, "duplicated", "fsdp2"),
          (2, "distributed", "fsdp2"))
+# Turbo-Muon (the AOL preconditioner): each TP mode that cuts or sums a matrix, and both owners.
+AOL_CASES = ((1, "duplicated", "plain"), (2, "distributed", "plain"), (2, "sharded", "plain"),
+             (4, "distributed", "plain"), (2, "duplicated", "layer_wise"), (2, "distributed", "fsdp2"))
 
 
 def _exactness_body(rank: int, world_size: int) -> dict:
@@ -148,12 +162,15 @@ def _exactness_body(rank: int, world_size: int) -> dict:
         for experts in (True, False):
             params = dict(HybridChunk(experts).named_parameters())
             grads = global_grads({n: p.shape for n, p in params.items()})
-            references[experts] = grads, {n: reference_update(n, grads[n]) for n, p in params.items()
-                                          if is_muon_matrix(n, p)}
+            for aol in (False, True):
+                references[experts, aol] = grads, {n: reference_update(n, grads[n], aol) for n, p in params.items()
+                                                   if is_muon_matrix(n, p)}
     finally:
         destroy_model_parallel()
-    results = {case: _step_case(*case, *references[case[2] != "fsdp2"]) for case in CASES}
-    grads, expected = references[True]
+    results = {case: _step_case(*case, *references[case[2] != "fsdp2", False]) for case in CASES}
+    results.update({("aol", *case): _step_case(*case, *references[case[2] != "fsdp2", True], aol=True)
+                    for case in AOL_CASES})
+    grads, expected = references[True, False]
     results["whole"] = {n: (whole_update(grads[n]) - expected[n]).abs().max().item()  # the reference discriminates
                         for n in expected if len(components(n, grads[n].shape[0])) > 1}
     return results
@@ -166,8 +183,8 @@ def whole_update(grad: torch.Tensor) -> torch.Tensor:
 
 
 def test_fused_weights_equal_per_component_reference_at_every_tp_layout(run_distributed) -> None:
-    """TP=1, 2 and 4 in every exact TP mode, the layer-wise optimizer and FSDP2 (TP=2 x DP=2):
-    every Muon matrix's update, fused or not, equals the per-component reference."""
+    """TP=1, 2 and 4 in every exact TP mode, the layer-wise optimizer and FSDP2 (TP=2 x DP=2), with
+    and without Turbo-Muon: every Muon matrix's update, fused or not, equals the per-component reference."""
     for per_rank in run_distributed(_exactness_body, world_size=4, timeout=900):
         whole = per_rank.pop("whole")  # orthogonalized whole, each fused weight is far from the reference
         assert len(whole) >= 8 and min(whole.values()) > 0.05, whole
