@@ -8,7 +8,8 @@ script as a user types it. Every expectation comes from another run: megatron-co
 (`--megatron-core-optimizer`, the loop without `install()`), or the same run without interruption.
 Losses are what the loop hands its logger ('lm loss' averaged over micro-batches and DP ranks).
 
-- Same math as megatron-core: Adam, and layer-wise Muon (`--use-distributed-optimizer`) with
+- Same math as megatron-core: Adam, distributed Adam (`--use-distributed-optimizer --bf16`), and
+  layer-wise Muon (`--optimizer muon --use-distributed-optimizer`) with
   `--bf16` (megatron-core's layer-wise optimizer fails in fp32: it chains a bare TensorParallelMuon,
   which has no `get_loss_scale`), give megatron-core's losses. `--clip-grad 0` there: the gradient
   norm is summed in another order by each implementation (1 ulp apart, checked to 1e-6), and a
@@ -78,10 +79,10 @@ def _column(run: Run, key: str, iterations) -> list:
     return [by_iteration.get(i) for i in iterations]
 
 
-def _assert_same_math(ours: list[Run], theirs: list[Run]) -> None:
+def _assert_same_math(ours: list[Run], theirs: list[Run], our_package: str = "megatron_eopt") -> None:
     """Bitwise equal losses and learning rates; gradient norms to 1e-6 (summed in other orders)."""
     every = range(1, ITERATIONS + 1)
-    assert [r.optimizer_package for r in ours + theirs] == ["megatron_eopt"] * 2 + ["megatron"] * 2
+    assert [r.optimizer_package for r in ours + theirs] == [our_package] * 2 + ["megatron"] * 2
     for mine, reference in zip(ours, theirs):
         assert _column(mine, "lm loss", every) == _column(reference, "lm loss", every)
         assert _column(mine, "learning rate", every) == _column(reference, "learning rate", every)
@@ -173,12 +174,12 @@ def test_script_under_torchrun_resumes_as_megatron_lm_prints(run_distributed, tm
     assert printed == pytest.approx(expected, rel=1e-6), (printed, losses)
 
 
-@pytest.mark.xfail(strict=True, reason="megatron_eopt/factory.py's _check_whole_gradients refuses the "
-                   "reduce-scattered gradients of --optimizer adam --use-distributed-optimizer; switch on "
-                   "with the factory fix (issue 55, distributed Adam)")
 def test_distributed_adam_equals_megatron_cores_distributed_optimizer(run_distributed) -> None:
-    """--bf16: megatron-core's fp32 DistributedOptimizer shards `model_param.view(-1)` without
-    detaching it, so autograd holds its DDP's hooks and the process groups outlive the run."""
+    """Through install(), the factory hands Adam on reduce-scattered gradients to megatron-core's
+    DistributedOptimizer (megatron_eopt/distributed/reduce_scattered.py): built from our config, it
+    trains as megatron-core's own factory builds it. --bf16: megatron-core's fp32 DistributedOptimizer
+    shards `model_param.view(-1)` without detaching it, so autograd holds its DDP's hooks and the
+    process groups outlive the run in these reused workers."""
     flags = ["--optimizer", "adam", "--use-distributed-optimizer", "--bf16"] + NO_CLIP
     ours, theirs = _runs(run_distributed, flags, flags + MEGATRON_CORE)
-    _assert_same_math(ours, theirs)
+    _assert_same_math(ours, theirs, our_package="megatron")
