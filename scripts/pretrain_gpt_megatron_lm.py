@@ -1,4 +1,4 @@
-"""Megatron-LM's own `pretrain()` for a GPT model, with megatron_eopt's optimizer (CUDA only).
+"""Megatron-LM's own `pretrain()` for a GPT model, with megatron_eopt's optimizer (on CPU too).
 
     torchrun --nproc-per-node 8 scripts/pretrain_gpt_megatron_lm.py \
         --optimizer muon --use-distributed-optimizer --tensor-model-parallel-size 2 \

@@ -7,7 +7,8 @@ the reference: its CUDA-only calls patched at run time, here only (the installed
 - `cuda_named_types`: while its DistributedOptimizer or Float16OptimizerWithFloat16Params is built,
   which check parameter types by name.
 - `megatron_core_steps_on_cpu`: its `optimizer.step()` (gradient norm and clipping).
-- `distributed_optimizer_loads_on_cpu`: its DistributedOptimizer's load with torch's Adam.
+- `distributed_optimizer_loads_on_cpu`: its DistributedOptimizer's load with torch's Adam (the
+  replacement megatron_eopt/runtime/megatron_lm_cpu.py makes for Megatron-LM's loop on CPU).
 """
 
 import contextlib
@@ -89,33 +90,12 @@ def cuda_named_types():
 @contextlib.contextmanager
 def distributed_optimizer_loads_on_cpu():
     """megatron-core 0.19.2's `DistributedOptimizer.load_state_dict` with torch's Adam (no TE or Apex,
-    as on CPU), which keeps a `step` tensor per parameter in its state, fails or drifts:
-    - it copies a loaded fp32 `param` into a view of the parameter itself: torch allows that under
-      no_grad only (here the load runs under no_grad);
-    - its fully_reshardable load passes no `step` among a parameter's loaded tensors but copies
-      every tensor the live state has, `step` included (KeyError): here the live step is left as
-      the load set it from the param groups, as megatron-core means to ("handled separately");
-    - it gives every parameter one shared `step` tensor, which torch's Adam then advances once per
-      parameter per step: here each parameter gets its own copy of the loaded step afterwards.
-    TE's FusedAdam on GPU keeps the step in the param groups and meets none of these."""
+    as on CPU) fails or drifts; the replacement that Megatron-LM's loop on CPU uses
+    (megatron_eopt/runtime/megatron_lm_cpu.py, `distributed_optimizer_loads_with_torch_adam`, which
+    says why), inside the block."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    original_load, original_set = DistributedOptimizer.load_state_dict, DistributedOptimizer._set_main_param_and_optimizer_states
+    from megatron_eopt.runtime.megatron_lm_cpu import distributed_optimizer_loads_with_torch_adam, replaced
 
-    def set_states(self, model_param, tensors) -> None:
-        original_set(self, model_param, {"step": None, **tensors})  # a non-tensor is skipped
-
-    def load_state_dict(self, state_dict) -> None:
-        with torch.no_grad():
-            original_load(self, state_dict)
-        for state in self.optimizer.state.values():
-            if torch.is_tensor(state.get("step")):
-                state["step"] = state["step"].clone()
-
-    DistributedOptimizer.load_state_dict = load_state_dict
-    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
-    try:
+    with replaced(distributed_optimizer_loads_with_torch_adam(DistributedOptimizer)):
         yield
-    finally:
-        DistributedOptimizer.load_state_dict = original_load
-        DistributedOptimizer._set_main_param_and_optimizer_states = original_set

@@ -5,22 +5,18 @@ Megatron-LM flag works, plus ours (`--muon-tp-mode sharded`, `--muon-match-adamw
 
 Data: `--mock-data` (megatron-core's MockGPTDataset) or `--data-path [W] PREFIX ...` (Megatron
 indexed datasets), built by megatron-core's BlendedMegatronDatasetBuilder. The model is
-Megatron-LM's GPTModelConfig built from the flags (`gpt_config_from_args`). Megatron-LM's
-loop needs CUDA ("Megatron requires CUDA"): without it this script exits at once with one line;
-on CPU use scripts/pretrain_gpt.py.
+Megatron-LM's GPTModelConfig built from the flags (`gpt_config_from_args`). Without CUDA the
+loop runs on CPU through megatron_eopt/runtime/megatron_lm_cpu.py (with `--distributed-backend
+gloo --transformer-impl local` and no fused kernels; docs/megatron-lm.md).
 """
 
+import os
 import sys
 from functools import partial
 from typing import Any, Optional
 
 import torch
 
-
-NO_CUDA_MESSAGE = (
-    "pretrain_gpt_megatron_lm.py: Megatron-LM's training loop needs CUDA and none is available "
-    "(on CPU, use scripts/pretrain_gpt.py)."
-)
 
 
 def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
@@ -110,6 +106,24 @@ def use_prebuilt_dataset_helpers() -> None:
         dataset_utils.compile_helpers = lambda: None
 
 
+def measure_memory_without_psutil() -> None:
+    """megatron-core's torch_dist writer logs the process's memory with psutil, which megatron-core
+    does not require: without it every save fails. Read the resident size from /proc instead."""
+    import megatron.core.dist_checkpointing.strategies.filesystem_async as filesystem_async
+
+    if not filesystem_async.HAVE_PSUTIL:
+        filesystem_async._process_memory = _resident_bytes
+
+
+def _resident_bytes() -> int:
+    """What psutil.Process().memory_info().rss gives, from /proc (0 where there is none)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def add_script_args(parser: Any) -> Any:
     """Our optimizer flags, plus this script's switch for comparing with megatron-core's own."""
     from megatron_eopt.integrations import megatron_lm
@@ -124,9 +138,9 @@ def add_script_args(parser: Any) -> Any:
 
 
 def main() -> None:
-    if not torch.cuda.is_available():  # before the ~20 s import of Megatron-LM
-        print(NO_CUDA_MESSAGE, file=sys.stderr)
-        sys.exit(2)
+    from megatron_eopt.runtime import megatron_lm_cpu
+
+    megatron_lm_cpu.install()  # without CUDA: the loop on CPU and gloo (does nothing with CUDA)
     from megatron.core.enums import ModelType
     from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
@@ -138,6 +152,7 @@ def main() -> None:
         megatron_lm.install()  # before validate_args, which install() lets take Megatron-FSDP with ours
     args = parse_and_validate_args(extra_args_provider=add_script_args)
     use_prebuilt_dataset_helpers()
+    measure_memory_without_psutil()
     config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
     pretrain(config, datasets_provider, ModelType.encoder_or_decoder, forward_step)
 

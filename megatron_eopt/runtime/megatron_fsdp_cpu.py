@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_eopt.runtime.cpu_stand_ins import NoStream, Passthrough, all_gather_padded
+
 # Megatron-FSDP's modules that name `torch` (or `dist`) and call CUDA through it.
 PATCHED_MODULES = ("megatron_fsdp", "fully_shard", "param_and_grad_buffer", "utils", "uneven_dtensor")
 
@@ -35,38 +37,6 @@ REPLACED_CALLS = {
 _installed = False
 
 
-class _NoEvent:
-    """A CUDA event already reached: CPU work runs in program order."""
-
-    def wait(self, stream: Any = None) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-
-class _NoStream:
-    """A CUDA stream's methods, doing nothing: CPU work runs in program order."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def wait_stream(self, other: Any) -> None:
-        pass
-
-    def wait_event(self, event: Any) -> None:
-        pass
-
-    def record_event(self, event: Any = None) -> _NoEvent:
-        return _NoEvent()
-
-    def synchronize(self) -> None:
-        pass
-
-
 def _nothing(*args: Any, **kwargs: Any) -> None:
     return None
 
@@ -74,7 +44,7 @@ def _nothing(*args: Any, **kwargs: Any) -> None:
 def _cpu_cuda() -> types.SimpleNamespace:
     """The `torch.cuda` Megatron-FSDP sees: the calls it makes, none needing a GPU."""
     return types.SimpleNamespace(
-        Stream=_NoStream, current_stream=_NoStream, stream=lambda stream=None: nullcontext(),
+        Stream=NoStream, current_stream=NoStream, stream=lambda stream=None: nullcontext(),
         current_device=lambda: torch.device("cpu"), synchronize=_nothing, empty_cache=_nothing,
         is_available=lambda: False,
     )
@@ -92,33 +62,6 @@ class _CpuTensor(torch.Tensor):
 
     def cuda(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self.as_subclass(torch.Tensor)
-
-
-class _Passthrough(types.ModuleType):
-    """A module whose attributes are `base`'s, except those given."""
-
-    def __init__(self, base: types.ModuleType, **replaced: Any) -> None:
-        super().__init__(base.__name__)
-        self._base = base
-        self.__dict__.update(replaced)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._base, name)
-
-
-def _all_gather_padded(tensor_list: list, tensor: torch.Tensor, group: Any = None, async_op: bool = False):
-    """dist.all_gather of flat shards of any sizes: gloo needs equal sizes, so each is padded to the largest."""
-    sizes = [t.numel() for t in tensor_list]
-    if len(set(sizes)) <= 1 or async_op:
-        return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
-    largest = max(sizes)
-    padded = [torch.empty(largest, dtype=tensor.dtype, device=tensor.device) for _ in sizes]
-    local = torch.zeros(largest, dtype=tensor.dtype, device=tensor.device)
-    local[:tensor.numel()] = tensor.reshape(-1)
-    dist.all_gather(padded, local, group=group)
-    for out, received, size in zip(tensor_list, padded, sizes):
-        out.view(-1).copy_(received[:size])
-    return None
 
 
 def _without_premul_sum(original):
@@ -140,9 +83,9 @@ def install() -> bool:
         return False
     if _installed:
         return True
-    cpu_torch = _Passthrough(torch, cuda=_cpu_cuda(), device=_cpu_device,
+    cpu_torch = Passthrough(torch, cuda=_cpu_cuda(), device=_cpu_device,
                              tensor=lambda *a, **k: torch.tensor(*a, **k).as_subclass(_CpuTensor))
-    cpu_dist = _Passthrough(dist, all_gather=_all_gather_padded)
+    cpu_dist = Passthrough(dist, all_gather=all_gather_padded)
     for name in PATCHED_MODULES:
         module = importlib.import_module(f"megatron_fsdp.{name}")
         module.torch = cpu_torch

@@ -34,15 +34,18 @@ LAYER_OF = {  # first component below megatron_eopt (or "folder/module") -> laye
 # checkpointing/rng.py: megatron-core's process-global RNG tracker, only once megatron-core is imported.
 MEGATRON_CORE_ALLOWED = {"runtime/process_groups.py", "factory.py", "integrations/megatron_bridge.py",
                          "checkpointing/megatron_sharded.py", "checkpointing/ddp_buckets.py",
-                         "checkpointing/rng.py", "integrations/megatron_lm.py", "integrations/megatron_lm_gpt.py"}
+                         "checkpointing/rng.py", "integrations/megatron_lm.py", "integrations/megatron_lm_gpt.py",
+                         "runtime/megatron_lm_cpu.py"}
 MEGATRON_CORE_ALLOWED_UNDER = ("training/",)  # the trainer: megatron-core's models, Megatron-LM's helpers
 # The one upward import, inside the method that needs it: OptimizerConfig.provide() is
 # Megatron-Bridge's custom-optimizer hook, so the config must be able to call the factory.
 # It is a function-level import of the factory alone (never of the Bridge layer), so importing
 # the config never imports what lies above it.
 UPWARD_ALLOWED = {("config/optimizer_config.py", "megatron_eopt.factory", "provide")}
-# Megatron-LM's training package (megatron.training, in the megatron-core wheel): only its adapter.
-MEGATRON_TRAINING_ALLOWED = {"integrations/megatron_lm.py", "integrations/megatron_lm_gpt.py"}
+# Megatron-LM's training package (megatron.training, in the megatron-core wheel): only its adapter, and
+# the run-time patch that lets its loop run on CPU (its imports inside install(), which the script calls).
+MEGATRON_TRAINING_ALLOWED = {"integrations/megatron_lm.py", "integrations/megatron_lm_gpt.py",
+                             "runtime/megatron_lm_cpu.py"}
 
 
 def package_imports(path: pathlib.Path) -> list[tuple[str, Optional[str]]]:

@@ -1,0 +1,295 @@
+"""Megatron-LM's own training loop (`megatron.training`, shipped in the megatron-core 0.19.x wheel)
+on CPU and gloo: its CUDA-only calls replaced at run time, never by editing the installed package,
+and only where CUDA is absent.
+
+`install()` enters a torch function mode that puts every tensor asked of a CUDA device on the CPU
+and names CPU tensors by their CUDA type, stands in for the `torch.cuda` calls the loop makes, and
+rebinds the few megatron-core names listed in REPLACED_CALLS. `uninstall()` undoes all of it, and
+`with installed():` does both. With CUDA available `install()` does nothing. Only megatron-core
+0.19.x is supported: another version is refused in one line, since the names replaced here are
+that release's.
+
+The loop then runs as on GPUs with `--distributed-backend gloo --transformer-impl local
+--no-gradient-accumulation-fusion --no-persist-layer-norm` (no Transformer Engine, Apex or fused
+CUDA kernels on a CPU).
+"""
+
+import contextlib
+import functools
+import importlib.metadata
+import threading
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+from megatron_eopt.runtime.cpu_stand_ins import NoEvent, NoStream, Passthrough, all_gather_padded
+
+SUPPORTED_MEGATRON_CORE = "0.19"  # the release series whose names REPLACED_CALLS replaces
+
+REPLACED_CALLS = {
+    "device='cuda' / 'cuda:N' / N, tensor.cuda(), tensor.to('cuda'), pin_memory":
+        "the CPU (a torch function mode, _CudaOnCpu): the loop, DDP buffers and optimizers ask for "
+        "their tensors on the current CUDA device",
+    "tensor.type()": "the CUDA type name of a CPU tensor ('torch.cuda.FloatTensor'): clip_grads and "
+                     "megatron-core's Float16 and Distributed optimizers check parameters by that name",
+    "torch.cuda.device_count()": "1: with 0, initialize_megatron never sets up the model-parallel "
+                                 "groups nor the RNG tracker",
+    "torch.cuda.current_device(), set_device()": "device 0, nothing to set",
+    "torch.cuda streams, events, synchronize(), empty_cache(), memory counters":
+        "do nothing or count 0 (CPU work runs in program order)",
+    "torch.cuda RNG (get/set_rng_state, manual_seed) and tensor_parallel.random's "
+    "_get_cuda_rng_state/_set_cuda_rng_state": "a CPU generator of their own, which dropout draws from "
+        "(the function mode): the RNG tracker's states stay apart from the CPU generator's, both are "
+        "checkpointed and restored, and a resumed run draws the same dropout masks",
+    "initialize_megatron(allow_no_cuda=False)": "allow_no_cuda=True: it asserts CUDA otherwise",
+    "set_jit_fusion_options()": "skipped: on torch >= 2.2 it only warms up the fused kernels, with "
+        "torch.rand on 'cuda', which here would draw from the CPU generator that --use-cpu-initialization "
+        "then draws the weights from (and compile them with a C++ compiler, seconds per process)",
+    "DistributedOptimizer.load_state_dict with torch's Adam": "no_grad load; step given apart and "
+        "one step tensor per parameter (see distributed_optimizer_loads_with_torch_adam)",
+    "dist.all_gather(unequal sizes) in the layer-wise optimizer": "gloo gathers equal sizes only: "
+        "padded to the largest, cut back",
+}
+_lock = threading.Lock()
+_undo: list[Callable[[], None]] = []  # set while installed: each undoes one replacement
+_mode: Optional[TorchFunctionMode] = None
+
+
+def check_megatron_core_version(version: Optional[str] = None) -> str:
+    """The installed megatron-core version, or ValueError when it is not a supported one."""
+    version = version or importlib.metadata.version("megatron-core")
+    if version.split("+")[0].split(".")[:2] != SUPPORTED_MEGATRON_CORE.split("."):
+        raise ValueError(
+            f"megatron_eopt's CPU patch for Megatron-LM's loop supports megatron-core "
+            f"{SUPPORTED_MEGATRON_CORE}.x; found {version}. Run on CUDA or install megatron-core "
+            f"{SUPPORTED_MEGATRON_CORE}.x."
+        )
+    return version
+
+
+# ---------------------------------------------------------------- devices
+
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)  # a bare index names a GPU
+
+
+def _cuda_type_name(name: str) -> str:
+    return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
+
+
+# What draws from the CUDA generator on GPUs while the model trains (Megatron-LM's dropout, in and
+# out of the RNG tracker's forks). Weight initialisation with --use-cpu-initialization draws from the
+# CPU generator, as on GPUs.
+_DROPOUTS = (torch.nn.functional.dropout, torch.dropout, torch.nn.functional.dropout1d,
+             torch.nn.functional.dropout2d, torch.nn.functional.dropout3d)
+
+
+class _CudaOnCpu(TorchFunctionMode):
+    """Every CUDA device asked for is the CPU; `tensor.type()` gives the CUDA name; dropout draws
+    from the "CUDA" generator, so that, as on GPUs, what draws from the CPU generator (a DataLoader's
+    seed when its iterator starts, after a resume too) does not move the dropout masks."""
+
+    def __init__(self, rng: "_CudaGenerator") -> None:
+        super().__init__()
+        self.rng = rng
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in _DROPOUTS:
+            with self.rng.drawn_from():
+                return func(*args, **kwargs)
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        if func in (torch.Tensor.cuda, torch.Tensor.pin_memory):
+            return args[0]
+        if func is torch.Tensor.to:
+            args = tuple("cpu" if _is_cuda(a) else a for a in args)
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return _cuda_type_name(func(*args))
+        return func(*args, **kwargs)
+
+
+# ---------------------------------------------------------------- torch.cuda
+
+
+class _CudaGenerator:
+    """The "CUDA" generator: a CPU generator apart from torch's default one, so that checkpointing
+    both (torch_rng_state, cuda_rng_state) and restoring them in turn keeps both."""
+
+    def __init__(self) -> None:
+        self.generator = torch.Generator()
+
+    def get_rng_state(self, device: Any = "cuda") -> torch.Tensor:
+        return self.generator.get_state()
+
+    def set_rng_state(self, new_state: torch.Tensor, device: Any = "cuda", graph_safe: bool = False) -> None:
+        self.generator.set_state(new_state.clone())
+
+    def manual_seed(self, seed: int) -> None:
+        self.generator.manual_seed(int(seed))
+
+    @contextlib.contextmanager
+    def drawn_from(self) -> Iterator[None]:
+        """Inside, torch's CPU generator draws this generator's numbers (a CPU kernel takes no
+        other generator); after, each generator is where its own draws left it."""
+        cpu_state = torch.get_rng_state()
+        torch.set_rng_state(self.generator.get_state())
+        try:
+            yield
+        finally:
+            self.generator.set_state(torch.get_rng_state())
+            torch.set_rng_state(cpu_state)
+
+
+def _returning(value: Any) -> Callable[..., Any]:
+    """A new function returning `value`: one per name, as torch._dynamo's rule map of torch.cuda's
+    functions refuses one function under two names."""
+    return lambda *args, **kwargs: value
+
+
+def _cuda_stand_ins(rng: _CudaGenerator) -> dict[str, Any]:
+    """The `torch.cuda` attributes the loop calls, none needing a GPU."""
+    nothing = ("set_device", "set_stream", "synchronize", "empty_cache", "reset_peak_memory_stats")
+    zero = ("current_device", "memory_allocated", "max_memory_allocated", "memory_reserved",
+            "max_memory_reserved")
+    return dict(
+        {name: _returning(None) for name in nothing}, **{name: _returning(0) for name in zero},
+        device_count=_returning(1), memory_stats=_returning({}),
+        Stream=NoStream, current_stream=NoStream, default_stream=NoStream, Event=NoEvent,
+        stream=lambda stream=None: contextlib.nullcontext(),
+        get_rng_state=rng.get_rng_state, set_rng_state=rng.set_rng_state,
+        manual_seed=rng.manual_seed, manual_seed_all=rng.manual_seed,
+    )
+
+
+# ---------------------------------------------------------------- megatron-core names
+
+
+def distributed_optimizer_loads_with_torch_adam(optimizer_class: type) -> list[tuple[Any, str, Any]]:
+    """megatron-core 0.19's DistributedOptimizer load with torch's Adam (no TE or Apex, as on CPU),
+    which keeps a `step` tensor per parameter in its state, fails or drifts:
+    - it copies a loaded fp32 `param` into a view of the parameter itself: torch allows that
+      under no_grad only (the load runs under no_grad here);
+    - its fully_reshardable load passes no `step` among a parameter's loaded tensors but copies
+      every tensor the live state has, `step` included (KeyError): the live step is left as the
+      load set it from the param groups, as megatron-core means to ("handled separately");
+    - it gives every parameter one shared `step` tensor, which torch's Adam then advances once per
+      parameter per step: each parameter gets its own copy of the loaded step afterwards.
+    TE's FusedAdam on GPU keeps the step in the param groups and meets none of these.
+    Returns (owner, name, replacement) triples, for `replaced`."""
+    original_load = optimizer_class.load_state_dict
+    original_set = optimizer_class._set_main_param_and_optimizer_states
+
+    def set_states(self, model_param, tensors) -> None:
+        original_set(self, model_param, {"step": None, **tensors})  # a non-tensor is skipped
+
+    def load_state_dict(self, state_dict) -> None:
+        with torch.no_grad():
+            original_load(self, state_dict)
+        for state in self.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+    return [(optimizer_class, "load_state_dict", load_state_dict),
+            (optimizer_class, "_set_main_param_and_optimizer_states", set_states)]
+
+
+def _replacements(rng: _CudaGenerator) -> list[tuple[Any, str, Any]]:
+    """(owner, name, replacement) for every name install() rebinds."""
+    import megatron.core.optimizer.layer_wise_optimizer as layer_wise
+    import megatron.core.tensor_parallel.random as tp_random
+    import megatron.training.initialize as initialize
+    import megatron.training.training as training
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    replaced = [(torch.cuda, name, value) for name, value in _cuda_stand_ins(rng).items()]
+    replaced += [(torch.cuda.random, name, getattr(rng, name)) for name in ("get_rng_state", "set_rng_state")]
+    replaced += [
+        (tp_random, "_get_cuda_rng_state", lambda device="cuda", clone=False, graph_safe=False: rng.get_rng_state()),
+        (tp_random, "_set_cuda_rng_state", rng.set_rng_state),
+        (training, "initialize_megatron", functools.partial(initialize.initialize_megatron, allow_no_cuda=True)),
+        (training, "set_jit_fusion_options", _returning(None)),
+        (layer_wise, "torch", Passthrough(torch, distributed=Passthrough(dist, all_gather=all_gather_padded))),
+    ]
+    return replaced + distributed_optimizer_loads_with_torch_adam(DistributedOptimizer)
+
+
+# ---------------------------------------------------------------- install
+
+
+def _replace(replacements: list[tuple[Any, str, Any]]) -> list[Callable[[], None]]:
+    """Rebind each (owner, name) to its replacement; the undo of each, to call in reverse order."""
+    undo = []
+    for owner, name, value in replacements:
+        undo.append(functools.partial(setattr, owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+    return undo
+
+
+@contextlib.contextmanager
+def replaced(replacements: list[tuple[Any, str, Any]]) -> Iterator[None]:
+    """Some of these replacements alone, inside the block (tests use megatron-core's
+    DistributedOptimizer on CPU with `distributed_optimizer_loads_with_torch_adam`)."""
+    undo = _replace(replacements)
+    try:
+        yield
+    finally:
+        while undo:
+            undo.pop()()
+
+
+def install() -> bool:
+    """Replace Megatron-LM's CUDA-only calls (REPLACED_CALLS) when CUDA is absent; idempotent.
+
+    Returns whether the patch is active. Call it before `pretrain()`, on the thread that runs it
+    (torch function modes are per thread).
+    """
+    global _mode
+    if torch.cuda.is_available():
+        return False
+    with _lock:
+        if _mode is not None:
+            return True
+        check_megatron_core_version()
+        rng = _CudaGenerator()
+        _undo.extend(_replace(_replacements(rng)))
+        _mode = _CudaOnCpu(rng)
+        _mode.__enter__()
+    return True
+
+
+def uninstall() -> None:
+    """Undo install() (no-op when not installed); call it on the thread that installed."""
+    global _mode
+    with _lock:
+        if _mode is None:
+            return
+        _mode.__exit__(None, None, None)
+        _mode = None
+        while _undo:
+            _undo.pop()()
+
+
+def is_installed() -> bool:
+    return _mode is not None
+
+
+@contextlib.contextmanager
+def installed() -> Iterator[bool]:
+    """`with installed(): pretrain(...)`: the patch inside (when CUDA is absent), undone after."""
+    was_installed = is_installed()
+    active = install()
+    try:
+        yield active
+    finally:
+        if active and not was_installed:
+            uninstall()

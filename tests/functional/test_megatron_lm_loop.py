@@ -1,0 +1,185 @@
+"""Megatron-LM's own `pretrain()` loop on CPU (gloo, 2 ranks) with megatron_eopt's optimizer.
+
+scripts/pretrain_gpt_megatron_lm.py runs Megatron-LM's loop through megatron_eopt/runtime/
+megatron_lm_cpu.py when CUDA is absent. A tiny GPT (2 layers, hidden 64, 4 heads, seq 32, rope,
+global batch 8 of micro-batches of 2, 6 iterations, dropout 0 unless said) runs in the harness's workers
+(tests/megatron_lm_in_process.py: ~2 s a run, imports paid once), plus one torchrun launch of the
+script as a user types it. Every expectation comes from another run: megatron-core's own optimizer
+(`--megatron-core-optimizer`, the loop without `install()`), or the same run without interruption.
+Losses are what the loop hands its logger ('lm loss' averaged over micro-batches and DP ranks).
+
+- Same math as megatron-core: Adam, distributed Adam (`--use-distributed-optimizer --bf16`), and
+  layer-wise Muon (`--optimizer muon --use-distributed-optimizer`) with
+  `--bf16` (megatron-core's layer-wise optimizer fails in fp32: it chains a bare TensorParallelMuon,
+  which has no `get_loss_scale`), give megatron-core's losses. `--clip-grad 0` there: the gradient
+  norm is summed in another order by each implementation (1 ulp apart, checked to 1e-6), and a
+  clipping factor from it would move every later step by that ulp.
+- Exact resume: `--save` at iteration 3 (`--exit-interval 3`), `--load` to 6 equals the run that
+  was not interrupted at iterations 4-6 (losses, gradient norms, learning rates), and ends with the
+  same parameters and optimizer state on every rank, bitwise, for `--ckpt-format torch_dist`
+  (dp_reshardable and `--dist-ckpt-optim-fully-reshardable`) and `--ckpt-format torch`.
+  Every iteration is equal, with dropout too: on CPU dropout draws from the patch's "CUDA"
+  generator, which Megatron-LM checkpoints apart from the CPU one. (Drawn from the CPU generator,
+  the masks moved after a resume: a DataLoader draws its seed from it when its iterator starts.)
+  Megatron-LM's printed log line is not equal: it logs a run's first iteration without resetting
+  its averages, so the second printed iteration after a restart (5 here) shows the mean of
+  iterations 4 and 5; the torchrun test checks that from the printed lines.
+"""
+
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.megatron_lm_in_process import Run, run_megatron_lm_many
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+ITERATIONS, SAVED_AT = 6, 3
+MODEL = (
+    "--mock-data --tokenizer-type NullTokenizer --vocab-size 256 --num-layers 2 --hidden-size 64 "
+    "--num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 --position-embedding-type rope "
+    f"--micro-batch-size 2 --global-batch-size 8 --train-iters {ITERATIONS} --lr 1e-3 --log-interval 1 "
+    "--eval-iters 0 --eval-interval 1000 --attention-dropout 0 --hidden-dropout 0 --num-workers 0 "
+    "--transformer-impl local --use-cpu-initialization --no-gradient-accumulation-fusion "
+    "--no-persist-layer-norm --no-rope-fusion --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion "
+    "--distributed-backend gloo"
+).split()
+MEGATRON_CORE = ["--megatron-core-optimizer"]
+NO_CLIP = ["--clip-grad", "0"]
+OPTIMIZERS = {
+    "adam": ["--optimizer", "adam"],
+    "muon": ["--optimizer", "muon"],
+    "layer-wise muon": ["--optimizer", "muon", "--use-distributed-optimizer"],
+    "adam with dropout": ["--optimizer", "adam", "--attention-dropout", "0.1", "--hidden-dropout", "0.1"],
+}
+FORMATS = {
+    "torch_dist": ["--ckpt-format", "torch_dist"],
+    "torch_dist fully_reshardable": ["--ckpt-format", "torch_dist", "--dist-ckpt-optim-fully-reshardable"],
+    "torch": ["--ckpt-format", "torch"],
+}
+# Megatron-LM refuses --use-distributed-optimizer with --ckpt-format torch for our optimizer (it would
+# ask for DistributedOptimizer parameter-state files), and the fully reshardable layout is the
+# distributed optimizer's: each optimizer with the formats it has.
+RESUMES = {"adam": ("torch_dist", "torch"), "muon": ("torch",),
+           "layer-wise muon": ("torch_dist", "torch_dist fully_reshardable"), "adam with dropout": ("torch_dist",)}
+
+
+def _runs(run_distributed, *flag_lists: list[str]) -> list[list[Run]]:
+    """Each command line on 2 ranks, in one call to the workers: per run, each rank's Run."""
+    per_rank = run_distributed(run_megatron_lm_many, 2, args=([MODEL + flags for flags in flag_lists],),
+                               timeout=600)
+    return [list(runs) for runs in zip(*per_rank)]
+
+
+def _column(run: Run, key: str, iterations) -> list:
+    by_iteration = {record["iteration"]: record[key] for record in run.records}
+    return [by_iteration.get(i) for i in iterations]
+
+
+def _assert_same_math(ours: list[Run], theirs: list[Run], our_package: str = "megatron_eopt") -> None:
+    """Bitwise equal losses and learning rates; gradient norms to 1e-6 (summed in other orders)."""
+    every = range(1, ITERATIONS + 1)
+    assert [r.optimizer_package for r in ours + theirs] == [our_package] * 2 + ["megatron"] * 2
+    for mine, reference in zip(ours, theirs):
+        assert _column(mine, "lm loss", every) == _column(reference, "lm loss", every)
+        assert _column(mine, "learning rate", every) == _column(reference, "learning rate", every)
+        assert _column(mine, "grad norm", every) == pytest.approx(_column(reference, "grad norm", every), rel=1e-6)
+    losses = _column(ours[0], "lm loss", every)
+    assert losses[-1] < losses[0] - 0.2, losses  # it learns: not two runs that do nothing
+
+
+def test_adam_equals_megatron_cores_adam(run_distributed) -> None:
+    ours, theirs = _runs(run_distributed, OPTIMIZERS["adam"] + NO_CLIP, OPTIMIZERS["adam"] + NO_CLIP + MEGATRON_CORE)
+    _assert_same_math(ours, theirs)
+
+
+def test_layer_wise_muon_equals_megatron_cores_in_bf16(run_distributed) -> None:
+    """rope: megatron-core sends a learned position table to Muon, we send it to Adam (a lookup table)."""
+    flags = OPTIMIZERS["layer-wise muon"] + NO_CLIP + ["--bf16"]
+    ours, theirs = _runs(run_distributed, flags, flags + MEGATRON_CORE)
+    _assert_same_math(ours, theirs)
+
+
+def _assert_equal_tensors(mine, reference, where: str) -> None:
+    if isinstance(mine, dict):
+        assert mine.keys() == reference.keys(), where
+        for key in mine:
+            _assert_equal_tensors(mine[key], reference[key], f"{where}.{key}")
+    elif isinstance(mine, (list, tuple)):
+        assert len(mine) == len(reference), where
+        for i, (a, b) in enumerate(zip(mine, reference)):
+            _assert_equal_tensors(a, b, f"{where}[{i}]")
+    elif torch.is_tensor(mine):
+        assert torch.equal(mine, reference), where
+    else:
+        assert mine == reference, where
+
+
+@pytest.mark.parametrize("optimizer", RESUMES)
+def test_resume_continues_exactly(run_distributed, tmp_path, optimizer: str) -> None:
+    flags = OPTIMIZERS[optimizer]
+    command_lines = [flags]
+    for name in RESUMES[optimizer]:
+        directory = str(tmp_path / name.replace(" ", "_"))
+        command_lines += [flags + FORMATS[name] + ["--save", directory, "--save-interval", str(SAVED_AT),
+                                                   "--exit-interval", str(SAVED_AT)],
+                          flags + FORMATS[name] + ["--load", directory]]
+    straight, *interrupted = _runs(run_distributed, *command_lines)
+    after = range(SAVED_AT + 1, ITERATIONS + 1)
+    for name, saved, resumed in zip(RESUMES[optimizer], interrupted[::2], interrupted[1::2]):
+        for rank, (first, mine, reference) in enumerate(zip(saved, resumed, straight)):
+            where = f"{optimizer}, {name}, rank {rank}"
+            assert first.exit_status == 0 and _column(first, "iteration", range(1, ITERATIONS + 1)) == [
+                1, 2, 3, None, None, None], where  # it stopped at the save
+            assert [r["iteration"] for r in mine.records] == list(after), where  # it went on from the save
+            for key in ("lm loss", "grad norm", "learning rate"):
+                assert _column(mine, key, after) == _column(reference, key, after), f"{where}: {key}"
+            assert mine.parameters and mine.optimizer_state, where  # something to compare
+            _assert_equal_tensors(mine.parameters, reference.parameters, f"{where}: parameters")
+            _assert_equal_tensors(mine.optimizer_state, reference.optimizer_state, f"{where}: optimizer state")
+            assert mine.optimizer_package == "megatron_eopt", where
+
+
+# ---------------------------------------------------------------- the script under torchrun
+
+LOG_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|")
+
+
+def _printed_losses(text: str) -> dict[int, float]:
+    return {int(i): float(loss) for i, loss in LOG_LINE.findall(text)}
+
+
+def test_script_under_torchrun_resumes_as_megatron_lm_prints(run_distributed, tmp_path) -> None:
+    """`torchrun scripts/pretrain_gpt_megatron_lm.py --load` on a machine without CUDA trains with
+    ours: resuming in new processes the checkpoint a harness run saved at 3, it prints
+    megatron-core's Adam's losses of the run not interrupted (the harness's run of the same flags)
+    as Megatron-LM prints them: the launch's first iteration as it is, the second the mean of it
+    and the one before (its averages are not reset after the first), the third as it is. The
+    printed values carry 7 digits: compared to 1e-6."""
+    flags = OPTIMIZERS["adam"] + NO_CLIP
+    directory = str(tmp_path / "checkpoint")
+    save = ["--save", directory, "--save-interval", str(SAVED_AT), "--exit-interval", str(SAVED_AT)]
+    (reference, _), (saved, _) = _runs(run_distributed, flags + MEGATRON_CORE, flags + save)
+    assert saved.exit_status == 0
+    torchrun = [str(pathlib.Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node=2",
+                "scripts/pretrain_gpt_megatron_lm.py", *MODEL, *flags, "--load", directory]
+    done = subprocess.run(torchrun, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    printed = _printed_losses(done.stdout)
+    losses = reference.losses()
+    expected = {4: losses[4], 5: (losses[4] + losses[5]) / 2, 6: losses[6]}
+    assert printed == pytest.approx(expected, rel=1e-6), (printed, losses)
+
+
+def test_distributed_adam_equals_megatron_cores_distributed_optimizer(run_distributed) -> None:
+    """Through install(), the factory hands Adam on reduce-scattered gradients to megatron-core's
+    DistributedOptimizer (megatron_eopt/distributed/reduce_scattered.py): built from our config, it
+    trains as megatron-core's own factory builds it. --bf16: megatron-core's fp32 DistributedOptimizer
+    shards `model_param.view(-1)` without detaching it, so autograd holds its DDP's hooks and the
+    process groups outlive the run in these reused workers."""
+    flags = ["--optimizer", "adam", "--use-distributed-optimizer", "--bf16"] + NO_CLIP
+    ours, theirs = _runs(run_distributed, flags, flags + MEGATRON_CORE)
+    _assert_same_math(ours, theirs, our_package="megatron")

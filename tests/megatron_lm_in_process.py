@@ -1,0 +1,129 @@
+"""Run Megatron-LM's own `pretrain()` (scripts/pretrain_gpt_megatron_lm.py's `main`) inside the
+distributed harness's worker processes, on CPU (megatron_eopt/runtime/megatron_lm_cpu.py).
+
+A torchrun launch pays ~20 s of imports per process; the harness's workers have paid them once.
+Megatron-LM keeps its run in module globals (args, timers, microbatch calculator, rerun state
+machine, model-parallel groups) and sets them once per process; `run_megatron_lm` tears them down
+after each run, so one world runs many command lines:
+
+    records = run_distributed(run_megatron_lm, 2, args=(argv,))
+
+Each rank returns a `Run`: one record per iteration, read from what the loop hands its logger
+(`training_log`: the iteration, 'lm loss' averaged over micro-batches and data-parallel ranks,
+the gradient norm, the learning rate), the package whose optimizer the loop stepped, and the exit
+status (Megatron-LM ends an `--exit-interval` run with sys.exit). Nothing is read from files our
+code wrote.
+"""
+
+import contextlib
+import copy
+import gc
+import dataclasses
+import sys
+from typing import Any, Iterator, Optional
+
+
+@dataclasses.dataclass
+class Run:
+    records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    optimizer_package: Optional[str] = None  # 'megatron_eopt' or 'megatron' (megatron-core's own)
+    exit_status: int = 0
+    # After the loop's last iteration (none when it exited by sys.exit): this rank's parameters by
+    # name, and its optimizer's state_dict() (ours only).
+    parameters: Optional[dict[str, Any]] = None
+    optimizer_state: Optional[dict[str, Any]] = None
+
+    def losses(self) -> dict[int, float]:
+        return {r["iteration"]: r["lm loss"] for r in self.records}
+
+
+@contextlib.contextmanager
+def _recording(run: Run) -> Iterator[None]:
+    """Records what Megatron-LM's `train` is given and what it hands `training_log`."""
+    import megatron.training.training as training
+
+    original, original_train = training.training_log, training.train
+    records = run.records
+
+    def train(forward_step_func, model, optimizer, *args, **kwargs):
+        run.optimizer_package = type(optimizer).__module__.split(".")[0]
+        result = original_train(forward_step_func, model, optimizer, *args, **kwargs)
+        run.parameters = {f"{i}.{name}": p.detach().clone() for i, chunk in enumerate(model)
+                          for name, p in chunk.named_parameters()}
+        if run.optimizer_package == "megatron_eopt":
+            run.optimizer_state = copy.deepcopy(optimizer.state_dict())
+        return result
+
+    def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
+                     skipped_iter, grad_norm, *args, **kwargs):
+        loss = loss_dict.get("lm loss")
+        records.append({
+            "iteration": iteration,
+            "lm loss": float(loss) if loss is not None else None,
+            "grad norm": None if grad_norm is None else float(grad_norm),
+            "learning rate": learning_rate,
+            "skipped": int(skipped_iter),
+        })
+        return original(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
+                        skipped_iter, grad_norm, *args, **kwargs)
+
+    training.training_log, training.train = training_log, train
+    try:
+        yield
+    finally:
+        training.training_log, training.train = original, original_train
+
+
+@contextlib.contextmanager
+def _command_line(argv: list[str]) -> Iterator[None]:
+    saved = sys.argv
+    sys.argv = ["pretrain_gpt_megatron_lm.py", *argv]
+    try:
+        yield
+    finally:
+        sys.argv = saved
+
+
+def forget_megatron_lm_run() -> None:
+    """Megatron-LM's per-process state, reset as for a new process (torch.distributed stays)."""
+    from megatron.core import num_microbatches_calculator, rerun_state_machine, tensor_parallel
+    from megatron.training import global_vars
+
+    from megatron_eopt.integrations import megatron_lm
+    from megatron_eopt.runtime import megatron_lm_cpu
+    from megatron_eopt.training.model.model_parallel import destroy_model_parallel
+
+    megatron_lm.uninstall()
+    global_vars.destroy_global_vars()
+    num_microbatches_calculator.destroy_num_microbatches_calculator()
+    rerun_state_machine.destroy_rerun_state_machine()
+    tensor_parallel.get_cuda_rng_tracker().reset()
+    gc.collect()  # the model and optimizer sit in cycles with the groups they were built on
+    destroy_model_parallel()
+    megatron_lm_cpu.uninstall()
+
+
+def run_megatron_lm(rank: int, world_size: int, argv: list[str]) -> Run:
+    """`pretrain_gpt_megatron_lm.py argv` in this worker: what its loop computed."""
+    from megatron_eopt.integrations import megatron_lm_gpt
+
+    run = Run()
+    try:
+        with _command_line(argv), _recording(run):
+            megatron_lm_gpt.main()
+    except SystemExit as exit_:  # --exit-interval: Megatron-LM's loop saves, then exits with 0
+        if exit_.code not in (0, None):
+            raise RuntimeError(f"pretrain_gpt_megatron_lm.py {' '.join(argv)} exited with {exit_.code}") from exit_
+        run.exit_status = 0
+    finally:
+        forget_megatron_lm_run()
+    return run
+
+
+def run_megatron_lm_many(rank: int, world_size: int, argvs: list[list[str]]) -> list[Run]:
+    """Several runs in one call (one round trip to the workers): the records of each."""
+    return [run_megatron_lm(rank, world_size, argv) for argv in argvs]
+
+
+
+
