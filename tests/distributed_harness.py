@@ -821,10 +821,30 @@ def _signal_children(children: set[int], pids: list[int], signum: int) -> None:
     for pid in pids:
         if pid not in children:
             continue  # already exited and reaped: the pid may now be someone else's
+        if signum == signal.SIGKILL:
+            _kill_processes_of(pid)
         os.kill(pid, signum)
         if signum == signal.SIGKILL:
             os.waitpid(pid, 0)
             children.discard(pid)
+
+
+def _kill_processes_of(worker: int) -> None:
+    """SIGKILL the processes a worker started, before the worker itself: killed, it would leave
+    them to init (megatron-core's torch_dist writer starts a multiprocessing Manager per process,
+    ~0.5 GB each, and keeps it for the process's life). The worker is stopped first so that it
+    starts none meanwhile; Linux lists each thread's children in /proc."""
+    os.kill(worker, signal.SIGSTOP)
+    for task in Path(f"/proc/{worker}/task").glob("*"):
+        try:
+            pids = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def _stop_children(children: set[int]) -> None:
@@ -934,6 +954,7 @@ def _serve(conn: Connection, rank: int, world_size: int, output_path: str) -> No
             return  # the test process is gone
         if message[0] == "shutdown":
             _shutdown_torch_distributed()
+            _stop_own_processes()
             return
         with _redirect_output(output_path):
             reply = _run_task(message[1], rank, world_size, baseline_env, baseline_threads)
@@ -1288,6 +1309,15 @@ def _destroy_subgroups() -> None:
     for group in list(getattr(distributed_c10d, "_world").pg_map):
         if group is not dist.group.WORLD:
             dist.destroy_process_group(group)
+
+
+def _stop_own_processes() -> None:
+    """The multiprocessing children this worker started (a Manager megatron-core keeps): the
+    worker ends with os._exit, which runs none of multiprocessing's exit handlers."""
+    if "multiprocessing" in sys.modules:
+        for child in sys.modules["multiprocessing"].active_children():
+            child.kill()
+            child.join(timeout=SHUTDOWN_TIMEOUT_S)
 
 
 def _shutdown_torch_distributed() -> None:

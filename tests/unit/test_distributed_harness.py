@@ -81,6 +81,25 @@ def _keep_a_group(rank: int, world_size: int) -> None:
     _KEPT_GROUPS.append(group)
 
 
+_MANAGERS = []
+
+
+def _start_a_manager(rank: int, world_size: int) -> int:
+    """A multiprocessing Manager kept for the worker's life, as megatron-core's torch_dist writer keeps one."""
+    import multiprocessing
+
+    _MANAGERS.append(multiprocessing.get_context("fork").Manager())
+    return _MANAGERS[-1]._process.pid
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _many_groups_at_once(rank: int, world_size: int, count: int) -> int:
     """`count` gloo groups alive together (3 threads each), each used, all destroyed before returning."""
     groups = [dist.new_group(list(range(world_size))) for _ in range(count)]
@@ -179,6 +198,21 @@ def test_a_call_that_keeps_a_group_alive_fails_naming_the_test(run_distributed, 
     monkeypatch.setenv(STRICT_LEAKS_ENV, "0")
     run_distributed(_keep_a_group, world_size=2)
     assert set(run_distributed(_pid, world_size=2)).isdisjoint(second)
+
+
+def test_processes_a_worker_started_end_with_it(run_distributed, monkeypatch):
+    """A replaced world's workers are killed, and so are the processes they started (else init
+    inherits them: megatron-core's Manager, ~0.5 GB each, piled up over a suite)."""
+    from tests.distributed_harness import STRICT_LEAKS_ENV
+
+    managers = run_distributed(_start_a_manager, world_size=2)
+    assert all(_alive(pid) for pid in managers)
+    monkeypatch.setenv(STRICT_LEAKS_ENV, "0")
+    run_distributed(_keep_a_group, world_size=2)  # a leak: the world is replaced
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in managers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(pid) for pid in managers), managers
 
 
 def test_a_call_over_the_thread_budget_fails_naming_the_test(run_distributed):
