@@ -753,6 +753,7 @@ atexit.register(shutdown_distributed)  # a no-op unless workers are still runnin
 
 def _zygote_main(host: str, port: int, scratch_dir: str) -> None:
     token = bytes.fromhex(os.environ.pop(_TOKEN_ENV))
+    _adopt_orphans()
     _preload()
     conn = _connect((host, port), token)
     _send(conn, ("zygote", os.getpid()))
@@ -815,36 +816,46 @@ def _reap(children: set[int]) -> None:
             done = pid
         if done:
             children.discard(pid)
+    _end_adopted_processes(children)
 
 
 def _signal_children(children: set[int], pids: list[int], signum: int) -> None:
     for pid in pids:
         if pid not in children:
             continue  # already exited and reaped: the pid may now be someone else's
-        if signum == signal.SIGKILL:
-            _kill_processes_of(pid)
         os.kill(pid, signum)
         if signum == signal.SIGKILL:
             os.waitpid(pid, 0)
             children.discard(pid)
+    if signum == signal.SIGKILL:
+        _end_adopted_processes(children)
 
 
-def _kill_processes_of(worker: int) -> None:
-    """SIGKILL the processes a worker started, before the worker itself: killed, it would leave
-    them to init (megatron-core's torch_dist writer starts a multiprocessing Manager per process,
-    ~0.5 GB each, and keeps it for the process's life). The worker is stopped first so that it
-    starts none meanwhile; Linux lists each thread's children in /proc."""
-    os.kill(worker, signal.SIGSTOP)
-    for task in Path(f"/proc/{worker}/task").glob("*"):
+def _adopt_orphans() -> None:
+    """Make the zygote the parent of whatever its workers started and left running when they
+    ended (Linux's child subreaper), instead of init: megatron-core's torch_dist writer starts a
+    multiprocessing Manager per process (~0.5 GB) and keeps it for the process's life, and a worker
+    ends by os._exit or SIGKILL, which stop none of them. Best effort elsewhere."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1)  # 36 == PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+
+
+def _end_adopted_processes(workers: set[int]) -> None:
+    """SIGKILL and reap the zygote's children that are not workers: adopted from ended workers."""
+    for task in Path("/proc/self/task").glob("*"):
         try:
-            pids = (task / "children").read_text().split()
+            pids = [int(pid) for pid in (task / "children").read_text().split()]
         except OSError:
             continue
         for pid in pids:
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            if pid in workers:
+                continue
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
 
 
 def _stop_children(children: set[int]) -> None:
@@ -954,7 +965,6 @@ def _serve(conn: Connection, rank: int, world_size: int, output_path: str) -> No
             return  # the test process is gone
         if message[0] == "shutdown":
             _shutdown_torch_distributed()
-            _stop_own_processes()
             return
         with _redirect_output(output_path):
             reply = _run_task(message[1], rank, world_size, baseline_env, baseline_threads)
@@ -1309,15 +1319,6 @@ def _destroy_subgroups() -> None:
     for group in list(getattr(distributed_c10d, "_world").pg_map):
         if group is not dist.group.WORLD:
             dist.destroy_process_group(group)
-
-
-def _stop_own_processes() -> None:
-    """The multiprocessing children this worker started (a Manager megatron-core keeps): the
-    worker ends with os._exit, which runs none of multiprocessing's exit handlers."""
-    if "multiprocessing" in sys.modules:
-        for child in sys.modules["multiprocessing"].active_children():
-            child.kill()
-            child.join(timeout=SHUTDOWN_TIMEOUT_S)
 
 
 def _shutdown_torch_distributed() -> None:

@@ -201,8 +201,9 @@ def test_a_call_that_keeps_a_group_alive_fails_naming_the_test(run_distributed, 
 
 
 def test_processes_a_worker_started_end_with_it(run_distributed, monkeypatch):
-    """A replaced world's workers are killed, and so are the processes they started (else init
-    inherits them: megatron-core's Manager, ~0.5 GB each, piled up over a suite)."""
+    """A replaced world's workers are killed, and the processes they started end too: the zygote
+    adopts them (child subreaper) and kills them (else init inherits them: megatron-core's
+    Manager, ~0.5 GB each, piled up over a suite, 48 of them here)."""
     from tests.distributed_harness import STRICT_LEAKS_ENV
 
     managers = run_distributed(_start_a_manager, world_size=2)
