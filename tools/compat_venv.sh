@@ -14,7 +14,7 @@ echo "torch==$version" >> "$pins"
 echo "Creating $venv with $py312 (torch $version)"
 rm -rf "$venv" && "$py312" -m venv "$venv"
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check uv
-"$venv/bin/uv" pip install --quiet --python "$venv/bin/python" -r "$pins"
+"$venv/bin/uv" pip install --quiet --compile-bytecode --python "$venv/bin/python" -r "$pins"  # see Makefile
 "$venv/bin/uv" pip install --quiet --python "$venv/bin/python" --no-deps -e .
 "$venv/bin/uv" pip install --quiet --python "$venv/bin/python" --no-deps gram-newton-schulz==0.1.6
 touch "$venv/.installed"
