@@ -34,8 +34,12 @@ MEGATRON_CORE_LAYOUT = "megatron_core"  # what this module writes: megatron-core
 MEGATRON_CORE_DISTRIBUTED_LAYOUT = "megatron_core_distributed"
 # the same for an emerging optimizer's run: megatron-core's layer-wise chain (`kept_by_layer_wise`)
 MEGATRON_CORE_LAYER_WISE_LAYOUT = "megatron_core_layer_wise"
+# its layer-wise chain over an all-reducing DDP (its "ping-pong" path, as Megatron-LM's pretrain_gpt.py
+# builds it): every child keyed by parameter as the layer-wise one, the sharding type as given
+MEGATRON_CORE_PING_PONG_LAYOUT = "megatron_core_layer_wise_ping_pong"
 EOPT_V1_LAYOUT = "megatron_eopt_v1"  # keyed by our child names: written before megatron-core's layout
-LAYOUTS = (MEGATRON_CORE_LAYOUT, MEGATRON_CORE_DISTRIBUTED_LAYOUT, MEGATRON_CORE_LAYER_WISE_LAYOUT, EOPT_V1_LAYOUT)
+LAYOUTS = (MEGATRON_CORE_LAYOUT, MEGATRON_CORE_DISTRIBUTED_LAYOUT, MEGATRON_CORE_LAYER_WISE_LAYOUT,
+           MEGATRON_CORE_PING_PONG_LAYOUT, EOPT_V1_LAYOUT)
 DISTRIBUTED_LAYOUTS = (MEGATRON_CORE_DISTRIBUTED_LAYOUT, MEGATRON_CORE_LAYER_WISE_LAYOUT)
 STATE_PREFIX = "optimizer.state"  # + .<state name>.<model key>
 MAIN_PARAM_STATE = "fp32_param"
@@ -223,6 +227,8 @@ def describe_layout(metadata: Optional[dict], layer_wise: bool) -> None:
     (`layer_wise`); otherwise the layout of megatron-core's optimizer of the same kind."""
     if metadata is None:
         return
+    if layer_wise and metadata.get(LAYOUT_KEY) == MEGATRON_CORE_PING_PONG_LAYOUT:
+        return  # asked for (megatron_lm.install): the sharding type stays as given
     if metadata.get("distrib_optim_sharding_type") is None:
         metadata[LAYOUT_KEY] = MEGATRON_CORE_LAYOUT
         return
@@ -262,15 +268,15 @@ def chain_sharded_state_dict(names: list[str], children: list[CheckpointableChil
         return {"optimizers": {name: v1_child_sharded_state_dict(child, model_sharded_state_dict, is_loading,
                                                                  owner_is_main_replica)
                                for name, child in zip(names, children)}}
-    if is_loading:
-        distributed = written_by_distributed_optimizer(metadata)
-    else:
+    if not is_loading:
         describe_layout(metadata, layer_wise=any(map(kept_by_layer_wise, children)))
-        distributed = layout_of(metadata) in DISTRIBUTED_LAYOUTS
+    ping_pong = layout_of(metadata) == MEGATRON_CORE_PING_PONG_LAYOUT
+    distributed = not ping_pong and (written_by_distributed_optimizer(metadata) if is_loading
+                                     else layout_of(metadata) in DISTRIBUTED_LAYOUTS)
     if distributed:
         return _distributed_chain(children, model_sharded_state_dict, is_loading, owner_is_main_replica,
                                   metadata, buckets)
-    states = [child_sharded_state_dict(child, model_sharded_state_dict, is_loading, owner_is_main_replica)
+    states = [child_sharded_state_dict(child, model_sharded_state_dict, is_loading, owner_is_main_replica, ping_pong)
               if hasattr(child, "checkpoint_params")  # else megatron-core's own optimizer in our chain
               else child.sharded_state_dict(model_sharded_state_dict, is_loading, metadata=metadata)
               for child in children]
@@ -580,20 +586,27 @@ def expand_v1_sharded_state_dict(state_dict: dict) -> dict:
     return {**rest, "state": state}
 
 
-def checkpoint_optimizer_layout(checkpoint_dir: str) -> Optional[str]:
-    """The optimizer layout a torch_dist checkpoint holds, from its tensor keys: MEGATRON_CORE_LAYOUT
-    (`[chained_i.]optimizer.state.*`), EOPT_V1_LAYOUT (`optimizer.<child>.state.*`), or None (no
-    optimizer state, or megatron-core's DistributedOptimizer buckets `optimizer.distributed.*`).
-    Put it in the load's metadata under LAYOUT_KEY."""
+def checkpoint_optimizer_layout(checkpoint_dir: str, content_metadata: Optional[Mapping] = None) -> Optional[str]:
+    """The optimizer layout a torch_dist checkpoint holds, from its keys and content metadata (read
+    when not given): MEGATRON_CORE_LAYOUT (`[chained_i.]optimizer.state.*`), or with a distributed
+    format MEGATRON_CORE_PING_PONG_LAYOUT; EOPT_V1_LAYOUT (`optimizer.<child>.state.*`); None (no
+    optimizer state, or DistributedOptimizer's: `optimizer.distributed.*`, `optimizer.state.param.*`,
+    which the metadata's format names). Put it in the load's metadata under LAYOUT_KEY."""
+    from megatron.core.dist_checkpointing import load_content_metadata
     from torch.distributed.checkpoint import FileSystemReader
 
-    keys = FileSystemReader(checkpoint_dir).read_metadata().state_dict_metadata
-    for key in keys:
-        bare = key.split(".", 1)[1] if key.startswith("chained_") else key
+    bare_keys = [key.split(".", 1)[1] if key.startswith("chained_") else key
+                 for key in FileSystemReader(checkpoint_dir).read_metadata().state_dict_metadata]
+    if any(key.startswith(("optimizer.distributed.", f"{STATE_PREFIX}.{DISTRIBUTED_MAIN_PARAM}."))
+           for key in bare_keys):
+        return None
+    for bare in bare_keys:
         if bare.startswith(f"{STATE_PREFIX}."):
-            return MEGATRON_CORE_LAYOUT
-        if bare.startswith("optimizer.") and not bare.startswith("optimizer.distributed.") and (
-                ".state." in bare or bare.endswith(".fp32_param") or ".fp32_param." in bare):
+            if content_metadata is None:
+                content_metadata = load_content_metadata(checkpoint_dir) or {}
+            distributed = content_metadata.get("distrib_optim_sharding_type") is not None
+            return MEGATRON_CORE_PING_PONG_LAYOUT if distributed else MEGATRON_CORE_LAYOUT
+        if bare.startswith("optimizer.") and (".state." in bare or ".fp32_param" in bare):
             return EOPT_V1_LAYOUT
     return None
 

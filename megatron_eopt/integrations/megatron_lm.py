@@ -20,16 +20,23 @@ import typing
 from typing import Any, Iterator, Optional
 
 import megatron.training.arguments as megatron_lm_arguments
+import megatron.training.checkpointing as megatron_lm_checkpointing
 import megatron.training.training as megatron_lm_training
 import torch
 from megatron.training import global_vars
 
 from arguments.optimizer_args import FLAGS, GIVEN_FLAGS_ATTR, Flag, StoreAndRecord, flag_kwargs
+from megatron_eopt.checkpointing.megatron_sharded import (
+    LAYOUT_KEY,
+    MEGATRON_CORE_PING_PONG_LAYOUT,
+    checkpoint_optimizer_layout,
+)
 from megatron_eopt.config.newton_schulz import NEWTON_SCHULZ_FIELDS
 from megatron_eopt.config.optimizer_config import MatmulPrecision, OptimizerConfig, TpMode, megatron_core_default
 from megatron_eopt.distributed.reduce_scattered import reduce_scattering_chunks
 from megatron_eopt.factory import get_megatron_optimizer
 from megatron_eopt.registry import list_optimizers
+from megatron_eopt.runtime.megatron_lm_cpu import replace_names
 
 # Our flags that Megatron-LM's parser must not get, and why.
 NOT_OFFERED = {
@@ -41,6 +48,7 @@ NOT_OFFERED = {
 _PATCHED_NAME = "get_megatron_optimizer"
 _original: Optional[Any] = None  # Megatron-LM's function while ours is installed
 _original_validate_args: Optional[Any] = None  # Megatron-LM's validate_args while ours is installed
+_undo_checkpoint_layout: list = []  # while installed: undoes the two checkpoint-layout replacements
 # What Megatron-LM's validate_args lets run on Megatron-FSDP and FSDP2; it refuses every other optimizer there.
 _MEGATRON_FSDP_OPTIMIZERS = ("adam", "sgd")
 
@@ -242,9 +250,11 @@ def _with_whole_gradients(args: argparse.Namespace) -> argparse.Namespace:
 def install() -> None:
     """Make Megatron-LM's `setup_model_and_optimizer` build megatron_eopt's optimizer.
 
-    Rebinds `megatron.training.training.get_megatron_optimizer` (the name that function calls) and
-    `megatron.training.arguments.validate_args` (validate_args_for_megatron_eopt). Calling it again
-    while installed changes nothing.
+    Rebinds `megatron.training.training.get_megatron_optimizer` (the name that function calls),
+    `megatron.training.arguments.validate_args` (validate_args_for_megatron_eopt), and the two
+    names of `megatron.training.checkpointing` that carry a checkpoint's optimizer layout
+    (`_build_sharded_state_dict_metadata`, `_load_global_dist_base_checkpoint`: see
+    _checkpoint_layout_replacements). Calling it again while installed changes nothing.
     """
     global _original, _original_validate_args
     if _original is None:
@@ -253,6 +263,43 @@ def install() -> None:
     if _original_validate_args is None:
         _original_validate_args = megatron_lm_arguments.validate_args
         megatron_lm_arguments.validate_args = validate_args_for_megatron_eopt
+    if not _undo_checkpoint_layout:
+        _undo_checkpoint_layout.extend(replace_names(_checkpoint_layout_replacements()))
+
+
+def _checkpoint_layout_replacements() -> list[tuple[Any, str, Any]]:
+    """Megatron-LM's pretrain_gpt.py builds megatron-core's layer-wise optimizer (`--optimizer
+    <emerging> --use-distributed-optimizer`) over a DDP that all-reduces (its model builder,
+    megatron/training/models/dist_utils.py, gives the DDP no layer-wise parameter layout), so that
+    optimizer writes every child keyed by parameter under the distributed sharding type. Ours
+    writes that layout there too (MEGATRON_CORE_PING_PONG_LAYOUT, asked for in the save's
+    metadata), and a load reads the layout the checkpoint holds, named from its keys when
+    megatron-core wrote it (checkpoint_optimizer_layout) into the metadata Megatron-LM hands
+    the optimizer."""
+    from megatron.core.dist_checkpointing import load_content_metadata
+
+    build_metadata = megatron_lm_checkpointing._build_sharded_state_dict_metadata
+    load_base = megatron_lm_checkpointing._load_global_dist_base_checkpoint
+
+    def sharded_state_dict_metadata(args, *rest, **kwargs) -> dict:
+        metadata = build_metadata(args, *rest, **kwargs)
+        if getattr(args, "use_layer_wise_distributed_optimizer", False) and metadata.get(
+                "distrib_optim_sharding_type") not in (None, "fsdp_dtensor"):
+            metadata[LAYOUT_KEY] = MEGATRON_CORE_PING_PONG_LAYOUT
+        return metadata
+
+    def load_global_dist_base_checkpoint(load_dir, args, rank0, *rest, **kwargs):
+        loaded = load_base(load_dir, args, rank0, *rest, **kwargs)
+        state_dict, checkpoint_name = loaded[0], loaded[1]
+        metadata = load_content_metadata(preloaded_state_dict=state_dict) if rank0 and state_dict else None
+        if metadata is not None and LAYOUT_KEY not in metadata:
+            layout = checkpoint_optimizer_layout(checkpoint_name, metadata)
+            if layout is not None:
+                metadata[LAYOUT_KEY] = layout
+        return loaded
+
+    return [(megatron_lm_checkpointing, "_build_sharded_state_dict_metadata", sharded_state_dict_metadata),
+            (megatron_lm_checkpointing, "_load_global_dist_base_checkpoint", load_global_dist_base_checkpoint)]
 
 
 def uninstall() -> None:
@@ -264,6 +311,8 @@ def uninstall() -> None:
     if _original_validate_args is not None:
         megatron_lm_arguments.validate_args = _original_validate_args
         _original_validate_args = None
+    while _undo_checkpoint_layout:
+        _undo_checkpoint_layout.pop()()
 
 
 def is_installed() -> bool:

@@ -47,8 +47,9 @@ REPLACED_CALLS = {
     "set_jit_fusion_options()": "skipped: on torch >= 2.2 it only warms up the fused kernels, with "
         "torch.rand on 'cuda', which here would draw from the CPU generator that --use-cpu-initialization "
         "then draws the weights from (and compile them with a C++ compiler, seconds per process)",
-    "DistributedOptimizer.load_state_dict with torch's Adam": "no_grad load; step given apart and "
-        "one step tensor per parameter (see distributed_optimizer_loads_with_torch_adam)",
+    "DistributedOptimizer.load_state_dict and state_dict with torch's Adam": "no_grad load; step given "
+        "apart and one step tensor per parameter; step 0 before the first step or load (see "
+        "distributed_optimizer_loads_with_torch_adam)",
     "dist.all_gather(unequal sizes) in the layer-wise optimizer": "gloo gathers equal sizes only: "
         "padded to the largest, cut back",
 }
@@ -183,11 +184,29 @@ def distributed_optimizer_loads_with_torch_adam(optimizer_class: type) -> list[t
       every tensor the live state has, `step` included (KeyError): the live step is left as the
       load set it from the param groups, as megatron-core means to ("handled separately");
     - it gives every parameter one shared `step` tensor, which torch's Adam then advances once per
-      parameter per step: each parameter gets its own copy of the loaded step afterwards.
+      parameter per step: each parameter gets its own copy of the loaded step afterwards;
+    - its `state_dict()` asserts one step among the parameters' states, and a run about to load
+      has none yet (torch's Adam makes its state at the first step): the load asks for that state
+      dict's layout, whose step the load then replaces; it gets step 0 there, as torch's would be.
     TE's FusedAdam on GPU keeps the step in the param groups and meets none of these.
     Returns (owner, name, replacement) triples, for `replaced`."""
     original_load = optimizer_class.load_state_dict
     original_set = optimizer_class._set_main_param_and_optimizer_states
+    original_state_dict = optimizer_class.state_dict
+
+    def state_dict(self) -> dict:
+        states = self.optimizer.state
+        first = next((p for group in self.optimizer.param_groups for p in group["params"]), None)
+        if first is None or any("step" in state for state in states.values()):
+            return original_state_dict(self)
+        had_state = first in states
+        states[first]["step"] = torch.zeros(())
+        try:
+            return original_state_dict(self)
+        finally:
+            del states[first]["step"]
+            if not had_state:
+                del states[first]
 
     def set_states(self, model_param, tensors) -> None:
         original_set(self, model_param, {"step": None, **tensors})  # a non-tensor is skipped
@@ -200,7 +219,8 @@ def distributed_optimizer_loads_with_torch_adam(optimizer_class: type) -> list[t
                 state["step"] = state["step"].clone()
 
     return [(optimizer_class, "load_state_dict", load_state_dict),
-            (optimizer_class, "_set_main_param_and_optimizer_states", set_states)]
+            (optimizer_class, "_set_main_param_and_optimizer_states", set_states),
+            (optimizer_class, "state_dict", state_dict)]
 
 
 def _replacements(rng: _CudaGenerator) -> list[tuple[Any, str, Any]]:
@@ -226,7 +246,7 @@ def _replacements(rng: _CudaGenerator) -> list[tuple[Any, str, Any]]:
 # ---------------------------------------------------------------- install
 
 
-def _replace(replacements: list[tuple[Any, str, Any]]) -> list[Callable[[], None]]:
+def replace_names(replacements: list[tuple[Any, str, Any]]) -> list[Callable[[], None]]:
     """Rebind each (owner, name) to its replacement; the undo of each, to call in reverse order."""
     undo = []
     for owner, name, value in replacements:
@@ -239,7 +259,7 @@ def _replace(replacements: list[tuple[Any, str, Any]]) -> list[Callable[[], None
 def replaced(replacements: list[tuple[Any, str, Any]]) -> Iterator[None]:
     """Some of these replacements alone, inside the block (tests use megatron-core's
     DistributedOptimizer on CPU with `distributed_optimizer_loads_with_torch_adam`)."""
-    undo = _replace(replacements)
+    undo = replace_names(replacements)
     try:
         yield
     finally:
@@ -261,7 +281,7 @@ def install() -> bool:
             return True
         check_megatron_core_version()
         rng = _CudaGenerator()
-        _undo.extend(_replace(_replacements(rng)))
+        _undo.extend(replace_names(_replacements(rng)))
         _mode = _CudaOnCpu(rng)
         _mode.__enter__()
     return True

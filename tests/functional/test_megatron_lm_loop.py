@@ -183,3 +183,54 @@ def test_distributed_adam_equals_megatron_cores_distributed_optimizer(run_distri
     flags = ["--optimizer", "adam", "--use-distributed-optimizer", "--bf16"] + NO_CLIP
     ours, theirs = _runs(run_distributed, flags, flags + MEGATRON_CORE)
     _assert_same_math(ours, theirs, our_package="megatron")
+
+
+# ---------------------------------------------------------------- jobs moving between megatron-core and us
+
+MOVES = {  # optimizer: (flags, the torch_dist formats it moves through)
+    "distributed adam": (["--optimizer", "adam", "--use-distributed-optimizer", "--bf16"] + NO_CLIP,
+                         ("torch_dist", "torch_dist fully_reshardable")),
+    "layer-wise muon": (OPTIMIZERS["layer-wise muon"] + ["--bf16"] + NO_CLIP,
+                        ("torch_dist", "torch_dist fully_reshardable")),
+}
+
+
+@pytest.mark.parametrize("optimizer", MOVES)
+def test_a_job_moves_from_megatron_core_and_back(run_distributed, tmp_path, optimizer: str) -> None:
+    """megatron-core's optimizer trains and saves at 3 (the loop without install()); ours loads it
+    with --load and continues as megatron-core continuing itself, bitwise (losses and learning
+    rates of iterations 4-6; gradient norms to 1e-6, summed in another order); then ours saves at 3 and megatron-core loads that and
+    continues the same. Layer-wise Muon: megatron-core's chain over Megatron-LM's all-reducing DDP
+    writes each child keyed by parameter (MEGATRON_CORE_PING_PONG_LAYOUT), and so do we.
+    Distributed Adam: ours is megatron-core's DistributedOptimizer built from our config.
+    megatron-core continuing itself equals the run not interrupted, except distributed Adam from
+    `dp_reshardable`: there megatron-core's own resume differs from iteration 5 on CPU (torch's
+    Adam), ours moving in equal to it (docs/megatron-lm.md)."""
+    flags, formats = MOVES[optimizer]
+    command_lines = [flags + MEGATRON_CORE]
+    for name in formats:
+        theirs, ours = (str(tmp_path / f"{who}_{name.replace(' ', '_')}") for who in ("theirs", "ours"))
+        save = ["--save-interval", str(SAVED_AT), "--exit-interval", str(SAVED_AT)]
+        command_lines += [flags + FORMATS[name] + MEGATRON_CORE + ["--save", theirs] + save,
+                          flags + FORMATS[name] + ["--load", theirs],
+                          flags + FORMATS[name] + MEGATRON_CORE + ["--load", theirs],
+                          flags + FORMATS[name] + ["--save", ours] + save,
+                          flags + FORMATS[name] + MEGATRON_CORE + ["--load", ours]]
+    straight, *moves = _runs(run_distributed, *command_lines)
+    after = range(SAVED_AT + 1, ITERATIONS + 1)
+    our_package = "megatron" if optimizer == "distributed adam" else "megatron_eopt"
+    for index, name in enumerate(formats):
+        saved, moved_in, core_resumed, ours_saved, moved_out = moves[5 * index:5 * index + 5]
+        for rank in range(2):
+            where = f"{optimizer}, {name}, rank {rank}"
+            assert saved[rank].optimizer_package == "megatron" and ours_saved[rank].optimizer_package == our_package
+            assert [r["iteration"] for r in saved[rank].records] == [1, 2, 3], where
+            assert moved_in[rank].optimizer_package == our_package, where
+            for key in ("lm loss", "grad norm", "learning rate"):
+                expected = _column(core_resumed[rank], key, after)
+                assert None not in expected, where
+                ours_expected = pytest.approx(expected, rel=1e-6) if key == "grad norm" else expected
+                assert _column(moved_in[rank], key, after) == ours_expected, f"{where}: in, {key}"
+                assert _column(moved_out[rank], key, after) == expected, f"{where}: out, {key}"
+                if not (optimizer == "distributed adam" and name == "torch_dist"):
+                    assert expected == _column(straight[rank], key, after), f"{where}: megatron-core's resume, {key}"
