@@ -199,8 +199,8 @@ MOVES = {  # optimizer: (flags, the torch_dist formats it moves through)
 def test_a_job_moves_from_megatron_core_and_back(run_distributed, tmp_path, optimizer: str) -> None:
     """megatron-core's optimizer trains and saves at 3 (the loop without install()); ours loads it
     with --load and continues as megatron-core continuing itself, bitwise (losses and learning
-    rates of iterations 4-6; gradient norms to 1e-6, summed in another order); then ours saves at 3 and megatron-core loads that and
-    continues the same. Layer-wise Muon: megatron-core's chain over Megatron-LM's all-reducing DDP
+    rates of iterations 4-6; gradient norms to 1e-6, summed in another order); then ours saves
+    at 3 and megatron-core loads that and continues the same. Layer-wise Muon: megatron-core's chain over Megatron-LM's all-reducing DDP
     writes each child keyed by parameter (MEGATRON_CORE_PING_PONG_LAYOUT), and so do we.
     Distributed Adam: ours is megatron-core's DistributedOptimizer built from our config.
     megatron-core continuing itself equals the run not interrupted, except distributed Adam from
