@@ -180,9 +180,11 @@ def distributed_optimizer_loads_with_torch_adam(optimizer_class: type) -> list[t
     which keeps a `step` tensor per parameter in its state, fails or drifts:
     - it copies a loaded fp32 `param` into a view of the parameter itself: torch allows that
       under no_grad only (the load runs under no_grad here);
-    - its fully_reshardable load passes no `step` among a parameter's loaded tensors but copies
-      every tensor the live state has, `step` included (KeyError): the live step is left as the
-      load set it from the param groups, as megatron-core means to ("handled separately");
+    - it copies every tensor the live state has into a parameter's state, `step` included: its
+      fully_reshardable load passes no `step` (KeyError), its dp_reshardable load passes the live
+      one from before the load (a non-persistent object), which reset the loaded step to 0. The
+      step is left as the load set it from the param groups, as megatron-core means to ("handled
+      separately");
     - it gives every parameter one shared `step` tensor, which torch's Adam then advances once per
       parameter per step: each parameter gets its own copy of the loaded step afterwards;
     - its `state_dict()` asserts one step among the parameters' states, and a run about to load
@@ -209,7 +211,7 @@ def distributed_optimizer_loads_with_torch_adam(optimizer_class: type) -> list[t
                 del states[first]
 
     def set_states(self, model_param, tensors) -> None:
-        original_set(self, model_param, {"step": None, **tensors})  # a non-tensor is skipped
+        original_set(self, model_param, {**tensors, "step": None})  # a non-tensor is skipped
 
     def load_state_dict(self, state_dict) -> None:
         with torch.no_grad():
