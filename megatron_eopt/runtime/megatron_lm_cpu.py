@@ -44,6 +44,9 @@ REPLACED_CALLS = {
         "(the function mode): the RNG tracker's states stay apart from the CPU generator's, both are "
         "checkpointed and restored, and a resumed run draws the same dropout masks",
     "initialize_megatron(allow_no_cuda=False)": "allow_no_cuda=True: it asserts CUDA otherwise",
+    "get_device_arch_version() in validate_args": "10: there is no GPU to ask; validate_args asks only for "
+        "GPU stream settings (before 10 it demands CUDA_DEVICE_MAX_CONNECTIONS=1 with TP or CP > 1; from "
+        "10 on it marks data-parallel groups for high-priority NCCL streams, as it does for FSDP2 anyway)",
     "set_jit_fusion_options()": "skipped: on torch >= 2.2 it only warms up the fused kernels, with "
         "torch.rand on 'cuda', which here would draw from the CPU generator that --use-cpu-initialization "
         "then draws the weights from (and compile them with a C++ compiler, seconds per process)",
@@ -229,6 +232,7 @@ def _replacements(rng: _CudaGenerator) -> list[tuple[Any, str, Any]]:
     """(owner, name, replacement) for every name install() rebinds."""
     import megatron.core.optimizer.layer_wise_optimizer as layer_wise
     import megatron.core.tensor_parallel.random as tp_random
+    import megatron.training.arguments as arguments
     import megatron.training.initialize as initialize
     import megatron.training.training as training
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -240,6 +244,7 @@ def _replacements(rng: _CudaGenerator) -> list[tuple[Any, str, Any]]:
         (tp_random, "_set_cuda_rng_state", rng.set_rng_state),
         (training, "initialize_megatron", functools.partial(initialize.initialize_megatron, allow_no_cuda=True)),
         (training, "set_jit_fusion_options", _returning(None)),
+        (arguments, "get_device_arch_version", _returning(10)),
         (layer_wise, "torch", Passthrough(torch, distributed=Passthrough(dist, all_gather=all_gather_padded))),
     ]
     return replaced + distributed_optimizer_loads_with_torch_adam(DistributedOptimizer)

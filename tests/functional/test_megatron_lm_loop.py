@@ -24,6 +24,7 @@ Losses are what the loop hands its logger ('lm loss' averaged over micro-batches
   Megatron-LM's printed log line is not equal: it logs a run's first iteration without resetting
   its averages, so the second printed iteration after a restart (5 here) shows the mean of
   iterations 4 and 5; the torchrun test checks that from the printed lines.
+- TP=2 and PP=2; jobs moving from megatron-core to us and back (see each test).
 """
 
 import pathlib
@@ -87,7 +88,7 @@ def _assert_same_math(ours: list[Run], theirs: list[Run], our_package: str = "me
         assert _column(mine, "lm loss", every) == _column(reference, "lm loss", every)
         assert _column(mine, "learning rate", every) == _column(reference, "learning rate", every)
         assert _column(mine, "grad norm", every) == pytest.approx(_column(reference, "grad norm", every), rel=1e-6)
-    losses = _column(ours[0], "lm loss", every)
+    losses = _column(ours[-1], "lm loss", every)  # the last pipeline stage's
     assert losses[-1] < losses[0] - 0.2, losses  # it learns: not two runs that do nothing
 
 
@@ -128,19 +129,49 @@ def test_resume_continues_exactly(run_distributed, tmp_path, optimizer: str) -> 
                                                    "--exit-interval", str(SAVED_AT)],
                           flags + FORMATS[name] + ["--load", directory]]
     straight, *interrupted = _runs(run_distributed, *command_lines)
-    after = range(SAVED_AT + 1, ITERATIONS + 1)
     for name, saved, resumed in zip(RESUMES[optimizer], interrupted[::2], interrupted[1::2]):
-        for rank, (first, mine, reference) in enumerate(zip(saved, resumed, straight)):
-            where = f"{optimizer}, {name}, rank {rank}"
-            assert first.exit_status == 0 and _column(first, "iteration", range(1, ITERATIONS + 1)) == [
-                1, 2, 3, None, None, None], where  # it stopped at the save
-            assert [r["iteration"] for r in mine.records] == list(after), where  # it went on from the save
-            for key in ("lm loss", "grad norm", "learning rate"):
-                assert _column(mine, key, after) == _column(reference, key, after), f"{where}: {key}"
-            assert mine.parameters and mine.optimizer_state, where  # something to compare
-            _assert_equal_tensors(mine.parameters, reference.parameters, f"{where}: parameters")
-            _assert_equal_tensors(mine.optimizer_state, reference.optimizer_state, f"{where}: optimizer state")
-            assert mine.optimizer_package == "megatron_eopt", where
+        _assert_resumed_exactly(straight, saved, resumed, f"{optimizer}, {name}")
+
+
+def _assert_resumed_exactly(straight: list[Run], saved: list[Run], resumed: list[Run], where: str) -> None:
+    """Saved at SAVED_AT and stopped; resumed, equal to the run not interrupted from there on, to the
+    last bit of every rank's parameters and optimizer state."""
+    after = range(SAVED_AT + 1, ITERATIONS + 1)
+    for rank, (first, mine, reference) in enumerate(zip(saved, resumed, straight)):
+        where_rank = f"{where}, rank {rank}"
+        assert first.exit_status == 0 and _column(first, "iteration", range(1, ITERATIONS + 1)) == [
+            1, 2, 3, None, None, None], where_rank  # it stopped at the save
+        assert [r["iteration"] for r in mine.records] == list(after), where_rank  # it went on from the save
+        for key in ("lm loss", "grad norm", "learning rate"):
+            assert _column(mine, key, after) == _column(reference, key, after), f"{where_rank}: {key}"
+        assert mine.parameters and mine.optimizer_state, where_rank  # something to compare
+        _assert_equal_tensors(mine.parameters, reference.parameters, f"{where_rank}: parameters")
+        _assert_equal_tensors(mine.optimizer_state, reference.optimizer_state, f"{where_rank}: optimizer state")
+        assert mine.optimizer_package == "megatron_eopt", where_rank
+
+
+MODEL_PARALLEL = {
+    "muon at TP=2": ["--optimizer", "muon", "--tensor-model-parallel-size", "2"],
+    "adam at PP=2": ["--optimizer", "adam", "--pipeline-model-parallel-size", "2"],
+}
+
+
+def test_tensor_and_pipeline_parallel_equal_megatron_core_and_resume_exactly(run_distributed, tmp_path) -> None:
+    """At TP=2 (Muon: megatron-core's TensorParallelMuon against ours) and at PP=2 (Adam; the last
+    stage logs the loss), 2 ranks each: megatron-core's losses, and a torch_dist resume at 3
+    that ends equal to the run not interrupted."""
+    command_lines = []
+    for name, flags in MODEL_PARALLEL.items():
+        directory = str(tmp_path / name.replace(" ", "_"))
+        command_lines += [flags + NO_CLIP, flags + NO_CLIP + MEGATRON_CORE,
+                          flags + NO_CLIP + ["--save", directory, "--save-interval", str(SAVED_AT),
+                                             "--exit-interval", str(SAVED_AT)],
+                          flags + NO_CLIP + ["--load", directory]]
+    runs = _runs(run_distributed, *command_lines)
+    for index, name in enumerate(MODEL_PARALLEL):
+        ours, theirs, saved, resumed = runs[4 * index:4 * index + 4]
+        _assert_same_math(ours, theirs)
+        _assert_resumed_exactly(ours, saved, resumed, name)
 
 
 # ---------------------------------------------------------------- the script under torchrun
