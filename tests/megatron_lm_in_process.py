@@ -29,7 +29,7 @@ class Run:
     optimizer_package: Optional[str] = None  # 'megatron_eopt' or 'megatron' (megatron-core's own)
     exit_status: int = 0
     # After the loop's last iteration (none when it exited by sys.exit): this rank's parameters by
-    # name, and its optimizer's state_dict() (ours only).
+    # name, and its optimizer's state_dict() (ours only); DTensors as this rank's shards.
     parameters: Optional[dict[str, Any]] = None
     optimizer_state: Optional[dict[str, Any]] = None
 
@@ -48,10 +48,10 @@ def _recording(run: Run) -> Iterator[None]:
     def train(forward_step_func, model, optimizer, *args, **kwargs):
         run.optimizer_package = type(optimizer).__module__.split(".")[0]
         result = original_train(forward_step_func, model, optimizer, *args, **kwargs)
-        run.parameters = {f"{i}.{name}": p.detach().clone() for i, chunk in enumerate(model)
+        run.parameters = {f"{i}.{name}": _local(p.detach()).clone() for i, chunk in enumerate(model)
                           for name, p in chunk.named_parameters()}
         if run.optimizer_package == "megatron_eopt":
-            run.optimizer_state = copy.deepcopy(optimizer.state_dict())
+            run.optimizer_state = _local(copy.deepcopy(optimizer.state_dict()))
         return result
 
     def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
@@ -72,6 +72,20 @@ def _recording(run: Run) -> Iterator[None]:
         yield
     finally:
         training.training_log, training.train = original, original_train
+
+
+def _local(value: Any) -> Any:
+    """`value` with each DTensor (FSDP2, Megatron-FSDP) as this rank's shard: what comes back to the
+    test process is compared there, without the ranks' groups."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return value.to_local()
+    if isinstance(value, dict):
+        return {key: _local(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_local(item) for item in value)
+    return value
 
 
 @contextlib.contextmanager
@@ -100,6 +114,10 @@ def forget_megatron_lm_run() -> None:
     tensor_parallel.get_cuda_rng_tracker().reset()
     gc.collect()  # the model and optimizer sit in cycles with the groups they were built on
     destroy_model_parallel()
+    # DTensor's sharding caches compare meshes without their groups: the next run's FSDP2 outputs
+    # would carry this run's mesh, whose groups are gone ("Could not resolve the process group").
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    _clear_sharding_prop_cache()
     megatron_lm_cpu.uninstall()
 
 

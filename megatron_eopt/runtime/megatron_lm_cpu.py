@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
+from torch.distributed.device_mesh import DeviceMesh
 
 from megatron_eopt.runtime.cpu_stand_ins import NoEvent, NoStream, Passthrough, all_gather_padded
 
@@ -55,6 +56,8 @@ REPLACED_CALLS = {
         "distributed_optimizer_loads_with_torch_adam)",
     "dist.all_gather(unequal sizes) in the layer-wise optimizer": "gloo gathers equal sizes only: "
         "padded to the largest, cut back",
+    "DeviceMesh.from_group(group, 'cuda') in torch FSDP2's wrapper": "a CPU mesh: FSDP2 puts its shards "
+        "on the mesh's device",
 }
 _lock = threading.Lock()
 _undo: list[Callable[[], None]] = []  # set while installed: each undoes one replacement
@@ -230,6 +233,7 @@ def distributed_optimizer_loads_with_torch_adam(optimizer_class: type) -> list[t
 
 def _replacements(rng: _CudaGenerator) -> list[tuple[Any, str, Any]]:
     """(owner, name, replacement) for every name install() rebinds."""
+    import megatron.core.distributed.torch_fully_sharded_data_parallel as torch_fsdp2
     import megatron.core.optimizer.layer_wise_optimizer as layer_wise
     import megatron.core.tensor_parallel.random as tp_random
     import megatron.training.arguments as arguments
@@ -246,8 +250,13 @@ def _replacements(rng: _CudaGenerator) -> list[tuple[Any, str, Any]]:
         (training, "set_jit_fusion_options", _returning(None)),
         (arguments, "get_device_arch_version", _returning(10)),
         (layer_wise, "torch", Passthrough(torch, distributed=Passthrough(dist, all_gather=all_gather_padded))),
+        (torch_fsdp2, "DeviceMesh", Passthrough(DeviceMesh, from_group=_cpu_mesh_from_group)),
     ]
     return replaced + distributed_optimizer_loads_with_torch_adam(DistributedOptimizer)
+
+
+def _cpu_mesh_from_group(group: Any, device_type: str, *args: Any, **kwargs: Any) -> DeviceMesh:
+    return DeviceMesh.from_group(group, "cpu" if device_type.startswith("cuda") else device_type, *args, **kwargs)
 
 
 # ---------------------------------------------------------------- install

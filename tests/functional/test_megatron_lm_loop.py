@@ -263,3 +263,24 @@ def test_a_job_moves_from_megatron_core_and_back(run_distributed, tmp_path, opti
                 assert _column(moved_in[rank], key, after) == ours_expected, f"{where}: in, {key}"
                 assert _column(moved_out[rank], key, after) == expected, f"{where}: out, {key}"
                 assert expected == _column(straight[rank], key, after), f"{where}: megatron-core's resume, {key}"
+
+
+TORCH_FSDP2 = ["--use-torch-fsdp2", "--ckpt-format", "torch_dcp", "--untie-embeddings-and-output-weights"]
+
+
+def test_torch_fsdp2_with_torch_dcp_equals_megatron_core_and_resumes_exactly(run_distributed, tmp_path) -> None:
+    """`--use-torch-fsdp2 --ckpt-format torch_dcp` at 2 ranks: Adam gives megatron-core's Adam's
+    losses (megatron-core refuses emerging optimizers on FSDP2), and Adam and Muon resume from a
+    torch_dcp checkpoint at 3 equal to the run not interrupted, to the last bit of every rank's
+    shards of the parameters and optimizer state."""
+    command_lines = [OPTIMIZERS["adam"] + NO_CLIP + TORCH_FSDP2 + MEGATRON_CORE]
+    for name in ("adam", "muon"):
+        directory = str(tmp_path / name)
+        flags = OPTIMIZERS[name] + NO_CLIP + TORCH_FSDP2
+        command_lines += [flags, flags + ["--save", directory, "--save-interval", str(SAVED_AT),
+                                          "--exit-interval", str(SAVED_AT)], flags + ["--load", directory]]
+    theirs, *runs = _runs(run_distributed, *command_lines)
+    _assert_same_math(runs[0], theirs)
+    for index, name in enumerate(("adam", "muon")):
+        straight, saved, resumed = runs[3 * index:3 * index + 3]
+        _assert_resumed_exactly(straight, saved, resumed, f"{name} on torch FSDP2")
