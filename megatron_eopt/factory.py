@@ -24,6 +24,7 @@ from megatron_eopt.distributed.fsdp2 import (
     fully_sharded_layout,
 )
 from megatron_eopt.distributed.layer_wise import DataParallelShards, LayerWiseDistributedOptimizer
+from megatron_eopt.distributed.megatron_fsdp_model import megatron_fsdp_wrappers
 from megatron_eopt.distributed.reduce_scattered import check_byte_sharded_config, reduce_scattering_chunks
 from megatron_eopt.runtime.process_groups import ParallelGroups, group_rank, group_size, resolve_parallel_groups
 from megatron_eopt.runtime.once import first_time, warn_once
@@ -123,6 +124,8 @@ def get_megatron_optimizer(
     if fsdp is None:
         optimizer.core_buckets = DistributedOptimizerBuckets(chunks, group_size(groups.dp_cp), group_rank(groups.dp_cp),
                                                              group_rank(groups.mp))
+    else:  # as megatron-core's DistributedOptimizer: a step ends with Megatron-FSDP's compute weights
+        optimizer.megatron_fsdp_wrappers = megatron_fsdp_wrappers(chunks)
     tp_modes = muon_tp_modes(optimizer)
     _warn_if_tp_settings_unused(config, records, tp_modes)
     if dump_param_to_param_group_map is not None and tp_modes:  # again, with each matrix's TP mode

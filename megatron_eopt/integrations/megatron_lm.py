@@ -36,7 +36,7 @@ from megatron_eopt.config.optimizer_config import MatmulPrecision, OptimizerConf
 from megatron_eopt.distributed.reduce_scattered import reduce_scattering_chunks
 from megatron_eopt.factory import get_megatron_optimizer
 from megatron_eopt.registry import list_optimizers
-from megatron_eopt.runtime.megatron_lm_cpu import replace_names
+from megatron_eopt.runtime.cpu_stand_ins import replace_names
 
 # Our flags that Megatron-LM's parser must not get, and why.
 NOT_OFFERED = {

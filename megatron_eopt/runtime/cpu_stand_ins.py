@@ -1,8 +1,9 @@
 """What the run-time CPU patches of megatron-core's packages (megatron_fsdp_cpu.py for Megatron-FSDP,
 megatron_lm_cpu.py for Megatron-LM's loop) put in place of CUDA-only objects and calls."""
 
+import functools
 import types
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -76,3 +77,11 @@ def all_gather_padded(tensor_list: list, tensor: torch.Tensor, group: Any = None
     for out, received, size in zip(tensor_list, padded, sizes):
         out.view(-1).copy_(received[:size])
     return _Done() if async_op else None
+
+def replace_names(replacements: list[tuple[Any, str, Any]]) -> list[Callable[[], None]]:
+    """Rebind each (owner, name) to its replacement; the undo of each, to call in reverse order."""
+    undo = []
+    for owner, name, value in replacements:
+        undo.append(functools.partial(setattr, owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+    return undo

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_eopt.runtime.cpu_stand_ins import NoStream, Passthrough, all_gather_padded
+from megatron_eopt.runtime.cpu_stand_ins import NoStream, Passthrough, all_gather_padded, replace_names
 
 # Megatron-FSDP's modules that name `torch` (or `dist`) and call CUDA through it.
 PATCHED_MODULES = ("megatron_fsdp", "fully_shard", "param_and_grad_buffer", "utils", "uneven_dtensor")
@@ -34,7 +34,10 @@ REPLACED_CALLS = {
                                           "gloo; the gradient is scaled, then summed",
 }
 
-_installed = False
+# The package on PyPI, and the copy megatron-core 0.19 ships and Megatron-LM's loop uses.
+STANDALONE = "megatron_fsdp"
+IN_MEGATRON_CORE = "megatron.core.distributed.fsdp.src.megatron_fsdp"
+_installed: set[str] = set()  # the packages patched for the process's life
 
 
 def _nothing(*args: Any, **kwargs: Any) -> None:
@@ -73,28 +76,35 @@ def _without_premul_sum(original):
     return gradient_reduce_preprocessing
 
 
-def install() -> bool:
-    """Patch Megatron-FSDP's CUDA-only calls (REPLACED_CALLS) when CUDA is absent; idempotent.
-
-    Returns whether the patch is active. Call it before building a Megatron-FSDP model on CPU.
-    """
-    global _installed
-    if torch.cuda.is_available():
-        return False
-    if _installed:
-        return True
+def replacements(package: str) -> list[tuple[Any, str, Any]]:
+    """(owner, name, replacement) for REPLACED_CALLS in `package`: STANDALONE or IN_MEGATRON_CORE."""
     cpu_torch = Passthrough(torch, cuda=_cpu_cuda(), device=_cpu_device,
                              tensor=lambda *a, **k: torch.tensor(*a, **k).as_subclass(_CpuTensor))
     cpu_dist = Passthrough(dist, all_gather=all_gather_padded)
+    replaced = []
     for name in PATCHED_MODULES:
-        module = importlib.import_module(f"megatron_fsdp.{name}")
-        module.torch = cpu_torch
+        module = importlib.import_module(f"{package}.{name}")
+        replaced.append((module, "torch", cpu_torch))
         if getattr(module, "dist", None) is dist:
-            module.dist = cpu_dist
-    buffers = importlib.import_module("megatron_fsdp.param_and_grad_buffer")
-    buffers.gradient_reduce_preprocessing = _without_premul_sum(buffers.gradient_reduce_preprocessing)
-    fully_shard = importlib.import_module("megatron_fsdp.fully_shard")
-    fully_shard.init_device_mesh = lambda device_type, *a, **k: torch.distributed.device_mesh.init_device_mesh(
-        "cpu", *a, **k)
-    _installed = True
+            replaced.append((module, "dist", cpu_dist))
+    buffers = importlib.import_module(f"{package}.param_and_grad_buffer")
+    fully_shard = importlib.import_module(f"{package}.fully_shard")
+    return replaced + [
+        (buffers, "gradient_reduce_preprocessing", _without_premul_sum(buffers.gradient_reduce_preprocessing)),
+        (fully_shard, "init_device_mesh",
+         lambda device_type, *a, **k: torch.distributed.device_mesh.init_device_mesh("cpu", *a, **k)),
+    ]
+
+
+def install(package: str = STANDALONE) -> bool:
+    """Patch Megatron-FSDP's CUDA-only calls (REPLACED_CALLS) when CUDA is absent; idempotent.
+
+    Returns whether the patch is active. Call it before building a Megatron-FSDP model on CPU.
+    (megatron_lm_cpu patches megatron-core's copy, IN_MEGATRON_CORE, while it is installed.)
+    """
+    if torch.cuda.is_available():
+        return False
+    if package not in _installed:
+        replace_names(replacements(package))
+        _installed.add(package)
     return True

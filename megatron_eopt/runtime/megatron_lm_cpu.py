@@ -25,7 +25,8 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 from torch.distributed.device_mesh import DeviceMesh
 
-from megatron_eopt.runtime.cpu_stand_ins import NoEvent, NoStream, Passthrough, all_gather_padded
+from megatron_eopt.runtime import megatron_fsdp_cpu
+from megatron_eopt.runtime.cpu_stand_ins import NoEvent, NoStream, Passthrough, all_gather_padded, replace_names
 
 SUPPORTED_MEGATRON_CORE = "0.19"  # the release series whose names REPLACED_CALLS replaces
 
@@ -58,6 +59,8 @@ REPLACED_CALLS = {
         "padded to the largest, cut back",
     "DeviceMesh.from_group(group, 'cuda') in torch FSDP2's wrapper": "a CPU mesh: FSDP2 puts its shards "
         "on the mesh's device",
+    "Megatron-FSDP's CUDA-only calls in megatron-core's copy of it (--use-megatron-fsdp)": "those of "
+        "megatron_fsdp_cpu.REPLACED_CALLS",
 }
 _lock = threading.Lock()
 _undo: list[Callable[[], None]] = []  # set while installed: each undoes one replacement
@@ -252,6 +255,7 @@ def _replacements(rng: _CudaGenerator) -> list[tuple[Any, str, Any]]:
         (layer_wise, "torch", Passthrough(torch, distributed=Passthrough(dist, all_gather=all_gather_padded))),
         (torch_fsdp2, "DeviceMesh", Passthrough(DeviceMesh, from_group=_cpu_mesh_from_group)),
     ]
+    replaced += megatron_fsdp_cpu.replacements(megatron_fsdp_cpu.IN_MEGATRON_CORE)
     return replaced + distributed_optimizer_loads_with_torch_adam(DistributedOptimizer)
 
 
@@ -262,13 +266,6 @@ def _cpu_mesh_from_group(group: Any, device_type: str, *args: Any, **kwargs: Any
 # ---------------------------------------------------------------- install
 
 
-def replace_names(replacements: list[tuple[Any, str, Any]]) -> list[Callable[[], None]]:
-    """Rebind each (owner, name) to its replacement; the undo of each, to call in reverse order."""
-    undo = []
-    for owner, name, value in replacements:
-        undo.append(functools.partial(setattr, owner, name, getattr(owner, name)))
-        setattr(owner, name, value)
-    return undo
 
 
 @contextlib.contextmanager

@@ -63,6 +63,9 @@ class ChainedOptimizer(MegatronOptimizer):
         # megatron-core's DDP bucket layout for the model (checkpointing/ddp_buckets.py), set by
         # get_megatron_optimizer: reading its DistributedOptimizer's dp_reshardable checkpoints needs it.
         self.core_buckets = None
+        # The MegatronFSDP modules whose shards the children step, set by get_megatron_optimizer: a
+        # successful step copies the shards into their compute weights, as megatron-core's does.
+        self.megatron_fsdp_wrappers = []
 
     def step(self) -> StepResult:
         self.grad_norms_by_group = {}
@@ -72,7 +75,11 @@ class ChainedOptimizer(MegatronOptimizer):
         if not self._ours:
             return step_megatron_core_children(self.chained_optimizers, self.config, self.grad_norms_by_group)
         with qk_clip_step(self.qk_clip):
-            return take_step(self.chained_optimizers, self.config, self.grad_norms_by_group)
+            result = take_step(self.chained_optimizers, self.config, self.grad_norms_by_group)
+        if result[0]:
+            for wrapper in self.megatron_fsdp_wrappers:
+                wrapper.install_optimized_model_weights()
+        return result
 
     def get_parameters(self) -> list[torch.nn.Parameter]:
         return [p for child in self.chained_optimizers for p in _parameters_of(child)]

@@ -58,7 +58,7 @@ from megatron_eopt.training.model.moe import (
     step_moe_losses,
 )
 from megatron_eopt.training.parallel.fsdp2 import fully_shard_gpt
-from megatron_eopt.training.parallel.megatron_fsdp import finish_grad_sync, install_stepped_weights, megatron_fsdp_gpt
+from megatron_eopt.training.parallel.megatron_fsdp import finish_grad_sync, megatron_fsdp_gpt, zero_grad_buffers
 from megatron_eopt.training.parallel.grad_reduction import (
     BUCKET_NUMEL,
     GradReducer,
@@ -94,7 +94,7 @@ def train_step(model, optimizer, micro_batches, forward, grads: GradReducer, dp_
     loss_sum = total.to(next(model.parameters()).device)
     dist.all_reduce(loss_sum, group=dp_group)
     ok, grad_norm, num_zeros = optimizer.step()
-    install_stepped_weights(chunks)  # Megatron-FSDP's (nothing without it)
+    zero_grad_buffers(chunks)  # Megatron-FSDP's (nothing without it)
     return loss_sum.item() / dp_size, ok, grad_norm, num_zeros
 
 

@@ -2,8 +2,8 @@
 ZeRO-3: 'optim_grads_params'), each transformer layer one FSDP unit, over all ranks (TP = PP = 1).
 
 Megatron-FSDP's step protocol, which the trainer follows: backward, `finish_grad_sync()` (attaches
-each rank's gradient shards), the optimizer's step, `install_optimized_model_weights()` and
-`zero_grad_buffer()`. On CPU its CUDA-only calls are replaced first (runtime/megatron_fsdp_cpu.py).
+each rank's gradient shards), the optimizer's step (which ends with `install_optimized_model_weights()`,
+as megatron-core's does) and `zero_grad_buffer()`. On CPU its CUDA-only calls are replaced first (runtime/megatron_fsdp_cpu.py).
 """
 
 import itertools
@@ -44,9 +44,8 @@ def finish_grad_sync(chunks: list[torch.nn.Module]) -> None:
         wrapper.finish_grad_sync()
 
 
-def install_stepped_weights(chunks: list[torch.nn.Module]) -> None:
-    """After the optimizer's step: the stepped shards into Megatron-FSDP's compute weights, its
-    gradient buffers zeroed for the next step."""
+def zero_grad_buffers(chunks: list[torch.nn.Module]) -> None:
+    """After the optimizer's step (which put the stepped shards into Megatron-FSDP's compute
+    weights): its gradient buffers zeroed for the next step."""
     for wrapper in megatron_fsdp_wrappers(chunks):
-        wrapper.install_optimized_model_weights()
         wrapper.zero_grad_buffer()

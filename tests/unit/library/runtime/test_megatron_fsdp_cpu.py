@@ -16,7 +16,7 @@ def _modules():
 
 def test_inactive_when_cuda_is_available(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(megatron_fsdp_cpu, "_installed", False)
+    monkeypatch.setattr(megatron_fsdp_cpu, "_installed", set())
     before = [module.torch for module in _modules()]
     assert megatron_fsdp_cpu.install() is False
     assert [module.torch for module in _modules()] == before
