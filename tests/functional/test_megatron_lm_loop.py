@@ -75,6 +75,11 @@ def _runs(run_distributed, *flag_lists: list[str]) -> list[list[Run]]:
     return [list(runs) for runs in zip(*per_rank)]
 
 
+def _saving_at_3(directory: str) -> list[str]:
+    """Save at SAVED_AT to `directory`, and stop there."""
+    return ["--save", directory, "--save-interval", str(SAVED_AT), "--exit-interval", str(SAVED_AT)]
+
+
 def _column(run: Run, key: str, iterations) -> list:
     by_iteration = {record["iteration"]: record[key] for record in run.records}
     return [by_iteration.get(i) for i in iterations]
@@ -125,9 +130,7 @@ def test_resume_continues_exactly(run_distributed, tmp_path, optimizer: str) -> 
     command_lines = [flags]
     for name in RESUMES[optimizer]:
         directory = str(tmp_path / name.replace(" ", "_"))
-        command_lines += [flags + FORMATS[name] + ["--save", directory, "--save-interval", str(SAVED_AT),
-                                                   "--exit-interval", str(SAVED_AT)],
-                          flags + FORMATS[name] + ["--load", directory]]
+        command_lines += [flags + FORMATS[name] + _saving_at_3(directory), flags + FORMATS[name] + ["--load", directory]]
     straight, *interrupted = _runs(run_distributed, *command_lines)
     for name, saved, resumed in zip(RESUMES[optimizer], interrupted[::2], interrupted[1::2]):
         _assert_resumed_exactly(straight, saved, resumed, f"{optimizer}, {name}")
@@ -164,9 +167,7 @@ def test_tensor_and_pipeline_parallel_equal_megatron_core_and_resume_exactly(run
     for name, flags in MODEL_PARALLEL.items():
         directory = str(tmp_path / name.replace(" ", "_"))
         command_lines += [flags + NO_CLIP, flags + NO_CLIP + MEGATRON_CORE,
-                          flags + NO_CLIP + ["--save", directory, "--save-interval", str(SAVED_AT),
-                                             "--exit-interval", str(SAVED_AT)],
-                          flags + NO_CLIP + ["--load", directory]]
+                          flags + NO_CLIP + _saving_at_3(directory), flags + NO_CLIP + ["--load", directory]]
     runs = _runs(run_distributed, *command_lines)
     for index, name in enumerate(MODEL_PARALLEL):
         ours, theirs, saved, resumed = runs[4 * index:4 * index + 4]
@@ -192,8 +193,7 @@ def test_script_under_torchrun_resumes_as_megatron_lm_prints(run_distributed, tm
     printed values carry 7 digits: compared to 1e-6."""
     flags = OPTIMIZERS["adam"] + NO_CLIP
     directory = str(tmp_path / "checkpoint")
-    save = ["--save", directory, "--save-interval", str(SAVED_AT), "--exit-interval", str(SAVED_AT)]
-    (reference, _), (saved, _) = _runs(run_distributed, flags + MEGATRON_CORE, flags + save)
+    (reference, _), (saved, _) = _runs(run_distributed, flags + MEGATRON_CORE, flags + _saving_at_3(directory))
     assert saved.exit_status == 0
     torchrun = [str(pathlib.Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node=2",
                 "scripts/pretrain_gpt_megatron_lm.py", *MODEL, *flags, "--load", directory]
@@ -231,8 +231,9 @@ def test_a_job_moves_from_megatron_core_and_back(run_distributed, tmp_path, opti
     """megatron-core's optimizer trains and saves at 3 (the loop without install()); ours loads it
     with --load and continues as megatron-core continuing itself, bitwise (losses and learning
     rates of iterations 4-6; gradient norms to 1e-6, summed in another order); then ours saves
-    at 3 and megatron-core loads that and continues the same. Layer-wise Muon: megatron-core's chain over Megatron-LM's all-reducing DDP
-    writes each child keyed by parameter (MEGATRON_CORE_PING_PONG_LAYOUT), and so do we.
+    at 3 and megatron-core loads that and continues the same. Layer-wise Muon: megatron-core's
+    chain over Megatron-LM's all-reducing DDP writes each child keyed by parameter
+    (MEGATRON_CORE_PING_PONG_LAYOUT), and so do we.
     Distributed Adam: ours is megatron-core's DistributedOptimizer built from our config.
     megatron-core continuing itself equals the run not interrupted (with torch's Adam, after the
     load fixes of megatron_lm_cpu.distributed_optimizer_loads_with_torch_adam)."""
@@ -240,11 +241,10 @@ def test_a_job_moves_from_megatron_core_and_back(run_distributed, tmp_path, opti
     command_lines = [flags + MEGATRON_CORE]
     for name in formats:
         theirs, ours = (str(tmp_path / f"{who}_{name.replace(' ', '_')}") for who in ("theirs", "ours"))
-        save = ["--save-interval", str(SAVED_AT), "--exit-interval", str(SAVED_AT)]
-        command_lines += [flags + FORMATS[name] + MEGATRON_CORE + ["--save", theirs] + save,
+        command_lines += [flags + FORMATS[name] + MEGATRON_CORE + _saving_at_3(theirs),
                           flags + FORMATS[name] + ["--load", theirs],
                           flags + FORMATS[name] + MEGATRON_CORE + ["--load", theirs],
-                          flags + FORMATS[name] + ["--save", ours] + save,
+                          flags + FORMATS[name] + _saving_at_3(ours),
                           flags + FORMATS[name] + MEGATRON_CORE + ["--load", ours]]
     straight, *moves = _runs(run_distributed, *command_lines)
     after = range(SAVED_AT + 1, ITERATIONS + 1)
@@ -273,17 +273,23 @@ def test_torch_fsdp2_with_torch_dcp_equals_megatron_core_and_resumes_exactly(run
     losses (megatron-core refuses emerging optimizers on FSDP2), and Adam and Muon resume from a
     torch_dcp checkpoint at 3 equal to the run not interrupted, to the last bit of every rank's
     shards of the parameters and optimizer state."""
-    command_lines = [OPTIMIZERS["adam"] + NO_CLIP + TORCH_FSDP2 + MEGATRON_CORE]
+    theirs, ours = _fully_sharded_runs(run_distributed, tmp_path, TORCH_FSDP2, "torch FSDP2")
+    _assert_same_math(ours, theirs)
+
+
+def _fully_sharded_runs(run_distributed, tmp_path, engine: list[str], engine_name: str) -> tuple:
+    """megatron-core's Adam on `engine`; ours, with Adam and with Muon, each also saved at 3 and
+    resumed, checked equal to the run not interrupted. Returns (megatron-core's Adam, our Adam)."""
+    command_lines = [OPTIMIZERS["adam"] + NO_CLIP + engine + MEGATRON_CORE]
     for name in ("adam", "muon"):
-        directory = str(tmp_path / name)
-        flags = OPTIMIZERS[name] + NO_CLIP + TORCH_FSDP2
-        command_lines += [flags, flags + ["--save", directory, "--save-interval", str(SAVED_AT),
-                                          "--exit-interval", str(SAVED_AT)], flags + ["--load", directory]]
+        flags = OPTIMIZERS[name] + NO_CLIP + engine
+        command_lines += [flags, flags + _saving_at_3(str(tmp_path / name)), flags + ["--load", str(tmp_path / name)]]
     theirs, *runs = _runs(run_distributed, *command_lines)
-    _assert_same_math(runs[0], theirs)
     for index, name in enumerate(("adam", "muon")):
         straight, saved, resumed = runs[3 * index:3 * index + 3]
-        _assert_resumed_exactly(straight, saved, resumed, f"{name} on torch FSDP2")
+        _assert_resumed_exactly(straight, saved, resumed, f"{name} on {engine_name}")
+    return theirs, runs[0]
+
 
 
 # No --swiglu: Megatron-LM's fsdp_dtensor save fails with it in fp32, megatron-core's optimizer too
@@ -297,20 +303,11 @@ def test_megatron_fsdp_with_fsdp_dtensor_equals_megatron_core_and_resumes_exactl
     not learn before its step put the shards into Megatron-FSDP's compute weights), and Adam and
     Muon resume from an fsdp_dtensor checkpoint at 3 equal to the run not interrupted, to the
     last bit of every rank's shards."""
-    command_lines = [OPTIMIZERS["adam"] + NO_CLIP + MEGATRON_FSDP + MEGATRON_CORE]
-    for name in ("adam", "muon"):
-        directory = str(tmp_path / name)
-        flags = OPTIMIZERS[name] + NO_CLIP + MEGATRON_FSDP
-        command_lines += [flags, flags + ["--save", directory, "--save-interval", str(SAVED_AT),
-                                          "--exit-interval", str(SAVED_AT)], flags + ["--load", directory]]
-    theirs, *runs = _runs(run_distributed, *command_lines)
+    theirs, ours = _fully_sharded_runs(run_distributed, tmp_path, MEGATRON_FSDP, "Megatron-FSDP")
     every = range(1, ITERATIONS + 1)
-    for mine, reference in zip(runs[0], theirs):
+    for mine, reference in zip(ours, theirs):
         assert reference.optimizer_package == "megatron" and mine.optimizer_package == "megatron_eopt"
         for key in ("lm loss", "learning rate"):
             assert _column(mine, key, every) == _column(reference, key, every), key
-    losses = _column(runs[0][-1], "lm loss", every)
+    losses = _column(ours[-1], "lm loss", every)
     assert losses[-1] < losses[0] - 0.2, losses  # it learns (our step reaches the compute weights)
-    for index, name in enumerate(("adam", "muon")):
-        straight, saved, resumed = runs[3 * index:3 * index + 3]
-        _assert_resumed_exactly(straight, saved, resumed, f"{name} on Megatron-FSDP")
