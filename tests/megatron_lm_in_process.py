@@ -42,20 +42,21 @@ def _recording(run: Run) -> Iterator[None]:
     """Records what Megatron-LM's `train` is given and what it hands `training_log`."""
     import megatron.training.training as training
 
+    from megatron_eopt.distributed.megatron_fsdp_model import hold_gradient_hooks_weakly
+
     original, original_train = training.training_log, training.train
     records = run.records
 
     def train(forward_step_func, model, optimizer, *args, **kwargs):
         run.optimizer_package = type(optimizer).__module__.split(".")[0]
-        try:
-            result = original_train(forward_step_func, model, optimizer, *args, **kwargs)
-            run.parameters = {f"{i}.{name}": _local(p.detach()).clone() for i, chunk in enumerate(model)
-                              for name, p in chunk.named_parameters()}
-            if run.optimizer_package == "megatron_eopt":
-                run.optimizer_state = _local(copy.deepcopy(optimizer.state_dict()))
-            return result
-        finally:
-            _remove_kept_hooks(model)
+        for chunk in model:  # a process runs one loop in Megatron-LM; here the next run follows
+            hold_gradient_hooks_weakly(chunk)
+        result = original_train(forward_step_func, model, optimizer, *args, **kwargs)
+        run.parameters = {f"{i}.{name}": _local(p.detach()).clone() for i, chunk in enumerate(model)
+                          for name, p in chunk.named_parameters()}
+        if run.optimizer_package == "megatron_eopt":
+            run.optimizer_state = _local(copy.deepcopy(optimizer.state_dict()))
+        return result
 
     def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
                      skipped_iter, grad_norm, *args, **kwargs):
@@ -75,21 +76,6 @@ def _recording(run: Run) -> Iterator[None]:
         yield
     finally:
         training.training_log, training.train = original, original_train
-
-
-def _remove_kept_hooks(model: list) -> None:
-    """Megatron-FSDP keeps its hooks' handles in dicts on its module (forward, backward, gradient
-    accumulation) and never removes them: a process runs one loop. A parameter's gradient hook
-    lives in C++ and holds the module, and so its groups, past the run; removed here."""
-    from torch.utils.hooks import RemovableHandle
-
-    for chunk in model:
-        for owner in [chunk, *chunk.modules()]:
-            for value in list(vars(owner).values()):
-                if isinstance(value, dict):
-                    for handle in value.values():
-                        if isinstance(handle, RemovableHandle):
-                            handle.remove()
 
 
 def _local(value: Any) -> Any:

@@ -597,8 +597,7 @@ def checkpoint_optimizer_layout(checkpoint_dir: str, content_metadata: Optional[
 
     bare_keys = [key.split(".", 1)[1] if key.startswith("chained_") else key
                  for key in FileSystemReader(checkpoint_dir).read_metadata().state_dict_metadata]
-    if any(key.startswith(("optimizer.distributed.", f"{STATE_PREFIX}.{DISTRIBUTED_MAIN_PARAM}."))
-           for key in bare_keys):
+    if any(key.startswith(("optimizer.distributed.", f"{STATE_PREFIX}.{DISTRIBUTED_MAIN_PARAM}.")) for key in bare_keys):
         return None
     for bare in bare_keys:
         if bare.startswith(f"{STATE_PREFIX}."):
@@ -606,7 +605,8 @@ def checkpoint_optimizer_layout(checkpoint_dir: str, content_metadata: Optional[
                 content_metadata = load_content_metadata(checkpoint_dir) or {}
             distributed = content_metadata.get("distrib_optim_sharding_type") is not None
             return MEGATRON_CORE_PING_PONG_LAYOUT if distributed else MEGATRON_CORE_LAYOUT
-        if bare.startswith("optimizer.") and (".state." in bare or ".fp32_param" in bare):
+        if bare.startswith("optimizer.") and (".state." in bare or bare.endswith(".fp32_param")
+                                              or ".fp32_param." in bare):
             return EOPT_V1_LAYOUT
     return None
 

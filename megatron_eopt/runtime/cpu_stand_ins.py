@@ -78,6 +78,7 @@ def all_gather_padded(tensor_list: list, tensor: torch.Tensor, group: Any = None
         out.view(-1).copy_(received[:size])
     return _Done() if async_op else None
 
+
 def replace_names(replacements: list[tuple[Any, str, Any]]) -> list[Callable[[], None]]:
     """Rebind each (owner, name) to its replacement; the undo of each, to call in reverse order."""
     undo = []

@@ -22,8 +22,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
 from torch.distributed.device_mesh import DeviceMesh
+from torch.overrides import TorchFunctionMode
 
 from megatron_eopt.runtime import megatron_fsdp_cpu
 from megatron_eopt.runtime.cpu_stand_ins import NoEvent, NoStream, Passthrough, all_gather_padded, replace_names
@@ -264,8 +264,6 @@ def _cpu_mesh_from_group(group: Any, device_type: str, *args: Any, **kwargs: Any
 
 
 # ---------------------------------------------------------------- install
-
-
 
 
 @contextlib.contextmanager

@@ -2,8 +2,9 @@
 ZeRO-3: 'optim_grads_params'), each transformer layer one FSDP unit, over all ranks (TP = PP = 1).
 
 Megatron-FSDP's step protocol, which the trainer follows: backward, `finish_grad_sync()` (attaches
-each rank's gradient shards), the optimizer's step (which ends with `install_optimized_model_weights()`,
-as megatron-core's does) and `zero_grad_buffer()`. On CPU its CUDA-only calls are replaced first (runtime/megatron_fsdp_cpu.py).
+each rank's gradient shards), the optimizer's step (which ends with
+`install_optimized_model_weights()`, as megatron-core's does) and `zero_grad_buffer()`. On CPU its
+CUDA-only calls are replaced first (runtime/megatron_fsdp_cpu.py).
 """
 
 import itertools
