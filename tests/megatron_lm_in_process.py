@@ -29,7 +29,8 @@ class Run:
     optimizer_package: Optional[str] = None  # 'megatron_eopt' or 'megatron' (megatron-core's own)
     exit_status: int = 0
     # After the loop's last iteration (none when it exited by sys.exit): this rank's parameters by
-    # name, and its optimizer's state_dict() (ours only); DTensors as this rank's shards.
+    # name, and its optimizer's state (ours: state_dict(); megatron-core's: its torch optimizers'
+    # state, as _torch_states reads it); DTensors as this rank's shards.
     parameters: Optional[dict[str, Any]] = None
     optimizer_state: Optional[dict[str, Any]] = None
 
@@ -51,11 +52,15 @@ def _recording(run: Run) -> Iterator[None]:
         run.optimizer_package = type(optimizer).__module__.split(".")[0]
         for chunk in model:  # a process runs one loop in Megatron-LM; here the next run follows
             hold_gradient_hooks_weakly(chunk)
-        result = original_train(forward_step_func, model, optimizer, *args, **kwargs)
+        try:
+            result = original_train(forward_step_func, model, optimizer, *args, **kwargs)
+        finally:  # also when it ends with sys.exit (--exit-interval)
+            for chunk in model:
+                _drop_kept_graphs(chunk)
         run.parameters = {f"{i}.{name}": _local(p.detach()).clone() for i, chunk in enumerate(model)
                           for name, p in chunk.named_parameters()}
-        if run.optimizer_package == "megatron_eopt":
-            run.optimizer_state = _local(copy.deepcopy(optimizer.state_dict()))
+        ours = run.optimizer_package == "megatron_eopt"
+        run.optimizer_state = _local(copy.deepcopy(optimizer.state_dict() if ours else _torch_states(optimizer)))
         return result
 
     def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
@@ -76,6 +81,29 @@ def _recording(run: Run) -> Iterator[None]:
         yield
     finally:
         training.training_log, training.train = original, original_train
+
+
+def _torch_states(optimizer: Any) -> list[list[dict]]:
+    """megatron-core's optimizer's state, which its `state_dict()` leaves out with the distributed
+    optimizer: each child's torch optimizer's state, per parameter in group order."""
+    children = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [[dict(child.optimizer.state.get(p, {})) for group in child.optimizer.param_groups for p in group["params"]]
+            for child in children]
+
+
+def _drop_kept_graphs(chunk: Any) -> None:
+    """Detach tensors a module (or a helper it keeps) holds from its last forward: MoE's token
+    dispatcher keeps the routing probabilities. Their autograd graph reaches the parameters' gradient accumulators, whose DDP
+    hooks hold the model: a cycle through C++ that garbage collection cannot free, so the model and
+    its process groups would outlive the run in these reused workers."""
+    import torch
+
+    for module in chunk.modules():
+        helpers = [v for v in vars(module).values() if hasattr(v, "__dict__") and not isinstance(v, torch.nn.Module)]
+        for holder in (module, *helpers):  # the dispatcher is a plain object the layer keeps
+            for name, value in list(vars(holder).items()):
+                if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                    setattr(holder, name, value.detach())
 
 
 def _local(value: Any) -> Any:
@@ -105,6 +133,7 @@ def _command_line(argv: list[str]) -> Iterator[None]:
 def forget_megatron_lm_run() -> None:
     """Megatron-LM's per-process state, reset as for a new process (torch.distributed stays)."""
     from megatron.core import num_microbatches_calculator, rerun_state_machine, tensor_parallel
+    from megatron.core.transformer.moe import moe_logging
     from megatron.training import global_vars
 
     from megatron_eopt.integrations import megatron_lm
@@ -115,6 +144,7 @@ def forget_megatron_lm_run() -> None:
     global_vars.destroy_global_vars()
     num_microbatches_calculator.destroy_num_microbatches_calculator()
     rerun_state_machine.destroy_rerun_state_machine()
+    moe_logging.destroy_moe_metrics_tracker()  # its entries keep the groups they reduce over
     tensor_parallel.get_cuda_rng_tracker().reset()
     gc.collect()  # the model and optimizer sit in cycles with the groups they were built on
     destroy_model_parallel()

@@ -1,118 +1,61 @@
 """Optimizer state as megatron-core 0.19.2's optimizer of the same kind writes it, both ways.
 
-`CORE_FORMATS` is the one table of its kinds: `FP32Optimizer` (torch's positional state dict) and
-`Float16OptimizerWithFloat16Params` (that under 'optimizer', fp32 main copies per group under
-'fp32_from_fp16_params'). In `sharded_state_dict` each parameter-shaped state tensor is the model
-parameter's ShardedTensor re-keyed `optimizer.state.<name>.<model key>` (main copies
-`optimizer.state.fp32_param.<key>`), the step once as `common_step`; a chain of several children is
-`{i: child}` with `chained_{i}.` prefixes by megatron-core's rule (`adds_chain_prefix`). Param
-groups leave `optimizer` out where it names the run's own optimizer, as megatron-core's do; scalar
-state other than the step goes under `eopt_scalar_state`, state of other shapes under
-`eopt_own_state` (megatron-core reads neither). The layer-wise owner writes a parameter's state as
-the main replica. With a distributed-optimizer format in the metadata, megatron-core's
-DistributedOptimizer's (for an emerging optimizer, chained after its LayerWiseDistributedOptimizer):
-`fully_reshardable` written and read, `dp_reshardable` (by DDP bucket: ddp_buckets.py) read.
-`metadata[LAYOUT_KEY]` records the layout; our earlier one (EOPT_V1_LAYOUT) loads when named.
+Its kinds are the one table in core_formats.py. In `sharded_state_dict` each parameter-shaped state
+tensor is the model parameter's ShardedTensor re-keyed `optimizer.state.<name>.<model key>` (main
+copies `optimizer.state.fp32_param.<key>`), the step once as `common_step`; a chain of several
+children is `{i: child}` with `chained_{i}.` prefixes by megatron-core's rule (`adds_chain_prefix`).
+Param groups leave `optimizer` out where it names the run's own optimizer; scalar state other than
+the step goes under `eopt_scalar_state`, of other shapes under `eopt_own_state` (megatron-core reads
+neither). The layer-wise owner writes a parameter's state as the main replica. With a
+distributed-optimizer format in the metadata, megatron-core's DistributedOptimizer's (for an
+emerging optimizer, chained after its LayerWiseDistributedOptimizer): `fully_reshardable` written
+and read, `dp_reshardable` (by DDP bucket: ddp_buckets.py) read. `metadata[LAYOUT_KEY]` records the
+layout, our earlier one (EOPT_V1_LAYOUT) loads when named; megatron-core's layer-wise chain joins
+dense and expert children (merged_children.py).
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Mapping, Optional
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from megatron_eopt.checkpointing.core_formats import (
+    COMMON_STEP,
+    CORE_FORMATS,
+    CoreFormat,
+    DISTRIBUTED_LAYOUTS,
+    DISTRIBUTED_MAIN_PARAM,
+    EOPT_V1_LAYOUT,
+    EXTRA_SCALARS,
+    GROUP_PARAMS,
+    LAYOUTS,
+    LAYOUT_KEY,
+    MAIN_PARAM_STATE,
+    MEGATRON_CORE_DISTRIBUTED_LAYOUT,
+    MEGATRON_CORE_LAYER_WISE_LAYOUT,
+    MEGATRON_CORE_LAYOUT,
+    MEGATRON_CORE_PING_PONG_LAYOUT,
+    OWN_GROUP_FIELDS,
+    OWN_STATE,
+    PARAMETER_KEYED_FORMATS,
+    READ_DISTRIBUTED_FORMATS,
+    SHARDING_TYPE_KEY,
+    STATE_PREFIX,
+    core_format_in,
+    core_format_of,
+    torch_state_of,
+)
 from megatron_eopt.checkpointing.ddp_buckets import DistributedOptimizerBuckets
 from megatron_eopt.checkpointing.fsdp_dtensor import asks_for_fsdp_dtensor, merged_fsdp_dtensor_states
+from megatron_eopt.checkpointing.merged_children import merged_by_optimizer
 from megatron_eopt.config.optimizer_names import BUILTIN_OPTIMIZERS, run_optimizer
 from megatron_eopt.params.groups import stored_child_name
 from megatron_eopt.runtime.once import warn_once
 from megatron_eopt.wrappers.base import CheckpointableChild, ChildParam
 
-LAYOUT_KEY = "eopt_optimizer_layout"
-MEGATRON_CORE_LAYOUT = "megatron_core"  # what this module writes: megatron-core's optimizer of the same kind's
-# with a distributed-optimizer format in the metadata: its DistributedOptimizer's fully_reshardable
-MEGATRON_CORE_DISTRIBUTED_LAYOUT = "megatron_core_distributed"
-# the same for an emerging optimizer's run: megatron-core's layer-wise chain (`kept_by_layer_wise`)
-MEGATRON_CORE_LAYER_WISE_LAYOUT = "megatron_core_layer_wise"
-# its layer-wise chain over an all-reducing DDP (its "ping-pong" path, as Megatron-LM's pretrain_gpt.py
-# builds it): every child keyed by parameter as the layer-wise one, the sharding type as given
-MEGATRON_CORE_PING_PONG_LAYOUT = "megatron_core_layer_wise_ping_pong"
-EOPT_V1_LAYOUT = "megatron_eopt_v1"  # keyed by our child names: written before megatron-core's layout
-LAYOUTS = (MEGATRON_CORE_LAYOUT, MEGATRON_CORE_DISTRIBUTED_LAYOUT, MEGATRON_CORE_LAYER_WISE_LAYOUT,
-           MEGATRON_CORE_PING_PONG_LAYOUT, EOPT_V1_LAYOUT)
-DISTRIBUTED_LAYOUTS = (MEGATRON_CORE_DISTRIBUTED_LAYOUT, MEGATRON_CORE_LAYER_WISE_LAYOUT)
-STATE_PREFIX = "optimizer.state"  # + .<state name>.<model key>
-MAIN_PARAM_STATE = "fp32_param"
-COMMON_STEP = "common_step"
-EXTRA_SCALARS = "eopt_scalar_state"
-# State of other shapes than its parameter's (SOAP's factors, NorMuon's second moment), which
-# megatron-core has no key for: {index: {name: ShardedObject keyed `eopt_own_state.<name>.<model key>`}}.
-OWN_STATE = "eopt_own_state"
-# Fields of our param groups that megatron-core's do not have (it records no names).
-OWN_GROUP_FIELDS = ("params", "param_fqns", "group_key")
-# megatron-core's DistributedOptimizer formats keyed by parameter (DistributedOptimizer.
-# checkpoint_fully_reshardable_formats); the others are keyed by its DDP buckets (ddp_buckets.py).
-PARAMETER_KEYED_FORMATS = ("fully_reshardable", "fully_sharded_model_space")
 
-
-@dataclass(frozen=True)
-class CoreFormat:
-    """Where one kind of megatron-core optimizer keeps its state in `state_dict()` (optimizer.py)."""
-
-    kind: str  # megatron-core's class
-    torch_state_key: Optional[str]  # torch's optimizer state dict: the dict itself (None) or under this key
-    main_params_key: Optional[str]  # fp32 main copies of the 16-bit parameters, one list per param group
-    # DistributedOptimizer: per-parameter state under this key instead of torch's 'state' (read only),
-    # with the fp32 main copy as its state `param`, and the step in each param group.
-    param_state_key: Optional[str] = None
-    sharding_type: Optional[str] = None  # DistributedOptimizer: its `param_state_sharding_type`
-    # dp_reshardable: each state tensor is a range of a DDP bucket (ddp_buckets.py), read flat.
-    keyed_by_bucket: bool = False
-
-
-# DistributedOptimizer's `dp_zero_gather_scatter` and `fully_sharded_bucket_space` (deprecated) are not read.
-CORE_FORMATS = {
-    "distributed_fully_reshardable": CoreFormat("DistributedOptimizer (fully_reshardable)", "optimizer", None,
-                                                "param_state", "fully_reshardable"),
-    "distributed_dp_reshardable": CoreFormat("DistributedOptimizer (dp_reshardable)", "optimizer", None,
-                                             "param_state", "dp_reshardable", keyed_by_bucket=True),
-    "fp32": CoreFormat("FP32Optimizer", None, None),
-    "float16": CoreFormat("Float16OptimizerWithFloat16Params", "optimizer", "fp32_from_fp16_params"),
-}
-DISTRIBUTED_MAIN_PARAM = "param"
-SHARDING_TYPE_KEY = "param_state_sharding_type"
-# dp_reshardable keeps the param groups in a sharded object without their parameters; a load request
-# carries ours here, as the other formats' requests carry them in the groups themselves.
-GROUP_PARAMS = "eopt_param_group_params"
-READ_DISTRIBUTED_FORMATS = {f.sharding_type: f for f in CORE_FORMATS.values() if f.sharding_type is not None}
-
-
-def core_format_of(child: CheckpointableChild) -> CoreFormat:
-    """megatron-core's kind for the child: Float16... when the run is bf16/fp16, as its factory builds."""
-    config = child.config
-    return CORE_FORMATS["float16" if config.bf16 or config.fp16 else "fp32"]
-
-
-def core_format_in(state_dict: Any) -> Optional[CoreFormat]:
-    """The megatron-core format `state_dict` is in, or None (ours, or not a state dict)."""
-    if not isinstance(state_dict, Mapping):
-        return None
-    for layout in CORE_FORMATS.values():
-        torch_state = state_dict if layout.torch_state_key is None else state_dict.get(layout.torch_state_key)
-        if (isinstance(torch_state, Mapping) and isinstance(torch_state.get("param_groups"), list)
-                and (layout.param_state_key is None or (layout.param_state_key in state_dict and state_dict.get(
-                    SHARDING_TYPE_KEY) == layout.sharding_type))):
-            return layout
-    return None
-
-
-def torch_state_of(state_dict: Mapping, layout: CoreFormat) -> Mapping:
-    return state_dict if layout.torch_state_key is None else state_dict[layout.torch_state_key]
-
-
-# ------------------------------------------------------------------------------------------------
-# Our child -> megatron-core's format
-# ------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------- Our child -> megatron-core's format
 
 
 def core_state_dict(child: CheckpointableChild) -> dict:
@@ -280,6 +223,8 @@ def chain_sharded_state_dict(names: list[str], children: list[CheckpointableChil
               if hasattr(child, "checkpoint_params")  # else megatron-core's own optimizer in our chain
               else child.sharded_state_dict(model_sharded_state_dict, is_loading, metadata=metadata)
               for child in children]
+    if ping_pong:
+        states = merged_by_optimizer(children, states)
     return states[0] if len(states) == 1 else _chained(states, metadata)
 
 
@@ -432,9 +377,7 @@ def _bucket_common_state(buckets: DistributedOptimizerBuckets, name: str, value:
                          {"param_groups": value}, (1,), (0,), replica_id=(0, 0, buckets.dp_rank))
 
 
-# ------------------------------------------------------------------------------------------------
-# megatron-core's format -> our child
-# ------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------- megatron-core's format -> our child
 
 
 def core_chain_states(state_dict: Any) -> Optional[list]:
@@ -528,9 +471,7 @@ def _copy(value: Any) -> Any:
     return value.clone() if torch.is_tensor(value) else value
 
 
-# ------------------------------------------------------------------------------------------------
-# The layout before megatron-core's (EOPT_V1_LAYOUT): still read and, on request, written
-# ------------------------------------------------------------------------------------------------
+# ------------------------------ our layout before megatron-core's (EOPT_V1_LAYOUT): read, and written when asked
 
 V1_COMMON_STATE = "common_state"
 
@@ -611,7 +552,7 @@ def checkpoint_optimizer_layout(checkpoint_dir: str, content_metadata: Optional[
     return None
 
 
-# ------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------- helpers
 
 
 def _as_main_replica(sharded: Any, owner_is_main_replica: bool) -> Any:

@@ -12,6 +12,7 @@ import torch
 
 from megatron_eopt.checkpointing.fsdp_dtensor import check_names, is_fsdp_dtensor_state
 from megatron_eopt.checkpointing.megatron_sharded import chain_sharded_state_dict, core_chain_states
+from megatron_eopt.checkpointing.merged_children import split_merged
 from megatron_eopt.wrappers.base import MegatronOptimizer, SteppableChild, StepResult, default_device, take_step
 from megatron_eopt.wrappers.megatron_core_chain import step_megatron_core_children
 from megatron_eopt.wrappers.qk_clip import QKClip, qk_clip_step
@@ -180,7 +181,15 @@ class ChainedOptimizer(MegatronOptimizer):
         _check_then_load([(child, saved[name]) for name, child in zip(names, self.chained_optimizers)])
 
     def _load_megatron_core(self, states: list) -> None:
-        """megatron-core's ChainedOptimizer format: its children's state dicts, in chain order."""
+        """megatron-core's ChainedOptimizer format: its children's state dicts, in chain order (its
+        layer-wise chain's merged ones cut back into ours: checkpointing/merged_children.py)."""
+        split = split_merged(states)
+        if any(name is not None for name, _ in split):
+            by_name = dict(split)
+            if sorted(by_name) != sorted(self._names):
+                raise ValueError(f"the state dict holds optimizers {sorted(by_name)} but this chain has "
+                                 f"{self._names}: the optimizer or the parameter routing changed since it was saved.")
+            states = [by_name[name] for name in self._names]
         if len(states) != len(self.chained_optimizers):
             raise ValueError(f"the state dict holds {len(states)} optimizer(s) (megatron-core's format) but this "
                              f"chain has {len(self.chained_optimizers)}: {self._names}.")

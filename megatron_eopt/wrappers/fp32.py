@@ -43,9 +43,9 @@ from megatron_eopt.checkpointing.fsdp_dtensor import (
     is_fsdp_dtensor_state,
     local_values,
 )
+from megatron_eopt.checkpointing.core_formats import core_format_in
 from megatron_eopt.checkpointing.megatron_sharded import (
     chain_sharded_state_dict,
-    core_format_in,
     expand_v1_sharded_state_dict,
     unpack_core_state_dict,
 )

@@ -54,6 +54,7 @@ OPTIMIZERS = {
     "adam": ["--optimizer", "adam"],
     "muon": ["--optimizer", "muon"],
     "layer-wise muon": ["--optimizer", "muon", "--use-distributed-optimizer"],
+    "distributed adam": ["--optimizer", "adam", "--use-distributed-optimizer", "--bf16"],
     "adam with dropout": ["--optimizer", "adam", "--attention-dropout", "0.1", "--hidden-dropout", "0.1"],
 }
 FORMATS = {
@@ -61,11 +62,11 @@ FORMATS = {
     "torch_dist fully_reshardable": ["--ckpt-format", "torch_dist", "--dist-ckpt-optim-fully-reshardable"],
     "torch": ["--ckpt-format", "torch"],
 }
-# Megatron-LM refuses --use-distributed-optimizer with --ckpt-format torch for our optimizer (it would
-# ask for DistributedOptimizer parameter-state files), and the fully reshardable layout is the
-# distributed optimizer's: each optimizer with the formats it has.
+# The fully reshardable layout is the distributed optimizer's: each optimizer with the formats it has
+# (distributed Adam's torch_dist resumes: test_a_job_moves_from_megatron_core_and_back).
 RESUMES = {"adam": ("torch_dist", "torch"), "muon": ("torch",),
-           "layer-wise muon": ("torch_dist", "torch_dist fully_reshardable"), "adam with dropout": ("torch_dist",)}
+           "layer-wise muon": ("torch_dist", "torch_dist fully_reshardable", "torch"),
+           "distributed adam": ("torch",), "adam with dropout": ("torch_dist",)}
 
 
 def _runs(run_distributed, *flag_lists: list[str]) -> list[list[Run]]:
@@ -150,19 +151,22 @@ def _assert_resumed_exactly(straight: list[Run], saved: list[Run], resumed: list
         assert mine.parameters and mine.optimizer_state, where_rank  # something to compare
         _assert_equal_tensors(mine.parameters, reference.parameters, f"{where_rank}: parameters")
         _assert_equal_tensors(mine.optimizer_state, reference.optimizer_state, f"{where_rank}: optimizer state")
-        assert mine.optimizer_package == "megatron_eopt", where_rank
+        assert mine.optimizer_package == reference.optimizer_package, where_rank
 
 
+EXPERTS = ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2"]
 MODEL_PARALLEL = {
     "muon at TP=2": ["--optimizer", "muon", "--tensor-model-parallel-size", "2"],
     "adam at PP=2": ["--optimizer", "adam", "--pipeline-model-parallel-size", "2"],
+    "layer-wise muon, MoE at EP=2": OPTIMIZERS["layer-wise muon"] + ["--bf16"] + EXPERTS,
 }
 
 
-def test_tensor_and_pipeline_parallel_equal_megatron_core_and_resume_exactly(run_distributed, tmp_path) -> None:
-    """At TP=2 (Muon: megatron-core's TensorParallelMuon against ours) and at PP=2 (Adam; the last
-    stage logs the loss), 2 ranks each: megatron-core's losses, and a torch_dist resume at 3
-    that ends equal to the run not interrupted."""
+def test_model_parallel_layouts_equal_megatron_core_and_resume_exactly(run_distributed, tmp_path) -> None:
+    """At TP=2 (Muon: megatron-core's TensorParallelMuon against ours), at PP=2 (Adam; the last
+    stage logs the loss) and with 4 experts at EP=2 (layer-wise Muon in bf16: each rank steps its
+    own 2 experts, the dense parameters split between the ranks), 2 ranks each: megatron-core's
+    losses, and a torch_dist resume at 3 that ends equal to the run not interrupted."""
     command_lines = []
     for name, flags in MODEL_PARALLEL.items():
         directory = str(tmp_path / name.replace(" ", "_"))
@@ -211,7 +215,7 @@ def test_distributed_adam_equals_megatron_cores_distributed_optimizer(run_distri
     trains as megatron-core's own factory builds it. --bf16: megatron-core's fp32 DistributedOptimizer
     shards `model_param.view(-1)` without detaching it, so autograd holds its DDP's hooks and the
     process groups outlive the run in these reused workers."""
-    flags = ["--optimizer", "adam", "--use-distributed-optimizer", "--bf16"] + NO_CLIP
+    flags = OPTIMIZERS["distributed adam"] + NO_CLIP
     ours, theirs = _runs(run_distributed, flags, flags + MEGATRON_CORE)
     _assert_same_math(ours, theirs, our_package="megatron")
 
@@ -219,10 +223,10 @@ def test_distributed_adam_equals_megatron_cores_distributed_optimizer(run_distri
 # ---------------------------------------------------------------- jobs moving between megatron-core and us
 
 MOVES = {  # optimizer: (flags, the torch_dist formats it moves through)
-    "distributed adam": (["--optimizer", "adam", "--use-distributed-optimizer", "--bf16"] + NO_CLIP,
-                         ("torch_dist", "torch_dist fully_reshardable")),
+    "distributed adam": (OPTIMIZERS["distributed adam"] + NO_CLIP, ("torch_dist", "torch_dist fully_reshardable")),
     "layer-wise muon": (OPTIMIZERS["layer-wise muon"] + ["--bf16"] + NO_CLIP,
                         ("torch_dist", "torch_dist fully_reshardable")),
+    "layer-wise muon, MoE at EP=2": (MODEL_PARALLEL["layer-wise muon, MoE at EP=2"] + NO_CLIP, ("torch_dist",)),
 }
 
 
@@ -233,7 +237,8 @@ def test_a_job_moves_from_megatron_core_and_back(run_distributed, tmp_path, opti
     rates of iterations 4-6; gradient norms to 1e-6, summed in another order); then ours saves
     at 3 and megatron-core loads that and continues the same. Layer-wise Muon: megatron-core's
     chain over Megatron-LM's all-reducing DDP writes each child keyed by parameter
-    (MEGATRON_CORE_PING_PONG_LAYOUT), and so do we.
+    (MEGATRON_CORE_PING_PONG_LAYOUT), and so do we; with experts its children hold the dense and
+    the expert parameters of one optimizer together, ours apart (checkpointing/merged_children.py).
     Distributed Adam: ours is megatron-core's DistributedOptimizer built from our config.
     megatron-core continuing itself equals the run not interrupted (with torch's Adam, after the
     load fixes of megatron_lm_cpu.distributed_optimizer_loads_with_torch_adam)."""

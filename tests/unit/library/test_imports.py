@@ -25,6 +25,8 @@ LAYER_OF = {  # first component below megatron_eopt (or "folder/module") -> laye
     "config": 1, "ops": 2, "params": 3, "optimizers": 4, "registry": 5, "wrappers": 6, "distributed": 6,
     # megatron-core's dist_checkpointing format of one wrapper: the wrappers' sharded_state_dict() calls it.
     "checkpointing/megatron_sharded": 6,
+    "checkpointing/core_formats": 6,  # its table of megatron-core's layouts
+    "checkpointing/merged_children": 6,  # megatron-core's layer-wise chain's children, which it writes
     "checkpointing/fsdp_dtensor": 6,  # megatron-core's fsdp_dtensor layout of one wrapper, the same way
     "checkpointing/ddp_buckets": 6,  # megatron-core's DDP bucket layout, which megatron_sharded reads by
     "checkpointing": 7, "factory": 8, "integrations": 9,
@@ -33,7 +35,8 @@ LAYER_OF = {  # first component below megatron_eopt (or "folder/module") -> laye
 }
 # checkpointing/rng.py: megatron-core's process-global RNG tracker, only once megatron-core is imported.
 MEGATRON_CORE_ALLOWED = {"runtime/process_groups.py", "factory.py", "integrations/megatron_bridge.py",
-                         "checkpointing/megatron_sharded.py", "checkpointing/ddp_buckets.py",
+                         "checkpointing/megatron_sharded.py", "checkpointing/merged_children.py",
+                         "checkpointing/ddp_buckets.py",
                          "checkpointing/rng.py", "integrations/megatron_lm.py", "integrations/megatron_lm_gpt.py",
                          "runtime/megatron_lm_cpu.py"}
 MEGATRON_CORE_ALLOWED_UNDER = ("training/",)  # the trainer: megatron-core's models, Megatron-LM's helpers
