@@ -32,6 +32,7 @@ from megatron_eopt.config.newton_schulz import NEWTON_SCHULZ_FIELDS
 from megatron_eopt.config.optimizer_config import MatmulPrecision, OptimizerConfig, TpMode, megatron_core_default
 from megatron_eopt.distributed.reduce_scattered import reduce_scattering_chunks
 from megatron_eopt.factory import get_megatron_optimizer
+from megatron_eopt.integrations.megatron_lm_swiglu import splitting_every_state
 from megatron_eopt.registry import list_optimizers
 from megatron_eopt.runtime.cpu_stand_ins import replace_names
 
@@ -296,7 +297,9 @@ def _checkpoint_layout_replacements() -> list[tuple[Any, str, Any]]:
         return loaded
 
     return [(megatron_lm_checkpointing, "_build_sharded_state_dict_metadata", sharded_state_dict_metadata),
-            (megatron_lm_checkpointing, "_load_global_dist_base_checkpoint", load_global_dist_base_checkpoint)]
+            (megatron_lm_checkpointing, "_load_global_dist_base_checkpoint", load_global_dist_base_checkpoint),
+            (megatron_lm_checkpointing, "handle_swiglu_in_state_dict",
+             splitting_every_state(megatron_lm_checkpointing.handle_swiglu_in_state_dict))]
 
 
 def uninstall() -> None:

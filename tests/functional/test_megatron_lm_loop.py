@@ -64,7 +64,7 @@ FORMATS = {
 }
 # The fully reshardable layout is the distributed optimizer's: each optimizer with the formats it has
 # (distributed Adam's torch_dist resumes: test_a_job_moves_from_megatron_core_and_back).
-RESUMES = {"adam": ("torch_dist", "torch"), "muon": ("torch",),
+RESUMES = {"adam": ("torch_dist", "torch"), "muon": ("torch_dist", "torch"),
            "layer-wise muon": ("torch_dist", "torch_dist fully_reshardable", "torch"),
            "distributed adam": ("torch",), "adam with dropout": ("torch_dist",)}
 
@@ -297,9 +297,10 @@ def _fully_sharded_runs(run_distributed, tmp_path, engine: list[str], engine_nam
 
 
 
-# No --swiglu: Megatron-LM's fsdp_dtensor save fails with it in fp32, megatron-core's optimizer too
-# (docs/megatron-lm.md).
-MEGATRON_FSDP = ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor", "--untie-embeddings-and-output-weights"]
+# --swiglu: Megatron-LM's fsdp_dtensor checkpointing splits linear_fc1 into halves, state included
+# (with install(): integrations/megatron_lm_swiglu.py; Muon's momentum_buffer is split too).
+MEGATRON_FSDP = ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor", "--untie-embeddings-and-output-weights",
+                 "--swiglu"]
 
 
 def test_megatron_fsdp_with_fsdp_dtensor_equals_megatron_core_and_resumes_exactly(run_distributed, tmp_path) -> None:

@@ -1,0 +1,72 @@
+"""Megatron-LM's `--ckpt-format fsdp_dtensor --swiglu` with `--use-megatron-fsdp`, made to work.
+
+Megatron-LM's checkpointing splits each SwiGLU `linear_fc1` into `_w` and `_v` halves before a
+save and a load (megatron-core's `handle_swiglu_in_state_dict`). Two defects there, met with
+megatron-core's optimizer and ours alike:
+- it is handed the Megatron-FSDP module, whose parameters are named `module.<name>` as the model
+  state's keys are, but it looks each model key up as `module.<key>` (one `module.` too many)
+  and each optimizer key (`module.module.<name>`) less one `module.`: no model key resolves
+  (`AttributeError: GPTModel has no attribute module`);
+- it splits only Adam's `exp_avg`/`exp_avg_sq` (another optimizer's state fails with KeyError):
+  here every state tensor shaped like its parameter is split (Muon's `momentum_buffer`).
+`install()` (integrations/megatron_lm.py) replaces the name in Megatron-LM's checkpointing with
+`handle_swiglu_in_state_dict` below, which calls megatron-core's own splitting.
+"""
+
+from typing import Any, Callable
+
+import torch
+
+_PREFIX = "module."
+
+
+class _ModuleAtAnyDepth(torch.nn.Module):
+    """The model, whose `get_parameter` drops leading `module.`s until a name resolves."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = model
+
+    def get_parameter(self, target: str) -> torch.nn.Parameter:
+        while True:
+            try:
+                return self.module.get_parameter(target)
+            except AttributeError:
+                if not target.startswith(_PREFIX):
+                    raise
+                target = target[len(_PREFIX):]
+
+
+def splitting_every_state(split: Callable) -> Callable:
+    """megatron-core's `handle_swiglu_in_state_dict` (`split`), with both defects handled."""
+
+    def handle_swiglu_in_state_dict(model, model_state_dict, optimizer_state_dict):
+        model = _ModuleAtAnyDepth(model)
+        model_state_dict, _ = split(model, model_state_dict, None)
+        if optimizer_state_dict is None:
+            return model_state_dict, None
+        return model_state_dict, _split_optimizer_state(split, model, optimizer_state_dict)
+
+    return handle_swiglu_in_state_dict
+
+
+def _split_optimizer_state(split: Callable, model: torch.nn.Module, optimizer_state_dict: dict) -> dict:
+    """Each state tensor through `split` in the place of `exp_avg` (the one it splits)."""
+    state = optimizer_state_dict["state"]
+    names = {name for entries in state.values() for name, value in entries.items() if _is_split_candidate(value)}
+    new_state = {}
+    for name in sorted(names):
+        carrying = {key: {"exp_avg": entries[name], "exp_avg_sq": entries[name]}
+                    for key, entries in state.items() if name in entries}
+        _, done = split(model, {}, {"state": carrying})
+        for key, entries in done["state"].items():
+            new_state.setdefault(key, {})[name] = entries["exp_avg"]
+    for key, entries in state.items():  # the rest (scalars) as it was, with each half
+        rest = {name: value for name, value in entries.items() if name not in names}
+        for target in [k for k in (f"{key}_w", f"{key}_v") if k in new_state] or [key]:
+            new_state[target] = {**rest, **new_state.get(target, {})}
+    return {**optimizer_state_dict, "state": new_state}
+
+
+def _is_split_candidate(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0
