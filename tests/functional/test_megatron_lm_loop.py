@@ -300,7 +300,7 @@ def _fully_sharded_runs(run_distributed, tmp_path, engine: list[str], engine_nam
 # --swiglu: Megatron-LM's fsdp_dtensor checkpointing splits linear_fc1 into halves, state included
 # (with install(): integrations/megatron_lm_swiglu.py; Muon's momentum_buffer is split too).
 MEGATRON_FSDP = ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor", "--untie-embeddings-and-output-weights",
-                 "--swiglu"]
+                 "--swiglu", "--no-bias-swiglu-fusion"]  # the fusion compiles a kernel per process
 
 
 def test_megatron_fsdp_with_fsdp_dtensor_equals_megatron_core_and_resumes_exactly(run_distributed, tmp_path) -> None:
