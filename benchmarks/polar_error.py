@@ -7,8 +7,9 @@ Two sets of matrices:
 
 Variants: quintic x 5 (megatron-core's default), Turbo-Muon (AOL preconditioner, quintic x 4),
 quintic x 4 alone, the 'aol' coefficients x 4 without the preconditioner (megatron-core's
-`muon_coefficient_type='aol'`), polar_express x 5; each standard and Gram, in fp32 ('highest').
-Prints a markdown table (median and worst over each set): docs/newton-schulz.md holds one.
+`muon_coefficient_type='aol'`), polar_express x 5; each standard and Gram, in fp32 ('highest');
+and the floor of every AOL-preconditioned iteration (`aol_floor`). Prints a markdown table (median
+and worst over each set): docs/newton-schulz.md holds one.
 
     python benchmarks/polar_error.py [--iterations 20 60 120] [--seed 0]
 """
@@ -21,7 +22,9 @@ import sys
 
 import torch
 
+from megatron_eopt.ops.aol import aol_preconditioned
 from megatron_eopt.ops.newton_schulz import NewtonSchulzSettings
+from megatron_eopt.ops.newton_schulz_steps import oriented_unit_input, restored_output
 
 # (label, settings): each standard, then Gram (where it pays, as Muon would run it: `takes_gram_path`).
 VARIANTS = {
@@ -33,10 +36,27 @@ VARIANTS = {
 }
 
 
-def polar_error(x: torch.Tensor, y: torch.Tensor) -> float:
+def polar_factor(x: torch.Tensor) -> torch.Tensor:
     u, _, vh = torch.linalg.svd(x.double(), full_matrices=False)
-    polar = u @ vh
+    return u @ vh
+
+
+def polar_error(x: torch.Tensor, y: torch.Tensor) -> float:
+    polar = polar_factor(x)
     return ((polar - y.double()).norm() / polar.norm()).item()
+
+
+def aol_floor(x: torch.Tensor) -> float:
+    """The least polar error any Newton-Schulz on the AOL-preconditioned D X can reach, whatever its
+    coefficients and steps. Each computes U' p(S') V'^T from D X = U' S' V'^T (p odd); D X has
+    another polar factor than X, and the closest matrix U' S V'^T (S diagonal) to X's polar factor
+    P has S = diag(U'^T P V'): the error left is sqrt(||P||^2 - sum S^2) / ||P||."""
+    polar = polar_factor(x)
+    unit, transposed = oriented_unit_input(x.double(), None, 1e-7, None)
+    preconditioned, _ = aol_preconditioned(unit, transposed)
+    u, _, vh = torch.linalg.svd(restored_output(preconditioned, transposed, torch.float64), full_matrices=False)
+    closest = torch.diagonal(u.mT @ polar @ vh.mT)
+    return ((polar.norm() ** 2 - (closest**2).sum()).clamp_min(0).sqrt() / polar.norm()).item()
 
 
 def demo_momenta(iterations: list[int]) -> dict[str, torch.Tensor]:
@@ -90,6 +110,7 @@ def errors(matrices: dict[str, torch.Tensor]) -> dict[str, list[float]]:
             taking = sum(variant.takes_gram_path(*x.shape, "highest") for x in matrices.values())
             name = f"{label}{f', Gram (taken by {taking})' if gram else ''}"
             table[name] = [polar_error(x, variant.orthogonalize(x)) for x in matrices.values()]
+    table["AOL's floor: the least any iteration on D X reaches"] = [aol_floor(x) for x in matrices.values()]
     return table
 
 

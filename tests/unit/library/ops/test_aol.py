@@ -10,6 +10,7 @@
 - `NewtonSchulzSettings(aol=True)` takes these paths; the package and syrk kernels refuse it, and so
   does a schedule whose polynomial turns singular values near 1 negative (emerging_optimizers' 'aol'
   x 4, checked against the polynomial evaluated here); the 'aol' coefficients without it warn once.
+- benchmarks/polar_error.py's floor for any iteration on D X holds (Turbo-Muon stays above it).
 """
 
 import warnings
@@ -128,3 +129,27 @@ def test_settings_route_aol_and_refuse_kernels_without_it() -> None:
         NewtonSchulzSettings(4, "aol")
     messages = [str(w.message) for w in caught]
     assert any("--muon-aol-preconditioner" in m and "meant for a preconditioned input" in m for m in messages), messages
+
+
+@pytest.mark.parametrize("shape", [(48, 16), (16, 48), (24, 24)])
+def test_no_iteration_on_the_preconditioned_matrix_gets_below_the_benchmarks_floor(shape) -> None:
+    """benchmarks/polar_error.py's `aol_floor` (docs/newton-schulz.md): the least polar error
+    against X's polar factor that any odd polynomial of D X reaches. Turbo-Muon with 1 to 12 steps
+    of several coefficient types (float64) stays above it, D X's exact polar factor is within 1e-3
+    of it, and a matrix whose rows AOL scales alike (orthogonal rows of equal norm: D = cI) has floor 0."""
+    from benchmarks.polar_error import aol_floor, polar_error
+
+    torch.manual_seed(0)
+    x = torch.distributions.StudentT(3.0).sample(shape).double()
+    floor = aol_floor(x)
+    assert floor > 1e-3  # D is not a multiple of the identity: another polar factor than X's
+    for coefficient_type in ("quintic", "polar_express", "simple"):
+        for steps in (1, 2, 4, 8, 12):
+            assert polar_error(x, aol_newton_schulz(x, steps, coefficient_type)) >= floor - 1e-12
+    wide = x.mT if shape[0] > shape[1] else x  # the side AOL scales first
+    scaled, _ = aol_precondition(wide, wide @ wide.mT)
+    u, _, vh = torch.linalg.svd(scaled.mT if shape[0] > shape[1] else scaled, full_matrices=False)
+    exact = polar_error(x, u @ vh)  # what an iteration converging to D X's polar factor reaches
+    assert floor <= exact <= floor + 1e-3
+    rows, _ = torch.linalg.qr(torch.randn(max(shape), min(shape), dtype=torch.float64))
+    assert aol_floor(3.0 * rows.mT) < 1e-12
