@@ -86,16 +86,18 @@ def _recording(run: Run) -> Iterator[None]:
 def _torch_states(optimizer: Any) -> list[list[dict]]:
     """megatron-core's optimizer's state, which its `state_dict()` leaves out with the distributed
     optimizer: each child's torch optimizer's state, per parameter in group order."""
-    children = getattr(optimizer, "chained_optimizers", [optimizer])
-    return [[dict(child.optimizer.state.get(p, {})) for group in child.optimizer.param_groups for p in group["params"]]
-            for child in children]
+    torch_optimizers = [getattr(child, "optimizer", child) for child in getattr(optimizer, "chained_optimizers",
+                                                                                [optimizer])]
+    return [[dict(torch_optimizer.state.get(p, {})) for group in torch_optimizer.param_groups for p in group["params"]]
+            for torch_optimizer in torch_optimizers]
 
 
 def _drop_kept_graphs(chunk: Any) -> None:
     """Detach tensors a module (or a helper it keeps) holds from its last forward: MoE's token
-    dispatcher keeps the routing probabilities. Their autograd graph reaches the parameters' gradient accumulators, whose DDP
-    hooks hold the model: a cycle through C++ that garbage collection cannot free, so the model and
-    its process groups would outlive the run in these reused workers."""
+    dispatcher keeps the routing probabilities. Their autograd graph reaches the parameters'
+    gradient accumulators, whose DDP hooks hold the model: a cycle through C++ that garbage
+    collection cannot free, so the model and its process groups would outlive the run in these
+    reused workers."""
     import torch
 
     for module in chunk.modules():
