@@ -24,7 +24,7 @@ Losses are what the loop hands its logger ('lm loss' averaged over micro-batches
   Megatron-LM's printed log line is not equal: it logs a run's first iteration without resetting
   its averages, so the second printed iteration after a restart (5 here) shows the mean of
   iterations 4 and 5; the torchrun test checks that from the printed lines.
-- TP=2 and PP=2; jobs moving from megatron-core to us and back (see each test).
+- TP=2 and PP=2; MoE at EP=2; jobs moving from megatron-core to us and back (see each test).
 """
 
 import pathlib
@@ -158,15 +158,13 @@ EXPERTS = ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-paral
 MODEL_PARALLEL = {
     "muon at TP=2": ["--optimizer", "muon", "--tensor-model-parallel-size", "2"],
     "adam at PP=2": ["--optimizer", "adam", "--pipeline-model-parallel-size", "2"],
-    "layer-wise muon, MoE at EP=2": OPTIMIZERS["layer-wise muon"] + ["--bf16"] + EXPERTS,
 }
 
 
-def test_model_parallel_layouts_equal_megatron_core_and_resume_exactly(run_distributed, tmp_path) -> None:
-    """At TP=2 (Muon: megatron-core's TensorParallelMuon against ours), at PP=2 (Adam; the last
-    stage logs the loss) and with 4 experts at EP=2 (layer-wise Muon in bf16: each rank steps its
-    own 2 experts, the dense parameters split between the ranks), 2 ranks each: megatron-core's
-    losses, and a torch_dist resume at 3 that ends equal to the run not interrupted."""
+def test_tensor_and_pipeline_parallel_equal_megatron_core_and_resume_exactly(run_distributed, tmp_path) -> None:
+    """At TP=2 (Muon: megatron-core's TensorParallelMuon against ours) and at PP=2 (Adam; the last
+    stage logs the loss), 2 ranks each: megatron-core's losses, and a torch_dist resume at 3 that
+    ends equal to the run not interrupted."""
     command_lines = []
     for name, flags in MODEL_PARALLEL.items():
         directory = str(tmp_path / name.replace(" ", "_"))
@@ -226,7 +224,6 @@ MOVES = {  # optimizer: (flags, the torch_dist formats it moves through)
     "distributed adam": (OPTIMIZERS["distributed adam"] + NO_CLIP, ("torch_dist", "torch_dist fully_reshardable")),
     "layer-wise muon": (OPTIMIZERS["layer-wise muon"] + ["--bf16"] + NO_CLIP,
                         ("torch_dist", "torch_dist fully_reshardable")),
-    "layer-wise muon, MoE at EP=2": (MODEL_PARALLEL["layer-wise muon, MoE at EP=2"] + NO_CLIP, ("torch_dist",)),
 }
 
 
@@ -237,8 +234,7 @@ def test_a_job_moves_from_megatron_core_and_back(run_distributed, tmp_path, opti
     rates of iterations 4-6; gradient norms to 1e-6, summed in another order); then ours saves
     at 3 and megatron-core loads that and continues the same. Layer-wise Muon: megatron-core's
     chain over Megatron-LM's all-reducing DDP writes each child keyed by parameter
-    (MEGATRON_CORE_PING_PONG_LAYOUT), and so do we; with experts its children hold the dense and
-    the expert parameters of one optimizer together, ours apart (checkpointing/merged_children.py).
+    (MEGATRON_CORE_PING_PONG_LAYOUT), and so do we.
     Distributed Adam: ours is megatron-core's DistributedOptimizer built from our config.
     megatron-core continuing itself equals the run not interrupted (with torch's Adam, after the
     load fixes of megatron_lm_cpu.distributed_optimizer_loads_with_torch_adam)."""
@@ -252,22 +248,48 @@ def test_a_job_moves_from_megatron_core_and_back(run_distributed, tmp_path, opti
                           flags + FORMATS[name] + _saving_at_3(ours),
                           flags + FORMATS[name] + MEGATRON_CORE + ["--load", ours]]
     straight, *moves = _runs(run_distributed, *command_lines)
-    after = range(SAVED_AT + 1, ITERATIONS + 1)
     our_package = "megatron" if optimizer == "distributed adam" else "megatron_eopt"
     for index, name in enumerate(formats):
-        saved, moved_in, core_resumed, ours_saved, moved_out = moves[5 * index:5 * index + 5]
-        for rank in range(2):
-            where = f"{optimizer}, {name}, rank {rank}"
-            assert saved[rank].optimizer_package == "megatron" and ours_saved[rank].optimizer_package == our_package
-            assert [r["iteration"] for r in saved[rank].records] == [1, 2, 3], where
-            assert moved_in[rank].optimizer_package == our_package, where
-            for key in ("lm loss", "grad norm", "learning rate"):
-                expected = _column(core_resumed[rank], key, after)
-                assert None not in expected, where
-                ours_expected = pytest.approx(expected, rel=1e-6) if key == "grad norm" else expected
-                assert _column(moved_in[rank], key, after) == ours_expected, f"{where}: in, {key}"
-                assert _column(moved_out[rank], key, after) == expected, f"{where}: out, {key}"
-                assert expected == _column(straight[rank], key, after), f"{where}: megatron-core's resume, {key}"
+        _assert_moved(straight, *moves[5 * index:5 * index + 5], our_package, f"{optimizer}, {name}")
+
+
+def _assert_moved(straight: list[Run], saved: list[Run], moved_in: list[Run], core_resumed: list[Run],
+                  ours_saved: list[Run], moved_out: list[Run], our_package: str, where: str) -> None:
+    """megatron-core saved at 3 (`saved`); ours continued that (`moved_in`) as megatron-core did
+    (`core_resumed`, itself equal to its run not interrupted, `straight`); ours saved at 3
+    (`ours_saved`) and megatron-core continued that (`moved_out`) the same."""
+    after = range(SAVED_AT + 1, ITERATIONS + 1)
+    for rank in range(2):
+        where_rank = f"{where}, rank {rank}"
+        assert saved[rank].optimizer_package == "megatron" and ours_saved[rank].optimizer_package == our_package
+        assert [r["iteration"] for r in saved[rank].records] == [1, 2, 3], where_rank
+        assert moved_in[rank].optimizer_package == our_package, where_rank
+        for key in ("lm loss", "grad norm", "learning rate"):
+            expected = _column(core_resumed[rank], key, after)
+            assert None not in expected, where_rank
+            ours_expected = pytest.approx(expected, rel=1e-6) if key == "grad norm" else expected
+            assert _column(moved_in[rank], key, after) == ours_expected, f"{where_rank}: in, {key}"
+            assert _column(moved_out[rank], key, after) == expected, f"{where_rank}: out, {key}"
+            assert expected == _column(straight[rank], key, after), f"{where_rank}: megatron-core's resume, {key}"
+
+
+def test_experts_equal_megatron_core_resume_exactly_and_move_both_ways(run_distributed, tmp_path) -> None:
+    """4 experts at EP=2 with layer-wise Muon in bf16 (each rank steps its own 2 experts, the dense
+    parameters split between the ranks), 2 ranks, one call: ours gives megatron-core's losses,
+    resumes from a torch_dist save at 3 equal to its run not interrupted (every rank's parameters
+    and state bitwise), and a job moves from megatron-core to us and back (as
+    test_a_job_moves_from_megatron_core_and_back). megatron-core's chain there holds the dense and
+    the expert parameters of one optimizer together, ours apart (checkpointing/merged_children.py)."""
+    flags = OPTIMIZERS["layer-wise muon"] + ["--bf16"] + EXPERTS + NO_CLIP + FORMATS["torch_dist"]
+    theirs, ours = str(tmp_path / "theirs"), str(tmp_path / "ours")
+    (core_straight, ours_straight, saved, moved_in, core_resumed, ours_saved, moved_out,
+     ours_resumed) = _runs(run_distributed, flags + MEGATRON_CORE, flags, flags + MEGATRON_CORE + _saving_at_3(theirs),
+                           flags + ["--load", theirs], flags + MEGATRON_CORE + ["--load", theirs],
+                           flags + _saving_at_3(ours), flags + MEGATRON_CORE + ["--load", ours],
+                           flags + ["--load", ours])
+    _assert_same_math(ours_straight, core_straight)
+    _assert_resumed_exactly(ours_straight, ours_saved, ours_resumed, "MoE")
+    _assert_moved(core_straight, saved, moved_in, core_resumed, ours_saved, moved_out, "megatron_eopt", "MoE")
 
 
 TORCH_FSDP2 = ["--use-torch-fsdp2", "--ckpt-format", "torch_dcp", "--untie-embeddings-and-output-weights"]
