@@ -133,9 +133,9 @@ def _command_line(argv: list[str]) -> Iterator[None]:
 
 
 def _reset_class_state() -> None:
-    """State megatron-core keeps on a class, as a new process has it: the MoE aux-loss scale. Another
-    test in this worker may have left a 0-dim one there (our trainer's), into which Megatron-LM's
-    initialization then copies its 1-element tensor."""
+    """State megatron-core keeps on a class, as a new process has it, before each run: the MoE
+    aux-loss scale. Another test in this worker may have left a 0-dim one there (our trainer's),
+    into which Megatron-LM's initialization then copies its 1-element tensor."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
@@ -156,7 +156,6 @@ def forget_megatron_lm_run() -> None:
     num_microbatches_calculator.destroy_num_microbatches_calculator()
     rerun_state_machine.destroy_rerun_state_machine()
     moe_logging.destroy_moe_metrics_tracker()  # its entries keep the groups they reduce over
-    _reset_class_state()
     tensor_parallel.get_cuda_rng_tracker().reset()
     gc.collect()  # the model and optimizer sit in cycles with the groups they were built on
     destroy_model_parallel()

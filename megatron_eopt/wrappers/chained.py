@@ -172,24 +172,23 @@ class ChainedOptimizer(MegatronOptimizer):
                 "not a ChainedOptimizer state dict (no 'optimizers' entry); it was not written "
                 "by megatron_eopt's ChainedOptimizer.state_dict()."
             )
-        names = self._names
-        if sorted(saved) != sorted(names):
+        _check_then_load(list(zip(self.chained_optimizers, self._by_our_names(saved))))
+
+    def _by_our_names(self, saved: dict) -> list:
+        """The states saved under our children's names, in chain order; refuses other names."""
+        if sorted(saved) != sorted(self._names):
             raise ValueError(
-                f"the checkpoint holds optimizers {sorted(saved)} but this chain has {names}; "
+                f"the checkpoint holds optimizers {sorted(saved)} but this chain has {self._names}; "
                 f"the optimizer or the parameter routing changed since it was saved."
             )
-        _check_then_load([(child, saved[name]) for name, child in zip(names, self.chained_optimizers)])
+        return [saved[name] for name in self._names]
 
     def _load_megatron_core(self, states: list) -> None:
         """megatron-core's ChainedOptimizer format: its children's state dicts, in chain order (its
         layer-wise chain's merged ones cut back into ours: checkpointing/merged_children.py)."""
         split = split_merged(states)
         if any(name is not None for name, _ in split):
-            by_name = dict(split)
-            if sorted(by_name) != sorted(self._names):
-                raise ValueError(f"the state dict holds optimizers {sorted(by_name)} but this chain has "
-                                 f"{self._names}: the optimizer or the parameter routing changed since it was saved.")
-            states = [by_name[name] for name in self._names]
+            states = self._by_our_names(dict(split))
         if len(states) != len(self.chained_optimizers):
             raise ValueError(f"the state dict holds {len(states)} optimizer(s) (megatron-core's format) but this "
                              f"chain has {len(self.chained_optimizers)}: {self._names}.")
