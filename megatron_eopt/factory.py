@@ -316,7 +316,7 @@ def _children(build: _Build, owned_fqns: Optional[set[str]] = None) -> list[Any]
     grad_scaler = make_grad_scaler(config, _device_of(records))
     wrapper = MixedPrecisionOptimizer if (config.bf16 or config.fp16) else FP32Optimizer
     if fsdp is not None:
-        wrapper = fsdp.optimizer_class
+        wrapper = fsdp.optimizer_class(mixed_precision=config.bf16)
     children = []
     for is_expert in (False, True):
         for name in routing.optimizers:

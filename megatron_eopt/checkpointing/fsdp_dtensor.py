@@ -61,6 +61,12 @@ def fsdp_dtensor_state_dict(child: CheckpointableChild, is_loading: bool) -> dic
     """The child's state in the fsdp_dtensor layout (module docstring); with `is_loading`, empty
     targets of the same structure for DCP to read into. A collective over the parameters' mesh."""
     flat = dtensor_state_dict(child, is_loading)
+    if flat.get("main_params"):
+        raise ValueError(
+            f"optimizer {child.name!r} keeps fp32 main weights of bf16 DTensor parameters (e.g. "
+            f"{next(iter(flat['main_params']))!r}), which megatron-core's fsdp_dtensor layout has no place for "
+            f"(Megatron-FSDP keeps its fp32 main weights as the parameters); save them with state_dict() and "
+            f"torch DCP (Megatron-LM: --ckpt-format torch_dcp) or megatron_eopt.checkpointing.save_checkpoint.")
     state = {param.fqn: flat["state"].get(param.fqn, {}) for param in child.checkpoint_params()}
     meta = {}
     for group in flat["param_groups"].values():
@@ -79,10 +85,11 @@ def dtensor_state_dict(child: CheckpointableChild, is_loading: bool) -> dict:
     Collectives over the parameters' mesh."""
     child.init_state()
     flat = child.local_state_dict()
-    params = [param for param in child.checkpoint_params() if param.fqn in flat["state"]]
+    every_param = child.checkpoint_params()
+    params = [param for param in every_param if param.fqn in flat["state"]]
     tensors = [(param, name, value) for param in params for name, value in flat["state"][param.fqn].items()
                if torch.is_tensor(value) and value.dim() > 0]
-    row_sharded_state, offsets = _split_state(params, tensors)
+    row_sharded_state, offsets = _split_state(every_param, tensors)
     replicated = [(p, name, value) for p, name, value in tensors if (p.fqn, name) not in row_sharded_state]
     if not is_loading:
         _check_replicated(child, replicated)
@@ -97,6 +104,11 @@ def dtensor_state_dict(child: CheckpointableChild, is_loading: bool) -> dict:
                                  else _scalar(child, param, name, value, is_loading)
                                  for name, value in flat["state"][param.fqn].items()}
                      for param in params}
+    if flat.get("main_params"):  # fp32 main weights of 16-bit parameters: this rank's rows, like the parameter's
+        model_of = {param.fqn: param.model for param in every_param}
+        flat["main_params"] = {fqn: row_sharded(torch.empty_like(main) if is_loading else main.detach(),
+                                                model_of[fqn], offsets[fqn])
+                               for fqn, main in flat["main_params"].items()}
     return flat
 
 
@@ -159,7 +171,9 @@ def local_values(flat: dict) -> dict:
     state = {fqn: {name: value.to_local().detach() if isinstance(value, DTensor) else value
                    for name, value in entries.items()}
              for fqn, entries in flat.get("state", {}).items()}
-    return {**flat, "state": state}
+    mains = {fqn: main.to_local().detach() if isinstance(main, DTensor) else main
+             for fqn, main in (flat.get("main_params") or {}).items()}
+    return {**flat, "state": state, **({"main_params": mains} if mains else {})}
 
 
 def flat_from_fsdp_dtensor(state_dict: Mapping, fqns: list[str], live_class: str) -> dict:

@@ -244,8 +244,9 @@ def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def has_main_copy(model_param: torch.Tensor, main_param: torch.Tensor) -> bool:
-    """A separate fp32 main copy (mixed precision); FSDP2's main parameters alias the local shards."""
-    return main_param is not model_param and not isinstance(model_param, DTensor)
+    """A separate fp32 main copy of a 16-bit parameter (mixed precision); the main parameters of fp32
+    DTensor parameters (torch FSDP2, Megatron-FSDP) alias their local shards."""
+    return main_param is not model_param and model_param.dtype != torch.float32
 
 
 def _hyperparameter_entries(children: list[CheckpointableChild]) -> dict[str, str]:

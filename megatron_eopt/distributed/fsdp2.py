@@ -52,6 +52,7 @@ from megatron_eopt.ops.row_shards import RowShards, gathered_rows
 from megatron_eopt.ops.splits import MatrixLayout
 from megatron_eopt.params.groups import ParamRecord, named_trainable_parameters
 from megatron_eopt.wrappers.fp32 import FP32Optimizer
+from megatron_eopt.wrappers.mixed_precision import HALF_DTYPES, MixedPrecisionOptimizer
 
 # megatron-core's language models name their LM head `output_layer` (GPTModel, MambaModel); its
 # weight is what megatron-core tags is_embedding_or_output_parameter besides the embedding.
@@ -77,10 +78,12 @@ class FullyShardedLayout:
     tensor_parallel: Optional[ParallelGroups] = None
     engine: str = TORCH_FSDP2  # or MEGATRON_FSDP
 
-    @property
-    def optimizer_class(self) -> type:
-        """The wrapper that steps each child's local shards."""
-        return MegatronFSDPFP32Optimizer if self.engine == MEGATRON_FSDP else FullyShardedFP32Optimizer
+    def optimizer_class(self, mixed_precision: bool) -> type:
+        """The wrapper that steps each child's local shards: with `mixed_precision` (OptimizerConfig.bf16)
+        16-bit DTensor parameters through fp32 main shards, fp32 ones (the main weights) in place."""
+        if self.engine == MEGATRON_FSDP:
+            return MegatronFSDPMixedPrecisionOptimizer if mixed_precision else MegatronFSDPFP32Optimizer
+        return FullyShardedMixedPrecisionOptimizer if mixed_precision else FullyShardedFP32Optimizer
 
     @property
     def tp_group(self) -> Optional[ProcessGroup]:
@@ -279,13 +282,10 @@ def check_fsdp2_averages(device: torch.device, torch_version: str = torch.__vers
 
 def check_fully_sharded_config(config: Any, engine: str = TORCH_FSDP2) -> None:
     """Refuse settings the sharded path does not implement, before anything is built."""
-    compute_in_bf16 = ("fully_shard(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))" if engine == TORCH_FSDP2
-                       else "Megatron-FSDP's MixedPrecisionPolicy")
     refused = [
         ("use_layer_wise_distributed_optimizer", config.use_layer_wise_distributed_optimizer,
          f"{engine} already shards the state; set use_distributed_optimizer=False"),
-        ("bf16", config.bf16, f"keep the sharded parameters in fp32 and compute in bf16 with {compute_in_bf16}"),
-        ("fp16", config.fp16, f"fp16 loss scaling is not implemented for {engine}"),
+        ("fp16", config.fp16, f"fp16 loss scaling is not implemented for {engine}; train in bf16 (--bf16)"),
     ]
     for field, value, how in refused:
         if value:
@@ -311,8 +311,9 @@ class FullyShardedFP32Optimizer(FP32Optimizer):
     def _make_main_param(self, param: torch.nn.Parameter) -> torch.nn.Parameter:
         if not isinstance(param, DTensor) or param.dtype != torch.float32:
             raise TypeError(
-                f"FullyShardedFP32Optimizer steps float32 DTensor parameters (torch FSDP2); got "
-                f"{type(param).__name__} of {param.dtype}."
+                f"{type(self).__name__} steps float32 DTensor parameters (torch FSDP2, Megatron-FSDP); got "
+                f"{type(param).__name__} of {param.dtype}. For bf16 DTensor parameters set OptimizerConfig.bf16=True "
+                f"(Megatron-LM: --bf16): they are then stepped through fp32 main shards."
             )
         with torch.no_grad():
             return torch.nn.Parameter(param.to_local(), requires_grad=False)
@@ -352,16 +353,66 @@ class FullyShardedFP32Optimizer(FP32Optimizer):
         with torch.no_grad():
             for param, main, record in zip(self.model_params, self.main_params, self.records):
                 main.data = param.to_local()
-                main.grad = self._missing_grad(record.fqn, main.data) if param.grad is None else _local_grad(
-                    record.fqn, param.grad)
+                main.grad = self._shard_grad(param, record.fqn)
+
+    def _shard_grad(self, param: DTensor, fqn: str) -> Optional[torch.Tensor]:
+        """This rank's rows of `param`'s gradient (None: the parameter is not stepped)."""
+        return self._missing_grad(fqn, param.to_local()) if param.grad is None else _local_grad(fqn, param.grad)
 
     def _missing_grad(self, fqn: str, shard: torch.Tensor) -> Optional[torch.Tensor]:
         """FSDP2 gives every rank a gradient or none: a parameter without one is not stepped."""
         return None
 
 
+class FullyShardedMixedPrecisionOptimizer(FullyShardedFP32Optimizer, MixedPrecisionOptimizer):
+    """The local shards of bf16 (or fp16) DTensor parameters stepped through fp32 main shards, as
+    megatron-core's Float16OptimizerWithFloat16Params steps the bf16 DTensors that Megatron-LM's
+    `--use-torch-fsdp2 --bf16` hands it (fp32 copies of each rank's rows, rounded back after the
+    step); fp32 DTensor parameters (Megatron-FSDP's main weights) are stepped in place. The fp32
+    main weights are held as the precision-aware settings say (wrappers/main_param_storage.py), over
+    each parameter's local shard.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._local_weights: dict[int, torch.nn.Parameter] = {}  # id(DTensor parameter) -> its local shard
+        super().__init__(*args, **kwargs)
+
+    def _make_main_param(self, param: torch.nn.Parameter) -> torch.nn.Parameter:
+        if isinstance(param, DTensor) and param.dtype in HALF_DTYPES:
+            with torch.no_grad():
+                return torch.nn.Parameter(param.to_local().float(), requires_grad=False)
+        return super()._make_main_param(param)
+
+    def _weights(self, model: torch.nn.Parameter) -> torch.Tensor:
+        # One tensor per parameter, as the storages key their remainders by it, pointed at the local
+        # shard anew each time: FSDP2 may re-create a shard's storage (see the class above).
+        weights = self._local_weights.get(id(model))
+        if weights is None:
+            weights = self._local_weights[id(model)] = torch.nn.Parameter(model.to_local(), requires_grad=False)
+        else:
+            weights.data = model.to_local()
+        return weights
+
+    def _prepare_main_grads(self) -> None:
+        with torch.no_grad():
+            for param, main, record in zip(self.model_params, self.main_params, self.records):
+                grad = self._shard_grad(param, record.fqn)
+                if param.dtype not in HALF_DTYPES:
+                    main.data, main.grad = param.to_local(), grad
+                    continue
+                main.grad = None if grad is None else grad.float()
+                param.grad = None  # the fp32 copy replaces it; free the 16-bit one
+
+
 class MegatronFSDPFP32Optimizer(FullyShardedFP32Optimizer):
     """FullyShardedFP32Optimizer for Megatron-FSDP, which gives an empty shard no gradient."""
+
+    def _missing_grad(self, fqn: str, shard: torch.Tensor) -> Optional[torch.Tensor]:
+        return missing_grad(fqn, shard)
+
+
+class MegatronFSDPMixedPrecisionOptimizer(FullyShardedMixedPrecisionOptimizer):
+    """FullyShardedMixedPrecisionOptimizer for Megatron-FSDP, which gives an empty shard no gradient."""
 
     def _missing_grad(self, fqn: str, shard: torch.Tensor) -> Optional[torch.Tensor]:
         return missing_grad(fqn, shard)

@@ -25,7 +25,7 @@ class MixedPrecisionOptimizer(FP32Optimizer):
         super().__init__(*args, **kwargs)
         self.storage = main_param_storage_for(self.config) or Fp32Copies()
         for model, main in self._half_pairs():  # the inner optimizer was built over fp32 copies
-            self.storage.set(model, main, main.detach())
+            self.storage.set(self._weights(model), main, main.detach())
 
     def _make_main_param(self, param: torch.nn.Parameter) -> torch.nn.Parameter:
         if param.dtype == torch.float32:
@@ -38,7 +38,13 @@ class MixedPrecisionOptimizer(FP32Optimizer):
         return torch.nn.Parameter(param.detach().clone().float())
 
     def _half_pairs(self) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
-        return [(model, main) for model, main in zip(self.model_params, self.main_params) if model is not main]
+        """(16-bit model parameter, its fp32 main parameter) pairs; fp32 parameters are stepped in place."""
+        return [(model, main) for model, main in zip(self.model_params, self.main_params) if model.dtype in HALF_DTYPES]
+
+    def _weights(self, model: torch.nn.Parameter) -> torch.Tensor:
+        """The tensor holding `model`'s 16-bit values, which `storage` reads and writes: the parameter
+        itself here; its local shard for a DTensor-sharded model (distributed/fsdp2.py)."""
+        return model
 
     def _prepare_main_grads(self) -> None:
         super()._prepare_main_grads()  # fp32 parameters: main_grad -> grad
@@ -50,33 +56,34 @@ class MixedPrecisionOptimizer(FP32Optimizer):
 
     def step_with_ready_grads(self) -> None:
         for model, main in self._half_pairs():  # fp32 main weights for the update
-            self.storage.materialize(model, main)
+            self.storage.materialize(self._weights(model), main)
         super().step_with_ready_grads()  # ends with _copy_main_params_to_model
 
     def _copy_main_params_to_model(self) -> None:
         for model, main in self._half_pairs():
-            self.storage.store(model, main)
+            self.storage.store(self._weights(model), main)
 
     def fp32_main_params(self) -> list[torch.Tensor]:
-        return [self.storage.value(model, main) if model is not main else main.detach()
+        return [self.storage.value(self._weights(model), main) if model.dtype in HALF_DTYPES else main.detach()
                 for model, main in zip(self.model_params, self.main_params)]
 
     def set_main_params(self, values: dict[int, torch.Tensor]) -> None:
         for model, main in self._half_pairs():
             if id(model) in values:
-                self.storage.set(model, main, values[id(model)])
+                self.storage.set(self._weights(model), main, values[id(model)])
 
     def main_param_bytes(self) -> int:
-        return sum(self.storage.nbytes(model, main) for model, main in self._half_pairs())
+        return sum(self.storage.nbytes(self._weights(model), main) for model, main in self._half_pairs())
 
     def reload_model_params(self, state_dict: Optional[dict] = None) -> None:
         for model, main in self._half_pairs():
-            self.storage.set(model, main, model.detach().float())
+            weights = self._weights(model)
+            self.storage.set(weights, main, weights.detach().float())
 
     def local_state_dict(self) -> dict:
         state = super().local_state_dict()
         # fp32 main weights whatever the storage, so checkpoints stay interchangeable.
-        state["main_params"] = {self.fqn_of_main[id(main)]: self.storage.value(model, main)
+        state["main_params"] = {self.fqn_of_main[id(main)]: self.storage.value(self._weights(model), main)
                                 for model, main in self._half_pairs()}
         return state
 
@@ -85,7 +92,8 @@ class MixedPrecisionOptimizer(FP32Optimizer):
         # made from the model parameters (remainders: the model parameters exactly).
         with torch.no_grad():
             for model, main in self._half_pairs():
+                weights = self._weights(model)
                 if id(model) in saved:
-                    self.storage.set(model, main, saved[id(model)])
+                    self.storage.set(weights, main, saved[id(model)])
                 elif not self.storage.holds_fp32:
-                    self.storage.set(model, main, model.detach().float())
+                    self.storage.set(weights, main, weights.detach().float())

@@ -292,7 +292,7 @@ def test_experts_equal_megatron_core_resume_exactly_and_move_both_ways(run_distr
     _assert_moved(core_straight, saved, moved_in, core_resumed, ours_saved, moved_out, "megatron_eopt", "MoE")
 
 
-TORCH_FSDP2 = ["--use-torch-fsdp2", "--ckpt-format", "torch_dcp", "--untie-embeddings-and-output-weights"]
+TORCH_FSDP2 = ["--use-torch-fsdp2", "--ckpt-format", "torch_dcp", "--untie-embeddings-and-output-weights", "--bf16"]
 
 
 def test_torch_fsdp2_with_torch_dcp_equals_megatron_core_and_resumes_exactly(run_distributed, tmp_path) -> None:
@@ -322,7 +322,7 @@ def _fully_sharded_runs(run_distributed, tmp_path, engine: list[str], engine_nam
 # --swiglu: Megatron-LM's fsdp_dtensor checkpointing splits linear_fc1 into halves, state included
 # (with install(): integrations/megatron_lm_swiglu.py; Muon's momentum_buffer is split too).
 MEGATRON_FSDP = ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor", "--untie-embeddings-and-output-weights",
-                 "--swiglu", "--no-bias-swiglu-fusion"]  # the fusion compiles a kernel per process
+                 "--swiglu", "--no-bias-swiglu-fusion", "--bf16"]  # the fusion compiles a kernel per process
 
 
 def test_megatron_fsdp_with_fsdp_dtensor_equals_megatron_core_and_resumes_exactly(run_distributed, tmp_path) -> None:

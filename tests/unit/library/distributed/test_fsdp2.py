@@ -578,7 +578,7 @@ def _moments_by_fqn(optimizer) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def _bf16_moments_body(rank: int, world_size: int) -> dict:
-    """Plain model (uneven rows; at 3 ranks the 5x7 matrix splits 2, 2, 1): FSDP2 and one process,
+    """Plain model (uneven rows; at 4 ranks the 5x7 matrix splits 2, 2, 1, 0): FSDP2 and one process,
     both with bf16 moments, STEPS steps with the same gradients. No clipping: the moments are then
     elementwise the same fp32 arithmetic on the same numbers in both layouts, so they must be
     bitwise equal; the parameters match as test_plain_model_uneven_shards's do."""
@@ -605,9 +605,83 @@ def _bf16_moments_body(rank: int, world_size: int) -> dict:
     return runs
 
 
-@pytest.mark.parametrize("world_size", [3])
-def test_fsdp2_bf16_moments_equal_one_process_bf16_moments(run_distributed, world_size: int) -> None:
-    for rank, runs in enumerate(run_distributed(_bf16_moments_body, world_size=world_size, timeout=600)):
+# bf16 DTensor parameters, as Megatron-LM's --use-torch-fsdp2 --bf16 hands them over (Float16Module, then
+# fully_shard): fp32 main shards, and with the precision-aware optimizer's defaults the main weight held
+# as the bf16 parameter plus a 16-bit remainder (store_param_remainders), bf16 moments.
+BF16_PARAMETERS = {"muon": dict(bf16=True), "adam": dict(bf16=True),
+                   "muon remainders": dict(bf16=True, store_param_remainders=True, **BF16_MOMENTS)}
+
+
+def _bf16_parameters_run(reference: torch.nn.Module, mesh, name: str) -> dict:
+    """One process (bf16 parameters, MixedPrecisionOptimizer) and FSDP2 (bf16 DTensor parameters),
+    STEPS steps with the same bf16 gradients, no clipping: the fp32 main weights and the bf16
+    parameters of each rank's rows, against the one-process run's."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    config = dataclasses.replace(config_for(name.split()[0]), clip_grad=0.0, **BF16_PARAMETERS[name])
+    model = copy.deepcopy(reference).to(torch.bfloat16)
+    sharded = copy.deepcopy(model)
+    fully_shard(sharded, mesh=mesh)
+    reference_opt = get_megatron_optimizer(config, [model], pg_collection=_single_process())
+    sharded_opt = get_megatron_optimizer(config, [sharded])
+    for step in range(STEPS):
+        grads = {n: g.to(torch.bfloat16) for n, g in global_grads(model, step).items()}
+        for n, p in model.named_parameters():
+            p.grad = grads[n].clone()
+        for n, p in sharded.named_parameters():
+            p.grad = distribute_tensor(grads[n], p.device_mesh, [Shard(0)], src_data_rank=None)
+        assert reference_opt.step()[0] and sharded_opt.step()[0]
+    mains = {p.fqn: main for child in reference_opt.chained_optimizers
+             for p, main in zip(child.checkpoint_params(), child.fp32_main_params())}
+    rank, size = mesh.get_local_rank(), mesh.size()
+    main_errors, param_errors = {}, {}
+    for child in sharded_opt.chained_optimizers:
+        for p, main in zip(child.checkpoint_params(), child.fp32_main_params()):
+            rows = mains[p.fqn].chunk(size)
+            expected = rows[rank] if rank < len(rows) else mains[p.fqn][:0]
+            main_errors[p.fqn] = (main - expected).abs().max().item() if main.numel() else 0.0
+            local = p.model.to_local()
+            assert local.dtype == torch.bfloat16 and main.dtype == torch.float32, (name, p.fqn)
+            param_errors[p.fqn] = torch.equal(local, main.to(torch.bfloat16))  # the step rounded its main back
+    full = dict(model.named_parameters())
+    ulps = {n: ((p.full_tensor().float() - full[n].float()).abs() / full[n].float().abs().clamp_min(1e-30)).max().item()
+            for n, p in sharded.named_parameters()}
+    return {"main_errors": main_errors, "rounded_back": param_errors, "relative_param_errors": ulps,
+            "children": sorted({type(c).__name__ for c in sharded_opt.chained_optimizers}),
+            "changed": any(not torch.equal(p.float(), q.float()) for p, q in zip(model.parameters(), reference.parameters()))}
+
+
+def _bf16_moments_and_parameters_body(rank: int, world_size: int) -> dict:
+    torch.manual_seed(3)
+    reference = Plain()
+    mesh = _mesh(world_size)
+    return {"moments": _bf16_moments_body(rank, world_size),
+            "parameters": {name: _bf16_parameters_run(reference, mesh, name) for name in BF16_PARAMETERS}}
+
+
+@pytest.mark.parametrize("world_size", [4])
+def test_fsdp2_bf16_moments_and_parameters_equal_one_process(run_distributed, world_size: int) -> None:
+    """At FSDP=4 (uneven rows; the 5x7 matrix splits 2, 2, 1, 0): bf16 moments bitwise equal to one
+    process's rows; bf16 parameters (Megatron-LM's --use-torch-fsdp2 --bf16) stepped through fp32 main
+    shards whose values equal one process's mixed-precision run to 1e-5, rounded back into the bf16
+    shards after every step (so the bf16 parameters differ from one process's by at most one bf16
+    rounding, 2^-8 relative)."""
+    results = run_distributed(_bf16_moments_and_parameters_body, world_size=world_size, timeout=600)
+    for rank, result in enumerate(results):
+        for name, run in result["parameters"].items():
+            assert run["changed"], name
+            assert run["children"] == ["FullyShardedMixedPrecisionOptimizer"], (name, run["children"])
+            bad = {fqn: e for fqn, e in run["main_errors"].items() if not e <= TOLERANCE}
+            assert not bad, (rank, name, bad)
+            assert all(run["rounded_back"].values()), (rank, name, run["rounded_back"])
+            worst = max(run["relative_param_errors"].values())
+            assert worst <= 2 ** -8, (rank, name, run["relative_param_errors"])
+    _check_bf16_moments([result["moments"] for result in results], world_size)
+
+
+def _check_bf16_moments(per_rank: list[dict], world_size: int) -> None:
+    for rank, runs in enumerate(per_rank):
         for optimizer, run in runs.items():
             bad = {name: e for name, e in run["errors"].items() if not e <= TOLERANCE}
             assert not bad, (rank, optimizer, bad)
