@@ -180,7 +180,7 @@ def _check_megatron_fsdp_flags(args: argparse.Namespace) -> None:
                ("--num-experts", args.num_experts is not None),
                ("--use-distributed-optimizer (Megatron-FSDP shards the optimizer state already)",
                 args.use_layer_wise_distributed_optimizer),
-               ("--fp16 or --bf16 (it trains fp32 shards here)", args.fp16 or args.bf16),
+               ("--fp16 (fp16 loss scaling is not implemented for the sharded engines; train with --bf16)", args.fp16),
                ("--log-params-norm", args.log_params_norm),
                (f"{_qk_clip_flags(args)} (QK-clip and its logit record are not implemented for DTensor parameters)",
                 _qk_clip_flags(args))]

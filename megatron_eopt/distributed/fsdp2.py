@@ -41,6 +41,7 @@ from megatron_eopt.runtime.process_groups import (
     resolve_parallel_groups,
 )
 from megatron_eopt.ops.ownership import assign_owners
+from megatron_eopt.runtime.once import warn_once
 from megatron_eopt.distributed.megatron_fsdp_model import (
     MEGATRON_FSDP,
     TORCH_FSDP2,
@@ -376,6 +377,11 @@ class FullyShardedMixedPrecisionOptimizer(FullyShardedFP32Optimizer, MixedPrecis
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._local_weights: dict[int, torch.nn.Parameter] = {}  # id(DTensor parameter) -> its local shard
         super().__init__(*args, **kwargs)
+        if not self._half_pairs() and not self.storage.holds_fp32:
+            warn_once("sharded fp32 main weights", f"{type(self).__name__}: store_param_remainders / "
+                      f"main_params_dtype have no effect here: every DTensor parameter is fp32 (Megatron-FSDP's "
+                      f"main weights, or FSDP2 shards computed in bf16 through its MixedPrecisionPolicy), so "
+                      f"the parameters are the fp32 main weights.", stacklevel=3)
 
     def _make_main_param(self, param: torch.nn.Parameter) -> torch.nn.Parameter:
         if isinstance(param, DTensor) and param.dtype in HALF_DTYPES:

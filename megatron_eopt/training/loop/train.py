@@ -153,13 +153,13 @@ def build_training(args, settings, layout, device, housekeeping: Housekeeping) -
     if args.use_torch_fsdp2:
         fully_shard_gpt(model, dp_group, device, bf16_compute=args.bf16)
     if args.use_megatron_fsdp:
-        model = megatron_fsdp_gpt(model, device)
+        model = megatron_fsdp_gpt(model, device, fp32_grads=args.accumulate_allreduce_grads_in_fp32)
         chunks = [model]
     batches = BatchSource(args, layout, parallel_state.get_data_parallel_rank())
     forward = _forward(args, layout, device, chunks, model, batches, dp_group)
     config = optimizer_config_from_args(args, device)
-    if args.use_torch_fsdp2:  # --bf16 is FSDP2's compute dtype there: the parameters it shards are fp32
-        config = dataclasses.replace(config, bf16=False)
+    if args.use_torch_fsdp2 or args.use_megatron_fsdp:  # --bf16 is the compute dtype there: the parameters
+        config = dataclasses.replace(config, bf16=False)  # stepped are fp32 shards (FSDP2's, Megatron-FSDP's mains)
     optimizer = get_megatron_optimizer(config, chunks)
     scheduler = get_scheduler(config, scheduler_config(args), optimizer)
     # The layer-wise optimizer reduces onto owners itself (unless --overlap-grad-reduce); FSDP2
@@ -208,7 +208,8 @@ def say_setup(args, settings, device, run: Training, housekeeping: Housekeeping)
     """The lines before training: the model, MoE, flags without effect, notes, the precision."""
     log = run.log
     log.say(describe_model(run.model)
-            + (", bf16 compute (FSDP2 MixedPrecisionPolicy)" if args.use_torch_fsdp2 and args.bf16 else ""))
+            + (", bf16 compute (FSDP2 MixedPrecisionPolicy)" if args.use_torch_fsdp2 and args.bf16 else "")
+            + (", bf16 compute weights (Megatron-FSDP)" if args.use_megatron_fsdp and args.bf16 else ""))
     if args.num_experts is not None:
         log.say(describe_moe(args, settings.num_layers))
     for line in (no_effect_lines(args) + moe_note_lines(args) + run_control_lines(args) + document_lines(args)

@@ -18,14 +18,19 @@ from megatron_eopt.runtime import megatron_fsdp_cpu
 _MESH_NUMBERS = itertools.count()
 
 
-def megatron_fsdp_gpt(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """`model` wrapped by Megatron-FSDP over every rank (ZeRO-3), each TransformerLayer a unit."""
+def megatron_fsdp_gpt(model: torch.nn.Module, device: torch.device, fp32_grads: bool = True) -> torch.nn.Module:
+    """`model` wrapped by Megatron-FSDP over every rank (ZeRO-3), each TransformerLayer a unit.
+
+    Megatron-FSDP computes with the model's own dtype (bf16 with --bf16) and keeps fp32 main weights
+    beside them, which are the DTensor parameters the optimizer steps (as in Megatron-LM's loop).
+    `fp32_grads`: gradients accumulated and reduce-scattered in fp32 (the trainer's
+    --accumulate-allreduce-grads-in-fp32), else in the model's dtype."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
     from torch.distributed.device_mesh import init_device_mesh
 
     if device.type == "cpu":
         megatron_fsdp_cpu.install()
-    from megatron_fsdp import fully_shard_model
+    from megatron_fsdp import MixedPrecisionPolicy, fully_shard_model
 
     # Named anew on every call: torch caches equal meshes, and `main` may run several times in one
     # process with new process groups (training/parallel/fsdp2.py's data_parallel_mesh says more).
@@ -34,6 +39,9 @@ def megatron_fsdp_gpt(model: torch.nn.Module, device: torch.device) -> torch.nn.
     mesh = init_device_mesh(device.type, (dist.get_world_size(), 1), mesh_dim_names=names)
     wrapped = fully_shard_model(model, device_mesh=mesh, dp_shard_dim=names[0], tp_dim=names[1],
                                 fsdp_unit_modules=[TransformerLayer], zero_dp_strategy="optim_grads_params",
+                                mixed_precision_policy=MixedPrecisionPolicy(
+                                    main_params_dtype=torch.float32,
+                                    main_grads_dtype=torch.float32 if fp32_grads else None),
                                 device=device)
     hold_gradient_hooks_weakly(wrapped)
     return wrapped
