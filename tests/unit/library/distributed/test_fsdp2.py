@@ -632,6 +632,7 @@ def _bf16_parameters_run(reference: torch.nn.Module, mesh, name: str) -> dict:
         for n, p in sharded.named_parameters():
             p.grad = distribute_tensor(grads[n], p.device_mesh, [Shard(0)], src_data_rank=None)
         assert reference_opt.step()[0] and sharded_opt.step()[0]
+    refusal = error_of(lambda: sharded_opt.sharded_state_dict({}, metadata={"distrib_optim_sharding_type": "fsdp_dtensor"}))
     mains = {p.fqn: main for child in reference_opt.chained_optimizers
              for p, main in zip(child.checkpoint_params(), child.fp32_main_params())}
     rank, size = mesh.get_local_rank(), mesh.size()
@@ -647,7 +648,7 @@ def _bf16_parameters_run(reference: torch.nn.Module, mesh, name: str) -> dict:
     full = dict(model.named_parameters())
     ulps = {n: ((p.full_tensor().float() - full[n].float()).abs() / full[n].float().abs().clamp_min(1e-30)).max().item()
             for n, p in sharded.named_parameters()}
-    return {"main_errors": main_errors, "rounded_back": param_errors, "relative_param_errors": ulps,
+    return {"main_errors": main_errors, "rounded_back": param_errors, "relative_param_errors": ulps, "refusal": refusal,
             "children": sorted({type(c).__name__ for c in sharded_opt.chained_optimizers}),
             "changed": any(not torch.equal(p.float(), q.float()) for p, q in zip(model.parameters(), reference.parameters()))}
 
@@ -677,6 +678,9 @@ def test_fsdp2_bf16_moments_and_parameters_equal_one_process(run_distributed, wo
             assert all(run["rounded_back"].values()), (rank, name, run["rounded_back"])
             worst = max(run["relative_param_errors"].values())
             assert worst <= 2 ** -8, (rank, name, run["relative_param_errors"])
+            kind, message = run["refusal"]  # fp32 main rows have no place in megatron-core's fsdp_dtensor layout
+            assert kind == "ValueError" and "has no place for" in message and "torch_dcp" in message, run["refusal"]
+            assert "\n" not in message, message
     _check_bf16_moments([result["moments"] for result in results], world_size)
 
 
