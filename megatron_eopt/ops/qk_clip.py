@@ -112,7 +112,7 @@ def scale_clip_rows(tensor: torch.Tensor, rows: ClipRows, q_scale: torch.Tensor,
     or with `held` = (first, end) the rows first..end-1 of it that this rank holds (a row shard)."""
     first, end = (0, rows.rows) if held is None else held
     if not 0 <= first <= end <= rows.rows or tensor.shape[0] != end - first:
-        where = "" if held is None else f" (rows {first}..{end} of a row shard)"
+        where = "" if held is None else f" (its row shard: rows [{first}, {end}) of the whole)"
         raise ValueError(f"{rows.name!r}: {tensor.shape[0]} rows on this tensor-parallel rank{where}; expected "
                          f"{end - first} of {rows.units} x ({'+'.join(str(r) for r, _ in rows.parts)}) = {rows.rows}.")
     factors = clip_row_factors(rows, q_scale, k_scale)[first:end].to(tensor.dtype)

@@ -147,7 +147,7 @@ def test_row_shards_scale_as_the_whole_weight() -> None:
     for rank, shard in enumerate(shards):
         scale_clip_rows(shard, rows, q_scale, k_scale, held=held_rows(split, rank))
     assert torch.equal(torch.cat(shards), whole)
-    with pytest.raises(ValueError, match="rows 7..17 of a row shard"):
+    with pytest.raises(ValueError, match="its row shard: rows \\[7, 17\\) of the whole"):
         scale_clip_rows(torch.zeros(7, 5), rows, q_scale, k_scale, held=(7, 17))
 
 
