@@ -29,6 +29,7 @@ from megatron_eopt.distributed.reduce_scattered import check_byte_sharded_config
 from megatron_eopt.runtime.process_groups import ParallelGroups, group_rank, group_size, resolve_parallel_groups
 from megatron_eopt.runtime.once import first_time, warn_once
 from megatron_eopt.ops.ownership import assign_owners
+from megatron_eopt.ops.row_shards import held_rows
 from megatron_eopt.params.groups import (
     ParamRecord,
     ParamRouting,
@@ -180,12 +181,20 @@ def _qk_clip(config: OptimizerConfig, chunks: list[torch.nn.Module], groups: Par
     settings = qk_clip_settings(config, chunks)
     if not settings.records_logits:
         return None
-    if fsdp is not None:
-        raise ValueError("QK-clip and max-logit logging are not supported for torch FSDP2 (DTensor) models yet; "
-                         "turn qk_clip and log_max_attention_logit off.")
     why = "QK-clip (maximum attention logits)"
     return build_qk_clip(settings, chunks, {id(r.param): r.fqn for r in records}, groups.require("tp", why),
-                         groups.require("dp_cp", why), groups.require("mp", why), _device_of(records))
+                         groups.require("dp_cp", why), groups.require("mp", why), _device_of(records),
+                         None if fsdp is None else _held_rows(fsdp))
+
+
+def _held_rows(fsdp: FullyShardedLayout) -> dict[str, tuple[int, int]]:
+    """fqn -> the rows of each weight this rank holds, for QK-clip on row shards. TP x torch
+    FSDP2 is refused: `fully_shard` drops the attributes that say which weights TP splits by heads."""
+    if group_size(fsdp.tp_group) > 1:
+        raise ValueError("QK-clip and max-logit logging on TP x torch FSDP2 are not supported; use them with "
+                         "torch FSDP2 or Megatron-FSDP at TP=1, or with TP and megatron-core DDP.")
+    rank = group_rank(fsdp.group)
+    return {fqn: held_rows(split, rank) for fqn, split in fsdp.rows_by_rank.items()}
 
 
 def _warn_if_per_head_finds_no_qkv(config: OptimizerConfig, records: list[ParamRecord]) -> None:

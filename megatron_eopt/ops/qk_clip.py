@@ -1,5 +1,6 @@
 """QK-clip (MuonClip, Kimi K2): scale factors from the largest attention logits, and their
-application to a fused `linear_qkv` weight. Pure tensor math; no communication.
+application to a fused weight's rows, or to the rows a rank holds of it (a row shard of torch FSDP2
+or Megatron-FSDP, cut anywhere: `scale_clip_rows`). Pure tensor math; no communication.
 
 Rule: for each attention head h whose largest pre-softmax logit S_h = max q.k / sqrt(d) exceeds
 the threshold tau, eta_h = tau / S_h; W_q of the head is multiplied by eta_h^alpha and W_k by
@@ -15,6 +16,7 @@ eta^(1 - alpha), its rotary query by eta, the rotary key all heads share not at 
 """
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -95,17 +97,24 @@ def qkv_clip_rows(rows: QKVRows) -> ClipRows:
                                              (rows.head_dim, "")))
 
 
-def scale_clip_rows(tensor: torch.Tensor, rows: ClipRows, q_scale: torch.Tensor, k_scale: torch.Tensor) -> None:
-    """Multiply, in place, each unit's parts by its scale (`q_scale[u]`, `k_scale[u]` or their
-    product); the rows of kind '' stay as they are. `tensor` is a weight [rows, in] or a bias."""
-    if tensor.shape[0] != rows.rows:
-        raise ValueError(f"{rows.name!r}: {tensor.shape[0]} rows on this tensor-parallel rank; expected "
-                         f"{rows.units} x ({'+'.join(str(r) for r, _ in rows.parts)}) = {rows.rows}.")
-    scales = {"q": q_scale, "k": k_scale, "qk": q_scale * k_scale}
-    units = tensor.view(rows.units, rows.rows // rows.units, -1)
-    start = 0
+def clip_row_factors(rows: ClipRows, q_scale: torch.Tensor, k_scale: torch.Tensor) -> torch.Tensor:
+    """The factor of every row of the whole weight ([rows.rows], the scales' dtype): per unit u,
+    its parts' rows by `q_scale[u]`, `k_scale[u]`, their product, or exactly 1 (kind '')."""
+    by_kind = {"q": q_scale, "k": k_scale, "qk": q_scale * k_scale, "": torch.ones_like(q_scale)}
+    return torch.cat([by_kind[kind].view(rows.units, 1).expand(rows.units, part_rows)
+                      for part_rows, kind in rows.parts], dim=1).reshape(-1)
+
+
+def scale_clip_rows(tensor: torch.Tensor, rows: ClipRows, q_scale: torch.Tensor, k_scale: torch.Tensor,
+                    held: Optional[tuple[int, int]] = None) -> None:
+    """Multiply, in place, each unit's parts by its scale (`clip_row_factors`); the rows of kind ''
+    stay as they are (times exactly 1). `tensor` is a weight [rows, in] or a bias: the whole one,
+    or with `held` = (first, end) the rows first..end-1 of it that this rank holds (a row shard)."""
+    first, end = (0, rows.rows) if held is None else held
+    if not 0 <= first <= end <= rows.rows or tensor.shape[0] != end - first:
+        where = "" if held is None else f" (its row shard: rows [{first}, {end}) of the whole)"
+        raise ValueError(f"{rows.name!r}: {tensor.shape[0]} rows on this tensor-parallel rank{where}; expected "
+                         f"{end - first} of {rows.units} x ({'+'.join(str(r) for r, _ in rows.parts)}) = {rows.rows}.")
+    factors = clip_row_factors(rows, q_scale, k_scale)[first:end].to(tensor.dtype)
     with torch.no_grad():
-        for part_rows, kind in rows.parts:
-            if kind:
-                units[:, start:start + part_rows].mul_(scales[kind].to(tensor.dtype).view(rows.units, 1, 1))
-            start += part_rows
+        tensor.mul_(factors.view(-1, *([1] * (tensor.dim() - 1))))

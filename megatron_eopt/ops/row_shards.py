@@ -58,6 +58,15 @@ def gathered_rows(local_rows: Sequence[int], group: Optional[dist.ProcessGroup],
     return [tuple(ranks) for ranks in zip(*by_rank)] if local_rows else []
 
 
+def held_rows(rows_by_rank: Sequence[int], rank: int) -> tuple[int, int]:
+    """(first, end): the rows first..end-1 of the whole matrix that `rank` holds. Shards lie in
+    rank order (a Shard(0) DTensor's), so its first row follows the rows of the ranks before it."""
+    if not 0 <= rank < len(rows_by_rank):
+        raise ValueError(f"rank {rank} is not in a group of {len(rows_by_rank)} ranks (rows {tuple(rows_by_rank)}).")
+    first = sum(rows_by_rank[:rank])
+    return first, first + rows_by_rank[rank]
+
+
 def chunk_rows(rows: int, num_ranks: int) -> tuple[int, ...]:
     """Rows per rank as `torch.chunk` splits them: torch FSDP2's split, for plans and checkpoint
     layouts made without the model; a live model's split is `gathered_rows`."""

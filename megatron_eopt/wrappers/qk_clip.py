@@ -8,8 +8,11 @@ maximum of q.k/sqrt(d).
 In `step()` the maxima are MAX-reduced over the data x context-parallel group and reset. With
 `qk_clip`, after a successful update each child scales the q/k rows of the `linear_qkv` weights
 and biases in its fp32 main copies (ops/qk_clip.py); under the layer-wise optimizer only the
-owner does, and its broadcast carries the result. The scales stay on the device;
-`max_attention_logit` is read back only when asked for. docs/qk-clip.md describes it.
+owner does, and its broadcast carries the result. On row-sharded models (torch FSDP2,
+Megatron-FSDP) every rank has every head's scale after the MAX-reduce, and scales the rows it
+holds of each weight (`held_rows`), wherever a head's rows are cut: no further communication. The
+scales stay on the device; `max_attention_logit` is read back only when asked for.
+docs/qk-clip.md describes it.
 """
 
 import contextlib
@@ -184,9 +187,12 @@ class QKClip:
     """The step hook (module docstring). `step()` is a context around the optimizer's step."""
 
     def __init__(self, settings: QKClipSettings, layers: list[AttentionLayer], dp_cp_group: Optional[ProcessGroup],
-                 mp_group: Optional[ProcessGroup], device: torch.device) -> None:
+                 mp_group: Optional[ProcessGroup], device: torch.device,
+                 held_rows: Optional[dict[str, tuple[int, int]]] = None) -> None:
         self.settings, self.layers = settings, layers
         self.dp_cp_group, self.mp_group, self.device = dp_cp_group, mp_group, device
+        # fqn -> (first, end) of the rows of the whole weight this rank holds (row-sharded models)
+        self.held_rows = held_rows or {}
         self._largest: Optional[torch.Tensor] = None  # this step's largest logit, on the device
         self._pending: dict[str, tuple[ClipRows, torch.Tensor, torch.Tensor]] = {}
 
@@ -207,10 +213,11 @@ class QKClip:
             self._pending = {}  # only this step's update may be clipped with these scales
 
     def clip_main_params(self, named_main_params: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Scale the q/k rows of the given (fqn, fp32 main parameter) pairs that need it."""
+        """Scale the q/k rows of the given (fqn, fp32 main parameter) pairs that need it; a
+        main parameter of a row-sharded model is this rank's rows of the weight."""
         for fqn, main in named_main_params:
             if fqn in self._pending:
-                scale_clip_rows(main.detach(), *self._pending[fqn])
+                scale_clip_rows(main.detach(), *self._pending[fqn], held=self.held_rows.get(fqn))
 
     def _measure(self) -> None:
         per_layer = [self._local_max(layer) for layer in self.layers]  # checks all before resetting
@@ -261,10 +268,13 @@ def qk_clip_settings(config: Any, chunks: Sequence[torch.nn.Module]) -> QKClipSe
 
 def build_qk_clip(settings: QKClipSettings, chunks: Sequence[torch.nn.Module], fqn_of: dict[int, str],
                   tp_group: Optional[ProcessGroup], dp_cp_group: Optional[ProcessGroup],
-                  mp_group: Optional[ProcessGroup], device: Optional[torch.device]) -> QKClip:
+                  mp_group: Optional[ProcessGroup], device: Optional[torch.device],
+                  held_rows: Optional[dict[str, tuple[int, int]]] = None) -> QKClip:
     """The QK-clip hook for `chunks` (call only when `settings.records_logits`).
 
     `fqn_of`: id(parameter) -> fqn of every parameter the optimizer steps on this rank.
+    `held_rows`: for a row-sharded model (DTensor Shard(0)), fqn -> (first, end) of the rows of
+    each weight this rank holds; `dp_cp_group` is then its mesh's group.
     """
     layers = find_attention_layers(chunks, fqn_of, group_size(tp_group), clips=settings.qk_clip)
     if not layers:
@@ -272,7 +282,7 @@ def build_qk_clip(settings: QKClipSettings, chunks: Sequence[torch.nn.Module], f
             "qk_clip/log_max_attention_logit is set, but model_chunks have no attention layer "
             "(a module with core_attention and linear_qkv) whose logits could be recorded."
         )
-    return QKClip(settings, layers, dp_cp_group, mp_group, device or torch.device("cpu"))
+    return QKClip(settings, layers, dp_cp_group, mp_group, device or torch.device("cpu"), held_rows)
 
 
 def _attention_configs(chunks: Sequence[torch.nn.Module]) -> list[Any]:

@@ -422,7 +422,7 @@ def _tp_fsdp_body(rank: int, world_size: int) -> dict:
 
 def _tp_group_errors() -> dict[str, tuple[str, str]]:
     """A model built at TP=2 given the DP group as its TP group, or (parallel_state torn down)
-    no TP group at all: both refused, naming a parameter."""
+    no TP group at all: both refused, naming a parameter. QK-clip at TP x FSDP2: refused."""
     from megatron.core import parallel_state
     from torch.distributed.fsdp import fully_shard
 
@@ -438,6 +438,8 @@ def _tp_group_errors() -> dict[str, tuple[str, str]]:
         wrong = ParallelGroups.from_groups(tp=dp_group, mp=dp_group)
         errors = {"wrong_tp_group": error_of(lambda: get_megatron_optimizer(config_for("muon"), [model],
                                                                              pg_collection=wrong))}
+        clipped = dataclasses.replace(config_for("muon"), qk_clip=True)  # TP from parallel_state
+        errors["qk_clip_at_tp2"] = error_of(lambda: get_megatron_optimizer(clipped, [model]))
     finally:
         destroy_model_parallel()
     errors["no_tp_group"] = error_of(lambda: get_megatron_optimizer(config_for("muon"), [model]))
@@ -466,6 +468,8 @@ def test_tp2_x_fsdp2_equals_tp1(run_distributed) -> None:
         assert kind == "ValueError" and "no tensor-parallel group was given" in text and "2 TP ranks" in text, text
         kind, text = runs.pop("wrong_tp_group")
         assert kind == "ValueError" and "the tensor-parallel group given has ranks" in text, text
+        kind, text = runs.pop("qk_clip_at_tp2")
+        assert kind == "ValueError" and "TP x torch FSDP2" in text and "TP=1" in text and "\n" not in text, text
         for case, run in runs.items():
             check_run(run, (rank,) + case)
             print(rank, case, "max error", max(run["errors"].values()))

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megatron_eopt import OptimizerConfig, ParallelGroups, get_megatron_optimizer
 from megatron_eopt.ops.qk_clip import QKVRows, clip_scales, group_max_logits, qkv_clip_rows, scale_clip_rows
+from megatron_eopt.ops.row_shards import held_rows
 from megatron_eopt.wrappers.qk_clip import QKClipSettings, find_attention_layers, resolve_qk_clip_settings
 from megatron_eopt.training.model.gpt import (
     GPTModelSettings,
@@ -131,6 +132,23 @@ def test_scale_qk_rows_touches_only_q_and_k_of_each_group() -> None:
         group_max_logits(torch.zeros(3), rows)
     with pytest.raises(ValueError, match="rows on this tensor-parallel rank"):
         scale_clip_rows(torch.zeros(7, 5), qkv_clip_rows(rows), torch.ones(2), torch.ones(2))
+
+
+def test_row_shards_scale_as_the_whole_weight() -> None:
+    """Each rank scaling the rows it holds (cut inside query groups, one rank with none) gives
+    the whole weight's result bitwise; a shard that does not match its rows is refused."""
+    rows = qkv_clip_rows(QKVRows("w", groups=2, heads_per_group=2, head_dim=3))
+    q_scale, k_scale = torch.tensor([0.5, 1.0], dtype=torch.float64), torch.tensor([0.3, 1.0], dtype=torch.float64)
+    weight = torch.randn(rows.rows, 5)
+    whole = weight.clone()
+    scale_clip_rows(whole, rows, q_scale, k_scale)
+    split = (7, 0, 10, 7)
+    shards = [s.clone() for s in weight.split(split)]
+    for rank, shard in enumerate(shards):
+        scale_clip_rows(shard, rows, q_scale, k_scale, held=held_rows(split, rank))
+    assert torch.equal(torch.cat(shards), whole)
+    with pytest.raises(ValueError, match="its row shard: rows \\[7, 17\\) of the whole"):
+        scale_clip_rows(torch.zeros(7, 5), rows, q_scale, k_scale, held=(7, 17))
 
 
 def test_settings_from_either_config_and_disagreement_refused() -> None:
