@@ -151,8 +151,9 @@ def _check_fsdp2_flags(args: argparse.Namespace) -> None:
                ("--main-params-dtype other than fp32 (FSDP2's fp32 shards are the main weights; "
                 "--exp-avg-dtype and --exp-avg-sq-dtype apply)",
                 getattr(args, "main_params_dtype", None) not in (None, "fp32")),  # None: not given (fp32)
-               (f"{_qk_clip_flags(args)} (QK-clip and its logit record are not implemented for DTensor parameters)",
-                _qk_clip_flags(args))]
+               (f"{_qk_clip_flags(args)} with --tensor-model-parallel-size > 1 (fully_shard drops the attributes that "
+                f"say which weights TP splits by heads; QK-clip works on FSDP2 at TP=1)",
+                _qk_clip_flags(args) and args.tensor_model_parallel_size > 1)]
     for what, given in refused:
         if given:
             raise ValueError(f"--use-torch-fsdp2 does not support {what} yet.")
@@ -181,9 +182,7 @@ def _check_megatron_fsdp_flags(args: argparse.Namespace) -> None:
                ("--use-distributed-optimizer (Megatron-FSDP shards the optimizer state already)",
                 args.use_layer_wise_distributed_optimizer),
                ("--fp16 (fp16 loss scaling is not implemented for the sharded engines; train with --bf16)", args.fp16),
-               ("--log-params-norm", args.log_params_norm),
-               (f"{_qk_clip_flags(args)} (QK-clip and its logit record are not implemented for DTensor parameters)",
-                _qk_clip_flags(args))]
+               ("--log-params-norm", args.log_params_norm)]
     for what, given in refused:
         if given:
             raise ValueError(f"--use-megatron-fsdp does not support {what}.")

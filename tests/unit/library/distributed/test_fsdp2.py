@@ -549,20 +549,22 @@ def test_pretrain_gpt_tp2_fsdp2_equals_tp2_dp2(run_distributed):
 
 def _pretrain_bf16_body(rank: int, world_size: int, iterations: int) -> list[dict]:
     from tests.pretrain_gpt_in_process import run_pretrain_gpt
-    from tests.unit.library.distributed.test_megatron_fsdp import BF16
+    from tests.unit.library.distributed.test_megatron_fsdp import BF16, QK_CLIP
 
     return run_pretrain_gpt(rank, world_size, PRETRAIN_ARGV + ["--train-iters", str(iterations), "--use-torch-fsdp2"]
-                            + BF16)
+                            + BF16 + QK_CLIP)
 
 
 def test_pretrain_gpt_fsdp2_bf16_equals_one_process(run_distributed):
     """scripts/pretrain_gpt.py --use-torch-fsdp2 --bf16 (fp32 shards stepped, bf16 forward and
     backward through FSDP2's MixedPrecisionPolicy, gradients reduced in fp32) at DP=2 against the
-    same precision in one process: same seed, data and global batch, no clipping (test_megatron_fsdp's
-    BF16 says why); losses to 1e-5 relative."""
+    same precision in one process: same seed, data and global batch, QK-clip clipping from iteration 3,
+    no gradient clipping (test_megatron_fsdp's BF16 says why); losses to 1e-5 relative."""
     iterations = 6
-    expected = [r["loss"] for r in run_distributed(_pretrain_bf16_body, 1, args=(iterations,), timeout=600)[0]]
+    reference = run_distributed(_pretrain_bf16_body, 1, args=(iterations,), timeout=600)[0]
+    expected = [r["loss"] for r in reference]
     assert len(expected) == iterations and expected[-1] < expected[0], expected
+    assert max(r["max_attention_logit"] for r in reference) > 0.08, reference  # QK-clip clips
     for records in run_distributed(_pretrain_bf16_body, 2, args=(iterations,), timeout=600):
         got = [r["loss"] for r in records]
         print("FSDP2 bf16 DP=2 vs one process: max relative loss difference",

@@ -267,6 +267,8 @@ MEGATRON_FSDP_FLAGS = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy
 # clipping factor from it moves every update by that ulp, which the bf16 rounding of the compute
 # weights turns into loss differences of 4e-5 (measured) instead of fp32 round-off.
 BF16 = ["--bf16", "--clip-grad", "0"]
+# QK-clip at a threshold the tiny GPT's logits pass from iteration 3 on (measured 0.05 -> 0.14).
+QK_CLIP = ["--qk-clip", "--qk-clip-threshold", "0.08", "--log-max-attention-logit"]
 
 
 def _pretrain_body(rank: int, world_size: int, directory: str) -> dict:
@@ -274,7 +276,7 @@ def _pretrain_body(rank: int, world_size: int, directory: str) -> dict:
     builds its process groups and Megatron-FSDP anew); a refused strategy."""
     from tests.pretrain_gpt_in_process import run_pretrain_gpt, run_pretrain_gpt_reporting
 
-    argv = _pretrain_argv(6) + MEGATRON_FSDP_FLAGS + BF16
+    argv = _pretrain_argv(6) + MEGATRON_FSDP_FLAGS + BF16 + QK_CLIP
     runs = {"straight": run_pretrain_gpt(rank, world_size, argv),
             "first": run_pretrain_gpt(rank, world_size, argv + ["--save", directory, "--exit-interval", "3"]),
             "resumed": run_pretrain_gpt(rank, world_size, argv + ["--load", directory])}
@@ -287,18 +289,20 @@ def _one_process_body(rank: int, world_size: int) -> dict:
     in fp32)."""
     from tests.pretrain_gpt_in_process import run_pretrain_gpt
 
-    return {"bf16": run_pretrain_gpt(rank, world_size, _pretrain_argv(6) + BF16)}
+    return {"bf16": run_pretrain_gpt(rank, world_size, _pretrain_argv(6) + BF16 + QK_CLIP)}
 
 
 def test_pretrain_gpt_megatron_fsdp_equals_one_process_and_resumes_exactly(run_distributed, tmp_path) -> None:
     """The same seed, data and global batch (8: 2 micro-batches per rank at DP=2, 4 in one process),
-    --bf16 (bf16 compute weights, fp32 main weights and gradient accumulation; no clipping, BF16
-    says why), muon at 'highest':
+    --bf16 (bf16 compute weights, fp32 main weights and gradient accumulation; no gradient clipping,
+    BF16 says why), QK-clip clipping from iteration 3, muon at 'highest':
     Megatron-FSDP's losses equal one process's to 1e-5 relative (the fp32 gradients are summed in
     another order; Megatron-FSDP splits linear_qkv inside a query group and leaves rank 1 an empty
     shard of linear_proj); the resumed run's equal the straight run's bitwise."""
-    expected = [r["loss"] for r in run_distributed(_one_process_body, 1, timeout=600)[0]["bf16"]]
+    reference = run_distributed(_one_process_body, 1, timeout=600)[0]["bf16"]
+    expected = [r["loss"] for r in reference]
     assert len(expected) == 6 and expected[-1] < expected[0], expected
+    assert max(r["max_attention_logit"] for r in reference) > 0.08, reference  # QK-clip clips
     results = run_distributed(_pretrain_body, 2, args=(str(tmp_path),), timeout=600)
     code, text = results[0]["refused"]  # rank 0 prints the one line; every rank exits with status 2
     assert code == 2 and "optim_grads_params" in text and "Traceback" not in text, text
