@@ -357,8 +357,13 @@ class FullyShardedFP32Optimizer(FP32Optimizer):
                 main.grad = self._shard_grad(param, record.fqn)
 
     def _shard_grad(self, param: DTensor, fqn: str) -> Optional[torch.Tensor]:
-        """This rank's rows of `param`'s gradient (None: the parameter is not stepped)."""
-        return self._missing_grad(fqn, param.to_local()) if param.grad is None else _local_grad(fqn, param.grad)
+        """This rank's rows of `param`'s gradient in fp32 (None: the parameter is not stepped).
+        Megatron-FSDP puts it in `decoupled_grad` for a precision-aware optimizer (Megatron-LM's
+        --use-precision-aware-optimizer), in its gradient buffer's dtype (bf16 by default there)."""
+        grad = param.grad if param.grad is not None else getattr(param, "decoupled_grad", None)
+        if grad is None:
+            return self._missing_grad(fqn, param.to_local())
+        return _local_grad(fqn, grad).float()
 
     def _missing_grad(self, fqn: str, shard: torch.Tensor) -> Optional[torch.Tensor]:
         """FSDP2 gives every rank a gradient or none: a parameter without one is not stepped."""

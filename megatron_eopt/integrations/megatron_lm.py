@@ -46,9 +46,13 @@ NOT_OFFERED = {
 _PATCHED_NAME = "get_megatron_optimizer"
 _original: Optional[Any] = None  # Megatron-LM's function while ours is installed
 _original_validate_args: Optional[Any] = None  # Megatron-LM's validate_args while ours is installed
-_undo_checkpoint_layout: list = []  # while installed: undoes the two checkpoint-layout replacements
+_undo_replacements: list = []  # while installed: undoes the replacements of _replacements()
 # What Megatron-LM's validate_args lets run on Megatron-FSDP and FSDP2; it refuses every other optimizer there.
 _MEGATRON_FSDP_OPTIMIZERS = ("adam", "sgd")
+# The precision-aware optimizer's switch and dtypes, with their values when it is off.
+_PRECISION_AWARE_OFF = {"use_precision_aware_optimizer": False, "main_grads_dtype": torch.float32,
+                        "main_params_dtype": torch.float32, "exp_avg_dtype": torch.float32,
+                        "exp_avg_sq_dtype": torch.float32}
 
 
 # ---------------------------------------------------------------- command line
@@ -249,10 +253,10 @@ def install() -> None:
     """Make Megatron-LM's `setup_model_and_optimizer` build megatron_eopt's optimizer.
 
     Rebinds `megatron.training.training.get_megatron_optimizer` (the name that function calls),
-    `megatron.training.arguments.validate_args` (validate_args_for_megatron_eopt), and the two
-    names of `megatron.training.checkpointing` that carry a checkpoint's optimizer layout
-    (`_build_sharded_state_dict_metadata`, `_load_global_dist_base_checkpoint`: see
-    _checkpoint_layout_replacements). Calling it again while installed changes nothing.
+    `megatron.training.arguments.validate_args` (validate_args_for_megatron_eopt), the names of
+    `megatron.training.checkpointing` that carry a checkpoint's optimizer layout and split SwiGLU
+    state (_checkpoint_layout_replacements), and `get_megatron_optimizer_config`
+    (_optimizer_config_replacement). Calling it again while installed changes nothing.
     """
     global _original, _original_validate_args
     if _original is None:
@@ -261,8 +265,41 @@ def install() -> None:
     if _original_validate_args is None:
         _original_validate_args = megatron_lm_arguments.validate_args
         megatron_lm_arguments.validate_args = validate_args_for_megatron_eopt
-    if not _undo_checkpoint_layout:
-        _undo_checkpoint_layout.extend(replace_names(_checkpoint_layout_replacements()))
+    if not _undo_replacements:
+        _undo_replacements.extend(replace_names(_checkpoint_layout_replacements() + _optimizer_config_replacement()))
+
+
+def _optimizer_config_replacement() -> list[tuple[Any, str, Any]]:
+    """megatron-core's OptimizerConfig checks the precision-aware optimizer (`--use-precision-aware-
+    optimizer`, `--exp-avg-dtype`, ...) as its own implementation needs it: Adam only, with its
+    DistributedOptimizer, and Transformer Engine's FusedAdam installed. Ours keeps reduced-precision
+    state for every optimizer itself and checks the fields in our OptimizerConfig (config/precision.py).
+    So where ours steps, megatron-core's config is built with the fields off and then given the
+    values asked for; where megatron-core's DistributedOptimizer steps (`--optimizer adam
+    --use-distributed-optimizer` over Megatron-LM's DDP), its checks run as they are."""
+    build = megatron_lm_training.get_megatron_optimizer_config
+
+    def get_megatron_optimizer_config(args: Any) -> tuple:
+        if not getattr(args, "use_precision_aware_optimizer", False) or _megatron_core_steps(args):
+            return build(args)
+        asked = {name: getattr(args, name) for name in _PRECISION_AWARE_OFF if hasattr(args, name)}
+        vars(args).update({name: _PRECISION_AWARE_OFF[name] for name in asked})
+        try:
+            config, overrides = build(args)
+        finally:
+            vars(args).update(asked)
+        for name, value in asked.items():
+            setattr(config, name, value)
+        return config, overrides
+
+    return [(megatron_lm_training, "get_megatron_optimizer_config", get_megatron_optimizer_config)]
+
+
+def _megatron_core_steps(args: Any) -> bool:
+    """Whether get_megatron_optimizer_for_megatron_lm hands the step to megatron-core's
+    DistributedOptimizer: Adam over Megatron-LM's reduce-scattering DDP."""
+    sharded = getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False)
+    return args.optimizer == "adam" and getattr(args, "use_distributed_optimizer", False) and not sharded
 
 
 def _checkpoint_layout_replacements() -> list[tuple[Any, str, Any]]:
@@ -311,8 +348,8 @@ def uninstall() -> None:
     if _original_validate_args is not None:
         megatron_lm_arguments.validate_args = _original_validate_args
         _original_validate_args = None
-    while _undo_checkpoint_layout:
-        _undo_checkpoint_layout.pop()()
+    while _undo_replacements:
+        _undo_replacements.pop()()
 
 
 def is_installed() -> bool:

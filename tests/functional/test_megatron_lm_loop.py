@@ -125,6 +125,15 @@ def _assert_equal_tensors(mine, reference, where: str) -> None:
         assert mine == reference, where
 
 
+def _state_dtypes(state) -> set:
+    """The dtypes of the tensors anywhere in `state` (nested dicts and lists)."""
+    if isinstance(state, dict):
+        return set().union(*map(_state_dtypes, state.values()))
+    if isinstance(state, (list, tuple)):
+        return set().union(*map(_state_dtypes, state))
+    return {state.dtype} if torch.is_tensor(state) else set()
+
+
 @pytest.mark.parametrize("optimizer", RESUMES)
 def test_resume_continues_exactly(run_distributed, tmp_path, optimizer: str) -> None:
     flags = OPTIMIZERS[optimizer]
@@ -304,17 +313,24 @@ def test_torch_fsdp2_with_torch_dcp_equals_megatron_core_and_resumes_exactly(run
     _assert_same_math(ours, theirs)
 
 
+# megatron-core's OptimizerConfig takes these with its own Adam only (and Transformer Engine); ours
+# with every optimizer (install()'s _optimizer_config_replacement).
+BF16_MOMENTS = ["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]
+
+
 def _fully_sharded_runs(run_distributed, tmp_path, engine: list[str], engine_name: str) -> tuple:
-    """megatron-core's Adam on `engine`; ours, with Adam and with Muon, each also saved at 3 and
-    resumed, checked equal to the run not interrupted. Returns (megatron-core's Adam, our Adam)."""
+    """megatron-core's Adam on `engine`; ours, with Adam and with Muon (bf16 moments), each also
+    saved at 3 and resumed, checked equal to the run not interrupted. Returns (megatron-core's
+    Adam, our Adam)."""
     command_lines = [OPTIMIZERS["adam"] + NO_CLIP + engine + MEGATRON_CORE]
     for name in ("adam", "muon"):
-        flags = OPTIMIZERS[name] + NO_CLIP + engine
+        flags = OPTIMIZERS[name] + NO_CLIP + engine + (BF16_MOMENTS if name == "muon" else [])
         command_lines += [flags, flags + _saving_at_3(str(tmp_path / name)), flags + ["--load", str(tmp_path / name)]]
     theirs, *runs = _runs(run_distributed, *command_lines)
     for index, name in enumerate(("adam", "muon")):
         straight, saved, resumed = runs[3 * index:3 * index + 3]
         _assert_resumed_exactly(straight, saved, resumed, f"{name} on {engine_name}")
+    assert torch.bfloat16 in _state_dtypes(runs[3][0].optimizer_state), engine_name  # Muon's bf16 moments
     return theirs, runs[0]
 
 

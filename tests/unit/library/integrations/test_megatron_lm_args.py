@@ -509,3 +509,31 @@ def test_layer_wise_state_files_round_trip(run_distributed, tmp_path) -> None:
         assert result["n_tensors"] > 0 and result["keys_equal"]
         assert result["changed_by_step"] > 0  # else the round trip would prove nothing
         assert result["unequal_after_load"] == []
+
+
+def test_precision_aware_settings_reach_our_optimizer_past_megatron_cores_adam_only_check() -> None:
+    """megatron-core's OptimizerConfig asserts --use-precision-aware-optimizer for its own Adam only
+    (and needs Transformer Engine); with install(), Megatron-LM's config builder gives ours the
+    settings for any optimizer, and leaves the checks to megatron-core where its DistributedOptimizer
+    steps (--optimizer adam --use-distributed-optimizer without FSDP)."""
+    from types import SimpleNamespace
+
+    import megatron.training.training as training
+    import torch
+
+    from megatron_eopt.integrations import megatron_lm
+
+    asked = dict(optimizer="muon", lr=0.01, use_precision_aware_optimizer=True, exp_avg_dtype=torch.bfloat16,
+                 exp_avg_sq_dtype=torch.bfloat16)
+    args = SimpleNamespace(**asked)
+    with pytest.raises(AssertionError, match="only supported with adam"):
+        training.get_megatron_optimizer_config(args)
+    with megatron_lm.installed():
+        config, _ = training.get_megatron_optimizer_config(args)
+    assert vars(args) == asked  # the arguments as given
+    assert (config.optimizer, config.use_precision_aware_optimizer, config.exp_avg_dtype,
+            config.exp_avg_sq_dtype) == ("muon", True, torch.bfloat16, torch.bfloat16)
+    steps = {flags: megatron_lm._megatron_core_steps(SimpleNamespace(optimizer=flags[0], use_distributed_optimizer=True,
+                                                                     use_megatron_fsdp=flags[1]))
+             for flags in (("adam", False), ("adam", True), ("muon", False))}
+    assert steps == {("adam", False): True, ("adam", True): False, ("muon", False): False}
