@@ -177,7 +177,7 @@ def fully_sharded_layout(chunks: list[torch.nn.Module], pg_collection: Any = Non
         tensor_parallel = None
     else:
         tensor_parallel = _tensor_parallel_groups(pg_collection, group, splits, engine_layers)
-    experts = _expert_sharding(pg_collection, expert, group, engine, tensor_parallel) if expert else None
+    experts = _expert_sharding(pg_collection, expert, group, tensor_parallel) if expert else None
     return FullyShardedLayout(group, rows_by_rank_per_mesh(dense + expert),
                               {fqn: split.partition_dim for fqn, split in splits.items()}, tensor_parallel, engine,
                               experts)
@@ -213,15 +213,10 @@ def rows_by_rank_per_mesh(sharded: list[tuple[str, DTensor]]) -> dict[str, tuple
     return rows_of
 
 
-def _expert_sharding(pg_collection: Any, expert: list[tuple[str, DTensor]], dp_group: ProcessGroup, engine: str,
+def _expert_sharding(pg_collection: Any, expert: list[tuple[str, DTensor]], dp_group: ProcessGroup,
                      tensor_parallel: Optional[ParallelGroups]) -> ExpertSharding:
     """The experts' mesh group, checked against the caller's expert groups (no collective)."""
     first = expert[0][0]
-    if engine == MEGATRON_FSDP:
-        raise ValueError(
-            f"parameter {first!r}: expert parameters on an expert-data-parallel mesh of their own are not supported "
-            f"with Megatron-FSDP (docs/megatron-fsdp.md says why); use torch FSDP2 (--use-torch-fsdp2) for MoE models."
-        )
     if tensor_parallel is not None:
         raise ValueError(
             f"parameter {first!r}: expert parallelism with TP x torch FSDP2 is not supported; use "
