@@ -453,7 +453,8 @@ class FullyShardedFP32Optimizer(FP32Optimizer):
         expert = next((r.fqn for r in self.records if r.is_expert_parallel), None)
         if expert is not None:
             raise ValueError(
-                f"{what} of expert parameters on their own mesh (EP x torch FSDP2) is not supported: its DTensor "
+                f"{what} of expert parameters on their own mesh (expert parallelism on torch FSDP2 or Megatron-FSDP) is not "
+                f"supported: its DTensor "
                 f"state is keyed by parameter name, and the EP ranks name their local experts alike (e.g. "
                 f"{expert!r}); use megatron_eopt.checkpointing.save_checkpoint, which stores global expert names."
             )

@@ -12,7 +12,9 @@ same global gradient. Muon, fp32, muon_fp32_matmul_prec='highest', clipping acti
   the data-parallel mesh. No forward (pp_ep_runs.py says why): gradients are drawn from the global
   name and the step, each rank's DTensor gradient its rows of the one the reference gets. 3 steps;
   also a resume: save_checkpoint after 2 steps, a fresh model and optimizer load it and take step
-  3, bitwise equal to the run that went on; and Muon's batched path for the experts.
+  3, bitwise equal to the run that went on; Muon's batched path for the experts; and the
+  refusals of groups that do not fit the experts' mesh, of groups without expert roles, and of torch DCP's
+  `optimizer.state_dict()` (keyed by local names, which the EP ranks' experts share).
 - Megatron-FSDP: `fully_shard_model(..., expt_device_mesh=...)` (ZeRO-3) on CPU through
   runtime/megatron_fsdp_cpu.py, with real forward and backward passes (the trainer's CPU MoE
   layer, allgather dispatcher): each rank its own micro-batch; the reference steps the mean of
@@ -39,6 +41,7 @@ from megatron_eopt.checkpointing.global_names import global_parameter_names
 from megatron_eopt.training.model.gpt import build_gpt_model, destroy_model_parallel, gpt_loss, initialize_model_parallel
 from megatron_eopt.training.parallel.fsdp2 import data_parallel_mesh
 from tests.newton_schulz_calls import recording_newton_schulz_calls
+from tests.refusals import error_of
 from tests.unit.library.checkpointing.pp_ep_runs import MOE, OPTIMIZERS, SEED
 
 EP = 2
@@ -182,11 +185,25 @@ def _fsdp2(directory: str) -> dict:
             resumed.optimizer.step()
         after_load = resumed.global_params()
         children = [child.name for child in run.optimizer.chained_optimizers]
+        refusals = _refusals(run)
     finally:
         destroy_model_parallel()
     return {"errors": {name: (value - expected[name]).abs().max().item() for name, value in got.items()},
             "norms": (expected_norms, norms), "names": (sorted(expected), sorted(got)), "calls": calls,
-            "children": children, "resume_diffs": [n for n, v in got.items() if not torch.equal(v, after_load[n])]}
+            "children": children, "resume_diffs": [n for n, v in got.items() if not torch.equal(v, after_load[n])],
+            "refusals": refusals}
+
+
+def _refusals(run: _Run) -> dict[str, tuple[str, str]]:
+    """Each raises before any collective, on every rank."""
+    # Groups that leave out expert parallelism: the experts' mesh (2 ranks) x EP (1) is not the 4-rank dense mesh.
+    without_ep = ParallelGroups.from_groups(tp=None, mp=None, dp_cp=None, expt_tp=None, expt_mp=None, expt_dp=None)
+    # Groups without any expert role: the experts' gradient norm has no expert model-parallel group.
+    dense_only = ParallelGroups.from_groups(tp=None, mp=None, dp_cp=None)
+    return {"grid": error_of(lambda: get_megatron_optimizer(CONFIG, [run.model], pg_collection=without_ep)),
+            "no expert groups": error_of(lambda: get_megatron_optimizer(CONFIG, [run.model], pg_collection=dense_only)),
+            # torch DCP's state_dict is keyed by local names, which the EP ranks' experts share.
+            "state_dict": error_of(run.optimizer.state_dict)}
 
 
 def _megatron_fsdp_run(rank: int) -> dict:
@@ -240,3 +257,8 @@ def test_expert_parallel_fully_sharded_muon_equals_one_process(run_distributed, 
         gate_up = [shape for shape in result["calls"] if shape[-2:] == (48, 32)]
         fc2 = [shape for shape in result["calls"] if shape[-2:] == (32, 48)]
         assert gate_up == [(4, 48, 32)] and fc2 == [(2, 32, 48)], (rank, result["calls"])
+        refusals = result["refusals"]
+        assert refusals["grid"][0] == "ValueError" and "expert model-parallel group" in refusals["grid"][1], refusals
+        assert refusals["no expert groups"][0] == "ValueError" and "'expt_tp'" in refusals["no expert groups"][1], \
+            refusals
+        assert refusals["state_dict"][0] == "ValueError" and "save_checkpoint" in refusals["state_dict"][1], refusals
