@@ -5,7 +5,7 @@ This module
 - checks that layout, naming any parameter or placement it cannot handle;
 - takes the data-parallel group from the parameters' mesh, and each matrix's row split from the
   ranks' actual shards (one all_gather of their sizes per mesh; megatron_fsdp_model.py says why);
-- with expert parallelism (FSDP2), takes the expert-data-parallel group from the experts' own mesh
+- with expert parallelism, takes the expert-data-parallel group from the experts' own mesh
   and the expert model-parallel group from `pg_collection` or parallel_state, and checks them;
 - restores the routing facts `fully_shard` drops (`is_embedding_or_output_parameter`,
   `tensor_model_parallel`, `partition_dim`, `allreduce`) from module types and names;
@@ -453,10 +453,10 @@ class FullyShardedFP32Optimizer(FP32Optimizer):
         expert = next((r.fqn for r in self.records if r.is_expert_parallel), None)
         if expert is not None:
             raise ValueError(
-                f"{what} of expert parameters on their own mesh (expert parallelism on torch FSDP2 or Megatron-FSDP) is not "
-                f"supported: its DTensor "
-                f"state is keyed by parameter name, and the EP ranks name their local experts alike (e.g. "
-                f"{expert!r}); use megatron_eopt.checkpointing.save_checkpoint, which stores global expert names."
+                f"{what} of expert parameters on their own mesh (expert parallelism on torch FSDP2 or Megatron-FSDP) "
+                f"is not supported: its DTensor state is keyed by parameter name, and the EP ranks name their local "
+                f"experts alike (e.g. {expert!r}); use megatron_eopt.checkpointing.save_checkpoint, which stores "
+                f"global expert names."
             )
 
     def _prepare_main_grads(self) -> None:

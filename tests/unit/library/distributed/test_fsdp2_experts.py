@@ -38,7 +38,13 @@ import torch.distributed as dist
 from megatron_eopt import OptimizerConfig, ParallelGroups, get_megatron_optimizer
 from megatron_eopt.checkpointing import load_checkpoint, save_checkpoint
 from megatron_eopt.checkpointing.global_names import global_parameter_names
-from megatron_eopt.training.model.gpt import build_gpt_model, destroy_model_parallel, gpt_loss, initialize_model_parallel
+from megatron_eopt.checkpointing.storage import read_manifest
+from megatron_eopt.training.model.gpt import (
+    build_gpt_model,
+    destroy_model_parallel,
+    gpt_loss,
+    initialize_model_parallel,
+)
 from megatron_eopt.training.parallel.fsdp2 import data_parallel_mesh
 from tests.newton_schulz_calls import recording_newton_schulz_calls
 from tests.refusals import error_of
@@ -77,7 +83,8 @@ class _Run:
             for fqn, param in model.named_parameters():
                 param.copy_(_global_tensor(f"init/{self.names[fqn]}", param.shape, 0.05))
         if engine == "fsdp2":
-            _fully_shard(model, parallel_state.get_data_parallel_group(), parallel_state.get_expert_data_parallel_group())
+            _fully_shard(model, parallel_state.get_data_parallel_group(),
+                         parallel_state.get_expert_data_parallel_group())
         elif engine == "megatron_fsdp":
             model = _megatron_fsdp(model)
             self.names = {MEGATRON_FSDP_PREFIX + fqn: name for fqn, name in self.names.items()}
@@ -174,24 +181,26 @@ def _fsdp2(directory: str) -> dict:
         run, norms = _Run("fsdp2"), []
         for step in range(STEPS):
             if step == SAVED_STEPS:
-                save_checkpoint(directory, SAVED_STEPS, [run.model], run.optimizer, save_rng=False)
+                saved = save_checkpoint(directory, SAVED_STEPS, [run.model], run.optimizer, save_rng=False)
             run.set_gradients(step)
             with recording_newton_schulz_calls() as calls:
                 norms.append(run.optimizer.step()[1])
         got = run.global_params()
         resumed = _Run("fsdp2")
-        for step in range(load_checkpoint(directory, [resumed.model], resumed.optimizer, load_rng=False).iteration, STEPS):
+        start = load_checkpoint(directory, [resumed.model], resumed.optimizer, load_rng=False).iteration
+        for step in range(start, STEPS):
             resumed.set_gradients(step)
             resumed.optimizer.step()
         after_load = resumed.global_params()
         children = [child.name for child in run.optimizer.chained_optimizers]
         refusals = _refusals(run)
+        saved_ep = read_manifest(saved)["expert_parallel_size"]
     finally:
         destroy_model_parallel()
     return {"errors": {name: (value - expected[name]).abs().max().item() for name, value in got.items()},
             "norms": (expected_norms, norms), "names": (sorted(expected), sorted(got)), "calls": calls,
             "children": children, "resume_diffs": [n for n, v in got.items() if not torch.equal(v, after_load[n])],
-            "refusals": refusals}
+            "refusals": refusals, "saved_ep": saved_ep}
 
 
 def _refusals(run: _Run) -> dict[str, tuple[str, str]]:
@@ -252,6 +261,8 @@ def test_expert_parallel_fully_sharded_muon_equals_one_process(run_distributed, 
     for rank, results in enumerate(per_rank):
         result = results["fsdp2"]
         assert not result["resume_diffs"], (rank, result["resume_diffs"])
+        # The manifest's layout, although the engines drop megatron-core's `allreduce=False`.
+        assert result["saved_ep"] == EP, result["saved_ep"]
         # Each expert-data-parallel rank owns 2 of its EP rank's 4 expert fc1 [96, 32] (gate and up
         # 48 x 32 apart) and 2 of its 4 fc2 [32, 48]: one batched call for each shape.
         gate_up = [shape for shape in result["calls"] if shape[-2:] == (48, 32)]
