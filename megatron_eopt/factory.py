@@ -99,8 +99,7 @@ def get_megatron_optimizer(
     if fsdp is not None:
         check_fully_sharded_config(config, fsdp.engine)
         _check_supported(config, {name: lookup_optimizer(name) for name in routing.optimizers}, fsdp2=True)
-        routing = dataclasses.replace(routing, embedding_or_output_names=OUTPUT_LAYER_NAMES,
-                                      expert_parallel_fqns=fsdp.expert_parallel_fqns)
+        routing = _fully_sharded_routing(routing, fsdp)
     groups = resolve_parallel_groups(pg_collection) if fsdp is None else fsdp.parallel_groups()
     overrides = _overrides(config, config_overrides, spec)
     check_config_overrides(overrides)
@@ -132,6 +131,13 @@ def get_megatron_optimizer(
     if dump_param_to_param_group_map is not None and tp_modes:  # again, with each matrix's TP mode
         dump_param_group_map(dump_param_to_param_group_map, param_groups, records, tp_modes)
     return optimizer
+
+
+def _fully_sharded_routing(routing: ParamRouting, fsdp: FullyShardedLayout) -> ParamRouting:
+    """The engines drop megatron-core's parameter attributes: the LM head is named instead, and
+    the experts on a mesh of their own are listed."""
+    return dataclasses.replace(routing, embedding_or_output_names=OUTPUT_LAYER_NAMES,
+                               expert_parallel_fqns=fsdp.expert_parallel_fqns)
 
 
 def _warn_if_tp_settings_unused(config: OptimizerConfig, records: list[ParamRecord], tp_modes: Mapping[str, str]) -> None:

@@ -3,18 +3,15 @@ DTensor parameters on a 1-D mesh, Shard(0), shards of any sizes.
 
 This module
 - checks that layout, naming any parameter or placement it cannot handle;
-- takes the data-parallel group from the parameters' mesh, and each matrix's row split from the
-  ranks' actual shards (one all_gather of their sizes per mesh; megatron_fsdp_model.py says why);
-- with expert parallelism, takes the expert-data-parallel group from the experts' own mesh
-  and the expert model-parallel group from `pg_collection` or parallel_state, and checks them;
+- takes the data-parallel group from the parameters' mesh (with EP, the experts' from theirs), and
+  each matrix's row split from the ranks' shards (an all_gather per mesh; megatron_fsdp_model.py);
 - restores the routing facts `fully_shard` drops (`is_embedding_or_output_parameter`,
   `tensor_model_parallel`, `partition_dim`, `allreduce`) from module types and names;
-- with TP as well (FSDP2 only), takes the TP group from `pg_collection` or parallel_state and checks it;
+- with TP (FSDP2 only) or EP, takes the TP or expert groups from `pg_collection` or parallel_state;
 - gives each whole-matrix optimizer's matrix an owner rank by Newton-Schulz cost
   (ops/row_shards.py runs the exchange);
 - wraps the inner optimizers to step each DTensor's local shard (`FullyShardedFP32Optimizer`),
-  with the gradient norm and the inf/NaN check summed over the mesh, then the model-parallel group
-  (experts: over their mesh, then the expert model-parallel group).
+  with the gradient norm and the inf/NaN check summed over the mesh, then the (expert) model-parallel group.
 docs/fsdp2.md and docs/megatron-fsdp.md describe the behaviour.
 """
 
