@@ -100,7 +100,7 @@ def get_megatron_optimizer(
     if fsdp is not None:
         check_fully_sharded_config(config, fsdp.engine)
         _check_supported(config, {name: lookup_optimizer(name) for name in routing.optimizers}, fsdp2=True)
-        routing = dataclasses.replace(routing, embedding_or_output_names=OUTPUT_LAYER_NAMES)
+        routing = _fully_sharded_routing(routing, fsdp)
     groups = resolve_parallel_groups(pg_collection) if fsdp is None else fsdp.parallel_groups()
     overrides = _overrides(config, config_overrides, spec)
     check_config_overrides(overrides)
@@ -132,6 +132,13 @@ def get_megatron_optimizer(
     if dump_param_to_param_group_map is not None and tp_modes:  # again, with each matrix's TP mode
         dump_param_group_map(dump_param_to_param_group_map, param_groups, records, tp_modes)
     return optimizer
+
+
+def _fully_sharded_routing(routing: ParamRouting, fsdp: FullyShardedLayout) -> ParamRouting:
+    """The engines drop megatron-core's parameter attributes: the LM head is named instead, and
+    the experts on a mesh of their own are listed."""
+    return dataclasses.replace(routing, embedding_or_output_names=OUTPUT_LAYER_NAMES,
+                               expert_parallel_fqns=fsdp.expert_parallel_fqns)
 
 
 def _warn_if_tp_settings_unused(config: OptimizerConfig, records: list[ParamRecord], tp_modes: Mapping[str, str]) -> None:
@@ -340,11 +347,12 @@ def _children(build: _Build, owned_fqns: Optional[set[str]] = None) -> list[Any]
                 norm_groups = (_data_parallel_group(groups, is_expert), norm_group)
             if fsdp is not None:
                 # Disjoint row shards: their squares sum over the mesh, then over the model-parallel
-                # group (a TP-replicated parameter counts on TP rank 0 only, as without FSDP2).
-                norm_groups = (fsdp.group, norm_group)
+                # group (a TP-replicated parameter counts on TP rank 0 only, as without FSDP2); the
+                # experts' over their own mesh, then over the expert model-parallel group.
+                norm_groups = (fsdp.group_of(is_expert), norm_group)
             child_records = [r for r in records if (r.is_expert_parallel, r.optimizer_name) == (is_expert, name)]
             make_optimizer = _optimizer_maker(lookup_optimizer(name), config, build.chunks, child_records, tp_group,
-                                              fsdp)
+                                              fsdp, is_expert)
             children.append(wrapper(child_groups, make_optimizer, config, records, tp_group, norm_groups,
                                     _child_name(routing, name, is_expert), grad_scaler,
                                     state_precision=state_precision_for(name, config), qk_clip=build.qk_clip))
@@ -417,12 +425,14 @@ def _optimizer_maker(
     records: list[ParamRecord],
     tp_group: Any,
     fsdp: Optional[FullyShardedLayout] = None,
+    is_expert: bool = False,
 ):
     """`make_optimizer(torch param groups)` for one child, with its TP group and layouts.
 
     For torch FSDP2 (`fsdp`), a whole-matrix optimizer gets the layouts of the matrices FSDP2
     splits by rows (a DTensor's shape is global over the mesh: the whole matrix, or this TP
-    rank's shard of it) as row shards with an owner rank each, instead of `layouts`.
+    rank's shard of it) as row shards with an owner rank each, instead of `layouts`; an expert
+    child's rows and owners are over the experts' mesh.
     """
     tp_size = group_size(tp_group)
     _check_tensor_parallel_support(spec, records, tp_size)
@@ -435,8 +445,8 @@ def _optimizer_maker(
     else:
         on_cpu = not torch.cuda.is_available()
     if fsdp is not None and spec.accepts("fsdp_shards"):
-        context = BuildContext(tp_group=tp_group, on_cpu=on_cpu, fsdp_group=fsdp.group,
-                               fsdp_shards=fsdp.row_shards(records, layouts))
+        context = BuildContext(tp_group=tp_group, on_cpu=on_cpu, fsdp_group=fsdp.group_of(is_expert),
+                               fsdp_shards=fsdp.row_shards(records, layouts, is_expert))
     else:
         context = BuildContext(tp_group=tp_group, layouts=layouts, on_cpu=on_cpu)
     return lambda param_groups: spec.build(param_groups, config, context)

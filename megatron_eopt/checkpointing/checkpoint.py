@@ -23,6 +23,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
 from megatron_eopt.checkpointing import storage
 from megatron_eopt.checkpointing.global_names import stored_child_name
@@ -398,8 +399,11 @@ def _tp_size(groups: Any) -> int:
 
 
 def _ep_size(groups: Any, params: list) -> int:
-    """Expert-parallel size: expert tp x ep x pp over expert tp x pp (1 without expert parameters)."""
-    if all(getattr(p.param, "allreduce", True) for p in params):
+    """Expert-parallel size: expert tp x ep x pp over expert tp x pp (1 without expert parameters).
+    A sharded model's experts on a mesh of their own lost `allreduce=False` to the engine; its
+    groups then hold the expert roles (distributed/fsdp2.py)."""
+    sharded_experts = "expt_dp" in groups.provided and any(isinstance(p.param, DTensor) for p in params)
+    if all(getattr(p.param, "allreduce", True) for p in params) and not sharded_experts:
         return 1
     why = "a checkpoint (which records its expert-parallel size)"
     return group_size(groups.require("expt_mp", why)) // (

@@ -39,8 +39,7 @@ from megatron_eopt.checkpointing.layout import (
     row_placement,
 )
 from megatron_eopt.checkpointing.storage import CheckpointError, all_gather_objects
-from megatron_eopt.distributed.fsdp2 import tensor_parallel_partition_dims
-from megatron_eopt.ops.row_shards import gathered_rows
+from megatron_eopt.distributed.fsdp2 import rows_by_rank_per_mesh, tensor_parallel_partition_dims
 from megatron_eopt.runtime.process_groups import ParallelGroups, ProcessGroup, group_rank, group_ranks, group_size
 from megatron_eopt.params.groups import chunk_model_config, named_trainable_parameters
 from megatron_eopt.wrappers.base import CheckpointableChild
@@ -84,14 +83,10 @@ def model_params(model_chunks: list[torch.nn.Module], groups: ParallelGroups) ->
 
 
 def _rows_by_rank(named: list) -> dict[str, tuple[int, ...]]:
-    """fqn -> rows each rank of the mesh holds, for every DTensor parameter: one all_gather over the
-    mesh's group (the engines' splits differ: Megatron-FSDP's follows its buckets)."""
-    sharded = [(fqn, p) for fqn, _, p in named if isinstance(p, DTensor)]
-    if not sharded:
-        return {}
-    first = sharded[0][1]
-    rows = gathered_rows([p.to_local().shape[0] for _, p in sharded], first.device_mesh.get_group(), first.device)
-    return {fqn: r for (fqn, _), r in zip(sharded, rows)}
+    """fqn -> rows each rank of its mesh holds, for every DTensor parameter: one all_gather over each
+    mesh's group (the engines' splits differ: Megatron-FSDP's follows its buckets; experts may
+    have a mesh of their own)."""
+    return rows_by_rank_per_mesh([(fqn, p) for fqn, _, p in named if isinstance(p, DTensor)])
 
 
 def _tensor_parallel_rows(model_chunks: list[torch.nn.Module], named: list, groups: ParallelGroups,

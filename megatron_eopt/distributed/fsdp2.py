@@ -3,21 +3,20 @@ DTensor parameters on a 1-D mesh, Shard(0), shards of any sizes.
 
 This module
 - checks that layout, naming any parameter or placement it cannot handle;
-- takes the data-parallel group from the parameters' mesh, and each matrix's row split from the
-  ranks' actual shards (one all_gather of their sizes; megatron_fsdp_model.py says why);
+- takes the data-parallel group from the parameters' mesh (with EP, the experts' from theirs), and
+  each matrix's row split from the ranks' shards (an all_gather per mesh; megatron_fsdp_model.py);
 - restores the routing facts `fully_shard` drops (`is_embedding_or_output_parameter`,
   `tensor_model_parallel`, `partition_dim`, `allreduce`) from module types and names;
-- with TP as well (FSDP2 only), takes the TP group from `pg_collection` or parallel_state and checks it;
+- with TP (FSDP2 only) or EP, takes the TP or expert groups from `pg_collection` or parallel_state;
 - gives each whole-matrix optimizer's matrix an owner rank by Newton-Schulz cost
   (ops/row_shards.py runs the exchange);
 - wraps the inner optimizers to step each DTensor's local shard (`FullyShardedFP32Optimizer`),
-  with the gradient norm and the inf/NaN check summed over the mesh, then the model-parallel group.
+  with the gradient norm and the inf/NaN check summed over the mesh, then the (expert) model-parallel group.
 docs/fsdp2.md and docs/megatron-fsdp.md describe the behaviour.
 """
 
 import dataclasses
 from dataclasses import dataclass, field
-from fnmatch import fnmatchcase
 from typing import Any, Optional
 
 import torch
@@ -52,14 +51,13 @@ from megatron_eopt.distributed.megatron_fsdp_model import (
 from megatron_eopt.ops.row_shards import RowShards, gathered_rows
 from megatron_eopt.ops.splits import MatrixLayout
 from megatron_eopt.params.groups import ParamRecord, named_trainable_parameters
+from megatron_eopt.params.names import is_expert_name
 from megatron_eopt.wrappers.fp32 import FP32Optimizer
 from megatron_eopt.wrappers.mixed_precision import HALF_DTYPES, MixedPrecisionOptimizer
 
 # megatron-core's language models name their LM head `output_layer` (GPTModel, MambaModel); its
 # weight is what megatron-core tags is_embedding_or_output_parameter besides the embedding.
 OUTPUT_LAYER_NAMES = ("output_layer.weight", "*.output_layer.weight")
-# megatron-core's routed experts (not `shared_experts`): expert parallelism is not supported here.
-EXPERT_NAMES = ("*.experts.*",)
 # Transformer Engine layers (megatron-core's TE specs): their tensor-parallel split is not read here.
 TRANSFORMER_ENGINE_MODULES = ("transformer_engine", "megatron.core.extensions")
 # The first torch whose FSDP2 averages gradients on CPU: 2.8 reduce-scatters them with ReduceOp.AVG,
@@ -68,16 +66,39 @@ FSDP2_AVERAGES_ON_CPU_SINCE = (2, 9)
 
 
 @dataclass(frozen=True)
+class ExpertSharding:
+    """Expert parameters sharded over an expert-data-parallel mesh of their own (EP > 1): each
+    EP rank holds its local experts and shards them over `group`; `fqns` names them."""
+
+    group: ProcessGroup  # the experts' mesh's group: expert data parallel
+    fqns: frozenset[str]
+    # The caller's expert model-parallel group (tp x ep x pp), over which the experts' gradient
+    # norm is summed after their mesh, as megatron-core sums it.
+    model_parallel: Optional[ProcessGroup]
+
+
+@dataclass(frozen=True)
 class FullyShardedLayout:
     """A sharded model's data-parallel group and the row split of every trainable parameter."""
 
-    group: ProcessGroup
-    rows_by_rank: dict[str, tuple[int, ...]]  # fqn -> rows each rank holds (dim 0), as gathered
+    group: ProcessGroup  # the dense parameters' mesh's group
+    rows_by_rank: dict[str, tuple[int, ...]]  # fqn -> rows each rank of its mesh holds (dim 0), as gathered
     # fqn -> megatron-core partition_dim of the parameters its tensor-parallel layers split
     partition_dims: dict[str, int] = field(default_factory=dict)
     # The caller's groups when tensor parallelism has size > 1 (TP x FSDP2), else None.
     tensor_parallel: Optional[ParallelGroups] = None
     engine: str = TORCH_FSDP2  # or MEGATRON_FSDP
+    experts: Optional[ExpertSharding] = None  # None: no expert parameter, or all on the dense mesh (EP=1)
+
+    @property
+    def expert_parallel_fqns(self) -> frozenset[str]:
+        """The parameters stepped as megatron-core's expert-parallel ones (`allreduce=False`, which
+        `fully_shard` drops)."""
+        return frozenset() if self.experts is None else self.experts.fqns
+
+    def group_of(self, is_expert: bool) -> ProcessGroup:
+        """The data-parallel group the dense (or the expert) parameters' rows are split over."""
+        return self.experts.group if is_expert and self.experts is not None else self.group
 
     def optimizer_class(self, mixed_precision: bool) -> type:
         """The wrapper that steps each child's local shards: with `mixed_precision` (OptimizerConfig.bf16)
@@ -93,8 +114,10 @@ class FullyShardedLayout:
     def parallel_groups(self) -> ParallelGroups:
         """Data parallel = the mesh's group; tensor (and model) parallel the caller's, if any."""
         given = self.tensor_parallel
+        experts = {} if self.experts is None else dict(
+            expt_tp=None, expt_mp=self.experts.model_parallel, expt_dp=self.experts.group)
         if given is None:
-            return ParallelGroups.from_groups(tp=None, mp=None, dp_cp=self.group, tp_dp_cp=self.group)
+            return ParallelGroups.from_groups(tp=None, mp=None, dp_cp=self.group, tp_dp_cp=self.group, **experts)
         # Checkpoints need the group of all TP x DP ranks; only the caller can name it.
         known = {role: getattr(given, role) for role in ("tp_dp_cp", "job") if role in given.provided}
         return ParallelGroups.from_groups(tp=given.tp, mp=given.mp, dp_cp=self.group, **known)
@@ -104,14 +127,17 @@ class FullyShardedLayout:
         return [dataclasses.replace(r, tensor_model_parallel=r.fqn in self.partition_dims,
                                     partition_dim=self.partition_dims.get(r.fqn, -1)) for r in records]
 
-    def row_shards(self, records: list[ParamRecord], layouts: dict[str, MatrixLayout]) -> dict[str, RowShards]:
-        """fqn -> RowShards of the matrices in `records`, owners balanced by Newton-Schulz cost.
+    def row_shards(self, records: list[ParamRecord], layouts: dict[str, MatrixLayout],
+                   is_expert: bool = False) -> dict[str, RowShards]:
+        """fqn -> RowShards of the matrices in `records` (all dense, or all expert), owners among
+        the ranks of their mesh (`group_of`), balanced by Newton-Schulz cost.
 
         `layouts` are of the matrices FSDP2 splits (a DTensor's shape is its global shape over the
         mesh): whole matrices, or this TP rank's shards of them. Every TP rank computes the same
         owners (same shapes, same order), so a matrix's owners form one TP group.
         """
-        owners = assign_owners(records, {r.fqn for r in records}, group_size(self.group), group_size(self.tp_group))
+        owners = assign_owners(records, {r.fqn for r in records}, group_size(self.group_of(is_expert)),
+                               group_size(self.tp_group))
         return {r.fqn: RowShards(layouts[r.fqn], self.rows_by_rank[r.fqn], owners[r.fqn]) for r in records}
 
 
@@ -120,10 +146,12 @@ def fully_sharded_layout(chunks: list[torch.nn.Module], pg_collection: Any = Non
     parameter is a DTensor. Gathers every rank's shard sizes over the parameters' mesh (a collective).
 
     The tensor-parallel group, if any, is `pg_collection`'s, else megatron-core parallel_state's
-    when it is initialized. Raises (naming the parameter) for a mix of DTensor and plain
-    trainable parameters, a placement other than Shard(0) on a 1-D mesh, parameters on different
-    meshes, expert parameters, tensor-parallel layers that do not fit the TP group, and tensor
-    parallelism with Megatron-FSDP.
+    when it is initialized; so is the expert model-parallel group when routed experts
+    (`*.experts.*`) sit on a mesh of their own. Raises (naming the parameter) for a mix of DTensor
+    and plain trainable parameters, a placement other than Shard(0) on a 1-D mesh, dense (or
+    expert) parameters on different meshes, an expert mesh that does not fit the caller's
+    expert-parallel groups, tensor-parallel layers that do not fit the TP group, and tensor
+    parallelism with Megatron-FSDP or with experts.
     """
     engine = sharding_engine(chunks)  # first: Megatron-FSDP's other strategies keep plain parameters
     named = named_trainable_parameters(chunks)
@@ -140,8 +168,8 @@ def fully_sharded_layout(chunks: list[torch.nn.Module], pg_collection: Any = Non
         )
     for fqn, param in sharded:
         check_row_placement(fqn, param, engine)
-        _check_not_expert(fqn)
-    group = _common_group(sharded)
+    dense, expert = split_by_mesh(sharded)
+    group = _common_group(dense)
     if engine == TORCH_FSDP2:
         check_fsdp2_averages(sharded[0][1].device)
     splits, engine_layers = _tensor_parallel_splits(chunks)
@@ -150,9 +178,83 @@ def fully_sharded_layout(chunks: list[torch.nn.Module], pg_collection: Any = Non
         tensor_parallel = None
     else:
         tensor_parallel = _tensor_parallel_groups(pg_collection, group, splits, engine_layers)
-    rows = gathered_rows([p.to_local().shape[0] for _, p in sharded], group, sharded[0][1].device)
-    return FullyShardedLayout(group, {fqn: r for (fqn, _), r in zip(sharded, rows)},
-                              {fqn: split.partition_dim for fqn, split in splits.items()}, tensor_parallel, engine)
+    experts = _expert_sharding(pg_collection, expert, group, tensor_parallel) if expert else None
+    return FullyShardedLayout(group, rows_by_rank_per_mesh(dense + expert),
+                              {fqn: split.partition_dim for fqn, split in splits.items()}, tensor_parallel, engine,
+                              experts)
+
+
+def split_by_mesh(sharded: list[tuple[str, DTensor]]) -> tuple[list[tuple[str, DTensor]], list[tuple[str, DTensor]]]:
+    """(dense, expert): routed experts' parameters go to `expert` when they sit on a mesh other
+    than the first dense parameter's (expert parallelism shards them over their own
+    expert-data-parallel group); on the same mesh (EP=1) they are dense, as megatron-core has them."""
+    dense = [(fqn, p) for fqn, p in sharded if not is_expert_name(fqn)]
+    expert = [(fqn, p) for fqn, p in sharded if is_expert_name(fqn)]
+    if not dense:
+        raise ValueError(
+            f"every trainable parameter is a routed expert's (e.g. {expert[0][0]!r}); a model sharded with "
+            f"experts needs its dense parameters (router, attention, norms) in the same model chunks."
+        )
+    mesh = dense[0][1].device_mesh
+    if all(p.device_mesh == mesh for _, p in expert):
+        return dense + expert, []
+    return dense, expert
+
+
+def rows_by_rank_per_mesh(sharded: list[tuple[str, DTensor]]) -> dict[str, tuple[int, ...]]:
+    """fqn -> rows each rank of its parameter's mesh holds: one all_gather per mesh, over its group,
+    the meshes in the order of their first parameter (the same on every rank of a mesh)."""
+    by_mesh: dict[Any, list[tuple[str, DTensor]]] = {}
+    for fqn, param in sharded:
+        by_mesh.setdefault(param.device_mesh, []).append((fqn, param))
+    rows_of = {}
+    for mesh, members in by_mesh.items():
+        rows = gathered_rows([p.to_local().shape[0] for _, p in members], mesh.get_group(), members[0][1].device)
+        rows_of.update({fqn: r for (fqn, _), r in zip(members, rows)})
+    return rows_of
+
+
+def _expert_sharding(pg_collection: Any, expert: list[tuple[str, DTensor]], dp_group: ProcessGroup,
+                     tensor_parallel: Optional[ParallelGroups]) -> ExpertSharding:
+    """The experts' mesh group, checked against the caller's expert groups (no collective)."""
+    first = expert[0][0]
+    if tensor_parallel is not None:
+        raise ValueError(
+            f"parameter {first!r}: expert parallelism with TP x torch FSDP2 is not supported; use "
+            f"tensor_model_parallel_size=1 with experts on torch FSDP2."
+        )
+    expert_group = _common_group(expert)
+    given = resolve_parallel_groups(pg_collection) if pg_collection is not None else initialized_parallel_state_groups()
+    if given is None:
+        raise ValueError(
+            f"parameter {first!r} is a routed expert's on a mesh of its own (expert parallelism), but no expert "
+            f"process groups were given: pass pg_collection with its 'tp_ep_pp' (expert model-parallel) group, "
+            f"or keep megatron-core's parallel_state initialized while building the optimizer."
+        )
+    why = "expert parameters on their own mesh (the experts' gradient norm over expert parallel ranks)"
+    expert_tp, expert_mp = given.require("expt_tp", why), given.require("expt_mp", why)
+    if group_size(expert_tp) > 1:
+        raise ValueError(f"parameter {first!r}: expert tensor parallelism (size {group_size(expert_tp)}) with "
+                         f"torch FSDP2 is not supported; use expert_tensor_parallel_size=1.")
+    _check_expert_grid(first, expert_group, expert_mp, dp_group)
+    return ExpertSharding(expert_group, frozenset(fqn for fqn, _ in expert), expert_mp)
+
+
+def _check_expert_grid(fqn: str, expert_group: ProcessGroup, expert_mp: Optional[ProcessGroup],
+                       dp_group: ProcessGroup) -> None:
+    """Expert data parallel x expert parallel is the dense data-parallel group: the experts' mesh
+    and the expert model-parallel group share this rank only, and their sizes multiply to it."""
+    expert_ranks, ep_ranks = group_ranks(expert_group), group_ranks(expert_mp)
+    common = sorted(set(expert_ranks) & set(ep_ranks))
+    if common != [dist.get_rank()] or len(expert_ranks) * len(ep_ranks) != group_size(dp_group) \
+            or not set(expert_ranks) <= set(group_ranks(dp_group)):
+        raise ValueError(
+            f"parameter {fqn!r}: the experts' mesh has ranks {expert_ranks}, the expert model-parallel group "
+            f"{ep_ranks} and the dense mesh {group_ranks(dp_group)}; the experts' mesh must be this rank's expert "
+            f"data-parallel group (e.g. DeviceMesh.from_group(parallel_state.get_expert_data_parallel_group(), ...)), "
+            f"which shares this rank ({dist.get_rank()}) only with the expert model-parallel group, and the two "
+            f"must multiply to the dense mesh."
+        )
 
 
 def _tensor_parallel_splits(chunks: list[torch.nn.Module]) -> tuple[dict[str, TensorParallelSplit], list[str]]:
@@ -251,22 +353,15 @@ def check_row_placement(fqn: str, param: DTensor, engine: str = TORCH_FSDP2) -> 
         )
 
 
-def _check_not_expert(fqn: str) -> None:
-    if any(fnmatchcase(fqn, pattern) for pattern in EXPERT_NAMES) and ".shared_experts." not in fqn:
-        raise ValueError(
-            f"parameter {fqn!r} is an expert weight; expert parallelism with torch FSDP2 is not "
-            f"supported yet (it needs the expert data-parallel group). Use megatron-core DDP with the "
-            f"layer-wise distributed optimizer for MoE models."
-        )
-
-
 def _common_group(sharded: list[tuple[str, DTensor]]) -> ProcessGroup:
+    """The one mesh's group of `sharded` (the dense parameters, or the experts)."""
     first_fqn, first = sharded[0]
     for fqn, param in sharded[1:]:
         if param.device_mesh != first.device_mesh:
             raise ValueError(
                 f"parameters {first_fqn!r} and {fqn!r} are on different DeviceMeshes ({first.device_mesh} "
-                f"and {param.device_mesh}); fully_shard every module over one mesh."
+                f"and {param.device_mesh}); fully_shard every module over one mesh (the routed experts, "
+                f"'*.experts.*', may have a mesh of their own: the expert data-parallel group's)."
             )
     return first.device_mesh.get_group()
 
@@ -327,6 +422,7 @@ class FullyShardedFP32Optimizer(FP32Optimizer):
         step; `is_loading`: new tensors to load into. Collectives over the parameters' mesh
         (checkpointing/fsdp_dtensor.dtensor_state_dict)."""
         self._refuse_tensor_parallel("state_dict()")
+        self._refuse_expert_parallel("state_dict()")
         return dtensor_state_dict(self, is_loading)
 
     def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
@@ -340,6 +436,7 @@ class FullyShardedFP32Optimizer(FP32Optimizer):
                 f"torch.distributed.checkpoint (Megatron-LM's --ckpt-format fsdp_dtensor), or use save_checkpoint."
             )
         self._refuse_tensor_parallel("the fsdp_dtensor layout")
+        self._refuse_expert_parallel("the fsdp_dtensor layout")
         return super().sharded_state_dict(model_sharded_state_dict, is_loading, metadata)
 
     def _refuse_tensor_parallel(self, what: str) -> None:
@@ -348,6 +445,17 @@ class FullyShardedFP32Optimizer(FP32Optimizer):
             raise ValueError(
                 f"{what} of TP x torch FSDP2 is not supported: its DTensor state is keyed by parameter name, "
                 f"which the TP ranks share; use megatron_eopt.checkpointing.save_checkpoint."
+            )
+
+    def _refuse_expert_parallel(self, what: str) -> None:
+        """DTensor state is keyed by parameter name, and the EP ranks name their local experts alike."""
+        expert = next((r.fqn for r in self.records if r.is_expert_parallel), None)
+        if expert is not None:
+            raise ValueError(
+                f"{what} of expert parameters on their own mesh (expert parallelism on torch FSDP2 or Megatron-FSDP) "
+                f"is not supported: its DTensor state is keyed by parameter name, and the EP ranks name their local "
+                f"experts alike (e.g. {expert!r}); use megatron_eopt.checkpointing.save_checkpoint, which stores "
+                f"global expert names."
             )
 
     def _prepare_main_grads(self) -> None:

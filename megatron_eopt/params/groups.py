@@ -61,6 +61,9 @@ class ParamRouting:
     that count as `is_embedding_or_output_parameter` without the attribute: torch FSDP2's
     `fully_shard` replaces every parameter by a DTensor and drops megatron-core's attributes,
     so for such models the factory names the output layer here (distributed/fsdp2.py).
+    expert_parallel_fqns: parameters that count as expert-parallel (megatron-core's
+    `allreduce=False`) without the attribute: the routed experts that torch FSDP2 shards over a
+    mesh of their own (distributed/fsdp2.py).
     """
 
     optimizer: str
@@ -68,6 +71,7 @@ class ParamRouting:
     scalar_optimizer: Optional[str] = None
     lookup_table_types: tuple[type, ...] = (torch.nn.Embedding,)
     embedding_or_output_names: tuple[str, ...] = ()
+    expert_parallel_fqns: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if self.routing != "all" and not self.scalar_optimizer:
@@ -194,7 +198,7 @@ def _records_and_group_ids(
     for fqn, name, param in parameters:
         keys = matching_keys(config_overrides, param, name)
         merge_overrides(keys, config_overrides, name)  # a conflict raises here, naming `name`
-        is_expert = not getattr(param, "allreduce", True)
+        is_expert = not getattr(param, "allreduce", True) or fqn in routing.expert_parallel_fqns
         owner, chunk_index = owners[id(param)]
         optimizer = routing.optimizer_for(param, owner, name)
         group_id = _GroupId(optimizer, is_expert, tuple(sorted(describe_key(key) for key in keys)))

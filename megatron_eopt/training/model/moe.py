@@ -162,6 +162,13 @@ class CPUAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
             hidden_states = hidden_states.to(dtype)
         return hidden_states
 
+    def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        # megatron's dispatcher keeps this forward's routing probabilities, and with them its
+        # autograd graph, whose hooks (Megatron-FSDP's) reach the model: kept past the forward, they
+        # would keep a dropped model and its process groups alive. Nothing reads them after here.
+        self.local_probs = None
+        return super().combine_postprocess(hidden_states)
+
 
 def _all_gather_rows(tensor: torch.Tensor, group) -> torch.Tensor:
     """Every rank's `tensor` stacked along dim 0 in group-rank order (bool through uint8: gloo)."""
