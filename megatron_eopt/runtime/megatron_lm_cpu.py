@@ -55,6 +55,10 @@ REPLACED_CALLS = {
     "DistributedOptimizer.load_state_dict and state_dict with torch's Adam": "no_grad load; step given "
         "apart and one step tensor per parameter; step 0 before the first step or load (see "
         "distributed_optimizer_loads_with_torch_adam)",
+    "DistributedOptimizer.sharded_param_state_fsdp_dtensor with torch's Adam and Megatron-FSDP":
+        "every parameter with state, empty local shards too, as TE's FusedAdam has it: each rank "
+        "hands the fsdp_dtensor save and load the same tensors, whose collectives otherwise hang "
+        "(see fsdp_dtensor_state_for_every_parameter)",
     "dist.all_gather(unequal sizes) in the layer-wise optimizer": "gloo gathers equal sizes only: "
         "padded to the largest, cut back",
     "DeviceMesh.from_group(group, 'cuda') in torch FSDP2's wrapper": "a CPU mesh: FSDP2 puts its shards "
@@ -234,6 +238,47 @@ def distributed_optimizer_loads_with_torch_adam(optimizer_class: type) -> list[t
             (optimizer_class, "state_dict", state_dict)]
 
 
+def fsdp_dtensor_state_for_every_parameter(optimizer_class: type) -> list[tuple[Any, str, Any]]:
+    """megatron-core 0.19's DistributedOptimizer with Megatron-FSDP and torch's Adam (no TE or Apex,
+    as on CPU) hung in every `--ckpt-format fsdp_dtensor` save and load on 2 ranks or more:
+    - Megatron-FSDP hands a parameter whose local shard is empty a gradient of None
+      (param_and_grad_buffer.py, `update_main_grads`), and torch's Adam makes state only for a
+      parameter with a gradient: such a parameter has no state on that rank, and has it on the
+      rank that holds its rows. TE's FusedAdam (on GPUs) makes state for every parameter before it
+      looks at the gradient, empty shards included;
+    - `sharded_param_state_fsdp_dtensor` hands that state, keyed by parameter name, to the save and
+      the load, which for each DTensor in it, in sorted order, run collectives with the other
+      ranks (uneven_dtensor.py, `preprocess_state_dict_for_uneven_dtensor`; with --swiglu also
+      fsdp_dtensor_checkpoint.py, `handle_swiglu_in_state_dict`). A rank with fewer DTensors
+      pairs its collectives with other tensors' and, under gloo, waits for the rest forever.
+    Here each parameter with an empty local shard gets Adam's moments as TE's would have them
+    (zeros like that shard: nothing) before the state is handed over. Its `step` is left out of a
+    save, so that the checkpoint's step is the one of the rank that stepped the parameter, and is a
+    placeholder in a load, which the load replaces with that step (torch's Adam wants one in every
+    state it loads). torch's Adam still skips the parameter: its gradient stays None.
+    Returns (owner, name, replacement) triples."""
+    original = optimizer_class.sharded_param_state_fsdp_dtensor
+
+    def sharded_param_state_fsdp_dtensor(self, is_loading: bool = False):
+        if isinstance(self.optimizer, torch.optim.Adam | torch.optim.AdamW):
+            give_empty_shards_adam_state(self.optimizer, with_step=is_loading)
+        return original(self, is_loading)
+
+    return [(optimizer_class, "sharded_param_state_fsdp_dtensor", sharded_param_state_fsdp_dtensor)]
+
+
+def give_empty_shards_adam_state(optimizer: torch.optim.Optimizer, with_step: bool) -> None:
+    """The state of each parameter of torch's Adam whose local shard is empty: Adam's moments, zeros
+    like the parameter (a DTensor stays one, on the parameter's mesh), and a step of 0 `with_step`."""
+    for group in optimizer.param_groups:
+        moments = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
+        for param in group["params"]:
+            local = param.to_local() if hasattr(param, "to_local") else param
+            if local.numel() == 0:
+                state = {name: torch.zeros_like(param, memory_format=torch.preserve_format) for name in moments}
+                optimizer.state[param] = {**state, "step": torch.tensor(0.0)} if with_step else state
+
+
 def _replacements(rng: _CudaGenerator) -> list[tuple[Any, str, Any]]:
     """(owner, name, replacement) for every name install() rebinds."""
     import megatron.core.distributed.torch_fully_sharded_data_parallel as torch_fsdp2
@@ -256,7 +301,8 @@ def _replacements(rng: _CudaGenerator) -> list[tuple[Any, str, Any]]:
         (torch_fsdp2, "DeviceMesh", Passthrough(DeviceMesh, from_group=_cpu_mesh_from_group)),
     ]
     replaced += megatron_fsdp_cpu.replacements(megatron_fsdp_cpu.IN_MEGATRON_CORE)
-    return replaced + distributed_optimizer_loads_with_torch_adam(DistributedOptimizer)
+    return (replaced + distributed_optimizer_loads_with_torch_adam(DistributedOptimizer)
+            + fsdp_dtensor_state_for_every_parameter(DistributedOptimizer))
 
 
 def _cpu_mesh_from_group(group: Any, device_type: str, *args: Any, **kwargs: Any) -> DeviceMesh:
