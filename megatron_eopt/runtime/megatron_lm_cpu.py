@@ -204,6 +204,8 @@ def distributed_optimizer_loads_with_torch_adam(optimizer_class: type) -> list[t
       has none yet (torch's Adam makes its state at the first step): the load asks for that state
       dict's layout, whose step the load then replaces; it gets step 0 there, as torch's would be.
     TE's FusedAdam on GPU keeps the step in the param groups and meets none of these.
+    With Megatron-FSDP a parameter whose local shard is empty has state only in the checkpoint
+    (fsdp_dtensor_state_for_every_parameter): the load drops it again, as torch's Adam has none.
     Returns (owner, name, replacement) triples, for `replaced`."""
     original_load = optimizer_class.load_state_dict
     original_set = optimizer_class._set_main_param_and_optimizer_states
@@ -229,6 +231,9 @@ def distributed_optimizer_loads_with_torch_adam(optimizer_class: type) -> list[t
     def load_state_dict(self, state_dict) -> None:
         with torch.no_grad():
             original_load(self, state_dict)
+        if self.ddp_config.use_megatron_fsdp:
+            for param, _ in _empty_shards(self.optimizer):
+                self.optimizer.state.pop(param, None)
         for state in self.optimizer.state.values():
             if torch.is_tensor(state.get("step")):
                 state["step"] = state["step"].clone()
@@ -251,32 +256,42 @@ def fsdp_dtensor_state_for_every_parameter(optimizer_class: type) -> list[tuple[
       ranks (uneven_dtensor.py, `preprocess_state_dict_for_uneven_dtensor`; with --swiglu also
       fsdp_dtensor_checkpoint.py, `handle_swiglu_in_state_dict`). A rank with fewer DTensors
       pairs its collectives with other tensors' and, under gloo, waits for the rest forever.
-    Here each parameter with an empty local shard gets Adam's moments as TE's would have them
-    (zeros like that shard: nothing) before the state is handed over. Its `step` is left out of a
-    save, so that the checkpoint's step is the one of the rank that stepped the parameter, and is a
-    placeholder in a load, which the load replaces with that step (torch's Adam wants one in every
-    state it loads). torch's Adam still skips the parameter: its gradient stays None.
-    Returns (owner, name, replacement) triples."""
+    Here the state handed over gives each parameter with an empty local shard Adam's moments as
+    TE's would have them (zeros like that shard: nothing); the optimizer's own state is left as
+    torch's Adam has it (the load drops them again: distributed_optimizer_loads_with_torch_adam).
+    Their `step` is left out of a save, so that the checkpoint's step is the one of the rank that
+    stepped the parameter, and is a placeholder in a load (torch's Adam loads no state without
+    one). Returns (owner, name, replacement) triples."""
     original = optimizer_class.sharded_param_state_fsdp_dtensor
 
     def sharded_param_state_fsdp_dtensor(self, is_loading: bool = False):
-        if isinstance(self.optimizer, torch.optim.Adam | torch.optim.AdamW):
-            give_empty_shards_adam_state(self.optimizer, with_step=is_loading)
-        return original(self, is_loading)
+        if not isinstance(self.optimizer, torch.optim.Adam | torch.optim.AdamW):
+            return original(self, is_loading)
+        states = self.optimizer.state
+        empty = [(param, group) for param, group in _empty_shards(self.optimizer) if not states.get(param)]
+        for param, group in empty:
+            self.optimizer.state[param] = _adam_state_of_empty_shard(param, group, with_step=is_loading)
+        try:
+            return original(self, is_loading)  # its state dict holds their state
+        finally:
+            for param, _ in empty:
+                del self.optimizer.state[param]
 
     return [(optimizer_class, "sharded_param_state_fsdp_dtensor", sharded_param_state_fsdp_dtensor)]
 
 
-def give_empty_shards_adam_state(optimizer: torch.optim.Optimizer, with_step: bool) -> None:
-    """The state of each parameter of torch's Adam whose local shard is empty: Adam's moments, zeros
-    like the parameter (a DTensor stays one, on the parameter's mesh), and a step of 0 `with_step`."""
-    for group in optimizer.param_groups:
-        moments = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
-        for param in group["params"]:
-            local = param.to_local() if hasattr(param, "to_local") else param
-            if local.numel() == 0:
-                state = {name: torch.zeros_like(param, memory_format=torch.preserve_format) for name in moments}
-                optimizer.state[param] = {**state, "step": torch.tensor(0.0)} if with_step else state
+def _empty_shards(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, dict]]:
+    """(parameter, its param group) for each parameter whose local shard is empty."""
+    return [(param, group) for group in optimizer.param_groups for param in group["params"]
+            if (param.to_local() if hasattr(param, "to_local") else param).numel() == 0]
+
+
+def _adam_state_of_empty_shard(param: torch.Tensor, group: dict, with_step: bool) -> dict:
+    """torch's Adam's moments for `param`, zeros like it (a DTensor stays one, on its mesh: an empty
+    shard), and a step of 0 `with_step`."""
+    names = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
+    state = {name: torch.zeros_like(param, memory_format=torch.preserve_format) for name in names}
+    return {**state, "step": torch.tensor(0.0)} if with_step else state
 
 
 def _replacements(rng: _CudaGenerator) -> list[tuple[Any, str, Any]]:

@@ -104,9 +104,11 @@ def _fsdp_dtensor_state_of_each_rank(rank: int, world_size: int, directory: str)
             param.grad = torch.ones_like(param) if param.to_local().numel() else None
         optimizer.optimizer.step()
     without_fix = sorted(DistributedOptimizer.sharded_param_state_fsdp_dtensor(optimizer)["state"])
-    fix = megatron_lm_cpu.fsdp_dtensor_state_for_every_parameter(DistributedOptimizer)
+    fix = (megatron_lm_cpu.fsdp_dtensor_state_for_every_parameter(DistributedOptimizer)
+           + megatron_lm_cpu.distributed_optimizer_loads_with_torch_adam(DistributedOptimizer))
     with megatron_lm_cpu.replaced(fix):
         saved = optimizer.sharded_param_state_fsdp_dtensor()
+        handed_over = {name: state["exp_avg"].to_local().shape for name, state in saved["state"].items()}
         keys = {name: sorted(state) for name, state in saved["state"].items()}
         every_rank = [None] * world_size
         torch.distributed.all_gather_object(every_rank, sorted(keys))
@@ -118,33 +120,36 @@ def _fsdp_dtensor_state_of_each_rank(rank: int, world_size: int, directory: str)
         loading = resumed.sharded_param_state_fsdp_dtensor(is_loading=True)
         dcp.load(preprocess_state_dict_for_uneven_dtensor({"optimizer": loading}), checkpoint_id=directory)
         resumed.load_state_dict(loading)
-    return {"without fix": without_fix, "keys": keys,
+    return {"without fix": without_fix, "keys": keys, "handed over": handed_over,
             "saved": _local_states(optimizer), "resumed": _local_states(resumed)}
 
 
 def _local_states(optimizer) -> dict:
     return {optimizer.param_to_name[param]: {key: value.to_local() if hasattr(value, "to_local") else value
                                              for key, value in optimizer.optimizer.state[param].items()}
-            for param in optimizer.optimizer.param_groups[0]["params"]}
+            for param in optimizer.optimizer.param_groups[0]["params"] if param in optimizer.optimizer.state}
 
 
 def test_fsdp_dtensor_state_has_every_parameter_on_every_rank(run_distributed, tmp_path) -> None:
     """megatron-core's DistributedOptimizer with Megatron-FSDP and torch's Adam: a parameter whose
     shard is empty on a rank had no state there, and the fsdp_dtensor save's per-DTensor
     collectives hung on 2 ranks. With the fix every rank hands over the same parameters, the save
-    and load complete, and the resumed state is the saved one, the step of the rank that stepped."""
+    and load complete, and the resumed state is the saved one, the step of the rank that stepped;
+    the empty shard's state is in the checkpoint only, not in torch's Adam, before or after."""
     ranks = run_distributed(_fsdp_dtensor_state_of_each_rank, 2, args=(str(tmp_path),), timeout=120)
     assert [rank["without fix"] for rank in ranks] == [["split"], ["held_by_one", "split"]]  # the defect
     for rank, result in enumerate(ranks):
         assert result["keys"] == {"held_by_one": ["exp_avg", "exp_avg_sq"] + (["step"] if rank else []),
                                   "split": ["exp_avg", "exp_avg_sq", "step"]}, rank
         saved, resumed = result["saved"], result["resumed"]
-        assert saved["held_by_one"]["exp_avg"].shape == ((8, 4) if rank else (0, 4))
-        for name in ("split", "held_by_one"):
+        assert result["handed over"] == {"held_by_one": (8, 4) if rank else (0, 4), "split": (4, 4)}, rank
+        holding = ("split", "held_by_one") if rank else ("split",)
+        assert saved.keys() == resumed.keys() == set(holding), rank  # torch's Adam's own state, as it was
+        for name in holding:
             assert resumed[name].keys() == {"exp_avg", "exp_avg_sq", "step"}, (rank, name)
             for key in ("exp_avg", "exp_avg_sq"):
                 assert torch.equal(resumed[name][key], saved[name][key]), (rank, name, key)
-            assert resumed[name]["step"].item() == 2.0, (rank, name)  # rank 0's empty shard: rank 1's step
+            assert resumed[name]["step"].item() == 2.0, (rank, name)
     # An independent reference: torch's AdamW, on rank 1's rows of `held_by_one` alone, twice.
     generator = torch.Generator().manual_seed(1)
     rows = torch.nn.Parameter(torch.randn(8, 4, generator=generator))
