@@ -53,12 +53,12 @@ REPLACED_CALLS = {
         "torch.rand on 'cuda', which here would draw from the CPU generator that --use-cpu-initialization "
         "then draws the weights from (and compile them with a C++ compiler, seconds per process)",
     "DistributedOptimizer.load_state_dict and state_dict with torch's Adam": "no_grad load; step given "
-        "apart and one step tensor per parameter; step 0 before the first step or load (see "
-        "distributed_optimizer_loads_with_torch_adam)",
+        "apart and one step tensor per parameter; step 0 before the first step or load; with "
+        "Megatron-FSDP no state kept for empty local shards (see distributed_optimizer_loads_with_torch_adam)",
     "DistributedOptimizer.sharded_param_state_fsdp_dtensor with torch's Adam and Megatron-FSDP":
-        "every parameter with state, empty local shards too, as TE's FusedAdam has it: each rank "
-        "hands the fsdp_dtensor save and load the same tensors, whose collectives otherwise hang "
-        "(see fsdp_dtensor_state_for_every_parameter)",
+        "Adam's moments for the parameters whose local shard is empty too, as TE's FusedAdam has "
+        "them, in the state handed to the fsdp_dtensor save and load: every rank hands over the same "
+        "tensors, whose collectives otherwise hang (see fsdp_dtensor_state_for_every_parameter)",
     "dist.all_gather(unequal sizes) in the layer-wise optimizer": "gloo gathers equal sizes only: "
         "padded to the largest, cut back",
     "DeviceMesh.from_group(group, 'cuda') in torch FSDP2's wrapper": "a CPU mesh: FSDP2 puts its shards "
