@@ -53,8 +53,12 @@ REPLACED_CALLS = {
         "torch.rand on 'cuda', which here would draw from the CPU generator that --use-cpu-initialization "
         "then draws the weights from (and compile them with a C++ compiler, seconds per process)",
     "DistributedOptimizer.load_state_dict and state_dict with torch's Adam": "no_grad load; step given "
-        "apart and one step tensor per parameter; step 0 before the first step or load (see "
-        "distributed_optimizer_loads_with_torch_adam)",
+        "apart and one step tensor per parameter; step 0 before the first step or load; with "
+        "Megatron-FSDP no state kept for empty local shards (see distributed_optimizer_loads_with_torch_adam)",
+    "DistributedOptimizer.sharded_param_state_fsdp_dtensor with torch's Adam and Megatron-FSDP":
+        "Adam's moments for the parameters whose local shard is empty too, as TE's FusedAdam has "
+        "them, in the state handed to the fsdp_dtensor save and load: every rank hands over the same "
+        "tensors, whose collectives otherwise hang (see fsdp_dtensor_state_for_every_parameter)",
     "dist.all_gather(unequal sizes) in the layer-wise optimizer": "gloo gathers equal sizes only: "
         "padded to the largest, cut back",
     "DeviceMesh.from_group(group, 'cuda') in torch FSDP2's wrapper": "a CPU mesh: FSDP2 puts its shards "
@@ -200,6 +204,8 @@ def distributed_optimizer_loads_with_torch_adam(optimizer_class: type) -> list[t
       has none yet (torch's Adam makes its state at the first step): the load asks for that state
       dict's layout, whose step the load then replaces; it gets step 0 there, as torch's would be.
     TE's FusedAdam on GPU keeps the step in the param groups and meets none of these.
+    With Megatron-FSDP a parameter whose local shard is empty has state only in the checkpoint
+    (fsdp_dtensor_state_for_every_parameter): the load drops it again, as torch's Adam has none.
     Returns (owner, name, replacement) triples, for `replaced`."""
     original_load = optimizer_class.load_state_dict
     original_set = optimizer_class._set_main_param_and_optimizer_states
@@ -225,6 +231,9 @@ def distributed_optimizer_loads_with_torch_adam(optimizer_class: type) -> list[t
     def load_state_dict(self, state_dict) -> None:
         with torch.no_grad():
             original_load(self, state_dict)
+        if self.ddp_config.use_megatron_fsdp:
+            for param, _ in _empty_shards(self.optimizer):
+                self.optimizer.state.pop(param, None)
         for state in self.optimizer.state.values():
             if torch.is_tensor(state.get("step")):
                 state["step"] = state["step"].clone()
@@ -232,6 +241,57 @@ def distributed_optimizer_loads_with_torch_adam(optimizer_class: type) -> list[t
     return [(optimizer_class, "load_state_dict", load_state_dict),
             (optimizer_class, "_set_main_param_and_optimizer_states", set_states),
             (optimizer_class, "state_dict", state_dict)]
+
+
+def fsdp_dtensor_state_for_every_parameter(optimizer_class: type) -> list[tuple[Any, str, Any]]:
+    """megatron-core 0.19's DistributedOptimizer with Megatron-FSDP and torch's Adam (no TE or Apex,
+    as on CPU) hung in every `--ckpt-format fsdp_dtensor` save and load on 2 ranks or more:
+    - Megatron-FSDP hands a parameter whose local shard is empty a gradient of None
+      (param_and_grad_buffer.py, `update_main_grads`), and torch's Adam makes state only for a
+      parameter with a gradient: such a parameter has no state on that rank, and has it on the
+      rank that holds its rows. TE's FusedAdam (on GPUs) makes state for every parameter before it
+      looks at the gradient, empty shards included;
+    - `sharded_param_state_fsdp_dtensor` hands that state, keyed by parameter name, to the save and
+      the load, which for each DTensor in it, in sorted order, run collectives with the other
+      ranks (uneven_dtensor.py, `preprocess_state_dict_for_uneven_dtensor`; with --swiglu also
+      fsdp_dtensor_checkpoint.py, `handle_swiglu_in_state_dict`). A rank with fewer DTensors
+      pairs its collectives with other tensors' and, under gloo, waits for the rest forever.
+    Here the state handed over gives each parameter with an empty local shard Adam's moments as
+    TE's would have them (zeros like that shard: nothing); the optimizer's own state is left as
+    torch's Adam has it (the load drops them again: distributed_optimizer_loads_with_torch_adam).
+    Their `step` is left out of a save, so that the checkpoint's step is the one of the rank that
+    stepped the parameter, and is a placeholder in a load (torch's Adam loads no state without
+    one). Returns (owner, name, replacement) triples."""
+    original = optimizer_class.sharded_param_state_fsdp_dtensor
+
+    def sharded_param_state_fsdp_dtensor(self, is_loading: bool = False):
+        if not isinstance(self.optimizer, torch.optim.Adam | torch.optim.AdamW):
+            return original(self, is_loading)
+        states = self.optimizer.state
+        empty = [(param, group) for param, group in _empty_shards(self.optimizer) if not states.get(param)]
+        for param, group in empty:
+            self.optimizer.state[param] = _adam_state_of_empty_shard(param, group, with_step=is_loading)
+        try:
+            return original(self, is_loading)  # its state dict holds their state
+        finally:
+            for param, _ in empty:
+                del self.optimizer.state[param]
+
+    return [(optimizer_class, "sharded_param_state_fsdp_dtensor", sharded_param_state_fsdp_dtensor)]
+
+
+def _empty_shards(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, dict]]:
+    """(parameter, its param group) for each parameter whose local shard is empty."""
+    return [(param, group) for group in optimizer.param_groups for param in group["params"]
+            if (param.to_local() if hasattr(param, "to_local") else param).numel() == 0]
+
+
+def _adam_state_of_empty_shard(param: torch.Tensor, group: dict, with_step: bool) -> dict:
+    """torch's Adam's moments for `param`, zeros like it (a DTensor stays one, on its mesh: an empty
+    shard), and a step of 0 `with_step`."""
+    names = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
+    state = {name: torch.zeros_like(param, memory_format=torch.preserve_format) for name in names}
+    return {**state, "step": torch.tensor(0.0)} if with_step else state
 
 
 def _replacements(rng: _CudaGenerator) -> list[tuple[Any, str, Any]]:
@@ -256,7 +316,8 @@ def _replacements(rng: _CudaGenerator) -> list[tuple[Any, str, Any]]:
         (torch_fsdp2, "DeviceMesh", Passthrough(DeviceMesh, from_group=_cpu_mesh_from_group)),
     ]
     replaced += megatron_fsdp_cpu.replacements(megatron_fsdp_cpu.IN_MEGATRON_CORE)
-    return replaced + distributed_optimizer_loads_with_torch_adam(DistributedOptimizer)
+    return (replaced + distributed_optimizer_loads_with_torch_adam(DistributedOptimizer)
+            + fsdp_dtensor_state_for_every_parameter(DistributedOptimizer))
 
 
 def _cpu_mesh_from_group(group: Any, device_type: str, *args: Any, **kwargs: Any) -> DeviceMesh:

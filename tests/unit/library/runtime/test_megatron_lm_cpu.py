@@ -63,3 +63,99 @@ def test_cuda_is_the_cpu_while_installed_and_restored_after() -> None:
     assert (torch.cuda.device_count, torch.cuda.get_rng_state, tp_random._set_cuda_rng_state,
             training.initialize_megatron) == before
     assert torch.zeros(1).type() == "torch.FloatTensor"
+
+
+def _fsdp_optimizer(rank: int, mesh):
+    """megatron-core's DistributedOptimizer as Megatron-FSDP hands it torch's Adam on CPU: two
+    parameters sharded by rows, `held_by_one` wholly on rank 1 (rank 0's shard is empty, and its
+    gradient None, as Megatron-FSDP's `update_main_grads` gives it), `split` 4 rows on each rank."""
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from torch.distributed.tensor import DTensor, Shard
+
+    def sharded(local: torch.Tensor) -> torch.nn.Parameter:
+        return torch.nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                                     shape=(8, 4), stride=(4, 1)))
+
+    generator = torch.Generator().manual_seed(rank)
+    params = {"held_by_one": sharded(torch.randn(8 * rank, 4, generator=generator)),
+              "split": sharded(torch.randn(4, 4, generator=generator))}
+    optimizer = DistributedOptimizer.__new__(DistributedOptimizer)
+    optimizer.optimizer = torch.optim.AdamW(list(params.values()), lr=1e-2)
+    optimizer.ddp_config = SimpleNamespace(use_megatron_fsdp=True)
+    optimizer.param_to_name = {param: name for name, param in params.items()}
+    return optimizer, params
+
+
+def _fsdp_dtensor_state_of_each_rank(rank: int, world_size: int, directory: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
+        preprocess_state_dict_for_uneven_dtensor,
+    )
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from torch.distributed.device_mesh import init_device_mesh
+
+    assert not megatron_lm_cpu.is_installed(), "this worker has the patch installed: no run without the fix"
+    mesh = init_device_mesh("cpu", (world_size,))
+    optimizer, params = _fsdp_optimizer(rank, mesh)
+    for _ in range(2):
+        for param in params.values():
+            param.grad = torch.ones_like(param) if param.to_local().numel() else None
+        optimizer.optimizer.step()
+    without_fix = sorted(DistributedOptimizer.sharded_param_state_fsdp_dtensor(optimizer)["state"])
+    fix = (megatron_lm_cpu.fsdp_dtensor_state_for_every_parameter(DistributedOptimizer)
+           + megatron_lm_cpu.distributed_optimizer_loads_with_torch_adam(DistributedOptimizer))
+    with megatron_lm_cpu.replaced(fix):
+        saved = optimizer.sharded_param_state_fsdp_dtensor()
+        handed_over = {name: state["exp_avg"].to_local().shape for name, state in saved["state"].items()}
+        keys = {name: sorted(state) for name, state in saved["state"].items()}
+        every_rank = [None] * world_size
+        torch.distributed.all_gather_object(every_rank, sorted(keys))
+        if any(names != sorted(keys) for names in every_rank):  # the save's collectives would hang
+            raise AssertionError(f"the ranks hand the save different parameters: {every_rank}")
+        # Megatron-LM's fsdp_dtensor save and load: collectives for each DTensor, then torch's DCP.
+        dcp.save(preprocess_state_dict_for_uneven_dtensor({"optimizer": saved}), checkpoint_id=directory)
+        resumed, _ = _fsdp_optimizer(rank, mesh)
+        loading = resumed.sharded_param_state_fsdp_dtensor(is_loading=True)
+        dcp.load(preprocess_state_dict_for_uneven_dtensor({"optimizer": loading}), checkpoint_id=directory)
+        resumed.load_state_dict(loading)
+    return {"without fix": without_fix, "keys": keys, "handed over": handed_over,
+            "saved": _local_states(optimizer), "resumed": _local_states(resumed)}
+
+
+def _local_states(optimizer) -> dict:
+    return {optimizer.param_to_name[param]: {key: value.to_local() if hasattr(value, "to_local") else value
+                                             for key, value in optimizer.optimizer.state[param].items()}
+            for param in optimizer.optimizer.param_groups[0]["params"] if param in optimizer.optimizer.state}
+
+
+def test_fsdp_dtensor_state_has_every_parameter_on_every_rank(run_distributed, tmp_path) -> None:
+    """megatron-core's DistributedOptimizer with Megatron-FSDP and torch's Adam: a parameter whose
+    shard is empty on a rank had no state there, and the fsdp_dtensor save's per-DTensor
+    collectives hung on 2 ranks. With the fix every rank hands over the same parameters, the save
+    and load complete, and the resumed state is the saved one, the step of the rank that stepped;
+    the empty shard's state is in the checkpoint only, not in torch's Adam, before or after."""
+    ranks = run_distributed(_fsdp_dtensor_state_of_each_rank, 2, args=(str(tmp_path),), timeout=120)
+    assert [rank["without fix"] for rank in ranks] == [["split"], ["held_by_one", "split"]]  # the defect
+    for rank, result in enumerate(ranks):
+        assert result["keys"] == {"held_by_one": ["exp_avg", "exp_avg_sq"] + (["step"] if rank else []),
+                                  "split": ["exp_avg", "exp_avg_sq", "step"]}, rank
+        saved, resumed = result["saved"], result["resumed"]
+        assert result["handed over"] == {"held_by_one": (8, 4) if rank else (0, 4), "split": (4, 4)}, rank
+        holding = ("split", "held_by_one") if rank else ("split",)
+        assert saved.keys() == resumed.keys() == set(holding), rank  # torch's Adam's own state, as it was
+        for name in holding:
+            assert resumed[name].keys() == {"exp_avg", "exp_avg_sq", "step"}, (rank, name)
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(resumed[name][key], saved[name][key]), (rank, name, key)
+            assert resumed[name]["step"].item() == 2.0, (rank, name)
+    # An independent reference: torch's AdamW, on rank 1's rows of `held_by_one` alone, twice.
+    generator = torch.Generator().manual_seed(1)
+    rows = torch.nn.Parameter(torch.randn(8, 4, generator=generator))
+    reference = torch.optim.AdamW([rows], lr=1e-2)
+    for _ in range(2):
+        rows.grad = torch.ones_like(rows)
+        reference.step()
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(ranks[1]["resumed"]["held_by_one"][key], reference.state[rows][key]), key
