@@ -469,13 +469,15 @@ class FullyShardedFP32Optimizer(FP32Optimizer):
         Megatron-FSDP puts it in `decoupled_grad` for a precision-aware optimizer (Megatron-LM's
         --use-precision-aware-optimizer), in its gradient buffer's dtype (bf16 by default there)."""
         grad = param.grad if param.grad is not None else getattr(param, "decoupled_grad", None)
-        if grad is None:
-            return self._missing_grad(fqn, param.to_local())
-        return _local_grad(fqn, grad).float()
+        local = self._missing_grad(fqn, param.to_local()) if grad is None else _local_grad(fqn, grad)
+        return None if local is None else local.float()
+
+    # Megatron-FSDP gives an empty shard no gradient (megatron_fsdp_model.missing_grad); FSDP2 gives
+    # every rank a gradient or none, and a parameter without one is not stepped.
+    empty_shards_lack_grads = False
 
     def _missing_grad(self, fqn: str, shard: torch.Tensor) -> Optional[torch.Tensor]:
-        """FSDP2 gives every rank a gradient or none: a parameter without one is not stepped."""
-        return None
+        return missing_grad(fqn, shard) if self.empty_shards_lack_grads else None
 
 
 class FullyShardedMixedPrecisionOptimizer(FullyShardedFP32Optimizer, MixedPrecisionOptimizer):
@@ -515,26 +517,23 @@ class FullyShardedMixedPrecisionOptimizer(FullyShardedFP32Optimizer, MixedPrecis
     def _prepare_main_grads(self) -> None:
         with torch.no_grad():
             for param, main, record in zip(self.model_params, self.main_params, self.records):
-                grad = self._shard_grad(param, record.fqn)
                 if param.dtype not in HALF_DTYPES:
-                    main.data, main.grad = param.to_local(), grad
-                    continue
-                main.grad = None if grad is None else grad.float()
-                param.grad = None  # the fp32 copy replaces it; free the 16-bit one
+                    main.data = param.to_local()
+                main.grad = self._shard_grad(param, record.fqn)
+                if param.dtype in HALF_DTYPES:
+                    param.grad = None  # the fp32 copy replaces it; free the 16-bit one
 
 
 class MegatronFSDPFP32Optimizer(FullyShardedFP32Optimizer):
     """FullyShardedFP32Optimizer for Megatron-FSDP, which gives an empty shard no gradient."""
 
-    def _missing_grad(self, fqn: str, shard: torch.Tensor) -> Optional[torch.Tensor]:
-        return missing_grad(fqn, shard)
+    empty_shards_lack_grads = True
 
 
 class MegatronFSDPMixedPrecisionOptimizer(FullyShardedMixedPrecisionOptimizer):
     """FullyShardedMixedPrecisionOptimizer for Megatron-FSDP, which gives an empty shard no gradient."""
 
-    def _missing_grad(self, fqn: str, shard: torch.Tensor) -> Optional[torch.Tensor]:
-        return missing_grad(fqn, shard)
+    empty_shards_lack_grads = True
 
 
 def _local_grad(fqn: str, grad: torch.Tensor) -> torch.Tensor:
