@@ -46,7 +46,7 @@ NOT_OFFERED = {
 _PATCHED_NAME = "get_megatron_optimizer"
 _original: Optional[Any] = None  # Megatron-LM's function while ours is installed
 _original_validate_args: Optional[Any] = None  # Megatron-LM's validate_args while ours is installed
-_undo_replacements: list = []  # while installed: undoes the replacements of _replacements()
+_undo_replacements: list = []  # while installed: undoes the checkpoint-layout and optimizer-config replacements
 # What Megatron-LM's validate_args lets run on Megatron-FSDP and FSDP2; it refuses every other optimizer there.
 _MEGATRON_FSDP_OPTIMIZERS = ("adam", "sgd")
 # The precision-aware optimizer's switch and dtypes, with their values when it is off.
