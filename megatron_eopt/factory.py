@@ -15,16 +15,12 @@ from typing import Any, Iterable, Mapping, Optional, Union
 
 import torch
 
-from megatron_eopt.checkpointing.ddp_buckets import DistributedOptimizerBuckets
+from megatron_eopt.megatron_core_formats.distributed_optimizer import DistributedOptimizerBuckets
 from megatron_eopt.config.optimizer_config import OptimizerConfig, as_optimizer_config, warn_about_inert_fields
-from megatron_eopt.distributed.fsdp2 import (
-    OUTPUT_LAYER_NAMES,
-    FullyShardedLayout,
-    check_fully_sharded_config,
-    fully_sharded_layout,
-)
+from megatron_eopt.distributed.fsdp2 import OUTPUT_LAYER_NAMES, check_fully_sharded_config, fully_sharded_optimizer_class
 from megatron_eopt.distributed.layer_wise import DataParallelShards, LayerWiseDistributedOptimizer
-from megatron_eopt.distributed.megatron_fsdp_model import megatron_fsdp_wrappers
+from megatron_eopt.placement.fully_sharded_layout import FullyShardedLayout, fully_sharded_layout
+from megatron_eopt.placement.megatron_fsdp_model import megatron_fsdp_wrappers
 from megatron_eopt.distributed.reduce_scattered import check_byte_sharded_config, reduce_scattering_chunks
 from megatron_eopt.runtime.process_groups import ParallelGroups, group_rank, group_size, resolve_parallel_groups
 from megatron_eopt.runtime.once import first_time, warn_once
@@ -332,7 +328,7 @@ def _children(build: _Build, owned_fqns: Optional[set[str]] = None) -> list[Any]
     grad_scaler = make_grad_scaler(config, _device_of(records))
     wrapper = MixedPrecisionOptimizer if (config.bf16 or config.fp16) else FP32Optimizer
     if fsdp is not None:
-        wrapper = fsdp.optimizer_class(mixed_precision=config.bf16)
+        wrapper = fully_sharded_optimizer_class(fsdp, mixed_precision=config.bf16)
     children = []
     for is_expert in (False, True):
         for name in routing.optimizers:

@@ -43,7 +43,7 @@ def _recording(run: Run) -> Iterator[None]:
     """Records what Megatron-LM's `train` is given and what it hands `training_log`."""
     import megatron.training.training as training
 
-    from megatron_eopt.distributed.megatron_fsdp_model import hold_gradient_hooks_weakly
+    from megatron_eopt.placement.megatron_fsdp_model import hold_gradient_hooks_weakly
 
     original, original_train = training.training_log, training.train
     records = run.records

@@ -1,7 +1,8 @@
 """Sharded, resharding, atomic checkpoints of the model, optimizer and lr scheduler.
 
-The names below are imported on first use, so that importing one module of this package (the
-wrappers import megatron_sharded.py) does not import the whole checkpointing stack.
+Our own checkpoint files; megatron-core's formats are in megatron_core_formats/. The names below
+are imported on first use, as the package root's are, so importing one module of this package does
+not import the whole checkpointing stack.
 """
 
 from megatron_eopt.runtime.lazy_exports import lazy_exports
@@ -14,8 +15,8 @@ _LAZY = {
     "save_checkpoint": "megatron_eopt.checkpointing.checkpoint",
     "start_save_checkpoint": "megatron_eopt.checkpointing.checkpoint",
     "DirectoryOwner": "megatron_eopt.checkpointing.directory_lock",
-    "checkpoint_optimizer_layout": "megatron_eopt.checkpointing.megatron_sharded",
-    "megatron_core_state_dict": "megatron_eopt.checkpointing.megatron_sharded",
+    "checkpoint_optimizer_layout": "megatron_eopt.megatron_core_formats.dist_checkpointing",
+    "megatron_core_state_dict": "megatron_eopt.megatron_core_formats.dist_checkpointing",
     "CheckpointError": "megatron_eopt.checkpointing.storage",
     "CheckpointSaveError": "megatron_eopt.checkpointing.storage",
     "has_checkpoints": "megatron_eopt.checkpointing.storage",

@@ -48,8 +48,8 @@ from megatron_eopt.checkpointing.state import (
     stored_names_by_fqn,
 )
 from megatron_eopt.checkpointing.storage import CheckpointError, CheckpointSaveError  # noqa: F401 (re-exported)
-from megatron_eopt.distributed.fsdp2 import fully_sharded_layout
-from megatron_eopt.distributed.megatron_fsdp_model import refresh_compute_weights
+from megatron_eopt.placement.fully_sharded_layout import fully_sharded_layout
+from megatron_eopt.placement.megatron_fsdp_model import refresh_compute_weights
 from megatron_eopt.runtime.process_groups import ProcessGroup, group_rank, group_size, resolve_parallel_groups
 from megatron_eopt.ops.collectives import group_timeout
 
@@ -401,7 +401,7 @@ def _tp_size(groups: Any) -> int:
 def _ep_size(groups: Any, params: list) -> int:
     """Expert-parallel size: expert tp x ep x pp over expert tp x pp (1 without expert parameters).
     A sharded model's experts on a mesh of their own lost `allreduce=False` to the engine; its
-    groups then hold the expert roles (distributed/fsdp2.py)."""
+    groups then hold the expert roles (placement/fully_sharded_layout.py)."""
     sharded_experts = "expt_dp" in groups.provided and any(isinstance(p.param, DTensor) for p in params)
     if all(getattr(p.param, "allreduce", True) for p in params) and not sharded_experts:
         return 1

@@ -22,7 +22,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor, ShardedTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from megatron_eopt.distributed.fsdp2 import check_row_placement
+from megatron_eopt.placement.fully_sharded_layout import check_row_placement
 from megatron_eopt.runtime.process_groups import ProcessGroup, group_rank, group_size
 
 PART_MARK = "#part"

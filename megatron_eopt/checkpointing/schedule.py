@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 
 from megatron_eopt.checkpointing.global_names import stored_child_name, stored_group_key
 from megatron_eopt.checkpointing.storage import CheckpointError
-from megatron_eopt.wrappers.base import CheckpointableChild
+from megatron_eopt.checkpointable.child import CheckpointableChild
 
 SCHEDULER_KEY = "scheduler"  # the scheduler's state_dict (JSON)
 LR_BOUNDS_KEY = "scheduler_lr_bounds"  # {child: {group_key: [max_lr, min_lr]}} (JSON)

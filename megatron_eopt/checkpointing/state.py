@@ -39,10 +39,10 @@ from megatron_eopt.checkpointing.layout import (
     row_placement,
 )
 from megatron_eopt.checkpointing.storage import CheckpointError, all_gather_objects
-from megatron_eopt.distributed.fsdp2 import rows_by_rank_per_mesh, tensor_parallel_partition_dims
+from megatron_eopt.placement.fully_sharded_layout import rows_by_rank_per_mesh, tensor_parallel_partition_dims
 from megatron_eopt.runtime.process_groups import ParallelGroups, ProcessGroup, group_rank, group_ranks, group_size
 from megatron_eopt.params.groups import chunk_model_config, named_trainable_parameters
-from megatron_eopt.wrappers.base import CheckpointableChild
+from megatron_eopt.checkpointable.child import CheckpointableChild
 from megatron_eopt.wrappers.fp32 import FP32Optimizer
 
 

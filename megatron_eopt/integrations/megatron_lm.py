@@ -26,8 +26,8 @@ import torch
 from megatron.training import global_vars
 
 from arguments.optimizer_args import FLAGS, GIVEN_FLAGS_ATTR, Flag, StoreAndRecord, flag_kwargs
-from megatron_eopt.checkpointing.core_formats import LAYOUT_KEY, MEGATRON_CORE_PING_PONG_LAYOUT
-from megatron_eopt.checkpointing.megatron_sharded import checkpoint_optimizer_layout
+from megatron_eopt.megatron_core_formats.layouts import LAYOUT_KEY, MEGATRON_CORE_PING_PONG_LAYOUT
+from megatron_eopt.megatron_core_formats.dist_checkpointing import checkpoint_optimizer_layout
 from megatron_eopt.config.newton_schulz import NEWTON_SCHULZ_FIELDS
 from megatron_eopt.config.optimizer_config import MatmulPrecision, OptimizerConfig, TpMode, megatron_core_default
 from megatron_eopt.distributed.reduce_scattered import reduce_scattering_chunks

@@ -1,6 +1,6 @@
 """Optimizer state as megatron-core 0.19.2's optimizer of the same kind writes it, both ways.
 
-Its kinds are the one table in core_formats.py. In `sharded_state_dict` each parameter-shaped state
+Its kinds are the one table in layouts.py. In `sharded_state_dict` each parameter-shaped state
 tensor is the model parameter's ShardedTensor re-keyed `optimizer.state.<name>.<model key>` (main
 copies `optimizer.state.fp32_param.<key>`), the step once as `common_step`; a chain of several
 children is `{i: child}` with `chained_{i}.` prefixes by megatron-core's rule (`adds_chain_prefix`).
@@ -9,9 +9,9 @@ the step goes under `eopt_scalar_state`, of other shapes under `eopt_own_state` 
 neither). The layer-wise owner writes a parameter's state as the main replica. With a
 distributed-optimizer format in the metadata, megatron-core's DistributedOptimizer's (for an
 emerging optimizer, chained after its LayerWiseDistributedOptimizer): `fully_reshardable` written
-and read, `dp_reshardable` (by DDP bucket: ddp_buckets.py) read. `metadata[LAYOUT_KEY]` records the
+and read, `dp_reshardable` (by DDP bucket: distributed_optimizer.py) read. `metadata[LAYOUT_KEY]` records the
 layout, our earlier one (EOPT_V1_LAYOUT) loads when named; megatron-core's layer-wise chain joins
-dense and expert children (merged_children.py).
+dense and expert children (layer_wise_optimizer.py).
 """
 
 from dataclasses import replace
@@ -20,7 +20,7 @@ from typing import Any, Mapping, Optional
 import torch
 from torch.distributed.tensor import DTensor
 
-from megatron_eopt.checkpointing.core_formats import (
+from megatron_eopt.megatron_core_formats.layouts import (
     COMMON_STEP,
     CORE_FORMATS,
     CoreFormat,
@@ -46,13 +46,13 @@ from megatron_eopt.checkpointing.core_formats import (
     core_format_of,
     torch_state_of,
 )
-from megatron_eopt.checkpointing.ddp_buckets import DistributedOptimizerBuckets
-from megatron_eopt.checkpointing.fsdp_dtensor import asks_for_fsdp_dtensor, merged_fsdp_dtensor_states
-from megatron_eopt.checkpointing.merged_children import merged_by_optimizer
+from megatron_eopt.megatron_core_formats.distributed_optimizer import DistributedOptimizerBuckets
+from megatron_eopt.megatron_core_formats.fsdp_dtensor import asks_for_fsdp_dtensor, merged_fsdp_dtensor_states
+from megatron_eopt.megatron_core_formats.layer_wise_optimizer import merged_by_optimizer
 from megatron_eopt.config.optimizer_names import BUILTIN_OPTIMIZERS, run_optimizer
 from megatron_eopt.params.groups import stored_child_name
 from megatron_eopt.runtime.once import warn_once
-from megatron_eopt.wrappers.base import CheckpointableChild, ChildParam
+from megatron_eopt.checkpointable.child import CheckpointableChild, ChildParam
 
 
 # ---------------------------------------------------------------- Our child -> megatron-core's format
@@ -202,7 +202,7 @@ def chain_sharded_state_dict(names: list[str], children: list[CheckpointableChil
                              buckets: Optional[DistributedOptimizerBuckets] = None) -> dict:
     """A chain's sharded state dict in the layout `metadata` asks for (megatron-core's by default).
     `buckets`: megatron-core's DDP bucket layout for the run's model, to read a `dp_reshardable` one.
-    DTensor-sharded children (FSDP2, Megatron-FSDP) answer themselves: checkpointing/fsdp_dtensor.py."""
+    DTensor-sharded children (FSDP2, Megatron-FSDP) answer themselves: megatron_core_formats/fsdp_dtensor.py."""
     if asks_for_fsdp_dtensor(metadata) or _any_dtensor_sharded(children):
         states = [child.sharded_state_dict(model_sharded_state_dict, is_loading, metadata=metadata)
                   for child in children]

@@ -22,8 +22,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from megatron_eopt.ops.row_shards import gathered_rows
-from megatron_eopt.wrappers.base import CheckpointableChild, ChildParam
-from megatron_eopt.wrappers.flat_state import param_group_identifier
+from megatron_eopt.checkpointable.child import CheckpointableChild, ChildParam, param_group_identifier
 
 FSDP_DTENSOR = "fsdp_dtensor"  # megatron-core's distrib_optim_sharding_type for Megatron-FSDP
 SHARDING_TYPE_KEY = "distrib_optim_sharding_type"

@@ -3,7 +3,7 @@ expert parameters together; ours keeps one per (optimizer, dense|expert). Both w
 
 megatron-core's `_get_megatron_emerging_optimizer` does not split expert param groups off in
 layer-wise mode, so with MoE its chain is [Muon: dense groups, expert groups; Adam: the same].
-`merged_by_optimizer` joins our children's megatron-core state dicts (megatron_sharded.py's
+`merged_by_optimizer` joins our children's megatron-core state dicts (dist_checkpointing.py's
 `child_sharded_state_dict`, layer-wise) in that order: param groups concatenated, parameter and group indices
 shifted, the step once. Each merged dict carries, as a local object that is never saved, which of
 our children it holds; `split_merged` cuts a loaded one back along it.
@@ -13,7 +13,7 @@ from typing import Any, Mapping, NamedTuple
 
 import torch
 
-from megatron_eopt.checkpointing.core_formats import (
+from megatron_eopt.megatron_core_formats.layouts import (
     COMMON_STEP,
     EXTRA_SCALARS,
     OWN_STATE,

@@ -2,13 +2,13 @@
 
 `CORE_FORMATS`: where each kind of megatron-core optimizer keeps its state in `state_dict()`;
 `LAYOUTS`: the names `metadata[LAYOUT_KEY]` gives a sharded checkpoint's optimizer layout; the keys
-our state dicts add. megatron_sharded.py writes and reads them, merged_children.py joins children.
+our state dicts add. dist_checkpointing.py writes and reads them, layer_wise_optimizer.py joins children.
 """
 
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from megatron_eopt.wrappers.base import CheckpointableChild
+from megatron_eopt.checkpointable.child import CheckpointableChild
 
 LAYOUT_KEY = "eopt_optimizer_layout"
 MEGATRON_CORE_LAYOUT = "megatron_core"  # what this module writes: megatron-core's optimizer of the same kind's
@@ -33,7 +33,7 @@ OWN_STATE = "eopt_own_state"
 # Fields of our param groups that megatron-core's do not have (it records no names).
 OWN_GROUP_FIELDS = ("params", "param_fqns", "group_key")
 # megatron-core's DistributedOptimizer formats keyed by parameter (DistributedOptimizer.
-# checkpoint_fully_reshardable_formats); the others are keyed by its DDP buckets (ddp_buckets.py).
+# checkpoint_fully_reshardable_formats); the others are keyed by its DDP buckets (distributed_optimizer.py).
 PARAMETER_KEYED_FORMATS = ("fully_reshardable", "fully_sharded_model_space")
 
 
@@ -48,7 +48,7 @@ class CoreFormat:
     # with the fp32 main copy as its state `param`, and the step in each param group.
     param_state_key: Optional[str] = None
     sharding_type: Optional[str] = None  # DistributedOptimizer: its `param_state_sharding_type`
-    # dp_reshardable: each state tensor is a range of a DDP bucket (ddp_buckets.py), read flat.
+    # dp_reshardable: each state tensor is a range of a DDP bucket (distributed_optimizer.py), read flat.
     keyed_by_bucket: bool = False
 
 

@@ -63,7 +63,7 @@ class ParamRouting:
     so for such models the factory names the output layer here (distributed/fsdp2.py).
     expert_parallel_fqns: parameters that count as expert-parallel (megatron-core's
     `allreduce=False`) without the attribute: the routed experts that torch FSDP2 shards over a
-    mesh of their own (distributed/fsdp2.py).
+    mesh of their own (placement/fully_sharded_layout.py).
     """
 
     optimizer: str

@@ -1,1 +1,1 @@
-"""Wrappers that give torch optimizers megatron-core's optimizer contract (their sharded format: checkpointing/megatron_sharded.py)."""
+"""Wrappers that give torch optimizers megatron-core's optimizer contract (their sharded format: megatron_core_formats/dist_checkpointing.py)."""

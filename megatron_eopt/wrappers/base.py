@@ -19,7 +19,7 @@ import contextlib
 import math
 from abc import ABC, abstractmethod
 from types import MappingProxyType
-from typing import Any, Callable, Iterator, Mapping, NamedTuple, Optional, Protocol
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 
@@ -111,7 +111,7 @@ class MegatronOptimizer(ABC):
         """megatron-core's matching of saved param groups (torch's positional format) to live ones.
 
         For each current group, the saved group with the same identifying values
-        (flat_state.PARAM_GROUP_IDENTIFIER_KEYS: a missing key is None, NeMo's `pre_` prefix
+        (checkpointable/child.py's PARAM_GROUP_IDENTIFIER_KEYS: a missing key is None, NeMo's `pre_` prefix
         stands in), holding the 'params' of the saved group at that position, as torch's
         load pairs groups by position. A group without a match raises ValueError.
         """
@@ -142,46 +142,6 @@ class SteppableChild(ABC):
     @abstractmethod
     def check_state_dict(self, state_dict: dict) -> None:
         """Raise ValueError if `state_dict` does not fit; changes nothing."""
-
-
-class ChildParam(NamedTuple):
-    """One parameter a child steps, as checkpoints see it (CheckpointableChild.checkpoint_params)."""
-
-    fqn: str  # its name here (named_trainable_parameters)
-    model: torch.nn.Parameter  # the model's parameter
-    main: torch.nn.Parameter  # what the inner optimizer steps: `model` itself, an fp32 copy, or an FSDP2 shard
-    state: dict  # the inner optimizer's state of `main`, live (empty before its first step)
-
-
-class CheckpointableChild(Protocol):
-    """What checkpointing/ reads of a child (FP32Optimizer and its subclasses): these methods only,
-    so that the wrappers can change how they hold parameters and the inner optimizer freely."""
-
-    name: str
-    config: Any  # the OptimizerConfig (megatron-core's format depends on bf16/fp16 and the optimizer)
-    grad_scaler: Any
-    fqn_of_main: dict[int, str]  # id(main parameter) -> fqn
-
-    @property
-    def param_groups(self) -> list[dict]: ...  # the inner optimizer's, live (the schedule sets lr bounds)
-
-    def checkpoint_params(self) -> list[ChildParam]: ...
-
-    def fp32_main_params(self) -> list[torch.Tensor]: ...  # parallel to checkpoint_params()
-
-    def set_main_params(self, values: dict[int, torch.Tensor]) -> None: ...
-
-    def hyperparameter_names(self) -> tuple[str, ...]: ...  # the inner optimizer's defaults
-
-    def inner_class_name(self) -> str: ...
-
-    def init_state(self) -> None: ...  # state tensors exist before a sharded load fills them
-
-    def state_dict(self, is_loading: bool = False) -> dict: ...
-
-    def local_state_dict(self) -> dict: ...  # state_dict() with plain tensors (this rank's shards)
-
-    def load_state_dict(self, state_dict: dict) -> None: ...
 
 
 def counts_in_norm(param: torch.nn.Parameter, tp_group: Any = None) -> bool:

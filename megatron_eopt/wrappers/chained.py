@@ -10,9 +10,9 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_eopt.checkpointing.fsdp_dtensor import check_names, is_fsdp_dtensor_state
-from megatron_eopt.checkpointing.megatron_sharded import chain_sharded_state_dict, core_chain_states
-from megatron_eopt.checkpointing.merged_children import split_merged
+from megatron_eopt.megatron_core_formats.fsdp_dtensor import check_names, is_fsdp_dtensor_state
+from megatron_eopt.megatron_core_formats.dist_checkpointing import chain_sharded_state_dict, core_chain_states
+from megatron_eopt.megatron_core_formats.layer_wise_optimizer import split_merged
 from megatron_eopt.wrappers.base import MegatronOptimizer, SteppableChild, StepResult, default_device, take_step
 from megatron_eopt.wrappers.megatron_core_chain import step_megatron_core_children
 from megatron_eopt.wrappers.qk_clip import QKClip, qk_clip_step
@@ -61,7 +61,7 @@ class ChainedOptimizer(MegatronOptimizer):
         self.config = config if config is not None else next(
             (child.config for child in children if getattr(child, "config", None) is not None), None)
         self.grad_norms_by_group = {}
-        # megatron-core's DDP bucket layout for the model (checkpointing/ddp_buckets.py), set by
+        # megatron-core's DDP bucket layout for the model (megatron_core_formats/distributed_optimizer.py), set by
         # get_megatron_optimizer: reading its DistributedOptimizer's dp_reshardable checkpoints needs it.
         self.core_buckets = None
         # The MegatronFSDP modules whose shards the children step, set by get_megatron_optimizer: a
@@ -150,7 +150,7 @@ class ChainedOptimizer(MegatronOptimizer):
 
     def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
                            metadata: Optional[dict] = None) -> dict:
-        """megatron-core's format for dist_checkpointing (see checkpointing/megatron_sharded.py)."""
+        """megatron-core's format for dist_checkpointing (see megatron_core_formats/dist_checkpointing.py)."""
         return chain_sharded_state_dict(self._names, self.chained_optimizers, model_sharded_state_dict, is_loading,
                                         self.owner_is_main_replica, metadata, self.core_buckets)
 
@@ -185,7 +185,7 @@ class ChainedOptimizer(MegatronOptimizer):
 
     def _load_megatron_core(self, states: list) -> None:
         """megatron-core's ChainedOptimizer format: its children's state dicts, in chain order (its
-        layer-wise chain's merged ones cut back into ours: checkpointing/merged_children.py)."""
+        layer-wise chain's merged ones cut back into ours: megatron_core_formats/layer_wise_optimizer.py)."""
         split = split_merged(states)
         if any(name is not None for name, _ in split):
             states = self._by_our_names(dict(split))

@@ -17,19 +17,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from megatron_eopt.params.overrides import ParamGroupOverride
-
-# megatron-core's `param_group_identifier_keys`: what tells param groups apart on load, every
-# ParamGroupOverride field (and `optimizer`), then the structural flags every group carries.
-PARAM_GROUP_IDENTIFIER_KEYS: tuple[str, ...] = (
-    *sorted({*ParamGroupOverride.__annotations__, "optimizer"}), "lr_mult", "is_expert_parallel", "is_decoupled_lr",
-)
-
-
-def param_group_identifier(group: Mapping[str, Any]) -> tuple:
-    """A group's identifying values: a missing key counts as None; NeMo's `pre_<key>` stands in."""
-    return tuple(group.get(key, group.get(f"pre_{key}")) for key in PARAM_GROUP_IDENTIFIER_KEYS)
-
+from megatron_eopt.checkpointable.child import PARAM_GROUP_IDENTIFIER_KEYS, param_group_identifier
 
 def match_param_groups(current_groups: Sequence[Mapping[str, Any]],
                        saved_groups: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:

@@ -14,8 +14,8 @@ import torch
 from megatron_eopt.params.groups import ParamRecord
 from megatron_eopt.registry import init_torch_state
 from megatron_eopt.runtime.process_groups import ProcessGroup, group_rank
+from megatron_eopt.checkpointable.child import ChildParam
 from megatron_eopt.wrappers.base import (
-    ChildParam,
     MegatronOptimizer,
     SteppableChild,
     StepResult,
@@ -36,15 +36,15 @@ from megatron_eopt.wrappers.grad_stats import (
     local_grad_stats,
     reduced_grad_stats,
 )
-from megatron_eopt.checkpointing.fsdp_dtensor import (
+from megatron_eopt.megatron_core_formats.fsdp_dtensor import (
     asks_for_fsdp_dtensor,
     flat_from_fsdp_dtensor,
     fsdp_dtensor_state_dict,
     is_fsdp_dtensor_state,
     local_values,
 )
-from megatron_eopt.checkpointing.core_formats import core_format_in
-from megatron_eopt.checkpointing.megatron_sharded import (
+from megatron_eopt.megatron_core_formats.layouts import core_format_in
+from megatron_eopt.megatron_core_formats.dist_checkpointing import (
     chain_sharded_state_dict,
     expand_v1_sharded_state_dict,
     unpack_core_state_dict,
@@ -80,7 +80,7 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
         qk_clip: QK-clip (wrappers/qk_clip.py), which scales the main copies after each update,
             or None. The chain measures the maxima in its step; every child of it gets the same.
 
-    Checkpoints read it through CheckpointableChild's methods (wrappers/base.py) only.
+    Checkpoints read it through CheckpointableChild's methods (checkpointable/child.py) only.
     """
 
     def __init__(
@@ -155,7 +155,7 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
         """After a load: the main weights the checkpoint holds, by id(model parameter)."""
         self.set_main_params(saved)
 
-    # What checkpoints read (CheckpointableChild, wrappers/base.py).
+    # What checkpoints read (CheckpointableChild, checkpointable/child.py).
     def checkpoint_params(self) -> list[ChildParam]:
         """Every parameter this child steps, in its order (parallel to fp32_main_params())."""
         state = self.optimizer.state
@@ -287,8 +287,8 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
 
     def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
                            metadata: Optional[dict] = None) -> dict:
-        """megatron-core's format for dist_checkpointing (see checkpointing/megatron_sharded.py), or
-        its fsdp_dtensor layout for torch DCP when `metadata` asks for it (checkpointing/fsdp_dtensor.py)."""
+        """megatron-core's format for dist_checkpointing (see megatron_core_formats/dist_checkpointing.py), or
+        its fsdp_dtensor layout for torch DCP when `metadata` asks for it (megatron_core_formats/fsdp_dtensor.py)."""
         if asks_for_fsdp_dtensor(metadata):
             return fsdp_dtensor_state_dict(self, is_loading)
         return chain_sharded_state_dict([self.name], [self], model_sharded_state_dict, is_loading,
@@ -303,7 +303,7 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
         torch_state_dict_from_flat(self.optimizer, state_dict, self.fqn_of_main)
 
     def _from_megatron_core(self, state_dict: dict) -> tuple[dict, dict[int, torch.Tensor], Optional[dict]]:
-        """megatron-core's state dict (checkpointing/megatron_sharded.py) in our torch optimizer's
+        """megatron-core's state dict (megatron_core_formats/dist_checkpointing.py) in our torch optimizer's
         terms, with the fp32 main copies by id(model parameter) and the loss scaler's state: param
         groups matched as megatron-core matches them, hyperparameters from the checkpoint, the
         groups' own metadata (group_key, max_lr, ...) as the live config built it."""

@@ -288,7 +288,7 @@ def test_experts_equal_megatron_core_resume_exactly_and_move_both_ways(run_distr
     resumes from a torch_dist save at 3 equal to its run not interrupted (every rank's parameters
     and state bitwise), and a job moves from megatron-core to us and back (as
     test_a_job_moves_from_megatron_core_and_back). megatron-core's chain there holds the dense and
-    the expert parameters of one optimizer together, ours apart (checkpointing/merged_children.py)."""
+    the expert parameters of one optimizer together, ours apart (megatron_core_formats/layer_wise_optimizer.py)."""
     flags = OPTIMIZERS["layer-wise muon"] + ["--bf16"] + EXPERTS + NO_CLIP + FORMATS["torch_dist"]
     theirs, ours = str(tmp_path / "theirs"), str(tmp_path / "ours")
     (core_straight, ours_straight, saved, moved_in, core_resumed, ours_saved, moved_out,

@@ -12,7 +12,7 @@ import itertools
 import torch
 import torch.distributed as dist
 
-from megatron_eopt.distributed.megatron_fsdp_model import hold_gradient_hooks_weakly, megatron_fsdp_wrappers
+from megatron_eopt.placement.megatron_fsdp_model import hold_gradient_hooks_weakly, megatron_fsdp_wrappers
 from megatron_eopt.runtime import megatron_fsdp_cpu
 
 _MESH_NUMBERS = itertools.count()

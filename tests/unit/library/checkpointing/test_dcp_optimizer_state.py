@@ -49,7 +49,7 @@ def sharded_model(engine: str, model: str) -> torch.nn.Module:
         return module
     from megatron_fsdp import fully_shard_model
 
-    from megatron_eopt.distributed.megatron_fsdp_model import hold_gradient_hooks_weakly
+    from megatron_eopt.placement.megatron_fsdp_model import hold_gradient_hooks_weakly
     from megatron_eopt.runtime import megatron_fsdp_cpu
 
     megatron_fsdp_cpu.install()

@@ -711,7 +711,7 @@ def _check_bf16_moments(per_rank: list[dict], world_size: int) -> None:
 
 
 def test_a_torch_whose_fsdp2_sums_gradients_on_gloo_is_refused() -> None:
-    from megatron_eopt.distributed.fsdp2 import check_fsdp2_averages
+    from megatron_eopt.placement.fully_sharded_layout import check_fsdp2_averages
 
     cpu = torch.device("cpu")
     with pytest.raises(RuntimeError, match=r"^torch 2\.8\.0\+cpu's FSDP2 sums gradients over gloo .* use torch>=2\.9"):

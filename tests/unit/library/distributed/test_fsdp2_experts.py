@@ -132,7 +132,7 @@ def _megatron_fsdp(model: torch.nn.Module) -> torch.nn.Module:
     from megatron.core.transformer.transformer_layer import TransformerLayer
     from torch.distributed.device_mesh import init_device_mesh
 
-    from megatron_eopt.distributed.megatron_fsdp_model import hold_gradient_hooks_weakly
+    from megatron_eopt.placement.megatron_fsdp_model import hold_gradient_hooks_weakly
     from megatron_eopt.runtime import megatron_fsdp_cpu
 
     megatron_fsdp_cpu.install()

@@ -109,7 +109,7 @@ def _dropped_model_is_freed(rank: int) -> bool:
     import gc
     import weakref
 
-    from megatron_eopt.distributed.megatron_fsdp_model import megatron_fsdp_wrappers
+    from megatron_eopt.placement.megatron_fsdp_model import megatron_fsdp_wrappers
 
     model = megatron_fsdp_gpt()
     optimizer = get_megatron_optimizer(config_for("adam"), [model])
@@ -124,7 +124,7 @@ def refusals() -> dict[str, tuple[str, str]]:
     """What is refused, each with a clear error on every rank."""
     from megatron_fsdp import fully_shard_model
 
-    from megatron_eopt.distributed.megatron_fsdp_model import hold_gradient_hooks_weakly
+    from megatron_eopt.placement.megatron_fsdp_model import hold_gradient_hooks_weakly
     from megatron_eopt.runtime.process_groups import ParallelGroups
 
     model = megatron_fsdp_gpt()

@@ -170,7 +170,7 @@ def _save(run: Run, how: str, directory: str) -> None:
 
     import torch.distributed as dist
 
-    from tests.unit.library.checkpointing.test_megatron_sharded import _megatron_save
+    from tests.unit.library.megatron_core_formats.test_dist_checkpointing import _megatron_save
 
     if how == "torch":
         torch.save({"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict()},

@@ -80,7 +80,7 @@ def load(model, optimizer, directory: str, uneven: str = "all") -> dict:
     """Megatron-LM's load (`uneven` as in `save`)."""
     import torch.distributed.checkpoint as dcp
 
-    from megatron_eopt.distributed.megatron_fsdp_model import refresh_compute_weights
+    from megatron_eopt.placement.megatron_fsdp_model import refresh_compute_weights
 
     state_dict = {"model": model.state_dict()}
     state_dict["optimizer"] = optimizer.sharded_state_dict(state_dict, is_loading=True, metadata=metadata())

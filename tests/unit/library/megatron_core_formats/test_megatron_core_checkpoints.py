@@ -15,7 +15,7 @@ and takes M steps; that must equal S continuing itself for M steps without the s
 (fp32 Adam and Muon step bitwise alike: tests/unit/library/test_megatron_core_parity.py; in bf16
 both step the same fp32 main copies and round them to bf16 alike).
 Saved through `sharded_state_dict(model_sd, is_loading, metadata)` with megatron-core's
-`dist_checkpointing` (its torch_dist format, written on CPU as test_megatron_sharded.py explains;
+`dist_checkpointing` (its torch_dist format, written on CPU as test_dist_checkpointing.py explains;
 loaded by `dist_checkpointing.load` itself), with and without `chained_optim_avoid_prefix`, and
 through the plain format (`--ckpt-format torch`: `torch.save`/`torch.load` of what megatron-core's
 `state_dict()` returned, or for ours `megatron_core_state_dict(optimizer)`).
@@ -28,7 +28,7 @@ import torch
 
 from megatron_eopt.checkpointing import checkpoint_optimizer_layout, megatron_core_state_dict
 from tests.gpt_training import model_parallel, step_loss, token_batch
-from tests.unit.library.checkpointing.test_megatron_sharded import _megatron_save
+from tests.unit.library.megatron_core_formats.test_dist_checkpointing import _megatron_save
 from tests.megatron_core_on_cpu import cuda_named_types, cuda_tensors_on_cpu, megatron_core_ddp_on_cpu
 
 SAVED_STEPS, MORE_STEPS = 2, 2

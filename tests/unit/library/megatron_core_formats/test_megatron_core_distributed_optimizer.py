@@ -2,7 +2,7 @@
 with --use-distributed-optimizer), read by ours (issue 46).
 
 Its state is keyed by DDP bucket, so reading it needs megatron-core's bucket layout, which
-checkpointing/ddp_buckets.py computes from the model. The reference is megatron-core's code,
+megatron_core_formats/distributed_optimizer.py computes from the model. The reference is megatron-core's code,
 run on gloo with tests/megatron_core_on_cpu.py's patches:
 - the layout: each buffer's parameter ranges, bucket bounds and unpadded sizes against its DDP's
   buffers, and each DP rank's shard of each parameter against its DistributedOptimizer's ranges,
@@ -28,7 +28,7 @@ import torch
 
 from tests.gpt_training import model_parallel, step_loss, token_batch
 from tests.megatron_core_on_cpu import cuda_named_types, distributed_optimizer_loads_on_cpu, megatron_core_ddp_on_cpu
-from tests.unit.library.checkpointing.test_megatron_core_checkpoints import (
+from tests.unit.library.megatron_core_formats.test_megatron_core_checkpoints import (
     FIELDS,
     MORE_STEPS,
     SAVED_STEPS,
@@ -36,7 +36,7 @@ from tests.unit.library.checkpointing.test_megatron_core_checkpoints import (
     _differences,
     _optimizer_keys,
 )
-from tests.unit.library.checkpointing.test_megatron_sharded import _megatron_save
+from tests.unit.library.megatron_core_formats.test_dist_checkpointing import _megatron_save
 
 BUCKET_SIZE = 3000  # elements: several buckets in the small GPT model
 METADATA = {"distrib_optim_sharding_type": "dp_reshardable", "chained_optim_avoid_prefix": True,
@@ -128,7 +128,7 @@ def _loaded_and_continued(run: CoreRun, directory: str, metadata: Optional[dict]
 
 def _layout_mismatches(core: CoreRun, dp_size: int, dp_rank: int) -> list[str]:
     """What of our layout differs from megatron-core's buffers and its optimizer's shard ranges."""
-    from megatron_eopt.checkpointing.ddp_buckets import distributed_optimizer_buffers, shard_ranges
+    from megatron_eopt.megatron_core_formats.distributed_optimizer import distributed_optimizer_buffers, shard_ranges
 
     ours = distributed_optimizer_buffers([core.ddp], dp_size)
     distributed = core.optimizer.chained_optimizers[0]

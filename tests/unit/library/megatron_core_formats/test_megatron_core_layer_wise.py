@@ -14,7 +14,7 @@ import torch
 
 from tests.gpt_training import model_parallel
 from tests.megatron_core_on_cpu import cuda_named_types, distributed_optimizer_loads_on_cpu, megatron_core_ddp_on_cpu
-from tests.unit.library.checkpointing.test_megatron_core_checkpoints import (
+from tests.unit.library.megatron_core_formats.test_megatron_core_checkpoints import (
     FIELDS,
     MORE_STEPS,
     SAVED_STEPS,
@@ -22,7 +22,7 @@ from tests.unit.library.checkpointing.test_megatron_core_checkpoints import (
     _differences,
     _optimizer_keys,
 )
-from tests.unit.library.checkpointing.test_megatron_core_distributed_optimizer import (
+from tests.unit.library.megatron_core_formats.test_megatron_core_distributed_optimizer import (
     BUCKET_SIZE,
     METADATA,
     CoreRun,
@@ -30,7 +30,7 @@ from tests.unit.library.checkpointing.test_megatron_core_distributed_optimizer i
     _ddp_config,
     _loaded_and_continued,
 )
-from tests.unit.library.checkpointing.test_megatron_sharded import _megatron_save
+from tests.unit.library.megatron_core_formats.test_dist_checkpointing import _megatron_save
 
 
 class CoreLayerWiseRun(CoreRun):
@@ -70,7 +70,7 @@ def _ours_saves_body(rank: int, world_size: int, directory: str) -> dict:
     """DP=2: ours (layer-wise, as Megatron-LM runs it with --use-distributed-optimizer) trains and
     saves with Megatron-LM's metadata (dp_reshardable asked for); megatron-core's layer-wise Muon and
     our plain optimizer load with the metadata we left and continue: against ours continuing itself."""
-    from megatron_eopt.checkpointing import megatron_sharded
+    from megatron_eopt.megatron_core_formats import dist_checkpointing as megatron_sharded
 
     with model_parallel(1, seed=3), megatron_core_ddp_on_cpu():
         ours = _ours(seed=1, layer_wise=True)

@@ -14,7 +14,7 @@ import torch
 
 from megatron_eopt import OptimizerConfig, ParamKey, get_megatron_optimizer
 from megatron_eopt.wrappers.base import MegatronOptimizer
-from megatron_eopt.wrappers.flat_state import PARAM_GROUP_IDENTIFIER_KEYS
+from megatron_eopt.checkpointable.child import PARAM_GROUP_IDENTIFIER_KEYS
 
 COMMON = dict(lr_mult=1.0, is_expert_parallel=False, is_decoupled_lr=False)
 

@@ -1,0 +1,1 @@
+"""Where a sharded model's parameters lie: facts the optimizer (distributed/) and the checkpoints both read."""
