@@ -1,100 +1,35 @@
 """Guardrails on imports.
 
 `import megatron_eopt` must not import megatron-core (its model stack costs ~16 s; checked in
-a fresh interpreter). The package's modules import each other without cycles, and only
-downwards through the layers (read from the source with `ast`, so imports inside functions and
-`if TYPE_CHECKING:` blocks count too):
-runtime -> config -> ops -> params -> optimizers -> registry -> wrappers/distributed ->
-checkpointing -> factory -> integrations (docs/layers.md draws them); megatron-core appears only where
-allowed. The top-level arguments/ (every command-line flag) imports without torch, and the
-library never imports it. A subpackage's `__init__.py` counts as a module, so a module of the
+a fresh interpreter). The package's modules import each other without cycles (read from the
+source with `ast`, so imports inside functions and `if TYPE_CHECKING:` blocks count too), and
+megatron-core appears only where allowed; tests/unit/test_code_shape.py holds the layers. The
+top-level arguments/ (every command-line flag) imports without torch, and the library never
+imports it. A subpackage's `__init__.py` counts as a module, so a module of the
 registry package that imported the package itself (which imports it) is a cycle.
 """
 
-import ast
 import pathlib
 import subprocess
 import sys
 from typing import Optional
 
+from tests.unit.test_code_shape import UPWARD_ALLOWED, _module_path, package_imports
+
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 PACKAGE = ROOT / "megatron_eopt"
 ARGUMENTS = ROOT / "arguments"  # every command-line flag: the optimizer's (arguments/*.py), the trainer's (trainer/)
-LAYER_OF = {  # first component below megatron_eopt (or "folder/module") -> layer; a module imports layers <= its own
-    "runtime": 0,  # process groups, hardware, warn-once: they import no other megatron_eopt module
-    "config": 1, "ops": 2, "params": 3, "optimizers": 4, "registry": 5, "wrappers": 6, "distributed": 6,
-    # megatron-core's dist_checkpointing format of one wrapper: the wrappers' sharded_state_dict() calls it.
-    "checkpointing/megatron_sharded": 6,
-    "checkpointing/core_formats": 6,  # its table of megatron-core's layouts
-    "checkpointing/merged_children": 6,  # megatron-core's layer-wise chain's children, which it writes
-    "checkpointing/fsdp_dtensor": 6,  # megatron-core's fsdp_dtensor layout of one wrapper, the same way
-    "checkpointing/ddp_buckets": 6,  # megatron-core's DDP bucket layout, which megatron_sharded reads by
-    "checkpointing": 7, "factory": 8, "integrations": 9,
-    "muon": 9,  # the deprecated import path: re-exports integrations/deprecated_muon.py
-    "training": 10,  # the trainer: nothing in the library imports it
-}
 # checkpointing/rng.py: megatron-core's process-global RNG tracker, only once megatron-core is imported.
 MEGATRON_CORE_ALLOWED = {"runtime/process_groups.py", "factory.py", "integrations/megatron_bridge.py",
-                         "checkpointing/megatron_sharded.py", "checkpointing/merged_children.py",
-                         "checkpointing/ddp_buckets.py",
+                         "megatron_core_formats/dist_checkpointing.py", "megatron_core_formats/layer_wise_optimizer.py",
+                         "megatron_core_formats/distributed_optimizer.py",
                          "checkpointing/rng.py", "integrations/megatron_lm.py", "integrations/megatron_lm_gpt.py",
                          "runtime/megatron_lm_cpu.py"}
 MEGATRON_CORE_ALLOWED_UNDER = ("training/",)  # the trainer: megatron-core's models, Megatron-LM's helpers
-# The one upward import, inside the method that needs it: OptimizerConfig.provide() is
-# Megatron-Bridge's custom-optimizer hook, so the config must be able to call the factory.
-# It is a function-level import of the factory alone (never of the Bridge layer), so importing
-# the config never imports what lies above it.
-UPWARD_ALLOWED = {("config/optimizer_config.py", "megatron_eopt.factory", "provide")}
 # Megatron-LM's training package (megatron.training, in the megatron-core wheel): only its adapter, and
 # the run-time patch that lets its loop run on CPU (its imports inside install(), which the script calls).
 MEGATRON_TRAINING_ALLOWED = {"integrations/megatron_lm.py", "integrations/megatron_lm_gpt.py",
                              "runtime/megatron_lm_cpu.py"}
-
-
-def package_imports(path: pathlib.Path) -> list[tuple[str, Optional[str]]]:
-    """(absolute module name, enclosing function or None) of every import in the file."""
-    found: list[tuple[str, Optional[str]]] = []
-
-    def visit(node: ast.AST, function: Optional[str]) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                visit(child, child.name)
-                continue
-            if isinstance(child, ast.Import):
-                found.extend((alias.name, function) for alias in child.names)
-            elif isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
-                # `from megatron_eopt.wrappers import fp32` imports the module wrappers.fp32 (and
-                # only that, as far as layers and cycles go: the package itself is not the target).
-                modules = [f"{child.module}.{alias.name}" for alias in child.names
-                           if _module_path(f"{child.module}.{alias.name}") is not None]
-                if len(modules) < len(child.names):
-                    found.append((child.module, function))
-                found.extend((module, function) for module in modules)
-            visit(child, function)
-
-    visit(ast.parse(path.read_text()), None)
-    return found
-
-
-def _module_path(name: str) -> Optional[pathlib.Path]:
-    """The file of megatron_eopt or arguments module `name` (a package's `__init__.py`), or None when it is not one."""
-    if name.split(".")[0] not in ("megatron_eopt", "arguments") or name == "megatron_eopt":
-        return None
-    path = ROOT.joinpath(*name.split("."))
-    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
-        if candidate.is_file():
-            return candidate
-    return None
-
-
-def layer(relative: pathlib.Path) -> int:
-    module = relative.with_suffix("").as_posix()
-    if "/".join(module.split("/")[:2]) in LAYER_OF:
-        return LAYER_OF["/".join(module.split("/")[:2])]
-    top = relative.parts[0].removesuffix(".py")
-    if top not in LAYER_OF:
-        raise AssertionError(f"megatron_eopt/{relative} is in no layer; add it to LAYER_OF")
-    return LAYER_OF[top]
 
 
 def package_files() -> list[pathlib.Path]:
@@ -222,17 +157,12 @@ def test_importing_the_config_does_not_import_the_bridge_layer() -> None:
     assert "megatron_eopt.integrations.megatron_bridge" not in output.stdout.split()
 
 
-def test_layers_import_only_downwards() -> None:
+def test_megatron_core_only_where_allowed() -> None:
     violations = []
     for path in package_files():
         relative = path.relative_to(PACKAGE)
         for name, function in package_imports(path):
-            if name.startswith("megatron_eopt."):
-                target = pathlib.Path(*name.split(".")[1:])
-                if layer(target) > layer(relative) and (relative.as_posix(), name, function) not in UPWARD_ALLOWED:
-                    where = f" (in {function}())" if function else ""
-                    violations.append(f"{relative} imports {name}{where}")
-            elif name.startswith("megatron.") and relative.as_posix() not in MEGATRON_CORE_ALLOWED and not (
+            if name.startswith("megatron.") and relative.as_posix() not in MEGATRON_CORE_ALLOWED and not (
                     relative.as_posix().startswith(MEGATRON_CORE_ALLOWED_UNDER)):
                 violations.append(f"{relative} imports megatron-core ({name})")
             if name.startswith("megatron.training") and relative.as_posix() not in MEGATRON_TRAINING_ALLOWED and not (
