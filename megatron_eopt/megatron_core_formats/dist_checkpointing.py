@@ -233,9 +233,10 @@ def _distributed_chain(children: list[CheckpointableChild], model_sharded_state_
                        buckets: Optional[DistributedOptimizerBuckets]) -> dict:
     """megatron-core's DistributedOptimizer layout (`fully_reshardable` written; read as the metadata
     says), or for an emerging optimizer its layer-wise chain: [LayerWiseDistributedOptimizer (the
-    emerging optimizer's children, parameter-keyed), DistributedOptimizer (the rest; with the
-    matrices' DDP buffers the layer-wise one's)]. Our own earlier checkpoints
-    (MEGATRON_CORE_DISTRIBUTED_LAYOUT) hold every child in the DistributedOptimizer's layout."""
+    emerging optimizer's children, parameter-keyed, dense and expert ones merged as one optimizer:
+    layer_wise_optimizer.py), DistributedOptimizer (the rest; with the matrices' DDP buffers the
+    layer-wise one's)]. Our own earlier checkpoints (MEGATRON_CORE_DISTRIBUTED_LAYOUT) hold every
+    child in the DistributedOptimizer's layout."""
     format_name = (metadata or {}).get("distrib_optim_sharding_type") if is_loading else "fully_reshardable"
     layout = READ_DISTRIBUTED_FORMATS[format_name]
     layer_wise = [layout_of(metadata) != MEGATRON_CORE_DISTRIBUTED_LAYOUT and kept_by_layer_wise(child)
@@ -248,20 +249,32 @@ def _distributed_chain(children: list[CheckpointableChild], model_sharded_state_
               else distributed_sharded_state(child, model_sharded_state_dict, layout, buckets, is_loading,
                                              owner_is_main_replica)
               for child, kept in zip(children, layer_wise)]
+    if sum(layer_wise) > 1:  # the emerging optimizer's dense and expert children: one optimizer there
+        kept = [index for index, keeps in enumerate(layer_wise) if keeps]
+        merged = merged_by_optimizer([children[i] for i in kept], [states[i] for i in kept])
+        states = merged + [state for state, keeps in zip(states, layer_wise) if not keeps]
     return states[0] if len(states) == 1 else _chained(states, metadata)
 
 
 def _check_layer_wise_chain(children: list[CheckpointableChild], layer_wise: list[bool]) -> None:
     """megatron-core's layer-wise chain holds one optimizer for all of the emerging optimizer's
-    parameters, first, and the others' after it (no expert ones)."""
-    if layer_wise[0] and sum(layer_wise) == 1:
-        return
+    parameters, dense and expert, first, and the others' after it in a DistributedOptimizer that
+    takes no expert parameters (megatron-core's factory refuses them there, e.g. expert biases)."""
     names = [getattr(child, "name", "?") for child in children]
+    experts_outside = [name for name, child, kept in zip(names, children, layer_wise)
+                       if not kept and any(g.get("is_expert_parallel") for g in child.param_groups)]
+    if layer_wise[0] and not experts_outside:
+        return
+    primary = run_optimizer(children[0].config)
     raise ValueError(
-        f"megatron-core's layer-wise distributed-optimizer checkpoint holds one optimizer for the emerging "
-        f"optimizer's parameters, then the others'; this chain has {names} (expert parameters in optimizers of "
-        f"their own): save and load it with megatron_eopt.checkpointing.save_checkpoint, or without "
-        f"--use-distributed-optimizer.")
+        f"megatron-core's layer-wise distributed-optimizer checkpoint holds the emerging optimizer's ({primary!r}) "
+        f"dense and expert parameters first, then the others' in a DistributedOptimizer without expert "
+        f"parameters; this chain has {names}"
+        + (f", and {experts_outside} steps expert parameters outside {primary!r} (e.g. expert biases, which "
+           f"megatron-core's factory refuses on this layout: build the experts without biases, "
+           f"add_bias_linear=False)" if experts_outside else f", the first not {primary!r}'s")
+        + ". Or save and load it with megatron_eopt.checkpointing.save_checkpoint, or without "
+          "--use-distributed-optimizer.")
 
 
 def _any_dtensor_sharded(children: list[CheckpointableChild]) -> bool:

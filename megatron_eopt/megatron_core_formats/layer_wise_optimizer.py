@@ -1,15 +1,17 @@
-"""megatron-core's layer-wise "ping-pong" chain keeps one optimizer per optimizer name, its dense and
-expert parameters together; ours keeps one per (optimizer, dense|expert). Both ways here.
+"""megatron-core's layer-wise chains keep one optimizer per optimizer name, its dense and expert
+parameters together; ours keeps one per (optimizer, dense|expert). Both ways here.
 
 megatron-core's `_get_megatron_emerging_optimizer` does not split expert param groups off in
-layer-wise mode, so with MoE its chain is [Muon: dense groups, expert groups; Adam: the same].
-`merged_by_optimizer` joins our children's megatron-core state dicts (dist_checkpointing.py's
-`child_sharded_state_dict`, layer-wise) in that order: param groups concatenated, parameter and group indices
-shifted, the step once. Each merged dict carries, as a local object that is never saved, which of
-our children it holds; `split_merged` cuts a loaded one back along it.
+layer-wise mode, so with MoE its "ping-pong" chain is [Muon: dense groups, expert groups; Adam: the
+same], and its layout-path chain (`use_layer_wise_param_layout`) [LayerWiseDistributedOptimizer(Muon:
+dense groups, expert groups), DistributedOptimizer(Adam: dense groups only)]. `merged_by_optimizer`
+joins our children's megatron-core state dicts (dist_checkpointing.py's `child_sharded_state_dict`,
+layer-wise) in that order: param groups concatenated, parameter and group indices shifted, the step
+once. Each merged dict carries, as a local object that is never saved, which of our children it
+holds; `split_merged` cuts a loaded one back along it.
 """
 
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping, NamedTuple, Optional
 
 import torch
 
@@ -100,9 +102,10 @@ def _local(value: Any) -> Any:
     return value.unwrap() if hasattr(value, "unwrap") else value
 
 
-def split_merged(states: list[Any]) -> list[tuple[str, Any]]:
-    """(our child's name, its state) for each loaded state, cut along its members; a state that is
-    not merged as (None, it)."""
+def split_merged(states: list[Any], names: list[str]) -> list[tuple[Optional[str], Any]]:
+    """(our child's name, its state) for each loaded state, cut along its members. Without a merged
+    state, (None, state) for each; with one, a state that is not merged (the DistributedOptimizer
+    after megatron-core's layer-wise one) takes the next of the chain's `names` no member claims."""
     split = []
     for state_dict in states:
         members = state_dict.get(MEMBERS_KEY) if isinstance(state_dict, Mapping) else None
@@ -110,7 +113,11 @@ def split_merged(states: list[Any]) -> list[tuple[str, Any]]:
             split.append((None, state_dict))
             continue
         split += [(member.name, _member_state(state_dict, Member(*member))) for member in members]
-    return split
+    if all(name is None for name, _ in split):
+        return split
+    unclaimed = iter([name for name in names if name not in {claimed for claimed, _ in split}])
+    return [(name if name is not None else next(unclaimed, f"(unnamed state {index})"), state)
+            for index, (name, state) in enumerate(split)]
 
 
 def _member_state(state_dict: Mapping, member: Member) -> dict:

@@ -186,7 +186,7 @@ class ChainedOptimizer(MegatronOptimizer):
     def _load_megatron_core(self, states: list) -> None:
         """megatron-core's ChainedOptimizer format: its children's state dicts, in chain order (its
         layer-wise chain's merged ones cut back into ours: megatron_core_formats/layer_wise_optimizer.py)."""
-        split = split_merged(states)
+        split = split_merged(states, self._names)
         if any(name is not None for name, _ in split):
             states = self._by_our_names(dict(split))
         if len(states) != len(self.chained_optimizers):

@@ -75,8 +75,11 @@ class CoreRun:
             self.optimizer.zero_grad()
             step_loss(self.ddp, token_batch(self.settings, batch=4, seed=100 + step)).backward()
             self.ddp.finish_grad_sync()
-            for child in self.optimizer.chained_optimizers:
-                assert not child.prepare_grads() and child.step_with_ready_grads()
+            self.take_step()
+
+    def take_step(self) -> None:
+        for child in self.optimizer.chained_optimizers:
+            assert not child.prepare_grads() and child.step_with_ready_grads()
 
     def sharded(self, is_loading: bool = False, metadata: Optional[dict] = None) -> dict:
         """`metadata`: handed over itself (Megatron-LM saves what the optimizer left in it)."""

@@ -10,6 +10,9 @@ Its checkpoint (`dp_reshardable` metadata) holds Muon's momentum keyed by parame
 (`chained_1.optimizer.distributed.dp_group_idx_0.gbuf_idx_0...`).
 """
 
+import types
+
+import pytest
 import torch
 
 from tests.gpt_training import model_parallel
@@ -33,10 +36,18 @@ from tests.unit.library.megatron_core_formats.test_megatron_core_distributed_opt
 from tests.unit.library.megatron_core_formats.test_dist_checkpointing import _megatron_save
 
 
+# 8 experts (top 2) in every layer, at EP=2 on 2 ranks (expert DP 1): megatron-core's layout path
+# takes experts only in its layer-wise optimizer, so they have no biases (SETTINGS' add_bias_linear=False).
+# Not 4: a 4-row router's Newton-Schulz rounds differently here as a batch of one (ours batches
+# equal shapes) than alone (megatron-core), by an ulp; 8 rows round alike.
+EXPERTS = dict(num_moe_experts=8, moe_router_topk=2)
+
+
 class CoreLayerWiseRun(CoreRun):
     """megatron-core's layer-wise Muon over a GPTModel, built as Megatron-LM builds it (bf16)."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, experts: bool = False) -> None:
+        from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel
         from megatron.core.optimizer import OptimizerConfig as CoreConfig
         from megatron.core.optimizer import get_megatron_optimizer as core_get_megatron_optimizer
@@ -47,14 +58,15 @@ class CoreLayerWiseRun(CoreRun):
 
         from megatron_eopt.training.model.gpt import GPTModelSettings, build_gpt_model
 
-        self.settings = GPTModelSettings(**SETTINGS, bf16=True)
+        self.settings = GPTModelSettings(**SETTINGS, bf16=True, **(EXPERTS if experts else {}))
         torch.manual_seed(seed)
         self.model = build_gpt_model(self.settings)
         tag_params_for_buffer_routing([self.model])
         ddp_config = _ddp_config()
         dp_size = torch.distributed.get_world_size() // self.model.config.tensor_model_parallel_size
         layout = LayerWiseDistributedOptimizer.compute_full_param_layout(
-            [p for p in self.model.parameters() if p.requires_grad], BUCKET_SIZE, dp_size, ddp_config)
+            [p for p in self.model.parameters() if p.requires_grad], BUCKET_SIZE, dp_size, ddp_config,
+            expert_data_parallel_world_size=parallel_state.get_expert_data_parallel_world_size())
         self.ddp = DistributedDataParallel(self.model.config, ddp_config, self.model, full_param_layout=layout)
         with cuda_named_types():
             self.optimizer = core_get_megatron_optimizer(
@@ -64,6 +76,27 @@ class CoreLayerWiseRun(CoreRun):
 def _ours(seed: int, layer_wise: bool) -> OursRun:
     """Ours: Muon in bf16, plain or layer-wise."""
     return OursRun(seed, layer_wise, optimizer="muon", bf16=True)
+
+
+class OursWithExpertsRun(CoreRun):
+    """Ours (layer-wise Muon, bf16) over megatron-core's DDP that all-reduces, as Megatron-LM runs
+    ours: DDP scales the experts' gradients (expert DP 1 of DP 2) as it does megatron-core's."""
+
+    def __init__(self, seed: int) -> None:
+        from megatron.core.distributed import DistributedDataParallel
+
+        from megatron_eopt import OptimizerConfig, get_megatron_optimizer
+        from megatron_eopt.training.model.gpt import GPTModelSettings, build_gpt_model
+
+        self.settings = GPTModelSettings(**SETTINGS, bf16=True, **EXPERTS)
+        torch.manual_seed(seed)
+        self.model = build_gpt_model(self.settings)
+        self.ddp = DistributedDataParallel(self.model.config, _ddp_config(use_distributed_optimizer=False), self.model)
+        config = OptimizerConfig(**FIELDS["muon"], bf16=True, use_distributed_optimizer=True)
+        self.optimizer = get_megatron_optimizer(config, [self.ddp])
+
+    def take_step(self) -> None:
+        assert self.optimizer.step()[0]
 
 
 def _ours_saves_body(rank: int, world_size: int, directory: str) -> dict:
@@ -114,6 +147,39 @@ def _core_saves_body(rank: int, world_size: int, directory: str) -> dict:
             fresh_differs = bool(_differences(expected, ours.params()))
             results[f"layer_wise={layer_wise}"] = (fresh_differs,
                                                    _differences(expected, _loaded_and_continued(ours, directory)))
+    return results
+
+
+def _experts_both_ways_body(rank: int, world_size: int, directory: str) -> dict:
+    """EP=2 x DP=2, experts: megatron-core's layer-wise Muon (its layout path) trains, saves
+    (dp_reshardable), continues; ours loads it and continues. Then ours trains, saves (with the
+    metadata Megatron-LM passes), continues; megatron-core loads what ours wrote and continues."""
+    with model_parallel(1, seed=3, expert_model_parallel_size=2), megatron_core_ddp_on_cpu():
+        core = CoreLayerWiseRun(seed=1, experts=True)
+        layer_wise_groups = core.optimizer.chained_optimizers[0].param_groups
+        results = {"kinds": [type(c).__name__ for c in core.optimizer.chained_optimizers],
+                   "experts in layer-wise groups": [g["is_expert_parallel"] for g in layer_wise_groups]}
+        core.train(range(SAVED_STEPS))
+        _megatron_save(core.sharded(), f"{directory}/core")
+        core.train(range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS))
+        expected = core.params()
+        ours = OursWithExpertsRun(seed=2)
+        results["our children"] = [child.name for child in ours.optimizer.chained_optimizers]
+        results["fresh differs"] = bool(_differences(expected, ours.params()))
+        results["ours continued"] = _differences(expected, _loaded_and_continued(ours, f"{directory}/core"))
+
+        ours = OursWithExpertsRun(seed=1)
+        ours.train(range(SAVED_STEPS))
+        results["written"] = dict(METADATA)
+        _megatron_save(ours.sharded(metadata=results["written"]), f"{directory}/ours")
+        ours.train(range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS))
+        expected = ours.params()
+        core = CoreLayerWiseRun(seed=2, experts=True)
+        core.train(range(-1, 0))  # its DistributedOptimizer's sharded_state_dict reads the step from the state
+        with distributed_optimizer_loads_on_cpu():
+            core_continued = _loaded_and_continued(core, f"{directory}/ours", results["written"])
+        results["core continued"] = _differences(expected, core_continued)
+        results["keys"] = _optimizer_keys(f"{directory}/ours")
     return results
 
 
@@ -175,3 +241,41 @@ def test_megatron_core_layer_wise_checkpoints_both_ways(run_distributed, tmp_pat
     (results,) = run_distributed(_tp1_loads_body, world_size=1, args=(directory,), timeout=600)
     for case, differences in results.items():
         assert not differences, (case, differences[:5])
+
+
+def test_megatron_core_layer_wise_checkpoints_with_experts_both_ways(run_distributed, tmp_path) -> None:
+    """megatron-core's layout path keeps the dense and the expert matrices in one layer-wise Muon;
+    ours keeps them in two children, merged into that one on save and cut apart on load
+    (megatron_core_formats/layer_wise_optimizer.py). Each continues the other's checkpoint as the
+    saver continues itself, every parameter bitwise."""
+    for rank, results in enumerate(run_distributed(_experts_both_ways_body, world_size=2,
+                                                   args=(str(tmp_path),), timeout=600)):
+        assert results["kinds"] == ["LayerWiseDistributedOptimizer", "DistributedOptimizer"], results["kinds"]
+        assert set(results["experts in layer-wise groups"]) == {False, True}, results
+        assert len([name for name in results["our children"] if name.startswith("muon")]) == 2, results
+        assert results["fresh differs"] and not results["ours continued"], (rank, results["ours continued"][:5])
+        assert results["written"]["eopt_optimizer_layout"] == "megatron_core_layer_wise", results["written"]
+        assert any(".experts." in k and k.startswith("optimizer.state.momentum_buffer.") for k in results["keys"])
+        assert not results["core continued"], (rank, results["core continued"][:5])
+
+
+def _child(name: str, optimizer: str, expert: bool) -> types.SimpleNamespace:
+    """What the layer-wise chain's check reads of a child: its name, config and param groups."""
+    from megatron_eopt import OptimizerConfig
+
+    return types.SimpleNamespace(name=name, config=OptimizerConfig(**FIELDS["muon"], bf16=True),
+                                 param_groups=[{"optimizer": optimizer, "is_expert_parallel": expert}])
+
+
+def test_layer_wise_layout_refuses_experts_outside_the_emerging_optimizer() -> None:
+    """megatron-core's layout path refuses expert parameters outside Muon (expert biases); so does
+    ours, naming the child, instead of writing a checkpoint megatron-core has no optimizer for."""
+    from megatron_eopt.megatron_core_formats.dist_checkpointing import _check_layer_wise_chain
+
+    dense = [_child("muon/dense", "muon", False), _child("adam/dense", "adam", False)]
+    _check_layer_wise_chain(dense + [_child("muon/expert", "muon", True)], [True, False, True])
+    with pytest.raises(ValueError, match=r"\['adam/expert'\] steps expert parameters outside 'muon'.*add_bias_linear"):
+        _check_layer_wise_chain(dense + [_child("muon/expert", "muon", True), _child("adam/expert", "adam", True)],
+                                [True, False, True, False])
+    with pytest.raises(ValueError, match="the first not 'muon''s"):
+        _check_layer_wise_chain(dense[::-1], [False, True])
