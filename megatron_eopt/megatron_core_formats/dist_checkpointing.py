@@ -272,7 +272,7 @@ def _check_layer_wise_chain(children: list[CheckpointableChild], layer_wise: lis
         f"parameters; this chain has {names}"
         + (f", and {experts_outside} steps expert parameters outside {primary!r} (e.g. expert biases, which "
            f"megatron-core's factory refuses on this layout: build the experts without biases, "
-           f"add_bias_linear=False)" if experts_outside else f", the first not {primary!r}'s")
+           f"add_bias_linear=False)" if experts_outside else f", and its first child does not step {primary!r}")
         + ". Or save and load it with megatron_eopt.checkpointing.save_checkpoint, or without "
           "--use-distributed-optimizer.")
 

@@ -277,5 +277,5 @@ def test_layer_wise_layout_refuses_experts_outside_the_emerging_optimizer() -> N
     with pytest.raises(ValueError, match=r"\['adam/expert'\] steps expert parameters outside 'muon'.*add_bias_linear"):
         _check_layer_wise_chain(dense + [_child("muon/expert", "muon", True), _child("adam/expert", "adam", True)],
                                 [True, False, True, False])
-    with pytest.raises(ValueError, match="the first not 'muon''s"):
+    with pytest.raises(ValueError, match="its first child does not step 'muon'"):
         _check_layer_wise_chain(dense[::-1], [False, True])
