@@ -198,9 +198,13 @@ print("BF16-BOTH-WAYS-OK")
 """
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a CUDA device; OPEN on an H200 (issue 65, item 7): Muon saved by megatron-core "
+                           "and loaded by ours leaves 92 of 8,192 word-embedding elements beyond 2 bf16 ulps; "
+                           "bitwise on CPU (docs/gpu.md)")
 def test_bf16_checkpoints_move_both_ways_with_megatron_core() -> None:
     """megatron-core's Float16OptimizerWithFloat16Params (CUDA-only) saves with fp32_param keys, ours
-    loads and continues as it continues; and the mirror (tests/unit/library/checkpointing/
+    loads and continues as it continues; and the mirror (tests/unit/library/megatron_core_formats/
     test_megatron_core_checkpoints.py does fp32 and bf16 on CPU, bitwise). Within 2 bf16 ulps of the
     parameters, not bitwise: on a GPU megatron-core may step with Transformer Engine's fused Adam."""
     _run_single_gpu_script(BF16_BOTH_WAYS_SCRIPT, "BF16-BOTH-WAYS-OK")
