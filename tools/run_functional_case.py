@@ -1,3 +1,4 @@
+#!/usr/bin/env python
 """Run one functional-test case on any number of nodes, then compare with its golden values (or record them).
 
     python tools/run_functional_case.py gpt_muon_layerwise_dp2                       # one machine

@@ -54,10 +54,38 @@ def test_every_golden_file_holds_the_schema() -> None:
         assert set(golden) <= set(case.metrics) and golden["lm loss"]["end_step"] == case.train_iters, path
 
 
-def _parse_on_megatron_lm(rank: int, world_size: int, argvs: list[list[str]]) -> list[str]:
-    from tests.unit.library.integrations.test_megatron_lm_args import parse_megatron_lm
+def _parse_on_megatron_lm(rank: int, world_size: int, runs: list[tuple[list[str], dict]]) -> list[str]:
+    """Megatron-LM's parse_args with install()'s extra arguments, then the validate_args install() puts
+    in Megatron-LM's place, in each case's environment (ENV_VARS): each run's --optimizer as parsed."""
+    import contextlib
+    import io
+    import os
+    import sys
+    from unittest import mock
 
-    return [parse_megatron_lm(" ".join(argv), rank, world_size).optimizer for argv in argvs]
+    from megatron.training.arguments import parse_args
+
+    from megatron_eopt.integrations.megatron_lm import add_megatron_eopt_args, validate_args_for_megatron_eopt
+
+    parsed, saved_environment, saved_argv = [], dict(os.environ), sys.argv
+    try:
+        for argv, env_vars in runs:
+            os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
+            os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank), **env_vars)
+            sys.argv = ["pretrain_gpt.py", *argv]
+            # validate_args asks the GPU's architecture at TP > 1, and Transformer Engine's version for
+            # --qk-clip (>= 2.9): answer as a Hopper with Transformer Engine 2.9 would.
+            with contextlib.redirect_stdout(io.StringIO()), mock.patch(
+                    "megatron.training.arguments.get_device_arch_version", return_value=9), mock.patch(
+                    "megatron.training.arguments.is_te_min_version", return_value=True):
+                args = parse_args(extra_args_provider=add_megatron_eopt_args)
+                validate_args_for_megatron_eopt(args)
+            parsed.append(args.optimizer)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_environment)
+        sys.argv = saved_argv
+    return parsed
 
 
 def test_model_args_pass_megatron_lms_parser_with_install(run_distributed, tmp_path) -> None:
@@ -66,7 +94,8 @@ def test_model_args_pass_megatron_lms_parser_with_install(run_distributed, tmp_p
         for run in case.phases():
             by_world.setdefault(case.world_size, []).append((case, case_argv(case, RunPaths(tmp_path), run)))
     for world_size, runs in sorted(by_world.items()):
-        optimizers = run_distributed(_parse_on_megatron_lm, world_size, args=([argv for _, argv in runs],))[0]
+        payload = [(argv, case.env_vars) for case, argv in runs]
+        optimizers = run_distributed(_parse_on_megatron_lm, world_size, args=(payload,))[0]
         assert optimizers == [case.model_args["--optimizer"] for case, _ in runs]
 
 
