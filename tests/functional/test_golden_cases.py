@@ -98,7 +98,8 @@ def test_launcher_runs_a_case_as_two_nodes_meeting_at_one_endpoint(tmp_path: pat
     outputs = [node.communicate(timeout=900) for node in nodes]
     for node, (stdout, stderr) in zip(nodes, outputs):
         assert node.returncode == 0, stdout[-3000:] + stderr[-3000:]
-    assert "> world 4 = TP 4 x DP 1" in outputs[0][0]
+    world = [line for line in outputs[0][0].splitlines() if line.startswith("> world")]
+    assert world and world[0].startswith("> world 4 = TP 4 (sequence parallel) x DP 1"), world or outputs[0][0][-3000:]
     assert "PASSED lm loss" in outputs[0][0] and "FAILED" not in outputs[0][0], outputs[0][0][-3000:]
 
 
