@@ -204,3 +204,52 @@ def test_golden_schema_refusals() -> None:
 ])
 def test_platform_names_from_the_device(model: str, platform: str) -> None:
     assert goldens.platform_slug(model) == platform
+
+
+def _launcher():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("run_functional_case", golden_cases.ROOT / "tools" / "run_functional_case.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+NODE_ENVIRONMENT = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_NNODES", "SLURM_JOB_NUM_NODES",
+                    "SLURM_NODEID", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+
+
+def test_launcher_node_settings_from_flags_then_environment_then_slurm_then_recipe(monkeypatch, tmp_path) -> None:
+    launcher = _launcher()
+    for name in NODE_ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(launcher.shutil, "which", lambda name: None)  # no scontrol: a plain host list
+    case = CASES["gpt_muon_layerwise_dp2_resume"]
+
+    def settings(*argv):
+        return launcher.node_settings(launcher.parse_args([case.name, *argv]), case)
+
+    alone = settings()
+    assert (alone["nnodes"], alone["node_rank"], alone["nproc_per_node"], alone["standalone"]) == (1, 0, 2, True)
+    monkeypatch.setenv("SLURM_NNODES", "4")
+    monkeypatch.setenv("SLURM_NODEID", "3")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu-a,gpu-b,gpu-c,gpu-d")
+    slurm = settings()
+    assert (slurm["nnodes"], slurm["node_rank"], slurm["master_addr"], slurm["standalone"]) == (4, 3, "gpu-a", False)
+    monkeypatch.setenv("NNODES", "2")
+    monkeypatch.setenv("NODE_RANK", "1")
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1234")
+    usual = settings()
+    assert (usual["nnodes"], usual["node_rank"], usual["master_addr"], usual["master_port"]) == (2, 1, "10.0.0.1", 1234)
+    flags = settings("--nnodes", "3", "--node-rank", "0", "--master-addr", "h0", "--master-port", "7", "--nproc-per-node", "8")
+    assert (flags["nnodes"], flags["node_rank"], flags["master_addr"], flags["master_port"], flags["nproc_per_node"]) == (
+        3, 0, "h0", 7, 8)
+    second = launcher.torchrun_command(case, RunPaths(tmp_path), 2, flags)
+    assert second[second.index("--master-port") + 1] == "8"  # the resume's rendezvous: the port + 1
+    assert "--load" in second and "--exit-interval" not in second
+    with pytest.raises(ValueError, match=r"--node-rank 5.*0 <= node-rank < nnodes"):
+        settings("--node-rank", "5")
+    monkeypatch.setenv("NNODES", "two")
+    with pytest.raises(ValueError, match=r"environment NNODES='two' is not a valid int"):
+        settings("--node-rank", "0")
