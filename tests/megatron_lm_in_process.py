@@ -152,6 +152,9 @@ def forget_megatron_lm_run() -> None:
     from megatron_eopt.training.model.model_parallel import destroy_model_parallel
 
     megatron_lm.uninstall()
+    writer = global_vars.get_tensorboard_writer()
+    if writer is not None:  # a process's exit flushes it; here the next run follows in this process
+        writer.close()
     global_vars.destroy_global_vars()
     num_microbatches_calculator.destroy_num_microbatches_calculator()
     rerun_state_machine.destroy_rerun_state_machine()

@@ -24,8 +24,9 @@ and progress bar in-process (tests/unit/training/logging/test_training_log.py); 
 in-process and once under torchrun. TP2 x DP2 and the one-process runs (the reference, the flags
 run, the data run) go through the script's `main` on workers of the shared distributed harness,
 which has paid the imports once per session (tests/pretrain_gpt_in_process.py); torchrun launches
-new processes for two "nodes" with the TP group across them, for the DP=2 data run (and its
-warnings) and for a bad flag.
+new processes for the DP=2 data run (and its warnings) and for a bad flag. Two torchrun "nodes" with
+the TP group across them: tests/functional/test_golden_cases.py runs a TP=4 case through the
+functional-test launcher as 2 nodes x 2 processes.
 """
 
 import json
@@ -33,7 +34,6 @@ import math
 import pathlib
 import re
 import signal
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -142,38 +142,13 @@ LAYOUTS = [  # (processes, TP, optimizer)
     "nproc,tp,optimizer", [pytest.param(n, tp, opt, id=f"tp{tp}-dp{n // tp}-{opt}") for n, tp, opt in LAYOUTS])
 def test_layout_matches_one_process(nproc: int, tp: int, optimizer: str, one_process, run_distributed,
                                     tmp_path: pathlib.Path) -> None:
-    """On the harness's workers: the two-node test below and the DP=2 data run launch torchrun."""
+    """On the harness's workers (the DP=2 data run launches torchrun)."""
     records, _ = _launch(nproc, optimizer, tmp_path / "metrics.jsonl", ["--tensor-model-parallel-size", str(tp)],
                          run_distributed)
     reference = one_process(optimizer.removesuffix("-replicated"))  # the same update, computed once per rank
     # The learning-rate schedule does not depend on the layout: the same lr at every iteration.
     assert [r["lr"] for r in records] == [r["lr"] for r in reference]
     _assert_same_losses(records, reference, f"TP{tp} x DP{nproc // tp} {optimizer}")
-
-
-def test_two_torchrun_nodes_with_the_tensor_parallel_group_across_them(one_process, tmp_path: pathlib.Path) -> None:
-    """A multi-node launch as on a cluster: two `torchrun` "nodes" on this machine (static
-    rendezvous on 127.0.0.1, `--nnodes 2 --node-rank 0/1`, one process each) and TP=2, so the
-    tensor-parallel group spans the node boundary (global rank r runs on node r). The losses are
-    those of one process."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    nodes = [
-        subprocess.Popen(
-            [TORCHRUN, "--nnodes", "2", f"--node-rank={node}", "--nproc-per-node", "1",
-             "--master-addr", "127.0.0.1", f"--master-port={port}", "scripts/pretrain_gpt.py", *MODEL_FLAGS,
-             *OPTIMIZER_FLAGS["muon"], "--tensor-model-parallel-size", "2",
-             "--metrics-jsonl", str(tmp_path / f"node{node}.jsonl")],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for node in (0, 1)
-    ]
-    outputs = [node.communicate(timeout=600) for node in nodes]
-    for node, (stdout, stderr) in zip(nodes, outputs):
-        assert node.returncode == 0, stdout[-2000:] + stderr[-4000:]
-    assert "> world 2 = TP 2 x DP 1" in outputs[0][0]
-    records = read_metrics(str(tmp_path / "node0.jsonl"))[0]
-    _assert_same_losses(records, one_process("muon"), "two torchrun nodes, TP2 across them")
 
 
 # --bf16, --exit-interval, --plot and --tensorboard-dir (with --log-params-norm and

@@ -1,0 +1,1 @@
+"""Functional-test cases in Megatron-LM's schema, and their golden values (docs/functional-tests.md)."""

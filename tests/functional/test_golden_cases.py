@@ -1,0 +1,108 @@
+"""The functional-test cases (tests/functional/test_cases/gpt/) against their CPU golden values.
+
+Each case runs its command line (the launcher's, from the same `case_argv`) in the harness's
+reused gloo workers (tests/golden_cases_in_process.py: no torchrun, whose imports cost ~20 s a
+process), and its TensorBoard events are compared with the case's CPU golden file under the
+recipe's per-metric checks (tests/functional/recipes/gpt.yaml). The goldens are regression values
+recorded by this code, not proof of correctness: the other tests compare layouts with each other and
+with megatron-core. What a golden adds is that a change to the update shows up, and that is tested
+here too: Muon with Nesterov off or one Newton-Schulz step fewer fails the Muon goldens, and the
+ckpt-resume case fails when the resume drops the momentum. One test runs a case through the
+launcher itself as two torchrun nodes of two processes meeting at one endpoint on this machine.
+"""
+
+import dataclasses
+import pathlib
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from megatron_eopt.training.functional import goldens
+from tests.functional import golden_cases
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CASES = golden_cases.cases()
+MUON_CASES = ("gpt_muon_layerwise_dp2", "gpt_muon_tp2_sharded")
+
+
+def _golden(name: str) -> dict:
+    case = CASES[name]
+    path = goldens.find_golden(case, goldens.platform_name("cpu"), False, golden_cases.cpu_reference_platform())
+    return goldens.load_golden(path)
+
+
+def _verdicts(name: str, actual: dict, case=None) -> list[goldens.Verdict]:
+    return goldens.compare(case or CASES[name], _golden(name), actual, on_cuda=False)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_case_matches_its_cpu_golden(name: str, run_distributed, tmp_path: pathlib.Path) -> None:
+    actual = golden_cases.run_and_read(CASES[name], tmp_path, run_distributed)
+    verdicts = _verdicts(name, actual)
+    assert {v.metric for v in verdicts} == set(goldens.measured_metrics(CASES[name], on_cuda=False))
+    assert all(v.passed for v in verdicts), "\n".join(v.message for v in verdicts)
+
+
+def test_resumed_golden_equals_the_straight_runs() -> None:
+    """The ckpt-resume case is the layer-wise Muon case saved at half and resumed: its recorded losses
+    equal that case's at every step (a resume that changed the run would have shown when recording)."""
+    straight, resumed = _golden("gpt_muon_layerwise_dp2"), _golden("gpt_muon_layerwise_dp2_resume")
+    assert resumed["lm loss"] == straight["lm loss"]
+    assert resumed["num-zeros"] == straight["num-zeros"]
+
+
+def _changed(name: str, drop: tuple[str, ...] = (), add: dict | None = None):
+    case = CASES[name]
+    model_args = {k: v for k, v in case.model_args.items() if k not in drop} | (add or {})
+    return dataclasses.replace(case, model_args=model_args)
+
+
+@pytest.mark.parametrize("name", MUON_CASES)
+def test_a_deliberate_change_to_muons_update_fails_the_golden(name: str, run_distributed, tmp_path) -> None:
+    """Nesterov off, or 4 Newton-Schulz steps instead of 5: the loss leaves the golden's tolerance."""
+    for label, changed in (("nesterov off", _changed(name, drop=("--muon-nesterov",))),
+                           ("4 Newton-Schulz steps", _changed(name, add={"--muon-num-ns-steps": 4}))):
+        actual = golden_cases.run_and_read(changed, tmp_path / label.replace(" ", "_"), run_distributed)
+        loss = next(v for v in _verdicts(name, actual, changed) if v.metric == "lm loss")
+        assert not loss.passed, f"{label}: {loss.message}"
+
+
+def test_a_resume_that_drops_the_momentum_fails_the_golden(run_distributed, tmp_path: pathlib.Path) -> None:
+    """The second run zeroes Muon's momentum right after loading: the first half still matches."""
+    name = "gpt_muon_layerwise_dp2_resume"
+    actual = golden_cases.run_and_read(CASES[name], tmp_path, run_distributed, drop_momentum=True)
+    loss = next(v for v in _verdicts(name, actual) if v.metric == "lm loss")
+    assert not loss.passed, loss.message
+    golden = _golden(name)["lm loss"]["values"]
+    assert [actual["lm loss"]["values"][str(s)] for s in range(1, 11)] == [golden[str(s)] for s in range(1, 11)]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_launcher_runs_a_case_as_two_nodes_meeting_at_one_endpoint(tmp_path: pathlib.Path) -> None:
+    """As on a cluster: the launcher once per node (`--nnodes 2 --nproc-per-node 2`, static rendezvous
+    at 127.0.0.1), torchrun under each. The case is TP=4, so the tensor-parallel group spans the node
+    boundary (global ranks are node-major); node 0 compares the events with the golden and passes."""
+    port = _free_port()
+    nodes = [subprocess.Popen(
+        [sys.executable, "tools/run_functional_case.py", "gpt_muon_tp4_sharded", "--nnodes", "2",
+         "--node-rank", str(node), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+         "--output", str(tmp_path / "output")],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
+    outputs = [node.communicate(timeout=900) for node in nodes]
+    for node, (stdout, stderr) in zip(nodes, outputs):
+        assert node.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    world = [line for line in outputs[0][0].splitlines() if line.startswith("> world")]
+    assert world and world[0].startswith("> world 4 = TP 4 (sequence parallel) x DP 1"), world or outputs[0][0][-3000:]
+    assert "PASSED lm loss" in outputs[0][0] and "FAILED" not in outputs[0][0], outputs[0][0][-3000:]
+
+
+def test_slurm_script_is_valid_bash() -> None:
+    result = subprocess.run(["bash", "-n", "tools/functional_case.sbatch"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
