@@ -261,8 +261,10 @@ def test_held_out_batches_from_an_index_file(study_module, tmp_path) -> None:
     header = struct.pack("<9sQBQQ", b"MMIDIDX\x00\x00", 1, 4, len(lengths), len(lengths) + 1)
     (tmp_path / "x.idx").write_bytes(header + struct.pack(f"<{len(lengths)}i", *lengths))
     assert study_module.sequence_lengths(str(tmp_path / "x")) == lengths
-    # documents round(0.75 * 8) = 6 on: 999 + 2000 tokens; (2999 - 1) // 64 = 46 samples, 5 batches of 8.
-    assert study_module.held_out_batches(lengths, 64, 8) == (2999, 5)
+    # 40% held out: documents round(0.6 * 8) = 5 on: 1001 + 999 + 2000 tokens; (4000 - 1) // 64 = 62
+    # samples, 7 whole batches of 8.
+    assert study_module.SPLIT == (0.6, 0.4)
+    assert study_module.held_out_batches(lengths, 64, 8) == (4000, 7)
     (tmp_path / "y.idx").write_bytes(b"NOTANIDX" + header[8:])
     with pytest.raises(ValueError, match="not a Megatron indexed dataset"):
         study_module.sequence_lengths(str(tmp_path / "y"))
