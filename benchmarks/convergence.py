@@ -378,11 +378,11 @@ def report(results: list[dict], scale: Scale, args: argparse.Namespace) -> str:
     return table
 
 
-def replace_table(doc: str, table: str) -> None:
-    """Put `table` between the TABLE_BEGIN and TABLE_END markers of `doc`."""
+def replace_table(doc: str, table: str, markers: tuple[str, str] = (TABLE_BEGIN, TABLE_END)) -> None:
+    """Put `table` between the two `markers` of `doc` (default: TABLE_BEGIN and TABLE_END)."""
     with open(doc) as handle:
         text = handle.read()
-    begin, end = text.index(TABLE_BEGIN) + len(TABLE_BEGIN), text.index(TABLE_END)
+    begin, end = text.index(markers[0]) + len(markers[0]), text.index(markers[1])
     with open(doc, "w") as handle:
         handle.write(text[:begin] + "\n" + table + "\n" + text[end:])
 

@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from convergence import command_key, replace_table  # make convergence's: a run's identity, the docs' table
 from megatron_eopt.training.corpus import TOKENIZER_FLAGS, prepare_corpus
 from megatron_eopt.training.curves import read_metrics, validation_curve, validation_reach
 
@@ -210,7 +211,8 @@ def plan(study: Study, cell: Cell, results: dict[str, dict]) -> list[Run]:
                 return runs + [extension]
             runs.append(extension)
     best = best_setting(results, "adamw", cell.iterations)
-    decay = [Run(replace(best, weight_decay=wd), cell.iterations, 1, "weight decay") for wd in study.adamw_weight_decays]
+    decay = [Run(replace(best, weight_decay=wd), cell.iterations, 1, "weight decay")
+             for wd in study.adamw_weight_decays]
     runs += decay
     if any(r.name not in results for r in decay):
         return runs
@@ -254,11 +256,6 @@ def held_out_batches(lengths: list[int], seq_length: int, global_batch: int) -> 
 # ------------------------------------------------------------------------------------------------
 # Running
 # ------------------------------------------------------------------------------------------------
-
-def command_key(command: list[str]) -> list[str]:
-    """The command without the interpreter and the metrics path: what makes two runs the same."""
-    return command[1:-2]
-
 
 def run_one(run: Run, cell: Cell, study: Study, data_flags: list[str], final_eval_iters: int, runs_dir: str,
             progress: str, threads: int = 1) -> tuple[dict, bool]:
@@ -420,7 +417,8 @@ def summarize_cell(study: Study, cell: Cell, results: dict[str, dict]) -> dict:
     planned = plan(study, cell, results)
     complete = all(r.name in results for r in planned) and any(r.stage == "budget" for r in planned)
     summary = {"cell": cell.key, "corpus": cell.corpus, "model": cell.model.name, "iterations": cell.iterations,
-               "runs_done": len(results), "runs_expected": max(expected_runs(study, cell), len({r.name for r in planned})),
+               "runs_done": len(results),
+               "runs_expected": max(expected_runs(study, cell), len({r.name for r in planned})),
                "complete": complete, "noise": noise(list(results.values())),
                "wall_s": sum(r.get("wall_s", 0) for r in results.values())}
     for optimizer in ("adamw", "muon"):
@@ -450,8 +448,8 @@ def mid_curve(results: dict[str, dict], summary: dict, cell: Cell, study: Study)
     """The old measure, kept for comparison: where Muon's periodic validation curve (mid-schedule,
     10 moving batches) reaches AdamW's periodic validation at its last iteration (mean over seeds),
     as a fraction of the longest budget, per Muon seed."""
-    runs = {opt: [_result_of(results, Setting(**summary[opt]["setting"]), cell.iterations, seed) for seed in study.seeds]
-            for opt in ("adamw", "muon")}
+    runs = {opt: [_result_of(results, Setting(**summary[opt]["setting"]), cell.iterations, seed)
+                  for seed in study.seeds] for opt in ("adamw", "muon")}
     ends = [r["validation"][-1][1] for r in runs["adamw"] if r and r["validation"]]
     if len(ends) != len(study.seeds):
         return None
@@ -601,17 +599,9 @@ def report(study: Study, args: argparse.Namespace, results: dict[str, dict[str, 
         for name in plots:
             plot_cell(next(s for s in summaries if name.endswith(f"_{s['cell']}.png")),
                       os.path.join(ROOT, "docs", name))
-        replace_table(DOC, table + "".join(f"\n\n![{name[:-4]}]({name})" for name in plots))
+        images = "".join(f"\n\n![{name[:-4]}]({name})" for name in plots)
+        replace_table(DOC, table + images, (TABLE_BEGIN, TABLE_END))
     return table
-
-
-def replace_table(doc: str, table: str) -> None:
-    """Put `table` between the TABLE_BEGIN and TABLE_END markers of `doc`."""
-    with open(doc) as handle:
-        text = handle.read()
-    begin, end = text.index(TABLE_BEGIN) + len(TABLE_BEGIN), text.index(TABLE_END)
-    with open(doc, "w") as handle:
-        handle.write(text[:begin] + "\n" + table + "\n" + text[end:])
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -631,7 +621,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         parser.error("--docs records the full study; --quick results stay in their folder")
     if args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
-    args.out = args.out or os.path.join(HERE, "results", "convergence-range-quick" if args.quick else "convergence-range")
+    folder = "convergence-range-quick" if args.quick else "convergence-range"
+    args.out = args.out or os.path.join(HERE, "results", folder)
     return args
 
 

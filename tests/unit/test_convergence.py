@@ -136,9 +136,13 @@ def test_report_sweep_target_reach_and_docs_table(convergence, tmp_path) -> None
 
 @pytest.fixture(scope="module")
 def study_module():
-    spec = importlib.util.spec_from_file_location("convergence_range", ROOT / "benchmarks" / "convergence_range.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # it imports convergence.py, as a script beside it does
+    try:
+        spec = importlib.util.spec_from_file_location("convergence_range", ROOT / "benchmarks" / "convergence_range.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
     return module
 
 

@@ -6,7 +6,8 @@ ranks. Validation batches move on through the validation split from one evaluati
 (the periodic evaluations, then the final one), as Megatron-LM's validation iterator does; the
 test split is read once, at the end. With `--final-eval-iters N` the final validation reads the
 split's first N batches instead: a fixed held-out set, the same for every run on the data, whose
-per-batch losses (`batch_losses`) go to the metrics file, so a reader can measure its noise. Rank 0 prints Megatron-LM's line between dashes:
+per-batch losses (`batch_losses`) go to the metrics file, so a reader can measure its noise.
+Rank 0 prints Megatron-LM's line between dashes:
 
      validation loss at iteration 100 | lm loss value: 3.895367E+00 | lm loss PPL: 4.916442E+01 |
 """
@@ -101,8 +102,8 @@ class Evaluator:
              batches: Optional[int] = None) -> EvalResult:
         """`batches` given: that many batches from the split's start, each one's loss kept."""
         with self.around_each():
-            sums = evaluate_batches(model, self.loss_fn, self.rank_samples, split, slot, batches or self.args.eval_iters,
-                                    self.dp_group)
+            sums = evaluate_batches(model, self.loss_fn, self.rank_samples, split, slot,
+                                    batches or self.args.eval_iters, self.dp_group)
         loss = (sums[:, 0].sum() / sums[:, 1].sum()).item()
         per_batch = tuple((sums[:, 0] / sums[:, 1]).tolist()) if batches else None
         result = EvalResult(split, iteration, loss, final, per_batch)
