@@ -26,6 +26,7 @@ import itertools
 import json
 import math
 import os
+import random
 import statistics
 import struct
 import subprocess
@@ -362,12 +363,21 @@ def crossing(budgets: list[float], losses: list[float], target: float) -> tuple[
     return None, "never"
 
 
-def halves_standard_error(batch_losses: list[float]) -> float:
-    """The standard error of the mean of `batch_losses` from its two disjoint halves: half the
-    difference of their means (each half's mean has about sqrt(2) times the full set's error)."""
+def halves_standard_error(batch_losses: list[float], bisections: int = 64) -> float:
+    """The standard error of the mean of `batch_losses` from disjoint halves: half the difference
+    of the two halves' means (each half's mean has sqrt(2) times the full set's error), root mean
+    square over `bisections` random splits into halves (seeded; the first is first half against
+    second), so that no one split's luck decides it."""
     half = len(batch_losses) // 2
-    first, second = statistics.fmean(batch_losses[:half]), statistics.fmean(batch_losses[half:2 * half])
-    return abs(first - second) / 2
+    order, squares = list(range(2 * half)), []
+    shuffle = random.Random(0).shuffle
+    for split in range(bisections):
+        if split:
+            shuffle(order)
+        first = statistics.fmean(batch_losses[i] for i in order[:half])
+        second = statistics.fmean(batch_losses[i] for i in order[half:])
+        squares.append(((first - second) / 2) ** 2)
+    return math.sqrt(statistics.fmean(squares))
 
 
 def noise(results: list[dict]) -> Optional[dict]:

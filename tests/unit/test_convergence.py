@@ -6,6 +6,7 @@ import gzip
 import importlib.util
 import json
 import pathlib
+import random
 import statistics
 import struct
 import sys
@@ -157,13 +158,22 @@ def test_crossing_interpolates_between_budgets_and_names_the_bounds(study_module
 
 
 def test_noise_from_disjoint_halves_pooled_over_runs(study_module) -> None:
-    assert study_module.halves_standard_error([1.0, 1.2, 2.0, 2.2]) == pytest.approx(0.5)  # means 1.1, 2.1
-    assert study_module.halves_standard_error([1.0, 1.0, 1.0, 1.0, 9.0]) == 0.0  # an odd batch is left out
+    se = study_module.halves_standard_error
+    assert se([1.0, 1.2, 2.0, 2.2], bisections=1) == pytest.approx(0.5)  # first half 1.1, second 2.1
+    assert se([1.0, 1.0, 1.0, 1.0, 9.0]) == 0.0  # an odd batch is left out
+    # Four batches have three bisections: {1.0, 1.2} | {2.0, 2.2} (0.5), {1.0, 2.0} | {1.2, 2.2}
+    # (0.1), {1.0, 2.2} | {1.2, 2.0} (0.0): random ones give an RMS between 0 and 0.5.
+    assert 0.1 < se([1.0, 1.2, 2.0, 2.2]) < 0.5
+    # Many iid batches: the halves agree with the batches' spread, std / sqrt(n).
+    rng = random.Random(1)
+    batches = [rng.gauss(2.0, 0.2) for _ in range(2000)]
+    assert se(batches) == pytest.approx(statistics.stdev(batches) / 2000 ** 0.5, rel=0.25)
     runs = [{"batch_losses": [1.0, 1.2, 2.0, 2.2]}, {"batch_losses": [1.0, 1.0, 1.0, 1.2]},
             {"batch_losses": None}, {"batch_losses": [float("nan"), 1.0]}]
     noise = study_module.noise(runs)
     assert noise["runs"] == 2 and noise["batches_per_evaluation"] == 4
-    assert noise["halves"] == pytest.approx(((0.5 ** 2 + 0.05 ** 2) / 2) ** 0.5)
+    assert noise["halves"] == pytest.approx((se(runs[0]["batch_losses"]) ** 2 / 2
+                                             + se(runs[1]["batch_losses"]) ** 2 / 2) ** 0.5)
     assert noise["batches"] == pytest.approx((statistics.stdev([1.0, 1.2, 2.0, 2.2]) / 2
                                               + statistics.stdev([1.0, 1.0, 1.0, 1.2]) / 2) / 2)
     assert study_module.noise([{"batch_losses": None}]) is None
