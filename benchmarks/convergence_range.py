@@ -267,7 +267,7 @@ def run_one(run: Run, cell: Cell, study: Study, data_flags: list[str], final_eva
     if os.path.exists(path):
         with open(path) as handle:
             done = json.load(handle)
-        if done.get("command") == command_key(command):
+        if portable(done.get("command", [])) == portable(command_key(command)):
             return done, False
     print(f"{progress} {cell.key}/{run.name} ({run.stage})", flush=True)
     start = time.time()
@@ -275,7 +275,7 @@ def run_one(run: Run, cell: Cell, study: Study, data_flags: list[str], final_eva
     with open(log_path, "w") as log:
         process = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     result = {"name": run.name, "setting": vars(run.setting), "iterations": run.iterations, "seed": run.seed,
-              "stage": run.stage, **measure(metrics, run.iterations), "command": command_key(command),
+              "stage": run.stage, **measure(metrics, run.iterations), "command": portable(command_key(command)),
               "wall_s": round(time.time() - start, 1), "exit_code": process.returncode}
     with open(path, "w") as handle:
         json.dump(result, handle)
@@ -309,13 +309,19 @@ def read_results(runs_dir: str) -> dict[str, dict]:
     return results
 
 
+def portable(command: list[str]) -> list[str]:
+    """A run's command key with paths inside the checkout relative to it (the corpus's --data-path),
+    so that a result stays valid in another checkout of the repository."""
+    return [os.path.relpath(part, ROOT) if part.startswith(ROOT + os.sep) else part for part in command]
+
+
 def current_results(results: dict[str, dict], cell: Cell, study: Study, data_flags: list[str],
                     final_eval_iters: int) -> dict[str, dict]:
     """The results whose command is the one the study would run now (others are run again)."""
     def command(r: dict) -> list[str]:
         run = Run(Setting(**r["setting"]), r["iterations"], r["seed"], "")
         return command_key(run_command(run, cell, study, data_flags, final_eval_iters, "metrics"))
-    return {name: r for name, r in results.items() if r.get("command") == command(r)}
+    return {name: r for name, r in results.items() if portable(r.get("command", [])) == portable(command(r))}
 
 
 def run_cell(study: Study, cell: Cell, args: argparse.Namespace) -> dict[str, dict]:

@@ -3,8 +3,8 @@ the resume logic (a finished run is not repeated, a changed one is), the stages'
 report (table, target, plot, the docs' table) are checked against numbers worked out here."""
 
 import gzip
-import importlib.util
 import json
+import importlib.util
 import pathlib
 import random
 import statistics
@@ -330,3 +330,36 @@ def test_final_eval_iters_sizes_the_validation_split_and_is_checked() -> None:
         check_eval_flags(argparse.Namespace(**flags, final_eval_iters=0))
     with pytest.raises(ValueError, match="with --eval-iters 0"):
         check_eval_flags(argparse.Namespace(**{**flags, "eval_iters": 0}, final_eval_iters=5))
+
+
+def test_a_range_run_is_not_repeated_in_another_checkout_and_a_changed_one_is(study_module, tmp_path,
+                                                                            monkeypatch) -> None:
+    m = study_module
+    calls = []
+
+    def fake_run(command, **kwargs):
+        calls.append(command)
+        rows = [{"iteration": i, "loss": 3.0, "elapsed_ms": 50.0} for i in (1, 2, 3, 4)]
+        rows += [{"iteration": 4, "split": "valid", "final": False, "eval_loss": 2.9, "eval_ppl": 1.0},
+                 {"iteration": 4, "split": "valid", "final": True, "eval_loss": 2.5, "eval_ppl": 1.0,
+                  "batch_losses": [2.4, 2.6]}]
+        pathlib.Path(command[-1]).write_text("".join(json.dumps(row) + "\n" for row in rows))
+        return m.subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(m.subprocess, "run", fake_run)
+    study = _tiny_study(m)
+    cell = m.Cell("stdlib", m.TINY, 4)
+    run = m.Run(m.Setting("muon", 1e-2), 4, 1, "sweep")
+    absolute = ["--data-path", str(ROOT / "data" / "x_text_document")]
+    result, trained = m.run_one(run, cell, study, absolute, 7, str(tmp_path), "[1]")
+    assert trained and result["final_loss"] == 2.5 and result["batch_losses"] == [2.4, 2.6]
+    assert result["validation"] == [(4, 2.9)]
+    assert result["seconds_per_iteration"] == pytest.approx(0.05)
+    assert "data/x_text_document" in result["command"] and str(ROOT) not in " ".join(result["command"])
+    assert not (tmp_path / f"{run.name}.jsonl").exists()  # the result keeps what the report reads
+    _, trained = m.run_one(run, cell, study, ["--data-path", "data/x_text_document"], 7, str(tmp_path), "[1]")
+    assert not trained and len(calls) == 1  # the same run seen from another checkout
+    assert set(m.current_results(m.read_results(str(tmp_path)), cell, study, absolute, 7)) == {run.name}
+    assert m.current_results(m.read_results(str(tmp_path)), cell, study, absolute, 8) == {}  # other eval size
+    _, trained = m.run_one(run, cell, study, absolute, 8, str(tmp_path), "[1]")
+    assert trained and len(calls) == 2
