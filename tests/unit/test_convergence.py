@@ -1,10 +1,13 @@
 """benchmarks/convergence.py without training: a fake trainer process stands in for the runs, so
 the resume logic (a finished run is not repeated, a changed one is), the stages' plan and the
-report (table, target, plot, the docs' table) are checked against numbers worked out here."""
+report (table, target, plot, the docs' table) are checked against numbers worked out here. The
+same for benchmarks/convergence_range.py (the range study): its plan's stages and lr extensions,
+the crossing budget, the noise from disjoint halves, edge flags, the table with pending cells, the
+held-out size, resume across checkouts; and its corpora and the trainer's --final-eval-iters."""
 
 import gzip
-import json
 import importlib.util
+import json
 import pathlib
 import random
 import statistics
