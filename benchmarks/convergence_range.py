@@ -434,7 +434,7 @@ def summarize_cell(study: Study, cell: Cell, results: dict[str, dict]) -> dict:
     complete = all(r.name in results for r in planned) and any(r.stage == "budget" for r in planned)
     summary = {"cell": cell.key, "corpus": cell.corpus, "model": cell.model.name, "iterations": cell.iterations,
                "runs_done": len(results),
-               "runs_expected": max(expected_runs(study, cell), len({r.name for r in planned})),
+               "runs_expected": max(expected_runs(study, cell), len({r.name for r in planned} | set(results))),
                "complete": complete, "noise": noise(list(results.values())),
                "wall_s": sum(r.get("wall_s", 0) for r in results.values())}
     for optimizer in ("adamw", "muon"):
@@ -548,15 +548,15 @@ def notes(summaries: list[dict]) -> list[str]:
 
 
 def range_text(summaries: list[dict]) -> str:
-    """The ratio's range over the complete cells (a cell outside the budgets counts as its bound)."""
+    """The ratio's range over the complete cells; a cell outside the budgets counts as its bound
+    ('≤ the smallest budget', '> 1')."""
     complete = [s for s in summaries if s["complete"]]
     if not complete:
         return f"- No cell is complete yet (0 of {len(summaries)}): no ratio to report."
-    bounds = [s["ratio"] if s["ratio"] is not None else s["budgets"][0] if s["ratio_note"] == "below" else 1.0
-              for s in complete]
-    outside = sum(s["ratio"] is None for s in complete)
-    return (f"- Range over the {len(complete)} complete cells of {len(summaries)}: {min(bounds):.2f} to "
-            f"{max(bounds):.2f}" + (f" ({outside} outside the budgets, counted at their bound)." if outside else "."))
+    values = sorted((s["ratio"], "") if s["ratio"] is not None else (s["budgets"][0], "≤ ")
+                    if s["ratio_note"] == "below" else (1.0, "> ") for s in complete)
+    low, high = (f"{sign}{value:.2f}" for value, sign in (values[0], values[-1]))
+    return f"- Range over the {len(complete)} complete cells of {len(summaries)}: {low} to {high}."
 
 
 def plot_cell(summary: dict, path: str) -> None:

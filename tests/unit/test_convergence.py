@@ -268,6 +268,10 @@ def test_a_complete_cell_gives_its_ratio_and_an_incomplete_one_is_pending(study_
     table = m.markdown([summary, pending], study)
     assert "| **0.75** (seeds: 0.67-0.80" in table
     assert "Range over the 1 complete cells of 2: 0.75 to 0.75." in table
+    below = {**summary, "ratio": None, "ratio_note": "below"}
+    never = {**summary, "ratio": None, "ratio_note": "never"}
+    text = m.range_text([summary, below, never, pending])
+    assert text == "- Range over the 3 complete cells of 4: ≤ 0.50 to > 1.00."
     assert "standard error 0.0100 (disjoint halves" in table
     m.plot_cell(summary, str(tmp_path / "cell.png"))
     assert (tmp_path / "cell.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
