@@ -319,18 +319,28 @@ def plot(results: list[dict], summary: dict, path: str) -> None:
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_arguments(parser, "convergence")
+    return checked_common_arguments(parser, parser.parse_args(argv), "convergence")
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, folder: str) -> None:
+    """--quick, --out, --corpus-dir, --jobs and --docs: this script's and convergence_range.py's."""
     parser.add_argument("--quick", action="store_true", help="a tiny model and sweep: checks the plumbing only")
-    parser.add_argument("--out", default=None, help="results folder (default benchmarks/results/convergence[-quick])")
+    parser.add_argument("--out", default=None, help=f"results folder (default benchmarks/results/{folder}[-quick])")
     parser.add_argument("--corpus-dir", default=os.path.join(ROOT, "data"))
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                         help="runs trained at once, each with CPUs/jobs threads (default: one per CPU)")
     parser.add_argument("--docs", action="store_true", help="write the table and plot into docs/ (not with --quick)")
-    args = parser.parse_args(argv)
+
+
+def checked_common_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                             folder: str) -> argparse.Namespace:
+    """Refuse --docs with --quick and --jobs < 1; --out defaults to benchmarks/results/FOLDER[-quick]."""
     if args.docs and args.quick:
         parser.error("--docs records the full benchmark; --quick results stay in their folder")
     if args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
-    args.out = args.out or os.path.join(HERE, "results", "convergence-quick" if args.quick else "convergence")
+    args.out = args.out or os.path.join(HERE, "results", f"{folder}-quick" if args.quick else folder)
     return args
 
 

@@ -36,7 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from convergence import command_key, replace_table  # make convergence's: a run's identity, the docs' table
+# make convergence's: a run's identity, the docs' table, the shared flags
+from convergence import add_common_arguments, checked_common_arguments, command_key, replace_table
 from megatron_eopt.training.corpus import TOKENIZER_FLAGS, prepare_corpus
 from megatron_eopt.training.curves import read_metrics, validation_curve, validation_reach
 
@@ -622,24 +623,11 @@ def report(study: Study, args: argparse.Namespace, results: dict[str, dict[str, 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a tiny model and sweeps: checks the plumbing only")
-    parser.add_argument("--out", default=None, help="results folder (default benchmarks/results/convergence-range"
-                                                    "[-quick])")
-    parser.add_argument("--corpus-dir", default=os.path.join(ROOT, "data"))
-    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
-                        help="runs trained at once, each with CPUs/jobs threads (default: one per CPU)")
+    add_common_arguments(parser, "convergence-range")
     parser.add_argument("--threads", type=int, default=None, help="threads per run (default: CPUs / jobs)")
     parser.add_argument("--cells", default=None, help="comma-separated cell keys to run (default: all, in order)")
     parser.add_argument("--report-only", action="store_true", help="no training: the report from the runs so far")
-    parser.add_argument("--docs", action="store_true", help="write the table and plots into docs/ (not with --quick)")
-    args = parser.parse_args(argv)
-    if args.docs and args.quick:
-        parser.error("--docs records the full study; --quick results stay in their folder")
-    if args.jobs < 1:
-        parser.error(f"--jobs must be at least 1, got {args.jobs}")
-    folder = "convergence-range-quick" if args.quick else "convergence-range"
-    args.out = args.out or os.path.join(HERE, "results", folder)
-    return args
+    return checked_common_arguments(parser, parser.parse_args(argv), "convergence-range")
 
 
 def main(argv: Optional[list[str]] = None) -> None:
