@@ -18,7 +18,7 @@ periodic validation mid-schedule against AdamW's at its end) is kept beside it, 
 
 Each run's result is benchmarks/results/convergence-range/runs/CELL/NAME.json; a run whose file
 holds the same command is not repeated, so an interrupted study resumes where it stopped. Cells
-run in CELLS' order, the most informative first. --quick: a tiny model, tiny sweeps (plumbing).
+run in FULL.cells' order, the most informative first. --quick: a tiny model, tiny sweeps (plumbing).
 """
 
 import argparse
