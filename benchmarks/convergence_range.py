@@ -573,35 +573,44 @@ def plot_cell(summary: dict, path: str) -> None:
                 log_y=False)
 
 
-def projected_seconds(study: Study, summaries: list[dict], results: dict[str, dict[str, dict]]) -> Optional[dict]:
-    """Measured seconds per run-unit (1,000 iterations of the 1.0M model, startup and evaluations
-    included) and the study's total and remaining time at one run at a time."""
+def cell_iterations(study: Study, cell: Cell) -> list[int]:
+    """The training iterations of each run of a complete cell without lr extensions."""
+    sweep = [cell.iterations] * (len(sweep_runs(study, cell)) + len(study.adamw_weight_decays))
+    budgets = [budget_iterations(cell, b) for _ in ("adamw", "muon") for b in study.budgets for _ in study.seeds]
+    budgets.remove(cell.iterations)  # each optimizer's longest budget, seed 1, is its sweep run
+    budgets.remove(cell.iterations)
+    return sweep + budgets
+
+
+def projected_seconds(study: Study, results: dict[str, dict[str, dict]]) -> Optional[dict]:
+    """A run's time as start-up and evaluations plus its iterations, both times its model's cost,
+    from medians over the finished runs (the trainer's median iteration, so a paused run does not
+    count its pause as training); the study's total, and what its missing runs still need."""
     cells = {c.key: c for c in study.cells}
-    units = [r["wall_s"] / (r["iterations"] / 1000 * cells[key].model.cost) for key, rs in results.items()
-             for r in rs.values() if r.get("wall_s") and r.get("final_loss") is not None]
-    if not units:
+    rows = [(r, cells[key].model.cost) for key, rs in results.items() if key in cells for r in rs.values()
+            if r.get("wall_s") and r.get("seconds_per_iteration")]
+    if not rows:
         return None
-    per_unit = statistics.median(units)
-
-    def cell_units(cell: Cell) -> float:
-        sweep = len(sweep_runs(study, cell)) + len(study.adamw_weight_decays)
-        budgets = 2 * (sum(study.budgets) * len(study.seeds) - 1)
-        return (sweep + budgets) * cell.iterations / 1000 * cell.model.cost
-
-    total = sum(cell_units(c) for c in study.cells) * per_unit
-    done = sum(r["wall_s"] for rs in results.values() for r in rs.values() if r.get("wall_s"))
-    return {"seconds_per_unit": per_unit, "total_s": total, "done_s": done, "remaining_s": max(0.0, total - done)}
+    per_iteration = statistics.median(r["seconds_per_iteration"] / cost for r, cost in rows)
+    overhead = statistics.median((r["wall_s"] - r["seconds_per_iteration"] * r["iterations"]) / cost
+                                 for r, cost in rows)
+    total = sum((overhead + per_iteration * iterations) * cell.model.cost
+                for cell in study.cells for iterations in cell_iterations(study, cell))
+    done = sum((overhead + per_iteration * r["iterations"]) * cost for r, cost in rows)
+    return {"seconds_per_iteration": per_iteration, "overhead_s": overhead, "runs": len(rows),
+            "total_s": total, "remaining_s": max(0.0, total - done)}
 
 
 def report(study: Study, args: argparse.Namespace, results: dict[str, dict[str, dict]]) -> str:
     summaries = [summarize_cell(study, cell, results.get(cell.key, {})) for cell in study.cells]
     table = markdown(summaries, study)
-    timing = projected_seconds(study, summaries, results)
+    timing = projected_seconds(study, results)
     if timing:
-        table += (f"\n- Time: {timing['seconds_per_unit']:.0f} s per 1,000 iterations of the 1.0M model (median "
-                  f"over the runs so far, one thread each); the whole study is about {timing['total_s'] / 3600:.1f} "
-                  f"CPU-hours ({timing['total_s'] / 3600 / 2:.1f} h of wall time at 2 runs on 2 cores), "
-                  f"{timing['remaining_s'] / 3600:.1f} CPU-hours of it still to run.")
+        table += (f"\n- Time, from the medians of {timing['runs']} runs so far (one thread each): "
+                  f"{timing['seconds_per_iteration'] * 1000:.0f} ms per iteration of the 1.0M model and "
+                  f"{timing['overhead_s']:.0f} s per run for start-up and evaluations. The whole study: about "
+                  f"{timing['total_s'] / 3600:.1f} CPU-hours, {timing['total_s'] / 3600 / 2:.1f} h of wall time at 2 "
+                  f"runs on 2 cores; {timing['remaining_s'] / 3600:.1f} CPU-hours still to run.")
     plots = []
     for summary in summaries:
         if summary["complete"]:

@@ -370,3 +370,20 @@ def test_a_range_run_is_not_repeated_in_another_checkout_and_a_changed_one_is(st
     assert m.current_results(m.read_results(str(tmp_path)), cell, study, absolute, 8) == {}  # other eval size
     _, trained = m.run_one(run, cell, study, absolute, 8, str(tmp_path), "[1]")
     assert trained and len(calls) == 2
+
+
+def test_time_projection_from_the_runs_medians(study_module) -> None:
+    m = study_module
+    study = _tiny_study(m)  # one cell, 40 iterations: 12 sweep + 2 weight decay runs at 40, budgets 20 and 40
+    cell = study.cells[0]
+    assert sorted(m.cell_iterations(study, cell)) == sorted([40] * 14 + [20, 20, 40, 20, 20, 40])
+    runs = {"a": {"wall_s": 14.0, "seconds_per_iteration": 0.1, "iterations": 40},  # 4 s of overhead
+            "b": {"wall_s": 1000.0, "seconds_per_iteration": 0.1, "iterations": 40},  # paused: not the median
+            "c": {"wall_s": 12.0, "seconds_per_iteration": 0.1, "iterations": 20}}  # 10 s
+    timing = m.projected_seconds(study, {cell.key: runs})
+    cost = cell.model.cost  # the tiny model's (0.1): times are given for the 1.0M model, cost 1
+    assert timing["seconds_per_iteration"] == pytest.approx(0.1 / cost)
+    assert timing["overhead_s"] == pytest.approx(10.0 / cost)
+    assert timing["total_s"] == pytest.approx(20 * 10 + 0.1 * (16 * 40 + 4 * 20))
+    assert timing["remaining_s"] == pytest.approx(timing["total_s"] - (3 * 10 + 0.1 * 100))
+    assert m.projected_seconds(study, {}) is None
