@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-fast test-slow test-unit test-functional test-numerics test-compat demo convergence bench gpu-check venv lock clean
+.PHONY: test test-fast test-slow test-unit test-functional test-numerics test-compat demo convergence convergence-range bench gpu-check venv lock clean
 
 test: $(STAMP)
 	$(PY) -m pytest tests -q -m "not slow" --durations=20
@@ -63,6 +63,12 @@ demo: $(STAMP)
 # docs/convergence.md. Not part of `make test`.
 convergence: $(STAMP)
 	$(PY) benchmarks/convergence.py --docs
+
+# Muon's advantage as a range: 3 corpora, a 4x larger model, a 3x longer budget, AdamW swept over
+# lr x beta2 x warm-up and weight decay, whole schedules at 4 budgets x 3 seeds (docs/convergence.md).
+# CPU-hours: runs one at a time per CPU and resumes where it stopped; `--cells KEY` runs one cell.
+convergence-range: $(STAMP)
+	$(PY) benchmarks/convergence_range.py --docs
 
 # Prints each benchmark's table and a summary; JSON under benchmarks/results/ (git-ignored).
 bench: $(STAMP)

@@ -319,18 +319,28 @@ def plot(results: list[dict], summary: dict, path: str) -> None:
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_arguments(parser, "convergence")
+    return checked_common_arguments(parser, parser.parse_args(argv), "convergence")
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, folder: str) -> None:
+    """--quick, --out, --corpus-dir, --jobs and --docs: this script's and convergence_range.py's."""
     parser.add_argument("--quick", action="store_true", help="a tiny model and sweep: checks the plumbing only")
-    parser.add_argument("--out", default=None, help="results folder (default benchmarks/results/convergence[-quick])")
+    parser.add_argument("--out", default=None, help=f"results folder (default benchmarks/results/{folder}[-quick])")
     parser.add_argument("--corpus-dir", default=os.path.join(ROOT, "data"))
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                         help="runs trained at once, each with CPUs/jobs threads (default: one per CPU)")
     parser.add_argument("--docs", action="store_true", help="write the table and plot into docs/ (not with --quick)")
-    args = parser.parse_args(argv)
+
+
+def checked_common_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                             folder: str) -> argparse.Namespace:
+    """Refuse --docs with --quick and --jobs < 1; --out defaults to benchmarks/results/FOLDER[-quick]."""
     if args.docs and args.quick:
         parser.error("--docs records the full benchmark; --quick results stay in their folder")
     if args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
-    args.out = args.out or os.path.join(HERE, "results", "convergence-quick" if args.quick else "convergence")
+    args.out = args.out or os.path.join(HERE, "results", f"{folder}-quick" if args.quick else folder)
     return args
 
 
@@ -378,11 +388,11 @@ def report(results: list[dict], scale: Scale, args: argparse.Namespace) -> str:
     return table
 
 
-def replace_table(doc: str, table: str) -> None:
-    """Put `table` between the TABLE_BEGIN and TABLE_END markers of `doc`."""
+def replace_table(doc: str, table: str, markers: tuple[str, str] = (TABLE_BEGIN, TABLE_END)) -> None:
+    """Put `table` between the two `markers` of `doc` (default: TABLE_BEGIN and TABLE_END)."""
     with open(doc) as handle:
         text = handle.read()
-    begin, end = text.index(TABLE_BEGIN) + len(TABLE_BEGIN), text.index(TABLE_END)
+    begin, end = text.index(markers[0]) + len(markers[0]), text.index(markers[1])
     with open(doc, "w") as handle:
         handle.write(text[:begin] + "\n" + table + "\n" + text[end:])
 

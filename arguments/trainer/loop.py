@@ -13,6 +13,10 @@ def check_eval_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--eval-interval must be >= 1; got {args.eval_interval}.")
     if args.eval_iters < 0:
         raise ValueError(f"--eval-iters must be >= 0 (0: no evaluation); got {args.eval_iters}.")
+    final_eval_iters = getattr(args, "final_eval_iters", None)
+    if final_eval_iters is not None and (final_eval_iters < 1 or not args.eval_iters):
+        raise ValueError(f"--final-eval-iters must be >= 1, with --eval-iters > 0; got {final_eval_iters} "
+                         f"with --eval-iters {args.eval_iters}.")
     if args.skip_train and not args.eval_iters:
         raise ValueError("--skip-train only evaluates, and --eval-iters 0 turns evaluation off; give --eval-iters > 0.")
 

@@ -9,10 +9,12 @@ the library, for validation. The same Python version gives the same bytes (the m
 each file and the JSONL's hash). The result is cached: a second call only checks the files exist.
 """
 
+import gzip
 import hashlib
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import sysconfig
@@ -91,3 +93,116 @@ def prepare_stdlib_corpus(cache_dir: str = "data", max_bytes: int = DEFAULT_MAX_
                 "files": [file.relative_to(source).as_posix() for file in files]}
     manifest_path.write_text(json.dumps(manifest, indent=1))  # written last: marks the cache complete
     return Corpus(prefix, len(files), total)
+
+
+# ------------------------------------------------------------------------------------------------
+# Corpora of other kinds (benchmarks/convergence_range.py): English prose and roff markup, from
+# documentation that Debian's packages install. Each is built as the stdlib's is: documents in a
+# fixed SHA-256 order up to a byte budget, one JSONL, the byte-level indexed dataset, a manifest
+# with every document's source and the JSONL's hash. The folder's name carries a digest of the
+# chosen sources' bytes, so other sources (another image) give another corpus, never a silent mix.
+# ------------------------------------------------------------------------------------------------
+
+INFO_ROOT = "/usr/share/info"
+MAN_ROOT = "/usr/share/man"
+# Manuals of C libraries (their APIs are C declarations, close to the system headers that stay out
+# as the outside check): left out of the prose.
+INFO_C_LIBRARY_MANUALS = frozenset({"autosprintf", "gpgrt", "libffi", "libtasn1", "nettle"})
+# Nodes that are not prose written for the manual: licences, indexes, the tag table.
+INFO_SKIPPED_NODE = re.compile(r"licen[cs]e|copying|index|^tag table|^indirect", re.IGNORECASE)
+# Sections 1 (commands), 5 (file formats), 7 (overviews), 8 (administration); not 2 and 3 (C
+# system and library calls: the C headers' content). gcloud's 16,000 generated pages are left out.
+MAN_SECTIONS = ("man1", "man5", "man7", "man8")
+MAN_GENERATED_PREFIXES = ("gcloud",)
+
+
+@dataclass(frozen=True)
+class Document:
+    name: str  # where it came from, relative to its root (an info node: FILE#NODE)
+    text: str
+
+
+def info_nodes(root: str = INFO_ROOT) -> list[Document]:
+    """The nodes of the GNU Info manuals under `root` (gzip'ed), one document each: English prose
+    (sed, grep, coreutils, find, diffutils, gettext, wget, gnupg, ...), without the C library
+    manuals, licence and index nodes."""
+    documents = []
+    for path in sorted(pathlib.Path(root).glob("*.info*.gz")):
+        manual = path.name.split(".info")[0]
+        if manual in INFO_C_LIBRARY_MANUALS:
+            continue
+        text = gzip.decompress(path.read_bytes()).decode("utf-8", errors="replace")
+        for chunk in text.split("\x1f")[1:]:  # before the first separator: the file's preamble
+            header, _, body = chunk.lstrip("\n").partition("\n")
+            node = re.search(r"Node: ([^,\t]+)", header)
+            if node is None or INFO_SKIPPED_NODE.search(node.group(1)) or not body.strip():
+                continue
+            documents.append(Document(f"{path.name}#{node.group(1).strip()}", body.strip("\n") + "\n"))
+    return documents
+
+
+def man_pages(root: str = MAN_ROOT) -> list[Document]:
+    """English manual pages in roff (gzip'ed) of MAN_SECTIONS, one page a document; links and
+    `.so` redirections skipped."""
+    documents = []
+    for section in MAN_SECTIONS:
+        for path in sorted((pathlib.Path(root) / section).glob("*.gz")):
+            if path.is_symlink() or path.name.startswith(MAN_GENERATED_PREFIXES):
+                continue
+            text = gzip.decompress(path.read_bytes()).decode("utf-8", errors="replace")
+            if text.lstrip().startswith(".so ") or not text.strip():
+                continue
+            documents.append(Document(f"{section}/{path.name}", text))
+    return documents
+
+
+CORPUS_SOURCES = {"gnu-info": (INFO_ROOT, info_nodes), "manpages": (MAN_ROOT, man_pages)}
+
+
+def choose_documents(documents: list[Document], max_bytes: int) -> list[Document]:
+    """`documents` in SHA-256 order of their names, as many as fit in `max_bytes`."""
+    chosen, total = [], 0
+    for document in sorted(documents, key=lambda d: hashlib.sha256(d.name.encode()).hexdigest()):
+        size = len(document.text.encode("utf-8"))
+        if size and total + size <= max_bytes:
+            chosen.append(document)
+            total += size
+    return chosen
+
+
+def prepare_corpus(name: str, cache_dir: str = "data", max_bytes: int = DEFAULT_MAX_BYTES,
+                   root: str | None = None, verbose: bool = True) -> Corpus:
+    """Build (or reuse) corpus `name` ('stdlib', 'gnu-info' or 'manpages') under `cache_dir`."""
+    if name == "stdlib":
+        return prepare_stdlib_corpus(cache_dir, max_bytes, root, verbose)
+    if name not in CORPUS_SOURCES:
+        raise ValueError(f"corpus must be one of 'stdlib', {', '.join(map(repr, CORPUS_SOURCES))}; got {name!r}.")
+    default_root, read = CORPUS_SOURCES[name]
+    source = root or default_root
+    documents = choose_documents(read(source), max_bytes)
+    digest = hashlib.sha256()
+    for document in documents:
+        digest.update(document.name.encode() + b"\0" + document.text.encode("utf-8") + b"\0")
+    folder = pathlib.Path(cache_dir) / f"{name}-{digest.hexdigest()[:12]}-{max_bytes}"
+    prefix = str((folder / name).resolve()) + "_text_document"
+    manifest_path = folder / "manifest.json"
+    if manifest_path.exists() and all(os.path.exists(prefix + ext) for ext in (".bin", ".idx")):
+        manifest = json.loads(manifest_path.read_text())
+        return Corpus(prefix, len(manifest["documents"]), manifest["bytes"])
+    folder.mkdir(parents=True, exist_ok=True)
+    jsonl = folder / f"{name}.jsonl"
+    with open(jsonl, "w", encoding="utf-8") as handle:
+        for document in documents:
+            handle.write(json.dumps({"text": document.text, "path": document.name}) + "\n")
+    total = sum(len(d.text.encode("utf-8")) for d in documents)
+    if verbose:
+        print(f"> corpus {name}: {len(documents)} documents of {source} ({total / 1e6:.2f} MB) -> {folder}", flush=True)
+    command = [sys.executable, str(PREPROCESS), "--input", str(jsonl), "--output-prefix", str(folder / name),
+               *TOKENIZER_FLAGS, "--append-eod", "--workers", "1", "--log-interval", "1000000"]
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL if not verbose else None)
+    manifest = {"corpus": name, "source": source, "max_bytes": max_bytes, "bytes": total,
+                "sources_sha256": digest.hexdigest(), "jsonl_sha256": hashlib.sha256(jsonl.read_bytes()).hexdigest(),
+                "documents": [d.name for d in documents],
+                "document_bytes": [len(d.text.encode("utf-8")) for d in documents]}
+    manifest_path.write_text(json.dumps(manifest, indent=1))  # written last: marks the cache complete
+    return Corpus(prefix, len(documents), total)

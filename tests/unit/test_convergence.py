@@ -1,11 +1,17 @@
 """benchmarks/convergence.py without training: a fake trainer process stands in for the runs, so
 the resume logic (a finished run is not repeated, a changed one is), the stages' plan and the
-report (table, target, plot, the docs' table) are checked against numbers worked out here."""
+report (table, target, plot, the docs' table) are checked against numbers worked out here. The
+same for benchmarks/convergence_range.py (the range study): its plan's stages and lr extensions,
+the crossing budget, the noise from disjoint halves, edge flags, the table with pending cells, the
+held-out size, resume across checkouts; and its corpora and the trainer's --final-eval-iters."""
 
+import gzip
 import importlib.util
 import json
 import pathlib
+import random
 import statistics
+import struct
 import sys
 
 import pytest
@@ -126,3 +132,258 @@ def test_report_sweep_target_reach_and_docs_table(convergence, tmp_path) -> None
 
     convergence.plot(results, summary, str(tmp_path / "plot.png"))
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ------------------------------------------------------------------------------------------------
+# benchmarks/convergence_range.py: the range study (docs/convergence.md), without training
+# ------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def study_module():
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # it imports convergence.py, as a script beside it does
+    try:
+        spec = importlib.util.spec_from_file_location("convergence_range", ROOT / "benchmarks" / "convergence_range.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return module
+
+
+def test_crossing_interpolates_between_budgets_and_names_the_bounds(study_module) -> None:
+    crossing = study_module.crossing
+    # 0.5 -> 3.2, 0.75 -> 2.9: the target 3.0 lies 2/3 of the way: 0.5 + 0.25 * 2/3.
+    assert crossing([0.25, 0.5, 0.75, 1.0], [3.5, 3.2, 2.9, 2.8], 3.0) == (pytest.approx(0.5 + 0.25 * 2 / 3), "")
+    assert crossing([0.25, 0.5, 0.75, 1.0], [2.9, 2.8, 2.7, 2.6], 3.0) == (None, "below")
+    assert crossing([0.25, 0.5, 0.75, 1.0], [3.5, 3.4, 3.3, 3.1], 3.0) == (None, "never")
+    # Not monotone: the first budget at or below the target, from the one before it.
+    assert crossing([0.25, 0.5, 0.75, 1.0], [3.4, 3.0, 3.1, 2.9], 3.2)[0] == pytest.approx(0.25 + 0.25 * 0.5)
+
+
+def test_noise_from_disjoint_halves_pooled_over_runs(study_module) -> None:
+    se = study_module.halves_standard_error
+    assert se([1.0, 1.2, 2.0, 2.2], bisections=1) == pytest.approx(0.5)  # first half 1.1, second 2.1
+    assert se([1.0, 1.0, 1.0, 1.0, 9.0]) == 0.0  # an odd batch is left out
+    # Four batches have three bisections: {1.0, 1.2} | {2.0, 2.2} (0.5), {1.0, 2.0} | {1.2, 2.2}
+    # (0.1), {1.0, 2.2} | {1.2, 2.0} (0.0): random ones give an RMS between 0 and 0.5.
+    assert 0.1 < se([1.0, 1.2, 2.0, 2.2]) < 0.5
+    # Many iid batches: the halves agree with the batches' spread, std / sqrt(n).
+    rng = random.Random(1)
+    batches = [rng.gauss(2.0, 0.2) for _ in range(2000)]
+    assert se(batches) == pytest.approx(statistics.stdev(batches) / 2000 ** 0.5, rel=0.25)
+    runs = [{"batch_losses": [1.0, 1.2, 2.0, 2.2]}, {"batch_losses": [1.0, 1.0, 1.0, 1.2]},
+            {"batch_losses": None}, {"batch_losses": [float("nan"), 1.0]}]
+    noise = study_module.noise(runs)
+    assert noise["runs"] == 2 and noise["batches_per_evaluation"] == 4
+    assert noise["halves"] == pytest.approx((se(runs[0]["batch_losses"]) ** 2 / 2
+                                             + se(runs[1]["batch_losses"]) ** 2 / 2) ** 0.5)
+    assert noise["batches"] == pytest.approx((statistics.stdev([1.0, 1.2, 2.0, 2.2]) / 2
+                                              + statistics.stdev([1.0, 1.0, 1.0, 1.2]) / 2) / 2)
+    assert study_module.noise([{"batch_losses": None}]) is None
+
+
+def _store(m, results: dict, setting, iterations: int, seed: int, loss: float, validation=None) -> None:
+    run = m.Run(setting, iterations, seed, "test")
+    results[run.name] = {"name": run.name, "setting": vars(setting), "iterations": iterations, "seed": seed,
+                         "final_loss": loss, "validation": validation or [(iterations, loss)],
+                         "batch_losses": [loss - 0.01, loss + 0.01], "wall_s": 10.0}
+
+
+def _tiny_study(m):
+    return m.Study(cells=(m.Cell("stdlib", m.TINY, 40),), seq_length=32, global_batch=4, eval_iters=2, evaluations=4,
+                   corpus_bytes=1, adamw_lrs=(1e-3, 2e-3, 4e-3), adamw_beta2s=(0.95, 0.999), adamw_warmups=(0.05,),
+                   adamw_weight_decays=(0.0, 0.1), muon_lrs=(5e-3, 1e-2, 2e-2), muon_adam_lr_factors=(1.0, 2.0),
+                   budgets=(0.5, 1.0), seeds=(1, 2))
+
+
+def _sweep(m, study, cell, adamw_loss, muon_loss) -> dict:
+    results = {}
+    for run in m.sweep_runs(study, cell):
+        s = run.setting
+        loss = adamw_loss(s) if s.optimizer == "adamw" else muon_loss(s)
+        _store(m, results, s, run.iterations, 1, loss)
+    return results
+
+
+def test_plan_walks_the_stages_and_extends_an_lr_at_the_edge(study_module) -> None:
+    m = study_module
+    study = _tiny_study(m)
+    cell = study.cells[0]
+    assert [r.stage for r in m.plan(study, cell, {})] == ["sweep"] * (3 * 2 + 3 * 2)
+    # AdamW best in the middle (2e-3, beta2 0.95); Muon best at the top lr (2e-2, factor 2): extended.
+    results = _sweep(m, study, cell, lambda s: abs(s.lr - 2e-3) * 100 + (0 if s.beta2 == 0.95 else 0.1),
+                     lambda s: 3.0 - s.lr - 0.01 * s.adam_lr_factor)
+    step = m.plan(study, cell, results)[-1]
+    assert step.stage == "lr extension" and step.setting == m.Setting("muon", 4e-2, adam_lr_factor=2.0)
+    _store(m, results, step.setting, 40, 1, 2.0)  # better again: a second extension
+    step = m.plan(study, cell, results)[-1]
+    assert step.setting.lr == pytest.approx(8e-2) and step.stage == "lr extension"
+    _store(m, results, step.setting, 40, 1, 1.9)  # still better, but LR_EXTENSIONS (2) are spent
+    tail = m.plan(study, cell, results)[-2:]
+    assert [r.stage for r in tail] == ["weight decay"] * 2
+    assert [r.setting.weight_decay for r in tail] == [0.0, 0.1] and tail[0].setting.beta2 == 0.95
+    for run in tail:
+        _store(m, results, run.setting, 40, 1, 5.0)  # worse than 0.01
+    budgets = [r for r in m.plan(study, cell, results) if r.stage == "budget"]
+    assert {(r.setting.optimizer, r.iterations, r.seed) for r in budgets} == {
+        (o, i, s) for o in ("adamw", "muon") for i in (20, 40) for s in (1, 2)}
+    assert [r.setting.lr for r in budgets if r.setting.optimizer == "muon"] == pytest.approx([8e-2] * 4)
+    best = m.Setting(**results[m.Run(m.best_setting(results, "muon", 40), 40, 1, "").name]["setting"])
+    assert m.edges(results, best, cell) == ["lr 0.08 at the high end of [0.005, 0.01, 0.02, 0.04, 0.08]"]
+    adamw = m.best_setting(results, "adamw", 40)
+    assert adamw.lr == 2e-3 and m.edges(results, adamw, cell) == []
+    assert m.at_edge(1.0, [1.0]) is None and m.at_edge(0.5, [0.5, 1.0, 2.0]) == "low"
+
+
+def test_a_complete_cell_gives_its_ratio_and_an_incomplete_one_is_pending(study_module, tmp_path) -> None:
+    m = study_module
+    study = _tiny_study(m)
+    cell = study.cells[0]
+    results = _sweep(m, study, cell, lambda s: 3.0 + abs(s.lr - 2e-3) * 100 + (0 if s.beta2 == 0.95 else 0.1),
+                     lambda s: 3.0 + abs(s.lr - 1e-2) * 10 + (0 if s.adam_lr_factor == 1.0 else 0.1))
+    assert m.summarize_cell(study, cell, results)["complete"] is False
+    adamw, muon = m.Setting("adamw", 2e-3, beta2=0.95, warmup=0.05), m.Setting("muon", 1e-2)
+    for wd in study.adamw_weight_decays:
+        _store(m, results, m.replace(adamw, weight_decay=wd), 40, 1, 9.0)
+    pending = m.summarize_cell(study, cell, results)
+    assert not pending["complete"] and pending["runs_done"] == 14 and pending["runs_expected"] == 14 + 6
+    table = m.markdown([pending], study)
+    assert "| stdlib | tiny | 40 | pending |" in table and "14 of 20" in table and "No cell is complete" in table
+    # AdamW at 40 iterations: 3.0 (seed 1, the sweep) and 3.2: target 3.1. Muon: mean 3.3 at 20, 2.9 at 40:
+    # 3.1 is half-way: budget 0.75. Per seed: seed 1 3.2 -> 2.9 (... 0.5 + 0.5 / 3), seed 2 3.4 -> 2.9.
+    curve = [(10, 4.0), (20, 3.5), (30, 3.2), (40, 3.0)]
+    _store(m, results, adamw, 40, 1, 3.0, curve)
+    _store(m, results, adamw, 40, 2, 3.2, [(10, 4.0), (20, 3.5), (30, 3.2), (40, 3.2)])  # periodic target 3.1
+    _store(m, results, adamw, 20, 1, 3.3)
+    _store(m, results, adamw, 20, 2, 3.3)
+    _store(m, results, muon, 40, 1, 2.9, [(10, 3.5), (20, 3.0), (30, 2.95), (40, 2.9)])  # reaches 3.1 at 18
+    _store(m, results, muon, 40, 2, 2.9, [(10, 3.3), (20, 3.1), (30, 2.95), (40, 2.9)])  # at 20
+    _store(m, results, muon, 20, 1, 3.2)
+    _store(m, results, muon, 20, 2, 3.4)
+    summary = m.summarize_cell(study, cell, results)
+    assert summary["complete"] and summary["target"] == pytest.approx(3.1)
+    assert summary["ratio"] == pytest.approx(0.75)
+    assert summary["ratio_per_seed"] == pytest.approx([0.5 + 0.5 / 3, 0.5 + 0.5 * 0.6])
+    assert summary["mid_curve"]["fraction"]["mean"] == pytest.approx((18 + 20) / 2 / 40)
+    table = m.markdown([summary, pending], study)
+    assert "| **0.75** (seeds: 0.67-0.80" in table
+    assert "Range over the 1 complete cells of 2: 0.75 to 0.75." in table
+    below = {**summary, "ratio": None, "ratio_note": "below"}
+    never = {**summary, "ratio": None, "ratio_note": "never"}
+    text = m.range_text([summary, below, never, pending])
+    assert text == "- Range over the 3 complete cells of 4: ≤ 0.50 to > 1.00."
+    assert "standard error 0.0100 (disjoint halves" in table
+    m.plot_cell(summary, str(tmp_path / "cell.png"))
+    assert (tmp_path / "cell.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_held_out_batches_from_an_index_file(study_module, tmp_path) -> None:
+    lengths = [100, 200, 300, 400, 1000, 1001, 999, 2000]
+    header = struct.pack("<9sQBQQ", b"MMIDIDX\x00\x00", 1, 4, len(lengths), len(lengths) + 1)
+    (tmp_path / "x.idx").write_bytes(header + struct.pack(f"<{len(lengths)}i", *lengths))
+    assert study_module.sequence_lengths(str(tmp_path / "x")) == lengths
+    # 40% held out: documents round(0.6 * 8) = 5 on: 1001 + 999 + 2000 tokens; (4000 - 1) // 64 = 62
+    # samples, 7 whole batches of 8.
+    assert study_module.SPLIT == (0.6, 0.4)
+    assert study_module.held_out_batches(lengths, 64, 8) == (4000, 7)
+    (tmp_path / "y.idx").write_bytes(b"NOTANIDX" + header[8:])
+    with pytest.raises(ValueError, match="not a Megatron indexed dataset"):
+        study_module.sequence_lengths(str(tmp_path / "y"))
+
+
+def test_the_prose_and_roff_corpora_keep_licences_indexes_and_c_manuals_out(tmp_path) -> None:
+    from megatron_eopt.training import corpus
+
+    info = tmp_path / "info"
+    info.mkdir()
+    manual = ("preamble\n\x1f\nFile: sed.info,  Node: Top,  Next: Intro\n\nTop text\n"
+              "\x1f\nFile: sed.info,  Node: Intro,  Up: Top\n\nSed is a stream editor.\n"
+              "\x1f\nFile: sed.info,  Node: GNU Free Documentation License\n\nlicence text\n"
+              "\x1f\nFile: sed.info,  Node: Concept Index\n\nindex\n\x1f\nTag Table:\nNode: Top\x7f1\n")
+    (info / "sed.info.gz").write_bytes(gzip.compress(manual.encode()))
+    (info / "nettle.info.gz").write_bytes(gzip.compress(b"\x1f\nFile: nettle.info,  Node: Top\n\nC API\n"))
+    assert [(d.name, d.text) for d in corpus.info_nodes(str(info))] == [
+        ("sed.info.gz#Top", "Top text\n"), ("sed.info.gz#Intro", "Sed is a stream editor.\n")]
+    man = tmp_path / "man"
+    for section in ("man1", "man3"):
+        (man / section).mkdir(parents=True)
+    (man / "man1" / "ls.1.gz").write_bytes(gzip.compress(b".TH LS 1\nlist\n"))
+    (man / "man1" / "dir.1.gz").write_bytes(gzip.compress(b".so man1/ls.1\n"))
+    (man / "man1" / "gcloud_x.1.gz").write_bytes(gzip.compress(b".TH GCLOUD 1\n"))
+    (man / "man1" / "vdir.1.gz").symlink_to(man / "man1" / "ls.1.gz")
+    (man / "man3" / "printf.3.gz").write_bytes(gzip.compress(b".TH PRINTF 3\nint printf(...);\n"))
+    assert [d.name for d in corpus.man_pages(str(man))] == ["man1/ls.1.gz"]
+    documents = [corpus.Document(f"d{i}", "x" * 10) for i in range(10)]
+    chosen = corpus.choose_documents(documents, 35)
+    assert len(chosen) == 3 and chosen == corpus.choose_documents(list(reversed(documents)), 35)
+    with pytest.raises(ValueError, match="corpus must be one of"):
+        corpus.prepare_corpus("wikipedia", str(tmp_path))
+
+
+def test_final_eval_iters_sizes_the_validation_split_and_is_checked() -> None:
+    import argparse
+
+    from arguments.trainer.loop import check_eval_flags
+    from megatron_eopt.training.data.datasets import SampleCounts
+
+    # 100 iterations, evaluations every 10 (10 + the final one) of 2 batches of 8: 176 samples;
+    # a final evaluation of 50 batches needs 400.
+    assert SampleCounts.for_run(100, 8, 10, 2).valid == 176
+    assert SampleCounts.for_run(100, 8, 10, 2, final_eval_iters=50).valid == 400
+    assert SampleCounts.for_run(100, 8, 10, 2, final_eval_iters=5).valid == 176
+    flags = dict(eval_interval=10, eval_iters=2, skip_train=False)
+    check_eval_flags(argparse.Namespace(**flags, final_eval_iters=50))
+    with pytest.raises(ValueError, match="--final-eval-iters must be >= 1"):
+        check_eval_flags(argparse.Namespace(**flags, final_eval_iters=0))
+    with pytest.raises(ValueError, match="with --eval-iters 0"):
+        check_eval_flags(argparse.Namespace(**{**flags, "eval_iters": 0}, final_eval_iters=5))
+
+
+def test_a_range_run_is_not_repeated_in_another_checkout_and_a_changed_one_is(study_module, tmp_path,
+                                                                            monkeypatch) -> None:
+    m = study_module
+    calls = []
+
+    def fake_run(command, **kwargs):
+        calls.append(command)
+        rows = [{"iteration": i, "loss": 3.0, "elapsed_ms": 50.0} for i in (1, 2, 3, 4)]
+        rows += [{"iteration": 4, "split": "valid", "final": False, "eval_loss": 2.9, "eval_ppl": 1.0},
+                 {"iteration": 4, "split": "valid", "final": True, "eval_loss": 2.5, "eval_ppl": 1.0,
+                  "batch_losses": [2.4, 2.6]}]
+        pathlib.Path(command[-1]).write_text("".join(json.dumps(row) + "\n" for row in rows))
+        return m.subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(m.subprocess, "run", fake_run)
+    study = _tiny_study(m)
+    cell = m.Cell("stdlib", m.TINY, 4)
+    run = m.Run(m.Setting("muon", 1e-2), 4, 1, "sweep")
+    absolute = ["--data-path", str(ROOT / "data" / "x_text_document")]
+    result, trained = m.run_one(run, cell, study, absolute, 7, str(tmp_path), "[1]")
+    assert trained and result["final_loss"] == 2.5 and result["batch_losses"] == [2.4, 2.6]
+    assert result["validation"] == [(4, 2.9)]
+    assert result["seconds_per_iteration"] == pytest.approx(0.05)
+    assert "data/x_text_document" in result["command"] and str(ROOT) not in " ".join(result["command"])
+    assert not (tmp_path / f"{run.name}.jsonl").exists()  # the result keeps what the report reads
+    _, trained = m.run_one(run, cell, study, ["--data-path", "data/x_text_document"], 7, str(tmp_path), "[1]")
+    assert not trained and len(calls) == 1  # the same run seen from another checkout
+    assert set(m.current_results(m.read_results(str(tmp_path)), cell, study, absolute, 7)) == {run.name}
+    assert m.current_results(m.read_results(str(tmp_path)), cell, study, absolute, 8) == {}  # other eval size
+    _, trained = m.run_one(run, cell, study, absolute, 8, str(tmp_path), "[1]")
+    assert trained and len(calls) == 2
+
+
+def test_time_projection_from_the_runs_medians(study_module) -> None:
+    m = study_module
+    study = _tiny_study(m)  # one cell, 40 iterations: 12 sweep + 2 weight decay runs at 40, budgets 20 and 40
+    cell = study.cells[0]
+    assert sorted(m.cell_iterations(study, cell)) == sorted([40] * 14 + [20, 20, 40, 20, 20, 40])
+    runs = {"a": {"wall_s": 14.0, "seconds_per_iteration": 0.1, "iterations": 40},  # 4 s of overhead
+            "b": {"wall_s": 1000.0, "seconds_per_iteration": 0.1, "iterations": 40},  # paused: not the median
+            "c": {"wall_s": 12.0, "seconds_per_iteration": 0.1, "iterations": 20}}  # 10 s
+    timing = m.projected_seconds(study, {cell.key: runs})
+    cost = cell.model.cost  # the tiny model's (0.1): times are given for the 1.0M model, cost 1
+    assert timing["seconds_per_iteration"] == pytest.approx(0.1 / cost)
+    assert timing["overhead_s"] == pytest.approx(10.0 / cost)
+    assert timing["total_s"] == pytest.approx(20 * 10 + 0.1 * (16 * 40 + 4 * 20))
+    assert timing["remaining_s"] == pytest.approx(timing["total_s"] - (3 * 10 + 0.1 * 100))
+    assert m.projected_seconds(study, {}) is None

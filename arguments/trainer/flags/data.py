@@ -58,6 +58,10 @@ VALIDATION_TITLE = 'validation'
 VALIDATION: tuple[Flag, ...] = (
     Flag('--eval-interval', int, 1000, help='evaluate on the validation split every this many iterations'),
     Flag('--eval-iters', int, 100, help='global batches per evaluation (0: none, also no final validation/test)'),
+    Flag('--final-eval-iters', int, None,
+         help=('global batches of the final validation, read from the start of the validation split: a fixed '
+               'held-out set, the same for every run on the data, whose per-batch losses go to --metrics-jsonl '
+               '(default: --eval-iters batches after those the periodic evaluations read, as Megatron-LM)')),
     switch('--skip-train',
            help='no training: evaluate the (--load) model on the validation and test splits, then exit'),
 )

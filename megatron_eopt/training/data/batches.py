@@ -21,7 +21,8 @@ class BatchSource:
         self.args, self.dp, self.dp_rank, self.schedule = args, layout.dp, dp_rank, args.batch_schedule
         self.data = build_data_source(args, SampleCounts.for_run(
             args.train_iters, args.global_batch_size, args.eval_interval, args.eval_iters,
-            train_samples=self.schedule.first_sample(args.train_iters + 1)))
+            train_samples=self.schedule.first_sample(args.train_iters + 1),
+            final_eval_iters=getattr(args, "final_eval_iters", None)))
 
     def micro_batches(self, iteration: int) -> list[torch.Tensor]:
         size = self.schedule.size(iteration)

@@ -66,12 +66,14 @@ class SampleCounts:
 
     @classmethod
     def for_run(cls, train_iters: int, global_batch_size: int, eval_interval: Optional[int], eval_iters: int,
-                train_samples: Optional[int] = None):
+                train_samples: Optional[int] = None, final_eval_iters: Optional[int] = None):
         """train_samples: what the iterations consume (default train_iters * global_batch_size;
-        less with a growing batch, megatron_eopt/training/data/batch_schedule.py)."""
+        less with a growing batch, megatron_eopt/training/data/batch_schedule.py). final_eval_iters:
+        the final validation's batches, from the split's start (--final-eval-iters)."""
         evaluations = (train_iters // eval_interval if eval_interval else 0) + 1  # periodic + final
         train = train_iters * global_batch_size if train_samples is None else train_samples
-        return cls(train, evaluations * eval_iters * global_batch_size, eval_iters * global_batch_size)
+        valid_batches = max(evaluations * eval_iters, final_eval_iters or 0)
+        return cls(train, valid_batches * global_batch_size, eval_iters * global_batch_size)
 
 
 class GeneratedTask:

@@ -366,6 +366,8 @@ class Logger:
         if self.metrics:
             record = {"iteration": result.iteration, "split": result.split, "final": result.final,
                       "eval_loss": result.loss, "eval_ppl": result.ppl}
+            if result.batch_losses is not None:
+                record["batch_losses"] = list(result.batch_losses)
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()
         if self.tensorboard and result.split == "valid":

@@ -4,7 +4,10 @@ An evaluation runs `--eval-iters` global batches of a split forward (no gradient
 eval mode, no RNG drawn) and averages the per-token loss over all of them and all data-parallel
 ranks. Validation batches move on through the validation split from one evaluation to the next
 (the periodic evaluations, then the final one), as Megatron-LM's validation iterator does; the
-test split is read once, at the end. Rank 0 prints Megatron-LM's line between dashes:
+test split is read once, at the end. With `--final-eval-iters N` the final validation reads the
+split's first N batches instead: a fixed held-out set, the same for every run on the data, whose
+per-batch losses (`batch_losses`) go to the metrics file, so a reader can measure its noise.
+Rank 0 prints Megatron-LM's line between dashes:
 
      validation loss at iteration 100 | lm loss value: 3.895367E+00 | lm loss PPL: 4.916442E+01 |
 """
@@ -30,6 +33,7 @@ class EvalResult:
     iteration: int
     loss: float
     final: bool = False  # the evaluation after training, not an --eval-interval one
+    batch_losses: Optional[tuple[float, ...]] = None  # each global batch's mean loss (--final-eval-iters)
 
     @property
     def ppl(self) -> float:
@@ -83,7 +87,10 @@ class Evaluator:
         args, results = self.args, []
         if not args.eval_iters:
             return results
-        if "valid" in self.splits:
+        if "valid" in self.splits and getattr(args, "final_eval_iters", None):
+            results.append(self._run(model, "valid", 0, iteration, f"iteration {iteration} on validation set",
+                                     final=True, batches=args.final_eval_iters))
+        elif "valid" in self.splits:
             slot = iteration // args.eval_interval
             results.append(self._run(model, "valid", slot, iteration, f"iteration {iteration} on validation set",
                                      final=True))
@@ -91,10 +98,15 @@ class Evaluator:
             results.append(self._run(model, "test", 0, iteration, f"iteration {iteration} on test set", final=True))
         return results
 
-    def _run(self, model, split: str, slot: int, iteration: int, label: str, final: bool) -> EvalResult:
+    def _run(self, model, split: str, slot: int, iteration: int, label: str, final: bool,
+             batches: Optional[int] = None) -> EvalResult:
+        """`batches` given: that many batches from the split's start, each one's loss kept."""
         with self.around_each():
-            loss = evaluate(model, self.loss_fn, self.rank_samples, split, slot, self.args.eval_iters, self.dp_group)
-        result = EvalResult(split, iteration, loss, final)
+            sums = evaluate_batches(model, self.loss_fn, self.rank_samples, split, slot,
+                                    batches or self.args.eval_iters, self.dp_group)
+        loss = (sums[:, 0].sum() / sums[:, 1].sum()).item()
+        per_batch = tuple((sums[:, 0] / sums[:, 1]).tolist()) if batches else None
+        result = EvalResult(split, iteration, loss, final, per_batch)
         if self.is_first_rank:
             self.print_line(validation_block(label, loss))
         if self.on_result is not None:
@@ -108,17 +120,26 @@ def evaluate(model, loss_fn: Callable, rank_samples: Callable, split: str, slot:
     """Mean per-token loss over eval_iters global batches (slot * eval_iters onwards), all DP
     ranks: `loss_fn(model, tokens)` gives a micro-batch's (summed loss, count) of the tokens that
     count (megatron_eopt/training/loop/token_loss.py)."""
+    sums = evaluate_batches(model, loss_fn, rank_samples, split, slot, eval_iters, dp_group)
+    return (sums[:, 0].sum() / sums[:, 1].sum()).item()
+
+
+@torch.no_grad()
+def evaluate_batches(model, loss_fn: Callable, rank_samples: Callable, split: str, slot: int, eval_iters: int,
+                     dp_group) -> torch.Tensor:
+    """Each global batch's (summed loss, tokens counted) over all DP ranks, float64 [eval_iters, 2]:
+    batches slot * eval_iters onwards, the model in eval mode."""
     was_training = model.training
     model.eval()
     try:
-        total, count = torch.zeros((), dtype=torch.float64), 0
-        for batch_index in range(slot * eval_iters, (slot + 1) * eval_iters):
+        sums = torch.zeros((eval_iters, 2), dtype=torch.float64)
+        for row, batch_index in enumerate(range(slot * eval_iters, (slot + 1) * eval_iters)):
             for tokens in rank_samples(split, batch_index):
                 loss_sum, tokens_counted = loss_fn(model, tokens)
-                total += loss_sum.double().cpu()
-                count += tokens_counted
+                sums[row, 0] += loss_sum.double().cpu()
+                sums[row, 1] += tokens_counted
     finally:
         model.train(was_training)
-    sums = torch.tensor([total.item(), float(count)], dtype=torch.float64, device=next(model.parameters()).device)
+    sums = sums.to(next(model.parameters()).device)
     dist.all_reduce(sums, group=dp_group)
-    return (sums[0] / sums[1]).item()
+    return sums.cpu()
