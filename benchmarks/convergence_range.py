@@ -1,24 +1,17 @@
-"""`make convergence-range`: Muon's advantage over AdamW as a range; see docs/convergence.md.
+"""`make convergence-range`: Muon's advantage over AdamW as a range; docs/convergence.md has the design.
 
-The question: at what fraction of AdamW's iterations does Muon reach AdamW's final held-out loss,
-with both tuned, measured with whole schedules, on corpora of several kinds, a larger model and a
-longer budget? One cell is a corpus x a model x a longest budget (iterations). In each cell:
-1. sweeps at the longest budget, seed 1: AdamW over lr x beta2 x warm-up, Muon over its lr x the
-   lr of the embedding and output layer (Adam-stepped: --decoupled-lr, a factor of Muon's lr);
-2. an lr at the end of its sweep that wins extends the sweep outward (up to LR_EXTENSIONS steps
-   of 2x); an optimum still at an end is flagged in the report;
-3. AdamW's weight decay at its best point;
-4. whole schedules: each optimizer at its best setting trained to each budget (a fraction of the
-   longest, the cosine schedule ending there), seeds 1-3.
-The ratio: the budget at which Muon's mean final held-out loss equals AdamW's at the longest
-budget, interpolated linearly between budgets, over the longest budget. Every final loss is the
-trainer's --final-eval-iters evaluation over the whole held-out split (the same tokens for every
-run), whose per-batch losses give its standard error (disjoint halves). The old measure (Muon's
-periodic validation mid-schedule against AdamW's at its end) is kept beside it, labelled.
+One cell is a corpus x a model x a longest budget (iterations). In each cell: sweeps at the longest
+budget, seed 1 (AdamW over lr x beta2 x warm-up, Muon over its lr x --decoupled-lr's factor); a
+winning lr at the end of its sweep extends it outward (up to LR_EXTENSIONS steps of 2x), an optimum
+still at an end is flagged; AdamW's weight decay at its best point; then whole schedules: each best
+setting trained to each budget (its cosine ending there), seeds 1-3. The ratio: the budget at which
+Muon's mean final held-out loss equals AdamW's at the longest budget, interpolated between budgets.
+Final losses come from --final-eval-iters over the whole held-out split (its standard error from
+disjoint halves). The old mid-schedule measure is kept beside it, labelled.
 
 Each run's result is benchmarks/results/convergence-range/runs/CELL/NAME.json; a run whose file
-holds the same command is not repeated, so an interrupted study resumes where it stopped. Cells
-run in FULL.cells' order, the most informative first. --quick: a tiny model, tiny sweeps (plumbing).
+holds the same command is not repeated, so an interrupted study resumes where it stopped.
+--quick: a tiny model, tiny sweeps (plumbing).
 """
 
 import argparse
