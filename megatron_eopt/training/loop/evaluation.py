@@ -101,11 +101,14 @@ class Evaluator:
     def _run(self, model, split: str, slot: int, iteration: int, label: str, final: bool,
              batches: Optional[int] = None) -> EvalResult:
         """`batches` given: that many batches from the split's start, each one's loss kept."""
+        per_batch = None
         with self.around_each():
-            sums = evaluate_batches(model, self.loss_fn, self.rank_samples, split, slot,
-                                    batches or self.args.eval_iters, self.dp_group)
-        loss = (sums[:, 0].sum() / sums[:, 1].sum()).item()
-        per_batch = tuple((sums[:, 0] / sums[:, 1]).tolist()) if batches else None
+            if batches:
+                sums = evaluate_batches(model, self.loss_fn, self.rank_samples, split, slot, batches, self.dp_group)
+                loss = (sums[:, 0].sum() / sums[:, 1].sum()).item()
+                per_batch = tuple((sums[:, 0] / sums[:, 1]).tolist())
+            else:
+                loss = evaluate(model, self.loss_fn, self.rank_samples, split, slot, self.args.eval_iters, self.dp_group)
         result = EvalResult(split, iteration, loss, final, per_batch)
         if self.is_first_rank:
             self.print_line(validation_block(label, loss))
