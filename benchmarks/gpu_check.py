@@ -19,7 +19,6 @@ import argparse
 import importlib.util
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -34,7 +33,7 @@ import torch
 from _gpt import GptShape
 from _timing import interleaved_times, medians, paired_ratio
 
-from megatron_eopt.runtime.hardware import native_bf16_matmul
+from megatron_eopt.runtime.hardware import cpu_model, native_bf16_matmul
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -412,15 +411,6 @@ def value_of(row: dict) -> str:
                      for b, r in row["ratio"].items())
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
-                        platform.machine())
-    except OSError:
-        return platform.machine()
-
-
 def markdown(record: dict) -> str:
     lines = [f"# gpu-check ({'dry run' if record['dry_run'] else 'CUDA'})", "",
              f"Device: {record['device']}; torch {record['torch']}; bf16 matrix products "
@@ -473,7 +463,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     shape = GptShape(args.hidden, args.layers, args.heads, args.groups)
     os.makedirs(args.out, exist_ok=True)  # the Megatron-LM runs write their logs there first
     skip = cuda_skip_reason(args.dry_run)
-    device = torch.cuda.get_device_name() if skip is None else f"cpu ({cpu_name()})"
+    device = torch.cuda.get_device_name() if skip is None else f"cpu ({cpu_model()})"
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as directory:
         checks = [row for name in args.checks for row in CHECKS[name](args, shape, skip, directory)]

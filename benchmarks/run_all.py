@@ -8,7 +8,6 @@ benchmarks/results/summary.json. Sizes are chosen so the whole run takes a few m
 
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from megatron_eopt.runtime.hardware import native_bf16_matmul
+from megatron_eopt.runtime.hardware import cpu_model, native_bf16_matmul
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
@@ -161,8 +160,7 @@ def lookup(results: dict, name: str, path: tuple) -> float:
 
 
 def summarize(results: dict, seconds: float, skip: Optional[str]) -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
+    cpu = cpu_model()
     native = native_bf16_matmul(torch.device("cpu"))
     print(f"\n== summary: {cpu}, {os.cpu_count()} CPUs, torch {torch.__version__}, {seconds:.0f} s, "
           f"bf16 matrix products {'native' if native else 'emulated'} on this CPU")

@@ -7,6 +7,7 @@ Newton-Schulz precision 'medium' means bf16 products, so it pays only on the for
 
 import functools
 import pathlib
+import platform
 import re
 
 import torch
@@ -36,6 +37,19 @@ def _cpu_has_bf16_instructions() -> bool:
         return cpuinfo_has_bf16(pathlib.Path("/proc/cpuinfo").read_text())
     except OSError:
         return False
+
+
+def cpu_model() -> str:
+    """The CPU's model name ('AMD EPYC 7B13 64-Core Processor'), from /proc/cpuinfo where it has
+    one, else what the platform module knows ('x86_64' at least)."""
+    try:
+        with open("/proc/cpuinfo") as stream:
+            for line in stream:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def cpuinfo_has_bf16(cpuinfo: str) -> bool:

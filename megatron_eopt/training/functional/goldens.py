@@ -31,27 +31,16 @@ def platform_name(device: Optional[str] = None) -> str:
     lower-case with (R)/(TM), 'CPU' and the clock left out: 'nvidia_h100_80gb_hbm3', 'amd_epyc_7b13'."""
     import torch
 
+    from megatron_eopt.runtime.hardware import cpu_model
+
     on_cuda = torch.cuda.is_available() if device is None else device == "cuda"
-    return platform_slug(torch.cuda.get_device_name() if on_cuda else _cpu_model())
+    return platform_slug(torch.cuda.get_device_name() if on_cuda else cpu_model())
 
 
 def platform_slug(name: str) -> str:
     """'AMD EPYC 7B13 64-Core Processor' -> 'amd_epyc_7b13'; 'NVIDIA H100 80GB HBM3' -> 'nvidia_h100_80gb_hbm3'."""
     name = re.sub(r"\((r|tm)\)|\bcpu\b|@.*$|\d+-core processor", " ", name.lower())
     return "_".join(re.findall(r"[a-z0-9]+", name)) or "unknown"
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as stream:
-            for line in stream:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
 
 
 def golden_path(case: Case, platform: str, environment: str = ENVIRONMENT) -> pathlib.Path:
