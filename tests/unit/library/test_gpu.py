@@ -146,6 +146,10 @@ import os
 os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # cuBLAS's deterministic mode needs it before CUDA starts
 import tempfile, torch, torch.distributed as dist
 torch.use_deterministic_algorithms(True)  # the embedding's backward on CUDA adds with atomics, in any order
+import megatron_eopt.ops.newton_schulz as newton_schulz
+def each_alone(matrices, scales, settings):  # megatron-core's rounding: cuBLAS rounds a batch otherwise
+    return [settings.orthogonalize(matrix).mul_(scale) for matrix, scale in zip(matrices, scales)]
+newton_schulz.orthogonalize_batched = each_alone
 from megatron.core import dist_checkpointing
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig as CoreConfig
@@ -198,15 +202,15 @@ print("BF16-BOTH-WAYS-OK")
 """
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="needs a CUDA device; OPEN on an H200 (issue 65, item 7): Muon saved by megatron-core "
-                           "and loaded by ours leaves 92 of 8,192 word-embedding elements beyond 2 bf16 ulps; "
-                           "bitwise on CPU (docs/gpu.md)")
 def test_bf16_checkpoints_move_both_ways_with_megatron_core() -> None:
     """megatron-core's Float16OptimizerWithFloat16Params (CUDA-only) saves with fp32_param keys, ours
     loads and continues as it continues; and the mirror (tests/unit/library/megatron_core_formats/
     test_megatron_core_checkpoints.py does fp32 and bf16 on CPU, bitwise). Within 2 bf16 ulps of the
-    parameters, not bitwise: on a GPU megatron-core may step with Transformer Engine's fused Adam."""
+    parameters, not bitwise: on a GPU megatron-core may step with Transformer Engine's fused Adam.
+
+    Ours orthogonalizes each matrix alone here, as megatron-core does: cuBLAS rounds our batched
+    Newton-Schulz (one call per shape) otherwise, and the Adam-stepped embedding amplifies that
+    (measured on an H200: 92 of 8,192 elements up to 0.0116 apart when batched; docs/gpu.md)."""
     _run_single_gpu_script(BF16_BOTH_WAYS_SCRIPT, "BF16-BOTH-WAYS-OK")
 
 
