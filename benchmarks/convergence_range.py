@@ -393,24 +393,26 @@ def noise(results: list[dict]) -> Optional[dict]:
             "runs": len(batches), "batches_per_evaluation": len(batches[0])}
 
 
-def at_edge(value: float, values: list[float]) -> Optional[str]:
-    """'low' or 'high' when `value` is the lowest or highest of 2+ distinct `values`."""
+def at_edge(value: float, values: list[float], floor: Optional[float] = None) -> Optional[str]:
+    """'low' or 'high' when `value` is the lowest or highest of 2+ distinct `values`; a value at
+    `floor` (the least the setting can take) is no edge: there is nothing below it to try."""
     distinct = sorted(set(values))
-    if len(distinct) < 2:
+    if len(distinct) < 2 or value == floor:
         return None
     return "low" if value == distinct[0] else "high" if value == distinct[-1] else None
 
 
 def edges(results: dict[str, dict], best: Setting, cell: Cell) -> list[str]:
     """The swept values (lr, Muon's Adam lr factor, AdamW's weight decay) at which `best` is the
-    lowest or highest tried with its other values: a wider sweep may do better."""
+    lowest or highest tried with its other values: a wider sweep may do better (weight decay 0 excepted)."""
     rows = [r["setting"] for r in results.values() if r["setting"]["optimizer"] == best.optimizer
             and r["iterations"] == cell.iterations and r["seed"] == 1]
     flags = []
     for field in ("lr", "adam_lr_factor", "weight_decay"):
         others = {k: v for k, v in vars(best).items() if k != field}
         values = [s[field] for s in rows if all(s[k] == v for k, v in others.items())]
-        if (end := at_edge(getattr(best, field), values)) is not None:
+        floor = 0.0 if field == "weight_decay" else None
+        if (end := at_edge(getattr(best, field), values, floor)) is not None:
             flags.append(f"{field} {getattr(best, field):g} at the {end} end of {sorted(set(values))}")
     return flags
 

@@ -233,6 +233,9 @@ def test_plan_walks_the_stages_and_extends_an_lr_at_the_edge(study_module) -> No
     adamw = m.best_setting(results, "adamw", 40)
     assert adamw.lr == 2e-3 and m.edges(results, adamw, cell) == []
     assert m.at_edge(1.0, [1.0]) is None and m.at_edge(0.5, [0.5, 1.0, 2.0]) == "low"
+    assert m.at_edge(0.0, [0.0, 0.01, 0.1]) == "low" and m.at_edge(0.0, [0.0, 0.01, 0.1], floor=0.0) is None
+    _store(m, results, m.replace(adamw, weight_decay=0.0), 40, 1, 0.0)  # weight decay 0 wins: no edge to widen
+    assert m.edges(results, m.best_setting(results, "adamw", 40), cell) == []
 
 
 def test_a_complete_cell_gives_its_ratio_and_an_incomplete_one_is_pending(study_module, tmp_path) -> None:
