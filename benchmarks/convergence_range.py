@@ -252,10 +252,17 @@ def held_out_batches(lengths: list[int], seq_length: int, global_batch: int) -> 
 # Running
 # ------------------------------------------------------------------------------------------------
 
+def training_device() -> str:
+    """Where the trainer runs (its default: CUDA when torch sees a GPU): 'cpu' or the GPU's name."""
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
 def run_one(run: Run, cell: Cell, study: Study, data_flags: list[str], final_eval_iters: int, runs_dir: str,
-            progress: str, threads: int = 1) -> tuple[dict, bool]:
-    """Train `run` unless runs_dir holds its result for the same command; returns the result and
-    whether it was trained now."""
+            progress: str, threads: int = 1, device: str = "cpu") -> tuple[Optional[dict], bool]:
+    """Train `run` unless runs_dir holds its result for the same command; returns the result (None:
+    the run failed, see `failed`) and whether it was trained now."""
     path, metrics, log_path = (os.path.join(runs_dir, f"{run.name}.{ext}") for ext in ("json", "jsonl", "log"))
     command = run_command(run, cell, study, data_flags, final_eval_iters, metrics)
     if os.path.exists(path):
@@ -268,9 +275,13 @@ def run_one(run: Run, cell: Cell, study: Study, data_flags: list[str], final_eva
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     with open(log_path, "w") as log:
         process = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    if failed(process.returncode, metrics, run.iterations, log_path):
+        print(f"    {run.name}: FAILED (exit code {process.returncode}, neither a final loss nor a NaN stop); "
+              f"not recorded, its log {log_path} ends:\n" + log_tail(log_path), flush=True)
+        return None, True
     result = {"name": run.name, "setting": vars(run.setting), "iterations": run.iterations, "seed": run.seed,
               "stage": run.stage, **measure(metrics, run.iterations), "command": portable(command_key(command)),
-              "wall_s": round(time.time() - start, 1), "exit_code": process.returncode}
+              "wall_s": round(time.time() - start, 1), "device": device, "exit_code": process.returncode}
     with open(path, "w") as handle:
         json.dump(result, handle)
     os.remove(metrics) if os.path.exists(metrics) else None  # the result keeps what the report reads
@@ -278,6 +289,23 @@ def run_one(run: Run, cell: Cell, study: Study, data_flags: list[str], final_eva
     print(f"    {run.name}: {'final held-out loss %.4f' % loss if loss is not None else 'no final loss'} "
           f"in {result['wall_s']:.0f} s", flush=True)
     return result, True
+
+
+NAN_STOP = "found NaN in the"  # the trainer's stop on a diverged run (loop/train.py's stop_on_nan)
+
+
+def failed(exit_code: int, metrics: str, iterations: int, log_path: str) -> bool:
+    """A run that ended without its final evaluation and not by diverging (a crash, a kill): no
+    result, so the study neither takes its setting for diverged nor skips it when resumed."""
+    if exit_code == 0 and measure(metrics, iterations)["final_loss"] is not None:
+        return False
+    with open(log_path, errors="replace") as log:
+        return NAN_STOP not in log.read()
+
+
+def log_tail(path: str, lines: int = 8) -> str:
+    with open(path, errors="replace") as log:
+        return "".join(f"      {line}" for line in log.readlines()[-lines:])
 
 
 def measure(metrics: str, iterations: int) -> dict:
@@ -331,6 +359,7 @@ def run_cell(study: Study, cell: Cell, args: argparse.Namespace) -> dict[str, di
         json.dump({"corpus": cell.corpus, "documents": corpus.documents, "bytes": corpus.bytes,
                    "held_out_tokens": tokens, "final_eval_batches": batches}, handle)
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
+    device = training_device()
     while True:
         results = current_results(read_results(runs_dir), cell, study, data_flags, batches)
         missing = [r for r in plan(study, cell, results) if r.name not in results]
@@ -338,9 +367,13 @@ def run_cell(study: Study, cell: Cell, args: argparse.Namespace) -> dict[str, di
             return results
         done, expected = len(results), max(expected_runs(study, cell), len(results) + len(missing))
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            list(pool.map(lambda item: run_one(item[1], cell, study, data_flags, batches, runs_dir,
-                                               f"[{cell.key} {done + item[0] + 1}/~{expected}]", threads),
-                          enumerate(missing)))
+            outcomes = list(pool.map(lambda item: run_one(item[1], cell, study, data_flags, batches, runs_dir,
+                                                          f"[{cell.key} {done + item[0] + 1}/~{expected}]", threads,
+                                                          device), enumerate(missing)))
+        lost = [run.name for run, (result, _) in zip(missing, outcomes) if result is None]
+        if lost:
+            raise SystemExit(f"{cell.key}: {len(lost)} runs failed without a result ({', '.join(lost)}); their logs "
+                             f"are in {runs_dir}. Fix the cause and run again: the study resumes with them.")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -420,7 +453,9 @@ def edges(results: dict[str, dict], best: Setting, cell: Cell) -> list[str]:
 def spread(values: list[float]) -> Optional[dict]:
     if not values:
         return None
-    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+    finite = all(math.isfinite(v) for v in values)  # a diverged seed: mean and std are inf
+    return {"mean": statistics.fmean(values),
+            "std": (statistics.stdev(values) if finite else math.inf) if len(values) > 1 else 0.0,
             "min": min(values), "max": max(values), "n": len(values)}
 
 
@@ -432,7 +467,8 @@ def summarize_cell(study: Study, cell: Cell, results: dict[str, dict]) -> dict:
                "runs_done": len(results),
                "runs_expected": max(expected_runs(study, cell), len({r.name for r in planned} | set(results))),
                "complete": complete, "noise": noise(list(results.values())),
-               "wall_s": sum(r.get("wall_s", 0) for r in results.values())}
+               "wall_s": sum(r.get("wall_s", 0) for r in results.values()),
+               "devices": sorted({r.get("device", "cpu") for r in results.values()})}
     for optimizer in ("adamw", "muon"):
         best = best_setting(results, optimizer, cell.iterations)
         summary[optimizer] = None if best is None else {"setting": vars(best), "edges": edges(results, best, cell)}
@@ -534,6 +570,9 @@ def notes(summaries: list[dict]) -> list[str]:
         for optimizer in ("adamw", "muon"):
             for flag in (s[optimizer] or {}).get("edges", []) if s["complete"] else []:
                 lines.append(f"- {s['cell']}: {optimizer}'s best {flag}; a wider sweep may do better.")
+        if s["devices"] and s["devices"] != ["cpu"]:
+            lines.append(f"- {s['cell']}: trained on {' and '.join(s['devices'])} (the trainer's default where "
+                         f"torch sees a GPU); its runs' times are left out of the CPU time below.")
         if s["noise"]:
             n = s["noise"]
             lines.append(f"- {s['cell']}: final held-out loss's standard error {n['halves']:.4f} (disjoint halves, "
@@ -580,10 +619,11 @@ def cell_iterations(study: Study, cell: Cell) -> list[int]:
 def projected_seconds(study: Study, results: dict[str, dict[str, dict]]) -> Optional[dict]:
     """A run's time as start-up and evaluations plus its iterations, both times its model's cost,
     from medians over the finished runs (the trainer's median iteration, so a paused run does not
-    count its pause as training); the study's total, and what its missing runs still need."""
+    count its pause as training; CPU runs only); the study's total, and what its missing runs still need."""
     cells = {c.key: c for c in study.cells}
-    rows = [(r, cells[key].model.cost) for key, rs in results.items() if key in cells for r in rs.values()
-            if r.get("wall_s") and r.get("seconds_per_iteration")]
+    finished = [(r, cells[key].model.cost) for key, rs in results.items() if key in cells for r in rs.values()
+                if r.get("wall_s") and r.get("seconds_per_iteration")]
+    rows = [(r, cost) for r, cost in finished if r.get("device", "cpu") == "cpu"]
     if not rows:
         return None
     per_iteration = statistics.median(r["seconds_per_iteration"] / cost for r, cost in rows)
@@ -591,7 +631,7 @@ def projected_seconds(study: Study, results: dict[str, dict[str, dict]]) -> Opti
                                  for r, cost in rows)
     total = sum((overhead + per_iteration * iterations) * cell.model.cost
                 for cell in study.cells for iterations in cell_iterations(study, cell))
-    done = sum((overhead + per_iteration * r["iterations"]) * cost for r, cost in rows)
+    done = sum((overhead + per_iteration * r["iterations"]) * cost for r, cost in finished)
     return {"seconds_per_iteration": per_iteration, "overhead_s": overhead, "runs": len(rows),
             "total_s": total, "remaining_s": max(0.0, total - done)}
 

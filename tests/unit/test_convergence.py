@@ -375,6 +375,30 @@ def test_a_range_run_is_not_repeated_in_another_checkout_and_a_changed_one_is(st
     assert trained and len(calls) == 2
 
 
+def test_a_crashed_range_run_is_not_recorded_and_a_diverged_one_is(study_module, tmp_path, monkeypatch) -> None:
+    m = study_module
+    said = {"text": "", "code": 1}
+
+    def fake_run(command, **kwargs):  # the trainer ends before its final evaluation
+        kwargs["stdout"].write(said["text"])
+        return m.subprocess.CompletedProcess(command, said["code"])
+
+    monkeypatch.setattr(m.subprocess, "run", fake_run)
+    study, cell = _tiny_study(m), m.Cell("stdlib", m.TINY, 4)
+    run = m.Run(m.Setting("muon", 1e-2), 4, 1, "sweep")
+    flags = ["--data-path", "data/x_text_document"]
+    said["text"] = "torch.OutOfMemoryError: CUDA out of memory.\n"
+    result, trained = m.run_one(run, cell, study, flags, 7, str(tmp_path), "[1]")
+    assert trained and result is None and not (tmp_path / f"{run.name}.json").exists()
+    said["code"] = 0  # no final loss with exit code 0: still no result
+    assert m.run_one(run, cell, study, flags, 7, str(tmp_path), "[1]") == (None, True)
+    said.update(text=f"error: iteration 3: {m.NAN_STOP} loss\n", code=1)
+    result, trained = m.run_one(run, cell, study, flags, 7, str(tmp_path), "[1]")
+    assert trained and result["final_loss"] is None and m.final_loss(result) == m.math.inf
+    assert result["device"] == "cpu" and (tmp_path / f"{run.name}.json").exists()
+    assert m.spread([1.0, m.math.inf])["std"] == m.math.inf  # a diverged seed's spread
+
+
 def test_time_projection_from_the_runs_medians(study_module) -> None:
     m = study_module
     study = _tiny_study(m)  # one cell, 40 iterations: 12 sweep + 2 weight decay runs at 40, budgets 20 and 40
@@ -389,4 +413,8 @@ def test_time_projection_from_the_runs_medians(study_module) -> None:
     assert timing["overhead_s"] == pytest.approx(10.0 / cost)
     assert timing["total_s"] == pytest.approx(20 * 10 + 0.1 * (16 * 40 + 4 * 20))
     assert timing["remaining_s"] == pytest.approx(timing["total_s"] - (3 * 10 + 0.1 * 100))
+    gpu = {"wall_s": 2.0, "seconds_per_iteration": 0.01, "iterations": 40, "device": "NVIDIA H200"}
+    with_gpu = m.projected_seconds(study, {cell.key: {**runs, "d": gpu}})  # done, but not a CPU time
+    assert with_gpu["overhead_s"] == timing["overhead_s"] and with_gpu["runs"] == 3
+    assert with_gpu["remaining_s"] == pytest.approx(timing["remaining_s"] - (10 + 0.1 * 40))
     assert m.projected_seconds(study, {}) is None
