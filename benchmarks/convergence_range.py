@@ -25,7 +25,7 @@ import struct
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -195,25 +195,33 @@ def _result_of(results: dict[str, dict], setting: Setting, iterations: int, seed
 
 
 def plan(study: Study, cell: Cell, results: dict[str, dict]) -> list[Run]:
-    """The runs of `cell` up to the first stage that `results` (by run name) do not complete:
-    running them and planning again walks through the stages; [] when the cell is done."""
+    """The runs of `cell` up to the first stage that `results` (by run name) do not complete, each
+    optimizer on its own after the sweep (so AdamW's weight decay and budgets run beside Muon's lr
+    extensions): running them and planning again walks through the stages; [] when the cell is done."""
     runs = sweep_runs(study, cell)
     if any(r.name not in results for r in runs):
         return runs
-    for optimizer in ("adamw", "muon"):
-        while (extension := lr_extension(results, optimizer, study, cell)) is not None:
-            if extension.name not in results:
-                return runs + [extension]
-            runs.append(extension)
-    best = best_setting(results, "adamw", cell.iterations)
-    decay = [Run(replace(best, weight_decay=wd), cell.iterations, 1, "weight decay")
-             for wd in study.adamw_weight_decays]
-    runs += decay
-    if any(r.name not in results for r in decay):
-        return runs
-    budgets = [Run(best_setting(results, optimizer, cell.iterations), budget_iterations(cell, budget), seed, "budget")
-               for optimizer in ("adamw", "muon") for budget in study.budgets for seed in study.seeds]
-    return runs + budgets
+    return runs + [run for optimizer in ("adamw", "muon") for run in optimizer_plan(study, cell, results, optimizer)]
+
+
+def optimizer_plan(study: Study, cell: Cell, results: dict[str, dict], optimizer: str) -> list[Run]:
+    """One optimizer's runs after the sweep: lr extensions one at a time, AdamW's weight decay,
+    then its best setting at every budget and seed; up to its first stage not in `results`."""
+    runs = []
+    while (extension := lr_extension(results, optimizer, study, cell)) is not None:
+        runs.append(extension)
+        if extension.name not in results:
+            return runs
+    if optimizer == "adamw":
+        best = best_setting(results, optimizer, cell.iterations)
+        decay = [Run(replace(best, weight_decay=wd), cell.iterations, 1, "weight decay")
+                 for wd in study.adamw_weight_decays]
+        runs += decay
+        if any(r.name not in results for r in decay):
+            return runs
+    best = best_setting(results, optimizer, cell.iterations)
+    return runs + [Run(best, budget_iterations(cell, budget), seed, "budget")
+                   for budget in study.budgets for seed in study.seeds]
 
 
 def budget_iterations(cell: Cell, budget: float) -> int:
@@ -282,8 +290,9 @@ def run_one(run: Run, cell: Cell, study: Study, data_flags: list[str], final_eva
     result = {"name": run.name, "setting": vars(run.setting), "iterations": run.iterations, "seed": run.seed,
               "stage": run.stage, **measure(metrics, run.iterations), "command": portable(command_key(command)),
               "wall_s": round(time.time() - start, 1), "device": device, "exit_code": process.returncode}
-    with open(path, "w") as handle:
+    with open(path + ".partial", "w") as handle:  # whole or absent: the planner reads results meanwhile
         json.dump(result, handle)
+    os.replace(path + ".partial", path)
     os.remove(metrics) if os.path.exists(metrics) else None  # the result keeps what the report reads
     loss = result["final_loss"]
     print(f"    {run.name}: {'final held-out loss %.4f' % loss if loss is not None else 'no final loss'} "
@@ -360,20 +369,29 @@ def run_cell(study: Study, cell: Cell, args: argparse.Namespace) -> dict[str, di
                    "held_out_tokens": tokens, "final_eval_batches": batches}, handle)
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
     device = training_device()
-    while True:
-        results = current_results(read_results(runs_dir), cell, study, data_flags, batches)
-        missing = [r for r in plan(study, cell, results) if r.name not in results]
-        if not missing:
-            return results
-        done, expected = len(results), max(expected_runs(study, cell), len(results) + len(missing))
-        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            outcomes = list(pool.map(lambda item: run_one(item[1], cell, study, data_flags, batches, runs_dir,
-                                                          f"[{cell.key} {done + item[0] + 1}/~{expected}]", threads,
-                                                          device), enumerate(missing)))
-        lost = [run.name for run, (result, _) in zip(missing, outcomes) if result is None]
-        if lost:
-            raise SystemExit(f"{cell.key}: {len(lost)} runs failed without a result ({', '.join(lost)}); their logs "
-                             f"are in {runs_dir}. Fix the cause and run again: the study resumes with them.")
+    running, lost = {}, []  # run name: its future; runs that failed without a result
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        # plan again whenever a run ends, so that a free worker takes the next stage's runs; the runs
+        # that gate a later stage first, then the longest (the cell's wall time is its longest chain)
+        while True:
+            results = current_results(read_results(runs_dir), cell, study, data_flags, batches)
+            missing = sorted((r for r in plan(study, cell, results) if r.name not in results | running.keys()
+                              and r.name not in lost), key=lambda r: (r.stage == "budget", -r.iterations))
+            if not missing and not running:
+                break
+            expected = max(expected_runs(study, cell), len(results) + len(running) + len(missing))
+            for run in missing[:args.jobs - len(running)]:
+                progress = f"[{cell.key} {len(results) + len(running) + 1}/~{expected}]"
+                running[run.name] = pool.submit(run_one, run, cell, study, data_flags, batches, runs_dir, progress,
+                                                threads, device)
+            ended, _ = wait(running.values(), return_when=FIRST_COMPLETED)
+            for name in [name for name, future in running.items() if future in ended]:
+                if running.pop(name).result()[0] is None:
+                    lost.append(name)
+    if lost:
+        raise SystemExit(f"{cell.key}: {len(lost)} runs failed without a result ({', '.join(lost)}); their logs "
+                         f"are in {runs_dir}. Fix the cause and run again: the study resumes with them.")
+    return results
 
 
 # ------------------------------------------------------------------------------------------------

@@ -213,17 +213,18 @@ def test_plan_walks_the_stages_and_extends_an_lr_at_the_edge(study_module) -> No
     # AdamW best in the middle (2e-3, beta2 0.95); Muon best at the top lr (2e-2, factor 2): extended.
     results = _sweep(m, study, cell, lambda s: abs(s.lr - 2e-3) * 100 + (0 if s.beta2 == 0.95 else 0.1),
                      lambda s: 3.0 - s.lr - 0.01 * s.adam_lr_factor)
-    step = m.plan(study, cell, results)[-1]
+    # each optimizer on its own: AdamW's weight decay beside Muon's first extension
+    decay, step = m.plan(study, cell, results)[-3:-1], m.plan(study, cell, results)[-1]
     assert step.stage == "lr extension" and step.setting == m.Setting("muon", 4e-2, adam_lr_factor=2.0)
-    _store(m, results, step.setting, 40, 1, 2.0)  # better again: a second extension
-    step = m.plan(study, cell, results)[-1]
-    assert step.setting.lr == pytest.approx(8e-2) and step.stage == "lr extension"
-    _store(m, results, step.setting, 40, 1, 1.9)  # still better, but LR_EXTENSIONS (2) are spent
-    tail = m.plan(study, cell, results)[-2:]
-    assert [r.stage for r in tail] == ["weight decay"] * 2
-    assert [r.setting.weight_decay for r in tail] == [0.0, 0.1] and tail[0].setting.beta2 == 0.95
-    for run in tail:
+    assert [r.stage for r in decay] == ["weight decay"] * 2
+    assert [r.setting.weight_decay for r in decay] == [0.0, 0.1] and decay[0].setting.beta2 == 0.95
+    for run in decay:
         _store(m, results, run.setting, 40, 1, 5.0)  # worse than 0.01
+    _store(m, results, step.setting, 40, 1, 2.0)  # better again: a second extension
+    later = [r for r in m.plan(study, cell, results) if r.stage not in ("sweep", "weight decay")]
+    assert {(r.setting.optimizer, r.stage) for r in later} == {("adamw", "budget"), ("muon", "lr extension")}
+    assert later[-1].setting.lr == pytest.approx(8e-2) and later[-1].stage == "lr extension"
+    _store(m, results, later[-1].setting, 40, 1, 1.9)  # still better, but LR_EXTENSIONS (2) are spent
     budgets = [r for r in m.plan(study, cell, results) if r.stage == "budget"]
     assert {(r.setting.optimizer, r.iterations, r.seed) for r in budgets} == {
         (o, i, s) for o in ("adamw", "muon") for i in (20, 40) for s in (1, 2)}
@@ -397,6 +398,42 @@ def test_a_crashed_range_run_is_not_recorded_and_a_diverged_one_is(study_module,
     assert trained and result["final_loss"] is None and m.final_loss(result) == m.math.inf
     assert result["device"] == "cpu" and (tmp_path / f"{run.name}.json").exists()
     assert m.spread([1.0, m.math.inf])["std"] == m.math.inf  # a diverged seed's spread
+
+
+def test_a_cell_runs_through_its_stages_and_stops_on_a_failed_run(study_module, tmp_path, monkeypatch) -> None:
+    m = study_module
+    crash, started = {"on": True, "name": None}, []
+
+    def fake_run(command, **kwargs):  # final loss: lower for a lower lr and a longer run
+        flags = dict(zip(command[::2], command[1::2])) | dict(zip(command[1::2], command[2::2]))
+        log, iterations = pathlib.Path(kwargs["stdout"].name), int(flags["--train-iters"])
+        started.append(log.stem)
+        if crash["on"] and flags["--weight-decay"] == "0":  # AdamW's weight decay 0 crashes
+            crash["name"] = log.stem
+            return m.subprocess.CompletedProcess(command, 1)
+        loss = 3.0 + float(flags["--lr"]) - iterations / 100 - (0.5 if "muon" in command else 0.0)
+        rows = [{"iteration": iterations, "loss": loss, "elapsed_ms": 5.0},
+                {"iteration": iterations, "split": "valid", "final": True, "eval_loss": loss, "eval_ppl": 1.0,
+                 "batch_losses": [loss, loss]}]
+        pathlib.Path(command[-1]).write_text("".join(json.dumps(row) + "\n" for row in rows))
+        return m.subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(m.subprocess, "run", fake_run)
+    monkeypatch.setattr(m, "prepare_corpus", lambda *a: m.argparse.Namespace(prefix="data/x", documents=1, bytes=1))
+    monkeypatch.setattr(m, "sequence_lengths", lambda prefix: [100] * 10)
+    study, args = _tiny_study(m), m.argparse.Namespace(corpus_dir="data", out=str(tmp_path), jobs=2, threads=1)
+    cell = study.cells[0]
+    with pytest.raises(SystemExit, match=r"1 runs failed without a result \(adamw_\S+_wd0_it40_seed1\)"):
+        m.run_cell(study, cell, args)
+    # Muon went on to its budgets beside the crash; AdamW stopped before its own
+    results = m.read_results(str(tmp_path / "runs" / cell.key))
+    assert crash["name"] not in results and started.count(crash["name"]) == 1
+    assert {r["setting"]["optimizer"] for r in results.values() if r["stage"] == "budget"} == {"muon"}
+    crash["on"] = False
+    results = m.run_cell(study, cell, args)  # resumed: the failed run again, then AdamW's budgets
+    assert started.count(crash["name"]) == 2
+    assert all(r.name in results for r in m.plan(study, cell, results))
+    assert m.summarize_cell(study, cell, results)["complete"] and len(started) == len(set(started)) + 1
 
 
 def test_time_projection_from_the_runs_medians(study_module) -> None:
