@@ -148,9 +148,7 @@ def run_command(run: Run, cell: Cell, study: Study, data_flags: list[str], final
             "--metrics-jsonl", metrics]
 
 
-# ------------------------------------------------------------------------------------------------
-# The plan: which runs a cell needs, given the results so far (stage by stage)
-# ------------------------------------------------------------------------------------------------
+# The plan: which runs a cell needs, given the results so far (stage by stage) ---------------------
 
 def sweep_runs(study: Study, cell: Cell) -> list[Run]:
     adamw = [Setting("adamw", lr, beta2, warmup) for lr, beta2, warmup in
@@ -234,9 +232,7 @@ def expected_runs(study: Study, cell: Cell) -> int:
             + 2 * (len(study.budgets) * len(study.seeds) - 1))
 
 
-# ------------------------------------------------------------------------------------------------
-# The held-out split and its evaluation size
-# ------------------------------------------------------------------------------------------------
+# The held-out split and its evaluation size -------------------------------------------------------
 
 def sequence_lengths(prefix: str) -> list[int]:
     """Each document's tokens (with its end-of-document token) from a Megatron .idx file."""
@@ -256,14 +252,11 @@ def held_out_batches(lengths: list[int], seq_length: int, global_batch: int) -> 
     return tokens, (tokens - 1) // seq_length // global_batch
 
 
-# ------------------------------------------------------------------------------------------------
-# Running
-# ------------------------------------------------------------------------------------------------
+# Running ------------------------------------------------------------------------------------------
 
 def training_device() -> str:
     """Where the trainer runs (its default: CUDA when torch sees a GPU): 'cpu' or the GPU's name."""
     import torch
-
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
 
 
@@ -284,8 +277,10 @@ def run_one(run: Run, cell: Cell, study: Study, data_flags: list[str], final_eva
     with open(log_path, "w") as log:
         process = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     if failed(process.returncode, metrics, run.iterations, log_path):
+        with open(log_path, errors="replace") as log:
+            tail = "".join(f"      {line}" for line in log.readlines()[-8:])
         print(f"    {run.name}: FAILED (exit code {process.returncode}, neither a final loss nor a NaN stop); "
-              f"not recorded, its log {log_path} ends:\n" + log_tail(log_path), flush=True)
+              f"not recorded, its log {log_path} ends:\n{tail}", flush=True)
         return None, True
     result = {"name": run.name, "setting": vars(run.setting), "iterations": run.iterations, "seed": run.seed,
               "stage": run.stage, **measure(metrics, run.iterations), "command": portable(command_key(command)),
@@ -310,11 +305,6 @@ def failed(exit_code: int, metrics: str, iterations: int, log_path: str) -> bool
         return False
     with open(log_path, errors="replace") as log:
         return NAN_STOP not in log.read()
-
-
-def log_tail(path: str, lines: int = 8) -> str:
-    with open(path, errors="replace") as log:
-        return "".join(f"      {line}" for line in log.readlines()[-lines:])
 
 
 def measure(metrics: str, iterations: int) -> dict:
@@ -394,9 +384,7 @@ def run_cell(study: Study, cell: Cell, args: argparse.Namespace) -> dict[str, di
     return results
 
 
-# ------------------------------------------------------------------------------------------------
-# Analysis: the crossing budget, noise, edges, one cell's summary
-# ------------------------------------------------------------------------------------------------
+# Analysis: the crossing budget, noise, edges, one cell's summary ----------------------------------
 
 def crossing(budgets: list[float], losses: list[float], target: float) -> tuple[Optional[float], str]:
     """The budget at which `losses` (one per budget, ascending budgets) first fall to `target`,
@@ -525,9 +513,7 @@ def mid_curve(results: dict[str, dict], summary: dict, cell: Cell, study: Study)
     return {"target": target, "fraction": spread(reached), "not_reached": len(reach) - len(reached)}
 
 
-# ------------------------------------------------------------------------------------------------
-# Report: the table, the plots, the time, the docs
-# ------------------------------------------------------------------------------------------------
+# Report: the table, the plots, the time, the docs -------------------------------------------------
 
 def _setting_text(setting: dict) -> str:
     if setting["optimizer"] == "adamw":
