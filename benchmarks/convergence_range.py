@@ -194,8 +194,7 @@ def _result_of(results: dict[str, dict], setting: Setting, iterations: int, seed
 
 def plan(study: Study, cell: Cell, results: dict[str, dict]) -> list[Run]:
     """The runs of `cell` up to the first stage that `results` (by run name) do not complete, each
-    optimizer on its own after the sweep (so AdamW's weight decay and budgets run beside Muon's lr
-    extensions): running them and planning again walks through the stages; [] when the cell is done."""
+    optimizer on its own after the sweep (`optimizer_plan`); [] when the cell is done."""
     runs = sweep_runs(study, cell)
     if any(r.name not in results for r in runs):
         return runs
@@ -276,14 +275,15 @@ def run_one(run: Run, cell: Cell, study: Study, data_flags: list[str], final_eva
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     with open(log_path, "w") as log:
         process = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
-    if failed(process.returncode, metrics, run.iterations, log_path):
+    measured = measure(metrics, run.iterations)
+    if failed(process.returncode, measured["final_loss"], log_path):
         with open(log_path, errors="replace") as log:
             tail = "".join(f"      {line}" for line in log.readlines()[-8:])
         print(f"    {run.name}: FAILED (exit code {process.returncode}, neither a final loss nor a NaN stop); "
               f"not recorded, its log {log_path} ends:\n{tail}", flush=True)
         return None, True
     result = {"name": run.name, "setting": vars(run.setting), "iterations": run.iterations, "seed": run.seed,
-              "stage": run.stage, **measure(metrics, run.iterations), "command": portable(command_key(command)),
+              "stage": run.stage, **measured, "command": portable(command_key(command)),
               "wall_s": round(time.time() - start, 1), "device": device, "exit_code": process.returncode}
     with open(path + ".partial", "w") as handle:  # whole or absent: the planner reads results meanwhile
         json.dump(result, handle)
@@ -298,10 +298,10 @@ def run_one(run: Run, cell: Cell, study: Study, data_flags: list[str], final_eva
 NAN_STOP = "found NaN in the"  # the trainer's stop on a diverged run (loop/train.py's stop_on_nan)
 
 
-def failed(exit_code: int, metrics: str, iterations: int, log_path: str) -> bool:
+def failed(exit_code: int, final_loss: Optional[float], log_path: str) -> bool:
     """A run that ended without its final evaluation and not by diverging (a crash, a kill): no
     result, so the study neither takes its setting for diverged nor skips it when resumed."""
-    if exit_code == 0 and measure(metrics, iterations)["final_loss"] is not None:
+    if exit_code == 0 and final_loss is not None:
         return False
     with open(log_path, errors="replace") as log:
         return NAN_STOP not in log.read()
