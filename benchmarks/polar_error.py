@@ -16,7 +16,6 @@ and worst over each set): docs/newton-schulz.md holds one.
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 
@@ -80,10 +79,7 @@ def demo_momenta(iterations: list[int]) -> dict[str, torch.Tensor]:
         return result
 
     muon = next(run for run in demo.RUNS if run.key == "muon")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")
+    os.environ.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")  # one process: the trainer's in-process store
     corpus = prepare_stdlib_corpus(verbose=False)
     argv = [*demo.COMMON_FLAGS, *corpus.trainer_flags(), *muon.flags, "--train-iters", str(max(iterations)),
             "--eval-interval", str(max(iterations) + 1), "--eval-iters", "0", "--lr", str(muon.lr),

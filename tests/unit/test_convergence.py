@@ -455,3 +455,16 @@ def test_time_projection_from_the_runs_medians(study_module) -> None:
     assert with_gpu["overhead_s"] == timing["overhead_s"] and with_gpu["runs"] == 3
     assert with_gpu["remaining_s"] == pytest.approx(timing["remaining_s"] - (10 + 0.1 * 40))
     assert m.projected_seconds(study, {}) is None
+
+
+def test_the_readme_quotes_the_committed_study_range() -> None:
+    """The README's headline is the range of the committed summary's complete cells (ratio and
+    per-seed), at two decimals: rerunning the study with other numbers fails here until it is updated."""
+    cells = [c for c in json.loads((ROOT / "benchmarks/results/convergence-range/summary.json").read_text())["cells"]
+             if c["complete"]]
+    ratios = [c["ratio"] for c in cells]
+    seeds = [r for c in cells for r in c["ratio_per_seed"]]
+    readme = (ROOT / "README.md").read_text()
+    quoted = (f"Muon reaches AdamW's final held-out loss in {min(ratios):.2f}-{max(ratios):.2f} of AdamW's iterations "
+              f"({min(seeds):.2f}-{max(seeds):.2f} over 3 seeds): the range over [all {len(cells)} cells of a study]")
+    assert quoted in readme, quoted

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
@@ -66,16 +65,16 @@ def init_distributed(args: argparse.Namespace, layout: Layout) -> torch.device:
 
     if dist.is_initialized():
         return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    if "MASTER_ADDR" not in os.environ:  # plain `python`: a one-process group on a free port
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
+    # Plain `python`: a one-process group meets in an in-process store. A port picked free and
+    # bound later races with every other process starting beside it (EADDRINUSE).
+    alone = "MASTER_ADDR" not in os.environ and layout.world_size == 1
+    where = "an in-process store" if alone else f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
     timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
     on_cuda = runs_on_cuda(args)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if on_cuda else torch.device("cpu")
     started = time.monotonic()
     try:
-        store = restart_store(layout.rank, layout.world_size, timeout)
+        store = dist.HashStore() if alone else restart_store(layout.rank, layout.world_size, timeout)
         extra = {} if store is None else {"store": store}
         if on_cuda:
             torch.cuda.set_device(device)
@@ -86,8 +85,8 @@ def init_distributed(args: argparse.Namespace, layout: Layout) -> torch.device:
     except (RuntimeError, TimeoutError, ConnectionError) as error:
         first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
         attempt = restart_attempt()
-        fail(layout.rank, f"the rendezvous of {layout.world_size} ranks at {os.environ['MASTER_ADDR']}:"
-                          f"{os.environ['MASTER_PORT']}{'' if attempt is None else f' (restart {attempt})'} "
+        fail(layout.rank, f"the rendezvous of {layout.world_size} ranks at {where}"
+                          f"{'' if attempt is None else f' (restart {attempt})'} "
                           f"failed after {time.monotonic() - started:.0f} s (--distributed-timeout-minutes "
                           f"{args.distributed_timeout_minutes:g}): {first[:300]}")
     return device

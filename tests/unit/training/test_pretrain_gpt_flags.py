@@ -489,6 +489,12 @@ def test_distributed_timeout_reaches_the_process_group(monkeypatch) -> None:
         args, _, layout = _parse(argv + ["--distributed-backend", "gloo"], monkeypatch)
         parallel_layout.init_distributed(args, layout)
         assert calls[-1]["timeout"] == datetime.timedelta(minutes=minutes), calls
+    # Plain `python` (no MASTER_ADDR): one process meets in an in-process store, on no port at all
+    # (a free port picked then bound later raced with runs started beside it: EADDRINUSE).
+    monkeypatch.delenv("MASTER_ADDR")
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    parallel_layout.init_distributed(args, layout)
+    assert isinstance(calls[-1]["store"], dist.HashStore) and "MASTER_PORT" not in os.environ, calls
 
 
 @pytest.mark.parametrize("argv,line", [
