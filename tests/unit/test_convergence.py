@@ -214,7 +214,8 @@ def test_plan_walks_the_stages_and_extends_an_lr_at_the_edge(study_module) -> No
     results = _sweep(m, study, cell, lambda s: abs(s.lr - 2e-3) * 100 + (0 if s.beta2 == 0.95 else 0.1),
                      lambda s: 3.0 - s.lr - 0.01 * s.adam_lr_factor)
     # each optimizer on its own: AdamW's weight decay beside Muon's first extension
-    decay, step = m.plan(study, cell, results)[-3:-1], m.plan(study, cell, results)[-1]
+    *_, decay_0, decay_1, step = m.plan(study, cell, results)
+    decay = [decay_0, decay_1]
     assert step.stage == "lr extension" and step.setting == m.Setting("muon", 4e-2, adam_lr_factor=2.0)
     assert [r.stage for r in decay] == ["weight decay"] * 2
     assert [r.setting.weight_decay for r in decay] == [0.0, 0.1] and decay[0].setting.beta2 == 0.95

@@ -68,7 +68,8 @@ def init_distributed(args: argparse.Namespace, layout: Layout) -> torch.device:
     # Plain `python`: a one-process group meets in an in-process store. A port picked free and
     # bound later races with every other process starting beside it (EADDRINUSE).
     alone = "MASTER_ADDR" not in os.environ and layout.world_size == 1
-    where = "an in-process store" if alone else f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    address = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    where = "an in-process store" if alone else address
     timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
     on_cuda = runs_on_cuda(args)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if on_cuda else torch.device("cpu")
@@ -82,7 +83,7 @@ def init_distributed(args: argparse.Namespace, layout: Layout) -> torch.device:
                                     timeout=timeout, **extra)
         else:
             dist.init_process_group("gloo", rank=layout.rank, world_size=layout.world_size, timeout=timeout, **extra)
-    except (RuntimeError, TimeoutError, ConnectionError) as error:
+    except (RuntimeError, TimeoutError, ConnectionError, ValueError) as error:  # ValueError: env:// unset
         first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
         attempt = restart_attempt()
         fail(layout.rank, f"the rendezvous of {layout.world_size} ranks at {where}"

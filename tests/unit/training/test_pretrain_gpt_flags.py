@@ -497,6 +497,24 @@ def test_distributed_timeout_reaches_the_process_group(monkeypatch) -> None:
     assert isinstance(calls[-1]["store"], dist.HashStore) and "MASTER_PORT" not in os.environ, calls
 
 
+def test_ranks_without_a_rendezvous_address_end_in_one_line(monkeypatch) -> None:
+    """Two ranks from plain `python` (WORLD_SIZE 2, no MASTER_ADDR): torch's env:// ValueError ends
+    in the trainer's one rendezvous line (fail, intercepted here), not a traceback."""
+    import torch.distributed as dist
+
+    from megatron_eopt.training.parallel import elastic, layout as parallel_layout
+
+    lines = []
+    monkeypatch.setattr(elastic, "fail", lambda rank, message: lines.append(message))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    for name in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    args, _, layout = _parse(["--distributed-backend", "gloo"], monkeypatch, world_size=2)
+    parallel_layout.init_distributed(args, layout)
+    assert len(lines) == 1 and lines[0].startswith("the rendezvous of 2 ranks at ?:? failed after"), lines
+    assert "MASTER_ADDR expected" in lines[0], lines
+
+
 @pytest.mark.parametrize("argv,line", [
     (["--qk-clip-threshold", "50"], "--qk-clip-threshold 50: no effect without --qk-clip, the clip they set"),
     (["--log-max-attention-logit", "--qk-clip-threshold", "50", "--qk-clip-alpha", "0.3"],
