@@ -6,8 +6,8 @@ Megatron-LM flag works, plus ours (`--muon-tp-mode sharded`, `--muon-match-adamw
 Data: `--mock-data` (megatron-core's MockGPTDataset) or `--data-path [W] PREFIX ...` (Megatron
 indexed datasets), built by megatron-core's BlendedMegatronDatasetBuilder. The model is
 Megatron-LM's GPTModelConfig built from the flags (`gpt_config_from_args`). Without CUDA the
-loop runs on CPU through megatron_eopt/runtime/megatron_lm_cpu.py (with `--distributed-backend
-gloo --transformer-impl local` and no fused kernels; docs/megatron-lm.md).
+loop runs on CPU through megatron_eopt/runtime/megatron_lm_cpu.py, on gloo by default (with
+`--transformer-impl local` and no fused kernels; docs/megatron-lm.md).
 """
 
 import os
@@ -125,10 +125,13 @@ def _resident_bytes() -> int:
 
 
 def add_script_args(parser: Any) -> Any:
-    """Our optimizer flags, plus this script's switch for comparing with megatron-core's own."""
+    """Our optimizer flags, plus this script's switch for comparing with megatron-core's own; without
+    CUDA, `--distributed-backend` defaults to gloo."""
     from megatron_eopt.integrations import megatron_lm
 
     megatron_lm.add_megatron_eopt_args(parser)
+    if not torch.cuda.is_available():  # Megatron-LM's default, nccl, needs GPUs; our trainer's default there too
+        parser.set_defaults(distributed_backend="gloo")
     parser.add_argument(
         "--megatron-core-optimizer", action="store_true",
         help="build megatron-core's own optimizer instead of megatron_eopt's (for comparisons: "

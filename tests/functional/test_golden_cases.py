@@ -8,10 +8,12 @@ recorded by this code, not proof of correctness: the other tests compare layouts
 with megatron-core. What a golden adds is that a change to the update shows up, and that is tested
 here too: Muon with Nesterov off or one Newton-Schulz step fewer fails the Muon goldens, and the
 ckpt-resume case fails when the resume drops the momentum. One test runs a case through the
-launcher itself as two torchrun nodes of two processes meeting at one endpoint on this machine.
+launcher itself as two torchrun nodes of two processes meeting at one endpoint on this machine,
+another a Megatron-LM-loop case on a machine without CUDA.
 """
 
 import dataclasses
+import os
 import pathlib
 import socket
 import subprocess
@@ -101,6 +103,17 @@ def test_launcher_runs_a_case_as_two_nodes_meeting_at_one_endpoint(tmp_path: pat
     world = [line for line in outputs[0][0].splitlines() if line.startswith("> world")]
     assert world and world[0].startswith("> world 4 = TP 4 (sequence parallel) x DP 1"), world or outputs[0][0][-3000:]
     assert "PASSED lm loss" in outputs[0][0] and "FAILED" not in outputs[0][0], outputs[0][0][-3000:]
+
+
+def test_launcher_runs_a_megatron_lm_loop_case_on_a_machine_without_cuda(tmp_path: pathlib.Path) -> None:
+    """The smallest Megatron-LM-loop case through the launcher, no GPU visible: the loop script takes
+    gloo where CUDA is absent (Megatron-LM's default backend, nccl, needs GPUs), trains and passes."""
+    done = subprocess.run(
+        [sys.executable, "tools/run_functional_case.py", "gpt_megatron_lm_adam_distributed_optimizer_dp2",
+         "--output", str(tmp_path / "output")],
+        cwd=ROOT, capture_output=True, text=True, timeout=900, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "PASSED lm loss" in done.stdout and "FAILED" not in done.stdout, done.stdout[-3000:]
 
 
 def test_slurm_script_is_valid_bash() -> None:
