@@ -11,7 +11,8 @@ from arguments import (
 )
 from megatron_eopt.config.scheduler import SchedulerConfig
 from arguments.trainer.device import Device
-from arguments.trainer.flags.table import replaced, settings_from_flags
+from arguments.trainer.flags.parallel import PARALLEL
+from arguments.trainer.flags.table import given_needing, replaced, settings_from_flags
 from arguments.trainer.flags.training import DEFAULT_TRAIN_ITERS
 from arguments.trainer.loop import check_eval_flags, check_housekeeping_flags
 from arguments.trainer.no_effect import check_not_offered
@@ -167,13 +168,11 @@ def _qk_clip_flags(args: argparse.Namespace) -> str:
 def _check_megatron_fsdp_flags(args: argparse.Namespace) -> None:
     """What --use-megatron-fsdp does not do, refused before anything is built."""
     if not args.use_megatron_fsdp:
-        if args.data_parallel_sharding_strategy != "no_shard":
-            raise ValueError(f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} needs "
-                             f"--use-megatron-fsdp.")
+        refuse_flags_without(given_needing(args, PARALLEL, "use_megatron_fsdp"), "--use-megatron-fsdp")
         return
     refused = [("--data-parallel-sharding-strategy other than optim_grads_params (given "
                 f"{args.data_parallel_sharding_strategy}; only ZeRO-3 gives the optimizer sharded parameters)",
-                args.data_parallel_sharding_strategy != "optim_grads_params"),
+                args.data_parallel_sharding_strategy not in (None, "optim_grads_params")),  # None: Megatron-LM's default
                ("--use-torch-fsdp2 (one sharding engine at a time)", args.use_torch_fsdp2),
                ("--tensor-model-parallel-size > 1 (TP x FSDP works with --use-torch-fsdp2)",
                 args.tensor_model_parallel_size > 1),

@@ -252,7 +252,7 @@ def test_megatron_fsdp_checkpoint_resumes_exactly_and_loads_at_another_dp_size(r
         assert differences == {"muon": [], "adam": []}, differences
 
 
-# --- The trainer: scripts/pretrain_gpt.py --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params ---
+# --- The trainer: scripts/pretrain_gpt.py --use-megatron-fsdp (Megatron-LM's default strategy, optim_grads_params) ---
 
 def _pretrain_argv(iterations: int) -> list[str]:
     from tests.unit.library.distributed.test_fsdp2 import PRETRAIN_ARGV
@@ -262,7 +262,7 @@ def _pretrain_argv(iterations: int) -> list[str]:
     return argv
 
 
-MEGATRON_FSDP_FLAGS = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
+MEGATRON_FSDP_FLAGS = ["--use-megatron-fsdp"]  # no strategy: Megatron-LM's default, optim_grads_params
 # --clip-grad 0: the gradient norm is summed in another order on the shards (1 ulp apart), and a
 # clipping factor from it moves every update by that ulp, which the bf16 rounding of the compute
 # weights turns into loss differences of 4e-5 (measured) instead of fp32 round-off.
@@ -273,14 +273,15 @@ QK_CLIP = ["--qk-clip", "--qk-clip-threshold", "0.08", "--log-max-attention-logi
 
 def _pretrain_body(rank: int, world_size: int, directory: str) -> dict:
     """DP=2 with Megatron-FSDP: 6 iterations straight, and 3 + save + load + 3 (each command line
-    builds its process groups and Megatron-FSDP anew); a refused strategy."""
+    builds its process groups and Megatron-FSDP anew); a refused strategy (optim_grads)."""
     from tests.pretrain_gpt_in_process import run_pretrain_gpt, run_pretrain_gpt_reporting
 
     argv = _pretrain_argv(6) + MEGATRON_FSDP_FLAGS + BF16 + QK_CLIP
     runs = {"straight": run_pretrain_gpt(rank, world_size, argv),
             "first": run_pretrain_gpt(rank, world_size, argv + ["--save", directory, "--exit-interval", "3"]),
             "resumed": run_pretrain_gpt(rank, world_size, argv + ["--load", directory])}
-    refused = run_pretrain_gpt_reporting(rank, world_size, _pretrain_argv(1) + ["--use-megatron-fsdp"])
+    refused = run_pretrain_gpt_reporting(rank, world_size, _pretrain_argv(1) + MEGATRON_FSDP_FLAGS + [
+        "--data-parallel-sharding-strategy", "optim_grads"])
     return {"runs": runs, "refused": (refused.returncode, refused.stderr + refused.stdout)}
 
 
@@ -305,7 +306,7 @@ def test_pretrain_gpt_megatron_fsdp_equals_one_process_and_resumes_exactly(run_d
     assert max(r["max_attention_logit"] for r in reference) > 0.08, reference  # QK-clip clips
     results = run_distributed(_pretrain_body, 2, args=(str(tmp_path),), timeout=600)
     code, text = results[0]["refused"]  # rank 0 prints the one line; every rank exits with status 2
-    assert code == 2 and "optim_grads_params" in text and "Traceback" not in text, text
+    assert code == 2 and "given optim_grads;" in text and "Traceback" not in text, text
     for result in results:
         losses = {name: {r["iteration"]: r["loss"] for r in records} for name, records in result["runs"].items()}
         straight = [losses["straight"][i] for i in range(1, 7)]
