@@ -7,7 +7,8 @@ CPUs: a 64x256 bf16 product took 24 ms with 2 threads, 0.3 ms with 1; a Muon run
 against 15-19 ms/it). torchrun sets OMP_NUM_THREADS=1 for several processes per node; a direct
 run gets the CPUs this process may use, divided by the local processes, less those the load
 average says other work keeps busy, at least 1; the start-up line says what was chosen and why.
-A given OMP_NUM_THREADS is kept, with a line when it oversubscribes the CPUs.
+A given OMP_NUM_THREADS is kept, with a line when it oversubscribes the CPUs that says what fits:
+fewer threads, or fewer processes where even one thread each is too many.
 """
 
 import os
@@ -25,7 +26,7 @@ def choose_cpu_threads(omp_num_threads: Optional[str], cpus: int, total_cpus: in
         if wanted > cpus:
             return None, (f"OMP_NUM_THREADS={omp_num_threads} x {local_processes} process(es) = {wanted} threads "
                           f"on {cpus} CPUs: oversubscribed, small CPU operations (Muon's Newton-Schulz) "
-                          f"slow down many times; OMP_NUM_THREADS={max(1, cpus // local_processes)} fits")
+                          f"slow down many times; {_what_fits(cpus, local_processes)}")
         return None, ""
     free = cpus - busy
     threads = max(1, min(cpus // local_processes, round(free / local_processes)))
@@ -33,6 +34,14 @@ def choose_cpu_threads(omp_num_threads: Optional[str], cpus: int, total_cpus: in
                      f"{load_average:.1f}"
                      f"{f' of {total_cpus} CPUs' if total_cpus != cpus else ''}: more threads than free CPUs "
                      f"stall each other); OMP_NUM_THREADS=N chooses")
+
+
+def _what_fits(cpus: int, local_processes: int) -> str:
+    """The advice for an oversubscribed OMP_NUM_THREADS: fewer threads, or where even one thread per
+    process is too many, fewer processes."""
+    if cpus >= local_processes:
+        return f"OMP_NUM_THREADS={cpus // local_processes} fits"
+    return f"no OMP_NUM_THREADS fits {local_processes} processes: at most {cpus} per node do"
 
 
 def set_cpu_threads(on_cuda: bool, say) -> None:

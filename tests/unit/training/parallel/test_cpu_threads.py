@@ -1,6 +1,7 @@
 """CPU threads per process (training/parallel/cpu_threads.py): as torchrun does for several
 processes, and fewer than the CPUs when other work keeps them busy; a given OMP_NUM_THREADS is
-kept, with a line when it oversubscribes the CPUs."""
+kept, with a line when it oversubscribes the CPUs that says what fits: fewer threads, or fewer
+processes where even one thread each is too many."""
 
 import pytest
 
@@ -30,6 +31,15 @@ def test_a_given_omp_num_threads_is_kept_and_oversubscription_said() -> None:
     assert threads is None
     assert line.startswith("OMP_NUM_THREADS=2 x 2 process(es) = 4 threads on 2 CPUs: oversubscribed")
     assert line.endswith("OMP_NUM_THREADS=1 fits")
+
+
+def test_more_processes_than_cpus_are_advised_fewer_processes_not_the_threads_already_set() -> None:
+    """3 ranks at OMP_NUM_THREADS=1 on 2 CPUs: no thread count fits, so the advice is fewer ranks."""
+    for given in ("1", "2"):
+        threads, line = choose_cpu_threads(given, 2, 2, 3, 0.0)
+        assert threads is None and line.startswith(f"OMP_NUM_THREADS={given} x 3 process(es) = ")
+        assert "OMP_NUM_THREADS=1 fits" not in line and line.endswith(
+            "no OMP_NUM_THREADS fits 3 processes: at most 2 per node do"), line
 
 
 def test_set_cpu_threads_applies_the_choice_on_cpu_only(monkeypatch) -> None:
