@@ -10,7 +10,7 @@ after each run, so one world runs many command lines:
 
 Each rank returns a `Run`: one record per iteration, read from what the loop hands its logger
 (`training_log`: the iteration, 'lm loss' averaged over micro-batches and data-parallel ranks,
-the gradient norm, the learning rate), the package whose optimizer the loop stepped, and the exit
+the gradient norm, the learning rate, the largest attention logit), the package whose optimizer the loop stepped, and the exit
 status (Megatron-LM ends an `--exit-interval` run with sys.exit). Nothing is read from files our
 code wrote.
 """
@@ -72,6 +72,8 @@ def _recording(run: Run) -> Iterator[None]:
             "grad norm": None if grad_norm is None else float(grad_norm),
             "learning rate": learning_rate,
             "skipped": int(skipped_iter),
+            # training_log(..., params_norm, num_zeros_in_grad, max_attention_logit, ...)
+            "max attention logit": args[2] if len(args) > 2 else kwargs.get("max_attention_logit"),
         })
         return original(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
                         skipped_iter, grad_norm, *args, **kwargs)

@@ -32,6 +32,8 @@ from megatron_eopt.config.newton_schulz import NEWTON_SCHULZ_FIELDS
 from megatron_eopt.config.optimizer_config import MatmulPrecision, OptimizerConfig, TpMode, megatron_core_default
 from megatron_eopt.distributed.reduce_scattered import reduce_scattering_chunks
 from megatron_eopt.factory import get_megatron_optimizer
+from megatron_eopt.integrations.megatron_lm_qk_clip import (OptimizersOfModels, recording_max_logits,
+                                                            validating_qk_clip_as_ours)
 from megatron_eopt.integrations.megatron_lm_swiglu import splitting_every_state
 from megatron_eopt.registry import list_optimizers
 from megatron_eopt.runtime.cpu_stand_ins import replace_names
@@ -46,7 +48,8 @@ NOT_OFFERED = {
 _PATCHED_NAME = "get_megatron_optimizer"
 _original: Optional[Any] = None  # Megatron-LM's function while ours is installed
 _original_validate_args: Optional[Any] = None  # Megatron-LM's validate_args while ours is installed
-_undo_replacements: list = []  # while installed: undoes the checkpoint-layout and optimizer-config replacements
+_undo_replacements: list = []  # while installed: undoes the checkpoint-layout, optimizer-config and QK-clip replacements
+_optimizers_of_models = OptimizersOfModels()  # what clip_qk reads our step's largest logit from
 # What Megatron-LM's validate_args lets run on Megatron-FSDP and FSDP2; it refuses every other optimizer there.
 _MEGATRON_FSDP_OPTIMIZERS = ("adam", "sgd")
 # The precision-aware optimizer's switch and dtypes, with their values when it is off.
@@ -186,14 +189,14 @@ def get_megatron_optimizer_for_megatron_lm(
     lacks, then calls `megatron_eopt.get_megatron_optimizer`.
     """
     args = global_vars._GLOBAL_ARGS  # get_args() asserts when unset; None: no Megatron-LM run
-    return get_megatron_optimizer(
+    return _optimizers_of_models.remember(model_chunks, get_megatron_optimizer(
         optimizer_config_from_megatron_lm(args, config, model_chunks),
         model_chunks,
         config_overrides=config_overrides,
         use_gloo_process_groups=use_gloo_process_groups,
         pg_collection=pg_collection,
         dump_param_to_param_group_map=dump_param_to_param_group_map,
-    )
+    ))
 
 
 # ---------------------------------------------------------------- validate_args
@@ -215,7 +218,7 @@ def validate_args_for_megatron_eopt(args: argparse.Namespace, defaults: Optional
     gradient. So the layout is Megatron-LM's other one, `--no-use-layer-wise-param-layout` (DDP
     all-reduces; the same steps), said in one line on rank 0.
     """
-    validate = _original_validate_args or megatron_lm_arguments.validate_args
+    validate = validating_qk_clip_as_ours(_original_validate_args or megatron_lm_arguments.validate_args)
     defaults = {} if defaults is None else defaults
     optimizer = getattr(args, "optimizer", "adam")
     engine = ("Megatron-FSDP" if getattr(args, "use_megatron_fsdp", False)
@@ -266,7 +269,17 @@ def install() -> None:
         _original_validate_args = megatron_lm_arguments.validate_args
         megatron_lm_arguments.validate_args = validate_args_for_megatron_eopt
     if not _undo_replacements:
-        _undo_replacements.extend(replace_names(_checkpoint_layout_replacements() + _optimizer_config_replacement()))
+        _undo_replacements.extend(replace_names(_checkpoint_layout_replacements() + _optimizer_config_replacement()
+                                                + _qk_clip_replacements()))
+
+
+def _qk_clip_replacements() -> list[tuple[Any, str, Any]]:
+    """QK-clip is our optimizer's (integrations/megatron_lm_qk_clip.py): megatron-core's local attention
+    records the largest logits, and Megatron-LM's `clip_qk` after the step only reads what ours measured."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    return recording_max_logits(DotProductAttention) + [
+        (megatron_lm_training, "clip_qk", _optimizers_of_models.max_attention_logit_of_our_step)]
 
 
 def _optimizer_config_replacement() -> list[tuple[Any, str, Any]]:

@@ -55,6 +55,21 @@ def group_max_logits(max_logits: torch.Tensor, rows: QKVRows) -> torch.Tensor:
     return max_logits.view(rows.groups, rows.heads_per_group).amax(dim=1)
 
 
+def max_attention_logits(query: torch.Tensor, key: torch.Tensor, softmax_scale: float,
+                         allowed: Optional[torch.Tensor] = None, causal: bool = False) -> torch.Tensor:
+    """Each head's largest pre-softmax logit q.k * softmax_scale over the batch and the positions it
+    attends to ([heads], fp32). `query` [b, heads, sq, d], `key` [b, heads, sk, d] (a query group's
+    key repeated for each of its heads); `allowed` (True where a query may attend) broadcasts to
+    [b, heads, sq, sk], or `causal` allows each query the keys up to its own position."""
+    scores = torch.matmul(query.float(), key.float().transpose(-2, -1)) * softmax_scale
+    sq, sk = scores.shape[-2:]
+    if causal:
+        allowed = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).tril()
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    return scores.amax(dim=(0, 2, 3))
+
+
 def clip_scales(group_max: torch.Tensor, threshold: float, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(q scale, k scale) per query group: eta^alpha and eta^(1 - alpha), eta = min(1, tau / max).
 

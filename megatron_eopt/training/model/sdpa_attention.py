@@ -19,6 +19,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_eopt.ops.qk_clip import max_attention_logits
+
 __all__ = ["SDPACoreAttention"]
 
 
@@ -98,13 +100,7 @@ class SDPACoreAttention(MegatronModule):
     def _record_max_logits(self, q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor | None,
                            causal: bool) -> None:
         """Fold this batch's per-head max logit into ``current_max_attn_logits``."""
-        scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * self.softmax_scale
-        sq, sk = scores.shape[-2:]
-        if causal:
-            allowed = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).tril()
-        if allowed is not None:
-            scores = scores.masked_fill(~allowed, float("-inf"))
-        batch_max = scores.amax(dim=(0, 2, 3))
+        batch_max = max_attention_logits(q, k, self.softmax_scale, allowed, causal)
         previous = self.current_max_attn_logits
         self.current_max_attn_logits = batch_max if previous is None else torch.maximum(previous, batch_max)
 
