@@ -194,5 +194,29 @@ def run_megatron_lm_many(rank: int, world_size: int, argvs: list[list[str]]) -> 
     return [run_megatron_lm(rank, world_size, argv) for argv in argvs]
 
 
+def run_megatron_lm_refused(rank: int, world_size: int, argvs: list[list[str]]) -> list[tuple[int, str]]:
+    """Command lines the loop refuses: each one's exit status and this rank's stderr. The other
+    ranks' wait for rank 0's line (rank_exit.OTHER_RANKS_WAIT_S) is for torchrun; here there is none."""
+    import io
 
+    from megatron_eopt.integrations import megatron_lm_gpt
+    from megatron_eopt.runtime import rank_exit
 
+    results, before = [], rank_exit.OTHER_RANKS_WAIT_S
+    rank_exit.OTHER_RANKS_WAIT_S = 0.0
+    try:
+        for argv in argvs:
+            stderr = io.StringIO()
+            _reset_class_state()
+            try:
+                with _command_line(argv), contextlib.redirect_stderr(stderr):
+                    megatron_lm_gpt.main()
+                status = 0
+            except SystemExit as exit_:
+                status = exit_.code
+            finally:
+                forget_megatron_lm_run()
+            results.append((status, stderr.getvalue()))
+    finally:
+        rank_exit.OTHER_RANKS_WAIT_S = before
+    return results

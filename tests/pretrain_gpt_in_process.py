@@ -21,20 +21,21 @@ from typing import Any
 
 import torch
 
-from megatron_eopt.training import errors, pretrain
+from megatron_eopt.runtime import rank_exit
+from megatron_eopt.training import pretrain
 from megatron_eopt.training.loop import train as train_loop
 
 
 @contextlib.contextmanager
 def ranks_exit_together():
     """A refused command line ends every rank at once: the other ranks' wait for rank 0's line
-    (errors.OTHER_RANKS_WAIT_S) is for torchrun, which stops them when rank 0 exits; here there
+    (rank_exit.OTHER_RANKS_WAIT_S) is for torchrun, which stops them when rank 0 exits; here there
     is no torchrun, and they would wait it out (60 s)."""
-    before, errors.OTHER_RANKS_WAIT_S = errors.OTHER_RANKS_WAIT_S, 0.0
+    before, rank_exit.OTHER_RANKS_WAIT_S = rank_exit.OTHER_RANKS_WAIT_S, 0.0
     try:
         yield
     finally:
-        errors.OTHER_RANKS_WAIT_S = before
+        rank_exit.OTHER_RANKS_WAIT_S = before
 
 
 def run_pretrain_gpt(rank: int, world_size: int, argv: list[str]) -> list[dict[str, Any]]:

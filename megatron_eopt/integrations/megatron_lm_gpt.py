@@ -10,13 +10,19 @@ loop runs on CPU through megatron_eopt/runtime/megatron_lm_cpu.py, on gloo by de
 `--transformer-impl local` and no fused kernels; docs/megatron-lm.md).
 """
 
+import functools
 import os
+import pathlib
 import sys
+import traceback
 from functools import partial
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
+from megatron_eopt.runtime.rank_exit import exit_with_error
+
+PROG = "pretrain_gpt_megatron_lm.py"
 
 
 def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
@@ -132,6 +138,7 @@ def add_script_args(parser: Any) -> Any:
     megatron_lm.add_megatron_eopt_args(parser)
     if not torch.cuda.is_available():  # Megatron-LM's default, nccl, needs GPUs; our trainer's default there too
         parser.set_defaults(distributed_backend="gloo")
+    parser.error = lambda message: exit_with_error(f"{message}; see {PROG} --help.", PROG)  # not usage per rank
     parser.add_argument(
         "--megatron-core-optimizer", action="store_true",
         help="build megatron-core's own optimizer instead of megatron_eopt's (for comparisons: "
@@ -140,6 +147,27 @@ def add_script_args(parser: Any) -> Any:
     return parser
 
 
+def _refusals_in_one_line(run: Callable[[], None]) -> Callable[[], None]:
+    """`run` whose refusals end it as our trainer's do: one line on rank 0, status 2 on every rank,
+    no traceback (runtime/rank_exit.py). Refusals are our ValueErrors, and the assertions of
+    Megatron-LM's flag checks (its megatron/training/arguments.py); other errors stay tracebacks."""
+
+    @functools.wraps(run)
+    def refusing() -> None:
+        try:
+            run()
+        except ValueError as error:
+            exit_with_error(str(error), PROG)
+        except AssertionError as error:
+            where = traceback.extract_tb(error.__traceback__)[-1]
+            if pathlib.Path(where.filename).parts[-3:] != ("megatron", "training", "arguments.py"):
+                raise
+            exit_with_error(f"{error or 'a check failed'} (Megatron-LM's arguments.py line {where.lineno})", PROG)
+
+    return refusing
+
+
+@_refusals_in_one_line
 def main() -> None:
     from megatron_eopt.runtime import megatron_lm_cpu
 

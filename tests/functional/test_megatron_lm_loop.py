@@ -35,7 +35,7 @@ import sys
 import pytest
 import torch
 
-from tests.megatron_lm_in_process import Run, run_megatron_lm_many
+from tests.megatron_lm_in_process import Run, run_megatron_lm_many, run_megatron_lm_refused
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ITERATIONS, SAVED_AT = 6, 3
@@ -214,6 +214,33 @@ def test_script_under_torchrun_resumes_as_megatron_lm_prints(run_distributed, tm
     losses = reference.losses()
     expected = {4: losses[4], 5: (losses[4] + losses[5]) / 2, 6: losses[6]}
     assert printed == pytest.approx(expected, rel=1e-6), (printed, losses)
+
+
+REFUSED = {  # a command line the loop refuses, and what its one line says
+    "ours, in validate_args": (["--optimizer", "dist_muon", "--use-megatron-fsdp"],
+                               "--optimizer dist_muon is the layer-wise distributed optimizer"),
+    "ours, building the optimizer": (["--optimizer", "muon", "--use-torch-fsdp2", "--untie-embeddings-and-output-weights",
+                                      "--ckpt-format", "torch_dist"], "use --ckpt-format torch_dcp"),
+    "Megatron-LM's flag check": (["--optimizer", "adam", "--use-torch-fsdp2"],
+                                 "--use-torch-fsdp2 requires --untie-embeddings-and-output-weights"),
+    "Megatron-LM's parser": (["--optimizer", "adam", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+}
+
+
+def test_refusals_are_one_line_on_rank_zero_and_status_2_on_every_rank(run_distributed) -> None:
+    """As our trainer's: rank 0 prints `pretrain_gpt_megatron_lm.py: error: ...` and nothing else of
+    ours, rank 1 nothing; both exit with 2 instead of raising (a traceback on every rank)."""
+    argvs = [MODEL + flags for flags, _ in REFUSED.values()]
+    per_rank = run_distributed(run_megatron_lm_refused, 2, args=(argvs,), timeout=600)
+    for rank, results in enumerate(per_rank):
+        for (name, (_, message)), (status, stderr) in zip(REFUSED.items(), results):
+            errors = [line for line in stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
+            assert status == 2, (name, rank, status, stderr[-2000:])
+            if rank == 0:
+                assert len(errors) == 1 and errors[0].startswith("pretrain_gpt_megatron_lm.py: error: "), errors
+                assert message in errors[0], (name, errors)
+            else:
+                assert errors == [], (name, errors)
 
 
 def test_distributed_adam_equals_megatron_cores_distributed_optimizer(run_distributed) -> None:

@@ -368,7 +368,7 @@ def test_bad_flags_exit_with_one_line(argv, world_size, message, monkeypatch, ca
 def test_other_ranks_exit_alike_in_silence(argv, monkeypatch, capsys) -> None:
     """Rank 1 of 2 exits with rank 0's status and prints nothing (rank 0 says it once), after
     waiting long enough for rank 0 to have said it."""
-    from megatron_eopt.training import errors
+    from megatron_eopt.runtime import rank_exit as errors
     from arguments.trainer.parser import parse_args
 
     waits, exits = [], []
