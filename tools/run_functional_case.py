@@ -11,7 +11,9 @@ run (two for TEST_TYPE ckpt-resume: the first stops and saves at half, the secon
 settings come from the flags, else MASTER_ADDR, MASTER_PORT, NNODES, NODE_RANK, else Slurm's
 SLURM_NNODES, SLURM_NODEID, SLURM_JOB_NODELIST, else the case's recipe. Node 0 then reads the
 TensorBoard events (--output must be shared between nodes) and compares them with the golden file
-of this platform (`--record` writes it). Exit status: 0 passed, 1 a metric failed, 2 bad input.
+of this platform (`--record` writes it). Bad input (the case, its flags through the entry's own
+parser, the golden file) is refused in one line before any run. Exit status: 0 passed, 1 a metric
+failed or a run failed, 2 bad input.
 docs/functional-tests.md explains cases, goldens and tolerances.
 """
 
@@ -22,9 +24,11 @@ import shutil
 import subprocess
 import sys
 import time
+from typing import Optional
 
 from megatron_eopt.training.functional import goldens
 from megatron_eopt.training.functional.cases import ENTRIES, Case, RunPaths, case_argv, load_case, load_recipe
+from megatron_eopt.training.functional.entry_flags import check_case_flags
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CASES = REPO / "tests" / "functional" / "test_cases" / "gpt"
@@ -141,18 +145,30 @@ def find_case(name: str, recipe_path: pathlib.Path) -> Case:
     return load_case(directory, load_recipe(recipe_path))
 
 
-def compare_or_record(args: argparse.Namespace, case: Case, actual: dict) -> int:
+def golden_of(args: argparse.Namespace, case: Case) -> Optional[tuple[pathlib.Path, dict]]:
+    """This platform's golden file and its values, read and checked before any run (None: --record)."""
+    if args.record:
+        return None
     import torch
 
     on_cuda = torch.cuda.is_available()
-    platform = args.platform or goldens.platform_name()
-    if args.record:
+    reference = None if on_cuda else _cpu_reference(args.recipe)
+    path = goldens.find_golden(case, args.platform or goldens.platform_name(), on_cuda, reference, args.environment)
+    return path, goldens.load_golden(path)
+
+
+def compare_or_record(args: argparse.Namespace, case: Case, actual: dict,
+                      golden: Optional[tuple[pathlib.Path, dict]]) -> int:
+    import torch
+
+    on_cuda = torch.cuda.is_available()
+    if golden is None:
+        platform = args.platform or goldens.platform_name()
         path = goldens.record(actual, case, goldens.golden_path(case, platform, args.environment), on_cuda)
         print(f"> recorded {path}")
         return 0
-    reference = None if on_cuda else _cpu_reference(args.recipe)
-    path = goldens.find_golden(case, platform, on_cuda, reference, args.environment)
-    verdicts = goldens.compare(case, goldens.load_golden(path), actual, on_cuda)
+    path, values = golden
+    verdicts = goldens.compare(case, values, actual, on_cuda)
     print(f"> {case.name}: compared with {path.name}")
     for verdict in verdicts:
         print(f"  {'PASSED' if verdict.passed else 'FAILED'} {verdict.message}")
@@ -174,15 +190,18 @@ def main(argv: list[str]) -> int:
         if nodes["nnodes"] * nodes["nproc_per_node"] != case.world_size:
             print(f"> note: {nodes['nnodes']} x {nodes['nproc_per_node']} ranks, the recipe's {case.nodes} x "
                   f"{case.nproc_per_node}: another data-parallel size than the golden values'")
+        # Bad input ends here, before any run: the golden file (node 0 compares), the flags.
+        golden = golden_of(args, case) if nodes["node_rank"] == 0 else None
+        check_case_flags(case, paths, nodes["nnodes"] * nodes["nproc_per_node"])
         if nodes["node_rank"] == 0:  # a fresh start: no checkpoint or events of an earlier launch
             for stale in ("tensorboard", "checkpoints"):
                 shutil.rmtree(paths.output / stale, ignore_errors=True)
         run_case(case, paths, nodes)
         if nodes["node_rank"] != 0:
             return 0
-        return compare_or_record(args, case, read_events(case, paths))
+        return compare_or_record(args, case, read_events(case, paths), golden)
     except ValueError as error:
-        print(f"run_functional_case.py: error: {error}", file=sys.stderr)
+        print(f"run_functional_case.py: error: {' '.join(str(error).split())}", file=sys.stderr)
         return 2
     except RuntimeError as error:
         print(f"run_functional_case.py: {error}", file=sys.stderr)

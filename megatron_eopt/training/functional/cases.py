@@ -78,7 +78,12 @@ def _yaml(path: pathlib.Path) -> Any:
     if not path.is_file():
         raise ValueError(f"{path}: no such file")
     with open(path) as stream:
-        return yaml.safe_load(stream)
+        try:
+            return yaml.safe_load(stream)
+        except yaml.YAMLError as error:
+            mark = getattr(error, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            raise ValueError(f"{path}: not valid YAML{where}: {getattr(error, 'problem', None) or error}") from None
 
 
 def _check_keys(where: str, given, allowed) -> None:

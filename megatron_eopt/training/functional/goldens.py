@@ -111,7 +111,10 @@ def check_golden(golden: Any, where: str) -> None:
 
 def load_golden(path: pathlib.Path) -> dict[str, dict[str, Any]]:
     with open(path) as stream:
-        golden = json.load(stream)
+        try:
+            golden = json.load(stream)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}: not valid JSON: {error}") from None
     check_golden(golden, str(path))
     return golden
 

@@ -15,6 +15,7 @@
 
 import json
 import pathlib
+from typing import Optional
 
 import pytest
 
@@ -253,3 +254,50 @@ def test_launcher_node_settings_from_flags_then_environment_then_slurm_then_reci
     monkeypatch.setenv("NNODES", "two")
     with pytest.raises(ValueError, match=r"environment NNODES='two' is not a valid int"):
         settings("--node-rank", "0")
+
+
+def _copied_case(root: pathlib.Path, name: str, model_args: Optional[dict] = None, config: Optional[str] = None,
+                 golden: Optional[str] = None) -> pathlib.Path:
+    """A copy of case `name` (its folder's name, so the recipe knows it) with MODEL_ARGS updated by
+    `model_args`, or its model_config.yaml replaced by `config`, or every golden file by `golden`."""
+    import shutil
+
+    import yaml
+
+    directory = root / name
+    shutil.copytree(golden_cases.CASES_ROOT / name, directory)
+    if model_args is not None:
+        case = yaml.safe_load((directory / "model_config.yaml").read_text())
+        case["MODEL_ARGS"].update(model_args)
+        (directory / "model_config.yaml").write_text(yaml.safe_dump(case))
+    if config is not None:
+        (directory / "model_config.yaml").write_text(config)
+    for path in directory.glob("golden_values_*.json") if golden is not None else ():
+        path.write_text(golden)
+    return directory
+
+
+@pytest.mark.parametrize("name,change,message", [
+    ("gpt_muon_layerwise_dp2", {"config": "ENV_VARS: {}\nMODEL_ARGS: [\n"}, "model_config.yaml: not valid YAML at line 3"),
+    ("gpt_muon_layerwise_dp2", {"model_args": {"--no-such-flag": True}},
+     "pretrain_gpt.py refuses its MODEL_ARGS (*/model_config.yaml): unrecognized arguments: --no-such-flag"),
+    ("gpt_megatron_lm_adam_distributed_optimizer_dp2", {"model_args": {"--lr": "fast"}},
+     "pretrain_gpt_megatron_lm.py refuses its MODEL_ARGS (*/model_config.yaml): argument --lr: invalid float value: 'fast'"),
+    ("gpt_megatron_lm_adam_distributed_optimizer_dp2", {"model_args": {"--use-torch-fsdp2": True}},
+     "pretrain_gpt_megatron_lm.py refuses its MODEL_ARGS (*): --use-torch-fsdp2 is not supported with MCore's distributed"),
+    ("gpt_muon_layerwise_dp2", {"golden": '{"lm loss": {'}, "golden_values_dev_*.json: not valid JSON: Expecting"),
+], ids=["malformed yaml", "unknown flag", "bad value in Megatron-LM's parser", "Megatron-LM's flag check",
+        "malformed golden"])
+def test_launcher_refuses_bad_input_in_one_line_before_any_run(name, change, message, tmp_path, monkeypatch,
+                                                               capsys) -> None:
+    """docs/functional-tests.md: bad input ends the launcher with one line and status 2, checked
+    before any run starts (the flags through the entry's own parser, the golden file read)."""
+    import fnmatch
+
+    launcher = _launcher()
+    monkeypatch.setattr(launcher, "run_case", lambda *args: pytest.fail("a run started"))
+    directory = _copied_case(tmp_path / "cases", name, **change)
+    status = launcher.main([str(directory), "--output", str(tmp_path / "output")])
+    lines = [line for line in capsys.readouterr().err.splitlines() if "No CUDA runtime" not in line]
+    assert status == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("run_functional_case.py: error: ") and fnmatch.fnmatch(lines[0], f"*{message}*"), lines
