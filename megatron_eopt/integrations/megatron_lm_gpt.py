@@ -10,12 +10,11 @@ loop runs on CPU through megatron_eopt/runtime/megatron_lm_cpu.py, on gloo by de
 `--transformer-impl local` and no fused kernels; docs/megatron-lm.md).
 """
 
-import functools
 import os
 import pathlib
 import sys
 import traceback
-from functools import partial
+from functools import partial, wraps
 from typing import Any, Callable, Optional
 
 import torch
@@ -152,7 +151,7 @@ def _refusals_in_one_line(run: Callable[[], None]) -> Callable[[], None]:
     no traceback (runtime/rank_exit.py). Refusals are our ValueErrors, and the assertions of
     Megatron-LM's flag checks (its megatron/training/arguments.py); other errors stay tracebacks."""
 
-    @functools.wraps(run)
+    @wraps(run)
     def refusing() -> None:
         try:
             run()
