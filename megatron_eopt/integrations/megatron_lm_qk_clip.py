@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from arguments.validate import flag_message
 from megatron_eopt.ops.qk_clip import max_attention_logits
 from megatron_eopt.wrappers.qk_clip import QKClipSettings
 
@@ -35,7 +36,10 @@ def validating_qk_clip_as_ours(validate: Callable[..., argparse.Namespace]) -> C
     def validate_args(args: argparse.Namespace, defaults: Optional[dict] = None) -> argparse.Namespace:
         given = {name: getattr(args, name, False) for name in _FLAGS}
         if given["qk_clip"]:
-            QKClipSettings(qk_clip=True, qk_clip_threshold=args.qk_clip_threshold, qk_clip_alpha=args.qk_clip_alpha)
+            try:
+                QKClipSettings(qk_clip=True, qk_clip_threshold=args.qk_clip_threshold, qk_clip_alpha=args.qk_clip_alpha)
+            except ValueError as error:
+                raise ValueError(flag_message(str(error))) from None
         vars(args).update(dict.fromkeys(given, False))
         try:
             validated = validate(args, {} if defaults is None else defaults)

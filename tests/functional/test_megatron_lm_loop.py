@@ -221,6 +221,8 @@ REFUSED = {  # a command line the loop refuses, and what its one line says
                                "--optimizer dist_muon is the layer-wise distributed optimizer"),
     "ours, building the optimizer": (["--optimizer", "muon", "--use-torch-fsdp2", "--untie-embeddings-and-output-weights",
                                       "--ckpt-format", "torch_dist"], "use --ckpt-format torch_dcp"),
+    "ours, --qk-clip without Transformer Engine": (["--optimizer", "muon", "--qk-clip", "--qk-clip-alpha", "1.0"],
+                                                   "--qk-clip-alpha must be in (0, 1)"),
     "Megatron-LM's flag check": (["--optimizer", "adam", "--use-torch-fsdp2"],
                                  "--use-torch-fsdp2 requires --untie-embeddings-and-output-weights"),
     "Megatron-LM's parser": (["--optimizer", "adam", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
