@@ -13,8 +13,7 @@ SLURM_NNODES, SLURM_NODEID, SLURM_JOB_NODELIST, else the case's recipe. Node 0 t
 TensorBoard events (--output must be shared between nodes) and compares them with the golden file
 of this platform (`--record` writes it). Bad input (the case, its flags through the entry's own
 parser, the golden file) is refused in one line before any run. Exit status: 0 passed, 1 a metric
-failed or a run failed, 2 bad input.
-docs/functional-tests.md explains cases, goldens and tolerances.
+or a run failed, 2 bad input. docs/functional-tests.md explains cases, goldens and tolerances.
 """
 
 import argparse
