@@ -18,12 +18,12 @@ from typing import Optional
 
 import torch
 
+from megatron_eopt.params.expert_names import LOCAL_EXPERT, global_expert_index
 from megatron_eopt.params.groups import named_trainable_parameters, stored_child_name, stored_group_key
 
 __all__ = ["global_buffer_names", "global_parameter_names", "stored_child_name", "stored_group_key"]
 
 _LAYER = re.compile(r"(^|\.)layers\.(\d+)$")
-_LOCAL_EXPERT = re.compile(r"(^|\.)experts\.local_experts\.(\d+)$")
 TIED_OUTPUT = "output_layer.weight"
 TIED_EMBEDDING = "embedding.word_embeddings.weight"
 
@@ -70,23 +70,10 @@ def _module_renames(chunk: torch.nn.Module) -> dict[str, str]:
         layer = _LAYER.search(name)
         if layer is not None and isinstance(getattr(module, "layer_number", None), int):
             renames[name] = f"{name[:layer.start(2)]}{module.layer_number - 1}"
-        expert = _LOCAL_EXPERT.search(name)
+        expert = LOCAL_EXPERT.search(name)
         if expert is not None:
-            renames[name] = f"{name[:expert.start(2)]}{_global_expert(modules, name, expert)}"
+            renames[name] = f"{name[:expert.start(2)]}{global_expert_index(modules, name, expert)}"
     return renames
-
-
-def _global_expert(modules: dict[str, torch.nn.Module], name: str, match: re.Match) -> int:
-    # The MoE layer holding `experts` knows the global index of each of its local experts.
-    moe_layer = modules.get(name[:match.start()] if match.start() else "")
-    indices = getattr(moe_layer, "local_expert_indices", None)
-    local = int(match.group(2))
-    if indices is None or local >= len(indices):
-        raise ValueError(
-            f"module {name!r} is a local expert, but its MoE layer has no local_expert_indices "
-            f"entry {local} (got {indices!r}); global expert numbers come from megatron-core's MoELayer."
-        )
-    return int(indices[local])
 
 
 def _global_name(name: str, param: torch.Tensor, renames: dict[str, str]) -> str:
