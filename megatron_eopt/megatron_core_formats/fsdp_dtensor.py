@@ -70,7 +70,7 @@ def fsdp_dtensor_state_dict(child: CheckpointableChild, is_loading: bool) -> dic
             f"torch DCP (Megatron-LM: --ckpt-format torch_dcp) or megatron_eopt.checkpointing.save_checkpoint.")
     state = {param.stored_name: flat["state"].get(param.stored_name, {}) for param in child.checkpoint_params()}
     # A load asks only for the fields megatron-core writes too, so that its checkpoints load (Megatron-LM
-    # reads strictly): the groups are then matched by their identifying values, the class assumed.
+    # reads strictly); the live groups take what was saved with their parameters (flat_from_fsdp_dtensor).
     left_out = GROUP_FIELDS_LEFT_OUT + (OWN_GROUP_FIELDS if is_loading else ())
     ours = {} if is_loading else {OPTIMIZER_CLASS: flat[OPTIMIZER_CLASS]}
     meta = {}
@@ -82,8 +82,9 @@ def fsdp_dtensor_state_dict(child: CheckpointableChild, is_loading: bool) -> dic
 
 def dtensor_state_dict(child: CheckpointableChild, is_loading: bool) -> dict:
     """The child's flat state dict (wrappers/flat_state.py) as torch's own optimizers keep state
-    under FSDP2, keyed by each parameter's stored name (its global one for a routed expert on a
-    mesh of its own, so that the EP ranks' experts do not collide; `renamed`): each tensor holding this rank's rows of its parameter (the moments; per-row
+    under FSDP2, keyed by each parameter's stored name (a routed expert's on a mesh of its own by
+    its global index, so that the EP ranks' experts do not collide): each tensor holding this
+    rank's rows of its parameter (the moments; per-row
     statistics) a DTensor laid out like the parameter (`row_sharded`), each statistic of the whole
     matrix, equal on every rank (normuon's per-column second moment), a replicated DTensor;
     scalars stay plain. State torch's optimizers make at their first step is made first, so the

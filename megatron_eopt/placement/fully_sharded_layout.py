@@ -106,7 +106,7 @@ class FullyShardedLayout:
         names = {} if self.experts is None else self.experts.global_names
         return [dataclasses.replace(r, tensor_model_parallel=r.fqn in self.partition_dims,
                                     partition_dim=self.partition_dims.get(r.fqn, -1),
-                                    stored_name=names[r.fqn] or "" if r.fqn in names else r.stored_name)
+                                    stored_name=(names[r.fqn] or "") if r.fqn in names else r.stored_name)
                 for r in records]
 
     def row_shards(self, records: list[ParamRecord], layouts: dict[str, MatrixLayout],

@@ -62,7 +62,8 @@ def _check_moves(run_distributed, tmp_path: pathlib.Path, moves: list[tuple[str,
                + ([] if optimizer else ["--no-load-optim"]), str(tmp_path / _dir(saved, loaded, optimizer)))
               for saved, loaded, optimizer in moves if LAYOUTS[loaded][1] == ranks])
     for saved, loaded, optimizer in moves:
-        assert (tmp_path / _dir(saved, loaded, optimizer) / f"iter_{SAVED_AT:07d}").is_dir(), (saved, loaded)  # it loaded
+        loaded_at = tmp_path / _dir(saved, loaded, optimizer) / f"iter_{SAVED_AT:07d}"
+        assert loaded_at.is_dir(), (saved, loaded)  # it loaded the checkpoint of SAVED_AT
         expected = _entries(tmp_path / _dir(saved), tmp_path, optimizer)
         got = _entries(tmp_path / _dir(saved, loaded, optimizer), tmp_path, optimizer)
         where = f"{saved} -> {loaded}{'' if optimizer else ' (--no-load-optim)'}"
