@@ -103,7 +103,7 @@ def get_megatron_optimizer(
 
     param_groups, records = build_param_groups(chunks, config, overrides, groups.spanning_groups(), routing)
     if fsdp is not None:
-        records = fsdp.with_tensor_parallel_facts(records)
+        records = fsdp.with_layout_facts(records)
     _warn_if_per_head_finds_no_qkv(config, records)
     if dump_param_to_param_group_map is not None:
         dump_param_group_map(dump_param_to_param_group_map, param_groups, records)

@@ -85,3 +85,29 @@ def _one_element(grad: torch.Tensor, value: float) -> torch.Tensor:
     grad = grad.clone()
     grad.view(-1)[0] = value
     return grad
+
+
+def run_pretrain_gpt_resaving(rank: int, world_size: int, jobs: list[tuple[list[str], str]]
+                              ) -> list[subprocess.CompletedProcess]:
+    """For each (argv, directory): `run_pretrain_gpt_reporting(argv)`, whose `--load` loads a
+    checkpoint, but in place of training, what the load gave (model, optimizer, scheduler) is
+    saved to `directory` at the loaded iteration: a test compares it with what was saved."""
+    from megatron_eopt.checkpointing import save_checkpoint
+
+    original = train_loop.run_iterations
+    results = []
+    for argv, directory in jobs:
+        def resave(args, settings, layout, device, run, housekeeping, start, directory=directory):
+            save_checkpoint(directory, start, run.chunks, run.optimizer, run.scheduler, save_rng=False)
+
+        train_loop.run_iterations = resave
+        try:
+            results.append(run_pretrain_gpt_reporting(rank, world_size, argv))
+        finally:
+            train_loop.run_iterations = original
+    return results
+
+
+def run_pretrain_gpt_many(rank: int, world_size: int, argvs: list[list[str]]) -> list[subprocess.CompletedProcess]:
+    """`run_pretrain_gpt_reporting` of each command line, in one call to the workers."""
+    return [run_pretrain_gpt_reporting(rank, world_size, argv) for argv in argvs]

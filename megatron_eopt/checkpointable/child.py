@@ -30,6 +30,9 @@ class ChildParam(NamedTuple):
     model: torch.nn.Parameter  # the model's parameter
     main: torch.nn.Parameter  # what the inner optimizer steps: `model` itself, an fp32 copy, or an FSDP2 shard
     state: dict  # the inner optimizer's state of `main`, live (empty before its first step)
+    # its name in DTensor optimizer state (torch DCP, fsdp_dtensor): `fqn`, or a routed expert's on a
+    # mesh of its own by global index; "" when its expert layout has none (ParamRecord.stored_name)
+    stored_name: str
 
 
 class CheckpointableChild(Protocol):

@@ -10,7 +10,9 @@ megatron-core records on the modules themselves:
 - the last stage's copy of a tied output layer is marked `shared` (language_module.py): it is
   stored as the embedding it copies, as megatron-core's own sharded_state_dict does.
 With several model chunks (virtual pipeline) the `model_chunk<i>.` prefix is dropped: the layer
-numbers are already global.
+numbers are already global. So is every wrapper's `module.` (`MODEL_WRAPPERS`): a checkpoint
+saved from a model wrapped by Megatron-FSDP loads into the bare model (one process, DDP, torch
+FSDP2, which shards in place) and back.
 """
 
 import re
@@ -18,12 +20,16 @@ from typing import Optional
 
 import torch
 
+from megatron_eopt.params.expert_names import LOCAL_EXPERT, global_expert_index
 from megatron_eopt.params.groups import named_trainable_parameters, stored_child_name, stored_group_key
 
 __all__ = ["global_buffer_names", "global_parameter_names", "stored_child_name", "stored_group_key"]
 
 _LAYER = re.compile(r"(^|\.)layers\.(\d+)$")
-_LOCAL_EXPERT = re.compile(r"(^|\.)experts\.local_experts\.(\d+)$")
+# The layouts' wrappers: modules that hold the model as `module`, so that every name inside starts
+# with `module.` (Megatron-FSDP's MegatronFSDP; megatron-core's Megatron-FSDP adapter, DDP and
+# Float16Module; torch's DDP).
+MODEL_WRAPPERS = ("MegatronFSDP", "FullyShardedDataParallel", "DistributedDataParallel", "Float16Module")
 TIED_OUTPUT = "output_layer.weight"
 TIED_EMBEDDING = "embedding.word_embeddings.weight"
 
@@ -35,10 +41,10 @@ def global_parameter_names(model_chunks: list[torch.nn.Module]) -> dict[str, str
     """
     result: dict[str, str] = {}
     for chunk_index, chunk in enumerate(model_chunks):
-        renames = _module_renames(chunk)
+        renames, wrapped = _module_renames(chunk), wrapper_prefix(chunk)
         for name, param in chunk.named_parameters():
             result[(f"model_chunk{chunk_index}." if len(model_chunks) > 1 else "") + name] = (
-                _global_name(name, param, renames)
+                _global_name(name, param, renames).removeprefix(wrapped)
             )
     wanted = {fqn for fqn, _, _ in named_trainable_parameters(model_chunks, trainable_only=False)}
     result = {fqn: name for fqn, name in result.items() if fqn in wanted}
@@ -52,14 +58,22 @@ def global_buffer_names(model_chunks: list[torch.nn.Module]) -> dict[str, tuple[
     Transformer Engine's `_extra_state` entries are not tensors and not included."""
     result: dict[str, tuple[torch.Tensor, str]] = {}
     for chunk_index, chunk in enumerate(model_chunks):
-        renames = _module_renames(chunk)
+        renames, wrapped = _module_renames(chunk), wrapper_prefix(chunk)
         params = {id(param) for param in chunk.parameters()}
         for name, value in chunk.state_dict(keep_vars=True).items():
             if isinstance(value, torch.Tensor) and id(value) not in params and not name.endswith("_extra_state"):
                 fqn = (f"model_chunk{chunk_index}." if len(model_chunks) > 1 else "") + name
-                result[fqn] = (value, _global_name(name, value, renames))
+                result[fqn] = (value, _global_name(name, value, renames).removeprefix(wrapped))
     _check_unique({fqn: name for fqn, (_, name) in result.items()})
     return result
+
+
+def wrapper_prefix(chunk: torch.nn.Module) -> str:
+    """What the layout's wrappers add before the model's own names: `module.` per wrapper."""
+    prefix, module = "", chunk
+    while type(module).__name__ in MODEL_WRAPPERS and isinstance(getattr(module, "module", None), torch.nn.Module):
+        prefix, module = prefix + "module.", module.module
+    return prefix
 
 
 def _module_renames(chunk: torch.nn.Module) -> dict[str, str]:
@@ -70,23 +84,10 @@ def _module_renames(chunk: torch.nn.Module) -> dict[str, str]:
         layer = _LAYER.search(name)
         if layer is not None and isinstance(getattr(module, "layer_number", None), int):
             renames[name] = f"{name[:layer.start(2)]}{module.layer_number - 1}"
-        expert = _LOCAL_EXPERT.search(name)
+        expert = LOCAL_EXPERT.search(name)
         if expert is not None:
-            renames[name] = f"{name[:expert.start(2)]}{_global_expert(modules, name, expert)}"
+            renames[name] = f"{name[:expert.start(2)]}{global_expert_index(modules, name, expert)}"
     return renames
-
-
-def _global_expert(modules: dict[str, torch.nn.Module], name: str, match: re.Match) -> int:
-    # The MoE layer holding `experts` knows the global index of each of its local experts.
-    moe_layer = modules.get(name[:match.start()] if match.start() else "")
-    indices = getattr(moe_layer, "local_expert_indices", None)
-    local = int(match.group(2))
-    if indices is None or local >= len(indices):
-        raise ValueError(
-            f"module {name!r} is a local expert, but its MoE layer has no local_expert_indices "
-            f"entry {local} (got {indices!r}); global expert numbers come from megatron-core's MoELayer."
-        )
-    return int(indices[local])
 
 
 def _global_name(name: str, param: torch.Tensor, renames: dict[str, str]) -> str:

@@ -73,14 +73,14 @@ class FullyShardedFP32Optimizer(FP32Optimizer):
             return torch.nn.Parameter(param.to_local(), requires_grad=False)
 
     def state_dict(self, is_loading: bool = False) -> dict:
-        """torch's convention for sharded state (its own optimizers' under FSDP2): state holding this
+        """torch's convention for sharded state (its own optimizers' under FSDP2), each routed expert on
+        a mesh of its own under its global name: state holding this
         rank's rows of its parameter is a DTensor laid out like the parameter, uneven and empty
         shards included, a whole-matrix statistic a replicated one, so torch DCP saves each row once
         and loads at another FSDP size; scalars (the step) stay plain. Complete before the first
         step; `is_loading`: new tensors to load into. Collectives over the parameters' mesh
         (megatron_core_formats/fsdp_dtensor.dtensor_state_dict)."""
         self._refuse_tensor_parallel("state_dict()")
-        self._refuse_expert_parallel("state_dict()")
         return dtensor_state_dict(self, is_loading)
 
     def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
@@ -94,7 +94,6 @@ class FullyShardedFP32Optimizer(FP32Optimizer):
                 f"torch.distributed.checkpoint (Megatron-LM's --ckpt-format fsdp_dtensor), or use save_checkpoint."
             )
         self._refuse_tensor_parallel("the fsdp_dtensor layout")
-        self._refuse_expert_parallel("the fsdp_dtensor layout")
         return super().sharded_state_dict(model_sharded_state_dict, is_loading, metadata)
 
     def _refuse_tensor_parallel(self, what: str) -> None:
@@ -103,17 +102,6 @@ class FullyShardedFP32Optimizer(FP32Optimizer):
             raise ValueError(
                 f"{what} of TP x torch FSDP2 is not supported: its DTensor state is keyed by parameter name, "
                 f"which the TP ranks share; use megatron_eopt.checkpointing.save_checkpoint."
-            )
-
-    def _refuse_expert_parallel(self, what: str) -> None:
-        """DTensor state is keyed by parameter name, and the EP ranks name their local experts alike."""
-        expert = next((r.fqn for r in self.records if r.is_expert_parallel), None)
-        if expert is not None:
-            raise ValueError(
-                f"{what} of expert parameters on their own mesh (expert parallelism on torch FSDP2 or Megatron-FSDP) "
-                f"is not supported: its DTensor state is keyed by parameter name, and the EP ranks name their local "
-                f"experts alike (e.g. {expert!r}); use megatron_eopt.checkpointing.save_checkpoint, which stores "
-                f"global expert names."
             )
 
     def _prepare_main_grads(self) -> None:

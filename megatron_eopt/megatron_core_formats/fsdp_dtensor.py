@@ -22,13 +22,15 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from megatron_eopt.ops.row_shards import gathered_rows
-from megatron_eopt.checkpointable.child import CheckpointableChild, ChildParam, param_group_identifier
+from megatron_eopt.params.expert_names import unnamed_expert_layout
+from megatron_eopt.checkpointable.child import CheckpointableChild, ChildParam
 
 FSDP_DTENSOR = "fsdp_dtensor"  # megatron-core's distrib_optim_sharding_type for Megatron-FSDP
 SHARDING_TYPE_KEY = "distrib_optim_sharding_type"
 GROUP_META = "param_to_group_meta"
 OPTIMIZER_CLASS = "optimizer_class"
 GROUP_FIELDS_LEFT_OUT = ("params", "param_fqns")  # which parameters: the keys say it
+OWN_GROUP_FIELDS = ("group_key", "optimizer")  # ours, which megatron-core's groups lack
 
 
 def asks_for_fsdp_dtensor(metadata: Optional[Mapping]) -> bool:
@@ -66,25 +68,32 @@ def fsdp_dtensor_state_dict(child: CheckpointableChild, is_loading: bool) -> dic
             f"{next(iter(flat['main_params']))!r}), which megatron-core's fsdp_dtensor layout has no place for "
             f"(Megatron-FSDP keeps its fp32 main weights as the parameters); save them with state_dict() and "
             f"torch DCP (Megatron-LM: --ckpt-format torch_dcp) or megatron_eopt.checkpointing.save_checkpoint.")
-    state = {param.fqn: flat["state"].get(param.fqn, {}) for param in child.checkpoint_params()}
+    state = {param.stored_name: flat["state"].get(param.stored_name, {}) for param in child.checkpoint_params()}
+    # A load asks only for the fields megatron-core writes too, so that its checkpoints load (Megatron-LM
+    # reads strictly); the live groups take what was saved with their parameters (flat_from_fsdp_dtensor).
+    left_out = GROUP_FIELDS_LEFT_OUT + (OWN_GROUP_FIELDS if is_loading else ())
+    ours = {} if is_loading else {OPTIMIZER_CLASS: flat[OPTIMIZER_CLASS]}
     meta = {}
     for group in flat["param_groups"].values():
-        fields = {k: v for k, v in group.items() if k not in GROUP_FIELDS_LEFT_OUT}
-        meta.update({fqn: {**fields, OPTIMIZER_CLASS: flat[OPTIMIZER_CLASS]} for fqn in group["params"]})
+        fields = {k: v for k, v in group.items() if k not in left_out}
+        meta.update({name: {**fields, **ours} for name in group["params"]})
     return {"state": state, GROUP_META: meta}
 
 
 def dtensor_state_dict(child: CheckpointableChild, is_loading: bool) -> dict:
     """The child's flat state dict (wrappers/flat_state.py) as torch's own optimizers keep state
-    under FSDP2: each tensor holding this rank's rows of its parameter (the moments; per-row
+    under FSDP2, keyed by each parameter's stored name (a routed expert's on a mesh of its own by
+    its global index, so that the EP ranks' experts do not collide): each tensor holding this
+    rank's rows of its parameter (the moments; per-row
     statistics) a DTensor laid out like the parameter (`row_sharded`), each statistic of the whole
     matrix, equal on every rank (normuon's per-column second moment), a replicated DTensor;
     scalars stay plain. State torch's optimizers make at their first step is made first, so the
     dict is a complete target; with `is_loading` its tensors are new ones for DCP to read into.
     Collectives over the parameters' mesh."""
     child.init_state()
-    flat = child.local_state_dict()
     every_param = child.checkpoint_params()
+    flat = renamed(child.local_state_dict(), stored_names(child.name, every_param))
+    every_param = [param._replace(fqn=param.stored_name) for param in every_param]
     params = [param for param in every_param if param.fqn in flat["state"]]
     tensors = [(param, name, value) for param in params for name, value in flat["state"][param.fqn].items()
                if torch.is_tensor(value) and value.dim() > 0]
@@ -175,20 +184,70 @@ def local_values(flat: dict) -> dict:
     return {**flat, "state": state, **({"main_params": mains} if mains else {})}
 
 
-def flat_from_fsdp_dtensor(state_dict: Mapping, fqns: list[str], live_class: str) -> dict:
+def flat_from_fsdp_dtensor(state_dict: Mapping, live_groups: Mapping[str, tuple[list[str], Mapping]],
+                           live_class: str) -> dict:
     """What DCP loaded into `fsdp_dtensor_state_dict`'s targets -> the flat `state_dict()`
-    (wrappers/flat_state.py) of the child stepping `fqns`: this rank's rows of each state, groups
-    rebuilt from the per-parameter fields. megatron-core's own writes name no optimizer class: the
-    live one is assumed (shapes are checked)."""
-    fields_of = {fqn: state_dict[GROUP_META][fqn] for fqn in fqns if fqn in state_dict[GROUP_META]}
-    state = {fqn: entries for fqn, entries in local_values(state_dict)["state"].items() if fqn in fields_of}
-    groups: dict[str, dict] = {}
-    for fqn, fields in fields_of.items():
-        key = fields.get("group_key", str(param_group_identifier(fields)))
-        groups.setdefault(key, {**fields, "group_key": key, "params": []})["params"].append(fqn)
-    classes = sorted({fields.get(OPTIMIZER_CLASS, live_class) for fields in fields_of.values()})
-    return {OPTIMIZER_CLASS: " and ".join(classes) or live_class, "param_groups": groups, "state": state,
-            "grad_scaler": None}
+    (wrappers/flat_state.py) of a child, keyed by stored names: this rank's rows of each state.
+    `live_groups`: {group key: (the stored names of its parameters, its live fields)}. The groups
+    are the live ones, each with the hyperparameters saved with its parameters: the layout keys
+    every field by parameter, and megatron-core groups them otherwise (with Megatron-FSDP it marks
+    no parameter expert-parallel). The fields name no optimizer class on a load (its targets ask
+    only for megatron-core's fields): the live one is assumed, the state's names and shapes checked."""
+    saved_fields = state_dict[GROUP_META]
+    groups = {}
+    for key, (names, live) in live_groups.items():
+        saved = [(name, saved_fields[name]) for name in names if name in saved_fields]
+        fields = _same_hyperparameters(key, saved) if saved else {k: v for k, v in live.items() if k != "params"}
+        groups[key] = {**fields, "group_key": key, "params": list(names)}
+    every_name = {name for names, _ in live_groups.values() for name in names}
+    state = {name: entries for name, entries in local_values(state_dict)["state"].items() if name in every_name}
+    return {OPTIMIZER_CLASS: live_class, "param_groups": groups, "state": state, "grad_scaler": None}
+
+
+# Fields that tell how a run grouped its parameters, not with what hyperparameters.
+STRUCTURAL_FIELDS = ("is_expert_parallel", *OWN_GROUP_FIELDS, OPTIMIZER_CLASS)
+
+
+def _same_hyperparameters(group_key: str, saved: list[tuple[str, Mapping]]) -> dict:
+    """The fields saved with the parameters of one live group, which must agree (ValueError)."""
+    first_name, first = saved[0]
+    for name, fields in saved[1:]:
+        differ = sorted(k for k in set(fields) | set(first) if k not in STRUCTURAL_FIELDS
+                        and fields.get(k) != first.get(k))
+        if differ:
+            raise ValueError(
+                f"param group {group_key!r}: parameters {first_name!r} and {name!r} were saved with different "
+                f"{differ[0]!r} ({first.get(differ[0])!r} and {fields.get(differ[0])!r}); the overrides changed "
+                f"since the save. Load the model only (Megatron-LM: --no-load-optim) to change them.")
+    return dict(first)
+
+
+def stored_names(child_name: str, params: list[ChildParam]) -> dict[str, str]:
+    """{fqn: stored name} of the child's parameters; ValueError naming a routed expert whose layout
+    has no global name (params/expert_names.py)."""
+    unnamed = [param.fqn for param in params if not param.stored_name]
+    if unnamed:
+        raise ValueError(
+            f"optimizer {child_name!r}: parameter {unnamed[0]!r} is a routed expert's on a mesh of its own in "
+            f"{unnamed_expert_layout(unnamed[0])}, which DTensor optimizer state cannot name by its global "
+            f"index; use SequentialMLP experts (Megatron-LM: leave out --moe-grouped-gemm), or "
+            f"megatron_eopt.checkpointing.save_checkpoint (our trainer's --save).")
+    return {param.fqn: param.stored_name for param in params}
+
+
+def renamed(flat: dict, names: Mapping[str, str]) -> dict:
+    """A flat state dict (wrappers/flat_state.py) with each parameter's name replaced by `names`'s
+    (a name not in it stays): the state, the main weights and the groups' parameter lists."""
+    if all(old == new for old, new in names.items()):
+        return flat
+    rename = lambda name: names.get(name, name)  # noqa: E731
+    groups = {key: {**group, **{field: [rename(name) for name in group[field]]
+                                for field in ("params", "param_fqns") if field in group}}
+              for key, group in flat.get("param_groups", {}).items()}
+    result = {**flat, "param_groups": groups, "state": {rename(name): v for name, v in flat.get("state", {}).items()}}
+    if flat.get("main_params"):
+        result["main_params"] = {rename(name): main for name, main in flat["main_params"].items()}
+    return result
 
 
 def row_sharded(local: torch.Tensor, param: DTensor, row_offset: int) -> DTensor:

@@ -44,6 +44,13 @@ class ParamRecord:
     is_shared: bool  # a second copy of a tied parameter (megatron-core: param.shared)
     optimizer_name: str = ""  # the registered optimizer that steps it
     chunk_index: int = 0  # which model chunk owns it
+    # Its name in DTensor optimizer state (torch DCP, fsdp_dtensor) when not `fqn`: a routed expert's
+    # on a mesh of its own, by global index (params/expert_names.py); "" when its layout has none.
+    stored_name: Optional[str] = None
+
+    @property
+    def checkpoint_name(self) -> str:
+        return self.fqn if self.stored_name is None else self.stored_name
 
 
 @dataclass(frozen=True)

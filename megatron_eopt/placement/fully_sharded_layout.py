@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, Shard
 from megatron_eopt.ops.ownership import assign_owners
 from megatron_eopt.ops.row_shards import RowShards, gathered_rows
 from megatron_eopt.ops.splits import MatrixLayout
+from megatron_eopt.params.expert_names import expert_global_names
 from megatron_eopt.params.groups import ParamRecord, named_trainable_parameters
 from megatron_eopt.params.names import is_expert_name
 from megatron_eopt.placement.megatron_fsdp_model import (
@@ -56,6 +57,9 @@ class ExpertSharding:
     # The caller's expert model-parallel group (tp x ep x pp), over which the experts' gradient
     # norm is summed after their mesh, as megatron-core sums it.
     model_parallel: Optional[ProcessGroup]
+    # fqn -> its name in DTensor optimizer state, by global expert index; None: its layout has none
+    # (params/expert_names.py).
+    global_names: dict[str, Optional[str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -96,10 +100,14 @@ class FullyShardedLayout:
         known = {role: getattr(given, role) for role in ("tp_dp_cp", "job") if role in given.provided}
         return ParallelGroups.from_groups(tp=given.tp, mp=given.mp, dp_cp=self.group, **known)
 
-    def with_tensor_parallel_facts(self, records: list[ParamRecord]) -> list[ParamRecord]:
-        """`records` with the tensor-parallel attributes `fully_shard` dropped, from the layer types."""
+    def with_layout_facts(self, records: list[ParamRecord]) -> list[ParamRecord]:
+        """`records` with the tensor-parallel attributes `fully_shard` dropped, from the layer types,
+        and the global names of the experts on their own mesh ("" where their layout has none)."""
+        names = {} if self.experts is None else self.experts.global_names
         return [dataclasses.replace(r, tensor_model_parallel=r.fqn in self.partition_dims,
-                                    partition_dim=self.partition_dims.get(r.fqn, -1)) for r in records]
+                                    partition_dim=self.partition_dims.get(r.fqn, -1),
+                                    stored_name=(names[r.fqn] or "") if r.fqn in names else r.stored_name)
+                for r in records]
 
     def row_shards(self, records: list[ParamRecord], layouts: dict[str, MatrixLayout],
                    is_expert: bool = False) -> dict[str, RowShards]:
@@ -152,7 +160,7 @@ def fully_sharded_layout(chunks: list[torch.nn.Module], pg_collection: Any = Non
         tensor_parallel = None
     else:
         tensor_parallel = _tensor_parallel_groups(pg_collection, group, splits, engine_layers)
-    experts = _expert_sharding(pg_collection, expert, group, tensor_parallel) if expert else None
+    experts = _expert_sharding(chunks, pg_collection, expert, group, tensor_parallel) if expert else None
     return FullyShardedLayout(group, rows_by_rank_per_mesh(dense + expert),
                               {fqn: split.partition_dim for fqn, split in splits.items()}, tensor_parallel, engine,
                               experts)
@@ -188,9 +196,10 @@ def rows_by_rank_per_mesh(sharded: list[tuple[str, DTensor]]) -> dict[str, tuple
     return rows_of
 
 
-def _expert_sharding(pg_collection: Any, expert: list[tuple[str, DTensor]], dp_group: ProcessGroup,
-                     tensor_parallel: Optional[ParallelGroups]) -> ExpertSharding:
-    """The experts' mesh group, checked against the caller's expert groups (no collective)."""
+def _expert_sharding(chunks: list[torch.nn.Module], pg_collection: Any, expert: list[tuple[str, DTensor]],
+                     dp_group: ProcessGroup, tensor_parallel: Optional[ParallelGroups]) -> ExpertSharding:
+    """The experts' mesh group, checked against the caller's expert groups (no collective), and
+    their global names."""
     first = expert[0][0]
     if tensor_parallel is not None:
         raise ValueError(
@@ -211,7 +220,8 @@ def _expert_sharding(pg_collection: Any, expert: list[tuple[str, DTensor]], dp_g
         raise ValueError(f"parameter {first!r}: expert tensor parallelism (size {group_size(expert_tp)}) with "
                          f"torch FSDP2 is not supported; use expert_tensor_parallel_size=1.")
     _check_expert_grid(first, expert_group, expert_mp, dp_group)
-    return ExpertSharding(expert_group, frozenset(fqn for fqn, _ in expert), expert_mp)
+    fqns = [fqn for fqn, _ in expert]
+    return ExpertSharding(expert_group, frozenset(fqns), expert_mp, expert_global_names(chunks, fqns))
 
 
 def _check_expert_grid(fqn: str, expert_group: ProcessGroup, expert_mp: Optional[ProcessGroup],

@@ -158,8 +158,8 @@ class ChainedOptimizer(MegatronOptimizer):
         if self.is_stub_optimizer and not self.chained_optimizers and not state_dict:
             return  # a stub's state: nothing (ours {"optimizers": {}}, megatron-core's [])
         if is_fsdp_dtensor_state(state_dict):  # one dict for the chain, keyed by parameter name
-            check_names(state_dict, [fqn for child in self.chained_optimizers
-                                     for fqn in getattr(child, "fqn_of_main", {}).values()])
+            check_names(state_dict, [param.stored_name for child in self.chained_optimizers
+                                     for param in child.checkpoint_params()])
             _check_then_load([(child, state_dict) for child in self.chained_optimizers])
             return
         core_states = core_chain_states(state_dict)

@@ -42,6 +42,7 @@ from megatron_eopt.megatron_core_formats.fsdp_dtensor import (
     fsdp_dtensor_state_dict,
     is_fsdp_dtensor_state,
     local_values,
+    renamed,
 )
 from megatron_eopt.megatron_core_formats.layouts import core_format_in
 from megatron_eopt.megatron_core_formats.dist_checkpointing import (
@@ -159,7 +160,7 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
     def checkpoint_params(self) -> list[ChildParam]:
         """Every parameter this child steps, in its order (parallel to fp32_main_params())."""
         state = self.optimizer.state
-        return [ChildParam(r.fqn, model, main, state.get(main, {}))
+        return [ChildParam(r.fqn, model, main, state.get(main, {}), r.checkpoint_name)
                 for r, model, main in zip(self.records, self.model_params, self.main_params)]
 
     def hyperparameter_names(self) -> tuple[str, ...]:
@@ -319,9 +320,15 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
     def _as_flat(self, state_dict: dict) -> dict:
         """Our flat `local_state_dict()` from what a sharded load returned in our other layouts, or
         from `state_dict()` with DTensor state (a DTensor-sharded model's)."""
+        fqn_of_stored = {r.checkpoint_name: r.fqn for r in self.records}  # DTensor state's names (fsdp_dtensor.py)
         if is_fsdp_dtensor_state(state_dict):
-            return flat_from_fsdp_dtensor(state_dict, [r.fqn for r in self.records], self.inner_class_name())
-        return local_values(expand_v1_sharded_state_dict(state_dict))
+            stored = {r.fqn: r.checkpoint_name for r in self.records}
+            live_groups = {group["group_key"]: ([stored[self.fqn_of_main[id(p)]] for p in group["params"]], group)
+                           for group in self.optimizer.param_groups}
+            flat = flat_from_fsdp_dtensor(state_dict, live_groups, self.inner_class_name())
+        else:
+            flat = local_values(expand_v1_sharded_state_dict(state_dict))
+        return renamed(flat, fqn_of_stored)
 
     def load_state_dict(self, state_dict: dict) -> None:
         if core_format_in(state_dict) is not None:

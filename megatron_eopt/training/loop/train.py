@@ -150,10 +150,13 @@ def build_training(args, settings, layout, device, housekeeping: Housekeeping) -
     chunks = build_gpt_model_chunks(settings, device)
     model = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
     dp_group = parallel_state.get_data_parallel_group()
+    expert_parallel = parallel_state.get_expert_model_parallel_world_size()
     if args.use_torch_fsdp2:
-        fully_shard_gpt(model, dp_group, device, bf16_compute=args.bf16)
+        expert_dp_group = parallel_state.get_expert_data_parallel_group() if expert_parallel > 1 else None
+        fully_shard_gpt(model, dp_group, device, bf16_compute=args.bf16, expert_dp_group=expert_dp_group)
     if args.use_megatron_fsdp:
-        model = megatron_fsdp_gpt(model, device, fp32_grads=args.accumulate_allreduce_grads_in_fp32)
+        model = megatron_fsdp_gpt(model, device, fp32_grads=args.accumulate_allreduce_grads_in_fp32,
+                                  expert_parallel_size=expert_parallel)
         chunks = [model]
     batches = BatchSource(args, layout, parallel_state.get_data_parallel_rank())
     forward = _forward(args, layout, device, chunks, model, batches, dp_group)

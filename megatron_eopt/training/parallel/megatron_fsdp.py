@@ -18,8 +18,11 @@ from megatron_eopt.runtime import megatron_fsdp_cpu
 _MESH_NUMBERS = itertools.count()
 
 
-def megatron_fsdp_gpt(model: torch.nn.Module, device: torch.device, fp32_grads: bool = True) -> torch.nn.Module:
-    """`model` wrapped by Megatron-FSDP over every rank (ZeRO-3), each TransformerLayer a unit.
+def megatron_fsdp_gpt(model: torch.nn.Module, device: torch.device, fp32_grads: bool = True,
+                      expert_parallel_size: int = 1) -> torch.nn.Module:
+    """`model` wrapped by Megatron-FSDP over every rank (ZeRO-3), each TransformerLayer a unit;
+    with `expert_parallel_size` > 1 the routed experts over an expert mesh (expert data parallel x
+    EP, EP varying fastest as megatron-core's parallel_state orders the ranks at TP = PP = 1).
 
     Megatron-FSDP computes with the model's own dtype (bf16 with --bf16) and keeps fp32 main weights
     beside them, which are the DTensor parameters the optimizer steps (as in Megatron-LM's loop).
@@ -36,8 +39,15 @@ def megatron_fsdp_gpt(model: torch.nn.Module, device: torch.device, fp32_grads: 
     # process with new process groups (training/parallel/fsdp2.py's data_parallel_mesh says more).
     number = next(_MESH_NUMBERS)
     names = (f"megatron_fsdp_dp{number}", f"megatron_fsdp_tp{number}")
-    mesh = init_device_mesh(device.type, (dist.get_world_size(), 1), mesh_dim_names=names)
-    wrapped = fully_shard_model(model, device_mesh=mesh, dp_shard_dim=names[0], tp_dim=names[1],
+    world = dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world, 1), mesh_dim_names=names)
+    experts = {}
+    if expert_parallel_size > 1:
+        expert_names = (names[0], f"megatron_fsdp_ep{number}", names[1])
+        experts = {"expt_device_mesh": init_device_mesh(device.type, (world // expert_parallel_size,
+                                                                     expert_parallel_size, 1),
+                                                        mesh_dim_names=expert_names)}
+    wrapped = fully_shard_model(model, device_mesh=mesh, dp_shard_dim=names[0], tp_dim=names[1], **experts,
                                 fsdp_unit_modules=[TransformerLayer], zero_dp_strategy="optim_grads_params",
                                 mixed_precision_policy=MixedPrecisionPolicy(
                                     main_params_dtype=torch.float32,

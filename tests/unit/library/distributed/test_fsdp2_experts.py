@@ -12,9 +12,10 @@ same global gradient. Muon, fp32, muon_fp32_matmul_prec='highest', clipping acti
   the data-parallel mesh. No forward (pp_ep_runs.py says why): gradients are drawn from the global
   name and the step, each rank's DTensor gradient its rows of the one the reference gets. 3 steps;
   also a resume: save_checkpoint after 2 steps, a fresh model and optimizer load it and take step
-  3, bitwise equal to the run that went on; Muon's batched path for the experts; and the
-  refusals of groups that do not fit the experts' mesh, of groups without expert roles, and of torch DCP's
-  `optimizer.state_dict()` (keyed by local names, which the EP ranks' experts share).
+  3, bitwise equal to the run that went on, also with the optimizer's state from torch DCP's save
+  of `optimizer.state_dict()` (each expert under its global index); Muon's batched path for the
+  experts; and the refusals of groups that do not fit the experts' mesh and of groups without
+  expert roles.
 - Megatron-FSDP: `fully_shard_model(..., expt_device_mesh=...)` (ZeRO-3) on CPU through
   runtime/megatron_fsdp_cpu.py, with real forward and backward passes (the trainer's CPU MoE
   layer, allgather dispatcher): each rank its own micro-batch; the reference steps the mean of
@@ -34,6 +35,7 @@ import zlib
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from megatron_eopt import OptimizerConfig, ParallelGroups, get_megatron_optimizer
 from megatron_eopt.checkpointing import load_checkpoint, save_checkpoint
@@ -182,25 +184,41 @@ def _fsdp2(directory: str) -> dict:
         for step in range(STEPS):
             if step == SAVED_STEPS:
                 saved = save_checkpoint(directory, SAVED_STEPS, [run.model], run.optimizer, save_rng=False)
+                dcp.save({"optimizer": run.optimizer.state_dict()}, checkpoint_id=f"{directory}/dcp")
             run.set_gradients(step)
             with recording_newton_schulz_calls() as calls:
                 norms.append(run.optimizer.step()[1])
         got = run.global_params()
-        resumed = _Run("fsdp2")
-        start = load_checkpoint(directory, [resumed.model], resumed.optimizer, load_rng=False).iteration
-        for step in range(start, STEPS):
-            resumed.set_gradients(step)
-            resumed.optimizer.step()
-        after_load = resumed.global_params()
+        after_load, after_dcp = (_resumed(directory, through_dcp) for through_dcp in (False, True))
         children = [child.name for child in run.optimizer.chained_optimizers]
         refusals = _refusals(run)
         saved_ep = read_manifest(saved)["expert_parallel_size"]
+        dcp_names = [key for key in dcp.FileSystemReader(f"{directory}/dcp").read_metadata().state_dict_metadata
+                     if ".experts." in key]
     finally:
         destroy_model_parallel()
     return {"errors": {name: (value - expected[name]).abs().max().item() for name, value in got.items()},
             "norms": (expected_norms, norms), "names": (sorted(expected), sorted(got)), "calls": calls,
             "children": children, "resume_diffs": [n for n, v in got.items() if not torch.equal(v, after_load[n])],
-            "refusals": refusals, "saved_ep": saved_ep}
+            "dcp_resume_diffs": [n for n, v in got.items() if not torch.equal(v, after_dcp[n])],
+            "dcp_names": dcp_names, "refusals": refusals, "saved_ep": saved_ep}
+
+
+def _resumed(directory: str, through_dcp: bool) -> dict[str, torch.Tensor]:
+    """A fresh model and optimizer load the checkpoint taken after SAVED_STEPS (the optimizer's
+    state from save_checkpoint's files, or from torch DCP's of `optimizer.state_dict()`) and take
+    the remaining steps: the global parameters then."""
+    resumed = _Run("fsdp2")
+    start = load_checkpoint(directory, [resumed.model], resumed.optimizer, load_rng=False,
+                            load_optimizer=not through_dcp).iteration
+    if through_dcp:
+        state = {"optimizer": resumed.optimizer.state_dict(is_loading=True)}
+        dcp.load(state, checkpoint_id=f"{directory}/dcp")
+        resumed.optimizer.load_state_dict(state["optimizer"])
+    for step in range(start, STEPS):
+        resumed.set_gradients(step)
+        resumed.optimizer.step()
+    return resumed.global_params()
 
 
 def _refusals(run: _Run) -> dict[str, tuple[str, str]]:
@@ -210,9 +228,7 @@ def _refusals(run: _Run) -> dict[str, tuple[str, str]]:
     # Groups without any expert role: the experts' gradient norm has no expert model-parallel group.
     dense_only = ParallelGroups.from_groups(tp=None, mp=None, dp_cp=None)
     return {"grid": error_of(lambda: get_megatron_optimizer(CONFIG, [run.model], pg_collection=without_ep)),
-            "no expert groups": error_of(lambda: get_megatron_optimizer(CONFIG, [run.model], pg_collection=dense_only)),
-            # torch DCP's state_dict is keyed by local names, which the EP ranks' experts share.
-            "state_dict": error_of(run.optimizer.state_dict)}
+            "no expert groups": error_of(lambda: get_megatron_optimizer(CONFIG, [run.model], pg_collection=dense_only))}
 
 
 def _megatron_fsdp_run(rank: int) -> dict:
@@ -272,4 +288,7 @@ def test_expert_parallel_fully_sharded_muon_equals_one_process(run_distributed, 
         assert refusals["grid"][0] == "ValueError" and "expert model-parallel group" in refusals["grid"][1], refusals
         assert refusals["no expert groups"][0] == "ValueError" and "'expt_tp'" in refusals["no expert groups"][1], \
             refusals
-        assert refusals["state_dict"][0] == "ValueError" and "save_checkpoint" in refusals["state_dict"][1], refusals
+        # torch DCP of optimizer.state_dict(): each expert under its global index (this EP rank's 2 of
+        # 4 per layer), and a resume from it bitwise equal to the run that went on.
+        assert not result["dcp_resume_diffs"], (rank, result["dcp_resume_diffs"])
+        assert {int(name.split(".local_experts.")[1].split(".")[0]) for name in result["dcp_names"]} == {0, 1, 2, 3}
