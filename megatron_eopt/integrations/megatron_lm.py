@@ -270,7 +270,20 @@ def install() -> None:
         megatron_lm_arguments.validate_args = validate_args_for_megatron_eopt
     if not _undo_replacements:
         _undo_replacements.extend(replace_names(_checkpoint_layout_replacements() + _optimizer_config_replacement()
-                                                + _qk_clip_replacements()))
+                                                + _qk_clip_replacements() + _parser_replacement()))
+
+
+def _parser_replacement() -> list[tuple[Any, str, Any]]:
+    """Megatron-LM parses the command line again with no `extra_args_provider` before its main parse
+    (`ft_integration.setup`, `inprocess_restart`): there our choices (`--optimizer laprop`,
+    `--muon-tp-mode sharded`, ...) are invalid and end the run. While installed, a parse given no
+    provider adds ours; one given a provider is left as it is."""
+    parse_args = megatron_lm_arguments.parse_args
+
+    def parse_args_with_ours(extra_args_provider: Optional[Any] = None, ignore_unknown_args: bool = False) -> Any:
+        return parse_args(extra_args_provider or add_megatron_eopt_args, ignore_unknown_args)
+
+    return [(megatron_lm_arguments, "parse_args", parse_args_with_ours)]
 
 
 def _qk_clip_replacements() -> list[tuple[Any, str, Any]]:

@@ -267,7 +267,25 @@ def _install_body(rank: int, world_size: int) -> dict:
     with megatron_lm.installed():
         seen["inside"] = called_name() is megatron_lm.get_megatron_optimizer_for_megatron_lm
     seen["after"] = called_name() is original
+    with megatron_lm.installed():
+        seen["pre-parse installed"] = _pre_parse("--optimizer laprop --muon-tp-mode sharded")
+    seen["pre-parse after"] = _pre_parse("--optimizer laprop")
     return seen
+
+
+def _pre_parse(argv: str) -> str:
+    """The optimizer Megatron-LM's parse with no provider reads from `argv`, as ft_integration.setup parses
+    before pretrain()'s main parse; 'refused' where argparse exits."""
+    from megatron.training import arguments
+
+    saved_argv, sys.argv = sys.argv, ["pretrain_gpt.py", *argv.split()]
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            return arguments.parse_args(ignore_unknown_args=True).optimizer
+    except SystemExit:
+        return "refused"
+    finally:
+        sys.argv = saved_argv
 
 
 def _refuse_torch_format_body(rank: int, world_size: int) -> str:
@@ -481,7 +499,8 @@ def test_megatron_lm_alone_still_parses_its_own_defaults(run_distributed) -> Non
 
 def test_install_rebinds_the_name_setup_model_and_optimizer_calls(run_distributed) -> None:
     seen = run_distributed(_install_body, world_size=2)[0]
-    assert seen == {"before": True, "installed": True, "restored": True, "inside": True, "after": True}
+    assert seen == {"before": True, "installed": True, "restored": True, "inside": True, "after": True,
+                    "pre-parse installed": "laprop", "pre-parse after": "refused"}
 
 
 def test_distributed_optimizer_with_torch_checkpoint_format_is_refused(run_distributed) -> None:
