@@ -410,10 +410,8 @@ def test_experts_on_megatron_fsdp_checkpoint_in_megatron_cores_fsdp_dtensor_layo
     assert torch.bfloat16 in _state_dtypes(muon_straight[0].optimizer_state)
 
 
-# The other optimizers with `yes` in the README's FSDP column (adam and muon: the test above) that
-# Megatron-LM's loop takes: its fault-tolerance setup parses the command line again without our
-# choices (ft_integration.setup), so laprop, mop, polargrad and scion end there in an argparse error.
-OTHER_FULLY_SHARDED = ("adaptive_muon", "lion", "sgd")
+# The other optimizers with `yes` in the README's FSDP column (adam and muon: the test above).
+OTHER_FULLY_SHARDED = ("adaptive_muon", "laprop", "lion", "mop", "polargrad", "scion", "sgd")
 
 
 @pytest.mark.slow
