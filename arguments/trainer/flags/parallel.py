@@ -24,8 +24,8 @@ PARALLEL: tuple[Flag, ...] = (
                  'forward/backward, gradients reduced in fp32)')),
     switch('--use-megatron-fsdp',
            help=('wrap the model with Megatron-FSDP (the megatron-fsdp package; each transformer layer one unit) '
-                 'over all ranks; needs --data-parallel-sharding-strategy optim_grads_params; TP and PP 1')),
-    Flag('--data-parallel-sharding-strategy', str, 'no_shard',
+                 'over all ranks; with --data-parallel-sharding-strategy optim_grads_params (the default); TP and PP 1')),
+    Flag('--data-parallel-sharding-strategy', str, 'optim_grads_params',
          choices=('no_shard', 'optim', 'optim_grads', 'optim_grads_params'),
          help=("with --use-megatron-fsdp, what Megatron-FSDP shards: only 'optim_grads_params' (ZeRO-3: "
                'parameters, gradients and optimizer state) is supported; the others are refused')),
