@@ -2,11 +2,9 @@
 
 Every flag's `dest` is the `OptimizerConfig` field of the same name, and every default is read
 from `dataclasses.fields(OptimizerConfig)`, so trainers that copy argparse attributes onto the
-config by name get the config that `OptimizerConfig()` gives. Two exceptions:
-`--muon-fp32-matmul-prec` defaults to None, which `optimizer_config_from_args` resolves from the
-hardware ('medium' where bf16 matrix products are native, else 'highest'); and the flags of
-MEGATRON_LM_PARSER_DEFAULTS take Megatron-LM's parser's defaults (`--muon-momentum` 0.9, where
-megatron-core's OptimizerConfig has 0.95), so a command line trains as in Megatron-LM's loop.
+config by name get the config that `OptimizerConfig()` gives, except: `--muon-fp32-matmul-prec`
+(None: chosen for the hardware by `optimizer_config_from_args`) and MEGATRON_LM_PARSER_DEFAULTS'
+flags (Megatron-LM's parser's defaults: `--muon-momentum` 0.9, not megatron-core's 0.95).
 
 Flags are spelled as Megatron-LM spells them: `store_true` booleans, except its negative
 spellings `--muon-no-split-qkv` and `--soap-no-kl-shampoo`. Importing this module imports no

@@ -40,9 +40,7 @@ DOC = os.path.join(ROOT, "docs", "convergence.md")
 TABLE_BEGIN, TABLE_END = "<!-- convergence range: begin -->", "<!-- convergence range: end -->"
 SPLIT = (0.6, 0.4)  # train, held out: by document (40%: the final loss's standard error under 0.005)
 LR_EXTENSIONS = 2
-# Momentum 0.95 (OptimizerConfig's): the stored runs were trained with it, before the trainer took
-# Megatron-LM's default 0.9.
-MUON = ("--optimizer", "muon", "--muon-match-adamw-rms", "--muon-momentum", "0.95")
+MUON = ("--optimizer", "muon", "--muon-match-adamw-rms", "--muon-momentum", "0.95")  # as the stored runs trained
 ADAMW = ("--optimizer", "adam")
 
 
