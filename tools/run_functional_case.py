@@ -7,9 +7,7 @@
 
 Each node runs this once; it starts torchrun with the case's entry script and command line
 (megatron_eopt/training/functional/cases.py: the function `make test` uses too), one torchrun per
-run (two for TEST_TYPE ckpt-resume, as Megatron-LM's runner does: the first trains the whole run saving
-at half, node 0 removes its last checkpoint and points latest_checkpointed_iteration.txt at half, and the
-second resumes there). Node
+run (two for TEST_TYPE ckpt-resume, the second resuming at half as Megatron-LM's runner does). Node
 settings come from the flags, else MASTER_ADDR, MASTER_PORT, NNODES, NODE_RANK, else Slurm's
 SLURM_NNODES, SLURM_NODEID, SLURM_JOB_NODELIST, else the case's recipe. Node 0 then reads the
 TensorBoard events (--output must be shared between nodes) and compares them with the golden file
