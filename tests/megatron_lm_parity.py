@@ -2,7 +2,8 @@
 validate_args, as `pretrain_gpt.py` runs them) and in our trainer (arguments/trainer/parser.py), in-process
 and without a process group: `resolved_by_megatron_lm(argv, world_size)` and `resolved_by_ours(argv,
 world_size)` give {setting: value} over four kinds, keyed 'OptimizerConfig.<field>', 'TransformerConfig.<field>',
-'scheduler.<argument>' (megatron-core's OptimizerParamScheduler, as each builds it) and 'args.<name>' (the
+'scheduler.<argument>' (megatron-core's OptimizerParamScheduler, as each builds it), 'GPTModelSettings.<field>'
+(our model's settings; Megatron-LM's arguments of that name, or MEGATRON_LM_MODEL_ARGS) and 'args.<name>' (the
 namespace attributes both have that neither config holds). tests/unit/training/test_megatron_lm_parity.py
 compares them.
 """
@@ -19,6 +20,14 @@ from unittest import mock
 
 # Kinds of setting, and what the comparison of each covers.
 OPTIMIZER, MODEL, SCHEDULER, ARGS = "OptimizerConfig", "TransformerConfig", "scheduler", "args"
+GPT = "GPTModelSettings"  # our model's settings, against the arguments Megatron-LM's model provider reads
+# Our GPTModelSettings fields that Megatron-LM's namespace holds under another name or form.
+MEGATRON_LM_MODEL_ARGS = {
+    "vocab_size": lambda args: args.padded_vocab_size,  # the model's vocabulary, padded
+    "share_embeddings_and_output_weights": lambda args: not args.untie_embeddings_and_output_weights,
+    "rope_scaling": lambda args: args.use_rope_scaling,
+    "cpu_initialization": lambda args: args.use_cpu_initialization,
+}
 
 
 @contextlib.contextmanager
@@ -54,7 +63,7 @@ def resolved_by_megatron_lm(argv: list[str], world_size: int) -> dict[str, Any]:
                                              lambda: megatron_lm_training.get_optimizer_param_scheduler(_NoGroups()))
         finally:
             global_vars.set_args(None)
-    return _settings(optimizer, model, set(), scheduler, args)
+    return {**_settings(optimizer, model, set(), scheduler, args), **_model_arguments(args)}
 
 
 def resolved_by_ours(argv: list[str], world_size: int) -> dict[str, Any]:
@@ -76,7 +85,31 @@ def resolved_by_ours(argv: list[str], world_size: int) -> dict[str, Any]:
         model = transformer_config_module.transformer_config(settings, device)
     scheduler = _scheduler_arguments(optimizer_param_scheduler, "OptimizerParamScheduler",
                                      lambda: get_scheduler(optimizer, scheduler_config(args), _NoGroups()))
-    return _settings(optimizer, model, given, scheduler, args)
+    gpt = {f"{GPT}.{f.name}": _comparable(getattr(settings, f.name)) for f in dataclasses.fields(settings)
+           if f.name not in given | _unused_without_mla(model)}  # the given ones: compared as the config has them
+    return {**_settings(optimizer, model, given, scheduler, args), **gpt}
+
+
+def _unused_without_mla(model: Any) -> set[str]:
+    """Multi-latent attention's own settings (`rope_type`, ...) when the model has none: unread there."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+    if isinstance(model, MLATransformerConfig):
+        return set()
+    return {f.name for f in dataclasses.fields(MLATransformerConfig)} - {f.name for f in dataclasses.fields(TransformerConfig)}
+
+
+def _model_arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """Megatron-LM's arguments under our GPTModelSettings' field names (those it holds)."""
+    from megatron_eopt.training.model.settings import GPTModelSettings
+
+    found = {}
+    for field in dataclasses.fields(GPTModelSettings):
+        if field.name in MEGATRON_LM_MODEL_ARGS:
+            found[f"{GPT}.{field.name}"] = MEGATRON_LM_MODEL_ARGS[field.name](args)
+        elif hasattr(args, field.name):
+            found[f"{GPT}.{field.name}"] = _comparable(getattr(args, field.name))
+    return found
 
 
 class _NoGroups:

@@ -2,8 +2,8 @@
 
 Each command line of ROWS is parsed by Megatron-LM's parser with install()'s flags and its validate_args
 (tests/megatron_lm_parity.py), and by our trainer's parser, in-process; every OptimizerConfig field, every
-TransformerConfig field our trainer sets, the scheduler's arguments and every other argument both hold
-must agree, except the settings docs/trainer.md's table of allowed differences names with a reason.
+TransformerConfig field our trainer sets, the scheduler's arguments, our model settings and every other
+argument both hold must agree, except the settings docs/trainer.md's table of allowed differences names with a reason.
 Megatron-LM's parser is the reference: the expected values are its, not ours.
 """
 
@@ -23,12 +23,12 @@ ROWS = [
     ("dense-muon", "--optimizer muon", 1),
     ("llama-style", "--optimizer muon --swiglu --normalization RMSNorm --position-embedding-type rope --no-rope-fusion "
                     "--disable-bias-linear --untie-embeddings-and-output-weights --group-query-attention "
-                    "--num-query-groups 2 --qk-layernorm", 1),
+                    "--num-query-groups 2 --qk-layernorm --rotary-base 500000 --rotary-percent 0.5", 1),
     ("moe-ep2", "--optimizer muon --num-experts 4 --moe-router-topk 2 --disable-bias-linear "
                 "--expert-model-parallel-size 2 --moe-aux-loss-coeff 0.01", 2),
     ("mla", "--optimizer muon --multi-latent-attention --q-lora-rank 32 --kv-lora-rank 16 --qk-head-dim 16 "
             "--qk-pos-emb-head-dim 8 --v-head-dim 16 --position-embedding-type rope", 1),
-    ("tp2-sequence-parallel", "--optimizer muon --tensor-model-parallel-size 2 --sequence-parallel", 2),
+    ("tp2-sequence-parallel", "--optimizer muon --tensor-model-parallel-size 2 --sequence-parallel --vocab-size 300", 2),
     ("pp2", "--optimizer muon --pipeline-model-parallel-size 2 --num-layers 4", 2),
     ("tp2-pp2-distributed-optimizer", "--optimizer muon --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
                                       "--num-layers 4 --use-distributed-optimizer --global-batch-size 16", 8),
