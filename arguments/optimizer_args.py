@@ -2,9 +2,9 @@
 
 Every flag's `dest` is the `OptimizerConfig` field of the same name, and every default is read
 from `dataclasses.fields(OptimizerConfig)`, so trainers that copy argparse attributes onto the
-config by name get the config that `OptimizerConfig()` gives. One exception:
-`--muon-fp32-matmul-prec` defaults to None, which `optimizer_config_from_args` resolves from the
-hardware ('medium' where bf16 matrix products are native, else 'highest').
+config by name get the config that `OptimizerConfig()` gives, except: `--muon-fp32-matmul-prec`
+(None: chosen for the hardware by `optimizer_config_from_args`) and MEGATRON_LM_PARSER_DEFAULTS'
+flags (Megatron-LM's parser's defaults: `--muon-momentum` 0.9, not megatron-core's 0.95).
 
 Flags are spelled as Megatron-LM spells them: `store_true` booleans, except its negative
 spellings `--muon-no-split-qkv` and `--soap-no-kl-shampoo`. Importing this module imports no
@@ -232,10 +232,16 @@ def add_optimizer_args(parser: argparse.ArgumentParser, *, deferred: bool = Fals
     return parser
 
 
+# Megatron-LM's parser defaults where they differ from OptimizerConfig's (megatron-core's): one command line
+# resolves as in Megatron-LM's loop (tests/unit/training/test_megatron_lm_parity.py compares every setting).
+MEGATRON_LM_PARSER_DEFAULTS: dict[str, Any] = {"muon_momentum": 0.9}
+
+
 def _config_defaults() -> dict[str, Any]:
     from megatron_eopt.config.optimizer_config import OptimizerConfig  # imports torch
 
-    return {field.name: _flag_value(field.default) for field in dataclasses.fields(OptimizerConfig)}
+    defaults = {field.name: _flag_value(field.default) for field in dataclasses.fields(OptimizerConfig)}
+    return {**defaults, **MEGATRON_LM_PARSER_DEFAULTS}
 
 
 def _flag_value(default: Any) -> Any:

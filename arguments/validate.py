@@ -42,8 +42,11 @@ def validate_args(
     _warn_tp_mode_without_tp(args, tensor_model_parallel_size)
     from arguments.to_config import optimizer_config_from_args  # imports torch
 
+    from megatron_eopt.registry import lookup_optimizer
+
     try:
-        optimizer_config_from_args(args)
+        config = optimizer_config_from_args(args)
+        lookup_optimizer(config.optimizer).check_config_fields(config)
     except (ValueError, TypeError) as error:
         raise ValueError(flag_message(str(error))) from None
     return args

@@ -60,7 +60,10 @@ FULL = Scale(("--num-layers", "3", "--hidden-size", "160", "--num-attention-head
 QUICK = Scale(("--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2"), 32, 4, 60, 20, 2,
               (4e-3, 1.6e-2), (8e-3, 3.2e-2), (2.0,), (1, 2), 1_000_000)
 
-MUON = ("--optimizer", "muon", "--muon-match-adamw-rms")
+# Momentum 0.95 (OptimizerConfig's): the results in docs/convergence.md were measured with it, before the
+# trainer took Megatron-LM's default 0.9.
+MOMENTUM = ("--muon-momentum", "0.95")
+MUON = ("--optimizer", "muon", "--muon-match-adamw-rms", *MOMENTUM)
 ADAMW = ("--optimizer", "adam")
 # megatron-core's precision-aware state (docs/memory.md): bf16 moments. The model is fp32 here, so
 # there are no bf16 parameters to hold remainders for; only the moments change.
@@ -81,12 +84,13 @@ class Variant:
 def variants(scale: Scale) -> tuple[Variant, ...]:
     return (
         Variant("polar_express", MUON + ("--muon-coefficient-type", "polar_express")),
-        Variant("normuon", ("--optimizer", "adaptive_muon", "--muon-match-adamw-rms",
+        Variant("normuon", ("--optimizer", "adaptive_muon", "--muon-match-adamw-rms", *MOMENTUM,
                             "--adaptive-muon-moment2-method", "normuon")),
         # Spectral scale without matching, one lr for all: at Muon's best lr the matrices' updates
         # are ~2.5x smaller (0.2 sqrt(max(m, n)) at hidden 160); at 2.5x it, the Adam-stepped
         # embedding and norms get 2.5x the lr.
-        Variant("spectral", ("--optimizer", "muon", "--muon-scale-mode", "spectral"), scale.spectral_lr_factors),
+        Variant("spectral", ("--optimizer", "muon", *MOMENTUM, "--muon-scale-mode", "spectral"),
+                scale.spectral_lr_factors),
         Variant("weight_decay_0.1", MUON + ("--weight-decay", "0.1")),
         Variant("embedding_lr_half", MUON, decoupled_lr_factor=0.5),
         # Every seed: whether Gram in bf16 trains as well as the standard iteration is a question of

@@ -19,7 +19,7 @@ from typing import Iterator
 
 import torch
 
-from megatron_eopt.training.functional.cases import Case, RunPaths, case_argv
+from megatron_eopt.training.functional.cases import Case, RunPaths, case_argv, prepare_resume
 from tests.bf16_numerics import bf16_numerics
 from tests.megatron_lm_in_process import run_megatron_lm
 from tests.pretrain_gpt_in_process import run_pretrain_gpt
@@ -63,12 +63,17 @@ def _zero_momentum_after_resume():
 
 def run_case(rank: int, world_size: int, case: Case, output: str, drop_momentum: bool = False,
              bf16_products: bool = False) -> None:
-    """Every run of `case` (two for ckpt-resume), writing under `output` as the launcher does.
+    """Every run of `case` (two for ckpt-resume, with `prepare_resume` between), writing under `output`
+    as the launcher does.
     `bf16_products`: as a CPU with native bf16 products computes them (tests/bf16_numerics.py)."""
     if world_size != case.world_size:
         raise ValueError(f"case {case.name!r} runs on {case.world_size} ranks; got {world_size}")
     paths = RunPaths(pathlib.Path(output))
     for run in case.phases():
+        if run > 1:  # Megatron-LM's step between the runs, on one rank (the launcher's node 0)
+            if rank == 0:
+                prepare_resume(case, paths)
+            torch.distributed.barrier()
         undo = _zero_momentum_after_resume() if drop_momentum and run > 1 else (lambda: None)
         try:
             with _case_settings(case), (bf16_numerics() if bf16_products else contextlib.nullcontext()):

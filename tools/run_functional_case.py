@@ -7,7 +7,7 @@
 
 Each node runs this once; it starts torchrun with the case's entry script and command line
 (megatron_eopt/training/functional/cases.py: the function `make test` uses too), one torchrun per
-run (two for TEST_TYPE ckpt-resume: the first stops and saves at half, the second resumes). Node
+run (two for TEST_TYPE ckpt-resume, the second resuming at half as Megatron-LM's runner does). Node
 settings come from the flags, else MASTER_ADDR, MASTER_PORT, NNODES, NODE_RANK, else Slurm's
 SLURM_NNODES, SLURM_NODEID, SLURM_JOB_NODELIST, else the case's recipe. Node 0 then reads the
 TensorBoard events (--output must be shared between nodes) and compares them with the golden file
@@ -26,7 +26,8 @@ import time
 from typing import Optional
 
 from megatron_eopt.training.functional import goldens
-from megatron_eopt.training.functional.cases import ENTRIES, Case, RunPaths, case_argv, load_case, load_recipe
+from megatron_eopt.training.functional.cases import (ENTRIES, Case, RunPaths, case_argv, load_case, load_recipe,
+                                                      prepare_resume)
 from megatron_eopt.training.functional.entry_flags import check_case_flags
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -113,6 +114,8 @@ def run_case(case: Case, paths: RunPaths, nodes: dict) -> None:
     environment.setdefault("OMP_NUM_THREADS", "1")  # as torchrun sets it for several processes, and make test
     environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), environment.get("PYTHONPATH")]))
     for run in case.phases():
+        if run > 1 and nodes["node_rank"] == 0:  # the other nodes' ranks load after meeting node 0's
+            prepare_resume(case, paths)
         command = torchrun_command(case, paths, run, nodes)
         print(f"> run {run} of {len(case.phases())} on node {nodes['node_rank']}: {' '.join(command)}", flush=True)
         status = subprocess.run(command, env=environment, cwd=REPO).returncode
@@ -120,13 +123,13 @@ def run_case(case: Case, paths: RunPaths, nodes: dict) -> None:
             raise RuntimeError(f"case {case.name!r}: run {run} exited with status {status}")
 
 
-def read_events(case: Case, paths: RunPaths) -> dict:
-    """The runs' metrics; waits for the last step to show up (written by a rank of another node)."""
+def read_events(case: Case, paths: RunPaths) -> list[dict]:
+    """Each run's metrics; waits for the last step to show up (written by a rank of another node)."""
     deadline = time.monotonic() + EVENTS_WAIT_S
     while True:
         try:
-            actual = goldens.read_tensorboard([paths.tensorboard(run) for run in case.phases()], case.train_iters)
-            if actual.get("lm loss", {}).get("values", {}).get(str(case.train_iters), "nan") != "nan":
+            actual = goldens.read_runs(case, paths)
+            if actual[-1].get("lm loss", {}).get("values", {}).get(str(case.train_iters), "nan") != "nan":
                 return actual
         except ValueError:
             if time.monotonic() > deadline:
@@ -156,18 +159,19 @@ def golden_of(args: argparse.Namespace, case: Case) -> Optional[tuple[pathlib.Pa
     return path, goldens.load_golden(path)
 
 
-def compare_or_record(args: argparse.Namespace, case: Case, actual: dict,
+def compare_or_record(args: argparse.Namespace, case: Case, actual: list[dict],
                       golden: Optional[tuple[pathlib.Path, dict]]) -> int:
+    """Record the first run's values, or check every run (goldens.check_runs)."""
     import torch
 
     on_cuda = torch.cuda.is_available()
     if golden is None:
         platform = args.platform or goldens.platform_name()
-        path = goldens.record(actual, case, goldens.golden_path(case, platform, args.environment), on_cuda)
+        path = goldens.record(actual[0], case, goldens.golden_path(case, platform, args.environment), on_cuda)
         print(f"> recorded {path}")
         return 0
     path, values = golden
-    verdicts = goldens.compare(case, values, actual, on_cuda)
+    verdicts = goldens.check_runs(case, values, actual, on_cuda)
     print(f"> {case.name}: compared with {path.name}")
     for verdict in verdicts:
         print(f"  {'PASSED' if verdict.passed else 'FAILED'} {verdict.message}")

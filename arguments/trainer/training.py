@@ -11,8 +11,7 @@ from arguments import (
 )
 from megatron_eopt.config.scheduler import SchedulerConfig
 from arguments.trainer.device import Device
-from arguments.trainer.flags.parallel import PARALLEL
-from arguments.trainer.flags.table import given_needing, replaced, settings_from_flags
+from arguments.trainer.flags.table import replaced, settings_from_flags
 from arguments.trainer.flags.training import DEFAULT_TRAIN_ITERS
 from arguments.trainer.loop import check_eval_flags, check_housekeeping_flags
 from arguments.trainer.no_effect import check_not_offered
@@ -23,7 +22,7 @@ from megatron_eopt.training.loop.run_control import (
 
 def check_training_flags(args: argparse.Namespace, device: Device) -> dict[str, Any]:
     """Check the training flags; returns the defaults they resolve (train_iters, min_lr, the
-    gradient precision, WSD's decay style, --exit-signal's); the lr schedule's SchedulerConfig
+    gradient precision, WSD's decay style, --exit-signal's, the NaN check's); the lr schedule's SchedulerConfig
     (torch-free) checks its fields, so the same before and after the import."""
     args = replaced(args, train_iters=_training_length(args))
     for name in ("train_iters", "log_interval", "tensorboard_log_interval", "tensorboard_queue_size"):
@@ -47,8 +46,11 @@ def check_training_flags(args: argparse.Namespace, device: Device) -> dict[str, 
         raise ValueError(f"--exit-duration-in-mins must be > 0; got {args.exit_duration_in_mins}.")
     if args.lr is None:
         raise ValueError("--lr is required (the peak learning rate).")
+    # Megatron-LM's: with --fp16 and a dynamic loss scale a NaN is the loss scaler's signal to skip the step.
     args = replaced(args, min_lr=0.0 if args.min_lr is None else args.min_lr,
-                    accumulate_allreduce_grads_in_fp32=_gradient_precision(args))
+                    accumulate_allreduce_grads_in_fp32=_gradient_precision(args),
+                    check_for_nan_in_loss_and_grad=args.check_for_nan_in_loss_and_grad and not (
+                        args.fp16 and not args.loss_scale))
     check_eval_flags(args)
     args = replaced(args, **check_run_control_flags(args))
     _check_document_flags(args, device)
@@ -73,7 +75,7 @@ def check_training_flags(args: argparse.Namespace, device: Device) -> dict[str, 
         raise ValueError(re.sub(r"SchedulerConfig\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"),
                                 str(error))) from None
     return {name: getattr(args, name) for name in ("train_iters", "min_lr", "accumulate_allreduce_grads_in_fp32",
-                                                   "lr_wsd_decay_style", "exit_signal")}
+                                                   "lr_wsd_decay_style", "exit_signal", "check_for_nan_in_loss_and_grad")}
 
 
 def _check_document_flags(args: argparse.Namespace, device: Device) -> None:
@@ -168,15 +170,18 @@ def _qk_clip_flags(args: argparse.Namespace) -> str:
 def _check_megatron_fsdp_flags(args: argparse.Namespace) -> None:
     """What --use-megatron-fsdp does not do, refused before anything is built."""
     if not args.use_megatron_fsdp:
-        refuse_flags_without(given_needing(args, PARALLEL, "use_megatron_fsdp"), "--use-megatron-fsdp")
+        if args.data_parallel_sharding_strategy != "optim_grads_params":  # Megatron-LM's default
+            raise ValueError(f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} needs "
+                             f"--use-megatron-fsdp.")
         return
     refused = [("--data-parallel-sharding-strategy other than optim_grads_params (given "
                 f"{args.data_parallel_sharding_strategy}; only ZeRO-3 gives the optimizer sharded parameters)",
-                args.data_parallel_sharding_strategy not in (None, "optim_grads_params")),  # None: Megatron-LM's default
+                args.data_parallel_sharding_strategy != "optim_grads_params"),
                ("--use-torch-fsdp2 (one sharding engine at a time)", args.use_torch_fsdp2),
                ("--tensor-model-parallel-size > 1 (TP x FSDP works with --use-torch-fsdp2)",
                 args.tensor_model_parallel_size > 1),
                ("--pipeline-model-parallel-size > 1", args.pipeline_model_parallel_size > 1),
+               ("--num-experts", args.num_experts is not None),
                ("--use-distributed-optimizer (Megatron-FSDP shards the optimizer state already)",
                 args.use_layer_wise_distributed_optimizer),
                ("--fp16 (fp16 loss scaling is not implemented for the sharded engines; train with --bf16)", args.fp16),

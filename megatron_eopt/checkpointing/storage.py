@@ -34,6 +34,9 @@ from megatron_eopt.runtime.process_groups import ProcessGroup, group_rank, group
 
 MANIFEST = "megatron_eopt.json"
 LATEST = "latest"
+# Megatron-LM's pointer, its tracker file: the iteration to resume from, which Megatron-LM's tools and its
+# functional-test runner (run_ci_test.sh's ckpt-resume) write. Read when written after `latest` (`_pointer`).
+MEGATRON_LM_TRACKER = "latest_checkpointed_iteration.txt"
 REPLACED = ".replaced"  # a checkpoint being replaced by a new save of the same iteration
 SAVE_LOCK = ".save_lock"
 CHECKPOINT_NAME = re.compile(r"iter_(\d{7,})")
@@ -65,13 +68,31 @@ def incomplete_path(checkpoint_dir: str, iteration: int) -> str:
     return os.path.join(checkpoint_dir, f".{checkpoint_name(iteration)}.incomplete")
 
 
-def latest_checkpoint(checkpoint_dir: str) -> Optional[str]:
-    """Path of the checkpoint `latest` points at, None if there is no marker."""
-    marker = os.path.join(checkpoint_dir, LATEST)
-    if not os.path.isfile(marker):
+def _pointer(checkpoint_dir: str) -> Optional[tuple[str, str]]:
+    """(the pointer file, the checkpoint name it gives), None without one: `latest`, or Megatron-LM's
+    tracker where it was written after `latest` (a save rewrites `latest`; Megatron-LM's runner and
+    tools rewrite the tracker, to an iteration number)."""
+    paths = [os.path.join(checkpoint_dir, name) for name in (LATEST, MEGATRON_LM_TRACKER)]
+    written = [(os.stat(path).st_mtime_ns, order, path) for order, path in enumerate(paths) if os.path.isfile(path)]
+    if not written:
         return None
+    marker = max(written)[2]
     with open(marker) as f:
-        name = f.read().strip()
+        text = f.read().strip()
+    if marker.endswith(LATEST):
+        return marker, text
+    if not text.isdigit():
+        raise CheckpointError(f"{marker} holds {text!r}, not an iteration number; write the iteration to "
+                              f"resume from, or pass it explicitly (--ckpt-step, iteration=...).")
+    return marker, checkpoint_name(int(text))
+
+
+def latest_checkpoint(checkpoint_dir: str) -> Optional[str]:
+    """Path of the checkpoint the pointer (`_pointer`) names, None if there is none."""
+    pointer = _pointer(checkpoint_dir)
+    if pointer is None:
+        return None
+    marker, name = pointer
     path = _complete_copy(os.path.join(checkpoint_dir, name))
     if not name or not os.path.isdir(path):
         raise CheckpointError(
@@ -102,7 +123,7 @@ def open_checkpoint(
     Without `latest` (a save cut short between its rename and the marker update) it is the newest
     `iter_N` that verifies, and `note` says so; an explicit iteration is never replaced by another.
     """
-    if iteration is not None or os.path.isfile(os.path.join(checkpoint_dir, LATEST)):
+    if iteration is not None or _pointer(checkpoint_dir) is not None:
         path = resolve_checkpoint(checkpoint_dir, iteration)
         manifest = read_manifest(path)
         verify_files(path, manifest, group)
@@ -140,7 +161,7 @@ def has_checkpoints(checkpoint_dir: str) -> bool:
 
     A directory that does not exist or holds none is how `--save X --load X` scripts start.
     """
-    return os.path.isfile(os.path.join(checkpoint_dir, LATEST)) or bool(checkpoint_iterations(checkpoint_dir))
+    return _pointer(checkpoint_dir) is not None or bool(checkpoint_iterations(checkpoint_dir))
 
 
 def _complete_copy(path: str) -> str:

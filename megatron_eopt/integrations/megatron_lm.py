@@ -16,6 +16,7 @@ describes it.
 import argparse
 import contextlib
 import dataclasses
+import functools
 import typing
 from typing import Any, Iterator, Optional
 
@@ -26,16 +27,18 @@ import torch
 from megatron.training import global_vars
 
 from arguments.optimizer_args import FLAGS, GIVEN_FLAGS_ATTR, Flag, StoreAndRecord, flag_kwargs
+from arguments.validate import flag_message
 from megatron_eopt.megatron_core_formats.layouts import LAYOUT_KEY, MEGATRON_CORE_PING_PONG_LAYOUT
 from megatron_eopt.megatron_core_formats.dist_checkpointing import checkpoint_optimizer_layout
 from megatron_eopt.config.newton_schulz import NEWTON_SCHULZ_FIELDS
+from megatron_eopt.config.optimizer_names import DEPRECATED_OPTIMIZER_NAMES
 from megatron_eopt.config.optimizer_config import MatmulPrecision, OptimizerConfig, TpMode, megatron_core_default
 from megatron_eopt.distributed.reduce_scattered import reduce_scattering_chunks
 from megatron_eopt.factory import get_megatron_optimizer
 from megatron_eopt.integrations.megatron_lm_qk_clip import (OptimizersOfModels, recording_max_logits,
                                                             validating_qk_clip_as_ours)
 from megatron_eopt.integrations.megatron_lm_swiglu import splitting_every_state
-from megatron_eopt.registry import list_optimizers
+from megatron_eopt.registry import list_optimizers, lookup_optimizer
 from megatron_eopt.runtime.cpu_stand_ins import replace_names
 
 # Our flags that Megatron-LM's parser must not get, and why.
@@ -136,12 +139,51 @@ def optimizer_config_from_megatron_lm(args: Optional[argparse.Namespace], config
         for name in NEWTON_SCHULZ_FIELDS:  # left at their defaults: marked so (add_megatron_eopt_args)
             if name in values and name not in given and type(values[name]) in (str, int):
                 values[name] = megatron_core_default(values[name])
+        check_optimizer_args_read(args)
         _check_checkpoint_format(args, _reduce_scatters(model_chunks))
         if getattr(args, "use_megatron_fsdp", False):
             # Megatron-LM sets use_distributed_optimizer for Megatron-FSDP (its DistributedOptimizer
             # over Megatron-FSDP's buffers); ours steps the DTensor shards Megatron-FSDP gives.
             values.update(use_distributed_optimizer=False, use_layer_wise_distributed_optimizer=False)
-    return OptimizerConfig(**values)
+    ours = OptimizerConfig(**values)
+    try:
+        lookup_optimizer(ours.optimizer).check_config_fields(ours)
+    except ValueError as error:  # in the flags' words: Megatron-LM's user set them on the command line
+        raise ValueError(flag_message(str(error))) from None
+    return ours
+
+
+def check_optimizer_args_read(args: argparse.Namespace) -> None:
+    """Refuse, in one line naming them, Megatron-LM arguments that set the optimizer but that ours
+    does not read: an attribute of `args` one of whose words is an optimizer's first word (`muon`,
+    `soap`, `adaptive`, `psgd`, ...: the names Megatron-LM's `--optimizer` and our registry list,
+    deprecated spellings aside), which is no `OptimizerConfig` field, and whose value is not
+    Megatron-LM's parser default (False or None where its parser lacks it)."""
+    defaults, names = _megatron_lm_parser_facts()
+    words = {name.split("_")[0] for name in set(names) | set(list_optimizers())
+             if name not in DEPRECATED_OPTIMIZER_NAMES}
+    read = {field.name for field in dataclasses.fields(OptimizerConfig)} | {GIVEN_FLAGS_ATTR}
+    unread = [f"args.{name}={value!r}" for name, value in sorted(vars(args).items())
+              if name not in read and words & set(name.split("_")) and not _is_default(value, name, defaults)]
+    if unread:
+        raise ValueError(
+            f"megatron_eopt's optimizer does not read {', '.join(unread)}: it would train as if "
+            f"{'they were' if len(unread) > 1 else 'it were'} not given. Leave "
+            f"{'them' if len(unread) > 1 else 'it'} at Megatron-LM's default, or train with Megatron-LM's "
+            f"own optimizer (without megatron_lm.install())."
+        )
+
+
+def _is_default(value: Any, name: str, defaults: dict[str, Any]) -> bool:
+    return value == defaults[name] if name in defaults else value in (None, False)
+
+
+@functools.cache
+def _megatron_lm_parser_facts() -> tuple[dict[str, Any], tuple[str, ...]]:
+    """(every dest's default, the `--optimizer` choices) of the installed Megatron-LM's parser."""
+    parser = megatron_lm_arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    defaults = {action.dest: action.default for action in parser._actions}
+    return defaults, tuple(parser._option_string_actions["--optimizer"].choices or ())
 
 
 def _reduce_scatters(model_chunks: Any) -> bool:
@@ -218,6 +260,7 @@ def validate_args_for_megatron_eopt(args: argparse.Namespace, defaults: Optional
     gradient. So the layout is Megatron-LM's other one, `--no-use-layer-wise-param-layout` (DDP
     all-reduces; the same steps), said in one line on rank 0.
     """
+    check_optimizer_args_read(args)
     validate = validating_qk_clip_as_ours(_original_validate_args or megatron_lm_arguments.validate_args)
     defaults = {} if defaults is None else defaults
     optimizer = getattr(args, "optimizer", "adam")

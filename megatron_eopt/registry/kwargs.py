@@ -14,6 +14,7 @@ emerging_optimizers' Newton-Schulz coefficient sets and matmul precisions) befor
 state is then created eagerly (`init_state_fn`, by default `init_state_step_free`).
 """
 
+import dataclasses
 import inspect
 import types
 import typing
@@ -69,6 +70,7 @@ def build_emerging(
     if "lr" in arguments and "lr" not in kwargs and param_groups:
         kwargs["lr"], sources["lr"] = param_groups[0]["lr"], "the first param group's lr"
     _check_kwargs(name, entry.optimizer_cls, arguments, kwargs, sources)
+    check_fields_taken(name, entry, config, sources)
     _check_param_shapes(name, entry.routing, param_groups)
     if entry.param_check is not None:
         check_params(name, entry, param_groups, config, context)
@@ -110,6 +112,72 @@ def optimizer_kwargs(
         kwargs["fsdp_group"], sources["fsdp_group"] = context.fsdp_group, "the factory"
         kwargs["fsdp_shards"], sources["fsdp_shards"] = dict(context.fsdp_shards), "the factory"
     return kwargs, sources
+
+
+# Prefixes whose fields megatron_eopt's own code reads too (the factory's routing, Muon's TP modes and
+# q/k/v splits), not only as constructor arguments of the same name: not checked by `fields_not_taken`.
+PREFIXES_READ_BY_MEGATRON_EOPT = ("muon",)
+
+
+def fields_not_taken(name: str, entry: EmergingOptimizerEntry, config: Any,
+                     sources: Optional[Mapping[str, str]] = None) -> list[str]:
+    """The config fields under the entry's own prefixes (its name, then `config_prefixes`, but not
+    PREFIXES_READ_BY_MEGATRON_EOPT) set away from their defaults that reach neither a constructor
+    argument nor the entry's `config_to_kwargs`: the installed optimizer would ignore them (e.g.
+    `soap_precondition_frequency`, which emerging_optimizers 0.3.0's SOAP no longer takes).
+    `sources`: optimizer_kwargs' second value, when already at hand."""
+    prefixes = [p + "_" for p in (name, *entry.config_prefixes) if p not in PREFIXES_READ_BY_MEGATRON_EOPT]
+    if not prefixes or not dataclasses.is_dataclass(config):
+        return []
+    if sources is None:
+        sources = optimizer_kwargs(name, entry, config, BuildContext(on_cpu=False))[1]
+    taken = {source.removeprefix("OptimizerConfig.") for source in sources.values()} | _read_by(entry, config)
+    return [field.name for field in dataclasses.fields(config)
+            if field.name.startswith(tuple(prefixes)) and field.name not in taken
+            and getattr(config, field.name) != field.default]
+
+
+def check_fields_taken(name: str, entry: EmergingOptimizerEntry, config: Any,
+                       sources: Optional[Mapping[str, str]] = None) -> None:
+    """ValueError naming the first field of `fields_not_taken`, with its default to go back to."""
+    ignored = fields_not_taken(name, entry, config, sources)
+    if ignored:
+        field = next(f for f in dataclasses.fields(config) if f.name == ignored[0])
+        cls = entry.optimizer_cls
+        raise ValueError(
+            f"OptimizerConfig.{field.name}={getattr(config, field.name)!r} has no effect with optimizer {name!r}: "
+            f"the installed {cls.__module__.split('.')[0]} {_version(cls)} {cls.__name__} takes no such setting; "
+            f"leave {field.name} at its default ({field.default!r})."
+        )
+
+
+class _RecordingReads:
+    """`config` with every attribute read recorded (what a `config_to_kwargs` reads)."""
+
+    def __init__(self, config: Any) -> None:
+        self._config, self.names = config, set()
+
+    def __getattr__(self, name: str) -> Any:
+        self.names.add(name)
+        return getattr(self._config, name)
+
+
+def _read_by(entry: EmergingOptimizerEntry, config: Any) -> set[str]:
+    if entry.config_to_kwargs is None:
+        return set()
+    recording = _RecordingReads(config)
+    entry.config_to_kwargs(recording)
+    return recording.names
+
+
+def _version(optimizer_cls: type) -> str:
+    from importlib import metadata
+
+    package = optimizer_cls.__module__.split(".")[0]
+    try:
+        return metadata.version(package.replace("_", "-"))
+    except metadata.PackageNotFoundError:
+        return "(version unknown)"
 
 
 def _add_newton_schulz_fields(name: str, optimizer_cls: type, arguments: Mapping[str, Any], config: Any,

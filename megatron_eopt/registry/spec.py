@@ -6,7 +6,7 @@ from typing import Any, Mapping
 import torch
 
 from megatron_eopt.registry.entries import BuildContext, EmergingOptimizerEntry, Entry
-from megatron_eopt.registry.kwargs import build_emerging, check_params, constructor_parameters
+from megatron_eopt.registry.kwargs import build_emerging, check_fields_taken, check_params, constructor_parameters
 from megatron_eopt.registry.support import Support
 
 
@@ -44,6 +44,12 @@ class OptimizerSpec:
         """Raise, naming the parameter, if the optimizer cannot step one of `param_groups`."""
         if self.emerging:
             check_params(self.name, self.entry, param_groups, config)
+
+    def check_config_fields(self, config: Any) -> None:
+        """Raise ValueError naming a field set in `config` that this optimizer would ignore
+        (kwargs.fields_not_taken); building checks it too, this is for the flag checks before."""
+        if self.emerging:
+            check_fields_taken(self.name, self.entry, config)
 
     def accepts(self, argument: str) -> bool:
         """Whether the optimizer's constructor takes `argument` (e.g. 'tp_group', 'layouts')."""

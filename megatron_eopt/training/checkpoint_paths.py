@@ -4,7 +4,8 @@ A --save that cannot be created or written (a path through a file, a directory w
 permission, a read-only file system) would otherwise be found at the first save, as a traceback
 after the training done so far; a --load the flags need (--exit-on-missing-checkpoint,
 --ckpt-step) that holds no such checkpoint, after the model is built. Checkpoint names follow
-checkpointing/storage.py (`iter_NNNNNNN`, `latest`), read here without importing it.
+checkpointing/storage.py (`iter_NNNNNNN`, `latest`, Megatron-LM's `latest_checkpointed_iteration.txt`),
+read here without importing it.
 """
 
 import argparse
@@ -68,7 +69,7 @@ def _write_problem(directory: str) -> str:
 def _holds_checkpoints(path: str) -> bool:
     if not os.path.isdir(path):
         return False
-    return any(name == "latest" or (_CHECKPOINT.fullmatch(name) and os.path.isdir(os.path.join(path, name)))
+    return any(name in ("latest", "latest_checkpointed_iteration.txt") or (_CHECKPOINT.fullmatch(name) and os.path.isdir(os.path.join(path, name)))
                for name in os.listdir(path))
 
 

@@ -63,8 +63,10 @@ class Run:
 RUNS = (
     Run("AdamW", 1.5e-3, ("--optimizer", "adam")),
     # Matched to AdamW's update RMS, so the embeddings and norms (stepped by Adam inside Muon)
-    # and the Muon-stepped matrices share one sensible lr.
-    Run("Muon", 2e-2, ("--optimizer", "muon", "--use-distributed-optimizer", "--muon-match-adamw-rms")),
+    # and the Muon-stepped matrices share one sensible lr. Momentum 0.95 (OptimizerConfig's), as the
+    # recorded demo ran before the trainer took Megatron-LM's default 0.9.
+    Run("Muon", 2e-2, ("--optimizer", "muon", "--use-distributed-optimizer", "--muon-match-adamw-rms",
+                       "--muon-momentum", "0.95")),
 )
 
 

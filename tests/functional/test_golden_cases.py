@@ -7,9 +7,11 @@ recipe's per-metric checks (tests/functional/recipes/gpt.yaml). The goldens are 
 recorded by this code, not proof of correctness: the other tests compare layouts with each other and
 with megatron-core. What a golden adds is that a change to the update shows up, and that is tested
 here too: Muon with Nesterov off or one Newton-Schulz step fewer fails the Muon goldens, and the
-ckpt-resume case fails when the resume drops the momentum. One test runs a case through the
-launcher itself as two torchrun nodes of two processes meeting at one endpoint on this machine,
-another a Megatron-LM-loop case on a machine without CUDA.
+ckpt-resume case fails when the resume drops the momentum. A ckpt-resume case runs as Megatron-LM's
+runner runs it: the whole run saving at half, its last checkpoint removed and Megatron-LM's tracker
+pointed at half, then the resumed run, checked against the first run's second half. One test runs a
+case through the launcher itself as two torchrun nodes of two processes meeting at one endpoint on
+this machine, another a Megatron-LM-loop case on a machine without CUDA.
 """
 
 import dataclasses
@@ -22,6 +24,7 @@ import sys
 import pytest
 
 from megatron_eopt.training.functional import goldens
+from megatron_eopt.training.functional.cases import RunPaths
 from tests.functional import golden_cases
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -35,14 +38,15 @@ def _golden(name: str) -> dict:
     return goldens.load_golden(path)
 
 
-def _verdicts(name: str, actual: dict, case=None) -> list[goldens.Verdict]:
-    return goldens.compare(case or CASES[name], _golden(name), actual, on_cuda=False)
+def _verdicts(name: str, runs: list[dict], case=None) -> list[goldens.Verdict]:
+    return goldens.check_runs(case or CASES[name], _golden(name), runs, on_cuda=False)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_case_matches_its_cpu_golden(name: str, run_distributed, tmp_path: pathlib.Path) -> None:
     actual = golden_cases.run_and_read(CASES[name], tmp_path, run_distributed)
     verdicts = _verdicts(name, actual)
+    assert len(verdicts) == len(CASES[name].phases()) * len(goldens.measured_metrics(CASES[name], on_cuda=False))
     assert {v.metric for v in verdicts} == set(goldens.measured_metrics(CASES[name], on_cuda=False))
     assert all(v.passed for v in verdicts), "\n".join(v.message for v in verdicts)
 
@@ -71,14 +75,24 @@ def test_a_deliberate_change_to_muons_update_fails_the_golden(name: str, run_dis
         assert not loss.passed, f"{label}: {loss.message}"
 
 
-def test_a_resume_that_drops_the_momentum_fails_the_golden(run_distributed, tmp_path: pathlib.Path) -> None:
-    """The second run zeroes Muon's momentum right after loading: the first half still matches."""
+def test_ckpt_resume_runs_as_megatron_lms_runner_and_a_resume_that_drops_the_momentum_fails(
+        run_distributed, tmp_path: pathlib.Path) -> None:
+    """Megatron-LM's flow: the first run trains all 20 steps saving at 10 and 20; iter_0000020 is removed
+    and latest_checkpointed_iteration.txt says 10; the second run resumes there (it logs steps 11-20 only)
+    and saves iter_0000020 again. With the momentum zeroed right after that load, the first run still
+    matches the golden at every step, and the resumed run leaves the first run's second half."""
     name = "gpt_muon_layerwise_dp2_resume"
-    actual = golden_cases.run_and_read(CASES[name], tmp_path, run_distributed, drop_momentum=True)
-    loss = next(v for v in _verdicts(name, actual) if v.metric == "lm loss")
-    assert not loss.passed, loss.message
-    golden = _golden(name)["lm loss"]["values"]
-    assert [actual["lm loss"]["values"][str(s)] for s in range(1, 11)] == [golden[str(s)] for s in range(1, 11)]
+    case = CASES[name]
+    first, second = golden_cases.run_and_read(case, tmp_path, run_distributed, drop_momentum=True)
+    checkpoints = tmp_path / "checkpoints"
+    assert (checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
+    assert sorted(p.name for p in checkpoints.glob("iter_*")) == ["iter_0000010", "iter_0000020"]
+    resumed = goldens.read_tensorboard([RunPaths(tmp_path).tensorboard(2)], case.train_iters)["lm loss"]["values"]
+    assert [step for step, value in resumed.items() if value != "nan"] == [str(s) for s in range(11, 21)]
+    verdicts = _verdicts(name, [first, second])
+    golden_loss, resumed_loss = (v for v in verdicts if v.metric == "lm loss")
+    assert golden_loss.passed, golden_loss.message
+    assert not resumed_loss.passed and resumed_loss.message.startswith("resumed at 10"), resumed_loss.message
 
 
 def _free_port() -> int:

@@ -24,11 +24,11 @@ PARALLEL: tuple[Flag, ...] = (
                  'forward/backward, gradients reduced in fp32)')),
     switch('--use-megatron-fsdp',
            help=('wrap the model with Megatron-FSDP (the megatron-fsdp package; each transformer layer one unit) '
-                 'over all ranks, ZeRO-3 (--data-parallel-sharding-strategy optim_grads_params); TP and PP 1')),
-    Flag('--data-parallel-sharding-strategy', str,
-         choices=('no_shard', 'optim', 'optim_grads', 'optim_grads_params'), needs='use_megatron_fsdp',
-         help=("with --use-megatron-fsdp, what Megatron-FSDP shards (default: Megatron-LM's, optim_grads_params: "
-               'ZeRO-3, parameters, gradients and optimizer state), the only one supported; the others are refused')),
+                 'over all ranks; with --data-parallel-sharding-strategy optim_grads_params (the default); TP and PP 1')),
+    Flag('--data-parallel-sharding-strategy', str, 'optim_grads_params',
+         choices=('no_shard', 'optim', 'optim_grads', 'optim_grads_params'),
+         help=("with --use-megatron-fsdp, what Megatron-FSDP shards: only 'optim_grads_params' (ZeRO-3: "
+               'parameters, gradients and optimizer state) is supported; the others are refused')),
     switch('--overlap-grad-reduce',
            help=("start each gradient bucket's data-parallel all-reduce during the last micro-batch's backward, as"
                  ' soon as its gradients are complete (with --use-distributed-optimizer the optimizer then takes '

@@ -3,8 +3,9 @@
 A case's `model_config.yaml` holds only keys Megatron-LM's own case files use (ENV_VARS, MODEL_ARGS,
 TEST_TYPE, METRICS, ...). What Megatron-LM keeps in its recipes (tests/test_utils/recipes/) sits in
 our recipe: the entry script, nodes and processes per node, and the per-metric checks.
-`case_argv` turns a case into one phase's command line; the launcher (tools/run_functional_case.py)
-and the in-process runner of `make test` both call it. docs/functional-tests.md describes the files.
+`case_argv` turns a case into one phase's command line, and `prepare_resume` does Megatron-LM's step
+between a ckpt-resume's runs; the launcher (tools/run_functional_case.py) and the in-process runner of
+`make test` both call them. docs/functional-tests.md describes the files and the flow.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import dataclasses
 import os
 import pathlib
 import re
+import shutil
 from typing import Any, Literal, Optional
 
 # Top-level keys of Megatron-LM's model_config.yaml files (read from its tests/functional_tests/test_cases).
@@ -68,7 +70,7 @@ class Case:
         return int(self.model_args["--train-iters"])
 
     def phases(self) -> tuple[int, ...]:
-        """Run numbers: 1, or 1 and 2 for ckpt-resume (the second resumes the first's save)."""
+        """Run numbers: 1, or 1 and 2 for ckpt-resume (the second resumes the first's save at half)."""
         return (1, 2) if self.test_type == "ckpt-resume" else (1,)
 
 
@@ -170,7 +172,7 @@ def _check_resumable(case: Case, path: pathlib.Path) -> None:
         raise ValueError(f"{path}: a ckpt-resume case needs {', '.join(needs)} and an even --train-iters")
     if half % int(case.model_args["--save-interval"]):
         raise ValueError(f"{path}: --save-interval {case.model_args['--save-interval']} must divide half of "
-                         f"--train-iters ({half}): the first run stops and saves there")
+                         f"--train-iters ({half}): the first run saves there, and the second resumes there")
 
 
 def load_cases(root: pathlib.Path, recipe_path: pathlib.Path) -> list[Case]:
@@ -209,9 +211,8 @@ def _substitute(value: str, values: dict[str, str]) -> str:
 
 
 def case_argv(case: Case, paths: RunPaths, run: int = 1) -> list[str]:
-    """The command line of run `run` (1, or 2 for ckpt-resume's second): Megatron-LM's reading of
-    MODEL_ARGS (`true` is a switch, a list gives several values), placeholders filled in; a
-    ckpt-resume's first run stops after half of --train-iters (--exit-interval)."""
+    """The command line of run `run` (1, or 2 for ckpt-resume's second; the same for both): Megatron-LM's
+    reading of MODEL_ARGS (`true` is a switch, a list gives several values), placeholders filled in."""
     if run not in case.phases():
         raise ValueError(f"case {case.name!r} ({case.test_type}) has run(s) {case.phases()}; got {run}")
     values = paths.values(run)
@@ -226,9 +227,26 @@ def case_argv(case: Case, paths: RunPaths, run: int = 1) -> list[str]:
             argv += [flag, *(_substitute(str(item), values) for item in value)]
         else:
             argv += [flag, _substitute(str(value), values)]
-    if case.test_type == "ckpt-resume" and run == 1:
-        argv += ["--exit-interval", str(case.train_iters // 2)]
     return argv
+
+
+# Megatron-LM's checkpoint tracker: the iteration a run started with --load resumes from.
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def prepare_resume(case: Case, paths: RunPaths) -> pathlib.Path:
+    """What Megatron-LM's runner (run_ci_test.sh) does between a ckpt-resume case's runs, on one node:
+    remove the first run's last checkpoint (`iter_<train-iters>` in --save) and point Megatron-LM's
+    tracker at half of --train-iters, where the second run resumes. Returns the --save folder;
+    RuntimeError when the first run left no last checkpoint."""
+    save = pathlib.Path(_substitute(str(case.model_args["--save"]), paths.values(1)))
+    last = save / f"iter_{case.train_iters:07d}"
+    if not last.is_dir():
+        raise RuntimeError(f"case {case.name!r}: the first run left no {last} (it saves at the end of "
+                           f"--train-iters); found {sorted(p.name for p in save.glob('*')) if save.is_dir() else 'no --save folder'}")
+    shutil.rmtree(last)
+    (save / TRACKER).write_text(f"{case.train_iters // 2}\n")
+    return save
 
 
 def case_environment(case: Case, base: Optional[dict[str, str]] = None) -> dict[str, str]:

@@ -5,7 +5,8 @@ A golden file `golden_values_<environment>_<platform>.json` maps each metric to 
 step that logged none}). `compare` follows Megatron-LM's functional tests: a deterministic check
 wants equal values, an approximate one |actual - golden| <= atol + rtol |golden| at all but a few
 steps, and `iteration-time` compares the medians over a steady window. `mem-*` are CUDA-allocator
-statistics: a CPU run has none, and a CPU golden leaves them out (CPU_UNMEASURED).
+statistics: a CPU run has none, and a CPU golden leaves them out (CPU_UNMEASURED). A ckpt-resume
+case's golden is its first, whole run; the second run is checked against the first's second half.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import re
 import statistics
 from typing import Any, Optional
 
-from megatron_eopt.training.functional.cases import METRIC_NAMES, Case, Check
+from megatron_eopt.training.functional.cases import METRIC_NAMES, Case, Check, RunPaths
 
 DECIMALS = 5
 CPU_UNMEASURED = ("mem-allocated-bytes", "mem-max-allocated-bytes")
@@ -66,8 +67,8 @@ def find_golden(case: Case, platform: str, on_cuda: bool, cpu_reference: Optiona
 
 def read_tensorboard(directories: list[pathlib.Path], train_iters: int, start_step: int = 1,
                      step_interval: int = 1) -> dict[str, dict[str, Any]]:
-    """The scalars of the event files in `directories` (a ckpt-resume's runs, in order; a step logged by
-    an earlier run wins), in the golden schema for steps start_step..train_iters, "nan" where none."""
+    """The scalars of the event files in `directories` (in order; a step logged in an earlier one wins),
+    in the golden schema for steps start_step..train_iters, "nan" where none."""
     from tensorboard.backend.event_processing import event_accumulator
 
     logged: dict[str, dict[int, float]] = {}
@@ -170,6 +171,42 @@ def compare_metric(metric: str, check: Check, golden: dict[str, Any], actual: di
     message = (f"{metric} ({check.type}, {tolerance}): {len(bad)} of {len(pairs)} step(s) off, "
                f"{allowed} allowed; worst |actual - golden| {worst:.3g}; first off: {bad[:3]}")
     return Verdict(metric, len(bad) <= allowed, message)
+
+
+def read_runs(case: Case, paths: RunPaths) -> list[dict[str, dict[str, Any]]]:
+    """Each run's metrics in the golden schema: the first run's over every step; a ckpt-resume's second
+    run's over the steps after half, where it resumed."""
+    runs = [read_tensorboard([paths.tensorboard(1)], case.train_iters)]
+    if len(case.phases()) > 1:
+        runs.append(read_tensorboard([paths.tensorboard(2)], case.train_iters, start_step=case.train_iters // 2 + 1))
+    return runs
+
+
+def check_runs(case: Case, golden: dict[str, dict[str, Any]], runs: list[dict[str, dict[str, Any]]],
+               on_cuda: bool) -> list[Verdict]:
+    """The first run against the golden file, and a ckpt-resume's second run against the first run's
+    second half (Megatron-LM's two checks of such a case)."""
+    verdicts = compare(case, golden, runs[0], on_cuda)
+    if len(runs) > 1:
+        verdicts += compare_resumed(case, runs[0], runs[1], on_cuda)
+    return verdicts
+
+
+def compare_resumed(case: Case, first: dict[str, dict[str, Any]], second: dict[str, dict[str, Any]],
+                    on_cuda: bool) -> list[Verdict]:
+    """The resumed run's steps after half against the first run's same steps, under the case's checks."""
+    half = case.train_iters // 2
+    verdicts = []
+    for metric in measured_metrics(case, on_cuda):
+        if metric not in first or metric not in second:
+            verdicts.append(Verdict(metric, False, f"{metric}: not in the {'first' if metric not in first else 'second'} "
+                                                   f"run's TensorBoard events (METRICS lists it)"))
+            continue
+        reference = {**first[metric], "start_step": half + 1,
+                     "values": {step: value for step, value in first[metric]["values"].items() if int(step) > half}}
+        verdict = compare_metric(metric, case.checks[metric], reference, second[metric])
+        verdicts.append(Verdict(metric, verdict.passed, f"resumed at {half}, against the first run: {verdict.message}"))
+    return verdicts
 
 
 def compare(case: Case, golden: dict[str, dict[str, Any]], actual: dict[str, dict[str, Any]],

@@ -318,7 +318,8 @@ def stop_on_nan(iteration: int, loss: float, model: torch.nn.Module, check_grads
     gradient stops the run on every rank. The step has skipped such an update already (its
     gradients are not finite), so the parameters are the last good ones. The loss is reduced over
     the ranks; the gradients' verdict is all-reduced (`nan_in_grads`). With fp16 only the loss is
-    checked: an overflow is the loss scaler's to skip."""
+    checked: an overflow is the loss scaler's to skip (with a dynamic loss scale the check is off,
+    as in Megatron-LM: arguments/trainer/training.py)."""
     what = "loss" if math.isnan(loss) else ("gradients" if check_grads and nan_in_grads(model, device) else None)
     if what is not None:
         exit_with_error(f"iteration {iteration}: found NaN in the {what} (Megatron-LM's check; "

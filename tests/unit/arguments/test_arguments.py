@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from arguments import add_optimizer_args, optimizer_config_from_args, parse_and_validate, validate_args
+from arguments.optimizer_args import MEGATRON_LM_PARSER_DEFAULTS
 from megatron_eopt.config.optimizer_config import OptimizerConfig
 from megatron_eopt.registry import list_optimizers
 
@@ -68,8 +69,10 @@ def test_every_dest_is_a_field_with_the_dataclass_default(parser) -> None:
             assert action.default is None, action.option_strings
             continue
         default = FLAG_DTYPES.get(action.default, action.default)  # a dtype flag's default by its name
-        assert default == FIELD_DEFAULTS[action.dest], action.option_strings
-        assert type(default) is type(FIELD_DEFAULTS[action.dest]), action.option_strings
+        # Megatron-LM's parser's default where it differs (tests/unit/training/test_megatron_lm_parity.py checks it)
+        expected = MEGATRON_LM_PARSER_DEFAULTS.get(action.dest, FIELD_DEFAULTS[action.dest])
+        assert default == expected, action.option_strings
+        assert type(default) is type(expected), action.option_strings
 
 
 def test_defaults_give_the_default_config(parser) -> None:
@@ -77,7 +80,8 @@ def test_defaults_give_the_default_config(parser) -> None:
 
     cpu = torch.device("cpu")
     chosen = fp32_matmul_prec_for(cpu)[0]
-    assert optimizer_config_from_args(parse(parser), cpu) == OptimizerConfig(muon_fp32_matmul_prec=chosen)
+    assert optimizer_config_from_args(parse(parser), cpu) == OptimizerConfig(muon_fp32_matmul_prec=chosen,
+                                                                             **MEGATRON_LM_PARSER_DEFAULTS)
 
 
 def test_frozen_option_list(parser) -> None:
