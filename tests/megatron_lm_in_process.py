@@ -72,6 +72,7 @@ def _recording(run: Run) -> Iterator[None]:
             "grad norm": None if grad_norm is None else float(grad_norm),
             "learning rate": learning_rate,
             "skipped": int(skipped_iter),
+            "loss scale": float(loss_scale),
         })
         return original(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
                         skipped_iter, grad_norm, *args, **kwargs)
