@@ -85,6 +85,14 @@ def report(result: subprocess.CompletedProcess) -> str:
     return result.stdout[-3000:] + result.stderr[-5000:]
 
 
+LOG_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|")
+
+
+def printed_losses(text: str) -> dict[int, float]:
+    """The losses Megatron-LM printed, by iteration."""
+    return {int(i): float(loss) for i, loss in LOG_LINE.findall(text)}
+
+
 def loaded_iterations(stdout: str) -> list[int]:
     return [int(n) for n in re.findall(r"successfully loaded checkpoint from \S+ .*? at iteration (\d+)", stdout)]
 
@@ -142,7 +150,8 @@ def test_a_kill_in_a_save_and_sigterm_resume_exactly_and_an_inf_loss_skips_as_me
     incomplete 4 is never named by `latest`); in the next attempt a drawn rank gets SIGTERM
     with --exit-signal-handler as 6 starts (item 3: the loop saves at 6 and exits 0). Both
     checkpoints equal the uninterrupted run's at 6, and a --load of 6 continues to the
-    uninterrupted run's 8, bitwise. Then (item 4) an inf in one rank's loss at 3 under fp16:
+    uninterrupted run's 8, bitwise; the restarted attempt prints the uninterrupted run's losses
+    as Megatron-LM prints them after a resume (to 1e-6: 7 printed digits). Then (item 4) an inf in one rank's loss at 3 under fp16:
     our Adam skips the step and halves the loss scale as megatron-core's Adam does, and no
     parameter or optimizer-state tensor changes in that step."""
     rng = random.Random(f"{SEED}/kill in a save, then SIGTERM")
@@ -162,6 +171,12 @@ def test_a_kill_in_a_save_and_sigterm_resume_exactly_and_an_inf_loss_skips_as_me
     (straight, _), (resumed, _) = straight_runs(run_distributed, flags + ["--save", str(straight_dir)],
                                                 flags + ["--save", str(directory), "--load", str(directory)])
     assert [r["iteration"] for r in resumed.records] == [7, 8]
+    # What the restarted attempt printed, as Megatron-LM prints it: its first iteration as it is, the
+    # second the mean of both (its averages are not reset after the first), then each as it is.
+    losses = straight.losses()
+    printed = printed_losses(result.stdout.split("successfully loaded checkpoint", 1)[1])
+    assert printed == pytest.approx({3: losses[3], 4: (losses[3] + losses[4]) / 2, 5: losses[5], 6: losses[6]},
+                                    rel=1e-6), (printed, losses)
     assert _column(resumed, "lm loss", [7, 8]) == _column(straight, "lm loss", [7, 8])
     for iteration in (6, 8):
         assert_same_checkpoint(straight_dir, directory, iteration, tmp_path)
