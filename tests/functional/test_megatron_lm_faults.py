@@ -28,13 +28,13 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.functional.test_elastic_restart import TORCHRUN, free_port
-from tests.functional.test_megatron_lm_loop import (BF16_MOMENTS, MEGATRON_CORE, MEGATRON_FSDP, MODEL, ROOT,
+from tests.functional.test_megatron_lm_loop import (BF16_MOMENTS, ITERATIONS, MEGATRON_CORE, MEGATRON_FSDP, MODEL, ROOT,
                                                     TORCH_FSDP2, _assert_equal_tensors, _column)
 from tests.megatron_lm_faults_in_process import run_with_inf_loss
 from tests.megatron_lm_in_process import run_megatron_lm_many
 
 TRAIN_ITERS, SAVE_INTERVAL = 8, 2
-ITERATIONS = ["--train-iters", str(TRAIN_ITERS), "--save-interval", str(SAVE_INTERVAL)]  # after MODEL's 6
+LONGER = ["--train-iters", str(TRAIN_ITERS), "--save-interval", str(SAVE_INTERVAL)]  # after MODEL's ITERATIONS
 SEED = int(os.environ.get("FAULT_SEED", "20251127"))
 ENGINES = {  # the engine's flags with its checkpoint format; every engine trains in bf16
     "DDP distributed optimizer": ["--use-distributed-optimizer", "--ckpt-format", "torch_dist", "--bf16"],
@@ -46,7 +46,7 @@ OPTIMIZERS = {"adam": ["--optimizer", "adam"], "muon": ["--optimizer", "muon"]}
 
 def flags_of(engine: str, optimizer: str) -> list[str]:
     moments = BF16_MOMENTS if optimizer == "muon" and engine != "DDP distributed optimizer" else []
-    return [*MODEL, *ITERATIONS, *OPTIMIZERS[optimizer], *ENGINES[engine], *moments]
+    return [*MODEL, *LONGER, *OPTIMIZERS[optimizer], *ENGINES[engine], *moments]
 
 
 def launch(flags: list[str], directory: pathlib.Path, faults: list[dict] = (), restarts: int = 0,
@@ -151,9 +151,9 @@ def test_a_kill_in_a_save_and_sigterm_resume_exactly_and_an_inf_loss_skips_as_me
     with --exit-signal-handler as 6 starts (item 3: the loop saves at 6 and exits 0). Both
     checkpoints equal the uninterrupted run's at 6, and a --load of 6 continues to the
     uninterrupted run's 8, bitwise; the restarted attempt prints the uninterrupted run's losses
-    as Megatron-LM prints them after a resume (to 1e-6: 7 printed digits). Then (item 4) an inf in one rank's loss at 3 under fp16:
-    our Adam skips the step and halves the loss scale as megatron-core's Adam does, and no
-    parameter or optimizer-state tensor changes in that step."""
+    as Megatron-LM prints them after a resume (to 1e-6: 7 printed digits). Then (item 4) an inf
+    in one rank's loss at 3 under fp16: our Adam skips the step and halves the loss scale as
+    megatron-core's Adam does, and no parameter or optimizer-state tensor changes in that step."""
     rng = random.Random(f"{SEED}/kill in a save, then SIGTERM")
     faults = [{"attempt": 0, "rank": rng.randrange(2), "iteration": 4, "phase": "write"},
               {"attempt": 1, "rank": rng.randrange(2), "iteration": 6, "phase": "step", "signal": "TERM"}]
@@ -189,7 +189,7 @@ def test_a_kill_in_a_save_and_sigterm_resume_exactly_and_an_inf_loss_skips_as_me
 def assert_skipped_as_megatron_core(ours: list, theirs: list, iteration: int) -> None:
     for rank, (mine, reference) in enumerate(zip(ours, theirs)):
         assert (mine.run.optimizer_package, reference.run.optimizer_package) == ("megatron_eopt", "megatron")
-        every = range(1, TRAIN_ITERS - 1)  # MODEL's 6 iterations
+        every = range(1, ITERATIONS + 1)  # MODEL's
         skipped = _column(reference.run, "skipped", every)
         assert skipped == [int(i == iteration) for i in every], skipped  # megatron-core skips that one step
         assert _column(mine.run, "skipped", every) == skipped, rank
