@@ -141,8 +141,9 @@ def store_for_this_attempt(args: Any) -> Optional[Any]:
     """Under torchrun, the job's store under this attempt's own key prefix
     (runtime/torchrun_store.py), for `pretrain(store=...)`: Megatron-LM's initialization hands it
     to init_process_group, so every group megatron-core's initialize_model_parallel makes meets
-    there, never among the keys of an attempt torchrun restarted (where it hung, gloo and NCCL
-    alike). None outside torchrun, or when a process group exists (Megatron-LM then uses that)."""
+    there, never among the keys of an attempt torchrun restarted (gloo failed or hung there; NCCL
+    can read a dead rank's ncclUniqueId, docs/reliability.md). None outside torchrun, or when a
+    process group exists (Megatron-LM then uses that)."""
     import datetime
 
     import torch.distributed as dist
