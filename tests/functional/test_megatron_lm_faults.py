@@ -108,7 +108,10 @@ def saved_state(directory: pathlib.Path, iteration: int, scratch: pathlib.Path) 
     return _comparable(torch.load(out, weights_only=False))
 
 
-LEFT_OUT = {"args", "torch_rng_state"}  # wherever a format puts them (torch_dist: in common_state/...)
+# Left out wherever a format puts them (torch_dist: in common_state/...). Also Megatron-LM's FLOP
+# counter: its fsdp_dtensor load never asks for it (generate_state_dict without it), so a resumed
+# run counts from 0 there, with any optimizer; a logged number, not training state.
+LEFT_OUT = {"args", "torch_rng_state", "num_floating_point_operations_so_far"}
 
 
 def _comparable(value):
