@@ -74,6 +74,7 @@ def _recording(run: Run) -> Iterator[None]:
             "skipped": int(skipped_iter),
             # training_log(..., params_norm, num_zeros_in_grad, max_attention_logit, ...)
             "max attention logit": args[2] if len(args) > 2 else kwargs.get("max_attention_logit"),
+            "loss scale": float(loss_scale),
         })
         return original(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
                         skipped_iter, grad_norm, *args, **kwargs)

@@ -3,7 +3,8 @@
 process_groups.py: the parallel groups of a run and one helper for each group's size and rank
 (`group_size(None) == 1`); hardware.py: device capabilities (native bf16 matmul); once.py:
 warnings given once per process; rank_exit.py: a refused run's one line on rank 0 and exit status
-on every rank. They import no other megatron_eopt module. The run-time CPU
+on every rank; torchrun_store.py: a store key space per torchrun restart (the trainer's and
+Megatron-LM's loop's). They import no other megatron_eopt module. The run-time CPU
 patches of megatron-core's packages, applied only by their `install()` and only without CUDA:
 megatron_fsdp_cpu.py (Megatron-FSDP) and megatron_lm_cpu.py (Megatron-LM's loop), with the
 stand-ins they share in cpu_stand_ins.py.

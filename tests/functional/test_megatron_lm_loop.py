@@ -3,9 +3,10 @@
 scripts/pretrain_gpt_megatron_lm.py runs Megatron-LM's loop through megatron_eopt/runtime/
 megatron_lm_cpu.py when CUDA is absent. A tiny GPT (2 layers, hidden 64, 4 heads, seq 32, rope,
 global batch 8 of micro-batches of 2, 6 iterations, dropout 0 unless said) runs in the harness's workers
-(tests/megatron_lm_in_process.py: ~2 s a run, imports paid once), plus one torchrun launch of the
-script as a user types it. Every expectation comes from another run: megatron-core's own optimizer
-(`--megatron-core-optimizer`, the loop without `install()`), or the same run without interruption.
+(tests/megatron_lm_in_process.py: ~2 s a run, imports paid once); its launches under torchrun
+(restarts, faults) are in test_megatron_lm_faults.py. Every expectation comes from another run:
+megatron-core's own optimizer (`--megatron-core-optimizer`, the loop without `install()`), or the
+same run without interruption.
 Losses are what the loop hands its logger ('lm loss' averaged over micro-batches and DP ranks).
 
 - Same math as megatron-core: Adam, distributed Adam (`--use-distributed-optimizer --bf16`), and
@@ -23,14 +24,11 @@ Losses are what the loop hands its logger ('lm loss' averaged over micro-batches
   the masks moved after a resume: a DataLoader draws its seed from it when its iterator starts.)
   Megatron-LM's printed log line is not equal: it logs a run's first iteration without resetting
   its averages, so the second printed iteration after a restart (5 here) shows the mean of
-  iterations 4 and 5; the torchrun test checks that from the printed lines.
+  iterations 4 and 5; test_megatron_lm_faults.py checks that from the printed lines.
 - TP=2 and PP=2; MoE at EP=2; jobs moving from megatron-core to us and back (see each test).
 """
 
 import pathlib
-import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -184,36 +182,6 @@ def test_tensor_and_pipeline_parallel_equal_megatron_core_and_resume_exactly(run
         ours, theirs, saved, resumed = runs[4 * index:4 * index + 4]
         _assert_same_math(ours, theirs)
         _assert_resumed_exactly(ours, saved, resumed, name)
-
-
-# ---------------------------------------------------------------- the script under torchrun
-
-LOG_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|")
-
-
-def _printed_losses(text: str) -> dict[int, float]:
-    return {int(i): float(loss) for i, loss in LOG_LINE.findall(text)}
-
-
-def test_script_under_torchrun_resumes_as_megatron_lm_prints(run_distributed, tmp_path) -> None:
-    """`torchrun scripts/pretrain_gpt_megatron_lm.py --load` on a machine without CUDA trains with
-    ours: resuming in new processes the checkpoint a harness run saved at 3, it prints
-    megatron-core's Adam's losses of the run not interrupted (the harness's run of the same flags)
-    as Megatron-LM prints them: the launch's first iteration as it is, the second the mean of it
-    and the one before (its averages are not reset after the first), the third as it is. The
-    printed values carry 7 digits: compared to 1e-6."""
-    flags = OPTIMIZERS["adam"] + NO_CLIP
-    directory = str(tmp_path / "checkpoint")
-    (reference, _), (saved, _) = _runs(run_distributed, flags + MEGATRON_CORE, flags + _saving_at_3(directory))
-    assert saved.exit_status == 0
-    torchrun = [str(pathlib.Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node=2",
-                "scripts/pretrain_gpt_megatron_lm.py", *MODEL, *flags, "--load", directory]
-    done = subprocess.run(torchrun, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    printed = _printed_losses(done.stdout)
-    losses = reference.losses()
-    expected = {4: losses[4], 5: (losses[4] + losses[5]) / 2, 6: losses[6]}
-    assert printed == pytest.approx(expected, rel=1e-6), (printed, losses)
 
 
 REFUSED = {  # a command line the loop refuses, and what its one line says

@@ -1,21 +1,19 @@
 """Restarts under `torchrun --max-restarts` and collectives that fail in one line instead of hanging.
 
 torchrun's agent keeps one TCPStore for the whole job (static and c10d rendezvous alike), so the
-keys gloo's rendezvous wrote on an earlier attempt are still there on the next: a restarted rank
-that starts before its peers reads a dead peer's address and fails with `Gloo connectFullMesh
-failed ... Connection refused` (or waits). `restart_store` gives each attempt its own key space
-(a PrefixStore per TORCHELASTIC_RESTART_COUNT) and bounds the wait by --distributed-timeout-minutes.
+keys gloo's rendezvous wrote on an earlier attempt are still there on the next: the trainer's
+`init_distributed` meets in runtime/torchrun_store.py's `restart_store` (a key space per attempt)
+and bounds the wait by --distributed-timeout-minutes.
 `collective_failures` turns a collective that failed (a peer killed) or timed out (a peer stopped)
 into one line naming the operation and where it was called, then exits non-zero at once (no
 clean-up that could wait on the dead peer), so torchrun can restart the job from its checkpoint.
 """
 
 import contextlib
-import datetime
 import os
 import sys
 import traceback
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch.distributed as dist
 
@@ -23,27 +21,6 @@ from megatron_eopt.ops.collectives import CollectiveTimeout
 from megatron_eopt.training.errors import PROG
 
 EXIT_STATUS = 1  # a worker failure for torchrun: it restarts the job while restarts are left
-
-
-def restart_attempt() -> Optional[int]:
-    """torchelastic's restart count (0 on the first attempt); None outside torchrun."""
-    count = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    return int(count) if count is not None and count.isdigit() else None
-
-
-def restart_store(rank: int, world_size: int, timeout: datetime.timedelta) -> Optional[dist.Store]:
-    """Under torchrun: a client of the job's TCPStore (the agent's, or rank 0's without the agent
-    store), its keys under this attempt's own prefix. None outside torchrun (env:// as before)."""
-    attempt = restart_attempt()
-    if attempt is None:
-        return None
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
-        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
-    else:  # rank 0 hosts a store of its own, new for each attempt
-        store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, multi_tenant=True)
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    return dist.PrefixStore(f"megatron_eopt/{run_id}/attempt_{attempt}/", store)
 
 
 def fail(rank: int, message: str) -> None:

@@ -56,12 +56,13 @@ def job_layout(args: argparse.Namespace) -> Layout:
 def init_distributed(args: argparse.Namespace, layout: Layout) -> torch.device:
     """One process group over every rank: NCCL on CUDA (cuda:LOCAL_RANK), gloo on CPU (see
     `runs_on_cuda`). A process group that already exists (a caller's, see `main`) is used as it is.
-    Under torchrun each restart meets in a key space of its own (elastic.py's `restart_store`); a
+    Under torchrun each restart meets in a key space of its own (runtime/torchrun_store.py's `restart_store`); a
     rendezvous that does not complete within --distributed-timeout-minutes ends in one line."""
     import torch
     import torch.distributed as dist
 
-    from megatron_eopt.training.parallel.elastic import fail, restart_attempt, restart_store
+    from megatron_eopt.runtime.torchrun_store import restart_attempt, restart_store
+    from megatron_eopt.training.parallel.elastic import fail
 
     if dist.is_initialized():
         return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
