@@ -144,7 +144,7 @@ def pretrain_iterations(args, skip: Optional[str], directory: str) -> dict:
     built = {"flags": {name: " ".join(f) for name, f in flags.items()}, "transformer_engine": te,
              "tokens_per_iteration": {b: b * args.seq_length for b in args.pretrain_global_batch_sizes}}
     if skip:
-        from arguments.trainer.parser import parse_args  # checks every flag as a run would, builds nothing
+        from megatron_eopt.training.arguments.parser import parse_args  # checks every flag as a run would, builds nothing
 
         for argv in flags.values():
             parse_args(argv)
@@ -202,7 +202,7 @@ def cuda_matches_cpu(args, skip: Optional[str], directory: str) -> dict:
     check = "pretrain_gpt on CUDA (megatron-core's router, dispatchers, RoPE) = on CPU (substitutions), 10 it."
     built = {"flags": {name: " ".join(SMALL_RUN + cuda) for name, (cuda, _) in CUDA_VS_CPU_RUNS.items()}}
     if skip:
-        from arguments.trainer.parser import parse_args
+        from megatron_eopt.training.arguments.parser import parse_args
 
         for _, cpu in CUDA_VS_CPU_RUNS.values():  # the CUDA-only flags are refused here, rightly
             parse_args(SMALL_RUN + cpu)
@@ -234,7 +234,7 @@ def megatron_fsdp_cuda_matches_cpu(args, skip: Optional[str], directory: str) ->
     check = "pretrain_gpt --use-megatron-fsdp on CUDA = on CPU (megatron_fsdp_cpu patch), muon, 10 it."
     built = {"flags": " ".join(MEGATRON_FSDP_RUN)}
     if skip:
-        from arguments.trainer.parser import parse_args
+        from megatron_eopt.training.arguments.parser import parse_args
 
         parse_args(MEGATRON_FSDP_RUN)
         return skipped(check, skip, **built)

@@ -1,5 +1,5 @@
 """The settings one command line resolves to in Megatron-LM's loop (its parser with install()'s flags and
-validate_args, as `pretrain_gpt.py` runs them) and in our trainer (arguments/trainer/parser.py), in-process
+validate_args, as `pretrain_gpt.py` runs them) and in our trainer (megatron_eopt/training/arguments/parser.py), in-process
 and without a process group: `resolved_by_megatron_lm(argv, world_size)` and `resolved_by_ours(argv,
 world_size)` give {setting: value} over four kinds, keyed 'OptimizerConfig.<field>', 'TransformerConfig.<field>',
 'scheduler.<argument>' (megatron-core's OptimizerParamScheduler, as each builds it), 'GPTModelSettings.<field>'
@@ -71,8 +71,8 @@ def resolved_by_ours(argv: list[str], world_size: int) -> dict[str, Any]:
     from megatron.core import optimizer_param_scheduler, parallel_state
 
     from arguments import optimizer_config_from_args
-    from arguments.trainer.parser import parse_args
-    from arguments.trainer.training import scheduler_config
+    from megatron_eopt.training.arguments.parser import parse_args
+    from megatron_eopt.training.arguments.training import scheduler_config
     from megatron_eopt.integrations.megatron_bridge import get_scheduler
     from megatron_eopt.training.model import transformer_config as transformer_config_module
 

@@ -9,7 +9,7 @@ from typing import Optional
 
 # Only the parser and torch-free checks are imported here: torch and megatron-core come after
 # the flags are parsed (parse_args), so --help and flag errors do not wait for them.
-from arguments.trainer.parser import parse_args
+from megatron_eopt.training.arguments.parser import parse_args
 from megatron_eopt.training.checkpoint_paths import check_checkpoint_paths
 from megatron_eopt.training.errors import exit_with_error
 from megatron_eopt.training.logging.warning_policy import warning_policy

@@ -31,7 +31,7 @@ MUON_REACHES_BY = 70  # the 0.7 of the iterations that docs/convergence.md aims 
 def _losses(rank: int, world_size: int, argv: list[str]) -> list[float]:
     import torch
 
-    from arguments.trainer.parser import parse_args
+    from megatron_eopt.training.arguments.parser import parse_args
     from megatron_eopt.training.loop import train as train_loop
     from megatron_eopt.training.model.gpt import initialize_model_parallel
 

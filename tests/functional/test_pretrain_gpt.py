@@ -353,7 +353,7 @@ def _our_lines(stderr: str) -> list[str]:
 )
 def test_bad_flags_exit_with_one_line(argv, world_size, message, monkeypatch, capsys) -> None:
     """Checked in-process (the checks run before any process group; a subprocess costs ~16 s)."""
-    from arguments.trainer.parser import parse_args
+    from megatron_eopt.training.arguments.parser import parse_args
 
     monkeypatch.setenv("WORLD_SIZE", world_size)
     with pytest.raises(SystemExit) as exit_info:
@@ -369,7 +369,7 @@ def test_other_ranks_exit_alike_in_silence(argv, monkeypatch, capsys) -> None:
     """Rank 1 of 2 exits with rank 0's status and prints nothing (rank 0 says it once), after
     waiting long enough for rank 0 to have said it."""
     from megatron_eopt.runtime import rank_exit as errors
-    from arguments.trainer.parser import parse_args
+    from megatron_eopt.training.arguments.parser import parse_args
 
     waits, exits = [], []
 

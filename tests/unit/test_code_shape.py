@@ -124,8 +124,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("distributed",),
     ("checkpointing",),  # our own checkpoint files
     ("factory",),
+    ("arguments",),  # the top-level package beside megatron_eopt/: the optimizer's flags, Megatron-LM's parser and ours
     ("integrations", "muon"),  # muon.py: the deprecated import path, re-exports integrations/deprecated_muon.py
-    ("training",),  # the trainer: nothing in the library imports it
+    ("training",),  # the trainer, its flags in training/arguments/: nothing in the library imports it
 )
 LAYER_OF = {name: index for index, names in enumerate(LAYERS) for name in names}
 # The one upward import, inside the method that needs it: OptimizerConfig.provide() is
@@ -174,7 +175,7 @@ def _module_path(name: str) -> Optional[pathlib.Path]:
 
 def layer(module: str) -> int:
     """The layer of `module`, a path below megatron_eopt/ ('checkpointing/state.py') or a dotted name
-    below it ('checkpointing.state')."""
+    below it ('checkpointing.state'); or one of arguments/ ('arguments/validate.py', 'arguments.validate')."""
     top = re.split(r"[./]", module)[0]
     if top not in LAYER_OF:
         raise AssertionError(f"megatron_eopt/{module} is in no layer; add it to LAYERS (and docs/layers.md)")
@@ -182,12 +183,13 @@ def layer(module: str) -> int:
 
 
 def upward_imports(imports: dict[str, list[tuple[str, Optional[str]]]]) -> list[str]:
-    """'module imports name' for each import of `imports` (module below megatron_eopt/ -> [(imported
-    name, enclosing function or None)]) that climbs to a higher layer, the allowed one left out."""
+    """'module imports name' for each import of `imports` (module below megatron_eopt/ or arguments/... ->
+    [(imported name, enclosing function or None)]) that climbs to a higher layer, the allowed one left out."""
     violations = []
     for module, names in sorted(imports.items()):
         for name, function in names:
-            if not name.startswith("megatron_eopt.") or (module, name, function) in UPWARD_ALLOWED:
+            ours = name == "arguments" or name.startswith(("megatron_eopt.", "arguments."))
+            if not ours or (module, name, function) in UPWARD_ALLOWED:
                 continue
             if layer(name.removeprefix("megatron_eopt.")) > layer(module):
                 where = f" (in {function}())" if function else ""
@@ -199,6 +201,8 @@ def test_layers_import_only_downwards() -> None:
     package = ROOT / "megatron_eopt"
     imports = {p.relative_to(package).as_posix(): package_imports(p) for p in package.rglob("*.py")
                if p != package / "__init__.py"}  # the root re-exports every layer, on first use
+    imports |= {p.relative_to(ROOT).as_posix(): package_imports(p) for p in (ROOT / "arguments").rglob("*.py")}
+    assert len(imports) > 100 and "arguments/optimizer_args.py" in imports
     assert not upward_imports(imports), upward_imports(imports)
 
 
@@ -209,9 +213,14 @@ def test_an_upward_import_fails_the_check() -> None:
         "checkpointing/state.py": [("megatron_eopt.wrappers.fp32", None), ("megatron_eopt.placement", None)],
         "config/optimizer_config.py": [("megatron_eopt.factory", "provide")],  # the allowed one
         "config/rules.py": [("megatron_eopt.factory", None)],  # at the top: not allowed
+        "arguments/validate.py": [("megatron_eopt.registry", "optimizer_names"), ("megatron_eopt.training.errors", None)],
+        "integrations/megatron_lm.py": [("arguments.optimizer_args", None)],  # the flags lie below the integrations
+        "factory.py": [("arguments.to_config", "build")],  # and above the library
     }
     assert upward_imports(imports) == [
+        "arguments/validate.py imports megatron_eopt.training.errors",
         "config/rules.py imports megatron_eopt.factory",
+        "factory.py imports arguments.to_config (in build())",
         "placement/fully_sharded_layout.py imports megatron_eopt.distributed.fsdp2",
         "wrappers/fp32.py imports megatron_eopt.checkpointing.state (in load_state_dict())",
     ]
@@ -221,9 +230,10 @@ def test_every_package_is_in_a_layer_as_docs_draw_them() -> None:
     package = ROOT / "megatron_eopt"
     found = {p.name.removesuffix(".py") for p in package.iterdir()
              if (p.is_dir() and (p / "__init__.py").is_file()) or (p.suffix == ".py" and p.name != "__init__.py")}
+    found.add("arguments")  # beside megatron_eopt/
     assert found == set(LAYER_OF), f"packages without a layer {sorted(found - set(LAYER_OF))}, gone {sorted(set(LAYER_OF) - found)}"
     drawing = (ROOT / "docs" / "layers.md").read_text().split("```")[1]
-    drawn = re.findall(r"^ *(\d+)? +([a-z_]+)(?:/|\.py) ", drawing.split("users of the library")[1], re.MULTILINE)
+    drawn = re.findall(r"^ *(\d+)? +([a-z_]+)(?:/|\.py) ", drawing, re.MULTILINE)
     layers: list[list[str]] = []
     for number, name in drawn:
         if number:

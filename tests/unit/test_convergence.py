@@ -328,7 +328,7 @@ def test_the_prose_and_roff_corpora_keep_licences_indexes_and_c_manuals_out(tmp_
 def test_final_eval_iters_sizes_the_validation_split_and_is_checked() -> None:
     import argparse
 
-    from arguments.trainer.loop import check_eval_flags
+    from megatron_eopt.training.arguments.loop import check_eval_flags
     from megatron_eopt.training.data.datasets import SampleCounts
 
     # 100 iterations, evaluations every 10 (10 + the final one) of 2 batches of 8: 176 samples;

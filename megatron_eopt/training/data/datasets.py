@@ -19,7 +19,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from arguments.trainer.data import (  # noqa: F401 (the flag checks, re-exported)
+from megatron_eopt.training.arguments.data import (  # noqa: F401 (the flag checks, re-exported)
     DEFAULT_SPLIT,
     PER_SPLIT_FLAGS,
     SPLITS,
@@ -31,7 +31,7 @@ from arguments.trainer.data import (  # noqa: F401 (the flag checks, re-exported
     split_weights,
     tokenizer_vocab_size,
 )
-from arguments.trainer.flags.model import DEFAULT_RULE_VOCAB_SIZE  # noqa: F401 (re-exported)
+from megatron_eopt.training.arguments.flags.model import DEFAULT_RULE_VOCAB_SIZE  # noqa: F401 (re-exported)
 from megatron_eopt.training.data.tokenizer import build_tokenizer
 
 RULES = [(3, 1), (5, 7), (7, 2), (11, 5)]

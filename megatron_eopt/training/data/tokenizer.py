@@ -18,7 +18,7 @@ import os
 from collections import OrderedDict
 from typing import Any
 
-from arguments.trainer.flags.data import BPE_FILES, TOKENIZER_TYPES  # noqa: F401 (re-exported)
+from megatron_eopt.training.arguments.flags.data import BPE_FILES, TOKENIZER_TYPES  # noqa: F401 (re-exported)
 
 BYTE_VOCAB_SIZE = 256
 # End-of-document tokens of common tokenizer.json files (GPT-2, Llama, Llama 3, Gemma, ...).

@@ -66,7 +66,7 @@ def _as_rank_zero(case: Case, world_size: int, argv: list[str]) -> Iterator[None
 
 
 def _check_trainer_flags(argv: list[str]) -> None:
-    from arguments.trainer.parser import parse_args
+    from megatron_eopt.training.arguments.parser import parse_args
 
     parse_args(argv)
 

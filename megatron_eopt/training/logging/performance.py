@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from arguments.trainer.loop import PROFILE_DETAIL_FLAGS, check_performance_flags  # noqa: F401
+from megatron_eopt.training.arguments.loop import PROFILE_DETAIL_FLAGS, check_performance_flags  # noqa: F401
 
 
 def performance_lines(args: argparse.Namespace, on_cuda: bool) -> list[str]:

@@ -21,7 +21,7 @@ from typing import Callable, ContextManager, Optional
 import torch
 import torch.distributed as dist
 
-from arguments.trainer.loop import check_eval_flags  # noqa: F401 (re-exported)
+from megatron_eopt.training.arguments.loop import check_eval_flags  # noqa: F401 (re-exported)
 
 # Megatron-LM caps the exponent so a diverged loss prints a number, not inf.
 PPL_EXPONENT_CAP = 20.0

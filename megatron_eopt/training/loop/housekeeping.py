@@ -16,7 +16,7 @@ from typing import Iterator
 
 import torch
 
-from arguments.trainer.loop import check_housekeeping_flags  # noqa: F401 (re-exported)
+from megatron_eopt.training.arguments.loop import check_housekeeping_flags  # noqa: F401 (re-exported)
 
 
 class Housekeeping:

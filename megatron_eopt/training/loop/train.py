@@ -16,14 +16,14 @@ from arguments import (
 )
 from megatron_eopt.integrations.megatron_bridge import get_scheduler
 from megatron_eopt.checkpointing import CheckpointSaveError, new_save_group, save_checkpoint, start_save_checkpoint
-from arguments.trainer.moe import (
+from megatron_eopt.training.arguments.moe import (
     describe_moe,
     logged_moe_losses,
     moe_layer_pattern,
     moe_note_lines,
 )
-from arguments.trainer.no_effect import no_effect_lines
-from arguments.trainer.training import document_lines, scheduler_config
+from megatron_eopt.training.arguments.no_effect import no_effect_lines
+from megatron_eopt.training.arguments.training import document_lines, scheduler_config
 from megatron_eopt.training.data.batches import BatchSource
 from megatron_eopt.training.data.datasets import (
     document_inputs,
@@ -319,7 +319,7 @@ def stop_on_nan(iteration: int, loss: float, model: torch.nn.Module, check_grads
     gradients are not finite), so the parameters are the last good ones. The loss is reduced over
     the ranks; the gradients' verdict is all-reduced (`nan_in_grads`). With fp16 only the loss is
     checked: an overflow is the loss scaler's to skip (with a dynamic loss scale the check is off,
-    as in Megatron-LM: arguments/trainer/training.py)."""
+    as in Megatron-LM: megatron_eopt/training/arguments/training.py)."""
     what = "loss" if math.isnan(loss) else ("gradients" if check_grads and nan_in_grads(model, device) else None)
     if what is not None:
         exit_with_error(f"iteration {iteration}: found NaN in the {what} (Megatron-LM's check; "

@@ -27,7 +27,7 @@ from megatron.core.transformer.transformer_layer import (
     get_transformer_layer_offset,
 )
 
-from arguments.trainer.moe import moe_layer_pattern
+from megatron_eopt.training.arguments.moe import moe_layer_pattern
 from megatron_eopt.training.model.mla import with_cpu_mla
 from megatron_eopt.training.model.model_parallel import LayerSeededTransformerLayer, init_seed
 from megatron_eopt.training.model.moe import moe_layer_builder

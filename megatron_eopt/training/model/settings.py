@@ -136,7 +136,7 @@ class GPTModelSettings:
     sequence_parallel: bool = False
     # Mixture of experts (megatron-core's MoELayer, SequentialMLP experts; megatron_eopt/training/model/moe.py):
     # None: a dense MLP. The other fields are megatron-core TransformerConfig's, same names and
-    # meaning (lists as tuples: the settings are frozen); arguments/trainer/moe.py checks them.
+    # meaning (lists as tuples: the settings are frozen); megatron_eopt/training/arguments/moe.py checks them.
     num_moe_experts: int | None = None
     moe_router_topk: int = 2
     moe_token_dispatcher_type: Literal["allgather", "alltoall"] = "allgather"  # alltoall: CUDA only

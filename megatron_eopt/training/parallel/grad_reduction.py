@@ -22,7 +22,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 
 from megatron_eopt.ops.collectives import wait_bounded
-from arguments.trainer.flags.parallel import BUCKET_NUMEL  # noqa: F401 (re-exported)
+from megatron_eopt.training.arguments.flags.parallel import BUCKET_NUMEL  # noqa: F401 (re-exported)
 from megatron_eopt.training.parallel.sequence_parallel import (
     sum_grads_over_tensor_parallel,
 )

@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-from arguments.trainer.device import runs_on_cuda, world  # noqa: F401 (runs_on_cuda re-exported)
-from arguments.trainer.pipeline import pipeline_layout
+from megatron_eopt.training.arguments.device import runs_on_cuda, world  # noqa: F401 (runs_on_cuda re-exported)
+from megatron_eopt.training.arguments.pipeline import pipeline_layout
 
 if TYPE_CHECKING:
     import torch

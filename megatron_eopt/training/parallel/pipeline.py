@@ -23,7 +23,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
-from arguments.trainer.pipeline import pipeline_layout  # noqa: F401 (re-exported)
+from megatron_eopt.training.arguments.pipeline import pipeline_layout  # noqa: F401 (re-exported)
 from megatron_eopt.training.loop.token_loss import TokenLoss
 from megatron_eopt.training.model.gpt import gpt_token_losses
 

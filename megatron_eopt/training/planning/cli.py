@@ -8,14 +8,14 @@ from typing import Optional
 
 from arguments import optimizer_config_from_args, validate_args
 from arguments.optimizer_args import add_optimizer_args, resolve_optimizer_flags
-from arguments.trainer.device import Device
-from arguments.trainer.flags import model as model_flags
-from arguments.trainer.flags import moe as moe_flags
-from arguments.trainer.flags.table import replaced
-from arguments.trainer.model import model_defaults, model_settings
-from arguments.trainer.moe import moe_settings, resolve_moe_flags
-from arguments.trainer.flags.table import add_flags
-from arguments.trainer.parser import TABLES
+from megatron_eopt.training.arguments.device import Device
+from megatron_eopt.training.arguments.flags import model as model_flags
+from megatron_eopt.training.arguments.flags import moe as moe_flags
+from megatron_eopt.training.arguments.flags.table import replaced
+from megatron_eopt.training.arguments.model import model_defaults, model_settings
+from megatron_eopt.training.arguments.moe import moe_settings, resolve_moe_flags
+from megatron_eopt.training.arguments.flags.table import add_flags
+from megatron_eopt.training.arguments.parser import TABLES
 from megatron_eopt.training.model.settings import GPTModelSettings
 from megatron_eopt.training.planning.presets import PRESETS
 

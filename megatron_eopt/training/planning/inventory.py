@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from megatron_eopt.params.groups import ParamRecord, ParamRouting
-from arguments.trainer.moe import moe_layer_pattern
+from megatron_eopt.training.arguments.moe import moe_layer_pattern
 from megatron_eopt.training.model.settings import GPTModelSettings
 
 

@@ -228,7 +228,7 @@ def test_unsupported_combinations_exit_2_with_one_line(parser, capsys):
 
 
 def test_pretrain_gpt_refuses_before_building_anything(monkeypatch, capsys):
-    from arguments.trainer.parser import parse_args
+    from megatron_eopt.training.arguments.parser import parse_args
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(SystemExit) as raised:
@@ -256,7 +256,7 @@ def test_distributed_optimizer_flag_means_layer_wise_for_every_optimizer(parser,
 
 
 def test_pretrain_gpt_adam_with_distributed_optimizer_parses_to_layer_wise(monkeypatch):
-    from arguments.trainer.parser import parse_args
+    from megatron_eopt.training.arguments.parser import parse_args
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     args, _, layout = parse_args(["--optimizer", "adam", "--use-distributed-optimizer", "--lr", "1e-3"])

@@ -6,7 +6,7 @@ import importlib.metadata
 
 import pytest
 
-from arguments.trainer import device
+from megatron_eopt.training.arguments import device
 
 
 def test_it_agrees_with_torch_here() -> None:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from arguments.trainer.device import cuda_surely_absent
+from megatron_eopt.training.arguments.device import cuda_surely_absent
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 

@@ -107,7 +107,7 @@ MIXTRAL = [
 
 
 def _parse(argv: list[str], monkeypatch, world_size: int = 1):
-    from arguments.trainer.parser import parse_args
+    from megatron_eopt.training.arguments.parser import parse_args
 
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     monkeypatch.setenv("RANK", "0")

@@ -16,8 +16,8 @@ ADAM = ["--optimizer", "adam", "--lr", "1.0", "--min-lr", "0.1"]
 
 
 def _parse(argv: list[str], monkeypatch, world_size: int = 1):
-    from arguments.trainer.parser import parse_args
-    from arguments.trainer.training import scheduler_config
+    from megatron_eopt.training.arguments.parser import parse_args
+    from megatron_eopt.training.arguments.training import scheduler_config
     from megatron_eopt.training.parallel import layout as parallel_layout
 
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
@@ -78,8 +78,8 @@ def _lrs(argv: list[str], iterations: int, monkeypatch, key: str = "lr") -> list
 
     from arguments import optimizer_config_from_args
     from megatron_eopt.integrations.megatron_bridge import get_scheduler
-    from arguments.trainer.parser import parse_args
-    from arguments.trainer.training import scheduler_config
+    from megatron_eopt.training.arguments.parser import parse_args
+    from megatron_eopt.training.arguments.training import scheduler_config
     from megatron_eopt.training.parallel import layout as parallel_layout
 
     args, _, _ = _parse(argv, monkeypatch)
@@ -234,8 +234,8 @@ def test_bad_new_flags_exit_with_one_line(argv: list[str], message: str, monkeyp
 def _built_model(rank: int, world_size: int, argv: list[str]) -> dict:
     import torch
 
-    from arguments.trainer.parser import parse_args
-    from arguments.trainer.training import scheduler_config
+    from megatron_eopt.training.arguments.parser import parse_args
+    from megatron_eopt.training.arguments.training import scheduler_config
     from megatron_eopt.training.parallel import layout as parallel_layout
     from megatron_eopt.training.model.gpt import build_gpt_model, destroy_model_parallel, initialize_model_parallel
 
@@ -331,7 +331,7 @@ def _run_printing(rank: int, world_size: int, argv: list[str]) -> tuple[list[dic
 def test_megatron_lm_flags_without_effect_are_named_and_exit_duration_stops(run_distributed, tmp_path) -> None:
     """A Megatron-LM command line's kernel and bookkeeping flags run, each named in one line as
     changing nothing; --exit-duration-in-mins stops (after saving) once the time is past."""
-    from arguments.trainer.no_effect import NO_EFFECT
+    from megatron_eopt.training.arguments.no_effect import NO_EFFECT
 
     argv = ADAM + ["--train-iters", "5", "--log-interval", "1", "--transformer-impl", "local",
                    "--distributed-backend", "gloo", "--exit-duration-in-mins", "1e-9", "--save", str(tmp_path),
@@ -475,8 +475,8 @@ def test_distributed_timeout_reaches_the_process_group(monkeypatch) -> None:
     Megatron-LM); the call is intercepted, no group is made."""
     import datetime
 
-    from arguments.trainer.parser import parse_args
-    from arguments.trainer.training import scheduler_config
+    from megatron_eopt.training.arguments.parser import parse_args
+    from megatron_eopt.training.arguments.training import scheduler_config
     import torch.distributed as dist
 
     from megatron_eopt.training.parallel import layout as parallel_layout
@@ -543,7 +543,7 @@ def test_ranks_without_a_rendezvous_address_end_in_one_line(monkeypatch) -> None
         "mscale-factor-1", "mscale-all-dim-rope", "rope-scaling-factor", "yarn-scaled", "rope-softmax-scaled"])
 def test_flags_this_combination_leaves_without_effect_are_named(argv: list[str], line, monkeypatch) -> None:
     """The start-up lines of flags the others make change nothing (say_setup prints no_effect_lines)."""
-    from arguments.trainer.no_effect import combination_lines, no_effect_lines
+    from megatron_eopt.training.arguments.no_effect import combination_lines, no_effect_lines
 
     args, _, _ = _parse(argv, monkeypatch)
     lines = no_effect_lines(args)

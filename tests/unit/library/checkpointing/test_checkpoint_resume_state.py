@@ -157,8 +157,8 @@ def _draws(tracker) -> dict:
 
 
 def test_pretrain_gpt_scheduler_flags_reach_the_scheduler_config(capsys) -> None:
-    from arguments.trainer.parser import parse_args
-    from arguments.trainer.training import scheduler_config
+    from megatron_eopt.training.arguments.parser import parse_args
+    from megatron_eopt.training.arguments.training import scheduler_config
 
     base = ["--lr", "1e-2", "--load", "ckpt"]
     for flag, field in (("--override-opt_param-scheduler", "override_opt_param_scheduler"),

@@ -98,7 +98,7 @@ def test_the_library_and_our_trainer_refuse_it_too(monkeypatch) -> None:
     """The factory checks when it builds (any caller); the trainer's flag checks before any process group."""
     import torch
 
-    from arguments.trainer.parser import parse_args
+    from megatron_eopt.training.arguments.parser import parse_args
     from megatron_eopt import OptimizerConfig, get_megatron_optimizer
 
     model = torch.nn.Linear(4, 4, bias=False)

@@ -44,7 +44,7 @@ def test_step_schedules_are_read_as_megatron_core_reads_them(seq_length) -> None
 
 
 def _parse(argv: list[str], monkeypatch, world_size: int = 1):
-    from arguments.trainer.parser import parse_args
+    from megatron_eopt.training.arguments.parser import parse_args
 
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     monkeypatch.setenv("RANK", "0")

@@ -367,7 +367,7 @@ def _bad_flags(tmp_path: pathlib.Path, prefix: str) -> list[tuple[list[str], str
 
 
 def test_bad_data_tokenizer_and_eval_flags_exit_with_one_line(tmp_path, prefix, monkeypatch, capsys) -> None:
-    from arguments.trainer.parser import parse_args
+    from megatron_eopt.training.arguments.parser import parse_args
 
     monkeypatch.setenv("WORLD_SIZE", "1")
     for argv, message in _bad_flags(tmp_path, prefix):
@@ -380,7 +380,7 @@ def test_bad_data_tokenizer_and_eval_flags_exit_with_one_line(tmp_path, prefix, 
 
 
 def test_good_data_flags_set_the_model_vocabulary(prefix, tmp_path, monkeypatch) -> None:
-    from arguments.trainer.parser import parse_args
+    from megatron_eopt.training.arguments.parser import parse_args
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     cases = [
@@ -452,7 +452,7 @@ def test_per_split_paths_and_their_files_give_megatron_cores_samples_of_each_spl
     """--train/valid/test-data-path: each split reads all of its own prefix, the samples megatron-core's
     builder gives that prefix split wholly into that split; --per-split-data-args-path (JSON) and
     --data-args-path (a file of --data-path words) are read as Megatron-LM reads them."""
-    from arguments.trainer.parser import parse_args
+    from megatron_eopt.training.arguments.parser import parse_args
 
     monkeypatch.setenv("WORLD_SIZE", "1")
     prefixes = {split: _byte_docs(tmp_path, split, [_doc_text(i + 100 * k) for i in range(12)])

@@ -54,7 +54,7 @@ def test_bf16_accumulates_in_fp32_and_matches_fp32_and_dp1(run_distributed):
 
 
 def _parse(argv: list[str], monkeypatch):
-    from arguments.trainer.parser import parse_args
+    from megatron_eopt.training.arguments.parser import parse_args
 
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("RANK", "0")

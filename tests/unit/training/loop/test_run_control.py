@@ -17,7 +17,7 @@ import pytest
 
 from tests.pretrain_gpt_in_process import ranks_exit_together
 from megatron_eopt.training import pretrain
-from arguments.trainer.parser import parse_args
+from megatron_eopt.training.arguments.parser import parse_args
 from megatron_eopt.training.loop import train as train_loop
 
 ARGV = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -138,7 +138,7 @@ def test_bad_run_control_flags_exit_with_one_line(argv, message, monkeypatch, ca
 
 
 def test_dash_spellings_and_no_effect_checkpoint_flags(monkeypatch) -> None:
-    from arguments.trainer.no_effect import no_effect_lines
+    from megatron_eopt.training.arguments.no_effect import no_effect_lines
     from megatron_eopt.training.loop.run_control import run_control_lines
 
     monkeypatch.setenv("WORLD_SIZE", "1")

@@ -127,7 +127,7 @@ def test_masked_per_token_runs_equal_across_layouts(run_distributed) -> None:
      "--calculate-per-token-loss with --num-experts is not offered"),
 ], ids=["eod-without-data", "per-token-moe"])
 def test_bad_loss_flags_exit_with_one_line(argv: list[str], message: str, monkeypatch, capsys) -> None:
-    from arguments.trainer.parser import parse_args
+    from megatron_eopt.training.arguments.parser import parse_args
 
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("RANK", "0")

@@ -50,7 +50,7 @@ def _shapes_and_muon_calls(rank: int, world_size: int, argv: list[str]) -> dict:
     import torch
 
     from megatron_eopt.training import pretrain
-    from arguments.trainer.parser import parse_args
+    from megatron_eopt.training.arguments.parser import parse_args
     from megatron_eopt.training.model.gpt import build_gpt_model, destroy_model_parallel, initialize_model_parallel
     from tests.newton_schulz_calls import recording_newton_schulz_calls
 

@@ -143,7 +143,7 @@ MOE = ["--num-experts", "4", "--disable-bias-linear"]
 
 def _parse_error(argv: list[str], world_size: int, monkeypatch, capsys) -> list[str]:
     """parse_args's stderr lines for `argv` (it must exit with status 2)."""
-    from arguments.trainer.parser import parse_args
+    from megatron_eopt.training.arguments.parser import parse_args
 
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     monkeypatch.setenv("RANK", "0")
@@ -206,7 +206,7 @@ def test_cpu_refusals_name_the_flag(argv, message, monkeypatch, capsys) -> None:
 
 
 def test_moe_flags_reach_the_settings(monkeypatch) -> None:
-    from arguments.trainer.parser import parse_args
+    from megatron_eopt.training.arguments.parser import parse_args
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "0")

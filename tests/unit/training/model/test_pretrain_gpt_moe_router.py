@@ -1,4 +1,4 @@
-"""Megatron-LM's MoE router and expert flags in scripts/pretrain_gpt.py (arguments/trainer/moe.py).
+"""Megatron-LM's MoE router and expert flags in scripts/pretrain_gpt.py (megatron_eopt/training/arguments/moe.py).
 
 References, none produced by the code under test:
 - the routing of a model our builder made, recomputed by hand in plain torch from the router's
@@ -211,7 +211,7 @@ def test_router_flags_train_the_same_in_every_layout(run_distributed, tmp_path) 
 
 def test_router_flags_reach_the_transformer_config(run_distributed) -> None:
     """Each flag's value in megatron-core's TransformerConfig of the model the trainer builds."""
-    from arguments.trainer.parser import parse_args
+    from megatron_eopt.training.arguments.parser import parse_args
 
     argv = ["--optimizer", "adam", "--lr", "1.0", "--num-layers", "4", "--num-experts", "8", "--disable-bias-linear",
             "--moe-layer-freq", "[0,1,1,1]", "--moe-ffn-hidden-size", "96", "--moe-router-topk", "1",
@@ -232,7 +232,7 @@ def test_router_flags_reach_the_transformer_config(run_distributed) -> None:
 
 
 def _built_config(rank: int, world_size: int, argv: list[str], names: list[str]) -> dict:
-    from arguments.trainer.parser import parse_args
+    from megatron_eopt.training.arguments.parser import parse_args
     from megatron_eopt.training.model.gpt import build_gpt_model, destroy_model_parallel, initialize_model_parallel
 
     _, settings, _ = parse_args(argv)
@@ -249,14 +249,14 @@ def _built_config(rank: int, world_size: int, argv: list[str], names: list[str])
     ("([1]*3+[0]*2)*2", [1, 1, 1, 0, 0, 1, 1, 1, 0, 0]), (" ( [0] + [1]*2 ) ", [0, 1, 1]),
 ])
 def test_moe_layer_freq_parses_megatron_lm_expressions(text, expected) -> None:
-    from arguments.trainer.moe import parse_moe_layer_freq
+    from megatron_eopt.training.arguments.moe import parse_moe_layer_freq
 
     assert parse_moe_layer_freq(text) == expected
 
 
 @pytest.mark.parametrize("text", ["__import__('os')", "[1]*-1", "[0,2]", "[1]+", "([1]*3", "1.5", "[]", "[1]*[2]"])
 def test_moe_layer_freq_refuses_anything_else(text) -> None:
-    from arguments.trainer.moe import parse_moe_layer_freq
+    from megatron_eopt.training.arguments.moe import parse_moe_layer_freq
 
     with pytest.raises(ValueError, match=r"^--moe-layer-freq .*\.$"):
         parse_moe_layer_freq(text)
@@ -302,7 +302,7 @@ MOE = ["--num-experts", "4", "--disable-bias-linear"]
      "--moe-layer-freq and --moe-z-loss-coeff only apply with --num-experts"),
 ], ids=lambda value: value if isinstance(value, str) else None)
 def test_bad_router_flags_exit_with_one_line(argv, message, monkeypatch, capsys) -> None:
-    from arguments.trainer.parser import parse_args
+    from megatron_eopt.training.arguments.parser import parse_args
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "0")
@@ -315,7 +315,7 @@ def test_bad_router_flags_exit_with_one_line(argv, message, monkeypatch, capsys)
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal; CUDA runs megatron-core's shared-expert streams")
 def test_shared_expert_overlap_is_refused_on_cpu(monkeypatch, capsys) -> None:
-    from arguments.trainer.parser import parse_args
+    from megatron_eopt.training.arguments.parser import parse_args
 
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("RANK", "0")

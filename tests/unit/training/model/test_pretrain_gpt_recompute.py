@@ -145,7 +145,7 @@ def test_recompute_with_tensor_and_sequence_parallel_dropout(run_distributed) ->
 ], ids=["full-alone", "method-alone", "layers-with-selective", "too-many-layers", "both", "modules-with-full",
         "moe-module-dense", "grouped-gemm-module", "mlp-with-bias", "layernorm-without-te", "distribute-at-tp1", "distribute-with-selective"])
 def test_bad_recompute_flags_exit_with_one_line(argv: list[str], message: str, monkeypatch, capsys) -> None:
-    from arguments.trainer.parser import parse_args
+    from megatron_eopt.training.arguments.parser import parse_args
 
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("RANK", "0")

@@ -127,7 +127,7 @@ def _stage_layers(rank: int, world_size: int, argv: list[str]) -> list[list[int]
     """The global numbers of the transformer layers in each of this rank's model chunks."""
     import torch
 
-    from arguments.trainer.parser import parse_args
+    from megatron_eopt.training.arguments.parser import parse_args
     from megatron_eopt.training.model.gpt import build_gpt_model_chunks, destroy_model_parallel, initialize_model_parallel
 
     os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank))
@@ -155,7 +155,7 @@ def test_pipeline_flags_split_the_layers(flags: list[str], expected, run_distrib
 
 
 def _parse(argv: list[str], world_size: int, monkeypatch):
-    from arguments.trainer.parser import parse_args
+    from megatron_eopt.training.arguments.parser import parse_args
 
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     monkeypatch.setenv("RANK", "0")
@@ -203,7 +203,7 @@ def test_layout_strings_are_read_as_megatron_core_reads_them(pp: int) -> None:
     the reference: the same strings fit, with the same model chunks per rank; the others fail."""
     from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 
-    from arguments.trainer.pipeline import check_layout, layout_stages
+    from megatron_eopt.training.arguments.pipeline import check_layout, layout_stages
 
     for text in LAYOUT_STRINGS:
         try:

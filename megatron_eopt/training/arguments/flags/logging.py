@@ -1,7 +1,7 @@
 """Logging flags: the log line, TensorBoard and metrics files (`LOGGING`), throughput and
 profiling (`PERFORMANCE`)."""
 
-from arguments.trainer.flags.table import Flag, switch
+from megatron_eopt.training.arguments.flags.table import Flag, switch
 
 DEFAULT_PROFILE_STEP_START = 10  # Megatron-LM's ProfilingConfig defaults
 DEFAULT_PROFILE_STEP_END = 12

@@ -11,9 +11,9 @@ import sys
 from typing import TYPE_CHECKING, Optional
 
 from arguments.optimizer_args import add_optimizer_args, resolve_optimizer_flags
-from arguments.trainer.flags import checkpoint, data, logging, model, moe, parallel, training
-from arguments.trainer.flags.table import Flag, add_flags
-from arguments.trainer.no_effect import NO_EFFECT_ROWS, NO_EFFECT_TITLE, REFUSED_ROWS, REFUSED_TITLE
+from megatron_eopt.training.arguments.flags import checkpoint, data, logging, model, moe, parallel, training
+from megatron_eopt.training.arguments.flags.table import Flag, add_flags
+from megatron_eopt.training.arguments.no_effect import NO_EFFECT_ROWS, NO_EFFECT_TITLE, REFUSED_ROWS, REFUSED_TITLE
 from megatron_eopt.training.errors import PROG, RankZeroArgumentParser, exit_with_error, is_rank_zero
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, "G
     import torch and megatron-core and check them against the installed packages and the device.
 
     Returns a new namespace with every default resolved, the model settings and the layout."""
-    from arguments.trainer.checks import check_flags, check_flags_before_import  # torch-free
+    from megatron_eopt.training.arguments.checks import check_flags, check_flags_before_import  # torch-free
 
     parsed = build_parser().parse_args(argv)
     check_flags_before_import(parsed)

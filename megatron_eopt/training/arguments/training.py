@@ -10,11 +10,11 @@ from arguments import (
     refuse_flags_without,
 )
 from megatron_eopt.config.scheduler import SchedulerConfig
-from arguments.trainer.device import Device
-from arguments.trainer.flags.table import replaced, settings_from_flags
-from arguments.trainer.flags.training import DEFAULT_TRAIN_ITERS
-from arguments.trainer.loop import check_eval_flags, check_housekeeping_flags
-from arguments.trainer.no_effect import check_not_offered
+from megatron_eopt.training.arguments.device import Device
+from megatron_eopt.training.arguments.flags.table import replaced, settings_from_flags
+from megatron_eopt.training.arguments.flags.training import DEFAULT_TRAIN_ITERS
+from megatron_eopt.training.arguments.loop import check_eval_flags, check_housekeeping_flags
+from megatron_eopt.training.arguments.no_effect import check_not_offered
 from megatron_eopt.training.loop.run_control import (
     check_run_control_flags,
 )

@@ -6,7 +6,7 @@ import json
 import os
 from typing import Optional
 
-from arguments.trainer.flags.model import DEFAULT_RULE_VOCAB_SIZE
+from megatron_eopt.training.arguments.flags.model import DEFAULT_RULE_VOCAB_SIZE
 from megatron_eopt.training.data.tokenizer import (
     BYTE_VOCAB_SIZE,
     build_tokenizer,

@@ -1,7 +1,7 @@
 """Training flags: length, lr and weight-decay schedule, recompute, loss (`TRAINING`), the growing
 global batch (`BATCH_SCHEDULE`) and memory housekeeping (`MEMORY`)."""
 
-from arguments.trainer.flags.table import Flag, switch
+from megatron_eopt.training.arguments.flags.table import Flag, switch
 
 DEFAULT_TRAIN_ITERS = 100  # without --train-iters or --train-samples
 

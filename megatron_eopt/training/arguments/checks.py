@@ -12,17 +12,17 @@ from arguments import (
 from arguments.optimizer_args import resolve_optimizer_flags
 from arguments.validate import flag_message
 from megatron_eopt.config.rules import check_values
-from arguments.trainer.data import check_data_flags
-from arguments.trainer.device import Device, device_after_import, device_before_import
-from arguments.trainer.flags.table import replaced
-from arguments.trainer.loop import check_performance_flags
-from arguments.trainer.model import (
+from megatron_eopt.training.arguments.data import check_data_flags
+from megatron_eopt.training.arguments.device import Device, device_after_import, device_before_import
+from megatron_eopt.training.arguments.flags.table import replaced
+from megatron_eopt.training.arguments.loop import check_performance_flags
+from megatron_eopt.training.arguments.model import (
     check_device_flags,
     model_defaults,
     model_settings,
     with_experts,
 )
-from arguments.trainer.training import check_training_flags
+from megatron_eopt.training.arguments.training import check_training_flags
 from megatron_eopt.training.data.batch_schedule import (
     BatchSchedule,
     check_batch_schedule_flags,

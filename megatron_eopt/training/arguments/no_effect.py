@@ -14,8 +14,8 @@ optimizer CUDA graphs, and `--use-checkpoint-args`: one line instead of argparse
 import argparse
 
 from arguments.optimizer_args import GIVEN_FLAGS_ATTR, OPTION_OF
-from arguments.trainer.flags.table import NO_EFFECT as CHANGES_NOTHING
-from arguments.trainer.flags.table import REFUSED, Flag
+from megatron_eopt.training.arguments.flags.table import NO_EFFECT as CHANGES_NOTHING
+from megatron_eopt.training.arguments.flags.table import REFUSED, Flag
 
 def _ignored(option: str, value: bool = False, **fields) -> Flag:
     """A row that changes nothing here: a switch, or (`value`) a flag taking a value; None unless given."""

@@ -5,8 +5,8 @@ Every flag but `--num-experts` is parsed as None and needs it; arguments/moe.py 
 Megatron-LM's defaults and checks the combinations.
 """
 
-from arguments.trainer.flags.table import Flag, switch
-from arguments.trainer.moe import DISPATCHERS, DROP_POLICIES, LOAD_BALANCING_TYPES, SCORE_FUNCTIONS
+from megatron_eopt.training.arguments.flags.table import Flag, switch
+from megatron_eopt.training.arguments.moe import DISPATCHERS, DROP_POLICIES, LOAD_BALANCING_TYPES, SCORE_FUNCTIONS
 
 MOE_TITLE = 'moe'
 MOE: tuple[Flag, ...] = (

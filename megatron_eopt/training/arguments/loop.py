@@ -3,7 +3,7 @@ imported (loop/evaluation.py, loop/housekeeping.py and logging/performance.py re
 
 import argparse
 
-from arguments.trainer.flags.logging import DEFAULT_PROFILE_STEP_END, DEFAULT_PROFILE_STEP_START
+from megatron_eopt.training.arguments.flags.logging import DEFAULT_PROFILE_STEP_END, DEFAULT_PROFILE_STEP_START
 
 PROFILE_DETAIL_FLAGS = ("--use-pytorch-profiler", "--profile-step-start", "--profile-step-end", "--profile-ranks")
 

@@ -11,14 +11,14 @@ from typing import Any, Optional
 from arguments import (
     refuse_flags_without,
 )
-from arguments.trainer.data import model_vocab_size
-from arguments.trainer.device import Device
-from arguments.trainer.flags.model import MLA
-from arguments.trainer.flags.moe import MOE
-from arguments.trainer.flags.table import option_of, replaced, settings_from_flags
-from arguments.trainer.flags.training import RECOMPUTE_MODULES  # noqa: F401 (re-exported)
-from arguments.trainer.mla import mla_settings
-from arguments.trainer.moe import (
+from megatron_eopt.training.arguments.data import model_vocab_size
+from megatron_eopt.training.arguments.device import Device
+from megatron_eopt.training.arguments.flags.model import MLA
+from megatron_eopt.training.arguments.flags.moe import MOE
+from megatron_eopt.training.arguments.flags.table import option_of, replaced, settings_from_flags
+from megatron_eopt.training.arguments.flags.training import RECOMPUTE_MODULES  # noqa: F401 (re-exported)
+from megatron_eopt.training.arguments.mla import mla_settings
+from megatron_eopt.training.arguments.moe import (
     check_moe_flags,
     moe_settings,
     resolve_moe_flags,
@@ -127,7 +127,7 @@ def _rotary_settings(args: argparse.Namespace) -> None:
              "rope_scaling_factor": "rope_scaling_factor"}
     given = {name: getattr(args, dest) for name, dest in flags.items()
              if getattr(args, dest) is not None and getattr(args, dest) is not False}
-    # MLA's own RoPE reads --rotary-base and --rotary-percent (arguments/trainer/mla.py checks the rest).
+    # MLA's own RoPE reads --rotary-base and --rotary-percent (megatron_eopt/training/arguments/mla.py checks the rest).
     mla_rotary = ("rotary_base", "rotary_percent") if args.multi_latent_attention else ()
     if args.position_embedding_type != "rope":
         refuse_flags_without([f"--{flags[name].replace('_', '-')}" for name in given if name not in mla_rotary],

@@ -1,7 +1,7 @@
 """Data flags: datasets and the generated task (`DATA`), tokenizers (`TOKENIZER`, with `BPE_FILES`
 shared with tools/preprocess_data.py) and validation (`VALIDATION`)."""
 
-from arguments.trainer.flags.table import Flag, switch
+from megatron_eopt.training.arguments.flags.table import Flag, switch
 
 TOKENIZER_TYPES = ("NullTokenizer", "ByteLevelTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer")
 

@@ -18,8 +18,8 @@ import argparse
 from typing import Any, Optional
 
 from arguments import refuse_flags_without
-from arguments.trainer.flags.model import MLA
-from arguments.trainer.flags.table import given_needing
+from megatron_eopt.training.arguments.flags.model import MLA
+from megatron_eopt.training.arguments.flags.table import given_needing
 
 # dest: Megatron-LM's default (None for --q-lora-rank means no query compression).
 MLA_DEFAULTS: dict[str, Any] = {"q_lora_rank": None, "kv_lora_rank": 32, "qk_head_dim": 128,

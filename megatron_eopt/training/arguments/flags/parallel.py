@@ -1,7 +1,7 @@
 """Parallelism flags: process groups, tensor/sequence/data parallelism, FSDP2, Megatron-FSDP, gradient reduction
 (`PARALLEL`) and pipeline parallelism (`PIPELINE`)."""
 
-from arguments.trainer.flags.table import Flag, switch
+from megatron_eopt.training.arguments.flags.table import Flag, switch
 
 BUCKET_NUMEL = 40_000_000  # megatron-core DDP's default bucket size, in elements
 

@@ -1,7 +1,7 @@
 """Checkpoint flags: saving and loading (`CHECKPOINT`) and run control: exit signals, finetuning,
 skipping training (`RUN_CONTROL`)."""
 
-from arguments.trainer.flags.table import Flag, switch
+from megatron_eopt.training.arguments.flags.table import Flag, switch
 from megatron_eopt.training.loop.run_control import CATCHABLE_SIGNALS, STRICTNESS_CHOICES
 
 CHECKPOINT_TITLE = 'checkpointing'

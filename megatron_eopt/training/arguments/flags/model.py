@@ -4,7 +4,7 @@ MLA flags other than `--multi-latent-attention` and `--rope-type` are parsed as 
 `--multi-latent-attention`; their Megatron-LM defaults are `MLA_DEFAULTS` (arguments/mla.py).
 """
 
-from arguments.trainer.flags.table import Flag, switch
+from megatron_eopt.training.arguments.flags.table import Flag, switch
 
 DEFAULT_RULE_VOCAB_SIZE = 64  # the generated task's vocabulary
 
