@@ -4,8 +4,8 @@
 a fresh interpreter). The package's modules import each other without cycles (read from the
 source with `ast`, so imports inside functions and `if TYPE_CHECKING:` blocks count too), and
 megatron-core appears only where allowed; tests/unit/test_code_shape.py holds the layers. The
-top-level arguments/ (every command-line flag) imports without torch, and the library never
-imports it. A subpackage's `__init__.py` counts as a module, so a module of the
+top-level arguments/ (the optimizer's flags) and the trainer's training/arguments/ import without
+torch, and the library never imports arguments/. A subpackage's `__init__.py` counts as a module, so a module of the
 registry package that imported the package itself (which imports it) is a cycle.
 """
 
