@@ -171,8 +171,8 @@ def _scalar(child: CheckpointableChild, param: ChildParam, name: str, value: Any
     makes it a Python number again)."""
     if torch.is_tensor(value):
         return value.clone() if is_loading else value
-    if isinstance(value, (bool, int, float)):
-        return torch.tensor(value)
+    if isinstance(value, (bool, int, float)):  # float64: a Python float, exactly
+        return torch.tensor(value, dtype=torch.float64 if isinstance(value, float) else None)
     if isinstance(value, str):
         return value
     raise ValueError(f"optimizer {child.name!r} keeps state {name!r} of type {type(value).__name__} for parameter "
