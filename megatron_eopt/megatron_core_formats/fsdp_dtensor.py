@@ -88,9 +88,9 @@ def dtensor_state_dict(child: CheckpointableChild, is_loading: bool) -> dict:
     rank's rows of its parameter (the moments; per-row
     statistics) a DTensor laid out like the parameter (`row_sharded`), each statistic of the whole
     matrix, equal on every rank (normuon's per-column second moment), a replicated DTensor;
-    scalars are tensors (`_scalar`). State torch's optimizers make at their first step is made first, so the
-    dict is a complete target; with `is_loading` its tensors are new ones for DCP to read into.
-    Collectives over the parameters' mesh."""
+    scalars 0-dim tensors (`_scalar`). State torch's optimizers make at their first step is made
+    first, so the dict is a complete target; with `is_loading` its tensors are new ones for DCP to
+    read into. Collectives over the parameters' mesh."""
     child.init_state()
     every_param = child.checkpoint_params()
     flat = renamed(child.local_state_dict(), stored_names(child.name, every_param))
