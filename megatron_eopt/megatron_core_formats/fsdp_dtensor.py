@@ -11,9 +11,8 @@ class, checked on load). State holding this rank's rows of the parameter is a DT
 on the parameter's mesh, its rows where the parameter's are: the shards may be uneven or empty, so
 each carries its chunk (offset, size) for DCP, from one all_gather of the ranks' row counts over
 the mesh. A statistic of the whole matrix, equal on every rank, is a replicated DTensor; a scalar
-(the step) a 0-dim tensor, a Python number too (`_scalar`). A load's targets are new tensors: the
-live state changes only in `load_state_dict`, after DCP has read everything, and another DP size
-reads other rows.
+(the step) a 0-dim tensor (`_scalar`). A load's targets are new tensors: the live state changes
+only in `load_state_dict`, after DCP has read everything, and another DP size reads other rows.
 """
 
 from typing import Any, Mapping, Optional
