@@ -77,8 +77,8 @@ class FullyShardedFP32Optimizer(FP32Optimizer):
         a mesh of its own under its global name: state holding this
         rank's rows of its parameter is a DTensor laid out like the parameter, uneven and empty
         shards included, a whole-matrix statistic a replicated one, so torch DCP saves each row once
-        and loads at another FSDP size; scalars (the step) stay plain. Complete before the first
-        step; `is_loading`: new tensors to load into. Collectives over the parameters' mesh
+        and loads at another FSDP size; scalars (the step) are 0-dim tensors. Complete before the
+        first step; `is_loading`: new tensors to load into. Collectives over the parameters' mesh
         (megatron_core_formats/fsdp_dtensor.dtensor_state_dict)."""
         self._refuse_tensor_parallel("state_dict()")
         return dtensor_state_dict(self, is_loading)

@@ -10,8 +10,8 @@ megatron-core's DistributedOptimizer writes it for Megatron-FSDP (the fields add
 class, checked on load). State holding this rank's rows of the parameter is a DTensor, Shard(0)
 on the parameter's mesh, its rows where the parameter's are: the shards may be uneven or empty, so
 each carries its chunk (offset, size) for DCP, from one all_gather of the ranks' row counts over
-the mesh. A statistic of the whole matrix, equal on every rank, is a replicated DTensor; scalars
-(the step) stay plain. A load's targets are new tensors: the live state changes
+the mesh. A statistic of the whole matrix, equal on every rank, is a replicated DTensor; a scalar
+(the step) a 0-dim tensor (`_scalar`). A load's targets are new tensors: the live state changes
 only in `load_state_dict`, after DCP has read everything, and another DP size reads other rows.
 """
 
@@ -87,9 +87,9 @@ def dtensor_state_dict(child: CheckpointableChild, is_loading: bool) -> dict:
     rank's rows of its parameter (the moments; per-row
     statistics) a DTensor laid out like the parameter (`row_sharded`), each statistic of the whole
     matrix, equal on every rank (normuon's per-column second moment), a replicated DTensor;
-    scalars stay plain. State torch's optimizers make at their first step is made first, so the
-    dict is a complete target; with `is_loading` its tensors are new ones for DCP to read into.
-    Collectives over the parameters' mesh."""
+    scalars 0-dim tensors (`_scalar`). State torch's optimizers make at their first step is made
+    first, so the dict is a complete target; with `is_loading` its tensors are new ones for DCP to
+    read into. Collectives over the parameters' mesh."""
     child.init_state()
     every_param = child.checkpoint_params()
     flat = renamed(child.local_state_dict(), stored_names(child.name, every_param))
@@ -163,10 +163,16 @@ def _check_replicated(child: CheckpointableChild, replicated: list[tuple[ChildPa
 
 
 def _scalar(child: CheckpointableChild, param: ChildParam, name: str, value: Any, is_loading: bool) -> Any:
-    """A scalar state value as saved (a load's target: a copy)."""
+    """A scalar state value as saved (a load's target: a copy). A Python number (LaProp's int step) is
+    saved as a 0-dim tensor: DCP loads a tensor in place, but puts a non-tensor it reads into the
+    dict it was given, and Megatron-LM's fsdp_dtensor load hands the optimizer a copy made before
+    (`_load_base_checkpoint`), so a plain step came back as the fresh optimizer's (`live_scalar_types`
+    makes it a Python number again)."""
     if torch.is_tensor(value):
         return value.clone() if is_loading else value
-    if isinstance(value, (bool, int, float, str)):
+    if isinstance(value, (bool, int, float)):  # float64: a Python float, exactly
+        return torch.tensor(value, dtype=torch.float64 if isinstance(value, float) else None)
+    if isinstance(value, str):
         return value
     raise ValueError(f"optimizer {child.name!r} keeps state {name!r} of type {type(value).__name__} for parameter "
                      f"{param.fqn!r}; DTensor optimizer state holds tensors and scalars only. Use "
@@ -182,6 +188,18 @@ def local_values(flat: dict) -> dict:
     mains = {fqn: main.to_local().detach() if isinstance(main, DTensor) else main
              for fqn, main in (flat.get("main_params") or {}).items()}
     return {**flat, "state": state, **({"main_params": mains} if mains else {})}
+
+
+def live_scalar_types(state: Mapping[str, Mapping], live_state: Mapping[str, Mapping]) -> dict:
+    """`state` (loaded, by parameter name) with each 0-dim tensor whose live value is a Python number
+    (`_scalar` saved it as a tensor) that number again, of the live value's type: the optimizer's
+    arithmetic on it stays what an uninterrupted run's is."""
+    def as_live(value: Any, live: Any) -> Any:
+        if torch.is_tensor(value) and value.dim() == 0 and type(live) in (bool, int, float):
+            return type(live)(value.item())
+        return value
+    return {fqn: {name: as_live(value, live_state.get(fqn, {}).get(name)) for name, value in entries.items()}
+            for fqn, entries in state.items()}
 
 
 def flat_from_fsdp_dtensor(state_dict: Mapping, live_groups: Mapping[str, tuple[list[str], Mapping]],

@@ -41,6 +41,7 @@ from megatron_eopt.megatron_core_formats.fsdp_dtensor import (
     flat_from_fsdp_dtensor,
     fsdp_dtensor_state_dict,
     is_fsdp_dtensor_state,
+    live_scalar_types,
     local_values,
     renamed,
 )
@@ -328,7 +329,9 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
             flat = flat_from_fsdp_dtensor(state_dict, live_groups, self.inner_class_name())
         else:
             flat = local_values(expand_v1_sharded_state_dict(state_dict))
-        return renamed(flat, fqn_of_stored)
+        flat = renamed(flat, fqn_of_stored)
+        live_state = {self.fqn_of_main[id(param)]: state for param, state in self.optimizer.state.items()}
+        return {**flat, "state": live_scalar_types(flat["state"], live_state)}
 
     def load_state_dict(self, state_dict: dict) -> None:
         if core_format_in(state_dict) is not None:
