@@ -181,7 +181,6 @@ def _check_megatron_fsdp_flags(args: argparse.Namespace) -> None:
                ("--tensor-model-parallel-size > 1 (TP x FSDP works with --use-torch-fsdp2)",
                 args.tensor_model_parallel_size > 1),
                ("--pipeline-model-parallel-size > 1", args.pipeline_model_parallel_size > 1),
-               ("--num-experts", args.num_experts is not None),
                ("--use-distributed-optimizer (Megatron-FSDP shards the optimizer state already)",
                 args.use_layer_wise_distributed_optimizer),
                ("--fp16 (fp16 loss scaling is not implemented for the sharded engines; train with --bf16)", args.fp16),
