@@ -91,11 +91,12 @@ def cuda_named_types():
 def distributed_optimizer_loads_on_cpu():
     """megatron-core 0.19.2's `DistributedOptimizer.load_state_dict` with torch's Adam (no TE or Apex,
     as on CPU) fails or drifts; the replacement that Megatron-LM's loop on CPU uses
-    (megatron_eopt/runtime/megatron_lm_cpu.py, `distributed_optimizer_loads_with_torch_adam`, which
+    (megatron_eopt/runtime/megatron_core_torch_adam.py, `distributed_optimizer_loads_with_torch_adam`, which
     says why), inside the block."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    from megatron_eopt.runtime.megatron_lm_cpu import distributed_optimizer_loads_with_torch_adam, replaced
+    from megatron_eopt.runtime.megatron_core_torch_adam import distributed_optimizer_loads_with_torch_adam
+    from megatron_eopt.runtime.megatron_lm_cpu import replaced
 
     with replaced(distributed_optimizer_loads_with_torch_adam(DistributedOptimizer)):
         yield

@@ -186,9 +186,10 @@ def _refusals_in_one_line(run: Callable[[], None]) -> Callable[[], None]:
 
 @_refusals_in_one_line
 def main() -> None:
-    from megatron_eopt.runtime import megatron_lm_cpu
+    from megatron_eopt.runtime import megatron_core_torch_adam, megatron_lm_cpu
 
     megatron_lm_cpu.install()  # without CUDA: the loop on CPU and gloo (does nothing with CUDA)
+    megatron_core_torch_adam.install()  # with CUDA but no TE or Apex: megatron-core's Adam is torch's
     from megatron.core.enums import ModelType
     from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args

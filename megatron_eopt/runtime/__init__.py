@@ -7,5 +7,7 @@ on every rank; torchrun_store.py: a store key space per torchrun restart (the tr
 Megatron-LM's loop's). They import no other megatron_eopt module. The run-time CPU
 patches of megatron-core's packages, applied only by their `install()` and only without CUDA:
 megatron_fsdp_cpu.py (Megatron-FSDP) and megatron_lm_cpu.py (Megatron-LM's loop), with the
-stand-ins they share in cpu_stand_ins.py.
+stand-ins they share in cpu_stand_ins.py; megatron_core_torch_adam.py mends megatron-core's
+DistributedOptimizer with torch's Adam (no TE or Apex), on CPU through megatron_lm_cpu and on a GPU
+through its own `install()`.
 """

@@ -243,7 +243,7 @@ def test_a_job_moves_from_megatron_core_and_back(run_distributed, tmp_path, opti
     (MEGATRON_CORE_PING_PONG_LAYOUT), and so do we.
     Distributed Adam: ours is megatron-core's DistributedOptimizer built from our config.
     megatron-core continuing itself equals the run not interrupted (with torch's Adam, after the
-    load fixes of megatron_lm_cpu.distributed_optimizer_loads_with_torch_adam)."""
+    load fixes of megatron_core_torch_adam.distributed_optimizer_loads_with_torch_adam)."""
     flags, formats = MOVES[optimizer]
     command_lines = [flags + MEGATRON_CORE]
     for name in formats:

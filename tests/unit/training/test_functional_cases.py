@@ -55,6 +55,25 @@ def test_every_golden_file_holds_the_schema() -> None:
         assert set(golden) <= set(case.metrics) and golden["lm loss"]["end_step"] == case.train_iters, path
 
 
+GPU_RECIPE = golden_cases.ROOT / "tests" / "functional" / "recipes" / "gpt_gpu.yaml"
+
+
+def test_the_gpu_recipe_runs_the_one_gpu_cases_at_one_rank_each_with_a_gpu_golden() -> None:
+    """tests/functional/recipes/gpt_gpu.yaml: data-parallel-only cases at one rank, each with the
+    golden file of a GPU holding every metric a GPU measures (the CUDA memory ones too)."""
+    recipe = load_recipe(GPU_RECIPE)
+    assert len(recipe) >= 8
+    for name in recipe:
+        case = load_case(golden_cases.CASES_ROOT / name, recipe)
+        assert case.world_size == 1, name
+        assert not {"--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                    "--expert-model-parallel-size"} & set(case.model_args), name
+        gpu_goldens = sorted(case.directory.glob("golden_values_dev_nvidia_*.json"))
+        assert gpu_goldens, f"{name}: no GPU golden (tools/gpu_goldens.sh records them)"
+        for path in gpu_goldens:
+            assert list(goldens.load_golden(path)) == goldens.measured_metrics(case, on_cuda=True), path
+
+
 def _parse_on_megatron_lm(rank: int, world_size: int, runs: list[tuple[list[str], dict]]) -> list[str]:
     """Megatron-LM's parse_args with install()'s extra arguments, then the validate_args install() puts
     in Megatron-LM's place, in each case's environment (ENV_VARS): each run's --optimizer as parsed."""

@@ -6,7 +6,7 @@ megatron-core's optimizer, exact resume) is tests/functional/test_megatron_lm_lo
 import pytest
 import torch
 
-from megatron_eopt.runtime import megatron_lm_cpu
+from megatron_eopt.runtime import megatron_core_torch_adam, megatron_lm_cpu
 
 
 @pytest.mark.parametrize("version", ["0.18.2", "0.20.0", "1.19.0", "0.1.9"])
@@ -104,8 +104,7 @@ def _fsdp_dtensor_state_of_each_rank(rank: int, world_size: int, directory: str)
             param.grad = torch.ones_like(param) if param.to_local().numel() else None
         optimizer.optimizer.step()
     without_fix = sorted(DistributedOptimizer.sharded_param_state_fsdp_dtensor(optimizer)["state"])
-    fix = (megatron_lm_cpu.fsdp_dtensor_state_for_every_parameter(DistributedOptimizer)
-           + megatron_lm_cpu.distributed_optimizer_loads_with_torch_adam(DistributedOptimizer))
+    fix = megatron_core_torch_adam.replacements(DistributedOptimizer)
     with megatron_lm_cpu.replaced(fix):
         saved = optimizer.sharded_param_state_fsdp_dtensor()
         handed_over = {name: state["exp_avg"].to_local().shape for name, state in saved["state"].items()}
