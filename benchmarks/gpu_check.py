@@ -6,9 +6,9 @@
 4. a scripts/pretrain_gpt.py iteration (bf16, one GPU), layer-wise Muon / Adam;
 5. Megatron-LM's own `pretrain()` with megatron-core's optimizer and with ours: losses, time,
    and a checkpoint saved halfway and resumed;
-6. the trainer's CUDA-only paths (megatron-core's router, dispatchers, RotaryEmbedding) against
-   its CPU substitutes: 10 iterations' losses within 1e-3 relative;
-7. pretrain_gpt --use-megatron-fsdp on CUDA (Megatron-FSDP as shipped) against CPU (patched).
+6. the trainer's CUDA-only paths against its CPU substitutes: losses within 1e-3 relative;
+7. pretrain_gpt --use-megatron-fsdp on CUDA (Megatron-FSDP as shipped) against CPU (patched);
+8. the DeepSeek-style recipe on Megatron-FSDP: Muon's iteration against Adam's, and its resume.
 Writes gpu_check.json and .md to --out (default benchmarks/results/). Without CUDA (or --dry-run)
 it builds what each check would run and records each skipped with the reason (docs/gpu.md).
 
@@ -342,6 +342,53 @@ def megatron_lm_runs(args, skip: Optional[str], directory: str) -> dict:
     return {"check": check, **built, **compare_megatron_lm(logs, half)}
 
 
+# Issue 73 item 6: the DeepSeek-style functional case (gpt_megatron_lm_deepseek_muon_megatron_fsdp_ep2)
+# at a size for one GPU (EP=1), on Megatron-FSDP as shipped. megatron-core's Adam cannot take --qk-clip
+# without Transformer Engine, so both Adam runs leave it out.
+DEEPSEEK = ["--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+            "--multi-latent-attention", "--q-lora-rank", "384", "--kv-lora-rank", "256", "--qk-head-dim", "64",
+            "--qk-pos-emb-head-dim", "32", "--v-head-dim", "64", "--qk-layernorm", "--num-experts", "8",
+            "--moe-router-topk", "2", "--moe-ffn-hidden-size", "512", "--moe-shared-expert-intermediate-size", "1024",
+            "--moe-token-dispatcher-type", "alltoall", "--no-bias-swiglu-fusion", "--use-megatron-fsdp",
+            "--data-parallel-sharding-strategy", "optim_grads_params", "--ckpt-format", "fsdp_dtensor"]
+DEEPSEEK_RUNS = {"muon_ours": ["--optimizer", "muon", "--qk-clip", "--log-max-attention-logit"],
+                 "adam_ours": ["--optimizer", "adam", "--lr", "3e-4"],
+                 "adam_core": ["--optimizer", "adam", "--lr", "3e-4", "--megatron-core-optimizer"]}
+
+
+def deepseek_runs(args, skip: Optional[str], directory: str) -> dict:
+    check = f"DeepSeek-style recipe on Megatron-FSDP, one GPU ({args.deepseek_iters} iterations, bf16)"
+    base = [*megatron_lm_flags(args), *DEEPSEEK]
+    base[base.index("--train-iters") + 1] = str(args.deepseek_iters)
+    half, checkpoint = args.deepseek_iters // 2, os.path.join(directory, "deepseek")
+    runs = {name: base + flags for name, flags in DEEPSEEK_RUNS.items()}
+    runs["muon_ours"] += ["--save", checkpoint, "--save-interval", str(half)]
+    runs["muon_resumed"] = base + DEEPSEEK_RUNS["muon_ours"] + ["--load", checkpoint]
+    built = {"flags": {name: " ".join(argv) for name, argv in runs.items()}}
+    if skip:
+        parse_megatron_lm_flags(runs.values())
+        return skipped(check, skip, **built)
+    logs = {}
+    for name, argv in runs.items():
+        logs[name], output = run_megatron_lm(argv)
+        with open(os.path.join(args.out, f"deepseek_{name}.log"), "w") as f:
+            f.write(output)
+        if not logs[name]:
+            return {"check": check, "status": "failed", **built, "failed_run": name, "output_tail": output[-6000:]}
+    ms = {name: statistics.median(t for i, (t, _) in log.items() if i > 5) for name, log in logs.items()
+          if name != "muon_resumed"}
+    resumed = logs["muon_resumed"]
+    expected = as_logged_after_restart(logs["muon_ours"], half)
+    difference = max_relative_difference(resumed, expected) if sorted(resumed) == sorted(
+        i for i in expected if i > half) else float("inf")
+    failures = [] if difference <= LOG_PRECISION else [f"resumed losses differ by {difference:.2e} relative"]
+    summary = (f"iteration {ms['muon_ours']:.1f} ms (Muon, ours) / {ms['adam_ours']:.1f} (Adam, ours) / "
+               f"{ms['adam_core']:.1f} (Adam, megatron-core's): Muon / Adam = {ms['muon_ours'] / ms['adam_ours']:.2f} "
+               f"and {ms['muon_ours'] / ms['adam_core']:.2f}; resumed at {half}: loss rel. diff {difference:.1e}")
+    return {"check": check, "status": "failed" if failures else "ran", "failures": failures, "summary": summary,
+            "iteration_ms": ms, "resume_relative_difference": difference, **built}
+
+
 # Megatron-LM logs losses with 7 significant digits ('{:.6E}'): equal runs agree to this.
 LOG_PRECISION = 2e-6
 
@@ -432,6 +479,7 @@ CHECKS = {  # name -> the rows it adds
     "megatron_lm": lambda args, shape, skip, directory: [megatron_lm_runs(args, skip, directory)],
     "cuda_vs_cpu": lambda args, shape, skip, directory: [cuda_matches_cpu(args, skip, directory)],
     "megatron_fsdp": lambda args, shape, skip, directory: [megatron_fsdp_cuda_matches_cpu(args, skip, directory)],
+    "deepseek": lambda args, shape, skip, directory: [deepseek_runs(args, skip, directory)],
 }
 
 
@@ -452,11 +500,13 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--megatron-lm-iters", type=int, default=50, help="Megatron-LM pretrain() iterations")
+    parser.add_argument("--deepseek-iters", type=int, default=20, help="the DeepSeek-style recipe's iterations")
     parser.add_argument("--checks", nargs="+", choices=list(CHECKS), default=list(CHECKS),
                         help="run only these checks (default: all)")
     args = parser.parse_args(argv)
-    if args.megatron_lm_iters < 10:
-        parser.error(f"--megatron-lm-iters must be >= 10 (timed after 5, saved half-way); got {args.megatron_lm_iters}.")
+    if min(args.megatron_lm_iters, args.deepseek_iters) < 10:
+        parser.error(f"--megatron-lm-iters and --deepseek-iters must be >= 10 (timed after 5, saved half-way); "
+                     f"got {args.megatron_lm_iters} and {args.deepseek_iters}.")
     for name in ("hidden", "layers", "heads", "groups", "reference_size", "repeats", "megatron_lm_iters"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}.")

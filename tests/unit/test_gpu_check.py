@@ -31,7 +31,7 @@ def test_dry_run_builds_everything_and_reports_every_check_skipped(tmp_path) -> 
     reason = gpu_check.cuda_skip_reason(dry_run=True)
     assert record["dry_run"] and record["skip_reason"] == reason
     names = [row["check"] for row in record["checks"]]
-    assert len(names) == 8 and any("GPU-tier tests" in n for n in names)
+    assert len(names) == 9 and any("GPU-tier tests" in n for n in names)
     assert any("bf16 ('medium')" in n for n in names) and any("fp32 ('highest')" in n for n in names)
     for row in record["checks"]:
         assert row["status"] == "skipped" and row["reason"] == reason, row
@@ -45,6 +45,8 @@ def test_dry_run_builds_everything_and_reports_every_check_skipped(tmp_path) -> 
     assert "--ckpt-step 25" in megatron_lm["flags"]["muon_resumed"]
     megatron_fsdp = next(row for row in record["checks"] if "--use-megatron-fsdp" in row["check"])
     assert "--data-parallel-sharding-strategy optim_grads_params" in megatron_fsdp["flags"]  # parsed by the trainer
+    deepseek = next(row for row in record["checks"] if row["check"].startswith("DeepSeek"))
+    assert "--multi-latent-attention" in deepseek["flags"]["muon_resumed"]  # parsed by Megatron-LM's parser
 
 
 LINE = ("[2026-11-22 21:30:00] iteration {i:8d}/      50 | consumed samples: {s:10d} | elapsed time per "
