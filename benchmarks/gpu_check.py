@@ -8,9 +8,7 @@
    and a checkpoint saved halfway and resumed;
 6. the trainer's CUDA-only paths (megatron-core's router, dispatchers, RotaryEmbedding) against
    its CPU substitutes: 10 iterations' losses within 1e-3 relative;
-7. pretrain_gpt --use-megatron-fsdp on CUDA (Megatron-FSDP as shipped) against CPU (patched);
-8. the DeepSeek-style recipe in Megatron-LM's loop on Megatron-FSDP: Muon (ours) against Adam (ours,
-   megatron-core's), and Muon's resume half-way.
+7. pretrain_gpt --use-megatron-fsdp on CUDA (Megatron-FSDP as shipped) against CPU (patched).
 Writes gpu_check.json and .md to --out (default benchmarks/results/). Without CUDA (or --dry-run)
 it builds what each check would run and records each skipped with the reason (docs/gpu.md).
 
@@ -385,68 +383,6 @@ def as_logged_after_restart(log: dict, start: int) -> dict:
     return logged
 
 
-def deepseek_flags(args) -> list[str]:
-    """The DeepSeek-style recipe (tests/functional/test_cases/gpt/gpt_megatron_lm_deepseek_muon_megatron_fsdp_ep2)
-    at a size for one GPU, EP=1: MLA, 16 experts with a shared one, Megatron-FSDP, bf16, local layers."""
-    return ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16", "--multi-latent-attention",
-            "--q-lora-rank", "384", "--kv-lora-rank", "256", "--qk-head-dim", "64", "--qk-pos-emb-head-dim", "32",
-            "--v-head-dim", "64", "--qk-layernorm", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
-            "--untie-embeddings-and-output-weights", "--position-embedding-type", "rope", "--num-experts", "16",
-            "--moe-router-topk", "4", "--moe-ffn-hidden-size", "512", "--moe-shared-expert-intermediate-size", "1024",
-            "--moe-token-dispatcher-type", "allgather", "--seq-length", "2048", "--max-position-embeddings", "2048",
-            "--micro-batch-size", "4", "--global-batch-size", "16", "--train-iters", str(args.megatron_lm_iters),
-            "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "5", "--lr-decay-style", "cosine", "--bf16",
-            "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
-            "--ckpt-format", "fsdp_dtensor", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "32768",
-            "--seed", "1234", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", str(10 * args.megatron_lm_iters),
-            "--transformer-impl", "local", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
-            "--no-rope-fusion", "--no-persist-layer-norm"]
-
-
-QK_CLIP = ["--qk-clip", "--qk-clip-threshold", "100", "--log-max-attention-logit"]
-# megatron-core refuses --qk-clip without Transformer Engine >= 2.9: its Adam runs unclipped, beside ours.
-DEEPSEEK_RUNS = {"muon_ours": ["--optimizer", "muon", *QK_CLIP], "adam_ours_clipped": ["--optimizer", "adam", *QK_CLIP],
-                 "adam_ours": ["--optimizer", "adam"], "adam_core": ["--optimizer", "adam", "--megatron-core-optimizer"]}
-
-
-def deepseek_runs(args, skip: Optional[str], directory: str) -> dict:
-    check = f"DeepSeek-style recipe, Megatron-LM pretrain() on Megatron-FSDP ({args.megatron_lm_iters} iterations, bf16)"
-    base, half = deepseek_flags(args), args.megatron_lm_iters // 2
-    runs = {name: base + flags for name, flags in DEEPSEEK_RUNS.items()}
-    checkpoint = os.path.join(directory, "deepseek_muon")
-    runs["muon_ours"] += ["--save", checkpoint, "--save-interval", str(half)]
-    runs["muon_resumed"] = base + DEEPSEEK_RUNS["muon_ours"] + ["--load", checkpoint, "--ckpt-step", str(half)]
-    built = {"flags": {name: " ".join(argv) for name, argv in runs.items()}}
-    if skip:
-        parse_megatron_lm_flags(runs.values())
-        return skipped(check, skip, **built)
-    logs = {}
-    for name, argv in runs.items():
-        logs[name], output = run_megatron_lm(argv)
-        with open(os.path.join(args.out, f"deepseek_{name}.log"), "w") as f:
-            f.write(output)
-        if not logs[name] or (name != "muon_resumed" and len(logs[name]) < args.megatron_lm_iters):
-            return {"check": check, "status": "failed", **built, "failed_run": name, "output_tail": output[-6000:]}
-    return {"check": check, **built, **compare_deepseek(logs, half, args.megatron_lm_iters)}
-
-
-def compare_deepseek(logs: dict, half: int, iterations: int) -> dict:
-    """Iteration times (median after 5), ours against megatron-core's Adam, Muon's resume."""
-    ms = {name: statistics.median(t for i, (t, _) in log.items() if i > 5) for name, log in logs.items()}
-    adam_difference = max_relative_difference(logs["adam_ours"], logs["adam_core"])
-    resumed = logs["muon_resumed"]
-    resume_difference = max_relative_difference(resumed, as_logged_after_restart(logs["muon_ours"], half))
-    failures = [message for bad, message in (
-        (not adam_difference <= MEGATRON_LM_TOLERANCE["adam"], f"Adam: ours and megatron-core's differ by {adam_difference:.2e}"),
-        (sorted(resumed) != list(range(half + 1, iterations + 1)), f"the resumed run logged {sorted(resumed)}"),
-        (not resume_difference <= LOG_PRECISION, f"Muon resumed: losses differ by {resume_difference:.2e} relative")) if bad]
-    summary = (f"ms per iteration: Muon {ms['muon_ours']:.1f}, Adam (ours) {ms['adam_ours_clipped']:.1f} with QK-clip, "
-               f"{ms['adam_ours']:.1f} / {ms['adam_core']:.1f} without (ours / megatron-core's, loss rel. diff "
-               f"{adam_difference:.1e}); Muon resumed at {half}: loss rel. diff {resume_difference:.1e}")
-    return {"status": "failed" if failures else "ran", "failures": failures, "iteration_ms": ms, "losses": {name: [loss for _, (_, loss) in sorted(log.items())] for name, log in logs.items()},
-            "summary": summary}
-
-
 # ------------------------------------------------------------------------------------------------
 # Report
 # ------------------------------------------------------------------------------------------------
@@ -496,7 +432,6 @@ CHECKS = {  # name -> the rows it adds
     "megatron_lm": lambda args, shape, skip, directory: [megatron_lm_runs(args, skip, directory)],
     "cuda_vs_cpu": lambda args, shape, skip, directory: [cuda_matches_cpu(args, skip, directory)],
     "megatron_fsdp": lambda args, shape, skip, directory: [megatron_fsdp_cuda_matches_cpu(args, skip, directory)],
-    "deepseek": lambda args, shape, skip, directory: [deepseek_runs(args, skip, directory)],
 }
 
 
