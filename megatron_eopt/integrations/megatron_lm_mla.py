@@ -24,7 +24,7 @@ def taking_mla_head_widths(attention_class: type) -> list[tuple[Any, str, Any]]:
         original_init(self, config, *args, **kwargs)
         if v_channels is not None:
             self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
-        if k_channels is not None and kwargs.get("softmax_scale", args[4] if len(args) > 4 else None) is None:
+        if k_channels is not None and kwargs.get("softmax_scale") is None:  # MLA passes its scale by name
             self.softmax_scale = 1.0 / math.sqrt(k_channels)
             if config.apply_query_key_layer_scaling:
                 self.softmax_scale /= self.layer_number
