@@ -62,13 +62,14 @@ def _zero_momentum_after_resume():
 
 
 def run_case(rank: int, world_size: int, case: Case, output: str, drop_momentum: bool = False,
-             bf16_products: bool = False) -> None:
+             bf16_products: bool = False) -> list:
     """Every run of `case` (two for ckpt-resume, with `prepare_resume` between), writing under `output`
-    as the launcher does.
+    as the launcher does; what each run returned on this rank (Megatron-LM's loop: its `Run`).
     `bf16_products`: as a CPU with native bf16 products computes them (tests/bf16_numerics.py)."""
     if world_size != case.world_size:
         raise ValueError(f"case {case.name!r} runs on {case.world_size} ranks; got {world_size}")
     paths = RunPaths(pathlib.Path(output))
+    results = []
     for run in case.phases():
         if run > 1:  # Megatron-LM's step between the runs, on one rank (the launcher's node 0)
             if rank == 0:
@@ -78,9 +79,8 @@ def run_case(rank: int, world_size: int, case: Case, output: str, drop_momentum:
         try:
             with _case_settings(case), (bf16_numerics() if bf16_products else contextlib.nullcontext()):
                 argv = case_argv(case, paths, run)
-                if case.script == "pretrain_gpt.py":
-                    run_pretrain_gpt(rank, world_size, argv)
-                else:
-                    run_megatron_lm(rank, world_size, argv)
+                run_entry = run_pretrain_gpt if case.script == "pretrain_gpt.py" else run_megatron_lm
+                results.append(run_entry(rank, world_size, argv))
         finally:
             undo()
+    return results

@@ -37,6 +37,7 @@ from megatron_eopt.distributed.reduce_scattered import reduce_scattering_chunks
 from megatron_eopt.factory import get_megatron_optimizer
 from megatron_eopt.integrations.megatron_lm_qk_clip import (OptimizersOfModels, recording_max_logits,
                                                             validating_qk_clip_as_ours)
+from megatron_eopt.integrations.megatron_lm_mla import taking_mla_head_widths
 from megatron_eopt.integrations.megatron_lm_swiglu import splitting_every_state
 from megatron_eopt.registry import list_optimizers, lookup_optimizer
 from megatron_eopt.runtime.cpu_stand_ins import replace_names
@@ -311,9 +312,19 @@ def install() -> None:
     if _original_validate_args is None:
         _original_validate_args = megatron_lm_arguments.validate_args
         megatron_lm_arguments.validate_args = validate_args_for_megatron_eopt
-    if not _undo_replacements:
+    if not _undo_replacements:  # MLA's core attention first: the QK-clip recorder wraps its __init__
+        _undo_replacements.extend(replace_names(local_attention_for_mla()))
         _undo_replacements.extend(replace_names(_checkpoint_layout_replacements() + _optimizer_config_replacement()
                                                 + _qk_clip_replacements() + _parser_replacement()))
+
+
+def local_attention_for_mla() -> list[tuple[Any, str, Any]]:
+    """megatron-core's local attention taking MLA's head widths (integrations/megatron_lm_mla.py), so that
+    `--multi-latent-attention --transformer-impl local` builds; the loop script applies it with
+    `--megatron-core-optimizer` too."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    return taking_mla_head_widths(DotProductAttention)
 
 
 def _parser_replacement() -> list[tuple[Any, str, Any]]:

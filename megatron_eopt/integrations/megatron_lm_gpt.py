@@ -197,13 +197,17 @@ def main() -> None:
 
     from megatron_eopt.integrations import megatron_lm
 
-    if "--megatron-core-optimizer" not in sys.argv[1:]:
+    ours = "--megatron-core-optimizer" not in sys.argv[1:]
+    if ours:
         megatron_lm.install()  # before validate_args, which install() lets take Megatron-FSDP with ours
-    args = parse_and_validate_args(extra_args_provider=add_script_args)
-    use_prebuilt_dataset_helpers()
-    measure_memory_without_psutil()
-    config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
-    pretrain(config, datasets_provider, ModelType.encoder_or_decoder, forward_step, store=store_for_this_attempt(args))
+    # megatron-core's optimizer gets the same model: MLA builds on the local attention (install() does this too)
+    with megatron_lm_cpu.replaced([] if ours else megatron_lm.local_attention_for_mla()):
+        args = parse_and_validate_args(extra_args_provider=add_script_args)
+        use_prebuilt_dataset_helpers()
+        measure_memory_without_psutil()
+        config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
+        pretrain(config, datasets_provider, ModelType.encoder_or_decoder, forward_step,
+                 store=store_for_this_attempt(args))
 
 
 if __name__ == "__main__":

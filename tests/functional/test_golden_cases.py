@@ -30,6 +30,9 @@ from tests.functional import golden_cases
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CASES = golden_cases.cases()
 MUON_CASES = ("gpt_muon_layerwise_dp2", "gpt_muon_tp2_sharded")
+# Checked against its golden in tests/functional/test_megatron_lm_deepseek_case.py, in the same launch
+# as its exact resume and its QK-clip.
+CHECKED_ELSEWHERE = ("gpt_megatron_lm_deepseek_muon_megatron_fsdp_ep2",)
 
 
 def _golden(name: str) -> dict:
@@ -42,7 +45,7 @@ def _verdicts(name: str, runs: list[dict], case=None) -> list[goldens.Verdict]:
     return goldens.check_runs(case or CASES[name], _golden(name), runs, on_cuda=False)
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", sorted(set(CASES) - set(CHECKED_ELSEWHERE)))
 def test_case_matches_its_cpu_golden(name: str, run_distributed, tmp_path: pathlib.Path) -> None:
     actual = golden_cases.run_and_read(CASES[name], tmp_path, run_distributed)
     verdicts = _verdicts(name, actual)
