@@ -351,9 +351,9 @@ DEEPSEEK = ["--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "
             "--moe-router-topk", "2", "--moe-ffn-hidden-size", "512", "--moe-shared-expert-intermediate-size", "1024",
             "--moe-token-dispatcher-type", "alltoall", "--no-bias-swiglu-fusion", "--use-megatron-fsdp",
             "--data-parallel-sharding-strategy", "optim_grads_params", "--ckpt-format", "fsdp_dtensor"]
-DEEPSEEK_RUNS = {"muon_ours": ["--optimizer", "muon", "--qk-clip", "--log-max-attention-logit"],
-                 "adam_ours": ["--optimizer", "adam", "--lr", "3e-4"],
-                 "adam_core": ["--optimizer", "adam", "--lr", "3e-4", "--megatron-core-optimizer"]}
+DEEPSEEK_RUNS = {"muon_ours": MEGATRON_LM_OPTIMIZERS["muon"] + ["--qk-clip", "--log-max-attention-logit"],
+                 "adam_ours": MEGATRON_LM_OPTIMIZERS["adam"],
+                 "adam_core": MEGATRON_LM_OPTIMIZERS["adam"] + ["--megatron-core-optimizer"]}
 
 
 def deepseek_runs(args, skip: Optional[str], directory: str) -> dict:
@@ -363,7 +363,7 @@ def deepseek_runs(args, skip: Optional[str], directory: str) -> dict:
     half, checkpoint = args.deepseek_iters // 2, os.path.join(directory, "deepseek")
     runs = {name: base + flags for name, flags in DEEPSEEK_RUNS.items()}
     runs["muon_ours"] += ["--save", checkpoint, "--save-interval", str(half)]
-    runs["muon_resumed"] = base + DEEPSEEK_RUNS["muon_ours"] + ["--load", checkpoint]
+    runs["muon_resumed"] = base + DEEPSEEK_RUNS["muon_ours"] + ["--load", checkpoint, "--ckpt-step", str(half)]
     built = {"flags": {name: " ".join(argv) for name, argv in runs.items()}}
     if skip:
         parse_megatron_lm_flags(runs.values())
