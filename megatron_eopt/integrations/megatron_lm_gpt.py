@@ -111,24 +111,6 @@ def use_prebuilt_dataset_helpers() -> None:
         dataset_utils.compile_helpers = lambda: None
 
 
-def measure_memory_without_psutil() -> None:
-    """megatron-core's torch_dist writer logs the process's memory with psutil, which megatron-core
-    does not require: without it every save fails. Read the resident size from /proc instead."""
-    import megatron.core.dist_checkpointing.strategies.filesystem_async as filesystem_async
-
-    if not filesystem_async.HAVE_PSUTIL:
-        filesystem_async._process_memory = _resident_bytes
-
-
-def _resident_bytes() -> int:
-    """What psutil.Process().memory_info().rss gives, from /proc (0 where there is none)."""
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
 def add_script_args(parser: Any) -> Any:
     """Our optimizer flags, plus this script's switch for comparing with megatron-core's own; without
     CUDA, `--distributed-backend` defaults to gloo."""
@@ -186,9 +168,10 @@ def _refusals_in_one_line(run: Callable[[], None]) -> Callable[[], None]:
 
 @_refusals_in_one_line
 def main() -> None:
-    from megatron_eopt.runtime import megatron_lm_cpu
+    from megatron_eopt.runtime import checkpoint_worker, megatron_lm_cpu
 
     megatron_lm_cpu.install()  # without CUDA: the loop on CPU and gloo (does nothing with CUDA)
+    checkpoint_worker.install()  # megatron-core's checkpoint writers without psutil, on CPU, and when they die
     from megatron.core.enums import ModelType
     from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
@@ -200,7 +183,6 @@ def main() -> None:
         megatron_lm.install()  # before validate_args, which install() lets take Megatron-FSDP with ours
     args = parse_and_validate_args(extra_args_provider=add_script_args)
     use_prebuilt_dataset_helpers()
-    measure_memory_without_psutil()
     config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
     pretrain(config, datasets_provider, ModelType.encoder_or_decoder, forward_step, store=store_for_this_attempt(args))
 
