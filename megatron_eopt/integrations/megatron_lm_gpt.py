@@ -168,10 +168,10 @@ def _refusals_in_one_line(run: Callable[[], None]) -> Callable[[], None]:
 
 @_refusals_in_one_line
 def main() -> None:
-    from megatron_eopt.runtime import checkpoint_worker, megatron_lm_cpu
+    from megatron_eopt.runtime import megatron_lm_cpu, megatron_lm_saves
 
     megatron_lm_cpu.install()  # without CUDA: the loop on CPU and gloo (does nothing with CUDA)
-    checkpoint_worker.install()  # megatron-core's checkpoint writers without psutil, on CPU, and when they die
+    megatron_lm_saves.install()  # its async and non-persistent saves without psutil, on CPU, and when a writer dies
     from megatron.core.enums import ModelType
     from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
