@@ -60,7 +60,7 @@ def _with_nan_gradient(train_step, model, optimizer, forward_step_func, data_ite
     collectives)."""
     import torch
 
-    from tests.megatron_lm_faults_in_process import state_of, states_equal
+    from tests.megatron_lm_faults_in_process import all_finite, state_of, states_equal
 
     hooks = []
     if any(f["phase"] == "nan gradient" and f["iteration"] == _iteration() for f in FAULTS):  # this rank's
@@ -77,7 +77,8 @@ def _with_nan_gradient(train_step, model, optimizer, forward_step_func, data_ite
     finally:
         for hook in hooks:
             hook.remove()
-        say(f"state unchanged: {states_equal(state_of(model, optimizer), before)}; the step {outcome}")
+        after = state_of(model, optimizer)
+        say(f"state unchanged: {states_equal(after, before)}, finite: {all_finite(after)}; the step {outcome}")
 
 
 # torch_dcp and fsdp_dtensor write through torch's FileSystemWriter; torch_dist through megatron-core's.

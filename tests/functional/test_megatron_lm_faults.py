@@ -277,10 +277,12 @@ def nan_outcome(result: subprocess.CompletedProcess) -> list[str]:
 @pytest.mark.parametrize("engine", NAN_CASES)
 def test_a_nan_gradient_on_one_rank_ends_as_with_megatron_cores_optimizer(engine: str, tmp_path) -> None:
     """Item 4: iteration 3's gradient of one parameter is NaN on rank 1 (NaN checks on, as by
-    default). Ours and megatron-core's optimizer in the same loop end alike: megatron-core's rerun
+    default). Ours and megatron-core's optimizer in the same loop end alike: the same messages of
+    megatron-core's checks, exit codes, and on each rank the same "state unchanged" and "finite"
+    of its parameters and optimizer state across that iteration. On DDP megatron-core's rerun
     state machine finds the NaN before the gradients are reduced, reruns the iteration, finds it
-    again, saves and exits with its status (16 on DDP), the same messages and exit codes; neither's
-    parameters nor optimizer state change in that iteration."""
+    again, saves and exits with status 16, and no state changes; on FSDP2 (measured 2026-11-27)
+    nothing finds it, with either optimizer: the step goes on."""
     fault = {"attempt": 0, "rank": 1, "iteration": 3, "phase": "nan gradient"}
     flags = flags_of(engine, NAN_CASES[engine])
     ours = launch(flags, tmp_path / "ours", [fault], load=False)  # megatron-core's fails on FSDP2 with --load
@@ -291,7 +293,8 @@ def test_a_nan_gradient_on_one_rank_ends_as_with_megatron_cores_optimizer(engine
     assert len(outcome) > 1, report(theirs)
     assert nan_outcome(ours) == outcome, report(ours)
     assert (ours.returncode == 0) == (theirs.returncode == 0)
-    assert [s.split(";")[0] for s in outcome[:2]] == ["0 state unchanged: True", "1 state unchanged: True"], outcome
+    if engine == "DDP distributed optimizer":
+        assert [s.split(",")[0] for s in outcome[:2]] == ["0 state unchanged: True", "1 state unchanged: True"], outcome
 
 
 # megatron-core's own async strategy (Megatron-LM's default, "nvrx", needs nvidia-resiliency-ext).
