@@ -5,7 +5,7 @@ scripts/pretrain_gpt_megatron_lm.py's `main` (Megatron-LM's loop, ours installed
 Phases: "step" (as iteration N starts: Megatron-LM's `train_step` is called), "write" (the save
 of iteration N: this rank's shards written, the checkpoint's metadata and `latest` not yet; for
 torch_dist in the finalization after the write, which --async-save runs while later iterations go on),
-"nan gradient" (iteration N's gradient of the first parameter is NaN on this rank: the rank prints
+"nan gradient" (iteration N's gradient of the word embeddings is NaN on this rank: every rank prints
 whether its parameters and optimizer state changed in that iteration, and how it ended),
 "worker write" (in the persistent checkpoint worker: tests/functional/checkpoint_worker_faults.py).
 """
@@ -64,8 +64,14 @@ def _with_nan_gradient(train_step, model, optimizer, forward_step_func, data_ite
 
     hooks = []
     if any(f["phase"] == "nan gradient" and f["iteration"] == _iteration() for f in FAULTS):  # this rank's
-        parameter = next(p for p in model[0].parameters() if p.requires_grad)
-        hooks.append(parameter.register_hook(lambda grad: torch.full_like(grad, float("nan"))))
+        # The gradient of the word embeddings' output: NaN reaches their weights' gradient through
+        # autograd, before any engine's hooks reduce it (a hook on a parameter is bypassed by
+        # Megatron-FSDP's gradient buffers).
+        def nan_gradient_of(module, inputs, output) -> None:  # None: the output stays as it is
+            output.register_hook(lambda grad: torch.full_like(grad, float("nan")))
+
+        embedding = next(m for name, m in model[0].named_modules() if name.endswith("word_embeddings"))
+        hooks.append(embedding.register_forward_hook(nan_gradient_of))
         say("NaN gradient")
     before = state_of(model, optimizer)
     outcome = "went on"
