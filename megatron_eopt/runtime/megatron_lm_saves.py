@@ -1,29 +1,17 @@
 """Megatron-LM's asynchronous and non-persistent saves (megatron-core 0.19), patched at run time
-(never by editing the installed package) where they fail, wait forever or lose the last checkpoint,
-with any optimizer.
+where they fail, wait forever or lose the last checkpoint, with any optimizer (docs/reliability.md).
 
 `install()` (scripts/pretrain_gpt_megatron_lm.py calls it) rebinds:
-- `filesystem_async._process_memory`: the writer logs its process's memory with psutil, which
-  megatron-core does not require: without it every save failed. It reads /proc instead.
-- `PersistentAsyncCaller.async_loop` (`--async-save --use-persistent-ckpt-worker`): the worker is a
-  process of its own, started with forkserver, which has none of the process's patches. It died in
-  `torch.cuda.set_device(rank % torch.cuda.device_count())` on CPU (ZeroDivisionError) and without
-  psutil in its writes. `persistent_checkpoint_worker` installs them in the worker first.
-- `PersistentAsyncCaller` (the caller's side of the worker): megatron-core waits for the worker's
-  number of each finished save on a queue, and for the worker's copy of a save's tensors, and never
-  asks whether the worker lives. A dead worker (killed, out of memory, a crash) left the loop
-  waiting forever: in the finalization that waits for the save (before the next save, at the end of
-  the run, on an exit signal), or in the next save's hand-over. Here the waits end when the worker
-  is gone: its rank prints one line naming it, no save is handed to it any more, and each save it
-  did not finish counts as done but failed. megatron-core's finalization then finds that rank's
-  failure among the write results and raises its CheckpointException on every rank, before
-  `latest` names the save (the previous checkpoint stays the latest).
-- `checkpointing.cleanup_old_non_persistent_checkpoint` (`--non-persistent-save-interval` with
-  `--non-persistent-ckpt-type global`): as each non-persistent save starts, Megatron-LM kept only
-  the newest `iter_*` directory, whether written yet or not. With `--async-save` that is the save
-  still being written, so the checkpoint `latest` names was deleted: a run that stopped before the
-  newer one was complete could not resume ("Checkpoint directory None does not exist" on every
-  restart). Here only directories older than the one `latest` names are removed.
+- `filesystem_async._process_memory`: /proc instead of psutil, which megatron-core does not require;
+- `PersistentAsyncCaller.async_loop` (`--use-persistent-ckpt-worker`): the worker, a forkserver
+  process without the process's patches, installs them first (on CPU it died in set_device);
+- `PersistentAsyncCaller`'s waits for the worker (a save's completion, the hand-over of its
+  tensors), which never asked whether the worker lives: a dead worker's rank says so in one line,
+  and each save it did not finish fails on every rank through megatron-core's own
+  CheckpointException, before `latest` names it;
+- `checkpointing.cleanup_old_non_persistent_checkpoint`: it kept only the newest `iter_*`, written
+  or not, and so deleted the checkpoint `latest` names while an async save was in flight; now it
+  removes only checkpoints older than that one.
 """
 
 import os
