@@ -10,7 +10,6 @@ loop runs on CPU through megatron_eopt/runtime/megatron_lm_cpu.py, on gloo by de
 `--transformer-impl local` and no fused kernels; docs/megatron-lm.md).
 """
 
-import os
 import pathlib
 import sys
 import traceback

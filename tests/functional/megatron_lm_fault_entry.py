@@ -55,7 +55,7 @@ def _hook_train_step() -> None:
 
 
 def _with_nan_gradient(train_step, model, optimizer, forward_step_func, data_iterator, *args, **kwargs):
-    """train_step with the first parameter's gradient NaN on the faulted rank; every rank says
+    """train_step with the word embeddings' gradient NaN on the faulted rank; every rank says
     whether its state changed (each takes the snapshots: on FSDP2 and Megatron-FSDP they are
     collectives)."""
     import torch

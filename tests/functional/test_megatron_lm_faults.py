@@ -292,8 +292,8 @@ def test_a_nan_gradient_on_one_rank_ends_as_with_megatron_cores_optimizer(engine
     mine, outcome = nan_outcome(ours), nan_outcome(theirs)
     print(f"{engine}: megatron-core's optimizer: exit {theirs.returncode}, {outcome}; ours: exit {ours.returncode}, "
           f"{mine}")
-    said = [f"{rank} state unchanged: {unchanged}, finite: {unchanged}" for rank in (0, 1)
-            for unchanged in [engine == "DDP distributed optimizer"]]
+    stopped = engine == "DDP distributed optimizer"  # by megatron-core's checks; elsewhere its step takes the NaN
+    said = [f"{rank} state unchanged: {stopped}, finite: {stopped}" for rank in (0, 1)]
     assert [s.split(";")[0] for s in outcome[:2]] == said, report(theirs)
     assert [s.split(";")[0] for s in mine[:2]] == [f"{rank} state unchanged: True, finite: True" for rank in (0, 1)]
     assert [s.split(";")[1] for s in mine[:2]] == [s.split(";")[1] for s in outcome[:2]], (mine, outcome)
@@ -313,7 +313,7 @@ def test_killed_checkpoint_workers_leave_the_previous_checkpoint_and_async_saves
                                                                                               tmp_path) -> None:
     """Item 2: DDP with layer-wise Muon (bf16, torch_dist), every save written by megatron-core's
     persistent checkpoint worker (--async-save --use-persistent-ckpt-worker): persistent saves at 4
-    and 8, non-persistent ones (global) at every other iteration. A drawn rank's worker is SIGKILLed
+    and 8, non-persistent ones (global) at each iteration between. A drawn rank's worker is SIGKILLed
     after writing its first file of the non-persistent save at 2 (attempt 0), then of the persistent
     save at 4 (attempt 1). Each time the dead worker's rank says so in one line, the save fails on
     every rank (megatron-core's CheckpointException) and the job restarts; the restarts load the
