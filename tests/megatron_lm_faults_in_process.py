@@ -48,6 +48,17 @@ def states_equal(first: Any, second: Any) -> bool:
     return first == second
 
 
+def all_finite(state: Any) -> bool:
+    """No NaN or inf in any floating-point tensor, through nested dicts and lists."""
+    import torch
+
+    if isinstance(state, dict):
+        return all(all_finite(value) for value in state.values())
+    if isinstance(state, (list, tuple)):
+        return all(all_finite(value) for value in state)
+    return not (torch.is_tensor(state) and state.is_floating_point() and not torch.isfinite(state).all())
+
+
 @contextlib.contextmanager
 def _around_iteration(iteration: int, result: FaultRun) -> Iterator[None]:
     """Snapshots of the state before and after Megatron-LM's train_step of `iteration`."""

@@ -10,7 +10,6 @@ loop runs on CPU through megatron_eopt/runtime/megatron_lm_cpu.py, on gloo by de
 `--transformer-impl local` and no fused kernels; docs/megatron-lm.md).
 """
 
-import os
 import pathlib
 import sys
 import traceback
@@ -111,24 +110,6 @@ def use_prebuilt_dataset_helpers() -> None:
         dataset_utils.compile_helpers = lambda: None
 
 
-def measure_memory_without_psutil() -> None:
-    """megatron-core's torch_dist writer logs the process's memory with psutil, which megatron-core
-    does not require: without it every save fails. Read the resident size from /proc instead."""
-    import megatron.core.dist_checkpointing.strategies.filesystem_async as filesystem_async
-
-    if not filesystem_async.HAVE_PSUTIL:
-        filesystem_async._process_memory = _resident_bytes
-
-
-def _resident_bytes() -> int:
-    """What psutil.Process().memory_info().rss gives, from /proc (0 where there is none)."""
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
 def add_script_args(parser: Any) -> Any:
     """Our optimizer flags, plus this script's switch for comparing with megatron-core's own; without
     CUDA, `--distributed-backend` defaults to gloo."""
@@ -186,10 +167,11 @@ def _refusals_in_one_line(run: Callable[[], None]) -> Callable[[], None]:
 
 @_refusals_in_one_line
 def main() -> None:
-    from megatron_eopt.runtime import megatron_core_torch_adam, megatron_lm_cpu
+    from megatron_eopt.runtime import megatron_core_torch_adam, megatron_lm_cpu, megatron_lm_saves
 
     megatron_lm_cpu.install()  # without CUDA: the loop on CPU and gloo (does nothing with CUDA)
     megatron_core_torch_adam.install()  # with CUDA but no TE or Apex: megatron-core's Adam is torch's
+    megatron_lm_saves.install()  # its async and non-persistent saves without psutil, on CPU, and when a writer dies
     from megatron.core.enums import ModelType
     from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
@@ -204,7 +186,6 @@ def main() -> None:
     with megatron_lm_cpu.replaced([] if ours else megatron_lm.local_attention_for_mla()):
         args = parse_and_validate_args(extra_args_provider=add_script_args)
         use_prebuilt_dataset_helpers()
-        measure_memory_without_psutil()
         config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
         pretrain(config, datasets_provider, ModelType.encoder_or_decoder, forward_step,
                  store=store_for_this_attempt(args))

@@ -26,12 +26,14 @@ MEGATRON_CORE_ALLOWED = {"runtime/process_groups.py", "factory.py", "integration
                          "megatron_core_formats/distributed_optimizer.py",
                          "checkpointing/rng.py", "integrations/megatron_lm.py", "integrations/megatron_lm_gpt.py",
                          "integrations/megatron_lm_qk_clip.py",
-                         "runtime/megatron_lm_cpu.py", "runtime/megatron_core_torch_adam.py"}
+                         "runtime/megatron_lm_cpu.py", "runtime/megatron_core_torch_adam.py",
+                         "runtime/megatron_lm_saves.py"}
 MEGATRON_CORE_ALLOWED_UNDER = ("training/",)  # the trainer: megatron-core's models, Megatron-LM's helpers
 # Megatron-LM's training package (megatron.training, in the megatron-core wheel): only its adapter, and
-# the run-time patch that lets its loop run on CPU (its imports inside install(), which the script calls).
+# the run-time patches that let its loop run on CPU and its saves survive a dead writer (their imports inside
+# install(), which the script calls).
 MEGATRON_TRAINING_ALLOWED = {"integrations/megatron_lm.py", "integrations/megatron_lm_gpt.py",
-                             "runtime/megatron_lm_cpu.py"}
+                             "runtime/megatron_lm_cpu.py", "runtime/megatron_lm_saves.py"}
 
 
 def package_files() -> list[pathlib.Path]:
