@@ -14,7 +14,7 @@ docs/fsdp2.md and docs/megatron-fsdp.md describe the behaviour.
 from typing import Any, Optional
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from megatron_eopt.megatron_core_formats.fsdp_dtensor import (
     FSDP_DTENSOR,
@@ -115,7 +115,7 @@ class FullyShardedFP32Optimizer(FP32Optimizer):
         Megatron-FSDP puts it in `decoupled_grad` for a precision-aware optimizer (Megatron-LM's
         --use-precision-aware-optimizer), in its gradient buffer's dtype (bf16 by default there)."""
         grad = param.grad if param.grad is not None else getattr(param, "decoupled_grad", None)
-        local = self._missing_grad(fqn, param.to_local()) if grad is None else _local_grad(fqn, grad)
+        local = self._missing_grad(fqn, param.to_local()) if grad is None else _local_grad(fqn, grad, param)
         return None if local is None else local.float()
 
     # Megatron-FSDP gives an empty shard no gradient (megatron_fsdp_model.missing_grad); FSDP2 gives
@@ -182,12 +182,13 @@ class MegatronFSDPMixedPrecisionOptimizer(FullyShardedMixedPrecisionOptimizer):
     empty_shards_lack_grads = True
 
 
-def _local_grad(fqn: str, grad: torch.Tensor) -> torch.Tensor:
-    if not isinstance(grad, DTensor) or tuple(grad.placements) != (Shard(0),):
+def _local_grad(fqn: str, grad: torch.Tensor, param: DTensor) -> torch.Tensor:
+    if not isinstance(grad, DTensor) or tuple(grad.placements) != tuple(param.placements):
         placement = tuple(grad.placements) if isinstance(grad, DTensor) else "a plain tensor"
         raise ValueError(
-            f"parameter {fqn!r}: its gradient is {placement}; a torch FSDP2 parameter's gradient must "
-            f"be a DTensor with placement Shard(0), like the parameter (FSDP2's and Megatron-FSDP's reduce-scatter give one)."
+            f"parameter {fqn!r}: its gradient is {placement}; a sharded parameter's gradient must be a "
+            f"DTensor placed like the parameter, {tuple(param.placements)} (FSDP2's and Megatron-FSDP's "
+            f"reduce-scatter give one)."
         )
     return grad.to_local()
 
