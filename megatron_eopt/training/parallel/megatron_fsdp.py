@@ -19,10 +19,12 @@ _MESH_NUMBERS = itertools.count()
 
 
 def megatron_fsdp_gpt(model: torch.nn.Module, device: torch.device, fp32_grads: bool = True,
-                      expert_parallel_size: int = 1) -> torch.nn.Module:
+                      expert_parallel_size: int = 1, tensor_parallel_size: int = 1) -> torch.nn.Module:
     """`model` wrapped by Megatron-FSDP over every rank (ZeRO-3), each TransformerLayer a unit;
     with `expert_parallel_size` > 1 the routed experts over an expert mesh (expert data parallel x
     EP, EP varying fastest as megatron-core's parallel_state orders the ranks at TP = PP = 1).
+    With `tensor_parallel_size` > 1 (a model built at that TP size, no experts) the mesh is
+    (data parallel, TP), TP varying fastest as in parallel_state.
 
     Megatron-FSDP computes with the model's own dtype (bf16 with --bf16) and keeps fp32 main weights
     beside them, which are the DTensor parameters the optimizer steps (as in Megatron-LM's loop).
@@ -40,8 +42,10 @@ def megatron_fsdp_gpt(model: torch.nn.Module, device: torch.device, fp32_grads: 
     number = next(_MESH_NUMBERS)
     names = (f"megatron_fsdp_dp{number}", f"megatron_fsdp_tp{number}")
     world = dist.get_world_size()
-    mesh = init_device_mesh(device.type, (world, 1), mesh_dim_names=names)
+    mesh = init_device_mesh(device.type, (world // tensor_parallel_size, tensor_parallel_size), mesh_dim_names=names)
     experts = {}
+    if expert_parallel_size > 1 and tensor_parallel_size > 1:
+        raise ValueError("megatron_fsdp_gpt: experts with tensor parallelism are not built here; use TP=1 with EP.")
     if expert_parallel_size > 1:
         expert_names = (names[0], f"megatron_fsdp_ep{number}", names[1])
         experts = {"expt_device_mesh": init_device_mesh(device.type, (world // expert_parallel_size,

@@ -63,9 +63,16 @@ def set_grads(reference: torch.nn.Module, sharded: torch.nn.Module, grads: dict)
 
 
 def set_sharded_grads(sharded: torch.nn.Module, grads: dict) -> None:
-    from torch.distributed.tensor import Shard, distribute_tensor
+    """Each DTensor's rows of `grads` (of this TP rank's part) as its gradient: FSDP2's by
+    torch.chunk, Megatron-FSDP's (names under `module.`) as its shard holds them."""
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     for name, p in sharded.named_parameters():
+        if name.startswith("module."):
+            rows = _held_rows(p, grads[name.removeprefix("module.")])
+            p.grad = DTensor.from_local(rows.contiguous(), p.device_mesh, p.placements, shape=p.shape,
+                                        stride=p.stride())
+            continue
         # src_data_rank=None: each rank keeps its own chunk of its own (identical) copy.
         p.grad = distribute_tensor(grads[name], p.device_mesh, [Shard(0)], src_data_rank=None)
 
@@ -345,12 +352,13 @@ class NewtonSchulzCount:
         NewtonSchulzSettings.orthogonalize = self._original
 
 
-def _tp_fsdp_case(optimizer: str, tp_mode: str, reference_kind: str, variant: str = "") -> dict:
-    """3 steps of the TP=2 x FSDP=2 GPT against its reference, with the same global gradients."""
+def _tp_fsdp_case(optimizer: str, tp_mode: str, reference_kind: str, variant: str = "",
+                  engine: str = "fsdp2") -> dict:
+    """3 steps of the TP=2 x FSDP=2 GPT against its reference, with the same global gradients;
+    `engine` 'megatron_fsdp': the TP=2 model wrapped by Megatron-FSDP over its (dp, tp) mesh."""
     import dataclasses
 
     from megatron.core import parallel_state
-    from torch.distributed.fsdp import fully_shard
 
     # 'auto' with a named profile: no calibration cached in the reused workers.
     profile = "h100" if tp_mode == "auto" else None
@@ -366,10 +374,7 @@ def _tp_fsdp_case(optimizer: str, tp_mode: str, reference_kind: str, variant: st
         reference_opt = get_megatron_optimizer(config, [reference],
                                                pg_collection=None if reference_kind == "tp2" else _single_process())
         sharded, splits = _tp2_model(full)
-        mesh = data_parallel_mesh(parallel_state.get_data_parallel_group(), torch.device("cpu"))
-        for layer in sharded.decoder.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(sharded, mesh=mesh)
+        sharded = (_megatron_fsdp if engine == "megatron_fsdp" else _fully_shard)(sharded)
         # The TP group from parallel_state (as pretrain_gpt builds it), or from a pg_collection.
         pg_collection = None
         if optimizer == "adam":
@@ -394,13 +399,47 @@ def _tp_fsdp_case(optimizer: str, tp_mode: str, reference_kind: str, variant: st
         reference_values = {name: p.detach() for name, p in reference.named_parameters()}
         if reference_kind == "tp1":
             reference_values = _tp_shards(reference_values, splits, tp_rank)
-        errors = {name: (p.full_tensor() - reference_values[name]).abs().max().item()
+        errors = {name: _max_error(p.to_local(), _held_rows(p, reference_values[name.removeprefix("module.")]))
                   for name, p in sharded.named_parameters()}
-        skip = _nan_on_last_rank(sharded, sharded_opt) if tp_mode == "duplicated" else None
+        skip = _nan_on_last_rank(sharded, sharded_opt) if tp_mode == "duplicated" and engine == "fsdp2" else None
+        routing = [(key, [fqn.removeprefix("module.") for fqn in fqns]) for key, fqns in routing_of(sharded_opt)]
         return {"errors": errors, "results": results, "ns_counts": counts, "skip": skip,
-                "routing": (routing_of(reference_opt), routing_of(sharded_opt))}
+                "routing": (routing_of(reference_opt), routing)}
     finally:
         destroy_model_parallel()
+
+
+def _fully_shard(model: torch.nn.Module) -> torch.nn.Module:
+    """Each TP rank's model over its data-parallel group with torch FSDP2, each layer a unit."""
+    from megatron.core import parallel_state
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = data_parallel_mesh(parallel_state.get_data_parallel_group(), torch.device("cpu"))
+    for layer in model.decoder.layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _megatron_fsdp(model: torch.nn.Module) -> torch.nn.Module:
+    """The TP=2 model wrapped by Megatron-FSDP (ZeRO-3) over its (dp, tp) mesh, as Megatron-LM's
+    --use-megatron-fsdp wraps it: parameters TP splits on the 2-D mesh, the rest on its dp mesh."""
+    from megatron_eopt.training.parallel.megatron_fsdp import megatron_fsdp_gpt
+
+    return megatron_fsdp_gpt(model, torch.device("cpu"), tensor_parallel_size=TP)
+
+
+def _max_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return (got - expected).abs().max().item() if got.numel() else 0.0  # an empty shard holds nothing
+
+
+def _held_rows(param, value: torch.Tensor) -> torch.Tensor:
+    """The rows of `value` (this TP rank's part) that `param`'s shard holds: its data-parallel
+    group's row counts gathered (test-side; Megatron-FSDP's splits are uneven)."""
+    group = param.device_mesh.get_group(0)
+    counts = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(counts, param.to_local().shape[0], group=group)
+    first = sum(counts[:torch.distributed.get_rank(group)])
+    return value[first:first + counts[torch.distributed.get_rank(group)]]
 
 
 def _nan_on_last_rank(sharded: torch.nn.Module, optimizer) -> dict:
