@@ -423,9 +423,12 @@ def _fully_shard(model: torch.nn.Module) -> torch.nn.Module:
 def _megatron_fsdp(model: torch.nn.Module) -> torch.nn.Module:
     """The TP=2 model wrapped by Megatron-FSDP (ZeRO-3) over its (dp, tp) mesh, as Megatron-LM's
     --use-megatron-fsdp wraps it: parameters TP splits on the 2-D mesh, the rest on its dp mesh."""
+    from megatron.core import parallel_state
+
     from megatron_eopt.training.parallel.megatron_fsdp import megatron_fsdp_gpt
 
-    return megatron_fsdp_gpt(model, torch.device("cpu"), tensor_parallel_size=TP)
+    groups = (parallel_state.get_data_parallel_group(), parallel_state.get_tensor_model_parallel_group())
+    return megatron_fsdp_gpt(model, torch.device("cpu"), dp_tp_groups=groups)
 
 
 def _max_error(got: torch.Tensor, expected: torch.Tensor) -> float:
