@@ -59,6 +59,9 @@ class ExpertSharding:
     # fqn -> its name in DTensor optimizer state, by global expert index; None: its layout has none
     # (params/expert_names.py).
     global_names: dict[str, Optional[str]] = field(default_factory=dict)
+    # The caller's expert tensor-parallel group when it has size > 1 (Megatron-FSDP's 2-D expert
+    # mesh), else None.
+    tensor_parallel: Optional[ProcessGroup] = None
 
 
 @dataclass(frozen=True)
@@ -88,11 +91,15 @@ class FullyShardedLayout:
     def tp_group(self) -> Optional[ProcessGroup]:
         return None if self.tensor_parallel is None else self.tensor_parallel.tp
 
+    def tp_group_of(self, is_expert: bool) -> Optional[ProcessGroup]:
+        """The tensor-parallel group of the dense (or the expert) parameters, None at size 1."""
+        return self.experts.tensor_parallel if is_expert and self.experts is not None else self.tp_group
+
     def parallel_groups(self) -> ParallelGroups:
         """Data parallel = the mesh's group; tensor (and model) parallel the caller's, if any."""
         given = self.tensor_parallel
         experts = {} if self.experts is None else dict(
-            expt_tp=None, expt_mp=self.experts.model_parallel, expt_dp=self.experts.group)
+            expt_tp=self.experts.tensor_parallel, expt_mp=self.experts.model_parallel, expt_dp=self.experts.group)
         if given is None:
             return ParallelGroups.from_groups(tp=None, mp=None, dp_cp=self.group, tp_dp_cp=self.group, **experts)
         # Checkpoints need the group of all TP x DP ranks; only the caller can name it.
@@ -118,7 +125,7 @@ class FullyShardedLayout:
         owners (same shapes, same order), so a matrix's owners form one TP group.
         """
         owners = assign_owners(records, {r.fqn for r in records}, group_size(self.group_of(is_expert)),
-                               group_size(self.tp_group))
+                               group_size(self.tp_group_of(is_expert)))
         return {r.fqn: RowShards(layouts[r.fqn], self.rows_by_rank[r.fqn], owners[r.fqn]) for r in records}
 
 
@@ -155,9 +162,12 @@ def fully_sharded_layout(chunks: list[torch.nn.Module], pg_collection: Any = Non
     if engine == TORCH_FSDP2:
         check_fsdp2_averages(sharded[0][1].device)
     splits, engine_layers = _tensor_parallel_splits(chunks)
-    tensor_parallel = _tensor_parallel_groups(pg_collection, group, splits, engine_layers, engine)
-    _check_tensor_parallel_mesh(sharded, splits, tensor_parallel)
-    experts = _expert_sharding(chunks, pg_collection, expert, group, tensor_parallel, engine) if expert else None
+    expert_fqns = {fqn for fqn, _ in expert}
+    dense_splits = {fqn: split for fqn, split in splits.items() if fqn not in expert_fqns}
+    tensor_parallel = _tensor_parallel_groups(pg_collection, group, dense_splits, engine_layers, engine)
+    _check_tensor_parallel_mesh(dense, dense_splits, None if tensor_parallel is None else tensor_parallel.tp)
+    experts = _expert_sharding(chunks, pg_collection, expert, group, tensor_parallel, engine,
+                               {fqn: split for fqn, split in splits.items() if fqn in expert_fqns}) if expert else None
     return FullyShardedLayout(group, rows_by_rank_per_mesh(dense + expert),
                               {fqn: split.partition_dim for fqn, split in splits.items()}, tensor_parallel, engine,
                               experts)
@@ -202,14 +212,18 @@ def rows_by_rank_per_mesh(sharded: list[tuple[str, DTensor]]) -> dict[str, tuple
 
 
 def _expert_sharding(chunks: list[torch.nn.Module], pg_collection: Any, expert: list[tuple[str, DTensor]],
-                     dp_group: ProcessGroup, tensor_parallel: Optional[ParallelGroups], engine: str) -> ExpertSharding:
+                     dp_group: ProcessGroup, tensor_parallel: Optional[ParallelGroups], engine: str,
+                     splits: dict[str, TensorParallelSplit]) -> ExpertSharding:
     """The experts' mesh group, checked against the caller's expert groups (no collective), and
-    their global names."""
+    their global names. Expert tensor parallelism (Megatron-FSDP's 2-D expert mesh) is over the
+    caller's expert TP group. Experts with dense TP are refused: untested, as megatron-core's MoE
+    needs sequence parallelism at TP > 1, which its CPU layers lack (docs/megatron-fsdp.md)."""
     first = expert[0][0]
     if tensor_parallel is not None:
+        instead = ("use tensor_model_parallel_size=1 with experts (--expert-tensor-parallel-size splits the "
+                   "experts alone)" if engine == MEGATRON_FSDP else f"use tensor_model_parallel_size=1 with experts")
         raise ValueError(
-            f"parameter {first!r}: expert parallelism with TP x {engine} is not supported; use "
-            f"tensor_model_parallel_size=1 with experts on {engine}."
+            f"parameter {first!r}: expert parallelism with TP x {engine} is not supported; {instead} on {engine}."
         )
     expert_group = _common_group(expert)
     given = resolve_parallel_groups(pg_collection) if pg_collection is not None else initialized_parallel_state_groups()
@@ -221,12 +235,14 @@ def _expert_sharding(chunks: list[torch.nn.Module], pg_collection: Any, expert: 
         )
     why = "expert parameters on their own mesh (the experts' gradient norm over expert parallel ranks)"
     expert_tp, expert_mp = given.require("expt_tp", why), given.require("expt_mp", why)
-    if group_size(expert_tp) > 1:
+    if group_size(expert_tp) > 1 and engine != MEGATRON_FSDP:
         raise ValueError(f"parameter {first!r}: expert tensor parallelism (size {group_size(expert_tp)}) with "
-                         f"{engine} is not supported; use expert_tensor_parallel_size=1.")
+                         f"{engine} is not supported; use expert_tensor_parallel_size=1, or Megatron-FSDP.")
+    _check_layers_fit(splits, expert_tp)
+    _check_tensor_parallel_mesh(expert, splits, expert_tp)
     _check_expert_grid(first, expert_group, expert_mp, dp_group)
     fqns = [fqn for fqn, _ in expert]
-    return ExpertSharding(expert_group, frozenset(fqns), expert_mp, expert_global_names(chunks, fqns))
+    return ExpertSharding(expert_group, frozenset(fqns), expert_mp, expert_global_names(chunks, fqns), expert_tp)
 
 
 def _check_expert_grid(fqn: str, expert_group: ProcessGroup, expert_mp: Optional[ProcessGroup],
@@ -324,10 +340,10 @@ def _check_crosses_mesh(tp_group: ProcessGroup, dp_group: ProcessGroup, engine: 
 
 
 def _check_tensor_parallel_mesh(sharded: list[tuple[str, DTensor]], splits: dict[str, TensorParallelSplit],
-                                tensor_parallel: Optional[ParallelGroups]) -> None:
+                                tp_group: Optional[ProcessGroup]) -> None:
     """Megatron-FSDP's 2-D (dp, tp) mesh holds the parameters TP splits, its tp dimension over the
-    caller's TP group; its other parameters sit on the 1-D dp mesh (no collective)."""
-    tp_ranks = group_ranks(None if tensor_parallel is None else tensor_parallel.tp)
+    caller's (expert) TP group; its other parameters sit on the 1-D dp mesh (no collective)."""
+    tp_ranks = group_ranks(tp_group)
     for fqn, param in sharded:
         if param.device_mesh.ndim != 2:
             continue
