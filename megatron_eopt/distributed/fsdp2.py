@@ -97,12 +97,22 @@ class FullyShardedFP32Optimizer(FP32Optimizer):
         return super().sharded_state_dict(model_sharded_state_dict, is_loading, metadata)
 
     def _refuse_tensor_parallel(self, what: str) -> None:
-        """DTensor state is keyed by parameter name, which the TP ranks of TP x torch FSDP2 share."""
-        if group_size(self.tp_group) > 1:
+        """DTensor state is keyed by parameter name, which the TP ranks of TP x torch FSDP2 share;
+        Megatron-FSDP's 2-D (dp, tp) DTensors would need their TP parts placed (a gated linear_fc1's
+        two halves apart), which is not written."""
+        if group_size(self.tp_group) <= 1:
+            return
+        if self.engine == MEGATRON_FSDP:
             raise ValueError(
-                f"{what} of TP x torch FSDP2 is not supported: its DTensor state is keyed by parameter name, "
-                f"which the TP ranks share; use megatron_eopt.checkpointing.save_checkpoint."
+                f"{what} of TP x Megatron-FSDP (expert TP included) is not supported: the optimizer state of "
+                f"its 2-D (dp, tp) DTensors is not written in that layout. It trains; to checkpoint, use "
+                f"Megatron-FSDP at TP=1 (--tensor-model-parallel-size 1 --expert-tensor-parallel-size 1), or "
+                f"save_checkpoint (our trainer's --save)."
             )
+        raise ValueError(
+            f"{what} of TP x torch FSDP2 is not supported: its DTensor state is keyed by parameter name, "
+            f"which the TP ranks share; use megatron_eopt.checkpointing.save_checkpoint."
+        )
 
     def _prepare_main_grads(self) -> None:
         with torch.no_grad():
@@ -121,6 +131,7 @@ class FullyShardedFP32Optimizer(FP32Optimizer):
     # Megatron-FSDP gives an empty shard no gradient (megatron_fsdp_model.missing_grad); FSDP2 gives
     # every rank a gradient or none, and a parameter without one is not stepped.
     empty_shards_lack_grads = False
+    engine = TORCH_FSDP2
 
     def _missing_grad(self, fqn: str, shard: torch.Tensor) -> Optional[torch.Tensor]:
         return missing_grad(fqn, shard) if self.empty_shards_lack_grads else None
@@ -174,12 +185,14 @@ class MegatronFSDPFP32Optimizer(FullyShardedFP32Optimizer):
     """FullyShardedFP32Optimizer for Megatron-FSDP, which gives an empty shard no gradient."""
 
     empty_shards_lack_grads = True
+    engine = MEGATRON_FSDP
 
 
 class MegatronFSDPMixedPrecisionOptimizer(FullyShardedMixedPrecisionOptimizer):
     """FullyShardedMixedPrecisionOptimizer for Megatron-FSDP, which gives an empty shard no gradient."""
 
     empty_shards_lack_grads = True
+    engine = MEGATRON_FSDP
 
 
 def _local_grad(fqn: str, grad: torch.Tensor, param: DTensor) -> torch.Tensor:
