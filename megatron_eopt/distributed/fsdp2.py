@@ -1,5 +1,6 @@
 """Models sharded with torch FSDP2 (`fully_shard`) or Megatron-FSDP (`fully_shard_model`, ZeRO-3):
-DTensor parameters on a 1-D mesh, Shard(0), shards of any sizes.
+DTensor parameters on a 1-D mesh, Shard(0), shards of any sizes (with Megatron-FSDP and TP, on
+its 2-D (dp, tp) mesh, each TP rank's part split by rows).
 
 placement/fully_sharded_layout.py reads and checks that layout: the data-parallel group from the
 parameters' mesh (with EP, the experts' from theirs), each matrix's row split from the ranks'
@@ -107,7 +108,7 @@ class FullyShardedFP32Optimizer(FP32Optimizer):
                 f"{what} of TP x Megatron-FSDP (expert TP included) is not supported: the optimizer state of "
                 f"its 2-D (dp, tp) DTensors is not written in that layout. It trains; to checkpoint, use "
                 f"Megatron-FSDP at TP=1 (--tensor-model-parallel-size 1 --expert-tensor-parallel-size 1), or "
-                f"save_checkpoint (our trainer's --save)."
+                f"TP with --use-torch-fsdp2 or --use-distributed-optimizer."
             )
         raise ValueError(
             f"{what} of TP x torch FSDP2 is not supported: its DTensor state is keyed by parameter name, "

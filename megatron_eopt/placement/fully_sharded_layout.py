@@ -4,8 +4,10 @@ parameter's row split on every rank of its mesh, and the tensor-parallel partiti
 `fully_shard` drops, read from megatron-core's layer types.
 
 The optimizer (distributed/fsdp2.py) and the checkpoints (checkpointing/) both read it. It checks
-the layout as it reads it: Shard(0) on 1-D meshes, the experts' mesh against the expert groups,
-tensor-parallel layers that fit the TP group (docs/fsdp2.md, docs/megatron-fsdp.md).
+the layout as it reads it: Shard(0) on 1-D meshes, or Megatron-FSDP's 2-D (dp, tp) mesh for what
+(expert) TP splits, whose matrices are each TP rank's part (ops/splits.tensor_parallel_rank_shape);
+the experts' mesh against the expert groups; tensor-parallel layers that fit the TP group
+(docs/fsdp2.md, docs/megatron-fsdp.md).
 """
 
 import dataclasses
