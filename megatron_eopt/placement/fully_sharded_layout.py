@@ -351,10 +351,12 @@ def _check_tensor_parallel_mesh(sharded: list[tuple[str, DTensor]], splits: dict
             continue
         mesh_tp_ranks = group_ranks(param.device_mesh.get_group(1))
         if fqn not in splits or mesh_tp_ranks != tp_ranks:
+            why = ("its layer is not a megatron-core tensor-parallel layer" if fqn not in splits
+                   else f"the tensor-parallel group given has ranks {tp_ranks}")
             raise ValueError(
                 f"parameter {fqn!r} is on a 2-D mesh whose second (tensor-parallel) dimension has ranks "
-                f"{mesh_tp_ranks}, but {'its layer is not a megatron-core tensor-parallel layer' if fqn not in splits else f'the tensor-parallel group given has ranks {tp_ranks}'}; "
-                f"wrap the model with Megatron-FSDP over the (dp, tp) mesh of the groups it was built with."
+                f"{mesh_tp_ranks}, but {why}; wrap the model with Megatron-FSDP over the (dp, tp) mesh of "
+                f"the groups it was built with."
             )
 
 
