@@ -318,7 +318,8 @@ def _check_layers_fit(splits: dict[str, TensorParallelSplit], tp_group: ProcessG
     """Each TP layer was built over `tp_group`: its size, its ranks."""
     ranks = group_ranks(tp_group)
     for fqn, split in splits.items():
-        layer_ranks = group_ranks(split.group) if split.group is not None else None
+        # The size first: a layer built at another TP size may hold a group destroyed since.
+        layer_ranks = group_ranks(split.group) if split.group is not None and split.tp_size == len(ranks) else None
         if split.tp_size != len(ranks) or (layer_ranks is not None and layer_ranks != ranks):
             raise ValueError(
                 f"parameter {fqn!r}: its megatron-core layer is split over {split.tp_size} TP ranks "
