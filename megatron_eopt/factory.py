@@ -192,11 +192,12 @@ def _qk_clip(config: OptimizerConfig, chunks: list[torch.nn.Module], groups: Par
 
 def _held_rows(fsdp: FullyShardedLayout) -> dict[str, tuple[int, int]]:
     """fqn -> the rows of each weight this rank holds, for QK-clip on row shards (an expert's rows
-    on its own mesh, the dense parameters' on theirs). TP x torch
-    FSDP2 is refused: `fully_shard` drops the attributes that say which weights TP splits by heads."""
+    on its own mesh, the dense parameters' on theirs). TP x FSDP is refused: `fully_shard` drops the
+    attributes that say which weights TP splits by heads, and Megatron-FSDP's rows are of each TP
+    rank's part (untested)."""
     if group_size(fsdp.tp_group) > 1:
-        raise ValueError("QK-clip and max-logit logging on TP x torch FSDP2 are not supported; use them with "
-                         "torch FSDP2 or Megatron-FSDP at TP=1, or with TP and megatron-core DDP.")
+        raise ValueError(f"QK-clip and max-logit logging on TP x {fsdp.engine} are not supported; use them with "
+                         f"torch FSDP2 or Megatron-FSDP at TP=1, or with TP and megatron-core DDP.")
     experts = fsdp.expert_parallel_fqns  # their rows are split over their own mesh's group
     ranks = {is_expert: group_rank(fsdp.group_of(is_expert)) for is_expert in (False, True)}
     return {fqn: held_rows(split, ranks[fqn in experts]) for fqn, split in fsdp.rows_by_rank.items()}

@@ -61,6 +61,7 @@ def model_params(model_chunks: list[torch.nn.Module], groups: ParallelGroups) ->
     """Every parameter of the model (frozen ones too) with its tensor-parallel or FSDP2 placement,
     then every persistent buffer (whole on every rank)."""
     named = named_trainable_parameters(model_chunks, trainable_only=False)
+    _refuse_two_dimensional_meshes(named)
     has_experts = any(not getattr(p, "allreduce", True) for _, _, p in named)
     stored_names = global_parameter_names(model_chunks)
     why = "a checkpoint (which stores tensor-parallel shards in their global shape)"
@@ -80,6 +81,18 @@ def model_params(model_chunks: list[torch.nn.Module], groups: ParallelGroups) ->
     for fqn, (buffer, stored_name) in global_buffer_names(model_chunks).items():
         result.append(ModelParam(fqn, buffer, Placement(), stored_name))
     return result
+
+
+def _refuse_two_dimensional_meshes(named: list) -> None:
+    """Megatron-FSDP with (expert) TP puts the parameters TP splits on a 2-D (dp, tp) mesh, shaped as
+    all TP parts joined; the placements here are of 1-D meshes (each TP rank's part its own DTensor)."""
+    for fqn, _, param in named:
+        if isinstance(param, DTensor) and param.device_mesh.ndim > 1:
+            raise ValueError(
+                f"parameter {fqn!r}: checkpoints of TP x Megatron-FSDP (its 2-D (dp, tp) mesh, expert TP "
+                f"included) are not supported; checkpoint Megatron-FSDP at TP=1 and expert TP=1, or use TP x "
+                f"torch FSDP2 or TP with megatron-core's DDP."
+            )
 
 
 def _rows_by_rank(named: list) -> dict[str, tuple[int, ...]]:

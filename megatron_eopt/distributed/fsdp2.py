@@ -1,5 +1,6 @@
 """Models sharded with torch FSDP2 (`fully_shard`) or Megatron-FSDP (`fully_shard_model`, ZeRO-3):
-DTensor parameters on a 1-D mesh, Shard(0), shards of any sizes.
+DTensor parameters on a 1-D mesh, Shard(0), shards of any sizes (with Megatron-FSDP and TP, on
+its 2-D (dp, tp) mesh, each TP rank's part split by rows).
 
 placement/fully_sharded_layout.py reads and checks that layout: the data-parallel group from the
 parameters' mesh (with EP, the experts' from theirs), each matrix's row split from the ranks'
@@ -14,7 +15,7 @@ docs/fsdp2.md and docs/megatron-fsdp.md describe the behaviour.
 from typing import Any, Optional
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from megatron_eopt.megatron_core_formats.fsdp_dtensor import (
     FSDP_DTENSOR,
@@ -97,12 +98,22 @@ class FullyShardedFP32Optimizer(FP32Optimizer):
         return super().sharded_state_dict(model_sharded_state_dict, is_loading, metadata)
 
     def _refuse_tensor_parallel(self, what: str) -> None:
-        """DTensor state is keyed by parameter name, which the TP ranks of TP x torch FSDP2 share."""
-        if group_size(self.tp_group) > 1:
+        """DTensor state is keyed by parameter name, which the TP ranks of TP x torch FSDP2 share;
+        Megatron-FSDP's 2-D (dp, tp) DTensors would need their TP parts placed (a gated linear_fc1's
+        two halves apart), which is not written."""
+        if group_size(self.tp_group) <= 1:
+            return
+        if self.engine == MEGATRON_FSDP:
             raise ValueError(
-                f"{what} of TP x torch FSDP2 is not supported: its DTensor state is keyed by parameter name, "
-                f"which the TP ranks share; use megatron_eopt.checkpointing.save_checkpoint."
+                f"{what} of TP x Megatron-FSDP (expert TP included) is not supported: the optimizer state of "
+                f"its 2-D (dp, tp) DTensors is not written in that layout. It trains; to checkpoint, use "
+                f"Megatron-FSDP at TP=1 (--tensor-model-parallel-size 1 --expert-tensor-parallel-size 1), or "
+                f"TP with --use-torch-fsdp2 or --use-distributed-optimizer."
             )
+        raise ValueError(
+            f"{what} of TP x torch FSDP2 is not supported: its DTensor state is keyed by parameter name, "
+            f"which the TP ranks share; use megatron_eopt.checkpointing.save_checkpoint."
+        )
 
     def _prepare_main_grads(self) -> None:
         with torch.no_grad():
@@ -115,12 +126,13 @@ class FullyShardedFP32Optimizer(FP32Optimizer):
         Megatron-FSDP puts it in `decoupled_grad` for a precision-aware optimizer (Megatron-LM's
         --use-precision-aware-optimizer), in its gradient buffer's dtype (bf16 by default there)."""
         grad = param.grad if param.grad is not None else getattr(param, "decoupled_grad", None)
-        local = self._missing_grad(fqn, param.to_local()) if grad is None else _local_grad(fqn, grad)
+        local = self._missing_grad(fqn, param.to_local()) if grad is None else _local_grad(fqn, grad, param)
         return None if local is None else local.float()
 
     # Megatron-FSDP gives an empty shard no gradient (megatron_fsdp_model.missing_grad); FSDP2 gives
     # every rank a gradient or none, and a parameter without one is not stepped.
     empty_shards_lack_grads = False
+    engine = TORCH_FSDP2
 
     def _missing_grad(self, fqn: str, shard: torch.Tensor) -> Optional[torch.Tensor]:
         return missing_grad(fqn, shard) if self.empty_shards_lack_grads else None
@@ -174,20 +186,23 @@ class MegatronFSDPFP32Optimizer(FullyShardedFP32Optimizer):
     """FullyShardedFP32Optimizer for Megatron-FSDP, which gives an empty shard no gradient."""
 
     empty_shards_lack_grads = True
+    engine = MEGATRON_FSDP
 
 
 class MegatronFSDPMixedPrecisionOptimizer(FullyShardedMixedPrecisionOptimizer):
     """FullyShardedMixedPrecisionOptimizer for Megatron-FSDP, which gives an empty shard no gradient."""
 
     empty_shards_lack_grads = True
+    engine = MEGATRON_FSDP
 
 
-def _local_grad(fqn: str, grad: torch.Tensor) -> torch.Tensor:
-    if not isinstance(grad, DTensor) or tuple(grad.placements) != (Shard(0),):
+def _local_grad(fqn: str, grad: torch.Tensor, param: DTensor) -> torch.Tensor:
+    if not isinstance(grad, DTensor) or tuple(grad.placements) != tuple(param.placements):
         placement = tuple(grad.placements) if isinstance(grad, DTensor) else "a plain tensor"
         raise ValueError(
-            f"parameter {fqn!r}: its gradient is {placement}; a torch FSDP2 parameter's gradient must "
-            f"be a DTensor with placement Shard(0), like the parameter (FSDP2's and Megatron-FSDP's reduce-scatter give one)."
+            f"parameter {fqn!r}: its gradient is {placement}; a sharded parameter's gradient must be a "
+            f"DTensor placed like the parameter, {tuple(param.placements)} (FSDP2's and Megatron-FSDP's "
+            f"reduce-scatter give one)."
         )
     return grad.to_local()
 

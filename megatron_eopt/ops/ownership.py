@@ -9,7 +9,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from megatron_eopt.ops.splits import newton_schulz_cost
+from megatron_eopt.ops.splits import newton_schulz_cost, tensor_parallel_rank_shape
 
 
 class OwnedParam(Protocol):
@@ -35,7 +35,7 @@ def assign_owner_ranks(costs: list[int], num_ranks: int) -> list[int]:
 
 def newton_schulz_cost_of(record: OwnedParam, tp_size: int) -> int:
     """Cost of orthogonalizing the record's global matrix (TP shards joined)."""
-    rows, cols = record.param.shape
+    rows, cols = tensor_parallel_rank_shape(record.param)
     if record.partition_dim == 0:
         rows *= tp_size
     elif record.partition_dim == 1:

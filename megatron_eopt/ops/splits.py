@@ -177,3 +177,20 @@ def qkv_row_blocks(model_config: Any, tp_size: int, name: str) -> tuple[int, tup
 def newton_schulz_cost(rows: int, cols: int) -> int:
     """Relative cost of orthogonalizing a rows x cols matrix: max(m, n) * min(m, n)^2."""
     return max(rows, cols) * min(rows, cols) ** 2
+
+
+def tensor_parallel_rank_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """The shape of this TP rank's part of `param`: the matrix its TP layout and Muon see.
+
+    A DTensor on Megatron-FSDP's 2-D (data parallel, tensor parallel) mesh is shaped as the TP
+    ranks' parts joined: `Shard(d)` on the mesh's second dimension divides dim d by its size
+    (`Replicate()` there: every TP rank holds all of it). Plain tensors and DTensors on a 1-D mesh
+    (torch FSDP2, where each TP rank shards its own part) have their own shape.
+    """
+    shape = list(param.shape)
+    mesh = getattr(param, "device_mesh", None)
+    if mesh is not None and mesh.ndim == 2:
+        tp_placement = param.placements[1]
+        if tp_placement.is_shard():
+            shape[tp_placement.dim] //= mesh.size(1)
+    return tuple(shape)

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from megatron_eopt.ops.splits import qkv_row_blocks
+from megatron_eopt.ops.splits import qkv_row_blocks, tensor_parallel_rank_shape
 from megatron_eopt.runtime.once import warn_once
 
 
@@ -133,12 +133,12 @@ def mlp_fc1(weight: FusedWeight) -> FusedBlocks:
     """linear_fc1 of a gated linear unit: gate and up halves (partition_stride=2: each sharded)."""
     if not getattr(weight.model_config, "gated_linear_unit", False):
         return WHOLE
-    half = weight.param.shape[0] // 2
+    half = tensor_parallel_rank_shape(weight.param)[0] // 2
     return FusedBlocks((half, half))
 
 
 def _per_head(weight: FusedWeight, head_parts: tuple[int, ...]) -> FusedBlocks:
-    rows = weight.param.shape[0]
+    rows = tensor_parallel_rank_shape(weight.param)[0]
     if rows % sum(head_parts):
         raise ValueError(f"parameter {weight.fqn!r}: {rows} rows on this rank are not whole heads of "
                          f"{'+'.join(map(str, head_parts))} rows.")

@@ -22,7 +22,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_eopt.ops.splits import MatrixLayout
+from megatron_eopt.ops.splits import MatrixLayout, tensor_parallel_rank_shape
 from megatron_eopt.params.fused_layouts import FusedWeight, fused_blocks
 from megatron_eopt.params.overrides import describe_key, matching_keys, merge_overrides
 from megatron_eopt.runtime.process_groups import group_size
@@ -362,7 +362,7 @@ def matrix_layout(record: ParamRecord, model_config: Any, tp_size: int, split_qk
                   attribute: str = "") -> MatrixLayout:
     """The MatrixLayout of one 2-D parameter (see `matrix_layouts`). Without `owner` (the module
     holding its linear layer as `attribute`) the blocks are found by the name's last but one part."""
-    shape = tuple(record.param.shape)
+    shape = tensor_parallel_rank_shape(record.param)
     if len(shape) != 2:
         raise ValueError(
             f"parameter {record.fqn!r} has shape {shape}, but optimizer {record.optimizer_name!r} "

@@ -4,8 +4,10 @@ parameter's row split on every rank of its mesh, and the tensor-parallel partiti
 `fully_shard` drops, read from megatron-core's layer types.
 
 The optimizer (distributed/fsdp2.py) and the checkpoints (checkpointing/) both read it. It checks
-the layout as it reads it: Shard(0) on 1-D meshes, the experts' mesh against the expert groups,
-tensor-parallel layers that fit the TP group (docs/fsdp2.md, docs/megatron-fsdp.md).
+the layout as it reads it: Shard(0) on 1-D meshes, or Megatron-FSDP's 2-D (dp, tp) mesh for what
+(expert) TP splits, whose matrices are each TP rank's part (ops/splits.tensor_parallel_rank_shape);
+the experts' mesh against the expert groups; tensor-parallel layers that fit the TP group
+(docs/fsdp2.md, docs/megatron-fsdp.md).
 """
 
 import dataclasses
@@ -14,7 +16,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from megatron_eopt.ops.ownership import assign_owners
 from megatron_eopt.ops.row_shards import RowShards, gathered_rows
@@ -26,7 +28,6 @@ from megatron_eopt.placement.megatron_fsdp_model import (
     MEGATRON_FSDP,
     TORCH_FSDP2,
     sharding_engine,
-    tensor_parallel_refusal,
 )
 from megatron_eopt.runtime.process_groups import (
     ParallelGroups,
@@ -60,6 +61,9 @@ class ExpertSharding:
     # fqn -> its name in DTensor optimizer state, by global expert index; None: its layout has none
     # (params/expert_names.py).
     global_names: dict[str, Optional[str]] = field(default_factory=dict)
+    # The caller's expert tensor-parallel group when it has size > 1 (Megatron-FSDP's 2-D expert
+    # mesh), else None.
+    tensor_parallel: Optional[ProcessGroup] = None
 
 
 @dataclass(frozen=True)
@@ -89,11 +93,15 @@ class FullyShardedLayout:
     def tp_group(self) -> Optional[ProcessGroup]:
         return None if self.tensor_parallel is None else self.tensor_parallel.tp
 
+    def tp_group_of(self, is_expert: bool) -> Optional[ProcessGroup]:
+        """The tensor-parallel group of the dense (or the expert) parameters, None at size 1."""
+        return self.experts.tensor_parallel if is_expert and self.experts is not None else self.tp_group
+
     def parallel_groups(self) -> ParallelGroups:
         """Data parallel = the mesh's group; tensor (and model) parallel the caller's, if any."""
         given = self.tensor_parallel
         experts = {} if self.experts is None else dict(
-            expt_tp=None, expt_mp=self.experts.model_parallel, expt_dp=self.experts.group)
+            expt_tp=self.experts.tensor_parallel, expt_mp=self.experts.model_parallel, expt_dp=self.experts.group)
         if given is None:
             return ParallelGroups.from_groups(tp=None, mp=None, dp_cp=self.group, tp_dp_cp=self.group, **experts)
         # Checkpoints need the group of all TP x DP ranks; only the caller can name it.
@@ -119,21 +127,22 @@ class FullyShardedLayout:
         owners (same shapes, same order), so a matrix's owners form one TP group.
         """
         owners = assign_owners(records, {r.fqn for r in records}, group_size(self.group_of(is_expert)),
-                               group_size(self.tp_group))
+                               group_size(self.tp_group_of(is_expert)))
         return {r.fqn: RowShards(layouts[r.fqn], self.rows_by_rank[r.fqn], owners[r.fqn]) for r in records}
 
 
 def fully_sharded_layout(chunks: list[torch.nn.Module], pg_collection: Any = None) -> Optional[FullyShardedLayout]:
     """The layout of a model sharded with torch FSDP2's `fully_shard` or Megatron-FSDP; None when no
-    parameter is a DTensor. Gathers every rank's shard sizes over the parameters' mesh (a collective).
+    parameter is a DTensor. Gathers every rank's shard sizes over the parameters' data-parallel
+    group (a collective).
 
     The tensor-parallel group, if any, is `pg_collection`'s, else megatron-core parallel_state's
     when it is initialized; so is the expert model-parallel group when routed experts
     (`*.experts.*`) sit on a mesh of their own. Raises (naming the parameter) for a mix of DTensor
-    and plain trainable parameters, a placement other than Shard(0) on a 1-D mesh, dense (or
-    expert) parameters on different meshes, an expert mesh that does not fit the caller's
-    expert-parallel groups, tensor-parallel layers that do not fit the TP group, and tensor
-    parallelism with Megatron-FSDP or with experts.
+    and plain trainable parameters, a placement other than Shard(0) on a 1-D mesh (or, with
+    Megatron-FSDP, its (dp, tp) mesh), dense (or expert) parameters over different data-parallel
+    groups, an expert mesh that does not fit the caller's expert-parallel groups, tensor-parallel
+    layers that do not fit the TP group, and tensor parallelism with experts.
     """
     engine = sharding_engine(chunks)  # first: Megatron-FSDP's other strategies keep plain parameters
     named = named_trainable_parameters(chunks)
@@ -155,12 +164,12 @@ def fully_sharded_layout(chunks: list[torch.nn.Module], pg_collection: Any = Non
     if engine == TORCH_FSDP2:
         check_fsdp2_averages(sharded[0][1].device)
     splits, engine_layers = _tensor_parallel_splits(chunks)
-    if engine == MEGATRON_FSDP:
-        _refuse_tensor_parallel(pg_collection, splits, sharded[0][0])
-        tensor_parallel = None
-    else:
-        tensor_parallel = _tensor_parallel_groups(pg_collection, group, splits, engine_layers)
-    experts = _expert_sharding(chunks, pg_collection, expert, group, tensor_parallel) if expert else None
+    expert_fqns = {fqn for fqn, _ in expert}
+    dense_splits = {fqn: split for fqn, split in splits.items() if fqn not in expert_fqns}
+    tensor_parallel = _tensor_parallel_groups(pg_collection, group, dense_splits, engine_layers, engine)
+    _check_tensor_parallel_mesh(dense, dense_splits, None if tensor_parallel is None else tensor_parallel.tp)
+    experts = _expert_sharding(chunks, pg_collection, expert, group, tensor_parallel, engine,
+                               {fqn: split for fqn, split in splits.items() if fqn in expert_fqns}) if expert else None
     return FullyShardedLayout(group, rows_by_rank_per_mesh(dense + expert),
                               {fqn: split.partition_dim for fqn, split in splits.items()}, tensor_parallel, engine,
                               experts)
@@ -177,34 +186,46 @@ def split_by_mesh(sharded: list[tuple[str, DTensor]]) -> tuple[list[tuple[str, D
             f"every trainable parameter is a routed expert's (e.g. {expert[0][0]!r}); a model sharded with "
             f"experts needs its dense parameters (router, attention, norms) in the same model chunks."
         )
-    mesh = dense[0][1].device_mesh
-    if all(p.device_mesh == mesh for _, p in expert):
+    ranks = group_ranks(row_group(dense[0][1]))
+    if all(group_ranks(row_group(p)) == ranks for _, p in expert):
         return dense + expert, []
     return dense, expert
 
 
+def row_group(param: DTensor) -> ProcessGroup:
+    """The data-parallel group that splits `param`'s rows: its mesh's first dimension (a 1-D
+    mesh's one; Megatron-FSDP's (dp, tp) mesh's dp)."""
+    return param.device_mesh.get_group(0)
+
+
 def rows_by_rank_per_mesh(sharded: list[tuple[str, DTensor]]) -> dict[str, tuple[int, ...]]:
-    """fqn -> rows each rank of its parameter's mesh holds: one all_gather per mesh, over its group,
-    the meshes in the order of their first parameter (the same on every rank of a mesh)."""
-    by_mesh: dict[Any, list[tuple[str, DTensor]]] = {}
+    """fqn -> rows each rank of its parameter's data-parallel group holds (`row_group`): one
+    all_gather per group, the groups in the order of their first parameter (the same on every
+    rank of a group)."""
+    by_group: dict[tuple[int, ...], list[tuple[str, DTensor]]] = {}
     for fqn, param in sharded:
-        by_mesh.setdefault(param.device_mesh, []).append((fqn, param))
+        by_group.setdefault(tuple(group_ranks(row_group(param))), []).append((fqn, param))
     rows_of = {}
-    for mesh, members in by_mesh.items():
-        rows = gathered_rows([p.to_local().shape[0] for _, p in members], mesh.get_group(), members[0][1].device)
+    for members in by_group.values():
+        rows = gathered_rows([p.to_local().shape[0] for _, p in members], row_group(members[0][1]),
+                             members[0][1].device)
         rows_of.update({fqn: r for (fqn, _), r in zip(members, rows)})
     return rows_of
 
 
 def _expert_sharding(chunks: list[torch.nn.Module], pg_collection: Any, expert: list[tuple[str, DTensor]],
-                     dp_group: ProcessGroup, tensor_parallel: Optional[ParallelGroups]) -> ExpertSharding:
+                     dp_group: ProcessGroup, tensor_parallel: Optional[ParallelGroups], engine: str,
+                     splits: dict[str, TensorParallelSplit]) -> ExpertSharding:
     """The experts' mesh group, checked against the caller's expert groups (no collective), and
-    their global names."""
+    their global names. Expert tensor parallelism (Megatron-FSDP's 2-D expert mesh) is over the
+    caller's expert TP group. Experts with dense TP are refused: untested, as megatron-core's MoE
+    needs sequence parallelism at TP > 1, which its CPU layers lack (docs/megatron-fsdp.md)."""
     first = expert[0][0]
     if tensor_parallel is not None:
+        instead = ("use tensor_model_parallel_size=1 with experts (--expert-tensor-parallel-size splits the "
+                   "experts alone)" if engine == MEGATRON_FSDP else f"use tensor_model_parallel_size=1 with experts")
         raise ValueError(
-            f"parameter {first!r}: expert parallelism with TP x torch FSDP2 is not supported; use "
-            f"tensor_model_parallel_size=1 with experts on torch FSDP2."
+            f"parameter {first!r}: expert parallelism with TP x {engine} is not supported; {instead} on {engine}."
         )
     expert_group = _common_group(expert)
     given = resolve_parallel_groups(pg_collection) if pg_collection is not None else initialized_parallel_state_groups()
@@ -216,12 +237,14 @@ def _expert_sharding(chunks: list[torch.nn.Module], pg_collection: Any, expert: 
         )
     why = "expert parameters on their own mesh (the experts' gradient norm over expert parallel ranks)"
     expert_tp, expert_mp = given.require("expt_tp", why), given.require("expt_mp", why)
-    if group_size(expert_tp) > 1:
+    if group_size(expert_tp) > 1 and engine != MEGATRON_FSDP:
         raise ValueError(f"parameter {first!r}: expert tensor parallelism (size {group_size(expert_tp)}) with "
-                         f"torch FSDP2 is not supported; use expert_tensor_parallel_size=1.")
+                         f"{engine} is not supported; use expert_tensor_parallel_size=1, or Megatron-FSDP.")
+    _check_layers_fit(splits, expert_tp)
+    _check_tensor_parallel_mesh(expert, splits, expert_tp)
     _check_expert_grid(first, expert_group, expert_mp, dp_group)
     fqns = [fqn for fqn, _ in expert]
-    return ExpertSharding(expert_group, frozenset(fqns), expert_mp, expert_global_names(chunks, fqns))
+    return ExpertSharding(expert_group, frozenset(fqns), expert_mp, expert_global_names(chunks, fqns), expert_tp)
 
 
 def _check_expert_grid(fqn: str, expert_group: ProcessGroup, expert_mp: Optional[ProcessGroup],
@@ -265,16 +288,8 @@ def tensor_parallel_partition_dims(chunks: list[torch.nn.Module]) -> dict[str, i
     return {fqn: split.partition_dim for fqn, split in _tensor_parallel_splits(chunks)[0].items()}
 
 
-def _refuse_tensor_parallel(pg_collection: Any, splits: dict[str, TensorParallelSplit], first_fqn: str) -> None:
-    """TP x Megatron-FSDP is refused: a TP group of size > 1 given, or layers built for TP > 1."""
-    given = resolve_parallel_groups(pg_collection) if pg_collection is not None else initialized_parallel_state_groups()
-    built = [fqn for fqn, split in splits.items() if split.tp_size > 1]
-    if built or group_size(None if given is None else given.tp) > 1:
-        raise ValueError(tensor_parallel_refusal(built[0] if built else first_fqn))
-
-
 def _tensor_parallel_groups(pg_collection: Any, dp_group: ProcessGroup, splits: dict[str, TensorParallelSplit],
-                            engine_layers: list[str]) -> Optional[ParallelGroups]:
+                            engine_layers: list[str], engine: str) -> Optional[ParallelGroups]:
     """The caller's groups when their TP group has size > 1, checked against the layers; else None."""
     given = resolve_parallel_groups(pg_collection) if pg_collection is not None else initialized_parallel_state_groups()
     tp_group = None if given is None else given.tp
@@ -291,11 +306,11 @@ def _tensor_parallel_groups(pg_collection: Any, dp_group: ProcessGroup, splits: 
     if engine_layers:
         raise ValueError(
             f"parameter {engine_layers[0]!r} belongs to a Transformer Engine layer; tensor parallelism "
-            f"with torch FSDP2 reads the split of megatron-core's own layers only (the local spec: "
+            f"with {engine} reads the split of megatron-core's own layers only (the local spec: "
             f"ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)."
         )
     _check_layers_fit(splits, tp_group)
-    _check_crosses_mesh(tp_group, dp_group)
+    _check_crosses_mesh(tp_group, dp_group, engine)
     return given
 
 
@@ -303,7 +318,8 @@ def _check_layers_fit(splits: dict[str, TensorParallelSplit], tp_group: ProcessG
     """Each TP layer was built over `tp_group`: its size, its ranks."""
     ranks = group_ranks(tp_group)
     for fqn, split in splits.items():
-        layer_ranks = group_ranks(split.group) if split.group is not None else None
+        # The size first: a layer built at another TP size may hold a group destroyed since.
+        layer_ranks = group_ranks(split.group) if split.group is not None and split.tp_size == len(ranks) else None
         if split.tp_size != len(ranks) or (layer_ranks is not None and layer_ranks != ranks):
             raise ValueError(
                 f"parameter {fqn!r}: its megatron-core layer is split over {split.tp_size} TP ranks "
@@ -312,42 +328,73 @@ def _check_layers_fit(splits: dict[str, TensorParallelSplit], tp_group: ProcessG
             )
 
 
-def _check_crosses_mesh(tp_group: ProcessGroup, dp_group: ProcessGroup) -> None:
-    """TP x FSDP2 is a grid: the TP group and the mesh's data-parallel group share this rank only."""
+def _check_crosses_mesh(tp_group: ProcessGroup, dp_group: ProcessGroup, engine: str) -> None:
+    """TP x FSDP is a grid: the TP group and the mesh's data-parallel group share this rank only."""
     common = sorted(set(group_ranks(tp_group)) & set(group_ranks(dp_group)))
     if common != [dist.get_rank()]:
+        how = ("fully_shard each TP rank's model over its own data-parallel group (e.g. "
+               "DeviceMesh.from_group(parallel_state.get_data_parallel_group(), ...))" if engine == TORCH_FSDP2 else
+               "give Megatron-FSDP a (dp, tp) mesh of parallel_state's data-parallel and tensor-parallel groups")
         raise ValueError(
-            f"the tensor-parallel group {group_ranks(tp_group)} and the FSDP2 mesh's data-parallel group "
+            f"the tensor-parallel group {group_ranks(tp_group)} and the {engine} mesh's data-parallel group "
             f"{group_ranks(dp_group)} share ranks {common}; they must share this rank ({dist.get_rank()}) "
-            f"only. fully_shard each TP rank's model over its own data-parallel group (e.g. "
-            f"DeviceMesh.from_group(parallel_state.get_data_parallel_group(), ...))."
+            f"only. {how}."
         )
 
 
+def _check_tensor_parallel_mesh(sharded: list[tuple[str, DTensor]], splits: dict[str, TensorParallelSplit],
+                                tp_group: Optional[ProcessGroup]) -> None:
+    """Megatron-FSDP's 2-D (dp, tp) mesh holds the parameters TP splits, its tp dimension over the
+    caller's (expert) TP group; its other parameters sit on the 1-D dp mesh (no collective)."""
+    tp_ranks = group_ranks(tp_group)
+    for fqn, param in sharded:
+        if param.device_mesh.ndim != 2:
+            continue
+        mesh_tp_ranks = group_ranks(param.device_mesh.get_group(1))
+        if fqn not in splits or mesh_tp_ranks != tp_ranks:
+            why = ("its layer is not a megatron-core tensor-parallel layer" if fqn not in splits
+                   else f"the tensor-parallel group given has ranks {tp_ranks}")
+            raise ValueError(
+                f"parameter {fqn!r} is on a 2-D mesh whose second (tensor-parallel) dimension has ranks "
+                f"{mesh_tp_ranks}, but {why}; wrap the model with Megatron-FSDP over the (dp, tp) mesh of "
+                f"the groups it was built with."
+            )
+
+
 def check_row_placement(fqn: str, param: DTensor, engine: str = TORCH_FSDP2) -> None:
-    """FSDP2's default layout, the only one handled: Shard(0) on a 1-D mesh."""
+    """FSDP2's default layout, Shard(0) on a 1-D mesh, and Megatron-FSDP's with tensor parallelism:
+    (Shard(0), Shard(d) or Replicate()) on its 2-D (dp, tp) mesh, the rows of each TP rank's part
+    split over dp (ops/splits.tensor_parallel_rank_shape)."""
     placements = tuple(param.placements)
-    if engine == MEGATRON_FSDP and param.device_mesh.ndim != 1:
-        raise ValueError(tensor_parallel_refusal(fqn))
+    if engine == MEGATRON_FSDP and param.device_mesh.ndim == 2 and placements[0] == Shard(0) \
+            and placements[1] in (Replicate(), *(Shard(d) for d in range(param.dim()))):
+        return
     if param.device_mesh.ndim != 1 or placements != (Shard(0),) or param.dim() < 1:
         raise ValueError(
             f"parameter {fqn!r}: DTensor placement {placements} on a {param.device_mesh.ndim}-D mesh "
             f"(shape {tuple(param.shape)}) is not supported; megatron_eopt handles torch FSDP2's default, "
-            f"Shard(0) on a 1-D mesh (fully_shard without a custom shard_placement_fn)."
+            f"Shard(0) on a 1-D mesh (fully_shard without a custom shard_placement_fn), and Megatron-FSDP's "
+            f"(Shard(0), Shard(d)) on its (dp, tp) mesh."
         )
 
 
 def _common_group(sharded: list[tuple[str, DTensor]]) -> ProcessGroup:
-    """The one mesh's group of `sharded` (the dense parameters, or the experts)."""
+    """The one data-parallel mesh of `sharded` (the dense parameters, or the experts): each one's
+    mesh, or its (dp, tp) mesh's dp dimension (Megatron-FSDP with TP), is the same."""
     first_fqn, first = sharded[0]
     for fqn, param in sharded[1:]:
-        if param.device_mesh != first.device_mesh:
+        if _row_mesh(param) != _row_mesh(first):
             raise ValueError(
                 f"parameters {first_fqn!r} and {fqn!r} are on different DeviceMeshes ({first.device_mesh} "
                 f"and {param.device_mesh}); fully_shard every module over one mesh (the routed experts, "
                 f"'*.experts.*', may have a mesh of their own: the expert data-parallel group's)."
             )
-    return first.device_mesh.get_group()
+    return row_group(first)
+
+
+def _row_mesh(param: DTensor) -> Any:
+    mesh = param.device_mesh
+    return mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[0]]
 
 
 def check_fsdp2_averages(device: torch.device, torch_version: str = torch.__version__) -> None:

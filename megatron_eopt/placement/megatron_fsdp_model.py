@@ -2,12 +2,14 @@
 megatron-core's copy of it): what sets them apart from torch FSDP2 for the optimizer.
 
 Both give DTensor parameters with Shard(0) on a 1-D data-parallel mesh, and distributed/fsdp2.py
-handles both. Megatron-FSDP differs in these ways, checked or handled here:
+handles both. Megatron-FSDP differs in these ways, checked or handled here or in
+placement/fully_sharded_layout.py:
 - its shards follow its flat buckets, not torch.chunk (row splits are gathered, ops/row_shards.py);
 - a rank whose shard of a parameter is empty gets no `.grad` from `finish_grad_sync()`;
 - it computes with copies of the shards, refreshed after a checkpoint is loaded;
-- only its ZeRO-3 strategy ('optim_grads_params') gives sharded DTensor parameters; TP x
-  Megatron-FSDP (a 2-D mesh) is not handled.
+- only its ZeRO-3 strategy ('optim_grads_params') gives sharded DTensor parameters;
+- with (expert) TP, the parameters TP splits sit on a 2-D (dp, tp) mesh, shaped as the TP parts
+  joined, each TP rank's part split by rows over dp.
 """
 
 import functools
@@ -53,12 +55,6 @@ def check_sharding_strategy(strategy: str) -> None:
             f"optimizers; use {SUPPORTED_STRATEGY!r} (zero_dp_strategy=3), which shards parameters, gradients "
             f"and optimizer state."
         )
-
-
-def tensor_parallel_refusal(fqn: str) -> str:
-    """The one-line refusal of TP x Megatron-FSDP, naming what works instead."""
-    return (f"parameter {fqn!r}: tensor parallelism with Megatron-FSDP (its 2-D (fsdp, tp) mesh) is not "
-            f"supported; use TP x torch FSDP2 (--use-torch-fsdp2), or Megatron-FSDP at TP=1.")
 
 
 def missing_grad(fqn: str, shard: torch.Tensor) -> torch.Tensor:

@@ -67,9 +67,9 @@ RESUMES = {"adam": ("torch_dist", "torch"), "muon": ("torch_dist", "torch"),
            "distributed adam": ("torch",), "adam with dropout": ("torch_dist",)}
 
 
-def _runs(run_distributed, *flag_lists: list[str]) -> list[list[Run]]:
-    """Each command line on 2 ranks, in one call to the workers: per run, each rank's Run."""
-    per_rank = run_distributed(run_megatron_lm_many, 2, args=([MODEL + flags for flags in flag_lists],),
+def _runs(run_distributed, *flag_lists: list[str], world_size: int = 2) -> list[list[Run]]:
+    """Each command line on 2 ranks (or `world_size`), in one call to the workers: per run, each rank's Run."""
+    per_rank = run_distributed(run_megatron_lm_many, world_size, args=([MODEL + flags for flags in flag_lists],),
                                timeout=600)
     return [list(runs) for runs in zip(*per_rank)]
 
@@ -87,7 +87,7 @@ def _column(run: Run, key: str, iterations) -> list:
 def _assert_same_math(ours: list[Run], theirs: list[Run], our_package: str = "megatron_eopt") -> None:
     """Bitwise equal losses and learning rates; gradient norms to 1e-6 (summed in other orders)."""
     every = range(1, ITERATIONS + 1)
-    assert [r.optimizer_package for r in ours + theirs] == [our_package] * 2 + ["megatron"] * 2
+    assert [r.optimizer_package for r in ours + theirs] == [our_package] * len(ours) + ["megatron"] * len(theirs)
     for mine, reference in zip(ours, theirs):
         assert _column(mine, "lm loss", every) == _column(reference, "lm loss", every)
         assert _column(mine, "learning rate", every) == _column(reference, "learning rate", every)
@@ -388,3 +388,36 @@ def test_every_fully_sharded_optimizer_resumes_experts_from_fsdp_dtensor_exactly
     runs = _runs(run_distributed, *command_lines)
     for index, name in enumerate(OTHER_FULLY_SHARDED):
         _assert_resumed_exactly(*runs[3 * index:3 * index + 3], f"{name}, MoE on Megatron-FSDP")
+
+
+# Tensor parallelism on Megatron-FSDP (4 ranks): parameters TP splits sit on its 2-D (dp, tp) mesh,
+# each TP rank's part split by rows over dp. Dense TP=2 x FSDP=2, and the MoE above at EP=2 x expert
+# TP=2 (TP=1: megatron-core's MoE refuses TP > 1 without sequence parallelism, which its CPU norms lack).
+MEGATRON_FSDP_TP2 = MEGATRON_FSDP + ["--tensor-model-parallel-size", "2", "--clip-grad", "1e9"]
+MEGATRON_FSDP_EXPERT_TP2 = MEGATRON_FSDP_EXPERTS + ["--expert-tensor-parallel-size", "2"]
+
+
+@pytest.mark.slow  # ~30 s on 4 ranks; the optimizer's math at TP x Megatron-FSDP is in make test (test_fsdp2.py)
+def test_adam_on_megatron_fsdp_with_tensor_parallelism_equals_megatron_cores(run_distributed) -> None:
+    """`--use-megatron-fsdp --tensor-model-parallel-size 2 --bf16` on 4 ranks: our Adam gives
+    megatron-core's Adam's losses bitwise and its gradient norms (Muon and the other optimizers at
+    TP x Megatron-FSDP against one process: tests/unit/library/distributed/test_fsdp2.py)."""
+    flags = OPTIMIZERS["adam"] + MEGATRON_FSDP_TP2
+    ours, theirs = _runs(run_distributed, flags, flags + MEGATRON_CORE, world_size=4)
+    _assert_same_math(ours, theirs)
+    # Its DTensor optimizer state (state_dict(), fsdp_dtensor) is refused in one line, naming what checkpoints.
+    refused = ours[0].optimizer_state["refused"]
+    assert "TP x Megatron-FSDP" in refused and "--tensor-model-parallel-size 1" in refused, refused
+
+
+@pytest.mark.slow
+def test_adam_on_megatron_fsdp_with_expert_tensor_parallelism_equals_megatron_cores(run_distributed) -> None:
+    """4 experts at EP=2 x expert TP=2 on Megatron-FSDP in bf16 (4 ranks, Megatron-FSDP's 2-D expert
+    mesh): our Adam gives megatron-core's Adam's losses bitwise and its gradient norms; Muon trains
+    (against one process: tests/unit/library/distributed/test_fsdp2_experts.py)."""
+    flags = MEGATRON_FSDP_EXPERT_TP2
+    ours, theirs, muon = _runs(run_distributed, OPTIMIZERS["adam"] + flags, OPTIMIZERS["adam"] + flags + MEGATRON_CORE,
+                               OPTIMIZERS["muon"] + flags, world_size=4)
+    _assert_same_math(ours, theirs)
+    losses = _column(muon[0], "lm loss", range(1, ITERATIONS + 1))
+    assert muon[0].optimizer_package == "megatron_eopt" and losses[-1] < losses[0] - 0.2, losses

@@ -42,6 +42,7 @@ def initialize_model_parallel(
     virtual_pipeline_model_parallel_size: int | None = None,
     expert_model_parallel_size: int = 1,
     distributed_timeout_minutes: float | None = None,
+    expert_tensor_parallel_size: int | None = None,
 ) -> None:
     """Set up megatron's model-parallel groups and seed the RNGs.
 
@@ -49,7 +50,8 @@ def initialize_model_parallel(
     ``tensor_model_parallel_size * pipeline_model_parallel_size`` (the rest becomes data
     parallelism). ``virtual_pipeline_model_parallel_size``: model chunks per rank (interleaved
     pipeline; build them with :func:`build_gpt_model_chunks`). Experts are split over
-    ``expert_model_parallel_size`` ranks of the data-parallel ranks (megatron's layout). The
+    ``expert_model_parallel_size`` ranks of the data-parallel ranks (megatron's layout), and each
+    expert's layers over ``expert_tensor_parallel_size`` ranks (None: the TP size). The
     groups time out after ``distributed_timeout_minutes`` (None: the default group's timeout, not
     megatron's 30 minutes, which would outlast --distributed-timeout-minutes).
     """
@@ -71,6 +73,7 @@ def initialize_model_parallel(
         pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         expert_model_parallel_size=expert_model_parallel_size,
+        expert_tensor_parallel_size=expert_tensor_parallel_size,
         distributed_timeout_minutes=(group_timeout(None).total_seconds() / 60 if distributed_timeout_minutes is None
                                      else distributed_timeout_minutes),
     )

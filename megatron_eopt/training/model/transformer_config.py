@@ -97,6 +97,7 @@ def _expert_config(settings: GPTModelSettings) -> dict[str, Any]:
     return dict(
         num_moe_experts=settings.num_moe_experts,
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
         moe_grouped_gemm=False,
         **{name: list(value) if isinstance(value, tuple) else value for name, value in fields.items()},
     )

@@ -8,6 +8,7 @@ CUDA-only calls are replaced first (runtime/megatron_fsdp_cpu.py).
 """
 
 import itertools
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -19,10 +20,13 @@ _MESH_NUMBERS = itertools.count()
 
 
 def megatron_fsdp_gpt(model: torch.nn.Module, device: torch.device, fp32_grads: bool = True,
-                      expert_parallel_size: int = 1) -> torch.nn.Module:
+                      expert_parallel_size: int = 1, dp_tp_groups: Optional[tuple[Any, Any]] = None) -> torch.nn.Module:
     """`model` wrapped by Megatron-FSDP over every rank (ZeRO-3), each TransformerLayer a unit;
     with `expert_parallel_size` > 1 the routed experts over an expert mesh (expert data parallel x
     EP, EP varying fastest as megatron-core's parallel_state orders the ranks at TP = PP = 1).
+    `dp_tp_groups` (a model built with tensor parallelism, no experts): the mesh is (data
+    parallel, TP) over these groups, TP varying fastest as in parallel_state, as Megatron-LM's
+    adapter builds it; its groups are the caller's, who destroys them.
 
     Megatron-FSDP computes with the model's own dtype (bf16 with --bf16) and keeps fp32 main weights
     beside them, which are the DTensor parameters the optimizer steps (as in Megatron-LM's loop).
@@ -40,8 +44,13 @@ def megatron_fsdp_gpt(model: torch.nn.Module, device: torch.device, fp32_grads: 
     number = next(_MESH_NUMBERS)
     names = (f"megatron_fsdp_dp{number}", f"megatron_fsdp_tp{number}")
     world = dist.get_world_size()
-    mesh = init_device_mesh(device.type, (world, 1), mesh_dim_names=names)
+    if dp_tp_groups is None:
+        mesh = init_device_mesh(device.type, (world, 1), mesh_dim_names=names)
+    else:
+        mesh = _dp_tp_mesh(*dp_tp_groups, device, names)
     experts = {}
+    if expert_parallel_size > 1 and dp_tp_groups is not None:
+        raise ValueError("megatron_fsdp_gpt: experts with tensor parallelism are not built here; use TP=1 with EP.")
     if expert_parallel_size > 1:
         expert_names = (names[0], f"megatron_fsdp_ep{number}", names[1])
         experts = {"expt_device_mesh": init_device_mesh(device.type, (world // expert_parallel_size,
@@ -55,6 +64,20 @@ def megatron_fsdp_gpt(model: torch.nn.Module, device: torch.device, fp32_grads: 
                                 device=device)
     hold_gradient_hooks_weakly(wrapped)
     return wrapped
+
+
+def _dp_tp_mesh(dp_group: Any, tp_group: Any, device: torch.device, names: tuple[str, str]) -> Any:
+    """The (dp, tp) DeviceMesh of the caller's groups, TP ranks consecutive (parallel_state's order)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    tp_size, world = dist.get_world_size(tp_group), dist.get_world_size()
+    ranks = torch.arange(world).view(world // tp_size, tp_size)
+    mine = (ranks == dist.get_rank()).nonzero()[0].tolist()
+    if ranks[mine[0]].tolist() != dist.get_process_group_ranks(tp_group) or \
+            ranks[:, mine[1]].tolist() != dist.get_process_group_ranks(dp_group):
+        raise ValueError(f"the tensor-parallel group {dist.get_process_group_ranks(tp_group)} is not consecutive "
+                         f"ranks with the data-parallel group {dist.get_process_group_ranks(dp_group)} across them.")
+    return DeviceMesh.from_group([dp_group, tp_group], device.type, mesh=ranks.tolist(), mesh_dim_names=names)
 
 
 def finish_grad_sync(chunks: list[torch.nn.Module]) -> None:

@@ -76,19 +76,20 @@ class _Run:
     """One model and its optimizer, in the parallel_state the caller initialized: whole (EP=1,
     one process), or EP=2 sharded by `engine` ('fsdp2' or 'megatron_fsdp')."""
 
-    def __init__(self, engine: str = "") -> None:
+    def __init__(self, engine: str = "", expert_tp: int = 1) -> None:
         from megatron.core import parallel_state
 
         model = build_gpt_model(MOE)
         self.names = global_parameter_names([model])
         with torch.no_grad():
             for fqn, param in model.named_parameters():
-                param.copy_(_global_tensor(f"init/{self.names[fqn]}", param.shape, 0.05))
+                value = _global_tensor(f"init/{self.names[fqn]}", _joined_shape(fqn, param), 0.05)
+                param.copy_(_expert_tp_shard(fqn, param, value))
         if engine == "fsdp2":
             _fully_shard(model, parallel_state.get_data_parallel_group(),
                          parallel_state.get_expert_data_parallel_group())
         elif engine == "megatron_fsdp":
-            model = _megatron_fsdp(model)
+            model = _megatron_fsdp(model, expert_tp)
             self.names = {MEGATRON_FSDP_PREFIX + fqn: name for fqn, name in self.names.items()}
         self.model, self.engine = model, engine
         # Sharded: the expert groups come from parallel_state; one process: none at all.
@@ -111,8 +112,46 @@ class _Run:
 
         # Megatron-FSDP's shards are uneven: its own all_gather (padded on gloo by the patch).
         gather = uneven_dtensor_to_full_tensor if self.engine == "megatron_fsdp" else DTensor.full_tensor
-        return {self.names[fqn]: (gather(p) if isinstance(p, DTensor) else p).detach().clone()
+        return {self.names[fqn]: (_expert_tp_joined(p) if isinstance(p, DTensor) and p.device_mesh.ndim == 2
+                                  else gather(p) if isinstance(p, DTensor) else p).detach().clone()
                 for fqn, p in self.model.named_parameters()}
+
+
+def _expert_tp_split(fqn: str, param: torch.Tensor) -> tuple[int, int, int]:
+    """(partition dim, stride, expert TP size) of a routed expert's parameter; (-1, 1, 1) if not split."""
+    from megatron.core import parallel_state
+
+    size = parallel_state.get_expert_tensor_parallel_world_size()
+    if size == 1 or ".experts." not in fqn or not getattr(param, "tensor_model_parallel", False):
+        return -1, 1, 1
+    return param.partition_dim, getattr(param, "partition_stride", 1), size
+
+
+def _joined_shape(fqn: str, param: torch.Tensor) -> torch.Size:
+    dim, _, size = _expert_tp_split(fqn, param)
+    return param.shape if dim < 0 else param.shape[:dim] + (param.shape[dim] * size,) + param.shape[dim + 1:]
+
+
+def _expert_tp_shard(fqn: str, param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """This expert TP rank's part of `value` (megatron's layout), or `value` if `param` is not split."""
+    from megatron.core import parallel_state
+
+    from tests.gpt_training import local_shard
+
+    dim, stride, size = _expert_tp_split(fqn, param)
+    return value if dim < 0 else local_shard(value, dim, stride, parallel_state.get_expert_tensor_parallel_rank(), size)
+
+
+def _expert_tp_joined(param) -> torch.Tensor:
+    """The whole tensor of a DTensor on Megatron-FSDP's 2-D expert mesh, its expert data-parallel
+    size 1 here (EP x expert TP = 4 ranks): the TP parts all-gathered and put in place."""
+    mesh, dim = param.device_mesh, param.placements[1].dim
+    assert mesh.size(0) == 1, mesh
+    stride = getattr(param, "partition_stride", 1)
+    parts = [torch.empty_like(param.to_local()) for _ in range(mesh.size(1))]
+    dist.all_gather(parts, param.to_local().contiguous(), group=mesh.get_group(1))
+    blocks = [part.chunk(stride, dim=dim) for part in parts]  # each part: its share of each stride block
+    return torch.cat([torch.cat([b[k] for b in blocks], dim=dim) for k in range(stride)], dim=dim)
 
 
 def _fully_shard(model: torch.nn.Module, dp_group, expert_dp_group) -> None:
@@ -129,8 +168,9 @@ def _fully_shard(model: torch.nn.Module, dp_group, expert_dp_group) -> None:
     fully_shard(model, mesh=dense_mesh)
 
 
-def _megatron_fsdp(model: torch.nn.Module) -> torch.nn.Module:
-    """ZeRO-3 over all ranks, each TransformerLayer a unit, the experts over expert data parallel."""
+def _megatron_fsdp(model: torch.nn.Module, expert_tp: int = 1) -> torch.nn.Module:
+    """ZeRO-3 over all ranks, each TransformerLayer a unit, the experts over expert data parallel;
+    with `expert_tp` > 1 each expert's layers TP-split over the mesh's tp dimension."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -146,7 +186,7 @@ def _megatron_fsdp(model: torch.nn.Module) -> torch.nn.Module:
     mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=(dp, tp))
     # EP varies fastest, as megatron-core's parallel_state orders its ranks: the dp dimension's
     # groups are parallel_state's expert-data-parallel groups.
-    expert_mesh = init_device_mesh("cpu", (world // EP, EP, 1), mesh_dim_names=(dp, ep, tp))
+    expert_mesh = init_device_mesh("cpu", (world // (EP * expert_tp), EP, expert_tp), mesh_dim_names=(dp, ep, tp))
     wrapped = fully_shard_model(model, device_mesh=mesh, dp_shard_dim=dp, tp_dim=tp, expt_device_mesh=expert_mesh,
                                 fsdp_unit_modules=[TransformerLayer], zero_dp_strategy="optim_grads_params",
                                 device=torch.device("cpu"))
@@ -232,10 +272,17 @@ def _refusals(run: _Run) -> dict[str, tuple[str, str]]:
 
 
 def _megatron_fsdp_run(rank: int) -> dict:
+    """EP=2 x expert data parallel 2, and EP=2 x expert TP=2 (expert data parallel 1; Megatron-FSDP's
+    2-D expert mesh), each against the same one-process run."""
     expected_norms, expected = _reference(MEGATRON_FSDP_STEPS, _mean_of_micro_batches)
-    initialize_model_parallel(1, seed=SEED, expert_model_parallel_size=EP)
+    return {engine: _megatron_fsdp_against(rank, expected_norms, expected, expert_tp)
+            for engine, expert_tp in (("megatron_fsdp", 1), ("megatron_fsdp expert tp 2", 2))}
+
+
+def _megatron_fsdp_against(rank: int, expected_norms: list, expected: dict, expert_tp: int) -> dict:
+    initialize_model_parallel(1, seed=SEED, expert_model_parallel_size=EP, expert_tensor_parallel_size=expert_tp)
     try:
-        run, norms = _Run("megatron_fsdp"), []
+        run, norms = _Run("megatron_fsdp", expert_tp), []
         for step in range(MEGATRON_FSDP_STEPS):
             gpt_loss(run.model, _micro_batch(step, rank)).backward()
             run.model.finish_grad_sync()  # Megatron-FSDP's protocol: attaches the .grad shards
@@ -251,7 +298,7 @@ def _megatron_fsdp_run(rank: int) -> dict:
 
 def _experts_body(rank: int, world_size: int, directory: str) -> dict:
     torch.set_float32_matmul_precision("highest")
-    return {"fsdp2": _fsdp2(directory), "megatron_fsdp": _megatron_fsdp_run(rank)}
+    return {"fsdp2": _fsdp2(directory), **_megatron_fsdp_run(rank)}
 
 
 def _check_equal_to_one_process(per_rank: list[dict], engine: str) -> None:
@@ -272,7 +319,7 @@ def _check_equal_to_one_process(per_rank: list[dict], engine: str) -> None:
 
 def test_expert_parallel_fully_sharded_muon_equals_one_process(run_distributed, tmp_path) -> None:
     per_rank = run_distributed(_experts_body, world_size=4, args=(str(tmp_path),), timeout=600)
-    for engine in ("fsdp2", "megatron_fsdp"):
+    for engine in ("fsdp2", "megatron_fsdp", "megatron_fsdp expert tp 2"):
         _check_equal_to_one_process(per_rank, engine)
     for rank, results in enumerate(per_rank):
         result = results["fsdp2"]
