@@ -221,11 +221,11 @@ SLOW_MOVES = ("layer-wise muon, dp_reshardable",)
 @pytest.mark.parametrize("optimizer", [pytest.param(name, marks=[pytest.mark.slow] if name in SLOW_MOVES else [])
                                        for name in MOVES])
 def test_a_job_moves_from_megatron_core_and_back(run_distributed, tmp_path, optimizer: str) -> None:
-    """Ours gives megatron-core's losses (_assert_same_math); megatron-core's optimizer trains and
-    saves at 3 (the loop without install()); ours loads it
-    with --load and continues as megatron-core continuing itself, bitwise (losses and learning
-    rates of iterations 4-6; gradient norms to 1e-6, summed in another order); then ours saves
-    at 3 and megatron-core loads that and continues the same. Layer-wise Muon: megatron-core's
+    """Ours gives megatron-core's losses (_assert_same_math). megatron-core's optimizer trains and
+    saves at 3 (the loop without install()); ours loads it with --load and continues as
+    megatron-core continuing itself, bitwise (losses and learning rates of iterations 4-6; gradient
+    norms to 1e-6, summed in another order); then ours saves at 3 and megatron-core loads that and
+    continues the same. Layer-wise Muon: megatron-core's
     chain over Megatron-LM's all-reducing DDP writes each child keyed by parameter
     (MEGATRON_CORE_PING_PONG_LAYOUT), and so do we; rope: megatron-core sends a learned position
     table to Muon, we send it to Adam (a lookup table).
