@@ -233,7 +233,7 @@ def test_a_job_moves_from_megatron_core_and_back(run_distributed, tmp_path, opti
     megatron-core's DistributedOptimizer (megatron_eopt/distributed/reduce_scattered.py), built from
     our config; it trains as megatron-core's own factory builds it. megatron-core continuing itself
     equals the run not interrupted (with torch's Adam, after the load fixes of
-    megatron_lm_cpu.distributed_optimizer_loads_with_torch_adam). --bf16: megatron-core's fp32
+    megatron_core_torch_adam.distributed_optimizer_loads_with_torch_adam). --bf16: megatron-core's fp32
     DistributedOptimizer shards `model_param.view(-1)` without detaching it, so autograd holds its
     DDP's hooks and the process groups outlive the run in these reused workers."""
     flags, formats = MOVES[optimizer]
