@@ -221,21 +221,22 @@ SLOW_MOVES = ("layer-wise muon, dp_reshardable",)
 @pytest.mark.parametrize("optimizer", [pytest.param(name, marks=[pytest.mark.slow] if name in SLOW_MOVES else [])
                                        for name in MOVES])
 def test_a_job_moves_from_megatron_core_and_back(run_distributed, tmp_path, optimizer: str) -> None:
-    """Ours gives megatron-core's losses (_assert_same_math). megatron-core's optimizer trains and
-    saves at 3 (the loop without install()); ours loads it with --load and continues as
-    megatron-core continuing itself, bitwise (losses and learning rates of iterations 4-6; gradient
-    norms to 1e-6, summed in another order); then ours saves at 3 and megatron-core loads that and
-    continues the same. Layer-wise Muon: megatron-core's
+    """Ours first gives megatron-core's losses (_assert_same_math; layer-wise Muon: rope, where
+    megatron-core sends a learned position table to Muon, we send it to Adam, a lookup table;
+    distributed Adam: install()'s factory hands Adam on reduce-scattered gradients to megatron-core's
+    DistributedOptimizer, megatron_eopt/distributed/reduce_scattered.py, built from our config, in
+    bf16: megatron-core's fp32 DistributedOptimizer shards `model_param.view(-1)` without detaching
+    it, so autograd holds its DDP's hooks and the process groups outlive the run in these workers).
+
+    megatron-core's optimizer trains and saves at 3 (the loop without install()); ours loads it
+    with --load and continues as megatron-core continuing itself, bitwise (losses and learning
+    rates of iterations 4-6; gradient norms to 1e-6, summed in another order); then ours saves
+    at 3 and megatron-core loads that and continues the same. Layer-wise Muon: megatron-core's
     chain over Megatron-LM's all-reducing DDP writes each child keyed by parameter
-    (MEGATRON_CORE_PING_PONG_LAYOUT), and so do we; rope: megatron-core sends a learned position
-    table to Muon, we send it to Adam (a lookup table).
-    Distributed Adam: through install(), the factory hands Adam on reduce-scattered gradients to
-    megatron-core's DistributedOptimizer (megatron_eopt/distributed/reduce_scattered.py), built from
-    our config; it trains as megatron-core's own factory builds it. megatron-core continuing itself
-    equals the run not interrupted (with torch's Adam, after the load fixes of
-    megatron_core_torch_adam.distributed_optimizer_loads_with_torch_adam). --bf16: megatron-core's fp32
-    DistributedOptimizer shards `model_param.view(-1)` without detaching it, so autograd holds its
-    DDP's hooks and the process groups outlive the run in these reused workers."""
+    (MEGATRON_CORE_PING_PONG_LAYOUT), and so do we.
+    Distributed Adam: ours is megatron-core's DistributedOptimizer built from our config.
+    megatron-core continuing itself equals the run not interrupted (with torch's Adam, after the
+    load fixes of megatron_lm_cpu.distributed_optimizer_loads_with_torch_adam)."""
     flags, formats = MOVES[optimizer]
     command_lines = [flags + MEGATRON_CORE, flags]
     for name in formats:
