@@ -9,6 +9,7 @@ enters ``bf16_numerics()`` itself).
 across tests rather than per test; see tests/distributed_harness.py.
 """
 
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,6 +17,7 @@ import pytest
 
 from tests import distributed_harness
 from tests.bf16_numerics import bf16_numerics
+from tests.megatron_lm_in_process import read_field_docstrings_once
 from tests.tiers import (  # noqa: F401 (the tier markers' hooks: tests/tiers.py)
     pytest_addoption,
     pytest_collection_modifyitems,
@@ -31,6 +33,13 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return
     if any("run_distributed" in getattr(item, "fixturenames", ()) for item in session.items):
         distributed_harness.prestart_distributed()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # Megatron-LM's parser reads its help texts from source at every parse; in-process tests parse
+    # hundreds of times (tests/megatron_lm_in_process.py). Only once a test has imported it.
+    if "megatron.training.argument_utils" in sys.modules:
+        read_field_docstrings_once()
 
 
 @pytest.fixture(scope="session")

@@ -175,11 +175,34 @@ def forget_megatron_lm_run() -> None:
     megatron_lm_cpu.uninstall()
 
 
+def read_field_docstrings_once() -> None:
+    """Megatron-LM builds its parser's help texts from the sources of its config dataclasses
+    (`ArgumentGroupFactory._get_field_docstrings`: inspect.getsource and ast.parse of each class) at
+    every parse, about 0.3 s a parse, and a run parses two or three times. A class's texts depend on
+    its source only, so this process reads each class's once. Help texts only: a parse's result is
+    the same."""
+    from megatron.training import argument_utils
+
+    factory = argument_utils.ArgumentGroupFactory
+    if getattr(factory._get_field_docstrings, "read_once", False):
+        return
+    read, texts = factory._get_field_docstrings, {}
+
+    def field_docstrings(self, src_cfg_class: type) -> dict[str, str]:
+        if src_cfg_class not in texts:
+            texts[src_cfg_class] = read(self, src_cfg_class)
+        return dict(texts[src_cfg_class])
+
+    field_docstrings.read_once = True
+    factory._get_field_docstrings = field_docstrings
+
+
 def run_megatron_lm(rank: int, world_size: int, argv: list[str]) -> Run:
     """`pretrain_gpt_megatron_lm.py argv` in this worker: what its loop computed."""
     from megatron_eopt.integrations import megatron_lm_gpt
 
     run = Run()
+    read_field_docstrings_once()
     _reset_class_state()
     try:
         with _command_line(argv), _recording(run):
@@ -206,6 +229,7 @@ def run_megatron_lm_refused(rank: int, world_size: int, argvs: list[list[str]]) 
     from megatron_eopt.integrations import megatron_lm_gpt
     from megatron_eopt.runtime import rank_exit
 
+    read_field_docstrings_once()
     results, before = [], rank_exit.OTHER_RANKS_WAIT_S
     rank_exit.OTHER_RANKS_WAIT_S = 0.0
     try:
