@@ -104,33 +104,37 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_launcher_runs_a_case_as_two_nodes_meeting_at_one_endpoint(tmp_path: pathlib.Path) -> None:
-    """As on a cluster: the launcher once per node (`--nnodes 2 --nproc-per-node 2`, static rendezvous
-    at 127.0.0.1), torchrun under each. The case is TP=4, so the tensor-parallel group spans the node
-    boundary (global ranks are node-major); node 0 compares the events with the golden and passes."""
+def _as_two_nodes(case: str, nproc_per_node: int, output: pathlib.Path, **environment: str) -> str:
+    """The launcher once per node (`--nnodes 2`, static rendezvous at 127.0.0.1), torchrun under each,
+    as on a cluster; both must succeed. Node 0's output (it compares with the golden)."""
     port = _free_port()
     nodes = [subprocess.Popen(
-        [sys.executable, "tools/run_functional_case.py", "gpt_muon_tp4_sharded", "--nnodes", "2",
-         "--node-rank", str(node), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
-         "--output", str(tmp_path / "output")],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
+        [sys.executable, "tools/run_functional_case.py", case, "--nnodes", "2", "--node-rank", str(node),
+         "--nproc-per-node", str(nproc_per_node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+         "--output", str(output)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **environment})
+        for node in (0, 1)]
     outputs = [node.communicate(timeout=900) for node in nodes]
     for node, (stdout, stderr) in zip(nodes, outputs):
         assert node.returncode == 0, stdout[-3000:] + stderr[-3000:]
-    world = [line for line in outputs[0][0].splitlines() if line.startswith("> world")]
-    assert world and world[0].startswith("> world 4 = TP 4 (sequence parallel) x DP 1"), world or outputs[0][0][-3000:]
     assert "PASSED lm loss" in outputs[0][0] and "FAILED" not in outputs[0][0], outputs[0][0][-3000:]
+    return outputs[0][0]
 
 
-def test_launcher_runs_a_megatron_lm_loop_case_on_a_machine_without_cuda(tmp_path: pathlib.Path) -> None:
-    """The smallest Megatron-LM-loop case through the launcher, no GPU visible: the loop script takes
-    gloo where CUDA is absent (Megatron-LM's default backend, nccl, needs GPUs), trains and passes."""
-    done = subprocess.run(
-        [sys.executable, "tools/run_functional_case.py", "gpt_megatron_lm_adam_distributed_optimizer_dp2",
-         "--output", str(tmp_path / "output")],
-        cwd=ROOT, capture_output=True, text=True, timeout=900, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "PASSED lm loss" in done.stdout and "FAILED" not in done.stdout, done.stdout[-3000:]
+def test_launcher_runs_a_megatron_lm_loop_case_as_two_nodes_on_machines_without_cuda(tmp_path: pathlib.Path) -> None:
+    """A Megatron-LM-loop case at 2 nodes x 1 process, no GPU visible: the loop script takes gloo where
+    CUDA is absent (Megatron-LM's default backend, nccl, needs GPUs), the data-parallel group spans
+    the node boundary, and the case passes its golden."""
+    _as_two_nodes("gpt_megatron_lm_adam_distributed_optimizer_dp2", 1, tmp_path / "output", CUDA_VISIBLE_DEVICES="")
+
+
+@pytest.mark.slow
+def test_launcher_runs_a_tensor_parallel_case_across_two_nodes(tmp_path: pathlib.Path) -> None:
+    """A TP=4 case at 2 nodes x 2 processes: the tensor-parallel group spans the node boundary
+    (global ranks are node-major)."""
+    stdout = _as_two_nodes("gpt_muon_tp4_sharded", 2, tmp_path / "output")
+    world = [line for line in stdout.splitlines() if line.startswith("> world")]
+    assert world and world[0].startswith("> world 4 = TP 4 (sequence parallel) x DP 1"), world or stdout[-3000:]
 
 
 def test_slurm_script_is_valid_bash() -> None:

@@ -67,6 +67,9 @@ def _bf16_body(rank: int, world_size: int) -> dict:
                 "gram": [train("muon", True, "medium", 100, seed)["losses"] for seed in BF16_SEEDS]}
 
 
+# make test-slow: a training-quality comparison (100 steps x seeds); the Gram path's numerics are checked
+# against float64 in make test (test_gram_newton_schulz.py).
+@pytest.mark.slow
 def test_bf16_hundred_steps_loss_within_noise(run_distributed) -> None:
     runs = run_distributed(_bf16_body, world_size=1, timeout=900)[0]
 
