@@ -71,7 +71,9 @@ def _step_every_optimizer(rank: int, world_size: int, dump_dir: str) -> dict:
                 p.grad = grads[n].clone()
             if name == "sinkhorn_muon":  # it takes only matrices already Sinkhorn-normalized (its docs)
                 _sinkhorn_normalize(p for n, p in named.items() if n.endswith(HIDDEN_MATRICES))
-            config = OptimizerConfig(optimizer=name, lr=0.01, min_lr=0.0)
+            # Uncompiled: what this checks (routing, a finite step that moves every parameter) is the same,
+            # and a cold compile cache costs tens of seconds here; the compiled updates: test_compiled_step.py.
+            config = OptimizerConfig(optimizer=name, lr=0.01, min_lr=0.0, emerging_optimizers_compile=False)
             dump = os.path.join(dump_dir, name)
             optimizer = get_megatron_optimizer(config, model, dump_param_to_param_group_map=dump)
             ok, grad_norm, _ = optimizer.step()
