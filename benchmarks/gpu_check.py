@@ -332,14 +332,21 @@ def megatron_lm_runs(args, skip: Optional[str], directory: str) -> dict:
     if skip:
         parse_megatron_lm_flags(runs.values())
         return skipped(check, skip, **built)
+    logs, failed = run_logged(args, check, runs, "megatron_lm", built, args.megatron_lm_iters)
+    return failed or {"check": check, **built, **compare_megatron_lm(logs, half)}
+
+
+def run_logged(args, check: str, runs: dict, prefix: str, built: dict, iterations: int) -> tuple[dict, Optional[dict]]:
+    """Each run of Megatron-LM's loop, its output in --out as PREFIX_NAME.log: (logs, None), or the failed
+    row at the first run that fails or logs fewer than `iterations` (a resumed run logs fewer)."""
     logs = {}
     for name, argv in runs.items():
         logs[name], output = run_megatron_lm(argv)
-        with open(os.path.join(args.out, f"megatron_lm_{name}.log"), "w") as f:
+        with open(os.path.join(args.out, f"{prefix}_{name}.log"), "w") as f:
             f.write(output)
-        if not logs[name] or (not name.endswith("_resumed") and len(logs[name]) < args.megatron_lm_iters):
-            return {"check": check, "status": "failed", **built, "failed_run": name, "output_tail": output[-6000:]}
-    return {"check": check, **built, **compare_megatron_lm(logs, half)}
+        if not logs[name] or (not name.endswith("_resumed") and len(logs[name]) < iterations):
+            return logs, {"check": check, "status": "failed", **built, "failed_run": name, "output_tail": output[-6000:]}
+    return logs, None
 
 
 # Issue 73 item 6: the DeepSeek-style functional case (gpt_megatron_lm_deepseek_muon_megatron_fsdp_ep2)
@@ -368,13 +375,9 @@ def deepseek_runs(args, skip: Optional[str], directory: str) -> dict:
     if skip:
         parse_megatron_lm_flags(runs.values())
         return skipped(check, skip, **built)
-    logs = {}
-    for name, argv in runs.items():
-        logs[name], output = run_megatron_lm(argv)
-        with open(os.path.join(args.out, f"deepseek_{name}.log"), "w") as f:
-            f.write(output)
-        if not logs[name]:
-            return {"check": check, "status": "failed", **built, "failed_run": name, "output_tail": output[-6000:]}
+    logs, failed = run_logged(args, check, runs, "deepseek", built, args.deepseek_iters)
+    if failed:
+        return failed
     ms = {name: statistics.median(t for i, (t, _) in log.items() if i > 5) for name, log in logs.items()
           if name != "muon_resumed"}
     resumed = logs["muon_resumed"]
