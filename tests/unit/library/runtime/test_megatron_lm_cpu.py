@@ -158,3 +158,13 @@ def test_fsdp_dtensor_state_has_every_parameter_on_every_rank(run_distributed, t
         reference.step()
     for key in ("exp_avg", "exp_avg_sq"):
         assert torch.equal(ranks[1]["resumed"]["held_by_one"][key], reference.state[rows][key]), key
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA install() would patch this test process")
+def test_the_torch_adam_fixes_install_on_their_own_only_with_cuda() -> None:
+    """Without CUDA megatron_lm_cpu applies them; megatron_core_torch_adam.install() leaves the class alone."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    before = DistributedOptimizer.state_dict
+    assert megatron_core_torch_adam.install() is False
+    assert DistributedOptimizer.state_dict is before
