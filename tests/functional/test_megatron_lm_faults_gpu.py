@@ -8,20 +8,15 @@ one GPU runs one rank. The restart meets in a store prefix of its own (runtime/t
 which NCCL's unique-id exchange goes through as gloo's keys do.
 """
 
-import json
-import os
 import random
 import re
-import subprocess
-import time
 
 import pytest
 import torch
 
-from tests.functional.test_elastic_restart import TORCHRUN, free_port
-from tests.functional.test_megatron_lm_faults import (ENGINES, LONGER, OPTIMIZERS, ROOT, SAVE_INTERVAL, SEED,
-                                                      TRAIN_ITERS, assert_same_checkpoint, end_processes_of,
-                                                      loaded_iterations, newest_complete_save, report)
+from tests.functional.test_megatron_lm_faults import (ENGINES, LONGER, OPTIMIZERS, SEED, TRAIN_ITERS,
+                                                      assert_same_checkpoint, launch, loaded_iterations,
+                                                      newest_complete_save, report)
 from tests.functional.test_megatron_lm_loop import MODEL
 
 pytestmark = [
@@ -38,35 +33,17 @@ def gpu_flags(optimizer: str) -> list[str]:
     return [*model, *LONGER, *OPTIMIZERS[optimizer], *ENGINES[ENGINE]]
 
 
-def launch_one_gpu(flags: list[str], directory, faults: list[dict], restarts: int) -> subprocess.CompletedProcess:
-    """test_megatron_lm_faults.launch with one worker: output to files (a killed worker's helpers
-    would hold a pipe open), the launch's leftovers ended afterwards."""
-    command = [TORCHRUN, "--nproc-per-node", "1", "--max-restarts", str(restarts), "--master-port", str(free_port()),
-               "-m", "tests.functional.megatron_lm_fault_entry", *flags, "--save", str(directory),
-               "--load", str(directory)]
-    marker = f"{directory}/{time.time()}"
-    env = {**os.environ, "MEGATRON_EOPT_FAULTS": json.dumps(faults), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "3",
-           "MEGATRON_EOPT_FAULT_LAUNCH": marker}
-    out, err = directory.with_suffix(".stdout"), directory.with_suffix(".stderr")
-    try:
-        with out.open("w") as stdout, err.open("w") as stderr:
-            done = subprocess.run(command, cwd=ROOT, env=env, stdout=stdout, stderr=stderr, timeout=600)
-    finally:
-        end_processes_of(marker)
-    return subprocess.CompletedProcess(command, done.returncode, out.read_text(), err.read_text())
-
-
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_a_kill_at_a_random_iteration_on_one_gpu_resumes_bitwise(optimizer: str, tmp_path) -> None:
     iteration = random.Random(f"{SEED}/gpu/{optimizer}").randint(2, TRAIN_ITERS)
     kill = {"attempt": 0, "rank": 0, "iteration": iteration, "phase": "step", "signal": "KILL"}
     print(f"FAULT_SEED={SEED} {optimizer}: SIGKILL as iteration {iteration} starts")
     flags = gpu_flags(optimizer)
-    faulted = launch_one_gpu(flags, tmp_path / "faulted", [kill], restarts=3)
+    faulted = launch(flags, tmp_path / "faulted", [kill], restarts=3, timeout=600, workers=1)
     assert faulted.returncode == 0, report(faulted)
     assert len(re.findall(r"fault_entry: attempt 0 rank 0 SIGKILL", faulted.stderr)) == 1, report(faulted)
     expected = newest_complete_save(kill)
     assert loaded_iterations(faulted.stdout) == ([expected] if expected else []), report(faulted)
-    straight = launch_one_gpu(flags, tmp_path / "straight", [], restarts=0)
+    straight = launch(flags, tmp_path / "straight", timeout=600, workers=1)
     assert straight.returncode == 0, report(straight)
     assert_same_checkpoint(tmp_path / "straight", tmp_path / "faulted", TRAIN_ITERS, tmp_path)
