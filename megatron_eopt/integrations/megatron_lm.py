@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import inspect
 import typing
 from typing import Any, Iterator, Optional
 
@@ -315,7 +316,8 @@ def install() -> None:
     if not _undo_replacements:  # MLA's core attention first: the QK-clip recorder wraps its __init__
         _undo_replacements.extend(replace_names(local_attention_for_mla()))
         _undo_replacements.extend(replace_names(_checkpoint_layout_replacements() + _optimizer_config_replacement()
-                                                + _qk_clip_replacements() + _parser_replacement()))
+                                                + _qk_clip_replacements() + _parser_replacement()
+                                                + _model_placement_replacement()))
 
 
 def local_attention_for_mla() -> list[tuple[Any, str, Any]]:
@@ -338,6 +340,31 @@ def _parser_replacement() -> list[tuple[Any, str, Any]]:
         return parse_args(extra_args_provider or add_megatron_eopt_args, ignore_unknown_args)
 
     return [(megatron_lm_arguments, "parse_args", parse_args_with_ours)]
+
+
+def _model_placement_replacement() -> list[tuple[Any, str, Any]]:
+    """Megatron-LM's model builder (megatron/training/models/dist_utils.py, which pretrain_gpt.py
+    uses) leaves a `--use-cpu-initialization` model on the CPU and lets DDP move it: megatron-core's
+    DistributedOptimizer re-maps every parameter into DDP's CUDA buffers. Our layer-wise optimizer
+    runs over an all-reducing DDP (_with_whole_gradients), which re-maps only the gradients, so the
+    parameters stayed on the CPU and the first forward failed on a GPU. Before a DDP wrap on a
+    machine with CUDA the chunks move to the current device, as Megatron-LM's `get_model` moves them
+    (Megatron-FSDP and FSDP2 place the parameters themselves)."""
+    from megatron.training.models import dist_utils
+
+    ddp_wrap = dist_utils._ddp_wrap
+    signature = inspect.signature(ddp_wrap)
+
+    def ddp_wrap_on_the_current_device(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        sharded = bound.arguments["use_megatron_fsdp"] or bound.arguments["use_torch_fsdp2"]
+        if torch.cuda.is_available() and not sharded:
+            for chunk in bound.arguments["model"]:
+                chunk.cuda(torch.cuda.current_device())
+        return ddp_wrap(*args, **kwargs)
+
+    return [(dist_utils, "_ddp_wrap", ddp_wrap_on_the_current_device)]
 
 
 def _qk_clip_replacements() -> list[tuple[Any, str, Any]]:

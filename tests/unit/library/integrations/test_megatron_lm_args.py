@@ -556,3 +556,37 @@ def test_precision_aware_settings_reach_our_optimizer_past_megatron_cores_adam_o
                                                                      use_megatron_fsdp=flags[1]))
              for flags in (("adam", False), ("adam", True), ("muon", False))}
     assert steps == {("adam", False): True, ("adam", True): False, ("muon", False): False}
+
+
+def test_a_cpu_initialized_model_moves_to_the_gpu_before_megatron_lms_ddp_wrap(monkeypatch) -> None:
+    """Megatron-LM's model builder leaves a --use-cpu-initialization model on the CPU and relies on
+    megatron-core's DistributedOptimizer re-mapping the parameters into DDP's CUDA buffers; our layer-wise
+    optimizer's all-reducing DDP does not re-map them (measured on an H200: the first forward of
+    `--optimizer muon --use-distributed-optimizer --use-cpu-initialization` met CPU weights). With
+    install(), the chunks move to the current CUDA device before a DDP wrap, not before an FSDP one."""
+    import torch
+    from megatron.training.models import dist_utils
+
+    from megatron_eopt.integrations import megatron_lm
+
+    events = []
+
+    class Chunk(torch.nn.Module):
+        def cuda(self, device=None):
+            events.append(("cuda", device))
+            return self
+
+    def ddp_wrap(model, data_parallel_random_init, ddp_config, overlap_param_gather_with_optimizer_step,
+                 use_megatron_fsdp=False, use_torch_fsdp2=False, *, pg_collection):
+        events.append(("wrap", use_megatron_fsdp, use_torch_fsdp2))
+        return model
+
+    monkeypatch.setattr(dist_utils, "_ddp_wrap", ddp_wrap)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    with megatron_lm.installed():
+        dist_utils._ddp_wrap([Chunk()], False, None, False, pg_collection=None)
+        dist_utils._ddp_wrap([Chunk()], False, None, False, True, pg_collection=None)
+        dist_utils._ddp_wrap([Chunk()], False, None, False, use_torch_fsdp2=True, pg_collection=None)
+    assert dist_utils._ddp_wrap is ddp_wrap  # uninstalled
+    assert events == [("cuda", 3), ("wrap", False, False), ("wrap", True, False), ("wrap", False, True)]
