@@ -16,6 +16,7 @@ describes it.
 import argparse
 import contextlib
 import dataclasses
+import datetime
 import functools
 import inspect
 import typing
@@ -42,6 +43,7 @@ from megatron_eopt.integrations.megatron_lm_mla import taking_mla_head_widths
 from megatron_eopt.integrations.megatron_lm_swiglu import splitting_every_state
 from megatron_eopt.registry import list_optimizers, lookup_optimizer
 from megatron_eopt.runtime.cpu_stand_ins import replace_names
+from megatron_eopt.runtime.torchrun_store import restart_store
 
 # Our flags that Megatron-LM's parser must not get, and why.
 NOT_OFFERED = {
@@ -317,7 +319,28 @@ def install() -> None:
         _undo_replacements.extend(replace_names(local_attention_for_mla()))
         _undo_replacements.extend(replace_names(_checkpoint_layout_replacements() + _optimizer_config_replacement()
                                                 + _qk_clip_replacements() + _parser_replacement()
-                                                + _model_placement_replacement()))
+                                                + _model_placement_replacement() + store_per_restart()))
+
+
+def store_per_restart() -> list[tuple[Any, str, Any]]:
+    """Under torchrun, Megatron-LM's `initialize_megatron` meets in a key space of this attempt's own
+    (runtime/torchrun_store.py) when its caller gave `pretrain` no store: after torchrun restarted a
+    killed worker, every rank waited in megatron-core's first `new_group`, among the keys of the dead
+    attempt (measured: 6 minutes, then killed). Outside torchrun, or given a store, nothing changes.
+    The loop script applies it with `--megatron-core-optimizer` too."""
+    import megatron.training.initialize as megatron_lm_initialize
+
+    initialize_distributed = megatron_lm_initialize._initialize_distributed
+
+    def initialize_distributed_per_attempt(get_embedding_ranks: Any, get_position_embedding_ranks: Any,
+                                           store: Any, *args: Any, **kwargs: Any) -> Any:
+        if store is None and not torch.distributed.is_initialized():
+            given = global_vars.get_args()
+            store = restart_store(given.rank, given.world_size,
+                                  datetime.timedelta(minutes=given.distributed_timeout_minutes))
+        return initialize_distributed(get_embedding_ranks, get_position_embedding_ranks, store, *args, **kwargs)
+
+    return [(megatron_lm_initialize, "_initialize_distributed", initialize_distributed_per_attempt)]
 
 
 def local_attention_for_mla() -> list[tuple[Any, str, Any]]:

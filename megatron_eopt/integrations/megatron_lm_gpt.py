@@ -127,24 +127,6 @@ def add_script_args(parser: Any) -> Any:
     return parser
 
 
-def store_for_this_attempt(args: Any) -> Optional[Any]:
-    """Under torchrun, the job's store under this attempt's own key prefix
-    (runtime/torchrun_store.py), for `pretrain(store=...)`: Megatron-LM's initialization hands it
-    to init_process_group, so every group megatron-core's initialize_model_parallel makes meets
-    there, never among the keys of an attempt torchrun restarted (gloo failed or hung there; NCCL
-    can read a dead rank's ncclUniqueId, docs/reliability.md). None outside torchrun, or when a
-    process group exists (Megatron-LM then uses that)."""
-    import datetime
-
-    import torch.distributed as dist
-
-    from megatron_eopt.runtime.torchrun_store import restart_store
-
-    if dist.is_initialized():
-        return None
-    return restart_store(args.rank, args.world_size, datetime.timedelta(minutes=args.distributed_timeout_minutes))
-
-
 def _refusals_in_one_line(run: Callable[[], None]) -> Callable[[], None]:
     """`run` whose refusals end it as our trainer's do: one line on rank 0, status 2 on every rank,
     no traceback (runtime/rank_exit.py). Refusals are our ValueErrors, and the assertions of
@@ -182,13 +164,13 @@ def main() -> None:
     ours = "--megatron-core-optimizer" not in sys.argv[1:]
     if ours:
         megatron_lm.install()  # before validate_args, which install() lets take Megatron-FSDP with ours
-    # megatron-core's optimizer gets the same model: MLA builds on the local attention (install() does this too)
-    with megatron_lm_cpu.replaced([] if ours else megatron_lm.local_attention_for_mla()):
+    # megatron-core's optimizer gets the same model (MLA on the local attention) and restarts (install() does both)
+    replacements = [] if ours else megatron_lm.local_attention_for_mla() + megatron_lm.store_per_restart()
+    with megatron_lm_cpu.replaced(replacements):
         args = parse_and_validate_args(extra_args_provider=add_script_args)
         use_prebuilt_dataset_helpers()
         config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
-        pretrain(config, datasets_provider, ModelType.encoder_or_decoder, forward_step,
-                 store=store_for_this_attempt(args))
+        pretrain(config, datasets_provider, ModelType.encoder_or_decoder, forward_step)
 
 
 if __name__ == "__main__":

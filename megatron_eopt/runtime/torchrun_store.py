@@ -9,7 +9,7 @@ refused`, or a wait in `new_group`), and a non-zero rank of an NCCL group can re
 rank 0's ncclUniqueId before the new rank 0 overwrites it (docs/reliability.md). `restart_store`
 gives each attempt its own key space (a PrefixStore per TORCHELASTIC_RESTART_COUNT); every group
 made over the default group's store inherits it. Used by the trainer's `init_distributed` and
-by Megatron-LM's loop (`pretrain(store=...)`, integrations/megatron_lm_gpt.py).
+by Megatron-LM's loop with ours installed (integrations/megatron_lm.py's `store_per_restart`).
 """
 
 import datetime

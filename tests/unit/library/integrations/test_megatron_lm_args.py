@@ -590,3 +590,40 @@ def test_a_cpu_initialized_model_moves_to_the_gpu_before_megatron_lms_ddp_wrap(m
         dist_utils._ddp_wrap([Chunk()], False, None, False, use_torch_fsdp2=True, pg_collection=None)
     assert dist_utils._ddp_wrap is ddp_wrap  # uninstalled
     assert events == [("cuda", 3), ("wrap", False, False), ("wrap", True, False), ("wrap", False, True)]
+
+
+def test_megatron_lms_initialization_meets_in_this_attempts_store_when_given_none(monkeypatch) -> None:
+    """With install(), `pretrain()` given no store (Megatron-LM's pretrain_gpt.py) initializes torch.distributed
+    over the job's store under this torchrun attempt's prefix, so a restart never reads the killed attempt's
+    keys (runtime/torchrun_store.py); a store the caller gave, and a run outside torchrun, stay as they are."""
+    import datetime
+    import socket
+    from types import SimpleNamespace
+
+    import megatron.training.initialize as initialize
+    import torch.distributed as dist
+    from megatron.training import global_vars
+
+    from megatron_eopt.integrations import megatron_lm
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    agent = dist.TCPStore("127.0.0.1", port, 1, is_master=True, timeout=datetime.timedelta(seconds=30))
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": "job",
+                        "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "2"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", SimpleNamespace(rank=0, world_size=1, distributed_timeout_minutes=1))
+    stores = []
+    monkeypatch.setattr(initialize, "_initialize_distributed", lambda embedding, position, store, **kw: stores.append(store))
+    given = dist.HashStore()
+    with megatron_lm.installed():
+        initialize._initialize_distributed(None, None, None, skip_model_parallel_init=False)
+        initialize._initialize_distributed(None, None, given)
+        monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+        initialize._initialize_distributed(None, None, None)
+    attempt, kept, outside = stores
+    attempt.set("0/cpu/rank_0", "this attempt's address")
+    assert dist.PrefixStore("megatron_eopt/job/attempt_2/", agent).get("0/cpu/rank_0") == b"this attempt's address"
+    assert not agent.check(["0/cpu/rank_0"])
+    assert kept is given and outside is None
