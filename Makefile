@@ -7,9 +7,8 @@ STAMP := $(VENV)/.installed
 
 .PHONY: test test-fast test-slow test-unit test-functional test-numerics test-compat demo convergence convergence-range bench gpu-check venv lock clean
 
-# Two pytest sessions side by side, a fixed split of tests/ (tools/pytest_in_two.sh).
 test: $(STAMP)
-	tools/pytest_in_two.sh $(PY) -q -m "not slow" --durations=20
+	$(PY) -m pytest tests -q -m "not slow" --durations=20
 
 # The loop while you work: the in-process tier, no worker ranks and no process started (tests/tiers.py
 # marks the others `multirank` and `subprocess` from their code). Fails if it left a library module unimported.
