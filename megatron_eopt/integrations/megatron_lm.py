@@ -305,8 +305,10 @@ def install() -> None:
     Rebinds `megatron.training.training.get_megatron_optimizer` (the name that function calls),
     `megatron.training.arguments.validate_args` (validate_args_for_megatron_eopt), the names of
     `megatron.training.checkpointing` that carry a checkpoint's optimizer layout and split SwiGLU
-    state (_checkpoint_layout_replacements), and `get_megatron_optimizer_config`
-    (_optimizer_config_replacement). Calling it again while installed changes nothing.
+    state (_checkpoint_layout_replacements), `get_megatron_optimizer_config`
+    (_optimizer_config_replacement), the model builder's DDP wrap (_model_placement_replacement) and
+    the initialization's store under torchrun (store_per_restart). Calling it again while installed
+    changes nothing.
     """
     global _original, _original_validate_args
     if _original is None:
