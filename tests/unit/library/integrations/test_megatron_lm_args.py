@@ -596,8 +596,6 @@ def test_megatron_lms_initialization_meets_in_this_attempts_store_when_given_non
     """With install(), `pretrain()` given no store (Megatron-LM's pretrain_gpt.py) initializes torch.distributed
     over the job's store under this torchrun attempt's prefix, so a restart never reads the killed attempt's
     keys (runtime/torchrun_store.py); a store the caller gave, and a run outside torchrun, stay as they are."""
-    import datetime
-    import socket
     from types import SimpleNamespace
 
     import megatron.training.initialize as initialize
@@ -605,14 +603,9 @@ def test_megatron_lms_initialization_meets_in_this_attempts_store_when_given_non
     from megatron.training import global_vars
 
     from megatron_eopt.integrations import megatron_lm
+    from tests.unit.library.runtime.test_torchrun_store import torchrun_agent_store
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    agent = dist.TCPStore("127.0.0.1", port, 1, is_master=True, timeout=datetime.timedelta(seconds=30))
-    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": "job",
-                        "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "2"}.items():
-        monkeypatch.setenv(name, value)
+    agent = torchrun_agent_store(monkeypatch, attempt=2)
     monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", SimpleNamespace(rank=0, world_size=1, distributed_timeout_minutes=1))
     stores = []
     monkeypatch.setattr(initialize, "_initialize_distributed", lambda embedding, position, store, **kw: stores.append(store))

@@ -11,18 +11,21 @@ from megatron_eopt.runtime.torchrun_store import restart_store
 TIMEOUT = datetime.timedelta(seconds=30)
 
 
-def _free_port() -> int:
+def torchrun_agent_store(monkeypatch, attempt: int) -> dist.TCPStore:
+    """The job's store as torchrun's agent keeps it (run id "job"), and the environment torchrun gives
+    the workers of attempt `attempt`."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        port = sock.getsockname()[1]
+    agent = dist.TCPStore("127.0.0.1", port, 1, is_master=True, timeout=TIMEOUT)
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": "job",
+                        "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": str(attempt)}.items():
+        monkeypatch.setenv(name, value)
+    return agent
 
 
 def test_an_attempt_never_reads_the_keys_an_earlier_attempt_left_in_the_agents_store(monkeypatch) -> None:
-    port = _free_port()
-    agent = dist.TCPStore("127.0.0.1", port, 1, is_master=True, timeout=TIMEOUT)  # the job's store
-    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": "job",
-                        "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}.items():
-        monkeypatch.setenv(name, value)
+    agent = torchrun_agent_store(monkeypatch, attempt=0)
     restart_store(1, 2, TIMEOUT).set("0/cpu/rank_1", "the killed attempt's address")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     restarted = restart_store(1, 2, TIMEOUT)
