@@ -14,6 +14,7 @@ Bytes are what a rank sends over the TP group's links: all-gather and all-to-all
 all-reduce of B bytes as a ring sends it, 2 (t - 1) / t * B. FLOPs count matrix products only.
 """
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
@@ -177,6 +178,7 @@ def ring_all_reduce_bytes(buffer_bytes: float, group_size: int) -> float:
     return 2 * (group_size - 1) / group_size * buffer_bytes
 
 
+@functools.lru_cache(maxsize=4096)  # the planner asks per block per rank: ~700k calls, a few hundred distinct (kimi-k2)
 def newton_schulz_flops(rows: int, cols: int, settings: NewtonSchulzSettings, precision: str,
                         transpose: Optional[bool] = None) -> tuple[str, int]:
     """('gram' or 'standard', matmul FLOPs) of Newton-Schulz on a rows x cols matrix, the path

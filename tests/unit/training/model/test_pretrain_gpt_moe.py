@@ -1,7 +1,7 @@
 """scripts/pretrain_gpt.py with --num-experts (issue 13): expert parallelism against one process.
 
 Reference: the same command line in one process (EP=1, every expert local, no gradient
-reduction). Against it, 10 iterations at EP=2 (2 ranks: DP 2, expert DP 1) and EP=2 x DP=2
+reduction). Against it, 6 iterations at EP=2 (2 ranks: DP 2, expert DP 1) and EP=2 x DP=2
 (4 ranks: expert DP 2), with Muon (gradients reduced by megatron_eopt/training/parallel/grad_reduction.py), layer-wise
 Muon (reduced onto owners by the optimizer) and Adam, to 1e-5 relative: the layouts sum the same
 gradients in another order. Gradient accumulation differs too (4, 2 and 1 micro-batches per
@@ -25,7 +25,7 @@ from tests.newton_schulz_calls import recording_newton_schulz_calls
 from tests.pretrain_gpt_in_process import run_pretrain_gpt
 from tests.unit.training.parallel.test_pretrain_gpt_pipeline import _assert_same_training, run_training
 
-ITERATIONS = 10
+ITERATIONS, SAVED_AT = 6, 3
 # 2 MoE layers x 4 experts; each expert an fc1 [128, 32] and an fc2 [32, 128] (no other matrix
 # has these shapes: attention blocks are 32 x 32, the router 4 x 32).
 ARGV = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -89,10 +89,10 @@ def test_expert_parallel_layouts_equal_one_process(run_distributed, tmp_path):
         for name, flags in RUNS.items():
             argv = ARGV + flags + _layout(world_size)
             if world_size == 2 and name.startswith("layer-wise"):
-                argv += ["--save", checkpoint, "--save-interval", "5"]
+                argv += ["--save", checkpoint, "--save-interval", str(SAVED_AT)]
             results[name, world_size] = run_distributed(run_recording_newton_schulz, world_size, args=(argv,))
     resumed = run_distributed(run_pretrain_gpt, 1, args=(ARGV + RUNS["layer-wise muon, aux loss"] + [
-        "--load", checkpoint, "--ckpt-step", "5"],))[0]
+        "--load", checkpoint, "--ckpt-step", str(SAVED_AT)],))[0]
 
     differences = {}
     for name in RUNS:
@@ -128,12 +128,12 @@ def test_expert_parallel_layouts_equal_one_process(run_distributed, tmp_path):
     # not tell a wrong aux-loss scale).
     muon, with_aux = _losses(results["muon", 1][0][0]), _losses(results["layer-wise muon, aux loss", 1][0][0])
     assert max(abs(a / b - 1) for a, b in zip(with_aux, muon)) > 1e-3
-    # The EP=2 checkpoint of iteration 5, resumed in one process, continues as the reference.
+    # The EP=2 checkpoint of iteration SAVED_AT, resumed in one process, continues as the reference.
     reference = _losses(results["layer-wise muon, aux loss", 1][0][0])
-    assert [r["iteration"] for r in resumed] == list(range(6, ITERATIONS + 1))
-    assert _losses(resumed) == pytest.approx(reference[5:], rel=1e-5)
+    assert [r["iteration"] for r in resumed] == list(range(SAVED_AT + 1, ITERATIONS + 1))
+    assert _losses(resumed) == pytest.approx(reference[SAVED_AT:], rel=1e-5)
     print("resumed at EP=1 from EP=2, max relative loss difference:",
-          max(abs(a / b - 1) for a, b in zip(_losses(resumed), reference[5:])))
+          max(abs(a / b - 1) for a, b in zip(_losses(resumed), reference[SAVED_AT:])))
 
 
 # Flags -------------------------------------------------------------------------------------------
@@ -259,10 +259,10 @@ def test_experts_through_the_pipeline_equal_one_process(run_distributed) -> None
 # Tensor parallelism (with sequence parallelism, as megatron-core's MoELayer needs) ---------------
 
 SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
-# Validation at iterations 5 and 10 and after training (what _assert_same_training compares), and
+# Validation at iterations 3 and 6 and after training (what _assert_same_training compares), and
 # SwiGLU experts: each expert's fc1 holds gate and up rows, split over expert TP block by block.
 TP_ARGV = ARGV[:ARGV.index("--eval-iters")] + ARGV[ARGV.index("--eval-iters") + 2:] + [
-    "--eval-interval", "5", "--eval-iters", "1", "--swiglu"]
+    "--eval-interval", str(SAVED_AT), "--eval-iters", "1", "--swiglu"]
 TP_LAYOUTS = {  # name: (world size, flags); TP x EP gathers the tokens of all 4 ranks
     "TP=2": (2, SP),
     "TP=2 x EP=2": (4, SP + _layout(2)),
@@ -277,20 +277,20 @@ TP_LAYOUTS = {  # name: (world size, flags); TP x EP gathers the tokens of all 4
     ("adam, aux loss", ("TP=2", "TP=2 x PP=2")),
 ], ids=["muon", "layer-wise-muon-aux", "adam-aux"])
 def test_tensor_parallel_experts_train_as_one_process(name, layouts, run_distributed, tmp_path) -> None:
-    """10 iterations at TP=2 with sequence parallelism (x EP=2, DP=2, PP=2): the one-process losses,
+    """6 iterations at TP=2 with sequence parallelism (x EP=2, DP=2, PP=2): the one-process losses,
     validation losses and parameter norms to 1e-5, gradient norms to 1e-4 (expert matrices split
     over expert TP: Muon orthogonalizes whole matrices, the norms count each shard once). The
-    first layout saves a checkpoint at iteration 5 that a one-process run resumes."""
+    first layout saves a checkpoint at iteration 3 that a one-process run resumes."""
     argv = TP_ARGV + RUNS[name]
     reference = run_distributed(run_training, 1, args=(argv,))[0]
     checkpoint = str(tmp_path / "tp2")
     for index, layout in enumerate(layouts):
         world_size, flags = TP_LAYOUTS[layout]
-        save = ["--save", checkpoint, "--save-interval", "5"] if index == 0 else []
+        save = ["--save", checkpoint, "--save-interval", str(SAVED_AT)] if index == 0 else []
         _assert_same_training(run_distributed(run_training, world_size, args=(argv + flags + save,)), reference)
-    resumed = run_distributed(run_pretrain_gpt, 1, args=(argv + ["--load", checkpoint, "--ckpt-step", "5"],))[0]
-    assert [r["iteration"] for r in resumed] == list(range(6, ITERATIONS + 1))
-    assert _losses(resumed) == pytest.approx(reference["loss"][5:], rel=1e-5)
+    resumed = run_distributed(run_pretrain_gpt, 1, args=(argv + ["--load", checkpoint, "--ckpt-step", str(SAVED_AT)],))[0]
+    assert [r["iteration"] for r in resumed] == list(range(SAVED_AT + 1, ITERATIONS + 1))
+    assert _losses(resumed) == pytest.approx(reference["loss"][SAVED_AT:], rel=1e-5)
 
 
 def _moe_grads(rank: int, world_size: int, tp: int, sum_over_tp: bool) -> tuple[int, dict]:

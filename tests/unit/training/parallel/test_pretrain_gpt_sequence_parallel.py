@@ -1,6 +1,6 @@
 """Sequence parallelism (issue #14 item 6): `--sequence-parallel` at TP=2 trains as TP=1.
 
-Reference: the same command line in a one-process world. Compared over 10 fp32 iterations, to
+Reference: the same command line in a one-process world. Compared over 6 fp32 iterations, to
 1e-5 relative (gradient norms 1e-4, as the pipeline tests: TP's split matmuls sum in another
 order): training losses, gradient norms (the norm counts the layer-norm and row-parallel-bias
 gradients once, after their sum over TP), parameter norms and validation losses. Layouts: TP=2
