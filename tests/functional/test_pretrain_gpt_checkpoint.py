@@ -13,7 +13,7 @@ scheduler flags; with `--override-opt_param-scheduler` it follows the new schedu
 checkpoint's step, and a directory without `latest` resumes from its newest checkpoint, saying
 so. Expected learning rates come from the cosine formula written out here.
 
-The resumed DP=2 run launches new processes under torchrun; the straight run and the one-process
+The resumed DP=2 run launches new processes under torchrun (`make test-slow`); the straight run and the one-process
 runs that load its checkpoints run in workers of the shared distributed harness (imports paid
 once per session, not ~20 s a launch).
 """
@@ -92,6 +92,9 @@ def _losses(records: list[dict], first: int) -> list[float]:
     return [r["loss"] for r in records if r["iteration"] >= first]
 
 
+# `make test-slow` (~12 s): in `make test`, test_elastic_restart.py's stop-and-kill run resumes the same layout
+# (DP=2 layer-wise Muon) in new processes under torchrun and ends bitwise equal to the uninterrupted run.
+@pytest.mark.slow
 def test_resume_in_new_processes_is_exact(straight_run, tmp_path: pathlib.Path) -> None:
     saved, straight = straight_run
     resumed = _run(2, MUON + ["--load", str(saved), "--ckpt-step", "10", "--save", str(tmp_path / "ckpt")],
