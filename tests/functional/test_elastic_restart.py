@@ -9,7 +9,7 @@ its phases, on rank 0 and on rank 1, must leave the previous or the new checkpoi
 partial one, and so must kills during an --async-save save (written while iterations go on). A
 stopped rank (SIGSTOP) makes the others fail in one line within
 --distributed-timeout-minutes, and torchrun restarts the job. `make test` runs the stop and one
-kill of DP=2 layer-wise Muon in one launch (~25 s fewer than three kills); `make test-slow` the rest.
+kill of DP=2 layer-wise Muon in one launch (~18 s fewer than three kills); `make test-slow` the rest.
 """
 
 import json
