@@ -9,9 +9,11 @@ reads what our step measured. Two references from outside our code:
 - the clip: megatron-core's own QK-clip (`Attention.clip_qk`, called by Megatron-LM's `clip_qk`
   after megatron-core's optimizer steps), given the same records (its Transformer Engine check
   answered as 2.9 would be), gives the same losses and logged logits.
-Run without the clip, the largest logit grows past 3 tau in 6 steps; with it, the clip acts from
-the first step and the logit stays below 2 tau (measured before each step: one update and a new
-batch come on top of tau). No linear biases: megatron-core's clip leaves the `linear_qkv` bias as
+Run without the clip, the largest logit grows past 2.5 tau in 6 steps; with it, the clip acts from
+the first step: both runs measure the same first step, and their losses differ from the second on. How far the
+logit stays from tau is not asserted (measured here below 2 tau; one update and a new batch come on
+top of tau, and a bound measured on one CPU failed on another, issue 84): what the clip guarantees
+is checked exactly in test_megatron_lm_deepseek_case.py and test_pretrain_gpt_mla.py. No linear biases: megatron-core's clip leaves the `linear_qkv` bias as
 it is (ours scales it too, docs/qk-clip.md), with which the two differ by design.
 """
 
@@ -103,9 +105,11 @@ def test_qk_clip_in_megatron_lms_loop_without_transformer_engine(run_distributed
     unclipped = _column(per_rank[0]["ours unclipped"][0], "max attention logit", every)
     assert max(unclipped) > 2.5 * THRESHOLD, unclipped  # the logits grow past the threshold
     ours, theirs = per_rank[0]["ours"][0], per_rank[0]["megatron-core"][0]
-    # Clipped to tau after every step; what the next step measures adds one update and a new batch.
     clipped = _column(ours, "max attention logit", every)
-    assert clipped[0] > THRESHOLD and max(clipped[1:]) < 2 * THRESHOLD, clipped
+    assert clipped[0] > THRESHOLD, clipped  # the first step clips...
+    losses = {name: _column(per_rank[0][name][0], "lm loss", every) for name in ("ours", "ours unclipped")}
+    assert clipped[0] == unclipped[0] and losses["ours"][0] == losses["ours unclipped"][0]  # ...after its forward:
+    assert losses["ours"][1] != losses["ours unclipped"][1]  # the next forward runs another model
     assert [ours.optimizer_package, theirs.optimizer_package] == ["megatron_eopt", "megatron"]
     assert _column(ours, "lm loss", every) == pytest.approx(_column(theirs, "lm loss", every), rel=1e-6)
     assert _column(ours, "max attention logit", every) == pytest.approx(

@@ -2,11 +2,15 @@
 
 Two launches of the same run: `--log-max-attention-logit` only, and `--qk-clip` with tau = 50.
 Without the clip the largest attention logit grows far past tau (measured 2026-11-22: 366
-after 30 iterations, 390 at most; earlier runs 526); with it, it stays near tau: every logged
-maximum is below 2 tau (measured: at most 1.51 tau; earlier runs 1.85 tau). The logged value is measured in the forward pass before the step, and the previous
-step's clip brought the logits of the previous batch to tau with eta computed before that
-step's update; so one update (at this lr the unclipped run grows by up to 1.6x per step near
-tau) and a new batch come on top of tau. Losses stay finite.
+after 30 iterations, 390 at most; earlier runs 526); with it, it stays near tau (measured: at
+most 1.51 tau; earlier runs 1.85 tau). The logged value is measured in the forward pass before
+the step, and the previous step's clip brought the logits of the previous batch to tau with eta
+computed before that step's update; so one update (at this lr the unclipped run grows by up to
+1.6x per step near tau) and a new batch come on top of tau. That distance depends on the CPU's
+rounding and is not asserted (issue 84); checked: the logits do run away without the clip, the
+two runs are the same until the first step that clips, their losses differ after it (the largest
+logit may not: it may come from a head the clip left alone), losses stay finite.
+What the clip guarantees is checked exactly in tests/unit/training/model/test_pretrain_gpt_mla.py.
 
 Both runs go through scripts/pretrain_gpt.py's `main` in a worker of the shared distributed
 harness (tests/pretrain_gpt_in_process.py: the imports paid once per session, not once per run).
@@ -61,8 +65,12 @@ def test_qk_clip_keeps_the_max_logit_at_tau(run_distributed, tmp_path: pathlib.P
     free = [r["max_attention_logit"] for r in runs["without QK-clip"]]
     clipped = [r["max_attention_logit"] for r in runs["with QK-clip"]]
     assert free[-1] > 4 * TAU, free  # the logits do run away at this lr
-    assert max(clipped) > TAU, clipped  # the clip was needed...
-    assert max(clipped) < 2 * TAU, clipped  # ...and held it: tau plus one step's growth
+    first = next((step for step, value in enumerate(clipped) if value > TAU), None)
+    assert first is not None and first + 1 < ITERATIONS, clipped  # the clip has work to do...
+    assert clipped[:first + 1] == free[:first + 1]  # ...and does it: the same runs until that step's update,
+    losses = {name: [r["loss"] for r in records] for name, records in runs.items()}  # another model after it
+    assert losses["with QK-clip"][:first + 1] == losses["without QK-clip"][:first + 1]
+    assert losses["with QK-clip"][first + 1] != losses["without QK-clip"][first + 1]
 
 
 def plot(path: str) -> None:
