@@ -175,6 +175,10 @@ def take_step(children: list[SteppableChild], config: Any,
     before the step is decided: the only point where the host must wait for the device (the
     skip decision is the host's, and the contract returns Python numbers).
     """
+    offloaded = [getattr(child, "name", "") for child in children if getattr(child, "is_offloaded", False)]
+    if offloaded:
+        raise ValueError(f"the optimizer's state is on the host (offload_to_cpu(), children {offloaded}); call "
+                         f"restore_from_cpu() before step().")
     with timed(config, "optimizer-copy-to-main-grad"):
         totals = _summed_stats(children, config.log_num_zeros_in_grad)
     stats = totals.tolist()  # the step's one device-to-host sync

@@ -127,6 +127,19 @@ class ChainedOptimizer(MegatronOptimizer):
         for child in self.chained_optimizers:
             child.reload_model_params(state_dict)
 
+    def offload_to_cpu(self) -> None:
+        """megatron-core's: every child's state and owned main weights to the host (wrappers/host_offload.py)."""
+        for child in self.chained_optimizers:
+            if hasattr(child, "offload_to_cpu"):  # a chained torch optimizer has none
+                child.offload_to_cpu()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def restore_from_cpu(self) -> None:
+        for child in self.chained_optimizers:
+            if hasattr(child, "restore_from_cpu"):
+                child.restore_from_cpu()
+
     def prepare_model_params_for_param_sync(self) -> None:
         """Megatron-LM calls this before it forces a parameter all-gather. Nothing to stage:
         step() leaves every model parameter up to date (children copy their main params back,

@@ -7,7 +7,7 @@ second copy of tied parameters (`shared`), and is summed over the model-parallel
 """
 
 import contextlib
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -51,6 +51,7 @@ from megatron_eopt.megatron_core_formats.dist_checkpointing import (
     expand_v1_sharded_state_dict,
     unpack_core_state_dict,
 )
+from megatron_eopt.wrappers.host_offload import HostCopies, tensors_in
 from megatron_eopt.wrappers.qk_clip import QKClip
 from megatron_eopt.wrappers.state_precision import StatePrecision
 
@@ -128,6 +129,7 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
         self._device = self.model_params[0].device if self.model_params else default_device()
         self.qk_clip = qk_clip
         self._one = torch.ones(1, dtype=torch.float32, device=self._device)
+        self._host_copies = HostCopies()
         self._store_state()
 
     def _store_state(self) -> None:
@@ -246,6 +248,23 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
     def step(self) -> StepResult:
         self.grad_norms_by_group = {}
         return take_step([self], self.config, self.grad_norms_by_group)
+
+    # megatron-core's RL helpers (wrappers/host_offload.py).
+    def offload_to_cpu(self) -> None:
+        """This optimizer's state and the main weights it owns to the host; the model's weights stay."""
+        self._host_copies.offload(self._owned_tensors(), keep=tensors_in(self.model_params))
+
+    def restore_from_cpu(self) -> None:
+        """Everything `offload_to_cpu` moved back where it was; the next step is the one it would have been."""
+        self._host_copies.restore()
+
+    @property
+    def is_offloaded(self) -> bool:
+        return self._host_copies.offloaded
+
+    def _owned_tensors(self) -> Iterator[torch.Tensor]:
+        yield from tensors_in(list(self.optimizer.state.values()))
+        yield from tensors_in(self.main_params)
 
     @property
     def param_groups(self) -> list[dict]:

@@ -8,11 +8,12 @@ model are stepped in place, as in FP32Optimizer. Between steps the main weights 
 optimizer the bf16 parameter plus a 16-bit remainder, or the 16-bit parameter alone.
 """
 
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
 from megatron_eopt.wrappers.fp32 import FP32Optimizer, model_grad
+from megatron_eopt.wrappers.host_offload import tensors_in
 from megatron_eopt.wrappers.main_param_storage import Fp32Copies, main_param_storage_for
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -36,6 +37,10 @@ class MixedPrecisionOptimizer(FP32Optimizer):
                 f"{param.dtype}."
             )
         return torch.nn.Parameter(param.detach().clone().float())
+
+    def _owned_tensors(self) -> Iterator[torch.Tensor]:
+        yield from super()._owned_tensors()
+        yield from tensors_in(vars(self.storage))  # what it keeps between steps (Remainders' int16 remainders)
 
     def _half_pairs(self) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
         """(16-bit model parameter, its fp32 main parameter) pairs; fp32 parameters are stepped in place."""
