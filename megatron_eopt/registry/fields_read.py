@@ -45,8 +45,9 @@ def fields_read(name: str, config: Any) -> set[str]:
 
 
 def _read_by_build(entry: Any, config: Any) -> set[str]:
-    """What `entry.build` reads; every field when it cannot build so (nothing is then named)."""
-    recording = _RecordingReads(config)
+    """What `entry.build` reads; every field when it cannot build so (nothing is then named). An lr
+    not set yet (megatron-core's scheduler sets it) is set: torch's optimizers refuse None."""
+    recording = _RecordingReads(config if config.lr is not None else dataclasses.replace(config, lr=1e-3))
     try:
         entry.build([{"params": [torch.nn.Parameter(torch.zeros(1))]}], recording)
     except Exception:  # a third-party build we cannot run this way: claim nothing about it
