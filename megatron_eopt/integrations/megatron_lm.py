@@ -90,7 +90,8 @@ def add_megatron_eopt_args(parser: argparse.ArgumentParser) -> argparse.Argument
     # orthogonalizing optimizer, not given they give way to Turbo-Muon's and the optimizers' own
     # (config/newton_schulz.py); and another optimizer's field given is named as without effect, even
     # at its default (flags_without_effect_line). (Not marked values in `args`: Megatron-LM pickles
-    # args into its checkpoints and loads them weights-only.) Switches show as values off their default.
+    # args into its checkpoints and loads them weights-only.) A switch is no store action: given, its
+    # value is off its default.
     fields = {field.name for field in dataclasses.fields(OptimizerConfig)}
     for action in parser._actions:
         if type(action) is argparse._StoreAction and (action.dest in fields or action.dest in NEWTON_SCHULZ_FIELDS):
@@ -196,26 +197,19 @@ def _megatron_lm_parser_facts() -> tuple[dict[str, Any], tuple[str, ...]]:
 
 
 def flags_without_effect_line(args: argparse.Namespace, config: OptimizerConfig) -> Optional[str]:
-    """The line naming every flag given that sets another optimizer than `config.optimizer` (our
-    trainer's start-up names them too); None when there is none. A warning, not a refusal: megatron-core
-    accepts them. Given: recorded by the parser (add_megatron_eopt_args), or off the parser's default."""
+    """The line naming every flag given that sets another optimizer than `config.optimizer`; None when
+    there is none. A warning, not a refusal: megatron-core accepts them. Given: recorded by the parser
+    (add_megatron_eopt_args), or off the parser's default."""
     defaults = _parser_defaults_with_ours()
     recorded = getattr(args, GIVEN_FLAGS_ATTR, None) or ()
     given = [name for name, value in vars(args).items()
-             if name in recorded or (name in defaults and not _same(value, defaults[name]))]
+             if name in recorded or (name in defaults and value != defaults[name])]
     unread = fields_without_effect(config, given)
     if not unread:
         return None
     shown = ", ".join(_flag_as_given(name, getattr(args, name)) for name in unread)
     them = "them (they set" if len(unread) > 1 else "it (it sets"
     return f"{shown}: no effect with --optimizer {config.optimizer}, which does not read {them} other optimizers)"
-
-
-def _same(value: Any, default: Any) -> bool:
-    try:
-        return bool(value == default)
-    except Exception:  # a value whose == is not a bool (a tensor): not comparable, not counted as given
-        return True
 
 
 def _flag_as_given(name: str, value: Any) -> str:
