@@ -221,8 +221,8 @@ def run_megatron_lm_many(rank: int, world_size: int, argvs: list[list[str]]) -> 
     return [run_megatron_lm(rank, world_size, argv) for argv in argvs]
 
 
-def run_megatron_lm_refused(rank: int, world_size: int, argvs: list[list[str]]) -> list[tuple[int, str]]:
-    """Command lines the loop refuses: each one's exit status and this rank's stderr. The other
+def run_megatron_lm_refused(rank: int, world_size: int, argvs: list[list[str]]) -> list[tuple[int, str, str]]:
+    """Command lines the loop refuses: each one's exit status and this rank's stderr and stdout. The other
     ranks' wait for rank 0's line (rank_exit.OTHER_RANKS_WAIT_S) is for torchrun; here there is none."""
     import io
 
@@ -234,17 +234,17 @@ def run_megatron_lm_refused(rank: int, world_size: int, argvs: list[list[str]]) 
     rank_exit.OTHER_RANKS_WAIT_S = 0.0
     try:
         for argv in argvs:
-            stderr = io.StringIO()
+            stderr, stdout = io.StringIO(), io.StringIO()
             _reset_class_state()
             try:
-                with _command_line(argv), contextlib.redirect_stderr(stderr):
+                with _command_line(argv), contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(stdout):
                     megatron_lm_gpt.main()
                 status = 0
             except SystemExit as exit_:
                 status = exit_.code
             finally:
                 forget_megatron_lm_run()
-            results.append((status, stderr.getvalue()))
+            results.append((status, stderr.getvalue(), stdout.getvalue()))
     finally:
         rank_exit.OTHER_RANKS_WAIT_S = before
     return results

@@ -28,7 +28,7 @@ import megatron.training.training as megatron_lm_training
 import torch
 from megatron.training import global_vars
 
-from arguments.optimizer_args import FLAGS, GIVEN_FLAGS_ATTR, Flag, StoreAndRecord, flag_kwargs
+from arguments.optimizer_args import FLAGS, GIVEN_FLAGS_ATTR, OPTION_OF, Flag, StoreAndRecord, flag_kwargs
 from arguments.validate import flag_message
 from megatron_eopt.megatron_core_formats.layouts import LAYOUT_KEY, MEGATRON_CORE_PING_PONG_LAYOUT
 from megatron_eopt.megatron_core_formats.dist_checkpointing import checkpoint_optimizer_layout
@@ -42,6 +42,8 @@ from megatron_eopt.integrations.megatron_lm_qk_clip import (OptimizersOfModels, 
 from megatron_eopt.integrations.megatron_lm_mla import taking_mla_head_widths
 from megatron_eopt.integrations.megatron_lm_swiglu import splitting_every_state
 from megatron_eopt.registry import list_optimizers, lookup_optimizer
+from megatron_eopt.registry.fields_read import fields_without_effect
+from megatron_eopt.runtime.rank_exit import is_rank_zero
 from megatron_eopt.runtime.cpu_stand_ins import replace_names
 from megatron_eopt.runtime.torchrun_store import restart_store
 
@@ -80,16 +82,20 @@ def add_megatron_eopt_args(parser: argparse.ArgumentParser) -> argparse.Argument
     _extend_choices(tp_mode, typing.get_args(TpMode))
     tp_mode.default = _field_default("muon_tp_mode")
     _restrict_matmul_precision(actions["--muon-fp32-matmul-prec"])
-    # Given, these reach every orthogonalizing optimizer; not given, they give way to Turbo-Muon's and
-    # the optimizers' own (config/newton_schulz.py): record which the command line gave. (Not marked
-    # defaults in `args`: Megatron-LM pickles args into its checkpoints and loads them weights-only.)
-    for action in parser._actions:
-        if action.dest in NEWTON_SCHULZ_FIELDS:
-            action.__class__ = StoreAndRecord  # a store action that also records its dest
     group = parser.add_argument_group(title="megatron_eopt")
     for flag in FLAGS:
         if flag.option not in actions and flag.dest not in NOT_OFFERED:
             _add_flag(group, flag)
+    # Record which optimizer fields the command line gave: given, the Newton-Schulz fields reach every
+    # orthogonalizing optimizer, not given they give way to Turbo-Muon's and the optimizers' own
+    # (config/newton_schulz.py); and another optimizer's field given is named as without effect, even
+    # at its default (flags_without_effect_line). (Not marked values in `args`: Megatron-LM pickles
+    # args into its checkpoints and loads them weights-only.) A switch is no store action: given, its
+    # value is off its default.
+    fields = {field.name for field in dataclasses.fields(OptimizerConfig)}
+    for action in parser._actions:
+        if type(action) is argparse._StoreAction and (action.dest in fields or action.dest in NEWTON_SCHULZ_FIELDS):
+            action.__class__ = StoreAndRecord  # a store action that also records its dest
     return parser
 
 
@@ -190,6 +196,36 @@ def _megatron_lm_parser_facts() -> tuple[dict[str, Any], tuple[str, ...]]:
     return defaults, tuple(parser._option_string_actions["--optimizer"].choices or ())
 
 
+def flags_without_effect_line(args: argparse.Namespace, config: OptimizerConfig) -> Optional[str]:
+    """The line naming every flag given that sets another optimizer than `config.optimizer`; None when
+    there is none. A warning, not a refusal: megatron-core accepts them. Given: recorded by the parser
+    (add_megatron_eopt_args), or off the parser's default."""
+    defaults = _parser_defaults_with_ours()
+    recorded = getattr(args, GIVEN_FLAGS_ATTR, None) or ()
+    given = [name for name, value in vars(args).items()
+             if name in recorded or (name in defaults and value != defaults[name])]
+    unread = fields_without_effect(config, given)
+    if not unread:
+        return None
+    shown = ", ".join(_flag_as_given(name, getattr(args, name)) for name in unread)
+    them = "them (they set" if len(unread) > 1 else "it (it sets"
+    return f"{shown}: no effect with --optimizer {config.optimizer}, which does not read {them} other optimizers)"
+
+
+def _flag_as_given(name: str, value: Any) -> str:
+    """`--muon-momentum 0.8`; a switch as its flag alone (`--muon-nesterov`, `--soap-no-kl-shampoo`)."""
+    option = OPTION_OF.get(name, "--" + name.replace("_", "-"))
+    return option if isinstance(value, bool) else f"{option} {value}"
+
+
+@functools.cache
+def _parser_defaults_with_ours() -> dict[str, Any]:
+    """Every dest's default in Megatron-LM's parser with our flags (add_megatron_eopt_args)."""
+    parser = add_megatron_eopt_args(
+        megatron_lm_arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+    return {action.dest: action.default for action in parser._actions}
+
+
 def _reduce_scatters(model_chunks: Any) -> bool:
     if model_chunks is None:
         return False
@@ -235,8 +271,12 @@ def get_megatron_optimizer_for_megatron_lm(
     lacks, then calls `megatron_eopt.get_megatron_optimizer`.
     """
     args = global_vars._GLOBAL_ARGS  # get_args() asserts when unset; None: no Megatron-LM run
+    ours = optimizer_config_from_megatron_lm(args, config, model_chunks)
+    line = None if args is None else flags_without_effect_line(args, ours)
+    if line and is_rank_zero():
+        print(f"megatron_eopt: {line}", flush=True)
     return _optimizers_of_models.remember(model_chunks, get_megatron_optimizer(
-        optimizer_config_from_megatron_lm(args, config, model_chunks),
+        ours,
         model_chunks,
         config_overrides=config_overrides,
         use_gloo_process_groups=use_gloo_process_groups,
@@ -263,7 +303,36 @@ def validate_args_for_megatron_eopt(args: argparse.Namespace, defaults: Optional
     own layer-wise optimizer; ours owns whole parameters by its own balance and needs each whole
     gradient. So the layout is Megatron-LM's other one, `--no-use-layer-wise-param-layout` (DDP
     all-reduces; the same steps), said in one line on rank 0.
+
+    Megatron-LM's argument dump, which its validate_args prints at its end, is printed after all
+    that (_printing_arguments_after), so that it shows the values that run: inside, --qk-clip and
+    --log-max-attention-logit are off and an emerging optimizer on an FSDP engine reads adam.
     """
+    with _printing_arguments_after() as printed:
+        validated = _validated_for_megatron_eopt(args, defaults)
+    printed(validated)
+    return validated
+
+
+@contextlib.contextmanager
+def _printing_arguments_after() -> Iterator[Any]:
+    """Megatron-LM's `_print_args` (the argument dump) held back inside; yields a function that prints
+    each dump held back, with the arguments it is given."""
+    print_args = megatron_lm_arguments._print_args
+    titles: list[str] = []
+    megatron_lm_arguments._print_args = lambda title, args: titles.append(title)
+
+    def print_held_back(final: argparse.Namespace) -> None:
+        for title in titles:
+            print_args(title, final)
+
+    try:
+        yield print_held_back
+    finally:
+        megatron_lm_arguments._print_args = print_args
+
+
+def _validated_for_megatron_eopt(args: argparse.Namespace, defaults: Optional[dict]) -> argparse.Namespace:
     check_optimizer_args_read(args)
     validate = validating_qk_clip_as_ours(_original_validate_args or megatron_lm_arguments.validate_args)
     defaults = {} if defaults is None else defaults

@@ -12,7 +12,6 @@ loop runs on CPU through megatron_eopt/runtime/megatron_lm_cpu.py, on gloo by de
 
 import pathlib
 import sys
-import traceback
 from functools import partial, wraps
 from typing import Any, Callable, Optional
 
@@ -129,8 +128,10 @@ def add_script_args(parser: Any) -> Any:
 
 def _refusals_in_one_line(run: Callable[[], None]) -> Callable[[], None]:
     """`run` whose refusals end it as our trainer's do: one line on rank 0, status 2 on every rank,
-    no traceback (runtime/rank_exit.py). Refusals are our ValueErrors, and the assertions of
-    Megatron-LM's flag checks (its megatron/training/arguments.py); other errors stay tracebacks."""
+    no traceback (runtime/rank_exit.py). Refusals are our ValueErrors, the assertions of
+    Megatron-LM's flag checks (its megatron/training/arguments.py), and megatron-core's check that a
+    loaded checkpoint's lr schedule is the command line's (`schedule_mismatch`); other errors stay
+    tracebacks."""
 
     @wraps(run)
     def refusing() -> None:
@@ -139,12 +140,49 @@ def _refusals_in_one_line(run: Callable[[], None]) -> Callable[[], None]:
         except ValueError as error:
             exit_with_error(str(error), PROG)
         except AssertionError as error:
-            where = traceback.extract_tb(error.__traceback__)[-1]
-            if pathlib.Path(where.filename).parts[-3:] != ("megatron", "training", "arguments.py"):
-                raise
-            exit_with_error(f"{error or 'a check failed'} (Megatron-LM's arguments.py line {where.lineno})", PROG)
+            exit_with_error(_refusal_line(error), PROG)
 
     return refusing
+
+
+def _refusal_line(error: AssertionError) -> str:
+    """The line of an assertion that checks the command line; re-raises any other."""
+    last = error.__traceback__
+    while last.tb_next is not None:
+        last = last.tb_next
+    where = pathlib.Path(last.tb_frame.f_code.co_filename).parts[-3:]
+    if where == ("megatron", "training", "arguments.py"):
+        return f"{error or 'a check failed'} (Megatron-LM's arguments.py line {last.tb_lineno})"
+    if where == ("megatron", "core", "optimizer_param_scheduler.py") and last.tb_frame.f_code.co_name == "_check_and_set":
+        local = last.tb_frame.f_locals  # the assertion's own values: what was compared, and its name
+        return schedule_mismatch(local["name"], local["sd_value"], local["cls_value"])
+    raise error
+
+
+# megatron-core's names of the lr schedule's settings (OptimizerParamScheduler.load_state_dict) -> the
+# flags that set them; the iteration counts it holds in samples (iterations x --global-batch-size).
+SCHEDULE_FLAGS = {
+    "learning rate": "--lr",
+    "minimum learning rate": "--min-lr",
+    "warmup iterations": "--lr-warmup-iters (samples: x --global-batch-size), --lr-warmup-samples or --lr-warmup-fraction",
+    "total number of iterations": "--lr-decay-iters (default: --train-iters; samples: x --global-batch-size) "
+                                  "or --lr-decay-samples",
+    "learning rate decay style": "--lr-decay-style",
+    "start weight decay": "--start-weight-decay (default: --weight-decay)",
+    "end weight decay": "--end-weight-decay (default: --weight-decay)",
+    "total number of weight decay iterations": "--train-iters (samples: x --global-batch-size) or --train-samples",
+    "weight decay incr style": "--weight-decay-incr-style",
+}
+
+
+def schedule_mismatch(name: str, checkpoint_value: Any, command_line_value: Any) -> str:
+    """The line for a loaded lr schedule that differs from the command line's: megatron-core asserts
+    they are equal unless one of its two flags says which to keep."""
+    flags = SCHEDULE_FLAGS.get(name, "the lr-schedule flags")
+    return (f"--load: the checkpoint's lr schedule has {name} {checkpoint_value}, this command line gives "
+            f"{command_line_value} (set by {flags}); give the checkpoint's value, or "
+            f"--override-opt_param-scheduler to use this command line's schedule, or "
+            f"--use-checkpoint-opt_param-scheduler to keep the checkpoint's.")
 
 
 @_refusals_in_one_line

@@ -3,7 +3,7 @@
 table.py: the table and its public functions; entries.py: the entry types and routing;
 builtin.py: adam, sgd and the decisions per emerging_optimizers name; kwargs.py: constructor
 arguments from the config; spec.py: a registered optimizer as the factory uses it; support.py:
-where each optimizer works. The process's table is `table._TABLE` (tests replace it there).
+where each optimizer works; fields_read.py: the config fields an optimizer reads. The process's table is `table._TABLE` (tests replace it there).
 """
 
 from megatron_eopt.registry.builtin import init_torch_state

@@ -190,13 +190,30 @@ REFUSED = {  # a command line the loop refuses, and what its one line says
 }
 
 
-def test_refusals_are_one_line_on_rank_zero_and_status_2_on_every_rank(run_distributed) -> None:
+# A resume whose lr schedule differs from the checkpoint's (megatron-core asserts in its scheduler's
+# load): saved at 2 of 4 iterations decaying over 4, loaded with --train-iters 6 (MODEL's), so decaying
+# over 6 (in samples, x the global batch of 8). The load also carries flags of other optimizers, named
+# as without effect, and QK-clip's, which Megatron-LM's argument dump must show on.
+SCHEDULE_SAVED = ["--optimizer", "adam", "--train-iters", "4", "--lr-decay-iters", "4", "--save-interval", "2",
+                  "--exit-interval", "2"]
+OTHER_OPTIMIZERS = ["--muon-momentum", "0.8", "--soap-shampoo-beta", "0.9"]
+QK_CLIP_ON = ["--qk-clip", "--qk-clip-threshold", "100", "--log-max-attention-logit"]
+SCHEDULE_REFUSED = (["--optimizer", "adam"] + OTHER_OPTIMIZERS + QK_CLIP_ON,
+                    "the checkpoint's lr schedule has total number of iterations 32, this command line gives 48")
+
+
+def test_refusals_are_one_line_on_rank_zero_and_status_2_on_every_rank(run_distributed, tmp_path) -> None:
     """As our trainer's: rank 0 prints `pretrain_gpt_megatron_lm.py: error: ...` and nothing else of
-    ours, rank 1 nothing; both exit with 2 instead of raising (a traceback on every rank)."""
-    argvs = [MODEL + flags for flags, _ in REFUSED.values()]
+    ours, rank 1 nothing; both exit with 2 instead of raising (a traceback on every rank). Last, a
+    checkpoint is saved and loaded with another lr schedule (SCHEDULE_REFUSED)."""
+    checkpoint = ["--save", str(tmp_path / "schedule")]
+    refused = {**REFUSED, "megatron-core's lr-schedule check on --load": (
+        SCHEDULE_REFUSED[0] + ["--load", checkpoint[1]], SCHEDULE_REFUSED[1])}
+    argvs = [MODEL + SCHEDULE_SAVED + checkpoint] + [MODEL + flags for flags, _ in refused.values()]
     per_rank = run_distributed(run_megatron_lm_refused, 2, args=(argvs,), timeout=600)
-    for rank, results in enumerate(per_rank):
-        for (name, (_, message)), (status, stderr) in zip(REFUSED.items(), results):
+    for rank, (saved, *results) in enumerate(per_rank):
+        assert saved[0] == 0, (rank, saved[1][-2000:])
+        for (name, (_, message)), (status, stderr, _) in zip(refused.items(), results):
             errors = [line for line in stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
             assert status == 2, (name, rank, status, stderr[-2000:])
             if rank == 0:
@@ -204,6 +221,20 @@ def test_refusals_are_one_line_on_rank_zero_and_status_2_on_every_rank(run_distr
                 assert message in errors[0], (name, errors)
             else:
                 assert errors == [], (name, errors)
+    schedule = per_rank[0][-1][1]
+    assert "--override-opt_param-scheduler" in schedule and "--use-checkpoint-opt_param-scheduler" in schedule
+    _assert_printed_as_run(per_rank[0][-1][2])
+
+
+def _assert_printed_as_run(stdout: str) -> None:
+    """Rank 0's start-up of SCHEDULE_REFUSED: Megatron-LM's argument dump shows QK-clip on, as it runs
+    (install()'s validate_args checks it as ours with it off inside), and one line names the flags of
+    other optimizers as without effect with adam."""
+    dump = {line.split()[0]: line.split()[-1] for line in stdout.splitlines() if " ...." in line}
+    assert (dump["qk_clip"], dump["log_max_attention_logit"], dump["optimizer"]) == ("True", "True", "adam"), dump
+    unread = [line for line in stdout.splitlines() if "no effect with --optimizer" in line]
+    assert unread == ["megatron_eopt: --muon-momentum 0.8, --soap-shampoo-beta 0.9: no effect with --optimizer "
+                      "adam, which does not read them (they set other optimizers)"], unread
 
 
 # ---------------------------------------------------------------- jobs moving between megatron-core and us

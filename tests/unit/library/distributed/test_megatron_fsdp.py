@@ -347,15 +347,20 @@ def megatron_lm_alone(argv: str, rank: int, world_size: int) -> str:
 def _megatron_lm_body(rank: int, world_size: int) -> dict:
     """Megatron-LM's parse_args + validate_args (as its pretrain_gpt.py runs them) without and with
     megatron_lm.install(); with it, the optimizer Megatron-LM's setup would build, on a Megatron-FSDP GPT."""
+    from unittest import mock
+
     from megatron_eopt.integrations import megatron_lm
     from tests.unit.library.integrations.test_megatron_lm_args import MODEL_FLAGS, build_through_megatron_lm
 
     argv = (f"{MODEL_FLAGS} --optimizer muon --lr 0.02 --use-megatron-fsdp --data-parallel-sharding-strategy "
             f"optim_grads_params --ckpt-format fsdp_dtensor")
     result = {"without": megatron_lm_alone(argv, rank, world_size)}
-    with megatron_lm.installed():
+    printed = []  # the optimizer Megatron-LM's argument dump shows: validate_args runs it as adam inside
+    with megatron_lm.installed(), mock.patch("megatron.training.arguments._print_args",
+                                             lambda title, args: printed.append(args.optimizer)):
         args = _parse_megatron_lm(argv, rank, world_size)
         result["args"] = (args.optimizer, args.use_layer_wise_distributed_optimizer, args.use_distributed_optimizer)
+        result["printed"] = printed
         try:
             optimizer = build_through_megatron_lm(args, megatron_fsdp_gpt())
             result["config"] = (optimizer.config.use_distributed_optimizer,
@@ -372,5 +377,6 @@ def test_megatron_lm_validate_args_accepts_emerging_optimizers_on_megatron_fsdp(
     for result in run_distributed(_megatron_lm_body, 2, timeout=600):
         assert "Megatron-FSDP" in result["without"], result  # refused without install()
         assert result["args"] == ("muon", False, True), result  # Megatron-LM's own flag for its FSDP stays
+        assert result["printed"] == ["muon"], result  # the dump shows what runs
         assert result["config"] == (False, False), result  # ours steps the DTensor shards itself
         assert result["children"] == ["MegatronFSDPFP32Optimizer"] * 2, result  # muon and adam children

@@ -483,6 +483,47 @@ def test_turbo_muon_defaults_through_megatron_lm(run_distributed, flags, newton_
     assert result["marked_args"] == []
 
 
+# A command line: the flags install()'s start-up line names as without effect (None: no line). Given
+# means recorded by the parser (even at its default) or off the parser's default.
+OTHER_OPTIMIZERS_FLAGS = {
+    "--optimizer adam --muon-momentum 0.8": "--muon-momentum 0.8",
+    "--optimizer adam --muon-tp-mode sharded": "--muon-tp-mode sharded",
+    "--optimizer adam --soap-shampoo-beta 0.9": "--soap-shampoo-beta 0.9",
+    "--optimizer sgd --muon-momentum 0.5": "--muon-momentum 0.5",
+    "--optimizer sgd --muon-momentum 0.9": "--muon-momentum 0.9",  # Megatron-LM's default, given
+    "--optimizer sgd --muon-nesterov --soap-no-kl-shampoo --adam-beta1 0.8":
+        "--adam-beta1 0.8, --muon-nesterov, --soap-no-kl-shampoo",
+    "--optimizer soap --soap-shampoo-beta 0.9 --muon-momentum 0.8": "--muon-momentum 0.8",
+    "--optimizer muon --muon-scalar-optimizer lion --adam-beta1 0.8 --lion-beta1 0.9": "--adam-beta1 0.8",
+    "--optimizer adam": None,
+    "--optimizer adam --adam-beta1 0.8 --sgd-momentum 0.5": "--sgd-momentum 0.5",
+    "--optimizer muon --muon-momentum 0.8 --adam-beta1 0.8": None,  # Muon's scalar optimizer is adam
+}
+
+
+def _unread_flags_body(rank: int, world_size: int, argvs: list[str]) -> list:
+    from megatron.training.training import get_megatron_optimizer_config
+
+    from megatron_eopt.integrations.megatron_lm import flags_without_effect_line, optimizer_config_from_megatron_lm
+
+    lines = []
+    for argv in argvs:
+        args = parse_megatron_lm(f"{MODEL_FLAGS} {argv}", rank, world_size)
+        lines.append(flags_without_effect_line(args, optimizer_config_from_megatron_lm(
+            args, get_megatron_optimizer_config(args)[0])))
+    return lines
+
+
+def test_flags_of_other_optimizers_are_named_as_without_effect(run_distributed) -> None:
+    lines = run_distributed(_unread_flags_body, 2, args=(list(OTHER_OPTIMIZERS_FLAGS),))[0]
+    for (argv, named), line in zip(OTHER_OPTIMIZERS_FLAGS.items(), lines):
+        optimizer = argv.split()[1]
+        if named is None:
+            assert line is None, (argv, line)
+        else:
+            assert line is not None and line.startswith(f"{named}: no effect with --optimizer {optimizer}, which does not read"), (argv, line)
+
+
 def test_matmul_precision_low_is_refused_with_the_reason(run_distributed) -> None:  # PENDING
     result = run_distributed(_parse_body, world_size=2, args=(f"{MODEL_FLAGS} {MUON} --muon-fp32-matmul-prec low",))[0]
     assert result.get("code") == 2, result
