@@ -33,6 +33,8 @@ class Run:
     # state, as _torch_states reads it); DTensors as this rank's shards.
     parameters: Optional[dict[str, Any]] = None
     optimizer_state: Optional[dict[str, Any]] = None
+    # What the run logged at WARNING or above (Megatron-LM and Megatron-FSDP warn through logging).
+    warnings: list[str] = dataclasses.field(default_factory=list)
 
     def losses(self) -> dict[int, float]:
         return {r["iteration"]: r["lm loss"] for r in self.records}
@@ -87,6 +89,23 @@ def _recording(run: Run) -> Iterator[None]:
         yield
     finally:
         training.training_log, training.train = original, original_train
+
+
+@contextlib.contextmanager
+def _logged_warnings(into: list[str]) -> Iterator[None]:
+    """Collects the messages logged at WARNING or above inside the block, as they are also printed."""
+    import logging
+
+    class Collecting(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            into.append(record.getMessage())
+
+    handler, root = Collecting(logging.WARNING), logging.getLogger()
+    root.addHandler(handler)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
 
 
 def _torch_states(optimizer: Any) -> list[list[dict]]:
@@ -205,7 +224,7 @@ def run_megatron_lm(rank: int, world_size: int, argv: list[str]) -> Run:
     read_field_docstrings_once()
     _reset_class_state()
     try:
-        with _command_line(argv), _recording(run):
+        with _command_line(argv), _recording(run), _logged_warnings(run.warnings):
             megatron_lm_gpt.main()
     except SystemExit as exit_:  # --exit-interval: Megatron-LM's loop saves, then exits with 0
         if exit_.code not in (0, None):

@@ -19,6 +19,7 @@ or a run failed, 2 bad input. docs/functional-tests.md explains cases, goldens a
 import argparse
 import os
 import pathlib
+import shlex
 import shutil
 import subprocess
 import sys
@@ -155,8 +156,21 @@ def golden_of(args: argparse.Namespace, case: Case) -> Optional[tuple[pathlib.Pa
 
     on_cuda = torch.cuda.is_available()
     reference = None if on_cuda else _cpu_reference(args.recipe)
-    path = goldens.find_golden(case, args.platform or goldens.platform_name(), on_cuda, reference, args.environment)
+    path = goldens.find_golden(case, args.platform or goldens.platform_name(), on_cuda, reference, args.environment,
+                               record_command(args))
     return path, goldens.load_golden(path)
+
+
+def record_command(args: argparse.Namespace) -> str:
+    """The command that records this launch's golden file: the case as given (a copied folder's golden
+    belongs in that folder, not in the repository's case of the same name), with the flags that
+    choose the recipe and the golden file's name."""
+    chosen = [(flag, value) for flag, value, default in (("--recipe", args.recipe, RECIPE),
+                                                         ("--environment", args.environment, goldens.ENVIRONMENT),
+                                                         ("--platform", args.platform, None)) if value != default]
+    words = ["python", "tools/run_functional_case.py", args.case, *(w for pair in chosen for w in map(str, pair)),
+             "--record"]
+    return shlex.join(words)
 
 
 def compare_or_record(args: argparse.Namespace, case: Case, actual: list[dict],

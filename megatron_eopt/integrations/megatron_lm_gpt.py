@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from megatron_eopt.runtime.rank_exit import exit_with_error
+from megatron_eopt.runtime.rank_exit import exit_pointing_to_help, exit_with_error
 
 PROG = "pretrain_gpt_megatron_lm.py"
 
@@ -117,7 +117,7 @@ def add_script_args(parser: Any) -> Any:
     megatron_lm.add_megatron_eopt_args(parser)
     if not torch.cuda.is_available():  # Megatron-LM's default, nccl, needs GPUs; our trainer's default there too
         parser.set_defaults(distributed_backend="gloo")
-    parser.error = lambda message: exit_with_error(f"{message}; see {PROG} --help.", PROG)  # not usage per rank
+    parser.error = lambda message: exit_pointing_to_help(message, PROG)  # not usage per rank
     parser.add_argument(
         "--megatron-core-optimizer", action="store_true",
         help="build megatron-core's own optimizer instead of megatron_eopt's (for comparisons: "

@@ -53,7 +53,7 @@ def _cpu_cuda() -> types.SimpleNamespace:
     )
 
 
-def _cpu_device(spec: Any = "cpu", index: Any = None) -> torch.device:
+def cpu_device(spec: Any = "cpu", index: Any = None) -> torch.device:
     """torch.device, with every CUDA device ('cuda', 'cuda:0', f'cuda:{current_device()}') the CPU."""
     if str(spec).startswith("cuda"):
         return torch.device("cpu")
@@ -78,7 +78,7 @@ def _without_premul_sum(original):
 
 def replacements(package: str) -> list[tuple[Any, str, Any]]:
     """(owner, name, replacement) for REPLACED_CALLS in `package`: STANDALONE or IN_MEGATRON_CORE."""
-    cpu_torch = Passthrough(torch, cuda=_cpu_cuda(), device=_cpu_device,
+    cpu_torch = Passthrough(torch, cuda=_cpu_cuda(), device=cpu_device,
                              tensor=lambda *a, **k: torch.tensor(*a, **k).as_subclass(_CpuTensor))
     cpu_dist = Passthrough(dist, all_gather=all_gather_padded)
     replaced = []

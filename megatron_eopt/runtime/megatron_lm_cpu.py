@@ -65,6 +65,9 @@ REPLACED_CALLS = {
         "on the mesh's device",
     "Megatron-FSDP's CUDA-only calls in megatron-core's copy of it (--use-megatron-fsdp)": "those of "
         "megatron_fsdp_cpu.REPLACED_CALLS",
+    "torch.device('cuda:N') in megatron-core's Megatron-FSDP adapter": "the CPU: the device it hands "
+        "Megatron-FSDP, whose own current device is the CPU here (megatron_fsdp_cpu); CUDA's device 0 "
+        "there made Megatron-FSDP warn on every rank that the two differ",
 }
 _lock = threading.Lock()
 _undo: list[Callable[[], None]] = []  # set while installed: each undoes one replacement
@@ -196,6 +199,7 @@ def _cuda_stand_ins(rng: _CudaGenerator) -> dict[str, Any]:
 
 def _replacements(rng: _CudaGenerator) -> list[tuple[Any, str, Any]]:
     """(owner, name, replacement) for every name install() rebinds."""
+    import megatron.core.distributed.fsdp.mcore_fsdp_adapter as megatron_fsdp_adapter
     import megatron.core.distributed.torch_fully_sharded_data_parallel as torch_fsdp2
     import megatron.core.optimizer.layer_wise_optimizer as layer_wise
     import megatron.core.tensor_parallel.random as tp_random
@@ -214,6 +218,7 @@ def _replacements(rng: _CudaGenerator) -> list[tuple[Any, str, Any]]:
         (arguments, "get_device_arch_version", _returning(10)),
         (layer_wise, "torch", Passthrough(torch, distributed=Passthrough(dist, all_gather=all_gather_padded))),
         (torch_fsdp2, "DeviceMesh", Passthrough(DeviceMesh, from_group=_cpu_mesh_from_group)),
+        (megatron_fsdp_adapter, "torch", Passthrough(torch, device=megatron_fsdp_cpu.cpu_device)),
     ]
     replaced += megatron_fsdp_cpu.replacements(megatron_fsdp_cpu.IN_MEGATRON_CORE)
     return replaced + megatron_core_torch_adam.replacements(DistributedOptimizer)

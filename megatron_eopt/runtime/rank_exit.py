@@ -35,6 +35,11 @@ def exit_with_error(message: str, prog: str) -> NoReturn:
     exit_from_any_rank(2, f"{prog}: error: {' '.join(message.split())}\n")
 
 
+def exit_pointing_to_help(message: str, prog: str) -> NoReturn:
+    """exit_with_error with `; see PROG --help.` appended, the message's own full stop dropped (no '.;')."""
+    exit_with_error(f"{message.rstrip().removesuffix('.')}; see {prog} --help.", prog)
+
+
 def exit_from_any_rank(status: int, message: Optional[str]) -> NoReturn:
     """Rank 0 prints `message` and exits with `status`; another rank exits alike, in silence, after
     rank 0 (OTHER_RANKS_WAIT_S) when the status is an error."""

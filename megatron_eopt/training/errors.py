@@ -22,7 +22,7 @@ class RankZeroArgumentParser(argparse.ArgumentParser):
     one line (no usage), with the closest flag or choice and a pointer to --help."""
 
     def error(self, message: str) -> NoReturn:
-        exit_with_error(f"{message}{self._close_match(message)}; see {self.prog} --help.")
+        rank_exit.exit_pointing_to_help(f"{message}{self._close_match(message)}", self.prog)
 
     def _close_match(self, message: str) -> str:
         unknown = re.match(r"unrecognized arguments: (.*)", message)

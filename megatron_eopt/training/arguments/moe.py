@@ -239,9 +239,6 @@ def _check_expert_flags(args: argparse.Namespace, tp: int, dp: int, use_cuda: Op
     if tp > 1 and not args.sequence_parallel:
         raise ValueError(f"--num-experts with --tensor-model-parallel-size {tp} needs --sequence-parallel "
                          f"(megatron-core's MoELayer refuses tensor parallelism without it).")
-    if args.use_torch_fsdp2 and tp > 1:
-        raise ValueError(f"--use-torch-fsdp2 with --num-experts does not support --tensor-model-parallel-size {tp}: "
-                         f"the experts' own mesh is 1-D (expert data parallel); use TP 1 with experts on FSDP2.")
     if not args.disable_bias_linear and use_cuda is False:
         raise ValueError("--num-experts on CPU needs --disable-bias-linear: megatron-core's expert MLP adds its "
                          "bias in place to the output of its row-parallel linear, which autograd refuses there.")

@@ -14,7 +14,8 @@ from arguments.optimizer_args import add_optimizer_args, resolve_optimizer_flags
 from megatron_eopt.training.arguments.flags import checkpoint, data, logging, model, moe, parallel, training
 from megatron_eopt.training.arguments.flags.table import Flag, add_flags
 from megatron_eopt.training.arguments.no_effect import NO_EFFECT_ROWS, NO_EFFECT_TITLE, REFUSED_ROWS, REFUSED_TITLE
-from megatron_eopt.training.errors import PROG, RankZeroArgumentParser, exit_with_error, is_rank_zero
+from megatron_eopt.runtime.rank_exit import exit_pointing_to_help
+from megatron_eopt.training.errors import PROG, RankZeroArgumentParser, is_rank_zero
 
 if TYPE_CHECKING:
     from megatron_eopt.training.model.gpt import GPTModelSettings
@@ -65,5 +66,5 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, "G
     try:  # the installed optimizers (torch, not yet megatron-core): a misspelt name fails sooner
         resolve_optimizer_flags(parsed)
     except ValueError as error:
-        exit_with_error(f"{error}; see {PROG} --help.")
+        exit_pointing_to_help(str(error), PROG)
     return check_flags(parsed)  # imports torch and megatron-core

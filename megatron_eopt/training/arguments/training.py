@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from arguments import (
     refuse_flags_without,
@@ -142,52 +143,81 @@ def _training_length(args: argparse.Namespace) -> int:
     return args.train_samples // args.global_batch_size
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineRefusal:
+    """A combination a sharding engine refuses before anything is built. `example`: flags that give it
+    beside the engine's flag, the refused one first; docs/trainer.md lists each engine's examples, and
+    tests/unit/training/test_engine_refusals.py runs them and keeps the list and this table equal.
+    `what` is formatted with the namespace (`args`) and the QK-clip flags given (`qk_clip`)."""
+    example: str
+    what: str
+    given: Callable[[argparse.Namespace], bool]
+
+
+FSDP2_REFUSALS = (
+    EngineRefusal("--use-distributed-optimizer", "--use-distributed-optimizer (FSDP2 shards the optimizer state "
+                  "already)", lambda args: args.use_layer_wise_distributed_optimizer),
+    EngineRefusal("--log-params-norm", "--log-params-norm", lambda args: args.log_params_norm),
+    EngineRefusal("--pipeline-model-parallel-size 2", "--pipeline-model-parallel-size > 1",
+                  lambda args: args.pipeline_model_parallel_size > 1),
+    EngineRefusal("--fp16", "--fp16 (loss scaling of DTensor shards is not implemented)", lambda args: args.fp16),
+    EngineRefusal("--main-params-dtype bf16 --bf16 --use-precision-aware-optimizer --no-store-param-remainders",
+                  "--main-params-dtype other than fp32 (FSDP2's fp32 shards are the main weights; --exp-avg-dtype and "
+                  "--exp-avg-sq-dtype apply)",
+                  lambda args: getattr(args, "main_params_dtype", None) not in (None, "fp32")),  # None: fp32
+    EngineRefusal("--qk-clip --tensor-model-parallel-size 2", "{qk_clip} with --tensor-model-parallel-size > 1 "
+                  "(fully_shard drops the attributes that say which weights TP splits by heads; QK-clip works on "
+                  "FSDP2 at TP=1)", lambda args: bool(_qk_clip_flags(args)) and args.tensor_model_parallel_size > 1),
+    EngineRefusal("--num-experts 4 --tensor-model-parallel-size 2", "--num-experts with --tensor-model-parallel-size "
+                  "> 1 (the experts' own mesh is 1-D, expert data parallel; use TP 1 with experts on FSDP2)",
+                  lambda args: args.num_experts is not None and args.tensor_model_parallel_size > 1),
+)
+
+MEGATRON_FSDP_REFUSALS = (
+    EngineRefusal("--data-parallel-sharding-strategy optim_grads", "--data-parallel-sharding-strategy other than "
+                  "optim_grads_params (given {args.data_parallel_sharding_strategy}; only ZeRO-3 gives the optimizer "
+                  "sharded parameters)", lambda args: args.data_parallel_sharding_strategy != "optim_grads_params"),
+    EngineRefusal("--use-torch-fsdp2", "--use-torch-fsdp2 (one sharding engine at a time)",
+                  lambda args: args.use_torch_fsdp2),
+    EngineRefusal("--tensor-model-parallel-size 2", "--tensor-model-parallel-size > 1 (TP x FSDP works with "
+                  "--use-torch-fsdp2)", lambda args: args.tensor_model_parallel_size > 1),
+    EngineRefusal("--pipeline-model-parallel-size 2", "--pipeline-model-parallel-size > 1",
+                  lambda args: args.pipeline_model_parallel_size > 1),
+    EngineRefusal("--use-distributed-optimizer", "--use-distributed-optimizer (Megatron-FSDP shards the optimizer "
+                  "state already)", lambda args: args.use_layer_wise_distributed_optimizer),
+    EngineRefusal("--fp16", "--fp16 (fp16 loss scaling is not implemented for the sharded engines; train with --bf16)",
+                  lambda args: args.fp16),
+    EngineRefusal("--log-params-norm", "--log-params-norm", lambda args: args.log_params_norm),
+)
+
+# Each engine's flag, its refusals, and how its message ends (FSDP2's may be lifted).
+ENGINE_REFUSALS = {"--use-torch-fsdp2": (FSDP2_REFUSALS, " yet."), "--use-megatron-fsdp": (MEGATRON_FSDP_REFUSALS, ".")}
+
+
 def _check_fsdp2_flags(args: argparse.Namespace) -> None:
-    """What --use-torch-fsdp2 does not do yet, refused before anything is built."""
-    if not args.use_torch_fsdp2:
-        return
-    refused = [("--use-distributed-optimizer (FSDP2 shards the optimizer state already)",
-                args.use_layer_wise_distributed_optimizer),
-               ("--log-params-norm", args.log_params_norm),
-               ("--pipeline-model-parallel-size > 1", args.pipeline_model_parallel_size > 1),
-               ("--fp16 (loss scaling of DTensor shards is not implemented)", args.fp16),
-               ("--main-params-dtype other than fp32 (FSDP2's fp32 shards are the main weights; "
-                "--exp-avg-dtype and --exp-avg-sq-dtype apply)",
-                getattr(args, "main_params_dtype", None) not in (None, "fp32")),  # None: not given (fp32)
-               (f"{_qk_clip_flags(args)} with --tensor-model-parallel-size > 1 (fully_shard drops the attributes that "
-                f"say which weights TP splits by heads; QK-clip works on FSDP2 at TP=1)",
-                _qk_clip_flags(args) and args.tensor_model_parallel_size > 1)]
-    for what, given in refused:
-        if given:
-            raise ValueError(f"--use-torch-fsdp2 does not support {what} yet.")
+    if args.use_torch_fsdp2:
+        _refuse_engine_combinations("--use-torch-fsdp2", args)
+
+
+def _check_megatron_fsdp_flags(args: argparse.Namespace) -> None:
+    if args.use_megatron_fsdp:
+        _refuse_engine_combinations("--use-megatron-fsdp", args)
+    elif args.data_parallel_sharding_strategy != "optim_grads_params":  # Megatron-LM's default
+        raise ValueError(f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} needs "
+                         f"--use-megatron-fsdp.")
+
+
+def _refuse_engine_combinations(engine: str, args: argparse.Namespace) -> None:
+    refusals, ending = ENGINE_REFUSALS[engine]
+    for refusal in refusals:
+        if refusal.given(args):
+            what = refusal.what.format(args=args, qk_clip=_qk_clip_flags(args))
+            raise ValueError(f"{engine} does not support {what}{ending}")
 
 
 def _qk_clip_flags(args: argparse.Namespace) -> str:
     return " and ".join(flag for flag, on in (("--qk-clip", args.qk_clip),
                                               ("--log-max-attention-logit", args.log_max_attention_logit)) if on)
-
-
-def _check_megatron_fsdp_flags(args: argparse.Namespace) -> None:
-    """What --use-megatron-fsdp does not do, refused before anything is built."""
-    if not args.use_megatron_fsdp:
-        if args.data_parallel_sharding_strategy != "optim_grads_params":  # Megatron-LM's default
-            raise ValueError(f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} needs "
-                             f"--use-megatron-fsdp.")
-        return
-    refused = [("--data-parallel-sharding-strategy other than optim_grads_params (given "
-                f"{args.data_parallel_sharding_strategy}; only ZeRO-3 gives the optimizer sharded parameters)",
-                args.data_parallel_sharding_strategy != "optim_grads_params"),
-               ("--use-torch-fsdp2 (one sharding engine at a time)", args.use_torch_fsdp2),
-               ("--tensor-model-parallel-size > 1 (TP x FSDP works with --use-torch-fsdp2)",
-                args.tensor_model_parallel_size > 1),
-               ("--pipeline-model-parallel-size > 1", args.pipeline_model_parallel_size > 1),
-               ("--use-distributed-optimizer (Megatron-FSDP shards the optimizer state already)",
-                args.use_layer_wise_distributed_optimizer),
-               ("--fp16 (fp16 loss scaling is not implemented for the sharded engines; train with --bf16)", args.fp16),
-               ("--log-params-norm", args.log_params_norm)]
-    for what, given in refused:
-        if given:
-            raise ValueError(f"--use-megatron-fsdp does not support {what}.")
 
 
 def _check_wsd_flags(args: argparse.Namespace) -> Optional[str]:

@@ -49,9 +49,11 @@ def golden_path(case: Case, platform: str, environment: str = ENVIRONMENT) -> pa
 
 
 def find_golden(case: Case, platform: str, on_cuda: bool, cpu_reference: Optional[str],
-                environment: str = ENVIRONMENT) -> pathlib.Path:
+                environment: str = ENVIRONMENT, record_command: Optional[str] = None) -> pathlib.Path:
     """This platform's golden file; on a CPU without one, the CPU reference platform's (CPU goldens hold
-    across CPU kinds: docs/functional-tests.md). ValueError naming the files there and how to record."""
+    across CPU kinds: docs/functional-tests.md). ValueError naming the files there and how to record:
+    `record_command`, the launcher's command line for the case as its user gave it (a copied folder
+    records into that folder), else the launcher with the case's name."""
     path = golden_path(case, platform, environment)
     if path.is_file():
         return path
@@ -62,7 +64,7 @@ def find_golden(case: Case, platform: str, on_cuda: bool, cpu_reference: Optiona
     present = sorted(p.name for p in case.directory.glob("golden_values_*.json")) or ["none"]
     raise ValueError(f"case {case.name!r}: no golden file {path.name} for platform {platform!r} "
                      f"(present: {', '.join(present)}); record one with "
-                     f"`python tools/run_functional_case.py {case.name} --record`")
+                     f"`{record_command or f'python tools/run_functional_case.py {case.name} --record'}`")
 
 
 def read_tensorboard(directories: list[pathlib.Path], train_iters: int, start_step: int = 1,

@@ -321,3 +321,17 @@ def test_launcher_refuses_bad_input_in_one_line_before_any_run(name, change, mes
     lines = [line for line in capsys.readouterr().err.splitlines() if "No CUDA runtime" not in line]
     assert status == 2 and len(lines) == 1, lines
     assert lines[0].startswith("run_functional_case.py: error: ") and fnmatch.fnmatch(lines[0], f"*{message}*"), lines
+
+
+def test_a_missing_golden_of_a_copied_case_says_to_record_into_the_copy(tmp_path, monkeypatch, capsys) -> None:
+    """The hint names the folder given, not the repository's case of the same name (issue #84)."""
+    launcher = _launcher()
+    monkeypatch.setattr(launcher, "run_case", lambda *args: pytest.fail("a run started"))
+    directory = _copied_case(tmp_path / "cases", "gpt_muon_layerwise_dp2")
+    for path in directory.glob("golden_values_*.json"):
+        path.unlink()
+    status = launcher.main([str(directory), "--environment", "lts", "--output", str(tmp_path / "output")])
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "No CUDA runtime" not in line]
+    assert status == 2 and line.startswith("run_functional_case.py: error: "), line
+    assert line.endswith(f"record one with `python tools/run_functional_case.py {directory} --environment lts "
+                         f"--record`"), line

@@ -174,7 +174,7 @@ def _parse_error(argv: list[str], world_size: int, monkeypatch, capsys) -> list[
         (MOE + ["--tensor-model-parallel-size", "2"], 2,
          "--num-experts with --tensor-model-parallel-size 2 needs --sequence-parallel"),
         (MOE + ["--use-torch-fsdp2", "--tensor-model-parallel-size", "2", "--sequence-parallel"], 2,
-         "--use-torch-fsdp2 with --num-experts does not support --tensor-model-parallel-size 2"),
+         "--use-torch-fsdp2 does not support --num-experts with --tensor-model-parallel-size > 1"),
         (MOE + ["--expert-tensor-parallel-size", "2"], 1,
          "--expert-tensor-parallel-size 2: only the tensor-parallel size (1) is offered"),
         (["--expert-tensor-parallel-size", "1"], 1, "--expert-tensor-parallel-size 1 only applies with --num-experts"),
