@@ -197,3 +197,23 @@ def muon_tp_mode_readers() -> list[str]:
             if sources.get("tp_mode") == "OptimizerConfig.muon_tp_mode":
                 readers.append(name)
     return readers
+
+
+def other_optimizers_flags_line(args: argparse.Namespace, config, given: Sequence[str]) -> Optional[str]:
+    """The line naming each of the `given` flags that sets another optimizer than `config.optimizer`
+    (registry/fields_read.py), as the command line gave it; None when there is none. Both entries print
+    it as a warning, not a refusal: megatron-core accepts such flags."""
+    from megatron_eopt.registry.fields_read import fields_without_effect
+
+    unread = fields_without_effect(config, given)
+    if not unread:
+        return None
+    shown = ", ".join(_flag_as_given(name, getattr(args, name)) for name in unread)
+    them = "them (they set" if len(unread) > 1 else "it (it sets"
+    return f"{shown}: no effect with --optimizer {config.optimizer}, which does not read {them} other optimizers)"
+
+
+def _flag_as_given(name: str, value) -> str:
+    """`--muon-momentum 0.8`; a switch as its flag alone (`--muon-nesterov`, `--soap-no-kl-shampoo`)."""
+    option = OPTION_OF.get(name, "--" + name.replace("_", "-"))
+    return option if isinstance(value, bool) else f"{option} {value}"

@@ -28,8 +28,8 @@ import megatron.training.training as megatron_lm_training
 import torch
 from megatron.training import global_vars
 
-from arguments.optimizer_args import FLAGS, GIVEN_FLAGS_ATTR, OPTION_OF, Flag, StoreAndRecord, flag_kwargs
-from arguments.validate import flag_message
+from arguments.optimizer_args import FLAGS, GIVEN_FLAGS_ATTR, Flag, StoreAndRecord, flag_kwargs
+from arguments.validate import flag_message, other_optimizers_flags_line
 from megatron_eopt.megatron_core_formats.layouts import LAYOUT_KEY, MEGATRON_CORE_PING_PONG_LAYOUT
 from megatron_eopt.megatron_core_formats.dist_checkpointing import checkpoint_optimizer_layout
 from megatron_eopt.config.newton_schulz import NEWTON_SCHULZ_FIELDS
@@ -42,7 +42,6 @@ from megatron_eopt.integrations.megatron_lm_qk_clip import (OptimizersOfModels, 
 from megatron_eopt.integrations.megatron_lm_mla import taking_mla_head_widths
 from megatron_eopt.integrations.megatron_lm_swiglu import splitting_every_state
 from megatron_eopt.registry import list_optimizers, lookup_optimizer
-from megatron_eopt.registry.fields_read import fields_without_effect
 from megatron_eopt.runtime.rank_exit import is_rank_zero
 from megatron_eopt.runtime.cpu_stand_ins import replace_names
 from megatron_eopt.runtime.torchrun_store import restart_store
@@ -204,18 +203,7 @@ def flags_without_effect_line(args: argparse.Namespace, config: OptimizerConfig)
     recorded = getattr(args, GIVEN_FLAGS_ATTR, None) or ()
     given = [name for name, value in vars(args).items()
              if name in recorded or (name in defaults and value != defaults[name])]
-    unread = fields_without_effect(config, given)
-    if not unread:
-        return None
-    shown = ", ".join(_flag_as_given(name, getattr(args, name)) for name in unread)
-    them = "them (they set" if len(unread) > 1 else "it (it sets"
-    return f"{shown}: no effect with --optimizer {config.optimizer}, which does not read {them} other optimizers)"
-
-
-def _flag_as_given(name: str, value: Any) -> str:
-    """`--muon-momentum 0.8`; a switch as its flag alone (`--muon-nesterov`, `--soap-no-kl-shampoo`)."""
-    option = OPTION_OF.get(name, "--" + name.replace("_", "-"))
-    return option if isinstance(value, bool) else f"{option} {value}"
+    return other_optimizers_flags_line(args, config, given)
 
 
 @functools.cache

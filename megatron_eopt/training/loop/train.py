@@ -14,6 +14,8 @@ from arguments import (
     matmul_precision_line,
     optimizer_config_from_args,
 )
+from arguments.optimizer_args import GIVEN_FLAGS_ATTR
+from arguments.validate import other_optimizers_flags_line
 from megatron_eopt.integrations.megatron_bridge import get_scheduler
 from megatron_eopt.checkpointing import CheckpointSaveError, new_save_group, save_checkpoint, start_save_checkpoint
 from megatron_eopt.training.arguments.moe import (
@@ -215,7 +217,9 @@ def say_setup(args, settings, device, run: Training, housekeeping: Housekeeping)
             + (", bf16 compute weights (Megatron-FSDP)" if args.use_megatron_fsdp and args.bf16 else ""))
     if args.num_experts is not None:
         log.say(describe_moe(args, settings.num_layers))
-    for line in (no_effect_lines(args) + moe_note_lines(args) + run_control_lines(args) + document_lines(args)
+    other_optimizers = other_optimizers_flags_line(args, run.optimizer.config, getattr(args, GIVEN_FLAGS_ATTR, ()))
+    for line in (no_effect_lines(args) + [other_optimizers] * bool(other_optimizers) + moe_note_lines(args)
+                 + run_control_lines(args) + document_lines(args)
                  + performance_lines(args, on_cuda=device.type == "cuda")
                  + tensorboard_option_lines(args, on_cuda=device.type == "cuda")
                  + [line for line in (housekeeping.start_line, args.batch_schedule.describe()) if line]):

@@ -330,7 +330,7 @@ def _run_printing(rank: int, world_size: int, argv: list[str]) -> tuple[list[dic
 
 def test_megatron_lm_flags_without_effect_are_named_and_exit_duration_stops(run_distributed, tmp_path) -> None:
     """A Megatron-LM command line's kernel and bookkeeping flags run, each named in one line as
-    changing nothing; --exit-duration-in-mins stops (after saving) once the time is past."""
+    changing nothing, and so are other optimizers' settings; --exit-duration-in-mins stops (after saving) once the time is past."""
     from megatron_eopt.training.arguments.no_effect import NO_EFFECT
 
     argv = ADAM + ["--train-iters", "5", "--log-interval", "1", "--transformer-impl", "local",
@@ -340,7 +340,7 @@ def test_megatron_lm_flags_without_effect_are_named_and_exit_duration_stops(run_
                    "--num-workers", "2", "--use-cpu-initialization", "--log-validation-ppl-to-tensorboard",
                    "--attention-softmax-in-fp32", "--apply-query-key-layer-scaling", "--no-persist-layer-norm",
                    "--timing-log-level", "0", "--log-world-size-to-tensorboard", "--openai-gelu",
-                   "--apply-residual-connection-post-layernorm"]
+                   "--apply-residual-connection-post-layernorm", "--muon-momentum", "0.8", "--soap-shampoo-beta", "0.9"]
     (records, printed), = run_distributed(_run_printing, 1, args=(argv,))
     assert [r["iteration"] for r in records] == [1]
     assert "exiting after iteration 1 (--exit-duration-in-mins 1e-09:" in printed
@@ -352,6 +352,8 @@ def test_megatron_lm_flags_without_effect_are_named_and_exit_duration_stops(run_
             assert f"> {flag}" in printed and ": no effect, " in printed, flag
     assert "--num-workers 2: no effect, samples are read in the training process" in printed
     assert "> --log-world-size-to-tensorboard: no effect without --tensorboard-dir" in printed
+    assert ("> --muon-momentum 0.8, --soap-shampoo-beta 0.9: no effect with --optimizer adam, which does not read "
+            "them (they set other optimizers)") in printed  # as Megatron-LM's loop with ours installed says it
 
 
 def test_log_throughput_and_pytorch_profiler_on_cpu(run_distributed, tmp_path) -> None:
