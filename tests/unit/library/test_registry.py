@@ -312,3 +312,16 @@ def test_state_is_created_eagerly_and_equals_the_lazy_state(name):
     assert _state_summary(reference, lazy) == _state_summary(optimizer, eager) == eager_state
     for a, b in zip(eager, lazy):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("optimizer, given, unread", [
+    ("adam", ["muon_momentum", "adam_beta2", "soap_shampoo_beta", "lr"], ["muon_momentum", "soap_shampoo_beta"]),
+    ("sgd", ["sgd_momentum", "muon_momentum", "adam_beta1"], ["adam_beta1", "muon_momentum"]),
+    ("muon", ["muon_momentum", "adam_beta1", "lion_beta1"], ["lion_beta1"]),  # Adam steps Muon's scalars
+    ("soap", ["soap_shampoo_beta", "muon_tp_mode"], ["muon_tp_mode"]),
+])
+def test_fields_without_effect_are_other_optimizers_settings(optimizer: str, given: list[str], unread: list[str]) -> None:
+    """What `--optimizer X` leaves unread among the given fields (both entries name them at start-up)."""
+    from megatron_eopt.registry.fields_read import fields_without_effect
+
+    assert sorted(fields_without_effect(OptimizerConfig(optimizer=optimizer, lr=1e-3), given)) == unread
