@@ -190,3 +190,20 @@ def test_torch_state_dict_helpers_resume_bitwise(run_distributed, tmp_path) -> N
             # the 3-D expert weight's state is saved whole: its moments (Adam) or momentum (Muon)
             assert (4, 32, 32) in reply[layout]["experts"], (layout, reply[layout]["experts"])
         assert "restores no ['exp_avg']" in reply["refusal"], reply["refusal"]
+
+
+def test_chains_the_helpers_cannot_save_are_refused() -> None:
+    """In one process, no ranks: a chain of torch optimizers (megatron-core's kind of children) and
+    the layer-wise optimizer's state on owners only are refused when the helpers iterate the chain."""
+    import pytest
+
+    from megatron_eopt.wrappers.chained import ChainedOptimizer
+
+    weight = torch.nn.Parameter(torch.ones(2, 2))
+    with pytest.raises(TypeError, match=r"megatron_eopt chain .* \['SGD'\]"):
+        list(ChainedOptimizer([torch.optim.SGD([weight], lr=0.1)]))
+    layer_wise = ChainedOptimizer([])
+    layer_wise.owner_is_main_replica = True  # what LayerWiseDistributedOptimizer sets
+    with pytest.raises(ValueError, match="owner rank only"):
+        list(layer_wise)
+    assert list(ChainedOptimizer([])) == []  # a stub (no trainable parameter here): no views, nothing to save
