@@ -61,8 +61,8 @@ class TorchOptimizerView:
         it at their first step (the helpers would otherwise step to make it)."""
         self._child.init_state()
         flat = self._child.local_state_dict()
-        return {p.model: _entries(flat, p, p.fqn) for _, members in _groups(self._child) for p in members
-                if _entries(flat, p, p.fqn)}
+        entries = {p.model: _entries(flat, p, p.fqn) for _, members in _groups(self._child) for p in members}
+        return {param: values for param, values in entries.items() if values}
 
     def state_dict(self) -> dict:
         """torch's format: state by position in `param_groups`, each value as the child's
