@@ -16,6 +16,7 @@ from megatron_eopt.megatron_core_formats.layer_wise_optimizer import split_merge
 from megatron_eopt.wrappers.base import MegatronOptimizer, SteppableChild, StepResult, default_device, take_step
 from megatron_eopt.wrappers.megatron_core_chain import step_megatron_core_children
 from megatron_eopt.wrappers.qk_clip import QKClip, qk_clip_step
+from megatron_eopt.wrappers.torch_state_dict import TorchOptimizerView, torch_optimizer_views
 
 
 class ChainedOptimizer(MegatronOptimizer):
@@ -109,6 +110,13 @@ class ChainedOptimizer(MegatronOptimizer):
         for child, size in zip(self.chained_optimizers, sizes):
             child.param_groups = list(value[start : start + size])
             start += size
+
+    def __iter__(self) -> Iterator[TorchOptimizerView]:
+        """One view per child, as torch's state-dict helpers read torch optimizers
+        (wrappers/torch_state_dict.py): they take an iterable of optimizers, as torchtitan's container
+        of optimizers is one, so `get_optimizer_state_dict(model, optimizer)` and
+        `set_optimizer_state_dict(model, optimizer, state)` take the chain as it is."""
+        return iter(torch_optimizer_views(self.chained_optimizers, self.owner_is_main_replica))
 
     @property
     def state(self) -> "ChainedState":

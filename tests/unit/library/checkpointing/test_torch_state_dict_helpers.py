@@ -1,0 +1,209 @@
+"""torch's DCP state-dict helpers on our optimizer, as AReaL's FSDP engine and torchtitan call them.
+
+A Hugging Face `transformers` model we did not build, with 3-D parameters (Qwen3-MoE's experts:
+`mlp.experts.gate_up_proj` [E, 2F, H], `down_proj` [E, H, F]), sharded by torch FSDP2 over 2 gloo
+ranks, trained by Muon (its scalar optimizer, Adam, for the rest). Checkpointed through
+`get_optimizer_state_dict(model, optimizer)` / `set_optimizer_state_dict(model, optimizer, state)`
+with `get_model_state_dict` / `set_model_state_dict` and `dcp.save` / `dcp.load`, nested
+(`flatten_optimizer_state_dict=False`, AReaL's `get_state_dict`) and flattened (`=True`, torchtitan
+before 0.3 and AReaL's torchtitan-based engine), and through torchtitan 0.3's own flat helpers over
+`list(optimizer)`. Each resumes into a fresh model and optimizer and continues; the reference is the
+run that went on without the save: parameters and optimizer state equal bitwise.
+
+One launch checks all of it, and that a load missing a state says so (ValueError) instead of
+restarting it from zero.
+"""
+
+import torch
+import torch.distributed as dist
+
+from megatron_eopt import OptimizerConfig, get_megatron_optimizer
+
+STEPS = 2  # before the save, and after it
+VOCAB = 64
+LAYOUTS = ("nested", "flattened", "torchtitan")
+
+
+def build(mesh):
+    """The same tiny Qwen3-MoE on every rank and call (no download), each layer then the root sharded
+    over `mesh` (one for the whole run: a parameter loads only from a DTensor on the same mesh)."""
+    from torch.distributed.fsdp import fully_shard
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            num_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+                            tie_word_embeddings=False)
+    model = Qwen3MoeForCausalLM(config)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    config = OptimizerConfig(optimizer="muon", lr=1e-2, weight_decay=0.01, muon_momentum=0.9,
+                             muon_fp32_matmul_prec="highest")
+    return model, get_megatron_optimizer(config, [model])
+
+
+def take_steps(model, optimizer, first: int) -> None:
+    for step in range(first, first + STEPS):
+        generator = torch.Generator().manual_seed(100 * step + dist.get_rank())
+        tokens = torch.randint(0, VOCAB, (2, 9), generator=generator)
+        model(input_ids=tokens[:, :-1], labels=tokens[:, 1:]).loss.backward()
+        assert optimizer.step()[0]
+        optimizer.zero_grad()
+
+
+def options(layout: str):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=layout == "flattened")
+
+
+def optimizer_state(model, optimizer, layout: str) -> dict:
+    """What the layout's caller saves, and loads into."""
+    if layout == "torchtitan":
+        from torchtitan.components.optimizer.utils import get_flat_optim_state_dict, init_optim_state
+
+        flat = {}
+        for view in optimizer:  # as OptimizersContainer.state_dict does over its optimizers
+            init_optim_state(view)
+            flat.update(get_flat_optim_state_dict(view))
+        return flat
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=options(layout))
+
+
+def load_optimizer_state(model, optimizer, state: dict, layout: str) -> None:
+    if layout == "torchtitan":
+        from torchtitan.components.optimizer.utils import init_optim_state, load_flat_optim_state_dict
+
+        for view in optimizer:
+            init_optim_state(view)
+            load_flat_optim_state_dict(view, state)
+        return
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, state, options=options(layout))
+
+
+def save(model, optimizer, layout: str, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    dcp.save({"model": get_model_state_dict(model), "optimizer": optimizer_state(model, optimizer, layout)},
+             checkpoint_id=path)
+
+
+def resume(mesh, layout: str, path: str):
+    """A fresh model and optimizer, their state from `path` through the layout's calls. DCP reads into
+    another fresh pair's state: the helpers' state dicts hold the live tensors, as torch optimizers'
+    do, and a load into them alone would not show whether `set_optimizer_state_dict` loads."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    target_model, target_optimizer = build(mesh)
+    state = {"model": get_model_state_dict(target_model),
+             "optimizer": optimizer_state(target_model, target_optimizer, layout)}
+    dcp.load(state, checkpoint_id=path)
+    model, optimizer = build(mesh)
+    set_model_state_dict(model, state["model"])
+    load_optimizer_state(model, optimizer, state["optimizer"], layout)
+    return model, optimizer, state["optimizer"]
+
+
+def whole(tree, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of a state dict by its path, DTensors gathered."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tree, dict):
+        return {path: tensor for key, value in tree.items() for path, tensor in whole(value, f"{prefix}/{key}").items()}
+    if isinstance(tree, DTensor):
+        return {prefix: tree.full_tensor().detach().clone()}
+    return {prefix: tree.detach().clone()} if torch.is_tensor(tree) else {}
+
+
+def snapshot(model, optimizer) -> dict[str, dict[str, torch.Tensor]]:
+    return {"parameters": {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()},
+            "optimizer": whole(optimizer.state_dict())}
+
+
+def expert_state(state: dict, layout: str) -> list[tuple[int, ...]]:
+    """The shapes of the saved state of layer 0's 3-D expert weight (gate_up_proj)."""
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    if layout == "nested":
+        entries = state["state"][name].values()
+    else:
+        entries = [value for key, value in state.items() if key.startswith(f"state.{name}.")]
+    return sorted(tuple(value.shape) for value in entries if torch.is_tensor(value) and value.dim() > 0)
+
+
+def refuses_missing_state(model, optimizer, loaded: dict) -> str:
+    """A flattened state dict without one state of one parameter: torch's helpers fill it with {}."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    key = next(key for key in loaded if key.startswith("state.") and key.endswith(".exp_avg"))
+    partial = {k: v for k, v in loaded.items() if k != key}
+    try:
+        set_optimizer_state_dict(model, optimizer, partial, options=options("flattened"))
+    except ValueError as error:
+        return str(error)
+    return "loaded"
+
+
+def _helpers_body(rank: int, world_size: int, directory: str) -> dict:
+    from megatron_eopt.training.parallel.fsdp2 import data_parallel_mesh
+
+    torch.set_float32_matmul_precision("highest")
+    mesh = data_parallel_mesh(dist.group.WORLD, torch.device("cpu"))
+    model, optimizer = build(mesh)
+    take_steps(model, optimizer, 0)
+    for layout in LAYOUTS:
+        save(model, optimizer, layout, f"{directory}/{layout}")
+    saved = snapshot(model, optimizer)
+    take_steps(model, optimizer, STEPS)
+    straight = snapshot(model, optimizer)
+    result = {}
+    for layout in LAYOUTS:
+        model, optimizer, loaded = resume(mesh, layout, f"{directory}/{layout}")
+        restored = snapshot(model, optimizer)
+        if layout == "flattened":
+            result["refusal"] = refuses_missing_state(model, optimizer, loaded)
+        take_steps(model, optimizer, STEPS)
+        result[layout] = {"restored": restored, "resumed": snapshot(model, optimizer),
+                          "experts": expert_state(loaded, layout)}
+    return {"saved": saved, "straight": straight, **result}
+
+
+def _unequal(expected: dict, actual: dict) -> list[str]:
+    assert set(expected) == set(actual), sorted(set(expected) ^ set(actual))
+    return [key for key in expected if not torch.equal(expected[key], actual[key])]
+
+
+def test_torch_state_dict_helpers_resume_bitwise(run_distributed, tmp_path) -> None:
+    replies = run_distributed(_helpers_body, world_size=2, args=(str(tmp_path),), timeout=600)
+    for reply in replies:
+        for layout in LAYOUTS:
+            for part in ("parameters", "optimizer"):
+                assert not _unequal(reply["saved"][part], reply[layout]["restored"][part]), (layout, part)
+                assert not _unequal(reply["straight"][part], reply[layout]["resumed"][part]), (layout, part)
+            # the 3-D expert weight's state is saved whole: its moments (Adam) or momentum (Muon)
+            assert (4, 32, 32) in reply[layout]["experts"], (layout, reply[layout]["experts"])
+        assert "restores no ['exp_avg']" in reply["refusal"], reply["refusal"]
+
+
+def test_chains_the_helpers_cannot_save_are_refused() -> None:
+    """In one process, no ranks: a chain of torch optimizers (megatron-core's kind of children) and
+    the layer-wise optimizer's state on owners only are refused when the helpers iterate the chain."""
+    import pytest
+
+    from megatron_eopt.wrappers.chained import ChainedOptimizer
+
+    weight = torch.nn.Parameter(torch.ones(2, 2))
+    with pytest.raises(TypeError, match=r"megatron_eopt chain .* \['SGD'\]"):
+        list(ChainedOptimizer([torch.optim.SGD([weight], lr=0.1)]))
+    layer_wise = ChainedOptimizer([])
+    layer_wise.owner_is_main_replica = True  # what LayerWiseDistributedOptimizer sets
+    with pytest.raises(ValueError, match="owner rank only"):
+        list(layer_wise)
+    assert list(ChainedOptimizer([])) == []  # a stub (no trainable parameter here): no views, nothing to save
