@@ -45,14 +45,19 @@ def check_muon_arguments(tp_mode: str, lr: float, momentum: float, weight_decay:
             raise ValueError(f"{name} must be one of {', '.join(map(repr, valid))}; got {value!r}.")
 
 
-def layouts_by_param(param_groups: list[dict], layouts: Mapping[str, MatrixLayout]) -> dict[int, MatrixLayout]:
+def layouts_by_param(param_groups: list[dict], layouts: Mapping[str, MatrixLayout],
+                     row_shards: Optional[Mapping[str, RowShards]] = None) -> dict[int, MatrixLayout]:
     """One layout per parameter (by id), checked at construction rather than in the first step.
 
     Param groups name their parameters in 'param_fqns'; a parameter without a layout is a
-    whole, unfused matrix.
+    whole, unfused matrix. With FSDP2 (`row_shards`), a batch of matrices' layout is in its row
+    shards, which `row_shards_by_param` checks.
     """
     by_param = {}
     for param, name in named_params(param_groups):
+        shards = (row_shards or {}).get(name)
+        if shards is not None and shards.layout.batch is not None:
+            continue
         layout = layouts.get(name)
         if param.dim() != 2 and (layout is None or layout.batch is None):
             raise ValueError(
@@ -208,7 +213,7 @@ class ShardedMatrices(OrthogonalizeTogether):
         self.tp_mode = tp_mode
         self.expert_tp_mode = expert_tp_mode or tp_mode
         self.tp_group = tp_group
-        self._layout_of = layouts_by_param(self.param_groups, dict(layouts or {}))
+        self._layout_of = layouts_by_param(self.param_groups, dict(layouts or {}), fsdp_shards)
         self.fsdp_group = fsdp_group
         self._row_shards_of = row_shards_by_param(self.param_groups, fsdp_shards, fsdp_group, tp_group, layouts)
         matrix_layouts = matrix_layouts_of(self._layout_of, self._row_shards_of)
