@@ -312,9 +312,13 @@ register_experts_container("torchtitan.models.common.moe.GroupedExperts", ("w1_E
 # Found by the module class that holds the linear layer (the table's key) and its config's head
 # counts; docs/fsdp2.md lists which families fuse which weights.
 
-def _head_dim(module: torch.nn.Module, config: Any) -> int:
-    return getattr(module, "head_dim", None) or getattr(module, "head_size", None) \
-        or config.hidden_size // config.num_attention_heads
+def _head_dim(module: torch.nn.Module) -> Optional[int]:
+    """The attention module's head size: its own attribute, else its config's."""
+    config = getattr(module, "config", None)
+    size = getattr(module, "head_dim", None) or getattr(module, "head_size", None)
+    if size is None and config is not None:
+        size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return size
 
 
 def stacked_qkv(weight: FusedWeight) -> Optional[FusedBlocks]:
@@ -324,22 +328,23 @@ def stacked_qkv(weight: FusedWeight) -> Optional[FusedBlocks]:
         return WHOLE
     if config is None:
         return None
-    head_dim = _head_dim(weight.owner, config)
+    head_dim = _head_dim(weight.owner)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
     return FusedBlocks((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim),
                        head_rows=head_dim if weight.per_head else 0)
 
 
 def per_head_qkv(weight: FusedWeight) -> Optional[FusedBlocks]:
-    """GPT-NeoX's query_key_value: per head its query, key and value rows ([heads, 3 * head_dim]
-    viewed), so q, k and v are each one block taken from every head."""
-    config = getattr(weight.owner, "config", None)
+    """GPT-NeoX's, Bloom's, Persimmon's query_key_value and MiniMax's lightning qkv_proj: per head
+    its query, key and value rows (the output viewed [heads, 3, head_dim]), so q, k and v are each
+    one block taken from every head."""
     if not weight.split_qkv:
         return WHOLE
-    if config is None:
+    head_dim = _head_dim(weight.owner)
+    rows = weight.param.shape[0]
+    if not head_dim or rows % (3 * head_dim):
         return None
-    head_dim = _head_dim(weight.owner, config)
-    return FusedBlocks((head_dim,) * 3, config.num_attention_heads, head_rows=head_dim if weight.per_head else 0)
+    return FusedBlocks((head_dim,) * 3, rows // (3 * head_dim), head_rows=head_dim if weight.per_head else 0)
 
 
 def gate_up_halves(weight: FusedWeight) -> FusedBlocks:
@@ -355,6 +360,11 @@ for _type, _attribute, _function in (
     ("transformers.models.phi4_multimodal.modeling_phi4_multimodal.Phi4MultimodalMLP", "gate_up_proj",
      gate_up_halves),
     ("transformers.models.gpt_neox.modeling_gpt_neox.GPTNeoXAttention", "query_key_value", per_head_qkv),
+    ("transformers.models.gpt_neox_japanese.modeling_gpt_neox_japanese.GPTNeoXJapaneseAttention", "query_key_value",
+     per_head_qkv),
+    ("transformers.models.bloom.modeling_bloom.BloomAttention", "query_key_value", per_head_qkv),
+    ("transformers.models.persimmon.modeling_persimmon.PersimmonAttention", "query_key_value", per_head_qkv),
+    ("transformers.models.minimax.modeling_minimax.MiniMaxLightningAttention", "qkv_proj", per_head_qkv),
     ("transformers.models.glm.modeling_glm.GlmMLP", "gate_up_proj", gate_up_halves),
     ("transformers.models.glm4.modeling_glm4.Glm4MLP", "gate_up_proj", gate_up_halves),
 ):

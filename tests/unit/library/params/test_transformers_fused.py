@@ -70,14 +70,22 @@ def test_phi3_qkv_and_gate_up_per_component() -> None:
     assert head_dim * 4 == config.hidden_size
 
 
-def test_gpt_neox_query_key_value_per_component() -> None:
-    config = transformers.GPTNeoXConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                        num_attention_heads=4)
-    model = transformers.GPTNeoXForCausalLM(config).float()
-    gradients, updates, _ = first_update(model, torch.randint(0, 64, (2, 8)))
-    name = "gpt_neox.layers.0.attention.query_key_value.weight"
+PER_HEAD_QKV = {
+    "gpt_neox": (lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)),
+        "gpt_neox.layers.0.attention.query_key_value.weight"),
+    "bloom": (lambda: transformers.BloomForCausalLM(transformers.BloomConfig(
+        vocab_size=64, hidden_size=32, n_layer=1, n_head=4)), "transformer.h.0.self_attention.query_key_value.weight"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(PER_HEAD_QKV))
+def test_per_head_query_key_value_per_component(family: str) -> None:
+    build, name = PER_HEAD_QKV[family]
+    torch.manual_seed(0)
+    gradients, updates, _ = first_update(build().float(), torch.randint(0, 64, (2, 8)))
     head_dim, heads = 8, 4
-    # transformers views the rows as [heads, 3 * head_dim]: per head its q, k and v rows.
+    # transformers views the rows as [heads, 3, head_dim]: per head its q, k and v rows.
     rows = torch.arange(3 * heads * head_dim).view(heads, 3, head_dim)
     assert_components(name, gradients[name], updates[name], [rows[:, part].reshape(-1) for part in range(3)])
 
