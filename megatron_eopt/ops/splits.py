@@ -10,9 +10,7 @@ A 2-D weight's local shard is `num_row_groups` repetitions of row blocks of size
 - `per_group`: every block of every row group is a matrix, whole on this rank (MLA's heads)
 - `tp_contiguous`: `row_blocks` split the global rows, TP shards the matrix as one and a shard
   may cut a part (MLA's column-parallel linear_kv_down_proj): split only when whole
-- `batch`: an N-D tensor whose leading dimensions index matrices (MoE experts stored as one
-  tensor), seen as the 2-D matrix of all matrices' rows stacked (`MatrixBatch.to_rows`), each a
-  row group of its own (`per_group`)
+- `batch`: an N-D tensor of matrices (MoE experts), as its matrices' rows stacked, one row group each
 params/fused_layouts.py says which weight has which layout. Pure functions; no communication.
 """
 
