@@ -36,6 +36,7 @@ from megatron_eopt.params.groups import (
 from megatron_eopt.params.names import EXPERT_NAME_PART, is_expert_name
 from megatron_eopt.params.overrides import check_config_overrides, get_standard_config_overrides
 from megatron_eopt.registry import BuildContext, OptimizerSpec, lookup_optimizer, optimizers_supporting
+from megatron_eopt.registry.kwargs import takes_matrix_batches
 from megatron_eopt.wrappers.chained import ChainedOptimizer
 from megatron_eopt.wrappers.fp32 import FP32Optimizer
 from megatron_eopt.wrappers.grad_scaler import make_grad_scaler
@@ -371,7 +372,8 @@ def _owned_only(group: dict, owned_fqns: set[str]) -> dict:
 
 def _routing(spec: OptimizerSpec, config: OptimizerConfig) -> ParamRouting:
     scalar = None if spec.routing == "all" else config.muon_scalar_optimizer
-    return ParamRouting(spec.name, spec.routing, scalar, _lookup_table_types())
+    batches = spec.emerging and takes_matrix_batches(spec.entry.optimizer_cls)
+    return ParamRouting(spec.name, spec.routing, scalar, _lookup_table_types(), matrix_batches=batches)
 
 
 def _lookup_table_types() -> tuple[type, ...]:

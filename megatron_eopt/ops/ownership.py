@@ -5,6 +5,7 @@ computes the same assignment from the same list of costs without communicating. 
 gives each parameter of the layer-wise and FSDP2 optimizers its owner this way.
 """
 
+import math
 from typing import Protocol, Sequence
 
 import torch
@@ -34,13 +35,15 @@ def assign_owner_ranks(costs: list[int], num_ranks: int) -> list[int]:
 
 
 def newton_schulz_cost_of(record: OwnedParam, tp_size: int) -> int:
-    """Cost of orthogonalizing the record's global matrix (TP shards joined)."""
-    rows, cols = tensor_parallel_rank_shape(record.param)
+    """Cost of orthogonalizing the record's global matrix (TP shards joined); an N-D tensor of
+    matrices (experts) costs its matrices together."""
+    *leading, rows, cols = tensor_parallel_rank_shape(record.param)
+    count = math.prod(leading)
     if record.partition_dim == 0:
         rows *= tp_size
     elif record.partition_dim == 1:
         cols *= tp_size
-    return newton_schulz_cost(rows, cols)
+    return count * newton_schulz_cost(rows, cols)
 
 
 def assign_owners(records: Sequence[OwnedParam], matrix_fqns: set[str], dp_size: int, tp_size: int) -> dict[str, int]:

@@ -10,13 +10,78 @@ A 2-D weight's local shard is `num_row_groups` repetitions of row blocks of size
 - `per_group`: every block of every row group is a matrix, whole on this rank (MLA's heads)
 - `tp_contiguous`: `row_blocks` split the global rows, TP shards the matrix as one and a shard
   may cut a part (MLA's column-parallel linear_kv_down_proj): split only when whole
+- `batch`: an N-D tensor of matrices (MoE experts), as its matrices' rows stacked, one row group each
 params/fused_layouts.py says which weight has which layout. Pure functions; no communication.
 """
 
-from dataclasses import dataclass
-from typing import Any
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Optional
 
 import torch
+
+
+@dataclass(frozen=True)
+class MatrixBatch:
+    """An N-D tensor that holds one matrix per index of its leading dimensions (MoE experts as
+    `transformers` 5 and torchtitan store them), and how each matrix is read as [out, in] rows.
+
+    `transposed`: each matrix is stored [in, out] (transformers' `is_transposed` experts), so its
+    rows are the stored columns; Newton-Schulz of the transpose is the transpose of Newton-Schulz,
+    and the transposed view keeps the [out, in] convention that the scale modes and the row
+    blocks (gate/up) assume. `interleaved_parts` > 1: the parts' rows alternate (gate0, up0,
+    gate1, ...), regrouped part by part so that each part is a contiguous row block.
+    """
+
+    shape: tuple[int, ...]  # the tensor's shape on this rank
+    transposed: bool = False
+    interleaved_parts: int = 1
+
+    def __post_init__(self) -> None:
+        rows = self.matrix_rows
+        if len(self.shape) < 3 or self.interleaved_parts < 1 or rows % self.interleaved_parts:
+            raise ValueError(f"a batch of matrices needs >= 3 dimensions and rows that divide into "
+                             f"{self.interleaved_parts} interleaved parts; got shape {self.shape}.")
+
+    @property
+    def count(self) -> int:
+        """How many matrices: the product of the leading dimensions."""
+        return math.prod(self.shape[:-2])
+
+    @property
+    def matrix_rows(self) -> int:
+        return self.shape[-1] if self.transposed else self.shape[-2]
+
+    @property
+    def matrix_shape(self) -> tuple[int, int]:
+        """The 2-D view's shape: every matrix's rows stacked."""
+        cols = self.shape[-2] if self.transposed else self.shape[-1]
+        return self.count * self.matrix_rows, cols
+
+    def with_leading(self, leading: int) -> "MatrixBatch":
+        """The same batch with `leading` indices in dimension 0 (an FSDP2 shard's experts)."""
+        return replace(self, shape=(leading, *self.shape[1:]))
+
+    def to_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The 2-D view of `tensor` (shaped as this batch): its matrices' rows, matrix by matrix."""
+        matrices = tensor.transpose(-1, -2) if self.transposed else tensor
+        rows, cols = matrices.shape[-2:]
+        matrices = matrices.reshape(-1, rows, cols)
+        if self.interleaved_parts > 1:
+            parts = self.interleaved_parts
+            matrices = matrices.reshape(-1, rows // parts, parts, cols).transpose(1, 2)
+        return matrices.reshape(-1, cols)
+
+    def from_rows(self, rows_2d: torch.Tensor) -> torch.Tensor:
+        """Inverse of `to_rows`: the tensor, shaped as this batch, whose 2-D view is `rows_2d`."""
+        rows, cols = self.matrix_rows, rows_2d.shape[1]
+        matrices = rows_2d.reshape(-1, rows, cols)
+        if self.interleaved_parts > 1:
+            parts = self.interleaved_parts
+            matrices = matrices.reshape(-1, parts, rows // parts, cols).transpose(1, 2).reshape(-1, rows, cols)
+        leading = self.shape[:-2]
+        matrices = matrices.reshape(*leading, rows, cols)
+        return (matrices.transpose(-1, -2) if self.transposed else matrices).contiguous()
 
 
 @dataclass(frozen=True)
@@ -32,9 +97,12 @@ class MatrixLayout:
     head_rows: int = 0  # > 0: each head_rows consecutive rows are one matrix (per-head split)
     per_group: bool = False  # every block of every row group is one matrix, whole on this rank
     tp_contiguous: bool = False  # row_blocks split the global rows; TP shards the matrix as one
+    batch: Optional[MatrixBatch] = None  # an N-D tensor of matrices; `local_shape` is its 2-D view
 
     def __post_init__(self) -> None:
         rows, _ = self.local_shape
+        if self.batch is not None:
+            self._check_batch()
         blocks = self.row_blocks or (rows,)
         if self.partition_dim not in (-1, 0, 1):
             raise ValueError(f"parameter {self.name!r}: partition_dim must be -1, 0 or 1; got {self.partition_dim}.")
@@ -57,6 +125,16 @@ class MatrixLayout:
             raise ValueError(
                 f"parameter {self.name!r}: per_group splits whole row groups of a column-parallel or "
                 f"replicated shard, without head_rows or tp_contiguous."
+            )
+
+    def _check_batch(self) -> None:
+        if (self.local_shape != self.batch.matrix_shape or not self.per_group or self.partition_dim != -1
+                or self.num_row_groups != self.batch.count):
+            raise ValueError(
+                f"parameter {self.name!r}: a batch of {self.batch.count} matrices (shape {self.batch.shape}) "
+                f"takes a per_group layout of one row group per matrix over its 2-D view "
+                f"{self.batch.matrix_shape}, without tensor parallelism; got local_shape {self.local_shape}, "
+                f"{self.num_row_groups} row groups, per_group={self.per_group}, partition_dim={self.partition_dim}."
             )
 
     def _check_tp_contiguous(self) -> None:
@@ -105,6 +183,23 @@ class MatrixLayout:
         rows_factor = self.tp_size if self.partition_dim == 0 else 1
         cols = self.local_shape[1] * (self.tp_size if self.partition_dim == 1 else 1)
         return [(self.num_row_groups * block * rows_factor, cols) for block in self.blocks]
+
+
+def local_batch_layout(layout: MatrixLayout, local_shape: tuple[int, ...]) -> MatrixLayout:
+    """The layout of this rank's part of a batch `layout` whose dimension 0 is split (FSDP2's
+    Shard(0) of experts: each rank holds whole matrices, possibly none)."""
+    batch = layout.batch.with_leading(local_shape[0])
+    return replace(layout, local_shape=batch.matrix_shape, num_row_groups=batch.count, batch=batch)
+
+
+def as_matrix(x: torch.Tensor, layout: MatrixLayout) -> torch.Tensor:
+    """The 2-D matrix that `layout` describes: `x` itself, or a batch's 2-D view."""
+    return x if layout.batch is None else layout.batch.to_rows(x)
+
+
+def as_tensor(matrix: torch.Tensor, layout: MatrixLayout) -> torch.Tensor:
+    """Inverse of `as_matrix`."""
+    return matrix if layout.batch is None else layout.batch.from_rows(matrix)
 
 
 def split_blocks(x: torch.Tensor, layout: MatrixLayout) -> list[torch.Tensor]:

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from megatron_eopt.ops.splits import qkv_row_blocks, tensor_parallel_rank_shape
+from megatron_eopt.ops.splits import MatrixBatch, qkv_row_blocks, tensor_parallel_rank_shape
 from megatron_eopt.runtime.once import warn_once
 
 
@@ -45,6 +45,7 @@ class FusedBlocks:
     head_rows: int = 0
     per_group: bool = False
     tp_contiguous: bool = False
+    batch: Optional[MatrixBatch] = None  # an N-D tensor of matrices (experts), one row group each
 
 
 WHOLE = FusedBlocks()
@@ -74,6 +75,8 @@ def registered_function(owner: Optional[torch.nn.Module], attribute: str) -> Opt
     """The table's function for `owner.attribute` (through owner's MRO); by name without owner."""
     if owner is None:
         return _BY_NAME.get(attribute)
+    if is_transformers_experts(owner):
+        return transformers_experts
     for cls in type(owner).__mro__:
         function = _TABLE.get((qualified_name(cls), attribute))
         if function is not None:
@@ -209,5 +212,160 @@ for _type, _attribute, _function in (
     ("megatron.core.transformer.multi_latent_attention.MultiLatentAttention", "linear_kv_up_proj", mla_kv_up),
     ("megatron.core.ssm.mamba_mixer.MambaMixer", "in_proj", mamba_in_proj),
     ("megatron.core.ssm.gated_delta_net.common._GDNBase", "in_proj", gated_delta_net_in_proj),
+):
+    register_fused_layout(_type, _attribute, _function)
+
+
+# --- MoE experts stored as one N-D tensor ------------------------------------------------------
+# A parameter is a batch of matrices, one per index of its leading dimensions, when the module
+# holding it directly is an experts container this table knows: transformers 5's experts
+# classes (marked by its `use_experts_implementation` decorator, below) and torchtitan's
+# GroupedExperts, or a type declared with `register_fused_layout`. The leading dimensions then
+# index experts by construction; nothing is inferred from a shape, so a conv weight or a 3-D
+# position table is never read as experts.
+
+def expert_matrices(param: torch.Tensor, transposed: bool = False, row_blocks: tuple[int, ...] = (),
+                    interleaved: bool = False) -> FusedBlocks:
+    """The layout of an N-D experts tensor: one matrix per expert ([out, in], or [in, out] stored
+    `transposed`), split into `row_blocks` (gate and up: two halves), whose rows alternate when
+    `interleaved`. For a layout function of a custom experts container."""
+    batch = MatrixBatch(tuple(param.shape), transposed, len(row_blocks) if interleaved else 1)
+    return FusedBlocks(row_blocks or (batch.matrix_rows,), batch.count, per_group=True, batch=batch)
+
+
+def is_transformers_experts(module: torch.nn.Module) -> bool:
+    """An experts module of `transformers` 5 (Qwen3-MoE's, Mixtral's, ...): its class comes from
+    transformers and carries the layout flags that transformers' `use_experts_implementation`
+    decorator sets on every experts class it dispatches (`is_transposed`, `is_concatenated`,
+    `has_gate`)."""
+    return type(module).__module__.startswith("transformers.") and all(
+        isinstance(getattr(module, flag, None), bool) for flag in ("is_transposed", "is_concatenated", "has_gate"))
+
+
+def transformers_experts(weight: FusedWeight) -> Optional[FusedBlocks]:
+    """transformers 5's experts tensors, [E, out, in] (or [E, in, out] with `is_transposed`):
+    `gate_up_proj` holds gate then up ([gate; up] halves when `is_concatenated`, else alternating
+    rows: gate0, up0, ...), `up_proj` (without a gate) and `down_proj` one matrix each. Their
+    biases ([E, out]) are no batch of matrices: None."""
+    experts, param = weight.owner, weight.param
+    if param.dim() < 3:
+        return None
+    transposed = experts.is_transposed
+    if weight.attribute == "gate_up_proj" and experts.has_gate:
+        half = (param.shape[-1] if transposed else param.shape[-2]) // 2
+        return expert_matrices(param, transposed, (half, half), interleaved=not experts.is_concatenated)
+    if weight.attribute in ("gate_up_proj", "up_proj", "down_proj"):
+        return expert_matrices(param, transposed)
+    return None
+
+
+def grouped_experts(weight: FusedWeight) -> Optional[FusedBlocks]:
+    """torchtitan's GroupedExperts: w1 (gate) and w3 (up) [E, F, D], w2 (down) [E, D, F], each
+    expert's matrix [out, in]."""
+    return expert_matrices(weight.param) if weight.param.dim() == 3 else None
+
+
+def expert_batch_blocks(owner: Optional[torch.nn.Module], attribute: str, fqn: str,
+                        param: torch.Tensor) -> Optional[FusedBlocks]:
+    """The blocks of an N-D parameter `owner.<attribute>` when its owner is an experts container
+    the table knows and its layout is a batch of matrices; else None."""
+    function = registered_function(owner, attribute) if owner is not None else None
+    if function is None:
+        return None
+    blocks = function(FusedWeight(fqn=fqn, param=param, owner=owner, attribute=attribute, model_config=None,
+                                  tp_size=1))
+    return blocks if blocks is not None and blocks.batch is not None else None
+
+
+def is_experts_container(owner: Optional[torch.nn.Module]) -> bool:
+    """Whether `owner` holds experts as N-D tensors (its other parameters, e.g. biases [E, out],
+    are per-expert vectors: no matrices)."""
+    if owner is None:
+        return False
+    if is_transformers_experts(owner):
+        return True
+    return any(_TABLE.get((qualified_name(cls), "")) is _EXPERTS_CONTAINER for cls in type(owner).__mro__)
+
+
+def _experts_container(weight: FusedWeight) -> None:
+    return None  # a marker entry: the type holds experts (is_experts_container)
+
+
+_EXPERTS_CONTAINER: LayoutFunction = _experts_container
+
+
+def register_experts_container(module_type: Union[type, str], attributes: tuple[str, ...],
+                               function: LayoutFunction = grouped_experts) -> None:
+    """Declare that `module_type` holds MoE experts as N-D tensors: its parameters `attributes`
+    have the layouts `function` returns (by default one [out, in] matrix per leading index), its
+    others are per-expert vectors, stepped by the scalar optimizer."""
+    for attribute in attributes:
+        register_fused_layout(module_type, attribute, function)
+    name = module_type if isinstance(module_type, str) else qualified_name(module_type)
+    _TABLE[(name, "")] = _EXPERTS_CONTAINER
+
+
+register_experts_container("torchtitan.models.common.moe.GroupedExperts", ("w1_EFD", "w2_EDF", "w3_EFD"))
+
+
+# --- transformers' fused projections -----------------------------------------------------------
+# Found by the module class that holds the linear layer (the table's key) and its config's head
+# counts; docs/fsdp2.md lists which families fuse which weights.
+
+def _head_dim(module: torch.nn.Module) -> Optional[int]:
+    """The attention module's head size: its own attribute, else its config's."""
+    config = getattr(module, "config", None)
+    size = getattr(module, "head_dim", None) or getattr(module, "head_size", None)
+    if size is None and config is not None:
+        size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return size
+
+
+def stacked_qkv(weight: FusedWeight) -> Optional[FusedBlocks]:
+    """Phi-3's qkv_proj: all query heads' rows, then all key heads', then all value heads'."""
+    config = getattr(weight.owner, "config", None)
+    if not weight.split_qkv:
+        return WHOLE
+    if config is None:
+        return None
+    head_dim = _head_dim(weight.owner)
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
+    return FusedBlocks((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim),
+                       head_rows=head_dim if weight.per_head else 0)
+
+
+def per_head_qkv(weight: FusedWeight) -> Optional[FusedBlocks]:
+    """GPT-NeoX's, Bloom's, Persimmon's query_key_value and MiniMax's lightning qkv_proj: per head
+    its query, key and value rows (the output viewed [heads, 3, head_dim]), so q, k and v are each
+    one block taken from every head."""
+    if not weight.split_qkv:
+        return WHOLE
+    head_dim = _head_dim(weight.owner)
+    rows = weight.param.shape[0]
+    if not head_dim or rows % (3 * head_dim):
+        return None
+    return FusedBlocks((head_dim,) * 3, rows // (3 * head_dim), head_rows=head_dim if weight.per_head else 0)
+
+
+def gate_up_halves(weight: FusedWeight) -> FusedBlocks:
+    """A gated MLP's gate_up_proj ([gate; up], chunked in two): gate and up separately."""
+    half = weight.param.shape[0] // 2
+    return FusedBlocks((half, half))
+
+
+for _type, _attribute, _function in (
+    ("transformers.models.phi3.modeling_phi3.Phi3Attention", "qkv_proj", stacked_qkv),
+    ("transformers.models.phi3.modeling_phi3.Phi3MLP", "gate_up_proj", gate_up_halves),
+    ("transformers.models.phi4_multimodal.modeling_phi4_multimodal.Phi4MultimodalAttention", "qkv_proj", stacked_qkv),
+    ("transformers.models.phi4_multimodal.modeling_phi4_multimodal.Phi4MultimodalMLP", "gate_up_proj",
+     gate_up_halves),
+    ("transformers.models.gpt_neox.modeling_gpt_neox.GPTNeoXAttention", "query_key_value", per_head_qkv),
+    ("transformers.models.gpt_neox_japanese.modeling_gpt_neox_japanese.GPTNeoXJapaneseAttention", "query_key_value",
+     per_head_qkv),
+    ("transformers.models.bloom.modeling_bloom.BloomAttention", "query_key_value", per_head_qkv),
+    ("transformers.models.persimmon.modeling_persimmon.PersimmonAttention", "query_key_value", per_head_qkv),
+    ("transformers.models.minimax.modeling_minimax.MiniMaxLightningAttention", "qkv_proj", per_head_qkv),
+    ("transformers.models.glm.modeling_glm.GlmMLP", "gate_up_proj", gate_up_halves),
+    ("transformers.models.glm4.modeling_glm4.Glm4MLP", "gate_up_proj", gate_up_halves),
 ):
     register_fused_layout(_type, _attribute, _function)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_eopt.ops.splits import MatrixLayout, tensor_parallel_rank_shape
-from megatron_eopt.params.fused_layouts import FusedWeight, fused_blocks
+from megatron_eopt.params.fused_layouts import FusedWeight, expert_batch_blocks, fused_blocks, is_experts_container
 from megatron_eopt.params.overrides import describe_key, matching_keys, merge_overrides
 from megatron_eopt.runtime.process_groups import group_size
 
@@ -71,6 +71,9 @@ class ParamRouting:
     expert_parallel_fqns: parameters that count as expert-parallel (megatron-core's
     `allreduce=False`) without the attribute: the routed experts that torch FSDP2 shards over a
     mesh of their own (placement/fully_sharded_layout.py).
+    matrix_batches: whether the optimizer also takes N-D experts tensors, a batch of matrices
+    each (params/fused_layouts.py says which: the parameters of a known experts container);
+    their containers' other parameters (per-expert biases) go to the scalar optimizer.
     """
 
     optimizer: str
@@ -79,6 +82,7 @@ class ParamRouting:
     lookup_table_types: tuple[type, ...] = (torch.nn.Embedding,)
     embedding_or_output_names: tuple[str, ...] = ()
     expert_parallel_fqns: frozenset[str] = frozenset()
+    matrix_batches: bool = False
 
     def __post_init__(self) -> None:
         if self.routing != "all" and not self.scalar_optimizer:
@@ -98,13 +102,22 @@ class ParamRouting:
         if self.routing == "all":
             return True
         use_muon = getattr(param, "use_muon", None)  # None: not set; True opts in, False out
-        if param.dim() != 2 or use_muon is False:
+        if use_muon is False:
+            return False
+        if param.dim() > 2 or is_experts_container(owner):
+            return self.matrix_batches and param.dim() > 2 and self._is_matrix_batch(param, owner, name)
+        if param.dim() != 2:
             return False
         if self.routing == "matrices" or use_muon is True:
             return True
         is_lookup_table = isinstance(owner, self.lookup_table_types)
         named = any(fnmatch.fnmatchcase(name, pattern) for pattern in self.embedding_or_output_names)
         return not (getattr(param, "is_embedding_or_output_parameter", False) or is_lookup_table or named)
+
+
+    @staticmethod
+    def _is_matrix_batch(param: torch.nn.Parameter, owner: Optional[torch.nn.Module], name: str) -> bool:
+        return expert_batch_blocks(owner, name.rpartition(".")[2], name, param) is not None
 
 
 def named_trainable_parameters(
@@ -337,7 +350,7 @@ def matrix_layouts(
     TransformerConfig (`.config`, else the chunk's). A layout that does not fit raises, naming the fqn.
     """
     chunks = list(model_chunks)
-    sites = _linear_layer_sites(chunks)
+    sites = {**_linear_layer_sites(chunks), **_batch_sites(chunks)}
     return {
         r.fqn: matrix_layout(r, chunk_model_config(chunks[r.chunk_index]), tp_size, split_qkv, per_head,
                              *sites.get(id(r.param), (None, "")))
@@ -357,12 +370,39 @@ def _linear_layer_sites(chunks: list) -> dict[int, tuple[torch.nn.Module, str]]:
     return sites
 
 
+def _batch_sites(chunks: list) -> dict[int, tuple[torch.nn.Module, str]]:
+    """id(N-D parameter) -> (the module holding it directly, its attribute): experts tensors."""
+    sites: dict[int, tuple[torch.nn.Module, str]] = {}
+    for chunk in chunks:
+        for module in chunk.modules() if isinstance(chunk, torch.nn.Module) else ():
+            for name, param in module.named_parameters(recurse=False):
+                if param.dim() > 2:
+                    sites.setdefault(id(param), (module, name))
+    return sites
+
+
+def _batch_layout(record: ParamRecord, owner: Optional[torch.nn.Module], attribute: str) -> MatrixLayout:
+    """The layout of an N-D experts tensor: one row group per expert over its 2-D view."""
+    blocks = expert_batch_blocks(owner, attribute, record.fqn, record.param)
+    if blocks is None or record.tensor_model_parallel:
+        raise ValueError(
+            f"parameter {record.fqn!r} has shape {tuple(record.param.shape)}, but optimizer "
+            f"{record.optimizer_name!r} orthogonalizes 2-D matrices, and N-D tensors only as the experts "
+            f"of a known experts container without tensor parallelism (docs/fsdp2.md); route it to the "
+            f"scalar optimizer (muon_scalar_optimizer)."
+        )
+    return MatrixLayout(name=record.fqn, local_shape=blocks.batch.matrix_shape, num_row_groups=blocks.num_row_groups,
+                        row_blocks=blocks.row_blocks, per_group=True, batch=blocks.batch)
+
+
 def matrix_layout(record: ParamRecord, model_config: Any, tp_size: int, split_qkv: bool,
                   per_head: bool = False, owner: Optional[torch.nn.Module] = None,
                   attribute: str = "") -> MatrixLayout:
     """The MatrixLayout of one 2-D parameter (see `matrix_layouts`). Without `owner` (the module
     holding its linear layer as `attribute`) the blocks are found by the name's last but one part."""
     shape = tensor_parallel_rank_shape(record.param)
+    if len(shape) > 2:
+        return _batch_layout(record, owner, attribute)
     if len(shape) != 2:
         raise ValueError(
             f"parameter {record.fqn!r} has shape {shape}, but optimizer {record.optimizer_name!r} "

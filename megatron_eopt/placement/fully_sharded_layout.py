@@ -128,7 +128,17 @@ class FullyShardedLayout:
         """
         owners = assign_owners(records, {r.fqn for r in records}, group_size(self.group_of(is_expert)),
                                group_size(self.tp_group_of(is_expert)))
-        return {r.fqn: RowShards(layouts[r.fqn], self.rows_by_rank[r.fqn], owners[r.fqn]) for r in records}
+        return {r.fqn: RowShards(layouts[r.fqn], _view_rows(layouts[r.fqn], self.rows_by_rank[r.fqn]), owners[r.fqn])
+                for r in records}
+
+
+def _view_rows(layout: MatrixLayout, rows_by_rank: tuple[int, ...]) -> tuple[int, ...]:
+    """Rows each rank holds of the matrix Muon sees: of a batch of matrices (experts, split by
+    their leading dimension), its 2-D view's rows."""
+    if layout.batch is None:
+        return rows_by_rank
+    per_index = layout.local_shape[0] // layout.batch.shape[0]
+    return tuple(rows * per_index for rows in rows_by_rank)
 
 
 def fully_sharded_layout(chunks: list[torch.nn.Module], pg_collection: Any = None) -> Optional[FullyShardedLayout]:

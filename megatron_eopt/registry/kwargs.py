@@ -71,7 +71,7 @@ def build_emerging(
         kwargs["lr"], sources["lr"] = param_groups[0]["lr"], "the first param group's lr"
     _check_kwargs(name, entry.optimizer_cls, arguments, kwargs, sources)
     check_fields_taken(name, entry, config, sources)
-    _check_param_shapes(name, entry.routing, param_groups)
+    _check_param_shapes(name, entry.routing, param_groups, takes_matrix_batches(entry.optimizer_cls))
     if entry.param_check is not None:
         check_params(name, entry, param_groups, config, context)
     optimizer = entry.optimizer_cls(param_groups, **kwargs)
@@ -290,11 +290,17 @@ def check_params(
             )
 
 
-def _check_param_shapes(name: str, routing: str, param_groups: list[dict]) -> None:
+def takes_matrix_batches(optimizer_cls: type) -> bool:
+    """Whether the class orthogonalizes an N-D tensor as a batch of matrices (MoE experts stored
+    as one tensor) given its layout: it says so with `orthogonalizes_matrix_batches = True`."""
+    return bool(getattr(optimizer_cls, "orthogonalizes_matrix_batches", False))
+
+
+def _check_param_shapes(name: str, routing: str, param_groups: list[dict], batches: bool = False) -> None:
     if routing == "all":
         return
     for param, fqn in named_params(param_groups):
-        if param.dim() != 2:
+        if param.dim() != 2 and not (batches and param.dim() > 2):  # the class checks a batch's layout
             raise ValueError(
                 f"parameter {fqn!r} has shape {tuple(param.shape)}, but optimizer {name!r} steps "
                 f"2-D matrices only; route it to the scalar optimizer (muon_scalar_optimizer)."

@@ -20,7 +20,7 @@ from megatron_eopt.ops.gram_newton_schulz_package import PACKAGE_PATH
 from megatron_eopt.ops.muon_cost import AUTO, HardwareProfile, choose_tp_modes, resolve_profile
 from megatron_eopt.ops.newton_schulz import TP_MODES, NewtonSchulzSettings, block_paths, orthogonalize_updates
 from megatron_eopt.ops.row_shards import RowShards, orthogonalize_row_shards
-from megatron_eopt.ops.splits import MatrixLayout
+from megatron_eopt.ops.splits import MatrixLayout, as_matrix, as_tensor, local_batch_layout
 from megatron_eopt.optimizers.muon.megatron_core_args import IsQkvFn, megatron_core_layouts, tp_group_of
 from megatron_eopt.optimizers.muon.step import OrthogonalizeTogether
 from megatron_eopt.params.names import is_expert_name, named_params
@@ -45,21 +45,28 @@ def check_muon_arguments(tp_mode: str, lr: float, momentum: float, weight_decay:
             raise ValueError(f"{name} must be one of {', '.join(map(repr, valid))}; got {value!r}.")
 
 
-def layouts_by_param(param_groups: list[dict], layouts: Mapping[str, MatrixLayout]) -> dict[int, MatrixLayout]:
+def layouts_by_param(param_groups: list[dict], layouts: Mapping[str, MatrixLayout],
+                     row_shards: Optional[Mapping[str, RowShards]] = None) -> dict[int, MatrixLayout]:
     """One layout per parameter (by id), checked at construction rather than in the first step.
 
     Param groups name their parameters in 'param_fqns'; a parameter without a layout is a
-    whole, unfused matrix.
+    whole, unfused matrix. With FSDP2 (`row_shards`), a batch of matrices' layout is in its row
+    shards, which `row_shards_by_param` checks.
     """
     by_param = {}
     for param, name in named_params(param_groups):
-        if param.dim() != 2:
+        shards = (row_shards or {}).get(name)
+        if shards is not None and shards.layout.batch is not None:
+            continue
+        layout = layouts.get(name)
+        if param.dim() != 2 and (layout is None or layout.batch is None):
             raise ValueError(
-                f"parameter {name!r} has shape {tuple(param.shape)}; Muon updates 2-D matrices "
-                f"only. Route it to the scalar optimizer (muon_scalar_optimizer) instead."
+                f"parameter {name!r} has shape {tuple(param.shape)}; Muon updates 2-D matrices, and N-D "
+                f"tensors whose layout makes them a batch of matrices (MoE experts, docs/fsdp2.md). Route "
+                f"it to the scalar optimizer (muon_scalar_optimizer) instead."
             )
-        layout = layouts.get(name) or MatrixLayout(name=name, local_shape=tuple(param.shape))
-        if layout.local_shape != tuple(param.shape):
+        layout = layout or MatrixLayout(name=name, local_shape=tuple(param.shape))
+        if _view_shape(param, layout) != layout.local_shape:
             raise ValueError(
                 f"parameter {name!r}: layout shape {layout.local_shape} differs from the "
                 f"parameter's {tuple(param.shape)}."
@@ -99,9 +106,18 @@ def row_shards_by_param(param_groups: list[dict], fsdp_shards: Optional[Mapping[
     return by_param
 
 
+def _view_shape(param: torch.Tensor, layout: MatrixLayout) -> tuple[int, ...]:
+    """The shape of the matrix Muon sees of `param` (a batch's 2-D view of this rank's matrices)."""
+    if layout.batch is None:
+        return tuple(param.shape)
+    if param.dim() != len(layout.batch.shape) or tuple(param.shape[1:]) != layout.batch.shape[1:]:
+        return tuple(param.shape)  # no view fits: the caller names the mismatch
+    return layout.batch.with_leading(param.shape[0]).matrix_shape
+
+
 def _check_row_shard(name: str, param: torch.Tensor, shards: RowShards, rank: int, tp_size: int) -> None:
     expected = (shards.rows_by_rank[rank], shards.layout.local_shape[1])
-    if tuple(param.shape) != expected:
+    if _view_shape(param, shards.layout) != expected:
         raise ValueError(
             f"parameter {name!r}: this rank ({rank}) holds a {tuple(param.shape)} shard, but its "
             f"row split {shards.rows_by_rank} of {shards.layout.local_shape} gives {expected}."
@@ -197,7 +213,7 @@ class ShardedMatrices(OrthogonalizeTogether):
         self.tp_mode = tp_mode
         self.expert_tp_mode = expert_tp_mode or tp_mode
         self.tp_group = tp_group
-        self._layout_of = layouts_by_param(self.param_groups, dict(layouts or {}))
+        self._layout_of = layouts_by_param(self.param_groups, dict(layouts or {}), fsdp_shards)
         self.fsdp_group = fsdp_group
         self._row_shards_of = row_shards_by_param(self.param_groups, fsdp_shards, fsdp_group, tp_group, layouts)
         matrix_layouts = matrix_layouts_of(self._layout_of, self._row_shards_of)
@@ -245,11 +261,37 @@ class ShardedMatrices(OrthogonalizeTogether):
         """The orthogonalized `updates` of `params`: TP shards (or whole matrices), each in its tp_mode."""
         layouts = [self._layout_of[id(p)] for p in params]
         modes = [self.tp_modes[layout.name] for layout in layouts]
-        return orthogonalize_updates(updates, layouts, modes, self.tp_group, self.settings)
+        matrices = [as_matrix(u, layout) for u, layout in zip(updates, layouts)]
+        results = orthogonalize_updates(matrices, layouts, modes, self.tp_group, self.settings)
+        return [as_tensor(r, layout) for r, layout in zip(results, layouts)]
 
     def _orthogonalize_fsdp_shards(self, params: list[torch.Tensor], updates: list[torch.Tensor]) -> list[torch.Tensor]:
         """This rank's rows of the orthogonalized `updates` of `params`, FSDP2 row shards: each matrix
         to its owner and back, its TP shards (with TP as well) in its tp_mode."""
         shards = [self._row_shards_of[id(p)] for p in params]
         modes = [self.tp_modes[s.layout.name] for s in shards]
-        return orthogonalize_row_shards(updates, shards, self.fsdp_group, self.settings, modes, self.tp_group)
+        batches = [i for i, s in enumerate(shards) if s.layout.batch is not None]
+        others = [i for i, s in enumerate(shards) if s.layout.batch is None]
+        results: list[torch.Tensor] = [torch.empty(0)] * len(params)
+        exchanged = orthogonalize_row_shards([updates[i] for i in others], [shards[i] for i in others],
+                                             self.fsdp_group, self.settings, [modes[i] for i in others], self.tp_group)
+        for i, result in zip(others, exchanged):
+            results[i] = result
+        for i, result in zip(batches, self._orthogonalize_held_matrices([updates[i] for i in batches],
+                                                                        [shards[i].layout for i in batches])):
+            results[i] = result
+        return results
+
+    def _orthogonalize_held_matrices(self, updates: list[torch.Tensor],
+                                     layouts: list[MatrixLayout]) -> list[torch.Tensor]:
+        """Batches of matrices (experts) split over FSDP2 ranks by their leading dimension: each
+        rank holds whole matrices and orthogonalizes its own, equal shapes in one batched call,
+        with nothing sent."""
+        local = [local_batch_layout(layout, tuple(u.shape)) for u, layout in zip(updates, layouts)]
+        held = [k for k, layout in enumerate(local) if layout.num_row_groups > 0]  # a rank may hold none
+        results = [torch.zeros_like(u) for u in updates]
+        done = orthogonalize_updates([as_matrix(updates[k], local[k]) for k in held], [local[k] for k in held],
+                                     "duplicated", None, self.settings) if held else []
+        for k, result in zip(held, done):
+            results[k] = as_tensor(result, local[k])
+        return results

@@ -93,6 +93,9 @@ class TensorParallelMuon(ShardedMatrices, Muon):
     machine (off without Triton >= 3.4 or on an unvalidated GPU), and what the step uses.
     """
 
+    # MoE experts stored as one N-D tensor, by their layout's batch (docs/fsdp2.md).
+    orthogonalizes_matrix_batches = True
+
     def __init__(
         self,
         params: Any,

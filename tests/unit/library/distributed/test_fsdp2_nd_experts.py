@@ -1,0 +1,171 @@
+"""MoE experts stored as one N-D tensor, under torch FSDP2 on 2 gloo ranks, equal one process.
+
+Two models, each with 3 experts, so FSDP2's Shard(0) of the experts dimension gives rank 0 two
+whole experts and rank 1 one:
+- `transformers`' Qwen3MoeForCausalLM from a tiny config (no download): `mlp.experts.gate_up_proj`
+  [E, 2F, H] (gate = first F rows) and `down_proj` [E, H, F]; each decoder layer and the root
+  `fully_shard`ed, as AReaL and verl shard it; a real forward and backward on each rank (the same
+  batch, so FSDP2's averaged gradient is the one process's).
+- torchtitan's `GroupedExperts` (w1 and w3 [E, F, D], w2 [E, D, F]) under a toy root whose forward
+  uses them through einsum (its grouped-mm kernel is bf16 and CUDA-minded), the root sharded.
+Reference: the same model unsharded in the same process, stepped by our optimizer. Muon, fp32,
+muon_fp32_matmul_prec='highest', no weight decay, one step. Checked:
+- every parameter's full tensor after the step within 1e-5 of the reference;
+- every expert's update (gate and up apart) equals lr * sqrt(max(m, n)) times emerging_optimizers'
+  plain Newton-Schulz of that expert's own gradient block (fails without per-expert batches:
+  cosine ~0.6 then, and without the gate/up split);
+- each rank orthogonalizes the experts it holds, one batched call per shape (rank 0's 2 experts'
+  gate and up blocks in one (4, F, H) call), nothing of them sent;
+- the refusals: `shard_placement_fn` giving Shard(1) (rows of each expert split over ranks), and a
+  2-D mesh (an EP x FSDP or HSDP layout), each one ValueError naming the parameter and placement.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from emerging_optimizers.orthogonalized_optimizers import muon_utils
+
+from megatron_eopt import OptimizerConfig, ParallelGroups, get_megatron_optimizer
+from megatron_eopt.training.parallel.fsdp2 import data_parallel_mesh
+from tests.newton_schulz_calls import recording_newton_schulz_calls
+from tests.refusals import error_of
+
+pytest.importorskip("transformers")
+pytest.importorskip("torchtitan")
+
+LR = 0.1
+TOLERANCE = 1e-5
+CONFIG = OptimizerConfig(optimizer="muon", lr=LR, weight_decay=0.0, clip_grad=0.0, muon_fp32_matmul_prec="highest")
+EXPERTS, HIDDEN, FFN = 3, 32, 24
+
+
+def _qwen3_moe() -> torch.nn.Module:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(vocab_size=64, hidden_size=HIDDEN, intermediate_size=48, moe_intermediate_size=FFN,
+                            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            num_experts=EXPERTS, num_experts_per_tok=2)
+    return Qwen3MoeForCausalLM(config).float()
+
+
+class _TitanMoE(torch.nn.Module):
+    """A router and torchtitan's GroupedExperts, combined without its CUDA-minded grouped mm."""
+
+    def __init__(self) -> None:
+        from torchtitan.models.common.moe import GroupedExperts
+
+        super().__init__()
+        self.router = torch.nn.Linear(HIDDEN, EXPERTS, bias=False)
+        self.moe = torch.nn.Module()
+        self.moe.experts = GroupedExperts(GroupedExperts.Config(dim=HIDDEN, hidden_dim=FFN, num_experts=EXPERTS))
+        for param in self.moe.experts.parameters():
+            torch.nn.init.normal_(param, std=0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        experts = self.moe.experts
+        weights = torch.softmax(self.router(x), dim=-1)
+        hidden = F.silu(torch.einsum("bd,efd->bef", x, experts.w1_EFD)) * torch.einsum("bd,efd->bef", x, experts.w3_EFD)
+        out = torch.einsum("bef,edf->bed", hidden, experts.w2_EDF)
+        return (weights.unsqueeze(-1) * out).sum(1).sin().square().mean()
+
+
+def _loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return model(batch, labels=batch).loss if batch.dtype == torch.long else model(batch)
+
+
+def _step(model: torch.nn.Module, batch: torch.Tensor, groups=None) -> tuple[dict, dict, list]:
+    """(full gradients, full updates, Newton-Schulz call shapes) of one Muon step."""
+    optimizer = get_megatron_optimizer(CONFIG, [model], pg_collection=groups)
+    _loss(model, batch).backward()
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t
+    before = {name: full(p.detach()).clone() for name, p in model.named_parameters()}
+    gradients = {name: full(p.grad).clone() for name, p in model.named_parameters()}
+    with recording_newton_schulz_calls() as calls:
+        optimizer.step()
+    updates = {name: before[name] - full(p.detach()) for name, p in model.named_parameters()}
+    return gradients, updates, calls
+
+
+def _per_expert_errors(gradients: dict, updates: dict, blocks: dict) -> dict:
+    """Largest relative error of each expert block's update against the plain Newton-Schulz of
+    its own gradient block."""
+    errors = {}
+    for name, parts in blocks.items():
+        for expert in range(EXPERTS):
+            for index, rows in enumerate(parts):
+                gradient = gradients[name][expert][rows]
+                expected = LR * max(gradient.shape) ** 0.5 * muon_utils.newton_schulz(gradient, 5, "quintic")
+                got = updates[name][expert][rows]
+                errors[f"{name}[{expert}][{index}]"] = ((got - expected).abs().max() / expected.abs().max()).item()
+    return errors
+
+
+def _compare(build, batch: torch.Tensor, mesh, shard_layers, blocks: dict, experts_name: str) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    reference = build()
+    sharded = copy.deepcopy(reference)
+    for module in shard_layers(sharded):
+        fully_shard(module, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    _, expected, _ = _step(reference, batch, ParallelGroups.single_process())
+    gradients, updates, calls = _step(sharded, batch)
+    held = dict(sharded.named_parameters())[experts_name].to_local().shape[0]
+    return {"errors": {name: (updates[name] - expected[name]).abs().max().item() for name in expected},
+            "per_expert": _per_expert_errors(gradients, updates, blocks), "held": held, "calls": calls}
+
+
+def _refusals(mesh_1d) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    rows = _TitanMoE()
+    fully_shard(rows.moe.experts, mesh=mesh_1d,
+                shard_placement_fn=lambda p: Shard(1) if p.dim() == 3 else Shard(0))
+    fully_shard(rows, mesh=mesh_1d)
+    two_d = _TitanMoE()  # torchtitan's EP x FSDP: the experts on a 2-D mesh, the rest on the 1-D one
+    fully_shard(two_d.moe.experts, mesh=init_device_mesh("cpu", (1, dist.get_world_size()),
+                                                         mesh_dim_names=("ep", "efsdp")))
+    fully_shard(two_d, mesh=mesh_1d)
+    return {"shard 1": error_of(lambda: get_megatron_optimizer(CONFIG, [rows])),
+            "2-D mesh": error_of(lambda: get_megatron_optimizer(CONFIG, [two_d]))}
+
+
+def _body(rank: int, world_size: int) -> dict:
+    torch.set_float32_matmul_precision("highest")
+    mesh = data_parallel_mesh(dist.group.WORLD, torch.device("cpu"))
+    torch.manual_seed(1)
+    tokens, features = torch.randint(0, 64, (4, 8)), torch.randn(8, HIDDEN)
+    qwen = _compare(_qwen3_moe, tokens, mesh, lambda m: list(m.model.layers),
+                    {"model.layers.0.mlp.experts.gate_up_proj": [slice(0, FFN), slice(FFN, 2 * FFN)],
+                     "model.layers.0.mlp.experts.down_proj": [slice(0, HIDDEN)]},
+                    "model.layers.0.mlp.experts.gate_up_proj")
+    titan = _compare(_TitanMoE, features, mesh, lambda m: [],
+                     {f"moe.experts.{name}": [slice(None)] for name in ("w1_EFD", "w2_EDF", "w3_EFD")},
+                     "moe.experts.w1_EFD")
+    return {"qwen3_moe": qwen, "torchtitan": titan, "refusals": _refusals(mesh)}
+
+
+def test_fsdp2_nd_experts_equal_one_process(run_distributed) -> None:
+    per_rank = run_distributed(_body, world_size=2, timeout=600)
+    for rank, results in enumerate(per_rank):
+        for model in ("qwen3_moe", "torchtitan"):
+            result = results[model]
+            worst = max(result["errors"].values())
+            print(f"{model} rank {rank}: max |FSDP=2 - one process| = {worst:.2e}")
+            assert worst <= TOLERANCE, (model, rank, {n: e for n, e in result["errors"].items() if e > TOLERANCE})
+            assert max(result["per_expert"].values()) <= 2e-5, (model, rank, result["per_expert"])
+            assert result["held"] == (2, 1)[rank], (model, rank, result["held"])
+        # Each rank its own experts, one batched call per shape: gate and up blocks [F, H] together.
+        qwen_calls = results["qwen3_moe"]["calls"]
+        assert ((2, 1)[rank] * 2, FFN, HIDDEN) in qwen_calls and ((2, 1)[rank], HIDDEN, FFN) in qwen_calls, \
+            (rank, qwen_calls)
+        refusals = results["refusals"]
+        for case, placement in (("shard 1", "Shard(dim=1)"), ("2-D mesh", "2-D mesh")):
+            kind, message = refusals[case]
+            assert kind == "ValueError" and "moe.experts.w" in message and placement in message, (case, message)
