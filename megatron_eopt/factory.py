@@ -373,7 +373,20 @@ def _owned_only(group: dict, owned_fqns: set[str]) -> dict:
 def _routing(spec: OptimizerSpec, config: OptimizerConfig) -> ParamRouting:
     scalar = None if spec.routing == "all" else config.muon_scalar_optimizer
     batches = spec.emerging and takes_matrix_batches(spec.entry.optimizer_cls)
-    return ParamRouting(spec.name, spec.routing, scalar, _lookup_table_types(), matrix_batches=batches)
+    return ParamRouting(spec.name, spec.routing, scalar, _lookup_table_types(), matrix_batches=batches,
+                        use_muon_names=_use_muon_names(spec, config))
+
+
+def _use_muon_names(spec: OptimizerSpec, config: OptimizerConfig) -> tuple[tuple[str, bool], ...]:
+    """(glob, use_muon) from muon_include_params / muon_exclude_params; refused where nothing is routed."""
+    pairs = tuple((glob.strip(), value) for field, value in (("muon_include_params", True), ("muon_exclude_params", False))
+                  for glob in getattr(config, field).split(",") if glob.strip())
+    if pairs and spec.routing == "all":
+        raise ValueError(
+            f"OptimizerConfig.muon_include_params / muon_exclude_params have no effect with optimizer "
+            f"{spec.name!r}, which steps every parameter; they apply to optimizers that route parameters "
+            f"(muon, adaptive_muon, ...). Leave them ''.")
+    return pairs
 
 
 def _lookup_table_types() -> tuple[type, ...]:

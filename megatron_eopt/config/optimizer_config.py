@@ -117,6 +117,13 @@ class OptimizerConfig:
     # megatron_eopt: what muon_tp_mode='auto' predicts step times with (ops/muon_cost.py): 'h100'
     # (measured GPU figures) or 'cpu'; None calibrates on the parameters' device over the TP group.
     muon_tp_hardware_profile: Optional[str] = None
+    # megatron_eopt: move parameters into or out of Muon by name, as megatron-core's `use_muon`
+    # attribute does (True / False), for models whose attributes do not reach the optimizer (torch
+    # FSDP2's fully_shard drops them). Comma-separated fnmatch globs of parameter names as
+    # `named_parameters()` gives them (e.g. 'lm_head.weight,*.mlp.gate.weight'). Routing
+    # optimizers only (muon, adaptive_muon, ...).
+    muon_include_params: str = ""
+    muon_exclude_params: str = ""
 
     # Other emerging optimizers.
     lion_beta1: float = 0.95
@@ -273,7 +280,8 @@ MEGATRON_CORE_FIELDS: dict[str, FieldUse] = {
 }
 # megatron_eopt's own fields: muon_use_syrk and muon_expert_tp_mode (newer Megatron-LM),
 # muon_match_adamw_rms, muon_gram_newton_schulz, muon_gram_newton_schulz_package, muon_aol_preconditioner,
-# muon_split_qkv_per_head, muon_tp_hardware_profile, layer_wise_reduce_grads, emerging_optimizers_compile;
+# muon_split_qkv_per_head, muon_tp_hardware_profile, muon_include_params, muon_exclude_params,
+# layer_wise_reduce_grads, emerging_optimizers_compile;
 # all used.
 
 def warn_about_inert_fields(config: "OptimizerConfig") -> None:

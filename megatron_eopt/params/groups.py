@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from megatron_eopt.ops.splits import MatrixLayout, tensor_parallel_rank_shape
 from megatron_eopt.params.fused_layouts import FusedWeight, expert_batch_blocks, fused_blocks, is_experts_container
+from megatron_eopt.params.heads import embedding_and_output_reasons
 from megatron_eopt.params.overrides import describe_key, matching_keys, merge_overrides
 from megatron_eopt.runtime.process_groups import group_size
 
@@ -47,6 +48,7 @@ class ParamRecord:
     # Its name in DTensor optimizer state (torch DCP, fsdp_dtensor) when not `fqn`: a routed expert's
     # on a mesh of its own, by global index (params/expert_names.py); "" when its layout has none.
     stored_name: Optional[str] = None
+    routed_because: str = ""  # why `optimizer_name` steps it (ParamRouting.route); the param map dump shows it
 
     @property
     def checkpoint_name(self) -> str:
@@ -55,14 +57,15 @@ class ParamRecord:
 
 @dataclass(frozen=True)
 class ParamRouting:
-    """Which optimizer steps each parameter.
+    """Which optimizer steps each parameter, and why (`route`).
 
     optimizer: the configured optimizer.  routing: what it takes (registry's `Routing`):
     'all' every parameter; 'matrices' every 2-D parameter not marked `use_muon=False`;
-    'hidden_matrices' those that are moreover neither `is_embedding_or_output_parameter` nor a
+    'hidden_matrices' those that are moreover neither `is_embedding_or_output_parameter`, nor a
     lookup table (a parameter of a `lookup_table_types` module: megatron-core tags only the word
-    embedding and the output layer, not the learned position embedding), unless the user
-    opted them in with `use_muon=True`.
+    embedding and the output layer, not the learned position embedding), nor a token embedding
+    or output head found by structure (params/heads.py, passed per parameter to `route`),
+    unless the user opted them in with `use_muon=True`.
     scalar_optimizer: steps the rest.
     embedding_or_output_names: name globs (fnmatch, as override keys match names) of parameters
     that count as `is_embedding_or_output_parameter` without the attribute: torch FSDP2's
@@ -74,6 +77,10 @@ class ParamRouting:
     matrix_batches: whether the optimizer also takes N-D experts tensors, a batch of matrices
     each (params/fused_layouts.py says which: the parameters of a known experts container);
     their containers' other parameters (per-expert biases) go to the scalar optimizer.
+    use_muon_names: (glob, value) pairs that set `use_muon` by parameter name
+    (OptimizerConfig.muon_include_params / muon_exclude_params), which survive `fully_shard`
+    where a parameter attribute set before it does not. A name and an attribute that disagree,
+    or two globs that do, raise.
     """
 
     optimizer: str
@@ -83,6 +90,7 @@ class ParamRouting:
     embedding_or_output_names: tuple[str, ...] = ()
     expert_parallel_fqns: frozenset[str] = frozenset()
     matrix_batches: bool = False
+    use_muon_names: tuple[tuple[str, bool], ...] = ()
 
     def __post_init__(self) -> None:
         if self.routing != "all" and not self.scalar_optimizer:
@@ -96,28 +104,79 @@ class ParamRouting:
         return (self.optimizer, self.scalar_optimizer)
 
     def optimizer_for(self, param: torch.nn.Parameter, owner: Optional[torch.nn.Module], name: str = "") -> str:
-        return self.optimizer if self._takes(param, owner, name) else self.scalar_optimizer
+        return self.route(param, owner, name)[0]
 
-    def _takes(self, param: torch.nn.Parameter, owner: Optional[torch.nn.Module], name: str) -> bool:
+    def route(self, param: torch.nn.Parameter, owner: Optional[torch.nn.Module], name: str = "",
+              structural: Optional[str] = None) -> tuple[str, str]:
+        """(optimizer, why). `structural`: why the parameter is a token embedding or output head
+        found by structure (params/heads.py), None when it is not one."""
+        takes, why = self._takes(param, owner, name, structural)
+        return (self.optimizer if takes else self.scalar_optimizer), why
+
+    def _takes(self, param: torch.nn.Parameter, owner: Optional[torch.nn.Module], name: str,
+               structural: Optional[str]) -> tuple[bool, str]:
         if self.routing == "all":
-            return True
-        use_muon = getattr(param, "use_muon", None)  # None: not set; True opts in, False out
+            return True, f"{self.optimizer} steps every parameter"
+        use_muon, source = self.use_muon_of(param, name)  # None: not set; True opts in, False out
         if use_muon is False:
-            return False
+            return False, source
         if param.dim() > 2 or is_experts_container(owner):
-            return self.matrix_batches and param.dim() > 2 and self._is_matrix_batch(param, owner, name)
+            return self._takes_experts(param, owner, name)
         if param.dim() != 2:
-            return False
-        if self.routing == "matrices" or use_muon is True:
-            return True
-        is_lookup_table = isinstance(owner, self.lookup_table_types)
-        named = any(fnmatch.fnmatchcase(name, pattern) for pattern in self.embedding_or_output_names)
-        return not (getattr(param, "is_embedding_or_output_parameter", False) or is_lookup_table or named)
+            return False, f"{param.dim()}-D, not a matrix"
+        if use_muon is not None:
+            return use_muon, source
+        if self.routing == "matrices":
+            return True, "matrix"
+        not_hidden = self._embedding_or_output(param, owner, name, structural)
+        return (False, not_hidden) if not_hidden else (True, "hidden matrix")
+
+    def _embedding_or_output(self, param: torch.nn.Parameter, owner: Optional[torch.nn.Module], name: str,
+                             structural: Optional[str]) -> str:
+        """Why `param` is an embedding or output layer; "" when it is not one."""
+        if getattr(param, "is_embedding_or_output_parameter", False):
+            return "is_embedding_or_output_parameter"
+        if structural:  # what the model reports is the most specific reason
+            return structural
+        if isinstance(owner, self.lookup_table_types):
+            base = next(t for t in self.lookup_table_types if isinstance(owner, t))
+            return f"lookup table ({'nn.Embedding' if base is torch.nn.Embedding else base.__name__})"
+        named = next((p for p in self.embedding_or_output_names if fnmatch.fnmatchcase(name, p)), None)
+        return f"output layer by megatron-core's name ({named})" if named is not None else ""
+
+    def use_muon_of(self, param: torch.nn.Parameter, name: str) -> tuple[Optional[bool], str]:
+        """The parameter's `use_muon` (attribute, else a name glob), and where it was set."""
+        attribute = getattr(param, "use_muon", None)
+        globs = {value: glob for glob, value in self.use_muon_names if fnmatch.fnmatchcase(name, glob)}
+        if len(globs) == 2:
+            raise ValueError(
+                f"parameter {name!r} matches OptimizerConfig.muon_include_params ({globs[True]!r}) and "
+                f"muon_exclude_params ({globs[False]!r}); a parameter may be in one of them only.")
+        by_name = next(iter(globs), None)
+        if attribute is not None and by_name is not None and bool(attribute) != by_name:
+            field = "muon_include_params" if by_name else "muon_exclude_params"
+            raise ValueError(
+                f"parameter {name!r} has use_muon={attribute!r} but matches OptimizerConfig.{field} "
+                f"({globs[by_name]!r}); drop one of the two.")
+        if attribute is not None:
+            return bool(attribute), f"use_muon={bool(attribute)}"
+        if by_name is not None:
+            field = "muon_include_params" if by_name else "muon_exclude_params"
+            return by_name, f"{field} ({globs[by_name]!r})"
+        return None, ""
 
 
-    @staticmethod
-    def _is_matrix_batch(param: torch.nn.Parameter, owner: Optional[torch.nn.Module], name: str) -> bool:
-        return expert_batch_blocks(owner, name.rpartition(".")[2], name, param) is not None
+    def _takes_experts(self, param: torch.nn.Parameter, owner: Optional[torch.nn.Module], name: str
+                       ) -> tuple[bool, str]:
+        """An N-D tensor, or a parameter of an experts container: a batch of matrices for an optimizer
+        that takes them (params/fused_layouts.py), else the scalar optimizer's."""
+        if param.dim() == 2:
+            return False, "per-expert vectors of an experts container (biases)"
+        if expert_batch_blocks(owner, name.rpartition(".")[2], name, param) is None:
+            return False, f"{param.dim()}-D, not a matrix nor a known experts tensor"
+        if not self.matrix_batches:
+            return False, f"experts tensor ({param.dim()}-D): {self.optimizer} orthogonalizes 2-D matrices only"
+        return True, f"experts tensor ({param.dim()}-D): one matrix per expert"
 
 
 def named_trainable_parameters(
@@ -215,16 +274,24 @@ def _records_and_group_ids(
     group_ids: dict[str, _GroupId] = {}
     parameters = named_trainable_parameters(chunks)  # checks the chunks' types
     owners = _owners_and_chunks(chunks)
+    structural = _structural_reasons(chunks, routing)
     for fqn, name, param in parameters:
         keys = matching_keys(config_overrides, param, name)
         merge_overrides(keys, config_overrides, name)  # a conflict raises here, naming `name`
         is_expert = not getattr(param, "allreduce", True) or fqn in routing.expert_parallel_fqns
         owner, chunk_index = owners[id(param)]
-        optimizer = routing.optimizer_for(param, owner, name)
+        optimizer, why = routing.route(param, owner, name, structural.get(id(param)))
         group_id = _GroupId(optimizer, is_expert, tuple(sorted(describe_key(key) for key in keys)))
         group_ids[group_id.key] = group_id
-        records.append(_make_record(fqn, name, param, group_id.key, is_expert, optimizer, chunk_index))
+        records.append(_make_record(fqn, name, param, group_id.key, is_expert, optimizer, chunk_index, why))
     return records, group_ids
+
+
+def _structural_reasons(chunks: list, routing: ParamRouting) -> dict[int, str]:
+    """Token embeddings and output heads by structure (params/heads.py), only where routing asks."""
+    if routing.routing != "hidden_matrices":
+        return {}
+    return embedding_and_output_reasons(chunks, routing.lookup_table_types)
 
 
 def _keys_by_description(config_overrides: Mapping[Any, Mapping[str, Any]]) -> dict[str, Any]:
@@ -244,7 +311,8 @@ def _keys_by_description(config_overrides: Mapping[Any, Mapping[str, Any]]) -> d
 
 
 def _make_record(
-    fqn: str, name: str, param: torch.nn.Parameter, group_key: str, is_expert: bool, optimizer: str, chunk: int
+    fqn: str, name: str, param: torch.nn.Parameter, group_key: str, is_expert: bool, optimizer: str, chunk: int,
+    routed_because: str = "",
 ) -> ParamRecord:
     tensor_parallel = bool(getattr(param, "tensor_model_parallel", False))
     return ParamRecord(
@@ -258,6 +326,7 @@ def _make_record(
         is_shared=bool(getattr(param, "shared", False)),
         optimizer_name=optimizer,
         chunk_index=chunk,
+        routed_because=routed_because,
     )
 
 
@@ -311,7 +380,7 @@ def _make_group(group_id: _GroupId, members: list[ParamRecord], override: dict, 
 
 def dump_param_group_map(path: str, param_groups: list[dict], records: list[ParamRecord],
                          tp_modes: Optional[Mapping[str, str]] = None) -> str:
-    """Write which optimizer and group every parameter of this rank got, as JSON.
+    """Write which optimizer and group every parameter of this rank got, and why, as JSON.
 
     `path` is a directory; each rank writes `rank_{rank:05d}.json` there. Returns the file.
     `tp_modes` (fqn -> Muon TP mode, 'auto' resolved) adds a 'tp_mode' entry to those parameters.
@@ -322,6 +391,7 @@ def dump_param_group_map(path: str, param_groups: list[dict], records: list[Para
             "group_index": index_by_key[r.group_key],
             "group_key": r.group_key,
             "optimizer": r.optimizer_name,
+            "routed_because": r.routed_because,
             "shape": list(r.param.shape),
         }
         for r in records

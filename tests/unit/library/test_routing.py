@@ -55,7 +55,8 @@ def test_lookup_tables_are_recognised_by_module_type():
         def __init__(self):
             super().__init__()
             self.table = MyTable(5, 3)  # subclass of an embedding
-            self.weights = torch.nn.Linear(3, 5, bias=False)
+            # 4 rows, not the table's 5: a linear layer with the vocabulary's rows is an output head (params/heads.py)
+            self.weights = torch.nn.Linear(3, 4, bias=False)
             self.custom = torch.nn.Module()
             self.custom.rows = torch.nn.Parameter(torch.zeros(5, 3))
 

@@ -1,0 +1,91 @@
+"""A model's token embeddings and output head, found by structure, for models megatron-core did not build.
+
+megatron-core tags its word embedding and output layer `is_embedding_or_output_parameter`; other
+models (Hugging Face `transformers`, torchtitan, plain torch) carry no such tag, and torch FSDP2's
+`fully_shard` drops parameter attributes anyway. Modules survive `fully_shard`, so this module
+reads the module tree, before or after sharding alike:
+
+- embeddings the model reports: every submodule with `get_input_embeddings()` /
+  `get_output_embeddings()` (a `transformers` PreTrainedModel, a vision-language model's inner
+  language model), tied or not;
+- the output head: a linear layer (`nn.Linear` or a subclass: torchtitan's `Linear` is one)
+  that is not inside the model's repeated blocks (no `nn.ModuleList` / `nn.ModuleDict` above it)
+  and whose weight has one row per vocabulary entry: as many rows as one of the model's lookup
+  tables (`nn.Embedding`, ...) or as the root's `config.vocab_size` (a pipeline stage that holds
+  the head but not the embedding). Inside the blocks a projection can have the vocabulary's shape by
+  chance (a tiny model with `intermediate_size == vocab_size`); the head never sits there.
+
+Lookup tables themselves are found by module type in params/groups.py (`ParamRouting`).
+"""
+
+from typing import Iterable, Iterator, Optional
+
+import torch
+
+REPEATED_BLOCK_TYPES = (torch.nn.ModuleList, torch.nn.ModuleDict)
+
+
+def embedding_and_output_reasons(chunks: Iterable[torch.nn.Module], lookup_table_types: tuple[type, ...]) -> dict[int, str]:
+    """id(param) -> why it is a token embedding or output head, for the chunks' structural ones."""
+    chunks = [chunk for chunk in chunks if isinstance(chunk, torch.nn.Module)]
+    reasons = _reported_embeddings(chunks)
+    vocab_sizes = _vocabulary_sizes(chunks, lookup_table_types)
+    for chunk in chunks:
+        for head in _output_heads(chunk, vocab_sizes):
+            reasons.setdefault(id(head.weight), f"output head ({type(head).__name__} outside the repeated "
+                                                 f"blocks, {head.weight.shape[0]} rows: the vocabulary's)")
+    return reasons
+
+
+def _reported_embeddings(chunks: list[torch.nn.Module]) -> dict[int, str]:
+    """What `get_input_embeddings()` / `get_output_embeddings()` return, from every module having them."""
+    found: dict[int, set[str]] = {}
+    for chunk in chunks:
+        for module in chunk.modules():
+            for method in ("get_input_embeddings", "get_output_embeddings"):
+                for param in _parameters_of(_reported(module, method)):
+                    found.setdefault(id(param), set()).add(method)
+    return {key: _embedding_reason(methods) for key, methods in found.items()}
+
+
+def _embedding_reason(methods: set[str]) -> str:
+    if len(methods) == 2:
+        return "input and output embedding, tied (get_input_embeddings, get_output_embeddings)"
+    method = next(iter(methods))
+    return f"{method.split('_')[1]} embedding ({method})"
+
+
+def _reported(module: torch.nn.Module, method: str) -> Optional[torch.nn.Module]:
+    getter = getattr(module, method, None)
+    if not callable(getter):
+        return None
+    try:
+        reported = getter()
+    except NotImplementedError:  # transformers' base class for a model that does not say
+        return None
+    return reported if isinstance(reported, torch.nn.Module) else None  # None: a model without a head
+
+
+def _parameters_of(module: Optional[torch.nn.Module]) -> Iterator[torch.nn.Parameter]:
+    return iter(()) if module is None else module.parameters()
+
+
+def _vocabulary_sizes(chunks: list[torch.nn.Module], lookup_table_types: tuple[type, ...]) -> set[int]:
+    sizes = {module.weight.shape[0] for chunk in chunks for module in chunk.modules()
+             if isinstance(module, lookup_table_types) and getattr(module, "weight", None) is not None}
+    for chunk in chunks:
+        vocab_size = getattr(getattr(chunk, "config", None), "vocab_size", None)
+        if isinstance(vocab_size, int) and not isinstance(vocab_size, bool):
+            sizes.add(vocab_size)
+    return sizes
+
+
+def _output_heads(module: torch.nn.Module, vocab_sizes: set[int]) -> Iterator[torch.nn.Linear]:
+    """The linear layers with vocabulary rows, searched outside the repeated blocks only."""
+    for child in module.children():
+        if isinstance(child, REPEATED_BLOCK_TYPES):
+            continue
+        weight = getattr(child, "weight", None)
+        if isinstance(child, torch.nn.Linear) and weight is not None and weight.dim() == 2 and weight.shape[0] in vocab_sizes:
+            yield child
+        yield from _output_heads(child, vocab_sizes)

@@ -1,0 +1,66 @@
+"""Tiny models that other engines hold (Hugging Face `transformers`, torchtitan), built from their
+model args on CPU without any download, and the routes we expect for them.
+
+`intermediate_size == vocab_size` on purpose: each MLP's gate/up projection then has the output
+head's shape, so a rule that found the head by shape alone would take them too.
+"""
+
+import torch
+
+VOCAB, HIDDEN, LAYERS = 64, 32, 2
+
+
+def llama(tied: bool) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=VOCAB, num_hidden_layers=LAYERS,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    return LlamaForCausalLM(config)
+
+
+def torchtitan_llama3() -> torch.nn.Module:
+    """torchtitan's Llama3Model, its debug model's recipe at a tiny size (untied)."""
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers
+
+    torch.manual_seed(0)
+    heads = 4
+    config = Llama3Model.Config(
+        dim=HIDDEN, vocab_size=VOCAB,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=HIDDEN),
+        norm=RMSNorm.Config(normalized_shape=HIDDEN),
+        lm_head=Linear.Config(in_features=HIDDEN, out_features=VOCAB),
+        layers=_build_llama3_layers(
+            n_layers=LAYERS, dim=HIDDEN, n_heads=heads, hidden_dim=VOCAB, fuse_qkv=False, attn_backend="varlen",
+            rope=ComplexRoPE.Config(dim=HIDDEN // heads, max_seq_len=64, theta=500000, scaling="none")),
+    )
+    return config.build()
+
+
+# Why each kind of parameter goes where: (optimizer, routed_because), by the parameter name's end.
+EMBEDDING_LOOKUP = ("adam", "lookup table (nn.Embedding)")
+TORCHTITAN_HEAD = ("adam", f"output head (Linear outside the repeated blocks, {VOCAB} rows: the vocabulary's)")
+HIDDEN_MATRIX = ("muon", "hidden matrix")
+VECTOR = ("adam", "1-D, not a matrix")
+
+
+def expected_llama_routes(model: torch.nn.Module, tied: bool) -> dict[str, tuple[str, str]]:
+    special = {"model.embed_tokens.weight": ("adam", "input and output embedding, tied (get_input_embeddings, "
+                                                     "get_output_embeddings)" if tied else
+                                             "input embedding (get_input_embeddings)")}
+    if not tied:
+        special["lm_head.weight"] = ("adam", "output embedding (get_output_embeddings)")
+    return _expected(model, special)
+
+
+def expected_torchtitan_routes(model: torch.nn.Module) -> dict[str, tuple[str, str]]:
+    return _expected(model, {"tok_embeddings.weight": EMBEDDING_LOOKUP, "lm_head.weight": TORCHTITAN_HEAD})
+
+
+def _expected(model: torch.nn.Module, special: dict) -> dict[str, tuple[str, str]]:
+    routes = {}
+    for name, param in model.named_parameters():
+        routes[name] = special.get(name) or (HIDDEN_MATRIX if param.dim() == 2 else VECTOR)
+    assert set(special) <= set(routes), (sorted(special), sorted(routes))
+    return routes
