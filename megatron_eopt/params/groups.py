@@ -118,10 +118,8 @@ class ParamRouting:
         if self.routing == "all":
             return True, f"{self.optimizer} steps every parameter"
         use_muon, source = self.use_muon_of(param, name)  # None: not set; True opts in, False out
-        if use_muon is False:
-            return False, source
         if param.dim() > 2 or is_experts_container(owner):
-            return self._takes_experts(param, owner, name)
+            return (False, source) if use_muon is False else self._takes_experts(param, owner, name)
         if param.dim() != 2:
             return False, f"{param.dim()}-D, not a matrix"
         if use_muon is not None:
