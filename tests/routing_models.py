@@ -40,7 +40,7 @@ def torchtitan_llama3() -> torch.nn.Module:
 
 # Why each kind of parameter goes where: (optimizer, routed_because), by the parameter name's end.
 EMBEDDING_LOOKUP = ("adam", "lookup table (nn.Embedding)")
-TORCHTITAN_HEAD = ("adam", f"output head (Linear outside the repeated blocks, {VOCAB} rows: the vocabulary's)")
+TORCHTITAN_HEAD = ("adam", f"output head (Linear of the model itself, {VOCAB} rows: the vocabulary's)")
 HIDDEN_MATRIX = ("muon", "hidden matrix")
 VECTOR = ("adam", "1-D, not a matrix")
 

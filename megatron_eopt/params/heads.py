@@ -1,29 +1,21 @@
 """A model's token embeddings and output head, found by structure, for models megatron-core did not build.
 
 megatron-core tags its word embedding and output layer `is_embedding_or_output_parameter`; other
-models (Hugging Face `transformers`, torchtitan, plain torch) carry no such tag, and torch FSDP2's
-`fully_shard` drops parameter attributes anyway. Modules survive `fully_shard`, so this module
-reads the module tree, before or after sharding alike:
-
-- embeddings the model reports: every submodule with `get_input_embeddings()` /
-  `get_output_embeddings()` (a `transformers` PreTrainedModel, a vision-language model's inner
-  language model), tied or not;
-- the output head: a linear layer (`nn.Linear` or a subclass: torchtitan's `Linear` is one)
-  that is not inside the model's repeated blocks (no `nn.ModuleList` / `nn.ModuleDict` above it)
-  and whose weight has one row per vocabulary entry: as many rows as one of the model's lookup
-  tables (`nn.Embedding`, ...) or as the root's `config.vocab_size` (a pipeline stage that holds
-  the head but not the embedding). Inside the blocks a projection can have the vocabulary's shape by
-  chance (a tiny model with `intermediate_size == vocab_size`); the head never sits there.
-
+models (`transformers`, torchtitan, plain torch) carry no such tag, and torch FSDP2's `fully_shard`
+drops parameter attributes anyway. Modules survive it, so this reads the module tree:
+- embeddings the model reports: every submodule's `get_input_embeddings()` /
+  `get_output_embeddings()` (`transformers`), tied or not;
+- the output head: a linear layer (`nn.Linear` or a subclass) that is a direct child of the model
+  (or of the wrappers' `module` chain around it), with one row per vocabulary entry: as many rows
+  as one of the model's lookup tables or as the root's `config.vocab_size` (a pipeline stage with
+  the head but not the embedding). torchtitan's `output` / `lm_head` sit there; a projection of a
+  block may have the vocabulary's shape by chance, and is never a direct child.
 Lookup tables themselves are found by module type in params/groups.py (`ParamRouting`).
 """
 
 from typing import Iterable, Iterator, Optional
 
 import torch
-
-REPEATED_BLOCK_TYPES = (torch.nn.ModuleList, torch.nn.ModuleDict)
-
 
 def embedding_and_output_reasons(chunks: Iterable[torch.nn.Module], lookup_table_types: tuple[type, ...]) -> dict[int, str]:
     """id(param) -> why it is a token embedding or output head, for the chunks' structural ones."""
@@ -32,8 +24,8 @@ def embedding_and_output_reasons(chunks: Iterable[torch.nn.Module], lookup_table
     vocab_sizes = _vocabulary_sizes(chunks, lookup_table_types)
     for chunk in chunks:
         for head in _output_heads(chunk, vocab_sizes):
-            reasons.setdefault(id(head.weight), f"output head ({type(head).__name__} outside the repeated "
-                                                 f"blocks, {head.weight.shape[0]} rows: the vocabulary's)")
+            reasons.setdefault(id(head.weight), f"output head ({type(head).__name__} of the model itself, "
+                                                 f"{head.weight.shape[0]} rows: the vocabulary's)")
     return reasons
 
 
@@ -80,12 +72,14 @@ def _vocabulary_sizes(chunks: list[torch.nn.Module], lookup_table_types: tuple[t
     return sizes
 
 
-def _output_heads(module: torch.nn.Module, vocab_sizes: set[int]) -> Iterator[torch.nn.Linear]:
-    """The linear layers with vocabulary rows, searched outside the repeated blocks only."""
-    for child in module.children():
-        if isinstance(child, REPEATED_BLOCK_TYPES):
-            continue
-        weight = getattr(child, "weight", None)
-        if isinstance(child, torch.nn.Linear) and weight is not None and weight.dim() == 2 and weight.shape[0] in vocab_sizes:
-            yield child
-        yield from _output_heads(child, vocab_sizes)
+def _output_heads(chunk: torch.nn.Module, vocab_sizes: set[int]) -> Iterator[torch.nn.Linear]:
+    """The linear layers with vocabulary rows among the direct children of `chunk` and of the
+    modules it wraps (`chunk.module`, ...: DDP, Float16Module)."""
+    module: Optional[torch.nn.Module] = chunk
+    while isinstance(module, torch.nn.Module):
+        for child in module.children():
+            weight = getattr(child, "weight", None)
+            if isinstance(child, torch.nn.Linear) and weight is not None and weight.dim() == 2 \
+                    and weight.shape[0] in vocab_sizes:
+                yield child
+        module = getattr(module, "module", None)

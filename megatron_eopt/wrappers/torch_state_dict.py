@@ -1,24 +1,16 @@
 """Each child of a chain as torch's state-dict helpers read a torch optimizer.
 
-`torch.distributed.checkpoint.state_dict`'s `get_optimizer_state_dict` / `set_optimizer_state_dict`
-(and `get_state_dict` / `set_state_dict`: AReaL's FSDP engine; torchtitan before 0.3 and AReaL's
-torchtitan-based engine with `flatten_optimizer_state_dict=True`) take a torch optimizer or an
-iterable of them and read of each: `param_groups`, whose parameters they name by identity through
-`model.named_parameters()`; `state`, keyed by those parameters (when it is empty they make it with a
-zero-gradient, lr-0 `step()`); `state_dict()` in torch's format, state and parameters numbered by
-position; `load_state_dict()`, given state keyed by name and groups in the same order.
-torchtitan 0.3's own helpers (`components/optimizer/utils.py`) read the same, and the parameters'
-names from each group's `param_names` (torch's convention for optimizers built from named
-parameters).
-
-Our children's inner torch optimizers step tensors that are not the model's parameters: under
-FSDP2 plain tensors aliasing each rank's shard, with 16-bit parameters fp32 copies. Handed to the
-helpers, the first state id finds no parameter name (`KeyError: 0`). So a chain iterates over one
-`TorchOptimizerView` per child (`ChainedOptimizer.__iter__`), which gives the helpers the model's
-parameters, each one's state as the child's `state_dict()` holds it (under FSDP2 DTensors laid out
-like the parameter; a 16-bit parameter's fp32 main copy as the state `fp32_param`), and the inner
-optimizer's hyperparameters. A load is translated back and goes through the child's own checked
-`load_state_dict`, and refuses state that is missing rather than restarting it from zero.
+`torch.distributed.checkpoint.state_dict`'s helpers (`get_/set_optimizer_state_dict`,
+`get_/set_state_dict`; AReaL, torchtitan, flattened or nested) and torchtitan 0.3's own flat ones
+take a torch optimizer or an iterable of them, and read `param_groups` (parameters named by
+identity through `model.named_parameters()`, or by `param_names`), `state` keyed by them,
+`state_dict()` / `load_state_dict()` in torch's format. Our children's inner optimizers step
+other tensors than the model's parameters (FSDP2 shard aliases, fp32 copies of 16-bit ones), which
+the helpers cannot name (`KeyError: 0`). So a chain iterates over one `TorchOptimizerView` per
+child (`ChainedOptimizer.__iter__`): the model's parameters, each one's state as the child's
+`state_dict()` holds it (DTensors under FSDP2; a 16-bit parameter's fp32 main copy as the state
+`fp32_param`) and the inner optimizer's hyperparameters. A load goes through the child's own
+checked `load_state_dict`, and refuses missing state rather than restarting it from zero.
 """
 
 from typing import Any, Callable, Mapping, Optional
