@@ -184,9 +184,10 @@ REFUSED = {  # a command line the loop refuses, and what its one line says
                                       "--ckpt-format", "torch_dist"], "use --ckpt-format torch_dcp"),
     "ours, --qk-clip without Transformer Engine": (["--optimizer", "muon", "--qk-clip", "--qk-clip-alpha", "1.0"],
                                                    "--qk-clip-alpha must be in (0, 1)"),
-    "ours, TP x Megatron-FSDP with --save": (
-        ["--optimizer", "muon", "--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor", "--tensor-model-parallel-size",
-         "2", "--save", "unused", "--save-interval", "2"], "--save with --use-megatron-fsdp at tensor-parallel size 2"),
+    "ours, expert TP x Megatron-FSDP with --save": (
+        ["--optimizer", "muon", "--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor", "--num-experts", "4",
+         "--expert-tensor-parallel-size", "2", "--save", "unused", "--save-interval", "2"],
+        "--save with --use-megatron-fsdp at expert tensor-parallel size 2"),
     "Megatron-LM's flag check": (["--optimizer", "adam", "--use-torch-fsdp2"],
                                  "--use-torch-fsdp2 requires --untie-embeddings-and-output-weights"),
     "Megatron-LM's parser": (["--optimizer", "adam", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
