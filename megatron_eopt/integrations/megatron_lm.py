@@ -299,23 +299,7 @@ def validate_args_for_megatron_eopt(args: argparse.Namespace, defaults: Optional
     with _printing_arguments_after() as printed:
         validated = _validated_for_megatron_eopt(args, defaults)
     printed(validated)
-    _refuse_checkpoints_not_written(validated)
     return validated
-
-
-def _refuse_checkpoints_not_written(args: argparse.Namespace) -> None:
-    """A layout whose checkpoints ours does not write, refused before any work when `--save` or
-    `--load` is given (at the first save, a run of a day would be lost): expert TP x Megatron-FSDP.
-    Megatron-LM sets the expert TP size to the TP size when it is not given, experts or not."""
-    expert_tensor_parallel = getattr(args, "expert_tensor_parallel_size", 1) or 1
-    experts = getattr(args, "num_experts", None)
-    if getattr(args, "use_megatron_fsdp", False) and experts and expert_tensor_parallel > 1 and (args.save or args.load):
-        given = " and ".join(flag for flag, value in (("--save", args.save), ("--load", args.load)) if value)
-        raise ValueError(
-            f"{given} with --use-megatron-fsdp at expert tensor-parallel size {expert_tensor_parallel}: megatron_eopt's "
-            f"optimizer does not write checkpoints of expert TP x Megatron-FSDP. Checkpoint it at "
-            f"--expert-tensor-parallel-size 1, or train without {given}."
-        )
 
 
 @contextlib.contextmanager
