@@ -62,10 +62,7 @@ def _recording(run: Run) -> Iterator[None]:
         run.parameters = {f"{i}.{name}": _local(p.detach()).clone() for i, chunk in enumerate(model)
                           for name, p in chunk.named_parameters()}
         ours = run.optimizer_package == "megatron_eopt"
-        try:
-            run.optimizer_state = _local(copy.deepcopy(optimizer.state_dict() if ours else _torch_states(optimizer)))
-        except ValueError as refused:  # ours has no DTensor state layout there (TP x Megatron-FSDP): its one line
-            run.optimizer_state = {"refused": str(refused)}
+        run.optimizer_state = _local(copy.deepcopy(optimizer.state_dict() if ours else _torch_states(optimizer)))
         return result
 
     def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,

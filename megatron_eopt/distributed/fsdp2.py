@@ -98,22 +98,14 @@ class FullyShardedFP32Optimizer(FP32Optimizer):
         return super().sharded_state_dict(model_sharded_state_dict, is_loading, metadata)
 
     def _refuse_tensor_parallel(self, what: str) -> None:
-        """DTensor state is keyed by parameter name, which the TP ranks of TP x torch FSDP2 share;
-        Megatron-FSDP's 2-D (dp, tp) DTensors would need their TP parts placed (a gated linear_fc1's
-        two halves apart), which is not written."""
-        if group_size(self.tp_group) <= 1:
-            return
-        if self.engine == MEGATRON_FSDP:
+        """DTensor state is keyed by parameter name, which the TP ranks of TP x torch FSDP2 share (each
+        TP rank's part is a DTensor of its own). Megatron-FSDP puts the TP parts on one 2-D (dp, tp)
+        mesh, whose state the layout places (fsdp_dtensor.row_sharded)."""
+        if group_size(self.tp_group) > 1 and self.engine != MEGATRON_FSDP:
             raise ValueError(
-                f"{what} of TP x Megatron-FSDP (expert TP included) is not supported: the optimizer state of "
-                f"its 2-D (dp, tp) DTensors is not written in that layout. It trains; to checkpoint, use "
-                f"Megatron-FSDP at TP=1 (--tensor-model-parallel-size 1 --expert-tensor-parallel-size 1), or "
-                f"TP with --use-torch-fsdp2 or --use-distributed-optimizer."
+                f"{what} of TP x torch FSDP2 is not supported: its DTensor state is keyed by parameter name, "
+                f"which the TP ranks share; use megatron_eopt.checkpointing.save_checkpoint."
             )
-        raise ValueError(
-            f"{what} of TP x torch FSDP2 is not supported: its DTensor state is keyed by parameter name, "
-            f"which the TP ranks share; use megatron_eopt.checkpointing.save_checkpoint."
-        )
 
     def _prepare_main_grads(self) -> None:
         with torch.no_grad():

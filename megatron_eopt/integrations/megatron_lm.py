@@ -299,24 +299,7 @@ def validate_args_for_megatron_eopt(args: argparse.Namespace, defaults: Optional
     with _printing_arguments_after() as printed:
         validated = _validated_for_megatron_eopt(args, defaults)
     printed(validated)
-    _refuse_checkpoints_not_written(validated)
     return validated
-
-
-def _refuse_checkpoints_not_written(args: argparse.Namespace) -> None:
-    """A layout whose checkpoints ours does not write, refused before any work when `--save` or
-    `--load` is given (at the first save, a run of a day would be lost): TP x Megatron-FSDP, whose
-    2-D (dp, tp) DTensor state is not written (distributed/fsdp2.py refuses it again at the save)."""
-    tensor_parallel = max(getattr(args, "tensor_model_parallel_size", 1) or 1,
-                          getattr(args, "expert_tensor_parallel_size", 1) or 1)
-    if getattr(args, "use_megatron_fsdp", False) and tensor_parallel > 1 and (args.save or args.load):
-        given = " and ".join(flag for flag, value in (("--save", args.save), ("--load", args.load)) if value)
-        raise ValueError(
-            f"{given} with --use-megatron-fsdp at tensor-parallel size {tensor_parallel}: megatron_eopt's "
-            f"optimizer does not write checkpoints of TP x Megatron-FSDP (its 2-D (dp, tp) DTensor state). "
-            f"Checkpoint Megatron-FSDP at --tensor-model-parallel-size 1 --expert-tensor-parallel-size 1, or use "
-            f"TP with --use-torch-fsdp2 or --use-distributed-optimizer, or train without {given}."
-        )
 
 
 @contextlib.contextmanager

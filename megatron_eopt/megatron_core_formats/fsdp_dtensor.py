@@ -99,6 +99,7 @@ def dtensor_state_dict(child: CheckpointableChild, is_loading: bool) -> dict:
                if torch.is_tensor(value) and value.dim() > 0]
     row_sharded_state, offsets = _split_state(every_param, tensors)
     replicated = [(p, name, value) for p, name, value in tensors if (p.fqn, name) not in row_sharded_state]
+    _refuse_on_two_dimensional_meshes(child, replicated)
     if not is_loading:
         _check_replicated(child, replicated)
     stored = {}
@@ -123,7 +124,8 @@ def dtensor_state_dict(child: CheckpointableChild, is_loading: bool) -> dict:
 def _split_state(params: list[ChildParam], tensors: list[tuple[ChildParam, str, torch.Tensor]]
                  ) -> tuple[set[tuple[str, str]], dict[str, int]]:
     """Which state tensors hold this rank's rows of their parameter (on every rank, as many rows as
-    the parameter's shard), and each parameter's first row here: one all_gather of row counts."""
+    the parameter's shard), and each parameter's first row here among its data-parallel ranks' rows:
+    one all_gather of row counts."""
     if not params:
         return set(), {}
     first = params[0].model
@@ -131,13 +133,29 @@ def _split_state(params: list[ChildParam], tensors: list[tuple[ChildParam, str, 
         raise TypeError(f"parameter {params[0].fqn!r} is not a DTensor; DTensor optimizer state is for models "
                         f"sharded by torch FSDP2 or Megatron-FSDP (megatron-core's format: metadata without it).")
     counts = [p.model.to_local().shape[0] for p in params] + [value.shape[0] for _, _, value in tensors]
-    rows = gathered_rows(counts, first.device_mesh.get_group(), first.device)
+    # The data-parallel group is every mesh's first dimension (Megatron-FSDP's (dp, tp) mesh's dp),
+    # the same ranks for all the parameters of a child (placement/fully_sharded_layout.py checks it).
+    rows = gathered_rows(counts, first.device_mesh.get_group(0), first.device)
     param_rows = dict(zip((p.fqn for p in params), rows))
-    rank = first.device_mesh.get_local_rank()
+    rank = first.device_mesh.get_local_rank(0)
     offsets = {fqn: sum(split[:rank]) for fqn, split in param_rows.items()}
     row_state = {(param.fqn, name) for (param, name, _), split in zip(tensors, rows[len(params):])
                  if split == param_rows[param.fqn]}
     return row_state, offsets
+
+
+def _refuse_on_two_dimensional_meshes(child: CheckpointableChild,
+                                      replicated: list[tuple[ChildParam, str, torch.Tensor]]) -> None:
+    """On Megatron-FSDP's 2-D (dp, tp) mesh each TP rank holds its own part of the matrix, so a
+    statistic of the part is not one tensor that every rank of the mesh holds."""
+    for param, name, value in replicated:
+        if param.model.device_mesh.ndim > 1:
+            raise ValueError(
+                f"optimizer {child.name!r} keeps state {name!r} {tuple(value.shape)} for parameter {param.fqn!r} "
+                f"on the 2-D (dp, tp) mesh of TP x Megatron-FSDP, not shaped like its shard "
+                f"{tuple(param.model.to_local().shape)}; DTensor optimizer state holds such state at TP=1 only. "
+                f"Checkpoint this optimizer at --tensor-model-parallel-size 1 --expert-tensor-parallel-size 1."
+            )
 
 
 def _check_replicated(child: CheckpointableChild, replicated: list[tuple[ChildParam, str, torch.Tensor]]) -> None:
@@ -270,15 +288,19 @@ def renamed(flat: dict, names: Mapping[str, str]) -> dict:
 
 def row_sharded(local: torch.Tensor, param: DTensor, row_offset: int) -> DTensor:
     """`local` (this rank's rows of a tensor with `param`'s rows) as a DTensor laid out like `param`,
-    with its chunk for DCP: DCP's own offsets assume torch.chunk's split, Megatron-FSDP's is not."""
+    with its chunk for DCP: DCP's own offsets assume torch.chunk's split, Megatron-FSDP's is not.
+    `row_offset`: its first row among its data-parallel ranks' rows."""
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
     shape = torch.Size((param.shape[0], *local.shape[1:]))  # the parameter's, or its rows' statistics
+    if param.device_mesh.ndim > 1:  # TP parts joined, along columns too
+        _check_shaped_like_shard(local, param)
+        shape = param.shape
     stride = torch.empty(shape, device="meta").stride()
-    tensor = DTensor.from_local(local, param.device_mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
-    offsets = (row_offset,) + (0,) * (local.dim() - 1)
-    chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=local.shape)
+    tensor = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=shape,
+                                stride=stride)
+    chunk = ChunkStorageMetadata(offsets=torch.Size(_chunk_offsets(local, param, row_offset)), sizes=local.shape)
 
     def write_items(fqn: str, _: Any) -> list:
         if local.numel() == 0:  # an empty shard writes nothing
@@ -290,3 +312,29 @@ def row_sharded(local: torch.Tensor, param: DTensor, row_offset: int) -> DTensor
     tensor._local_tensor.__create_chunk_list__ = lambda: [chunk]
     tensor._local_tensor.__create_write_items__ = write_items
     return tensor
+
+
+def _check_shaped_like_shard(local: torch.Tensor, param: DTensor) -> None:
+    """On the 2-D (dp, tp) mesh the state takes the parameter's placements, which fit its shape only."""
+    if local.shape != param.to_local().shape:
+        raise ValueError(
+            f"state {tuple(local.shape)} of a parameter {tuple(param.shape)} on the 2-D (dp, tp) mesh of TP x "
+            f"Megatron-FSDP is not shaped like its shard {tuple(param.to_local().shape)}; DTensor optimizer state "
+            f"holds per-row statistics at TP=1 only (--tensor-model-parallel-size 1 --expert-tensor-parallel-size 1)."
+        )
+
+
+def _chunk_offsets(local: torch.Tensor, param: DTensor, row_offset: int) -> list[int]:
+    """Where `local` starts in the global tensor. On Megatron-FSDP's 2-D (dp, tp) mesh the global
+    tensor is the TP ranks' equal parts joined along the dimension TP splits (`Shard(d)` on the tp
+    dimension), and the data-parallel ranks split each part's rows: the TP rank's part comes
+    first, as Megatron-FSDP's own chunk metadata has it (uneven_dtensor.py), so that megatron-core's
+    checkpoint and ours name the same chunks."""
+    offsets = [row_offset] + [0] * (local.dim() - 1)
+    mesh = param.device_mesh
+    for mesh_dim in range(1, mesh.ndim):
+        placement = param.placements[mesh_dim]
+        if isinstance(placement, Shard):
+            part = param.shape[placement.dim] // mesh.size(mesh_dim)
+            offsets[placement.dim] += mesh.get_local_rank(mesh_dim) * part
+    return offsets

@@ -125,12 +125,24 @@ def fsdp_dtensor_state_for_every_parameter(optimizer_class: type) -> list[tuple[
         for param, group in empty:
             self.optimizer.state[param] = _adam_state_of_empty_shard(param, group, with_step=is_loading)
         try:
-            return original(self, is_loading)  # its state dict holds their state
+            return _in_param_group_order(self, original(self, is_loading))  # its state dict holds their state
         finally:
             for param, _ in empty:
                 del self.optimizer.state[param]
 
     return [(optimizer_class, "sharded_param_state_fsdp_dtensor", sharded_param_state_fsdp_dtensor)]
+
+
+def _in_param_group_order(optimizer: Any, state_dict: dict) -> dict:
+    """`state_dict` with its state in the order of the param groups, the same on every rank. It
+    comes in the order the state was made, which differs between ranks once some have an empty
+    shard (state made here, after Adam's), and the SwiGLU split that follows runs collectives per
+    state entry in that order (at TP > 1 it hung or failed its boundary check on CPU)."""
+    state = state_dict["state"]
+    names = [optimizer._param_name(p) for group in optimizer.optimizer.param_groups for p in group["params"]]
+    ordered = {name: state[name] for name in names if name in state}
+    ordered.update((name, entries) for name, entries in state.items() if name not in ordered)
+    return {**state_dict, "state": ordered}
 
 
 def _empty_shards(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, dict]]:

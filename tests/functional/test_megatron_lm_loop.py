@@ -184,9 +184,6 @@ REFUSED = {  # a command line the loop refuses, and what its one line says
                                       "--ckpt-format", "torch_dist"], "use --ckpt-format torch_dcp"),
     "ours, --qk-clip without Transformer Engine": (["--optimizer", "muon", "--qk-clip", "--qk-clip-alpha", "1.0"],
                                                    "--qk-clip-alpha must be in (0, 1)"),
-    "ours, TP x Megatron-FSDP with --save": (
-        ["--optimizer", "muon", "--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor", "--tensor-model-parallel-size",
-         "2", "--save", "unused", "--save-interval", "2"], "--save with --use-megatron-fsdp at tensor-parallel size 2"),
     "Megatron-LM's flag check": (["--optimizer", "adam", "--use-torch-fsdp2"],
                                  "--use-torch-fsdp2 requires --untie-embeddings-and-output-weights"),
     "Megatron-LM's parser": (["--optimizer", "adam", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
@@ -293,7 +290,7 @@ def _assert_moved(straight: list[Run], saved: list[Run], moved_in: list[Run], co
     (`core_resumed`, itself equal to its run not interrupted, `straight`); ours saved at 3
     (`ours_saved`) and megatron-core continued that (`moved_out`) the same."""
     after = range(SAVED_AT + 1, ITERATIONS + 1)
-    for rank in range(2):
+    for rank in range(len(saved)):
         where_rank = f"{where}, rank {rank}"
         assert saved[rank].optimizer_package == "megatron" and ours_saved[rank].optimizer_package == our_package
         assert [r["iteration"] for r in saved[rank].records] == [1, 2, 3], where_rank
@@ -428,7 +425,27 @@ MEGATRON_FSDP_TP2 = MEGATRON_FSDP + ["--tensor-model-parallel-size", "2", "--cli
 MEGATRON_FSDP_EXPERT_TP2 = MEGATRON_FSDP_EXPERTS + ["--expert-tensor-parallel-size", "2"]
 
 
-@pytest.mark.slow  # ~30 s on 4 ranks; the optimizer's math at TP x Megatron-FSDP is in make test (test_fsdp2.py)
+def test_tensor_parallel_megatron_fsdp_checkpoints_move_between_megatron_core_and_ours(run_distributed,
+                                                                                      tmp_path) -> None:
+    """`--use-megatron-fsdp --tensor-model-parallel-size 2 --bf16 --ckpt-format fsdp_dtensor` on 4
+    ranks, one call: its 2-D (dp, tp) DTensor state in megatron-core's layout, `linear_fc1` split into
+    SwiGLU halves. Adam: megatron-core's checkpoint at 3 continues on ours as on megatron-core, and
+    ours on megatron-core as on ours (hence ours gave megatron-core's losses to 3); Muon resumes from
+    its own checkpoint equal to the run not interrupted, every rank's shards bitwise (Muon and the
+    other optimizers at TP x Megatron-FSDP against one process: tests/unit/library/distributed/test_fsdp2.py)."""
+    adam, muon = OPTIMIZERS["adam"] + MEGATRON_FSDP_TP2, OPTIMIZERS["muon"] + MEGATRON_FSDP_TP2
+    theirs, ours, muons = (str(tmp_path / name) for name in ("theirs", "ours", "muon"))
+    (core_straight, saved, moved_in, core_resumed, ours_saved, moved_out, muon_straight, muon_saved,
+     muon_resumed) = _runs(run_distributed, adam + MEGATRON_CORE, adam + MEGATRON_CORE + _saving_at_3(theirs),
+                           adam + ["--load", theirs], adam + MEGATRON_CORE + ["--load", theirs],
+                           adam + _saving_at_3(ours), adam + MEGATRON_CORE + ["--load", ours],
+                           muon, muon + _saving_at_3(muons), muon + ["--load", muons], world_size=4)
+    _assert_moved(core_straight, saved, moved_in, core_resumed, ours_saved, moved_out, "megatron_eopt",
+                  "Adam at TP=2 x Megatron-FSDP=2")
+    _assert_resumed_exactly(muon_straight, muon_saved, muon_resumed, "Muon at TP=2 x Megatron-FSDP=2")
+
+
+@pytest.mark.slow  # ~30 s on 4 ranks; its checkpoints' test above also holds ours to megatron-core's losses
 def test_adam_on_megatron_fsdp_with_tensor_parallelism_equals_megatron_cores(run_distributed) -> None:
     """`--use-megatron-fsdp --tensor-model-parallel-size 2 --bf16` on 4 ranks: our Adam gives
     megatron-core's Adam's losses bitwise and its gradient norms (Muon and the other optimizers at
@@ -436,19 +453,23 @@ def test_adam_on_megatron_fsdp_with_tensor_parallelism_equals_megatron_cores(run
     flags = OPTIMIZERS["adam"] + MEGATRON_FSDP_TP2
     ours, theirs = _runs(run_distributed, flags, flags + MEGATRON_CORE, world_size=4)
     _assert_same_math(ours, theirs)
-    # Its DTensor optimizer state (state_dict(), fsdp_dtensor) is refused in one line, naming what checkpoints.
-    refused = ours[0].optimizer_state["refused"]
-    assert "TP x Megatron-FSDP" in refused and "--tensor-model-parallel-size 1" in refused, refused
 
 
-@pytest.mark.slow
-def test_adam_on_megatron_fsdp_with_expert_tensor_parallelism_equals_megatron_cores(run_distributed) -> None:
+@pytest.mark.slow  # ~3 min on 4 ranks; the dense test above checks the same layout in make test
+def test_adam_on_megatron_fsdp_with_expert_tensor_parallelism_equals_megatron_cores(run_distributed, tmp_path) -> None:
     """4 experts at EP=2 x expert TP=2 on Megatron-FSDP in bf16 (4 ranks, Megatron-FSDP's 2-D expert
-    mesh): our Adam gives megatron-core's Adam's losses bitwise and its gradient norms; Muon trains
-    (against one process: tests/unit/library/distributed/test_fsdp2_experts.py)."""
-    flags = MEGATRON_FSDP_EXPERT_TP2
-    ours, theirs, muon = _runs(run_distributed, OPTIMIZERS["adam"] + flags, OPTIMIZERS["adam"] + flags + MEGATRON_CORE,
-                               OPTIMIZERS["muon"] + flags, world_size=4)
-    _assert_same_math(ours, theirs)
-    losses = _column(muon[0], "lm loss", range(1, ITERATIONS + 1))
-    assert muon[0].optimizer_package == "megatron_eopt" and losses[-1] < losses[0] - 0.2, losses
+    mesh), one call: our Adam gives megatron-core's Adam's losses bitwise and its gradient norms;
+    megatron-core's fsdp_dtensor checkpoint at 3 continues on ours as on megatron-core, and ours on
+    megatron-core the same; Muon resumes equal to the run not interrupted (against one process:
+    tests/unit/library/distributed/test_fsdp2_experts.py)."""
+    adam, muon = OPTIMIZERS["adam"] + MEGATRON_FSDP_EXPERT_TP2, OPTIMIZERS["muon"] + MEGATRON_FSDP_EXPERT_TP2
+    theirs, ours, muons = (str(tmp_path / name) for name in ("theirs", "ours", "muon"))
+    (ours_straight, core_straight, saved, moved_in, core_resumed, ours_saved, moved_out, muon_straight, muon_saved,
+     muon_resumed) = _runs(run_distributed, adam, adam + MEGATRON_CORE, adam + MEGATRON_CORE + _saving_at_3(theirs),
+                           adam + ["--load", theirs], adam + MEGATRON_CORE + ["--load", theirs],
+                           adam + _saving_at_3(ours), adam + MEGATRON_CORE + ["--load", ours],
+                           muon, muon + _saving_at_3(muons), muon + ["--load", muons], world_size=4)
+    _assert_same_math(ours_straight, core_straight)
+    _assert_moved(core_straight, saved, moved_in, core_resumed, ours_saved, moved_out, "megatron_eopt",
+                  "Adam at EP=2 x expert TP=2 on Megatron-FSDP")
+    _assert_resumed_exactly(muon_straight, muon_saved, muon_resumed, "Muon at EP=2 x expert TP=2 on Megatron-FSDP")
