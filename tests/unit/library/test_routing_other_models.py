@@ -1,5 +1,6 @@
 """Muon routing of models megatron-core did not build (issue 82), in one process, unsharded:
-`transformers`' LlamaForCausalLM (untied and tied) and torchtitan's Llama3Model. Their token
+`transformers`' LlamaForCausalLM (untied and tied), torchtitan's Llama3Model and its Qwen3 MoE
+(each GroupedExperts tensor to Muon, one matrix per expert). Their token
 embeddings and output heads go to the scalar optimizer by structure (params/heads.py), the hidden
 matrices to Muon, and the param map dump says why. `use_muon` moves a parameter by attribute, and
 OptimizerConfig.muon_include_params / muon_exclude_params by name.
@@ -38,6 +39,11 @@ def test_transformers_llama_embeddings_and_head_go_to_adam(tmp_path, tied: bool)
 def test_torchtitan_llama3_embedding_and_head_go_to_adam(tmp_path) -> None:
     model = routing_models.torchtitan_llama3()
     assert routes_of(model, tmp_path) == routing_models.expected_torchtitan_routes(model)
+
+
+def test_torchtitan_qwen3_moe_experts_per_expert_embedding_and_head_to_adam(tmp_path) -> None:
+    model = routing_models.torchtitan_qwen3_moe()
+    assert routes_of(model, tmp_path) == routing_models.expected_torchtitan_moe_routes(model)
 
 
 def test_use_muon_by_attribute_and_by_name(tmp_path) -> None:

@@ -10,6 +10,11 @@ before 0.3 and AReaL's torchtitan-based engine), and through torchtitan 0.3's ow
 `list(optimizer)`. Each resumes into a fresh model and optimizer and continues; the reference is the
 run that went on without the save: parameters and optimizer state equal bitwise.
 
+In the same launch, torchtitan's Qwen3 MoE (tests/routing_models.py; GroupedExperts
+`w1_EFD`/`w3_EFD` [E, F, D], `w2_EDF` [E, D, F]) through the flattened helpers: its forward runs no
+backward on CPU, so its steps take synthetic gradients (the same full tensor on every rank, each
+rank its shard); bitwise equal too, and the experts' saved state is Muon's momentum.
+
 One launch checks all of it, and that a load missing a state says so (ValueError) instead of
 restarting it from zero.
 """
@@ -27,7 +32,6 @@ LAYOUTS = ("nested", "flattened", "torchtitan")
 def build(mesh):
     """The same tiny Qwen3-MoE on every rank and call (no download), each layer then the root sharded
     over `mesh` (one for the whole run: a parameter loads only from a DTensor on the same mesh)."""
-    from torch.distributed.fsdp import fully_shard
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
@@ -36,7 +40,22 @@ def build(mesh):
                             num_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
                             tie_word_embeddings=False)
     model = Qwen3MoeForCausalLM(config)
-    for layer in model.model.layers:
+    return _shard_and_optimize(model, model.model.layers, mesh)
+
+
+def build_torchtitan(mesh):
+    """torchtitan's Qwen3 MoE (tests/routing_models.py: GroupedExperts w1_EFD [4, 64, 32] ...), each
+    layer then the root sharded over `mesh`."""
+    from tests import routing_models
+
+    model = routing_models.torchtitan_qwen3_moe()
+    return _shard_and_optimize(model, model.layers.values(), mesh)
+
+
+def _shard_and_optimize(model, layers, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     config = OptimizerConfig(optimizer="muon", lr=1e-2, weight_decay=0.01, muon_momentum=0.9,
@@ -49,6 +68,16 @@ def take_steps(model, optimizer, first: int) -> None:
         generator = torch.Generator().manual_seed(100 * step + dist.get_rank())
         tokens = torch.randint(0, VOCAB, (2, 9), generator=generator)
         model(input_ids=tokens[:, :-1], labels=tokens[:, 1:]).loss.backward()
+        assert optimizer.step()[0]
+        optimizer.zero_grad()
+
+
+def take_synthetic_steps(model, optimizer, first: int) -> None:
+    """torchtitan's model runs no forward with gradients on CPU (tests/routing_models.py)."""
+    from tests import routing_models
+
+    for step in range(first, first + STEPS):
+        routing_models.synthetic_gradients(model, seed=step)
         assert optimizer.step()[0]
         optimizer.zero_grad()
 
@@ -95,7 +124,7 @@ def save(model, optimizer, layout: str, path: str) -> None:
              checkpoint_id=path)
 
 
-def resume(mesh, layout: str, path: str):
+def resume(mesh, layout: str, path: str, build=build):
     """A fresh model and optimizer, their state from `path` through the layout's calls. DCP reads into
     another fresh pair's state: the helpers' state dicts hold the live tensors, as torch optimizers'
     do, and a load into them alone would not show whether `set_optimizer_state_dict` loads."""
@@ -128,9 +157,8 @@ def snapshot(model, optimizer) -> dict[str, dict[str, torch.Tensor]]:
             "optimizer": whole(optimizer.state_dict())}
 
 
-def expert_state(state: dict, layout: str) -> list[tuple[int, ...]]:
-    """The shapes of the saved state of layer 0's 3-D expert weight (gate_up_proj)."""
-    name = "model.layers.0.mlp.experts.gate_up_proj"
+def expert_state(state: dict, layout: str, name: str = "model.layers.0.mlp.experts.gate_up_proj") -> list[tuple[int, ...]]:
+    """The shapes of the saved state of layer 0's 3-D expert weight (Qwen3-MoE's gate_up_proj)."""
     if layout == "nested":
         entries = state["state"][name].values()
     else:
@@ -172,7 +200,29 @@ def _helpers_body(rank: int, world_size: int, directory: str) -> dict:
         take_steps(model, optimizer, STEPS)
         result[layout] = {"restored": restored, "resumed": snapshot(model, optimizer),
                           "experts": expert_state(loaded, layout)}
-    return {"saved": saved, "straight": straight, **result}
+    return {"saved": saved, "straight": straight, **result, "torchtitan moe": _torchtitan_body(mesh, directory)}
+
+
+TITAN_EXPERTS = "layers.0.moe.routed_experts.inner_experts.w1_EFD"
+
+
+def _torchtitan_body(mesh, directory: str) -> dict:
+    """torchtitan's Qwen3 MoE through the flattened helpers, stepped with synthetic gradients."""
+    import time
+
+    started = time.perf_counter()
+    model, optimizer = build_torchtitan(mesh)
+    take_synthetic_steps(model, optimizer, 0)
+    save(model, optimizer, "flattened", f"{directory}/torchtitan_moe")
+    saved = snapshot(model, optimizer)
+    take_synthetic_steps(model, optimizer, STEPS)
+    straight = snapshot(model, optimizer)
+    model, optimizer, loaded = resume(mesh, "flattened", f"{directory}/torchtitan_moe", build=build_torchtitan)
+    restored = snapshot(model, optimizer)
+    take_synthetic_steps(model, optimizer, STEPS)
+    return {"saved": saved, "straight": straight, "restored": restored, "resumed": snapshot(model, optimizer),
+            "experts": expert_state(loaded, "flattened", TITAN_EXPERTS),
+            "expert keys": sorted(key for key in loaded if key.startswith(f"state.{TITAN_EXPERTS}.")), "seconds": time.perf_counter() - started}
 
 
 def _unequal(expected: dict, actual: dict) -> list[str]:
@@ -190,6 +240,14 @@ def test_torch_state_dict_helpers_resume_bitwise(run_distributed, tmp_path) -> N
             # the 3-D expert weight's state is saved whole: its moments (Adam) or momentum (Muon)
             assert (4, 32, 32) in reply[layout]["experts"], (layout, reply[layout]["experts"])
         assert "restores no ['exp_avg']" in reply["refusal"], reply["refusal"]
+        titan = reply["torchtitan moe"]
+        print(f"torchtitan Qwen3 MoE save/resume took {titan['seconds']:.2f} s")
+        for part in ("parameters", "optimizer"):
+            assert not _unequal(titan["saved"][part], titan["restored"][part]), ("torchtitan", part)
+            assert not _unequal(titan["straight"][part], titan["resumed"][part]), ("torchtitan", part)
+        assert (4, 64, 32) in titan["experts"], titan["experts"]  # GroupedExperts' w1_EFD state, whole
+        # Muon's state, not Adam's exp_avg / exp_avg_sq: the experts tensor went to Muon
+        assert titan["expert keys"] == [f"state.{TITAN_EXPERTS}.momentum_buffer"], titan["expert keys"]
 
 
 def test_chains_the_helpers_cannot_save_are_refused() -> None:

@@ -8,6 +8,9 @@ whole experts and rank 1 one:
   batch, so FSDP2's averaged gradient is the one process's).
 - torchtitan's `GroupedExperts` (w1 and w3 [E, F, D], w2 [E, D, F]) under a toy root whose forward
   uses them through einsum (its grouped-mm kernel is bf16 and CUDA-minded), the root sharded.
+- torchtitan's whole Qwen3 MoE model (tests/routing_models.py, 3 experts, 2 layers), each layer
+  and the root sharded; its attention runs no backward on CPU, so both copies take the same
+  synthetic gradients (`routing_models.synthetic_gradients`) instead of a forward and backward.
 Reference: the same model unsharded in the same process, stepped by our optimizer. Muon, fp32,
 muon_fp32_matmul_prec='highest', no weight decay, one step. Checked:
 - every parameter's full tensor after the step within 1e-5 of the reference;
@@ -21,6 +24,7 @@ muon_fp32_matmul_prec='highest', no weight decay, one step. Checked:
 """
 
 import copy
+import time
 
 import pytest
 import torch
@@ -30,6 +34,7 @@ from emerging_optimizers.orthogonalized_optimizers import muon_utils
 
 from megatron_eopt import OptimizerConfig, ParallelGroups, get_megatron_optimizer
 from megatron_eopt.training.parallel.fsdp2 import data_parallel_mesh
+from tests import routing_models
 from tests.newton_schulz_calls import recording_newton_schulz_calls
 from tests.refusals import error_of
 
@@ -79,7 +84,10 @@ def _loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
 def _step(model: torch.nn.Module, batch: torch.Tensor, groups=None) -> tuple[dict, dict, list]:
     """(full gradients, full updates, Newton-Schulz call shapes) of one Muon step."""
     optimizer = get_megatron_optimizer(CONFIG, [model], pg_collection=groups)
-    _loss(model, batch).backward()
+    if batch is None:  # torchtitan's whole model: no backward on CPU through its attention
+        routing_models.synthetic_gradients(model, seed=0)
+    else:
+        _loss(model, batch).backward()
     full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t
     before = {name: full(p.detach()).clone() for name, p in model.named_parameters()}
     gradients = {name: full(p.grad).clone() for name, p in model.named_parameters()}
@@ -148,13 +156,22 @@ def _body(rank: int, world_size: int) -> dict:
     titan = _compare(_TitanMoE, features, mesh, lambda m: [],
                      {f"moe.experts.{name}": [slice(None)] for name in ("w1_EFD", "w2_EDF", "w3_EFD")},
                      "moe.experts.w1_EFD")
-    return {"qwen3_moe": qwen, "torchtitan": titan, "refusals": _refusals(mesh)}
+    started = time.perf_counter()
+    experts = "layers.{}.moe.routed_experts.inner_experts.{}"
+    titan_model = _compare(lambda: routing_models.torchtitan_qwen3_moe(experts=EXPERTS), None, mesh,
+                           lambda m: list(m.layers.values()),
+                           {experts.format(layer, name): [slice(None)]
+                            for layer in range(routing_models.LAYERS) for name in ("w1_EFD", "w2_EDF", "w3_EFD")},
+                           experts.format(0, "w1_EFD"))
+    titan_model["seconds"] = time.perf_counter() - started
+    return {"qwen3_moe": qwen, "torchtitan": titan, "torchtitan_qwen3_moe": titan_model, "refusals": _refusals(mesh)}
 
 
 def test_fsdp2_nd_experts_equal_one_process(run_distributed) -> None:
     per_rank = run_distributed(_body, world_size=2, timeout=600)
     for rank, results in enumerate(per_rank):
-        for model in ("qwen3_moe", "torchtitan"):
+        print(f"rank {rank}: torchtitan Qwen3 MoE took {results['torchtitan_qwen3_moe']['seconds']:.2f} s")
+        for model in ("qwen3_moe", "torchtitan", "torchtitan_qwen3_moe"):
             result = results[model]
             worst = max(result["errors"].values())
             print(f"{model} rank {rank}: max |FSDP=2 - one process| = {worst:.2e}")

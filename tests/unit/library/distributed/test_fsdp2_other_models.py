@@ -1,6 +1,7 @@
 """Muon routing of models megatron-core did not build, sharded with torch FSDP2 as AReaL, verl and
 torchtitan shard them (`fully_shard` on each decoder layer, then the root), on 2 gloo ranks, in
-one launch: `transformers`' LlamaForCausalLM untied and tied, torchtitan's Llama3Model.
+one launch: `transformers`' LlamaForCausalLM untied and tied, torchtitan's Llama3Model and its
+Qwen3 MoE (each GroupedExperts tensor, sharded on its experts dimension, to Muon per expert).
 
 fully_shard replaces every parameter by a DTensor and drops its attributes, so the routes must
 come from the modules: on every rank they equal the unsharded routes that
@@ -12,6 +13,7 @@ a step from a real forward and backward.
 
 import json
 import tempfile
+import time
 
 import torch
 
@@ -66,12 +68,19 @@ def _body(rank: int, world_size: int) -> dict:
     expected = routing_models.expected_torchtitan_routes(model)
     _shard(model, model.layers.values())
     result["torchtitan"] = {"expected": expected, "routes": _routes(model)[0], "dropped": True}
+    started = time.perf_counter()
+    model = routing_models.torchtitan_qwen3_moe()  # 4 experts: 2 whole ones per rank
+    expected = routing_models.expected_torchtitan_moe_routes(model)
+    _shard(model, model.layers.values())
+    result["torchtitan moe"] = {"expected": expected, "routes": _routes(model)[0], "dropped": True,
+                                "seconds": time.perf_counter() - started}
     return result
 
 
 def test_heads_and_embeddings_of_fully_sharded_transformers_and_torchtitan_models(run_distributed) -> None:
     for rank, result in enumerate(run_distributed(_body, world_size=2, timeout=600)):
-        for label in ("llama tied=False", "llama tied=True", "torchtitan"):
+        print(f"rank {rank}: torchtitan Qwen3 MoE routing took {result['torchtitan moe']['seconds']:.2f} s")
+        for label in ("llama tied=False", "llama tied=True", "torchtitan", "torchtitan moe"):
             case = result[label]
             assert case["routes"] == case["expected"], (rank, label, case["routes"])
             assert case["dropped"], (rank, label)  # fully_shard dropped the attribute set before it
