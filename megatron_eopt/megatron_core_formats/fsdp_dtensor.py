@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from megatron_eopt.ops.row_shards import gathered_rows
+from megatron_eopt.ops.row_shards import gathered_rows, sharded_dim
 from megatron_eopt.params.expert_names import unnamed_expert_layout
 from megatron_eopt.checkpointable.child import CheckpointableChild, ChildParam
 
@@ -130,7 +130,10 @@ def _split_state(params: list[ChildParam], tensors: list[tuple[ChildParam, str, 
     if not isinstance(first, DTensor):
         raise TypeError(f"parameter {params[0].fqn!r} is not a DTensor; DTensor optimizer state is for models "
                         f"sharded by torch FSDP2 or Megatron-FSDP (megatron-core's format: metadata without it).")
-    counts = [p.model.to_local().shape[0] for p in params] + [value.shape[0] for _, _, value in tensors]
+    dims = [sharded_dim(p.model) for p in params]  # 0, or 1 for experts placed Shard(1)
+    dim_of = {p.fqn: d for p, d in zip(params, dims)}
+    counts = [p.model.to_local().shape[d] for p, d in zip(params, dims)] + [
+        value.shape[dim_of[p.fqn]] if value.dim() > dim_of[p.fqn] else -1 for p, _, value in tensors]
     rows = gathered_rows(counts, first.device_mesh.get_group(), first.device)
     param_rows = dict(zip((p.fqn for p in params), rows))
     rank = first.device_mesh.get_local_rank()
@@ -274,10 +277,13 @@ def row_sharded(local: torch.Tensor, param: DTensor, row_offset: int) -> DTensor
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-    shape = torch.Size((param.shape[0], *local.shape[1:]))  # the parameter's, or its rows' statistics
+    dim = sharded_dim(param)  # 0, or 1 for experts placed Shard(1): rows of every expert
+    shape = list(local.shape)
+    shape[dim] = param.shape[dim]  # the parameter's, or its rows' statistics
+    shape = torch.Size(shape)
     stride = torch.empty(shape, device="meta").stride()
-    tensor = DTensor.from_local(local, param.device_mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
-    offsets = (row_offset,) + (0,) * (local.dim() - 1)
+    tensor = DTensor.from_local(local, param.device_mesh, [Shard(dim)], run_check=False, shape=shape, stride=stride)
+    offsets = tuple(row_offset if d == dim else 0 for d in range(local.dim()))
     chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=local.shape)
 
     def write_items(fqn: str, _: Any) -> list:

@@ -67,6 +67,13 @@ def matrix_row_shards(shards: RowShards) -> list[RowShards]:
             for index in range(layout.batch.count)]
 
 
+def sharded_dim(param: torch.Tensor) -> int:
+    """The dimension a DTensor's data-parallel mesh dimension (its first) splits: 0, or 1 for
+    experts FSDP2 places Shard(1) (placement/fully_sharded_layout.py accepts no other)."""
+    placement = getattr(param, "placements", (None,))[0]
+    return getattr(placement, "dim", 0) if placement is not None and placement.is_shard() else 0
+
+
 def gathered_rows(local_rows: Sequence[int], group: Optional[dist.ProcessGroup],
                   device: torch.device) -> list[tuple[int, ...]]:
     """Rows each rank of `group` holds of each matrix: `local_rows[i]` is this rank's count of

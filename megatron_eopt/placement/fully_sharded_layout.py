@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from megatron_eopt.ops.ownership import assign_owners
-from megatron_eopt.ops.row_shards import RowShards, gathered_rows
+from megatron_eopt.ops.row_shards import RowShards, gathered_rows, sharded_dim
 from megatron_eopt.ops.splits import MatrixBatch, MatrixLayout
 from megatron_eopt.params.fused_layouts import expert_batch_blocks
 from megatron_eopt.params.expert_names import expert_global_names
@@ -244,16 +244,10 @@ def rows_by_rank_per_mesh(sharded: list[tuple[str, DTensor]]) -> dict[str, tuple
         by_group.setdefault(tuple(group_ranks(row_group(param))), []).append((fqn, param))
     rows_of = {}
     for members in by_group.values():
-        rows = gathered_rows([p.to_local().shape[_row_dim(p)] for _, p in members], row_group(members[0][1]),
+        rows = gathered_rows([p.to_local().shape[sharded_dim(p)] for _, p in members], row_group(members[0][1]),
                              members[0][1].device)
         rows_of.update({fqn: r for (fqn, _), r in zip(members, rows)})
     return rows_of
-
-
-def _row_dim(param: DTensor) -> int:
-    """The dimension the mesh's first dimension splits: 0, or 1 for experts placed Shard(1)."""
-    placement = param.placements[0]
-    return placement.dim if isinstance(placement, Shard) else 0
 
 
 def _expert_sharding(chunks: list[torch.nn.Module], pg_collection: Any, expert: list[tuple[str, DTensor]],

@@ -19,7 +19,10 @@ muon_fp32_matmul_prec='highest', no weight decay, one step. Checked:
 - torchtitan's `shard_placement_fn`, Shard(1) for the experts (each rank holds rows of every
   expert: gate_up_proj's gate rows on rank 0, its up rows on rank 1): both models' parameters after
   2 Muon steps equal one process's within fp32 rounding (fails without the exchange that sends
-  each expert's rows to its owner: rank-local Newton-Schulz of half an expert);
+  each expert's rows to its owner: rank-local Newton-Schulz of half an expert); and GroupedExperts
+  saved after one step through `get_optimizer_state_dict` (flattened) and `dcp.save`, loaded into
+  a fresh model and optimizer, steps on bitwise (its momentum is saved as Shard(1), each rank's
+  rows of every expert at their offsets);
 - the refusals, each one ValueError naming the parameter and placement: Shard(1) of transposed
   experts (GPT-OSS, [E, in, out]: it would split each expert's columns), Shard(1) of a 2-D weight,
   and a 2-D mesh (an EP x FSDP or HSDP layout).
@@ -158,6 +161,45 @@ def _compare_expert_rows(build, batch: torch.Tensor, mesh, shard_layers, experts
             "held": tuple(held.to_local().shape), "placements": str(held.placements)}
 
 
+def _titan_expert_rows(mesh) -> tuple[torch.nn.Module, object]:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = _TitanMoE()
+    fully_shard(model, mesh=mesh, shard_placement_fn=_expert_rows)
+    return model, get_megatron_optimizer(CONFIG, [model])
+
+
+def _resume_expert_rows(mesh, batch: torch.Tensor, directory: str) -> dict:
+    """Save after one step (DCP, flattened optimizer state), load into a fresh pair, step both."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    model, optimizer = _titan_expert_rows(mesh)
+
+    def step(model, optimizer) -> dict:
+        optimizer.zero_grad()
+        _loss(model, batch).backward()
+        optimizer.step()
+        return {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
+
+    step(model, optimizer)
+    dcp.save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer, options=flat)},
+             checkpoint_id=directory)
+    straight = step(model, optimizer)
+    model, optimizer = _titan_expert_rows(mesh)
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer, options=flat)}
+    dcp.load(state, checkpoint_id=directory)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=flat)
+    resumed = step(model, optimizer)
+    return {"unequal": [name for name in straight if not torch.equal(straight[name], resumed[name])],
+            "state": str(state["optimizer"]["state.moe.experts.w1_EFD.momentum_buffer"].placements)}
+
+
 def _gpt_oss() -> torch.nn.Module:
     from transformers import GptOssConfig, GptOssForCausalLM
 
@@ -185,7 +227,7 @@ def _refusals(mesh_1d) -> dict:
             "2-D mesh": error_of(lambda: get_megatron_optimizer(CONFIG, [two_d]))}
 
 
-def _body(rank: int, world_size: int) -> dict:
+def _body(rank: int, world_size: int, directory: str) -> dict:
     torch.set_float32_matmul_precision("highest")
     mesh = data_parallel_mesh(dist.group.WORLD, torch.device("cpu"))
     torch.manual_seed(1)
@@ -201,11 +243,12 @@ def _body(rank: int, world_size: int) -> dict:
                                               "model.layers.0.mlp.experts.gate_up_proj"),
             "torchtitan": _compare_expert_rows(_TitanMoE, features, mesh, lambda m: [],
                                                "moe.experts.w1_EFD")}
+    rows["resumed"] = _resume_expert_rows(mesh, features, directory)
     return {"qwen3_moe": qwen, "torchtitan": titan, "expert_rows": rows, "refusals": _refusals(mesh)}
 
 
-def test_fsdp2_nd_experts_equal_one_process(run_distributed) -> None:
-    per_rank = run_distributed(_body, world_size=2, timeout=600)
+def test_fsdp2_nd_experts_equal_one_process(run_distributed, tmp_path) -> None:
+    per_rank = run_distributed(_body, world_size=2, args=(str(tmp_path),), timeout=600)
     for rank, results in enumerate(per_rank):
         for model in ("qwen3_moe", "torchtitan"):
             result = results[model]
@@ -225,6 +268,8 @@ def test_fsdp2_nd_experts_equal_one_process(run_distributed) -> None:
             print(f"{model} Shard(1) experts rank {rank}: max |FSDP=2 - one process| after 2 steps = {worst:.2e}")
             assert result["held"] == held and "Shard(dim=1)" in result["placements"], (model, rank, result)
             assert worst <= TOLERANCE, (model, rank, {n: e for n, e in result["errors"].items() if e > TOLERANCE})
+        resumed = results["expert_rows"]["resumed"]
+        assert not resumed["unequal"] and "Shard(dim=1)" in resumed["state"], (rank, resumed)
         refusals = results["refusals"]
         for case, name, placement in (("transposed", "mlp.experts.gate_up_proj", "Shard(dim=1)"),
                                       ("2-D weight", "router.weight", "Shard(dim=1)"),
