@@ -187,11 +187,14 @@ def _resume_expert_rows(mesh, batch: torch.Tensor, directory: str) -> dict:
         return {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
 
     step(model, optimizer)
-    dcp.save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer, options=flat)},
-             checkpoint_id=directory)
+    def state_of(model, optimizer) -> dict:
+        return {"model": get_model_state_dict(model),
+                "optimizer": get_optimizer_state_dict(model, optimizer, options=flat)}
+
+    dcp.save(state_of(model, optimizer), checkpoint_id=directory)
     straight = step(model, optimizer)
     model, optimizer = _titan_expert_rows(mesh)
-    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer, options=flat)}
+    state = state_of(model, optimizer)
     dcp.load(state, checkpoint_id=directory)
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optimizer"], options=flat)
