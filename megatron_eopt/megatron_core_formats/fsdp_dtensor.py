@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from megatron_eopt.ops.row_shards import gathered_rows
+from megatron_eopt.ops.row_shards import gathered_rows, sharded_dim
 from megatron_eopt.params.expert_names import unnamed_expert_layout
 from megatron_eopt.checkpointable.child import CheckpointableChild, ChildParam
 
@@ -132,7 +132,10 @@ def _split_state(params: list[ChildParam], tensors: list[tuple[ChildParam, str, 
     if not isinstance(first, DTensor):
         raise TypeError(f"parameter {params[0].fqn!r} is not a DTensor; DTensor optimizer state is for models "
                         f"sharded by torch FSDP2 or Megatron-FSDP (megatron-core's format: metadata without it).")
-    counts = [p.model.to_local().shape[0] for p in params] + [value.shape[0] for _, _, value in tensors]
+    dims = [sharded_dim(p.model) for p in params]  # 0, or 1 for experts placed Shard(1)
+    dim_of = {p.fqn: d for p, d in zip(params, dims)}
+    counts = [p.model.to_local().shape[d] for p, d in zip(params, dims)] + [
+        value.shape[dim_of[p.fqn]] if value.dim() > dim_of[p.fqn] else -1 for p, _, value in tensors]
     # The data-parallel group is every mesh's first dimension (Megatron-FSDP's (dp, tp) mesh's dp),
     # the same ranks for all the parameters of a child (placement/fully_sharded_layout.py checks it).
     rows = gathered_rows(counts, first.device_mesh.get_group(0), first.device)
@@ -293,7 +296,10 @@ def row_sharded(local: torch.Tensor, param: DTensor, row_offset: int) -> DTensor
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-    shape = torch.Size((param.shape[0], *local.shape[1:]))  # the parameter's, or its rows' statistics
+    dim = sharded_dim(param)  # 0, or 1 for experts placed Shard(1): rows of every expert
+    shape = list(local.shape)
+    shape[dim] = param.shape[dim]  # the parameter's, or its rows' statistics
+    shape = torch.Size(shape)
     if param.device_mesh.ndim > 1:  # TP parts joined, along columns too
         _check_shaped_like_shard(local, param)
         shape = param.shape
@@ -330,7 +336,8 @@ def _chunk_offsets(local: torch.Tensor, param: DTensor, row_offset: int) -> list
     dimension), and the data-parallel ranks split each part's rows: the TP rank's part comes
     first, as Megatron-FSDP's own chunk metadata has it (uneven_dtensor.py), so that megatron-core's
     checkpoint and ours name the same chunks."""
-    offsets = [row_offset] + [0] * (local.dim() - 1)
+    offsets = [0] * local.dim()
+    offsets[sharded_dim(param)] = row_offset  # the data-parallel ranks' rows (of every expert with Shard(1))
     mesh = param.device_mesh
     for mesh_dim in range(1, mesh.ndim):
         placement = param.placements[mesh_dim]

@@ -7,13 +7,15 @@ Each matrix has one owner rank, chosen by the caller. A step:
 2. each owner stacks the rows, splits the matrix into its blocks (q/k/v, gate/up) and
    orthogonalizes them, equal shapes batched;
 3. a second all_to_all_single sends each rank its rows of the result.
+A batch of matrices split by the rows of each (FSDP2's Shard(1) of experts [E, out, in]) is its
+matrices, each split the same way (`matrix_row_shards`), with owners round robin.
 `map_row_shards` is steps 1 and 3 around any function of the owned matrices (MOP's, PolarGrad's
 and Scion's `orthogonalize`). With tensor parallelism as well, the owners of one matrix form one
 TP group and orthogonalize its TP shards together in the TP mode; 'duplicated' runs as
 'sharded' there. docs/fsdp2.md describes what is sent.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -26,19 +28,50 @@ from megatron_eopt.runtime.process_groups import group_rank, group_size
 
 @dataclass(frozen=True)
 class RowShards:
-    """How one matrix is split by rows over the group, and which rank orthogonalizes it."""
+    """How one matrix is split by rows over the group, and which rank orthogonalizes it.
+
+    `per_matrix_rows`: the layout is a batch of matrices (experts [E, out, in]) whose every matrix
+    is split by its rows the same way (FSDP2's Shard(1)); `rows_by_rank` are then the rows of
+    each matrix, and `owner` is the first matrix's owner (`matrix_row_shards`).
+    """
 
     layout: MatrixLayout  # of the whole matrix (its global shape and fused blocks)
     rows_by_rank: tuple[int, ...]  # rows each rank of the group holds
     owner: int  # rank in the group that runs its Newton-Schulz
+    per_matrix_rows: bool = False
 
     def __post_init__(self) -> None:
         rows, _ = self.layout.local_shape
+        if self.per_matrix_rows:
+            batch = self.layout.batch
+            if batch is None or len(batch.shape) != 3 or batch.transposed or batch.interleaved_parts > 1:
+                raise ValueError(
+                    f"parameter {self.layout.name!r}: rows split per matrix need a 3-D batch of matrices "
+                    f"stored [E, out, in] with contiguous row blocks; got {self.layout.batch}."
+                )
+            rows = batch.matrix_rows
         if sum(self.rows_by_rank) != rows or not 0 <= self.owner < len(self.rows_by_rank):
             raise ValueError(
                 f"parameter {self.layout.name!r}: row shards {self.rows_by_rank} (owner {self.owner}) "
                 f"do not cover its {rows} rows over {len(self.rows_by_rank)} ranks."
             )
+
+
+def matrix_row_shards(shards: RowShards) -> list[RowShards]:
+    """The matrices of a batch split by the rows of each (`per_matrix_rows`): one RowShards per
+    matrix, the same row split, owners round robin from `shards.owner` (matrix i on owner + i)."""
+    layout, size = shards.layout, len(shards.rows_by_rank)
+    batch = layout.batch.with_leading(1)
+    matrix = replace(layout, local_shape=batch.matrix_shape, num_row_groups=1, batch=batch)
+    return [RowShards(matrix, shards.rows_by_rank, (shards.owner + index) % size)
+            for index in range(layout.batch.count)]
+
+
+def sharded_dim(param: torch.Tensor) -> int:
+    """The dimension a DTensor's data-parallel mesh dimension (its first) splits: 0, or 1 for
+    experts FSDP2 places Shard(1) (placement/fully_sharded_layout.py accepts no other)."""
+    placement = getattr(param, "placements", (None,))[0]
+    return getattr(placement, "dim", 0) if placement is not None and placement.is_shard() else 0
 
 
 def gathered_rows(local_rows: Sequence[int], group: Optional[dist.ProcessGroup],

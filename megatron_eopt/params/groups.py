@@ -418,7 +418,7 @@ def matrix_layouts(
     TransformerConfig (`.config`, else the chunk's). A layout that does not fit raises, naming the fqn.
     """
     chunks = list(model_chunks)
-    sites = {**_linear_layer_sites(chunks), **_batch_sites(chunks)}
+    sites = {**_linear_layer_sites(chunks), **batch_sites(chunks)}
     return {
         r.fqn: matrix_layout(r, chunk_model_config(chunks[r.chunk_index]), tp_size, split_qkv, per_head,
                              *sites.get(id(r.param), (None, "")))
@@ -438,7 +438,7 @@ def _linear_layer_sites(chunks: list) -> dict[int, tuple[torch.nn.Module, str]]:
     return sites
 
 
-def _batch_sites(chunks: list) -> dict[int, tuple[torch.nn.Module, str]]:
+def batch_sites(chunks: list) -> dict[int, tuple[torch.nn.Module, str]]:
     """id(N-D parameter) -> (the module holding it directly, its attribute): experts tensors."""
     sites: dict[int, tuple[torch.nn.Module, str]] = {}
     for chunk in chunks:

@@ -4,7 +4,8 @@ parameter's row split on every rank of its mesh, and the tensor-parallel partiti
 `fully_shard` drops, read from megatron-core's layer types.
 
 The optimizer (distributed/fsdp2.py) and the checkpoints (checkpointing/) both read it. It checks
-the layout as it reads it: Shard(0) on 1-D meshes, or Megatron-FSDP's 2-D (dp, tp) mesh for what
+the layout as it reads it: Shard(0) on 1-D meshes (Shard(1) for 3-D experts of a known container:
+the rows of every expert), or Megatron-FSDP's 2-D (dp, tp) mesh for what
 (expert) TP splits, whose matrices are each TP rank's part (ops/splits.tensor_parallel_rank_shape);
 the experts' mesh against the expert groups; tensor-parallel layers that fit the TP group
 (docs/fsdp2.md, docs/megatron-fsdp.md).
@@ -19,10 +20,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from megatron_eopt.ops.ownership import assign_owners
-from megatron_eopt.ops.row_shards import RowShards, gathered_rows
-from megatron_eopt.ops.splits import MatrixLayout
+from megatron_eopt.ops.row_shards import RowShards, gathered_rows, sharded_dim
+from megatron_eopt.ops.splits import MatrixBatch, MatrixLayout
+from megatron_eopt.params.fused_layouts import expert_batch_blocks
 from megatron_eopt.params.expert_names import expert_global_names
-from megatron_eopt.params.groups import ParamRecord, named_trainable_parameters
+from megatron_eopt.params.groups import ParamRecord, batch_sites, named_trainable_parameters
 from megatron_eopt.params.names import is_expert_name
 from megatron_eopt.placement.megatron_fsdp_model import (
     MEGATRON_FSDP,
@@ -78,6 +80,9 @@ class FullyShardedLayout:
     tensor_parallel: Optional[ParallelGroups] = None
     engine: str = TORCH_FSDP2  # or MEGATRON_FSDP
     experts: Optional[ExpertSharding] = None  # None: no expert parameter, or all on the dense mesh (EP=1)
+    # Experts tensors [E, out, in] sharded Shard(1): every rank holds rows of every expert, and
+    # their `rows_by_rank` are the rows of each expert.
+    per_matrix_rows: frozenset[str] = frozenset()
 
     @property
     def expert_parallel_fqns(self) -> frozenset[str]:
@@ -128,7 +133,9 @@ class FullyShardedLayout:
         """
         owners = assign_owners(records, {r.fqn for r in records}, group_size(self.group_of(is_expert)),
                                group_size(self.tp_group_of(is_expert)))
-        return {r.fqn: RowShards(layouts[r.fqn], _view_rows(layouts[r.fqn], self.rows_by_rank[r.fqn]), owners[r.fqn])
+        return {r.fqn: RowShards(layouts[r.fqn], self.rows_by_rank[r.fqn], owners[r.fqn], per_matrix_rows=True)
+                if r.fqn in self.per_matrix_rows else
+                RowShards(layouts[r.fqn], _view_rows(layouts[r.fqn], self.rows_by_rank[r.fqn]), owners[r.fqn])
                 for r in records}
 
 
@@ -149,7 +156,8 @@ def fully_sharded_layout(chunks: list[torch.nn.Module], pg_collection: Any = Non
     The tensor-parallel group, if any, is `pg_collection`'s, else megatron-core parallel_state's
     when it is initialized; so is the expert model-parallel group when routed experts
     (`*.experts.*`) sit on a mesh of their own. Raises (naming the parameter) for a mix of DTensor
-    and plain trainable parameters, a placement other than Shard(0) on a 1-D mesh (or, with
+    and plain trainable parameters, a placement other than Shard(0) on a 1-D mesh (Shard(1) for
+    [E, out, in] experts of a known container; or, with
     Megatron-FSDP, its (dp, tp) mesh), dense (or expert) parameters over different data-parallel
     groups, an expert mesh that does not fit the caller's expert-parallel groups, tensor-parallel
     layers that do not fit the TP group, and tensor parallelism with experts.
@@ -167,8 +175,9 @@ def fully_sharded_layout(chunks: list[torch.nn.Module], pg_collection: Any = Non
             f"fully_shard the module holding {plain[0]!r} too (e.g. fully_shard the root module), or "
             f"freeze it (requires_grad=False)."
         )
+    batches = _shard_one_batches(chunks, sharded, engine)
     for fqn, param in sharded:
-        check_row_placement(fqn, param, engine)
+        check_row_placement(fqn, param, engine, batches.get(fqn))
     dense, expert = split_by_mesh(sharded)
     group = _common_group(dense)
     if engine == TORCH_FSDP2:
@@ -182,7 +191,25 @@ def fully_sharded_layout(chunks: list[torch.nn.Module], pg_collection: Any = Non
                                {fqn: split for fqn, split in splits.items() if fqn in expert_fqns}) if expert else None
     return FullyShardedLayout(group, rows_by_rank_per_mesh(dense + expert),
                               {fqn: split.partition_dim for fqn, split in splits.items()}, tensor_parallel, engine,
-                              experts)
+                              experts, frozenset(batches))
+
+
+def _shard_one_batches(chunks: list[torch.nn.Module], sharded: list[tuple[str, DTensor]],
+                       engine: str) -> dict[str, MatrixBatch]:
+    """fqn -> the batch of matrices of each experts tensor of a known experts container that torch
+    FSDP2 places Shard(1) on a 1-D mesh (torchtitan's `shard_placement_fn` when the FSDP degree
+    exceeds the experts); the only placement besides Shard(0) that `check_row_placement` may accept."""
+    candidates = {id(p): (fqn, p) for fqn, p in sharded
+                  if p.device_mesh.ndim == 1 and tuple(p.placements) == (Shard(1),) and p.dim() >= 3}
+    if not candidates or engine != TORCH_FSDP2:
+        return {}
+    batches = {}
+    for param_id, (owner, attribute) in batch_sites(chunks).items():
+        fqn, param = candidates.get(param_id, ("", None))
+        blocks = None if param is None else expert_batch_blocks(owner, attribute, fqn, param)
+        if blocks is not None:
+            batches[fqn] = blocks.batch
+    return batches
 
 
 def split_by_mesh(sharded: list[tuple[str, DTensor]]) -> tuple[list[tuple[str, DTensor]], list[tuple[str, DTensor]]]:
@@ -217,7 +244,7 @@ def rows_by_rank_per_mesh(sharded: list[tuple[str, DTensor]]) -> dict[str, tuple
         by_group.setdefault(tuple(group_ranks(row_group(param))), []).append((fqn, param))
     rows_of = {}
     for members in by_group.values():
-        rows = gathered_rows([p.to_local().shape[0] for _, p in members], row_group(members[0][1]),
+        rows = gathered_rows([p.to_local().shape[sharded_dim(p)] for _, p in members], row_group(members[0][1]),
                              members[0][1].device)
         rows_of.update({fqn: r for (fqn, _), r in zip(members, rows)})
     return rows_of
@@ -371,11 +398,24 @@ def _check_tensor_parallel_mesh(sharded: list[tuple[str, DTensor]], splits: dict
             )
 
 
-def check_row_placement(fqn: str, param: DTensor, engine: str = TORCH_FSDP2) -> None:
+def check_row_placement(fqn: str, param: DTensor, engine: str = TORCH_FSDP2,
+                        batch: Optional[MatrixBatch] = None) -> None:
     """FSDP2's default layout, Shard(0) on a 1-D mesh, and Megatron-FSDP's with tensor parallelism:
     (Shard(0), Shard(d) or Replicate()) on its 2-D (dp, tp) mesh, the rows of each TP rank's part
-    split over dp (ops/splits.tensor_parallel_rank_shape)."""
+    split over dp (ops/splits.tensor_parallel_rank_shape). With `batch` (an experts tensor of a known
+    container, `_shard_one_batches`), also Shard(1) on a 1-D mesh: the rows of every expert split,
+    for [E, out, in] storage with contiguous gate/up blocks."""
     placements = tuple(param.placements)
+    if batch is not None and param.device_mesh.ndim == 1 and placements == (Shard(1),):
+        if param.dim() == 3 and not batch.transposed and batch.interleaved_parts == 1:
+            return
+        how = ("stored [E, in, out] (is_transposed), so Shard(1) splits each expert's columns" if batch.transposed
+               else "with interleaved gate/up rows" if batch.interleaved_parts > 1 else f"{param.dim()}-D")
+        raise ValueError(
+            f"parameter {fqn!r}: DTensor placement {placements} of an experts tensor {how} (shape "
+            f"{tuple(param.shape)}) is not supported; Shard(1) splits the rows of each expert of 3-D "
+            f"[E, out, in] experts with contiguous gate/up blocks only. Shard these experts Shard(0)."
+        )
     if engine == MEGATRON_FSDP and param.device_mesh.ndim == 2 and placements[0] == Shard(0) \
             and placements[1] in (Replicate(), *(Shard(d) for d in range(param.dim()))):
         return

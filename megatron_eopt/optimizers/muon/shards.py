@@ -19,7 +19,7 @@ from emerging_optimizers import utils as eo_utils
 from megatron_eopt.ops.gram_newton_schulz_package import PACKAGE_PATH
 from megatron_eopt.ops.muon_cost import AUTO, HardwareProfile, choose_tp_modes, resolve_profile
 from megatron_eopt.ops.newton_schulz import TP_MODES, NewtonSchulzSettings, block_paths, orthogonalize_updates
-from megatron_eopt.ops.row_shards import RowShards, orthogonalize_row_shards
+from megatron_eopt.ops.row_shards import RowShards, matrix_row_shards, orthogonalize_row_shards
 from megatron_eopt.ops.splits import MatrixLayout, as_matrix, as_tensor, local_batch_layout
 from megatron_eopt.optimizers.muon.megatron_core_args import IsQkvFn, megatron_core_layouts, tp_group_of
 from megatron_eopt.optimizers.muon.step import OrthogonalizeTogether
@@ -117,7 +117,10 @@ def _view_shape(param: torch.Tensor, layout: MatrixLayout) -> tuple[int, ...]:
 
 def _check_row_shard(name: str, param: torch.Tensor, shards: RowShards, rank: int, tp_size: int) -> None:
     expected = (shards.rows_by_rank[rank], shards.layout.local_shape[1])
-    if _view_shape(param, shards.layout) != expected:
+    view = _view_shape(param, shards.layout)
+    if shards.per_matrix_rows:  # [E, rows of each expert, in]
+        expected, view = (*shards.layout.batch.shape[:1], *expected), tuple(param.shape)
+    if view != expected:
         raise ValueError(
             f"parameter {name!r}: this rank ({rank}) holds a {tuple(param.shape)} shard, but its "
             f"row split {shards.rows_by_rank} of {shards.layout.local_shape} gives {expected}."
@@ -267,16 +270,23 @@ class ShardedMatrices(OrthogonalizeTogether):
 
     def _orthogonalize_fsdp_shards(self, params: list[torch.Tensor], updates: list[torch.Tensor]) -> list[torch.Tensor]:
         """This rank's rows of the orthogonalized `updates` of `params`, FSDP2 row shards: each matrix
-        to its owner and back, its TP shards (with TP as well) in its tp_mode."""
+        to its owner and back, its TP shards (with TP as well) in its tp_mode. Experts split by
+        their leading dimension stay on their rank; experts split by the rows of each go one
+        expert per owner, in the same exchange."""
         shards = [self._row_shards_of[id(p)] for p in params]
         modes = [self.tp_modes[s.layout.name] for s in shards]
-        batches = [i for i, s in enumerate(shards) if s.layout.batch is not None]
-        others = [i for i, s in enumerate(shards) if s.layout.batch is None]
+        batches = [i for i, s in enumerate(shards) if s.layout.batch is not None and not s.per_matrix_rows]
+        others = [i for i, s in enumerate(shards) if s.layout.batch is None or s.per_matrix_rows]
+        # Experts split by the rows of each (Shard(1)): each expert is a matrix of the exchange.
+        matrices = [matrix_row_shards(shards[i]) if shards[i].per_matrix_rows else [shards[i]] for i in others]
+        rows = [list(updates[i].unbind(0)) if shards[i].per_matrix_rows else [updates[i]] for i in others]
+        exchanged = iter(orthogonalize_row_shards(
+            [u for part in rows for u in part], [m for part in matrices for m in part], self.fsdp_group,
+            self.settings, [modes[i] for i, part in zip(others, matrices) for _ in part], self.tp_group))
         results: list[torch.Tensor] = [torch.empty(0)] * len(params)
-        exchanged = orthogonalize_row_shards([updates[i] for i in others], [shards[i] for i in others],
-                                             self.fsdp_group, self.settings, [modes[i] for i in others], self.tp_group)
-        for i, result in zip(others, exchanged):
-            results[i] = result
+        for i, part in zip(others, matrices):
+            done = [next(exchanged) for _ in part]
+            results[i] = torch.stack(done) if shards[i].per_matrix_rows else done[0]
         for i, result in zip(batches, self._orthogonalize_held_matrices([updates[i] for i in batches],
                                                                         [shards[i].layout for i in batches])):
             results[i] = result

@@ -19,8 +19,16 @@ muon_fp32_matmul_prec='highest', no weight decay, one step. Checked:
   cosine ~0.6 then, and without the gate/up split);
 - each rank orthogonalizes the experts it holds, one batched call per shape (rank 0's 2 experts'
   gate and up blocks in one (4, F, H) call), nothing of them sent;
-- the refusals: `shard_placement_fn` giving Shard(1) (rows of each expert split over ranks), and a
-  2-D mesh (an EP x FSDP or HSDP layout), each one ValueError naming the parameter and placement.
+- torchtitan's `shard_placement_fn`, Shard(1) for the experts (each rank holds rows of every
+  expert: gate_up_proj's gate rows on rank 0, its up rows on rank 1): both models' parameters after
+  2 Muon steps equal one process's within fp32 rounding (fails without the exchange that sends
+  each expert's rows to its owner: rank-local Newton-Schulz of half an expert); and GroupedExperts
+  saved after one step through `get_optimizer_state_dict` (flattened) and `dcp.save`, loaded into
+  a fresh model and optimizer, steps on bitwise (its momentum is saved as Shard(1), each rank's
+  rows of every expert at their offsets);
+- the refusals, each one ValueError naming the parameter and placement: Shard(1) of transposed
+  experts (GPT-OSS, [E, in, out]: it would split each expert's columns), Shard(1) of a 2-D weight,
+  and a 2-D mesh (an EP x FSDP or HSDP layout).
 """
 
 import copy
@@ -127,24 +135,110 @@ def _compare(build, batch: torch.Tensor, mesh, shard_layers, blocks: dict, exper
             "per_expert": _per_expert_errors(gradients, updates, blocks), "held": held, "calls": calls}
 
 
+def _expert_rows(param: torch.Tensor):
+    """torchtitan's shard_placement_fn when the FSDP degree exceeds the local experts."""
+    from torch.distributed.tensor import Shard
+
+    return Shard(1) if param.dim() == 3 else Shard(0)
+
+
+def _two_steps(model: torch.nn.Module, batch: torch.Tensor, groups=None) -> dict:
+    """Every parameter's full tensor after 2 Muon steps."""
+    optimizer = get_megatron_optimizer(CONFIG, [model], pg_collection=groups)
+    for _ in range(2):
+        optimizer.zero_grad()
+        _loss(model, batch).backward()
+        optimizer.step()
+    return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for name, p in model.named_parameters()}
+
+
+def _compare_expert_rows(build, batch: torch.Tensor, mesh, shard_layers, experts_name: str) -> dict:
+    """Experts placed Shard(1) against one process, after 2 steps."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    reference = build()
+    sharded = copy.deepcopy(reference)
+    for module in [*shard_layers(sharded), sharded]:
+        fully_shard(module, mesh=mesh, shard_placement_fn=_expert_rows)
+    expected = _two_steps(reference, batch, ParallelGroups.single_process())
+    got = _two_steps(sharded, batch)
+    held = dict(sharded.named_parameters())[experts_name]
+    return {"errors": {name: (got[name] - expected[name]).abs().max().item() for name in expected},
+            "held": tuple(held.to_local().shape), "placements": str(held.placements)}
+
+
+def _titan_expert_rows(mesh) -> tuple[torch.nn.Module, object]:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = _TitanMoE()
+    fully_shard(model, mesh=mesh, shard_placement_fn=_expert_rows)
+    return model, get_megatron_optimizer(CONFIG, [model])
+
+
+def _resume_expert_rows(mesh, batch: torch.Tensor, directory: str) -> dict:
+    """Save after one step (DCP, flattened optimizer state), load into a fresh pair, step both."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    model, optimizer = _titan_expert_rows(mesh)
+
+    def step(model, optimizer) -> dict:
+        optimizer.zero_grad()
+        _loss(model, batch).backward()
+        optimizer.step()
+        return {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
+
+    step(model, optimizer)
+    def state_of(model, optimizer) -> dict:
+        return {"model": get_model_state_dict(model),
+                "optimizer": get_optimizer_state_dict(model, optimizer, options=flat)}
+
+    dcp.save(state_of(model, optimizer), checkpoint_id=directory)
+    straight = step(model, optimizer)
+    model, optimizer = _titan_expert_rows(mesh)
+    state = state_of(model, optimizer)
+    dcp.load(state, checkpoint_id=directory)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=flat)
+    resumed = step(model, optimizer)
+    return {"unequal": [name for name in straight if not torch.equal(straight[name], resumed[name])],
+            "state": str(state["optimizer"]["state.moe.experts.w1_EFD.momentum_buffer"].placements)}
+
+
+def _gpt_oss() -> torch.nn.Module:
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    config = GptOssConfig(vocab_size=64, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=EXPERTS,
+                          num_experts_per_tok=2, layer_types=["full_attention"])
+    return GptOssForCausalLM(config).float()
+
+
 def _refusals(mesh_1d) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
-    rows = _TitanMoE()
-    fully_shard(rows.moe.experts, mesh=mesh_1d,
-                shard_placement_fn=lambda p: Shard(1) if p.dim() == 3 else Shard(0))
-    fully_shard(rows, mesh=mesh_1d)
+    transposed = _gpt_oss()
+    fully_shard(transposed, mesh=mesh_1d, shard_placement_fn=_expert_rows)
+    two_d_rows = _TitanMoE()
+    fully_shard(two_d_rows, mesh=mesh_1d, shard_placement_fn=lambda p: Shard(p.dim() - 1))
     two_d = _TitanMoE()  # torchtitan's EP x FSDP: the experts on a 2-D mesh, the rest on the 1-D one
     fully_shard(two_d.moe.experts, mesh=init_device_mesh("cpu", (1, dist.get_world_size()),
                                                          mesh_dim_names=("ep", "efsdp")))
     fully_shard(two_d, mesh=mesh_1d)
-    return {"shard 1": error_of(lambda: get_megatron_optimizer(CONFIG, [rows])),
+    return {"transposed": error_of(lambda: get_megatron_optimizer(CONFIG, [transposed])),
+            "2-D weight": error_of(lambda: get_megatron_optimizer(CONFIG, [two_d_rows])),
             "2-D mesh": error_of(lambda: get_megatron_optimizer(CONFIG, [two_d]))}
 
 
-def _body(rank: int, world_size: int) -> dict:
+def _body(rank: int, world_size: int, directory: str) -> dict:
     torch.set_float32_matmul_precision("highest")
     mesh = data_parallel_mesh(dist.group.WORLD, torch.device("cpu"))
     torch.manual_seed(1)
@@ -164,11 +258,17 @@ def _body(rank: int, world_size: int) -> dict:
                             for layer in range(routing_models.LAYERS) for name in ("w1_EFD", "w2_EDF", "w3_EFD")},
                            experts.format(0, "w1_EFD"))
     titan_model["seconds"] = time.perf_counter() - started
-    return {"qwen3_moe": qwen, "torchtitan": titan, "torchtitan_qwen3_moe": titan_model, "refusals": _refusals(mesh)}
+    rows = {"qwen3_moe": _compare_expert_rows(_qwen3_moe, tokens, mesh, lambda m: list(m.model.layers),
+                                              "model.layers.0.mlp.experts.gate_up_proj"),
+            "torchtitan": _compare_expert_rows(_TitanMoE, features, mesh, lambda m: [],
+                                               "moe.experts.w1_EFD")}
+    rows["resumed"] = _resume_expert_rows(mesh, features, directory)
+    return {"qwen3_moe": qwen, "torchtitan": titan, "torchtitan_qwen3_moe": titan_model, "expert_rows": rows,
+            "refusals": _refusals(mesh)}
 
 
-def test_fsdp2_nd_experts_equal_one_process(run_distributed) -> None:
-    per_rank = run_distributed(_body, world_size=2, timeout=600)
+def test_fsdp2_nd_experts_equal_one_process(run_distributed, tmp_path) -> None:
+    per_rank = run_distributed(_body, world_size=2, args=(str(tmp_path),), timeout=600)
     for rank, results in enumerate(per_rank):
         print(f"rank {rank}: torchtitan Qwen3 MoE took {results['torchtitan_qwen3_moe']['seconds']:.2f} s")
         for model in ("qwen3_moe", "torchtitan", "torchtitan_qwen3_moe"):
@@ -182,7 +282,18 @@ def test_fsdp2_nd_experts_equal_one_process(run_distributed) -> None:
         qwen_calls = results["qwen3_moe"]["calls"]
         assert ((2, 1)[rank] * 2, FFN, HIDDEN) in qwen_calls and ((2, 1)[rank], HIDDEN, FFN) in qwen_calls, \
             (rank, qwen_calls)
+        # Shard(1): rows of every expert on each rank (gate_up_proj: 2F rows over 2 ranks).
+        for model, held in (("qwen3_moe", (EXPERTS, FFN, HIDDEN)), ("torchtitan", (EXPERTS, FFN // 2, HIDDEN))):
+            result = results["expert_rows"][model]
+            worst = max(result["errors"].values())
+            print(f"{model} Shard(1) experts rank {rank}: max |FSDP=2 - one process| after 2 steps = {worst:.2e}")
+            assert result["held"] == held and "Shard(dim=1)" in result["placements"], (model, rank, result)
+            assert worst <= TOLERANCE, (model, rank, {n: e for n, e in result["errors"].items() if e > TOLERANCE})
+        resumed = results["expert_rows"]["resumed"]
+        assert not resumed["unequal"] and "Shard(dim=1)" in resumed["state"], (rank, resumed)
         refusals = results["refusals"]
-        for case, placement in (("shard 1", "Shard(dim=1)"), ("2-D mesh", "2-D mesh")):
+        for case, name, placement in (("transposed", "mlp.experts.gate_up_proj", "Shard(dim=1)"),
+                                      ("2-D weight", "router.weight", "Shard(dim=1)"),
+                                      ("2-D mesh", "moe.experts.w", "2-D mesh")):
             kind, message = refusals[case]
-            assert kind == "ValueError" and "moe.experts.w" in message and placement in message, (case, message)
+            assert kind == "ValueError" and name in message and placement in message, (case, message)
