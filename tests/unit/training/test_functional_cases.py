@@ -86,7 +86,9 @@ def _parse_on_megatron_lm(rank: int, world_size: int, runs: list[tuple[list[str]
     from megatron.training.arguments import parse_args
 
     from megatron_eopt.integrations.megatron_lm import add_megatron_eopt_args, validate_args_for_megatron_eopt
+    from tests.megatron_lm_in_process import read_field_docstrings_once
 
+    read_field_docstrings_once()  # help texts only, read from source at every parse otherwise
     parsed, saved_environment, saved_argv = [], dict(os.environ), sys.argv
     try:
         for argv, env_vars in runs:

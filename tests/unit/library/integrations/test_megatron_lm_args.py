@@ -92,7 +92,9 @@ def parse_megatron_lm(argv: str, rank: int, world_size: int, with_ours: bool = T
     from megatron.training.arguments import parse_args, validate_args
 
     from megatron_eopt.integrations.megatron_lm import add_megatron_eopt_args
+    from tests.megatron_lm_in_process import read_field_docstrings_once
 
+    read_field_docstrings_once()  # help texts only, read from source at every parse otherwise
     # The environment validate_args reads: the world, and for TP > 1 on a pre-Blackwell GPU
     # CUDA_DEVICE_MAX_CONNECTIONS=1, which Megatron-LM's users set.
     os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank), CUDA_DEVICE_MAX_CONNECTIONS="1")
