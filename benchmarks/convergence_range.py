@@ -466,7 +466,7 @@ def ratio_range(entries: list[dict]) -> tuple[str, str, str]:
                    for r, note in zip(e["ratio_per_seed"], e["ratio_per_seed_notes"]))
     low, high, seed_low, seed_high = (f"{sign}{value:.2f}" for value, sign in
                                       (values[0], values[-1], seeds[0], seeds[-1]))
-    return low, high, f"{seed_low}-{seed_high}"
+    return low, high, f"{seed_low}{' to ' if seeds[0][1] or seeds[-1][1] else '-'}{seed_high}"
 
 
 def range_text(summaries: list[dict], study: Study) -> list[str]:
