@@ -1,21 +1,17 @@
 """`make convergence-range`: Muon's advantage over AdamW as a range; docs/convergence.md has the design.
 
-One cell is a corpus x a model x a longest budget (iterations). In each cell: sweeps at the longest
-budget, seed 1 (AdamW over lr x beta2 x warm-up, Muon over its lr x --decoupled-lr's factor); a
-winning lr at the end of its sweep extends it outward (up to LR_EXTENSIONS steps of 2x), an optimum
-still at an end is flagged; AdamW's weight decay at its best point; then whole schedules: each best
-setting trained to each budget (its cosine ending there), seeds 1-3. The ratio: the budget at which
-Muon's mean final held-out loss equals AdamW's at the longest budget, interpolated between budgets.
-Final losses come from --final-eval-iters over the whole held-out split (its standard error from
-disjoint halves). The old mid-schedule measure is kept beside it, labelled.
-
-Each run's result is benchmarks/results/convergence-range/runs/CELL/NAME.json; a run whose file
-holds the same command is not repeated, so an interrupted study resumes where it stopped.
---quick: a tiny model, tiny sweeps (plumbing).
+One cell is a corpus x a model x a longest budget (iterations). _convergence_range_plan.py plans its
+runs: sweeps at the longest budget (AdamW's; Muon's at each of its momenta), extensions where a best
+value sits at an end, then whole schedules at every budget and seed. This script trains them, each
+result in benchmarks/results/convergence-range/runs/CELL/NAME.json (a run whose file holds the same
+command is not repeated, so an interrupted study resumes where it stopped), and reports the ratio:
+the budget at which Muon's mean final held-out loss equals AdamW's at the longest budget,
+interpolated between budgets, at each momentum. Final losses come from --final-eval-iters over the
+whole held-out split (its standard error from disjoint halves); the old mid-schedule measure is kept
+beside it, labelled. --quick: a tiny model, tiny sweeps (plumbing).
 """
 
 import argparse
-import itertools
 import json
 import math
 import os
@@ -23,12 +19,14 @@ import random
 import statistics
 import struct
 import subprocess
-import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from dataclasses import dataclass, replace
 from typing import Optional
 
+# the study's design and plan
+from _convergence_range_plan import (FULL, QUICK, SHIPPED_MOMENTUM, STORED_MOMENTUM, Cell, Run, Setting, Study,
+                                     _result_of, best_setting, budget_iterations, expected_runs, final_loss, muon_plan,
+                                     optimizer_plan, plan, run_command, schedule_runs, setting_of, sweep_runs)
 # make convergence's: a run's identity, the docs' table, the shared flags
 from convergence import add_common_arguments, checked_common_arguments, command_key, replace_table
 from megatron_eopt.training.corpus import TOKENIZER_FLAGS, prepare_corpus
@@ -39,196 +37,6 @@ ROOT = os.path.dirname(HERE)
 DOC = os.path.join(ROOT, "docs", "convergence.md")
 TABLE_BEGIN, TABLE_END = "<!-- convergence range: begin -->", "<!-- convergence range: end -->"
 SPLIT = (0.6, 0.4)  # train, held out: by document (40%: the final loss's standard error under 0.005)
-LR_EXTENSIONS = 2
-MUON = ("--optimizer", "muon", "--muon-match-adamw-rms", "--muon-momentum", "0.95")  # as the stored runs trained
-ADAMW = ("--optimizer", "adam")
-
-
-@dataclass(frozen=True)
-class Model:
-    name: str
-    flags: tuple[str, ...]
-    parameters: int
-    cost: float  # seconds per iteration relative to the 1.0M model (the time estimate): the FLOP ratio
-
-
-BASE = Model("1.0M", ("--num-layers", "3", "--hidden-size", "160", "--num-attention-heads", "5"), 999_840, 1.0)
-LARGE = Model("4.1M", ("--num-layers", "4", "--hidden-size", "288", "--num-attention-heads", "6"), 4_116_096, 4.3)
-TINY = Model("tiny", ("--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2"), 37_312, 0.1)
-
-
-@dataclass(frozen=True)
-class Cell:
-    corpus: str
-    model: Model
-    iterations: int  # the longest budget
-
-    @property
-    def key(self) -> str:
-        return f"{self.corpus}_{self.model.name}_{self.iterations}"
-
-
-@dataclass(frozen=True)
-class Study:
-    cells: tuple[Cell, ...]
-    seq_length: int
-    global_batch: int
-    eval_iters: int  # periodic evaluations: cheap, moving through the held-out split
-    evaluations: int  # periodic evaluations per run
-    corpus_bytes: int
-    adamw_lrs: tuple[float, ...]
-    adamw_beta2s: tuple[float, ...]
-    adamw_warmups: tuple[float, ...]  # fractions of the run
-    adamw_weight_decays: tuple[float, ...]  # at AdamW's best point; the grid runs at DEFAULT_WEIGHT_DECAY
-    muon_lrs: tuple[float, ...]
-    muon_adam_lr_factors: tuple[float, ...]  # --decoupled-lr = Muon's lr x this (1: not given)
-    budgets: tuple[float, ...]  # fractions of the longest
-    seeds: tuple[int, ...]
-    final_eval_cap: Optional[int] = None  # at most this many final evaluation batches (--quick only)
-
-
-DEFAULT_WEIGHT_DECAY = 0.01  # megatron-core's
-MUON_WARMUP = 0.05
-FULL = Study(
-    cells=(Cell("stdlib", BASE, 1000), Cell("gnu-info", BASE, 1000), Cell("manpages", BASE, 1000),
-           Cell("stdlib", BASE, 3000), Cell("stdlib", LARGE, 1000)),
-    seq_length=64, global_batch=8, eval_iters=10, evaluations=20, corpus_bytes=3_000_000,
-    adamw_lrs=(1e-3, 2e-3, 4e-3, 8e-3), adamw_beta2s=(0.95, 0.999), adamw_warmups=(0.05, 0.2),
-    adamw_weight_decays=(0.0, 0.1), muon_lrs=(2.5e-3, 5e-3, 1e-2, 2e-2), muon_adam_lr_factors=(0.5, 1.0, 2.0),
-    budgets=(0.25, 0.5, 0.75, 1.0), seeds=(1, 2, 3))
-QUICK = Study(
-    cells=(Cell("stdlib", TINY, 40), Cell("gnu-info", TINY, 40)),
-    seq_length=32, global_batch=4, eval_iters=2, evaluations=4, corpus_bytes=600_000,
-    adamw_lrs=(4e-3, 1.6e-2), adamw_beta2s=(0.95, 0.999), adamw_warmups=(0.05,), adamw_weight_decays=(0.1,),
-    muon_lrs=(8e-3, 3.2e-2), muon_adam_lr_factors=(1.0, 2.0), budgets=(0.5, 1.0), seeds=(1, 2), final_eval_cap=100)
-
-
-@dataclass(frozen=True)
-class Setting:
-    """One optimizer's hyperparameters."""
-
-    optimizer: str  # 'adamw' or 'muon'
-    lr: float
-    beta2: float = 0.999
-    warmup: float = MUON_WARMUP
-    weight_decay: float = DEFAULT_WEIGHT_DECAY
-    adam_lr_factor: float = 1.0
-
-    @property
-    def label(self) -> str:
-        text = f"{self.optimizer}_lr{self.lr:g}_b2{self.beta2:g}_wu{self.warmup:g}_wd{self.weight_decay:g}"
-        return text + (f"_alr{self.adam_lr_factor:g}" if self.adam_lr_factor != 1.0 else "")
-
-
-@dataclass(frozen=True)
-class Run:
-    setting: Setting
-    iterations: int
-    seed: int
-    stage: str
-
-    @property
-    def name(self) -> str:
-        return f"{self.setting.label}_it{self.iterations}_seed{self.seed}"
-
-
-def run_command(run: Run, cell: Cell, study: Study, data_flags: list[str], final_eval_iters: int,
-                metrics: str) -> list[str]:
-    s, iterations = run.setting, run.iterations
-    decoupled = (["--decoupled-lr", f"{s.lr * s.adam_lr_factor:g}", "--decoupled-min-lr",
-                  f"{s.lr * s.adam_lr_factor / 10:g}"] if s.adam_lr_factor != 1.0 else [])
-    return [sys.executable, "-m", "megatron_eopt.training.pretrain", *cell.model.flags, *data_flags,
-            "--seq-length", str(study.seq_length), "--micro-batch-size", str(study.global_batch),
-            "--global-batch-size", str(study.global_batch), "--train-iters", str(iterations),
-            "--lr-warmup-iters", str(max(1, round(s.warmup * iterations))), "--lr-decay-style", "cosine",
-            "--lr", f"{s.lr:g}", "--min-lr", f"{s.lr / 10:g}", *decoupled, "--adam-beta2", f"{s.beta2:g}",
-            "--weight-decay", f"{s.weight_decay:g}", "--seed", str(run.seed), "--log-interval", "1",
-            "--eval-interval", str(max(1, cell.iterations // study.evaluations)), "--eval-iters", str(study.eval_iters),
-            "--final-eval-iters", str(final_eval_iters), *(MUON if s.optimizer == "muon" else ADAMW),
-            "--metrics-jsonl", metrics]
-
-
-# The plan: which runs a cell needs, given the results so far (stage by stage) ---------------------
-
-def sweep_runs(study: Study, cell: Cell) -> list[Run]:
-    adamw = [Setting("adamw", lr, beta2, warmup) for lr, beta2, warmup in
-             itertools.product(study.adamw_lrs, study.adamw_beta2s, study.adamw_warmups)]
-    muon = [Setting("muon", lr, adam_lr_factor=factor) for lr, factor in
-            itertools.product(study.muon_lrs, study.muon_adam_lr_factors)]
-    return [Run(s, cell.iterations, 1, "sweep") for s in adamw + muon]
-
-
-def final_loss(result: Optional[dict]) -> float:
-    """A result's final held-out loss; inf for a missing, failed or diverged run."""
-    loss = result.get("final_loss") if result else None
-    return loss if loss is not None and math.isfinite(loss) else math.inf
-
-
-def best_setting(results: dict[str, dict], optimizer: str, iterations: int) -> Optional[Setting]:
-    """The seed-1 run at the longest budget with the lowest final loss."""
-    rows = [r for r in results.values() if r["setting"]["optimizer"] == optimizer and r["seed"] == 1
-            and r["iterations"] == iterations]
-    if not rows:
-        return None
-    return Setting(**min(rows, key=final_loss)["setting"])
-
-
-def lr_extension(results: dict[str, dict], optimizer: str, study: Study, cell: Cell) -> Optional[Run]:
-    """The next lr outward (x2 or /2) with the best setting's other values, if the best lr is the
-    lowest or highest tried and fewer than LR_EXTENSIONS lrs lie beyond the grid there."""
-    best = best_setting(results, optimizer, cell.iterations)
-    grid = study.adamw_lrs if optimizer == "adamw" else study.muon_lrs
-    tried = sorted({r["setting"]["lr"] for r in results.values() if r["setting"]["optimizer"] == optimizer})
-    if best is None or not math.isfinite(final_loss(_result_of(results, best, cell.iterations, 1))):
-        return None
-    if best.lr == tried[0] and sum(lr < min(grid) for lr in tried) < LR_EXTENSIONS:
-        return Run(replace(best, lr=best.lr / 2), cell.iterations, 1, "lr extension")
-    if best.lr == tried[-1] and sum(lr > max(grid) for lr in tried) < LR_EXTENSIONS:
-        return Run(replace(best, lr=best.lr * 2), cell.iterations, 1, "lr extension")
-    return None
-
-
-def _result_of(results: dict[str, dict], setting: Setting, iterations: int, seed: int) -> Optional[dict]:
-    return results.get(Run(setting, iterations, seed, "").name)
-
-
-def plan(study: Study, cell: Cell, results: dict[str, dict]) -> list[Run]:
-    """The runs of `cell` up to the first stage that `results` (by run name) do not complete, each
-    optimizer on its own after the sweep (`optimizer_plan`); [] when the cell is done."""
-    runs = sweep_runs(study, cell)
-    if any(r.name not in results for r in runs):
-        return runs
-    return runs + [run for optimizer in ("adamw", "muon") for run in optimizer_plan(study, cell, results, optimizer)]
-
-
-def optimizer_plan(study: Study, cell: Cell, results: dict[str, dict], optimizer: str) -> list[Run]:
-    """One optimizer's runs after the sweep: lr extensions one at a time, AdamW's weight decay,
-    then its best setting at every budget and seed; up to its first stage not in `results`."""
-    runs = []
-    while (extension := lr_extension(results, optimizer, study, cell)) is not None:
-        runs.append(extension)
-        if extension.name not in results:
-            return runs
-    if optimizer == "adamw":
-        best = best_setting(results, optimizer, cell.iterations)
-        decay = [Run(replace(best, weight_decay=wd), cell.iterations, 1, "weight decay")
-                 for wd in study.adamw_weight_decays]
-        runs += decay
-        if any(r.name not in results for r in decay):
-            return runs
-    best = best_setting(results, optimizer, cell.iterations)
-    return runs + [Run(best, budget_iterations(cell, budget), seed, "budget")
-                   for budget in study.budgets for seed in study.seeds]
-
-
-def budget_iterations(cell: Cell, budget: float) -> int:
-    return round(cell.iterations * budget)
-
-
-def expected_runs(study: Study, cell: Cell) -> int:
-    """Runs of a complete cell without lr extensions (the budgets' longest seed 1 is a sweep run)."""
-    return (len(sweep_runs(study, cell)) + len(study.adamw_weight_decays)
-            + 2 * (len(study.budgets) * len(study.seeds) - 1))
 
 
 # The held-out split and its evaluation size -------------------------------------------------------
@@ -442,12 +250,13 @@ def at_edge(value: float, values: list[float], floor: Optional[float] = None) ->
 
 
 def edges(results: dict[str, dict], best: Setting, cell: Cell) -> list[str]:
-    """The swept values (lr, Muon's Adam lr factor, AdamW's weight decay) at which `best` is the
-    lowest or highest tried with its other values: a wider sweep may do better (weight decay 0 excepted)."""
-    rows = [r["setting"] for r in results.values() if r["setting"]["optimizer"] == best.optimizer
+    """The swept values (lr, Muon's Adam lr factor and momentum, AdamW's weight decay) at which `best`
+    is the lowest or highest tried with its other values: a wider sweep may do better (weight decay 0
+    excepted)."""
+    rows = [vars(setting_of(r)) for r in results.values() if r["setting"]["optimizer"] == best.optimizer
             and r["iterations"] == cell.iterations and r["seed"] == 1]
     flags = []
-    for field in ("lr", "adam_lr_factor", "weight_decay"):
+    for field in ("lr", "adam_lr_factor", "momentum", "weight_decay"):
         others = {k: v for k, v in vars(best).items() if k != field}
         values = [s[field] for s in rows if all(s[k] == v for k, v in others.items())]
         floor = 0.0 if field == "weight_decay" else None
@@ -465,45 +274,90 @@ def spread(values: list[float]) -> Optional[dict]:
             "min": min(values), "max": max(values), "n": len(values)}
 
 
+def finished(runs: list[Run], results: dict[str, dict]) -> bool:
+    """Whether `runs` (a plan or part of one) reach the budgets and all have results."""
+    return any(r.stage == "budget" for r in runs) and all(r.name in results for r in runs)
+
+
+def swept(study: Study, cell: Cell, results: dict[str, dict], optimizer: str,
+          momentum: Optional[float] = None) -> bool:
+    """Whether one optimizer's sweep (Muon's at `momentum`) has all its results: its own stages
+    follow from them, whatever the rest of the sweep still lacks."""
+    return all(r.name in results for r in sweep_runs(study, cell) if r.setting.optimizer == optimizer
+               and (momentum is None or r.setting.momentum == momentum))
+
+
+def schedule_finals(study: Study, cell: Cell, results: dict[str, dict], setting: Setting) -> list[list[float]]:
+    """The final losses of `setting`'s whole schedules: one list per budget, one value per seed."""
+    return [[final_loss(_result_of(results, setting, budget_iterations(cell, b), seed)) for seed in study.seeds]
+            for b in study.budgets]
+
+
 def summarize_cell(study: Study, cell: Cell, results: dict[str, dict]) -> dict:
-    """Everything the report shows of one cell; `complete` only when every planned run is done."""
+    """Everything the report shows of one cell: AdamW, and Muon at each momentum reported
+    (`muon_momentum_summary`); `complete` only when every planned run is done."""
     planned = plan(study, cell, results)
-    complete = all(r.name in results for r in planned) and any(r.stage == "budget" for r in planned)
     summary = {"cell": cell.key, "corpus": cell.corpus, "model": cell.model.name, "iterations": cell.iterations,
                "runs_done": len(results),
                "runs_expected": max(expected_runs(study, cell), len({r.name for r in planned} | set(results))),
-               "complete": complete, "noise": noise(list(results.values())),
+               "complete": finished(planned, results), "noise": noise(list(results.values())),
                "wall_s": sum(r.get("wall_s", 0) for r in results.values()),
-               "devices": sorted({r.get("device", "cpu") for r in results.values()})}
-    for optimizer in ("adamw", "muon"):
-        best = best_setting(results, optimizer, cell.iterations)
-        summary[optimizer] = None if best is None else {"setting": vars(best), "edges": edges(results, best, cell)}
-    if not complete:
-        return summary
-    budgets = [budget_iterations(cell, b) / cell.iterations for b in study.budgets]
-    finals = {}
-    for optimizer in ("adamw", "muon"):
-        best = Setting(**summary[optimizer]["setting"])
-        finals[optimizer] = [[final_loss(_result_of(results, best, budget_iterations(cell, b), seed))
-                              for seed in study.seeds] for b in study.budgets]
-        summary[optimizer]["final_loss"] = [spread(per_seed) for per_seed in finals[optimizer]]
-    target = statistics.fmean(finals["adamw"][-1])
-    mean_curve = [statistics.fmean(per_seed) for per_seed in finals["muon"]]
-    ratio, why = crossing(budgets, mean_curve, target)
-    per_seed = [crossing(budgets, [finals["muon"][i][k] for i in range(len(budgets))], target)
-                for k in range(len(study.seeds))]
-    summary.update(budgets=budgets, target=target, ratio=ratio, ratio_note=why,
-                   ratio_per_seed=[r for r, _ in per_seed], ratio_per_seed_notes=[w for _, w in per_seed],
-                   mid_curve=mid_curve(results, summary, cell, study))
+               "devices": sorted({r.get("device", "cpu") for r in results.values()}),
+               "budgets": [budget_iterations(cell, b) / cell.iterations for b in study.budgets], "target": None}
+    adamw = best_setting(results, "adamw", cell.iterations)
+    summary["adamw"] = None if adamw is None else {"setting": vars(adamw), "edges": edges(results, adamw, cell),
+                                                   "complete": swept(study, cell, results, "adamw") and finished(
+                                                       optimizer_plan(study, cell, results, "adamw"), results)}
+    if summary["adamw"] and summary["adamw"]["complete"]:
+        finals = schedule_finals(study, cell, results, adamw)
+        summary["adamw"]["final_loss"] = [spread(per_seed) for per_seed in finals]
+        summary["target"] = statistics.fmean(finals[-1])
+    muon_swept = swept(study, cell, results, "muon")
+    muon = muon_plan(study, cell, results) if muon_swept else []
+    best = best_setting(results, "muon", cell.iterations)
+    known = muon_swept and all(r.name in results for r in muon if r.stage != "budget")  # no extension to come
+    best_momentum = best.momentum if known else None
+    momenta = list(study.muon_momenta) + ([best_momentum] if known and best_momentum not in study.muon_momenta
+                                          else [])
+    summary["best_momentum"] = best_momentum
+    summary["muon"] = [muon_momentum_summary(study, cell, results, summary, momentum, best_momentum)
+                       for momentum in momenta]
     return summary
 
 
-def mid_curve(results: dict[str, dict], summary: dict, cell: Cell, study: Study) -> Optional[dict]:
+def muon_momentum_summary(study: Study, cell: Cell, results: dict[str, dict], summary: dict, momentum: float,
+                          best_momentum: Optional[float]) -> dict:
+    """Muon at one momentum: its best setting, and once its runs and AdamW's are done, its final
+    losses, the ratio with its spread over seeds, and the mid-curve measure."""
+    best = best_setting(results, "muon", cell.iterations, momentum)
+    runs = (optimizer_plan(study, cell, results, "muon", momentum) if momentum in study.muon_momenta
+            else schedule_runs(study, cell, best) if best else [])
+    entry = {"momentum": momentum, "shipped_default": momentum == SHIPPED_MOMENTUM,
+             "best": momentum == best_momentum, "setting": vars(best) if best else None,
+             "edges": edges(results, best, cell) if best else [],
+             "complete": (swept(study, cell, results, "muon", momentum) and summary["target"] is not None
+                          and finished(runs, results))}
+    if not entry["complete"]:
+        return entry
+    finals = schedule_finals(study, cell, results, best)
+    budgets, target = summary["budgets"], summary["target"]
+    ratio, why = crossing(budgets, [statistics.fmean(per_seed) for per_seed in finals], target)
+    per_seed = [crossing(budgets, [finals[i][k] for i in range(len(budgets))], target)
+                for k in range(len(study.seeds))]
+    seeds = spread([r for r, _ in per_seed if r is not None])
+    entry.update(final_loss=[spread(per_seed) for per_seed in finals], ratio=ratio, ratio_note=why,
+                 ratio_per_seed=[r for r, _ in per_seed], ratio_per_seed_notes=[w for _, w in per_seed],
+                 ratio_standard_error=seeds["std"] / math.sqrt(seeds["n"]) if seeds else None,
+                 mid_curve=mid_curve(results, Setting(**summary["adamw"]["setting"]), best, cell, study))
+    return entry
+
+
+def mid_curve(results: dict[str, dict], adamw: Setting, muon: Setting, cell: Cell, study: Study) -> Optional[dict]:
     """The old measure, kept for comparison: where Muon's periodic validation curve (mid-schedule,
     10 moving batches) reaches AdamW's periodic validation at its last iteration (mean over seeds),
     as a fraction of the longest budget, per Muon seed."""
-    runs = {opt: [_result_of(results, Setting(**summary[opt]["setting"]), cell.iterations, seed)
-                  for seed in study.seeds] for opt in ("adamw", "muon")}
+    runs = {opt: [_result_of(results, setting, cell.iterations, seed) for seed in study.seeds]
+            for opt, setting in (("adamw", adamw), ("muon", muon))}
     ends = [r["validation"][-1][1] for r in runs["adamw"] if r and r["validation"]]
     if len(ends) != len(study.seeds):
         return None
@@ -531,49 +385,65 @@ def _spread_text(values: Optional[dict], number: str = "{:.3f}") -> str:
     return text
 
 
-def ratio_text(summary: dict) -> str:
-    """The cell's ratio: from the seeds' mean curve, with the per-seed range."""
-    if summary["ratio"] is None:
-        return {"below": f"≤ {summary['budgets'][0]:g} (already at the smallest budget)",
-                "never": "> 1 (Muon never reaches it)"}[summary["ratio_note"]]
-    seeds = [r for r in summary["ratio_per_seed"] if r is not None]
-    text = f"**{summary['ratio']:.2f}**"
+def momentum_text(momentum: float) -> str:
+    """A momentum with what it is: the shipped default, or megatron-core's (the study's first runs)."""
+    names = {SHIPPED_MOMENTUM: "the shipped default", STORED_MOMENTUM: "megatron-core's default"}
+    return f"{momentum:g}" + (f" ({names[momentum]})" if momentum in names else "")
+
+
+def ratio_text(entry: dict) -> str:
+    """Muon's ratio at one momentum: from the seeds' mean curve, with the per-seed range, their
+    standard deviation and the standard error of their mean."""
+    if entry["ratio"] is None:
+        return {"below": "≤ the smallest budget", "never": "> 1 (Muon never reaches it)"}[entry["ratio_note"]]
+    seeds = [r for r in entry["ratio_per_seed"] if r is not None]
+    text = f"**{entry['ratio']:.2f}**"
     if seeds:
         values = spread(seeds)
-        text += f" (seeds: {values['min']:.2f}-{values['max']:.2f}, std {values['std']:.2f}"
-        missing = len(summary["ratio_per_seed"]) - len(seeds)
+        text += (f" (seeds: {values['min']:.2f}-{values['max']:.2f}, std {values['std']:.2f}, "
+                 f"standard error {entry['ratio_standard_error']:.3f}")
+        missing = len(entry["ratio_per_seed"]) - len(seeds)
         text += f"; {missing} outside the budgets)" if missing else ")"
     return text
 
 
 def markdown(summaries: list[dict], study: Study) -> str:
+    """One row per cell and Muon momentum (the shipped default's first); a momentum whose runs or
+    AdamW's are not all done is pending."""
     budgets = " / ".join(f"{b:g}" for b in study.budgets)
-    lines = [f"| corpus | model | iterations | AdamW best | Muon best | AdamW final loss | Muon final loss "
-             f"(budget {budgets}) | Muon reaches AdamW's final loss at (whole schedules) | "
-             f"mid-curve (old measure) | runs |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"| corpus | model | iterations | AdamW best | AdamW final loss | Muon momentum | Muon best | "
+             f"Muon final loss (budget {budgets}) | Muon reaches AdamW's final loss at (whole schedules) | "
+             f"mid-curve (old measure) | runs |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in summaries:
         head = f"| {s['corpus']} | {s['model']} | {s['iterations']} |"
+        adamw = s["adamw"] if s["adamw"] and s["adamw"]["complete"] else None
+        adamw_text = (f"{_setting_text(adamw['setting'])}{' ⚠ edge' if adamw['edges'] else ''} | "
+                      f"{_spread_text(adamw['final_loss'][-1])}" if adamw else "pending | pending")
         runs = f"{s['runs_done']} of {s['runs_expected']}"
-        if not s["complete"]:
-            lines.append(f"{head} pending | pending | pending | pending | pending | pending | {runs} |")
-            continue
-        best = {o: _setting_text(s[o]["setting"]) + "".join(" ⚠ edge" for _ in s[o]["edges"][:1])
-                for o in ("adamw", "muon")}
-        muon = " / ".join(_spread_text(v) for v in s["muon"]["final_loss"])
-        middle = s["mid_curve"]
-        mid = _spread_text(middle["fraction"], "{:.2f}") if middle and middle["fraction"] else "-"
-        lines.append(f"{head} {best['adamw']} | {best['muon']} | {_spread_text(s['adamw']['final_loss'][-1])} | "
-                     f"{muon} | {ratio_text(s)} | {mid} | {runs} |")
-    lines += ["", *notes(summaries)]
+        for entry in s["muon"]:
+            momentum = momentum_text(entry["momentum"]) + (", **best**" if entry["best"] else "")
+            if not entry["complete"]:
+                lines.append(f"{head} {adamw_text} | {momentum} | pending | pending | pending | pending | {runs} |")
+                continue
+            best = _setting_text(entry["setting"]) + (" ⚠ edge" if entry["edges"] else "")
+            losses = " / ".join(_spread_text(v) for v in entry["final_loss"])
+            middle = entry["mid_curve"]
+            mid = _spread_text(middle["fraction"], "{:.2f}") if middle and middle["fraction"] else "-"
+            lines.append(f"{head} {adamw_text} | {momentum} | {best} | {losses} | {ratio_text(entry)} | {mid} | "
+                         f"{runs} |")
+    lines += ["", *notes(summaries), *range_text(summaries, study)]
     return "\n".join(lines)
 
 
 def notes(summaries: list[dict]) -> list[str]:
     lines = []
     for s in summaries:
-        for optimizer in ("adamw", "muon"):
-            for flag in (s[optimizer] or {}).get("edges", []) if s["complete"] else []:
-                lines.append(f"- {s['cell']}: {optimizer}'s best {flag}; a wider sweep may do better.")
+        for flag in s["adamw"]["edges"] if s["adamw"] and s["adamw"]["complete"] else []:
+            lines.append(f"- {s['cell']}: adamw's best {flag}; a wider sweep may do better.")
+        for entry in s["muon"]:
+            for flag in entry["edges"] if entry["complete"] else []:
+                lines.append(f"- {s['cell']}: muon's best at momentum {entry['momentum']:g}: {flag}; a wider sweep "
+                             f"may do better.")
         if s["devices"] and s["devices"] != ["cpu"]:
             lines.append(f"- {s['cell']}: trained on {' and '.join(s['devices'])} (the trainer's default where "
                          f"torch sees a GPU); its runs' times are left out of the CPU time below.")
@@ -582,29 +452,54 @@ def notes(summaries: list[dict]) -> list[str]:
             lines.append(f"- {s['cell']}: final held-out loss's standard error {n['halves']:.4f} (disjoint halves, "
                          f"root mean square over {n['runs']} runs; {n['batches']:.4f} from the spread of its "
                          f"{n['batches_per_evaluation']} batches).")
-    lines.append(range_text(summaries))
     return lines
 
 
-def range_text(summaries: list[dict]) -> str:
-    """The ratio's range over the complete cells; a cell outside the budgets counts as its bound
-    ('≤ the smallest budget', '> 1')."""
-    complete = [s for s in summaries if s["complete"]]
-    if not complete:
-        return f"- No cell is complete yet (0 of {len(summaries)}): no ratio to report."
-    values = sorted((s["ratio"], "") if s["ratio"] is not None else (s["budgets"][0], "≤ ")
-                    if s["ratio_note"] == "below" else (1.0, "> ") for s in complete)
-    low, high = (f"{sign}{value:.2f}" for value, sign in (values[0], values[-1]))
-    return f"- Range over the {len(complete)} complete cells of {len(summaries)}: {low} to {high}."
+def ratio_range(entries: list[dict]) -> tuple[str, str, str]:
+    """The lowest and highest ratio of `entries` (one per cell; a ratio outside the budgets counts
+    as its bound, '≤ the smallest budget', '> 1'), and the range over their seeds."""
+    def bound(ratio: Optional[float], note: str, smallest: float) -> tuple[float, str]:
+        return (ratio, "") if ratio is not None else (smallest, "≤ ") if note == "below" else (1.0, "> ")
+
+    values = sorted(bound(e["ratio"], e["ratio_note"], e["smallest_budget"]) for e in entries)
+    seeds = sorted(bound(r, note, e["smallest_budget"]) for e in entries
+                   for r, note in zip(e["ratio_per_seed"], e["ratio_per_seed_notes"]))
+    low, high, seed_low, seed_high = (f"{sign}{value:.2f}" for value, sign in
+                                      (values[0], values[-1], seeds[0], seeds[-1]))
+    return low, high, f"{seed_low}{' to ' if seeds[0][1] or seeds[-1][1] else '-'}{seed_high}"
+
+
+def range_text(summaries: list[dict], study: Study) -> list[str]:
+    """The ratio's range over the cells complete at each swept momentum, and at each cell's best."""
+    lines = []
+    labelled = [(f"At momentum {momentum_text(m)}", lambda e, m=m: e["momentum"] == m) for m in study.muon_momenta]
+    labelled.append(("At each cell's best momentum (its lowest seed-1 final loss at the longest budget)",
+                     lambda e: e["best"]))
+    for label, chosen in labelled:
+        entries = [{**e, "smallest_budget": s["budgets"][0]} for s in summaries for e in s["muon"]
+                   if chosen(e) and e["complete"]]
+        if not entries:
+            lines.append(f"- {label}: no cell is complete yet (0 of {len(summaries)}): no ratio to report.")
+            continue
+        low, high, seeds = ratio_range(entries)
+        lines.append(f"- {label}: range over the {len(entries)} complete cells of {len(summaries)}: {low} to {high} "
+                     f"(seeds {seeds}).")
+    best = [f"{s['cell']} {s['best_momentum']:g}" for s in summaries if s["best_momentum"] is not None]
+    if best:
+        lines.append(f"- Best momentum: {', '.join(best)} (the shipped default is {SHIPPED_MOMENTUM:g}).")
+    return lines
 
 
 def plot_cell(summary: dict, path: str) -> None:
-    """Final held-out loss against budget, AdamW and Muon (mean over seeds), and the target."""
+    """Final held-out loss against budget, AdamW and Muon at each complete momentum (mean over
+    seeds), and the target."""
     from megatron_eopt.training.logging.training_log import GREY, PALETTE, Curve, plot_curves
 
     iterations = [b * summary["iterations"] for b in summary["budgets"]]
-    curves = [Curve(f"{name} (mean of seeds)", iterations, [v["mean"] for v in summary[o]["final_loss"]], color)
-              for o, name, color in (("adamw", "AdamW", PALETTE[0]), ("muon", "Muon", PALETTE[1]))]
+    lines = [("AdamW", summary["adamw"])] + [(f"Muon, momentum {e['momentum']:g}", e) for e in summary["muon"]
+                                            if e["complete"]]
+    curves = [Curve(f"{name} (mean of seeds)", iterations, [v["mean"] for v in entry["final_loss"]],
+                    PALETTE[i % len(PALETTE)]) for i, (name, entry) in enumerate(lines)]
     curves.append(Curve("AdamW's final loss at the longest budget", [iterations[0], iterations[-1]],
                         [summary["target"]] * 2, GREY, dashed=True))
     plot_curves(path, curves, x_label=f"budget (iterations), {summary['cell']}", y_label="final held-out loss",
@@ -612,11 +507,12 @@ def plot_cell(summary: dict, path: str) -> None:
 
 
 def cell_iterations(study: Study, cell: Cell) -> list[int]:
-    """The training iterations of each run of a complete cell without lr extensions."""
+    """The training iterations of each run of a complete cell without extensions."""
     sweep = [cell.iterations] * (len(sweep_runs(study, cell)) + len(study.adamw_weight_decays))
-    budgets = [budget_iterations(cell, b) for _ in ("adamw", "muon") for b in study.budgets for _ in study.seeds]
-    budgets.remove(cell.iterations)  # each optimizer's longest budget, seed 1, is its sweep run
-    budgets.remove(cell.iterations)
+    budgets = []
+    for _ in range(1 + len(study.muon_momenta)):  # AdamW's schedules and Muon's at each swept momentum
+        budgets += [budget_iterations(cell, b) for b in study.budgets for _ in study.seeds]
+        budgets.remove(cell.iterations)  # its longest budget, seed 1, is a sweep run
     return sweep + budgets
 
 
@@ -652,12 +548,12 @@ def report(study: Study, args: argparse.Namespace, results: dict[str, dict[str, 
                   f"runs on 2 cores; {timing['remaining_s'] / 3600:.1f} CPU-hours still to run.")
     plots = []
     for summary in summaries:
-        if summary["complete"]:
+        if any(entry["complete"] for entry in summary["muon"]):
             name = f"convergence_range_{summary['cell']}.png"
             plot_cell(summary, os.path.join(args.out, name))
             plots.append(name)
     with open(os.path.join(args.out, "summary.json"), "w") as handle:
-        json.dump({"cells": summaries, "time": timing}, handle, indent=1)
+        json.dump({"shipped_momentum": SHIPPED_MOMENTUM, "cells": summaries, "time": timing}, handle, indent=1)
     with open(os.path.join(args.out, "convergence_range.md"), "w") as handle:
         handle.write(table + "\n")
     if args.docs:

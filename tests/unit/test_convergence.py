@@ -13,6 +13,7 @@ import random
 import statistics
 import struct
 import sys
+import types
 
 import pytest
 
@@ -140,6 +141,8 @@ def test_report_sweep_target_reach_and_docs_table(convergence, tmp_path) -> None
 
 @pytest.fixture(scope="module")
 def study_module():
+    """The script's names and those of the plan it imports (_convergence_range_plan.py); `script` is
+    the script itself, whose globals its functions read."""
     sys.path.insert(0, str(ROOT / "benchmarks"))  # it imports convergence.py, as a script beside it does
     try:
         spec = importlib.util.spec_from_file_location("convergence_range", ROOT / "benchmarks" / "convergence_range.py")
@@ -147,7 +150,7 @@ def study_module():
         spec.loader.exec_module(module)
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    return module
+    return types.SimpleNamespace(**{**vars(sys.modules["_convergence_range_plan"]), **vars(module)}, script=module)
 
 
 def test_crossing_interpolates_between_budgets_and_names_the_bounds(study_module) -> None:
@@ -189,11 +192,11 @@ def _store(m, results: dict, setting, iterations: int, seed: int, loss: float, v
                          "batch_losses": [loss - 0.01, loss + 0.01], "wall_s": 10.0}
 
 
-def _tiny_study(m):
+def _tiny_study(m, momenta=(0.95,)):
     return m.Study(cells=(m.Cell("stdlib", m.TINY, 40),), seq_length=32, global_batch=4, eval_iters=2, evaluations=4,
                    corpus_bytes=1, adamw_lrs=(1e-3, 2e-3, 4e-3), adamw_beta2s=(0.95, 0.999), adamw_warmups=(0.05,),
                    adamw_weight_decays=(0.0, 0.1), muon_lrs=(5e-3, 1e-2, 2e-2), muon_adam_lr_factors=(1.0, 2.0),
-                   budgets=(0.5, 1.0), seeds=(1, 2))
+                   muon_momenta=momenta, budgets=(0.5, 1.0), seeds=(1, 2))
 
 
 def _sweep(m, study, cell, adamw_loss, muon_loss) -> dict:
@@ -253,7 +256,8 @@ def test_a_complete_cell_gives_its_ratio_and_an_incomplete_one_is_pending(study_
     pending = m.summarize_cell(study, cell, results)
     assert not pending["complete"] and pending["runs_done"] == 14 and pending["runs_expected"] == 14 + 6
     table = m.markdown([pending], study)
-    assert "| stdlib | tiny | 40 | pending |" in table and "14 of 20" in table and "No cell is complete" in table
+    assert "| stdlib | tiny | 40 | pending | pending | 0.95 (megatron-core's default), **best** | pending |" in table
+    assert "14 of 20" in table and "no cell is complete yet (0 of 1)" in table
     # AdamW at 40 iterations: 3.0 (seed 1, the sweep) and 3.2: target 3.1. Muon: mean 3.3 at 20, 2.9 at 40:
     # 3.1 is half-way: budget 0.75. Per seed: seed 1 3.2 -> 2.9 (... 0.5 + 0.5 / 3), seed 2 3.4 -> 2.9.
     curve = [(10, 4.0), (20, 3.5), (30, 3.2), (40, 3.0)]
@@ -267,19 +271,76 @@ def test_a_complete_cell_gives_its_ratio_and_an_incomplete_one_is_pending(study_
     _store(m, results, muon, 20, 2, 3.4)
     summary = m.summarize_cell(study, cell, results)
     assert summary["complete"] and summary["target"] == pytest.approx(3.1)
-    assert summary["ratio"] == pytest.approx(0.75)
-    assert summary["ratio_per_seed"] == pytest.approx([0.5 + 0.5 / 3, 0.5 + 0.5 * 0.6])
-    assert summary["mid_curve"]["fraction"]["mean"] == pytest.approx((18 + 20) / 2 / 40)
+    [muon_summary] = summary["muon"]
+    assert muon_summary["ratio"] == pytest.approx(0.75) and muon_summary["best"]
+    assert muon_summary["ratio_per_seed"] == pytest.approx([0.5 + 0.5 / 3, 0.5 + 0.5 * 0.6])
+    assert muon_summary["ratio_standard_error"] == pytest.approx(abs(0.3 - 0.5 / 3) / 2)  # std / sqrt(2) of two
+    assert muon_summary["mid_curve"]["fraction"]["mean"] == pytest.approx((18 + 20) / 2 / 40)
     table = m.markdown([summary, pending], study)
-    assert "| **0.75** (seeds: 0.67-0.80" in table
-    assert "Range over the 1 complete cells of 2: 0.75 to 0.75." in table
-    below = {**summary, "ratio": None, "ratio_note": "below"}
-    never = {**summary, "ratio": None, "ratio_note": "never"}
-    text = m.range_text([summary, below, never, pending])
-    assert text == "- Range over the 3 complete cells of 4: ≤ 0.50 to > 1.00."
+    assert "| **0.75** (seeds: 0.67-0.80, std 0.09, standard error 0.067)" in table
+    assert "- At momentum 0.95 (megatron-core's default): range over the 1 complete cells of 2: 0.75 to 0.75" in table
+    below = {**summary, "muon": [{**muon_summary, "ratio": None, "ratio_note": "below"}]}
+    never = {**summary, "muon": [{**muon_summary, "ratio": None, "ratio_note": "never",
+                                  "ratio_per_seed": [None, 0.9], "ratio_per_seed_notes": ["never", ""]}]}
+    text = m.range_text([summary, below, never, pending], study)
+    assert text[0] == ("- At momentum 0.95 (megatron-core's default): range over the 3 complete cells of 4: "
+                       "≤ 0.50 to > 1.00 (seeds 0.67 to > 1.00).")
     assert "standard error 0.0100 (disjoint halves" in table
     m.plot_cell(summary, str(tmp_path / "cell.png"))
     assert (tmp_path / "cell.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_stored_runs_are_the_plans_runs_at_megatron_cores_momentum(study_module) -> None:
+    """The runs stored before Muon's momentum was swept (0.95, named without it) are the plan's 0.95
+    runs, name and command alike, so none runs again; the shipped default's runs are new and first."""
+    m = study_module
+    assert (m.SHIPPED_MOMENTUM, m.STORED_MOMENTUM) == (0.9, 0.95)  # Megatron-LM's parser, megatron-core's config
+    stored = json.loads((ROOT / "benchmarks/results/convergence-range/runs/stdlib_1.0M_1000"
+                         / "muon_lr0.005_b20.999_wu0.05_wd0.01_it1000_seed1.json").read_text())
+    command, cell = stored["command"], m.FULL.cells[0]
+    data_flags = command[command.index("--data-path"):command.index("--seq-length")]
+    final_eval_iters = int(command[command.index("--final-eval-iters") + 1])
+    run = m.Run(m.setting_of(stored), 1000, 1, "sweep")
+    assert "momentum" not in stored["setting"] and run.setting.momentum == 0.95 and run.name == stored["name"]
+    assert m.portable(m.command_key(m.run_command(run, cell, m.FULL, data_flags, final_eval_iters, "x"))) == command
+    shipped = m.Run(m.replace(run.setting, momentum=0.9), 1000, 1, "sweep")
+    assert shipped.name == "muon_lr0.005_b20.999_wu0.05_wd0.01_mom0.9_it1000_seed1"
+    assert m.run_command(shipped, cell, m.FULL, data_flags, final_eval_iters, "x")[-4:-2] == ["--muon-momentum", "0.9"]
+    muon = [r.setting.momentum for r in m.sweep_runs(m.FULL, cell) if r.setting.optimizer == "muon"]
+    assert muon == [0.9] * 12 + [0.95] * 12
+
+
+def test_each_momentum_sweeps_on_its_own_and_the_best_extends_outward(study_module) -> None:
+    m = study_module
+    study = _tiny_study(m, momenta=(0.9, 0.95))
+    cell = study.cells[0]
+    # 0.95 done as the stored cells are: AdamW's and Muon's sweeps at 0.95 only; the plan asks for 0.9's
+    # sweep. Muon's best lr: 1e-2 at 0.9 (the middle), 2e-2 at 0.95 (the top: extended at 0.95 alone).
+    results = _sweep(m, study, cell, lambda s: 3.0 + abs(s.lr - 2e-3) * 100,
+                     lambda s: 3.0 + abs(s.lr - (1e-2 if s.momentum == 0.9 else 3e-2)) * 10 + s.momentum - 0.9)
+    shipped = {r.name for r in m.sweep_runs(study, cell) if r.setting.optimizer == "muon" and r.setting.momentum == 0.9}
+    at_stored = {name: r for name, r in results.items() if name not in shipped}
+    assert {r.name for r in m.plan(study, cell, at_stored) if r.name not in at_stored} == shipped
+    muon = m.muon_plan(study, cell, results)
+    assert [(r.stage, r.setting.lr, r.setting.momentum) for r in muon] == [
+        *[("budget", 1e-2, 0.9)] * 4, ("lr extension", 4e-2, 0.95)]  # no momentum extension before it ends
+    _store(m, results, muon[-1].setting, 40, 1, 5.0)  # worse: 0.95 keeps 2e-2
+    muon = m.muon_plan(study, cell, results)
+    assert [(r.stage, r.setting.momentum) for r in muon if r.stage != "budget"] == [
+        ("momentum extension", 0.85)]  # 0.9 wins, at the low end: 0.85 next
+    assert muon[-1].setting == m.Setting("muon", 1e-2, momentum=0.85)
+    _store(m, results, muon[-1].setting, 40, 1, 2.9)  # better: 0.8, the ladder's end
+    _store(m, results, m.Setting("muon", 1e-2, momentum=0.8), 40, 1, 2.8)
+    muon = m.muon_plan(study, cell, results)
+    assert not [r for r in muon if r.stage == "momentum extension"]  # none beyond the ladder's end
+    assert [(r.iterations, r.seed) for r in muon if r.setting.momentum == 0.8] == [(20, 1), (20, 2), (40, 1), (40, 2)]
+    best = m.best_setting(results, "muon", 40)
+    assert m.edges(results, best, cell) == ["momentum 0.8 at the low end of [0.8, 0.85, 0.9, 0.95]"]
+    # The other way: 0.95 best at the high end, 0.975 next; a one-momentum study never extends it.
+    results = _sweep(m, study, cell, lambda s: 3.0, lambda s: 3.0 + abs(s.lr - 1e-2) - s.momentum)
+    assert m.momentum_extension(results, cell).setting == m.Setting("muon", 1e-2, momentum=0.975)
+    one = _tiny_study(m)
+    assert m.momentum_extension(_sweep(m, one, cell, lambda s: 3.0, lambda s: 3.0), cell) is None
 
 
 def test_held_out_batches_from_an_index_file(study_module, tmp_path) -> None:
@@ -405,14 +466,16 @@ def test_a_cell_runs_through_its_stages_and_stops_on_a_failed_run(study_module, 
     m = study_module
     crash, started = {"on": True, "name": None}, []
 
-    def fake_run(command, **kwargs):  # final loss: lower for a lower lr and a longer run
+    def fake_run(command, **kwargs):  # final loss: lower for a lower lr, a longer run and Muon's lower momentum
         flags = dict(zip(command[::2], command[1::2])) | dict(zip(command[1::2], command[2::2]))
         log, iterations = pathlib.Path(kwargs["stdout"].name), int(flags["--train-iters"])
         started.append(log.stem)
         if crash["on"] and flags["--weight-decay"] == "0":  # AdamW's weight decay 0 crashes
             crash["name"] = log.stem
             return m.subprocess.CompletedProcess(command, 1)
-        loss = 3.0 + float(flags["--lr"]) - iterations / 100 - (0.5 if "muon" in command else 0.0)
+        loss = 3.0 + float(flags["--lr"]) - iterations / 100 + ("--decoupled-lr" in flags) * 0.01
+        if "muon" in command:
+            loss += -0.15 + (float(flags["--muon-momentum"]) - 0.9) * 0.2
         rows = [{"iteration": iterations, "loss": loss, "elapsed_ms": 5.0},
                 {"iteration": iterations, "split": "valid", "final": True, "eval_loss": loss, "eval_ppl": 1.0,
                  "batch_losses": [loss, loss]}]
@@ -420,9 +483,11 @@ def test_a_cell_runs_through_its_stages_and_stops_on_a_failed_run(study_module, 
         return m.subprocess.CompletedProcess(command, 0)
 
     monkeypatch.setattr(m.subprocess, "run", fake_run)
-    monkeypatch.setattr(m, "prepare_corpus", lambda *a: m.argparse.Namespace(prefix="data/x", documents=1, bytes=1))
-    monkeypatch.setattr(m, "sequence_lengths", lambda prefix: [100] * 10)
-    study, args = _tiny_study(m), m.argparse.Namespace(corpus_dir="data", out=str(tmp_path), jobs=2, threads=1)
+    monkeypatch.setattr(m.script, "prepare_corpus", lambda *a: m.argparse.Namespace(prefix="data/x", documents=1,
+                                                                                     bytes=1))
+    monkeypatch.setattr(m.script, "sequence_lengths", lambda prefix: [100] * 10)
+    study = _tiny_study(m, momenta=(0.9, 0.95))
+    args = m.argparse.Namespace(corpus_dir="data", out=str(tmp_path), jobs=2, threads=1)
     cell = study.cells[0]
     with pytest.raises(SystemExit, match=r"1 runs failed without a result \(adamw_\S+_wd0_it40_seed1\)"):
         m.run_cell(study, cell, args)
@@ -434,7 +499,27 @@ def test_a_cell_runs_through_its_stages_and_stops_on_a_failed_run(study_module, 
     results = m.run_cell(study, cell, args)  # resumed: the failed run again, then AdamW's budgets
     assert started.count(crash["name"]) == 2
     assert all(r.name in results for r in m.plan(study, cell, results))
-    assert m.summarize_cell(study, cell, results)["complete"] and len(started) == len(set(started)) + 1
+    summary = m.summarize_cell(study, cell, results)
+    assert summary["complete"] and len(started) == len(set(started)) + 1
+    # Each momentum's lr went down to 1.25e-3 (two extensions), then momentum down the ladder to its end
+    # (0.85, 0.8), whose schedules ran too. AdamW's target (lr 2.5e-4, 40 iterations): 2.60025. Muon at
+    # momentum 0.9: 2.65125 at 20, 2.45125 at 40: 0.5 + 0.5 x 0.051 / 0.2; 0.95 and 0.8 are +0.01 and -0.02.
+    assert summary["target"] == pytest.approx(2.60025) and summary["best_momentum"] == 0.8
+    entries = {e["momentum"]: e for e in summary["muon"]}
+    assert list(entries) == [0.9, 0.95, 0.8] and [e["best"] for e in entries.values()] == [False, False, True]
+    assert {e["setting"]["lr"] for e in entries.values()} == {1.25e-3}
+    for momentum, loss_at_20 in ((0.9, 2.65125), (0.95, 2.66125), (0.8, 2.63125)):
+        ratio = 0.5 + 0.5 * (loss_at_20 - 2.60025) / 0.2
+        assert entries[momentum]["ratio"] == pytest.approx(ratio)
+        assert entries[momentum]["ratio_per_seed"] == pytest.approx([ratio, ratio])
+    table = m.markdown([summary], study)
+    assert "| 0.9 (the shipped default) | lr 0.00125, Adam lr x1 ⚠ edge | " in table
+    assert "| 0.8, **best** | lr 0.00125, Adam lr x1 ⚠ edge | " in table
+    assert "momentum 0.8 at the low end of [0.8, 0.85, 0.9, 0.95]" in table
+    assert "- At momentum 0.9 (the shipped default): range over the 1 complete cells of 1: 0.63 to 0.63" in table
+    assert "- At momentum 0.95 (megatron-core's default): range over the 1 complete cells of 1: 0.65 to 0.65" in table
+    assert "- At each cell's best momentum (its lowest seed-1 final loss at the longest budget): range over the 1 " \
+           "complete cells of 1: 0.58 to 0.58 (seeds 0.58-0.58)." in table
 
 
 def test_time_projection_from_the_runs_medians(study_module) -> None:
@@ -459,13 +544,35 @@ def test_time_projection_from_the_runs_medians(study_module) -> None:
 
 
 def test_the_readme_quotes_the_committed_study_range() -> None:
-    """The README's headline is the range of the committed summary's complete cells (ratio and
-    per-seed), at two decimals: rerunning the study with other numbers fails here until it is updated."""
-    cells = [c for c in json.loads((ROOT / "benchmarks/results/convergence-range/summary.json").read_text())["cells"]
-             if c["complete"]]
-    ratios = [c["ratio"] for c in cells]
-    seeds = [r for c in cells for r in c["ratio_per_seed"]]
+    """The README's headline is the committed summary's range (ratio and per-seed, two decimals) at
+    the shipped default momentum once every cell has it, and then at each cell's best momentum where
+    that differs; until then at a momentum every cell has, said not to be the shipped default, with
+    the shipped default's measurement in progress. Other numbers fail here until the README follows."""
+    summary = json.loads((ROOT / "benchmarks/results/convergence-range/summary.json").read_text())
+    shipped, cells = summary["shipped_momentum"], summary["cells"]
     readme = (ROOT / "README.md").read_text()
-    quoted = (f"Muon reaches AdamW's final held-out loss in {min(ratios):.2f}-{max(ratios):.2f} of AdamW's iterations "
-              f"({min(seeds):.2f}-{max(seeds):.2f} over 3 seeds): the range over [all {len(cells)} cells of a study]")
+
+    def quoted_range(chosen) -> str:  # over every cell, or '' when a cell lacks it
+        entries = [e for c in cells for e in c["muon"] if chosen(e) and e["complete"]]
+        if len(entries) != len(cells):
+            return ""
+        ratios, seeds = [e["ratio"] for e in entries], [r for e in entries for r in e["ratio_per_seed"]]
+        return (f"{min(ratios):.2f}-{max(ratios):.2f} of AdamW's iterations "
+                f"({min(seeds):.2f}-{max(seeds):.2f} over 3 seeds)")
+
+    cells_link = f"the range over [all {len(cells)} cells of a study]"
+    if at_shipped := quoted_range(lambda e: e["momentum"] == shipped):
+        quoted = f"Muon reaches AdamW's final held-out loss in {at_shipped} at the shipped default momentum, " \
+                 f"{shipped:g}"
+        assert f"{quoted}: {cells_link}" in readme, quoted
+        if any(e["best"] and e["momentum"] != shipped for c in cells for e in c["muon"]):
+            best = f"at each cell's best momentum: {quoted_range(lambda e: e['best'])}"
+            assert best in readme, best
+        return
+    measured = sorted({e["momentum"] for c in cells for e in c["muon"]
+                       if quoted_range(lambda x, m=e["momentum"]: x["momentum"] == m)})
+    assert measured, "no momentum has every cell complete: nothing for the README to quote"
+    quoted = (f"Muon reaches AdamW's final held-out loss in {quoted_range(lambda e: e['momentum'] == measured[-1])} "
+              f"at `--muon-momentum {measured[-1]:g}`, not the shipped default ({shipped:g}): {cells_link}")
     assert quoted in readme, quoted
+    assert f"The measurement at the shipped default, {shipped:g}, is in progress" in readme
