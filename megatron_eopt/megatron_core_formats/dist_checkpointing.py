@@ -14,6 +14,7 @@ layout, our earlier one (EOPT_V1_LAYOUT) loads when named; megatron-core's layer
 dense and expert children (layer_wise_optimizer.py).
 """
 
+import functools
 from dataclasses import replace
 from typing import Any, Mapping, Optional
 
@@ -646,9 +647,35 @@ def _add_common(common: dict, name: str, value: Any, fqn: str) -> None:
     if name not in common:
         common[name] = value
         return
-    same = torch.equal(common[name], value) if torch.is_tensor(value) else common[name] == value
-    if not same:
+    if not _same(common[name], value):
         raise ValueError(
             f"state {name!r} differs between parameters (e.g. {fqn!r}); megatron-core's sharded "
             f"format keeps one value per scalar state. Use megatron_eopt.checkpointing.save_checkpoint."
         )
+
+
+@functools.cache
+def scalar_state_per_parameter(optimizer: str) -> tuple[str, ...]:
+    """The names of the scalar state a fresh `optimizer` keeps per parameter, one value for each
+    (muon_hyperball's radius 'hyperball_R', each weight's norm): what `_add_common` cannot save in
+    megatron-core's one value per name. Probed on two small matrices of different norms, by the
+    same rule the save applies (cached per name); () for one that cannot be built on them."""
+    from megatron_eopt.config.optimizer_config import OptimizerConfig
+    from megatron_eopt.registry import lookup_optimizer
+
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(8, 4, generator=generator) * scale) for scale in (1.0, 3.0)]
+    try:
+        inner = lookup_optimizer(optimizer).build([{"params": params, "lr": 1e-3, "weight_decay": 0.0}],
+                                                  OptimizerConfig(optimizer=optimizer, lr=1e-3))
+    except (TypeError, ValueError):  # e.g. sinkhorn_muon takes only Sinkhorn-normalized matrices
+        return ()
+    states = [inner.state.get(param, {}) for param in params]
+    first = ChildParam("probe", params[0], params[0], states[0], "probe")
+    return tuple(sorted(name for name, value in states[0].items()
+                        if _state_kind(value, first) == SCALAR and name in states[1]
+                        and not _same(value, states[1][name])))
+
+
+def _same(first: Any, second: Any) -> bool:
+    return torch.equal(first, second) if torch.is_tensor(first) else first == second

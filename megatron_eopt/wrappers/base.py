@@ -28,7 +28,6 @@ from megatron_eopt.wrappers.flat_state import match_param_groups
 from megatron_eopt.wrappers.grad_stats import (
     NONFINITE,
     SEPARATE_GRAD_NORM_GROUPS,
-    STATS_SIZE,
     SUM_OF_SQUARES,
     ZEROS,
     check_grad_norm_group,
@@ -237,10 +236,7 @@ def clip_by_norms(children: list[SteppableChild], config: Any, grad_norm: float,
 def current_stats(children: list[SteppableChild], count_zeros: bool) -> list[float]:
     """The statistics of the main gradients as they are now (nothing copied, unscaled or
     counted for inf/NaN), summed over the children and their norm groups."""
-    stats = [child.current_grad_stats(count_zeros) for child in children]
-    if not stats:
-        return [0.0] * STATS_SIZE
-    return _sum(stats).tolist()
+    return _sum([child.current_grad_stats(count_zeros) for child in children]).tolist()
 
 
 def _summed_stats(children: list[SteppableChild], count_zeros: bool) -> torch.Tensor:

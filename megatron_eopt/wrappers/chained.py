@@ -90,44 +90,39 @@ class ChainedOptimizer(StepPhases, MegatronOptimizer):
         return list(self.chained_optimizers)
 
     def prepare_grads(self) -> bool:
-        if self.is_stub_optimizer:
-            return False
-        return super().prepare_grads() if self._ours else self._core_children.prepare_grads()
+        return self._phase("prepare_grads", False)
 
     def get_grad_norm(self) -> float:
-        if self.is_stub_optimizer:
-            return 0.0
-        return super().get_grad_norm() if self._ours else self._core_children.get_grad_norm()
+        return self._phase("get_grad_norm", 0.0)
 
     def clip_grad_norm(self, clip_grad: float) -> float:
-        if self.is_stub_optimizer:
-            return 0.0
-        if self._ours:
-            return super().clip_grad_norm(clip_grad)
-        grad_norm, self.grad_norms_by_group = self._core_children.clip_grad_norm(clip_grad)
-        return grad_norm
+        return self._phase("clip_grad_norm", 0.0, clip_grad)
 
     def count_zeros(self) -> int:
+        return self._phase("count_zeros", 0)
+
+    def _phase(self, name: str, stub_value: Any, *args: Any) -> Any:
         if self.is_stub_optimizer:
-            return 0
-        return super().count_zeros() if self._ours else self._core_children.count_zeros()
+            return stub_value
+        if self._ours:
+            return getattr(StepPhases, name)(self, *args)
+        children = MegatronCoreChildren(self.chained_optimizers)
+        result = getattr(children, name)(*args)
+        self.grad_norms_by_group = children.norms_by_group if name == "clip_grad_norm" else self.grad_norms_by_group
+        return result
 
     def step_with_ready_grads(self) -> bool:
         """Every child steps; a successful step puts Megatron-FSDP's shards into its compute weights."""
         if self.is_stub_optimizer:
             return True
         if not self._ours:
-            return self._core_children.step_with_ready_grads()
+            return MegatronCoreChildren(self.chained_optimizers).step_with_ready_grads()
         with qk_clip_step(self.qk_clip):
             for child in self.chained_optimizers:
                 child.step_with_ready_grads()
         for wrapper in self.megatron_fsdp_wrappers:
             wrapper.install_optimized_model_weights()
         return True
-
-    @property
-    def _core_children(self) -> MegatronCoreChildren:
-        return MegatronCoreChildren(self.chained_optimizers)
 
     @property
     def optimizer(self) -> Any:

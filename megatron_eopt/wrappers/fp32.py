@@ -258,8 +258,7 @@ class FP32Optimizer(StepPhases, MegatronOptimizer, SteppableChild):
         return [self]
 
     def prepare_model_params_for_param_sync(self) -> None:
-        """megatron-core's hook before a forced parameter all-gather: step_with_ready_grads left the
-        model parameters up to date, so nothing is staged."""
+        """megatron-core's hook before a forced all-gather: the model parameters are up to date."""
 
     # The contract.
     def step(self) -> StepResult:

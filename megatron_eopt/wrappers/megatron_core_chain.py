@@ -59,33 +59,31 @@ class MegatronCoreChildren:
 
     def __init__(self, children: list[Any]) -> None:
         self.children = children
+        self.norms_by_group: dict[str, float] = {}  # set by clip_grad_norm
 
     def active(self) -> list[Any]:
         return [child for child in self.children if not getattr(child, "is_stub_optimizer", False)]
 
     def prepare_grads(self) -> bool:
-        found = [bool(child.prepare_grads()) for child in self.children]  # every child prepares
-        return any(found)
+        return any([bool(child.prepare_grads()) for child in self.children])  # a list: every child prepares
 
     def get_grad_norm(self) -> float:
         norms = [float(child.get_grad_norm() or 0.0) for child in self.children]
         return norms[0] if len(norms) == 1 else math.sqrt(sum(n * n for n in norms))
 
-    def clip_grad_norm(self, clip_grad: float) -> tuple[float, dict[str, float]]:
-        """(the norm, each separate group's norm); every child's gradients clipped to `clip_grad`."""
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        """The norm; every child's gradients clipped to `clip_grad`, a separate group's by its norm."""
         grad_norm = self.get_grad_norm()
-        norms_by_group = _group_norms(self.children) if clip_grad > 0.0 else {}
-        if clip_grad > 0.0:
-            for child in self.active():
-                _clip_child(child, clip_grad, grad_norm, norms_by_group)
-        return grad_norm, norms_by_group
+        self.norms_by_group = _group_norms(self.children) if clip_grad > 0.0 else {}
+        for child in self.active() if clip_grad > 0.0 else []:
+            _clip_child(child, clip_grad, grad_norm, self.norms_by_group)
+        return grad_norm
 
     def count_zeros(self) -> int:
         return int(sum(child.count_zeros() for child in self.children if hasattr(child, "count_zeros")))
 
     def step_with_ready_grads(self) -> bool:
-        successful = [bool(child.step_with_ready_grads()) for child in self.children]
-        return all(successful)
+        return all([bool(child.step_with_ready_grads()) for child in self.children])  # a list: every child steps
 
 
 def _clip_child(child: Any, clip_grad: float, grad_norm: float, norms_by_group: dict[str, float]) -> None:

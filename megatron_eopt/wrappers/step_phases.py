@@ -1,23 +1,15 @@
 """megatron-core's optimizer step in its public phases, for callers that drive it themselves
-(megatron-core's MimoOptimizer steps each module's optimizer so; trainers that clip or log by
-rules of their own do the same):
+(megatron-core's MimoOptimizer; trainers that clip or log by rules of their own):
+`prepare_grads()` (main gradients copied and unscaled, the loss scale updated: inf/NaN anywhere?),
+`clip_grad_norm(clip)` or `get_grad_norm()`, `count_zeros()`, `step_with_ready_grads()`.
 
-    found_inf = optimizer.prepare_grads()        # main gradients ready and unscaled; inf/NaN anywhere?
-    grad_norm = optimizer.clip_grad_norm(clip)   # or get_grad_norm(): the norm alone
-    num_zeros = optimizer.count_zeros()
-    optimizer.step_with_ready_grads()            # step, copy the main parameters to the model
-
-`step()` is these phases in one (wrappers/base.py's `take_step`), with one reduction of the
-statistics where the phases make one each. As megatron-core's, `get_grad_norm`, `clip_grad_norm`
-and `count_zeros` read the main gradients as they are when called (a norm after clipping is the
-clipped one), and every reduction runs over the groups the optimizer was built with.
-`prepare_grads` updates the loss scale (fp16), as megatron-core's does. One difference on purpose:
-it reports inf/NaN in fp32 runs too, where megatron-core's FP32Optimizer returns False whatever
-the gradients hold, because our `step()` skips such a step.
-
-The groups: `get_grad_stats_parallel_group()` is the one group the norm is summed over, as
-megatron-core's; where ours sums over two in turn (the layer-wise optimizer's and FSDP's owners,
-then the model-parallel group) there is no such group, and it says so.
+`step()` is the same phases in one (wrappers/base.py's `take_step`) with one reduction of the
+statistics where the phases make one each. As megatron-core's, the norm and the zero count read
+the main gradients as they are when called (after clipping: the clipped norm), reduced over the
+groups the optimizer was built with. On purpose, `prepare_grads` reports inf/NaN in fp32 too
+(megatron-core's FP32Optimizer never does): our `step()` skips such a step.
+`get_grad_stats_parallel_group()` is the one group the norm is summed over; where ours sums over
+two in turn (the owners, then model parallel) there is none, and it says so.
 """
 
 from typing import Any, Optional
@@ -60,19 +52,16 @@ class StepPhases:
         return int(current_stats(self._phase_children(), count_zeros=True)[ZEROS])
 
     def get_grad_stats_parallel_group(self) -> Optional[ProcessGroup]:
-        groups = {norm_groups(child) for child in self._phase_children()}
-        if len(groups) > 1:
-            raise ValueError(f"this optimizer's children sum their gradient norms over different groups ({groups}); "
-                             f"ask each child (chained_optimizers), or use get_grad_norm().")
-        (chain,) = groups or {(None,)}
-        if chain == (None,) and torch.distributed.is_initialized():
+        groups = {norm_groups(child) for child in self._phase_children()} or {(None,)}
+        if len(groups) > 1 or len(next(iter(groups))) > 1:
+            raise ValueError("this optimizer sums its gradient norm over more than one group (its children's "
+                             "differ, or the owners' and then the model-parallel group); get_grad_norm() and "
+                             "count_zeros() reduce over them.")
+        (group,) = next(iter(groups))
+        if group is None and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             raise ValueError("this optimizer's gradient norm needs no reduction (its parameters are whole on this "
-                             "rank), so it has no group to give; use get_grad_norm() and count_zeros().")
-        if len(chain) > 1:
-            raise ValueError("this optimizer sums the gradient norm over two groups in turn (the parameters' owners, "
-                             "then the model-parallel group), not over one; use get_grad_norm() and count_zeros(), "
-                             "which reduce over both.")
-        return chain[0]
+                             "rank): no group to give (None is every rank); get_grad_norm() needs none.")
+        return group
 
     def grads_states_parallel_group_is_shared(self) -> bool:
         """Whether every child sums its gradient statistics over the same groups."""

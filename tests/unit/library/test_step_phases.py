@@ -101,6 +101,8 @@ def _phases_and_step(rank: int, world_size: int) -> dict:
         _backward(model, False)
         model.output_layer.weight.grad[0, 0] = math.inf
         results["inf"] = (optimizer.prepare_grads(), optimizer.step()[0])
+        results["groups"] = (optimizer.get_grad_stats_parallel_group() is None,  # one rank: every rank
+                             optimizer.grads_states_parallel_group_is_shared(), optimizer.has_grad_norm_group("mtp"))
         stub = get_megatron_optimizer(OptimizerConfig(**FIELDS), [torch.nn.Linear(2, 2).requires_grad_(False)])
         results["stub"] = (stub.prepare_grads(), stub.get_grad_norm(), stub.clip_grad_norm(1.0), stub.count_zeros(),
                            stub.step_with_ready_grads())
@@ -115,6 +117,7 @@ def test_our_phases_are_our_step(run_distributed) -> None:
     assert all(torch.equal(a, b) for a, b in zip(results["phases params"], results["step params"]))
     assert results["inf"] == (True, False)
     assert results["stub"] == (False, 0.0, 0.0, 0, True)
+    assert results["groups"] == (True, True, False)  # no 'mtp' parameter
 
 
 def _layer_wise_phases(rank: int, world_size: int) -> dict:
@@ -138,10 +141,16 @@ def _layer_wise_phases(rank: int, world_size: int) -> dict:
                 norm = optimizer.clip_grad_norm(optimizer.config.clip_grad)
                 results[how] = (optimizer.step_with_ready_grads(), norm)
             results[how + " params"] = [p.detach().clone() for p in model.parameters()]
+        try:  # summed over the owners' group, then the model-parallel one: no one group
+            optimizer.get_grad_stats_parallel_group()
+            results["one group"] = True
+        except ValueError as error:
+            results["one group"] = str(error)
     return results
 
 
 def test_the_layer_wise_optimizers_phases_are_its_step(run_distributed) -> None:
     for results in run_distributed(_layer_wise_phases, 2, timeout=600):
         assert results["phases"] == results["step"] and results["step"][0] is True
+        assert "more than one group" in results["one group"]
         assert all(torch.equal(a, b) for a, b in zip(results["phases params"], results["step params"]))
