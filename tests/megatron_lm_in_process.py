@@ -41,8 +41,9 @@ class Run:
 
 
 @contextlib.contextmanager
-def _recording(run: Run) -> Iterator[None]:
-    """Records what Megatron-LM's `train` is given and what it hands `training_log`."""
+def _recording(run: Run, keep_state: bool = True) -> Iterator[None]:
+    """Records what Megatron-LM's `train` is given and what it hands `training_log`; with
+    `keep_state`, the parameters and optimizer state it ends with."""
     import megatron.training.training as training
 
     from megatron_eopt.placement.megatron_fsdp_model import hold_gradient_hooks_weakly
@@ -59,6 +60,8 @@ def _recording(run: Run) -> Iterator[None]:
         finally:  # also when it ends with sys.exit (--exit-interval)
             for chunk in model:
                 _drop_kept_graphs(chunk)
+        if not keep_state:
+            return result
         run.parameters = {f"{i}.{name}": _local(p.detach()).clone() for i, chunk in enumerate(model)
                           for name, p in chunk.named_parameters()}
         ours = run.optimizer_package == "megatron_eopt"
@@ -268,7 +271,7 @@ def run_megatron_lm_ended(rank: int, world_size: int, argvs: list[list[str]]) ->
             stderr, stdout, run = io.StringIO(), io.StringIO(), Run()
             _reset_class_state()
             try:
-                with (_command_line(argv), _recording(run), contextlib.redirect_stderr(stderr),
+                with (_command_line(argv), _recording(run, keep_state=False), contextlib.redirect_stderr(stderr),
                       contextlib.redirect_stdout(stdout)):
                     megatron_lm_gpt.main()
                 status = 0

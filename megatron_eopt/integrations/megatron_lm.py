@@ -30,6 +30,7 @@ from megatron.training import global_vars
 
 from arguments.optimizer_args import FLAGS, GIVEN_FLAGS_ATTR, Flag, StoreAndRecord, flag_kwargs
 from arguments.validate import flag_message, other_optimizers_flags_line
+from megatron_eopt.checkpointing.refusals import refuse_checkpoint_combinations
 from megatron_eopt.megatron_core_formats.layouts import LAYOUT_KEY, MEGATRON_CORE_PING_PONG_LAYOUT
 from megatron_eopt.megatron_core_formats.dist_checkpointing import checkpoint_optimizer_layout
 from megatron_eopt.config.newton_schulz import NEWTON_SCHULZ_FIELDS
@@ -39,7 +40,6 @@ from megatron_eopt.distributed.reduce_scattered import reduce_scattering_chunks
 from megatron_eopt.factory import get_megatron_optimizer
 from megatron_eopt.integrations.megatron_lm_qk_clip import (OptimizersOfModels, recording_max_logits,
                                                             validating_qk_clip_as_ours)
-from megatron_eopt.integrations.megatron_lm_checkpoints import refuse_checkpoint_combinations
 from megatron_eopt.integrations.megatron_lm_mla import taking_mla_head_widths
 from megatron_eopt.integrations.megatron_lm_swiglu import splitting_every_state
 from megatron_eopt.registry import list_optimizers, lookup_optimizer
@@ -223,10 +223,10 @@ def _reduce_scatters(model_chunks: Any) -> bool:
 
 
 def _check_checkpoint_format(args: argparse.Namespace, byte_sharded: bool = False) -> None:
-    """The arguments' refusals (megatron_lm_checkpoints.py), and one the model decides: whether its
+    """The arguments' refusals (checkpointing/refusals.py), and one the model decides: whether its
     DDP reduce-scatters (`byte_sharded`: megatron-core's DistributedOptimizer steps, which writes
     every format)."""
-    refuse_checkpoint_combinations(args)
+    refuse_checkpoint_combinations(args, "megatron_lm")
     if byte_sharded or _sharded_engine(args):
         return
     if getattr(args, "use_distributed_optimizer", False) and getattr(args, "ckpt_format", None) == "torch":
@@ -295,7 +295,7 @@ def validate_args_for_megatron_eopt(args: argparse.Namespace, defaults: Optional
     """
     with _printing_arguments_after() as printed:
         validated = _validated_for_megatron_eopt(args, defaults)
-    refuse_checkpoint_combinations(validated)  # before any work: not at the first save
+    refuse_checkpoint_combinations(validated, "megatron_lm")  # before any work: not at the first save
     printed(validated)
     return validated
 

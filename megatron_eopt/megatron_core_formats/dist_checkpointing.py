@@ -16,7 +16,7 @@ dense and expert children (layer_wise_optimizer.py).
 
 import functools
 from dataclasses import replace
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, NamedTuple, Optional
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -654,27 +654,34 @@ def _add_common(common: dict, name: str, value: Any, fqn: str) -> None:
         )
 
 
+class ProbedState(NamedTuple):
+    """What a fresh optimizer keeps beside parameter-shaped state, by state name."""
+
+    per_parameter_scalars: tuple[str, ...]  # one number per parameter (muon_hyperball's 'hyperball_R')
+    other_shaped: tuple[str, ...]  # tensors of another shape (normuon's per-column second moment, SOAP's factors)
+
+
 @functools.cache
-def scalar_state_per_parameter(optimizer: str) -> tuple[str, ...]:
-    """The names of the scalar state a fresh `optimizer` keeps per parameter, one value for each
-    (muon_hyperball's radius 'hyperball_R', each weight's norm): what `_add_common` cannot save in
-    megatron-core's one value per name. Probed on two small matrices of different norms, by the
-    same rule the save applies (cached per name); () for one that cannot be built on them."""
+def probe_state(optimizer: str, fields: tuple[tuple[str, Any], ...] = ()) -> ProbedState:
+    """The state `optimizer` (with these OptimizerConfig `fields`) keeps that a checkpoint format
+    may have no place for, sorted by the save's own rule (`_state_kind`, `_add_common`): built
+    on two small matrices of different norms (cached). Nothing for one that cannot be built on them."""
     from megatron_eopt.config.optimizer_config import OptimizerConfig
     from megatron_eopt.registry import lookup_optimizer
 
     generator = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(8, 4, generator=generator) * scale) for scale in (1.0, 3.0)]
     try:
-        inner = lookup_optimizer(optimizer).build([{"params": params, "lr": 1e-3, "weight_decay": 0.0}],
-                                                  OptimizerConfig(optimizer=optimizer, lr=1e-3))
+        config = OptimizerConfig(optimizer=optimizer, lr=1e-3, **dict(fields))
+        inner = lookup_optimizer(optimizer).build([{"params": params, "lr": 1e-3, "weight_decay": 0.0}], config)
     except (TypeError, ValueError):  # e.g. sinkhorn_muon takes only Sinkhorn-normalized matrices
-        return ()
+        return ProbedState((), ())
     states = [inner.state.get(param, {}) for param in params]
-    first = ChildParam("probe", params[0], params[0], states[0], "probe")
-    return tuple(sorted(name for name, value in states[0].items()
-                        if _state_kind(value, first) == SCALAR and name in states[1]
-                        and not _same(value, states[1][name])))
+    kinds = {name: _state_kind(value, ChildParam("probe", params[0], params[0], states[0], "probe"))
+             for name, value in states[0].items()}
+    scalars = [name for name, kind in kinds.items()
+               if kind == SCALAR and name in states[1] and not _same(states[0][name], states[1][name])]
+    return ProbedState(tuple(sorted(scalars)), tuple(sorted(name for name, kind in kinds.items() if kind == OWN_SHAPED)))
 
 
 def _same(first: Any, second: Any) -> bool:
