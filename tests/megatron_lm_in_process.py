@@ -41,8 +41,9 @@ class Run:
 
 
 @contextlib.contextmanager
-def _recording(run: Run) -> Iterator[None]:
-    """Records what Megatron-LM's `train` is given and what it hands `training_log`."""
+def _recording(run: Run, keep_state: bool = True) -> Iterator[None]:
+    """Records what Megatron-LM's `train` is given and what it hands `training_log`; with
+    `keep_state`, the parameters and optimizer state it ends with."""
     import megatron.training.training as training
 
     from megatron_eopt.placement.megatron_fsdp_model import hold_gradient_hooks_weakly
@@ -59,6 +60,8 @@ def _recording(run: Run) -> Iterator[None]:
         finally:  # also when it ends with sys.exit (--exit-interval)
             for chunk in model:
                 _drop_kept_graphs(chunk)
+        if not keep_state:
+            return result
         run.parameters = {f"{i}.{name}": _local(p.detach()).clone() for i, chunk in enumerate(model)
                           for name, p in chunk.named_parameters()}
         ours = run.optimizer_package == "megatron_eopt"
@@ -238,8 +241,23 @@ def run_megatron_lm_many(rank: int, world_size: int, argvs: list[list[str]]) -> 
 
 
 def run_megatron_lm_refused(rank: int, world_size: int, argvs: list[list[str]]) -> list[tuple[int, str, str]]:
-    """Command lines the loop refuses: each one's exit status and this rank's stderr and stdout. The other
-    ranks' wait for rank 0's line (rank_exit.OTHER_RANKS_WAIT_S) is for torchrun; here there is none."""
+    """Command lines the loop refuses: each one's exit status and this rank's stderr and stdout."""
+    return [(ended.status, ended.stderr, ended.stdout) for ended in run_megatron_lm_ended(rank, world_size, argvs)]
+
+
+@dataclasses.dataclass
+class Ended:
+    """How a command line ended on this rank: its exit status, stderr and stdout, and the iterations
+    Megatron-LM's loop ran before (those it handed its logger), for refusals that must come first."""
+    status: int
+    stderr: str
+    stdout: str
+    iterations: list[int]
+
+
+def run_megatron_lm_ended(rank: int, world_size: int, argvs: list[list[str]]) -> list[Ended]:
+    """Each command line to its end, refused or not. The other ranks' wait for rank 0's line
+    (rank_exit.OTHER_RANKS_WAIT_S) is for torchrun; here there is none."""
     import io
 
     from megatron_eopt.integrations import megatron_lm_gpt
@@ -250,17 +268,18 @@ def run_megatron_lm_refused(rank: int, world_size: int, argvs: list[list[str]]) 
     rank_exit.OTHER_RANKS_WAIT_S = 0.0
     try:
         for argv in argvs:
-            stderr, stdout = io.StringIO(), io.StringIO()
+            stderr, stdout, run = io.StringIO(), io.StringIO(), Run()
             _reset_class_state()
             try:
-                with _command_line(argv), contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(stdout):
+                with (_command_line(argv), _recording(run, keep_state=False), contextlib.redirect_stderr(stderr),
+                      contextlib.redirect_stdout(stdout)):
                     megatron_lm_gpt.main()
                 status = 0
             except SystemExit as exit_:
                 status = exit_.code
             finally:
                 forget_megatron_lm_run()
-            results.append((status, stderr.getvalue(), stdout.getvalue()))
+            results.append(Ended(status, stderr.getvalue(), stdout.getvalue(), [r["iteration"] for r in run.records]))
     finally:
         rank_exit.OTHER_RANKS_WAIT_S = before
     return results

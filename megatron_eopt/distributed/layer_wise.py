@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from megatron_eopt.runtime.process_groups import ProcessGroup, group_rank, group_size
 from megatron_eopt.ops.collectives import wait_bounded
-from megatron_eopt.wrappers.base import MegatronOptimizer, SteppableChild, StepResult, take_step, timed
+from megatron_eopt.wrappers.base import MegatronOptimizer, SteppableChild, StepResult, prepared_stats, take_step, timed
 from megatron_eopt.wrappers.chained import ChainedOptimizer
 from megatron_eopt.wrappers.fp32 import model_grad
 from megatron_eopt.wrappers.grad_stats import NONFINITE, STATS_SIZE, reduced_grad_stats, unscale_and_count_nonfinite
@@ -70,11 +70,14 @@ class _NonOwnedGradCheck(SteppableChild):
             stats[NONFINITE] = unscale_and_count_nonfinite(grads, torch.ones(1, device=self.device))
         return reduced_grad_stats(stats, self.groups)
 
+    def current_grad_stats(self, count_zeros: bool) -> torch.Tensor:
+        return torch.zeros(STATS_SIZE, dtype=torch.float32, device=self.device)  # no part in the norm
+
     def main_grads(self, grad_norm_group: Optional[str] = None) -> list[torch.Tensor]:
         return []
 
-    def step_with_ready_grads(self) -> None:
-        pass
+    def step_with_ready_grads(self) -> bool:
+        return True
 
     def check_state_dict(self, state_dict: dict) -> None:
         pass
@@ -110,12 +113,16 @@ class _LaunchAfterStep(SteppableChild):
     def grad_stats(self, count_zeros: bool) -> torch.Tensor:
         return self.child.grad_stats(count_zeros)
 
+    def current_grad_stats(self, count_zeros: bool) -> torch.Tensor:
+        return self.child.current_grad_stats(count_zeros)
+
     def main_grads(self, grad_norm_group: Optional[str] = None) -> list[torch.Tensor]:
         return self.child.main_grads(grad_norm_group)
 
-    def step_with_ready_grads(self) -> None:
+    def step_with_ready_grads(self) -> bool:
         self.child.step_with_ready_grads()
         self.launch()
+        return True
 
     def check_state_dict(self, state_dict: dict) -> None:
         self.child.check_state_dict(state_dict)
@@ -191,22 +198,45 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
 
     # The step.
     def step(self) -> StepResult:
+        self._gradients_to_owners()
+        with qk_clip_step(self.qk_clip):  # owners clip their main copies; the broadcast spreads them
+            self.grad_norms_by_group = {}
+            result = take_step(self._stepping_children() + [self._non_owned_check], self.config,
+                               self.grad_norms_by_group)
+        if result[0]:
+            self._sync_params()
+        return result
+
+    # megatron-core's phases (wrappers/step_phases.py): the gradients reach their owners first, and
+    # the stepped parameters go from them to every rank last.
+    def prepare_grads(self) -> bool:
+        self._gradients_to_owners()
+        return prepared_stats(list(self.chained_optimizers) + [self._non_owned_check], self.config)[0]
+
+    def step_with_ready_grads(self) -> bool:
+        with qk_clip_step(self.qk_clip):
+            for child in self._stepping_children():
+                child.step_with_ready_grads()
+        self._sync_params()
+        return True
+
+    def _gradients_to_owners(self) -> None:
         self.finish_param_sync()  # the last step's broadcasts, where no forward waited for them
         if self.reduce_grads:
             self._reduce_grads_to_owners()
+
+    def _stepping_children(self) -> list[SteppableChild]:
         children = list(self.chained_optimizers)
         if self.overlap_param_gather_with_optimizer_step:
             children = [_LaunchAfterStep(child, lambda phase=phase: self._start_param_sync(phase))
                         for phase, child in enumerate(children)]
-        with qk_clip_step(self.qk_clip):  # owners clip their main copies; the broadcast spreads them
-            self.grad_norms_by_group = {}
-            result = take_step(children + [self._non_owned_check], self.config, self.grad_norms_by_group)
-        if result[0]:
-            with timed(self.config, "params-all-gather"):  # megatron-core's name for the parameter sync
-                self._start_param_sync()
-                if not self.overlap_param_gather:
-                    self.finish_param_sync()
-        return result
+        return children
+
+    def _sync_params(self) -> None:
+        with timed(self.config, "params-all-gather"):  # megatron-core's name for the parameter sync
+            self._start_param_sync()
+            if not self.overlap_param_gather:
+                self.finish_param_sync()
 
     def finish_param_sync(self) -> None:
         """Wait for every launched parameter broadcast and copy the values in (megatron-core

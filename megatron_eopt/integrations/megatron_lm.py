@@ -30,6 +30,7 @@ from megatron.training import global_vars
 
 from arguments.optimizer_args import FLAGS, GIVEN_FLAGS_ATTR, Flag, StoreAndRecord, flag_kwargs
 from arguments.validate import flag_message, other_optimizers_flags_line
+from megatron_eopt.checkpointing.refusals import refuse_checkpoint_combinations
 from megatron_eopt.megatron_core_formats.layouts import LAYOUT_KEY, MEGATRON_CORE_PING_PONG_LAYOUT
 from megatron_eopt.megatron_core_formats.dist_checkpointing import checkpoint_optimizer_layout
 from megatron_eopt.config.newton_schulz import NEWTON_SCHULZ_FIELDS
@@ -222,20 +223,12 @@ def _reduce_scatters(model_chunks: Any) -> bool:
 
 
 def _check_checkpoint_format(args: argparse.Namespace, byte_sharded: bool = False) -> None:
-    if getattr(args, "use_megatron_fsdp", False):
-        return  # Megatron-LM's validate_args asks for Megatron-FSDP's own format (fsdp_dtensor)
-    if getattr(args, "use_torch_fsdp2", False):
-        # Megatron-LM allows torch_dist and torch_dcp there; torch_dist asks for megatron-core's
-        # ShardedTensor state, which our FSDP2 optimizer does not give.
-        if getattr(args, "ckpt_format", None) != "torch_dcp":
-            raise ValueError(
-                f"--use-torch-fsdp2 with --ckpt-format {getattr(args, 'ckpt_format', None)} is not supported by "
-                f"megatron_eopt's optimizer; use --ckpt-format torch_dcp, which saves optimizer.state_dict() "
-                f"(DTensor state) with torch DCP."
-            )
+    """The arguments' refusals (checkpointing/refusals.py), and one the model decides: whether its
+    DDP reduce-scatters (`byte_sharded`: megatron-core's DistributedOptimizer steps, which writes
+    every format)."""
+    refuse_checkpoint_combinations(args, "megatron_lm")
+    if byte_sharded or _sharded_engine(args):
         return
-    if byte_sharded:
-        return  # megatron-core's DistributedOptimizer (distributed/reduce_scattered.py) writes every format
     if getattr(args, "use_distributed_optimizer", False) and getattr(args, "ckpt_format", None) == "torch":
         raise ValueError(
             "--use-distributed-optimizer with --ckpt-format torch makes Megatron-LM save "
@@ -243,6 +236,10 @@ def _check_checkpoint_format(args: argparse.Namespace, byte_sharded: bool = Fals
             "(optimizer.save_parameter_state), which megatron_eopt's layer-wise optimizer does "
             "not write; use --ckpt-format torch_dist (the default)."
         )
+
+
+def _sharded_engine(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False))
 
 
 def get_megatron_optimizer_for_megatron_lm(
@@ -298,6 +295,7 @@ def validate_args_for_megatron_eopt(args: argparse.Namespace, defaults: Optional
     """
     with _printing_arguments_after() as printed:
         validated = _validated_for_megatron_eopt(args, defaults)
+    refuse_checkpoint_combinations(validated, "megatron_lm")  # before any work: not at the first save
     printed(validated)
     return validated
 

@@ -14,8 +14,9 @@ layout, our earlier one (EOPT_V1_LAYOUT) loads when named; megatron-core's layer
 dense and expert children (layer_wise_optimizer.py).
 """
 
+import functools
 from dataclasses import replace
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, NamedTuple, Optional
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -646,9 +647,42 @@ def _add_common(common: dict, name: str, value: Any, fqn: str) -> None:
     if name not in common:
         common[name] = value
         return
-    same = torch.equal(common[name], value) if torch.is_tensor(value) else common[name] == value
-    if not same:
+    if not _same(common[name], value):
         raise ValueError(
             f"state {name!r} differs between parameters (e.g. {fqn!r}); megatron-core's sharded "
             f"format keeps one value per scalar state. Use megatron_eopt.checkpointing.save_checkpoint."
         )
+
+
+class ProbedState(NamedTuple):
+    """What a fresh optimizer keeps beside parameter-shaped state, by state name."""
+
+    per_parameter_scalars: tuple[str, ...]  # one number per parameter (muon_hyperball's 'hyperball_R')
+    other_shaped: tuple[str, ...]  # tensors of another shape (normuon's per-column second moment, SOAP's factors)
+
+
+@functools.cache
+def probe_state(optimizer: str, fields: tuple[tuple[str, Any], ...] = ()) -> ProbedState:
+    """The state `optimizer` (with these OptimizerConfig `fields`) keeps that a checkpoint format
+    may have no place for, sorted by the save's own rule (`_state_kind`, `_add_common`): built
+    on two small matrices of different norms (cached). Nothing for one that cannot be built on them."""
+    from megatron_eopt.config.optimizer_config import OptimizerConfig
+    from megatron_eopt.registry import lookup_optimizer
+
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(8, 4, generator=generator) * scale) for scale in (1.0, 3.0)]
+    try:
+        config = OptimizerConfig(optimizer=optimizer, lr=1e-3, **dict(fields))
+        inner = lookup_optimizer(optimizer).build([{"params": params, "lr": 1e-3, "weight_decay": 0.0}], config)
+    except (TypeError, ValueError):  # e.g. sinkhorn_muon takes only Sinkhorn-normalized matrices
+        return ProbedState((), ())
+    states = [inner.state.get(param, {}) for param in params]
+    kinds = {name: _state_kind(value, ChildParam("probe", params[0], params[0], states[0], "probe"))
+             for name, value in states[0].items()}
+    scalars = [name for name, kind in kinds.items()
+               if kind == SCALAR and name in states[1] and not _same(states[0][name], states[1][name])]
+    return ProbedState(tuple(sorted(scalars)), tuple(sorted(name for name, kind in kinds.items() if kind == OWN_SHAPED)))
+
+
+def _same(first: Any, second: Any) -> bool:
+    return torch.equal(first, second) if torch.is_tensor(first) else first == second

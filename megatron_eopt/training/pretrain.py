@@ -36,6 +36,13 @@ def _main(argv: Optional[list[str]]) -> list[dict]:
         exit_with_error(str(error))
     import torch.distributed as dist
 
+    from megatron_eopt.checkpointing.refusals import refuse_checkpoint_combinations
+
+    try:
+        refuse_checkpoint_combinations(args, "trainer")  # what the first save could not write, before any work
+    except ValueError as error:
+        exit_with_error(str(error))
+
     from megatron_eopt.training.model.gpt import destroy_model_parallel, initialize_model_parallel
     from megatron_eopt.training.parallel.cpu_threads import set_cpu_threads
     from megatron_eopt.training.parallel.elastic import collective_failures

@@ -133,11 +133,17 @@ class SteppableChild(ABC):
         its groups."""
 
     @abstractmethod
+    def current_grad_stats(self, count_zeros: bool) -> torch.Tensor:
+        """grad_stats of the main gradients as they are: nothing prepared or unscaled (the phases'
+        norm and zero count, step_phases.py)."""
+
+    @abstractmethod
     def main_grads(self, grad_norm_group: Optional[str] = None) -> list[torch.Tensor]:
         """Main gradients of the parameters in `grad_norm_group` (None: the main norm's)."""
 
     @abstractmethod
-    def step_with_ready_grads(self) -> None: ...
+    def step_with_ready_grads(self) -> bool:
+        """Step and copy the main parameters to the model; True (megatron-core's meaning)."""
 
     @abstractmethod
     def check_state_dict(self, state_dict: dict) -> None:
@@ -175,6 +181,25 @@ def take_step(children: list[SteppableChild], config: Any,
     before the step is decided: the only point where the host must wait for the device (the
     skip decision is the host's, and the contract returns Python numbers).
     """
+    found_inf, stats = prepared_stats(children, config)
+    if norms_by_group is not None:
+        norms_by_group.clear()
+    if found_inf:
+        return False, None, None
+    grad_norm, group_norms = norms_of(stats)
+    num_zeros = int(stats[ZEROS]) if config.log_num_zeros_in_grad else None
+    if norms_by_group is not None:
+        norms_by_group.update(group_norms)
+    clip_by_norms(children, config, grad_norm, group_norms)
+    if grad_norm > config.grad_norm_skip_threshold:
+        return False, grad_norm, num_zeros
+    for child in children:
+        child.step_with_ready_grads()
+    return True, grad_norm, num_zeros
+
+
+def prepared_stats(children: list[SteppableChild], config: Any) -> tuple[bool, list[float]]:
+    """Phase 1 and the loss scale's update: (inf/NaN anywhere, the summed statistics)."""
     offloaded = [getattr(child, "name", "") for child in children if getattr(child, "is_offloaded", False)]
     if offloaded:
         raise ValueError(f"the optimizer's state is on the host (offload_to_cpu(), children {offloaded}); call "
@@ -185,34 +210,41 @@ def take_step(children: list[SteppableChild], config: Any,
     found_inf = stats[NONFINITE] > 0
     for scaler in _unique_scalers(children):
         scaler.update(found_inf)
-    if norms_by_group is not None:
-        norms_by_group.clear()
-    if found_inf:
-        return False, None, None
+    return found_inf, stats
 
-    grad_norm = math.sqrt(stats[SUM_OF_SQUARES])
-    num_zeros = int(stats[ZEROS]) if config.log_num_zeros_in_grad else None
+
+def norms_of(stats: list[float]) -> tuple[float, dict[str, float]]:
+    """(the main gradient norm, the norm of each separate group that has parameters) from statistics."""
     group_norms = {name: math.sqrt(stats[group_index(name)])
                    for name in SEPARATE_GRAD_NORM_GROUPS if stats[group_index(name) + 1] > 0}
-    if norms_by_group is not None:
-        norms_by_group.update(group_norms)
+    return math.sqrt(stats[SUM_OF_SQUARES]), group_norms
+
+
+def clip_by_norms(children: list[SteppableChild], config: Any, grad_norm: float, group_norms: Mapping[str, float],
+                  clip_grad: Optional[float] = None) -> None:
+    """Phase 3: the main gradients by the main norm, each separate group's by its own
+    (`clip_grad`, default `config.clip_grad`; 0 = off)."""
+    clip_grad = config.clip_grad if clip_grad is None else clip_grad
     with timed(config, "optimizer-clip-main-grad"):
-        if config.clip_grad > 0.0:
-            for name, norm in {None: grad_norm, **group_norms}.items():
-                clip_coeff = config.clip_grad / (norm + 1.0e-6)
-                if clip_coeff < 1.0:
-                    for child in children:
-                        scale_grads(child.main_grads(name), clip_coeff)
-    if grad_norm > config.grad_norm_skip_threshold:
-        return False, grad_norm, num_zeros
-    for child in children:
-        child.step_with_ready_grads()
-    return True, grad_norm, num_zeros
+        for name, norm in ({None: grad_norm, **group_norms} if clip_grad > 0.0 else {}).items():
+            clip_coeff = clip_grad / (norm + 1.0e-6)
+            if clip_coeff < 1.0:
+                for child in children:
+                    scale_grads(child.main_grads(name), clip_coeff)
+
+
+def current_stats(children: list[SteppableChild], count_zeros: bool) -> list[float]:
+    """The statistics of the main gradients as they are now (nothing copied, unscaled or
+    counted for inf/NaN), summed over the children and their norm groups."""
+    return _sum([child.current_grad_stats(count_zeros) for child in children]).tolist()
 
 
 def _summed_stats(children: list[SteppableChild], count_zeros: bool) -> torch.Tensor:
     """[non-finite, norm^2, zeros] summed over the children, on the first child's device."""
-    stats = [child.grad_stats(count_zeros) for child in children]
+    return _sum([child.grad_stats(count_zeros) for child in children])
+
+
+def _sum(stats: list[torch.Tensor]) -> torch.Tensor:
     totals = stats[0]
     for more in stats[1:]:
         totals = totals + more.to(totals.device)

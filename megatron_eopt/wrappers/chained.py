@@ -14,12 +14,13 @@ from megatron_eopt.megatron_core_formats.fsdp_dtensor import check_names, is_fsd
 from megatron_eopt.megatron_core_formats.dist_checkpointing import chain_sharded_state_dict, core_chain_states
 from megatron_eopt.megatron_core_formats.layer_wise_optimizer import split_merged
 from megatron_eopt.wrappers.base import MegatronOptimizer, SteppableChild, StepResult, default_device, take_step
-from megatron_eopt.wrappers.megatron_core_chain import step_megatron_core_children
+from megatron_eopt.wrappers.megatron_core_chain import MegatronCoreChildren, step_megatron_core_children
+from megatron_eopt.wrappers.step_phases import StepPhases
 from megatron_eopt.wrappers.qk_clip import QKClip, qk_clip_step
 from megatron_eopt.wrappers.torch_state_dict import TorchOptimizerView, torch_optimizer_views
 
 
-class ChainedOptimizer(MegatronOptimizer):
+class ChainedOptimizer(StepPhases, MegatronOptimizer):
     """Steps `chained_optimizers` as one.
 
     Children are ours (FP32Optimizer, MixedPrecisionOptimizer: one gradient norm over all of
@@ -82,6 +83,54 @@ class ChainedOptimizer(MegatronOptimizer):
             for wrapper in self.megatron_fsdp_wrappers:
                 wrapper.install_optimized_model_weights()
         return result
+
+    # megatron-core's step in phases (wrappers/step_phases.py); a chain of megatron-core's kind of
+    # children runs them as megatron-core's chain does (megatron_core_chain.py).
+    def _phase_children(self) -> list[SteppableChild]:
+        return list(self.chained_optimizers)
+
+    def prepare_grads(self) -> bool:
+        return self._phase("prepare_grads", False)
+
+    def get_grad_norm(self) -> float:
+        return self._phase("get_grad_norm", 0.0)
+
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        return self._phase("clip_grad_norm", 0.0, clip_grad)
+
+    def count_zeros(self) -> int:
+        return self._phase("count_zeros", 0)
+
+    def _phase(self, name: str, stub_value: Any, *args: Any) -> Any:
+        if self.is_stub_optimizer:
+            return stub_value
+        if self._ours:
+            return getattr(StepPhases, name)(self, *args)
+        children = MegatronCoreChildren(self.chained_optimizers)
+        result = getattr(children, name)(*args)
+        self.grad_norms_by_group = children.norms_by_group if name == "clip_grad_norm" else self.grad_norms_by_group
+        return result
+
+    def step_with_ready_grads(self) -> bool:
+        """Every child steps; a successful step puts Megatron-FSDP's shards into its compute weights."""
+        if self.is_stub_optimizer:
+            return True
+        if not self._ours:
+            return MegatronCoreChildren(self.chained_optimizers).step_with_ready_grads()
+        with qk_clip_step(self.qk_clip):
+            for child in self.chained_optimizers:
+                child.step_with_ready_grads()
+        for wrapper in self.megatron_fsdp_wrappers:
+            wrapper.install_optimized_model_weights()
+        return True
+
+    @property
+    def optimizer(self) -> Any:
+        """megatron-core's: the one child's torch optimizer (for code written for a single optimizer)."""
+        if len(self.chained_optimizers) != 1:
+            raise ValueError(f"ChainedOptimizer.optimizer is the torch optimizer of a chain of one; this chain has "
+                             f"{len(self.chained_optimizers)} children: use chained_optimizers[i].optimizer.")
+        return self.chained_optimizers[0].optimizer
 
     def get_parameters(self) -> list[torch.nn.Parameter]:
         return [p for child in self.chained_optimizers for p in _parameters_of(child)]

@@ -54,6 +54,7 @@ from megatron_eopt.megatron_core_formats.dist_checkpointing import (
 from megatron_eopt.wrappers.host_offload import HostCopies, tensors_in
 from megatron_eopt.wrappers.qk_clip import QKClip
 from megatron_eopt.wrappers.state_precision import StatePrecision
+from megatron_eopt.wrappers.step_phases import StepPhases
 
 MakeOptimizer = Callable[[list[dict]], torch.optim.Optimizer]
 
@@ -65,7 +66,7 @@ def model_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
     return param.grad
 
 
-class FP32Optimizer(MegatronOptimizer, SteppableChild):
+class FP32Optimizer(StepPhases, MegatronOptimizer, SteppableChild):
     """Wraps a torch optimizer over fp32 parameters with megatron-core's optimizer contract.
 
     Args:
@@ -199,13 +200,18 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
     # The step recipe's phases.
     def grad_stats(self, count_zeros: bool) -> torch.Tensor:
         self._prepare_main_grads()
+        return self._reduced_stats(count_zeros, self.grad_scaler.inv_scale if self.grad_scaler is not None else None)
+
+    def current_grad_stats(self, count_zeros: bool) -> torch.Tensor:
+        return self._reduced_stats(count_zeros, inv_scale=None)
+
+    def _reduced_stats(self, count_zeros: bool, inv_scale: Optional[torch.Tensor]) -> torch.Tensor:
         facts = zip(self.main_params, self._counts_for_norm, self._grad_norm_groups)
         counted = [(m.grad, group) for m, counts, group in facts if counts and m.grad is not None]
         other_grads = [m.grad for m, counts in zip(self.main_params, self._counts_for_norm)
                        if not counts and m.grad is not None]
         group_grads = {name: [g for g, group in counted if group == name]
                        for name in set(self._grad_norm_groups) - {None}}
-        inv_scale = self.grad_scaler.inv_scale if self.grad_scaler is not None else None
         stats = local_grad_stats([g for g, group in counted if group is None], other_grads, inv_scale, count_zeros,
                                  self._device, group_grads)
         return reduced_grad_stats(stats, self._norm_groups)
@@ -232,7 +238,10 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
 
         return [p.grad for p in params if (param_filter is None or param_filter(p)) and p.grad is not None and counts(p)]
 
-    def step_with_ready_grads(self) -> None:
+    def step_with_ready_grads(self) -> bool:
+        if self.is_offloaded:
+            raise ValueError(f"optimizer {self.name!r}'s state is on the host (offload_to_cpu()); call "
+                             f"restore_from_cpu() before stepping.")
         with timed(self.config, "optimizer-inner-step"):
             precision = self.state_precision
             with precision.working(self.optimizer) if precision else contextlib.nullcontext():
@@ -243,6 +252,13 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
             self.qk_clip.clip_main_params((r.fqn, main) for r, main in zip(self.records, self.main_params))
         with timed(self.config, "optimizer-copy-main-to-model-params"):
             self._copy_main_params_to_model()
+        return True
+
+    def _phase_children(self) -> list[SteppableChild]:
+        return [self]
+
+    def prepare_model_params_for_param_sync(self) -> None:
+        """megatron-core's hook before a forced all-gather: the model parameters are up to date."""
 
     # The contract.
     def step(self) -> StepResult:

@@ -33,36 +33,64 @@ def step_megatron_core_children(children: list[Any], config: Any, norms_by_group
     if missing:
         raise TypeError(f"ChainedOptimizer.step needs children with megatron-core's optimizer interface; "
                         f"a child lacks {missing}.")
+    chain = MegatronCoreChildren(children)
     norms_by_group.clear()
-    found_inf = False
-    for child in children:  # every child prepares, as in megatron-core
-        found_inf |= bool(child.prepare_grads())
-    if found_inf:
+    if chain.prepare_grads():
         return False, None, None
-    norms = [float(child.get_grad_norm() or 0.0) for child in children]
-    grad_norm = norms[0] if len(norms) == 1 else math.sqrt(sum(n * n for n in norms))
-    active = [child for child in children if not getattr(child, "is_stub_optimizer", False)]
+    grad_norm = chain.get_grad_norm()
+    active = chain.active()
     if any(child.config.clip_grad > 0.0 for child in active):
         norms_by_group.update(_group_norms(children))
     skip = False
     for child in active:
-        params = child.get_parameters()
-        main = [p for p in params if grad_norm_group_of(p) is None]
         if child.config.clip_grad > 0.0:
-            _clip(main, child.config.clip_grad, grad_norm)
-            for name, norm in norms_by_group.items():
-                _clip([p for p in params if grad_norm_group_of(p) == name], child.config.clip_grad, norm)
+            _clip_child(child, child.config.clip_grad, grad_norm, norms_by_group)
         threshold = child.config.grad_norm_skip_threshold
-        skip |= bool(main) and math.isfinite(threshold) and grad_norm > threshold
-    num_zeros = None
-    if config is not None and config.log_num_zeros_in_grad:
-        num_zeros = int(sum(child.count_zeros() for child in children if hasattr(child, "count_zeros")))
+        has_main = any(grad_norm_group_of(p) is None for p in child.get_parameters())
+        skip |= has_main and math.isfinite(threshold) and grad_norm > threshold
+    num_zeros = chain.count_zeros() if config is not None and config.log_num_zeros_in_grad else None
     if skip:
         return False, grad_norm, num_zeros
-    successful = True
-    for child in children:
-        successful &= bool(child.step_with_ready_grads())
-    return successful, grad_norm, num_zeros
+    return chain.step_with_ready_grads(), grad_norm, num_zeros
+
+
+class MegatronCoreChildren:
+    """megatron-core's ChainedOptimizer's phases over children of its optimizer interface."""
+
+    def __init__(self, children: list[Any]) -> None:
+        self.children = children
+        self.norms_by_group: dict[str, float] = {}  # set by clip_grad_norm
+
+    def active(self) -> list[Any]:
+        return [child for child in self.children if not getattr(child, "is_stub_optimizer", False)]
+
+    def prepare_grads(self) -> bool:
+        return any([bool(child.prepare_grads()) for child in self.children])  # a list: every child prepares
+
+    def get_grad_norm(self) -> float:
+        norms = [float(child.get_grad_norm() or 0.0) for child in self.children]
+        return norms[0] if len(norms) == 1 else math.sqrt(sum(n * n for n in norms))
+
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        """The norm; every child's gradients clipped to `clip_grad`, a separate group's by its norm."""
+        grad_norm = self.get_grad_norm()
+        self.norms_by_group = _group_norms(self.children) if clip_grad > 0.0 else {}
+        for child in self.active() if clip_grad > 0.0 else []:
+            _clip_child(child, clip_grad, grad_norm, self.norms_by_group)
+        return grad_norm
+
+    def count_zeros(self) -> int:
+        return int(sum(child.count_zeros() for child in self.children if hasattr(child, "count_zeros")))
+
+    def step_with_ready_grads(self) -> bool:
+        return all([bool(child.step_with_ready_grads()) for child in self.children])  # a list: every child steps
+
+
+def _clip_child(child: Any, clip_grad: float, grad_norm: float, norms_by_group: dict[str, float]) -> None:
+    params = child.get_parameters()
+    _clip([p for p in params if grad_norm_group_of(p) is None], clip_grad, grad_norm)
+    for name, norm in norms_by_group.items():
+        _clip([p for p in params if grad_norm_group_of(p) == name], clip_grad, norm)
 
 
 def _group_norms(children: list[Any]) -> dict[str, float]:

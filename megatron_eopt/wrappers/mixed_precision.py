@@ -59,10 +59,10 @@ class MixedPrecisionOptimizer(FP32Optimizer):
             if not hasattr(model, "main_grad"):
                 model.grad = None  # the fp32 copy replaces it; free the 16-bit one
 
-    def step_with_ready_grads(self) -> None:
+    def step_with_ready_grads(self) -> bool:
         for model, main in self._half_pairs():  # fp32 main weights for the update
             self.storage.materialize(self._weights(model), main)
-        super().step_with_ready_grads()  # ends with _copy_main_params_to_model
+        return super().step_with_ready_grads()  # ends with _copy_main_params_to_model
 
     def _copy_main_params_to_model(self) -> None:
         for model, main in self._half_pairs():
