@@ -268,10 +268,10 @@ MEGATRON_CORE_FIELDS: dict[str, FieldUse] = {
     **dict.fromkeys(["optimizer_cpu_offload", "optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d",
                      "pin_cpu_params"], _USED),
     "use_torch_optimizer_for_cpu_offload": FieldUse(
-        "inert", "megatron-core steps its on-device part with torch's optimizer instead of Transformer Engine's "
+        "warns", "megatron-core steps its on-device part with torch's optimizer instead of Transformer Engine's "
         "fused one; megatron_eopt's inner optimizers are the same with and without offload"),
     "pin_cpu_grads": FieldUse(
-        "inert", "megatron-core copies the offloaded part's gradients to the host; megatron_eopt steps on the "
+        "warns", "megatron-core copies the offloaded part's gradients to the host; megatron_eopt steps on the "
         "device, where the gradients are"),
     "config_logger_dir": FieldUse(
         "warns", "megatron-core dumps its optimizer constructors' arguments there for debugging; "
