@@ -151,7 +151,7 @@ class OptimizerConfig:
     overlap_param_gather: bool = False
     overlap_param_gather_with_optimizer_step: bool = False
 
-    # Optimizer state on the host, streamed to the device for the step (wrappers/host_resident.py).
+    # Optimizer state on the host, streamed to the device for the step (offload/host_resident.py).
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: float = 0.0
     use_torch_optimizer_for_cpu_offload: bool = False
@@ -264,7 +264,7 @@ MEGATRON_CORE_FIELDS: dict[str, FieldUse] = {
         "buffer dtype (grad_reduce_in_fp32); megatron_eopt steps with whatever gradient the model holds, as fp32"),
     "reuse_grad_buf_for_mxfp8_param_ag": _NOT_IMPLEMENTED,
     "optimizer_cuda_graph": _NOT_IMPLEMENTED,
-    # Host-resident state (wrappers/host_resident.py, docs/memory.md).
+    # Host-resident state (offload/host_resident.py, docs/memory.md).
     **dict.fromkeys(["optimizer_cpu_offload", "optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d",
                      "pin_cpu_params"], _USED),
     "use_torch_optimizer_for_cpu_offload": FieldUse(

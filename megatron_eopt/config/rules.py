@@ -218,7 +218,7 @@ def _check_distribution(config: Any) -> None:
 
 
 def _check_cpu_offload(config: Any) -> None:
-    """megatron-core's meaning (wrappers/host_resident.py): the fraction is of the elements each
+    """megatron-core's meaning (offload/host_resident.py): the fraction is of the elements each
     optimizer steps; its factory asserts AdamW mode for offloaded Adam and SGD."""
     fraction = _value(config, "optimizer_offload_fraction")
     _require(fraction is None or 0.0 <= fraction <= 1.0,

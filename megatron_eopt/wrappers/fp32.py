@@ -52,7 +52,7 @@ from megatron_eopt.megatron_core_formats.dist_checkpointing import (
     unpack_core_state_dict,
 )
 from megatron_eopt.wrappers.host_offload import HostCopies, tensors_in
-from megatron_eopt.wrappers.host_resident import HostResidentState, offloaded_indices
+from megatron_eopt.offload.host_resident import HostResidentState, offloaded_indices
 from megatron_eopt.wrappers.qk_clip import QKClip
 from megatron_eopt.wrappers.state_precision import StatePrecision
 
@@ -152,7 +152,7 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
         self._store_state()
 
     def _host_resident_state(self) -> Optional[HostResidentState]:
-        """Where `optimizer_cpu_offload` puts this child's state (wrappers/host_resident.py), or None."""
+        """Where `optimizer_cpu_offload` puts this child's state (offload/host_resident.py), or None."""
         if not getattr(self.config, "optimizer_cpu_offload", False):
             return None
         indices = offloaded_indices([p.numel() for p in self.model_params], self.config.optimizer_offload_fraction)
@@ -272,7 +272,7 @@ class FP32Optimizer(MegatronOptimizer, SteppableChild):
         if self.host_state is None:
             self._step_window(range(len(self.main_params)), narrowed=False)
             return
-        host_state = self.host_state  # offloaded state streams through the device (wrappers/host_resident.py)
+        host_state = self.host_state  # offloaded state streams through the device (offload/host_resident.py)
         host_state.to_host(self._offloaded_states())  # what a load left on the device
         for window in host_state.windows():
             streamed = [self.optimizer.state[self.main_params[i]] for i in window if host_state.is_offloaded(i)]

@@ -134,7 +134,7 @@ def main_param_storage_for(config) -> Optional[object]:
 
 class OnHost:
     """`inner`'s main weights, those of the parameters in `offloaded` (ids of model parameters)
-    held on the host between steps (wrappers/host_resident.py): the fp32 copy for `Fp32Copies`,
+    held on the host between steps (offload/host_resident.py): the fp32 copy for `Fp32Copies`,
     the remainder for `Remainders`; `ModelDtype` holds nothing beyond the model's parameter.
     Their main parameters hold no memory between steps; `materialize` copies them in."""
 

@@ -50,7 +50,7 @@ class StatePrecision:
     @contextlib.contextmanager
     def working(self, optimizer: torch.optim.Optimizer, params: Optional[list] = None) -> Iterator[None]:
         """fp32 working state inside the block (the inner step), stored dtype again after it; the
-        state of `params` only, when given (a window of the offloaded step, wrappers/host_resident.py)."""
+        state of `params` only, when given (a window of the offloaded step, offload/host_resident.py)."""
         self._cast(optimizer, lambda key: torch.float32, params)
         try:
             yield

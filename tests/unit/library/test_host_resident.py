@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_eopt import OptimizerConfig, get_megatron_optimizer
-from megatron_eopt.wrappers.host_resident import offloaded_indices
+from megatron_eopt.offload.host_resident import offloaded_indices
 
 BF16_STATE = dict(bf16=True, use_precision_aware_optimizer=True, exp_avg_dtype=torch.bfloat16,
                   exp_avg_sq_dtype=torch.bfloat16)

@@ -1,26 +1,15 @@
 """Optimizer state on the host, streamed to the device for the step (`optimizer_cpu_offload`).
 
-Which parameters: megatron-core's rule (its HybridDeviceOptimizer), applied to what one child
-steps on this rank (under the layer-wise optimizer: what this rank owns). In param-group order,
-parameters are taken while the elements taken so far are fewer than `optimizer_offload_fraction`
-of all of them: 1.0 takes all, 0.0 none, a fraction between takes whole parameters up to the
-first one that reaches it.
-
-What lives where: between steps every state tensor of a taken parameter (Adam's moments,
-Muon's momentum, SOAP's preconditioners, in their stored dtype) is a host tensor, pinned where
-CUDA is, and so is its fp32 main weight (or its bf16 remainder; wrappers/main_param_storage.py
-`OnHost`). Checkpoints read and write those host tensors as they are: the same values under the
-same names as without offload.
-
-The step: the resident parameters first, as one window, then each taken parameter as a window of
-its own. A window's host tensors are copied into fresh device tensors, the inner optimizer steps
-that window's parameters only (its param groups narrowed to them), and the results are copied
-back into the host tensors. So the device holds one parameter's state at a time beyond the
-resident ones. With `overlap_cpu_optimizer_d2h_h2d` and CUDA the copies run on a side stream:
-the next window's state is copied in while this one steps, and this one's copied out while the
-next one steps. Each parameter's update is the one it gets without offload: the optimizers here
-update parameter by parameter (Muon's tensor-parallel exchange runs per window on every TP rank
-alike: the windows are the same on every rank of a TP group, whose shards have equal sizes).
+Which parameters: megatron-core's rule (its HybridDeviceOptimizer), over what one child steps on
+this rank (under the layer-wise optimizer, what it owns): in param-group order, while the elements
+taken are fewer than `optimizer_offload_fraction` of all. Between steps their state tensors are
+host tensors (pinned where CUDA is), their main weights too (main_param_storage.OnHost), which
+checkpoints read as they are. The step runs in windows: the resident parameters together, then
+each offloaded one alone, its state copied into fresh device tensors, the inner optimizer's param
+groups narrowed to it, the results copied back. With `overlap_cpu_optimizer_d2h_h2d` on CUDA the
+copies run on a side stream. Each parameter gets the update it gets without offload (the inner
+optimizers update parameter by parameter; Muon's TP exchange runs per window on every TP rank
+alike, whose shards are equal). docs/memory.md has the design and the measurements.
 """
 
 import contextlib
