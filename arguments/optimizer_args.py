@@ -195,6 +195,20 @@ FLAGS: tuple[Flag, ...] = (
          "momentum) with --use-precision-aware-optimizer.", str, lambda: DTYPE_CHOICES),
     Flag("--exp-avg-sq-dtype", "exp_avg_sq_dtype", "Dtype of the second moment (Adam's exp_avg_sq) with "
          "--use-precision-aware-optimizer.", str, lambda: DTYPE_CHOICES),
+    # Optimizer state on the host (docs/memory.md): megatron-core's fields, Megatron-LM's flags.
+    Flag("--optimizer-cpu-offload", "optimizer_cpu_offload", "Keep the optimizer state and main weights of "
+         "--optimizer-offload-fraction of the parameters on the host, streamed to the device for the step "
+         "(needs --use-precision-aware-optimizer, as in Megatron-LM)."),
+    Flag("--optimizer-offload-fraction", "optimizer_offload_fraction", "Fraction of each optimizer's elements "
+         "whose state is on the host with --optimizer-cpu-offload (whole parameters, in order).", float),
+    Flag("--use-torch-optimizer-for-cpu-offload", "use_torch_optimizer_for_cpu_offload", "megatron-core: step "
+         "the on-device part with torch's optimizer; no effect here (the inner optimizer is the same)."),
+    Flag("--overlap-cpu-optimizer-d2h-h2d", "overlap_cpu_optimizer_d2h_h2d", "With --optimizer-cpu-offload "
+         "on CUDA: copy state to and from the host on a side stream, overlapping the step."),
+    Flag("--no-pin-cpu-grads", "pin_cpu_grads", "megatron-core: unpinned host gradients; no effect here (the "
+         "step runs where the gradients are).", negative=True),
+    Flag("--no-pin-cpu-params", "pin_cpu_params", "With --optimizer-cpu-offload: unpinned host state and main "
+         "weights.", negative=True),
 )
 
 OPTION_OF: dict[str, str] = {flag.dest: flag.option for flag in FLAGS}  # field -> flag string
@@ -234,7 +248,7 @@ def add_optimizer_args(parser: argparse.ArgumentParser, *, deferred: bool = Fals
 
 # Megatron-LM's parser defaults where they differ from OptimizerConfig's (megatron-core's): one command line
 # resolves as in Megatron-LM's loop (tests/unit/training/test_megatron_lm_parity.py compares every setting).
-MEGATRON_LM_PARSER_DEFAULTS: dict[str, Any] = {"muon_momentum": 0.9}
+MEGATRON_LM_PARSER_DEFAULTS: dict[str, Any] = {"muon_momentum": 0.9, "optimizer_offload_fraction": 1.0}
 
 
 def _config_defaults() -> dict[str, Any]:

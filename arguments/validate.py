@@ -38,6 +38,7 @@ def validate_args(
         tensor_model_parallel_size = getattr(args, "tensor_model_parallel_size", None) or 1
     _rewrite_dist_muon(args)
     _check_support(args, tensor_model_parallel_size, wraps_fully_shard)
+    check_cpu_offload_args(args)
     _use_layer_wise_distributed_optimizer(args)
     _warn_tp_mode_without_tp(args, tensor_model_parallel_size)
     from arguments.to_config import optimizer_config_from_args  # imports torch
@@ -155,6 +156,20 @@ def _check_support(args: argparse.Namespace, tensor_model_parallel_size: int, wr
             f"fully_shard); with --optimizer {optimizer}, get_megatron_optimizer accepts a model sharded "
             f"with torch.distributed.fsdp.fully_shard directly."
         )
+
+
+def check_cpu_offload_args(args: argparse.Namespace) -> None:
+    """Megatron-LM's own check (its validate_args: offload runs on the precision-aware optimizer's
+    path), and the fraction's range, before anything is built."""
+    if not getattr(args, "optimizer_cpu_offload", False):
+        return
+    if not getattr(args, "use_precision_aware_optimizer", False):
+        raise ValueError("--optimizer-cpu-offload needs --use-precision-aware-optimizer, as in Megatron-LM (whose "
+                         "offloaded optimizer reuses that flag's code path); add it.")
+    fraction = getattr(args, "optimizer_offload_fraction", None)
+    if fraction is not None and not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"--optimizer-offload-fraction must be in [0, 1] (the fraction of the optimizer's elements "
+                         f"whose state is on the host); got {fraction}.")
 
 
 def _wants_layer_wise(args: argparse.Namespace) -> bool:

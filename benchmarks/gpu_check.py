@@ -8,7 +8,8 @@
    and a checkpoint saved halfway and resumed;
 6. the trainer's CUDA-only paths against its CPU substitutes: losses within 1e-3 relative;
 7. pretrain_gpt --use-megatron-fsdp on CUDA (Megatron-FSDP as shipped) against CPU (patched);
-8. the DeepSeek-style recipe on Megatron-FSDP: Muon's iteration against Adam's, and its resume.
+8. the DeepSeek-style recipe on Megatron-FSDP: Muon's iteration against Adam's, and its resume;
+9. `--optimizer-cpu-offload`: the optimizer's device bytes per parameter and step time, Adam and Muon.
 Writes gpu_check.json and .md to --out (default benchmarks/results/). Without CUDA (or --dry-run)
 it builds what each check would run and records each skipped with the reason (docs/gpu.md).
 
@@ -28,6 +29,7 @@ import time
 from typing import Optional
 
 import newton_schulz_efficiency as ns_bench
+import optimizer_offload as offload_bench
 import optimizer_step as step_bench
 import torch
 from _gpt import GptShape
@@ -445,6 +447,12 @@ def value_of(row: dict) -> str:
         return "FAILED: " + "; ".join(row.get("failures") or [row.get("failed_run", "see the JSON")])
     if "summary" in row:
         return row["summary"]
+    if "step_time_ratio" in row:
+        without, offloaded = row["without"], row["with"]
+        return (f"{without['bytes_per_param']:.3f} -> {offloaded['bytes_per_param']:.3f} bytes/param between steps, "
+                f"step peak {without['step_peak_bytes_per_param']:.3f} -> {offloaded['step_peak_bytes_per_param']:.3f}, "
+                f"{without['step_ms']:.1f} -> {offloaded['step_ms']:.1f} ms (x{row['ratio']:.2f}), "
+                f"max weight difference {row['max_weight_difference']:.1e}")
     if "newton_schulz_tflops" in row:
         return (f"{row['newton_schulz_tflops']:.1f} / {row['matmul_tflops']:.1f} TFLOP/s = {row['ratio']:.3f}")
     if "step_ms" in row:
@@ -459,6 +467,26 @@ def value_of(row: dict) -> str:
     return "; ".join(f"global batch {b} ({row['tokens_per_iteration'][b]} tokens): "
                      f"{row['iteration_ms'][f'muon_layer_wise@{b}']:.1f} ms / {row['iteration_ms'][f'adamw@{b}']:.1f} ms = {r:.2f}"
                      for b, r in row["ratio"].items())
+
+
+# ------------------------------------------------------------------------------------------------
+# 9. Optimizer state on the host (optimizer_cpu_offload)
+# ------------------------------------------------------------------------------------------------
+
+
+def offload_rows(args, skip: Optional[str]) -> list[dict]:
+    """Per optimizer: device bytes per parameter and step time without and with offload (fraction 1)."""
+    rows = []
+    for name in offload_bench.ROWS:
+        check = f"{name}: optimizer device bytes/param and step time, without / with --optimizer-cpu-offload"
+        built = {"hidden": args.hidden, "layers": args.layers}
+        if skip:
+            rows.append(skipped(check, skip, **built))
+            continue
+        row = offload_bench.compare(name, args.hidden, args.layers, torch.device("cuda"), args.repeats)
+        rows.append({"check": check, "status": "ran", **built, **row,
+                     "ratio": row["step_time_ratio"]})
+    return rows
 
 
 def markdown(record: dict) -> str:
@@ -483,6 +511,7 @@ CHECKS = {  # name -> the rows it adds
     "cuda_vs_cpu": lambda args, shape, skip, directory: [cuda_matches_cpu(args, skip, directory)],
     "megatron_fsdp": lambda args, shape, skip, directory: [megatron_fsdp_cuda_matches_cpu(args, skip, directory)],
     "deepseek": lambda args, shape, skip, directory: [deepseek_runs(args, skip, directory)],
+    "offload": lambda args, shape, skip, directory: offload_rows(args, skip),
 }
 
 

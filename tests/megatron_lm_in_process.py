@@ -33,6 +33,8 @@ class Run:
     # state, as _torch_states reads it); DTensors as this rank's shards.
     parameters: Optional[dict[str, Any]] = None
     optimizer_state: Optional[dict[str, Any]] = None
+    # Ours: how many parameters each child keeps on the host (optimizer_cpu_offload), by child name.
+    host_resident: dict[str, int] = dataclasses.field(default_factory=dict)
     # What the run logged at WARNING or above (Megatron-LM and Megatron-FSDP warn through logging).
     warnings: list[str] = dataclasses.field(default_factory=list)
 
@@ -53,6 +55,8 @@ def _recording(run: Run, keep_state: bool = True) -> Iterator[None]:
 
     def train(forward_step_func, model, optimizer, *args, **kwargs):
         run.optimizer_package = type(optimizer).__module__.split(".")[0]
+        run.host_resident = {child.name: len(child.host_state.indices) for child in _children(optimizer)
+                             if getattr(child, "host_state", None) is not None}
         for chunk in model:  # a process runs one loop in Megatron-LM; here the next run follows
             hold_gradient_hooks_weakly(chunk)
         try:
@@ -106,6 +110,11 @@ def _logged_warnings(into: list[str]) -> Iterator[None]:
         yield
     finally:
         root.removeHandler(handler)
+
+
+def _children(optimizer: Any) -> list[Any]:
+    """The children of our chain (the layer-wise optimizer is one)."""
+    return list(getattr(optimizer, "chained_optimizers", None) or [])
 
 
 def _torch_states(optimizer: Any) -> list[list[dict]]:

@@ -151,7 +151,7 @@ class OptimizerConfig:
     overlap_param_gather: bool = False
     overlap_param_gather_with_optimizer_step: bool = False
 
-    # CPU offloading (megatron-core features that megatron_eopt does not implement).
+    # Optimizer state on the host, streamed to the device for the step (offload/host_resident.py).
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: float = 0.0
     use_torch_optimizer_for_cpu_offload: bool = False
@@ -231,7 +231,6 @@ class FieldUse:
 
 
 _USED = FieldUse("used")
-_CPU_OFFLOAD_ONLY = FieldUse("inert", "megatron-core reads it only with optimizer_cpu_offload, which is refused")
 _NOT_IMPLEMENTED = FieldUse("refused", "is a megatron-core feature that megatron_eopt does not implement; leave it False")
 
 # Every field of megatron-core's OptimizerConfig (tests/unit/library/config/test_optimizer_config.py checks the list
@@ -264,15 +263,16 @@ MEGATRON_CORE_FIELDS: dict[str, FieldUse] = {
         "inert", "megatron-core's optimizer does not read it either: Megatron-LM turns it into its DDP's gradient "
         "buffer dtype (grad_reduce_in_fp32); megatron_eopt steps with whatever gradient the model holds, as fp32"),
     "reuse_grad_buf_for_mxfp8_param_ag": _NOT_IMPLEMENTED,
-    "optimizer_cpu_offload": FieldUse(
-        "refused", "(CPU offload) is not implemented; to save optimizer memory use use_precision_aware_optimizer "
-        "(16-bit state, param remainders) or the layer-wise distributed optimizer; leave it False"),
     "optimizer_cuda_graph": _NOT_IMPLEMENTED,
-    "optimizer_offload_fraction": _CPU_OFFLOAD_ONLY,
-    "use_torch_optimizer_for_cpu_offload": _CPU_OFFLOAD_ONLY,
-    "overlap_cpu_optimizer_d2h_h2d": _CPU_OFFLOAD_ONLY,
-    "pin_cpu_grads": _CPU_OFFLOAD_ONLY,
-    "pin_cpu_params": _CPU_OFFLOAD_ONLY,
+    # Host-resident state (offload/host_resident.py, docs/memory.md).
+    **dict.fromkeys(["optimizer_cpu_offload", "optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d",
+                     "pin_cpu_params"], _USED),
+    "use_torch_optimizer_for_cpu_offload": FieldUse(
+        "warns", "megatron-core steps its on-device part with torch's optimizer instead of Transformer Engine's "
+        "fused one; megatron_eopt's inner optimizers are the same with and without offload"),
+    "pin_cpu_grads": FieldUse(
+        "warns", "megatron-core copies the offloaded part's gradients to the host; megatron_eopt steps on the "
+        "device, where the gradients are"),
     "config_logger_dir": FieldUse(
         "warns", "megatron-core dumps its optimizer constructors' arguments there for debugging; "
         "megatron_eopt writes nothing there (dump_param_to_param_group_map shows where each "

@@ -45,6 +45,7 @@ def check_values(config: Any) -> None:
     _check_gradients(config)
     _check_qk_clip(config)
     _check_distribution(config)
+    _check_cpu_offload(config)
 
 
 def _value(config: Any, name: str) -> Any:
@@ -214,3 +215,17 @@ def _check_distribution(config: Any) -> None:
     _require(_value(config, "overlap_param_gather") or not _value(config, "overlap_param_gather_with_optimizer_step"),
              "OptimizerConfig.overlap_param_gather_with_optimizer_step=True needs overlap_param_gather=True "
              "(command line: --overlap-param-gather), as in Megatron-LM.")
+
+
+def _check_cpu_offload(config: Any) -> None:
+    """megatron-core's meaning (offload/host_resident.py): the fraction is of the elements each
+    optimizer steps; its factory asserts AdamW mode for offloaded Adam and SGD."""
+    fraction = _value(config, "optimizer_offload_fraction")
+    _require(fraction is None or 0.0 <= fraction <= 1.0,
+             f"OptimizerConfig.optimizer_offload_fraction must be in [0, 1] (the fraction of the optimizer's "
+             f"elements whose state is on the host); got {fraction}.")
+    if not _value(config, "optimizer_cpu_offload") or _value(config, "optimizer") not in ("adam", "sgd"):
+        return
+    _require(_value(config, "decoupled_weight_decay") is not False,
+             "OptimizerConfig.optimizer_cpu_offload=True with optimizer 'adam' or 'sgd' needs "
+             "decoupled_weight_decay=True (AdamW mode), as megatron-core's offloaded optimizer does; got False.")

@@ -29,7 +29,7 @@ import torch
 from megatron.training import global_vars
 
 from arguments.optimizer_args import FLAGS, GIVEN_FLAGS_ATTR, Flag, StoreAndRecord, flag_kwargs
-from arguments.validate import flag_message, other_optimizers_flags_line
+from arguments.validate import check_cpu_offload_args, flag_message, other_optimizers_flags_line
 from megatron_eopt.checkpointing.refusals import refuse_checkpoint_combinations
 from megatron_eopt.megatron_core_formats.layouts import LAYOUT_KEY, MEGATRON_CORE_PING_PONG_LAYOUT
 from megatron_eopt.megatron_core_formats.dist_checkpointing import checkpoint_optimizer_layout
@@ -320,6 +320,8 @@ def _printing_arguments_after() -> Iterator[Any]:
 
 def _validated_for_megatron_eopt(args: argparse.Namespace, defaults: Optional[dict]) -> argparse.Namespace:
     check_optimizer_args_read(args)
+    if getattr(args, "use_precision_aware_optimizer", False):  # without it Megatron-LM's own check says so
+        check_cpu_offload_args(args)
     validate = validating_qk_clip_as_ours(_original_validate_args or megatron_lm_arguments.validate_args)
     defaults = {} if defaults is None else defaults
     optimizer = getattr(args, "optimizer", "adam")

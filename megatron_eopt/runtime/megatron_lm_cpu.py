@@ -59,6 +59,11 @@ REPLACED_CALLS = {
         "Adam's moments for the parameters whose local shard is empty too, as TE's FusedAdam has "
         "them, in the state handed to the fsdp_dtensor save and load: every rank hands over the same "
         "tensors, whose collectives otherwise hang (megatron_core_torch_adam.py)",
+    "HybridDeviceOptimizer._get_sub_optimizer_param_groups (--optimizer-cpu-offload with megatron-core's "
+    "DistributedOptimizer)": "the host stands in for the device: megatron-core offloads only parameters with "
+        "`is_cuda`, so on CPU it took none and its step then looked every host-group parameter up in its map of "
+        "host copies (KeyError). Here its fraction rule takes the same parameters and each gets a host copy of "
+        "its own, so its copies, host step and copy back run as on a GPU (_hybrid_offload_on_the_host)",
     "dist.all_gather(unequal sizes) in the layer-wise optimizer": "gloo gathers equal sizes only: "
         "padded to the largest, cut back",
     "DeviceMesh.from_group(group, 'cuda') in torch FSDP2's wrapper": "a CPU mesh: FSDP2 puts its shards "
@@ -202,6 +207,7 @@ def _replacements(rng: _CudaGenerator) -> list[tuple[Any, str, Any]]:
     import megatron.core.distributed.fsdp.mcore_fsdp_adapter as megatron_fsdp_adapter
     import megatron.core.distributed.torch_fully_sharded_data_parallel as torch_fsdp2
     import megatron.core.optimizer.layer_wise_optimizer as layer_wise
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
     import megatron.core.tensor_parallel.random as tp_random
     import megatron.training.arguments as arguments
     import megatron.training.initialize as initialize
@@ -219,9 +225,37 @@ def _replacements(rng: _CudaGenerator) -> list[tuple[Any, str, Any]]:
         (layer_wise, "torch", Passthrough(torch, distributed=Passthrough(dist, all_gather=all_gather_padded))),
         (torch_fsdp2, "DeviceMesh", Passthrough(DeviceMesh, from_group=_cpu_mesh_from_group)),
         (megatron_fsdp_adapter, "torch", Passthrough(torch, device=megatron_fsdp_cpu.cpu_device)),
+        (HybridDeviceOptimizer, "_get_sub_optimizer_param_groups", _hybrid_offload_on_the_host),
     ]
     replaced += megatron_fsdp_cpu.replacements(megatron_fsdp_cpu.IN_MEGATRON_CORE)
     return replaced + megatron_core_torch_adam.replacements(DistributedOptimizer)
+
+
+def _hybrid_offload_on_the_host(self: Any, offload_fraction: float) -> tuple:
+    """megatron-core's split of a HybridDeviceOptimizer's parameters, with every parameter counted as
+    on the device (REPLACED_CALLS). Its rule: in param-group order, a parameter is offloaded while
+    the elements offloaded so far are fewer than `offload_fraction` of all; an offloaded one steps on
+    a host copy of its own (fp32 when `param_update_in_fp32`), the others on an fp32 copy or in place.
+    Returns megatron-core's five values: host groups, device groups, parameter -> host copy, host copy
+    -> parameter, parameter -> fp32 copy."""
+    params = [p for group in self.param_groups for p in group["params"]]
+    threshold, offloaded = sum(p.numel() for p in params) * offload_fraction, 0
+    host_groups, device_groups, host_copy_of, param_of_host_copy, fp32_of = [], [], {}, {}, {}
+    for group in self.param_groups:
+        host_group, device_group = {**group, "params": []}, {**group, "params": []}
+        for param in group["params"]:
+            to_host, inner = offloaded < threshold, param
+            if to_host:
+                inner = param.detach().clone()
+                offloaded += param.numel()
+            if self.param_update_in_fp32 and inner.dtype != torch.float32:
+                inner = fp32_of[param] = inner.detach().clone().float()
+            if to_host:
+                host_copy_of[param], param_of_host_copy[inner] = inner, param
+            (host_group if to_host else device_group)["params"].append(inner)
+        host_groups += [host_group] if host_group["params"] else []
+        device_groups += [device_group] if device_group["params"] else []
+    return host_groups, device_groups, host_copy_of, param_of_host_copy, fp32_of
 
 
 def _cpu_mesh_from_group(group: Any, device_type: str, *args: Any, **kwargs: Any) -> DeviceMesh:

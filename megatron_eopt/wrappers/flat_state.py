@@ -13,7 +13,7 @@ LAPACK column-major, and on Intel CPUs MKL's results depend on layout and alignm
 run would not continue bitwise otherwise (docs/reliability.md).
 """
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
@@ -71,11 +71,11 @@ def load_flat_state_dict(
 STATE_ALIGNMENT = 64  # bytes: what torch's CPU allocator gives a new tensor
 
 
-def canonical_state_layout(optimizer: torch.optim.Optimizer) -> None:
-    """Give every plain state tensor of `optimizer` the layout of a fresh one (module docstring):
-    contiguous, in a storage of its own that starts at a 64-byte boundary. Copies only those that
-    are not; values are unchanged."""
-    for state in optimizer.state.values():
+def canonical_state_layout(optimizer: torch.optim.Optimizer, params: Optional[list] = None) -> None:
+    """Give every plain state tensor of `optimizer` (of `params` only, when given) the layout of a
+    fresh one (module docstring): contiguous, in a storage of its own that starts at a 64-byte
+    boundary. Copies only those that are not; values are unchanged."""
+    for state in optimizer.state.values() if params is None else [optimizer.state[p] for p in params]:
         for key, value in state.items():
             if type(value) is torch.Tensor and value.dim() > 0 and not _canonical(value):
                 state[key] = value.clone(memory_format=torch.contiguous_format)

@@ -52,11 +52,29 @@ from megatron_eopt.megatron_core_formats.dist_checkpointing import (
     unpack_core_state_dict,
 )
 from megatron_eopt.wrappers.host_offload import HostCopies, tensors_in
+from megatron_eopt.offload.host_resident import HostResidentState, offloaded_indices
 from megatron_eopt.wrappers.qk_clip import QKClip
 from megatron_eopt.wrappers.state_precision import StatePrecision
 from megatron_eopt.wrappers.step_phases import StepPhases
 
 MakeOptimizer = Callable[[list[dict]], torch.optim.Optimizer]
+
+
+@contextlib.contextmanager
+def narrowed_param_groups(optimizer: torch.optim.Optimizer, params: Optional[list]) -> Iterator[None]:
+    """Inside: `optimizer`'s param groups hold only `params` (None: all), in their order."""
+    if params is None:
+        yield
+        return
+    kept = {id(p) for p in params}
+    saved = [group["params"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["params"] = [p for p in group["params"] if id(p) in kept]
+    try:
+        yield
+    finally:
+        for group, params_of_group in zip(optimizer.param_groups, saved):
+            group["params"] = params_of_group
 
 
 def model_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
@@ -131,13 +149,28 @@ class FP32Optimizer(StepPhases, MegatronOptimizer, SteppableChild):
         self.qk_clip = qk_clip
         self._one = torch.ones(1, dtype=torch.float32, device=self._device)
         self._host_copies = HostCopies()
+        self.host_state = self._host_resident_state()
         self._store_state()
 
+    def _host_resident_state(self) -> Optional[HostResidentState]:
+        """Where `optimizer_cpu_offload` puts this child's state (offload/host_resident.py), or None."""
+        if not getattr(self.config, "optimizer_cpu_offload", False):
+            return None
+        indices = offloaded_indices([p.numel() for p in self.model_params], self.config.optimizer_offload_fraction)
+        return HostResidentState(indices, len(self.model_params), self._device, pin=self.config.pin_cpu_params,
+                                 overlap=self.config.overlap_cpu_optimizer_d2h_h2d)
+
+    def _offloaded_states(self) -> list[dict]:
+        return [self.optimizer.state[self.main_params[i]] for i in self.host_state.indices]
+
     def _store_state(self) -> None:
-        """Reduced-precision state in its stored dtype (and the canonical layout, flat_state.py)."""
+        """Reduced-precision state in its stored dtype (and the canonical layout, flat_state.py),
+        the offloaded parameters' on the host."""
         if self.state_precision is not None:
             self.state_precision.store(self.optimizer)
         canonical_state_layout(self.optimizer)
+        if self.host_state is not None:
+            self.host_state.to_host(self._offloaded_states())
 
     # Main parameters: the model's own here; fp32 copies in MixedPrecisionOptimizer.
     def _make_main_param(self, param: torch.nn.Parameter) -> torch.nn.Parameter:
@@ -194,7 +227,10 @@ class FP32Optimizer(StepPhases, MegatronOptimizer, SteppableChild):
             if param is main and hasattr(param, "main_grad"):
                 param.grad = param.main_grad
 
-    def _copy_main_params_to_model(self) -> None:
+    def _materialize_main_params(self, indices: Sequence[int]) -> None:
+        """fp32 main weights of the parameters at `indices` for the update (the model's own here)."""
+
+    def _copy_main_params_to_model(self, indices: Sequence[int]) -> None:
         pass
 
     # The step recipe's phases.
@@ -242,17 +278,32 @@ class FP32Optimizer(StepPhases, MegatronOptimizer, SteppableChild):
         if self.is_offloaded:
             raise ValueError(f"optimizer {self.name!r}'s state is on the host (offload_to_cpu()); call "
                              f"restore_from_cpu() before stepping.")
+        if self.host_state is None:
+            self._step_window(range(len(self.main_params)), narrowed=False)
+            return True
+        host_state = self.host_state  # offloaded state streams through the device (offload/host_resident.py)
+        host_state.to_host(self._offloaded_states())  # what a load left on the device
+        for window in host_state.windows():
+            streamed = [self.optimizer.state[self.main_params[i]] for i in window if host_state.is_offloaded(i)]
+            with host_state.on_device(streamed):
+                self._step_window(window, narrowed=True)
+        host_state.finish()
+        return True
+
+    def _step_window(self, indices: Sequence[int], narrowed: bool) -> None:
+        """The update of the parameters at `indices` (all of them unless `narrowed`)."""
+        mains = [self.main_params[i] for i in indices] if narrowed else None
+        self._materialize_main_params(indices)
         with timed(self.config, "optimizer-inner-step"):
             precision = self.state_precision
-            with precision.working(self.optimizer) if precision else contextlib.nullcontext():
-                # the update in fp32, stored state rounded after it
-                self.optimizer.step()
-            canonical_state_layout(self.optimizer)
+            with precision.working(self.optimizer, mains) if precision else contextlib.nullcontext():
+                with narrowed_param_groups(self.optimizer, mains):
+                    self.optimizer.step()  # the update in fp32, stored state rounded after it
+            canonical_state_layout(self.optimizer, mains)
         if self.qk_clip is not None:  # QK-clip scales the updated main copies (wrappers/qk_clip.py)
-            self.qk_clip.clip_main_params((r.fqn, main) for r, main in zip(self.records, self.main_params))
+            self.qk_clip.clip_main_params((self.records[i].fqn, self.main_params[i]) for i in indices)
         with timed(self.config, "optimizer-copy-main-to-model-params"):
-            self._copy_main_params_to_model()
-        return True
+            self._copy_main_params_to_model(indices)
 
     def _phase_children(self) -> list[SteppableChild]:
         return [self]

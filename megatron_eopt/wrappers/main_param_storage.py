@@ -130,3 +130,61 @@ def main_param_storage_for(config) -> Optional[object]:
     if config.main_params_dtype != torch.float32:
         return ModelDtype()  # config/precision.py allows only the model's own 16-bit dtype
     return None
+
+
+class OnHost:
+    """`inner`'s main weights, those of the parameters in `offloaded` (ids of model parameters)
+    held on the host between steps (offload/host_resident.py): the fp32 copy for `Fp32Copies`,
+    the remainder for `Remainders`; `ModelDtype` holds nothing beyond the model's parameter.
+    Their main parameters hold no memory between steps; `materialize` copies them in."""
+
+    def __init__(self, inner, offloaded: set[int], pin: bool) -> None:
+        self.inner = inner
+        self.holds_fp32 = inner.holds_fp32
+        self._offloaded = offloaded
+        self._pin = pin and torch.cuda.is_available()
+        self.host_of: dict[int, torch.Tensor] = {}  # id(model) -> fp32 main weight or remainder, on the host
+
+    def _host(self, key: int, value: torch.Tensor) -> None:
+        kept = self.host_of.get(key)
+        if kept is None or kept.shape != value.shape or kept.dtype != value.dtype:
+            kept = self.host_of[key] = torch.empty(value.shape, dtype=value.dtype, pin_memory=self._pin)
+        kept.copy_(value)
+
+    def set(self, model: torch.nn.Parameter, main: torch.nn.Parameter, value: torch.Tensor) -> None:
+        if id(model) in self._offloaded and isinstance(self.inner, Fp32Copies):
+            self._host(id(model), value)
+            release(main)
+            return
+        self.inner.set(model, main, value)
+        if id(model) in self._offloaded and isinstance(self.inner, Remainders):
+            self._host(id(model), self.inner.remainder_of.pop(id(model)))
+
+    def value(self, model: torch.nn.Parameter, main: torch.nn.Parameter) -> torch.Tensor:
+        if id(model) not in self.host_of:
+            return self.inner.value(model, main)
+        if isinstance(self.inner, Fp32Copies):
+            return self.host_of[id(model)]
+        return join_fp32(model, self.host_of[id(model)].to(model.device))
+
+    def materialize(self, model: torch.nn.Parameter, main: torch.nn.Parameter) -> None:
+        if id(model) not in self.host_of:
+            self.inner.materialize(model, main)
+            return
+        host = self.host_of[id(model)]
+        device = torch.empty(host.shape, dtype=host.dtype, device=model.device)
+        device.copy_(host, non_blocking=self._pin)
+        main.data = device if isinstance(self.inner, Fp32Copies) else join_fp32(model, device)
+
+    def store(self, model: torch.nn.Parameter, main: torch.nn.Parameter) -> None:
+        if id(model) in self._offloaded and isinstance(self.inner, Fp32Copies):
+            with torch.no_grad():
+                model.copy_(main)
+        if id(model) in self._offloaded:
+            self.set(model, main, main.detach())  # the updated main weight back to the host
+        else:
+            self.inner.store(model, main)
+
+    def nbytes(self, model: torch.nn.Parameter, main: torch.nn.Parameter) -> int:
+        """Device bytes: none for an offloaded parameter."""
+        return 0 if id(model) in self.host_of else self.inner.nbytes(model, main)

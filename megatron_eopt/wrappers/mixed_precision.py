@@ -8,13 +8,13 @@ model are stepped in place, as in FP32Optimizer. Between steps the main weights 
 optimizer the bf16 parameter plus a 16-bit remainder, or the 16-bit parameter alone.
 """
 
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
 from megatron_eopt.wrappers.fp32 import FP32Optimizer, model_grad
 from megatron_eopt.wrappers.host_offload import tensors_in
-from megatron_eopt.wrappers.main_param_storage import Fp32Copies, main_param_storage_for
+from megatron_eopt.wrappers.main_param_storage import Fp32Copies, OnHost, main_param_storage_for
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -25,6 +25,9 @@ class MixedPrecisionOptimizer(FP32Optimizer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.storage = main_param_storage_for(self.config) or Fp32Copies()
+        if self.host_state is not None:  # the offloaded parameters' main weights on the host
+            offloaded = {id(self.model_params[i]) for i in self.host_state.indices}
+            self.storage = OnHost(self.storage, offloaded, pin=self.config.pin_cpu_params)
         for model, main in self._half_pairs():  # the inner optimizer was built over fp32 copies
             self.storage.set(self._weights(model), main, main.detach())
 
@@ -59,13 +62,16 @@ class MixedPrecisionOptimizer(FP32Optimizer):
             if not hasattr(model, "main_grad"):
                 model.grad = None  # the fp32 copy replaces it; free the 16-bit one
 
-    def step_with_ready_grads(self) -> bool:
-        for model, main in self._half_pairs():  # fp32 main weights for the update
-            self.storage.materialize(self._weights(model), main)
-        return super().step_with_ready_grads()  # ends with _copy_main_params_to_model
+    def _half_pairs_at(self, indices: Sequence[int]) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
+        pairs = [(self.model_params[i], self.main_params[i]) for i in indices]
+        return [(model, main) for model, main in pairs if model.dtype in HALF_DTYPES]
 
-    def _copy_main_params_to_model(self) -> None:
-        for model, main in self._half_pairs():
+    def _materialize_main_params(self, indices: Sequence[int]) -> None:
+        for model, main in self._half_pairs_at(indices):  # fp32 main weights for the update
+            self.storage.materialize(self._weights(model), main)
+
+    def _copy_main_params_to_model(self, indices: Sequence[int]) -> None:
+        for model, main in self._half_pairs_at(indices):
             self.storage.store(self._weights(model), main)
 
     def fp32_main_params(self) -> list[torch.Tensor]:

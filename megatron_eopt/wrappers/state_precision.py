@@ -42,21 +42,24 @@ class StatePrecision:
 
     dtype_of: dict[str, torch.dtype]  # state key -> stored dtype (only keys not stored in fp32)
 
-    def store(self, optimizer: torch.optim.Optimizer) -> None:
-        """Round every covered state tensor of `optimizer` to its stored dtype (nearest, ties to even)."""
-        self._cast(optimizer, lambda key: self.dtype_of[key])
+    def store(self, optimizer: torch.optim.Optimizer, params: Optional[list] = None) -> None:
+        """Round every covered state tensor of `optimizer` (of `params` only, when given) to its
+        stored dtype (nearest, ties to even)."""
+        self._cast(optimizer, lambda key: self.dtype_of[key], params)
 
     @contextlib.contextmanager
-    def working(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
-        """fp32 working state inside the block (the inner step), stored dtype again after it."""
-        self._cast(optimizer, lambda key: torch.float32)
+    def working(self, optimizer: torch.optim.Optimizer, params: Optional[list] = None) -> Iterator[None]:
+        """fp32 working state inside the block (the inner step), stored dtype again after it; the
+        state of `params` only, when given (a window of the offloaded step, offload/host_resident.py)."""
+        self._cast(optimizer, lambda key: torch.float32, params)
         try:
             yield
         finally:
-            self.store(optimizer)  # also after a raise: never leave fp32 copies behind
+            self.store(optimizer, params)  # also after a raise: never leave fp32 copies behind
 
-    def _cast(self, optimizer: torch.optim.Optimizer, dtype_for) -> None:
-        for state in optimizer.state.values():
+    def _cast(self, optimizer: torch.optim.Optimizer, dtype_for, params: Optional[list]) -> None:
+        states = optimizer.state.values() if params is None else [optimizer.state[p] for p in params]
+        for state in states:
             for key in self.dtype_of.keys() & state.keys():
                 value = state[key]
                 if torch.is_tensor(value) and value.is_floating_point():

@@ -31,7 +31,8 @@ def test_dry_run_builds_everything_and_reports_every_check_skipped(tmp_path) -> 
     reason = gpu_check.cuda_skip_reason(dry_run=True)
     assert record["dry_run"] and record["skip_reason"] == reason
     names = [row["check"] for row in record["checks"]]
-    assert len(names) == 9 and any("GPU-tier tests" in n for n in names)
+    assert len(names) == 11 and any("GPU-tier tests" in n for n in names)
+    assert sum("--optimizer-cpu-offload" in n for n in names) == 2  # Adam's and Muon's
     assert any("bf16 ('medium')" in n for n in names) and any("fp32 ('highest')" in n for n in names)
     for row in record["checks"]:
         assert row["status"] == "skipped" and row["reason"] == reason, row

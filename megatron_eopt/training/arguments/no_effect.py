@@ -6,7 +6,7 @@ always so here (megatron-core models, CPU initialisation), `--num-workers` (no D
 timing and Weights & Biases options, and the checkpoint-format choices of megatron's distributed
 checkpointing (megatron_eopt.checkpointing has one format). Each row says why.
 
-Refused flags (`check_not_offered`): FP8 training, CPU offload,
+Refused flags (`check_not_offered`): FP8 training,
 optimizer CUDA graphs, and `--use-checkpoint-args`: one line instead of argparse's
 "unrecognized arguments". docs/trainer.md lists both kinds.
 """
@@ -121,9 +121,6 @@ NOT_OFFERED_ROWS: tuple[Flag, ...] = (
     _refused("--fp8-amax-history-len", type=int, value=True, reason=FP8),
     _refused("--fp8-amax-compute-algo", choices=("most_recent", "max"), value=True, reason=FP8),
     _refused("--fp8-param-gather", reason=FP8),
-    _refused("--optimizer-cpu-offload", reason=("offloading the optimizer to CPU is not offered")),
-    _refused("--optimizer-offload-fraction", type=float, value=True,
-         reason="it applies with --optimizer-cpu-offload, which is not offered"),
     _refused("--optimizer-cuda-graph", reason=("CUDA graphs of the optimizer step are not offered")),
     _refused("--use-checkpoint-args", reason=USE_CHECKPOINT_ARGS),
 )

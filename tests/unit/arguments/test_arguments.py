@@ -38,10 +38,13 @@ FROZEN_OPTIONS = sorted([
     "--qk-clip", "--qk-clip-threshold", "--qk-clip-alpha", "--log-max-attention-logit",
     "--use-precision-aware-optimizer", "--no-store-param-remainders", "--main-params-dtype",
     "--main-grads-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype",
+    "--optimizer-cpu-offload", "--optimizer-offload-fraction", "--use-torch-optimizer-for-cpu-offload",
+    "--overlap-cpu-optimizer-d2h-h2d", "--no-pin-cpu-grads", "--no-pin-cpu-params",
 ])
 NEGATIVE_FLAGS = {"--muon-no-split-qkv": "muon_split_qkv", "--soap-no-kl-shampoo": "soap_use_kl_shampoo",
                   "--no-emerging-optimizers-compile": "emerging_optimizers_compile",
-                  "--no-store-param-remainders": "store_param_remainders"}
+                  "--no-store-param-remainders": "store_param_remainders",
+                  "--no-pin-cpu-grads": "pin_cpu_grads", "--no-pin-cpu-params": "pin_cpu_params"}
 FLAG_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # Megatron-LM's names
 FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(OptimizerConfig)}
 HARDWARE_DEFAULTS = {"muon_fp32_matmul_prec"}  # flags whose default is chosen from the hardware
@@ -238,6 +241,7 @@ def test_round_trip_equals_building_the_config_directly(parser) -> None:
         muon_num_ns_steps=6, muon_tp_mode="distributed", muon_match_adamw_rms=True,
         muon_scalar_optimizer="lion", lion_beta1=0.9, soap_use_kl_shampoo=False,
         use_layer_wise_distributed_optimizer=True, overlap_param_gather=True, bf16=True,
+        optimizer_offload_fraction=1.0,  # Megatron-LM's parser default (read only with --optimizer-cpu-offload)
     )
     assert config == expected
 
@@ -258,3 +262,14 @@ def test_fp32_matmul_prec_takes_the_backend_values_and_refuses_low(parser, capsy
     assert len(errors) == 1, errors
     assert "--muon-fp32-matmul-prec" in errors[0] and "'low'" in errors[0]
     assert all(value in errors[0] for value in ("highest", "high", "medium")), errors[0]
+
+
+def test_cpu_offload_takes_megatron_lms_flags_and_refuses_what_it_refuses(parser) -> None:
+    args = parse(parser, "--bf16", "--use-precision-aware-optimizer", "--optimizer-cpu-offload",
+                 "--optimizer-offload-fraction", "0.5", "--no-pin-cpu-params")
+    assert (args.optimizer_cpu_offload, args.optimizer_offload_fraction, args.pin_cpu_params) == (True, 0.5, False)
+    assert parse(parser).optimizer_offload_fraction == 1.0  # Megatron-LM's parser default
+    with pytest.raises(ValueError, match=r"--optimizer-cpu-offload needs --use-precision-aware-optimizer"):
+        parse(parser, "--optimizer-cpu-offload")
+    with pytest.raises(ValueError, match=r"--optimizer-offload-fraction must be in \[0, 1\] .*; got 1.5"):
+        parse(parser, "--use-precision-aware-optimizer", "--optimizer-cpu-offload", "--optimizer-offload-fraction", "1.5")

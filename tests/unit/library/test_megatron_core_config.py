@@ -72,9 +72,8 @@ from megatron_eopt.config.optimizer_config import MEGATRON_CORE_FIELDS, Optimize
 # A non-default value for each field that is not 'used'.
 NON_DEFAULT = {
     "fp8_recipe": "delayed", "params_dtype": torch.bfloat16, "reuse_grad_buf_for_mxfp8_param_ag": True,
-    "optimizer_cpu_offload": True, "optimizer_cuda_graph": True, "main_grads_dtype": torch.bfloat16,
-    "optimizer_offload_fraction": 0.5, "use_torch_optimizer_for_cpu_offload": True,
-    "overlap_cpu_optimizer_d2h_h2d": True, "pin_cpu_grads": False, "pin_cpu_params": False,
+    "optimizer_cuda_graph": True, "main_grads_dtype": torch.bfloat16,
+    "use_torch_optimizer_for_cpu_offload": True, "pin_cpu_grads": False,
     "config_logger_dir": "config-logs",
 }
 

@@ -241,10 +241,10 @@ BAD_INPUTS = {
         ValueError,
         [r"exp_avg_dtype", r"torch.bfloat16", r"fp8"],
     ),
-    "optimizer_cpu_offload": (
-        {"optimizer_cpu_offload": True},
+    "optimizer_offload_fraction_above_1": (
+        {"optimizer_cpu_offload": True, "optimizer_offload_fraction": 1.5},
         ValueError,
-        [r"optimizer_cpu_offload", r"not implement"],
+        [r"optimizer_offload_fraction", r"\[0, 1\]", r"1.5"],
     ),
     "main_params_dtype_bf16": (
         {"main_params_dtype": torch.bfloat16},

@@ -156,8 +156,3 @@ def test_refused_combinations_say_what_to_change(fields: dict, pattern: str) -> 
     with pytest.raises(ValueError, match=pattern) as caught:
         OptimizerConfig(use_precision_aware_optimizer=True, **fields)
     assert "\n" not in str(caught.value)
-
-
-def test_cpu_offload_is_refused_naming_what_to_use() -> None:
-    with pytest.raises(ValueError, match=r"optimizer_cpu_offload .*use_precision_aware_optimizer"):
-        OptimizerConfig(optimizer_cpu_offload=True)

@@ -1,0 +1,1 @@
+"""Optimizer state kept on the host between steps (docs/memory.md)."""
