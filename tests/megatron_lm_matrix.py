@@ -115,8 +115,13 @@ class Cell:
     formats: tuple[str, ...]
     megatron_core: Outcome = RUNS
     ours: Outcome = RUNS  # other than RUNS: a known failure of ours, recorded
-    # (format, message): megatron-core's load of our checkpoint in that format fails with it (known, recorded)
-    move_out_fails: tuple[tuple[str, str], ...] = ()
+    # (format, "in" | "out" | "itself", message): a load that fails with it, recorded: "in", ours loading
+    # megatron-core's checkpoint; "out", megatron-core loading ours; "itself", megatron-core loading its own
+    # (the moves are then held to its run not interrupted)
+    move_fails: tuple[tuple[str, str, str], ...] = ()
+
+    def move_failure(self, name: str, direction: str) -> Optional[str]:
+        return next((message for at, way, message in self.move_fails if (at, way) == (name, direction)), None)
     world_size: int = 2
     compared: str = "adam"  # the optimizer run on both sides
     muon_tp_modes: tuple[str, ...] = ("duplicated",)  # our Muon's, each trained and resumed; () none
@@ -140,13 +145,20 @@ MOE_TP_WITHOUT_SP = "performance may degrade if MoE and tensor parallelism"  # m
 # Our plain state_dict() (Megatron-LM's --ckpt-format torch saves it) is FQN-keyed, {'optimizers': ...};
 # megatron-core's load reads its own torch-style dict.
 TORCH_FORMAT_MOVE_OUT = "KeyError: 'state'"
+# Megatron-LM's torch_dcp load asks optimizer.state_dict(is_loading=True), which megatron-core's chain does
+# not take; ours gives our layout there, without megatron-core's torch-style keys.
+DCP_CORE_LOAD = "state_dict() got an unexpected keyword argument 'is_loading'"
+DCP_OUR_LOAD = "Missing key in checkpoint state_dict: optimizer.optimizers"
+DCP_MOVES = tuple((("torch_dcp", way, message) for way, message in
+                   (("in", DCP_OUR_LOAD), ("out", DCP_CORE_LOAD), ("itself", DCP_CORE_LOAD))))
 CELLS = [
     # ---- make test: every engine, every format, every move once; one 4-rank cell
     Cell("DDP", "DP=2, dropout 0.1", "fp32", ("torch", "torch_dist"), make_test=("torch",),
-         move_out_fails=(("torch", TORCH_FORMAT_MOVE_OUT),)),
+         move_fails=(("torch", "out", TORCH_FORMAT_MOVE_OUT),)),
     Cell("distributed optimizer", "DP=2", "bf16", ("torch_dist", "torch_dist fully_reshardable", "torch"),
          make_test=("torch_dist",)),
-    Cell("FSDP2", "DP=2", "bf16", ("torch_dcp",), muon_flags=tuple(BF16_MOMENTS), make_test=("torch_dcp",)),
+    Cell("FSDP2", "DP=2", "bf16", ("torch_dcp",), muon_flags=tuple(BF16_MOMENTS), make_test=("torch_dcp",),
+         move_fails=DCP_MOVES),
     Cell("Megatron-FSDP", "TP=2 x DP=2", "bf16", ("fsdp_dtensor",), world_size=4,
          muon_tp_modes=ALL_TP_MODES, muon_flags=tuple(BF16_MOMENTS), make_test=("fsdp_dtensor",)),
     # ---- make test-slow
@@ -175,7 +187,7 @@ CELLS = [
     Cell("distributed optimizer", "EP=2", "bf16", ("torch_dist",), compared="muon", muon_tp_modes=()),
     Cell("distributed optimizer", "TP=2", "bf16", ("torch_dist",), muon_tp_modes=ALL_TP_MODES),
     Cell("distributed optimizer", "PP=2, VP=2", "bf16", ("torch_dist",)),
-    Cell("FSDP2", "DP=2", "fp32", ("torch_dcp",)),
+    Cell("FSDP2", "DP=2", "fp32", ("torch_dcp",), move_fails=DCP_MOVES),
     Cell("FSDP2", "DP=2", "bf16", ("torch_dcp",), compared="muon", muon_tp_modes=(),
          megatron_core=refuses("Emerging optimizer does not support Torch-FSDP2 for now.")),
     Cell("FSDP2", "DP=2", "bf16", ("torch_dist",), muon_tp_modes=(),
@@ -240,10 +252,11 @@ def cell_jobs(cell: Cell, part: Part, directory: str) -> list[Job]:
                          ("run", compared_at + side + _saving_at_3(directory)),
                          ("run", compared_at + side + ["--load", directory])]
         return jobs
-    move_out = "failing" if name in dict(cell.move_out_fails) else "run"
+    move_in, move_out, itself = ("run" if cell.move_failure(name, way) is None else "failing"
+                                 for way in ("in", "out", "itself"))
     return [("run", compared + straight_format + MEGATRON_CORE), ("run", compared + straight_format),
-            ("run", compared_at + MEGATRON_CORE + _saving_at_3(theirs)), ("run", compared_at + ["--load", theirs]),
-            ("run", compared_at + MEGATRON_CORE + ["--load", theirs]), ("run", compared_at + _saving_at_3(ours)),
+            ("run", compared_at + MEGATRON_CORE + _saving_at_3(theirs)), (move_in, compared_at + ["--load", theirs]),
+            (itself, compared_at + MEGATRON_CORE + ["--load", theirs]), ("run", compared_at + _saving_at_3(ours)),
             (move_out, compared_at + MEGATRON_CORE + ["--load", ours]), ("run", compared_at + ["--load", ours])]
 
 
@@ -256,23 +269,36 @@ def unique_jobs(jobs: list[Job]) -> tuple[list[Job], list[int]]:
     return [(kind, list(argv)) for kind, argv in index], [index[kind, tuple(argv)] for kind, argv in jobs]
 
 
+def _raised() -> tuple[type, ...]:
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    return Exception, CheckpointException
+
+
 def run_jobs(rank: int, world_size: int, jobs: list[Job]) -> list[Any]:
-    """Each job in this worker: a Run; for a 'failing' job the exception's `Type: message` (or its Run
-    when it did not fail); for a 'refused' one (status, stderr, stdout)."""
+    """Each job in this worker: a Run (`Unexpected` if it raised); for a 'failing' job the exception's
+    `Type: message` (or its Run when it did not fail); for a 'refused' one (status, stderr, stdout)."""
     from tests.megatron_lm_in_process import run_megatron_lm, run_megatron_lm_refused
 
-    results: list[Any] = []
+    raised, results = _raised(), []
     for kind, argv in jobs:
         if kind == "refused":
             results.append(run_megatron_lm_refused(rank, world_size, [argv])[0])
         elif kind == "failing":
             try:
                 results.append(run_megatron_lm(rank, world_size, argv))
-            except Exception as error:  # noqa: BLE001 (what megatron-core raises is the record)
+            except raised as error:  # what the load raises is the record
                 results.append(f"{type(error).__name__}: {error}")
         else:
-            results.append(run_megatron_lm(rank, world_size, argv))
+            try:
+                results.append(run_megatron_lm(rank, world_size, argv))
+            except raised as error:  # the other command lines still run; check_part names it
+                results.append(Unexpected(f"pretrain_gpt_megatron_lm.py {' '.join(argv)}: {error!r}"))
     return results
+
+
+class Unexpected(str):
+    """A run that was to train and raised instead: the command line and the exception."""
 
 
 # ---------------------------------------------------------------- the contract's assertions
@@ -358,14 +384,15 @@ def assert_moved(straight: list, saved: list, moved_in: list, core_resumed: list
         where_rank = f"{where}, rank {rank}"
         assert saved[rank].optimizer_package == "megatron" and ours_saved[rank].optimizer_package == our_package
         assert [r["iteration"] for r in saved[rank].records] == [1, 2, 3], where_rank
-        assert moved_in[rank].optimizer_package == our_package, where_rank
+        assert moved_in is None or moved_in[rank].optimizer_package == our_package, where_rank
         for key in ("lm loss", "grad norm", "learning rate"):
-            expected = column(core_resumed[rank], key, after)
+            expected = column((core_resumed or straight)[rank], key, after)
             assert None not in expected or (key == "lm loss" and rank < len(saved) - 1), where_rank  # PP: last stage
             ours_expected = pytest.approx(expected, rel=1e-6) if key == "grad norm" else expected
-            assert column(moved_in[rank], key, after) == ours_expected, f"{where_rank}: in, {key}"
-            if moved_out is not None:  # None: a recorded failure (Cell.move_out_fails)
-                assert column(moved_out[rank], key, after) == expected, f"{where_rank}: out, {key}"
+            for moved, way in ((moved_in, "in"), (moved_out, "out")):
+                if moved is not None:  # None: a recorded failure (Cell.move_fails)
+                    assert column(moved[rank], key, after) == (ours_expected if way == "in" else expected), (
+                        f"{where_rank}: {way}, {key}")
             assert expected == column(straight[rank], key, after), f"{where_rank}: megatron-core's resume, {key}"
 
 
@@ -378,6 +405,8 @@ def our_package(cell: Cell) -> str:
 
 def check_part(cell: Cell, part: Part, results: list[Any]) -> None:
     """The contract for one part of a cell, on its jobs' results (per job, each rank's)."""
+    unexpected = [result for ranks in results for result in ranks if isinstance(result, Unexpected)]
+    assert not unexpected, unexpected[0]
     what, name = part
     where = f"{cell.name}, {what}, {name}"
     if what != "compared":
@@ -399,10 +428,12 @@ def check_part(cell: Cell, part: Part, results: list[Any]) -> None:
         return
     core_straight, ours_straight, saved, moved_in, core_resumed, ours_saved, moved_out, ours_resumed = results
     assert_same_math(ours_straight, core_straight, our_package(cell), where)
-    if name in dict(cell.move_out_fails):
-        _check_outcome(fails(dict(cell.move_out_fails)[name]), moved_out, f"{where}, megatron-core loading ours")
-        moved_out = None
-    assert_moved(core_straight, saved, moved_in, core_resumed, ours_saved, moved_out, our_package(cell), where)
+    loads = {"in": moved_in, "out": moved_out, "itself": core_resumed}
+    for way in loads:
+        if cell.move_failure(name, way) is not None:
+            _check_outcome(fails(cell.move_failure(name, way)), loads[way], f"{where}, the load {way}")
+            loads[way] = None
+    assert_moved(core_straight, saved, loads["in"], loads["itself"], ours_saved, loads["out"], our_package(cell), where)
     assert_resumed_exactly(ours_straight, ours_saved, ours_resumed, where)
 
 
@@ -431,9 +462,10 @@ def _check_outcome(expected: Outcome, per_rank: list[Any], where: str) -> None:
 def outcome_text(cell: Cell) -> str:
     """What the cell checks, in words."""
     if cell.megatron_core == cell.ours == RUNS:
-        failing = "; ".join(f"megatron-core's load of our `{name}` fails: `{message}`"
-                            for name, message in cell.move_out_fails)
-        return "ours equals megatron-core and moves both ways" + (f" ({failing})" if failing else "")
+        whose = {"in": "our load of megatron-core's", "out": "megatron-core's load of our",
+                 "itself": "megatron-core's load of its"}
+        failing = "; ".join(f"{whose[way]} `{name}` fails: `{message}`" for name, way, message in cell.move_fails)
+        return f"ours equals megatron-core; {failing or 'moves both ways'}"
     if cell.megatron_core == cell.ours:
         return f"either optimizer {cell.ours.kind}: `{cell.ours.message}`"
     if cell.megatron_core == RUNS:
