@@ -34,7 +34,7 @@ from tests.megatron_lm_in_process import Run, run_megatron_lm_many, run_megatron
 from tests.megatron_lm_matrix import (  # noqa: F401 (also imported by the other tests of this loop)
     BF16_MOMENTS, CELLS, EXPERTS, EP2, ALLGATHER, ITERATIONS, MEGATRON_CORE, MEGATRON_FSDP, MODEL, ROOT, TORCH_FSDP2,
     Cell, Part, cell_jobs, check_part, matrix_table, parts, run_jobs, unique_jobs)
-from tests.megatron_lm_matrix import _saving_at_3, assert_equal_tensors as _assert_equal_tensors  # noqa: F401
+from tests.megatron_lm_matrix import saving_at_3, assert_equal_tensors as _assert_equal_tensors  # noqa: F401
 from tests.megatron_lm_matrix import assert_resumed_exactly as _assert_resumed_exactly
 from tests.megatron_lm_matrix import column as _column, state_dtypes as _state_dtypes  # noqa: F401
 
@@ -197,7 +197,7 @@ def test_every_fully_sharded_optimizer_resumes_experts_from_fsdp_dtensor_exactly
     command_lines = []
     for name in OTHER_FULLY_SHARDED:
         flags, directory = ["--optimizer", name] + MEGATRON_FSDP_EXPERTS, str(tmp_path / name)
-        command_lines += [flags, flags + _saving_at_3(directory), flags + ["--load", directory]]
+        command_lines += [flags, flags + saving_at_3(directory), flags + ["--load", directory]]
     runs = _runs(run_distributed, *command_lines)
     for index, name in enumerate(OTHER_FULLY_SHARDED):
         _assert_resumed_exactly(*runs[3 * index:3 * index + 3], f"{name}, MoE on Megatron-FSDP")
