@@ -9,16 +9,9 @@ that checkpoints are the same with and without offload: a job switches offload o
 
 import torch
 
-from tests.functional.test_megatron_lm_loop import (
-    ITERATIONS,
-    MODEL,
-    SAVED_AT,
-    _assert_resumed_exactly,
-    _column,
-    _runs,
-    _saving_at_3,
-)
+from tests.functional.test_megatron_lm_loop import _runs
 from tests.megatron_lm_in_process import run_megatron_lm_refused
+from tests.megatron_lm_matrix import ITERATIONS, MODEL, SAVED_AT, assert_resumed_exactly, column, saving_at_3
 
 # The run without offload for Adam drops --use-precision-aware-optimizer too: megatron-core's config asks
 # Transformer Engine's FusedAdam for it, except with offload. Its defaults (fp32 main weights and
@@ -37,8 +30,8 @@ def _offload(fraction: float) -> list[str]:
 def _assert_same_losses(mine, reference, where: str) -> None:
     every = range(1, ITERATIONS + 1)
     for a, b in zip(mine, reference):
-        assert _column(a, "lm loss", every) == _column(b, "lm loss", every), where
-        assert _column(a, "grad norm", every) == _column(b, "grad norm", every), where
+        assert column(a, "lm loss", every) == column(b, "lm loss", every), where
+        assert column(a, "grad norm", every) == column(b, "grad norm", every), where
 
 
 def _command_lines(plain: list[str], offloaded: list[str], tmp_path, name: str) -> list[list[str]]:
@@ -46,8 +39,8 @@ def _command_lines(plain: list[str], offloaded: list[str], tmp_path, name: str) 
     it and without; saved at 3 without and resumed with 1.0."""
     with_offload, without = str(tmp_path / f"{name}_with"), str(tmp_path / f"{name}_without")
     half, whole = offloaded + _offload(0.5), offloaded + _offload(1.0)
-    return [plain, whole, half, half + _saving_at_3(with_offload), half + ["--load", with_offload],
-            plain + ["--load", with_offload], plain + _saving_at_3(without), whole + ["--load", without]]
+    return [plain, whole, half, half + saving_at_3(with_offload), half + ["--load", with_offload],
+            plain + ["--load", with_offload], plain + saving_at_3(without), whole + ["--load", without]]
 
 
 def _assert_offload_changes_nothing(runs, name: str) -> None:
@@ -57,9 +50,9 @@ def _assert_offload_changes_nothing(runs, name: str) -> None:
     assert all(sum(run.host_resident.values()) > 0 for run in all_offloaded + half), name
     _assert_same_losses(all_offloaded, plain, f"{name}, fraction 1.0")
     _assert_same_losses(half, plain, f"{name}, fraction 0.5")
-    _assert_resumed_exactly(plain, saved, resumed, f"{name}: offloaded, resumed offloaded")
-    _assert_resumed_exactly(plain, saved, resumed_plain, f"{name}: offloaded, resumed without offload")
-    _assert_resumed_exactly(plain, saved_plain, resumed_offloaded, f"{name}: without offload, resumed offloaded")
+    assert_resumed_exactly(plain, saved, resumed, f"{name}: offloaded, resumed offloaded")
+    assert_resumed_exactly(plain, saved, resumed_plain, f"{name}: offloaded, resumed without offload")
+    assert_resumed_exactly(plain, saved_plain, resumed_offloaded, f"{name}: without offload, resumed offloaded")
 
 
 def _assert_within_rounding(mine, reference, where: str) -> None:
@@ -68,7 +61,7 @@ def _assert_within_rounding(mine, reference, where: str) -> None:
     few elements otherwise than the unfused AdamW without offload: 3e-8 in one weight after 6 steps)."""
     after = range(SAVED_AT + 1, ITERATIONS + 1)
     for rank, (a, b) in enumerate(zip(mine, reference)):
-        assert _column(a, "lm loss", after) == _column(b, "lm loss", after), f"{where}, rank {rank}"
+        assert column(a, "lm loss", after) == column(b, "lm loss", after), f"{where}, rank {rank}"
         for key, value in a.parameters.items():
             assert torch.allclose(value.float(), b.parameters[key].float(), rtol=0, atol=1e-6), f"{where}: {key}"
 
@@ -80,7 +73,7 @@ def _assert_megatron_cores_offload_changes_nothing(runs, name: str) -> None:
     assert all(run.optimizer_package == "megatron" for line in runs for run in line), name
     _assert_same_losses(all_offloaded, plain, f"{name}, fraction 1.0")
     _assert_same_losses(half, plain, f"{name}, fraction 0.5")
-    _assert_resumed_exactly(half, saved, resumed, f"{name}: offloaded, resumed offloaded")
+    assert_resumed_exactly(half, saved, resumed, f"{name}: offloaded, resumed offloaded")
     _assert_within_rounding(resumed_plain, plain, f"{name}: offloaded, resumed without offload")
     _assert_within_rounding(resumed_offloaded, plain, f"{name}: without offload, resumed offloaded")
 
