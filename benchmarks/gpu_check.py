@@ -4,8 +4,7 @@
 2. Newton-Schulz TFLOP/s in bf16 and fp32 on a GPT's blocks against a dense matmul beside it;
 3. our Muon step / torch.optim.AdamW(fused=True) on a GPT's 2-D weights;
 4. a scripts/pretrain_gpt.py iteration (bf16, one GPU), layer-wise Muon / Adam;
-5. Megatron-LM's own `pretrain()` with megatron-core's optimizer and with ours: losses, time,
-   and a checkpoint saved halfway and resumed;
+5. Megatron-LM's `pretrain()`, megatron-core's optimizer and ours: losses, time, a halfway resume;
 6. the trainer's CUDA-only paths against its CPU substitutes: losses within 1e-3 relative;
 7. pretrain_gpt --use-megatron-fsdp on CUDA (Megatron-FSDP as shipped) against CPU (patched);
 8. the DeepSeek-style recipe on Megatron-FSDP: Muon's iteration against Adam's, and its resume;
