@@ -78,8 +78,9 @@ def core_state_dict(child: CheckpointableChild) -> dict:
     state_dict = {layout.torch_state_key: torch_state,
                   layout.main_params_key: [[mains[i] for i in _main_copy_indices(params, group["params"])]
                                            for group in groups]}
-    if child.grad_scaler is not None:
-        state_dict["grad_scaler"] = child.grad_scaler.state_dict()
+    if child.grad_scaler is not None:  # the scale as megatron-core's scalers keep it: their load calls .cuda() on it
+        scale = child.grad_scaler.scale.detach().clone()
+        state_dict["grad_scaler"] = {**child.grad_scaler.state_dict(), "scale": scale}
     return state_dict
 
 

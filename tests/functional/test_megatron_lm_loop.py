@@ -69,7 +69,7 @@ def matrix_results(request, run_distributed, tmp_path_factory) -> dict[tuple[str
         jobs, where = unique_jobs([job for _, _, part_jobs in batch for job in part_jobs])
         running = [index for index, (kind, _) in enumerate(jobs) if kind == "run"]
         per_rank = run_distributed(run_jobs, world_size, args=([jobs[i] for i in running],),
-                                   timeout=SECONDS_PER_RUN[world_size] * len(running))
+                                   timeout=SECONDS_PER_RUN[world_size] * len(running)) if running else []
         per_job = dict(zip(running, (list(ranks) for ranks in zip(*per_rank))))
         per_job.update({index: _run_check(run_distributed, world_size, job) for index, job in enumerate(jobs)
                         if job[0] != "run"})
