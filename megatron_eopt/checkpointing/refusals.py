@@ -46,6 +46,10 @@ def _sharded_engine(args: argparse.Namespace) -> bool:
     return bool(getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False))
 
 
+def _optimizer_name(args: argparse.Namespace) -> str:
+    return getattr(args, "optimizer", "adam")
+
+
 def _engine_flag(args: argparse.Namespace) -> str:
     return "--use-torch-fsdp2" if getattr(args, "use_torch_fsdp2", False) else "--use-megatron-fsdp"
 
@@ -79,7 +83,7 @@ CHECKPOINT_REFUSALS = (
         "megatron_lm", "--ckpt-format torch_dist --optimizer muon_hyperball",
         lambda args: _format(args) == "torch_dist" and not _sharded_engine(args)
         and bool(_probed(args).per_parameter_scalars),
-        lambda args: f"--ckpt-format torch_dist with --optimizer {args.optimizer}: its state "
+        lambda args: f"--ckpt-format torch_dist with --optimizer {_optimizer_name(args)}: its state "
                      f"{list(_probed(args).per_parameter_scalars)} holds one number per parameter, and megatron-core's "
                      f"sharded format keeps one per name, so the first save would fail; use --ckpt-format torch."),
     CheckpointRefusal(
@@ -87,14 +91,14 @@ CHECKPOINT_REFUSALS = (
         "--ckpt-format fsdp_dtensor --bf16 --optimizer adaptive_muon --adaptive-muon-moment2-method normuon",
         lambda args: getattr(args, "use_megatron_fsdp", False) and bool(_tensor_parallel_sizes(args))
         and bool(_probed(args).other_shaped),
-        lambda args: f"{_tensor_parallel_sizes(args)} with --use-megatron-fsdp and --optimizer {args.optimizer}: its "
+        lambda args: f"{_tensor_parallel_sizes(args)} with --use-megatron-fsdp and --optimizer {_optimizer_name(args)}: its "
                      f"state {list(_probed(args).other_shaped)} is not shaped like its parameter, which the DTensor "
                      f"state of TP x Megatron-FSDP's 2-D (dp, tp) mesh holds at TP=1 only, so the first save would "
                      f"fail; checkpoint at tensor-parallel size 1."),
     CheckpointRefusal(
         "trainer", "--use-torch-fsdp2 --optimizer adaptive_muon --adaptive-muon-moment2-method normuon",
         lambda args: _sharded_engine(args) and bool(_probed(args).other_shaped),
-        lambda args: f"{_engine_flag(args)} with --optimizer {args.optimizer}: its state "
+        lambda args: f"{_engine_flag(args)} with --optimizer {_optimizer_name(args)}: its state "
                      f"{list(_probed(args).other_shaped)} is not shaped like its parameter, and the trainer's "
                      f"checkpoints hold a sharded engine's state as rows of its parameters, so the first save would "
                      f"fail; train it without the sharded engine (e.g. --use-distributed-optimizer) to checkpoint it."),

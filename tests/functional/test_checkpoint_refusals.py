@@ -79,3 +79,36 @@ def test_without_save_or_load_the_rows_train(run_distributed, loop: str) -> None
         for row, (status, stderr, iterations) in zip(rows, ended):
             assert status == 0, (row.example, rank, stderr[-2000:])
             assert rank > 0 or [int(i) for i in iterations] == [1, 2], (row.example, iterations)  # rank 0 logs
+
+
+# The guard over the matrix: every optimizer on each engine and checkpoint format of Megatron-LM's
+# loop, saving at iteration 1. Each either trains and saves or is refused before its first
+# iteration; none fails after one (as muon_hyperball's torch_dist save did before its row).
+ENGINES = {
+    "DDP, torch_dist": [],
+    "DDP, torch": ["--ckpt-format", "torch"],
+    "distributed optimizer, torch_dist": ["--use-distributed-optimizer"],
+    "torch FSDP2, torch_dcp": ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights",
+                               "--ckpt-format", "torch_dcp"],
+    "Megatron-FSDP, fsdp_dtensor": ["--use-megatron-fsdp", "--untie-embeddings-and-output-weights",
+                                    "--ckpt-format", "fsdp_dtensor"],
+}
+RUNS_PER_CALL = 6  # the workers' thread budget: a sharded engine's groups go at the end of a call
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ENGINES)
+def test_no_save_fails_after_an_iteration(run_distributed, tmp_path, engine: str) -> None:
+    from megatron_eopt.registry import list_optimizers
+
+    names = list_optimizers()
+    argvs = [TWO_ITERATIONS["megatron_lm"] + ENGINES[engine] + ["--optimizer", name, "--save", str(tmp_path / name),
+                                                                "--save-interval", "1", "--exit-interval", "1"]
+             for name in names]
+    ended = []
+    for start in range(0, len(argvs), RUNS_PER_CALL):
+        ended += run_distributed(run_megatron_lm_ended, 2, args=(argvs[start:start + RUNS_PER_CALL],), timeout=600)[0]
+    after_an_iteration = {name: run.stderr.strip().splitlines()[-1:] for name, run in zip(names, ended)
+                          if run.status != 0 and run.iterations}
+    assert not after_an_iteration, after_an_iteration
+    assert all(run.iterations == [1] for run in ended if run.status == 0)
