@@ -17,7 +17,7 @@ from megatron_eopt.wrappers.base import MegatronOptimizer, SteppableChild, StepR
 from megatron_eopt.wrappers.megatron_core_chain import MegatronCoreChildren, step_megatron_core_children
 from megatron_eopt.wrappers.step_phases import StepPhases
 from megatron_eopt.wrappers.qk_clip import QKClip, qk_clip_step
-from megatron_eopt.wrappers.torch_state_dict import TorchOptimizerView, torch_optimizer_views
+from megatron_eopt.checkpointable.torch_state_dict import TorchOptimizerView, torch_optimizer_views
 
 
 class ChainedOptimizer(StepPhases, MegatronOptimizer):
@@ -162,10 +162,11 @@ class ChainedOptimizer(StepPhases, MegatronOptimizer):
 
     def __iter__(self) -> Iterator[TorchOptimizerView]:
         """One view per child, as torch's state-dict helpers read torch optimizers
-        (wrappers/torch_state_dict.py): they take an iterable of optimizers, as torchtitan's container
+        (checkpointable/torch_state_dict.py): they take an iterable of optimizers, as torchtitan's container
         of optimizers is one, so `get_optimizer_state_dict(model, optimizer)` and
         `set_optimizer_state_dict(model, optimizer, state)` take the chain as it is."""
-        return iter(torch_optimizer_views(self.chained_optimizers, self.owner_is_main_replica))
+        others = [type(child).__name__ for child in self.chained_optimizers if not isinstance(child, SteppableChild)]
+        return iter(torch_optimizer_views(self.chained_optimizers, self.owner_is_main_replica, others))
 
     @property
     def state(self) -> "ChainedState":

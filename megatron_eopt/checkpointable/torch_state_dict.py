@@ -179,16 +179,15 @@ def _is_value(value: Any) -> bool:
     return torch.is_tensor(value) or isinstance(value, (bool, int, float))
 
 
-def torch_optimizer_views(children: list[Any], state_on_owners_only: bool) -> list[TorchOptimizerView]:
-    """A chain's children as torch's state-dict helpers read torch optimizers (ChainedOptimizer.__iter__)."""
-    from megatron_eopt.wrappers.base import SteppableChild
-
+def torch_optimizer_views(children: list[Any], state_on_owners_only: bool,
+                          others: list[str]) -> list[TorchOptimizerView]:
+    """A chain's children as torch's state-dict helpers read torch optimizers (ChainedOptimizer.__iter__);
+    `others` names the children that are not megatron_eopt's (the chain knows its classes)."""
     if state_on_owners_only:
         raise ValueError(
             "the layer-wise distributed optimizer keeps each parameter's state on its owner rank only, which "
             "torch's state-dict helpers cannot save; use optimizer.state_dict() or "
             "megatron_eopt.checkpointing.save_checkpoint.")
-    others = [type(child).__name__ for child in children if not isinstance(child, SteppableChild)]
     if others:
         raise TypeError(
             f"torch's state-dict helpers take the children of a megatron_eopt chain (FP32Optimizer and its "
