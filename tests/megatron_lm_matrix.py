@@ -129,7 +129,8 @@ class Cell:
     muon_tp_modes: tuple[str, ...] = ("duplicated",)  # our Muon's, each trained and resumed; () none
     muon_flags: tuple[str, ...] = ()  # added to our Muon's runs (bf16 moments)
     extra: tuple[str, ...] = ()  # flags the cell needs beyond its engine, layout and precision
-    make_test: tuple[str, ...] = ()  # formats whose compared part runs in `make test` (Muon's first mode: the first)
+    make_test: tuple[str, ...] = ()  # formats whose compared part runs in `make test`
+    make_test_muon: bool = False  # our Muon's first TP mode too, in the first of them
 
     @property
     def name(self) -> str:
@@ -157,12 +158,12 @@ CELLS = [
     # ---- make test: every engine, every format, every move once; one 4-rank cell
     Cell("DDP", "DP=2, dropout 0.1", "fp32", ("torch", "torch_dist"), make_test=("torch",),
          move_fails=(("torch", "out", TORCH_FORMAT_MOVE_OUT),)),
-    Cell("distributed optimizer", "DP=2", "bf16", ("torch_dist", "torch_dist fully_reshardable", "torch"),
-         make_test=("torch_dist",)),
+    Cell("distributed optimizer", "DP=2", "bf16", ("torch_dist", "torch_dist fully_reshardable"),
+         compared="muon", muon_tp_modes=(), make_test=("torch_dist",)),
     Cell("FSDP2", "DP=2", "bf16", ("torch_dcp",), muon_flags=tuple(BF16_MOMENTS), make_test=("torch_dcp",),
-         move_fails=DCP_MOVES),
+         make_test_muon=True, move_fails=DCP_MOVES),
     Cell("Megatron-FSDP", "TP=2 x DP=2", "bf16", ("fsdp_dtensor",), world_size=4,
-         muon_tp_modes=ALL_TP_MODES, muon_flags=tuple(BF16_MOMENTS), make_test=("fsdp_dtensor",)),
+         muon_tp_modes=ALL_TP_MODES, muon_flags=tuple(BF16_MOMENTS), make_test=("fsdp_dtensor",), make_test_muon=True),
     # ---- make test-slow
     Cell("DDP", "DP=2", "bf16", ("torch_dist",)),
     Cell("DDP", "DP=2", "fp16", ("torch_dist",), muon_tp_modes=()),
@@ -184,8 +185,7 @@ CELLS = [
     Cell("distributed optimizer", "DP=2", "fp32", ("torch_dist", "torch_dist fully_reshardable", "torch"),
          compared="muon", muon_tp_modes=(),
          megatron_core=fails("'TensorParallelMuon' object has no attribute 'get_loss_scale'")),
-    Cell("distributed optimizer", "DP=2", "bf16", ("torch_dist", "torch_dist fully_reshardable"),
-         compared="muon", muon_tp_modes=()),
+    Cell("distributed optimizer", "DP=2", "bf16", ("torch_dist", "torch_dist fully_reshardable", "torch")),
     Cell("distributed optimizer", "EP=2", "bf16", ("torch_dist",), compared="muon", muon_tp_modes=()),
     Cell("distributed optimizer", "TP=2", "bf16", ("torch_dist",), muon_tp_modes=ALL_TP_MODES),
     Cell("distributed optimizer", "PP=2, VP=2", "bf16", ("torch_dist",)),
@@ -217,8 +217,8 @@ Job = tuple[Literal["run", "failing", "refused"], list[str]]
 def parts(cell: Cell) -> list[tuple[Part, bool]]:
     """The cell's parts, each with whether it runs in `make test`: per format, the compared
     optimizer's and one per Muon TP mode (in make test: the compared part of the formats the cell
-    names, and the first Muon mode in the first of them)."""
-    first = cell.make_test[:1]
+    names, and where `make_test_muon`, the first Muon mode in the first of them)."""
+    first = cell.make_test[:1] if cell.make_test_muon else ()
     return [(("compared", name), name in cell.make_test) for name in cell.formats] + [
         ((f"muon {mode}", name), index == 0 and name in first)
         for index, mode in enumerate(cell.muon_tp_modes) for name in cell.formats]
@@ -485,7 +485,8 @@ def matrix_table(cells: Optional[list[Cell]] = None) -> str:
     for cell in cells or CELLS:
         formats = ", ".join(f"`{name}`" for name in cell.formats)
         modes = ", ".join(cell.muon_tp_modes) or "–"
-        tier = ("make test: " + ", ".join(f"`{name}`" for name in cell.make_test)) if cell.make_test else "slow"
+        muon = ", Muon" if cell.make_test_muon else ""
+        tier = ("make test: " + ", ".join(f"`{name}`" for name in cell.make_test) + muon) if cell.make_test else "slow"
         extra = f" `{' '.join(cell.extra)}`" if cell.extra else ""
         rows.append(f"| {cell.engine} | {cell.layout}{extra} | {cell.world_size} | {cell.precision} | {cell.compared} "
                     f"| {formats} | {modes} | {outcome_text(cell)} | {tier} |")
