@@ -9,9 +9,8 @@
 7. pretrain_gpt --use-megatron-fsdp on CUDA (Megatron-FSDP as shipped) against CPU (patched);
 8. the DeepSeek-style recipe on Megatron-FSDP: Muon's iteration against Adam's, and its resume;
 9. `--optimizer-cpu-offload`: the optimizer's device bytes per parameter and step time, Adam and Muon.
-Writes gpu_check.json and .md to --out (default benchmarks/results/). Without CUDA (or --dry-run)
-it builds what each check would run and records each skipped with the reason (docs/gpu.md).
-
+Writes gpu_check.json and .md to --out (default benchmarks/results/); without CUDA (or --dry-run)
+it builds what each check would run and records each skipped with the reason (docs/gpu.md):
     python benchmarks/gpu_check.py [--out DIR] [--dry-run] [--hidden 4096] [--layers 2] [--checks ...]
 """
 

@@ -98,7 +98,7 @@ def _assert_equal(mine: dict, reference: dict, where: str) -> None:
         assert mine[key].dtype == reference[key].dtype and torch.equal(mine[key], reference[key]), f"{where}: {key}"
 
 
-@pytest.mark.parametrize("fraction", [0.5, 1.0])
+@pytest.mark.parametrize("fraction", [0.5, pytest.param(1.0, marks=pytest.mark.slow)])  # 1.0: the loop test has it
 @pytest.mark.parametrize("name", CONFIGS)
 def test_offloaded_steps_equal_the_steps_without_offload(name: str, fraction: float) -> None:
     with torch.compiler.set_stance("force_eager"):
