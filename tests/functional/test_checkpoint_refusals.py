@@ -22,6 +22,7 @@ from tests.functional.test_megatron_lm_loop import MODEL
 from tests.functional.test_pretrain_gpt import MODEL_FLAGS
 from tests.megatron_lm_in_process import run_megatron_lm_ended
 from tests.pretrain_gpt_in_process import run_pretrain_gpt_many
+from tests.refusals import assert_one_error_line
 
 DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs"
 LIST = re.compile(r"<!-- checkpoint refusals: begin -->\n(.*?)<!-- checkpoint refusals: end -->", re.S)
@@ -61,12 +62,8 @@ def test_each_refusal_comes_before_the_first_iteration(run_distributed, tmp_path
     for rank, ended in enumerate(_ended(run_distributed, loop, argvs)):
         for row, (status, stderr, iterations) in zip(rows, ended):
             assert status == 2 and not iterations, (row.example, rank, status, iterations, stderr[-2000:])
-            errors = [line for line in stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
-            if rank == 0:
-                assert len(errors) == 1 and errors[0].startswith(f"{LOOPS[loop][1]}: error: "), errors
-                assert shlex.split(row.example)[0] in errors[0], errors  # names the refused flag
-            else:
-                assert errors == [], errors
+            # the line names the refused flag
+            assert_one_error_line(stderr, rank, LOOPS[loop][1], shlex.split(row.example)[0], row.example)
 
 
 @pytest.mark.slow

@@ -37,6 +37,7 @@ from tests.megatron_lm_matrix import (  # noqa: F401 (also imported by the other
 from tests.megatron_lm_matrix import saving_at_3, assert_equal_tensors as _assert_equal_tensors  # noqa: F401
 from tests.megatron_lm_matrix import assert_resumed_exactly as _assert_resumed_exactly
 from tests.megatron_lm_matrix import column as _column, state_dtypes as _state_dtypes  # noqa: F401
+from tests.refusals import assert_one_error_line
 
 
 def _runs(run_distributed, *flag_lists: list[str], world_size: int = 2) -> list[list[Run]]:
@@ -158,13 +159,8 @@ def test_refusals_are_one_line_on_rank_zero_and_status_2_on_every_rank(run_distr
     for rank, (saved, *results) in enumerate(per_rank):
         assert saved[0] == 0, (rank, saved[1][-2000:])
         for (name, (_, message)), (status, stderr, _) in zip(refused.items(), results):
-            errors = [line for line in stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
             assert status == 2, (name, rank, status, stderr[-2000:])
-            if rank == 0:
-                assert len(errors) == 1 and errors[0].startswith("pretrain_gpt_megatron_lm.py: error: "), errors
-                assert message in errors[0], (name, errors)
-            else:
-                assert errors == [], (name, errors)
+            assert_one_error_line(stderr, rank, "pretrain_gpt_megatron_lm.py", message, name)
     schedule = per_rank[0][-1][1]
     assert "--override-opt_param-scheduler" in schedule and "--use-checkpoint-opt_param-scheduler" in schedule
     _assert_printed_as_run(per_rank[0][-1][2])
