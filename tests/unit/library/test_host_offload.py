@@ -12,6 +12,7 @@ import torch
 
 from megatron_eopt import OptimizerConfig, get_megatron_optimizer
 from megatron_eopt.wrappers import host_offload
+from tests.small_model import small_model, step_on_random_grads
 
 CONFIGS = {
     "adam fp32": OptimizerConfig(optimizer="adam", lr=1e-2),
@@ -21,20 +22,6 @@ CONFIGS = {
         exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16, muon_fp32_matmul_prec="highest"),
     "soap fp32": OptimizerConfig(optimizer="soap", lr=1e-2),
 }
-
-
-def _model(config: OptimizerConfig) -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 4))
-    return model.to(torch.bfloat16 if config.bf16 else torch.float32)
-
-
-def _step(model: torch.nn.Module, optimizer, seed: int) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    for param in model.parameters():
-        param.grad = torch.randn(param.shape, generator=generator).to(param.dtype)
-    assert optimizer.step()[0]
-    optimizer.zero_grad()
 
 
 def _state_tensors(optimizer) -> list[torch.Tensor]:
@@ -51,9 +38,9 @@ def _snapshot(model: torch.nn.Module, optimizer) -> list[torch.Tensor]:
 
 def _run(config: OptimizerConfig, monkeypatch, offloading: bool) -> list[torch.Tensor]:
     """Two steps; with `offloading`, an offload and a restore between them, checked on the way."""
-    model = _model(config)
+    model = small_model(config)
     optimizer = get_megatron_optimizer(config, [model])
-    _step(model, optimizer, seed=1)
+    step_on_random_grads(model, optimizer, seed=1)
     if offloading:
         with monkeypatch.context() as patch:
             patch.setattr(host_offload, "on_accelerator", lambda tensor: True)
@@ -67,7 +54,7 @@ def _run(config: OptimizerConfig, monkeypatch, offloading: bool) -> list[torch.T
             with pytest.raises(ValueError, match=r"restore_from_cpu\(\) before step\(\)"):
                 optimizer.step()
             optimizer.restore_from_cpu()
-    _step(model, optimizer, seed=2)
+    step_on_random_grads(model, optimizer, seed=2)
     return _snapshot(model, optimizer)
 
 
@@ -81,12 +68,12 @@ def test_offload_and_restore_between_steps_leave_the_run_bitwise_unchanged(name:
 
 def test_without_an_accelerator_nothing_moves() -> None:
     config = CONFIGS["muon fp32"]
-    model = _model(config)
+    model = small_model(config)
     optimizer = get_megatron_optimizer(config, [model])
-    _step(model, optimizer, seed=1)
+    step_on_random_grads(model, optimizer, seed=1)
     before = [(t.untyped_storage().data_ptr(), t.clone()) for t in _state_tensors(optimizer)]
     optimizer.offload_to_cpu()
     after = _state_tensors(optimizer)
     assert all(t.untyped_storage().data_ptr() == ptr and torch.equal(t, value) for t, (ptr, value) in zip(after, before))
-    _step(model, optimizer, seed=2)  # no restore needed: nothing was moved
+    step_on_random_grads(model, optimizer, seed=2)  # no restore needed: nothing was moved
     optimizer.restore_from_cpu()

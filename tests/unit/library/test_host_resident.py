@@ -11,6 +11,7 @@ import torch
 
 from megatron_eopt import OptimizerConfig, get_megatron_optimizer
 from megatron_eopt.offload.host_resident import offloaded_indices
+from tests.small_model import small_model, step_on_random_grads
 
 BF16_STATE = dict(bf16=True, use_precision_aware_optimizer=True, exp_avg_dtype=torch.bfloat16,
                   exp_avg_sq_dtype=torch.bfloat16)
@@ -36,20 +37,6 @@ def _config(name: str, **offload) -> OptimizerConfig:
     return OptimizerConfig(lr=1e-2, muon_fp32_matmul_prec="highest", **CONFIGS[name], **offload)
 
 
-def _model(config: OptimizerConfig) -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 4))
-    return model.to(torch.bfloat16 if config.bf16 else torch.float32)
-
-
-def _step(model: torch.nn.Module, optimizer, seed: int) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    for param in model.parameters():
-        param.grad = torch.randn(param.shape, generator=generator).to(param.dtype)
-    assert optimizer.step()[0]
-    optimizer.zero_grad()
-
-
 def _snapshot(model: torch.nn.Module, optimizer) -> dict:
     values = {f"param {i}": p.detach().clone() for i, p in enumerate(model.parameters())}
     for child_name, child in optimizer.state_dict()["optimizers"].items():
@@ -61,7 +48,7 @@ def _snapshot(model: torch.nn.Module, optimizer) -> dict:
 
 
 def _run(config: OptimizerConfig, steps: range, load: dict = None):
-    model = _model(config)
+    model = small_model(config)
     optimizer = get_megatron_optimizer(config, [model])
     if load is not None:
         with torch.no_grad():
@@ -69,7 +56,7 @@ def _run(config: OptimizerConfig, steps: range, load: dict = None):
                 param.copy_(value)
         optimizer.load_state_dict(load["optimizer"])
     for seed in steps:
-        _step(model, optimizer, seed)
+        step_on_random_grads(model, optimizer, seed)
     return model, optimizer
 
 
@@ -87,7 +74,7 @@ def _assert_stepped_on_copies(model: torch.nn.Module, optimizer, child) -> None:
         return inner_step(*args, **kwargs)
 
     child.optimizer.step = recording_step
-    _step(model, optimizer, seed=9)
+    step_on_random_grads(model, optimizer, seed=9)
     assert held and all(seen[key] is not value for key, value in held.items())
     assert all(child.optimizer.state[offloaded][key] is value for key, value in held.items())
 
