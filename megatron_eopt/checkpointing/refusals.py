@@ -42,7 +42,8 @@ def _format(args: argparse.Namespace) -> Optional[str]:
     return getattr(args, "ckpt_format", None)
 
 
-def _sharded_engine(args: argparse.Namespace) -> bool:
+def sharded_engine(args: argparse.Namespace) -> bool:
+    """Whether the run trains on FSDP2 or Megatron-FSDP (their own checkpoint formats)."""
     return bool(getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False))
 
 
@@ -57,7 +58,7 @@ def _engine_flag(args: argparse.Namespace) -> str:
 def _probed(args: argparse.Namespace) -> ProbedState:
     """What the run's optimizers keep beside parameter-shaped state (probe_state), each probed with
     its own config fields from `args` (`adaptive_muon_moment2_method`, ...)."""
-    names = {getattr(args, "optimizer", "adam"), getattr(args, "muon_scalar_optimizer", "adam")}
+    names = {_optimizer_name(args), getattr(args, "muon_scalar_optimizer", "adam")}
     probes = [probe_state(name, tuple((field.name, getattr(args, field.name)) for field in dataclasses.fields(
         OptimizerConfig) if field.name.startswith(f"{name}_") and hasattr(args, field.name))) for name in sorted(names)]
     return ProbedState(*(tuple(sorted({state for names in kind for state in names})) for kind in zip(*probes)))
@@ -81,7 +82,7 @@ CHECKPOINT_REFUSALS = (
         always=True),
     CheckpointRefusal(
         "megatron_lm", "--ckpt-format torch_dist --optimizer muon_hyperball",
-        lambda args: _format(args) == "torch_dist" and not _sharded_engine(args)
+        lambda args: _format(args) == "torch_dist" and not sharded_engine(args)
         and bool(_probed(args).per_parameter_scalars),
         lambda args: f"--ckpt-format torch_dist with --optimizer {_optimizer_name(args)}: its state "
                      f"{list(_probed(args).per_parameter_scalars)} holds one number per parameter, and megatron-core's "
@@ -97,7 +98,7 @@ CHECKPOINT_REFUSALS = (
                      f"fail; checkpoint at tensor-parallel size 1."),
     CheckpointRefusal(
         "trainer", "--use-torch-fsdp2 --optimizer adaptive_muon --adaptive-muon-moment2-method normuon",
-        lambda args: _sharded_engine(args) and bool(_probed(args).other_shaped),
+        lambda args: sharded_engine(args) and bool(_probed(args).other_shaped),
         lambda args: f"{_engine_flag(args)} with --optimizer {_optimizer_name(args)}: its state "
                      f"{list(_probed(args).other_shaped)} is not shaped like its parameter, and the trainer's "
                      f"checkpoints hold a sharded engine's state as rows of its parameters, so the first save would "

@@ -30,7 +30,7 @@ from megatron.training import global_vars
 
 from arguments.optimizer_args import FLAGS, GIVEN_FLAGS_ATTR, Flag, StoreAndRecord, flag_kwargs
 from arguments.validate import check_cpu_offload_args, flag_message, other_optimizers_flags_line
-from megatron_eopt.checkpointing.refusals import refuse_checkpoint_combinations
+from megatron_eopt.checkpointing.refusals import refuse_checkpoint_combinations, sharded_engine
 from megatron_eopt.megatron_core_formats.layouts import LAYOUT_KEY, MEGATRON_CORE_PING_PONG_LAYOUT
 from megatron_eopt.megatron_core_formats.dist_checkpointing import checkpoint_optimizer_layout
 from megatron_eopt.config.newton_schulz import NEWTON_SCHULZ_FIELDS
@@ -227,7 +227,7 @@ def _check_checkpoint_format(args: argparse.Namespace, byte_sharded: bool = Fals
     DDP reduce-scatters (`byte_sharded`: megatron-core's DistributedOptimizer steps, which writes
     every format)."""
     refuse_checkpoint_combinations(args, "megatron_lm")
-    if byte_sharded or _sharded_engine(args):
+    if byte_sharded or sharded_engine(args):
         return
     if getattr(args, "use_distributed_optimizer", False) and getattr(args, "ckpt_format", None) == "torch":
         raise ValueError(
@@ -236,10 +236,6 @@ def _check_checkpoint_format(args: argparse.Namespace, byte_sharded: bool = Fals
             "(optimizer.save_parameter_state), which megatron_eopt's layer-wise optimizer does "
             "not write; use --ckpt-format torch_dist (the default)."
         )
-
-
-def _sharded_engine(args: argparse.Namespace) -> bool:
-    return bool(getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False))
 
 
 def get_megatron_optimizer_for_megatron_lm(
