@@ -47,7 +47,7 @@ class MixedPrecisionOptimizer(FP32Optimizer):
 
     def _half_pairs(self) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
         """(16-bit model parameter, its fp32 main parameter) pairs; fp32 parameters are stepped in place."""
-        return [(model, main) for model, main in zip(self.model_params, self.main_params) if model.dtype in HALF_DTYPES]
+        return self._half_pairs_at(range(len(self.model_params)))
 
     def _weights(self, model: torch.nn.Parameter) -> torch.Tensor:
         """The tensor holding `model`'s 16-bit values, which `storage` reads and writes: the parameter
@@ -63,6 +63,7 @@ class MixedPrecisionOptimizer(FP32Optimizer):
                 model.grad = None  # the fp32 copy replaces it; free the 16-bit one
 
     def _half_pairs_at(self, indices: Sequence[int]) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
+        """`_half_pairs()` of the parameters at `indices` (a window of the offloaded step)."""
         pairs = [(self.model_params[i], self.main_params[i]) for i in indices]
         return [(model, main) for model, main in pairs if model.dtype in HALF_DTYPES]
 
