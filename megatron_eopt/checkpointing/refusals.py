@@ -4,8 +4,8 @@ A save that cannot be written fails at the first `--save-interval`, after that m
 every rank. So each combination whose checkpoints ours cannot write, and that the arguments show,
 is one row of CHECKPOINT_REFUSALS, for Megatron-LM's loop (`megatron_lm`: install()'s
 `validate_args`, again where the optimizer is built) or our trainer (`trainer`: pretrain.py, after
-its flags are parsed), checked before any model is built when `--save` or `--load` is given, or
-always where the format flag alone decides (`always`). What only the model or a checkpoint's
+its flags are parsed), checked before any model is built when `--save` or `--load` is given (a run
+without them trains whatever the format flag says). What only the model or a checkpoint's
 contents show is refused when the optimizer is built or the checkpoint read, still before the
 first iteration. Whether an optimizer keeps state a format has no place for is probed with the
 save's own rule (megatron_core_formats/dist_checkpointing.py's `probe_state`), so a new optimizer
@@ -35,7 +35,6 @@ class CheckpointRefusal:
     example: str
     given: Callable[[argparse.Namespace], bool]
     why: Callable[[argparse.Namespace], str]
-    always: bool = False  # refused without --save and --load too
 
 
 def _format(args: argparse.Namespace) -> Optional[str]:
@@ -78,8 +77,7 @@ CHECKPOINT_REFUSALS = (
         lambda args: getattr(args, "use_torch_fsdp2", False) and _format(args) != "torch_dcp",
         lambda args: f"--use-torch-fsdp2 with --ckpt-format {_format(args)} is not supported by megatron_eopt's "
                      f"optimizer; use --ckpt-format torch_dcp, which saves optimizer.state_dict() (DTensor state) "
-                     f"with torch DCP.",
-        always=True),
+                     f"with torch DCP."),
     CheckpointRefusal(
         "megatron_lm", "--ckpt-format torch_dist --optimizer muon_hyperball",
         lambda args: _format(args) == "torch_dist" and not sharded_engine(args)
@@ -110,6 +108,6 @@ def refuse_checkpoint_combinations(args: argparse.Namespace, loop: Loop) -> None
     """ValueError naming the first row of `loop` in CHECKPOINT_REFUSALS that `args` give; else nothing."""
     checkpointing = bool(getattr(args, "save", None) or getattr(args, "load", None))
     for refusal in CHECKPOINT_REFUSALS:
-        if refusal.loop == loop and (checkpointing or refusal.always) and refusal.given(args):
+        if refusal.loop == loop and checkpointing and refusal.given(args):
             flags = " and ".join(flag for flag in ("--save", "--load") if getattr(args, flag[2:], None))
-            raise ValueError(refusal.why(args) if refusal.always or not flags else f"{flags}: {refusal.why(args)}")
+            raise ValueError(f"{flags}: {refusal.why(args)}")

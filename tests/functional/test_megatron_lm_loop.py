@@ -125,8 +125,10 @@ def test_docs_show_the_matrix() -> None:
 REFUSED = {  # a command line the loop refuses, and what its one line says
     "ours, in validate_args": (["--optimizer", "dist_muon", "--use-megatron-fsdp"],
                                "--optimizer dist_muon is the layer-wise distributed optimizer"),
-    "ours, building the optimizer": (["--optimizer", "muon", "--use-torch-fsdp2", "--untie-embeddings-and-output-weights",
-                                      "--ckpt-format", "torch_dist"], "use --ckpt-format torch_dcp"),
+    "ours, a checkpoint FSDP2 cannot write": (["--optimizer", "muon", "--use-torch-fsdp2",
+                                               "--untie-embeddings-and-output-weights", "--ckpt-format", "torch_dist",
+                                               "--save", "never_written", "--save-interval", "1"],
+                                              "use --ckpt-format torch_dcp"),
     "ours, --qk-clip without Transformer Engine": (["--optimizer", "muon", "--qk-clip", "--qk-clip-alpha", "1.0"],
                                                    "--qk-clip-alpha must be in (0, 1)"),
     "Megatron-LM's flag check": (["--optimizer", "adam", "--use-torch-fsdp2"],

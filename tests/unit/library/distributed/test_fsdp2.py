@@ -810,7 +810,8 @@ def test_a_torch_whose_fsdp2_sums_gradients_on_gloo_is_refused() -> None:
 def _megatron_lm_body(rank: int, world_size: int) -> dict:
     """Megatron-LM's parse_args + validate_args (as its pretrain_gpt.py runs them) with --use-torch-fsdp2
     and muon, without and with megatron_lm.install(); with it, the optimizer Megatron-LM's setup builds
-    on an FSDP2 GPT, for --ckpt-format torch_dcp (works) and torch_dist (refused at build)."""
+    on an FSDP2 GPT, for --ckpt-format torch_dcp (works), torch_dist (trains: nothing saved) and torch_dist
+    with --save (refused in validate_args, before any model: checkpointing/refusals.py)."""
     from megatron.training import global_vars
     from torch.distributed.fsdp import fully_shard
 
@@ -819,19 +820,21 @@ def _megatron_lm_body(rank: int, world_size: int) -> dict:
     from tests.unit.library.integrations.test_megatron_lm_args import MODEL_FLAGS, build_through_megatron_lm
 
     result = {}
-    for ckpt_format in ("torch_dcp", "torch_dist"):
-        argv = (f"{MODEL_FLAGS} --optimizer muon --lr 0.02 --use-torch-fsdp2 --ckpt-format {ckpt_format} "
+    runs = {"torch_dcp": "torch_dcp", "torch_dist": "torch_dist",
+            "torch_dist, saving": "torch_dist --save unwritten --save-interval 1"}
+    for name, format_flags in runs.items():
+        argv = (f"{MODEL_FLAGS} --optimizer muon --lr 0.02 --use-torch-fsdp2 --ckpt-format {format_flags} "
                 "--no-gradient-accumulation-fusion --untie-embeddings-and-output-weights")
-        result[f"without {ckpt_format}"] = megatron_lm_alone(argv, rank, world_size)
+        result[f"without {name}"] = megatron_lm_alone(argv, rank, world_size)
         with megatron_lm.installed():
-            args = _parse_megatron_lm(argv, rank, world_size)
-            model = build_gpt()
-            fully_shard(model, mesh=_mesh(world_size))
             try:
+                args = _parse_megatron_lm(argv, rank, world_size)
+                model = build_gpt()
+                fully_shard(model, mesh=_mesh(world_size))
                 optimizer = build_through_megatron_lm(args, model)
-                result[ckpt_format] = sorted(type(c).__name__ for c in optimizer.chained_optimizers)
+                result[name] = sorted(type(c).__name__ for c in optimizer.chained_optimizers)
             except ValueError as error:
-                result[ckpt_format] = str(error)
+                result[name] = str(error)
             finally:
                 global_vars.set_args(None)
     return result
@@ -841,6 +844,7 @@ def test_megatron_lm_accepts_emerging_optimizers_on_fsdp2_with_torch_dcp(run_dis
     for result in run_distributed(_megatron_lm_body, 2, timeout=600):
         assert "Torch-FSDP2" in result["without torch_dcp"], result  # refused without install()
         assert result["torch_dcp"] == ["FullyShardedFP32Optimizer"] * 2, result  # muon and adam children
-        refusal = result["torch_dist"]  # accepted by Megatron-LM with FSDP2, refused when ours is built
+        assert result["torch_dist"] == ["FullyShardedFP32Optimizer"] * 2, result  # nothing to save in it
+        refusal = result["torch_dist, saving"]  # accepted by Megatron-LM with FSDP2, refused by ours at start-up
         assert "--ckpt-format torch_dist" in refusal and "use --ckpt-format torch_dcp" in refusal, result
         assert "\n" not in refusal, result
