@@ -910,6 +910,15 @@ def _die_with_parent(parent_pid: int) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+_shared_dir: str | None = None  # in a worker: a folder every worker of this session sees
+
+
+def shared_dir() -> str | None:
+    """In a worker: a folder that every worker of this session (every rank, every world) sees,
+    removed with the session; elsewhere None. For caches that stay valid across calls."""
+    return _shared_dir
+
+
 def _worker_main(
     address: tuple[str, int],
     token: bytes,
@@ -919,6 +928,9 @@ def _worker_main(
     world_size: int,
 ) -> None:
     import torch.distributed as dist
+
+    global _shared_dir
+    _shared_dir = os.path.join(scratch_dir, "shared")
 
     # Lets the test process show where a stuck rank is before it kills it.
     stack_file = open(_scratch_path(scratch_dir, world_id, rank, "stack"), "w")  # noqa: SIM115

@@ -9,15 +9,18 @@ the library, for validation. The same Python version gives the same bytes (the m
 each file and the JSONL's hash). The result is cached: a second call only checks the files exist.
 """
 
+import contextlib
 import gzip
 import hashlib
 import json
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 from dataclasses import dataclass
 
 EXCLUDED_FOLDERS = frozenset({"test", "tests", "idle_test", "site-packages", "__pycache__"})
@@ -74,25 +77,58 @@ def prepare_stdlib_corpus(cache_dir: str = "data", max_bytes: int = DEFAULT_MAX_
     """Build (or reuse) the corpus under `cache_dir`; returns its --data-path prefix."""
     source = pathlib.Path(root or sysconfig.get_paths()["stdlib"])
     folder = cache_folder(cache_dir, max_bytes)
-    manifest_path = folder / "manifest.json"
-    prefix = str((folder / "stdlib").resolve()) + "_text_document"
-    if manifest_path.exists() and all(os.path.exists(prefix + ext) for ext in (".bin", ".idx")):
-        manifest = json.loads(manifest_path.read_text())
-        return Corpus(prefix, len(manifest["files"]), manifest["bytes"])
-    folder.mkdir(parents=True, exist_ok=True)
-    files = stdlib_files(source, max_bytes)
-    jsonl = folder / "stdlib.jsonl"
-    total = write_jsonl(files, source, jsonl)
-    if verbose:
-        print(f"> corpus: {len(files)} files of {source} ({total / 1e6:.2f} MB) -> {folder}", flush=True)
-    command = [sys.executable, str(PREPROCESS), "--input", str(jsonl), "--output-prefix", str(folder / "stdlib"),
+
+    def build(into: pathlib.Path) -> None:
+        files = stdlib_files(source, max_bytes)
+        jsonl = into / "stdlib.jsonl"
+        total = write_jsonl(files, source, jsonl)
+        if verbose:
+            print(f"> corpus: {len(files)} files of {source} ({total / 1e6:.2f} MB) -> {folder}", flush=True)
+        _preprocess(jsonl, into / "stdlib", verbose)
+        manifest = {"python": sys.version.split()[0], "source": str(source), "max_bytes": max_bytes, "bytes": total,
+                    "split": SPLIT, "jsonl_sha256": hashlib.sha256(jsonl.read_bytes()).hexdigest(),
+                    "files": [file.relative_to(source).as_posix() for file in files]}
+        (into / "manifest.json").write_text(json.dumps(manifest, indent=1))
+
+    manifest = _built_once(folder, "stdlib", build)
+    return Corpus(_prefix(folder, "stdlib"), len(manifest["files"]), manifest["bytes"])
+
+
+def _prefix(folder: pathlib.Path, name: str) -> str:
+    return str((folder / name).resolve()) + "_text_document"
+
+
+def _complete(folder: pathlib.Path, name: str) -> bool:
+    prefix = _prefix(folder, name)
+    return (folder / "manifest.json").exists() and all(os.path.exists(prefix + ext) for ext in (".bin", ".idx"))
+
+
+def _built_once(folder: pathlib.Path, name: str, build) -> dict:
+    """The manifest of the corpus cached in `folder`, built there by `build(into)` if missing. The
+    build writes a folder of its own and renames it into place, so runs that start together on a
+    fresh machine (two jobs, two test workers) never read a half-written corpus: the first rename
+    wins and the others use its folder."""
+    if not _complete(folder, name):
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        building = pathlib.Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+        try:
+            build(building)
+            if folder.exists() and not _complete(folder, name):  # left by a build that was killed
+                shutil.rmtree(folder, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                os.rename(building, folder)  # fails where another build got there first
+        finally:
+            shutil.rmtree(building, ignore_errors=True)
+        if not _complete(folder, name):
+            raise RuntimeError(f"the corpus in {folder} is incomplete after its build; remove the folder and retry.")
+    return json.loads((folder / "manifest.json").read_text())
+
+
+def _preprocess(jsonl: pathlib.Path, output_prefix: pathlib.Path, verbose: bool) -> None:
+    """tools/preprocess_data.py, byte-level, one document per JSONL line, EOD appended."""
+    command = [sys.executable, str(PREPROCESS), "--input", str(jsonl), "--output-prefix", str(output_prefix),
                *TOKENIZER_FLAGS, "--append-eod", "--workers", "1", "--log-interval", "1000000"]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL if not verbose else None)
-    manifest = {"python": sys.version.split()[0], "source": str(source), "max_bytes": max_bytes, "bytes": total,
-                "split": SPLIT, "jsonl_sha256": hashlib.sha256(jsonl.read_bytes()).hexdigest(),
-                "files": [file.relative_to(source).as_posix() for file in files]}
-    manifest_path.write_text(json.dumps(manifest, indent=1))  # written last: marks the cache complete
-    return Corpus(prefix, len(files), total)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -184,25 +220,22 @@ def prepare_corpus(name: str, cache_dir: str = "data", max_bytes: int = DEFAULT_
     for document in documents:
         digest.update(document.name.encode() + b"\0" + document.text.encode("utf-8") + b"\0")
     folder = pathlib.Path(cache_dir) / f"{name}-{digest.hexdigest()[:12]}-{max_bytes}"
-    prefix = str((folder / name).resolve()) + "_text_document"
-    manifest_path = folder / "manifest.json"
-    if manifest_path.exists() and all(os.path.exists(prefix + ext) for ext in (".bin", ".idx")):
-        manifest = json.loads(manifest_path.read_text())
-        return Corpus(prefix, len(manifest["documents"]), manifest["bytes"])
-    folder.mkdir(parents=True, exist_ok=True)
-    jsonl = folder / f"{name}.jsonl"
-    with open(jsonl, "w", encoding="utf-8") as handle:
-        for document in documents:
-            handle.write(json.dumps({"text": document.text, "path": document.name}) + "\n")
-    total = sum(len(d.text.encode("utf-8")) for d in documents)
-    if verbose:
-        print(f"> corpus {name}: {len(documents)} documents of {source} ({total / 1e6:.2f} MB) -> {folder}", flush=True)
-    command = [sys.executable, str(PREPROCESS), "--input", str(jsonl), "--output-prefix", str(folder / name),
-               *TOKENIZER_FLAGS, "--append-eod", "--workers", "1", "--log-interval", "1000000"]
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL if not verbose else None)
-    manifest = {"corpus": name, "source": source, "max_bytes": max_bytes, "bytes": total,
-                "sources_sha256": digest.hexdigest(), "jsonl_sha256": hashlib.sha256(jsonl.read_bytes()).hexdigest(),
-                "documents": [d.name for d in documents],
-                "document_bytes": [len(d.text.encode("utf-8")) for d in documents]}
-    manifest_path.write_text(json.dumps(manifest, indent=1))  # written last: marks the cache complete
-    return Corpus(prefix, len(documents), total)
+
+    def build(into: pathlib.Path) -> None:
+        jsonl = into / f"{name}.jsonl"
+        with open(jsonl, "w", encoding="utf-8") as handle:
+            for document in documents:
+                handle.write(json.dumps({"text": document.text, "path": document.name}) + "\n")
+        total = sum(len(d.text.encode("utf-8")) for d in documents)
+        if verbose:
+            print(f"> corpus {name}: {len(documents)} documents of {source} ({total / 1e6:.2f} MB) -> {folder}",
+                  flush=True)
+        _preprocess(jsonl, into / name, verbose)
+        manifest = {"corpus": name, "source": source, "max_bytes": max_bytes, "bytes": total,
+                    "sources_sha256": digest.hexdigest(), "jsonl_sha256": hashlib.sha256(jsonl.read_bytes()).hexdigest(),
+                    "documents": [d.name for d in documents],
+                    "document_bytes": [len(d.text.encode("utf-8")) for d in documents]}
+        (into / "manifest.json").write_text(json.dumps(manifest, indent=1))
+
+    manifest = _built_once(folder, name, build)
+    return Corpus(_prefix(folder, name), len(manifest["documents"]), manifest["bytes"])

@@ -134,7 +134,7 @@ def model_config_of(settings: GPTModelSettings) -> SimpleNamespace:
 
 @dataclass
 class _Stage:
-    """One (pipeline stage, EP rank)'s records, Muon layouts and owners, shared by its ranks."""
+    """One pipeline stage's records, Muon layouts and owners, shared by its ranks."""
 
     records: list[ParamRecord]
     layouts: dict[str, Any]  # fqn -> MatrixLayout of each Muon matrix
@@ -142,9 +142,11 @@ class _Stage:
     chosen: dict = field(default_factory=dict)  # (expert, mode, gram) -> fqn -> TP mode
 
 
-def _stage(inputs: PlanInputs, settings: GPTModelSettings, routing: ParamRouting, stage: int, ep_rank: int) -> _Stage:
+def _stage(inputs: PlanInputs, settings: GPTModelSettings, routing: ParamRouting, stage: int) -> _Stage:
+    # Every EP rank of a stage holds the same parameters: its experts are named by local index
+    # (inventory._moe), so EP rank 0 stands for all of them (256 ranks of kimi-k2 plan 4 stages).
     layout = inputs.layout
-    params = stage_parameters(settings, layout.tp, layout.pp, stage, layout.ep, ep_rank)
+    params = stage_parameters(settings, layout.tp, layout.pp, stage, layout.ep, ep_rank=0)
     records = planned_records(params, routing)
     muon = [r for r in records if r.optimizer_name == routing.optimizer]
     model_config = model_config_of(settings)
@@ -233,14 +235,13 @@ def _state_bytes(inputs: PlanInputs, records: list[ParamRecord], dp_rank: int) -
 
 
 def plan_rank(inputs: PlanInputs, rank: int, stages: Optional[dict] = None) -> RankPlan:
-    """The plan of one global rank; `stages` caches the per-(stage, EP rank) work across calls."""
+    """The plan of one global rank; `stages` caches the per-stage work across calls."""
     layout, routing = inputs.layout, routing_of(inputs.config)
     stage_index, dp_rank, tp_rank = layout.coordinates(rank)
-    key = (stage_index, dp_rank % layout.ep)
     stages = {} if stages is None else stages
-    if key not in stages:
-        stages[key] = _stage(inputs, inputs.padded_settings(), routing, *key)
-    stage = stages[key]
+    if stage_index not in stages:
+        stages[stage_index] = _stage(inputs, inputs.padded_settings(), routing, stage_index)
+    stage = stages[stage_index]
     stepped = _stepped(inputs, stage, dp_rank)
     muon = [r for r in stepped if r.optimizer_name == routing.optimizer]
     muon = [r for r in muon if not r.is_expert_parallel] + [r for r in muon if r.is_expert_parallel]  # child order

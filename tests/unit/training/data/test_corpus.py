@@ -1,6 +1,7 @@
 """The standard-library corpus (megatron_eopt/training/corpus.py) on a small fake library: which
 files it takes and in what order, the bytes the indexed dataset holds, and the cache."""
 
+import concurrent.futures
 import hashlib
 import json
 import pathlib
@@ -41,12 +42,18 @@ def test_stdlib_files_leave_out_tests_and_follow_the_hash_order(tmp_path: pathli
 
 
 def test_prepare_writes_each_file_as_bytes_then_eod_and_reuses_the_cache(tmp_path: pathlib.Path) -> None:
+    """Two builds at once (two jobs starting on a fresh machine) give one complete corpus, and a
+    later call reuses it."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     library = tmp_path / "lib"
     library.mkdir()
     sources = _fake_library(library)
-    built = corpus.prepare_stdlib_corpus(str(tmp_path / "cache"), 10**6, root=str(library), verbose=False)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        builds = list(pool.map(lambda _: corpus.prepare_stdlib_corpus(str(tmp_path / "cache"), 10**6,
+                                                                      root=str(library), verbose=False), range(2)))
+    built = builds[0]
+    assert builds[1] == built and [p.name for p in (tmp_path / "cache").iterdir()] == [pathlib.Path(built.prefix).parent.name]
     names = _order(["a.py", "pkg/b.py", "pkg/c.py", "z.py"])
     assert built.documents == 4 and built.bytes == sum(len(sources[n].encode()) for n in names)
     dataset = IndexedDataset(built.prefix)
