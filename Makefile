@@ -7,12 +7,8 @@ STAMP := $(VENV)/.installed
 
 .PHONY: test test-fast test-slow test-unit test-functional test-numerics test-compat demo convergence convergence-range bench gpu-check venv lock clean
 
-# Two pytest workers (pytest-xdist), one per core of the 2-core machines CI runs on: the suite's multi-rank
-# tests use the second core only part of the time. A test file runs whole in one worker (its module
-# fixtures run once). TEST_WORKERS=0 runs it in this process.
-TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest tests -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile --durations=20
+	$(PY) -m pytest tests -q -m "not slow" --durations=20
 
 # The loop while you work: the in-process tier, no worker ranks and no process started (tests/tiers.py
 # marks the others `multirank` and `subprocess` from their code). Fails if it left a library module unimported.

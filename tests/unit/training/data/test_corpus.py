@@ -1,8 +1,8 @@
 """The standard-library corpus (megatron_eopt/training/corpus.py) on a small fake library: which
 files it takes and in what order, the bytes the indexed dataset holds, and the cache."""
 
-import concurrent.futures
 import hashlib
+import threading
 import json
 import pathlib
 
@@ -42,18 +42,12 @@ def test_stdlib_files_leave_out_tests_and_follow_the_hash_order(tmp_path: pathli
 
 
 def test_prepare_writes_each_file_as_bytes_then_eod_and_reuses_the_cache(tmp_path: pathlib.Path) -> None:
-    """Two builds at once (two jobs starting on a fresh machine) give one complete corpus, and a
-    later call reuses it."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     library = tmp_path / "lib"
     library.mkdir()
     sources = _fake_library(library)
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        builds = list(pool.map(lambda _: corpus.prepare_stdlib_corpus(str(tmp_path / "cache"), 10**6,
-                                                                      root=str(library), verbose=False), range(2)))
-    built = builds[0]
-    assert builds[1] == built and [p.name for p in (tmp_path / "cache").iterdir()] == [pathlib.Path(built.prefix).parent.name]
+    built = corpus.prepare_stdlib_corpus(str(tmp_path / "cache"), 10**6, root=str(library), verbose=False)
     names = _order(["a.py", "pkg/b.py", "pkg/c.py", "z.py"])
     assert built.documents == 4 and built.bytes == sum(len(sources[n].encode()) for n in names)
     dataset = IndexedDataset(built.prefix)
@@ -67,3 +61,29 @@ def test_prepare_writes_each_file_as_bytes_then_eod_and_reuses_the_cache(tmp_pat
     (library / "new.py").write_text("y = 2\n")  # would change the corpus if it were rebuilt
     again = corpus.prepare_stdlib_corpus(str(tmp_path / "cache"), 10**6, root=str(library), verbose=False)
     assert again == built and bin_file.stat().st_mtime_ns == stamp
+
+
+def test_builds_at_once_show_no_half_written_corpus_and_leave_one(tmp_path: pathlib.Path) -> None:
+    """Two jobs that start together on a fresh machine: while one build is half-written nothing is
+    at the cache's path; both then read one complete corpus, and no build folder is left."""
+    folder, halfway, finish = tmp_path / "stdlib-x", threading.Event(), threading.Event()
+
+    def build(into: pathlib.Path, wait: bool) -> None:
+        (into / "manifest.json").write_text(json.dumps({"files": ["a.py"], "bytes": 1}))
+        if wait:
+            halfway.set()
+            assert finish.wait(30)
+        for ext in (".bin", ".idx"):
+            (into / f"stdlib_text_document{ext}").write_bytes(b"x")
+
+    results = {}
+    slow = threading.Thread(target=lambda: results.setdefault("slow", corpus._built_once(
+        folder, "stdlib", lambda into: build(into, wait=True))))
+    slow.start()
+    assert halfway.wait(30)
+    assert not folder.exists()  # the half-written build is not where readers look
+    results["fast"] = corpus._built_once(folder, "stdlib", lambda into: build(into, wait=False))
+    finish.set()
+    slow.join(30)
+    assert results["slow"] == results["fast"] == {"files": ["a.py"], "bytes": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["stdlib-x"]
