@@ -92,9 +92,8 @@ def _losses(records: list[dict], first: int) -> list[float]:
     return [r["loss"] for r in records if r["iteration"] >= first]
 
 
-# `make test-slow` (~12 s): in `make test`, test_elastic_restart.py's stop-and-kill run resumes the same layout
-# (DP=2 layer-wise Muon) in new processes under torchrun and ends bitwise equal to the uninterrupted run.
-@pytest.mark.slow
+# make test's resume of the trainer in new processes (~12 s; test_elastic_restart.py's torchrun restarts of the
+# same layout, 53 s, are in `make test-slow`).
 def test_resume_in_new_processes_is_exact(straight_run, tmp_path: pathlib.Path) -> None:
     saved, straight = straight_run
     resumed = _run(2, MUON + ["--load", str(saved), "--ckpt-step", "10", "--save", str(tmp_path / "ckpt")],
