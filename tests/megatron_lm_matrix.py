@@ -9,7 +9,11 @@ both run, ours must do what megatron-core does:
   megatron-core's bitwise, gradient norms to 1e-6 (summed in another order);
 - per format, each move continues as the same side's own continuation: megatron-core saves at 3 and
   ours continues it as megatron-core does; ours saves at 3 and megatron-core continues it as ours
-  does; ours resumes ours equal to the run not interrupted, every rank's parameters and state bitwise;
+  does; ours resumes ours equal to the run not interrupted, every rank's parameters and state bitwise.
+  As Megatron-LM's ckpt-resume functional tests run, the run that saves at 3 goes on to 6 and is
+  itself the run not interrupted; a load resumes at 3 (`rewound`). That saving changes no run is
+  checked where a saving run stops instead (the bitwise Adam comparison with megatron-core here;
+  the MoE and offload runs of Megatron-LM's loop);
 - our Muon, in each TP mode, learns and resumes the same way from each format.
 A side that refuses or fails, and a load that fails (`Cell.move_fails`), must still do so with the
 recorded message (a record cannot go stale); the other side must still learn and resume exactly.
@@ -21,6 +25,8 @@ in one call to the workers (tests/megatron_lm_in_process.py), `check_part` asser
 import dataclasses
 import pathlib
 from typing import Any, Literal, Optional
+
+from megatron_eopt.training.functional.cases import rewind
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ITERATIONS, SAVED_AT = 6, 3
@@ -226,40 +232,48 @@ def parts(cell: Cell) -> list[tuple[Part, bool]]:
 
 def saving_at_3(directory: str) -> list[str]:
     """Save at SAVED_AT to `directory`, and stop there."""
-    return ["--save", directory, "--save-interval", str(SAVED_AT), "--exit-interval", str(SAVED_AT)]
+    return saving_at_3_going_on(directory) + ["--exit-interval", str(SAVED_AT)]
+
+
+def saving_at_3_going_on(directory: str) -> list[str]:
+    """Save at SAVED_AT (and at ITERATIONS) to `directory` and train on: the run not interrupted too."""
+    return ["--save", directory, "--save-interval", str(SAVED_AT)]
+
+
+def rewound(directory: str) -> None:
+    """What Megatron-LM's functional-test runner does before a ckpt-resume run: the checkpoints after
+    SAVED_AT removed, its tracker pointed at SAVED_AT."""
+    rewind(pathlib.Path(directory), SAVED_AT)
 
 
 def cell_jobs(cell: Cell, part: Part, directory: str) -> list[Job]:
-    """The command lines of one part of a cell, in the order `check_part` reads their runs. Runs
-    without a checkpoint name the cell's first format (Megatron-FSDP asks for one), so that the
-    parts of a cell share them (`unique_jobs`)."""
+    """The command lines of one part of a cell, in the order `check_part` reads their runs. A run that
+    saves goes on: it is the run not interrupted too (`saving_at_3_going_on`); `run_jobs` rewinds a
+    checkpoint to SAVED_AT before a run loads it."""
     what, name = part
-    flags = MODEL + cell.flags()
-    straight_format, at = FORMATS[cell.formats[0]], FORMATS[name]
+    flags = MODEL + cell.flags() + FORMATS[name]
     theirs, ours = f"{directory}/theirs", f"{directory}/ours"
     if what != "compared":
         muon = flags + COMPARED["muon"] + ["--muon-tp-mode", what.split()[1]] + list(cell.muon_flags)
-        return [("run", muon + straight_format), ("run", muon + at + saving_at_3(ours)),
-                ("run", muon + at + ["--load", ours])]
-    compared, compared_at = flags + COMPARED[cell.compared], flags + COMPARED[cell.compared] + at
+        return [("run", muon + saving_at_3_going_on(ours)), ("run", muon + ["--load", ours])]
+    compared = flags + COMPARED[cell.compared]
     sides = {"megatron-core": (cell.megatron_core, MEGATRON_CORE, theirs), "ours": (cell.ours, [], ours)}
     if cell.megatron_core != RUNS or cell.ours != RUNS:  # each side that does not run: its check; the others resume
         jobs: list[Job] = []
         for outcome, side, directory in sides.values():
             if outcome != RUNS:
                 kind = "refused" if outcome.kind == "refuses" else "failing"
-                jobs.append((kind, compared_at + side + saving_at_3(f"{directory}_check")))
+                jobs.append((kind, compared + side + saving_at_3(f"{directory}_check")))
             else:
-                jobs += [("run", compared + straight_format + side),
-                         ("run", compared_at + side + saving_at_3(directory)),
-                         ("run", compared_at + side + ["--load", directory])]
+                jobs += [("run", compared + side + saving_at_3_going_on(directory)),
+                         ("run", compared + side + ["--load", directory])]
         return jobs
     move_in, move_out, itself = ("run" if cell.move_failure(name, way) is None else "failing"
                                  for way in ("in", "out", "itself"))
-    return [("run", compared + straight_format + MEGATRON_CORE), ("run", compared + straight_format),
-            ("run", compared_at + MEGATRON_CORE + saving_at_3(theirs)), (move_in, compared_at + ["--load", theirs]),
-            (itself, compared_at + MEGATRON_CORE + ["--load", theirs]), ("run", compared_at + saving_at_3(ours)),
-            (move_out, compared_at + MEGATRON_CORE + ["--load", ours]), ("run", compared_at + ["--load", ours])]
+    return [("run", compared + MEGATRON_CORE + saving_at_3_going_on(theirs)),
+            ("run", compared + saving_at_3_going_on(ours)), (move_in, compared + ["--load", theirs]),
+            (itself, compared + MEGATRON_CORE + ["--load", theirs]), (move_out, compared + MEGATRON_CORE + ["--load", ours]),
+            ("run", compared + ["--load", ours])]
 
 
 def unique_jobs(jobs: list[Job]) -> tuple[list[Job], list[int]]:
@@ -284,6 +298,7 @@ def run_jobs(rank: int, world_size: int, jobs: list[Job]) -> list[Any]:
 
     raised, results = _raised(), []
     for kind, argv in jobs:
+        _rewind_what_it_loads(rank, argv)
         if kind == "refused":
             results.append(run_megatron_lm_refused(rank, world_size, [argv])[0])
         elif kind == "failing":
@@ -297,6 +312,17 @@ def run_jobs(rank: int, world_size: int, jobs: list[Job]) -> list[Any]:
             except raised as error:  # the other command lines still run; check_part names it
                 results.append(Unexpected(f"pretrain_gpt_megatron_lm.py {' '.join(argv)}: {error!r}"))
     return results
+
+
+def _rewind_what_it_loads(rank: int, argv: list[str]) -> None:
+    """Before a run with `--load D`: rank 0 rewinds D to SAVED_AT (`rewound`), the others wait for it."""
+    if "--load" not in argv:
+        return
+    import torch.distributed as dist
+
+    if rank == 0:
+        rewound(argv[argv.index("--load") + 1])
+    dist.barrier()
 
 
 class Unexpected(str):
@@ -358,13 +384,13 @@ def assert_same_math(ours: list, theirs: list, our_package: str = "megatron_eopt
 
 
 def assert_resumed_exactly(straight: list, saved: list, resumed: list, where: str) -> None:
-    """Saved at SAVED_AT and stopped; resumed, equal to the run not interrupted from there on, to the
-    last bit of every rank's parameters and optimizer state."""
+    """Saved at SAVED_AT (and stopped there, or went on as `straight` itself); resumed, equal to the
+    run not interrupted from there on, to the last bit of every rank's parameters and optimizer state."""
     after = range(SAVED_AT + 1, ITERATIONS + 1)
     for rank, (first, mine, reference) in enumerate(zip(saved, resumed, straight)):
         where_rank = f"{where}, rank {rank}"
-        assert first.exit_status == 0 and column(first, "iteration", range(1, ITERATIONS + 1)) == [
-            1, 2, 3, None, None, None], where_rank  # it stopped at the save
+        assert first.exit_status == 0 and column(first, "iteration", range(1, ITERATIONS + 1)) == (
+            list(range(1, ITERATIONS + 1)) if first is reference else [1, 2, 3, None, None, None]), where_rank
         assert [r["iteration"] for r in mine.records] == list(after), where_rank  # it went on from the save
         for key in ("lm loss", "grad norm", "learning rate"):
             assert column(mine, key, after) == column(reference, key, after), f"{where_rank}: {key}"
@@ -374,10 +400,10 @@ def assert_resumed_exactly(straight: list, saved: list, resumed: list, where: st
         assert mine.optimizer_package == reference.optimizer_package, where_rank
 
 
-def assert_moved(straight: list, saved: list, moved_in: list, core_resumed: list, ours_saved: list,
-                 moved_out: list, our_package: str, where: str) -> None:
-    """megatron-core saved at 3 (`saved`); ours continued that (`moved_in`) as megatron-core did
-    (`core_resumed`, itself equal to its run not interrupted, `straight`); ours saved at 3
+def assert_moved(saved: list, moved_in: list, core_resumed: list, ours_saved: list, moved_out: list,
+                 our_package: str, where: str) -> None:
+    """megatron-core saved at 3 (`saved`, which went on: its run not interrupted); ours continued that
+    (`moved_in`) as megatron-core did (`core_resumed`, itself equal to `saved`); ours saved at 3
     (`ours_saved`) and megatron-core continued that (`moved_out`) the same."""
     import pytest
 
@@ -385,17 +411,17 @@ def assert_moved(straight: list, saved: list, moved_in: list, core_resumed: list
     for rank in range(len(saved)):
         where_rank = f"{where}, rank {rank}"
         assert saved[rank].optimizer_package == "megatron" and ours_saved[rank].optimizer_package == our_package
-        assert [r["iteration"] for r in saved[rank].records] == [1, 2, 3], where_rank
+        assert [r["iteration"] for r in saved[rank].records] == list(range(1, ITERATIONS + 1)), where_rank
         assert moved_in is None or moved_in[rank].optimizer_package == our_package, where_rank
         for key in ("lm loss", "grad norm", "learning rate"):
-            expected = column((core_resumed or straight)[rank], key, after)
+            expected = column((core_resumed or saved)[rank], key, after)
             assert None not in expected or (key == "lm loss" and rank < len(saved) - 1), where_rank  # PP: last stage
             ours_expected = pytest.approx(expected, rel=1e-6) if key == "grad norm" else expected
             for moved, way in ((moved_in, "in"), (moved_out, "out")):
                 if moved is not None:  # None: a recorded failure (Cell.move_fails)
                     assert column(moved[rank], key, after) == (ours_expected if way == "in" else expected), (
                         f"{where_rank}: {way}, {key}")
-            assert expected == column(straight[rank], key, after), f"{where_rank}: megatron-core's resume, {key}"
+            assert expected == column(saved[rank], key, after), f"{where_rank}: megatron-core's resume, {key}"
 
 
 def our_package(cell: Cell) -> str:
@@ -425,25 +451,25 @@ def check_part(cell: Cell, part: Part, results: list[Any]) -> None:
                 _check_outcome(outcome, results[0], f"{where}, {who}")
                 results = results[1:]
             else:
-                _check_resumed(results[:3], f"{where}, {who}", package)
-                results = results[3:]
+                _check_resumed(results[:2], f"{where}, {who}", package)
+                results = results[2:]
         return
-    core_straight, ours_straight, saved, moved_in, core_resumed, ours_saved, moved_out, ours_resumed = results
-    assert_same_math(ours_straight, core_straight, our_package(cell), where)
+    saved, ours_saved, moved_in, core_resumed, moved_out, ours_resumed = results
+    assert_same_math(ours_saved, saved, our_package(cell), where)
     loads = {"in": moved_in, "out": moved_out, "itself": core_resumed}
     for way in loads:
         if cell.move_failure(name, way) is not None:
             _check_outcome(fails(cell.move_failure(name, way)), loads[way], f"{where}, the load {way}")
             loads[way] = None
-    assert_moved(core_straight, saved, loads["in"], loads["itself"], ours_saved, loads["out"], our_package(cell), where)
-    assert_resumed_exactly(ours_straight, ours_saved, ours_resumed, where)
+    assert_moved(saved, loads["in"], loads["itself"], ours_saved, loads["out"], our_package(cell), where)
+    assert_resumed_exactly(ours_saved, ours_saved, ours_resumed, where)
 
 
 def _check_resumed(results: list[Any], where: str, package: str) -> None:
-    straight, saved, resumed = results
-    assert straight[0].optimizer_package == package, where
-    assert_learns(straight, where)
-    assert_resumed_exactly(straight, saved, resumed, where)
+    saved, resumed = results  # the saving run went on: it is the run not interrupted
+    assert saved[0].optimizer_package == package, where
+    assert_learns(saved, where)
+    assert_resumed_exactly(saved, saved, resumed, where)
 
 
 def _check_outcome(expected: Outcome, per_rank: list[Any], where: str) -> None:

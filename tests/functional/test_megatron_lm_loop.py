@@ -13,9 +13,11 @@ Losses are what the loop hands its logger ('lm loss' averaged over micro-batches
   formats x moves against megatron-core's optimizer, one test per cell part; the selected parts run
   in one call to the workers per world size. `make test` runs the cells marked for it (every engine,
   format and move once), `make test-slow` the rest. docs/megatron-lm.md shows the table.
-- Exact resume: `--save` at iteration 3 (`--exit-interval 3`), `--load` to 6 equals the run that
-  was not interrupted at iterations 4-6 (losses, gradient norms, learning rates), and ends with the
-  same parameters and optimizer state on every rank, bitwise. With dropout too: on CPU dropout draws
+- Exact resume: `--save` at iteration 3, `--load` to 6 equals the run that was not interrupted at
+  iterations 4-6 (losses, gradient norms, learning rates), and ends with the same parameters and
+  optimizer state on every rank, bitwise. In the matrix the saving run goes on to 6 and is that run
+  (tests/megatron_lm_matrix.py); MoE on Megatron-FSDP below stops at the save (`--exit-interval 3`)
+  and is held to a run that never saved. With dropout too: on CPU dropout draws
   from the patch's "CUDA" generator, which Megatron-LM checkpoints apart from the CPU one. Megatron-LM's
   printed log line is not equal: it logs a run's first iteration without resetting its averages, so
   the second printed iteration after a restart (5 here) shows the mean of iterations 4 and 5;

@@ -236,17 +236,26 @@ TRACKER = "latest_checkpointed_iteration.txt"
 
 def prepare_resume(case: Case, paths: RunPaths) -> pathlib.Path:
     """What Megatron-LM's runner (run_ci_test.sh) does between a ckpt-resume case's runs, on one node:
-    remove the first run's last checkpoint (`iter_<train-iters>` in --save) and point Megatron-LM's
-    tracker at half of --train-iters, where the second run resumes. Returns the --save folder;
+    remove the first run's checkpoints after half of --train-iters (its last, `iter_<train-iters>` in
+    --save, among them) and point Megatron-LM's tracker at half, where the second run resumes. Returns the --save folder;
     RuntimeError when the first run left no last checkpoint."""
     save = pathlib.Path(_substitute(str(case.model_args["--save"]), paths.values(1)))
     last = save / f"iter_{case.train_iters:07d}"
     if not last.is_dir():
         raise RuntimeError(f"case {case.name!r}: the first run left no {last} (it saves at the end of "
                            f"--train-iters); found {sorted(p.name for p in save.glob('*')) if save.is_dir() else 'no --save folder'}")
-    shutil.rmtree(last)
-    (save / TRACKER).write_text(f"{case.train_iters // 2}\n")
+    rewind(save, case.train_iters // 2)
     return save
+
+
+def rewind(save: pathlib.Path, iteration: int) -> None:
+    """Remove the checkpoints in `save` after `iteration` and point Megatron-LM's tracker at it, so a
+    run with `--load save` resumes there (a second call finds nothing to remove)."""
+    for later in save.glob("iter_*"):
+        number = later.name.removeprefix("iter_")
+        if later.is_dir() and number.isdigit() and int(number) > iteration:
+            shutil.rmtree(later)
+    (save / TRACKER).write_text(f"{iteration}\n")
 
 
 def case_environment(case: Case, base: Optional[dict[str, str]] = None) -> dict[str, str]:
