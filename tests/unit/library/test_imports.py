@@ -9,10 +9,13 @@ torch, and the library never imports arguments/. A subpackage's `__init__.py` co
 registry package that imported the package itself (which imports it) is a cycle.
 """
 
+import json
 import pathlib
 import subprocess
 import sys
 from typing import Optional
+
+import pytest
 
 from tests.unit.test_code_shape import UPWARD_ALLOWED, _module_path, package_imports
 
@@ -96,36 +99,49 @@ def find_cycle(graph: dict[str, set[str]]) -> Optional[list[str]]:
     return None
 
 
-def test_import_does_not_load_megatron_core() -> None:
+# One fresh interpreter imports these in turn, each on top of the ones before, and reports what is
+# loaded after each: a check on a stage holds for its imports and everything before it, so one launch
+# (seconds of torch's import) stands for one per stage.
+IMPORT_STAGES = {
+    "config": "import megatron_eopt.config.optimizer_config",
+    "checkpointing": "import megatron_eopt.factory, megatron_eopt.checkpointing.checkpoint",  # no integrations
+    "library": "import megatron_eopt, megatron_eopt.integrations; megatron_eopt.get_megatron_optimizer",
+    "flags": "import arguments",
+}
+
+
+@pytest.fixture(scope="module")
+def loaded_after() -> dict[str, list[str]]:
+    """stage -> the modules loaded once it and the stages before it were imported."""
+    code = "import json, sys\nloaded = {}\n" + "".join(
+        f"{statement}\nloaded[{stage!r}] = list(sys.modules)\n" for stage, statement in IMPORT_STAGES.items()
+    ) + "print(json.dumps(loaded))"
+    return json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                     cwd=ROOT).stdout.splitlines()[-1])
+
+
+def test_import_does_not_load_megatron_core(loaded_after) -> None:
     # The package's names are imported on first use: get_megatron_optimizer imports the factory.
-    code = ("import sys, megatron_eopt, megatron_eopt.integrations; megatron_eopt.get_megatron_optimizer; "
-            "print('\\n'.join(sys.modules))")
-    output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    modules = output.stdout.split()
+    modules = loaded_after["library"]
     assert "megatron_eopt.factory" in modules
     assert not [m for m in modules if m.startswith("megatron.")], "megatron-core imported eagerly"
 
 
-def test_the_library_never_imports_the_trainer() -> None:
+def test_the_library_never_imports_the_trainer(loaded_after) -> None:
     library = [p for p in package_files() if p.relative_to(PACKAGE).parts[0] != "training"]
     imports = [f"{p.relative_to(PACKAGE)} imports {name}" for p in library for name, _ in package_imports(p)
                if name == "megatron_eopt.training" or name.startswith("megatron_eopt.training.")]
     assert not imports, imports
-    code = "import sys, megatron_eopt, megatron_eopt.integrations, arguments; print('\\n'.join(sys.modules))"
-    output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert not [m for m in output.stdout.split() if m.startswith("megatron_eopt.training")]
+    assert not [m for m in loaded_after["flags"] if m.startswith("megatron_eopt.training")]
 
 
-def test_the_library_never_imports_the_flags() -> None:
+def test_the_library_never_imports_the_flags(loaded_after) -> None:
     # The library is megatron_eopt/ without its two users of the flags: the trainer and the integrations.
     library = [p for p in package_files() if p.relative_to(PACKAGE).parts[0] not in ("training", "integrations")]
     imports = [f"{p.relative_to(PACKAGE)} imports {name}" for p in library for name, _ in package_imports(p)
                if name.split(".")[0] == "arguments"]
     assert not imports, imports
-    code = ("import sys, megatron_eopt, megatron_eopt.factory, megatron_eopt.checkpointing.checkpoint; "
-            "megatron_eopt.get_megatron_optimizer; print('\\n'.join(sys.modules))")
-    output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert not [m for m in output.stdout.split() if m.split(".")[0] == "arguments"]
+    assert not [m for m in loaded_after["checkpointing"] if m.split(".")[0] == "arguments"]
 
 
 # config/'s modules that the flag parsers run before torch is imported (docs/layers.md: torch in optimizer_config.py only).
@@ -160,11 +176,9 @@ def test_the_optimizer_flags_never_import_megatron() -> None:
     assert not imports, imports
 
 
-def test_importing_the_config_does_not_import_the_bridge_layer() -> None:
+def test_importing_the_config_does_not_import_the_bridge_layer(loaded_after) -> None:
     # The config's provide() reaches the factory only when called.
-    code = "import sys, megatron_eopt.config.optimizer_config; print('\\n'.join(sys.modules))"
-    output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert "megatron_eopt.integrations.megatron_bridge" not in output.stdout.split()
+    assert "megatron_eopt.integrations.megatron_bridge" not in loaded_after["config"]
 
 
 def test_megatron_core_only_where_allowed() -> None:
