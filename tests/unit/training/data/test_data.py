@@ -21,7 +21,7 @@ import pytest
 from megatron_eopt.training.data import datasets as data
 from megatron_eopt.training.loop import evaluation
 from megatron_eopt.training.data.tokenizer import build_tokenizer, padded_vocab_size
-from tools import preprocess_data
+from megatron_eopt.training.data import preprocess
 
 SEQ_LENGTH = 32
 
@@ -33,7 +33,7 @@ def _write_jsonl(path: pathlib.Path, texts: list[str]) -> pathlib.Path:
 
 def _preprocess(tmp_path: pathlib.Path, name: str, texts: list[str], *extra: str) -> str:
     source = _write_jsonl(tmp_path / f"{name}.jsonl", texts)
-    prefixes = preprocess_data.main(["--input", str(source), "--output-prefix", str(tmp_path / name),
+    prefixes = preprocess.main(["--input", str(source), "--output-prefix", str(tmp_path / name),
                                      "--append-eod", *extra])
     return prefixes["text"]
 
