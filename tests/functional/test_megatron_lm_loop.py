@@ -25,13 +25,10 @@ Losses are what the loop hands its logger ('lm loss' averaged over micro-batches
 - Refusals end in one line on rank 0 and status 2 on every rank.
 """
 
-import os
 import re
-from unittest import mock
 
 import pytest
 
-from tests.distributed_harness import STRICT_LEAKS_ENV
 from tests.megatron_lm_in_process import Run, run_megatron_lm_many, run_megatron_lm_refused
 from tests.megatron_lm_matrix import (  # noqa: F401 (also imported by the other tests of this loop)
     BF16_MOMENTS, CELLS, EXPERTS, EP2, ALLGATHER, ITERATIONS, MEGATRON_CORE, MEGATRON_FSDP, MODEL, ROOT, TORCH_FSDP2,
@@ -85,10 +82,9 @@ def matrix_results(request, run_distributed, tmp_path_factory) -> dict[tuple[str
 def _run_check(run_distributed, world_size: int, job) -> list:
     """A run that refuses or fails, in a call of its own: one that ends after the model is wrapped
     leaves its gradient hooks holding the process groups (objects C++ keeps alive), so the harness
-    replaces the world after it instead of failing on the leak (MEGATRON_EOPT_STRICT_LEAKS=0 for this
-    call only)."""
-    with mock.patch.dict(os.environ, {STRICT_LEAKS_ENV: "0"}):
-        per_rank = run_distributed(run_jobs, world_size, args=([job],), timeout=SECONDS_PER_RUN[world_size])
+    replaces the world after it (`leaves_groups`)."""
+    per_rank = run_distributed(run_jobs, world_size, args=([job],), timeout=SECONDS_PER_RUN[world_size],
+                               leaves_groups=True)
     return [results[0] for results in per_rank]
 
 
