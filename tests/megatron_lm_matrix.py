@@ -11,7 +11,7 @@ both run, ours must do what megatron-core does:
   ours continues it as megatron-core does; ours saves at 3 and megatron-core continues it as ours
   does; ours resumes ours equal to the run not interrupted, every rank's parameters and state bitwise.
   As Megatron-LM's ckpt-resume functional tests run, the run that saves at 3 goes on to 6 and is
-  itself the run not interrupted; a load resumes at 3 (`rewound`). That saving changes no run is
+  itself the run not interrupted; a load resumes at 3 (`_rewind_what_it_loads`). That saving changes no run is
   checked where a saving run stops instead (the bitwise Adam comparison with megatron-core here;
   the MoE and offload runs of Megatron-LM's loop);
 - our Muon, in each TP mode, learns and resumes the same way from each format.
@@ -240,12 +240,6 @@ def saving_at_3_going_on(directory: str) -> list[str]:
     return ["--save", directory, "--save-interval", str(SAVED_AT)]
 
 
-def rewound(directory: str) -> None:
-    """What Megatron-LM's functional-test runner does before a ckpt-resume run: the checkpoints after
-    SAVED_AT removed, its tracker pointed at SAVED_AT."""
-    rewind(pathlib.Path(directory), SAVED_AT)
-
-
 def cell_jobs(cell: Cell, part: Part, directory: str) -> list[Job]:
     """The command lines of one part of a cell, in the order `check_part` reads their runs. A run that
     saves goes on: it is the run not interrupted too (`saving_at_3_going_on`); `run_jobs` rewinds a
@@ -272,8 +266,8 @@ def cell_jobs(cell: Cell, part: Part, directory: str) -> list[Job]:
                                  for way in ("in", "out", "itself"))
     return [("run", compared + MEGATRON_CORE + saving_at_3_going_on(theirs)),
             ("run", compared + saving_at_3_going_on(ours)), (move_in, compared + ["--load", theirs]),
-            (itself, compared + MEGATRON_CORE + ["--load", theirs]), (move_out, compared + MEGATRON_CORE + ["--load", ours]),
-            ("run", compared + ["--load", ours])]
+            (itself, compared + MEGATRON_CORE + ["--load", theirs]),
+            (move_out, compared + MEGATRON_CORE + ["--load", ours]), ("run", compared + ["--load", ours])]
 
 
 def unique_jobs(jobs: list[Job]) -> tuple[list[Job], list[int]]:
@@ -315,13 +309,14 @@ def run_jobs(rank: int, world_size: int, jobs: list[Job]) -> list[Any]:
 
 
 def _rewind_what_it_loads(rank: int, argv: list[str]) -> None:
-    """Before a run with `--load D`: rank 0 rewinds D to SAVED_AT (`rewound`), the others wait for it."""
+    """Before a run with `--load D`, what Megatron-LM's functional-test runner does before a ckpt-resume
+    run: rank 0 removes D's checkpoints after SAVED_AT and points its tracker there; the others wait."""
     if "--load" not in argv:
         return
     import torch.distributed as dist
 
     if rank == 0:
-        rewound(argv[argv.index("--load") + 1])
+        rewind(pathlib.Path(argv[argv.index("--load") + 1]), SAVED_AT)
     dist.barrier()
 
 

@@ -237,8 +237,8 @@ TRACKER = "latest_checkpointed_iteration.txt"
 def prepare_resume(case: Case, paths: RunPaths) -> pathlib.Path:
     """What Megatron-LM's runner (run_ci_test.sh) does between a ckpt-resume case's runs, on one node:
     remove the first run's checkpoints after half of --train-iters (its last, `iter_<train-iters>` in
-    --save, among them) and point Megatron-LM's tracker at half, where the second run resumes. Returns the --save folder;
-    RuntimeError when the first run left no last checkpoint."""
+    --save, among them) and point Megatron-LM's tracker at half, where the second run resumes.
+    Returns the --save folder; RuntimeError when the first run left no last checkpoint."""
     save = pathlib.Path(_substitute(str(case.model_args["--save"]), paths.values(1)))
     last = save / f"iter_{case.train_iters:07d}"
     if not last.is_dir():
