@@ -13,6 +13,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 from megatron_eopt.training.logging.training_log import PALETTE, PLOT_SIZE
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -21,6 +23,10 @@ EVAL_INTERVAL = 10
 CURVE_PIXELS = 300  # a curve across the plot covers thousands; the legend swatch alone ~70
 
 
+# `make test-slow` (~60 s: four torchrun ranks import megatron-core): make test trains the same corpus under
+# torchrun (test_pretrain_gpt.py), draws the curves (tests/unit/training/logging/) and sets Muon against AdamW
+# (test_muon_beats_adamw.py); `make demo` itself is run before each stop (docs/testing.md).
+@pytest.mark.slow
 def test_demo_writes_plot_and_summary(tmp_path: pathlib.Path) -> None:
     command = [sys.executable, "scripts/demo.py", "--train-iters", str(ITERATIONS), "--eval-interval",
                str(EVAL_INTERVAL), "--out-dir", str(tmp_path)]

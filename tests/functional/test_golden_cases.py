@@ -50,8 +50,14 @@ def _verdicts(name: str, runs: list[dict], case=None) -> list[goldens.Verdict]:
 # gpt_muon_tp2_sharded's golden; blockwise, which differs from TP=1 by design, keeps its golden here.
 # Lion's first step compiles (17 s at 2 ranks); its update equals emerging_optimizers' in make test
 # (test_emerging_factory.py, test_fsdp2.py).
+# Also there (~50 s): the MoE case, which equals one process at TP=2 x EP=2 in make test
+# (test_pretrain_gpt_moe.py), TP=2 sharded (the TP=1 steps, test_gpt_muon.py), and the Megatron-LM-loop cases on
+# Megatron-FSDP and in bf16 with precision-aware state, whose runs the parity matrix holds to megatron-core's
+# and to their own exact resumes in make test (test_megatron_lm_loop.py); the Megatron-LM-loop case with the
+# distributed optimizer keeps its golden here.
 SLOW_CASES = ("gpt_muon_tp2_duplicated", "gpt_muon_tp2_distributed", "gpt_muon_tp2_auto", "gpt_muon_tp4_sharded",
-              "gpt_lion_dp2")
+              "gpt_lion_dp2", "gpt_muon_moe_tp2_ep2_expert_sharded", "gpt_muon_tp2_sharded",
+              "gpt_megatron_lm_muon_megatron_fsdp_dp2", "gpt_megatron_lm_muon_bf16_precision_aware_dp2")
 
 
 def _params(names, slow=()) -> list:
@@ -135,6 +141,9 @@ def _as_two_nodes(case: str, nproc_per_node: int, output: pathlib.Path, **enviro
     return outputs[0][0]
 
 
+# `make test-slow` (~45 s: six interpreters import megatron-core): make test runs the same case in the harness's
+# workers against its golden, and the launcher's command lines in test_functional_cases.py.
+@pytest.mark.slow
 def test_launcher_runs_a_megatron_lm_loop_case_as_two_nodes_on_machines_without_cuda(tmp_path: pathlib.Path) -> None:
     """A Megatron-LM-loop case at 2 nodes x 1 process, no GPU visible: the loop script takes gloo where
     CUDA is absent (Megatron-LM's default backend, nccl, needs GPUs), the data-parallel group spans

@@ -77,7 +77,8 @@ def _reshard_body(rank: int, world_size: int, directory: str) -> dict:
     return results
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+# The 4-rank save (PP=2 x EP=2): `make test-slow`; `make test` reshards from 2 ranks and resumes exactly.
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_reshard_pipeline_and_experts(run_distributed, tmp_path, world_size):
     per_rank = run_distributed(_reshard_body, world_size, args=(str(tmp_path),), timeout=900)
     errors = {}

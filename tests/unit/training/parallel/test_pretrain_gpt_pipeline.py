@@ -78,7 +78,10 @@ def _assert_same_training(curves_per_rank: list[dict[str, list[float]]], referen
             assert curves[key] == pytest.approx(expected, rel=TOLERANCE[key]), key
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+# TP=2 x PP=2 (4 ranks, ~12 s) in `make test-slow`: `make test` trains it with sequence parallelism
+# against one process (test_pretrain_gpt_sequence_parallel.py).
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=[pytest.mark.slow] if name == "TP=2 x PP=2" else [])
+                                    for name in LAYOUTS])
 def test_pipeline_layouts_train_as_one_process(layout: str, references, run_distributed) -> None:
     world_size, flags = LAYOUTS[layout]
     for name, optimizer_flags in OPTIMIZERS.items():

@@ -17,6 +17,9 @@ from tests.unit.training.parallel.test_pretrain_gpt_pipeline import ARGV, OPTIMI
 SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 
 
+# `make test-slow` (~10 s): make test trains TP=2 with sequence parallelism against one process with data and
+# pipeline parallelism below, with experts (test_pretrain_gpt_moe.py), and sums its norms' gradients below.
+@pytest.mark.slow
 def test_tensor_parallel_with_sequence_parallelism_trains_as_one_process(run_distributed) -> None:
     for name in ("adam", "muon"):
         reference = run_distributed(run_training, 1, args=(ARGV + OPTIMIZERS[name],))[0]
