@@ -1285,7 +1285,7 @@ def _threads_leaked(baseline: Counter[str]) -> dict[str, Any] | None:
         text += f"; Python threads: {', '.join(started)}"
     chains = _chains_from_modules_to_groups(min(groups, 3)) if groups else []
     if chains:
-        text += "; held by: " + "; ".join(chains[:3])
+        text += "; held by: " + "; ".join(chains)
     elif groups:
         text += "; no module reaches them: objects C++ keeps alive hold them (e.g. a gradient hook on a parameter)"
     # Only native threads of no known kind (torch's profiler starts one at its first use and keeps

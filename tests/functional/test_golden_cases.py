@@ -45,13 +45,13 @@ def _verdicts(name: str, runs: list[dict], case=None) -> list[goldens.Verdict]:
     return goldens.check_runs(case or CASES[name], _golden(name), runs, on_cuda=False)
 
 
-# `make test-slow` only (~65 s on 2 cores): these TP modes equal TP=1 to 1e-5 at TP=2 and TP=4 in `make test`
-# (test_gpt_muon.py::test_muon_on_gpt_shards_equals_tp1), so a change to their math fails there or in
-# gpt_muon_tp2_sharded's golden; blockwise, which differs from TP=1 by design, keeps its golden here.
+# `make test-slow` only (~115 s on 2 cores): these TP modes, sharded included, equal TP=1 to 1e-5 at TP=2 and
+# TP=4 in `make test` (test_gpt_muon.py::test_muon_on_gpt_shards_equals_tp1), so a change to their math fails
+# there; blockwise, which differs from TP=1 by design, keeps its golden here.
 # Lion's first step compiles (17 s at 2 ranks); its update equals emerging_optimizers' in make test
 # (test_emerging_factory.py, test_fsdp2.py).
-# Also there (~50 s): the MoE case, which equals one process at TP=2 x EP=2 in make test
-# (test_pretrain_gpt_moe.py), TP=2 sharded (the TP=1 steps, test_gpt_muon.py), and the Megatron-LM-loop cases on
+# Also there: the MoE case, which equals one process at TP=2 x EP=2 in make test
+# (test_pretrain_gpt_moe.py), and the Megatron-LM-loop cases on
 # Megatron-FSDP and in bf16 with precision-aware state, whose runs the parity matrix holds to megatron-core's
 # and to their own exact resumes in make test (test_megatron_lm_loop.py); the Megatron-LM-loop case with the
 # distributed optimizer keeps its golden here.
