@@ -7,8 +7,15 @@ STAMP := $(VENV)/.installed
 
 .PHONY: test test-fast test-slow test-unit test-functional test-numerics test-compat demo convergence convergence-range bench gpu-check venv lock clean
 
+# Two test processes (pytest-xdist): a test's ranks wait for each other in collectives, and the other
+# process's test fills those waits (docs/testing.md, "Two test processes"). TEST_PROCESSES=0 runs the
+# tests in pytest's own process (for -x, --pdb); tests/worker_groups.py keeps a module's tests that
+# share a module fixture in one process.
+TEST_PROCESSES ?= 2
+XDIST := -n $(TEST_PROCESSES) --dist loadgroup
+
 test: $(STAMP)
-	$(PY) -m pytest tests -q -m "not slow" --durations=20
+	$(PY) -m pytest tests -q -m "not slow" --durations=20 $(XDIST)
 
 # The loop while you work: the in-process tier, no worker ranks and no process started (tests/tiers.py
 # marks the others `multirank` and `subprocess` from their code). Fails if it left a library module unimported.
@@ -32,7 +39,7 @@ test-numerics: $(STAMP)
 	@failed=0; for setting in $(NUMERICS_SETTINGS); do \
 	  echo "== $$setting"; cache=$$(mktemp -d); \
 	  env $$setting $(PY) tools/rounding_probe.py && \
-	  env $$setting TORCHINDUCTOR_CACHE_DIR=$$cache $(PY) -m pytest tests -q -m "not slow" -p no:cacheprovider || failed=1; \
+	  env $$setting TORCHINDUCTOR_CACHE_DIR=$$cache $(PY) -m pytest tests -q -m "not slow" -p no:cacheprovider $(XDIST) || failed=1; \
 	  rm -rf $$cache; \
 	done; exit $$failed
 

@@ -25,6 +25,8 @@ from tests.tiers import (  # noqa: F401 (the tier markers' hooks: tests/tiers.py
     pytest_sessionfinish,
 )
 
+pytest_plugins = ("tests.worker_groups",)  # which tests share a process under pytest-xdist
+
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     # Overlap the workers' one-off import with the tests that run before the first distributed

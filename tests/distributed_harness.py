@@ -71,6 +71,9 @@ STRICT_LEAKS_ENV = "MEGATRON_EOPT_STRICT_LEAKS"
 # went over fails with ThreadLeakError.
 THREAD_BUDGET = 200
 _EXITING_THREADS_WAIT_S = 1.0  # how long the thread census waits for threads that are starting or ending
+# How long the leak check waits for a destroyed group's threads to end. Only a call that leaked waits
+# it out; it is long because two test processes (`make test`) load the cores and delay a thread's exit.
+_LEAK_WAIT_S = 3.0
 _STACK_DUMP_WAIT_S = 0.5
 _STACK_SIGNAL = signal.SIGUSR1
 
@@ -1268,7 +1271,7 @@ def _threads_leaked(baseline: Counter[str]) -> dict[str, Any] | None:
     extra = _extra_threads(baseline)
     # A group's threads end as its last reference goes, some a moment after: a thread still
     # exiting is not a leak (a leaked one is still there after the wait).
-    deadline = time.monotonic() + _EXITING_THREADS_WAIT_S
+    deadline = time.monotonic() + _LEAK_WAIT_S
     while extra and time.monotonic() < deadline:
         time.sleep(0.01)
         extra = _extra_threads(baseline)
