@@ -14,7 +14,7 @@ import pytest
 SHARED_SCOPES = {"module", "class"}
 
 
-@pytest.hookimpl(trylast=True)
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks (it appends the group to the test id)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if uses_a_shared_fixture(item):

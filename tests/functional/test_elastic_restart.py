@@ -19,7 +19,6 @@ import os
 import pathlib
 import random
 import re
-import socket
 import subprocess
 import sys
 
@@ -28,6 +27,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.functional.test_pretrain_gpt import ROOT
+from tests.ports import free_port
 from tests.pretrain_gpt_in_process import run_pretrain_gpt_reporting
 
 TORCHRUN = str(pathlib.Path(sys.executable).with_name("torchrun"))
@@ -44,12 +44,6 @@ LAYOUTS = {
     "FSDP2": ["--optimizer", "adam", "--use-torch-fsdp2"],
 }
 SEED = int(os.environ.get("FAULT_SEED", "20251124"))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def launch(flags: list[str], directory: pathlib.Path, faults: list[dict] = (), restarts: int = 0,

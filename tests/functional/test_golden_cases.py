@@ -17,7 +17,6 @@ this machine, another a Megatron-LM-loop case on a machine without CUDA.
 import dataclasses
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
@@ -26,6 +25,7 @@ import pytest
 from megatron_eopt.training.functional import goldens
 from megatron_eopt.training.functional.cases import RunPaths
 from tests.functional import golden_cases
+from tests.ports import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CASES = golden_cases.cases()
@@ -118,16 +118,10 @@ def test_ckpt_resume_runs_as_megatron_lms_runner_and_a_resume_that_drops_the_mom
     assert not resumed_loss.passed and resumed_loss.message.startswith("resumed at 10"), resumed_loss.message
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _as_two_nodes(case: str, nproc_per_node: int, output: pathlib.Path, **environment: str) -> str:
     """The launcher once per node (`--nnodes 2`, static rendezvous at 127.0.0.1), torchrun under each,
     as on a cluster; both must succeed. Node 0's output (it compares with the golden)."""
-    port = _free_port()
+    port = free_port(count=2)  # the resume run rendezvous at port + 1
     nodes = [subprocess.Popen(
         [sys.executable, "tools/run_functional_case.py", case, "--nnodes", "2", "--node-rank", str(node),
          "--nproc-per-node", str(nproc_per_node), "--master-addr", "127.0.0.1", "--master-port", str(port),

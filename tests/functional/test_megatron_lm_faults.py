@@ -27,10 +27,11 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.functional.test_elastic_restart import TORCHRUN, free_port
+from tests.functional.test_elastic_restart import TORCHRUN
 from tests.functional.test_megatron_lm_loop import (BF16_MOMENTS, ITERATIONS, MEGATRON_CORE, MEGATRON_FSDP, MODEL, ROOT,
                                                     TORCH_FSDP2, _assert_equal_tensors, _column)
 from tests.megatron_lm_faults_in_process import run_with_inf_loss
+from tests.ports import free_port
 from tests.megatron_lm_in_process import run_megatron_lm_many
 
 TRAIN_ITERS, SAVE_INTERVAL = 8, 2

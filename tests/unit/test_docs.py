@@ -79,14 +79,10 @@ def test_relative_links_resolve() -> None:
 
 
 RUNNER = textwrap.dedent(r'''
-    import json, os, runpy, shlex, socket, sys, tempfile, time, traceback
+    import json, os, runpy, shlex, sys, tempfile, time, traceback
     import torch, torch.distributed, megatron.core.parallel_state, megatron.core.models.gpt  # paid once
+    from tests.ports import free_port  # the runner starts in the repository's root
     root, examples = sys.argv[1], json.loads(sys.stdin.read())
-
-    def free_port():
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            return sock.getsockname()[1]
 
     def ranks_of(words):
         for i, word in enumerate(words):

@@ -2,11 +2,11 @@
 one store torchrun's agent keeps for the whole job (docs/reliability.md)."""
 
 import datetime
-import socket
 
 import torch.distributed as dist
 
 from megatron_eopt.runtime.torchrun_store import restart_store
+from tests.ports import free_port
 
 TIMEOUT = datetime.timedelta(seconds=30)
 
@@ -14,9 +14,7 @@ TIMEOUT = datetime.timedelta(seconds=30)
 def torchrun_agent_store(monkeypatch, attempt: int) -> dist.TCPStore:
     """The job's store as torchrun's agent keeps it (run id "job"), and the environment torchrun gives
     the workers of attempt `attempt`."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     agent = dist.TCPStore("127.0.0.1", port, 1, is_master=True, timeout=TIMEOUT)
     for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": "job",
                         "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": str(attempt)}.items():
