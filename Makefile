@@ -57,10 +57,10 @@ test-compat:
 	done; exit $$failed
 
 test-unit: $(STAMP)
-	$(PY) -m pytest tests/unit -q -m "not slow"
+	$(PY) -m pytest tests/unit -q -m "not slow" $(XDIST)
 
 test-functional: $(STAMP)
-	$(PY) -m pytest tests/functional -q -m "not slow"
+	$(PY) -m pytest tests/functional -q -m "not slow" $(XDIST)
 
 demo: $(STAMP)
 	$(PY) scripts/demo.py
