@@ -10,9 +10,10 @@ STAMP := $(VENV)/.installed
 # Two test processes (pytest-xdist): a test's ranks wait for each other in collectives, and the other
 # process's test fills those waits (docs/testing.md, "Two test processes"). TEST_PROCESSES=0 runs the
 # tests in pytest's own process (for -x, --pdb); tests/worker_groups.py keeps a module's tests that
-# share a module fixture in one process.
+# share a module fixture in one process. Units go in collection order (the functional tests, the
+# longest, first), the order `--dist load` ran fastest in, not xdist's default of the largest groups first.
 TEST_PROCESSES ?= 2
-XDIST := -n $(TEST_PROCESSES) --dist loadgroup
+XDIST := -n $(TEST_PROCESSES) --dist loadgroup --no-loadscope-reorder
 
 test: $(STAMP)
 	$(PY) -m pytest tests -q -m "not slow" --durations=20 $(XDIST)
