@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 # process's test fills those waits (docs/testing.md, "Two test processes"). TEST_PROCESSES=0 runs the
 # tests in pytest's own process (for -x, --pdb); tests/worker_groups.py keeps a module's tests that
 # share a module fixture in one process. Units go in collection order (the functional tests, the
-# longest, first), the order `--dist load` ran fastest in, not xdist's default of the largest groups first.
+# longest, first), the order `--dist load` ran fastest in (one run each), not xdist's default of the largest groups first.
 TEST_PROCESSES ?= 2
 XDIST := -n $(TEST_PROCESSES) --dist loadgroup --no-loadscope-reorder
 

@@ -72,7 +72,7 @@ STRICT_LEAKS_ENV = "MEGATRON_EOPT_STRICT_LEAKS"
 THREAD_BUDGET = 200
 _EXITING_THREADS_WAIT_S = 1.0  # how long the thread census waits for threads that are starting or ending
 # How long the leak check waits for a destroyed group's threads to end. Only a call that leaked waits
-# it out; it is long because two test processes (`make test`) load the cores and delay a thread's exit.
+# it out, so it is generous: with two test processes (`make test`) the cores are loaded.
 _LEAK_WAIT_S = 3.0
 _STACK_DUMP_WAIT_S = 0.5
 _STACK_SIGNAL = signal.SIGUSR1

@@ -45,7 +45,7 @@ def _verdicts(name: str, runs: list[dict], case=None) -> list[goldens.Verdict]:
     return goldens.check_runs(case or CASES[name], _golden(name), runs, on_cuda=False)
 
 
-# `make test-slow` only (~115 s on 2 cores): these TP modes, sharded included, equal TP=1 to 1e-5 at TP=2 and
+# SLOW_CASES run in `make test-slow` only (~115 s together on 2 cores). These TP modes, sharded included, equal TP=1 to 1e-5 at TP=2 and
 # TP=4 in `make test` (test_gpt_muon.py::test_muon_on_gpt_shards_equals_tp1), so a change to their math fails
 # there; blockwise, which differs from TP=1 by design, keeps its golden here.
 # Lion's first step compiles (17 s at 2 ranks); its update equals emerging_optimizers' in make test
