@@ -51,18 +51,23 @@ def splitting_every_state(split: Callable) -> Callable:
 
 
 def _split_optimizer_state(split: Callable, model: torch.nn.Module, optimizer_state_dict: dict) -> dict:
-    """Each state tensor through `split` in the place of `exp_avg` (the one it splits)."""
+    """Each state tensor through `split`, two at a time in the places of the two it splits
+    (`exp_avg`, `exp_avg_sq`): each split is a round of collectives per tensor, so Adam's state
+    takes one call, not two. A tensor left over goes in both places."""
     state = optimizer_state_dict["state"]
-    names = {name for entries in state.values() for name, value in entries.items() if _is_split_candidate(value)}
-    new_state = {}
-    for name in sorted(names):
-        carrying = {key: {"exp_avg": entries[name], "exp_avg_sq": entries[name]}
-                    for key, entries in state.items() if name in entries}
+    names = {key: sorted(name for name, value in entries.items() if _is_split_candidate(value))
+             for key, entries in state.items()}
+    new_state: dict = {}
+    for start in range(0, max(map(len, names.values()), default=0), 2):
+        pairs = {key: (own[start:start + 2] * 2)[:2] for key, own in names.items() if len(own) > start}
+        carrying = {key: {"exp_avg": state[key][first], "exp_avg_sq": state[key][second]}
+                    for key, (first, second) in pairs.items()}
         _, done = split(model, {}, {"state": carrying})
         for key, entries in done["state"].items():
-            new_state.setdefault(key, {})[name] = entries["exp_avg"]
+            first, second = pairs[key if key in pairs else key[:-len("_w")]]  # a half: `<key>_w`, `<key>_v`
+            new_state.setdefault(key, {}).update({first: entries["exp_avg"], second: entries["exp_avg_sq"]})
     for key, entries in state.items():  # the rest (scalars) as it was, with each half
-        rest = {name: value for name, value in entries.items() if name not in names}
+        rest = {name: value for name, value in entries.items() if name not in names[key]}
         for target in [k for k in (f"{key}_w", f"{key}_v") if k in new_state] or [key]:
             new_state[target] = {**rest, **new_state.get(target, {})}
     return {**optimizer_state_dict, "state": new_state}
