@@ -9,11 +9,18 @@ enters ``bf16_numerics()`` itself).
 across tests rather than per test; see tests/distributed_harness.py.
 """
 
+import os
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import pytest
+# emerging_optimizers' `@torch.compile`d updates run eagerly in the suite, in every process it starts
+# (they inherit the environment): inductor compiled them on every rank of every test that stepped
+# them, ~380 CPU s of `make test` with an empty compile cache. test_compiled_step.py compiles each
+# and holds it to the eager update. TORCH_COMPILE_DISABLE=0 compiles everywhere (docs/testing.md).
+os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+
+import pytest  # noqa: E402
 
 from tests import distributed_harness
 from tests.bf16_numerics import bf16_numerics
