@@ -30,9 +30,10 @@ test-slow: $(STAMP)
 # make test's tests under kernel settings that round differently from this CPU's default build (the
 # code paths of other CPUs; docs/reliability.md). Each setting first says whether it changes the bits
 # of a product here. As long as `make test` for each setting; not part of CI.
-# torch 2.13's inductor emits vector code that does not compile under ATEN_CPU_CAPABILITY=default, so
-# that setting runs emerging_optimizers' compiled updates eagerly (TORCH_COMPILE_DISABLE=1).
-NUMERICS_SETTINGS := "ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=COMPATIBLE" \
+# make test runs emerging_optimizers' compiled updates eagerly (tests/conftest.py); the AVX2 setting
+# compiles them (TORCH_COMPILE_DISABLE=0). torch 2.13's inductor emits vector code that does not
+# compile under ATEN_CPU_CAPABILITY=default, so that setting runs them eagerly (TORCH_COMPILE_DISABLE=1).
+NUMERICS_SETTINGS := "ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=COMPATIBLE TORCH_COMPILE_DISABLE=0" \
 	"ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=AVX2 TORCH_COMPILE_DISABLE=1"
 # Each setting compiles into a cache of its own: inductor's shared cache would hand a setting kernels
 # compiled for another instruction set (measured: garbage in Lion's, SOAP's and PSGD-Pro's steps).

@@ -123,7 +123,9 @@ def test_every_compiling_optimizer_is_found() -> None:
     assert _compiling_optimizers() == ["laprop", "lion", "psgd_pro", "rekls", "soap"]
 
 
-@pytest.mark.parametrize("name", _compiling_optimizers())
+# PSGD-Pro's compile takes 35-45 s on 2 cores with an empty cache: `make test-slow`.
+@pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.slow] if name == "psgd_pro" else [])
+                                  for name in _compiling_optimizers()])
 def test_the_compiled_update_equals_the_eager_one(name: str) -> None:
     """Three steps compiled (as users run them) and eagerly (as the rest of the suite does): the same
     update to fp32 rounding (inductor fuses and vectorizes the arithmetic, it changes no formula;
