@@ -446,7 +446,7 @@ def notes(summaries: list[dict]) -> list[str]:
                              f"may do better.")
         if s["devices"] and s["devices"] != ["cpu"]:
             lines.append(f"- {s['cell']}: trained on {' and '.join(s['devices'])} (the trainer's default where "
-                         f"torch sees a GPU); its runs' times are left out of the CPU time below.")
+                         f"torch sees a GPU); its GPU runs' times are left out of the CPU time below.")
         if s["noise"]:
             n = s["noise"]
             lines.append(f"- {s['cell']}: final held-out loss's standard error {n['halves']:.4f} (disjoint halves, "
