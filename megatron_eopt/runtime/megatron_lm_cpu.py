@@ -64,6 +64,10 @@ REPLACED_CALLS = {
         "`is_cuda`, so on CPU it took none and its step then looked every host-group parameter up in its map of "
         "host copies (KeyError). Here its fraction rule takes the same parameters and each gets a host copy of "
         "its own, so its copies, host step and copy back run as on a GPU (_hybrid_offload_on_the_host)",
+    "FileSystemWriterAsync.preload_tensors (torch_dist saves)": "a copy of each tensor: on a GPU it copies "
+        "them to the host, a snapshot an async writer writes while training goes on; on CPU `.to('cpu')` "
+        "is the tensor itself, whose memory the persistent checkpoint worker shares, so the next steps "
+        "changed what it was still writing (a resume from it then differed)",
     "dist.all_gather(unequal sizes) in the layer-wise optimizer": "gloo gathers equal sizes only: "
         "padded to the largest, cut back",
     "DeviceMesh.from_group(group, 'cuda') in torch FSDP2's wrapper": "a CPU mesh: FSDP2 puts its shards "
@@ -207,6 +211,7 @@ def _replacements(rng: _CudaGenerator) -> list[tuple[Any, str, Any]]:
     import megatron.core.distributed.fsdp.mcore_fsdp_adapter as megatron_fsdp_adapter
     import megatron.core.distributed.torch_fully_sharded_data_parallel as torch_fsdp2
     import megatron.core.optimizer.layer_wise_optimizer as layer_wise
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
     from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
     import megatron.core.tensor_parallel.random as tp_random
     import megatron.training.arguments as arguments
@@ -226,6 +231,7 @@ def _replacements(rng: _CudaGenerator) -> list[tuple[Any, str, Any]]:
         (torch_fsdp2, "DeviceMesh", Passthrough(DeviceMesh, from_group=_cpu_mesh_from_group)),
         (megatron_fsdp_adapter, "torch", Passthrough(torch, device=megatron_fsdp_cpu.cpu_device)),
         (HybridDeviceOptimizer, "_get_sub_optimizer_param_groups", _hybrid_offload_on_the_host),
+        (FileSystemWriterAsync, "preload_tensors", staticmethod(preload_copies)),
     ]
     replaced += megatron_fsdp_cpu.replacements(megatron_fsdp_cpu.IN_MEGATRON_CORE)
     return replaced + megatron_core_torch_adam.replacements(DistributedOptimizer)
@@ -256,6 +262,13 @@ def _hybrid_offload_on_the_host(self: Any, offload_fraction: float) -> tuple:
         host_groups += [host_group] if host_group["params"] else []
         device_groups += [device_group] if device_group["params"] else []
     return host_groups, device_groups, host_copy_of, param_of_host_copy, fp32_of
+
+
+def preload_copies(write_buckets: list, non_blocking: bool = True) -> list:
+    """megatron-core's staging of a torch_dist save's tensors to the host, each as a copy
+    (REPLACED_CALLS): its buckets, (file name, storage key, (bytes, [(item, tensor)]))."""
+    return [(file_name, key, (bytes_data, [(item, tensor.detach().clone()) for item, tensor in tensors]))
+            for file_name, key, (bytes_data, tensors) in write_buckets]
 
 
 def _cpu_mesh_from_group(group: Any, device_type: str, *args: Any, **kwargs: Any) -> DeviceMesh:

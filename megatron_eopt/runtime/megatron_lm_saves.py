@@ -9,9 +9,10 @@ where they fail, wait forever or lose the last checkpoint, with any optimizer (d
   tensors), which never asked whether the worker lives: a dead worker's rank says so in one line,
   and each save it did not finish fails on every rank through megatron-core's own
   CheckpointException, before `latest` names it;
-- `checkpointing.cleanup_old_non_persistent_checkpoint`: it kept only the newest `iter_*`, written
-  or not, and so deleted the checkpoint `latest` names while an async save was in flight; now it
-  removes only checkpoints older than that one.
+- `checkpointing.cleanup_old_non_persistent_checkpoint`: it deleted the checkpoint `latest` names
+  while an async save was in flight; now it removes only checkpoints older than that one;
+- `filesystem_async.get_write_results_queue` in a synchronous torch_dist save: an in-process queue,
+  not a spawned multiprocessing Manager server (write_results_queue).
 """
 
 import os
@@ -30,6 +31,8 @@ from megatron_eopt.runtime.cpu_stand_ins import replace_names
 POLL_SECONDS = 0.1  # megatron-core's own polling interval in the same wait
 _undo: list = []  # set once installed (for the process's life)
 _megatron_core_worker_loop: Optional[Callable[..., None]] = None  # what persistent_checkpoint_worker runs
+_megatron_core_results_queue: Optional[Callable[..., Any]] = None  # what write_results_queue calls when asynchronous
+_synchronous_save = threading.local()  # .active: a synchronous torch_dist save runs on this thread
 
 
 def install() -> None:
@@ -39,17 +42,49 @@ def install() -> None:
     import megatron.training.checkpointing as checkpointing
     from megatron.core.dist_checkpointing.strategies import filesystem_async
     from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller as Caller
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy as TorchDist
 
-    global _megatron_core_worker_loop
+    global _megatron_core_worker_loop, _megatron_core_results_queue
     _megatron_core_worker_loop = Caller.async_loop
+    _megatron_core_results_queue = filesystem_async.get_write_results_queue
     replaced = [(Caller, "async_loop", persistent_checkpoint_worker),
                 (Caller, "_get_process", classmethod(_waiting_while_alive(Caller._get_process.__func__))),
                 (Caller, "schedule_async_call", _not_to_a_dead_worker(Caller.schedule_async_call)),
                 (Caller, "is_current_async_call_done", _failing_when_the_worker_died(Caller.is_current_async_call_done)),
-                (checkpointing, "cleanup_old_non_persistent_checkpoint", remove_checkpoints_before_the_latest)]
+                (checkpointing, "cleanup_old_non_persistent_checkpoint", remove_checkpoints_before_the_latest),
+                (filesystem_async, "get_write_results_queue", write_results_queue),
+                (TorchDist, "save", _synchronously(TorchDist.save))]
     if not filesystem_async.HAVE_PSUTIL:
         replaced.append((filesystem_async, "_process_memory", resident_bytes))
     _undo.extend(replace_names(replaced))
+
+
+def uninstall() -> None:
+    """Undo install() (tests; a loop keeps it for the process's life)."""
+    while _undo:
+        _undo.pop()()
+
+
+def write_results_queue(mp_mode: str = "spawn") -> Any:
+    """Where a torch_dist save's writer threads put their results: an in-process queue when the
+    save is synchronous (`TorchDistSaveShardedStrategy.save`: its threads write in this process),
+    else megatron-core's, a Manager's queue shared with the writer process. For a synchronous save
+    megatron-core started that Manager too: a server process with 'spawn', which imports torch and
+    the main script (4-11 CPU seconds, ~0.5 GB), kept for the process's life."""
+    if getattr(_synchronous_save, "active", False):
+        return queue.Queue()
+    return _megatron_core_results_queue(mp_mode)
+
+
+def _synchronously(save: Callable[..., Any]) -> Callable[..., Any]:
+    def synchronous_save(self, *args: Any, **kwargs: Any) -> Any:
+        _synchronous_save.active = True
+        try:
+            return save(self, *args, **kwargs)
+        finally:
+            _synchronous_save.active = False
+
+    return synchronous_save
 
 
 def resident_bytes() -> int:

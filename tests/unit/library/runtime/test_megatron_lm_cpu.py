@@ -129,6 +129,20 @@ def _local_states(optimizer) -> dict:
             for param in optimizer.optimizer.param_groups[0]["params"] if param in optimizer.optimizer.state}
 
 
+def test_a_torch_dist_save_stages_copies_as_on_a_gpu() -> None:
+    """megatron-core's staging of a save's tensors (FileSystemWriterAsync.preload_tensors) copies
+    them while installed: an async writer writes the snapshot, not the tensor the next steps change."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    weight = torch.arange(4.0)
+    with megatron_lm_cpu.installed():
+        [(name, key, (data, [(item, staged)]))] = FileSystemWriterAsync.preload_tensors(
+            [("f.distcp", "key", (["b"], [("item", weight)]))], True)
+    weight.add_(1)  # the next step, in place
+    assert (name, key, data, item) == ("f.distcp", "key", ["b"], "item")
+    assert torch.equal(staged, torch.arange(4.0))
+
+
 def test_fsdp_dtensor_state_has_every_parameter_on_every_rank(run_distributed, tmp_path) -> None:
     """megatron-core's DistributedOptimizer with Megatron-FSDP and torch's Adam: a parameter whose
     shard is empty on a rank had no state there, and the fsdp_dtensor save's per-DTensor
