@@ -29,7 +29,7 @@ from megatron_eopt.runtime import megatron_lm_cpu
 from megatron_eopt.runtime.cpu_stand_ins import replace_names
 
 POLL_SECONDS = 0.1  # megatron-core's own polling interval in the same wait
-_undo: list = []  # set once installed (for the process's life)
+_undo: list = []  # set while installed (a loop keeps it for the process's life; uninstall() empties it)
 _megatron_core_worker_loop: Optional[Callable[..., None]] = None  # what persistent_checkpoint_worker runs
 _megatron_core_results_queue: Optional[Callable[..., Any]] = None  # what write_results_queue calls when asynchronous
 _synchronous_save = threading.local()  # .active: a synchronous torch_dist save runs on this thread

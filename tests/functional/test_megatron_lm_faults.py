@@ -53,8 +53,9 @@ def flags_of(engine: str, optimizer: str) -> list[str]:
 def launch(flags: list[str], directory: pathlib.Path, faults: list[dict] = (), restarts: int = 0,
            timeout: float = 900, load: bool = True, workers: int = 2) -> subprocess.CompletedProcess:
     """torchrun, `workers` workers of Megatron-LM's loop, --save `directory` (and --load it). The output
-    goes to files: a SIGKILLed worker leaves megatron-core's spawned helpers behind (the torch_dist
-    writer's result-queue manager), which would hold a pipe open; they are ended afterwards."""
+    goes to files: a SIGKILLed worker leaves megatron-core's spawned helpers behind (an async torch_dist
+    save's result-queue manager, the persistent checkpoint worker), which would hold a pipe open; they
+    are ended afterwards."""
     command = [TORCHRUN, "--nproc-per-node", str(workers), "--max-restarts", str(restarts), "--master-port", str(free_port()),
                "-m", "tests.functional.megatron_lm_fault_entry", *flags, "--save", str(directory),
                *(["--load", str(directory)] if load else [])]
