@@ -197,7 +197,7 @@ class FP32Optimizer(StepPhases, MegatronOptimizer, SteppableChild):
     def checkpoint_params(self) -> list[ChildParam]:
         """Every parameter this child steps, in its order (parallel to fp32_main_params())."""
         state = self.optimizer.state
-        return [ChildParam(r.fqn, model, main, state.get(main, {}), r.checkpoint_name)
+        return [ChildParam(r.fqn, model, main, state.get(main, {}), r.checkpoint_name, bool(r.stored_name))
                 for r, model, main in zip(self.records, self.model_params, self.main_params)]
 
     def hyperparameter_names(self) -> tuple[str, ...]:
