@@ -256,14 +256,17 @@ def get_megatron_optimizer_for_megatron_lm(
     line = None if args is None else flags_without_effect_line(args, ours)
     if line and is_rank_zero():
         print(f"megatron_eopt: {line}", flush=True)
-    return _optimizers_of_models.remember(model_chunks, get_megatron_optimizer(
+    optimizer = get_megatron_optimizer(
         ours,
         model_chunks,
         config_overrides=config_overrides,
         use_gloo_process_groups=use_gloo_process_groups,
         pg_collection=pg_collection,
         dump_param_to_param_group_map=dump_param_to_param_group_map,
-    ))
+    )
+    if hasattr(optimizer, "state_dict_by_child_name"):  # Megatron-LM's checkpoints hold our layout by name
+        optimizer.state_dict_by_child_name = True
+    return _optimizers_of_models.remember(model_chunks, optimizer)
 
 
 # ---------------------------------------------------------------- validate_args
