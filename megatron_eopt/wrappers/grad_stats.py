@@ -135,8 +135,10 @@ def local_grad_stats(
 
 
 def _norms(grads: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """The fp32 L2 norm of each gradient, on `device`."""
-    return [n.to(device) for n in torch._foreach_norm([g.float() for g in grads], 2.0)] if grads else []
+    """The fp32 L2 norm of each gradient that has elements, on `device` (megatron-core's list has no
+    empty shard of a sharded parameter; an entry 0 would still change how the vector's norm rounds)."""
+    grads = [g.float() for g in grads if g.numel() > 0]
+    return [n.to(device) for n in torch._foreach_norm(grads, 2.0)] if grads else []
 
 
 def reduced_stats(children: Sequence[LocalStats]) -> torch.Tensor:
