@@ -321,6 +321,7 @@ def _validated_for_megatron_eopt(args: argparse.Namespace, defaults: Optional[di
     check_optimizer_args_read(args)
     if getattr(args, "use_precision_aware_optimizer", False):  # without it Megatron-LM's own check says so
         check_cpu_offload_args(args)
+        _check_precision_aware_adam(args)
     validate = validating_qk_clip_as_ours(_original_validate_args or megatron_lm_arguments.validate_args)
     defaults = {} if defaults is None else defaults
     optimizer = getattr(args, "optimizer", "adam")
@@ -339,6 +340,25 @@ def _validated_for_megatron_eopt(args: argparse.Namespace, defaults: Optional[di
     validated.optimizer = optimizer
     validated.use_layer_wise_distributed_optimizer = False
     return validated
+
+
+def _check_precision_aware_adam(args: argparse.Namespace) -> None:
+    """Where megatron-core's DistributedOptimizer steps (`_megatron_core_steps`) the precision-aware
+    optimizer is its own, which needs Transformer Engine's FusedAdam, except with host offload (its
+    HybridDeviceOptimizer). Without it megatron-core's config raises on every rank, after the
+    model is built: refused here, in one line, before any work. Ours does not step in its place:
+    its reduced-precision Adam is not TE's FusedAdam, whose rounding a run here would then differ from."""
+    if not _megatron_core_steps(args) or getattr(args, "optimizer_cpu_offload", False):
+        return
+    try:
+        from transformer_engine.pytorch.optimizers import FusedAdam  # noqa: F401 (megatron-core's import)
+    except ImportError:
+        raise ValueError(
+            "--use-precision-aware-optimizer with --optimizer adam --use-distributed-optimizer is megatron-core's "
+            "precision-aware DistributedOptimizer, which needs Transformer Engine's FusedAdam (not installed): "
+            "install transformer-engine, or add --optimizer-cpu-offload (megatron-core's host optimizer, no "
+            "Transformer Engine needed), or drop --use-distributed-optimizer (megatron_eopt's Adam keeps these "
+            "dtypes), or drop --use-precision-aware-optimizer.") from None
 
 
 def _with_whole_gradients(args: argparse.Namespace) -> argparse.Namespace:
