@@ -13,6 +13,7 @@ import torch
 
 from arguments import add_optimizer_args, optimizer_config_from_args, parse_and_validate, validate_args
 from arguments.optimizer_args import FLAGS, MEGATRON_LM_PARSER_DEFAULTS
+from arguments.validate import check_before_import
 from megatron_eopt.config.choices import plain_value
 from megatron_eopt.config.optimizer_config import OptimizerConfig
 from megatron_eopt.registry import list_optimizers
@@ -184,6 +185,13 @@ def test_fp16_with_emerging_optimizer_names_the_flag(parser) -> None:
     assert "\n" not in str(raised.value)
     assert "fp16=" not in str(raised.value)  # the flag, not the field
     parse(parser, "--optimizer", "adam", "--fp16")  # fine with adam
+    # A trainer's check before the import (the torch-free lists) refuses it in the same words, and dist_muon too.
+    for name in ("muon", "dist_muon"):
+        with pytest.raises(ValueError) as before_import:
+            check_before_import(argparse.Namespace(optimizer=name, fp16=True))
+        assert str(before_import.value) == str(raised.value)
+    check_before_import(argparse.Namespace(optimizer="adam", fp16=True))
+    check_before_import(argparse.Namespace(optimizer=None, fp16=True))  # not given: adam
 
 
 @pytest.mark.parametrize(
