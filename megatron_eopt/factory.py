@@ -8,6 +8,8 @@ over different groups and use different tensor-parallel groups), chained under o
 """
 
 import dataclasses
+import difflib
+import fnmatch
 import logging
 import sys
 import warnings
@@ -106,6 +108,7 @@ def get_megatron_optimizer(
     if fsdp is not None:
         records = fsdp.with_layout_facts(records)
     _warn_if_per_head_finds_no_qkv(config, records)
+    _warn_if_use_muon_globs_match_nothing(routing, records)
     if dump_param_to_param_group_map is not None:
         dump_param_group_map(dump_param_to_param_group_map, param_groups, records)
     if not param_groups:  # no trainable parameter on any rank of the groups (a frozen model or stage)
@@ -212,6 +215,22 @@ def _warn_if_per_head_finds_no_qkv(config: OptimizerConfig, records: list[ParamR
                   f"rank: it splits fused linear_qkv.weights only, and none of the matrices {config.optimizer!r} "
                   f"steps here is one (multi-latent attention's projections are orthogonalized per head and "
                   f"component without it; docs/tp-muon.md).", stacklevel=4)
+
+
+def _warn_if_use_muon_globs_match_nothing(routing: ParamRouting, records: list[ParamRecord]) -> None:
+    """A `muon_include_params` / `muon_exclude_params` glob that no trainable parameter of this rank's
+    chunks matches does nothing here: most often a misspelt name, said once per glob with the closest names."""
+    names = [record.name for record in records]
+    for glob, use_muon in routing.use_muon_names:
+        if not names or any(fnmatch.fnmatchcase(name, glob) for name in names):
+            continue
+        field = "muon_include_params" if use_muon else "muon_exclude_params"
+        close = difflib.get_close_matches(glob, names, n=3, cutoff=0.5)
+        warn_once(f"use_muon glob {field} {glob}", f"OptimizerConfig.{field} glob {glob!r} matches no trainable "
+                  f"parameter on this rank, so it moves nothing {'into' if use_muon else 'out of'} "
+                  f"{routing.optimizer!r}. Globs match the names named_parameters() gives"
+                  f"{' (closest: ' + ', '.join(map(repr, close)) + ')' if close else ''}; with pipeline "
+                  f"parallelism the parameter may be on another stage.", stacklevel=4)
 
 
 def _without_legacy_name(config: OptimizerConfig) -> OptimizerConfig:
