@@ -167,11 +167,17 @@ def check_before_import(args: argparse.Namespace) -> None:
     config/optimizer_names.py lists as emerging (none has loss scaling), in validate_args' words. With
     optimizers from other packages installed, whether one takes fp16 is known after the import."""
     optimizer = (getattr(args, "optimizer", None) or "adam").removeprefix("dist_")  # dist_muon: muon
-    names = optimizer_names()
-    if getattr(args, "fp16", False) and optimizer in EMERGING_OPTIMIZERS and names is not None and set(names) == {
-            *BUILTIN_OPTIMIZERS, *EMERGING_OPTIMIZERS}:  # else a package's optimizer may take fp16: the registry says
+    if getattr(args, "fp16", False) and _listed_as_emerging(optimizer):
         raise ValueError(unsupported_line("--fp16", optimizer, FP16_NEEDS_LOSS_SCALING, BUILTIN_OPTIMIZERS))
     check_cpu_offload_args(args)  # in validate_args' order
+
+
+def _listed_as_emerging(optimizer: str) -> bool:
+    """Whether the torch-free lists name `optimizer` an emerging one, when they name every installed
+    optimizer (no other package registers one, which might take fp16: then the registry says)."""
+    names = optimizer_names()
+    return names is not None and set(names) == {*BUILTIN_OPTIMIZERS, *EMERGING_OPTIMIZERS} and (
+        optimizer in EMERGING_OPTIMIZERS)
 
 
 def check_cpu_offload_args(args: argparse.Namespace) -> None:
