@@ -1254,13 +1254,13 @@ def _all_asleep_but_me(names: Iterable[str] | None = None) -> bool:
     return all(state == "S" for name, state in _thread_states() if wanted is None or name in wanted)
 
 
-def _wait_for(event: Callable[[], bool], at_most: float = _EVENT_WAIT_S) -> bool:
-    """Poll `event` until it holds (True) or `at_most` seconds passed (False: it did not come)."""
+def _wait_for(event: Callable[[], bool], poll: float, at_most: float = _EVENT_WAIT_S) -> bool:
+    """Ask `event` every `poll` seconds until it holds (True) or `at_most` seconds passed (False: it did not come)."""
     deadline = time.monotonic() + at_most
     while not event():
         if time.monotonic() >= deadline:
             return False
-        time.sleep(0.005)
+        time.sleep(poll)
     return True
 
 
@@ -1282,7 +1282,7 @@ def _fresh_worker_threads() -> Counter[str]:
     # A thread that has not run yet still bears the process's name (gloo's name themselves as they start):
     # once every other such thread sleeps, each has started. (Past the bound, _extra_threads still counts a
     # late rename as no new thread.)
-    _wait_for(lambda: _all_asleep_but_me([_MAIN_THREAD_NAME]))
+    _wait_for(lambda: _all_asleep_but_me([_MAIN_THREAD_NAME]), poll=0.01)
     return _thread_census()
 
 
@@ -1311,7 +1311,7 @@ def _threads_leaked(baseline: Counter[str], grace_s: float = _LEAK_WAIT_S) -> di
     # group's do (then still `grace_s`); a leaked thread is still there after that.
     waited_from = time.monotonic()
     _wait_for(lambda: not _extra_threads(baseline) or (
-        time.monotonic() - waited_from >= grace_s and _all_asleep_but_me(_extra_threads(baseline))))
+        time.monotonic() - waited_from >= grace_s and _all_asleep_but_me(_extra_threads(baseline))), poll=0.01)
     extra = _extra_threads(baseline)
     if not extra:
         return None
@@ -1408,7 +1408,7 @@ def _wait_for_os_threads_to_exit(native_ids) -> None:
     """join() returns before the OS thread has quite exited; the leak census must not see it. Waits until
     each is gone (a joined thread always goes; the bound only ends a wait on a broken worker)."""
     for native_id in native_ids:
-        _wait_for(lambda: not os.path.exists(f"/proc/self/task/{native_id}"))
+        _wait_for(lambda: not os.path.exists(f"/proc/self/task/{native_id}"), poll=0.001)
 
 
 def _shutdown_torch_distributed() -> None:
