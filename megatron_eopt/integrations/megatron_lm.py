@@ -45,6 +45,7 @@ from megatron_eopt.integrations.megatron_lm_swiglu import splitting_every_state
 from megatron_eopt.registry import list_optimizers, lookup_optimizer
 from megatron_eopt.runtime.rank_exit import is_rank_zero
 from megatron_eopt.runtime.cpu_stand_ins import replace_names
+from megatron_eopt.runtime.help_text import escape_stray_percent_signs
 from megatron_eopt.runtime.torchrun_store import restart_store
 
 # Our flags that Megatron-LM's parser must not get, and why.
@@ -74,7 +75,8 @@ def add_megatron_eopt_args(parser: argparse.ArgumentParser) -> argparse.Argument
     """`extra_args_provider` for Megatron-LM's `parse_args`/`pretrain`: our choices and flags.
 
     Megatron-LM's existing actions are extended in place (their option strings, dests and
-    other defaults stay as they are); flags it lacks are added with dest == config field.
+    other defaults stay as they are); flags it lacks are added with dest == config field. A
+    help string of Megatron-LM's that argparse cannot print gets its stray `%` doubled.
     """
     actions = parser._option_string_actions  # argparse has no public lookup by option string
     _extend_choices(actions["--optimizer"], list_optimizers())
@@ -96,6 +98,7 @@ def add_megatron_eopt_args(parser: argparse.ArgumentParser) -> argparse.Argument
     for action in parser._actions:
         if type(action) is argparse._StoreAction and (action.dest in fields or action.dest in NEWTON_SCHULZ_FIELDS):
             action.__class__ = StoreAndRecord  # a store action that also records its dest
+    escape_stray_percent_signs(parser)  # Megatron-LM 0.19.2's own help has one: --help failed (runtime/help_text.py)
     return parser
 
 

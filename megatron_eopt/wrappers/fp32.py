@@ -51,7 +51,7 @@ from megatron_eopt.megatron_core_formats.dist_checkpointing import (
     expand_v1_sharded_state_dict,
     unpack_core_state_dict,
 )
-from megatron_eopt.wrappers.host_offload import HostCopies, tensors_in
+from megatron_eopt.offload.offload_to_cpu import HostCopies, tensors_in
 from megatron_eopt.offload.host_resident import HostResidentState, offloaded_indices
 from megatron_eopt.wrappers.qk_clip import QKClip
 from megatron_eopt.wrappers.state_precision import StatePrecision
@@ -315,7 +315,7 @@ class FP32Optimizer(StepPhases, MegatronOptimizer, SteppableChild):
         self.grad_norms_by_group = {}
         return take_step([self], self.config, self.grad_norms_by_group)
 
-    # megatron-core's RL helpers (wrappers/host_offload.py).
+    # megatron-core's RL helpers (offload/offload_to_cpu.py).
     def offload_to_cpu(self) -> None:
         """This optimizer's state and the main weights it owns to the host; the model's weights stay."""
         self._host_copies.offload(self._owned_tensors(), keep=tensors_in(self.model_params))

@@ -148,7 +148,8 @@ SCHEDULE_SAVED = ["--optimizer", "adam", "--train-iters", "4", "--lr-decay-iters
 OTHER_OPTIMIZERS = ["--muon-momentum", "0.8", "--soap-shampoo-beta", "0.9"]
 QK_CLIP_ON = ["--qk-clip", "--qk-clip-threshold", "100", "--log-max-attention-logit"]
 SCHEDULE_REFUSED = (["--optimizer", "adam"] + OTHER_OPTIMIZERS + QK_CLIP_ON,
-                    "the checkpoint's lr schedule has total number of iterations 32, this command line gives 48")
+                    "the checkpoint's lr schedule has total number of iterations 32 samples (4 iterations x "
+                    "--global-batch-size 8), this command line gives 48 samples (6 iterations x --global-batch-size 8)")
 
 
 def test_refusals_are_one_line_on_rank_zero_and_status_2_on_every_rank(run_distributed, tmp_path) -> None:
