@@ -217,7 +217,7 @@ class ChainedOptimizer(StepPhases, MegatronOptimizer, torch.optim.Optimizer):
             child.reload_model_params(state_dict)
 
     def offload_to_cpu(self) -> None:
-        """megatron-core's: every child's state and owned main weights to the host (wrappers/host_offload.py)."""
+        """megatron-core's: every child's state and owned main weights to the host (offload/offload_to_cpu.py)."""
         for child in self.chained_optimizers:
             if hasattr(child, "offload_to_cpu"):  # a chained torch optimizer has none
                 child.offload_to_cpu()
