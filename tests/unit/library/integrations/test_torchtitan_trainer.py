@@ -142,3 +142,43 @@ def test_torchtitans_checkpointer_resumes_bitwise(runs) -> None:
             for key, value in saved.items():
                 same = torch.equal(value, continued[key]) if isinstance(value, torch.Tensor) else value == continued[key]
                 assert same, (rank, label, key)
+
+
+# In one process, no Trainer: what torchtitan's Trainer does with the config's build.
+
+
+def test_the_config_builds_torchtitans_container_around_ours() -> None:
+    from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
+
+    from megatron_eopt import OptimizerConfig, get_megatron_optimizer
+    from megatron_eopt.integrations.torchtitan import MegatronOptimizers
+    from tests import routing_models
+
+    config = OptimizerConfig(optimizer="muon", lr=LR, clip_grad=0.0, muon_fp32_matmul_prec="highest")
+    model = routing_models.torchtitan_llama3()
+    optimizers = MegatronOptimizers.Config(optimizer_config=config).build(model_parts=[model])
+    assert isinstance(optimizers, OptimizersContainer) and len(optimizers) == 1
+    ours = optimizers.optimizers[0]
+    assert type(ours) is type(get_megatron_optimizer(config, [routing_models.torchtitan_llama3()]))
+    schedulers = LRSchedulersContainer.Config(warmup_steps=WARMUP).build(optimizers=optimizers, training_steps=STEPS)
+    container_hook_calls = []  # torchtitan's MoE load balancing hooks the container's step
+    optimizers.register_step_pre_hook(lambda *args: container_hook_calls.append(args))
+    routing_models.synthetic_gradients(model, seed=1)
+    optimizers.step()
+    schedulers.step()
+    assert len(container_hook_calls) == 1
+    assert [g["lr"] for g in ours.param_groups] == pytest.approx([LR * linear_warmup_then_decay(1)] * len(ours.param_groups))
+    assert optimizers.state_dict().keys() == ours.state_dict().keys()  # what torchtitan's checkpointer saves
+
+
+@pytest.mark.parametrize("fields, named", [({}, "optimizer_config="), ({"param_groups": ["x"]}, "param_groups"),
+                                           ({"implementation": "foreach"}, "implementation")])
+def test_the_config_refuses_what_it_would_not_read(fields: dict, named: str) -> None:
+    from megatron_eopt import OptimizerConfig
+    from megatron_eopt.integrations.torchtitan import MegatronOptimizers
+    from tests import routing_models
+
+    if fields:
+        fields = {"optimizer_config": OptimizerConfig(optimizer="muon"), **fields}
+    with pytest.raises(ValueError, match=named):
+        MegatronOptimizers.Config(**fields).build(model_parts=[routing_models.torchtitan_llama3()])
