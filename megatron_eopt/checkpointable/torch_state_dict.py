@@ -1,140 +1,164 @@
-"""Each child of a chain as torch's state-dict helpers read a torch optimizer.
+"""A chain's state dict in torch's optimizer layout, keyed by the model's parameters.
 
-`torch.distributed.checkpoint.state_dict`'s helpers (`get_/set_optimizer_state_dict`,
-`get_/set_state_dict`; AReaL, torchtitan, flattened or nested) and torchtitan 0.3's own flat ones
-take a torch optimizer or an iterable of them, and read `param_groups` (parameters named by
-identity through `model.named_parameters()`, or by `param_names`), `state` keyed by them,
-`state_dict()` / `load_state_dict()` in torch's format. Our children's inner optimizers step
-other tensors than the model's parameters (FSDP2 shard aliases, fp32 copies of 16-bit ones), which
-the helpers cannot name (`KeyError: 0`). So a chain iterates over one `TorchOptimizerView` per
-child (`ChainedOptimizer.__iter__`): the model's parameters, each one's state as the child's
-`state_dict()` holds it (DTensors under FSDP2; a 16-bit parameter's fp32 main copy as the state
-`fp32_param`) and the inner optimizer's hyperparameters. A load goes through the child's own
-checked `load_state_dict`, and refuses missing state rather than restarting it from zero.
+`ChainedOptimizer.state_dict()` is what torch's optimizers write: `{"state": {position: {name: value}},
+"param_groups": [{every group value, "params": [positions], "param_names": [fqns]}]}`, positions counting
+the model's parameters in `param_groups` order, so `torch.save` takes it and torch's DCP helpers
+(`get_/set_optimizer_state_dict`; AReaL, torchtitan) name its entries as for torch's optimizers.
+Values are as the child's `state_dict()` holds them: DTensors under FSDP2 and Megatron-FSDP (DCP
+reshards them), plain tensors otherwise; a 16-bit parameter's fp32 main copy is the state
+`fp32_param`, an fp16 run's loss scaler the top-level `grad_scaler`. Empty param groups (a
+layer-wise rank's unowned ones) are left out: torch's helpers name a group by its parameters.
+A load matches parameters by name within each group, goes through each child's checked
+`load_state_dict`, and refuses state the live optimizer keeps but the dict lacks.
 """
 
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from megatron_eopt.checkpointable.child import CheckpointableChild, ChildParam
-from megatron_eopt.runtime.process_groups import group_size
 
 # A 16-bit parameter's fp32 main copy, as one more state of it (megatron-core's name for the copy).
 MAIN_PARAM = "fp32_param"
+GRAD_SCALER = "grad_scaler"
+OPTIMIZER_CLASS = "optimizer_class"  # the inner torch optimizer's class, in each saved group
 Group = tuple[dict, list[ChildParam]]  # a live param group and its parameters as checkpoints see them
 
 
 class TorchOptimizerView:
-    """One child (FP32Optimizer or a subclass) as torch's state-dict helpers read a torch optimizer.
-
-    Its `param_groups` are copies (the helpers set lr to 0 around the step that makes lazy state,
-    which must not reach the live groups) of the child's non-empty groups: torch's helpers match
-    a loaded group to a live one by its parameters' names, which an empty group has none of.
-    """
+    """One child (FP32Optimizer or a subclass) in torch's optimizer layout (module docstring)."""
 
     def __init__(self, child: CheckpointableChild) -> None:
-        if group_size(getattr(child, "tp_group", None)) > 1:
-            raise ValueError(
-                f"optimizer {child.name!r} steps tensor-parallel shards, which torch's state-dict helpers would "
-                f"save under the names every TP rank shares; use megatron_eopt.checkpointing.save_checkpoint "
-                f"(or, without TP, get_optimizer_state_dict).")
-        self._child = child
+        self.child = child
 
     @property
-    def param_groups(self) -> list[dict]:
-        return [{**_hyperparameters(self._child, group), "params": [p.model for p in members],
-                 "param_names": [p.fqn for p in members]} for group, members in _groups(self._child)]
+    def groups(self) -> list[Group]:
+        """The child's non-empty param groups with their parameters."""
+        return _groups(self.child)
 
-    @property
-    def state(self) -> dict:
-        """{model parameter: {state name: this rank's value}}, made first where torch's optimizers make
-        it at their first step (the helpers would otherwise step to make it)."""
-        self._child.init_state()
-        flat = self._child.local_state_dict()
-        entries = {p.model: _entries(flat, p, p.fqn) for _, members in _groups(self._child) for p in members}
-        return {param: values for param, values in entries.items() if values}
-
-    def state_dict(self) -> dict:
-        """torch's format: state by position in `param_groups`, each value as the child's
-        `state_dict()` holds it (DTensors under FSDP2; a collective over the parameters' mesh)."""
-        flat = self._child.state_dict()
-        if flat.get("grad_scaler"):
-            raise ValueError(
-                f"optimizer {self._child.name!r} keeps fp16 loss-scaler state, which torch's optimizer format has "
-                f"no place for; save it with optimizer.state_dict() or megatron_eopt.checkpointing.save_checkpoint.")
-        state, groups, index = {}, [], 0
-        for group, members in _groups(self._child):
+    def state_dict(self, first: int = 0, is_loading: bool = False) -> dict:
+        """torch's layout with positions from `first` on; each value as the child's `state_dict()`
+        holds it (DTensors under FSDP2: a collective over the parameters' mesh)."""
+        flat = self.child.state_dict(is_loading=is_loading)
+        state, groups, index = {}, [], first
+        for group, members in self.groups:
             for position, param in enumerate(members, start=index):
                 entries = _entries(flat, param, _flat_name(param))
                 if entries:
                     state[position] = entries
-            ids = list(range(index, index + len(members)))
+            kept = {key: value for key, value in group.items() if key != "params"}  # as torch's optimizers save
+            groups.append({**kept, "params": list(range(index, index + len(members))),
+                           "param_names": [p.fqn for p in members], OPTIMIZER_CLASS: self.child.inner_class_name()})
             index += len(members)
-            groups.append({**_hyperparameters(self._child, group), "params": ids,
-                           "param_names": [p.fqn for p in members]})
         return {"state": state, "param_groups": groups}
 
-    def load_state_dict(self, state_dict: Mapping) -> None:
-        """torch's format, its groups in `param_groups`' order and each group's parameters in theirs
-        (keyed by position or by name, as torch's helpers hand it over): the hyperparameters
-        and every state this optimizer keeps, checked (ValueError) before anything changes."""
-        live = _groups(self._child)
-        saved_groups = _checked_groups(self._child, live, state_dict)
-        state, mains = {}, {}
+    def flat_state_dict(self, state: Mapping, saved_groups: list[Mapping]) -> dict:
+        """The child's own layout for its `load_state_dict`, from `saved_groups` (this child's, in
+        `groups` order) with their parameters' state in `state`, keyed by position or by name:
+        the hyperparameters and every state this optimizer keeps, checked (ValueError) first."""
+        live = self.groups
+        _check_names(self.child, live, saved_groups)
+        loaded, mains = {}, {}
         for (_, members), saved in zip(live, saved_groups):
             for param, key in zip(members, saved["params"]):
-                entries = dict(state_dict["state"].get(key, {}))
+                entries = dict(state.get(key, {}))
                 if MAIN_PARAM in entries:
                     mains[param.stored_name] = entries.pop(MAIN_PARAM)
-                state[param.stored_name] = entries
-        self._check_complete(state, mains)
+                loaded[param.stored_name] = entries
         hyperparameters = {group["group_key"]: saved for (group, _), saved in zip(live, saved_groups)}
-        self._child.load_state_dict(self._flat(hyperparameters, state, mains))
-
-    def step(self, closure: Optional[Callable[[], float]] = None) -> None:
-        """What torch's helpers call, with zero gradients and lr 0, to make the state torch's
-        optimizers make at their first step: that state is made here and nothing is updated. Train
-        with the chain's `step()`, which clips and checks all children together."""
-        if closure is not None:
-            raise TypeError("TorchOptimizerView.step() takes no closure: it only makes the optimizer's state.")
-        self._child.init_state()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self._child.zero_grad(set_to_none)
+        saved_classes = {group.get(OPTIMIZER_CLASS) for group in saved_groups} - {None}
+        flat = self._flat(hyperparameters, loaded, mains, min(saved_classes, default=self.child.inner_class_name()))
+        self.child.check_state_dict(flat)  # the optimizer class, the groups and the shapes
+        self._check_complete(loaded, mains)
+        return flat
 
     def _check_complete(self, state: dict[str, dict], mains: dict[str, Any]) -> None:
         """Every state the live optimizer keeps is loaded, as a tensor or number: torch's helpers
         fill what the checkpoint lacks with nothing ({} in the flattened layout), and an optimizer
         loaded so would restart from zero without a word."""
-        live = self.state
-        for _, members in _groups(self._child):
+        self.child.init_state()
+        live = self.child.local_state_dict()
+        for _, members in self.groups:
             for param in members:
-                expected = set(live.get(param.model, {}))
+                expected = set(_entries(live, param, param.fqn))
                 loaded = {name for name, value in state[param.stored_name].items() if _is_value(value)}
                 if param.stored_name in mains and _is_value(mains[param.stored_name]):
                     loaded.add(MAIN_PARAM)
                 missing = sorted(expected - loaded)
                 if missing:
                     raise ValueError(
-                        f"optimizer {self._child.name!r}: the state dict restores no {missing} for parameter "
+                        f"optimizer {self.child.name!r}: the state dict restores no {missing} for parameter "
                         f"{param.fqn!r} (it holds {sorted(loaded)}); loading it would restart that state from zero. "
-                        f"Load a checkpoint saved from this model and optimizer (get_optimizer_state_dict), or load "
-                        f"the model only.")
+                        f"Load a state dict saved from this model and optimizer, or load the model only.")
 
-    def _flat(self, hyperparameters: dict[str, Mapping], state: dict, mains: dict) -> dict:
+    def _flat(self, hyperparameters: dict[str, Mapping], state: dict, mains: dict, optimizer_class: str) -> dict:
         """The child's own state-dict layout (wrappers/flat_state.py), keyed by stored name: empty
         groups keep their live hyperparameters."""
-        names = {id(p.main): p.stored_name for p in self._child.checkpoint_params()}
+        names = {id(p.main): p.stored_name for p in self.child.checkpoint_params()}
         groups = {}
-        for group in self._child.param_groups:
+        for group in self.child.param_groups:
             saved = hyperparameters.get(group["group_key"], group)
-            groups[group["group_key"]] = {**_hyperparameters(self._child, saved),
+            groups[group["group_key"]] = {**_hyperparameters(self.child, saved),
                                           "params": [names[id(main)] for main in group["params"]]}
-        flat = {"optimizer_class": self._child.inner_class_name(), "param_groups": groups, "state": state,
+        flat = {OPTIMIZER_CLASS: optimizer_class, "param_groups": groups, "state": state,
                 "grad_scaler": None}
         return {**flat, "main_params": mains} if mains else flat
+
+
+def chain_state_dict(children: list[CheckpointableChild], is_loading: bool = False) -> dict:
+    """The children's state in torch's layout, positions counted over all of them in chain order."""
+    state, groups = {}, []
+    for child in children:
+        part = TorchOptimizerView(child).state_dict(first=sum(len(g["params"]) for g in groups), is_loading=is_loading)
+        state.update(part["state"])
+        groups += part["param_groups"]
+    result = {"state": state, "param_groups": groups}
+    scalers = _scalers(children)
+    if scalers:
+        result[GRAD_SCALER] = scalers[0].state_dict()
+    return result
+
+
+def is_torch_layout(state_dict: Any) -> bool:
+    """Whether `state_dict` is `chain_state_dict`'s, as saved or as torch's and torchtitan's helpers hand it
+    over (its groups' parameters named, or our `group_key` kept); megatron-core's FP32Optimizer writes
+    torch's layout too, with neither."""
+    if not (isinstance(state_dict, Mapping) and isinstance(state_dict.get("state"), Mapping)
+            and isinstance(state_dict.get("param_groups"), list)):
+        return False
+    return all("param_names" in group or "group_key" in group or all(isinstance(key, str) for key in group["params"])
+               for group in state_dict["param_groups"] if group.get("params"))
+
+
+def load_chain_state_dict(children: list[CheckpointableChild], state_dict: Mapping,
+                          check_then_load: Callable[[list[tuple[Any, Any]]], None]) -> None:
+    """torch's layout back into the children: its non-empty groups in chain order (torch's helpers
+    hand every group over, empty ones included), each child's checked before any child loads."""
+    saved = [group for group in state_dict["param_groups"] if group["params"]]
+    views = [TorchOptimizerView(child) for child in children]
+    sizes = [len(view.groups) for view in views]
+    if len(saved) != sum(sizes):
+        raise ValueError(
+            f"the state dict has {len(saved)} non-empty param groups, this optimizer {sum(sizes)} "
+            f"({dict(zip([child.name for child in children], sizes))}); it was saved from another model, "
+            f"optimizer or parameter routing.")
+    scalers = _scalers(children)
+    if scalers and state_dict.get(GRAD_SCALER) is None:
+        raise ValueError("the state dict restores no fp16 loss-scaler state ('grad_scaler'), which this optimizer "
+                         "keeps; load a state dict saved by optimizer.state_dict() of an fp16 run.")
+    loads, start = [], 0
+    for view, size in zip(views, sizes):
+        loads.append((view.child, view.flat_state_dict(state_dict["state"], saved[start:start + size])))
+        start += size
+    check_then_load(loads)
+    for scaler in scalers:
+        scaler.load_state_dict(state_dict[GRAD_SCALER])
+
+
+def _scalers(children: list[CheckpointableChild]) -> list[Any]:
+    found = {id(c.grad_scaler): c.grad_scaler for c in children if getattr(c, "grad_scaler", None) is not None}
+    return list(found.values())
 
 
 def _groups(child: CheckpointableChild) -> list[Group]:
@@ -160,36 +184,23 @@ def _entries(flat: Mapping, param: ChildParam, name: str) -> dict:
     return {**entries, MAIN_PARAM: main} if main is not None else entries
 
 
-def _checked_groups(child: CheckpointableChild, live: list[Group], state_dict: Any) -> list[Mapping]:
-    if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
-        raise TypeError(
-            f"optimizer {child.name!r} loads torch's optimizer format ('state' and 'param_groups', as "
-            f"get_optimizer_state_dict/set_optimizer_state_dict hand it over); got "
-            f"{sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__}.")
-    saved = list(state_dict["param_groups"])
-    sizes = [len(members) for _, members in live]
-    if [len(group["params"]) for group in saved] != sizes:
-        raise ValueError(
-            f"optimizer {child.name!r} has {len(live)} param groups of {sizes} parameters, the state dict "
-            f"{[len(group['params']) for group in saved]}; it was saved from another model or optimizer.")
-    return saved
+def _check_names(child: CheckpointableChild, live: list[Group], saved: list[Mapping]) -> None:
+    """The saved groups hold this child's parameters, group by group (by name where the dict names
+    them: torch's `param_names`, or the names torch's helpers put under `params`)."""
+    for (_, members), group in zip(live, saved):
+        names = group.get("param_names")
+        if names is None and all(isinstance(key, str) for key in group["params"]):
+            names = group["params"]
+        expected = [p.fqn for p in members]
+        if len(group["params"]) != len(members) or (names is not None and list(names) != expected):
+            raise ValueError(
+                f"optimizer {child.name!r}: a saved param group holds {list(names or group['params'])[:4]}... "
+                f"({len(group['params'])} parameters) where this optimizer's holds {expected[:4]}... ({len(members)}); "
+                f"it was saved from another model, optimizer or parameter routing.")
 
 
 def _is_value(value: Any) -> bool:
+    """A state value: a tensor, a number, or a list of them (PSGD-Pro's Kronecker factors)."""
+    if isinstance(value, (list, tuple)):
+        return all(_is_value(item) for item in value)
     return torch.is_tensor(value) or isinstance(value, (bool, int, float))
-
-
-def torch_optimizer_views(children: list[Any], state_on_owners_only: bool,
-                          others: list[str]) -> list[TorchOptimizerView]:
-    """A chain's children as torch's state-dict helpers read torch optimizers (ChainedOptimizer.__iter__);
-    `others` names the children that are not megatron_eopt's (the chain knows its classes)."""
-    if state_on_owners_only:
-        raise ValueError(
-            "the layer-wise distributed optimizer keeps each parameter's state on its owner rank only, which "
-            "torch's state-dict helpers cannot save; use optimizer.state_dict() or "
-            "megatron_eopt.checkpointing.save_checkpoint.")
-    if others:
-        raise TypeError(
-            f"torch's state-dict helpers take the children of a megatron_eopt chain (FP32Optimizer and its "
-            f"subclasses); this chain holds {others}: hand their torch optimizers to the helpers directly.")
-    return [TorchOptimizerView(child) for child in children]

@@ -293,8 +293,7 @@ def row_sharded(local: torch.Tensor, param: DTensor, row_offset: int) -> DTensor
     """`local` (this rank's rows of a tensor with `param`'s rows) as a DTensor laid out like `param`,
     with its chunk for DCP: DCP's own offsets assume torch.chunk's split, Megatron-FSDP's is not.
     `row_offset`: its first row among its data-parallel ranks' rows."""
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
     dim = sharded_dim(param)  # 0, or 1 for experts placed Shard(1): rows of every expert
     shape = list(local.shape)
@@ -307,17 +306,40 @@ def row_sharded(local: torch.Tensor, param: DTensor, row_offset: int) -> DTensor
     tensor = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=shape,
                                 stride=stride)
     chunk = ChunkStorageMetadata(offsets=torch.Size(_chunk_offsets(local, param, row_offset)), sizes=local.shape)
-
-    def write_items(fqn: str, _: Any) -> list:
-        if local.numel() == 0:  # an empty shard writes nothing
-            return []
-        data = TensorWriteData(chunk=chunk, properties=TensorProperties.create_from_tensor(local), size=shape)
-        return [WriteItem(type=WriteItemType.SHARD, index=MetadataIndex(fqn, chunk.offsets), tensor_data=data)]
-
-    # torch's DTensor hands DCP's planners these hooks of its local tensor when it has them.
-    tensor._local_tensor.__create_chunk_list__ = lambda: [chunk]
-    tensor._local_tensor.__create_write_items__ = write_items
+    # torch's DTensor hands DCP's planners these hooks of its local tensor when it has them. They are
+    # objects of this module, not closures, so that torch.save pickles the state dict.
+    tensor._local_tensor.__create_chunk_list__ = _ChunkList(chunk)
+    tensor._local_tensor.__create_write_items__ = _WriteItems(chunk, local, shape)
     return tensor
+
+
+class _ChunkList:
+    """A row shard's chunk for DCP's load planner."""
+
+    def __init__(self, chunk: Any) -> None:
+        self.chunk = chunk
+
+    def __call__(self) -> list:
+        return [self.chunk]
+
+
+class _WriteItems:
+    """A row shard's write item for DCP's save planner; an empty shard writes nothing."""
+
+    def __init__(self, chunk: Any, local: torch.Tensor, shape: torch.Size) -> None:
+        from torch.distributed.checkpoint.metadata import TensorProperties
+
+        self.chunk, self.shape, self.empty = chunk, shape, local.numel() == 0
+        self.properties = TensorProperties.create_from_tensor(local)
+
+    def __call__(self, fqn: str, _: Any) -> list:
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        if self.empty:
+            return []
+        data = TensorWriteData(chunk=self.chunk, properties=self.properties, size=self.shape)
+        return [WriteItem(type=WriteItemType.SHARD, index=MetadataIndex(fqn, self.chunk.offsets), tensor_data=data)]
 
 
 def _check_shaped_like_shard(local: torch.Tensor, param: DTensor) -> None:

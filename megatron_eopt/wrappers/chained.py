@@ -1,12 +1,16 @@
 """ChainedOptimizer: several optimizers that step together under one gradient norm.
 
 The chain clips every child by the norm over all children's gradients and skips all of them
-when any gradient is inf/NaN. Its `param_groups` is the concatenation of the children's, in
-order, and may be replaced as a whole (the lr scheduler only mutates groups in place).
+when any gradient is inf/NaN. It is a `torch.optim.Optimizer` too, for the engines that hold
+one (the Hugging Face Trainer, verl, AReaL, torchtitan; docs/engines.md): its `param_groups` are
+the children's, in order, holding the model's parameters (checkpointable/torch_views.py), and may be
+replaced as a whole; `state` is the children's live state by model parameter; `state_dict()` is
+torch's layout (checkpointable/torch_state_dict.py). `step()` returns megatron-core's
+`(update_successful, grad_norm, num_zeros_in_grad)`, not a closure's loss.
 """
 
-from collections.abc import Iterator, Mapping
-from typing import Any, Optional
+from collections import OrderedDict
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -17,10 +21,11 @@ from megatron_eopt.wrappers.base import MegatronOptimizer, SteppableChild, StepR
 from megatron_eopt.wrappers.megatron_core_chain import MegatronCoreChildren, step_megatron_core_children
 from megatron_eopt.wrappers.step_phases import StepPhases
 from megatron_eopt.wrappers.qk_clip import QKClip, qk_clip_step
-from megatron_eopt.checkpointable.torch_state_dict import TorchOptimizerView, torch_optimizer_views
+from megatron_eopt.checkpointable.torch_views import ModelParamState, inner_groups, param_group_views
+from megatron_eopt.checkpointable.torch_state_dict import chain_state_dict, is_torch_layout, load_chain_state_dict
 
 
-class ChainedOptimizer(StepPhases, MegatronOptimizer):
+class ChainedOptimizer(StepPhases, MegatronOptimizer, torch.optim.Optimizer):
     """Steps `chained_optimizers` as one.
 
     Children are ours (FP32Optimizer, MixedPrecisionOptimizer: one gradient norm over all of
@@ -69,8 +74,31 @@ class ChainedOptimizer(StepPhases, MegatronOptimizer):
         # The MegatronFSDP modules whose shards the children step, set by get_megatron_optimizer: a
         # successful step copies the shards into their compute weights, as megatron-core's does.
         self.megatron_fsdp_wrappers = []
+        self._init_torch_optimizer()
 
-    def step(self) -> StepResult:
+    def _init_torch_optimizer(self) -> None:
+        """What torch.optim.Optimizer.__init__ sets up, but the groups and state, which the children hold:
+        the hook registries and the step wrapper that runs the step hooks; `defaults` are the
+        children's inner optimizers' (the first child's value where two differ)."""
+        self.defaults = {}
+        for child in reversed(self.chained_optimizers):
+            self.defaults.update(getattr(getattr(child, "optimizer", child), "defaults", None) or {})
+        for hooks in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+                      "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+                      "_optimizer_load_state_dict_post_hooks"):
+            setattr(self, hooks, OrderedDict())
+        self._patch_step_function()
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise TypeError("add_param_group is not supported: get_megatron_optimizer routes every parameter of "
+                        "model_chunks to its optimizer and group; build a new optimizer over the model instead.")
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> StepResult:
+        """One step of every child. `closure` (torch's) recomputes the loss and gradients first; the
+        result is megatron-core's tuple either way."""
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
         self.grad_norms_by_group = {}
         if self.is_stub_optimizer:
             log_zeros = self.config is not None and self.config.log_num_zeros_in_grad
@@ -145,7 +173,9 @@ class ChainedOptimizer(StepPhases, MegatronOptimizer):
 
     @property
     def param_groups(self) -> list[dict]:
-        return [group for child in self.chained_optimizers for group in child.param_groups]
+        """The children's groups, in order, each with the model's parameters and the inner group's
+        live values (checkpointable/torch_views.py)."""
+        return param_group_views(self.chained_optimizers)
 
     @param_groups.setter
     def param_groups(self, value: list[dict]) -> None:
@@ -155,22 +185,19 @@ class ChainedOptimizer(StepPhases, MegatronOptimizer):
                 f"ChainedOptimizer.param_groups must keep its {sum(sizes)} groups (children hold "
                 f"{sizes}); got {len(value)}."
             )
-        start = 0
+        start, value = 0, inner_groups(self.chained_optimizers, list(value))
         for child, size in zip(self.chained_optimizers, sizes):
             child.param_groups = list(value[start : start + size])
             start += size
 
-    def __iter__(self) -> Iterator[TorchOptimizerView]:
-        """One view per child, as torch's state-dict helpers read torch optimizers
-        (checkpointable/torch_state_dict.py): they take an iterable of optimizers, as torchtitan's container
-        of optimizers is one, so `get_optimizer_state_dict(model, optimizer)` and
-        `set_optimizer_state_dict(model, optimizer, state)` take the chain as it is."""
-        others = [type(child).__name__ for child in self.chained_optimizers if not isinstance(child, SteppableChild)]
-        return iter(torch_optimizer_views(self.chained_optimizers, self.owner_is_main_replica, others))
-
     @property
-    def state(self) -> "ChainedState":
-        return ChainedState([child.state for child in self.chained_optimizers])
+    def state(self) -> ModelParamState:
+        """The children's live state by model parameter; the state torch's Adam and SGD make at their
+        first step is made first, as torch's DCP helpers and the engines' offload walks expect it."""
+        if self._ours:
+            for child in self.chained_optimizers:
+                child.init_state()
+        return ModelParamState(self.chained_optimizers)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for child in self.chained_optimizers:
@@ -204,11 +231,20 @@ class ChainedOptimizer(StepPhases, MegatronOptimizer):
         the layer-wise optimizer broadcasts from the owners)."""
 
     def state_dict(self, is_loading: bool = False) -> dict:
-        """Each child's state by name. `is_loading`: Megatron-LM's torch_dcp load asks for a dict to
-        load into; a DTensor-sharded model's children give new DTensors then (distributed/fsdp2.py)."""
-        loading = is_loading and self._ours  # megatron-core's children take no flag
-        return {"optimizers": {name: child.state_dict(is_loading=True) if loading else child.state_dict()
-                               for name, child in zip(self._names, self.chained_optimizers)}}
+        """torch's layout (checkpointable/torch_state_dict.py), running torch's state-dict hooks.
+        `is_loading`: Megatron-LM's torch_dcp load asks for a dict to load into; a DTensor-sharded
+        model's children give new DTensors then (distributed/fsdp2.py). A chain of megatron-core's
+        kind of children gives each child's state by name."""
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        if self._ours:
+            state_dict = chain_state_dict(self.chained_optimizers, is_loading)
+        else:
+            state_dict = {"optimizers": {name: child.state_dict() for name, child in zip(self._names,
+                                                                                       self.chained_optimizers)}}
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            state_dict = hook(self, state_dict) or state_dict
+        return state_dict
 
     def save_state_dict_to_file(self, filename: str) -> None:
         """This rank's state_dict() to `filename` (Megatron-LM's --ckpt-format torch with the
@@ -226,8 +262,22 @@ class ChainedOptimizer(StepPhases, MegatronOptimizer):
                                         self.owner_is_main_replica, metadata, self.core_buckets)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        if self.is_stub_optimizer and not self.chained_optimizers and not state_dict:
-            return  # a stub's state: nothing (ours {"optimizers": {}}, megatron-core's [])
+        """torch's layout (`state_dict()`), ours before it (each child's by name), megatron-core's,
+        or its fsdp_dtensor layout; running torch's load hooks. Nothing changes unless every child's
+        part fits."""
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = hook(self, state_dict) or state_dict
+        self._load(state_dict)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def _load(self, state_dict: Any) -> None:
+        if self.is_stub_optimizer and not self.chained_optimizers and (
+                not state_dict or (is_torch_layout(state_dict) and not state_dict["param_groups"])):
+            return  # a stub's state: nothing (torch's layout with no groups, ours before {"optimizers": {}}, [])
+        if self._ours and is_torch_layout(state_dict):
+            load_chain_state_dict(self.chained_optimizers, state_dict, _check_then_load)
+            return
         if is_fsdp_dtensor_state(state_dict):  # one dict for the chain, keyed by parameter name
             check_names(state_dict, [param.stored_name for child in self.chained_optimizers
                                      for param in child.checkpoint_params()])
@@ -279,28 +329,3 @@ def _parameters_of(child: Any) -> list[torch.nn.Parameter]:
     if hasattr(child, "get_parameters"):
         return list(child.get_parameters())
     return [p for group in child.param_groups for p in group["params"]]
-
-
-class ChainedState(Mapping):
-    """Read-only view of the children's `state` by parameter.
-
-    torch keeps state in a defaultdict: a plain lookup would create empty entries in the first
-    child (hiding a later child's state and breaking its state_dict), so look before reading.
-    """
-
-    def __init__(self, states: list[Mapping]) -> None:
-        self._states = states
-
-    def __getitem__(self, param: Any) -> Any:
-        for state in self._states:
-            if param in state:
-                return state[param]
-        raise KeyError(param)
-
-    def __iter__(self) -> Iterator[Any]:
-        for state in self._states:
-            yield from state
-
-    def __len__(self) -> int:
-        return sum(len(state) for state in self._states)
-

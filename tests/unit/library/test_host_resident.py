@@ -39,7 +39,7 @@ def _config(name: str, **offload) -> OptimizerConfig:
 
 def _snapshot(model: torch.nn.Module, optimizer) -> dict:
     values = {f"param {i}": p.detach().clone() for i, p in enumerate(model.parameters())}
-    for child_name, child in optimizer.state_dict()["optimizers"].items():
+    for child_name, child in ((c.name, c.state_dict()) for c in optimizer.chained_optimizers):
         for fqn, main in child.get("main_params", {}).items():
             values[f"{child_name} main {fqn}"] = main.clone()
         for fqn, tensors in child["state"].items():

@@ -131,17 +131,20 @@ def test_param_fqns_are_metadata_in_state_dicts():
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     optimizer.step()
-    state = optimizer.state_dict()
-    muon_groups = state["optimizers"]["muon/dense"]["param_groups"]
-    assert muon_groups["muon/dense/default"]["params"] == ["hidden.weight"]
-    assert set(state["optimizers"]["muon/dense"]["state"]) == {"hidden.weight"}
-    # A checkpoint without param_fqns (or with stale ones) loads; the live groups keep theirs.
-    for child in state["optimizers"].values():
-        for group in child["param_groups"].values():
+    state = optimizer.state_dict()  # torch's layout: the groups name their parameters
+    muon_group = state["param_groups"][0]
+    assert muon_group["param_names"] == ["hidden.weight"]
+    assert set(state["state"][muon_group["params"][0]]) == {"momentum_buffer"}
+    # Our own child layout keeps param_fqns as metadata: a checkpoint without them (or with stale
+    # ones) loads; the live groups keep theirs.
+    for child in optimizer.chained_optimizers:
+        saved = child.state_dict()
+        for group in saved["param_groups"].values():
             group["param_fqns"] = ["stale"]
+        child.load_state_dict(saved)
     fresh = get_megatron_optimizer(config, model)
     fresh.load_state_dict(state)
-    for group in fresh.param_groups:
+    for group in optimizer.param_groups + fresh.param_groups:
         assert len(group["param_fqns"]) == len(group["params"]) and "stale" not in group["param_fqns"]
     fresh.step()
 

@@ -95,7 +95,9 @@ def full_state(state_dict: dict) -> dict[str, torch.Tensor]:
         elif torch.is_tensor(value):
             found[path] = value.detach().clone()
 
-    walk(state_dict["optimizers"], "")
+    for group in state_dict["param_groups"]:  # torch's layout: state by position, named in the groups
+        for position, name in zip(group["params"], group["param_names"]):
+            walk(state_dict["state"].get(position, {}), f"/{name}")
     return {path.replace("module.", ""): tensor for path, tensor in found.items()}
 
 
