@@ -35,9 +35,6 @@ class RandomTokens(torch.utils.data.Dataset):
 
 def build_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     # clip_grad=0: the Trainer clips (max_grad_norm); ours would clip the clipped gradients again.
-    import os
-    if os.environ.get("PROBE_ADAMW"):
-        return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     config = OptimizerConfig(optimizer="muon", lr=LR, weight_decay=0.1, clip_grad=0.0,
                              muon_fp32_matmul_prec="highest")
     return get_megatron_optimizer(config, [model])
