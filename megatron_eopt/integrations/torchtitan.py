@@ -5,7 +5,8 @@ torchtitan builds `config.optimizer.build(model_parts=...)` and expects an `Opti
 torch optimizer over the container, iterable over the optimizers its lr schedulers wrap. The container
 built here holds one optimizer, `get_megatron_optimizer(optimizer_config, model_parts)`. torchtitan keeps
 its own lr schedule (a LambdaLR on ours), its clipping (set `clip_grad=0.0`: the engine clips) and its
-checkpointer (DCP of our `state_dict()`, keyed by parameter name, DTensors under FSDP2).
+checkpoints: the container's `state_dict()` is torchtitan's, keyed by parameter name from our torch-layout
+`state_dict()` (its `param_names`), saved through DCP.
 This module imports torchtitan; `import megatron_eopt` never imports this module.
 """
 
@@ -41,13 +42,6 @@ class MegatronOptimizers(OptimizersContainer):
         # load balancing registers one), as OptimizersContainer does.
         params = [p for part in model_parts for p in part.parameters() if p.requires_grad]
         torch.optim.Optimizer.__init__(self, params, {})
-
-    def state_dict(self) -> dict[str, Any]:
-        """Our optimizer's own state dict: what torchtitan's checkpointer saves and loads into."""
-        return self.optimizers[0].state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.optimizers[0].load_state_dict(state_dict)
 
 
 def _check(config: "MegatronOptimizers.Config") -> None:
