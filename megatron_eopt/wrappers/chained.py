@@ -25,6 +25,12 @@ from megatron_eopt.checkpointable.torch_views import ModelParamState, inner_grou
 from megatron_eopt.checkpointable.torch_state_dict import chain_state_dict, is_torch_layout, load_chain_state_dict
 
 
+class NotAChainOfOneError(ValueError, AttributeError):
+    """`.optimizer` of a chain of several children. An AttributeError too, so that `hasattr(optimizer,
+    "optimizer")` is False: accelerate's AcceleratedOptimizer.train()/eval() (the Hugging Face
+    Trainer's every step) ask it of the optimizer they wrap."""
+
+
 class ChainedOptimizer(StepPhases, MegatronOptimizer, torch.optim.Optimizer):
     """Steps `chained_optimizers` as one.
 
@@ -160,7 +166,7 @@ class ChainedOptimizer(StepPhases, MegatronOptimizer, torch.optim.Optimizer):
     def optimizer(self) -> Any:
         """megatron-core's: the one child's torch optimizer (for code written for a single optimizer)."""
         if len(self.chained_optimizers) != 1:
-            raise ValueError(f"ChainedOptimizer.optimizer is the torch optimizer of a chain of one; this chain has "
+            raise NotAChainOfOneError(f"ChainedOptimizer.optimizer is the torch optimizer of a chain of one; this chain has "
                              f"{len(self.chained_optimizers)} children: use chained_optimizers[i].optimizer.")
         return self.chained_optimizers[0].optimizer
 
