@@ -123,15 +123,19 @@ def chain_state_dict(children: list[CheckpointableChild], is_loading: bool = Fal
     return result
 
 
-def is_torch_layout(state_dict: Any) -> bool:
-    """Whether `state_dict` is `chain_state_dict`'s, as saved or as torch's and torchtitan's helpers hand it
-    over (its groups' parameters named, or our `group_key` kept); megatron-core's FP32Optimizer writes
-    torch's layout too, with neither."""
+def is_torch_layout(state_dict: Any, children: list[CheckpointableChild]) -> bool:
+    """Whether `state_dict` is `chain_state_dict`'s for `children`, as saved or as torch's helpers hand it
+    over (its groups' parameters named), or as torchtitan's flat helpers do (by position, the groups'
+    `group_key`s those of the live non-empty groups, in order). megatron-core's FP32Optimizer writes
+    torch's layout too, one child's, its parameters by position alone."""
     if not (isinstance(state_dict, Mapping) and isinstance(state_dict.get("state"), Mapping)
             and isinstance(state_dict.get("param_groups"), list)):
         return False
-    return all("param_names" in group or "group_key" in group or all(isinstance(key, str) for key in group["params"])
-               for group in state_dict["param_groups"] if group.get("params"))
+    saved = [group for group in state_dict["param_groups"] if group.get("params")]
+    if all("param_names" in group or all(isinstance(key, str) for key in group["params"]) for group in saved):
+        return True
+    live_keys = [group["group_key"] for child in children for group, _ in _groups(child)]
+    return [group.get("group_key") for group in saved] == live_keys
 
 
 def load_chain_state_dict(children: list[CheckpointableChild], state_dict: Mapping,

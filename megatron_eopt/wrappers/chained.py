@@ -285,9 +285,9 @@ class ChainedOptimizer(StepPhases, MegatronOptimizer, torch.optim.Optimizer):
 
     def _load(self, state_dict: Any) -> None:
         if self.is_stub_optimizer and not self.chained_optimizers and (
-                not state_dict or (is_torch_layout(state_dict) and not state_dict["param_groups"])):
+                not state_dict or (is_torch_layout(state_dict, []) and not state_dict["param_groups"])):
             return  # a stub's state: nothing (torch's layout with no groups, ours before {"optimizers": {}}, [])
-        if self._ours and is_torch_layout(state_dict):
+        if self._ours and is_torch_layout(state_dict, self.chained_optimizers):
             load_chain_state_dict(self.chained_optimizers, state_dict, _check_then_load)
             return
         if is_fsdp_dtensor_state(state_dict):  # one dict for the chain, keyed by parameter name
