@@ -14,6 +14,7 @@ import warnings
 from typing import Any, Iterable, Mapping, Optional, Union
 
 import torch
+import torch.distributed as dist
 
 from megatron_eopt.megatron_core_formats.distributed_optimizer import DistributedOptimizerBuckets
 from megatron_eopt.config.optimizer_config import OptimizerConfig, as_optimizer_config, warn_about_inert_fields
@@ -32,6 +33,7 @@ from megatron_eopt.params.groups import (
     build_param_groups,
     dump_param_group_map,
     matrix_layouts,
+    routing_fallbacks,
 )
 from megatron_eopt.params.names import EXPERT_NAME_PART, is_expert_name
 from megatron_eopt.params.overrides import check_config_overrides, get_standard_config_overrides
@@ -106,6 +108,7 @@ def get_megatron_optimizer(
     if fsdp is not None:
         records = fsdp.with_layout_facts(records)
     _warn_if_per_head_finds_no_qkv(config, records)
+    _report_routing_fallbacks(config, routing, records, chunks)
     if dump_param_to_param_group_map is not None:
         dump_param_group_map(dump_param_to_param_group_map, param_groups, records)
     if not param_groups:  # no trainable parameter on any rank of the groups (a frozen model or stage)
@@ -202,6 +205,25 @@ def _held_rows(fsdp: FullyShardedLayout) -> dict[str, tuple[int, int]]:
     experts = fsdp.expert_parallel_fqns  # their rows are split over their own mesh's group
     ranks = {is_expert: group_rank(fsdp.group_of(is_expert)) for is_expert in (False, True)}
     return {fqn: held_rows(split, ranks[fqn in experts]) for fqn, split in fsdp.rows_by_rank.items()}
+
+
+def _report_routing_fallbacks(config: OptimizerConfig, routing: ParamRouting, records: list[ParamRecord],
+                              chunks: list[torch.nn.Module]) -> None:
+    """One line on rank 0 naming the parameters routed by a fallback; with muon_strict_layouts, an error."""
+    if routing.routing == "all":
+        return
+    fallbacks = routing_fallbacks(records, chunks, routing.optimizer)
+    if not fallbacks:
+        return
+    named = "; ".join(f"{fqn}: {why}" for fqn, why in sorted(fallbacks.items()))
+    advice = ("declare their layouts with megatron_eopt.params.fused_layouts.register_fused_layout / "
+              "register_experts_container (docs/fsdp2.md)")
+    if config.muon_strict_layouts:
+        raise ValueError(f"OptimizerConfig.muon_strict_layouts=True: {len(fallbacks)} parameter(s) would be routed by "
+                         f"a fallback: {named}. Either {advice}, or set muon_strict_layouts=False to accept this.")
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        warn_once(f"routing_fallbacks:{named}", f"{routing.optimizer} routes {len(fallbacks)} parameter(s) by a "
+                  f"fallback: {named}. To split them, {advice}.", stacklevel=4)
 
 
 def _warn_if_per_head_finds_no_qkv(config: OptimizerConfig, records: list[ParamRecord]) -> None:
