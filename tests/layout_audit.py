@@ -25,7 +25,12 @@ class Audit:
     unbuildable: dict = field(default_factory=dict)  # family -> why
     split: int = 0  # parameters Muon orthogonalizes as several matrices
     whole_fused: int = 0  # named like a fused weight, or described by the table, and one matrix
-    fallbacks: dict = field(default_factory=dict)  # "Owner.attribute" -> (first family, why)
+    fallbacks: dict = field(default_factory=dict)  # "Owner.attribute" -> (first family, fqn, why)
+    silent: list = field(default_factory=list)  # N-D tensors sent to the scalar optimizer without a word
+
+
+# Why the scalar optimizer may step an N-D tensor without naming it at build: it is no matrix.
+QUIET_N_D = ("convolution kernel", "per-expert vectors")
 
 
 @contextlib.contextmanager
@@ -46,9 +51,14 @@ def route(family: str, model: torch.nn.Module, audit: Audit) -> None:
 
     _, records = build_param_groups([model], CONFIG, {}, (), ROUTING)
     muon = [r for r in records if r.optimizer_name == "muon"]
-    for fqn, why in routing_fallbacks(records, [model], "muon").items():
+    fallbacks = routing_fallbacks(records, [model], "muon")
+    for fqn, why in fallbacks.items():
         owner_attribute = why.split("(")[-1].split()[-1].rstrip(")") if why.startswith("N-D") else why.split()[1]
         audit.fallbacks.setdefault(owner_attribute, (family, fqn, why))
+    for r in records:
+        quiet = r.routed_because.startswith(QUIET_N_D) or "a vector" in r.routed_because
+        if r.param.dim() > 2 and r.optimizer_name != "muon" and not quiet and r.fqn not in fallbacks:
+            audit.silent.append((family, r.fqn, r.routed_because))
     for fqn, layout in matrix_layouts(muon, [model], 1, True).items():
         matrices = len(layout.global_block_shapes()) if layout.batch is None else layout.batch.count
         if layout.batch is not None or matrices > 1 or len(layout.blocks) > 1:
@@ -71,7 +81,7 @@ def transformers_families(audit: Audit) -> None:
                 warnings.simplefilter("ignore")
                 model = getattr(transformers, class_name)(CONFIG_MAPPING[family]())
         except Exception as error:  # a default config some families cannot build from (optional packages)
-            audit.unbuildable[family] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:100]}"
+            audit.unbuildable[family.removeprefix("transformers/")] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:100]}"
             continue
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
