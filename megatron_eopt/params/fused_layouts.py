@@ -636,3 +636,54 @@ register_experts_container("transformers.models.inkling.modeling_inkling.Inkling
                            ("gate_proj", "up_proj", "down_proj"))
 register_experts_container("transformers.models.jetmoe.modeling_jetmoe.JetMoeParallelExperts", ("weight",),
                            jetmoe_experts)
+
+
+def dbrx_qkv(weight: FusedWeight) -> Optional[FusedBlocks]:
+    """DbrxAttention.Wqkv: its forward splits [hidden_size, kv_heads * head_dim, kv_heads * head_dim]."""
+    owner = weight.owner
+    if not weight.split_qkv:
+        return WHOLE
+    try:
+        q_rows, kv_rows = int(owner.hidden_size), int(owner.num_key_value_heads) * int(owner.head_dim)
+    except (AttributeError, TypeError):
+        return None
+    return FusedBlocks((q_rows, kv_rows, kv_rows))
+
+
+def mamba2_in_proj(weight: FusedWeight) -> Optional[FusedBlocks]:
+    """A Mamba-2 mixer's in_proj: its forward splits [intermediate (gate z), conv_dim, num_heads (dt)]
+    and, after the convolution, conv_dim into [intermediate (x), groups * state (B), groups * state
+    (C)]: z, x, B, C and dt, as megatron-core's MambaMixer splits in_proj."""
+    owner = weight.owner
+    try:
+        inner, heads = int(owner.intermediate_size), int(owner.num_heads)
+        bc = int(owner.n_groups) * int(owner.ssm_state_size)
+    except (AttributeError, TypeError):
+        return None
+    return FusedBlocks((inner, inner, bc, bc, heads))
+
+
+def mamba1_in_proj(weight: FusedWeight) -> FusedBlocks:
+    """A Mamba-1 mixer's in_proj: its forward chunks the output in two, x then the gate."""
+    return gate_up_halves(weight)
+
+
+def zamba_in_proj(weight: FusedWeight) -> Optional[FusedBlocks]:
+    """ZambaMambaMixer.in_proj: its forward views the output [intermediate, 2] and chunks the last
+    dimension: x = rows 0, 2, 4, ..., the gate = rows 1, 3, 5, ..."""
+    rows = weight.param.shape[0]
+    return None if rows % 2 else FusedBlocks((1, 1), rows // 2)
+
+
+register_experts_container("transformers.models.longcat_flash.modeling_longcat_flash.LongcatFlashExperts",
+                           ("gate_up_proj", "down_proj"), halves_experts)
+register_fused_layout("transformers.models.dbrx.modeling_dbrx.DbrxAttention", "Wqkv", dbrx_qkv)
+for _family in ("mamba2.modeling_mamba2.Mamba2Mixer", "bamba.modeling_bamba.BambaMixer",
+                "nemotron_h.modeling_nemotron_h.NemotronHMamba2Mixer", "falcon_h1.modeling_falcon_h1.FalconH1Mixer",
+                "granitemoehybrid.modeling_granitemoehybrid.GraniteMoeHybridMambaLayer",
+                "zamba2.modeling_zamba2.Zamba2MambaMixer"):
+    register_fused_layout(f"transformers.models.{_family}", "in_proj", mamba2_in_proj)
+for _family in ("mamba.modeling_mamba.MambaMixer", "jamba.modeling_jamba.JambaMambaMixer",
+                "falcon_mamba.modeling_falcon_mamba.FalconMambaMixer"):
+    register_fused_layout(f"transformers.models.{_family}", "in_proj", mamba1_in_proj)
+register_fused_layout("transformers.models.zamba.modeling_zamba.ZambaMambaMixer", "in_proj", zamba_in_proj)

@@ -28,9 +28,7 @@ NOT_SPLIT = {
     "BlipAttention.qkv", "Exaone4_5_VisionAttention.qkv", "Florence2VisionWindowAttention.qkv", "MgpstrAttention.qkv",
     "TimesformerSelfAttention.qkv", "SelfAttention.qkv", "DeepseekV4Attention.q_b_proj", "DeepseekV4Indexer.q_b_proj",
     "Phi4MultimodalAudioMLP.gate_up_proj", "Zamba2MLP.gate_up_proj", "Kimi_K25MultimodalProjection.in_proj",
-    "MambaMixer.in_proj", "FalconMambaMixer.in_proj", "Mamba2Mixer.in_proj", "BambaMixer.in_proj",
-    "FalconH1Mixer.in_proj", "GraniteMoeHybridMambaLayer.in_proj", "JambaMambaMixer.in_proj",
-    "NemotronHMamba2Mixer.in_proj", "ZambaMambaMixer.in_proj", "Zamba2MambaMixer.in_proj", "Lfm3ShortConv.in_proj",
+    "Lfm3ShortConv.in_proj",
     "Lfm3VlVisionShortConv.in_proj",
 }
 # Families that do not build here at their default config: optional packages (timm, natten,

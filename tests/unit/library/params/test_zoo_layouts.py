@@ -169,9 +169,19 @@ def hf_qwen2_5_vl_vision_qkv():
     return Qwen2_5_VisionTransformerPretrainedModel(config), parts
 
 
+def hf_mamba2_in_proj():
+    """Mamba2Mixer.forward: in_proj's output split [intermediate (z), conv_dim, num_heads (dt)], conv_dim
+    after the convolution [intermediate (x), groups * state (B), groups * state (C)]: 64, 64, 8, 8, 4."""
+    config = transformers.Mamba2Config(vocab_size=64, hidden_size=32, num_heads=4, head_dim=16, expand=2, n_groups=1,
+                                       state_size=8, num_hidden_layers=1)
+    bounds = (0, 64, 128, 136, 144, 148)
+    parts = {"backbone.layers.0.mixer.in_proj.weight": [lambda t, a=a, b=b: t[a:b] for a, b in zip(bounds, bounds[1:])]}
+    return transformers.Mamba2ForCausalLM(config), parts
+
+
 CASES = {builder.__name__: builder for builder in (
     titan_llama3_fused_qkv, titan_deepseek_v3_mla, titan_gpt_oss_experts, hf_deepseek_v3_mla, hf_dbrx_experts,
-    hf_qwen3_next_gated_delta_net, hf_llama4_experts, hf_jetmoe_experts, hf_qwen2_5_vl_vision_qkv)}
+    hf_qwen3_next_gated_delta_net, hf_llama4_experts, hf_jetmoe_experts, hf_qwen2_5_vl_vision_qkv, hf_mamba2_in_proj)}
 
 
 def reference_update(gradient_block: torch.Tensor) -> torch.Tensor:
