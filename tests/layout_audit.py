@@ -46,6 +46,10 @@ def _no_init():
             setattr(torch.nn.init, n, function)
 
 
+def _first_line(error: Exception) -> str:
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:100]}"
+
+
 def route(family: str, model: torch.nn.Module, audit: Audit) -> None:
     from megatron_eopt.params.fused_layouts import FUSED_NAME
 
@@ -81,7 +85,7 @@ def transformers_families(audit: Audit) -> None:
                 warnings.simplefilter("ignore")
                 model = getattr(transformers, class_name)(CONFIG_MAPPING[family]())
         except Exception as error:  # a default config some families cannot build from (optional packages)
-            audit.unbuildable[family.removeprefix("transformers/")] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:100]}"
+            audit.unbuildable[family] = _first_line(error)
             continue
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -110,7 +114,7 @@ def torchtitan_families(audit: Audit) -> None:
                     warnings.simplefilter("ignore")
                     model = package.model_registry(flavor).model.build()  # its defaults (attention backend, ...)
             except Exception as error:
-                audit.unbuildable[name] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:100]}"
+                audit.unbuildable[name] = _first_line(error)
                 continue
             route(name, model, audit)
 

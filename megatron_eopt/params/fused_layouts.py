@@ -619,7 +619,8 @@ for _family in ("dia.modeling_dia.DiaMLP", "dots3_note.modeling_dots3_note.Dots3
                 "glm_ocr.modeling_glm_ocr.GlmOcrTextMLP", "minimax_m3_vl.modeling_minimax_m3_vl.MiniMaxM3VLDenseMLP"):
     register_fused_layout(f"transformers.models.{_family}", "gate_up_proj", gate_up_halves)
 
-for _family in ("qwen3_5.modeling_qwen3_5.Qwen3_5GatedDeltaNet", "qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeGatedDeltaNet",
+for _family in ("qwen3_5.modeling_qwen3_5.Qwen3_5GatedDeltaNet",
+                "qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeGatedDeltaNet",
                 "lara_mini.modeling_lara_mini.LaraMiniGatedDeltaNet"):
     register_fused_layout(f"transformers.models.{_family}", "in_proj_qkv", gated_delta_qkv)
 register_fused_layout("transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextGatedDeltaNet", "in_proj_qkvz",

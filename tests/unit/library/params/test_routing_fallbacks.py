@@ -48,7 +48,8 @@ def test_strict_layouts_refuses_in_one_line() -> None:
 
 
 def test_include_params_on_unknown_n_d_tensor_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"'table' \(\(2, 5, 6\)\) is opted into muon by muon_include_params") as raised:
+    refusal = r"'table' \(\(2, 5, 6\)\) is opted into muon by muon_include_params"
+    with pytest.raises(ValueError, match=refusal) as raised:
         get_megatron_optimizer(OptimizerConfig(optimizer="muon", lr=0.1, muon_include_params="table"),
                                [_Block(qkv_name="proj")])
     assert "register_experts_container" in str(raised.value)
