@@ -17,6 +17,13 @@ def _transformers():
 
 # --- torchtitan ----------------------------------------------------------------------------------
 
+def _stack(layer_configs) -> torch.nn.Module:
+    """torchtitan's blocks under a root module (`layers.<i>`), as its decoders hold them."""
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([config.build() for config in layer_configs])
+    return model
+
+
 def _titan_rope(dim):
     from torchtitan.models.common import ComplexRoPE
 
@@ -31,10 +38,10 @@ def titan_llama3_fused_qkv():
     layers = _build_llama3_layers(n_layers=1, dim=32, n_heads=4, n_kv_heads=2, hidden_dim=48, fuse_qkv=True,
                                   attn_backend="flex", rope=_titan_rope(8))
     groups = lambda t: t.reshape(2, 4, 8, t.shape[-1])
-    parts = {"0.attention.qkv_linear.wqkv.weight": [
+    parts = {"layers.0.attention.qkv_linear.wqkv.weight": [
         lambda t: groups(t)[:, :2].reshape(-1, t.shape[-1]), lambda t: groups(t)[:, 2].reshape(-1, t.shape[-1]),
         lambda t: groups(t)[:, 3].reshape(-1, t.shape[-1])]}
-    return torch.nn.ModuleList([c.build() for c in layers]), parts
+    return _stack(layers), parts
 
 
 def titan_deepseek_v3_mla():
@@ -48,11 +55,11 @@ def titan_deepseek_v3_mla():
         qk_rope_head_dim=4, v_head_dim=8, mscale=0.7, dense_hidden_dim=48, moe_hidden_dim=16, num_experts=3,
         num_shared_experts=1, router_top_k=2, router_score_func="softmax", attn_backend="flex",
         moe_comm_backend="standard", non_blocking_capacity_factor=None, rope=_titan_rope(4))
-    parts = {"0.attention.wq_b.weight": [lambda t, h=h: t[12 * h:12 * (h + 1)] for h in range(2)],
-             "0.attention.wkv_a.weight": [lambda t: t[:8], lambda t: t[8:]],
-             "0.attention.wkv_b.weight": [lambda t, h=h, s=s: t[16 * h + s:16 * h + s + 8]
+    parts = {"layers.0.attention.wq_b.weight": [lambda t, h=h: t[12 * h:12 * (h + 1)] for h in range(2)],
+             "layers.0.attention.wkv_a.weight": [lambda t: t[:8], lambda t: t[8:]],
+             "layers.0.attention.wkv_b.weight": [lambda t, h=h, s=s: t[16 * h + s:16 * h + s + 8]
                                           for h in range(2) for s in (0, 8)]}
-    return torch.nn.ModuleList([c.build() for c in layers]), parts
+    return _stack(layers), parts
 
 
 def titan_gpt_oss_experts():
@@ -61,6 +68,7 @@ def titan_gpt_oss_experts():
     from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts
 
     model = torch.nn.Module()
+    model.router = torch.nn.Linear(32, 3, bias=False)  # a dense parameter beside the experts, as in a model
     model.experts = GptOssGroupedExperts(GptOssGroupedExperts.Config(dim=32, hidden_dim=16, num_experts=3))
     for param in model.experts.parameters():
         torch.nn.init.normal_(param, std=0.1)

@@ -1,5 +1,6 @@
 """The audit of both model zoos (tests/layout_audit.py): every family of the installed
-`transformers` at its default config and every torchtitan family's debug flavors, built on the
+`transformers` at its default config (at most 4 layers per stack where the config allows: the
+same findings as all layers, measured) and every torchtitan family's debug flavors, built on the
 `meta` device and routed for Muon.
 
 Fails when a 2-D weight named like a fused one is neither described by params/fused_layouts.py's
