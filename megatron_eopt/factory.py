@@ -107,8 +107,7 @@ def get_megatron_optimizer(
     param_groups, records = build_param_groups(chunks, config, overrides, groups.spanning_groups(), routing)
     if fsdp is not None:
         records = fsdp.with_layout_facts(records)
-    _warn_if_per_head_finds_no_qkv(config, records)
-    _report_routing_fallbacks(config, routing, records, chunks)
+    _report_routing(config, routing, records, chunks)
     if dump_param_to_param_group_map is not None:
         dump_param_group_map(dump_param_to_param_group_map, param_groups, records)
     if not param_groups:  # no trainable parameter on any rank of the groups (a frozen model or stage)
@@ -207,6 +206,12 @@ def _held_rows(fsdp: FullyShardedLayout) -> dict[str, tuple[int, int]]:
     return {fqn: held_rows(split, ranks[fqn in experts]) for fqn, split in fsdp.rows_by_rank.items()}
 
 
+def _report_routing(config: OptimizerConfig, routing: ParamRouting, records: list[ParamRecord],
+                    chunks: list[torch.nn.Module]) -> None:
+    _warn_if_per_head_finds_no_qkv(config, records)
+    _report_routing_fallbacks(config, routing, records, chunks)
+
+
 def _report_routing_fallbacks(config: OptimizerConfig, routing: ParamRouting, records: list[ParamRecord],
                               chunks: list[torch.nn.Module]) -> None:
     """One line on rank 0 naming the parameters routed by a fallback; with muon_strict_layouts, an error."""
@@ -215,7 +220,7 @@ def _report_routing_fallbacks(config: OptimizerConfig, routing: ParamRouting, re
     fallbacks = routing_fallbacks(records, chunks, routing.optimizer)
     if not fallbacks:
         return
-    named = "; ".join(f"{fqn}: {why}" for fqn, why in sorted(fallbacks.items()))
+    named = _named_by_reason(fallbacks)
     advice = ("declare their layouts with megatron_eopt.params.fused_layouts.register_fused_layout / "
               "register_experts_container (docs/fsdp2.md)")
     if config.muon_strict_layouts:
@@ -223,7 +228,19 @@ def _report_routing_fallbacks(config: OptimizerConfig, routing: ParamRouting, re
                          f"a fallback: {named}. Either {advice}, or set muon_strict_layouts=False to accept this.")
     if not dist.is_initialized() or dist.get_rank() == 0:
         warn_once(f"routing_fallbacks:{named}", f"{routing.optimizer} routes {len(fallbacks)} parameter(s) by a "
-                  f"fallback: {named}. To split them, {advice}.", stacklevel=4)
+                  f"fallback: {named}. To split them, {advice}.", stacklevel=5)
+
+
+def _named_by_reason(reasons: Mapping[str, str], shown: int = 2) -> str:
+    """'fqn: why; ...', parameters with the same reason (a layer's weight in every layer) together."""
+    by_reason: dict[str, list[str]] = {}
+    for fqn, why in sorted(reasons.items()):
+        by_reason.setdefault(why, []).append(fqn)
+    parts = []
+    for why, fqns in by_reason.items():
+        more = f" and {len(fqns) - shown} more" if len(fqns) > shown else ""
+        parts.append(f"{', '.join(fqns[:shown])}{more}: {why}")
+    return "; ".join(parts)
 
 
 def _warn_if_per_head_finds_no_qkv(config: OptimizerConfig, records: list[ParamRecord]) -> None:
@@ -233,7 +250,7 @@ def _warn_if_per_head_finds_no_qkv(config: OptimizerConfig, records: list[ParamR
         warn_once("per_head_without_qkv", f"OptimizerConfig.muon_split_qkv_per_head=True has no effect on this "
                   f"rank: it splits fused linear_qkv.weights only, and none of the matrices {config.optimizer!r} "
                   f"steps here is one (multi-latent attention's projections are orthogonalized per head and "
-                  f"component without it; docs/tp-muon.md).", stacklevel=4)
+                  f"component without it; docs/tp-muon.md).", stacklevel=5)
 
 
 def _without_legacy_name(config: OptimizerConfig) -> OptimizerConfig:
