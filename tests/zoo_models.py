@@ -102,6 +102,9 @@ def hf_dbrx_experts():
                                      ffn_config={"ffn_hidden_size": 16, "moe_num_experts": 3, "moe_top_k": 2})
     mlp = "transformer.blocks.0.ffn.experts.mlp."
     parts = {mlp + name: [lambda t, e=e: t[16 * e:16 * (e + 1)] for e in range(3)] for name in ("w1", "v1", "w2")}
+    # DbrxAttention.forward: Wqkv's output split [hidden, kv_heads * head_dim, kv_heads * head_dim].
+    parts["transformer.blocks.0.norm_attn_norm.attn.Wqkv.weight"] = [lambda t: t[:32], lambda t: t[32:48],
+                                                                     lambda t: t[48:]]
     return _transformers().DbrxForCausalLM(config), parts
 
 
@@ -170,6 +173,36 @@ def hf_mamba2_in_proj():
     return _transformers().Mamba2ForCausalLM(config), parts
 
 
+def hf_qwen3_5_gated_delta_qkv():
+    """Qwen3_5GatedDeltaNet.forward: in_proj_qkv's output (after its convolution) split
+    [key_dim, key_dim, value_dim]: 2 key heads and 4 value heads of 8."""
+    config = _transformers().Qwen3_5TextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, layer_types=["linear_attention"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=8)
+    parts = {"model.layers.0.linear_attn.in_proj_qkv.weight": [lambda t: t[:16], lambda t: t[16:32],
+                                                               lambda t: t[32:]]}
+    return _transformers().Qwen3_5ForCausalLM(config), parts
+
+
+def hf_mamba_in_proj():
+    """MambaMixer.forward: in_proj's output chunked in two, x then the gate."""
+    config = _transformers().MambaConfig(vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=1, expand=2)
+    parts = {"backbone.layers.0.mixer.in_proj.weight": [lambda t: t[:64], lambda t: t[64:]]}
+    return _transformers().MambaForCausalLM(config), parts
+
+
+def hf_zamba_in_proj():
+    """ZambaMambaMixer.forward: in_proj's output viewed [intermediate, 2] and chunked on the last
+    dimension: x = rows 0, 2, ..., the gate = rows 1, 3, ..."""
+    config = _transformers().ZambaConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
+        attention_head_dim=8, intermediate_size=48, mamba_d_state=8, n_mamba_heads=2, layers_block_type=["mamba"])
+    parts = {"model.layers.0.mamba.in_proj.weight": [lambda t: t[0::2], lambda t: t[1::2]]}
+    return _transformers().ZambaForCausalLM(config), parts
+
+
 CASES = {builder.__name__: builder for builder in (
     titan_llama3_fused_qkv, titan_deepseek_v3_mla, titan_gpt_oss_experts, hf_deepseek_v3_mla, hf_dbrx_experts,
-    hf_qwen3_next_gated_delta_net, hf_llama4_experts, hf_jetmoe_experts, hf_qwen2_5_vl_vision_qkv, hf_mamba2_in_proj)}
+    hf_qwen3_next_gated_delta_net, hf_llama4_experts, hf_jetmoe_experts, hf_qwen2_5_vl_vision_qkv, hf_mamba2_in_proj,
+    hf_qwen3_5_gated_delta_qkv, hf_mamba_in_proj, hf_zamba_in_proj)}
