@@ -467,17 +467,37 @@ def routing_fallbacks(records: Iterable[ParamRecord], chunks: Sequence[torch.nn.
     """fqn -> why, for every parameter routed by a fallback: an N-D tensor of no known layout (to the
     scalar optimizer), or a 2-D weight whose name marks it fused but that no table entry describes
     (to `optimizer` whole). docs/fsdp2.md lists the weights kept whole on purpose."""
-    sites = _linear_layer_sites(list(chunks))
+    chunks = list(chunks)
+    sites = _linear_layer_sites(chunks)
     found = {}
     for record in records:
         if record.routed_because.startswith(UNKNOWN_LAYOUT):
             found[record.fqn] = record.routed_because
-        elif record.param.dim() == 2 and record.optimizer_name == optimizer and id(record.param) in sites:
-            owner, attribute = sites[id(record.param)]
-            if unknown_fused_name(owner, attribute):
-                found[record.fqn] = (f"2-D {type(owner).__name__}.{attribute} is named like a fused weight but "
-                                     f"no table entry describes it: one matrix")
+        elif record.param.dim() == 2 and record.optimizer_name == optimizer:
+            owner, attribute = sites.get(id(record.param), (None, ""))
+            why = _whole_by_fallback(record, owner, attribute, chunk_model_config(chunks[record.chunk_index]))
+            if why:
+                found[record.fqn] = why
     return found
+
+
+def _whole_by_fallback(record: ParamRecord, owner: Optional[torch.nn.Module], attribute: str, model_config: Any
+                       ) -> str:
+    """Why a 2-D weight goes to the matrix optimizer whole though it looks fused; "" when it does not."""
+    kind = f"{type(owner).__name__}.{attribute}" if owner is not None else record.fqn
+    function = registered_function(owner, attribute) if owner is not None else None
+    if function is not None:
+        try:
+            facts = function(FusedWeight(fqn=record.fqn, param=record.param, owner=owner, attribute=attribute,
+                                         model_config=model_config, tp_size=1))
+        except (ValueError, AttributeError, TypeError):
+            return ""  # the layout step says what is wrong, in its own error
+        return "" if facts is not None else f"2-D {kind}: its module lacks the facts its table entry reads: one matrix"
+    if owner is not None and unknown_fused_name(owner, attribute):
+        return f"2-D {kind} is named like a fused weight but no table entry describes it: one matrix"
+    if int(getattr(record.param, "partition_stride", 1)) > 1 and not getattr(record.param, "partition_sizes", None):
+        return f"2-D {kind} has partition_stride={record.param.partition_stride} and no table entry: one matrix"
+    return ""
 
 
 def batch_sites(chunks: list) -> dict[int, tuple[torch.nn.Module, str]]:

@@ -53,3 +53,19 @@ def test_include_params_on_unknown_n_d_tensor_is_refused() -> None:
         get_megatron_optimizer(OptimizerConfig(optimizer="muon", lr=0.1, muon_include_params="table"),
                                [_Block(qkv_name="proj")])
     assert "register_experts_container" in str(raised.value)
+
+
+class _Declared(torch.nn.Module):
+    """A module whose layout function finds its facts missing (returns None)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fused = torch.nn.Linear(6, 12)
+
+
+def test_a_table_entry_without_its_facts_is_a_fallback_too() -> None:
+    from megatron_eopt.params.fused_layouts import register_fused_layout
+
+    register_fused_layout(_Declared, "fused", lambda weight: None)
+    with pytest.raises(ValueError, match=r"_Declared.fused: its module lacks the facts its table entry reads"):
+        get_megatron_optimizer(OptimizerConfig(optimizer="muon", lr=0.1, muon_strict_layouts=True), [_Declared()])
