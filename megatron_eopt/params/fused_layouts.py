@@ -8,9 +8,10 @@ the blocks from that module and its TransformerConfig, from what megatron-core r
 name through the MRO: no megatron-core import here, and subclasses inherit their base's entry.
 `register_fused_layout` declares a custom module's layout. Without an owner module (the
 planner) `linear_qkv`, `linear_fc1` and MLA's projections are found by name. Megatron-core's
-`partition_sizes` on a weight no entry describes splits it. A 2-D weight that still looks fused
-(`partition_stride > 1`, or an entry that cannot read its facts) stays whole, with a warning
-naming it, once.
+`partition_sizes` on a weight no entry describes splits it. The table also holds `transformers`'
+and torchtitan's fused and stacked weights, each read from its family's forward (docs/fsdp2.md).
+A 2-D weight that still looks fused (`FUSED_NAME`, `partition_stride > 1`, or an entry that cannot
+read its facts) stays whole, and the build names it (params/groups.py: routing_fallbacks).
 """
 
 import re
