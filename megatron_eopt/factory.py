@@ -16,6 +16,7 @@ import warnings
 from typing import Any, Iterable, Mapping, Optional, Union
 
 import torch
+import torch.distributed as dist
 
 from megatron_eopt.megatron_core_formats.distributed_optimizer import DistributedOptimizerBuckets
 from megatron_eopt.config.optimizer_config import OptimizerConfig, as_optimizer_config, warn_about_inert_fields
@@ -34,6 +35,7 @@ from megatron_eopt.params.groups import (
     build_param_groups,
     dump_param_group_map,
     matrix_layouts,
+    routing_fallbacks,
 )
 from megatron_eopt.params.names import EXPERT_NAME_PART, is_expert_name
 from megatron_eopt.params.overrides import check_config_overrides, get_standard_config_overrides
@@ -107,7 +109,7 @@ def get_megatron_optimizer(
     param_groups, records = build_param_groups(chunks, config, overrides, groups.spanning_groups(), routing)
     if fsdp is not None:
         records = fsdp.with_layout_facts(records)
-    _warn_if_settings_find_nothing(config, routing, records)
+    _report_routing(config, routing, records, chunks)
     if dump_param_to_param_group_map is not None:
         dump_param_group_map(dump_param_to_param_group_map, param_groups, records)
     if not param_groups:  # no trainable parameter on any rank of the groups (a frozen model or stage)
@@ -206,10 +208,43 @@ def _held_rows(fsdp: FullyShardedLayout) -> dict[str, tuple[int, int]]:
     return {fqn: held_rows(split, ranks[fqn in experts]) for fqn, split in fsdp.rows_by_rank.items()}
 
 
-def _warn_if_settings_find_nothing(config: OptimizerConfig, routing: ParamRouting, records: list[ParamRecord]) -> None:
-    """Settings that name parameters this rank has none of: said once each."""
+def _report_routing(config: OptimizerConfig, routing: ParamRouting, records: list[ParamRecord],
+                    chunks: list[torch.nn.Module]) -> None:
+    """What the routing did not do as asked or known: said once each (an error with muon_strict_layouts)."""
     _warn_if_per_head_finds_no_qkv(config, records)
     _warn_if_use_muon_globs_match_nothing(routing, records)
+    _report_routing_fallbacks(config, routing, records, chunks)
+
+
+def _report_routing_fallbacks(config: OptimizerConfig, routing: ParamRouting, records: list[ParamRecord],
+                              chunks: list[torch.nn.Module]) -> None:
+    """One line on rank 0 naming the parameters routed by a fallback; with muon_strict_layouts, an error."""
+    if routing.routing == "all":
+        return
+    fallbacks = routing_fallbacks(records, chunks, routing.optimizer)
+    if not fallbacks:
+        return
+    named = _named_by_reason(fallbacks)
+    advice = ("declare their layouts with megatron_eopt.params.fused_layouts.register_fused_layout / "
+              "register_experts_container (docs/fsdp2.md)")
+    if config.muon_strict_layouts:
+        raise ValueError(f"OptimizerConfig.muon_strict_layouts=True: {len(fallbacks)} parameter(s) would be routed by "
+                         f"a fallback: {named}. Either {advice}, or set muon_strict_layouts=False to accept this.")
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        warn_once(f"routing_fallbacks:{named}", f"{routing.optimizer} routes {len(fallbacks)} parameter(s) by a "
+                  f"fallback: {named}. To split them, {advice}.", stacklevel=5)
+
+
+def _named_by_reason(reasons: Mapping[str, str], shown: int = 2) -> str:
+    """'fqn: why; ...', parameters with the same reason (a layer's weight in every layer) together."""
+    by_reason: dict[str, list[str]] = {}
+    for fqn, why in sorted(reasons.items()):
+        by_reason.setdefault(why, []).append(fqn)
+    parts = []
+    for why, fqns in by_reason.items():
+        more = f" and {len(fqns) - shown} more" if len(fqns) > shown else ""
+        parts.append(f"{', '.join(fqns[:shown])}{more}: {why}")
+    return "; ".join(parts)
 
 
 def _warn_if_per_head_finds_no_qkv(config: OptimizerConfig, records: list[ParamRecord]) -> None:

@@ -124,6 +124,11 @@ class OptimizerConfig:
     # optimizers only (muon, adaptive_muon, ...).
     muon_include_params: str = ""
     muon_exclude_params: str = ""
+    # megatron_eopt: refuse, in one ValueError, parameters that routing optimizers (muon, ...) route
+    # by a fallback: an N-D tensor of no known layout (else: to the scalar optimizer, named in one
+    # warning on rank 0), or a 2-D weight named like a fused one that params/fused_layouts.py does
+    # not describe (else: orthogonalized whole, named in that warning). docs/fsdp2.md.
+    muon_strict_layouts: bool = False
 
     # Other emerging optimizers.
     lion_beta1: float = 0.95
@@ -281,6 +286,7 @@ MEGATRON_CORE_FIELDS: dict[str, FieldUse] = {
 # megatron_eopt's own fields: muon_use_syrk and muon_expert_tp_mode (newer Megatron-LM),
 # muon_match_adamw_rms, muon_gram_newton_schulz, muon_gram_newton_schulz_package, muon_aol_preconditioner,
 # muon_split_qkv_per_head, muon_tp_hardware_profile, muon_include_params, muon_exclude_params,
+# muon_strict_layouts,
 # layer_wise_reduce_grads, emerging_optimizers_compile;
 # all used.
 

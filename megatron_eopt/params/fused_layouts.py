@@ -8,11 +8,13 @@ the blocks from that module and its TransformerConfig, from what megatron-core r
 name through the MRO: no megatron-core import here, and subclasses inherit their base's entry.
 `register_fused_layout` declares a custom module's layout. Without an owner module (the
 planner) `linear_qkv`, `linear_fc1` and MLA's projections are found by name. Megatron-core's
-`partition_sizes` on a weight no entry describes splits it. A 2-D weight that still looks fused
-(`partition_stride > 1`, or an entry that cannot read its facts) stays whole, with a warning
-naming it, once.
+`partition_sizes` on a weight no entry describes splits it. The table also holds `transformers`'
+and torchtitan's fused and stacked weights, each read from its family's forward (docs/fsdp2.md).
+A 2-D weight that still looks fused (`FUSED_NAME`, `partition_stride > 1`, or an entry that cannot
+read its facts) stays whole, and the build names it (params/groups.py: routing_fallbacks).
 """
 
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
@@ -369,3 +371,321 @@ for _type, _attribute, _function in (
     ("transformers.models.glm4.modeling_glm4.Glm4MLP", "gate_up_proj", gate_up_halves),
 ):
     register_fused_layout(_type, _attribute, _function)
+
+
+# --- weights kept whole on purpose, and names that mark a weight as fused -----------------------
+
+def whole_because(reason: str) -> LayoutFunction:
+    """A table entry for a weight that is one matrix on purpose (or whose layout is not a split
+    into rows): Muon orthogonalizes it whole, and the build names it in no fallback line."""
+    def whole(weight: FusedWeight) -> FusedBlocks:
+        return WHOLE
+
+    whole.reason = reason  # docs/fsdp2.md lists them
+    return whole
+
+
+# An attribute name that marks a 2-D weight as packing several matrices. A weight so named that no
+# table entry describes goes to Muon whole, and the build names it (groups.routing_fallbacks).
+FUSED_NAME = re.compile(r"qkv|query_key_value|c_attn|gate_up|w13|^in_proj(?!_[abz]$)|kv_a_proj|kv_b_proj|q_b_proj|wkv"
+                        r"|mlp1_weight", re.IGNORECASE)
+
+
+def is_described(owner: Optional[torch.nn.Module], attribute: str) -> bool:
+    """Whether the table says what `owner.<attribute>` holds (split, or whole on purpose)."""
+    if registered_function(owner, attribute) is not None:
+        return True
+    return owner is not None and attribute in _BY_NAME and not _known_type(owner)
+
+
+def unknown_fused_name(owner: Optional[torch.nn.Module], attribute: str) -> bool:
+    """A 2-D weight named like a fused one that no table entry describes."""
+    return bool(FUSED_NAME.search(attribute)) and not is_described(owner, attribute)
+
+
+# --- torchtitan 0.3's fused weights ------------------------------------------------------------
+
+def torchtitan_fused_qkv(weight: FusedWeight) -> Optional[FusedBlocks]:
+    """FusedQKVLinear.wqkv (torchtitan/models/common/attention.py, its forward): the rows viewed
+    [n_kv_heads, heads_per_kv + 2, head_dim], split [heads_per_kv, 1, 1]: per KV group its query
+    heads, its key and its value, megatron-core's linear_qkv layout."""
+    owner = weight.owner
+    if not weight.split_qkv:
+        return WHOLE
+    try:
+        per_kv, head_dim = int(owner.heads_per_kv), int(owner.head_dim)
+    except (AttributeError, TypeError):
+        return None
+    group_rows = (per_kv + 2) * head_dim
+    rows = weight.param.shape[0]
+    if rows % group_rows:
+        return None
+    return FusedBlocks((per_kv * head_dim, head_dim, head_dim), rows // group_rows,
+                       head_rows=head_dim if weight.per_head else 0)
+
+
+def _latent_facts(owner: torch.nn.Module) -> Optional[tuple[int, int, int, int]]:
+    """(qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_lora_rank) of an MLA module."""
+    try:
+        return tuple(int(getattr(owner, name)) for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                                                            "kv_lora_rank"))
+    except (AttributeError, TypeError):
+        return None
+
+
+def _whole_heads(weight: FusedWeight, head_parts: tuple[int, ...]) -> Optional[FusedBlocks]:
+    rows = weight.param.shape[0]
+    return None if rows % sum(head_parts) else FusedBlocks(head_parts, rows // sum(head_parts), per_group=True)
+
+
+def latent_query(weight: FusedWeight) -> Optional[FusedBlocks]:
+    """MLA's query projection (with or without a LoRA down projection before it): the output
+    viewed [heads, qk_nope_head_dim + qk_rope_head_dim], one matrix per head, as megatron-core's
+    linear_q_up_proj."""
+    facts = _latent_facts(weight.owner)
+    return None if facts is None else _whole_heads(weight, (facts[0] + facts[1],))
+
+
+def latent_kv_down(weight: FusedWeight) -> Optional[FusedBlocks]:
+    """MLA's KV down projection: the compressed KV (kv_lora_rank rows), then the rotary key shared
+    by all heads (qk_rope_head_dim rows), as megatron-core's linear_kv_down_proj."""
+    facts = _latent_facts(weight.owner)
+    return None if facts is None else FusedBlocks((facts[3], facts[1]))
+
+
+def latent_kv_up(weight: FusedWeight) -> Optional[FusedBlocks]:
+    """MLA's KV up projection: the output viewed [heads, qk_nope_head_dim + v_head_dim], per head
+    its key then its value, as megatron-core's linear_kv_up_proj."""
+    facts = _latent_facts(weight.owner)
+    return None if facts is None else _whole_heads(weight, (facts[0], facts[2]))
+
+
+_TITAN_MLA = "torchtitan.models.deepseek_v3.model.Attention"  # DeepSeek-V3 and Kimi K2.x (its subclass model)
+for _attribute, _function in (("wq", latent_query), ("wq_b", latent_query), ("wkv_a", latent_kv_down),
+                              ("wkv_b", latent_kv_up),
+                              ("wq_a", whole_because("MLA's query down projection: one matrix"))):
+    register_fused_layout(_TITAN_MLA, _attribute, _function)
+register_fused_layout("torchtitan.models.common.attention.FusedQKVLinear", "wqkv", torchtitan_fused_qkv)
+
+
+def interleaved_gate_up_experts(weight: FusedWeight) -> Optional[FusedBlocks]:
+    """torchtitan GPT-OSS's mlp1_weight_EGD [E, 2F, D]: its forward's swiglu takes gate = rows
+    0, 2, 4, ... and up = rows 1, 3, 5, ... of each expert's [out, in] matrix."""
+    param = weight.param
+    if param.dim() != 3:
+        return None
+    half = param.shape[-2] // 2
+    return expert_matrices(param, row_blocks=(half, half), interleaved=True)
+
+
+register_experts_container("torchtitan.models.gpt_oss.moe.GptOssGroupedExperts", ("mlp2_weight_EDF",))
+register_fused_layout("torchtitan.models.gpt_oss.moe.GptOssGroupedExperts", "mlp1_weight_EGD",
+                      interleaved_gate_up_experts)
+
+
+# --- transformers 5.24's fused weights, read from each family's forward ------------------------
+
+def gated_delta_qkvz(weight: FusedWeight) -> Optional[FusedBlocks]:
+    """Qwen3-Next's in_proj_qkvz (fix_query_key_value_ordering): the rows viewed [num_k_heads,
+    2 * head_k_dim + 2 * head_v_dim * num_v_heads / num_k_heads], per key head its query, key,
+    value and z rows. Split as megatron-core's gated delta net splits in_proj: q, k, v, z."""
+    owner = weight.owner
+    try:
+        k_heads, v_per_k = int(owner.num_k_heads), int(owner.num_v_heads) // int(owner.num_k_heads)
+        k_dim, v_dim = int(owner.head_k_dim), int(owner.head_v_dim)
+    except (AttributeError, TypeError, ZeroDivisionError):
+        return None
+    return FusedBlocks((k_dim, k_dim, v_per_k * v_dim, v_per_k * v_dim), k_heads)
+
+
+def gated_delta_ba(weight: FusedWeight) -> Optional[FusedBlocks]:
+    """Qwen3-Next's in_proj_ba: per key head num_v_heads / num_k_heads rows of beta, then of alpha."""
+    owner = weight.owner
+    try:
+        k_heads, v_per_k = int(owner.num_k_heads), int(owner.num_v_heads) // int(owner.num_k_heads)
+    except (AttributeError, TypeError, ZeroDivisionError):
+        return None
+    return FusedBlocks((v_per_k, v_per_k), k_heads)
+
+
+def gated_delta_qkv(weight: FusedWeight) -> Optional[FusedBlocks]:
+    """Qwen3.5's in_proj_qkv: split [key_dim, key_dim, value_dim] after its convolution: q, k, v."""
+    try:
+        key_dim, value_dim = int(weight.owner.key_dim), int(weight.owner.value_dim)
+    except (AttributeError, TypeError):
+        return None
+    return FusedBlocks((key_dim, key_dim, value_dim))
+
+
+def thirds_qkv(weight: FusedWeight) -> Optional[FusedBlocks]:
+    """A vision tower's qkv, reshaped (..., 3, heads, head_dim) in its forward: q, k and v are the
+    first, second and last third of the rows."""
+    rows = weight.param.shape[0]
+    if not weight.split_qkv:
+        return WHOLE
+    return None if rows % 3 else FusedBlocks((rows // 3,) * 3)
+
+
+def stacked_expert_rows(weight: FusedWeight) -> Optional[FusedBlocks]:
+    """DBRX's DbrxExpertGLU w1, v1 and w2, 2-D [experts * ffn, hidden]: each expert's ffn rows one
+    matrix (w1 and v1 are [out, in] per expert, w2 [in, out]: its forward multiplies by w2 itself)."""
+    experts = getattr(weight.owner, "moe_num_experts", None)
+    rows = weight.param.shape[0]
+    if not experts or rows % int(experts):
+        return None
+    return FusedBlocks((rows // int(experts),), int(experts), per_group=True)
+
+
+def transposed_halves_experts(weight: FusedWeight) -> Optional[FusedBlocks]:
+    """Llama 4's Llama4TextExperts: gate_up_proj [E, hidden, 2F] and down_proj [E, F, hidden] are
+    [in, out] per expert (its forward's bmm); gate_up's output chunks into gate, then up."""
+    param = weight.param
+    if param.dim() != 3:
+        return None
+    if weight.attribute == "gate_up_proj":
+        return expert_matrices(param, transposed=True, row_blocks=(param.shape[-1] // 2,) * 2)
+    return expert_matrices(param, transposed=True)
+
+
+def halves_experts(weight: FusedWeight) -> Optional[FusedBlocks]:
+    """Step3p7's experts: gate_up_proj [E, 2F, hidden] (its _apply_gate chunks gate, then up),
+    down_proj [E, hidden, F], [out, in] per expert (F.linear)."""
+    param = weight.param
+    if param.dim() != 3:
+        return None
+    if weight.attribute == "gate_up_proj":
+        return expert_matrices(param, row_blocks=(param.shape[-2] // 2,) * 2)
+    return expert_matrices(param)
+
+
+def jetmoe_experts(weight: FusedWeight) -> Optional[FusedBlocks]:
+    """JetMoe's JetMoeParallelExperts.weight [E, out, in] (F.linear per expert). The MLP's
+    input_linear (`mlp.input_linear`) holds gate, then up (its forward chunks in two); the
+    attention's experts (JetMoeMoA) and output_linear hold one matrix per expert."""
+    param = weight.param
+    if param.dim() != 3:
+        return None
+    if weight.fqn.endswith("mlp.input_linear.weight"):
+        return expert_matrices(param, row_blocks=(param.shape[-2] // 2,) * 2)
+    return expert_matrices(param)
+
+
+_MLA = {"q_proj": latent_query, "q_b_proj": latent_query, "kv_a_proj_with_mqa": latent_kv_down,
+        "kv_b_proj": latent_kv_up}
+# Attention modules whose forward is DeepSeek-V3's MLA (checked per family: kv_a_proj_with_mqa's
+# output split [kv_lora_rank, qk_rope_head_dim], kv_b_proj's viewed per head and split
+# [qk_nope_head_dim, v_head_dim], the query viewed per head of qk_head_dim).
+_MLA_FAMILIES = (
+    "axk1.modeling_axk1.AXK1Attention", "bailing_hybrid.modeling_bailing_hybrid.BailingHybridAttention",
+    "deepseek_v2.modeling_deepseek_v2.DeepseekV2Attention", "deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention",
+    "deepseek_v32.modeling_deepseek_v32.DeepseekV32Attention",
+    "dots3_note.modeling_dots3_note.Dots3NoteTextAttention",
+    "glm4_moe_lite.modeling_glm4_moe_lite.Glm4MoeLiteAttention",
+    "glm5_next.modeling_glm5_next.Glm5NextTextAttention", "glm_moe_dsa.modeling_glm_moe_dsa.GlmMoeDsaAttention",
+    "hy_v4.modeling_hy_v4.HYV4Attention", "hy_v4_vl.modeling_hy_v4_vl.HYV4VLAttention",
+    "kimi_linear.modeling_kimi_linear.KimiLinearAttention", "longcat_flash.modeling_longcat_flash.LongcatFlashMLA",
+    "minicpm3.modeling_minicpm3.MiniCPM3Attention", "mistral4.modeling_mistral4.Mistral4Attention",
+    "mistral_large4.modeling_mistral_large4.MistralLarge4TextAttention", "youtu.modeling_youtu.YoutuAttention",
+)
+for _family in _MLA_FAMILIES:
+    for _attribute, _function in _MLA.items():
+        register_fused_layout(f"transformers.models.{_family}", _attribute, _function)
+for _attribute in ("kv_a_proj_with_mqa", "kv_b_proj"):  # AXK2 fuses its query with a gate instead
+    register_fused_layout("transformers.models.axk2.modeling_axk2.AXK2Attention", _attribute, _MLA[_attribute])
+
+_THIRDS_QKV = (
+    "blip_2.modeling_blip_2.Blip2Attention", "cohere_compass.modeling_cohere_compass.CohereCompassVisionAttention",
+    "dots3_note.modeling_dots3_note.Dots3NoteVisionAttention",
+    "ernie4_5_vl_moe.modeling_ernie4_5_vl_moe.Ernie4_5_VLMoeVisionAttention",
+    "florence2.modeling_florence2.Florence2VisionChannelAttention", "glm4v.modeling_glm4v.Glm4vVisionAttention",
+    "glm4v_moe.modeling_glm4v_moe.Glm4vMoeVisionAttention", "glm5_next.modeling_glm5_next.Glm5NextVisionAttention",
+    "glm_image.modeling_glm_image.GlmImageVisionAttention", "glm_ocr.modeling_glm_ocr.GlmOcrVisionAttention",
+    "got_ocr2.modeling_got_ocr2.GotOcr2VisionAttention", "hiera.modeling_hiera.HieraMaskUnitAttention",
+    "instructblip.modeling_instructblip.InstructBlipAttention",
+    "instructblipvideo.modeling_instructblipvideo.InstructBlipVideoAttention",
+    "qwen2_5_vl.modeling_qwen2_5_vl.Qwen2_5_VLVisionAttention", "qwen2_vl.modeling_qwen2_vl.VisionAttention",
+    "qwen3_5.modeling_qwen3_5.Qwen3_5VisionAttention", "qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeVisionAttention",
+    "qwen3_omni_moe.modeling_qwen3_omni_moe.Qwen3OmniMoeVisionAttention",
+    "qwen3_vl.modeling_qwen3_vl.Qwen3VLVisionAttention", "qwen3_vl_moe.modeling_qwen3_vl_moe.Qwen3VLMoeVisionAttention",
+    "qwen4_exp.modeling_qwen4_exp.Qwen4ExpVisionAttention", "sam.modeling_sam.SamVisionSdpaAttention",
+    "sam2.modeling_sam2.Sam2MultiScaleAttention", "sam_hq.modeling_sam_hq.SamHQVisionSdpaAttention",
+    "seggpt.modeling_seggpt.SegGptAttention", "unlimited_ocr.modeling_unlimited_ocr.UnlimitedOcrSamVisionSdpaAttention",
+    "vitdet.modeling_vitdet.VitDetAttention",
+)
+for _family in _THIRDS_QKV:
+    register_fused_layout(f"transformers.models.{_family}", "qkv", thirds_qkv)
+
+for _family in ("dia.modeling_dia.DiaMLP", "dots3_note.modeling_dots3_note.Dots3NoteAudioMLP",
+                "glm4v.modeling_glm4v.Glm4vTextMLP", "glm_image.modeling_glm_image.GlmImageTextMLP",
+                "glm_ocr.modeling_glm_ocr.GlmOcrTextMLP", "minimax_m3_vl.modeling_minimax_m3_vl.MiniMaxM3VLDenseMLP"):
+    register_fused_layout(f"transformers.models.{_family}", "gate_up_proj", gate_up_halves)
+
+for _family in ("qwen3_5.modeling_qwen3_5.Qwen3_5GatedDeltaNet",
+                "qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeGatedDeltaNet",
+                "lara_mini.modeling_lara_mini.LaraMiniGatedDeltaNet"):
+    register_fused_layout(f"transformers.models.{_family}", "in_proj_qkv", gated_delta_qkv)
+register_fused_layout("transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextGatedDeltaNet", "in_proj_qkvz",
+                      gated_delta_qkvz)
+register_fused_layout("transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextGatedDeltaNet", "in_proj_ba",
+                      gated_delta_ba)
+for _attribute in ("w1", "v1", "w2"):
+    register_fused_layout("transformers.models.dbrx.modeling_dbrx.DbrxExpertGLU", _attribute, stacked_expert_rows)
+register_experts_container("transformers.models.llama4.modeling_llama4.Llama4TextExperts",
+                           ("gate_up_proj", "down_proj"), transposed_halves_experts)
+register_experts_container("transformers.models.step3p7.modeling_step3p7.Step3p7Experts",
+                           ("gate_up_proj", "down_proj"), halves_experts)
+register_experts_container("transformers.models.inkling.modeling_inkling.InklingSharedExperts",
+                           ("gate_proj", "up_proj", "down_proj"))
+register_experts_container("transformers.models.jetmoe.modeling_jetmoe.JetMoeParallelExperts", ("weight",),
+                           jetmoe_experts)
+
+
+def dbrx_qkv(weight: FusedWeight) -> Optional[FusedBlocks]:
+    """DbrxAttention.Wqkv: its forward splits [hidden_size, kv_heads * head_dim, kv_heads * head_dim]."""
+    owner = weight.owner
+    if not weight.split_qkv:
+        return WHOLE
+    try:
+        q_rows, kv_rows = int(owner.hidden_size), int(owner.num_key_value_heads) * int(owner.head_dim)
+    except (AttributeError, TypeError):
+        return None
+    return FusedBlocks((q_rows, kv_rows, kv_rows))
+
+
+def mamba2_in_proj(weight: FusedWeight) -> Optional[FusedBlocks]:
+    """A Mamba-2 mixer's in_proj: its forward splits [intermediate (gate z), conv_dim, num_heads (dt)]
+    and, after the convolution, conv_dim into [intermediate (x), groups * state (B), groups * state
+    (C)]: z, x, B, C and dt, as megatron-core's MambaMixer splits in_proj."""
+    owner = weight.owner
+    try:
+        inner, heads = int(owner.intermediate_size), int(owner.num_heads)
+        bc = int(owner.n_groups) * int(owner.ssm_state_size)
+    except (AttributeError, TypeError):
+        return None
+    return FusedBlocks((inner, inner, bc, bc, heads))
+
+
+def mamba1_in_proj(weight: FusedWeight) -> FusedBlocks:
+    """A Mamba-1 mixer's in_proj: its forward chunks the output in two, x then the gate."""
+    return gate_up_halves(weight)
+
+
+def zamba_in_proj(weight: FusedWeight) -> Optional[FusedBlocks]:
+    """ZambaMambaMixer.in_proj: its forward views the output [intermediate, 2] and chunks the last
+    dimension: x = rows 0, 2, 4, ..., the gate = rows 1, 3, 5, ..."""
+    rows = weight.param.shape[0]
+    return None if rows % 2 else FusedBlocks((1, 1), rows // 2)
+
+
+register_experts_container("transformers.models.longcat_flash.modeling_longcat_flash.LongcatFlashExperts",
+                           ("gate_up_proj", "down_proj"), halves_experts)
+register_fused_layout("transformers.models.dbrx.modeling_dbrx.DbrxAttention", "Wqkv", dbrx_qkv)
+for _family in ("mamba2.modeling_mamba2.Mamba2Mixer", "bamba.modeling_bamba.BambaMixer",
+                "nemotron_h.modeling_nemotron_h.NemotronHMamba2Mixer", "falcon_h1.modeling_falcon_h1.FalconH1Mixer",
+                "granitemoehybrid.modeling_granitemoehybrid.GraniteMoeHybridMambaLayer",
+                "zamba2.modeling_zamba2.Zamba2MambaMixer"):
+    register_fused_layout(f"transformers.models.{_family}", "in_proj", mamba2_in_proj)
+for _family in ("mamba.modeling_mamba.MambaMixer", "jamba.modeling_jamba.JambaMambaMixer",
+                "falcon_mamba.modeling_falcon_mamba.FalconMambaMixer"):
+    register_fused_layout(f"transformers.models.{_family}", "in_proj", mamba1_in_proj)
+register_fused_layout("transformers.models.zamba.modeling_zamba.ZambaMambaMixer", "in_proj", zamba_in_proj)

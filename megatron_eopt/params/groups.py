@@ -23,12 +23,16 @@ import torch
 import torch.distributed as dist
 
 from megatron_eopt.ops.splits import MatrixLayout, tensor_parallel_rank_shape
-from megatron_eopt.params.fused_layouts import FusedWeight, expert_batch_blocks, fused_blocks, is_experts_container
+from megatron_eopt.params.fused_layouts import (FusedWeight, expert_batch_blocks, fused_blocks, is_experts_container,
+                                                registered_function, unknown_fused_name)
 from megatron_eopt.params.heads import embedding_and_output_reasons
 from megatron_eopt.params.overrides import describe_key, matching_keys, merge_overrides
 from megatron_eopt.runtime.process_groups import group_size
 
 DEFAULT_GROUP_NAME = "default"
+# How `routed_because` begins for an N-D tensor that no table entry describes: the scalar optimizer
+# steps it by fallback, and the build names it (routing_fallbacks).
+UNKNOWN_LAYOUT = "N-D tensor of no known layout"
 
 
 @dataclass(frozen=True)
@@ -171,10 +175,27 @@ class ParamRouting:
         if param.dim() == 2:
             return False, "per-expert vectors of an experts container (biases)"
         if expert_batch_blocks(owner, name.rpartition(".")[2], name, param) is None:
-            return False, f"{param.dim()}-D, not a matrix nor a known experts tensor"
+            return False, self._not_a_batch(param, owner, name)
         if not self.matrix_batches:
             return False, f"experts tensor ({param.dim()}-D): {self.optimizer} orthogonalizes 2-D matrices only"
         return True, f"experts tensor ({param.dim()}-D): one matrix per expert"
+
+    def _not_a_batch(self, param: torch.nn.Parameter, owner: Optional[torch.nn.Module], name: str) -> str:
+        """Why an N-D tensor that is no known batch of matrices goes to the scalar optimizer; a
+        parameter opted into Muon by the user is refused: its matrices are unknown."""
+        if isinstance(owner, torch.nn.modules.conv._ConvNd):
+            why = f"convolution kernel ({param.dim()}-D)"
+        elif sum(size > 1 for size in param.shape) <= 1:
+            why = f"{param.dim()}-D with one dimension over 1: a vector"
+        else:
+            why = f"{UNKNOWN_LAYOUT} ({param.dim()}-D {type(owner).__name__}.{name.rpartition('.')[2]})"
+        use_muon, source = self.use_muon_of(param, name)
+        if use_muon:
+            raise ValueError(
+                f"parameter {name!r} ({tuple(param.shape)}) is opted into {self.optimizer} by {source}, but it is "
+                f"a {why}: which of its dimensions index matrices is unknown. Declare its module with "
+                f"megatron_eopt.params.fused_layouts.register_experts_container, or leave it out of the opt-in.")
+        return why
 
 
 def named_trainable_parameters(
@@ -435,7 +456,48 @@ def _linear_layer_sites(chunks: list) -> dict[int, tuple[torch.nn.Module, str]]:
                 for name, param in child.named_parameters(recurse=False):
                     if name.startswith("weight"):  # 'weight', or a grouped layer's 'weight0', 'weight1', ...
                         sites.setdefault(id(param), (module, attribute))
+            for name, param in module.named_parameters(recurse=False):  # a matrix held as a bare parameter
+                if param.dim() == 2 and registered_function(module, name) is not None:
+                    sites[id(param)] = (module, name)
     return sites
+
+
+def routing_fallbacks(records: Iterable[ParamRecord], chunks: Sequence[torch.nn.Module], optimizer: str
+                      ) -> dict[str, str]:
+    """fqn -> why, for every parameter routed by a fallback: an N-D tensor of no known layout (to the
+    scalar optimizer), or a 2-D weight whose name marks it fused but that no table entry describes
+    (to `optimizer` whole). docs/fsdp2.md lists the weights kept whole on purpose."""
+    chunks = list(chunks)
+    sites = _linear_layer_sites(chunks)
+    found = {}
+    for record in records:
+        if record.routed_because.startswith(UNKNOWN_LAYOUT):
+            found[record.fqn] = record.routed_because
+        elif record.param.dim() == 2 and record.optimizer_name == optimizer:
+            owner, attribute = sites.get(id(record.param), (None, ""))
+            why = _whole_by_fallback(record, owner, attribute, chunk_model_config(chunks[record.chunk_index]))
+            if why:
+                found[record.fqn] = why
+    return found
+
+
+def _whole_by_fallback(record: ParamRecord, owner: Optional[torch.nn.Module], attribute: str, model_config: Any
+                       ) -> str:
+    """Why a 2-D weight goes to the matrix optimizer whole though it looks fused; "" when it does not."""
+    kind = f"{type(owner).__name__}.{attribute}" if owner is not None else record.fqn
+    function = registered_function(owner, attribute) if owner is not None else None
+    if function is not None:
+        try:
+            facts = function(FusedWeight(fqn=record.fqn, param=record.param, owner=owner, attribute=attribute,
+                                         model_config=model_config, tp_size=1))
+        except (ValueError, AttributeError, TypeError):
+            return ""  # the layout step says what is wrong, in its own error
+        return "" if facts is not None else f"2-D {kind}: its module lacks the facts its table entry reads: one matrix"
+    if owner is not None and unknown_fused_name(owner, attribute):
+        return f"2-D {kind} is named like a fused weight but no table entry describes it: one matrix"
+    if int(getattr(record.param, "partition_stride", 1)) > 1 and not getattr(record.param, "partition_sizes", None):
+        return f"2-D {kind} has partition_stride={record.param.partition_stride} and no table entry: one matrix"
+    return ""
 
 
 def batch_sites(chunks: list) -> dict[int, tuple[torch.nn.Module, str]]:
@@ -481,7 +543,7 @@ def matrix_layout(record: ParamRecord, model_config: Any, tp_size: int, split_qk
         attribute = parts[-2] if len(parts) > 1 and parts[-1] == "weight" else ""
     sharded_rows = record.tensor_model_parallel and record.partition_dim == 0
     owner_config = getattr(owner, "config", None)
-    owner_config = owner_config if hasattr(owner_config, "num_attention_heads") else None
+    owner_config = owner_config if _has_head_count(owner_config) else None
     blocks = fused_blocks(FusedWeight(
         fqn=record.fqn, param=record.param, owner=owner, attribute=attribute,
         model_config=owner_config if owner_config is not None else model_config,
@@ -499,12 +561,21 @@ def matrix_layout(record: ParamRecord, model_config: Any, tp_size: int, split_qk
     )
 
 
+def _has_head_count(config: Any) -> bool:
+    """Whether `config` has a global `num_attention_heads` (transformers' heterogeneous configs
+    raise their own error for a per-layer attribute)."""
+    try:
+        return hasattr(config, "num_attention_heads")
+    except Exception:  # transformers' AmbiguousGlobalPerLayerAttributeError
+        return False
+
+
 def chunk_model_config(chunk: torch.nn.Module) -> Any:
     """The TransformerConfig of a chunk, looking through wrappers (DDP, Float16Module: `.module`)."""
     module = chunk
     while module is not None:
         config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "num_attention_heads"):
+        if config is not None and _has_head_count(config):
             return config
         module = getattr(module, "module", None)
     return None

@@ -53,7 +53,8 @@ def _reported(module: torch.nn.Module, method: str) -> Optional[torch.nn.Module]
         return None
     try:
         reported = getter()
-    except NotImplementedError:  # transformers' base class for a model that does not say
+    except (NotImplementedError, AttributeError):  # transformers: a model that does not say, or whose
+        # getter reads a part this configuration leaves out (SAM3 tracker video without a vision encoder)
         return None
     return reported if isinstance(reported, torch.nn.Module) else None  # None: a model without a head
 

@@ -26,6 +26,10 @@ muon_fp32_matmul_prec='highest', no weight decay, one step. Checked:
   saved after one step through `get_optimizer_state_dict` (flattened) and `dcp.save`, loaded into
   a fresh model and optimizer, steps on bitwise (its momentum is saved as Shard(1), each rank's
   rows of every expert at their offsets);
+- one family per kind of fused or stacked layout (tests/zoo_models.py: torchtitan's fused wqkv,
+  MLA and GPT-OSS experts, DBRX, Qwen3-Next's gated delta net, Mamba-2), the root sharded, one
+  step with synthetic gradients: every parameter within 1e-5 of one process (each component along
+  its own Newton-Schulz is test_zoo_layouts.py's check);
 - the refusals, each one ValueError naming the parameter and placement: Shard(1) of transposed
   experts (GPT-OSS, [E, in, out]: it would split each expert's columns), Shard(1) of a 2-D weight,
   and a 2-D mesh (an EP x FSDP or HSDP layout).
@@ -42,7 +46,7 @@ from emerging_optimizers.orthogonalized_optimizers import muon_utils
 
 from megatron_eopt import OptimizerConfig, ParallelGroups, get_megatron_optimizer
 from megatron_eopt.training.parallel.fsdp2 import data_parallel_mesh
-from tests import routing_models
+from tests import routing_models, zoo_models
 from tests.newton_schulz_calls import recording_newton_schulz_calls
 from tests.refusals import error_of
 
@@ -238,6 +242,29 @@ def _refusals(mesh_1d) -> dict:
             "2-D mesh": error_of(lambda: get_megatron_optimizer(CONFIG, [two_d]))}
 
 
+# One family per kind of fused or stacked layout (tests/zoo_models.py): torchtitan's fused wqkv,
+# its MLA (with GroupedExperts) and GPT-OSS's interleaved experts, DBRX's 2-D stacked experts and
+# Wqkv, Qwen3-Next's gated delta net, Mamba-2's in_proj.
+ZOO_KINDS = ("titan_llama3_fused_qkv", "titan_deepseek_v3_mla", "titan_gpt_oss_experts", "hf_dbrx_experts",
+             "hf_qwen3_next_gated_delta_net", "hf_mamba2_in_proj")
+
+
+def _zoo_errors(mesh) -> dict:
+    """max |FSDP=2 - one process| over every parameter after one Muon step with synthetic
+    gradients, the root sharded (each weight's rows split over the ranks, cutting its components)."""
+    from torch.distributed.fsdp import fully_shard
+
+    errors = {}
+    for case in ZOO_KINDS:
+        torch.manual_seed(0)
+        reference = zoo_models.CASES[case]()[0].float()
+        sharded = fully_shard(copy.deepcopy(reference), mesh=mesh)
+        _, expected, _ = _step(reference, None, ParallelGroups.single_process())
+        _, got, _ = _step(sharded, None)
+        errors[case] = max((got[name] - expected[name]).abs().max().item() for name in expected)
+    return errors
+
+
 def _body(rank: int, world_size: int, directory: str) -> dict:
     torch.set_float32_matmul_precision("highest")
     mesh = data_parallel_mesh(dist.group.WORLD, torch.device("cpu"))
@@ -264,7 +291,7 @@ def _body(rank: int, world_size: int, directory: str) -> dict:
                                                "moe.experts.w1_EFD")}
     rows["resumed"] = _resume_expert_rows(mesh, features, directory)
     return {"qwen3_moe": qwen, "torchtitan": titan, "torchtitan_qwen3_moe": titan_model, "expert_rows": rows,
-            "refusals": _refusals(mesh)}
+            "refusals": _refusals(mesh), "zoo": _zoo_errors(mesh)}
 
 
 def test_fsdp2_nd_experts_equal_one_process(run_distributed, tmp_path) -> None:
@@ -291,6 +318,8 @@ def test_fsdp2_nd_experts_equal_one_process(run_distributed, tmp_path) -> None:
             assert worst <= TOLERANCE, (model, rank, {n: e for n, e in result["errors"].items() if e > TOLERANCE})
         resumed = results["expert_rows"]["resumed"]
         assert not resumed["unequal"] and "Shard(dim=1)" in resumed["state"], (rank, resumed)
+        print(f"rank {rank}: fused and stacked layouts, max |FSDP=2 - one process| = {results['zoo']}")
+        assert all(error <= TOLERANCE for error in results["zoo"].values()), (rank, results["zoo"])
         refusals = results["refusals"]
         for case, name, placement in (("transposed", "mlp.experts.gate_up_proj", "Shard(dim=1)"),
                                       ("2-D weight", "router.weight", "Shard(dim=1)"),

@@ -1,0 +1,208 @@
+"""Tiny models of the `transformers` and torchtitan families whose fused or stacked weights
+params/fused_layouts.py splits, one per layout kind, each with its components cut out as the
+family's own forward reads them (the docstrings name the source): {parameter name: [function of
+a full tensor -> one component's [out, in] matrix]}. Used by
+tests/unit/library/params/test_zoo_layouts.py (one process) and
+tests/unit/library/distributed/test_fsdp2_nd_experts.py (FSDP2 on 2 ranks).
+"""
+
+import torch
+
+
+def _transformers():
+    import transformers
+
+    return transformers
+
+
+# --- torchtitan ----------------------------------------------------------------------------------
+
+def _stack(layer_configs) -> torch.nn.Module:
+    """torchtitan's blocks under a root module (`layers.<i>`), as its decoders hold them."""
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([config.build() for config in layer_configs])
+    return model
+
+
+def _titan_rope(dim):
+    from torchtitan.models.common import ComplexRoPE
+
+    return ComplexRoPE.Config(dim=dim, max_seq_len=64, theta=10000.0, scaling="none")
+
+
+def titan_llama3_fused_qkv():
+    """FusedQKVLinear.forward: wqkv's output viewed [n_kv_heads, heads_per_kv + 2, head_dim], split
+    [heads_per_kv, 1, 1]: 2 KV groups of 2 query heads, head_dim 8."""
+    from torchtitan.models.llama3 import _build_llama3_layers
+
+    layers = _build_llama3_layers(n_layers=1, dim=32, n_heads=4, n_kv_heads=2, hidden_dim=48, fuse_qkv=True,
+                                  attn_backend="flex", rope=_titan_rope(8))
+    groups = lambda t: t.reshape(2, 4, 8, t.shape[-1])
+    parts = {"layers.0.attention.qkv_linear.wqkv.weight": [
+        lambda t: groups(t)[:, :2].reshape(-1, t.shape[-1]), lambda t: groups(t)[:, 2].reshape(-1, t.shape[-1]),
+        lambda t: groups(t)[:, 3].reshape(-1, t.shape[-1])]}
+    return _stack(layers), parts
+
+
+def titan_deepseek_v3_mla():
+    """deepseek_v3 Attention.forward: wq_b's output viewed [heads, qk_nope + qk_rope]; wkv_a's split
+    [kv_lora_rank, qk_rope]; wkv_b's viewed [heads, qk_nope + v_head_dim] and split. 2 heads,
+    nope 8, rope 4, v 8, kv_lora_rank 8."""
+    from torchtitan.models.deepseek_v3 import _build_dsv3_layers
+
+    layers = _build_dsv3_layers(
+        n_layers=1, n_dense_layers=1, dim=32, n_heads=2, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8,
+        qk_rope_head_dim=4, v_head_dim=8, mscale=0.7, dense_hidden_dim=48, moe_hidden_dim=16, num_experts=3,
+        num_shared_experts=1, router_top_k=2, router_score_func="softmax", attn_backend="flex",
+        moe_comm_backend="standard", non_blocking_capacity_factor=None, rope=_titan_rope(4))
+    parts = {"layers.0.attention.wq_b.weight": [lambda t, h=h: t[12 * h:12 * (h + 1)] for h in range(2)],
+             "layers.0.attention.wkv_a.weight": [lambda t: t[:8], lambda t: t[8:]],
+             "layers.0.attention.wkv_b.weight": [lambda t, h=h, s=s: t[16 * h + s:16 * h + s + 8]
+                                          for h in range(2) for s in (0, 8)]}
+    return _stack(layers), parts
+
+
+def titan_gpt_oss_experts():
+    """GptOssGroupedExperts.forward: mlp1_weight_EGD [E, 2F, D] per expert [out, in], its swiglu
+    gate = rows 0, 2, ..., up = rows 1, 3, ...; mlp2_weight_EDF [E, D, F] one matrix each."""
+    from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts
+
+    model = torch.nn.Module()
+    model.router = torch.nn.Linear(32, 3, bias=False)  # a dense parameter beside the experts, as in a model
+    model.experts = GptOssGroupedExperts(GptOssGroupedExperts.Config(dim=32, hidden_dim=16, num_experts=3))
+    for param in model.experts.parameters():
+        torch.nn.init.normal_(param, std=0.1)
+    parts = {"experts.mlp1_weight_EGD": [lambda t, e=e, s=s: t[e][s::2] for e in range(3) for s in (0, 1)],
+             "experts.mlp2_weight_EDF": [lambda t, e=e: t[e] for e in range(3)]}
+    return model, parts
+
+
+# --- transformers ----------------------------------------------------------------------------------
+
+def hf_deepseek_v3_mla():
+    """DeepseekV3Attention.forward: q_b_proj viewed [heads, qk_head_dim]; kv_a_proj_with_mqa split
+    [kv_lora_rank, qk_rope_head_dim]; kv_b_proj viewed [heads, qk_nope + v_head_dim], split."""
+    config = _transformers().DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8,
+        qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1)
+    attention = "model.layers.0.self_attn."
+    parts = {attention + "q_b_proj.weight": [lambda t, h=h: t[12 * h:12 * (h + 1)] for h in range(2)],
+             attention + "kv_a_proj_with_mqa.weight": [lambda t: t[:8], lambda t: t[8:]],
+             attention + "kv_b_proj.weight": [lambda t, h=h, s=s: t[16 * h + s:16 * h + s + 8]
+                                              for h in range(2) for s in (0, 8)]}
+    return _transformers().DeepseekV3ForCausalLM(config), parts
+
+
+def hf_dbrx_experts():
+    """DbrxExpertGLU.forward: w1, v1 [E * ffn, hidden], x @ w1[e].T; w2 the same shape, x @ w2[e]:
+    expert e's ffn rows e*F .. (e+1)*F of each, one matrix."""
+    config = _transformers().DbrxConfig(d_model=32, n_heads=4, n_layers=1, vocab_size=64, max_seq_len=32,
+                                     attn_config={"kv_n_heads": 2, "rope_theta": 10000.0},
+                                     ffn_config={"ffn_hidden_size": 16, "moe_num_experts": 3, "moe_top_k": 2})
+    mlp = "transformer.blocks.0.ffn.experts.mlp."
+    parts = {mlp + name: [lambda t, e=e: t[16 * e:16 * (e + 1)] for e in range(3)] for name in ("w1", "v1", "w2")}
+    # DbrxAttention.forward: Wqkv's output split [hidden, kv_heads * head_dim, kv_heads * head_dim].
+    parts["transformer.blocks.0.norm_attn_norm.attn.Wqkv.weight"] = [lambda t: t[:32], lambda t: t[32:48],
+                                                                     lambda t: t[48:]]
+    return _transformers().DbrxForCausalLM(config), parts
+
+
+def hf_qwen3_next_gated_delta_net():
+    """Qwen3NextGatedDeltaNet.fix_query_key_value_ordering: in_proj_qkvz viewed [k_heads,
+    2 hk + 2 hv v_heads / k_heads], split (hk, hk, 2 hv, 2 hv); in_proj_ba viewed [k_heads, 4],
+    split (2, 2). 2 key heads, 4 value heads, hk = hv = 8."""
+    config = _transformers().Qwen3NextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        num_hidden_layers=1, layer_types=["linear_attention"], num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        num_experts=4, num_experts_per_tok=2)
+    qkvz = lambda t: t.reshape(2, 48, t.shape[-1])
+    ba = lambda t: t.reshape(2, 4, t.shape[-1])
+    parts = {"model.layers.0.linear_attn.in_proj_qkvz.weight": [
+                lambda t, a=a, b=b: qkvz(t)[:, a:b].reshape(-1, t.shape[-1]) for a, b in ((0, 8), (8, 16), (16, 32),
+                                                                                        (32, 48))],
+             "model.layers.0.linear_attn.in_proj_ba.weight": [
+                lambda t, a=a: ba(t)[:, a:a + 2].reshape(-1, t.shape[-1]) for a in (0, 2)]}
+    return _transformers().Qwen3NextForCausalLM(config), parts
+
+
+def hf_llama4_experts():
+    """Llama4TextExperts.forward: bmm(x, gate_up_proj[e]) with gate_up_proj [E, hidden, 2F] ([in,
+    out]), chunked into gate, up; down_proj [E, F, hidden] ([in, out])."""
+    config = _transformers().Llama4TextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=16, intermediate_size_mlp=48, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=3, num_experts_per_tok=1)
+    experts = "model.layers.0.feed_forward.experts."
+    parts = {experts + "gate_up_proj": [lambda t, e=e, s=s: t[e].T[s:s + 16] for e in range(3) for s in (0, 16)],
+             experts + "down_proj": [lambda t, e=e: t[e].T for e in range(3)]}
+    return _transformers().Llama4ForCausalLM(config), parts
+
+
+def hf_jetmoe_experts():
+    """JetMoeParallelExperts.forward: F.linear per expert, weight [E, out, in]; the MLP's
+    input_linear output chunked into gate, up; the attention's experts one matrix each."""
+    config = _transformers().JetMoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_key_value_heads=2,
+                                       kv_channels=8, intermediate_size=16, num_local_experts=3,
+                                       num_experts_per_tok=2)
+    parts = {"model.layers.0.mlp.input_linear.weight": [lambda t, e=e, s=s: t[e][s:s + 16]
+                                                        for e in range(3) for s in (0, 16)],
+             "model.layers.0.mlp.output_linear.weight": [lambda t, e=e: t[e] for e in range(3)],
+             "model.layers.0.self_attention.experts.input_linear.weight": [lambda t, e=e: t[e] for e in range(3)]}
+    return _transformers().JetMoeForCausalLM(config), parts
+
+
+def hf_qwen2_5_vl_vision_qkv():
+    """Qwen2_5_VLVisionAttention.forward: qkv's output reshaped (seq, 3, heads, head_dim): thirds."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    config = _transformers().models.qwen2_5_vl.configuration_qwen2_5_vl.Qwen2_5_VLVisionConfig(
+        depth=1, hidden_size=32, num_heads=4, intermediate_size=48, out_hidden_size=32, fullatt_block_indexes=[0])
+    parts = {"blocks.0.attn.qkv.weight": [lambda t, s=s: t[32 * s:32 * (s + 1)] for s in range(3)]}
+    return Qwen2_5_VisionTransformerPretrainedModel(config), parts
+
+
+def hf_mamba2_in_proj():
+    """Mamba2Mixer.forward: in_proj's output split [intermediate (z), conv_dim, num_heads (dt)], conv_dim
+    after the convolution [intermediate (x), groups * state (B), groups * state (C)]: 64, 64, 8, 8, 4."""
+    config = _transformers().Mamba2Config(vocab_size=64, hidden_size=32, num_heads=4, head_dim=16, expand=2, n_groups=1,
+                                       state_size=8, num_hidden_layers=1)
+    bounds = (0, 64, 128, 136, 144, 148)
+    parts = {"backbone.layers.0.mixer.in_proj.weight": [lambda t, a=a, b=b: t[a:b] for a, b in zip(bounds, bounds[1:])]}
+    return _transformers().Mamba2ForCausalLM(config), parts
+
+
+def hf_qwen3_5_gated_delta_qkv():
+    """Qwen3_5GatedDeltaNet.forward: in_proj_qkv's output (after its convolution) split
+    [key_dim, key_dim, value_dim]: 2 key heads and 4 value heads of 8."""
+    config = _transformers().Qwen3_5TextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, layer_types=["linear_attention"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=8)
+    parts = {"model.layers.0.linear_attn.in_proj_qkv.weight": [lambda t: t[:16], lambda t: t[16:32],
+                                                               lambda t: t[32:]]}
+    return _transformers().Qwen3_5ForCausalLM(config), parts
+
+
+def hf_mamba_in_proj():
+    """MambaMixer.forward: in_proj's output chunked in two, x then the gate."""
+    config = _transformers().MambaConfig(vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=1, expand=2)
+    parts = {"backbone.layers.0.mixer.in_proj.weight": [lambda t: t[:64], lambda t: t[64:]]}
+    return _transformers().MambaForCausalLM(config), parts
+
+
+def hf_zamba_in_proj():
+    """ZambaMambaMixer.forward: in_proj's output viewed [intermediate, 2] and chunked on the last
+    dimension: x = rows 0, 2, ..., the gate = rows 1, 3, ..."""
+    config = _transformers().ZambaConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
+        attention_head_dim=8, intermediate_size=48, mamba_d_state=8, n_mamba_heads=2, layers_block_type=["mamba"])
+    parts = {"model.layers.0.mamba.in_proj.weight": [lambda t: t[0::2], lambda t: t[1::2]]}
+    return _transformers().ZambaForCausalLM(config), parts
+
+
+CASES = {builder.__name__: builder for builder in (
+    titan_llama3_fused_qkv, titan_deepseek_v3_mla, titan_gpt_oss_experts, hf_deepseek_v3_mla, hf_dbrx_experts,
+    hf_qwen3_next_gated_delta_net, hf_llama4_experts, hf_jetmoe_experts, hf_qwen2_5_vl_vision_qkv, hf_mamba2_in_proj,
+    hf_qwen3_5_gated_delta_qkv, hf_mamba_in_proj, hf_zamba_in_proj)}
