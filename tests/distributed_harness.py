@@ -1196,8 +1196,9 @@ def _clear_dtensor_caches() -> None:
         collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
 
 
-# Thread pools torch starts once per process and keeps by design (autograd's per-device threads).
-_PROCESS_LIFETIME_THREADS = ("pt_autograd_",)
+# Threads started once per process and kept by design: autograd's per-device threads, and jemalloc's
+# background thread, which pyarrow starts when imported (`datasets` imports it; verl imports `datasets`).
+_PROCESS_LIFETIME_THREADS = ("pt_autograd_", "jemalloc_bg_thd")
 # The name a native thread inherits from the process (a thread that never names itself).
 _MAIN_THREAD_NAME = Path("/proc/self/comm").read_text().strip() if os.path.exists("/proc/self/comm") else "python"
 
