@@ -5,6 +5,7 @@ optimizer in them (tests/unit/library/integrations/test_verl_engine.py, test_are
 - for verl 0.9.1, a CPU platform: verl ships CUDA, NPU and ROCm ones and falls back to "nvidia" when it
   detects none. Its plugin API (`PlatformBase`, `set_platform`) takes ours; it must be set before
   `verl.workers.engine.fsdp.transformer_impl` is imported (that module reads the device name once);
+- a batch of random tokens in each engine's format, and an SFT loss in AReaL's signature;
 - the optimizer state and the shards of the model as plain tensors, to compare two runs key by key.
 AReaL 1.0.4 picks its own CPU platform (gloo) when it finds no accelerator.
 """
@@ -27,6 +28,39 @@ def save_tiny_qwen3(directory: str) -> str:
     torch.manual_seed(0)
     Qwen3ForCausalLM(Qwen3Config(**QWEN3_SIZE)).save_pretrained(directory)
     return directory
+
+
+def verl_sft_batch(rank: int, step: int):
+    """verl's no-padding batch of 2 sequences: jagged input_ids/position_ids/loss_mask, and the per-batch
+    settings verl's trainer adds (padded attention: verl's remove-padding path needs flash-attn)."""
+    from verl.utils import tensordict_utils as tu
+
+    generator = torch.Generator().manual_seed(100 * step + rank)
+    lengths = [7, 5]
+    jagged = lambda tensors: torch.nested.as_nested_tensor(tensors, layout=torch.jagged)  # noqa: E731
+    return tu.get_tensordict(
+        {"input_ids": jagged([torch.randint(0, QWEN3_SIZE["vocab_size"], (n,), generator=generator) for n in lengths]),
+         "position_ids": jagged([torch.arange(n) for n in lengths]),
+         "loss_mask": jagged([torch.ones(n, dtype=torch.long) for n in lengths])},
+        non_tensor_dict={"use_remove_padding": False, "use_dynamic_bsz": False, "micro_batch_size_per_gpu": 2,
+                         "max_token_len_per_gpu": 1024, "use_fused_kernels": False, "temperature": 1.0,
+                         "global_batch_size": 4, "pad_mode": "no_padding"})
+
+
+def areal_sft_batch(rank: int, step: int) -> dict:
+    """AReaL's padded batch of 2 sequences: input_ids, attention_mask and the loss mask shifted to the next token."""
+    generator = torch.Generator().manual_seed(100 * step + rank)
+    attention_mask = torch.ones(2, 7, dtype=torch.bool)
+    attention_mask[1, 5:] = False
+    return {"input_ids": torch.randint(0, QWEN3_SIZE["vocab_size"], (2, 7), generator=generator),
+            "attention_mask": attention_mask, "loss_mask": torch.roll(attention_mask, shifts=-1, dims=-1)}
+
+
+def areal_sft_loss(logprobs: torch.Tensor, entropy: torch.Tensor, input_: dict, **kwargs) -> torch.Tensor:
+    """An SFT loss in AReaL's loss-function signature: the mean negative log-likelihood over `loss_mask`
+    (AReaL's own, in areal.trainer, imports its experiment loggers: swanlab, wandb)."""
+    mask = input_["loss_mask"].bool()
+    return -torch.where(mask, logprobs, 0.0).sum() / mask.count_nonzero()
 
 
 def _cpu_device_module() -> types.ModuleType:

@@ -23,21 +23,6 @@ STEPS, SAVED_AT, LR = 4, 2, 1e-2
 TRAIN_BATCH, DATASET = 4, 4 * STEPS  # AReaL's FinetuneSpec: STEPS optimizer steps, a quarter of them warm-up
 
 
-def _sft_loss(logprobs: torch.Tensor, entropy: torch.Tensor, input_: dict, **kwargs) -> torch.Tensor:
-    """AReaL's loss-function signature: the mean negative log-likelihood over `loss_mask`."""
-    mask = input_["loss_mask"].bool()
-    return -torch.where(mask, logprobs, 0.0).sum() / mask.count_nonzero()
-
-
-def _batch(rank: int, step: int) -> dict:
-    """AReaL's padded batch: input_ids, attention_mask and the loss mask shifted to the next token."""
-    generator = torch.Generator().manual_seed(100 * step + rank)
-    attention_mask = torch.ones(2, 7, dtype=torch.bool)
-    attention_mask[1, 5:] = False
-    return {"input_ids": torch.randint(0, 128, (2, 7), generator=generator), "attention_mask": attention_mask,
-            "loss_mask": torch.roll(attention_mask, shifts=-1, dims=-1)}
-
-
 def _engine(model_path: str):
     from areal.api.cli_args import OptimizerConfig as ArealOptimizerConfig
     from areal.api.cli_args import TrainEngineConfig
@@ -74,7 +59,7 @@ def _train(engine, steps, rank: int) -> list[dict]:
     for step in steps:
         before = engines_on_cpu.plain(dict(engine.model.named_parameters()))
         engine.train()
-        stats = engine.train_batch(_batch(rank, step), loss_fn=_sft_loss,
+        stats = engine.train_batch(engines_on_cpu.areal_sft_batch(rank, step), loss_fn=engines_on_cpu.areal_sft_loss,
                                    loss_weight_fn=lambda batch: batch["loss_mask"].count_nonzero())
         after = engines_on_cpu.plain(dict(engine.model.named_parameters()))
         seen.append({"inner_lrs": [g["lr"] for c in engine.optimizer.chained_optimizers for g in c.param_groups],

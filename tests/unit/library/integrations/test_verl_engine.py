@@ -25,22 +25,6 @@ from tests import engines_on_cpu
 STEPS, SAVED_AT, WARMUP, LR = 4, 2, 1, 1e-2
 
 
-def _batch(rank: int, step: int):
-    """verl's no-padding batch: jagged input_ids/position_ids/loss_mask, and its per-batch settings."""
-    from verl.utils import tensordict_utils as tu
-
-    generator = torch.Generator().manual_seed(100 * step + rank)
-    lengths = [7, 5]
-    jagged = lambda tensors: torch.nested.as_nested_tensor(tensors, layout=torch.jagged)  # noqa: E731
-    return tu.get_tensordict(
-        {"input_ids": jagged([torch.randint(0, 128, (n,), generator=generator) for n in lengths]),
-         "position_ids": jagged([torch.arange(n) for n in lengths]),
-         "loss_mask": jagged([torch.ones(n, dtype=torch.long) for n in lengths])},
-        non_tensor_dict={"use_remove_padding": False, "use_dynamic_bsz": False, "micro_batch_size_per_gpu": 2,
-                         "max_token_len_per_gpu": 1024, "use_fused_kernels": False, "temperature": 1.0,
-                         "global_batch_size": 4, "pad_mode": "no_padding"})
-
-
 def _engine(model_path: str, checkpoint_config=None):
     from megatron_eopt import OptimizerConfig, get_megatron_optimizer
     from verl.trainer.config import CheckpointConfig
@@ -75,7 +59,7 @@ def _train(engine, steps, rank: int) -> list[dict]:
     for step in steps:
         params_before = engines_on_cpu.plain(dict(engine.module.named_parameters()))
         with engine.train_mode():
-            output = engine.train_batch(_batch(rank, step), loss_function=partial(sft_loss, config=None))
+            output = engine.train_batch(engines_on_cpu.verl_sft_batch(rank, step), loss_function=partial(sft_loss, config=None))
         inner_lrs = [g["lr"] for child in engine.optimizer.chained_optimizers for g in child.param_groups]
         params_after = engines_on_cpu.plain(dict(engine.module.named_parameters()))
         seen.append({"inner_lrs": inner_lrs, "grad_norm": output["metrics"]["grad_norm"], "params": len(params_after),
