@@ -101,6 +101,8 @@ venv: $(STAMP)
 # --compile-bytecode: where PYTHONDONTWRITEBYTECODE is set (CI's machines set it), Python never caches
 # bytecode, and every process the suite starts compiled megatron-core and torch from source: `import
 # megatron.core` took 17-19 s instead of 7 (2-core Zen 3). Compiling once costs 20 s at set-up.
+NO_DEPS_PACKAGES := gram-newton-schulz==0.1.6 verl==0.9.1 areal==1.0.4 tensordict==0.10.0 pyvers==0.1.0
+export NO_DEPS_PACKAGES
 $(STAMP): pyproject.toml requirements.lock tools/find_python312.sh
 	@py312=$$(tools/find_python312.sh) || exit 1; \
 	echo "Creating $(VENV) with $$py312"; \
@@ -108,8 +110,7 @@ $(STAMP): pyproject.toml requirements.lock tools/find_python312.sh
 	$(PY) -m pip install --quiet --disable-pip-version-check uv && \
 	$(VENV)/bin/uv pip install --quiet --compile-bytecode --python $(PY) -r requirements.lock && \
 	$(VENV)/bin/uv pip install --quiet --python $(PY) --no-deps -e . && \
-	$(VENV)/bin/uv pip install --quiet --compile-bytecode --python $(PY) --no-deps gram-newton-schulz==0.1.6 \
-	  verl==0.9.1 areal==1.0.4 tensordict==0.10.0 pyvers==0.1.0 && \
+	$(VENV)/bin/uv pip install --quiet --compile-bytecode --python $(PY) --no-deps $(NO_DEPS_PACKAGES) && \
 	touch $(STAMP)
 
 # Re-resolve the pinned versions (needs the registry); commit the result.
