@@ -82,11 +82,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--optimizer", "optimizer", "Optimizer (dist_muon is deprecated: use --optimizer muon "
          "--use-distributed-optimizer).", str, _optimizer_choices, installed=True,
          listed=_listed_optimizer_choices),
-    Flag("--lr", "lr", "Peak learning rate.", float),
-    Flag("--min-lr", "min_lr", "Minimum learning rate of the schedule.", float),
-    Flag("--decoupled-lr", "decoupled_lr", "Learning rate of the embedding and output layer.", float),
+    Flag("--lr", "lr", "Peak learning rate (scripts/pretrain_gpt.py needs it).", float),
+    Flag("--min-lr", "min_lr", "Minimum learning rate of the schedule (none: 0, Megatron-LM's default).",
+         float),
+    Flag("--decoupled-lr", "decoupled_lr", "Learning rate of the embedding and output layer (none: "
+         "--lr's).", float),
     Flag("--decoupled-min-lr", "decoupled_min_lr", "Minimum learning rate of the embedding and "
-         "output layer.", float),
+         "output layer (none: --min-lr's).", float),
     Flag("--weight-decay", "weight_decay", "Weight decay coefficient.", float),
     Flag("--apply-wd-to-qk-layernorm", "apply_wd_to_qk_layernorm", "Apply weight decay to the "
          "QK-layernorm weights too."),
@@ -100,7 +102,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--adam-eps", "adam_eps", "Adam epsilon.", float),
     Flag("--sgd-momentum", "sgd_momentum", "SGD momentum.", float),
     # Muon.
-    Flag("--muon-momentum", "muon_momentum", "Muon momentum.", float),
+    Flag("--muon-momentum", "muon_momentum", "Muon momentum. The command lines default to Megatron-LM's "
+         "0.9, OptimizerConfig to megatron-core's 0.95 (docs/library.md).", float),
     Flag("--muon-nesterov", "muon_nesterov", "Nesterov momentum in Muon."),
     Flag("--muon-no-split-qkv", "muon_split_qkv", "Orthogonalize linear_qkv as one matrix instead "
          "of q, k, v separately.", negative=True),
@@ -114,7 +117,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--muon-coefficient-type", "muon_coefficient_type", "Newton-Schulz coefficient set (those "
          "of the installed emerging_optimizers).", str, _coefficient_choices, installed=True,
          listed=coefficient_types),
-    Flag("--muon-num-ns-steps", "muon_num_ns_steps", "Newton-Schulz steps.", int),
+    Flag("--muon-num-ns-steps", "muon_num_ns_steps", "Newton-Schulz steps (4 with --muon-aol-preconditioner, "
+         "unless given).", int),
     Flag("--muon-tp-mode", "muon_tp_mode", "How tensor-parallel matrices are orthogonalized (no "
          "effect without tensor parallelism); 'auto': per matrix, the exact mode predicted cheapest.",
          str, _literal(TpMode)),
@@ -176,7 +180,7 @@ FLAGS: tuple[Flag, ...] = (
     # Mixed precision and loss scaling.
     Flag("--fp16", "fp16", "fp16 mixed precision (adam/sgd only)."),
     Flag("--bf16", "bf16", "bf16 mixed precision."),
-    Flag("--loss-scale", "loss_scale", "Static loss scale (fp16; default: dynamic).", float),
+    Flag("--loss-scale", "loss_scale", "Static loss scale (fp16; none: dynamic).", float),
     Flag("--initial-loss-scale", "initial_loss_scale", "Initial dynamic loss scale.", float),
     Flag("--min-loss-scale", "min_loss_scale", "Minimum dynamic loss scale.", float),
     Flag("--loss-scale-window", "loss_scale_window", "Steps between loss-scale increases.", float),
@@ -200,7 +204,8 @@ FLAGS: tuple[Flag, ...] = (
          "--optimizer-offload-fraction of the parameters on the host, streamed to the device for the step "
          "(needs --use-precision-aware-optimizer, as in Megatron-LM)."),
     Flag("--optimizer-offload-fraction", "optimizer_offload_fraction", "Fraction of each optimizer's elements "
-         "whose state is on the host with --optimizer-cpu-offload (whole parameters, in order).", float),
+         "whose state is on the host with --optimizer-cpu-offload (whole parameters, in order). The command lines "
+         "default to Megatron-LM's 1.0, OptimizerConfig to megatron-core's 0.0 (docs/library.md).", float),
     Flag("--use-torch-optimizer-for-cpu-offload", "use_torch_optimizer_for_cpu_offload", "megatron-core: step "
          "the on-device part with torch's optimizer; no effect here (the inner optimizer is the same)."),
     Flag("--overlap-cpu-optimizer-d2h-h2d", "overlap_cpu_optimizer_d2h_h2d", "With --optimizer-cpu-offload "
@@ -249,6 +254,24 @@ def add_optimizer_args(parser: argparse.ArgumentParser, *, deferred: bool = Fals
 # Megatron-LM's parser defaults where they differ from OptimizerConfig's (megatron-core's): one command line
 # resolves as in Megatron-LM's loop (tests/unit/training/test_megatron_lm_parity.py compares every setting).
 MEGATRON_LM_PARSER_DEFAULTS: dict[str, Any] = {"muon_momentum": 0.9, "optimizer_offload_fraction": 1.0}
+# Every value flag's default as a command line resolves it (OptimizerConfig's, or MEGATRON_LM_PARSER_DEFAULTS'),
+# written out so that `--help` shows it without importing torch, as OptimizerConfig does;
+# tests/unit/arguments/test_arguments.py checks it against them. A switch is off unless given, and
+# --muon-fp32-matmul-prec's default comes from the hardware (its help says so); None means what the help says.
+SHOWN_DEFAULTS: dict[str, Any] = {
+    "optimizer": "adam", "lr": None, "min_lr": None, "decoupled_lr": None, "decoupled_min_lr": None,
+    "weight_decay": 0.01, "clip_grad": 1.0, "grad_norm_skip_threshold": float("inf"),
+    "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_eps": 1e-08, "sgd_momentum": 0.9,
+    "muon_momentum": 0.9, "muon_scale_mode": "spectral", "muon_coefficient_type": "quintic", "muon_num_ns_steps": 5,
+    "muon_tp_mode": "duplicated", "muon_expert_tp_mode": None, "muon_tp_hardware_profile": None,
+    "muon_extra_scale_factor": 1.0, "muon_scalar_optimizer": "adam",
+    "lion_beta1": 0.95, "lion_beta2": 0.98, "soap_shampoo_beta": 0.95, "soap_precondition_frequency": 1,
+    "adaptive_muon_moment2_method": "adamuon", "adaptive_muon_beta2": 0.95, "adaptive_muon_eps": 1e-08,
+    "qk_clip_threshold": 100.0, "qk_clip_alpha": 0.5,
+    "loss_scale": None, "initial_loss_scale": 2**32, "min_loss_scale": 1.0, "loss_scale_window": 1000, "hysteresis": 2,
+    "main_params_dtype": "fp32", "main_grads_dtype": "fp32", "exp_avg_dtype": "fp32", "exp_avg_sq_dtype": "fp32",
+    "optimizer_offload_fraction": 1.0,
+}
 
 
 def _config_defaults() -> dict[str, Any]:
@@ -298,7 +321,7 @@ def keeping_megatron_core_defaults(convert: Callable[[str], Any]) -> Callable[[A
 
 def flag_kwargs(flag: Flag, default: Any, with_choices: bool = True) -> dict[str, Any]:
     """`add_argument` keyword arguments for `flag` (also used to extend Megatron-LM's parser)."""
-    kwargs: dict[str, Any] = {"dest": flag.dest, "default": default, "help": flag.help}
+    kwargs: dict[str, Any] = {"dest": flag.dest, "default": default, "help": help_with_default(flag)}
     if flag.type is None:
         kwargs["action"] = "store_false" if flag.negative else "store_true"
     else:
@@ -306,3 +329,13 @@ def flag_kwargs(flag: Flag, default: Any, with_choices: bool = True) -> dict[str
         if flag.choices is not None and with_choices:
             kwargs["choices"] = flag.choices()
     return kwargs
+
+
+def help_with_default(flag: Flag) -> str:
+    """`flag`'s help and its default as a command line resolves it (SHOWN_DEFAULTS): what `--help` shows."""
+    if "Default:" in flag.help:  # the help says how the default is chosen
+        return flag.help
+    if flag.type is None:
+        return f"{flag.help} Default: off."
+    default = SHOWN_DEFAULTS[flag.dest]
+    return f"{flag.help} Default: {'none' if default is None else default}."

@@ -20,6 +20,8 @@ import warnings
 from typing import Optional, Sequence
 
 from arguments.optimizer_args import FLAGS, GIVEN_FLAGS_ATTR, OPTION_OF, add_optimizer_args
+from megatron_eopt.config.optimizer_names import (BUILTIN_OPTIMIZERS, EMERGING_OPTIMIZERS, FP16_NEEDS_LOSS_SCALING,
+                                                  optimizer_names)
 from megatron_eopt.config.precision import FLAG_VALUE_OF
 
 
@@ -142,12 +144,7 @@ def _check_support(args: argparse.Namespace, tensor_model_parallel_size: int, wr
     support = lookup_optimizer(optimizer).support
     for feature, (requested, flag) in wanted.items():
         if requested and not getattr(support, feature):
-            others = optimizers_supporting(feature)
-            alternatives = f"optimizers that do: {', '.join(others)}" if others else "no optimizer does yet"
-            raise ValueError(
-                f"{flag} is not supported with --optimizer {optimizer} ({support.why_not(feature)}; "
-                f"{alternatives})."
-            )
+            raise ValueError(unsupported_line(flag, optimizer, support.why_not(feature), optimizers_supporting(feature)))
     if wanted["fsdp2"][0] and not wraps_fully_shard:
         # The library takes fully_shard models (get_megatron_optimizer); the trainer does not
         # wrap its model with fully_shard yet, so the flag would silently do nothing.
@@ -156,6 +153,31 @@ def _check_support(args: argparse.Namespace, tensor_model_parallel_size: int, wr
             f"fully_shard); with --optimizer {optimizer}, get_megatron_optimizer accepts a model sharded "
             f"with torch.distributed.fsdp.fully_shard directly."
         )
+
+
+def unsupported_line(flag: str, optimizer: str, why: str, supporting: Sequence[str]) -> str:
+    """The refusal of `flag` with `optimizer`, naming the optimizers that support it."""
+    alternatives = f"optimizers that do: {', '.join(supporting)}" if supporting else "no optimizer does yet"
+    return f"{flag} is not supported with --optimizer {optimizer} ({why}; {alternatives})."
+
+
+def check_before_import(args: argparse.Namespace) -> None:
+    """The refusals of `validate_args` that the torch-free lists can decide, for a trainer's checks before
+    torch is imported (flags not given are None): Megatron-LM's offload check, and --fp16 with an optimizer
+    config/optimizer_names.py lists as emerging (none has loss scaling), in validate_args' words. With
+    optimizers from other packages installed, whether one takes fp16 is known after the import."""
+    optimizer = (getattr(args, "optimizer", None) or "adam").removeprefix("dist_")  # dist_muon: muon
+    if getattr(args, "fp16", False) and _listed_as_emerging(optimizer):
+        raise ValueError(unsupported_line("--fp16", optimizer, FP16_NEEDS_LOSS_SCALING, BUILTIN_OPTIMIZERS))
+    check_cpu_offload_args(args)  # in validate_args' order
+
+
+def _listed_as_emerging(optimizer: str) -> bool:
+    """Whether the torch-free lists name `optimizer` an emerging one, when they name every installed
+    optimizer (no other package registers one, which might take fp16: then the registry says)."""
+    names = optimizer_names()
+    return names is not None and set(names) == {*BUILTIN_OPTIMIZERS, *EMERGING_OPTIMIZERS} and (
+        optimizer in EMERGING_OPTIMIZERS)
 
 
 def check_cpu_offload_args(args: argparse.Namespace) -> None:

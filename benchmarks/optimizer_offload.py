@@ -6,7 +6,7 @@ Per row: the device bytes the optimizer holds between steps (state and main weig
 reachable from it on the device, the model's own left out) per parameter, the step's peak
 device memory above the model's weights and gradients, the median step time, and the largest
 difference of the weights from the run without offload after the same steps (0 on CPU). Prints
-numbers, asserts none; `make gpu-check` and tests/unit/library/test_host_resident_gpu.py run it.
+numbers, asserts none; `make gpu-check` and tests/unit/library/offload/test_host_resident_gpu.py run it.
 
     python benchmarks/optimizer_offload.py [--hidden 2048] [--layers 4] [--device cuda] [--steps 5]
 """

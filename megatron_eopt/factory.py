@@ -8,6 +8,8 @@ over different groups and use different tensor-parallel groups), chained under o
 """
 
 import dataclasses
+import difflib
+import fnmatch
 import logging
 import sys
 import warnings
@@ -105,7 +107,7 @@ def get_megatron_optimizer(
     param_groups, records = build_param_groups(chunks, config, overrides, groups.spanning_groups(), routing)
     if fsdp is not None:
         records = fsdp.with_layout_facts(records)
-    _warn_if_per_head_finds_no_qkv(config, records)
+    _warn_if_settings_find_nothing(config, routing, records)
     if dump_param_to_param_group_map is not None:
         dump_param_group_map(dump_param_to_param_group_map, param_groups, records)
     if not param_groups:  # no trainable parameter on any rank of the groups (a frozen model or stage)
@@ -204,6 +206,12 @@ def _held_rows(fsdp: FullyShardedLayout) -> dict[str, tuple[int, int]]:
     return {fqn: held_rows(split, ranks[fqn in experts]) for fqn, split in fsdp.rows_by_rank.items()}
 
 
+def _warn_if_settings_find_nothing(config: OptimizerConfig, routing: ParamRouting, records: list[ParamRecord]) -> None:
+    """Settings that name parameters this rank has none of: said once each."""
+    _warn_if_per_head_finds_no_qkv(config, records)
+    _warn_if_use_muon_globs_match_nothing(routing, records)
+
+
 def _warn_if_per_head_finds_no_qkv(config: OptimizerConfig, records: list[ParamRecord]) -> None:
     """`muon_split_qkv_per_head` splits fused `linear_qkv.weight`s only: say so when there is none."""
     if config.muon_split_qkv_per_head and not any(
@@ -211,7 +219,23 @@ def _warn_if_per_head_finds_no_qkv(config: OptimizerConfig, records: list[ParamR
         warn_once("per_head_without_qkv", f"OptimizerConfig.muon_split_qkv_per_head=True has no effect on this "
                   f"rank: it splits fused linear_qkv.weights only, and none of the matrices {config.optimizer!r} "
                   f"steps here is one (multi-latent attention's projections are orthogonalized per head and "
-                  f"component without it; docs/tp-muon.md).", stacklevel=4)
+                  f"component without it; docs/tp-muon.md).", stacklevel=5)
+
+
+def _warn_if_use_muon_globs_match_nothing(routing: ParamRouting, records: list[ParamRecord]) -> None:
+    """A `muon_include_params` / `muon_exclude_params` glob that no trainable parameter of this rank's
+    chunks matches does nothing here: most often a misspelt name, said once per glob with the closest names."""
+    names = [record.name for record in records]
+    for glob, use_muon in routing.use_muon_names:
+        if not names or any(fnmatch.fnmatchcase(name, glob) for name in names):
+            continue
+        field = "muon_include_params" if use_muon else "muon_exclude_params"
+        close = difflib.get_close_matches(glob, names, n=3, cutoff=0.5)
+        warn_once(f"use_muon glob {field} {glob}", f"OptimizerConfig.{field} glob {glob!r} matches no trainable "
+                  f"parameter on this rank, so it moves nothing {'into' if use_muon else 'out of'} "
+                  f"{routing.optimizer!r}. Globs match the names named_parameters() gives"
+                  f"{' (closest: ' + ', '.join(map(repr, close)) + ')' if close else ''}; with pipeline "
+                  f"parallelism the parameter may be on another stage.", stacklevel=5)
 
 
 def _without_legacy_name(config: OptimizerConfig) -> OptimizerConfig:

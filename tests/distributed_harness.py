@@ -39,7 +39,7 @@ import time
 import traceback
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -67,12 +67,18 @@ _TOKEN_ENV = "_MEGATRON_EOPT_HARNESS_TOKEN"
 # naming the test and what holds them. "0" relaxes that: the world is replaced and the culprit
 # printed (to list every culprit of a suite in one run).
 STRICT_LEAKS_ENV = "MEGATRON_EOPT_STRICT_LEAKS"
+# Seconds the leak check gives threads that sleep to end (default _LEAK_WAIT_S); the harness's own tests
+# shorten it, to show a running thread waited for past it without running seconds.
+LEAK_GRACE_ENV = "MEGATRON_EOPT_LEAK_GRACE_S"
 # No process of the suite holds more threads at any moment (docs/testing.md): a call whose worker
 # went over fails with ThreadLeakError.
 THREAD_BUDGET = 200
-_EXITING_THREADS_WAIT_S = 1.0  # how long the thread census waits for threads that are starting or ending
-# How long the leak check waits for a destroyed group's threads to end. Only a call that leaked waits
-# it out, so it is generous: with two test processes (`make test`) the cores are loaded.
+# The thread census waits for events, not for a time: a thread to start and name itself, a thread on its
+# way out to be gone. This bound on such a wait is reached only when the event never comes (a broken
+# worker), so it is generous: under load (`make test`'s two processes, other jobs) events come late.
+_EVENT_WAIT_S = 60.0
+# How long the leak check gives threads that sleep, as a live group's do, to end all the same. Threads
+# still running (a destroyed group's, joined and exiting) are waited for until they are gone.
 _LEAK_WAIT_S = 3.0
 _STACK_DUMP_WAIT_S = 0.5
 _STACK_SIGNAL = signal.SIGUSR1
@@ -227,6 +233,7 @@ def _make_task(
         "sys_path": list(sys.path),
         "cwd": os.getcwd(),
         "strict_leaks": os.environ.get(STRICT_LEAKS_ENV) != "0",
+        "leak_grace_s": float(os.environ.get(LEAK_GRACE_ENV, _LEAK_WAIT_S)),
         "leaves_groups": leaves_groups,
     }
 
@@ -1043,7 +1050,7 @@ def _run_task(
     reply["reusable"] = _reset_shared_state()
     # A call that says it leaves groups held has its world replaced: no census (its search for what
     # holds them walks the whole heap, about 10 s on 2 cores).
-    reply["leaked"] = None if task["leaves_groups"] else _threads_leaked(baseline_threads)
+    reply["leaked"] = None if task["leaves_groups"] else _threads_leaked(baseline_threads, task["leak_grace_s"])
     return reply
 
 
@@ -1196,8 +1203,8 @@ def _clear_dtensor_caches() -> None:
         collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
 
 
-# Threads started once per process and kept by design: autograd's per-device threads, and jemalloc's
-# background thread, which pyarrow starts when imported (`datasets` imports it; verl imports `datasets`).
+# Threads started once per process and kept by design: torch's autograd per-device threads, and
+# jemalloc's background thread, which `import pyarrow` starts (torchtitan's and verl's data imports).
 _PROCESS_LIFETIME_THREADS = ("pt_autograd_", "jemalloc_bg_thd")
 # The name a native thread inherits from the process (a thread that never names itself).
 _MAIN_THREAD_NAME = Path("/proc/self/comm").read_text().strip() if os.path.exists("/proc/self/comm") else "python"
@@ -1221,17 +1228,41 @@ def _inductor_compile_pool() -> Any:
 _PROCESS_LIFETIME_POOLS = (_dynamo_prefetch_pool, _inductor_compile_pool)
 
 
-def _thread_census() -> Counter[str]:
-    """This process's threads by name (gloo names its own: gloo_tcp_loop, pt_gloo_runloop), the
-    workers of the process-lifetime pools aside."""
-    pooled = {thread.native_id for thread in _process_lifetime_pool_threads()}
-    names: Counter[str] = Counter()
+def _thread_states() -> list[tuple[str, str]]:
+    """(name, state letter: S sleeping, R running, ...) of this process's threads but the calling one (gloo
+    names its own: gloo_tcp_loop, pt_gloo_runloop), the workers of the process-lifetime pools aside."""
+    skipped = {thread.native_id for thread in _process_lifetime_pool_threads()} | {threading.get_native_id()}
+    threads = []
     for task in os.listdir("/proc/self/task"):
-        if int(task) in pooled:
+        if int(task) in skipped:
             continue
-        with contextlib.suppress(OSError):
-            names[Path(f"/proc/self/task/{task}/comm").read_text().strip()] += 1
-    return names
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            name = Path(f"/proc/self/task/{task}/comm").read_text().strip()
+            state = Path(f"/proc/self/task/{task}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            threads.append((name, state))
+    return threads
+
+
+def _thread_census() -> Counter[str]:
+    """This process's threads by name, the calling one included (_thread_states)."""
+    me = Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip()
+    return Counter([name for name, _ in _thread_states()] + [me])
+
+
+def _all_asleep_but_me(names: Iterable[str] | None = None) -> bool:
+    """Whether every other thread (of these names) sleeps: none is still starting, working or ending."""
+    wanted = None if names is None else set(names)
+    return all(state == "S" for name, state in _thread_states() if wanted is None or name in wanted)
+
+
+def _wait_for(event: Callable[[], bool], poll: float, at_most: float = _EVENT_WAIT_S) -> bool:
+    """Ask `event` every `poll` seconds until it holds (True) or `at_most` seconds passed (False: it did not come)."""
+    deadline = time.monotonic() + at_most
+    while not event():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll)
+    return True
 
 
 def _process_lifetime_pool_threads() -> set[threading.Thread]:
@@ -1249,33 +1280,40 @@ def _fresh_worker_threads() -> Counter[str]:
     import torch.distributed as dist
 
     dist.all_reduce(torch.zeros(1))
-    census, deadline = _thread_census(), time.monotonic() + _EXITING_THREADS_WAIT_S
-    while time.monotonic() < deadline:
-        time.sleep(0.02)
-        census, before = _thread_census(), census
-        if census == before:
-            break
-    return census
+    # A thread that has not run yet still bears the process's name (gloo's name themselves as they start):
+    # once every other such thread sleeps, each has started. (Past the bound, _extra_threads still counts a
+    # late rename as no new thread.)
+    _wait_for(lambda: _all_asleep_but_me([_MAIN_THREAD_NAME]), poll=0.01)
+    return _thread_census()
 
 
 def _extra_threads(baseline: Counter[str]) -> Counter[str]:
-    extra = _thread_census() - baseline
+    census = _thread_census()
+    extra = census - baseline
     for name in list(extra):
         if name.startswith(_PROCESS_LIFETIME_THREADS):
             del extra[name]
-    return extra
+    # A thread the baseline counted under the process's name that has named itself since is no new thread:
+    # as many threads of new names as the process's name lost are renamed ones.
+    renamed = max(baseline[_MAIN_THREAD_NAME] - census[_MAIN_THREAD_NAME], 0)
+    for name, count in extra.most_common():  # the most numerous kind first: a lone gloo_tcp_loop stays a group
+        taken = min(renamed, count)
+        extra[name] -= taken
+        renamed -= taken
+    return +extra  # without the names counted down to 0
 
 
-def _threads_leaked(baseline: Counter[str]) -> dict[str, Any] | None:
+def _threads_leaked(baseline: Counter[str], grace_s: float = _LEAK_WAIT_S) -> dict[str, Any] | None:
     """What threads the call left beyond a fresh worker's, and what holds them (a chain from a
     loaded module to a live group, a Python thread still running); None if it left none."""
     extra = _extra_threads(baseline)
-    # A group's threads end as its last reference goes, some a moment after: a thread still
-    # exiting is not a leak (a leaked one is still there after the wait).
-    deadline = time.monotonic() + _LEAK_WAIT_S
-    while extra and time.monotonic() < deadline:
-        time.sleep(0.01)
-        extra = _extra_threads(baseline)
+    # A group's threads end as its last reference goes (its destructor joins them), some a moment after:
+    # a thread still on its way out is no leak. Wait until the extra threads are gone, or sleep as a live
+    # group's do (then still `grace_s`); a leaked thread is still there after that.
+    waited_from = time.monotonic()
+    _wait_for(lambda: not _extra_threads(baseline) or (
+        time.monotonic() - waited_from >= grace_s and _all_asleep_but_me(_extra_threads(baseline))), poll=0.01)
+    extra = _extra_threads(baseline)
     if not extra:
         return None
     groups = extra["gloo_tcp_loop"]
@@ -1367,12 +1405,11 @@ def _release_together(groups: list) -> None:
     _wait_for_os_threads_to_exit(thread.native_id for thread in threads)
 
 
-def _wait_for_os_threads_to_exit(native_ids, timeout: float = 1.0) -> None:
-    """join() returns before the OS thread has quite exited; the leak census must not see it."""
-    deadline = time.monotonic() + timeout
+def _wait_for_os_threads_to_exit(native_ids) -> None:
+    """join() returns before the OS thread has quite exited; the leak census must not see it. Waits until
+    each is gone (a joined thread always goes; the bound only ends a wait on a broken worker)."""
     for native_id in native_ids:
-        while os.path.exists(f"/proc/self/task/{native_id}") and time.monotonic() < deadline:
-            time.sleep(0.001)
+        _wait_for(lambda: not os.path.exists(f"/proc/self/task/{native_id}"), poll=0.001)
 
 
 def _shutdown_torch_distributed() -> None:

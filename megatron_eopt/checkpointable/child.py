@@ -33,6 +33,8 @@ class ChildParam(NamedTuple):
     # its name in DTensor optimizer state (torch DCP, fsdp_dtensor): `fqn`, or a routed expert's on a
     # mesh of its own by global index; "" when its expert layout has none (ParamRecord.stored_name)
     stored_name: str
+    # whether `stored_name` is a routed expert's global name (on EP rank 0 it can equal `fqn`)
+    globally_named: bool = False
 
 
 class CheckpointableChild(Protocol):

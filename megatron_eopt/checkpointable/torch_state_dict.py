@@ -6,8 +6,8 @@ the model's parameters in `param_groups` order, so `torch.save` takes it and tor
 (`get_/set_optimizer_state_dict`; AReaL, torchtitan) name its entries as for torch's optimizers.
 Values are as the child's `state_dict()` holds them: DTensors under FSDP2 and Megatron-FSDP (DCP
 reshards them), plain tensors otherwise; a 16-bit parameter's fp32 main copy is the state
-`fp32_param`, an fp16 run's loss scaler the top-level `grad_scaler`. Empty param groups (a
-layer-wise rank's unowned ones) are left out: torch's helpers name a group by its parameters.
+`fp32_param`, an fp16 run's loss scaler the top-level `grad_scaler`. Empty groups (a layer-wise
+rank's unowned ones) are left out; a megatron-core routed expert (EP) is keyed by its global name.
 A load matches parameters by name within each group, goes through each child's checked
 `load_state_dict`, and refuses state the live optimizer keeps but the dict lacks.
 """
@@ -43,12 +43,13 @@ class TorchOptimizerView:
         flat = self.child.state_dict(is_loading=is_loading)
         state, groups, index = {}, [], first
         for group, members in self.groups:
-            for position, param in enumerate(members, start=index):
+            keys = [_state_key(param, position) for position, param in enumerate(members, start=index)]
+            for key, param in zip(keys, members):
                 entries = _entries(flat, param, _flat_name(param))
                 if entries:
-                    state[position] = entries
+                    state[key] = entries
             kept = {key: value for key, value in group.items() if key != "params"}  # as torch's optimizers save
-            groups.append({**kept, "params": list(range(index, index + len(members))),
+            groups.append({**kept, "params": keys,
                            "param_names": [p.fqn for p in members], OPTIMIZER_CLASS: self.child.inner_class_name()})
             index += len(members)
         return {"state": state, "param_groups": groups}
@@ -61,7 +62,9 @@ class TorchOptimizerView:
         _check_names(self.child, live, saved_groups)
         loaded, mains = {}, {}
         for (_, members), saved in zip(live, saved_groups):
-            for param, key in zip(members, saved["params"]):
+            for position, (param, key) in enumerate(zip(members, saved["params"])):
+                own_key = _state_key(param, position)  # a routed expert by its global name, which a DCP load
+                key = own_key if isinstance(own_key, str) else key  # of the groups (one rank's) does not keep
                 entries = dict(state.get(key, {}))
                 if MAIN_PARAM in entries:
                     mains[param.stored_name] = entries.pop(MAIN_PARAM)
@@ -171,6 +174,13 @@ def _hyperparameters(child: CheckpointableChild, group: Mapping) -> dict:
     """The inner optimizer's hyperparameters (its `defaults`' keys) of `group`: our own fields
     (`default_config`, `param_fqns`, ...) say how the run grouped its parameters and stay live."""
     return {key: group[key] for key in child.hyperparameter_names() if key in group}
+
+
+def _state_key(param: ChildParam, position: int) -> int | str:
+    """A parameter's key in `state`: its position, as torch's; a routed expert of megatron-core's
+    expert parallelism is keyed by its global name (its stored name), as the EP ranks' experts at one
+    position are different experts that a DCP save of the state dict would otherwise write as one."""
+    return param.stored_name if param.globally_named else position
 
 
 def _flat_name(param: ChildParam) -> str:

@@ -285,13 +285,19 @@ MEGATRON_CORE_FIELDS: dict[str, FieldUse] = {
 # all used.
 
 def warn_about_inert_fields(config: "OptimizerConfig") -> None:
-    """One warning per process for each 'warns' field set away from its default."""
+    """One warning per process for each 'warns' field set away from its default, and for offload
+    asked for with a fraction that offloads nothing."""
     defaults = {f.name: f.default for f in dataclasses.fields(OptimizerConfig)}
     for name, use in MEGATRON_CORE_FIELDS.items():
         value = getattr(config, name)
         if use.kind == "warns" and value != defaults[name]:
             warn_once(f"inert field {name}", f"OptimizerConfig.{name}={value!r} has no effect in megatron_eopt: "
                       f"{use.why}.", stacklevel=3)
+    if config.optimizer_cpu_offload and config.optimizer_offload_fraction == 0.0:
+        warn_once("offload fraction 0", "OptimizerConfig.optimizer_cpu_offload=True with optimizer_offload_fraction="
+                  "0.0 (megatron-core's default) offloads nothing: every parameter's state stays on the device. Set "
+                  "optimizer_offload_fraction to the fraction of the state to keep on the host (the command lines' "
+                  "--optimizer-offload-fraction defaults to 1.0, all of it).", stacklevel=3)
 
 
 def as_optimizer_config(config: Any) -> OptimizerConfig:

@@ -20,6 +20,8 @@ EMERGING_OPTIMIZERS = (  # emerging_optimizers.registry's names
 COEFFICIENT_TYPES = ("simple", "quintic", "polar_express", "cans", "aol", "deepseekv4")  # NSCoeffT, less 'custom'
 DEPRECATED_OPTIMIZER_NAMES = ("dist_muon",)  # accepted by --optimizer, rewritten by validate_args
 ENTRY_POINT_GROUP = "megatron_eopt.optimizers"  # third-party optimizers, registered under their names
+# Why an emerging optimizer takes no fp16 (registry/support.py), said before the import too.
+FP16_NEEDS_LOSS_SCALING = "it has no loss scaling, which fp16 needs (bf16 works)"
 
 
 def run_optimizer(config) -> str:

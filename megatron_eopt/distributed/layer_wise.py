@@ -26,7 +26,7 @@ from megatron_eopt.ops.collectives import wait_bounded
 from megatron_eopt.wrappers.base import MegatronOptimizer, SteppableChild, StepResult, prepared_stats, take_step, timed
 from megatron_eopt.wrappers.chained import ChainedOptimizer
 from megatron_eopt.wrappers.fp32 import model_grad
-from megatron_eopt.wrappers.grad_stats import NONFINITE, STATS_SIZE, reduced_grad_stats, unscale_and_count_nonfinite
+from megatron_eopt.wrappers.grad_stats import NONFINITE, STATS_SIZE, LocalStats, unscale_and_count_nonfinite
 from megatron_eopt.wrappers.qk_clip import QKClip, qk_clip_step
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20
@@ -63,15 +63,15 @@ class _NonOwnedGradCheck(SteppableChild):
     def __init__(self, params: list[torch.nn.Parameter], groups: Sequence[Optional[ProcessGroup]], device: torch.device) -> None:
         self.params, self.groups, self.device = params, tuple(groups), device
 
-    def grad_stats(self, count_zeros: bool) -> torch.Tensor:
+    def grad_stats(self, count_zeros: bool) -> LocalStats:
         stats = torch.zeros(STATS_SIZE, dtype=torch.float32, device=self.device)
         grads = [g for g in map(model_grad, self.params) if g is not None]
         if grads:  # "unscaling" by 1 leaves every value as it is
             stats[NONFINITE] = unscale_and_count_nonfinite(grads, torch.ones(1, device=self.device))
-        return reduced_grad_stats(stats, self.groups)
+        return LocalStats(stats, None, self.groups)  # no part in the norm
 
-    def current_grad_stats(self, count_zeros: bool) -> torch.Tensor:
-        return torch.zeros(STATS_SIZE, dtype=torch.float32, device=self.device)  # no part in the norm
+    def current_grad_stats(self, count_zeros: bool) -> LocalStats:
+        return LocalStats(torch.zeros(STATS_SIZE, dtype=torch.float32, device=self.device), None, ())
 
     def main_grads(self, grad_norm_group: Optional[str] = None) -> list[torch.Tensor]:
         return []
@@ -110,10 +110,10 @@ class _LaunchAfterStep(SteppableChild):
         self.grad_scaler = child.grad_scaler
         self.name = getattr(child, "name", "")
 
-    def grad_stats(self, count_zeros: bool) -> torch.Tensor:
+    def grad_stats(self, count_zeros: bool) -> LocalStats:
         return self.child.grad_stats(count_zeros)
 
-    def current_grad_stats(self, count_zeros: bool) -> torch.Tensor:
+    def current_grad_stats(self, count_zeros: bool) -> LocalStats:
         return self.child.current_grad_stats(count_zeros)
 
     def main_grads(self, grad_norm_group: Optional[str] = None) -> list[torch.Tensor]:

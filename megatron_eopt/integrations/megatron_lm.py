@@ -45,6 +45,7 @@ from megatron_eopt.integrations.megatron_lm_swiglu import splitting_every_state
 from megatron_eopt.registry import list_optimizers, lookup_optimizer
 from megatron_eopt.runtime.rank_exit import is_rank_zero
 from megatron_eopt.runtime.cpu_stand_ins import replace_names
+from megatron_eopt.runtime.help_text import escape_stray_percent_signs
 from megatron_eopt.runtime.torchrun_store import restart_store
 
 # Our flags that Megatron-LM's parser must not get, and why.
@@ -74,7 +75,8 @@ def add_megatron_eopt_args(parser: argparse.ArgumentParser) -> argparse.Argument
     """`extra_args_provider` for Megatron-LM's `parse_args`/`pretrain`: our choices and flags.
 
     Megatron-LM's existing actions are extended in place (their option strings, dests and
-    other defaults stay as they are); flags it lacks are added with dest == config field.
+    other defaults stay as they are); flags it lacks are added with dest == config field. A
+    help string of Megatron-LM's that argparse cannot print gets its stray `%` doubled.
     """
     actions = parser._option_string_actions  # argparse has no public lookup by option string
     _extend_choices(actions["--optimizer"], list_optimizers())
@@ -96,6 +98,7 @@ def add_megatron_eopt_args(parser: argparse.ArgumentParser) -> argparse.Argument
     for action in parser._actions:
         if type(action) is argparse._StoreAction and (action.dest in fields or action.dest in NEWTON_SCHULZ_FIELDS):
             action.__class__ = StoreAndRecord  # a store action that also records its dest
+    escape_stray_percent_signs(parser)  # Megatron-LM 0.19.2's own help has one: --help failed (runtime/help_text.py)
     return parser
 
 
@@ -256,14 +259,17 @@ def get_megatron_optimizer_for_megatron_lm(
     line = None if args is None else flags_without_effect_line(args, ours)
     if line and is_rank_zero():
         print(f"megatron_eopt: {line}", flush=True)
-    return _optimizers_of_models.remember(model_chunks, get_megatron_optimizer(
+    optimizer = get_megatron_optimizer(
         ours,
         model_chunks,
         config_overrides=config_overrides,
         use_gloo_process_groups=use_gloo_process_groups,
         pg_collection=pg_collection,
         dump_param_to_param_group_map=dump_param_to_param_group_map,
-    ))
+    )
+    if hasattr(optimizer, "state_dict_by_child_name"):  # Megatron-LM's checkpoints hold our layout by name
+        optimizer.state_dict_by_child_name = True
+    return _optimizers_of_models.remember(model_chunks, optimizer)
 
 
 # ---------------------------------------------------------------- validate_args
@@ -318,6 +324,7 @@ def _validated_for_megatron_eopt(args: argparse.Namespace, defaults: Optional[di
     check_optimizer_args_read(args)
     if getattr(args, "use_precision_aware_optimizer", False):  # without it Megatron-LM's own check says so
         check_cpu_offload_args(args)
+        _check_precision_aware_adam(args)
     validate = validating_qk_clip_as_ours(_original_validate_args or megatron_lm_arguments.validate_args)
     defaults = {} if defaults is None else defaults
     optimizer = getattr(args, "optimizer", "adam")
@@ -336,6 +343,25 @@ def _validated_for_megatron_eopt(args: argparse.Namespace, defaults: Optional[di
     validated.optimizer = optimizer
     validated.use_layer_wise_distributed_optimizer = False
     return validated
+
+
+def _check_precision_aware_adam(args: argparse.Namespace) -> None:
+    """Where megatron-core's DistributedOptimizer steps (`_megatron_core_steps`) the precision-aware
+    optimizer is its own, which needs Transformer Engine's FusedAdam, except with host offload (its
+    HybridDeviceOptimizer). Without it megatron-core's config raises on every rank, after the
+    model is built: refused here, in one line, before any work. Ours does not step in its place:
+    its reduced-precision Adam is not TE's FusedAdam, whose rounding a run here would then differ from."""
+    if not _megatron_core_steps(args) or getattr(args, "optimizer_cpu_offload", False):
+        return
+    try:
+        from transformer_engine.pytorch.optimizers import FusedAdam  # noqa: F401 (megatron-core's import)
+    except ImportError:
+        raise ValueError(
+            "--use-precision-aware-optimizer with --optimizer adam --use-distributed-optimizer is megatron-core's "
+            "precision-aware DistributedOptimizer, which needs Transformer Engine's FusedAdam (not installed): "
+            "install transformer-engine, or add --optimizer-cpu-offload (megatron-core's host optimizer, no "
+            "Transformer Engine needed), or drop --use-distributed-optimizer (megatron_eopt's Adam keeps these "
+            "dtypes), or drop --use-precision-aware-optimizer.") from None
 
 
 def _with_whole_gradients(args: argparse.Namespace) -> argparse.Namespace:

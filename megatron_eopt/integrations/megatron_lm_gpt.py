@@ -155,8 +155,18 @@ def _refusal_line(error: AssertionError) -> str:
         return f"{error or 'a check failed'} (Megatron-LM's arguments.py line {last.tb_lineno})"
     if where == ("megatron", "core", "optimizer_param_scheduler.py") and last.tb_frame.f_code.co_name == "_check_and_set":
         local = last.tb_frame.f_locals  # the assertion's own values: what was compared, and its name
-        return schedule_mismatch(local["name"], local["sd_value"], local["cls_value"])
+        return schedule_mismatch(local["name"], local["sd_value"], local["cls_value"], _fixed_global_batch_size())
     raise error
+
+
+def _fixed_global_batch_size() -> Optional[int]:
+    """The run's --global-batch-size, None when it ramps up (iterations then hold different sample counts)."""
+    from megatron.training import global_vars
+
+    args = global_vars._GLOBAL_ARGS  # get_args() asserts when unset
+    if args is None or getattr(args, "rampup_batch_size", None):
+        return None
+    return getattr(args, "global_batch_size", None)
 
 
 # megatron-core's names of the lr schedule's settings (OptimizerParamScheduler.load_state_dict) -> the
@@ -175,14 +185,31 @@ SCHEDULE_FLAGS = {
 }
 
 
-def schedule_mismatch(name: str, checkpoint_value: Any, command_line_value: Any) -> str:
+# Those of SCHEDULE_FLAGS' settings megatron-core counts in samples, whatever their names say.
+COUNTED_IN_SAMPLES = ("warmup iterations", "total number of iterations", "total number of weight decay iterations")
+
+
+def schedule_mismatch(name: str, checkpoint_value: Any, command_line_value: Any,
+                      global_batch_size: Optional[int] = None) -> str:
     """The line for a loaded lr schedule that differs from the command line's: megatron-core asserts
-    they are equal unless one of its two flags says which to keep."""
+    they are equal unless one of its two flags says which to keep. A count megatron-core holds in
+    samples is given in samples and, with a fixed `global_batch_size`, in iterations."""
     flags = SCHEDULE_FLAGS.get(name, "the lr-schedule flags")
+    if name in COUNTED_IN_SAMPLES:
+        checkpoint_value, command_line_value = (_samples_and_iterations(value, global_batch_size)
+                                                for value in (checkpoint_value, command_line_value))
     return (f"--load: the checkpoint's lr schedule has {name} {checkpoint_value}, this command line gives "
             f"{command_line_value} (set by {flags}); give the checkpoint's value, or "
             f"--override-opt_param-scheduler to use this command line's schedule, or "
             f"--use-checkpoint-opt_param-scheduler to keep the checkpoint's.")
+
+
+def _samples_and_iterations(samples: Any, global_batch_size: Optional[int]) -> str:
+    """'16 samples (4 iterations x --global-batch-size 4)'; the samples alone where they make no whole iterations."""
+    count = int(samples) if float(samples).is_integer() else samples
+    if global_batch_size and isinstance(count, int) and count % global_batch_size == 0:
+        return f"{count} samples ({count // global_batch_size} iterations x --global-batch-size {global_batch_size})"
+    return f"{count} samples"
 
 
 @_refusals_in_one_line

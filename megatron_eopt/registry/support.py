@@ -10,6 +10,8 @@ rules; the factory and `arguments.validate_args` refuse from the same facts.
 
 from dataclasses import dataclass
 
+from megatron_eopt.config.optimizer_names import FP16_NEEDS_LOSS_SCALING
+
 
 @dataclass(frozen=True)
 class Support:
@@ -40,5 +42,5 @@ _WHY_UNSUPPORTED = {
     "layer_wise": "it cannot run on whole-parameter owners",
     "fsdp2": "it works on whole matrices and does not take FSDP2 row shards (`fsdp_shards`) yet",
     "bf16": "it has no bf16 support",
-    "fp16": "it has no loss scaling, which fp16 needs (bf16 works)",
+    "fp16": FP16_NEEDS_LOSS_SCALING,
 }

@@ -9,5 +9,6 @@ patches of megatron-core's packages, applied only by their `install()` and only 
 megatron_fsdp_cpu.py (Megatron-FSDP) and megatron_lm_cpu.py (Megatron-LM's loop), with the
 stand-ins they share in cpu_stand_ins.py; megatron_core_torch_adam.py mends megatron-core's
 DistributedOptimizer with torch's Adam (no TE or Apex), on CPU through megatron_lm_cpu and on a GPU
-through its own `install()`.
+through its own `install()`; help_text.py doubles the stray `%` of help strings (Megatron-LM's) that
+argparse cannot print.
 """

@@ -16,7 +16,6 @@ with `barrier=config.barrier_with_L1_time`: 'optimizer-copy-to-main-grad' (1),
 """
 
 import contextlib
-import math
 from abc import ABC, abstractmethod
 from types import MappingProxyType
 from typing import Any, Callable, Iterator, Mapping, Optional
@@ -30,9 +29,11 @@ from megatron_eopt.wrappers.grad_stats import (
     SEPARATE_GRAD_NORM_GROUPS,
     SUM_OF_SQUARES,
     ZEROS,
+    LocalStats,
     check_grad_norm_group,
     grad_norm_group_of,
     group_index,
+    reduced_stats,
     scale_grads,
 )
 
@@ -128,12 +129,12 @@ class SteppableChild(ABC):
     grad_scaler: Any
 
     @abstractmethod
-    def grad_stats(self, count_zeros: bool) -> torch.Tensor:
-        """Prepare main gradients; return the STATS_SIZE statistics (grad_stats.py) summed over
-        its groups."""
+    def grad_stats(self, count_zeros: bool) -> LocalStats:
+        """Prepare main gradients; return this rank's statistics (grad_stats.py), not yet reduced:
+        the chain sums its children's as megatron-core's does (`reduced_stats`)."""
 
     @abstractmethod
-    def current_grad_stats(self, count_zeros: bool) -> torch.Tensor:
+    def current_grad_stats(self, count_zeros: bool) -> LocalStats:
         """grad_stats of the main gradients as they are: nothing prepared or unscaled (the phases'
         norm and zero count, step_phases.py)."""
 
@@ -215,9 +216,9 @@ def prepared_stats(children: list[SteppableChild], config: Any) -> tuple[bool, l
 
 def norms_of(stats: list[float]) -> tuple[float, dict[str, float]]:
     """(the main gradient norm, the norm of each separate group that has parameters) from statistics."""
-    group_norms = {name: math.sqrt(stats[group_index(name)])
+    group_norms = {name: stats[group_index(name)] ** 0.5
                    for name in SEPARATE_GRAD_NORM_GROUPS if stats[group_index(name) + 1] > 0}
-    return math.sqrt(stats[SUM_OF_SQUARES]), group_norms
+    return stats[SUM_OF_SQUARES] ** 0.5, group_norms  # `** 0.5`, as megatron-core takes the root
 
 
 def clip_by_norms(children: list[SteppableChild], config: Any, grad_norm: float, group_norms: Mapping[str, float],
@@ -236,19 +237,12 @@ def clip_by_norms(children: list[SteppableChild], config: Any, grad_norm: float,
 def current_stats(children: list[SteppableChild], count_zeros: bool) -> list[float]:
     """The statistics of the main gradients as they are now (nothing copied, unscaled or
     counted for inf/NaN), summed over the children and their norm groups."""
-    return _sum([child.current_grad_stats(count_zeros) for child in children]).tolist()
+    return reduced_stats([child.current_grad_stats(count_zeros) for child in children]).tolist()
 
 
 def _summed_stats(children: list[SteppableChild], count_zeros: bool) -> torch.Tensor:
-    """[non-finite, norm^2, zeros] summed over the children, on the first child's device."""
-    return _sum([child.grad_stats(count_zeros) for child in children])
-
-
-def _sum(stats: list[torch.Tensor]) -> torch.Tensor:
-    totals = stats[0]
-    for more in stats[1:]:
-        totals = totals + more.to(totals.device)
-    return totals
+    """[non-finite, norm^2, zeros, ...] summed over the children and their ranks (grad_stats.py)."""
+    return reduced_stats([child.grad_stats(count_zeros) for child in children])
 
 
 def _unique_scalers(children: list[SteppableChild]) -> list[Any]:

@@ -25,6 +25,12 @@ from megatron_eopt.checkpointable.torch_views import ModelParamState, inner_grou
 from megatron_eopt.checkpointable.torch_state_dict import chain_state_dict, is_torch_layout, load_chain_state_dict
 
 
+class NotAChainOfOneError(ValueError, AttributeError):
+    """`.optimizer` of a chain of several children. An AttributeError too, so that `hasattr(optimizer,
+    "optimizer")` is False: accelerate's AcceleratedOptimizer.train()/eval() (the Hugging Face
+    Trainer's every step) ask it of the optimizer they wrap."""
+
+
 class ChainedOptimizer(StepPhases, MegatronOptimizer, torch.optim.Optimizer):
     """Steps `chained_optimizers` as one.
 
@@ -42,6 +48,10 @@ class ChainedOptimizer(StepPhases, MegatronOptimizer, torch.optim.Optimizer):
     # In megatron-core's sharded format a state's main replica is data-parallel rank 0, which
     # holds every state; the layer-wise optimizer sets this: there the owner writes it.
     owner_is_main_replica = False
+    # What state_dict() writes: torch's layout (checkpointable/torch_state_dict.py), or, in Megatron-LM's
+    # loop (integrations/megatron_lm.py sets it), each child's state by name, `{"optimizers": {name: ...}}`,
+    # keyed by parameter name: the layout its torch and torch_dcp checkpoints have always held.
+    state_dict_by_child_name: bool = False
 
     def __init__(self, chained_optimizers: list[Any], config: Any = None, qk_clip: Optional[QKClip] = None) -> None:
         children = list(chained_optimizers)
@@ -156,7 +166,7 @@ class ChainedOptimizer(StepPhases, MegatronOptimizer, torch.optim.Optimizer):
     def optimizer(self) -> Any:
         """megatron-core's: the one child's torch optimizer (for code written for a single optimizer)."""
         if len(self.chained_optimizers) != 1:
-            raise ValueError(f"ChainedOptimizer.optimizer is the torch optimizer of a chain of one; this chain has "
+            raise NotAChainOfOneError(f"ChainedOptimizer.optimizer is the torch optimizer of a chain of one; this chain has "
                              f"{len(self.chained_optimizers)} children: use chained_optimizers[i].optimizer.")
         return self.chained_optimizers[0].optimizer
 
@@ -213,7 +223,7 @@ class ChainedOptimizer(StepPhases, MegatronOptimizer, torch.optim.Optimizer):
             child.reload_model_params(state_dict)
 
     def offload_to_cpu(self) -> None:
-        """megatron-core's: every child's state and owned main weights to the host (wrappers/host_offload.py)."""
+        """megatron-core's: every child's state and owned main weights to the host (offload/offload_to_cpu.py)."""
         for child in self.chained_optimizers:
             if hasattr(child, "offload_to_cpu"):  # a chained torch optimizer has none
                 child.offload_to_cpu()
@@ -234,14 +244,16 @@ class ChainedOptimizer(StepPhases, MegatronOptimizer, torch.optim.Optimizer):
         """torch's layout (checkpointable/torch_state_dict.py), running torch's state-dict hooks.
         `is_loading`: Megatron-LM's torch_dcp load asks for a dict to load into; a DTensor-sharded
         model's children give new DTensors then (distributed/fsdp2.py). A chain of megatron-core's
-        kind of children gives each child's state by name."""
+        kind of children, and one in Megatron-LM's loop (`state_dict_by_child_name`), give each child's
+        state by name."""
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
-        if self._ours:
+        if self._ours and not self.state_dict_by_child_name:
             state_dict = chain_state_dict(self.chained_optimizers, is_loading)
         else:
-            state_dict = {"optimizers": {name: child.state_dict() for name, child in zip(self._names,
-                                                                                       self.chained_optimizers)}}
+            loading = is_loading and self._ours  # megatron-core's children take no flag
+            state_dict = {"optimizers": {name: child.state_dict(is_loading=True) if loading else child.state_dict()
+                                         for name, child in zip(self._names, self.chained_optimizers)}}
         for hook in self._optimizer_state_dict_post_hooks.values():
             state_dict = hook(self, state_dict) or state_dict
         return state_dict

@@ -32,9 +32,9 @@ from megatron_eopt.wrappers.flat_state import (
 )
 from megatron_eopt.wrappers.grad_stats import (
     check_grad_norm_group,
+    LocalStats,
     grad_norm_group_of,
     local_grad_stats,
-    reduced_grad_stats,
 )
 from megatron_eopt.megatron_core_formats.fsdp_dtensor import (
     asks_for_fsdp_dtensor,
@@ -51,7 +51,7 @@ from megatron_eopt.megatron_core_formats.dist_checkpointing import (
     expand_v1_sharded_state_dict,
     unpack_core_state_dict,
 )
-from megatron_eopt.wrappers.host_offload import HostCopies, tensors_in
+from megatron_eopt.offload.offload_to_cpu import HostCopies, tensors_in
 from megatron_eopt.offload.host_resident import HostResidentState, offloaded_indices
 from megatron_eopt.wrappers.qk_clip import QKClip
 from megatron_eopt.wrappers.state_precision import StatePrecision
@@ -197,7 +197,7 @@ class FP32Optimizer(StepPhases, MegatronOptimizer, SteppableChild):
     def checkpoint_params(self) -> list[ChildParam]:
         """Every parameter this child steps, in its order (parallel to fp32_main_params())."""
         state = self.optimizer.state
-        return [ChildParam(r.fqn, model, main, state.get(main, {}), r.checkpoint_name)
+        return [ChildParam(r.fqn, model, main, state.get(main, {}), r.checkpoint_name, bool(r.stored_name))
                 for r, model, main in zip(self.records, self.model_params, self.main_params)]
 
     def hyperparameter_names(self) -> tuple[str, ...]:
@@ -234,23 +234,22 @@ class FP32Optimizer(StepPhases, MegatronOptimizer, SteppableChild):
         pass
 
     # The step recipe's phases.
-    def grad_stats(self, count_zeros: bool) -> torch.Tensor:
+    def grad_stats(self, count_zeros: bool) -> LocalStats:
         self._prepare_main_grads()
-        return self._reduced_stats(count_zeros, self.grad_scaler.inv_scale if self.grad_scaler is not None else None)
+        return self._local_stats(count_zeros, self.grad_scaler.inv_scale if self.grad_scaler is not None else None)
 
-    def current_grad_stats(self, count_zeros: bool) -> torch.Tensor:
-        return self._reduced_stats(count_zeros, inv_scale=None)
+    def current_grad_stats(self, count_zeros: bool) -> LocalStats:
+        return self._local_stats(count_zeros, inv_scale=None)
 
-    def _reduced_stats(self, count_zeros: bool, inv_scale: Optional[torch.Tensor]) -> torch.Tensor:
+    def _local_stats(self, count_zeros: bool, inv_scale: Optional[torch.Tensor]) -> LocalStats:
         facts = zip(self.main_params, self._counts_for_norm, self._grad_norm_groups)
         counted = [(m.grad, group) for m, counts, group in facts if counts and m.grad is not None]
         other_grads = [m.grad for m, counts in zip(self.main_params, self._counts_for_norm)
                        if not counts and m.grad is not None]
         group_grads = {name: [g for g, group in counted if group == name]
                        for name in set(self._grad_norm_groups) - {None}}
-        stats = local_grad_stats([g for g, group in counted if group is None], other_grads, inv_scale, count_zeros,
-                                 self._device, group_grads)
-        return reduced_grad_stats(stats, self._norm_groups)
+        return local_grad_stats([g for g, group in counted if group is None], other_grads, inv_scale, count_zeros,
+                                self._device, self._norm_groups, group_grads)
 
     def main_grads(self, grad_norm_group: Optional[str] = None) -> list[torch.Tensor]:
         return [m.grad for m, group in zip(self.main_params, self._grad_norm_groups)
@@ -316,7 +315,7 @@ class FP32Optimizer(StepPhases, MegatronOptimizer, SteppableChild):
         self.grad_norms_by_group = {}
         return take_step([self], self.config, self.grad_norms_by_group)
 
-    # megatron-core's RL helpers (wrappers/host_offload.py).
+    # megatron-core's RL helpers (offload/offload_to_cpu.py).
     def offload_to_cpu(self) -> None:
         """This optimizer's state and the main weights it owns to the host; the model's weights stay."""
         self._host_copies.offload(self._owned_tensors(), keep=tensors_in(self.model_params))

@@ -11,6 +11,7 @@ main norm and clipped by its group's own norm; an unregistered group name is an 
 """
 
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 import torch
@@ -85,22 +86,37 @@ def count_zeros(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor
     return total
 
 
+@dataclass
+class LocalStats:
+    """One child's gradient statistics before any reduction.
+
+    `stats` holds the STATS_SIZE statistics with the sums of squares left 0; `norms` the fp32 norm of
+    each gradient a norm counts, in the child's parameter order (key None: the main norm; a separate
+    group's by its name), or None for a child that only checks for inf/NaN; `groups` the process
+    groups its statistics are summed over, one after the other. `reduced_stats` sums children."""
+
+    stats: torch.Tensor
+    norms: Optional[dict[Optional[str], list[torch.Tensor]]]
+    groups: tuple
+
+
 def local_grad_stats(
     norm_grads: list[torch.Tensor],
     other_grads: list[torch.Tensor],
     inv_scale: Optional[torch.Tensor],
     count_zeros_in_grad: bool,
     device: torch.device,
+    groups: Sequence[Optional[ProcessGroup]],
     group_grads: Optional[Mapping[str, list[torch.Tensor]]] = None,
-) -> torch.Tensor:
-    """The STATS_SIZE statistics of this rank, before any reduction, on `device`.
+) -> LocalStats:
+    """This rank's statistics of one child, before any reduction, on `device`.
 
     `norm_grads` count in the main norm (each tensor-parallel-duplicated parameter on one rank
     only); `group_grads` (group -> gradients, counted as `norm_grads` are) in their separate
     group's norm; `other_grads` are the remaining copies, which are still checked for inf/NaN.
     With a loss scale (`inv_scale`), every gradient is unscaled and checked in one fused pass.
-    Without one, a sum of squares is non-finite exactly when a gradient in it is inf or
-    NaN (or so large that its square overflows, also treated as overflow), so only
+    Without one, a norm is non-finite exactly when a gradient in it is inf or NaN (or so large
+    that its square overflows, also treated as overflow; `reduced_stats` checks), so only
     `other_grads` need a pass of their own: one read of the gradients fewer.
     """
     group_grads = dict(group_grads or {})
@@ -110,26 +126,66 @@ def local_grad_stats(
         stats[NONFINITE] = unscale_and_count_nonfinite(counted + other_grads, inv_scale, device)
     elif other_grads:
         stats[NONFINITE] = unscale_and_count_nonfinite(other_grads, torch.ones(1, device=device), device)
-    stats[SUM_OF_SQUARES] = _sum_of_squares(norm_grads, device)
     for name, grads in group_grads.items():
-        stats[group_index(name)] = _sum_of_squares(grads, device)
         stats[group_index(name) + 1] = len(grads)
     if count_zeros_in_grad and counted:
         stats[ZEROS] = count_zeros(counted, device)
-    # A non-finite norm counts as overflow; 0 keeps the reduced sums meaningful for the other
-    # ranks' view. Masked on the device instead of branched on, so the device is not waited for.
+    norms = {None: _norms(norm_grads, device), **{name: _norms(grads, device) for name, grads in group_grads.items()}}
+    return LocalStats(stats, norms, tuple(groups))
+
+
+def _norms(grads: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """The fp32 L2 norm of each gradient that has elements, on `device` (megatron-core's list has no
+    empty shard of a sharded parameter; an entry 0 would still change how the vector's norm rounds)."""
+    grads = [g.float() for g in grads if g.numel() > 0]
+    return [n.to(device) for n in torch._foreach_norm(grads, 2.0)] if grads else []
+
+
+def reduced_stats(children: Sequence[LocalStats]) -> torch.Tensor:
+    """The children's statistics summed over their ranks, as float64 on the first child's device.
+
+    A norm is summed as megatron-core's ChainedOptimizer sums it (its `get_grad_norm` and
+    clip_grads.py's `get_grad_norm_fp32` without Transformer Engine or Apex, as on CPU), so that
+    clipping by it changes the same bits: where every child sums over the same groups, the norm of
+    the vector of all their gradients' norms (in the children's order), in fp32, squared, then
+    summed over the groups; where they differ, each child's so, and those added in float64 (it adds
+    Python floats). Children that only check for inf/NaN (`norms` None) are summed on their own."""
+    counted = [child for child in children if child.norms is not None]
+    shared = len({child.groups for child in counted}) <= 1
+    parts = [_merged(counted)] if shared and counted else counted
+    totals = [_reduced_with_squares(part).double() for part in parts]
+    totals += [reduced_grad_stats(child.stats.clone(), child.groups).double()
+               for child in children if child.norms is None]
+    total = totals[0]
+    for more in totals[1:]:
+        total = total + more.to(total.device)
+    return total
+
+
+def _merged(children: list[LocalStats]) -> LocalStats:
+    """Children that sum over the same groups as one: statistics added, norms concatenated in order."""
+    stats = children[0].stats.clone()
+    for child in children[1:]:
+        stats += child.stats.to(stats.device)
+    keys = dict.fromkeys(key for child in children for key in child.norms)
+    norms = {key: [n for child in children for n in child.norms.get(key, [])] for key in keys}
+    return LocalStats(stats, norms, children[0].groups)
+
+
+def _reduced_with_squares(part: LocalStats) -> torch.Tensor:
+    """`part`'s statistics with each norm's square, megatron-core's way: the fp32 norm of the vector
+    of per-gradient norms, squared; a non-finite one counted as overflow and summed as 0 (the
+    device is not waited for). Then summed over `part.groups`."""
+    stats = part.stats.clone()
+    for key, norms in part.norms.items():
+        if norms:
+            at = SUM_OF_SQUARES if key is None else group_index(key)
+            stats[at] = torch.linalg.vector_norm(torch.stack([n.to(stats.device) for n in norms])).square()
     squares = stats[SUM_OF_SQUARES::2][: 1 + len(SEPARATE_GRAD_NORM_GROUPS)]
     finite = torch.isfinite(squares)
     stats[NONFINITE] += (~finite).sum().float()
     stats[SUM_OF_SQUARES::2] = torch.where(finite, squares, torch.zeros_like(squares))
-    return stats
-
-
-def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    if not grads:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    norms = torch._foreach_norm([g.float() for g in grads], 2.0)
-    return torch.stack([n.to(device) for n in norms]).square().sum()
+    return reduced_grad_stats(stats, part.groups)
 
 
 def reduced_grad_stats(stats: torch.Tensor, groups: Sequence[Optional[ProcessGroup]]) -> torch.Tensor:

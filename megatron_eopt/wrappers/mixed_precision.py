@@ -13,7 +13,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 
 from megatron_eopt.wrappers.fp32 import FP32Optimizer, model_grad
-from megatron_eopt.wrappers.host_offload import tensors_in
+from megatron_eopt.offload.offload_to_cpu import tensors_in
 from megatron_eopt.wrappers.main_param_storage import Fp32Copies, OnHost, main_param_storage_for
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)

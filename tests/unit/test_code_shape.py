@@ -120,7 +120,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("placement",),  # where a sharded model's parameters lie: read by distributed/ and checkpointing/
     ("checkpointable",),  # what checkpoints read of an optimizer child
     ("megatron_core_formats",),  # megatron-core's checkpoint files; the wrappers' sharded_state_dict() writes them
-    ("offload",),  # optimizer state on the host between steps (optimizer_cpu_offload)
+    ("offload",),  # optimizer state off the accelerator: during the step (optimizer_cpu_offload) and between steps
     ("wrappers",),
     ("distributed",),
     ("checkpointing",),  # our own checkpoint files

@@ -129,6 +129,21 @@ def _threads(rank: int, world_size: int) -> int:
     return sum(1 for _ in os.scandir("/proc/self/task"))
 
 
+def _start_a_thread_that_ends_late(rank: int, world_size: int, seconds: float) -> None:
+    """On rank 0, a thread that runs (never asleep: one call that releases the GIL, as a native thread
+    runs) for about `seconds` of CPU after the call returns, then ends, as a destroyed group's joined
+    threads end late on a loaded machine."""
+    import hashlib
+    import threading
+
+    if rank:
+        return
+    started = time.monotonic()
+    hashlib.pbkdf2_hmac("sha256", b"key", b"salt", 100_000)
+    rounds = int(100_000 * seconds / max(time.monotonic() - started, 1e-4))
+    threading.Thread(target=hashlib.pbkdf2_hmac, args=("sha256", b"key", b"salt", rounds), daemon=True).start()
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_all_reduce_sum_reaches_every_rank(run_distributed, world_size):
     results = run_distributed(_all_reduce_sum, world_size=world_size, args=(3.0,))
@@ -177,6 +192,40 @@ def test_groups_die_with_the_call_and_the_world_stays(run_distributed):
     run_distributed(_groups_released_by_the_reset, world_size=2)
     assert run_distributed(_threads, world_size=2) == fresh
     assert run_distributed(_pid, world_size=2) == first
+
+
+def test_a_thread_on_its_way_out_is_waited_for_not_timed_out(run_distributed, monkeypatch):
+    """The leak check waits for a running thread to end, however long past its grace for sleeping ones,
+    instead of calling it a leak when a fixed wait ran out (a flake under load). The grace is shortened
+    here (LEAK_GRACE_ENV) so that the thread need not run for seconds."""
+    from tests.distributed_harness import LEAK_GRACE_ENV, STRICT_LEAKS_ENV
+
+    monkeypatch.delenv(STRICT_LEAKS_ENV, raising=False)  # strict: a leak would raise ThreadLeakError
+    monkeypatch.setenv(LEAK_GRACE_ENV, "0.1")
+    first = run_distributed(_pid, world_size=2)
+    started = time.monotonic()
+    run_distributed(_start_a_thread_that_ends_late, world_size=2, args=(0.6,))
+    assert time.monotonic() - started > 0.6  # the thread outlived the grace, and no ThreadLeakError
+    assert run_distributed(_pid, world_size=2) == first  # nor was the world replaced
+
+
+def test_a_thread_that_names_itself_after_the_baseline_is_no_new_thread(monkeypatch):
+    """A native thread names itself once it runs (gloo's pt_gloo_runloop): one that had not run when a fresh
+    worker's threads were counted was counted under the process's name, and later looked like a leak."""
+    from collections import Counter
+
+    from tests import distributed_harness as harness
+
+    main = harness._MAIN_THREAD_NAME
+    baseline = Counter({main: 3, "gloo_tcp_loop": 1, "pt_gloo_runloop": 1})
+    monkeypatch.setattr(harness, "_thread_census", lambda: Counter({main: 2, "gloo_tcp_loop": 1, "pt_gloo_runloop": 2}))
+    assert harness._extra_threads(baseline) == Counter()
+    held = Counter({main: 2, "gloo_tcp_loop": 2, "pt_gloo_runloop": 4})  # renamed, and a group held
+    monkeypatch.setattr(harness, "_thread_census", lambda: held)
+    extra = harness._extra_threads(baseline)
+    assert extra["gloo_tcp_loop"] >= 1 and sum(extra.values()) == 3, extra
+    monkeypatch.setattr(harness, "_thread_census", lambda: Counter({main: 4, "gloo_tcp_loop": 1, "pt_gloo_runloop": 1}))
+    assert harness._extra_threads(baseline) == Counter({main: 1})  # a thread that never names itself
 
 
 def test_a_call_that_keeps_a_group_alive_fails_naming_the_test(run_distributed, monkeypatch, capsys):

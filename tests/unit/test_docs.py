@@ -197,3 +197,112 @@ def test_readme_has_a_library_example_and_a_trainer_example() -> None:
     ids = [example["id"] for example in EXAMPLES if example["id"].startswith("README.md")]
     languages = {example["language"] for example in EXAMPLES if example["id"] in ids}
     assert languages == {"python", "bash"}, ids
+
+
+# ---------------------------------------------------------------- facts the pages state, checked against the code
+
+
+def test_recommended_muon_momentum_is_the_command_lines_default() -> None:
+    """The recommended Muon command lines (README, docs/convergence.md) give the momentum the command
+    lines default to, which the README says to keep (they said 0.95 while the text said keep 0.9)."""
+    import argparse
+
+    from arguments import add_optimizer_args
+
+    default = add_optimizer_args(argparse.ArgumentParser()).get_default("muon_momentum")
+    recommended = [(page.name, float(value)) for page in (ROOT / "README.md", ROOT / "docs" / "convergence.md")
+                   for language, body in FENCE.findall(page.read_text()) if language == "text" and "--optimizer muon" in body
+                   for value in re.findall(r"--muon-momentum (\S+)", body)]
+    assert {page for page, _ in recommended} == {"README.md", "convergence.md"}, recommended
+    assert all(value == default for _, value in recommended), (default, recommended)
+    assert f"so keep {default}" in (ROOT / "README.md").read_text()
+
+
+def _library_page_section(begin: str, end: str) -> str:
+    text = (ROOT / "docs" / "library.md").read_text()
+    return text.split(begin, 1)[1].split(end, 1)[0]
+
+
+def test_library_page_gives_every_default_that_differs_between_config_and_command_lines() -> None:
+    """docs/library.md's table: exactly the fields whose OptimizerConfig() default differs from the command
+    lines', each with both values, where the command lines are our parser and Megatron-LM's with ours."""
+    import argparse
+    import dataclasses
+
+    from arguments import add_optimizer_args
+    from arguments.optimizer_args import FLAGS, _flag_value
+    from megatron_eopt.config.choices import plain_value
+    from megatron_eopt.config.optimizer_config import OptimizerConfig
+    from megatron_eopt.integrations.megatron_lm import _parser_defaults_with_ours
+
+    ours = add_optimizer_args(argparse.ArgumentParser())
+    library = {field.name: plain_value(_flag_value(field.default)) for field in dataclasses.fields(OptimizerConfig)}
+    differing = {flag.dest: (library[flag.dest], ours.get_default(flag.dest)) for flag in FLAGS
+                 if flag.type is not None and not flag.hardware_default and library[flag.dest] != ours.get_default(flag.dest)}
+    table = _library_page_section("<!-- defaults that differ: begin -->", "<!-- defaults that differ: end -->")
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table.strip().splitlines()[2:]]
+    stated = {re.match(r"`(\w+)`", field).group(1): (float(config), float(command_lines))
+              for field, config, command_lines in rows}
+    assert stated == differing, (stated, differing)
+    megatron_lm = _parser_defaults_with_ours()
+    assert {name: megatron_lm[name] for name in stated} == {name: values[1] for name, values in stated.items()}
+
+
+def _refuses(call) -> bool:
+    try:
+        call()
+    except ValueError:
+        return True
+    return False
+
+
+def _build_and_step(**fields) -> None:
+    from megatron_eopt import OptimizerConfig, get_megatron_optimizer
+    from tests.small_model import small_model, step_on_random_grads
+
+    config = OptimizerConfig(lr=1e-3, **fields)
+    model = small_model(config)
+    step_on_random_grads(model, get_megatron_optimizer(config, [model]), seed=1)
+
+
+def _tensor_parallel_refused_where_the_table_says_no() -> None:
+    """ValueError (refused, as the page says) when the flag checks refuse TP=2 for every optimizer the
+    registry (the README's table) marks `no` there."""
+    import argparse
+
+    from arguments import add_optimizer_args, validate_args
+    from megatron_eopt.registry import list_optimizers, optimizers_supporting
+
+    parser = add_optimizer_args(argparse.ArgumentParser())
+    unsupported = sorted(set(list_optimizers()) - set(optimizers_supporting("tensor_parallel")))
+    refused = [name for name in unsupported
+               if _refuses(lambda: validate_args(parser.parse_args(["--optimizer", name]), tensor_model_parallel_size=2))]
+    if unsupported and refused == unsupported:
+        raise ValueError(f"refused at TP=2: {refused}")
+
+
+# What docs/library.md may call refused or not implemented, each with a call that must raise ValueError.
+REFUSED = {
+    "fp8 optimizer state": lambda: _build_and_step(use_precision_aware_optimizer=True, exp_avg_dtype=__import__("torch").uint8),
+    "optimizer CUDA graphs": lambda: _build_and_step(optimizer_cuda_graph=True),
+    "fp16 with emerging optimizers": lambda: _build_and_step(optimizer="muon", fp16=True),
+    "tensor parallelism for the optimizers marked `no` in the README's support table": _tensor_parallel_refused_where_the_table_says_no,
+}
+# What it must not call so: features that work (the page once listed CPU offloading as refused).
+WORKING = {
+    "CPU offloading": lambda: _build_and_step(optimizer="muon", use_precision_aware_optimizer=True,
+                                              optimizer_cpu_offload=True, optimizer_offload_fraction=0.5),
+}
+
+
+def test_library_page_calls_refused_only_what_is_refused() -> None:
+    said = " ".join(_library_page_section("## Not implemented", "\n\n#").split())
+    not_implemented = said.split("Each gives a clear error: ", 1)[1].split(". ", 1)[0]
+    refused_fields = " ".join(_library_page_section("- Refused with an error: ", "\n").split()).rstrip(".")
+    listed = [item for line in (not_implemented, refused_fields) for item in re.split(r", and |, | and ", line)]
+    for item in listed:
+        assert item not in WORKING, f"docs/library.md calls {item!r} refused, but it works"
+        assert item in REFUSED, f"docs/library.md calls {item!r} refused: add how to check it to REFUSED"
+        assert _refuses(REFUSED[item]), f"docs/library.md calls {item!r} refused, but it is not refused"
+    for item, works in WORKING.items():
+        assert not _refuses(works), item

@@ -10,7 +10,7 @@ from arguments import (
     validate_args,
 )
 from arguments.optimizer_args import resolve_optimizer_flags
-from arguments.validate import flag_message
+from arguments.validate import check_before_import, flag_message
 from megatron_eopt.config.rules import check_values
 from megatron_eopt.training.arguments.data import check_data_flags
 from megatron_eopt.training.arguments.device import Device, device_after_import, device_before_import
@@ -47,6 +47,7 @@ def check_flags_before_import(parsed: argparse.Namespace) -> None:
             check_values(stand_in)
         except ValueError as error:
             raise ValueError(flag_message(str(error))) from None
+        check_before_import(stand_in)  # validate_args' refusals that need no installed optimizer
         _resolve(stand_in, device_before_import(parsed), imported=False)
     except ValueError as error:
         exit_with_error(str(error))

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from arguments import add_optimizer_args, optimizer_config_from_args, parse_and_validate, validate_args
-from arguments.optimizer_args import MEGATRON_LM_PARSER_DEFAULTS
+from arguments.optimizer_args import FLAGS, MEGATRON_LM_PARSER_DEFAULTS
+from arguments.validate import check_before_import
+from megatron_eopt.config.choices import plain_value
 from megatron_eopt.config.optimizer_config import OptimizerConfig
 from megatron_eopt.registry import list_optimizers
 
@@ -48,6 +50,7 @@ NEGATIVE_FLAGS = {"--muon-no-split-qkv": "muon_split_qkv", "--soap-no-kl-shampoo
 FLAG_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # Megatron-LM's names
 FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(OptimizerConfig)}
 HARDWARE_DEFAULTS = {"muon_fp32_matmul_prec"}  # flags whose default is chosen from the hardware
+RAW_HELP = {flag.dest: flag.help for flag in FLAGS}  # each flag's help as its table row writes it
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +88,32 @@ def test_defaults_give_the_default_config(parser) -> None:
     chosen = fp32_matmul_prec_for(cpu)[0]
     assert optimizer_config_from_args(parse(parser), cpu) == OptimizerConfig(muon_fp32_matmul_prec=chosen,
                                                                              **MEGATRON_LM_PARSER_DEFAULTS)
+
+
+def test_help_shows_every_flags_default(parser) -> None:
+    """`--help` shows each optimizer flag's default as a command line resolves it: here the parser's own
+    default (read from OptimizerConfig, Megatron-LM's where MEGATRON_LM_PARSER_DEFAULTS says), in this
+    parser's help and in our trainer's, whose parser leaves the defaults None until torch is imported."""
+    from megatron_eopt.training.arguments.parser import build_parser
+
+    expected = {}
+    for action in optimizer_actions(parser):
+        if action.dest in HARDWARE_DEFAULTS:
+            expected[action.dest] = "Default: chosen from the hardware"
+        elif isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            expected[action.dest] = "Default: off."  # a switch: off unless given
+        elif action.default is None:  # "none", whose meaning the help gives, or the help's own rule
+            expected[action.dest] = None if "Default:" in RAW_HELP[action.dest] else "Default: none."
+        else:
+            expected[action.dest] = f"Default: {plain_value(action.default)}."
+    assert {dest for dest, text in expected.items() if text is None} == {"muon_expert_tp_mode", "muon_tp_hardware_profile"}
+    for shown_by in (parser, build_parser()):
+        helps = {a.dest: " ".join(a.help.split()) for a in shown_by._actions if a.dest in expected}
+        assert set(helps) == set(expected)
+        for dest, text in expected.items():
+            assert (text or "Default:") in helps[dest], (dest, helps[dest])
+    muon_momentum = {a.dest: a.help for a in optimizer_actions(parser)}["muon_momentum"]
+    assert "Default: 0.9." in muon_momentum and "0.95" in muon_momentum  # the library's default named too
 
 
 def test_frozen_option_list(parser) -> None:
@@ -156,6 +185,13 @@ def test_fp16_with_emerging_optimizer_names_the_flag(parser) -> None:
     assert "\n" not in str(raised.value)
     assert "fp16=" not in str(raised.value)  # the flag, not the field
     parse(parser, "--optimizer", "adam", "--fp16")  # fine with adam
+    # A trainer's check before the import (the torch-free lists) refuses it in the same words, and dist_muon too.
+    for name in ("muon", "dist_muon"):
+        with pytest.raises(ValueError) as before_import:
+            check_before_import(argparse.Namespace(optimizer=name, fp16=True))
+        assert str(before_import.value) == str(raised.value)
+    check_before_import(argparse.Namespace(optimizer="adam", fp16=True))
+    check_before_import(argparse.Namespace(optimizer=None, fp16=True))  # not given: adam
 
 
 @pytest.mark.parametrize(

@@ -65,6 +65,29 @@ def test_use_muon_by_attribute_and_by_name(tmp_path) -> None:
     assert routes["model.layers.0.mlp.up_proj.weight"] == routing_models.HIDDEN_MATRIX
 
 
+def test_a_use_muon_glob_that_matches_nothing_warns_once_naming_close_names(tmp_path) -> None:
+    """A misspelt glob moves nothing: said once per glob, with the closest parameter names; globs that
+    match say nothing."""
+    import warnings
+
+    from megatron_eopt.runtime import once
+
+    once._GIVEN.clear()  # a fresh process, for these warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for attempt in range(2):
+            routes = routes_of(routing_models.llama(tied=False), tmp_path / str(attempt),
+                               muon_include_params="lm_head.weights, lm_head.weight",
+                               muon_exclude_params="*.mlp.down.weight")
+    said = [str(w.message) for w in caught if "matches no trainable parameter" in str(w.message)]
+    assert routes["lm_head.weight"] == ("muon", "muon_include_params ('lm_head.weight')")  # the other glob works
+    assert len(said) == 2, said
+    assert said[0].startswith("OptimizerConfig.muon_include_params glob 'lm_head.weights' matches no trainable "
+                              "parameter on this rank, so it moves nothing into 'muon'"), said[0]
+    assert "(closest: 'lm_head.weight'" in said[0], said[0]
+    assert said[1].startswith("OptimizerConfig.muon_exclude_params glob '*.mlp.down.weight' matches no"), said[1]
+
+
 def test_use_muon_conflicts_and_non_routing_optimizers_are_refused(tmp_path) -> None:
     model = routing_models.llama(tied=False)
     kind, both = error_of(lambda: routes_of(model, tmp_path, muon_include_params="lm_head.*",

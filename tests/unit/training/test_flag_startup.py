@@ -111,6 +111,12 @@ SEMANTIC_ERRORS = {
     # OptimizerConfig's rules (config/rules.py), in its words, before the trainer's own checks.
     "precision": (["--fp16", "--bf16"], "--fp16 and --bf16 are both True; choose at most one."),
     "optimizer-config": (["--lr", "0.1", "--min-lr", "1"], "--min-lr (1.0) must not exceed --lr (0.1)."),
+    # validate_args' refusals that need no installed optimizer (arguments/validate.py's check_before_import).
+    "cpu-offload": (["--lr", "0.1", "--optimizer-cpu-offload"],
+                    "--optimizer-cpu-offload needs --use-precision-aware-optimizer, as in Megatron-LM"),
+    "fp16-emerging": (["--lr", "0.1", "--fp16", "--optimizer", "muon"],
+                      "pretrain_gpt.py: error: --fp16 is not supported with --optimizer muon (it has no loss scaling, "
+                      "which fp16 needs (bf16 works); optimizers that do: adam, sgd)."),
     # The precision-aware optimizer's rules (config/precision.py), the flags' values named as given.
     "state-dtype": (["--lr", "0.1", "--exp-avg-dtype", "bf16"],
                     "--exp-avg-dtype can only be fp32 without --use-precision-aware-optimizer (as in megatron-core); "

@@ -7,6 +7,9 @@ Two models: rows that split evenly over 2 ranks, and rows that do not (30 = 15 +
 FSDP2; Megatron-FSDP's bucket split gives other uneven and empty shards). adam (whose state torch makes at
 its first step), muon and adaptive_muon, on torch FSDP2 and Megatron-FSDP.
 
+The uneven Muon cases also go through `torch.save(optimizer.state_dict())` and `torch.load` into a fresh
+pair (what verl and the Hugging Face Trainer do per rank): the state dict pickles, DTensors and all.
+
 References, never golden values: the run continued without the save (bitwise at FSDP=2), the state that
 was saved (bitwise, at FSDP=3 too), and the FSDP=2 run continued (at FSDP=3: 1e-6, the ranks sum the
 same global batch's gradient in another order).
@@ -133,6 +136,7 @@ def _save_body(rank: int, world_size: int, directory: str) -> dict:
         take_steps(model, optimizer, 0, engine)
         dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint_id=path)
         saved = full_state(optimizer.state_dict())
+        pickled = pickle_round_trip(model, optimizer) if case in PICKLED else None
         take_steps(model, optimizer, STEPS, engine)
         straight = full_params(model)
         del model, optimizer
@@ -141,8 +145,40 @@ def _save_body(rank: int, world_size: int, directory: str) -> dict:
         loaded = full_state(optimizer.state_dict())
         take_steps(model, optimizer, STEPS, engine)
         results[case] = {"saved": saved, "loaded": loaded, "straight": straight, "resumed": full_params(model)}
+        if pickled is not None:  # the pickled state, loaded into a fresh pair, continues the same way
+            model, optimizer = unpickled(engine, model_name, optimizer_name, path, pickled)
+            results[case]["unpickled"] = full_state(optimizer.state_dict())
+            take_steps(model, optimizer, STEPS, engine)
+            results[case]["unpickled resumed"] = full_params(model)
         del model, optimizer
     return results
+
+
+PICKLED = ("fsdp2-uneven-muon", "megatron_fsdp-uneven-muon")
+
+
+def pickle_round_trip(model, optimizer) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(optimizer.state_dict(), buffer)
+    return buffer.getvalue()
+
+
+def unpickled(engine: str, model_name: str, optimizer_name: str, path: str, pickled: bytes):
+    """A fresh pair: the model from the DCP save (a pickled DTensor keeps its mesh, a fresh model has
+    another), the optimizer from the pickled state dict alone."""
+    import io
+
+    import torch.distributed.checkpoint as dcp
+
+    model = sharded_model(engine, model_name)
+    optimizer = get_megatron_optimizer(config_for(optimizer_name), [model])
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(torch.load(io.BytesIO(pickled), weights_only=False))
+    return model, optimizer
 
 
 def _load_at_three_body(rank: int, world_size: int, directory: str) -> dict:
@@ -177,6 +213,9 @@ def test_dcp_resumes_exactly_at_fsdp2_and_loads_at_fsdp3(run_distributed, tmp_pa
         for reply in at_two:  # FSDP=2 -> FSDP=2: the state as saved, the run as if never stopped
             assert not any(_differences(reply[case]["saved"], reply[case]["loaded"]).values()), case
             assert not any(_differences(reply[case]["straight"], reply[case]["resumed"]).values()), case
+            if case in PICKLED:
+                assert not any(_differences(reply[case]["saved"], reply[case]["unpickled"]).values()), case
+                assert not any(_differences(reply[case]["straight"], reply[case]["unpickled resumed"]).values()), case
         for reply in at_three:  # FSDP=2 -> FSDP=3: the same state, the same run within round-off
             assert not any(_differences(result["saved"], reply[case]["loaded"]).values()), case
             worst = max(_differences(result["straight"], reply[case]["resumed"]).values())

@@ -17,7 +17,7 @@ import tempfile
 
 import torch
 
-from tests import engines_on_cpu
+from tests import rl_engines_on_cpu
 
 STEPS, SAVED_AT, LR = 4, 2, 1e-2
 TRAIN_BATCH, DATASET = 4, 4 * STEPS  # AReaL's FinetuneSpec: STEPS optimizer steps, a quarter of them warm-up
@@ -57,21 +57,21 @@ def _engine(model_path: str):
 def _train(engine, steps, rank: int) -> list[dict]:
     seen = []
     for step in steps:
-        before = engines_on_cpu.plain(dict(engine.model.named_parameters()))
+        before = rl_engines_on_cpu.plain(dict(engine.model.named_parameters()))
         engine.train()
-        stats = engine.train_batch(engines_on_cpu.areal_sft_batch(rank, step), loss_fn=engines_on_cpu.areal_sft_loss,
+        stats = engine.train_batch(rl_engines_on_cpu.areal_sft_batch(rank, step), loss_fn=rl_engines_on_cpu.areal_sft_loss,
                                    loss_weight_fn=lambda batch: batch["loss_mask"].count_nonzero())
-        after = engines_on_cpu.plain(dict(engine.model.named_parameters()))
+        after = rl_engines_on_cpu.plain(dict(engine.model.named_parameters()))
         seen.append({"inner_lrs": [g["lr"] for c in engine.optimizer.chained_optimizers for g in c.param_groups],
                      "reported_lr": stats["lr"], "params": len(after),
-                     "moved": len(engines_on_cpu.differences(before, after))})
+                     "moved": len(rl_engines_on_cpu.differences(before, after))})
         engine.lr_scheduler_step()
     return seen
 
 
 def _snapshot(engine) -> dict:
-    return {"model": engines_on_cpu.plain(dict(engine.model.named_parameters())),
-            "optimizer": engines_on_cpu.plain(engine.optimizer.state_dict())}
+    return {"model": rl_engines_on_cpu.plain(dict(engine.model.named_parameters())),
+            "optimizer": rl_engines_on_cpu.plain(engine.optimizer.state_dict())}
 
 
 def _body(rank: int, world_size: int, model_path: str, checkpoint_dir: str) -> dict:
@@ -91,14 +91,14 @@ def _body(rank: int, world_size: int, model_path: str, checkpoint_dir: str) -> d
     resumed.load(SaveLoadMeta(path=checkpoint_dir, weight_format="dcp", with_optim=True))
     resumed.lr_scheduler.load_state_dict(scheduler_state)
     _train(resumed, range(SAVED_AT, STEPS), rank)
-    differences = engines_on_cpu.differences(uninterrupted, _snapshot(resumed))
+    differences = rl_engines_on_cpu.differences(uninterrupted, _snapshot(resumed))
     resumed.destroy()
     return {"steps": steps, "factors": factors, "resume_differences": differences}
 
 
 def test_areal_fsdp_engine_with_our_optimizer_schedules_and_resumes_from_dcp_bitwise(run_distributed) -> None:
     with tempfile.TemporaryDirectory() as directory:
-        model_path = engines_on_cpu.save_tiny_qwen3(f"{directory}/model")
+        model_path = rl_engines_on_cpu.save_tiny_qwen3(f"{directory}/model")
         # AReaL's engine makes process groups of its own (its CPU group, its device mesh's) and leaves
         # them to whoever made the default group: the world is replaced afterwards.
         results = run_distributed(_body, 2, args=(model_path, f"{directory}/checkpoint"), timeout=600,

@@ -20,7 +20,7 @@ import tempfile
 
 import torch
 
-from tests import engines_on_cpu
+from tests import rl_engines_on_cpu
 
 STEPS, SAVED_AT, WARMUP, LR = 4, 2, 1, 1e-2
 
@@ -57,24 +57,24 @@ def _train(engine, steps, rank: int) -> list[dict]:
 
     seen = []
     for step in steps:
-        params_before = engines_on_cpu.plain(dict(engine.module.named_parameters()))
+        params_before = rl_engines_on_cpu.plain(dict(engine.module.named_parameters()))
         with engine.train_mode():
-            output = engine.train_batch(engines_on_cpu.verl_sft_batch(rank, step), loss_function=partial(sft_loss, config=None))
+            output = engine.train_batch(rl_engines_on_cpu.verl_sft_batch(rank, step), loss_function=partial(sft_loss, config=None))
         inner_lrs = [g["lr"] for child in engine.optimizer.chained_optimizers for g in child.param_groups]
-        params_after = engines_on_cpu.plain(dict(engine.module.named_parameters()))
+        params_after = rl_engines_on_cpu.plain(dict(engine.module.named_parameters()))
         seen.append({"inner_lrs": inner_lrs, "grad_norm": output["metrics"]["grad_norm"], "params": len(params_after),
-                     "moved": len(engines_on_cpu.differences(params_before, params_after))})
+                     "moved": len(rl_engines_on_cpu.differences(params_before, params_after))})
         engine.lr_scheduler_step()
     return seen
 
 
 def _snapshot(engine) -> dict:
-    return {"model": engines_on_cpu.plain(dict(engine.module.named_parameters())),
-            "optimizer": engines_on_cpu.plain(engine.optimizer.state_dict())}
+    return {"model": rl_engines_on_cpu.plain(dict(engine.module.named_parameters())),
+            "optimizer": rl_engines_on_cpu.plain(engine.optimizer.state_dict())}
 
 
 def _body(rank: int, world_size: int, model_path: str, checkpoint_dir: str) -> dict:
-    engines_on_cpu.use_verl_cpu_platform()
+    rl_engines_on_cpu.use_verl_cpu_platform()
     engine = _engine(model_path)
     assert isinstance(engine.optimizer, torch.optim.Optimizer)
     scheduler = engine.lr_scheduler
@@ -87,18 +87,18 @@ def _body(rank: int, world_size: int, model_path: str, checkpoint_dir: str) -> d
     from verl.utils.fsdp_utils import load_fsdp_optimizer
 
     load_fsdp_optimizer(engine.optimizer, torch.float64)  # verl's walk, a dtype in the device's place
-    walked = {name: tensor.dtype for name, tensor in engines_on_cpu.inner_state_tensors(engine.optimizer).items()}
+    walked = {name: tensor.dtype for name, tensor in rl_engines_on_cpu.inner_state_tensors(engine.optimizer).items()}
 
     resumed = _engine(model_path)
     resumed.load_checkpoint(checkpoint_dir)
     _train(resumed, range(SAVED_AT, STEPS), rank)
     return {"steps": steps, "factors": factors, "walked": walked,
-            "resume_differences": engines_on_cpu.differences(uninterrupted, _snapshot(resumed))}
+            "resume_differences": rl_engines_on_cpu.differences(uninterrupted, _snapshot(resumed))}
 
 
 def test_verl_fsdp_engine_with_our_optimizer_schedules_offloads_and_resumes_bitwise(run_distributed) -> None:
     with tempfile.TemporaryDirectory() as directory:
-        model_path = engines_on_cpu.save_tiny_qwen3(f"{directory}/model")
+        model_path = rl_engines_on_cpu.save_tiny_qwen3(f"{directory}/model")
         results = run_distributed(_body, 2, args=(model_path, f"{directory}/checkpoint"), timeout=600)
     for rank, result in enumerate(results):
         steps, factors = result["steps"], result["factors"]

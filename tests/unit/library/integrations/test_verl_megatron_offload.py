@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from megatron_eopt import OptimizerConfig, get_megatron_optimizer
-from tests import engines_on_cpu
+from tests import rl_engines_on_cpu
 from tests.small_model import small_model, step_on_random_grads
 
 CONFIG = OptimizerConfig(optimizer="muon", lr=1e-2, bf16=True, muon_fp32_matmul_prec="highest")
@@ -63,7 +63,7 @@ def test_verl_megatron_offload_helpers_move_every_tensor_our_optimizer_owns(monk
     from megatron.core.utils import GlobalMemoryBuffer
 
     monkeypatch.setattr(platform_manager, "_current_platform", None)  # ours for this test only
-    engines_on_cpu.use_verl_cpu_platform()
+    rl_engines_on_cpu.use_verl_cpu_platform()
     # verl clears megatron-core's global memory buffer after offloading: Megatron-LM's initialisation makes it.
     monkeypatch.setattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", GlobalMemoryBuffer())
     from verl.utils.megatron_utils import load_megatron_optimizer, offload_megatron_optimizer

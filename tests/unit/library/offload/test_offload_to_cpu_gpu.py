@@ -5,7 +5,7 @@ the optimizer's own state and main copies (their bytes summed before the offload
 weights and gradients stay), and after a restore as much as before. The run continues bitwise:
 two more steps after offload and restore equal the same two steps of an optimizer never offloaded,
 on every weight and state tensor. Adam and Muon, bf16 with fp32 main copies (what an RL loop frees
-while it generates). The CPU tier (test_host_offload.py) checks the same contract with the host
+while it generates). The CPU tier (test_offload_to_cpu.py) checks the same contract with the host
 standing in for the device.
 """
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_eopt import OptimizerConfig, get_megatron_optimizer
-from megatron_eopt.wrappers.host_offload import tensors_in
+from megatron_eopt.offload.offload_to_cpu import tensors_in
 
 pytestmark = [
     pytest.mark.gpu,

@@ -3,7 +3,7 @@
 Reference: the same optimizer stepped with the same gradients without offloading; after an
 offload and a restore between steps, parameters and state are bitwise equal to it. On this
 machine (no accelerator) the methods change nothing, as megatron-core's do; to exercise the move
-itself the tests treat the host as the accelerator (`host_offload.on_accelerator`): the
+itself the tests treat the host as the accelerator (`offload_to_cpu.on_accelerator`): the
 optimizer's storages are copied aside and freed (0 bytes), the model's are not.
 """
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_eopt import OptimizerConfig, get_megatron_optimizer
-from megatron_eopt.wrappers import host_offload
+from megatron_eopt.offload import offload_to_cpu
 from tests.small_model import small_model, step_on_random_grads
 
 CONFIGS = {
@@ -32,7 +32,7 @@ def _snapshot(model: torch.nn.Module, optimizer) -> list[torch.Tensor]:
     """The model's weights, the fp32 main weights (bf16 + remainder) and the inner optimizers' state."""
     values = [*model.parameters()]
     for child in optimizer.chained_optimizers:
-        values += [*child.fp32_main_params(), *host_offload.tensors_in(list(child.optimizer.state.values()))]
+        values += [*child.fp32_main_params(), *offload_to_cpu.tensors_in(list(child.optimizer.state.values()))]
     return [t.detach().clone() for t in values]
 
 
@@ -43,7 +43,7 @@ def _run(config: OptimizerConfig, monkeypatch, offloading: bool) -> list[torch.T
     step_on_random_grads(model, optimizer, seed=1)
     if offloading:
         with monkeypatch.context() as patch:
-            patch.setattr(host_offload, "on_accelerator", lambda tensor: True)
+            patch.setattr(offload_to_cpu, "on_accelerator", lambda tensor: True)
             weights = [p.detach().clone() for p in model.parameters()]
             optimizer.offload_to_cpu()
             optimizer.offload_to_cpu()  # again: nothing more to move

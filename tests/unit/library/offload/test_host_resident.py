@@ -118,3 +118,26 @@ def test_bad_offload_settings_are_refused() -> None:
         OptimizerConfig(optimizer_cpu_offload=True, optimizer_offload_fraction=1.5)
     with pytest.raises(ValueError, match=r"needs decoupled_weight_decay=True \(AdamW mode\)"):
         OptimizerConfig(optimizer_cpu_offload=True, decoupled_weight_decay=False)
+
+
+def test_offload_with_fraction_zero_says_once_that_it_offloads_nothing() -> None:
+    """megatron-core's default fraction, 0.0, with offload on: nothing goes to the host, said once per
+    process; any other fraction, or no offload, says nothing."""
+    import warnings
+
+    from megatron_eopt.runtime import once
+
+    def build_twice(**offload) -> tuple[list, list[str]]:
+        once._GIVEN.clear()  # a fresh process, for this warning
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            built = [get_megatron_optimizer(_config("adam fp32", **offload), [small_model(OptimizerConfig())])
+                     for _ in range(2)]
+        return built, [str(w.message) for w in caught if "offloads nothing" in str(w.message)]
+
+    built, said = build_twice(optimizer_cpu_offload=True, optimizer_offload_fraction=0.0)
+    assert [child.host_state.indices for optimizer in built for child in optimizer.chained_optimizers] == [[], []]
+    assert len(said) == 1 and said[0].startswith("OptimizerConfig.optimizer_cpu_offload=True with "
+                                                 "optimizer_offload_fraction=0.0"), said
+    assert build_twice(optimizer_cpu_offload=True, optimizer_offload_fraction=0.5)[1] == []
+    assert build_twice(optimizer_offload_fraction=0.0)[1] == []
