@@ -95,9 +95,14 @@ venv: $(STAMP)
 
 # gram-newton-schulz (the optional --muon-gram-newton-schulz-package backend) without its declared
 # dependencies: they are CUDA-only (quack-kernels, nvidia-cutlass-dsl) and its torch path needs only torch.
+# verl and AReaL (test dependencies: their FSDP engines hold our optimizer, docs/engines.md) the same way:
+# they declare GPU stacks and pins we don't run (torch < 2.11, transformers <= 5.3); what they import is in
+# pyproject's `engines` extra. tensordict 0.10.0 is verl's pin; its pyvers would pin packaging < 26.
 # --compile-bytecode: where PYTHONDONTWRITEBYTECODE is set (CI's machines set it), Python never caches
 # bytecode, and every process the suite starts compiled megatron-core and torch from source: `import
 # megatron.core` took 17-19 s instead of 7 (2-core Zen 3). Compiling once costs 20 s at set-up.
+NO_DEPS_PACKAGES := gram-newton-schulz==0.1.6 verl==0.9.1 areal==1.0.4 tensordict==0.10.0 pyvers==0.1.0
+export NO_DEPS_PACKAGES
 $(STAMP): pyproject.toml requirements.lock tools/find_python312.sh
 	@py312=$$(tools/find_python312.sh) || exit 1; \
 	echo "Creating $(VENV) with $$py312"; \
@@ -105,14 +110,14 @@ $(STAMP): pyproject.toml requirements.lock tools/find_python312.sh
 	$(PY) -m pip install --quiet --disable-pip-version-check uv && \
 	$(VENV)/bin/uv pip install --quiet --compile-bytecode --python $(PY) -r requirements.lock && \
 	$(VENV)/bin/uv pip install --quiet --python $(PY) --no-deps -e . && \
-	$(VENV)/bin/uv pip install --quiet --python $(PY) --no-deps gram-newton-schulz==0.1.6 && \
+	$(VENV)/bin/uv pip install --quiet --compile-bytecode --python $(PY) --no-deps $(NO_DEPS_PACKAGES) && \
 	touch $(STAMP)
 
 # Re-resolve the pinned versions (needs the registry); commit the result.
 lock:
 	@py312=$$(tools/find_python312.sh) || exit 1; \
 	uvx=$$(command -v uv || echo "$(VENV)/bin/uv"); \
-	$$uvx pip compile pyproject.toml --extra dev --extra scripts --python "$$py312" --python-version 3.12 -c tools/lock-constraints.txt -o requirements.lock
+	$$uvx pip compile pyproject.toml --extra dev --extra engines --extra scripts --python "$$py312" --python-version 3.12 -c tools/lock-constraints.txt -o requirements.lock
 
 clean:
 	rm -rf $(VENV) .pytest_cache

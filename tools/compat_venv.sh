@@ -16,5 +16,6 @@ rm -rf "$venv" && "$py312" -m venv "$venv"
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check uv
 "$venv/bin/uv" pip install --quiet --compile-bytecode --python "$venv/bin/python" -r "$pins"  # see Makefile
 "$venv/bin/uv" pip install --quiet --python "$venv/bin/python" --no-deps -e .
-"$venv/bin/uv" pip install --quiet --python "$venv/bin/python" --no-deps gram-newton-schulz==0.1.6
+# The Makefile's NO_DEPS_PACKAGES (gram-newton-schulz, verl, AReaL, ...), as `make venv` installs them.
+"$venv/bin/uv" pip install --quiet --compile-bytecode --python "$venv/bin/python" --no-deps ${NO_DEPS_PACKAGES:?run through make test-compat}
 touch "$venv/.installed"
