@@ -32,7 +32,8 @@ from arguments.optimizer_args import FLAGS, GIVEN_FLAGS_ATTR, Flag, StoreAndReco
 from arguments.validate import check_cpu_offload_args, flag_message, other_optimizers_flags_line
 from megatron_eopt.checkpointing.refusals import refuse_checkpoint_combinations, sharded_engine
 from megatron_eopt.megatron_core_formats.layouts import LAYOUT_KEY, MEGATRON_CORE_PING_PONG_LAYOUT
-from megatron_eopt.megatron_core_formats.dist_checkpointing import checkpoint_optimizer_layout
+from megatron_eopt.megatron_core_formats.dist_checkpointing import (checkpoint_optimizer_layout,
+                                                                    plain_state_dict_for_megatron_core)
 from megatron_eopt.config.newton_schulz import NEWTON_SCHULZ_FIELDS
 from megatron_eopt.config.optimizer_names import DEPRECATED_OPTIMIZER_NAMES
 from megatron_eopt.config.optimizer_config import MatmulPrecision, OptimizerConfig, TpMode, megatron_core_default
@@ -495,11 +496,19 @@ def _checkpoint_layout_replacements() -> list[tuple[Any, str, Any]]:
     writes that layout there too (MEGATRON_CORE_PING_PONG_LAYOUT, asked for in the save's
     metadata), and a load reads the layout the checkpoint holds, named from its keys when
     megatron-core wrote it (checkpoint_optimizer_layout) into the metadata Megatron-LM hands
-    the optimizer."""
+    the optimizer. `--ckpt-format torch` saves megatron-core's plain `state_dict()` layout
+    (plain_state_dict_for_megatron_core), which megatron-core's optimizer and ours both load."""
     from megatron.core.dist_checkpointing import load_content_metadata
 
     build_metadata = megatron_lm_checkpointing._build_sharded_state_dict_metadata
     load_base = megatron_lm_checkpointing._load_global_dist_base_checkpoint
+    generate = megatron_lm_checkpointing.generate_state_dict
+
+    def generate_state_dict(args, model, optimizer, *rest, **kwargs) -> dict:
+        state_dict = generate(args, model, optimizer, *rest, **kwargs)
+        if args.ckpt_format == "torch" and "optimizer" in state_dict:
+            state_dict["optimizer"] = plain_state_dict_for_megatron_core(optimizer, state_dict["optimizer"])
+        return state_dict
 
     def sharded_state_dict_metadata(args, *rest, **kwargs) -> dict:
         metadata = build_metadata(args, *rest, **kwargs)
@@ -519,6 +528,7 @@ def _checkpoint_layout_replacements() -> list[tuple[Any, str, Any]]:
         return loaded
 
     return [(megatron_lm_checkpointing, "_build_sharded_state_dict_metadata", sharded_state_dict_metadata),
+            (megatron_lm_checkpointing, "generate_state_dict", generate_state_dict),
             (megatron_lm_checkpointing, "_load_global_dist_base_checkpoint", load_global_dist_base_checkpoint),
             (megatron_lm_checkpointing, "handle_swiglu_in_state_dict",
              splitting_every_state(megatron_lm_checkpointing.handle_swiglu_in_state_dict))]

@@ -92,6 +92,19 @@ def megatron_core_state_dict(optimizer: Any) -> Any:
     return states[0] if len(states) == 1 else states
 
 
+def plain_state_dict_for_megatron_core(optimizer: Any, state_dict: Any) -> Any:
+    """What Megatron-LM's `--ckpt-format torch` saves for `optimizer`, given what its `state_dict()`
+    returned: megatron-core's layout (megatron_core_state_dict) when it is a chain of ours, so that
+    megatron-core's optimizer loads the file as ours does (ours reads megatron-core's layout too:
+    ChainedOptimizer.load_state_dict); another optimizer's `state_dict` as it is. The layer-wise
+    optimizer keeps its state in files of its own (`save_state_dict_to_file`)."""
+    children = getattr(optimizer, "chained_optimizers", None)
+    if children is None or getattr(optimizer, "owner_is_main_replica", False) or getattr(
+            optimizer, "is_stub_optimizer", False) or not all(hasattr(c, "checkpoint_params") for c in children):
+        return state_dict
+    return megatron_core_state_dict(optimizer)
+
+
 def _main_copy_indices(params: list[ChildParam], indices: list[int]) -> list[int]:
     """The indices of parameters with a separate fp32 main copy (megatron-core's 16-bit ones)."""
     return [i for i in indices if params[i].main is not params[i].model]
