@@ -8,7 +8,7 @@ and `megatron.training.arguments.validate_args` to `validate_args_for_megatron_e
 emerging optimizers run on Megatron-FSDP and torch FSDP2. `uninstall()` puts the originals back.
 
 `add_megatron_eopt_args` is the `extra_args_provider` that adds our choices and flags to
-Megatron-LM's parser without changing any of its own; `NOT_OFFERED` names the two left out.
+Megatron-LM's parser without changing any of its own; `NOT_OFFERED` names those left out.
 This is the only module of megatron_eopt that imports `megatron.training`; docs/megatron-lm.md
 describes it.
 """
@@ -54,6 +54,8 @@ NOT_OFFERED = {
     "an emerging optimizer with --use-distributed-optimizer) and overwrites any given value",
     "layer_wise_reduce_grads": "Megatron-LM always wraps the model in its DDP, which has already "
     "all-reduced the gradients the optimizer sees",
+    "allow_optimizer_change_on_load": "Megatron-LM's own loads (torch_dist, torch_dcp) do not apply it yet; "
+    "our trainer's and the library's loads do (docs/checkpoints.md)",
 }
 _PATCHED_NAME = "get_megatron_optimizer"
 _original: Optional[Any] = None  # Megatron-LM's function while ours is installed

@@ -93,11 +93,8 @@ def megatron_core_state_dict(optimizer: Any) -> Any:
 
 
 def plain_state_dict_for_megatron_core(optimizer: Any, state_dict: Any) -> Any:
-    """What Megatron-LM's `--ckpt-format torch` saves for `optimizer`, given what its `state_dict()`
-    returned: megatron-core's layout (megatron_core_state_dict) when it is a chain of ours, so that
-    megatron-core's optimizer loads the file as ours does (ours reads megatron-core's layout too:
-    ChainedOptimizer.load_state_dict); another optimizer's `state_dict` as it is. The layer-wise
-    optimizer keeps its state in files of its own (`save_state_dict_to_file`)."""
+    """What Megatron-LM's `--ckpt-format torch` saves: for a chain of ours megatron-core's layout, which
+    megatron-core's optimizer and ours load; else `state_dict` (the layer-wise one writes files of its own)."""
     children = getattr(optimizer, "chained_optimizers", None)
     if children is None or getattr(optimizer, "owner_is_main_replica", False) or getattr(
             optimizer, "is_stub_optimizer", False) or not all(hasattr(c, "checkpoint_params") for c in children):
