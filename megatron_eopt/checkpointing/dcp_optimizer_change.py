@@ -8,34 +8,55 @@ returns is made before the load, from the checkpoint's metadata alone (no collec
   AdamW run's `dense`, a Muon run's `adam/dense`) is read from there;
 - one whose state the checkpoint holds under other names (Adam's `exp_avg` where Muon keeps
   `momentum_buffer`), or not at all, has changed optimizer: a ValueError names them all and the
-  opt-in, before DCP reads anything; with `allow_optimizer_change_on_load` their entries are left as
-  the load target holds them (the fresh state `state_dict(is_loading=True)` makes), as are the
-  param-group entries the checkpoint lacks and the groups' parameter lists, which are the live ones.
-Without a change it is DCP's default planner.
+  opt-in, before DCP reads anything; with `allow_optimizer_change_on_load` their entries are not
+  read but set to zero in the load target (the state a new Adam, SGD or Muon-family optimizer
+  starts from, step 0), and the param-group entries the checkpoint lacks and the groups' parameter
+  lists keep the live values.
+Without a change it is DCP's default planner. `load_chain_state` is Megatron-LM's torch_dcp load of ours.
 """
 
 from typing import Any, Mapping, Optional, Union
 
+import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, StorageReader
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
+from torch.distributed.tensor import DTensor
 
 from megatron_eopt.checkpointing.optimizer_change import (Owner, allows_optimizer_change, optimizer_changes,
                                                           settle_optimizer_changes)
 
 STATE = "state"
+GROUPS = "param_groups"
 GROUP_MEMBERS = ("params", "param_fqns", "param_names")  # a param group's parameters: the live ones
 
 
 def optimizer_load_planner(optimizer: Any, state_dict: Mapping, checkpoint: Union[str, StorageReader]
                            ) -> DefaultLoadPlanner:
     """The planner for `dcp.load(state_dict, checkpoint_id=checkpoint, planner=...)` (module docstring)."""
+    return _planner(_live_children(optimizer), allows_optimizer_change(optimizer), state_dict, checkpoint)
+
+
+def load_chain_state(target: dict, checkpoint: str, allowed: bool, key: str = "optimizer") -> None:
+    """Read into `target`, a chain's `state_dict(is_loading=True)`, what `checkpoint` (a DCP directory)
+    holds under `key`, through the planner above (Megatron-LM's `--ckpt-format torch_dcp` load of
+    ours: integrations/megatron_lm.py); `allowed`: the opt-in. Collective over the default group."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {key: target}
+    children = {name: child for child, entry in target.get("optimizers", {}).items() for name in entry.get(STATE, {})}
+    planner = _planner(children, allowed, state, checkpoint)
+    dcp.load(state, storage_reader=FileSystemReader(checkpoint), planner=planner)
+
+
+def _planner(live_children: dict[str, str], allowed: bool, state_dict: Mapping,
+             checkpoint: Union[str, StorageReader]) -> DefaultLoadPlanner:
     reader = FileSystemReader(checkpoint) if isinstance(checkpoint, str) else checkpoint
     saved_keys = set(reader.read_metadata().state_dict_metadata)
     flat, mappings = flatten_state_dict(dict(state_dict))
     missing = [key for key in flat if key not in saved_keys]
     if not missing:
         return DefaultLoadPlanner()
-    live_children = _live_children(optimizer)
     live_state = _state_keys({key: mappings[key] for key in flat}, live_children)
     saved_state = _saved_state_names(saved_keys, set(live_children))
     renames, changes, fresh = {}, [], set()
@@ -51,20 +72,45 @@ def optimizer_load_planner(optimizer: Any, state_dict: Mapping, checkpoint: Unio
         changes.append((name, _owner(*next(iter(saved.items()))) if saved else None,
                         Owner(live_children[name], ", ".join(sorted(names)))))
         fresh.update(key for key in keys if key in missing)
-    _settle(changes, optimizer)
+    _settle(changes, allowed)
+    for key in fresh:  # a load target may be uninitialized (state_dict(is_loading=True) under FSDP2)
+        _zero(flat[key])
     skipped = fresh | {key for key in missing if key not in live_state and key not in renames}
-    skipped |= {key for key in flat if mappings[key][-1] in GROUP_MEMBERS}
+    skipped |= {key for key in flat if _live_group_entry(mappings[key], {name for name, _, _ in changes})}
     return _RenamingPlanner(renames, skipped)
 
 
-def _settle(changes: list, optimizer: Any) -> None:
+def _live_group_entry(path: tuple, moved: set[str]) -> bool:
+    """Whether a param-group entry keeps its live value once parameters moved: the groups' parameter
+    lists; torch's nested layout's groups, which are numbered (group i saved may not be group i now);
+    its flattened layout's entries of a moved parameter (`param_groups.<name>.<key>`). Ours are keyed
+    by group key, so a group the checkpoint holds loads."""
+    parts = [str(part) for part in path]
+    if parts[-1] in GROUP_MEMBERS:
+        return True
+    if GROUPS in parts and parts.index(GROUPS) + 1 < len(parts) and parts[parts.index(GROUPS) + 1].isdigit():
+        return True
+    flattened = [part for part in parts if part.startswith(f"{GROUPS}.")]
+    return bool(flattened) and _split_state(flattened[0], moved) is not None
+
+
+def _zero(value: Any) -> None:
+    """Fresh state, as torch's optimizers and the Muon family start it: zero moments and momentum, step 0."""
+    local = value.to_local() if isinstance(value, DTensor) else value
+    if torch.is_tensor(local):
+        with torch.no_grad():
+            local.zero_()
+
+
+def _settle(changes: list, allowed: bool) -> None:
     found = optimizer_changes({name: saved for name, saved, _ in changes if saved is not None},
                               {name: live for name, _, live in changes})
-    settle_optimizer_changes(found, allows_optimizer_change(optimizer), "loading optimizer state with torch DCP")
+    settle_optimizer_changes(found, allowed, "loading optimizer state with torch DCP")
 
 
 def _owner(prefix: str, names: set[str]) -> Owner:
-    return Owner(prefix.rsplit("optimizers.", 1)[-1], ", ".join(sorted(names)))
+    """The saved child (ours: `...optimizers.<child>`; torch's layouts name none) and its state names."""
+    return Owner(prefix.rsplit("optimizers.", 1)[-1] if "optimizers." in prefix else "saved", ", ".join(sorted(names)))
 
 
 def _live_children(optimizer: Any) -> dict[str, str]:
@@ -129,5 +175,10 @@ class _RenamingPlanner(DefaultLoadPlanner):
         super().set_up_planner(state_dict, metadata, is_coordinator)
         for key, saved in self._renames.items():
             self.mappings[saved] = self.mappings[key]
+
+    def create_local_plan(self) -> Any:
+        """The default plan of the renamed and kept keys (not the parent's fallback to torch 2.3's key
+        format, which the keys the checkpoint holds beyond the live ones would trigger)."""
         self.state_dict = {self._renames.get(key, key): value for key, value in self.state_dict.items()
                            if key not in self._skipped}
+        return create_default_local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)

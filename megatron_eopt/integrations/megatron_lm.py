@@ -8,7 +8,7 @@ and `megatron.training.arguments.validate_args` to `validate_args_for_megatron_e
 emerging optimizers run on Megatron-FSDP and torch FSDP2. `uninstall()` puts the originals back.
 
 `add_megatron_eopt_args` is the `extra_args_provider` that adds our choices and flags to
-Megatron-LM's parser without changing any of its own; `NOT_OFFERED` names those left out.
+Megatron-LM's parser without changing any of its own; `NOT_OFFERED` names the two left out.
 This is the only module of megatron_eopt that imports `megatron.training`; docs/megatron-lm.md
 describes it.
 """
@@ -30,6 +30,8 @@ from megatron.training import global_vars
 
 from arguments.optimizer_args import FLAGS, GIVEN_FLAGS_ATTR, Flag, StoreAndRecord, flag_kwargs
 from arguments.validate import check_cpu_offload_args, flag_message, other_optimizers_flags_line
+from megatron_eopt.checkpointing.dcp_optimizer_change import load_chain_state
+from megatron_eopt.checkpointing.optimizer_change import OPT_IN_FIELD, OPT_IN_FLAG
 from megatron_eopt.checkpointing.refusals import refuse_checkpoint_combinations, sharded_engine
 from megatron_eopt.megatron_core_formats.layouts import LAYOUT_KEY, MEGATRON_CORE_PING_PONG_LAYOUT
 from megatron_eopt.megatron_core_formats.dist_checkpointing import (checkpoint_optimizer_layout,
@@ -54,8 +56,6 @@ NOT_OFFERED = {
     "an emerging optimizer with --use-distributed-optimizer) and overwrites any given value",
     "layer_wise_reduce_grads": "Megatron-LM always wraps the model in its DDP, which has already "
     "all-reduced the gradients the optimizer sees",
-    "allow_optimizer_change_on_load": "Megatron-LM's own loads (torch_dist, torch_dcp) do not apply it yet; "
-    "our trainer's and the library's loads do (docs/checkpoints.md)",
 }
 _PATCHED_NAME = "get_megatron_optimizer"
 _original: Optional[Any] = None  # Megatron-LM's function while ours is installed
@@ -230,6 +230,11 @@ def _check_checkpoint_format(args: argparse.Namespace, byte_sharded: bool = Fals
     DDP reduce-scatters (`byte_sharded`: megatron-core's DistributedOptimizer steps, which writes
     every format)."""
     refuse_checkpoint_combinations(args, "megatron_lm")
+    if getattr(args, OPT_IN_FIELD, False) and getattr(args, "ckpt_format", None) != "torch_dcp":
+        raise ValueError(
+            f"{OPT_IN_FLAG} applies to --ckpt-format torch_dcp loads in Megatron-LM's loop (and to "
+            f"scripts/pretrain_gpt.py's); Megatron-LM's --ckpt-format {getattr(args, 'ckpt_format', None)} load does "
+            f"not apply it. Load with --no-load-optim to start all optimizer state fresh, or drop the flag.")
     if byte_sharded or sharded_engine(args):
         return
     if getattr(args, "use_distributed_optimizer", False) and getattr(args, "ckpt_format", None) == "torch":
@@ -531,9 +536,37 @@ def _checkpoint_layout_replacements() -> list[tuple[Any, str, Any]]:
 
     return [(megatron_lm_checkpointing, "_build_sharded_state_dict_metadata", sharded_state_dict_metadata),
             (megatron_lm_checkpointing, "generate_state_dict", generate_state_dict),
+            (megatron_lm_checkpointing, "_load_base_checkpoint",
+             loading_our_dcp_optimizer_state(megatron_lm_checkpointing._load_base_checkpoint)),
             (megatron_lm_checkpointing, "_load_global_dist_base_checkpoint", load_global_dist_base_checkpoint),
             (megatron_lm_checkpointing, "handle_swiglu_in_state_dict",
              splitting_every_state(megatron_lm_checkpointing.handle_swiglu_in_state_dict))]
+
+
+def loading_our_dcp_optimizer_state(load_base: Any) -> Any:
+    """Megatron-LM's `_load_base_checkpoint`, with ours' `--ckpt-format torch_dcp` optimizer state read
+    apart (checkpointing/dcp_optimizer_change.py): a parameter whose optimizer changed since the save
+    is named in a ValueError, or with --allow-optimizer-change-on-load starts fresh, instead of DCP's
+    missing-key traceback; with --no-load-optim, which Megatron-LM's load then ignores, it is not read."""
+
+    def load_base_checkpoint(load_dir, args, rank0=False, sharded_state_dict=None, **kwargs):
+        target = (sharded_state_dict or {}).get("optimizer")
+        if rank0 or getattr(args, "ckpt_format", None) != "torch_dcp" or not (
+                isinstance(target, dict) and "optimizers" in target):
+            return load_base(load_dir, args, rank0, sharded_state_dict, **kwargs)
+        del sharded_state_dict["optimizer"]
+        try:
+            loaded = load_base(load_dir, args, rank0, sharded_state_dict, **kwargs)
+        finally:
+            sharded_state_dict["optimizer"] = target
+        state_dict, checkpoint_name = loaded[0], loaded[1]
+        if state_dict is not None:
+            if not getattr(args, "no_load_optim", False):
+                load_chain_state(target, checkpoint_name, bool(getattr(args, OPT_IN_FIELD, False)))
+            state_dict["optimizer"] = target
+        return loaded
+
+    return load_base_checkpoint
 
 
 def uninstall() -> None:
