@@ -27,6 +27,7 @@ import megatron.training.checkpointing as megatron_lm_checkpointing
 import megatron.training.training as megatron_lm_training
 import torch
 from megatron.training import global_vars
+from torch.distributed.checkpoint import FileSystemReader
 
 from arguments.optimizer_args import FLAGS, GIVEN_FLAGS_ATTR, Flag, StoreAndRecord, flag_kwargs
 from arguments.validate import check_cpu_offload_args, flag_message, other_optimizers_flags_line
@@ -34,6 +35,7 @@ from megatron_eopt.checkpointing.dcp_optimizer_change import load_chain_state
 from megatron_eopt.checkpointing.optimizer_change import OPT_IN_FIELD, OPT_IN_FLAG
 from megatron_eopt.checkpointing.refusals import refuse_checkpoint_combinations, sharded_engine
 from megatron_eopt.megatron_core_formats.layouts import LAYOUT_KEY, MEGATRON_CORE_PING_PONG_LAYOUT
+from megatron_eopt.megatron_core_formats.torch_dcp import load_megatron_core_dcp_state, megatron_core_torch_prefix
 from megatron_eopt.megatron_core_formats.dist_checkpointing import (checkpoint_optimizer_layout,
                                                                     plain_state_dict_for_megatron_core)
 from megatron_eopt.config.newton_schulz import NEWTON_SCHULZ_FIELDS
@@ -547,7 +549,8 @@ def loading_our_dcp_optimizer_state(load_base: Any) -> Any:
     """Megatron-LM's `_load_base_checkpoint`, with ours' `--ckpt-format torch_dcp` optimizer state read
     apart (checkpointing/dcp_optimizer_change.py): a parameter whose optimizer changed since the save
     is named in a ValueError, or with --allow-optimizer-change-on-load starts fresh, instead of DCP's
-    missing-key traceback; with --no-load-optim, which Megatron-LM's load then ignores, it is not read."""
+    missing-key traceback; with --no-load-optim, which Megatron-LM's load then ignores, it is not read;
+    megatron-core's optimizer's state (torch's layout) is read into ours (megatron_core_formats/torch_dcp.py)."""
 
     def load_base_checkpoint(load_dir, args, rank0=False, sharded_state_dict=None, **kwargs):
         target = (sharded_state_dict or {}).get("optimizer")
@@ -561,7 +564,11 @@ def loading_our_dcp_optimizer_state(load_base: Any) -> Any:
             sharded_state_dict["optimizer"] = target
         state_dict, checkpoint_name = loaded[0], loaded[1]
         if state_dict is not None:
-            if not getattr(args, "no_load_optim", False):
+            if getattr(args, "no_load_optim", False):
+                pass
+            elif megatron_core_torch_prefix(set(FileSystemReader(checkpoint_name).read_metadata().state_dict_metadata)):
+                load_megatron_core_dcp_state(target, checkpoint_name)  # megatron-core's optimizer saved it
+            else:
                 load_chain_state(target, checkpoint_name, bool(getattr(args, OPT_IN_FIELD, False)))
             state_dict["optimizer"] = target
         return loaded
