@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from megatron_eopt.checkpointing import storage
 from megatron_eopt.checkpointing.global_names import stored_child_name
 from megatron_eopt.checkpointing.layout import MeshCache, local_tensor
-from megatron_eopt.checkpointing.optimizer_change import (allows_optimizer_change, optimizer_changes,
+from megatron_eopt.checkpointable.optimizer_change import (allows_optimizer_change, optimizer_changes,
                                                           settle_optimizer_changes)
 from megatron_eopt.checkpointing.rng import restore_rng, rng_entries, rng_keys_to_load
 from megatron_eopt.checkpointing.schedule import LR_BOUNDS_KEY, SCHEDULER_KEY, plan_scheduler_load, scheduler_entries
@@ -315,7 +315,7 @@ def load_checkpoint(
 def _saved_children(manifest: dict, children: list, optimizer: Any, group: Optional[ProcessGroup],
                     params: list, path: str) -> Optional[dict[str, str]]:
     """{stored name: the child its state is read from}, or None when every parameter's is its own
-    child's. A parameter whose optimizer changed since the save (optimizer_change.py) is refused
+    child's. A parameter whose optimizer changed since the save (checkpointable/optimizer_change.py) is refused
     (CheckpointError) without the opt-in, else left out: its state starts fresh; one saved under a
     child of another name but the same torch class (an AdamW run's 'dense', a Muon run's
     'adam/dense') is read from there. Without either, the checkpoint's optimizers and param groups

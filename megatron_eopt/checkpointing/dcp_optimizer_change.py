@@ -2,7 +2,7 @@
 
 `dcp.load(state, checkpoint_id=path)` into `optimizer.state_dict(is_loading=True)` (or what torch's
 `get_optimizer_state_dict` gives) fails with DCP's `Missing key in checkpoint state_dict` on every
-rank when a parameter's optimizer changed since the save (optimizer_change.py). The planner this
+rank when a parameter's optimizer changed since the save (checkpointable/optimizer_change.py). The planner this
 returns is made before the load, from the checkpoint's metadata alone (no collective):
 - a parameter whose state the checkpoint holds under another child with the same state names (an
   AdamW run's `dense`, a Muon run's `adam/dense`) is read from there;
@@ -23,7 +23,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
 from torch.distributed.tensor import DTensor
 
-from megatron_eopt.checkpointing.optimizer_change import (Owner, allows_optimizer_change, optimizer_changes,
+from megatron_eopt.checkpointable.optimizer_change import (Owner, allows_optimizer_change, optimizer_changes,
                                                           settle_optimizer_changes)
 
 STATE = "state"

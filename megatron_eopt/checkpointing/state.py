@@ -27,7 +27,7 @@ from megatron_eopt.checkpointing.global_names import (
     stored_child_name,
     stored_group_key,
 )
-from megatron_eopt.checkpointing.optimizer_change import Owner
+from megatron_eopt.checkpointable.optimizer_change import Owner
 from megatron_eopt.checkpointing.layout import (
     PART_MARK,
     TP_MARK,
@@ -401,7 +401,7 @@ def plan_optimizer_state(plan: LoadPlan, child: CheckpointableChild, params: lis
                          saved_child: Optional[Mapping[str, str]] = None) -> Callable[[], dict]:
     """Targets for `child`'s state; returns a getter of {fqn: {name: value}} once loaded.
     `saved_child`: the child each stored name's state is read from (absent: none, it starts fresh:
-    optimizer_change.py); None: this child's own name."""
+    checkpointable/optimizer_change.py); None: this child's own name."""
     placement_of_param = {id(p.param): p.placement for p in params}
     stored = stored_names_by_fqn(params)
     getters: dict[str, dict[str, Callable[[], Any]]] = {}

@@ -162,7 +162,7 @@ class OptimizerConfig:
     # megatron_eopt: loading a checkpoint whose parameters were saved under another optimizer (the
     # routing, muon_include_params / muon_exclude_params, muon_scalar_optimizer or the optimizer
     # changed) is refused naming them; True starts their state fresh and loads everything else
-    # (checkpointing/optimizer_change.py, docs/checkpoints.md).
+    # (checkpointable/optimizer_change.py, docs/checkpoints.md).
     allow_optimizer_change_on_load: bool = False
 
     # Gradients.

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from arguments.optimizer_args import FLAGS, GIVEN_FLAGS_ATTR, Flag, StoreAndRecord, flag_kwargs
 from arguments.validate import check_cpu_offload_args, flag_message, other_optimizers_flags_line
 from megatron_eopt.checkpointing.dcp_optimizer_change import load_chain_state
-from megatron_eopt.checkpointing.optimizer_change import OPT_IN_FIELD, OPT_IN_FLAG
+from megatron_eopt.checkpointable.optimizer_change import OPT_IN_FIELD, OPT_IN_FLAG
 from megatron_eopt.checkpointing.refusals import refuse_checkpoint_combinations, sharded_engine
 from megatron_eopt.megatron_core_formats.layouts import LAYOUT_KEY, MEGATRON_CORE_PING_PONG_LAYOUT
 from megatron_eopt.megatron_core_formats.torch_dcp import load_megatron_core_dcp_state, megatron_core_torch_prefix

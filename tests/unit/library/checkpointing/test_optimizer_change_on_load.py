@@ -1,4 +1,4 @@
-"""A checkpoint saved under another routing (checkpointing/optimizer_change.py), in one process.
+"""A checkpoint saved under another routing (checkpointable/optimizer_change.py), in one process.
 
 Saved with one routing (Muon taking every matrix, or AdamW taking everything), loaded with another
 (`muon_exclude_params` moves `0.weight` to AdamW; Muon takes the AdamW run's matrices). Without

@@ -206,7 +206,7 @@ def _helpers_body(rank: int, world_size: int, directory: str) -> dict:
             "routing change": _routing_change_body(mesh, directory)}
 
 
-# The case (checkpointing/optimizer_change.py): saved when the experts were on AdamW and
+# The case (checkpointable/optimizer_change.py): saved when the experts were on AdamW and
 # lm_head on Muon, loaded under today's routing, which moved both.
 OLD_ROUTING = {"muon_exclude_params": "model.layers.*.mlp.experts.*", "muon_include_params": "lm_head.weight"}
 ROUTING_LAYOUTS = ("state_dict", "flattened")  # dcp of optimizer.state_dict(); torch's flattened helpers
