@@ -72,6 +72,8 @@ def _planner(live_children: dict[str, str], allowed: bool, state_dict: Mapping,
         changes.append((name, _owner(*next(iter(saved.items()))) if saved else None,
                         Owner(live_children[name], ", ".join(sorted(names)))))
         fresh.update(key for key in keys if key in missing)
+    if not changes and not renames:  # missing keys of another kind: DCP names the first one
+        return DefaultLoadPlanner()
     _settle(changes, allowed)
     for key in fresh:  # a load target may be uninitialized (state_dict(is_loading=True) under FSDP2)
         _zero(flat[key])
