@@ -549,7 +549,7 @@ def loading_our_dcp_optimizer_state(load_base: Any) -> Any:
     """Megatron-LM's `_load_base_checkpoint`, with ours' `--ckpt-format torch_dcp` optimizer state read
     apart (checkpointing/dcp_optimizer_change.py): a parameter whose optimizer changed since the save
     is named in a ValueError, or with --allow-optimizer-change-on-load starts fresh, instead of DCP's
-    missing-key traceback; with --no-load-optim, which Megatron-LM's load then ignores, it is not read;
+    missing-key traceback; with --no-load-optim or --finetune, which Megatron-LM's load then ignores, it is not read;
     megatron-core's optimizer's state (torch's layout) is read into ours (megatron_core_formats/torch_dcp.py)."""
 
     def load_base_checkpoint(load_dir, args, rank0=False, sharded_state_dict=None, **kwargs):
@@ -564,16 +564,21 @@ def loading_our_dcp_optimizer_state(load_base: Any) -> Any:
             sharded_state_dict["optimizer"] = target
         state_dict, checkpoint_name = loaded[0], loaded[1]
         if state_dict is not None:
-            if getattr(args, "no_load_optim", False):
-                pass
-            elif megatron_core_torch_prefix(set(FileSystemReader(checkpoint_name).read_metadata().state_dict_metadata)):
-                load_megatron_core_dcp_state(target, checkpoint_name)  # megatron-core's optimizer saved it
-            else:
-                load_chain_state(target, checkpoint_name, bool(getattr(args, OPT_IN_FIELD, False)))
+            if not (getattr(args, "no_load_optim", False) or getattr(args, "finetune", False)):
+                _read_our_dcp_optimizer_state(target, checkpoint_name, bool(getattr(args, OPT_IN_FIELD, False)))
             state_dict["optimizer"] = target
         return loaded
 
     return load_base_checkpoint
+
+
+def _read_our_dcp_optimizer_state(target: dict, checkpoint_name: str, allowed: bool) -> None:
+    """Into our chain's load target: what megatron-core's optimizer saved (torch's layout), or ours."""
+    saved_keys = set(FileSystemReader(checkpoint_name).read_metadata().state_dict_metadata)
+    if megatron_core_torch_prefix(saved_keys):
+        load_megatron_core_dcp_state(target, checkpoint_name)
+    else:
+        load_chain_state(target, checkpoint_name, allowed)
 
 
 def uninstall() -> None:
