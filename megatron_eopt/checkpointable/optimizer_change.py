@@ -65,19 +65,21 @@ def describe_changes(changes: Iterable[OptimizerChange]) -> str:
     return named + (f" and {rest} more" if rest > 0 else "")
 
 
+OPT_IN_REMEDY = (f"To load everything else exactly and start their state fresh, set OptimizerConfig.{OPT_IN_FIELD}=True "
+                 f"({OPT_IN_FLAG}); to start all optimizer state fresh, load the model only (load_optimizer=False, "
+                 f"--no-load-optim).")
+
+
 def settle_optimizer_changes(changes: list[OptimizerChange], allowed: bool, where: str,
-                             error: type = ValueError) -> set[str]:
-    """The names whose state starts fresh; raises `error` (a ValueError) naming them and the opt-in
-    when not `allowed`; says it in one line on rank zero when it is. Nothing for no changes."""
+                             error: type = ValueError, remedy: str = OPT_IN_REMEDY) -> set[str]:
+    """The names whose state starts fresh; raises `error` (a ValueError) naming them and `remedy`
+    (the opt-in) when not `allowed`; says it in one line on rank zero when it is. Nothing for no changes."""
     if not changes:
         return set()
     what = (f"{where}: the optimizer of {len(changes)} parameter(s) changed since the checkpoint was "
             f"saved: {describe_changes(changes)}")
     if not allowed:
-        raise error(
-            f"{what}. Their saved state does not fit their optimizer now. To load everything else exactly "
-            f"and start their state fresh, set OptimizerConfig.{OPT_IN_FIELD}=True ({OPT_IN_FLAG}); to start "
-            f"all optimizer state fresh, load the model only (load_optimizer=False, --no-load-optim).")
+        raise error(f"{what}. Their saved state does not fit their optimizer now. {remedy}")
     _say_on_rank_zero(f"megatron_eopt: {what}; their optimizer state starts fresh ({OPT_IN_FIELD}), "
                       f"everything else is loaded.")
     return {change.name for change in changes}

@@ -35,6 +35,7 @@ from megatron_eopt.checkpointing.dcp_optimizer_change import load_chain_state
 from megatron_eopt.checkpointable.optimizer_change import OPT_IN_FIELD, OPT_IN_FLAG
 from megatron_eopt.checkpointing.refusals import refuse_checkpoint_combinations, sharded_engine
 from megatron_eopt.megatron_core_formats.layouts import LAYOUT_KEY, MEGATRON_CORE_PING_PONG_LAYOUT
+from megatron_eopt.megatron_core_formats.moved_state import refuse_moved_state
 from megatron_eopt.megatron_core_formats.torch_dcp import load_megatron_core_dcp_state, megatron_core_torch_prefix
 from megatron_eopt.megatron_core_formats.dist_checkpointing import (checkpoint_optimizer_layout,
                                                                     plain_state_dict_for_megatron_core)
@@ -527,6 +528,10 @@ def _checkpoint_layout_replacements() -> list[tuple[Any, str, Any]]:
         return metadata
 
     def load_global_dist_base_checkpoint(load_dir, args, rank0, *rest, **kwargs):
+        if not rank0 and len(rest) >= 3 and isinstance(rest[0], dict) and "optimizer" in rest[0]:
+            sharded_state_dict, iteration, release = rest[:3]  # a parameter moved: one line, not a missing key
+            refuse_moved_state(sharded_state_dict["optimizer"], megatron_lm_checkpointing.get_checkpoint_name(
+                load_dir, iteration, release, return_base_dir=True))
         loaded = load_base(load_dir, args, rank0, *rest, **kwargs)
         state_dict, checkpoint_name = loaded[0], loaded[1]
         metadata = load_content_metadata(preloaded_state_dict=state_dict) if rank0 and state_dict else None

@@ -195,13 +195,20 @@ FSDP2_DCP = ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights", "--bf
 
 def test_fsdp2_adamw_checkpoint_continues_with_muon(run_distributed, tmp_path) -> None:
     """Refused naming the matrices and the opt-in; with --allow-optimizer-change-on-load their state
-    is zero and every other parameter's AdamW state the saved one, bitwise; --no-load-optim loads."""
+    is zero and every other parameter's AdamW state the saved one, bitwise; --no-load-optim loads.
+    DDP's torch_dist (megatron-core's layout) refuses naming them too, in one line, not a missing key."""
     saved, muon = str(tmp_path / "adamw"), MODEL + FSDP2_DCP + ["--optimizer", "muon", "--load", str(tmp_path / "adamw")]
+    dist_saved, ddp = str(tmp_path / "ddp"), MODEL + ["--train-iters", "3", "--ckpt-format", "torch_dist"]
     jobs = [("run", MODEL + FSDP2_DCP + ["--optimizer", "adam", "--save", saved, "--save-interval", "3"]),
             ("run", muon + ["--allow-optimizer-change-on-load"]), ("run", muon + ["--no-load-optim"]),
-            ("refused", muon)]
+            ("run", ddp + ["--optimizer", "adam", "--save", dist_saved, "--save-interval", "3"]),
+            ("refused", muon), ("refused", ddp + ["--optimizer", "muon", "--load", dist_saved])]
     per_rank = run_distributed(run_jobs, 2, args=(jobs,), timeout=SECONDS_PER_RUN[2] * len(jobs), leaves_groups=True)
-    for rank, (adamw, changed, model_only, refused) in enumerate(per_rank):
+    for rank, (adamw, changed, model_only, _, refused, dist_refused) in enumerate(per_rank):
+        status, stderr, _ = dist_refused
+        assert status == 2, (rank, status, stderr[-2000:])
+        assert_one_error_line(stderr, rank, "pretrain_gpt_megatron_lm.py", "--no-load-optim", rank)
+        assert rank or "decoder.layers.mlp.linear_fc1.weight (saved (exp_avg, exp_avg_sq) -> now (momentum_buffer))" in stderr
         assert not any(isinstance(run, Unexpected) for run in (adamw, changed, model_only)), (adamw, changed, model_only)
         status, stderr, _ = refused  # the loop's one line, status 2 on every rank
         assert status == 2, (rank, status, stderr[-2000:])
