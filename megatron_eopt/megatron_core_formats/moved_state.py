@@ -27,7 +27,10 @@ def refuse_moved_state(optimizer_state_dict: Any, checkpoint_dir: str) -> None:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from torch.distributed.checkpoint import FileSystemReader
 
-    saved = _state_names(FileSystemReader(checkpoint_dir).read_metadata().state_dict_metadata)
+    try:
+        saved = _state_names(FileSystemReader(checkpoint_dir).read_metadata().state_dict_metadata)
+    except (OSError, ValueError, RuntimeError):  # no or a damaged checkpoint: dist_checkpointing's load says so
+        return
     live = _state_names(value.key for value in nested_values(optimizer_state_dict) if isinstance(value, ShardedTensor))
     # with no saved state at all (saved before its first step, or another model) dist_checkpointing names it
     missing = {name for name, names in live.items() if saved.get(name) and not names <= saved[name]}
