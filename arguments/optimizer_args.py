@@ -214,6 +214,10 @@ FLAGS: tuple[Flag, ...] = (
          "step runs where the gradients are).", negative=True),
     Flag("--no-pin-cpu-params", "pin_cpu_params", "With --optimizer-cpu-offload: unpinned host state and main "
          "weights.", negative=True),
+    # Checkpoints (docs/checkpoints.md).
+    Flag("--allow-optimizer-change-on-load", "allow_optimizer_change_on_load", "Load a checkpoint saved under "
+         "another optimizer routing: the parameters whose optimizer changed start with fresh optimizer state, "
+         "everything else loads exactly (without it such a load is refused, naming them)."),
 )
 
 OPTION_OF: dict[str, str] = {flag.dest: flag.option for flag in FLAGS}  # field -> flag string

@@ -15,6 +15,7 @@ _LAZY = {
     "save_checkpoint": "megatron_eopt.checkpointing.checkpoint",
     "start_save_checkpoint": "megatron_eopt.checkpointing.checkpoint",
     "DirectoryOwner": "megatron_eopt.checkpointing.directory_lock",
+    "optimizer_load_planner": "megatron_eopt.checkpointing.dcp_optimizer_change",
     "checkpoint_optimizer_layout": "megatron_eopt.megatron_core_formats.dist_checkpointing",
     "megatron_core_state_dict": "megatron_eopt.megatron_core_formats.dist_checkpointing",
     "CheckpointError": "megatron_eopt.checkpointing.storage",

@@ -28,6 +28,8 @@ from torch.distributed.tensor import DTensor
 from megatron_eopt.checkpointing import storage
 from megatron_eopt.checkpointing.global_names import stored_child_name
 from megatron_eopt.checkpointing.layout import MeshCache, local_tensor
+from megatron_eopt.checkpointable.optimizer_change import (allows_optimizer_change, optimizer_changes,
+                                                          settle_optimizer_changes)
 from megatron_eopt.checkpointing.rng import restore_rng, rng_entries, rng_keys_to_load
 from megatron_eopt.checkpointing.schedule import LR_BOUNDS_KEY, SCHEDULER_KEY, plan_scheduler_load, scheduler_entries
 from megatron_eopt.checkpointing.state import (
@@ -41,6 +43,7 @@ from megatron_eopt.checkpointing.state import (
     pipeline_size,
     model_params,
     optimizer_children,
+    optimizer_of_each_parameter,
     plan_model,
     plan_optimizer_state,
     save_entries,
@@ -275,14 +278,12 @@ def load_checkpoint(
     path, manifest, note = storage.open_checkpoint(checkpoint_dir, iteration, group)
     messages = [note] if note else []
     children = optimizer_children(optimizer) if load_optimizer else []
-    if children:
-        live_structure = global_group_structure(children, group, stored_names_by_fqn(params))
-        check_structure(manifest.get("optimizers"), live_structure, path)
+    saved_children = _saved_children(manifest, children, optimizer, group, params, path)
     model_names = stored_model_names(params, group)
 
     # Every rank plans and checks, then all learn of any rank's error before anything collective
     # or irreversible happens, so a problem on one rank neither hangs nor half-loads the others.
-    plan, masters, states = storage.agree(lambda: _plan_load(path, params, model_names, children), group)
+    plan, masters, states = storage.agree(lambda: _plan_load(path, params, model_names, children, saved_children), group)
     read_scheduler = load_optimizer and scheduler is not None
     rng_keys, rng_note = _rng_to_load(plan, manifest, _layout(groups, params), group) if load_rng else ([], None)
     messages += [rng_note] if rng_note else []
@@ -290,8 +291,9 @@ def load_checkpoint(
     _read(plan, path, group)
 
     def checked_states() -> tuple[list[dict], Optional[Callable[[], None]]]:
-        loaded = [loaded_optimizer_state(child, get_state(), plan.targets[f"groups/{stored_child_name(child.name)}"],
-                                         plan.targets[f"grad_scaler/{stored_child_name(child.name)}"], masters)
+        # a child the checkpoint lacks (its parameters' optimizer changed): the live hyperparameters
+        loaded = [loaded_optimizer_state(child, get_state(), plan.targets.get(f"groups/{stored_child_name(child.name)}", "{}"),
+                                         plan.targets.get(f"grad_scaler/{stored_child_name(child.name)}", "null"), masters)
                   for child, get_state in zip(children, states)]
         for child, state in zip(children, loaded):
             child.check_state_dict(state)
@@ -310,14 +312,37 @@ def load_checkpoint(
     return LoadedCheckpoint(path, int(manifest["iteration"]), manifest.get("extra") or {}, tuple(messages))
 
 
-def _plan_load(path: str, params: list, model_names: set[str], children: list) -> tuple:
+def _saved_children(manifest: dict, children: list, optimizer: Any, group: Optional[ProcessGroup],
+                    params: list, path: str) -> Optional[dict[str, str]]:
+    """{stored name: the child its state is read from}, or None when every parameter's is its own
+    child's. A parameter whose optimizer changed since the save (checkpointable/optimizer_change.py) is refused
+    (CheckpointError) without the opt-in, else left out: its state starts fresh; one saved under a
+    child of another name but the same torch class (an AdamW run's 'dense', a Muon run's
+    'adam/dense') is read from there. Without either, the checkpoint's optimizers and param groups
+    must be this run's (check_structure)."""
+    if not children:
+        return None
+    live_structure = global_group_structure(children, group, stored_names_by_fqn(params))
+    saved_structure = manifest.get("optimizers")
+    saved, live = optimizer_of_each_parameter(saved_structure), optimizer_of_each_parameter(live_structure)
+    changes = optimizer_changes(saved, live)
+    if saved_structure is None or all(saved.get(name) == owner for name, owner in live.items()):
+        check_structure(saved_structure, live_structure, path)
+        return None
+    fresh = settle_optimizer_changes(changes, allows_optimizer_change(optimizer), path, CheckpointError)
+    return {name: saved[name].child for name in live if name not in fresh}
+
+
+def _plan_load(path: str, params: list, model_names: set[str], children: list,
+               saved_children: Optional[dict[str, str]]) -> tuple:
     """Buffers for the model's (master) values and each child's state; shapes checked."""
     plan = LoadPlan(CheckpointIndex(FileSystemReader(path).read_metadata(), path), MeshCache())
     masters = plan_model(plan, params, model_names)
-    states = [plan_optimizer_state(plan, child, params) for child in children]
+    states = [plan_optimizer_state(plan, child, params, saved_children) for child in children]
     for name in {stored_child_name(child.name) for child in children}:
-        plan.plain(f"groups/{name}", torch.device("cpu"))
-        plan.plain(f"grad_scaler/{name}", torch.device("cpu"))
+        if f"groups/{name}" in plan.index.objects:  # else a child the checkpoint lacks
+            plan.plain(f"groups/{name}", torch.device("cpu"))
+            plan.plain(f"grad_scaler/{name}", torch.device("cpu"))
     return plan, masters, states
 
 

@@ -15,7 +15,7 @@ model's ranks write their rows as pieces of the global tensor.
 import io
 import json
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
@@ -27,6 +27,7 @@ from megatron_eopt.checkpointing.global_names import (
     stored_child_name,
     stored_group_key,
 )
+from megatron_eopt.checkpointable.optimizer_change import Owner
 from megatron_eopt.checkpointing.layout import (
     PART_MARK,
     TP_MARK,
@@ -396,14 +397,19 @@ def plan_model(plan: LoadPlan, params: list[ModelParam], model_names: set[str]) 
     return values
 
 
-def plan_optimizer_state(plan: LoadPlan, child: CheckpointableChild, params: list[ModelParam]) -> Callable[[], dict]:
-    """Targets for `child`'s state; returns a getter of {fqn: {name: value}} once loaded."""
+def plan_optimizer_state(plan: LoadPlan, child: CheckpointableChild, params: list[ModelParam],
+                         saved_child: Optional[Mapping[str, str]] = None) -> Callable[[], dict]:
+    """Targets for `child`'s state; returns a getter of {fqn: {name: value}} once loaded.
+    `saved_child`: the child each stored name's state is read from (absent: none, it starts fresh:
+    checkpointable/optimizer_change.py); None: this child's own name."""
     placement_of_param = {id(p.param): p.placement for p in params}
     stored = stored_names_by_fqn(params)
     getters: dict[str, dict[str, Callable[[], Any]]] = {}
     for param in child.checkpoint_params():
+        child_name = stored_child_name(child.name) if saved_child is None else saved_child.get(stored[param.fqn])
+        if child_name is None:
+            continue
         placement = placement_of_param[id(param.model)]
-        child_name = stored_child_name(child.name)
         for name, keys in plan.index.state_keys.get((child_name, stored[param.fqn]), {}).items():
             key = f"state/{child_name}/{stored[param.fqn]}/{name}"
             getters.setdefault(param.fqn, {})[name] = _plan_state_value(plan, key, keys, local_tensor(param.model),
@@ -472,6 +478,12 @@ def _like(saved: Any, live: Any) -> Any:
 
 def _few(names: list[str]) -> str:
     return f"{names[:5]}{' ...' if len(names) > 5 else ''}"
+
+
+def optimizer_of_each_parameter(structure: Optional[dict]) -> dict[str, Owner]:
+    """{stored name: its child and torch class} of a global_group_structure (a manifest's 'optimizers')."""
+    return {name: Owner(child, entry["torch_class"]) for child, entry in (structure or {}).items()
+            for names in entry["groups"].values() for name in names}
 
 
 def check_structure(saved: Optional[dict], live: dict, path: str) -> None:

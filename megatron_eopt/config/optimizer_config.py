@@ -164,6 +164,12 @@ class OptimizerConfig:
     pin_cpu_grads: bool = True
     pin_cpu_params: bool = True
 
+    # megatron_eopt: loading a checkpoint whose parameters were saved under another optimizer (the
+    # routing, muon_include_params / muon_exclude_params, muon_scalar_optimizer or the optimizer
+    # changed) is refused naming them; True starts their state fresh and loads everything else
+    # (checkpointable/optimizer_change.py, docs/checkpoints.md).
+    allow_optimizer_change_on_load: bool = False
+
     # Gradients.
     clip_grad: float = 1.0
     grad_norm_skip_threshold: float = float("inf")
@@ -287,7 +293,7 @@ MEGATRON_CORE_FIELDS: dict[str, FieldUse] = {
 # muon_match_adamw_rms, muon_gram_newton_schulz, muon_gram_newton_schulz_package, muon_aol_preconditioner,
 # muon_split_qkv_per_head, muon_tp_hardware_profile, muon_include_params, muon_exclude_params,
 # muon_strict_layouts,
-# layer_wise_reduce_grads, emerging_optimizers_compile;
+# layer_wise_reduce_grads, emerging_optimizers_compile, allow_optimizer_change_on_load;
 # all used.
 
 def warn_about_inert_fields(config: "OptimizerConfig") -> None:

@@ -27,12 +27,18 @@ import megatron.training.checkpointing as megatron_lm_checkpointing
 import megatron.training.training as megatron_lm_training
 import torch
 from megatron.training import global_vars
+from torch.distributed.checkpoint import FileSystemReader
 
 from arguments.optimizer_args import FLAGS, GIVEN_FLAGS_ATTR, Flag, StoreAndRecord, flag_kwargs
 from arguments.validate import check_cpu_offload_args, flag_message, other_optimizers_flags_line
+from megatron_eopt.checkpointing.dcp_optimizer_change import load_chain_state
+from megatron_eopt.checkpointable.optimizer_change import OPT_IN_FIELD, OPT_IN_FLAG
 from megatron_eopt.checkpointing.refusals import refuse_checkpoint_combinations, sharded_engine
 from megatron_eopt.megatron_core_formats.layouts import LAYOUT_KEY, MEGATRON_CORE_PING_PONG_LAYOUT
-from megatron_eopt.megatron_core_formats.dist_checkpointing import checkpoint_optimizer_layout
+from megatron_eopt.megatron_core_formats.moved_state import refuse_moved_state
+from megatron_eopt.megatron_core_formats.torch_dcp import load_megatron_core_dcp_state, megatron_core_torch_prefix
+from megatron_eopt.megatron_core_formats.dist_checkpointing import (checkpoint_optimizer_layout,
+                                                                    plain_state_dict_for_megatron_core)
 from megatron_eopt.config.newton_schulz import NEWTON_SCHULZ_FIELDS
 from megatron_eopt.config.optimizer_names import DEPRECATED_OPTIMIZER_NAMES
 from megatron_eopt.config.optimizer_config import MatmulPrecision, OptimizerConfig, TpMode, megatron_core_default
@@ -230,6 +236,11 @@ def _check_checkpoint_format(args: argparse.Namespace, byte_sharded: bool = Fals
     DDP reduce-scatters (`byte_sharded`: megatron-core's DistributedOptimizer steps, which writes
     every format)."""
     refuse_checkpoint_combinations(args, "megatron_lm")
+    if getattr(args, OPT_IN_FIELD, False) and getattr(args, "ckpt_format", None) != "torch_dcp":
+        raise ValueError(
+            f"{OPT_IN_FLAG} applies to --ckpt-format torch_dcp loads in Megatron-LM's loop (and to "
+            f"scripts/pretrain_gpt.py's); Megatron-LM's --ckpt-format {getattr(args, 'ckpt_format', None)} load does "
+            f"not apply it. Load with --no-load-optim to start all optimizer state fresh, or drop the flag.")
     if byte_sharded or sharded_engine(args):
         return
     if getattr(args, "use_distributed_optimizer", False) and getattr(args, "ckpt_format", None) == "torch":
@@ -521,11 +532,19 @@ def _checkpoint_layout_replacements() -> list[tuple[Any, str, Any]]:
     writes that layout there too (MEGATRON_CORE_PING_PONG_LAYOUT, asked for in the save's
     metadata), and a load reads the layout the checkpoint holds, named from its keys when
     megatron-core wrote it (checkpoint_optimizer_layout) into the metadata Megatron-LM hands
-    the optimizer."""
+    the optimizer. `--ckpt-format torch` saves megatron-core's plain `state_dict()` layout
+    (plain_state_dict_for_megatron_core), which megatron-core's optimizer and ours both load."""
     from megatron.core.dist_checkpointing import load_content_metadata
 
     build_metadata = megatron_lm_checkpointing._build_sharded_state_dict_metadata
     load_base = megatron_lm_checkpointing._load_global_dist_base_checkpoint
+    generate = megatron_lm_checkpointing.generate_state_dict
+
+    def generate_state_dict(args, model, optimizer, *rest, **kwargs) -> dict:
+        state_dict = generate(args, model, optimizer, *rest, **kwargs)
+        if args.ckpt_format == "torch" and "optimizer" in state_dict:
+            state_dict["optimizer"] = plain_state_dict_for_megatron_core(optimizer, state_dict["optimizer"])
+        return state_dict
 
     def sharded_state_dict_metadata(args, *rest, **kwargs) -> dict:
         metadata = build_metadata(args, *rest, **kwargs)
@@ -535,6 +554,10 @@ def _checkpoint_layout_replacements() -> list[tuple[Any, str, Any]]:
         return metadata
 
     def load_global_dist_base_checkpoint(load_dir, args, rank0, *rest, **kwargs):
+        if not rank0 and len(rest) >= 3 and isinstance(rest[0], dict) and "optimizer" in rest[0]:
+            sharded_state_dict, iteration, release = rest[:3]  # a parameter moved: one line, not a missing key
+            refuse_moved_state(sharded_state_dict["optimizer"], megatron_lm_checkpointing.get_checkpoint_name(
+                load_dir, iteration, release, return_base_dir=True))
         loaded = load_base(load_dir, args, rank0, *rest, **kwargs)
         state_dict, checkpoint_name = loaded[0], loaded[1]
         metadata = load_content_metadata(preloaded_state_dict=state_dict) if rank0 and state_dict else None
@@ -545,9 +568,48 @@ def _checkpoint_layout_replacements() -> list[tuple[Any, str, Any]]:
         return loaded
 
     return [(megatron_lm_checkpointing, "_build_sharded_state_dict_metadata", sharded_state_dict_metadata),
+            (megatron_lm_checkpointing, "generate_state_dict", generate_state_dict),
+            (megatron_lm_checkpointing, "_load_base_checkpoint",
+             loading_our_dcp_optimizer_state(megatron_lm_checkpointing._load_base_checkpoint)),
             (megatron_lm_checkpointing, "_load_global_dist_base_checkpoint", load_global_dist_base_checkpoint),
             (megatron_lm_checkpointing, "handle_swiglu_in_state_dict",
              splitting_every_state(megatron_lm_checkpointing.handle_swiglu_in_state_dict))]
+
+
+def loading_our_dcp_optimizer_state(load_base: Any) -> Any:
+    """Megatron-LM's `_load_base_checkpoint`, with ours' `--ckpt-format torch_dcp` optimizer state read
+    apart (checkpointing/dcp_optimizer_change.py): a parameter whose optimizer changed since the save
+    is named in a ValueError, or with --allow-optimizer-change-on-load starts fresh, instead of DCP's
+    missing-key traceback; with --no-load-optim or --finetune, which Megatron-LM's load then ignores, it is not read;
+    megatron-core's optimizer's state (torch's layout) is read into ours (megatron_core_formats/torch_dcp.py)."""
+
+    def load_base_checkpoint(load_dir, args, rank0=False, sharded_state_dict=None, **kwargs):
+        target = (sharded_state_dict or {}).get("optimizer")
+        if rank0 or getattr(args, "ckpt_format", None) != "torch_dcp" or not (
+                isinstance(target, dict) and "optimizers" in target):
+            return load_base(load_dir, args, rank0, sharded_state_dict, **kwargs)
+        del sharded_state_dict["optimizer"]
+        try:
+            loaded = load_base(load_dir, args, rank0, sharded_state_dict, **kwargs)
+        finally:
+            sharded_state_dict["optimizer"] = target
+        state_dict, checkpoint_name = loaded[0], loaded[1]
+        if state_dict is not None:
+            if not (getattr(args, "no_load_optim", False) or getattr(args, "finetune", False)):
+                _read_our_dcp_optimizer_state(target, checkpoint_name, bool(getattr(args, OPT_IN_FIELD, False)))
+            state_dict["optimizer"] = target
+        return loaded
+
+    return load_base_checkpoint
+
+
+def _read_our_dcp_optimizer_state(target: dict, checkpoint_name: str, allowed: bool) -> None:
+    """Into our chain's load target: what megatron-core's optimizer saved (torch's layout), or ours."""
+    saved_keys = set(FileSystemReader(checkpoint_name).read_metadata().state_dict_metadata)
+    if megatron_core_torch_prefix(saved_keys):
+        load_megatron_core_dcp_state(target, checkpoint_name)
+    else:
+        load_chain_state(target, checkpoint_name, allowed)
 
 
 def uninstall() -> None:

@@ -92,6 +92,16 @@ def megatron_core_state_dict(optimizer: Any) -> Any:
     return states[0] if len(states) == 1 else states
 
 
+def plain_state_dict_for_megatron_core(optimizer: Any, state_dict: Any) -> Any:
+    """What Megatron-LM's `--ckpt-format torch` saves: for a chain of ours megatron-core's layout, which
+    megatron-core's optimizer and ours load; else `state_dict` (the layer-wise one writes files of its own)."""
+    children = getattr(optimizer, "chained_optimizers", None)
+    if children is None or getattr(optimizer, "owner_is_main_replica", False) or getattr(
+            optimizer, "is_stub_optimizer", False) or not all(hasattr(c, "checkpoint_params") for c in children):
+        return state_dict
+    return megatron_core_state_dict(optimizer)
+
+
 def _main_copy_indices(params: list[ChildParam], indices: list[int]) -> list[int]:
     """The indices of parameters with a separate fp32 main copy (megatron-core's 16-bit ones)."""
     return [i for i in indices if params[i].main is not params[i].model]

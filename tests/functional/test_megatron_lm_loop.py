@@ -32,7 +32,7 @@ import pytest
 from tests.megatron_lm_in_process import Run, run_megatron_lm_many, run_megatron_lm_refused
 from tests.megatron_lm_matrix import (  # noqa: F401 (also imported by the other tests of this loop)
     BF16_MOMENTS, CELLS, EXPERTS, EP2, ALLGATHER, ITERATIONS, MEGATRON_CORE, MEGATRON_FSDP, MODEL, ROOT, TORCH_FSDP2,
-    Cell, Part, cell_jobs, check_part, matrix_table, parts, run_jobs, unique_jobs)
+    Cell, Part, Unexpected, cell_jobs, check_part, matrix_table, parts, run_jobs, unique_jobs)
 from tests.megatron_lm_matrix import saving_at_3, assert_equal_tensors as _assert_equal_tensors  # noqa: F401
 from tests.megatron_lm_matrix import assert_resumed_exactly as _assert_resumed_exactly
 from tests.megatron_lm_matrix import column as _column, state_dtypes as _state_dtypes  # noqa: F401
@@ -200,6 +200,43 @@ MEGATRON_FSDP_EXPERTS = MEGATRON_FSDP + EXPERTS + EP2 + ALLGATHER + ["--clip-gra
 
 # The other optimizers with `yes` in the README's FSDP column (adam: the test above; muon: the DeepSeek-style case).
 OTHER_FULLY_SHARDED = ("adaptive_muon", "laprop", "lion", "mop", "polargrad", "scion", "sgd")
+
+
+# An AdamW run continued with Muon (docs/checkpoints.md, "When a parameter's optimizer changed"): torch
+# FSDP2, --ckpt-format torch_dcp, saved at 3 of 3; each load runs no iteration, so what it loaded is its state.
+FSDP2_DCP = ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights", "--bf16", "--ckpt-format", "torch_dcp",
+             "--train-iters", "3"]
+
+
+def test_fsdp2_adamw_checkpoint_continues_with_muon(run_distributed, tmp_path) -> None:
+    """Refused naming the matrices and the opt-in; with --allow-optimizer-change-on-load their state
+    is zero and every other parameter's AdamW state the saved one, bitwise; --no-load-optim loads.
+    DDP's torch_dist (megatron-core's layout) refuses naming them too, in one line, not a missing key."""
+    saved, muon = str(tmp_path / "adamw"), MODEL + FSDP2_DCP + ["--optimizer", "muon", "--load", str(tmp_path / "adamw")]
+    dist_saved, ddp = str(tmp_path / "ddp"), MODEL + ["--train-iters", "3", "--ckpt-format", "torch_dist"]
+    jobs = [("run", MODEL + FSDP2_DCP + ["--optimizer", "adam", "--save", saved, "--save-interval", "3"]),
+            ("run", muon + ["--allow-optimizer-change-on-load"]), ("run", muon + ["--no-load-optim"]),
+            ("run", ddp + ["--optimizer", "adam", "--save", dist_saved, "--save-interval", "3"]),
+            ("refused", muon), ("refused", ddp + ["--optimizer", "muon", "--load", dist_saved])]
+    per_rank = run_distributed(run_jobs, 2, args=(jobs,), timeout=SECONDS_PER_RUN[2] * len(jobs), leaves_groups=True)
+    for rank, (adamw, changed, model_only, _, refused, dist_refused) in enumerate(per_rank):
+        status, stderr, _ = dist_refused
+        assert status == 2, (rank, status, stderr[-2000:])
+        assert_one_error_line(stderr, rank, "pretrain_gpt_megatron_lm.py", "--no-load-optim", rank)
+        assert rank or "decoder.layers.mlp.linear_fc1.weight (saved (exp_avg, exp_avg_sq) -> now (momentum_buffer))" in stderr
+        assert not any(isinstance(run, Unexpected) for run in (adamw, changed, model_only)), (adamw, changed, model_only)
+        status, stderr, _ = refused  # the loop's one line, status 2 on every rank
+        assert status == 2, (rank, status, stderr[-2000:])
+        assert_one_error_line(stderr, rank, "pretrain_gpt_megatron_lm.py", "allow_optimizer_change_on_load", rank)
+        assert rank or "decoder.layers.0.mlp.linear_fc1.weight (" in stderr, stderr
+        saved_state = adamw.optimizer_state["optimizers"]["dense"]["state"]
+        loaded = {child: entry["state"] for child, entry in changed.optimizer_state["optimizers"].items()}
+        assert set(loaded) == {"muon/dense", "adam/dense"} and loaded["adam/dense"] and loaded["muon/dense"], loaded.keys()
+        for name, state in loaded["adam/dense"].items():
+            _assert_equal_tensors(state, saved_state[name], f"rank {rank}, {name}")
+        for name, state in loaded["muon/dense"].items():
+            assert not state["momentum_buffer"].any(), (rank, name)
+        assert model_only.exit_status == 0, rank
 
 
 @pytest.mark.slow

@@ -130,6 +130,16 @@ def test_resume_at_another_layout_and_model_only(straight_run, run_distributed, 
     assert (f"--no-load-optim: fresh optimizer, lr schedule from step 0 at iteration 11 (lr 0.000000e+00) over "
             f"--lr-decay-iters 20 iterations; the last iteration, 20, runs at lr {_cosine_lr(9, 1e-2):.6e} "
             f"(--lr-decay-iters 10 fits the schedule to this run)") in output["stdout"]
+    # Muon's checkpoint continued with AdamW (docs/checkpoints.md): refused naming the matrices that moved;
+    # with --allow-optimizer-change-on-load their state starts fresh and AdamW's own parameters' loads.
+    from_muon = ["--optimizer", "adam", "--load", str(saved), "--ckpt-step", "10", "--exit-interval", "11"]
+    refused = _launch(1, from_muon, tmp_path / "m3.jsonl", run_distributed)
+    assert refused.returncode == 2 and "--allow-optimizer-change-on-load" in refused.stderr, refused.stderr[-2000:]
+    assert "decoder.layers.0.mlp.linear_fc1.weight (muon/dense (TensorParallelMuon) -> dense (AdamW))" in refused.stderr
+    output = {}
+    changed = _run(1, [*from_muon, "--allow-optimizer-change-on-load"], tmp_path / "m4.jsonl", output, run_distributed)
+    assert [r["iteration"] for r in changed] == [11] and "their optimizer state starts fresh" in output["stdout"]
+    assert abs(changed[0]["loss"] - _losses(straight, 11)[0]) <= TOLERANCE  # the loaded model's
 
 
 def test_changed_schedule_is_refused_then_overridden_without_latest(straight_run, run_distributed,

@@ -42,6 +42,7 @@ FROZEN_OPTIONS = sorted([
     "--main-grads-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype",
     "--optimizer-cpu-offload", "--optimizer-offload-fraction", "--use-torch-optimizer-for-cpu-offload",
     "--overlap-cpu-optimizer-d2h-h2d", "--no-pin-cpu-grads", "--no-pin-cpu-params",
+    "--allow-optimizer-change-on-load",
 ])
 NEGATIVE_FLAGS = {"--muon-no-split-qkv": "muon_split_qkv", "--soap-no-kl-shampoo": "soap_use_kl_shampoo",
                   "--no-emerging-optimizers-compile": "emerging_optimizers_compile",

@@ -26,7 +26,7 @@ TRAINER_FLAGS = PACKAGE / "training" / "arguments"  # the trainer's flags, check
 # checkpointing/rng.py: megatron-core's process-global RNG tracker, only once megatron-core is imported.
 MEGATRON_CORE_ALLOWED = {"runtime/process_groups.py", "factory.py", "integrations/megatron_bridge.py",
                          "megatron_core_formats/dist_checkpointing.py", "megatron_core_formats/layer_wise_optimizer.py",
-                         "megatron_core_formats/distributed_optimizer.py",
+                         "megatron_core_formats/distributed_optimizer.py", "megatron_core_formats/moved_state.py",
                          "checkpointing/rng.py", "integrations/megatron_lm.py", "integrations/megatron_lm_gpt.py",
                          "integrations/megatron_lm_qk_clip.py",
                          "runtime/megatron_lm_cpu.py", "runtime/megatron_core_torch_adam.py",

@@ -306,7 +306,7 @@ def _refusals_body(rank: int, world_size: int, directory: str) -> dict:
 def test_refusals_name_the_problem_and_load_nothing(run_distributed, tmp_path) -> None:
     [messages] = run_distributed(_refusals_body, world_size=1, args=(str(tmp_path),))
     expected = {
-        "adam into muon": ["written by optimizer(s)", "--no-load-optim"],
+        "adam into muon": ["changed since the checkpoint was saved", "allow_optimizer_change_on_load", "--no-load-optim"],
         "other groups": ["param groups of 'dense' differ", "--no-load-optim"],
         "flip": ["fails its checksum"],
         "truncate": ["truncated"],

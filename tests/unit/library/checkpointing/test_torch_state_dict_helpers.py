@@ -29,18 +29,20 @@ VOCAB = 64
 LAYOUTS = ("nested", "flattened", "torchtitan")
 
 
-def build(mesh):
+def build(mesh, **config):
     """The same tiny Qwen3-MoE on every rank and call (no download), each layer then the root sharded
-    over `mesh` (one for the whole run: a parameter loads only from a DTensor on the same mesh)."""
+    over `mesh` (one for the whole run: a parameter loads only from a DTensor on the same mesh);
+    `config`: OptimizerConfig fields beyond the test's."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+    config_fields = config
     torch.manual_seed(0)
     config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                             num_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
                             tie_word_embeddings=False)
     model = Qwen3MoeForCausalLM(config)
-    return _shard_and_optimize(model, model.model.layers, mesh)
+    return _shard_and_optimize(model, model.model.layers, mesh, **config_fields)
 
 
 def build_torchtitan(mesh):
@@ -52,14 +54,14 @@ def build_torchtitan(mesh):
     return _shard_and_optimize(model, model.layers.values(), mesh)
 
 
-def _shard_and_optimize(model, layers, mesh):
+def _shard_and_optimize(model, layers, mesh, **fields):
     from torch.distributed.fsdp import fully_shard
 
     for layer in layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     config = OptimizerConfig(optimizer="muon", lr=1e-2, weight_decay=0.01, muon_momentum=0.9,
-                             muon_fp32_matmul_prec="highest")
+                             muon_fp32_matmul_prec="highest", **fields)
     return model, get_megatron_optimizer(config, [model])
 
 
@@ -200,7 +202,62 @@ def _helpers_body(rank: int, world_size: int, directory: str) -> dict:
         take_steps(model, optimizer, STEPS)
         result[layout] = {"restored": restored, "resumed": snapshot(model, optimizer),
                           "experts": expert_state(loaded, layout)}
-    return {"saved": saved, "straight": straight, **result, "torchtitan moe": _torchtitan_body(mesh, directory)}
+    return {"saved": saved, "straight": straight, **result, "torchtitan moe": _torchtitan_body(mesh, directory),
+            "routing change": _routing_change_body(mesh, directory)}
+
+
+# The issue's case (checkpointable/optimizer_change.py): saved when the experts were on AdamW and
+# lm_head on Muon, loaded under today's routing, which moved both.
+OLD_ROUTING = {"muon_exclude_params": "model.layers.*.mlp.experts.*", "muon_include_params": "lm_head.weight"}
+ROUTING_LAYOUTS = ("state_dict", "flattened")  # dcp of optimizer.state_dict(); torch's flattened helpers
+
+
+def _moved(name: str) -> bool:
+    return ".mlp.experts." in name or name == "lm_head.weight"
+
+
+def state_by_parameter(optimizer) -> dict[str, dict[str, torch.Tensor]]:
+    """{parameter: {state name: its whole value}}, whichever child holds it."""
+    return {name: {key: value.full_tensor().clone() if hasattr(value, "full_tensor") else value.clone()
+                   for key, value in entries.items()}
+            for child in optimizer.state_dict()["optimizers"].values() for name, entries in child["state"].items()}
+
+
+def _routing_change_body(mesh, directory: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    model, optimizer = build(mesh, **OLD_ROUTING)
+    take_steps(model, optimizer, 0)
+    dcp.save({"optim": optimizer.state_dict()}, checkpoint_id=f"{directory}/routing_state_dict")
+    save(model, optimizer, "flattened", f"{directory}/routing_flattened")
+    result = {"saved": state_by_parameter(optimizer)}
+    for layout in ROUTING_LAYOUTS:
+        for allowed in (False, True):
+            result[layout, allowed] = _load_under_todays_routing(mesh, layout, allowed, f"{directory}/routing_{layout}")
+    return result
+
+
+def _load_under_todays_routing(mesh, layout: str, allowed: bool, path: str):
+    """The refusal's line, or each parameter's state once loaded with the opt-in."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from megatron_eopt.checkpointing import optimizer_load_planner
+
+    model, optimizer = build(mesh, allow_optimizer_change_on_load=allowed)
+    state = ({"optim": optimizer.state_dict(is_loading=True)} if layout == "state_dict" else
+             {"model": get_model_state_dict(model), "optimizer": optimizer_state(model, optimizer, layout)})
+    try:
+        planner = optimizer_load_planner(optimizer, state, path)
+    except ValueError as error:
+        return str(error)
+    dcp.load(state, checkpoint_id=path, planner=planner)
+    if layout == "state_dict":
+        optimizer.load_state_dict(state["optim"])
+        return state_by_parameter(optimizer)
+    model, optimizer = build(mesh, allow_optimizer_change_on_load=True)  # the helpers load into a fresh pair
+    load_optimizer_state(model, optimizer, state["optimizer"], layout)
+    return state_by_parameter(optimizer)
 
 
 TITAN_EXPERTS = "layers.0.moe.routed_experts.inner_experts.w1_EFD"
@@ -248,3 +305,26 @@ def test_torch_state_dict_helpers_resume_bitwise(run_distributed, tmp_path) -> N
         assert (4, 64, 32) in titan["experts"], titan["experts"]  # GroupedExperts' w1_EFD state, whole
         # Muon's state, not Adam's exp_avg / exp_avg_sq: the experts tensor went to Muon
         assert titan["expert keys"] == [f"state.{TITAN_EXPERTS}.momentum_buffer"], titan["expert keys"]
+        _check_routing_change(reply["routing change"])
+
+
+def _check_routing_change(result: dict) -> None:
+    """Refused in one line naming the moved parameters and the opt-in; with it their state is fresh
+    (zeros), every other parameter's the saved one, bitwise."""
+    saved = result["saved"]
+    moved = sorted(name for name in saved if _moved(name))
+    assert "lm_head.weight" in moved and len(moved) == 5, moved  # and 2 layers' gate_up_proj, down_proj
+    for layout in ROUTING_LAYOUTS:
+        line = result[layout, False]
+        assert isinstance(line, str) and "\n" not in line, (layout, line)
+        assert "allow_optimizer_change_on_load" in line and all(f"{name} (" in line for name in moved), line
+        loaded = result[layout, True]
+        assert set(loaded) == set(saved), (layout, sorted(set(loaded) ^ set(saved)))
+        for name, state in loaded.items():
+            if _moved(name):
+                assert state and not any(value.any() for value in state.values()), (layout, name)
+                assert saved[name].keys() != state.keys(), (layout, name)  # another optimizer's state
+            else:
+                assert state.keys() == saved[name].keys(), (layout, name)
+                assert all(torch.equal(state[key], saved[name][key]) for key in state), (layout, name)
+

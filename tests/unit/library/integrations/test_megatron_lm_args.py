@@ -445,7 +445,8 @@ def test_extra_args_provider_keeps_megatron_lm_flags(run_distributed) -> None:
                      "--muon-split-qkv-per-head", "--muon-expert-tp-mode", "--muon-tp-hardware-profile",
                      "--soap-shampoo-beta", "--soap-precondition-frequency", "--soap-no-kl-shampoo",
                      "--adaptive-muon-moment2-method", "--adaptive-muon-beta2", "--adaptive-muon-eps",
-                     "--no-emerging-optimizers-compile", "--no-store-param-remainders"}, added
+                     "--no-emerging-optimizers-compile", "--no-store-param-remainders",
+                     "--allow-optimizer-change-on-load"}, added
 
 
 @pytest.mark.parametrize(
