@@ -128,11 +128,23 @@ def get_megatron_optimizer(
                                                              group_rank(groups.mp))
     else:  # as megatron-core's DistributedOptimizer: a step ends with Megatron-FSDP's compute weights
         optimizer.megatron_fsdp_wrappers = megatron_fsdp_wrappers(chunks)
+    _register_with_megatron_core()
     tp_modes = muon_tp_modes(optimizer)
     _warn_if_tp_settings_unused(config, records, tp_modes)
     if dump_param_to_param_group_map is not None and tp_modes:  # again, with each matrix's TP mode
         dump_param_group_map(dump_param_to_param_group_map, param_groups, records, tp_modes)
     return optimizer
+
+
+def _register_with_megatron_core() -> None:
+    """Code written for megatron-core's optimizer asks `isinstance(optimizer, megatron.core.optimizer.
+    ChainedOptimizer)` (verl's Megatron-side offload helpers): ours is a virtual subclass of it, once
+    megatron-core is imported (a run without megatron-core does not import it for this)."""
+    if "megatron.core" not in sys.modules:
+        return
+    from megatron.core.optimizer import ChainedOptimizer as MegatronCoreChainedOptimizer
+
+    MegatronCoreChainedOptimizer.register(ChainedOptimizer)
 
 
 def _fully_sharded_routing(routing: ParamRouting, fsdp: FullyShardedLayout) -> ParamRouting:

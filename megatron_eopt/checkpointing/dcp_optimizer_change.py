@@ -13,6 +13,8 @@ returns is made before the load, from the checkpoint's metadata alone (no collec
   starts from, step 0), and the param-group entries the checkpoint lacks and the groups' parameter
   lists keep the live values.
 Without a change it is DCP's default planner. `load_chain_state` is Megatron-LM's torch_dcp load of ours.
+State in torch's layout (`optimizer.state_dict()`: by position) is compared by parameter name, the saved
+positions named by the checkpoint's own param groups (`_positions_as_names`).
 """
 
 from typing import Any, Mapping, Optional, Union
@@ -54,9 +56,16 @@ def _planner(live_children: dict[str, str], allowed: bool, state_dict: Mapping,
     reader = FileSystemReader(checkpoint) if isinstance(checkpoint, str) else checkpoint
     saved_keys = set(reader.read_metadata().state_dict_metadata)
     flat, mappings = flatten_state_dict(dict(state_dict))
-    missing = [key for key in flat if key not in saved_keys]
-    if not missing:
+    if all(key in saved_keys for key in flat):
         return DefaultLoadPlanner()
+    live_paths, saved_named = _positions_as_names(state_dict, mappings, saved_keys, reader)
+    live_named = {key: ".".join(map(str, path)) for key, path in live_paths.items()}
+    flat = {live_named.get(key, key): value for key, value in flat.items()}
+    mappings = {live_named.get(key, key): live_paths.get(key, path) for key, path in mappings.items()}
+    saved_keys = {saved_named.get(key, key) for key in saved_keys}
+    missing = [key for key in flat if key not in saved_keys]
+    if not missing:  # every position's state is there under its name: read each from where it was saved
+        return _RenamingPlanner.named(live_named, saved_named, {}, set())
     live_state = _state_keys({key: mappings[key] for key in flat}, live_children)
     saved_state = _saved_state_names(saved_keys, set(live_children))
     renames, changes, fresh = {}, [], set()
@@ -79,7 +88,57 @@ def _planner(live_children: dict[str, str], allowed: bool, state_dict: Mapping,
         _zero(flat[key])
     skipped = fresh | {key for key in missing if key not in live_state and key not in renames}
     skipped |= {key for key in flat if _live_group_entry(mappings[key], {name for name, _, _ in changes})}
-    return _RenamingPlanner(renames, skipped)
+    return _RenamingPlanner.named(live_named, saved_named, renames, skipped)
+
+
+def _positions_as_names(state_dict: Mapping, mappings: Mapping[str, tuple], saved_keys: set[str],
+                        reader: StorageReader) -> tuple[dict[str, tuple], dict[str, str]]:
+    """({live key: its path by name}, {saved key: its key by name}) for the state kept by position in
+    torch's layout: `<prefix>.state.<position>.<state>` becomes `<prefix>.state.<parameter name>.<state>`,
+    the live positions named by the load target's groups, the saved ones by the groups the checkpoint
+    holds (read here, in this process alone)."""
+    live_named, saved_named = {}, {}
+    prefixes = {path[:path.index(STATE)] for path in mappings.values()  # a position: "3" in DCP's paths
+                if STATE in path and path.index(STATE) + 1 < len(path) and str(path[path.index(STATE) + 1]).isdigit()}
+    for prefix in prefixes:
+        live = _position_names(_at(state_dict, prefix)[GROUPS])
+        saved = _position_names(_saved_groups(prefix, saved_keys, reader))
+        head = ".".join(map(str, prefix + (STATE,)))
+        for key, path in mappings.items():
+            position = str(path[len(prefix) + 1]) if path[:len(prefix) + 1] == prefix + (STATE,) else ""
+            if position.isdigit() and int(position) in live:
+                live_named[key] = (*prefix, STATE, live[int(position)], *path[len(prefix) + 2:])
+        for key in saved_keys:
+            position, _, rest = key[len(head) + 1:].partition(".") if key.startswith(f"{head}.") else ("", "", "")
+            if position.isdigit() and int(position) in saved:
+                saved_named[key] = f"{head}.{saved[int(position)]}.{rest}"
+    return live_named, saved_named
+
+
+def _at(tree: Mapping, path: tuple) -> Any:
+    for part in path:
+        tree = tree[part]
+    return tree
+
+
+def _position_names(groups: list) -> dict[int, str]:
+    return {position: name for group in groups if "param_names" in group
+            for position, name in zip(group["params"], group["param_names"]) if isinstance(position, int)}
+
+
+def _saved_groups(prefix: tuple, saved_keys: set[str], reader: StorageReader) -> list[dict]:
+    """The param groups' `params` and `param_names` the checkpoint holds at `prefix` (torch's layout)."""
+    import torch.distributed.checkpoint as dcp
+
+    head = ".".join(map(str, prefix + (GROUPS,)))
+    indices = sorted({int(key[len(head) + 1:].split(".")[0]) for key in saved_keys
+                      if key.startswith(f"{head}.") and key.endswith(".param_names")})
+    groups = [{"params": [], "param_names": []} for _ in indices]
+    target: dict = {GROUPS: groups}
+    for part in reversed(prefix):
+        target = {part: target}
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    return groups
 
 
 def _live_group_entry(path: tuple, moved: set[str]) -> bool:
@@ -88,7 +147,8 @@ def _live_group_entry(path: tuple, moved: set[str]) -> bool:
     its flattened layout's entries of a moved parameter (`param_groups.<name>.<key>`). Ours are keyed
     by group key, so a group the checkpoint holds loads."""
     parts = [str(part) for part in path]
-    if parts[-1] in GROUP_MEMBERS:
+    last = parts[-1]  # flattened: 'param_groups.<name>.<key>' in one part
+    if last in GROUP_MEMBERS or (last.startswith(f"{GROUPS}.") and last.rsplit(".", 1)[-1] in GROUP_MEMBERS):
         return True
     if GROUPS in parts and parts.index(GROUPS) + 1 < len(parts) and parts[parts.index(GROUPS) + 1].isdigit():
         return True
@@ -172,6 +232,18 @@ class _RenamingPlanner(DefaultLoadPlanner):
     def __init__(self, renames: dict[str, str], skipped: set[str]) -> None:
         super().__init__()
         self._renames, self._skipped = renames, skipped
+
+    @classmethod
+    def named(cls, live_named: dict[str, str], saved_named: dict[str, str], renames: dict[str, str],
+              skipped: set[str]) -> "_RenamingPlanner":
+        """The planner for keys by name (`_positions_as_names`), back in the keys the target and the
+        checkpoint hold: every live key read from the saved key of the same name unless renamed."""
+        live_key = {named: key for key, named in live_named.items()}
+        saved_key = {named: key for key, named in saved_named.items()}
+        reads = {named: renames.get(named, named) for named in live_key}
+        reads.update(renames)
+        return cls({live_key.get(named, named): saved_key.get(source, source) for named, source in reads.items()},
+                   {live_key.get(named, named) for named in skipped})
 
     def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
         super().set_up_planner(state_dict, metadata, is_coordinator)

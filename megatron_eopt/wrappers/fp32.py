@@ -325,6 +325,15 @@ class FP32Optimizer(StepPhases, MegatronOptimizer, SteppableChild):
         self._host_copies.restore()
 
     @property
+    def shard_fp32_from_float16_groups(self) -> list[list[torch.Tensor]]:
+        """megatron-core's Float16 optimizers' name for their fp32 main shards, which verl's Megatron-side
+        offload (`offload_megatron_optimizer`) moves tensor by tensor (`tensor.data = tensor.data.to(...)`):
+        here every tensor this child owns, its state (Muon's momentum too) and its fp32 main weights, never
+        the model's own weights (docs/memory.md)."""
+        model = {tensor.untyped_storage().data_ptr() for tensor in tensors_in(self.model_params)}
+        return [[tensor for tensor in self._owned_tensors() if tensor.untyped_storage().data_ptr() not in model]]
+
+    @property
     def is_offloaded(self) -> bool:
         return self._host_copies.offloaded
 

@@ -86,9 +86,9 @@ def test_library_checkpoint_under_another_routing(tmp_path, saved_config, live_c
 
 @pytest.mark.parametrize(("saved_config", "live_config", "moved", "line"), [
     ({}, {"muon_exclude_params": MOVED}, {MOVED},
-     "0.weight (muon/dense (momentum_buffer) -> adam/dense (exp_avg, exp_avg_sq, step))"),
+     "0.weight (saved (momentum_buffer) -> adam/dense (exp_avg, exp_avg_sq, step))"),
     ({"optimizer": "adam"}, {}, {MOVED, "2.weight"},  # the biases' AdamW state: from 'dense' into 'adam/dense'
-     "2.weight (dense (exp_avg, exp_avg_sq, step) -> muon/dense (momentum_buffer))"),
+     "2.weight (saved (exp_avg, exp_avg_sq, step) -> muon/dense (momentum_buffer))"),
 ], ids=["muon_exclude_params", "adamw_to_muon"])
 def test_dcp_of_state_dict_under_another_routing(tmp_path, saved_config, live_config, moved, line) -> None:
     """dcp.save of optimizer.state_dict(); dcp.load into state_dict(is_loading=True) with our planner."""

@@ -217,10 +217,13 @@ def _moved(name: str) -> bool:
 
 
 def state_by_parameter(optimizer) -> dict[str, dict[str, torch.Tensor]]:
-    """{parameter: {state name: its whole value}}, whichever child holds it."""
+    """{parameter: {state name: its whole value}}, whichever child holds it (torch's layout: by position,
+    named in the groups)."""
+    state = optimizer.state_dict()
     return {name: {key: value.full_tensor().clone() if hasattr(value, "full_tensor") else value.clone()
-                   for key, value in entries.items()}
-            for child in optimizer.state_dict()["optimizers"].values() for name, entries in child["state"].items()}
+                   for key, value in state["state"][position].items()}
+            for group in state["param_groups"] for position, name in zip(group["params"], group["param_names"])
+            if position in state["state"]}
 
 
 def _routing_change_body(mesh, directory: str) -> dict:

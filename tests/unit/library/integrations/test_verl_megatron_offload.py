@@ -52,11 +52,6 @@ def _owned(optimizer) -> dict[str, int]:
     return owned
 
 
-# Until our chain is what verl checks for: strict, so the test fails as soon as the helpers move it all.
-@pytest.mark.xfail(strict=True, raises=(ValueError, AssertionError), reason=(
-    "our chain is no megatron.core.optimizer.ChainedOptimizer: verl reads `.optimizer` of a chain of two "
-    "(ValueError). Registered as one, verl moves none of Muon's momentum, the fp32 main weights, or Adam's "
-    "`step` tensors: only exp_avg/exp_avg_sq/master_param by name"))
 def test_verl_megatron_offload_helpers_move_every_tensor_our_optimizer_owns(monkeypatch) -> None:
     import verl.plugin.platform.platform_manager as platform_manager
     from megatron.core import parallel_state
