@@ -119,10 +119,8 @@ def get_megatron_optimizer(
 
     qk_clip = _qk_clip(config, chunks, groups, records, fsdp)
     build = _Build(config, chunks, groups, routing, param_groups, records, fsdp, qk_clip)
-    if not config.use_layer_wise_distributed_optimizer:
-        optimizer = ChainedOptimizer(_children(build), qk_clip=qk_clip)
-    else:
-        optimizer = _layer_wise(build)
+    layer_wise = config.use_layer_wise_distributed_optimizer
+    optimizer = _layer_wise(build) if layer_wise else ChainedOptimizer(_children(build), qk_clip=qk_clip)
     if fsdp is None:
         optimizer.core_buckets = DistributedOptimizerBuckets(chunks, group_size(groups.dp_cp), group_rank(groups.dp_cp),
                                                              group_rank(groups.mp))

@@ -12,9 +12,8 @@ returns is made before the load, from the checkpoint's metadata alone (no collec
   read but set to zero in the load target (the state a new Adam, SGD or Muon-family optimizer
   starts from, step 0), and the param-group entries the checkpoint lacks and the groups' parameter
   lists keep the live values.
-Without a change it is DCP's default planner. `load_chain_state` is Megatron-LM's torch_dcp load of ours.
-State in torch's layout (`optimizer.state_dict()`: by position) is compared by parameter name, the saved
-positions named by the checkpoint's own param groups (`_positions_as_names`).
+Without a change it is DCP's default planner. `load_chain_state` is Megatron-LM's torch_dcp load of
+ours. torch's layout (by position) is compared by name: `_positions_as_names`.
 """
 
 from typing import Any, Mapping, Optional, Union

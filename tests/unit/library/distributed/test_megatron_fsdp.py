@@ -6,9 +6,10 @@ on an unsharded copy of the same megatron-core GPT, in each rank's process. Each
 micro-batch through the Megatron-FSDP model, whose reduce-scatter averages the gradients; the
 reference's gradient is the mean of all ranks' micro-batch gradients, as Megatron-FSDP reduces it.
 fp32 matmuls at 'highest' and muon_fp32_matmul_prec='highest'; clip_grad=0.5 is active (the norms are
-about 1). After 3 steps every parameter equals the reference within 1e-5 (fp32 round-off: the
-gradients are summed in another order; measured up to 2e-6) and each step's gradient norm within
-1e-5 relative (each element counted once). Megatron-FSDP's shards are uneven and follow its buckets:
+about 1). After 3 steps every parameter equals the reference within 2e-3 of one step's lr (fp32
+round-off: the gradients and their norm are summed in another order, and Adam at lr 0.02 carries
+it furthest; measured up to 5.3e-4 lr, adaptive_muon's scalar Adam on the embedding) and each
+step's gradient norm within 1e-5 relative (each element counted once). Megatron-FSDP's shards are uneven and follow its buckets:
 the test checks that the run covers a matrix whole on one rank, an empty shard, and linear_qkv cut
 inside a query group.
 """
@@ -29,7 +30,7 @@ from tests.refusals import error_of
 SETTINGS = GPTModelSettings(num_layers=2, hidden_size=32, num_attention_heads=8, num_query_groups=4,
                             ffn_hidden_size=48, swiglu=True, vocab_size=64, seq_length=16)
 QUERY_GROUP_ROWS = (8 // 4 + 2) * (32 // 8)  # (q heads per group + k + v) * kv_channels
-TOLERANCE = 1e-5
+TOLERANCE = 2e-3  # of one step's lr (module docstring)
 STEPS = 3
 OPTIMIZERS = ("muon", "adam", "adaptive_muon")
 
@@ -141,7 +142,8 @@ def refusals() -> dict[str, tuple[str, str]]:
 
 
 def check_run(run: dict, label) -> None:
-    bad = {name: e for name, e in run["errors"].items() if not e <= TOLERANCE}
+    tolerance = TOLERANCE * config_for(label[-1]).lr
+    bad = {name: e for name, e in run["errors"].items() if not e <= tolerance}
     assert not bad, (label, bad)
     for expected, got in run["results"]:
         assert expected[0] and got[0] and expected[1] > 0.5, (label, expected, got)  # clipping active
