@@ -2,8 +2,8 @@
 
 `dcp.load(state, checkpoint_id=path)` into `optimizer.state_dict(is_loading=True)` (or what torch's
 `get_optimizer_state_dict` gives) fails with DCP's `Missing key in checkpoint state_dict` on every
-rank when a parameter's optimizer changed since the save (checkpointable/optimizer_change.py). The planner this
-returns is made before the load, from the checkpoint's metadata alone (no collective):
+rank when a parameter's optimizer changed since the save (checkpointable/optimizer_change.py). The
+planner is made before the load, from the checkpoint alone (no collective), torch's layout by name:
 - a parameter whose state the checkpoint holds under another child with the same state names (an
   AdamW run's `dense`, a Muon run's `adam/dense`) is read from there;
 - one whose state the checkpoint holds under other names (Adam's `exp_avg` where Muon keeps
@@ -12,8 +12,7 @@ returns is made before the load, from the checkpoint's metadata alone (no collec
   read but set to zero in the load target (the state a new Adam, SGD or Muon-family optimizer
   starts from, step 0), and the param-group entries the checkpoint lacks and the groups' parameter
   lists keep the live values.
-Without a change it is DCP's default planner. `load_chain_state` is Megatron-LM's torch_dcp load of
-ours. torch's layout (by position) is compared by name: `_positions_as_names`.
+Without a change it is DCP's default planner. `load_chain_state` is Megatron-LM's torch_dcp load of ours.
 """
 
 from typing import Any, Mapping, Optional, Union
