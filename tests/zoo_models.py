@@ -202,7 +202,31 @@ def hf_zamba_in_proj():
     return _transformers().ZambaForCausalLM(config), parts
 
 
+def hf_falcon_qkv():
+    """FalconAttention._split_heads, its three layouts of query_key_value (4 heads of 8):
+    `new_decoder_architecture`: rows viewed [num_kv_heads=2, 2 + 2, 8], split [2, 1, 1] per group;
+    `multi_query`: [4 + 2, 8], all queries, one key, one value; neither: [4, 3, 8] per head."""
+    def falcon(**layout):
+        config = _transformers().FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                              num_attention_heads=4, **layout)
+        return _transformers().FalconModel(config)
+
+    model = torch.nn.Module()
+    model.grouped = falcon(new_decoder_architecture=True, num_kv_heads=2)
+    model.multi_query = falcon(multi_query=True)
+    model.per_head = falcon(multi_query=False)
+    qkv = "h.0.self_attention.query_key_value.weight"
+    groups = lambda t: t.reshape(2, 4, 8, t.shape[-1])
+    heads = lambda t: t.reshape(4, 3, 8, t.shape[-1])
+    parts = {"grouped." + qkv: [lambda t: groups(t)[:, :2].reshape(-1, t.shape[-1]),
+                                lambda t: groups(t)[:, 2].reshape(-1, t.shape[-1]),
+                                lambda t: groups(t)[:, 3].reshape(-1, t.shape[-1])],
+             "multi_query." + qkv: [lambda t: t[:32], lambda t: t[32:40], lambda t: t[40:]],
+             "per_head." + qkv: [lambda t, s=s: heads(t)[:, s].reshape(-1, t.shape[-1]) for s in range(3)]}
+    return model, parts
+
+
 CASES = {builder.__name__: builder for builder in (
     titan_llama3_fused_qkv, titan_deepseek_v3_mla, titan_gpt_oss_experts, hf_deepseek_v3_mla, hf_dbrx_experts,
     hf_qwen3_next_gated_delta_net, hf_llama4_experts, hf_jetmoe_experts, hf_qwen2_5_vl_vision_qkv, hf_mamba2_in_proj,
-    hf_qwen3_5_gated_delta_qkv, hf_mamba_in_proj, hf_zamba_in_proj)}
+    hf_qwen3_5_gated_delta_qkv, hf_mamba_in_proj, hf_zamba_in_proj, hf_falcon_qkv)}

@@ -1,0 +1,37 @@
+"""More `transformers` 5.24 fused q/k/v weights for params/fused_layouts.py's table, each read
+from its family's forward (docs/fsdp2.md lists them). fused_layouts.py imports this module last,
+so that every Muon consumer that reads the table sees these entries too.
+"""
+
+from typing import Optional
+
+from megatron_eopt.params.fused_layouts import WHOLE, FusedBlocks, FusedWeight, register_fused_layout
+
+
+def falcon_qkv(weight: FusedWeight) -> Optional[FusedBlocks]:
+    """FalconAttention.query_key_value (its `_split_heads`): with `new_decoder_architecture` the
+    rows viewed [num_kv_heads, heads / num_kv_heads + 2, head_dim], per KV group its query heads,
+    its key and its value (megatron-core's linear_qkv layout); else with `multi_query` the rows
+    [heads + 2, head_dim]: all query heads, then one key and one value head; else [heads, 3,
+    head_dim]: per head its query, key and value. Each split q, k, v, as megatron-core splits
+    linear_qkv."""
+    owner = weight.owner
+    if not weight.split_qkv:
+        return WHOLE
+    try:
+        heads, kv_heads, head_dim = int(owner.num_heads), int(owner.num_kv_heads), int(owner.head_dim)
+        grouped, multi_query = bool(owner.new_decoder_architecture), bool(owner.multi_query)
+    except (AttributeError, TypeError):
+        return None
+    head_rows = head_dim if weight.per_head else 0
+    if grouped:
+        if not kv_heads or heads % kv_heads:
+            return None
+        per_kv = heads // kv_heads
+        return FusedBlocks((per_kv * head_dim, head_dim, head_dim), kv_heads, head_rows=head_rows)
+    if multi_query:
+        return FusedBlocks((heads * head_dim, head_dim, head_dim), head_rows=head_rows)
+    return FusedBlocks((head_dim,) * 3, heads, head_rows=head_rows)
+
+
+register_fused_layout("transformers.models.falcon.modeling_falcon.FalconAttention", "query_key_value", falcon_qkv)
