@@ -226,7 +226,20 @@ def hf_falcon_qkv():
     return model, parts
 
 
+def hf_chunked_wqkv():
+    """MptAttention.forward's `Wqkv(...).chunk(3)` and ModernBertAttention.forward's view [3, heads,
+    head_dim]: q, k, v are the first, second and last third of the rows (4 heads of 8)."""
+    model = torch.nn.Module()
+    model.mpt = _transformers().MptModel(_transformers().MptConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=1))
+    model.modernbert = _transformers().ModernBertModel(_transformers().ModernBertConfig(
+        vocab_size=64, hidden_size=32, num_attention_heads=4, num_hidden_layers=1, intermediate_size=48,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2))
+    thirds = [lambda t, s=s: t[32 * s:32 * (s + 1)] for s in range(3)]
+    return model, {"mpt.blocks.0.attn.Wqkv.weight": thirds, "modernbert.layers.0.attn.Wqkv.weight": thirds}
+
+
 CASES = {builder.__name__: builder for builder in (
     titan_llama3_fused_qkv, titan_deepseek_v3_mla, titan_gpt_oss_experts, hf_deepseek_v3_mla, hf_dbrx_experts,
     hf_qwen3_next_gated_delta_net, hf_llama4_experts, hf_jetmoe_experts, hf_qwen2_5_vl_vision_qkv, hf_mamba2_in_proj,
-    hf_qwen3_5_gated_delta_qkv, hf_mamba_in_proj, hf_zamba_in_proj, hf_falcon_qkv)}
+    hf_qwen3_5_gated_delta_qkv, hf_mamba_in_proj, hf_zamba_in_proj, hf_falcon_qkv,
+    hf_chunked_wqkv)}

@@ -35,3 +35,19 @@ def falcon_qkv(weight: FusedWeight) -> Optional[FusedBlocks]:
 
 
 register_fused_layout("transformers.models.falcon.modeling_falcon.FalconAttention", "query_key_value", falcon_qkv)
+
+
+def chunked_qkv(weight: FusedWeight) -> Optional[FusedBlocks]:
+    """MPT's and ModernBERT's Wqkv: the output chunked in three (MptAttention.forward's
+    `chunk(3)`, ModernBertAttention.forward's view [3, heads, head_dim]): all query heads, then all
+    key heads, then all value heads; per head of `head_dim` rows with `per_head`."""
+    if not weight.split_qkv:
+        return WHOLE
+    rows, head_dim = weight.param.shape[0], getattr(weight.owner, "head_dim", None)
+    if rows % 3 or not isinstance(head_dim, int) or (rows // 3) % head_dim:
+        return None
+    return FusedBlocks((rows // 3,) * 3, head_rows=head_dim if weight.per_head else 0)
+
+
+for _family in ("mpt.modeling_mpt.MptAttention", "modernbert.modeling_modernbert.ModernBertAttention"):
+    register_fused_layout(f"transformers.models.{_family}", "Wqkv", chunked_qkv)

@@ -25,7 +25,7 @@ pytest.importorskip("torchtitan")
 NOT_SPLIT = {
     "Attention.c_attn", "DecisionTransformerGPT2Attention.c_attn", "GPT2Attention.c_attn", "ImageGPTAttention.c_attn",
     "GPTBigCodeAttention.c_attn", "CodeGenAttention.qkv_proj",
-    "ModernBertAttention.Wqkv", "MptAttention.Wqkv", "DisentangledSelfAttention.in_proj", "BarkMLP.in_proj",
+    "DisentangledSelfAttention.in_proj", "BarkMLP.in_proj",
     "BlipAttention.qkv", "Exaone4_5_VisionAttention.qkv", "Florence2VisionWindowAttention.qkv", "MgpstrAttention.qkv",
     "TimesformerSelfAttention.qkv", "SelfAttention.qkv", "DeepseekV4Attention.q_b_proj", "DeepseekV4Indexer.q_b_proj",
     "Phi4MultimodalAudioMLP.gate_up_proj", "Zamba2MLP.gate_up_proj", "Kimi_K25MultimodalProjection.in_proj",
