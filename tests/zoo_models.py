@@ -238,8 +238,24 @@ def hf_chunked_wqkv():
     return model, {"mpt.blocks.0.attn.Wqkv.weight": thirds, "modernbert.layers.0.attn.Wqkv.weight": thirds}
 
 
+def hf_gpt_bigcode_c_attn():
+    """GPTBigCodeAttention.forward (4 heads of 8): with `multi_query` c_attn's output split [32, 8,
+    8], all queries, one key, one value; without, viewed [4, 3 * 8] and split per head."""
+    def bigcode(multi_query):
+        config = _transformers().GPTBigCodeConfig(vocab_size=64, n_positions=32, n_embd=32, n_layer=1, n_head=4,
+                                                  multi_query=multi_query)
+        return _transformers().GPTBigCodeModel(config)
+
+    model = torch.nn.Module()
+    model.multi_query, model.per_head = bigcode(True), bigcode(False)
+    heads = lambda t: t.reshape(4, 3, 8, t.shape[-1])
+    c_attn = "h.0.attn.c_attn.weight"
+    return model, {"multi_query." + c_attn: [lambda t: t[:32], lambda t: t[32:40], lambda t: t[40:]],
+                   "per_head." + c_attn: [lambda t, s=s: heads(t)[:, s].reshape(-1, t.shape[-1]) for s in range(3)]}
+
+
 CASES = {builder.__name__: builder for builder in (
     titan_llama3_fused_qkv, titan_deepseek_v3_mla, titan_gpt_oss_experts, hf_deepseek_v3_mla, hf_dbrx_experts,
     hf_qwen3_next_gated_delta_net, hf_llama4_experts, hf_jetmoe_experts, hf_qwen2_5_vl_vision_qkv, hf_mamba2_in_proj,
     hf_qwen3_5_gated_delta_qkv, hf_mamba_in_proj, hf_zamba_in_proj, hf_falcon_qkv,
-    hf_chunked_wqkv)}
+    hf_chunked_wqkv, hf_gpt_bigcode_c_attn)}

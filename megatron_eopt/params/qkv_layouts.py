@@ -51,3 +51,28 @@ def chunked_qkv(weight: FusedWeight) -> Optional[FusedBlocks]:
 
 for _family in ("mpt.modeling_mpt.MptAttention", "modernbert.modeling_modernbert.ModernBertAttention"):
     register_fused_layout(f"transformers.models.{_family}", "Wqkv", chunked_qkv)
+
+
+def gpt_bigcode_qkv(weight: FusedWeight) -> Optional[FusedBlocks]:
+    """GPTBigCodeAttention.c_attn (an nn.Linear, [out, in]; its forward): with `multi_query` split
+    [embed_dim, head_dim, head_dim], all query heads, one key, one value; else viewed [heads,
+    3 * head_dim], per head its query, key and value. Cross-attention's c_attn (key and value of
+    the encoder's states, split in a way that fits one head only) is not described: None."""
+    owner = weight.owner
+    if not weight.split_qkv:
+        return WHOLE
+    try:
+        heads, head_dim, multi_query = int(owner.num_heads), int(owner.head_dim), bool(owner.multi_query)
+        cross = bool(owner.is_cross_attention)
+    except (AttributeError, TypeError):
+        return None
+    if cross:
+        return None
+    head_rows = head_dim if weight.per_head else 0
+    if multi_query:
+        return FusedBlocks((heads * head_dim, head_dim, head_dim), head_rows=head_rows)
+    return FusedBlocks((head_dim,) * 3, heads, head_rows=head_rows)
+
+
+register_fused_layout("transformers.models.gpt_bigcode.modeling_gpt_bigcode.GPTBigCodeAttention", "c_attn",
+                      gpt_bigcode_qkv)
