@@ -254,8 +254,19 @@ def hf_gpt_bigcode_c_attn():
                    "per_head." + c_attn: [lambda t, s=s: heads(t)[:, s].reshape(-1, t.shape[-1]) for s in range(3)]}
 
 
+def hf_codegen_qkv():
+    """CodeGenAttention.forward: qkv_proj's output viewed [mp_num=4, 3 * 32 / 4] and split per
+    shard into query, value, key (8 rows each)."""
+    config = _transformers().CodeGenConfig(vocab_size=64, n_positions=32, n_embd=32, n_layer=1, n_head=4,
+                                           rotary_dim=4)
+    shards = lambda t: t.reshape(4, 3, 8, t.shape[-1])
+    parts = {"transformer.h.0.attn.qkv_proj.weight": [lambda t, s=s: shards(t)[:, s].reshape(-1, t.shape[-1])
+                                                       for s in range(3)]}
+    return _transformers().CodeGenForCausalLM(config), parts
+
+
 CASES = {builder.__name__: builder for builder in (
     titan_llama3_fused_qkv, titan_deepseek_v3_mla, titan_gpt_oss_experts, hf_deepseek_v3_mla, hf_dbrx_experts,
     hf_qwen3_next_gated_delta_net, hf_llama4_experts, hf_jetmoe_experts, hf_qwen2_5_vl_vision_qkv, hf_mamba2_in_proj,
     hf_qwen3_5_gated_delta_qkv, hf_mamba_in_proj, hf_zamba_in_proj, hf_falcon_qkv,
-    hf_chunked_wqkv, hf_gpt_bigcode_c_attn)}
+    hf_chunked_wqkv, hf_gpt_bigcode_c_attn, hf_codegen_qkv)}

@@ -76,3 +76,23 @@ def gpt_bigcode_qkv(weight: FusedWeight) -> Optional[FusedBlocks]:
 
 register_fused_layout("transformers.models.gpt_bigcode.modeling_gpt_bigcode.GPTBigCodeAttention", "c_attn",
                       gpt_bigcode_qkv)
+
+
+def codegen_qkv(weight: FusedWeight) -> Optional[FusedBlocks]:
+    """CodeGenAttention.qkv_proj (its forward): the rows viewed [mp_num, 3 * embed_dim / mp_num]
+    (the 4 model-parallel shards CodeGen was trained with), each split into query, value and key:
+    q, v and k each one block taken from every shard."""
+    owner = weight.owner
+    if not weight.split_qkv:
+        return WHOLE
+    try:
+        shards, embed_dim, head_dim = int(owner.mp_num), int(owner.embed_dim), int(owner.head_dim)
+    except (AttributeError, TypeError):
+        return None
+    local = embed_dim // shards if shards else 0
+    if not local or local * shards != embed_dim or weight.param.shape[0] != 3 * embed_dim or local % head_dim:
+        return None
+    return FusedBlocks((local,) * 3, shards, head_rows=head_dim if weight.per_head else 0)
+
+
+register_fused_layout("transformers.models.codegen.modeling_codegen.CodeGenAttention", "qkv_proj", codegen_qkv)
