@@ -202,7 +202,71 @@ def hf_zamba_in_proj():
     return _transformers().ZambaForCausalLM(config), parts
 
 
+def hf_falcon_qkv():
+    """FalconAttention._split_heads, its three layouts of query_key_value (4 heads of 8):
+    `new_decoder_architecture`: rows viewed [num_kv_heads=2, 2 + 2, 8], split [2, 1, 1] per group;
+    `multi_query`: [4 + 2, 8], all queries, one key, one value; neither: [4, 3, 8] per head."""
+    def falcon(**layout):
+        config = _transformers().FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                              num_attention_heads=4, **layout)
+        return _transformers().FalconModel(config)
+
+    model = torch.nn.Module()
+    model.grouped = falcon(new_decoder_architecture=True, num_kv_heads=2)
+    model.multi_query = falcon(multi_query=True)
+    model.per_head = falcon(multi_query=False)
+    qkv = "h.0.self_attention.query_key_value.weight"
+    groups = lambda t: t.reshape(2, 4, 8, t.shape[-1])
+    heads = lambda t: t.reshape(4, 3, 8, t.shape[-1])
+    parts = {"grouped." + qkv: [lambda t: groups(t)[:, :2].reshape(-1, t.shape[-1]),
+                                lambda t: groups(t)[:, 2].reshape(-1, t.shape[-1]),
+                                lambda t: groups(t)[:, 3].reshape(-1, t.shape[-1])],
+             "multi_query." + qkv: [lambda t: t[:32], lambda t: t[32:40], lambda t: t[40:]],
+             "per_head." + qkv: [lambda t, s=s: heads(t)[:, s].reshape(-1, t.shape[-1]) for s in range(3)]}
+    return model, parts
+
+
+def hf_chunked_wqkv():
+    """MptAttention.forward's `Wqkv(...).chunk(3)` and ModernBertAttention.forward's view [3, heads,
+    head_dim]: q, k, v are the first, second and last third of the rows (4 heads of 8)."""
+    model = torch.nn.Module()
+    model.mpt = _transformers().MptModel(_transformers().MptConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=1))
+    model.modernbert = _transformers().ModernBertModel(_transformers().ModernBertConfig(
+        vocab_size=64, hidden_size=32, num_attention_heads=4, num_hidden_layers=1, intermediate_size=48,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2))
+    thirds = [lambda t, s=s: t[32 * s:32 * (s + 1)] for s in range(3)]
+    return model, {"mpt.blocks.0.attn.Wqkv.weight": thirds, "modernbert.layers.0.attn.Wqkv.weight": thirds}
+
+
+def hf_gpt_bigcode_c_attn():
+    """GPTBigCodeAttention.forward (4 heads of 8): with `multi_query` c_attn's output split [32, 8,
+    8], all queries, one key, one value; without, viewed [4, 3 * 8] and split per head."""
+    def bigcode(multi_query):
+        config = _transformers().GPTBigCodeConfig(vocab_size=64, n_positions=32, n_embd=32, n_layer=1, n_head=4,
+                                                  multi_query=multi_query)
+        return _transformers().GPTBigCodeModel(config)
+
+    model = torch.nn.Module()
+    model.multi_query, model.per_head = bigcode(True), bigcode(False)
+    heads = lambda t: t.reshape(4, 3, 8, t.shape[-1])
+    c_attn = "h.0.attn.c_attn.weight"
+    return model, {"multi_query." + c_attn: [lambda t: t[:32], lambda t: t[32:40], lambda t: t[40:]],
+                   "per_head." + c_attn: [lambda t, s=s: heads(t)[:, s].reshape(-1, t.shape[-1]) for s in range(3)]}
+
+
+def hf_codegen_qkv():
+    """CodeGenAttention.forward: qkv_proj's output viewed [mp_num=4, 3 * 32 / 4] and split per
+    shard into query, value, key (8 rows each)."""
+    config = _transformers().CodeGenConfig(vocab_size=64, n_positions=32, n_embd=32, n_layer=1, n_head=4,
+                                           rotary_dim=4)
+    shards = lambda t: t.reshape(4, 3, 8, t.shape[-1])
+    parts = {"transformer.h.0.attn.qkv_proj.weight": [lambda t, s=s: shards(t)[:, s].reshape(-1, t.shape[-1])
+                                                       for s in range(3)]}
+    return _transformers().CodeGenForCausalLM(config), parts
+
+
 CASES = {builder.__name__: builder for builder in (
     titan_llama3_fused_qkv, titan_deepseek_v3_mla, titan_gpt_oss_experts, hf_deepseek_v3_mla, hf_dbrx_experts,
     hf_qwen3_next_gated_delta_net, hf_llama4_experts, hf_jetmoe_experts, hf_qwen2_5_vl_vision_qkv, hf_mamba2_in_proj,
-    hf_qwen3_5_gated_delta_qkv, hf_mamba_in_proj, hf_zamba_in_proj)}
+    hf_qwen3_5_gated_delta_qkv, hf_mamba_in_proj, hf_zamba_in_proj, hf_falcon_qkv,
+    hf_chunked_wqkv, hf_gpt_bigcode_c_attn, hf_codegen_qkv)}

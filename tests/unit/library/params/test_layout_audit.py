@@ -24,8 +24,7 @@ pytest.importorskip("torchtitan")
 # (routing_fallbacks): layouts not read from their forwards yet. docs/fsdp2.md gives the reasons.
 NOT_SPLIT = {
     "Attention.c_attn", "DecisionTransformerGPT2Attention.c_attn", "GPT2Attention.c_attn", "ImageGPTAttention.c_attn",
-    "GPTBigCodeAttention.c_attn", "CodeGenAttention.qkv_proj", "FalconAttention.query_key_value",
-    "ModernBertAttention.Wqkv", "MptAttention.Wqkv", "DisentangledSelfAttention.in_proj", "BarkMLP.in_proj",
+    "DisentangledSelfAttention.in_proj", "BarkMLP.in_proj",
     "BlipAttention.qkv", "Exaone4_5_VisionAttention.qkv", "Florence2VisionWindowAttention.qkv", "MgpstrAttention.qkv",
     "TimesformerSelfAttention.qkv", "SelfAttention.qkv", "DeepseekV4Attention.q_b_proj", "DeepseekV4Indexer.q_b_proj",
     "Phi4MultimodalAudioMLP.gate_up_proj", "Zamba2MLP.gate_up_proj", "Kimi_K25MultimodalProjection.in_proj",

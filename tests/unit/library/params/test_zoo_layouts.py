@@ -52,3 +52,29 @@ def test_each_component_along_newton_schulz_of_its_own_gradient(case: str) -> No
             expected = reference_update(component(params[name].grad))
             error = ((component(update) - expected).abs().max() / expected.abs().max()).item()
             assert error <= TOLERANCE, (case, name, index, error)
+
+
+PER_HEAD_CASES = ("hf_falcon_qkv", "hf_chunked_wqkv", "hf_gpt_bigcode_c_attn", "hf_codegen_qkv")
+
+
+def test_per_head_each_head_along_newton_schulz_of_its_own_gradient() -> None:
+    """With muon_split_qkv_per_head, every head's query, key and value rows (8 rows: these cases'
+    head_dim) are one matrix, in each q/k/v layout of params/qkv_layouts.py."""
+    torch.set_float32_matmul_precision("highest")
+    config = OptimizerConfig(optimizer="muon", lr=LR, weight_decay=0.0, clip_grad=0.0,
+                             muon_fp32_matmul_prec="highest", muon_split_qkv_per_head=True)
+    for case in PER_HEAD_CASES:
+        torch.manual_seed(0)
+        model, parts = CASES[case]()
+        model = model.float()
+        optimizer = get_megatron_optimizer(config, [model])
+        routing_models.synthetic_gradients(model, seed=1)
+        params = dict(model.named_parameters())
+        before = {name: params[name].detach().clone() for name in parts}
+        optimizer.step()
+        for name in parts:
+            update, gradient = before[name] - params[name].detach(), params[name].grad
+            for head in range(update.shape[0] // 8):
+                expected = reference_update(gradient[8 * head:8 * (head + 1)])
+                error = ((update[8 * head:8 * (head + 1)] - expected).abs().max() / expected.abs().max()).item()
+                assert error <= TOLERANCE, (case, name, head, error)
