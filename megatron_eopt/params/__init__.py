@@ -3,3 +3,7 @@ param groups and routing built from them (groups.py), and name helpers (names.py
 
 This package re-exports nothing: `from megatron_eopt import ParamKey`.
 """
+
+# The table's q/k/v entries of the families whose rows fused_layouts.py does not describe (Falcon, MPT,
+# GPTBigCode, CodeGen): registered whenever the table is, since every reader imports this package first.
+from megatron_eopt.params import qkv_layouts  # noqa: E402,F401

@@ -689,5 +689,3 @@ for _family in ("mamba.modeling_mamba.MambaMixer", "jamba.modeling_jamba.JambaMa
                 "falcon_mamba.modeling_falcon_mamba.FalconMambaMixer"):
     register_fused_layout(f"transformers.models.{_family}", "in_proj", mamba1_in_proj)
 register_fused_layout("transformers.models.zamba.modeling_zamba.ZambaMambaMixer", "in_proj", zamba_in_proj)
-
-from megatron_eopt.params import qkv_layouts  # noqa: E402,F401  (its entries: Falcon's, MPT's, ... q/k/v)

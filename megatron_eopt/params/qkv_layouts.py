@@ -1,5 +1,5 @@
 """More `transformers` 5.24 fused q/k/v weights for params/fused_layouts.py's table, each read
-from its family's forward (docs/fsdp2.md lists them). fused_layouts.py imports this module last,
+from its family's forward (docs/fsdp2.md lists them). params/__init__.py imports this module,
 so that every Muon consumer that reads the table sees these entries too.
 """
 
