@@ -32,17 +32,24 @@ def reference_update(gradient_block: torch.Tensor) -> torch.Tensor:
     return LR * max(rows, cols) ** 0.5 * muon_utils.newton_schulz(gradient_block.float(), 5, "quintic")
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_each_component_along_newton_schulz_of_its_own_gradient(case: str) -> None:
+def _one_step(case: str, config: OptimizerConfig):
+    """(optimizer, the case's parts, the model's parameters by name, the parts' values before) after one
+    step of the case's tiny model with synthetic gradients."""
     torch.set_float32_matmul_precision("highest")
     torch.manual_seed(0)
     model, parts = CASES[case]()
     model = model.float()
-    optimizer = get_megatron_optimizer(CONFIG, [model])
+    optimizer = get_megatron_optimizer(config, [model])
     routing_models.synthetic_gradients(model, seed=1)
     params = dict(model.named_parameters())
     before = {name: params[name].detach().clone() for name in parts}
     optimizer.step()
+    return optimizer, parts, params, before
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_each_component_along_newton_schulz_of_its_own_gradient(case: str) -> None:
+    optimizer, parts, params, before = _one_step(case, CONFIG)
     routed = {fqn: group["optimizer"] for child in optimizer.chained_optimizers
               for group in child.param_groups for fqn in group["param_fqns"]}
     for name, components in parts.items():
@@ -60,18 +67,10 @@ PER_HEAD_CASES = ("hf_falcon_qkv", "hf_chunked_wqkv", "hf_gpt_bigcode_c_attn", "
 def test_per_head_each_head_along_newton_schulz_of_its_own_gradient() -> None:
     """With muon_split_qkv_per_head, every head's query, key and value rows (8 rows: these cases'
     head_dim) are one matrix, in each q/k/v layout of params/qkv_layouts.py."""
-    torch.set_float32_matmul_precision("highest")
     config = OptimizerConfig(optimizer="muon", lr=LR, weight_decay=0.0, clip_grad=0.0,
                              muon_fp32_matmul_prec="highest", muon_split_qkv_per_head=True)
     for case in PER_HEAD_CASES:
-        torch.manual_seed(0)
-        model, parts = CASES[case]()
-        model = model.float()
-        optimizer = get_megatron_optimizer(config, [model])
-        routing_models.synthetic_gradients(model, seed=1)
-        params = dict(model.named_parameters())
-        before = {name: params[name].detach().clone() for name in parts}
-        optimizer.step()
+        _, parts, params, before = _one_step(case, config)
         for name in parts:
             update, gradient = before[name] - params[name].detach(), params[name].grad
             for head in range(update.shape[0] // 8):
