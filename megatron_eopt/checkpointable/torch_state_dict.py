@@ -62,10 +62,9 @@ class TorchOptimizerView:
         _check_names(self.child, live, saved_groups)
         loaded, mains = {}, {}
         for (_, members), saved in zip(live, saved_groups):
-            for position, (param, key) in enumerate(zip(members, saved["params"])):
-                own_key = _state_key(param, position)  # a routed expert by its global name, which a DCP load
-                key = own_key if isinstance(own_key, str) else key  # of the groups (one rank's) does not keep
-                entries = dict(state.get(key, {}))
+            for param, key in zip(members, saved["params"]):
+                # a routed expert by its own global name: the groups a DCP load gives back are one rank's
+                entries = dict(state.get(param.stored_name if param.globally_named else key, {}))
                 if MAIN_PARAM in entries:
                     mains[param.stored_name] = entries.pop(MAIN_PARAM)
                 loaded[param.stored_name] = entries
@@ -73,16 +72,16 @@ class TorchOptimizerView:
         saved_classes = {group.get(OPTIMIZER_CLASS) for group in saved_groups} - {None}
         flat = self._flat(hyperparameters, loaded, mains, min(saved_classes, default=self.child.inner_class_name()))
         self.child.check_state_dict(flat)  # the optimizer class, the groups and the shapes
-        self._check_complete(loaded, mains)
+        self._check_complete(live, loaded, mains)
         return flat
 
-    def _check_complete(self, state: dict[str, dict], mains: dict[str, Any]) -> None:
+    def _check_complete(self, live_groups: list[Group], state: dict[str, dict], mains: dict[str, Any]) -> None:
         """Every state the live optimizer keeps is loaded, as a tensor or number: torch's helpers
         fill what the checkpoint lacks with nothing ({} in the flattened layout), and an optimizer
         loaded so would restart from zero without a word."""
         self.child.init_state()
         live = self.child.local_state_dict()
-        for _, members in self.groups:
+        for _, members in live_groups:
             for param in members:
                 expected = set(_entries(live, param, param.fqn))
                 loaded = {name for name, value in state[param.stored_name].items() if _is_value(value)}

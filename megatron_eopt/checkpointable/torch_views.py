@@ -107,31 +107,31 @@ def inner_groups(children: list[Any], groups: list[Any]) -> list[dict]:
 class ModelParamState(Mapping):
     """The children's live optimizer state by model parameter (or by main parameter, as the
     children key it). A parameter without state gives {} without adding an entry, so a lookup
-    never hides state or changes what a state dict holds."""
+    never hides state or changes what a state dict holds. Each child's `state` is read at each
+    access: torch's load replaces the inner optimizer's state dict."""
 
     def __init__(self, children: list[Any]) -> None:
         self._entries: dict[int, tuple[torch.Tensor, torch.Tensor, Any]] = {}
         for child in children:
-            state = child.state
             for model, main in main_params_by_model(child).values():
-                self._entries[id(model)] = (model, main, state)
-                self._entries.setdefault(id(main), (model, main, state))
+                self._entries[id(model)] = (model, main, child)
+                self._entries.setdefault(id(main), (model, main, child))
 
     def __getitem__(self, param: Any) -> dict:
         entry = self._entries.get(id(param))
         if entry is None:
             return {}
-        _, main, state = entry
-        return state[main] if main in state else {}
+        _, main, child = entry
+        return child.state[main] if main in child.state else {}
 
     def __contains__(self, param: Any) -> bool:
         entry = self._entries.get(id(param))
-        return entry is not None and entry[1] in entry[2]
+        return entry is not None and entry[1] in entry[2].state
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         seen = set()
-        for model, main, state in self._entries.values():
-            if id(model) not in seen and main in state:
+        for model, main, child in self._entries.values():
+            if id(model) not in seen and main in child.state:
                 seen.add(id(model))
                 yield model
 

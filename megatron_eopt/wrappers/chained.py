@@ -98,6 +98,10 @@ class ChainedOptimizer(StepPhases, MegatronOptimizer, torch.optim.Optimizer):
                       "_optimizer_load_state_dict_post_hooks"):
             setattr(self, hooks, OrderedDict())
         self._patch_step_function()
+        # Built at first use: the parameters' places are fixed at build, and the views read the live
+        # groups and state at each access (engines read `state[p]` for every parameter in turn).
+        self._group_views: Optional[list[dict]] = None
+        self._model_param_state: Optional[ModelParamState] = None
 
     def add_param_group(self, param_group: dict) -> None:
         raise TypeError("add_param_group is not supported: get_megatron_optimizer routes every parameter of "
@@ -185,7 +189,9 @@ class ChainedOptimizer(StepPhases, MegatronOptimizer, torch.optim.Optimizer):
     def param_groups(self) -> list[dict]:
         """The children's groups, in order, each with the model's parameters and the inner group's
         live values (checkpointable/torch_views.py)."""
-        return param_group_views(self.chained_optimizers)
+        if self._group_views is None:
+            self._group_views = param_group_views(self.chained_optimizers)
+        return list(self._group_views)
 
     @param_groups.setter
     def param_groups(self, value: list[dict]) -> None:
@@ -204,10 +210,12 @@ class ChainedOptimizer(StepPhases, MegatronOptimizer, torch.optim.Optimizer):
     def state(self) -> ModelParamState:
         """The children's live state by model parameter; the state torch's Adam and SGD make at their
         first step is made first, as torch's DCP helpers and the engines' offload walks expect it."""
-        if self._ours:
-            for child in self.chained_optimizers:
-                child.init_state()
-        return ModelParamState(self.chained_optimizers)
+        if self._model_param_state is None:
+            if self._ours:
+                for child in self.chained_optimizers:
+                    child.init_state()
+            self._model_param_state = ModelParamState(self.chained_optimizers)
+        return self._model_param_state
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for child in self.chained_optimizers:
