@@ -165,6 +165,11 @@ def plain(value: Any) -> Any:
     return value
 
 
+def snapshot(model: torch.nn.Module, optimizer: Any) -> dict:
+    """This rank's parameters and optimizer `state_dict()`, as `plain` copies to compare a resumed run with."""
+    return {"model": plain(dict(model.named_parameters())), "optimizer": plain(optimizer.state_dict())}
+
+
 def differences(expected: Any, actual: Any, where: str = "") -> list[str]:
     """Where two nested values differ: tensors bitwise (dtype and shape too), the rest by ==."""
     if isinstance(expected, torch.Tensor) or isinstance(actual, torch.Tensor):

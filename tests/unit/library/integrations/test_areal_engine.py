@@ -69,11 +69,6 @@ def _train(engine, steps, rank: int) -> list[dict]:
     return seen
 
 
-def _snapshot(engine) -> dict:
-    return {"model": rl_engines_on_cpu.plain(dict(engine.model.named_parameters())),
-            "optimizer": rl_engines_on_cpu.plain(engine.optimizer.state_dict())}
-
-
 def _body(rank: int, world_size: int, model_path: str, checkpoint_dir: str) -> dict:
     from areal.api.io_struct import SaveLoadMeta
 
@@ -84,14 +79,15 @@ def _body(rank: int, world_size: int, model_path: str, checkpoint_dir: str) -> d
     engine.save(SaveLoadMeta(path=checkpoint_dir, weight_format="dcp", with_optim=True))
     scheduler_state = engine.lr_scheduler.state_dict()
     steps += _train(engine, range(SAVED_AT, STEPS), rank)
-    uninterrupted = _snapshot(engine)
+    uninterrupted = rl_engines_on_cpu.snapshot(engine.model, engine.optimizer)
     engine.destroy()
 
     resumed = _engine(model_path)
     resumed.load(SaveLoadMeta(path=checkpoint_dir, weight_format="dcp", with_optim=True))
     resumed.lr_scheduler.load_state_dict(scheduler_state)
     _train(resumed, range(SAVED_AT, STEPS), rank)
-    differences = rl_engines_on_cpu.differences(uninterrupted, _snapshot(resumed))
+    differences = rl_engines_on_cpu.differences(uninterrupted,
+                                                rl_engines_on_cpu.snapshot(resumed.model, resumed.optimizer))
     resumed.destroy()
     return {"steps": steps, "factors": factors, "resume_differences": differences}
 

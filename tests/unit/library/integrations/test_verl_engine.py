@@ -68,11 +68,6 @@ def _train(engine, steps, rank: int) -> list[dict]:
     return seen
 
 
-def _snapshot(engine) -> dict:
-    return {"model": rl_engines_on_cpu.plain(dict(engine.module.named_parameters())),
-            "optimizer": rl_engines_on_cpu.plain(engine.optimizer.state_dict())}
-
-
 def _body(rank: int, world_size: int, model_path: str, checkpoint_dir: str) -> dict:
     rl_engines_on_cpu.use_verl_cpu_platform()
     engine = _engine(model_path)
@@ -82,7 +77,7 @@ def _body(rank: int, world_size: int, model_path: str, checkpoint_dir: str) -> d
     steps = _train(engine, range(SAVED_AT), rank)
     engine.save_checkpoint(checkpoint_dir, global_step=SAVED_AT)
     steps += _train(engine, range(SAVED_AT, STEPS), rank)
-    uninterrupted = _snapshot(engine)
+    uninterrupted = rl_engines_on_cpu.snapshot(engine.module, engine.optimizer)
 
     from verl.utils.fsdp_utils import load_fsdp_optimizer
 
@@ -93,7 +88,8 @@ def _body(rank: int, world_size: int, model_path: str, checkpoint_dir: str) -> d
     resumed.load_checkpoint(checkpoint_dir)
     _train(resumed, range(SAVED_AT, STEPS), rank)
     return {"steps": steps, "factors": factors, "walked": walked,
-            "resume_differences": rl_engines_on_cpu.differences(uninterrupted, _snapshot(resumed))}
+            "resume_differences": rl_engines_on_cpu.differences(
+                uninterrupted, rl_engines_on_cpu.snapshot(resumed.module, resumed.optimizer))}
 
 
 def test_verl_fsdp_engine_with_our_optimizer_schedules_offloads_and_resumes_bitwise(run_distributed) -> None:
