@@ -66,9 +66,10 @@ class IntervalStats:
 def throughput_text(tflops: float) -> str:
     """Megatron-LM's one decimal from 1 TFLOP/s up; below it three significant digits (a CPU's
     0.00412 would print as 0.0)."""
-    if tflops >= 1 or tflops <= 0 or not math.isfinite(tflops):
+    if not math.isfinite(tflops) or tflops <= 0 or float(f"{tflops:.3g}") >= 1:
         return f"{tflops:.1f}"
-    return f"{tflops:.{2 - math.floor(math.log10(tflops))}f}"
+    rounded = float(f"{tflops:.3g}")  # 0.0009996 has the digits of 0.00100, not of 0.000999
+    return f"{tflops:.{2 - math.floor(math.log10(rounded))}f}"
 
 
 def format_iteration_line(stats: IntervalStats, now: Optional[datetime] = None) -> str:

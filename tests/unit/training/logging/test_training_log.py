@@ -260,7 +260,8 @@ def test_plot_is_a_png_of_the_size_with_the_curve(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("tflops,text", [(123.46, "123.5"), (1.0, "1.0"), (0.5, "0.500"), (0.0412, "0.0412"),
-                                         (0.00412345, "0.00412"), (0.0, "0.0")])
+                                         (0.00412345, "0.00412"), (0.0, "0.0"), (0.0009996, "0.00100"),
+                                         (0.99996, "1.0")])
 def test_throughput_keeps_three_significant_digits_below_one(tflops: float, text: str) -> None:
     assert training_log.throughput_text(tflops) == text
 
