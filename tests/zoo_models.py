@@ -265,8 +265,94 @@ def hf_codegen_qkv():
     return _transformers().CodeGenForCausalLM(config), parts
 
 
+def hf_vision_qkv():
+    """BlipAttention.forward: qkv's output reshaped (..., 3, heads, head_dim): thirds (4 heads of 8);
+    Exaone4_5_VisionAttention.forward: split [q_dim, kv_dim, kv_dim] = [32, 16, 16] (2 KV heads)."""
+    from transformers.models.exaone4_5.configuration_exaone4_5 import Exaone4_5_VisionConfig
+    from transformers.models.exaone4_5.modeling_exaone4_5 import Exaone4_5_VisionModel
+
+    model = torch.nn.Module()
+    model.blip = _transformers().BlipVisionModel(_transformers().BlipVisionConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4, image_size=32, patch_size=16))
+    model.exaone = Exaone4_5_VisionModel(Exaone4_5_VisionConfig(
+        depth=1, hidden_size=32, num_heads=4, num_key_value_heads=2, intermediate_size=48, out_hidden_size=32,
+        fullatt_block_indexes=[0]))
+    return model, {"blip.encoder.layers.0.self_attn.qkv.weight": [lambda t, s=s: t[32 * s:32 * (s + 1)]
+                                                                  for s in range(3)],
+                   "exaone.blocks.0.attn.qkv.weight": [lambda t: t[:32], lambda t: t[32:48], lambda t: t[48:]]}
+
+
+def titan_flux_blocks():
+    """Flux's SingleStreamBlock.forward: linear1's output split [3 * hidden, mlp_hidden], the first
+    part "(K H D)" with K=3: q, k, v, then the MLP's up rows (32, 32, 32, 64); SelfAttention.forward
+    (the double-stream block's img_attn): qkv "(K H D)": thirds."""
+    from torchtitan.models.flux import _make_double_block_config, _make_single_block_config
+
+    model = torch.nn.Module()
+    model.single_stream = _make_single_block_config(32, 4, 2.0).build()
+    model.double_stream = _make_double_block_config(32, 4, 2.0, False).build()
+    bounds = (0, 32, 64, 96, 160)
+    return model, {"single_stream.linear1.weight": [lambda t, a=a, b=b: t[a:b] for a, b in zip(bounds, bounds[1:])],
+                   "double_stream.img_attn.qkv.weight": [lambda t, s=s: t[32 * s:32 * (s + 1)] for s in range(3)]}
+
+
+def hf_gated_mlps():
+    """Zamba2MLP.forward: gate_up_proj's output (plus its LoRA adapter's) chunked into gate, up;
+    Phi4MultimodalAudioMLP.forward: chunked into up, gate. Halves of 48 rows each."""
+    from transformers.models.phi4_multimodal.modeling_phi4_multimodal import Phi4MultimodalAudioMLP
+
+    config = _transformers().Zamba2Config(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, layers_block_type=["mamba", "hybrid"],
+        num_attention_heads=4, num_key_value_heads=4, attention_head_dim=8, intermediate_size=48, mamba_d_state=8,
+        mamba_headdim=8, n_mamba_heads=8, adapter_rank=4, num_mem_blocks=1)
+    model = torch.nn.Module()
+    model.zamba2 = _transformers().Zamba2ForCausalLM(config)
+    model.phi4_audio = Phi4MultimodalAudioMLP(_transformers().Phi4MultimodalAudioConfig(hidden_size=32,
+                                                                                       intermediate_size=48))
+    halves = [lambda t: t[:48], lambda t: t[48:]]
+    return model, {"zamba2.model.layers.1.shared_transformer.feed_forward.gate_up_proj.weight": halves,
+                   "phi4_audio.gate_up_proj.weight": halves}
+
+
+def hf_deberta_in_proj():
+    """DeBERTa's DisentangledSelfAttention.forward: in_proj's output viewed [heads, 3 * head_size]
+    and chunked in three: per head its query, key and value rows (4 heads of 8)."""
+    config = _transformers().DebertaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                           intermediate_size=48)
+    heads = lambda t: t.reshape(4, 3, 8, t.shape[-1])
+    return _transformers().DebertaModel(config), {"encoder.layer.0.attention.self.in_proj.weight": [
+        lambda t, s=s: heads(t)[:, s].reshape(-1, t.shape[-1]) for s in range(3)]}
+
+
+def hf_short_conv_in_proj():
+    """Lfm2ShortConv.forward (Lfm2MoeShortConv's, Lfm3ShortConv's and Lfm3VlVisionShortConv's the
+    same): in_proj's output chunked in three, B, C, x."""
+    config = _transformers().Lfm2Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2,
+                                        layer_types=["conv", "full_attention"])
+    return _transformers().Lfm2ForCausalLM(config), {"model.layers.0.conv.in_proj.weight": [
+        lambda t, s=s: t[32 * s:32 * (s + 1)] for s in range(3)]}
+
+
+def hf_deepseek_v4_attention():
+    """DeepseekV4Attention.forward: q_b_proj's output viewed [heads, head_dim] (4 heads of 8);
+    o_a_proj (DeepseekV4GroupedLinear.forward) viewed [o_groups, o_lora_rank, in]: 2 groups of 8 rows."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention
+
+    config = _transformers().DeepseekV4Config(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, head_dim=8, q_lora_rank=16,
+        qk_rope_head_dim=4, layer_types=["compressed_sparse_attention"], mlp_layer_types=["moe"], o_groups=2,
+        o_lora_rank=8, index_n_heads=2, index_head_dim=8, n_routed_experts=4, moe_intermediate_size=16,
+        num_experts_per_tok=2)
+    model = torch.nn.Module()
+    model.attention = DeepseekV4Attention(config, 0)
+    return model, {"attention.q_b_proj.weight": [lambda t, h=h: t[8 * h:8 * (h + 1)] for h in range(4)],
+                   "attention.o_a_proj.weight": [lambda t, g=g: t[8 * g:8 * (g + 1)] for g in range(2)]}
+
+
 CASES = {builder.__name__: builder for builder in (
     titan_llama3_fused_qkv, titan_deepseek_v3_mla, titan_gpt_oss_experts, hf_deepseek_v3_mla, hf_dbrx_experts,
     hf_qwen3_next_gated_delta_net, hf_llama4_experts, hf_jetmoe_experts, hf_qwen2_5_vl_vision_qkv, hf_mamba2_in_proj,
     hf_qwen3_5_gated_delta_qkv, hf_mamba_in_proj, hf_zamba_in_proj, hf_falcon_qkv,
-    hf_chunked_wqkv, hf_gpt_bigcode_c_attn, hf_codegen_qkv)}
+    hf_chunked_wqkv, hf_gpt_bigcode_c_attn, hf_codegen_qkv, hf_vision_qkv, titan_flux_blocks, hf_gated_mlps,
+    hf_deberta_in_proj, hf_short_conv_in_proj, hf_deepseek_v4_attention)}

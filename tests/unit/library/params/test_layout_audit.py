@@ -24,12 +24,6 @@ pytest.importorskip("torchtitan")
 # (routing_fallbacks): layouts not read from their forwards yet. docs/fsdp2.md gives the reasons.
 NOT_SPLIT = {
     "Attention.c_attn", "DecisionTransformerGPT2Attention.c_attn", "GPT2Attention.c_attn", "ImageGPTAttention.c_attn",
-    "DisentangledSelfAttention.in_proj", "BarkMLP.in_proj",
-    "BlipAttention.qkv", "Exaone4_5_VisionAttention.qkv", "Florence2VisionWindowAttention.qkv", "MgpstrAttention.qkv",
-    "TimesformerSelfAttention.qkv", "SelfAttention.qkv", "DeepseekV4Attention.q_b_proj", "DeepseekV4Indexer.q_b_proj",
-    "Phi4MultimodalAudioMLP.gate_up_proj", "Zamba2MLP.gate_up_proj", "Kimi_K25MultimodalProjection.in_proj",
-    "Lfm3ShortConv.in_proj",
-    "Lfm3VlVisionShortConv.in_proj",
 }
 # Families that do not build here at their default config: optional packages (timm, natten,
 # torchaudio, detectron2, fla for torchtitan's Qwen3.5), or a default config incomplete on its own

@@ -9,11 +9,15 @@ gives another update (relative error ~0.4 to 1.2 per component, the issue's figu
 fails without its table entry.
 """
 
+import warnings
+from unittest import mock
+
 import pytest
 import torch
 from emerging_optimizers.orthogonalized_optimizers import muon_utils
 
 from megatron_eopt import OptimizerConfig, get_megatron_optimizer
+from megatron_eopt.params import fused_layouts
 from tests import routing_models, zoo_models
 
 transformers = pytest.importorskip("transformers")
@@ -32,13 +36,25 @@ def reference_update(gradient_block: torch.Tensor) -> torch.Tensor:
     return LR * max(rows, cols) ** 0.5 * muon_utils.newton_schulz(gradient_block.float(), 5, "quintic")
 
 
-def _one_step(case: str, config: OptimizerConfig):
+def _drop_table_entries(model: torch.nn.Module, parts: dict) -> None:
+    """Remove the table's entries for the parts' linear layers (`<owner>.<attribute>.weight`), through
+    each owner's MRO: the weights then go to Muon whole."""
+    for name in parts:
+        owner_name, attribute, _ = name.rsplit(".", 2)
+        for cls in type(model.get_submodule(owner_name)).__mro__:
+            fused_layouts._TABLE.pop((fused_layouts.qualified_name(cls), attribute), None)
+
+
+def _one_step(case: str, config: OptimizerConfig, without_entries: bool = False):
     """(optimizer, the case's parts, the model's parameters by name, the parts' values before) after one
-    step of the case's tiny model with synthetic gradients."""
+    step of the case's tiny model with synthetic gradients; `without_entries`: with the parts' table
+    entries removed (call it under mock.patch.dict of the table)."""
     torch.set_float32_matmul_precision("highest")
     torch.manual_seed(0)
     model, parts = CASES[case]()
     model = model.float()
+    if without_entries:
+        _drop_table_entries(model, parts)
     optimizer = get_megatron_optimizer(config, [model])
     routing_models.synthetic_gradients(model, seed=1)
     params = dict(model.named_parameters())
@@ -61,7 +77,27 @@ def test_each_component_along_newton_schulz_of_its_own_gradient(case: str) -> No
             assert error <= TOLERANCE, (case, name, index, error)
 
 
-PER_HEAD_CASES = ("hf_falcon_qkv", "hf_chunked_wqkv", "hf_gpt_bigcode_c_attn", "hf_codegen_qkv")
+# The cases of params/zoo_layouts.py's entries: each component far from its own Newton-Schulz without them.
+ZOO_LAYOUTS_CASES = ("hf_vision_qkv", "titan_flux_blocks", "hf_gated_mlps", "hf_deberta_in_proj",
+                     "hf_short_conv_in_proj", "hf_deepseek_v4_attention")
+FAR_OFF = 0.1  # relative error every component shows without its entry (measured 0.33 to 0.58)
+
+
+@pytest.mark.parametrize("case", ZOO_LAYOUTS_CASES)
+def test_without_its_table_entry_each_component_is_far_off(case: str) -> None:
+    with mock.patch.dict(fused_layouts._TABLE), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the build names the weights named like fused ones it keeps whole
+        _, parts, params, before = _one_step(case, CONFIG, without_entries=True)
+    errors = {}
+    for name, components in parts.items():
+        update = before[name] - params[name].detach()
+        for index, component in enumerate(components):
+            expected = reference_update(component(params[name].grad))
+            errors[name, index] = ((component(update) - expected).abs().max() / expected.abs().max()).item()
+    assert min(errors.values()) > FAR_OFF, errors
+
+
+PER_HEAD_CASES = ("hf_falcon_qkv", "hf_chunked_wqkv", "hf_gpt_bigcode_c_attn", "hf_codegen_qkv", "hf_deberta_in_proj")
 
 
 def test_per_head_each_head_along_newton_schulz_of_its_own_gradient() -> None:
