@@ -350,9 +350,36 @@ def hf_deepseek_v4_attention():
                    "attention.o_a_proj.weight": [lambda t, g=g: t[8 * g:8 * (g + 1)] for g in range(2)]}
 
 
+def hf_fused_under_other_names():
+    """Fused weights not named like ones: BarkSelfAttention.forward splits att_proj's output by
+    embed_dim (q, k, v: 32 rows each); JetMoeAttention.forward chunks kv_proj's in two (key, value:
+    16 each); GraniteSpeechConformerAttention.forward to_kv's (key, value: 32 each);
+    ModernBertMLP.forward Wi's (input, gate: 48 each)."""
+    from transformers.models.bark.modeling_bark import BarkSelfAttention
+    from transformers.models.granite_speech.modeling_granite_speech import GraniteSpeechConformerAttention
+    from transformers.models.jetmoe.modeling_jetmoe import JetMoeAttention
+    from transformers.models.modernbert.modeling_modernbert import ModernBertMLP
+
+    hf = _transformers()
+    model = torch.nn.Module()
+    model.bark = BarkSelfAttention(hf.BarkSemanticConfig(hidden_size=32, num_heads=4, num_layers=1), is_causal=True)
+    model.jetmoe = JetMoeAttention(hf.JetMoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                                   num_key_value_heads=2, kv_channels=8, intermediate_size=16,
+                                                   num_local_experts=3, num_experts_per_tok=2), 0)
+    model.granite_speech = GraniteSpeechConformerAttention(hf.GraniteSpeechEncoderConfig(
+        hidden_dim=32, num_heads=4, dim_head=8, context_size=8, max_pos_emb=16))
+    model.modernbert = ModernBertMLP(hf.ModernBertConfig(
+        vocab_size=64, hidden_size=32, num_attention_heads=4, num_hidden_layers=1, intermediate_size=48,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2))
+    parts = lambda size, count: [lambda t, i=i: t[size * i:size * (i + 1)] for i in range(count)]
+    return model, {"bark.att_proj.weight": parts(32, 3), "jetmoe.kv_proj.weight": parts(16, 2),
+                   "granite_speech.to_kv.weight": parts(32, 2), "modernbert.Wi.weight": parts(48, 2)}
+
+
 CASES = {builder.__name__: builder for builder in (
     titan_llama3_fused_qkv, titan_deepseek_v3_mla, titan_gpt_oss_experts, hf_deepseek_v3_mla, hf_dbrx_experts,
     hf_qwen3_next_gated_delta_net, hf_llama4_experts, hf_jetmoe_experts, hf_qwen2_5_vl_vision_qkv, hf_mamba2_in_proj,
     hf_qwen3_5_gated_delta_qkv, hf_mamba_in_proj, hf_zamba_in_proj, hf_falcon_qkv,
     hf_chunked_wqkv, hf_gpt_bigcode_c_attn, hf_codegen_qkv, hf_vision_qkv, titan_flux_blocks, hf_gated_mlps,
-    hf_deberta_in_proj, hf_short_conv_in_proj, hf_deepseek_v4_attention)}
+    hf_deberta_in_proj, hf_short_conv_in_proj, hf_deepseek_v4_attention,
+    hf_fused_under_other_names)}

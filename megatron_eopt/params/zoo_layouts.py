@@ -1,7 +1,8 @@
 """More fused weights of the model zoos (`transformers` 5.24, torchtitan 0.3) for
 params/fused_layouts.py's table, each read from its family's forward: vision towers' q/k/v,
-gated MLPs, DeBERTa's per-head q/k/v, LFM's short convolutions, DeepSeek-V4's attention, Flux's
-blocks; and the weights named like fused ones that are one matrix (kept whole, with the reason).
+q/k/v and k/v projections under other names, gated MLPs (gate_up_proj, Wi, fc1, input_linear, ...),
+DeBERTa's per-head q/k/v, LFM's short convolutions, DeepSeek-V4's attention, Flux's blocks; and
+the weights named like fused ones that are one matrix (kept whole, with the reason).
 params/__init__.py imports this module, so that every Muon consumer that reads the table sees
 these entries too. docs/fsdp2.md lists them with their sources.
 """
@@ -47,6 +48,38 @@ def sized_qkv(weight: FusedWeight) -> Optional[FusedBlocks]:
 
 
 register_fused_layout("transformers.models.exaone4_5.modeling_exaone4_5.Exaone4_5_VisionAttention", "qkv", sized_qkv)
+# BarkSelfAttention.forward: att_proj's output split by embed_dim: q, k, v (thirds).
+register_fused_layout("transformers.models.bark.modeling_bark.BarkSelfAttention", "att_proj", thirds_qkv)
+
+
+def kv_halves(weight: FusedWeight) -> Optional[FusedBlocks]:
+    """A key/value projection whose forward chunks the output in two: key, then value (the parts
+    of megatron-core's linear_qkv they are)."""
+    rows = weight.param.shape[0]
+    if not weight.split_qkv:
+        return WHOLE
+    return None if rows % 2 else FusedBlocks((rows // 2,) * 2)
+
+
+for _type, _attribute in (("jetmoe.modeling_jetmoe.JetMoeAttention", "kv_proj"),
+                          ("evolla.modeling_evolla.EvollaSequenceCompressorAttention", "to_kv"),
+                          ("granite_speech.modeling_granite_speech.GraniteSpeechConformerAttention", "to_kv"),
+                          ("granite_speech_plus.modeling_granite_speech_plus.GraniteSpeechPlusConformerAttention",
+                           "to_kv")):
+    register_fused_layout(f"transformers.models.{_type}", _attribute, kv_halves)
+
+
+def indexer_qk(weight: FusedWeight) -> Optional[FusedBlocks]:
+    """Qwen4Exp's QSA indexer index_qk_proj: its forward splits [index_n_heads * index_head_dim,
+    index_kv_heads * index_head_dim]: query, key (megatron-core's DSA indexer: linear_wq_b, linear_wk)."""
+    facts = _facts(weight.owner, "index_n_heads", "index_kv_heads", "index_head_dim")
+    if facts is None or weight.param.shape[0] != (facts[0] + facts[1]) * facts[2]:
+        return None
+    return FusedBlocks((facts[0] * facts[2], facts[1] * facts[2]))
+
+
+register_fused_layout("transformers.models.qwen4_exp.modeling_qwen4_exp.Qwen4ExpTextQSAIndexer", "index_qk_proj",
+                      indexer_qk)
 
 
 def flux_single_stream_linear1(weight: FusedWeight) -> Optional[FusedBlocks]:
@@ -112,6 +145,20 @@ register_fused_layout(_DEEPSEEK_V4 + "DeepseekV4Attention", "o_a_proj", deepseek
 # up, after adding its LoRA adapter's output (the adapter is its own pair of matrices): halves.
 for _type in ("phi4_multimodal.modeling_phi4_multimodal.Phi4MultimodalAudioMLP", "zamba2.modeling_zamba2.Zamba2MLP"):
     register_fused_layout(f"transformers.models.{_type}", "gate_up_proj", gate_up_halves)
+# Gated linear units under other names, each forward chunking the output in two (input, gate).
+for _type, _attribute in (
+    ("modernbert.modeling_modernbert.ModernBertMLP", "Wi"),
+    ("modernbert_decoder.modeling_modernbert_decoder.ModernBertDecoderMLP", "Wi"),
+    ("moonshine.modeling_moonshine.MoonshineDecoderMLP", "fc1"),
+    ("moonshine_streaming.modeling_moonshine_streaming.MoonshineStreamingDecoderMLP", "fc1"),
+    ("granitemoeshared.modeling_granitemoeshared.GraniteMoeSharedMLP", "input_linear"),
+    ("granitemoehybrid.modeling_granitemoehybrid.GraniteMoeHybridMLP", "input_linear"),
+    ("granitemoe_swa.modeling_granitemoe_swa.GraniteMoeSWAMLP", "input_linear"),
+    ("clvp.modeling_clvp.ClvpGatedLinearUnit", "proj"),
+    ("aya_vision.modeling_aya_vision.AyaVisionMultiModalProjector", "linear_1"),
+    ("cohere2_vision.modeling_cohere2_vision.Cohere2VisionMultiModalProjector", "linear_1"),
+):
+    register_fused_layout(f"transformers.models.{_type}", _attribute, gate_up_halves)
 
 
 def short_conv_in_proj(weight: FusedWeight) -> Optional[FusedBlocks]:
