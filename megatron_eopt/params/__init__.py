@@ -7,3 +7,6 @@ This package re-exports nothing: `from megatron_eopt import ParamKey`.
 # The table's q/k/v entries of the families whose rows fused_layouts.py does not describe (Falcon, MPT,
 # GPTBigCode, CodeGen): registered whenever the table is, since every reader imports this package first.
 from megatron_eopt.params import qkv_layouts  # noqa: E402,F401
+# GPT-2 style Conv1D c_attn ([in, out]: q, k, v are column blocks), each block one matrix of the
+# weight's transposed view.
+from megatron_eopt.params import conv1d_layouts  # noqa: E402,F401

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_eopt.ops.splits import MatrixLayout, tensor_parallel_rank_shape
-from megatron_eopt.params.fused_layouts import (FusedWeight, expert_batch_blocks, fused_blocks, is_experts_container,
-                                                registered_function, unknown_fused_name)
+from megatron_eopt.params.fused_layouts import (FusedBlocks, FusedWeight, expert_batch_blocks, fused_blocks,
+                                                is_experts_container, registered_function, unknown_fused_name)
 from megatron_eopt.params.heads import embedding_and_output_reasons
 from megatron_eopt.params.overrides import describe_key, matching_keys, merge_overrides
 from megatron_eopt.runtime.process_groups import group_size
@@ -521,6 +521,14 @@ def _batch_layout(record: ParamRecord, owner: Optional[torch.nn.Module], attribu
             f"of a known experts container without tensor parallelism (docs/fsdp2.md); route it to the "
             f"scalar optimizer (muon_scalar_optimizer)."
         )
+    return _layout_of_batch(record, blocks)
+
+
+def _layout_of_batch(record: ParamRecord, blocks: FusedBlocks) -> MatrixLayout:
+    """One row group per matrix of `blocks.batch`, over its 2-D view."""
+    if record.tensor_model_parallel:
+        raise ValueError(f"parameter {record.fqn!r}: a weight stored as its matrices' transposes (or a batch of "
+                         f"them) is not split by tensor parallelism here; it has partition_dim={record.partition_dim}.")
     return MatrixLayout(name=record.fqn, local_shape=blocks.batch.matrix_shape, num_row_groups=blocks.num_row_groups,
                         row_blocks=blocks.row_blocks, per_group=True, batch=blocks.batch)
 
@@ -548,6 +556,8 @@ def matrix_layout(record: ParamRecord, model_config: Any, tp_size: int, split_qk
         fqn=record.fqn, param=record.param, owner=owner, attribute=attribute,
         model_config=owner_config if owner_config is not None else model_config,
         tp_size=tp_size if sharded_rows else 1, split_qkv=split_qkv, per_head=per_head))
+    if blocks.batch is not None:  # one matrix stored [in, out] (transformers' Conv1D): its transpose's rows
+        return _layout_of_batch(record, blocks)
     return MatrixLayout(
         name=record.fqn,
         local_shape=shape,

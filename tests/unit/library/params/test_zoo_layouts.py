@@ -61,18 +61,22 @@ def test_each_component_along_newton_schulz_of_its_own_gradient(case: str) -> No
             assert error <= TOLERANCE, (case, name, index, error)
 
 
-PER_HEAD_CASES = ("hf_falcon_qkv", "hf_chunked_wqkv", "hf_gpt_bigcode_c_attn", "hf_codegen_qkv")
+PER_HEAD_CASES = ("hf_falcon_qkv", "hf_chunked_wqkv", "hf_gpt_bigcode_c_attn", "hf_codegen_qkv", "hf_gpt2_c_attn",
+                  "hf_openai_gpt_c_attn")
+STORED_TRANSPOSED = ("hf_gpt2_c_attn", "hf_openai_gpt_c_attn")  # Conv1D [in, out]: heads are column blocks
 
 
 def test_per_head_each_head_along_newton_schulz_of_its_own_gradient() -> None:
     """With muon_split_qkv_per_head, every head's query, key and value rows (8 rows: these cases'
-    head_dim) are one matrix, in each q/k/v layout of params/qkv_layouts.py."""
+    head_dim; of the [out, in] transpose of a Conv1D) are one matrix, in each q/k/v layout of
+    params/qkv_layouts.py and params/conv1d_layouts.py."""
     config = OptimizerConfig(optimizer="muon", lr=LR, weight_decay=0.0, clip_grad=0.0,
                              muon_fp32_matmul_prec="highest", muon_split_qkv_per_head=True)
     for case in PER_HEAD_CASES:
         _, parts, params, before = _one_step(case, config)
+        rows = (lambda t: t.T) if case in STORED_TRANSPOSED else (lambda t: t)
         for name in parts:
-            update, gradient = before[name] - params[name].detach(), params[name].grad
+            update, gradient = rows(before[name] - params[name].detach()), rows(params[name].grad)
             for head in range(update.shape[0] // 8):
                 expected = reference_update(gradient[8 * head:8 * (head + 1)])
                 error = ((update[8 * head:8 * (head + 1)] - expected).abs().max() / expected.abs().max()).item()
