@@ -27,7 +27,8 @@ muon_fp32_matmul_prec='highest', no weight decay, one step. Checked:
   a fresh model and optimizer, steps on bitwise (its momentum is saved as Shard(1), each rank's
   rows of every expert at their offsets);
 - one family per kind of fused or stacked layout (tests/zoo_models.py: torchtitan's fused wqkv,
-  MLA and GPT-OSS experts, DBRX, Qwen3-Next's gated delta net, Mamba-2), the root sharded, one
+  MLA and GPT-OSS experts, DBRX, Qwen3-Next's gated delta net, Mamba-2, GPT-2's Conv1D c_attn
+  [in, out], whose stored rows Shard(0) splits), the root sharded, one
   step with synthetic gradients: every parameter within 1e-5 of one process (each component along
   its own Newton-Schulz is test_zoo_layouts.py's check);
 - the refusals, each one ValueError naming the parameter and placement: Shard(1) of transposed
@@ -244,9 +245,10 @@ def _refusals(mesh_1d) -> dict:
 
 # One family per kind of fused or stacked layout (tests/zoo_models.py): torchtitan's fused wqkv,
 # its MLA (with GroupedExperts) and GPT-OSS's interleaved experts, DBRX's 2-D stacked experts and
-# Wqkv, Qwen3-Next's gated delta net, Mamba-2's in_proj.
+# Wqkv, Qwen3-Next's gated delta net, Mamba-2's in_proj, GPT-2's Conv1D c_attn (stored [in, out]:
+# Shard(0) splits the view's columns, so its owner gathers it whole before transposing).
 ZOO_KINDS = ("titan_llama3_fused_qkv", "titan_deepseek_v3_mla", "titan_gpt_oss_experts", "hf_dbrx_experts",
-             "hf_qwen3_next_gated_delta_net", "hf_mamba2_in_proj")
+             "hf_qwen3_next_gated_delta_net", "hf_mamba2_in_proj", "hf_gpt2_c_attn")
 
 
 def _zoo_errors(mesh) -> dict:

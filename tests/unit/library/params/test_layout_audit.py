@@ -23,7 +23,6 @@ pytest.importorskip("torchtitan")
 # 2-D weights named like fused ones that Muon orthogonalizes whole, named at build
 # (routing_fallbacks): layouts not read from their forwards yet. docs/fsdp2.md gives the reasons.
 NOT_SPLIT = {
-    "Attention.c_attn", "DecisionTransformerGPT2Attention.c_attn", "GPT2Attention.c_attn", "ImageGPTAttention.c_attn",
     "DisentangledSelfAttention.in_proj", "BarkMLP.in_proj",
     "BlipAttention.qkv", "Exaone4_5_VisionAttention.qkv", "Florence2VisionWindowAttention.qkv", "MgpstrAttention.qkv",
     "TimesformerSelfAttention.qkv", "SelfAttention.qkv", "DeepseekV4Attention.q_b_proj", "DeepseekV4Indexer.q_b_proj",

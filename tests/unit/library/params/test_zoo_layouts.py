@@ -81,3 +81,47 @@ def test_per_head_each_head_along_newton_schulz_of_its_own_gradient() -> None:
                 expected = reference_update(gradient[8 * head:8 * (head + 1)])
                 error = ((update[8 * head:8 * (head + 1)] - expected).abs().max() / expected.abs().max()).item()
                 assert error <= TOLERANCE, (case, name, head, error)
+
+
+class _RowsQKV(torch.nn.Module):
+    """GPT-2's attention with its weights stored [out, in] (nn.Linear): c_attn's q, k, v row blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c_attn, self.c_proj = torch.nn.Linear(32, 96, bias=False), torch.nn.Linear(32, 32, bias=False)
+
+
+@pytest.mark.parametrize("optimizer, moment2", [("muon", None), ("adaptive_muon", "normuon"),
+                                                ("adaptive_muon", "adamuon")])
+def test_conv1d_c_attn_steps_as_its_transpose_stored_as_rows(optimizer: str, moment2) -> None:
+    """Two steps on GPT-2's c_attn (Conv1D [in, out]) equal, transposed, two steps on the same
+    matrices stored [out, in] with a q/k/v row layout: the Muon scale and adaptive_muon's
+    statistics (normuon's per-row mean of the [out, in] view) read the view, not the storage.
+    (normuon reading the storage's rows instead: relative error 1.8e-2.)"""
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
+
+    from megatron_eopt.params.fused_layouts import FusedBlocks, register_fused_layout
+
+    register_fused_layout(_RowsQKV, "c_attn", lambda weight: FusedBlocks((32, 32, 32)))
+    torch.set_float32_matmul_precision("highest")
+    torch.manual_seed(0)
+    conv, rows = torch.nn.Module(), torch.nn.Module()
+    conv.attn, rows.attn = GPT2Attention(transformers.GPT2Config(n_embd=32, n_head=4)), _RowsQKV()
+    conv.attn.requires_grad_(False)
+    for name in ("c_attn", "c_proj"):
+        getattr(conv.attn, name).weight.requires_grad_(True)
+        getattr(rows.attn, name).weight.data.copy_(getattr(conv.attn, name).weight.T)
+    moment2_field = {} if moment2 is None else {"adaptive_muon_moment2_method": moment2}
+    config = OptimizerConfig(optimizer=optimizer, lr=LR, weight_decay=0.0, clip_grad=0.0,
+                             muon_fp32_matmul_prec="highest", **moment2_field)
+    optimizers = [get_megatron_optimizer(config, [model]) for model in (conv, rows)]
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        for name, out in (("c_attn", 96), ("c_proj", 32)):
+            gradient = torch.randn(out, 32, generator=generator)
+            getattr(conv.attn, name).weight.grad, getattr(rows.attn, name).weight.grad = gradient.T.clone(), gradient
+        for opt in optimizers:
+            opt.step()
+    expected = rows.attn.c_attn.weight.detach()
+    error = ((conv.attn.c_attn.weight.detach().T - expected).abs().max() / expected.abs().max()).item()
+    assert error <= TOLERANCE, (optimizer, moment2, error)
