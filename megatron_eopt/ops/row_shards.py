@@ -2,15 +2,13 @@
 group (Shard(0) of torch FSDP2 or Megatron-FSDP; shards may be uneven or empty).
 
 Each matrix has one owner rank, chosen by the caller. A step:
-1. one all_to_all_single sends every rank's rows of each matrix to its owner (explicit split
-   sizes, no padding);
+1. one all_to_all_single sends every rank's rows of each matrix to its owner (no padding);
 2. each owner stacks the rows, splits the matrix into its blocks (q/k/v, gate/up) and
    orthogonalizes them, equal shapes batched;
 3. a second all_to_all_single sends each rank its rows of the result.
 A batch of matrices split by the rows of each (FSDP2's Shard(1) of experts [E, out, in]) is its
-matrices, each split the same way (`matrix_row_shards`), with owners round robin. One matrix
-stored transposed (a `Conv1D` [in, out]) is split by its stored rows, the view's columns: its
-owner stacks them, then transposes the whole matrix to split its blocks.
+matrices, each split the same way (`matrix_row_shards`), owners round robin. A matrix stored
+transposed (`Conv1D` [in, out]) goes as its stored rows; its owner transposes it whole.
 `map_row_shards` is steps 1 and 3 around any function of the owned matrices (MOP's, PolarGrad's
 and Scion's `orthogonalize`). With tensor parallelism as well, the owners of one matrix form one
 TP group and orthogonalize its TP shards together in the TP mode; 'duplicated' runs as

@@ -10,9 +10,8 @@ A 2-D weight's local shard is `num_row_groups` repetitions of row blocks of size
 - `per_group`: every block of every row group is a matrix, whole on this rank (MLA's heads)
 - `tp_contiguous`: `row_blocks` split the global rows, TP shards the matrix as one and a shard
   may cut a part (MLA's column-parallel linear_kv_down_proj): split only when whole
-- `batch`: an N-D tensor of matrices (MoE experts), as its matrices' rows stacked, one row group each;
-  or one 2-D matrix stored transposed ([in, out], transformers' `Conv1D`), its row blocks the
-  stored columns
+- `batch`: an N-D tensor of matrices (MoE experts), their rows stacked, one row group each; or
+  one matrix stored transposed (a `Conv1D` [in, out]): its row blocks are stored columns
 params/fused_layouts.py says which weight has which layout. Pure functions; no communication.
 """
 
