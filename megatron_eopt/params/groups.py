@@ -462,6 +462,29 @@ def _linear_layer_sites(chunks: list) -> dict[int, tuple[torch.nn.Module, str]]:
     return sites
 
 
+def splits_any_per_head(records: Iterable[ParamRecord], chunks: Sequence[torch.nn.Module], optimizer: str) -> bool:
+    """Whether `muon_split_qkv_per_head` changes the blocks of a 2-D weight routed to `optimizer`:
+    a megatron-core `linear_qkv`, or a weight whose table entry reads `per_head` (a family's q/k/v)."""
+    chunks = list(chunks)
+    sites = _linear_layer_sites(chunks)
+    for record in records:
+        if record.optimizer_name != optimizer or record.param.dim() != 2:
+            continue
+        if record.name.endswith("linear_qkv.weight"):
+            return True
+        owner, attribute = sites.get(id(record.param), (None, ""))
+        function = registered_function(owner, attribute) if owner is not None else None
+        weights = [FusedWeight(fqn=record.fqn, param=record.param, owner=owner, attribute=attribute, tp_size=1,
+                               model_config=chunk_model_config(chunks[record.chunk_index]), per_head=per_head)
+                   for per_head in (False, True)]
+        try:
+            if function is not None and function(weights[0]) != function(weights[1]):
+                return True
+        except (ValueError, AttributeError, TypeError):
+            continue  # the layout step says what is wrong, in its own error
+    return False
+
+
 def routing_fallbacks(records: Iterable[ParamRecord], chunks: Sequence[torch.nn.Module], optimizer: str
                       ) -> dict[str, str]:
     """fqn -> why, for every parameter routed by a fallback: an N-D tensor of no known layout (to the

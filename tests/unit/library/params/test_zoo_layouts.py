@@ -9,11 +9,15 @@ gives another update (relative error ~0.4 to 1.2 per component, the issue's figu
 fails without its table entry.
 """
 
+import warnings
+from unittest import mock
+
 import pytest
 import torch
 from emerging_optimizers.orthogonalized_optimizers import muon_utils
 
 from megatron_eopt import OptimizerConfig, get_megatron_optimizer
+from megatron_eopt.runtime import once
 from tests import routing_models, zoo_models
 
 transformers = pytest.importorskip("transformers")
@@ -69,11 +73,14 @@ STORED_TRANSPOSED = ("hf_gpt2_c_attn", "hf_openai_gpt_c_attn")  # Conv1D [in, ou
 def test_per_head_each_head_along_newton_schulz_of_its_own_gradient() -> None:
     """With muon_split_qkv_per_head, every head's query, key and value rows (8 rows: these cases'
     head_dim; of the [out, in] transpose of a Conv1D) are one matrix, in each q/k/v layout of
-    params/qkv_layouts.py and params/conv1d_layouts.py."""
+    params/qkv_layouts.py and params/conv1d_layouts.py; and the option does not say it does nothing."""
     config = OptimizerConfig(optimizer="muon", lr=LR, weight_decay=0.0, clip_grad=0.0,
                              muon_fp32_matmul_prec="highest", muon_split_qkv_per_head=True)
     for case in PER_HEAD_CASES:
-        _, parts, params, before = _one_step(case, config)
+        with mock.patch.object(once, "_GIVEN", set()), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _, parts, params, before = _one_step(case, config)
+        assert not [w for w in caught if "muon_split_qkv_per_head" in str(w.message)], (case, caught)
         rows = (lambda t: t.T) if case in STORED_TRANSPOSED else (lambda t: t)
         for name in parts:
             update, gradient = rows(before[name] - params[name].detach()), rows(params[name].grad)
