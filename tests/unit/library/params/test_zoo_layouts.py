@@ -9,6 +9,7 @@ gives another update (relative error ~0.4 to 1.2 per component, the issue's figu
 fails without its table entry.
 """
 
+import dataclasses
 import warnings
 from unittest import mock
 
@@ -132,3 +133,33 @@ def test_conv1d_c_attn_steps_as_its_transpose_stored_as_rows(optimizer: str, mom
     expected = rows.attn.c_attn.weight.detach()
     error = ((conv.attn.c_attn.weight.detach().T - expected).abs().max() / expected.abs().max()).item()
     assert error <= TOLERANCE, (optimizer, moment2, error)
+
+
+def test_conv1d_c_attn_layer_wise_and_resumed_state_equal_one_process() -> None:
+    """GPT-2's c_attn through the other consumers of its layout: the layer-wise distributed
+    optimizer (one rank, which owns every parameter: its own layouts, its own step) equals plain
+    Muon after two steps; and the optimizer's state (momentum, stored [in, out] as the parameter)
+    saved after two steps and loaded into a fresh optimizer steps on bitwise."""
+    import copy
+
+    from megatron_eopt import ParallelGroups
+
+    torch.set_float32_matmul_precision("highest")
+    torch.manual_seed(0)
+    model = zoo_models.hf_gpt2_c_attn()[0].float()
+    layer_wise_model = copy.deepcopy(model)
+    optimizer = get_megatron_optimizer(CONFIG, [model])
+    layer_wise = get_megatron_optimizer(dataclasses.replace(CONFIG, use_layer_wise_distributed_optimizer=True),
+                                        [layer_wise_model], pg_collection=ParallelGroups.single_process())
+    for step in range(2):
+        for target, opt in ((model, optimizer), (layer_wise_model, layer_wise)):
+            routing_models.synthetic_gradients(target, seed=step)
+            opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), layer_wise_model.parameters()))
+    resumed_model = copy.deepcopy(model)
+    resumed = get_megatron_optimizer(CONFIG, [resumed_model])
+    resumed.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    for target, opt in ((model, optimizer), (resumed_model, resumed)):
+        routing_models.synthetic_gradients(target, seed=2)
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed_model.parameters()))
