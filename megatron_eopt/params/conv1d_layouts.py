@@ -35,13 +35,12 @@ def conv1d_qkv(weight: FusedWeight) -> Optional[FusedBlocks]:
     except (AttributeError, TypeError):
         return None
     head_dim = int(getattr(owner, "head_dim", 0) or split_size // max(heads, 1))
-    out = param.shape[1]
-    if param.dim() != 2 or not split_size or out % split_size or out // split_size not in (2, 3) \
-            or not head_dim or split_size % head_dim:
+    parts = 2 if getattr(owner, "is_cross_attention", False) else 3
+    if param.dim() != 2 or param.shape[1] != parts * split_size or not head_dim or split_size % head_dim:
         return None
     if weight.per_head:
-        return transposed_blocks(param, (head_dim,) * (out // head_dim))
-    return transposed_blocks(param, (split_size,) * (out // split_size))
+        return transposed_blocks(param, (head_dim,) * (parts * split_size // head_dim))
+    return transposed_blocks(param, (split_size,) * parts)
 
 
 for _family in ("gpt2.modeling_gpt2.GPT2Attention",

@@ -474,11 +474,13 @@ def splits_any_per_head(records: Iterable[ParamRecord], chunks: Sequence[torch.n
             return True
         owner, attribute = sites.get(id(record.param), (None, ""))
         function = registered_function(owner, attribute) if owner is not None else None
+        if function is None:
+            continue
         weights = [FusedWeight(fqn=record.fqn, param=record.param, owner=owner, attribute=attribute, tp_size=1,
                                model_config=chunk_model_config(chunks[record.chunk_index]), per_head=per_head)
                    for per_head in (False, True)]
         try:
-            if function is not None and function(weights[0]) != function(weights[1]):
+            if function(weights[0]) != function(weights[1]):
                 return True
         except (ValueError, AttributeError, TypeError):
             continue  # the layout step says what is wrong, in its own error
