@@ -36,6 +36,7 @@ from megatron_eopt.params.groups import (
     dump_param_group_map,
     matrix_layouts,
     routing_fallbacks,
+    splits_any_per_head,
 )
 from megatron_eopt.params.names import EXPERT_NAME_PART, is_expert_name
 from megatron_eopt.params.overrides import check_config_overrides, get_standard_config_overrides
@@ -221,7 +222,7 @@ def _held_rows(fsdp: FullyShardedLayout) -> dict[str, tuple[int, int]]:
 def _report_routing(config: OptimizerConfig, routing: ParamRouting, records: list[ParamRecord],
                     chunks: list[torch.nn.Module]) -> None:
     """What the routing did not do as asked or known: said once each (an error with muon_strict_layouts)."""
-    _warn_if_per_head_finds_no_qkv(config, records)
+    _warn_if_per_head_finds_no_qkv(config, records, chunks)
     _warn_if_use_muon_globs_match_nothing(routing, records)
     _report_routing_fallbacks(config, routing, records, chunks)
 
@@ -257,14 +258,15 @@ def _named_by_reason(reasons: Mapping[str, str], shown: int = 2) -> str:
     return "; ".join(parts)
 
 
-def _warn_if_per_head_finds_no_qkv(config: OptimizerConfig, records: list[ParamRecord]) -> None:
-    """`muon_split_qkv_per_head` splits fused `linear_qkv.weight`s only: say so when there is none."""
-    if config.muon_split_qkv_per_head and not any(
-            r.name.endswith("linear_qkv.weight") and r.optimizer_name == config.optimizer for r in records):
+def _warn_if_per_head_finds_no_qkv(config: OptimizerConfig, records: list[ParamRecord],
+                                   chunks: list[torch.nn.Module]) -> None:
+    """`muon_split_qkv_per_head` splits fused q/k/v weights only: say so when there is none."""
+    if config.muon_split_qkv_per_head and not splits_any_per_head(records, chunks, config.optimizer):
         warn_once("per_head_without_qkv", f"OptimizerConfig.muon_split_qkv_per_head=True has no effect on this "
-                  f"rank: it splits fused linear_qkv.weights only, and none of the matrices {config.optimizer!r} "
-                  f"steps here is one (multi-latent attention's projections are orthogonalized per head and "
-                  f"component without it; docs/tp-muon.md).", stacklevel=5)
+                  f"rank: it splits fused q/k/v weights only (linear_qkv, and those of docs/fsdp2.md's table), and "
+                  f"none of the matrices {config.optimizer!r} steps here is one (multi-latent attention's "
+                  f"projections are orthogonalized per head and component without it; docs/tp-muon.md).",
+                  stacklevel=5)
 
 
 def _warn_if_use_muon_globs_match_nothing(routing: ParamRouting, records: list[ParamRecord]) -> None:

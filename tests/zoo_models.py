@@ -240,10 +240,12 @@ def hf_chunked_wqkv():
 
 def hf_gpt_bigcode_c_attn():
     """GPTBigCodeAttention.forward (4 heads of 8): with `multi_query` c_attn's output split [32, 8,
-    8], all queries, one key, one value; without, viewed [4, 3 * 8] and split per head."""
+    8], all queries, one key, one value; without, viewed [4, 3 * 8] and split per head. The
+    cross-attention's c_attn [64, 32] (key and value; its forward's split runs with one head, where
+    it takes the halves): halves."""
     def bigcode(multi_query):
         config = _transformers().GPTBigCodeConfig(vocab_size=64, n_positions=32, n_embd=32, n_layer=1, n_head=4,
-                                                  multi_query=multi_query)
+                                                  multi_query=multi_query, add_cross_attention=not multi_query)
         return _transformers().GPTBigCodeModel(config)
 
     model = torch.nn.Module()
@@ -251,7 +253,8 @@ def hf_gpt_bigcode_c_attn():
     heads = lambda t: t.reshape(4, 3, 8, t.shape[-1])
     c_attn = "h.0.attn.c_attn.weight"
     return model, {"multi_query." + c_attn: [lambda t: t[:32], lambda t: t[32:40], lambda t: t[40:]],
-                   "per_head." + c_attn: [lambda t, s=s: heads(t)[:, s].reshape(-1, t.shape[-1]) for s in range(3)]}
+                   "per_head." + c_attn: [lambda t, s=s: heads(t)[:, s].reshape(-1, t.shape[-1]) for s in range(3)],
+                   "per_head.h.0.crossattention.c_attn.weight": [lambda t: t[:32], lambda t: t[32:]]}
 
 
 def hf_codegen_qkv():
@@ -374,6 +377,27 @@ def hf_fused_under_other_names():
     parts = lambda size, count: [lambda t, i=i: t[size * i:size * (i + 1)] for i in range(count)]
     return model, {"bark.att_proj.weight": parts(32, 3), "jetmoe.kv_proj.weight": parts(16, 2),
                    "granite_speech.to_kv.weight": parts(32, 2), "modernbert.Wi.weight": parts(48, 2)}
+def _conv1d_blocks(width: int, parts: int) -> list:
+    """The [out, in] blocks of a Conv1D weight t [in, out] whose output splits into `parts` column
+    blocks of `width` (`split(split_size, dim=2)`)."""
+    return [lambda t, s=s: t[:, width * s:width * (s + 1)].T for s in range(parts)]
+
+
+def hf_gpt2_c_attn():
+    """GPT2Attention.forward (4 heads of 8): c_attn, a Conv1D stored [in, out] = [32, 96], its output
+    `split(split_size=32, dim=2)` into q, k, v: column blocks of the storage; the cross-attention's
+    c_attn [32, 64] into k, v (its query is q_attn's)."""
+    config = _transformers().GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=1, n_head=4,
+                                        add_cross_attention=True)
+    return _transformers().GPT2Model(config), {"h.0.attn.c_attn.weight": _conv1d_blocks(32, 3),
+                                               "h.0.crossattention.c_attn.weight": _conv1d_blocks(32, 2)}
+
+
+def hf_openai_gpt_c_attn():
+    """OpenAI-GPT's Attention.forward (4 heads of 8, `n_head`, no head_dim attribute): c_attn, a
+    Conv1D [32, 96], its output `split(split_size=32, dim=2)` into q, k, v."""
+    config = _transformers().OpenAIGPTConfig(vocab_size=64, n_positions=32, n_embd=32, n_layer=1, n_head=4)
+    return _transformers().OpenAIGPTModel(config), {"h.0.attn.c_attn.weight": _conv1d_blocks(32, 3)}
 
 
 CASES = {builder.__name__: builder for builder in (
@@ -382,4 +406,4 @@ CASES = {builder.__name__: builder for builder in (
     hf_qwen3_5_gated_delta_qkv, hf_mamba_in_proj, hf_zamba_in_proj, hf_falcon_qkv,
     hf_chunked_wqkv, hf_gpt_bigcode_c_attn, hf_codegen_qkv, hf_vision_qkv, titan_flux_blocks, hf_gated_mlps,
     hf_deberta_in_proj, hf_short_conv_in_proj, hf_deepseek_v4_attention,
-    hf_fused_under_other_names)}
+    hf_fused_under_other_names, hf_gpt2_c_attn, hf_openai_gpt_c_attn)}

@@ -2,13 +2,13 @@
 group (Shard(0) of torch FSDP2 or Megatron-FSDP; shards may be uneven or empty).
 
 Each matrix has one owner rank, chosen by the caller. A step:
-1. one all_to_all_single sends every rank's rows of each matrix to its owner (explicit split
-   sizes, no padding);
+1. one all_to_all_single sends every rank's rows of each matrix to its owner (no padding);
 2. each owner stacks the rows, splits the matrix into its blocks (q/k/v, gate/up) and
    orthogonalizes them, equal shapes batched;
 3. a second all_to_all_single sends each rank its rows of the result.
 A batch of matrices split by the rows of each (FSDP2's Shard(1) of experts [E, out, in]) is its
-matrices, each split the same way (`matrix_row_shards`), with owners round robin.
+matrices, each split the same way (`matrix_row_shards`), owners round robin. A matrix stored
+transposed (`Conv1D` [in, out]) goes as its stored rows; its owner transposes it whole.
 `map_row_shards` is steps 1 and 3 around any function of the owned matrices (MOP's, PolarGrad's
 and Scion's `orthogonalize`). With tensor parallelism as well, the owners of one matrix form one
 TP group and orthogonalize its TP shards together in the TP mode; 'duplicated' runs as
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_eopt.ops.newton_schulz import NewtonSchulzSettings, orthogonalize_updates
-from megatron_eopt.ops.splits import MatrixLayout
+from megatron_eopt.ops.splits import MatrixLayout, as_matrix, as_tensor, is_single_transposed, stored_shape
 from megatron_eopt.runtime.process_groups import group_rank, group_size
 
 
@@ -36,12 +36,12 @@ class RowShards:
     """
 
     layout: MatrixLayout  # of the whole matrix (its global shape and fused blocks)
-    rows_by_rank: tuple[int, ...]  # rows each rank of the group holds
+    rows_by_rank: tuple[int, ...]  # rows each rank of the group holds (stored rows: splits.stored_shape)
     owner: int  # rank in the group that runs its Newton-Schulz
     per_matrix_rows: bool = False
 
     def __post_init__(self) -> None:
-        rows, _ = self.layout.local_shape
+        rows, _ = stored_shape(self.layout)
         if self.per_matrix_rows:
             batch = self.layout.batch
             if batch is None or len(batch.shape) != 3 or batch.transposed or batch.interleaved_parts > 1:
@@ -148,7 +148,7 @@ def map_row_shards(
     size, rank = group_size(group), group_rank(group)
     device = updates[0].device if updates else torch.device("cpu")
     mine = [i for i, s in enumerate(shards) if s.owner == rank]
-    cols = [s.layout.local_shape[1] for s in shards]
+    cols = [stored_shape(s.layout)[1] for s in shards]
 
     # 1. Row shards to their owners.
     gathered = _exchange(
@@ -182,7 +182,11 @@ def _orthogonalize_owned(wholes: list[torch.Tensor], layouts: list[MatrixLayout]
     if not wholes:
         return []
     modes = ["sharded" if mode == "duplicated" else mode for mode in tp_modes]  # same update, Newton-Schulz once
-    return orthogonalize_updates(wholes, layouts, modes, tp_group, settings)
+    # A matrix stored transposed arrives as its stored rows: transposed now that it is whole.
+    transposed = [is_single_transposed(layout) for layout in layouts]
+    matrices = [as_matrix(w, layout) if t else w for w, layout, t in zip(wholes, layouts, transposed)]
+    results = orthogonalize_updates(matrices, layouts, modes, tp_group, settings)
+    return [as_tensor(r, layout) if t else r for r, layout, t in zip(results, layouts, transposed)]
 
 
 def _exchange(send: list[list[torch.Tensor]], receive_shapes: list[list[tuple[int, int]]],

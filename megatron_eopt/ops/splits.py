@@ -10,7 +10,8 @@ A 2-D weight's local shard is `num_row_groups` repetitions of row blocks of size
 - `per_group`: every block of every row group is a matrix, whole on this rank (MLA's heads)
 - `tp_contiguous`: `row_blocks` split the global rows, TP shards the matrix as one and a shard
   may cut a part (MLA's column-parallel linear_kv_down_proj): split only when whole
-- `batch`: an N-D tensor of matrices (MoE experts), as its matrices' rows stacked, one row group each
+- `batch`: an N-D tensor of matrices (MoE experts), their rows stacked, one row group each; or
+  one matrix stored transposed (a `Conv1D` [in, out]): its row blocks are stored columns
 params/fused_layouts.py says which weight has which layout. Pure functions; no communication.
 """
 
@@ -31,6 +32,9 @@ class MatrixBatch:
     and the transposed view keeps the [out, in] convention that the scale modes and the row
     blocks (gate/up) assume. `interleaved_parts` > 1: the parts' rows alternate (gate0, up0,
     gate1, ...), regrouped part by part so that each part is a contiguous row block.
+
+    A 2-D `transposed` shape is one matrix without a leading index (`single`): a `Conv1D` weight
+    stored [in, out], whose q, k and v are column blocks of the storage, row blocks of the view.
     """
 
     shape: tuple[int, ...]  # the tensor's shape on this rank
@@ -39,9 +43,18 @@ class MatrixBatch:
 
     def __post_init__(self) -> None:
         rows = self.matrix_rows
-        if len(self.shape) < 3 or self.interleaved_parts < 1 or rows % self.interleaved_parts:
-            raise ValueError(f"a batch of matrices needs >= 3 dimensions and rows that divide into "
-                             f"{self.interleaved_parts} interleaved parts; got shape {self.shape}.")
+        dims = len(self.shape)
+        if dims < 2 or (dims == 2 and not self.transposed) or self.interleaved_parts < 1 \
+                or rows % self.interleaved_parts:
+            raise ValueError(f"a batch of matrices needs >= 3 dimensions (2: one matrix stored transposed) and rows "
+                             f"that divide into {self.interleaved_parts} interleaved parts; got shape {self.shape}, "
+                             f"transposed={self.transposed}.")
+
+    @property
+    def single(self) -> bool:
+        """One matrix stored transposed, no leading index: FSDP2's Shard(0) splits its stored rows
+        (the view's columns), so it is transposed only where it is whole."""
+        return len(self.shape) == 2
 
     @property
     def count(self) -> int:
@@ -60,6 +73,9 @@ class MatrixBatch:
 
     def with_leading(self, leading: int) -> "MatrixBatch":
         """The same batch with `leading` indices in dimension 0 (an FSDP2 shard's experts)."""
+        if self.single:
+            raise ValueError(f"one matrix stored transposed (shape {self.shape}) has no leading index to split; "
+                             f"FSDP2 splits its stored rows, which go to one owner whole (ops/row_shards.py).")
         return replace(self, shape=(leading, *self.shape[1:]))
 
     def to_rows(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -190,6 +206,17 @@ def local_batch_layout(layout: MatrixLayout, local_shape: tuple[int, ...]) -> Ma
     Shard(0) of experts: each rank holds whole matrices, possibly none)."""
     batch = layout.batch.with_leading(local_shape[0])
     return replace(layout, local_shape=batch.matrix_shape, num_row_groups=batch.count, batch=batch)
+
+
+def stored_shape(layout: MatrixLayout) -> tuple[int, int]:
+    """The 2-D shape whose rows FSDP2's Shard(0) splits: a single transposed matrix's storage
+    [in, out]; else the layout's matrix."""
+    return layout.batch.shape if is_single_transposed(layout) else layout.local_shape
+
+
+def is_single_transposed(layout: MatrixLayout) -> bool:
+    """Whether `layout` is one matrix stored transposed (MatrixBatch.single)."""
+    return layout.batch is not None and layout.batch.single
 
 
 def as_matrix(x: torch.Tensor, layout: MatrixLayout) -> torch.Tensor:

@@ -10,3 +10,6 @@ from megatron_eopt.params import qkv_layouts  # noqa: E402,F401
 # More families' fused weights (vision q/k/v, gated MLPs, DeBERTa, LFM's short convolutions, DeepSeek-V4, Flux)
 # and the weights named like fused ones kept whole on purpose.
 from megatron_eopt.params import zoo_layouts  # noqa: E402,F401
+# GPT-2 style Conv1D c_attn ([in, out]: q, k, v are column blocks), each block one matrix of the
+# weight's transposed view.
+from megatron_eopt.params import conv1d_layouts  # noqa: E402,F401

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_eopt.ops.splits import MatrixLayout, tensor_parallel_rank_shape
-from megatron_eopt.params.fused_layouts import (FusedWeight, expert_batch_blocks, fused_blocks, is_experts_container,
-                                                registered_function, unknown_fused_name)
+from megatron_eopt.params.fused_layouts import (FusedBlocks, FusedWeight, expert_batch_blocks, fused_blocks,
+                                                is_experts_container, registered_function, unknown_fused_name)
 from megatron_eopt.params.heads import embedding_and_output_reasons
 from megatron_eopt.params.overrides import describe_key, matching_keys, merge_overrides
 from megatron_eopt.runtime.process_groups import group_size
@@ -462,6 +462,31 @@ def _linear_layer_sites(chunks: list) -> dict[int, tuple[torch.nn.Module, str]]:
     return sites
 
 
+def splits_any_per_head(records: Iterable[ParamRecord], chunks: Sequence[torch.nn.Module], optimizer: str) -> bool:
+    """Whether `muon_split_qkv_per_head` changes the blocks of a 2-D weight routed to `optimizer`:
+    a megatron-core `linear_qkv`, or a weight whose table entry reads `per_head` (a family's q/k/v)."""
+    chunks = list(chunks)
+    sites = _linear_layer_sites(chunks)
+    for record in records:
+        if record.optimizer_name != optimizer or record.param.dim() != 2:
+            continue
+        if record.name.endswith("linear_qkv.weight"):
+            return True
+        owner, attribute = sites.get(id(record.param), (None, ""))
+        function = registered_function(owner, attribute) if owner is not None else None
+        if function is None:
+            continue
+        weights = [FusedWeight(fqn=record.fqn, param=record.param, owner=owner, attribute=attribute, tp_size=1,
+                               model_config=chunk_model_config(chunks[record.chunk_index]), per_head=per_head)
+                   for per_head in (False, True)]
+        try:
+            if function(weights[0]) != function(weights[1]):
+                return True
+        except (ValueError, AttributeError, TypeError):
+            continue  # the layout step says what is wrong, in its own error
+    return False
+
+
 def routing_fallbacks(records: Iterable[ParamRecord], chunks: Sequence[torch.nn.Module], optimizer: str
                       ) -> dict[str, str]:
     """fqn -> why, for every parameter routed by a fallback: an N-D tensor of no known layout (to the
@@ -521,6 +546,14 @@ def _batch_layout(record: ParamRecord, owner: Optional[torch.nn.Module], attribu
             f"of a known experts container without tensor parallelism (docs/fsdp2.md); route it to the "
             f"scalar optimizer (muon_scalar_optimizer)."
         )
+    return _layout_of_batch(record, blocks)
+
+
+def _layout_of_batch(record: ParamRecord, blocks: FusedBlocks) -> MatrixLayout:
+    """One row group per matrix of `blocks.batch`, over its 2-D view."""
+    if record.tensor_model_parallel:
+        raise ValueError(f"parameter {record.fqn!r}: a weight stored as its matrices' transposes (or a batch of "
+                         f"them) is not split by tensor parallelism here; it has partition_dim={record.partition_dim}.")
     return MatrixLayout(name=record.fqn, local_shape=blocks.batch.matrix_shape, num_row_groups=blocks.num_row_groups,
                         row_blocks=blocks.row_blocks, per_group=True, batch=blocks.batch)
 
@@ -548,6 +581,8 @@ def matrix_layout(record: ParamRecord, model_config: Any, tp_size: int, split_qk
         fqn=record.fqn, param=record.param, owner=owner, attribute=attribute,
         model_config=owner_config if owner_config is not None else model_config,
         tp_size=tp_size if sharded_rows else 1, split_qkv=split_qkv, per_head=per_head))
+    if blocks.batch is not None:  # one matrix stored [in, out] (transformers' Conv1D): its transpose's rows
+        return _layout_of_batch(record, blocks)
     return MatrixLayout(
         name=record.fqn,
         local_shape=shape,

@@ -56,8 +56,10 @@ for _family in ("mpt.modeling_mpt.MptAttention", "modernbert.modeling_modernbert
 def gpt_bigcode_qkv(weight: FusedWeight) -> Optional[FusedBlocks]:
     """GPTBigCodeAttention.c_attn (an nn.Linear, [out, in]; its forward): with `multi_query` split
     [embed_dim, head_dim, head_dim], all query heads, one key, one value; else viewed [heads,
-    3 * head_dim], per head its query, key and value. Cross-attention's c_attn (key and value of
-    the encoder's states, split in a way that fits one head only) is not described: None."""
+    3 * head_dim], per head its query, key and value. Cross-attention's c_attn holds the key and
+    the value of the encoder's states (its query is q_attn's): its forward's `split((head_dim,
+    head_dim))` runs with one head only, where it takes the two halves of the rows; split into
+    those halves, key and value, as GPT-2's cross-attention splits its c_attn."""
     owner = weight.owner
     if not weight.split_qkv:
         return WHOLE
@@ -66,9 +68,10 @@ def gpt_bigcode_qkv(weight: FusedWeight) -> Optional[FusedBlocks]:
         cross = bool(owner.is_cross_attention)
     except (AttributeError, TypeError):
         return None
-    if cross:
-        return None
     head_rows = head_dim if weight.per_head else 0
+    rows = weight.param.shape[0]
+    if cross:
+        return FusedBlocks((rows // 2,) * 2, head_rows=head_rows) if rows % (2 * head_dim) == 0 else None
     if multi_query:
         return FusedBlocks((heads * head_dim, head_dim, head_dim), head_rows=head_rows)
     return FusedBlocks((head_dim,) * 3, heads, head_rows=head_rows)

@@ -141,8 +141,9 @@ class FullyShardedLayout:
 
 def _view_rows(layout: MatrixLayout, rows_by_rank: tuple[int, ...]) -> tuple[int, ...]:
     """Rows each rank holds of the matrix Muon sees: of a batch of matrices (experts, split by
-    their leading dimension), its 2-D view's rows."""
-    if layout.batch is None:
+    their leading dimension), its 2-D view's rows; of one matrix stored transposed, its stored rows
+    (its owner transposes it whole)."""
+    if layout.batch is None or layout.batch.single:
         return rows_by_rank
     per_index = layout.local_shape[0] // layout.batch.shape[0]
     return tuple(rows * per_index for rows in rows_by_rank)

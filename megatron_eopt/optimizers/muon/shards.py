@@ -20,7 +20,8 @@ from megatron_eopt.ops.gram_newton_schulz_package import PACKAGE_PATH
 from megatron_eopt.ops.muon_cost import AUTO, HardwareProfile, choose_tp_modes, resolve_profile
 from megatron_eopt.ops.newton_schulz import TP_MODES, NewtonSchulzSettings, block_paths, orthogonalize_updates
 from megatron_eopt.ops.row_shards import RowShards, matrix_row_shards, orthogonalize_row_shards
-from megatron_eopt.ops.splits import MatrixLayout, as_matrix, as_tensor, local_batch_layout
+from megatron_eopt.ops.splits import (MatrixLayout, as_matrix, as_tensor, is_single_transposed, local_batch_layout,
+                                      stored_shape)
 from megatron_eopt.optimizers.muon.megatron_core_args import IsQkvFn, megatron_core_layouts, tp_group_of
 from megatron_eopt.optimizers.muon.step import OrthogonalizeTogether
 from megatron_eopt.params.names import is_expert_name, named_params
@@ -110,16 +111,20 @@ def _view_shape(param: torch.Tensor, layout: MatrixLayout) -> tuple[int, ...]:
     """The shape of the matrix Muon sees of `param` (a batch's 2-D view of this rank's matrices)."""
     if layout.batch is None:
         return tuple(param.shape)
+    if layout.batch.single:  # one matrix stored transposed: whole here
+        return layout.batch.matrix_shape if tuple(param.shape) == layout.batch.shape else tuple(param.shape)
     if param.dim() != len(layout.batch.shape) or tuple(param.shape[1:]) != layout.batch.shape[1:]:
         return tuple(param.shape)  # no view fits: the caller names the mismatch
     return layout.batch.with_leading(param.shape[0]).matrix_shape
 
 
 def _check_row_shard(name: str, param: torch.Tensor, shards: RowShards, rank: int, tp_size: int) -> None:
-    expected = (shards.rows_by_rank[rank], shards.layout.local_shape[1])
+    expected = (shards.rows_by_rank[rank], stored_shape(shards.layout)[1])
     view = _view_shape(param, shards.layout)
     if shards.per_matrix_rows:  # [E, rows of each expert, in]
         expected, view = (*shards.layout.batch.shape[:1], *expected), tuple(param.shape)
+    elif is_single_transposed(shards.layout):  # its stored rows, [in_i, out]
+        view = tuple(param.shape)
     if view != expected:
         raise ValueError(
             f"parameter {name!r}: this rank ({rank}) holds a {tuple(param.shape)} shard, but its "
@@ -272,11 +277,12 @@ class ShardedMatrices(OrthogonalizeTogether):
         """This rank's rows of the orthogonalized `updates` of `params`, FSDP2 row shards: each matrix
         to its owner and back, its TP shards (with TP as well) in its tp_mode. Experts split by
         their leading dimension stay on their rank; experts split by the rows of each go one
-        expert per owner, in the same exchange."""
+        expert per owner, in the same exchange, as does a matrix stored transposed (its stored rows)."""
         shards = [self._row_shards_of[id(p)] for p in params]
         modes = [self.tp_modes[s.layout.name] for s in shards]
-        batches = [i for i, s in enumerate(shards) if s.layout.batch is not None and not s.per_matrix_rows]
-        others = [i for i, s in enumerate(shards) if s.layout.batch is None or s.per_matrix_rows]
+        held = [s.layout.batch is not None and not (s.per_matrix_rows or s.layout.batch.single) for s in shards]
+        batches = [i for i, whole in enumerate(held) if whole]
+        others = [i for i, whole in enumerate(held) if not whole]
         # Experts split by the rows of each (Shard(1)): each expert is a matrix of the exchange.
         matrices = [matrix_row_shards(shards[i]) if shards[i].per_matrix_rows else [shards[i]] for i in others]
         rows = [list(updates[i].unbind(0)) if shards[i].per_matrix_rows else [updates[i]] for i in others]

@@ -28,7 +28,7 @@ from megatron_eopt.ops.gram_newton_schulz_package import package_for
 from megatron_eopt.ops.muon_cost import HardwareProfile
 from megatron_eopt.ops.newton_schulz import NewtonSchulzSettings
 from megatron_eopt.ops.row_shards import RowShards
-from megatron_eopt.ops.splits import MatrixLayout
+from megatron_eopt.ops.splits import MatrixLayout, is_single_transposed
 from megatron_eopt.optimizers.muon.megatron_core_args import IsQkvFn, weight_decay_method_of
 from megatron_eopt.optimizers.muon.shards import ShardedMatrices, check_muon_arguments
 from megatron_eopt.optimizers.muon.step import momentum_updates
@@ -42,14 +42,21 @@ MOMENT2_METHODS: tuple[str, ...] = typing.get_args(Moment2MethodT)
 class _GlobalView:
     """The matrix whose statistics AdaptiveMuon takes, seen from one rank's shard."""
 
-    shape: tuple[int, int]  # global shape; the local one in blockwise mode or without TP
+    shape: tuple[int, int]  # global shape [out, in]; the local one in blockwise mode or without TP
     sharded_dim: int  # the dimension split over the TP group (sums over it all-reduce); -1: none
-    rows_split: bool = False  # FSDP2: the rows are split over fsdp_group too
+    rows_split: bool = False  # FSDP2: the (stored) rows are split over fsdp_group too
+    transposed: bool = False  # stored [in, out] (a Conv1D): dimensions below are of the storage
+
+    @property
+    def stored_shape(self) -> tuple[int, int]:
+        return (self.shape[1], self.shape[0]) if self.transposed else self.shape
 
     @property
     def mean_dim(self) -> int:
-        """normuon's averaged dimension: AdaptiveMuon's rule, applied to the global shape."""
-        return 1 if self.shape[0] >= self.shape[1] else 0
+        """normuon's averaged dimension of the stored tensor: AdaptiveMuon's rule, applied to the
+        global [out, in] shape."""
+        dim = 1 if self.shape[0] >= self.shape[1] else 0
+        return 1 - dim if self.transposed else dim
 
     def split_over_tp(self, dim: Optional[int] = None) -> bool:
         """Whether a sum over `dim` (None: over the whole matrix) needs the TP group."""
@@ -177,7 +184,7 @@ class TensorParallelAdaptiveMuon(ShardedMatrices, AdaptiveMuon):
     def _global_view(self, layout: MatrixLayout) -> _GlobalView:
         tp_size = group_size(self.tp_group)
         if self.tp_modes.get(layout.name, self.tp_mode) == "blockwise" or layout.partition_dim < 0:
-            return _GlobalView(layout.local_shape, -1)
+            return _GlobalView(layout.local_shape, -1, transposed=is_single_transposed(layout))
         if layout.tp_size != tp_size:
             # Otherwise the global shape, and so the scale and the normuon mean, would be wrong.
             raise ValueError(
@@ -248,7 +255,8 @@ class TensorParallelAdaptiveMuon(ShardedMatrices, AdaptiveMuon):
         normalized = []
         for item, o, total in zip(pending, orthogonal, sums):
             moment2 = self.state[item.param]["moment2_buffer"]
-            moment2.lerp_((total / item.view.shape[item.view.mean_dim]).to(moment2.dtype), 1 - item.group["beta2"])
+            count = item.view.stored_shape[item.view.mean_dim]
+            moment2.lerp_((total / count).to(moment2.dtype), 1 - item.group["beta2"])
             normalized.append(o * moment2.clamp_min(item.group["eps"]).rsqrt())
         # 2. Keep the Frobenius norm of O: squared norms of the whole matrices.
         squares = [torch.stack([o.float().square().sum(), n.float().square().sum()])

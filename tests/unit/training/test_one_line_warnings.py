@@ -21,13 +21,14 @@ def test_a_warning_is_one_line_without_source() -> None:
 def test_the_librarys_warnings_name_the_flags() -> None:
     # The factory's words (test_per_head_qkv.py checks them), as the trainer's user set the field.
     text = policy.format_warning(UserWarning(
-        "OptimizerConfig.muon_split_qkv_per_head=True has no effect on this rank: it splits fused linear_qkv.weights "
-        "only, and none of the matrices 'muon' steps here is one (multi-latent attention's projections are "
-        "orthogonalized per head and component without it; docs/tp-muon.md)."), UserWarning, "/x/factory.py", 1)
+        "OptimizerConfig.muon_split_qkv_per_head=True has no effect on this rank: it splits fused q/k/v weights "
+        "only (linear_qkv, and those of docs/fsdp2.md's table), and none of the matrices 'muon' steps here is one "
+        "(multi-latent attention's projections are orthogonalized per head and component without it; "
+        "docs/tp-muon.md)."), UserWarning, "/x/factory.py", 1)
     assert text == ("pretrain_gpt.py: warning: --muon-split-qkv-per-head has no effect on this rank: it splits fused "
-                    "linear_qkv.weights only, and none of the matrices 'muon' steps here is one (multi-latent "
-                    "attention's projections are orthogonalized per head and component without it; "
-                    "docs/tp-muon.md). (UserWarning)\n")
+                    "q/k/v weights only (linear_qkv, and those of docs/fsdp2.md's table), and none of the matrices "
+                    "'muon' steps here is one (multi-latent attention's projections are orthogonalized per head and "
+                    "component without it; docs/tp-muon.md). (UserWarning)\n")
 
 
 def _printed(rank_zero: bool) -> list[str]:

@@ -27,7 +27,8 @@ muon_fp32_matmul_prec='highest', no weight decay, one step. Checked:
   a fresh model and optimizer, steps on bitwise (its momentum is saved as Shard(1), each rank's
   rows of every expert at their offsets);
 - one family per kind of fused or stacked layout (tests/zoo_models.py: torchtitan's fused wqkv,
-  MLA and GPT-OSS experts, DBRX, Qwen3-Next's gated delta net, Mamba-2), the root sharded, one
+  MLA and GPT-OSS experts, DBRX, Qwen3-Next's gated delta net, Mamba-2, GPT-2's Conv1D c_attn
+  [in, out], whose stored rows Shard(0) splits), the root sharded, one
   step with synthetic gradients: every parameter within 1e-5 of one process (each component along
   its own Newton-Schulz is test_zoo_layouts.py's check);
 - the refusals, each one ValueError naming the parameter and placement: Shard(1) of transposed
@@ -36,6 +37,7 @@ muon_fp32_matmul_prec='highest', no weight decay, one step. Checked:
 """
 
 import copy
+import dataclasses
 import time
 
 import pytest
@@ -93,9 +95,9 @@ def _loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
     return model(batch, labels=batch).loss if batch.dtype == torch.long else model(batch)
 
 
-def _step(model: torch.nn.Module, batch: torch.Tensor, groups=None) -> tuple[dict, dict, list]:
+def _step(model: torch.nn.Module, batch: torch.Tensor, groups=None, config=CONFIG) -> tuple[dict, dict, list]:
     """(full gradients, full updates, Newton-Schulz call shapes) of one Muon step."""
-    optimizer = get_megatron_optimizer(CONFIG, [model], pg_collection=groups)
+    optimizer = get_megatron_optimizer(config, [model], pg_collection=groups)
     if batch is None:  # torchtitan's whole model: no backward on CPU through its attention
         routing_models.synthetic_gradients(model, seed=0)
     else:
@@ -244,9 +246,13 @@ def _refusals(mesh_1d) -> dict:
 
 # One family per kind of fused or stacked layout (tests/zoo_models.py): torchtitan's fused wqkv,
 # its MLA (with GroupedExperts) and GPT-OSS's interleaved experts, DBRX's 2-D stacked experts and
-# Wqkv, Qwen3-Next's gated delta net, Mamba-2's in_proj.
+# Wqkv, Qwen3-Next's gated delta net, Mamba-2's in_proj, GPT-2's Conv1D c_attn (stored [in, out]:
+# Shard(0) splits the view's columns, so its owner gathers it whole before transposing).
 ZOO_KINDS = ("titan_llama3_fused_qkv", "titan_deepseek_v3_mla", "titan_gpt_oss_experts", "hf_dbrx_experts",
-             "hf_qwen3_next_gated_delta_net", "hf_mamba2_in_proj")
+             "hf_qwen3_next_gated_delta_net", "hf_mamba2_in_proj", "hf_gpt2_c_attn")
+# adaptive_muon's normuon on GPT-2's c_attn: its per-row mean of the [out, in] view is over the
+# stored rows, which FSDP2 splits (a sum over the mesh).
+NORMUON = dataclasses.replace(CONFIG, optimizer="adaptive_muon", adaptive_muon_moment2_method="normuon")
 
 
 def _zoo_errors(mesh) -> dict:
@@ -255,13 +261,13 @@ def _zoo_errors(mesh) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     errors = {}
-    for case in ZOO_KINDS:
+    for case, config in (*((case, CONFIG) for case in ZOO_KINDS), ("hf_gpt2_c_attn", NORMUON)):
         torch.manual_seed(0)
         reference = zoo_models.CASES[case]()[0].float()
         sharded = fully_shard(copy.deepcopy(reference), mesh=mesh)
-        _, expected, _ = _step(reference, None, ParallelGroups.single_process())
-        _, got, _ = _step(sharded, None)
-        errors[case] = max((got[name] - expected[name]).abs().max().item() for name in expected)
+        _, expected, _ = _step(reference, None, ParallelGroups.single_process(), config)
+        _, got, _ = _step(sharded, None, config=config)
+        errors[f"{case} {config.optimizer}"] = max((got[name] - expected[name]).abs().max().item() for name in expected)
     return errors
 
 

@@ -169,9 +169,10 @@ def test_per_head_on_latent_attention_changes_nothing_and_says_so() -> None:
             optimizer.step()
     assert calls[True] == calls[False] and sorted(shape[-2:] for shape in calls[True]) == [(3, 6), (5, 6)], calls
     assert said == {False: [], True: [
-        "OptimizerConfig.muon_split_qkv_per_head=True has no effect on this rank: it splits fused linear_qkv.weights "
-        "only, and none of the matrices 'muon' steps here is one (multi-latent attention's projections are "
-        "orthogonalized per head and component without it; docs/tp-muon.md)."]}
+        "OptimizerConfig.muon_split_qkv_per_head=True has no effect on this rank: it splits fused q/k/v weights "
+        "only (linear_qkv, and those of docs/fsdp2.md's table), and none of the matrices 'muon' steps here is one "
+        "(multi-latent attention's projections are orthogonalized per head and component without it; "
+        "docs/tp-muon.md)."]}
 
 
 def test_cost_model_counts_each_ranks_heads_with_nothing_sent() -> None:

@@ -21,10 +21,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("torchtitan")
 
 # 2-D weights named like fused ones that Muon orthogonalizes whole, named at build
-# (routing_fallbacks): layouts not read from their forwards yet. docs/fsdp2.md gives the reasons.
-NOT_SPLIT = {
-    "Attention.c_attn", "DecisionTransformerGPT2Attention.c_attn", "GPT2Attention.c_attn", "ImageGPTAttention.c_attn",
-}
+# (routing_fallbacks): layouts not read from their forwards yet (none left; docs/fsdp2.md).
+NOT_SPLIT: frozenset[str] = frozenset()
 # Families that do not build here at their default config: optional packages (timm, natten,
 # torchaudio, detectron2, fla for torchtitan's Qwen3.5), or a default config incomplete on its own
 # in transformers 5.24 (TypeError, AttributeError, ValueError while building). Audited by name only.
