@@ -9,15 +9,8 @@ transposes the whole matrix. params/__init__.py imports this module.
 
 from typing import Optional
 
-import torch
 
-from megatron_eopt.ops.splits import MatrixBatch
-from megatron_eopt.params.fused_layouts import WHOLE, FusedBlocks, FusedWeight, register_fused_layout
-
-
-def transposed_blocks(param: torch.Tensor, row_blocks: tuple[int, ...]) -> FusedBlocks:
-    """A 2-D weight stored [in, out] whose [out, in] view splits into `row_blocks`, each one matrix."""
-    return FusedBlocks(row_blocks, 1, per_group=True, batch=MatrixBatch(tuple(param.shape), transposed=True))
+from megatron_eopt.params.fused_layouts import FusedBlocks, FusedWeight, register_fused_layout, stored_in_out_blocks
 
 
 def conv1d_qkv(weight: FusedWeight) -> Optional[FusedBlocks]:
@@ -28,7 +21,7 @@ def conv1d_qkv(weight: FusedWeight) -> Optional[FusedBlocks]:
     `head_dim` (OpenAI-GPT: split_size / n_head). Per head with `per_head`."""
     owner, param = weight.owner, weight.param
     if not weight.split_qkv:
-        return WHOLE
+        return stored_in_out_blocks(param, (param.shape[1],))
     try:
         split_size = int(owner.split_size)
         heads = int(getattr(owner, "num_heads", None) or owner.n_head)
@@ -39,8 +32,8 @@ def conv1d_qkv(weight: FusedWeight) -> Optional[FusedBlocks]:
     if param.dim() != 2 or param.shape[1] != parts * split_size or not head_dim or split_size % head_dim:
         return None
     if weight.per_head:
-        return transposed_blocks(param, (head_dim,) * (parts * split_size // head_dim))
-    return transposed_blocks(param, (split_size,) * parts)
+        return stored_in_out_blocks(param, (head_dim,) * (parts * split_size // head_dim))
+    return stored_in_out_blocks(param, (split_size,) * parts)
 
 
 for _family in ("gpt2.modeling_gpt2.GPT2Attention",

@@ -54,6 +54,8 @@ WHOLE = FusedBlocks()
 LayoutFunction = Callable[[FusedWeight], Optional[FusedBlocks]]  # None: its facts are missing
 
 _TABLE: dict[tuple[str, str], LayoutFunction] = {}
+# Linear layers stored [in, out] (their forward is `x @ weight`): one matrix, transposed.
+STORED_IN_OUT = frozenset({"transformers.pytorch_utils.Conv1D"})
 
 
 def qualified_name(cls: type) -> str:
@@ -104,7 +106,14 @@ def fused_blocks(weight: FusedWeight) -> FusedBlocks:
         return FusedBlocks(tuple(int(s) for s in sizes))
     if int(getattr(weight.param, "partition_stride", 1)) > 1:
         _warn_unknown(weight, f"it has partition_stride={weight.param.partition_stride}")
+    if qualified_name(type(getattr(weight.owner, weight.attribute, None))) in STORED_IN_OUT and weight.param.dim() == 2:
+        return stored_in_out_blocks(weight.param, (weight.param.shape[1],))
     return WHOLE
+
+
+def stored_in_out_blocks(param: torch.Tensor, row_blocks: tuple[int, ...]) -> FusedBlocks:
+    """A weight stored [in, out] whose [out, in] view (megatron-core's orientation) has `row_blocks`."""
+    return FusedBlocks(row_blocks, 1, per_group=True, batch=MatrixBatch(tuple(param.shape), transposed=True))
 
 
 def _known_type(owner: torch.nn.Module) -> bool:

@@ -196,3 +196,27 @@ def test_conv1d_c_attn_layer_wise_and_resumed_state_equal_one_process() -> None:
         routing_models.synthetic_gradients(target, seed=2)
         opt.step()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed_model.parameters()))
+
+
+def test_conv1d_weights_in_megatron_cores_orientation_under_an_asymmetric_scale() -> None:
+    """Every Conv1D weight (GPT-2's c_fc [32, 128], c_proj, c_attn's blocks) is stepped in its
+    [out, in] view, the orientation of megatron-core's fc1/fc2, which `shape_scaling` reads:
+    c_fc's update is lr * sqrt(max(1, out/in)) = 2 lr times Newton-Schulz of its transposed gradient,
+    transposed back (stored as is, the scale would be 1: half the update; c_proj's the other way)."""
+    torch.set_float32_matmul_precision("highest")
+    torch.manual_seed(0)
+    model = CASES["hf_gpt2_c_attn"]()[0].float()
+    config = dataclasses.replace(CONFIG, muon_scale_mode="shape_scaling")
+    optimizer = get_megatron_optimizer(config, [model])
+    routing_models.synthetic_gradients(model, seed=1)
+    params = {name: p for name, p in model.named_parameters() if name.endswith(("c_fc.weight", "mlp.c_proj.weight"))}
+    before = {name: p.detach().clone() for name, p in params.items()}
+    optimizer.step()
+    assert len(params) == 2, sorted(params)
+    for name, param in params.items():
+        gradient = param.grad.T  # [out, in]
+        expected = (LR * max(1.0, gradient.shape[0] / gradient.shape[1]) ** 0.5
+                    * muon_utils.newton_schulz(gradient.float(), 5, "quintic")).T
+        update = before[name] - param.detach()
+        error = ((update - expected).abs().max() / expected.abs().max()).item()
+        assert error <= TOLERANCE, (name, error)
