@@ -545,7 +545,10 @@ def _checkpoint_layout_replacements() -> list[tuple[Any, str, Any]]:
     metadata), and a load reads the layout the checkpoint holds, named from its keys when
     megatron-core wrote it (checkpoint_optimizer_layout) into the metadata Megatron-LM hands
     the optimizer. `--ckpt-format torch` saves megatron-core's plain `state_dict()` layout
-    (plain_state_dict_for_megatron_core), which megatron-core's optimizer and ours both load."""
+    (plain_state_dict_for_megatron_core), which megatron-core's optimizer and ours both load. A
+    torch_dist load first names the parameters whose optimizer changed since the save
+    (megatron_core_formats/moved_state.py): refused in one line, or with --allow-optimizer-change-on-load
+    read around, their state fresh."""
     from megatron.core.dist_checkpointing import load_content_metadata
 
     build_metadata = megatron_lm_checkpointing._build_sharded_state_dict_metadata
