@@ -2,20 +2,14 @@
 
 Our sharded state dict asks for `[chained_<i>.]optimizer.state.<state name>.<model key>`
 (dist_checkpointing.py). When a parameter's optimizer changed (checkpointable/optimizer_change.py),
-the checkpoint holds its state under other state names (Adam's `exp_avg` where Muon keeps
-`momentum_buffer`), and `dist_checkpointing.load` would fail on the first missing key.
-`moved_parameters` reads the checkpoint's keys first (its metadata, no collective) and names every
-such parameter: without the opt-in in one ValueError; with it in one line, and `load_moved_fresh`
-then loads the checkpoint with one `dist_checkpointing.load` (the caller's) that reads everything
-but those parameters' state:
-- every sharded tensor and object of the request except the moved parameters' state (their fp32
-  main copies, which are weights, are read), under a key of its own, so that the checkpoint's
-  non-tensor part (its chain's param groups and steps, `common_state`) cannot collide with ours;
-- the result in our chain's structure: the moved parameters' state as the fresh optimizer made it
-  (its `init_state`, and its step), each child's param groups, step, scalars and loss scale from
-  the saved child of the same kind (the same param-group fields: the same torch optimizer), matched
-  group by group by megatron-core's identifying values; a child or group the checkpoint lacks keeps
-  its live ones.
+the checkpoint holds its state under other state names, and `dist_checkpointing.load` would fail on
+the first missing key. `moved_parameters` names them from the checkpoint's metadata (no
+collective): in a ValueError, or with the opt-in in one line; then `load_moved_fresh` runs the
+caller's one load for every sharded tensor and object but their state (main copies are weights:
+read), under a key of its own, apart from the checkpoint's non-tensor part. It gives back our
+chain's structure: the moved state as the fresh optimizer made it (`init_state`, its step); each
+child's param groups (matched by megatron-core's identifying values), step, scalars and loss scale
+from the saved child of the same kind (the same param-group fields); what the checkpoint lacks, live.
 """
 
 import re
@@ -51,7 +45,8 @@ def moved_parameters(optimizer_state_dict: Any, checkpoint_dir: str, allowed: bo
         return set()
     live = _state_names(value.key for value in nested_values(optimizer_state_dict) if isinstance(value, ShardedTensor))
     # with no saved state at all (saved before its first step, or another model) dist_checkpointing names it
-    moved = {name for name, names in live.items() if saved.get(name) and names - MAIN_COPIES != saved[name] - MAIN_COPIES}
+    moved = {name for name, names in live.items()
+             if saved.get(name) and names - MAIN_COPIES != saved[name] - MAIN_COPIES}
     changes = optimizer_changes({name: Owner("saved", ", ".join(sorted(saved[name] - MAIN_COPIES))) for name in moved},
                                 {name: Owner("now", ", ".join(sorted(live[name] - MAIN_COPIES))) for name in moved})
     return settle_optimizer_changes(changes, allowed, f"loading {checkpoint_dir}")

@@ -216,10 +216,11 @@ def test_adamw_checkpoint_continues_with_muon(run_distributed, tmp_path) -> None
     scalars (--muon-scalar-optimizer: Lion's state starts fresh, Muon's loads) and with AdamW (the
     matrices' state and step as --no-load-optim's fresh AdamW has them, the scalars' the saved).
     The saving runs' own state is the reference; megatron-core's DistributedOptimizer refuses the flag."""
-    saved, muon = str(tmp_path / "adamw"), MODEL + FSDP2_DCP + ["--optimizer", "muon", "--load", str(tmp_path / "adamw")]
+    saved = str(tmp_path / "adamw")
+    muon = MODEL + FSDP2_DCP + ["--optimizer", "muon", "--load", saved]
     dist_saved, muon_saved = str(tmp_path / "ddp"), str(tmp_path / "ddp_muon")
-    ddp, allow = MODEL + ["--train-iters", "3", "--lr-decay-iters", "6", "--ckpt-format", "torch_dist"], \
-        ["--allow-optimizer-change-on-load"]
+    ddp = MODEL + ["--train-iters", "3", "--lr-decay-iters", "6", "--ckpt-format", "torch_dist"]
+    allow = ["--allow-optimizer-change-on-load"]
     dist_muon, from_muon = ddp + ["--optimizer", "muon", "--load", dist_saved], ddp + ["--load", muon_saved]
     jobs = [("run", MODEL + FSDP2_DCP + ["--optimizer", "adam", "--save", saved, "--save-interval", "3"]),
             ("run", muon + allow), ("run", muon + ["--no-load-optim"]),
@@ -228,7 +229,8 @@ def test_adamw_checkpoint_continues_with_muon(run_distributed, tmp_path) -> None
             ("run", dist_muon + allow + ["--train-iters", "6", "--use-checkpoint-opt_param-scheduler"]),
             ("run", ddp + ["--optimizer", "muon", "--save", muon_saved, "--save-interval", "3"]),
             ("run", from_muon + ["--optimizer", "muon", "--muon-scalar-optimizer", "lion"] + allow),
-            ("run", from_muon + ["--optimizer", "adam"] + allow), ("run", from_muon + ["--optimizer", "adam", "--no-load-optim"]),
+            ("run", from_muon + ["--optimizer", "adam"] + allow),
+            ("run", from_muon + ["--optimizer", "adam", "--no-load-optim"]),
             ("refused", muon), ("refused", dist_muon),
             ("refused", from_muon + ["--optimizer", "adam", "--use-distributed-optimizer"] + allow)]
     per_rank = run_distributed(run_jobs, 2, args=(jobs,), timeout=SECONDS_PER_RUN[2] * len(jobs), leaves_groups=True)
