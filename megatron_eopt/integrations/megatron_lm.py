@@ -35,7 +35,7 @@ from megatron_eopt.checkpointing.dcp_optimizer_change import load_chain_state
 from megatron_eopt.checkpointable.optimizer_change import OPT_IN_FIELD, OPT_IN_FLAG
 from megatron_eopt.checkpointing.refusals import refuse_checkpoint_combinations, sharded_engine
 from megatron_eopt.megatron_core_formats.layouts import LAYOUT_KEY, MEGATRON_CORE_PING_PONG_LAYOUT
-from megatron_eopt.megatron_core_formats.moved_state import refuse_moved_state
+from megatron_eopt.megatron_core_formats.moved_state import load_moved_fresh, moved_parameters
 from megatron_eopt.megatron_core_formats.torch_dcp import load_megatron_core_dcp_state, megatron_core_torch_prefix
 from megatron_eopt.megatron_core_formats.dist_checkpointing import (checkpoint_optimizer_layout,
                                                                     plain_state_dict_for_megatron_core)
@@ -236,11 +236,8 @@ def _check_checkpoint_format(args: argparse.Namespace, byte_sharded: bool = Fals
     DDP reduce-scatters (`byte_sharded`: megatron-core's DistributedOptimizer steps, which writes
     every format)."""
     refuse_checkpoint_combinations(args, "megatron_lm")
-    if getattr(args, OPT_IN_FIELD, False) and getattr(args, "ckpt_format", None) != "torch_dcp":
-        raise ValueError(
-            f"{OPT_IN_FLAG} applies to --ckpt-format torch_dcp loads in Megatron-LM's loop (and to "
-            f"scripts/pretrain_gpt.py's); Megatron-LM's --ckpt-format {getattr(args, 'ckpt_format', None)} load does "
-            f"not apply it. Load with --no-load-optim to start all optimizer state fresh, or drop the flag.")
+    if getattr(args, OPT_IN_FIELD, False):
+        _check_optimizer_change_format(args, byte_sharded)
     if byte_sharded or sharded_engine(args):
         return
     if getattr(args, "use_distributed_optimizer", False) and getattr(args, "ckpt_format", None) == "torch":
@@ -250,6 +247,21 @@ def _check_checkpoint_format(args: argparse.Namespace, byte_sharded: bool = Fals
             "(optimizer.save_parameter_state), which megatron_eopt's layer-wise optimizer does "
             "not write; use --ckpt-format torch_dist (the default)."
         )
+
+
+def _check_optimizer_change_format(args: argparse.Namespace, byte_sharded: bool) -> None:
+    """--allow-optimizer-change-on-load applies to our optimizer's torch_dcp and torch_dist loads."""
+    ckpt_format = getattr(args, "ckpt_format", None)
+    if ckpt_format not in ("torch_dcp", "torch_dist"):
+        raise ValueError(
+            f"{OPT_IN_FLAG} applies to --ckpt-format torch_dist and torch_dcp loads in Megatron-LM's loop (and to "
+            f"scripts/pretrain_gpt.py's); Megatron-LM's --ckpt-format {ckpt_format} load does not apply it. Load "
+            f"with --no-load-optim to start all optimizer state fresh, or drop the flag.")
+    if ckpt_format == "torch_dist" and byte_sharded:
+        raise ValueError(
+            f"{OPT_IN_FLAG}: megatron-core's DistributedOptimizer steps this run (--optimizer adam "
+            f"--use-distributed-optimizer over a reduce-scattering DDP), and its --ckpt-format torch_dist load does "
+            f"not apply it. Load with --no-load-optim to start all optimizer state fresh, or drop the flag.")
 
 
 def get_megatron_optimizer_for_megatron_lm(
@@ -533,7 +545,10 @@ def _checkpoint_layout_replacements() -> list[tuple[Any, str, Any]]:
     metadata), and a load reads the layout the checkpoint holds, named from its keys when
     megatron-core wrote it (checkpoint_optimizer_layout) into the metadata Megatron-LM hands
     the optimizer. `--ckpt-format torch` saves megatron-core's plain `state_dict()` layout
-    (plain_state_dict_for_megatron_core), which megatron-core's optimizer and ours both load."""
+    (plain_state_dict_for_megatron_core), which megatron-core's optimizer and ours both load. A
+    torch_dist load first names the parameters whose optimizer changed since the save
+    (megatron_core_formats/moved_state.py): refused in one line, or with --allow-optimizer-change-on-load
+    read around, their state fresh."""
     from megatron.core.dist_checkpointing import load_content_metadata
 
     build_metadata = megatron_lm_checkpointing._build_sharded_state_dict_metadata
@@ -554,11 +569,15 @@ def _checkpoint_layout_replacements() -> list[tuple[Any, str, Any]]:
         return metadata
 
     def load_global_dist_base_checkpoint(load_dir, args, rank0, *rest, **kwargs):
+        moved = set()
         if not rank0 and len(rest) >= 3 and isinstance(rest[0], dict) and "optimizer" in rest[0]:
             sharded_state_dict, iteration, release = rest[:3]  # a parameter moved: one line, not a missing key
-            refuse_moved_state(sharded_state_dict["optimizer"], megatron_lm_checkpointing.get_checkpoint_name(
-                load_dir, iteration, release, return_base_dir=True))
-        loaded = load_base(load_dir, args, rank0, *rest, **kwargs)
+            moved = moved_parameters(sharded_state_dict["optimizer"], megatron_lm_checkpointing.get_checkpoint_name(
+                load_dir, iteration, release, return_base_dir=True), bool(getattr(args, OPT_IN_FIELD, False)))
+        if moved:  # --allow-optimizer-change-on-load: their state starts fresh, the rest loads
+            loaded = load_moved_fresh(lambda: load_base(load_dir, args, rank0, *rest, **kwargs), rest[0], moved)
+        else:
+            loaded = load_base(load_dir, args, rank0, *rest, **kwargs)
         state_dict, checkpoint_name = loaded[0], loaded[1]
         metadata = load_content_metadata(preloaded_state_dict=state_dict) if rank0 and state_dict else None
         if metadata is not None and LAYOUT_KEY not in metadata:

@@ -422,8 +422,8 @@ def core_chain_states(state_dict: Any) -> Optional[list]:
 def unpack_core_state_dict(state_dict: Mapping, params: list[ChildParam], config: Any,
                            ) -> tuple[dict, list[dict], dict[int, torch.Tensor], Optional[dict]]:
     """(torch state by index, saved param groups, fp32 main copies by index, grad scaler state) from
-    megatron-core's format; the step spread to every parameter's state, each group's `optimizer`
-    filled in. Changes nothing; refuses state of another shape than its parameter's."""
+    megatron-core's format; the step spread to every parameter's state (where it has none of its own),
+    each group's `optimizer` filled in. Changes nothing; refuses state of another shape than its parameter's."""
     layout = core_format_in(state_dict)
     torch_state = torch_state_of(state_dict, layout)
     shared = dict(state_dict.get(EXTRA_SCALARS) or {})
@@ -448,7 +448,8 @@ def unpack_core_state_dict(state_dict: Mapping, params: list[ChildParam], config
     for index in {*entries, *own}:
         values = entries.get(index, {})
         _check_shapes(index, values, params)
-        state[index] = {**values, **own.get(index, {}), **{name: _copy(value) for name, value in shared.items()}}
+        # a parameter's own scalars (a moved one's fresh step: moved_state.py) before the child's shared ones
+        state[index] = {**{name: _copy(value) for name, value in shared.items()}, **values, **own.get(index, {})}
     primary = run_optimizer(config)
     groups = [{**group, "optimizer": group.get("optimizer") or primary} for group in torch_state["param_groups"]]
     if GROUP_PARAMS in state_dict:  # dp_reshardable: ours, by position, as the other formats' merge gives them

@@ -208,35 +208,81 @@ FSDP2_DCP = ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights", "--bf
              "--train-iters", "3"]
 
 
-def test_fsdp2_adamw_checkpoint_continues_with_muon(run_distributed, tmp_path) -> None:
-    """Refused naming the matrices and the opt-in; with --allow-optimizer-change-on-load their state
-    is zero and every other parameter's AdamW state the saved one, bitwise; --no-load-optim loads.
-    DDP's torch_dist (megatron-core's layout) refuses naming them too, in one line, not a missing key."""
-    saved, muon = str(tmp_path / "adamw"), MODEL + FSDP2_DCP + ["--optimizer", "muon", "--load", str(tmp_path / "adamw")]
-    dist_saved, ddp = str(tmp_path / "ddp"), MODEL + ["--train-iters", "3", "--ckpt-format", "torch_dist"]
+def test_adamw_checkpoint_continues_with_muon(run_distributed, tmp_path) -> None:
+    """Torch FSDP2's torch_dcp and DDP's torch_dist (megatron-core's layout): refused in one line naming
+    the matrices and the opt-in; with --allow-optimizer-change-on-load their state is zero and every
+    other parameter's AdamW state (its step too) the saved one, bitwise, and the run trains on from
+    iteration 4; --no-load-optim loads. On torch_dist also a Muon run continued with Lion for the
+    scalars (--muon-scalar-optimizer: Lion's state starts fresh, Muon's loads) and with AdamW (the
+    matrices' state and step as --no-load-optim's fresh AdamW has them, the scalars' the saved).
+    The saving runs' own state is the reference; megatron-core's DistributedOptimizer refuses the flag."""
+    saved = str(tmp_path / "adamw")
+    muon = MODEL + FSDP2_DCP + ["--optimizer", "muon", "--load", saved]
+    dist_saved, muon_saved = str(tmp_path / "ddp"), str(tmp_path / "ddp_muon")
+    ddp = MODEL + ["--train-iters", "3", "--lr-decay-iters", "6", "--ckpt-format", "torch_dist"]
+    allow = ["--allow-optimizer-change-on-load"]
+    dist_muon, from_muon = ddp + ["--optimizer", "muon", "--load", dist_saved], ddp + ["--load", muon_saved]
     jobs = [("run", MODEL + FSDP2_DCP + ["--optimizer", "adam", "--save", saved, "--save-interval", "3"]),
-            ("run", muon + ["--allow-optimizer-change-on-load"]), ("run", muon + ["--no-load-optim"]),
+            ("run", muon + allow), ("run", muon + ["--no-load-optim"]),
             ("run", ddp + ["--optimizer", "adam", "--save", dist_saved, "--save-interval", "3"]),
-            ("refused", muon), ("refused", ddp + ["--optimizer", "muon", "--load", dist_saved])]
+            ("run", dist_muon + allow),
+            ("run", dist_muon + allow + ["--train-iters", "6", "--use-checkpoint-opt_param-scheduler"]),
+            ("run", ddp + ["--optimizer", "muon", "--save", muon_saved, "--save-interval", "3"]),
+            ("run", from_muon + ["--optimizer", "muon", "--muon-scalar-optimizer", "lion"] + allow),
+            ("run", from_muon + ["--optimizer", "adam"] + allow),
+            ("run", from_muon + ["--optimizer", "adam", "--no-load-optim"]),
+            ("refused", muon), ("refused", dist_muon),
+            ("refused", from_muon + ["--optimizer", "adam", "--use-distributed-optimizer"] + allow)]
     per_rank = run_distributed(run_jobs, 2, args=(jobs,), timeout=SECONDS_PER_RUN[2] * len(jobs), leaves_groups=True)
-    for rank, (adamw, changed, model_only, _, refused, dist_refused) in enumerate(per_rank):
-        status, stderr, _ = dist_refused
-        assert status == 2, (rank, status, stderr[-2000:])
-        assert_one_error_line(stderr, rank, "pretrain_gpt_megatron_lm.py", "--no-load-optim", rank)
-        assert rank or "decoder.layers.mlp.linear_fc1.weight (saved (exp_avg, exp_avg_sq) -> now (momentum_buffer))" in stderr
-        assert not any(isinstance(run, Unexpected) for run in (adamw, changed, model_only)), (adamw, changed, model_only)
-        status, stderr, _ = refused  # the loop's one line, status 2 on every rank
-        assert status == 2, (rank, status, stderr[-2000:])
-        assert_one_error_line(stderr, rank, "pretrain_gpt_megatron_lm.py", "allow_optimizer_change_on_load", rank)
-        assert rank or "decoder.layers.0.mlp.linear_fc1.weight (" in stderr, stderr
-        saved_state = adamw.optimizer_state["optimizers"]["dense"]["state"]
-        loaded = {child: entry["state"] for child, entry in changed.optimizer_state["optimizers"].items()}
-        assert set(loaded) == {"muon/dense", "adam/dense"} and loaded["adam/dense"] and loaded["muon/dense"], loaded.keys()
-        for name, state in loaded["adam/dense"].items():
-            _assert_equal_tensors(state, saved_state[name], f"rank {rank}, {name}")
-        for name, state in loaded["muon/dense"].items():
-            assert not state["momentum_buffer"].any(), (rank, name)
+    for rank, (adamw, changed, model_only, dist_adamw, dist_changed, trained, dist_muon_run, to_lion, to_adam,
+               fresh_adam, refused, dist_refused, core_refused) in enumerate(per_rank):
+        runs = (adamw, changed, model_only, dist_adamw, dist_changed, trained, dist_muon_run, to_lion, to_adam,
+                fresh_adam)
+        assert not any(isinstance(run, Unexpected) for run in runs), runs
+        for status, stderr, _ in (refused, dist_refused):  # the loop's one line, status 2 on every rank
+            assert status == 2, (rank, status, stderr[-2000:])
+            assert_one_error_line(stderr, rank, "pretrain_gpt_megatron_lm.py", "allow_optimizer_change_on_load", rank)
+            assert rank or "--no-load-optim" in stderr, stderr
+        assert rank or "decoder.layers.0.mlp.linear_fc1.weight (" in refused[1], refused[1]
+        assert rank or ("decoder.layers.mlp.linear_fc1.weight (saved (exp_avg, exp_avg_sq) -> now (momentum_buffer))"
+                        in dist_refused[1]), dist_refused[1]
+        assert core_refused[0] == 2, (rank, core_refused[1][-2000:])
+        assert_one_error_line(core_refused[1], rank, "pretrain_gpt_megatron_lm.py", "DistributedOptimizer steps", rank)
+        for saving, loading in ((adamw, changed), (dist_adamw, dist_changed)):
+            _assert_adamw_continued_with_muon(saving, loading, rank)
+        _assert_equal_tensors(dist_changed.parameters, dist_adamw.parameters, f"rank {rank}, parameters")
+        assert [r["iteration"] for r in trained.records] == [4, 5, 6], trained.records
+        assert all(0 < r["lm loss"] < 10 for r in trained.records), trained.records
+        _assert_muon_continued_with_other_scalars(dist_muon_run, to_lion, to_adam, fresh_adam, rank)
         assert model_only.exit_status == 0, rank
+
+
+def _child_states(run) -> dict:
+    return {child: entry["state"] for child, entry in run.optimizer_state["optimizers"].items()}
+
+
+def _assert_muon_continued_with_other_scalars(muon, to_lion, to_adam, fresh_adam, rank: int) -> None:
+    """Lion's scalars start at zero, Muon's matrices load; AdamW's matrices as a fresh AdamW's, its scalars load."""
+    saved, lion, adam = _child_states(muon), _child_states(to_lion), _child_states(to_adam)["dense"]
+    assert set(lion) == {"muon/dense", "lion/dense"} and lion["lion/dense"], lion.keys()
+    _assert_equal_tensors(lion["muon/dense"], saved["muon/dense"], f"rank {rank}, muon/dense")
+    assert all(not state["exp_avg"].any() for state in lion["lion/dense"].values()), rank
+    fresh = _child_states(fresh_adam)["dense"]
+    assert adam.keys() == fresh.keys() == saved["muon/dense"].keys() | saved["adam/dense"].keys(), adam.keys()
+    for name, state in adam.items():
+        reference = saved["adam/dense"].get(name, fresh[name])
+        _assert_equal_tensors(state, reference, f"rank {rank}, {name}")
+
+
+def _assert_adamw_continued_with_muon(adamw, changed, rank: int) -> None:
+    """Muon's matrices start at zero momentum; AdamW's parameters load its saved state bitwise."""
+    saved_state = _child_states(adamw)["dense"]
+    loaded = _child_states(changed)
+    assert set(loaded) == {"muon/dense", "adam/dense"} and loaded["adam/dense"] and loaded["muon/dense"], loaded.keys()
+    for name, state in loaded["adam/dense"].items():
+        _assert_equal_tensors(state, saved_state[name], f"rank {rank}, {name}")
+    for name, state in loaded["muon/dense"].items():
+        assert not state["momentum_buffer"].any(), (rank, name)
 
 
 @pytest.mark.slow

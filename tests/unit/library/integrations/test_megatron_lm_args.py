@@ -290,20 +290,24 @@ def _pre_parse(argv: str) -> str:
         sys.argv = saved_argv
 
 
-def _refuse_torch_format_body(rank: int, world_size: int) -> str:
+def _refuse_checkpoint_formats_body(rank: int, world_size: int, flag_lines: list[str]) -> list[str]:
+    """Each of `flag_lines` after MODEL_FLAGS built through Megatron-LM's factory: the refusal's message."""
     from megatron_eopt.integrations import megatron_lm
     from megatron_eopt.training.model.gpt import destroy_model_parallel, initialize_model_parallel
 
-    args = parse_megatron_lm(f"{MODEL_FLAGS} {ADAM} --use-distributed-optimizer --ckpt-format torch", rank, world_size)
-    initialize_model_parallel(1, seed=SEED)
-    try:
-        with megatron_lm.installed():
-            build_through_megatron_lm(args, model_from_args(args))
-    except ValueError as error:
-        return str(error)
-    finally:
-        destroy_model_parallel()
-    return "built"
+    messages = []
+    for flags in flag_lines:
+        args = parse_megatron_lm(f"{MODEL_FLAGS} {flags}", rank, world_size)
+        initialize_model_parallel(1, seed=SEED)
+        try:
+            with megatron_lm.installed():
+                build_through_megatron_lm(args, model_from_args(args))
+            messages.append("built")
+        except ValueError as error:
+            messages.append(str(error))
+        finally:
+            destroy_model_parallel()
+    return messages
 
 
 def _script_steps_body(rank: int, world_size: int) -> dict:
@@ -550,9 +554,15 @@ def test_install_rebinds_the_name_setup_model_and_optimizer_calls(run_distribute
                     "pre-parse installed": "laprop", "pre-parse after": "refused"}
 
 
-def test_distributed_optimizer_with_torch_checkpoint_format_is_refused(run_distributed) -> None:
-    message = run_distributed(_refuse_torch_format_body, world_size=2)[0]
-    assert "--ckpt-format torch_dist" in message and "save_parameter_state" in message, message
+def test_checkpoint_formats_our_optimizer_cannot_serve_are_refused(run_distributed) -> None:
+    """The distributed optimizer with --ckpt-format torch; --allow-optimizer-change-on-load with
+    --ckpt-format torch, whose load does not apply it (megatron-core's DistributedOptimizer's torch_dist:
+    test_megatron_lm_loop.py's refusals)."""
+    torch_format, opt_in = run_distributed(_refuse_checkpoint_formats_body, world_size=2, args=([
+        f"{ADAM} --use-distributed-optimizer --ckpt-format torch",
+        f"{MUON} --ckpt-format torch --allow-optimizer-change-on-load"],))[0]
+    assert "--ckpt-format torch_dist" in torch_format and "save_parameter_state" in torch_format, torch_format
+    assert "--ckpt-format torch load does not apply it" in opt_in and "--no-load-optim" in opt_in, opt_in
 
 
 def test_script_data_and_loss_on_cpu(run_distributed) -> None:
