@@ -80,12 +80,12 @@ def settle_optimizer_changes(changes: list[OptimizerChange], allowed: bool, wher
             f"saved: {describe_changes(changes)}")
     if not allowed:
         raise error(f"{what}. Their saved state does not fit their optimizer now. {remedy}")
-    _say_on_rank_zero(f"megatron_eopt: {what}; their optimizer state starts fresh ({OPT_IN_FIELD}), "
+    say_on_rank_zero(f"megatron_eopt: {what}; their optimizer state starts fresh ({OPT_IN_FIELD}), "
                       f"everything else is loaded.")
     return {change.name for change in changes}
 
 
-def _say_on_rank_zero(line: str) -> None:
+def say_on_rank_zero(line: str) -> None:
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:

@@ -18,7 +18,8 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from megatron_eopt.checkpointable.child import param_group_identifier
-from megatron_eopt.checkpointable.optimizer_change import Owner, optimizer_changes, settle_optimizer_changes
+from megatron_eopt.checkpointable.optimizer_change import (Owner, optimizer_changes, say_on_rank_zero,
+                                                           settle_optimizer_changes)
 from megatron_eopt.megatron_core_formats.dist_checkpointing import core_chain_states
 from megatron_eopt.megatron_core_formats.layouts import (COMMON_STEP, DISTRIBUTED_MAIN_PARAM, EXTRA_SCALARS,
                                                          MAIN_PARAM_STATE, OWN_STATE, STATE_PREFIX, core_format_in,
@@ -97,6 +98,10 @@ def _moved_key(key: str) -> Optional[str]:
     return match.group(2) if match else None
 
 
+def _keys_of(tree: Any) -> list[str]:
+    return [leaf.key for leaf in _sharded_leaves(tree)]
+
+
 def _of_moved(key: str, moved: set[str]) -> bool:
     return _moved_key(key) in moved
 
@@ -125,6 +130,11 @@ def _with_saved_common(live: Any, resolved: Any, saved_children: list, moved: se
         fresh = _fresh_scalars(child)
         if matches:
             _take_saved_common(child, saved_children[index if index in matches else matches[0]])
+        elif any(key is not None and key not in moved for key in map(_moved_key, _keys_of(request))):
+            say_on_rank_zero(f"megatron_eopt: loading, optimizer child {index} (param-group fields "
+                             f"{sorted(_kind(child)[0]) if _kind(child) else 'unknown'}) has no saved child of its "
+                             f"kind; its unmoved parameters' state loads, but its step, param-group values and "
+                             f"scalars are this run's fresh ones.")
         _start_fresh(request, child, fresh, moved)
     return resolved
 
