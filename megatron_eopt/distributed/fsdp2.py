@@ -1,6 +1,7 @@
 """Models sharded with torch FSDP2 (`fully_shard`) or Megatron-FSDP (`fully_shard_model`, ZeRO-3):
 DTensor parameters on a 1-D mesh, Shard(0), shards of any sizes (with Megatron-FSDP and TP, on
-its 2-D (dp, tp) mesh, each TP rank's part split by rows).
+its 2-D (dp, tp) mesh, each TP rank's part split by rows); with torch FSDP2 any other placements
+too (torchtitan's TP: ops/placed_matrices.py), each rank stepping its local part.
 
 placement/fully_sharded_layout.py reads and checks that layout: the data-parallel group from the
 parameters' mesh (with EP, the experts' from theirs), each matrix's row split from the ranks'
@@ -8,7 +9,8 @@ shards, the tensor-parallel and expert groups, the partition dims, and each whol
 optimizer's owner ranks by Newton-Schulz cost (ops/row_shards.py runs the exchange). This module
 - refuses the settings the sharded path does not implement (`check_fully_sharded_config`);
 - wraps the inner optimizers to step each DTensor's local shard (`FullyShardedFP32Optimizer`),
-  with the gradient norm and the inf/NaN check summed over the mesh, then the (expert) model-parallel group.
+  with the gradient norm and the inf/NaN check summed over the mesh (a replicated part counted
+  once), then the (expert) model-parallel group.
 docs/fsdp2.md and docs/megatron-fsdp.md describe the behaviour.
 """
 

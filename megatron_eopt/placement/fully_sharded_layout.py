@@ -7,8 +7,9 @@ The optimizer (distributed/fsdp2.py) and the checkpoints (checkpointing/) both r
 the layout as it reads it: Shard(0) on 1-D meshes (Shard(1) for 3-D experts of a known container:
 the rows of every expert), or Megatron-FSDP's 2-D (dp, tp) mesh for what
 (expert) TP splits, whose matrices are each TP rank's part (ops/splits.tensor_parallel_rank_shape);
-the experts' mesh against the expert groups; tensor-parallel layers that fit the TP group
-(docs/fsdp2.md, docs/megatron-fsdp.md).
+the experts' mesh against the expert groups; tensor-parallel layers that fit the TP group.
+Other Shard/_StridedShard/Replicate placements on any mesh (torchtitan's TP x FSDP2) are `placed`:
+ops/placed_matrices.py steps them (docs/fsdp2.md, docs/megatron-fsdp.md).
 """
 
 import dataclasses
