@@ -287,10 +287,9 @@ class TensorParallelAdaptiveMuon(ShardedMatrices, AdaptiveMuon):
 def _refuse_placed(row_shards_of: Optional[Mapping[int, Any]]) -> None:
     """Its second moment's statistics are of rows or columns of the whole matrix, which the placed
     path (ops/placed_matrices.py: torchtitan's tensor parallelism) does not compute."""
-    placed = [s.layout.name for s in (row_shards_of or {}).values() if isinstance(s, PlacedMatrix)]
+    placed = [s for s in (row_shards_of or {}).values() if isinstance(s, PlacedMatrix)]
     if placed:
         raise ValueError(
-            f"parameter {placed[0]!r}: AdaptiveMuon (adaptive_muon) steps DTensor parameters placed Shard(0) "
-            f"on a 1-D mesh only (FSDP2 without tensor parallelism); got {placed[0]!r} placed "
-            f"{next(s for s in row_shards_of.values() if isinstance(s, PlacedMatrix)).placements}. Use muon, or "
-            f"tensor_parallel_degree=1.")
+            f"parameter {placed[0].layout.name!r} is placed {placed[0].placements}; AdaptiveMuon (adaptive_muon) "
+            f"steps DTensor parameters placed Shard(0) on a 1-D mesh only (FSDP2 without tensor parallelism). "
+            f"Use muon, or tensor_parallel_degree=1.")

@@ -202,7 +202,8 @@ def _bad_input_body(rank: int, world_size: int) -> dict:
     mixed = Plain()
     fully_shard(mixed.a, mesh=mesh)  # b, c and norm stay plain tensors
     messages["mixed"] = error_of(lambda: get_megatron_optimizer(config, [mixed]))
-    for name, placement in (("shard1", Shard(1)), ("replicate", Replicate())):
+    for name, placement, optimizer in (("shard1", Shard(1), "muon"), ("replicate", Replicate(), "muon"),
+                                       ("shard1_mop", Shard(1), "mop")):
         # Placements FSDP2's default does not give: the placed path (ops/placed_matrices.py).
         torch.manual_seed(3)
         reference = Plain()
@@ -211,7 +212,7 @@ def _bad_input_body(rank: int, world_size: int) -> dict:
             for pname, p in list(module.named_parameters()):
                 value = distribute_tensor(p.detach(), mesh, [placement if p.dim() == 2 else Shard(0)])
                 setattr(module, pname, torch.nn.Parameter(value))
-        messages[name] = step_both(reference, model, config)
+        messages[name] = step_both(reference, model, config_for(optimizer))
     sharded = Plain()
     fully_shard(sharded, mesh=mesh)
     messages["soap"] = error_of(lambda: get_megatron_optimizer(OptimizerConfig(optimizer="soap", lr=0.01), [sharded]))
@@ -289,14 +290,14 @@ def test_plain_model_whole_matrix_optimizer_empty_shard(run_distributed) -> None
 
 def test_bad_input_and_other_placements(run_distributed) -> None:
     """A plain parameter beside DTensors and SOAP are refused; matrices placed Shard(1) or
-    Replicate() on the 1-D mesh (the rest Shard(0)) step as one process does, the replicated
-    ones counted once in the clipped gradient norm."""
+    Replicate() on the 1-D mesh (the rest Shard(0)) step as one process does (muon, and mop's
+    whole-matrix orthogonalize), the replicated ones counted once in the clipped gradient norm."""
     per_rank = run_distributed(_bad_input_body, world_size=2, timeout=300)
     messages = per_rank[0]
     kind, text = messages["mixed"]
     assert kind == "TypeError" and "'b.weight'" in text and "DTensor" in text, messages["mixed"]
     for rank, runs in enumerate(per_rank):
-        for name in ("shard1", "replicate"):
+        for name in ("shard1", "replicate", "shard1_mop"):
             check_run(runs[name], (name, rank))
     kind, text = messages["soap"]
     assert kind == "ValueError" and "FSDP2" in text and "'soap'" in text, messages["soap"]
