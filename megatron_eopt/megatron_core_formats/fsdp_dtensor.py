@@ -121,7 +121,8 @@ def dtensor_state_dict(child: CheckpointableChild, is_loading: bool) -> dict:
                      for param in params}
     if flat.get("main_params"):  # fp32 main weights of 16-bit parameters: this rank's rows, like the parameter's
         model_of = {param.fqn: param.model for param in every_param}
-        mains = {fqn: torch.empty_like(main) if is_loading else main.detach() for fqn, main in flat["main_params"].items()}
+        mains = {fqn: torch.empty_like(main) if is_loading else main.detach()
+                 for fqn, main in flat["main_params"].items()}
         flat["main_params"] = {fqn: placed_like(main, model_of[fqn]) if fqn in placed else
                                row_sharded(main, model_of[fqn], offsets[fqn]) for fqn, main in mains.items()}
     return flat
@@ -140,8 +141,9 @@ def _refuse_unlike_parts(child: CheckpointableChild, tensors: list[tuple[ChildPa
         if value.shape != param.model.to_local().shape:
             raise ValueError(
                 f"optimizer {child.name!r} keeps state {name!r} {tuple(value.shape)} for parameter {param.fqn!r} "
-                f"placed {tuple(param.model.placements)}, not shaped like its part {tuple(param.model.to_local().shape)}; "
-                f"DTensor optimizer state of such placements holds elementwise state only.")
+                f"placed {tuple(param.model.placements)}, not shaped like its part "
+                f"{tuple(param.model.to_local().shape)}; DTensor optimizer state of such placements holds "
+                f"elementwise state only.")
 
 
 def _split_state(params: list[ChildParam], tensors: list[tuple[ChildParam, str, torch.Tensor]]

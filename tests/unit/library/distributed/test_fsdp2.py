@@ -15,6 +15,7 @@ shards and, for the 5x7 matrix at 4 ranks, a rank with no rows.
 
 import copy
 import dataclasses
+import tempfile
 import time
 
 import pytest
@@ -213,6 +214,10 @@ def _bad_input_body(rank: int, world_size: int) -> dict:
                 value = distribute_tensor(p.detach(), mesh, [placement if p.dim() == 2 else Shard(0)])
                 setattr(module, pname, torch.nn.Parameter(value))
         messages[name] = step_both(reference, model, config_for(optimizer))
+        if name == "replicate":  # our checkpoint files store Shard(0) parameters only
+            from megatron_eopt.checkpointing import save_checkpoint
+
+            messages["save"] = error_of(lambda: save_checkpoint(tempfile.mkdtemp(), 1, [model]))
     sharded = Plain()
     fully_shard(sharded, mesh=mesh)
     messages["soap"] = error_of(lambda: get_megatron_optimizer(OptimizerConfig(optimizer="soap", lr=0.01), [sharded]))
@@ -299,6 +304,8 @@ def test_bad_input_and_other_placements(run_distributed) -> None:
     for rank, runs in enumerate(per_rank):
         for name in ("shard1", "replicate", "shard1_mop"):
             check_run(runs[name], (name, rank))
+    kind, text = messages["save"]
+    assert kind == "ValueError" and "'a.weight'" in text and "Replicate()" in text and "DCP" in text, messages["save"]
     kind, text = messages["soap"]
     assert kind == "ValueError" and "FSDP2" in text and "'soap'" in text, messages["soap"]
 
