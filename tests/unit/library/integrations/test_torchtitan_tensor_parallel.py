@@ -155,6 +155,8 @@ def _body(rank: int, world_size: int, folder: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(run_distributed, tmp_path_factory) -> list[dict]:
     folder = str(tmp_path_factory.mktemp("titan_tp"))
+    # torchtitan's ParallelDims and parallelize leave their meshes' groups held where no cleanup
+    # reaches (measured: without any optimizer too): the world is replaced afterwards.
     results = run_distributed(_body, world_size=4, args=(folder,), timeout=600, leaves_groups=True)
     print(f"CPU seconds per rank: {[round(r['cpu_seconds'], 1) for r in results]}; "
           f"max |TP x FSDP - one process| / max|p|: {max(max(r['errors'].values()) for r in results):.3g}")
