@@ -211,9 +211,10 @@ def _held_rows(fsdp: FullyShardedLayout) -> dict[str, tuple[int, int]]:
     on its own mesh, the dense parameters' on theirs). TP x FSDP is refused: `fully_shard` drops the
     attributes that say which weights TP splits by heads, and Megatron-FSDP's rows are of each TP
     rank's part (untested)."""
-    if group_size(fsdp.tp_group) > 1:
-        raise ValueError(f"QK-clip and max-logit logging on TP x {fsdp.engine} are not supported; use them with "
-                         f"torch FSDP2 or Megatron-FSDP at TP=1, or with TP and megatron-core DDP.")
+    if group_size(fsdp.tp_group) > 1 or fsdp.placed:
+        placed = f" (parameter {sorted(fsdp.placed)[0]!r} is placed other than Shard(0))" if fsdp.placed else ""
+        raise ValueError(f"QK-clip and max-logit logging on TP x {fsdp.engine}{placed} are not supported; use them "
+                         f"with torch FSDP2 or Megatron-FSDP at TP=1, or with TP and megatron-core DDP.")
     experts = fsdp.expert_parallel_fqns  # their rows are split over their own mesh's group
     ranks = {is_expert: group_rank(fsdp.group_of(is_expert)) for is_expert in (False, True)}
     return {fqn: held_rows(split, ranks[fqn in experts]) for fqn, split in fsdp.rows_by_rank.items()}
@@ -419,14 +420,17 @@ def _children(build: _Build, owned_fqns: Optional[set[str]] = None) -> list[Any]
             if fsdp is not None:
                 # Disjoint row shards: their squares sum over the mesh, then over the model-parallel
                 # group (a TP-replicated parameter counts on TP rank 0 only, as without FSDP2); the
-                # experts' over their own mesh, then over the expert model-parallel group.
-                norm_groups = (fsdp.group_of(is_expert), norm_group)
+                # experts' over their own mesh, then over the expert model-parallel group. A mesh's
+                # tensor-parallel dimension (torchtitan's) is summed as part of the mesh.
+                norm_groups = (*fsdp.norm_groups_of(is_expert), norm_group)
             child_records = [r for r in records if (r.is_expert_parallel, r.optimizer_name) == (is_expert, name)]
             make_optimizer = _optimizer_maker(lookup_optimizer(name), config, build.chunks, child_records, tp_group,
                                               fsdp, is_expert)
             children.append(wrapper(child_groups, make_optimizer, config, records, tp_group, norm_groups,
                                     _child_name(routing, name, is_expert), grad_scaler,
                                     state_precision=state_precision_for(name, config), qk_clip=build.qk_clip))
+            if fsdp is not None:
+                children[-1].placed_fqns = fsdp.placed
     return children
 
 

@@ -104,7 +104,11 @@ def row_placement(fqn: str, param: DTensor, parts: int, rows_by_rank: tuple[int,
     `rows_by_rank`: the rows each rank of the mesh holds, as gathered (ops/row_shards.gathered_rows).
     `tp_rows`: for a tensor-parallel shard (TP x FSDP2), where it sits in the global tensor.
     """
-    check_row_placement(fqn, param)
+    if not check_row_placement(fqn, param):
+        raise ValueError(
+            f"parameter {fqn!r}: checkpoints of DTensor placement {tuple(param.placements)} are not supported by "
+            f"save_checkpoint, which stores Shard(0) on a 1-D mesh; save the optimizer's state_dict() with torch "
+            f"DCP instead (its state is placed like the parameters; torchtitan's checkpointer does this).")
     group = param.device_mesh.get_group()
     if group_size(group) == 1:
         return Placement(None, 0, parts, rows_by_rank=(param.shape[0],), tp_rows=tp_rows)

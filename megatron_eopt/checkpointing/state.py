@@ -90,9 +90,10 @@ def _refuse_two_dimensional_meshes(named: list) -> None:
     for fqn, _, param in named:
         if isinstance(param, DTensor) and param.device_mesh.ndim > 1:
             raise ValueError(
-                f"parameter {fqn!r}: checkpoints of TP x Megatron-FSDP (its 2-D (dp, tp) mesh, expert TP "
-                f"included) are not supported; checkpoint Megatron-FSDP at TP=1 and expert TP=1, or use TP x "
-                f"torch FSDP2 or TP with megatron-core's DDP."
+                f"parameter {fqn!r}: checkpoints of parameters on a 2-D mesh (TP x Megatron-FSDP, torchtitan's TP) "
+                f"are not supported by save_checkpoint; checkpoint Megatron-FSDP at TP=1 and expert TP=1, use TP x "
+                f"torch FSDP2 or TP with megatron-core's DDP, or save the optimizer's state_dict() with torch DCP "
+                f"(torchtitan's checkpointer)."
             )
 
 

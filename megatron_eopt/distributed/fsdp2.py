@@ -1,6 +1,7 @@
 """Models sharded with torch FSDP2 (`fully_shard`) or Megatron-FSDP (`fully_shard_model`, ZeRO-3):
 DTensor parameters on a 1-D mesh, Shard(0), shards of any sizes (with Megatron-FSDP and TP, on
-its 2-D (dp, tp) mesh, each TP rank's part split by rows).
+its 2-D (dp, tp) mesh, each TP rank's part split by rows); with torch FSDP2 any other placements
+too (torchtitan's TP: ops/placed_matrices.py), each rank stepping its local part.
 
 placement/fully_sharded_layout.py reads and checks that layout: the data-parallel group from the
 parameters' mesh (with EP, the experts' from theirs), each matrix's row split from the ranks'
@@ -8,7 +9,8 @@ shards, the tensor-parallel and expert groups, the partition dims, and each whol
 optimizer's owner ranks by Newton-Schulz cost (ops/row_shards.py runs the exchange). This module
 - refuses the settings the sharded path does not implement (`check_fully_sharded_config`);
 - wraps the inner optimizers to step each DTensor's local shard (`FullyShardedFP32Optimizer`),
-  with the gradient norm and the inf/NaN check summed over the mesh, then the (expert) model-parallel group.
+  with the gradient norm and the inf/NaN check summed over the mesh (a replicated part counted
+  once), then the (expert) model-parallel group.
 docs/fsdp2.md and docs/megatron-fsdp.md describe the behaviour.
 """
 
@@ -23,6 +25,7 @@ from megatron_eopt.megatron_core_formats.fsdp_dtensor import (
     asks_for_fsdp_dtensor,
     dtensor_state_dict,
 )
+from megatron_eopt.ops.placed_matrices import replicated_mesh_dims
 from megatron_eopt.placement.fully_sharded_layout import FullyShardedLayout
 from megatron_eopt.placement.megatron_fsdp_model import MEGATRON_FSDP, TORCH_FSDP2, missing_grad
 from megatron_eopt.runtime.once import warn_once
@@ -62,6 +65,13 @@ class FullyShardedFP32Optimizer(FP32Optimizer):
     DTensor gradients. The aliases are refreshed every step, since FSDP2 may re-create a shard's
     storage (its lazy init re-pads shards after `load_state_dict(assign=True)`).
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # A part replicated over a mesh dimension (torchtitan's norms on its tp dimension) counts in
+        # the gradient norm on that dimension's first rank only: the norm sums over the whole mesh.
+        self._counts_for_norm = [counts and _first_copy(param)
+                                 for counts, param in zip(self._counts_for_norm, self.model_params)]
 
     def _make_main_param(self, param: torch.nn.Parameter) -> torch.nn.Parameter:
         if not isinstance(param, DTensor) or param.dtype != torch.float32:
@@ -120,6 +130,9 @@ class FullyShardedFP32Optimizer(FP32Optimizer):
         grad = param.grad if param.grad is not None else getattr(param, "decoupled_grad", None)
         local = self._missing_grad(fqn, param.to_local()) if grad is None else _local_grad(fqn, grad, param)
         return None if local is None else local.float()
+
+    # The parameters on the placed path (ops/placed_matrices.py); their state is placed like them.
+    placed_fqns: frozenset = frozenset()
 
     # Megatron-FSDP gives an empty shard no gradient (megatron_fsdp_model.missing_grad); FSDP2 gives
     # every rank a gradient or none, and a parameter without one is not stepped.
@@ -186,6 +199,12 @@ class MegatronFSDPMixedPrecisionOptimizer(FullyShardedMixedPrecisionOptimizer):
 
     empty_shards_lack_grads = True
     engine = MEGATRON_FSDP
+
+
+def _first_copy(param: DTensor) -> bool:
+    """Whether this rank holds the first copy of its part: rank 0 of every mesh dimension that
+    replicates it."""
+    return all(param.device_mesh.get_local_rank(dim) == 0 for dim in replicated_mesh_dims(tuple(param.placements)))
 
 
 def _local_grad(fqn: str, grad: torch.Tensor, param: DTensor) -> torch.Tensor:

@@ -6,7 +6,8 @@ torch optimizer over the container, iterable over the optimizers its lr schedule
 built here holds one optimizer, `get_megatron_optimizer(optimizer_config, model_parts)`. torchtitan keeps
 its own lr schedule (a LambdaLR on ours), its clipping (set `clip_grad=0.0`: the engine clips) and its
 checkpoints: the container's `state_dict()` is torchtitan's, keyed by parameter name from our torch-layout
-`state_dict()` (its `param_names`), saved through DCP.
+`state_dict()` (its `param_names`), saved through DCP. Its FSDP2 and tensor parallelism (alone or
+together) need nothing here: the optimizer takes their DTensor placements (docs/fsdp2.md, "Other placements").
 This module imports torchtitan; `import megatron_eopt` never imports this module.
 """
 

@@ -93,19 +93,25 @@ def dtensor_state_dict(child: CheckpointableChild, is_loading: bool) -> dict:
     child.init_state()
     every_param = child.checkpoint_params()
     flat = renamed(child.local_state_dict(), stored_names(child.name, every_param))
+    placed = {param.stored_name for param in every_param if param.fqn in getattr(child, "placed_fqns", ())}
     every_param = [param._replace(fqn=param.stored_name) for param in every_param]
     params = [param for param in every_param if param.fqn in flat["state"]]
     tensors = [(param, name, value) for param in params for name, value in flat["state"][param.fqn].items()
                if torch.is_tensor(value) and value.dim() > 0]
-    row_sharded_state, offsets = _split_state(every_param, tensors)
-    replicated = [(p, name, value) for p, name, value in tensors if (p.fqn, name) not in row_sharded_state]
+    _refuse_unlike_parts(child, [(p, name, value) for p, name, value in tensors if p.fqn in placed])
+    row_sharded_state, offsets = _split_state([p for p in every_param if p.fqn not in placed],
+                                              [(p, name, value) for p, name, value in tensors if p.fqn not in placed])
+    replicated = [(p, name, value) for p, name, value in tensors
+                  if p.fqn not in placed and (p.fqn, name) not in row_sharded_state]
     _refuse_on_two_dimensional_meshes(child, replicated)
     if not is_loading:
         _check_replicated(child, replicated)
     stored = {}
     for param, name, value in tensors:
         local = torch.empty_like(value) if is_loading else value.detach()
-        if (param.fqn, name) in row_sharded_state:
+        if param.fqn in placed:
+            stored[param.fqn, name] = placed_like(local, param.model)
+        elif (param.fqn, name) in row_sharded_state:
             stored[param.fqn, name] = row_sharded(local, param.model, offsets[param.fqn])
         else:
             stored[param.fqn, name] = DTensor.from_local(local, param.model.device_mesh, [Replicate()], run_check=False)
@@ -115,10 +121,29 @@ def dtensor_state_dict(child: CheckpointableChild, is_loading: bool) -> dict:
                      for param in params}
     if flat.get("main_params"):  # fp32 main weights of 16-bit parameters: this rank's rows, like the parameter's
         model_of = {param.fqn: param.model for param in every_param}
-        flat["main_params"] = {fqn: row_sharded(torch.empty_like(main) if is_loading else main.detach(),
-                                                model_of[fqn], offsets[fqn])
-                               for fqn, main in flat["main_params"].items()}
+        mains = {fqn: torch.empty_like(main) if is_loading else main.detach()
+                 for fqn, main in flat["main_params"].items()}
+        flat["main_params"] = {fqn: placed_like(main, model_of[fqn]) if fqn in placed else
+                               row_sharded(main, model_of[fqn], offsets[fqn]) for fqn, main in mains.items()}
     return flat
+
+
+def placed_like(local: torch.Tensor, param: DTensor) -> DTensor:
+    """`local`, shaped like this rank's part of `param`, as a DTensor placed like `param` (any mesh,
+    any Shard/_StridedShard/Replicate placements: DCP saves a replicated part once)."""
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())
+
+
+def _refuse_unlike_parts(child: CheckpointableChild, tensors: list[tuple[ChildParam, str, torch.Tensor]]) -> None:
+    """State of a parameter on the placed path (ops/placed_matrices.py) is elementwise: shaped like its part."""
+    for param, name, value in tensors:
+        if value.shape != param.model.to_local().shape:
+            raise ValueError(
+                f"optimizer {child.name!r} keeps state {name!r} {tuple(value.shape)} for parameter {param.fqn!r} "
+                f"placed {tuple(param.model.placements)}, not shaped like its part "
+                f"{tuple(param.model.to_local().shape)}; DTensor optimizer state of such placements holds "
+                f"elementwise state only.")
 
 
 def _split_state(params: list[ChildParam], tensors: list[tuple[ChildParam, str, torch.Tensor]]

@@ -18,6 +18,7 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_eopt.ops.placed_matrices import PlacedMatrix, map_placed
 from megatron_eopt.ops.row_shards import RowShards, map_row_shards
 from megatron_eopt.ops.splits import MatrixLayout
 from megatron_eopt.ops.whole_matrix import gather_whole_matrix, local_part
@@ -57,15 +58,24 @@ class _WholeMatrixOverTensorParallel:
         """This rank's rows of every update, each matrix orthogonalized on its owner (FSDP2)."""
         shards = [self._row_shards_of[id(p)] for p in params]
         group_of = {id(p): group for group in self.param_groups for p in group["params"]}
+        placed = [i for i, s in enumerate(shards) if isinstance(s, PlacedMatrix)]  # ops/placed_matrices.py
+        rows = [i for i in range(len(shards)) if i not in placed]
 
-        def orthogonalize_owned(owned: list[int], wholes: list[torch.Tensor]) -> list[torch.Tensor]:
+        def orthogonalize(indices: list[int], wholes: list[torch.Tensor]) -> list[torch.Tensor]:
             results = []
-            for i, whole in zip(owned, wholes):
+            for i, whole in zip(indices, wholes):
                 kwargs = {k: v for k, v in group_of[id(params[i])].items() if k != "params"}
                 results.append(self._orthogonalize_tp_shard(params[i], whole, shards[i].layout, kwargs))
             return results
 
-        return map_row_shards(updates, shards, self.fsdp_group, orthogonalize_owned)
+        results: list[torch.Tensor] = [torch.empty(0)] * len(params)
+        exchanged = map_row_shards([updates[i] for i in rows], [shards[i] for i in rows], self.fsdp_group,
+                                   lambda owned, wholes: orthogonalize([rows[k] for k in owned], wholes))
+        kept = map_placed([updates[i] for i in placed], [shards[i] for i in placed],
+                          lambda wholes: orthogonalize(placed, wholes))
+        for i, result in (*zip(rows, exchanged), *zip(placed, kept)):
+            results[i] = result
+        return results
 
 
 def with_tensor_parallelism(optimizer_cls: type) -> type:

@@ -563,7 +563,8 @@ def matrix_layout(record: ParamRecord, model_config: Any, tp_size: int, split_qk
                   attribute: str = "") -> MatrixLayout:
     """The MatrixLayout of one 2-D parameter (see `matrix_layouts`). Without `owner` (the module
     holding its linear layer as `attribute`) the blocks are found by the name's last but one part."""
-    shape = tensor_parallel_rank_shape(record.param)
+    # A TP rank's part on Megatron-FSDP's (dp, tp) mesh; other DTensors (torchtitan's TP) are whole.
+    shape = tensor_parallel_rank_shape(record.param) if record.tensor_model_parallel else tuple(record.param.shape)
     if len(shape) > 2:
         return _batch_layout(record, owner, attribute)
     if len(shape) != 2:

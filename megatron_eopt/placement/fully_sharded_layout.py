@@ -7,19 +7,22 @@ The optimizer (distributed/fsdp2.py) and the checkpoints (checkpointing/) both r
 the layout as it reads it: Shard(0) on 1-D meshes (Shard(1) for 3-D experts of a known container:
 the rows of every expert), or Megatron-FSDP's 2-D (dp, tp) mesh for what
 (expert) TP splits, whose matrices are each TP rank's part (ops/splits.tensor_parallel_rank_shape);
-the experts' mesh against the expert groups; tensor-parallel layers that fit the TP group
-(docs/fsdp2.md, docs/megatron-fsdp.md).
+the experts' mesh against the expert groups; tensor-parallel layers that fit the TP group.
+Other Shard/_StridedShard/Replicate placements on any mesh (torchtitan's TP x FSDP2) are `placed`:
+ops/placed_matrices.py steps them (docs/fsdp2.md, docs/megatron-fsdp.md).
 """
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from megatron_eopt.ops.ownership import assign_owners
+from megatron_eopt.ops.placed_matrices import PlacedMatrix
 from megatron_eopt.ops.row_shards import RowShards, gathered_rows, sharded_dim
 from megatron_eopt.ops.splits import MatrixBatch, MatrixLayout
 from megatron_eopt.params.fused_layouts import expert_batch_blocks
@@ -83,12 +86,23 @@ class FullyShardedLayout:
     # Experts tensors [E, out, in] sharded Shard(1): every rank holds rows of every expert, and
     # their `rows_by_rank` are the rows of each expert.
     per_matrix_rows: frozenset[str] = frozenset()
+    # Parameters of placements the row-shard exchange does not take (torchtitan's TP x FSDP2):
+    # stepped on the placed path (ops/placed_matrices.py); their `rows_by_rank` are not read.
+    placed: frozenset[str] = frozenset()
+    # The dense mesh's dimensions whose ranks hold disjoint parts beside the first (torchtitan's tp
+    # dimension): the gradient norm sums over them too. Empty where the caller's model-parallel
+    # group covers them (megatron-core TP), or the mesh is 1-D.
+    other_mesh_groups: tuple = ()
 
     @property
     def expert_parallel_fqns(self) -> frozenset[str]:
         """The parameters stepped as megatron-core's expert-parallel ones (`allreduce=False`, which
         `fully_shard` drops)."""
         return frozenset() if self.experts is None else self.experts.fqns
+
+    def norm_groups_of(self, is_expert: bool) -> tuple:
+        """The groups over which the squares of disjoint shards sum, before the model-parallel group."""
+        return (self.group_of(is_expert),) + (() if is_expert else self.other_mesh_groups)
 
     def group_of(self, is_expert: bool) -> ProcessGroup:
         """The data-parallel group the dense (or the expert) parameters' rows are split over."""
@@ -123,20 +137,23 @@ class FullyShardedLayout:
                 for r in records]
 
     def row_shards(self, records: list[ParamRecord], layouts: dict[str, MatrixLayout],
-                   is_expert: bool = False) -> dict[str, RowShards]:
+                   is_expert: bool = False) -> dict[str, Union[RowShards, PlacedMatrix]]:
         """fqn -> RowShards of the matrices in `records` (all dense, or all expert), owners among
-        the ranks of their mesh (`group_of`), balanced by Newton-Schulz cost.
+        the ranks of their mesh (`group_of`), balanced by Newton-Schulz cost; a PlacedMatrix for
+        each parameter on the placed path.
 
         `layouts` are of the matrices FSDP2 splits (a DTensor's shape is its global shape over the
         mesh): whole matrices, or this TP rank's shards of them. Every TP rank computes the same
         owners (same shapes, same order), so a matrix's owners form one TP group.
         """
-        owners = assign_owners(records, {r.fqn for r in records}, group_size(self.group_of(is_expert)),
+        placed = {r.fqn: PlacedMatrix.of(r.param, layouts[r.fqn]) for r in records if r.fqn in self.placed}
+        rows = [r for r in records if r.fqn not in self.placed]
+        owners = assign_owners(rows, {r.fqn for r in rows}, group_size(self.group_of(is_expert)),
                                group_size(self.tp_group_of(is_expert)))
-        return {r.fqn: RowShards(layouts[r.fqn], self.rows_by_rank[r.fqn], owners[r.fqn], per_matrix_rows=True)
-                if r.fqn in self.per_matrix_rows else
-                RowShards(layouts[r.fqn], _view_rows(layouts[r.fqn], self.rows_by_rank[r.fqn]), owners[r.fqn])
-                for r in records}
+        return {**{r.fqn: RowShards(layouts[r.fqn], self.rows_by_rank[r.fqn], owners[r.fqn], per_matrix_rows=True)
+                   if r.fqn in self.per_matrix_rows else
+                   RowShards(layouts[r.fqn], _view_rows(layouts[r.fqn], self.rows_by_rank[r.fqn]), owners[r.fqn])
+                   for r in rows}, **placed}
 
 
 def _view_rows(layout: MatrixLayout, rows_by_rank: tuple[int, ...]) -> tuple[int, ...]:
@@ -177,22 +194,26 @@ def fully_sharded_layout(chunks: list[torch.nn.Module], pg_collection: Any = Non
             f"freeze it (requires_grad=False)."
         )
     batches = _shard_one_batches(chunks, sharded, engine)
-    for fqn, param in sharded:
-        check_row_placement(fqn, param, engine, batches.get(fqn))
+    placed = frozenset(fqn for fqn, param in sharded if not check_row_placement(fqn, param, engine, batches.get(fqn)))
     dense, expert = split_by_mesh(sharded)
     group = _common_group(dense)
+    if placed:
+        _check_one_mesh(dense)
     if engine == TORCH_FSDP2:
         check_fsdp2_averages(sharded[0][1].device)
     splits, engine_layers = _tensor_parallel_splits(chunks)
     expert_fqns = {fqn for fqn, _ in expert}
     dense_splits = {fqn: split for fqn, split in splits.items() if fqn not in expert_fqns}
     tensor_parallel = _tensor_parallel_groups(pg_collection, group, dense_splits, engine_layers, engine)
-    _check_tensor_parallel_mesh(dense, dense_splits, None if tensor_parallel is None else tensor_parallel.tp)
+    _check_tensor_parallel_mesh([(fqn, p) for fqn, p in dense if fqn not in placed], dense_splits,
+                                None if tensor_parallel is None else tensor_parallel.tp)
     experts = _expert_sharding(chunks, pg_collection, expert, group, tensor_parallel, engine,
                                {fqn: split for fqn, split in splits.items() if fqn in expert_fqns}) if expert else None
+    mesh = dense[0][1].device_mesh
+    other_mesh_groups = tuple(mesh.get_group(d) for d in range(1, mesh.ndim)) if tensor_parallel is None else ()
     return FullyShardedLayout(group, rows_by_rank_per_mesh(dense + expert),
                               {fqn: split.partition_dim for fqn, split in splits.items()}, tensor_parallel, engine,
-                              experts, frozenset(batches))
+                              experts, frozenset(batches), placed, other_mesh_groups)
 
 
 def _shard_one_batches(chunks: list[torch.nn.Module], sharded: list[tuple[str, DTensor]],
@@ -400,33 +421,36 @@ def _check_tensor_parallel_mesh(sharded: list[tuple[str, DTensor]], splits: dict
 
 
 def check_row_placement(fqn: str, param: DTensor, engine: str = TORCH_FSDP2,
-                        batch: Optional[MatrixBatch] = None) -> None:
-    """FSDP2's default layout, Shard(0) on a 1-D mesh, and Megatron-FSDP's with tensor parallelism:
-    (Shard(0), Shard(d) or Replicate()) on its 2-D (dp, tp) mesh, the rows of each TP rank's part
-    split over dp (ops/splits.tensor_parallel_rank_shape). With `batch` (an experts tensor of a known
-    container, `_shard_one_batches`), also Shard(1) on a 1-D mesh: the rows of every expert split,
-    for [E, out, in] storage with contiguous gate/up blocks."""
+                        batch: Optional[MatrixBatch] = None) -> bool:
+    """Whether the row-shard exchange takes `param` (True), or the placed path (False, torch FSDP2
+    only: ops/placed_matrices.py gathers each matrix over its mesh); ValueError for neither.
+
+    The row-shard exchange takes FSDP2's default layout, Shard(0) on a 1-D mesh, and Megatron-FSDP's
+    with tensor parallelism: (Shard(0), Shard(d) or Replicate()) on its 2-D (dp, tp) mesh, the rows
+    of each TP rank's part split over dp (ops/splits.tensor_parallel_rank_shape). With `batch` (an
+    experts tensor of a known container, `_shard_one_batches`), also Shard(1) on a 1-D mesh: the
+    rows of every expert split, for [E, out, in] storage with contiguous gate/up blocks. The placed
+    path takes Shard, _StridedShard and Replicate on any mesh (torchtitan's TP x FSDP2)."""
     placements = tuple(param.placements)
-    if batch is not None and param.device_mesh.ndim == 1 and placements == (Shard(1),):
-        if param.dim() == 3 and not batch.transposed and batch.interleaved_parts == 1:
-            return
-        how = ("stored [E, in, out] (is_transposed), so Shard(1) splits each expert's columns" if batch.transposed
-               else "with interleaved gate/up rows" if batch.interleaved_parts > 1 else f"{param.dim()}-D")
-        raise ValueError(
-            f"parameter {fqn!r}: DTensor placement {placements} of an experts tensor {how} (shape "
-            f"{tuple(param.shape)}) is not supported; Shard(1) splits the rows of each expert of 3-D "
-            f"[E, out, in] experts with contiguous gate/up blocks only. Shard these experts Shard(0)."
-        )
+    if batch is not None and param.device_mesh.ndim == 1 and placements == (Shard(1),) \
+            and param.dim() == 3 and not batch.transposed and batch.interleaved_parts == 1:
+        return True
     if engine == MEGATRON_FSDP and param.device_mesh.ndim == 2 and placements[0] == Shard(0) \
             and placements[1] in (Replicate(), *(Shard(d) for d in range(param.dim()))):
-        return
-    if param.device_mesh.ndim != 1 or placements != (Shard(0),) or param.dim() < 1:
-        raise ValueError(
-            f"parameter {fqn!r}: DTensor placement {placements} on a {param.device_mesh.ndim}-D mesh "
-            f"(shape {tuple(param.shape)}) is not supported; megatron_eopt handles torch FSDP2's default, "
-            f"Shard(0) on a 1-D mesh (fully_shard without a custom shard_placement_fn), and Megatron-FSDP's "
-            f"(Shard(0), Shard(d)) on its (dp, tp) mesh."
-        )
+        return True
+    if param.device_mesh.ndim == 1 and placements == (Shard(0),) and param.dim() >= 1:
+        return True
+    taken = all(isinstance(p, (Shard, _StridedShard, Replicate)) for p in placements)
+    if engine == TORCH_FSDP2 and taken and param.dim() >= 1:
+        return False
+    raise ValueError(
+        f"parameter {fqn!r}: DTensor placement {placements} on a {param.device_mesh.ndim}-D mesh "
+        f"(shape {tuple(param.shape)}) is not supported; "
+        + ("megatron_eopt takes Shard, _StridedShard and Replicate placements on any mesh (a Partial parameter "
+           "has no value until it is reduced: place it Replicate() or Shard(d))." if engine == TORCH_FSDP2 else
+           "Megatron-FSDP's are Shard(0) on its 1-D mesh and (Shard(0), Shard(d) or Replicate()) on its (dp, tp) "
+           "mesh.")
+    )
 
 
 def _common_group(sharded: list[tuple[str, DTensor]]) -> ProcessGroup:
@@ -441,6 +465,18 @@ def _common_group(sharded: list[tuple[str, DTensor]]) -> ProcessGroup:
                 f"'*.experts.*', may have a mesh of their own: the expert data-parallel group's)."
             )
     return row_group(first)
+
+
+def _check_one_mesh(dense: list[tuple[str, DTensor]]) -> None:
+    """With the placed path the gradient norm sums over every dimension of the dense mesh, which
+    counts each part once only if every dense parameter lies on that one mesh."""
+    first_fqn, first = dense[0]
+    for fqn, param in dense[1:]:
+        if param.device_mesh != first.device_mesh:
+            raise ValueError(
+                f"parameters {first_fqn!r} and {fqn!r} are on different DeviceMeshes ({first.device_mesh} and "
+                f"{param.device_mesh}); with placements beside Shard(0) (tensor parallelism) every dense parameter "
+                f"must lie on one mesh (place the others Replicate() on its tensor-parallel dimension).")
 
 
 def _row_mesh(param: DTensor) -> Any:

@@ -19,6 +19,7 @@ from emerging_optimizers import utils as eo_utils
 from megatron_eopt.ops.gram_newton_schulz_package import PACKAGE_PATH
 from megatron_eopt.ops.muon_cost import AUTO, HardwareProfile, choose_tp_modes, resolve_profile
 from megatron_eopt.ops.newton_schulz import TP_MODES, NewtonSchulzSettings, block_paths, orthogonalize_updates
+from megatron_eopt.ops.placed_matrices import PlacedMatrix, map_placed
 from megatron_eopt.ops.row_shards import RowShards, matrix_row_shards, orthogonalize_row_shards
 from megatron_eopt.ops.splits import (MatrixLayout, as_matrix, as_tensor, is_single_transposed, local_batch_layout,
                                       stored_shape)
@@ -118,7 +119,13 @@ def _view_shape(param: torch.Tensor, layout: MatrixLayout) -> tuple[int, ...]:
     return layout.batch.with_leading(param.shape[0]).matrix_shape
 
 
-def _check_row_shard(name: str, param: torch.Tensor, shards: RowShards, rank: int, tp_size: int) -> None:
+def _check_row_shard(name: str, param: torch.Tensor, shards: Union[RowShards, PlacedMatrix], rank: int,
+                     tp_size: int) -> None:
+    if isinstance(shards, PlacedMatrix):
+        if tuple(param.shape) != tuple(shards.local_shape):
+            raise ValueError(f"parameter {name!r}: this rank holds a {tuple(param.shape)} part, but its placements "
+                             f"{shards.placements} give {tuple(shards.local_shape)}.")
+        return
     expected = (shards.rows_by_rank[rank], stored_shape(shards.layout)[1])
     view = _view_shape(param, shards.layout)
     if shards.per_matrix_rows:  # [E, rows of each expert, in]
@@ -280,9 +287,11 @@ class ShardedMatrices(OrthogonalizeTogether):
         expert per owner, in the same exchange, as does a matrix stored transposed (its stored rows)."""
         shards = [self._row_shards_of[id(p)] for p in params]
         modes = [self.tp_modes[s.layout.name] for s in shards]
-        held = [s.layout.batch is not None and not (s.per_matrix_rows or s.layout.batch.single) for s in shards]
+        placed = [i for i, s in enumerate(shards) if isinstance(s, PlacedMatrix)]
+        held = [i not in placed and s.layout.batch is not None and not (s.per_matrix_rows or s.layout.batch.single)
+                for i, s in enumerate(shards)]
         batches = [i for i, whole in enumerate(held) if whole]
-        others = [i for i, whole in enumerate(held) if not whole]
+        others = [i for i, whole in enumerate(held) if not whole and i not in placed]
         # Experts split by the rows of each (Shard(1)): each expert is a matrix of the exchange.
         matrices = [matrix_row_shards(shards[i]) if shards[i].per_matrix_rows else [shards[i]] for i in others]
         rows = [list(updates[i].unbind(0)) if shards[i].per_matrix_rows else [updates[i]] for i in others]
@@ -296,7 +305,21 @@ class ShardedMatrices(OrthogonalizeTogether):
         for i, result in zip(batches, self._orthogonalize_held_matrices([updates[i] for i in batches],
                                                                         [shards[i].layout for i in batches])):
             results[i] = result
+        for i, result in zip(placed, self._orthogonalize_placed([updates[i] for i in placed],
+                                                                [shards[i] for i in placed])):
+            results[i] = result
         return results
+
+    def _orthogonalize_placed(self, updates: list[torch.Tensor], placed: list[PlacedMatrix]) -> list[torch.Tensor]:
+        """This rank's parts of the orthogonalized updates of parameters on the placed path
+        (ops/placed_matrices.py): each gathered whole over its mesh, orthogonalized on every rank."""
+        def orthogonalize(wholes: list[torch.Tensor]) -> list[torch.Tensor]:
+            layouts = [p.layout for p in placed]
+            done = orthogonalize_updates([as_matrix(w, layout) for w, layout in zip(wholes, layouts)], layouts,
+                                         "duplicated", None, self.settings)
+            return [as_tensor(result, layout) for result, layout in zip(done, layouts)]
+
+        return map_placed(updates, placed, orthogonalize)
 
     def _orthogonalize_held_matrices(self, updates: list[torch.Tensor],
                                      layouts: list[MatrixLayout]) -> list[torch.Tensor]:

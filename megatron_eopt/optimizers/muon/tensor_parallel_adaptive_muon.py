@@ -27,6 +27,7 @@ from megatron_eopt.ops.collectives import all_reduce_sum_coalesced
 from megatron_eopt.ops.gram_newton_schulz_package import package_for
 from megatron_eopt.ops.muon_cost import HardwareProfile
 from megatron_eopt.ops.newton_schulz import NewtonSchulzSettings
+from megatron_eopt.ops.placed_matrices import PlacedMatrix
 from megatron_eopt.ops.row_shards import RowShards
 from megatron_eopt.ops.splits import MatrixLayout, is_single_transposed
 from megatron_eopt.optimizers.muon.megatron_core_args import IsQkvFn, weight_decay_method_of
@@ -176,6 +177,7 @@ class TensorParallelAdaptiveMuon(ShardedMatrices, AdaptiveMuon):
                                                        tp_group, layouts)
         self._set_up_shards(tp_mode, tp_group, layouts, fsdp_group, fsdp_shards, tp_hardware_profile, expert_tp_mode)
         self._view_of = {key: self._global_view(layout) for key, layout in self._layout_of.items()}
+        _refuse_placed(self._row_shards_of)
         if self._row_shards_of is not None:
             rows_split = group_size(fsdp_group) > 1
             self._view_of = {key: dataclasses.replace(self._global_view(shards.layout), rows_split=rows_split)
@@ -288,3 +290,14 @@ class TensorParallelAdaptiveMuon(ShardedMatrices, AdaptiveMuon):
                                  self.fsdp_group)
         all_reduce_sum_coalesced([t for item, t, d in zip(pending, partials, dims) if item.view.split_over_tp(d)],
                                  self.tp_group)
+
+
+def _refuse_placed(row_shards_of: Optional[Mapping[int, Any]]) -> None:
+    """Its second moment's statistics are of rows or columns of the whole matrix, which the placed
+    path (ops/placed_matrices.py: torchtitan's tensor parallelism) does not compute."""
+    placed = [s for s in (row_shards_of or {}).values() if isinstance(s, PlacedMatrix)]
+    if placed:
+        raise ValueError(
+            f"parameter {placed[0].layout.name!r} is placed {placed[0].placements}; AdaptiveMuon (adaptive_muon) "
+            f"steps DTensor parameters placed Shard(0) on a 1-D mesh only (FSDP2 without tensor parallelism). "
+            f"Use muon, or tensor_parallel_degree=1.")

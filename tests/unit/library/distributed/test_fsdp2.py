@@ -15,6 +15,7 @@ shards and, for the 5x7 matrix at 4 ranks, a rank with no rows.
 
 import copy
 import dataclasses
+import tempfile
 import time
 
 import pytest
@@ -73,8 +74,8 @@ def set_sharded_grads(sharded: torch.nn.Module, grads: dict) -> None:
             p.grad = DTensor.from_local(rows.contiguous(), p.device_mesh, p.placements, shape=p.shape,
                                         stride=p.stride())
             continue
-        # src_data_rank=None: each rank keeps its own chunk of its own (identical) copy.
-        p.grad = distribute_tensor(grads[name], p.device_mesh, [Shard(0)], src_data_rank=None)
+        # src_data_rank=None: each rank keeps its own part of its own (identical) copy.
+        p.grad = distribute_tensor(grads[name], p.device_mesh, p.placements, src_data_rank=None)
 
 
 def routing_of(optimizer) -> list[tuple[str, list[str]]]:
@@ -202,13 +203,21 @@ def _bad_input_body(rank: int, world_size: int) -> dict:
     mixed = Plain()
     fully_shard(mixed.a, mesh=mesh)  # b, c and norm stay plain tensors
     messages["mixed"] = error_of(lambda: get_megatron_optimizer(config, [mixed]))
-    for name, placement in (("shard1", Shard(1)), ("replicate", Replicate())):
-        model = Plain()
+    for name, placement, optimizer in (("shard1", Shard(1), "muon"), ("replicate", Replicate(), "muon"),
+                                       ("shard1_mop", Shard(1), "mop")):
+        # Placements FSDP2's default does not give: the placed path (ops/placed_matrices.py).
+        torch.manual_seed(3)
+        reference = Plain()
+        model = copy.deepcopy(reference)
         for module in (model.a, model.b, model.c, model.norm):
             for pname, p in list(module.named_parameters()):
                 value = distribute_tensor(p.detach(), mesh, [placement if p.dim() == 2 else Shard(0)])
                 setattr(module, pname, torch.nn.Parameter(value))
-        messages[name] = error_of(lambda: get_megatron_optimizer(config, [model]))
+        messages[name] = step_both(reference, model, config_for(optimizer))
+        if name == "replicate":  # our checkpoint files store Shard(0) parameters only
+            from megatron_eopt.checkpointing import save_checkpoint
+
+            messages["save"] = error_of(lambda: save_checkpoint(tempfile.mkdtemp(), 1, [model]))
     sharded = Plain()
     fully_shard(sharded, mesh=mesh)
     messages["soap"] = error_of(lambda: get_megatron_optimizer(OptimizerConfig(optimizer="soap", lr=0.01), [sharded]))
@@ -284,13 +293,19 @@ def test_plain_model_whole_matrix_optimizer_empty_shard(run_distributed) -> None
     assert sum(r["mop"]["state"][1] for r in per_rank) == per_rank[0]["mop"]["state"][0]  # shards add up
 
 
-def test_bad_input_names_parameter_and_placement(run_distributed) -> None:
-    messages = run_distributed(_bad_input_body, world_size=2, timeout=300)[0]
+def test_bad_input_and_other_placements(run_distributed) -> None:
+    """A plain parameter beside DTensors and SOAP are refused; matrices placed Shard(1) or
+    Replicate() on the 1-D mesh (the rest Shard(0)) step as one process does (muon, and mop's
+    whole-matrix orthogonalize), the replicated ones counted once in the clipped gradient norm."""
+    per_rank = run_distributed(_bad_input_body, world_size=2, timeout=300)
+    messages = per_rank[0]
     kind, text = messages["mixed"]
     assert kind == "TypeError" and "'b.weight'" in text and "DTensor" in text, messages["mixed"]
-    for name, placement in (("shard1", "Shard(dim=1)"), ("replicate", "Replicate()")):
-        kind, text = messages[name]
-        assert kind == "ValueError" and "'a.weight'" in text and placement in text, messages[name]
+    for rank, runs in enumerate(per_rank):
+        for name in ("shard1", "replicate", "shard1_mop"):
+            check_run(runs[name], (name, rank))
+    kind, text = messages["save"]
+    assert kind == "ValueError" and "'a.weight'" in text and "Replicate()" in text and "DCP" in text, messages["save"]
     kind, text = messages["soap"]
     assert kind == "ValueError" and "FSDP2" in text and "'soap'" in text, messages["soap"]
 

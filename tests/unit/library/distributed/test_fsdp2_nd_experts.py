@@ -31,9 +31,11 @@ muon_fp32_matmul_prec='highest', no weight decay, one step. Checked:
   [in, out], whose stored rows Shard(0) splits), the root sharded, one
   step with synthetic gradients: every parameter within 1e-5 of one process (each component along
   its own Newton-Schulz is test_zoo_layouts.py's check);
-- the refusals, each one ValueError naming the parameter and placement: Shard(1) of transposed
-  experts (GPT-OSS, [E, in, out]: it would split each expert's columns), Shard(1) of a 2-D weight,
-  and a 2-D mesh (an EP x FSDP or HSDP layout).
+- placements the row exchange does not take, on the placed path (ops/placed_matrices.py), against
+  one process after 2 steps: Shard(1) of transposed experts (GPT-OSS, [E, in, out]: each expert's
+  columns split), every weight sharded along its last dimension;
+- the refusal of experts on a 2-D mesh of their own beside a 1-D dense one (an EP x FSDP layout
+  without the expert groups), one ValueError naming the parameter.
 """
 
 import copy
@@ -159,20 +161,27 @@ def _two_steps(model: torch.nn.Module, batch: torch.Tensor, groups=None) -> dict
             for name, p in model.named_parameters()}
 
 
-def _compare_expert_rows(build, batch: torch.Tensor, mesh, shard_layers, experts_name: str) -> dict:
-    """Experts placed Shard(1) against one process, after 2 steps."""
+def _compare_expert_rows(build, batch: torch.Tensor, mesh, shard_layers, experts_name: str,
+                         placement_fn=_expert_rows) -> dict:
+    """Experts placed Shard(1) (or as `placement_fn` says) against one process, after 2 steps."""
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
     reference = build()
     sharded = copy.deepcopy(reference)
     for module in [*shard_layers(sharded), sharded]:
-        fully_shard(module, mesh=mesh, shard_placement_fn=_expert_rows)
+        fully_shard(module, mesh=mesh, shard_placement_fn=placement_fn)
     expected = _two_steps(reference, batch, ParallelGroups.single_process())
     got = _two_steps(sharded, batch)
     held = dict(sharded.named_parameters())[experts_name]
     return {"errors": {name: (got[name] - expected[name]).abs().max().item() for name in expected},
             "held": tuple(held.to_local().shape), "placements": str(held.placements)}
+
+
+def _last_dim(param: torch.Tensor):
+    from torch.distributed.tensor import Shard
+
+    return Shard(param.dim() - 1)
 
 
 def _titan_expert_rows(mesh) -> tuple[torch.nn.Module, object]:
@@ -229,19 +238,12 @@ def _gpt_oss() -> torch.nn.Module:
 def _refusals(mesh_1d) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Shard
 
-    transposed = _gpt_oss()
-    fully_shard(transposed, mesh=mesh_1d, shard_placement_fn=_expert_rows)
-    two_d_rows = _TitanMoE()
-    fully_shard(two_d_rows, mesh=mesh_1d, shard_placement_fn=lambda p: Shard(p.dim() - 1))
     two_d = _TitanMoE()  # torchtitan's EP x FSDP: the experts on a 2-D mesh, the rest on the 1-D one
     fully_shard(two_d.moe.experts, mesh=init_device_mesh("cpu", (1, dist.get_world_size()),
                                                          mesh_dim_names=("ep", "efsdp")))
     fully_shard(two_d, mesh=mesh_1d)
-    return {"transposed": error_of(lambda: get_megatron_optimizer(CONFIG, [transposed])),
-            "2-D weight": error_of(lambda: get_megatron_optimizer(CONFIG, [two_d_rows])),
-            "2-D mesh": error_of(lambda: get_megatron_optimizer(CONFIG, [two_d]))}
+    return {"2-D mesh": error_of(lambda: get_megatron_optimizer(CONFIG, [two_d]))}
 
 
 # One family per kind of fused or stacked layout (tests/zoo_models.py): torchtitan's fused wqkv,
@@ -294,7 +296,13 @@ def _body(rank: int, world_size: int, directory: str) -> dict:
     rows = {"qwen3_moe": _compare_expert_rows(_qwen3_moe, tokens, mesh, lambda m: list(m.model.layers),
                                               "model.layers.0.mlp.experts.gate_up_proj"),
             "torchtitan": _compare_expert_rows(_TitanMoE, features, mesh, lambda m: [],
-                                               "moe.experts.w1_EFD")}
+                                               "moe.experts.w1_EFD"),
+            # Placements the row exchange does not take, stepped on the placed path: Shard(1) of
+            # experts stored [E, in, out] (each expert's columns), Shard of every weight's last dim.
+            "transposed": _compare_expert_rows(_gpt_oss, tokens, mesh, lambda m: list(m.model.layers),
+                                               "model.layers.0.mlp.experts.gate_up_proj"),
+            "last_dim": _compare_expert_rows(_TitanMoE, features, mesh, lambda m: [], "router.weight",
+                                             placement_fn=_last_dim)}
     rows["resumed"] = _resume_expert_rows(mesh, features, directory)
     return {"qwen3_moe": qwen, "torchtitan": titan, "torchtitan_qwen3_moe": titan_model, "expert_rows": rows,
             "refusals": _refusals(mesh), "zoo": _zoo_errors(mesh)}
@@ -316,7 +324,8 @@ def test_fsdp2_nd_experts_equal_one_process(run_distributed, tmp_path) -> None:
         assert ((2, 1)[rank] * 2, FFN, HIDDEN) in qwen_calls and ((2, 1)[rank], HIDDEN, FFN) in qwen_calls, \
             (rank, qwen_calls)
         # Shard(1): rows of every expert on each rank (gate_up_proj: 2F rows over 2 ranks).
-        for model, held in (("qwen3_moe", (EXPERTS, FFN, HIDDEN)), ("torchtitan", (EXPERTS, FFN // 2, HIDDEN))):
+        for model, held in (("qwen3_moe", (EXPERTS, FFN, HIDDEN)), ("torchtitan", (EXPERTS, FFN // 2, HIDDEN)),
+                            ("transposed", (EXPERTS, HIDDEN // 2, 2 * FFN)), ("last_dim", (EXPERTS, HIDDEN // 2))):
             result = results["expert_rows"][model]
             worst = max(result["errors"].values())
             print(f"{model} Shard(1) experts rank {rank}: max |FSDP=2 - one process| after 2 steps = {worst:.2e}")
@@ -327,8 +336,5 @@ def test_fsdp2_nd_experts_equal_one_process(run_distributed, tmp_path) -> None:
         print(f"rank {rank}: fused and stacked layouts, max |FSDP=2 - one process| = {results['zoo']}")
         assert all(error <= TOLERANCE for error in results["zoo"].values()), (rank, results["zoo"])
         refusals = results["refusals"]
-        for case, name, placement in (("transposed", "mlp.experts.gate_up_proj", "Shard(dim=1)"),
-                                      ("2-D weight", "router.weight", "Shard(dim=1)"),
-                                      ("2-D mesh", "moe.experts.w", "2-D mesh")):
-            kind, message = refusals[case]
-            assert kind == "ValueError" and name in message and placement in message, (case, message)
+        kind, message = refusals["2-D mesh"]
+        assert kind == "ValueError" and "moe.experts.w" in message and "expert process groups" in message, message
