@@ -6,6 +6,8 @@ tests/unit/library/params/test_zoo_layouts.py (one process) and
 tests/unit/library/distributed/test_fsdp2_nd_experts.py (FSDP2 on 2 ranks).
 """
 
+import functools
+
 import torch
 
 
@@ -400,7 +402,21 @@ def hf_openai_gpt_c_attn():
     return _transformers().OpenAIGPTModel(config), {"h.0.attn.c_attn.weight": _conv1d_blocks(32, 3)}
 
 
-CASES = {builder.__name__: builder for builder in (
+def _initialized(builder):
+    """`builder` with every parameter drawn from N(0, 0.02) (under the caller's seed): some families
+    make weights with torch.empty and leave them to `post_init` (DeepSeek-V4's `position_bias`,
+    JetMoe's experts: values up to 1e37 measured), whose update `before - after` then rounds away."""
+    @functools.wraps(builder)
+    def build():
+        model, parts = builder()
+        with torch.no_grad():
+            for param in model.parameters():
+                param.normal_(0.0, 0.02)
+        return model, parts
+    return build
+
+
+CASES = {builder.__name__: _initialized(builder) for builder in (
     titan_llama3_fused_qkv, titan_deepseek_v3_mla, titan_gpt_oss_experts, hf_deepseek_v3_mla, hf_dbrx_experts,
     hf_qwen3_next_gated_delta_net, hf_llama4_experts, hf_jetmoe_experts, hf_qwen2_5_vl_vision_qkv, hf_mamba2_in_proj,
     hf_qwen3_5_gated_delta_qkv, hf_mamba_in_proj, hf_zamba_in_proj, hf_falcon_qkv,
