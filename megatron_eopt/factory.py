@@ -22,6 +22,7 @@ from megatron_eopt.megatron_core_formats.distributed_optimizer import Distribute
 from megatron_eopt.config.optimizer_config import OptimizerConfig, as_optimizer_config, warn_about_inert_fields
 from megatron_eopt.distributed.fsdp2 import OUTPUT_LAYER_NAMES, check_fully_sharded_config, fully_sharded_optimizer_class
 from megatron_eopt.distributed.layer_wise import DataParallelShards, LayerWiseDistributedOptimizer
+from megatron_eopt.distributed.layer_wise_norm_order import ChildNormParams, MegatronCoreNormOrder
 from megatron_eopt.placement.fully_sharded_layout import FullyShardedLayout, fully_sharded_layout
 from megatron_eopt.placement.megatron_fsdp_model import megatron_fsdp_wrappers
 from megatron_eopt.distributed.reduce_scattered import check_byte_sharded_config, reduce_scattering_chunks
@@ -44,6 +45,7 @@ from megatron_eopt.registry.kwargs import takes_matrix_batches
 from megatron_eopt.wrappers.chained import ChainedOptimizer
 from megatron_eopt.wrappers.fp32 import FP32Optimizer
 from megatron_eopt.wrappers.grad_scaler import make_grad_scaler
+from megatron_eopt.wrappers.grad_stats import grad_norm_group_of
 from megatron_eopt.wrappers.mixed_precision import MixedPrecisionOptimizer
 from megatron_eopt.wrappers.state_precision import state_precision_for
 from megatron_eopt.wrappers.qk_clip import QKClip, build_qk_clip, qk_clip_settings
@@ -370,6 +372,7 @@ def _layer_wise(build: _Build) -> LayerWiseDistributedOptimizer:
         shards.append(DataParallelShards(dp_group, by_owner, grad_divisor=divisor))
         owned_fqns |= {r.fqn for r in members if owners[r.fqn] == group_rank(dp_group)}
     children = _children(build, owned_fqns)
+    norm_order = MegatronCoreNormOrder(_norm_params(build), _device_of(records) or torch.device("cpu"))
     # With overlap_param_gather_with_optimizer_step a bucket is launched once the child that
     # steps its parameters (on their owner) has stepped; every rank knows which child that is.
     index_of_child = {child.name: index for index, child in enumerate(children)}
@@ -379,7 +382,7 @@ def _layer_wise(build: _Build) -> LayerWiseDistributedOptimizer:
         children, shards, [r.param for r in records], check_groups, reduce_grads=config.layer_wise_reduce_grads,
         overlap_param_gather=config.overlap_param_gather,
         overlap_param_gather_with_optimizer_step=config.overlap_param_gather_with_optimizer_step,
-        model_chunks=build.chunks, phase_of=phase_of, qk_clip=build.qk_clip,
+        model_chunks=build.chunks, phase_of=phase_of, qk_clip=build.qk_clip, norm_order=norm_order,
     )
 
 
@@ -387,6 +390,32 @@ def _data_parallel_group(groups: ParallelGroups, is_expert: bool) -> Any:
     if is_expert:
         return groups.require("expt_dp", "the layer-wise optimizer for expert parameters")
     return groups.require("dp_cp", "the layer-wise optimizer")
+
+
+def _norm_params(build: _Build) -> list[ChildNormParams]:
+    """Each layer-wise child's parameters on every owner, in its order, with those its norm counts
+    (as FP32Optimizer counts them: not a tied copy, TP-duplicated on TP rank 0 only, with elements)."""
+    record_of = {id(r.param): r for r in build.records}
+    children = []
+    for is_expert, _, child_groups in _child_param_groups(build):
+        tp_rank = group_rank(_gradient_groups(build.groups, is_expert)[0])
+        groups = [list(group["params"]) for group in child_groups]
+        counted = {id(p): grad_norm_group_of(p, record_of[id(p)].fqn) for group in groups for p in group
+                   if not record_of[id(p)].is_shared and (record_of[id(p)].tensor_model_parallel or tp_rank == 0)
+                   and p.numel() > 0}
+        children.append(ChildNormParams(groups, counted, _data_parallel_group(build.groups, is_expert), is_expert))
+    return children
+
+
+def _child_param_groups(build: _Build) -> list[tuple[bool, str, list[dict]]]:
+    """(is_expert, optimizer name, its param groups) of each child, in the chain's order."""
+    children = []
+    for is_expert in (False, True):
+        for name in build.routing.optimizers:
+            child_groups = [g for g in build.param_groups if (g["is_expert_parallel"], g["optimizer"]) == (is_expert, name)]
+            if child_groups:
+                children.append((is_expert, name, child_groups))
+    return children
 
 
 def _children(build: _Build, owned_fqns: Optional[set[str]] = None) -> list[Any]:
@@ -403,28 +432,24 @@ def _children(build: _Build, owned_fqns: Optional[set[str]] = None) -> list[Any]
     if fsdp is not None:
         wrapper = fully_sharded_optimizer_class(fsdp, mixed_precision=config.bf16)
     children = []
-    for is_expert in (False, True):
-        for name in routing.optimizers:
-            child_groups = [g for g in build.param_groups
-                            if (g["is_expert_parallel"], g["optimizer"]) == (is_expert, name)]
-            if not child_groups:
-                continue
-            tp_group, norm_group = _gradient_groups(groups, is_expert)
-            norm_groups = (norm_group,)
-            if owned_fqns is not None:
-                child_groups = [_owned_only(g, owned_fqns) for g in child_groups]
-                norm_groups = (_data_parallel_group(groups, is_expert), norm_group)
-            if fsdp is not None:
-                # Disjoint row shards: their squares sum over the mesh, then over the model-parallel
-                # group (a TP-replicated parameter counts on TP rank 0 only, as without FSDP2); the
-                # experts' over their own mesh, then over the expert model-parallel group.
-                norm_groups = (fsdp.group_of(is_expert), norm_group)
-            child_records = [r for r in records if (r.is_expert_parallel, r.optimizer_name) == (is_expert, name)]
-            make_optimizer = _optimizer_maker(lookup_optimizer(name), config, build.chunks, child_records, tp_group,
-                                              fsdp, is_expert)
-            children.append(wrapper(child_groups, make_optimizer, config, records, tp_group, norm_groups,
-                                    _child_name(routing, name, is_expert), grad_scaler,
-                                    state_precision=state_precision_for(name, config), qk_clip=build.qk_clip))
+    for is_expert, name, child_groups in _child_param_groups(build):
+        tp_group, norm_group = _gradient_groups(groups, is_expert)
+        norm_groups = (norm_group,)
+        if owned_fqns is not None:
+            child_groups = [_owned_only(g, owned_fqns) for g in child_groups]
+            norm_groups = (_data_parallel_group(groups, is_expert), norm_group)
+        if fsdp is not None:
+            # Disjoint row shards: their squares sum over the mesh, then over the model-parallel
+            # group (a TP-replicated parameter counts on TP rank 0 only, as without FSDP2); the
+            # experts' over their own mesh, then over the expert model-parallel group; on
+            # Megatron-FSDP in one reduction over both, as megatron-core sums (norm_groups).
+            norm_groups = fsdp.norm_groups(is_expert, norm_group)
+        child_records = [r for r in records if (r.is_expert_parallel, r.optimizer_name) == (is_expert, name)]
+        make_optimizer = _optimizer_maker(lookup_optimizer(name), config, build.chunks, child_records, tp_group,
+                                          fsdp, is_expert)
+        children.append(wrapper(child_groups, make_optimizer, config, records, tp_group, norm_groups,
+                                _child_name(routing, name, is_expert), grad_scaler,
+                                state_precision=state_precision_for(name, config), qk_clip=build.qk_clip))
     return children
 
 

@@ -93,11 +93,14 @@ class LocalStats:
     `stats` holds the STATS_SIZE statistics with the sums of squares left 0; `norms` the fp32 norm of
     each gradient a norm counts, in the child's parameter order (key None: the main norm; a separate
     group's by its name), or None for a child that only checks for inf/NaN; `groups` the process
-    groups its statistics are summed over, one after the other. `reduced_stats` sums children."""
+    groups its statistics are summed over, one after the other; `params`, where the child gives
+    them, the model parameters whose gradients' norms `norms` holds, key by key, in its order.
+    `reduced_stats` sums children."""
 
     stats: torch.Tensor
     norms: Optional[dict[Optional[str], list[torch.Tensor]]]
     groups: tuple
+    params: Optional[dict[Optional[str], list[torch.Tensor]]] = None
 
 
 def local_grad_stats(
