@@ -5,9 +5,10 @@ A cell is an engine, a layout, a precision, the checkpoint formats the engine ad
 the Muon TP modes it admits, its tier, and each side's outcome on CPU (`RUNS`, `refuses(...)`,
 `fails(...)`): CELLS below is the one place that says which cells megatron-core runs on CPU. Where
 both run, ours must do what megatron-core does:
-- the compared optimizer's (Adam, or megatron-core's own Muon) losses and learning rates equal
-  megatron-core's bitwise; where the cell clips at Megatron-LM's default (`Cell.clip`), gradient norms
-  bitwise too, else (`CLIP_OFF`) to 1e-6;
+- the compared optimizer's (Adam, or megatron-core's own Muon) losses, learning rates and gradient
+  norms equal megatron-core's bitwise, at Megatron-LM's default --clip-grad 1.0 (`Cell.clip`); where
+  ours sums the norm in another order (`Cell.other_norm_order`) the cell does not clip (`CLIP_OFF`)
+  and its norms equal to 1e-6;
 - per format, each move continues as the same side's own continuation: megatron-core saves at 3 and
   ours continues it as megatron-core does; ours saves at 3 and megatron-core continues it as ours
   does; ours resumes ours equal to the run not interrupted, every rank's parameters and state bitwise.
@@ -41,16 +42,19 @@ MODEL = (
     "--distributed-backend gloo"
 ).split()
 MEGATRON_CORE = ["--megatron-core-optimizer"]
-# A cell with `clip` runs at Megatron-LM's default --clip-grad 1.0: ours sums the gradient norm as
-# megatron-core does (wrappers/grad_stats.py), so the clipping factor, and every step after it, is the
-# same to the bit. The others never clip (CLIP_OFF: the factor is above 1), but both sides still compute
-# and log the norm: there ours sums it in another order, and a factor from it would move every later
-# step by its last bit. Where the layer-wise optimizer has several owners, each rank's part of the sum
-# holds other parameters than megatron-core's (ours assigns owners by Newton-Schulz cost); over 4 ranks
-# on Megatron-FSDP megatron-core sums the ranks' parts in one reduction over its distributed-optimizer
-# group, ours over the data-parallel and then the tensor-parallel group. The slow tier's cells are not
-# yet run at the default.
+# A cell runs at Megatron-LM's default --clip-grad 1.0: ours sums the gradient norm as megatron-core
+# does (wrappers/grad_stats.py; the layer-wise optimizer's ranks take megatron-core's parts,
+# distributed/layer_wise_norm_order.py; Megatron-FSDP reduces once over every rank), so the clipping
+# factor, and every step after it, is the same to the bit. CLIP_OFF never clips (the factor is above
+# 1), and both sides still compute and log the norm: one make-test cell runs so, to hold the step
+# without clipping to megatron-core's too, and the cells where ours sums the norm in another order
+# (`Cell.other_norm_order`), where a factor from it would move every later step by its last bit.
 CLIP_OFF = ("--clip-grad", "1e9")
+# Why ours sums the norm in another order with experts (the cells' `other_norm_order`).
+LAYER_WISE_EXPERTS = ("the layer-wise optimizer sums the dense and the expert parts over their own groups and adds "
+                      "them; megatron-core's one vector of both, in its param groups' order, over every rank")
+MEGATRON_FSDP_EXPERTS = ("ours takes the dense gradients' norms and then the experts'; megatron-core's param "
+                         "groups interleave them")
 # megatron-core's OptimizerConfig takes these with its own Adam only (and Transformer Engine); ours
 # with every optimizer (install()'s _optimizer_config_replacement).
 BF16_MOMENTS = ["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]
@@ -145,7 +149,8 @@ class Cell:
     extra: tuple[str, ...] = ()  # flags the cell needs beyond its engine, layout and precision
     make_test: tuple[str, ...] = ()  # formats whose compared part runs in `make test`
     make_test_muon: bool = False  # our Muon's first TP mode too, in the first of them
-    clip: bool = False  # Megatron-LM's default --clip-grad 1.0, norms bitwise; else CLIP_OFF (see there)
+    clip: bool = True  # Megatron-LM's default --clip-grad 1.0; False: CLIP_OFF (see there)
+    other_norm_order: str = ""  # why ours sums the norm in another order here: CLIP_OFF, norms to 1e-6
 
     @property
     def name(self) -> str:
@@ -154,7 +159,7 @@ class Cell:
         return f"{self.engine}, {self.layout}, {self.precision}{compared}{formats}"
 
     def flags(self) -> list[str]:
-        clip = [] if self.clip else list(CLIP_OFF)
+        clip = [] if self.clip and not self.other_norm_order else list(CLIP_OFF)
         return ENGINES[self.engine] + LAYOUTS[self.layout] + PRECISIONS[self.precision] + clip + list(self.extra)
 
 
@@ -169,16 +174,16 @@ DCP_CORE_LOAD = "state_dict() got an unexpected keyword argument 'is_loading'"
 DCP_MOVES = tuple((("torch_dcp", way, DCP_CORE_LOAD) for way in ("out", "itself")))
 CELLS = [
     # ---- make test: every engine, every format, every move once; one 4-rank cell
-    Cell("DDP", "DP=2, dropout 0.1", "fp32", ("torch", "torch_dist"), make_test=("torch",), clip=True),
+    Cell("DDP", "DP=2, dropout 0.1", "fp32", ("torch", "torch_dist"), make_test=("torch",)),
+    # clip off: make test holds the step without clipping to megatron-core's too (CLIP_OFF)
     Cell("distributed optimizer", "one rank", "bf16", ("torch_dist",), world_size=1, compared="muon",
-         muon_tp_modes=(), make_test=("torch_dist",), clip=True),
+         muon_tp_modes=(), make_test=("torch_dist",), clip=False),
     Cell("distributed optimizer", "DP=2", "bf16", ("torch_dist", "torch_dist fully_reshardable"),
-         compared="muon", muon_tp_modes=(), make_test=("torch_dist",), clip=True),
+         compared="muon", muon_tp_modes=(), make_test=("torch_dist",)),
     Cell("FSDP2", "DP=2", "bf16", ("torch_dcp",), muon_flags=tuple(BF16_MOMENTS), make_test=("torch_dcp",),
-         make_test_muon=True, move_fails=DCP_MOVES, clip=True),
+         make_test_muon=True, move_fails=DCP_MOVES),
     Cell("Megatron-FSDP", "TP=2 x DP=2", "bf16", ("fsdp_dtensor",), world_size=4,
-         muon_tp_modes=ALL_TP_MODES, muon_flags=tuple(BF16_MOMENTS), make_test=("fsdp_dtensor",), make_test_muon=True,
-         clip=True),
+         muon_tp_modes=ALL_TP_MODES, muon_flags=tuple(BF16_MOMENTS), make_test=("fsdp_dtensor",), make_test_muon=True),
     # ---- make test-slow
     Cell("DDP", "DP=2", "bf16", ("torch_dist",)),
     Cell("DDP", "DP=2", "fp16", ("torch_dist",), muon_tp_modes=()),
@@ -201,7 +206,8 @@ CELLS = [
          compared="muon", muon_tp_modes=(),
          megatron_core=fails("'TensorParallelMuon' object has no attribute 'get_loss_scale'")),
     Cell("distributed optimizer", "DP=2", "bf16", ("torch_dist", "torch_dist fully_reshardable", "torch")),
-    Cell("distributed optimizer", "EP=2", "bf16", ("torch_dist",), compared="muon", muon_tp_modes=()),
+    Cell("distributed optimizer", "EP=2", "bf16", ("torch_dist",), compared="muon", muon_tp_modes=(),
+         other_norm_order=LAYER_WISE_EXPERTS),
     Cell("distributed optimizer", "TP=2", "bf16", ("torch_dist",), muon_tp_modes=ALL_TP_MODES),
     Cell("distributed optimizer", "PP=2, VP=2", "bf16", ("torch_dist",)),
     Cell("FSDP2", "DP=2", "fp32", ("torch_dcp",), move_fails=DCP_MOVES),
@@ -220,9 +226,10 @@ CELLS = [
     Cell("Megatron-FSDP", "DP=2", "fp16", ("fsdp_dtensor",), muon_tp_modes=(),
          megatron_core=fails("'NoneType' object has no attribute 'data'"),
          ours=refuses("fp16 loss scaling is not implemented for Megatron-FSDP")),
-    Cell("Megatron-FSDP", "EP=2, allgather", "bf16", ("fsdp_dtensor",), muon_flags=tuple(BF16_MOMENTS)),
+    Cell("Megatron-FSDP", "EP=2, allgather", "bf16", ("fsdp_dtensor",), muon_flags=tuple(BF16_MOMENTS),
+         other_norm_order=MEGATRON_FSDP_EXPERTS),
     Cell("Megatron-FSDP", "EP=2 x expert TP=2", "bf16", ("fsdp_dtensor",), world_size=4,
-         muon_tp_modes=ALL_TP_MODES, muon_flags=tuple(BF16_MOMENTS)),
+         muon_tp_modes=ALL_TP_MODES, muon_flags=tuple(BF16_MOMENTS), other_norm_order=MEGATRON_FSDP_EXPERTS),
 ]
 
 Part = tuple[str, str]  # ("compared" or "muon <tp mode>", a format)
@@ -463,7 +470,7 @@ def check_part(cell: Cell, part: Part, results: list[Any]) -> None:
                 results = results[2:]
         return
     saved, ours_saved, moved_in, core_resumed, moved_out, ours_resumed = results
-    assert_same_math(ours_saved, saved, our_package(cell), where, exact_norms=cell.clip)
+    assert_same_math(ours_saved, saved, our_package(cell), where, exact_norms=not cell.other_norm_order)
     loads = {"in": moved_in, "out": moved_out, "itself": core_resumed}
     for way in loads:
         if cell.move_failure(name, way) is not None:
@@ -522,7 +529,7 @@ def matrix_table(cells: Optional[list[Cell]] = None) -> str:
         muon = ", Muon" if cell.make_test_muon else ""
         tier = ("make test: " + ", ".join(f"`{name}`" for name in cell.make_test) + muon) if cell.make_test else "slow"
         extra = f" `{' '.join(cell.extra)}`" if cell.extra else ""
-        clip = "1.0" if cell.clip else "off"
+        clip = "1.0" if cell.clip and not cell.other_norm_order else "off"
         rows.append(f"| {cell.engine} | {cell.layout}{extra} | {cell.world_size} | {cell.precision} | {clip} "
                     f"| {cell.compared} "
                     f"| {formats} | {modes} | {outcome_text(cell)} | {tier} |")

@@ -1,21 +1,17 @@
 """The layer-wise optimizer's gradient norm summed in megatron-core's order, to the last bit.
 
 megatron-core's LayerWiseDistributedOptimizer, as Megatron-LM's pretrain_gpt.py builds it (its DDP
-all-reduces, so no parameter layout), deals whole parameters to the data-parallel ranks ping-pong
-(its `_shard_params_ping_pong`): every parameter of its optimizers, in their order, stably sorted
-by element count, dealt to ranks 0, 1, ..., n-1, n-1, ..., 1, 0, 0, 1, ... (experts over the expert
-data-parallel group, counted apart), each param group keeping its own in the dealt (sorted) order.
-Each rank takes the norm of the vector of its parameters' gradient norms, in that order, and the
-squares are summed over the ranks. Ours owns
-parameters by Newton-Schulz cost (ops/ownership.py), so each rank's part would hold other
-parameters and the sum would round otherwise; a clipping factor from it moves every later step.
-
-So the owners' per-parameter norms are exchanged, one float per counted parameter in one all-reduce
-over each data-parallel group (the owner's norm, 0 on every other rank: the sum is exact), and each
-rank then takes the part megatron-core's rank holds, in its order. The owners stay ours. The norm
-is megatron-core's bit for bit wherever every counted parameter has a gradient (megatron-core DDP's
-buffers always give one); one without a gradient counts as a norm of 0 (the same sum, rounded
-perhaps otherwise), which needs no host decision.
+all-reduces: no parameter layout), deals whole parameters to the data-parallel ranks ping-pong
+(`_shard_params_ping_pong`): all its optimizers' parameters in order, stably sorted by element
+count, dealt to ranks 0, 1, ..., n-1, n-1, ..., 0, 0, 1, ... (experts apart, over their group); each
+param group keeps its own in that sorted order. A rank's norm is that of the vector of its
+parameters' gradient norms, in that order; the squares are summed over the ranks. Ours owns by
+Newton-Schulz cost (ops/ownership.py): each rank's part would hold other parameters and round
+otherwise, and a clipping factor from it moves every later step. So the owners' per-parameter norms
+are exchanged (one all-reduce of a float per parameter over each data-parallel group: the owner's
+norm, 0 elsewhere, an exact sum) and each rank takes megatron-core's rank's part, in its order. The
+owners stay ours. It is megatron-core's bit for bit where every counted parameter has a gradient
+(megatron-core DDP's buffers give one); one without counts as 0, with no host decision needed.
 """
 
 from dataclasses import dataclass
