@@ -24,7 +24,7 @@ from megatron_eopt.distributed.fsdp2 import OUTPUT_LAYER_NAMES, check_fully_shar
 from megatron_eopt.distributed.layer_wise import DataParallelShards, LayerWiseDistributedOptimizer
 from megatron_eopt.distributed.layer_wise_norm_order import ChildNormParams, MegatronCoreNormOrder
 from megatron_eopt.placement.fully_sharded_layout import FullyShardedLayout, fully_sharded_layout
-from megatron_eopt.placement.megatron_fsdp_model import MEGATRON_FSDP, megatron_fsdp_wrappers
+from megatron_eopt.placement.megatron_fsdp_model import megatron_fsdp_wrappers
 from megatron_eopt.distributed.reduce_scattered import check_byte_sharded_config, reduce_scattering_chunks
 from megatron_eopt.runtime.process_groups import ParallelGroups, group_rank, group_size, resolve_parallel_groups
 from megatron_eopt.runtime.once import first_time, warn_once
@@ -45,7 +45,7 @@ from megatron_eopt.registry.kwargs import takes_matrix_batches
 from megatron_eopt.wrappers.chained import ChainedOptimizer
 from megatron_eopt.wrappers.fp32 import FP32Optimizer
 from megatron_eopt.wrappers.grad_scaler import make_grad_scaler
-from megatron_eopt.wrappers.grad_stats import NormsInParamOrder, grad_norm_group_of
+from megatron_eopt.wrappers.grad_stats import grad_norm_group_of
 from megatron_eopt.wrappers.mixed_precision import MixedPrecisionOptimizer
 from megatron_eopt.wrappers.state_precision import state_precision_for
 from megatron_eopt.wrappers.qk_clip import QKClip, build_qk_clip, qk_clip_settings
@@ -128,8 +128,6 @@ def get_megatron_optimizer(
                                                              group_rank(groups.mp))
     else:  # as megatron-core's DistributedOptimizer: a step ends with Megatron-FSDP's compute weights
         optimizer.megatron_fsdp_wrappers = megatron_fsdp_wrappers(chunks)
-        if fsdp.engine == MEGATRON_FSDP:  # megatron-core's one optimizer's order (NormsInParamOrder)
-            optimizer.arrange_stats = NormsInParamOrder([p for group in param_groups for p in group["params"]])
     _register_with_megatron_core()
     tp_modes = muon_tp_modes(optimizer)
     _warn_if_tp_settings_unused(config, records, tp_modes)

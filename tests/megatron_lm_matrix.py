@@ -53,7 +53,7 @@ CLIP_OFF = ("--clip-grad", "1e9")
 # Why ours sums the norm in another order with experts (the cells' `other_norm_order`).
 LAYER_WISE_EXPERTS = ("the layer-wise optimizer sums the dense and the expert parts over their own groups and adds "
                       "them; megatron-core's one vector of both, in its param groups' order, over every rank")
-MEGATRON_FSDP_EXPERTS = ("ours takes the dense gradients' norms and then the experts'; megatron-core's param "
+MEGATRON_FSDP_EXPERTS = ("ours takes the dense gradients' norms and then the experts'; megatron-core's sorted param "
                          "groups interleave them")
 # megatron-core's OptimizerConfig takes these with its own Adam only (and Transformer Engine); ours
 # with every optimizer (install()'s _optimizer_config_replacement).
