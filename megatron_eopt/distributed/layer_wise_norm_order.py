@@ -71,6 +71,7 @@ class MegatronCoreNormOrder:
                 entry = self.by_kind.setdefault(child.is_expert, (child.group, []))
                 entry[1].extend(child.counted_params())
         self.held_here = self._held_here()
+        self.held = [child.held(self.held_here) for child in self.children]  # each child's, in megatron-core's order
 
     def _held_here(self) -> set[int]:
         """id() of the parameters megatron-core's rank (this rank's place in each group) holds."""
@@ -91,7 +92,7 @@ class MegatronCoreNormOrder:
                 continue
             local = stats[index]
             keys = dict.fromkeys([*(local.norms or {}), *child.counted.values()])
-            held = child.held(self.held_here)
+            held = self.held[index]
             arranged[index] = LocalStats(local.stats, {key: [norms[id(p)] for p, k in held if k == key] for key in keys},
                                          local.groups)
         return arranged
