@@ -24,7 +24,7 @@ from megatron_eopt.distributed.fsdp2 import OUTPUT_LAYER_NAMES, check_fully_shar
 from megatron_eopt.distributed.layer_wise import DataParallelShards, LayerWiseDistributedOptimizer
 from megatron_eopt.distributed.layer_wise_norm_order import ChildNormParams, MegatronCoreNormOrder
 from megatron_eopt.placement.fully_sharded_layout import FullyShardedLayout, fully_sharded_layout
-from megatron_eopt.placement.megatron_fsdp_model import megatron_fsdp_wrappers
+from megatron_eopt.placement.megatron_fsdp_model import MEGATRON_FSDP, megatron_fsdp_wrappers
 from megatron_eopt.distributed.reduce_scattered import check_byte_sharded_config, reduce_scattering_chunks
 from megatron_eopt.runtime.process_groups import ParallelGroups, group_rank, group_size, resolve_parallel_groups
 from megatron_eopt.runtime.once import first_time, warn_once
@@ -39,13 +39,13 @@ from megatron_eopt.params.groups import (
     routing_fallbacks,
 )
 from megatron_eopt.params.names import EXPERT_NAME_PART, is_expert_name
-from megatron_eopt.params.overrides import check_config_overrides, get_standard_config_overrides
+from megatron_eopt.params.overrides import check_config_overrides, get_standard_config_overrides, matching_keys, merge_overrides
 from megatron_eopt.registry import BuildContext, OptimizerSpec, lookup_optimizer, optimizers_supporting
 from megatron_eopt.registry.kwargs import takes_matrix_batches
 from megatron_eopt.wrappers.chained import ChainedOptimizer
 from megatron_eopt.wrappers.fp32 import FP32Optimizer
 from megatron_eopt.wrappers.grad_scaler import make_grad_scaler
-from megatron_eopt.wrappers.grad_stats import grad_norm_group_of
+from megatron_eopt.wrappers.grad_stats import NormsInParamOrder, grad_norm_group_of
 from megatron_eopt.wrappers.mixed_precision import MixedPrecisionOptimizer
 from megatron_eopt.wrappers.state_precision import state_precision_for
 from megatron_eopt.wrappers.qk_clip import QKClip, build_qk_clip, qk_clip_settings
@@ -126,14 +126,42 @@ def get_megatron_optimizer(
     if fsdp is None:
         optimizer.core_buckets = DistributedOptimizerBuckets(chunks, group_size(groups.dp_cp), group_rank(groups.dp_cp),
                                                              group_rank(groups.mp))
-    else:  # as megatron-core's DistributedOptimizer: a step ends with Megatron-FSDP's compute weights
-        optimizer.megatron_fsdp_wrappers = megatron_fsdp_wrappers(chunks)
+    else:
+        _as_megatron_core_on_fsdp(optimizer, build, overrides)
     _register_with_megatron_core()
     tp_modes = muon_tp_modes(optimizer)
     _warn_if_tp_settings_unused(config, records, tp_modes)
     if dump_param_to_param_group_map is not None and tp_modes:  # again, with each matrix's TP mode
         dump_param_group_map(dump_param_to_param_group_map, param_groups, records, tp_modes)
     return optimizer
+
+
+def _as_megatron_core_on_fsdp(optimizer: ChainedOptimizer, build: "_Build", overrides: Mapping[Any, Any]) -> None:
+    """As megatron-core's DistributedOptimizer: a step ends with Megatron-FSDP's compute weights, and
+    on Megatron-FSDP the norm is summed in its one optimizer's order."""
+    optimizer.megatron_fsdp_wrappers = megatron_fsdp_wrappers(build.chunks)
+    if build.fsdp.engine == MEGATRON_FSDP:
+        order = _megatron_core_param_order(build.param_groups, build.records, overrides)
+        optimizer.arrange_stats = NormsInParamOrder(order)
+
+
+def _megatron_core_param_order(param_groups: list[dict], records: list[ParamRecord],
+                               overrides: Mapping[Any, Mapping[str, Any]]) -> list[torch.Tensor]:
+    """The parameters in the order of megatron-core's one optimizer over a Megatron-FSDP model (its
+    `_get_param_groups`): by merged override (none first, then sorted), each in the model's order.
+    Megatron-FSDP drops `allreduce=False`, so megatron-core puts experts in the dense groups, by layer;
+    ours keeps expert groups apart (dense before expert)."""
+    position = {id(r.param): index for index, r in enumerate(records)}
+    record_of = {id(r.param): r for r in records}
+
+    def override(param: torch.Tensor) -> tuple:
+        record = record_of[id(param)]
+        keys = matching_keys(overrides, record.param, record.name)
+        merged = tuple(sorted(merge_overrides(keys, overrides, record.name).items())) if keys else None
+        return (merged is not None, merged or ())
+
+    params = [p for group in param_groups for p in group["params"]]
+    return sorted(params, key=lambda p: (override(p), position[id(p)]))
 
 
 def _register_with_megatron_core() -> None:

@@ -50,11 +50,9 @@ MEGATRON_CORE = ["--megatron-core-optimizer"]
 # without clipping to megatron-core's too, and the cells where ours sums the norm in another order
 # (`Cell.other_norm_order`), where a factor from it would move every later step by its last bit.
 CLIP_OFF = ("--clip-grad", "1e9")
-# Why ours sums the norm in another order with experts (the cells' `other_norm_order`).
+# Why ours sums the norm in another order with experts (the cell's `other_norm_order`).
 LAYER_WISE_EXPERTS = ("the layer-wise optimizer sums the dense and the expert parts over their own groups and adds "
                       "them; megatron-core's one vector of both, in its param groups' order, over every rank")
-MEGATRON_FSDP_EXPERTS = ("ours takes the dense gradients' norms and then the experts'; megatron-core's sorted param "
-                         "groups interleave them")
 # megatron-core's OptimizerConfig takes these with its own Adam only (and Transformer Engine); ours
 # with every optimizer (install()'s _optimizer_config_replacement).
 BF16_MOMENTS = ["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]
@@ -226,10 +224,9 @@ CELLS = [
     Cell("Megatron-FSDP", "DP=2", "fp16", ("fsdp_dtensor",), muon_tp_modes=(),
          megatron_core=fails("'NoneType' object has no attribute 'data'"),
          ours=refuses("fp16 loss scaling is not implemented for Megatron-FSDP")),
-    Cell("Megatron-FSDP", "EP=2, allgather", "bf16", ("fsdp_dtensor",), muon_flags=tuple(BF16_MOMENTS),
-         other_norm_order=MEGATRON_FSDP_EXPERTS),
+    Cell("Megatron-FSDP", "EP=2, allgather", "bf16", ("fsdp_dtensor",), muon_flags=tuple(BF16_MOMENTS)),
     Cell("Megatron-FSDP", "EP=2 x expert TP=2", "bf16", ("fsdp_dtensor",), world_size=4,
-         muon_tp_modes=ALL_TP_MODES, muon_flags=tuple(BF16_MOMENTS), other_norm_order=MEGATRON_FSDP_EXPERTS),
+         muon_tp_modes=ALL_TP_MODES, muon_flags=tuple(BF16_MOMENTS)),
 ]
 
 Part = tuple[str, str]  # ("compared" or "muon <tp mode>", a format)
