@@ -161,7 +161,10 @@ def _megatron_core_param_order(param_groups: list[dict], records: list[ParamReco
         return (merged is not None, merged or ())
 
     params = [p for group in param_groups for p in group["params"]]
-    return sorted(params, key=lambda p: (override(p), position[id(p)]))
+    try:
+        return sorted(params, key=lambda p: (override(p), position[id(p)]))
+    except TypeError:  # override values of unlike types (megatron-core's own sort of them raises too)
+        return params
 
 
 def _register_with_megatron_core() -> None:
