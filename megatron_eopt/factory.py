@@ -26,7 +26,7 @@ from megatron_eopt.distributed.layer_wise_norm_order import ChildNormParams, Meg
 from megatron_eopt.placement.fully_sharded_layout import FullyShardedLayout, fully_sharded_layout
 from megatron_eopt.placement.megatron_fsdp_model import MEGATRON_FSDP, megatron_fsdp_wrappers
 from megatron_eopt.distributed.reduce_scattered import check_byte_sharded_config, reduce_scattering_chunks
-from megatron_eopt.runtime.process_groups import ParallelGroups, group_rank, group_size, resolve_parallel_groups
+from megatron_eopt.runtime.process_groups import ParallelGroups, group_rank, group_ranks, group_size, resolve_parallel_groups
 from megatron_eopt.runtime.once import first_time, warn_once
 from megatron_eopt.ops.ownership import assign_owners
 from megatron_eopt.ops.row_shards import held_rows
@@ -120,7 +120,7 @@ def get_megatron_optimizer(
         lookup_optimizer(name).check_params([g for g in param_groups if g["optimizer"] == name], config)
 
     qk_clip = _qk_clip(config, chunks, groups, records, fsdp)
-    build = _Build(config, chunks, groups, routing, param_groups, records, fsdp, qk_clip)
+    build = _Build(config, chunks, groups, routing, param_groups, records, fsdp, qk_clip, overrides)
     layer_wise = config.use_layer_wise_distributed_optimizer
     optimizer = _layer_wise(build) if layer_wise else ChainedOptimizer(_children(build), qk_clip=qk_clip)
     if fsdp is None:
@@ -224,6 +224,7 @@ class _Build:
     fsdp: Optional[FullyShardedLayout] = None  # torch FSDP2's layout, or None
     # QK-clip: the chain measures the maxima in step(); each child clips the main copies it steps.
     qk_clip: Optional[QKClip] = None
+    overrides: Mapping[Any, Any] = dataclasses.field(default_factory=dict)  # config_overrides, ours merged in
 
 
 def _qk_clip(config: OptimizerConfig, chunks: list[torch.nn.Module], groups: ParallelGroups,
@@ -403,7 +404,10 @@ def _layer_wise(build: _Build) -> LayerWiseDistributedOptimizer:
         shards.append(DataParallelShards(dp_group, by_owner, grad_divisor=divisor))
         owned_fqns |= {r.fqn for r in members if owners[r.fqn] == group_rank(dp_group)}
     children = _children(build, owned_fqns)
-    norm_order = MegatronCoreNormOrder(_norm_params(build), _device_of(records) or torch.device("cpu"))
+    norm_params = _norm_params(build)
+    whole = _group_of_every_rank(build.groups) if any(child.is_expert for child in norm_params) else None
+    chain = _megatron_core_chain(build) if whole is not None else ()
+    norm_order = MegatronCoreNormOrder(norm_params, _device_of(records) or torch.device("cpu"), whole, chain)
     # With overlap_param_gather_with_optimizer_step a bucket is launched once the child that
     # steps its parameters (on their owner) has stepped; every rank knows which child that is.
     index_of_child = {child.name: index for index, child in enumerate(children)}
@@ -436,6 +440,40 @@ def _norm_params(build: _Build) -> list[ChildNormParams]:
                    and p.numel() > 0}
         children.append(ChildNormParams(groups, counted, _data_parallel_group(build.groups, is_expert), is_expert))
     return children
+
+
+def _group_of_every_rank(groups: ParallelGroups) -> Optional[Any]:
+    """A group the caller gave that is exactly the dense (dp x mp) and the expert (expt_dp x expt_mp)
+    grid, as megatron-core's layer-wise optimizer sums its norm over every rank; else None."""
+    grids = [(groups.dp_cp, groups.mp), (groups.expt_dp, groups.expt_mp)]
+    for role in ("job", "tp_dp_cp"):
+        whole = getattr(groups, role) if role in groups.provided else None
+        if whole is not None and all(group_size(whole) == group_size(a) * group_size(b)
+                                     and set(group_ranks(a)) | set(group_ranks(b)) <= set(group_ranks(whole))
+                                     for a, b in grids):
+            return whole
+    return None
+
+
+def _megatron_core_chain(build: _Build) -> list[list[torch.Tensor]]:
+    """megatron-core's layer-wise param groups, each its parameters, in its optimizers' order: per
+    optimizer, dense and expert groups sorted by merged override (none first; `_get_param_groups`),
+    ties by the first parameter's place in the model."""
+    position = {id(r.param): index for index, r in enumerate(build.records)}
+    record_of = {id(r.param): r for r in build.records}
+    overrides = build.overrides
+
+    def key(group: dict) -> tuple:
+        first = min(group["params"], key=lambda p: position[id(p)])
+        keys = matching_keys(overrides, first, record_of[id(first)].name)
+        merged = tuple(sorted(merge_overrides(keys, overrides, record_of[id(first)].name).items())) if keys else None
+        return merged is not None, merged or (), position[id(first)]
+
+    chain = []
+    for name in build.routing.optimizers:
+        groups = [g for g in build.param_groups if g["optimizer"] == name and g["params"]]
+        chain += [list(g["params"]) for g in sorted(groups, key=key)]
+    return chain
 
 
 def _child_param_groups(build: _Build) -> list[tuple[bool, str, list[dict]]]:

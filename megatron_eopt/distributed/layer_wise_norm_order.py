@@ -61,10 +61,15 @@ class MegatronCoreNormOrder:
     child's norms become those of the parameters megatron-core's rank holds, in its order.
 
     `children` is one ChildNormParams per chained optimizer, in the chain's order; the statistics
-    it arranges start with theirs (what follows, e.g. the non-owned inf/NaN check, is kept)."""
+    it arranges start with theirs (what follows, e.g. the non-owned inf/NaN check, is kept). With
+    `whole` (a group of every rank the children's groups span) and `chain` (megatron-core's param
+    groups, each a list of parameters, in its optimizers' order), dense and expert children become
+    one vector in that order, summed once over `whole`, as megatron-core sums experts with the rest."""
 
-    def __init__(self, children: Sequence[ChildNormParams], device: torch.device) -> None:
+    def __init__(self, children: Sequence[ChildNormParams], device: torch.device,
+                 whole: Optional[ProcessGroup] = None, chain: Sequence[Sequence[torch.Tensor]] = ()) -> None:
         self.children, self.device = list(children), device
+        self.whole, self.chain = whole, [list(group) for group in chain]
         self.by_kind = {}  # is_expert -> (its group, the counted parameters of its children, in order)
         for child in self.children:
             if group_size(child.group) > 1:
@@ -72,6 +77,8 @@ class MegatronCoreNormOrder:
                 entry[1].extend(child.counted_params())
         self.held_here = self._held_here()
         self.held = [child.held(self.held_here) for child in self.children]  # each child's, in megatron-core's order
+        self.counted = {key: value for child in self.children for key, value in child.counted.items()}
+        self.in_chain = self._held_in_chain() if self.chain and self.by_kind else None
 
     def _held_here(self) -> set[int]:
         """id() of the parameters megatron-core's rank (this rank's place in each group) holds."""
@@ -83,6 +90,8 @@ class MegatronCoreNormOrder:
         return held
 
     def __call__(self, stats: list[LocalStats]) -> list[LocalStats]:
+        if self.in_chain is not None:
+            return [self._as_one(stats[:len(self.children)])] + stats[len(self.children):]
         if not self.by_kind:
             return stats  # every data-parallel group of size 1: each rank already holds megatron-core's part
         norms = self._exchanged(stats[:len(self.children)])
@@ -97,14 +106,35 @@ class MegatronCoreNormOrder:
                                          local.groups)
         return arranged
 
+    def _held_in_chain(self) -> list[torch.Tensor]:
+        """The counted parameters megatron-core's rank holds, in its chain's order: each group's by
+        element count (the deal's order; a group of one rank holds all of its kind)."""
+        alone = {id(p) for child in self.children if group_size(child.group) == 1 for p in child.params}
+        return [p for group in self.chain for p in sorted(group, key=lambda q: q.numel())
+                if id(p) in self.counted and (id(p) in self.held_here or id(p) in alone)]
+
+    def _as_one(self, stats: list[LocalStats]) -> LocalStats:
+        """The children's statistics as one, its norms `in_chain`'s, to be summed over `whole`."""
+        norms = self._exchanged(stats)
+        keys = dict.fromkeys([key for local in stats for key in (local.norms or {})] + list(self.counted.values()))
+        total = stats[0].stats.clone()
+        for local in stats[1:]:
+            total += local.stats.to(total.device)
+        return LocalStats(total, {key: [norms[id(p)] for p in self.in_chain if self.counted[id(p)] == key]
+                                  for key in keys}, (self.whole,))
+
     def _exchanged(self, stats: list[LocalStats]) -> dict[int, torch.Tensor]:
-        """id(parameter) -> its gradient's norm, for every counted parameter of a group of size > 1."""
+        """id(parameter) -> its gradient's norm, for every counted parameter of a group of size > 1
+        (and, for `_as_one`, this rank's own of a group of one)."""
         owned = {}
         for local in stats:
             for key, params in (local.params or {}).items():
                 owned.update({id(p): norm for p, norm in zip(params, local.norms[key])})
         zero = torch.zeros((), dtype=torch.float32, device=self.device)
-        norms = {}
+        norms = {key: norm.to(self.device) for key, norm in owned.items()}
+        for child in self.children:  # a group of one: a parameter without a gradient counts as 0
+            if group_size(child.group) == 1:
+                norms.update({id(p): norms.get(id(p), zero) for p in child.counted_params()})
         for group, params in self.by_kind.values():
             if not params:
                 continue
