@@ -6,9 +6,8 @@ the Muon TP modes it admits, its tier, and each side's outcome on CPU (`RUNS`, `
 `fails(...)`): CELLS below is the one place that says which cells megatron-core runs on CPU. Where
 both run, ours must do what megatron-core does:
 - the compared optimizer's (Adam, or megatron-core's own Muon) losses, learning rates and gradient
-  norms equal megatron-core's bitwise, at Megatron-LM's default --clip-grad 1.0 (`Cell.clip`); where
-  ours sums the norm in another order (`Cell.other_norm_order`) the cell does not clip (`CLIP_OFF`)
-  and its norms equal to 1e-6;
+  norms equal megatron-core's bitwise, at Megatron-LM's default --clip-grad 1.0 (`Cell.clip`, else
+  `CLIP_OFF`);
 - per format, each move continues as the same side's own continuation: megatron-core saves at 3 and
   ours continues it as megatron-core does; ours saves at 3 and megatron-core continues it as ours
   does; ours resumes ours equal to the run not interrupted, every rank's parameters and state bitwise.
@@ -44,15 +43,11 @@ MODEL = (
 MEGATRON_CORE = ["--megatron-core-optimizer"]
 # A cell runs at Megatron-LM's default --clip-grad 1.0: ours sums the gradient norm as megatron-core
 # does (wrappers/grad_stats.py; the layer-wise optimizer's ranks take megatron-core's parts,
-# distributed/layer_wise_norm_order.py; Megatron-FSDP reduces once over every rank), so the clipping
-# factor, and every step after it, is the same to the bit. CLIP_OFF never clips (the factor is above
-# 1), and both sides still compute and log the norm: one make-test cell runs so, to hold the step
-# without clipping to megatron-core's too, and the cells where ours sums the norm in another order
-# (`Cell.other_norm_order`), where a factor from it would move every later step by its last bit.
+# distributed/layer_wise_norm_order.py; Megatron-FSDP reduces once over every rank, in its one
+# optimizer's order), so the clipping factor, and every step after it, is the same to the bit.
+# CLIP_OFF never clips (the factor is above 1), and both sides still compute and log the norm: one
+# make-test cell runs so, to hold the step without clipping to megatron-core's too.
 CLIP_OFF = ("--clip-grad", "1e9")
-# Why ours sums the norm in another order with experts (the cell's `other_norm_order`).
-LAYER_WISE_EXPERTS = ("the layer-wise optimizer sums the dense and the expert parts over their own groups and adds "
-                      "them; megatron-core's one vector of both, in its param groups' order, over every rank")
 # megatron-core's OptimizerConfig takes these with its own Adam only (and Transformer Engine); ours
 # with every optimizer (install()'s _optimizer_config_replacement).
 BF16_MOMENTS = ["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]
@@ -148,7 +143,6 @@ class Cell:
     make_test: tuple[str, ...] = ()  # formats whose compared part runs in `make test`
     make_test_muon: bool = False  # our Muon's first TP mode too, in the first of them
     clip: bool = True  # Megatron-LM's default --clip-grad 1.0; False: CLIP_OFF (see there)
-    other_norm_order: str = ""  # why ours sums the norm in another order here: CLIP_OFF, norms to 1e-6
 
     @property
     def name(self) -> str:
@@ -157,7 +151,7 @@ class Cell:
         return f"{self.engine}, {self.layout}, {self.precision}{compared}{formats}"
 
     def flags(self) -> list[str]:
-        clip = [] if self.clip and not self.other_norm_order else list(CLIP_OFF)
+        clip = [] if self.clip else list(CLIP_OFF)
         return ENGINES[self.engine] + LAYOUTS[self.layout] + PRECISIONS[self.precision] + clip + list(self.extra)
 
 
@@ -376,21 +370,15 @@ def assert_learns(runs: list, where: str) -> None:
     assert None not in losses and losses[-1] < losses[0] - 0.2, (where, losses)  # not two runs that do nothing
 
 
-def assert_same_math(ours: list, theirs: list, our_package: str = "megatron_eopt", where: str = "",
-                     exact_norms: bool = False) -> None:
-    """Bitwise equal losses and learning rates; gradient norms bitwise (`exact_norms`) or to 1e-6
-    (summed in other orders)."""
-    import pytest
-
+def assert_same_math(ours: list, theirs: list, our_package: str = "megatron_eopt", where: str = "") -> None:
+    """Bitwise equal losses, learning rates and gradient norms (ours sums the norm in megatron-core's order)."""
     every = range(1, ITERATIONS + 1)
-    norms = (lambda values: values) if exact_norms else (lambda values: pytest.approx(values, rel=1e-6))
     assert [r.optimizer_package for r in ours + theirs] == [our_package] * len(ours) + ["megatron"] * len(theirs)
     for rank, (mine, reference) in enumerate(zip(ours, theirs)):
         at = f"{where}, rank {rank}"
         for key in ("lm loss", "learning rate", "grad norm"):
             expected = column(reference, key, every)
-            expected = norms(expected) if key == "grad norm" else expected
-            assert column(mine, key, every) == expected, (at, key, column(mine, key, every), column(reference, key, every))
+            assert column(mine, key, every) == expected, (at, key, column(mine, key, every), expected)
     assert_learns(ours, where)
 
 
@@ -466,7 +454,7 @@ def check_part(cell: Cell, part: Part, results: list[Any]) -> None:
                 results = results[2:]
         return
     saved, ours_saved, moved_in, core_resumed, moved_out, ours_resumed = results
-    assert_same_math(ours_saved, saved, our_package(cell), where, exact_norms=not cell.other_norm_order)
+    assert_same_math(ours_saved, saved, our_package(cell), where)
     loads = {"in": moved_in, "out": moved_out, "itself": core_resumed}
     for way in loads:
         if cell.move_failure(name, way) is not None:
@@ -525,7 +513,7 @@ def matrix_table(cells: Optional[list[Cell]] = None) -> str:
         muon = ", Muon" if cell.make_test_muon else ""
         tier = ("make test: " + ", ".join(f"`{name}`" for name in cell.make_test) + muon) if cell.make_test else "slow"
         extra = f" `{' '.join(cell.extra)}`" if cell.extra else ""
-        clip = "1.0" if cell.clip and not cell.other_norm_order else "off"
+        clip = "1.0" if cell.clip else "off"
         rows.append(f"| {cell.engine} | {cell.layout}{extra} | {cell.world_size} | {cell.precision} | {clip} "
                     f"| {cell.compared} "
                     f"| {formats} | {modes} | {outcome_text(cell)} | {tier} |")
