@@ -22,10 +22,11 @@ from megatron_eopt.megatron_core_formats.distributed_optimizer import Distribute
 from megatron_eopt.config.optimizer_config import OptimizerConfig, as_optimizer_config, warn_about_inert_fields
 from megatron_eopt.distributed.fsdp2 import OUTPUT_LAYER_NAMES, check_fully_sharded_config, fully_sharded_optimizer_class
 from megatron_eopt.distributed.layer_wise import DataParallelShards, LayerWiseDistributedOptimizer
+from megatron_eopt.distributed.layer_wise_norm_order import ChildNormParams, MegatronCoreNormOrder
 from megatron_eopt.placement.fully_sharded_layout import FullyShardedLayout, fully_sharded_layout
-from megatron_eopt.placement.megatron_fsdp_model import megatron_fsdp_wrappers
+from megatron_eopt.placement.megatron_fsdp_model import MEGATRON_FSDP, megatron_fsdp_wrappers
 from megatron_eopt.distributed.reduce_scattered import check_byte_sharded_config, reduce_scattering_chunks
-from megatron_eopt.runtime.process_groups import ParallelGroups, group_rank, group_size, resolve_parallel_groups
+from megatron_eopt.runtime.process_groups import ParallelGroups, group_rank, group_ranks, group_size, resolve_parallel_groups
 from megatron_eopt.runtime.once import first_time, warn_once
 from megatron_eopt.ops.ownership import assign_owners
 from megatron_eopt.ops.row_shards import held_rows
@@ -39,12 +40,13 @@ from megatron_eopt.params.groups import (
     splits_any_per_head,
 )
 from megatron_eopt.params.names import EXPERT_NAME_PART, is_expert_name
-from megatron_eopt.params.overrides import check_config_overrides, get_standard_config_overrides
+from megatron_eopt.params.overrides import check_config_overrides, get_standard_config_overrides, matching_keys, merge_overrides
 from megatron_eopt.registry import BuildContext, OptimizerSpec, lookup_optimizer, optimizers_supporting
 from megatron_eopt.registry.kwargs import takes_matrix_batches
 from megatron_eopt.wrappers.chained import ChainedOptimizer
 from megatron_eopt.wrappers.fp32 import FP32Optimizer
 from megatron_eopt.wrappers.grad_scaler import make_grad_scaler
+from megatron_eopt.wrappers.grad_stats import NormsInParamOrder, grad_norm_group_of
 from megatron_eopt.wrappers.mixed_precision import MixedPrecisionOptimizer
 from megatron_eopt.wrappers.state_precision import state_precision_for
 from megatron_eopt.wrappers.qk_clip import QKClip, build_qk_clip, qk_clip_settings
@@ -119,20 +121,51 @@ def get_megatron_optimizer(
         lookup_optimizer(name).check_params([g for g in param_groups if g["optimizer"] == name], config)
 
     qk_clip = _qk_clip(config, chunks, groups, records, fsdp)
-    build = _Build(config, chunks, groups, routing, param_groups, records, fsdp, qk_clip)
+    build = _Build(config, chunks, groups, routing, param_groups, records, fsdp, qk_clip, overrides)
     layer_wise = config.use_layer_wise_distributed_optimizer
     optimizer = _layer_wise(build) if layer_wise else ChainedOptimizer(_children(build), qk_clip=qk_clip)
     if fsdp is None:
         optimizer.core_buckets = DistributedOptimizerBuckets(chunks, group_size(groups.dp_cp), group_rank(groups.dp_cp),
                                                              group_rank(groups.mp))
-    else:  # as megatron-core's DistributedOptimizer: a step ends with Megatron-FSDP's compute weights
-        optimizer.megatron_fsdp_wrappers = megatron_fsdp_wrappers(chunks)
+    else:
+        _as_megatron_core_on_fsdp(optimizer, build, overrides)
     _register_with_megatron_core()
     tp_modes = muon_tp_modes(optimizer)
     _warn_if_tp_settings_unused(config, records, tp_modes)
     if dump_param_to_param_group_map is not None and tp_modes:  # again, with each matrix's TP mode
         dump_param_group_map(dump_param_to_param_group_map, param_groups, records, tp_modes)
     return optimizer
+
+
+def _as_megatron_core_on_fsdp(optimizer: ChainedOptimizer, build: "_Build", overrides: Mapping[Any, Any]) -> None:
+    """As megatron-core's DistributedOptimizer: a step ends with Megatron-FSDP's compute weights, and
+    on Megatron-FSDP the norm is summed in its one optimizer's order."""
+    optimizer.megatron_fsdp_wrappers = megatron_fsdp_wrappers(build.chunks)
+    if build.fsdp.engine == MEGATRON_FSDP:
+        order = _megatron_core_param_order(build.param_groups, build.records, overrides)
+        optimizer.arrange_stats = NormsInParamOrder(order)
+
+
+def _megatron_core_param_order(param_groups: list[dict], records: list[ParamRecord],
+                               overrides: Mapping[Any, Mapping[str, Any]]) -> list[torch.Tensor]:
+    """The parameters in the order of megatron-core's one optimizer over a Megatron-FSDP model (its
+    `_get_param_groups`): by merged override (none first, then sorted), each in the model's order.
+    Megatron-FSDP drops `allreduce=False`, so megatron-core puts experts in the dense groups, by layer;
+    ours keeps expert groups apart (dense before expert)."""
+    position = {id(r.param): index for index, r in enumerate(records)}
+    record_of = {id(r.param): r for r in records}
+
+    def override(param: torch.Tensor) -> tuple:
+        record = record_of[id(param)]
+        keys = matching_keys(overrides, record.param, record.name)
+        merged = tuple(sorted(merge_overrides(keys, overrides, record.name).items())) if keys else None
+        return (merged is not None, merged or ())
+
+    params = [p for group in param_groups for p in group["params"]]
+    try:
+        return sorted(params, key=lambda p: (override(p), position[id(p)]))
+    except TypeError:  # override values of unlike types (megatron-core's own sort of them raises too)
+        return params
 
 
 def _register_with_megatron_core() -> None:
@@ -192,6 +225,7 @@ class _Build:
     fsdp: Optional[FullyShardedLayout] = None  # torch FSDP2's layout, or None
     # QK-clip: the chain measures the maxima in step(); each child clips the main copies it steps.
     qk_clip: Optional[QKClip] = None
+    overrides: Mapping[Any, Any] = dataclasses.field(default_factory=dict)  # config_overrides, ours merged in
 
 
 def _qk_clip(config: OptimizerConfig, chunks: list[torch.nn.Module], groups: ParallelGroups,
@@ -373,6 +407,10 @@ def _layer_wise(build: _Build) -> LayerWiseDistributedOptimizer:
         shards.append(DataParallelShards(dp_group, by_owner, grad_divisor=divisor))
         owned_fqns |= {r.fqn for r in members if owners[r.fqn] == group_rank(dp_group)}
     children = _children(build, owned_fqns)
+    norm_params = _norm_params(build)
+    whole = _group_of_every_rank(build.groups) if any(child.is_expert for child in norm_params) else None
+    chain = _megatron_core_chain(build) if whole is not None else ()
+    norm_order = MegatronCoreNormOrder(norm_params, _device_of(records) or torch.device("cpu"), whole, chain)
     # With overlap_param_gather_with_optimizer_step a bucket is launched once the child that
     # steps its parameters (on their owner) has stepped; every rank knows which child that is.
     index_of_child = {child.name: index for index, child in enumerate(children)}
@@ -382,7 +420,7 @@ def _layer_wise(build: _Build) -> LayerWiseDistributedOptimizer:
         children, shards, [r.param for r in records], check_groups, reduce_grads=config.layer_wise_reduce_grads,
         overlap_param_gather=config.overlap_param_gather,
         overlap_param_gather_with_optimizer_step=config.overlap_param_gather_with_optimizer_step,
-        model_chunks=build.chunks, phase_of=phase_of, qk_clip=build.qk_clip,
+        model_chunks=build.chunks, phase_of=phase_of, qk_clip=build.qk_clip, norm_order=norm_order,
     )
 
 
@@ -390,6 +428,66 @@ def _data_parallel_group(groups: ParallelGroups, is_expert: bool) -> Any:
     if is_expert:
         return groups.require("expt_dp", "the layer-wise optimizer for expert parameters")
     return groups.require("dp_cp", "the layer-wise optimizer")
+
+
+def _norm_params(build: _Build) -> list[ChildNormParams]:
+    """Each layer-wise child's parameters on every owner, in its order, with those its norm counts
+    (as FP32Optimizer counts them: not a tied copy, TP-duplicated on TP rank 0 only, with elements)."""
+    record_of = {id(r.param): r for r in build.records}
+    children = []
+    for is_expert, _, child_groups in _child_param_groups(build):
+        tp_rank = group_rank(_gradient_groups(build.groups, is_expert)[0])
+        groups = [list(group["params"]) for group in child_groups]
+        counted = {id(p): grad_norm_group_of(p, record_of[id(p)].fqn) for group in groups for p in group
+                   if not record_of[id(p)].is_shared and (record_of[id(p)].tensor_model_parallel or tp_rank == 0)
+                   and p.numel() > 0}
+        children.append(ChildNormParams(groups, counted, _data_parallel_group(build.groups, is_expert), is_expert))
+    return children
+
+
+def _group_of_every_rank(groups: ParallelGroups) -> Optional[Any]:
+    """A group the caller gave that is exactly the dense (dp x mp) and the expert (expt_dp x expt_mp)
+    grid, as megatron-core's layer-wise optimizer sums its norm over every rank; else None."""
+    grids = [(groups.dp_cp, groups.mp), (groups.expt_dp, groups.expt_mp)]
+    for role in ("job", "tp_dp_cp"):
+        whole = getattr(groups, role) if role in groups.provided else None
+        if whole is not None and all(group_size(whole) == group_size(a) * group_size(b)
+                                     and set(group_ranks(a)) | set(group_ranks(b)) <= set(group_ranks(whole))
+                                     for a, b in grids):
+            return whole
+    return None
+
+
+def _megatron_core_chain(build: _Build) -> list[list[torch.Tensor]]:
+    """megatron-core's layer-wise param groups, each its parameters, in its optimizers' order: per
+    optimizer, dense and expert groups sorted by merged override (none first; `_get_param_groups`),
+    ties by the first parameter's place in the model."""
+    position = {id(r.param): index for index, r in enumerate(build.records)}
+    record_of = {id(r.param): r for r in build.records}
+    overrides = build.overrides
+
+    def key(group: dict) -> tuple:
+        first = min(group["params"], key=lambda p: position[id(p)])
+        keys = matching_keys(overrides, first, record_of[id(first)].name)
+        merged = tuple(sorted(merge_overrides(keys, overrides, record_of[id(first)].name).items())) if keys else None
+        return merged is not None, merged or (), position[id(first)]
+
+    chain = []
+    for name in build.routing.optimizers:
+        groups = [g for g in build.param_groups if g["optimizer"] == name and g["params"]]
+        chain += [list(g["params"]) for g in sorted(groups, key=key)]
+    return chain
+
+
+def _child_param_groups(build: _Build) -> list[tuple[bool, str, list[dict]]]:
+    """(is_expert, optimizer name, its param groups) of each child, in the chain's order."""
+    children = []
+    for is_expert in (False, True):
+        for name in build.routing.optimizers:
+            child_groups = [g for g in build.param_groups if (g["is_expert_parallel"], g["optimizer"]) == (is_expert, name)]
+            if child_groups:
+                children.append((is_expert, name, child_groups))
+    return children
 
 
 def _children(build: _Build, owned_fqns: Optional[set[str]] = None) -> list[Any]:
@@ -406,31 +504,27 @@ def _children(build: _Build, owned_fqns: Optional[set[str]] = None) -> list[Any]
     if fsdp is not None:
         wrapper = fully_sharded_optimizer_class(fsdp, mixed_precision=config.bf16)
     children = []
-    for is_expert in (False, True):
-        for name in routing.optimizers:
-            child_groups = [g for g in build.param_groups
-                            if (g["is_expert_parallel"], g["optimizer"]) == (is_expert, name)]
-            if not child_groups:
-                continue
-            tp_group, norm_group = _gradient_groups(groups, is_expert)
-            norm_groups = (norm_group,)
-            if owned_fqns is not None:
-                child_groups = [_owned_only(g, owned_fqns) for g in child_groups]
-                norm_groups = (_data_parallel_group(groups, is_expert), norm_group)
-            if fsdp is not None:
-                # Disjoint row shards: their squares sum over the mesh, then over the model-parallel
-                # group (a TP-replicated parameter counts on TP rank 0 only, as without FSDP2); the
-                # experts' over their own mesh, then over the expert model-parallel group. A mesh's
-                # tensor-parallel dimension (torchtitan's) is summed as part of the mesh.
-                norm_groups = (*fsdp.norm_groups_of(is_expert), norm_group)
-            child_records = [r for r in records if (r.is_expert_parallel, r.optimizer_name) == (is_expert, name)]
-            make_optimizer = _optimizer_maker(lookup_optimizer(name), config, build.chunks, child_records, tp_group,
-                                              fsdp, is_expert)
-            children.append(wrapper(child_groups, make_optimizer, config, records, tp_group, norm_groups,
-                                    _child_name(routing, name, is_expert), grad_scaler,
-                                    state_precision=state_precision_for(name, config), qk_clip=build.qk_clip))
-            if fsdp is not None:
-                children[-1].placed_fqns = fsdp.placed
+    for is_expert, name, child_groups in _child_param_groups(build):
+        tp_group, norm_group = _gradient_groups(groups, is_expert)
+        norm_groups = (norm_group,)
+        if owned_fqns is not None:
+            child_groups = [_owned_only(g, owned_fqns) for g in child_groups]
+            norm_groups = (_data_parallel_group(groups, is_expert), norm_group)
+        if fsdp is not None:
+            # Disjoint row shards: their squares sum over the mesh, then over the model-parallel
+            # group (a TP-replicated parameter counts on TP rank 0 only, as without FSDP2); the
+            # experts' over their own mesh, then over the expert model-parallel group; on
+            # Megatron-FSDP in one reduction over both, as megatron-core sums (norm_groups). A mesh's
+            # tensor-parallel dimension (torchtitan's) is summed as part of the mesh.
+            norm_groups = fsdp.norm_groups(is_expert, norm_group)
+        child_records = [r for r in records if (r.is_expert_parallel, r.optimizer_name) == (is_expert, name)]
+        make_optimizer = _optimizer_maker(lookup_optimizer(name), config, build.chunks, child_records, tp_group,
+                                          fsdp, is_expert)
+        children.append(wrapper(child_groups, make_optimizer, config, records, tp_group, norm_groups,
+                                _child_name(routing, name, is_expert), grad_scaler,
+                                state_precision=state_precision_for(name, config), qk_clip=build.qk_clip))
+        if fsdp is not None:
+            children[-1].placed_fqns = fsdp.placed
     return children
 
 

@@ -9,7 +9,7 @@ A step: (1) with `reduce_grads`, gradients are averaged onto each owner by `redu
 were all-reduced already; expert gradients are summed over the expert data-parallel group and
 divided by the dense data-parallel size, as megatron-core's DDP does; (2) megatron-core's step
 recipe (wrappers/base.py) over the owned parameters, the norm and the inf/NaN verdict reduced over
-data- and model-parallel groups; (3) the broadcasts, waited on in step() or, with
+data- and model-parallel groups (the norm in megatron-core's order: layer_wise_norm_order.py); (3) the broadcasts, waited on in step() or, with
 `overlap_param_gather`, by a forward pre-hook of each module (launched after each chained
 optimizer's step with `overlap_param_gather_with_optimizer_step`). Whatever reads or replaces
 parameters or state calls `finish_param_sync()` first (docs/layer-wise.md).
@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from megatron_eopt.runtime.process_groups import ProcessGroup, group_rank, group_size
 from megatron_eopt.ops.collectives import wait_bounded
-from megatron_eopt.wrappers.base import MegatronOptimizer, SteppableChild, StepResult, prepared_stats, take_step, timed
+from megatron_eopt.wrappers.base import (ArrangeStats, MegatronOptimizer, SteppableChild, StepResult, prepared_stats,
+                                         take_step, timed)
 from megatron_eopt.wrappers.chained import ChainedOptimizer
 from megatron_eopt.wrappers.fp32 import model_grad
 from megatron_eopt.wrappers.grad_stats import NONFINITE, STATS_SIZE, LocalStats, unscale_and_count_nonfinite
@@ -151,6 +152,8 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
         phase_of: id(parameter) -> index in `chained_optimizers` of the optimizer that steps
             it (on its owner); parameters not in it count as stepped by the last one.
         qk_clip: QK-clip or max-logit logging (wrappers/qk_clip.py), the one the children got, or None.
+        norm_order: rearranges the children's gradient statistics before they are summed
+            (layer_wise_norm_order.py: megatron-core's order), or None.
     """
 
     owner_is_main_replica = True  # only the owner holds a parameter's state
@@ -168,8 +171,10 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
         model_chunks: Sequence[torch.nn.Module] = (),
         phase_of: Optional[Mapping[int, int]] = None,
         qk_clip: Optional[QKClip] = None,
+        norm_order: Optional[ArrangeStats] = None,
     ) -> None:
         super().__init__(chained_optimizers, qk_clip=qk_clip)
+        self.arrange_stats = norm_order
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1; got {bucket_bytes}.")
         if overlap_param_gather_with_optimizer_step and not overlap_param_gather:
@@ -202,7 +207,7 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
         with qk_clip_step(self.qk_clip):  # owners clip their main copies; the broadcast spreads them
             self.grad_norms_by_group = {}
             result = take_step(self._stepping_children() + [self._non_owned_check], self.config,
-                               self.grad_norms_by_group)
+                               self.grad_norms_by_group, self.arrange_stats)
         if result[0]:
             self._sync_params()
         return result
@@ -211,7 +216,8 @@ class LayerWiseDistributedOptimizer(ChainedOptimizer):
     # the stepped parameters go from them to every rank last.
     def prepare_grads(self) -> bool:
         self._gradients_to_owners()
-        return prepared_stats(list(self.chained_optimizers) + [self._non_owned_check], self.config)[0]
+        return prepared_stats(list(self.chained_optimizers) + [self._non_owned_check], self.config,
+                              self.arrange_stats)[0]
 
     def step_with_ready_grads(self) -> bool:
         with qk_clip_step(self.qk_clip):

@@ -100,10 +100,6 @@ class FullyShardedLayout:
         `fully_shard` drops)."""
         return frozenset() if self.experts is None else self.experts.fqns
 
-    def norm_groups_of(self, is_expert: bool) -> tuple:
-        """The groups over which the squares of disjoint shards sum, before the model-parallel group."""
-        return (self.group_of(is_expert),) + (() if is_expert else self.other_mesh_groups)
-
     def group_of(self, is_expert: bool) -> ProcessGroup:
         """The data-parallel group the dense (or the expert) parameters' rows are split over."""
         return self.experts.group if is_expert and self.experts is not None else self.group
@@ -126,6 +122,20 @@ class FullyShardedLayout:
         # Checkpoints need the group of all TP x DP ranks; only the caller can name it.
         known = {role: getattr(given, role) for role in ("tp_dp_cp", "job") if role in given.provided}
         return ParallelGroups.from_groups(tp=given.tp, mp=given.mp, dp_cp=self.group, **known)
+
+    def norm_groups(self, is_expert: bool, model_parallel: Optional[ProcessGroup]) -> tuple[Optional[ProcessGroup], ...]:
+        """The groups a child's squared gradient norm is summed over, one after the other: its mesh's
+        (disjoint row shards), then `model_parallel` (a TP-replicated parameter counts on TP rank 0
+        only). On Megatron-FSDP megatron-core's DistributedOptimizer sums it in one reduction over all
+        its ranks, in another order than two; so does ours where the caller gave the group of all TP
+        x DP ranks (`tp_dp_cp`) and it is exactly the ranks of those two (no pipeline parallelism)."""
+        mesh = self.group_of(is_expert)
+        whole = self.parallel_groups().tp_dp_cp if self.engine == MEGATRON_FSDP else None
+        if whole is None or group_size(whole) != group_size(mesh) * group_size(model_parallel) \
+                or not set(group_ranks(mesh)) | set(group_ranks(model_parallel)) <= set(group_ranks(whole)):
+            # the placed path's other mesh dimensions (torchtitan's TP) sum as part of the mesh
+            return mesh, *(() if is_expert else self.other_mesh_groups), model_parallel
+        return (whole,)
 
     def with_layout_facts(self, records: list[ParamRecord]) -> list[ParamRecord]:
         """`records` with the tensor-parallel attributes `fully_shard` dropped, from the layer types,

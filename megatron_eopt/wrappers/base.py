@@ -38,6 +38,9 @@ from megatron_eopt.wrappers.grad_stats import (
 )
 
 StepResult = tuple[bool, Optional[float], Optional[int]]
+# The children's statistics before they are summed -> the statistics to sum (e.g. the layer-wise
+# optimizer's norms regrouped as megatron-core's ranks hold them: distributed/layer_wise_norm_order.py).
+ArrangeStats = Callable[[list[LocalStats]], list[LocalStats]]
 
 
 class MegatronOptimizer(ABC):
@@ -174,15 +177,16 @@ def timed(config: Any, name: str) -> Iterator[None]:
 
 
 def take_step(children: list[SteppableChild], config: Any,
-              norms_by_group: Optional[dict[str, float]] = None) -> StepResult:
+              norms_by_group: Optional[dict[str, float]] = None, arrange: Optional[ArrangeStats] = None) -> StepResult:
     """One optimizer step over `children`, which share one gradient norm; `norms_by_group` is
-    filled with the norm of every separate gradient-norm group that has parameters.
+    filled with the norm of every separate gradient-norm group that has parameters; `arrange`
+    rearranges the children's statistics before they are summed (ArrangeStats).
 
     The statistics stay on the device until they are read back once, in one transfer, right
     before the step is decided: the only point where the host must wait for the device (the
     skip decision is the host's, and the contract returns Python numbers).
     """
-    found_inf, stats = prepared_stats(children, config)
+    found_inf, stats = prepared_stats(children, config, arrange)
     if norms_by_group is not None:
         norms_by_group.clear()
     if found_inf:
@@ -199,14 +203,15 @@ def take_step(children: list[SteppableChild], config: Any,
     return True, grad_norm, num_zeros
 
 
-def prepared_stats(children: list[SteppableChild], config: Any) -> tuple[bool, list[float]]:
+def prepared_stats(children: list[SteppableChild], config: Any,
+                   arrange: Optional[ArrangeStats] = None) -> tuple[bool, list[float]]:
     """Phase 1 and the loss scale's update: (inf/NaN anywhere, the summed statistics)."""
     offloaded = [getattr(child, "name", "") for child in children if getattr(child, "is_offloaded", False)]
     if offloaded:
         raise ValueError(f"the optimizer's state is on the host (offload_to_cpu(), children {offloaded}); call "
                          f"restore_from_cpu() before step().")
     with timed(config, "optimizer-copy-to-main-grad"):
-        totals = _summed_stats(children, config.log_num_zeros_in_grad)
+        totals = _summed_stats(children, config.log_num_zeros_in_grad, arrange)
     stats = totals.tolist()  # the step's one device-to-host sync
     found_inf = stats[NONFINITE] > 0
     for scaler in _unique_scalers(children):
@@ -234,15 +239,19 @@ def clip_by_norms(children: list[SteppableChild], config: Any, grad_norm: float,
                     scale_grads(child.main_grads(name), clip_coeff)
 
 
-def current_stats(children: list[SteppableChild], count_zeros: bool) -> list[float]:
+def current_stats(children: list[SteppableChild], count_zeros: bool,
+                  arrange: Optional[ArrangeStats] = None) -> list[float]:
     """The statistics of the main gradients as they are now (nothing copied, unscaled or
     counted for inf/NaN), summed over the children and their norm groups."""
-    return reduced_stats([child.current_grad_stats(count_zeros) for child in children]).tolist()
+    local = [child.current_grad_stats(count_zeros) for child in children]
+    return reduced_stats(arrange(local) if arrange else local).tolist()
 
 
-def _summed_stats(children: list[SteppableChild], count_zeros: bool) -> torch.Tensor:
+def _summed_stats(children: list[SteppableChild], count_zeros: bool,
+                  arrange: Optional[ArrangeStats] = None) -> torch.Tensor:
     """[non-finite, norm^2, zeros, ...] summed over the children and their ranks (grad_stats.py)."""
-    return reduced_stats([child.grad_stats(count_zeros) for child in children])
+    local = [child.grad_stats(count_zeros) for child in children]
+    return reduced_stats(arrange(local) if arrange else local)
 
 
 def _unique_scalers(children: list[SteppableChild]) -> list[Any]:

@@ -120,7 +120,7 @@ class ChainedOptimizer(StepPhases, MegatronOptimizer, torch.optim.Optimizer):
         if not self._ours:
             return step_megatron_core_children(self.chained_optimizers, self.config, self.grad_norms_by_group)
         with qk_clip_step(self.qk_clip):
-            result = take_step(self.chained_optimizers, self.config, self.grad_norms_by_group)
+            result = take_step(self.chained_optimizers, self.config, self.grad_norms_by_group, self.arrange_stats)
         if result[0]:
             for wrapper in self.megatron_fsdp_wrappers:
                 wrapper.install_optimized_model_weights()

@@ -242,14 +242,17 @@ class FP32Optimizer(StepPhases, MegatronOptimizer, SteppableChild):
         return self._local_stats(count_zeros, inv_scale=None)
 
     def _local_stats(self, count_zeros: bool, inv_scale: Optional[torch.Tensor]) -> LocalStats:
-        facts = zip(self.main_params, self._counts_for_norm, self._grad_norm_groups)
-        counted = [(m.grad, group) for m, counts, group in facts if counts and m.grad is not None]
+        facts = zip(self.model_params, self.main_params, self._counts_for_norm, self._grad_norm_groups)
+        counted = [(m.grad, group, p) for p, m, counts, group in facts if counts and m.grad is not None]
         other_grads = [m.grad for m, counts in zip(self.main_params, self._counts_for_norm)
                        if not counts and m.grad is not None]
-        group_grads = {name: [g for g, group in counted if group == name]
+        group_grads = {name: [g for g, group, _ in counted if group == name]
                        for name in set(self._grad_norm_groups) - {None}}
-        return local_grad_stats([g for g, group in counted if group is None], other_grads, inv_scale, count_zeros,
-                                self._device, self._norm_groups, group_grads)
+        local = local_grad_stats([g for g, group, _ in counted if group is None], other_grads, inv_scale,
+                                 count_zeros, self._device, self._norm_groups, group_grads)
+        # The parameters of the norms, as local_grad_stats keeps them (gradients with elements).
+        local.params = {name: [p for g, group, p in counted if group == name and g.numel() > 0] for name in local.norms}
+        return local
 
     def main_grads(self, grad_norm_group: Optional[str] = None) -> list[torch.Tensor]:
         return [m.grad for m, group in zip(self.main_params, self._grad_norm_groups)

@@ -93,11 +93,14 @@ class LocalStats:
     `stats` holds the STATS_SIZE statistics with the sums of squares left 0; `norms` the fp32 norm of
     each gradient a norm counts, in the child's parameter order (key None: the main norm; a separate
     group's by its name), or None for a child that only checks for inf/NaN; `groups` the process
-    groups its statistics are summed over, one after the other. `reduced_stats` sums children."""
+    groups its statistics are summed over, one after the other; `params`, where the child gives
+    them, the model parameters whose gradients' norms `norms` holds, key by key, in its order.
+    `reduced_stats` sums children."""
 
     stats: torch.Tensor
     norms: Optional[dict[Optional[str], list[torch.Tensor]]]
     groups: tuple
+    params: Optional[dict[Optional[str], list[torch.Tensor]]] = None
 
 
 def local_grad_stats(
@@ -160,6 +163,29 @@ def reduced_stats(children: Sequence[LocalStats]) -> torch.Tensor:
     for more in totals[1:]:
         total = total + more.to(total.device)
     return total
+
+
+class NormsInParamOrder:
+    """Arranges children's statistics (wrappers/base.py's ArrangeStats) where one megatron-core
+    optimizer holds them all: children that share the norm's groups as one, each norm group's
+    gradient norms in `params`' order (megatron-core's Megatron-FSDP optimizer is one
+    DistributedOptimizer over every param group, experts within the dense ones: factory.py's
+    `_megatron_core_param_order`)."""
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self.position = {id(p): index for index, p in enumerate(params)}
+
+    def __call__(self, children: list[LocalStats]) -> list[LocalStats]:
+        counted = [child for child in children if child.norms is not None]
+        if len({child.groups for child in counted}) != 1 or any(child.params is None for child in counted):
+            return children
+        merged = _merged(counted)
+        keys = dict.fromkeys(key for child in counted for key in child.norms)
+        for key in keys:
+            pairs = [(self.position[id(p)], norm) for child in counted
+                     for p, norm in zip(child.params.get(key, []), child.norms.get(key, []))]
+            merged.norms[key] = [norm for _, norm in sorted(pairs, key=lambda pair: pair[0])]
+        return [merged] + [child for child in children if child.norms is None]
 
 
 def _merged(children: list[LocalStats]) -> LocalStats:

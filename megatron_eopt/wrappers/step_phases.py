@@ -17,7 +17,8 @@ from typing import Any, Optional
 import torch
 
 from megatron_eopt.runtime.process_groups import ProcessGroup, all_reduce_sum
-from megatron_eopt.wrappers.base import SteppableChild, clip_by_norms, current_stats, norms_of, prepared_stats
+from megatron_eopt.wrappers.base import (ArrangeStats, SteppableChild, clip_by_norms, current_stats, norms_of,
+                                         prepared_stats)
 from megatron_eopt.wrappers.grad_stats import ZEROS, check_grad_norm_group
 
 
@@ -26,30 +27,31 @@ class StepPhases:
 
     config: Any
     grad_norms_by_group: Any
+    arrange_stats: Optional[ArrangeStats] = None  # what step() rearranges the statistics with, if anything
 
     def _phase_children(self) -> list[SteppableChild]:
         raise NotImplementedError
 
     def prepare_grads(self) -> bool:
         """Main gradients copied and unscaled, the loss scale updated; whether any holds inf/NaN."""
-        return prepared_stats(self._phase_children(), self.config)[0]
+        return prepared_stats(self._phase_children(), self.config, self.arrange_stats)[0]
 
     def get_grad_norm(self) -> float:
         """The main gradients' norm (a separate group's parameters left out), reduced as step() does."""
-        return norms_of(current_stats(self._phase_children(), count_zeros=False))[0]
+        return norms_of(current_stats(self._phase_children(), count_zeros=False, arrange=self.arrange_stats))[0]
 
     def clip_grad_norm(self, clip_grad: float) -> float:
         """The norm; the main gradients clipped by it to `clip_grad` (0 = off), a separate group's by
         its own norm (kept in `grad_norms_by_group`)."""
         children = self._phase_children()
-        grad_norm, group_norms = norms_of(current_stats(children, count_zeros=False))
+        grad_norm, group_norms = norms_of(current_stats(children, count_zeros=False, arrange=self.arrange_stats))
         self.grad_norms_by_group = group_norms
         clip_by_norms(children, self.config, grad_norm, group_norms, clip_grad=clip_grad)
         return grad_norm
 
     def count_zeros(self) -> int:
         """Zero entries in the gradients the norm counts, over the ranks that hold disjoint parts."""
-        return int(current_stats(self._phase_children(), count_zeros=True)[ZEROS])
+        return int(current_stats(self._phase_children(), count_zeros=True, arrange=self.arrange_stats)[ZEROS])
 
     def get_grad_stats_parallel_group(self) -> Optional[ProcessGroup]:
         groups = {norm_groups(child) for child in self._phase_children()} or {(None,)}

@@ -8,7 +8,7 @@ to megatron-core's."""
 
 import torch
 
-from megatron_eopt.wrappers.grad_stats import SUM_OF_SQUARES, local_grad_stats, reduced_stats
+from megatron_eopt.wrappers.grad_stats import SUM_OF_SQUARES, NormsInParamOrder, local_grad_stats, reduced_stats
 
 CPU = torch.device("cpu")
 SHAPES = ([(64, 64), (192, 64), (256,), (7,)], [(256, 64), (64,), (64,), (192,), (33, 5)])
@@ -48,3 +48,20 @@ def test_empty_shards_are_left_out_as_megatron_core_leaves_them() -> None:
         grads = [torch.randn(8, generator=generator) for _ in range(40)]
         with_empty = grads[:3] + [torch.zeros(0, 64)] + grads[3:10] + [torch.zeros(0)] * 2 + grads[10:]
         assert our_square([with_empty]) == megatron_core_square(grads), seed
+
+
+def test_one_optimizers_order_interleaves_the_children() -> None:
+    """Where one megatron-core optimizer holds every child's parameters (Megatron-FSDP's
+    DistributedOptimizer: experts by layer among the dense parameters), NormsInParamOrder sums the
+    children's norms in its parameters' order, bitwise megatron-core's over that order (in the
+    children's order it differs for seed 0, measured)."""
+    for seed in range(5):
+        dense, expert = children_grads(seed)
+        params = [torch.zeros(g.shape) for g in dense + expert]  # stand-ins: the order is by identity
+        order = [params[0], params[4], params[5], params[1], params[2], params[6], params[7], params[3], params[8]]
+        parts = [local_grad_stats(grads, [], None, False, CPU, groups=()) for grads in (dense, expert)]
+        for part, own in zip(parts, (params[:4], params[4:])):
+            part.params = {None: own}
+        summed = reduced_stats(NormsInParamOrder(order)(parts))[SUM_OF_SQUARES].item()
+        grad_of = {id(p): g for p, g in zip(params, dense + expert)}
+        assert summed == megatron_core_square([grad_of[id(p)] for p in order]), seed
