@@ -302,7 +302,8 @@ def titan_flux_blocks():
 
 
 def hf_gated_mlps():
-    """Zamba2MLP.forward: gate_up_proj's output (plus its LoRA adapter's) chunked into gate, up;
+    """Zamba2MLP.forward: gate_up_proj's output plus its LoRA adapter's (the adapter's up projection
+    [96, 4]: its halves too) chunked into gate, up;
     Phi4MultimodalAudioMLP.forward: chunked into up, gate. Halves of 48 rows each."""
     from transformers.models.phi4_multimodal.modeling_phi4_multimodal import Phi4MultimodalAudioMLP
 
@@ -316,6 +317,7 @@ def hf_gated_mlps():
                                                                                        intermediate_size=48))
     halves = [lambda t: t[:48], lambda t: t[48:]]
     return model, {"zamba2.model.layers.1.shared_transformer.feed_forward.gate_up_proj.weight": halves,
+                   "zamba2.model.layers.1.shared_transformer.feed_forward.gate_up_proj_adapter_list.0.1.weight": halves,
                    "phi4_audio.gate_up_proj.weight": halves}
 
 

@@ -453,8 +453,11 @@ def _linear_layer_sites(chunks: list) -> dict[int, tuple[torch.nn.Module, str]]:
     for chunk in chunks:
         for module in chunk.modules() if isinstance(chunk, torch.nn.Module) else ():
             for attribute, child in module.named_children():
-                for name, param in child.named_parameters(recurse=False):
-                    if name.startswith("weight"):  # 'weight', or a grouped layer's 'weight0', 'weight1', ...
+                # a registered list of linear layers (Zamba2's adapters): every weight in it, under the list
+                listed = isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential)) \
+                    and registered_function(module, attribute) is not None
+                for name, param in child.named_parameters(recurse=listed):
+                    if name.rsplit(".", 1)[-1].startswith("weight"):  # 'weight', or a grouped layer's 'weight0', ...
                         sites.setdefault(id(param), (module, attribute))
             for name, param in module.named_parameters(recurse=False):  # a matrix held as a bare parameter
                 if param.dim() == 2 and registered_function(module, name) is not None:

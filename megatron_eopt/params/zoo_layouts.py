@@ -145,6 +145,18 @@ register_fused_layout(_DEEPSEEK_V4 + "DeepseekV4Attention", "o_a_proj", deepseek
 # up, after adding its LoRA adapter's output (the adapter is its own pair of matrices): halves.
 for _type in ("phi4_multimodal.modeling_phi4_multimodal.Phi4MultimodalAudioMLP", "zamba2.modeling_zamba2.Zamba2MLP"):
     register_fused_layout(f"transformers.models.{_type}", "gate_up_proj", gate_up_halves)
+
+
+def adapter_up_halves(weight: FusedWeight) -> FusedBlocks:
+    """Zamba2MLP.gate_up_proj_adapter_list: each entry a LoRA pair (Linear(hidden, rank), Linear(rank,
+    2 * intermediate)) whose output is added to gate_up_proj's before the chunk: the up projection's
+    gate and up halves; the down projection (rank rows) is one matrix."""
+    rows = weight.param.shape[0]
+    return gate_up_halves(weight) if rows == 2 * int(weight.owner.intermediate_size) else WHOLE
+
+
+register_fused_layout("transformers.models.zamba2.modeling_zamba2.Zamba2MLP", "gate_up_proj_adapter_list",
+                      adapter_up_halves)
 # Gated linear units under other names, each forward chunking the output in two (input, gate).
 for _type, _attribute in (
     ("modernbert.modeling_modernbert.ModernBertMLP", "Wi"),

@@ -39,12 +39,14 @@ def reference_update(gradient_block: torch.Tensor) -> torch.Tensor:
 
 
 def _drop_table_entries(model: torch.nn.Module, parts: dict) -> None:
-    """Remove the table's entries for the parts' linear layers (`<owner>.<attribute>.weight`), through
-    each owner's MRO: the weights then go to Muon whole."""
+    """Remove the table's entries for the parts' linear layers (`<owner>.<attribute>.weight`, or a
+    list of them held as `<owner>.<attribute>.<i>...`), through each owner's MRO: the weights then go
+    to Muon whole."""
     for name in parts:
-        owner_name, attribute, _ = name.rsplit(".", 2)
-        for cls in type(model.get_submodule(owner_name)).__mro__:
-            fused_layouts._TABLE.pop((fused_layouts.qualified_name(cls), attribute), None)
+        path = name.split(".")[:-1]
+        for depth in range(len(path)):  # every module above it: a list of layers is keyed by its holder
+            for cls in type(model.get_submodule(".".join(path[:depth]))).__mro__:
+                fused_layouts._TABLE.pop((fused_layouts.qualified_name(cls), path[depth]), None)
 
 
 def _one_step(case: str, config: OptimizerConfig, without_entries: bool = False):
