@@ -63,7 +63,7 @@ def qualified_name(cls: type) -> str:
 
 
 def register_fused_layout(module_type: Union[type, str], attribute: str, function: LayoutFunction) -> None:
-    """Declare that `module_type`'s linear layer `attribute` has the blocks `function` returns.
+    """Declare that `module_type`'s linear layer (or list of them) `attribute` has the blocks `function` returns.
 
     `module_type` is a class or its qualified name ('package.module.Class'); subclasses match
     too. A later registration of the same pair replaces the earlier one.
