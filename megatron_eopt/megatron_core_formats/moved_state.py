@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from megatron_eopt.checkpointable.child import param_group_identifier
-from megatron_eopt.checkpointable.optimizer_change import (Owner, optimizer_changes, say_on_rank_zero,
+from megatron_eopt.checkpointable.optimizer_change import (OPT_IN_FLAG, Owner, optimizer_changes, say_on_rank_zero,
                                                            settle_optimizer_changes)
 from megatron_eopt.megatron_core_formats.dist_checkpointing import core_chain_states
 from megatron_eopt.megatron_core_formats.layouts import (COMMON_STEP, DISTRIBUTED_MAIN_PARAM, EXTRA_SCALARS,
@@ -26,6 +26,7 @@ from megatron_eopt.megatron_core_formats.layouts import (COMMON_STEP, DISTRIBUTE
                                                          torch_state_of)
 
 _STATE_KEY = re.compile(rf"^(?:chained_\d+\.)?{re.escape(STATE_PREFIX)}\.([^.]+)\.(.+)$")
+_BUCKET_KEY = re.compile(r"^(?:chained_\d+\.)?optimizer\.distributed\.dp_group_idx_\d+\..*bucket_idx_\d+\.")
 _OWN_STATE_KEY = re.compile(rf"^(?:chained_\d+\.)?{re.escape(OWN_STATE)}\.([^.]+)\.(.+)\.chunk_[\d_]+$")
 MAIN_COPIES = {MAIN_PARAM_STATE, DISTRIBUTED_MAIN_PARAM}  # weights, not an optimizer's state: always read
 READS = "eopt_reads_around_moved_state"  # our request's tensors, apart from the checkpoint's optimizer part
@@ -38,12 +39,11 @@ def moved_parameters(optimizer_state_dict: Any, checkpoint_dir: str, allowed: bo
     aside); without `allowed` (the opt-in) a ValueError names them, with it one line does."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
-    from torch.distributed.checkpoint import FileSystemReader
 
-    try:
-        saved = _state_names(FileSystemReader(checkpoint_dir).read_metadata().state_dict_metadata)
-    except (OSError, ValueError, RuntimeError):  # no or a damaged checkpoint: dist_checkpointing's load says so
+    keys = _saved_keys(checkpoint_dir)
+    if keys is None:  # no or a damaged checkpoint: dist_checkpointing's load says so
         return set()
+    saved = _state_names(keys)
     live = _state_names(value.key for value in nested_values(optimizer_state_dict) if isinstance(value, ShardedTensor))
     # with no saved state at all (saved before its first step, or another model) dist_checkpointing names it
     moved = {name for name, names in live.items()
@@ -51,6 +51,37 @@ def moved_parameters(optimizer_state_dict: Any, checkpoint_dir: str, allowed: bo
     changes = optimizer_changes({name: Owner("saved", ", ".join(sorted(saved[name] - MAIN_COPIES))) for name in moved},
                                 {name: Owner("now", ", ".join(sorted(live[name] - MAIN_COPIES))) for name in moved})
     return settle_optimizer_changes(changes, allowed, f"loading {checkpoint_dir}")
+
+
+def _saved_keys(checkpoint_dir: str) -> Optional[list[str]]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        return list(FileSystemReader(checkpoint_dir).read_metadata().state_dict_metadata)
+    except (OSError, ValueError, RuntimeError):
+        return None
+
+
+def skip_bucket_state(optimizer_state_dict: Any, checkpoint_dir: str, allowed: bool) -> bool:
+    """Whether the checkpoint keeps its optimizer state by megatron-core DistributedOptimizer's buffer
+    buckets (its torch_dist default, dp_reshardable), which name no parameter, while this run's
+    optimizer asks per parameter: then, with `allowed`, one line says the optimizer starts fresh (as
+    with --no-load-optim; the caller skips it); without, a ValueError with the ways on."""
+    keys = _saved_keys(checkpoint_dir) or []
+    asked = [key for key in _keys_of(optimizer_state_dict) if _STATE_KEY.match(key) or _OWN_STATE_KEY.match(key)]
+    if not asked or not any(_BUCKET_KEY.match(key) for key in keys) or any(_STATE_KEY.match(key) for key in keys):
+        return False
+    what = (f"{checkpoint_dir} holds megatron-core's DistributedOptimizer state by buffer bucket (torch_dist "
+            f"without --dist-ckpt-optim-fully-reshardable), which names no parameter, so this run's optimizer "
+            f"cannot read it")
+    if not allowed:
+        raise ValueError(f"{what}: pass --no-load-optim or {OPT_IN_FLAG} (here the same: the "
+                         f"model and the iteration load, the optimizer and its lr schedule start fresh, the main "
+                         f"copies from the model's weights), or save the original run with "
+                         f"--dist-ckpt-optim-fully-reshardable.")
+    say_on_rank_zero(f"megatron_eopt: {what}; the optimizer and its lr schedule start fresh ({OPT_IN_FLAG}), as "
+                     f"with --no-load-optim.")
+    return True
 
 
 def _state_names(keys: Any) -> dict[str, set[str]]:

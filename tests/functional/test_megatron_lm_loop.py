@@ -215,7 +215,9 @@ def test_adamw_checkpoint_continues_with_muon(run_distributed, tmp_path) -> None
     iteration 4; --no-load-optim loads. On torch_dist also a Muon run continued with Lion for the
     scalars (--muon-scalar-optimizer: Lion's state starts fresh, Muon's loads) and with AdamW (the
     matrices' state and step as --no-load-optim's fresh AdamW has them, the scalars' the saved).
-    The saving runs' own state is the reference; megatron-core's DistributedOptimizer refuses the flag."""
+    The saving runs' own state is the reference; megatron-core's DistributedOptimizer refuses the flag.
+    Its own checkpoint (state by buffer bucket, no parameter named) is refused in one line, or with the
+    flag read as --no-load-optim: the model bitwise, every state fresh."""
     saved = str(tmp_path / "adamw")
     muon = MODEL + FSDP2_DCP + ["--optimizer", "muon", "--load", saved]
     dist_saved, muon_saved = str(tmp_path / "ddp"), str(tmp_path / "ddp_muon")
@@ -233,9 +235,17 @@ def test_adamw_checkpoint_continues_with_muon(run_distributed, tmp_path) -> None
             ("run", from_muon + ["--optimizer", "adam", "--no-load-optim"]),
             ("refused", muon), ("refused", dist_muon),
             ("refused", from_muon + ["--optimizer", "adam", "--use-distributed-optimizer"] + allow)]
+    # megatron-core's DistributedOptimizer's default torch_dist layout: its state by buffer bucket.
+    core_saved = str(tmp_path / "core_adam")
+    core = MODEL + ["--train-iters", "3", "--ckpt-format", "torch_dist", "--bf16", "--use-distributed-optimizer"]
+    jobs += [("run", core + ["--optimizer", "adam", "--save", core_saved, "--save-interval", "3"]),
+             ("run", core + ["--optimizer", "muon", "--load", core_saved] + allow),
+             ("refused", core + ["--optimizer", "muon", "--load", core_saved])]
     per_rank = run_distributed(run_jobs, 2, args=(jobs,), timeout=SECONDS_PER_RUN[2] * len(jobs), leaves_groups=True)
     for rank, (adamw, changed, model_only, dist_adamw, dist_changed, trained, dist_muon_run, to_lion, to_adam,
-               fresh_adam, refused, dist_refused, core_refused) in enumerate(per_rank):
+               fresh_adam, refused, dist_refused, core_refused, core_adam, core_to_muon, bucket_refused
+               ) in enumerate(per_rank):
+        _assert_bucket_state_skipped(core_adam, core_to_muon, bucket_refused, rank)
         runs = (adamw, changed, model_only, dist_adamw, dist_changed, trained, dist_muon_run, to_lion, to_adam,
                 fresh_adam)
         assert not any(isinstance(run, Unexpected) for run in runs), runs
@@ -255,6 +265,19 @@ def test_adamw_checkpoint_continues_with_muon(run_distributed, tmp_path) -> None
         assert all(0 < r["lm loss"] < 10 for r in trained.records), trained.records
         _assert_muon_continued_with_other_scalars(dist_muon_run, to_lion, to_adam, fresh_adam, rank)
         assert model_only.exit_status == 0, rank
+
+
+def _assert_bucket_state_skipped(core_adam, to_muon, refused, rank: int) -> None:
+    """A bucket-keyed checkpoint (megatron-core's DistributedOptimizer, not fully reshardable) names no
+    parameter: refused in one line; with the opt-in the model loads (bitwise) and every state is fresh."""
+    assert refused[0] == 2, (rank, refused[1][-2000:])
+    assert_one_error_line(refused[1], rank, "pretrain_gpt_megatron_lm.py", "--no-load-optim", rank)
+    assert rank or "by buffer bucket" in refused[1], refused[1]
+    assert not isinstance(to_muon, Unexpected) and to_muon.exit_status == 0, (rank, to_muon)
+    _assert_equal_tensors(to_muon.parameters, core_adam.parameters, f"rank {rank}, parameters")
+    states = [value for entry in to_muon.optimizer_state["optimizers"].values() for state in entry["state"].values()
+              if isinstance(state, dict) for value in state.values() if hasattr(value, "any")]
+    assert states and not any(value.any() for value in states), rank
 
 
 def _child_states(run) -> dict:
