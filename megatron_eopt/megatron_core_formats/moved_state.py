@@ -66,9 +66,15 @@ def skip_bucket_state(optimizer_state_dict: Any, checkpoint_dir: str, allowed: b
     """Whether the checkpoint keeps its optimizer state by megatron-core DistributedOptimizer's buffer
     buckets (its torch_dist default, dp_reshardable), which name no parameter, while this run's
     optimizer asks per parameter: then, with `allowed`, one line says the optimizer starts fresh (as
-    with --no-load-optim; the caller skips it); without, a ValueError with the ways on."""
-    keys = _saved_keys(checkpoint_dir) or []
-    asked = [key for key in _keys_of(optimizer_state_dict) if _STATE_KEY.match(key) or _OWN_STATE_KEY.match(key)]
+    with --no-load-optim; the caller skips it); without, a ValueError with the ways on. The other way
+    round (megatron-core's DistributedOptimizer asking buckets of a checkpoint with none) a ValueError."""
+    keys, requested = _saved_keys(checkpoint_dir) or [], _keys_of(optimizer_state_dict)
+    if keys and any(_BUCKET_KEY.match(key) for key in requested) and not any(_BUCKET_KEY.match(key) for key in keys):
+        raise ValueError(f"{checkpoint_dir} holds no optimizer state by buffer bucket, which megatron-core's "
+                         f"DistributedOptimizer asks for (it holds megatron_eopt's, per parameter): pass --no-load-optim "
+                         f"(the model and the iteration load, the optimizer starts fresh), or continue with the "
+                         f"optimizer that saved it.")
+    asked = [key for key in requested if _STATE_KEY.match(key) or _OWN_STATE_KEY.match(key)]
     if not asked or not any(_BUCKET_KEY.match(key) for key in keys) or any(_STATE_KEY.match(key) for key in keys):
         return False
     what = (f"{checkpoint_dir} holds megatron-core's DistributedOptimizer state by buffer bucket (torch_dist "

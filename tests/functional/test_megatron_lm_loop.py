@@ -217,7 +217,7 @@ def test_adamw_checkpoint_continues_with_muon(run_distributed, tmp_path) -> None
     matrices' state and step as --no-load-optim's fresh AdamW has them, the scalars' the saved).
     The saving runs' own state is the reference; megatron-core's DistributedOptimizer refuses the flag.
     Its own checkpoint (state by buffer bucket, no parameter named) is refused in one line, or with the
-    flag read as --no-load-optim: the model bitwise, every state fresh."""
+    flag read as --no-load-optim: the model bitwise, every state fresh; and it refuses ours in one line."""
     saved = str(tmp_path / "adamw")
     muon = MODEL + FSDP2_DCP + ["--optimizer", "muon", "--load", saved]
     dist_saved, muon_saved = str(tmp_path / "ddp"), str(tmp_path / "ddp_muon")
@@ -238,14 +238,19 @@ def test_adamw_checkpoint_continues_with_muon(run_distributed, tmp_path) -> None
     # megatron-core's DistributedOptimizer's default torch_dist layout: its state by buffer bucket.
     core_saved = str(tmp_path / "core_adam")
     core = MODEL + ["--train-iters", "3", "--ckpt-format", "torch_dist", "--bf16", "--use-distributed-optimizer"]
+    core_muon_saved = str(tmp_path / "core_muon")
     jobs += [("run", core + ["--optimizer", "adam", "--save", core_saved, "--save-interval", "3"]),
              ("run", core + ["--optimizer", "muon", "--load", core_saved] + allow),
-             ("refused", core + ["--optimizer", "muon", "--load", core_saved])]
+             ("refused", core + ["--optimizer", "muon", "--load", core_saved]),
+             ("run", core + ["--optimizer", "muon", "--save", core_muon_saved, "--save-interval", "3"]),
+             ("refused", core + ["--optimizer", "adam", "--load", core_muon_saved])]
     per_rank = run_distributed(run_jobs, 2, args=(jobs,), timeout=SECONDS_PER_RUN[2] * len(jobs), leaves_groups=True)
     for rank, (adamw, changed, model_only, dist_adamw, dist_changed, trained, dist_muon_run, to_lion, to_adam,
-               fresh_adam, refused, dist_refused, core_refused, core_adam, core_to_muon, bucket_refused
-               ) in enumerate(per_rank):
+               fresh_adam, refused, dist_refused, core_refused, core_adam, core_to_muon, bucket_refused, _,
+               no_bucket_refused) in enumerate(per_rank):
         _assert_bucket_state_skipped(core_adam, core_to_muon, bucket_refused, rank)
+        assert no_bucket_refused[0] == 2, (rank, no_bucket_refused[1][-2000:])  # megatron-core's asking buckets
+        assert_one_error_line(no_bucket_refused[1], rank, "pretrain_gpt_megatron_lm.py", "--no-load-optim", rank)
         runs = (adamw, changed, model_only, dist_adamw, dist_changed, trained, dist_muon_run, to_lion, to_adam,
                 fresh_adam)
         assert not any(isinstance(run, Unexpected) for run in runs), runs
