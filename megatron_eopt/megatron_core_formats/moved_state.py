@@ -71,9 +71,9 @@ def skip_bucket_state(optimizer_state_dict: Any, checkpoint_dir: str, allowed: b
     keys, requested = _saved_keys(checkpoint_dir) or [], _keys_of(optimizer_state_dict)
     if keys and any(_BUCKET_KEY.match(key) for key in requested) and not any(_BUCKET_KEY.match(key) for key in keys):
         raise ValueError(f"{checkpoint_dir} holds no optimizer state by buffer bucket, which megatron-core's "
-                         f"DistributedOptimizer asks for (it holds megatron_eopt's, per parameter): pass --no-load-optim "
-                         f"(the model and the iteration load, the optimizer starts fresh), or continue with the "
-                         f"optimizer that saved it.")
+                         f"DistributedOptimizer asks for (it holds it per parameter: megatron_eopt's, or a "
+                         f"non-distributed optimizer's): pass --no-load-optim (the model and the iteration load, the "
+                         f"optimizer starts fresh), or continue with the optimizer that saved it.")
     asked = [key for key in requested if _STATE_KEY.match(key) or _OWN_STATE_KEY.match(key)]
     if not asked or not any(_BUCKET_KEY.match(key) for key in keys) or any(_STATE_KEY.match(key) for key in keys):
         return False
