@@ -35,7 +35,8 @@ from megatron_eopt.checkpointing.dcp_optimizer_change import load_chain_state
 from megatron_eopt.checkpointable.optimizer_change import OPT_IN_FIELD, OPT_IN_FLAG
 from megatron_eopt.checkpointing.refusals import refuse_checkpoint_combinations, sharded_engine
 from megatron_eopt.megatron_core_formats.layouts import LAYOUT_KEY, MEGATRON_CORE_PING_PONG_LAYOUT
-from megatron_eopt.megatron_core_formats.moved_state import load_moved_fresh, moved_parameters, skip_bucket_state
+from megatron_eopt.megatron_core_formats.moved_state import (load_moved_fresh, moved_parameters, saved_keys,
+                                                             skip_bucket_state)
 from megatron_eopt.megatron_core_formats.torch_dcp import load_megatron_core_dcp_state, megatron_core_torch_prefix
 from megatron_eopt.megatron_core_formats.dist_checkpointing import (checkpoint_optimizer_layout,
                                                                     plain_state_dict_for_megatron_core)
@@ -573,12 +574,12 @@ def _checkpoint_layout_replacements() -> list[tuple[Any, str, Any]]:
         if not rank0 and len(rest) >= 3 and isinstance(rest[0], dict) and "optimizer" in rest[0]:
             sharded_state_dict, iteration, release = rest[:3]  # a parameter moved: one line, not a missing key
             name = megatron_lm_checkpointing.get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
-            allowed = bool(getattr(args, OPT_IN_FIELD, False))
-            if skip_bucket_state(sharded_state_dict["optimizer"], name, allowed):
+            allowed, keys = bool(getattr(args, OPT_IN_FIELD, False)), saved_keys(name)  # one metadata read
+            if skip_bucket_state(sharded_state_dict["optimizer"], name, allowed, keys):
                 del sharded_state_dict["optimizer"]
                 args.no_load_optim = True  # Megatron-LM's load then remakes the main copies from the model
             else:
-                moved = moved_parameters(sharded_state_dict["optimizer"], name, allowed)
+                moved = moved_parameters(sharded_state_dict["optimizer"], name, allowed, keys)
         if moved:  # --allow-optimizer-change-on-load: their state starts fresh, the rest loads
             loaded = load_moved_fresh(lambda: load_base(load_dir, args, rank0, *rest, **kwargs), rest[0], moved)
         else:

@@ -33,15 +33,16 @@ READS = "eopt_reads_around_moved_state"  # our request's tensors, apart from the
 SAVED_ONLY = ("params", "optimizer")  # group fields that say nothing of the optimizer's kind
 
 
-def moved_parameters(optimizer_state_dict: Any, checkpoint_dir: str, allowed: bool) -> set[str]:
+def moved_parameters(optimizer_state_dict: Any, checkpoint_dir: str, allowed: bool,
+                     keys: Optional[list[str]]) -> set[str]:
     """The model keys of the parameters whose optimizer state the checkpoint holds under other state
     names than `optimizer_state_dict` (our sharded_state_dict(is_loading=True)) asks for (main copies
-    aside); without `allowed` (the opt-in) a ValueError names them, with it one line does."""
+    aside), from the checkpoint's metadata `keys` (saved_keys); without `allowed` (the opt-in) a
+    ValueError names them, with it one line does."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    keys = _saved_keys(checkpoint_dir)
-    if keys is None:  # no or a damaged checkpoint: dist_checkpointing's load says so
+    if keys is None:  # no or a damaged checkpoint (saved_keys): dist_checkpointing's load says so
         return set()
     saved = _state_names(keys)
     live = _state_names(value.key for value in nested_values(optimizer_state_dict) if isinstance(value, ShardedTensor))
@@ -53,7 +54,8 @@ def moved_parameters(optimizer_state_dict: Any, checkpoint_dir: str, allowed: bo
     return settle_optimizer_changes(changes, allowed, f"loading {checkpoint_dir}")
 
 
-def _saved_keys(checkpoint_dir: str) -> Optional[list[str]]:
+def saved_keys(checkpoint_dir: str) -> Optional[list[str]]:
+    """The keys of the checkpoint's metadata (no collective); None for no or a damaged checkpoint."""
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
@@ -62,13 +64,14 @@ def _saved_keys(checkpoint_dir: str) -> Optional[list[str]]:
         return None
 
 
-def skip_bucket_state(optimizer_state_dict: Any, checkpoint_dir: str, allowed: bool) -> bool:
+def skip_bucket_state(optimizer_state_dict: Any, checkpoint_dir: str, allowed: bool,
+                      keys: Optional[list[str]]) -> bool:
     """Whether the checkpoint keeps its optimizer state by megatron-core DistributedOptimizer's buffer
     buckets (its torch_dist default, dp_reshardable), which name no parameter, while this run's
     optimizer asks per parameter: then, with `allowed`, one line says the optimizer starts fresh (as
     with --no-load-optim; the caller skips it); without, a ValueError with the ways on. The other way
     round (megatron-core's DistributedOptimizer asking buckets of a checkpoint with none) a ValueError."""
-    keys, requested = _saved_keys(checkpoint_dir) or [], _keys_of(optimizer_state_dict)
+    keys, requested = keys or [], _keys_of(optimizer_state_dict)
     if keys and any(_BUCKET_KEY.match(key) for key in requested) and not any(_BUCKET_KEY.match(key) for key in keys):
         raise ValueError(f"{checkpoint_dir} holds no optimizer state by buffer bucket, which megatron-core's "
                          f"DistributedOptimizer asks for (it holds it per parameter: megatron_eopt's, or a "
